@@ -1,0 +1,30 @@
+# Two entry points do all the set-up themselves on a fresh machine:
+#   make demo   - build a local venv, then run the demo (CPU: references + sm_90a compile; GPU: run + check + time)
+#   make test   - build a local venv, then run the test suite (GPU tier skipped without CUDA)
+# GPU host (offline DSL bundle on PYTHONPATH, see docs/gpu.md):
+#   make gpu-test PYTHON=python3   - GPU tier, writes a dated summary to benchmarks/results/
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+TORCH_PIN := torch==2.13.0
+
+.PHONY: demo test gpu-test clean
+
+$(VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "$(TORCH_PIN)"
+	$(VPY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.ready
+	$(VPY) examples/demo.py
+
+test: $(VENV)/.ready
+	$(VPY) -m pytest -q tests
+
+gpu-test:
+	$(PYTHON) scripts/gpu_tier.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

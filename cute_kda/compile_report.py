@@ -1,0 +1,122 @@
+"""Compile a CuTe DSL kernel for sm_90a (no GPU needed) and report what the compiler made of it.
+
+Used by the CPU compile tier (tests assert on the PTX and the resource use), by the demo, and by
+anyone reading a kernel's cost before spending GPU time. Resource use comes from running the CUDA
+toolkit's ``ptxas -v`` for sm_90a on the PTX the DSL produced (the DSL does not expose its own
+ptxas report); registers, spills and stack frame are what the machine code will use.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from .dsl import TARGET_ARCH, cute
+
+
+
+@dataclass
+class KernelResources:
+    """``ptxas -v`` figures for one kernel entry."""
+
+    name: str
+    registers: int
+    stack_frame: int
+    spill_stores: int
+    spill_loads: int
+    static_smem: int
+
+
+@dataclass
+class CompileReport:
+    """PTX text plus per-kernel resources of one compiled DSL function."""
+
+    ptx: str
+    kernels: list[KernelResources] = field(default_factory=list)
+
+    def count(self, mnemonic: str) -> int:
+        """Occurrences of a PTX instruction prefix, e.g. ``"ldmatrix.sync.aligned"``."""
+        return len(re.findall(r"^\s*(?:@%?\w+\s+)?" + re.escape(mnemonic), self.ptx, re.M))
+
+    def has(self, mnemonic: str) -> bool:
+        return self.count(mnemonic) > 0
+
+    @property
+    def local_memory_ops(self) -> int:
+        """``ld.local`` / ``st.local`` in the PTX (register arrays the compiler could not keep)."""
+        return self.count("ld.local") + self.count("st.local")
+
+    @property
+    def spills(self) -> int:
+        return sum(k.spill_stores + k.spill_loads for k in self.kernels)
+
+    def summary(self) -> str:
+        rows = [
+            f"{k.name[:60]:60s} regs={k.registers:3d} stack={k.stack_frame}B "
+            f"spill={k.spill_stores}/{k.spill_loads}B static_smem={k.static_smem}B"
+            for k in self.kernels
+        ]
+        return "\n".join(rows)
+
+
+def find_ptxas() -> str:
+    """Path of the CUDA toolkit's ptxas (``$PTXAS``, ``PATH``, then ``/usr/local/cuda/bin``)."""
+    for candidate in (os.environ.get("PTXAS"), shutil.which("ptxas"), "/usr/local/cuda/bin/ptxas"):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    raise FileNotFoundError(
+        "ptxas not found: install the CUDA toolkit (12.8+) or set PTXAS=/path/to/ptxas; "
+        "the compile tier needs it to report registers and spills"
+    )
+
+
+def ptxas_resources(ptx: str, arch: str = TARGET_ARCH) -> list[KernelResources]:
+    """Run ``ptxas -v`` on ``ptx`` and parse its per-entry resource lines."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run(
+            [find_ptxas(), f"-arch={arch}", "-v", "-o", os.path.join(tmp, "k.cubin"), src],
+            capture_output=True, text=True,
+        )
+    if proc.returncode != 0:
+        raise RuntimeError(f"ptxas failed:\n{proc.stderr}")
+    kernels: list[KernelResources] = []
+    name = None
+    frame = (0, 0, 0)
+    for line in proc.stderr.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            name = m.group(1)
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            frame = tuple(int(x) for x in m.groups())
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and name is not None:
+            smem = re.search(r"(\d+) bytes smem", line)
+            kernels.append(KernelResources(
+                name=name, registers=int(m.group(1)), stack_frame=frame[0],
+                spill_stores=frame[1], spill_loads=frame[2],
+                static_smem=int(smem.group(1)) if smem else 0,
+            ))
+            name, frame = None, (0, 0, 0)
+    return kernels
+
+
+def compile_with_report(jit_fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, CompileReport]:
+    """``cute.compile`` ``jit_fn(*args)`` for sm_90a, keeping the PTX; return (compiled, report).
+
+    ``args`` may be fake tensors (``cute.runtime.make_fake_compact_tensor``) and fake streams, so
+    this runs on a machine without a GPU.
+    """
+    compiled = cute.compile(jit_fn, *args, options="--keep-ptx", **kwargs)
+    ptx = compiled.__ptx__
+    return compiled, CompileReport(ptx=ptx, kernels=ptxas_resources(ptx))

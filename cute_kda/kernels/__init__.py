@@ -1,0 +1,1 @@
+"""CuTe DSL kernels, one class per module. Importing this package needs no GPU."""

@@ -1,0 +1,79 @@
+"""Shared-memory layouts of the KDA kernels, as functions of (D, CHUNK, dtype).
+
+Every function here builds CuTe layouts and therefore runs inside a ``@cute.jit`` or
+``@cute.kernel`` trace (on the host for exploration, or while compiling a kernel). Kernels take
+their layouts from here and never build one of their own.
+
+Naming: an *operand tile* is a ``[rows, cols]`` matrix that an ``mma.sync`` reads with ldmatrix,
+the contraction dimension being ``cols``. It is stored with the ``K_INTER`` atom: 8×8 core matrices
+of 128 contiguous bytes (one 16-byte row per ldmatrix lane), core matrices stacked down the rows
+first. Its *transposed view* ``[cols, rows]`` uses the ``MN_INTER`` atom tiled the other way round
+and addresses exactly the same bytes (``operand(i, j) == transposed(j, i)``): a *transpose-dual
+pair*. One physical copy then serves both ``ldmatrix`` (row access) and ``ldmatrix.trans`` /
+``stmatrix.trans`` (column access) without bank conflicts.
+"""
+
+from __future__ import annotations
+
+from ..dsl import cute, cutlass
+from cutlass.cute.nvgpu import warpgroup
+
+AtomKind = warpgroup.SmemLayoutAtomKind
+
+CHUNK = 16
+HEAD_DIM = 128
+
+
+def layout_atom(kind: AtomKind, dtype: type = cutlass.BFloat16):
+    """The GMMA shared-memory atom ``kind`` for ``dtype`` (e.g. K_INTER bf16 is ``(8,8):(8,1)``)."""
+    return warpgroup.make_smem_layout_atom(kind, dtype)
+
+
+def operand_tile(rows: int, cols: int, dtype: type = cutlass.BFloat16):
+    """``[rows, cols]`` operand tile, K_INTER atoms, core matrices tiled down the rows first."""
+    return cute.tile_to_shape(layout_atom(AtomKind.K_INTER, dtype), (rows, cols), (0, 1))
+
+
+def operand_tile_transposed(rows: int, cols: int, dtype: type = cutlass.BFloat16):
+    """``[cols, rows]`` view of ``operand_tile(rows, cols)``: MN_INTER atoms, same bytes."""
+    return cute.tile_to_shape(layout_atom(AtomKind.MN_INTER, dtype), (cols, rows), (1, 0))
+
+
+def chunk_operand(dim: int = HEAD_DIM, chunk: int = CHUNK, dtype: type = cutlass.BFloat16):
+    """``[CHUNK, D]`` tile of qd / kd / kr / v / out (rows = tokens, cols = channels)."""
+    return operand_tile(chunk, dim, dtype)
+
+
+def chunk_operand_transposed(dim: int = HEAD_DIM, chunk: int = CHUNK, dtype: type = cutlass.BFloat16):
+    """``[D, CHUNK]`` view of :func:`chunk_operand` (e.g. ``krᵀ`` as the A operand of the state update)."""
+    return operand_tile_transposed(chunk, dim, dtype)
+
+
+def state_b_view(dim: int = HEAD_DIM, dtype: type = cutlass.BFloat16):
+    """State ``[V, K]`` as the B operand of ``kd·S`` / ``qd·S`` (K contiguous inside core matrices)."""
+    return operand_tile(dim, dim, dtype)
+
+
+def state_acc_view(dim: int = HEAD_DIM, dtype: type = cutlass.BFloat16):
+    """State ``[K, V]`` in accumulator orientation for the update; same bytes as :func:`state_b_view`."""
+    return operand_tile_transposed(dim, dim, dtype)
+
+
+def square_tile(chunk: int = CHUNK, dtype: type = cutlass.BFloat16):
+    """``[CHUNK, CHUNK]`` tile of L / INV / Mqk (row i = query/key token, col j = key token)."""
+    return operand_tile(chunk, chunk, dtype)
+
+
+def square_tile_transposed(chunk: int = CHUNK, dtype: type = cutlass.BFloat16):
+    """Transposed view of :func:`square_tile` (same bytes)."""
+    return operand_tile_transposed(chunk, chunk, dtype)
+
+
+def vector(n: int):
+    """1-D contiguous layout of ``n`` elements (β per row, gT per channel)."""
+    return cute.make_layout(n)
+
+
+def state_fp32(dim: int = HEAD_DIM):
+    """fp32 state ``[V, K]`` staging buffer for fp32 state I/O (K_SW32 atoms)."""
+    return cute.tile_to_shape(layout_atom(AtomKind.K_SW32, cutlass.Float32), (dim, dim), (0, 1))

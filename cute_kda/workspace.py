@@ -1,0 +1,130 @@
+"""The K1 → K2 workspace: what K1 writes per (head, 16-token tile) and K2 reads back.
+
+One definition shared by the kernels, the mirror reference and the API layer.
+
+Tile numbering. Sequence ``s`` of length ``l_s`` has ``ceil(l_s / 16)`` tiles; tile ``t`` of it has
+the *global tile index* ``tile_base[s] + t`` where ``tile_base[s] = sum_{j<s} ceil(l_j / 16)``.
+Workspace row of (head ``h``, global tile ``g``) is ``h * tiles + g``: all tiles of one head are
+contiguous, in sequence order, so K2 streams them front to back.
+
+``tiles`` is the number of tile slots per head. For fixed-length batches it is exact,
+``B * ceil(T / 16)``. For varlen input it is the bound ``T_total // 16 + N`` (each sequence adds at
+most one partial tile), known on the host without reading ``cu_seqlens``; slots past the real tile
+count are never written.
+
+Fields (all C-contiguous, rows as above):
+
+========  =====================  =======  ============================================
+field     shape                  dtype    meaning (docs/numerics.md)
+========  =====================  =======  ============================================
+qd        [H*tiles, 16, D]       bf16     q̂ ⊙ 2^G · scale
+kd        [H*tiles, 16, D]       bf16     k̂ ⊙ 2^G
+kr        [H*tiles, 16, D]       bf16     k̂ ⊙ 2^(G_last − G)
+gt        [H*tiles, D]           fp32     2^G_last
+inv       [H*tiles, 16, 16]      bf16     (I + L)^-1
+mqk       [H*tiles, 16, 16]      bf16     tril(qd · kinvᵀ), diagonal kept
+beta      [H*tiles, 16]          fp32     β (activated), 0 on rows past the sequence end
+========  =====================  =======  ============================================
+
+Per tile-head this is 3·4096 + 512 + 2·512 + 64 = 13 888 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+CHUNK = 16
+_ALIGN = 128  # every field starts on a 128-byte boundary (TMA needs 16, we keep 128)
+_ITEMSIZE = {"bfloat16": 2, "float32": 4}
+
+
+def tiles_per_head(total_tokens: int, num_seqs: int, varlen: bool) -> int:
+    """Number of workspace tile slots per head (exact for fixed length, a bound for varlen)."""
+    if varlen:
+        return total_tokens // CHUNK + num_seqs
+    seq_len = total_tokens // num_seqs if num_seqs else 0
+    return num_seqs * ((seq_len + CHUNK - 1) // CHUNK)
+
+
+@dataclass(frozen=True)
+class WorkspaceSpec:
+    """Shapes and dtypes of the workspace for ``heads`` heads and ``tiles`` slots per head."""
+
+    heads: int
+    tiles: int
+    dim: int = 128
+
+    @property
+    def rows(self) -> int:
+        return self.heads * self.tiles
+
+    def fields(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Field name → (shape, dtype name), in storage order."""
+        r, d = self.rows, self.dim
+        return {
+            "qd": ((r, CHUNK, d), "bfloat16"),
+            "kd": ((r, CHUNK, d), "bfloat16"),
+            "kr": ((r, CHUNK, d), "bfloat16"),
+            "gt": ((r, d), "float32"),
+            "inv": ((r, CHUNK, CHUNK), "bfloat16"),
+            "mqk": ((r, CHUNK, CHUNK), "bfloat16"),
+            "beta": ((r, CHUNK), "float32"),
+        }
+
+    def layout(self) -> dict[str, tuple[int, tuple[int, ...], str]]:
+        """Field name → (byte offset, shape, dtype name) inside one flat byte buffer."""
+        out, offset = {}, 0
+        for name, (shape, dtype) in self.fields().items():
+            out[name] = (offset, shape, dtype)
+            offset += _padded_nbytes(shape, dtype)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_padded_nbytes(shape, dtype) for shape, dtype in self.fields().values())
+
+
+def _padded_nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    nbytes = _ITEMSIZE[dtype]
+    for n in shape:
+        nbytes *= n
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class Workspace(NamedTuple):
+    """Torch views of the workspace fields (see the module docstring for shapes)."""
+
+    qd: "torch.Tensor"
+    kd: "torch.Tensor"
+    kr: "torch.Tensor"
+    gt: "torch.Tensor"
+    inv: "torch.Tensor"
+    mqk: "torch.Tensor"
+    beta: "torch.Tensor"
+
+
+def workspace_views(spec: WorkspaceSpec, buffer: "torch.Tensor") -> Workspace:
+    """Carve the field views out of a flat uint8 ``buffer`` of at least ``spec.nbytes`` bytes."""
+    import torch
+
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < spec.nbytes:
+        raise ValueError(f"workspace buffer must be 1-D uint8 with >= {spec.nbytes} bytes")
+    views = {}
+    for name, (offset, shape, dtype) in spec.layout().items():
+        tdtype = getattr(torch, dtype)
+        n = 1
+        for s in shape:
+            n *= s
+        views[name] = buffer[offset: offset + n * tdtype.itemsize].view(tdtype).view(shape)
+    return Workspace(**views)
+
+
+def allocate_workspace(spec: WorkspaceSpec, device: "torch.device | str") -> Workspace:
+    """Allocate a fresh workspace (uninitialised) on ``device``."""
+    import torch
+
+    return workspace_views(spec, torch.empty(spec.nbytes, dtype=torch.uint8, device=device))
