@@ -1,0 +1,273 @@
+"""Input checks at the API boundary: one small function per concern, errors name the argument.
+
+Error types: ``TypeError`` for a wrong dtype or a non-tensor, ``ValueError`` for a wrong shape,
+device, layout or value, ``NotImplementedError`` for a size or feature the kernels do not cover
+(head dims other than 128, autograd).
+
+No check here synchronises the host with the device. ``cu_seqlens`` *values* (starts at 0, ends at
+T, never decreases) are read only when the tensor lives on the CPU, or when the debug switch
+``CUTE_KDA_DEBUG_CHECKS=1`` is set — then a device ``cu_seqlens`` is copied to the host (a sync)
+so that bad values raise instead of producing garbage. Without it a device ``cu_seqlens`` is
+trusted: its length gives N, its values are read only by the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from numbers import Real
+from typing import Iterable
+
+import torch
+
+SUPPORTED_HEAD_DIMS = (128,)
+LOWER_BOUND_MIN, LOWER_BOUND_MAX = -5.0, 0.0  # lower_bound must lie in [min, max)
+STATE_DTYPES = (torch.bfloat16, torch.float32)
+SUPPORTED_VSPLITS = (1, 2, 4, 8)
+ALIGNMENT_BYTES = 16  # TMA and the DSL tensors assume 16-byte aligned base addresses
+DEBUG_ENV = "CUTE_KDA_DEBUG_CHECKS"
+
+
+@dataclass(frozen=True)
+class ProblemShape:
+    """Sizes of one forward call: ``[batch, seq_len, heads, head_dim]`` inputs, ``num_seqs`` states."""
+
+    batch: int
+    seq_len: int
+    heads: int
+    head_dim: int
+    num_seqs: int
+    varlen: bool
+
+    @property
+    def total_tokens(self) -> int:
+        return self.batch * self.seq_len
+
+
+def debug_checks_enabled() -> bool:
+    """Whether ``CUTE_KDA_DEBUG_CHECKS`` asks for the checks that synchronise with the device."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def check_is_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor (torch or any DLPack array), got {type(value).__name__}")
+    return value
+
+
+def check_dtype(name: str, tensor: torch.Tensor, allowed: Iterable[torch.dtype]) -> None:
+    allowed = tuple(allowed)
+    if tensor.dtype not in allowed:
+        names = " or ".join(str(d).replace("torch.", "") for d in allowed)
+        raise TypeError(f"{name} must be {names}, got {str(tensor.dtype).replace('torch.', '')}")
+
+
+def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...], meaning: str) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {meaning} = {list(expected)}, got {list(tensor.shape)}")
+
+
+def check_ndim(name: str, tensor: torch.Tensor, ndim: int, meaning: str) -> None:
+    if tensor.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {meaning}, got shape {list(tensor.shape)}")
+
+
+def check_contiguous(name: str, tensor: torch.Tensor) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (row-major); call .contiguous() first")
+
+
+def check_aligned(name: str, tensor: torch.Tensor) -> None:
+    if tensor.numel() and tensor.data_ptr() % ALIGNMENT_BYTES:
+        raise ValueError(f"{name} must start on a {ALIGNMENT_BYTES}-byte boundary (a sliced view is not)")
+
+
+def check_same_device(name: str, tensor: torch.Tensor, device: torch.device, reference: str = "q") -> None:
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device} but {reference} is on {device}; all tensors must share a device")
+
+
+def check_on_cuda(name: str, tensor: torch.Tensor) -> None:
+    if tensor.device.type != "cuda":
+        raise ValueError(
+            f"{name} must be on a CUDA device (the kernels run on Hopper GPUs), got {tensor.device}; "
+            "the torch references in cute_kda.reference run on the CPU"
+        )
+
+
+def check_head_dim(name: str, dim: int) -> None:
+    if dim not in SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(
+            f"{name} = {dim} is not supported; supported head dims: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}"
+        )
+
+
+def check_real(name: str, value: object) -> float:
+    """A Python number (not a tensor: reading a device scalar would synchronise)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
+    return float(value)
+
+
+def check_scale(scale: object) -> float:
+    value = check_real("scale", scale)
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value}")
+    return value
+
+
+def check_lower_bound(lower_bound: object) -> float:
+    value = check_real("lower_bound", lower_bound)
+    if not LOWER_BOUND_MIN <= value < LOWER_BOUND_MAX:
+        raise ValueError(f"lower_bound must be in [{LOWER_BOUND_MIN}, {LOWER_BOUND_MAX}), got {value}")
+    return value
+
+
+def check_vsplit(vsplit: object) -> None:
+    if vsplit is not None and (isinstance(vsplit, bool) or vsplit not in SUPPORTED_VSPLITS):
+        raise ValueError(f"vsplit must be None or one of {SUPPORTED_VSPLITS}, got {vsplit!r}")
+
+
+def check_cu_seqlens_layout(cu_seqlens: torch.Tensor, batch: int) -> int:
+    """dtype, rank and length of ``cu_seqlens`` and B == 1; returns N (no device values read)."""
+    check_dtype("cu_seqlens", cu_seqlens, (torch.int64,))
+    check_ndim("cu_seqlens", cu_seqlens, 1, "[N+1] (cumulative sequence lengths)")
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must hold at least 2 entries (N+1 with N >= 1), got {cu_seqlens.numel()}")
+    check_contiguous("cu_seqlens", cu_seqlens)
+    if batch != 1:
+        raise ValueError(f"q must have batch size 1 when cu_seqlens is given (packed sequences), got B = {batch}")
+    return cu_seqlens.numel() - 1
+
+
+def check_cu_seqlens_values(cu_seqlens: torch.Tensor, total_tokens: int, name: str = "cu_seqlens") -> None:
+    """Starts at 0, ends at T, never decreases. Reads the values: call it on a CPU tensor only
+    (or deliberately, under the debug switch)."""
+    bounds = cu_seqlens.tolist()
+    if not bounds:
+        raise ValueError(f"{name} must not be empty")
+    if bounds[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {bounds[0]}")
+    if bounds[-1] != total_tokens:
+        raise ValueError(f"{name} must end at T = {total_tokens} (q.shape[1]), got {bounds[-1]}")
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if b < a:
+            raise ValueError(f"{name} must not decrease, but {name}[{i + 1}] = {b} < {name}[{i}] = {a}")
+
+
+def check_state(name: str, state: torch.Tensor, problem: ProblemShape, device: torch.device) -> None:
+    """A recurrent state: bf16 or fp32 ``[N, H, V, K]`` (v-first), contiguous, on q's device."""
+    check_is_tensor(name, state)
+    check_dtype(name, state, STATE_DTYPES)
+    d = problem.head_dim
+    check_shape(name, state, (problem.num_seqs, problem.heads, d, d), "[N, H, V, K]")
+    check_contiguous(name, state)
+    check_same_device(name, state, device)
+    check_aligned(name, state)
+
+
+def check_grad_free(tensors: dict[str, torch.Tensor | None]) -> None:
+    """The kernels have no backward yet: refuse inputs that would need one."""
+    if not torch.is_grad_enabled():
+        return
+    needing = [name for name, t in tensors.items() if t is not None and t.requires_grad]
+    if needing:
+        raise NotImplementedError(
+            f"cute_kda has no backward yet, but {', '.join(needing)} require grad; call it under "
+            "torch.no_grad() / torch.inference_mode() or pass detached tensors"
+        )
+
+
+def _check_activation(name: str, tensor: object, shape: tuple[int, ...], meaning: str, device: torch.device) -> None:
+    t = check_is_tensor(name, tensor)
+    check_dtype(name, t, (torch.bfloat16,))
+    check_shape(name, t, shape, meaning)
+    check_contiguous(name, t)
+    check_same_device(name, t, device)
+    check_aligned(name, t)
+
+
+def _check_parameter(name: str, tensor: object, shape: tuple[int, ...], meaning: str, device: torch.device) -> None:
+    t = check_is_tensor(name, tensor)
+    check_dtype(name, t, (torch.float32,))
+    check_shape(name, t, shape, meaning)
+    check_contiguous(name, t)
+    check_same_device(name, t, device)
+
+
+def validate_forward(
+    q: object,
+    k: object,
+    v: object,
+    g: object,
+    beta: object,
+    *,
+    A_log: object,
+    dt_bias: object,
+    lower_bound: object,
+    scale: object,
+    initial_state: object = None,
+    final_state: object = None,
+    out: object = None,
+    cu_seqlens: object = None,
+    vsplit: object = None,
+) -> ProblemShape:
+    """Check every argument of :func:`cute_kda.kda_forward` (see its docstring for the contract).
+
+    Structure first (types, dtypes, shapes, layouts, devices agreeing with q), so these checks run
+    on CPU tensors too; whether the device is a GPU is :func:`check_on_cuda`'s separate concern.
+    """
+    q = check_is_tensor("q", q)
+    check_ndim("q", q, 4, "[B, T, H, K]")
+    batch, seq_len, heads, key_dim = q.shape
+    check_head_dim("K (q.shape[-1])", key_dim)
+    if seq_len == 0:
+        raise ValueError("q must hold at least one token (T = q.shape[1] is 0)")
+    device = q.device
+    _check_activation("q", q, (batch, seq_len, heads, key_dim), "[B, T, H, K]", device)
+    _check_activation("k", k, (batch, seq_len, heads, key_dim), "[B, T, H, K]", device)
+    v = check_is_tensor("v", v)
+    check_ndim("v", v, 4, "[B, T, H, V]")
+    check_head_dim("V (v.shape[-1])", v.shape[-1])
+    _check_activation("v", v, (batch, seq_len, heads, key_dim), "[B, T, H, V]", device)
+    _check_activation("g", g, (batch, seq_len, heads, key_dim), "[B, T, H, K]", device)
+    _check_activation("beta", beta, (batch, seq_len, heads), "[B, T, H]", device)
+    _check_parameter("A_log", A_log, (heads,), "[H]", device)
+    _check_parameter("dt_bias", dt_bias, (heads, key_dim), "[H, K]", device)
+    check_lower_bound(lower_bound)
+    if scale is not None:
+        check_scale(scale)
+    check_vsplit(vsplit)
+
+    num_seqs, varlen = batch, cu_seqlens is not None
+    if varlen:
+        cu_seqlens = check_is_tensor("cu_seqlens", cu_seqlens)
+        num_seqs = check_cu_seqlens_layout(cu_seqlens, batch)
+        if cu_seqlens.device.type == "cpu":
+            check_cu_seqlens_values(cu_seqlens, seq_len)
+        else:
+            check_same_device("cu_seqlens", cu_seqlens, device)
+    problem = ProblemShape(batch, seq_len, heads, key_dim, num_seqs, varlen)
+
+    if initial_state is not None:
+        check_state("initial_state", initial_state, problem, device)
+    if final_state is not None:
+        check_state("final_state", final_state, problem, device)
+    if out is not None:
+        _check_activation("out", out, (batch, seq_len, heads, key_dim), "[B, T, H, V]", device)
+    return problem
+
+
+def device_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device, total_tokens: int) -> torch.Tensor:
+    """``cu_seqlens`` on ``device`` for the kernels.
+
+    A CPU tensor (values already checked) is copied over from pinned memory, asynchronously on the
+    current stream (a pageable copy would wait for the stream); a device tensor is used as is, and
+    its values are checked only under ``CUTE_KDA_DEBUG_CHECKS=1`` (that check synchronises).
+    """
+    if cu_seqlens.device.type == "cpu":
+        return cu_seqlens.pin_memory().to(device, non_blocking=True)
+    if debug_checks_enabled():
+        check_cu_seqlens_values(cu_seqlens.cpu(), total_tokens)
+    return cu_seqlens

@@ -1,0 +1,221 @@
+"""Every input error of the public forward, raised at the API boundary (CPU tier).
+
+The calls go through the public ``cute_kda.kda_forward`` with CPU tensors: the structural checks
+run first, so each test reaches exactly the error it provokes; a fully valid CPU call stops at
+the device check (the kernels need a GPU and the public API never falls back to a reference).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import cute_kda
+from cute_kda import validation
+
+B, T, H, D = 1, 20, 2, 128
+
+
+def make_inputs(batch: int = B, seq_len: int = T, heads: int = H, dim: int = D, value_dim: int | None = None) -> dict:
+    value_dim = dim if value_dim is None else value_dim
+    bf16 = torch.bfloat16
+    return dict(
+        q=torch.randn(batch, seq_len, heads, dim, dtype=bf16),
+        k=torch.randn(batch, seq_len, heads, dim, dtype=bf16),
+        v=torch.randn(batch, seq_len, heads, value_dim, dtype=bf16),
+        g=torch.randn(batch, seq_len, heads, dim, dtype=bf16),
+        beta=torch.randn(batch, seq_len, heads, dtype=bf16),
+        A_log=torch.randn(heads, dtype=torch.float32),
+        dt_bias=torch.randn(heads, dim, dtype=torch.float32),
+    )
+
+
+def call(**changes):
+    inputs = make_inputs()
+    inputs.update(changes)
+    q, k, v, g, beta = (inputs.pop(name) for name in ("q", "k", "v", "g", "beta"))
+    return cute_kda.kda_forward(q, k, v, g, beta, **inputs)
+
+
+def expect(error: type[Exception], *words: str, **changes) -> None:
+    with pytest.raises(error) as info:
+        call(**changes)
+    message = str(info.value)
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
+
+
+def test_valid_cpu_call_is_refused_for_the_device():
+    expect(ValueError, "q must be on a CUDA device")
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta"])
+def test_activation_dtype(name):
+    x = make_inputs()[name]
+    expect(TypeError, name, "bfloat16", "float16", **{name: x.to(torch.float16)})
+
+
+@pytest.mark.parametrize("name", ["A_log", "dt_bias"])
+def test_parameter_dtype(name):
+    x = make_inputs()[name]
+    expect(TypeError, name, "float32", "bfloat16", **{name: x.to(torch.bfloat16)})
+
+
+@pytest.mark.parametrize("name", ["q", "v", "A_log", "initial_state", "cu_seqlens"])
+def test_not_a_tensor(name):
+    expect(TypeError, name, "tensor", **{name: [1.0, 2.0]})
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("k", (B, T + 1, H, D)),
+        ("v", (B, T, H + 1, D)),
+        ("g", (B, T, H, D, 1)),
+        ("beta", (B, T, H, 1)),
+        ("A_log", (H + 1,)),
+        ("dt_bias", (H * D,)),
+    ],
+)
+def test_shape(name, shape):
+    dtype = make_inputs()[name].dtype
+    expect(ValueError, name, str(list(shape)), **{name: torch.zeros(shape, dtype=dtype)})
+
+
+def test_q_rank():
+    expect(ValueError, "q", "4-D", q=torch.zeros(T, H, D, dtype=torch.bfloat16))
+
+
+def test_empty_sequence():
+    inputs = make_inputs(seq_len=0)
+    expect(ValueError, "T = q.shape[1] is 0", **inputs)
+
+
+@pytest.mark.parametrize("key_dim, value_dim, word", [(64, 64, "K (q.shape[-1]) = 64"), (128, 64, "V (v.shape[-1]) = 64")])
+def test_head_dim_not_supported(key_dim, value_dim, word):
+    with pytest.raises(NotImplementedError) as info:
+        call(**make_inputs(dim=key_dim, value_dim=value_dim))
+    assert word in str(info.value) and "supported head dims: 128" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "g"])
+def test_not_contiguous(name):
+    x = make_inputs()[name]
+    strided = x.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, head-major storage
+    expect(ValueError, name, "contiguous", **{name: strided})
+
+
+def test_misaligned():
+    storage = torch.zeros(B * T * H * D + 1, dtype=torch.bfloat16)
+    expect(ValueError, "q", "16-byte", q=storage[1:].view(B, T, H, D))
+
+
+def test_device_mismatch():
+    expect(ValueError, "k is on meta", k=torch.empty(B, T, H, D, dtype=torch.bfloat16, device="meta"))
+
+
+@pytest.mark.parametrize("value", [-5.5, 0.0, 0.5, math.nan, -math.inf])
+def test_lower_bound_range(value):
+    expect(ValueError, "lower_bound", "[-5.0, 0.0)", lower_bound=value)
+
+
+def test_lower_bound_edges_accepted():
+    for value in (-5.0, -1e-6):
+        expect(ValueError, "CUDA device", lower_bound=value)
+
+
+@pytest.mark.parametrize("value", [torch.tensor(-1.0), True, "-1"])
+def test_lower_bound_type(value):
+    expect(TypeError, "lower_bound", "Python float", lower_bound=value)
+
+
+@pytest.mark.parametrize("value, error", [(math.nan, ValueError), (math.inf, ValueError), (torch.tensor(0.1), TypeError)])
+def test_scale(value, error):
+    expect(error, "scale", scale=value)
+
+
+@pytest.mark.parametrize("value", [0, 3, 16, True])
+def test_vsplit(value):
+    expect(ValueError, "vsplit", vsplit=value)
+
+
+def packed(lengths: list[int]) -> dict:
+    inputs = make_inputs(seq_len=sum(lengths))
+    inputs["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    return inputs
+
+
+def test_cu_seqlens_valid_on_cpu_reaches_device_check():
+    expect(ValueError, "CUDA device", **packed([5, 0, 17]))
+
+
+def test_cu_seqlens_dtype():
+    inputs = packed([5, 15])
+    inputs["cu_seqlens"] = inputs["cu_seqlens"].to(torch.int32)
+    expect(TypeError, "cu_seqlens", "int64", **inputs)
+
+
+@pytest.mark.parametrize(
+    "bounds, words",
+    [
+        ([[0, 5], [5, 20]], ("cu_seqlens", "1-D")),
+        ([0], ("cu_seqlens", "at least 2")),
+        ([1, 5, 20], ("cu_seqlens must start at 0", "got 1")),
+        ([0, 5, 19], ("cu_seqlens must end at T = 20", "got 19")),
+        ([0, 12, 5, 20], ("cu_seqlens must not decrease", "cu_seqlens[2] = 5")),
+    ],
+)
+def test_cu_seqlens_values(bounds, words):
+    inputs = make_inputs()
+    inputs["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int64)
+    expect(ValueError, *words, **inputs)
+
+
+def test_cu_seqlens_needs_batch_one():
+    inputs = make_inputs(batch=2, seq_len=10)
+    inputs["cu_seqlens"] = torch.tensor([0, 4, 10], dtype=torch.int64)
+    expect(ValueError, "batch size 1", "B = 2", **inputs)
+
+
+@pytest.mark.parametrize("name", ["initial_state", "final_state"])
+def test_state_dtype(name):
+    expect(TypeError, name, "bfloat16 or float32", **{name: torch.zeros(B, H, D, D, dtype=torch.float16)})
+
+
+@pytest.mark.parametrize("name", ["initial_state", "final_state"])
+def test_state_shape(name):
+    expect(ValueError, name, "[N, H, V, K]", str([B, H, D, D]), **{name: torch.zeros(B + 1, H, D, D)})
+
+
+def test_state_shape_follows_cu_seqlens():
+    inputs = packed([5, 15])
+    inputs["initial_state"] = torch.zeros(1, H, D, D)
+    expect(ValueError, "initial_state", str([2, H, D, D]), **inputs)
+
+
+def test_state_not_contiguous():
+    expect(ValueError, "initial_state", "contiguous", initial_state=torch.zeros(B, H, D, D).transpose(-1, -2))
+
+
+def test_out_buffer():
+    expect(TypeError, "out", "bfloat16", out=torch.zeros(B, T, H, D))
+    expect(ValueError, "out", "[B, T, H, V]", out=torch.zeros(B, T, H + 1, D, dtype=torch.bfloat16))
+
+
+def test_requires_grad_under_grad_mode():
+    q = make_inputs()["q"].requires_grad_()
+    A_log = make_inputs()["A_log"].requires_grad_()
+    expect(NotImplementedError, "no backward", "q, A_log", q=q, A_log=A_log)
+
+
+def test_requires_grad_under_no_grad_is_fine():
+    q = make_inputs()["q"].requires_grad_()
+    with torch.no_grad():
+        expect(ValueError, "CUDA device", q=q)
+
+
+def test_cu_seqlens_values_checker_names_its_argument():
+    with pytest.raises(ValueError, match="cu_seqlens_cpu must end at T = 9"):
+        validation.check_cu_seqlens_values(torch.tensor([0, 4, 8]), 9, name="cu_seqlens_cpu")
