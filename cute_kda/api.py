@@ -1,0 +1,447 @@
+"""Public entry points: :func:`kda_forward`, :func:`chunk_kda` (FLA drop-in) and :func:`warmup`.
+
+Path of a call: DLPack → torch views (:mod:`.interop`) → checks (:mod:`.validation`) → variant
+(:mod:`.config`) → K1 ``prepare`` and K2 ``recurrence`` on the caller's current stream, sharing a
+cached workspace → results back in the caller's framework. Nothing on this path synchronises the
+host with the device (see :mod:`.validation` for the one opt-in exception).
+
+:func:`chunk_kda` is a thin layer over :func:`kda_forward`: :func:`translate_fla_call` maps
+flash-linear-attention's keyword arguments onto our canonical call (a pure function of its
+arguments, tested on the CPU against the gold reference), or raises ``NotImplementedError``
+naming the flag the kernels do not cover.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import interop, validation
+from .config import STATE_MODES, enumerate_configs, select_forward_config, sm_count
+from .workspace import Workspace, WorkspaceSpec, tiles_per_head, workspace_views
+
+_WORKSPACE_GRANULE = 2 << 20  # grow the cached buffer in 2 MiB steps
+
+
+class WorkspaceCache:
+    """One flat uint8 K1→K2 workspace buffer per (device, stream), grown on demand, never shrunk.
+
+    Keyed by stream because the buffer is reused without any event: two calls on one stream are
+    ordered by the stream, so the second call's K1 cannot overwrite what the first call's K2 still
+    reads; calls on different streams get different buffers. A buffer that grows is freed to
+    torch's caching allocator, which hands it only to later work on the same stream. Not safe
+    under CUDA-graph capture (a captured call would keep using a buffer that a later eager call on
+    the capture stream may replace); :meth:`clear` drops every buffer.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def get(self, spec: WorkspaceSpec, device: torch.device) -> Workspace:
+        """Views of a workspace for ``spec`` on ``device``, for work on the current stream."""
+        stream = torch.cuda.current_stream(device)
+        key = (device.index, stream.cuda_stream)
+        with self._lock:
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.numel() < spec.nbytes:
+                nbytes = -(-spec.nbytes // _WORKSPACE_GRANULE) * _WORKSPACE_GRANULE
+                buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                self._buffers[key] = buffer
+        return workspace_views(spec, buffer)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._buffers.clear()
+
+
+WORKSPACES = WorkspaceCache()
+
+
+def kda_forward(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    *,
+    scale: float | None = None,
+    A_log: Any,
+    dt_bias: Any,
+    lower_bound: float = -5.0,
+    initial_state: Any = None,
+    output_final_state: bool = False,
+    cu_seqlens: Any = None,
+    out: Any = None,
+    final_state: Any = None,
+    vsplit: int | None = None,
+    qk_l2norm: bool = True,
+    beta_logits: bool = True,
+) -> tuple[Any, Any]:
+    """KDA forward (docs/design.md §1) with the in-kernel gate, on a Hopper GPU.
+
+    Inputs (any DLPack tensors on one CUDA device, contiguous, 16-byte aligned):
+      q, k   bf16 ``[B, T, H, K]``; l2-normalised per token inside when ``qk_l2norm``.
+      v      bf16 ``[B, T, H, V]``.
+      g      bf16 ``[B, T, H, K]``: raw gate; decay ``lower_bound · sigmoid(exp(A_log[h]) · (g + dt_bias[h]))``.
+      beta   bf16 ``[B, T, H]``: logits (``beta_logits=True``, sigmoid inside) or β itself.
+      A_log  fp32 ``[H]``;  dt_bias fp32 ``[H, K]``;  lower_bound in [-5, 0).
+      scale  Python float, default ``K ** -0.5``.
+      cu_seqlens  int64 ``[N+1]``, optional: N packed sequences (then B == 1). On the GPU it is
+             trusted (its length gives N; set ``CUTE_KDA_DEBUG_CHECKS=1`` to check its values, a
+             sync); on the CPU its values are checked and it is copied over asynchronously.
+      initial_state  bf16 or fp32 ``[N, H, V, K]`` (v-first: ``state[n, h, v, k]``), N = B without
+             cu_seqlens; None means zero.
+    Outputs:
+      out    bf16 ``[B, T, H, V]``; written into ``out`` when given.
+      final_state  ``[N, H, V, K]``, written into ``final_state`` when given (then returned even
+             without ``output_final_state``), else allocated when ``output_final_state`` with the
+             dtype of ``initial_state`` (fp32 without one); None otherwise.
+    K = V = 128. ``vsplit`` (1, 2, 4, 8 or None = heuristic): K2 CTAs per (sequence, head).
+
+    Runs on the caller's current stream (torch's, or CuPy's for CuPy arrays) without host
+    synchronisation; returns arrays of ``q``'s framework (torch, CuPy, JAX; torch otherwise).
+    No autograd: inputs that require grad under grad mode raise ``NotImplementedError``.
+    """
+    framework = interop.framework_of(q)
+    with interop.caller_stream(framework, q):
+        o, state = _forward(
+            *(interop.as_torch(x) for x in (q, k, v, g, beta)),
+            scale=scale, A_log=interop.as_torch(A_log), dt_bias=interop.as_torch(dt_bias),
+            lower_bound=lower_bound, initial_state=interop.as_torch(initial_state),
+            output_final_state=output_final_state, cu_seqlens=interop.as_torch(cu_seqlens),
+            out=interop.as_torch(out), final_state=interop.as_torch(final_state), vsplit=vsplit,
+            qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+        )
+        return interop.to_framework(o, framework), interop.to_framework(state, framework)
+
+
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+    scale: float | None, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
+    initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None,
+    out: torch.Tensor | None, final_state: torch.Tensor | None, vsplit: int | None,
+    qk_l2norm: bool, beta_logits: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`kda_forward` on torch tensors: validate, pick the variant, launch K1 then K2."""
+    problem = validation.validate_forward(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+        initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
+    )
+    validation.check_grad_free({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log,
+                                "dt_bias": dt_bias, "initial_state": initial_state})
+    validation.check_on_cuda("q", q)
+    device = q.device
+    scale = float(problem.head_dim ** -0.5 if scale is None else scale)
+    if cu_seqlens is not None:
+        cu_seqlens = validation.device_cu_seqlens(cu_seqlens, device, problem.seq_len)
+
+    if final_state is None and output_final_state:
+        dtype = torch.float32 if initial_state is None else initial_state.dtype
+        d = problem.head_dim
+        final_state = torch.empty((problem.num_seqs, problem.heads, d, d), dtype=dtype, device=device)
+    if out is None:
+        out = torch.empty_like(v)
+    config = select_forward_config(
+        problem, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+        initial_state=None if initial_state is None else initial_state.dtype,
+        final_state=None if final_state is None else final_state.dtype,
+        vsplit=vsplit, sms=sm_count(device.index),
+    )
+
+    from .ops import prepare as k1
+    from .ops import recurrence as k2
+
+    spec = WorkspaceSpec(
+        heads=problem.heads,
+        tiles=tiles_per_head(problem.total_tokens, problem.num_seqs, problem.varlen),
+        dim=problem.head_dim,
+    )
+    workspace = WORKSPACES.get(spec, device)
+    tile_base = k1.tile_bases(cu_seqlens) if problem.varlen else None
+    k1.prepare(
+        q, k, g, beta, A_log, dt_bias, workspace, scale=scale, lower_bound=float(lower_bound),
+        cu_seqlens=cu_seqlens, tile_base=tile_base, qk_l2norm=config.qk_l2norm, beta_logits=config.beta_logits,
+    )
+    k2.recurrence(
+        v, workspace, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
+        initial_state=initial_state, final_state=final_state, vsplit=config.vsplit,
+    )
+    return out, final_state
+
+
+# ---------------------------------------------------------------------------------------------
+# flash-linear-attention drop-in
+
+
+@dataclass(frozen=True)
+class CanonicalCall:
+    """A :func:`kda_forward` call equivalent to an FLA ``chunk_kda`` call, and how to hand back.
+
+    ``tensors`` = (q, k, v, g, beta); ``options`` = keyword arguments of :func:`kda_forward`;
+    ``state_k_first``: the caller's states are FLA's default ``[N, H, K, V]``, so the v-first
+    final state is transposed back (into a contiguous tensor) on the way out.
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    options: dict[str, Any]
+    state_k_first: bool
+
+    def run(self, forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[Any, Any]:
+        """Call ``forward`` (:func:`kda_forward`, or a reference with its signature) and shape the result."""
+        o, state = forward(*self.tensors, **self.options)
+        if state is not None and self.state_k_first:
+            state = state.transpose(-1, -2).contiguous()
+        return o, state
+
+
+_FLA_CHUNK_SIZES = (32, 64)
+_FLA_EXTRA_KWARGS = ("A_log", "dt_bias", "chunk_size", "transpose_state_layout")
+
+
+def translate_fla_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    cp_context: Any = None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    **kwargs: Any,
+) -> CanonicalCall:
+    """Map FLA ``chunk_kda`` arguments (fla-core 0.6.0) onto a :func:`kda_forward` call.
+
+    Pure: no kernel runs, no device is needed. What maps (same function as FLA computes):
+      - gate: ``use_gate_in_kernel=True`` with ``lower_bound`` set is FLA's bounded gate
+        ``lower_bound · sigmoid(exp(A_log) · (g + dt_bias))`` whatever ``safe_gate`` says (FLA's
+        gate kernel keys on ``lower_bound``); ``A_log=None`` means no scaling (we pass zeros:
+        exp(0) = 1); ``dt_bias`` ``[H*K]``, ``[H, K]`` or None (zeros). Both are taken to fp32
+        as FLA's kernels do.
+      - ``use_qk_l2norm_in_kernel`` → ``qk_l2norm``; ``use_beta_sigmoid_in_kernel`` → ``beta_logits``.
+      - states: fp32 ``[N, H, K, V]`` (default) or ``[N, H, V, K]`` with ``state_v_first`` /
+        ``transpose_state_layout``; the final state is fp32 in the caller's layout.
+      - ``disable_recompute`` and ``safe_gate`` change how FLA computes, not what: accepted.
+        ``chunk_size`` (32 or 64) likewise. ``cu_seqlens_cpu``, when given, is checked on the host.
+      - inputs that are not contiguous are made contiguous (FLA does the same).
+    What raises ``NotImplementedError`` (the flag is named): the softplus gate
+    (``use_gate_in_kernel=True`` without ``lower_bound``), a precomputed decay
+    (``use_gate_in_kernel=False``), a bounded gate with ``lower_bound`` outside [-5, 0) when
+    ``safe_gate=False``, ``allow_neg_eigval``, grouped value heads (HV != H),
+    ``return_intermediate_states``, ``cp_context``, ``use_graph``. Errors FLA raises itself
+    (``ValueError``) are raised the same way.
+    """
+    unknown = sorted(set(kwargs) - set(_FLA_EXTRA_KWARGS))
+    if unknown:
+        raise TypeError(f"chunk_kda got unexpected keyword arguments: {', '.join(unknown)}")
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            raise ValueError("pass either state_v_first or the deprecated transpose_state_layout, not both")
+        state_v_first = bool(kwargs["transpose_state_layout"])
+    chunk_size = kwargs.get("chunk_size", 64)
+    if chunk_size not in _FLA_CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be 32 or 64 for KDA, got {chunk_size}")
+    _refuse_unsupported_fla_flags(
+        allow_neg_eigval=allow_neg_eigval, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        return_intermediate_states=return_intermediate_states, cp_context=cp_context, use_graph=use_graph,
+    )
+    lower_bound = _fla_lower_bound(use_gate_in_kernel, safe_gate, lower_bound)
+
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        validation.check_is_tensor(name, x)
+        validation.check_ndim(name, x, 3 if name == "beta" else 4, "[B, T, H]" if name == "beta" else "[B, T, H, D]")
+    heads, key_dim = q.shape[2], q.shape[3]
+    if v.shape[2] != heads:
+        raise NotImplementedError(
+            f"grouped value heads (v has HV = {v.shape[2]} heads, q has H = {heads}) are not supported; HV must equal H"
+        )
+    A_log = _fla_A_log(kwargs.get("A_log"), heads, q.device)
+    dt_bias = _fla_dt_bias(kwargs.get("dt_bias"), heads, key_dim, q.device)
+
+    if initial_state is not None:
+        validation.check_is_tensor("initial_state", initial_state)
+        validation.check_dtype("initial_state", initial_state, (torch.float32,))
+        validation.check_ndim("initial_state", initial_state, 4, "[N, H, K, V] (or [N, H, V, K] with state_v_first)")
+        initial_state = initial_state if state_v_first else initial_state.transpose(-1, -2)
+        initial_state = initial_state.contiguous()
+    if cu_seqlens is not None and cu_seqlens_cpu is not None:
+        validation.check_is_tensor("cu_seqlens_cpu", cu_seqlens_cpu)
+        validation.check_cu_seqlens_values(cu_seqlens_cpu, q.shape[1], name="cu_seqlens_cpu")
+
+    options = dict(
+        scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, initial_state=initial_state,
+        output_final_state=bool(output_final_state), cu_seqlens=cu_seqlens,
+        qk_l2norm=bool(use_qk_l2norm_in_kernel), beta_logits=bool(use_beta_sigmoid_in_kernel),
+    )
+    tensors = tuple(x.contiguous() for x in (q, k, v, g, beta))
+    return CanonicalCall(tensors=tensors, options=options, state_k_first=not state_v_first)
+
+
+def _refuse_unsupported_fla_flags(
+    *, allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool, return_intermediate_states: bool,
+    cp_context: Any, use_graph: bool,
+) -> None:
+    if allow_neg_eigval:
+        if not use_beta_sigmoid_in_kernel:
+            raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
+        raise NotImplementedError("allow_neg_eigval=True (beta = 2·sigmoid) is not supported")
+    if return_intermediate_states:
+        raise NotImplementedError("return_intermediate_states=True is not supported (no chunk states are kept)")
+    if cp_context is not None:
+        raise NotImplementedError("cp_context (context parallelism) is not supported")
+    if use_graph:
+        raise NotImplementedError(
+            "use_graph=True (padded cu_seqlens for graph capture) is not supported; "
+            "the kernels need no host sync, call with the real cu_seqlens"
+        )
+
+
+def _fla_lower_bound(use_gate_in_kernel: bool, safe_gate: bool, lower_bound: float | None) -> float:
+    if not use_gate_in_kernel:
+        raise NotImplementedError(
+            "use_gate_in_kernel=False (g given as a precomputed log decay) is not supported; "
+            "pass the raw gate with use_gate_in_kernel=True, A_log, dt_bias and lower_bound"
+        )
+    if lower_bound is None:
+        if safe_gate:
+            raise ValueError("lower_bound must be specified when safe_gate=True and use_gate_in_kernel=True")
+        raise NotImplementedError(
+            "use_gate_in_kernel=True without lower_bound (the softplus gate -exp(A_log)·softplus(g + dt_bias)) "
+            "is not supported; set lower_bound in [-5, 0) for the bounded gate"
+        )
+    value = validation.check_real("lower_bound", lower_bound)
+    if not validation.LOWER_BOUND_MIN <= value < validation.LOWER_BOUND_MAX:
+        if safe_gate:
+            raise ValueError(f"lower_bound must be in the safe range [-5, 0), got {value}")
+        raise NotImplementedError(f"lower_bound = {value} is not supported; the kernels need lower_bound in [-5, 0)")
+    return value
+
+
+def _fla_A_log(A_log: Any, heads: int, device: torch.device) -> torch.Tensor:
+    """FLA's ``A_log`` (``[H]``-sized, any float dtype, or None) as fp32 ``[H]``."""
+    if A_log is None:
+        return torch.zeros(heads, dtype=torch.float32, device=device)
+    validation.check_is_tensor("A_log", A_log)
+    if A_log.numel() != heads:
+        raise ValueError(f"A_log must hold H = {heads} values, got shape {list(A_log.shape)}")
+    return A_log.reshape(heads).to(torch.float32).contiguous()
+
+
+def _fla_dt_bias(dt_bias: Any, heads: int, key_dim: int, device: torch.device) -> torch.Tensor:
+    """FLA's ``dt_bias`` (``[H*K]``, ``[H, K]`` or None) as fp32 ``[H, K]``."""
+    if dt_bias is None:
+        return torch.zeros(heads, key_dim, dtype=torch.float32, device=device)
+    validation.check_is_tensor("dt_bias", dt_bias)
+    if tuple(dt_bias.shape) not in ((heads * key_dim,), (heads, key_dim)):
+        raise ValueError(f"dt_bias must have shape [H*K] = [{heads * key_dim}] or [H, K] = [{heads}, {key_dim}], "
+                         f"got {list(dt_bias.shape)}")
+    return dt_bias.reshape(heads, key_dim).to(torch.float32).contiguous()
+
+
+def chunk_kda(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    scale: float | None = None,
+    initial_state: Any = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Any = None,
+    cu_seqlens_cpu: Any = None,
+    cp_context: Any = None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    **kwargs: Any,
+) -> tuple[Any, Any]:
+    """Drop-in for ``fla.ops.kda.chunk_kda`` (fla-core 0.6.0 signature), forward only.
+
+    Shapes as in FLA: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; keyword
+    ``A_log`` ``[H]`` and ``dt_bias`` ``[H*K]`` or ``[H, K]``; ``initial_state`` fp32
+    ``[N, H, K, V]`` (``[N, H, V, K]`` with ``state_v_first=True`` or the deprecated
+    ``transpose_state_layout=True``); ``cu_seqlens`` int64 ``[N+1]`` with B == 1. Returns
+    (o bf16 ``[B, T, H, V]``, final state fp32 in the caller's layout or None).
+
+    Supported: K = V = 128, bf16 q/k/v/g/beta, ``use_gate_in_kernel=True`` with ``lower_bound``
+    in [-5, 0) (the bounded gate), ``use_qk_l2norm_in_kernel`` and ``use_beta_sigmoid_in_kernel``
+    on or off. Other combinations raise ``NotImplementedError`` naming the flag (see
+    :func:`translate_fla_call`); inputs that require grad under grad mode raise too (no backward
+    yet). FLA's default ``[N, H, K, V]`` state costs a transpose copy each way; ``state_v_first=True``
+    avoids it. Takes DLPack tensors like :func:`kda_forward` and answers in ``q``'s framework.
+    """
+    framework = interop.framework_of(q)
+    with interop.caller_stream(framework, q):
+        call = translate_fla_call(
+            *(interop.as_torch(x) for x in (q, k, v, g, beta)),
+            scale=scale, initial_state=interop.as_torch(initial_state), output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
+            return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
+            cu_seqlens=interop.as_torch(cu_seqlens), cu_seqlens_cpu=interop.as_torch(cu_seqlens_cpu),
+            cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs,
+            **{name: interop.as_torch(value) for name, value in kwargs.items()},
+        )
+        o, state = call.run(kda_forward)
+        return interop.to_framework(o, framework), interop.to_framework(state, framework)
+
+
+def warmup(
+    *,
+    device: Any = None,
+    qk_l2norm: tuple[bool, ...] = (True,),
+    beta_logits: tuple[bool, ...] = (True,),
+    varlen: tuple[bool, ...] = (False, True),
+    state_modes: tuple[torch.dtype | None, ...] = STATE_MODES,
+    vsplits: tuple[int, ...] | None = None,
+) -> int:
+    """Compile, ahead of time and without running anything, every variant the flags select.
+
+    Each argument lists the values to cover: ``state_modes`` holds None (no state), bf16 and/or
+    fp32 (used for both the initial and the final state); ``vsplits`` None covers every supported
+    V-split. ``device`` (default: the current CUDA device) is where the compiled code will run.
+    Returns the number of (K1, K2) variant pairs visited; already-compiled ones cost nothing.
+    """
+    from .ops import prepare as k1
+    from .ops import recurrence as k2
+
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    configs = list(enumerate_configs(
+        qk_l2norm=qk_l2norm, beta_logits=beta_logits, varlen=varlen, state_modes=state_modes,
+        vsplits=validation.SUPPORTED_VSPLITS if vsplits is None else vsplits,
+    ))
+    for config in configs:
+        k1.compile_prepare(
+            qk_l2norm=config.qk_l2norm, beta_logits=config.beta_logits, varlen=config.varlen, device=device,
+        )
+        k2.compile_recurrence(
+            varlen=config.varlen, initial_state=config.initial_state, final_state=config.final_state,
+            vsplit=config.vsplit, device=device,
+        )
+    return len(configs)
