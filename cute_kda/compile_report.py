@@ -41,7 +41,7 @@ class CompileReport:
 
     def count(self, mnemonic: str) -> int:
         """Occurrences of a PTX instruction prefix, e.g. ``"ldmatrix.sync.aligned"``."""
-        return len(re.findall(r"^\s*(?:@%?\w+\s+)?" + re.escape(mnemonic), self.ptx, re.M))
+        return len(re.findall(r"^\s*(?:@!?%?\w+\s+)?" + re.escape(mnemonic), self.ptx, re.M))
 
     def has(self, mnemonic: str) -> bool:
         return self.count(mnemonic) > 0
@@ -115,8 +115,10 @@ def compile_with_report(jit_fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, Co
     """``cute.compile`` ``jit_fn(*args)`` for sm_90a, keeping the PTX; return (compiled, report).
 
     ``args`` may be fake tensors (``cute.runtime.make_fake_compact_tensor``) and fake streams, so
-    this runs on a machine without a GPU.
+    this runs on a machine without a GPU. The DSL writes the kept PTX file into a temporary
+    directory (by default it would land in the working directory); the text stays in the report.
     """
-    compiled = cute.compile(jit_fn, *args, options="--keep-ptx", **kwargs)
-    ptx = compiled.__ptx__
+    with tempfile.TemporaryDirectory() as dump_dir:
+        compiled = cute.compile(jit_fn, *args, options=f"--keep-ptx --dump-dir={dump_dir}", **kwargs)
+        ptx = compiled.__ptx__
     return compiled, CompileReport(ptx=ptx, kernels=ptxas_resources(ptx))

@@ -1,0 +1,160 @@
+"""Copy helpers shared by the kernels: TMA tiles of one head, and the register moves of mma.sync.
+
+TMA (host + device). A per-token tensor ``[rows, H, D]`` (``[B·T, H, D]`` inputs, workspace fields
+with ``H = 1``) is moved in ``(tile_rows, tile_cols)`` tiles of one head:
+
+- host, inside the ``@cute.jit`` launcher: :func:`make_head_tile_tma_atom` builds the descriptor
+  from an smem layout of :mod:`cute_kda.layouts` (unstaged or staged);
+- device: :func:`head_tile_tma_partition` slices the head and returns the TMA-partitioned smem
+  buffer ``(TMA, [stage])`` and gmem tiles ``(TMA, tile)``. A load is
+  ``cute.copy(atom, g[None, t], s[None, stage], tma_bar_ptr=...)`` from a whole warp: the DSL elects
+  the issuing lane of a G2S copy itself (inside ``elect_one`` it would hang). A store is
+  :func:`tma_store_tile`, also from a whole warp: the DSL (4.8.1) does *not* elect for an S2G copy
+  (every lane would issue the same store), so that helper elects one lane itself.
+
+Registers (device). All fragments are per-warp 16×16 tiles of the warp MMA
+(:func:`warp_tiled_mma`, two ``mma.sync.m16n8k16`` side by side). In that tile, lane ``l``
+(``g = l // 4``, ``q = l % 4``) holds, as four 32-bit registers of two 16-bit values each (in the
+order of ``cute.recast_tensor(fragment, Uint32)``):
+
+======  ==========================  ==========================
+ reg     C fragment of M (m, n)       B fragment of B (n, k)
+======  ==========================  ==========================
+ 0       M[g,   2q:2q+2]              B[g,   2q:2q+2]
+ 1       M[g+8, 2q:2q+2]              B[g,   2q+8:2q+10]
+ 2       M[g,   2q+8:2q+10]           B[g+8, 2q:2q+2]
+ 3       M[g+8, 2q+8:2q+10]           B[g+8, 2q+8:2q+10]
+======  ==========================  ==========================
+
+(The A fragment holds the same registers as the C fragment.) Register ``i`` over the 32 lanes is
+one 8×8 block in ``movmatrix`` row order, so ``movmatrix.trans`` applied register by register
+turns the C fragment of ``M`` into the B fragment of ``B = Mᵀ`` (``B[n, k] = M[k, n]``): the
+C→B move that lets a result ``M`` (``m`` = contraction index) feed the next MMA as its right
+operand (:func:`transpose_c_to_b`). No register reordering is needed: C's order walks the 8×8
+blocks down the rows first, B's order walks them along ``k`` first, and ``k`` is ``M``'s row index.
+
+ldmatrix / stmatrix tiled copies (:func:`ldmatrix_copy`, :func:`stmatrix_copy`) move one such
+16×16 fragment between registers and a 16×16 block of an smem tensor, for operand A, B or C. Use
+``transpose=False`` on a block whose second index is contiguous in 16-byte runs (a K_INTER operand
+tile), ``transpose=True`` on a block whose first index is (its MN_INTER transposed view).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from cutlass import Uint32
+from cutlass.cute.nvgpu import cpasync, warp
+
+from ...dsl import cute, cutlass
+from ...layouts.tma import contiguous_col_run, head_tile_view
+from .fastmath import movmatrix_trans
+
+WARP_TILE = 16  # side of the per-warp mma tile every register helper here is shaped for
+
+
+class Operand(Enum):
+    """Which operand of the warp MMA a fragment or a tiled copy is shaped for."""
+
+    A = "A"  # (m, k), row operand
+    B = "B"  # (n, k), column operand
+    C = "C"  # (m, n), accumulator / result
+
+
+def make_head_tile_tma_atom(op, tensor: cute.Tensor, smem_layout, tile: tuple[int, int]):
+    """TMA atom and TMA tensor for ``tile = (tile_rows, cols)`` tiles of a ``[rows, H, cols]`` tensor.
+
+    ``op`` is ``cpasync.CopyBulkTensorTileG2SOp()`` (load) or ``CopyBulkTensorTileS2GOp()`` (store);
+    ``smem_layout`` is ``[tile_rows, cols]`` or ``[tile_rows, cols, stages]`` from
+    :mod:`cute_kda.layouts` (K_INTER: one TMA instruction per tile, see
+    :func:`cute_kda.layouts.tma.head_tile_view`). A tile spans all ``cols`` columns. Host side
+    (inside the ``@cute.jit`` launcher). Rows past ``rows`` are zero-filled by a load and dropped
+    by a store.
+    """
+    view = head_tile_view(tensor, tile[1], contiguous_col_run(smem_layout))
+    return cpasync.make_tiled_tma_atom(op, view, smem_layout, tile)
+
+
+def head_tile_tma_partition(atom, tma_tensor: cute.Tensor, smem: cute.Tensor, head, tile: tuple[int, int]):
+    """Partition ``smem`` and head ``head`` of ``tma_tensor`` for ``atom``; device side.
+
+    Returns ``(smem_part, gmem_part)``: ``smem_part[None, stage]`` (or ``smem_part[None, 0]`` for an
+    unstaged buffer) and ``gmem_part[None, tile_index]`` are the two sides of one TMA copy.
+    """
+    gmem_tiles = cute.local_tile(tma_tensor[None, None, head], tile, (None, 0))
+    return cpasync.tma_partition(
+        atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2), cute.group_modes(gmem_tiles, 0, 2)
+    )
+
+
+@cute.jit
+def tma_store_tile(atom, smem_tile: cute.Tensor, gmem_tile: cute.Tensor):
+    """TMA-store one tile (``smem_part[None, stage]`` → ``gmem_part[None, t]``); call from a whole warp.
+
+    One elected lane issues the store, commits it as a bulk group and waits until the TMA has read
+    the smem tile, so the buffer may be refilled when this returns (the gmem writes may still be in
+    flight; they complete before the kernel ends). The caller fences its smem writes
+    (``cute.arch.fence_view_async_shared``) and synchronises with the writers before calling.
+    """
+    with cute.arch.elect_one():
+        cute.copy(atom, smem_tile, gmem_tile)
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+def warp_tiled_mma(ab_dtype: type = cutlass.BFloat16, acc_dtype: type = cutlass.Float32):
+    """One warp's 16×16×16 tile of ``mma.sync.m16n8k16`` (two n=8 atoms side by side)."""
+    return cute.make_tiled_mma(
+        warp.MmaF16BF16Op(ab_dtype, acc_dtype, (16, 8, 16)), (1, 1, 1),
+        permutation_mnk=(WARP_TILE, WARP_TILE, WARP_TILE),
+    )
+
+
+def make_fragment(tiled_mma, operand: Operand, dtype: type = cutlass.BFloat16) -> cute.Tensor:
+    """Registers of one lane for a 16×16 tile of ``operand`` (8 values, order in the module docstring)."""
+    shape = {
+        Operand.A: tiled_mma.partition_shape_A,
+        Operand.B: tiled_mma.partition_shape_B,
+        Operand.C: tiled_mma.partition_shape_C,
+    }[operand]((WARP_TILE, WARP_TILE))
+    return cute.make_rmem_tensor(shape, dtype)
+
+
+def _tiled_copy(copy_atom, tiled_mma, operand: Operand):
+    make = {
+        Operand.A: cute.make_tiled_copy_A,
+        Operand.B: cute.make_tiled_copy_B,
+        Operand.C: cute.make_tiled_copy_C,
+    }[operand]
+    return make(copy_atom, tiled_mma)
+
+
+def ldmatrix_copy(tiled_mma, operand: Operand, transpose: bool, dtype: type = cutlass.BFloat16):
+    """Tiled copy smem → registers (``ldmatrix.x4[.trans]``) of one 16×16 ``operand`` fragment.
+
+    Use: ``thr = copy.get_slice(lane)``; ``cute.copy(copy, thr.partition_S(block), thr.retile(frag))``.
+    """
+    atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4), dtype)
+    return _tiled_copy(atom, tiled_mma, operand)
+
+
+def stmatrix_copy(tiled_mma, operand: Operand, transpose: bool, dtype: type = cutlass.BFloat16):
+    """Tiled copy registers → smem (``stmatrix.x4[.trans]``) of one 16×16 ``operand`` fragment.
+
+    Use: ``thr = copy.get_slice(lane)``; ``cute.copy(copy, thr.retile(frag), thr.partition_D(block))``.
+    """
+    atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=transpose, num_matrices=4), dtype)
+    return _tiled_copy(atom, tiled_mma, operand)
+
+
+@cute.jit
+def transpose_c_to_b(c_fragment: cute.Tensor, b_fragment: cute.Tensor):
+    """``b_fragment ← `` B fragment of ``Mᵀ`` from the C fragment of ``M`` (16-bit, warp-collective).
+
+    Four ``movmatrix.trans`` per 16×16 tile, no register reordering (see the module docstring).
+    Both fragments must be register tensors of 16-bit values, e.g. from :func:`make_fragment`.
+    """
+    c_words = cute.recast_tensor(c_fragment, Uint32)
+    b_words = cute.recast_tensor(b_fragment, Uint32)
+    for i in cutlass.range_constexpr(cute.size(c_words)):
+        b_words[i] = movmatrix_trans(c_words[i])
