@@ -53,7 +53,13 @@ class WorkspaceCache:
                 self._buffers[key] = buffer
         return workspace_views(spec, buffer)
 
+    def snapshot(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(device index, stream handle) → (buffer address, bytes) of every cached buffer."""
+        with self._lock:
+            return {key: (b.data_ptr(), b.numel()) for key, b in self._buffers.items()}
+
     def clear(self) -> None:
+        """Drop every cached buffer (their memory returns to torch's caching allocator)."""
         with self._lock:
             self._buffers.clear()
 
@@ -431,7 +437,9 @@ def warmup(
     from .ops import prepare as k1
     from .ops import recurrence as k2
 
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    device = torch.device("cuda") if device is None else torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     configs = list(enumerate_configs(
         qk_l2norm=qk_l2norm, beta_logits=beta_logits, varlen=varlen, state_modes=state_modes,
         vsplits=validation.SUPPORTED_VSPLITS if vsplits is None else vsplits,

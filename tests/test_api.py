@@ -1,0 +1,280 @@
+"""The public forward: accuracy against the gold recurrence, buffers, workspace reuse, streams, DLPack.
+
+CPU tier: the framework plumbing (DLPack detection and hand-back), variant selection, the seam
+of the FLA translation. GPU tier: ``kda_forward`` on real kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import cute_kda
+from cute_kda import api, config, interop
+from cute_kda.reference import gold_forward, rel_rms
+
+D = 128
+GOLD_BOUND = 6e-3
+SLEEP_CYCLES = 2_000_000_000  # about a second of GPU spin: long enough to observe a busy stream
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU tier
+
+
+def test_framework_detection():
+    assert interop.framework_of(torch.zeros(1)) == interop.TORCH
+    assert interop.framework_of(np.zeros(1)) == interop.OTHER
+
+
+def test_dlpack_input_becomes_a_torch_view():
+    array = np.arange(6, dtype=np.float32)
+    view = interop.as_torch(array)
+    assert isinstance(view, torch.Tensor)
+    view[0] = 42.0
+    assert array[0] == 42.0  # same memory, no copy
+
+
+def test_torch_and_non_arrays_pass_through():
+    t = torch.zeros(2)
+    assert interop.as_torch(t) is t and interop.as_torch(None) is None and interop.as_torch(3.0) == 3.0
+    assert interop.to_framework(t, interop.TORCH) is t and interop.to_framework(t, interop.OTHER) is t
+    assert interop.to_framework(None, interop.CUPY) is None
+
+
+def test_dlpack_arrays_reach_validation():
+    """A numpy float32 q goes through DLPack and is refused by dtype, naming q."""
+    q = np.zeros((1, 16, 2, D), dtype=np.float32)
+    with pytest.raises(TypeError, match="q must be bfloat16, got float32"):
+        cute_kda.kda_forward(q, q, q, q, q[..., 0], A_log=np.zeros(2, np.float32), dt_bias=np.zeros((2, D), np.float32))
+
+
+def test_config_keeps_an_explicit_vsplit():
+    from cute_kda.validation import ProblemShape
+
+    problem = ProblemShape(batch=1, seq_len=64, heads=4, head_dim=D, num_seqs=1, varlen=False)
+    cfg = config.select_forward_config(problem, qk_l2norm=True, beta_logits=False, initial_state=torch.float32,
+                                       final_state=None, vsplit=4, sms=132)
+    assert cfg == config.ForwardConfig(True, False, False, torch.float32, None, 4)
+
+
+def test_warmup_configs_cover_the_product():
+    configs = list(config.enumerate_configs(qk_l2norm=(True, False), varlen=(True,), state_modes=(None, torch.float32),
+                                            vsplits=(1, 8)))
+    assert len(configs) == len(set(configs)) == 2 * 1 * 1 * 2 * 2
+    assert {(c.initial_state, c.final_state) for c in configs} == {(None, None), (torch.float32, torch.float32)}
+
+
+def test_canonical_call_runs_any_forward_and_restores_kv_layout():
+    state_vk = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).view(2, 3, 4, 4)
+    call = api.CanonicalCall(tensors=(torch.zeros(1),), options={"flag": 1}, state_k_first=True)
+    seen = {}
+
+    def forward(x, **options):
+        seen.update(options)
+        return x, state_vk
+
+    o, state = call.run(forward)
+    assert seen == {"flag": 1}
+    assert torch.equal(state, state_vk.transpose(-1, -2)) and state.is_contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU tier
+
+
+def make_inputs(lengths, heads, device, *, seed=0, beta_logits=True, normalized_qk=False):
+    """kda_forward inputs: B equal sequences, or one packed row (with cu_seqlens) when lengths vary."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    varlen = len(set(lengths)) > 1
+    batch, seq_len = (1, sum(lengths)) if varlen else (len(lengths), lengths[0])
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    q, k = randn(batch, seq_len, heads, D, dtype=torch.float32), randn(batch, seq_len, heads, D, dtype=torch.float32)
+    if normalized_qk:
+        q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
+    beta = randn(batch, seq_len, heads) if beta_logits else torch.rand(
+        batch, seq_len, heads, generator=gen, device=device).to(torch.bfloat16)
+    inputs = dict(
+        q=q.to(torch.bfloat16), k=k.to(torch.bfloat16), v=randn(batch, seq_len, heads, D),
+        g=randn(batch, seq_len, heads, D), beta=beta,
+        A_log=torch.rand(heads, generator=gen, device=device), dt_bias=randn(heads, D, dtype=torch.float32),
+    )
+    if varlen:
+        inputs["cu_seqlens"] = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64, device=device)
+    return inputs
+
+
+def initial_state(lengths, heads, dtype, device, seed=1):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return (0.1 * torch.randn(len(lengths), heads, D, D, generator=gen, device=device)).to(dtype)
+
+
+def gold(inputs, **options):
+    names = ("q", "k", "v", "g", "beta")
+    rest = {name: value for name, value in inputs.items() if name not in names}
+    return gold_forward(*(inputs[n] for n in names), **rest, **options, gate="safe", state_layout="vk")
+
+
+GOLD_CASES = {
+    "B2_T100_H4": dict(lengths=[100, 100], heads=4),
+    "B1_T1024_H4_fp32_state": dict(lengths=[1024], heads=4, state=torch.float32),
+    "B1_T257_H2_bf16_state": dict(lengths=[257], heads=2, state=torch.bfloat16),
+    "varlen_short_fp32_state": dict(lengths=[17, 33, 65, 300, 1], heads=4, state=torch.float32),
+    "varlen_design_H2_state_out": dict(lengths=[1300, 547, 2048, 963, 271, 3063], heads=2, final_only=True),
+    "B1_T300_H2_beta_activated_no_l2norm": dict(lengths=[300], heads=2, beta_logits=False, qk_l2norm=False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GOLD_CASES))
+def test_kda_forward_matches_gold(case, device):
+    spec = dict(GOLD_CASES[case])
+    lengths, heads = spec["lengths"], spec["heads"]
+    qk_l2norm, beta_logits = spec.get("qk_l2norm", True), spec.get("beta_logits", True)
+    inputs = make_inputs(lengths, heads, device, beta_logits=beta_logits, normalized_qk=not qk_l2norm)
+    state_dtype = spec.get("state")
+    h0 = None if state_dtype is None else initial_state(lengths, heads, state_dtype, device)
+    wants_state = h0 is not None or spec.get("final_only", False)
+    o, state = cute_kda.kda_forward(**inputs, initial_state=h0, output_final_state=wants_state,
+                                    qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+    o_ref, state_ref = gold(inputs, initial_state=h0, output_final_state=wants_state,
+                            qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+    err_o = rel_rms(o, o_ref)
+    line = f"[kda_forward vs gold] {case}: rel-RMS o {err_o:.3e}"
+    assert o.dtype == torch.bfloat16 and o.shape == inputs["v"].shape
+    if wants_state:
+        assert state.dtype == (state_dtype or torch.float32) and state.shape == (len(lengths), heads, D, D)
+        err_state = rel_rms(state, state_ref)
+        line += f", final state {err_state:.3e}"
+        assert err_state <= GOLD_BOUND, line
+    else:
+        assert state is None
+    print(line)
+    assert err_o <= GOLD_BOUND, line
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vsplit", [1, 2, 4, 8])
+def test_every_vsplit_matches_gold(vsplit, device):
+    inputs = make_inputs([200], 2, device)
+    h0 = initial_state([200], 2, torch.float32, device)
+    o, state = cute_kda.kda_forward(**inputs, initial_state=h0, output_final_state=True, vsplit=vsplit)
+    o_ref, state_ref = gold(inputs, initial_state=h0, output_final_state=True)
+    print(f"[kda_forward vs gold] vsplit={vsplit}: rel-RMS o {rel_rms(o, o_ref):.3e}, state {rel_rms(state, state_ref):.3e}")
+    assert rel_rms(o, o_ref) <= GOLD_BOUND and rel_rms(state, state_ref) <= GOLD_BOUND
+
+
+@pytest.mark.gpu
+def test_buffers_are_written_in_place(device):
+    inputs = make_inputs([64, 64], 2, device)
+    out = torch.full_like(inputs["v"], float("nan"))
+    final = torch.full((2, 2, D, D), float("nan"), device=device, dtype=torch.bfloat16)
+    o, state = cute_kda.kda_forward(**inputs, out=out, final_state=final)
+    assert o is out and state is final
+    expected, expected_state = cute_kda.kda_forward(**inputs, output_final_state=True)
+    assert torch.equal(out, expected)
+    assert torch.equal(final.float(), expected_state)  # the fp32 final state is the bf16 state widened
+
+
+@pytest.mark.gpu
+def test_cpu_cu_seqlens_equals_device_cu_seqlens(device):
+    inputs = make_inputs([40, 7, 90], 2, device)
+    on_device, _ = cute_kda.kda_forward(**inputs)
+    on_host, _ = cute_kda.kda_forward(**{**inputs, "cu_seqlens": inputs["cu_seqlens"].cpu()})
+    assert torch.equal(on_device, on_host)
+
+
+@pytest.mark.gpu
+def test_debug_checks_read_device_cu_seqlens(device, monkeypatch):
+    inputs = make_inputs([40, 7, 90], 2, device)
+    inputs["cu_seqlens"] = torch.tensor([0, 40, 30, 137], dtype=torch.int64, device=device)
+    monkeypatch.setenv("CUTE_KDA_DEBUG_CHECKS", "1")
+    with pytest.raises(ValueError, match="cu_seqlens must not decrease"):
+        cute_kda.kda_forward(**inputs)
+
+
+@pytest.mark.gpu
+def test_workspace_is_reused_and_grows(device):
+    key = (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
+    api.WORKSPACES.clear()
+    cute_kda.kda_forward(**make_inputs([512], 4, device))
+    first = api.WORKSPACES.snapshot()[key]
+    cute_kda.kda_forward(**make_inputs([512], 4, device, seed=3))
+    cute_kda.kda_forward(**make_inputs([100], 2, device))
+    assert api.WORKSPACES.snapshot()[key] == first  # same buffer: reused, not shrunk
+    cute_kda.kda_forward(**make_inputs([4096], 8, device))
+    grown = api.WORKSPACES.snapshot()[key]
+    assert grown[1] > first[1]
+
+
+def staged_call_on_busy_stream(inputs, launch_stream: torch.cuda.Stream, run):
+    """Spin ``launch_stream``, copy the inputs on it after the spin, then ``run`` the forward there.
+
+    Returns (result, whether the stream was still busy when ``run`` returned, whether the default
+    stream was idle then). Work issued elsewhere would read the zero-filled staging buffers (a
+    non-blocking stream does not wait for the spin) or block the default stream behind it.
+    """
+    staged = {name: torch.zeros_like(x) for name, x in inputs.items()}
+    torch.cuda.synchronize()
+    with torch.cuda.stream(launch_stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for name, x in inputs.items():
+            staged[name].copy_(x)
+        result = run(staged)
+        still_busy = not launch_stream.query()
+        default_idle = torch.cuda.default_stream().query()
+    launch_stream.synchronize()
+    return result, still_busy, default_idle
+
+
+@pytest.mark.gpu
+def test_side_stream_is_honoured_without_host_sync(device):
+    inputs = make_inputs([300, 20, 180], 4, device)
+    expected, _ = cute_kda.kda_forward(**inputs)  # compiles the variant, default stream
+    side = torch.cuda.Stream(device)
+    o, still_busy, default_idle = staged_call_on_busy_stream(
+        inputs, side, lambda staged: cute_kda.kda_forward(**staged)[0])
+    assert still_busy, "kda_forward waited for the stream (a host sync in the hot path)"
+    assert default_idle, "work was queued behind the side stream on the default stream"
+    assert torch.equal(o, expected)
+
+
+@pytest.mark.gpu
+def test_cupy_arrays_give_the_torch_result(device):
+    cupy = pytest.importorskip("cupy")
+    inputs = make_inputs([130, 61], 2, device)
+    h0 = initial_state([130, 61], 2, torch.float32, device)
+    expected, expected_state = cute_kda.kda_forward(**inputs, initial_state=h0, output_final_state=True)
+    as_cupy = {name: cupy.from_dlpack(x) for name, x in inputs.items()}
+    o, state = cute_kda.kda_forward(**as_cupy, initial_state=cupy.from_dlpack(h0), output_final_state=True)
+    assert isinstance(o, cupy.ndarray) and isinstance(state, cupy.ndarray)
+    assert torch.equal(torch.from_dlpack(o), expected)
+    assert torch.equal(torch.from_dlpack(state), expected_state)
+
+
+@pytest.mark.gpu
+def test_cupy_current_stream_is_honoured(device):
+    cupy = pytest.importorskip("cupy")
+    inputs = make_inputs([256], 2, device)
+    expected, _ = cute_kda.kda_forward(**inputs)
+    cupy_stream = cupy.cuda.Stream(non_blocking=True)
+    launch_stream = torch.cuda.ExternalStream(cupy_stream.ptr, device=device)
+
+    def run(staged):
+        with cupy_stream:  # the caller's current CuPy stream; torch's current stream is not consulted
+            with torch.cuda.stream(torch.cuda.default_stream(device)):
+                return cute_kda.kda_forward(**{name: cupy.from_dlpack(x) for name, x in staged.items()})[0]
+
+    o, still_busy, default_idle = staged_call_on_busy_stream(inputs, launch_stream, run)
+    assert still_busy and default_idle
+    assert torch.equal(torch.from_dlpack(o), expected)
+
+
+@pytest.mark.gpu
+def test_warmup_compiles_selected_variants(device):
+    count = cute_kda.warmup(device=device, varlen=(False,), state_modes=(None, torch.float32), vsplits=(1,))
+    assert count == 2
