@@ -1,0 +1,224 @@
+"""Forward benchmark: cute_kda against FLA's chunk_kda (and FlashKDA when importable), same inputs, one run.
+
+Shapes are design.md §6's (D = 128, fp32 state in and out in the v-first layout, as FlashKDA's
+measured row). Every peer gets identical tensors; times are medians of ``triton.testing.do_bench``
+(which clears L2 before every repetition) or, without Triton, of CUDA-event timings with an L2
+flush in between. The markdown table is printed last; ``--out FILE`` also writes it.
+
+    python benchmarks/bench_forward.py                       # all shapes
+    python benchmarks/bench_forward.py --shapes B1_T8192_H96,B1_T32768_H16 --out benchmarks/results/fwd.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+os.environ.setdefault("FLA_FLASH_KDA", "0")  # FLA's own Triton path, not its FlashKDA dispatch
+
+import torch  # noqa: E402
+
+LOWER_BOUND = -5.0
+D = 128
+
+
+@dataclass(frozen=True)
+class Shape:
+    """``batch`` rows of ``lengths[0]`` tokens, or one packed row of ``lengths`` (``varlen``)."""
+
+    lengths: tuple[int, ...]
+    heads: int
+    varlen: bool = False
+
+    @property
+    def batch(self) -> int:
+        return 1 if self.varlen else len(self.lengths)
+
+    @property
+    def seq_len(self) -> int:
+        return sum(self.lengths) if self.varlen else self.lengths[0]
+
+
+SHAPES = {
+    "B1_T8192_H96": Shape((8192,), 96),
+    "varlen6_H96": Shape((1300, 547, 2048, 963, 271, 3063), 96, varlen=True),
+    "varlen1024x8_H96": Shape((1024,) * 8, 96, varlen=True),
+    "B1_T8192_H64": Shape((8192,), 64),
+    "B1_T32768_H16": Shape((32768,), 16),
+    "B8_T4096_H32": Shape((4096,) * 8, 32),
+}
+
+
+def make_inputs(shape: Shape, device: torch.device, seed: int = 0) -> dict:
+    """FlashKDA-style inputs: raw q, k, gate and beta logits (all activations in-kernel), fp32 v-first state."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b, t, h = shape.batch, shape.seq_len, shape.heads
+    bf16 = torch.bfloat16
+
+    def randn(*size, dtype=bf16):
+        return torch.randn(*size, generator=gen, device=device).to(dtype)
+
+    inputs = dict(
+        q=randn(b, t, h, D), k=randn(b, t, h, D), v=randn(b, t, h, D), g=randn(b, t, h, D), beta=randn(b, t, h),
+        A_log=torch.rand(h, generator=gen, device=device), dt_bias=torch.rand(h, D, generator=gen, device=device),
+        initial_state=0.1 * randn(len(shape.lengths), h, D, D, dtype=torch.float32),
+        cu_seqlens=None,
+    )
+    if shape.varlen:
+        bounds = torch.tensor((0, *shape.lengths), dtype=torch.int64).cumsum(0)
+        inputs["cu_seqlens"] = bounds.to(device)
+    return inputs
+
+
+def peers(inputs: dict) -> dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+    """name → zero-argument forward producing (o, final state ``[N, H, V, K]`` fp32); absent peers are said so."""
+    import cute_kda
+
+    scale = D ** -0.5
+    tensors = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
+    out = torch.empty_like(inputs["v"])
+    final = torch.empty_like(inputs["initial_state"])
+    fla_kwargs = dict(
+        scale=scale, initial_state=inputs["initial_state"], output_final_state=True, use_gate_in_kernel=True,
+        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND,
+        A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], state_v_first=True, cu_seqlens=inputs["cu_seqlens"],
+    )
+    runs = {
+        "cute_kda": lambda: cute_kda.kda_forward(
+            *tensors, scale=scale, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=LOWER_BOUND,
+            initial_state=inputs["initial_state"], cu_seqlens=inputs["cu_seqlens"], out=out, final_state=final),
+        "cute_kda chunk_kda": lambda: cute_kda.chunk_kda(*tensors, **fla_kwargs),
+    }
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+        runs["FLA chunk_kda"] = lambda: fla_chunk_kda(*tensors, **fla_kwargs)
+    except ImportError as error:
+        print(f"FLA not importable, skipped: {error}", file=sys.stderr)
+    try:
+        import flash_kda
+
+        flash_out, flash_final = torch.empty_like(out), torch.empty_like(final)
+
+        def run_flash_kda():
+            flash_kda.fwd(*tensors, scale, flash_out, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"],
+                          lower_bound=LOWER_BOUND, initial_state=inputs["initial_state"], final_state=flash_final,
+                          cu_seqlens=inputs["cu_seqlens"])
+            return flash_out, flash_final
+
+        runs["FlashKDA"] = run_flash_kda
+    except ImportError as error:
+        print(f"FlashKDA not importable, skipped: {error}", file=sys.stderr)
+    return runs
+
+
+def median_ms(fn: Callable[[], object], warmup: int, rep: int) -> float:
+    """Median milliseconds of ``fn`` on the current stream, L2 cleared before each repetition."""
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    except ImportError:
+        pass
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(rep // 5, 10)):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    a64, b64 = a.double(), b.double()
+    return (torch.linalg.vector_norm(a64 - b64) / torch.linalg.vector_norm(b64)).item()
+
+
+def bench_shape(name: str, shape: Shape, device: torch.device, warmup: int, rep: int) -> dict:
+    inputs = make_inputs(shape, device)
+    runs = peers(inputs)
+    row = {"shape": name, "ms": {}, "err": {}}
+    with torch.inference_mode():
+        reference = None
+        for peer, fn in runs.items():
+            o, state = fn()  # first call: compile / autotune outside the timing
+            o, state = o.clone(), state.clone()
+            if "FLA chunk_kda" in runs and peer != "FLA chunk_kda":
+                reference = reference or tuple(x.clone() for x in runs["FLA chunk_kda"]())
+                row["err"][peer] = (rel_rms(o, reference[0]), rel_rms(state, reference[1]))
+            row["ms"][peer] = median_ms(fn, warmup, rep)
+            print(f"{name:18s} {peer:20s} {row['ms'][peer]:8.3f} ms", file=sys.stderr)
+    del inputs, runs
+    torch.cuda.empty_cache()
+    return row
+
+
+def markdown(rows: list[dict], peers_seen: list[str]) -> str:
+    ours = "cute_kda"
+    others = [p for p in peers_seen if p != ours]
+    head = ["shape"] + [f"{p} (ms)" for p in peers_seen] + [f"{p} / {ours}" for p in others]
+    head += [f"{p} vs FLA rel-RMS o / state" for p in peers_seen if p != "FLA chunk_kda"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        ms = row["ms"]
+        cells = [row["shape"]] + [f"{ms[p]:.3f}" if p in ms else "—" for p in peers_seen]
+        cells += [f"{ms[p] / ms[ours]:.2f}×" if p in ms and ours in ms else "—" for p in others]
+        cells += [f"{row['err'][p][0]:.1e} / {row['err'][p][1]:.1e}" if p in row["err"] else "—"
+                  for p in peers_seen if p != "FLA chunk_kda"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def environment() -> str:
+    props = torch.cuda.get_device_properties(0)
+    versions = [f"torch {torch.__version__}"]
+    for module in ("cutlass", "fla", "triton"):
+        try:
+            versions.append(f"{module} {getattr(__import__(module), '__version__', '?')}")
+        except ImportError:
+            pass
+    return (f"{datetime.date.today()} · {props.name} ({props.multi_processor_count} SMs) · "
+            f"{', '.join(versions)} · Python {platform.python_version()} · D={D}, fp32 state in/out (v-first), "
+            f"lower_bound={LOWER_BOUND}; ratios > 1 mean cute_kda is faster")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {', '.join(SHAPES)}")
+    parser.add_argument("--out", help="also write the markdown table to this file")
+    parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time, ms")
+    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    args = parser.parse_args()
+    names = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
+    if not torch.cuda.is_available():
+        sys.exit("bench_forward needs a CUDA GPU (Hopper)")
+
+    device = torch.device("cuda")
+    rows = [bench_shape(name, SHAPES[name], device, args.warmup, args.rep) for name in names]
+    seen = list(dict.fromkeys(p for row in rows for p in row["ms"]))
+    table = f"{environment()}\n\n{markdown(rows, seen)}\n"
+    print(table)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()
