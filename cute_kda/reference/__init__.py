@@ -1,0 +1,41 @@
+"""Torch references for the forward kernels.
+
+- :mod:`.gold`: the token recurrence in fp64 (or any dtype), differentiable — the accuracy yardstick.
+- :mod:`.mirror`: the chunk-16 algorithm with the kernels' rounding, step by step as
+  docs/numerics.md fixes it — the exact-comparison reference for K1 and K2.
+
+Importing this package needs no GPU and does not import the CuTe DSL.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gold import gold_forward
+from .mirror import intrinsics_exact, mirror_forward, mirror_prepare, mirror_recurrence, tile_bases
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``‖a − b‖ / ‖b‖`` (Frobenius norms, computed in fp64): the accuracy figure used everywhere.
+
+    ``b`` is the reference. Returns ``inf`` when ``b`` is zero and ``a`` is not, 0 when both are.
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    a64, b64 = a.detach().to(torch.float64), b.detach().to(device=a.device, dtype=torch.float64)
+    error = torch.linalg.vector_norm(a64 - b64).item()
+    norm = torch.linalg.vector_norm(b64).item()
+    if norm == 0.0:
+        return 0.0 if error == 0.0 else float("inf")
+    return error / norm
+
+
+__all__ = [
+    "gold_forward",
+    "intrinsics_exact",
+    "mirror_forward",
+    "mirror_prepare",
+    "mirror_recurrence",
+    "rel_rms",
+    "tile_bases",
+]

@@ -1,0 +1,153 @@
+"""Gold reference: the KDA token recurrence (docs/design.md §1) in high precision.
+
+Plain torch, one token at a time, batched over sequences and heads; differentiable with autograd
+(no in-place updates). It is the yardstick for every accuracy figure of the kernels and of the
+chunk-16 mirror; speed is not a goal.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2NORM_EPS = 1e-6
+GATES = ("safe", "softplus", "none")
+STATE_LAYOUTS = ("vk", "kv")
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """``x · rsqrt(Σ x² + eps)`` over the last dimension."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gate_log_decay(
+    g: torch.Tensor,
+    *,
+    gate: str = "safe",
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float = -5.0,
+) -> torch.Tensor:
+    """Per-channel log decay from the gate input ``g`` ``[..., H, K]`` (computed in ``g.dtype``).
+
+    ``"safe"``: ``lower_bound · sigmoid(exp(A_log) · (g + dt_bias))`` (FlashKDA form; ``A_log`` may
+    be None: no scaling). ``"softplus"``: ``−exp(A_log) · softplus(g + dt_bias)`` (FLA's default
+    form; needs ``A_log``). ``"none"``: ``g`` is already the log decay. ``dt_bias`` ``[H, K]`` or
+    ``[H*K]`` may be None (no bias); ``A_log`` is ``[H]``.
+    """
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+    if gate == "none":
+        return g
+    heads, dim = g.shape[-2:]
+    x = g if dt_bias is None else g + dt_bias.to(g.dtype).reshape(heads, dim)
+    if gate == "softplus":
+        if A_log is None:
+            raise ValueError("the softplus gate needs A_log")
+        return -torch.exp(A_log.to(g.dtype)).reshape(heads, 1) * F.softplus(x)
+    if A_log is not None:
+        x = torch.exp(A_log.to(g.dtype)).reshape(heads, 1) * x
+    return lower_bound * torch.sigmoid(x)
+
+
+def _sequence_spans(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, int]]:
+    """(batch row, start, end) of every sequence, in state order."""
+    if cu_seqlens is None:
+        return [(b, 0, seq_len) for b in range(batch)]
+    if batch != 1:
+        raise ValueError(f"cu_seqlens needs batch size 1, got {batch}")
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    if bounds[0] != 0 or bounds[-1] != seq_len or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to {seq_len}, got {bounds}")
+    return [(0, a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _recurrence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token loop for ``n`` equal-length sequences: q, k, decay ``[n,T,H,K]``, v ``[n,T,H,V]``,
+    beta ``[n,T,H]``, state ``[n,H,K,V]`` → (o ``[n,T,H,V]``, final state ``[n,H,K,V]``)."""
+    outputs = []
+    for t in range(q.shape[1]):
+        state = state * decay[:, t, :, :, None]
+        k_t = k[:, t]
+        predicted = torch.einsum("nhk,nhkv->nhv", k_t, state)
+        delta = beta[:, t, :, None] * (v[:, t] - predicted)
+        state = state + k_t[..., :, None] * delta[..., None, :]
+        outputs.append(torch.einsum("nhk,nhkv->nhv", q[:, t], state))
+    if not outputs:
+        return v.new_zeros(v.shape), state
+    return torch.stack(outputs, dim=1), state
+
+
+def gold_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    gate: str = "safe",
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float = -5.0,
+    qk_l2norm: bool = True,
+    beta_logits: bool = True,
+    initial_state: torch.Tensor | None = None,
+    state_layout: str = "vk",
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA forward by the token recurrence, every input widened to ``dtype``.
+
+    Shapes: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; A_log ``[H]``;
+    dt_bias ``[H, K]`` or ``[H*K]``. With ``cu_seqlens`` (int ``[N+1]``, B must be 1) the tokens
+    form N packed sequences; otherwise N = B. ``initial_state`` (any float dtype) and the final
+    state are ``[N, H, V, K]`` for ``state_layout="vk"`` or ``[N, H, K, V]`` for ``"kv"``.
+    ``gate``: see :func:`gate_log_decay`. ``beta_logits``: β = sigmoid(beta), else β = beta.
+    ``scale`` defaults to ``K ** -0.5``; q is l2-normalised first when ``qk_l2norm``.
+
+    Returns (o ``[B, T, H, V]`` in ``dtype``, final state in ``dtype`` or None).
+    """
+    if state_layout not in STATE_LAYOUTS:
+        raise ValueError(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
+    batch, seq_len, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    if scale is None:
+        scale = key_dim ** -0.5
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    if qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * scale
+    decay = torch.exp(gate_log_decay(g, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound))
+    if beta_logits:
+        beta = torch.sigmoid(beta)
+
+    spans = _sequence_spans(batch, seq_len, cu_seqlens)
+    if initial_state is None:
+        states = q.new_zeros(len(spans), heads, key_dim, value_dim)
+    else:
+        states = initial_state.to(dtype)
+        if state_layout == "vk":
+            states = states.transpose(-1, -2)
+        if tuple(states.shape) != (len(spans), heads, key_dim, value_dim):
+            raise ValueError(f"initial_state has shape {tuple(initial_state.shape)} for {len(spans)} sequences")
+
+    if cu_seqlens is None:
+        o, final = _recurrence(q, k, v, decay, beta, states)
+    else:
+        pieces, finals = [], []
+        for n, (_, start, end) in enumerate(spans):
+            o_n, s_n = _recurrence(
+                q[:, start:end], k[:, start:end], v[:, start:end], decay[:, start:end], beta[:, start:end],
+                states[n: n + 1],
+            )
+            pieces.append(o_n)
+            finals.append(s_n)
+        o = torch.cat(pieces, dim=1)
+        final = torch.cat(finals, dim=0)
+    if not output_final_state:
+        return o, None
+    return o, final.transpose(-1, -2) if state_layout == "vk" else final
