@@ -87,27 +87,44 @@ def ptxas_resources(ptx: str, arch: str = TARGET_ARCH) -> list[KernelResources]:
         )
     if proc.returncode != 0:
         raise RuntimeError(f"ptxas failed:\n{proc.stderr}")
-    kernels: list[KernelResources] = []
-    name = None
-    frame = (0, 0, 0)
-    for line in proc.stderr.splitlines():
+    return parse_ptxas_log(proc.stderr)
+
+
+def parse_ptxas_log(log: str) -> list[KernelResources]:
+    """Per-entry resources from a ``ptxas -v`` log, in the order ptxas compiled the entries.
+
+    A "Function properties for NAME" block gives NAME's stack frame and spills; ptxas also prints
+    such blocks for non-entry functions, anywhere in the log, so frames are matched by name.
+    """
+    frames: dict[str, tuple[int, int, int]] = {}
+    used: list[tuple[str, int, int]] = []  # (entry, registers, static smem)
+    entry = properties_of = None
+    for line in log.splitlines():
         m = re.search(r"Compiling entry function '([^']+)'", line)
         if m:
-            name = m.group(1)
+            entry = m.group(1)
+            continue
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            properties_of = m.group(1)
             continue
         m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if m:
-            frame = tuple(int(x) for x in m.groups())
+        if m and properties_of is not None:
+            frames[properties_of] = tuple(int(x) for x in m.groups())
+            properties_of = None
             continue
         m = re.search(r"Used (\d+) registers", line)
-        if m and name is not None:
+        if m and entry is not None:
             smem = re.search(r"(\d+) bytes smem", line)
-            kernels.append(KernelResources(
-                name=name, registers=int(m.group(1)), stack_frame=frame[0],
-                spill_stores=frame[1], spill_loads=frame[2],
-                static_smem=int(smem.group(1)) if smem else 0,
-            ))
-            name, frame = None, (0, 0, 0)
+            used.append((entry, int(m.group(1)), int(smem.group(1)) if smem else 0))
+            entry = None
+    kernels = []
+    for name, registers, static_smem in used:
+        stack_frame, spill_stores, spill_loads = frames.get(name, (0, 0, 0))
+        kernels.append(KernelResources(
+            name=name, registers=registers, stack_frame=stack_frame,
+            spill_stores=spill_stores, spill_loads=spill_loads, static_smem=static_smem,
+        ))
     return kernels
 
 
