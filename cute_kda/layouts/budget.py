@@ -1,0 +1,298 @@
+"""Shared-memory plans of the forward kernels: named buffers, their layouts, stage bytes, totals.
+
+A plan is a tree of buffers (:class:`SmemBuffer`) in structs and unions (:class:`SmemGroup`), laid
+out by the same rules as ``cute.struct`` / ``cute.union`` (members in order, each at its alignment;
+a union is as large as its largest member). Every buffer's size is its layout's ``cosize`` times the
+element width, rounded up to its alignment: 128 bytes (TMA's shared-memory alignment), or the
+swizzle period if that is larger (256 bytes for K_SW32); mbarriers take 8. A staged buffer holds
+``stages`` such slots back to back, so stage ``s`` starts ``s · slot_bytes`` into it.
+
+Kernel tests assert that a kernel's ``SharedStorage`` equals the plan; :meth:`SmemBudget.storage_struct`
+builds that ``cute.struct`` from the plan directly. Occupancy follows the sm_90 rules: 228 KiB of
+shared memory per SM, at most 227 KiB per CTA, and 1 KiB reserved by the system per CTA.
+
+``k1_budget`` (prepare, one CTA per (tile, head)) and ``k2_budget`` (recurrence, one CTA per
+(sequence, head, V-band)) are the two plans; ``python scripts/explore_layouts.py --section budget``
+prints them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Union
+
+from ..dsl import cute, cutlass
+from . import smem
+from .analysis import LayoutSpec, evaluate, layout_spec, row_major_tile, swizzle_period_bytes
+from .smem import AtomKind, layout_atom
+
+SMEM_PER_SM = 228 * 1024
+SMEM_PER_CTA_MAX = 227 * 1024
+SMEM_RESERVED_PER_CTA = 1024
+BUFFER_ALIGN = 128
+MBARRIER_ALIGN = 8
+
+
+def _align_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def state_fp32_band(rows: int, dim: int = smem.HEAD_DIM):
+    """fp32 state staging ``[rows, K]`` (K_SW32 atoms) for one V-band; ``rows = dim`` is ``smem.state_fp32``."""
+    return cute.tile_to_shape(layout_atom(AtomKind.K_SW32, cutlass.Float32), (rows, dim), (0, 1))
+
+
+@dataclass(frozen=True)
+class SmemBuffer:
+    """One named buffer: ``stages`` slots of ``layout`` (one slot per pipeline stage)."""
+
+    name: str
+    layout: LayoutSpec
+    stages: int = 1
+    pipeline: str | None = None  # the pipeline whose stage this buffer is part of
+    align_bytes: int | None = None  # None: max(128, swizzle period)
+    note: str = ""
+
+    @property
+    def dtype(self) -> type:
+        return self.layout.dtype
+
+    @property
+    def width(self) -> int:
+        return self.layout.width
+
+    @property
+    def cosize(self) -> int:
+        """Elements one slot's layout spans (DSL ``cosize``)."""
+        return evaluate(self.layout).cosize
+
+    @property
+    def align(self) -> int:
+        if self.align_bytes is not None:
+            return self.align_bytes
+        return max(BUFFER_ALIGN, swizzle_period_bytes(evaluate(self.layout).swizzle))
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one stage, rounded up to the alignment."""
+        return _align_up(self.cosize * self.width, self.align)
+
+    @property
+    def stage_stride(self) -> int:
+        """Elements from one stage's slot to the next."""
+        return self.slot_bytes // self.width
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_bytes * self.stages
+
+    def staged_layout(self):
+        """The slot layout with a trailing stage mode of stride :attr:`stage_stride` (inside a trace)."""
+        return cute.append(self.layout.make(), cute.make_layout(self.stages, stride=self.stage_stride))
+
+
+@dataclass(frozen=True)
+class SmemGroup:
+    """A struct (members one after another) or a union (members overlaid) of buffers and groups."""
+
+    name: str
+    members: tuple["SmemNode", ...]
+    union: bool = False
+
+    @property
+    def align(self) -> int:
+        return max(m.align for m in self.members)
+
+    def offsets(self) -> list[int]:
+        """Byte offset of each member inside this group."""
+        if self.union:
+            return [0] * len(self.members)
+        out, offset = [], 0
+        for m in self.members:
+            offset = _align_up(offset, m.align)
+            out.append(offset)
+            offset += m.nbytes
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        if self.union:
+            end = max(m.nbytes for m in self.members)
+        else:
+            end = max(o + m.nbytes for o, m in zip(self.offsets(), self.members))
+        return _align_up(end, self.align)
+
+
+SmemNode = Union[SmemBuffer, SmemGroup]
+
+
+@dataclass(frozen=True)
+class PlacedBuffer:
+    """A buffer at its byte offset from the start of the shared storage; ``path`` names its groups."""
+
+    buffer: SmemBuffer
+    offset: int
+    path: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SmemBudget:
+    """A kernel's shared-memory plan."""
+
+    name: str
+    storage: SmemGroup
+
+    def _walk(self, group: SmemGroup, base: int, path: tuple[str, ...]) -> Iterator[PlacedBuffer]:
+        for member, offset in zip(group.members, group.offsets()):
+            if isinstance(member, SmemGroup):
+                yield from self._walk(member, base + offset, path + (member.name,))
+            else:
+                yield PlacedBuffer(member, base + offset, path)
+
+    @property
+    def buffers(self) -> dict[str, PlacedBuffer]:
+        """Every buffer by name, with its offset, in storage order."""
+        return {p.buffer.name: p for p in self._walk(self.storage, 0, ())}
+
+    @property
+    def stage_bytes(self) -> dict[str, int]:
+        """Bytes of one stage of each pipeline (sum of its buffers' slots)."""
+        out: dict[str, int] = {}
+        for p in self.buffers.values():
+            if p.buffer.pipeline is not None:
+                out[p.buffer.pipeline] = out.get(p.buffer.pipeline, 0) + p.buffer.slot_bytes
+        return out
+
+    @property
+    def total_bytes(self) -> int:
+        return self.storage.nbytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= SMEM_PER_CTA_MAX
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """CTAs of this kernel one SM holds as far as shared memory goes."""
+        if not self.fits:
+            return 0
+        return SMEM_PER_SM // (_align_up(self.total_bytes, BUFFER_ALIGN) + SMEM_RESERVED_PER_CTA)
+
+    def storage_struct(self):
+        """The ``cute.struct`` with exactly this plan's fields, offsets and size (buffers as ``MemRange``)."""
+        return _make_struct(self.storage)
+
+    def describe(self) -> str:
+        """Text table of the buffers, stage bytes, total and occupancy."""
+        head = f"{'buffer':34s} {'layout':44s} {'dtype':>9s} {'cosize':>7s} {'slot B':>7s} {'stages':>6s} {'offset':>7s}"
+        lines = [f"{self.name}", head, "-" * len(head)]
+        for p in self.buffers.values():
+            b = p.buffer
+            name = ".".join(p.path + (b.name,))
+            lines.append(f"{name:34s} {b.layout.name:44s} {b.dtype.__name__:>9s} {b.cosize:7d} "
+                         f"{b.slot_bytes:7d} {b.stages:6d} {p.offset:7d}")
+        for pipe, nbytes in self.stage_bytes.items():
+            lines.append(f"bytes per {pipe} stage: {nbytes}")
+        lines.append(f"total: {self.total_bytes} B ({self.total_bytes / 1024:.1f} KiB); "
+                     f"CTAs/SM by smem: {self.ctas_per_sm}")
+        return "\n".join(lines)
+
+
+def _make_struct(group: SmemGroup):
+    annotations = {}
+    for m in group.members:
+        if isinstance(m, SmemGroup):
+            annotations[m.name] = cute.struct.Align[_make_struct(m), m.align]
+        else:
+            annotations[m.name] = cute.struct.Align[
+                cute.struct.MemRange[m.dtype, m.stages * m.stage_stride], m.align]
+    cls = type(group.name, (), {"__annotations__": annotations})
+    return (cute.union if group.union else cute.struct)(cls)
+
+
+def _mbarriers(name: str, count: int, note: str) -> SmemBuffer:
+    return SmemBuffer(name, layout_spec(f"vector({count})", smem.vector, count, dtype=cutlass.Int64),
+                      align_bytes=MBARRIER_ALIGN, note=note)
+
+
+def k2_budget(vsplit: int = 1, state_io_fp32: bool = False, dim: int = smem.HEAD_DIM, chunk: int = smem.CHUNK,
+              input_stages: int = 3, output_stages: int = 2) -> SmemBudget:
+    """Plan of K2 for a V-band of ``dim // vsplit`` columns.
+
+    ``state`` is ``[Vband, K]`` bf16 K_INTER (its ``[K, Vband]`` MN_INTER view is the same bytes).
+    ``io`` overlays the pipeline buffers with the fp32 state staging buffer (only when the state is
+    read or written as fp32: used before the first and after the last tile, never with the pipeline).
+    mbarriers: full + empty per stage of each pipeline, one for the state's TMA.
+    """
+    if dim % vsplit or (dim // vsplit) % 16:
+        raise ValueError(f"vsplit={vsplit} must split D={dim} into bands of a multiple of 16")
+    vband = dim // vsplit
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    chunk_tile = layout_spec(f"chunk_operand({dim},{chunk})", smem.chunk_operand, dim, chunk, dtype=bf16)
+    band_tile = layout_spec(f"operand_tile({chunk},{vband})", smem.operand_tile, chunk, vband, dtype=bf16)
+    square = layout_spec(f"square_tile({chunk})", smem.square_tile, chunk, dtype=bf16)
+
+    def stage_in(name: str, spec: LayoutSpec) -> SmemBuffer:
+        return SmemBuffer(name, spec, input_stages, "input")
+
+    pipeline = SmemGroup("pipeline", (
+        stage_in("v", band_tile),
+        stage_in("kd", chunk_tile),
+        stage_in("qd", chunk_tile),
+        stage_in("kr", chunk_tile),
+        stage_in("gt", layout_spec(f"vector({dim})", smem.vector, dim, dtype=f32)),
+        stage_in("inv", square),
+        stage_in("mqk", square),
+        stage_in("beta", layout_spec(f"vector({chunk})", smem.vector, chunk, dtype=f32)),
+        SmemBuffer("out", band_tile, output_stages, "output"),
+    ))
+    io_members: tuple[SmemNode, ...] = (pipeline,)
+    if state_io_fp32:
+        io_members += (SmemBuffer("state_fp32", layout_spec(f"state_fp32_band({vband},{dim})", state_fp32_band,
+                                                             vband, dim, dtype=f32)),)
+    storage = SmemGroup("K2Storage", (
+        SmemBuffer("state", layout_spec(f"operand_tile({vband},{dim})", smem.operand_tile, vband, dim, dtype=bf16)),
+        SmemGroup("io", io_members, union=True),
+        _mbarriers("load_mbar", 2 * input_stages, "PipelineTmaAsync full/empty"),
+        _mbarriers("store_mbar", 2 * output_stages, "PipelineAsync full/empty"),
+        _mbarriers("state_mbar", 1, "state TMA load/store"),
+    ))
+    return SmemBudget(f"K2 vsplit={vsplit} (Vband={vband}) state_io={'fp32' if state_io_fp32 else 'bf16'}",
+                      storage)
+
+
+def k1_budget(dim: int = smem.HEAD_DIM, chunk: int = smem.CHUNK) -> SmemBudget:
+    """Plan of K1 (one 16-token tile of one head).
+
+    Two phases share ``phase``: the inputs (q, k as TMA'd, l2-normalised in place; the fp32 gate
+    cumsum ``G``) are read into registers before the decayed operands and the 16×16 tiles are
+    written over them. ``g_raw`` (TMA target) is dead once ``G`` is built and makes room for ``kr``;
+    ``dt_bias`` likewise for ``gT``. bf16 tiles are K_INTER (TMA-able, conflict-free ldmatrix);
+    ``G`` is fp32 row-major, read per channel (a warp reads 32 consecutive words).
+    """
+    bf16, f16, f32 = cutlass.BFloat16, cutlass.Float16, cutlass.Float32
+    chunk_tile = layout_spec(f"chunk_operand({dim},{chunk})", smem.chunk_operand, dim, chunk, dtype=bf16)
+    square = layout_spec(f"square_tile({chunk})", smem.square_tile, chunk, dtype=bf16)
+    vec_d = layout_spec(f"vector({dim})", smem.vector, dim, dtype=f32)
+    inputs = SmemGroup("inputs", (
+        SmemBuffer("q", chunk_tile),
+        SmemBuffer("k", chunk_tile),
+        SmemBuffer("g_cum", layout_spec(f"row_major_tile({chunk},{dim})", row_major_tile, chunk, dim, dtype=f32)),
+    ))
+    tiles = SmemGroup("tiles", (
+        SmemBuffer("qd", chunk_tile),
+        SmemBuffer("kd", chunk_tile),
+        SmemBuffer("kinv", chunk_tile),
+        SmemBuffer("l", layout_spec(f"square_tile({chunk})", smem.square_tile, chunk, dtype=f16)),
+        SmemBuffer("inv", square),
+        SmemBuffer("mqk", square),
+    ))
+    storage = SmemGroup("K1Storage", (
+        SmemGroup("phase", (inputs, tiles), union=True),
+        SmemGroup("g_or_kr", (SmemBuffer("g_raw", chunk_tile), SmemBuffer("kr", chunk_tile)), union=True),
+        SmemGroup("dt_or_gt", (SmemBuffer("dt_bias", vec_d), SmemBuffer("gt", vec_d)), union=True),
+        SmemBuffer("beta_raw", layout_spec(f"vector({chunk})", smem.vector, chunk, dtype=bf16)),
+        SmemBuffer("beta", layout_spec(f"vector({chunk})", smem.vector, chunk, dtype=f32)),
+        _mbarriers("load_mbar", 1, "TMA load transaction barrier"),
+    ))
+    return SmemBudget(f"K1 D={dim} CHUNK={chunk}", storage)
