@@ -49,14 +49,17 @@ def chunk_operand_transposed(dim: int = HEAD_DIM, chunk: int = CHUNK, dtype: typ
     return operand_tile_transposed(chunk, dim, dtype)
 
 
-def state_b_view(dim: int = HEAD_DIM, dtype: type = cutlass.BFloat16):
-    """State ``[V, K]`` as the B operand of ``kd·S`` / ``qd·S`` (K contiguous inside core matrices)."""
-    return operand_tile(dim, dim, dtype)
+def state_b_view(dim: int = HEAD_DIM, dtype: type = cutlass.BFloat16, vband: int | None = None):
+    """State ``[V, K]`` as the B operand of ``kd·S`` / ``qd·S`` (K contiguous inside core matrices).
+
+    ``vband`` (default ``dim``) is the number of V rows a CTA owns under split-V.
+    """
+    return operand_tile(vband or dim, dim, dtype)
 
 
-def state_acc_view(dim: int = HEAD_DIM, dtype: type = cutlass.BFloat16):
+def state_acc_view(dim: int = HEAD_DIM, dtype: type = cutlass.BFloat16, vband: int | None = None):
     """State ``[K, V]`` in accumulator orientation for the update; same bytes as :func:`state_b_view`."""
-    return operand_tile_transposed(dim, dim, dtype)
+    return operand_tile_transposed(vband or dim, dim, dtype)
 
 
 def square_tile(chunk: int = CHUNK, dtype: type = cutlass.BFloat16):
@@ -74,6 +77,13 @@ def vector(n: int):
     return cute.make_layout(n)
 
 
-def state_fp32(dim: int = HEAD_DIM):
-    """fp32 state ``[V, K]`` staging buffer for fp32 state I/O (K_SW32 atoms)."""
-    return cute.tile_to_shape(layout_atom(AtomKind.K_SW32, cutlass.Float32), (dim, dim), (0, 1))
+def state_fp32(dim: int = HEAD_DIM, vband: int | None = None):
+    """fp32 state ``[V, K]`` staging buffer for fp32 state I/O (K_SW32 atoms; ``vband`` V rows).
+
+    The atom carries a byte swizzle: build tensors as ``make_tensor(ptr with swizzle=layout.inner,
+    layout.outer)`` (swizzle on the pointer), not with the composed layout, or the swizzle is applied
+    to element offsets instead of byte addresses.
+    """
+    return cute.tile_to_shape(
+        layout_atom(AtomKind.K_SW32, cutlass.Float32), (vband or dim, dim), (0, 1)
+    )
