@@ -73,7 +73,8 @@ def test_head_tile_view_addresses_one_head():
             cute.make_layout((tokens, heads, D), stride=(heads * D, D, 1)),
         )
         view = tma.head_tile_view(x, D, 8).layout
-        return {(r, c, h): view((r, (c % 8, c // 8), h)) for r in (0, 17, 39) for c in (0, 7, 8, 127) for h in range(heads)}
+        coords = [(r, c, h) for r in (0, 17, 39) for c in (0, 7, 8, 127) for h in range(heads)]
+        return {(r, c, h): view((r, (c % 8, c // 8), h)) for r, c, h in coords}
 
     for (r, c, h), offset in _evaluate(build).items():
         assert offset == (r * heads + h) * D + c
@@ -161,18 +162,23 @@ def test_fragment_model_needs_movmatrix():
 # ---------------------------------------------------------------- compiled PTX (CPU)
 
 
+def _compile(kernel: TransposeRoundTrip, dtype=cutlass.BFloat16):
+    """Compile ``kernel`` for fake ``x [T, H, D]`` / ``y [T', H, 16]`` (dynamic T, T', H) with a report."""
+    heads = cute.sym_int()
+    x, y = (
+        cute.runtime.make_fake_compact_tensor(
+            dtype, (cute.sym_int(), heads, cols), stride_order=(2, 1, 0), assumed_align=16
+        )
+        for cols in (kernel.dim, CHUNK)
+    )
+    _, report = compile_with_report(kernel, x, y, cutlass.Int32(1), cute.runtime.make_fake_stream())
+    return report
+
+
 @pytest.fixture(scope="module", params=[True, False], ids=["mn_views", "k_views"])
 def compiled_report(request):
-    tokens, heads, out_rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    x = cute.runtime.make_fake_compact_tensor(
-        cutlass.BFloat16, (tokens, heads, D), stride_order=(2, 1, 0), assumed_align=16
-    )
-    y = cute.runtime.make_fake_compact_tensor(
-        cutlass.BFloat16, (out_rows, heads, CHUNK), stride_order=(2, 1, 0), assumed_align=16
-    )
     kernel = TransposeRoundTrip(D, transposed_views=request.param)
-    _, report = compile_with_report(kernel, x, y, cutlass.Int32(1), cute.runtime.make_fake_stream())
-    return request.param, kernel, report
+    return request.param, kernel, _compile(kernel)
 
 
 def test_ptx_uses_every_primitive(compiled_report):
@@ -186,6 +192,24 @@ def test_ptx_uses_every_primitive(compiled_report):
     assert report.count("movmatrix.sync.aligned.m8n8.trans.b16") == 4 * kernel.blocks_per_warp
     assert report.count(f"stmatrix.sync.aligned.m8n8.x4{trans}.shared.b16") == kernel.blocks_per_warp
     assert report.has("fence.proxy.async.shared::cta")
+    # the DSL does not elect the issuing lane of a TMA store; tma_store_tiles must
+    lines = report.ptx.splitlines()
+    store = next(i for i, line in enumerate(lines) if "cp.async.bulk.tensor.4d.global.shared::cta" in line)
+    assert any("elect.sync" in line for line in lines[store - 8: store])
+
+
+@pytest.mark.parametrize(
+    "dim,dtype,stages,transposed_views",
+    [(D, cutlass.Float16, (1, 1), True), (D, cutlass.BFloat16, (3, 2), False),
+     (64, cutlass.Float16, (2, 2), True)],
+)
+def test_variants_compile(dim, dtype, stages, transposed_views):
+    """Other configurations (as the GPU tests launch) compile, one TMA per tile, no local memory."""
+    kernel = TransposeRoundTrip(dim, dtype, *stages, transposed_views)
+    report = _compile(kernel, dtype)
+    assert report.count("cp.async.bulk.tensor") == 2
+    assert report.count("movmatrix") == 4 * kernel.blocks_per_warp
+    assert report.local_memory_ops == 0 and report.spills == 0
 
 
 def test_no_local_memory(compiled_report):

@@ -40,13 +40,13 @@ from cutlass import Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 from cutlass.pipeline import (
+    Agent,
     CooperativeGroup,
     PipelineAsync,
     PipelineTmaAsync,
     PipelineUserType,
     make_pipeline_state,
 )
-from cutlass.pipeline import Agent
 
 from ..dsl import cute, cutlass
 from ..layouts.smem import CHUNK
@@ -59,7 +59,7 @@ from .common.copy import (
     make_fragment,
     make_head_tile_tma_atom,
     stmatrix_copy,
-    tma_store_tile,
+    tma_store_tiles,
     transpose_c_to_b,
     warp_tiled_mma,
 )
@@ -100,7 +100,7 @@ class TransposeRoundTrip:
 
     @cute.jit
     def __call__(self, x: cute.Tensor, y: cute.Tensor, tiles_per_cta: Int32, stream) -> None:
-        """``x``: ``[T, H, D]``, ``y``: ``[⌈T/16⌉·D, H, 16]``, both ``dtype`` with the last mode contiguous."""
+        """``x``: ``[T, H, D]``, ``y``: ``[⌈T/16⌉·D, H, 16]``, both ``dtype``, last mode contiguous."""
         in_layout = operand_tile_staged(CHUNK, self.dim, self.load_stages, self.dtype)
         out_layout = operand_tile_staged(self.dim, CHUNK, self.store_stages, self.dtype)
         load_atom, x_tma = make_head_tile_tma_atom(
@@ -124,12 +124,15 @@ class TransposeRoundTrip:
         self.shared_storage = SharedStorage
         tiles = (x.shape[0] + CHUNK - 1) // CHUNK
         tile_groups = (tiles + tiles_per_cta - 1) // tiles_per_cta
-        self.kernel(load_atom, x_tma, store_atom, y_tma, tiles, tiles_per_cta).launch(
+        self.kernel(load_atom, x_tma, store_atom, y_tma, in_layout, out_layout, tiles, tiles_per_cta).launch(
             grid=(tile_groups, x.shape[1], 1), block=(self.threads, 1, 1), stream=stream
         )
 
     @cute.kernel
-    def kernel(self, load_atom, x_tma: cute.Tensor, store_atom, y_tma: cute.Tensor, tiles: Int32, tiles_per_cta: Int32):
+    def kernel(
+        self, load_atom, x_tma: cute.Tensor, store_atom, y_tma: cute.Tensor, in_layout, out_layout,
+        tiles: Int32, tiles_per_cta: Int32,
+    ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tile_group, head, _ = cute.arch.block_idx()
         first_tile = tile_group * tiles_per_cta
@@ -159,8 +162,8 @@ class TransposeRoundTrip:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        x_tiles = storage.x_tiles.get_tensor(operand_tile_staged(CHUNK, self.dim, self.load_stages, self.dtype))
-        y_tiles = storage.y_tiles.get_tensor(operand_tile_staged(self.dim, CHUNK, self.store_stages, self.dtype))
+        x_tiles = storage.x_tiles.get_tensor(in_layout)
+        y_tiles = storage.y_tiles.get_tensor(out_layout)
 
         if warp_idx == self.load_warp:
             self.load(load_pipeline, load_atom, x_tma, x_tiles, head, first_tile, tile_count)
@@ -170,7 +173,10 @@ class TransposeRoundTrip:
             self.transpose_tiles(load_pipeline, store_pipeline, x_tiles, y_tiles, warp_idx, tile_count)
 
     @cute.jit
-    def load(self, pipeline, atom, x_tma: cute.Tensor, x_tiles: cute.Tensor, head: Int32, first_tile: Int32, tile_count: Int32):
+    def load(
+        self, pipeline, atom, x_tma: cute.Tensor, x_tiles: cute.Tensor, head: Int32, first_tile: Int32,
+        tile_count: Int32,
+    ):
         """TMA warp: tile ``first_tile + i`` into stage ``i mod load_stages`` (whole warp calls)."""
         smem_part, gmem_part = head_tile_tma_partition(atom, x_tma, x_tiles, head, self.in_tile)
         state = make_pipeline_state(PipelineUserType.Producer, self.load_stages)
@@ -185,7 +191,10 @@ class TransposeRoundTrip:
         pipeline.producer_tail(state)
 
     @cute.jit
-    def transpose_tiles(self, load_pipeline, store_pipeline, x_tiles: cute.Tensor, y_tiles: cute.Tensor, warp_idx: Int32, tile_count: Int32):
+    def transpose_tiles(
+        self, load_pipeline, store_pipeline, x_tiles: cute.Tensor, y_tiles: cute.Tensor, warp_idx: Int32,
+        tile_count: Int32,
+    ):
         """Compute warps: ldmatrix → movmatrix (C→B) → stmatrix, block by block (module docstring)."""
         lane = cute.arch.lane_idx()
         if cutlass.const_expr(self.transposed_views):
@@ -241,12 +250,15 @@ class TransposeRoundTrip:
             store_state.advance()
 
     @cute.jit
-    def store(self, pipeline, atom, y_tma: cute.Tensor, y_tiles: cute.Tensor, head: Int32, first_tile: Int32, tile_count: Int32):
+    def store(
+        self, pipeline, atom, y_tma: cute.Tensor, y_tiles: cute.Tensor, head: Int32, first_tile: Int32,
+        tile_count: Int32,
+    ):
         """Store warp: TMA-store each finished output stage, free it once the TMA has read it."""
         smem_part, gmem_part = head_tile_tma_partition(atom, y_tma, y_tiles, head, self.out_tile)
         state = make_pipeline_state(PipelineUserType.Consumer, self.store_stages)
         for i in cutlass.range(tile_count, unroll=1):
             pipeline.consumer_wait(state)
-            tma_store_tile(atom, smem_part[None, state.index], gmem_part[None, first_tile + i])
+            tma_store_tiles((atom, smem_part[None, state.index], gmem_part[None, first_tile + i]))
             pipeline.consumer_release(state)
             state.advance()

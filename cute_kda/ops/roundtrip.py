@@ -63,7 +63,9 @@ def transpose_tiles(
     from ..dsl import cutlass
 
     if not x.is_cuda or x.dtype not in _DTYPES or x.dim() != 3:
-        raise TypeError(f"expected a CUDA bf16/fp16 tensor [T, H, D], got {x.dtype} {tuple(x.shape)} on {x.device}")
+        raise TypeError(
+            f"expected a CUDA bf16/fp16 tensor [T, H, D], got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
     tokens, heads, dim = x.shape
     if dim % 64:
         raise ValueError(f"D={dim} must be a multiple of 64 (16-column blocks over 4 warps)")
@@ -74,7 +76,9 @@ def transpose_tiles(
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     elif tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device:
-        raise ValueError(f"out must be {x.dtype} {shape} on {x.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+        raise ValueError(
+            f"out must be {x.dtype} {shape} on {x.device}, got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
     if tiles == 0 or heads == 0:
         return out
     _check_tma_operand("x", x)

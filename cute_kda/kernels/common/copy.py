@@ -9,7 +9,7 @@ with ``H = 1``) is moved in ``(tile_rows, tile_cols)`` tiles of one head:
   buffer ``(TMA, [stage])`` and gmem tiles ``(TMA, tile)``. A load is
   ``cute.copy(atom, g[None, t], s[None, stage], tma_bar_ptr=...)`` from a whole warp: the DSL elects
   the issuing lane of a G2S copy itself (inside ``elect_one`` it would hang). A store is
-  :func:`tma_store_tile`, also from a whole warp: the DSL (4.8.1) does *not* elect for an S2G copy
+  :func:`tma_store_tiles`, also from a whole warp: the DSL (4.8.1) does *not* elect for an S2G copy
   (every lane would issue the same store), so that helper elects one lane itself.
 
 Registers (device). All fragments are per-warp 16×16 tiles of the warp MMA
@@ -87,17 +87,17 @@ def head_tile_tma_partition(atom, tma_tensor: cute.Tensor, smem: cute.Tensor, he
     )
 
 
-@cute.jit
-def tma_store_tile(atom, smem_tile: cute.Tensor, gmem_tile: cute.Tensor):
-    """TMA-store one tile (``smem_part[None, stage]`` → ``gmem_part[None, t]``); call from a whole warp.
+def tma_store_tiles(*copies: tuple) -> None:
+    """TMA-store tiles, each ``(atom, smem_tile, gmem_tile)``; call from a whole warp.
 
-    One elected lane issues the store, commits it as a bulk group and waits until the TMA has read
-    the smem tile, so the buffer may be refilled when this returns (the gmem writes may still be in
-    flight; they complete before the kernel ends). The caller fences its smem writes
-    (``cute.arch.fence_view_async_shared``) and synchronises with the writers before calling.
+    One elected lane issues every store, commits them as one bulk group and waits until the TMA
+    has read the smem tiles, so the buffers may be refilled when this returns (the gmem writes
+    may still be in flight; they complete before the kernel ends). The caller fences its smem
+    writes (``cute.arch.fence_view_async_shared``) and synchronises with the writers first.
     """
     with cute.arch.elect_one():
-        cute.copy(atom, smem_tile, gmem_tile)
+        for atom, smem_tile, gmem_tile in copies:
+            cute.copy(atom, smem_tile, gmem_tile)
         cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -110,13 +110,19 @@ def warp_tiled_mma(ab_dtype: type = cutlass.BFloat16, acc_dtype: type = cutlass.
     )
 
 
-def make_fragment(tiled_mma, operand: Operand, dtype: type = cutlass.BFloat16) -> cute.Tensor:
-    """Registers of one lane for a 16×16 tile of ``operand`` (8 values, order in the module docstring)."""
+def make_fragment(
+    tiled_mma, operand: Operand, dtype: type = cutlass.BFloat16, tile: tuple[int, int] = (WARP_TILE, WARP_TILE)
+) -> cute.Tensor:
+    """Registers of one lane for a ``tile`` of ``operand`` (``(m, k)`` / ``(n, k)`` / ``(m, n)``).
+
+    The default 16×16 tile holds 8 values in the order of the module docstring; a larger tile
+    repeats that fragment over its 16×16 blocks (extra modes of the returned tensor).
+    """
     shape = {
         Operand.A: tiled_mma.partition_shape_A,
         Operand.B: tiled_mma.partition_shape_B,
         Operand.C: tiled_mma.partition_shape_C,
-    }[operand]((WARP_TILE, WARP_TILE))
+    }[operand](tile)
     return cute.make_rmem_tensor(shape, dtype)
 
 
@@ -151,8 +157,11 @@ def stmatrix_copy(tiled_mma, operand: Operand, transpose: bool, dtype: type = cu
 def transpose_c_to_b(c_fragment: cute.Tensor, b_fragment: cute.Tensor):
     """``b_fragment ← `` B fragment of ``Mᵀ`` from the C fragment of ``M`` (16-bit, warp-collective).
 
-    Four ``movmatrix.trans`` per 16×16 tile, no register reordering (see the module docstring).
-    Both fragments must be register tensors of 16-bit values, e.g. from :func:`make_fragment`.
+    One ``movmatrix.trans`` per 32-bit register, no reordering (see the module docstring): register
+    ``p`` of a C fragment of a ``16 × 8n`` tile ``M`` (shape ``((2,2),1,n)``: row half ``p % 2``,
+    n-atom ``p // 2``) becomes register ``p`` of the B fragment of the ``8n × 16`` tile ``Mᵀ``
+    (shape ``((2,2),n,1)``: k half ``p % 2``, n-atom ``p // 2``). Both are 16-bit register tensors,
+    e.g. from :func:`make_fragment`.
     """
     c_words = cute.recast_tensor(c_fragment, Uint32)
     b_words = cute.recast_tensor(b_fragment, Uint32)
