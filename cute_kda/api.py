@@ -106,7 +106,7 @@ def kda_forward(
       final_state  ``[N, H, V, K]``, written into ``final_state`` when given (then returned even
              without ``output_final_state``), else allocated when ``output_final_state`` with the
              dtype of ``initial_state`` (fp32 without one); None otherwise.
-    K = V = 128. ``vsplit`` (1, 2, 4, 8 or None = heuristic): K2 CTAs per (sequence, head).
+    K = V = 128. ``vsplit`` (1, 2, 4 or None = heuristic): K2 CTAs per (sequence, head).
 
     Runs on the caller's current stream (torch's, or CuPy's for CuPy arrays) without host
     synchronisation; returns arrays of ``q``'s framework (torch, CuPy, JAX; torch otherwise).

@@ -24,7 +24,7 @@ import torch
 SUPPORTED_HEAD_DIMS = (128,)
 LOWER_BOUND_MIN, LOWER_BOUND_MAX = -5.0, 0.0  # lower_bound must lie in [min, max)
 STATE_DTYPES = (torch.bfloat16, torch.float32)
-SUPPORTED_VSPLITS = (1, 2, 4, 8)
+SUPPORTED_VSPLITS = (1, 2, 4)  # = cute_kda.layouts.fwd_recurrence.SUPPORTED_VSPLITS (that module imports the DSL)
 ALIGNMENT_BYTES = 16  # TMA and the DSL tensors assume 16-byte aligned base addresses
 DEBUG_ENV = "CUTE_KDA_DEBUG_CHECKS"
 

@@ -136,9 +136,15 @@ def test_scale(value, error):
     expect(error, "scale", scale=value)
 
 
-@pytest.mark.parametrize("value", [0, 3, 16, True])
+@pytest.mark.parametrize("value", [0, 3, 8, True])
 def test_vsplit(value):
     expect(ValueError, "vsplit", vsplit=value)
+
+
+def test_vsplit_set_matches_the_kernel():
+    from cute_kda.layouts.fwd_recurrence import SUPPORTED_VSPLITS
+
+    assert validation.SUPPORTED_VSPLITS == SUPPORTED_VSPLITS
 
 
 def packed(lengths: list[int]) -> dict:
