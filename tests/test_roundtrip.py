@@ -249,11 +249,12 @@ def _random_bits(shape, dtype, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("transposed_views", [True, False], ids=["mn_views", "k_views"])
 @pytest.mark.parametrize(
     "tokens,heads,tiles_per_cta,stages",
     [(16, 1, 1, (1, 1)), (112, 3, 1, (2, 2)), (112, 3, 3, (2, 2)), (100, 5, 7, (3, 2)), (400, 2, 25, (1, 1))],
+    ids=lambda case: "x".join(map(str, case)) if isinstance(case, tuple) else str(case),
 )
 def test_round_trip_bit_exact(device, dtype, transposed_views, tokens, heads, tiles_per_cta, stages):
     x = _random_bits((tokens, heads, D), dtype, seed=tokens * heads).to(device)
