@@ -18,11 +18,14 @@ import platform
 import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")  # FLA's own Triton path, not its FlashKDA dispatch
 
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 LOWER_BOUND = -5.0
 D = 128
