@@ -1,0 +1,498 @@
+"""K1, the prepare kernel: raw inputs → the per-(head, 16-token tile) workspace that K2 reads.
+
+Arithmetic: docs/numerics.md, section "K1", operation by operation (the mirror reference
+``cute_kda.reference.mirror.mirror_prepare`` follows the same page). Workspace format:
+``cute_kda.workspace``. Shared-memory plan: ``cute_kda.layouts.fwd_prepare``.
+
+One CTA per (tile slot, head), ``num_threads`` threads (128 or 256):
+
+1. *Load.* Warp 0 TMA-loads the q, k and g tiles (``[16, 128]`` bf16, 128-byte swizzle) behind one
+   transaction barrier; meanwhile every thread fetches its gate column's ``dt_bias`` and
+   ``exp(A_log)``, and threads 0-15 compute β of their row (written to smem and to the workspace).
+2. *Gate scan.* Threads 0-127 own one channel each and run the 16-row inclusive scan of
+   ``g' = c_gate · sigmoid(e^A · (g + dt_bias))`` in order, writing ``G`` (fp32) to smem and
+   ``gT = 2^G_last`` to the workspace.
+3. *Decay.* Every 16-lane half warp owns one row, lane ``j`` the 8 channels ``8j … 8j+7``: the l2
+   norm (sequential partial over 8 channels, then a ``shfl.xor`` butterfly 8, 4, 2, 1), then qd,
+   kd, kr and kinv, written over q, k, g and into kinv.
+4. *Finish.* Warp 0: ``A_kk = kd·kinvᵀ`` (``mma.sync`` m16n8k16, bf16 → fp32), ``L``, and the fp16
+   Neumann product for INV, all in registers; warp 1: ``Mqk``; warp 2: TMA stores of qd, kd, kr.
+
+Rows past the end of the sequence (tail tile) are *invalid*: the TMA may have brought the next
+sequence's rows (or zeros past the tensor), and every use masks them — q, k as 0, ``g' = 0``,
+β = 0 — so nothing of another sequence reaches the results.
+
+Varlen: the grid runs over the tile-slot bound (``tiles_per_head``); a CTA finds its sequence by
+binary search in ``tile_base`` and does nothing (writes nothing) when its slot has no tile.
+Fixed length: sequence ``b`` owns rows ``b·T … b·T + T − 1`` of the flattened ``[B·T]`` tokens and
+tiles ``b·⌈T/16⌉ …``; tiles never straddle sequences.
+"""
+
+from __future__ import annotations
+
+import struct
+from math import e, log2
+from typing import NamedTuple, Optional
+
+from cutlass import BFloat16, Float16, Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.memory import SmemAllocator
+
+from ..dsl import cute, cutlass
+from ..layouts import fwd_prepare as plan
+from ..layouts.smem import CHUNK, HEAD_DIM
+from .common.copy import (
+    WARP_TILE,
+    Operand,
+    head_tile_tma_partition,
+    ldmatrix_copy,
+    make_fragment,
+    make_head_tile_tma_atom,
+    tma_store_tiles,
+    transpose_c_to_b,
+    warp_tiled_mma,
+)
+from .common.fastmath import ex2_approx, sigmoid_approx
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded once to fp32 (as a Python float that fp32 holds exactly)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+LOG2E = _f32(log2(e))
+EPS = _f32(1e-6)
+CHANNELS_PER_LANE = 8  # l2norm partial: 8 consecutive channels per lane, 16 lanes per row
+ROW_LANES = HEAD_DIM // CHANNELS_PER_LANE
+SMEM_CARVEOUT_PERCENT = 100  # all of the unified L1/smem as smem: K1 wants CTAs, not L1
+
+
+@dsl_user_op
+def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """``mul.rn.f32``: a product that neither LLVM nor ptxas may fuse into a following add."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f",
+            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+class PrepareInputs(NamedTuple):
+    """K1's inputs, tokens flattened (``rows = B·T``); validated by the API layer."""
+
+    q: cute.Tensor  # bf16 [rows, H, D], D contiguous
+    k: cute.Tensor  # bf16 [rows, H, D]
+    g: cute.Tensor  # bf16 [rows, H, D], raw gate
+    beta: cute.Tensor  # bf16 [rows, H], logits or activated
+    a_log: cute.Tensor  # fp32 [H]
+    dt_bias: cute.Tensor  # fp32 [H, D]
+
+
+class WorkspaceTiles(NamedTuple):
+    """The workspace fields as K1 writes them (``R = H · tiles`` tile rows, slot = h·tiles + tile)."""
+
+    qd: cute.Tensor  # bf16 [R·16, 1, D]: the [R, 16, D] field as rows of one "head"
+    kd: cute.Tensor  # bf16 [R·16, 1, D]
+    kr: cute.Tensor  # bf16 [R·16, 1, D]
+    gt: cute.Tensor  # fp32 [R, D]
+    inv: cute.Tensor  # bf16 [R, 16, 16]
+    mqk: cute.Tensor  # bf16 [R, 16, 16]
+    beta: cute.Tensor  # fp32 [R, 16]
+
+
+class PrepareScalars(NamedTuple):
+    """fp32 constants of docs/numerics.md (rounded once on the host) and the fixed length."""
+
+    scale: Float32  # f32(scale)
+    c_gate: Float32  # f32(lower_bound · log2(e))
+    seq_len: Int32  # T of a fixed-length batch (unused with cu_seqlens)
+
+
+class PrepareTma(NamedTuple):
+    """TMA atoms and TMA tensors: loads of q, k, g; stores of qd, kd, kr."""
+
+    q: tuple
+    k: tuple
+    g: tuple
+    qd: tuple
+    kd: tuple
+    kr: tuple
+
+
+class PrepareKernel:
+    """K1. Static configuration: ``varlen``, ``qk_l2norm``, ``beta_logits``, ``num_threads``."""
+
+    def __init__(self, *, varlen: bool, qk_l2norm: bool = True, beta_logits: bool = True,
+                 num_threads: int = 128, ctas_per_sm: int = 8) -> None:
+        if num_threads not in (128, 256):
+            raise ValueError(f"num_threads must be 128 or 256, got {num_threads}")
+        self.varlen = varlen
+        self.qk_l2norm = qk_l2norm
+        self.beta_logits = beta_logits
+        self.num_threads = num_threads
+        self.ctas_per_sm = ctas_per_sm  # register budget: 65536 / (num_threads · ctas_per_sm)
+        self.dim = HEAD_DIM
+        self.tile = (CHUNK, HEAD_DIM)
+        # decay phase: 16 rows × 16 lanes per row, spread over the threads
+        self.decay_items = CHUNK * ROW_LANES // num_threads
+        self.kkt_warp, self.qk_warp, self.store_warp = 0, 1, 2
+
+    @cute.jit
+    def __call__(
+        self,
+        inputs: PrepareInputs,
+        ws: WorkspaceTiles,
+        scale: Float32,
+        c_gate: Float32,
+        seq_len: Int32,
+        cu_seqlens: Optional[cute.Tensor],
+        tile_base: Optional[cute.Tensor],
+        stream,
+    ) -> None:
+        """Launch over ``(tiles, H)``; ``tiles = ws.gt.shape[0] // H`` slots per head.
+
+        Tensors may come with fully dynamic layouts; they must be C-contiguous with the shapes of
+        :class:`PrepareInputs` / :class:`WorkspaceTiles` (the API layer checks). ``scale`` and
+        ``c_gate = lower_bound · log2(e)`` are rounded to fp32 once by the caller; ``seq_len`` is T
+        of a fixed-length batch. ``cu_seqlens`` int64 ``[N+1]`` and ``tile_base`` int32 ``[N+1]``
+        (:class:`cute_kda.kernels.tile_prefix.TilePrefixKernel`) for varlen, else None.
+        """
+        scalars = PrepareScalars(scale=scale, c_gate=c_gate, seq_len=seq_len)
+        heads, d = inputs.q.shape[1], self.dim
+        inputs = PrepareInputs(
+            q=plan.compact(inputs.q, (heads, d)),
+            k=plan.compact(inputs.k, (heads, d)),
+            g=plan.compact(inputs.g, (heads, d)),
+            beta=plan.compact(inputs.beta, (heads,)),
+            a_log=plan.compact(inputs.a_log, ()),
+            dt_bias=plan.compact(inputs.dt_bias, (d,)),
+        )
+        ws = WorkspaceTiles(
+            qd=plan.compact(ws.qd, (1, d)),
+            kd=plan.compact(ws.kd, (1, d)),
+            kr=plan.compact(ws.kr, (1, d)),
+            gt=plan.compact(ws.gt, (d,)),
+            inv=plan.compact(ws.inv, (CHUNK, CHUNK)),
+            mqk=plan.compact(ws.mqk, (CHUNK, CHUNK)),
+            beta=plan.compact(ws.beta, (CHUNK,)),
+        )
+        tile = plan.chunk_tile(d)
+        load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+        tma = PrepareTma(
+            q=make_head_tile_tma_atom(load, inputs.q, tile, self.tile),
+            k=make_head_tile_tma_atom(load, inputs.k, tile, self.tile),
+            g=make_head_tile_tma_atom(load, inputs.g, tile, self.tile),
+            qd=make_head_tile_tma_atom(store, ws.qd, tile, self.tile),
+            kd=make_head_tile_tma_atom(store, ws.kd, tile, self.tile),
+            kr=make_head_tile_tma_atom(store, ws.kr, tile, self.tile),
+        )
+        self.shared_storage = plan.shared_storage(d)
+        tiles = ws.gt.shape[0] // heads
+        self.kernel(tma, inputs, ws, scalars, cu_seqlens, tile_base).launch(
+            grid=(tiles, heads, 1), block=(self.num_threads, 1, 1), stream=stream,
+            min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=SMEM_CARVEOUT_PERCENT,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma: PrepareTma,
+        inputs: PrepareInputs,
+        ws: WorkspaceTiles,
+        scalars: PrepareScalars,
+        cu_seqlens: Optional[cute.Tensor],
+        tile_base: Optional[cute.Tensor],
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        tile_slot, head, _ = cute.arch.block_idx()
+        tiles, _, _ = cute.arch.grid_dim()
+        row0, valid_rows, exists = self.locate_tile(tile_slot, scalars.seq_len, cu_seqlens, tile_base)
+        if exists:
+            self.prepare_tile(tma, inputs, ws, scalars, head, head * tiles + tile_slot, row0, valid_rows)
+
+    @cute.jit
+    def locate_tile(self, tile_slot: Int32, seq_len: Int32, cu_seqlens: Optional[cute.Tensor],
+                    tile_base: Optional[cute.Tensor]):
+        """(first token row of the tile, rows of it inside the sequence, whether the slot is a tile)."""
+        if cutlass.const_expr(self.varlen):
+            num_seqs = cu_seqlens.shape[0] - 1
+            # largest seq with tile_base[seq] <= tile_slot (empty sequences own no slot)
+            lo = Int32(0)
+            hi = Int32(num_seqs)
+            while lo + 1 < hi:
+                mid = (lo + hi) >> 1
+                if tile_base[mid] <= tile_slot:
+                    lo = mid
+                else:
+                    hi = mid
+            seq_start = Int32(cu_seqlens[lo])
+            seq_end = Int32(cu_seqlens[lo + 1])
+            row0 = seq_start + (tile_slot - tile_base[lo]) * CHUNK
+            exists = tile_slot < tile_base[num_seqs]
+        else:
+            tiles_per_seq = (seq_len + CHUNK - 1) // CHUNK
+            seq = tile_slot // tiles_per_seq
+            seq_end = (seq + 1) * seq_len
+            row0 = seq * seq_len + (tile_slot - seq * tiles_per_seq) * CHUNK
+            exists = True  # the grid is exact
+        return row0, cutlass.min(seq_end - row0, CHUNK), exists
+
+    @cute.jit
+    def prepare_tile(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles,
+                     scalars: PrepareScalars, head: Int32, slot: Int32, row0: Int32, valid_rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+
+        tile_layout = plan.chunk_tile(self.dim)
+        cumsum_layout = plan.gate_cumsum_tile(self.dim)
+        storage = SmemAllocator().allocate(self.shared_storage)
+        s_q = storage.q.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
+        s_k = storage.k.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
+        s_g = storage.g.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
+        s_kinv = storage.kinv.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
+        s_cumsum = storage.gate_cumsum.get_tensor(cumsum_layout.outer, swizzle=cumsum_layout.inner)
+        s_beta = storage.beta.get_tensor(plan.row_vector())
+        tma_barrier = storage.tma_barrier.data_ptr()
+
+        if warp_idx == 0:
+            self.load_inputs(tma, s_q, s_k, s_g, tma_barrier, head, row0)
+        # gate inputs of this thread's scan column, fetched while the TMA runs
+        col = tidx % self.dim
+        dt = inputs.dt_bias[head, col]
+        e_a = ex2_approx(inputs.a_log[head] * Float32(LOG2E))
+        if tidx < CHUNK:
+            self.activate_beta(inputs.beta, ws.beta, s_beta, head, slot, row0, valid_rows, tidx)
+        cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
+        cute.arch.mbarrier_wait(tma_barrier, 0)
+
+        if tidx < self.dim:
+            self.gate_scan(s_g, s_cumsum, ws.gt, slot, col, dt, e_a, scalars.c_gate, valid_rows)
+        cute.arch.sync_threads()
+        self.decay(s_q, s_k, s_g, s_kinv, s_cumsum, scalars.scale, valid_rows, tidx)
+        cute.arch.fence_view_async_shared()  # generic-proxy smem writes → TMA store reads
+        cute.arch.sync_threads()
+
+        if warp_idx == self.kkt_warp:
+            self.kkt_inverse(s_k, s_kinv, s_beta, ws.inv, slot, lane)
+        elif warp_idx == self.qk_warp:
+            self.masked_qk(s_q, s_kinv, ws.mqk, slot, lane)
+        elif warp_idx == self.store_warp:
+            self.store_tiles(tma, s_q, s_k, s_g, slot)
+
+    @cute.jit
+    def load_inputs(self, tma: PrepareTma, s_q, s_k, s_g, tma_barrier, head: Int32, row0: Int32):
+        """Warp 0: one transaction barrier, three TMA tile loads starting at token row ``row0``."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_init(tma_barrier, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.mbarrier_arrive_and_expect_tx(
+                tma_barrier, plan.INPUT_TILES * plan.input_tile_bytes(self.dim)
+            )
+        for (atom, tma_tensor), smem in ((tma.q, s_q), (tma.k, s_k), (tma.g, s_g)):
+            s_part, g_part = head_tile_tma_partition(
+                atom, cute.domain_offset((row0, 0, 0), tma_tensor), smem, head, self.tile
+            )
+            cute.copy(atom, g_part[None, 0], s_part, tma_bar_ptr=tma_barrier)
+
+    @cute.jit
+    def activate_beta(self, beta_in: cute.Tensor, ws_beta: cute.Tensor, s_beta: cute.Tensor,
+                      head: Int32, slot: Int32, row0: Int32, valid_rows: Int32, row: Int32):
+        """β of one row: sigmoid of the logit (or as given), 0 on invalid rows; smem + workspace."""
+        value = Float32(0.0)
+        if row < valid_rows:
+            value = beta_in[row0 + row, head].to(Float32)
+            if cutlass.const_expr(self.beta_logits):
+                value = sigmoid_approx(value)
+        s_beta[row] = value
+        ws_beta[slot, row] = value
+
+    @cute.jit
+    def gate_scan(self, s_g, s_cumsum, ws_gt: cute.Tensor, slot: Int32, col: Int32, dt: Float32,
+                  e_a: Float32, c_gate: Float32, valid_rows: Int32):
+        """Column ``col``: ``G[r] = G[r-1] + g'[r]`` in row order; ``gT = 2^G[15]``."""
+        cumsum = Float32(0.0)
+        for row in cutlass.range_constexpr(CHUNK):
+            x = e_a * (s_g[row, col].to(Float32) + dt)
+            # mul.rn keeps c_gate·sig and the scan's add two roundings (no fma)
+            gate = mul_rn(c_gate, sigmoid_approx(x))
+            cumsum = cumsum + Float32(cutlass.select_(row < valid_rows, gate, Float32(0.0)))
+            s_cumsum[row, col] = cumsum
+        ws_gt[slot, col] = ex2_approx(cumsum)
+
+    @cute.jit
+    def decay(self, s_q, s_k, s_g, s_kinv, s_cumsum, scale: Float32, valid_rows: Int32, tidx: Int32):
+        """l2norm and decayed operands of this thread's row chunks (in place over q, k, g)."""
+        for item in cutlass.range_constexpr(self.decay_items):
+            flat = tidx + item * self.num_threads
+            row = flat // ROW_LANES
+            chunk = flat % ROW_LANES
+            valid = row < valid_rows
+            at = (row, chunk)
+            run = (1, CHANNELS_PER_LANE)
+            q_in = cute.make_rmem_tensor(run, BFloat16)
+            k_in = cute.make_rmem_tensor(run, BFloat16)
+            cum = cute.make_rmem_tensor(run, Float32)
+            cum_last = cute.make_rmem_tensor(run, Float32)
+            cute.autovec_copy(cute.local_tile(s_q, run, at), q_in)
+            cute.autovec_copy(cute.local_tile(s_k, run, at), k_in)
+            cute.autovec_copy(cute.local_tile(s_cumsum, run, at), cum)
+            cute.autovec_copy(cute.local_tile(s_cumsum, run, (CHUNK - 1, chunk)), cum_last)
+
+            q32 = cute.make_rmem_tensor(run, Float32)
+            k32 = cute.make_rmem_tensor(run, Float32)
+            for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                q32[i] = Float32(cutlass.select_(valid, q_in[i].to(Float32), Float32(0.0)))
+                k32[i] = Float32(cutlass.select_(valid, k_in[i].to(Float32), Float32(0.0)))
+            q_rscale = scale
+            k_rscale = Float32(1.0)
+            if cutlass.const_expr(self.qk_l2norm):
+                q_rscale = self.row_rsqrt(q32) * scale
+                k_rscale = self.row_rsqrt(k32)
+
+            qd = cute.make_rmem_tensor(run, BFloat16)
+            kd = cute.make_rmem_tensor(run, BFloat16)
+            kinv = cute.make_rmem_tensor(run, BFloat16)
+            kr = cute.make_rmem_tensor(run, BFloat16)
+            for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                q_hat = q32[i] * q_rscale
+                k_hat = k32[i] * k_rscale if cutlass.const_expr(self.qk_l2norm) else k32[i]
+                decay = ex2_approx(cum[i])
+                qd[i] = (q_hat * decay).to(BFloat16)
+                kd[i] = (k_hat * decay).to(BFloat16)
+                kinv[i] = (k_hat * ex2_approx(-cum[i])).to(BFloat16)
+                kr[i] = (k_hat * ex2_approx(cum_last[i] - cum[i])).to(BFloat16)
+            cute.autovec_copy(qd, cute.local_tile(s_q, run, at))
+            cute.autovec_copy(kd, cute.local_tile(s_k, run, at))
+            cute.autovec_copy(kr, cute.local_tile(s_g, run, at))
+            cute.autovec_copy(kinv, cute.local_tile(s_kinv, run, at))
+
+    @cute.jit
+    def row_rsqrt(self, x: cute.Tensor) -> Float32:
+        """``1 / sqrt(Σ x² + EPS)`` of one row, 16 lanes × 8 channels, in the order of numerics.md."""
+        partial = Float32(0.0)
+        for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
+            partial = partial + x[i] * x[i]  # x² is exact: fma or not, one rounding
+        for offset in (8, 4, 2, 1):
+            partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=offset)
+        return Float32(1.0) / cute.math.sqrt(partial + Float32(EPS))
+
+    @cute.jit
+    def kkt_inverse(self, s_kd, s_kinv, s_beta, ws_inv: cute.Tensor, slot: Int32, lane: Int32):
+        """Warp 0: ``L = f16(β_i · kd_i·kinv_j)`` (i > j), then INV = (I + L)⁻¹ by the Neumann product.
+
+        Fragment algebra (``cute_kda.kernels.common.copy``): a C fragment's registers are the A
+        fragment of the same matrix, and ``transpose_c_to_b`` turns them into the B fragment that
+        makes it the right factor: ``X·Y`` = ``mma(A = X, B = transpose_c_to_b(Y))``.
+        """
+        mma_bf16 = warp_tiled_mma(BFloat16, Float32)
+        a_kk = self.tile_product(mma_bf16, s_kd, s_kinv, lane)
+        coords = mma_bf16.get_slice(lane).partition_C(cute.make_identity_tensor((WARP_TILE, WARP_TILE)))
+        mma_f16 = warp_tiled_mma(Float16, Float32)
+        l_a = make_fragment(mma_f16, Operand.A, Float16)
+        p1 = make_fragment(mma_f16, Operand.C, Float32)
+        for i in cutlass.range_constexpr(cute.size(a_kk)):
+            row, col = coords[i]
+            l_val = Float16(0.0)
+            if row > col:
+                l_val = (s_beta[row] * a_kk[i]).to(Float16)
+            l_a[i] = l_val
+            # P1 = I − L is exact in f16 (held widened to fp32, the C operand of the next mma)
+            p1[i] = Float32(cutlass.select_(row == col, Float32(1.0), Float32(0.0))) - l_val.to(Float32)
+
+        l_b = self.right_factor(mma_f16, l_a)
+        l2_a = self.rounded(mma_f16, self.mma_16x16(mma_f16, l_a, l_b, None), Float16)
+        l2_b = self.right_factor(mma_f16, l2_a)
+        l4_a = self.rounded(mma_f16, self.mma_16x16(mma_f16, l2_a, l2_b, None), Float16)
+        l4_b = self.right_factor(mma_f16, l4_a)
+        l8_a = self.rounded(mma_f16, self.mma_16x16(mma_f16, l4_a, l4_b, None), Float16)
+        l8_b = self.right_factor(mma_f16, l8_a)
+        p2_a = self.rounded(mma_f16, self.mma_16x16(mma_f16, self.rounded(mma_f16, p1, Float16), l2_b, p1), Float16)
+        p3_a = self.rounded(mma_f16, self.mma_16x16(mma_f16, p2_a, l4_b, self.widened(mma_f16, p2_a)), Float16)
+        inv = self.rounded(mma_f16, self.mma_16x16(mma_f16, p3_a, l8_b, self.widened(mma_f16, p3_a)), BFloat16)
+        cute.autovec_copy(inv, mma_f16.get_slice(lane).partition_C(ws_inv[slot, None, None]))
+
+    @cute.jit
+    def mma_16x16(self, tiled_mma, a_frag: cute.Tensor, b_frag: cute.Tensor, c_frag) -> cute.Tensor:
+        """fp32 ``C + A·B`` of one 16×16×16 warp tile (``C`` = 0 when ``c_frag`` is None)."""
+        acc = make_fragment(tiled_mma, Operand.C, Float32)
+        if cutlass.const_expr(c_frag is None):
+            acc.fill(0.0)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = c_frag[i]
+        cute.gemm(tiled_mma, acc, a_frag, b_frag, acc)
+        return acc
+
+    @cute.jit
+    def rounded(self, tiled_mma, acc: cute.Tensor, dtype: type) -> cute.Tensor:
+        """A fragment (= C registers) of ``acc`` rounded to ``dtype`` (round to nearest even)."""
+        out = make_fragment(tiled_mma, Operand.A, dtype)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            out[i] = acc[i].to(dtype)
+        return out
+
+    @cute.jit
+    def widened(self, tiled_mma, frag: cute.Tensor) -> cute.Tensor:
+        """fp32 C fragment holding the (exact) values of a 16-bit A fragment."""
+        out = make_fragment(tiled_mma, Operand.C, Float32)
+        for i in cutlass.range_constexpr(cute.size(frag)):
+            out[i] = frag[i].to(Float32)
+        return out
+
+    @cute.jit
+    def right_factor(self, tiled_mma, x_a: cute.Tensor) -> cute.Tensor:
+        """B fragment of X (X as the right factor of a product), from X's A/C registers."""
+        x_b = make_fragment(tiled_mma, Operand.B, Float16)
+        transpose_c_to_b(x_a, x_b)
+        return x_b
+
+    @cute.jit
+    def masked_qk(self, s_qd, s_kinv, ws_mqk: cute.Tensor, slot: Int32, lane: Int32):
+        """Warp 1: ``Mqk = bf16(qd_i·kinv_j)`` for i ≥ j, else 0."""
+        mma_bf16 = warp_tiled_mma(BFloat16, Float32)
+        a_qk = self.tile_product(mma_bf16, s_qd, s_kinv, lane)
+        thr = mma_bf16.get_slice(lane)
+        coords = thr.partition_C(cute.make_identity_tensor((WARP_TILE, WARP_TILE)))
+        mqk = make_fragment(mma_bf16, Operand.C, BFloat16)
+        for i in cutlass.range_constexpr(cute.size(a_qk)):
+            row, col = coords[i]
+            mqk[i] = Float32(cutlass.select_(row >= col, a_qk[i], Float32(0.0))).to(BFloat16)
+        cute.autovec_copy(mqk, thr.partition_C(ws_mqk[slot, None, None]))
+
+    @cute.jit
+    def tile_product(self, tiled_mma, s_left, s_right, lane: Int32) -> cute.Tensor:
+        """``left · rightᵀ`` of two ``[16, D]`` smem tiles: fp32, 16-channel k-steps in order."""
+        acc = make_fragment(tiled_mma, Operand.C, Float32)
+        acc.fill(0.0)
+        a_frag = make_fragment(tiled_mma, Operand.A, BFloat16)
+        b_frag = make_fragment(tiled_mma, Operand.B, BFloat16)
+        copy_a = ldmatrix_copy(tiled_mma, Operand.A, False)
+        copy_b = ldmatrix_copy(tiled_mma, Operand.B, False)
+        thr_a = copy_a.get_slice(lane)
+        thr_b = copy_b.get_slice(lane)
+        block = (WARP_TILE, WARP_TILE)
+        for kb in cutlass.range_constexpr(self.dim // WARP_TILE):
+            cute.copy(copy_a, thr_a.partition_S(cute.local_tile(s_left, block, (0, kb))), thr_a.retile(a_frag))
+            cute.copy(copy_b, thr_b.partition_S(cute.local_tile(s_right, block, (0, kb))), thr_b.retile(b_frag))
+            cute.gemm(tiled_mma, acc, a_frag, b_frag, acc)
+        return acc
+
+    def store_tiles(self, tma: PrepareTma, s_qd, s_kd, s_kr, slot: Int32):
+        """Warp 2: TMA stores of qd, kd, kr to workspace slot ``slot``; waits until smem is read.
+
+        The DSL does not elect the issuing lane of an S2G copy, so one lane is elected here.
+        """
+        parts = [
+            head_tile_tma_partition(atom, tma_tensor, smem, 0, self.tile)
+            for (atom, tma_tensor), smem in ((tma.qd, s_qd), (tma.kd, s_kd), (tma.kr, s_kr))
+        ]
+        tma_store_tiles(*[
+            (atom, s_part, g_part[None, slot])
+            for (atom, _), (s_part, g_part) in zip((tma.qd, tma.kd, tma.kr), parts)
+        ])

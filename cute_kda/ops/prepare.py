@@ -1,0 +1,153 @@
+"""Torch launchers of K1 (:class:`cute_kda.kernels.fwd_prepare.PrepareKernel`) and of the varlen tile
+bases (:class:`cute_kda.kernels.tile_prefix.TilePrefixKernel`).
+
+Inputs are assumed validated by the API layer (``cute_kda.validation``): dtypes, shapes,
+C-contiguity, 16-byte aligned base addresses, one CUDA device, ``B == 1`` with ``cu_seqlens``.
+Everything launches on torch's current stream of that device; nothing here reads device memory on
+the host.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+
+from ..workspace import CHUNK, Workspace
+from ._cache import CompileCache, current_stream, to_cute_tensor
+
+_PREPARE = CompileCache("fwd_prepare")
+_TILE_PREFIX = CompileCache("tile_prefix")
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded once to fp32 (docs/numerics.md: host constants are computed in double)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _device_key(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def tile_bases(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """int32 ``[N+1]`` on ``cu_seqlens``' device: ``Σ_{j<s} ⌈len_j / 16⌉`` (one device kernel, no sync).
+
+    ``cu_seqlens``: int64 ``[N+1]``, non-decreasing from 0, on a CUDA device.
+    """
+    from ..dsl import cute
+    from ..kernels.tile_prefix import TilePrefixKernel
+
+    device = cu_seqlens.device
+    out = torch.empty(cu_seqlens.numel(), dtype=torch.int32, device=device)
+    with torch.cuda.device(device):
+        stream = current_stream(device)
+        args = (to_cute_tensor(cu_seqlens, assumed_align=8), to_cute_tensor(out, assumed_align=4), stream)
+        compiled = _TILE_PREFIX.get(
+            (_device_key(device),), lambda: cute.compile(TilePrefixKernel(), *args)
+        )
+        compiled(*args)
+    return out
+
+
+def _kernel_args(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float, lower_bound: float,
+                 seq_len: int, cu_seqlens, tile_base, stream) -> tuple:
+    """Positional arguments of ``PrepareKernel.__call__`` for these torch tensors."""
+    from cutlass import Float32, Int32
+
+    from ..kernels.fwd_prepare import PrepareInputs, WorkspaceTiles
+
+    batch, steps, heads, dim = q.shape
+    rows = batch * steps
+    tile_rows = ws.qd.shape[0] * CHUNK
+    inputs = PrepareInputs(
+        q=to_cute_tensor(q.view(rows, heads, dim)),
+        k=to_cute_tensor(k.view(rows, heads, dim)),
+        g=to_cute_tensor(g.view(rows, heads, dim)),
+        beta=to_cute_tensor(beta.view(rows, heads), assumed_align=2),
+        a_log=to_cute_tensor(A_log.view(heads), assumed_align=4),
+        dt_bias=to_cute_tensor(dt_bias.view(heads, dim), assumed_align=4),
+    )
+    tiles = WorkspaceTiles(
+        qd=to_cute_tensor(ws.qd.view(tile_rows, 1, dim)),
+        kd=to_cute_tensor(ws.kd.view(tile_rows, 1, dim)),
+        kr=to_cute_tensor(ws.kr.view(tile_rows, 1, dim)),
+        gt=to_cute_tensor(ws.gt),
+        inv=to_cute_tensor(ws.inv),
+        mqk=to_cute_tensor(ws.mqk),
+        beta=to_cute_tensor(ws.beta),
+    )
+    varlen = cu_seqlens is not None
+    return (
+        inputs, tiles,
+        Float32(_f32(scale)), Float32(_f32(lower_bound * math.log2(math.e))), Int32(seq_len),
+        to_cute_tensor(cu_seqlens, assumed_align=8) if varlen else None,
+        to_cute_tensor(tile_base, assumed_align=4) if varlen else None,
+        stream,
+    )
+
+
+def _compiled(key: tuple, args: tuple):
+    from ..dsl import cute
+    from ..kernels.fwd_prepare import PrepareKernel
+
+    varlen, qk_l2norm, beta_logits, _ = key
+    kernel = PrepareKernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+    return _PREPARE.get(key, lambda: cute.compile(kernel, *args))
+
+
+def prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ws: Workspace,
+    *,
+    scale: float,
+    lower_bound: float,
+    cu_seqlens: torch.Tensor | None = None,
+    tile_base: torch.Tensor | None = None,
+    qk_l2norm: bool = True,
+    beta_logits: bool = True,
+) -> None:
+    """Run K1: fill ``ws`` (``tiles_per_head(B·T, N, varlen)`` slots per head) from the raw inputs.
+
+    q, k, g: bf16 ``[B, T, H, 128]``; beta: bf16 ``[B, T, H]`` (logits if ``beta_logits``); A_log fp32
+    ``[H]``; dt_bias fp32 ``[H, 128]``; ``cu_seqlens`` int64 ``[N+1]`` (then ``B == 1``) with
+    ``tile_base = tile_bases(cu_seqlens)`` (computed here when omitted). Slots without a tile are
+    left untouched. Launches on the current stream; returns without synchronising.
+    """
+    batch, steps, heads, _ = q.shape
+    if ws.gt.shape[0] == 0 or batch * steps == 0:
+        return
+    device = q.device
+    if cu_seqlens is not None and tile_base is None:
+        tile_base = tile_bases(cu_seqlens)
+    with torch.cuda.device(device):
+        args = _kernel_args(
+            q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, steps, cu_seqlens, tile_base,
+            current_stream(device),
+        )
+        key = (cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), _device_key(device))
+        _compiled(key, args)(*args)
+
+
+def compile_prepare(*, qk_l2norm: bool, beta_logits: bool, varlen: bool, device: torch.device | str) -> None:
+    """Compile the K1 variant for these flags on ``device`` ahead of time (nothing is launched)."""
+    device = torch.device(device)
+    heads, dim = 1, 128
+    q = torch.zeros((1, CHUNK, heads, dim), dtype=torch.bfloat16, device=device)
+    from ..workspace import WorkspaceSpec, allocate_workspace
+
+    ws = allocate_workspace(WorkspaceSpec(heads=heads, tiles=2), device)
+    cu_seqlens = torch.tensor([0, CHUNK], dtype=torch.int64, device=device) if varlen else None
+    tile_base = torch.zeros(2, dtype=torch.int32, device=device) if varlen else None
+    with torch.cuda.device(device):
+        args = _kernel_args(
+            q, q, q, q[..., 0].contiguous(), torch.zeros(heads, device=device),
+            torch.zeros((heads, dim), device=device), ws, 1.0, -1.0, CHUNK, cu_seqlens, tile_base,
+            current_stream(device),
+        )
+        _compiled((varlen, bool(qk_l2norm), bool(beta_logits), _device_key(device)), args)

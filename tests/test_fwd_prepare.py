@@ -1,0 +1,377 @@
+"""K1 (prepare): compiled PTX, resources and smem access patterns on the CPU; bit-exact against the
+mirror reference (docs/numerics.md) on a GPU."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from cute_kda.compile_report import compile_with_report
+from cute_kda.dsl import cute, cutlass
+from cute_kda.kernels.common.copy import warp_tiled_mma
+from cute_kda.kernels.fwd_prepare import PrepareInputs, PrepareKernel, WorkspaceTiles
+from cute_kda.kernels.tile_prefix import TilePrefixKernel
+from cute_kda.layouts import fwd_prepare as plan
+from cute_kda.layouts.analysis import MatrixAccess, byte_table, layout_spec, max_wavefronts, phase_wavefronts, run_traced
+from cute_kda.layouts.budget import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
+from cute_kda.workspace import CHUNK, WorkspaceSpec, tiles_per_head, workspace_views
+
+D = 128
+REGISTERS_PER_SM = 65536
+BF16, F32 = cutlass.BFloat16, cutlass.Float32
+
+
+# ---------------------------------------------------------------- compiled PTX (CPU)
+
+
+def _fake(dtype, rank: int, align: int = 16):
+    """A C-contiguous fake gmem tensor, every extent dynamic (as the launcher's DLPack tensors)."""
+    shape = tuple(cute.sym_int() for _ in range(rank))
+    return cute.runtime.make_fake_compact_tensor(
+        dtype, shape, stride_order=tuple(reversed(range(rank))), assumed_align=align
+    )
+
+
+def _compile(kernel: PrepareKernel):
+    inputs = PrepareInputs(
+        q=_fake(BF16, 3), k=_fake(BF16, 3), g=_fake(BF16, 3), beta=_fake(BF16, 2, 2),
+        a_log=_fake(F32, 1, 4), dt_bias=_fake(F32, 2, 4),
+    )
+    ws = WorkspaceTiles(
+        qd=_fake(BF16, 3), kd=_fake(BF16, 3), kr=_fake(BF16, 3), gt=_fake(F32, 2),
+        inv=_fake(BF16, 3), mqk=_fake(BF16, 3), beta=_fake(F32, 2),
+    )
+    varlen = (_fake(cutlass.Int64, 1, 8), _fake(cutlass.Int32, 1, 4)) if kernel.varlen else (None, None)
+    _, report = compile_with_report(
+        kernel, inputs, ws, F32(0.5), F32(-7.2), cutlass.Int32(16), *varlen, cute.runtime.make_fake_stream()
+    )
+    return report
+
+
+VARIANTS = {
+    "fixed": dict(varlen=False),
+    "varlen": dict(varlen=True),
+    "fixed_plain": dict(varlen=False, qk_l2norm=False, beta_logits=False),
+    "varlen_256threads": dict(varlen=True, num_threads=256, ctas_per_sm=5),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS), ids=list(VARIANTS))
+def compiled(request):
+    kernel = PrepareKernel(**VARIANTS[request.param])
+    return kernel, _compile(kernel)
+
+
+def test_ptx_primitives(compiled):
+    kernel, report = compiled
+    # q, k, g: one 4-D TMA load each (two 64-column boxes of the 128-byte swizzle); qd, kd, kr: one store each
+    assert report.count("cp.async.bulk.tensor.4d.shared::cta.global") == 3
+    assert report.count("cp.async.bulk.tensor.3d.global.shared::cta") == 3
+    assert report.has("mbarrier.arrive.expect_tx") and report.has("mbarrier.try_wait")
+    assert report.has("fence.proxy.async.shared::cta")
+    # A_kk and A_qk: 8 k-steps × 2 n-atoms each; Neumann: L², L⁴, L⁸, P2, P3, INV × 2 n-atoms
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 32
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 12
+    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 32
+    assert report.count("movmatrix.sync.aligned.m8n8.trans.b16") == 16  # B fragments of L, L², L⁴, L⁸
+    # gate: one tanh per row of the scan column (+ β's sigmoid); decay: three ex2 per element
+    items = CHUNK * D // 8 // kernel.num_threads
+    assert report.count("tanh.approx.f32") == CHUNK + (1 if kernel.beta_logits else 0)
+    assert report.count("ex2.approx.ftz.f32") == 2 + 3 * 8 * items
+    assert report.count("mul.rn.f32") == CHUNK  # c_gate·sig, kept out of the scan's add
+    if kernel.qk_l2norm:
+        assert report.count("shfl.sync.bfly.b32") == 2 * 4 * items  # q and k, offsets 8, 4, 2, 1
+        assert report.count("sqrt.rn.f32") == report.count("rcp.rn.f32") == 2 * items
+    else:
+        assert not report.has("shfl.sync.bfly") and not report.has("sqrt")
+
+
+def test_tma_store_is_issued_by_one_lane(compiled):
+    _, report = compiled
+    lines = report.ptx.splitlines()
+    first_store = next(i for i, line in enumerate(lines) if "cp.async.bulk.tensor.3d.global.shared::cta" in line)
+    assert any("elect.sync" in line for line in lines[first_store - 8: first_store])
+
+
+def test_no_local_memory_and_occupancy(compiled):
+    kernel, report = compiled
+    assert report.local_memory_ops == 0 and report.spills == 0, report.summary()
+    (entry,) = report.kernels
+    assert entry.registers * kernel.num_threads * kernel.ctas_per_sm <= REGISTERS_PER_SM, report.summary()
+    smem = run_traced(lambda: plan.shared_storage(D).size_in_bytes())
+    assert (smem + SMEM_RESERVED_PER_CTA) * kernel.ctas_per_sm <= SMEM_PER_SM, smem
+    print(f"\n{report.summary()}\nsmem {smem} B/CTA; {kernel.ctas_per_sm} CTAs × {kernel.num_threads} threads per SM")
+
+
+def _fusable_mul_add(ptx: str) -> list[str]:
+    """``add/sub.f32`` fed by a ``mul.f32`` without a rounding mode: ptxas may fuse those into an fma."""
+    defs = {}
+    for line in ptx.splitlines():
+        m = re.match(r"\s*(?:@!?%\w+\s+)?([a-z][\w.]*)\s+(%\w+)\s*,\s*(.*);", line)
+        if m:
+            defs[m.group(2)] = (m.group(1), m.group(3))
+    return [
+        f"{dst} = {op} {srcs}"
+        for dst, (op, srcs) in defs.items()
+        if op in ("add.f32", "sub.f32")
+        and any(defs.get(src, ("",))[0] == "mul.f32" for src in re.findall(r"%\w+", srcs))
+    ]
+
+
+def test_no_unintended_fma(compiled):
+    """docs/numerics.md: every fma is an exact product (x², 0.5·t); nothing else may fuse."""
+    _, report = compiled
+    assert _fusable_mul_add(report.ptx) == []
+    fmas = report.count("fma.rn.f32")
+    squares = len(re.findall(r"fma\.rn\.f32\s+%\w+,\s*(%\w+),\s*\1,", report.ptx))
+    halves = len(re.findall(r"fma\.rn\.f32\s+%\w+,\s*%\w+,\s*0f3F000000,\s*0f3F000000;", report.ptx))
+    assert squares + halves == fmas
+
+
+def test_launcher_arguments_compile():
+    """The launcher's torch → DSL conversion (CPU tensors here) compiles to the same kernel."""
+    from cute_kda.ops.prepare import _kernel_args
+
+    B, T, H = 1, 40, 2
+    q = torch.zeros(B, T, H, D, dtype=torch.bfloat16)
+    cu_seqlens = torch.tensor([0, 17, 40])
+    spec = WorkspaceSpec(heads=H, tiles=tiles_per_head(B * T, 2, True))
+    ws = workspace_views(spec, torch.empty(spec.nbytes, dtype=torch.uint8))
+    args = _kernel_args(
+        q, q, q, q[..., 0].contiguous(), torch.zeros(H), torch.zeros(H, D), ws, D ** -0.5, -5.0, T,
+        cu_seqlens, torch.tensor([0, 2, 4], dtype=torch.int32), cute.runtime.make_fake_stream(),
+    )
+    _, report = compile_with_report(PrepareKernel(varlen=True), *args)
+    assert report.count("cp.async.bulk.tensor") == 6 and report.spills == 0
+
+
+def test_tile_prefix_compiles():
+    cu = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (cute.sym_int(),), assumed_align=8)
+    out = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
+    _, report = compile_with_report(TilePrefixKernel(), cu, out, cute.runtime.make_fake_stream())
+    assert report.count("shfl.sync.up.b32") == 5 and report.local_memory_ops == 0 and report.spills == 0
+
+
+# ---------------------------------------------------------------- layouts and fragments (CPU)
+
+
+def _phase_wavefronts(table: np.ndarray, cells: list[tuple[int, int]], width: int) -> int:
+    """Wavefronts of one phase where each lane accesses ``width`` bytes at ``table[cell]``."""
+    return phase_wavefronts([[int(table[c]) + b for b in range(0, width, 4)] if width >= 4 else [int(table[c])]
+                             for c in cells])
+
+
+def test_smem_accesses_are_conflict_free():
+    tile = byte_table(layout_spec("k1.chunk_tile", plan.chunk_tile, D, CHUNK, dtype=BF16))
+    cumsum = byte_table(layout_spec("k1.gate_cumsum_tile", plan.gate_cumsum_tile, D, CHUNK, dtype=F32))
+    for row in range(CHUNK):
+        for quarter in range(2):
+            chunks = range(8 * quarter, 8 * quarter + 8)
+            # decay phase: 16-byte q/k/qd/kd/kr/kinv chunk j of one row per lane (one quarter warp)
+            assert _phase_wavefronts(tile, [(row, 8 * j) for j in chunks], 16) == 1
+            # and the two 16-byte halves of its 8 fp32 G values
+            for half in range(2):
+                assert _phase_wavefronts(cumsum, [(row, 8 * j + 4 * half) for j in chunks], 16) == 1
+        for first in range(0, D, 32):
+            # gate scan: a warp reads 32 consecutive bf16 of a row and writes 32 consecutive G values
+            assert _phase_wavefronts(tile, [(row, c) for c in range(first, first + 32)], 2) == 1
+            assert _phase_wavefronts(cumsum, [(row, c) for c in range(first, first + 32)], 4) == 1
+    spec = layout_spec("k1.chunk_tile", plan.chunk_tile, D, CHUNK, dtype=BF16)
+    for operand in ("A", "B"):  # kd, qd as A; kinv as B of the two tile products
+        assert max_wavefronts(spec, MatrixAccess("ldmatrix", operand, 4)) == 4
+
+
+def test_fragment_algebra_the_kernel_relies_on():
+    """K1 reuses C registers as the A fragment, and ``movmatrix`` word by word as the B fragment of Xᵀ.
+
+    From the DSL's own partitions of the 16×16 warp tile: (i) A and C hold the same (row, col) at
+    each index; (ii) with PTX ``movmatrix.trans`` (lane t gets element (2(t%4)+e, t//4) of the 8×8
+    block that lane 4r + c/2 holds at (r, c)), word w of the C fragment of Y becomes word w of the B
+    fragment of Y as right factor: B[n, k] = Y[k, n].
+    """
+
+    def coords():
+        ident = cute.make_identity_tensor((16, 16))
+        out = {}
+        for name, dtype in (("f16", cutlass.Float16), ("bf16", BF16)):
+            mma = warp_tiled_mma(dtype, F32)
+            per_lane = []
+            for lane in range(32):
+                thr = mma.get_slice(lane)
+                per_lane.append(tuple([tuple(int(x) for x in part[i]) for i in range(8)]
+                                      for part in (thr.partition_A(ident), thr.partition_B(ident), thr.partition_C(ident))))
+            out[name] = per_lane
+        return out
+
+    for name, per_lane in run_traced(coords).items():
+        a, b, c = zip(*per_lane)
+        assert a == c, name
+        for lane in range(32):
+            for word in range(4):
+                for e in range(2):
+                    row, col = 2 * (lane % 4) + e, lane // 4  # block element movmatrix delivers
+                    source = c[4 * row + col // 2][2 * word + col % 2]
+                    n, k = b[lane][2 * word + e]
+                    assert source == (k, n), (name, lane, word, e)
+
+
+# ---------------------------------------------------------------- GPU: bit-exact vs the mirror
+
+
+def _problem(batch: int, steps: int, heads: int, *, seed: int = 0, device="cuda"):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(batch, steps, heads, D, generator=gen).bfloat16() for _ in range(2))
+    g = (torch.rand(batch, steps, heads, D, generator=gen) * 16 - 8).bfloat16()
+    beta = (torch.randn(batch, steps, heads, generator=gen) * 2).bfloat16()
+    a_log = torch.rand(heads, generator=gen) - 0.5
+    dt_bias = torch.randn(heads, D, generator=gen)
+    return [t.to(device) for t in (q, k, g, beta, a_log, dt_bias)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a − b| in units in the last place of bf16 (ordered integer distance; +0 and −0 coincide)."""
+    def ordered(x):
+        bits = _bits(x).int()
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+    return (ordered(a) - ordered(b)).abs()
+
+
+LOWER_BOUND = -5.0
+
+
+def _run(q, k, g, beta, a_log, dt_bias, *, cu_seqlens=None, qk_l2norm=True, beta_logits=True):
+    """K1 into a NaN-poisoned workspace (every byte 0xFF) and the mirror; returns both and the slot mask."""
+    from cute_kda.ops.prepare import prepare, tile_bases
+    from cute_kda.reference import mirror_prepare
+
+    batch, steps, heads, _ = q.shape
+    varlen = cu_seqlens is not None
+    num_seqs = cu_seqlens.numel() - 1 if varlen else batch
+    spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(batch * steps, num_seqs, varlen))
+    ws = workspace_views(spec, torch.full((spec.nbytes,), 0xFF, dtype=torch.uint8, device=q.device))
+    scale = D ** -0.5
+    prepare(q, k, g, beta, a_log, dt_bias, ws, scale=scale, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens,
+            tile_base=tile_bases(cu_seqlens) if varlen else None, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+    ref = mirror_prepare(q, k, g, beta, A_log=a_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND, scale=scale,
+                         cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+    if varlen:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).cpu()
+        real_tiles = int(((lengths + CHUNK - 1) // CHUNK).sum())
+    else:
+        real_tiles = spec.tiles
+    exists = (torch.arange(spec.tiles) < real_tiles).repeat(heads).to(q.device)
+    return ws, ref, exists
+
+
+def _assert_matches(ws, ref, exists, label: str) -> None:
+    torch.cuda.synchronize()
+    for name in ("qd", "kd", "kr", "gt", "beta"):
+        got, want = getattr(ws, name)[exists], getattr(ref, name)[exists]
+        same = _bits(got) == _bits(want)
+        assert same.all(), f"{label} {name}: {int((~same).sum())} of {same.numel()} differ"
+    for name in ("mqk", "inv"):
+        got, want = getattr(ws, name)[exists], getattr(ref, name)[exists]
+        ulps = _bf16_ulps(got, want)
+        print(f"{label} {name}: {float((ulps == 0).float().mean()):.6f} exactly equal, max {int(ulps.max())} ulp")
+        assert int(ulps.max()) <= 1, f"{label} {name}: {int(ulps.max())} ulp"
+    for name in ws._fields:  # slots without a tile keep the poison, byte for byte
+        untouched = _bits(getattr(ws, name)[~exists]) == -1
+        assert untouched.all(), f"{label} {name}: a slot without a tile was written"
+
+
+FIXED = [(1, t, h) for t in (1, 15, 16, 17, 97, 1024) for h in (1, 4)] + [
+    (1, 1024, 96), (1, 8192, 4), (1, 8192, 96), (2, 17, 4), (3, 1, 4), (2, 97, 96),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,steps,heads", FIXED, ids=[f"B{b}T{t}H{h}" for b, t, h in FIXED])
+def test_matches_mirror_fixed(batch, steps, heads):
+    data = _problem(batch, steps, heads)
+    _assert_matches(*_run(*data), f"B{batch} T{steps} H{heads}")
+
+
+VARLEN = [
+    ([1300, 547, 2048, 963, 271, 3063], 4),
+    ([1300, 547, 2048, 963, 271, 3063], 96),
+    ([17, 33, 65], 1),
+    ([17, 33, 65], 4),
+    ([5, 0, 16, 0, 1], 4),  # empty sequences own no tile
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths,heads", VARLEN, ids=[f"{len(s)}seqs-H{h}" for s, h in VARLEN])
+def test_matches_mirror_varlen(lengths, heads):
+    data = _problem(1, sum(lengths), heads, seed=1)
+    cu_seqlens = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64, device="cuda")
+    _assert_matches(*_run(*data, cu_seqlens=cu_seqlens), f"varlen {lengths} H{heads}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qk_l2norm,beta_logits", [(False, True), (True, False), (False, False)])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_matches_mirror_flags(qk_l2norm, beta_logits, varlen):
+    data = _problem(1, 115, 4, seed=2)
+    cu_seqlens = torch.tensor([0, 17, 50, 115], dtype=torch.int64, device="cuda") if varlen else None
+    if not beta_logits:
+        data[3] = torch.sigmoid(data[3].float()).bfloat16()
+    _assert_matches(*_run(*data, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits),
+                    f"l2norm={qk_l2norm} logits={beta_logits} varlen={varlen}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True])
+def test_tail_tile_ignores_the_next_sequence(varlen):
+    """The TMA brings the next sequence's rows into a tail tile; NaN there must not reach the results."""
+    first = _problem(1, 17, 4, seed=3)
+    neighbour = [torch.full_like(t, float("nan")) for t in _problem(1, 17, 4, seed=4)[:4]]
+    if varlen:
+        data = [torch.cat([a, b], dim=1) for a, b in zip(first[:4], neighbour)] + first[4:]
+        cu_seqlens = torch.tensor([0, 17, 34], dtype=torch.int64, device="cuda")
+    else:
+        data = [torch.cat([a, b], dim=0) for a, b in zip(first[:4], neighbour)] + first[4:]
+        cu_seqlens = None
+    ws, _, _ = _run(*data, cu_seqlens=cu_seqlens)
+    ref_first, _, exists_first = _run(*first)  # the first sequence alone: tiles 0, 1 of each head
+    tiles = ws.gt.shape[0] // 4
+    rows = (torch.arange(4, device="cuda")[:, None] * tiles + torch.arange(2, device="cuda")).flatten()
+    alone = type(ws)(*(field[rows] for field in ws))
+    _assert_matches(alone, ref_first, exists_first, f"tail next to NaN (varlen={varlen})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_seqs", [1, 7, 1000])
+def test_tile_bases(num_seqs):
+    from cute_kda.ops.prepare import tile_bases
+
+    gen = torch.Generator().manual_seed(num_seqs)
+    lengths = torch.randint(0, 100, (num_seqs,), generator=gen)
+    lengths[::5] = 0
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)]).cuda()
+    want = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum((lengths + CHUNK - 1) // CHUNK, 0)])
+    got = tile_bases(cu_seqlens)
+    assert got.dtype == torch.int32 and torch.equal(got.cpu().long(), want)
+
+
+@pytest.mark.gpu
+def test_prepare_computes_tile_bases_itself():
+    """``tile_base`` omitted: the launcher computes it; the result is the same workspace."""
+    from cute_kda.ops.prepare import prepare
+
+    q, k, g, beta, a_log, dt_bias = _problem(1, 50, 2, seed=5)
+    cu_seqlens = torch.tensor([0, 20, 50], dtype=torch.int64, device="cuda")
+    ws, ref, exists = _run(q, k, g, beta, a_log, dt_bias, cu_seqlens=cu_seqlens)
+    spec = WorkspaceSpec(heads=2, tiles=ws.gt.shape[0] // 2)
+    again = workspace_views(spec, torch.full((spec.nbytes,), 0xFF, dtype=torch.uint8, device="cuda"))
+    prepare(q, k, g, beta, a_log, dt_bias, again, scale=D ** -0.5, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens)
+    torch.cuda.synchronize()
+    for name in ws._fields:
+        assert torch.equal(_bits(getattr(ws, name)), _bits(getattr(again, name))), name
