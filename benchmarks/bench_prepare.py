@@ -1,0 +1,173 @@
+"""K1 (prepare) alone: time, bytes moved and bandwidth against the copy ceiling, with a same-size copy.
+
+Bytes moved = inputs read once + workspace written once:
+
+- read: q, k, g (bf16 ``[B·T, H, 128]`` each), beta (bf16 ``[B·T, H]``), A_log and dt_bias (fp32);
+- written: per (head, tile) qd, kd, kr (3 × 4096 B), gT (512 B), INV, Mqk (2 × 512 B) and β (64 B)
+  = 13 888 B (``cute_kda.workspace``).
+
+The reference copy is a device-to-device ``copy_`` of half that many bytes (so it also reads and
+writes the same total). K1 is timed twice: replaying a CUDA graph of one launch (the kernel alone)
+and through ``cute_kda.ops.prepare.prepare`` (adds the host's DLPack conversion and launch). Times are medians of ``triton.testing.do_bench`` (L2 cleared before each
+repetition) or, without Triton, of CUDA-event timings with an L2 flush in between.
+
+    python benchmarks/bench_prepare.py                                   # B1 T8192 H96
+    python benchmarks/bench_prepare.py --lengths 1300,547,2048,963,271,3063 --varlen
+    python benchmarks/bench_prepare.py --out benchmarks/results/prepare.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from cute_kda.workspace import CHUNK, WorkspaceSpec, allocate_workspace, tiles_per_head  # noqa: E402
+
+D = 128
+LOWER_BOUND = -5.0
+COPY_CEILING_TBPS = 4.3  # H200 device-to-device copy, design.md §6
+TILE_BYTES = 3 * CHUNK * D * 2 + D * 4 + 2 * CHUNK * CHUNK * 2 + CHUNK * 4  # one (head, tile) of workspace
+
+
+def median_ms(fn: Callable[[], object], warmup: int, rep: int) -> float:
+    """Median milliseconds of ``fn`` on the current stream, L2 cleared before each repetition."""
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    except ImportError:
+        pass
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(rep // 5, 10)):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def run(lengths: list[int], heads: int, varlen: bool, warmup: int, rep: int) -> list[dict]:
+    from cute_kda.ops.prepare import prepare, tile_bases
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    batch, steps = (1, sum(lengths)) if varlen else (len(lengths), lengths[0])
+    rows = batch * steps
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen, device=device).bfloat16()
+
+    q, k, g = randn(batch, steps, heads, D), randn(batch, steps, heads, D), randn(batch, steps, heads, D)
+    beta = randn(batch, steps, heads)
+    a_log = torch.rand(heads, generator=gen, device=device)
+    dt_bias = torch.rand(heads, D, generator=gen, device=device)
+    cu_seqlens = None
+    tile_base = None
+    if varlen:
+        cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(device)
+        tile_base = tile_bases(cu_seqlens)
+    num_seqs = len(lengths)
+    tiles = tiles_per_head(rows, num_seqs, varlen)
+    ws = allocate_workspace(WorkspaceSpec(heads=heads, tiles=tiles), device)
+    real_tiles = sum((n + CHUNK - 1) // CHUNK for n in lengths)  # slots K1 writes per head
+
+    def k1():
+        prepare(q, k, g, beta, a_log, dt_bias, ws, scale=D ** -0.5, lower_bound=LOWER_BOUND,
+                cu_seqlens=cu_seqlens, tile_base=tile_base)
+
+    k1()  # compile outside the timing
+    torch.cuda.synchronize()
+    read = 3 * rows * heads * D * 2 + rows * heads * 2 + heads * 4 + heads * D * 4
+    written = heads * real_tiles * TILE_BYTES
+    moved = read + written
+    timed = [("K1 prepare, eager (with host launch cost)", median_ms(k1, warmup, rep))]
+    try:  # the kernel alone: one graph replay has no Python launch cost
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            k1()
+        timed.insert(0, ("K1 prepare, CUDA graph", median_ms(graph.replay, warmup, rep)))
+    except RuntimeError as error:
+        print(f"CUDA graph capture failed ({error}); eager timing only", file=sys.stderr)
+
+    src = torch.empty(moved // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src), warmup, rep)
+    copy_tbps = 2 * src.numel() / copy_ms / 1e9
+
+    shape = f"varlen {lengths} H{heads}" if varlen else f"B{batch} T{steps} H{heads}"
+    out = []
+    for what, ms, nbytes in [*((w, t, moved) for w, t in timed), ("D2D copy, same bytes", copy_ms, 2 * src.numel())]:
+        tbps = nbytes / ms / 1e9
+        out.append(dict(shape=shape, what=what, ms=ms, bytes=nbytes, tbps=tbps,
+                        of_ceiling=tbps / COPY_CEILING_TBPS, of_copy=tbps / copy_tbps))
+    print(f"{shape}: read {read / 1e6:.1f} MB + written {written / 1e6:.1f} MB; {heads * real_tiles} CTAs",
+          file=sys.stderr)
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ["shape", "what", "median µs", "bytes moved (MB)", "TB/s", f"% of {COPY_CEILING_TBPS} TB/s", "% of measured copy"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['what']} | {r['ms'] * 1e3:.1f} | {r['bytes'] / 1e6:.1f} | "
+                     f"{r['tbps']:.2f} | {100 * r['of_ceiling']:.0f} % | {100 * r['of_copy']:.0f} % |")
+    return "\n".join(lines)
+
+
+def environment() -> str:
+    props = torch.cuda.get_device_properties(0)
+    versions = [f"torch {torch.__version__}"]
+    for module in ("cutlass", "triton"):
+        try:
+            versions.append(f"{module} {getattr(__import__(module), '__version__', '?')}")
+        except ImportError:
+            pass
+    return (f"{datetime.date.today()} · {props.name} ({props.multi_processor_count} SMs) · "
+            f"{', '.join(versions)} · Python {platform.python_version()} · D={D}, all activations in K1; "
+            f"bytes = inputs read once + workspace written once ({TILE_BYTES} B per head-tile)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="8192", help="comma-separated sequence lengths (batch rows, or packed with --varlen)")
+    parser.add_argument("--heads", type=int, default=96)
+    parser.add_argument("--varlen", action="store_true", help="pack the sequences with cu_seqlens")
+    parser.add_argument("--out", help="also write the markdown table to this file")
+    parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time, ms")
+    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    if not args.varlen and len(set(lengths)) != 1:
+        parser.error("a fixed-length batch needs equal lengths (or pass --varlen)")
+    if not torch.cuda.is_available():
+        sys.exit("bench_prepare needs a CUDA GPU (Hopper)")
+
+    with torch.inference_mode():
+        rows = run(lengths, args.heads, args.varlen, args.warmup, args.rep)
+    table = f"{environment()}\n\n{markdown(rows)}\n"
+    print(table)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()
