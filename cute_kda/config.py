@@ -63,8 +63,8 @@ def select_forward_config(
 ) -> ForwardConfig:
     """The variant that serves ``problem`` with these flags and state modes."""
     return ForwardConfig(
-        qk_l2norm=qk_l2norm,
-        beta_logits=beta_logits,
+        qk_l2norm=bool(qk_l2norm),
+        beta_logits=bool(beta_logits),
         varlen=problem.varlen,
         initial_state=initial_state,
         final_state=final_state,
