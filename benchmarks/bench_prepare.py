@@ -63,7 +63,22 @@ def median_ms(fn: Callable[[], object], warmup: int, rep: int) -> float:
     return statistics.median(times)
 
 
-def run(lengths: list[int], heads: int, varlen: bool, warmup: int, rep: int) -> list[dict]:
+def _direct_launch(threads: int, ctas: int, q, k, g, beta, a_log, dt_bias, ws, cu_seqlens, tile_base, steps):
+    """A compiled ``PrepareKernel(num_threads=threads, ctas_per_sm=ctas)`` bound to these tensors."""
+    from cute_kda.dsl import cute
+    from cute_kda.kernels.fwd_prepare import PrepareKernel
+    from cute_kda.ops._cache import current_stream
+    from cute_kda.ops.prepare import _kernel_args
+
+    args = _kernel_args(q, k, g, beta, a_log, dt_bias, ws, D ** -0.5, LOWER_BOUND, steps, cu_seqlens, tile_base,
+                        current_stream(q.device))
+    kernel = PrepareKernel(varlen=cu_seqlens is not None, num_threads=threads, ctas_per_sm=ctas)
+    compiled = cute.compile(kernel, *args)
+    return lambda: compiled(*args)
+
+
+def run(lengths: list[int], heads: int, varlen: bool, variants: list[tuple[int, int]], warmup: int,
+        rep: int) -> list[dict]:
     from cute_kda.ops.prepare import prepare, tile_bases
 
     device = torch.device("cuda")
@@ -105,6 +120,10 @@ def run(lengths: list[int], heads: int, varlen: bool, warmup: int, rep: int) -> 
         timed.insert(0, ("K1 prepare, CUDA graph", median_ms(graph.replay, warmup, rep)))
     except RuntimeError as error:
         print(f"CUDA graph capture failed ({error}); eager timing only", file=sys.stderr)
+    for threads, ctas in variants:  # other static configurations of the same kernel, launched directly
+        timed.append((f"K1 {threads} threads × {ctas} CTAs/SM, direct launch",
+                      median_ms(_direct_launch(threads, ctas, q, k, g, beta, a_log, dt_bias, ws, cu_seqlens,
+                                               tile_base, steps), warmup, rep)))
 
     src = torch.empty(moved // 2, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -149,6 +168,8 @@ def main() -> None:
     parser.add_argument("--lengths", default="8192", help="comma-separated sequence lengths (batch rows, or packed with --varlen)")
     parser.add_argument("--heads", type=int, default=96)
     parser.add_argument("--varlen", action="store_true", help="pack the sequences with cu_seqlens")
+    parser.add_argument("--variants", default="128x8,256x5",
+                        help="THREADSxCTAS_PER_SM configurations to time by direct launch (comma-separated, '' for none)")
     parser.add_argument("--out", help="also write the markdown table to this file")
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time, ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
@@ -160,7 +181,8 @@ def main() -> None:
         sys.exit("bench_prepare needs a CUDA GPU (Hopper)")
 
     with torch.inference_mode():
-        rows = run(lengths, args.heads, args.varlen, args.warmup, args.rep)
+        variants = [tuple(int(x) for x in v.split("x")) for v in args.variants.split(",") if v.strip()]
+        rows = run(lengths, args.heads, args.varlen, variants, args.warmup, args.rep)
     table = f"{environment()}\n\n{markdown(rows)}\n"
     print(table)
     if args.out:
