@@ -22,6 +22,11 @@ Rows past the end of the sequence (tail tile) are *invalid*: the TMA may have br
 sequence's rows (or zeros past the tensor), and every use masks them — q, k as 0, ``g' = 0``,
 β = 0 — so nothing of another sequence reaches the results.
 
+Occupancy (K1 is memory-bound: tiles in flight per SM matter). Default 128 threads with
+``minctasm = 8``: ptxas fits the kernel in 62 registers (8 × 128 × 64 = 65 536) and the 25.6 KB of
+shared memory fits 8 times per SM, so 8 tiles (8 × 12 KB of TMA loads) are in flight per SM. The
+256-thread variant needs 48 registers, i.e. 5 CTAs per SM (6 would spill).
+
 Varlen: the grid runs over the tile-slot bound (``tiles_per_head``); a CTA finds its sequence by
 binary search in ``tile_base`` and does nothing (writes nothing) when its slot has no tile.
 Fixed length: sequence ``b`` owns rows ``b·T … b·T + T − 1`` of the flattened ``[B·T]`` tokens and

@@ -12,7 +12,8 @@ beta            :func:`row_vector`          64      activated β per row (0 on i
 tma_barrier     one mbarrier                8
 ==============  =========================  ======  ===============================================
 
-About 24.7 KB with alignment, so shared memory allows 8 CTAs per SM (the register budget decides).
+25 600 bytes per CTA (the struct rounds up to its 1024-byte alignment): with the 1 KB the system
+reserves per CTA, 8 CTAs fit in an SM's 228 KB; the register budget sets the rest (the kernel).
 
 Bank conflicts. Every 16×128 bf16 tile uses the 128-byte-swizzled ``K_SW128`` atom (8 rows of
 128 bytes, 16-byte chunk ``j`` of row ``r`` stored at chunk ``j ^ (r % 8)``):
