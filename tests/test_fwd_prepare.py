@@ -316,8 +316,9 @@ def test_matches_mirror_varlen(lengths, heads):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qk_l2norm,beta_logits", [(False, True), (True, False), (False, False)])
-@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("qk_l2norm,beta_logits", [(False, True), (True, False), (False, False)],
+                         ids=["no_l2norm", "beta_activated", "neither"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_matches_mirror_flags(qk_l2norm, beta_logits, varlen):
     data = _problem(1, 115, 4, seed=2)
     cu_seqlens = torch.tensor([0, 17, 50, 115], dtype=torch.int64, device="cuda") if varlen else None
@@ -328,7 +329,7 @@ def test_matches_mirror_flags(qk_l2norm, beta_logits, varlen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_tail_tile_ignores_the_next_sequence(varlen):
     """The TMA brings the next sequence's rows into a tail tile; NaN there must not reach the results."""
     first = _problem(1, 17, 4, seed=3)
