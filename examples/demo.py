@@ -125,7 +125,7 @@ def _prepare_build(varlen: bool) -> Callable[[], tuple]:
     def build():
         from cute_kda.dsl import cute
         from cute_kda.kernels.fwd_prepare import PrepareKernel
-        from cute_kda.layouts.budget import k1_budget
+        from cute_kda.layouts import k1_budget
         from cute_kda.ops import prepare as k1
         from cute_kda.workspace import WorkspaceSpec, allocate_workspace, tiles_per_head
 
@@ -148,7 +148,7 @@ def _recurrence_build(varlen: bool, state: torch.dtype | None, vsplit: int) -> C
     def build():
         from cute_kda.dsl import cute, cutlass
         from cute_kda.kernels.fwd_recurrence import FwdRecurrence
-        from cute_kda.layouts.budget import k2_budget
+        from cute_kda.layouts import k2_budget
         from cute_kda.ops import recurrence as k2
         from cute_kda.workspace import WorkspaceSpec, allocate_workspace, tiles_per_head
 

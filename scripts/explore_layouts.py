@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cute_kda.dsl import cutlass  # noqa: E402
-from cute_kda.layouts import analysis, budget, smem  # noqa: E402
+from cute_kda.layouts import analysis, budget, k1_budget, smem  # noqa: E402
 from cute_kda.layouts.analysis import layout_spec  # noqa: E402
 
 SECTIONS = ("atoms", "grids", "dual", "banks", "budget")
@@ -84,7 +84,7 @@ def print_banks(dim: int, chunk: int, dtype: type) -> None:
 
 def print_budget(dim: int, chunk: int) -> None:
     print("== shared-memory budget ==")
-    print(budget.k1_budget(dim, chunk).describe())
+    print(k1_budget(dim, chunk).describe())
     print()
     for fp32 in (False, True):
         for vsplit in (1, 2, 4):

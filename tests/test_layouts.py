@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cute_kda.dsl import cute, cutlass
-from cute_kda.layouts import analysis, budget, smem
+from cute_kda.layouts import analysis, budget, fwd_prepare, smem
 from cute_kda.layouts.analysis import (
     K_INTER_FAMILY, ROW_MAJOR_FAMILY, SW128_FAMILY, MatrixAccess, layout_spec,
 )
@@ -268,7 +268,7 @@ def test_k2_budget_known_totals():
         budget.k2_budget(3)
 
 
-@pytest.mark.parametrize("plan", [budget.k2_budget(1, True), budget.k2_budget(4), budget.k1_budget()],
+@pytest.mark.parametrize("plan", [budget.k2_budget(1, True), budget.k2_budget(4), fwd_prepare.smem_budget()],
                          ids=lambda p: p.name)
 def test_storage_struct_matches_plan(plan):
     struct = plan.storage_struct()
@@ -287,7 +287,7 @@ def test_storage_struct_matches_plan(plan):
     assert offsets(struct) == {name: p.offset for name, p in plan.buffers.items()}
 
 
-@pytest.mark.parametrize("plan", [budget.k1_budget(), budget.k2_budget(2, True)], ids=lambda p: p.name)
+@pytest.mark.parametrize("plan", [fwd_prepare.smem_budget(), budget.k2_budget(2, True)], ids=lambda p: p.name)
 def test_buffers_overlap_only_inside_unions(plan):
     placed = list(plan.buffers.values())
     for i, a in enumerate(placed):
@@ -306,20 +306,19 @@ def _group(plan, path):
     return group
 
 
-def test_k1_budget():
-    plan = budget.k1_budget()
-    tile, square, vec = 16 * 128 * 2, 16 * 16 * 2, 128 * 4
-    phase = max(2 * tile + 16 * 128 * 4, 3 * tile + 3 * square)
-    assert plan.total_bytes == -(-(phase + tile + vec + 128 + 128 + 8) // 128) * 128
-    assert plan.buffers["kr"].offset == plan.buffers["g_raw"].offset
-    assert plan.buffers["qd"].offset == plan.buffers["q"].offset == 0
-    assert plan.ctas_per_sm >= 8
-
-
-def test_state_fp32_band_is_smem_state_fp32_for_one_band():
-    full = layout_spec("state_fp32", smem.state_fp32, 128, dtype=cutlass.Float32)
-    band = layout_spec("band", budget.state_fp32_band, 128, 128, dtype=cutlass.Float32)
-    assert np.array_equal(analysis.byte_table(full), analysis.byte_table(band))
+def test_k1_plan():
+    """K1: four swizzled bf16 tiles, the swizzled fp32 G tile, β, one mbarrier; 25 600 B, 8 CTAs/SM."""
+    plan = fwd_prepare.smem_budget()
+    tile = 16 * 128 * 2
+    assert {name: p.offset for name, p in plan.buffers.items()} == {
+        "q": 0, "k": tile, "g": 2 * tile, "kinv": 3 * tile, "gate_cumsum": 4 * tile,
+        "beta": 4 * tile + 16 * 128 * 4, "tma_barrier": 4 * tile + 16 * 128 * 4 + 16 * 4,
+    }
+    assert plan.buffers["q"].buffer.align == 1024  # K_SW128: the 128-byte swizzle repeats every 1024 bytes
+    assert plan.buffers["gate_cumsum"].buffer.align == 256  # Swizzle<1,4,3>
+    assert plan.total_bytes == 25600 and plan.ctas_per_sm == 8
+    assert np.array_equal(analysis.byte_table(plan.buffers["q"].buffer.layout),
+                          analysis.byte_table(SW128_FAMILY.spec(16, 128, BF16)))
 
 
 def test_staged_layout_puts_each_stage_on_its_slot():

@@ -1,22 +1,36 @@
-"""Shared-memory layouts, transpose-dual pairs, TMA views and host-side layout analysis.
+"""Shared-memory layouts, transpose-dual pairs, TMA views, smem plans and host-side layout analysis.
 
-Layout constructors run inside a CuTe trace (``@cute.jit``); the analysis helpers evaluate them on
-the host, so everything here works on a machine without a GPU.
+Layout constructors run inside a CuTe trace (``@cute.jit``); the analysis helpers and the smem plans
+evaluate them on the host, so everything here works on a machine without a GPU.
+
+Modules: :mod:`.smem` (layout constructors), :mod:`.tma` (TMA views), :mod:`.analysis` (byte tables,
+transpose-dual check, bank conflicts), :mod:`.budget` (smem plans: buffers, offsets, occupancy),
+one module per kernel (:mod:`.fwd_prepare`: K1's layouts and plan).
 """
 
+from . import analysis, budget, fwd_prepare, smem, tma  # noqa: F401
+from .analysis import bank_conflict_table, check_transpose_dual, design_pairs, format_conflict_table  # noqa: F401
+from .budget import SmemBudget, k2_budget  # noqa: F401
+from .fwd_prepare import smem_budget as k1_budget  # noqa: F401
 from .smem import (  # noqa: F401
     CHUNK,
     HEAD_DIM,
     AtomKind,
+    atom_tile,
+    atom_tile_transposed,
     chunk_operand,
     chunk_operand_transposed,
     layout_atom,
     operand_tile,
     operand_tile_transposed,
+    row_major_tile,
+    row_major_tile_transposed,
     square_tile,
     square_tile_transposed,
     state_acc_view,
     state_b_view,
     state_fp32,
+    sw128_tile,
+    sw128_tile_transposed,
     vector,
 )

@@ -52,7 +52,6 @@ from ..dsl import cute, cutlass
 from cutlass.cute.nvgpu import warp
 
 from . import smem, tma
-from .smem import AtomKind, layout_atom
 
 BANKS = 32
 BANK_BYTES = 4
@@ -196,28 +195,8 @@ def full_byte_table(spec: LayoutSpec) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
-# Comparison layouts (candidates the kernels do not use) and layout families
+# Layout families: ways to store a tile, compared in the bank-conflict table
 # --------------------------------------------------------------------------------------------
-
-
-def row_major_tile(rows: int, cols: int):
-    """Plain row-major ``[rows, cols]`` (``cols`` contiguous, no swizzle)."""
-    return cute.make_layout((rows, cols), stride=(cols, 1))
-
-
-def row_major_tile_transposed(rows: int, cols: int):
-    """``[cols, rows]`` view of :func:`row_major_tile` (column-major, same bytes)."""
-    return cute.make_layout((cols, rows), stride=(1, cols))
-
-
-def sw128_tile(rows: int, cols: int, dtype: type = cutlass.BFloat16):
-    """``[rows, cols]`` of 128-byte-swizzled K-major atoms (``K_SW128``; rows of a multiple of 128 bytes)."""
-    return cute.tile_to_shape(layout_atom(AtomKind.K_SW128, dtype), (rows, cols), (0, 1))
-
-
-def sw128_tile_transposed(rows: int, cols: int, dtype: type = cutlass.BFloat16):
-    """``[cols, rows]`` ``MN_SW128`` view of :func:`sw128_tile` (same bytes)."""
-    return cute.tile_to_shape(layout_atom(AtomKind.MN_SW128, dtype), (cols, rows), (1, 0))
 
 
 @dataclass(frozen=True)
@@ -239,8 +218,8 @@ class LayoutFamily:
 
 
 K_INTER_FAMILY = LayoutFamily("K_INTER", smem.operand_tile, smem.operand_tile_transposed)
-ROW_MAJOR_FAMILY = LayoutFamily("row-major", row_major_tile, row_major_tile_transposed)
-SW128_FAMILY = LayoutFamily("K_SW128", sw128_tile, sw128_tile_transposed, min_cols_bytes=128)
+ROW_MAJOR_FAMILY = LayoutFamily("row-major", smem.row_major_tile, smem.row_major_tile_transposed)
+SW128_FAMILY = LayoutFamily("K_SW128", smem.sw128_tile, smem.sw128_tile_transposed, min_cols_bytes=128)
 FAMILIES = (K_INTER_FAMILY, ROW_MAJOR_FAMILY, SW128_FAMILY)
 
 

@@ -11,9 +11,9 @@ Kernel tests assert that a kernel's ``SharedStorage`` equals the plan; :meth:`Sm
 builds that ``cute.struct`` from the plan directly. Occupancy follows the sm_90 rules: 228 KiB of
 shared memory per SM, at most 227 KiB per CTA, and 1 KiB reserved by the system per CTA.
 
-``k1_budget`` (prepare, one CTA per (tile, head)) and ``k2_budget`` (recurrence, one CTA per
-(sequence, head, V-band)) are the two plans; ``python scripts/explore_layouts.py --section budget``
-prints them.
+Each kernel's plan lives with its layouts: :func:`cute_kda.layouts.fwd_prepare.smem_budget` (K1, the
+struct the kernel allocates is built from it) and :func:`k2_budget` here (K2, recurrence, one CTA per
+(sequence, head, V-band)); ``python scripts/explore_layouts.py --section budget`` prints them.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from typing import Iterator, Union
 
 from ..dsl import cute, cutlass
 from . import smem
-from .analysis import LayoutSpec, evaluate, layout_spec, row_major_tile, swizzle_period_bytes
-from .smem import AtomKind, layout_atom
+from .analysis import LayoutSpec, evaluate, layout_spec, swizzle_period_bytes
 
 SMEM_PER_SM = 228 * 1024
 SMEM_PER_CTA_MAX = 227 * 1024
@@ -35,11 +34,6 @@ MBARRIER_ALIGN = 8
 
 def _align_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
-
-
-def state_fp32_band(rows: int, dim: int = smem.HEAD_DIM):
-    """fp32 state staging ``[rows, K]`` (K_SW32 atoms) for one V-band; ``rows = dim`` is ``smem.state_fp32``."""
-    return cute.tile_to_shape(layout_atom(AtomKind.K_SW32, cutlass.Float32), (rows, dim), (0, 1))
 
 
 @dataclass(frozen=True)
@@ -189,8 +183,9 @@ class SmemBudget:
         for p in self.buffers.values():
             b = p.buffer
             name = ".".join(p.path + (b.name,))
+            note = f"  {b.note}" if b.note else ""
             lines.append(f"{name:34s} {b.layout.name:44s} {b.dtype.__name__:>9s} {b.cosize:7d} "
-                         f"{b.slot_bytes:7d} {b.stages:6d} {p.offset:7d}")
+                         f"{b.slot_bytes:7d} {b.stages:6d} {p.offset:7d}{note}")
         for pipe, nbytes in self.stage_bytes.items():
             lines.append(f"bytes per {pipe} stage: {nbytes}")
         lines.append(f"total: {self.total_bytes} B ({self.total_bytes / 1024:.1f} KiB); "
@@ -210,7 +205,8 @@ def _make_struct(group: SmemGroup):
     return (cute.union if group.union else cute.struct)(cls)
 
 
-def _mbarriers(name: str, count: int, note: str) -> SmemBuffer:
+def mbarriers(name: str, count: int, note: str) -> SmemBuffer:
+    """``count`` mbarriers (8 bytes each, 8-byte aligned)."""
     return SmemBuffer(name, layout_spec(f"vector({count})", smem.vector, count, dtype=cutlass.Int64),
                       align_bytes=MBARRIER_ALIGN, note=note)
 
@@ -248,51 +244,14 @@ def k2_budget(vsplit: int = 1, state_io_fp32: bool = False, dim: int = smem.HEAD
     ))
     io_members: tuple[SmemNode, ...] = (pipeline,)
     if state_io_fp32:
-        io_members += (SmemBuffer("state_fp32", layout_spec(f"state_fp32_band({vband},{dim})", state_fp32_band,
-                                                             vband, dim, dtype=f32)),)
+        io_members += (SmemBuffer("state_fp32", layout_spec(f"state_fp32({dim},vband={vband})", smem.state_fp32,
+                                                             dim, dtype=f32, vband=vband)),)
     storage = SmemGroup("K2Storage", (
         SmemBuffer("state", layout_spec(f"operand_tile({vband},{dim})", smem.operand_tile, vband, dim, dtype=bf16)),
         SmemGroup("io", io_members, union=True),
-        _mbarriers("load_mbar", 2 * input_stages, "PipelineTmaAsync full/empty"),
-        _mbarriers("store_mbar", 2 * output_stages, "PipelineAsync full/empty"),
-        _mbarriers("state_mbar", 1, "state TMA load/store"),
+        mbarriers("load_mbar", 2 * input_stages, "PipelineTmaAsync full/empty"),
+        mbarriers("store_mbar", 2 * output_stages, "PipelineAsync full/empty"),
+        mbarriers("state_mbar", 1, "state TMA load/store"),
     ))
     return SmemBudget(f"K2 vsplit={vsplit} (Vband={vband}) state_io={'fp32' if state_io_fp32 else 'bf16'}",
                       storage)
-
-
-def k1_budget(dim: int = smem.HEAD_DIM, chunk: int = smem.CHUNK) -> SmemBudget:
-    """Plan of K1 (one 16-token tile of one head).
-
-    Two phases share ``phase``: the inputs (q, k as TMA'd, l2-normalised in place; the fp32 gate
-    cumsum ``G``) are read into registers before the decayed operands and the 16×16 tiles are
-    written over them. ``g_raw`` (TMA target) is dead once ``G`` is built and makes room for ``kr``;
-    ``dt_bias`` likewise for ``gT``. bf16 tiles are K_INTER (TMA-able, conflict-free ldmatrix);
-    ``G`` is fp32 row-major, read per channel (a warp reads 32 consecutive words).
-    """
-    bf16, f16, f32 = cutlass.BFloat16, cutlass.Float16, cutlass.Float32
-    chunk_tile = layout_spec(f"chunk_operand({dim},{chunk})", smem.chunk_operand, dim, chunk, dtype=bf16)
-    square = layout_spec(f"square_tile({chunk})", smem.square_tile, chunk, dtype=bf16)
-    vec_d = layout_spec(f"vector({dim})", smem.vector, dim, dtype=f32)
-    inputs = SmemGroup("inputs", (
-        SmemBuffer("q", chunk_tile),
-        SmemBuffer("k", chunk_tile),
-        SmemBuffer("g_cum", layout_spec(f"row_major_tile({chunk},{dim})", row_major_tile, chunk, dim, dtype=f32)),
-    ))
-    tiles = SmemGroup("tiles", (
-        SmemBuffer("qd", chunk_tile),
-        SmemBuffer("kd", chunk_tile),
-        SmemBuffer("kinv", chunk_tile),
-        SmemBuffer("l", layout_spec(f"square_tile({chunk})", smem.square_tile, chunk, dtype=f16)),
-        SmemBuffer("inv", square),
-        SmemBuffer("mqk", square),
-    ))
-    storage = SmemGroup("K1Storage", (
-        SmemGroup("phase", (inputs, tiles), union=True),
-        SmemGroup("g_or_kr", (SmemBuffer("g_raw", chunk_tile), SmemBuffer("kr", chunk_tile)), union=True),
-        SmemGroup("dt_or_gt", (SmemBuffer("dt_bias", vec_d), SmemBuffer("gt", vec_d)), union=True),
-        SmemBuffer("beta_raw", layout_spec(f"vector({chunk})", smem.vector, chunk, dtype=bf16)),
-        SmemBuffer("beta", layout_spec(f"vector({chunk})", smem.vector, chunk, dtype=f32)),
-        _mbarriers("load_mbar", 1, "TMA load transaction barrier"),
-    ))
-    return SmemBudget(f"K1 D={dim} CHUNK={chunk}", storage)

@@ -1,19 +1,13 @@
 """Shared-memory plan of the prepare kernel K1 (``cute_kda.kernels.fwd_prepare``).
 
-One CTA handles one (16-token tile, head). Its shared memory, in bytes:
-
-==============  =========================  ======  ===============================================
-buffer          layout                      bytes   holds
-==============  =========================  ======  ===============================================
-q / k / g       :func:`chunk_tile`, bf16    3×4096  TMA-loaded inputs; then qd, kd and kr in place
-kinv            :func:`chunk_tile`, bf16    4096    ``k̂ ⊙ 2^-G`` (K1-internal, B operand of L, Mqk)
-gate_cumsum     :func:`gate_cumsum_tile`    8192    ``G[r, c]`` fp32 (row 15 is ``G_last``)
-beta            :func:`row_vector`          64      activated β per row (0 on invalid rows)
-tma_barrier     one mbarrier                8
-==============  =========================  ======  ===============================================
-
-25 600 bytes per CTA (the struct rounds up to its 1024-byte alignment): with the 1 KB the system
-reserves per CTA, 8 CTAs fit in an SM's 228 KB; the register budget sets the rest (the kernel).
+One CTA handles one (16-token tile, head). :func:`smem_budget` is its shared memory, the one
+description of it: buffers in order with their layouts, alignments, offsets and what they hold (the
+bf16 ``q``, ``k``, ``g`` tiles, TMA-loaded, then overwritten in place by qd, kd and kr; ``kinv``;
+the fp32 gate cumsum ``G``; β; one transaction mbarrier). The kernel allocates
+:func:`shared_storage`, the ``cute.struct`` built from that plan, and the CPU tests check that the
+launch asks for exactly its total. ``python scripts/explore_layouts.py --section budget`` prints it:
+25 600 bytes per CTA (the swizzled tiles' 1024-byte alignment rounds the struct up); with the 1 KB
+the system reserves per CTA, 8 CTAs fit in an SM's 228 KB; the register budget sets the rest.
 
 Bank conflicts. Every 16×128 bf16 tile uses the 128-byte-swizzled ``K_SW128`` atom (8 rows of
 128 bytes, 16-byte chunk ``j`` of row ``r`` stored at chunk ``j ^ (r % 8)``):
@@ -34,25 +28,23 @@ does): tensors are made as ``make_tensor(recast_ptr(base, layout.inner), layout.
 struct's ``get_tensor(layout.outer, swizzle=layout.inner)`` does.
 """
 
-# No ``from __future__ import annotations``: cute.struct reads its field annotations as objects.
 from ..dsl import cute, cutlass
-from .smem import CHUNK, HEAD_DIM, AtomKind, layout_atom
+from .analysis import layout_spec
+from .budget import SmemBudget, SmemBuffer, SmemGroup, mbarriers
+from .smem import CHUNK, HEAD_DIM, row_major_tile, sw128_tile
 
-# Byte alignment of the swizzled tiles: the 128-byte swizzle pattern repeats every 1024 bytes.
-SWIZZLE_ALIGN = 1024
 INPUT_TILES = 3  # q, k, g: the TMA transaction of one CTA
+BETA_ALIGN = 16  # β is read and written element by element, never by the TMA
 
 
 def chunk_tile(dim: int = HEAD_DIM, chunk: int = CHUNK, dtype: type = cutlass.BFloat16):
     """``[CHUNK, D]`` bf16 tile with 128-byte swizzle (``K_SW128`` atoms, rows first)."""
-    return cute.tile_to_shape(layout_atom(AtomKind.K_SW128, dtype), (chunk, dim), (0, 1))
+    return sw128_tile(chunk, dim, dtype)
 
 
 def gate_cumsum_tile(dim: int = HEAD_DIM, chunk: int = CHUNK):
     """``[CHUNK, D]`` fp32 row-major, byte-address swizzle ``Swizzle<1,4,3>`` (see module docstring)."""
-    return cute.make_composed_layout(
-        cute.make_swizzle(1, 4, 3), 0, cute.make_layout((chunk, dim), stride=(dim, 1))
-    )
+    return cute.make_composed_layout(cute.make_swizzle(1, 4, 3), 0, row_major_tile(chunk, dim))
 
 
 def row_vector(chunk: int = CHUNK):
@@ -65,25 +57,25 @@ def input_tile_bytes(dim: int = HEAD_DIM, chunk: int = CHUNK) -> int:
     return chunk * dim * 2
 
 
+def smem_budget(dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
+    """K1's shared-memory plan (host side; evaluates the layouts in a host trace once per spec)."""
+    tile = layout_spec(f"chunk_tile({dim},{chunk})", chunk_tile, dim, chunk, dtype=cutlass.BFloat16)
+    cumsum = layout_spec(f"gate_cumsum_tile({dim},{chunk})", gate_cumsum_tile, dim, chunk, dtype=cutlass.Float32)
+    beta = layout_spec(f"row_vector({chunk})", row_vector, chunk, dtype=cutlass.Float32)
+    return SmemBudget(f"K1 D={dim} CHUNK={chunk}", SmemGroup("PrepareStorage", (
+        SmemBuffer("q", tile, note="TMA-loaded q; qd written over it"),
+        SmemBuffer("k", tile, note="TMA-loaded k; kd written over it"),
+        SmemBuffer("g", tile, note="TMA-loaded raw gate; kr written over it"),
+        SmemBuffer("kinv", tile, note="k̂ ⊙ 2^-G: B operand of L and Mqk (K1-internal)"),
+        SmemBuffer("gate_cumsum", cumsum, note="G[r, c] (row CHUNK-1 is G_last)"),
+        SmemBuffer("beta", beta, align_bytes=BETA_ALIGN, note="activated β per row, 0 on invalid rows"),
+        mbarriers("tma_barrier", 1, "transaction barrier of the q, k, g loads"),
+    )))
+
+
 def shared_storage(dim: int = HEAD_DIM, chunk: int = CHUNK):
-    """The ``cute.struct`` of K1's shared memory (call inside a trace)."""
-    tile = chunk_tile(dim, chunk)
-    cumsum = gate_cumsum_tile(dim, chunk)
-    tile_elems = cute.cosize(tile.outer)
-
-    @cute.struct
-    class PrepareStorage:
-        q: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, tile_elems], SWIZZLE_ALIGN]
-        k: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, tile_elems], SWIZZLE_ALIGN]
-        g: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, tile_elems], SWIZZLE_ALIGN]
-        kinv: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, tile_elems], SWIZZLE_ALIGN]
-        gate_cumsum: cute.struct.Align[
-            cute.struct.MemRange[cutlass.Float32, cute.cosize(cumsum.outer)], SWIZZLE_ALIGN
-        ]
-        beta: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, chunk], 16]
-        tma_barrier: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 1], 8]
-
-    return PrepareStorage
+    """The ``cute.struct`` of K1's shared memory: :func:`smem_budget`'s fields, offsets and size."""
+    return smem_budget(dim, chunk).storage_struct()
 
 
 def compact(tensor: cute.Tensor, inner: tuple) -> cute.Tensor:

@@ -11,6 +11,11 @@ first. Its *transposed view* ``[cols, rows]`` uses the ``MN_INTER`` atom tiled t
 and addresses exactly the same bytes (``operand(i, j) == transposed(j, i)``): a *transpose-dual
 pair*. One physical copy then serves both ``ldmatrix`` (row access) and ``ldmatrix.trans`` /
 ``stmatrix.trans`` (column access) without bank conflicts.
+
+Every tiled layout here is :func:`atom_tile` (or its transposed view :func:`atom_tile_transposed`)
+of one GMMA atom kind: ``K_INTER`` operand tiles, ``K_SW128`` tiles (K1), ``K_SW32`` fp32 state
+staging. :func:`row_major_tile` is the unswizzled baseline (K1's gate cumsum adds a swizzle to it;
+:mod:`.analysis` compares it with the atoms).
 """
 
 from __future__ import annotations
@@ -24,19 +29,68 @@ CHUNK = 16
 HEAD_DIM = 128
 
 
+# The MN-major atom whose ``[cols, rows]`` tiling addresses the bytes of a K-major ``[rows, cols]`` tiling.
+TRANSPOSED_ATOM = {
+    AtomKind.K_INTER: AtomKind.MN_INTER,
+    AtomKind.K_SW32: AtomKind.MN_SW32,
+    AtomKind.K_SW64: AtomKind.MN_SW64,
+    AtomKind.K_SW128: AtomKind.MN_SW128,
+}
+
+
 def layout_atom(kind: AtomKind, dtype: type = cutlass.BFloat16):
     """The GMMA shared-memory atom ``kind`` for ``dtype`` (e.g. K_INTER bf16 is ``(8,8):(8,1)``)."""
     return warpgroup.make_smem_layout_atom(kind, dtype)
 
 
+def atom_tile(kind: AtomKind, rows: int, cols: int, dtype: type = cutlass.BFloat16, stages: int | None = None):
+    """``[rows, cols]`` (``[rows, cols, stages]`` if ``stages``) of K-major ``kind`` atoms, down the rows first.
+
+    Stage ``s`` of a staged tile is the unstaged tile ``s · rows · cols`` elements further on.
+    """
+    shape, order = ((rows, cols), (0, 1)) if stages is None else ((rows, cols, stages), (0, 1, 2))
+    return cute.tile_to_shape(layout_atom(kind, dtype), shape, order)
+
+
+def atom_tile_transposed(kind: AtomKind, rows: int, cols: int, dtype: type = cutlass.BFloat16,
+                         stages: int | None = None):
+    """``[cols, rows(, stages)]`` view of ``atom_tile(kind, rows, cols)``: the MN-major atom, same bytes."""
+    shape, order = ((cols, rows), (1, 0)) if stages is None else ((cols, rows, stages), (1, 0, 2))
+    return cute.tile_to_shape(layout_atom(TRANSPOSED_ATOM[kind], dtype), shape, order)
+
+
 def operand_tile(rows: int, cols: int, dtype: type = cutlass.BFloat16):
     """``[rows, cols]`` operand tile, K_INTER atoms, core matrices tiled down the rows first."""
-    return cute.tile_to_shape(layout_atom(AtomKind.K_INTER, dtype), (rows, cols), (0, 1))
+    return atom_tile(AtomKind.K_INTER, rows, cols, dtype)
 
 
 def operand_tile_transposed(rows: int, cols: int, dtype: type = cutlass.BFloat16):
     """``[cols, rows]`` view of ``operand_tile(rows, cols)``: MN_INTER atoms, same bytes."""
-    return cute.tile_to_shape(layout_atom(AtomKind.MN_INTER, dtype), (cols, rows), (1, 0))
+    return atom_tile_transposed(AtomKind.K_INTER, rows, cols, dtype)
+
+
+def sw128_tile(rows: int, cols: int, dtype: type = cutlass.BFloat16):
+    """``[rows, cols]`` of 128-byte-swizzled ``K_SW128`` atoms (rows of a multiple of 128 bytes).
+
+    The swizzle acts on byte addresses: build tensors with the swizzle on the pointer (see
+    :func:`state_fp32`). K1's tiles; the TMA's ``SWIZZLE_128B`` mode.
+    """
+    return atom_tile(AtomKind.K_SW128, rows, cols, dtype)
+
+
+def sw128_tile_transposed(rows: int, cols: int, dtype: type = cutlass.BFloat16):
+    """``[cols, rows]`` ``MN_SW128`` view of :func:`sw128_tile` (same bytes)."""
+    return atom_tile_transposed(AtomKind.K_SW128, rows, cols, dtype)
+
+
+def row_major_tile(rows: int, cols: int):
+    """Plain row-major ``[rows, cols]`` (``cols`` contiguous, no swizzle)."""
+    return cute.make_layout((rows, cols), stride=(cols, 1))
+
+
+def row_major_tile_transposed(rows: int, cols: int):
+    """``[cols, rows]`` view of :func:`row_major_tile` (column-major, same bytes)."""
+    return cute.make_layout((cols, rows), stride=(1, cols))
 
 
 def chunk_operand(dim: int = HEAD_DIM, chunk: int = CHUNK, dtype: type = cutlass.BFloat16):
@@ -84,6 +138,4 @@ def state_fp32(dim: int = HEAD_DIM, vband: int | None = None):
     layout.outer)`` (swizzle on the pointer), not with the composed layout, or the swizzle is applied
     to element offsets instead of byte addresses.
     """
-    return cute.tile_to_shape(
-        layout_atom(AtomKind.K_SW32, cutlass.Float32), (vband or dim, dim), (0, 1)
-    )
+    return atom_tile(AtomKind.K_SW32, vband or dim, dim, cutlass.Float32)

@@ -27,17 +27,17 @@ layout and the staged MN_INTER view stay a transpose-dual pair stage by stage.
 from __future__ import annotations
 
 from ..dsl import cute, cutlass
-from .smem import AtomKind, layout_atom
+from .smem import AtomKind, atom_tile, atom_tile_transposed
 
 
 def operand_tile_staged(rows: int, cols: int, stages: int, dtype: type = cutlass.BFloat16):
     """``[rows, cols, stages]``: ``stages`` K_INTER operand tiles back to back (TMA destination/source)."""
-    return cute.tile_to_shape(layout_atom(AtomKind.K_INTER, dtype), (rows, cols, stages), (0, 1, 2))
+    return atom_tile(AtomKind.K_INTER, rows, cols, dtype, stages)
 
 
 def operand_tile_transposed_staged(rows: int, cols: int, stages: int, dtype: type = cutlass.BFloat16):
     """``[cols, rows, stages]`` MN_INTER view of :func:`operand_tile_staged` (same bytes per stage)."""
-    return cute.tile_to_shape(layout_atom(AtomKind.MN_INTER, dtype), (cols, rows, stages), (1, 0, 2))
+    return atom_tile_transposed(AtomKind.K_INTER, rows, cols, dtype, stages)
 
 
 def contiguous_col_run(smem_layout) -> int:
