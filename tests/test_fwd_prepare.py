@@ -16,7 +16,6 @@ from cute_kda.kernels.fwd_prepare import PrepareInputs, PrepareKernel, Workspace
 from cute_kda.kernels.tile_prefix import TilePrefixKernel
 from cute_kda.layouts import fwd_prepare as plan
 from cute_kda.layouts.analysis import MatrixAccess, byte_table, layout_spec, max_wavefronts, phase_wavefronts, run_traced
-from cute_kda.layouts.budget import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from cute_kda.workspace import CHUNK, WorkspaceSpec, tiles_per_head, workspace_views
 
 D = 128
@@ -35,7 +34,28 @@ def _fake(dtype, rank: int, align: int = 16):
     )
 
 
+# The DSL's launch configuration in the host IR: (grid[3], block[3], dynamic smem bytes, stream, attributes, count)
+LAUNCH_CONFIG = "!llvm.struct<(array<3 x i32>, array<3 x i32>, i64, ptr, ptr, i32)>"
+
+
+def _launch_smem_bytes(host_ir: str) -> list[int]:
+    """Dynamic shared-memory bytes of every kernel launch in the host IR of a compiled DSL function.
+
+    The launcher stores a constant (what the kernel's ``SmemAllocator`` took) into field 2 of the
+    launch configuration; SSA names are per function, so each function is read on its own.
+    """
+    found = []
+    for body in host_ir.split("llvm.func ")[1:]:
+        constants = dict(re.findall(r"(%\w+) = llvm\.mlir\.constant\((\d+) : i64\) : i64", body))
+        stored = {ptr: value for value, ptr in re.findall(r"llvm\.store (%\w+), (%\w+) : i64, !llvm\.ptr", body)}
+        for field in re.findall(r"(%\w+) = llvm\.getelementptr %\w+\[0, 2\] : \(!llvm\.ptr\) -> !llvm\.ptr, "
+                                + re.escape(LAUNCH_CONFIG), body):
+            found.append(int(constants[stored[field]]))
+    return found
+
+
 def _compile(kernel: PrepareKernel):
+    """(PTX report, dynamic smem bytes of each launch) of ``kernel`` compiled for sm_90a."""
     inputs = PrepareInputs(
         q=_fake(BF16, 3), k=_fake(BF16, 3), g=_fake(BF16, 3), beta=_fake(BF16, 2, 2),
         a_log=_fake(F32, 1, 4), dt_bias=_fake(F32, 2, 4),
@@ -45,10 +65,10 @@ def _compile(kernel: PrepareKernel):
         inv=_fake(BF16, 3), mqk=_fake(BF16, 3), beta=_fake(F32, 2),
     )
     varlen = (_fake(cutlass.Int64, 1, 8), _fake(cutlass.Int32, 1, 4)) if kernel.varlen else (None, None)
-    _, report = compile_with_report(
+    compiled, report = compile_with_report(
         kernel, inputs, ws, F32(0.5), F32(-7.2), cutlass.Int32(16), *varlen, cute.runtime.make_fake_stream()
     )
-    return report
+    return report, _launch_smem_bytes(str(compiled.ir_module))
 
 
 VARIANTS = {
@@ -62,11 +82,11 @@ VARIANTS = {
 @pytest.fixture(scope="module", params=list(VARIANTS), ids=list(VARIANTS))
 def compiled(request):
     kernel = PrepareKernel(**VARIANTS[request.param])
-    return kernel, _compile(kernel)
+    return (kernel, *_compile(kernel))
 
 
 def test_ptx_primitives(compiled):
-    kernel, report = compiled
+    kernel, report, _ = compiled
     # q, k, g: one 4-D TMA load each (two 64-column boxes of the 128-byte swizzle); qd, kd, kr: one store each
     assert report.count("cp.async.bulk.tensor.4d.shared::cta.global") == 3
     assert report.count("cp.async.bulk.tensor.3d.global.shared::cta") == 3
@@ -89,21 +109,46 @@ def test_ptx_primitives(compiled):
         assert not report.has("shfl.sync.bfly") and not report.has("sqrt")
 
 
-def test_tma_store_is_issued_by_one_lane(compiled):
-    _, report = compiled
+def _elected_lane_only(lines: list[str], at: int) -> bool:
+    """Whether PTX line ``at`` runs on one lane only: in its basic block, after ``elect.sync _|%p``,
+    every other lane takes ``@!%p bra`` to a label past ``at``."""
+    start = at
+    while start > 0 and not lines[start - 1].rstrip().endswith(":"):
+        start -= 1
+    guard = re.search(r"elect\.sync\s+%r\d+\|(%p\d+), -1;\s*not\.pred\s+(%p\d+), \1;\s*@\2 bra\s+(\$\w+);",
+                      "\n".join(lines[start:at]))
+    return guard is not None and f"{guard.group(3)}:" in (line.strip() for line in lines[at + 1:])
+
+
+def test_tma_copies_are_issued_by_one_elected_lane(compiled):
+    """Each TMA load and store (and the store group's commit and wait) runs on one lane of its warp.
+
+    The DSL elects the lane of a G2S copy itself but not of an S2G copy (4.8.1); the kernel's
+    stores go through ``tma_store_tiles``, which elects.
+    """
+    _, report, _ = compiled
     lines = report.ptx.splitlines()
-    first_store = next(i for i, line in enumerate(lines) if "cp.async.bulk.tensor.3d.global.shared::cta" in line)
-    assert any("elect.sync" in line for line in lines[first_store - 8: first_store])
+    bulk = [i for i, line in enumerate(lines) if re.match(r"\s*cp\.async\.bulk\.", line)]
+    assert len(bulk) == 3 + 3 + 2  # loads, stores, commit_group + wait_group.read
+    unguarded = [lines[i].strip() for i in bulk if not _elected_lane_only(lines, i)]
+    assert unguarded == []
+
+
+def test_smem_is_the_plan(compiled):
+    """The launch asks for exactly the bytes of ``layouts.fwd_prepare.smem_budget``; 8 CTAs fit per SM."""
+    kernel, _, launch_smem = compiled
+    budget = plan.smem_budget(D)
+    assert launch_smem == [budget.total_bytes] == [25600]
+    assert budget.ctas_per_sm >= kernel.ctas_per_sm
 
 
 def test_no_local_memory_and_occupancy(compiled):
-    kernel, report = compiled
+    kernel, report, _ = compiled
     assert report.local_memory_ops == 0 and report.spills == 0, report.summary()
     (entry,) = report.kernels
     assert entry.registers * kernel.num_threads * kernel.ctas_per_sm <= REGISTERS_PER_SM, report.summary()
-    smem = run_traced(lambda: plan.shared_storage(D).size_in_bytes())
-    assert (smem + SMEM_RESERVED_PER_CTA) * kernel.ctas_per_sm <= SMEM_PER_SM, smem
-    print(f"\n{report.summary()}\nsmem {smem} B/CTA; {kernel.ctas_per_sm} CTAs × {kernel.num_threads} threads per SM")
+    print(f"\n{report.summary()}\nsmem {plan.smem_budget(D).total_bytes} B/CTA; "
+          f"{kernel.ctas_per_sm} CTAs × {kernel.num_threads} threads per SM")
 
 
 def _fusable_mul_add(ptx: str) -> list[str]:
@@ -123,7 +168,7 @@ def _fusable_mul_add(ptx: str) -> list[str]:
 
 def test_no_unintended_fma(compiled):
     """docs/numerics.md: every fma is an exact product (x², 0.5·t); nothing else may fuse."""
-    _, report = compiled
+    _, report, _ = compiled
     assert _fusable_mul_add(report.ptx) == []
     fmas = report.count("fma.rn.f32")
     squares = len(re.findall(r"fma\.rn\.f32\s+%\w+,\s*(%\w+),\s*\1,", report.ptx))

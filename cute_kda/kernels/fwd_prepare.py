@@ -40,9 +40,7 @@ from math import e, log2
 from typing import NamedTuple, Optional
 
 from cutlass import BFloat16, Float16, Float32, Int32
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from ..dsl import cute, cutlass
@@ -59,7 +57,7 @@ from .common.copy import (
     transpose_c_to_b,
     warp_tiled_mma,
 )
-from .common.fastmath import ex2_approx, sigmoid_approx
+from .common.fastmath import ex2_approx, mul_rn, sigmoid_approx
 
 
 def _f32(value: float) -> float:
@@ -72,19 +70,6 @@ EPS = _f32(1e-6)
 CHANNELS_PER_LANE = 8  # l2norm partial: 8 consecutive channels per lane, 16 lanes per row
 ROW_LANES = HEAD_DIM // CHANNELS_PER_LANE
 SMEM_CARVEOUT_PERCENT = 100  # all of the unified L1/smem as smem: K1 wants CTAs, not L1
-
-
-@dsl_user_op
-def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    """``mul.rn.f32``: a product that neither LLVM nor ptxas may fuse into a following add."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-            "mul.rn.f32 $0, $1, $2;", "=f,f,f",
-            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
 
 
 class PrepareInputs(NamedTuple):
@@ -491,13 +476,10 @@ class PrepareKernel:
     def store_tiles(self, tma: PrepareTma, s_qd, s_kd, s_kr, slot: Int32):
         """Warp 2: TMA stores of qd, kd, kr to workspace slot ``slot``; waits until smem is read.
 
-        The DSL does not elect the issuing lane of an S2G copy, so one lane is elected here.
+        ``tma_store_tiles`` elects the issuing lane (the DSL does not for an S2G copy).
         """
-        parts = [
-            head_tile_tma_partition(atom, tma_tensor, smem, 0, self.tile)
-            for (atom, tma_tensor), smem in ((tma.qd, s_qd), (tma.kd, s_kd), (tma.kr, s_kr))
-        ]
-        tma_store_tiles(*[
-            (atom, s_part, g_part[None, slot])
-            for (atom, _), (s_part, g_part) in zip((tma.qd, tma.kd, tma.kr), parts)
-        ])
+        copies = []
+        for (atom, tma_tensor), smem in ((tma.qd, s_qd), (tma.kd, s_kd), (tma.kr, s_kr)):
+            s_part, g_part = head_tile_tma_partition(atom, tma_tensor, smem, 0, self.tile)
+            copies.append((atom, s_part, g_part[None, slot]))
+        tma_store_tiles(*copies)

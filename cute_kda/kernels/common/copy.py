@@ -6,11 +6,11 @@ with ``H = 1``) is moved in ``(tile_rows, tile_cols)`` tiles of one head:
 - host, inside the ``@cute.jit`` launcher: :func:`make_head_tile_tma_atom` builds the descriptor
   from an smem layout of :mod:`cute_kda.layouts` (unstaged or staged);
 - device: :func:`head_tile_tma_partition` slices the head and returns the TMA-partitioned smem
-  buffer ``(TMA, [stage])`` and gmem tiles ``(TMA, tile)``. A load is
-  ``cute.copy(atom, g[None, t], s[None, stage], tma_bar_ptr=...)`` from a whole warp: the DSL elects
-  the issuing lane of a G2S copy itself (inside ``elect_one`` it would hang). A store is
-  :func:`tma_store_tiles`, also from a whole warp: the DSL (4.8.1) does *not* elect for an S2G copy
-  (every lane would issue the same store), so that helper elects one lane itself.
+  buffer (``(TMA,)`` unstaged, ``(TMA, stage)`` staged) and gmem tiles ``(TMA, tile)``. A load is
+  ``cute.copy(atom, g[None, t], s, tma_bar_ptr=...)`` (``s[None, stage]`` when staged) from a whole
+  warp: the DSL elects the issuing lane of a G2S copy itself (inside ``elect_one`` it would hang).
+  A store is :func:`tma_store_tiles`, also from a whole warp: the DSL (4.8.1) does *not* elect for
+  an S2G copy (every lane would issue the same store), so that helper elects one lane itself.
 
 Registers (device). All fragments are per-warp 16×16 tiles of the warp MMA
 (:func:`warp_tiled_mma`, two ``mma.sync.m16n8k16`` side by side). In that tile, lane ``l``
@@ -78,8 +78,9 @@ def make_head_tile_tma_atom(op, tensor: cute.Tensor, smem_layout, tile: tuple[in
 def head_tile_tma_partition(atom, tma_tensor: cute.Tensor, smem: cute.Tensor, head, tile: tuple[int, int]):
     """Partition ``smem`` and head ``head`` of ``tma_tensor`` for ``atom``; device side.
 
-    Returns ``(smem_part, gmem_part)``: ``smem_part[None, stage]`` (or ``smem_part[None, 0]`` for an
-    unstaged buffer) and ``gmem_part[None, tile_index]`` are the two sides of one TMA copy.
+    Returns ``(smem_part, gmem_part)``; the two sides of one TMA copy are ``gmem_part[None, tile_index]``
+    and, for an unstaged ``[rows, cols]`` buffer, ``smem_part`` itself (rank 1: the TMA mode), or for
+    a staged ``[rows, cols, stages]`` buffer ``smem_part[None, stage]``.
     """
     gmem_tiles = cute.local_tile(tma_tensor[None, None, head], tile, (None, 0))
     return cpasync.tma_partition(

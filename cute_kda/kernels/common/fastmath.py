@@ -10,27 +10,41 @@ from cutlass import Float32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+# register class and MLIR type of the 32-bit DSL types the instructions here take and return
+_REGISTERS = {Float32: ("f", T.f32), Uint32: ("r", T.i32)}
+
+
+def _one_instruction(ptx: str, dtype: type, *operands, side_effects: bool = False, loc=None, ip=None):
+    """``ptx`` (result ``$0``, operands ``$1, $2, …``), every value a 32-bit register of ``dtype``.
+
+    ``side_effects`` keeps a warp-collective instruction where it is (no hoisting or merging).
+    """
+    reg, mlir_type = _REGISTERS[dtype]
+    return dtype(
+        llvm.inline_asm(
+            mlir_type(), [dtype(x).ir_value(loc=loc, ip=ip) for x in operands], ptx,
+            ",".join([f"={reg}"] + [reg] * len(operands)),
+            has_side_effects=side_effects, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
 
 @dsl_user_op
 def tanh_approx(x: Float32, *, loc=None, ip=None) -> Float32:
     """``tanh.approx.f32``."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "tanh.approx.f32 $0, $1;", "=f,f",
-            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return _one_instruction("tanh.approx.f32 $0, $1;", Float32, x, loc=loc, ip=ip)
 
 
 @dsl_user_op
 def ex2_approx(x: Float32, *, loc=None, ip=None) -> Float32:
     """``ex2.approx.ftz.f32`` (2^x, subnormals flushed)."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f",
-            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return _one_instruction("ex2.approx.ftz.f32 $0, $1;", Float32, x, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """``mul.rn.f32``: a product that neither LLVM nor ptxas may fuse into a following add."""
+    return _one_instruction("mul.rn.f32 $0, $1, $2;", Float32, a, b, loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -48,10 +62,5 @@ def movmatrix_trans(packed: Uint32, *, loc=None, ip=None) -> Uint32:
     row ``t // 4``, columns ``2·(t % 4)`` and ``2·(t % 4) + 1``), every lane receives its
     fragment of the transpose in the same order: the C→B fragment transpose of an mma tile.
     """
-    return Uint32(
-        llvm.inline_asm(
-            T.i32(), [Uint32(packed).ir_value(loc=loc, ip=ip)],
-            "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r",
-            has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return _one_instruction("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", Uint32, packed, side_effects=True,
+                            loc=loc, ip=ip)
