@@ -1,0 +1,695 @@
+"""K2: the forward chunk recurrence, one CTA per (sequence, head, V-band), serial over 16-token tiles.
+
+Per tile (docs/numerics.md, section K2), with the state band ``S[k, v]`` bf16 in shared memory:
+
+```
+kS = kd·S,  qS = qd·S                       Phase 1 (fp32 accumulators, 8 k-steps)
+u  = bf16(f32(v − kS)·β)                    Phase 2 (C fragment)
+U  = bf16(INV·u)                            Phase 3 (u moved C→B by movmatrix, no smem round trip)
+o  = bf16(qS + Mqk·U)                       Phase 4 (qS is the C operand of the mma; U moved C→B again)
+out tile ← o                                Phase 5 (stmatrix into an output stage)
+S ← bf16(fma(gT, S, krᵀ·U))                 Phase 6 (row block by row block of 16 k, ldmatrix.trans /
+                                                     stmatrix.trans on the [K, V] view of the state)
+```
+
+Roles (192 threads): warps 0-3 compute, warp ``w`` owning value columns ``[w·c, (w+1)·c)`` of the
+CTA's band (``c = v_band / 4``: 32, 16 or 8). Every line above is separable in the value columns,
+so a warp reads and writes only its own columns of v, out and S: the compute warps never wait for
+each other. Warp 4 issues the TMA loads of an input stage (v band, kd, qd, kr, gT, INV, Mqk, β under
+one transaction barrier); warp 5 stores output stages (TMA for a full tile; for a tail tile only the
+valid rows, by plain stores, so the next sequence's rows are never written).
+
+Pipelines: input ``PipelineTmaAsync`` (3 stages; producer = the load warp, one expect-tx arrival;
+consumer = the 4 compute warps, one arrival per warp from lane 0 after ``bar.warp.sync``); output
+``PipelineAsync`` (2 stages; producer = the 128 compute threads, each arriving after
+``fence.proxy.async`` so the TMA store sees its stmatrix writes; consumer = the 32 threads of the
+store warp, each arriving after ``cp.async.bulk.wait_group.read 0``).
+
+State I/O: none (zeros), bf16 (TMA straight into the state buffer) or fp32 (TMA into a staging buffer
+that shares its bytes with the pipeline buffers, converted to bf16 in shared memory before the
+loop; the reverse after it). Global state tensors are ``[N, H, V, K]``.
+
+Inputs are assumed valid (the API layer checks them): v / out bf16 ``[B, T, H, 128]`` with the last
+mode contiguous, workspace fields as :mod:`cute_kda.workspace`, ``cu_seqlens`` int64 ``[N+1]`` with
+B == 1 and ``tile_base`` int32 ``[N+1]`` for varlen, every base address 16-byte aligned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..dsl import cute, cutlass  # first: sets the target architecture before the DSL loads
+
+import cutlass.pipeline as pipeline
+from cuda.bindings import driver
+from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.memory import SmemAllocator
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ..layouts import fwd_recurrence as layouts
+from ..layouts.fwd_recurrence import MMA_WARPS, RecurrenceSmemPlan
+from .common.fastmath import movmatrix_trans
+
+CHUNK = 16
+LOAD_WARP = MMA_WARPS  # warp 4
+STORE_WARP = MMA_WARPS + 1  # warp 5
+THREADS = (MMA_WARPS + 2) * 32
+MMA_THREADS = MMA_WARPS * 32
+
+
+@dsl_user_op
+def fma_rn(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """``fma.rn.f32 a·b + c`` (one rounding), as docs/numerics.md writes ``fma``."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip), Float32(c).ir_value(loc=loc, ip=ip)],
+            "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f",
+            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def c_row_half(i: int) -> int:
+    """Row half (0: row ``g``, 1: row ``g + 8``) of flat value ``i`` of a ``((2, 2), 1, n)`` C fragment.
+
+    The C fragment of ``mma.sync.m16n8k16`` holds, per n-atom, ``(g, 2q), (g, 2q+1), (g+8, 2q),
+    (g+8, 2q+1)`` in this order (``tests/test_fwd_recurrence.py`` checks it on the DSL's layouts).
+    """
+    return (i // 2) % 2
+
+
+def smem_tensor(ptr: cute.Pointer, layout, dtype: type) -> cute.Tensor:
+    """Tensor over ``ptr`` with ``layout``; a composed layout's swizzle goes on the pointer (as TMA sees it)."""
+    if isinstance(layout, cute.ComposedLayout):
+        return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=dtype), layout.outer)
+    return cute.make_tensor(cute.recast_ptr(ptr, dtype=dtype), layout)
+
+
+def _words(fragment: cute.Tensor) -> cute.Tensor:
+    return cute.recast_tensor(fragment, Uint32)
+
+
+@cute.jit
+def transpose_c_to_b(c_fragment: cute.Tensor, b_fragment: cute.Tensor):
+    """B fragment of ``Mᵀ`` from the bf16 C fragment of ``M``: ``movmatrix.trans`` word by word.
+
+    Word ``p`` of a ``((2,2),1,n)`` C fragment is the 8×8 block (row half ``p % 2``, n-atom ``p // 2``)
+    in movmatrix row order; its transpose is word ``p`` of the ``((2,2),n,1)`` B fragment
+    (k half ``p % 2``, n-atom ``p // 2``).
+    """
+    c_words = _words(c_fragment)
+    b_words = _words(b_fragment)
+    for p in cutlass.range_constexpr(cute.size(c_words)):
+        b_words[p] = movmatrix_trans(c_words[p])
+
+
+@dataclass(frozen=True)
+class RecurrenceSmem:
+    """K2's shared-memory tensors, operand views (see :mod:`cute_kda.layouts.fwd_recurrence`)."""
+
+    state: cute.Tensor  # [v_band, D] bf16, K_INTER
+    state_acc: cute.Tensor  # [D, v_band] bf16, MN_INTER view of state
+    state_fp32: cute.Tensor  # [v_band, D] fp32 staging (in the union)
+    v: cute.Tensor  # [16, v_band, stage]
+    qd: cute.Tensor  # [16, D, stage]
+    kd: cute.Tensor  # [16, D, stage]
+    kr_t: cute.Tensor  # [D, 16, stage], MN_INTER view of kr
+    gt: cute.Tensor  # [D, stage] fp32
+    inv: cute.Tensor  # [16, 16, stage]
+    mqk: cute.Tensor  # [16, 16, stage]
+    beta: cute.Tensor  # [16, stage] fp32
+    out: cute.Tensor  # [16, v_band, out stage]
+
+
+@dataclass(frozen=True)
+class RecurrenceTmaSmem:
+    """The same bytes as :class:`RecurrenceSmem`, as TMA boxes ``(RUN, rows, cols / RUN[, stage])``."""
+
+    v: cute.Tensor
+    qd: cute.Tensor
+    kd: cute.Tensor
+    kr: cute.Tensor
+    inv: cute.Tensor
+    mqk: cute.Tensor
+    out: cute.Tensor
+    state: cute.Tensor
+    state_fp32: cute.Tensor
+
+
+@dataclass(frozen=True)
+class WarpCopies:
+    """Tiled copies of a compute warp, by operand and direction (which smem view each one reads)."""
+
+    ldsm_a: cute.TiledCopy  # A from K_INTER: kd, qd [16, D]; INV, Mqk [16, 16]
+    ldsm_a_t: cute.TiledCopy  # A from MN_INTER: krᵀ [D, 16]
+    ldsm_b: cute.TiledCopy  # B from K_INTER: the warp's state rows [cols, K]
+    ldsm_c: cute.TiledCopy  # C from K_INTER: the warp's v columns [16, cols]
+    ldsm_c_t: cute.TiledCopy  # C from MN_INTER: the warp's state columns [K, cols]
+    stsm_c: cute.TiledCopy  # C to K_INTER: the warp's out columns [16, cols]
+    stsm_c_t: cute.TiledCopy  # C to MN_INTER: the warp's state columns [K, cols]
+
+
+class FwdRecurrence:
+    """K2 for head dim 128, one compiled variant per static configuration.
+
+    ``vsplit`` ∈ {1, 2, 4}: CTAs per (sequence, head), each owning ``128 / vsplit`` value columns.
+    ``initial_state`` / ``final_state``: None, ``cutlass.BFloat16`` or ``cutlass.Float32`` (the dtype
+    of the ``[N, H, V, K]`` state tensors). ``varlen``: sequences packed along T with ``cu_seqlens``.
+    """
+
+    def __init__(
+        self,
+        *,
+        vsplit: int = 1,
+        initial_state: Optional[type] = None,
+        final_state: Optional[type] = None,
+        varlen: bool = False,
+    ) -> None:
+        for name, dtype in (("initial_state", initial_state), ("final_state", final_state)):
+            if dtype not in (None, BFloat16, Float32):
+                raise ValueError(f"{name} must be None, BFloat16 or Float32, got {dtype}")
+        self.plan = RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=Float32 in (initial_state, final_state))
+        self.vsplit = vsplit
+        self.initial_state = initial_state
+        self.final_state = final_state
+        self.varlen = varlen
+        self.v_band = self.plan.v_band
+        self.warp_cols = self.plan.warp_cols
+        self.dim = self.plan.dim
+        # 8x8 matrices per ldmatrix/stmatrix of the warp's band: x4 covers 16 columns, x2 covers 8
+        self.band_matrices = 4 if self.warp_cols >= 16 else 2
+
+    # -----------------------------------------------------------------------------------------
+    # host
+
+    @cute.jit
+    def __call__(
+        self,
+        v: cute.Tensor,
+        out: cute.Tensor,
+        ws_qd: cute.Tensor,
+        ws_kd: cute.Tensor,
+        ws_kr: cute.Tensor,
+        ws_gt: cute.Tensor,
+        ws_inv: cute.Tensor,
+        ws_mqk: cute.Tensor,
+        ws_beta: cute.Tensor,
+        initial_state: Optional[cute.Tensor],
+        final_state: Optional[cute.Tensor],
+        cu_seqlens: Optional[cute.Tensor],
+        tile_base: Optional[cute.Tensor],
+        stream: driver.CUstream,
+    ):
+        """Launch K2. v, out ``[B, T, H, D]``; workspace fields as in :mod:`cute_kda.workspace`."""
+        plan = self.plan
+        heads = v.shape[2]
+        num_seqs = v.shape[0]
+        if const_expr(self.varlen):
+            num_seqs = cu_seqlens.shape[0] - 1
+        tiles_per_head = ws_qd.shape[0] // heads
+
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        store = cpasync.CopyBulkTensorTileS2GOp()
+
+        def runs_atom(op, view, rows: int, cols: int):
+            box = layouts.tma_box(rows, cols)
+            return cpasync.make_tiled_tma_atom(op, view, box, (layouts.RUN, rows, cols // layouts.RUN))
+
+        def vector_atom(field, n: int):
+            box = cute.make_layout(n)
+            return cpasync.make_tiled_tma_atom(load, layouts.vector_rows_view(field), box, (n,))
+
+        tma_v, gmem_v = runs_atom(load, layouts.token_runs_view(v), CHUNK, self.v_band)
+        tma_out, gmem_out = runs_atom(store, layouts.token_runs_view(out), CHUNK, self.v_band)
+        tma_qd, gmem_qd = runs_atom(load, layouts.tile_runs_view(ws_qd), CHUNK, self.dim)
+        tma_kd, gmem_kd = runs_atom(load, layouts.tile_runs_view(ws_kd), CHUNK, self.dim)
+        tma_kr, gmem_kr = runs_atom(load, layouts.tile_runs_view(ws_kr), CHUNK, self.dim)
+        tma_inv, gmem_inv = runs_atom(load, layouts.tile_runs_view(ws_inv), CHUNK, CHUNK)
+        tma_mqk, gmem_mqk = runs_atom(load, layouts.tile_runs_view(ws_mqk), CHUNK, CHUNK)
+        tma_gt, gmem_gt = vector_atom(ws_gt, self.dim)
+        tma_beta, gmem_beta = vector_atom(ws_beta, CHUNK)
+        tma_state_in, gmem_state_in = None, None
+        if const_expr(initial_state is not None):
+            tma_state_in, gmem_state_in = runs_atom(load, layouts.state_runs_view(initial_state), self.v_band, self.dim)
+        tma_state_out, gmem_state_out = None, None
+        if const_expr(final_state is not None):
+            tma_state_out, gmem_state_out = runs_atom(store, layouts.state_runs_view(final_state), self.v_band, self.dim)
+
+        @cute.struct
+        class SharedStorage:  # RecurrenceSmemPlan, in its order
+            state: cute.struct.Align[cute.struct.MemRange[BFloat16, plan.v_band * plan.dim], layouts.ALIGN]
+            union: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, plan.union_bytes], layouts.ALIGN]
+            load_mbar: cute.struct.MemRange[cutlass.Int64, 2 * plan.input_stages]
+            store_mbar: cute.struct.MemRange[cutlass.Int64, 2 * plan.output_stages]
+            state_mbar: cute.struct.MemRange[cutlass.Int64, 1]
+
+        self.shared_storage = SharedStorage
+
+        self.kernel(
+            tma_v, gmem_v, tma_out, gmem_out,
+            tma_qd, gmem_qd, tma_kd, gmem_kd, tma_kr, gmem_kr,
+            tma_gt, gmem_gt, tma_inv, gmem_inv, tma_mqk, gmem_mqk, tma_beta, gmem_beta,
+            tma_state_in, gmem_state_in, tma_state_out, gmem_state_out,
+            out, cu_seqlens, tile_base, Int32(tiles_per_head),
+        ).launch(
+            grid=[self.vsplit, heads, num_seqs],
+            block=[THREADS, 1, 1],
+            stream=stream,
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # device
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_v: cute.CopyAtom, gmem_v: cute.Tensor,
+        tma_out: cute.CopyAtom, gmem_out: cute.Tensor,
+        tma_qd: cute.CopyAtom, gmem_qd: cute.Tensor,
+        tma_kd: cute.CopyAtom, gmem_kd: cute.Tensor,
+        tma_kr: cute.CopyAtom, gmem_kr: cute.Tensor,
+        tma_gt: cute.CopyAtom, gmem_gt: cute.Tensor,
+        tma_inv: cute.CopyAtom, gmem_inv: cute.Tensor,
+        tma_mqk: cute.CopyAtom, gmem_mqk: cute.Tensor,
+        tma_beta: cute.CopyAtom, gmem_beta: cute.Tensor,
+        tma_state_in: Optional[cute.CopyAtom], gmem_state_in: Optional[cute.Tensor],
+        tma_state_out: Optional[cute.CopyAtom], gmem_state_out: Optional[cute.Tensor],
+        out: cute.Tensor,
+        cu_seqlens: Optional[cute.Tensor],
+        tile_base: Optional[cute.Tensor],
+        tiles_per_head: Int32,
+    ):
+        plan = self.plan
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        band, head, seq = cute.arch.block_idx()
+
+        # --- the CTA's sequence: batch index, first row inside the batch, length, workspace row of tile 0
+        batch = seq
+        first_row = Int32(0)
+        seq_len = Int32(out.shape[1])
+        first_tile = seq * ((seq_len + CHUNK - 1) // CHUNK)
+        if const_expr(self.varlen):
+            batch = Int32(0)
+            first_row = Int32(cu_seqlens[seq])
+            seq_len = Int32(cu_seqlens[seq + 1]) - first_row
+            first_tile = Int32(tile_base[seq])
+        num_tiles = (seq_len + CHUNK - 1) // CHUNK
+        ws_row0 = head * tiles_per_head + first_tile
+
+        # --- shared memory: operand views (ldmatrix/stmatrix) and TMA views of the same bytes
+        storage = SmemAllocator().allocate(self.shared_storage)
+        state_ptr = storage.state.data_ptr()
+        union_ptr = storage.union.data_ptr()
+        at = {name: union_ptr + offset for name, offset in plan.union_offsets().items()}
+        stages, out_stages = plan.input_stages, plan.output_stages
+        smem = RecurrenceSmem(
+            state=smem_tensor(state_ptr, layouts.state_b(plan), BFloat16),
+            state_acc=smem_tensor(state_ptr, layouts.state_acc(plan), BFloat16),
+            state_fp32=smem_tensor(union_ptr, layouts.state_fp32(plan), Float32),
+            v=smem_tensor(at["v"], layouts.value_tile(plan, stages), BFloat16),
+            qd=smem_tensor(at["qd"], layouts.chunk_operand(plan), BFloat16),
+            kd=smem_tensor(at["kd"], layouts.chunk_operand(plan), BFloat16),
+            kr_t=smem_tensor(at["kr"], layouts.chunk_operand_transposed(plan), BFloat16),
+            gt=smem_tensor(at["gt"], layouts.vector(self.dim, stages), Float32),
+            inv=smem_tensor(at["inv"], layouts.square_tile(plan), BFloat16),
+            mqk=smem_tensor(at["mqk"], layouts.square_tile(plan), BFloat16),
+            beta=smem_tensor(at["beta"], layouts.vector(CHUNK, stages), Float32),
+            out=smem_tensor(at["out"], layouts.value_tile(plan, out_stages), BFloat16),
+        )
+        tma_smem = RecurrenceTmaSmem(
+            v=smem_tensor(at["v"], layouts.tma_box(CHUNK, self.v_band, stages), BFloat16),
+            qd=smem_tensor(at["qd"], layouts.tma_box(CHUNK, self.dim, stages), BFloat16),
+            kd=smem_tensor(at["kd"], layouts.tma_box(CHUNK, self.dim, stages), BFloat16),
+            kr=smem_tensor(at["kr"], layouts.tma_box(CHUNK, self.dim, stages), BFloat16),
+            inv=smem_tensor(at["inv"], layouts.tma_box(CHUNK, CHUNK, stages), BFloat16),
+            mqk=smem_tensor(at["mqk"], layouts.tma_box(CHUNK, CHUNK, stages), BFloat16),
+            out=smem_tensor(at["out"], layouts.tma_box(CHUNK, self.v_band, out_stages), BFloat16),
+            state=smem_tensor(state_ptr, layouts.tma_box(self.v_band, self.dim), BFloat16),
+            state_fp32=smem_tensor(union_ptr, layouts.tma_box(self.v_band, self.dim), Float32),
+        )
+        state_mbar = storage.state_mbar.data_ptr()
+
+        # --- barriers (initialised by warp 0, made visible before any use)
+        load_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.load_mbar.data_ptr(),
+            num_stages=stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),
+            tx_count=plan.stage_tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        store_pipe = pipeline.PipelineAsync.create(
+            barrier_storage=storage.store_mbar.data_ptr(),
+            num_stages=out_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_THREADS),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            defer_sync=True,
+        )
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(state_mbar, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
+        # --- initial state → bf16 state buffer
+        state_in_tiles = None
+        if const_expr(self.initial_state is not None):
+            state_in_tiles = self.state_tile(gmem_state_in, seq, head, band)
+        self.load_initial_state(warp_idx, tidx, tma_state_in, state_in_tiles, state_mbar, smem, tma_smem)
+
+        # --- roles
+        if warp_idx < MMA_WARPS:
+            self.compute(warp_idx, num_tiles, load_pipe, store_pipe, smem)
+        elif warp_idx == LOAD_WARP:
+            value_rows = cute.domain_offset((0, first_row, 0), gmem_v[None, None, None, head, batch])
+            loads = (
+                (tma_v, cute.local_tile(value_rows, (layouts.RUN, CHUNK, self.v_band // layouts.RUN), (0, None, band)),
+                 tma_smem.v),
+                (tma_qd, self.workspace_tiles(gmem_qd, self.dim), tma_smem.qd),
+                (tma_kd, self.workspace_tiles(gmem_kd, self.dim), tma_smem.kd),
+                (tma_kr, self.workspace_tiles(gmem_kr, self.dim), tma_smem.kr),
+                (tma_inv, self.workspace_tiles(gmem_inv, CHUNK), tma_smem.inv),
+                (tma_mqk, self.workspace_tiles(gmem_mqk, CHUNK), tma_smem.mqk),
+                (tma_gt, cute.local_tile(gmem_gt, (self.dim,), (0, None)), smem.gt),
+                (tma_beta, cute.local_tile(gmem_beta, (CHUNK,), (0, None)), smem.beta),
+            )
+            self.load(num_tiles, ws_row0, load_pipe, loads)
+        else:
+            value_rows = cute.domain_offset((0, first_row, 0), gmem_out[None, None, None, head, batch])
+            out_tiles = cute.local_tile(value_rows, (layouts.RUN, CHUNK, self.v_band // layouts.RUN), (0, None, band))
+            # plain view of this (batch, head, band) from the sequence start, for tail rows
+            out_rows = cute.domain_offset((first_row, band * self.v_band), out[batch, None, head, None])
+            self.store(seq_len, num_tiles, store_pipe, tma_out, out_tiles, out_rows, smem, tma_smem)
+
+        # --- final state
+        cute.arch.fence_view_async_shared()  # stmatrix writes of the state → visible to the TMA store
+        cute.arch.barrier()
+        if const_expr(self.final_state is not None):
+            state_out_tiles = self.state_tile(gmem_state_out, seq, head, band)
+            self.store_final_state(warp_idx, tidx, tma_state_out, state_out_tiles, smem, tma_smem)
+
+    def state_tile(self, gmem_state: cute.Tensor, seq: Int32, head: Int32, band: Int32) -> cute.Tensor:
+        """The ``(RUN, v_band, D / RUN)`` TMA tile of the state of (seq, head, band)."""
+        box = (layouts.RUN, self.v_band, self.dim // layouts.RUN)
+        return cute.local_tile(gmem_state[None, None, None, seq, head], box, (0, band, 0))
+
+    @staticmethod
+    def workspace_tiles(gmem: cute.Tensor, cols: int) -> cute.Tensor:
+        """``(RUN, 16, cols / RUN, rows)``: workspace row ``r`` is TMA tile ``[..., r]``."""
+        return cute.local_tile(gmem, (layouts.RUN, CHUNK, cols // layouts.RUN), (0, 0, 0, None))
+
+    # -----------------------------------------------------------------------------------------
+    # state I/O (all threads take part; TMA from one warp)
+
+    @cute.jit
+    def load_initial_state(
+        self, warp_idx: Int32, tidx: Int32, tma_state_in: Optional[cute.CopyAtom], g_state: Optional[cute.Tensor],
+        state_mbar: cute.Pointer, smem: RecurrenceSmem, tma_smem: RecurrenceTmaSmem,
+    ):
+        """State band → ``smem.state`` (bf16): zeros, a TMA load, or a TMA load of fp32 and a conversion."""
+        if const_expr(self.initial_state is None):
+            words = cute.recast_tensor(cute.group_modes(tma_smem.state, 0, 3), Uint32)
+            for i in cutlass.range(tidx, cute.size(words), THREADS, unroll=4):
+                words[i] = Uint32(0)
+        else:
+            fp32 = self.initial_state is Float32
+            target = tma_smem.state_fp32 if const_expr(fp32) else tma_smem.state
+            nbytes = self.plan.state_fp32_bytes if const_expr(fp32) else self.plan.state_bytes
+            if warp_idx == LOAD_WARP:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(state_mbar, nbytes)
+                s_part, g_part = cpasync.tma_partition(
+                    tma_state_in, 0, cute.make_layout(1), cute.group_modes(target, 0, 3), cute.group_modes(g_state, 0, 3)
+                )
+                cute.copy(tma_state_in, g_part, s_part, tma_bar_ptr=state_mbar)
+            cute.arch.mbarrier_wait(state_mbar, 0)
+            if const_expr(fp32):
+                self.convert_state(tidx, smem.state_fp32, smem.state)
+        cute.arch.fence_view_async_shared()  # generic smem accesses before any TMA touches these bytes
+        cute.arch.barrier()
+
+    @cute.jit
+    def store_final_state(
+        self, warp_idx: Int32, tidx: Int32, tma_state_out: cute.CopyAtom, g_state: cute.Tensor,
+        smem: RecurrenceSmem, tma_smem: RecurrenceTmaSmem,
+    ):
+        """``smem.state`` → the final-state band (bf16 directly, fp32 through the staging buffer)."""
+        source = tma_smem.state
+        if const_expr(self.final_state is Float32):
+            self.convert_state(tidx, smem.state, smem.state_fp32)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier()
+            source = tma_smem.state_fp32
+        if warp_idx == STORE_WARP:
+            s_part, g_part = cpasync.tma_partition(
+                tma_state_out, 0, cute.make_layout(1), cute.group_modes(source, 0, 3), cute.group_modes(g_state, 0, 3)
+            )
+            with cute.arch.elect_one():  # the DSL does not elect the issuing lane of a TMA store
+                cute.copy(tma_state_out, s_part, g_part)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def convert_state(self, tidx: Int32, src: cute.Tensor, dst: cute.Tensor):
+        """``dst[v, k] = src[v, k]`` converted (fp32 → bf16 round-to-nearest-even, or bf16 → fp32 exactly).
+
+        Thread ``i`` takes the 8 consecutive k of one row v per step, consecutive threads consecutive
+        rows: 16-byte runs on the bf16 side, 32-byte runs on the fp32 side, both contiguous across a warp.
+        """
+        rows = self.v_band
+        for unit in cutlass.range(tidx, rows * (self.dim // layouts.RUN), THREADS, unroll=1):
+            row = unit % rows
+            col0 = (unit // rows) * layouts.RUN
+            for j in cutlass.range_constexpr(layouts.RUN):
+                dst[row, col0 + j] = dst.element_type(src[row, col0 + j])
+
+    # -----------------------------------------------------------------------------------------
+    # load warp
+
+    @cute.jit
+    def load(self, num_tiles: Int32, ws_row0: Int32, load_pipe: pipeline.PipelineTmaAsync, loads: tuple):
+        """One input stage per tile: the value band of 16 rows and the 7 workspace fields of the tile.
+
+        ``loads``: (atom, gmem tiles ``(box, tile)``, smem ``(box, stage)``) for v, then the workspace
+        fields (gmem tile index: the workspace row). Rows past the sequence end read the next
+        sequence's values (finite) or zeros past the tensor; the workspace gives them β = kd = kr = qd = 0,
+        so they change nothing.
+        """
+        copies = []
+        for atom, gmem, smem in loads:
+            cpasync.prefetch_descriptor(atom)
+            box_rank = cute.rank(smem) - 1
+            s_part, g_part = cpasync.tma_partition(
+                atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, box_rank), cute.group_modes(gmem, 0, box_rank)
+            )
+            copies.append((atom, s_part, g_part))
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.plan.input_stages)
+        for tile in cutlass.range(num_tiles, unroll=1):
+            load_pipe.producer_acquire(state)
+            barrier = load_pipe.producer_get_barrier(state)
+            for i in cutlass.range_constexpr(len(copies)):
+                atom, s_part, g_part = copies[i]
+                index = tile if const_expr(i == 0) else ws_row0 + tile
+                cute.copy(atom, g_part[None, index], s_part[None, state.index], tma_bar_ptr=barrier)
+            state.advance()
+        # no producer_tail: every warp meets the CTA barrier after its role, after the last release
+
+    # -----------------------------------------------------------------------------------------
+    # store warp
+
+    @cute.jit
+    def store(
+        self, seq_len: Int32, num_tiles: Int32, store_pipe: pipeline.PipelineAsync, tma_out: cute.CopyAtom,
+        out_tiles: cute.Tensor, out_rows: cute.Tensor, smem: RecurrenceSmem, tma_smem: RecurrenceTmaSmem,
+    ):
+        """Output stages → ``out``: a full tile by one TMA store, a tail tile by plain stores of its valid rows."""
+        lane = cute.arch.lane_idx()
+        s_part, g_part = cpasync.tma_partition(
+            tma_out, 0, cute.make_layout(1), cute.group_modes(tma_smem.out, 0, 3), cute.group_modes(out_tiles, 0, 3)
+        )
+        runs_per_row = self.v_band // layouts.RUN
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.plan.output_stages)
+        for tile in cutlass.range(num_tiles, unroll=1):
+            store_pipe.consumer_wait(state)
+            valid_rows = seq_len - tile * CHUNK
+            if valid_rows >= CHUNK:
+                with cute.arch.elect_one():  # the DSL does not elect the issuing lane of a TMA store
+                    cute.copy(tma_out, s_part[None, state.index], g_part[None, tile])
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+            else:
+                for run in cutlass.range(lane, CHUNK * runs_per_row, 32, unroll=1):
+                    row = run // runs_per_row
+                    col0 = (run % runs_per_row) * layouts.RUN
+                    if row < valid_rows:
+                        for j in cutlass.range_constexpr(layouts.RUN):
+                            out_rows[tile * CHUNK + row, col0 + j] = smem.out[row, col0 + j, state.index]
+            store_pipe.consumer_release(state)
+            state.advance()
+
+    # -----------------------------------------------------------------------------------------
+    # compute warps
+
+    def warp_mma(self) -> cute.TiledMma:
+        """One warp's ``16 × warp_cols × 16`` tile of ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate)."""
+        return cute.make_tiled_mma(
+            warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)), (1, 1, 1),
+            permutation_mnk=(CHUNK, self.warp_cols, CHUNK),
+        )
+
+    def warp_copies(self, tiled_mma: cute.TiledMma) -> "WarpCopies":
+        """The ldmatrix / stmatrix tiled copies of the compute warps (x4, or x2 for 8-column bands)."""
+        band = self.band_matrices
+
+        def tiled(make, op):
+            return make(cute.make_copy_atom(op, BFloat16), tiled_mma)
+
+        return WarpCopies(
+            ldsm_a=tiled(cute.make_tiled_copy_A, warp.LdMatrix8x8x16bOp(False, 4)),
+            ldsm_a_t=tiled(cute.make_tiled_copy_A, warp.LdMatrix8x8x16bOp(True, 4)),
+            ldsm_b=tiled(cute.make_tiled_copy_B, warp.LdMatrix8x8x16bOp(False, band)),
+            ldsm_c=tiled(cute.make_tiled_copy_C, warp.LdMatrix8x8x16bOp(False, band)),
+            ldsm_c_t=tiled(cute.make_tiled_copy_C, warp.LdMatrix8x8x16bOp(True, band)),
+            stsm_c=tiled(cute.make_tiled_copy_C, warp.StMatrix8x8x16bOp(False, band)),
+            stsm_c_t=tiled(cute.make_tiled_copy_C, warp.StMatrix8x8x16bOp(True, band)),
+        )
+
+    @cute.jit
+    def compute(
+        self, warp_idx: Int32, num_tiles: Int32,
+        load_pipe: pipeline.PipelineTmaAsync, store_pipe: pipeline.PipelineAsync, smem: RecurrenceSmem,
+    ):
+        """Phases 1-6 per tile on the warp's ``warp_cols`` value columns (module docstring)."""
+        lane = cute.arch.lane_idx()
+        group = lane // 4  # fragment row g (rows g and g + 8)
+        cols = self.warp_cols
+        dim = self.dim
+        k_steps = dim // CHUNK
+
+        tiled_mma = self.warp_mma()
+        copies = self.warp_copies(tiled_mma)
+        ldsm_a = copies.ldsm_a.get_slice(lane)
+        ldsm_a_t = copies.ldsm_a_t.get_slice(lane)
+        ldsm_b = copies.ldsm_b.get_slice(lane)
+        ldsm_c = copies.ldsm_c.get_slice(lane)
+        ldsm_c_t = copies.ldsm_c_t.get_slice(lane)
+        stsm_c = copies.stsm_c.get_slice(lane)
+        stsm_c_t = copies.stsm_c_t.get_slice(lane)
+
+        # the warp's columns of the state (both views), of v and of out
+        w_state = cute.local_tile(smem.state, (cols, dim), (warp_idx, 0))  # [cols, K]
+        w_state_acc = cute.local_tile(smem.state_acc, (dim, cols), (0, warp_idx))  # [K, cols]
+        w_v = cute.local_tile(smem.v, (CHUNK, cols), (0, warp_idx, None))  # [16, cols, stage]
+        w_out = cute.local_tile(smem.out, (CHUNK, cols), (0, warp_idx, None))  # [16, cols, stage]
+
+        # smem partitions (stage mode last)
+        p_kd = ldsm_a.partition_S(smem.kd)  # (CPY, 1, k_steps, stage)
+        p_qd = ldsm_a.partition_S(smem.qd)
+        p_inv = ldsm_a.partition_S(smem.inv)  # (CPY, 1, 1, stage)
+        p_mqk = ldsm_a.partition_S(smem.mqk)
+        p_kr_t = ldsm_a_t.partition_S(smem.kr_t)  # (CPY, k_steps, 1, stage)
+        p_state = ldsm_b.partition_S(w_state)  # (CPY, n, k_steps)
+        p_v = ldsm_c.partition_S(w_v)  # (CPY, 1, n, stage)
+        p_out = stsm_c.partition_D(w_out)
+        p_state_acc_ld = ldsm_c_t.partition_S(w_state_acc)  # (CPY, k_steps, n)
+        p_state_acc_st = stsm_c_t.partition_D(w_state_acc)
+
+        # register fragments
+        r_kd = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((CHUNK, dim)))  # ((2,2,2), 1, k_steps)
+        r_qd = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((CHUNK, dim)))
+        r_state = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, dim)))  # ((2,2), n, k_steps)
+        r_square = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((CHUNK, CHUNK)))  # INV, then Mqk
+        r_kr_t = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((dim, CHUNK)))  # ((2,2,2), k_steps, 1)
+        c_shape = tiled_mma.partition_shape_C((CHUNK, cols))  # ((2,2), 1, n)
+        acc_ks = tiled_mma.make_fragment_C(c_shape)
+        acc_qs = tiled_mma.make_fragment_C(c_shape)  # qS, then o
+        acc = tiled_mma.make_fragment_C(c_shape)  # INV·u, then krᵀ·U per row block
+        r_v = cute.make_rmem_tensor(c_shape, BFloat16)
+        r_c16 = cute.make_rmem_tensor(c_shape, BFloat16)  # u, then U, then o (bf16 C fragments)
+        r_u_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, CHUNK)))  # u as B
+        r_big_u_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, CHUNK)))  # U as B (Phases 4, 6)
+        r_state_acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((dim, cols)), BFloat16)  # ((2,2), k_steps, n)
+
+        v_kd = ldsm_a.retile(r_kd)
+        v_qd = ldsm_a.retile(r_qd)
+        v_state = ldsm_b.retile(r_state)
+        v_square = ldsm_a.retile(r_square)
+        v_kr_t = ldsm_a_t.retile(r_kr_t)
+        v_v = ldsm_c.retile(r_v)
+        v_out = stsm_c.retile(r_c16)
+        v_state_acc_ld = ldsm_c_t.retile(r_state_acc)
+        v_state_acc_st = stsm_c_t.retile(r_state_acc)
+
+        load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.plan.input_stages)
+        out_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.plan.output_stages)
+        for _tile in cutlass.range(num_tiles, unroll=1):
+            load_pipe.consumer_wait(load_state)
+            stage = load_state.index
+
+            # Phase 1: kS = kd·S, qS = qd·S; operands of step k+1 are loaded before the mma of step k
+            acc_ks.fill(0.0)
+            acc_qs.fill(0.0)
+            cute.copy(ldsm_a, p_kd[None, None, 0, stage], v_kd[None, None, 0])
+            cute.copy(ldsm_a, p_qd[None, None, 0, stage], v_qd[None, None, 0])
+            cute.copy(ldsm_b, p_state[None, None, 0], v_state[None, None, 0])
+            for k in cutlass.range_constexpr(k_steps):
+                if const_expr(k + 1 < k_steps):
+                    cute.copy(ldsm_a, p_kd[None, None, k + 1, stage], v_kd[None, None, k + 1])
+                    cute.copy(ldsm_a, p_qd[None, None, k + 1, stage], v_qd[None, None, k + 1])
+                    cute.copy(ldsm_b, p_state[None, None, k + 1], v_state[None, None, k + 1])
+                cute.gemm(tiled_mma, acc_ks, r_kd[None, None, k], r_state[None, None, k], acc_ks)
+                cute.gemm(tiled_mma, acc_qs, r_qd[None, None, k], r_state[None, None, k], acc_qs)
+
+            # Phase 2: u = bf16(f32(v − kS)·β) in C format
+            cute.copy(ldsm_c, p_v[None, None, None, stage], v_v)
+            cute.copy(ldsm_a, p_inv[None, None, None, stage], v_square)
+            beta = (smem.beta[group, stage], smem.beta[group + 8, stage])
+            for i in cutlass.range_constexpr(cute.size(acc_ks)):
+                r_c16[i] = BFloat16((Float32(r_v[i]) - acc_ks[i]) * beta[c_row_half(i)])
+
+            # Phase 3: U = bf16(INV·u), u moved C → B in registers
+            transpose_c_to_b(r_c16, r_u_b)
+            acc.fill(0.0)
+            cute.gemm(tiled_mma, acc, r_square[None, None, 0], r_u_b[None, None, 0], acc)
+            r_c16.store(acc.load().to(BFloat16))
+
+            # Phase 4: o = bf16(qS + Mqk·U) (qS is the accumulator's C); U as B is kept for Phase 6
+            transpose_c_to_b(r_c16, r_big_u_b)
+            cute.copy(ldsm_a, p_mqk[None, None, None, stage], v_square)
+            cute.gemm(tiled_mma, acc_qs, r_square[None, None, 0], r_big_u_b[None, None, 0], acc_qs)
+            r_c16.store(acc_qs.load().to(BFloat16))
+
+            # Phase 5: o → output stage; each thread fences its stmatrix writes for the TMA store, then arrives
+            store_pipe.producer_acquire(out_state)
+            cute.copy(stsm_c, v_out, p_out[None, None, None, out_state.index])
+            cute.arch.fence_view_async_shared()
+            store_pipe.producer_commit(out_state)
+            out_state.advance()
+
+            # Phase 6: S ← bf16(fma(gT, S, krᵀ·U)), row block m of 16 k at a time; block m+1 is loaded
+            # before block m is written back
+            cute.copy(ldsm_a_t, p_kr_t[None, 0, None, stage], v_kr_t[None, 0, None])
+            cute.copy(ldsm_c_t, p_state_acc_ld[None, 0, None], v_state_acc_ld[None, 0, None])
+            for m in cutlass.range_constexpr(k_steps):
+                acc.fill(0.0)
+                cute.gemm(tiled_mma, acc, r_kr_t[None, m, None], r_big_u_b[None, None, 0], acc)
+                if const_expr(m + 1 < k_steps):
+                    cute.copy(ldsm_a_t, p_kr_t[None, m + 1, None, stage], v_kr_t[None, m + 1, None])
+                    cute.copy(ldsm_c_t, p_state_acc_ld[None, m + 1, None], v_state_acc_ld[None, m + 1, None])
+                decay = (smem.gt[m * CHUNK + group, stage], smem.gt[m * CHUNK + group + 8, stage])
+                block = r_state_acc[None, m, None]
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    block[i] = BFloat16(fma_rn(decay[c_row_half(i)], Float32(block[i]), acc[i]))
+                cute.copy(stsm_c_t, v_state_acc_st[None, m, None], p_state_acc_st[None, m, None])
+
+            # the warp's state columns and its reads of this stage are complete before lane 0 releases it
+            cute.arch.sync_warp()
+            load_pipe.consumer_release(load_state)
+            load_state.advance()

@@ -1,0 +1,264 @@
+"""Shared-memory plan and layouts of K2, the forward chunk recurrence (``cute_kda.kernels.fwd_recurrence``).
+
+A K2 CTA owns one (sequence, head, V-band): ``v_band = D / vsplit`` value columns of the state
+``S[v, k]`` (``v`` in the band, all ``k``). Its shared memory, in this order:
+
+- ``state``: bf16 ``[v_band, D]``, the transpose-dual pair of :mod:`.smem` (``[V, K]`` with K_INTER
+  atoms for the B operand of ``kd·S`` / ``qd·S``; ``[K, V]`` with MN_INTER atoms, the same bytes, for
+  the accumulator-side update). Lives for the whole kernel.
+- ``union``: either the pipeline buffers (``input_stages`` input stages of v, kd, qd, kr, gT, INV, Mqk,
+  β and ``output_stages`` output tiles) or the fp32 state staging buffer ``[v_band, D]`` used only
+  before and after the tile loop (fp32 state I/O is converted in shared memory).
+- ``barriers``: mbarriers of the input pipeline (full + empty per stage), the output pipeline
+  (full + empty per stage) and one transaction barrier for the initial-state load.
+
+Inside ``union`` every field is an array of stage slots, each slot 128-byte aligned (TMA's
+shared-memory alignment). :class:`RecurrenceSmemPlan` computes all byte sizes and offsets on
+the host (plain Python, no trace needed); the layout functions below build the CuTe layouts inside a
+trace from the constructors of :mod:`.smem`, so the kernel, the tests and exploration scripts see
+the same objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..dsl import cute
+from .smem import CHUNK, HEAD_DIM, operand_tile, operand_tile_transposed, state_acc_view, state_b_view
+
+SUPPORTED_VSPLITS = (1, 2, 4)
+MMA_WARPS = 4  # compute warps; warp w owns value columns [w·v_band/4, (w+1)·v_band/4) of the CTA's band
+INPUT_STAGES = 3
+OUTPUT_STAGES = 2
+ALIGN = 128  # byte alignment of every buffer (TMA needs 16; 128 keeps ldmatrix rows in one bank sweep)
+MBARRIER_BYTES = 8
+
+_BF16 = 2
+_FP32 = 4
+
+
+def _round_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class RecurrenceSmemPlan:
+    """Byte sizes and offsets of K2's shared memory for one variant (host side, no trace).
+
+    Storage, in order (the kernel's ``cute.struct``): ``state`` (bf16 ``[v_band, D]``), ``union``
+    (pipeline buffers, or the fp32 staging when ``state_io_fp32``), mbarriers (input full/empty,
+    output full/empty, initial-state transaction). Pipeline fields, per stage, at ``v_band = D / vsplit``:
+
+    ========  ======================  =====================================
+    field     tile                    meaning
+    ========  ======================  =====================================
+    v         bf16 [16, v_band]       values of the CTA's band (TMA load)
+    kd        bf16 [16, D]            workspace kd (K_INTER operand tile)
+    qd        bf16 [16, D]            workspace qd
+    kr        bf16 [16, D]            workspace kr (read through its [D, 16] MN_INTER view)
+    gt        fp32 [D]                workspace gT
+    inv       bf16 [16, 16]           workspace INV
+    mqk       bf16 [16, 16]           workspace Mqk
+    beta      fp32 [16]               workspace β
+    out       bf16 [16, v_band]       output tile (output stages; TMA store or tail store)
+    ========  ======================  =====================================
+
+    Each field is an array of 128-byte aligned stage slots (stage ``s`` at ``offset + s · slot``).
+    """
+
+    vsplit: int = 1
+    state_io_fp32: bool = False  # the initial or the final state is fp32: the union holds the staging
+    dim: int = HEAD_DIM
+    chunk: int = CHUNK
+    input_stages: int = INPUT_STAGES
+    output_stages: int = OUTPUT_STAGES
+
+    def __post_init__(self) -> None:
+        if self.vsplit not in SUPPORTED_VSPLITS:
+            raise ValueError(f"vsplit must be one of {SUPPORTED_VSPLITS}, got {self.vsplit}")
+
+    @property
+    def v_band(self) -> int:
+        """Value columns per CTA."""
+        return self.dim // self.vsplit
+
+    @property
+    def warp_cols(self) -> int:
+        """Value columns per compute warp (32, 16 or 8)."""
+        return self.v_band // MMA_WARPS
+
+    def input_field_bytes(self) -> dict[str, int]:
+        """Input field → bytes of one stage (also the bytes its TMA copy delivers)."""
+        c, d, vb = self.chunk, self.dim, self.v_band
+        return {
+            "v": c * vb * _BF16,
+            "kd": c * d * _BF16,
+            "qd": c * d * _BF16,
+            "kr": c * d * _BF16,
+            "gt": d * _FP32,
+            "inv": c * c * _BF16,
+            "mqk": c * c * _BF16,
+            "beta": c * _FP32,
+        }
+
+    @property
+    def stage_tx_bytes(self) -> int:
+        """Transaction bytes of one input stage (the input pipeline's ``tx_count``)."""
+        return sum(self.input_field_bytes().values())
+
+    @property
+    def out_tile_bytes(self) -> int:
+        return self.chunk * self.v_band * _BF16
+
+    @property
+    def state_bytes(self) -> int:
+        """bf16 state band ``[v_band, D]`` (also the TMA transaction of a bf16 state load)."""
+        return self.v_band * self.dim * _BF16
+
+    @property
+    def state_fp32_bytes(self) -> int:
+        """fp32 staging of the state band (also the TMA transaction of an fp32 state load)."""
+        return self.v_band * self.dim * _FP32
+
+    def union_offsets(self) -> dict[str, int]:
+        """Pipeline field → byte offset of its stage 0 inside the union (the fp32 staging sits at 0).
+
+        A stage slot is the field's bytes rounded up to 128 (the TMA destination alignment), so β's
+        64 bytes take a 128-byte slot.
+        """
+        offsets, at = {}, 0
+        for name, nbytes in self.input_field_bytes().items():
+            offsets[name] = at
+            at += _round_up(nbytes) * self.input_stages
+        offsets["out"] = at
+        return offsets
+
+    @property
+    def pipeline_bytes(self) -> int:
+        return self.union_offsets()["out"] + _round_up(self.out_tile_bytes) * self.output_stages
+
+    @property
+    def union_bytes(self) -> int:
+        staging = _round_up(self.state_fp32_bytes) if self.state_io_fp32 else 0
+        return max(self.pipeline_bytes, staging)
+
+    @property
+    def barrier_count(self) -> int:
+        """mbarriers: full + empty per input stage and per output stage, one for the state load."""
+        return 2 * self.input_stages + 2 * self.output_stages + 1
+
+    @property
+    def total_bytes(self) -> int:
+        """Shared memory per CTA: state, union, mbarriers (the struct padded to its 128-byte alignment)."""
+        return _round_up(_round_up(self.state_bytes) + self.union_bytes + self.barrier_count * MBARRIER_BYTES)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared-memory layouts (inside a trace). Operand layouts are K_INTER / MN_INTER from :mod:`.smem`;
+# ``stages`` appends a stage mode of stride one tile.
+
+RUN = 8  # elements of one 16-byte (bf16) run: a row of a K_INTER core matrix
+
+
+def _staged(tile, stages: int):
+    """``tile`` with a trailing stage mode (stage stride = cosize of the tile)."""
+    outer = tile.outer if isinstance(tile, cute.ComposedLayout) else tile
+    staged = cute.make_layout((*outer.shape, stages), stride=(*outer.stride, cute.cosize(outer)))
+    if isinstance(tile, cute.ComposedLayout):
+        return cute.make_composed_layout(tile.inner, 0, staged)
+    return staged
+
+
+def state_b(plan: RecurrenceSmemPlan):
+    """State band ``[v_band, D]`` (rows v, cols k): B operand of ``kd·S`` / ``qd·S``, K_INTER."""
+    return state_b_view(plan.dim, vband=plan.v_band)
+
+
+def state_acc(plan: RecurrenceSmemPlan):
+    """State band ``[D, v_band]`` (rows k, cols v): accumulator view, MN_INTER, same bytes as :func:`state_b`."""
+    return state_acc_view(plan.dim, vband=plan.v_band)
+
+
+def state_fp32(plan: RecurrenceSmemPlan):
+    """fp32 staging ``[v_band, D]``: the element layout of :func:`state_b` with fp32 elements.
+
+    32-byte rows, no swizzle (the buffer is touched once before and once after the tile loop), so
+    ``[v, k]`` of the staging and of the bf16 state sit at the same element offset and the TMA box
+    of both is :func:`tma_box` ``(v_band, D)``.
+    """
+    return state_b(plan).outer
+
+
+def value_tile(plan: RecurrenceSmemPlan, stages: int):
+    """``[16, v_band, stages]``: v (input stages) or out (output stages) tiles, K_INTER."""
+    return _staged(operand_tile(plan.chunk, plan.v_band), stages)
+
+
+def chunk_operand(plan: RecurrenceSmemPlan):
+    """``[16, D, input_stages]``: kd / qd / kr tiles (A operand of ``kd·S``, ``qd·S``), K_INTER."""
+    return _staged(operand_tile(plan.chunk, plan.dim), plan.input_stages)
+
+
+def chunk_operand_transposed(plan: RecurrenceSmemPlan):
+    """``[D, 16, input_stages]``: MN_INTER view of :func:`chunk_operand` (``krᵀ``, A operand of the update)."""
+    return _staged(operand_tile_transposed(plan.chunk, plan.dim), plan.input_stages)
+
+
+def square_tile(plan: RecurrenceSmemPlan):
+    """``[16, 16, input_stages]``: INV / Mqk tiles (A operand), K_INTER."""
+    return _staged(operand_tile(plan.chunk, plan.chunk), plan.input_stages)
+
+
+def vector(n: int, stages: int):
+    """``[n, stages]`` fp32 vectors (gT: n = D, β: n = 16), one 128-byte aligned slot per stage."""
+    return cute.make_layout((n, stages), stride=(1, _round_up(n * _FP32) // _FP32))
+
+
+def tma_box(rows: int, cols: int, stages: int | None = None):
+    """``(RUN, rows, cols / RUN, stages)``: the bytes of ``operand_tile(rows, cols)`` in address order.
+
+    A K_INTER tile stores 8-element runs of a row contiguously, the rows of one run-column one after
+    the other, then the next run-column: as a TMA box that is ``(run, row, run-column)`` with the
+    first mode innermost, so one ``cp.async.bulk.tensor`` moves a whole tile (the gmem side is the
+    matching view of :func:`token_runs_view` / :func:`tile_runs_view` / :func:`state_runs_view`).
+    ``tma_box(r, c)(i, j, l) == operand_tile(r, c)(j, RUN·l + i)``. ``stages``: a trailing stage mode.
+    """
+    shape, stride = (RUN, rows, cols // RUN), (1, RUN, RUN * rows)
+    if stages is not None:
+        shape, stride = (*shape, stages), (*stride, rows * cols)
+    return cute.make_layout(shape, stride=stride)
+
+
+# ---------------------------------------------------------------------------------------------
+# Global-memory views for TMA (inside a trace; the last mode of every tensor has stride 1).
+
+
+def token_runs_view(tensor: cute.Tensor) -> cute.Tensor:
+    """``[B, T, H, D]`` → ``(RUN, T, D / RUN, H, B)``: token rows of one (head, batch) in :func:`tma_box` order."""
+    batch, seq, heads, dim = tensor.shape
+    s_batch, s_seq, s_heads, s_dim = tensor.layout.stride
+    layout = cute.make_layout(
+        (RUN, seq, dim // RUN, heads, batch), stride=(s_dim, s_seq, RUN * s_dim, s_heads, s_batch)
+    )
+    return cute.make_tensor(tensor.iterator, layout)
+
+
+def tile_runs_view(tensor: cute.Tensor) -> cute.Tensor:
+    """Workspace field ``[rows, 16, C]`` → ``(RUN, 16, C / RUN, rows)`` (qd/kd/kr: C = D; INV/Mqk: C = 16)."""
+    rows, chunk, cols = tensor.shape
+    s_rows, s_chunk, s_cols = tensor.layout.stride
+    layout = cute.make_layout((RUN, chunk, cols // RUN, rows), stride=(s_cols, s_chunk, RUN * s_cols, s_rows))
+    return cute.make_tensor(tensor.iterator, layout)
+
+
+def vector_rows_view(tensor: cute.Tensor) -> cute.Tensor:
+    """Workspace field ``[rows, n]`` → ``(n, rows)`` (gT, β)."""
+    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=[1, 0]))
+
+
+def state_runs_view(tensor: cute.Tensor) -> cute.Tensor:
+    """State ``[N, H, V, K]`` → ``(RUN, V, K / RUN, N, H)``: one (sequence, head) in :func:`tma_box` order."""
+    seqs, heads, rows, cols = tensor.shape
+    s_seqs, s_heads, s_rows, s_cols = tensor.layout.stride
+    layout = cute.make_layout((RUN, rows, cols // RUN, seqs, heads), stride=(s_cols, s_rows, RUN * s_cols, s_seqs, s_heads))
+    return cute.make_tensor(tensor.iterator, layout)

@@ -1,0 +1,150 @@
+"""Torch launcher of K2 (:class:`cute_kda.kernels.fwd_recurrence.FwdRecurrence`).
+
+Inputs are assumed validated by the API layer (``cute_kda.validation``): dtypes, shapes, one CUDA
+device, C-contiguous tensors with 16-byte aligned base addresses, ``B == 1`` with ``cu_seqlens``
+and non-decreasing ``cu_seqlens`` values. This module only converts, picks the compiled variant and
+launches on torch's current stream; nothing here reads device memory on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layouts.fwd_recurrence import SUPPORTED_VSPLITS
+from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace
+from ._cache import CompileCache, current_stream, to_cute_tensor
+
+_CACHE = CompileCache("fwd_recurrence")
+FILL_FRACTION = 7 / 8  # N·H·VSplit CTAs "fill" the GPU once they reach this fraction of its SMs
+
+
+def choose_vsplit(num_seqs: int, heads: int, sm_count: int) -> int:
+    """V-split for ``num_seqs × heads`` (sequence, head) pairs on ``sm_count`` SMs.
+
+    The smallest VSplit in {1, 2, 4} whose CTA count ``N·H·VSplit`` reaches 7/8 of the SM count
+    (so 128 CTAs count as filling a 132-SM H200); 4 when none does. A V-band re-reads the tile's
+    kd/qd/kr/INV/Mqk (mostly from L2: the bands of one (sequence, head) are adjacent CTAs), so
+    splitting pays only while SMs would otherwise idle.
+    """
+    for vsplit in SUPPORTED_VSPLITS:
+        if num_seqs * heads * vsplit >= FILL_FRACTION * sm_count:
+            return vsplit
+    return SUPPORTED_VSPLITS[-1]
+
+
+def tile_bases(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """int32 ``[N+1]`` prefix sums of ``ceil(len / 16)``, on ``cu_seqlens``' device (torch ops, no sync)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    counts = torch.div(lengths + CHUNK - 1, CHUNK, rounding_mode="floor")
+    return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
+
+
+def _device_key(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def _state_type(dtype: torch.dtype | None):
+    from ..dsl import cutlass
+
+    return {None: None, torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[dtype]
+
+
+def _dtype(tensor: torch.Tensor | None) -> torch.dtype | None:
+    return None if tensor is None else tensor.dtype
+
+
+def launch_arguments(
+    v: torch.Tensor, ws: Workspace, out: torch.Tensor, *, cu_seqlens: torch.Tensor | None,
+    tile_base: torch.Tensor | None, initial_state: torch.Tensor | None, final_state: torch.Tensor | None,
+) -> tuple:
+    """The tensor arguments of ``FwdRecurrence.__call__`` (dynamic shapes: one compile serves all sizes)."""
+
+    def convert(tensor: torch.Tensor | None, align: int = 16):
+        return None if tensor is None else to_cute_tensor(tensor, assumed_align=align)
+
+    return (
+        convert(v), convert(out),
+        convert(ws.qd), convert(ws.kd), convert(ws.kr), convert(ws.gt), convert(ws.inv), convert(ws.mqk),
+        convert(ws.beta), convert(initial_state), convert(final_state),
+        convert(cu_seqlens, 8), convert(tile_base, 4),
+    )
+
+
+def _compiled(key: tuple, args: tuple, stream):
+    """The compiled K2 variant ``key = (vsplit, state in, state out, varlen, device)`` (compiling on first use)."""
+
+    def build():
+        from ..dsl import cute
+        from ..kernels.fwd_recurrence import FwdRecurrence
+
+        vsplit, state_in, state_out, varlen, _ = key
+        kernel = FwdRecurrence(
+            vsplit=vsplit, initial_state=_state_type(state_in), final_state=_state_type(state_out), varlen=varlen,
+        )
+        return cute.compile(kernel, *args, stream)
+
+    return _CACHE.get(key, build)
+
+
+def recurrence(
+    v: torch.Tensor,
+    ws: Workspace,
+    out: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    tile_base: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    final_state: torch.Tensor | None = None,
+    vsplit: int | None = None,
+) -> None:
+    """Run K2: ``out`` (valid rows only) and, when given, ``final_state``, from v and the K1 workspace.
+
+    v, out: bf16 ``[B, T, H, 128]``; ws: the :class:`~cute_kda.workspace.Workspace` of these
+    sequences; initial_state / final_state: None or bf16 / fp32 ``[N, H, V, K]`` (the dtype of each
+    selects the variant; the state is bf16 between tiles). ``cu_seqlens`` int64 ``[N+1]`` with B == 1
+    packs N sequences; ``tile_base`` int32 ``[N+1]`` (prefix sums of ``ceil(len / 16)``) is derived
+    from it when not given. ``vsplit`` None: :func:`choose_vsplit`. Launches on torch's current stream.
+    """
+    varlen = cu_seqlens is not None
+    num_seqs = cu_seqlens.numel() - 1 if varlen else v.shape[0]
+    heads = v.shape[2]
+    if num_seqs == 0 or heads == 0:
+        return
+    if vsplit is None:
+        from ..config import sm_count
+
+        vsplit = choose_vsplit(num_seqs, heads, sm_count(_device_key(v.device)))
+    if varlen and tile_base is None:
+        tile_base = tile_bases(cu_seqlens)
+    with torch.cuda.device(v.device):
+        stream = current_stream(v.device)
+        args = launch_arguments(
+            v, ws, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
+            initial_state=initial_state, final_state=final_state,
+        )
+        key = (vsplit, _dtype(initial_state), _dtype(final_state), varlen, _device_key(v.device))
+        _compiled(key, args, stream)(*args, stream)
+
+
+def compile_recurrence(
+    *, varlen: bool, initial_state: torch.dtype | None, final_state: torch.dtype | None, vsplit: int,
+    device: torch.device | str,
+) -> None:
+    """Compile the K2 variant for these state dtypes, ``varlen`` and ``vsplit`` on ``device`` (nothing runs)."""
+    device = torch.device(device)
+    heads, dim, num_seqs = 2, 128, 2
+    v = torch.zeros((1 if varlen else num_seqs, 2 * CHUNK, heads, dim), dtype=torch.bfloat16, device=device)
+    ws = allocate_workspace(WorkspaceSpec(heads=heads, tiles=4), device)
+    cu_seqlens = torch.tensor([0, CHUNK, 2 * CHUNK], dtype=torch.int64, device=device) if varlen else None
+    tile_base = torch.tensor([0, 1, 2], dtype=torch.int32, device=device) if varlen else None
+
+    def state(dtype: torch.dtype | None):
+        return None if dtype is None else torch.zeros((num_seqs, heads, dim, dim), dtype=dtype, device=device)
+
+    with torch.cuda.device(device):
+        args = launch_arguments(
+            v, ws, torch.empty_like(v), cu_seqlens=cu_seqlens, tile_base=tile_base,
+            initial_state=state(initial_state), final_state=state(final_state),
+        )
+        key = (vsplit, initial_state, final_state, varlen, _device_key(device))
+        _compiled(key, args, current_stream(device))
