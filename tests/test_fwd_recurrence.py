@@ -396,7 +396,7 @@ def test_variant_compiles(variant):
     lines = report.ptx.splitlines()
     for i, line in enumerate(lines):
         if "cp.async.bulk.tensor" in line and ".global.shared::cta" in line:
-            assert any("elect.sync" in prev for prev in lines[max(0, i - 12): i])
+            assert any("elect.sync" in prev for prev in lines[max(0, i - 24): i])
     assert report.local_memory_ops == 0
     assert len(report.kernels) == 1 and report.spills == 0 and report.kernels[0].stack_frame == 0
     # shared memory: the struct the kernel allocates is the plan

@@ -256,7 +256,7 @@ class FwdRecurrence:
             tma_state_in, gmem_state_in, tma_state_out, gmem_state_out,
             out, cu_seqlens, tile_base, Int32(tiles_per_head),
         ).launch(
-            grid=[self.vsplit, heads, num_seqs],
+            grid=[self.vsplit * num_seqs, heads, 1],  # the bands of one (sequence, head) are adjacent CTAs
             block=[THREADS, 1, 1],
             stream=stream,
         )
@@ -286,7 +286,8 @@ class FwdRecurrence:
         plan = self.plan
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        band, head, seq = cute.arch.block_idx()
+        band_seq, head, _ = cute.arch.block_idx()
+        seq, band = band_seq // self.vsplit, band_seq % self.vsplit
 
         # --- the CTA's sequence: batch index, first row inside the batch, length, workspace row of tile 0
         batch = seq

@@ -1,0 +1,175 @@
+"""K2 (chunk recurrence) alone: median time per shape and V-split, µs per tile step, registers and smem.
+
+The workspace comes from the mirror's K1 (``cute_kda.reference.mirror_prepare``), so K2 is timed on
+its own; states are fp32 in and out (FlashKDA's setting in design.md §6). K2 is serial over the
+tiles of a sequence, so the figure of merit for few (sequence, head) pairs is the time per tile
+step: ``time / max_s ceil(len_s / 16)``. Each shape runs at the automatic V-split and at 1, 2, 4.
+Times are medians over CUDA-graph replays of one launch (``bench_prepare.median_ms``: Triton's
+``do_bench`` with the L2 cleared, or CUDA events).
+
+The last column is the *whole forward* (K1 + K2) time to beat from design.md §6 (FlashKDA, fp32
+state), for scale; K2 alone should take a good part less.
+
+    python benchmarks/bench_recurrence.py                        # the six shapes of issue 4
+    python benchmarks/bench_recurrence.py --shapes B1-T32768-H16 --out benchmarks/results/recurrence.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from bench_prepare import median_ms  # noqa: E402
+
+from cute_kda.workspace import CHUNK  # noqa: E402
+
+D = 128
+LOWER_BOUND = -5.0
+
+# name → (sequence lengths, heads, packed with cu_seqlens, FlashKDA forward ms from design.md §6)
+SHAPES = {
+    "B1-T8192-H96": ([8192], 96, False, 1.40),
+    "varlen-mixed-H96": ([1300, 547, 2048, 963, 271, 3063], 96, True, 1.39),
+    "varlen-8x1024-H96": ([1024] * 8, 96, True, 1.20),
+    "B1-T8192-H64": ([8192], 64, False, 1.20),
+    "B1-T32768-H16": ([32768], 16, False, 3.41),
+    "B8-T4096-H32": ([4096] * 8, 32, False, 1.53),
+}
+
+
+def _inputs(lengths: list[int], heads: int, varlen: bool, device: torch.device):
+    from cute_kda.reference import mirror_prepare
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    batch, steps = (1, sum(lengths)) if varlen else (len(lengths), lengths[0])
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen, device=device).bfloat16()
+
+    q, k, v, g = (randn(batch, steps, heads, D) for _ in range(4))
+    beta = randn(batch, steps, heads)
+    a_log = torch.rand(heads, generator=gen, device=device) - 0.5
+    dt_bias = torch.randn(heads, D, generator=gen, device=device)
+    cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(device) if varlen else None
+    ws = mirror_prepare(q, k, g, beta, A_log=a_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens)
+    state = torch.randn(len(lengths), heads, D, D, generator=gen, device=device) * 0.1
+    return v, ws, cu_seqlens, state
+
+
+def _resources(vsplit: int, varlen: bool, args: tuple) -> tuple[str, int]:
+    """(registers per thread or 'n/a' without ptxas, shared memory bytes per CTA) of the fp32-state variant."""
+    from cute_kda.layouts.fwd_recurrence import RecurrenceSmemPlan
+
+    smem = RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=True).total_bytes
+    try:
+        from cutlass import Float32
+
+        from cute_kda.compile_report import compile_with_report
+        from cute_kda.dsl import cute
+        from cute_kda.kernels.fwd_recurrence import FwdRecurrence
+
+        kernel = FwdRecurrence(vsplit=vsplit, initial_state=Float32, final_state=Float32, varlen=varlen)
+        _, report = compile_with_report(kernel, *args, cute.runtime.make_fake_stream())
+        return str(report.kernels[0].registers), smem
+    except (FileNotFoundError, RuntimeError) as error:
+        print(f"no register count ({error})", file=sys.stderr)
+        return "n/a", smem
+
+
+def run(name: str, warmup: int, rep: int) -> list[dict]:
+    from cute_kda.config import sm_count
+    from cute_kda.ops import recurrence as k2
+
+    lengths, heads, varlen, forward_bar = SHAPES[name]
+    device = torch.device("cuda")
+    v, ws, cu_seqlens, initial = _inputs(lengths, heads, varlen, device)
+    out = torch.empty_like(v)
+    final = torch.empty_like(initial)
+    tile_base = k2.tile_bases(cu_seqlens) if varlen else None
+    steps = max((n + CHUNK - 1) // CHUNK for n in lengths)
+    auto = k2.choose_vsplit(len(lengths), heads, sm_count(device.index or 0))
+    rows = []
+    for vsplit in (1, 2, 4):
+
+        def launch(vsplit=vsplit):
+            k2.recurrence(v, ws, out, cu_seqlens=cu_seqlens, tile_base=tile_base, initial_state=initial,
+                          final_state=final, vsplit=vsplit)
+
+        launch()  # compile outside the timing
+        torch.cuda.synchronize()
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                launch()
+            ms = median_ms(graph.replay, warmup, rep)
+        except RuntimeError as error:
+            print(f"CUDA graph capture failed ({error}); eager timing", file=sys.stderr)
+            ms = median_ms(launch, warmup, rep)
+        args = k2.launch_arguments(v, ws, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
+                                   initial_state=initial, final_state=final)
+        registers, smem = _resources(vsplit, varlen, args)
+        rows.append(dict(shape=name, vsplit=vsplit, auto=vsplit == auto, ctas=len(lengths) * heads * vsplit,
+                         steps=steps, ms=ms, us_per_step=1e3 * ms / steps, registers=registers, smem=smem,
+                         forward_bar=forward_bar))
+        print(f"{name} vsplit={vsplit}: {ms:.3f} ms, {1e3 * ms / steps:.2f} µs/tile step", file=sys.stderr)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ["shape", "VSplit", "CTAs", "tile steps", "K2 median ms", "µs / tile step", "registers", "smem / CTA (B)",
+            "forward bar ms (FlashKDA)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        vsplit = f"**{r['vsplit']}** (auto)" if r["auto"] else str(r["vsplit"])
+        lines.append(f"| {r['shape']} | {vsplit} | {r['ctas']} | {r['steps']} | {r['ms']:.3f} | "
+                     f"{r['us_per_step']:.2f} | {r['registers']} | {r['smem']} | {r['forward_bar']:.2f} |")
+    return "\n".join(lines)
+
+
+def environment() -> str:
+    props = torch.cuda.get_device_properties(0)
+    versions = [f"torch {torch.__version__}"]
+    try:
+        import cutlass
+
+        versions.append(f"cutlass-dsl {getattr(cutlass, '__version__', '?')}")
+    except ImportError:
+        pass
+    return (f"{datetime.date.today()} · {props.name} ({props.multi_processor_count} SMs) · {', '.join(versions)} · "
+            f"Python {platform.python_version()} · K2 alone, D={D}, fp32 state in and out, workspace from the mirror")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
+    parser.add_argument("--out", help="also write the markdown table to this file")
+    parser.add_argument("--warmup", type=int, default=25, help="warm-up time, ms")
+    parser.add_argument("--rep", type=int, default=100, help="repetition time, ms")
+    args = parser.parse_args()
+    names = [s for s in args.shapes.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
+    if not torch.cuda.is_available():
+        sys.exit("bench_recurrence needs a CUDA GPU (Hopper)")
+
+    with torch.inference_mode():
+        rows = [row for name in names for row in run(name, args.warmup, args.rep)]
+    table = f"{environment()}\n\n{markdown(rows)}\n"
+    print(table)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()
