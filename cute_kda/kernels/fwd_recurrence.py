@@ -12,6 +12,9 @@ S ← bf16(fma(gT, S, krᵀ·U))                 Phase 6 (row block by row block
                                                      stmatrix.trans on the [K, V] view of the state)
 ```
 
+Grid: ``(vsplit · N, H)``; CTA ``x`` owns band ``x % vsplit`` of sequence ``x // vsplit`` (the bands
+of one (sequence, head) run side by side and share the tile's kd/qd/kr reads in L2).
+
 Roles (192 threads): warps 0-3 compute, warp ``w`` owning value columns ``[w·c, (w+1)·c)`` of the
 CTA's band (``c = v_band / 4``: 32, 16 or 8). Every line above is separable in the value columns,
 so a warp reads and writes only its own columns of v, out and S: the compute warps never wait for
@@ -51,7 +54,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..layouts import fwd_recurrence as layouts
 from ..layouts.fwd_recurrence import MMA_WARPS, RecurrenceSmemPlan
-from .common.fastmath import movmatrix_trans
+from .common.copy import transpose_c_to_b  # movmatrix.trans word by word: C fragment of M → B fragment of Mᵀ
 
 CHUNK = 16
 LOAD_WARP = MMA_WARPS  # warp 4
@@ -87,24 +90,6 @@ def smem_tensor(ptr: cute.Pointer, layout, dtype: type) -> cute.Tensor:
     if isinstance(layout, cute.ComposedLayout):
         return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=dtype), layout.outer)
     return cute.make_tensor(cute.recast_ptr(ptr, dtype=dtype), layout)
-
-
-def _words(fragment: cute.Tensor) -> cute.Tensor:
-    return cute.recast_tensor(fragment, Uint32)
-
-
-@cute.jit
-def transpose_c_to_b(c_fragment: cute.Tensor, b_fragment: cute.Tensor):
-    """B fragment of ``Mᵀ`` from the bf16 C fragment of ``M``: ``movmatrix.trans`` word by word.
-
-    Word ``p`` of a ``((2,2),1,n)`` C fragment is the 8×8 block (row half ``p % 2``, n-atom ``p // 2``)
-    in movmatrix row order; its transpose is word ``p`` of the ``((2,2),n,1)`` B fragment
-    (k half ``p % 2``, n-atom ``p // 2``).
-    """
-    c_words = _words(c_fragment)
-    b_words = _words(b_fragment)
-    for p in cutlass.range_constexpr(cute.size(c_words)):
-        b_words[p] = movmatrix_trans(c_words[p])
 
 
 @dataclass(frozen=True)
