@@ -26,7 +26,8 @@ Pipelines: input ``PipelineTmaAsync`` (3 stages; producer = the load warp, one e
 consumer = the 4 compute warps, one arrival per warp from lane 0 after ``bar.warp.sync``); output
 ``PipelineAsync`` (2 stages; producer = the 128 compute threads, each arriving after
 ``fence.proxy.async`` so the TMA store sees its stmatrix writes; consumer = the 32 threads of the
-store warp, each arriving after ``cp.async.bulk.wait_group.read 0``).
+store warp, the lane that issued a TMA store arriving only after ``cp.async.bulk.wait_group.read 0``,
+so a stage is released once the store has read it).
 
 State I/O: none (zeros), bf16 (TMA straight into the state buffer) or fp32 (TMA into a staging buffer
 that shares its bytes with the pipeline buffers, converted to bf16 in shared memory before the
