@@ -14,6 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from ulp_check import assert_within_one_ulp, bf16_ulps
 
 from cute_kda.dsl import cute, cutlass
 from cute_kda.kernels.fwd_recurrence import MMA_WARPS, FwdRecurrence, c_row_half
@@ -510,20 +511,6 @@ def _mirror(problem, ws, cu, init, state_out):
                              state_dtype=dtype)
 
 
-def _ordered_bits(x: torch.Tensor) -> torch.Tensor:
-    """bf16 values as order-preserving integers (adjacent bf16 values differ by 1; ±0 → 0)."""
-    bits = x.bfloat16().view(torch.int16).to(torch.int32)
-    return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-
-
-def _ulp_report(name, got, want):
-    ulps = (_ordered_bits(got) - _ordered_bits(want)).abs()
-    counts = torch.bincount(ulps.flatten().clamp(max=3).to(torch.int64), minlength=4).tolist()
-    total = ulps.numel()
-    print(f"{name}: {counts[0]}/{total} equal, {counts[1]}/{total} at 1 ulp, {counts[2] + counts[3]}/{total} beyond")
-    return int(ulps.max().item())
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 7, 16])
 @pytest.mark.parametrize("state_in,state_out", [("bf16", "bf16"), ("fp32", "fp32"), ("none", "fp32")])
@@ -531,8 +518,8 @@ def test_single_tile_within_one_ulp_of_the_mirror(T, state_in, state_out):
     problem = _problem(2, T, 3, seed=T)
     o, final, ws, cu, init = _run(problem, state_in=state_in, state_out=state_out, seed=T)
     o_ref, final_ref = _mirror(problem, ws, cu, init, state_out)
-    assert _ulp_report(f"T={T} o", o, o_ref) <= 1
-    assert _ulp_report(f"T={T} state", final, final_ref) <= 1  # fp32 state: widened bf16, compared as bf16
+    assert_within_one_ulp(f"T={T} o", o, o_ref)
+    assert_within_one_ulp(f"T={T} state", final, final_ref)  # fp32 state: widened bf16, compared as bf16
 
 
 @pytest.mark.gpu
@@ -545,8 +532,8 @@ def test_many_tiles_track_the_mirror(lengths):
     o, final, ws, cu, init = _run(problem, lengths=lengths, state_in="bf16", state_out="bf16", seed=11)
     o_ref, final_ref = _mirror(problem, ws, cu, init, "bf16")
     err_o, err_s = rel_rms(o, o_ref), rel_rms(final, final_ref)
-    _ulp_report("o", o, o_ref)
-    _ulp_report("state", final, final_ref)
+    print(f"o ulps vs mirror: {torch.bincount(bf16_ulps(o, o_ref).flatten().clamp(max=3)).tolist()}")
+    print(f"state ulps vs mirror: {torch.bincount(bf16_ulps(final, final_ref).flatten().clamp(max=3)).tolist()}")
     print(f"vs mirror: o {err_o:.2e} state {err_s:.2e}")
     assert err_o <= MIRROR_TOL and err_s <= MIRROR_TOL
 
