@@ -18,6 +18,8 @@ from typing import Any
 
 from .dsl import TARGET_ARCH, cute
 
+# The DSL's launch configuration in the host IR: (grid[3], block[3], dynamic smem bytes, stream, attributes, count)
+LAUNCH_CONFIG = "!llvm.struct<(array<3 x i32>, array<3 x i32>, i64, ptr, ptr, i32)>"
 
 
 @dataclass
@@ -34,10 +36,15 @@ class KernelResources:
 
 @dataclass
 class CompileReport:
-    """PTX text plus per-kernel resources of one compiled DSL function."""
+    """PTX text plus per-kernel resources of one compiled DSL function.
+
+    ``launch_smem``: dynamic shared-memory bytes of each kernel launch in the host code, in order
+    (:func:`launch_smem_bytes`).
+    """
 
     ptx: str
     kernels: list[KernelResources] = field(default_factory=list)
+    launch_smem: list[int] = field(default_factory=list)
 
     def count(self, mnemonic: str) -> int:
         """Occurrences of a PTX instruction prefix, e.g. ``"ldmatrix.sync.aligned"``."""
@@ -128,6 +135,22 @@ def parse_ptxas_log(log: str) -> list[KernelResources]:
     return kernels
 
 
+def launch_smem_bytes(host_ir: str) -> list[int]:
+    """Dynamic shared-memory bytes of every kernel launch in the host IR of a compiled DSL function.
+
+    The launcher stores a constant (what the kernel's ``SmemAllocator`` took) into field 2 of the
+    launch configuration; SSA names are per function, so each function is read on its own.
+    """
+    found = []
+    for body in host_ir.split("llvm.func ")[1:]:
+        constants = dict(re.findall(r"(%\w+) = llvm\.mlir\.constant\((\d+) : i64\) : i64", body))
+        stored = {ptr: value for value, ptr in re.findall(r"llvm\.store (%\w+), (%\w+) : i64, !llvm\.ptr", body)}
+        for config_field in re.findall(r"(%\w+) = llvm\.getelementptr %\w+\[0, 2\] : \(!llvm\.ptr\) -> !llvm\.ptr, "
+                                       + re.escape(LAUNCH_CONFIG), body):
+            found.append(int(constants[stored[config_field]]))
+    return found
+
+
 def compile_with_report(jit_fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, CompileReport]:
     """``cute.compile`` ``jit_fn(*args)`` for sm_90a, keeping the PTX; return (compiled, report).
 
@@ -138,4 +161,5 @@ def compile_with_report(jit_fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, Co
     with tempfile.TemporaryDirectory() as dump_dir:
         compiled = cute.compile(jit_fn, *args, options=f"--keep-ptx --dump-dir={dump_dir}", **kwargs)
         ptx = compiled.__ptx__
-    return compiled, CompileReport(ptx=ptx, kernels=ptxas_resources(ptx))
+    return compiled, CompileReport(ptx=ptx, kernels=ptxas_resources(ptx),
+                                   launch_smem=launch_smem_bytes(str(compiled.ir_module)))

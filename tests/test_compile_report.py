@@ -115,6 +115,12 @@ def _iota(dst: cute.Tensor, stream):
     _iota_kernel(dst).launch(grid=(1, 1, 1), block=(32, 1, 1), stream=stream)
 
 
+@cute.jit
+def _iota_twice(dst: cute.Tensor, stream):
+    _iota_kernel(dst).launch(grid=(1, 1, 1), block=(32, 1, 1), stream=stream)
+    _iota_kernel(dst).launch(grid=(1, 1, 1), block=(32, 1, 1), smem=3072, stream=stream)
+
+
 def test_compile_with_report_on_cpu(tmp_path, monkeypatch):
     # The DSL's default dump directory is the working directory when it was imported.
     start = Path.cwd()
@@ -127,6 +133,14 @@ def test_compile_with_report_on_cpu(tmp_path, monkeypatch):
     assert report.has("st.global")
     assert len(report.kernels) == 1 and report.kernels[0].registers > 0
     assert report.spills == 0 and report.local_memory_ops == 0
+    assert report.launch_smem == [0]
     assert "regs=" in report.summary()
     # the kept PTX file lands in neither working directory
     assert list(tmp_path.iterdir()) == [] and set(start.glob("*.ptx")) == ptx_before
+
+
+def test_launch_smem_of_each_launch():
+    """The host code's dynamic shared memory per launch, in launch order."""
+    dst = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (32,), assumed_align=16)
+    _, report = compile_with_report(_iota_twice, dst, cute.runtime.make_fake_stream())
+    assert report.launch_smem == [0, 3072]

@@ -35,26 +35,6 @@ def _fake(dtype, rank: int, align: int = 16):
     )
 
 
-# The DSL's launch configuration in the host IR: (grid[3], block[3], dynamic smem bytes, stream, attributes, count)
-LAUNCH_CONFIG = "!llvm.struct<(array<3 x i32>, array<3 x i32>, i64, ptr, ptr, i32)>"
-
-
-def _launch_smem_bytes(host_ir: str) -> list[int]:
-    """Dynamic shared-memory bytes of every kernel launch in the host IR of a compiled DSL function.
-
-    The launcher stores a constant (what the kernel's ``SmemAllocator`` took) into field 2 of the
-    launch configuration; SSA names are per function, so each function is read on its own.
-    """
-    found = []
-    for body in host_ir.split("llvm.func ")[1:]:
-        constants = dict(re.findall(r"(%\w+) = llvm\.mlir\.constant\((\d+) : i64\) : i64", body))
-        stored = {ptr: value for value, ptr in re.findall(r"llvm\.store (%\w+), (%\w+) : i64, !llvm\.ptr", body)}
-        for field in re.findall(r"(%\w+) = llvm\.getelementptr %\w+\[0, 2\] : \(!llvm\.ptr\) -> !llvm\.ptr, "
-                                + re.escape(LAUNCH_CONFIG), body):
-            found.append(int(constants[stored[field]]))
-    return found
-
-
 def _compile(kernel: PrepareKernel):
     """(PTX report, dynamic smem bytes of each launch) of ``kernel`` compiled for sm_90a."""
     inputs = PrepareInputs(
@@ -66,10 +46,10 @@ def _compile(kernel: PrepareKernel):
         inv=_fake(BF16, 3), mqk=_fake(BF16, 3), beta=_fake(F32, 2),
     )
     varlen = (_fake(cutlass.Int64, 1, 8), _fake(cutlass.Int32, 1, 4)) if kernel.varlen else (None, None)
-    compiled, report = compile_with_report(
+    _, report = compile_with_report(
         kernel, inputs, ws, F32(0.5), F32(-7.2), cutlass.Int32(16), *varlen, cute.runtime.make_fake_stream()
     )
-    return report, _launch_smem_bytes(str(compiled.ir_module))
+    return report, report.launch_smem
 
 
 VARIANTS = {
