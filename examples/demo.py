@@ -165,7 +165,7 @@ def _recurrence_build(varlen: bool, state: torch.dtype | None, vsplit: int) -> C
         )
         dtype = {None: None, torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[state]
         kernel = FwdRecurrence(vsplit=vsplit, initial_state=dtype, final_state=dtype, varlen=varlen)
-        return kernel, (*args, cute.runtime.make_fake_stream()), k2_budget(vsplit, state_io_fp32=state == torch.float32)
+        return kernel, (*args, cute.runtime.make_fake_stream()), k2_budget(kernel.plan)
     return build
 
 

@@ -6,7 +6,8 @@
 
 Sections: ``atoms`` (GMMA smem atoms and the kernels' layouts as CuTe prints them), ``grids``
 (tiled layouts drawn as index grids), ``dual`` (transpose-dual check), ``banks`` (ldmatrix/stmatrix
-wavefronts per instruction: K_INTER vs row-major vs K_SW128), ``budget`` (smem per kernel plan).
+wavefronts per instruction: K_INTER vs row-major vs K_SW128), ``budget`` (smem per kernel plan: K1's
+``smem_budget``, K2's ``RecurrenceSmemPlan`` per V-split and state I/O).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cute_kda.dsl import cutlass  # noqa: E402
-from cute_kda.layouts import analysis, budget, k1_budget, smem  # noqa: E402
+from cute_kda.layouts import RecurrenceSmemPlan, analysis, k1_budget, k2_budget, smem  # noqa: E402
 from cute_kda.layouts.analysis import layout_spec  # noqa: E402
 
 SECTIONS = ("atoms", "grids", "dual", "banks", "budget")
@@ -86,17 +87,17 @@ def print_budget(dim: int, chunk: int) -> None:
     print("== shared-memory budget ==")
     print(k1_budget(dim, chunk).describe())
     print()
-    for fp32 in (False, True):
-        for vsplit in (1, 2, 4):
-            print(budget.k2_budget(vsplit, fp32, dim, chunk).describe())
-            print()
+    k2_plans = [RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=fp32, dim=dim, chunk=chunk)
+                for fp32 in (False, True) for vsplit in (1, 2, 4)]
+    for plan in k2_plans:
+        print(k2_budget(plan).describe())
+        print()
     print(f"{'K2 config':34s} {'input stage B':>13s} {'output stage B':>14s} {'total B':>8s} {'CTAs/SM':>7s}")
-    for fp32 in (False, True):
-        for vsplit in (1, 2, 4):
-            b = budget.k2_budget(vsplit, fp32, dim, chunk)
-            name = f"vsplit={vsplit} state_io={'fp32' if fp32 else 'bf16'}"
-            print(f"{name:34s} {b.stage_bytes['input']:13d} {b.stage_bytes['output']:14d} "
-                  f"{b.total_bytes:8d} {b.ctas_per_sm:7d}")
+    for plan in k2_plans:
+        b = k2_budget(plan)
+        name = f"vsplit={plan.vsplit} state_io={'fp32' if plan.state_io_fp32 else 'bf16/none'}"
+        print(f"{name:34s} {b.stage_bytes['input']:13d} {b.stage_bytes['output']:14d} "
+              f"{b.total_bytes:8d} {b.ctas_per_sm:7d}")
 
 
 def main(argv: list[str] | None = None) -> None:

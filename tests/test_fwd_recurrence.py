@@ -19,7 +19,8 @@ from ulp_check import assert_within_one_ulp, bf16_ulps
 from cute_kda.dsl import cute, cutlass
 from cute_kda.kernels.fwd_recurrence import MMA_WARPS, FwdRecurrence, c_row_half
 from cute_kda.layouts import fwd_recurrence as layouts
-from cute_kda.layouts import smem
+from cute_kda.layouts import budget, smem
+from cute_kda.layouts.analysis import run_traced
 from cute_kda.layouts.fwd_recurrence import RecurrenceSmemPlan
 from cute_kda.ops import recurrence as k2
 
@@ -29,18 +30,6 @@ VSPLITS = (1, 2, 4)
 STATE = {"none": None, "bf16": torch.bfloat16, "fp32": torch.float32}
 TOL = 6e-3  # rel-RMS vs the fp64 gold (the issue's bound)
 MIRROR_TOL = 2e-3  # rel-RMS vs the mirror over many tiles (1-ULP differences drifting through the bf16 state)
-
-
-def _traced(build):
-    """Run ``build()`` inside a host-side CuTe trace; return its (Python) result."""
-    out = []
-
-    @cute.jit
-    def trace():
-        out.append(build())
-
-    trace()
-    return out[0]
 
 
 # ============================================================================ shared-memory plan
@@ -94,7 +83,7 @@ def _offsets(build, shape):
             per_mode.append(values)
         return layout(tuple(origin)), per_mode
 
-    base, per_mode = _traced(run)
+    base, per_mode = run_traced(run)
     total = np.zeros(shape, dtype=np.int64) - (len(shape) - 1) * base
     for mode, values in enumerate(per_mode):
         view = [1] * len(shape)
@@ -164,7 +153,7 @@ def test_gmem_views_reach_the_right_elements():
              for v in (0, 63, 127) for k in (0, 8, 127)},
         )
 
-    tokens, tiles, squares, vectors, states = _traced(run)
+    tokens, tiles, squares, vectors, states = run_traced(run)
     assert all(off == ((b * T + t) * H + h) * D + c for (b, t, h, c), off in tokens.items())
     assert all(off == (r * CHUNK + i) * D + c for (r, i, c), off in tiles.items())
     assert all(off == (r * CHUNK + i) * CHUNK + c for (r, i, c), off in squares.items())
@@ -197,7 +186,7 @@ def _fragment_coords(vsplit: int, operand: str, shape):
             out[lane] = [tuple(coords[i]) for i in range(cute.size(coords))]
         return out
 
-    return _traced(run)
+    return run_traced(run)
 
 
 @pytest.mark.parametrize("vsplit", VSPLITS)
@@ -272,7 +261,7 @@ def _copy_model(vsplit: int, name: str, view_shape, operand: str, transpose: boo
                            for r in itertools.product(*rest)}
         return rows, slots
 
-    rows, slots = _traced(run)
+    rows, slots = run_traced(run)
     values = 2 * matrices
     moved = {lane: {} for lane in range(32)}  # lane → fragment slot → view coordinate
     for (cpy, *rest) in slots[0]:
@@ -400,8 +389,10 @@ def test_variant_compiles(variant):
             assert any("elect.sync" in prev for prev in lines[max(0, i - 24): i])
     assert report.local_memory_ops == 0
     assert len(report.kernels) == 1 and report.spills == 0 and report.kernels[0].stack_frame == 0
-    # shared memory: the struct the kernel allocates is the plan
+    # shared memory: the struct the kernel allocates and the launch's request are the plan, and so is
+    # the plan's buffer table (layouts.budget.k2_budget) that the tools print
     assert kernel.shared_storage.__sizeof__() == kernel.plan.total_bytes
+    assert report.launch_smem == [kernel.plan.total_bytes] == [budget.k2_budget(kernel.plan).total_bytes]
     assert kernel.plan.state_io_fp32 == ("fp32" in (state_in, state_out))
     print(f"{variant}: {report.kernels[0].registers} registers, {kernel.plan.total_bytes} B smem")
 

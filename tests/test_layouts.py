@@ -9,9 +9,11 @@ import pytest
 
 from cute_kda.dsl import cute, cutlass
 from cute_kda.layouts import analysis, budget, fwd_prepare, smem
+from cute_kda.layouts import fwd_recurrence as recurrence_layouts
 from cute_kda.layouts.analysis import (
     K_INTER_FAMILY, ROW_MAJOR_FAMILY, SW128_FAMILY, MatrixAccess, layout_spec,
 )
+from cute_kda.layouts.fwd_recurrence import RecurrenceSmemPlan
 
 BF16 = cutlass.BFloat16
 
@@ -231,45 +233,44 @@ def test_kernel_uses_are_conflict_free_with_k_inter():
 # ---------------------------------------------------------------------------- (iii) budgets
 
 
-def _k2_expected(vsplit: int, fp32: bool) -> tuple[int, int, int]:
-    vband = 128 // vsplit
-    tile = 16 * 128 * 2
-    stage_in = 16 * vband * 2 + 3 * tile + 128 * 4 + 2 * 16 * 16 * 2 + 128  # beta: 64 B padded to 128
-    stage_out = 16 * vband * 2
-    pipeline = 3 * stage_in + 2 * stage_out
-    align = 256 if fp32 else 128  # K_SW32 staging: 256-byte swizzle period; a union pads to its alignment
-    io = -(-max(pipeline, vband * 128 * 4 if fp32 else 0) // align) * align
-    total = -(-(vband * 128 * 2 + io + 8 * (6 + 4 + 1)) // align) * align
-    return stage_in, stage_out, total
+K2_PLANS = [RecurrenceSmemPlan(vsplit, fp32) for fp32 in (False, True) for vsplit in (1, 2, 4)]
 
 
-@pytest.mark.parametrize("vsplit", [1, 2, 4])
-@pytest.mark.parametrize("fp32", [False, True])
-def test_k2_budget(vsplit, fp32):
-    plan = budget.k2_budget(vsplit, fp32)
-    stage_in, stage_out, total = _k2_expected(vsplit, fp32)
-    assert plan.stage_bytes == {"input": stage_in, "output": stage_out}
-    assert plan.total_bytes == total
-    assert plan.ctas_per_sm == budget.SMEM_PER_SM // (total + budget.SMEM_RESERVED_PER_CTA)
-    for placed in plan.buffers.values():
-        assert placed.offset % placed.buffer.align == 0
-    bufs = plan.buffers
-    assert bufs["v"].offset == bufs["state"].offset + bufs["state"].buffer.nbytes
-    if fp32:
-        assert bufs["state_fp32"].offset == bufs["v"].offset  # overlaid on the pipeline
-        assert bufs["state_fp32"].buffer.align == 256  # K_SW32 swizzle period
-    assert bufs["beta"].buffer.stage_stride == 32
+def _plan_id(plan: RecurrenceSmemPlan) -> str:
+    return f"vs{plan.vsplit}-{'fp32' if plan.state_io_fp32 else 'bf16'}"
+
+
+@pytest.mark.parametrize("plan", K2_PLANS, ids=_plan_id)
+def test_k2_budget_is_the_kernels_plan(plan):
+    """Every buffer of the table sits where ``RecurrenceSmemPlan`` (what K2 allocates) puts it."""
+    table = budget.k2_budget(plan)
+    bufs = table.buffers
+    assert table.total_bytes == plan.total_bytes
+    assert bufs["state"].offset == 0 and bufs["state"].buffer.nbytes == plan.state_bytes
+    union = bufs["v"].offset
+    assert union % 128 == 0 and union >= plan.state_bytes
+    assert {name: p.offset - union for name, p in bufs.items() if p.path[:2] == ("union", "pipeline")} \
+        == plan.union_offsets()
+    fields = plan.input_field_bytes()
+    assert {name: bufs[name].buffer.cosize * bufs[name].buffer.width for name in fields} == fields
+    assert sum(p.buffer.cosize for name, p in bufs.items() if name.endswith("_mbar")) == plan.barrier_count
+    if plan.state_io_fp32:
+        assert bufs["state_fp32"].offset == union  # overlaid on the pipeline
+        assert bufs["state_fp32"].buffer.nbytes == plan.state_fp32_bytes
+    else:
+        assert "state_fp32" not in bufs
+    assert table.ctas_per_sm == budget.SMEM_PER_SM // (plan.total_bytes + budget.SMEM_RESERVED_PER_CTA)
 
 
 def test_k2_budget_known_totals():
-    assert budget.k2_budget(1).stage_bytes["input"] == 18048
-    assert [budget.k2_budget(v).ctas_per_sm for v in (1, 2, 4)] == [2, 3, 4]
-    with pytest.raises(ValueError):
-        budget.k2_budget(3)
+    assert budget.k2_budget(RecurrenceSmemPlan(1)).stage_bytes == {"input": 18048, "output": 4096}
+    assert [budget.k2_budget(RecurrenceSmemPlan(v)).ctas_per_sm for v in (1, 2, 4)] == [2, 3, 4]
+    assert budget.k2_budget(RecurrenceSmemPlan(4, True)).total_bytes == 55296
 
 
-@pytest.mark.parametrize("plan", [budget.k2_budget(1, True), budget.k2_budget(4), fwd_prepare.smem_budget()],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("plan", [
+    budget.k2_budget(RecurrenceSmemPlan(1, True)), budget.k2_budget(RecurrenceSmemPlan(4)), fwd_prepare.smem_budget(),
+], ids=lambda p: p.name)
 def test_storage_struct_matches_plan(plan):
     struct = plan.storage_struct()
     assert struct.size_in_bytes() == plan.total_bytes
@@ -287,7 +288,8 @@ def test_storage_struct_matches_plan(plan):
     assert offsets(struct) == {name: p.offset for name, p in plan.buffers.items()}
 
 
-@pytest.mark.parametrize("plan", [fwd_prepare.smem_budget(), budget.k2_budget(2, True)], ids=lambda p: p.name)
+@pytest.mark.parametrize("plan", [fwd_prepare.smem_budget(), budget.k2_budget(RecurrenceSmemPlan(2, True))],
+                         ids=lambda p: p.name)
 def test_buffers_overlap_only_inside_unions(plan):
     placed = list(plan.buffers.values())
     for i, a in enumerate(placed):
@@ -322,7 +324,7 @@ def test_k1_plan():
 
 
 def test_staged_layout_puts_each_stage_on_its_slot():
-    plan = budget.k2_budget(1)
+    plan = budget.k2_budget(RecurrenceSmemPlan(1))
     for name in ("beta", "kd", "v", "out"):
         buf = plan.buffers[name].buffer
         staged = analysis.run_traced(lambda: analysis.evaluate_layout(buf.staged_layout(), buf.width))
@@ -331,3 +333,26 @@ def test_staged_layout_puts_each_stage_on_its_slot():
         for s in range(buf.stages):
             assert np.array_equal(staged.bytes[..., s], one + s * buf.slot_bytes)
             assert (s * buf.slot_bytes) % 128 == 0  # TMA needs 128-byte aligned shared-memory addresses
+
+
+@pytest.mark.parametrize("plan", [RecurrenceSmemPlan(1), RecurrenceSmemPlan(4, True)], ids=_plan_id)
+def test_k2_budget_layouts_are_the_kernels(plan):
+    """The table's staged buffers and state views address the bytes of the layouts K2 builds."""
+    bufs = budget.k2_budget(plan).buffers
+    kernel_layouts = {
+        "v": lambda: recurrence_layouts.value_tile(plan, plan.input_stages),
+        "out": lambda: recurrence_layouts.value_tile(plan, plan.output_stages),
+        "kd": lambda: recurrence_layouts.chunk_operand(plan),
+        "inv": lambda: recurrence_layouts.square_tile(plan),
+        "gt": lambda: recurrence_layouts.vector(plan.dim, plan.input_stages),
+        "beta": lambda: recurrence_layouts.vector(plan.chunk, plan.input_stages),
+        "state": lambda: recurrence_layouts.state_b(plan),
+    }
+    if plan.state_io_fp32:
+        kernel_layouts["state_fp32"] = lambda: recurrence_layouts.state_fp32(plan)
+    for name, build in kernel_layouts.items():
+        buf = bufs[name].buffer
+        ours = buf.staged_layout if buf.stages > 1 else buf.layout.make
+        table, kernel = analysis.run_traced(lambda: (analysis.evaluate_layout(ours(), buf.width),
+                                                     analysis.evaluate_layout(build(), buf.width)))
+        assert np.array_equal(table.bytes, kernel.bytes), name

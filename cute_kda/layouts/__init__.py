@@ -5,13 +5,15 @@ evaluate them on the host, so everything here works on a machine without a GPU.
 
 Modules: :mod:`.smem` (layout constructors), :mod:`.tma` (TMA views), :mod:`.analysis` (byte tables,
 transpose-dual check, bank conflicts), :mod:`.budget` (smem plans: buffers, offsets, occupancy),
-one module per kernel (:mod:`.fwd_prepare`: K1's layouts and plan).
+one module per kernel with its layouts and smem plan (:mod:`.fwd_prepare`: K1, :mod:`.fwd_recurrence`:
+K2). ``k1_budget()`` and ``k2_budget(RecurrenceSmemPlan(...))`` give both plans as buffer tables.
 """
 
-from . import analysis, budget, fwd_prepare, smem, tma  # noqa: F401
+from . import analysis, budget, fwd_prepare, fwd_recurrence, smem, tma  # noqa: F401
 from .analysis import bank_conflict_table, check_transpose_dual, design_pairs, format_conflict_table  # noqa: F401
 from .budget import SmemBudget, k2_budget  # noqa: F401
 from .fwd_prepare import smem_budget as k1_budget  # noqa: F401
+from .fwd_recurrence import RecurrenceSmemPlan  # noqa: F401
 from .smem import (  # noqa: F401
     CHUNK,
     HEAD_DIM,

@@ -12,8 +12,10 @@ builds that ``cute.struct`` from the plan directly. Occupancy follows the sm_90 
 shared memory per SM, at most 227 KiB per CTA, and 1 KiB reserved by the system per CTA.
 
 Each kernel's plan lives with its layouts: :func:`cute_kda.layouts.fwd_prepare.smem_budget` (K1, the
-struct the kernel allocates is built from it) and :func:`k2_budget` here (K2, recurrence, one CTA per
-(sequence, head, V-band)); ``python scripts/explore_layouts.py --section budget`` prints them.
+struct the kernel allocates is built from it) and
+:class:`cute_kda.layouts.fwd_recurrence.RecurrenceSmemPlan` (K2, recurrence, one CTA per (sequence,
+head, V-band); :func:`k2_budget` here is that plan as buffers with layouts);
+``python scripts/explore_layouts.py --section budget`` prints them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from typing import Iterator, Union
 
 from ..dsl import cute, cutlass
-from . import smem
+from . import fwd_recurrence, smem
 from .analysis import LayoutSpec, evaluate, layout_spec, swizzle_period_bytes
 
 SMEM_PER_SM = 228 * 1024
@@ -211,47 +213,43 @@ def mbarriers(name: str, count: int, note: str) -> SmemBuffer:
                       align_bytes=MBARRIER_ALIGN, note=note)
 
 
-def k2_budget(vsplit: int = 1, state_io_fp32: bool = False, dim: int = smem.HEAD_DIM, chunk: int = smem.CHUNK,
-              input_stages: int = 3, output_stages: int = 2) -> SmemBudget:
-    """Plan of K2 for a V-band of ``dim // vsplit`` columns.
+def k2_budget(plan: fwd_recurrence.RecurrenceSmemPlan = fwd_recurrence.RecurrenceSmemPlan()) -> SmemBudget:
+    """K2's shared memory as buffers with layouts, read off the kernel's own plan.
 
-    ``state`` is ``[Vband, K]`` bf16 K_INTER (its ``[K, Vband]`` MN_INTER view is the same bytes).
-    ``io`` overlays the pipeline buffers with the fp32 state staging buffer (only when the state is
-    read or written as fp32: used before the first and after the last tile, never with the pipeline).
-    mbarriers: full + empty per stage of each pipeline, one for the state's TMA.
+    :class:`~cute_kda.layouts.fwd_recurrence.RecurrenceSmemPlan` is what K2 allocates (``state``, a
+    byte ``union``, mbarriers) and where it puts each pipeline field inside the union. This gives the
+    same storage buffer by buffer: fields, order and stage counts from ``plan``; slot layouts the
+    ones :mod:`.fwd_recurrence` stages (K_INTER operand tiles, fp32 vectors); the state and its fp32
+    staging (present only when ``plan.state_io_fp32``) are that module's views. The tests check its
+    offsets and total against ``plan`` and the compiled launch.
     """
-    if dim % vsplit or (dim // vsplit) % 16:
-        raise ValueError(f"vsplit={vsplit} must split D={dim} into bands of a multiple of 16")
-    vband = dim // vsplit
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
-    chunk_tile = layout_spec(f"chunk_operand({dim},{chunk})", smem.chunk_operand, dim, chunk, dtype=bf16)
-    band_tile = layout_spec(f"operand_tile({chunk},{vband})", smem.operand_tile, chunk, vband, dtype=bf16)
-    square = layout_spec(f"square_tile({chunk})", smem.square_tile, chunk, dtype=bf16)
+    chunk, dim, v_band = plan.chunk, plan.dim, plan.v_band
 
-    def stage_in(name: str, spec: LayoutSpec) -> SmemBuffer:
-        return SmemBuffer(name, spec, input_stages, "input")
+    def tile(rows: int, cols: int) -> LayoutSpec:
+        return layout_spec(f"operand_tile({rows},{cols})", smem.operand_tile, rows, cols, dtype=bf16)
 
+    def vector(n: int) -> LayoutSpec:
+        return layout_spec(f"vector({n})", smem.vector, n, dtype=f32)
+
+    slots = {"v": tile(chunk, v_band), "kd": tile(chunk, dim), "qd": tile(chunk, dim), "kr": tile(chunk, dim),
+             "gt": vector(dim), "inv": tile(chunk, chunk), "mqk": tile(chunk, chunk), "beta": vector(chunk)}
     pipeline = SmemGroup("pipeline", (
-        stage_in("v", band_tile),
-        stage_in("kd", chunk_tile),
-        stage_in("qd", chunk_tile),
-        stage_in("kr", chunk_tile),
-        stage_in("gt", layout_spec(f"vector({dim})", smem.vector, dim, dtype=f32)),
-        stage_in("inv", square),
-        stage_in("mqk", square),
-        stage_in("beta", layout_spec(f"vector({chunk})", smem.vector, chunk, dtype=f32)),
-        SmemBuffer("out", band_tile, output_stages, "output"),
+        *(SmemBuffer(name, slots[name], plan.input_stages, "input") for name in plan.input_field_bytes()),
+        SmemBuffer("out", tile(chunk, v_band), plan.output_stages, "output"),
     ))
-    io_members: tuple[SmemNode, ...] = (pipeline,)
-    if state_io_fp32:
-        io_members += (SmemBuffer("state_fp32", layout_spec(f"state_fp32({dim},vband={vband})", smem.state_fp32,
-                                                             dim, dtype=f32, vband=vband)),)
-    storage = SmemGroup("K2Storage", (
-        SmemBuffer("state", layout_spec(f"operand_tile({vband},{dim})", smem.operand_tile, vband, dim, dtype=bf16)),
-        SmemGroup("io", io_members, union=True),
-        mbarriers("load_mbar", 2 * input_stages, "PipelineTmaAsync full/empty"),
-        mbarriers("store_mbar", 2 * output_stages, "PipelineAsync full/empty"),
-        mbarriers("state_mbar", 1, "state TMA load/store"),
+    union: tuple[SmemNode, ...] = (pipeline,)
+    if plan.state_io_fp32:
+        union += (SmemBuffer("state_fp32", layout_spec(f"state_fp32(v_band={v_band})", fwd_recurrence.state_fp32,
+                                                       plan, dtype=f32),
+                             note="fp32 state I/O staging, used only before and after the tile loop"),)
+    storage = SmemGroup("RecurrenceStorage", (
+        SmemBuffer("state", layout_spec(f"state_b(v_band={v_band})", fwd_recurrence.state_b, plan, dtype=bf16),
+                   note="[V, K] K_INTER; its [K, V] MN_INTER view is the same bytes"),
+        SmemGroup("union", union, union=True),
+        mbarriers("load_mbar", 2 * plan.input_stages, "PipelineTmaAsync full/empty"),
+        mbarriers("store_mbar", 2 * plan.output_stages, "PipelineAsync full/empty"),
+        mbarriers("state_mbar", 1, "initial-state TMA load"),
     ))
-    return SmemBudget(f"K2 vsplit={vsplit} (Vband={vband}) state_io={'fp32' if state_io_fp32 else 'bf16'}",
-                      storage)
+    staging = ", fp32 state staging" if plan.state_io_fp32 else ""
+    return SmemBudget(f"K2 vsplit={plan.vsplit} (v_band={v_band}){staging}", storage)
