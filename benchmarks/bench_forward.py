@@ -12,10 +12,7 @@ flush in between. The markdown table is printed last; ``--out FILE`` also writes
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +23,8 @@ os.environ.setdefault("FLA_FLASH_KDA", "0")  # FLA's own Triton path, not its Fl
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from cute_kda._bench import add_run_arguments, environment, markdown_table, median_ms, publish  # noqa: E402
 
 LOWER_BOUND = -5.0
 D = 128
@@ -121,30 +120,6 @@ def peers(inputs: dict) -> dict[str, Callable[[], tuple[torch.Tensor, torch.Tens
     return runs
 
 
-def median_ms(fn: Callable[[], object], warmup: int, rep: int) -> float:
-    """Median milliseconds of ``fn`` on the current stream, L2 cleared before each repetition."""
-    try:
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-    except ImportError:
-        pass
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(max(rep // 5, 10)):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     a64, b64 = a.double(), b.double()
     return (torch.linalg.vector_norm(a64 - b64) / torch.linalg.vector_norm(b64)).item()
@@ -174,53 +149,33 @@ def markdown(rows: list[dict], peers_seen: list[str]) -> str:
     others = [p for p in peers_seen if p != ours]
     head = ["shape"] + [f"{p} (ms)" for p in peers_seen] + [f"{p} / {ours}" for p in others]
     head += [f"{p} vs FLA rel-RMS o / state" for p in peers_seen if p != "FLA chunk_kda"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    table = []
     for row in rows:
         ms = row["ms"]
         cells = [row["shape"]] + [f"{ms[p]:.3f}" if p in ms else "—" for p in peers_seen]
         cells += [f"{ms[p] / ms[ours]:.2f}×" if p in ms and ours in ms else "—" for p in others]
         cells += [f"{row['err'][p][0]:.1e} / {row['err'][p][1]:.1e}" if p in row["err"] else "—"
                   for p in peers_seen if p != "FLA chunk_kda"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        table.append(cells)
+    return markdown_table(head, table)
 
 
-def environment() -> str:
-    props = torch.cuda.get_device_properties(0)
-    versions = [f"torch {torch.__version__}"]
-    for module in ("cutlass", "fla", "triton"):
-        try:
-            versions.append(f"{module} {getattr(__import__(module), '__version__', '?')}")
-        except ImportError:
-            pass
-    return (f"{datetime.date.today()} · {props.name} ({props.multi_processor_count} SMs) · "
-            f"{', '.join(versions)} · Python {platform.python_version()} · D={D}, fp32 state in/out (v-first), "
+def header() -> str:
+    return (f"{environment('cutlass', 'fla', 'triton')} · D={D}, fp32 state in/out (v-first), "
             f"lower_bound={LOWER_BOUND}; ratios > 1 mean cute_kda is faster")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {', '.join(SHAPES)}")
-    parser.add_argument("--out", help="also write the markdown table to this file")
-    parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time, ms")
-    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    add_run_arguments(parser, SHAPES)
     args = parser.parse_args()
-    names = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    unknown = [n for n in names if n not in SHAPES]
-    if unknown:
-        parser.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
     if not torch.cuda.is_available():
         sys.exit("bench_forward needs a CUDA GPU (Hopper)")
 
     device = torch.device("cuda")
-    rows = [bench_shape(name, SHAPES[name], device, args.warmup, args.rep) for name in names]
+    rows = [bench_shape(name, SHAPES[name], device, args.warmup, args.rep) for name in args.shapes]
     seen = list(dict.fromkeys(p for row in rows for p in row["ms"]))
-    table = f"{environment()}\n\n{markdown(rows, seen)}\n"
-    print(table)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(table)
+    publish(f"{header()}\n\n{markdown(rows, seen)}\n", args.out)
 
 
 if __name__ == "__main__":

@@ -19,48 +19,20 @@ repetition) or, without Triton, of CUDA-event timings with an L2 flush in betwee
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import statistics
 import sys
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from cute_kda._bench import add_run_arguments, environment, markdown_table, median_ms, publish  # noqa: E402
 from cute_kda.workspace import CHUNK, WorkspaceSpec, allocate_workspace, tiles_per_head  # noqa: E402
 
 D = 128
 LOWER_BOUND = -5.0
 COPY_CEILING_TBPS = 4.3  # H200 device-to-device copy, design.md §6
 TILE_BYTES = 3 * CHUNK * D * 2 + D * 4 + 2 * CHUNK * CHUNK * 2 + CHUNK * 4  # one (head, tile) of workspace
-
-
-def median_ms(fn: Callable[[], object], warmup: int, rep: int) -> float:
-    """Median milliseconds of ``fn`` on the current stream, L2 cleared before each repetition."""
-    try:
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-    except ImportError:
-        pass
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(max(rep // 5, 10)):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _direct_launch(threads: int, ctas: int, q, k, g, beta, a_log, dt_bias, ws, cu_seqlens, tile_base, steps):
@@ -143,23 +115,15 @@ def run(lengths: list[int], heads: int, varlen: bool, variants: list[tuple[int, 
 
 def markdown(rows: list[dict]) -> str:
     head = ["shape", "what", "median µs", "bytes moved (MB)", "TB/s", f"% of {COPY_CEILING_TBPS} TB/s", "% of measured copy"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        lines.append(f"| {r['shape']} | {r['what']} | {r['ms'] * 1e3:.1f} | {r['bytes'] / 1e6:.1f} | "
-                     f"{r['tbps']:.2f} | {100 * r['of_ceiling']:.0f} % | {100 * r['of_copy']:.0f} % |")
-    return "\n".join(lines)
+    return markdown_table(head, [
+        [r["shape"], r["what"], f"{r['ms'] * 1e3:.1f}", f"{r['bytes'] / 1e6:.1f}", f"{r['tbps']:.2f}",
+         f"{100 * r['of_ceiling']:.0f} %", f"{100 * r['of_copy']:.0f} %"]
+        for r in rows
+    ])
 
 
-def environment() -> str:
-    props = torch.cuda.get_device_properties(0)
-    versions = [f"torch {torch.__version__}"]
-    for module in ("cutlass", "triton"):
-        try:
-            versions.append(f"{module} {getattr(__import__(module), '__version__', '?')}")
-        except ImportError:
-            pass
-    return (f"{datetime.date.today()} · {props.name} ({props.multi_processor_count} SMs) · "
-            f"{', '.join(versions)} · Python {platform.python_version()} · D={D}, all activations in K1; "
+def header() -> str:
+    return (f"{environment('cutlass', 'triton')} · D={D}, all activations in K1; "
             f"bytes = inputs read once + workspace written once ({TILE_BYTES} B per head-tile)")
 
 
@@ -170,9 +134,7 @@ def main() -> None:
     parser.add_argument("--varlen", action="store_true", help="pack the sequences with cu_seqlens")
     parser.add_argument("--variants", default="128x8,256x5",
                         help="THREADSxCTAS_PER_SM configurations to time by direct launch (comma-separated, '' for none)")
-    parser.add_argument("--out", help="also write the markdown table to this file")
-    parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time, ms")
-    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    add_run_arguments(parser)
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     if not args.varlen and len(set(lengths)) != 1:
@@ -183,12 +145,7 @@ def main() -> None:
     with torch.inference_mode():
         variants = [tuple(int(x) for x in v.split("x")) for v in args.variants.split(",") if v.strip()]
         rows = run(lengths, args.heads, args.varlen, variants, args.warmup, args.rep)
-    table = f"{environment()}\n\n{markdown(rows)}\n"
-    print(table)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(table)
+    publish(f"{header()}\n\n{markdown(rows)}\n", args.out)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ The workspace comes from the mirror's K1 (``cute_kda.reference.mirror_prepare``)
 its own; states are fp32 in and out (FlashKDA's setting in design.md §6). K2 is serial over the
 tiles of a sequence, so the figure of merit for few (sequence, head) pairs is the time per tile
 step: ``time / max_s ceil(len_s / 16)``. Each shape runs at the automatic V-split and at 1, 2, 4.
-Times are medians over CUDA-graph replays of one launch (``bench_prepare.median_ms``: Triton's
+Times are medians over CUDA-graph replays of one launch (``cute_kda._bench.median_ms``: Triton's
 ``do_bench`` with the L2 cleared, or CUDA events).
 
 The last column is the *whole forward* (K1 + K2) time to beat from design.md §6 (FlashKDA, fp32
@@ -17,9 +17,6 @@ state), for scale; K2 alone should take a good part less.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import sys
 from pathlib import Path
 
@@ -27,8 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from bench_prepare import median_ms  # noqa: E402
-
+from cute_kda._bench import add_run_arguments, environment, markdown_table, median_ms, publish  # noqa: E402
 from cute_kda.workspace import CHUNK  # noqa: E402
 
 D = 128
@@ -126,49 +122,28 @@ def run(name: str, warmup: int, rep: int) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     head = ["shape", "VSplit", "CTAs", "tile steps", "K2 median ms", "µs / tile step", "registers", "smem / CTA (B)",
             "forward bar ms (FlashKDA)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        vsplit = f"**{r['vsplit']}** (auto)" if r["auto"] else str(r["vsplit"])
-        lines.append(f"| {r['shape']} | {vsplit} | {r['ctas']} | {r['steps']} | {r['ms']:.3f} | "
-                     f"{r['us_per_step']:.2f} | {r['registers']} | {r['smem']} | {r['forward_bar']:.2f} |")
-    return "\n".join(lines)
+    return markdown_table(head, [
+        [r["shape"], f"**{r['vsplit']}** (auto)" if r["auto"] else str(r["vsplit"]), str(r["ctas"]), str(r["steps"]),
+         f"{r['ms']:.3f}", f"{r['us_per_step']:.2f}", str(r["registers"]), str(r["smem"]), f"{r['forward_bar']:.2f}"]
+        for r in rows
+    ])
 
 
-def environment() -> str:
-    props = torch.cuda.get_device_properties(0)
-    versions = [f"torch {torch.__version__}"]
-    try:
-        import cutlass
-
-        versions.append(f"cutlass-dsl {getattr(cutlass, '__version__', '?')}")
-    except ImportError:
-        pass
-    return (f"{datetime.date.today()} · {props.name} ({props.multi_processor_count} SMs) · {', '.join(versions)} · "
-            f"Python {platform.python_version()} · K2 alone, D={D}, fp32 state in and out, workspace from the mirror")
+def header() -> str:
+    return (f"{environment('cutlass', labels={'cutlass': 'cutlass-dsl'})} · K2 alone, D={D}, fp32 state in and out, "
+            "workspace from the mirror")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
-    parser.add_argument("--out", help="also write the markdown table to this file")
-    parser.add_argument("--warmup", type=int, default=25, help="warm-up time, ms")
-    parser.add_argument("--rep", type=int, default=100, help="repetition time, ms")
+    add_run_arguments(parser, SHAPES)
     args = parser.parse_args()
-    names = [s for s in args.shapes.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SHAPES]
-    if unknown:
-        parser.error(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
     if not torch.cuda.is_available():
         sys.exit("bench_recurrence needs a CUDA GPU (Hopper)")
 
     with torch.inference_mode():
-        rows = [row for name in names for row in run(name, args.warmup, args.rep)]
-    table = f"{environment()}\n\n{markdown(rows)}\n"
-    print(table)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(table)
+        rows = [row for name in args.shapes for row in run(name, args.warmup, args.rep)]
+    publish(f"{header()}\n\n{markdown(rows)}\n", args.out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ checks it against both references and times it.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 import warnings
@@ -218,22 +217,9 @@ def compile_kernels() -> None:
 # on a GPU
 
 
-def median_ms(fn: Callable[[], object], reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def run_on_gpu(problem: dict, gold: tuple, mirror: tuple) -> None:
     import cute_kda
+    from cute_kda._bench import event_median_ms
     from cute_kda.reference import rel_rms
 
     tensors = [problem[n] for n in ("q", "k", "v", "g", "beta")]
@@ -253,7 +239,7 @@ def run_on_gpu(problem: dict, gold: tuple, mirror: tuple) -> None:
         out = torch.empty_like(big["v"])
         final = torch.empty_like(big["initial_state"])
         options.update(out=out, final_state=final, output_final_state=False)
-        ms = median_ms(lambda: cute_kda.kda_forward(*tensors, **options))
+        ms = event_median_ms(lambda: cute_kda.kda_forward(*tensors, **options), reps=20, warmup_calls=1)
         label = f"T={sum(lengths)} H={heads}" + (f" ({len(lengths)} sequences)" if len(lengths) > 1 else "")
         print(f"kda_forward {label}, fp32 state in/out: {ms:.3f} ms (median of 20)")
         del big, tensors, options, out, final

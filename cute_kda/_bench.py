@@ -1,0 +1,113 @@
+"""Helpers shared by ``benchmarks/*.py`` and ``examples/demo.py``: the median GPU time of a callable,
+the command-line options of a timed run, the environment line at the head of a result, and the
+markdown table it prints and writes.
+
+Importing this needs no GPU; :func:`event_median_ms`, :func:`median_ms` and :func:`environment` need
+one when called.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import importlib
+import os
+import platform
+import statistics
+from typing import Callable
+
+import torch
+
+L2_FLUSH_BYTES = 256 << 20  # written between repetitions: several times the H200's 50 MiB L2
+
+
+def event_median_ms(fn: Callable[[], object], reps: int, warmup_calls: int = 3, flush_l2: bool = False) -> float:
+    """Median of ``reps`` CUDA-event timings (ms) of ``fn`` on the current stream.
+
+    ``warmup_calls`` untimed calls come first. ``flush_l2``: overwrite :data:`L2_FLUSH_BYTES` before
+    each repetition, outside the timed region, so every repetition starts from a cold L2.
+    """
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda") if flush_l2 else None
+    for _ in range(warmup_calls):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        if flush is not None:
+            flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of ``fn`` on the current stream, L2 cleared before each repetition.
+
+    Triton's ``do_bench`` (``warmup`` and ``rep`` are its milliseconds of warm-up and of timed
+    repetitions) where Triton imports; otherwise :func:`event_median_ms` with ``max(rep // 5, 10)``
+    repetitions and the L2 flush.
+    """
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return event_median_ms(fn, reps=max(rep // 5, 10), flush_l2=True)
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, shapes: dict | None = None) -> None:
+    """``--out`` (also write the table to a file), ``--warmup`` / ``--rep`` (:func:`median_ms`'s times)
+    and, given ``shapes``, ``--shapes`` (a comma-separated subset of its keys, all by default)."""
+    if shapes is not None:
+        parser.add_argument("--shapes", type=functools.partial(_shape_names, shapes), default=list(shapes),
+                            help=f"comma-separated subset of {', '.join(shapes)}")
+    parser.add_argument("--out", help="also write the markdown table to this file")
+    parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time, ms")
+    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+
+
+def _shape_names(shapes: dict, listed: str) -> list[str]:
+    names = [name.strip() for name in listed.split(",") if name.strip()]
+    unknown = [name for name in names if name not in shapes]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown shapes {unknown}; choose from {list(shapes)}")
+    return names
+
+
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
+    """A markdown table of ``head`` and ``rows`` (cells already formatted)."""
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(cells) + " |"
+
+    return "\n".join([line(head), "|" + "---|" * len(head), *(line(cells) for cells in rows)])
+
+
+def environment(*modules: str, labels: dict[str, str] | None = None) -> str:
+    """``date · GPU (SMs) · torch …, <module> <version>… · Python …`` for the head of a result.
+
+    ``modules``: whose ``__version__`` to show, each under its name or ``labels[name]``; those that
+    do not import are left out.
+    """
+    props = torch.cuda.get_device_properties(0)
+    shown = [f"torch {torch.__version__}"]
+    for module in modules:
+        try:
+            version = getattr(importlib.import_module(module), "__version__", "?")
+        except ImportError:
+            continue
+        shown.append(f"{(labels or {}).get(module, module)} {version}")
+    return (f"{datetime.date.today()} · {props.name} ({props.multi_processor_count} SMs) · "
+            f"{', '.join(shown)} · Python {platform.python_version()}")
+
+
+def publish(text: str, out: str | None) -> None:
+    """Print ``text``; also write it to the file ``out`` (creating its folder) when given."""
+    print(text)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(text)
