@@ -243,7 +243,7 @@ def run_on_gpu(problem: dict, gold: tuple, mirror: tuple) -> None:
         label = f"T={sum(lengths)} H={heads}" + (f" ({len(lengths)} sequences)" if len(lengths) > 1 else "")
         print(f"kda_forward {label}, fp32 state in/out: {ms:.3f} ms (median of 20)")
         del big, tensors, options, out, final
-    print("side by side with FLA: python benchmarks/bench_forward.py")
+    print("side by side with FLA: python benchmarks/bench_fwd.py")
 
 
 def main() -> None:

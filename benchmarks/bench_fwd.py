@@ -3,15 +3,20 @@
 Shapes are design.md §6's (D = 128, fp32 state in and out in the v-first layout, as FlashKDA's
 measured row). Every peer gets identical tensors; times are medians of ``triton.testing.do_bench``
 (which clears L2 before every repetition) or, without Triton, of CUDA-event timings with an L2
-flush in between. The markdown table is printed last; ``--out FILE`` also writes it.
+flush in between. The markdown table is printed last and written to ``--out`` (default
+``$OUT/fwd-<date>.md`` when ``$OUT`` is set, else ``benchmarks/results/fwd-<date>.md``) after every
+shape, so a run cut short keeps what it measured; a bar chart PNG of the times is drawn next to it
+(needs matplotlib; without it the script says so and writes the table only). Peers that are not
+installed are skipped with a message.
 
-    python benchmarks/bench_forward.py                       # all shapes
-    python benchmarks/bench_forward.py --shapes B1_T8192_H96,B1_T32768_H16 --out benchmarks/results/fwd.md
+    python benchmarks/bench_fwd.py                       # all shapes
+    python benchmarks/bench_fwd.py --shapes B1_T8192_H96,B1_T32768_H16 --out /tmp/fwd.md
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 from dataclasses import dataclass
@@ -165,17 +170,58 @@ def header() -> str:
             f"lower_bound={LOWER_BOUND}; ratios > 1 mean cute_kda is faster")
 
 
+def draw_chart(rows: list[dict], path: str) -> bool:
+    """Grouped bars of the median times per shape and peer; False (and a message) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart drawn", file=sys.stderr)
+        return False
+    peers_seen = list(dict.fromkeys(p for row in rows for p in row["ms"]))
+    width = 0.8 / max(len(peers_seen), 1)
+    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
+    for i, peer in enumerate(peers_seen):
+        xs = [j + i * width for j, row in enumerate(rows) if peer in row["ms"]]
+        ys = [row["ms"][peer] for row in rows if peer in row["ms"]]
+        bars = ax.bar(xs, ys, width, label=peer)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks([j + width * (len(peers_seen) - 1) / 2 for j in range(len(rows))])
+    ax.set_xticklabels([row["shape"] for row in rows], rotation=15, fontsize=8)
+    ax.set_ylabel("forward, median ms (lower is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def default_out() -> str:
+    folder = os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results")
+    return os.path.join(folder, f"fwd-{datetime.date.today()}.md")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, SHAPES)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_forward needs a CUDA GPU (Hopper)")
+        sys.exit("bench_fwd needs a CUDA GPU (Hopper)")
 
+    out = args.out or default_out()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     device = torch.device("cuda")
-    rows = [bench_shape(name, SHAPES[name], device, args.warmup, args.rep) for name in args.shapes]
-    seen = list(dict.fromkeys(p for row in rows for p in row["ms"]))
-    publish(f"{header()}\n\n{markdown(rows, seen)}\n", args.out)
+    rows: list[dict] = []
+    for name in args.shapes:
+        rows.append(bench_shape(name, SHAPES[name], device, args.warmup, args.rep))
+        seen = list(dict.fromkeys(p for row in rows for p in row["ms"]))
+        table = f"{header()}\n\n{markdown(rows, seen)}\n"
+        with open(out, "w") as f:  # after every shape: a run cut short keeps what it measured
+            f.write(table)
+    publish(table, out)
+    draw_chart(rows, os.path.splitext(out)[0] + ".png")
 
 
 if __name__ == "__main__":
