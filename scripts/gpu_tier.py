@@ -38,6 +38,11 @@ def _device() -> str:
 
 
 def main() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_tier: no CUDA device here; the GPU tier needs one (CPU tests: make test)", file=sys.stderr)
+        return 2
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "benchmarks" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
