@@ -55,6 +55,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..layouts import fwd_recurrence as layouts
 from ..layouts.fwd_recurrence import MMA_WARPS, RecurrenceSmemPlan
+from ..layouts.smem import vector
 from .common.copy import transpose_c_to_b  # movmatrix.trans word by word: C fragment of M → B fragment of Mᵀ
 
 CHUNK = 16
@@ -206,8 +207,7 @@ class FwdRecurrence:
             return cpasync.make_tiled_tma_atom(op, view, box, (layouts.RUN, rows, cols // layouts.RUN))
 
         def vector_atom(field, n: int):
-            box = cute.make_layout(n)
-            return cpasync.make_tiled_tma_atom(load, layouts.vector_rows_view(field), box, (n,))
+            return cpasync.make_tiled_tma_atom(load, layouts.vector_rows_view(field), vector(n), (n,))
 
         tma_v, gmem_v = runs_atom(load, layouts.token_runs_view(v), CHUNK, self.v_band)
         tma_out, gmem_out = runs_atom(store, layouts.token_runs_view(out), CHUNK, self.v_band)

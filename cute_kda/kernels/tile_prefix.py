@@ -15,7 +15,7 @@ from cutlass import Int32
 from cutlass.memory import SmemAllocator
 
 from ..dsl import cute, cutlass
-from ..layouts.smem import CHUNK
+from ..layouts.smem import CHUNK, vector
 
 WARP = 32
 
@@ -39,7 +39,7 @@ class TilePrefixKernel:
         tidx, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        warp_totals = SmemAllocator().allocate_tensor(Int32, cute.make_layout(self.num_warps), byte_alignment=16)
+        warp_totals = SmemAllocator().allocate_tensor(Int32, vector(self.num_warps), byte_alignment=16)
         num_seqs = Int32(cu_seqlens.shape[0] - 1)
         if tidx == 0:
             tile_base[0] = Int32(0)
