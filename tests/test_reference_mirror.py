@@ -285,7 +285,7 @@ def test_fma_f32_is_correctly_rounded():
 def test_l2norm_sum_order_is_literal():
     """ss = butterfly over 16 sequential partials of 8 squares, each step an fp32 addition."""
     x = torch.randn(5, D).bfloat16().float() * 3
-    got = mirror._l2norm_rinv(x, mirror._f32(1e-6))[:, 0]
+    got = mirror._l2norm_rinv(x, mirror.EPS)[:, 0]
     f32 = np.float32
     for row, value in zip(x.numpy(), got.tolist()):
         partials = []

@@ -35,8 +35,6 @@ tiles ``b·⌈T/16⌉ …``; tiles never straddle sequences.
 
 from __future__ import annotations
 
-import struct
-from math import e, log2
 from typing import NamedTuple, Optional
 
 from cutlass import BFloat16, Float16, Float32, Int32
@@ -58,15 +56,9 @@ from .common.copy import (
     warp_tiled_mma,
 )
 from .common.fastmath import ex2_approx, mul_rn, sigmoid_approx
+from ..numerics import EPS, LOG2E
 
 
-def _f32(value: float) -> float:
-    """``value`` rounded once to fp32 (as a Python float that fp32 holds exactly)."""
-    return struct.unpack("f", struct.pack("f", value))[0]
-
-
-LOG2E = _f32(log2(e))
-EPS = _f32(1e-6)
 CHANNELS_PER_LANE = 8  # l2norm partial: 8 consecutive channels per lane, 16 lanes per row
 ROW_LANES = HEAD_DIM // CHANNELS_PER_LANE
 SMEM_CARVEOUT_PERCENT = 100  # all of the unified L1/smem as smem: K1 wants CTAs, not L1

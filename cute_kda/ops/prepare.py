@@ -9,21 +9,15 @@ the host.
 
 from __future__ import annotations
 
-import math
-import struct
 
 import torch
 
+from ..numerics import f32, gate_constant
 from ..workspace import CHUNK, Workspace
 from ._cache import CompileCache, current_stream, to_cute_tensor
 
 _PREPARE = CompileCache("fwd_prepare")
 _TILE_PREFIX = CompileCache("tile_prefix")
-
-
-def _f32(value: float) -> float:
-    """``value`` rounded once to fp32 (docs/numerics.md: host constants are computed in double)."""
-    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def _device_key(device: torch.device) -> int:
@@ -80,7 +74,7 @@ def _kernel_args(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float, low
     varlen = cu_seqlens is not None
     return (
         inputs, tiles,
-        Float32(_f32(scale)), Float32(_f32(lower_bound * math.log2(math.e))), Int32(seq_len),
+        Float32(f32(scale)), Float32(gate_constant(lower_bound)), Int32(seq_len),
         to_cute_tensor(cu_seqlens, assumed_align=8) if varlen else None,
         to_cute_tensor(tile_base, assumed_align=4) if varlen else None,
         stream,

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..numerics import EPS, LOG2E, f32, gate_constant
 from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace, tiles_per_head
 
 _SMALLEST_NORMAL_F32 = 2.0 ** -126
@@ -81,11 +82,6 @@ def sigmoid_approx(x: torch.Tensor) -> torch.Tensor:
     return tanh_approx(x * 0.5) * 0.5 + 0.5
 
 
-def _f32(value: float) -> float:
-    """``value`` rounded once to fp32 (returned as a Python float that fp32 holds exactly)."""
-    return torch.tensor(value, dtype=torch.float64).float().item()
-
-
 class Constants(NamedTuple):
     """The kernels' fp32 scalars, computed in double on the host and rounded once."""
 
@@ -96,8 +92,7 @@ class Constants(NamedTuple):
 
     @classmethod
     def make(cls, lower_bound: float, scale: float) -> "Constants":
-        log2e = math.log2(math.e)
-        return cls(_f32(log2e), _f32(lower_bound * log2e), _f32(scale), _f32(1e-6))
+        return cls(LOG2E, gate_constant(lower_bound), f32(scale), EPS)
 
 
 def _mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,21 @@
+"""Host-side scalars of the numerics contract (docs/numerics.md): computed in double, rounded once
+to fp32. The K1 kernel, its launcher and the mirror reference take them from here."""
+
+from __future__ import annotations
+
+import struct
+from math import e, log2
+
+
+def f32(value: float) -> float:
+    """``value`` rounded once to fp32, as a Python float that fp32 holds exactly."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+LOG2E = f32(log2(e))
+EPS = f32(1e-6)  # l2norm: x · rsqrt(Σx² + EPS)
+
+
+def gate_constant(lower_bound: float) -> float:
+    """``c_gate = f32(lower_bound · log2(e))``: the base-2 gate is ``c_gate · sigmoid(...)``."""
+    return f32(lower_bound * log2(e))
