@@ -60,6 +60,13 @@ def to_cute_tensor(tensor: Any, *, assumed_align: int = 16, leading_dim: int | N
     return converted.mark_layout_dynamic(leading_dim=leading_dim)
 
 
+def device_index(device: Any) -> int:
+    """CUDA ordinal of a torch device (``cuda`` without an index means the current device)."""
+    import torch
+
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
 def current_stream(device: Any) -> Any:
     """The caller's current CUDA stream on ``device`` as a ``CUstream`` for DSL launches."""
     import torch

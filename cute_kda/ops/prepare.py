@@ -14,14 +14,10 @@ import torch
 
 from ..numerics import f32, gate_constant
 from ..workspace import CHUNK, Workspace
-from ._cache import CompileCache, current_stream, to_cute_tensor
+from ._cache import CompileCache, current_stream, device_index, to_cute_tensor
 
 _PREPARE = CompileCache("fwd_prepare")
 _TILE_PREFIX = CompileCache("tile_prefix")
-
-
-def _device_key(device: torch.device) -> int:
-    return torch.cuda.current_device() if device.index is None else device.index
 
 
 def tile_bases(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -38,7 +34,7 @@ def tile_bases(cu_seqlens: torch.Tensor) -> torch.Tensor:
         stream = current_stream(device)
         args = (to_cute_tensor(cu_seqlens, assumed_align=8), to_cute_tensor(out, assumed_align=4), stream)
         compiled = _TILE_PREFIX.get(
-            (_device_key(device),), lambda: cute.compile(TilePrefixKernel(), *args)
+            (device_index(device),), lambda: cute.compile(TilePrefixKernel(), *args)
         )
         compiled(*args)
     return out
@@ -124,7 +120,7 @@ def prepare(
             q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, steps, cu_seqlens, tile_base,
             current_stream(device),
         )
-        key = (cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), _device_key(device))
+        key = (cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), device_index(device))
         _compiled(key, args)(*args)
 
 
@@ -144,4 +140,4 @@ def compile_prepare(*, qk_l2norm: bool, beta_logits: bool, varlen: bool, device:
             torch.zeros((heads, dim), device=device), ws, 1.0, -1.0, CHUNK, cu_seqlens, tile_base,
             current_stream(device),
         )
-        _compiled((varlen, bool(qk_l2norm), bool(beta_logits), _device_key(device)), args)
+        _compiled((varlen, bool(qk_l2norm), bool(beta_logits), device_index(device)), args)

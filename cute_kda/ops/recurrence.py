@@ -12,7 +12,8 @@ import torch
 
 from ..layouts.fwd_recurrence import SUPPORTED_VSPLITS
 from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace
-from ._cache import CompileCache, current_stream, to_cute_tensor
+from ._cache import CompileCache, current_stream, device_index, to_cute_tensor
+from .prepare import tile_bases
 
 _CACHE = CompileCache("fwd_recurrence")
 FILL_FRACTION = 7 / 8  # N·H·VSplit CTAs "fill" the GPU once they reach this fraction of its SMs
@@ -30,17 +31,6 @@ def choose_vsplit(num_seqs: int, heads: int, sm_count: int) -> int:
         if num_seqs * heads * vsplit >= FILL_FRACTION * sm_count:
             return vsplit
     return SUPPORTED_VSPLITS[-1]
-
-
-def tile_bases(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """int32 ``[N+1]`` prefix sums of ``ceil(len / 16)``, on ``cu_seqlens``' device (torch ops, no sync)."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    counts = torch.div(lengths + CHUNK - 1, CHUNK, rounding_mode="floor")
-    return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
-
-
-def _device_key(device: torch.device) -> int:
-    return torch.cuda.current_device() if device.index is None else device.index
 
 
 def _state_type(dtype: torch.dtype | None):
@@ -113,7 +103,7 @@ def recurrence(
     if vsplit is None:
         from ..config import sm_count
 
-        vsplit = choose_vsplit(num_seqs, heads, sm_count(_device_key(v.device)))
+        vsplit = choose_vsplit(num_seqs, heads, sm_count(device_index(v.device)))
     if varlen and tile_base is None:
         tile_base = tile_bases(cu_seqlens)
     with torch.cuda.device(v.device):
@@ -122,7 +112,7 @@ def recurrence(
             v, ws, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
             initial_state=initial_state, final_state=final_state,
         )
-        key = (vsplit, _dtype(initial_state), _dtype(final_state), varlen, _device_key(v.device))
+        key = (vsplit, _dtype(initial_state), _dtype(final_state), varlen, device_index(v.device))
         _compiled(key, args, stream)(*args, stream)
 
 
@@ -146,5 +136,5 @@ def compile_recurrence(
             v, ws, torch.empty_like(v), cu_seqlens=cu_seqlens, tile_base=tile_base,
             initial_state=state(initial_state), final_state=state(final_state),
         )
-        key = (vsplit, initial_state, final_state, varlen, _device_key(device))
+        key = (vsplit, initial_state, final_state, varlen, device_index(device))
         _compiled(key, args, current_stream(device))
