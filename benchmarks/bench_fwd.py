@@ -19,7 +19,6 @@ import argparse
 import datetime
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -30,57 +29,9 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from cute_kda._bench import add_run_arguments, environment, markdown_table, median_ms, publish  # noqa: E402
+from cute_kda.reference import rel_rms  # noqa: E402
 
-LOWER_BOUND = -5.0
-D = 128
-
-
-@dataclass(frozen=True)
-class Shape:
-    """``batch`` rows of ``lengths[0]`` tokens, or one packed row of ``lengths`` (``varlen``)."""
-
-    lengths: tuple[int, ...]
-    heads: int
-    varlen: bool = False
-
-    @property
-    def batch(self) -> int:
-        return 1 if self.varlen else len(self.lengths)
-
-    @property
-    def seq_len(self) -> int:
-        return sum(self.lengths) if self.varlen else self.lengths[0]
-
-
-SHAPES = {
-    "B1_T8192_H96": Shape((8192,), 96),
-    "varlen6_H96": Shape((1300, 547, 2048, 963, 271, 3063), 96, varlen=True),
-    "varlen1024x8_H96": Shape((1024,) * 8, 96, varlen=True),
-    "B1_T8192_H64": Shape((8192,), 64),
-    "B1_T32768_H16": Shape((32768,), 16),
-    "B8_T4096_H32": Shape((4096,) * 8, 32),
-}
-
-
-def make_inputs(shape: Shape, device: torch.device, seed: int = 0) -> dict:
-    """FlashKDA-style inputs: raw q, k, gate and beta logits (all activations in-kernel), fp32 v-first state."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    b, t, h = shape.batch, shape.seq_len, shape.heads
-    bf16 = torch.bfloat16
-
-    def randn(*size, dtype=bf16):
-        return torch.randn(*size, generator=gen, device=device).to(dtype)
-
-    inputs = dict(
-        q=randn(b, t, h, D), k=randn(b, t, h, D), v=randn(b, t, h, D), g=randn(b, t, h, D), beta=randn(b, t, h),
-        A_log=torch.rand(h, generator=gen, device=device), dt_bias=torch.rand(h, D, generator=gen, device=device),
-        initial_state=0.1 * randn(len(shape.lengths), h, D, D, dtype=torch.float32),
-        cu_seqlens=None,
-    )
-    if shape.varlen:
-        bounds = torch.tensor((0, *shape.lengths), dtype=torch.int64).cumsum(0)
-        inputs["cu_seqlens"] = bounds.to(device)
-    return inputs
+from shapes import D, LOWER_BOUND, SHAPES, Shape, make_inputs  # noqa: E402
 
 
 def peers(inputs: dict) -> dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
@@ -125,15 +76,10 @@ def peers(inputs: dict) -> dict[str, Callable[[], tuple[torch.Tensor, torch.Tens
     return runs
 
 
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a64, b64 = a.double(), b.double()
-    return (torch.linalg.vector_norm(a64 - b64) / torch.linalg.vector_norm(b64)).item()
-
-
 def bench_shape(name: str, shape: Shape, device: torch.device, warmup: int, rep: int) -> dict:
     inputs = make_inputs(shape, device)
     runs = peers(inputs)
-    row = {"shape": name, "ms": {}, "err": {}}
+    row = {"shape": name, "ms": {}, "err": {}, "flashkda_design_ms": shape.flashkda_ms}
     with torch.inference_mode():
         reference = None
         for peer, fn in runs.items():
@@ -153,12 +99,15 @@ def markdown(rows: list[dict], peers_seen: list[str]) -> str:
     ours = "cute_kda"
     others = [p for p in peers_seen if p != ours]
     head = ["shape"] + [f"{p} (ms)" for p in peers_seen] + [f"{p} / {ours}" for p in others]
+    head += ["FlashKDA, design.md §6 (ms)", f"§6 FlashKDA / {ours}"]
     head += [f"{p} vs FLA rel-RMS o / state" for p in peers_seen if p != "FLA chunk_kda"]
     table = []
     for row in rows:
         ms = row["ms"]
         cells = [row["shape"]] + [f"{ms[p]:.3f}" if p in ms else "—" for p in peers_seen]
         cells += [f"{ms[p] / ms[ours]:.2f}×" if p in ms and ours in ms else "—" for p in others]
+        design = row["flashkda_design_ms"]
+        cells += [f"{design:.2f}", f"{design / ms[ours]:.2f}×" if ours in ms else "—"]
         cells += [f"{row['err'][p][0]:.1e} / {row['err'][p][1]:.1e}" if p in row["err"] else "—"
                   for p in peers_seen if p != "FLA chunk_kda"]
         table.append(cells)

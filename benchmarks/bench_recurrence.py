@@ -11,7 +11,7 @@ The last column is the *whole forward* (K1 + K2) time to beat from design.md §6
 state), for scale; K2 alone should take a good part less.
 
     python benchmarks/bench_recurrence.py                        # the six shapes of issue 4
-    python benchmarks/bench_recurrence.py --shapes B1-T32768-H16 --out benchmarks/results/recurrence.md
+    python benchmarks/bench_recurrence.py --shapes B1_T32768_H16 --out benchmarks/results/recurrence.md
 """
 
 from __future__ import annotations
@@ -27,37 +27,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from cute_kda._bench import add_run_arguments, environment, markdown_table, median_ms, publish  # noqa: E402
 from cute_kda.workspace import CHUNK  # noqa: E402
 
-D = 128
-LOWER_BOUND = -5.0
-
-# name → (sequence lengths, heads, packed with cu_seqlens, FlashKDA forward ms from design.md §6)
-SHAPES = {
-    "B1-T8192-H96": ([8192], 96, False, 1.40),
-    "varlen-mixed-H96": ([1300, 547, 2048, 963, 271, 3063], 96, True, 1.39),
-    "varlen-8x1024-H96": ([1024] * 8, 96, True, 1.20),
-    "B1-T8192-H64": ([8192], 64, False, 1.20),
-    "B1-T32768-H16": ([32768], 16, False, 3.41),
-    "B8-T4096-H32": ([4096] * 8, 32, False, 1.53),
-}
+from shapes import D, LOWER_BOUND, SHAPES, Shape, make_inputs  # noqa: E402
 
 
-def _inputs(lengths: list[int], heads: int, varlen: bool, device: torch.device):
+def _inputs(shape: Shape, device: torch.device):
+    """(v, workspace from the mirror's K1, cu_seqlens, fp32 initial state ``[N, H, V, K]``) for ``shape``."""
     from cute_kda.reference import mirror_prepare
 
-    gen = torch.Generator(device=device).manual_seed(0)
-    batch, steps = (1, sum(lengths)) if varlen else (len(lengths), lengths[0])
-
-    def randn(*size):
-        return torch.randn(*size, generator=gen, device=device).bfloat16()
-
-    q, k, v, g = (randn(batch, steps, heads, D) for _ in range(4))
-    beta = randn(batch, steps, heads)
-    a_log = torch.rand(heads, generator=gen, device=device) - 0.5
-    dt_bias = torch.randn(heads, D, generator=gen, device=device)
-    cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(device) if varlen else None
-    ws = mirror_prepare(q, k, g, beta, A_log=a_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens)
-    state = torch.randn(len(lengths), heads, D, D, generator=gen, device=device) * 0.1
-    return v, ws, cu_seqlens, state
+    inputs = make_inputs(shape, device)
+    ws = mirror_prepare(inputs["q"], inputs["k"], inputs["g"], inputs["beta"], A_log=inputs["A_log"],
+                        dt_bias=inputs["dt_bias"], lower_bound=LOWER_BOUND, cu_seqlens=inputs["cu_seqlens"])
+    return inputs["v"], ws, inputs["cu_seqlens"], inputs["initial_state"]
 
 
 def _resources(vsplit: int, varlen: bool, args: tuple) -> tuple[str, int]:
@@ -84,9 +64,10 @@ def run(name: str, warmup: int, rep: int) -> list[dict]:
     from cute_kda.config import sm_count
     from cute_kda.ops import recurrence as k2
 
-    lengths, heads, varlen, forward_bar = SHAPES[name]
+    shape = SHAPES[name]
+    lengths, heads, varlen = shape.lengths, shape.heads, shape.varlen
     device = torch.device("cuda")
-    v, ws, cu_seqlens, initial = _inputs(lengths, heads, varlen, device)
+    v, ws, cu_seqlens, initial = _inputs(shape, device)
     out = torch.empty_like(v)
     final = torch.empty_like(initial)
     tile_base = k2.tile_bases(cu_seqlens) if varlen else None
@@ -114,7 +95,7 @@ def run(name: str, warmup: int, rep: int) -> list[dict]:
         registers, smem = _resources(vsplit, varlen, args)
         rows.append(dict(shape=name, vsplit=vsplit, auto=vsplit == auto, ctas=len(lengths) * heads * vsplit,
                          steps=steps, ms=ms, us_per_step=1e3 * ms / steps, registers=registers, smem=smem,
-                         forward_bar=forward_bar))
+                         forward_bar=shape.flashkda_ms))
         print(f"{name} vsplit={vsplit}: {ms:.3f} ms, {1e3 * ms / steps:.2f} µs/tile step", file=sys.stderr)
     return rows
 

@@ -1,0 +1,66 @@
+"""The forward shapes of design.md §6 and their inputs, shared by the benchmark and profiling scripts.
+
+Each shape carries FlashKDA's measured forward time (design.md §6, H200, D = 128, fp32 state),
+the bar every cute_kda number is held against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+D = 128
+LOWER_BOUND = -5.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    """``batch`` rows of ``lengths[0]`` tokens, or one packed row of ``lengths`` (``varlen``)."""
+
+    lengths: tuple[int, ...]
+    heads: int
+    flashkda_ms: float
+    varlen: bool = False
+
+    @property
+    def batch(self) -> int:
+        return 1 if self.varlen else len(self.lengths)
+
+    @property
+    def seq_len(self) -> int:
+        return sum(self.lengths) if self.varlen else self.lengths[0]
+
+
+SHAPES = {
+    "B1_T8192_H96": Shape((8192,), 96, 1.40),
+    "varlen6_H96": Shape((1300, 547, 2048, 963, 271, 3063), 96, 1.39, varlen=True),
+    "varlen1024x8_H96": Shape((1024,) * 8, 96, 1.20, varlen=True),
+    "B1_T8192_H64": Shape((8192,), 64, 1.20),
+    "B1_T32768_H16": Shape((32768,), 16, 3.41),
+    "B8_T4096_H32": Shape((4096,) * 8, 32, 1.53),
+}
+
+
+def make_inputs(shape: Shape, device: torch.device, seed: int = 0) -> dict:
+    """FlashKDA-style inputs: raw q, k, gate and beta logits (all activations in-kernel), fp32 v-first state.
+
+    Keys: q, k, v, g ``[B, T, H, D]`` bf16, beta ``[B, T, H]`` bf16, A_log ``[H]`` and dt_bias ``[H, D]``
+    fp32, initial_state ``[N, H, D, D]`` fp32, cu_seqlens int64 ``[N + 1]`` or None.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b, t, h = shape.batch, shape.seq_len, shape.heads
+
+    def randn(*size, dtype=torch.bfloat16):
+        return torch.randn(*size, generator=gen, device=device).to(dtype)
+
+    inputs = dict(
+        q=randn(b, t, h, D), k=randn(b, t, h, D), v=randn(b, t, h, D), g=randn(b, t, h, D), beta=randn(b, t, h),
+        A_log=torch.rand(h, generator=gen, device=device), dt_bias=torch.rand(h, D, generator=gen, device=device),
+        initial_state=0.1 * randn(len(shape.lengths), h, D, D, dtype=torch.float32),
+        cu_seqlens=None,
+    )
+    if shape.varlen:
+        bounds = torch.tensor((0, *shape.lengths), dtype=torch.int64).cumsum(0)
+        inputs["cu_seqlens"] = bounds.to(device)
+    return inputs
