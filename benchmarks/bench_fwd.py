@@ -107,7 +107,7 @@ def markdown(rows: list[dict], peers_seen: list[str]) -> str:
         cells = [row["shape"]] + [f"{ms[p]:.3f}" if p in ms else "—" for p in peers_seen]
         cells += [f"{ms[p] / ms[ours]:.2f}×" if p in ms and ours in ms else "—" for p in others]
         design = row["flashkda_design_ms"]
-        cells += [f"{design:.2f}", f"{design / ms[ours]:.2f}×" if ours in ms else "—"]
+        cells += [f"{design:.2f}", f"{design / ms[ours]:.2f}×" if ours in ms else "—"] if design else ["—", "—"]
         cells += [f"{row['err'][p][0]:.1e} / {row['err'][p][1]:.1e}" if p in row["err"] else "—"
                   for p in peers_seen if p != "FLA chunk_kda"]
         table.append(cells)

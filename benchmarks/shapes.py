@@ -20,7 +20,7 @@ class Shape:
 
     lengths: tuple[int, ...]
     heads: int
-    flashkda_ms: float
+    flashkda_ms: float | None = None  # design.md §6's measurement, where it has one
     varlen: bool = False
 
     @property

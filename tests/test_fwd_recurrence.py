@@ -402,10 +402,14 @@ def test_every_axis_value_is_compiled():
 
 
 def test_choose_vsplit():
+    """One CTA per SM at most: the largest split that still fits (bench_recurrence's measurement)."""
     sms = 132
-    assert k2.choose_vsplit(1, 96, sms) == 2  # B1 T8192 H96: 96 CTAs < 7/8 of 132
+    assert k2.choose_vsplit(1, 96, sms) == 1  # B1 T8192 H96: 192 CTAs at VSplit 2 would share SMs
     assert k2.choose_vsplit(1, 64, sms) == 2  # 128 CTAs
+    assert k2.choose_vsplit(1, 66, sms) == 2  # exactly one per SM
+    assert k2.choose_vsplit(1, 67, sms) == 1
     assert k2.choose_vsplit(1, 16, sms) == 4  # B1 T32768 H16
+    assert k2.choose_vsplit(1, 33, sms) == 2
     assert k2.choose_vsplit(8, 32, sms) == 1
     assert k2.choose_vsplit(6, 96, sms) == 1
     assert k2.choose_vsplit(1, 1, sms) == 4

@@ -16,21 +16,20 @@ from ._cache import CompileCache, current_stream, device_index, to_cute_tensor
 from .prepare import tile_bases
 
 _CACHE = CompileCache("fwd_recurrence")
-FILL_FRACTION = 7 / 8  # N·H·VSplit CTAs "fill" the GPU once they reach this fraction of its SMs
 
 
 def choose_vsplit(num_seqs: int, heads: int, sm_count: int) -> int:
     """V-split for ``num_seqs × heads`` (sequence, head) pairs on ``sm_count`` SMs.
 
-    The smallest VSplit in {1, 2, 4} whose CTA count ``N·H·VSplit`` reaches 7/8 of the SM count
-    (so 128 CTAs count as filling a 132-SM H200); 4 when none does. A V-band re-reads the tile's
-    kd/qd/kr/INV/Mqk (mostly from L2: the bands of one (sequence, head) are adjacent CTAs), so
-    splitting pays only while SMs would otherwise idle.
+    The largest VSplit in {1, 2, 4} whose CTA count ``N·H·VSplit`` still fits one CTA per SM; 1
+    when even ``N·H`` does not. Splitting shortens a CTA's tile step (K2 alone on the H200: 1.28 µs
+    at VSplit 1, 1.02 at 2, 0.71 at 4, one CTA per SM) but two CTAs sharing an SM step slower than
+    one unsplit CTA (B1 T8192 H96 at VSplit 2: 192 CTAs, 1.76 µs against 1.28 at VSplit 1), so a
+    split pays only while it lands on idle SMs. Measured by ``benchmarks/bench_recurrence.py``
+    (``benchmarks/results/2026-11-29-recurrence.md``).
     """
-    for vsplit in SUPPORTED_VSPLITS:
-        if num_seqs * heads * vsplit >= FILL_FRACTION * sm_count:
-            return vsplit
-    return SUPPORTED_VSPLITS[-1]
+    fitting = [v for v in SUPPORTED_VSPLITS if num_seqs * heads * v <= sm_count]
+    return max(fitting, default=SUPPORTED_VSPLITS[0])
 
 
 def _state_type(dtype: torch.dtype | None):

@@ -1,0 +1,105 @@
+"""Host cost of one forward call: how long the CPU takes to issue it, against how long the GPU runs it.
+
+Per peer (cute_kda ``kda_forward``, cute_kda ``chunk_kda``, FLA ``chunk_kda``) and shape:
+
+- host µs / call: CPU wall time to issue ``--calls`` back-to-back calls (no synchronisation in
+  between; small shapes keep the GPU ahead of the host), divided by the number of calls;
+- idle-GPU latency: median CUDA-event time of one call with the GPU idle before it, which is what a
+  call costs when the host is on the critical path (decode, small batches);
+- GPU time: median replay time of a CUDA graph of one call (device time alone; "—" where capture fails).
+
+``--profile`` also prints the cProfile of cute_kda's host path (top functions by cumulative time).
+
+    python benchmarks/bench_host.py
+    python benchmarks/bench_host.py --shapes B1_T64_H16 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("FLA_FLASH_KDA", "0")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from cute_kda._bench import add_run_arguments, environment, event_median_ms, markdown_table, median_ms, publish  # noqa: E402
+
+from bench_fwd import peers  # noqa: E402
+from shapes import SHAPES, Shape, make_inputs  # noqa: E402
+
+HOST_SHAPES = {
+    "B1_T64_H16": Shape((64,), 16),
+    "B1_T1024_H32": Shape((1024,), 32),
+    "B1_T8192_H96": SHAPES["B1_T8192_H96"],
+}
+
+
+def host_us(fn, calls: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / calls
+
+
+def graph_ms(fn, warmup: int, rep: int) -> float | None:
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as error:
+        print(f"graph capture failed: {str(error).splitlines()[0]}", file=sys.stderr)
+        return None
+    return median_ms(graph.replay, warmup, rep)
+
+
+def profile(fn, calls: int) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
+    return text.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(parser, HOST_SHAPES)
+    parser.add_argument("--calls", type=int, default=200, help="back-to-back calls timed for the host figure")
+    parser.add_argument("--profile", action="store_true", help="print the cProfile of cute_kda's kda_forward")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_host needs a CUDA GPU (Hopper)")
+
+    rows = []
+    with torch.inference_mode():
+        for name in args.shapes:
+            runs = peers(make_inputs(HOST_SHAPES[name], torch.device("cuda")))
+            for peer, fn in runs.items():
+                fn()  # compile / autotune
+                gpu = graph_ms(fn, args.warmup, args.rep)
+                rows.append([name, peer, f"{host_us(fn, args.calls):.0f}",
+                             f"{event_median_ms(fn, reps=50):.3f}", "—" if gpu is None else f"{gpu:.3f}"])
+                print(" ".join(rows[-1]), file=sys.stderr)
+            if args.profile:
+                print(profile(runs["cute_kda"], args.calls), file=sys.stderr)
+    head = ["shape", "peer", "host µs / call", "idle-GPU latency ms", "GPU time ms (graph)"]
+    publish(f"{environment('cutlass', 'fla', 'triton')}\n\n{markdown_table(head, rows)}\n", args.out)
+
+
+if __name__ == "__main__":
+    main()
