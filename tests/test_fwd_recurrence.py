@@ -409,7 +409,8 @@ def test_choose_vsplit():
     assert k2.choose_vsplit(1, 66, sms) == 2  # exactly one per SM
     assert k2.choose_vsplit(1, 67, sms) == 1
     assert k2.choose_vsplit(1, 16, sms) == 4  # B1 T32768 H16
-    assert k2.choose_vsplit(1, 33, sms) == 2
+    assert k2.choose_vsplit(1, 33, sms) == 4  # 132 CTAs
+    assert k2.choose_vsplit(1, 34, sms) == 2
     assert k2.choose_vsplit(8, 32, sms) == 1
     assert k2.choose_vsplit(6, 96, sms) == 1
     assert k2.choose_vsplit(1, 1, sms) == 4
