@@ -81,6 +81,7 @@ def main() -> None:
     add_run_arguments(parser, HOST_SHAPES)
     parser.add_argument("--calls", type=int, default=200, help="back-to-back calls timed for the host figure")
     parser.add_argument("--profile", action="store_true", help="print the cProfile of cute_kda's kda_forward")
+    parser.add_argument("--peers", help="comma-separated subset of the peers to time (default: all found)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_host needs a CUDA GPU (Hopper)")
@@ -89,7 +90,8 @@ def main() -> None:
     with torch.inference_mode():
         for name in args.shapes:
             runs = peers(make_inputs(HOST_SHAPES[name], torch.device("cuda")))
-            for peer, fn in runs.items():
+            chosen = [p for p in runs if args.peers is None or p in args.peers.split(",")]
+            for peer, fn in ((p, runs[p]) for p in chosen):
                 fn()  # compile / autotune
                 gpu = graph_ms(fn, args.warmup, args.rep)
                 rows.append([name, peer, f"{host_us(fn, args.calls):.0f}",

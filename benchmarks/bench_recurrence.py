@@ -63,6 +63,7 @@ def _resources(vsplit: int, varlen: bool, args: tuple) -> tuple[str, int]:
 def run(name: str, warmup: int, rep: int) -> list[dict]:
     from cute_kda.config import sm_count
     from cute_kda.ops import recurrence as k2
+    from cute_kda.ops._cache import to_cute_tensor
 
     shape = SHAPES[name]
     lengths, heads, varlen = shape.lengths, shape.heads, shape.varlen
@@ -91,7 +92,7 @@ def run(name: str, warmup: int, rep: int) -> list[dict]:
             print(f"CUDA graph capture failed ({error}); eager timing", file=sys.stderr)
             ms = median_ms(launch, warmup, rep)
         args = k2.launch_arguments(v, ws, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
-                                   initial_state=initial, final_state=final)
+                                   initial_state=initial, final_state=final, tensor=to_cute_tensor)
         registers, smem = _resources(vsplit, varlen, args)
         rows.append(dict(shape=name, vsplit=vsplit, auto=vsplit == auto, ctas=len(lengths) * heads * vsplit,
                          steps=steps, ms=ms, us_per_step=1e3 * ms / steps, registers=registers, smem=smem,

@@ -151,15 +151,16 @@ def launch_smem_bytes(host_ir: str) -> list[int]:
     return found
 
 
-def compile_with_report(jit_fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, CompileReport]:
+def compile_with_report(jit_fn: Any, *args: Any, options: str = "", **kwargs: Any) -> tuple[Any, CompileReport]:
     """``cute.compile`` ``jit_fn(*args)`` for sm_90a, keeping the PTX; return (compiled, report).
 
     ``args`` may be fake tensors (``cute.runtime.make_fake_compact_tensor``) and fake streams, so
-    this runs on a machine without a GPU. The DSL writes the kept PTX file into a temporary
-    directory (by default it would land in the working directory); the text stays in the report.
+    this runs on a machine without a GPU. ``options``: further compile options (e.g. the launchers'
+    ``--enable-tvm-ffi``). The DSL writes the kept PTX file into a temporary directory (by default
+    it would land in the working directory); the text stays in the report.
     """
     with tempfile.TemporaryDirectory() as dump_dir:
-        compiled = cute.compile(jit_fn, *args, options=f"--keep-ptx --dump-dir={dump_dir}", **kwargs)
+        compiled = cute.compile(jit_fn, *args, options=f"--keep-ptx --dump-dir={dump_dir} {options}", **kwargs)
         ptx = compiled.__ptx__
     return compiled, CompileReport(ptx=ptx, kernels=ptxas_resources(ptx),
                                    launch_smem=launch_smem_bytes(str(compiled.ir_module)))

@@ -126,6 +126,7 @@ def _prepare_build(varlen: bool) -> Callable[[], tuple]:
         from cute_kda.kernels.fwd_prepare import PrepareKernel
         from cute_kda.layouts import k1_budget
         from cute_kda.ops import prepare as k1
+        from cute_kda.ops._cache import to_cute_tensor
         from cute_kda.workspace import WorkspaceSpec, allocate_workspace, tiles_per_head
 
         lengths = [40, 9] if varlen else [49]
@@ -137,7 +138,7 @@ def _prepare_build(varlen: bool) -> Callable[[], tuple]:
         args = k1._kernel_args(
             x, x, x, x[..., 0].contiguous(), torch.zeros(heads), torch.zeros(heads, D),
             allocate_workspace(spec, "cpu"), D ** -0.5, LOWER_BOUND, tokens, cu_seqlens, tile_base,
-            cute.runtime.make_fake_stream(),
+            cute.runtime.make_fake_stream(), tensor=to_cute_tensor,
         )
         return PrepareKernel(varlen=varlen), args, k1_budget()
     return build
@@ -149,6 +150,7 @@ def _recurrence_build(varlen: bool, state: torch.dtype | None, vsplit: int) -> C
         from cute_kda.kernels.fwd_recurrence import FwdRecurrence
         from cute_kda.layouts import k2_budget
         from cute_kda.ops import recurrence as k2
+        from cute_kda.ops._cache import to_cute_tensor
         from cute_kda.workspace import WorkspaceSpec, allocate_workspace, tiles_per_head
 
         lengths = [40, 9] if varlen else [49]
@@ -160,7 +162,7 @@ def _recurrence_build(varlen: bool, state: torch.dtype | None, vsplit: int) -> C
             v, allocate_workspace(spec, "cpu"), torch.zeros_like(v),
             cu_seqlens=torch.tensor([0, 40, tokens]) if varlen else None,
             tile_base=torch.tensor([0, 3, 4], dtype=torch.int32) if varlen else None,
-            initial_state=states, final_state=states,
+            initial_state=states, final_state=states, tensor=to_cute_tensor,
         )
         dtype = {None: None, torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[state]
         kernel = FwdRecurrence(vsplit=vsplit, initial_state=dtype, final_state=dtype, varlen=varlen)

@@ -159,6 +159,7 @@ def test_no_unintended_fma(compiled):
 
 def test_launcher_arguments_compile():
     """The launcher's torch → DSL conversion (CPU tensors here) compiles to the same kernel."""
+    from cute_kda.ops._cache import to_cute_tensor
     from cute_kda.ops.prepare import _kernel_args
 
     B, T, H = 1, 40, 2
@@ -168,7 +169,7 @@ def test_launcher_arguments_compile():
     ws = workspace_views(spec, torch.empty(spec.nbytes, dtype=torch.uint8))
     args = _kernel_args(
         q, q, q, q[..., 0].contiguous(), torch.zeros(H), torch.zeros(H, D), ws, D ** -0.5, -5.0, T,
-        cu_seqlens, torch.tensor([0, 2, 4], dtype=torch.int32), cute.runtime.make_fake_stream(),
+        cu_seqlens, torch.tensor([0, 2, 4], dtype=torch.int32), cute.runtime.make_fake_stream(), tensor=to_cute_tensor,
     )
     _, report = compile_with_report(PrepareKernel(varlen=True), *args)
     assert report.count("cp.async.bulk.tensor") == 6 and report.spills == 0

@@ -23,6 +23,7 @@ from cute_kda.layouts import budget, smem
 from cute_kda.layouts.analysis import run_traced
 from cute_kda.layouts.fwd_recurrence import RecurrenceSmemPlan
 from cute_kda.ops import recurrence as k2
+from cute_kda.ops._cache import to_cute_tensor
 
 D = 128
 CHUNK = 16
@@ -331,7 +332,7 @@ def _compile_args(vsplit, state_in, state_out, varlen):
 
     return k2.launch_arguments(
         v, ws, torch.zeros_like(v), cu_seqlens=cu, tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32) if varlen else None,
-        initial_state=state(state_in), final_state=state(state_out),
+        initial_state=state(state_in), final_state=state(state_out), tensor=to_cute_tensor,
     )
 
 

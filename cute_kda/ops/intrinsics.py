@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from ._cache import CompileCache, current_stream, to_cute_tensor
+from ._cache import CompileCache, compile_for_launch, current_stream, to_cute_tensor
 
 _CACHE = CompileCache("approx_intrinsic")
 _MAX_ELEMENTS = 2**31 - 1  # the kernel indexes with int32
 
 
 def _compile(op: str, src, dst, stream):
-    from ..dsl import cute
+    """The launch entry of ``ApproxIntrinsicKernel(op)`` for fp32 vectors ``src`` → ``dst`` (4-byte aligned:
+    a contiguous view may start anywhere in its storage)."""
     from ..kernels.intrinsics import ApproxIntrinsicKernel
 
-    return cute.compile(ApproxIntrinsicKernel(op), src, dst, stream)
+    return compile_for_launch(ApproxIntrinsicKernel(op), to_cute_tensor(src, 4), to_cute_tensor(dst, 4), stream)
 
 
 def _launch(op: str, x: torch.Tensor) -> torch.Tensor:
@@ -33,11 +34,8 @@ def _launch(op: str, x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"at most {_MAX_ELEMENTS} elements per launch, got {src.numel()}")
     with torch.cuda.device(x.device):
         stream = current_stream(x.device)
-        # 4-byte alignment: a contiguous view may start anywhere in its storage
-        src_c = to_cute_tensor(src, assumed_align=4)
-        dst_c = to_cute_tensor(dst, assumed_align=4)
-        compiled = _CACHE.get((op, x.device.index), lambda: _compile(op, src_c, dst_c, stream))
-        compiled(src_c, dst_c, stream)
+        compiled = _CACHE.get((op, x.device.index), lambda: _compile(op, src, dst, stream))
+        compiled(src, dst, stream)
     return dst.view(x.shape)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from ..numerics import f32, gate_constant
 from ..workspace import CHUNK, Workspace
-from ._cache import CompileCache, current_stream, device_index, to_cute_tensor
+from ._cache import CompileCache, compile_for_launch, current_stream, device_index, launch_tensor, to_cute_tensor
 
 _PREPARE = CompileCache("fwd_prepare")
 _TILE_PREFIX = CompileCache("tile_prefix")
@@ -32,58 +32,63 @@ def tile_bases(cu_seqlens: torch.Tensor) -> torch.Tensor:
     out = torch.empty(cu_seqlens.numel(), dtype=torch.int32, device=device)
     with torch.cuda.device(device):
         stream = current_stream(device)
-        args = (to_cute_tensor(cu_seqlens, assumed_align=8), to_cute_tensor(out, assumed_align=4), stream)
+
+        def args(tensor):
+            return tensor(cu_seqlens, 8), tensor(out, 4), stream
+
         compiled = _TILE_PREFIX.get(
-            (device_index(device),), lambda: cute.compile(TilePrefixKernel(), *args)
+            (device_index(device),), lambda: compile_for_launch(TilePrefixKernel(), *args(to_cute_tensor))
         )
-        compiled(*args)
+        compiled(*args(launch_tensor))
     return out
 
 
 def _kernel_args(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float, lower_bound: float,
-                 seq_len: int, cu_seqlens, tile_base, stream) -> tuple:
-    """Positional arguments of ``PrepareKernel.__call__`` for these torch tensors."""
-    from cutlass import Float32, Int32
+                 seq_len: int, cu_seqlens, tile_base, stream, tensor=launch_tensor) -> tuple:
+    """Positional arguments of ``PrepareKernel.__call__`` for these torch tensors.
 
+    ``tensor(t, assumed_align)`` converts each tensor: :func:`~._cache.launch_tensor` (the default)
+    for a call of the compiled function, :func:`~._cache.to_cute_tensor` for the compile.
+    """
     from ..kernels.fwd_prepare import PrepareInputs, WorkspaceTiles
 
     batch, steps, heads, dim = q.shape
     rows = batch * steps
     tile_rows = ws.qd.shape[0] * CHUNK
     inputs = PrepareInputs(
-        q=to_cute_tensor(q.view(rows, heads, dim)),
-        k=to_cute_tensor(k.view(rows, heads, dim)),
-        g=to_cute_tensor(g.view(rows, heads, dim)),
-        beta=to_cute_tensor(beta.view(rows, heads), assumed_align=2),
-        a_log=to_cute_tensor(A_log.view(heads), assumed_align=4),
-        dt_bias=to_cute_tensor(dt_bias.view(heads, dim), assumed_align=4),
+        q=tensor(q.view(rows, heads, dim), 16),
+        k=tensor(k.view(rows, heads, dim), 16),
+        g=tensor(g.view(rows, heads, dim), 16),
+        beta=tensor(beta.view(rows, heads), 2),
+        a_log=tensor(A_log.view(heads), 4),
+        dt_bias=tensor(dt_bias.view(heads, dim), 4),
     )
     tiles = WorkspaceTiles(
-        qd=to_cute_tensor(ws.qd.view(tile_rows, 1, dim)),
-        kd=to_cute_tensor(ws.kd.view(tile_rows, 1, dim)),
-        kr=to_cute_tensor(ws.kr.view(tile_rows, 1, dim)),
-        gt=to_cute_tensor(ws.gt),
-        inv=to_cute_tensor(ws.inv),
-        mqk=to_cute_tensor(ws.mqk),
-        beta=to_cute_tensor(ws.beta),
+        qd=tensor(ws.qd.view(tile_rows, 1, dim), 16),
+        kd=tensor(ws.kd.view(tile_rows, 1, dim), 16),
+        kr=tensor(ws.kr.view(tile_rows, 1, dim), 16),
+        gt=tensor(ws.gt, 16),
+        inv=tensor(ws.inv, 16),
+        mqk=tensor(ws.mqk, 16),
+        beta=tensor(ws.beta, 16),
     )
-    varlen = cu_seqlens is not None
     return (
-        inputs, tiles,
-        Float32(f32(scale)), Float32(gate_constant(lower_bound)), Int32(seq_len),
-        to_cute_tensor(cu_seqlens, assumed_align=8) if varlen else None,
-        to_cute_tensor(tile_base, assumed_align=4) if varlen else None,
-        stream,
+        inputs, tiles, f32(scale), f32(gate_constant(lower_bound)), seq_len,
+        tensor(cu_seqlens, 8), tensor(tile_base, 4), stream,
     )
 
 
-def _compiled(key: tuple, args: tuple):
-    from ..dsl import cute
+def _compiled(key: tuple, arguments: tuple):
+    """The K1 variant ``key = (varlen, qk_l2norm, beta_logits, device)``, compiled on first use from
+    ``arguments`` (those of :func:`_kernel_args` before ``tensor``)."""
     from ..kernels.fwd_prepare import PrepareKernel
 
-    varlen, qk_l2norm, beta_logits, _ = key
-    kernel = PrepareKernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
-    return _PREPARE.get(key, lambda: cute.compile(kernel, *args))
+    def build():
+        varlen, qk_l2norm, beta_logits, _ = key
+        kernel = PrepareKernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+        return compile_for_launch(kernel, *_kernel_args(*arguments, tensor=to_cute_tensor))
+
+    return _PREPARE.get(key, build)
 
 
 def prepare(
@@ -116,12 +121,10 @@ def prepare(
     if cu_seqlens is not None and tile_base is None:
         tile_base = tile_bases(cu_seqlens)
     with torch.cuda.device(device):
-        args = _kernel_args(
-            q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, steps, cu_seqlens, tile_base,
-            current_stream(device),
-        )
+        arguments = (q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, steps, cu_seqlens, tile_base,
+                     current_stream(device))
         key = (cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), device_index(device))
-        _compiled(key, args)(*args)
+        _compiled(key, arguments)(*_kernel_args(*arguments))
 
 
 def compile_prepare(*, qk_l2norm: bool, beta_logits: bool, varlen: bool, device: torch.device | str) -> None:
@@ -135,9 +138,7 @@ def compile_prepare(*, qk_l2norm: bool, beta_logits: bool, varlen: bool, device:
     cu_seqlens = torch.tensor([0, CHUNK], dtype=torch.int64, device=device) if varlen else None
     tile_base = torch.zeros(2, dtype=torch.int32, device=device) if varlen else None
     with torch.cuda.device(device):
-        args = _kernel_args(
-            q, q, q, q[..., 0].contiguous(), torch.zeros(heads, device=device),
-            torch.zeros((heads, dim), device=device), ws, 1.0, -1.0, CHUNK, cu_seqlens, tile_base,
-            current_stream(device),
-        )
-        _compiled((varlen, bool(qk_l2norm), bool(beta_logits), device_index(device)), args)
+        arguments = (q, q, q, q[..., 0].contiguous(), torch.zeros(heads, device=device),
+                     torch.zeros((heads, dim), device=device), ws, 1.0, -1.0, CHUNK, cu_seqlens, tile_base,
+                     current_stream(device))
+        _compiled((varlen, bool(qk_l2norm), bool(beta_logits), device_index(device)), arguments)

@@ -12,7 +12,7 @@ import torch
 
 from ..layouts.fwd_recurrence import SUPPORTED_VSPLITS
 from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace
-from ._cache import CompileCache, current_stream, device_index, to_cute_tensor
+from ._cache import CompileCache, compile_for_launch, current_stream, device_index, launch_tensor, to_cute_tensor
 from .prepare import tile_bases
 
 _CACHE = CompileCache("fwd_recurrence")
@@ -45,32 +45,33 @@ def _dtype(tensor: torch.Tensor | None) -> torch.dtype | None:
 def launch_arguments(
     v: torch.Tensor, ws: Workspace, out: torch.Tensor, *, cu_seqlens: torch.Tensor | None,
     tile_base: torch.Tensor | None, initial_state: torch.Tensor | None, final_state: torch.Tensor | None,
+    tensor=launch_tensor,
 ) -> tuple:
-    """The tensor arguments of ``FwdRecurrence.__call__`` (dynamic shapes: one compile serves all sizes)."""
+    """The tensor arguments of ``FwdRecurrence.__call__`` (dynamic shapes: one compile serves all sizes).
 
-    def convert(tensor: torch.Tensor | None, align: int = 16):
-        return None if tensor is None else to_cute_tensor(tensor, assumed_align=align)
-
+    ``tensor(t, assumed_align)`` converts each: :func:`~._cache.launch_tensor` (the default) for a
+    call of the compiled function, :func:`~._cache.to_cute_tensor` for the compile.
+    """
     return (
-        convert(v), convert(out),
-        convert(ws.qd), convert(ws.kd), convert(ws.kr), convert(ws.gt), convert(ws.inv), convert(ws.mqk),
-        convert(ws.beta), convert(initial_state), convert(final_state),
-        convert(cu_seqlens, 8), convert(tile_base, 4),
+        tensor(v, 16), tensor(out, 16),
+        tensor(ws.qd, 16), tensor(ws.kd, 16), tensor(ws.kr, 16), tensor(ws.gt, 16), tensor(ws.inv, 16),
+        tensor(ws.mqk, 16), tensor(ws.beta, 16), tensor(initial_state, 16), tensor(final_state, 16),
+        tensor(cu_seqlens, 8), tensor(tile_base, 4),
     )
 
 
-def _compiled(key: tuple, args: tuple, stream):
-    """The compiled K2 variant ``key = (vsplit, state in, state out, varlen, device)`` (compiling on first use)."""
+def _compiled(key: tuple, tensors: dict, stream):
+    """The compiled K2 variant ``key = (vsplit, state in, state out, varlen, device)``, compiled on
+    first use from ``tensors`` (:func:`launch_arguments`' keywords)."""
 
     def build():
-        from ..dsl import cute
         from ..kernels.fwd_recurrence import FwdRecurrence
 
         vsplit, state_in, state_out, varlen, _ = key
         kernel = FwdRecurrence(
             vsplit=vsplit, initial_state=_state_type(state_in), final_state=_state_type(state_out), varlen=varlen,
         )
-        return cute.compile(kernel, *args, stream)
+        return compile_for_launch(kernel, *launch_arguments(**tensors, tensor=to_cute_tensor), stream)
 
     return _CACHE.get(key, build)
 
@@ -107,12 +108,10 @@ def recurrence(
         tile_base = tile_bases(cu_seqlens)
     with torch.cuda.device(v.device):
         stream = current_stream(v.device)
-        args = launch_arguments(
-            v, ws, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
-            initial_state=initial_state, final_state=final_state,
-        )
+        tensors = dict(v=v, ws=ws, out=out, cu_seqlens=cu_seqlens, tile_base=tile_base,
+                       initial_state=initial_state, final_state=final_state)
         key = (vsplit, _dtype(initial_state), _dtype(final_state), varlen, device_index(v.device))
-        _compiled(key, args, stream)(*args, stream)
+        _compiled(key, tensors, stream)(*launch_arguments(**tensors), stream)
 
 
 def compile_recurrence(
@@ -131,9 +130,7 @@ def compile_recurrence(
         return None if dtype is None else torch.zeros((num_seqs, heads, dim, dim), dtype=dtype, device=device)
 
     with torch.cuda.device(device):
-        args = launch_arguments(
-            v, ws, torch.empty_like(v), cu_seqlens=cu_seqlens, tile_base=tile_base,
-            initial_state=state(initial_state), final_state=state(final_state),
-        )
+        tensors = dict(v=v, ws=ws, out=torch.empty_like(v), cu_seqlens=cu_seqlens, tile_base=tile_base,
+                       initial_state=state(initial_state), final_state=state(final_state))
         key = (vsplit, initial_state, final_state, varlen, device_index(device))
-        _compiled(key, args, current_stream(device))
+        _compiled(key, tensors, current_stream(device))

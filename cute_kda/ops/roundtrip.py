@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._cache import CompileCache, current_stream, to_cute_tensor
+from ._cache import CompileCache, compile_for_launch, current_stream, to_cute_tensor
 
 CHUNK = 16
 _CACHE = CompileCache("transpose_roundtrip")
@@ -37,12 +37,13 @@ def _check_tma_operand(name: str, t: torch.Tensor) -> None:
 
 
 def _compile(kernel_args: tuple, x, y, tiles_per_cta, stream):
-    from ..dsl import cute
     from ..kernels.transpose_roundtrip import TransposeRoundTrip
 
     dtype, dim, load_stages, store_stages, transposed_views = kernel_args
     kernel = TransposeRoundTrip(dim, dtype, load_stages, store_stages, transposed_views)
-    return cute.compile(kernel, x, y, tiles_per_cta, stream)
+    return compile_for_launch(
+        kernel, to_cute_tensor(x, _TMA_ALIGN), to_cute_tensor(y, _TMA_ALIGN), tiles_per_cta, stream
+    )
 
 
 def transpose_tiles(
@@ -87,11 +88,8 @@ def transpose_tiles(
     kernel_args = (dtype, dim, load_stages, store_stages, transposed_views)
     with torch.cuda.device(x.device):
         stream = current_stream(x.device)
-        x_c = to_cute_tensor(x, assumed_align=_TMA_ALIGN)
-        y_c = to_cute_tensor(out, assumed_align=_TMA_ALIGN)
-        per_cta = cutlass.Int32(tiles_per_cta)
         compiled = _CACHE.get(
-            (kernel_args, x.device.index), lambda: _compile(kernel_args, x_c, y_c, per_cta, stream)
+            (kernel_args, x.device.index), lambda: _compile(kernel_args, x, out, tiles_per_cta, stream)
         )
-        compiled(x_c, y_c, per_cta, stream)
+        compiled(x, out, tiles_per_cta, stream)
     return out

@@ -1,0 +1,74 @@
+"""The launchers compile a TVM-FFI entry point (``cute_kda.ops._cache.compile_for_launch``) so a call
+takes torch tensors without converting them in Python. These CPU tests check that this entry wraps
+the very kernel the compile tier inspects: same PTX as a plain compile of the same arguments, built
+by each launcher's own argument function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cute_kda.compile_report import compile_with_report
+from cute_kda.dsl import cute, cutlass
+from cute_kda.ops._cache import TVM_FFI_OPTION, to_cute_tensor
+from cute_kda.workspace import WorkspaceSpec, tiles_per_head, workspace_views
+
+D = 128
+
+
+def _same_kernel(kernel, *args) -> None:
+    _, plain = compile_with_report(kernel, *args)
+    entry, launch = compile_with_report(kernel, *args, options=TVM_FFI_OPTION)
+    assert launch.ptx == plain.ptx
+    assert type(entry).__name__.startswith("TVMFFI")  # the torch-taking entry, not the DSL executor
+
+
+def _workspace(heads: int, tiles: int):
+    spec = WorkspaceSpec(heads=heads, tiles=tiles)
+    return workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_prepare_entry(varlen):
+    from cute_kda.kernels.fwd_prepare import PrepareKernel
+    from cute_kda.ops.prepare import _kernel_args
+
+    heads, tokens = 2, 40
+    q = torch.zeros(1, tokens, heads, D, dtype=torch.bfloat16)
+    cu_seqlens = torch.tensor([0, 17, tokens]) if varlen else None
+    tile_base = torch.tensor([0, 2, 4], dtype=torch.int32) if varlen else None
+    ws = _workspace(heads, tiles_per_head(tokens, 2 if varlen else 1, varlen))
+    args = _kernel_args(q, q, q, q[..., 0].contiguous(), torch.zeros(heads), torch.zeros(heads, D), ws, D ** -0.5,
+                        -5.0, tokens, cu_seqlens, tile_base, cute.runtime.make_fake_stream(), tensor=to_cute_tensor)
+    _same_kernel(PrepareKernel(varlen=varlen), *args)
+
+
+@pytest.mark.parametrize("vsplit, state", [(1, None), (4, torch.float32)], ids=["vs1-none", "vs4-fp32"])
+def test_recurrence_entry(vsplit, state):
+    from cute_kda.kernels.fwd_recurrence import FwdRecurrence
+    from cute_kda.ops import recurrence as k2
+
+    heads, num_seqs, tokens = 2, 2, 40
+    v = torch.zeros(1, tokens, heads, D, dtype=torch.bfloat16)
+    states = None if state is None else torch.zeros(num_seqs, heads, D, D, dtype=state)
+    args = k2.launch_arguments(v, _workspace(heads, 4), torch.zeros_like(v), cu_seqlens=torch.tensor([0, 17, tokens]),
+                               tile_base=torch.tensor([0, 2, 4], dtype=torch.int32), initial_state=states,
+                               final_state=states, tensor=to_cute_tensor)
+    dtype = None if state is None else cutlass.Float32
+    kernel = FwdRecurrence(vsplit=vsplit, initial_state=dtype, final_state=dtype, varlen=True)
+    _same_kernel(kernel, *args, cute.runtime.make_fake_stream())
+
+
+def test_tile_prefix_entry():
+    from cute_kda.kernels.tile_prefix import TilePrefixKernel
+
+    _same_kernel(TilePrefixKernel(), to_cute_tensor(torch.tensor([0, 5, 40]), 8),
+                 to_cute_tensor(torch.zeros(3, dtype=torch.int32), 4), cute.runtime.make_fake_stream())
+
+
+def test_roundtrip_entry():
+    from cute_kda.kernels.transpose_roundtrip import TransposeRoundTrip
+
+    x = torch.zeros(48, 2, D, dtype=torch.bfloat16)
+    y = torch.zeros(3 * D, 2, 16, dtype=torch.bfloat16)
+    _same_kernel(TransposeRoundTrip(D), to_cute_tensor(x), to_cute_tensor(y), 1, cute.runtime.make_fake_stream())
