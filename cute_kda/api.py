@@ -34,11 +34,13 @@ class WorkspaceCache:
     reads; calls on different streams get different buffers. A buffer that grows is freed to
     torch's caching allocator, which hands it only to later work on the same stream. Not safe
     under CUDA-graph capture (a captured call would keep using a buffer that a later eager call on
-    the capture stream may replace); :meth:`clear` drops every buffer.
+    the capture stream may replace); :meth:`clear` drops every buffer. The views of the last spec
+    seen per buffer are kept too: carving them costs more host time than a small call's kernels.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._views: dict[tuple[int, int], tuple[WorkspaceSpec, Workspace]] = {}
         self._lock = threading.Lock()
 
     def get(self, spec: WorkspaceSpec, device: torch.device) -> Workspace:
@@ -51,7 +53,11 @@ class WorkspaceCache:
                 nbytes = -(-spec.nbytes // _WORKSPACE_GRANULE) * _WORKSPACE_GRANULE
                 buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 self._buffers[key] = buffer
-        return workspace_views(spec, buffer)
+                self._views.pop(key, None)
+            cached = self._views.get(key)
+            if cached is None or cached[0] != spec:
+                cached = self._views[key] = (spec, workspace_views(spec, buffer))
+        return cached[1]
 
     def snapshot(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(device index, stream handle) → (buffer address, bytes) of every cached buffer."""
@@ -62,6 +68,7 @@ class WorkspaceCache:
         """Drop every cached buffer (their memory returns to torch's caching allocator)."""
         with self._lock:
             self._buffers.clear()
+            self._views.clear()
 
 
 WORKSPACES = WorkspaceCache()

@@ -66,6 +66,27 @@ def test_warmup_configs_cover_the_product():
     assert {(c.initial_state, c.final_state) for c in configs} == {(None, None), (torch.float32, torch.float32)}
 
 
+def test_workspace_cache_reuses_views_until_spec_or_buffer_changes(monkeypatch):
+    """The per-(device, stream) cache hands back the same views for the same spec (CPU stand-in stream)."""
+    from types import SimpleNamespace
+
+    from cute_kda.workspace import WorkspaceSpec
+
+    monkeypatch.setattr(api.torch.cuda, "current_stream", lambda device: SimpleNamespace(cuda_stream=7))
+    cache, cpu = api.WorkspaceCache(), torch.device("cpu")
+    small, other = WorkspaceSpec(heads=2, tiles=3), WorkspaceSpec(heads=3, tiles=2)
+    first = cache.get(small, cpu)
+    assert cache.get(small, cpu) is first
+    swapped = cache.get(other, cpu)  # same byte size class: same buffer, new views
+    assert swapped is not first and swapped.qd.shape == (6, 16, 128)
+    assert swapped.qd.data_ptr() == first.qd.data_ptr()
+    grown = cache.get(WorkspaceSpec(heads=64, tiles=512), cpu)  # needs a bigger buffer
+    assert grown.qd.shape == (64 * 512, 16, 128)
+    assert cache.get(small, cpu).qd.data_ptr() == grown.qd.data_ptr()  # carved from the new buffer
+    cache.clear()
+    assert cache.snapshot() == {}
+
+
 def test_canonical_call_runs_any_forward_and_restores_kv_layout():
     state_vk = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).view(2, 3, 4, 4)
     call = api.CanonicalCall(tensors=(torch.zeros(1),), options={"flag": 1}, state_k_first=True)
