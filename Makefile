@@ -1,14 +1,14 @@
 # Two entry points do all the set-up themselves on a fresh machine:
 #   make demo   - build a local venv, then run the demo (CPU: references + sm_90a compile; GPU: run + check + time)
 #   make test   - build a local venv, then run the test suite (GPU tier skipped without CUDA)
-# GPU host (offline DSL bundle on PYTHONPATH, see docs/gpu.md):
+# GPU host (offline DSL bundle on PYTHONPATH, see docs/gpu.md; make gpu-bundle builds it here):
 #   make gpu-test PYTHON=python3   - GPU tier, writes a dated summary to benchmarks/results/
 PYTHON ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test gpu-test clean
+.PHONY: demo test gpu-test gpu-bundle clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ test: $(VENV)/.ready
 
 gpu-test:
 	$(PYTHON) scripts/gpu_tier.py
+
+# Offline bundle for the H200 (docs/gpu.md): the shared DSL bundle plus the cp312 TVM-FFI wheel.
+gpu-bundle:
+	../shared/gpu/make-dsl-bundle
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 -d .gpu-bundle "apache-tvm-ffi>=0.1.15,<0.2"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -12,11 +12,13 @@ state), for scale; K2 alone should take a good part less.
 
     python benchmarks/bench_recurrence.py                        # the six shapes of issue 4
     python benchmarks/bench_recurrence.py --shapes B1_T32768_H16 --out benchmarks/results/recurrence.md
+    python benchmarks/bench_recurrence.py --resources            # registers / smem per variant, on a CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -40,30 +42,52 @@ def _inputs(shape: Shape, device: torch.device):
     return inputs["v"], ws, inputs["cu_seqlens"], inputs["initial_state"]
 
 
-def _resources(vsplit: int, varlen: bool, args: tuple) -> tuple[str, int]:
-    """(registers per thread or 'n/a' without ptxas, shared memory bytes per CTA) of the fp32-state variant."""
+def _resources(vsplit: int, varlen: bool) -> tuple[str, int]:
+    """(registers per thread, shared memory bytes per CTA) of the fp32-state variant.
+
+    Compiled here from small CPU tensors; the register count needs a ptxas that reads the DSL's PTX
+    version (the pip toolkit of ``make test``'s venv does; the H200 image's CUDA 13.0 ptxas does not,
+    so a GPU run reports 'n/a' and ``--resources`` on the CPU fills the column).
+    """
+    from cutlass import Float32
+
+    from cute_kda.compile_report import compile_with_report
+    from cute_kda.dsl import cute
+    from cute_kda.kernels.fwd_recurrence import FwdRecurrence
     from cute_kda.layouts.fwd_recurrence import RecurrenceSmemPlan
+    from cute_kda.ops import recurrence as k2
+    from cute_kda.ops._cache import to_cute_tensor
+    from cute_kda.workspace import WorkspaceSpec, allocate_workspace
 
     smem = RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=True).total_bytes
+    heads, tokens = 2, 40
+    v = torch.zeros(1, tokens, heads, D, dtype=torch.bfloat16)
+    state = torch.zeros(2 if varlen else 1, heads, D, D)
+    args = k2.launch_arguments(
+        v, allocate_workspace(WorkspaceSpec(heads=heads, tiles=4), "cpu"), torch.zeros_like(v),
+        cu_seqlens=torch.tensor([0, 17, tokens]) if varlen else None,
+        tile_base=torch.tensor([0, 2, 4], dtype=torch.int32) if varlen else None,
+        initial_state=state, final_state=state, tensor=to_cute_tensor,
+    )
+    kernel = FwdRecurrence(vsplit=vsplit, initial_state=Float32, final_state=Float32, varlen=varlen)
     try:
-        from cutlass import Float32
-
-        from cute_kda.compile_report import compile_with_report
-        from cute_kda.dsl import cute
-        from cute_kda.kernels.fwd_recurrence import FwdRecurrence
-
-        kernel = FwdRecurrence(vsplit=vsplit, initial_state=Float32, final_state=Float32, varlen=varlen)
         _, report = compile_with_report(kernel, *args, cute.runtime.make_fake_stream())
-        return str(report.kernels[0].registers), smem
     except (FileNotFoundError, RuntimeError) as error:
-        print(f"no register count ({error})", file=sys.stderr)
+        print(f"no register count ({str(error).splitlines()[-1]})", file=sys.stderr)
         return "n/a", smem
+    return str(report.kernels[0].registers), smem
+
+
+def resources_table() -> str:
+    """Registers and smem of every V-split, fixed length and varlen (CPU compile, no GPU needed)."""
+    rows = [[str(vsplit), "varlen" if varlen else "fixed", *map(str, _resources(vsplit, varlen))]
+            for vsplit in (1, 2, 4) for varlen in (False, True)]
+    return markdown_table(["VSplit", "batching", "registers", "smem / CTA (B)"], rows)
 
 
 def run(name: str, warmup: int, rep: int) -> list[dict]:
     from cute_kda.config import sm_count
     from cute_kda.ops import recurrence as k2
-    from cute_kda.ops._cache import to_cute_tensor
 
     shape = SHAPES[name]
     lengths, heads, varlen = shape.lengths, shape.heads, shape.varlen
@@ -91,9 +115,7 @@ def run(name: str, warmup: int, rep: int) -> list[dict]:
         except RuntimeError as error:
             print(f"CUDA graph capture failed ({error}); eager timing", file=sys.stderr)
             ms = median_ms(launch, warmup, rep)
-        args = k2.launch_arguments(v, ws, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
-                                   initial_state=initial, final_state=final, tensor=to_cute_tensor)
-        registers, smem = _resources(vsplit, varlen, args)
+        registers, smem = _resources(vsplit, varlen)
         rows.append(dict(shape=name, vsplit=vsplit, auto=vsplit == auto, ctas=len(lengths) * heads * vsplit,
                          steps=steps, ms=ms, us_per_step=1e3 * ms / steps, registers=registers, smem=smem,
                          forward_bar=shape.flashkda_ms))
@@ -119,7 +141,13 @@ def header() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, SHAPES)
+    parser.add_argument("--resources", action="store_true",
+                        help="only the registers/smem table of each variant (compiled for sm_90a, no GPU needed)")
     args = parser.parse_args()
+    if args.resources:
+        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+        publish(f"K2 resources, fp32 state in and out (sm_90a compile)\n\n{resources_table()}\n", args.out)
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_recurrence needs a CUDA GPU (Hopper)")
 
