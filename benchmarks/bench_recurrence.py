@@ -18,7 +18,6 @@ state), for scale; K2 alone should take a good part less.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -49,10 +48,8 @@ def _resources(vsplit: int, varlen: bool) -> tuple[str, int]:
     version (the pip toolkit of ``make test``'s venv does; the H200 image's CUDA 13.0 ptxas does not,
     so a GPU run reports 'n/a' and ``--resources`` on the CPU fills the column).
     """
-    from cutlass import Float32
-
     from cute_kda.compile_report import compile_with_report
-    from cute_kda.dsl import cute
+    from cute_kda.dsl import cute, cutlass
     from cute_kda.kernels.fwd_recurrence import FwdRecurrence
     from cute_kda.layouts.fwd_recurrence import RecurrenceSmemPlan
     from cute_kda.ops import recurrence as k2
@@ -69,7 +66,7 @@ def _resources(vsplit: int, varlen: bool) -> tuple[str, int]:
         tile_base=torch.tensor([0, 2, 4], dtype=torch.int32) if varlen else None,
         initial_state=state, final_state=state, tensor=to_cute_tensor,
     )
-    kernel = FwdRecurrence(vsplit=vsplit, initial_state=Float32, final_state=Float32, varlen=varlen)
+    kernel = FwdRecurrence(vsplit=vsplit, initial_state=cutlass.Float32, final_state=cutlass.Float32, varlen=varlen)
     try:
         _, report = compile_with_report(kernel, *args, cute.runtime.make_fake_stream())
     except (FileNotFoundError, RuntimeError) as error:
@@ -145,7 +142,6 @@ def main() -> None:
                         help="only the registers/smem table of each variant (compiled for sm_90a, no GPU needed)")
     args = parser.parse_args()
     if args.resources:
-        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
         publish(f"K2 resources, fp32 state in and out (sm_90a compile)\n\n{resources_table()}\n", args.out)
         return
     if not torch.cuda.is_available():

@@ -66,9 +66,9 @@ def to_cute_tensor(tensor: Any, assumed_align: int = 16, *, leading_dim: int | N
     """
     if tensor is None:
         return None
-    from cutlass.cute.runtime import from_dlpack
+    from ..dsl import cute
 
-    converted = from_dlpack(tensor, assumed_align=assumed_align)
+    converted = cute.runtime.from_dlpack(tensor, assumed_align=assumed_align)
     if leading_dim is None:
         leading_dim = tensor.dim() - 1
     return converted.mark_layout_dynamic(leading_dim=leading_dim)
@@ -85,7 +85,7 @@ def compile_for_launch(kernel: Any, *args: Any) -> Any:
     The result is called with torch tensors in place of the converted ones, Python scalars and the
     stream; the kernel code is the same as a plain compile's (checked on the PTX in the tests).
     """
-    from cutlass import cute
+    from ..dsl import cute
 
     return cute.compile(kernel, *args, options=TVM_FFI_OPTION)
 
