@@ -31,7 +31,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from cute_kda._bench import add_run_arguments, environment, event_median_ms, markdown_table, median_ms, publish  # noqa: E402
+from cute_kda._bench import (  # noqa: E402
+    add_run_arguments, environment, event_median_ms, graph_median_ms, markdown_table, publish,
+)
 
 from bench_fwd import peers  # noqa: E402
 from shapes import SHAPES, Shape, make_inputs  # noqa: E402
@@ -51,17 +53,6 @@ def host_us(fn, calls: int) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return 1e6 * elapsed / calls
-
-
-def graph_ms(fn, warmup: int, rep: int) -> float | None:
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError as error:
-        print(f"graph capture failed: {str(error).splitlines()[0]}", file=sys.stderr)
-        return None
-    return median_ms(graph.replay, warmup, rep)
 
 
 def profile(fn, calls: int) -> str:
@@ -93,7 +84,7 @@ def main() -> None:
             chosen = [p for p in runs if args.peers is None or p in args.peers.split(",")]
             for peer, fn in ((p, runs[p]) for p in chosen):
                 fn()  # compile / autotune
-                gpu = graph_ms(fn, args.warmup, args.rep)
+                gpu = graph_median_ms(fn, args.warmup, args.rep)
                 rows.append([name, peer, f"{host_us(fn, args.calls):.0f}",
                              f"{event_median_ms(fn, reps=50):.3f}", "—" if gpu is None else f"{gpu:.3f}"])
                 print(" ".join(rows[-1]), file=sys.stderr)

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from cute_kda._bench import add_run_arguments, environment, markdown_table, median_ms, publish  # noqa: E402
+from cute_kda._bench import add_run_arguments, environment, graph_median_ms, markdown_table, median_ms, publish  # noqa: E402
 from cute_kda.workspace import CHUNK, WorkspaceSpec, allocate_workspace, tiles_per_head  # noqa: E402
 
 D = 128
@@ -85,13 +85,9 @@ def run(lengths: list[int], heads: int, varlen: bool, variants: list[tuple[int, 
     written = heads * real_tiles * TILE_BYTES
     moved = read + written
     timed = [("K1 prepare, eager (with host launch cost)", median_ms(k1, warmup, rep))]
-    try:  # the kernel alone: one graph replay has no Python launch cost
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            k1()
-        timed.insert(0, ("K1 prepare, CUDA graph", median_ms(graph.replay, warmup, rep)))
-    except RuntimeError as error:
-        print(f"CUDA graph capture failed ({error}); eager timing only", file=sys.stderr)
+    kernel_alone = graph_median_ms(k1, warmup, rep)  # one graph replay has no Python launch cost
+    if kernel_alone is not None:
+        timed.insert(0, ("K1 prepare, CUDA graph", kernel_alone))
     for threads, ctas in variants:  # other static configurations of the same kernel, launched directly
         timed.append((f"K1 {threads} threads × {ctas} CTAs/SM, direct launch",
                       median_ms(_direct_launch(threads, ctas, q, k, g, beta, a_log, dt_bias, ws, cu_seqlens,

@@ -18,6 +18,7 @@ state), for scale; K2 alone should take a good part less.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from cute_kda._bench import add_run_arguments, environment, markdown_table, median_ms, publish  # noqa: E402
+from cute_kda._bench import add_run_arguments, environment, graph_median_ms, markdown_table, median_ms, publish  # noqa: E402
 from cute_kda.workspace import CHUNK  # noqa: E402
 
 from shapes import D, LOWER_BOUND, SHAPES, Shape, make_inputs  # noqa: E402
@@ -41,6 +42,7 @@ def _inputs(shape: Shape, device: torch.device):
     return inputs["v"], ws, inputs["cu_seqlens"], inputs["initial_state"]
 
 
+@functools.lru_cache(maxsize=None)  # one compile per variant, not per shape
 def _resources(vsplit: int, varlen: bool) -> tuple[str, int]:
     """(registers per thread, shared memory bytes per CTA) of the fp32-state variant.
 
@@ -104,13 +106,8 @@ def run(name: str, warmup: int, rep: int) -> list[dict]:
 
         launch()  # compile outside the timing
         torch.cuda.synchronize()
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                launch()
-            ms = median_ms(graph.replay, warmup, rep)
-        except RuntimeError as error:
-            print(f"CUDA graph capture failed ({error}); eager timing", file=sys.stderr)
+        ms = graph_median_ms(launch, warmup, rep)
+        if ms is None:  # capture failed: eager timing
             ms = median_ms(launch, warmup, rep)
         registers, smem = _resources(vsplit, varlen)
         rows.append(dict(shape=name, vsplit=vsplit, auto=vsplit == auto, ctas=len(lengths) * heads * vsplit,

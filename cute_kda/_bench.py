@@ -2,8 +2,8 @@
 the command-line options of a timed run, the environment line at the head of a result, and the
 markdown table it prints and writes.
 
-Importing this needs no GPU; :func:`event_median_ms`, :func:`median_ms` and :func:`environment` need
-one when called.
+Importing this needs no GPU; :func:`event_median_ms`, :func:`median_ms`, :func:`graph_median_ms` and
+:func:`environment` need one when called.
 """
 
 from __future__ import annotations
@@ -57,6 +57,21 @@ def median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> flo
     except ImportError:
         return event_median_ms(fn, reps=max(rep // 5, 10), flush_l2=True)
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def graph_median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float | None:
+    """:func:`median_ms` of replaying a CUDA graph of one ``fn()`` call: device time without the host's
+    launch cost. None (and a line on stderr) when ``fn`` cannot be captured."""
+    import sys
+
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as error:
+        print(f"CUDA graph capture failed: {str(error).splitlines()[0]}", file=sys.stderr)
+        return None
+    return median_ms(graph.replay, warmup, rep)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, shapes: dict | None = None) -> None:

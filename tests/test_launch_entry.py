@@ -11,7 +11,7 @@ import torch
 from cute_kda.compile_report import compile_with_report
 from cute_kda.dsl import cute, cutlass
 from cute_kda.ops._cache import TVM_FFI_OPTION, to_cute_tensor
-from cute_kda.workspace import WorkspaceSpec, tiles_per_head, workspace_views
+from cute_kda.workspace import WorkspaceSpec, allocate_workspace, tiles_per_head
 
 D = 128
 
@@ -23,11 +23,6 @@ def _same_kernel(kernel, *args) -> None:
     assert type(entry).__name__.startswith("TVMFFI")  # the torch-taking entry, not the DSL executor
 
 
-def _workspace(heads: int, tiles: int):
-    spec = WorkspaceSpec(heads=heads, tiles=tiles)
-    return workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
-
-
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_prepare_entry(varlen):
     from cute_kda.kernels.fwd_prepare import PrepareKernel
@@ -37,7 +32,8 @@ def test_prepare_entry(varlen):
     q = torch.zeros(1, tokens, heads, D, dtype=torch.bfloat16)
     cu_seqlens = torch.tensor([0, 17, tokens]) if varlen else None
     tile_base = torch.tensor([0, 2, 4], dtype=torch.int32) if varlen else None
-    ws = _workspace(heads, tiles_per_head(tokens, 2 if varlen else 1, varlen))
+    spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(tokens, 2 if varlen else 1, varlen))
+    ws = allocate_workspace(spec, "cpu")
     args = _kernel_args(q, q, q, q[..., 0].contiguous(), torch.zeros(heads), torch.zeros(heads, D), ws, D ** -0.5,
                         -5.0, tokens, cu_seqlens, tile_base, cute.runtime.make_fake_stream(), tensor=to_cute_tensor)
     _same_kernel(PrepareKernel(varlen=varlen), *args)
@@ -51,7 +47,8 @@ def test_recurrence_entry(vsplit, state):
     heads, num_seqs, tokens = 2, 2, 40
     v = torch.zeros(1, tokens, heads, D, dtype=torch.bfloat16)
     states = None if state is None else torch.zeros(num_seqs, heads, D, D, dtype=state)
-    args = k2.launch_arguments(v, _workspace(heads, 4), torch.zeros_like(v), cu_seqlens=torch.tensor([0, 17, tokens]),
+    ws = allocate_workspace(WorkspaceSpec(heads=heads, tiles=4), "cpu")
+    args = k2.launch_arguments(v, ws, torch.zeros_like(v), cu_seqlens=torch.tensor([0, 17, tokens]),
                                tile_base=torch.tensor([0, 2, 4], dtype=torch.int32), initial_state=states,
                                final_state=states, tensor=to_cute_tensor)
     dtype = None if state is None else cutlass.Float32
