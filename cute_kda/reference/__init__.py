@@ -1,8 +1,10 @@
-"""Torch references for the forward kernels.
+"""Torch references for the kernels.
 
 - :mod:`.gold`: the token recurrence in fp64 (or any dtype), differentiable — the accuracy yardstick.
 - :mod:`.mirror`: the chunk-16 algorithm with the kernels' rounding, step by step as
   docs/numerics.md fixes it — the exact-comparison reference for K1 and K2.
+- :mod:`.backward`: gold gradients by autograd, and the backward's reverse state-gradient scan
+  (Kernel A) with the kernel's rounding and in exact float64.
 
 Importing this package needs no GPU and does not import the CuTe DSL.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .backward import BwdScanResult, chunk_bwd_scan_exact, gold_backward, mirror_bwd_scan, prepare_exact
 from .gold import gold_forward
 from .mirror import intrinsics_exact, mirror_forward, mirror_prepare, mirror_recurrence, tile_bases
 
@@ -31,11 +34,16 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 __all__ = [
+    "BwdScanResult",
+    "chunk_bwd_scan_exact",
+    "gold_backward",
     "gold_forward",
     "intrinsics_exact",
+    "mirror_bwd_scan",
     "mirror_forward",
     "mirror_prepare",
     "mirror_recurrence",
+    "prepare_exact",
     "rel_rms",
     "tile_bases",
 ]
