@@ -6,14 +6,25 @@
 PYTHON ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-TORCH_PIN := torch==2.13.0
+TORCH_VERSION := 2.13.0
+# Without a GPU (no nvidia-smi) the venv gets torch's CPU build, not the CUDA one PyPI serves: first
+# as pip finds it already (a local wheel or index that has it), else from PyTorch's CPU index.
+# HAS_GPU= / HAS_GPU=1 on the command line overrides the detection.
+HAS_GPU ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+ifeq ($(HAS_GPU),)
+TORCH_INSTALL = $(VPY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" \
+	|| $(VPY) -m pip install -q --index-url $(TORCH_CPU_INDEX) "torch==$(TORCH_VERSION)+cpu"
+else
+TORCH_INSTALL = $(VPY) -m pip install -q "torch==$(TORCH_VERSION)"
+endif
 
 .PHONY: demo test gpu-test gpu-bundle clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q "$(TORCH_PIN)"
+	$(TORCH_INSTALL)
 	$(VPY) -m pip install -q -e ".[test]"
 	touch $@
 

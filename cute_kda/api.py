@@ -291,7 +291,7 @@ def translate_fla_call(
     if initial_state is not None:
         validation.check_is_tensor("initial_state", initial_state)
         validation.check_dtype("initial_state", initial_state, (torch.float32,))
-        validation.check_ndim("initial_state", initial_state, 4, "[N, H, K, V] (or [N, H, V, K] with state_v_first)")
+        _check_fla_state_shape(initial_state, q, v, cu_seqlens, state_v_first)
         initial_state = initial_state if state_v_first else initial_state.transpose(-1, -2)
         initial_state = initial_state.contiguous()
     if cu_seqlens is not None and cu_seqlens_cpu is not None:
@@ -307,14 +307,34 @@ def translate_fla_call(
     return CanonicalCall(tensors=tensors, options=options, state_k_first=not state_v_first)
 
 
+def _check_fla_state_shape(state: torch.Tensor, q: torch.Tensor, v: torch.Tensor, cu_seqlens: Any,
+                           state_v_first: bool) -> None:
+    """The caller's state shape in the caller's layout (checked before the v-first transpose, so an
+    error shows the shape that was passed)."""
+    meaning = "[N, H, V, K] (state_v_first)" if state_v_first else "[N, H, K, V]"
+    validation.check_ndim("initial_state", state, 4, meaning)
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1:
+        num_seqs = cu_seqlens.numel() - 1
+    else:
+        num_seqs = q.shape[0]
+    heads, key_dim, value_dim = q.shape[2], q.shape[3], v.shape[3]
+    inner = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
+    validation.check_shape("initial_state", state, (num_seqs, heads, *inner), meaning)
+
+
 def _refuse_unsupported_fla_flags(
     *, allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool, return_intermediate_states: bool,
     cp_context: Any, use_graph: bool,
 ) -> None:
     if allow_neg_eigval:
-        if not use_beta_sigmoid_in_kernel:
-            raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
-        raise NotImplementedError("allow_neg_eigval=True (beta = 2·sigmoid) is not supported")
+        if not use_beta_sigmoid_in_kernel:  # FLA raises this ValueError itself
+            raise ValueError(
+                "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (FLA's rule); cute_kda does not "
+                "implement allow_neg_eigval=True with either beta flag: pass allow_neg_eigval=False"
+            )
+        raise NotImplementedError(
+            "allow_neg_eigval=True (beta = 2·sigmoid(logits)) is not supported; pass allow_neg_eigval=False"
+        )
     if return_intermediate_states:
         raise NotImplementedError("return_intermediate_states=True is not supported (no chunk states are kept)")
     if cp_context is not None:
@@ -445,6 +465,14 @@ def warmup(
     from .ops import recurrence as k2
 
     device = torch.device("cuda") if device is None else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"warmup compiles for a CUDA device, got device={device}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "warmup() needs a CUDA device (it compiles for the device that will run the kernels) and torch "
+            "sees none here; on a CPU, examples/demo.py and the compile tier of `make test` compile the "
+            "kernels for sm_90a without running them"
+        )
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     configs = list(enumerate_configs(

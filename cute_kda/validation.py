@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from numbers import Real
+from numbers import Integral, Real
 from typing import Iterable
 
 import torch
@@ -111,9 +111,15 @@ def check_real(name: str, value: object) -> float:
 
 
 def check_scale(scale: object) -> float:
+    """A finite, non-zero Python float (an integer is refused: ``scale=1`` is more likely a slip
+    for a flag than a wish for unscaled scores; pass ``1.0``)."""
+    if isinstance(scale, Integral) and not isinstance(scale, bool):
+        raise TypeError(f"scale must be a Python float, got int {scale!r}; pass {float(scale)!r} if that is meant")
     value = check_real("scale", scale)
     if not math.isfinite(value):
         raise ValueError(f"scale must be finite, got {value}")
+    if value == 0.0:
+        raise ValueError("scale must be non-zero (scale = 0 makes every output zero); None means K ** -0.5")
     return value
 
 
@@ -173,8 +179,9 @@ def check_grad_free(tensors: dict[str, torch.Tensor | None]) -> None:
         return
     needing = [name for name, t in tensors.items() if t is not None and t.requires_grad]
     if needing:
+        verb = "requires" if len(needing) == 1 else "require"
         raise NotImplementedError(
-            f"cute_kda has no backward yet, but {', '.join(needing)} require grad; call it under "
+            f"cute_kda has no backward yet, but {', '.join(needing)} {verb} grad; call it under "
             "torch.no_grad() / torch.inference_mode() or pass detached tensors"
         )
 

@@ -4,11 +4,14 @@ Everywhere: builds a small KDA problem (packed sequences, an fp32 initial state)
 gold recurrence and the chunk-16 mirror of the kernels' rounding and prints how far apart they are;
 runs an FLA-style ``chunk_kda`` call through the drop-in's argument translation, on the mirror.
 Without a GPU: compiles the forward kernels for sm_90a and prints what the compiler made of them
-(registers, spills, shared memory plan, instructions of note). With a GPU: runs ``kda_forward``,
+(registers, spills, shared memory plan, instructions of note): both K1 variants, the varlen tile
+prefix kernel, three of K2's 54 variants chosen to take every V-split, state dtype and varlen value
+(``--all-variants``: all 54), and the transpose round trip. With a GPU: runs ``kda_forward``,
 checks it against both references and times it.
 
     python examples/demo.py            # or: make demo
     python examples/demo.py --no-compile
+    python examples/demo.py --all-variants   # all 54 K2 variants in the compile report instead of 3
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def references(problem: dict) -> tuple:
     if not intrinsics_exact(device):
         print("  (on the CPU the mirror replaces tanh.approx/ex2.approx by accurate torch functions)")
     print(f"mirror vs gold rel-RMS: o {rel_rms(mirror[0], gold[0]):.2e}, final state {rel_rms(mirror[1], gold[1]):.2e}"
-          "   (design.md: FlashKDA's kernels measure ~5.8e-3 / 4.8e-3)")
+          "   (docs/design.md §5: FlashKDA's kernels measure ~5.8e-3 / 4.8e-3 at T = 2048)")
     return gold, mirror
 
 
@@ -144,7 +147,11 @@ def _prepare_build(varlen: bool) -> Callable[[], tuple]:
     return build
 
 
-def _recurrence_build(varlen: bool, state: torch.dtype | None, vsplit: int) -> Callable[[], tuple]:
+def _recurrence_build(varlen: bool, state: torch.dtype | None, vsplit: int,
+                      state_out: object = "same") -> Callable[[], tuple]:
+    """K2 with ``state`` in and ``state_out`` out (``"same"``: ``state`` at both ends)."""
+    out_dtype = state if state_out == "same" else state_out
+
     def build():
         from cute_kda.dsl import cute, cutlass
         from cute_kda.kernels.fwd_recurrence import FwdRecurrence
@@ -157,15 +164,17 @@ def _recurrence_build(varlen: bool, state: torch.dtype | None, vsplit: int) -> C
         heads, tokens = 2, sum(lengths)
         v = torch.zeros(1, tokens, heads, D, dtype=torch.bfloat16)
         spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(tokens, len(lengths), varlen))
-        states = None if state is None else torch.zeros(len(lengths), heads, D, D, dtype=state)
+
+        def states(dtype):
+            return None if dtype is None else torch.zeros(len(lengths), heads, D, D, dtype=dtype)
         args = k2.launch_arguments(
             v, allocate_workspace(spec, "cpu"), torch.zeros_like(v),
             cu_seqlens=torch.tensor([0, 40, tokens]) if varlen else None,
             tile_base=torch.tensor([0, 3, 4], dtype=torch.int32) if varlen else None,
-            initial_state=states, final_state=states, tensor=to_cute_tensor,
+            initial_state=states(state), final_state=states(out_dtype), tensor=to_cute_tensor,
         )
-        dtype = {None: None, torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[state]
-        kernel = FwdRecurrence(vsplit=vsplit, initial_state=dtype, final_state=dtype, varlen=varlen)
+        dsl = {None: None, torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}
+        kernel = FwdRecurrence(vsplit=vsplit, initial_state=dsl[state], final_state=dsl[out_dtype], varlen=varlen)
         return kernel, (*args, cute.runtime.make_fake_stream()), k2_budget(kernel.plan)
     return build
 
@@ -181,19 +190,60 @@ def _roundtrip_build() -> tuple:
     return TransposeRoundTrip(D), args, None
 
 
-KERNELS = (
-    KernelBuild("K1 prepare (fixed length)", _prepare_build(varlen=False)),
-    KernelBuild("K1 prepare (varlen)", _prepare_build(varlen=True)),
-    KernelBuild("K2 recurrence (fixed, no state, vsplit 1)", _recurrence_build(False, None, 1)),
-    KernelBuild("K2 recurrence (varlen, fp32 state, vsplit 4)", _recurrence_build(True, torch.float32, 4)),
-    KernelBuild("transpose round trip", _roundtrip_build),
-)
+def _tile_prefix_build() -> tuple:
+    from cute_kda.dsl import cute
+    from cute_kda.kernels.tile_prefix import TilePrefixKernel
+    from cute_kda.ops._cache import to_cute_tensor
+
+    cu_seqlens, tile_base = torch.tensor([0, 40, 49]), torch.zeros(3, dtype=torch.int32)
+    return TilePrefixKernel(), (to_cute_tensor(cu_seqlens, 8), to_cute_tensor(tile_base, 4),
+                                cute.runtime.make_fake_stream()), None
 
 
-def compile_kernels() -> None:
+STATE_NAMES = {None: "no state", torch.bfloat16: "bf16", torch.float32: "fp32"}
+# K2 has 3 V-splits x 3 initial-state x 3 final-state modes x 2 (varlen or not) = 54 variants. By
+# default the demo compiles three that together take every V-split, state dtype and varlen value
+# once; --all-variants compiles all 54 (about a minute and a half on a CPU).
+K2_DEFAULT = ((False, None, 1, None), (False, torch.bfloat16, 2, torch.bfloat16), (True, torch.float32, 4, torch.float32))
+
+
+def k2_variants(all_variants: bool) -> list[tuple]:
+    """(varlen, initial-state dtype, V-split, final-state dtype) of the K2 variants the report covers."""
+    if not all_variants:
+        return list(K2_DEFAULT)
+    return [(varlen, state_in, vsplit, state_out) for varlen in (False, True) for vsplit in (1, 2, 4)
+            for state_in in STATE_NAMES for state_out in STATE_NAMES]
+
+
+def _k2_label(varlen: bool, state_in: torch.dtype | None, vsplit: int, state_out: torch.dtype | None) -> str:
+    states = STATE_NAMES[state_in] if state_in == state_out else f"{STATE_NAMES[state_in]} in, {STATE_NAMES[state_out]} out"
+    if state_in == state_out and state_in is not None:
+        states += " state"
+    return f"K2 recurrence ({'varlen' if varlen else 'fixed'}, {states}, vsplit {vsplit})"
+
+
+def kernel_builds(all_variants: bool) -> list[KernelBuild]:
+    """What the compile report covers: K1 (both variants), the tile prefix, K2 (:func:`k2_variants`), the round trip."""
+    return [
+        KernelBuild("K1 prepare (fixed length)", _prepare_build(varlen=False)),
+        KernelBuild("K1 prepare (varlen)", _prepare_build(varlen=True)),
+        KernelBuild("tile prefix (varlen tile bases)", _tile_prefix_build),
+        *(KernelBuild(_k2_label(varlen, state_in, vsplit, state_out),
+                      _recurrence_build(varlen, state_in, vsplit, state_out))
+          for varlen, state_in, vsplit, state_out in k2_variants(all_variants)),
+        KernelBuild("transpose round trip", _roundtrip_build),
+    ]
+
+
+def compile_kernels(all_variants: bool = False) -> None:
     from cute_kda.compile_report import compile_with_report
 
-    for item in KERNELS:
+    if all_variants:
+        print("K2: all 54 variants (V-split 1/2/4 x initial state none/bf16/fp32 x final state none/bf16/fp32 x varlen)")
+    else:
+        print("K2: 3 of its 54 variants, together taking every V-split, state dtype and varlen value once "
+              "(--all-variants compiles all 54, as the compile tier of `make test` does)")
+    for item in kernel_builds(all_variants):
         try:
             kernel, args, plan = item.build()
         except ImportError as error:
@@ -212,7 +262,7 @@ def compile_kernels() -> None:
         if plan is not None:
             print(f"  shared memory (plan): {plan.total_bytes / 1024:.1f} KiB, {plan.ctas_per_sm} CTAs/SM by smem")
         counts = [f"{name} {report.count(mnemonic)}" for name, mnemonic in NOTABLE if report.count(mnemonic)]
-        print(f"  PTX: {', '.join(counts)}")
+        print(f"  PTX: {', '.join(counts) or 'none of the instructions of note (plain loads, stores, shuffles)'}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,6 +301,8 @@ def run_on_gpu(problem: dict, gold: tuple, mirror: tuple) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-compile", action="store_true", help="skip the sm_90a compile report (CPU only)")
+    parser.add_argument("--all-variants", action="store_true",
+                        help="compile all 54 K2 variants instead of 3")
     args = parser.parse_args()
     has_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if has_gpu else "cpu")
@@ -265,7 +317,7 @@ def main() -> None:
         run_on_gpu(problem, gold, mirror)
     elif not args.no_compile:
         heading("kernels compiled for sm_90a (no GPU here: compile only)")
-        compile_kernels()
+        compile_kernels(args.all_variants)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,14 @@ def test_workspace_cache_reuses_views_until_spec_or_buffer_changes(monkeypatch):
     assert cache.snapshot() == {}
 
 
+def test_warmup_without_cuda_says_so(monkeypatch):
+    monkeypatch.setattr(api.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"warmup\(\) needs a CUDA device"):
+        cute_kda.warmup()
+    with pytest.raises(ValueError, match="CUDA device, got device=cpu"):
+        cute_kda.warmup(device="cpu")
+
+
 def test_canonical_call_runs_any_forward_and_restores_kv_layout():
     state_vk = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).view(2, 3, 4, 4)
     call = api.CanonicalCall(tensors=(torch.zeros(1),), options={"flag": 1}, state_k_first=True)

@@ -192,7 +192,7 @@ UNSUPPORTED = [
     (dict(lower_bound=-6.0), ValueError, "safe range"),
     (dict(lower_bound=0.0), ValueError, "safe range"),
     (dict(allow_neg_eigval=True), NotImplementedError, "allow_neg_eigval"),
-    (dict(allow_neg_eigval=True, use_beta_sigmoid_in_kernel=False), ValueError, "allow_neg_eigval"),
+    (dict(allow_neg_eigval=True, use_beta_sigmoid_in_kernel=False), ValueError, "pass allow_neg_eigval=False"),
     (dict(return_intermediate_states=True), NotImplementedError, "return_intermediate_states"),
     (dict(cp_context=object()), NotImplementedError, "cp_context"),
     (dict(use_graph=True), NotImplementedError, "use_graph"),
@@ -210,6 +210,23 @@ def test_unsupported_or_invalid_flags(changes, error, words):
     kwargs = {**FLAGS, **make_problem([20]), **changes}
     with pytest.raises(error, match=words.replace("(", r"\(").replace("=", "=")):
         api.translate_fla_call(**kwargs)
+
+
+@pytest.mark.parametrize("state_v_first", [False, True], ids=["kv", "vk"])
+def test_wrong_state_shape_reports_the_callers_shape(state_v_first):
+    inputs = make_problem([20])
+    inputs["initial_state"] = torch.zeros(1, 2, D, 64)  # the caller's layout, wrong last dim
+    layout = "[N, H, V, K]" if state_v_first else "[N, H, K, V]"
+    with pytest.raises(ValueError, match=r"initial_state must have shape .* = \[1, 2, 128, 128\], got \[1, 2, 128, 64\]") as info:
+        api.translate_fla_call(**FLAGS, **inputs, state_v_first=state_v_first)
+    assert layout in str(info.value)
+
+
+def test_wrong_state_count_for_packed_sequences():
+    inputs = make_problem([5, 16, 1], state="kv")
+    inputs["initial_state"] = inputs["initial_state"][:2]
+    with pytest.raises(ValueError, match=r"\[3, 2, 128, 128\], got \[2, 2, 128, 128\]"):
+        api.translate_fla_call(**FLAGS, **inputs)
 
 
 def test_grouped_value_heads_not_supported():

@@ -131,9 +131,21 @@ def test_lower_bound_type(value):
     expect(TypeError, "lower_bound", "Python float", lower_bound=value)
 
 
-@pytest.mark.parametrize("value, error", [(math.nan, ValueError), (math.inf, ValueError), (torch.tensor(0.1), TypeError)])
+@pytest.mark.parametrize("value, error", [(math.nan, ValueError), (math.inf, ValueError), (-math.inf, ValueError),
+                                          (torch.tensor(0.1), TypeError), (0.0, ValueError), (-0.0, ValueError),
+                                          (1, TypeError), (0, TypeError), (True, TypeError)])
 def test_scale(value, error):
     expect(error, "scale", scale=value)
+
+
+def test_scale_messages_say_what_to_pass():
+    expect(TypeError, "scale must be a Python float, got int 1", "1.0", scale=1)
+    expect(ValueError, "non-zero", scale=0.0)
+
+
+@pytest.mark.parametrize("value", [0.5, -0.25, 1e-3])
+def test_scale_floats_accepted(value):
+    expect(ValueError, "CUDA device", scale=value)
 
 
 @pytest.mark.parametrize("value", [0, 3, 8, True])
@@ -213,7 +225,11 @@ def test_out_buffer():
 def test_requires_grad_under_grad_mode():
     q = make_inputs()["q"].requires_grad_()
     A_log = make_inputs()["A_log"].requires_grad_()
-    expect(NotImplementedError, "no backward", "q, A_log", q=q, A_log=A_log)
+    expect(NotImplementedError, "no backward", "q, A_log require grad", q=q, A_log=A_log)
+
+
+def test_requires_grad_grammar_for_one_tensor():
+    expect(NotImplementedError, "but q requires grad;", q=make_inputs()["q"].requires_grad_())
 
 
 def test_requires_grad_under_no_grad_is_fine():
