@@ -1,5 +1,6 @@
 """Host-side scalars of the numerics contract (docs/numerics.md): computed in double, rounded once
-to fp32. The K1 kernel, its launcher and the mirror reference take them from here."""
+to fp32. The K1 kernel, its launcher and the mirror reference take them from here, and every module
+takes the chunk length (tokens per tile) from here."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ def f32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
+CHUNK = 16  # tokens per tile: the chunk length the contract, the workspace and every kernel are written for
 LOG2E = f32(log2(e))
 EPS = f32(1e-6)  # l2norm: x · rsqrt(Σx² + EPS)
 

@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     import torch
 
-CHUNK = 16
+from .numerics import CHUNK
+
 _ALIGN = 128  # every field starts on a 128-byte boundary (TMA needs 16, we keep 128)
 _ITEMSIZE = {"bfloat16": 2, "float32": 4}
 
@@ -48,6 +49,20 @@ def tiles_per_head(total_tokens: int, num_seqs: int, varlen: bool) -> int:
         return total_tokens // CHUNK + num_seqs
     seq_len = total_tokens // num_seqs if num_seqs else 0
     return num_seqs * ((seq_len + CHUNK - 1) // CHUNK)
+
+
+SNAPSHOT_TILES = 4  # the backward keeps the state gradient once per 4 tiles (64 tokens): memory and bandwidth
+
+
+def snapshot_slots(tiles: int, num_seqs: int, every: int = SNAPSHOT_TILES) -> int:
+    """Snapshot slots per head for ``tiles`` workspace tile slots per head and ``num_seqs`` sequences.
+
+    The backward scan keeps the gradient w.r.t. the state after global tile ``g`` of sequence ``s``
+    when ``g`` ends a block of ``every`` global tiles (``g % every == every − 1``) or ends its
+    sequence, in slot ``g // every + s`` (``s`` keeps two sequences that share a block apart).
+    Those slots are distinct and below ``tiles // every + num_seqs``.
+    """
+    return tiles // every + num_seqs
 
 
 @dataclass(frozen=True)

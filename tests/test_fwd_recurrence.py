@@ -17,7 +17,9 @@ import torch
 from ulp_check import assert_within_one_ulp, bf16_ulps
 
 from cute_kda.dsl import cute, cutlass
-from cute_kda.kernels.fwd_recurrence import MMA_WARPS, FwdRecurrence, c_row_half
+from cute_kda.kernels.common.copy import c_row_half
+from cute_kda.kernels.fwd_recurrence import FwdRecurrence
+from cute_kda.layouts.fwd_recurrence import MMA_WARPS
 from cute_kda.layouts import fwd_recurrence as layouts
 from cute_kda.layouts import budget, smem
 from cute_kda.layouts.analysis import run_traced
@@ -345,8 +347,8 @@ def _compiled(variant):
 
         vsplit, state_in, state_out, varlen = variant
         kernel = FwdRecurrence(
-            vsplit=vsplit, initial_state=k2._state_type(STATE[state_in]),
-            final_state=k2._state_type(STATE[state_out]), varlen=varlen,
+            vsplit=vsplit, initial_state=k2.state_dsl_type(STATE[state_in]),
+            final_state=k2.state_dsl_type(STATE[state_out]), varlen=varlen,
         )
         _, report = compile_with_report(kernel, *_compile_args(*variant), cute.runtime.make_fake_stream())
         _COMPILED[variant] = (kernel, report)

@@ -47,51 +47,17 @@ from ..dsl import cute, cutlass  # first: sets the target architecture before th
 
 import cutlass.pipeline as pipeline
 from cuda.bindings import driver
-from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
-from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..layouts import fwd_recurrence as layouts
-from ..layouts.fwd_recurrence import MMA_WARPS, RecurrenceSmemPlan
-from ..layouts.smem import vector
+from ..layouts.fwd_recurrence import RecurrenceSmemPlan
+from ..numerics import CHUNK
+from .common.band_scan import BandScan, OutputTile
+from .common.copy import c_row_half, smem_tensor
 from .common.copy import transpose_c_to_b  # movmatrix.trans word by word: C fragment of M → B fragment of Mᵀ
-
-CHUNK = 16
-LOAD_WARP = MMA_WARPS  # warp 4
-STORE_WARP = MMA_WARPS + 1  # warp 5
-THREADS = (MMA_WARPS + 2) * 32
-MMA_THREADS = MMA_WARPS * 32
-
-
-@dsl_user_op
-def fma_rn(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
-    """``fma.rn.f32 a·b + c`` (one rounding), as docs/numerics.md writes ``fma``."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip), Float32(c).ir_value(loc=loc, ip=ip)],
-            "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f",
-            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-def c_row_half(i: int) -> int:
-    """Row half (0: row ``g``, 1: row ``g + 8``) of flat value ``i`` of a ``((2, 2), 1, n)`` C fragment.
-
-    The C fragment of ``mma.sync.m16n8k16`` holds, per n-atom, ``(g, 2q), (g, 2q+1), (g+8, 2q),
-    (g+8, 2q+1)`` in this order (``tests/test_fwd_recurrence.py`` checks it on the DSL's layouts).
-    """
-    return (i // 2) % 2
-
-
-def smem_tensor(ptr: cute.Pointer, layout, dtype: type) -> cute.Tensor:
-    """Tensor over ``ptr`` with ``layout``; a composed layout's swizzle goes on the pointer (as TMA sees it)."""
-    if isinstance(layout, cute.ComposedLayout):
-        return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=dtype), layout.outer)
-    return cute.make_tensor(cute.recast_ptr(ptr, dtype=dtype), layout)
+from .common.fastmath import fma_rn
 
 
 @dataclass(frozen=True)
@@ -127,20 +93,7 @@ class RecurrenceTmaSmem:
     state_fp32: cute.Tensor
 
 
-@dataclass(frozen=True)
-class WarpCopies:
-    """Tiled copies of a compute warp, by operand and direction (which smem view each one reads)."""
-
-    ldsm_a: cute.TiledCopy  # A from K_INTER: kd, qd [16, D]; INV, Mqk [16, 16]
-    ldsm_a_t: cute.TiledCopy  # A from MN_INTER: krᵀ [D, 16]
-    ldsm_b: cute.TiledCopy  # B from K_INTER: the warp's state rows [cols, K]
-    ldsm_c: cute.TiledCopy  # C from K_INTER: the warp's v columns [16, cols]
-    ldsm_c_t: cute.TiledCopy  # C from MN_INTER: the warp's state columns [K, cols]
-    stsm_c: cute.TiledCopy  # C to K_INTER: the warp's out columns [16, cols]
-    stsm_c_t: cute.TiledCopy  # C to MN_INTER: the warp's state columns [K, cols]
-
-
-class FwdRecurrence:
+class FwdRecurrence(BandScan):
     """K2 for head dim 128, one compiled variant per static configuration.
 
     ``vsplit`` ∈ {1, 2, 4}: CTAs per (sequence, head), each owning ``128 / vsplit`` value columns.
@@ -156,19 +109,10 @@ class FwdRecurrence:
         final_state: Optional[type] = None,
         varlen: bool = False,
     ) -> None:
-        for name, dtype in (("initial_state", initial_state), ("final_state", final_state)):
-            if dtype not in (None, BFloat16, Float32):
-                raise ValueError(f"{name} must be None, BFloat16 or Float32, got {dtype}")
-        self.plan = RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=Float32 in (initial_state, final_state))
-        self.vsplit = vsplit
-        self.initial_state = initial_state
-        self.final_state = final_state
-        self.varlen = varlen
-        self.v_band = self.plan.v_band
-        self.warp_cols = self.plan.warp_cols
-        self.dim = self.plan.dim
-        # 8x8 matrices per ldmatrix/stmatrix of the warp's band: x4 covers 16 columns, x2 covers 8
-        self.band_matrices = 4 if self.warp_cols >= 16 else 2
+        super().__init__(
+            RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=Float32 in (initial_state, final_state)),
+            initial_state=initial_state, final_state=final_state, varlen=varlen, reverse=False,
+        )
 
     # -----------------------------------------------------------------------------------------
     # host
@@ -192,7 +136,6 @@ class FwdRecurrence:
         stream: driver.CUstream,
     ):
         """Launch K2. v, out ``[B, T, H, D]``; workspace fields as in :mod:`cute_kda.workspace`."""
-        plan = self.plan
         heads = v.shape[2]
         num_seqs = v.shape[0]
         if const_expr(self.varlen):
@@ -201,13 +144,7 @@ class FwdRecurrence:
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         store = cpasync.CopyBulkTensorTileS2GOp()
-
-        def runs_atom(op, view, rows: int, cols: int):
-            box = layouts.tma_box(rows, cols)
-            return cpasync.make_tiled_tma_atom(op, view, box, (layouts.RUN, rows, cols // layouts.RUN))
-
-        def vector_atom(field, n: int):
-            return cpasync.make_tiled_tma_atom(load, layouts.vector_rows_view(field), vector(n), (n,))
+        runs_atom = self.runs_atom
 
         tma_v, gmem_v = runs_atom(load, layouts.token_runs_view(v), CHUNK, self.v_band)
         tma_out, gmem_out = runs_atom(store, layouts.token_runs_view(out), CHUNK, self.v_band)
@@ -216,8 +153,8 @@ class FwdRecurrence:
         tma_kr, gmem_kr = runs_atom(load, layouts.tile_runs_view(ws_kr), CHUNK, self.dim)
         tma_inv, gmem_inv = runs_atom(load, layouts.tile_runs_view(ws_inv), CHUNK, CHUNK)
         tma_mqk, gmem_mqk = runs_atom(load, layouts.tile_runs_view(ws_mqk), CHUNK, CHUNK)
-        tma_gt, gmem_gt = vector_atom(ws_gt, self.dim)
-        tma_beta, gmem_beta = vector_atom(ws_beta, CHUNK)
+        tma_gt, gmem_gt = self.vector_atom(ws_gt, self.dim)
+        tma_beta, gmem_beta = self.vector_atom(ws_beta, CHUNK)
         tma_state_in, gmem_state_in = None, None
         if const_expr(initial_state is not None):
             tma_state_in, gmem_state_in = runs_atom(load, layouts.state_runs_view(initial_state), self.v_band, self.dim)
@@ -225,15 +162,7 @@ class FwdRecurrence:
         if const_expr(final_state is not None):
             tma_state_out, gmem_state_out = runs_atom(store, layouts.state_runs_view(final_state), self.v_band, self.dim)
 
-        @cute.struct
-        class SharedStorage:  # RecurrenceSmemPlan, in its order
-            state: cute.struct.Align[cute.struct.MemRange[BFloat16, plan.v_band * plan.dim], layouts.ALIGN]
-            union: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, plan.union_bytes], layouts.ALIGN]
-            load_mbar: cute.struct.MemRange[cutlass.Int64, 2 * plan.input_stages]
-            store_mbar: cute.struct.MemRange[cutlass.Int64, 2 * plan.output_stages]
-            state_mbar: cute.struct.MemRange[cutlass.Int64, 1]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self.make_shared_storage()
 
         self.kernel(
             tma_v, gmem_v, tma_out, gmem_out,
@@ -243,7 +172,7 @@ class FwdRecurrence:
             out, cu_seqlens, tile_base, Int32(tiles_per_head),
         ).launch(
             grid=[self.vsplit * num_seqs, heads, 1],  # the bands of one (sequence, head) are adjacent CTAs
-            block=[THREADS, 1, 1],
+            block=[self.threads, 1, 1],
             stream=stream,
         )
 
@@ -274,19 +203,9 @@ class FwdRecurrence:
         tidx, _, _ = cute.arch.thread_idx()
         band_seq, head, _ = cute.arch.block_idx()
         seq, band = band_seq // self.vsplit, band_seq % self.vsplit
-
-        # --- the CTA's sequence: batch index, first row inside the batch, length, workspace row of tile 0
-        batch = seq
-        first_row = Int32(0)
-        seq_len = Int32(out.shape[1])
-        first_tile = seq * ((seq_len + CHUNK - 1) // CHUNK)
-        if const_expr(self.varlen):
-            batch = Int32(0)
-            first_row = Int32(cu_seqlens[seq])
-            seq_len = Int32(cu_seqlens[seq + 1]) - first_row
-            first_tile = Int32(tile_base[seq])
-        num_tiles = (seq_len + CHUNK - 1) // CHUNK
-        ws_row0 = head * tiles_per_head + first_tile
+        batch, first_row, seq_len, num_tiles, ws_row0 = self.locate_sequence(
+            seq, head, Int32(out.shape[1]), tiles_per_head, cu_seqlens, tile_base
+        )
 
         # --- shared memory: operand views (ldmatrix/stmatrix) and TMA views of the same bytes
         storage = SmemAllocator().allocate(self.shared_storage)
@@ -319,45 +238,21 @@ class FwdRecurrence:
             state=smem_tensor(state_ptr, layouts.tma_box(self.v_band, self.dim), BFloat16),
             state_fp32=smem_tensor(union_ptr, layouts.tma_box(self.v_band, self.dim), Float32),
         )
-        state_mbar = storage.state_mbar.data_ptr()
-
-        # --- barriers (initialised by warp 0, made visible before any use)
-        load_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.load_mbar.data_ptr(),
-            num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),
-            tx_count=plan.stage_tx_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            defer_sync=True,
-        )
-        store_pipe = pipeline.PipelineAsync.create(
-            barrier_storage=storage.store_mbar.data_ptr(),
-            num_stages=out_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_THREADS),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-            defer_sync=True,
-        )
-        if warp_idx == 0:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_init(state_mbar, 1)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()
+        load_pipe, store_pipe, state_mbar = self.make_pipelines(warp_idx, storage)
 
         # --- initial state → bf16 state buffer
         state_in_tiles = None
         if const_expr(self.initial_state is not None):
             state_in_tiles = self.state_tile(gmem_state_in, seq, head, band)
-        self.load_initial_state(warp_idx, tidx, tma_state_in, state_in_tiles, state_mbar, smem, tma_smem)
+        self.load_initial_state(warp_idx, tidx, tma_state_in, state_in_tiles, state_mbar,
+                                smem.state, smem.state_fp32, tma_smem.state, tma_smem.state_fp32)
 
         # --- roles
-        if warp_idx < MMA_WARPS:
+        if warp_idx < self.mma_warps:
             self.compute(warp_idx, num_tiles, load_pipe, store_pipe, smem)
-        elif warp_idx == LOAD_WARP:
-            value_rows = cute.domain_offset((0, first_row, 0), gmem_v[None, None, None, head, batch])
+        elif warp_idx == self.load_warp:
             loads = (
-                (tma_v, cute.local_tile(value_rows, (layouts.RUN, CHUNK, self.v_band // layouts.RUN), (0, None, band)),
-                 tma_smem.v),
+                (tma_v, self.band_tiles(gmem_v, head, batch, first_row, band), tma_smem.v),
                 (tma_qd, self.workspace_tiles(gmem_qd, self.dim), tma_smem.qd),
                 (tma_kd, self.workspace_tiles(gmem_kd, self.dim), tma_smem.kd),
                 (tma_kr, self.workspace_tiles(gmem_kr, self.dim), tma_smem.kr),
@@ -368,185 +263,22 @@ class FwdRecurrence:
             )
             self.load(num_tiles, ws_row0, load_pipe, loads)
         else:
-            value_rows = cute.domain_offset((0, first_row, 0), gmem_out[None, None, None, head, batch])
-            out_tiles = cute.local_tile(value_rows, (layouts.RUN, CHUNK, self.v_band // layouts.RUN), (0, None, band))
             # plain view of this (batch, head, band) from the sequence start, for tail rows
             out_rows = cute.domain_offset((first_row, band * self.v_band), out[batch, None, head, None])
-            self.store(seq_len, num_tiles, store_pipe, tma_out, out_tiles, out_rows, smem, tma_smem)
+            outputs = (OutputTile(tma_out, tma_smem.out, smem.out,
+                                  self.band_tiles(gmem_out, head, batch, first_row, band), out_rows),)
+            self.store(seq_len, num_tiles, store_pipe, outputs)
 
         # --- final state
         cute.arch.fence_view_async_shared()  # stmatrix writes of the state → visible to the TMA store
         cute.arch.barrier()
         if const_expr(self.final_state is not None):
             state_out_tiles = self.state_tile(gmem_state_out, seq, head, band)
-            self.store_final_state(warp_idx, tidx, tma_state_out, state_out_tiles, smem, tma_smem)
-
-    def state_tile(self, gmem_state: cute.Tensor, seq: Int32, head: Int32, band: Int32) -> cute.Tensor:
-        """The ``(RUN, v_band, D / RUN)`` TMA tile of the state of (seq, head, band)."""
-        box = (layouts.RUN, self.v_band, self.dim // layouts.RUN)
-        return cute.local_tile(gmem_state[None, None, None, seq, head], box, (0, band, 0))
-
-    @staticmethod
-    def workspace_tiles(gmem: cute.Tensor, cols: int) -> cute.Tensor:
-        """``(RUN, 16, cols / RUN, rows)``: workspace row ``r`` is TMA tile ``[..., r]``."""
-        return cute.local_tile(gmem, (layouts.RUN, CHUNK, cols // layouts.RUN), (0, 0, 0, None))
-
-    # -----------------------------------------------------------------------------------------
-    # state I/O (all threads take part; TMA from one warp)
-
-    @cute.jit
-    def load_initial_state(
-        self, warp_idx: Int32, tidx: Int32, tma_state_in: Optional[cute.CopyAtom], g_state: Optional[cute.Tensor],
-        state_mbar: cute.Pointer, smem: RecurrenceSmem, tma_smem: RecurrenceTmaSmem,
-    ):
-        """State band → ``smem.state`` (bf16): zeros, a TMA load, or a TMA load of fp32 and a conversion."""
-        if const_expr(self.initial_state is None):
-            words = cute.recast_tensor(cute.group_modes(tma_smem.state, 0, 3), Uint32)
-            for i in cutlass.range(tidx, cute.size(words), THREADS, unroll=4):
-                words[i] = Uint32(0)
-        else:
-            fp32 = self.initial_state is Float32
-            target = tma_smem.state_fp32 if const_expr(fp32) else tma_smem.state
-            nbytes = self.plan.state_fp32_bytes if const_expr(fp32) else self.plan.state_bytes
-            if warp_idx == LOAD_WARP:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(state_mbar, nbytes)
-                s_part, g_part = cpasync.tma_partition(
-                    tma_state_in, 0, cute.make_layout(1), cute.group_modes(target, 0, 3), cute.group_modes(g_state, 0, 3)
-                )
-                cute.copy(tma_state_in, g_part, s_part, tma_bar_ptr=state_mbar)
-            cute.arch.mbarrier_wait(state_mbar, 0)
-            if const_expr(fp32):
-                self.convert_state(tidx, smem.state_fp32, smem.state)
-        cute.arch.fence_view_async_shared()  # generic smem accesses before any TMA touches these bytes
-        cute.arch.barrier()
-
-    @cute.jit
-    def store_final_state(
-        self, warp_idx: Int32, tidx: Int32, tma_state_out: cute.CopyAtom, g_state: cute.Tensor,
-        smem: RecurrenceSmem, tma_smem: RecurrenceTmaSmem,
-    ):
-        """``smem.state`` → the final-state band (bf16 directly, fp32 through the staging buffer)."""
-        source = tma_smem.state
-        if const_expr(self.final_state is Float32):
-            self.convert_state(tidx, smem.state, smem.state_fp32)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier()
-            source = tma_smem.state_fp32
-        if warp_idx == STORE_WARP:
-            s_part, g_part = cpasync.tma_partition(
-                tma_state_out, 0, cute.make_layout(1), cute.group_modes(source, 0, 3), cute.group_modes(g_state, 0, 3)
-            )
-            with cute.arch.elect_one():  # the DSL does not elect the issuing lane of a TMA store
-                cute.copy(tma_state_out, s_part, g_part)
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def convert_state(self, tidx: Int32, src: cute.Tensor, dst: cute.Tensor):
-        """``dst[v, k] = src[v, k]`` converted (fp32 → bf16 round-to-nearest-even, or bf16 → fp32 exactly).
-
-        Thread ``i`` takes the 8 consecutive k of one row v per step, consecutive threads consecutive
-        rows: 16-byte runs on the bf16 side, 32-byte runs on the fp32 side, both contiguous across a warp.
-        """
-        rows = self.v_band
-        for unit in cutlass.range(tidx, rows * (self.dim // layouts.RUN), THREADS, unroll=1):
-            row = unit % rows
-            col0 = (unit // rows) * layouts.RUN
-            for j in cutlass.range_constexpr(layouts.RUN):
-                dst[row, col0 + j] = dst.element_type(src[row, col0 + j])
-
-    # -----------------------------------------------------------------------------------------
-    # load warp
-
-    @cute.jit
-    def load(self, num_tiles: Int32, ws_row0: Int32, load_pipe: pipeline.PipelineTmaAsync, loads: tuple):
-        """One input stage per tile: the value band of 16 rows and the 7 workspace fields of the tile.
-
-        ``loads``: (atom, gmem tiles ``(box, tile)``, smem ``(box, stage)``) for v, then the workspace
-        fields (gmem tile index: the workspace row). Rows past the sequence end read the next
-        sequence's values (finite) or zeros past the tensor; the workspace gives them β = kd = kr = qd = 0,
-        so they change nothing.
-        """
-        copies = []
-        for atom, gmem, smem in loads:
-            cpasync.prefetch_descriptor(atom)
-            box_rank = cute.rank(smem) - 1
-            s_part, g_part = cpasync.tma_partition(
-                atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, box_rank), cute.group_modes(gmem, 0, box_rank)
-            )
-            copies.append((atom, s_part, g_part))
-
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.plan.input_stages)
-        for tile in cutlass.range(num_tiles, unroll=1):
-            load_pipe.producer_acquire(state)
-            barrier = load_pipe.producer_get_barrier(state)
-            for i in cutlass.range_constexpr(len(copies)):
-                atom, s_part, g_part = copies[i]
-                index = tile if const_expr(i == 0) else ws_row0 + tile
-                cute.copy(atom, g_part[None, index], s_part[None, state.index], tma_bar_ptr=barrier)
-            state.advance()
-        # no producer_tail: every warp meets the CTA barrier after its role, after the last release
-
-    # -----------------------------------------------------------------------------------------
-    # store warp
-
-    @cute.jit
-    def store(
-        self, seq_len: Int32, num_tiles: Int32, store_pipe: pipeline.PipelineAsync, tma_out: cute.CopyAtom,
-        out_tiles: cute.Tensor, out_rows: cute.Tensor, smem: RecurrenceSmem, tma_smem: RecurrenceTmaSmem,
-    ):
-        """Output stages → ``out``: a full tile by one TMA store, a tail tile by plain stores of its valid rows."""
-        lane = cute.arch.lane_idx()
-        s_part, g_part = cpasync.tma_partition(
-            tma_out, 0, cute.make_layout(1), cute.group_modes(tma_smem.out, 0, 3), cute.group_modes(out_tiles, 0, 3)
-        )
-        runs_per_row = self.v_band // layouts.RUN
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.plan.output_stages)
-        for tile in cutlass.range(num_tiles, unroll=1):
-            store_pipe.consumer_wait(state)
-            valid_rows = seq_len - tile * CHUNK
-            if valid_rows >= CHUNK:
-                with cute.arch.elect_one():  # the DSL does not elect the issuing lane of a TMA store
-                    cute.copy(tma_out, s_part[None, state.index], g_part[None, tile])
-                    cute.arch.cp_async_bulk_commit_group()
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-            else:
-                for run in cutlass.range(lane, CHUNK * runs_per_row, 32, unroll=1):
-                    row = run // runs_per_row
-                    col0 = (run % runs_per_row) * layouts.RUN
-                    if row < valid_rows:
-                        for j in cutlass.range_constexpr(layouts.RUN):
-                            out_rows[tile * CHUNK + row, col0 + j] = smem.out[row, col0 + j, state.index]
-            store_pipe.consumer_release(state)
-            state.advance()
+            self.store_final_state(warp_idx, tidx, tma_state_out, state_out_tiles,
+                                   smem.state, smem.state_fp32, tma_smem.state, tma_smem.state_fp32)
 
     # -----------------------------------------------------------------------------------------
     # compute warps
-
-    def warp_mma(self) -> cute.TiledMma:
-        """One warp's ``16 × warp_cols × 16`` tile of ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate)."""
-        return cute.make_tiled_mma(
-            warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)), (1, 1, 1),
-            permutation_mnk=(CHUNK, self.warp_cols, CHUNK),
-        )
-
-    def warp_copies(self, tiled_mma: cute.TiledMma) -> "WarpCopies":
-        """The ldmatrix / stmatrix tiled copies of the compute warps (x4, or x2 for 8-column bands)."""
-        band = self.band_matrices
-
-        def tiled(make, op):
-            return make(cute.make_copy_atom(op, BFloat16), tiled_mma)
-
-        return WarpCopies(
-            ldsm_a=tiled(cute.make_tiled_copy_A, warp.LdMatrix8x8x16bOp(False, 4)),
-            ldsm_a_t=tiled(cute.make_tiled_copy_A, warp.LdMatrix8x8x16bOp(True, 4)),
-            ldsm_b=tiled(cute.make_tiled_copy_B, warp.LdMatrix8x8x16bOp(False, band)),
-            ldsm_c=tiled(cute.make_tiled_copy_C, warp.LdMatrix8x8x16bOp(False, band)),
-            ldsm_c_t=tiled(cute.make_tiled_copy_C, warp.LdMatrix8x8x16bOp(True, band)),
-            stsm_c=tiled(cute.make_tiled_copy_C, warp.StMatrix8x8x16bOp(False, band)),
-            stsm_c_t=tiled(cute.make_tiled_copy_C, warp.StMatrix8x8x16bOp(True, band)),
-        )
 
     @cute.jit
     def compute(

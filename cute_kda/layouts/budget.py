@@ -214,7 +214,8 @@ def mbarriers(name: str, count: int, note: str) -> SmemBuffer:
 
 
 def k2_budget(plan: fwd_recurrence.RecurrenceSmemPlan = fwd_recurrence.RecurrenceSmemPlan()) -> SmemBudget:
-    """K2's shared memory as buffers with layouts, read off the kernel's own plan.
+    """K2's shared memory as buffers with layouts, read off the kernel's own plan (also the backward
+    scan's, whose plan :class:`~cute_kda.layouts.bwd_scan.ScanSmemPlan` is K2's with other fields).
 
     :class:`~cute_kda.layouts.fwd_recurrence.RecurrenceSmemPlan` is what K2 allocates (``state``, a
     byte ``union``, mbarriers) and where it puts each pipeline field inside the union. This gives the
@@ -232,11 +233,11 @@ def k2_budget(plan: fwd_recurrence.RecurrenceSmemPlan = fwd_recurrence.Recurrenc
     def vector(n: int) -> LayoutSpec:
         return layout_spec(f"vector({n})", smem.vector, n, dtype=f32)
 
-    slots = {"v": tile(chunk, v_band), "kd": tile(chunk, dim), "qd": tile(chunk, dim), "kr": tile(chunk, dim),
+    slots = {plan.token_field: tile(chunk, v_band), "kd": tile(chunk, dim), "qd": tile(chunk, dim), "kr": tile(chunk, dim),
              "gt": vector(dim), "inv": tile(chunk, chunk), "mqk": tile(chunk, chunk), "beta": vector(chunk)}
     pipeline = SmemGroup("pipeline", (
         *(SmemBuffer(name, slots[name], plan.input_stages, "input") for name in plan.input_field_bytes()),
-        SmemBuffer("out", tile(chunk, v_band), plan.output_stages, "output"),
+        *(SmemBuffer(name, tile(chunk, v_band), plan.output_stages, "output") for name in plan.output_fields),
     ))
     union: tuple[SmemNode, ...] = (pipeline,)
     if plan.state_io_fp32:
@@ -252,4 +253,4 @@ def k2_budget(plan: fwd_recurrence.RecurrenceSmemPlan = fwd_recurrence.Recurrenc
         mbarriers("state_mbar", 1, "initial-state TMA load"),
     ))
     staging = ", fp32 state staging" if plan.state_io_fp32 else ""
-    return SmemBudget(f"K2 vsplit={plan.vsplit} (v_band={v_band}){staging}", storage)
+    return SmemBudget(f"{plan.kernel_name} vsplit={plan.vsplit} (v_band={v_band}){staging}", storage)

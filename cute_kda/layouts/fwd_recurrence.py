@@ -22,12 +22,14 @@ the same objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..dsl import cute
 from .smem import CHUNK, HEAD_DIM, operand_tile, operand_tile_transposed, state_acc_view, state_b_view
 
 SUPPORTED_VSPLITS = (1, 2, 4)
 MMA_WARPS = 4  # compute warps; warp w owns value columns [w·v_band/4, (w+1)·v_band/4) of the CTA's band
+MIN_WARP_COLS = 8  # one n=8 mma atom: a narrower band runs on fewer compute warps
 INPUT_STAGES = 3
 OUTPUT_STAGES = 2
 ALIGN = 128  # byte alignment of every buffer (TMA needs 16; 128 keeps ldmatrix rows in one bank sweep)
@@ -64,7 +66,14 @@ class RecurrenceSmemPlan:
     ========  ======================  =====================================
 
     Each field is an array of 128-byte aligned stage slots (stage ``s`` at ``offset + s · slot``).
+    The class attributes name the per-token input field and the output fields, so a kernel with the
+    same skeleton and other tensors (the backward scan, :mod:`.bwd_scan`) reuses the plan.
     """
+
+    kernel_name: ClassVar[str] = "K2"
+    supported_vsplits: ClassVar[tuple[int, ...]] = SUPPORTED_VSPLITS
+    token_field: ClassVar[str] = "v"  # the per-token input tile of the CTA's band
+    output_fields: ClassVar[tuple[str, ...]] = ("out",)  # per-token output tiles of an output stage
 
     vsplit: int = 1
     state_io_fp32: bool = False  # the initial or the final state is fp32: the union holds the staging
@@ -74,8 +83,8 @@ class RecurrenceSmemPlan:
     output_stages: int = OUTPUT_STAGES
 
     def __post_init__(self) -> None:
-        if self.vsplit not in SUPPORTED_VSPLITS:
-            raise ValueError(f"vsplit must be one of {SUPPORTED_VSPLITS}, got {self.vsplit}")
+        if self.vsplit not in self.supported_vsplits:
+            raise ValueError(f"vsplit must be one of {self.supported_vsplits}, got {self.vsplit}")
 
     @property
     def v_band(self) -> int:
@@ -83,15 +92,20 @@ class RecurrenceSmemPlan:
         return self.dim // self.vsplit
 
     @property
+    def mma_warps(self) -> int:
+        """Compute warps: 4, or fewer when the band has fewer than 4 · 8 columns."""
+        return min(MMA_WARPS, self.v_band // MIN_WARP_COLS)
+
+    @property
     def warp_cols(self) -> int:
         """Value columns per compute warp (32, 16 or 8)."""
-        return self.v_band // MMA_WARPS
+        return self.v_band // self.mma_warps
 
     def input_field_bytes(self) -> dict[str, int]:
         """Input field → bytes of one stage (also the bytes its TMA copy delivers)."""
         c, d, vb = self.chunk, self.dim, self.v_band
         return {
-            "v": c * vb * _BF16,
+            self.token_field: c * vb * _BF16,
             "kd": c * d * _BF16,
             "qd": c * d * _BF16,
             "kr": c * d * _BF16,
@@ -130,12 +144,14 @@ class RecurrenceSmemPlan:
         for name, nbytes in self.input_field_bytes().items():
             offsets[name] = at
             at += _round_up(nbytes) * self.input_stages
-        offsets["out"] = at
+        for name in self.output_fields:
+            offsets[name] = at
+            at += _round_up(self.out_tile_bytes) * self.output_stages
         return offsets
 
     @property
     def pipeline_bytes(self) -> int:
-        return self.union_offsets()["out"] + _round_up(self.out_tile_bytes) * self.output_stages
+        return self.union_offsets()[self.output_fields[-1]] + _round_up(self.out_tile_bytes) * self.output_stages
 
     @property
     def union_bytes(self) -> int:
@@ -160,7 +176,7 @@ class RecurrenceSmemPlan:
 RUN = 8  # elements of one 16-byte (bf16) run: a row of a K_INTER core matrix
 
 
-def _staged(tile, stages: int):
+def staged(tile, stages: int):
     """``tile`` with a trailing stage mode (stage stride = cosize of the tile)."""
     outer = tile.outer if isinstance(tile, cute.ComposedLayout) else tile
     staged = cute.make_layout((*outer.shape, stages), stride=(*outer.stride, cute.cosize(outer)))
@@ -191,22 +207,22 @@ def state_fp32(plan: RecurrenceSmemPlan):
 
 def value_tile(plan: RecurrenceSmemPlan, stages: int):
     """``[16, v_band, stages]``: v (input stages) or out (output stages) tiles, K_INTER."""
-    return _staged(operand_tile(plan.chunk, plan.v_band), stages)
+    return staged(operand_tile(plan.chunk, plan.v_band), stages)
 
 
 def chunk_operand(plan: RecurrenceSmemPlan):
     """``[16, D, input_stages]``: kd / qd / kr tiles (A operand of ``kd·S``, ``qd·S``), K_INTER."""
-    return _staged(operand_tile(plan.chunk, plan.dim), plan.input_stages)
+    return staged(operand_tile(plan.chunk, plan.dim), plan.input_stages)
 
 
 def chunk_operand_transposed(plan: RecurrenceSmemPlan):
     """``[D, 16, input_stages]``: MN_INTER view of :func:`chunk_operand` (``krᵀ``, A operand of the update)."""
-    return _staged(operand_tile_transposed(plan.chunk, plan.dim), plan.input_stages)
+    return staged(operand_tile_transposed(plan.chunk, plan.dim), plan.input_stages)
 
 
 def square_tile(plan: RecurrenceSmemPlan):
     """``[16, 16, input_stages]``: INV / Mqk tiles (A operand), K_INTER."""
-    return _staged(operand_tile(plan.chunk, plan.chunk), plan.input_stages)
+    return staged(operand_tile(plan.chunk, plan.chunk), plan.input_stages)
 
 
 def vector(n: int, stages: int):

@@ -23,9 +23,10 @@ from __future__ import annotations
 from ..dsl import cute, cutlass
 from cutlass.cute.nvgpu import warpgroup
 
+from ..numerics import CHUNK
+
 AtomKind = warpgroup.SmemLayoutAtomKind
 
-CHUNK = 16
 HEAD_DIM = 128
 
 

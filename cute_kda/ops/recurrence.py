@@ -32,13 +32,13 @@ def choose_vsplit(num_seqs: int, heads: int, sm_count: int) -> int:
     return max(fitting, default=SUPPORTED_VSPLITS[0])
 
 
-def _state_type(dtype: torch.dtype | None):
+def state_dsl_type(dtype: torch.dtype | None):
     from ..dsl import cutlass
 
     return {None: None, torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[dtype]
 
 
-def _dtype(tensor: torch.Tensor | None) -> torch.dtype | None:
+def dtype_or_none(tensor: torch.Tensor | None) -> torch.dtype | None:
     return None if tensor is None else tensor.dtype
 
 
@@ -69,7 +69,7 @@ def _compiled(key: tuple, tensors: dict, stream):
 
         vsplit, state_in, state_out, varlen, _ = key
         kernel = FwdRecurrence(
-            vsplit=vsplit, initial_state=_state_type(state_in), final_state=_state_type(state_out), varlen=varlen,
+            vsplit=vsplit, initial_state=state_dsl_type(state_in), final_state=state_dsl_type(state_out), varlen=varlen,
         )
         return compile_for_launch(kernel, *launch_arguments(**tensors, tensor=to_cute_tensor), stream)
 
@@ -110,7 +110,7 @@ def recurrence(
         stream = current_stream(v.device)
         tensors = dict(v=v, ws=ws, out=out, cu_seqlens=cu_seqlens, tile_base=tile_base,
                        initial_state=initial_state, final_state=final_state)
-        key = (vsplit, _dtype(initial_state), _dtype(final_state), varlen, device_index(v.device))
+        key = (vsplit, dtype_or_none(initial_state), dtype_or_none(final_state), varlen, device_index(v.device))
         _compiled(key, tensors, stream)(*launch_arguments(**tensors), stream)
 
 

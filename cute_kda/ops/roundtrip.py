@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics import CHUNK
 from ._cache import CompileCache, compile_for_launch, current_stream, to_cute_tensor
 
-CHUNK = 16
 _CACHE = CompileCache("transpose_roundtrip")
 _DTYPES = (torch.bfloat16, torch.float16)
 _TMA_ALIGN = 16  # bytes: TMA base addresses and strides

@@ -103,12 +103,28 @@ def tma_store_tiles(*copies: tuple) -> None:
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
-def warp_tiled_mma(ab_dtype: type = cutlass.BFloat16, acc_dtype: type = cutlass.Float32):
-    """One warp's 16×16×16 tile of ``mma.sync.m16n8k16`` (two n=8 atoms side by side)."""
+def warp_tiled_mma(ab_dtype: type = cutlass.BFloat16, acc_dtype: type = cutlass.Float32, n: int = WARP_TILE):
+    """One warp's ``16 × n × 16`` tile of ``mma.sync.m16n8k16`` (``n / 8`` atoms side by side; 16 by default)."""
     return cute.make_tiled_mma(
         warp.MmaF16BF16Op(ab_dtype, acc_dtype, (16, 8, 16)), (1, 1, 1),
-        permutation_mnk=(WARP_TILE, WARP_TILE, WARP_TILE),
+        permutation_mnk=(WARP_TILE, n, WARP_TILE),
     )
+
+
+def c_row_half(i: int) -> int:
+    """Row half (0: row ``g``, 1: row ``g + 8``) of flat value ``i`` of a ``((2, 2), 1, n)`` C fragment.
+
+    Per n-atom the C fragment of ``mma.sync.m16n8k16`` holds ``(g, 2q), (g, 2q+1), (g+8, 2q),
+    (g+8, 2q+1)`` in this order (the kernels' fragment tests check it on the DSL's layouts).
+    """
+    return (i // 2) % 2
+
+
+def smem_tensor(ptr: cute.Pointer, layout, dtype: type) -> cute.Tensor:
+    """Tensor over ``ptr`` with ``layout``; a composed layout's swizzle goes on the pointer (as TMA sees it)."""
+    if isinstance(layout, cute.ComposedLayout):
+        return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=dtype), layout.outer)
+    return cute.make_tensor(cute.recast_ptr(ptr, dtype=dtype), layout)
 
 
 def make_fragment(
@@ -136,21 +152,24 @@ def _tiled_copy(copy_atom, tiled_mma, operand: Operand):
     return make(copy_atom, tiled_mma)
 
 
-def ldmatrix_copy(tiled_mma, operand: Operand, transpose: bool, dtype: type = cutlass.BFloat16):
-    """Tiled copy smem → registers (``ldmatrix.x4[.trans]``) of one 16×16 ``operand`` fragment.
+def ldmatrix_copy(tiled_mma, operand: Operand, transpose: bool, dtype: type = cutlass.BFloat16,
+                  num_matrices: int = 4):
+    """Tiled copy smem → registers (``ldmatrix.x4[.trans]``, or ``.x2`` / ``.x1``) of an ``operand`` fragment.
 
+    x4 moves one 16×16 fragment; x2 an 8-wide one (an 8-column band of a B or C operand).
     Use: ``thr = copy.get_slice(lane)``; ``cute.copy(copy, thr.partition_S(block), thr.retile(frag))``.
     """
-    atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4), dtype)
+    atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=num_matrices), dtype)
     return _tiled_copy(atom, tiled_mma, operand)
 
 
-def stmatrix_copy(tiled_mma, operand: Operand, transpose: bool, dtype: type = cutlass.BFloat16):
-    """Tiled copy registers → smem (``stmatrix.x4[.trans]``) of one 16×16 ``operand`` fragment.
+def stmatrix_copy(tiled_mma, operand: Operand, transpose: bool, dtype: type = cutlass.BFloat16,
+                  num_matrices: int = 4):
+    """Tiled copy registers → smem (``stmatrix.x4[.trans]``, or ``.x2`` / ``.x1``) of an ``operand`` fragment.
 
     Use: ``thr = copy.get_slice(lane)``; ``cute.copy(copy, thr.retile(frag), thr.partition_D(block))``.
     """
-    atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=transpose, num_matrices=4), dtype)
+    atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=transpose, num_matrices=num_matrices), dtype)
     return _tiled_copy(atom, tiled_mma, operand)
 
 

@@ -1,0 +1,358 @@
+"""The skeleton shared by the band-scan kernels: one CTA per (sequence, head, V-band), serial over tiles.
+
+K2 (the forward recurrence, tiles first to last) and Kernel A (the backward state-gradient scan,
+tiles last to first) are the same machine with other arithmetic:
+
+- a bf16 ``[v_band, D]`` band of a state-like matrix (the state ``S``, or its gradient ``dS``) in
+  shared memory for the whole kernel, loaded from and stored to ``[N, H, V, K]`` tensors (none,
+  bf16, or fp32 through a staging buffer that shares its bytes with the pipeline buffers);
+- a load warp that TMA-loads one input stage per tile (a per-token ``[16, v_band]`` tile and the
+  seven K1 workspace fields of the tile) under one transaction barrier of a ``PipelineTmaAsync``;
+- compute warps, warp ``w`` owning value columns ``[w·c, (w+1)·c)`` of the band (every line of both
+  scans is separable in the value columns, so the compute warps never wait for each other);
+- a store warp that drains the output stages of a ``PipelineAsync`` (a TMA store for a full tile,
+  plain stores of the valid rows for a tail tile, so the next sequence's rows are never written).
+
+:class:`BandScan` holds what does not depend on the arithmetic: the static configuration, sequence
+lookup, pipelines, the load and store roles, state I/O and the compute warps' tiled MMA and copies.
+A kernel subclasses it and brings its own ``__call__``, ``kernel`` and ``compute``.
+"""
+
+from typing import NamedTuple, Optional
+
+from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp
+
+import cutlass.pipeline as pipeline
+
+from ...dsl import cute, cutlass
+from ...layouts import fwd_recurrence as layouts
+from ...layouts.smem import vector
+from ...numerics import CHUNK
+from .copy import tma_store_tiles
+
+
+class WarpCopies(NamedTuple):
+    """Tiled copies of a compute warp, by operand and direction (which smem view each one reads)."""
+
+    ldsm_a: cute.TiledCopy  # A from K_INTER: [16, D] row tiles; [16, 16] squares
+    ldsm_a_t: cute.TiledCopy  # A from MN_INTER: transposed views ([D, 16], [16, 16])
+    ldsm_b: cute.TiledCopy  # B from K_INTER: the warp's band rows [cols, K]
+    ldsm_b_t: cute.TiledCopy  # B from MN_INTER: the warp's columns of a token tile, as [cols, 16]
+    ldsm_c: cute.TiledCopy  # C from K_INTER: the warp's columns of a token tile [16, cols]
+    ldsm_c_t: cute.TiledCopy  # C from MN_INTER: the warp's band columns [K, cols]
+    stsm_c: cute.TiledCopy  # C to K_INTER: the warp's columns of an output tile [16, cols]
+    stsm_c_t: cute.TiledCopy  # C to MN_INTER: the warp's band columns [K, cols]
+
+
+class OutputTile(NamedTuple):
+    """One per-token output of the store warp: its TMA atom, staged smem (TMA box and element views),
+    the gmem TMA tiles of the CTA's band and the plain ``[rows, v_band]`` view for tail rows."""
+
+    atom: cute.CopyAtom
+    tma_smem: cute.Tensor  # (RUN, 16, v_band / RUN, stage)
+    smem: cute.Tensor  # [16, v_band, stage]
+    gmem_tiles: cute.Tensor  # (RUN, 16, v_band / RUN, tile)
+    rows: cute.Tensor  # [tokens of the sequence, v_band]
+
+
+def _stage_stores(outputs: tuple, parts: list, stage, tile) -> list:
+    """(atom, smem stage, gmem tile) of every output: the TMA stores of one full output stage."""
+    return [(out.atom, s_part[None, stage], g_part[None, tile]) for out, (s_part, g_part) in zip(outputs, parts)]
+
+
+class BandScan:
+    """Static configuration and shared roles of a band-scan kernel (module docstring).
+
+    ``plan``: the kernel's :class:`~cute_kda.layouts.fwd_recurrence.RecurrenceSmemPlan` (or a
+    subclass). ``initial_state`` / ``final_state``: None, ``cutlass.BFloat16`` or ``cutlass.Float32``
+    (the dtype of the ``[N, H, V, K]`` tensors the band is loaded from before the tile loop and stored
+    to after it). ``varlen``: sequences packed along T with ``cu_seqlens``. ``reverse``: tiles run
+    from the last to the first.
+    """
+
+    def __init__(self, plan, *, initial_state: Optional[type], final_state: Optional[type], varlen: bool,
+                 reverse: bool) -> None:
+        for name, dtype in (("initial_state", initial_state), ("final_state", final_state)):
+            if dtype not in (None, BFloat16, Float32):
+                raise ValueError(f"{name} must be None, BFloat16 or Float32, got {dtype}")
+        self.plan = plan
+        self.vsplit = plan.vsplit
+        self.initial_state = initial_state
+        self.final_state = final_state
+        self.varlen = varlen
+        self.reverse = reverse
+        self.v_band = plan.v_band
+        self.warp_cols = plan.warp_cols
+        self.dim = plan.dim
+        self.mma_warps = plan.mma_warps
+        self.load_warp = plan.mma_warps
+        self.store_warp = plan.mma_warps + 1
+        self.threads = (plan.mma_warps + 2) * 32
+        self.mma_threads = plan.mma_warps * 32
+        # 8x8 matrices per ldmatrix/stmatrix of the warp's band: x4 covers 16 columns, x2 covers 8
+        self.band_matrices = 4 if self.warp_cols >= 16 else 2
+
+    # -----------------------------------------------------------------------------------------
+    # host (inside the @cute.jit launcher)
+
+    @staticmethod
+    def runs_atom(op, view: cute.Tensor, rows: int, cols: int):
+        """TMA atom and tensor moving ``[rows, cols]`` K_INTER tiles of a runs view as one box."""
+        box = layouts.tma_box(rows, cols)
+        return cpasync.make_tiled_tma_atom(op, view, box, (layouts.RUN, rows, cols // layouts.RUN))
+
+    @staticmethod
+    def vector_atom(field: cute.Tensor, n: int):
+        """TMA atom and tensor of the ``[rows, n]`` workspace vectors (gT, β), one row per copy."""
+        return cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), layouts.vector_rows_view(field), vector(n), (n,)
+        )
+
+    def make_shared_storage(self):
+        """The kernel's ``cute.struct``: the band, the union (pipelines or fp32 staging), the mbarriers."""
+        plan = self.plan
+
+        @cute.struct
+        class SharedStorage:  # RecurrenceSmemPlan, in its order
+            state: cute.struct.Align[cute.struct.MemRange[BFloat16, plan.v_band * plan.dim], layouts.ALIGN]
+            union: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, plan.union_bytes], layouts.ALIGN]
+            load_mbar: cute.struct.MemRange[cutlass.Int64, 2 * plan.input_stages]
+            store_mbar: cute.struct.MemRange[cutlass.Int64, 2 * plan.output_stages]
+            state_mbar: cute.struct.MemRange[cutlass.Int64, 1]
+
+        return SharedStorage
+
+    # -----------------------------------------------------------------------------------------
+    # device: set-up
+
+    @cute.jit
+    def locate_sequence(self, seq: Int32, head: Int32, seq_len_of_batch: Int32, tiles_per_head: Int32,
+                        cu_seqlens: Optional[cute.Tensor], tile_base: Optional[cute.Tensor]):
+        """(batch index, first row inside the batch, length, tiles, workspace row of its tile 0)."""
+        batch = seq
+        first_row = Int32(0)
+        seq_len = seq_len_of_batch
+        first_tile = seq * ((seq_len + CHUNK - 1) // CHUNK)
+        if const_expr(self.varlen):
+            batch = Int32(0)
+            first_row = Int32(cu_seqlens[seq])
+            seq_len = Int32(cu_seqlens[seq + 1]) - first_row
+            first_tile = Int32(tile_base[seq])
+        num_tiles = (seq_len + CHUNK - 1) // CHUNK
+        return batch, first_row, seq_len, num_tiles, head * tiles_per_head + first_tile
+
+    @cute.jit
+    def make_pipelines(self, warp_idx: Int32, storage):
+        """The input ``PipelineTmaAsync``, the output ``PipelineAsync`` and the state-load mbarrier,
+        initialised by warp 0 and made visible to the CTA before this returns."""
+        plan = self.plan
+        load_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.load_mbar.data_ptr(),
+            num_stages=plan.input_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_warps),
+            tx_count=plan.stage_tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        store_pipe = pipeline.PipelineAsync.create(
+            barrier_storage=storage.store_mbar.data_ptr(),
+            num_stages=plan.output_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            defer_sync=True,
+        )
+        state_mbar = storage.state_mbar.data_ptr()
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(state_mbar, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+        return load_pipe, store_pipe, state_mbar
+
+    def tile_at(self, step, num_tiles):
+        """The tile processed at loop step ``step`` (last first when ``reverse``)."""
+        if const_expr(self.reverse):
+            return num_tiles - 1 - step
+        return step
+
+    def state_tile(self, gmem_state: cute.Tensor, seq: Int32, head: Int32, band: Int32) -> cute.Tensor:
+        """The ``(RUN, v_band, D / RUN)`` TMA tile of the state of (seq, head, band)."""
+        box = (layouts.RUN, self.v_band, self.dim // layouts.RUN)
+        return cute.local_tile(gmem_state[None, None, None, seq, head], box, (0, band, 0))
+
+    @staticmethod
+    def workspace_tiles(gmem: cute.Tensor, cols: int) -> cute.Tensor:
+        """``(RUN, 16, cols / RUN, rows)``: workspace row ``r`` is TMA tile ``[..., r]``."""
+        return cute.local_tile(gmem, (layouts.RUN, CHUNK, cols // layouts.RUN), (0, 0, 0, None))
+
+    def band_tiles(self, gmem_tokens: cute.Tensor, head: Int32, batch: Int32, first_row: Int32,
+                   band: Int32) -> cute.Tensor:
+        """``(RUN, 16, v_band / RUN, tile)`` TMA tiles of a ``token_runs_view``: the CTA's band of the
+        sequence's token rows, tile ``t`` holding rows ``16t .. 16t + 15`` from ``first_row`` on."""
+        value_rows = cute.domain_offset((0, first_row, 0), gmem_tokens[None, None, None, head, batch])
+        return cute.local_tile(value_rows, (layouts.RUN, CHUNK, self.v_band // layouts.RUN), (0, None, band))
+
+    # -----------------------------------------------------------------------------------------
+    # state I/O (all threads take part; TMA from one warp)
+
+    @cute.jit
+    def load_initial_state(
+        self, warp_idx: Int32, tidx: Int32, tma_state_in: Optional[cute.CopyAtom], g_state: Optional[cute.Tensor],
+        state_mbar: cute.Pointer, state: cute.Tensor, state_fp32: cute.Tensor, tma_state: cute.Tensor,
+        tma_state_fp32: cute.Tensor,
+    ):
+        """Band → ``state`` (bf16): zeros, a TMA load, or a TMA load of fp32 and a conversion.
+
+        ``state`` / ``state_fp32``: the bf16 band and the fp32 staging as ``[v_band, D]`` element views;
+        ``tma_state`` / ``tma_state_fp32``: the same bytes as TMA boxes.
+        """
+        if const_expr(self.initial_state is None):
+            words = cute.recast_tensor(cute.group_modes(tma_state, 0, 3), Uint32)
+            for i in cutlass.range(tidx, cute.size(words), self.threads, unroll=4):
+                words[i] = Uint32(0)
+        else:
+            fp32 = self.initial_state is Float32
+            target = tma_state_fp32 if const_expr(fp32) else tma_state
+            nbytes = self.plan.state_fp32_bytes if const_expr(fp32) else self.plan.state_bytes
+            if warp_idx == self.load_warp:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(state_mbar, nbytes)
+                s_part, g_part = cpasync.tma_partition(
+                    tma_state_in, 0, cute.make_layout(1), cute.group_modes(target, 0, 3), cute.group_modes(g_state, 0, 3)
+                )
+                cute.copy(tma_state_in, g_part, s_part, tma_bar_ptr=state_mbar)
+            cute.arch.mbarrier_wait(state_mbar, 0)
+            if const_expr(fp32):
+                self.convert_state(tidx, state_fp32, state)
+        cute.arch.fence_view_async_shared()  # generic smem accesses before any TMA touches these bytes
+        cute.arch.barrier()
+
+    @cute.jit
+    def store_final_state(
+        self, warp_idx: Int32, tidx: Int32, tma_state_out: cute.CopyAtom, g_state: cute.Tensor,
+        state: cute.Tensor, state_fp32: cute.Tensor, tma_state: cute.Tensor, tma_state_fp32: cute.Tensor,
+    ):
+        """``state`` → the final-state band (bf16 directly, fp32 through the staging buffer)."""
+        source = tma_state
+        if const_expr(self.final_state is Float32):
+            self.convert_state(tidx, state, state_fp32)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier()
+            source = tma_state_fp32
+        if warp_idx == self.store_warp:
+            s_part, g_part = cpasync.tma_partition(
+                tma_state_out, 0, cute.make_layout(1), cute.group_modes(source, 0, 3), cute.group_modes(g_state, 0, 3)
+            )
+            tma_store_tiles((tma_state_out, s_part, g_part))
+
+    @cute.jit
+    def convert_state(self, tidx: Int32, src: cute.Tensor, dst: cute.Tensor):
+        """``dst[v, k] = src[v, k]`` converted (fp32 → bf16 round-to-nearest-even, or bf16 → fp32 exactly).
+
+        Thread ``i`` takes the 8 consecutive k of one row v per step, consecutive threads consecutive
+        rows: 16-byte runs on the bf16 side, 32-byte runs on the fp32 side, both contiguous across a warp.
+        """
+        rows = self.v_band
+        for unit in cutlass.range(tidx, rows * (self.dim // layouts.RUN), self.threads, unroll=1):
+            row = unit % rows
+            col0 = (unit // rows) * layouts.RUN
+            for j in cutlass.range_constexpr(layouts.RUN):
+                dst[row, col0 + j] = dst.element_type(src[row, col0 + j])
+
+    # -----------------------------------------------------------------------------------------
+    # load warp
+
+    @cute.jit
+    def load(self, num_tiles: Int32, ws_row0: Int32, load_pipe: pipeline.PipelineTmaAsync, loads: tuple):
+        """One input stage per tile: the per-token band tile and the 7 workspace fields of the tile.
+
+        ``loads``: (atom, gmem tiles ``(box, tile)``, smem ``(box, stage)``), the per-token tile first
+        (gmem tile index: the tile), then the workspace fields (gmem tile index: the workspace row).
+        Rows past the sequence end read the next sequence's rows (finite) or zeros past the tensor;
+        the workspace gives them β = kd = kr = qd = 0 and zero Mqk rows and columns, so they change
+        nothing.
+        """
+        copies = []
+        for atom, gmem, smem in loads:
+            cpasync.prefetch_descriptor(atom)
+            box_rank = cute.rank(smem) - 1
+            s_part, g_part = cpasync.tma_partition(
+                atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, box_rank), cute.group_modes(gmem, 0, box_rank)
+            )
+            copies.append((atom, s_part, g_part))
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.plan.input_stages)
+        for step in cutlass.range(num_tiles, unroll=1):
+            tile = self.tile_at(step, num_tiles)
+            load_pipe.producer_acquire(state)
+            barrier = load_pipe.producer_get_barrier(state)
+            for i in cutlass.range_constexpr(len(copies)):
+                atom, s_part, g_part = copies[i]
+                index = tile if const_expr(i == 0) else ws_row0 + tile
+                cute.copy(atom, g_part[None, index], s_part[None, state.index], tma_bar_ptr=barrier)
+            state.advance()
+        # no producer_tail: every warp meets the CTA barrier after its role, after the last release
+
+    # -----------------------------------------------------------------------------------------
+    # store warp
+
+    @cute.jit
+    def store(self, seq_len: Int32, num_tiles: Int32, store_pipe: pipeline.PipelineAsync, outputs: tuple):
+        """Output stages → the :class:`OutputTile` s: a full tile by one TMA store per output, a tail
+        tile by plain stores of its valid rows."""
+        lane = cute.arch.lane_idx()
+        parts = []
+        for out in outputs:
+            s_part, g_part = cpasync.tma_partition(
+                out.atom, 0, cute.make_layout(1), cute.group_modes(out.tma_smem, 0, 3),
+                cute.group_modes(out.gmem_tiles, 0, 3),
+            )
+            parts.append((s_part, g_part))
+        runs_per_row = self.v_band // layouts.RUN
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.plan.output_stages)
+        for step in cutlass.range(num_tiles, unroll=1):
+            tile = self.tile_at(step, num_tiles)
+            store_pipe.consumer_wait(state)
+            valid_rows = seq_len - tile * CHUNK
+            if valid_rows >= CHUNK:
+                tma_store_tiles(*_stage_stores(outputs, parts, state.index, tile))
+            else:
+                for out in outputs:
+                    for run in cutlass.range(lane, CHUNK * runs_per_row, 32, unroll=1):
+                        row = run // runs_per_row
+                        col0 = (run % runs_per_row) * layouts.RUN
+                        if row < valid_rows:
+                            for j in cutlass.range_constexpr(layouts.RUN):
+                                out.rows[tile * CHUNK + row, col0 + j] = out.smem[row, col0 + j, state.index]
+            store_pipe.consumer_release(state)
+            state.advance()
+
+    # -----------------------------------------------------------------------------------------
+    # compute warps
+
+    def warp_mma(self) -> cute.TiledMma:
+        """One warp's ``16 × warp_cols × 16`` tile of ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate)."""
+        return cute.make_tiled_mma(
+            warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)), (1, 1, 1),
+            permutation_mnk=(CHUNK, self.warp_cols, CHUNK),
+        )
+
+    def warp_copies(self, tiled_mma: cute.TiledMma) -> WarpCopies:
+        """The ldmatrix / stmatrix tiled copies of the compute warps (x4, or x2 for 8-column bands)."""
+        band = self.band_matrices
+
+        def tiled(make, op):
+            return make(cute.make_copy_atom(op, BFloat16), tiled_mma)
+
+        return WarpCopies(
+            ldsm_a=tiled(cute.make_tiled_copy_A, warp.LdMatrix8x8x16bOp(False, 4)),
+            ldsm_a_t=tiled(cute.make_tiled_copy_A, warp.LdMatrix8x8x16bOp(True, 4)),
+            ldsm_b=tiled(cute.make_tiled_copy_B, warp.LdMatrix8x8x16bOp(False, band)),
+            ldsm_b_t=tiled(cute.make_tiled_copy_B, warp.LdMatrix8x8x16bOp(True, band)),
+            ldsm_c=tiled(cute.make_tiled_copy_C, warp.LdMatrix8x8x16bOp(False, band)),
+            ldsm_c_t=tiled(cute.make_tiled_copy_C, warp.LdMatrix8x8x16bOp(True, band)),
+            stsm_c=tiled(cute.make_tiled_copy_C, warp.StMatrix8x8x16bOp(False, band)),
+            stsm_c_t=tiled(cute.make_tiled_copy_C, warp.StMatrix8x8x16bOp(True, band)),
+        )
