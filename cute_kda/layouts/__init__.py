@@ -9,7 +9,7 @@ one module per kernel with its layouts and smem plan (:mod:`.fwd_prepare`: K1, :
 K2). ``k1_budget()`` and ``k2_budget(RecurrenceSmemPlan(...))`` give both plans as buffer tables.
 """
 
-from . import analysis, budget, fwd_prepare, fwd_recurrence, smem, tma  # noqa: F401
+from . import analysis, budget, bwd_scan, fwd_prepare, fwd_recurrence, smem, tma  # noqa: F401
 from .analysis import bank_conflict_table, check_transpose_dual, design_pairs, format_conflict_table  # noqa: F401
 from .budget import SmemBudget, k2_budget  # noqa: F401
 from .fwd_prepare import smem_budget as k1_budget  # noqa: F401

@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..workspace import CHUNK, Workspace, WorkspaceSpec, tiles_per_head
+from ..workspace import CHUNK, SNAPSHOT_TILES, Workspace, WorkspaceSpec, snapshot_slots, tiles_per_head
 from .gold import STATE_LAYOUTS, gate_log_decay, gold_forward, l2norm
 from .mirror import _fma_f32, _mma, _tile_map, _to_tiles
 
@@ -93,8 +93,10 @@ class BwdScanResult(NamedTuple):
     """Outputs of the reverse state-gradient scan.
 
     du, dv ``[B, T, H, V]``; dh0 ``[N, H, V, K]`` ("vk") or ``[N, H, K, V]`` ("kv"); snapshots
-    ``[H*tiles, K, V]``: row ``h*tiles + global_tile`` (the workspace numbering) holds the gradient
-    w.r.t. the state after that tile, ``snapshots[row, k, v]``; rows of slots that are no tile are NaN.
+    ``[H·slots, K, V]`` (``slots = snapshot_slots(tiles, N, snapshot_every)``): row
+    ``h·slots + g // snapshot_every + s`` holds the gradient w.r.t. the state after global tile ``g``
+    (workspace numbering) of sequence ``s``, for every ``g`` that ends a block of ``snapshot_every``
+    global tiles or ends its sequence, as ``snapshots[row, k, v]``; the other rows are NaN.
     """
 
     du: torch.Tensor
@@ -124,6 +126,7 @@ def _reverse_scan(
     dht: torch.Tensor | None,
     state_layout: str,
     arith: _Arithmetic,
+    snapshot_every: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Kernel A chain (docs/numerics.md) in ``arith``; returns du, dv, dS ``[N, H, K, V]``, snapshots."""
     if state_layout not in STATE_LAYOUTS:
@@ -152,8 +155,10 @@ def _reverse_scan(
             raise ValueError(f"dht has shape {tuple(dht.shape)} for {num_seqs} sequences")
         state = init.to(device=device, dtype=arith.dtype).movedim(0, 1).contiguous()  # [H, N, K, V]
 
-    # slot `tiles` is a sink for the writes of sequences that have no tile at this step
-    snapshots = torch.full((heads, tiles + 1, key_dim, value_dim), math.nan, device=device, dtype=arith.dtype)
+    # slot `tiles` (`slots` for snapshots) is a sink for the writes of sequences that have no tile at this step
+    slots = snapshot_slots(tiles, num_seqs, snapshot_every)
+    seq_index = torch.arange(num_seqs, device=device)
+    snapshots = torch.full((heads, slots + 1, key_dim, value_dim), math.nan, device=device, dtype=arith.dtype)
     du_t = torch.empty(heads, tiles + 1, CHUNK, value_dim, device=device, dtype=arith.dtype)
     dv_t = torch.empty_like(du_t)
     counts, firsts = tile_map.tiles_per_seq, tile_map.bases[:-1]
@@ -162,7 +167,10 @@ def _reverse_scan(
         active = step < counts  # [N]
         slot = (firsts + torch.clamp(counts - 1 - step, min=0)).clamp(max=max(tiles - 1, 0))
         target = torch.where(active, slot, torch.full_like(slot, tiles))
-        snapshots.index_copy_(1, target, state)
+        # a snapshot where the global tile ends a block of `snapshot_every`, or ends its sequence (step 0)
+        keep = active & ((slot % snapshot_every == snapshot_every - 1) | (step == 0))
+        snapshots.index_copy_(1, torch.where(keep, slot // snapshot_every + seq_index, torch.full_like(slot, slots)),
+                              state)
         dO = do_t[:, slot]  # [H, N, 16, V]
         # both sums of dU (and of W) run in one accumulator: one matmul over the joined contraction
         dU = arith.store(arith.mma(torch.cat([mqk[:, slot].transpose(-1, -2), kr[:, slot]], -1),
@@ -179,7 +187,7 @@ def _reverse_scan(
         rows = t[:, :tiles].reshape(heads, tiles * CHUNK, value_dim)[:, tile_map.row_of_token]
         return rows.movedim(0, 1).reshape(batch, seq_len, heads, value_dim)
 
-    snapshot_rows = snapshots[:, :tiles].reshape(heads * tiles, key_dim, value_dim)
+    snapshot_rows = snapshots[:, :slots].reshape(heads * slots, key_dim, value_dim)
     return untile(du_t), untile(dv_t), state.movedim(1, 0), snapshot_rows
 
 
@@ -196,6 +204,7 @@ def mirror_bwd_scan(
     dht: torch.Tensor | None = None,
     dh0_dtype: torch.dtype = torch.float32,
     state_layout: str = "vk",
+    snapshot_every: int = SNAPSHOT_TILES,
 ) -> BwdScanResult:
     """Kernel A of docs/numerics.md with the kernel's rounding, over the workspace ``ws``.
 
@@ -217,7 +226,7 @@ def mirror_bwd_scan(
     for name, (_, dtype) in spec.fields().items():
         if getattr(ws, name).dtype != getattr(torch, dtype):
             raise TypeError(f"workspace field {name} is {getattr(ws, name).dtype}, the kernels write {dtype}")
-    du, dv, dS, snapshots = _reverse_scan(ws, do, cu_seqlens, dht, state_layout, _KERNEL)
+    du, dv, dS, snapshots = _reverse_scan(ws, do, cu_seqlens, dht, state_layout, _KERNEL, snapshot_every)
     return BwdScanResult(du, dv, _state_out(dS, state_layout, dh0_dtype), snapshots)
 
 
@@ -228,6 +237,7 @@ def chunk_bwd_scan_exact(
     cu_seqlens: torch.Tensor | None = None,
     dht: torch.Tensor | None = None,
     state_layout: str = "vk",
+    snapshot_every: int = SNAPSHOT_TILES,
 ) -> BwdScanResult:
     """The Kernel A chain of :func:`mirror_bwd_scan` in float64 with no rounding at all.
 
@@ -235,7 +245,7 @@ def chunk_bwd_scan_exact(
     chunk quantities (or a K1 workspace, to separate the scan's rounding from K1's). ``do``, ``dht``
     any float dtype, shapes as for :func:`mirror_bwd_scan`. Every output is float64.
     """
-    du, dv, dS, snapshots = _reverse_scan(ws, do, cu_seqlens, dht, state_layout, _EXACT)
+    du, dv, dS, snapshots = _reverse_scan(ws, do, cu_seqlens, dht, state_layout, _EXACT, snapshot_every)
     return BwdScanResult(du, dv, _state_out(dS, state_layout, torch.float64), snapshots)
 
 

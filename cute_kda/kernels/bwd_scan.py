@@ -1,0 +1,458 @@
+"""Kernel A: the backward state-gradient scan, one CTA per (sequence, head, V-band), tiles last to first.
+
+Per tile (docs/numerics.md, section "Kernel A"), with the band of the state gradient ``dS[k, v]``
+(the gradient w.r.t. the state after the tile, ``dS'``) bf16 in shared memory:
+
+```
+snapshot ← dS'                                   (kept for the tile-gradient kernel)
+dU = bf16(Mqkᵀ·dO + kr·dS')                      G1, G2 (one fp32 accumulator; 1 + 8 k-steps)
+du = INVᵀ·dU                                     G3 (dU moved C→B by movmatrix)
+du → du out (bf16);  dv = bf16(β·du) → dv out    (stmatrix into an output stage)
+dS ← bf16(fma(gT, dS', qdᵀ·dO − kdᵀ·dv))         G4, G5 and the combine, row block by row block of
+                                                 16 k (ldmatrix.trans / stmatrix.trans on the [K, V]
+                                                 view; −dv moved C→B by movmatrix)
+```
+
+Every line is separable in the value columns (V is never contracted), so warp ``w`` owns value
+columns ``[w·c, (w+1)·c)`` of the CTA's band and the compute warps never wait for each other inside
+a tile. The skeleton — roles, pipelines, state I/O, the load and store warps — is K2's
+(:class:`~cute_kda.kernels.common.band_scan.BandScan`): warps ``0 .. m-1`` compute (``m = 4``, 2 at
+V-split 8), warp ``m`` TMA-loads the input stages (dO band, kd, qd, kr, gT, INV, Mqk, β of the tile),
+warp ``m + 1`` stores the output stages (dv and du tiles; TMA for a full tile, the valid rows of a
+tail tile by plain stores).
+
+The snapshot of a tile goes from registers to global memory: the combine loads each 16-row block of
+``dS'`` into a C fragment before it is overwritten, and each lane stores the 32-bit pairs it holds.
+Snapshots are kept once per block of ``snapshot_every`` global tiles (default 4: 64 tokens) and
+at the last tile of each sequence, ``[H · slots, K, V]`` bf16 (:func:`cute_kda.workspace.snapshot_slots`).
+Global tensors: dO / dv / du ``[B, T, H, V]``; dht / dh0 ``[N, H, V, K]`` (none, bf16, fp32).
+
+Inputs are assumed valid (the launcher's callers check them): the K1 workspace of the forward
+(:mod:`cute_kda.workspace`), every base address 16-byte aligned, last modes contiguous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+from ..dsl import cute, cutlass  # first: sets the target architecture before the DSL loads
+
+import cutlass.pipeline as pipeline
+from cuda.bindings import driver
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
+from cutlass.cute.nvgpu import cpasync
+from cutlass.memory import SmemAllocator
+
+from ..layouts import bwd_scan as scan_layouts
+from ..layouts import fwd_recurrence as layouts
+from ..layouts.bwd_scan import ScanSmemPlan
+from ..numerics import CHUNK
+from ..workspace import SNAPSHOT_TILES
+from .common.band_scan import BandScan, OutputTile
+from .common.copy import c_row_half, smem_tensor, transpose_c_to_b
+from .common.fastmath import fma_rn
+
+
+class ScanWorkspace(NamedTuple):
+    """The K1 workspace fields Kernel A reads (``R = H · tiles`` rows, :mod:`cute_kda.workspace`)."""
+
+    qd: cute.Tensor  # bf16 [R, 16, D]
+    kd: cute.Tensor  # bf16 [R, 16, D]
+    kr: cute.Tensor  # bf16 [R, 16, D]
+    gt: cute.Tensor  # fp32 [R, D]
+    inv: cute.Tensor  # bf16 [R, 16, 16]
+    mqk: cute.Tensor  # bf16 [R, 16, 16]
+    beta: cute.Tensor  # fp32 [R, 16]
+
+
+class ScanTma(NamedTuple):
+    """(TMA atom, TMA tensor) per moved tensor: loads of dO and the workspace, stores of dv, du."""
+
+    do: tuple
+    dv: tuple
+    du: tuple
+    qd: tuple
+    kd: tuple
+    kr: tuple
+    gt: tuple
+    inv: tuple
+    mqk: tuple
+    beta: tuple
+
+
+@dataclass(frozen=True)
+class ScanSmem:
+    """Kernel A's shared-memory tensors, element views (see :mod:`cute_kda.layouts.bwd_scan`)."""
+
+    ds: cute.Tensor  # [v_band, D] bf16 K_INTER: dS as the B operand of kr·dS'
+    ds_acc: cute.Tensor  # [D, v_band] MN_INTER view of ds (the combine's C fragments)
+    ds_fp32: cute.Tensor  # [v_band, D] fp32 staging (in the union)
+    do_t: cute.Tensor  # [v_band, 16, stage] MN_INTER view of the dO tiles (B operand dOᵀ)
+    kr: cute.Tensor  # [16, D, stage]
+    qd_t: cute.Tensor  # [D, 16, stage] MN_INTER view of qd
+    kd_t: cute.Tensor  # [D, 16, stage] MN_INTER view of kd
+    gt: cute.Tensor  # [D, stage] fp32
+    inv_t: cute.Tensor  # [16, 16, stage] MN_INTER view of INV
+    mqk_t: cute.Tensor  # [16, 16, stage] MN_INTER view of Mqk
+    beta: cute.Tensor  # [16, stage] fp32
+    dv: cute.Tensor  # [16, v_band, out stage]
+    du: cute.Tensor  # [16, v_band, out stage]
+
+
+@dataclass(frozen=True)
+class ScanTmaSmem:
+    """The same bytes as :class:`ScanSmem`, as TMA boxes ``(RUN, rows, cols / RUN[, stage])``."""
+
+    do: cute.Tensor
+    qd: cute.Tensor
+    kd: cute.Tensor
+    kr: cute.Tensor
+    inv: cute.Tensor
+    mqk: cute.Tensor
+    dv: cute.Tensor
+    du: cute.Tensor
+    ds: cute.Tensor
+    ds_fp32: cute.Tensor
+
+
+class BwdScan(BandScan):
+    """Kernel A for head dim 128, one compiled variant per static configuration.
+
+    ``vsplit`` ∈ {1, 2, 4, 8}: CTAs per (sequence, head), each owning ``128 / vsplit`` value columns.
+    ``snapshot_every``: tiles per snapshot block (:func:`cute_kda.workspace.snapshot_slots`). ``dht`` / ``dh0``: None, ``cutlass.BFloat16`` or ``cutlass.Float32``: the dtype of the ``[N, H, V, K]``
+    gradient w.r.t. the final state (in) and w.r.t. the initial state (out); None means zero in and
+    no output. ``varlen``: sequences packed along T with ``cu_seqlens``.
+    """
+
+    def __init__(self, *, vsplit: int = 1, dht: Optional[type] = None, dh0: Optional[type] = None,
+                 varlen: bool = False, snapshot_every: int = SNAPSHOT_TILES) -> None:
+        super().__init__(
+            ScanSmemPlan(vsplit=vsplit, state_io_fp32=Float32 in (dht, dh0)),
+            initial_state=dht, final_state=dh0, varlen=varlen, reverse=True,
+        )
+        if snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        self.snapshot_every = snapshot_every
+
+    # -----------------------------------------------------------------------------------------
+    # host
+
+    @cute.jit
+    def __call__(
+        self,
+        do: cute.Tensor,
+        dv: cute.Tensor,
+        du: cute.Tensor,
+        ws: ScanWorkspace,
+        snapshots: cute.Tensor,
+        dht: Optional[cute.Tensor],
+        dh0: Optional[cute.Tensor],
+        cu_seqlens: Optional[cute.Tensor],
+        tile_base: Optional[cute.Tensor],
+        stream: driver.CUstream,
+    ):
+        """Launch Kernel A. do, dv, du ``[B, T, H, D]``; snapshots ``[H·tiles, D, D]``; dht, dh0 ``[N, H, D, D]``."""
+        heads = do.shape[2]
+        num_seqs = do.shape[0]
+        if const_expr(self.varlen):
+            num_seqs = cu_seqlens.shape[0] - 1
+        tiles_per_head = ws.qd.shape[0] // heads
+
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        store = cpasync.CopyBulkTensorTileS2GOp()
+        band, dim = self.v_band, self.dim
+        tma = ScanTma(
+            do=self.runs_atom(load, layouts.token_runs_view(do), CHUNK, band),
+            dv=self.runs_atom(store, layouts.token_runs_view(dv), CHUNK, band),
+            du=self.runs_atom(store, layouts.token_runs_view(du), CHUNK, band),
+            qd=self.runs_atom(load, layouts.tile_runs_view(ws.qd), CHUNK, dim),
+            kd=self.runs_atom(load, layouts.tile_runs_view(ws.kd), CHUNK, dim),
+            kr=self.runs_atom(load, layouts.tile_runs_view(ws.kr), CHUNK, dim),
+            gt=self.vector_atom(ws.gt, dim),
+            inv=self.runs_atom(load, layouts.tile_runs_view(ws.inv), CHUNK, CHUNK),
+            mqk=self.runs_atom(load, layouts.tile_runs_view(ws.mqk), CHUNK, CHUNK),
+            beta=self.vector_atom(ws.beta, CHUNK),
+        )
+        tma_dht, gmem_dht = None, None
+        if const_expr(dht is not None):
+            tma_dht, gmem_dht = self.runs_atom(load, layouts.state_runs_view(dht), band, dim)
+        tma_dh0, gmem_dh0 = None, None
+        if const_expr(dh0 is not None):
+            tma_dh0, gmem_dh0 = self.runs_atom(store, layouts.state_runs_view(dh0), band, dim)
+
+        self.shared_storage = self.make_shared_storage()
+        self.kernel(
+            tma, tma_dht, gmem_dht, tma_dh0, gmem_dh0, dv, du, snapshots, cu_seqlens, tile_base,
+            Int32(tiles_per_head), Int32(snapshots.shape[0] // heads),
+        ).launch(
+            grid=[self.vsplit * num_seqs, heads, 1],  # the bands of one (sequence, head) are adjacent CTAs
+            block=[self.threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,  # without a launch bound ptxas caps the registers at 64 and spills at V-split 1
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # device
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma: ScanTma,
+        tma_dht: Optional[cute.CopyAtom], gmem_dht: Optional[cute.Tensor],
+        tma_dh0: Optional[cute.CopyAtom], gmem_dh0: Optional[cute.Tensor],
+        dv: cute.Tensor,
+        du: cute.Tensor,
+        snapshots: cute.Tensor,
+        cu_seqlens: Optional[cute.Tensor],
+        tile_base: Optional[cute.Tensor],
+        tiles_per_head: Int32,
+        slots_per_head: Int32,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        band_seq, head, _ = cute.arch.block_idx()
+        seq, band = band_seq // self.vsplit, band_seq % self.vsplit
+        batch, first_row, seq_len, num_tiles, ws_row0 = self.locate_sequence(
+            seq, head, Int32(dv.shape[1]), tiles_per_head, cu_seqlens, tile_base
+        )
+        smem, tma_smem, storage = self.carve_smem()
+        load_pipe, store_pipe, state_mbar = self.make_pipelines(warp_idx, storage)
+
+        dht_tiles = None
+        if const_expr(self.initial_state is not None):
+            dht_tiles = self.state_tile(gmem_dht, seq, head, band)
+        self.load_initial_state(warp_idx, tidx, tma_dht, dht_tiles, state_mbar,
+                                smem.ds, smem.ds_fp32, tma_smem.ds, tma_smem.ds_fp32)
+
+        if warp_idx < self.mma_warps:
+            first_tile = ws_row0 - head * tiles_per_head  # global tile index of the sequence's tile 0
+            self.compute(warp_idx, band, num_tiles, first_tile, head * slots_per_head + seq,
+                         load_pipe, store_pipe, smem, snapshots)
+        elif warp_idx == self.load_warp:
+            loads = (
+                (tma.do[0], self.band_tiles(tma.do[1], head, batch, first_row, band), tma_smem.do),
+                (tma.qd[0], self.workspace_tiles(tma.qd[1], self.dim), tma_smem.qd),
+                (tma.kd[0], self.workspace_tiles(tma.kd[1], self.dim), tma_smem.kd),
+                (tma.kr[0], self.workspace_tiles(tma.kr[1], self.dim), tma_smem.kr),
+                (tma.inv[0], self.workspace_tiles(tma.inv[1], CHUNK), tma_smem.inv),
+                (tma.mqk[0], self.workspace_tiles(tma.mqk[1], CHUNK), tma_smem.mqk),
+                (tma.gt[0], cute.local_tile(tma.gt[1], (self.dim,), (0, None)), smem.gt),
+                (tma.beta[0], cute.local_tile(tma.beta[1], (CHUNK,), (0, None)), smem.beta),
+            )
+            self.load(num_tiles, ws_row0, load_pipe, loads)
+        else:
+            # plain views of this (batch, head, band) from the sequence start, for tail rows
+            band_col = band * self.v_band
+            outputs = (
+                OutputTile(tma.dv[0], tma_smem.dv, smem.dv, self.band_tiles(tma.dv[1], head, batch, first_row, band),
+                           cute.domain_offset((first_row, band_col), dv[batch, None, head, None])),
+                OutputTile(tma.du[0], tma_smem.du, smem.du, self.band_tiles(tma.du[1], head, batch, first_row, band),
+                           cute.domain_offset((first_row, band_col), du[batch, None, head, None])),
+            )
+            self.store(seq_len, num_tiles, store_pipe, outputs)
+
+        cute.arch.fence_view_async_shared()  # stmatrix writes of dS → visible to the TMA store
+        cute.arch.barrier()
+        if const_expr(self.final_state is not None):
+            self.store_final_state(warp_idx, tidx, tma_dh0, self.state_tile(gmem_dh0, seq, head, band),
+                                   smem.ds, smem.ds_fp32, tma_smem.ds, tma_smem.ds_fp32)
+
+    @cute.jit
+    def carve_smem(self):
+        """Element views and TMA views of the CTA's shared memory (:class:`ScanSmemPlan`, in its order)."""
+        plan = self.plan
+        storage = SmemAllocator().allocate(self.shared_storage)
+        ds_ptr = storage.state.data_ptr()
+        union_ptr = storage.union.data_ptr()
+        at = {name: union_ptr + offset for name, offset in plan.union_offsets().items()}
+        stages, out_stages = plan.input_stages, plan.output_stages
+        bf16 = BFloat16
+        smem = ScanSmem(
+            ds=smem_tensor(ds_ptr, layouts.state_b(plan), bf16),
+            ds_acc=smem_tensor(ds_ptr, layouts.state_acc(plan), bf16),
+            ds_fp32=smem_tensor(union_ptr, layouts.state_fp32(plan), Float32),
+            do_t=smem_tensor(at["do"], scan_layouts.token_tile_transposed(plan, stages), bf16),
+            kr=smem_tensor(at["kr"], layouts.chunk_operand(plan), bf16),
+            qd_t=smem_tensor(at["qd"], layouts.chunk_operand_transposed(plan), bf16),
+            kd_t=smem_tensor(at["kd"], layouts.chunk_operand_transposed(plan), bf16),
+            gt=smem_tensor(at["gt"], layouts.vector(self.dim, stages), Float32),
+            inv_t=smem_tensor(at["inv"], scan_layouts.square_tile_transposed(plan), bf16),
+            mqk_t=smem_tensor(at["mqk"], scan_layouts.square_tile_transposed(plan), bf16),
+            beta=smem_tensor(at["beta"], layouts.vector(CHUNK, stages), Float32),
+            dv=smem_tensor(at["dv"], layouts.value_tile(plan, out_stages), bf16),
+            du=smem_tensor(at["du"], layouts.value_tile(plan, out_stages), bf16),
+        )
+        tma_smem = ScanTmaSmem(
+            do=smem_tensor(at["do"], layouts.tma_box(CHUNK, self.v_band, stages), bf16),
+            qd=smem_tensor(at["qd"], layouts.tma_box(CHUNK, self.dim, stages), bf16),
+            kd=smem_tensor(at["kd"], layouts.tma_box(CHUNK, self.dim, stages), bf16),
+            kr=smem_tensor(at["kr"], layouts.tma_box(CHUNK, self.dim, stages), bf16),
+            inv=smem_tensor(at["inv"], layouts.tma_box(CHUNK, CHUNK, stages), bf16),
+            mqk=smem_tensor(at["mqk"], layouts.tma_box(CHUNK, CHUNK, stages), bf16),
+            dv=smem_tensor(at["dv"], layouts.tma_box(CHUNK, self.v_band, out_stages), bf16),
+            du=smem_tensor(at["du"], layouts.tma_box(CHUNK, self.v_band, out_stages), bf16),
+            ds=smem_tensor(ds_ptr, layouts.tma_box(self.v_band, self.dim), bf16),
+            ds_fp32=smem_tensor(union_ptr, layouts.tma_box(self.v_band, self.dim), Float32),
+        )
+        return smem, tma_smem, storage
+
+    # -----------------------------------------------------------------------------------------
+    # compute warps
+
+    @cute.jit
+    def compute(
+        self, warp_idx: Int32, band: Int32, num_tiles: Int32, first_tile: Int32, snapshot_row0: Int32,
+        load_pipe: pipeline.PipelineTmaAsync, store_pipe: pipeline.PipelineAsync, smem: ScanSmem,
+        snapshots: cute.Tensor,
+    ):
+        """G1-G5 and the combine per tile on the warp's ``warp_cols`` value columns (module docstring).
+
+        ``snapshot_row0 + g // snapshot_every`` is the snapshot row of global tile ``g`` (the
+        sequence's tiles are ``first_tile ..``), written when ``g`` ends a block or the sequence.
+        """
+        lane = cute.arch.lane_idx()
+        group, quad = lane // 4, lane % 4  # fragment row g (rows g and g + 8), column pair 2q
+        cols = self.warp_cols
+        dim = self.dim
+        k_steps = dim // CHUNK
+
+        tiled_mma = self.warp_mma()
+        copies = self.warp_copies(tiled_mma)
+        ldsm_a = copies.ldsm_a.get_slice(lane)
+        ldsm_a_t = copies.ldsm_a_t.get_slice(lane)
+        ldsm_b = copies.ldsm_b.get_slice(lane)
+        ldsm_b_t = copies.ldsm_b_t.get_slice(lane)
+        ldsm_c_t = copies.ldsm_c_t.get_slice(lane)
+        stsm_c = copies.stsm_c.get_slice(lane)
+        stsm_c_t = copies.stsm_c_t.get_slice(lane)
+
+        # the warp's columns of dS (both views), of dOᵀ and of the dv / du output tiles
+        w_ds = cute.local_tile(smem.ds, (cols, dim), (warp_idx, 0))  # [cols, K]
+        w_ds_acc = cute.local_tile(smem.ds_acc, (dim, cols), (0, warp_idx))  # [K, cols]
+        w_do_t = cute.local_tile(smem.do_t, (cols, CHUNK), (warp_idx, 0, None))  # [cols, 16, stage]
+        w_dv = cute.local_tile(smem.dv, (CHUNK, cols), (0, warp_idx, None))  # [16, cols, stage]
+        w_du = cute.local_tile(smem.du, (CHUNK, cols), (0, warp_idx, None))
+
+        # smem partitions (stage mode last)
+        p_kr = ldsm_a.partition_S(smem.kr)  # (CPY, 1, k_steps, stage)
+        p_qd_t = ldsm_a_t.partition_S(smem.qd_t)  # (CPY, k_steps, 1, stage)
+        p_kd_t = ldsm_a_t.partition_S(smem.kd_t)
+        p_inv_t = ldsm_a_t.partition_S(smem.inv_t)  # (CPY, 1, 1, stage)
+        p_mqk_t = ldsm_a_t.partition_S(smem.mqk_t)
+        p_ds = ldsm_b.partition_S(w_ds)  # (CPY, n, k_steps)
+        p_do_t = ldsm_b_t.partition_S(w_do_t)  # (CPY, n, 1, stage)
+        p_dv = stsm_c.partition_D(w_dv)
+        p_du = stsm_c.partition_D(w_du)
+        p_ds_acc_ld = ldsm_c_t.partition_S(w_ds_acc)  # (CPY, k_steps, n)
+        p_ds_acc_st = stsm_c_t.partition_D(w_ds_acc)
+
+        # register fragments
+        r_kr = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((CHUNK, dim)))  # ((2,2,2), 1, k_steps)
+        r_qd_t = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((dim, CHUNK)))  # ((2,2,2), k_steps, 1)
+        r_kd_t = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((dim, CHUNK)))
+        r_ds = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, dim)))  # ((2,2), n, k_steps)
+        r_square = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((CHUNK, CHUNK)))  # Mqkᵀ, then INVᵀ
+        r_do_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, CHUNK)))  # dOᵀ (G1 and G4)
+        r_c16_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, CHUNK)))  # dU as B (G3)
+        r_ndv_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, CHUNK)))  # −dv as B (G5)
+        c_shape = tiled_mma.partition_shape_C((CHUNK, cols))  # ((2,2), 1, n)
+        acc = tiled_mma.make_fragment_C(c_shape)  # dU, then du
+        acc_ds = tiled_mma.make_fragment_C(c_shape)  # qdᵀ·dO − kdᵀ·dv per row block
+        r_c16 = cute.make_rmem_tensor(c_shape, BFloat16)  # dU, then du (bf16 C fragments)
+        r_dv = cute.make_rmem_tensor(c_shape, BFloat16)
+        r_ndv = cute.make_rmem_tensor(c_shape, BFloat16)
+        r_ds_acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((dim, cols)), BFloat16)  # ((2,2), k_steps, n)
+        ds_words = cute.recast_tensor(r_ds_acc, Uint32)  # ((1,2), k_steps, n): pairs of value columns
+
+        v_kr = ldsm_a.retile(r_kr)
+        v_qd_t = ldsm_a_t.retile(r_qd_t)
+        v_kd_t = ldsm_a_t.retile(r_kd_t)
+        v_ds = ldsm_b.retile(r_ds)
+        v_square = ldsm_a_t.retile(r_square)
+        v_do_b = ldsm_b_t.retile(r_do_b)
+        v_dv = stsm_c.retile(r_dv)
+        v_du = stsm_c.retile(r_c16)
+        v_ds_acc_ld = ldsm_c_t.retile(r_ds_acc)
+        v_ds_acc_st = stsm_c_t.retile(r_ds_acc)
+
+        # the lane's snapshot words: row k = 16·m + g + 8·h, word column (first value column) / 2 + 4·j + q
+        col_word0 = (band * self.v_band + warp_idx * cols) // 2 + quad
+        words_per_row = self.dim // 2
+        snapshot_words = cute.recast_ptr(snapshots.iterator, dtype=Uint32)
+
+        load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.plan.input_stages)
+        out_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.plan.output_stages)
+        for step in cutlass.range(num_tiles, unroll=1):
+            tile = self.tile_at(step, num_tiles)
+            load_pipe.consumer_wait(load_state)
+            stage = load_state.index
+
+            # G1 + G2: dU = Mqkᵀ·dO + kr·dS' (one accumulator); operands of step k+1 load before mma k
+            acc.fill(0.0)
+            cute.copy(ldsm_a_t, p_mqk_t[None, None, None, stage], v_square)
+            cute.copy(ldsm_b_t, p_do_t[None, None, None, stage], v_do_b)
+            cute.copy(ldsm_a, p_kr[None, None, 0, stage], v_kr[None, None, 0])
+            cute.copy(ldsm_b, p_ds[None, None, 0], v_ds[None, None, 0])
+            cute.gemm(tiled_mma, acc, r_square[None, None, 0], r_do_b[None, None, 0], acc)
+            for k in cutlass.range_constexpr(k_steps):
+                if const_expr(k + 1 < k_steps):
+                    cute.copy(ldsm_a, p_kr[None, None, k + 1, stage], v_kr[None, None, k + 1])
+                    cute.copy(ldsm_b, p_ds[None, None, k + 1], v_ds[None, None, k + 1])
+                cute.gemm(tiled_mma, acc, r_kr[None, None, k], r_ds[None, None, k], acc)
+            r_c16.store(acc.load().to(BFloat16))
+
+            # G3: du = INVᵀ·dU, dU moved C → B in registers
+            transpose_c_to_b(r_c16, r_c16_b)
+            cute.copy(ldsm_a_t, p_inv_t[None, None, None, stage], v_square)
+            acc.fill(0.0)
+            cute.gemm(tiled_mma, acc, r_square[None, None, 0], r_c16_b[None, None, 0], acc)
+
+            # du and dv = bf16(β·du) → output stage; −dv (exact negation) as the B operand of G5
+            beta = (smem.beta[group, stage], smem.beta[group + 8, stage])
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                scaled = acc[i] * beta[c_row_half(i)]
+                r_c16[i] = BFloat16(acc[i])
+                r_dv[i] = BFloat16(scaled)
+                r_ndv[i] = BFloat16(-scaled)
+            store_pipe.producer_acquire(out_state)
+            cute.copy(stsm_c, v_dv, p_dv[None, None, None, out_state.index])
+            cute.copy(stsm_c, v_du, p_du[None, None, None, out_state.index])
+            cute.arch.fence_view_async_shared()
+            store_pipe.producer_commit(out_state)
+            out_state.advance()
+            transpose_c_to_b(r_ndv, r_ndv_b)
+
+            # G4 + G5 + combine, row block m of 16 k: dS ← bf16(fma(gT, dS', qdᵀ·dO − kdᵀ·dv)); the
+            # block's dS' goes to the snapshot first (on a snapshot tile); block m+1 is loaded before
+            # block m is written back
+            global_tile = first_tile + tile
+            take_snapshot = (global_tile % self.snapshot_every == self.snapshot_every - 1) or (tile == num_tiles - 1)
+            row_words = snapshot_words + Int64(snapshot_row0 + global_tile // self.snapshot_every) * (
+                self.dim * words_per_row)
+            snapshot = cute.make_tensor(row_words, cute.make_layout((self.dim, words_per_row), stride=(words_per_row, 1)))
+            cute.copy(ldsm_a_t, p_qd_t[None, 0, None, stage], v_qd_t[None, 0, None])
+            cute.copy(ldsm_a_t, p_kd_t[None, 0, None, stage], v_kd_t[None, 0, None])
+            cute.copy(ldsm_c_t, p_ds_acc_ld[None, 0, None], v_ds_acc_ld[None, 0, None])
+            for m in cutlass.range_constexpr(k_steps):
+                acc_ds.fill(0.0)
+                cute.gemm(tiled_mma, acc_ds, r_qd_t[None, m, None], r_do_b[None, None, 0], acc_ds)
+                cute.gemm(tiled_mma, acc_ds, r_kd_t[None, m, None], r_ndv_b[None, None, 0], acc_ds)
+                if const_expr(m + 1 < k_steps):
+                    cute.copy(ldsm_a_t, p_qd_t[None, m + 1, None, stage], v_qd_t[None, m + 1, None])
+                    cute.copy(ldsm_a_t, p_kd_t[None, m + 1, None, stage], v_kd_t[None, m + 1, None])
+                    cute.copy(ldsm_c_t, p_ds_acc_ld[None, m + 1, None], v_ds_acc_ld[None, m + 1, None])
+                if take_snapshot:
+                    for half in cutlass.range_constexpr(2):
+                        for atom in cutlass.range_constexpr(cols // 8):
+                            snapshot[CHUNK * m + group + 8 * half, col_word0 + 4 * atom] = ds_words[(0, half), m, atom]
+                decay = (smem.gt[m * CHUNK + group, stage], smem.gt[m * CHUNK + group + 8, stage])
+                block = r_ds_acc[None, m, None]
+                for i in cutlass.range_constexpr(cute.size(acc_ds)):
+                    block[i] = BFloat16(fma_rn(decay[c_row_half(i)], Float32(block[i]), acc_ds[i]))
+                cute.copy(stsm_c_t, v_ds_acc_st[None, m, None], p_ds_acc_st[None, m, None])
+
+            # the warp's dS columns and its reads of this stage are complete before lane 0 releases it
+            cute.arch.sync_warp()
+            load_pipe.consumer_release(load_state)
+            load_state.advance()

@@ -1,0 +1,146 @@
+"""Torch launcher of Kernel A (:class:`cute_kda.kernels.bwd_scan.BwdScan`), the backward state-gradient scan.
+
+Like :mod:`.recurrence`: inputs are the forward's validated tensors plus the upstream gradients, on
+one CUDA device, C-contiguous, 16-byte aligned; this module checks the buffers it is handed against
+each other (shapes, dtypes, devices), picks the compiled variant and launches on torch's current
+stream. Nothing here reads device memory on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layouts.bwd_scan import SCAN_VSPLITS
+from ..workspace import Workspace, snapshot_slots
+from ._cache import CompileCache, compile_for_launch, current_stream, device_index, launch_tensor, to_cute_tensor
+from .prepare import tile_bases
+from .recurrence import dtype_or_none, state_dsl_type
+
+_CACHE = CompileCache("bwd_scan")
+_STATE_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def choose_scan_vsplit(num_seqs: int, heads: int, sm_count: int) -> int:
+    """V-split for ``num_seqs × heads`` (sequence, head) pairs on ``sm_count`` SMs.
+
+    The largest VSplit in {1, 2, 4, 8} whose CTA count ``N·H·VSplit`` fits one CTA per SM (1 when
+    even ``N·H`` does not): Kernel A has K2's skeleton, whose measured rule this is
+    (:func:`cute_kda.ops.recurrence.choose_vsplit`); ``benchmarks/bench_bwd.py`` measures Kernel A.
+    """
+    fitting = [v for v in SCAN_VSPLITS if num_seqs * heads * v <= sm_count]
+    return max(fitting, default=SCAN_VSPLITS[0])
+
+
+def snapshot_shape(ws: Workspace, heads: int, num_seqs: int) -> tuple[int, int, int]:
+    """Shape of the snapshot buffer for workspace ``ws``: ``[H · slots, K, V]`` bf16
+    (:func:`cute_kda.workspace.snapshot_slots` slots per head: one per 4-tile block and sequence end)."""
+    rows, _, dim = ws.qd.shape
+    return (heads * snapshot_slots(rows // heads, num_seqs), dim, dim)
+
+
+def launch_arguments(
+    do: torch.Tensor, ws: Workspace, dv: torch.Tensor, du: torch.Tensor, snapshots: torch.Tensor, *,
+    dht: torch.Tensor | None, dh0: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+    tile_base: torch.Tensor | None, tensor=launch_tensor,
+) -> tuple:
+    """The tensor arguments of ``BwdScan.__call__`` (dynamic shapes: one compile serves all sizes).
+
+    ``tensor(t, assumed_align)``: :func:`~._cache.launch_tensor` for a call of the compiled function,
+    :func:`~._cache.to_cute_tensor` for the compile.
+    """
+    from ..kernels.bwd_scan import ScanWorkspace
+
+    workspace = ScanWorkspace(
+        qd=tensor(ws.qd, 16), kd=tensor(ws.kd, 16), kr=tensor(ws.kr, 16), gt=tensor(ws.gt, 16),
+        inv=tensor(ws.inv, 16), mqk=tensor(ws.mqk, 16), beta=tensor(ws.beta, 16),
+    )
+    return (
+        tensor(do, 16), tensor(dv, 16), tensor(du, 16), workspace, tensor(snapshots, 16),
+        tensor(dht, 16), tensor(dh0, 16), tensor(cu_seqlens, 8), tensor(tile_base, 4),
+    )
+
+
+def _compiled(key: tuple, tensors: dict, stream):
+    """The compiled variant ``key = (vsplit, dht dtype, dh0 dtype, varlen, device)``, compiled on first
+    use from ``tensors`` (:func:`launch_arguments`' keywords)."""
+
+    def build():
+        from ..kernels.bwd_scan import BwdScan
+
+        vsplit, dht, dh0, varlen, _ = key
+        kernel = BwdScan(vsplit=vsplit, dht=state_dsl_type(dht), dh0=state_dsl_type(dh0), varlen=varlen)
+        return compile_for_launch(kernel, *launch_arguments(**tensors, tensor=to_cute_tensor), stream)
+
+    return _CACHE.get(key, build)
+
+
+def _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs: int) -> None:
+    """Shapes, dtypes and devices of Kernel A's buffers against ``do`` and the workspace."""
+    batch, steps, heads, dim = do.shape
+    if do.dtype != torch.bfloat16 or dim != ws.qd.shape[-1]:
+        raise ValueError(f"do must be bf16 [B, T, H, {ws.qd.shape[-1]}], got {do.dtype} {tuple(do.shape)}")
+    if ws.qd.shape[0] % heads:
+        raise ValueError(f"workspace rows {ws.qd.shape[0]} are not a multiple of H = {heads}")
+    for name, t in (("dv", dv), ("du", du)):
+        if t.dtype != torch.bfloat16 or t.shape != do.shape or t.device != do.device:
+            raise ValueError(f"{name} must be bf16 {tuple(do.shape)} on {do.device}, got {t.dtype} {tuple(t.shape)}")
+    expected = snapshot_shape(ws, heads, num_seqs)
+    if snapshots.dtype != torch.bfloat16 or tuple(snapshots.shape) != expected:
+        raise ValueError(f"snapshots must be bf16 {expected}, got {snapshots.dtype} {tuple(snapshots.shape)}")
+    for name, t in (("dht", dht), ("dh0", dh0)):
+        if t is not None and (t.dtype not in _STATE_DTYPES or tuple(t.shape) != (num_seqs, heads, dim, dim)):
+            raise ValueError(f"{name} must be bf16 or fp32 {(num_seqs, heads, dim, dim)}, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    for name, t in (("snapshots", snapshots), ("dht", dht), ("dh0", dh0), ("ws", ws.qd)):
+        if t is not None and t.device != do.device:
+            raise ValueError(f"{name} is on {t.device}, do on {do.device}")
+
+
+def bwd_scan(
+    do: torch.Tensor,
+    ws: Workspace,
+    dv: torch.Tensor,
+    du: torch.Tensor,
+    snapshots: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    tile_base: torch.Tensor | None = None,
+    dht: torch.Tensor | None = None,
+    dh0: torch.Tensor | None = None,
+    vsplit: int | None = None,
+) -> None:
+    """Run Kernel A: ``dv``, ``du`` (valid rows only), ``snapshots`` and, when given, ``dh0``.
+
+    do, dv, du: bf16 ``[B, T, H, 128]`` (dO the gradient w.r.t. the forward's output; du the gradient
+    w.r.t. ``u = β ⊙ (v − kd S)`` of each tile, for the tile-gradient kernel; dv the gradient w.r.t. v).
+    ws: the K1 :class:`~cute_kda.workspace.Workspace` of the forward these gradients belong to.
+    snapshots: bf16 ``[H · slots, K, V]`` (:func:`snapshot_shape`): row ``h · slots + g // 4 + s``
+    receives the gradient w.r.t. the state after global tile ``g`` of sequence ``s``, head ``h``,
+    where ``g`` ends a block of 4 global tiles or the sequence (:func:`~cute_kda.workspace.snapshot_slots`);
+    other rows are not written. dht: None (zero) or bf16 / fp32 ``[N, H, V, K]``, the gradient w.r.t. the final
+    state; dh0: None or bf16 / fp32 ``[N, H, V, K]``, receives the gradient w.r.t. the initial state
+    (the bf16 scan value, widened exactly for fp32). ``cu_seqlens`` int64 ``[N+1]`` with B == 1
+    packs N sequences (``tile_base`` int32 ``[N+1]`` derived when not given); ``vsplit`` ∈ {1, 2, 4, 8}
+    or None (:func:`choose_scan_vsplit`). Launches on torch's current stream of ``do``'s device.
+    """
+    varlen = cu_seqlens is not None
+    num_seqs = cu_seqlens.numel() - 1 if varlen else do.shape[0]
+    heads = do.shape[2]
+    _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs)
+    if vsplit is not None and vsplit not in SCAN_VSPLITS:
+        raise ValueError(f"vsplit must be one of {SCAN_VSPLITS} or None, got {vsplit}")
+    if num_seqs == 0 or heads == 0:
+        return
+    if vsplit is None:
+        from ..config import sm_count
+
+        vsplit = choose_scan_vsplit(num_seqs, heads, sm_count(device_index(do.device)))
+    if varlen and tile_base is None:
+        tile_base = tile_bases(cu_seqlens)
+    with torch.cuda.device(do.device):
+        stream = current_stream(do.device)
+        tensors = dict(do=do, ws=ws, dv=dv, du=du, snapshots=snapshots, dht=dht, dh0=dh0,
+                       cu_seqlens=cu_seqlens, tile_base=tile_base)
+        key = (vsplit, dtype_or_none(dht), dtype_or_none(dh0), varlen, device_index(do.device))
+        _compiled(key, tensors, stream)(*launch_arguments(**tensors), stream)
+
