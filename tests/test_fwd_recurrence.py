@@ -285,11 +285,13 @@ def _copy_model(vsplit: int, name: str, view_shape, operand: str, transpose: boo
     return moved
 
 
-# (copy, view shape given warp columns c, operand, .trans, stmatrix): the kernel's seven copies
+# (copy, view shape given warp columns c, operand, .trans, stmatrix): the band-scan kernels' eight copies
+# (ldsm_b_t is the backward scan's dOᵀ; the others are K2's)
 _COPIES = {
     "ldsm_a": (lambda c: (CHUNK, D), "A", False, False),  # kd / qd [16, D] (INV, Mqk: first block)
     "ldsm_a_t": (lambda c: (D, CHUNK), "A", True, False),  # krᵀ: MN_INTER view [D, 16]
     "ldsm_b": (lambda c: (c, D), "B", False, False),  # S band [cols, K]
+    "ldsm_b_t": (lambda c: (c, CHUNK), "B", True, False),  # dOᵀ [cols, 16] (MN_INTER view of a token tile)
     "ldsm_c": (lambda c: (CHUNK, c), "C", False, False),  # v [16, cols]
     "ldsm_c_t": (lambda c: (D, c), "C", True, False),  # S band [K, cols] (MN_INTER)
     "stsm_c": (lambda c: (CHUNK, c), "C", False, True),  # out [16, cols]
