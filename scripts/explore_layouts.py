@@ -7,7 +7,8 @@
 Sections: ``atoms`` (GMMA smem atoms and the kernels' layouts as CuTe prints them), ``grids``
 (tiled layouts drawn as index grids), ``dual`` (transpose-dual check), ``banks`` (ldmatrix/stmatrix
 wavefronts per instruction: K_INTER vs row-major vs K_SW128), ``budget`` (smem per kernel plan: K1's
-``smem_budget``, K2's ``RecurrenceSmemPlan`` per V-split and state I/O).
+``smem_budget``, K2's ``RecurrenceSmemPlan`` per V-split and state I/O), ``gemm`` (the multistage GEMM
+of ``cute_kda.layouts.gemm``: its smem layouts, the swizzle, its bank conflicts with and without it).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from cute_kda.dsl import cutlass  # noqa: E402
 from cute_kda.layouts import RecurrenceSmemPlan, analysis, k1_budget, k2_budget, smem  # noqa: E402
 from cute_kda.layouts.analysis import layout_spec  # noqa: E402
 
-SECTIONS = ("atoms", "grids", "dual", "banks", "budget")
+SECTIONS = ("atoms", "grids", "dual", "banks", "budget", "gemm")
 DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
 
 
@@ -100,6 +101,28 @@ def print_budget(dim: int, chunk: int) -> None:
               f"{b.total_bytes:8d} {b.ctas_per_sm:7d}")
 
 
+def print_gemm() -> None:
+    """The multistage GEMM (``cute_kda.layouts.gemm``): its smem layouts per offered tile, the swizzle
+    as 16-byte chunks per row, and the bank conflicts of its accesses with and without the swizzle."""
+    from cute_kda.layouts import gemm
+    from cute_kda.ops.gemm import CONFIGS
+
+    print("== multistage GEMM: smem layouts, swizzle, bank conflicts (swizzled vs row-major) ==")
+    for name, kwargs in CONFIGS.items():
+        (bm, bn, bk), (wm, wn) = kwargs["tile"], kwargs["warps"]
+        for out_dtype in (cutlass.BFloat16, cutlass.Float32):
+            plan = gemm.GemmPlan(bm=bm, bn=bn, bk=bk, warps_m=wm, warps_n=wn, out_dtype=out_dtype)
+            print(f"\n-- {name} ({plan.name})")
+            specs = [gemm.operand_spec(plan, bm, sw) for sw in (True, False)]
+            specs += [gemm.operand_spec(plan, bn), gemm.epilogue_spec(plan, True), gemm.epilogue_spec(plan, False)]
+            for spec in dict.fromkeys(specs):
+                print(f"  {spec.name:34s} {analysis.evaluate(spec).text}")
+            if out_dtype is cutlass.BFloat16:
+                for spec in specs[:2]:
+                    print(gemm.draw_chunks(spec))
+            print(gemm.format_conflict_table(gemm.bank_conflict_table(plan)))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dim", type=int, default=smem.HEAD_DIM)
@@ -120,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
             print_dual(args.dim, args.chunk, dtype)
         elif section == "banks":
             print_banks(args.dim, args.chunk, dtype)
+        elif section == "gemm":
+            print_gemm()
         else:
             print_budget(args.dim, args.chunk)
         print()

@@ -36,3 +36,4 @@ from .smem import (  # noqa: F401
     sw128_tile_transposed,
     vector,
 )
+from . import gemm  # noqa: F401,E402  (the multistage GEMM teaching example: layouts, plan, bank analysis)
