@@ -456,6 +456,10 @@ def warmup(
 ) -> int:
     """Compile, ahead of time and without running anything, every variant the flags select.
 
+    Variants already in the disk cache (``$CUTE_KDA_CACHE_DIR``, default ``~/.cache/cute_kda``) are
+    loaded instead of compiled, and the ones compiled here are saved there, so a later process
+    starts warm.
+
     Each argument lists the values to cover: ``state_modes`` holds None (no state), bf16 and/or
     fp32 (used for both the initial and the final state); ``vsplits`` None covers every supported
     V-split. ``device`` (default: the current CUDA device) is where the compiled code will run.

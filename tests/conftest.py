@@ -46,3 +46,14 @@ def _seeded_rng():
 
     torch.manual_seed(20261129)
     np.random.seed(20261129)
+
+
+if not os.environ.get("CUTE_KDA_CACHE_DIR"):
+    # Tests never read or fill the user's compile cache (~/.cache/cute_kda): one fresh folder per run.
+    import atexit
+    import shutil
+    import tempfile
+
+    _CACHE_DIR = tempfile.mkdtemp(prefix="cute_kda_test_cache_")
+    os.environ["CUTE_KDA_CACHE_DIR"] = _CACHE_DIR
+    atexit.register(shutil.rmtree, _CACHE_DIR, True)

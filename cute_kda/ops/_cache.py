@@ -1,15 +1,19 @@
 """Compile cache and torch → CuTe glue shared by the launchers in ``cute_kda.ops``.
 
 A kernel variant is compiled once per *static configuration* (the key: dtypes, flags, tile
-parameters; never sizes that vary per call) and reused. The first compile of a key prints one line
-to stderr; set ``CUTE_KDA_QUIET=1`` to silence it.
+parameters; never sizes that vary per call) and reused: in memory for the life of the process, and
+on disk across processes (:mod:`._disk_cache`: ``$CUTE_KDA_CACHE_DIR``, default
+``~/.cache/cute_kda``; ``CUTE_KDA_DISK_CACHE=0`` turns it off). The first compile of a key in a
+process prints one line to stderr (a load from disk prints nothing); ``CUTE_KDA_QUIET=1`` silences it.
 
-Launchers compile with a TVM-FFI entry point (:func:`compile_for_launch`): the compiled function
-takes the torch tensors themselves and reads their DLPack descriptors in C, checking dtype, rank
-and device against what it was compiled for. Converting every tensor to a DSL tensor in Python on
-each call (:func:`to_cute_tensor`, ~15-20 µs a tensor) is what the compile alone needs. So each
-launcher builds its arguments with one function and a ``tensor`` converter: :func:`to_cute_tensor`
-for the compile, :func:`launch_tensor` (the tensor as it is) for the launch.
+Compiles start from *fake* tensors (:func:`to_cute_tensor`: dtype, rank, alignment, the contiguous
+mode; every extent and stride dynamic), never from device memory, so a variant can be compiled
+without allocating anything and on a machine without a GPU. Launchers compile with a TVM-FFI entry
+point (:func:`compile_for_launch`): the compiled function takes the torch tensors themselves and
+reads their DLPack descriptors in C, checking dtype, rank, device type and alignment against what it
+was compiled for. So each launcher builds its arguments with one function and a ``tensor``
+converter: :func:`to_cute_tensor` for the compile, :func:`launch_tensor` (the tensor as it is) for
+the launch.
 """
 
 from __future__ import annotations
@@ -18,19 +22,27 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from typing import Any, Callable, Hashable
+
+from . import _disk_cache
 
 QUIET_ENV = "CUTE_KDA_QUIET"
 TVM_FFI_OPTION = "--enable-tvm-ffi"
 
 
 class CompileCache:
-    """Compiled kernel callables keyed by static configuration."""
+    """Compiled kernel callables keyed by static configuration, in memory and on disk.
+
+    ``stats`` counts how each key of this process was had: ``compiled`` (built here), ``loaded``
+    (from the disk cache); repeated hits in memory are not counted.
+    """
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._compiled: dict[Hashable, Any] = {}
         self._lock = threading.Lock()
+        self.stats: Counter[str] = Counter()
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._compiled
@@ -39,31 +51,101 @@ class CompileCache:
         return len(self._compiled)
 
     def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        """The compiled callable for ``key``, building it with ``build()`` on first use."""
+        """The compiled callable for ``key``: from memory, else from the disk cache, else ``build()``
+        (whose result is then saved to disk when it is a TVM-FFI function)."""
         compiled = self._compiled.get(key)
         if compiled is not None:
             return compiled
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is None:
-                start = time.perf_counter()
-                compiled = build()
-                self._compiled[key] = compiled
-                if os.environ.get(QUIET_ENV, "") in ("", "0"):
-                    print(
-                        f"cute_kda: compiled {self.name} {key} in {time.perf_counter() - start:.1f}s "
-                        f"(once per configuration; {QUIET_ENV}=1 silences this)",
-                        file=sys.stderr,
-                    )
+                compiled = self._compiled[key] = self._load_or_build(key, build)
+        return compiled
+
+    def clear(self) -> None:
+        """Forget the in-memory entries (the disk cache is left as it is)."""
+        with self._lock:
+            self._compiled.clear()
+
+    def _load_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        root = _disk_cache.cache_root()
+        if root is None:
+            return self._build(key, build, saved=None)
+        entry = _disk_cache.entry_for(root, self.name, key)
+        compiled = _disk_cache.load(entry)
+        if compiled is not None:
+            self.stats["loaded"] += 1
+            return compiled
+        with _disk_cache.locked(entry) as have_lock:
+            if have_lock:
+                compiled = _disk_cache.load(entry)  # another process may have written it meanwhile
+                if compiled is not None:
+                    self.stats["loaded"] += 1
+                    return compiled
+                _disk_cache.discard(entry)  # whatever is there did not verify: never trusted
+            return self._build(key, build, saved=entry if have_lock else None)
+
+    def _build(self, key: Hashable, build: Callable[[], Any], saved: _disk_cache.Entry | None) -> Any:
+        start = time.perf_counter()
+        compiled = build()
+        seconds = time.perf_counter() - start
+        self.stats["compiled"] += 1
+        where = ""
+        if saved is not None and _disk_cache.store(saved, compiled):
+            where = f", saved to {saved.obj.parent}"
+        if os.environ.get(QUIET_ENV, "") in ("", "0"):
+            print(f"cute_kda: compiled {self.name} {key} in {seconds:.1f}s{where} "
+                  f"(once per configuration; {QUIET_ENV}=1 silences this)", file=sys.stderr)
         return compiled
 
 
-def to_cute_tensor(tensor: Any, assumed_align: int = 16, *, leading_dim: int | None = None) -> Any:
-    """DLPack-convert ``tensor`` for a compile, its shape and strides dynamic (one compile serves all sizes).
+def _dsl_type(dtype: Any) -> Any:
+    import torch
 
-    ``assumed_align``: bytes the base address is promised to be aligned to. None stays None (an
-    absent optional argument).
+    from ..dsl import cutlass
+
+    types = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32,
+             torch.int64: cutlass.Int64, torch.int32: cutlass.Int32, torch.int16: cutlass.Int16,
+             torch.int8: cutlass.Int8, torch.uint8: cutlass.Uint8}
+    try:
+        return types[dtype]
+    except KeyError:
+        raise TypeError(f"no CuTe DSL element type for {dtype}") from None
+
+
+def to_cute_tensor(tensor: Any, assumed_align: int = 16, *, leading_dim: int | None = None,
+                   memspace: Any = None) -> Any:
+    """A fake DSL tensor describing ``tensor`` for a compile: no memory is touched.
+
+    It keeps ``tensor``'s dtype and rank; every extent and stride is dynamic (one compile serves all
+    sizes) except the stride of ``leading_dim`` (default: the last mode), which is 1, the other
+    modes row-major around it — a C-contiguous tensor, as the launchers pass. ``tensor`` may live
+    anywhere, ``meta`` included. ``assumed_align``: bytes the base address is promised to be
+    aligned to. ``memspace``: the DSL address space, default global memory (the compiled entry then
+    takes CUDA tensors); :func:`dlpack_tensor` gives the DLPack description of a real tensor
+    instead. None stays None (an absent optional argument).
     """
+    if tensor is None:
+        return None
+    from ..dsl import cute
+
+    ndim = tensor.dim()
+    leading = ndim - 1 if leading_dim is None else leading_dim
+    outer = [d for d in range(ndim) if d != leading]  # row-major: the last of these is the next inner
+    order = [0] * ndim
+    for rank, mode in enumerate(reversed(outer), start=1):
+        order[mode] = rank
+    options = {} if memspace is None else {"memspace": memspace}
+    return cute.runtime.make_fake_compact_tensor(
+        _dsl_type(tensor.dtype), tuple(cute.sym_int() for _ in range(ndim)), stride_order=tuple(order),
+        assumed_align=assumed_align, **options,
+    )
+
+
+def dlpack_tensor(tensor: Any, assumed_align: int = 16, *, leading_dim: int | None = None) -> Any:
+    """``tensor`` DLPack-converted for a compile, its shape and strides dynamic (the description the
+    launchers compiled from before :func:`to_cute_tensor` made them fake: generic address space,
+    the device of ``tensor``). Kept for tests that compare the two."""
     if tensor is None:
         return None
     from ..dsl import cute
@@ -80,7 +162,8 @@ def launch_tensor(tensor: Any, assumed_align: int = 16) -> Any:
 
 
 def compile_for_launch(kernel: Any, *args: Any) -> Any:
-    """``cute.compile`` with the TVM-FFI entry point, from :func:`to_cute_tensor` arguments.
+    """``cute.compile`` with the TVM-FFI entry point, from :func:`to_cute_tensor` arguments and a
+    fake stream (``cute.runtime.make_fake_stream()``) or a real one.
 
     The result is called with torch tensors in place of the converted ones, Python scalars and the
     stream; the kernel code is the same as a plain compile's (checked on the PTX in the tests).
@@ -95,6 +178,13 @@ def device_index(device: Any) -> int:
     import torch
 
     return torch.cuda.current_device() if device.index is None else device.index
+
+
+def fake_stream() -> Any:
+    """A stream placeholder for compiles (the compiled entry takes the real stream per call)."""
+    from ..dsl import cute
+
+    return cute.runtime.make_fake_stream()
 
 
 def current_stream(device: Any) -> Any:

@@ -4,7 +4,8 @@ bases (:class:`cute_kda.kernels.tile_prefix.TilePrefixKernel`).
 Inputs are assumed validated by the API layer (``cute_kda.validation``): dtypes, shapes,
 C-contiguity, 16-byte aligned base addresses, one CUDA device, ``B == 1`` with ``cu_seqlens``.
 Everything launches on torch's current stream of that device; nothing here reads device memory on
-the host.
+the host. Variants compile from fake tensors (``meta`` tensors described by
+:func:`~._cache.to_cute_tensor`), so a compile needs neither a call's tensors nor device memory.
 """
 
 from __future__ import annotations
@@ -13,11 +14,24 @@ from __future__ import annotations
 import torch
 
 from ..numerics import f32, gate_constant
-from ..workspace import CHUNK, Workspace
-from ._cache import CompileCache, compile_for_launch, current_stream, device_index, launch_tensor, to_cute_tensor
+from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace
+from ._cache import (
+    CompileCache, compile_for_launch, current_stream, device_index, fake_stream, launch_tensor, to_cute_tensor,
+)
 
 _PREPARE = CompileCache("fwd_prepare")
 _TILE_PREFIX = CompileCache("tile_prefix")
+_META = torch.device("meta")
+_DIM = 128
+
+
+def _compile_tile_prefix():
+    from ..kernels.tile_prefix import TilePrefixKernel
+
+    cu_seqlens = torch.empty(2, dtype=torch.int64, device=_META)
+    tile_base = torch.empty(2, dtype=torch.int32, device=_META)
+    return compile_for_launch(TilePrefixKernel(), to_cute_tensor(cu_seqlens, 8), to_cute_tensor(tile_base, 4),
+                              fake_stream())
 
 
 def tile_bases(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -25,21 +39,11 @@ def tile_bases(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
     ``cu_seqlens``: int64 ``[N+1]``, non-decreasing from 0, on a CUDA device.
     """
-    from ..dsl import cute
-    from ..kernels.tile_prefix import TilePrefixKernel
-
     device = cu_seqlens.device
     out = torch.empty(cu_seqlens.numel(), dtype=torch.int32, device=device)
+    compiled = _TILE_PREFIX.get((device_index(device),), _compile_tile_prefix)
     with torch.cuda.device(device):
-        stream = current_stream(device)
-
-        def args(tensor):
-            return tensor(cu_seqlens, 8), tensor(out, 4), stream
-
-        compiled = _TILE_PREFIX.get(
-            (device_index(device),), lambda: compile_for_launch(TilePrefixKernel(), *args(to_cute_tensor))
-        )
-        compiled(*args(launch_tensor))
+        compiled(cu_seqlens, out, current_stream(device))
     return out
 
 
@@ -78,15 +82,27 @@ def _kernel_args(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float, low
     )
 
 
-def _compiled(key: tuple, arguments: tuple):
-    """The K1 variant ``key = (varlen, qk_l2norm, beta_logits, device)``, compiled on first use from
-    ``arguments`` (those of :func:`_kernel_args` before ``tensor``)."""
-    from ..kernels.fwd_prepare import PrepareKernel
+def _compile_arguments(varlen: bool) -> tuple:
+    """:func:`_kernel_args` of a K1 variant for the compile: ``meta`` tensors, a fake stream."""
+    q = torch.empty((1, CHUNK, 1, _DIM), dtype=torch.bfloat16, device=_META)
+    ws = allocate_workspace(WorkspaceSpec(heads=1, tiles=2), _META)
+    cu_seqlens = torch.empty(2, dtype=torch.int64, device=_META) if varlen else None
+    tile_base = torch.empty(2, dtype=torch.int32, device=_META) if varlen else None
+    A_log = torch.empty(1, dtype=torch.float32, device=_META)
+    dt_bias = torch.empty((1, _DIM), dtype=torch.float32, device=_META)
+    return _kernel_args(q, q, q, q[..., 0], A_log, dt_bias, ws, 1.0, -1.0, CHUNK, cu_seqlens, tile_base,
+                        fake_stream(), tensor=to_cute_tensor)
+
+
+def _compiled(key: tuple):
+    """The K1 variant ``key = (varlen, qk_l2norm, beta_logits, device)``, compiled on first use."""
 
     def build():
+        from ..kernels.fwd_prepare import PrepareKernel
+
         varlen, qk_l2norm, beta_logits, _ = key
         kernel = PrepareKernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
-        return compile_for_launch(kernel, *_kernel_args(*arguments, tensor=to_cute_tensor))
+        return compile_for_launch(kernel, *_compile_arguments(varlen))
 
     return _PREPARE.get(key, build)
 
@@ -120,25 +136,16 @@ def prepare(
     device = q.device
     if cu_seqlens is not None and tile_base is None:
         tile_base = tile_bases(cu_seqlens)
+    compiled = _compiled((cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), device_index(device)))
     with torch.cuda.device(device):
-        arguments = (q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, steps, cu_seqlens, tile_base,
-                     current_stream(device))
-        key = (cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), device_index(device))
-        _compiled(key, arguments)(*_kernel_args(*arguments))
+        compiled(*_kernel_args(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, steps, cu_seqlens, tile_base,
+                               current_stream(device)))
 
 
 def compile_prepare(*, qk_l2norm: bool, beta_logits: bool, varlen: bool, device: torch.device | str) -> None:
-    """Compile the K1 variant for these flags on ``device`` ahead of time (nothing is launched)."""
-    device = torch.device(device)
-    heads, dim = 1, 128
-    q = torch.zeros((1, CHUNK, heads, dim), dtype=torch.bfloat16, device=device)
-    from ..workspace import WorkspaceSpec, allocate_workspace
-
-    ws = allocate_workspace(WorkspaceSpec(heads=heads, tiles=2), device)
-    cu_seqlens = torch.tensor([0, CHUNK], dtype=torch.int64, device=device) if varlen else None
-    tile_base = torch.zeros(2, dtype=torch.int32, device=device) if varlen else None
-    with torch.cuda.device(device):
-        arguments = (q, q, q, q[..., 0].contiguous(), torch.zeros(heads, device=device),
-                     torch.zeros((heads, dim), device=device), ws, 1.0, -1.0, CHUNK, cu_seqlens, tile_base,
-                     current_stream(device))
-        _compiled((varlen, bool(qk_l2norm), bool(beta_logits), device_index(device)), arguments)
+    """Compile (or load from the disk cache) the K1 variant for these flags on ``device`` ahead of
+    time, and with ``varlen`` the tile prefix kernel too; nothing is allocated or launched."""
+    index = device_index(torch.device(device))
+    _compiled((varlen, bool(qk_l2norm), bool(beta_logits), index))
+    if varlen:
+        _TILE_PREFIX.get((index,), _compile_tile_prefix)
