@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import interop, validation
+from . import interop, torch_ops, validation
 from .config import STATE_MODES, enumerate_configs, select_forward_config, sm_count
 from .workspace import Workspace, WorkspaceSpec, tiles_per_head, workspace_views
 
@@ -118,7 +118,15 @@ def kda_forward(
     Runs on the caller's current stream (torch's, or CuPy's for CuPy arrays) without host
     synchronisation; returns arrays of ``q``'s framework (torch, CuPy, JAX; torch otherwise).
     No autograd: inputs that require grad under grad mode raise ``NotImplementedError``.
+    Under ``torch.compile`` the call is one custom op, ``torch.ops.cute_kda.forward``
+    (:mod:`cute_kda.torch_ops`); eager calls do not go through the dispatcher.
     """
+    if torch.compiler.is_compiling():
+        return torch_ops.kda_forward(
+            q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens, out=out,
+            final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+        )
     framework = interop.framework_of(q)
     with interop.caller_stream(framework, q):
         o, state = _forward(
@@ -426,8 +434,19 @@ def chunk_kda(
     on or off. Other combinations raise ``NotImplementedError`` naming the flag (see
     :func:`translate_fla_call`); inputs that require grad under grad mode raise too (no backward
     yet). FLA's default ``[N, H, K, V]`` state costs a transpose copy each way; ``state_v_first=True``
-    avoids it. Takes DLPack tensors like :func:`kda_forward` and answers in ``q``'s framework.
+    avoids it. Takes DLPack tensors like :func:`kda_forward` and answers in ``q``'s framework;
+    ``torch.compile`` traces it into the translation and one ``cute_kda::forward`` op.
     """
+    if torch.compiler.is_compiling():
+        return torch_ops.chunk_kda(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
+            return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context, use_graph=use_graph,
+            max_num_seqs=max_num_seqs, **kwargs,
+        )
     framework = interop.framework_of(q)
     with interop.caller_stream(framework, q):
         call = translate_fla_call(
