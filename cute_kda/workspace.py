@@ -65,6 +65,13 @@ def snapshot_slots(tiles: int, num_seqs: int, every: int = SNAPSHOT_TILES) -> in
     return tiles // every + num_seqs
 
 
+def block_states_shape(ws: "Workspace", heads: int, num_seqs: int) -> tuple[int, int, int]:
+    """``[H · slots, K, V]``: one ``[K, V]`` matrix per slot of :func:`snapshot_slots` — the shape of the
+    training forward's state checkpoints and of the backward scan's state-gradient snapshots."""
+    rows, _, dim = ws.qd.shape
+    return (heads * snapshot_slots(rows // heads, num_seqs), dim, dim)
+
+
 @dataclass(frozen=True)
 class WorkspaceSpec:
     """Shapes and dtypes of the workspace for ``heads`` heads and ``tiles`` slots per head."""

@@ -22,7 +22,7 @@ from cute_kda.layouts import budget
 from cute_kda.layouts.bwd_scan import SCAN_VSPLITS, ScanSmemPlan
 from cute_kda.ops import bwd_scan as ka
 from cute_kda.ops._cache import to_cute_tensor
-from cute_kda.workspace import SNAPSHOT_TILES, WorkspaceSpec, snapshot_slots, workspace_views
+from cute_kda.workspace import WorkspaceSpec, block_states_shape, snapshot_slots, workspace_views
 
 D = 128
 CHUNK = 16
@@ -73,7 +73,7 @@ def test_launcher_rejects_mismatched_buffers():
     do = torch.zeros(n, 40, heads, D, dtype=torch.bfloat16)
     spec = WorkspaceSpec(heads=heads, tiles=6)
     ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
-    snaps = torch.zeros(ka.snapshot_shape(ws, heads, n), dtype=torch.bfloat16)
+    snaps = torch.zeros(block_states_shape(ws, heads, n), dtype=torch.bfloat16)
     dv, du = torch.zeros_like(do), torch.zeros_like(do)
     with pytest.raises(ValueError, match="snapshots"):
         ka.bwd_scan(do, ws, dv, du, snaps[1:])
@@ -105,7 +105,7 @@ def _compile_args(vsplit, dht, dh0, varlen):
 
     return ka.launch_arguments(
         do, ws, torch.zeros_like(do), torch.zeros_like(do),
-        torch.zeros(ka.snapshot_shape(ws, heads, num_seqs), dtype=torch.bfloat16),
+        torch.zeros(block_states_shape(ws, heads, num_seqs), dtype=torch.bfloat16),
         dht=state(dht), dh0=state(dh0), cu_seqlens=torch.tensor([0, 20, 20, 80]) if varlen else None,
         tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32) if varlen else None, tensor=to_cute_tensor,
     )
@@ -190,7 +190,7 @@ def _run(problem, *, lengths=None, dht="fp32", dh0="fp32", vsplit=None, seed=0, 
     dht_in = _dht(dht, N, H, seed, device)
     dv, dv_buf = _guarded((B, T, H, D), torch.bfloat16, device, axis=1, pad=CHUNK)
     du, du_buf = _guarded((B, T, H, D), torch.bfloat16, device, axis=1, pad=CHUNK)
-    snaps, snaps_buf = _guarded(ka.snapshot_shape(ws, H, N), torch.bfloat16, device, axis=0, pad=1)
+    snaps, snaps_buf = _guarded(block_states_shape(ws, H, N), torch.bfloat16, device, axis=0, pad=1)
     dh0_out = dh0_buf = None
     if STATE[dh0] is not None:
         dh0_out, dh0_buf = _guarded((N, H, D, D), STATE[dh0], device, axis=0, pad=1)

@@ -320,9 +320,9 @@ def _variants():
     return list(itertools.product(VSPLITS, STATE, STATE, (False, True)))
 
 
-def _compile_args(vsplit, state_in, state_out, varlen):
+def _compile_args(vsplit, state_in, state_out, varlen, checkpoints=False):
     """The launcher's own argument conversion on small CPU tensors (shapes are dynamic)."""
-    from cute_kda.workspace import WorkspaceSpec, workspace_views
+    from cute_kda.workspace import WorkspaceSpec, block_states_shape, workspace_views
 
     heads, num_seqs = 2, 3
     batch, steps = (1, 80) if varlen else (num_seqs, 24)
@@ -336,25 +336,27 @@ def _compile_args(vsplit, state_in, state_out, varlen):
 
     return k2.launch_arguments(
         v, ws, torch.zeros_like(v), cu_seqlens=cu, tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32) if varlen else None,
-        initial_state=state(state_in), final_state=state(state_out), tensor=to_cute_tensor,
+        initial_state=state(state_in), final_state=state(state_out),
+        checkpoints=torch.zeros(block_states_shape(ws, heads, num_seqs), dtype=torch.bfloat16) if checkpoints else None,
+        tensor=to_cute_tensor,
     )
 
 
 _COMPILED: dict = {}
 
 
-def _compiled(variant):
-    if variant not in _COMPILED:
+def _compiled(variant, checkpoints=False):
+    if (variant, checkpoints) not in _COMPILED:
         from cute_kda.compile_report import compile_with_report
 
         vsplit, state_in, state_out, varlen = variant
         kernel = FwdRecurrence(
             vsplit=vsplit, initial_state=k2.state_dsl_type(STATE[state_in]),
-            final_state=k2.state_dsl_type(STATE[state_out]), varlen=varlen,
+            final_state=k2.state_dsl_type(STATE[state_out]), varlen=varlen, checkpoints=checkpoints,
         )
-        _, report = compile_with_report(kernel, *_compile_args(*variant), cute.runtime.make_fake_stream())
-        _COMPILED[variant] = (kernel, report)
-    return _COMPILED[variant]
+        _, report = compile_with_report(kernel, *_compile_args(*variant, checkpoints), cute.runtime.make_fake_stream())
+        _COMPILED[(variant, checkpoints)] = (kernel, report)
+    return _COMPILED[(variant, checkpoints)]
 
 
 @pytest.mark.parametrize("variant", _variants(), ids=lambda v: "vs{}-{}-{}-{}".format(v[0], v[1], v[2], "varlen" if v[3] else "fixed"))
@@ -395,6 +397,22 @@ def test_variant_compiles(variant):
     assert report.launch_smem == [kernel.plan.total_bytes] == [budget.k2_budget(kernel.plan).total_bytes]
     assert kernel.plan.state_io_fp32 == ("fp32" in (state_in, state_out))
     print(f"{variant}: {report.kernels[0].registers} registers, {kernel.plan.total_bytes} B smem")
+
+
+@pytest.mark.parametrize("vsplit,varlen", list(itertools.product(VSPLITS, (False, True))))
+def test_training_variant_compiles(vsplit, varlen):
+    """The training forward (state checkpoints) runs the inference variant's instructions plus one 32-bit
+    store per (row block, row half, atom) on a checkpoint tile, with no spills."""
+    variant = (vsplit, "fp32", "fp32", varlen)
+    kernel, report = _compiled(variant, checkpoints=True)
+    _, inference = _compiled(variant)
+    atoms = kernel.warp_cols // 8
+    assert report.count("st.global.b32") == (D // CHUNK) * 2 * atoms
+    for mnemonic in ("mma.sync", "movmatrix", "ldmatrix", "stmatrix", "fma.rn.f32", "cp.async.bulk.tensor"):
+        assert report.count(mnemonic) == inference.count(mnemonic), mnemonic
+    assert report.local_memory_ops == 0 and report.spills == 0 and report.kernels[0].stack_frame == 0
+    assert report.launch_smem == inference.launch_smem
+    print(f"{variant} checkpoints: {report.kernels[0].registers} registers (inference {inference.kernels[0].registers})")
 
 
 def test_every_axis_value_is_compiled():
@@ -685,3 +703,44 @@ def test_one_million_tokens():
     err_o, err_s = rel_rms(o, o_ref), rel_rms(final, final_ref)
     print(f"T=2^20 H=1: o {err_o:.2e} state {err_s:.2e}")
     assert err_o <= TOL and err_s <= TOL
+
+
+# ---------------------------------------------------------------- training forward: state checkpoints
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [None, [40, 0, 97, 16, 300, 1]], ids=["B2xT300", "varlen"])
+def test_training_variant_checkpoints(lengths):
+    """The training variant writes the inference variant's o and final state bit for bit, and checkpoints
+    that track the mirror's (the first of each sequence is bf16(initial state) exactly); rows it does not
+    own stay poisoned and the guards around the buffer untouched."""
+    from cute_kda.reference import mirror_recurrence, rel_rms
+    from cute_kda.workspace import block_states_shape
+
+    B, T = (2, 300) if lengths is None else (1, sum(lengths))
+    problem = _problem(B, T, 2, seed=12)
+    o, final, ws, cu, init = _run(problem, lengths=lengths, state_in="fp32", state_out="fp32", seed=12)
+    N, H = init.shape[:2]
+    shape = block_states_shape(ws, H, N)
+    ckpt, ckpt_buf = _guarded(shape, torch.bfloat16, problem[0].device, axis=0, pad=1)
+    out2, final2 = torch.empty_like(o), torch.empty_like(final)
+    k2.recurrence(problem[2], ws, out2, cu_seqlens=cu, initial_state=init, final_state=final2, checkpoints=ckpt)
+    torch.cuda.synchronize()
+    _assert_guards_untouched(ckpt_buf, axis=0, pad=1)
+    assert torch.equal(out2.view(torch.int16), o.view(torch.int16)) and torch.equal(final2, final)
+    want = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=o.device)
+    mirror_recurrence(ws, problem[2], cu_seqlens=cu, initial_state=init, checkpoints=want)
+    written = ~want.isnan()
+    assert bool((ckpt.isnan() == ~written).all()), "checkpoint rows written ≠ the mirror's"
+    slots = shape[0] // H
+    lengths = lengths or [T] * B
+    tiles = [(n + CHUNK - 1) // CHUNK for n in lengths]
+    first = list(itertools.accumulate([0, *tiles]))
+    for n in range(N):
+        if tiles[n]:
+            slot = first[n] // 4 + n  # the block of the sequence's first tile
+            rows = ckpt.view(H, slots, D, D)[:, slot]
+            assert torch.equal(rows, init[n].transpose(-1, -2).bfloat16()), n
+    err = rel_rms(ckpt[written], want[written])
+    print(f"checkpoints vs mirror: {err:.2e} over {int(written.sum()) // (D * D)} matrices")
+    assert err <= MIRROR_TOL

@@ -40,7 +40,7 @@ from ..dsl import cute, cutlass  # first: sets the target architecture before th
 
 import cutlass.pipeline as pipeline
 from cuda.bindings import driver
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
+from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
@@ -312,7 +312,7 @@ class BwdScan(BandScan):
         sequence's tiles are ``first_tile ..``), written when ``g`` ends a block or the sequence.
         """
         lane = cute.arch.lane_idx()
-        group, quad = lane // 4, lane % 4  # fragment row g (rows g and g + 8), column pair 2q
+        group = lane // 4  # fragment row g (rows g and g + 8)
         cols = self.warp_cols
         dim = self.dim
         k_steps = dim // CHUNK
@@ -376,10 +376,7 @@ class BwdScan(BandScan):
         v_ds_acc_ld = ldsm_c_t.retile(r_ds_acc)
         v_ds_acc_st = stsm_c_t.retile(r_ds_acc)
 
-        # the lane's snapshot words: row k = 16·m + g + 8·h, word column (first value column) / 2 + 4·j + q
-        col_word0 = (band * self.v_band + warp_idx * cols) // 2 + quad
-        words_per_row = self.dim // 2
-        snapshot_words = cute.recast_ptr(snapshots.iterator, dtype=Uint32)
+        snapshot_column = self.band_words_column(band, warp_idx, lane)
 
         load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.plan.input_stages)
         out_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.plan.output_stages)
@@ -428,9 +425,7 @@ class BwdScan(BandScan):
             # block m is written back
             global_tile = first_tile + tile
             take_snapshot = (global_tile % self.snapshot_every == self.snapshot_every - 1) or (tile == num_tiles - 1)
-            row_words = snapshot_words + Int64(snapshot_row0 + global_tile // self.snapshot_every) * (
-                self.dim * words_per_row)
-            snapshot = cute.make_tensor(row_words, cute.make_layout((self.dim, words_per_row), stride=(words_per_row, 1)))
+            snapshot = self.band_matrix_words(snapshots, snapshot_row0 + global_tile // self.snapshot_every)
             cute.copy(ldsm_a_t, p_qd_t[None, 0, None, stage], v_qd_t[None, 0, None])
             cute.copy(ldsm_a_t, p_kd_t[None, 0, None, stage], v_kd_t[None, 0, None])
             cute.copy(ldsm_c_t, p_ds_acc_ld[None, 0, None], v_ds_acc_ld[None, 0, None])
@@ -443,9 +438,7 @@ class BwdScan(BandScan):
                     cute.copy(ldsm_a_t, p_kd_t[None, m + 1, None, stage], v_kd_t[None, m + 1, None])
                     cute.copy(ldsm_c_t, p_ds_acc_ld[None, m + 1, None], v_ds_acc_ld[None, m + 1, None])
                 if take_snapshot:
-                    for half in cutlass.range_constexpr(2):
-                        for atom in cutlass.range_constexpr(cols // 8):
-                            snapshot[CHUNK * m + group + 8 * half, col_word0 + 4 * atom] = ds_words[(0, half), m, atom]
+                    self.store_band_block(snapshot, ds_words, m, lane, snapshot_column)
                 decay = (smem.gt[m * CHUNK + group, stage], smem.gt[m * CHUNK + group + 8, stage])
                 block = r_ds_acc[None, m, None]
                 for i in cutlass.range_constexpr(cute.size(acc_ds)):

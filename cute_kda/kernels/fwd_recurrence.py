@@ -47,13 +47,14 @@ from ..dsl import cute, cutlass  # first: sets the target architecture before th
 
 import cutlass.pipeline as pipeline
 from cuda.bindings import driver
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from ..layouts import fwd_recurrence as layouts
 from ..layouts.fwd_recurrence import RecurrenceSmemPlan
 from ..numerics import CHUNK
+from ..workspace import SNAPSHOT_TILES
 from .common.band_scan import BandScan, OutputTile
 from .common.copy import c_row_half, smem_tensor
 from .common.copy import transpose_c_to_b  # movmatrix.trans word by word: C fragment of M → B fragment of Mᵀ
@@ -99,6 +100,10 @@ class FwdRecurrence(BandScan):
     ``vsplit`` ∈ {1, 2, 4}: CTAs per (sequence, head), each owning ``128 / vsplit`` value columns.
     ``initial_state`` / ``final_state``: None, ``cutlass.BFloat16`` or ``cutlass.Float32`` (the dtype
     of the ``[N, H, V, K]`` state tensors). ``varlen``: sequences packed along T with ``cu_seqlens``.
+    ``checkpoints``: the training variant, which also keeps the state entering every block of
+    :data:`~cute_kda.workspace.SNAPSHOT_TILES` global tiles (and each sequence's first tile) for the
+    backward, ``[H · slots, K, V]`` bf16 (:func:`cute_kda.workspace.snapshot_slots`: the slot of a
+    block is the one the backward scan keeps its gradient in).
     """
 
     def __init__(
@@ -108,11 +113,13 @@ class FwdRecurrence(BandScan):
         initial_state: Optional[type] = None,
         final_state: Optional[type] = None,
         varlen: bool = False,
+        checkpoints: bool = False,
     ) -> None:
         super().__init__(
             RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=Float32 in (initial_state, final_state)),
             initial_state=initial_state, final_state=final_state, varlen=varlen, reverse=False,
         )
+        self.checkpoints = checkpoints
 
     # -----------------------------------------------------------------------------------------
     # host
@@ -133,9 +140,11 @@ class FwdRecurrence(BandScan):
         final_state: Optional[cute.Tensor],
         cu_seqlens: Optional[cute.Tensor],
         tile_base: Optional[cute.Tensor],
+        checkpoints: Optional[cute.Tensor],
         stream: driver.CUstream,
     ):
-        """Launch K2. v, out ``[B, T, H, D]``; workspace fields as in :mod:`cute_kda.workspace`."""
+        """Launch K2. v, out ``[B, T, H, D]``; workspace fields as in :mod:`cute_kda.workspace`;
+        checkpoints ``[H · slots, D, D]`` (the training variant) or None."""
         heads = v.shape[2]
         num_seqs = v.shape[0]
         if const_expr(self.varlen):
@@ -169,7 +178,7 @@ class FwdRecurrence(BandScan):
             tma_qd, gmem_qd, tma_kd, gmem_kd, tma_kr, gmem_kr,
             tma_gt, gmem_gt, tma_inv, gmem_inv, tma_mqk, gmem_mqk, tma_beta, gmem_beta,
             tma_state_in, gmem_state_in, tma_state_out, gmem_state_out,
-            out, cu_seqlens, tile_base, Int32(tiles_per_head),
+            out, cu_seqlens, tile_base, Int32(tiles_per_head), checkpoints,
         ).launch(
             grid=[self.vsplit * num_seqs, heads, 1],  # the bands of one (sequence, head) are adjacent CTAs
             block=[self.threads, 1, 1],
@@ -197,6 +206,7 @@ class FwdRecurrence(BandScan):
         cu_seqlens: Optional[cute.Tensor],
         tile_base: Optional[cute.Tensor],
         tiles_per_head: Int32,
+        checkpoints: Optional[cute.Tensor],
     ):
         plan = self.plan
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -249,7 +259,13 @@ class FwdRecurrence(BandScan):
 
         # --- roles
         if warp_idx < self.mma_warps:
-            self.compute(warp_idx, num_tiles, load_pipe, store_pipe, smem)
+            first_tile, checkpoint_row0 = Int32(0), Int32(0)
+            if const_expr(self.checkpoints):
+                _, heads, _ = cute.arch.grid_dim()
+                first_tile = ws_row0 - head * tiles_per_head  # global tile index of the sequence's tile 0
+                checkpoint_row0 = head * (checkpoints.shape[0] // heads) + seq
+            self.compute(warp_idx, num_tiles, load_pipe, store_pipe, smem,
+                         band, first_tile, checkpoint_row0, checkpoints)
         elif warp_idx == self.load_warp:
             loads = (
                 (tma_v, self.band_tiles(gmem_v, head, batch, first_row, band), tma_smem.v),
@@ -284,8 +300,14 @@ class FwdRecurrence(BandScan):
     def compute(
         self, warp_idx: Int32, num_tiles: Int32,
         load_pipe: pipeline.PipelineTmaAsync, store_pipe: pipeline.PipelineAsync, smem: RecurrenceSmem,
+        band: Int32, first_tile: Int32, checkpoint_row0: Int32, checkpoints: Optional[cute.Tensor],
     ):
-        """Phases 1-6 per tile on the warp's ``warp_cols`` value columns (module docstring)."""
+        """Phases 1-6 per tile on the warp's ``warp_cols`` value columns (module docstring).
+
+        Training variant: global tile ``g = first_tile + tile`` that starts a block of
+        ``SNAPSHOT_TILES`` (or its sequence) keeps the state entering it in checkpoint row
+        ``checkpoint_row0 + g // SNAPSHOT_TILES``: Phase 6 stores each old row block before the update.
+        """
         lane = cute.arch.lane_idx()
         group = lane // 4  # fragment row g (rows g and g + 8)
         cols = self.warp_cols
@@ -345,10 +367,13 @@ class FwdRecurrence(BandScan):
         v_out = stsm_c.retile(r_c16)
         v_state_acc_ld = ldsm_c_t.retile(r_state_acc)
         v_state_acc_st = stsm_c_t.retile(r_state_acc)
+        if const_expr(self.checkpoints):
+            state_words = cute.recast_tensor(r_state_acc, Uint32)  # ((1,2), k_steps, n): pairs of value columns
+            checkpoint_column = self.band_words_column(band, warp_idx, lane)
 
         load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.plan.input_stages)
         out_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.plan.output_stages)
-        for _tile in cutlass.range(num_tiles, unroll=1):
+        for tile in cutlass.range(num_tiles, unroll=1):
             load_pipe.consumer_wait(load_state)
             stage = load_state.index
 
@@ -393,7 +418,11 @@ class FwdRecurrence(BandScan):
             out_state.advance()
 
             # Phase 6: S ← bf16(fma(gT, S, krᵀ·U)), row block m of 16 k at a time; block m+1 is loaded
-            # before block m is written back
+            # before block m is written back (and, on a checkpoint tile, block m stored first)
+            if const_expr(self.checkpoints):
+                global_tile = first_tile + tile
+                take_checkpoint = (global_tile % SNAPSHOT_TILES == 0) or (tile == 0)
+                checkpoint = self.band_matrix_words(checkpoints, checkpoint_row0 + global_tile // SNAPSHOT_TILES)
             cute.copy(ldsm_a_t, p_kr_t[None, 0, None, stage], v_kr_t[None, 0, None])
             cute.copy(ldsm_c_t, p_state_acc_ld[None, 0, None], v_state_acc_ld[None, 0, None])
             for m in cutlass.range_constexpr(k_steps):
@@ -402,6 +431,9 @@ class FwdRecurrence(BandScan):
                 if const_expr(m + 1 < k_steps):
                     cute.copy(ldsm_a_t, p_kr_t[None, m + 1, None, stage], v_kr_t[None, m + 1, None])
                     cute.copy(ldsm_c_t, p_state_acc_ld[None, m + 1, None], v_state_acc_ld[None, m + 1, None])
+                if const_expr(self.checkpoints):
+                    if take_checkpoint:
+                        self.store_band_block(checkpoint, state_words, m, lane, checkpoint_column)
                 decay = (smem.gt[m * CHUNK + group, stage], smem.gt[m * CHUNK + group + 8, stage])
                 block = r_state_acc[None, m, None]
                 for i in cutlass.range_constexpr(cute.size(acc)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..layouts.bwd_scan import SCAN_VSPLITS
-from ..workspace import Workspace, snapshot_slots
+from ..workspace import Workspace, block_states_shape
 from ._cache import CompileCache, compile_for_launch, current_stream, device_index, launch_tensor, to_cute_tensor
 from .prepare import tile_bases
 from .recurrence import dtype_or_none, state_dsl_type
@@ -29,13 +29,6 @@ def choose_scan_vsplit(num_seqs: int, heads: int, sm_count: int) -> int:
     """
     fitting = [v for v in SCAN_VSPLITS if num_seqs * heads * v <= sm_count]
     return max(fitting, default=SCAN_VSPLITS[0])
-
-
-def snapshot_shape(ws: Workspace, heads: int, num_seqs: int) -> tuple[int, int, int]:
-    """Shape of the snapshot buffer for workspace ``ws``: ``[H · slots, K, V]`` bf16
-    (:func:`cute_kda.workspace.snapshot_slots` slots per head: one per 4-tile block and sequence end)."""
-    rows, _, dim = ws.qd.shape
-    return (heads * snapshot_slots(rows // heads, num_seqs), dim, dim)
 
 
 def launch_arguments(
@@ -84,7 +77,7 @@ def _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs: int) -> None:
     for name, t in (("dv", dv), ("du", du)):
         if t.dtype != torch.bfloat16 or t.shape != do.shape or t.device != do.device:
             raise ValueError(f"{name} must be bf16 {tuple(do.shape)} on {do.device}, got {t.dtype} {tuple(t.shape)}")
-    expected = snapshot_shape(ws, heads, num_seqs)
+    expected = block_states_shape(ws, heads, num_seqs)
     if snapshots.dtype != torch.bfloat16 or tuple(snapshots.shape) != expected:
         raise ValueError(f"snapshots must be bf16 {expected}, got {snapshots.dtype} {tuple(snapshots.shape)}")
     for name, t in (("dht", dht), ("dh0", dh0)):
@@ -114,7 +107,7 @@ def bwd_scan(
     do, dv, du: bf16 ``[B, T, H, 128]`` (dO the gradient w.r.t. the forward's output; du the gradient
     w.r.t. ``u = β ⊙ (v − kd S)`` of each tile, for the tile-gradient kernel; dv the gradient w.r.t. v).
     ws: the K1 :class:`~cute_kda.workspace.Workspace` of the forward these gradients belong to.
-    snapshots: bf16 ``[H · slots, K, V]`` (:func:`snapshot_shape`): row ``h · slots + g // 4 + s``
+    snapshots: bf16 ``[H · slots, K, V]`` (:func:`cute_kda.workspace.block_states_shape`): row ``h · slots + g // 4 + s``
     receives the gradient w.r.t. the state after global tile ``g`` of sequence ``s``, head ``h``,
     where ``g`` ends a block of 4 global tiles or the sequence (:func:`~cute_kda.workspace.snapshot_slots`);
     other rows are not written. dht: None (zero) or bf16 / fp32 ``[N, H, V, K]``, the gradient w.r.t. the final

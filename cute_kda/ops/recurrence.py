@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..layouts.fwd_recurrence import SUPPORTED_VSPLITS
-from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace
+from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace, block_states_shape
 from ._cache import CompileCache, compile_for_launch, current_stream, device_index, launch_tensor, to_cute_tensor
 from .prepare import tile_bases
 
@@ -45,7 +45,7 @@ def dtype_or_none(tensor: torch.Tensor | None) -> torch.dtype | None:
 def launch_arguments(
     v: torch.Tensor, ws: Workspace, out: torch.Tensor, *, cu_seqlens: torch.Tensor | None,
     tile_base: torch.Tensor | None, initial_state: torch.Tensor | None, final_state: torch.Tensor | None,
-    tensor=launch_tensor,
+    checkpoints: torch.Tensor | None = None, tensor=launch_tensor,
 ) -> tuple:
     """The tensor arguments of ``FwdRecurrence.__call__`` (dynamic shapes: one compile serves all sizes).
 
@@ -56,20 +56,21 @@ def launch_arguments(
         tensor(v, 16), tensor(out, 16),
         tensor(ws.qd, 16), tensor(ws.kd, 16), tensor(ws.kr, 16), tensor(ws.gt, 16), tensor(ws.inv, 16),
         tensor(ws.mqk, 16), tensor(ws.beta, 16), tensor(initial_state, 16), tensor(final_state, 16),
-        tensor(cu_seqlens, 8), tensor(tile_base, 4),
+        tensor(cu_seqlens, 8), tensor(tile_base, 4), tensor(checkpoints, 16),
     )
 
 
 def _compiled(key: tuple, tensors: dict, stream):
-    """The compiled K2 variant ``key = (vsplit, state in, state out, varlen, device)``, compiled on
-    first use from ``tensors`` (:func:`launch_arguments`' keywords)."""
+    """The compiled K2 variant ``key = (vsplit, state in, state out, varlen, checkpoints, device)``,
+    compiled on first use from ``tensors`` (:func:`launch_arguments`' keywords)."""
 
     def build():
         from ..kernels.fwd_recurrence import FwdRecurrence
 
-        vsplit, state_in, state_out, varlen, _ = key
+        vsplit, state_in, state_out, varlen, checkpoints, _ = key
         kernel = FwdRecurrence(
             vsplit=vsplit, initial_state=state_dsl_type(state_in), final_state=state_dsl_type(state_out), varlen=varlen,
+            checkpoints=checkpoints,
         )
         return compile_for_launch(kernel, *launch_arguments(**tensors, tensor=to_cute_tensor), stream)
 
@@ -86,6 +87,7 @@ def recurrence(
     initial_state: torch.Tensor | None = None,
     final_state: torch.Tensor | None = None,
     vsplit: int | None = None,
+    checkpoints: torch.Tensor | None = None,
 ) -> None:
     """Run K2: ``out`` (valid rows only) and, when given, ``final_state``, from v and the K1 workspace.
 
@@ -93,7 +95,10 @@ def recurrence(
     sequences; initial_state / final_state: None or bf16 / fp32 ``[N, H, V, K]`` (the dtype of each
     selects the variant; the state is bf16 between tiles). ``cu_seqlens`` int64 ``[N+1]`` with B == 1
     packs N sequences; ``tile_base`` int32 ``[N+1]`` (prefix sums of ``ceil(len / 16)``) is derived
-    from it when not given. ``vsplit`` None: :func:`choose_vsplit`. Launches on torch's current stream.
+    from it when not given. ``vsplit`` None: :func:`choose_vsplit`. ``checkpoints``: None, or bf16
+    ``[H · slots, K, V]`` (:func:`cute_kda.workspace.block_states_shape`) for the training forward, which also keeps the
+    state entering every 4-tile block there (the slots of :func:`cute_kda.workspace.snapshot_slots`;
+    other rows are not written). Launches on torch's current stream.
     """
     varlen = cu_seqlens is not None
     num_seqs = cu_seqlens.numel() - 1 if varlen else v.shape[0]
@@ -104,13 +109,19 @@ def recurrence(
         from ..config import sm_count
 
         vsplit = choose_vsplit(num_seqs, heads, sm_count(device_index(v.device)))
+    if checkpoints is not None:
+        expected = block_states_shape(ws, heads, num_seqs)
+        if checkpoints.dtype != torch.bfloat16 or tuple(checkpoints.shape) != expected or checkpoints.device != v.device:
+            raise ValueError(f"checkpoints must be bf16 {expected} on {v.device}, "
+                             f"got {checkpoints.dtype} {tuple(checkpoints.shape)} on {checkpoints.device}")
     if varlen and tile_base is None:
         tile_base = tile_bases(cu_seqlens)
     with torch.cuda.device(v.device):
         stream = current_stream(v.device)
         tensors = dict(v=v, ws=ws, out=out, cu_seqlens=cu_seqlens, tile_base=tile_base,
-                       initial_state=initial_state, final_state=final_state)
-        key = (vsplit, dtype_or_none(initial_state), dtype_or_none(final_state), varlen, device_index(v.device))
+                       initial_state=initial_state, final_state=final_state, checkpoints=checkpoints)
+        key = (vsplit, dtype_or_none(initial_state), dtype_or_none(final_state), varlen, checkpoints is not None,
+               device_index(v.device))
         _compiled(key, tensors, stream)(*launch_arguments(**tensors), stream)
 
 
@@ -132,5 +143,5 @@ def compile_recurrence(
     with torch.cuda.device(device):
         tensors = dict(v=v, ws=ws, out=torch.empty_like(v), cu_seqlens=cu_seqlens, tile_base=tile_base,
                        initial_state=state(initial_state), final_state=state(final_state))
-        key = (vsplit, initial_state, final_state, varlen, device_index(device))
+        key = (vsplit, initial_state, final_state, varlen, False, device_index(device))
         _compiled(key, tensors, current_stream(device))

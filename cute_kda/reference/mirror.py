@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from ..numerics import EPS, LOG2E, f32, gate_constant
-from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace, tiles_per_head
+from ..workspace import CHUNK, SNAPSHOT_TILES, Workspace, WorkspaceSpec, allocate_workspace, snapshot_slots, tiles_per_head
 
 _SMALLEST_NORMAL_F32 = 2.0 ** -126
 _warned_inexact = False
@@ -307,6 +307,7 @@ def mirror_recurrence(
     output_final_state: bool = False,
     state_dtype: torch.dtype = torch.float32,
     state_layout: str = "vk",
+    checkpoints: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """K2 of docs/numerics.md over the workspace ``ws`` (from K1 or :func:`mirror_prepare`).
 
@@ -314,6 +315,11 @@ def mirror_recurrence(
     (``state_layout="vk"``, the kernels' layout) or ``[N, H, K, V]`` (``"kv"``). The state is bf16
     between tiles. Returns o bf16 ``[B, T, H, V]`` and, when ``output_final_state``, the final state
     in ``state_dtype`` (bf16, or fp32 widened exactly) in ``state_layout``; else None.
+
+    ``checkpoints`` (the training forward): a bf16 ``[H · slots, K, V]`` buffer
+    (:func:`cute_kda.workspace.block_states_shape`) that receives, in slot ``g // SNAPSHOT_TILES + s``,
+    the bf16 state entering every global tile ``g`` of sequence ``s`` that starts a block of
+    ``SNAPSHOT_TILES`` or the sequence; other rows are left as they are.
     """
     if v.dtype != torch.bfloat16:
         raise TypeError("v must be bf16 (the kernels' input type)")
@@ -348,10 +354,22 @@ def mirror_recurrence(
 
     out_t = torch.empty(heads, tiles + 1, CHUNK, value_dim, device=device, dtype=torch.bfloat16)  # slot `tiles`: sink
     starts = tile_map.bases[:-1]
+    if checkpoints is not None:
+        slots = snapshot_slots(tiles, num_seqs)
+        if checkpoints.dtype != torch.bfloat16 or tuple(checkpoints.shape) != (heads * slots, key_dim, value_dim):
+            raise ValueError(f"checkpoints must be bf16 {(heads * slots, key_dim, value_dim)}, "
+                             f"got {checkpoints.dtype} {tuple(checkpoints.shape)}")
+        kept = torch.empty(heads, slots + 1, key_dim, value_dim, device=device, dtype=torch.bfloat16)  # slot `slots`: sink
+        kept[:, :slots] = checkpoints.view(heads, slots, key_dim, value_dim)
+        seq_index = torch.arange(num_seqs, device=device)
     steps = int(tile_map.tiles_per_seq.max().item()) if num_seqs else 0
     for step in range(steps):
         active = step < tile_map.tiles_per_seq  # [N]
         slot = (starts + torch.clamp(tile_map.tiles_per_seq - 1, min=0).clamp(max=step)).clamp(max=max(tiles - 1, 0))
+        if checkpoints is not None:
+            keep = active & ((slot % SNAPSHOT_TILES == 0) | (step == 0))
+            kept.index_copy_(1, torch.where(keep, slot // SNAPSHOT_TILES + seq_index, torch.full_like(slot, slots)),
+                             state)
         kS = _mma(kd[:, slot], state)  # [H, N, 16, V]
         qS = _mma(qd[:, slot], state)
         u = ((v_t[:, slot] - kS) * beta[:, slot][..., None]).bfloat16()
@@ -362,6 +380,8 @@ def mirror_recurrence(
         state = torch.where(active[None, :, None, None], updated, state)
         out_t.index_copy_(1, torch.where(active, slot, torch.full_like(slot, tiles)), o)
 
+    if checkpoints is not None:
+        checkpoints.copy_(kept[:, :slots].reshape(checkpoints.shape))
     o_rows = out_t[:, :tiles].reshape(heads, tiles * CHUNK, value_dim)[:, tile_map.row_of_token]
     out = o_rows.movedim(0, 1).reshape(batch, seq_len, heads, value_dim)
     if not output_final_state:

@@ -20,7 +20,7 @@ A kernel subclasses it and brings its own ``__call__``, ``kernel`` and ``compute
 
 from typing import NamedTuple, Optional
 
-from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
 import cutlass.pipeline as pipeline
@@ -331,6 +331,32 @@ class BandScan:
 
     # -----------------------------------------------------------------------------------------
     # compute warps
+
+    # band matrices kept in global memory (the backward's snapshots, the training forward's checkpoints)
+
+    def band_words_column(self, band: Int32, warp_idx: Int32, lane: Int32) -> Int32:
+        """First 32-bit word column of the lane in a ``[K, V]`` bf16 matrix: its first value column / 2."""
+        return (band * self.v_band + warp_idx * self.warp_cols) // 2 + lane % 4
+
+    def band_matrix_words(self, matrices: cute.Tensor, index) -> cute.Tensor:
+        """Matrix ``index`` of a ``[rows, K, V]`` bf16 tensor as 32-bit words ``[K, V / 2]`` (64-bit offset)."""
+        words_per_row = self.dim // 2
+        base = cute.recast_ptr(matrices.iterator, dtype=Uint32) + Int64(index) * (self.dim * words_per_row)
+        return cute.make_tensor(base, cute.make_layout((self.dim, words_per_row), stride=(words_per_row, 1)))
+
+    @cute.jit
+    def store_band_block(self, words: cute.Tensor, fragment_words: cute.Tensor, m: int, lane: Int32,
+                         column: Int32):
+        """Row block ``m`` (16 k) of the warp's ``[K, cols]`` C fragment → ``words`` (:meth:`band_matrix_words`).
+
+        ``fragment_words``: the fragment recast to 32 bits, ``((1, 2), k_steps, atoms)``; word ``(h, m, j)``
+        holds value columns ``8j + 2q, +1`` of row ``16m + g + 8h`` (``g = lane / 4``, ``q = lane % 4``),
+        so every lane stores one word per (row half, atom); ``column``: :meth:`band_words_column`.
+        """
+        group = lane // 4
+        for half in cutlass.range_constexpr(2):
+            for atom in cutlass.range_constexpr(self.warp_cols // 8):
+                words[CHUNK * m + group + 8 * half, column + 4 * atom] = fragment_words[(0, half), m, atom]
 
     def warp_mma(self) -> cute.TiledMma:
         """One warp's ``16 × warp_cols × 16`` tile of ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate)."""
