@@ -2,8 +2,8 @@
 
 Kernel A (``cute_kda.ops.bwd_scan.bwd_scan``) reads the workspace the forward's K1 writes
 (``cute_kda.ops.prepare.prepare`` on the raw inputs of ``benchmarks/shapes.py``), a random bf16 dO
-and an fp32 dht ``[N, H, V, K]``; it writes dv, du (bf16), one bf16 snapshot of dS' per 16-token
-tile, and an fp32 dh0. Every shape runs at V-split 1, 2, 4, 8 and at the heuristic's choice
+and an fp32 dht ``[N, H, V, K]``; it writes dv, du (bf16), one bf16 snapshot of dS' per block of
+four 16-token tiles (and per sequence end: ``cute_kda.workspace.snapshot_slots``), and an fp32 dh0. Every shape runs at V-split 1, 2, 4, 8 and at the heuristic's choice
 (``choose_scan_vsplit``, marked "auto"). Kernel A is serial over the tiles of a sequence, so the
 figure of merit for few (sequence, head) pairs is the time per serial step,
 ``ms · 1000 / max_s ceil(len_s / 16)``.
@@ -22,11 +22,15 @@ Times are medians over CUDA-graph replays of one launch (``cute_kda._bench.graph
 a call must move, each read or written once:
 
 - Kernel A reads dO, the seven workspace fields of every real (head, tile) (13 888 B,
-  ``cute_kda.workspace``) and dht; it writes dv, du, a 128×128 bf16 snapshot per real tile and dh0.
+  ``cute_kda.workspace``) and dht; it writes dv, du, a 128×128 bf16 snapshot per block and dh0.
   V-split CTAs of one (sequence, head) each read the whole workspace tile; those re-reads, mostly
   served from L2, are not counted.
 - FLA's kernel reads qg, kg, w, dO, dv (bf16, per token), the last row of gk per chunk (fp32) and
   dht; it writes dh (bf16, per 64-token chunk), dv2 and dh0.
+
+The training forward's extra cost is measured beside it: K2 alone on the same workspace (fp32
+state in and out) as the inference variant and as the training variant, which also writes the bf16
+state entering every 4-tile block (``cute_kda.ops.recurrence.recurrence(..., checkpoints=...)``).
 
 The table is printed last and written to ``--out`` (default ``$OUT/bwd-<date>.md`` when ``$OUT``
 is set, else ``benchmarks/results/bwd-<date>.md``) after every shape, so a run cut short keeps
@@ -56,7 +60,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from cute_kda._bench import add_run_arguments, environment, graph_median_ms, markdown_table, median_ms, publish  # noqa: E402
-from cute_kda.workspace import CHUNK, WorkspaceSpec  # noqa: E402
+from cute_kda.workspace import CHUNK, SNAPSHOT_TILES, WorkspaceSpec, block_states_shape  # noqa: E402
 
 from bench_prepare import COPY_CEILING_TBPS  # noqa: E402
 from shapes import D, LOWER_BOUND, SHAPES, make_inputs  # noqa: E402
@@ -93,6 +97,17 @@ def tile_steps(lengths: tuple[int, ...] | list[int], size: int = CHUNK) -> int:
     return max((-(-n // size) for n in lengths), default=0)
 
 
+def snapshot_blocks(lengths: tuple[int, ...] | list[int], every: int = SNAPSHOT_TILES) -> int:
+    """Snapshots (or checkpoints) of one head: the global tiles that end a block of ``every`` or end their
+    sequence (``cute_kda.workspace.snapshot_slots``), the tiles numbered across sequences as the workspace does."""
+    count, base = 0, 0
+    for n in lengths:
+        tiles = -(-n // CHUNK)
+        count += sum(1 for g in range(base, base + tiles) if g % every == every - 1 or g == base + tiles - 1)
+        base += tiles
+    return count
+
+
 def workspace_bytes_per_tile(dim: int = D) -> int:
     """Bytes of one (head, tile) of the K1 workspace, from ``WorkspaceSpec``'s fields (13 888 at D = 128)."""
     fields = WorkspaceSpec(heads=1, tiles=1, dim=dim).fields().values()
@@ -101,12 +116,14 @@ def workspace_bytes_per_tile(dim: int = D) -> int:
 
 def scan_traffic(lengths, heads: int, *, dht_itemsize: int | None = 4, dh0: bool = True, dim: int = D) -> Traffic:
     """Kernel A's unique bytes: reads dO, the workspace of every real tile, dht (``dht_itemsize`` bytes an
-    element, None for no dht); writes dv, du, one bf16 dim×dim snapshot per real tile, dh0 (fp32)."""
+    element, None for no dht); writes dv, du, one bf16 dim×dim snapshot per block (:func:`snapshot_blocks`),
+    dh0 (fp32)."""
     tokens, tiles, seqs = sum(lengths), chunks(lengths), len(lengths)
     state = seqs * heads * dim * dim
     read = tokens * heads * dim * 2 + tiles * heads * workspace_bytes_per_tile(dim)
     read += state * dht_itemsize if dht_itemsize else 0
-    written = 2 * tokens * heads * dim * 2 + tiles * heads * dim * dim * 2 + (state * 4 if dh0 else 0)
+    written = 2 * tokens * heads * dim * 2 + snapshot_blocks(lengths) * heads * dim * dim * 2
+    written += state * 4 if dh0 else 0
     return Traffic(read, written)
 
 
@@ -196,7 +213,7 @@ def time_scan(name: str, inputs: dict, do: torch.Tensor, dht: torch.Tensor, vspl
     ws = allocate_workspace(spec, device)
     prepare(inputs["q"], inputs["k"], inputs["g"], inputs["beta"], inputs["A_log"], inputs["dt_bias"], ws,
             scale=D ** -0.5, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens, tile_base=tile_base)
-    snapshots = torch.empty((ws.qd.shape[0], D, D), dtype=torch.bfloat16, device=device)
+    snapshots = torch.empty(block_states_shape(ws, heads, len(lengths)), dtype=torch.bfloat16, device=device)
     dv, du = torch.empty_like(do), torch.empty_like(do)
     dh0 = torch.empty((len(lengths), heads, D, D), dtype=torch.float32, device=device)
 
@@ -222,7 +239,36 @@ def time_scan(name: str, inputs: dict, do: torch.Tensor, dht: torch.Tensor, vspl
             traceback.print_exc()
             row["note"] = f"error: {_first_line(error)}"
         rows.append(row)
+    rows.append(time_training_forward(name, inputs, ws, tile_base, warmup, rep))
     return rows
+
+
+def time_training_forward(name: str, inputs: dict, ws, tile_base, warmup: int, rep: int) -> dict:
+    """K2 alone (fp32 state in and out, the heuristic's V-split) as the inference and the training variant."""
+    from cute_kda.ops.recurrence import recurrence
+
+    shape = SHAPES[name]
+    v, cu_seqlens, init = inputs["v"], inputs["cu_seqlens"], inputs["initial_state"]
+    out, final = torch.empty_like(v), torch.empty_like(init)
+    checkpoints = torch.empty(block_states_shape(ws, shape.heads, len(shape.lengths)), dtype=torch.bfloat16,
+                              device=v.device)
+    row = dict(kind="train", checkpoint_bytes=snapshot_blocks(shape.lengths) * shape.heads * D * D * 2, note="")
+    try:
+        for key, saved in (("inference_ms", None), ("training_ms", checkpoints)):
+
+            def launch(saved=saved):
+                recurrence(v, ws, out, cu_seqlens=cu_seqlens, tile_base=tile_base, initial_state=init,
+                           final_state=final, checkpoints=saved)
+
+            launch()
+            torch.cuda.synchronize()
+            row[key], row["timing"] = _time(launch, warmup, rep)
+        print(f"{name} K2 inference {row['inference_ms']:.3f} ms, training {row['training_ms']:.3f} ms",
+              file=sys.stderr)
+    except Exception as error:
+        traceback.print_exc()
+        row["note"] = f"error: {_first_line(error)}"
+    return row
 
 
 def capture_fla_dhu_call(inputs: dict, do: torch.Tensor, dht: torch.Tensor):
@@ -372,6 +418,8 @@ def detail_table(results: list[dict]) -> str:
     for result in results:
         fla = result["fla"]
         for r in result["scan"]:
+            if r["kind"] != "scan":
+                continue
             label = f"**Kernel A, V-split {r['vsplit']}** (auto)" if r["auto"] else f"Kernel A, V-split {r['vsplit']}"
             ms = r["ms"]
             rows.append([
@@ -399,8 +447,9 @@ def summary_table(results: list[dict]) -> str:
             f"bytes floor ms at {COPY_CEILING_TBPS} TB/s, Kernel A / FLA"]
     rows = []
     for result in results:
-        timed = [r for r in result["scan"] if r["ms"] is not None]
-        auto = next((r for r in result["scan"] if r["auto"]), None)
+        scan = [r for r in result["scan"] if r["kind"] == "scan"]
+        timed = [r for r in scan if r["ms"] is not None]
+        auto = next((r for r in scan if r["auto"]), None)
         best = min(timed, key=lambda r: r["ms"], default=None)
         fla = result["fla"]
         shape = SHAPES[result["shape"]]
@@ -416,6 +465,22 @@ def summary_table(results: list[dict]) -> str:
     return markdown_table(head, rows)
 
 
+def training_table(results: list[dict]) -> str:
+    head = ["shape", "K2 inference ms", "K2 training ms", "extra ms", "extra %", "checkpoints MB", "timing"]
+    rows = []
+    for result in results:
+        for r in result["scan"]:
+            if r["kind"] != "train":
+                continue
+            if r["note"]:
+                rows.append([result["shape"], r["note"], "—", "—", "—", f"{r['checkpoint_bytes'] / 1e6:.1f}", "—"])
+                continue
+            extra = r["training_ms"] - r["inference_ms"]
+            rows.append([result["shape"], _ms(r["inference_ms"]), _ms(r["training_ms"]), f"{extra:+.3f}",
+                         f"{100 * extra / r['inference_ms']:+.1f}", f"{r['checkpoint_bytes'] / 1e6:.1f}", r["timing"]])
+    return markdown_table(head, rows)
+
+
 def report(results: list[dict], command: str, env: str) -> str:
     calls = [f"- {r['shape']}: `chunk_gated_delta_rule_bwd_dhu({r['fla']['call']})`" for r in results
              if r["fla"].get("call")]
@@ -426,6 +491,10 @@ def report(results: list[dict], command: str, env: str) -> str:
         "ratios are cute_kda ms / FLA ms (< 1: cute_kda faster)",
         summary_table(results),
         detail_table(results),
+        "Training forward: K2 alone on the same workspace (fp32 state in/out, the heuristic's V-split), "
+        "the inference variant and the training variant that also keeps the bf16 state entering every "
+        "4-tile block for the backward:",
+        training_table(results),
         "Steps are 16-token steps of the longest sequence for both kernels (FLA steps over 64-token chunks); "
         "bytes are unique bytes per call (see the script's docstring); GB/s = (read + written) / time; the bytes "
         f"floor is (read + written) at the {COPY_CEILING_TBPS} TB/s copy ceiling.",
