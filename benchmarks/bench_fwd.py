@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")  # FLA's own Triton path, not its FlashKDA dispatch
+os.environ.setdefault("FLA_CUTE_KDA", "0")  # nor its dispatch to cute_kda (cute_kda.fla_backend)
 
 import torch  # noqa: E402
 

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
+os.environ.setdefault("FLA_CUTE_KDA", "0")  # FLA's own path, not its dispatch to cute_kda
 
 import torch  # noqa: E402
 

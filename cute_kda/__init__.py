@@ -1,11 +1,17 @@
 """cute_kda: Kimi Delta Attention kernels for Hopper in the CUTLASS CuTe DSL.
 
-Importing the package needs neither a GPU nor a CUDA driver; kernels compile on first use.
+Importing the package needs neither a GPU nor a CUDA driver; kernels compile on first use. With
+flash-linear-attention installed, ``fla.ops.kda.chunk_kda`` dispatches inference calls here
+(:mod:`cute_kda.fla_backend`; ``FLA_CUTE_KDA=0`` opts out).
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+from . import fla_backend as _fla_backend  # noqa: E402  (stdlib only: registers with FLA if and when it is imported)
+
+_fla_backend.install()
 
 _API = ("kda_forward", "chunk_kda", "warmup")
 

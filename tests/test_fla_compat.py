@@ -7,7 +7,8 @@ recurrence written here from FLA's own definitions (``fla/ops/kda/naive.py``, ``
 Unsupported flags must raise ``NotImplementedError`` naming the flag.
 
 GPU tier: the real ``chunk_kda`` against FLA's Triton ``chunk_kda`` on the same inputs
-(``FLA_FLASH_KDA=0`` so FLA does not dispatch to FlashKDA), rel-RMS printed and bounded.
+(``FLA_FLASH_KDA=0`` and ``FLA_CUTE_KDA=0`` so FLA dispatches neither to FlashKDA nor back to
+cute_kda), rel-RMS printed and bounded.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from cute_kda import api
 from cute_kda.reference import gold_forward, mirror_forward, rel_rms
 
 os.environ["FLA_FLASH_KDA"] = "0"
+os.environ["FLA_CUTE_KDA"] = "0"  # FLA's own kernels are the reference, not its dispatch to cute_kda
 
 D = 128
 

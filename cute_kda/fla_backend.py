@@ -1,0 +1,248 @@
+"""cute_kda as a backend of flash-linear-attention's ``fla.ops.kda.chunk_kda``.
+
+FLA dispatches ``chunk_kda`` through its own backend registry (``fla.backends``; FlashKDA's backend
+uses the same mechanism): each registered backend is asked, in priority order, whether it takes a
+call (its verifier), and the first that does computes it; otherwise FLA's Triton kernels run. This
+module registers :class:`CuteKDABackend` there:
+
+- **priority 2**, ahead of FlashKDA's 3 (FLA runs lower numbers first);
+- **verifier** :func:`verify` accepts exactly the calls ``cute_kda.chunk_kda`` computes: it runs the
+  same argument translation and input checks the call would (no kernel), on a CUDA device of
+  compute capability 9.x (the kernels are built for sm_90a), and refuses inputs that require grad
+  (the backward is being built) — FLA then computes the call itself. Every distinct reason is
+  logged once at INFO on the ``cute_kda.fla_backend`` logger (FLA also logs its first one);
+- **opt-out** ``FLA_CUTE_KDA=0`` (read by FLA on every call).
+
+Registration happens on ``import cute_kda`` when FLA is installed: at once if ``fla.ops.kda`` is
+already imported, otherwise right after it is (a one-shot import hook; importing cute_kda does not
+import FLA). :func:`register` does it explicitly. FLA stays optional: without it nothing happens.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import logging
+import sys
+import threading
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+BACKEND_TYPE = "cute_kda"
+ENV_VAR = "FLA_CUTE_KDA"
+PRIORITY = 2  # FLA: lower values run first; FlashKDA registers 3
+FLA_MODULE = "fla.ops.kda"
+_MAX_LOGGED_REASONS = 64
+
+_state = threading.local()
+_logged_reasons: set[str] = set()
+_registered = False
+
+
+# ---------------------------------------------------------------------------------------------
+# the verifier and the implementation (plain functions of FLA's chunk_kda arguments)
+
+
+def _grad_inputs(tensors: dict[str, Any]) -> list[str]:
+    import torch
+
+    if not torch.is_grad_enabled():
+        return []
+    return [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _device_reason(q: Any) -> str | None:
+    """Why the kernels cannot run on ``q``'s device, or None."""
+    import torch
+
+    if not isinstance(q, torch.Tensor):
+        return f"q must be a torch tensor, got {type(q).__name__}"
+    return _device_rule(q.device)
+
+
+def _device_rule(device: Any) -> str | None:
+    import torch
+
+    if device.type != "cuda":
+        return f"q is on {device}; cute_kda's kernels run on CUDA devices"
+    major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    if major != 9:
+        return f"cute_kda's kernels are built for sm_90a (Hopper); {device} is sm_{major}{minor}"
+    return None
+
+
+_CAPABILITIES: dict[int, tuple[int, int]] = {}
+
+
+def _capability(index: int) -> tuple[int, int]:
+    if index not in _CAPABILITIES:
+        import torch
+
+        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITIES[index]
+
+
+def _call_key(args: tuple, kwargs: dict) -> tuple:
+    """Identity of one call's tensors, to hand the verifier's translation to the implementation."""
+    return tuple(id(x) for x in args) + tuple((name, id(value)) for name, value in sorted(kwargs.items()))
+
+
+def verify(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
+    """(True, None) if cute_kda computes this FLA ``chunk_kda`` call, else (False, the reason)."""
+    from . import api, validation
+
+    _state.pending = None
+    bound = _bind(args, kwargs)
+    reason = None
+    needing = _grad_inputs({name: bound.get(name) for name in
+                            ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")})
+    if needing:
+        reason = (f"{', '.join(needing)} {'requires' if len(needing) == 1 else 'require'} grad and cute_kda has "
+                  "no backward yet (FLA computes training calls)")
+    if reason is None:
+        reason = _device_reason(bound.get("q"))
+    if reason is None:
+        try:
+            call = api.translate_fla_call(*args, **kwargs)
+            options = call.options
+            validation.validate_forward(
+                *call.tensors, A_log=options["A_log"], dt_bias=options["dt_bias"],
+                lower_bound=options["lower_bound"], scale=options["scale"], initial_state=options["initial_state"],
+                cu_seqlens=options["cu_seqlens"],
+            )
+        except (TypeError, ValueError, NotImplementedError) as error:
+            reason = f"{type(error).__name__}: {error}"
+    if reason is not None:
+        _log_once(reason)
+        return False, reason
+    _state.pending = (_call_key(args, kwargs), call)
+    return True, None
+
+
+def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """Compute an accepted FLA ``chunk_kda`` call (the translation :func:`verify` made, when it is
+    this call's)."""
+    from . import api
+
+    pending, _state.pending = getattr(_state, "pending", None), None
+    if pending is not None and pending[0] == _call_key(args, kwargs):
+        call = pending[1]
+    else:
+        call = api.translate_fla_call(*args, **kwargs)
+    return call.run(api.kda_forward)
+
+
+_FLA_POSITIONAL = ("q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state")
+
+
+def _bind(args: tuple, kwargs: dict) -> dict:
+    bound = dict(zip(_FLA_POSITIONAL, args))
+    bound.update(kwargs)
+    return bound
+
+
+def _log_once(reason: str) -> None:
+    if reason in _logged_reasons or len(_logged_reasons) >= _MAX_LOGGED_REASONS:
+        return
+    _logged_reasons.add(reason)
+    logger.info("cute_kda does not take this fla.ops.kda.chunk_kda call (FLA computes it): %s", reason)
+
+
+# ---------------------------------------------------------------------------------------------
+# registration with fla.backends
+
+
+def backend_class(base: type) -> type:
+    """The backend class on FLA's ``BaseBackend`` (built here so FLA is imported only when present)."""
+
+    class CuteKDABackend(base):  # type: ignore[misc, valid-type]
+        """cute_kda's CuTe DSL forward for Hopper (inference); ``FLA_CUTE_KDA=0`` disables it."""
+
+        backend_type = BACKEND_TYPE
+        package_name = "cute_kda"
+        env_var = ENV_VAR
+        default_enable = True
+        priority = PRIORITY
+
+        def chunk_kda_verifier(self, *args: Any, **kwargs: Any) -> tuple[bool, str | None]:
+            return verify(*args, **kwargs)
+
+        def chunk_kda(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            return chunk_kda(*args, **kwargs)
+
+    return CuteKDABackend
+
+
+def register() -> bool:
+    """Register cute_kda with FLA's ``chunk_kda`` registry (imports FLA). False if FLA is missing."""
+    global _registered
+    try:
+        from fla.backends import BaseBackend
+        from fla.backends import register as fla_register
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+    except ImportError as error:
+        logger.debug("FLA is not importable (%s); cute_kda is not registered as its backend", error)
+        return False
+    fla_register(fla_chunk_kda)(backend_class(BaseBackend))
+    _registered = True
+    logger.info("cute_kda registered as an FLA chunk_kda backend (priority %d; %s=0 disables it)", PRIORITY, ENV_VAR)
+    return True
+
+
+def is_registered() -> bool:
+    return _registered
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when ``fla.ops.kda`` is being imported, wraps its loader so that
+    :func:`register` runs right after the module has executed, then leaves ``sys.meta_path``."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != FLA_MODULE:
+            return None
+        _remove_hook()
+        spec = importlib.util.find_spec(fullname)  # the real finders, without this one
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _RegisteringLoader(spec.loader)
+        return spec
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        try:
+            register()
+        except Exception as error:  # noqa: BLE001 - never break FLA's import
+            logger.warning("cute_kda could not register as an FLA backend: %s", error)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+_HOOK = _RegisterAfterImport()
+
+
+def _remove_hook() -> None:
+    try:
+        sys.meta_path.remove(_HOOK)
+    except ValueError:
+        pass
+
+
+def install() -> None:
+    """Register now if FLA's ``fla.ops.kda`` is imported, else as soon as it is (called by ``import cute_kda``)."""
+    if FLA_MODULE in sys.modules:
+        try:
+            register()
+        except Exception as error:  # noqa: BLE001
+            logger.warning("cute_kda could not register as an FLA backend: %s", error)
+    elif _HOOK not in sys.meta_path:
+        sys.meta_path.insert(0, _HOOK)

@@ -1,0 +1,275 @@
+"""cute_kda as a backend of FLA's ``chunk_kda`` (``cute_kda/fla_backend.py``).
+
+CPU tier: the verifier on its own (grad, device, every refusal of the translation, the call FLA's
+``KimiDeltaAttention`` layer makes), the hand-over of the verifier's translation to the
+implementation, the logged reasons; registration through the import hook against a stand-in
+``fla`` package in a fresh process (and ``import cute_kda`` never imports FLA); with the real FLA
+importable (it needs triton), the registry's order, the opt-out and a dispatched call on the CPU
+with the gold recurrence behind the kernels.
+
+GPU tier: ``fla.ops.kda.chunk_kda`` dispatches to cute_kda (bit-equal to ``cute_kda.chunk_kda``),
+falls back to FLA's kernels for a training call (reason logged) and with ``FLA_CUTE_KDA=0``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import cute_kda
+from cute_kda import api, fla_backend
+
+from test_fla_compat import make_problem
+from test_torch_compile import gold_kernels  # noqa: F401  (fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+D = 128
+
+
+def layer_call(lengths=(40,), heads=2, device="cpu", **changes):
+    """The arguments FLA's KimiDeltaAttention layer passes in chunk mode (safe gate, lower_bound -5)."""
+    inputs = make_problem(list(lengths), heads, device=device)
+    kwargs = dict(**inputs, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
+                  use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False, safe_gate=True,
+                  lower_bound=-5.0, state_v_first=True)
+    kwargs.update(changes)
+    return kwargs
+
+
+@pytest.fixture
+def any_device(monkeypatch):
+    """Let the verifier take CPU tensors (the device rule is tested on its own)."""
+    monkeypatch.setattr(fla_backend, "_device_reason", lambda q: None)
+
+
+def test_layer_call_is_accepted(any_device):
+    with torch.no_grad():
+        assert fla_backend.verify(**layer_call()) == (True, None)
+        assert fla_backend.verify(**layer_call([17, 40, 3], state_v_first=False, output_final_state=True)) == (True, None)
+
+
+def test_training_call_is_refused_with_the_reason(any_device):
+    kwargs = layer_call()
+    kwargs["q"].requires_grad_()
+    kwargs["A_log"].requires_grad_()
+    accepted, reason = fla_backend.verify(**kwargs)
+    assert not accepted and "q, A_log require grad" in reason and "no backward" in reason
+    with torch.no_grad():  # the same tensors under no_grad are an inference call
+        assert fla_backend.verify(**kwargs) == (True, None)
+
+
+def test_cpu_tensors_are_refused():
+    with torch.no_grad():
+        accepted, reason = fla_backend.verify(**layer_call())
+    assert not accepted and "cpu" in reason and "CUDA" in reason
+
+
+def test_non_hopper_gpu_is_refused(monkeypatch):
+    monkeypatch.setattr(fla_backend, "_capability", lambda index: (10, 0))
+    reason = fla_backend._device_rule(torch.device("cuda", 0))
+    assert "sm_90a" in reason and "sm_100" in reason
+    monkeypatch.setattr(fla_backend, "_capability", lambda index: (9, 0))
+    assert fla_backend._device_rule(torch.device("cuda", 1)) is None
+
+
+REFUSED = {
+    "softplus gate": (dict(lower_bound=None, safe_gate=False), "without lower_bound"),
+    "precomputed decay": (dict(use_gate_in_kernel=False), "use_gate_in_kernel=False"),
+    "negative eigenvalues": (dict(allow_neg_eigval=True), "allow_neg_eigval"),
+    "intermediate states": (dict(return_intermediate_states=True), "return_intermediate_states"),
+    "context parallel": (dict(cp_context=object()), "cp_context"),
+    "graph mode": (dict(use_graph=True), "use_graph"),
+    "bf16 state": (dict(initial_state=torch.zeros(1, 2, D, D, dtype=torch.bfloat16)), "initial_state must be float32"),
+    "fp16 activations": ("fp16", "q must be bfloat16"),
+    "head dim 64": ("dim64", "not supported; supported head dims: 128"),
+    "misaligned q": ("misaligned", "16-byte boundary"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_calls_cute_kda_does_not_compute_are_refused(any_device, case):
+    changes, words = REFUSED[case]
+    kwargs = layer_call()
+    if changes == "fp16":
+        kwargs = {n: x.half() if n in ("q", "k", "v", "g", "beta") else x for n, x in kwargs.items()}
+    elif changes == "dim64":
+        kwargs = {n: x[..., :64].contiguous() if n in ("q", "k", "g") else x for n, x in kwargs.items()}
+        kwargs["dt_bias"] = kwargs["dt_bias"].view(2, D)[:, :64].reshape(-1)
+    elif changes == "misaligned":
+        q = kwargs["q"]
+        kwargs["q"] = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape).copy_(q)
+    else:
+        kwargs.update(changes)
+    with torch.no_grad():
+        accepted, reason = fla_backend.verify(**kwargs)
+    assert not accepted and words in reason, reason
+
+
+def test_every_distinct_reason_is_logged_once(caplog, monkeypatch):
+    monkeypatch.setattr(fla_backend, "_logged_reasons", set())
+    caplog.set_level(logging.INFO, logger="cute_kda.fla_backend")
+    with torch.no_grad():
+        for _ in range(3):
+            fla_backend.verify(**layer_call())  # CPU: refused by device
+        monkeypatch.setattr(fla_backend, "_device_reason", lambda q: None)
+        fla_backend.verify(**layer_call(lower_bound=None, safe_gate=False))
+    messages = [r.getMessage() for r in caplog.records if r.name == "cute_kda.fla_backend"]
+    assert len(messages) == 2 and all("FLA computes it" in m for m in messages)
+
+
+def test_implementation_reuses_the_verifiers_translation(any_device, gold_kernels, monkeypatch):
+    kwargs = layer_call([9, 30], state_v_first=False, output_final_state=True,
+                        initial_state=0.1 * torch.randn(2, 2, D, D))
+    calls = []
+    translate = api.translate_fla_call
+    monkeypatch.setattr(api, "translate_fla_call", lambda *a, **k: calls.append(1) or translate(*a, **k))
+    with torch.no_grad():
+        assert fla_backend.verify(**kwargs) == (True, None)
+        o, state = fla_backend.chunk_kda(**kwargs)
+        expected = cute_kda.chunk_kda(**kwargs)
+    assert len(calls) == 2  # once in the verifier, once for `expected`: the implementation reused it
+    assert torch.equal(o, expected[0]) and torch.equal(state, expected[1]) and state.shape == (2, 2, D, D)
+    with torch.no_grad():  # without a pending translation (or for another call) it translates itself
+        fla_backend.chunk_kda(**kwargs)
+    assert len(calls) == 3
+
+
+STUB_FLA = {
+    "fla/__init__.py": "",
+    "fla/ops/__init__.py": "",
+    "fla/ops/kda/__init__.py": "def chunk_kda(*args, **kwargs):\n    return 'fla'\n",
+    "fla/backends.py": textwrap.dedent("""
+        REGISTERED = []
+
+        class BaseBackend:
+            pass
+
+        def register(entry_point):
+            def decorator(implementation):
+                REGISTERED.append((entry_point, implementation))
+                return implementation
+            return decorator
+    """),
+}
+
+HOOK_CHECK = textwrap.dedent("""
+    import sys
+    sys.path[:0] = [{stub!r}, {root!r}]
+    if {fla_first}:
+        import fla.ops.kda
+    import cute_kda
+    assert {fla_first} or "fla" not in sys.modules, "import cute_kda imported FLA"
+    import fla.ops.kda
+    from fla.backends import REGISTERED
+    (entry, cls), = REGISTERED
+    assert entry is fla.ops.kda.chunk_kda
+    backend = cls()
+    print(cls.backend_type, cls.priority, cls.env_var, cls.package_name, hasattr(backend, "chunk_kda_verifier"))
+""")
+
+
+@pytest.mark.parametrize("fla_first", [False, True], ids=["cute_kda_first", "fla_first"])
+def test_import_hook_registers_with_fla(tmp_path, fla_first):
+    for name, text in STUB_FLA.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    code = HOOK_CHECK.format(stub=str(tmp_path), root=str(ROOT), fla_first=fla_first)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["cute_kda", "2", "FLA_CUTE_KDA", "cute_kda", "True"]
+
+
+def test_importing_cute_kda_without_fla_works():
+    code = ("import sys; import importlib.util as u; import cute_kda; from cute_kda import fla_backend; "
+            "print(u.find_spec('fla') is None or 'fla' not in sys.modules, fla_backend.is_registered())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == "True"
+
+
+# ---------------------------------------------------------------------------------------------
+# with the real FLA (needs triton): the registry
+
+
+def _registry():
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    backends = pytest.importorskip("fla.backends")
+    return fla_kda, backends._function_registries[inspect.unwrap(fla_kda.chunk_kda)]
+
+
+def test_real_registry_orders_cute_kda_before_flash_kda(monkeypatch):
+    _, registry = _registry()
+    order = [b.backend_type for b in registry._get_sorted_backends()]
+    assert "cute_kda" in order
+    if "flash_kda" in order:
+        assert order.index("cute_kda") < order.index("flash_kda")
+    ours = next(b for b in registry._get_sorted_backends() if b.backend_type == "cute_kda")
+    monkeypatch.delenv("FLA_CUTE_KDA", raising=False)
+    assert ours.is_available() and ours.is_enabled()
+    monkeypatch.setenv("FLA_CUTE_KDA", "0")
+    assert not ours.is_enabled()
+
+
+def test_real_dispatch_reaches_cute_kda_on_the_cpu(any_device, gold_kernels):
+    fla_kda, _ = _registry()
+    kwargs = layer_call([33])
+    with torch.no_grad():
+        o, state = fla_kda.chunk_kda(**kwargs)
+        expected, _ = cute_kda.chunk_kda(**kwargs)
+    assert len(gold_kernels) == 2 and state is None and torch.equal(o, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU tier: live dispatch
+
+
+@pytest.mark.gpu
+def test_fla_dispatches_inference_to_cute_kda(device, monkeypatch):
+    fla_kda, _ = _registry()
+    monkeypatch.delenv("FLA_CUTE_KDA", raising=False)
+    ran = []
+    implementation = fla_backend.chunk_kda
+    monkeypatch.setattr(fla_backend, "chunk_kda", lambda *a, **k: ran.append(1) or implementation(*a, **k))
+    kwargs = layer_call([1300, 547, 2048], heads=4, device=device, output_final_state=True)
+    with torch.no_grad():
+        o, state = fla_kda.chunk_kda(**kwargs)
+        expected, expected_state = cute_kda.chunk_kda(**kwargs)
+    torch.cuda.synchronize()
+    assert ran == [1]
+    assert torch.equal(o, expected) and torch.equal(state, expected_state)
+
+
+@pytest.mark.gpu
+def test_training_call_falls_back_to_fla_with_a_logged_reason(device, monkeypatch, caplog):
+    fla_kda, _ = _registry()
+    monkeypatch.delenv("FLA_CUTE_KDA", raising=False)
+    monkeypatch.setattr(fla_backend, "_logged_reasons", set())
+    caplog.set_level(logging.INFO, logger="cute_kda.fla_backend")
+    ran = []
+    monkeypatch.setattr(fla_backend, "chunk_kda", lambda *a, **k: ran.append(1))
+    kwargs = layer_call([300], heads=2, device=device)
+    kwargs["q"].requires_grad_()
+    o, _ = fla_kda.chunk_kda(**kwargs)
+    o.float().sum().backward()  # FLA's own forward and backward ran
+    assert ran == [] and kwargs["q"].grad is not None
+    assert any("require" in r.getMessage() and "grad" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.gpu
+def test_opt_out_runs_fla(device, monkeypatch):
+    fla_kda, _ = _registry()
+    ran = []
+    monkeypatch.setattr(fla_backend, "chunk_kda", lambda *a, **k: ran.append(1))
+    monkeypatch.setenv("FLA_CUTE_KDA", "0")
+    with torch.no_grad():
+        o, _ = fla_kda.chunk_kda(**layer_call([200], device=device))
+    assert ran == [] and o.shape == (1, 200, 2, D)
