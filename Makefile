@@ -37,11 +37,13 @@ test: $(VENV)/.ready
 gpu-test:
 	$(PYTHON) scripts/gpu_tier.py
 
-# Offline bundle for the H200 (docs/gpu.md): the shared DSL bundle plus the cp312 TVM-FFI wheel.
+# Offline bundle for the H200 (docs/gpu.md): the shared DSL bundle plus the cp312 TVM-FFI wheel and
+# flash-linear-attention's layers (pure Python, beside the fla-core there; examples/kda_layer.py uses them).
 gpu-bundle:
 	../shared/gpu/make-dsl-bundle
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 -d .gpu-bundle "apache-tvm-ffi>=0.1.15,<0.2"
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d .gpu-bundle "flash-linear-attention==0.6.0"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

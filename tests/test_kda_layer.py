@@ -1,0 +1,50 @@
+"""FLA's KimiDeltaAttention layer through FLA's kernels and through cute_kda (``examples/kda_layer.py``).
+
+GPU tier only: the layer's output with cute_kda behind FLA's ``chunk_kda`` dispatch, and with FLA's
+own kernels, both within FLA's tolerance (0.005, its ``assert_close`` ratio for ``o``) of the same
+layer running the fp64 token recurrence; fixed-length and packed inputs. The CPU tier checks that
+the example imports and refuses to run without a GPU.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+import kda_layer  # noqa: E402
+
+
+def test_example_says_it_needs_a_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["kda_layer.py"])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        kda_layer.main()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_lens, batch", [([1000], 2), ([1300, 547, 80], 1)], ids=["B2_T1000", "varlen"])
+def test_layer_within_fla_tolerance(seq_lens, batch):
+    pytest.importorskip("fla.ops.kda")
+    r = kda_layer.compare(seq_lens, heads=8, hidden=1024, batch=batch, reps=0, time_it=False)
+    print(f"[kda layer] {seq_lens}: vs fp64 layer FLA {r['fla_vs_gold']:.2e}, cute_kda {r['cute_kda_vs_gold']:.2e}; "
+          f"cute_kda vs FLA {r['cute_kda_vs_fla']:.2e}")
+    assert r["cute_kda_vs_gold"] <= kda_layer.FLA_TOLERANCE
+    assert r["fla_vs_gold"] <= kda_layer.FLA_TOLERANCE
+
+
+@pytest.mark.gpu
+def test_example_runs():
+    pytest.importorskip("fla.ops.kda")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "kda_layer.py"), "--seq-lens", "2048",
+                           "--heads", "8", "--hidden", "1024", "--reps", "5"], capture_output=True, text=True,
+                          timeout=600)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stderr
