@@ -47,6 +47,7 @@ from cutlass.memory import SmemAllocator
 from ..layouts import bwd_scan as scan_layouts
 from ..layouts import fwd_recurrence as layouts
 from ..layouts.bwd_scan import ScanSmemPlan
+from ..layouts.fwd_recurrence import OUTPUT_STAGES
 from ..numerics import CHUNK
 from ..workspace import SNAPSHOT_TILES
 from .common.band_scan import BandScan, OutputTile
@@ -120,17 +121,22 @@ class BwdScan(BandScan):
     """Kernel A for head dim 128, one compiled variant per static configuration.
 
     ``vsplit`` ∈ {1, 2, 4, 8}: CTAs per (sequence, head), each owning ``128 / vsplit`` value columns.
-    ``snapshot_every``: tiles per snapshot block (:func:`cute_kda.workspace.snapshot_slots`). ``dht`` / ``dh0``: None, ``cutlass.BFloat16`` or ``cutlass.Float32``: the dtype of the ``[N, H, V, K]``
+    ``compute_warps`` / ``output_stages``: the plan's (:class:`~cute_kda.layouts.bwd_scan.ScanSmemPlan`);
+    ``split_accumulator``: G2's 8 k-steps run on two accumulators (even, odd), added at the end, so the
+    chain of dependent mma is half as long. ``snapshot_every``: tiles per snapshot block (:func:`cute_kda.workspace.snapshot_slots`). ``dht`` / ``dh0``: None, ``cutlass.BFloat16`` or ``cutlass.Float32``: the dtype of the ``[N, H, V, K]``
     gradient w.r.t. the final state (in) and w.r.t. the initial state (out); None means zero in and
     no output. ``varlen``: sequences packed along T with ``cu_seqlens``.
     """
 
     def __init__(self, *, vsplit: int = 1, dht: Optional[type] = None, dh0: Optional[type] = None,
-                 varlen: bool = False, snapshot_every: int = SNAPSHOT_TILES) -> None:
+                 varlen: bool = False, snapshot_every: int = SNAPSHOT_TILES, compute_warps: Optional[int] = None,
+                 output_stages: int = OUTPUT_STAGES, split_accumulator: bool = False) -> None:
         super().__init__(
-            ScanSmemPlan(vsplit=vsplit, state_io_fp32=Float32 in (dht, dh0)),
+            ScanSmemPlan(vsplit=vsplit, state_io_fp32=Float32 in (dht, dh0), compute_warps=compute_warps,
+                         output_stages=output_stages),
             initial_state=dht, final_state=dh0, varlen=varlen, reverse=True,
         )
+        self.split_accumulator = split_accumulator
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
         self.snapshot_every = snapshot_every
@@ -392,11 +398,16 @@ class BwdScan(BandScan):
             cute.copy(ldsm_a, p_kr[None, None, 0, stage], v_kr[None, None, 0])
             cute.copy(ldsm_b, p_ds[None, None, 0], v_ds[None, None, 0])
             cute.gemm(tiled_mma, acc, r_square[None, None, 0], r_do_b[None, None, 0], acc)
+            if const_expr(self.split_accumulator):
+                acc_ds.fill(0.0)
             for k in cutlass.range_constexpr(k_steps):
                 if const_expr(k + 1 < k_steps):
                     cute.copy(ldsm_a, p_kr[None, None, k + 1, stage], v_kr[None, None, k + 1])
                     cute.copy(ldsm_b, p_ds[None, None, k + 1], v_ds[None, None, k + 1])
-                cute.gemm(tiled_mma, acc, r_kr[None, None, k], r_ds[None, None, k], acc)
+                target = acc_ds if const_expr(self.split_accumulator and k % 2 == 1) else acc
+                cute.gemm(tiled_mma, target, r_kr[None, None, k], r_ds[None, None, k], target)
+            if const_expr(self.split_accumulator):
+                acc.store(acc.load() + acc_ds.load())
             r_c16.store(acc.load().to(BFloat16))
 
             # G3: du = INVᵀ·dU, dU moved C → B in registers

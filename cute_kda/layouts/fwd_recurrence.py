@@ -81,10 +81,15 @@ class RecurrenceSmemPlan:
     chunk: int = CHUNK
     input_stages: int = INPUT_STAGES
     output_stages: int = OUTPUT_STAGES
+    compute_warps: int | None = None  # None: MMA_WARPS, fewer for a band under 4 · 8 columns
 
     def __post_init__(self) -> None:
         if self.vsplit not in self.supported_vsplits:
             raise ValueError(f"vsplit must be one of {self.supported_vsplits}, got {self.vsplit}")
+        if self.compute_warps is not None and (self.v_band % self.compute_warps
+                                               or (self.v_band // self.compute_warps) % MIN_WARP_COLS):
+            raise ValueError(f"{self.compute_warps} compute warps cannot split {self.v_band} value columns "
+                             f"into multiples of {MIN_WARP_COLS}")
 
     @property
     def v_band(self) -> int:
@@ -93,7 +98,9 @@ class RecurrenceSmemPlan:
 
     @property
     def mma_warps(self) -> int:
-        """Compute warps: 4, or fewer when the band has fewer than 4 · 8 columns."""
+        """Compute warps: ``compute_warps``, else 4, or fewer when the band has fewer than 4 · 8 columns."""
+        if self.compute_warps is not None:
+            return self.compute_warps
         return min(MMA_WARPS, self.v_band // MIN_WARP_COLS)
 
     @property

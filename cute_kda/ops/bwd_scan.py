@@ -8,6 +8,8 @@ stream. Nothing here reads device memory on the host.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..layouts.bwd_scan import SCAN_VSPLITS
@@ -18,6 +20,19 @@ from .recurrence import dtype_or_none, state_dsl_type
 
 _CACHE = CompileCache("bwd_scan")
 _STATE_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class ScanTuning:
+    """Kernel A's compile-time tuning knobs (:class:`cute_kda.kernels.bwd_scan.BwdScan`); the defaults
+    are what ``benchmarks/explore_bwd_scan.py`` measured fastest (docs/perf-log.md)."""
+
+    compute_warps: int | None = None  # None: 4 (2 at V-split 8)
+    output_stages: int = 2
+    split_accumulator: bool = False
+
+
+DEFAULT_TUNING = ScanTuning()
 
 
 def choose_scan_vsplit(num_seqs: int, heads: int, sm_count: int) -> int:
@@ -54,14 +69,16 @@ def launch_arguments(
 
 
 def _compiled(key: tuple, tensors: dict, stream):
-    """The compiled variant ``key = (vsplit, dht dtype, dh0 dtype, varlen, device)``, compiled on first
-    use from ``tensors`` (:func:`launch_arguments`' keywords)."""
+    """The compiled variant ``key = (vsplit, dht dtype, dh0 dtype, varlen, tuning, device)``, compiled on
+    first use from ``tensors`` (:func:`launch_arguments`' keywords)."""
 
     def build():
         from ..kernels.bwd_scan import BwdScan
 
-        vsplit, dht, dh0, varlen, _ = key
-        kernel = BwdScan(vsplit=vsplit, dht=state_dsl_type(dht), dh0=state_dsl_type(dh0), varlen=varlen)
+        vsplit, dht, dh0, varlen, tuning, _ = key
+        kernel = BwdScan(vsplit=vsplit, dht=state_dsl_type(dht), dh0=state_dsl_type(dh0), varlen=varlen,
+                         compute_warps=tuning.compute_warps, output_stages=tuning.output_stages,
+                         split_accumulator=tuning.split_accumulator)
         return compile_for_launch(kernel, *launch_arguments(**tensors, tensor=to_cute_tensor), stream)
 
     return _CACHE.get(key, build)
@@ -101,6 +118,7 @@ def bwd_scan(
     dht: torch.Tensor | None = None,
     dh0: torch.Tensor | None = None,
     vsplit: int | None = None,
+    tuning: ScanTuning = DEFAULT_TUNING,
 ) -> None:
     """Run Kernel A: ``dv``, ``du`` (valid rows only), ``snapshots`` and, when given, ``dh0``.
 
@@ -114,7 +132,8 @@ def bwd_scan(
     state; dh0: None or bf16 / fp32 ``[N, H, V, K]``, receives the gradient w.r.t. the initial state
     (the bf16 scan value, widened exactly for fp32). ``cu_seqlens`` int64 ``[N+1]`` with B == 1
     packs N sequences (``tile_base`` int32 ``[N+1]`` derived when not given); ``vsplit`` ∈ {1, 2, 4, 8}
-    or None (:func:`choose_scan_vsplit`). Launches on torch's current stream of ``do``'s device.
+    or None (:func:`choose_scan_vsplit`); ``tuning``: :class:`ScanTuning`. Launches on torch's current
+    stream of ``do``'s device.
     """
     varlen = cu_seqlens is not None
     num_seqs = cu_seqlens.numel() - 1 if varlen else do.shape[0]
@@ -134,6 +153,6 @@ def bwd_scan(
         stream = current_stream(do.device)
         tensors = dict(do=do, ws=ws, dv=dv, du=du, snapshots=snapshots, dht=dht, dh0=dh0,
                        cu_seqlens=cu_seqlens, tile_base=tile_base)
-        key = (vsplit, dtype_or_none(dht), dtype_or_none(dh0), varlen, device_index(do.device))
+        key = (vsplit, dtype_or_none(dht), dtype_or_none(dh0), varlen, tuning, device_index(do.device))
         _compiled(key, tensors, stream)(*launch_arguments(**tensors), stream)
 
