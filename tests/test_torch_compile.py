@@ -121,7 +121,7 @@ class Layer(torch.nn.Module):
         self.dt_bias = torch.nn.Parameter(torch.zeros(heads, D), requires_grad=False)
 
     def forward(self, q, k, v, g, beta, h0, cu_seqlens):
-        o, state = cute_kda.kda_forward(q * 1.5, k, v, g, beta, A_log=self.A_log, dt_bias=self.dt_bias,
+        o, state = cute_kda.kda_forward(q * 2, k, v, g, beta, A_log=self.A_log, dt_bias=self.dt_bias,
                                         initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
         return o.float().relu(), state * 2
 
