@@ -113,8 +113,8 @@ class ScanTmaSmem:
     mqk: cute.Tensor
     dv: cute.Tensor
     du: cute.Tensor
-    ds: cute.Tensor
-    ds_fp32: cute.Tensor
+    state: cute.Tensor  # the dS band
+    state_fp32: cute.Tensor
 
 
 class BwdScan(BandScan):
@@ -229,7 +229,7 @@ class BwdScan(BandScan):
         if const_expr(self.initial_state is not None):
             dht_tiles = self.state_tile(gmem_dht, seq, head, band)
         self.load_initial_state(warp_idx, tidx, tma_dht, dht_tiles, state_mbar,
-                                smem.ds, smem.ds_fp32, tma_smem.ds, tma_smem.ds_fp32)
+                                smem.ds, smem.ds_fp32, tma_smem.state, tma_smem.state_fp32)
 
         if warp_idx < self.mma_warps:
             first_tile = ws_row0 - head * tiles_per_head  # global tile index of the sequence's tile 0
@@ -262,16 +262,14 @@ class BwdScan(BandScan):
         cute.arch.barrier()
         if const_expr(self.final_state is not None):
             self.store_final_state(warp_idx, tidx, tma_dh0, self.state_tile(gmem_dh0, seq, head, band),
-                                   smem.ds, smem.ds_fp32, tma_smem.ds, tma_smem.ds_fp32)
+                                   smem.ds, smem.ds_fp32, tma_smem.state, tma_smem.state_fp32)
 
     @cute.jit
     def carve_smem(self):
         """Element views and TMA views of the CTA's shared memory (:class:`ScanSmemPlan`, in its order)."""
         plan = self.plan
         storage = SmemAllocator().allocate(self.shared_storage)
-        ds_ptr = storage.state.data_ptr()
-        union_ptr = storage.union.data_ptr()
-        at = {name: union_ptr + offset for name, offset in plan.union_offsets().items()}
+        ds_ptr, union_ptr, at = self.smem_pointers(storage)
         stages, out_stages = plan.input_stages, plan.output_stages
         bf16 = BFloat16
         smem = ScanSmem(
@@ -289,18 +287,7 @@ class BwdScan(BandScan):
             dv=smem_tensor(at["dv"], layouts.value_tile(plan, out_stages), bf16),
             du=smem_tensor(at["du"], layouts.value_tile(plan, out_stages), bf16),
         )
-        tma_smem = ScanTmaSmem(
-            do=smem_tensor(at["do"], layouts.tma_box(CHUNK, self.v_band, stages), bf16),
-            qd=smem_tensor(at["qd"], layouts.tma_box(CHUNK, self.dim, stages), bf16),
-            kd=smem_tensor(at["kd"], layouts.tma_box(CHUNK, self.dim, stages), bf16),
-            kr=smem_tensor(at["kr"], layouts.tma_box(CHUNK, self.dim, stages), bf16),
-            inv=smem_tensor(at["inv"], layouts.tma_box(CHUNK, CHUNK, stages), bf16),
-            mqk=smem_tensor(at["mqk"], layouts.tma_box(CHUNK, CHUNK, stages), bf16),
-            dv=smem_tensor(at["dv"], layouts.tma_box(CHUNK, self.v_band, out_stages), bf16),
-            du=smem_tensor(at["du"], layouts.tma_box(CHUNK, self.v_band, out_stages), bf16),
-            ds=smem_tensor(ds_ptr, layouts.tma_box(self.v_band, self.dim), bf16),
-            ds_fp32=smem_tensor(union_ptr, layouts.tma_box(self.v_band, self.dim), Float32),
-        )
+        tma_smem = ScanTmaSmem(**self.tma_boxes(ds_ptr, union_ptr, at))
         return smem, tma_smem, storage
 
     # -----------------------------------------------------------------------------------------

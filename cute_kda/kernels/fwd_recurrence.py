@@ -219,9 +219,7 @@ class FwdRecurrence(BandScan):
 
         # --- shared memory: operand views (ldmatrix/stmatrix) and TMA views of the same bytes
         storage = SmemAllocator().allocate(self.shared_storage)
-        state_ptr = storage.state.data_ptr()
-        union_ptr = storage.union.data_ptr()
-        at = {name: union_ptr + offset for name, offset in plan.union_offsets().items()}
+        state_ptr, union_ptr, at = self.smem_pointers(storage)
         stages, out_stages = plan.input_stages, plan.output_stages
         smem = RecurrenceSmem(
             state=smem_tensor(state_ptr, layouts.state_b(plan), BFloat16),
@@ -237,17 +235,7 @@ class FwdRecurrence(BandScan):
             beta=smem_tensor(at["beta"], layouts.vector(CHUNK, stages), Float32),
             out=smem_tensor(at["out"], layouts.value_tile(plan, out_stages), BFloat16),
         )
-        tma_smem = RecurrenceTmaSmem(
-            v=smem_tensor(at["v"], layouts.tma_box(CHUNK, self.v_band, stages), BFloat16),
-            qd=smem_tensor(at["qd"], layouts.tma_box(CHUNK, self.dim, stages), BFloat16),
-            kd=smem_tensor(at["kd"], layouts.tma_box(CHUNK, self.dim, stages), BFloat16),
-            kr=smem_tensor(at["kr"], layouts.tma_box(CHUNK, self.dim, stages), BFloat16),
-            inv=smem_tensor(at["inv"], layouts.tma_box(CHUNK, CHUNK, stages), BFloat16),
-            mqk=smem_tensor(at["mqk"], layouts.tma_box(CHUNK, CHUNK, stages), BFloat16),
-            out=smem_tensor(at["out"], layouts.tma_box(CHUNK, self.v_band, out_stages), BFloat16),
-            state=smem_tensor(state_ptr, layouts.tma_box(self.v_band, self.dim), BFloat16),
-            state_fp32=smem_tensor(union_ptr, layouts.tma_box(self.v_band, self.dim), Float32),
-        )
+        tma_smem = RecurrenceTmaSmem(**self.tma_boxes(state_ptr, union_ptr, at))
         load_pipe, store_pipe, state_mbar = self.make_pipelines(warp_idx, storage)
 
         # --- initial state → bf16 state buffer

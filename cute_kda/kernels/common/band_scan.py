@@ -29,7 +29,7 @@ from ...dsl import cute, cutlass
 from ...layouts import fwd_recurrence as layouts
 from ...layouts.smem import vector
 from ...numerics import CHUNK
-from .copy import tma_store_tiles
+from .copy import smem_tensor, tma_store_tiles
 
 
 class WarpCopies(NamedTuple):
@@ -125,6 +125,28 @@ class BandScan:
 
     # -----------------------------------------------------------------------------------------
     # device: set-up
+
+    def smem_pointers(self, storage):
+        """(band pointer, union pointer, union field → pointer of its stage 0) of the allocated storage."""
+        state_ptr = storage.state.data_ptr()
+        union_ptr = storage.union.data_ptr()
+        return state_ptr, union_ptr, {name: union_ptr + offset for name, offset in self.plan.union_offsets().items()}
+
+    def tma_boxes(self, state_ptr, union_ptr, at: dict) -> dict:
+        """Every TMA-moved buffer as its TMA box ``(RUN, rows, cols / RUN[, stage])``, by plan field name:
+        the per-token tile, kd, qd, kr, INV, Mqk, the output tiles, ``state`` and ``state_fp32``."""
+        plan, bf16 = self.plan, BFloat16
+        stages, out_stages = plan.input_stages, plan.output_stages
+        boxes = {plan.token_field: smem_tensor(at[plan.token_field], layouts.tma_box(CHUNK, self.v_band, stages), bf16)}
+        for name in ("qd", "kd", "kr"):
+            boxes[name] = smem_tensor(at[name], layouts.tma_box(CHUNK, self.dim, stages), bf16)
+        for name in ("inv", "mqk"):
+            boxes[name] = smem_tensor(at[name], layouts.tma_box(CHUNK, CHUNK, stages), bf16)
+        for name in plan.output_fields:
+            boxes[name] = smem_tensor(at[name], layouts.tma_box(CHUNK, self.v_band, out_stages), bf16)
+        boxes["state"] = smem_tensor(state_ptr, layouts.tma_box(self.v_band, self.dim), bf16)
+        boxes["state_fp32"] = smem_tensor(union_ptr, layouts.tma_box(self.v_band, self.dim), Float32)
+        return boxes
 
     @cute.jit
     def locate_sequence(self, seq: Int32, head: Int32, seq_len_of_batch: Int32, tiles_per_head: Int32,
