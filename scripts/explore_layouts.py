@@ -7,7 +7,7 @@
 Sections: ``atoms`` (GMMA smem atoms and the kernels' layouts as CuTe prints them), ``grids``
 (tiled layouts drawn as index grids), ``dual`` (transpose-dual check), ``banks`` (ldmatrix/stmatrix
 wavefronts per instruction: K_INTER vs row-major vs K_SW128), ``budget`` (smem per kernel plan: K1's
-``smem_budget``, K2's ``RecurrenceSmemPlan`` per V-split and state I/O), ``gemm`` (the multistage GEMM
+``smem_budget``, K2's ``RecurrenceSmemPlan`` and Kernel A's ``ScanSmemPlan`` per V-split and state I/O), ``gemm`` (the multistage GEMM
 of ``cute_kda.layouts.gemm``: its smem layouts, the swizzle, its bank conflicts with and without it).
 """
 
@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cute_kda.dsl import cutlass  # noqa: E402
 from cute_kda.layouts import RecurrenceSmemPlan, analysis, k1_budget, k2_budget, smem  # noqa: E402
+from cute_kda.layouts.bwd_scan import SCAN_VSPLITS, ScanSmemPlan  # noqa: E402
 from cute_kda.layouts.analysis import layout_spec  # noqa: E402
 
 SECTIONS = ("atoms", "grids", "dual", "banks", "budget", "gemm")
@@ -90,14 +91,16 @@ def print_budget(dim: int, chunk: int) -> None:
     print()
     k2_plans = [RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=fp32, dim=dim, chunk=chunk)
                 for fp32 in (False, True) for vsplit in (1, 2, 4)]
-    for plan in k2_plans:
+    scan_plans = [ScanSmemPlan(vsplit=vsplit, state_io_fp32=fp32, dim=dim, chunk=chunk)
+                  for fp32 in (False, True) for vsplit in SCAN_VSPLITS]  # Kernel A: K2's plan, other fields
+    for plan in k2_plans + scan_plans:
         print(k2_budget(plan).describe())
         print()
-    print(f"{'K2 config':34s} {'input stage B':>13s} {'output stage B':>14s} {'total B':>8s} {'CTAs/SM':>7s}")
-    for plan in k2_plans:
+    print(f"{'band-scan config':44s} {'input stage B':>13s} {'output stage B':>14s} {'total B':>8s} {'CTAs/SM':>7s}")
+    for plan in k2_plans + scan_plans:
         b = k2_budget(plan)
-        name = f"vsplit={plan.vsplit} state_io={'fp32' if plan.state_io_fp32 else 'bf16/none'}"
-        print(f"{name:34s} {b.stage_bytes['input']:13d} {b.stage_bytes['output']:14d} "
+        name = f"{plan.kernel_name} vsplit={plan.vsplit} state_io={'fp32' if plan.state_io_fp32 else 'bf16/none'}"
+        print(f"{name:44s} {b.stage_bytes['input']:13d} {b.stage_bytes['output']:14d} "
               f"{b.total_bytes:8d} {b.ctas_per_sm:7d}")
 
 
