@@ -179,6 +179,33 @@ def _recurrence_build(varlen: bool, state: torch.dtype | None, vsplit: int,
     return build
 
 
+def _bwd_scan_build(varlen: bool, state: torch.dtype | None, vsplit: int) -> Callable[[], tuple]:
+    """Kernel A (the backward's reverse scan) with dht in and dh0 out of dtype ``state``."""
+
+    def build():
+        from cute_kda.dsl import cute
+        from cute_kda.kernels.bwd_scan import BwdScan
+        from cute_kda.layouts import k2_budget
+        from cute_kda.ops import bwd_scan as ka
+        from cute_kda.ops._cache import to_cute_tensor
+        from cute_kda.workspace import WorkspaceSpec, allocate_workspace, block_states_shape, tiles_per_head
+
+        lengths = [40, 9] if varlen else [49]
+        heads, tokens = 2, sum(lengths)
+        do = torch.zeros(1, tokens, heads, D, dtype=torch.bfloat16)
+        ws = allocate_workspace(WorkspaceSpec(heads=heads, tiles=tiles_per_head(tokens, len(lengths), varlen)), "cpu")
+        states = None if state is None else torch.zeros(len(lengths), heads, D, D, dtype=state)
+        args = ka.launch_arguments(
+            do, ws, torch.zeros_like(do), torch.zeros_like(do),
+            torch.zeros(block_states_shape(ws, heads, len(lengths)), dtype=torch.bfloat16),
+            dht=states, dh0=states, cu_seqlens=torch.tensor([0, 40, tokens]) if varlen else None,
+            tile_base=torch.tensor([0, 3, 4], dtype=torch.int32) if varlen else None, tensor=to_cute_tensor,
+        )
+        kernel = BwdScan(vsplit=vsplit, dht=ka.state_dsl_type(state), dh0=ka.state_dsl_type(state), varlen=varlen)
+        return kernel, (*args, cute.runtime.make_fake_stream()), k2_budget(kernel.plan)
+    return build
+
+
 def _roundtrip_build() -> tuple:
     from cute_kda.dsl import cute, cutlass
     from cute_kda.kernels.transpose_roundtrip import TransposeRoundTrip
@@ -223,7 +250,8 @@ def _k2_label(varlen: bool, state_in: torch.dtype | None, vsplit: int, state_out
 
 
 def kernel_builds(all_variants: bool) -> list[KernelBuild]:
-    """What the compile report covers: K1 (both variants), the tile prefix, K2 (:func:`k2_variants`), the round trip."""
+    """What the compile report covers: K1 (both variants), the tile prefix, K2 (:func:`k2_variants`), two of
+    Kernel A's 72 variants (V-split 1 and 8; the compile tier builds all), the round trip."""
     return [
         KernelBuild("K1 prepare (fixed length)", _prepare_build(varlen=False)),
         KernelBuild("K1 prepare (varlen)", _prepare_build(varlen=True)),
@@ -231,6 +259,8 @@ def kernel_builds(all_variants: bool) -> list[KernelBuild]:
         *(KernelBuild(_k2_label(varlen, state_in, vsplit, state_out),
                       _recurrence_build(varlen, state_in, vsplit, state_out))
           for varlen, state_in, vsplit, state_out in k2_variants(all_variants)),
+        KernelBuild("Kernel A backward scan (fixed, fp32 dht/dh0, vsplit 1)", _bwd_scan_build(False, torch.float32, 1)),
+        KernelBuild("Kernel A backward scan (varlen, bf16 dht/dh0, vsplit 8)", _bwd_scan_build(True, torch.bfloat16, 8)),
         KernelBuild("transpose round trip", _roundtrip_build),
     ]
 
