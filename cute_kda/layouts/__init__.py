@@ -6,7 +6,9 @@ evaluate them on the host, so everything here works on a machine without a GPU.
 Modules: :mod:`.smem` (layout constructors), :mod:`.tma` (TMA views), :mod:`.analysis` (byte tables,
 transpose-dual check, bank conflicts), :mod:`.budget` (smem plans: buffers, offsets, occupancy),
 one module per kernel with its layouts and smem plan (:mod:`.fwd_prepare`: K1, :mod:`.fwd_recurrence`:
-K2). ``k1_budget()`` and ``k2_budget(RecurrenceSmemPlan(...))`` give both plans as buffer tables.
+K2, :mod:`.bwd_scan`: Kernel A, the backward scan, :mod:`.gemm`: the teaching GEMM). ``k1_budget()``
+and ``k2_budget(plan)`` (a ``RecurrenceSmemPlan`` or Kernel A's ``ScanSmemPlan``) give the plans as
+buffer tables.
 """
 
 from . import analysis, budget, bwd_scan, fwd_prepare, fwd_recurrence, smem, tma  # noqa: F401
