@@ -52,7 +52,6 @@ from ..numerics import CHUNK
 from ..workspace import SNAPSHOT_TILES
 from .common.band_scan import BandScan, OutputTile
 from .common.copy import c_row_half, smem_tensor, transpose_c_to_b
-from .common.fastmath import fma_rn
 
 
 class ScanWorkspace(NamedTuple):
@@ -437,10 +436,7 @@ class BwdScan(BandScan):
                     cute.copy(ldsm_c_t, p_ds_acc_ld[None, m + 1, None], v_ds_acc_ld[None, m + 1, None])
                 if take_snapshot:
                     self.store_band_block(snapshot, ds_words, m, lane, snapshot_column)
-                decay = (smem.gt[m * CHUNK + group, stage], smem.gt[m * CHUNK + group + 8, stage])
-                block = r_ds_acc[None, m, None]
-                for i in cutlass.range_constexpr(cute.size(acc_ds)):
-                    block[i] = BFloat16(fma_rn(decay[c_row_half(i)], Float32(block[i]), acc_ds[i]))
+                self.decay_and_add_block(r_ds_acc, acc_ds, smem.gt, stage, m, lane)
                 cute.copy(stsm_c_t, v_ds_acc_st[None, m, None], p_ds_acc_st[None, m, None])
 
             # the warp's dS columns and its reads of this stage are complete before lane 0 releases it

@@ -58,7 +58,6 @@ from ..workspace import SNAPSHOT_TILES
 from .common.band_scan import BandScan, OutputTile
 from .common.copy import c_row_half, smem_tensor
 from .common.copy import transpose_c_to_b  # movmatrix.trans word by word: C fragment of M → B fragment of Mᵀ
-from .common.fastmath import fma_rn
 
 
 @dataclass(frozen=True)
@@ -422,10 +421,7 @@ class FwdRecurrence(BandScan):
                 if const_expr(self.checkpoints):
                     if take_checkpoint:
                         self.store_band_block(checkpoint, state_words, m, lane, checkpoint_column)
-                decay = (smem.gt[m * CHUNK + group, stage], smem.gt[m * CHUNK + group + 8, stage])
-                block = r_state_acc[None, m, None]
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    block[i] = BFloat16(fma_rn(decay[c_row_half(i)], Float32(block[i]), acc[i]))
+                self.decay_and_add_block(r_state_acc, acc, smem.gt, stage, m, lane)
                 cute.copy(stsm_c_t, v_state_acc_st[None, m, None], p_state_acc_st[None, m, None])
 
             # the warp's state columns and its reads of this stage are complete before lane 0 releases it

@@ -29,7 +29,8 @@ from ...dsl import cute, cutlass
 from ...layouts import fwd_recurrence as layouts
 from ...layouts.smem import vector
 from ...numerics import CHUNK
-from .copy import smem_tensor, tma_store_tiles
+from .copy import c_row_half, smem_tensor, tma_store_tiles
+from .fastmath import fma_rn
 
 
 class WarpCopies(NamedTuple):
@@ -379,6 +380,18 @@ class BandScan:
         for half in cutlass.range_constexpr(2):
             for atom in cutlass.range_constexpr(self.warp_cols // 8):
                 words[CHUNK * m + group + 8 * half, column + 4 * atom] = fragment_words[(0, half), m, atom]
+
+    @cute.jit
+    def decay_and_add_block(self, band_fragment: cute.Tensor, acc: cute.Tensor, gt: cute.Tensor, stage,
+                            m: int, lane: Int32):
+        """Row block ``m`` (16 k) of the warp's bf16 ``[K, cols]`` C fragment ← ``bf16(fma(gT[k], band, acc))``:
+        the decay-and-add both scans end a tile with (K2's state update, Kernel A's combine).
+        ``gt``: the staged ``[D, stage]`` gT; ``acc``: the fp32 C fragment of the block's sum."""
+        group = lane // 4
+        decay = (gt[m * CHUNK + group, stage], gt[m * CHUNK + group + 8, stage])
+        block = band_fragment[None, m, None]
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            block[i] = BFloat16(fma_rn(decay[c_row_half(i)], Float32(block[i]), acc[i]))
 
     def warp_mma(self) -> cute.TiledMma:
         """One warp's ``16 × warp_cols × 16`` tile of ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate)."""
