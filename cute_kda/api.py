@@ -43,10 +43,12 @@ class WorkspaceCache:
         self._views: dict[tuple[int, int], tuple[WorkspaceSpec, Workspace]] = {}
         self._lock = threading.Lock()
 
-    def get(self, spec: WorkspaceSpec, device: torch.device) -> Workspace:
-        """Views of a workspace for ``spec`` on ``device``, for work on the current stream."""
-        stream = torch.cuda.current_stream(device)
-        key = (device.index, stream.cuda_stream)
+    def get(self, spec: WorkspaceSpec, device: torch.device, stream: int | None = None) -> Workspace:
+        """Views of a workspace for ``spec`` on ``device``, for work on the stream with raw handle
+        ``stream`` (default: the current stream)."""
+        if stream is None:
+            stream = torch.cuda.current_stream(device).cuda_stream
+        key = (device.index, stream)
         with self._lock:
             buffer = self._buffers.get(key)
             if buffer is None or buffer.numel() < spec.nbytes:
@@ -127,17 +129,42 @@ def kda_forward(
             initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens, out=out,
             final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
         )
+    as_torch = interop.as_torch
+    if isinstance(q, torch.Tensor):  # torch in, torch out, torch's current stream: nothing to hand over
+        return _forward(
+            q, as_torch(k), as_torch(v), as_torch(g), as_torch(beta), scale=scale, A_log=as_torch(A_log),
+            dt_bias=as_torch(dt_bias), lower_bound=lower_bound, initial_state=as_torch(initial_state),
+            output_final_state=output_final_state, cu_seqlens=as_torch(cu_seqlens), out=as_torch(out),
+            final_state=as_torch(final_state), vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+        )
     framework = interop.framework_of(q)
     with interop.caller_stream(framework, q):
         o, state = _forward(
-            *(interop.as_torch(x) for x in (q, k, v, g, beta)),
-            scale=scale, A_log=interop.as_torch(A_log), dt_bias=interop.as_torch(dt_bias),
-            lower_bound=lower_bound, initial_state=interop.as_torch(initial_state),
-            output_final_state=output_final_state, cu_seqlens=interop.as_torch(cu_seqlens),
-            out=interop.as_torch(out), final_state=interop.as_torch(final_state), vsplit=vsplit,
+            *(as_torch(x) for x in (q, k, v, g, beta)),
+            scale=scale, A_log=as_torch(A_log), dt_bias=as_torch(dt_bias),
+            lower_bound=lower_bound, initial_state=as_torch(initial_state),
+            output_final_state=output_final_state, cu_seqlens=as_torch(cu_seqlens),
+            out=as_torch(out), final_state=as_torch(final_state), vsplit=vsplit,
             qk_l2norm=qk_l2norm, beta_logits=beta_logits,
         )
         return interop.to_framework(o, framework), interop.to_framework(state, framework)
+
+
+_GRAD_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+_LAUNCHERS: tuple = ()
+
+
+def _launchers() -> tuple:
+    """(``ops.prepare``, ``ops.recurrence``, ``ops._cache``), imported on the first call (they bring
+    in the DSL), then kept."""
+    global _LAUNCHERS
+    if not _LAUNCHERS:
+        from .ops import _cache
+        from .ops import prepare as k1
+        from .ops import recurrence as k2
+
+        _LAUNCHERS = (k1, k2, _cache)
+    return _LAUNCHERS
 
 
 def _forward(
@@ -152,8 +179,7 @@ def _forward(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
     )
-    validation.check_grad_free({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log,
-                                "dt_bias": dt_bias, "initial_state": initial_state})
+    validation.check_grad_free_of(_GRAD_NAMES, (q, k, v, g, beta, A_log, dt_bias, initial_state))
     validation.check_on_cuda("q", q)
     device = q.device
     scale = float(problem.head_dim ** -0.5 if scale is None else scale)
@@ -173,19 +199,20 @@ def _forward(
         vsplit=vsplit, sms=sm_count(device.index),
     )
 
-    from .ops import prepare as k1
-    from .ops import recurrence as k2
-
+    k1, k2, streams = _launchers()
     spec = WorkspaceSpec(
         heads=problem.heads,
         tiles=tiles_per_head(problem.total_tokens, problem.num_seqs, problem.varlen),
         dim=problem.head_dim,
     )
-    workspace = WORKSPACES.get(spec, device)
-    tile_base = k1.tile_bases(cu_seqlens) if problem.varlen else None
+    handle = streams.current_stream_handle(device.index)  # one stream look-up for the workspace and K1
+    workspace = WORKSPACES.get(spec, device, handle)
+    stream = streams.cu_stream(handle)
+    tile_base = k1.tile_bases(cu_seqlens, stream=stream) if problem.varlen else None
     k1.prepare(
         q, k, g, beta, A_log, dt_bias, workspace, scale=scale, lower_bound=float(lower_bound),
         cu_seqlens=cu_seqlens, tile_base=tile_base, qk_l2norm=config.qk_l2norm, beta_logits=config.beta_logits,
+        stream=stream,
     )
     k2.recurrence(
         v, workspace, out, cu_seqlens=cu_seqlens, tile_base=tile_base,

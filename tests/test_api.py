@@ -95,6 +95,27 @@ def test_warmup_without_cuda_says_so(monkeypatch):
         cute_kda.warmup(device="cpu")
 
 
+def test_host_path_keeps_what_it_can(monkeypatch):
+    """Per-call host work kept across calls: CUstream wrappers per handle, K1's workspace arguments
+    per workspace object, no device switch when the device is current."""
+    import contextlib
+
+    from cute_kda.ops import _cache
+    from cute_kda.ops import prepare as k1
+    from cute_kda.workspace import WorkspaceSpec, allocate_workspace
+
+    assert _cache.cu_stream(12345) is _cache.cu_stream(12345)
+    ws = allocate_workspace(WorkspaceSpec(heads=2, tiles=3), "cpu")
+    tiles = k1._launch_tiles(ws)
+    assert k1._launch_tiles(ws) is tiles and tiles.qd.shape == (2 * 3 * 16, 1, 128)
+    other = allocate_workspace(WorkspaceSpec(heads=2, tiles=3), "cpu")
+    assert k1._launch_tiles(other) is not tiles and k1._launch_tiles(other).qd.data_ptr() == other.qd.data_ptr()
+    assert isinstance(_cache.on_device(torch.device("cuda")), contextlib.nullcontext)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert isinstance(_cache.on_device(torch.device("cuda", 1)), contextlib.nullcontext)
+    assert isinstance(_cache.on_device(torch.device("cuda", 0)), torch.cuda.device)
+
+
 def test_canonical_call_runs_any_forward_and_restores_kv_layout():
     state_vk = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).view(2, 3, 4, 4)
     call = api.CanonicalCall(tensors=(torch.zeros(1),), options={"flag": 1}, state_k_first=True)
@@ -123,12 +144,16 @@ def mirror_kernels(monkeypatch):
 
     launches = []
 
+    from cute_kda.ops import _cache
+
     class CpuWorkspaces:
-        def get(self, spec, device):
+        def get(self, spec, device, stream=None):
+            assert stream == 7  # the one stream look-up of the call, handed on
             return allocate_workspace(spec, device)
 
     def prepare(q, k, g, beta, A_log, dt_bias, ws, *, scale, lower_bound, cu_seqlens=None, tile_base=None,
-                qk_l2norm=True, beta_logits=True):
+                qk_l2norm=True, beta_logits=True, stream=None):
+        assert stream == ("CUstream", 7)
         assert (cu_seqlens is None) == (tile_base is None)
         filled = mirror.mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                                        scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
@@ -151,7 +176,9 @@ def mirror_kernels(monkeypatch):
     monkeypatch.setattr(api.validation, "device_cu_seqlens", lambda cu_seqlens, device, total: cu_seqlens)
     monkeypatch.setattr(api, "sm_count", lambda index: 132)
     monkeypatch.setattr(api, "WORKSPACES", CpuWorkspaces())
-    monkeypatch.setattr(k1, "tile_bases", lambda cu_seqlens: mirror.tile_bases(cu_seqlens, 0, 1))
+    monkeypatch.setattr(k1, "tile_bases", lambda cu_seqlens, stream=None: mirror.tile_bases(cu_seqlens, 0, 1))
+    monkeypatch.setattr(_cache, "current_stream_handle", lambda index: 7)
+    monkeypatch.setattr(_cache, "cu_stream", lambda handle: ("CUstream", handle))
     monkeypatch.setattr(k1, "prepare", prepare)
     monkeypatch.setattr(k2, "recurrence", recurrence)
     return launches

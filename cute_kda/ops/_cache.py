@@ -18,6 +18,7 @@ the launch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -187,9 +188,39 @@ def fake_stream() -> Any:
     return cute.runtime.make_fake_stream()
 
 
+def current_stream_handle(index: int) -> int:
+    """The raw handle of torch's current CUDA stream on device ``index`` (no ``torch.cuda.Stream``
+    object is built: the lookup torch's own compiled code uses)."""
+    import torch
+
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+_CUSTREAMS: dict[int, Any] = {}
+
+
+def cu_stream(handle: int) -> Any:
+    """A ``CUstream`` for a raw stream handle, built once per handle (it only wraps the value)."""
+    stream = _CUSTREAMS.get(handle)
+    if stream is None:
+        from cuda.bindings import driver
+
+        stream = _CUSTREAMS[handle] = driver.CUstream(handle)
+    return stream
+
+
 def current_stream(device: Any) -> Any:
     """The caller's current CUDA stream on ``device`` as a ``CUstream`` for DSL launches."""
-    import torch
-    from cuda.bindings import driver
+    return cu_stream(current_stream_handle(device_index(device)))
 
-    return driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
+
+def on_device(device: Any) -> Any:
+    """A context that makes ``device`` current: a no-op when it already is (the common case), else
+    ``torch.cuda.device(device)``."""
+    import contextlib
+
+    import torch
+
+    if device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)

@@ -16,7 +16,8 @@ import torch
 from ..numerics import f32, gate_constant
 from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace
 from ._cache import (
-    CompileCache, compile_for_launch, current_stream, device_index, fake_stream, launch_tensor, to_cute_tensor,
+    CompileCache, compile_for_launch, current_stream, device_index, fake_stream, launch_tensor, on_device,
+    to_cute_tensor,
 )
 
 _PREPARE = CompileCache("fwd_prepare")
@@ -34,16 +35,17 @@ def _compile_tile_prefix():
                               fake_stream())
 
 
-def tile_bases(cu_seqlens: torch.Tensor) -> torch.Tensor:
+def tile_bases(cu_seqlens: torch.Tensor, *, stream=None) -> torch.Tensor:
     """int32 ``[N+1]`` on ``cu_seqlens``' device: ``Σ_{j<s} ⌈len_j / 16⌉`` (one device kernel, no sync).
 
-    ``cu_seqlens``: int64 ``[N+1]``, non-decreasing from 0, on a CUDA device.
+    ``cu_seqlens``: int64 ``[N+1]``, non-decreasing from 0, on a CUDA device. ``stream``: the
+    ``CUstream`` to launch on, default torch's current stream there.
     """
     device = cu_seqlens.device
     out = torch.empty(cu_seqlens.numel(), dtype=torch.int32, device=device)
     compiled = _TILE_PREFIX.get((device_index(device),), _compile_tile_prefix)
-    with torch.cuda.device(device):
-        compiled(cu_seqlens, out, current_stream(device))
+    with on_device(device):
+        compiled(cu_seqlens, out, current_stream(device) if stream is None else stream)
     return out
 
 
@@ -54,20 +56,35 @@ def _kernel_args(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float, low
     ``tensor(t, assumed_align)`` converts each tensor: :func:`~._cache.launch_tensor` (the default)
     for a call of the compiled function, :func:`~._cache.to_cute_tensor` for the compile.
     """
-    from ..kernels.fwd_prepare import PrepareInputs, WorkspaceTiles
+    from ..kernels.fwd_prepare import PrepareInputs
 
     batch, steps, heads, dim = q.shape
     rows = batch * steps
-    tile_rows = ws.qd.shape[0] * CHUNK
     inputs = PrepareInputs(
         q=tensor(q.view(rows, heads, dim), 16),
         k=tensor(k.view(rows, heads, dim), 16),
         g=tensor(g.view(rows, heads, dim), 16),
         beta=tensor(beta.view(rows, heads), 2),
-        a_log=tensor(A_log.view(heads), 4),
-        dt_bias=tensor(dt_bias.view(heads, dim), 4),
+        a_log=tensor(A_log if A_log.dim() == 1 else A_log.view(heads), 4),
+        dt_bias=tensor(dt_bias if dt_bias.dim() == 2 else dt_bias.view(heads, dim), 4),
     )
-    tiles = WorkspaceTiles(
+    if tensor is launch_tensor:
+        tiles = _launch_tiles(ws)
+    else:
+        tiles = _workspace_tiles(ws, tensor)
+    return (
+        inputs, tiles, f32(scale), f32(gate_constant(lower_bound)), seq_len,
+        tensor(cu_seqlens, 8), tensor(tile_base, 4), stream,
+    )
+
+
+def _workspace_tiles(ws: Workspace, tensor) -> tuple:
+    """``WorkspaceTiles`` of ``ws`` (the ``[rows, 16, D]`` fields seen as ``[rows·16, 1, D]``)."""
+    from ..kernels.fwd_prepare import WorkspaceTiles
+
+    dim = ws.qd.shape[-1]
+    tile_rows = ws.qd.shape[0] * CHUNK
+    return WorkspaceTiles(
         qd=tensor(ws.qd.view(tile_rows, 1, dim), 16),
         kd=tensor(ws.kd.view(tile_rows, 1, dim), 16),
         kr=tensor(ws.kr.view(tile_rows, 1, dim), 16),
@@ -76,10 +93,19 @@ def _kernel_args(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float, low
         mqk=tensor(ws.mqk, 16),
         beta=tensor(ws.beta, 16),
     )
-    return (
-        inputs, tiles, f32(scale), f32(gate_constant(lower_bound)), seq_len,
-        tensor(cu_seqlens, 8), tensor(tile_base, 4), stream,
-    )
+
+
+_LAST_TILES: tuple = (None, None)  # (workspace, its launch WorkspaceTiles): the API hands back one object per spec
+
+
+def _launch_tiles(ws: Workspace) -> tuple:
+    """:func:`_workspace_tiles` for a launch, kept for the last workspace seen (views cost host time)."""
+    global _LAST_TILES
+    last, tiles = _LAST_TILES
+    if last is not ws:
+        tiles = _workspace_tiles(ws, launch_tensor)
+        _LAST_TILES = (ws, tiles)
+    return tiles
 
 
 def _compile_arguments(varlen: bool) -> tuple:
@@ -122,24 +148,28 @@ def prepare(
     tile_base: torch.Tensor | None = None,
     qk_l2norm: bool = True,
     beta_logits: bool = True,
+    stream=None,
 ) -> None:
     """Run K1: fill ``ws`` (``tiles_per_head(B·T, N, varlen)`` slots per head) from the raw inputs.
 
     q, k, g: bf16 ``[B, T, H, 128]``; beta: bf16 ``[B, T, H]`` (logits if ``beta_logits``); A_log fp32
     ``[H]``; dt_bias fp32 ``[H, 128]``; ``cu_seqlens`` int64 ``[N+1]`` (then ``B == 1``) with
     ``tile_base = tile_bases(cu_seqlens)`` (computed here when omitted). Slots without a tile are
-    left untouched. Launches on the current stream; returns without synchronising.
+    left untouched. Launches on ``stream`` (a ``CUstream``; default torch's current stream on q's
+    device); returns without synchronising.
     """
     batch, steps, heads, _ = q.shape
     if ws.gt.shape[0] == 0 or batch * steps == 0:
         return
     device = q.device
+    if stream is None:
+        stream = current_stream(device)
     if cu_seqlens is not None and tile_base is None:
-        tile_base = tile_bases(cu_seqlens)
+        tile_base = tile_bases(cu_seqlens, stream=stream)
     compiled = _compiled((cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), device_index(device)))
-    with torch.cuda.device(device):
+    with on_device(device):
         compiled(*_kernel_args(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, steps, cu_seqlens, tile_base,
-                               current_stream(device)))
+                               stream))
 
 
 def compile_prepare(*, qk_l2norm: bool, beta_logits: bool, varlen: bool, device: torch.device | str) -> None:
