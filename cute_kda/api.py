@@ -13,6 +13,7 @@ naming the flag the kernels do not cover.
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -71,6 +72,9 @@ class WorkspaceCache:
         with self._lock:
             self._buffers.clear()
             self._views.clear()
+        prepare = sys.modules.get("cute_kda.ops.prepare")
+        if prepare is not None:
+            prepare.forget_launch_tiles()  # K1 keeps its arguments for the last workspace it saw
 
 
 WORKSPACES = WorkspaceCache()

@@ -110,6 +110,8 @@ def test_host_path_keeps_what_it_can(monkeypatch):
     assert k1._launch_tiles(ws) is tiles and tiles.qd.shape == (2 * 3 * 16, 1, 128)
     other = allocate_workspace(WorkspaceSpec(heads=2, tiles=3), "cpu")
     assert k1._launch_tiles(other) is not tiles and k1._launch_tiles(other).qd.data_ptr() == other.qd.data_ptr()
+    api.WorkspaceCache().clear()  # clearing workspaces lets go of K1's kept arguments too
+    assert k1._LAST_TILES == (None, None)
     assert isinstance(_cache.on_device(torch.device("cuda")), contextlib.nullcontext)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert isinstance(_cache.on_device(torch.device("cuda", 1)), contextlib.nullcontext)

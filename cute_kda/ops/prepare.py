@@ -108,6 +108,12 @@ def _launch_tiles(ws: Workspace) -> tuple:
     return tiles
 
 
+def forget_launch_tiles() -> None:
+    """Drop the kept workspace arguments (and so the last reference to that workspace's memory)."""
+    global _LAST_TILES
+    _LAST_TILES = (None, None)
+
+
 def _compile_arguments(varlen: bool) -> tuple:
     """:func:`_kernel_args` of a K1 variant for the compile: ``meta`` tensors, a fake stream."""
     q = torch.empty((1, CHUNK, 1, _DIM), dtype=torch.bfloat16, device=_META)
