@@ -51,7 +51,10 @@ def tiles_per_head(total_tokens: int, num_seqs: int, varlen: bool) -> int:
     return num_seqs * ((seq_len + CHUNK - 1) // CHUNK)
 
 
-SNAPSHOT_TILES = 4  # the backward keeps the state gradient once per 4 tiles (64 tokens): memory and bandwidth
+# Tiles per block of the training forward's state checkpoints and the backward scan's state-gradient
+# snapshots. 1: the tile-gradient kernel (Kernel B) reads the state entering each tile and the
+# gradient leaving it. The scan kernels also build blocks of 4 (64 tokens, a quarter of the bytes).
+SNAPSHOT_TILES = 1
 
 
 def snapshot_slots(tiles: int, num_seqs: int, every: int = SNAPSHOT_TILES) -> int:
@@ -65,11 +68,11 @@ def snapshot_slots(tiles: int, num_seqs: int, every: int = SNAPSHOT_TILES) -> in
     return tiles // every + num_seqs
 
 
-def block_states_shape(ws: "Workspace", heads: int, num_seqs: int) -> tuple[int, int, int]:
+def block_states_shape(ws: "Workspace", heads: int, num_seqs: int, every: int = SNAPSHOT_TILES) -> tuple[int, int, int]:
     """``[H · slots, K, V]``: one ``[K, V]`` matrix per slot of :func:`snapshot_slots` — the shape of the
     training forward's state checkpoints and of the backward scan's state-gradient snapshots."""
     rows, _, dim = ws.qd.shape
-    return (heads * snapshot_slots(rows // heads, num_seqs), dim, dim)
+    return (heads * snapshot_slots(rows // heads, num_seqs, every), dim, dim)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from cute_kda.workspace import SNAPSHOT_TILES  # noqa: E402
+
 STATE = 128 * 128  # elements of one (sequence, head) state at D = 128
 
 
@@ -46,7 +48,7 @@ def test_scan_traffic_b1_t8192_h96(bench):
     t, h, tiles = 8192, 96, 512
     traffic = bench.scan_traffic((t,), h)
     assert traffic.read == t * h * 128 * 2 + tiles * h * 13_888 + h * STATE * 4  # dO, workspace, fp32 dht
-    assert traffic.written == 2 * t * h * 128 * 2 + tiles // 4 * h * STATE * 2 + h * STATE * 4  # dv+du, snapshots, dh0
+    assert traffic.written == 2 * t * h * 128 * 2 + tiles // SNAPSHOT_TILES * h * STATE * 2 + h * STATE * 4  # dv+du, snapshots, dh0
     assert traffic.total == traffic.read + traffic.written
     assert bench.scan_traffic((t,), h, dht_itemsize=2).read == traffic.read - h * STATE * 2
     assert bench.scan_traffic((t,), h, dht_itemsize=None).read == traffic.read - h * STATE * 4
@@ -54,18 +56,20 @@ def test_scan_traffic_b1_t8192_h96(bench):
 
 
 def test_scan_traffic_counts_real_tiles_of_each_sequence(bench):
-    traffic = bench.scan_traffic((17, 1), 1)  # 3 real tiles, 18 tokens, 2 states, 2 snapshots (sequence ends)
+    traffic = bench.scan_traffic((17, 1), 1)  # 3 real tiles, 18 tokens, 2 states, 3 per-tile snapshots
     assert traffic.read == 18 * 256 + 3 * 13_888 + 2 * STATE * 4
-    assert traffic.written == 2 * 18 * 256 + 2 * STATE * 2 + 2 * STATE * 4
+    assert traffic.written == 2 * 18 * 256 + bench.snapshot_blocks((17, 1)) * STATE * 2 + 2 * STATE * 4
+    assert bench.snapshot_blocks((17, 1)) == 3
 
 
 def test_snapshot_blocks(bench):
-    """One per 4-tile global block end or sequence end (cute_kda.workspace.snapshot_slots)."""
-    assert bench.snapshot_blocks((8192,)) == 128
-    assert bench.snapshot_blocks((17, 1)) == 2  # tiles 0-1 (end), tile 2 (end)
-    assert bench.snapshot_blocks((64, 64)) == 2
-    assert bench.snapshot_blocks((16, 64)) == 3  # tile 0 (end) | tiles 1-3 (block end at 3), tile 4 (end)
-    assert bench.snapshot_blocks((0, 5)) == 1
+    """One per block end of ``every`` global tiles or sequence end (cute_kda.workspace.snapshot_slots)."""
+    assert bench.snapshot_blocks((8192,), 4) == 128
+    assert bench.snapshot_blocks((17, 1), 4) == 2  # tiles 0-1 (end), tile 2 (end)
+    assert bench.snapshot_blocks((64, 64), 4) == 2
+    assert bench.snapshot_blocks((16, 64), 4) == 3  # tile 0 (end) | tiles 1-3 (block end at 3), tile 4 (end)
+    assert bench.snapshot_blocks((0, 5), 4) == 1
+    assert bench.snapshot_blocks((8192,), 1) == 512 and bench.snapshot_blocks((16, 64), 1) == 5
 
 
 def test_fla_dhu_traffic_b1_t8192_h96(bench):

@@ -365,11 +365,12 @@ def test_gpu_mirror_time_b1_t8192_h96(device):
     assert o.isfinite().all() and S.isfinite().all()
 
 
+@pytest.mark.parametrize("every", [1, 4])
 @pytest.mark.parametrize("lengths", [[64 * 3 + 5], [0, 16, 70, 1, 130]])
-def test_checkpoints_are_the_states_entering_each_block(lengths):
-    """The training forward's checkpoints: slot g // 4 + s holds the bf16 state entering global tile g
-    (a block start or the sequence's first tile), the final state of the same sequence cut there."""
-    from cute_kda.workspace import SNAPSHOT_TILES, block_states_shape
+def test_checkpoints_are_the_states_entering_each_block(lengths, every):
+    """The training forward's checkpoints: slot g // every + s holds the bf16 state entering global tile
+    g (a block start or the sequence's first tile), the final state of the same sequence cut there."""
+    from cute_kda.workspace import block_states_shape
 
     total = sum(lengths)
     problem = _problem(total, seed=13)
@@ -377,16 +378,16 @@ def test_checkpoints_are_the_states_entering_each_block(lengths):
     cu = torch.tensor([0, *np.cumsum(lengths)])
     S0 = torch.randn(len(lengths), H, D, D) * 0.1
     ws = mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, cu_seqlens=cu)
-    shape = block_states_shape(ws, H, len(lengths))
+    shape = block_states_shape(ws, H, len(lengths), every)
     kept = torch.full(shape, math.nan, dtype=torch.bfloat16)
-    mirror_recurrence(ws, v, cu_seqlens=cu, initial_state=S0, checkpoints=kept)
+    mirror_recurrence(ws, v, cu_seqlens=cu, initial_state=S0, checkpoints=kept, checkpoint_every=every)
     slots = shape[0] // H
     bases = tile_bases(cu, total, 1).tolist()
     expected = set()
     for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         for g_tile in range(bases[n], bases[n + 1]):
             t = g_tile - bases[n]
-            if g_tile % SNAPSHOT_TILES and t:
+            if g_tile % every and t:
                 continue
             cut = a + 16 * t  # the sequence up to this tile
             ws_n = mirror_prepare(q[:, a:cut], k[:, a:cut], g[:, a:cut], beta[:, a:cut], A_log=A_log,
@@ -396,7 +397,7 @@ def test_checkpoints_are_the_states_entering_each_block(lengths):
             else:
                 _, state = mirror_recurrence(ws_n, v[:, a:cut], initial_state=S0[n:n + 1], output_final_state=True,
                                              state_dtype=torch.bfloat16)
-            slot = g_tile // SNAPSHOT_TILES + n
+            slot = g_tile // every + n
             expected.add(slot)
             assert torch.equal(kept.view(H, slots, D, D)[:, slot], state[0].transpose(-1, -2)), (n, t)
     for slot in set(range(slots)) - expected:

@@ -100,8 +100,8 @@ class FwdRecurrence(BandScan):
     ``initial_state`` / ``final_state``: None, ``cutlass.BFloat16`` or ``cutlass.Float32`` (the dtype
     of the ``[N, H, V, K]`` state tensors). ``varlen``: sequences packed along T with ``cu_seqlens``.
     ``checkpoints``: the training variant, which also keeps the state entering every block of
-    :data:`~cute_kda.workspace.SNAPSHOT_TILES` global tiles (and each sequence's first tile) for the
-    backward, ``[H · slots, K, V]`` bf16 (:func:`cute_kda.workspace.snapshot_slots`: the slot of a
+    ``checkpoint_every`` global tiles (default :data:`~cute_kda.workspace.SNAPSHOT_TILES`; and each
+    sequence's first tile) for the backward, ``[H · slots, K, V]`` bf16 (:func:`cute_kda.workspace.snapshot_slots`: the slot of a
     block is the one the backward scan keeps its gradient in).
     """
 
@@ -113,12 +113,16 @@ class FwdRecurrence(BandScan):
         final_state: Optional[type] = None,
         varlen: bool = False,
         checkpoints: bool = False,
+        checkpoint_every: int = SNAPSHOT_TILES,
     ) -> None:
         super().__init__(
             RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=Float32 in (initial_state, final_state)),
             initial_state=initial_state, final_state=final_state, varlen=varlen, reverse=False,
         )
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
         self.checkpoints = checkpoints
+        self.checkpoint_every = checkpoint_every
 
     # -----------------------------------------------------------------------------------------
     # host
@@ -292,8 +296,8 @@ class FwdRecurrence(BandScan):
         """Phases 1-6 per tile on the warp's ``warp_cols`` value columns (module docstring).
 
         Training variant: global tile ``g = first_tile + tile`` that starts a block of
-        ``SNAPSHOT_TILES`` (or its sequence) keeps the state entering it in checkpoint row
-        ``checkpoint_row0 + g // SNAPSHOT_TILES``: Phase 6 stores each old row block before the update.
+        ``checkpoint_every`` (or its sequence) keeps the state entering it in checkpoint row
+        ``checkpoint_row0 + g // checkpoint_every``: Phase 6 stores each old row block before the update.
         """
         lane = cute.arch.lane_idx()
         group = lane // 4  # fragment row g (rows g and g + 8)
@@ -408,8 +412,8 @@ class FwdRecurrence(BandScan):
             # before block m is written back (and, on a checkpoint tile, block m stored first)
             if const_expr(self.checkpoints):
                 global_tile = first_tile + tile
-                take_checkpoint = (global_tile % SNAPSHOT_TILES == 0) or (tile == 0)
-                checkpoint = self.band_matrix_words(checkpoints, checkpoint_row0 + global_tile // SNAPSHOT_TILES)
+                take_checkpoint = (global_tile % self.checkpoint_every == 0) or (tile == 0)
+                checkpoint = self.band_matrix_words(checkpoints, checkpoint_row0 + global_tile // self.checkpoint_every)
             cute.copy(ldsm_a_t, p_kr_t[None, 0, None, stage], v_kr_t[None, 0, None])
             cute.copy(ldsm_c_t, p_state_acc_ld[None, 0, None], v_state_acc_ld[None, 0, None])
             for m in cutlass.range_constexpr(k_steps):

@@ -308,6 +308,7 @@ def mirror_recurrence(
     state_dtype: torch.dtype = torch.float32,
     state_layout: str = "vk",
     checkpoints: torch.Tensor | None = None,
+    checkpoint_every: int = SNAPSHOT_TILES,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """K2 of docs/numerics.md over the workspace ``ws`` (from K1 or :func:`mirror_prepare`).
 
@@ -317,9 +318,9 @@ def mirror_recurrence(
     in ``state_dtype`` (bf16, or fp32 widened exactly) in ``state_layout``; else None.
 
     ``checkpoints`` (the training forward): a bf16 ``[H · slots, K, V]`` buffer
-    (:func:`cute_kda.workspace.block_states_shape`) that receives, in slot ``g // SNAPSHOT_TILES + s``,
-    the bf16 state entering every global tile ``g`` of sequence ``s`` that starts a block of
-    ``SNAPSHOT_TILES`` or the sequence; other rows are left as they are.
+    (:func:`cute_kda.workspace.block_states_shape` with ``every=checkpoint_every``) that receives, in slot
+    ``g // checkpoint_every + s``, the bf16 state entering every global tile ``g`` of sequence ``s`` that
+    starts a block of ``checkpoint_every`` or the sequence; other rows are left as they are.
     """
     if v.dtype != torch.bfloat16:
         raise TypeError("v must be bf16 (the kernels' input type)")
@@ -355,7 +356,7 @@ def mirror_recurrence(
     out_t = torch.empty(heads, tiles + 1, CHUNK, value_dim, device=device, dtype=torch.bfloat16)  # slot `tiles`: sink
     starts = tile_map.bases[:-1]
     if checkpoints is not None:
-        slots = snapshot_slots(tiles, num_seqs)
+        slots = snapshot_slots(tiles, num_seqs, checkpoint_every)
         if checkpoints.dtype != torch.bfloat16 or tuple(checkpoints.shape) != (heads * slots, key_dim, value_dim):
             raise ValueError(f"checkpoints must be bf16 {(heads * slots, key_dim, value_dim)}, "
                              f"got {checkpoints.dtype} {tuple(checkpoints.shape)}")
@@ -367,8 +368,8 @@ def mirror_recurrence(
         active = step < tile_map.tiles_per_seq  # [N]
         slot = (starts + torch.clamp(tile_map.tiles_per_seq - 1, min=0).clamp(max=step)).clamp(max=max(tiles - 1, 0))
         if checkpoints is not None:
-            keep = active & ((slot % SNAPSHOT_TILES == 0) | (step == 0))
-            kept.index_copy_(1, torch.where(keep, slot // SNAPSHOT_TILES + seq_index, torch.full_like(slot, slots)),
+            keep = active & ((slot % checkpoint_every == 0) | (step == 0))
+            kept.index_copy_(1, torch.where(keep, slot // checkpoint_every + seq_index, torch.full_like(slot, slots)),
                              state)
         kS = _mma(kd[:, slot], state)  # [H, N, 16, V]
         qS = _mma(qd[:, slot], state)
