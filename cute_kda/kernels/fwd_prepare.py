@@ -55,12 +55,10 @@ from .common.copy import (
     transpose_c_to_b,
     warp_tiled_mma,
 )
-from .common.fastmath import ex2_approx, mul_rn, sigmoid_approx
-from ..numerics import EPS, LOG2E
+from .common.fastmath import ex2_approx, sigmoid_approx
+from .common.token_prep import ROW_LANES, TokenPrep
+from ..numerics import LOG2E
 
-
-CHANNELS_PER_LANE = 8  # l2norm partial: 8 consecutive channels per lane, 16 lanes per row
-ROW_LANES = HEAD_DIM // CHANNELS_PER_LANE
 SMEM_CARVEOUT_PERCENT = 100  # all of the unified L1/smem as smem: K1 wants CTAs, not L1
 
 
@@ -106,7 +104,7 @@ class PrepareTma(NamedTuple):
     kr: tuple
 
 
-class PrepareKernel:
+class PrepareKernel(TokenPrep):
     """K1. Static configuration: ``varlen``, ``qk_l2norm``, ``beta_logits``, ``num_threads``."""
 
     def __init__(self, *, varlen: bool, qk_l2norm: bool = True, beta_logits: bool = True,
@@ -254,9 +252,10 @@ class PrepareKernel:
         cute.arch.mbarrier_wait(tma_barrier, 0)
 
         if tidx < self.dim:
-            self.gate_scan(s_g, s_cumsum, ws.gt, slot, col, dt, e_a, scalars.c_gate, valid_rows)
+            ws.gt[slot, col] = ex2_approx(self.gate_scan(s_g, s_cumsum, col, dt, e_a, scalars.c_gate, valid_rows))
         cute.arch.sync_threads()
-        self.decay(s_q, s_k, s_g, s_kinv, s_cumsum, scalars.scale, valid_rows, tidx)
+        # qd, kd, kr written over q, k, g
+        self.decay(s_q, s_k, s_cumsum, s_q, s_k, s_g, s_kinv, scalars.scale, valid_rows, tidx)
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes → TMA store reads
         cute.arch.sync_threads()
 
@@ -293,76 +292,6 @@ class PrepareKernel:
                 value = sigmoid_approx(value)
         s_beta[row] = value
         ws_beta[slot, row] = value
-
-    @cute.jit
-    def gate_scan(self, s_g, s_cumsum, ws_gt: cute.Tensor, slot: Int32, col: Int32, dt: Float32,
-                  e_a: Float32, c_gate: Float32, valid_rows: Int32):
-        """Column ``col``: ``G[r] = G[r-1] + g'[r]`` in row order; ``gT = 2^G[15]``."""
-        cumsum = Float32(0.0)
-        for row in cutlass.range_constexpr(CHUNK):
-            x = e_a * (s_g[row, col].to(Float32) + dt)
-            # mul.rn keeps c_gate·sig and the scan's add two roundings (no fma)
-            gate = mul_rn(c_gate, sigmoid_approx(x))
-            cumsum = cumsum + Float32(cutlass.select_(row < valid_rows, gate, Float32(0.0)))
-            s_cumsum[row, col] = cumsum
-        ws_gt[slot, col] = ex2_approx(cumsum)
-
-    @cute.jit
-    def decay(self, s_q, s_k, s_g, s_kinv, s_cumsum, scale: Float32, valid_rows: Int32, tidx: Int32):
-        """l2norm and decayed operands of this thread's row chunks (in place over q, k, g)."""
-        for item in cutlass.range_constexpr(self.decay_items):
-            flat = tidx + item * self.num_threads
-            row = flat // ROW_LANES
-            chunk = flat % ROW_LANES
-            valid = row < valid_rows
-            at = (row, chunk)
-            run = (1, CHANNELS_PER_LANE)
-            q_in = cute.make_rmem_tensor(run, BFloat16)
-            k_in = cute.make_rmem_tensor(run, BFloat16)
-            cum = cute.make_rmem_tensor(run, Float32)
-            cum_last = cute.make_rmem_tensor(run, Float32)
-            cute.autovec_copy(cute.local_tile(s_q, run, at), q_in)
-            cute.autovec_copy(cute.local_tile(s_k, run, at), k_in)
-            cute.autovec_copy(cute.local_tile(s_cumsum, run, at), cum)
-            cute.autovec_copy(cute.local_tile(s_cumsum, run, (CHUNK - 1, chunk)), cum_last)
-
-            q32 = cute.make_rmem_tensor(run, Float32)
-            k32 = cute.make_rmem_tensor(run, Float32)
-            for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                q32[i] = Float32(cutlass.select_(valid, q_in[i].to(Float32), Float32(0.0)))
-                k32[i] = Float32(cutlass.select_(valid, k_in[i].to(Float32), Float32(0.0)))
-            q_rscale = scale
-            k_rscale = Float32(1.0)
-            if cutlass.const_expr(self.qk_l2norm):
-                q_rscale = self.row_rsqrt(q32) * scale
-                k_rscale = self.row_rsqrt(k32)
-
-            qd = cute.make_rmem_tensor(run, BFloat16)
-            kd = cute.make_rmem_tensor(run, BFloat16)
-            kinv = cute.make_rmem_tensor(run, BFloat16)
-            kr = cute.make_rmem_tensor(run, BFloat16)
-            for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                q_hat = q32[i] * q_rscale
-                k_hat = k32[i] * k_rscale if cutlass.const_expr(self.qk_l2norm) else k32[i]
-                decay = ex2_approx(cum[i])
-                qd[i] = (q_hat * decay).to(BFloat16)
-                kd[i] = (k_hat * decay).to(BFloat16)
-                kinv[i] = (k_hat * ex2_approx(-cum[i])).to(BFloat16)
-                kr[i] = (k_hat * ex2_approx(cum_last[i] - cum[i])).to(BFloat16)
-            cute.autovec_copy(qd, cute.local_tile(s_q, run, at))
-            cute.autovec_copy(kd, cute.local_tile(s_k, run, at))
-            cute.autovec_copy(kr, cute.local_tile(s_g, run, at))
-            cute.autovec_copy(kinv, cute.local_tile(s_kinv, run, at))
-
-    @cute.jit
-    def row_rsqrt(self, x: cute.Tensor) -> Float32:
-        """``1 / sqrt(Σ x² + EPS)`` of one row, 16 lanes × 8 channels, in the order of numerics.md."""
-        partial = Float32(0.0)
-        for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
-            partial = partial + x[i] * x[i]  # x² is exact: fma or not, one rounding
-        for offset in (8, 4, 2, 1):
-            partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=offset)
-        return Float32(1.0) / cute.math.sqrt(partial + Float32(EPS))
 
     @cute.jit
     def kkt_inverse(self, s_kd, s_kinv, s_beta, ws_inv: cute.Tensor, slot: Int32, lane: Int32):

@@ -1,0 +1,103 @@
+"""The per-token preparation of docs/numerics.md ("K1") that K1 and the tile-gradient kernel both run.
+
+K1 (:mod:`cute_kda.kernels.fwd_prepare`) computes it to fill the workspace; Kernel B
+(:mod:`cute_kda.kernels.bwd_grads`) recomputes it from the raw inputs (bit for bit, the same
+instructions) because it needs what K1 never stores: ``kinv``, the cumsum ``G`` and the l2norm
+scales. :class:`TokenPrep` is a mixin: the kernel class sets ``dim``, ``num_threads``,
+``qk_l2norm`` and ``decay_items`` (rows × lanes-per-row items per thread).
+"""
+
+from __future__ import annotations
+
+from cutlass import BFloat16, Float32, Int32
+
+from ...dsl import cute, cutlass
+from ...numerics import CHUNK, EPS
+from .fastmath import ex2_approx, mul_rn, sigmoid_approx
+
+CHANNELS_PER_LANE = 8  # l2norm partial: 8 consecutive channels per lane, 16 lanes per row
+ROW_LANES = 128 // CHANNELS_PER_LANE
+
+
+class TokenPrep:
+    """Gate scan, l2norm and decayed operands of one 16-token tile (device methods)."""
+
+    @cute.jit
+    def gate_scan(self, s_g, s_cumsum, col: Int32, dt: Float32, e_a: Float32, c_gate: Float32,
+                  valid_rows: Int32) -> Float32:
+        """Column ``col``: ``G[r] = G[r-1] + g'[r]`` in row order into ``s_cumsum``; returns ``G[15]``."""
+        cumsum = Float32(0.0)
+        for row in cutlass.range_constexpr(CHUNK):
+            x = e_a * (s_g[row, col].to(Float32) + dt)
+            # mul.rn keeps c_gate·sig and the scan's add two roundings (no fma)
+            gate = mul_rn(c_gate, sigmoid_approx(x))
+            cumsum = cumsum + Float32(cutlass.select_(row < valid_rows, gate, Float32(0.0)))
+            s_cumsum[row, col] = cumsum
+        return cumsum
+
+    @cute.jit
+    def decay(self, s_q, s_k, s_cumsum, s_qd, s_kd, s_kr, s_kinv, scale: Float32, valid_rows: Int32,
+              tidx: Int32, s_rinv_q=None, s_rinv_k=None):
+        """l2norm and decayed operands (qd, kd, kr, kinv) of this thread's row chunks.
+
+        The outputs may alias the inputs (K1 writes qd over q); ``s_rinv_q`` / ``s_rinv_k`` (``[16]``
+        fp32, optional) receive each row's ``1/sqrt(Σx² + EPS)`` (with l2norm only).
+        """
+        for item in cutlass.range_constexpr(self.decay_items):
+            flat = tidx + item * self.num_threads
+            row = flat // ROW_LANES
+            chunk = flat % ROW_LANES
+            valid = row < valid_rows
+            at = (row, chunk)
+            run = (1, CHANNELS_PER_LANE)
+            q_in = cute.make_rmem_tensor(run, BFloat16)
+            k_in = cute.make_rmem_tensor(run, BFloat16)
+            cum = cute.make_rmem_tensor(run, Float32)
+            cum_last = cute.make_rmem_tensor(run, Float32)
+            cute.autovec_copy(cute.local_tile(s_q, run, at), q_in)
+            cute.autovec_copy(cute.local_tile(s_k, run, at), k_in)
+            cute.autovec_copy(cute.local_tile(s_cumsum, run, at), cum)
+            cute.autovec_copy(cute.local_tile(s_cumsum, run, (CHUNK - 1, chunk)), cum_last)
+
+            q32 = cute.make_rmem_tensor(run, Float32)
+            k32 = cute.make_rmem_tensor(run, Float32)
+            for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                q32[i] = Float32(cutlass.select_(valid, q_in[i].to(Float32), Float32(0.0)))
+                k32[i] = Float32(cutlass.select_(valid, k_in[i].to(Float32), Float32(0.0)))
+            q_rscale = scale
+            k_rscale = Float32(1.0)
+            if cutlass.const_expr(self.qk_l2norm):
+                q_rinv = self.row_rsqrt(q32)
+                q_rscale = q_rinv * scale
+                k_rscale = self.row_rsqrt(k32)
+                if cutlass.const_expr(s_rinv_q is not None):
+                    if chunk == 0:
+                        s_rinv_q[row] = q_rinv
+                        s_rinv_k[row] = k_rscale
+
+            qd = cute.make_rmem_tensor(run, BFloat16)
+            kd = cute.make_rmem_tensor(run, BFloat16)
+            kinv = cute.make_rmem_tensor(run, BFloat16)
+            kr = cute.make_rmem_tensor(run, BFloat16)
+            for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                q_hat = q32[i] * q_rscale
+                k_hat = k32[i] * k_rscale if cutlass.const_expr(self.qk_l2norm) else k32[i]
+                decay = ex2_approx(cum[i])
+                qd[i] = (q_hat * decay).to(BFloat16)
+                kd[i] = (k_hat * decay).to(BFloat16)
+                kinv[i] = (k_hat * ex2_approx(-cum[i])).to(BFloat16)
+                kr[i] = (k_hat * ex2_approx(cum_last[i] - cum[i])).to(BFloat16)
+            cute.autovec_copy(qd, cute.local_tile(s_qd, run, at))
+            cute.autovec_copy(kd, cute.local_tile(s_kd, run, at))
+            cute.autovec_copy(kr, cute.local_tile(s_kr, run, at))
+            cute.autovec_copy(kinv, cute.local_tile(s_kinv, run, at))
+
+    @cute.jit
+    def row_rsqrt(self, x: cute.Tensor) -> Float32:
+        """``1 / sqrt(Σ x² + EPS)`` of one row, 16 lanes × 8 channels, in the order of numerics.md."""
+        partial = Float32(0.0)
+        for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
+            partial = partial + x[i] * x[i]  # x² is exact: fma or not, one rounding
+        for offset in (8, 4, 2, 1):
+            partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=offset)
+        return Float32(1.0) / cute.math.sqrt(partial + Float32(EPS))
