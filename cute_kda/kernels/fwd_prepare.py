@@ -191,36 +191,9 @@ class PrepareKernel(TokenPrep):
         tidx, _, _ = cute.arch.thread_idx()
         tile_slot, head, _ = cute.arch.block_idx()
         tiles, _, _ = cute.arch.grid_dim()
-        row0, valid_rows, exists = self.locate_tile(tile_slot, scalars.seq_len, cu_seqlens, tile_base)
+        row0, valid_rows, exists, _ = self.locate_tile(tile_slot, scalars.seq_len, cu_seqlens, tile_base)
         if exists:
             self.prepare_tile(tma, inputs, ws, scalars, head, head * tiles + tile_slot, row0, valid_rows)
-
-    @cute.jit
-    def locate_tile(self, tile_slot: Int32, seq_len: Int32, cu_seqlens: Optional[cute.Tensor],
-                    tile_base: Optional[cute.Tensor]):
-        """(first token row of the tile, rows of it inside the sequence, whether the slot is a tile)."""
-        if cutlass.const_expr(self.varlen):
-            num_seqs = cu_seqlens.shape[0] - 1
-            # largest seq with tile_base[seq] <= tile_slot (empty sequences own no slot)
-            lo = Int32(0)
-            hi = Int32(num_seqs)
-            while lo + 1 < hi:
-                mid = (lo + hi) >> 1
-                if tile_base[mid] <= tile_slot:
-                    lo = mid
-                else:
-                    hi = mid
-            seq_start = Int32(cu_seqlens[lo])
-            seq_end = Int32(cu_seqlens[lo + 1])
-            row0 = seq_start + (tile_slot - tile_base[lo]) * CHUNK
-            exists = tile_slot < tile_base[num_seqs]
-        else:
-            tiles_per_seq = (seq_len + CHUNK - 1) // CHUNK
-            seq = tile_slot // tiles_per_seq
-            seq_end = (seq + 1) * seq_len
-            row0 = seq * seq_len + (tile_slot - seq * tiles_per_seq) * CHUNK
-            exists = True  # the grid is exact
-        return row0, cutlass.min(seq_end - row0, CHUNK), exists
 
     @cute.jit
     def prepare_tile(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles,

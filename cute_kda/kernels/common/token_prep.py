@@ -9,6 +9,8 @@ scales. :class:`TokenPrep` is a mixin: the kernel class sets ``dim``, ``num_thre
 
 from __future__ import annotations
 
+from typing import Optional
+
 from cutlass import BFloat16, Float32, Int32
 
 from ...dsl import cute, cutlass
@@ -20,7 +22,38 @@ ROW_LANES = 128 // CHANNELS_PER_LANE
 
 
 class TokenPrep:
-    """Gate scan, l2norm and decayed operands of one 16-token tile (device methods)."""
+    """Tile lookup, gate scan, l2norm and decayed operands of one 16-token tile (device methods)."""
+
+    @cute.jit
+    def locate_tile(self, tile_slot: Int32, seq_len: Int32, cu_seqlens: Optional[cute.Tensor],
+                    tile_base: Optional[cute.Tensor]):
+        """(first token row of the tile, rows of it inside the sequence, whether the slot is a tile, sequence).
+
+        Needs ``self.varlen``. Varlen: the largest sequence whose ``tile_base`` is ≤ the slot (binary search).
+        """
+        if cutlass.const_expr(self.varlen):
+            num_seqs = cu_seqlens.shape[0] - 1
+            # largest seq with tile_base[seq] <= tile_slot (empty sequences own no slot)
+            lo = Int32(0)
+            hi = Int32(num_seqs)
+            while lo + 1 < hi:
+                mid = (lo + hi) >> 1
+                if tile_base[mid] <= tile_slot:
+                    lo = mid
+                else:
+                    hi = mid
+            seq = lo
+            seq_start = Int32(cu_seqlens[lo])
+            seq_end = Int32(cu_seqlens[lo + 1])
+            row0 = seq_start + (tile_slot - tile_base[lo]) * CHUNK
+            exists = tile_slot < tile_base[num_seqs]
+        else:
+            tiles_per_seq = (seq_len + CHUNK - 1) // CHUNK
+            seq = tile_slot // tiles_per_seq
+            seq_end = (seq + 1) * seq_len
+            row0 = seq * seq_len + (tile_slot - seq * tiles_per_seq) * CHUNK
+            exists = True  # the grid is exact
+        return row0, cutlass.min(seq_end - row0, CHUNK), exists, seq
 
     @cute.jit
     def gate_scan(self, s_g, s_cumsum, col: Int32, dt: Float32, e_a: Float32, c_gate: Float32,
