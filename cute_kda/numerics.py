@@ -5,7 +5,7 @@ takes the chunk length (tokens per tile) from here."""
 from __future__ import annotations
 
 import struct
-from math import e, log2
+from math import e, log, log2
 
 
 def f32(value: float) -> float:
@@ -15,6 +15,7 @@ def f32(value: float) -> float:
 
 CHUNK = 16  # tokens per tile: the chunk length the contract, the workspace and every kernel are written for
 LOG2E = f32(log2(e))
+LN2 = f32(log(2.0))  # the backward: d 2^x / dx = ln2 · 2^x
 EPS = f32(1e-6)  # l2norm: x · rsqrt(Σx² + EPS)
 
 

@@ -1,0 +1,602 @@
+"""Kernel B, the tile gradients: per (16-token tile, head), every per-token gradient of the backward.
+
+Arithmetic: docs/numerics.md, "Backward: Kernel B", operation by operation (the mirror reference
+``cute_kda.reference.backward.mirror_bwd_grads`` follows the same page). Shared-memory plan:
+``cute_kda.layouts.bwd_grads``.
+
+Tile-parallel: one CTA per (tile slot, head), 4 warps, no dependence between CTAs. Inputs are what the
+forward and the reverse scan left: the state ``S`` entering the tile (the training forward's
+checkpoint) and the gradient ``dS'`` leaving it (Kernel A's snapshot), both ``[K, V]``; Kernel A's
+``du``; dO; the raw q, k, g, v; the workspace's INV, β and gT. Phases (``sync_threads`` between):
+
+1. *Load.* Warp 0 TMA-loads q, k, g, v, dO, du and the two state matrices behind one transaction
+   barrier; the other threads fetch INV, β, gT and their channel's gate constants.
+2. *Recompute K1* (:class:`~.common.token_prep.TokenPrep`, the instructions K1 runs): ``G``, the
+   l2norm scales, qd, kd, kr and kinv. Invalid rows of v, dO, du are zeroed.
+3. *Forward recompute* (warp ``w`` owns value columns ``32w … 32w+31``): ``kd·S``, ``w = v − kd·S``,
+   ``u = bf16(β·w)``, ``U = bf16(INV·u)`` (K2's rounding), ``−bf16(β·du)``, and the per-row partial of
+   ``Σ_v du·w``.
+4. *16×16 products:* warp 0 ``dMqk = bf16(tril(dO·Uᵀ))``; warp 1 ``dL = −stril(du·Uᵀ)``,
+   ``β·dL`` and ``Σ_j dL ⊙ (kd·kinvᵀ)``; warps 2-3 ``dgT = Σ_v S ⊙ dS'`` per channel.
+5. *Channel products* (warp ``w`` owns key channels ``32w … 32w+31``): dqd, dkd, dkinv, dkr, then the
+   token gradients of q̂ and k̂, ``dG`` and ``dkr ⊙ kr``, and the per-row l2norm dot products.
+6. *Finish:* dq, dk (l2norm backward); per channel, the reverse cumsum of dG, the gate backward
+   (dg, and the tile's partial sums of ddt_bias and dA_log); per row, dβ.
+
+Rows past the end of the sequence are invalid: masked to zero on entry, never written.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from cutlass import BFloat16, Float32, Int32
+from cutlass.cute.nvgpu import cpasync
+from cutlass.memory import SmemAllocator
+
+from ..dsl import cute, cutlass
+from ..layouts import bwd_grads as plan
+from ..layouts.fwd_prepare import chunk_tile, compact, gate_cumsum_tile
+from ..layouts.smem import CHUNK, HEAD_DIM, square_tile, square_tile_transposed, sw128_tile_transposed
+from ..numerics import LN2, LOG2E
+from .common.copy import (
+    WARP_TILE,
+    Operand,
+    c_row_half,
+    head_tile_tma_partition,
+    ldmatrix_copy,
+    make_fragment,
+    make_head_tile_tma_atom,
+    smem_tensor,
+    transpose_c_to_b,
+    warp_tiled_mma,
+)
+from .common.fastmath import ex2_approx, sigmoid_approx
+from .common.token_prep import ROW_LANES, TokenPrep
+
+BAND = HEAD_DIM // plan.COMPUTE_WARPS  # columns (value or key channels) one warp owns
+K_STEPS = HEAD_DIM // WARP_TILE  # 16-wide contraction steps over a full head dimension
+
+
+class GradsInputs(NamedTuple):
+    """Per-token inputs, tokens flattened (``rows = B·T``); validated by the launcher."""
+
+    q: cute.Tensor  # bf16 [rows, H, D], raw
+    k: cute.Tensor  # bf16 [rows, H, D], raw
+    g: cute.Tensor  # bf16 [rows, H, D], raw gate
+    v: cute.Tensor  # bf16 [rows, H, D]
+    do: cute.Tensor  # bf16 [rows, H, D]
+    du: cute.Tensor  # bf16 [rows, H, D], Kernel A's
+    a_log: cute.Tensor  # fp32 [H]
+    dt_bias: cute.Tensor  # fp32 [H, D]
+
+
+class GradsStates(NamedTuple):
+    """Per-tile state matrices, ``[H · slots · D, 1, D]`` (row ``h·slots + g + s`` of ``[H·slots, K, V]``)."""
+
+    state: cute.Tensor  # bf16: S entering the tile (training forward's checkpoints)
+    state_grad: cute.Tensor  # bf16: dS' after the tile (Kernel A's snapshots)
+
+
+class GradsWorkspace(NamedTuple):
+    """The K1 workspace fields Kernel B reads (``R = H · tiles`` rows, slot = h·tiles + tile)."""
+
+    inv: cute.Tensor  # bf16 [R, 16, 16]
+    beta: cute.Tensor  # fp32 [R, 16]
+    gt: cute.Tensor  # fp32 [R, D]
+
+
+class GradsOutputs(NamedTuple):
+    """Gradients: per token (valid rows only) and per tile slot (every slot written)."""
+
+    dq: cute.Tensor  # bf16 [rows, H, D]
+    dk: cute.Tensor  # bf16 [rows, H, D]
+    dg: cute.Tensor  # bf16 [rows, H, D], w.r.t. the raw gate
+    dbeta: cute.Tensor  # bf16 [rows, H], w.r.t. beta as given (logits when beta_logits)
+    ddt_partial: cute.Tensor  # fp32 [R, D]: Σ over the tile's tokens of dg_raw
+    dalog_partial: cute.Tensor  # fp32 [R]: Σ over the tile's tokens and channels of dx · x
+
+
+class GradsScalars(NamedTuple):
+    scale: Float32  # f32(scale)
+    c_gate: Float32  # f32(lower_bound · log2(e))
+    seq_len: Int32  # T of a fixed-length batch (unused with cu_seqlens)
+    state_slots: Int32  # state slots per head (cute_kda.workspace.snapshot_slots)
+
+
+class GradsSmem(NamedTuple):
+    """Shared-memory tensors of one CTA (views named ``*_t`` are transposed views of the same bytes)."""
+
+    q: cute.Tensor
+    k: cute.Tensor
+    g: cute.Tensor
+    v: cute.Tensor
+    do: cute.Tensor
+    du: cute.Tensor
+    state: cute.Tensor  # [K, V]
+    state_t: cute.Tensor  # [V, K]
+    state_grad: cute.Tensor  # [K, V]
+    qd_t: cute.Tensor
+    kd: cute.Tensor
+    kd_t: cute.Tensor
+    kr: cute.Tensor
+    kinv: cute.Tensor
+    kinv_t: cute.Tensor
+    qd: cute.Tensor
+    u_out: cute.Tensor
+    neg_bdu: cute.Tensor
+    cumsum: cute.Tensor
+    dg_cum: cute.Tensor
+    dkr_kr: cute.Tensor
+    inv: cute.Tensor
+    dmqk: cute.Tensor
+    dmqk_t: cute.Tensor
+    dlb: cute.Tensor
+    dlb_t: cute.Tensor
+    beta: cute.Tensor
+    rinv_q: cute.Tensor
+    rinv_k: cute.Tensor
+    dbeta_square: cute.Tensor
+    dbeta_w: cute.Tensor
+    dot_q: cute.Tensor
+    dot_k: cute.Tensor
+    dgt: cute.Tensor
+    gt: cute.Tensor
+    dalog_w: cute.Tensor
+
+
+class BwdGrads(TokenPrep):
+    """Kernel B. Static configuration: ``varlen``, ``qk_l2norm``, ``beta_logits``."""
+
+    def __init__(self, *, varlen: bool, qk_l2norm: bool = True, beta_logits: bool = True) -> None:
+        self.varlen = varlen
+        self.qk_l2norm = qk_l2norm
+        self.beta_logits = beta_logits
+        self.num_threads = plan.COMPUTE_WARPS * 32
+        self.dim = HEAD_DIM
+        self.tile = (CHUNK, HEAD_DIM)
+        self.state_box = (HEAD_DIM, HEAD_DIM)
+        self.decay_items = CHUNK * ROW_LANES // self.num_threads
+
+    @cute.jit
+    def __call__(
+        self,
+        inputs: GradsInputs,
+        states: GradsStates,
+        ws: GradsWorkspace,
+        out: GradsOutputs,
+        scale: Float32,
+        c_gate: Float32,
+        seq_len: Int32,
+        cu_seqlens: Optional[cute.Tensor],
+        tile_base: Optional[cute.Tensor],
+        stream,
+    ) -> None:
+        """Launch over ``(tiles, H)``, ``tiles = ws.gt.shape[0] // H``. Tensors C-contiguous with the
+        shapes of the argument bundles (dynamic extents); ``cu_seqlens`` int64 / ``tile_base`` int32
+        ``[N+1]`` for varlen, else None."""
+        heads, d = inputs.q.shape[1], self.dim
+        scalars = GradsScalars(scale=scale, c_gate=c_gate, seq_len=seq_len,
+                               state_slots=states.state.shape[0] // (heads * d))
+        inputs = GradsInputs(
+            q=compact(inputs.q, (heads, d)), k=compact(inputs.k, (heads, d)), g=compact(inputs.g, (heads, d)),
+            v=compact(inputs.v, (heads, d)), do=compact(inputs.do, (heads, d)), du=compact(inputs.du, (heads, d)),
+            a_log=compact(inputs.a_log, ()), dt_bias=compact(inputs.dt_bias, (d,)),
+        )
+        states = GradsStates(state=compact(states.state, (1, d)), state_grad=compact(states.state_grad, (1, d)))
+        ws = GradsWorkspace(inv=compact(ws.inv, (CHUNK, CHUNK)), beta=compact(ws.beta, (CHUNK,)),
+                            gt=compact(ws.gt, (d,)))
+        out = GradsOutputs(
+            dq=compact(out.dq, (heads, d)), dk=compact(out.dk, (heads, d)), dg=compact(out.dg, (heads, d)),
+            dbeta=compact(out.dbeta, (heads,)), ddt_partial=compact(out.ddt_partial, (d,)),
+            dalog_partial=compact(out.dalog_partial, ()),
+        )
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tile, state = chunk_tile(d), plan.state_tile(d)
+        tma_tokens = tuple(make_head_tile_tma_atom(load, t, tile, self.tile)
+                           for t in (inputs.q, inputs.k, inputs.g, inputs.v, inputs.do, inputs.du))
+        tma_states = tuple(make_head_tile_tma_atom(load, t, state, self.state_box)
+                           for t in (states.state, states.state_grad))
+        self.shared_storage = plan.shared_storage(d)
+        tiles = ws.gt.shape[0] // heads
+        self.kernel(tma_tokens, tma_states, inputs, ws, out, scalars, cu_seqlens, tile_base).launch(
+            grid=(tiles, heads, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(self, tma_tokens: tuple, tma_states: tuple, inputs: GradsInputs, ws: GradsWorkspace,
+               out: GradsOutputs, scalars: GradsScalars, cu_seqlens: Optional[cute.Tensor],
+               tile_base: Optional[cute.Tensor]):
+        tile_slot, head, _ = cute.arch.block_idx()
+        tiles, heads, _ = cute.arch.grid_dim()
+        slot = head * tiles + tile_slot
+        row0, valid_rows, exists, seq = self.locate_tile(tile_slot, scalars.seq_len, cu_seqlens, tile_base)
+        if exists:
+            # per-tile state slot (cute_kda.workspace.snapshot_slots with blocks of one tile)
+            state_row = head * scalars.state_slots + tile_slot + seq
+            self.tile_gradients(tma_tokens, tma_states, inputs, ws, out, scalars, head, slot, state_row,
+                                row0, valid_rows)
+        else:
+            self.zero_partials(out, slot)
+
+    @cute.jit
+    def zero_partials(self, out: GradsOutputs, slot: Int32):
+        """A slot that is no tile (varlen bound) still sums to nothing."""
+        tidx, _, _ = cute.arch.thread_idx()
+        out.ddt_partial[slot, tidx] = Float32(0.0)
+        if tidx == 0:
+            out.dalog_partial[slot] = Float32(0.0)
+
+    def make_smem(self, storage) -> GradsSmem:
+        tile, tile_t = chunk_tile(self.dim), sw128_tile_transposed(CHUNK, self.dim)
+        state, state_t = plan.state_tile(self.dim), sw128_tile_transposed(self.dim, self.dim)
+        fp32 = gate_cumsum_tile(self.dim)
+        sq, sq_t = square_tile(), square_tile_transposed()
+        bf16 = BFloat16
+
+        def view(buffer, layout, dtype=bf16):
+            return smem_tensor(buffer.data_ptr(), layout, dtype)
+
+        return GradsSmem(
+            q=view(storage.q, tile), k=view(storage.k, tile), g=view(storage.g, tile), v=view(storage.v, tile),
+            do=view(storage.do, tile), du=view(storage.du, tile),
+            state=view(storage.state, state), state_t=view(storage.state, state_t),
+            state_grad=view(storage.state_grad, state),
+            qd=view(storage.qd, tile), qd_t=view(storage.qd, tile_t), kd=view(storage.kd, tile),
+            kd_t=view(storage.kd, tile_t), kr=view(storage.kr, tile), kinv=view(storage.kinv, tile),
+            kinv_t=view(storage.kinv, tile_t), u_out=view(storage.u_out, tile), neg_bdu=view(storage.neg_bdu, tile),
+            cumsum=view(storage.cumsum, fp32, Float32), dg_cum=view(storage.dg_cum, fp32, Float32),
+            dkr_kr=view(storage.dkr_kr, fp32, Float32),
+            inv=view(storage.inv, sq), dmqk=view(storage.dmqk, sq), dmqk_t=view(storage.dmqk, sq_t),
+            dlb=view(storage.dlb, sq), dlb_t=view(storage.dlb, sq_t),
+            beta=view(storage.beta, plan.row_vector(), Float32), rinv_q=view(storage.rinv_q, plan.row_vector(), Float32),
+            rinv_k=view(storage.rinv_k, plan.row_vector(), Float32),
+            dbeta_square=view(storage.dbeta_square, plan.row_vector(), Float32),
+            dbeta_w=view(storage.dbeta_w, plan.warp_rows(), Float32), dot_q=view(storage.dot_q, plan.warp_rows(), Float32),
+            dot_k=view(storage.dot_k, plan.warp_rows(), Float32),
+            dgt=view(storage.dgt, plan.vector(self.dim), Float32), gt=view(storage.gt, plan.vector(self.dim), Float32),
+            dalog_w=view(storage.dalog_w, plan.vector(plan.COMPUTE_WARPS), Float32),
+        )
+
+    @cute.jit
+    def tile_gradients(self, tma_tokens: tuple, tma_states: tuple, inputs: GradsInputs, ws: GradsWorkspace,
+                       out: GradsOutputs, scalars: GradsScalars, head: Int32, slot: Int32, state_row: Int32,
+                       row0: Int32, valid_rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        storage = SmemAllocator().allocate(self.shared_storage)
+        smem = self.make_smem(storage)
+        tma_barrier = storage.tma_barrier.data_ptr()
+
+        if warp_idx == 0:
+            self.load_tiles(tma_tokens, tma_states, smem, tma_barrier, head, row0, state_row)
+        # 1. workspace values and this thread's channel constants while the TMA runs
+        col = tidx
+        dt = inputs.dt_bias[head, col]
+        e_a = ex2_approx(inputs.a_log[head] * Float32(LOG2E))
+        smem.gt[col] = ws.gt[slot, col]
+        if tidx < CHUNK:
+            smem.beta[tidx] = ws.beta[slot, tidx]
+        for i in cutlass.range_constexpr(CHUNK * CHUNK // self.num_threads):
+            flat = tidx + i * self.num_threads
+            smem.inv[flat // CHUNK, flat % CHUNK] = ws.inv[slot, flat // CHUNK, flat % CHUNK]
+        cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
+        cute.arch.mbarrier_wait(tma_barrier, 0)
+
+        # 2. K1's recompute; rows past the sequence end of v, dO, du are zeroed
+        self.zero_invalid_rows(smem, valid_rows, tidx)
+        self.gate_scan(smem.g, smem.cumsum, col, dt, e_a, scalars.c_gate, valid_rows)
+        cute.arch.sync_threads()
+        self.decay(smem.q, smem.k, smem.cumsum, smem.qd, smem.kd, smem.kr, smem.kinv, scalars.scale, valid_rows,
+                   tidx, smem.rinv_q, smem.rinv_k)
+        cute.arch.sync_threads()
+
+        # 3. forward recompute per value band
+        self.forward_band(smem, warp_idx, lane)
+        cute.arch.sync_threads()
+
+        # 4. the 16×16 products, dgT
+        if warp_idx == 0:
+            self.masked_do_u(smem, lane)
+        elif warp_idx == 1:
+            self.masked_du_u(smem, lane)
+        else:
+            self.state_gate_grad(smem, tidx - 2 * 32)
+        cute.arch.sync_threads()
+
+        # 5. channel products per key band, 6. finish
+        self.channel_band(smem, out, scalars, head, row0, valid_rows, warp_idx, lane)
+        cute.arch.sync_threads()
+        self.gate_backward(smem, inputs, out, scalars, head, slot, row0, valid_rows, col, dt, e_a, warp_idx, lane)
+        if tidx < CHUNK:
+            self.beta_backward(smem, out, head, row0, valid_rows, tidx)
+
+    @cute.jit
+    def load_tiles(self, tma_tokens: tuple, tma_states: tuple, smem: GradsSmem, tma_barrier, head: Int32,
+                   row0: Int32, state_row: Int32):
+        """Warp 0: one transaction barrier; six token tiles at token row ``row0``, two state matrices."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_init(tma_barrier, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.mbarrier_arrive_and_expect_tx(tma_barrier, plan.load_bytes(self.dim))
+        for (atom, tma_tensor), buffer in zip(tma_tokens, (smem.q, smem.k, smem.g, smem.v, smem.do, smem.du)):
+            s_part, g_part = head_tile_tma_partition(
+                atom, cute.domain_offset((row0, 0, 0), tma_tensor), buffer, head, self.tile
+            )
+            cute.copy(atom, g_part[None, 0], s_part, tma_bar_ptr=tma_barrier)
+        for (atom, tma_tensor), buffer in zip(tma_states, (smem.state, smem.state_grad)):
+            s_part, g_part = head_tile_tma_partition(atom, tma_tensor, buffer, 0, self.state_box)
+            cute.copy(atom, g_part[None, state_row], s_part, tma_bar_ptr=tma_barrier)
+
+    @cute.jit
+    def zero_invalid_rows(self, smem: GradsSmem, valid_rows: Int32, tidx: Int32):
+        """v, dO and du rows past the sequence end (the TMA brought another sequence's rows) := 0."""
+        if valid_rows < CHUNK:
+            for i in cutlass.range_constexpr(CHUNK * self.dim // self.num_threads):
+                flat = tidx + i * self.num_threads
+                row, c = flat // self.dim, flat % self.dim
+                if row >= valid_rows:
+                    smem.v[row, c] = BFloat16(0.0)
+                    smem.do[row, c] = BFloat16(0.0)
+                    smem.du[row, c] = BFloat16(0.0)
+
+    # -------------------------------------------------------------------------------------------
+    # warp products
+
+    @cute.jit
+    def accumulate(self, tiled_mma, acc: cute.Tensor, a_view: cute.Tensor, b_view: cute.Tensor,
+                   a_transposed: cutlass.Constexpr, b_transposed: cutlass.Constexpr, k_steps: cutlass.Constexpr,
+                   lane: Int32):
+        """``acc += a · bᵀ`` over ``k_steps`` 16-wide steps: ``a_view`` ``(16, 16·k_steps)`` (m, k),
+        ``b_view`` ``(n, 16·k_steps)`` (n, k); ``*_transposed``: the view's first index is the contiguous
+        one (``ldmatrix.trans``)."""
+        n = cute.size(b_view, mode=[0])
+        a_frag = make_fragment(tiled_mma, Operand.A, BFloat16)
+        b_frag = make_fragment(tiled_mma, Operand.B, BFloat16, tile=(n, WARP_TILE))
+        copy_a = ldmatrix_copy(tiled_mma, Operand.A, a_transposed)
+        copy_b = ldmatrix_copy(tiled_mma, Operand.B, b_transposed)
+        thr_a, thr_b = copy_a.get_slice(lane), copy_b.get_slice(lane)
+        for kb in cutlass.range_constexpr(k_steps):
+            cute.copy(copy_a, thr_a.partition_S(cute.local_tile(a_view, (WARP_TILE, WARP_TILE), (0, kb))),
+                      thr_a.retile(a_frag))
+            cute.copy(copy_b, thr_b.partition_S(cute.local_tile(b_view, (n, WARP_TILE), (0, kb))),
+                      thr_b.retile(b_frag))
+            cute.gemm(tiled_mma, acc, a_frag, b_frag, acc)
+
+    @cute.jit
+    def forward_band(self, smem: GradsSmem, warp_idx: Int32, lane: Int32):
+        """Value band of warp ``w``: ``w = v − kd·S``, ``u``, ``U = bf16(INV·u)`` into ``u_out``,
+        ``−bf16(β·du)`` into ``neg_bdu``, and the warp's row partial of ``Σ_v du·w``."""
+        mma = warp_tiled_mma(BFloat16, Float32, BAND)
+        v0 = warp_idx * BAND
+        coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor((CHUNK, BAND)))
+        ks = make_fragment(mma, Operand.C, Float32, tile=(CHUNK, BAND))
+        ks.fill(0.0)
+        self.accumulate(mma, ks, smem.kd, cute.local_tile(smem.state_t, (BAND, self.dim), (warp_idx, 0)),
+                        False, True, K_STEPS, lane)
+        u = make_fragment(mma, Operand.C, BFloat16, tile=(CHUNK, BAND))
+        row_sum = cute.make_rmem_tensor((2,), Float32)  # rows g and g + 8 of this lane
+        row_sum.fill(0.0)
+        for i in cutlass.range_constexpr(cute.size(ks)):
+            row, c = coords[i]
+            w = smem.v[row, v0 + c].to(Float32) - ks[i]
+            beta = smem.beta[row]
+            u[i] = (w * beta).to(BFloat16)
+            du = smem.du[row, v0 + c].to(Float32)
+            row_sum[c_row_half(i)] = row_sum[c_row_half(i)] + du * w
+            smem.neg_bdu[row, v0 + c] = (-(beta * du)).to(BFloat16)
+        self.store_row_partials(smem.dbeta_w, row_sum, warp_idx, lane)
+
+        u_b = make_fragment(mma, Operand.B, BFloat16, tile=(BAND, WARP_TILE))
+        transpose_c_to_b(u, u_b)
+        inv = make_fragment(mma, Operand.A, BFloat16)
+        copy_a = ldmatrix_copy(mma, Operand.A, False)
+        thr_a = copy_a.get_slice(lane)
+        cute.copy(copy_a, thr_a.partition_S(smem.inv), thr_a.retile(inv))
+        big_u = make_fragment(mma, Operand.C, Float32, tile=(CHUNK, BAND))
+        big_u.fill(0.0)
+        cute.gemm(mma, big_u, inv, u_b, big_u)
+        for i in cutlass.range_constexpr(cute.size(big_u)):
+            row, c = coords[i]
+            smem.u_out[row, v0 + c] = big_u[i].to(BFloat16)
+
+    @cute.jit
+    def store_row_partials(self, s_rows: cute.Tensor, row_sum: cute.Tensor, warp_idx: Int32, lane: Int32):
+        """Sum each lane's two row partials over the 4 lanes that share the rows; lane ``4g`` writes
+        rows ``g`` and ``g + 8`` of ``s_rows[warp_idx]``."""
+        for h in cutlass.range_constexpr(2):
+            total = row_sum[h]
+            for offset in (1, 2):
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
+            if lane % 4 == 0:
+                s_rows[warp_idx, lane // 4 + 8 * h] = total
+
+    @cute.jit
+    def square_product(self, acc: cute.Tensor, s_left: cute.Tensor, s_right: cute.Tensor, lane: Int32):
+        """``acc += left · rightᵀ`` of two ``[16, D]`` tiles (fp32, 16-wide steps in order)."""
+        self.accumulate(warp_tiled_mma(BFloat16, Float32), acc, s_left, s_right, False, False, K_STEPS, lane)
+
+    @cute.jit
+    def masked_do_u(self, smem: GradsSmem, lane: Int32):
+        """Warp 0: ``dMqk = bf16(tril(dO·Uᵀ))`` (diagonal kept)."""
+        mma = warp_tiled_mma(BFloat16, Float32)
+        coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
+        acc = make_fragment(mma, Operand.C, Float32)
+        acc.fill(0.0)
+        self.square_product(acc, smem.do, smem.u_out, lane)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            row, c = coords[i]
+            smem.dmqk[row, c] = Float32(cutlass.select_(row >= c, acc[i], Float32(0.0))).to(BFloat16)
+
+    @cute.jit
+    def masked_du_u(self, smem: GradsSmem, lane: Int32):
+        """Warp 1: ``dL = −stril(du·Uᵀ)``, ``bf16(β_i·dL_ij)`` into ``dlb``, ``Σ_j dL ⊙ (kd·kinvᵀ)`` per row."""
+        mma = warp_tiled_mma(BFloat16, Float32)
+        coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
+        du_u = make_fragment(mma, Operand.C, Float32)
+        du_u.fill(0.0)
+        self.square_product(du_u, smem.du, smem.u_out, lane)
+        a_kk = make_fragment(mma, Operand.C, Float32)
+        a_kk.fill(0.0)
+        self.square_product(a_kk, smem.kd, smem.kinv, lane)
+        row_sum = cute.make_rmem_tensor((2,), Float32)
+        row_sum.fill(0.0)
+        for i in cutlass.range_constexpr(cute.size(du_u)):
+            row, c = coords[i]
+            d_l = Float32(cutlass.select_(row > c, -du_u[i], Float32(0.0)))
+            smem.dlb[row, c] = (smem.beta[row] * d_l).to(BFloat16)
+            row_sum[c_row_half(i)] = row_sum[c_row_half(i)] + d_l * a_kk[i]
+        for h in cutlass.range_constexpr(2):
+            total = row_sum[h]
+            for offset in (1, 2):
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
+            if lane % 4 == 0:
+                smem.dbeta_square[lane // 4 + 8 * h] = total
+
+    @cute.jit
+    def state_gate_grad(self, smem: GradsSmem, thread: Int32):
+        """Warps 2-3 (``thread`` 0-63): ``dgT[c] = Σ_v S[c, v]·dS'[c, v]`` for channels ``thread``, ``thread + 64``."""
+        run = (1, 8)
+        for half in cutlass.range_constexpr(2):
+            c = thread + half * 64
+            total = Float32(0.0)
+            s_run = cute.make_rmem_tensor(run, BFloat16)
+            ds_run = cute.make_rmem_tensor(run, BFloat16)
+            for j in cutlass.range_constexpr(self.dim // 8):
+                cute.autovec_copy(cute.local_tile(smem.state, run, (c, j)), s_run)
+                cute.autovec_copy(cute.local_tile(smem.state_grad, run, (c, j)), ds_run)
+                for e in cutlass.range_constexpr(8):
+                    total = total + s_run[e].to(Float32) * ds_run[e].to(Float32)
+            smem.dgt[c] = total
+
+    @cute.jit
+    def channel_band(self, smem: GradsSmem, out: GradsOutputs, scalars: GradsScalars, head: Int32, row0: Int32,
+                     valid_rows: Int32, warp_idx: Int32, lane: Int32):
+        """Key band of warp ``w``: dqd, dkd, dkinv, dkr; the q̂ / k̂ gradients; ``dG`` and ``dkr ⊙ kr``;
+        the l2norm backward (after the row dot products of all warps)."""
+        mma = warp_tiled_mma(BFloat16, Float32, BAND)
+        c0 = warp_idx * BAND
+        shape = (CHUNK, BAND)
+        coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor(shape))
+        s_band = cute.local_tile(smem.state, (BAND, self.dim), (warp_idx, 0))
+        kinv_band = cute.local_tile(smem.kinv_t, (BAND, CHUNK), (warp_idx, 0))
+        ln2 = Float32(LN2)
+        # two passes of two accumulators each (register pressure): dqd and dkd, then dkinv and dkr
+        d_qd = make_fragment(mma, Operand.C, Float32, tile=shape)
+        d_kd = make_fragment(mma, Operand.C, Float32, tile=shape)
+        d_qd.fill(0.0)
+        d_kd.fill(0.0)
+        self.accumulate(mma, d_qd, smem.do, s_band, False, False, K_STEPS, lane)
+        self.accumulate(mma, d_qd, smem.dmqk, kinv_band, False, True, 1, lane)
+        self.accumulate(mma, d_kd, smem.neg_bdu, s_band, False, False, K_STEPS, lane)
+        self.accumulate(mma, d_kd, smem.dlb, kinv_band, False, True, 1, lane)
+        dq_hat = make_fragment(mma, Operand.C, Float32, tile=shape)
+        dk_hat = make_fragment(mma, Operand.C, Float32, tile=shape)
+        for i in cutlass.range_constexpr(cute.size(d_qd)):
+            row, c_local = coords[i]
+            c = c0 + c_local
+            decay = ex2_approx(smem.cumsum[row, c])
+            dq_hat[i] = d_qd[i] * decay * scalars.scale
+            dk_hat[i] = d_kd[i] * decay
+            smem.dg_cum[row, c] = d_qd[i] * smem.qd[row, c].to(Float32) + d_kd[i] * smem.kd[row, c].to(Float32)
+
+        d_kinv = make_fragment(mma, Operand.C, Float32, tile=shape)
+        d_kr = make_fragment(mma, Operand.C, Float32, tile=shape)
+        d_kinv.fill(0.0)
+        d_kr.fill(0.0)
+        self.accumulate(mma, d_kinv, smem.dmqk_t, cute.local_tile(smem.qd_t, (BAND, CHUNK), (warp_idx, 0)),
+                        True, True, 1, lane)
+        self.accumulate(mma, d_kinv, smem.dlb_t, cute.local_tile(smem.kd_t, (BAND, CHUNK), (warp_idx, 0)),
+                        True, True, 1, lane)
+        self.accumulate(mma, d_kr, smem.u_out, cute.local_tile(smem.state_grad, (BAND, self.dim), (warp_idx, 0)),
+                        False, False, K_STEPS, lane)
+        dot_q = cute.make_rmem_tensor((2,), Float32)
+        dot_k = cute.make_rmem_tensor((2,), Float32)
+        dot_q.fill(0.0)
+        dot_k.fill(0.0)
+        for i in cutlass.range_constexpr(cute.size(d_kr)):
+            row, c_local = coords[i]
+            c = c0 + c_local
+            cum = smem.cumsum[row, c]
+            # dk̂ = dkd·2^G + dkinv·2^-G + dkr·2^(G_last − G), summed in this order
+            dk_hat[i] = (dk_hat[i] + d_kinv[i] * ex2_approx(-cum)
+                         + d_kr[i] * ex2_approx(smem.cumsum[CHUNK - 1, c] - cum))
+            dkr_kr = d_kr[i] * smem.kr[row, c].to(Float32)
+            smem.dg_cum[row, c] = ln2 * (smem.dg_cum[row, c] - d_kinv[i] * smem.kinv[row, c].to(Float32) - dkr_kr)
+            smem.dkr_kr[row, c] = dkr_kr
+            if cutlass.const_expr(self.qk_l2norm):
+                h = c_row_half(i)
+                dot_q[h] = dot_q[h] + smem.q[row, c].to(Float32) * smem.rinv_q[row] * dq_hat[i]
+                dot_k[h] = dot_k[h] + smem.k[row, c].to(Float32) * smem.rinv_k[row] * dk_hat[i]
+        if cutlass.const_expr(self.qk_l2norm):
+            self.store_row_partials(smem.dot_q, dot_q, warp_idx, lane)
+            self.store_row_partials(smem.dot_k, dot_k, warp_idx, lane)
+            cute.arch.sync_threads()
+        for i in cutlass.range_constexpr(cute.size(d_qd)):
+            row, c_local = coords[i]
+            c = c0 + c_local
+            dq = dq_hat[i]
+            dk = dk_hat[i]
+            if cutlass.const_expr(self.qk_l2norm):
+                sum_q = Float32(0.0)
+                sum_k = Float32(0.0)
+                for w in cutlass.range_constexpr(plan.COMPUTE_WARPS):
+                    sum_q = sum_q + smem.dot_q[w, row]
+                    sum_k = sum_k + smem.dot_k[w, row]
+                rq, rk = smem.rinv_q[row], smem.rinv_k[row]
+                dq = rq * (dq - smem.q[row, c].to(Float32) * rq * sum_q)
+                dk = rk * (dk - smem.k[row, c].to(Float32) * rk * sum_k)
+            if row < valid_rows:
+                out.dq[row0 + row, head, c] = dq.to(BFloat16)
+                out.dk[row0 + row, head, c] = dk.to(BFloat16)
+
+    @cute.jit
+    def gate_backward(self, smem: GradsSmem, inputs: GradsInputs, out: GradsOutputs, scalars: GradsScalars,
+                      head: Int32, slot: Int32, row0: Int32, valid_rows: Int32, col: Int32, dt: Float32,
+                      e_a: Float32, warp_idx: Int32, lane: Int32):
+        """Channel ``col``: ``dg' = Σ_{s≥r} dG_s + dG_last`` (reverse cumsum), the gate backward to the raw
+        gate, and the tile's partial sums of ddt_bias (per channel) and dA_log (over channels, warp order)."""
+        d_last = Float32(0.0)
+        for row in cutlass.range_constexpr(CHUNK):
+            d_last = d_last + smem.dkr_kr[row, col]
+        d_last = Float32(LN2) * (d_last + smem.dgt[col] * smem.gt[col])
+        suffix = Float32(0.0)
+        ddt = Float32(0.0)
+        dalog = Float32(0.0)
+        for step in cutlass.range_constexpr(CHUNK):
+            row = CHUNK - 1 - step
+            if row < valid_rows:
+                suffix = suffix + smem.dg_cum[row, col]
+                x = e_a * (smem.g[row, col].to(Float32) + dt)
+                sig = sigmoid_approx(x)
+                dx = (suffix + d_last) * scalars.c_gate * sig * (Float32(1.0) - sig)
+                dg_raw = dx * e_a
+                out.dg[row0 + row, head, col] = dg_raw.to(BFloat16)
+                ddt = ddt + dg_raw
+                dalog = dalog + dx * x
+        out.ddt_partial[slot, col] = ddt
+        for offset in (16, 8, 4, 2, 1):
+            dalog = dalog + cute.arch.shuffle_sync_bfly(dalog, offset=offset)
+        if lane == 0:
+            smem.dalog_w[warp_idx] = dalog
+        cute.arch.sync_threads()
+        if col == 0:
+            total = Float32(0.0)
+            for w in cutlass.range_constexpr(plan.COMPUTE_WARPS):
+                total = total + smem.dalog_w[w]
+            out.dalog_partial[slot] = total
+
+    @cute.jit
+    def beta_backward(self, smem: GradsSmem, out: GradsOutputs, head: Int32, row0: Int32, valid_rows: Int32,
+                      row: Int32):
+        """Row ``row``: ``dβ = Σ_v du·w + Σ_j dL ⊙ A`` (warp partials in order), through the sigmoid."""
+        total = Float32(0.0)
+        for w in cutlass.range_constexpr(plan.COMPUTE_WARPS):
+            total = total + smem.dbeta_w[w, row]
+        total = total + smem.dbeta_square[row]
+        if cutlass.const_expr(self.beta_logits):
+            beta = smem.beta[row]
+            total = total * beta * (Float32(1.0) - beta)
+        if row < valid_rows:
+            out.dbeta[row0 + row, head] = total.to(BFloat16)

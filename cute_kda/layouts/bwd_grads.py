@@ -1,0 +1,84 @@
+"""Shared-memory plan of the tile-gradient kernel, Kernel B (``cute_kda.kernels.bwd_grads``).
+
+One CTA handles one (16-token tile, head); :func:`smem_budget` is its shared memory. Every ``[16, 128]``
+bf16 tile and both ``[128, 128]`` state matrices use K1's 128-byte-swizzled ``K_SW128`` atoms
+(:func:`cute_kda.layouts.fwd_prepare.chunk_tile`): the TMA's ``SWIZZLE_128B`` mode, conflict-free
+16-byte runs for the elementwise phases, and ``ldmatrix`` / ``ldmatrix.trans`` through the tile or
+its ``MN_SW128`` transposed view (:func:`cute_kda.layouts.smem.sw128_tile_transposed`), as each
+product needs. A state matrix is ``[K, V]`` (V contiguous, as the checkpoints and snapshots are in
+global memory): ``S`` as ``[K, V]`` is the B operand of ``dO·Sᵀ`` (n = K, k = V), its ``[V, K]`` view
+that of ``kd·S`` (n = V, k = K, ``ldmatrix.trans``). The 16×16 matrices (INV, dMqk, β·dL) are
+K_INTER operand tiles with their transposed views. The fp32 ``[16, 128]`` tiles (G, dG, dkr⊙kr) use
+K1's gate-cumsum layout.
+"""
+
+from __future__ import annotations
+
+from ..dsl import cute, cutlass
+from .analysis import layout_spec
+from .budget import SmemBudget, SmemBuffer, SmemGroup, mbarriers
+from .fwd_prepare import chunk_tile, gate_cumsum_tile, row_vector
+from .smem import CHUNK, HEAD_DIM, square_tile, sw128_tile, vector
+
+TOKEN_TILES = ("q", "k", "g", "v", "do", "du")  # TMA-loaded [16, D] bf16 tiles, in load order
+STATE_TILES = ("state", "state_grad")  # TMA-loaded [D, D] bf16: S entering the tile, dS' after it
+DERIVED_TILES = ("qd", "kd", "kr", "kinv", "u_out", "neg_bdu")  # [16, D] bf16 computed in the CTA
+SQUARE_TILES = ("inv", "dmqk", "dlb")  # [16, 16] bf16
+FP32_TILES = ("cumsum", "dg_cum", "dkr_kr")  # [16, D] fp32
+ROW_VECTORS = ("beta", "rinv_q", "rinv_k", "dbeta_square")  # [16] fp32
+COMPUTE_WARPS = 4
+
+
+def state_tile(dim: int = HEAD_DIM):
+    """``[D, D]`` bf16 ``K_SW128`` tile (a state or state gradient, ``[K, V]``)."""
+    return sw128_tile(dim, dim, cutlass.BFloat16)
+
+
+def warp_rows(warps: int = COMPUTE_WARPS, chunk: int = CHUNK):
+    """``[warps, CHUNK]`` fp32 row partials, one row of 16 per warp (reduced in warp order)."""
+    return cute.make_layout((warps, chunk), stride=(chunk, 1))
+
+
+def load_bytes(dim: int = HEAD_DIM, chunk: int = CHUNK) -> int:
+    """Bytes of the one TMA transaction: the token tiles and the two state matrices."""
+    return len(TOKEN_TILES) * chunk * dim * 2 + len(STATE_TILES) * dim * dim * 2
+
+
+def smem_budget(dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
+    """Kernel B's shared-memory plan (host side)."""
+    tile = layout_spec(f"chunk_tile({dim},{chunk})", chunk_tile, dim, chunk, dtype=cutlass.BFloat16)
+    state = layout_spec(f"state_tile({dim})", state_tile, dim, dtype=cutlass.BFloat16)
+    square = layout_spec(f"square_tile({chunk})", square_tile, chunk, dtype=cutlass.BFloat16)
+    fp32 = layout_spec(f"gate_cumsum_tile({dim},{chunk})", gate_cumsum_tile, dim, chunk, dtype=cutlass.Float32)
+    rows = layout_spec(f"row_vector({chunk})", row_vector, chunk, dtype=cutlass.Float32)
+    per_warp = layout_spec(f"warp_rows({COMPUTE_WARPS},{chunk})", warp_rows, COMPUTE_WARPS, chunk,
+                           dtype=cutlass.Float32)
+    channels = layout_spec(f"vector({dim})", vector, dim, dtype=cutlass.Float32)
+    warps = layout_spec(f"vector({COMPUTE_WARPS})", vector, COMPUTE_WARPS, dtype=cutlass.Float32)
+    notes = {
+        "q": "raw q (TMA)", "k": "raw k (TMA)", "g": "raw gate (TMA)", "v": "v (TMA)", "do": "dO (TMA)",
+        "du": "du from Kernel A (TMA)", "state": "S entering the tile, [K, V] (TMA)",
+        "state_grad": "dS' after the tile, [K, V] (TMA)", "qd": "recomputed as K1", "kd": "recomputed as K1",
+        "kr": "recomputed as K1", "kinv": "recomputed as K1", "u_out": "U = INV·u",
+        "neg_bdu": "−bf16(β ⊙ du)", "inv": "INV (workspace)",
+        "dmqk": "bf16(tril(dO·Uᵀ))", "dlb": "bf16(β_i · dL_ij)", "cumsum": "G", "dg_cum": "dG per token",
+        "dkr_kr": "dkr ⊙ kr",
+    }
+    buffers = [SmemBuffer(name, tile, note=notes[name]) for name in TOKEN_TILES]
+    buffers += [SmemBuffer(name, state, note=notes[name]) for name in STATE_TILES]
+    buffers += [SmemBuffer(name, tile, note=notes[name]) for name in DERIVED_TILES]
+    buffers += [SmemBuffer(name, fp32, note=notes[name]) for name in FP32_TILES]
+    buffers += [SmemBuffer(name, square, note=notes[name]) for name in SQUARE_TILES]
+    buffers += [SmemBuffer(name, rows, align_bytes=16, note="per row") for name in ROW_VECTORS]
+    buffers += [SmemBuffer(name, per_warp, align_bytes=16, note="per warp and row")
+                for name in ("dbeta_w", "dot_q", "dot_k")]
+    buffers += [SmemBuffer("dgt", channels, align_bytes=16, note="Σ_v S ⊙ dS' per channel"),
+                SmemBuffer("gt", channels, align_bytes=16, note="2^G_last (workspace)"),
+                SmemBuffer("dalog_w", warps, align_bytes=16, note="dA_log partial per warp"),
+                mbarriers("tma_barrier", 1, "transaction barrier of the loads")]
+    return SmemBudget(f"Kernel B D={dim} CHUNK={chunk}", SmemGroup("GradsStorage", tuple(buffers)))
+
+
+def shared_storage(dim: int = HEAD_DIM, chunk: int = CHUNK):
+    """The ``cute.struct`` of Kernel B's shared memory, from :func:`smem_budget`."""
+    return smem_budget(dim, chunk).storage_struct()

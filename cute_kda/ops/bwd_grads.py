@@ -1,0 +1,129 @@
+"""Torch launcher of Kernel B (:class:`cute_kda.kernels.bwd_grads.BwdGrads`), the tile gradients.
+
+Inputs are the forward's validated tensors, the training forward's per-tile checkpoints, Kernel A's
+``du`` and per-tile snapshots; all on one CUDA device, C-contiguous, 16-byte aligned. This module
+checks the buffers against each other, picks the compiled variant and launches on torch's current
+stream. Nothing here reads device memory on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..numerics import f32, gate_constant
+from ..workspace import Workspace, block_states_shape
+from ._cache import CompileCache, compile_for_launch, current_stream, device_index, launch_tensor, to_cute_tensor
+from .prepare import tile_bases
+
+_CACHE = CompileCache("bwd_grads")
+
+
+def gate_partials_shapes(ws: Workspace, heads: int) -> tuple[tuple[int, int, int], tuple[int, int]]:
+    """Shapes of the per-tile partial sums ``(ddt_partial [H, tiles, K], dalog_partial [H, tiles])``."""
+    rows, _, dim = ws.qd.shape
+    return (heads, rows // heads, dim), (heads, rows // heads)
+
+
+def launch_arguments(
+    q, k, g, v, do, du, A_log, dt_bias, ws: Workspace, states, state_grads, dq, dk, dg, dbeta, ddt_partial,
+    dalog_partial, *, scale: float, lower_bound: float, cu_seqlens, tile_base, tensor=launch_tensor,
+) -> tuple:
+    """The arguments of ``BwdGrads.__call__`` (dynamic shapes: one compile serves all sizes).
+
+    ``tensor(t, assumed_align)``: :func:`~._cache.launch_tensor` for a call, :func:`~._cache.to_cute_tensor`
+    for the compile.
+    """
+    from ..kernels.bwd_grads import GradsInputs, GradsOutputs, GradsStates, GradsWorkspace
+
+    batch, steps, heads, dim = q.shape
+    rows = batch * steps
+
+    def tokens(t):
+        return tensor(t.view(rows, heads, dim), 16)
+
+    def matrices(t):
+        return tensor(t.view(t.shape[0] * dim, 1, dim), 16)
+
+    inputs = GradsInputs(q=tokens(q), k=tokens(k), g=tokens(g), v=tokens(v), do=tokens(do), du=tokens(du),
+                         a_log=tensor(A_log.view(heads), 4), dt_bias=tensor(dt_bias.view(heads, dim), 4))
+    states_args = GradsStates(state=matrices(states), state_grad=matrices(state_grads))
+    workspace = GradsWorkspace(inv=tensor(ws.inv, 16), beta=tensor(ws.beta, 16), gt=tensor(ws.gt, 16))
+    outputs = GradsOutputs(
+        dq=tokens(dq), dk=tokens(dk), dg=tokens(dg), dbeta=tensor(dbeta.view(rows, heads), 2),
+        ddt_partial=tensor(ddt_partial.view(-1, dim), 4), dalog_partial=tensor(dalog_partial.view(-1), 4),
+    )
+    return (inputs, states_args, workspace, outputs, f32(scale), f32(gate_constant(lower_bound)), steps,
+            tensor(cu_seqlens, 8), tensor(tile_base, 4))
+
+
+def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial, dalog_partial,
+                   num_seqs: int) -> None:
+    batch, steps, heads, dim = q.shape
+    token_shape = (batch, steps, heads, dim)
+    for name, t in (("q", q), ("k", k), ("g", g), ("v", v), ("do", do), ("du", du), ("dq", dq), ("dk", dk),
+                    ("dg", dg)):
+        if t.dtype != torch.bfloat16 or tuple(t.shape) != token_shape or t.device != q.device:
+            raise ValueError(f"{name} must be bf16 {token_shape} on {q.device}, got {t.dtype} {tuple(t.shape)} "
+                             f"on {t.device}")
+    if dbeta.dtype != torch.bfloat16 or tuple(dbeta.shape) != token_shape[:3]:
+        raise ValueError(f"dbeta must be bf16 {token_shape[:3]}, got {dbeta.dtype} {tuple(dbeta.shape)}")
+    expected = block_states_shape(ws, heads, num_seqs)
+    for name, t in (("states", states), ("state_grads", state_grads)):
+        if t.dtype != torch.bfloat16 or tuple(t.shape) != expected or t.device != q.device:
+            raise ValueError(f"{name} must be bf16 {expected} on {q.device}, got {t.dtype} {tuple(t.shape)}")
+    ddt_shape, dalog_shape = gate_partials_shapes(ws, heads)
+    if ddt_partial.dtype != torch.float32 or tuple(ddt_partial.shape) != ddt_shape:
+        raise ValueError(f"ddt_partial must be fp32 {ddt_shape}, got {ddt_partial.dtype} {tuple(ddt_partial.shape)}")
+    if dalog_partial.dtype != torch.float32 or tuple(dalog_partial.shape) != dalog_shape:
+        raise ValueError(f"dalog_partial must be fp32 {dalog_shape}, got {dalog_partial.dtype} "
+                         f"{tuple(dalog_partial.shape)}")
+
+
+def _compiled(key: tuple, tensors: tuple, options: dict, stream):
+    """The compiled variant ``key = (varlen, qk_l2norm, beta_logits, device)``, built on first use."""
+
+    def build():
+        from ..kernels.bwd_grads import BwdGrads
+
+        varlen, qk_l2norm, beta_logits, _ = key
+        kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+        return compile_for_launch(kernel, *launch_arguments(*tensors, **options, tensor=to_cute_tensor), stream)
+
+    return _CACHE.get(key, build)
+
+
+def bwd_grads(
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+    du: torch.Tensor, ws: Workspace, states: torch.Tensor, state_grads: torch.Tensor, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dg: torch.Tensor, dbeta: torch.Tensor,
+    ddt_partial: torch.Tensor, dalog_partial: torch.Tensor, *, scale: float, lower_bound: float,
+    cu_seqlens: torch.Tensor | None = None, tile_base: torch.Tensor | None = None, qk_l2norm: bool = True,
+    beta_logits: bool = True,
+) -> None:
+    """Run Kernel B: dq, dk, dg, dbeta (valid rows) and the per-tile partials of ddt_bias and dA_log.
+
+    q, k, g (raw gate), v, do, du (Kernel A's), dq, dk, dg: bf16 ``[B, T, H, 128]``; dbeta bf16
+    ``[B, T, H]``, w.r.t. beta as the forward took it (the logits when ``beta_logits``; β itself enters
+    through the workspace's activated ``ws.beta``); A_log fp32 ``[H]``, dt_bias fp32 ``[H, 128]``; ws: the forward's K1
+    workspace. states: the training forward's per-tile checkpoints, state_grads: Kernel A's per-tile
+    snapshots, both bf16 ``block_states_shape(ws, H, N)``. ddt_partial fp32 ``[H, tiles, 128]``,
+    dalog_partial fp32 ``[H, tiles]`` (:func:`gate_partials_shapes`): every slot is written (0 for slots
+    that are no tile), so ``ddt_bias = ddt_partial.sum(1)`` and ``dA_log = dalog_partial.sum(1)``.
+    ``scale`` and ``lower_bound`` as the forward's; ``cu_seqlens`` int64 ``[N+1]`` with B == 1 packs N
+    sequences (``tile_base`` derived when not given). Launches on torch's current stream.
+    """
+    varlen = cu_seqlens is not None
+    num_seqs = cu_seqlens.numel() - 1 if varlen else q.shape[0]
+    _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial, dalog_partial,
+                   num_seqs)
+    if ws.qd.shape[0] == 0:
+        return
+    if varlen and tile_base is None:
+        tile_base = tile_bases(cu_seqlens)
+    tensors = (q, k, g, v, do, du, A_log, dt_bias, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial,
+               dalog_partial)
+    options = dict(scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens, tile_base=tile_base)
+    with torch.cuda.device(q.device):
+        stream = current_stream(q.device)
+        key = (varlen, qk_l2norm, beta_logits, device_index(q.device))
+        _compiled(key, tensors, options, stream)(*launch_arguments(*tensors, **options), stream)
