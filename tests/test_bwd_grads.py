@@ -1,0 +1,261 @@
+"""Kernel B, the tile gradients: its plan and sm_90a compile checks of every variant (CPU); the whole
+kernel chain K1 → K2 (training) → Kernel A → Kernel B against the fp64 gold's gradients, Kernel B
+against its mirror on the same inputs, and determinism (GPU tier).
+
+The references are tested in tests/test_reference_grads.py; Kernel A in tests/test_bwd_scan.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from test_fwd_recurrence import STATE, _assert_guards_untouched, _guarded, _problem
+
+from cute_kda.dsl import cute
+from cute_kda.kernels.bwd_grads import BwdGrads
+from cute_kda.layouts import bwd_grads as plan
+from cute_kda.ops import bwd_grads as kb
+from cute_kda.ops._cache import to_cute_tensor
+from cute_kda.workspace import WorkspaceSpec, block_states_shape, workspace_views
+
+D = 128
+CHUNK = 16
+TOL = {"dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dA_log": 8e-3,
+       "ddt_bias": 8e-3}  # rel-RMS vs the fp64 gold (issue 10)
+MIRROR_TOL = 2e-3  # rel-RMS vs the mirror on the same inputs (accumulation order, fp32 rounding)
+VARIANTS = list(itertools.product((False, True), (True, False), (True, False)))  # varlen, qk_l2norm, beta_logits
+
+
+# ============================================================================ plan and compile (CPU)
+
+
+def test_plan():
+    budget = plan.smem_budget()
+    assert budget.total_bytes + 1024 <= 227 * 1024
+    assert plan.load_bytes() == 6 * CHUNK * D * 2 + 2 * D * D * 2
+    names = list(budget.buffers)
+    assert names[:8] == [*plan.TOKEN_TILES, *plan.STATE_TILES]  # the TMA destinations first
+
+
+def _compile_args(varlen: bool):
+    heads, num_seqs = 2, 3
+    batch, steps = (1, 80) if varlen else (num_seqs, 24)
+    tok = torch.zeros(batch, steps, heads, D, dtype=torch.bfloat16)
+    spec = WorkspaceSpec(heads=heads, tiles=8)
+    ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
+    states = torch.zeros(block_states_shape(ws, heads, num_seqs), dtype=torch.bfloat16)
+    ddt_shape, dalog_shape = kb.gate_partials_shapes(ws, heads)
+    return kb.launch_arguments(
+        tok, tok, tok, tok, tok, tok, torch.zeros(heads), torch.zeros(heads, D), ws, states, states, tok, tok, tok,
+        torch.zeros(batch, steps, heads, dtype=torch.bfloat16), torch.zeros(ddt_shape), torch.zeros(dalog_shape),
+        scale=D ** -0.5, lower_bound=-5.0, cu_seqlens=torch.tensor([0, 20, 20, 80]) if varlen else None,
+        tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32) if varlen else None, tensor=to_cute_tensor,
+    )
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(variant):
+    if variant not in _COMPILED:
+        from cute_kda.compile_report import compile_with_report
+
+        varlen, qk_l2norm, beta_logits = variant
+        kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+        _, report = compile_with_report(kernel, *_compile_args(varlen), cute.runtime.make_fake_stream())
+        _COMPILED[variant] = (kernel, report)
+    return _COMPILED[variant]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "{}-{}-{}".format(
+    "varlen" if v[0] else "fixed", "l2norm" if v[1] else "raw_qk", "beta_logits" if v[2] else "beta"))
+def test_variant_compiles(variant):
+    kernel, report = _compiled(variant)
+    k_steps = D // CHUNK
+    band_atoms = D // plan.COMPUTE_WARPS // 8  # n=8 mma atoms of a warp's 32-column band
+    # kd·S (8) + INV·u (1) per band; dO·Uᵀ (8), du·Uᵀ (8), kd·kinvᵀ (8) at 16 columns; dqd, dkd (8 + 1 each),
+    # dkinv (2), dkr (8) per band
+    mmas = (k_steps + 1) * band_atoms + 3 * k_steps * 2 + (2 * (k_steps + 1) + 2 + k_steps) * band_atoms
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == mmas
+    assert report.count("movmatrix.sync.aligned.m8n8.trans.b16") == 2 * band_atoms  # u: C → B
+    # transposed reads: S as [V, K] (2 per k-step: 32 columns), kinvᵀ (2, one load serves dqd and dkd),
+    # qdᵀ and kdᵀ (2 each) as B; dMqkᵀ and β·dLᵀ (1 each) as A
+    assert report.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 2 * k_steps + 2 + 2 * 2 + 2
+    assert report.has("ldmatrix.sync.aligned.m8n8.x4.shared.b16")
+    # TMA: six token tiles (4-D boxes) and two state matrices behind one transaction barrier
+    assert report.count("cp.async.bulk.tensor") == 8
+    assert report.has("mbarrier.try_wait") and report.has("mbarrier.arrive.expect_tx")
+    assert report.count("ex2.approx.ftz.f32") >= 4 and report.has("tanh.approx.f32")
+    assert not report.has("atom.") and not report.has("red.")  # no atomics: partial sums per tile
+    assert report.local_memory_ops == 0
+    assert len(report.kernels) == 1 and report.spills == 0 and report.kernels[0].stack_frame == 0
+    assert report.launch_smem == [plan.smem_budget().total_bytes]
+    print(f"{variant}: {report.kernels[0].registers} registers, {report.launch_smem[0]} B smem")
+
+
+def test_launcher_rejects_mismatched_buffers():
+    heads, n, T = 2, 2, 40
+    tok = torch.zeros(n, T, heads, D, dtype=torch.bfloat16)
+    spec = WorkspaceSpec(heads=heads, tiles=6)
+    ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
+    states = torch.zeros(block_states_shape(ws, heads, n), dtype=torch.bfloat16)
+    ddt, dalog = (torch.zeros(s) for s in kb.gate_partials_shapes(ws, heads))
+    dbeta = torch.zeros(n, T, heads, dtype=torch.bfloat16)
+    args = [tok, tok, tok, tok, tok, tok, ws, states, states, torch.zeros(heads), torch.zeros(heads, D), tok, tok, tok,
+            dbeta, ddt, dalog]
+    cases = {1: tok.float(), 7: states[1:], 8: states.float(), 14: dbeta[:, 1:], 15: ddt[:, 1:], 16: dalog.double()}
+    for index, bad in cases.items():
+        broken = list(args)
+        broken[index] = bad
+        with pytest.raises(ValueError):
+            kb.bwd_grads(*broken, scale=0.1, lower_bound=-5.0)
+
+
+# ============================================================================ GPU: the kernel chain
+
+
+def _chain(problem, *, lengths=None, dht="fp32", initial="fp32", seed=0, lower_bound=-5.0, qk_l2norm=True,
+           beta_logits=True):
+    """K1 → K2 (per-tile checkpoints) → Kernel A → Kernel B on the GPU; every output guarded."""
+    from cute_kda.ops import bwd_scan as ka
+    from cute_kda.ops import prepare as k1
+    from cute_kda.ops import recurrence as k2
+    from cute_kda.workspace import allocate_workspace, tiles_per_head
+
+    q, k, v, g, beta, A_log, bias = problem
+    device = q.device
+    B, T, H, _ = q.shape
+    cu = None if lengths is None else torch.tensor([0, *itertools.accumulate(lengths)], device=device)
+    N = B if lengths is None else len(lengths)
+    gen = torch.Generator().manual_seed(seed + 7)
+    init = None if STATE[initial] is None else (torch.randn(N, H, D, D, generator=gen) * 0.3).to(device, STATE[initial])
+    dht_in = None if STATE[dht] is None else (torch.randn(N, H, D, D, generator=gen) * 0.3).to(device, STATE[dht])
+    do = torch.randn(B, T, H, D, generator=gen).bfloat16().to(device)
+    scale = D ** -0.5
+    ws = allocate_workspace(WorkspaceSpec(heads=H, tiles=tiles_per_head(B * T, N, cu is not None)), device)
+    tile_base = k1.tile_bases(cu) if cu is not None else None
+    k1.prepare(q, k, g, beta, A_log, bias, ws, scale=scale, lower_bound=lower_bound, cu_seqlens=cu,
+               tile_base=tile_base, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+    states = torch.full(block_states_shape(ws, H, N), math.nan, dtype=torch.bfloat16, device=device)
+    o = torch.empty_like(v)
+    k2.recurrence(v, ws, o, cu_seqlens=cu, tile_base=tile_base, initial_state=init, final_state=None,
+                  checkpoints=states)
+    dv, du = torch.empty_like(do), torch.empty_like(do)
+    grads = torch.full_like(states, math.nan)
+    dh0 = torch.empty(N, H, D, D, device=device) if init is not None else None
+    ka.bwd_scan(do, ws, dv, du, grads, cu_seqlens=cu, tile_base=tile_base, dht=dht_in, dh0=dh0)
+    outs = {}
+    for name in ("dq", "dk", "dg"):
+        outs[name], outs[name + "_buf"] = _guarded((B, T, H, D), torch.bfloat16, device, axis=1, pad=CHUNK)
+    outs["dbeta"], outs["dbeta_buf"] = _guarded((B, T, H), torch.bfloat16, device, axis=1, pad=CHUNK)
+    ddt_shape, dalog_shape = kb.gate_partials_shapes(ws, H)
+    ddt = torch.full(ddt_shape, math.nan, device=device)
+    dalog = torch.full(dalog_shape, math.nan, device=device)
+    kb.bwd_grads(q, k, g, v, do, du, ws, states, grads, A_log, bias, outs["dq"], outs["dk"], outs["dg"],
+                 outs["dbeta"], ddt, dalog, scale=scale, lower_bound=lower_bound, cu_seqlens=cu, tile_base=tile_base,
+                 qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+    torch.cuda.synchronize()
+    for name in ("dq", "dk", "dg"):
+        _assert_guards_untouched(outs.pop(name + "_buf"), axis=1, pad=CHUNK)
+    _assert_guards_untouched(outs.pop("dbeta_buf"), axis=1, pad=CHUNK)
+    for name in ("dq", "dk", "dg", "dbeta"):
+        assert not outs[name].isnan().any(), f"a {name} row was not written"
+    assert not ddt.isnan().any() and not dalog.isnan().any(), "a partial-sum slot was not written"
+    outs.update(dv=dv, dh0=dh0, dA_log=dalog.sum(1), ddt_bias=ddt.sum(1), ddt_partial=ddt, dalog_partial=dalog,
+                du=du, ws=ws, states=states, state_grads=grads, do=do, dht=dht_in, init=init, cu=cu, scale=scale)
+    return outs
+
+
+def _gold(problem, run, *, lower_bound=-5.0, qk_l2norm=True, beta_logits=True):
+    from cute_kda.reference import gold_backward
+
+    q, k, v, g, beta, A_log, bias = problem
+    return gold_backward(q, k, v, g, beta, run["do"], dht=run["dht"], A_log=A_log, dt_bias=bias,
+                         lower_bound=lower_bound, cu_seqlens=run["cu"], initial_state=run["init"],
+                         qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+
+
+def _check_gold(problem, label, **options):
+    from cute_kda.reference import rel_rms
+
+    gold_keys = ("lower_bound", "qk_l2norm", "beta_logits")
+    run = _chain(problem, **options)
+    gold = _gold(problem, run, **{k: v for k, v in options.items() if k in gold_keys})
+    errors = {name: rel_rms(run[name], gold[name]) for name in TOL if run.get(name) is not None}
+    print(f"{label}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+    for name, err in errors.items():
+        assert math.isfinite(err) and err <= TOL[name], (label, name, err)
+    return run
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,initial,dht", [
+    (1, 1, "fp32", "none"), (2, 15, "bf16", "fp32"), (1, 16, "none", "none"), (2, 17, "fp32", "bf16"),
+    (2, 100, "fp32", "fp32"), (1, 1024, "none", "fp32"), (8, 64, "bf16", "bf16"),
+])
+def test_gold_shapes(B, T, initial, dht):
+    _check_gold(_problem(B, T, 2, seed=T), f"B={B} T={T} {initial}/{dht}", initial=initial, dht=dht, seed=T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[0, 1, 17, 33], [300, 0, 5, 64, 1], [1300, 547, 80]],
+                         ids=["0-1-17-33", "300-0-5-64-1", "1300-547-80"])
+def test_gold_varlen(lengths):
+    _check_gold(_problem(1, sum(lengths), 2, seed=len(lengths)), f"{lengths}", lengths=lengths, seed=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g_raw,dt_bias", [(-8, -8.0), (8, 8.0), (0, "normal"), ("normal", 8.0), ("normal", -8.0)])
+def test_gold_gates(g_raw, dt_bias):
+    """Gates saturating both ways (no decay, or the lower bound on every token)."""
+    _check_gold(_problem(2, 97, 2, g_raw=g_raw, dt_bias=dt_bias, seed=1), f"g={g_raw} bias={dt_bias}", seed=1)
+
+
+@pytest.mark.gpu
+def test_gold_large_a_log():
+    problem = list(_problem(1, 200, 2, seed=4))
+    problem[5] = torch.tensor([2.5, 3.0], device="cuda")
+    _check_gold(tuple(problem), "A_log 2.5, 3", seed=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qk_l2norm,beta_logits", [(False, True), (True, False), (False, False)])
+def test_gold_flags(qk_l2norm, beta_logits):
+    q, k, v, g, beta, A_log, bias = _problem(2, 50, 2, seed=6)
+    if not qk_l2norm:  # unnormalised q, k must keep the state bounded: scale them down
+        q, k = ((x * 0.1).bfloat16() for x in (q, k))
+    if not beta_logits:
+        beta = torch.sigmoid(beta.float()).bfloat16()
+    _check_gold((q, k, v, g, beta, A_log, bias), f"l2norm={qk_l2norm} logits={beta_logits}", seed=6,
+                qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [None, [40, 0, 97, 16, 1]], ids=["B2xT100", "varlen"])
+def test_tracks_the_mirror(lengths):
+    """Kernel B vs :func:`mirror_bwd_grads` on the kernels' own workspace, states and du."""
+    from cute_kda.reference import mirror_bwd_grads, rel_rms
+
+    B, T = (2, 100) if lengths is None else (1, sum(lengths))
+    problem = _problem(B, T, 2, seed=12)
+    run = _chain(problem, lengths=lengths, seed=12)
+    q, k, v, g, beta, A_log, bias = problem
+    ref = mirror_bwd_grads(q, k, g, beta, v, run["do"], run["du"], run["ws"], run["states"], run["state_grads"],
+                           A_log=A_log, dt_bias=bias, scale=run["scale"], lower_bound=-5.0, cu_seqlens=run["cu"])
+    errors = {name: rel_rms(run[name], getattr(ref, name)) for name in ("dq", "dk", "dg", "dbeta", "dA_log", "ddt_bias")}
+    print("vs mirror: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+    assert all(err <= MIRROR_TOL for err in errors.values()), errors
+
+
+@pytest.mark.gpu
+def test_deterministic_and_empty_slots_zero():
+    lengths = [33, 0, 16, 1, 70]
+    problem = _problem(1, sum(lengths), 2, seed=2)
+    first, second = (_chain(problem, lengths=lengths, seed=2) for _ in range(2))
+    for name in ("dq", "dk", "dg", "dbeta", "ddt_partial", "dalog_partial"):
+        assert torch.equal(first[name], second[name]), name
+    tiles = sum(-(-n // CHUNK) for n in lengths)
+    assert bool((first["ddt_partial"][:, tiles:] == 0).all()) and bool((first["dalog_partial"][:, tiles:] == 0).all())
