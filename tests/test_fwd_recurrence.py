@@ -715,7 +715,7 @@ def test_training_variant_checkpoints(lengths):
     that track the mirror's (the first of each sequence is bf16(initial state) exactly); rows it does not
     own stay poisoned and the guards around the buffer untouched."""
     from cute_kda.reference import mirror_recurrence, rel_rms
-    from cute_kda.workspace import block_states_shape
+    from cute_kda.workspace import SNAPSHOT_TILES, block_states_shape
 
     B, T = (2, 300) if lengths is None else (1, sum(lengths))
     problem = _problem(B, T, 2, seed=12)
@@ -738,7 +738,7 @@ def test_training_variant_checkpoints(lengths):
     first = list(itertools.accumulate([0, *tiles]))
     for n in range(N):
         if tiles[n]:
-            slot = first[n] // 4 + n  # the block of the sequence's first tile
+            slot = first[n] // SNAPSHOT_TILES + n  # the block of the sequence's first tile
             rows = ckpt.view(H, slots, D, D)[:, slot]
             assert torch.equal(rows, init[n].transpose(-1, -2).bfloat16()), n
     err = rel_rms(ckpt[written], want[written])

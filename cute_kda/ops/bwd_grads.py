@@ -65,6 +65,11 @@ def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbet
         if t.dtype != torch.bfloat16 or tuple(t.shape) != token_shape or t.device != q.device:
             raise ValueError(f"{name} must be bf16 {token_shape} on {q.device}, got {t.dtype} {tuple(t.shape)} "
                              f"on {t.device}")
+    for name, t in (("q", q), ("k", k), ("g", g), ("v", v), ("do", do), ("du", du), ("dq", dq), ("dk", dk),
+                    ("dg", dg), ("dbeta", dbeta), ("states", states), ("state_grads", state_grads),
+                    ("ddt_partial", ddt_partial), ("dalog_partial", dalog_partial)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be C-contiguous")
     if dbeta.dtype != torch.bfloat16 or tuple(dbeta.shape) != token_shape[:3]:
         raise ValueError(f"dbeta must be bf16 {token_shape[:3]}, got {dbeta.dtype} {tuple(dbeta.shape)}")
     expected = block_states_shape(ws, heads, num_seqs)
