@@ -3,8 +3,9 @@
 - :mod:`.gold`: the token recurrence in fp64 (or any dtype), differentiable — the accuracy yardstick.
 - :mod:`.mirror`: the chunk-16 algorithm with the kernels' rounding, step by step as
   docs/numerics.md fixes it — the exact-comparison reference for K1 and K2.
-- :mod:`.backward`: gold gradients by autograd, and the backward's reverse state-gradient scan
-  (Kernel A) with the kernel's rounding and in exact float64.
+- :mod:`.backward`: gold gradients by autograd; the backward's reverse state-gradient scan (Kernel A),
+  its per-tile gradients (Kernel B) and the whole backward chain, with the kernels' rounding and in
+  exact float64.
 
 Importing this package needs no GPU and does not import the CuTe DSL.
 """
@@ -13,7 +14,20 @@ from __future__ import annotations
 
 import torch
 
-from .backward import BwdScanResult, chunk_bwd_scan_exact, gold_backward, mirror_bwd_scan, prepare_exact
+from .backward import (
+    BwdGradsResult,
+    BwdScanResult,
+    FwdStatesResult,
+    chunk_backward_exact,
+    chunk_bwd_grads_exact,
+    chunk_bwd_scan_exact,
+    chunk_fwd_states_exact,
+    gold_backward,
+    mirror_backward,
+    mirror_bwd_grads,
+    mirror_bwd_scan,
+    prepare_exact,
+)
 from .gold import gold_forward
 from .mirror import intrinsics_exact, mirror_forward, mirror_prepare, mirror_recurrence, tile_bases
 
@@ -34,11 +48,18 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 __all__ = [
+    "BwdGradsResult",
     "BwdScanResult",
+    "FwdStatesResult",
+    "chunk_backward_exact",
+    "chunk_bwd_grads_exact",
     "chunk_bwd_scan_exact",
+    "chunk_fwd_states_exact",
     "gold_backward",
     "gold_forward",
     "intrinsics_exact",
+    "mirror_backward",
+    "mirror_bwd_grads",
     "mirror_bwd_scan",
     "mirror_forward",
     "mirror_prepare",

@@ -205,6 +205,86 @@ def _l2norm_rinv(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.reciprocal(torch.sqrt(partial + eps))
 
 
+class _K1Rows(NamedTuple):
+    """K1's values ahead of its tensor cores (docs/numerics.md, K1), shared with Kernel B's recompute.
+
+    Per token ``[B·T, H, ...]``: ``rinv_q``, ``rinv_k`` fp32 ``[.., 1]`` (None without the l2norm),
+    ``x`` (gate argument) and ``sig`` fp32 ``[.., D]``. Per head: ``e_a`` fp32 ``[H]``. Tiled
+    ``[H, tiles, 16, ...]``: ``beta`` fp32 ``[.., 16]`` activated; ``G``, ``decay`` = 2^G,
+    ``decay_inv`` = 2^-G, ``decay_rest`` = 2^(G_last - G) fp32 ``[.., 16, D]``; ``gt`` fp32
+    ``[H, tiles, D]``; ``qd``, ``kd``, ``kinv``, ``kr`` bf16 ``[.., 16, D]``. Rows without a token have
+    β = 0 and zero operands; their G repeats the last valid row's (g' = 0 there).
+    """
+
+    rinv_q: torch.Tensor | None
+    rinv_k: torch.Tensor | None
+    x: torch.Tensor
+    sig: torch.Tensor
+    e_a: torch.Tensor
+    beta: torch.Tensor
+    G: torch.Tensor
+    decay: torch.Tensor
+    decay_inv: torch.Tensor
+    decay_rest: torch.Tensor
+    gt: torch.Tensor
+    qd: torch.Tensor
+    kd: torch.Tensor
+    kinv: torch.Tensor
+    kr: torch.Tensor
+
+
+def _k1_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    consts: Constants,
+    tile_map: _TileMap,
+    qk_l2norm: bool,
+    beta_logits: bool,
+) -> _K1Rows:
+    """K1's l2norm, gate, β and decayed operands (docs/numerics.md, K1) for q, k, g ``[B, T, H, D]``,
+    beta ``[B, T, H]`` (bf16, or fp32 taken as is), A_log ``[H]``, dt_bias ``[H, D]`` or ``[H*D]``."""
+    batch, seq_len, heads, dim = q.shape
+    total = batch * seq_len
+    q32 = q.reshape(total, heads, dim).float()
+    k32 = k.reshape(total, heads, dim).float()
+    rinv_q = rinv_k = None
+    if qk_l2norm:
+        rinv_q = _l2norm_rinv(q32, consts.eps)
+        rinv_k = _l2norm_rinv(k32, consts.eps)
+        q_hat, k_hat = q32 * (rinv_q * consts.scale), k32 * rinv_k
+    else:
+        q_hat, k_hat = q32 * consts.scale, k32
+
+    # gate, per token: invalid rows get gp = 0 from the zero padding of _to_tiles
+    e_a = ex2_approx(A_log.float().reshape(heads) * consts.log2e)
+    x = e_a[:, None] * (g.reshape(total, heads, dim).float() + dt_bias.float().reshape(heads, dim))
+    sig = sigmoid_approx(x)
+    gp = consts.c_gate * sig
+    beta32 = beta.reshape(total, heads).float()
+    beta_act = sigmoid_approx(beta32) if beta_logits else beta32
+
+    gp_t = _to_tiles(gp, tile_map)  # [H, tiles, 16, D]
+    rows = [gp_t[:, :, 0]]
+    for r in range(1, CHUNK):
+        rows.append(rows[-1] + gp_t[:, :, r])
+    G = torch.stack(rows, dim=2)
+    G_last = G[:, :, CHUNK - 1]
+
+    qh, kh = _to_tiles(q_hat, tile_map), _to_tiles(k_hat, tile_map)
+    decay, decay_inv = ex2_approx(G), ex2_approx(-G)
+    decay_rest = ex2_approx(G_last[:, :, None, :] - G)
+    return _K1Rows(
+        rinv_q=rinv_q, rinv_k=rinv_k, x=x, sig=sig, e_a=e_a, beta=_to_tiles(beta_act, tile_map), G=G,
+        decay=decay, decay_inv=decay_inv, decay_rest=decay_rest, gt=ex2_approx(G_last),
+        qd=(qh * decay).bfloat16(), kd=(kh * decay).bfloat16(), kinv=(kh * decay_inv).bfloat16(),
+        kr=(kh * decay_rest).bfloat16(),
+    )
+
+
 def mirror_prepare(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -241,37 +321,8 @@ def mirror_prepare(
     tiles = tiles_per_head(total, num_seqs, cu_seqlens is not None)
     tile_map = _tile_map(cu_seqlens, batch, seq_len, tiles, device)
 
-    q32 = q.reshape(total, heads, dim).float()
-    k32 = k.reshape(total, heads, dim).float()
-    if qk_l2norm:
-        rq = _l2norm_rinv(q32, consts.eps) * consts.scale
-        rk = _l2norm_rinv(k32, consts.eps)
-        q_hat, k_hat = q32 * rq, k32 * rk
-    else:
-        q_hat, k_hat = q32 * consts.scale, k32
-
-    # gate, per token: invalid rows get gp = 0 from the zero padding of _to_tiles
-    e_a = ex2_approx(A_log.float().reshape(heads) * consts.log2e)
-    x = e_a[:, None] * (g.reshape(total, heads, dim).float() + dt_bias.float().reshape(heads, dim))
-    gp = consts.c_gate * sigmoid_approx(x)
-    beta32 = beta.reshape(total, heads).float()
-    beta_act = sigmoid_approx(beta32) if beta_logits else beta32
-
-    gp_t = _to_tiles(gp, tile_map)  # [H, tiles, 16, D]
-    rows = [gp_t[:, :, 0]]
-    for r in range(1, CHUNK):
-        rows.append(rows[-1] + gp_t[:, :, r])
-    G = torch.stack(rows, dim=2)
-    G_last = G[:, :, CHUNK - 1]
-    gt = ex2_approx(G_last)
-
-    beta_t = _to_tiles(beta_act, tile_map)  # [H, tiles, 16]
-    qh, kh = _to_tiles(q_hat, tile_map), _to_tiles(k_hat, tile_map)
-    decay = ex2_approx(G)
-    qd = (qh * decay).bfloat16()
-    kd = (kh * decay).bfloat16()
-    kinv = (kh * ex2_approx(-G)).bfloat16()
-    kr = (kh * ex2_approx(G_last[:, :, None, :] - G)).bfloat16()
+    rows = _k1_rows(q, k, g, beta, A_log, dt_bias, consts, tile_map, qk_l2norm, beta_logits)
+    qd, kd, kinv, kr, gt, beta_t = rows.qd, rows.kd, rows.kinv, rows.kr, rows.gt, rows.beta
 
     A_kk = _mma(kd, kinv.transpose(-1, -2))
     A_qk = _mma(qd, kinv.transpose(-1, -2))
