@@ -3,7 +3,9 @@
 Path of a call: DLPack → torch views (:mod:`.interop`) → checks (:mod:`.validation`) → variant
 (:mod:`.config`) → K1 ``prepare`` and K2 ``recurrence`` on the caller's current stream, sharing a
 cached workspace → results back in the caller's framework. Nothing on this path synchronises the
-host with the device (see :mod:`.validation` for the one opt-in exception).
+host with the device (see :mod:`.validation` for the one opt-in exception). A call that autograd
+records (grad mode on, an input requiring grad) leaves this path after the checks for
+:mod:`.autograd`'s training forward, which has a workspace of its own and a backward.
 
 :func:`chunk_kda` is a thin layer over :func:`kda_forward`: :func:`translate_fla_call` maps
 flash-linear-attention's keyword arguments onto our canonical call (a pure function of its
@@ -20,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import interop, torch_ops, validation
+from . import autograd, interop, torch_ops, validation
 from .config import STATE_MODES, enumerate_configs, select_forward_config, sm_count
 from .workspace import Workspace, WorkspaceSpec, tiles_per_head, workspace_views
 
@@ -123,9 +125,16 @@ def kda_forward(
 
     Runs on the caller's current stream (torch's, or CuPy's for CuPy arrays) without host
     synchronisation; returns arrays of ``q``'s framework (torch, CuPy, JAX; torch otherwise).
-    No autograd: inputs that require grad under grad mode raise ``NotImplementedError``.
-    Under ``torch.compile`` the call is one custom op, ``torch.ops.cute_kda.forward``
-    (:mod:`cute_kda.torch_ops`); eager calls do not go through the dispatcher.
+
+    Autograd: under grad mode, when any of q, k, v, g, beta, A_log, dt_bias, initial_state requires
+    grad, the call is recorded (:mod:`cute_kda.autograd`) and ``backward`` gives each of those that
+    requires grad its gradient (in its dtype; dh0 ``[N, H, V, K]``), the final state's gradient flowing
+    in when the final state is used. Not on that path: ``out=`` / ``final_state=`` buffers and double
+    backward (``NotImplementedError``). Under ``torch.no_grad()`` / ``torch.inference_mode()`` nothing
+    is recorded or saved.
+    Under ``torch.compile`` the call is one custom op, ``torch.ops.cute_kda.forward``, or for a
+    recorded call ``torch.ops.cute_kda.forward_train`` with its backward op (:mod:`cute_kda.torch_ops`);
+    eager calls do not go through the dispatcher.
     """
     if torch.compiler.is_compiling():
         return torch_ops.kda_forward(
@@ -154,7 +163,6 @@ def kda_forward(
         return interop.to_framework(o, framework), interop.to_framework(state, framework)
 
 
-_GRAD_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 _LAUNCHERS: tuple = ()
 
 
@@ -178,12 +186,19 @@ def _forward(
     out: torch.Tensor | None, final_state: torch.Tensor | None, vsplit: int | None,
     qk_l2norm: bool, beta_logits: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`kda_forward` on torch tensors: validate, pick the variant, launch K1 then K2."""
+    """:func:`kda_forward` on torch tensors: validate, pick the variant, launch K1 then K2 (a call that
+    autograd records: :func:`cute_kda.autograd.train` on the kernels)."""
     problem = validation.validate_forward(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
     )
-    validation.check_grad_free_of(_GRAD_NAMES, (q, k, v, g, beta, A_log, dt_bias, initial_state))
+    if validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        return autograd.train(
+            autograd.KERNELS, problem, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
+            lower_bound=lower_bound, initial_state=initial_state, output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens, out=out, final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm,
+            beta_logits=beta_logits,
+        )
     validation.check_on_cuda("q", q)
     device = q.device
     scale = float(problem.head_dim ** -0.5 if scale is None else scale)
@@ -452,7 +467,7 @@ def chunk_kda(
     max_num_seqs: int | None = None,
     **kwargs: Any,
 ) -> tuple[Any, Any]:
-    """Drop-in for ``fla.ops.kda.chunk_kda`` (fla-core 0.6.0 signature), forward only.
+    """Drop-in for ``fla.ops.kda.chunk_kda`` (fla-core 0.6.0 signature), forward and backward.
 
     Shapes as in FLA: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; keyword
     ``A_log`` ``[H]`` and ``dt_bias`` ``[H*K]`` or ``[H, K]``; ``initial_state`` fp32
@@ -463,10 +478,14 @@ def chunk_kda(
     Supported: K = V = 128, bf16 q/k/v/g/beta, ``use_gate_in_kernel=True`` with ``lower_bound``
     in [-5, 0) (the bounded gate), ``use_qk_l2norm_in_kernel`` and ``use_beta_sigmoid_in_kernel``
     on or off. Other combinations raise ``NotImplementedError`` naming the flag (see
-    :func:`translate_fla_call`); inputs that require grad under grad mode raise too (no backward
-    yet). FLA's default ``[N, H, K, V]`` state costs a transpose copy each way; ``state_v_first=True``
-    avoids it. Takes DLPack tensors like :func:`kda_forward` and answers in ``q``'s framework;
-    ``torch.compile`` traces it into the translation and one ``cute_kda::forward`` op.
+    :func:`translate_fla_call`). FLA's default ``[N, H, K, V]`` state costs a transpose copy each way;
+    ``state_v_first=True`` avoids it. Takes DLPack tensors like :func:`kda_forward` and answers in
+    ``q``'s framework; ``torch.compile`` traces it into the translation and one ``cute_kda::forward``
+    op (``cute_kda::forward_train`` and its backward when autograd records the call).
+
+    Autograd as :func:`kda_forward`: q, k, v, g, beta, ``A_log``, ``dt_bias`` and ``initial_state``
+    get gradients in their own shapes, dtypes and layouts (the translation's transposes, reshapes
+    and casts are torch ops that autograd runs backwards); ``ht``'s gradient flows into the backward.
     """
     if torch.compiler.is_compiling():
         return torch_ops.chunk_kda(

@@ -6,11 +6,12 @@ call (its verifier), and the first that does computes it; otherwise FLA's Triton
 module registers :class:`CuteKDABackend` there:
 
 - **priority 2**, ahead of FlashKDA's 3 (FLA runs lower numbers first);
-- **verifier** :func:`verify` accepts exactly the calls ``cute_kda.chunk_kda`` computes: it runs the
-  same argument translation and input checks the call would (no kernel), on a CUDA device of
-  compute capability 9.x (the kernels are built for sm_90a), and refuses inputs that require grad
-  (the backward is being built) — FLA then computes the call itself. Every distinct reason is
-  logged once at INFO on the ``cute_kda.fla_backend`` logger (FLA also logs its first one);
+- **verifier** :func:`verify` accepts exactly the calls ``cute_kda.chunk_kda`` computes, inference and
+  training alike (inputs that require grad get cute_kda's backward, :mod:`cute_kda.autograd`): it runs
+  the same argument translation and input checks the call would (no kernel), on a CUDA device of
+  compute capability 9.x (the kernels are built for sm_90a); what it refuses FLA computes itself.
+  Every distinct reason is logged once at INFO on the ``cute_kda.fla_backend`` logger (FLA also logs
+  its first one);
 - **opt-out** ``FLA_CUTE_KDA=0`` (read by FLA on every call).
 
 Registration happens on ``import cute_kda`` when FLA is installed: at once if ``fla.ops.kda`` is
@@ -42,14 +43,6 @@ _registered = False
 
 # ---------------------------------------------------------------------------------------------
 # the verifier and the implementation (plain functions of FLA's chunk_kda arguments)
-
-
-def _grad_inputs(tensors: dict[str, Any]) -> list[str]:
-    import torch
-
-    if not torch.is_grad_enabled():
-        return []
-    return [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def _device_reason(q: Any) -> str | None:
@@ -93,15 +86,7 @@ def verify(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
     from . import api, validation
 
     _state.pending = None
-    bound = _bind(args, kwargs)
-    reason = None
-    needing = _grad_inputs({name: bound.get(name) for name in
-                            ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")})
-    if needing:
-        reason = (f"{', '.join(needing)} {'requires' if len(needing) == 1 else 'require'} grad and cute_kda has "
-                  "no backward yet (FLA computes training calls)")
-    if reason is None:
-        reason = _device_reason(bound.get("q"))
+    reason = _device_reason(_bind(args, kwargs).get("q"))
     if reason is None:
         try:
             call = api.translate_fla_call(*args, **kwargs)
@@ -157,7 +142,7 @@ def backend_class(base: type) -> type:
     """The backend class on FLA's ``BaseBackend`` (built here so FLA is imported only when present)."""
 
     class CuteKDABackend(base):  # type: ignore[misc, valid-type]
-        """cute_kda's CuTe DSL forward for Hopper (inference); ``FLA_CUTE_KDA=0`` disables it."""
+        """cute_kda's CuTe DSL kernels for Hopper (forward and backward); ``FLA_CUTE_KDA=0`` disables it."""
 
         backend_type = BACKEND_TYPE
         package_name = "cute_kda"

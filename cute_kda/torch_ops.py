@@ -1,18 +1,27 @@
-"""The forward as a ``torch.library`` custom op, so ``torch.compile`` can trace calls of
-:func:`cute_kda.kda_forward` and :func:`cute_kda.chunk_kda` without a graph break.
+"""The forward and the backward as ``torch.library`` custom ops, so ``torch.compile`` can trace calls of
+:func:`cute_kda.kda_forward` and :func:`cute_kda.chunk_kda`, and training steps around them, without a
+graph break.
 
-``torch.ops.cute_kda.forward`` is registered when ``cute_kda`` is imported, with a fake (meta)
-implementation that gives the exact output shapes and dtypes; its real implementation is the eager
-forward (``cute_kda.api._forward``: validation, variant choice, K1, K2 on the current stream). The
-public functions route through the op only while Dynamo traces (``torch.compiler.is_compiling()``):
-an eager call never meets the dispatcher and keeps its host cost, and DLPack/CuPy/JAX inputs keep
-going through the eager path.
+Registered when ``cute_kda`` is imported, each with a fake (meta) implementation that gives the exact
+output shapes and dtypes:
+
+- ``torch.ops.cute_kda.forward``: the inference forward; its real implementation is the eager
+  forward (``cute_kda.api._forward``: validation, variant choice, K1, K2 on the current stream).
+- ``torch.ops.cute_kda.forward_train``: the training forward of :mod:`cute_kda.autograd` (a fresh
+  workspace, K1, K2 with checkpoints), which also returns what the backward reads (the flat workspace,
+  the checkpoints, ``tile_base``); its backward is registered with ``torch.library.register_autograd``
+  and is one op too,
+- ``torch.ops.cute_kda.backward``: Kernel A, then Kernel B when a token or gate gradient is needed.
+
+The public functions route through the ops only while Dynamo traces (``torch.compiler.is_compiling()``):
+an eager call never meets the dispatcher and keeps its host cost (an eager training call runs the
+``torch.autograd.Function`` of :mod:`cute_kda.autograd` on the same stages), and DLPack/CuPy/JAX
+inputs keep going through the eager path. ``forward_train`` is traced when grad mode is on and an
+input requires grad, as in eager.
 
 What the traced path changes: caller buffers (``out=``, ``final_state=``) are filled by a copy of the
-op's result, and the checks that need real memory (alignment, device) run when the compiled graph
-runs, inside the op. There is no backward yet: inputs that require grad raise the same
-``NotImplementedError`` at trace time; ``torch.library.register_autograd`` joins the op once the
-backward kernels exist.
+op's result (inference only: a recorded call refuses them at trace time, as eager does), and the
+checks that need real memory (alignment, device) run when the compiled graph runs, inside the op.
 """
 
 from __future__ import annotations
@@ -21,9 +30,11 @@ from typing import Any, Optional
 
 import torch
 
-from . import validation
+from . import autograd, validation
 
 OP_NAME = "cute_kda::forward"
+TRAIN_OP_NAME = "cute_kda::forward_train"
+BACKWARD_OP_NAME = "cute_kda::backward"
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
@@ -64,6 +75,117 @@ def _state_shape(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | No
     return (num_seqs, q.shape[2], v.shape[3], q.shape[3])
 
 
+# ---------------------------------------------------------------------------------------------
+# training: the forward that keeps what the backward reads, and the backward
+
+
+def _stages() -> autograd.Backend:
+    """The stages the training ops run: always the kernels (a test replaces this function to run the
+    ops on the references)."""
+    return autograd.KERNELS
+
+
+@torch.library.custom_op(TRAIN_OP_NAME, mutates_args=())
+def forward_train_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor], scale: float, lower_bound: float, final_state_dtype: Optional[torch.dtype],
+    vsplit: int, qk_l2norm: bool, beta_logits: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The training forward (arguments as :func:`forward_op`). Returns out bf16 ``[B, T, H, V]``, the
+    final state ``[N, H, V, K]`` (empty when ``final_state_dtype`` is None), the flat uint8 workspace
+    ``[WorkspaceSpec.nbytes]``, the checkpoints bf16 ``[H · slots, K, V]`` and ``tile_base`` int32
+    ``[N+1]`` (empty for fixed length)."""
+    problem = validation.validate_forward(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+        initial_state=initial_state, cu_seqlens=cu_seqlens, vsplit=vsplit or None,
+    )
+    x = autograd.Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, autograd.staged_cu_seqlens(cu_seqlens, q))
+    options = autograd.Options(problem, scale, lower_bound, qk_l2norm, beta_logits, final_state_dtype, vsplit or None)
+    result = _stages().forward(x, options)
+    saved = result.saved
+    return (
+        result.out, q.new_empty((0,)) if result.final_state is None else result.final_state, saved.workspace,
+        saved.checkpoints, q.new_empty((0,), dtype=torch.int32) if saved.tile_base is None else saved.tile_base,
+    )
+
+
+@forward_train_op.register_fake
+def _forward_train_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+                        final_state_dtype, vsplit, qk_l2norm, beta_logits):
+    problem = autograd.problem_of(q, cu_seqlens)
+    o = torch.empty_like(v, memory_format=torch.contiguous_format)
+    state = q.new_empty((0,)) if final_state_dtype is None else q.new_empty(_state_shape(q, v, cu_seqlens),
+                                                                             dtype=final_state_dtype)
+    workspace = q.new_empty((autograd.workspace_spec(problem).nbytes,), dtype=torch.uint8)
+    checkpoints = q.new_empty(autograd.checkpoints_shape(problem), dtype=torch.bfloat16)
+    tile_base = q.new_empty((problem.num_seqs + 1 if problem.varlen else 0,), dtype=torch.int32)
+    return o, state, workspace, checkpoints, tile_base
+
+
+@torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
+def backward_op(
+    do: torch.Tensor, dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    g: torch.Tensor, beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    cu_seqlens: Optional[torch.Tensor], workspace: torch.Tensor, checkpoints: torch.Tensor,
+    tile_base: Optional[torch.Tensor], scale: float, lower_bound: float, qk_l2norm: bool, beta_logits: bool,
+    dh0_dtype: Optional[torch.dtype], token_grads: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    """The backward of :func:`forward_train_op`: do bf16 ``[B, T, H, V]``; dht None or ``[N, H, V, K]``;
+    the forward's inputs and saved outputs (``tile_base`` None for fixed length). Returns dq, dk, dv, dg,
+    dbeta, dA_log, ddt_bias, dh0 in their inputs' shapes and dtypes; dq, dk, dg, dbeta, dA_log, ddt_bias
+    are empty unless ``token_grads``, dh0 unless ``dh0_dtype`` (then ``[N, H, V, K]`` in it)."""
+    problem = autograd.problem_of(q, cu_seqlens)
+    x = autograd.Inputs(q, k, v, g, beta, A_log, dt_bias, None, autograd.staged_cu_seqlens(cu_seqlens, q))
+    options = autograd.Options(problem, scale, lower_bound, qk_l2norm, beta_logits, None, None)
+    needs = (token_grads, token_grads, True, token_grads, token_grads, token_grads, token_grads, dh0_dtype is not None)
+    grads = autograd.backward(_stages(), x, options, autograd.Saved(workspace, checkpoints, tile_base), do, dht,
+                              needs, dh0_dtype)
+    return tuple(q.new_empty((0,)) if grad is None else grad for grad in grads)
+
+
+@backward_op.register_fake
+def _backward_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, workspace, checkpoints, tile_base, scale,
+                   lower_bound, qk_l2norm, beta_logits, dh0_dtype, token_grads):
+    def like(t: torch.Tensor, wanted: bool) -> torch.Tensor:
+        return torch.empty_like(t, memory_format=torch.contiguous_format) if wanted else q.new_empty((0,))
+
+    dh0 = q.new_empty((0,)) if dh0_dtype is None else q.new_empty(_state_shape(q, v, cu_seqlens), dtype=dh0_dtype)
+    return (like(q, token_grads), like(k, token_grads), like(v, True), like(g, token_grads), like(beta, token_grads),
+            like(A_log, token_grads), like(dt_bias, token_grads), dh0)
+
+
+_TRAIN_INPUTS = 15  # arguments of forward_train_op
+
+
+def _setup_train_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound = inputs[:11]
+    qk_l2norm, beta_logits = inputs[13:]
+    _, _, workspace, checkpoints, tile_base = output
+    ctx.mark_non_differentiable(workspace, checkpoints, tile_base)
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, workspace, checkpoints, tile_base)
+    ctx.options = (scale, lower_bound, qk_l2norm, beta_logits)
+    ctx.initial_state_dtype = None if initial_state is None else initial_state.dtype
+
+
+def _train_backward(ctx: Any, d_out: torch.Tensor, d_final: torch.Tensor, *_: Any) -> tuple:
+    autograd.check_first_order()
+    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, workspace, checkpoints, tile_base = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    dh0_dtype = ctx.initial_state_dtype if needs[7] else None
+    scale, lower_bound, qk_l2norm, beta_logits = ctx.options
+    grads = backward_op(
+        d_out, d_final if d_final.numel() else None, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, workspace,
+        checkpoints, tile_base if tile_base.numel() else None, scale, lower_bound, qk_l2norm, beta_logits, dh0_dtype,
+        any(needs[i] for i in autograd.KERNEL_B_INPUTS),
+    )
+    return (*(grad if need else None for grad, need in zip(grads, needs[:8])), *(None,) * (_TRAIN_INPUTS - 8))
+
+
+forward_train_op.register_autograd(_train_backward, setup_context=_setup_train_context)
+
+
 def kda_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
     scale: float | None, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
@@ -71,9 +193,11 @@ def kda_forward(
     out: torch.Tensor | None, final_state: torch.Tensor | None, vsplit: int | None, qk_l2norm: bool,
     beta_logits: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`cute_kda.kda_forward` as Dynamo traces it: the same arguments and results, one op."""
-    validation.check_grad_free({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log,
-                                "dt_bias": dt_bias, "initial_state": initial_state})
+    """:func:`cute_kda.kda_forward` as Dynamo traces it: the same arguments and results, one op (the
+    training op when autograd records the call)."""
+    training = validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state)
+    if training:
+        validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
     validation.check_lower_bound(lower_bound)
     validation.check_vsplit(vsplit)
     validation.check_is_tensor("q", q)
@@ -83,8 +207,9 @@ def kda_forward(
     if wants_state:
         state_dtype = (final_state.dtype if final_state is not None
                        else torch.float32 if initial_state is None else initial_state.dtype)
-    o, state = forward_op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, float(scale),
-                          float(lower_bound), state_dtype, vsplit or 0, bool(qk_l2norm), bool(beta_logits))
+    op = forward_train_op if training else forward_op
+    o, state, *_ = op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, float(scale),
+                      float(lower_bound), state_dtype, vsplit or 0, bool(qk_l2norm), bool(beta_logits))
     if out is not None:
         out.copy_(o)
         o = out

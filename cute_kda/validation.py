@@ -2,7 +2,7 @@
 
 Error types: ``TypeError`` for a wrong dtype or a non-tensor, ``ValueError`` for a wrong shape,
 device, layout or value, ``NotImplementedError`` for a size or feature the kernels do not cover
-(head dims other than 128, autograd).
+(head dims other than 128; on the training path, caller buffers).
 
 No check here synchronises the host with the device. ``cu_seqlens`` *values* (starts at 0, ends at
 T, never decreases) are read only when the tensor lives on the CPU, or when the debug switch
@@ -173,21 +173,21 @@ def check_state(name: str, state: torch.Tensor, problem: ProblemShape, device: t
     check_aligned(name, state)
 
 
-def check_grad_free(tensors: dict[str, torch.Tensor | None]) -> None:
-    """The kernels have no backward yet: refuse inputs that would need one."""
-    check_grad_free_of(tuple(tensors), tuple(tensors.values()))
-
-
-def check_grad_free_of(names: tuple[str, ...], tensors: tuple[torch.Tensor | None, ...]) -> None:
-    """:func:`check_grad_free` with the names and tensors side by side (no dict built per call)."""
+def needs_autograd(*tensors: object) -> bool:
+    """Whether autograd records a call on ``tensors``: grad mode is on (not ``torch.no_grad()`` /
+    ``torch.inference_mode()``) and one of them is a tensor that requires grad."""
     if not torch.is_grad_enabled():
-        return
-    needing = [name for name, t in zip(names, tensors) if t is not None and t.requires_grad]
-    if needing:
-        verb = "requires" if len(needing) == 1 else "require"
+        return False
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def check_no_buffers_under_autograd(*, out: object, final_state: object) -> None:
+    """Caller buffers are written in place, which autograd cannot record: refuse them on the training path."""
+    given = [name for name, buffer in (("out", out), ("final_state", final_state)) if buffer is not None]
+    if given:
         raise NotImplementedError(
-            f"cute_kda has no backward yet, but {', '.join(needing)} {verb} grad; call it under "
-            "torch.no_grad() / torch.inference_mode() or pass detached tensors"
+            f"{' and '.join(given)}= {'buffers are' if len(given) > 1 else 'buffer is'} not supported when inputs "
+            "require grad (autograd needs outputs of its own); drop the argument and use the returned tensors"
         )
 
 

@@ -1,0 +1,414 @@
+"""Autograd for :func:`cute_kda.kda_forward` and :func:`cute_kda.chunk_kda`: the training forward and
+the backward behind one ``torch.autograd.Function``.
+
+A call under grad mode with an input that requires grad (q, k, v, g, beta, A_log, dt_bias,
+initial_state) takes this path instead of the inference one; ``chunk_kda``'s translation (state
+transposes, ``A_log``/``dt_bias`` reshapes and casts) stays ordinary torch ops in front of it, so
+autograd carries FLA's layouts and dtypes back to the caller's tensors.
+
+Forward (training): a fresh K1 workspace per call (never :data:`cute_kda.api.WORKSPACES`' shared
+buffer, which the next call reuses), K1, then K2 writing also the bf16 state entering every tile
+(``checkpoints``, :func:`cute_kda.workspace.block_states_shape`). Saved for the backward: the raw
+inputs, the workspace, the checkpoints, ``cu_seqlens`` on the device and ``tile_base``.
+
+Backward: dO (zeros when only the final state is used) and dht (None when the final state is unused
+or absent) → Kernel A (dv, du, the per-tile state gradients, dh0) → Kernel B (dq, dk, dg, dβ and
+per-tile partial sums of ddt_bias / dA_log, reduced by ``.sum(1)``: deterministic). Kernel B runs
+only when one of q, k, g, beta, A_log, dt_bias needs a gradient. Everything is queued on the current
+stream; nothing synchronises the host. Gradients come back only for the inputs that need them, each in
+its input's dtype and shape (dh0 in ``initial_state``'s ``[N, H, V, K]`` layout and dtype).
+
+The launch sequence sits behind a :class:`Backend`, three stage functions. :data:`KERNELS` (the CUDA
+kernels) is what the public API and ``torch.ops.cute_kda.forward_train`` / ``backward`` use, always.
+:data:`REFERENCE` runs the same stages with the mirror references (:mod:`cute_kda.reference`, on any
+device: bit-faithful intrinsics on a GPU, close on a CPU); only a caller that names it gets it, by
+calling :func:`kda_forward` here with ``backend=REFERENCE`` (the tests do).
+
+Not supported, with an error naming it: double backward (``create_graph=True``, backward of the
+backward), caller buffers ``out=`` / ``final_state=`` when autograd records the call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from . import validation
+from .config import select_forward_config, sm_count
+from .validation import ProblemShape
+from .workspace import Workspace, WorkspaceSpec, snapshot_slots, tiles_per_head, workspace_views
+
+INPUT_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+KERNEL_B_INPUTS = (0, 1, 3, 4, 5, 6)  # q, k, g, beta, A_log, dt_bias: the inputs whose gradients Kernel B gives
+
+
+class Inputs(NamedTuple):
+    """The validated tensors of one training call.
+
+    q, k, g bf16 ``[B, T, H, K]``; v bf16 ``[B, T, H, V]``; beta bf16 ``[B, T, H]``; A_log fp32 ``[H]``;
+    dt_bias fp32 ``[H, K]``; initial_state None or bf16 / fp32 ``[N, H, V, K]``; cu_seqlens None or
+    int64 ``[N+1]`` (on q's device for the kernels).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    initial_state: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+
+
+class Options(NamedTuple):
+    """The non-tensor arguments of one training call (``scale`` resolved; ``vsplit`` None: K2's heuristic;
+    ``final_state_dtype`` None: no final state)."""
+
+    problem: ProblemShape
+    scale: float
+    lower_bound: float
+    qk_l2norm: bool
+    beta_logits: bool
+    final_state_dtype: torch.dtype | None
+    vsplit: int | None
+
+
+class Saved(NamedTuple):
+    """What the training forward leaves for the backward besides the inputs.
+
+    workspace: flat uint8 ``[WorkspaceSpec.nbytes]`` (:func:`workspace_of` carves the K1 fields);
+    checkpoints: bf16 ``[H · slots, K, V]``, the state entering every tile; tile_base: None (fixed
+    length) or int32 ``[N+1]``.
+    """
+
+    workspace: torch.Tensor
+    checkpoints: torch.Tensor
+    tile_base: torch.Tensor | None
+
+
+class ForwardResult(NamedTuple):
+    """out bf16 ``[B, T, H, V]``; final_state None or ``[N, H, V, K]`` in ``Options.final_state_dtype``."""
+
+    out: torch.Tensor
+    final_state: torch.Tensor | None
+    saved: Saved
+
+
+class ScanResult(NamedTuple):
+    """Kernel A: dv, du bf16 ``[B, T, H, V]``; state_grads bf16 like the checkpoints (the gradient w.r.t.
+    the state after each tile); dh0 None or ``[N, H, V, K]`` in the requested dtype."""
+
+    dv: torch.Tensor
+    du: torch.Tensor
+    state_grads: torch.Tensor
+    dh0: torch.Tensor | None
+
+
+class GradsResult(NamedTuple):
+    """Kernel B: dq, dk, dg bf16 ``[B, T, H, K]``; dbeta bf16 ``[B, T, H]``; dA_log fp32 ``[H]``;
+    ddt_bias fp32 ``[H, K]``."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dg: torch.Tensor
+    dbeta: torch.Tensor
+    dA_log: torch.Tensor
+    ddt_bias: torch.Tensor
+
+
+class Backend(NamedTuple):
+    """The three stages of a training step.
+
+    forward(inputs, options) → :class:`ForwardResult`;
+    scan(inputs, options, saved, do, dht, dh0_dtype) → :class:`ScanResult` (do bf16 ``[B, T, H, V]``
+    contiguous; dht None or bf16 / fp32 ``[N, H, V, K]`` contiguous; dh0_dtype None: no dh0);
+    grads(inputs, options, saved, do, scan) → :class:`GradsResult`.
+    """
+
+    name: str
+    forward: Callable[[Inputs, Options], ForwardResult]
+    scan: Callable[..., ScanResult]
+    grads: Callable[..., GradsResult]
+
+
+def problem_of(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ProblemShape:
+    """The :class:`~cute_kda.validation.ProblemShape` of validated ``q`` ``[B, T, H, K]`` and ``cu_seqlens``."""
+    batch, seq_len, heads, dim = q.shape
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return ProblemShape(batch, seq_len, heads, dim, num_seqs, cu_seqlens is not None)
+
+
+def workspace_spec(problem: ProblemShape) -> WorkspaceSpec:
+    """The K1 workspace of ``problem``: ``tiles_per_head`` slots per head."""
+    return WorkspaceSpec(
+        heads=problem.heads, tiles=tiles_per_head(problem.total_tokens, problem.num_seqs, problem.varlen),
+        dim=problem.head_dim,
+    )
+
+
+def workspace_of(options: Options, saved: Saved) -> Workspace:
+    """The K1 field views of ``saved.workspace``."""
+    return workspace_views(workspace_spec(options.problem), saved.workspace)
+
+
+def state_shape(problem: ProblemShape) -> tuple[int, int, int, int]:
+    """``[N, H, V, K]``."""
+    return (problem.num_seqs, problem.heads, problem.head_dim, problem.head_dim)
+
+
+def checkpoints_shape(problem: ProblemShape) -> tuple[int, int, int]:
+    """``[H · slots, K, V]`` of the checkpoints and of the state gradients, one slot per tile
+    (:func:`cute_kda.workspace.block_states_shape` of the problem's workspace)."""
+    slots = snapshot_slots(workspace_spec(problem).tiles, problem.num_seqs)
+    return (problem.heads * slots, problem.head_dim, problem.head_dim)
+
+
+def staged_cu_seqlens(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """``cu_seqlens`` as the stages read it: on q's device when that is a GPU
+    (:func:`~cute_kda.validation.device_cu_seqlens`: an asynchronous copy of a CPU tensor), else as given."""
+    if cu_seqlens is None or not q.is_cuda:
+        return cu_seqlens
+    return validation.device_cu_seqlens(cu_seqlens, q.device, q.shape[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel backend
+
+
+def _kernel_forward(x: Inputs, options: Options) -> ForwardResult:
+    """K1 into a fresh workspace, K2 with checkpoints, on the current stream of q's device."""
+    validation.check_on_cuda("q", x.q)
+    from .ops import prepare as k1
+    from .ops import recurrence as k2
+
+    problem, device = options.problem, x.q.device
+    buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=device)
+    saved_ws = workspace_views(workspace_spec(problem), buffer)
+    checkpoints = torch.empty(checkpoints_shape(problem), dtype=torch.bfloat16, device=device)
+    out = torch.empty_like(x.v)
+    final_state = None
+    if options.final_state_dtype is not None:
+        final_state = torch.empty(state_shape(problem), dtype=options.final_state_dtype, device=device)
+    config = select_forward_config(
+        problem, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
+        initial_state=None if x.initial_state is None else x.initial_state.dtype,
+        final_state=options.final_state_dtype, vsplit=options.vsplit, sms=sm_count(device.index),
+    )
+    tile_base = k1.tile_bases(x.cu_seqlens) if problem.varlen else None
+    k1.prepare(
+        x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, saved_ws, scale=options.scale, lower_bound=options.lower_bound,
+        cu_seqlens=x.cu_seqlens, tile_base=tile_base, qk_l2norm=config.qk_l2norm, beta_logits=config.beta_logits,
+    )
+    k1.forget_launch_tiles()  # K1 keeps the arguments of the last workspace it saw: not this one's memory
+    k2.recurrence(
+        x.v, saved_ws, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=x.initial_state,
+        final_state=final_state, vsplit=config.vsplit, checkpoints=checkpoints,
+    )
+    return ForwardResult(out, final_state, Saved(buffer, checkpoints, tile_base))
+
+
+def _kernel_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None,
+                 dh0_dtype: torch.dtype | None) -> ScanResult:
+    """Kernel A (:func:`cute_kda.ops.bwd_scan.bwd_scan`)."""
+    from .ops import bwd_scan as ka
+
+    dv, du = torch.empty_like(x.v), torch.empty_like(x.v)
+    state_grads = torch.empty_like(saved.checkpoints)
+    dh0 = None if dh0_dtype is None else torch.empty(state_shape(options.problem), dtype=dh0_dtype, device=do.device)
+    ka.bwd_scan(do, workspace_of(options, saved), dv, du, state_grads, cu_seqlens=x.cu_seqlens,
+                tile_base=saved.tile_base, dht=dht, dh0=dh0)
+    return ScanResult(dv, du, state_grads, dh0)
+
+
+def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult) -> GradsResult:
+    """Kernel B (:func:`cute_kda.ops.bwd_grads.bwd_grads`), its gate partials summed over the tiles."""
+    from .ops import bwd_grads as kb
+
+    ws = workspace_of(options, saved)
+    ddt_shape, dalog_shape = kb.gate_partials_shapes(ws, options.problem.heads)
+    ddt_partial = torch.empty(ddt_shape, dtype=torch.float32, device=do.device)
+    dalog_partial = torch.empty(dalog_shape, dtype=torch.float32, device=do.device)
+    dq, dk, dg, dbeta = (torch.empty_like(t) for t in (x.q, x.k, x.g, x.beta))
+    kb.bwd_grads(  # β enters through the workspace's activated ws.beta
+        q=x.q, k=x.k, g=x.g, v=x.v, do=do, du=scan.du, ws=ws, states=saved.checkpoints,
+        state_grads=scan.state_grads, A_log=x.A_log, dt_bias=x.dt_bias, dq=dq, dk=dk, dg=dg, dbeta=dbeta,
+        ddt_partial=ddt_partial, dalog_partial=dalog_partial, scale=options.scale, lower_bound=options.lower_bound,
+        cu_seqlens=x.cu_seqlens, tile_base=saved.tile_base, qk_l2norm=options.qk_l2norm,
+        beta_logits=options.beta_logits,
+    )
+    return GradsResult(dq, dk, dg, dbeta, dalog_partial.sum(1), ddt_partial.sum(1))
+
+
+KERNELS = Backend("kernels", _kernel_forward, _kernel_scan, _kernel_grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference backend (the mirrors; selected only by callers that name it). Its results are made
+# C-contiguous like the kernels' (the fake implementations of the ops promise that layout).
+
+
+def _reference_forward(x: Inputs, options: Options) -> ForwardResult:
+    """:func:`~cute_kda.reference.mirror_prepare` and :func:`~cute_kda.reference.mirror_recurrence`
+    with checkpoints; slots the kernels leave unwritten are NaN."""
+    from .reference import mirror_prepare, mirror_recurrence, tile_bases
+
+    problem = options.problem
+    mirrored = mirror_prepare(
+        x.q, x.k, x.g, x.beta, A_log=x.A_log, dt_bias=x.dt_bias, lower_bound=options.lower_bound,
+        scale=options.scale, cu_seqlens=x.cu_seqlens, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
+    )
+    buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=x.q.device)
+    ws = workspace_views(workspace_spec(problem), buffer)
+    for field, value in zip(ws, mirrored):
+        field.copy_(value)
+    checkpoints = torch.full(checkpoints_shape(problem), float("nan"), dtype=torch.bfloat16, device=x.q.device)
+    wants_state = options.final_state_dtype is not None
+    out, final_state = mirror_recurrence(
+        ws, x.v, cu_seqlens=x.cu_seqlens, initial_state=x.initial_state, output_final_state=wants_state,
+        state_dtype=options.final_state_dtype if wants_state else torch.float32, state_layout="vk",
+        checkpoints=checkpoints,
+    )
+    tile_base = tile_bases(x.cu_seqlens, problem.total_tokens, problem.batch) if problem.varlen else None
+    final_state = None if final_state is None else final_state.contiguous()
+    return ForwardResult(out.contiguous(), final_state, Saved(buffer, checkpoints, tile_base))
+
+
+def _reference_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None,
+                    dh0_dtype: torch.dtype | None) -> ScanResult:
+    """:func:`~cute_kda.reference.mirror_bwd_scan`."""
+    from .reference import mirror_bwd_scan
+
+    scan = mirror_bwd_scan(workspace_of(options, saved), do, cu_seqlens=x.cu_seqlens, dht=dht,
+                           dh0_dtype=torch.float32 if dh0_dtype is None else dh0_dtype, state_layout="vk")
+    return ScanResult(scan.dv.contiguous(), scan.du.contiguous(), scan.snapshots.contiguous(),
+                      None if dh0_dtype is None else scan.dh0.contiguous())
+
+
+def _reference_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult) -> GradsResult:
+    """:func:`~cute_kda.reference.backward.mirror_bwd_grads`."""
+    from .reference.backward import mirror_bwd_grads
+
+    result = mirror_bwd_grads(
+        x.q, x.k, x.g, x.beta, x.v, do, scan.du, workspace_of(options, saved), saved.checkpoints, scan.state_grads,
+        A_log=x.A_log, dt_bias=x.dt_bias, scale=options.scale, lower_bound=options.lower_bound,
+        cu_seqlens=x.cu_seqlens, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
+    )
+    return GradsResult(*(t.contiguous() for t in result))
+
+
+REFERENCE = Backend("reference", _reference_forward, _reference_scan, _reference_grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# the backward, shared by the autograd.Function and torch.ops.cute_kda.backward
+
+
+def check_first_order() -> None:
+    """Refuse a backward that autograd would record (``create_graph=True``): the kernels' gradients are
+    not differentiable."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            "cute_kda's backward is not differentiable: double backward (create_graph=True, or a backward "
+            "of the backward) is not supported"
+        )
+
+
+def kernel_operand(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as a contiguous, 16-byte aligned ``dtype`` tensor (copied only when it is not one)."""
+    t = t.to(dtype).contiguous()
+    if t.data_ptr() % validation.ALIGNMENT_BYTES:
+        t = t.clone()
+    return t
+
+
+def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out: torch.Tensor | None,
+             d_final: torch.Tensor | None, needs: tuple[bool, ...],
+             initial_state_dtype: torch.dtype | None) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of q, k, v, g, beta, A_log, dt_bias, initial_state (None where ``needs`` is False).
+
+    ``x``: the forward's inputs (``x.initial_state`` is not read: pass None); d_out: None or the
+    gradient w.r.t. out ``[B, T, H, V]``; d_final: None or the gradient w.r.t. the final state
+    ``[N, H, V, K]`` (its dtype); ``needs``: one flag per input, in :data:`INPUT_NAMES` order;
+    ``initial_state_dtype``: the forward's initial state dtype, None without one (then no dh0).
+    """
+    do = torch.zeros_like(x.v) if d_out is None else kernel_operand(d_out, torch.bfloat16)
+    dht = None if d_final is None else kernel_operand(d_final, d_final.dtype)
+    dh0_dtype = initial_state_dtype if needs[7] else None
+    scan = backend.scan(x, options, saved, do, dht, dh0_dtype)
+    dq = dk = dg = dbeta = dA_log = ddt_bias = None
+    if any(needs[i] for i in KERNEL_B_INPUTS):
+        dq, dk, dg, dbeta, dA_log, ddt_bias = backend.grads(x, options, saved, do, scan)
+    grads = (dq, dk, scan.dv, dg, dbeta, dA_log, ddt_bias, scan.dh0)
+    return tuple(grad if need else None for grad, need in zip(grads, needs))
+
+
+class TrainingForward(torch.autograd.Function):
+    """``(backend, options, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens) → (out, final_state)``
+    (tensors as :class:`Inputs`; final_state None without one)."""
+
+    @staticmethod
+    def forward(ctx: Any, backend: Backend, options: Options, *tensors: torch.Tensor | None) -> tuple:
+        x = Inputs(*tensors)
+        result = backend.forward(x, options)
+        ctx.set_materialize_grads(False)
+        ctx.backend, ctx.options = backend, options
+        ctx.initial_state_dtype = None if x.initial_state is None else x.initial_state.dtype
+        ctx.save_for_backward(x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.cu_seqlens, *result.saved)
+        return result.out, result.final_state
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor | None, d_final: torch.Tensor | None) -> tuple:
+        check_first_order()
+        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, *saved = ctx.saved_tensors
+        x = Inputs(q, k, v, g, beta, A_log, dt_bias, None, cu_seqlens)
+        grads = backward(ctx.backend, x, ctx.options, Saved(*saved), d_out, d_final, ctx.needs_input_grad[2:10],
+                         ctx.initial_state_dtype)
+        return (None, None, *grads, None)
+
+
+def train(
+    backend: Backend, problem: ProblemShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+    beta: torch.Tensor, *, scale: float | None, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
+    initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None,
+    out: torch.Tensor | None, final_state: torch.Tensor | None, vsplit: int | None, qk_l2norm: bool,
+    beta_logits: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The recorded training call on arguments that :func:`~cute_kda.validation.validate_forward` accepted
+    (``problem`` is its result); :func:`cute_kda.kda_forward`'s contract otherwise."""
+    validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
+    cu_seqlens = staged_cu_seqlens(cu_seqlens, q)
+    final_state_dtype = None
+    if output_final_state:
+        final_state_dtype = torch.float32 if initial_state is None else initial_state.dtype
+    options = Options(
+        problem=problem, scale=float(problem.head_dim ** -0.5 if scale is None else scale),
+        lower_bound=float(lower_bound), qk_l2norm=bool(qk_l2norm), beta_logits=bool(beta_logits),
+        final_state_dtype=final_state_dtype, vsplit=vsplit,
+    )
+    return TrainingForward.apply(backend, options, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+
+
+def kda_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, backend: Backend,
+    scale: float | None = None, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float = -5.0,
+    initial_state: torch.Tensor | None = None, output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, final_state: torch.Tensor | None = None, vsplit: int | None = None,
+    qk_l2norm: bool = True, beta_logits: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`cute_kda.kda_forward`'s training path on torch tensors, with the stages of ``backend``.
+
+    Same arguments, checks and results as :func:`cute_kda.kda_forward` (which calls :func:`train` with
+    :data:`KERNELS`); always recorded by autograd, whatever requires grad. For the references:
+    ``backend=REFERENCE`` runs on any device.
+    """
+    problem = validation.validate_forward(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+        initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
+    )
+    return train(
+        backend, problem, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens, out=out,
+        final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+    )

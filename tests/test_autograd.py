@@ -1,0 +1,828 @@
+"""Autograd of ``kda_forward`` / ``chunk_kda`` (``cute_kda/autograd.py``; the training ops of
+``cute_kda/torch_ops.py``).
+
+CPU tier: the ``torch.autograd.Function`` on the reference backend (the mirrors of the kernels,
+``autograd.REFERENCE``, named by each test) against ``gold_backward`` (fp64 autograd through the token
+recurrence) and bit for bit against ``mirror_backward`` (the same chain); which inputs get gradients
+(subsets of requires_grad, Kernel B skipped when no token or gate gradient is needed), the final state's
+gradient flowing in, initial-state gradients in both layouts and dtypes, varlen with an empty sequence,
+FLA's keyword names through ``chunk_kda``'s translation; the errors (double backward, caller buffers,
+the public API on CPU tensors); the inference path left alone; the training ops' fake implementations,
+their registration (``opcheck``) and a ``torch.compile(fullgraph=True)`` training step on the reference
+stages; the FLA verifier taking training calls.
+
+GPU tier: the public API on the kernels against ``gold_backward`` (rel-RMS: dq dk dv dh0 ≤ 8e-3, dg dbeta
+≤ 2e-2, dA_log ddt_bias ≤ 8e-3), against the reference backend on the same GPU, two backward runs
+bit-identical, the workspace memory released, a compiled training step equal to eager, FLA's dispatch of a
+training call.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import cute_kda
+from cute_kda import api, autograd, fla_backend, torch_ops, validation
+from cute_kda.reference import gold_backward, rel_rms
+from cute_kda.reference.backward import mirror_backward
+from cute_kda.workspace import WorkspaceSpec, block_states_shape, snapshot_slots, tiles_per_head
+
+from test_fla_compat import FLAGS
+from test_fla_compat import make_problem as make_fla_problem
+
+pytestmark = pytest.mark.filterwarnings("ignore:cute_kda mirror on CPU:RuntimeWarning")
+
+D = 128
+INPUTS = autograd.INPUT_NAMES  # q k v g beta A_log dt_bias initial_state
+GRAD = dict(zip(INPUTS, ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")))
+# rel-RMS vs the fp64 gold. dA_log is held to dg's bound: it is Σ over all tokens and channels of
+# dg·(g + dt_bias) per head, a sum that can cancel, so over H values its rel-RMS spreads much wider than
+# the per-element gradients' (the mirror on 24 random 40-token problems: 3e-4 to 1.9e-2, 1.1e-2 on
+# B2_T129_H2_no_state below); ddt_bias, a token sum per channel, stays within 8e-3.
+TOLS = {"dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dA_log": 2e-2, "ddt_bias": 8e-3}
+REFERENCE_FORWARD = functools.partial(autograd.kda_forward, backend=autograd.REFERENCE)
+
+
+def make_problem(lengths, heads=2, *, packed=None, state=None, device="cpu", seed=0, beta_logits=True,
+                 normalized_qk=False):
+    """Canonical inputs (kda_forward's contract): B = len(lengths) equal sequences, or one packed row
+    (``cu_seqlens``) when the lengths differ or ``packed``. Gates saturate both ways (g in [-8, 8)); the
+    upstream gradients ``do`` (bf16) and ``dht`` (fp32 ``[N, H, V, K]``) come along; ``state``: None or the
+    initial state's dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = len(set(lengths)) > 1 if packed is None else packed
+    batch, seq_len = (1, sum(lengths)) if packed else (len(lengths), lengths[0])
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k = randn(batch, seq_len, heads, D), randn(batch, seq_len, heads, D)
+    if normalized_qk:
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    beta = 2 * randn(batch, seq_len, heads) if beta_logits else torch.rand(batch, seq_len, heads, generator=gen)
+    g = torch.rand(batch, seq_len, heads, D, generator=gen) * 16 - 8
+    p = dict(q=q, k=k, v=randn(batch, seq_len, heads, D), g=g, beta=beta)
+    p = {name: x.to(torch.bfloat16) for name, x in p.items()}
+    p.update(A_log=torch.rand(heads, generator=gen) - 0.5, dt_bias=randn(heads, D))
+    if state is not None:
+        p["initial_state"] = (0.5 * randn(len(lengths), heads, D, D)).to(state)
+    if packed:
+        p["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    do = randn(batch, seq_len, heads, D).to(torch.bfloat16)
+    dht = randn(len(lengths), heads, D, D)
+    return {name: x.to(device) for name, x in p.items()}, do.to(device), dht.to(device)
+
+
+def train(forward, problem, *, requires=INPUTS, do=None, dht=None, output_final_state=None, **options):
+    """One step: leaves of ``problem`` (those named in ``requires`` require grad), ``forward``, backward of
+    ``Σ o·do + Σ ht·dht`` (a None term is left out). Returns (o, ht, {input name: its .grad})."""
+    leaves = {name: (x.detach().clone().requires_grad_(name in requires) if x.is_floating_point() else x)
+              for name, x in problem.items()}
+    q, k, v, g, beta = (leaves.pop(name) for name in ("q", "k", "v", "g", "beta"))
+    if output_final_state is None:
+        output_final_state = dht is not None
+    o, ht = forward(q, k, v, g, beta, output_final_state=output_final_state, **leaves, **options)
+    outputs, grads = [], []
+    if do is not None:
+        outputs, grads = [o], [do]
+    if dht is not None:
+        outputs, grads = [*outputs, ht], [*grads, dht]
+    torch.autograd.backward(outputs, grads)
+    tensors = dict(q=q, k=k, v=v, g=g, beta=beta, **leaves)
+    return o, ht, {name: tensors[name].grad for name in INPUTS if name in tensors}
+
+
+def gold(problem, do, dht, *, state_layout="vk", **options):
+    """``gold_backward`` of the canonical problem (safe gate), keyed by input name."""
+    p = dict(problem)
+    result = gold_backward(p.pop("q"), p.pop("k"), p.pop("v"), p.pop("g"), p.pop("beta"), do, dht=dht,
+                           state_layout=state_layout, **p, **options)
+    return {name: result[GRAD[name]] for name in INPUTS if result[GRAD[name]] is not None}
+
+
+def assert_close_to_gold(grads, expected, problem, label):
+    errors = {name: rel_rms(grads[name], expected[name]) for name in expected}
+    line = f"[autograd] {label}: " + ", ".join(f"{GRAD[n]} {e:.2e}" for n, e in errors.items())
+    print(line)
+    for name, error in errors.items():
+        assert error <= TOLS[GRAD[name]], line
+        assert grads[name].dtype == problem[name].dtype and grads[name].shape == problem[name].shape, name
+
+
+# ============================================================================ CPU tier
+
+# (lengths, make_problem keywords, options of the call): one row per concern
+CASES = {
+    "B2_T37_no_state": ([37, 37], {}, {}),
+    "B1_T40_fp32_state_dht": ([40], dict(state=torch.float32), dict(dht=True)),
+    "varlen_empty_seq_bf16_state_dht": ([20, 0, 17, 5], dict(state=torch.bfloat16), dict(dht=True)),
+    "T33_no_l2norm_beta_activated": ([33], dict(state=torch.float32, beta_logits=False, normalized_qk=True),
+                                     dict(dht=True, qk_l2norm=False, beta_logits=False, scale=0.25,
+                                          lower_bound=-2.0)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_reference_backend_matches_gold(case):
+    lengths, make, options = CASES[case]
+    problem, do, dht = make_problem(lengths, **make)
+    options = dict(options)
+    dht = dht if options.pop("dht", False) else None
+    o, ht, grads = train(REFERENCE_FORWARD, problem, do=do, dht=dht, **options)
+    assert o.dtype == torch.bfloat16 and (ht is None) == (dht is None)
+    assert set(grads) == set(problem) - {"cu_seqlens"}
+    assert all(grad.is_contiguous() for grad in grads.values())
+    assert_close_to_gold(grads, gold(problem, do, dht, **options), problem, case)
+
+
+def test_reference_backend_is_the_mirror_chain():
+    """The Function on the reference stages computes exactly mirror_backward's chain."""
+    problem, do, dht = make_problem([20, 0, 17, 5], state=torch.float32)
+    _, _, grads = train(REFERENCE_FORWARD, problem, do=do, dht=dht)
+    p = dict(problem)
+    expected = mirror_backward(p.pop("q"), p.pop("k"), p.pop("v"), p.pop("g"), p.pop("beta"), do, dht=dht, **p)
+    for name in grads:
+        assert torch.equal(grads[name], expected[GRAD[name]]), name
+
+
+class Recording:
+    """The reference stages, recording what each is handed."""
+
+    def __init__(self):
+        self.calls = []
+        self.backend = autograd.Backend("recording", self._forward, self._scan, self._grads)
+
+    def _forward(self, x, options):
+        self.calls.append(("forward", options))
+        return autograd.REFERENCE.forward(x, options)
+
+    def _scan(self, x, options, saved, do, dht, dh0_dtype):
+        self.calls.append(("scan", do, dht, dh0_dtype))
+        return autograd.REFERENCE.scan(x, options, saved, do, dht, dh0_dtype)
+
+    def _grads(self, x, options, saved, do, scan):
+        self.calls.append(("grads",))
+        return autograd.REFERENCE.grads(x, options, saved, do, scan)
+
+    def forward(self, *args, **kwargs):
+        return autograd.kda_forward(*args, backend=self.backend, **kwargs)
+
+    def stages(self):
+        return [call[0] for call in self.calls]
+
+
+@pytest.fixture(scope="module")
+def full_run():
+    """Every input requiring grad, on one problem with an fp32 initial state and dht."""
+    problem, do, dht = make_problem([25, 17], state=torch.float32)
+    return problem, do, dht, train(REFERENCE_FORWARD, problem, do=do, dht=dht)[2]
+
+
+SUBSETS = [("v",), ("initial_state",), ("v", "initial_state"), ("q", "A_log"), ("g", "dt_bias", "initial_state"),
+           ("beta",), ("k",)]
+
+
+@pytest.mark.parametrize("subset", SUBSETS, ids="-".join)
+def test_requires_grad_subsets(full_run, subset):
+    """Only the inputs that require grad get one, equal to the all-inputs run; Kernel B runs only for a
+    token or gate gradient, Kernel A asks for dh0 only when initial_state requires grad."""
+    problem, do, dht, expected = full_run
+    recording = Recording()
+    _, _, grads = train(recording.forward, problem, requires=subset, do=do, dht=dht)
+    for name in INPUTS:
+        if name in subset:
+            assert torch.equal(grads[name], expected[name]), name
+        else:
+            assert grads[name] is None, name
+    needs_b = bool(set(subset) - {"v", "initial_state"})
+    assert recording.stages() == ["forward", "scan", *(["grads"] if needs_b else [])]
+    assert recording.calls[1][3] == (torch.float32 if "initial_state" in subset else None)
+
+
+def test_no_input_requires_grad_still_records_on_the_reference_path():
+    """autograd.kda_forward always goes through the Function; the outputs do not require grad then."""
+    problem, _, _ = make_problem([20])
+    o, _ = REFERENCE_FORWARD(**problem)
+    assert not o.requires_grad and o.shape == problem["v"].shape
+
+
+def test_final_state_only_loss():
+    """dO is None (the output is unused): the scan gets zeros; the gradients are the gold's with dO = 0."""
+    problem, do, dht = make_problem([30], state=torch.float32)
+    recording = Recording()
+    _, _, grads = train(recording.forward, problem, do=None, dht=dht)
+    scan = recording.calls[1]
+    assert torch.equal(scan[1], torch.zeros_like(do)) and torch.equal(scan[2], dht)
+    assert_close_to_gold(grads, gold(problem, torch.zeros_like(do), dht), problem, "final state only")
+
+
+def test_unused_final_state_gives_no_dht():
+    problem, do, _ = make_problem([30], state=torch.bfloat16)
+    recording = Recording()
+    _, ht, grads = train(recording.forward, problem, do=do, output_final_state=True)
+    assert ht is not None and ht.dtype == torch.bfloat16 and recording.calls[1][2] is None
+    assert_close_to_gold(grads, gold(problem, do, None), problem, "unused final state")
+
+
+def test_upstream_gradients_of_any_layout_reach_the_kernels_dense():
+    """A non-contiguous dO and a misaligned dht arrive contiguous and 16-byte aligned."""
+    problem, do, dht = make_problem([20], state=torch.float32)
+    recording = Recording()
+    leaves = {name: x.clone().requires_grad_() for name, x in problem.items()}
+    o, ht = recording.forward(**leaves, output_final_state=True)
+    strided_do = do.transpose(1, 2).contiguous().transpose(1, 2)
+    padded = torch.cat([torch.zeros(1, dtype=torch.float32), dht.flatten()])
+    offset_dht = padded[1:].view_as(dht)  # 4 bytes past an aligned start
+    assert not strided_do.is_contiguous() and offset_dht.data_ptr() % 16
+    torch.autograd.backward([o, ht], [strided_do, offset_dht])
+    _, seen_do, seen_dht, _ = recording.calls[1]
+    assert seen_do.is_contiguous() and torch.equal(seen_do, do)
+    assert seen_dht.is_contiguous() and seen_dht.data_ptr() % 16 == 0 and torch.equal(seen_dht, dht)
+
+
+def test_inputs_that_are_not_leaves():
+    problem, do, _ = make_problem([20])
+    x = problem["q"].float().requires_grad_()
+    o, _ = REFERENCE_FORWARD(x.bfloat16() * 2, *(problem[n] for n in ("k", "v", "g", "beta")),
+                             A_log=problem["A_log"], dt_bias=problem["dt_bias"])
+    o.backward(do)
+    p = dict(problem, q=problem["q"] * 2)
+    expected = gold(p, do, None)["q"] * 2
+    assert x.grad.dtype == torch.float32 and rel_rms(x.grad, expected) <= TOLS["dq"]
+
+
+# --------------------------------------------------------------------------- the kernel stages' wiring
+
+@pytest.fixture
+def launchers_on_mirrors(monkeypatch):
+    """The kernel backend on the CPU: each launcher it calls (K1, the tile bases, K2, Kernel A, Kernel B)
+    replaced by its mirror, after binding the call to the real launcher's signature and, for Kernel A and
+    Kernel B, running the real launcher's buffer checks. Kernel B takes no raw beta (β comes from the
+    workspace), so its mirror gets the problem's beta from ``fakes.beta``."""
+    from cute_kda.ops import bwd_grads as kb
+    from cute_kda.ops import bwd_scan as ka
+    from cute_kda.ops import prepare as k1
+    from cute_kda.ops import recurrence as k2
+    from cute_kda.reference import mirror, mirror_bwd_scan
+    from cute_kda.reference.backward import mirror_bwd_grads
+
+    fakes = type("Fakes", (), {"calls": [], "beta": None})()
+
+    def fake(module, name):
+        signature = inspect.signature(getattr(module, name))
+
+        def install(body):
+            def launcher(*args, **kwargs):
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                fakes.calls.append(name)
+                return body(**bound.arguments)
+
+            monkeypatch.setattr(module, name, launcher)
+
+        return install
+
+    def num_seqs(x, cu_seqlens):
+        return x.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+
+    @fake(k1, "tile_bases")
+    def _(cu_seqlens, stream):
+        return mirror.tile_bases(cu_seqlens, 0, 1)
+
+    @fake(k1, "prepare")
+    def _(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, cu_seqlens, tile_base, qk_l2norm, beta_logits,
+          stream):
+        assert tile_base is None if cu_seqlens is None else torch.equal(tile_base, mirror.tile_bases(cu_seqlens, 0, 1))
+        done = mirror.mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                     scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
+                                     beta_logits=beta_logits)
+        for field, value in zip(ws, done):
+            field.copy_(value)
+
+    @fake(k2, "recurrence")
+    def _(v, ws, out, cu_seqlens, tile_base, initial_state, final_state, vsplit, checkpoints):
+        assert vsplit in validation.SUPPORTED_VSPLITS and checkpoints.dtype == torch.bfloat16
+        assert checkpoints.shape == block_states_shape(ws, v.shape[2], num_seqs(v, cu_seqlens))
+        o, state = mirror.mirror_recurrence(
+            ws, v, cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=final_state is not None,
+            state_dtype=torch.float32 if final_state is None else final_state.dtype, checkpoints=checkpoints)
+        out.copy_(o)
+        if final_state is not None:
+            final_state.copy_(state)
+
+    @fake(ka, "bwd_scan")
+    def _(do, ws, dv, du, snapshots, cu_seqlens, tile_base, dht, dh0, vsplit, tuning):
+        ka._check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs(do, cu_seqlens))
+        scan = mirror_bwd_scan(ws, do, cu_seqlens=cu_seqlens, dht=dht,
+                               dh0_dtype=torch.float32 if dh0 is None else dh0.dtype)
+        for buffer, value in ((dv, scan.dv), (du, scan.du), (snapshots, scan.snapshots), (dh0, scan.dh0)):
+            if buffer is not None:
+                buffer.copy_(value)
+
+    @fake(kb, "bwd_grads")
+    def _(q, k, g, v, do, du, ws, states, state_grads, A_log, dt_bias, dq, dk, dg, dbeta, ddt_partial,
+          dalog_partial, scale, lower_bound, cu_seqlens, tile_base, qk_l2norm, beta_logits):
+        kb._check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial,
+                          dalog_partial, num_seqs(q, cu_seqlens))
+        grads = mirror_bwd_grads(q, k, g, fakes.beta, v, do, du, ws, states, state_grads, A_log=A_log,
+                                 dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
+                                 qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+        for buffer, value in ((dq, grads.dq), (dk, grads.dk), (dg, grads.dg), (dbeta, grads.dbeta)):
+            buffer.copy_(value)
+        ddt_partial.zero_()[:, 0] = grads.ddt_bias  # the whole sum in the first tile's slot
+        dalog_partial.zero_()[:, 0] = grads.dA_log
+
+    monkeypatch.setattr(autograd.validation, "check_on_cuda", lambda name, tensor: None)
+    monkeypatch.setattr(autograd, "sm_count", lambda index: 132)
+    return fakes
+
+
+@pytest.mark.parametrize("lengths,state", [([20, 0, 17, 5], torch.bfloat16), ([33, 33], torch.float32),
+                                           ([24], None)], ids=["varlen_bf16", "B2_fp32", "B1_no_state"])
+def test_kernel_stages_hand_the_launchers_what_they_check(launchers_on_mirrors, lengths, state):
+    """KERNELS' forward, scan and grads: the launchers' signatures, their buffer checks, the gradients each
+    output becomes (bit for bit the reference backend's chain)."""
+    problem, do, dht = make_problem(lengths, state=state)
+    dht = dht if state is not None else None
+    launchers_on_mirrors.beta = problem["beta"]
+    _, _, grads = train(functools.partial(autograd.kda_forward, backend=autograd.KERNELS), problem, do=do, dht=dht)
+    _, _, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht)
+    varlen = "cu_seqlens" in problem
+    assert launchers_on_mirrors.calls == [*(["tile_bases"] if varlen else []), "prepare", "recurrence", "bwd_scan",
+                                          "bwd_grads"]
+    for name in expected:
+        assert grads[name].dtype == expected[name].dtype and torch.equal(grads[name], expected[name]), name
+
+
+# --------------------------------------------------------------------------- chunk_kda's translation
+
+# (FLA problem keywords, chunk_kda keywords): FLA's names, each state layout
+FLA_CASES = {
+    "kv_state": (dict(lengths=[37], state="kv"), dict(output_final_state=True)),
+    "v_first_state": (dict(lengths=[21, 21], state="vk"), dict(output_final_state=True, state_v_first=True)),
+    "transpose_state_layout": (dict(lengths=[19], state="vk"), dict(output_final_state=True,
+                                                                    transpose_state_layout=True)),
+    "varlen_kv_state": (dict(lengths=[5, 16, 1, 17], state="kv"), dict(output_final_state=True)),
+    "varlen_no_state": (dict(lengths=[9, 33]), dict(lower_bound=-3.0)),
+    "beta_activated_no_l2norm": (dict(lengths=[23], beta_logits=False, normalized_qk=True),
+                                 dict(use_beta_sigmoid_in_kernel=False, use_qk_l2norm_in_kernel=False, scale=0.3)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FLA_CASES))
+def test_chunk_kda_translation_matches_gold(case):
+    """FLA's keywords through chunk_kda's translation and the Function: every gradient in the caller's
+    shape, dtype and layout (A_log [H], dt_bias [H*K], states [N, H, K, V] unless state_v_first)."""
+    make, extra = FLA_CASES[case]
+    inputs = make_fla_problem(**make, seed=3)
+    kwargs = {**FLAGS, **extra}
+    v_first = kwargs.get("state_v_first", False) or kwargs.get("transpose_state_layout", False)
+    gen = torch.Generator().manual_seed(4)
+    do = torch.randn(inputs["v"].shape, generator=gen).bfloat16()
+    states = kwargs.get("output_final_state", False)
+    dht = torch.randn(len(make["lengths"]), inputs["q"].shape[2], D, D, generator=gen) if states else None
+    leaves = {n: x.clone().requires_grad_() if x.is_floating_point() else x for n, x in inputs.items()}
+    o, ht = api.translate_fla_call(**leaves, **kwargs).run(REFERENCE_FORWARD)
+    assert ht is None if dht is None else (ht.dtype == torch.float32 and ht.shape == dht.shape)
+    torch.autograd.backward([o] + ([ht] if dht is not None else []), [do] + ([dht] if dht is not None else []))
+    grads = {n: leaves[n].grad for n in inputs if n != "cu_seqlens"}
+
+    p = dict(inputs)
+    expected = gold_backward(
+        p.pop("q"), p.pop("k"), p.pop("v"), p.pop("g"), p.pop("beta"), do, dht=dht, scale=kwargs.get("scale"),
+        A_log=p.pop("A_log"), dt_bias=p.pop("dt_bias"), lower_bound=kwargs["lower_bound"],
+        qk_l2norm=kwargs["use_qk_l2norm_in_kernel"], beta_logits=kwargs["use_beta_sigmoid_in_kernel"],
+        initial_state=p.pop("initial_state", None), state_layout="vk" if v_first else "kv",
+        cu_seqlens=p.pop("cu_seqlens", None),
+    )
+    expected = {n: expected[GRAD[n]] for n in grads}
+    assert_close_to_gold(grads, expected, inputs, f"chunk_kda {case}")
+    assert grads["dt_bias"].shape == (inputs["q"].shape[2] * D,)
+
+
+def test_chunk_kda_without_A_log_and_dt_bias():
+    inputs = make_fla_problem([20], seed=5)
+    del inputs["A_log"], inputs["dt_bias"]
+    leaves = {n: x.clone().requires_grad_() for n, x in inputs.items()}
+    o, _ = api.translate_fla_call(**leaves, **FLAGS).run(REFERENCE_FORWARD)
+    o.float().sum().backward()
+    assert all(leaves[n].grad is not None and leaves[n].grad.dtype == torch.bfloat16 for n in leaves)
+
+
+# --------------------------------------------------------------------------- what is refused
+
+def test_double_backward_is_refused():
+    problem, do, _ = make_problem([20])
+    q = problem["q"].clone().requires_grad_()
+    o, _ = REFERENCE_FORWARD(q, *(problem[n] for n in ("k", "v", "g", "beta")), A_log=problem["A_log"],
+                             dt_bias=problem["dt_bias"])
+    with pytest.raises(NotImplementedError, match="double backward"):
+        torch.autograd.grad((o.float() * do.float()).sum(), q, create_graph=True)
+
+
+@pytest.mark.parametrize("buffers", [("out",), ("final_state",), ("out", "final_state")], ids="+".join)
+def test_caller_buffers_are_refused_under_autograd(buffers):
+    problem, _, _ = make_problem([20])
+    given = dict(out=torch.empty_like(problem["v"]), final_state=torch.empty(1, 2, D, D))
+    q = problem.pop("q").requires_grad_()
+    with pytest.raises(NotImplementedError, match=" and ".join(buffers) + "= buffer"):
+        REFERENCE_FORWARD(q, **problem, **{b: given[b] for b in buffers})
+
+
+def test_public_api_on_cpu_still_needs_cuda():
+    """The public entries never take the reference stages: CPU tensors that require grad get the device error."""
+    problem, _, _ = make_problem([20])
+    problem["k"].requires_grad_()
+    with pytest.raises(ValueError, match="q must be on a CUDA device"):
+        cute_kda.kda_forward(**problem)
+    inputs = make_fla_problem([20], state="kv")
+    inputs["initial_state"].requires_grad_()
+    with pytest.raises(ValueError, match="q must be on a CUDA device"):
+        cute_kda.chunk_kda(**FLAGS, **inputs, output_final_state=True)
+    with pytest.raises(ValueError, match="q must be on a CUDA device"):
+        autograd.kda_forward(**problem, backend=autograd.KERNELS)
+
+
+def test_unsupported_flags_are_refused_under_grad():
+    inputs = make_fla_problem([20])
+    inputs["q"].requires_grad_()
+    with pytest.raises(NotImplementedError, match="use_gate_in_kernel=False"):
+        cute_kda.chunk_kda(**{**FLAGS, "use_gate_in_kernel": False}, **inputs)
+    with pytest.raises(NotImplementedError, match="allow_neg_eigval"):
+        cute_kda.chunk_kda(**FLAGS, allow_neg_eigval=True, **inputs)
+
+
+@pytest.fixture
+def recorded_training(monkeypatch):
+    """api's training entry replaced by a recorder (no kernels needed)."""
+    calls = []
+
+    def record(backend, problem, *tensors, **options):
+        calls.append((backend, problem, options))
+        return "recorded", None
+
+    monkeypatch.setattr(autograd, "train", record)
+    return calls
+
+
+def test_public_api_routes_recorded_calls_to_the_kernels(recorded_training):
+    problem, _, _ = make_problem([20])
+    problem["A_log"].requires_grad_()
+    assert cute_kda.kda_forward(**problem) == ("recorded", None)
+    (backend, shape, options), = recorded_training
+    assert backend is autograd.KERNELS and shape.seq_len == 20 and options["output_final_state"] is False
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "detached"])
+def test_inference_calls_keep_the_inference_path(recorded_training, mode):
+    problem, _, _ = make_problem([20])
+    if mode != "detached":
+        problem["q"].requires_grad_()
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode, torch.enable_grad)
+    with context(), pytest.raises(ValueError, match="CUDA device"):
+        cute_kda.kda_forward(**problem)
+    assert recorded_training == []
+
+
+def test_needs_autograd():
+    t = torch.zeros(1, requires_grad=True)
+    assert validation.needs_autograd(None, torch.zeros(1), t)
+    assert not validation.needs_autograd(None, torch.zeros(1), 3.0)
+    with torch.no_grad():
+        assert not validation.needs_autograd(t)
+
+
+# --------------------------------------------------------------------------- torch.library ops
+
+def _fake_inputs(varlen, heads=3):
+    batch, tokens = (1, 70) if varlen else (2, 35)
+    q = torch.empty(batch, tokens, heads, D, dtype=torch.bfloat16)
+    beta = torch.empty(batch, tokens, heads, dtype=torch.bfloat16)
+    cu = torch.empty(5, dtype=torch.int64) if varlen else None
+    return q, beta, cu, torch.empty(heads), torch.empty(heads, D)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, torch.float32], ids=["none", "bf16", "fp32"])
+def test_forward_train_fake_shapes(varlen, state_dtype):
+    with FakeTensorMode():
+        q, beta, cu, A_log, dt_bias = _fake_inputs(varlen)
+        o, state, ws, checkpoints, tile_base = torch.ops.cute_kda.forward_train(
+            q, q, q, q, beta, A_log, dt_bias, None, cu, 0.1, -5.0, state_dtype, 0, True, True)
+    batch, tokens, heads = q.shape[:3]
+    num_seqs = 4 if varlen else batch
+    tiles = tiles_per_head(batch * tokens, num_seqs, varlen)
+    assert o.shape == q.shape and o.dtype == torch.bfloat16
+    assert (state.numel() == 0) if state_dtype is None else (state.shape == (num_seqs, heads, D, D)
+                                                              and state.dtype == state_dtype)
+    assert ws.dtype == torch.uint8 and ws.shape == (WorkspaceSpec(heads=heads, tiles=tiles).nbytes,)
+    assert checkpoints.dtype == torch.bfloat16
+    assert checkpoints.shape == (heads * snapshot_slots(tiles, num_seqs), D, D)
+    assert tile_base.dtype == torch.int32 and tile_base.shape == ((num_seqs + 1,) if varlen else (0,))
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("dh0_dtype", [None, torch.bfloat16, torch.float32], ids=["no_dh0", "bf16", "fp32"])
+@pytest.mark.parametrize("token_grads", [False, True], ids=["scan_only", "token_grads"])
+def test_backward_fake_shapes(varlen, dh0_dtype, token_grads):
+    with FakeTensorMode():
+        q, beta, cu, A_log, dt_bias = _fake_inputs(varlen)
+        ws, checkpoints = torch.empty(64, dtype=torch.uint8), torch.empty(8, D, D, dtype=torch.bfloat16)
+        tile_base = torch.empty(5, dtype=torch.int32) if varlen else None
+        grads = torch.ops.cute_kda.backward(q, None, q, q, q, q, beta, A_log, dt_bias, cu, ws, checkpoints, tile_base,
+                                            0.1, -5.0, True, True, dh0_dtype, token_grads)
+    dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = grads
+    assert dv.shape == q.shape and dv.dtype == torch.bfloat16
+    for grad, like in ((dq, q), (dk, q), (dg, q), (dbeta, beta), (dA_log, A_log), (ddt_bias, dt_bias)):
+        assert (grad.shape == like.shape and grad.dtype == like.dtype) if token_grads else grad.numel() == 0
+    num_seqs = 4 if varlen else q.shape[0]
+    assert dh0.numel() == 0 if dh0_dtype is None else (dh0.shape == (num_seqs, 3, D, D) and dh0.dtype == dh0_dtype)
+
+
+@pytest.fixture
+def reference_ops(monkeypatch):
+    """The training ops on the reference stages (the kernels need a GPU)."""
+    monkeypatch.setattr(torch_ops, "_stages", lambda: autograd.REFERENCE)
+
+
+def _op_arguments(problem):
+    p = problem
+    return (*(p[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), p.get("initial_state"),
+            p.get("cu_seqlens"), D ** -0.5, -5.0, torch.float32, 0, True, True)
+
+
+def test_opcheck_forward_train(reference_ops):
+    problem, _, _ = make_problem([20, 17], state=torch.float32)
+    leaves = {n: x.requires_grad_() if x.is_floating_point() else x for n, x in problem.items()}
+    # no test_aot_dispatch: checkpoint slots that are no tile hold NaN, which never compares equal
+    torch.library.opcheck(torch_ops.forward_train_op, _op_arguments(leaves),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_opcheck_backward(reference_ops):
+    problem, do, dht = make_problem([20, 17], state=torch.bfloat16)
+    _, _, ws, checkpoints, tile_base = torch_ops.forward_train_op(*_op_arguments(problem))
+    p = problem
+    args = (do, dht, *(p[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), p["cu_seqlens"], ws,
+            checkpoints, tile_base, D ** -0.5, -5.0, True, True, torch.bfloat16, True)
+    torch.library.opcheck(torch_ops.backward_op, args)
+
+
+class Graphs:
+    """An aot_autograd backend that records the forward and backward graphs and runs them as they are."""
+
+    def __init__(self):
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.forward, self.backward = [], []
+        self.backend = aot_autograd(fw_compiler=self._keep(self.forward), bw_compiler=self._keep(self.backward))
+
+    @staticmethod
+    def _keep(graphs):
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        def compiler(gm, example_inputs):
+            graphs.append(gm)
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    @staticmethod
+    def count(graphs, target):
+        return sum(str(node.target) == target for gm in graphs for node in gm.graph.nodes)
+
+
+def _step(forward, do, dht):
+    def step(q, k, v, g, beta, A_log, dt_bias, h0):
+        o, ht = forward(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0, output_final_state=True)
+        return (o.float() * do.float()).sum() + (ht * dht).sum()
+
+    return step
+
+
+def _grads_of(step, problem):
+    leaves = [problem[n].detach().clone().requires_grad_() for n in INPUTS]
+    step(*leaves).backward()
+    return [leaf.grad for leaf in leaves]
+
+
+def test_compiled_training_step_is_one_op_each_way(reference_ops):
+    problem, do, dht = make_problem([40], state=torch.float32)
+    eager = _grads_of(_step(REFERENCE_FORWARD, do, dht), problem)
+    graphs = Graphs()
+    compiled = _grads_of(torch.compile(_step(cute_kda.kda_forward, do, dht), fullgraph=True, backend=graphs.backend),
+                         problem)
+    for a, b in zip(eager, compiled):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert Graphs.count(graphs.forward, "cute_kda.forward_train.default") == 1
+    assert Graphs.count(graphs.backward, "cute_kda.backward.default") == 1
+
+
+def test_compiled_training_step_across_sizes(reference_ops):
+    """With dynamic shapes the fake implementations size the workspace and checkpoints symbolically: one
+    compiled step serves varlen batches of other lengths and counts."""
+    def step(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, do, dht):
+        o, ht = cute_kda.kda_forward(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0,
+                                     output_final_state=True, cu_seqlens=cu_seqlens)
+        return (o.float() * do.float()).sum() + (ht * dht).sum()
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+    for lengths in ([20, 17], [30, 5, 9]):
+        problem, do, dht = make_problem(lengths, state=torch.float32)
+        grads = []
+        for fn in (compiled, _step_varlen_eager):
+            leaves = [problem[n].detach().clone().requires_grad_() for n in INPUTS]
+            fn(*leaves, problem["cu_seqlens"], do, dht).backward()
+            grads.append([leaf.grad for leaf in leaves])
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), lengths
+
+
+def _step_varlen_eager(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, do, dht):
+    o, ht = REFERENCE_FORWARD(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0,
+                              output_final_state=True, cu_seqlens=cu_seqlens)
+    return (o.float() * do.float()).sum() + (ht * dht).sum()
+
+
+def test_compiled_chunk_kda_training_step(reference_ops):
+    inputs = make_fla_problem([17, 30], state="kv", seed=6)
+
+    def step(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens):
+        o, ht = cute_kda.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0,
+                                   output_final_state=True, cu_seqlens=cu_seqlens, **FLAGS)
+        return o.float().square().sum() + ht.sum()
+
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+
+    def grads(fn):
+        leaves = [inputs[n].clone().requires_grad_() for n in names]
+        fn(*leaves, inputs["cu_seqlens"]).backward()
+        return [leaf.grad for leaf in leaves]
+
+    def eager_step(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens):
+        o, ht = api.translate_fla_call(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0,
+                                       output_final_state=True, cu_seqlens=cu_seqlens, **FLAGS).run(REFERENCE_FORWARD)
+        return o.float().square().sum() + ht.sum()
+
+    for a, b in zip(grads(eager_step), grads(torch.compile(step, fullgraph=True, backend="aot_eager"))):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_compiled_call_refuses_buffers_under_grad(reference_ops):
+    problem, _, _ = make_problem([20])
+    problem["q"].requires_grad_()
+    out = torch.empty_like(problem["v"])
+    with pytest.raises(Exception, match="out= buffer is not supported"):
+        torch.compile(lambda: cute_kda.kda_forward(**problem, out=out), fullgraph=True, backend="eager")()
+
+
+def test_op_backward_refuses_double_backward(reference_ops):
+    problem, do, _ = make_problem([20])
+    q = problem.pop("q").requires_grad_()
+    o, _ = torch_ops.kda_forward(q, *(problem.pop(n) for n in ("k", "v", "g", "beta")), scale=None,
+                                 lower_bound=-5.0, initial_state=None, output_final_state=False, cu_seqlens=None,
+                                 out=None, final_state=None, vsplit=None, qk_l2norm=True, beta_logits=True, **problem)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        torch.autograd.grad((o.float() * do.float()).sum(), q, create_graph=True)
+
+
+# --------------------------------------------------------------------------- FLA's dispatch
+
+def test_fla_verifier_takes_training_calls(monkeypatch):
+    monkeypatch.setattr(fla_backend, "_device_reason", lambda q: None)
+    inputs = make_fla_problem([40], state="kv")
+    inputs["q"].requires_grad_()
+    inputs["A_log"].requires_grad_()
+    kwargs = dict(**inputs, output_final_state=True, **FLAGS)
+    assert fla_backend.verify(**kwargs) == (True, None)
+    with torch.no_grad():
+        assert fla_backend.verify(**kwargs) == (True, None)
+
+
+# ============================================================================ GPU tier
+
+GPU_CASES = {
+    "B1_T300_H4_fp32_state": (dict(lengths=[300], heads=4, state=torch.float32), dict(dht=True)),
+    "varlen_empty_and_short_bf16_state": (dict(lengths=[300, 0, 57, 1, 200], heads=4, state=torch.bfloat16),
+                                          dict(dht=True)),
+    "B2_T129_H2_no_state": (dict(lengths=[129, 129], heads=2), {}),
+    "B1_T200_no_l2norm_beta_activated": (dict(lengths=[200], heads=2, state=torch.float32, beta_logits=False,
+                                              normalized_qk=True),
+                                         dict(dht=True, qk_l2norm=False, beta_logits=False, scale=0.2,
+                                              lower_bound=-1.0)),
+}
+
+
+def _gpu_case(case, device):
+    make, options = GPU_CASES[case]
+    problem, do, dht = make_problem(**make, device=device, seed=11)
+    if "cu_seqlens" in problem:
+        problem["cu_seqlens"] = problem["cu_seqlens"].to(device)
+    options = dict(options)
+    return problem, do, dht if options.pop("dht", False) else None, options
+
+
+def _cpu(problem):
+    return {n: x.cpu() for n, x in problem.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_public_api_matches_gold(case, device):
+    problem, do, dht, options = _gpu_case(case, device)
+    _, _, grads = train(cute_kda.kda_forward, problem, do=do, dht=dht, **options)
+    torch.cuda.synchronize()
+    expected = gold(_cpu(problem), do.cpu(), None if dht is None else dht.cpu(), **options)
+    assert_close_to_gold({n: g.cpu() for n, g in grads.items()}, expected, _cpu(problem), case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_kernels_near_the_reference_backend(case, device):
+    """The kernels against the mirrors of their rounding on the same GPU (bit-faithful intrinsics there)."""
+    problem, do, dht, options = _gpu_case(case, device)
+    _, _, grads = train(cute_kda.kda_forward, problem, do=do, dht=dht, **options)
+    _, _, mirrored = train(REFERENCE_FORWARD, problem, do=do, dht=dht, **options)
+    torch.cuda.synchronize()
+    assert_close_to_gold(grads, mirrored, problem, f"{case} vs reference backend")
+
+
+@pytest.mark.gpu
+def test_public_chunk_kda_matches_gold(device):
+    inputs = make_fla_problem([300, 0, 57, 200], heads=4, state="kv", seed=12)
+    leaves = {n: x.to(device).requires_grad_() if x.is_floating_point() else x.to(device) for n, x in inputs.items()}
+    gen = torch.Generator().manual_seed(13)
+    do = torch.randn(inputs["v"].shape, generator=gen).bfloat16()
+    dht = torch.randn(inputs["initial_state"].shape, generator=gen)
+    o, ht = cute_kda.chunk_kda(**leaves, output_final_state=True, **FLAGS)
+    torch.autograd.backward([o, ht], [do.to(device), dht.to(device)])
+    torch.cuda.synchronize()
+    p = dict(inputs)
+    expected = gold_backward(p.pop("q"), p.pop("k"), p.pop("v"), p.pop("g"), p.pop("beta"), do, dht=dht,
+                             A_log=p.pop("A_log"), dt_bias=p.pop("dt_bias"), initial_state=p.pop("initial_state"),
+                             state_layout="kv", cu_seqlens=p.pop("cu_seqlens"), lower_bound=FLAGS["lower_bound"])
+    grads = {n: leaves[n].grad.cpu() for n in INPUTS}
+    assert_close_to_gold(grads, {n: expected[GRAD[n]] for n in INPUTS}, inputs, "chunk_kda varlen kv state")
+
+
+@pytest.mark.gpu
+def test_backward_is_deterministic(device):
+    problem, do, dht, options = _gpu_case("varlen_empty_and_short_bf16_state", device)
+    first = train(cute_kda.kda_forward, problem, do=do, dht=dht, **options)[2]
+    second = train(cute_kda.kda_forward, problem, do=do, dht=dht, **options)[2]
+    torch.cuda.synchronize()
+    for name in INPUTS:
+        assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.gpu
+def test_training_step_releases_its_memory(device):
+    """After the backward and once the outputs are dropped, nothing of the step stays allocated (the fresh
+    workspace and the checkpoints go with the graph; K1 keeps no reference to them)."""
+    problem, do, dht, options = _gpu_case("B1_T300_H4_fp32_state", device)
+    train(cute_kda.kda_forward, problem, do=do, dht=dht, **options)  # compiles, fills the caches
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(device)
+    result = train(cute_kda.kda_forward, problem, do=do, dht=dht, **options)
+    del result
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated(device) == before
+
+
+@pytest.mark.gpu
+def test_compiled_training_step_matches_eager(device):
+    problem, do, dht, _ = _gpu_case("B1_T300_H4_fp32_state", device)
+    step = _step(cute_kda.kda_forward, do, dht)
+    eager = _grads_of(step, problem)
+    compiled = _grads_of(torch.compile(_step(cute_kda.kda_forward, do, dht), fullgraph=True), problem)
+    torch.cuda.synchronize()
+    for name, a, b in zip(INPUTS, eager, compiled):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_fla_dispatches_training_calls(device, monkeypatch):
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    monkeypatch.delenv("FLA_CUTE_KDA", raising=False)
+    assert fla_backend.is_registered() or fla_backend.register()
+    inputs = make_fla_problem([300], heads=4, state="kv", seed=14)
+
+    def grads(chunk_kda):
+        leaves = {n: x.to(device).requires_grad_() for n, x in inputs.items()}
+        o, ht = chunk_kda(**leaves, output_final_state=True, **FLAGS)
+        (o.float().square().sum() + ht.sum()).backward()
+        return [leaves[n].grad for n in inputs]
+
+    ran = []
+    implementation = fla_backend.chunk_kda
+    monkeypatch.setattr(fla_backend, "chunk_kda", lambda *a, **k: ran.append(1) or implementation(*a, **k))
+    dispatched = grads(fla_kda.chunk_kda)
+    direct = grads(cute_kda.chunk_kda)
+    torch.cuda.synchronize()
+    assert ran == [1]
+    for a, b in zip(dispatched, direct):
+        assert torch.equal(a, b)
