@@ -23,6 +23,7 @@ from cute_kda.reference import (
     rel_rms,
 )
 from cute_kda.reference import backward
+from cute_kda.numerics import LN2
 from cute_kda.workspace import block_states_shape
 
 EXACT_TOL = 1e-10
@@ -288,8 +289,8 @@ def test_one_tile_is_the_contract_literally():
     dqh = f(f(f(dqd) * f(e)) * consts.scale)
     dkh = f(f(f(f(dkd) * f(e)) + f(f(dkinv) * f(ei))) + f(f(dkr) * f(er)))
     dG = f(f(f(f(dqd) * f(qd)) + f(f(dkd) * f(kd))) - f(f(dkinv) * f(kinv)))
-    dG = (dG - f(f(dkr) * f(kr))) * backward.LN2
-    dG_last = acc((dkr * kr).sum(1), dgT * gT.double()).float() * backward.LN2
+    dG = (dG - f(f(dkr) * f(kr))) * LN2
+    dG_last = acc((dkr * kr).sum(1), dgT * gT.double()).float() * LN2
     dgp = torch.empty_like(dG)
     running = dG[:, 15]
     dgp[:, 15] = running + dG_last

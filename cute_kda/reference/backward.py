@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..numerics import f32
+from ..numerics import LN2
 from ..workspace import (
     CHUNK, SNAPSHOT_TILES, Workspace, WorkspaceSpec, block_states_shape, snapshot_slots, tiles_per_head,
 )
@@ -405,7 +405,6 @@ def chunk_fwd_states_exact(
 # ---------------------------------------------------------------------------------------------
 # Kernel B: the per-tile gradients (/work/notes/kernelB-contract.md, docs/numerics.md "Backward: Kernel B")
 
-LN2 = f32(math.log(2.0))  # d(2^x)/dx = ln2 · 2^x; a host constant rounded once, as the contract's others
 _PER_TILE = 1  # Kernel B reads the state entering each tile and the gradient leaving it
 
 
@@ -696,9 +695,9 @@ def mirror_bwd_grads(
     """Kernel B (/work/notes/kernelB-contract.md, docs/numerics.md) with the kernel's rounding.
 
     Inputs bf16: q, k, g (raw gate input) ``[B, T, H, K]``, beta ``[B, T, H]`` (logits when
-    ``beta_logits``), v, do, du ``[B, T, H, V]`` (V == K; du: Kernel A's gradient w.r.t. u). ``ws``: the
-    K1 workspace of the forward (it reads gt, inv, mqk, beta; qd, kd, kinv, kr, G, the l2norm and the
-    gate are recomputed with K1's own arithmetic). ``states``: bf16 ``[H·slots, K, V]`` (slots =
+    ``beta_logits``; as in the kernel, β itself is read from ``ws``), v, do, du ``[B, T, H, V]`` (V == K;
+    du: Kernel A's gradient w.r.t. u). ``ws``: the K1 workspace of the forward (it reads gt, inv, mqk,
+    beta; qd, kd, kinv, kr, G, the l2norm and the gate are recomputed with K1's own arithmetic). ``states``: bf16 ``[H·slots, K, V]`` (slots =
     ``snapshot_slots(tiles, N, 1)``), row ``h·slots + g + s`` the state entering global tile g of
     sequence s (the training forward's checkpoints with ``checkpoint_every=1``); ``state_grads``: the
     same shape, the gradient w.r.t. the state after tile g (Kernel A's snapshots, ``snapshot_every=1``).
