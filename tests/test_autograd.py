@@ -680,12 +680,29 @@ def test_compiled_call_refuses_buffers_under_grad(reference_ops):
         torch.compile(lambda: cute_kda.kda_forward(**problem, out=out), fullgraph=True, backend="eager")()
 
 
+def _ops_forward(q, k, v, g, beta, *, scale=None, A_log, dt_bias, lower_bound=-5.0, initial_state=None,
+                 output_final_state=False, cu_seqlens=None, qk_l2norm=True, beta_logits=True):
+    """The traced path's ``kda_forward`` (the training ops), called eagerly."""
+    return torch_ops.kda_forward(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                 initial_state=initial_state, output_final_state=output_final_state,
+                                 cu_seqlens=cu_seqlens, out=None, final_state=None, vsplit=None, qk_l2norm=qk_l2norm,
+                                 beta_logits=beta_logits)
+
+
+@pytest.mark.parametrize("subset", [("v", "initial_state"), ("g", "A_log"), INPUTS], ids="-".join)
+def test_op_path_gradient_subsets(reference_ops, full_run, subset):
+    """Through the ops' registered autograd, only the inputs that require grad get one, equal to the
+    Function's."""
+    problem, do, dht, expected = full_run
+    _, _, grads = train(_ops_forward, problem, requires=subset, do=do, dht=dht)
+    for name in INPUTS:
+        assert (grads[name] is None) if name not in subset else torch.equal(grads[name], expected[name]), name
+
+
 def test_op_backward_refuses_double_backward(reference_ops):
     problem, do, _ = make_problem([20])
     q = problem.pop("q").requires_grad_()
-    o, _ = torch_ops.kda_forward(q, *(problem.pop(n) for n in ("k", "v", "g", "beta")), scale=None,
-                                 lower_bound=-5.0, initial_state=None, output_final_state=False, cu_seqlens=None,
-                                 out=None, final_state=None, vsplit=None, qk_l2norm=True, beta_logits=True, **problem)
+    o, _ = _ops_forward(q, *(problem.pop(n) for n in ("k", "v", "g", "beta")), **problem)
     with pytest.raises(NotImplementedError, match="double backward"):
         torch.autograd.grad((o.float() * do.float()).sum(), q, create_graph=True)
 
