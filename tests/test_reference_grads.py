@@ -23,7 +23,7 @@ from cute_kda.reference import (
     rel_rms,
 )
 from cute_kda.reference import backward
-from cute_kda.numerics import LN2
+from cute_kda.numerics import LN2, LOG2E
 from cute_kda.workspace import block_states_shape
 
 EXACT_TOL = 1e-10
@@ -297,8 +297,10 @@ def test_one_tile_is_the_contract_literally():
     for r in range(14, -1, -1):
         running = running + dG[:, r]
         dgp[:, r] = running + dG_last
-    sig, x = (t.view(16, H, D).transpose(0, 1) for t in (rows.sig, rows.x))
-    dx = dgp * consts.c_gate * sig * (1 - sig)
+    x = rows.x.view(16, H, D).transpose(0, 1)
+    scaled = x * LOG2E
+    dsig = (1.0 / (1.0 + mirror.ex2_approx(-scaled))) * (1.0 / (1.0 + mirror.ex2_approx(scaled)))
+    dx = dgp * consts.c_gate * dsig
     dg = dx * rows.e_a[:, None, None]
     q32, k32 = (t[0].transpose(0, 1).float() for t in (q, k))
     rinv_q, rinv_k = (t.view(16, H, 1).transpose(0, 1) for t in (rows.rinv_q, rows.rinv_k))

@@ -222,14 +222,17 @@ def test_out_buffer():
     expect(ValueError, "out", "[B, T, H, V]", out=torch.zeros(B, T, H + 1, D, dtype=torch.bfloat16))
 
 
-def test_requires_grad_under_grad_mode():
+def test_training_call_reaches_the_device_check():
+    """Inputs that require grad are a training call (cute_kda.autograd): validated like any other."""
     q = make_inputs()["q"].requires_grad_()
     A_log = make_inputs()["A_log"].requires_grad_()
-    expect(NotImplementedError, "no backward", "q, A_log require grad", q=q, A_log=A_log)
+    expect(ValueError, "CUDA device", q=q, A_log=A_log)
 
 
-def test_requires_grad_grammar_for_one_tensor():
-    expect(NotImplementedError, "but q requires grad;", q=make_inputs()["q"].requires_grad_())
+def test_training_call_refuses_output_buffers():
+    inputs = make_inputs()
+    expect(NotImplementedError, "out= buffer is not supported when inputs require grad",
+           q=inputs["q"].requires_grad_(), out=torch.empty_like(inputs["v"]))
 
 
 def test_requires_grad_under_no_grad_is_fine():

@@ -51,7 +51,7 @@ from .common.copy import (
     transpose_c_to_b,
     warp_tiled_mma,
 )
-from .common.fastmath import ex2_approx, sigmoid_approx
+from .common.fastmath import ex2_approx
 from .common.token_prep import ROW_LANES, TokenPrep
 
 BAND = HEAD_DIM // plan.COMPUTE_WARPS  # columns (value or key channels) one warp owns
@@ -569,8 +569,11 @@ class BwdGrads(TokenPrep):
             if row < valid_rows:
                 suffix = suffix + smem.dg_cum[row, col]
                 x = e_a * (smem.g[row, col].to(Float32) + dt)
-                sig = sigmoid_approx(x)
-                dx = (suffix + d_last) * scalars.c_gate * sig * (Float32(1.0) - sig)
+                # σ'(x) = σ(x)·σ(−x), each factor from ex2: σ·(1 − σ) of the tanh form cancels where it saturates
+                scaled = x * Float32(LOG2E)
+                dsig = (Float32(1.0) / (Float32(1.0) + ex2_approx(-scaled))) * (
+                    Float32(1.0) / (Float32(1.0) + ex2_approx(scaled)))
+                dx = (suffix + d_last) * scalars.c_gate * dsig
                 dg_raw = dx * e_a
                 out.dg[row0 + row, head, col] = dg_raw.to(BFloat16)
                 ddt = ddt + dg_raw

@@ -29,13 +29,13 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..numerics import LN2
+from ..numerics import LN2, LOG2E
 from ..workspace import (
     CHUNK, SNAPSHOT_TILES, Workspace, WorkspaceSpec, block_states_shape, snapshot_slots, tiles_per_head,
 )
 from .gold import L2NORM_EPS, STATE_LAYOUTS, gate_log_decay, gold_forward, l2norm
 from .mirror import (
-    Constants, _fma_f32, _k1_rows, _mma, _tile_map, _TileMap, _to_tiles, mirror_prepare, mirror_recurrence,
+    Constants, _fma_f32, _k1_rows, _mma, _tile_map, _TileMap, _to_tiles, ex2_approx, mirror_prepare, mirror_recurrence,
 )
 
 
@@ -435,8 +435,8 @@ class _TileOperands(NamedTuple):
     """What Kernel B holds for every (head, tile) slot, ``[H, tiles, 16, ...]`` in the chain's types.
 
     Recomputed (K1's values): qhat, khat ``[.., 16, K]`` l2-normalised q, k without the scale and
-    rinv_q, rinv_k ``[.., 16, 1]`` (all None without the l2norm); x, sig ``[.., 16, K]`` the gate's
-    argument and sigmoid; e_a ``[H]``; decay = 2^G, decay_inv = 2^-G, decay_rest = 2^(G_last − G);
+    rinv_q, rinv_k ``[.., 16, 1]`` (all None without the l2norm); x, dsig ``[.., 16, K]`` the gate's
+    argument and the sigmoid's derivative σ(x)·σ(−x); e_a ``[H]``; decay = 2^G, decay_inv = 2^-G, decay_rest = 2^(G_last − G);
     qd, kd, kinv, kr ``[.., 16, K]``. Read: gt ``[.., K]``, inv, mqk ``[.., 16, 16]``, beta ``[.., 16]``
     (workspace); v, do, du ``[.., 16, V]``; S (entering the tile), dS (w.r.t. the state after it)
     ``[.., K, V]``. valid bool ``[tiles, 16]``: the row holds a token. Slots that are no tile are 0.
@@ -447,7 +447,7 @@ class _TileOperands(NamedTuple):
     rinv_q: torch.Tensor | None
     rinv_k: torch.Tensor | None
     x: torch.Tensor
-    sig: torch.Tensor
+    dsig: torch.Tensor
     e_a: torch.Tensor
     decay: torch.Tensor
     decay_inv: torch.Tensor
@@ -524,7 +524,7 @@ def _tile_grads(ops: _TileOperands, consts: _GradConstants, arith: _Arithmetic, 
         suffix.append(suffix[-1] + dG[:, :, r])
     dgp = torch.stack(suffix[::-1], dim=2) + dG_last[:, :, None]
 
-    dx = dgp * consts.c_gate * ops.sig * (1 - ops.sig)
+    dx = dgp * consts.c_gate * ops.dsig
     dg = dx * ops.e_a[:, None, None, None]
     if qk_l2norm:
         dq = ops.rinv_q * (dqh - ops.qhat * arith.dot(ops.qhat, dqh, -1)[..., None])
@@ -551,6 +551,13 @@ def _tile_blocks(blocks: torch.Tensor, heads: int, tile_map: _TileMap, arith: _A
     return torch.where(tile_map.slot_exists[None, :, None, None], rows, torch.zeros_like(rows))
 
 
+def _sigmoid_derivative(x: torch.Tensor) -> torch.Tensor:
+    """Kernel B's ``σ(x)·σ(−x)``, each factor ``1 / (1 + 2^(∓x·log2 e))`` in fp32: accurate where σ saturates
+    (``σ·(1 − σ)`` from the forward's tanh form would cancel there)."""
+    scaled = x * LOG2E
+    return (1.0 / (1.0 + ex2_approx(-scaled))) * (1.0 / (1.0 + ex2_approx(scaled)))
+
+
 def _kernel_recompute(
     q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, A_log: torch.Tensor,
     dt_bias: torch.Tensor, lower_bound: float, scale: float, tile_map: _TileMap, qk_l2norm: bool, beta_logits: bool,
@@ -566,7 +573,7 @@ def _kernel_recompute(
         rinv_q, rinv_k = _to_tiles(rows.rinv_q, tile_map), _to_tiles(rows.rinv_k, tile_map)
     recomputed = dict(
         qhat=qhat, khat=khat, rinv_q=rinv_q, rinv_k=rinv_k, x=_to_tiles(rows.x, tile_map),
-        sig=_to_tiles(rows.sig, tile_map), e_a=rows.e_a, decay=rows.decay, decay_inv=rows.decay_inv,
+        dsig=_to_tiles(_sigmoid_derivative(rows.x), tile_map), e_a=rows.e_a, decay=rows.decay, decay_inv=rows.decay_inv,
         decay_rest=rows.decay_rest, qd=rows.qd, kd=rows.kd, kinv=rows.kinv, kr=rows.kr,
     )
     return recomputed, _GradConstants(consts.scale, consts.c_gate, LN2)
@@ -594,7 +601,8 @@ def _exact_recompute(
     decay_rest = torch.exp2(G[:, :, -1:] - G)
     q_t, k_t = _to_tiles(q64, tile_map), _to_tiles(k64, tile_map)
     recomputed = dict(
-        qhat=qhat, khat=khat, rinv_q=rinv_q, rinv_k=rinv_k, x=_to_tiles(x, tile_map), sig=_to_tiles(sig, tile_map),
+        qhat=qhat, khat=khat, rinv_q=rinv_q, rinv_k=rinv_k, x=_to_tiles(x, tile_map),
+        dsig=_to_tiles(sig * torch.sigmoid(-x), tile_map),
         e_a=e_a, decay=decay, decay_inv=decay_inv, decay_rest=decay_rest, qd=q_t * scale * decay,
         kd=k_t * decay, kinv=k_t * decay_inv, kr=k_t * decay_rest,
     )
