@@ -29,14 +29,17 @@ CHUNK = 16
 TOL = {"dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dA_log": 2e-2,
        "ddt_bias": 8e-3}
 MIRROR_TOL = 2e-3  # rel-RMS vs the mirror on the same inputs (accumulation order, fp32 rounding)
-VARIANTS = list(itertools.product((False, True), (True, False), (True, False)))  # varlen, qk_l2norm, beta_logits
+# (varlen, qk_l2norm, beta_logits, compute_warps): every flag combination at the default warps, one at 4
+VARIANTS = [(*flags, plan.DEFAULT_WARPS) for flags in itertools.product((False, True), (True, False), (True, False))]
+VARIANTS.append((False, True, True, 4))
 
 
 # ============================================================================ plan and compile (CPU)
 
 
-def test_plan():
-    budget = plan.smem_budget()
+@pytest.mark.parametrize("warps", plan.COMPUTE_WARPS)
+def test_plan(warps):
+    budget = plan.smem_budget(warps)
     assert budget.total_bytes + 1024 <= 227 * 1024
     assert plan.load_bytes() == 6 * CHUNK * D * 2 + 2 * D * D * 2
     names = list(budget.buffers)
@@ -66,27 +69,28 @@ def _compiled(variant):
     if variant not in _COMPILED:
         from cute_kda.compile_report import compile_with_report
 
-        varlen, qk_l2norm, beta_logits = variant
-        kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+        varlen, qk_l2norm, beta_logits, warps = variant
+        kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=warps)
         _, report = compile_with_report(kernel, *_compile_args(varlen), cute.runtime.make_fake_stream())
         _COMPILED[variant] = (kernel, report)
     return _COMPILED[variant]
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "{}-{}-{}".format(
-    "varlen" if v[0] else "fixed", "l2norm" if v[1] else "raw_qk", "beta_logits" if v[2] else "beta"))
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "{}-{}-{}-{}warps".format(
+    "varlen" if v[0] else "fixed", "l2norm" if v[1] else "raw_qk", "beta_logits" if v[2] else "beta", v[3]))
 def test_variant_compiles(variant):
     kernel, report = _compiled(variant)
     k_steps = D // CHUNK
-    band_atoms = D // plan.COMPUTE_WARPS // 8  # n=8 mma atoms of a warp's 32-column band
+    band = D // variant[3]
+    band_atoms, band_x4 = band // 8, band // 16  # n=8 mma atoms, ldmatrix.x4 (16 n) of a warp's band
     # kd·S (8) + INV·u (1) per band; dO·Uᵀ (8), du·Uᵀ (8), kd·kinvᵀ (8) at 16 columns; dqd, dkd (8 + 1 each),
     # dkinv (2), dkr (8) per band
     mmas = (k_steps + 1) * band_atoms + 3 * k_steps * 2 + (2 * (k_steps + 1) + 2 + k_steps) * band_atoms
     assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == mmas
     assert report.count("movmatrix.sync.aligned.m8n8.trans.b16") == 2 * band_atoms  # u: C → B
-    # transposed reads: S as [V, K] (2 per k-step: 32 columns), kinvᵀ (2, one load serves dqd and dkd),
-    # qdᵀ and kdᵀ (2 each) as B; dMqkᵀ and β·dLᵀ (1 each) as A
-    assert report.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 2 * k_steps + 2 + 2 * 2 + 2
+    # transposed reads: S as [V, K] (per k-step), kinvᵀ (one load serves dqd and dkd), qdᵀ and kdᵀ as B
+    # (band_x4 each); dMqkᵀ and β·dLᵀ (1 each) as A
+    assert report.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == band_x4 * (k_steps + 3) + 2
     assert report.has("ldmatrix.sync.aligned.m8n8.x4.shared.b16")
     # TMA: six token tiles (4-D boxes) and two state matrices behind one transaction barrier
     assert report.count("cp.async.bulk.tensor") == 8
@@ -95,7 +99,7 @@ def test_variant_compiles(variant):
     assert not report.has("atom.") and not report.has("red.")  # no atomics: partial sums per tile
     assert report.local_memory_ops == 0
     assert len(report.kernels) == 1 and report.spills == 0 and report.kernels[0].stack_frame == 0
-    assert report.launch_smem == [plan.smem_budget().total_bytes]
+    assert report.launch_smem == [plan.smem_budget(variant[3]).total_bytes]
     print(f"{variant}: {report.kernels[0].registers} registers, {report.launch_smem[0]} B smem")
 
 

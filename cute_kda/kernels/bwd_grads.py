@@ -4,7 +4,7 @@ Arithmetic: docs/numerics.md, "Backward: Kernel B", operation by operation (the 
 ``cute_kda.reference.backward.mirror_bwd_grads`` follows the same page). Shared-memory plan:
 ``cute_kda.layouts.bwd_grads``.
 
-Tile-parallel: one CTA per (tile slot, head), 4 warps, no dependence between CTAs. Inputs are what the
+Tile-parallel: one CTA per (tile slot, head), 4 or 8 warps, no dependence between CTAs. Inputs are what the
 forward and the reverse scan left: the state ``S`` entering the tile (the training forward's
 checkpoint) and the gradient ``dS'`` leaving it (Kernel A's snapshot), both ``[K, V]``; Kernel A's
 ``du``; dO; the raw q, k, g, v; the workspace's INV, β and gT. Phases (``sync_threads`` between):
@@ -13,14 +13,14 @@ checkpoint) and the gradient ``dS'`` leaving it (Kernel A's snapshot), both ``[K
    barrier; the other threads fetch INV, β, gT and their channel's gate constants.
 2. *Recompute K1* (:class:`~.common.token_prep.TokenPrep`, the instructions K1 runs): ``G``, the
    l2norm scales, qd, kd, kr and kinv. Invalid rows of v, dO, du are zeroed.
-3. *Forward recompute* (warp ``w`` owns value columns ``32w … 32w+31``): ``kd·S``, ``w = v − kd·S``,
+3. *Forward recompute* (warp ``w`` of ``n`` owns value columns ``w·128/n …``, its band): ``kd·S``, ``w = v − kd·S``,
    ``u = bf16(β·w)``, ``U = bf16(INV·u)`` (K2's rounding), ``−bf16(β·du)``, and the per-row partial of
    ``Σ_v du·w``.
 4. *16×16 products:* warp 0 ``dMqk = bf16(tril(dO·Uᵀ))``; warp 1 ``dL = −stril(du·Uᵀ)``,
-   ``β·dL`` and ``Σ_j dL ⊙ (kd·kinvᵀ)``; warps 2-3 ``dgT = Σ_v S ⊙ dS'`` per channel.
-5. *Channel products* (warp ``w`` owns key channels ``32w … 32w+31``): dqd, dkd, dkinv, dkr, then the
+   ``β·dL`` and ``Σ_j dL ⊙ (kd·kinvᵀ)``; the last 2 (of 4) or 4 (of 8) warps ``dgT = Σ_v S ⊙ dS'`` per channel.
+5. *Channel products* (warp ``w`` owns the key channels of its band): dqd, dkd, dkinv, dkr, then the
    token gradients of q̂ and k̂, ``dG`` and ``dkr ⊙ kr``, and the per-row l2norm dot products.
-6. *Finish:* dq, dk (l2norm backward); per channel, the reverse cumsum of dG, the gate backward
+6. *Finish:* dq, dk (l2norm backward); per channel (threads 0-127), the reverse cumsum of dG, the gate backward
    (dg, and the tile's partial sums of ddt_bias and dA_log); per row, dβ.
 
 Rows past the end of the sequence are invalid: masked to zero on entry, never written.
@@ -54,7 +54,6 @@ from .common.copy import (
 from .common.fastmath import ex2_approx
 from .common.token_prep import ROW_LANES, TokenPrep
 
-BAND = HEAD_DIM // plan.COMPUTE_WARPS  # columns (value or key channels) one warp owns
 K_STEPS = HEAD_DIM // WARP_TILE  # 16-wide contraction steps over a full head dimension
 
 
@@ -146,13 +145,20 @@ class GradsSmem(NamedTuple):
 
 
 class BwdGrads(TokenPrep):
-    """Kernel B. Static configuration: ``varlen``, ``qk_l2norm``, ``beta_logits``."""
+    """Kernel B. Static configuration: ``varlen``, ``qk_l2norm``, ``beta_logits``; ``compute_warps`` (4 or
+    8): warps per CTA, each owning ``128 / compute_warps`` columns in the band phases."""
 
-    def __init__(self, *, varlen: bool, qk_l2norm: bool = True, beta_logits: bool = True) -> None:
+    def __init__(self, *, varlen: bool, qk_l2norm: bool = True, beta_logits: bool = True,
+                 compute_warps: int = plan.DEFAULT_WARPS) -> None:
+        if compute_warps not in plan.COMPUTE_WARPS:
+            raise ValueError(f"compute_warps must be one of {plan.COMPUTE_WARPS}, got {compute_warps}")
         self.varlen = varlen
         self.qk_l2norm = qk_l2norm
         self.beta_logits = beta_logits
-        self.num_threads = plan.COMPUTE_WARPS * 32
+        self.warps = compute_warps
+        self.band = HEAD_DIM // compute_warps  # columns (value or key channels) one warp owns
+        self.dgt_warp = compute_warps // 2  # warps from here on compute dgT in phase 4
+        self.num_threads = compute_warps * 32
         self.dim = HEAD_DIM
         self.tile = (CHUNK, HEAD_DIM)
         self.state_box = (HEAD_DIM, HEAD_DIM)
@@ -197,7 +203,7 @@ class BwdGrads(TokenPrep):
                            for t in (inputs.q, inputs.k, inputs.g, inputs.v, inputs.do, inputs.du))
         tma_states = tuple(make_head_tile_tma_atom(load, t, state, self.state_box)
                            for t in (states.state, states.state_grad))
-        self.shared_storage = plan.shared_storage(d)
+        self.shared_storage = plan.shared_storage(self.warps, d)
         tiles = ws.gt.shape[0] // heads
         self.kernel(tma_tokens, tma_states, inputs, ws, out, scalars, cu_seqlens, tile_base).launch(
             grid=(tiles, heads, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1,
@@ -223,7 +229,8 @@ class BwdGrads(TokenPrep):
     def zero_partials(self, out: GradsOutputs, slot: Int32):
         """A slot that is no tile (varlen bound) still sums to nothing."""
         tidx, _, _ = cute.arch.thread_idx()
-        out.ddt_partial[slot, tidx] = Float32(0.0)
+        if tidx < self.dim:
+            out.ddt_partial[slot, tidx] = Float32(0.0)
         if tidx == 0:
             out.dalog_partial[slot] = Float32(0.0)
 
@@ -252,10 +259,11 @@ class BwdGrads(TokenPrep):
             beta=view(storage.beta, plan.row_vector(), Float32), rinv_q=view(storage.rinv_q, plan.row_vector(), Float32),
             rinv_k=view(storage.rinv_k, plan.row_vector(), Float32),
             dbeta_square=view(storage.dbeta_square, plan.row_vector(), Float32),
-            dbeta_w=view(storage.dbeta_w, plan.warp_rows(), Float32), dot_q=view(storage.dot_q, plan.warp_rows(), Float32),
-            dot_k=view(storage.dot_k, plan.warp_rows(), Float32),
+            dbeta_w=view(storage.dbeta_w, plan.warp_rows(self.warps), Float32),
+            dot_q=view(storage.dot_q, plan.warp_rows(self.warps), Float32),
+            dot_k=view(storage.dot_k, plan.warp_rows(self.warps), Float32),
             dgt=view(storage.dgt, plan.vector(self.dim), Float32), gt=view(storage.gt, plan.vector(self.dim), Float32),
-            dalog_w=view(storage.dalog_w, plan.vector(plan.COMPUTE_WARPS), Float32),
+            dalog_w=view(storage.dalog_w, plan.vector(plan.CHANNEL_WARPS), Float32),
         )
 
     @cute.jit
@@ -272,10 +280,11 @@ class BwdGrads(TokenPrep):
         if warp_idx == 0:
             self.load_tiles(tma_tokens, tma_states, smem, tma_barrier, head, row0, state_row)
         # 1. workspace values and this thread's channel constants while the TMA runs
-        col = tidx
+        col = tidx % self.dim
         dt = inputs.dt_bias[head, col]
         e_a = ex2_approx(inputs.a_log[head] * Float32(LOG2E))
-        smem.gt[col] = ws.gt[slot, col]
+        if tidx < self.dim:
+            smem.gt[col] = ws.gt[slot, col]
         if tidx < CHUNK:
             smem.beta[tidx] = ws.beta[slot, tidx]
         for i in cutlass.range_constexpr(CHUNK * CHUNK // self.num_threads):
@@ -286,7 +295,8 @@ class BwdGrads(TokenPrep):
 
         # 2. K1's recompute; rows past the sequence end of v, dO, du are zeroed
         self.zero_invalid_rows(smem, valid_rows, tidx)
-        self.gate_scan(smem.g, smem.cumsum, col, dt, e_a, scalars.c_gate, valid_rows)
+        if tidx < self.dim:
+            self.gate_scan(smem.g, smem.cumsum, col, dt, e_a, scalars.c_gate, valid_rows)
         cute.arch.sync_threads()
         self.decay(smem.q, smem.k, smem.cumsum, smem.qd, smem.kd, smem.kr, smem.kinv, scalars.scale, valid_rows,
                    tidx, smem.rinv_q, smem.rinv_k)
@@ -301,8 +311,8 @@ class BwdGrads(TokenPrep):
             self.masked_do_u(smem, lane)
         elif warp_idx == 1:
             self.masked_du_u(smem, lane)
-        else:
-            self.state_gate_grad(smem, tidx - 2 * 32)
+        elif warp_idx >= self.dgt_warp:
+            self.state_gate_grad(smem, tidx - self.dgt_warp * 32)
         cute.arch.sync_threads()
 
         # 5. channel products per key band, 6. finish
@@ -368,14 +378,15 @@ class BwdGrads(TokenPrep):
     def forward_band(self, smem: GradsSmem, warp_idx: Int32, lane: Int32):
         """Value band of warp ``w``: ``w = v − kd·S``, ``u``, ``U = bf16(INV·u)`` into ``u_out``,
         ``−bf16(β·du)`` into ``neg_bdu``, and the warp's row partial of ``Σ_v du·w``."""
-        mma = warp_tiled_mma(BFloat16, Float32, BAND)
-        v0 = warp_idx * BAND
-        coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor((CHUNK, BAND)))
-        ks = make_fragment(mma, Operand.C, Float32, tile=(CHUNK, BAND))
+        band = self.band
+        mma = warp_tiled_mma(BFloat16, Float32, band)
+        v0 = warp_idx * band
+        coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor((CHUNK, band)))
+        ks = make_fragment(mma, Operand.C, Float32, tile=(CHUNK, band))
         ks.fill(0.0)
-        self.accumulate(mma, ks, smem.kd, cute.local_tile(smem.state_t, (BAND, self.dim), (warp_idx, 0)),
+        self.accumulate(mma, ks, smem.kd, cute.local_tile(smem.state_t, (band, self.dim), (warp_idx, 0)),
                         False, True, K_STEPS, lane)
-        u = make_fragment(mma, Operand.C, BFloat16, tile=(CHUNK, BAND))
+        u = make_fragment(mma, Operand.C, BFloat16, tile=(CHUNK, band))
         row_sum = cute.make_rmem_tensor((2,), Float32)  # rows g and g + 8 of this lane
         row_sum.fill(0.0)
         for i in cutlass.range_constexpr(cute.size(ks)):
@@ -388,13 +399,13 @@ class BwdGrads(TokenPrep):
             smem.neg_bdu[row, v0 + c] = (-(beta * du)).to(BFloat16)
         self.store_row_partials(smem.dbeta_w, row_sum, warp_idx, lane)
 
-        u_b = make_fragment(mma, Operand.B, BFloat16, tile=(BAND, WARP_TILE))
+        u_b = make_fragment(mma, Operand.B, BFloat16, tile=(band, WARP_TILE))
         transpose_c_to_b(u, u_b)
         inv = make_fragment(mma, Operand.A, BFloat16)
         copy_a = ldmatrix_copy(mma, Operand.A, False)
         thr_a = copy_a.get_slice(lane)
         cute.copy(copy_a, thr_a.partition_S(smem.inv), thr_a.retile(inv))
-        big_u = make_fragment(mma, Operand.C, Float32, tile=(CHUNK, BAND))
+        big_u = make_fragment(mma, Operand.C, Float32, tile=(CHUNK, band))
         big_u.fill(0.0)
         cute.gemm(mma, big_u, inv, u_b, big_u)
         for i in cutlass.range_constexpr(cute.size(big_u)):
@@ -456,10 +467,12 @@ class BwdGrads(TokenPrep):
 
     @cute.jit
     def state_gate_grad(self, smem: GradsSmem, thread: Int32):
-        """Warps 2-3 (``thread`` 0-63): ``dgT[c] = Σ_v S[c, v]·dS'[c, v]`` for channels ``thread``, ``thread + 64``."""
+        """The dgT warps (``thread`` counts from their first lane): ``dgT[c] = Σ_v S[c, v]·dS'[c, v]`` for the
+        channels ``c ≡ thread`` modulo their thread count."""
         run = (1, 8)
-        for half in cutlass.range_constexpr(2):
-            c = thread + half * 64
+        threads = self.num_threads - self.dgt_warp * 32
+        for part in cutlass.range_constexpr(self.dim // threads):
+            c = thread + part * threads
             total = Float32(0.0)
             s_run = cute.make_rmem_tensor(run, BFloat16)
             ds_run = cute.make_rmem_tensor(run, BFloat16)
@@ -475,12 +488,13 @@ class BwdGrads(TokenPrep):
                      valid_rows: Int32, warp_idx: Int32, lane: Int32):
         """Key band of warp ``w``: dqd, dkd, dkinv, dkr; the q̂ / k̂ gradients; ``dG`` and ``dkr ⊙ kr``;
         the l2norm backward (after the row dot products of all warps)."""
-        mma = warp_tiled_mma(BFloat16, Float32, BAND)
-        c0 = warp_idx * BAND
-        shape = (CHUNK, BAND)
+        band = self.band
+        mma = warp_tiled_mma(BFloat16, Float32, band)
+        c0 = warp_idx * band
+        shape = (CHUNK, band)
         coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor(shape))
-        s_band = cute.local_tile(smem.state, (BAND, self.dim), (warp_idx, 0))
-        kinv_band = cute.local_tile(smem.kinv_t, (BAND, CHUNK), (warp_idx, 0))
+        s_band = cute.local_tile(smem.state, (band, self.dim), (warp_idx, 0))
+        kinv_band = cute.local_tile(smem.kinv_t, (band, CHUNK), (warp_idx, 0))
         ln2 = Float32(LN2)
         # two passes of two accumulators each (register pressure): dqd and dkd, then dkinv and dkr
         d_qd = make_fragment(mma, Operand.C, Float32, tile=shape)
@@ -505,11 +519,11 @@ class BwdGrads(TokenPrep):
         d_kr = make_fragment(mma, Operand.C, Float32, tile=shape)
         d_kinv.fill(0.0)
         d_kr.fill(0.0)
-        self.accumulate(mma, d_kinv, smem.dmqk_t, cute.local_tile(smem.qd_t, (BAND, CHUNK), (warp_idx, 0)),
+        self.accumulate(mma, d_kinv, smem.dmqk_t, cute.local_tile(smem.qd_t, (band, CHUNK), (warp_idx, 0)),
                         True, True, 1, lane)
-        self.accumulate(mma, d_kinv, smem.dlb_t, cute.local_tile(smem.kd_t, (BAND, CHUNK), (warp_idx, 0)),
+        self.accumulate(mma, d_kinv, smem.dlb_t, cute.local_tile(smem.kd_t, (band, CHUNK), (warp_idx, 0)),
                         True, True, 1, lane)
-        self.accumulate(mma, d_kr, smem.u_out, cute.local_tile(smem.state_grad, (BAND, self.dim), (warp_idx, 0)),
+        self.accumulate(mma, d_kr, smem.u_out, cute.local_tile(smem.state_grad, (band, self.dim), (warp_idx, 0)),
                         False, False, K_STEPS, lane)
         dot_q = cute.make_rmem_tensor((2,), Float32)
         dot_k = cute.make_rmem_tensor((2,), Float32)
@@ -541,7 +555,7 @@ class BwdGrads(TokenPrep):
             if cutlass.const_expr(self.qk_l2norm):
                 sum_q = Float32(0.0)
                 sum_k = Float32(0.0)
-                for w in cutlass.range_constexpr(plan.COMPUTE_WARPS):
+                for w in cutlass.range_constexpr(self.warps):
                     sum_q = sum_q + smem.dot_q[w, row]
                     sum_k = sum_k + smem.dot_k[w, row]
                 rq, rk = smem.rinv_q[row], smem.rinv_k[row]
@@ -557,36 +571,37 @@ class BwdGrads(TokenPrep):
                       e_a: Float32, warp_idx: Int32, lane: Int32):
         """Channel ``col``: ``dg' = Σ_{s≥r} dG_s + dG_last`` (reverse cumsum), the gate backward to the raw
         gate, and the tile's partial sums of ddt_bias (per channel) and dA_log (over channels, warp order)."""
-        d_last = Float32(0.0)
-        for row in cutlass.range_constexpr(CHUNK):
-            d_last = d_last + smem.dkr_kr[row, col]
-        d_last = Float32(LN2) * (d_last + smem.dgt[col] * smem.gt[col])
-        suffix = Float32(0.0)
-        ddt = Float32(0.0)
-        dalog = Float32(0.0)
-        for step in cutlass.range_constexpr(CHUNK):
-            row = CHUNK - 1 - step
-            if row < valid_rows:
-                suffix = suffix + smem.dg_cum[row, col]
-                x = e_a * (smem.g[row, col].to(Float32) + dt)
-                # σ'(x) = σ(x)·σ(−x), each factor from ex2: σ·(1 − σ) of the tanh form cancels where it saturates
-                scaled = x * Float32(LOG2E)
-                dsig = (Float32(1.0) / (Float32(1.0) + ex2_approx(-scaled))) * (
-                    Float32(1.0) / (Float32(1.0) + ex2_approx(scaled)))
-                dx = (suffix + d_last) * scalars.c_gate * dsig
-                dg_raw = dx * e_a
-                out.dg[row0 + row, head, col] = dg_raw.to(BFloat16)
-                ddt = ddt + dg_raw
-                dalog = dalog + dx * x
-        out.ddt_partial[slot, col] = ddt
-        for offset in (16, 8, 4, 2, 1):
-            dalog = dalog + cute.arch.shuffle_sync_bfly(dalog, offset=offset)
-        if lane == 0:
-            smem.dalog_w[warp_idx] = dalog
+        if warp_idx < plan.CHANNEL_WARPS:  # one thread per channel
+            d_last = Float32(0.0)
+            for row in cutlass.range_constexpr(CHUNK):
+                d_last = d_last + smem.dkr_kr[row, col]
+            d_last = Float32(LN2) * (d_last + smem.dgt[col] * smem.gt[col])
+            suffix = Float32(0.0)
+            ddt = Float32(0.0)
+            dalog = Float32(0.0)
+            for step in cutlass.range_constexpr(CHUNK):
+                row = CHUNK - 1 - step
+                if row < valid_rows:
+                    suffix = suffix + smem.dg_cum[row, col]
+                    x = e_a * (smem.g[row, col].to(Float32) + dt)
+                    # σ'(x) = σ(x)·σ(−x), each factor from ex2: σ·(1 − σ) of the tanh form cancels where it saturates
+                    scaled = x * Float32(LOG2E)
+                    dsig = (Float32(1.0) / (Float32(1.0) + ex2_approx(-scaled))) * (
+                        Float32(1.0) / (Float32(1.0) + ex2_approx(scaled)))
+                    dx = (suffix + d_last) * scalars.c_gate * dsig
+                    dg_raw = dx * e_a
+                    out.dg[row0 + row, head, col] = dg_raw.to(BFloat16)
+                    ddt = ddt + dg_raw
+                    dalog = dalog + dx * x
+            out.ddt_partial[slot, col] = ddt
+            for offset in (16, 8, 4, 2, 1):
+                dalog = dalog + cute.arch.shuffle_sync_bfly(dalog, offset=offset)
+            if lane == 0:
+                smem.dalog_w[warp_idx] = dalog
         cute.arch.sync_threads()
-        if col == 0:
+        if warp_idx == 0 and lane == 0:
             total = Float32(0.0)
-            for w in cutlass.range_constexpr(plan.COMPUTE_WARPS):
+            for w in cutlass.range_constexpr(plan.CHANNEL_WARPS):
                 total = total + smem.dalog_w[w]
             out.dalog_partial[slot] = total
 
@@ -595,7 +610,7 @@ class BwdGrads(TokenPrep):
                       row: Int32):
         """Row ``row``: ``dβ = Σ_v du·w + Σ_j dL ⊙ A`` (warp partials in order), through the sigmoid."""
         total = Float32(0.0)
-        for w in cutlass.range_constexpr(plan.COMPUTE_WARPS):
+        for w in cutlass.range_constexpr(self.warps):
             total = total + smem.dbeta_w[w, row]
         total = total + smem.dbeta_square[row]
         if cutlass.const_expr(self.beta_logits):

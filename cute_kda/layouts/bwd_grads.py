@@ -26,7 +26,9 @@ DERIVED_TILES = ("qd", "kd", "kr", "kinv", "u_out", "neg_bdu")  # [16, D] bf16 c
 SQUARE_TILES = ("inv", "dmqk", "dlb")  # [16, 16] bf16
 FP32_TILES = ("cumsum", "dg_cum", "dkr_kr")  # [16, D] fp32
 ROW_VECTORS = ("beta", "rinv_q", "rinv_k", "dbeta_square")  # [16] fp32
-COMPUTE_WARPS = 4
+COMPUTE_WARPS = (4, 8)  # warps per CTA the kernel is built for; warp w owns columns w·(D/warps) …
+DEFAULT_WARPS = 8  # measured faster than 4 (docs/perf-log.md, B1)
+CHANNEL_WARPS = 4  # warps 0-3 also run the per-channel phases (one thread per channel at D = 128)
 
 
 def state_tile(dim: int = HEAD_DIM):
@@ -34,7 +36,7 @@ def state_tile(dim: int = HEAD_DIM):
     return sw128_tile(dim, dim, cutlass.BFloat16)
 
 
-def warp_rows(warps: int = COMPUTE_WARPS, chunk: int = CHUNK):
+def warp_rows(warps: int, chunk: int = CHUNK):
     """``[warps, CHUNK]`` fp32 row partials, one row of 16 per warp (reduced in warp order)."""
     return cute.make_layout((warps, chunk), stride=(chunk, 1))
 
@@ -44,17 +46,16 @@ def load_bytes(dim: int = HEAD_DIM, chunk: int = CHUNK) -> int:
     return len(TOKEN_TILES) * chunk * dim * 2 + len(STATE_TILES) * dim * dim * 2
 
 
-def smem_budget(dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
-    """Kernel B's shared-memory plan (host side)."""
+def smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
+    """Kernel B's shared-memory plan for ``warps`` compute warps (host side)."""
     tile = layout_spec(f"chunk_tile({dim},{chunk})", chunk_tile, dim, chunk, dtype=cutlass.BFloat16)
     state = layout_spec(f"state_tile({dim})", state_tile, dim, dtype=cutlass.BFloat16)
     square = layout_spec(f"square_tile({chunk})", square_tile, chunk, dtype=cutlass.BFloat16)
     fp32 = layout_spec(f"gate_cumsum_tile({dim},{chunk})", gate_cumsum_tile, dim, chunk, dtype=cutlass.Float32)
     rows = layout_spec(f"row_vector({chunk})", row_vector, chunk, dtype=cutlass.Float32)
-    per_warp = layout_spec(f"warp_rows({COMPUTE_WARPS},{chunk})", warp_rows, COMPUTE_WARPS, chunk,
-                           dtype=cutlass.Float32)
+    per_warp = layout_spec(f"warp_rows({warps},{chunk})", warp_rows, warps, chunk, dtype=cutlass.Float32)
     channels = layout_spec(f"vector({dim})", vector, dim, dtype=cutlass.Float32)
-    warps = layout_spec(f"vector({COMPUTE_WARPS})", vector, COMPUTE_WARPS, dtype=cutlass.Float32)
+    channel_warps = layout_spec(f"vector({CHANNEL_WARPS})", vector, CHANNEL_WARPS, dtype=cutlass.Float32)
     notes = {
         "q": "raw q (TMA)", "k": "raw k (TMA)", "g": "raw gate (TMA)", "v": "v (TMA)", "do": "dO (TMA)",
         "du": "du from Kernel A (TMA)", "state": "S entering the tile, [K, V] (TMA)",
@@ -74,11 +75,11 @@ def smem_budget(dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
                 for name in ("dbeta_w", "dot_q", "dot_k")]
     buffers += [SmemBuffer("dgt", channels, align_bytes=16, note="Σ_v S ⊙ dS' per channel"),
                 SmemBuffer("gt", channels, align_bytes=16, note="2^G_last (workspace)"),
-                SmemBuffer("dalog_w", warps, align_bytes=16, note="dA_log partial per warp"),
+                SmemBuffer("dalog_w", channel_warps, align_bytes=16, note="dA_log partial per channel warp"),
                 mbarriers("tma_barrier", 1, "transaction barrier of the loads")]
-    return SmemBudget(f"Kernel B D={dim} CHUNK={chunk}", SmemGroup("GradsStorage", tuple(buffers)))
+    return SmemBudget(f"Kernel B warps={warps} D={dim} CHUNK={chunk}", SmemGroup("GradsStorage", tuple(buffers)))
 
 
-def shared_storage(dim: int = HEAD_DIM, chunk: int = CHUNK):
+def shared_storage(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK):
     """The ``cute.struct`` of Kernel B's shared memory, from :func:`smem_budget`."""
-    return smem_budget(dim, chunk).storage_struct()
+    return smem_budget(warps, dim, chunk).storage_struct()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..layouts.bwd_grads import COMPUTE_WARPS, DEFAULT_WARPS
 from ..numerics import f32, gate_constant
 from ..workspace import Workspace, block_states_shape
 from ._cache import CompileCache, compile_for_launch, current_stream, device_index, launch_tensor, to_cute_tensor
@@ -85,13 +86,13 @@ def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbet
 
 
 def _compiled(key: tuple, tensors: tuple, options: dict, stream):
-    """The compiled variant ``key = (varlen, qk_l2norm, beta_logits, device)``, built on first use."""
+    """The compiled variant ``key = (varlen, qk_l2norm, beta_logits, compute_warps, device)``, built on first use."""
 
     def build():
         from ..kernels.bwd_grads import BwdGrads
 
-        varlen, qk_l2norm, beta_logits, _ = key
-        kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+        varlen, qk_l2norm, beta_logits, compute_warps, _ = key
+        kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=compute_warps)
         return compile_for_launch(kernel, *launch_arguments(*tensors, **options, tensor=to_cute_tensor), stream)
 
     return _CACHE.get(key, build)
@@ -115,12 +116,15 @@ def bwd_grads(
     dalog_partial fp32 ``[H, tiles]`` (:func:`gate_partials_shapes`): every slot is written (0 for slots
     that are no tile), so ``ddt_bias = ddt_partial.sum(1)`` and ``dA_log = dalog_partial.sum(1)``.
     ``scale`` and ``lower_bound`` as the forward's; ``cu_seqlens`` int64 ``[N+1]`` with B == 1 packs N
-    sequences (``tile_base`` derived when not given). Launches on torch's current stream.
+    sequences (``tile_base`` derived when not given). ``compute_warps``: 4 or 8 warps per CTA (a tuning
+    knob; the row sums over warps then group differently, so results agree to rounding, not bit for bit). Launches on torch's current stream.
     """
     varlen = cu_seqlens is not None
     num_seqs = cu_seqlens.numel() - 1 if varlen else q.shape[0]
     _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial, dalog_partial,
                    num_seqs)
+    if compute_warps not in COMPUTE_WARPS:
+        raise ValueError(f"compute_warps must be one of {COMPUTE_WARPS}, got {compute_warps}")
     if ws.qd.shape[0] == 0:
         return
     if varlen and tile_base is None:
@@ -130,5 +134,5 @@ def bwd_grads(
     options = dict(scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens, tile_base=tile_base)
     with torch.cuda.device(q.device):
         stream = current_stream(q.device)
-        key = (varlen, qk_l2norm, beta_logits, device_index(q.device))
+        key = (varlen, qk_l2norm, beta_logits, compute_warps, device_index(q.device))
         _compiled(key, tensors, options, stream)(*launch_arguments(*tensors, **options), stream)
