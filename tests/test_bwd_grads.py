@@ -7,6 +7,7 @@ The references are tested in tests/test_reference_grads.py; Kernel A in tests/te
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -120,6 +121,36 @@ def test_launcher_rejects_mismatched_buffers():
         broken[index] = bad
         with pytest.raises(ValueError):
             kb.bwd_grads(*broken, scale=0.1, lower_bound=-5.0)
+
+
+def test_launcher_keys_the_variant_and_builds_its_arguments(monkeypatch):
+    """The launch path up to the compiled call, on the CPU: the key, the argument bundles, the stream."""
+    heads, n, T = 2, 2, 40
+    tok = torch.zeros(n, T, heads, D, dtype=torch.bfloat16)
+    spec = WorkspaceSpec(heads=heads, tiles=6)
+    ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
+    states = torch.zeros(block_states_shape(ws, heads, n), dtype=torch.bfloat16)
+    ddt, dalog = (torch.zeros(s) for s in kb.gate_partials_shapes(ws, heads))
+    seen = []
+
+    def compiled(key, tensors, options, stream):
+        seen.append(key)
+        return lambda *args: seen.append(args)
+
+    monkeypatch.setattr(kb, "_compiled", compiled)
+    monkeypatch.setattr(kb, "current_stream", lambda device: "stream")
+    monkeypatch.setattr(kb, "device_index", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    kb.bwd_grads(tok, tok, tok, tok, tok, tok, ws, states, states, torch.zeros(heads), torch.zeros(heads, D),
+                 tok, tok, tok, torch.zeros(n, T, heads, dtype=torch.bfloat16), ddt, dalog, scale=0.1,
+                 lower_bound=-5.0, compute_warps=4)
+    key, args = seen
+    assert key == (False, True, True, 4, 0)
+    assert len(args) == 10 and args[-1] == "stream" and args[6] == T
+    with pytest.raises(ValueError, match="compute_warps"):
+        kb.bwd_grads(tok, tok, tok, tok, tok, tok, ws, states, states, torch.zeros(heads), torch.zeros(heads, D),
+                     tok, tok, tok, torch.zeros(n, T, heads, dtype=torch.bfloat16), ddt, dalog, scale=0.1,
+                     lower_bound=-5.0, compute_warps=2)
 
 
 # ============================================================================ GPU: the kernel chain

@@ -104,7 +104,7 @@ def bwd_grads(
     dt_bias: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dg: torch.Tensor, dbeta: torch.Tensor,
     ddt_partial: torch.Tensor, dalog_partial: torch.Tensor, *, scale: float, lower_bound: float,
     cu_seqlens: torch.Tensor | None = None, tile_base: torch.Tensor | None = None, qk_l2norm: bool = True,
-    beta_logits: bool = True,
+    beta_logits: bool = True, compute_warps: int = DEFAULT_WARPS,
 ) -> None:
     """Run Kernel B: dq, dk, dg, dbeta (valid rows) and the per-tile partials of ddt_bias and dA_log.
 
