@@ -48,6 +48,7 @@ from .common.copy import (
     make_fragment,
     make_head_tile_tma_atom,
     smem_tensor,
+    stmatrix_copy,
     transpose_c_to_b,
     warp_tiled_mma,
 )
@@ -375,28 +376,55 @@ class BwdGrads(TokenPrep):
             cute.gemm(tiled_mma, acc, a_frag, b_frag, acc)
 
     @cute.jit
+    def load_c(self, tiled_mma, s_block: cute.Tensor, lane: Int32) -> cute.Tensor:
+        """bf16 C fragment of the ``(16, n)`` smem block ``s_block`` (``ldmatrix``: one instruction a 16×16)."""
+        frag = make_fragment(tiled_mma, Operand.C, BFloat16, tile=(CHUNK, cute.size(s_block, mode=[1])))
+        copy = ldmatrix_copy(tiled_mma, Operand.C, False)
+        thr = copy.get_slice(lane)
+        cute.copy(copy, thr.partition_S(s_block), thr.retile(frag))
+        return frag
+
+    @cute.jit
+    def store_c(self, tiled_mma, frag: cute.Tensor, s_block: cute.Tensor, lane: Int32):
+        """bf16 C fragment ``frag`` into the ``(16, n)`` smem block ``s_block`` (``stmatrix``)."""
+        copy = stmatrix_copy(tiled_mma, Operand.C, False)
+        thr = copy.get_slice(lane)
+        cute.copy(copy, thr.retile(frag), thr.partition_D(s_block))
+
+    @cute.jit
+    def row_values(self, s_rows: cute.Tensor, lane: Int32) -> cute.Tensor:
+        """``s_rows[g]`` and ``s_rows[g + 8]`` (``g = lane // 4``): the two rows a C fragment's lane holds."""
+        values = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            values[h] = s_rows[lane // 4 + 8 * h]
+        return values
+
+    @cute.jit
     def forward_band(self, smem: GradsSmem, warp_idx: Int32, lane: Int32):
         """Value band of warp ``w``: ``w = v − kd·S``, ``u``, ``U = bf16(INV·u)`` into ``u_out``,
         ``−bf16(β·du)`` into ``neg_bdu``, and the warp's row partial of ``Σ_v du·w``."""
         band = self.band
         mma = warp_tiled_mma(BFloat16, Float32, band)
-        v0 = warp_idx * band
-        coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor((CHUNK, band)))
-        ks = make_fragment(mma, Operand.C, Float32, tile=(CHUNK, band))
+        block = (CHUNK, band)
+        ks = make_fragment(mma, Operand.C, Float32, tile=block)
         ks.fill(0.0)
         self.accumulate(mma, ks, smem.kd, cute.local_tile(smem.state_t, (band, self.dim), (warp_idx, 0)),
                         False, True, K_STEPS, lane)
-        u = make_fragment(mma, Operand.C, BFloat16, tile=(CHUNK, band))
+        v = self.load_c(mma, cute.local_tile(smem.v, block, (0, warp_idx)), lane)
+        du = self.load_c(mma, cute.local_tile(smem.du, block, (0, warp_idx)), lane)
+        beta = self.row_values(smem.beta, lane)
+        u = make_fragment(mma, Operand.C, BFloat16, tile=block)
+        neg_bdu = make_fragment(mma, Operand.C, BFloat16, tile=block)
         row_sum = cute.make_rmem_tensor((2,), Float32)  # rows g and g + 8 of this lane
         row_sum.fill(0.0)
         for i in cutlass.range_constexpr(cute.size(ks)):
-            row, c = coords[i]
-            w = smem.v[row, v0 + c].to(Float32) - ks[i]
-            beta = smem.beta[row]
-            u[i] = (w * beta).to(BFloat16)
-            du = smem.du[row, v0 + c].to(Float32)
-            row_sum[c_row_half(i)] = row_sum[c_row_half(i)] + du * w
-            smem.neg_bdu[row, v0 + c] = (-(beta * du)).to(BFloat16)
+            h = c_row_half(i)
+            w = v[i].to(Float32) - ks[i]
+            u[i] = (w * beta[h]).to(BFloat16)
+            du_i = du[i].to(Float32)
+            row_sum[h] = row_sum[h] + du_i * w
+            neg_bdu[i] = (-(beta[h] * du_i)).to(BFloat16)
+        self.store_c(mma, neg_bdu, cute.local_tile(smem.neg_bdu, block, (0, warp_idx)), lane)
         self.store_row_partials(smem.dbeta_w, row_sum, warp_idx, lane)
 
         u_b = make_fragment(mma, Operand.B, BFloat16, tile=(band, WARP_TILE))
@@ -405,12 +433,13 @@ class BwdGrads(TokenPrep):
         copy_a = ldmatrix_copy(mma, Operand.A, False)
         thr_a = copy_a.get_slice(lane)
         cute.copy(copy_a, thr_a.partition_S(smem.inv), thr_a.retile(inv))
-        big_u = make_fragment(mma, Operand.C, Float32, tile=(CHUNK, band))
+        big_u = make_fragment(mma, Operand.C, Float32, tile=block)
         big_u.fill(0.0)
         cute.gemm(mma, big_u, inv, u_b, big_u)
+        u_out = make_fragment(mma, Operand.C, BFloat16, tile=block)
         for i in cutlass.range_constexpr(cute.size(big_u)):
-            row, c = coords[i]
-            smem.u_out[row, v0 + c] = big_u[i].to(BFloat16)
+            u_out[i] = big_u[i].to(BFloat16)
+        self.store_c(mma, u_out, cute.local_tile(smem.u_out, block, (0, warp_idx)), lane)
 
     @cute.jit
     def store_row_partials(self, s_rows: cute.Tensor, row_sum: cute.Tensor, warp_idx: Int32, lane: Int32):
@@ -436,9 +465,11 @@ class BwdGrads(TokenPrep):
         acc = make_fragment(mma, Operand.C, Float32)
         acc.fill(0.0)
         self.square_product(acc, smem.do, smem.u_out, lane)
+        dmqk = make_fragment(mma, Operand.C, BFloat16)
         for i in cutlass.range_constexpr(cute.size(acc)):
             row, c = coords[i]
-            smem.dmqk[row, c] = Float32(cutlass.select_(row >= c, acc[i], Float32(0.0))).to(BFloat16)
+            dmqk[i] = Float32(cutlass.select_(row >= c, acc[i], Float32(0.0))).to(BFloat16)
+        self.store_c(mma, dmqk, smem.dmqk, lane)
 
     @cute.jit
     def masked_du_u(self, smem: GradsSmem, lane: Int32):
@@ -451,13 +482,17 @@ class BwdGrads(TokenPrep):
         a_kk = make_fragment(mma, Operand.C, Float32)
         a_kk.fill(0.0)
         self.square_product(a_kk, smem.kd, smem.kinv, lane)
+        beta = self.row_values(smem.beta, lane)
+        dlb = make_fragment(mma, Operand.C, BFloat16)
         row_sum = cute.make_rmem_tensor((2,), Float32)
         row_sum.fill(0.0)
         for i in cutlass.range_constexpr(cute.size(du_u)):
             row, c = coords[i]
+            h = c_row_half(i)
             d_l = Float32(cutlass.select_(row > c, -du_u[i], Float32(0.0)))
-            smem.dlb[row, c] = (smem.beta[row] * d_l).to(BFloat16)
-            row_sum[c_row_half(i)] = row_sum[c_row_half(i)] + d_l * a_kk[i]
+            dlb[i] = (beta[h] * d_l).to(BFloat16)
+            row_sum[h] = row_sum[h] + d_l * a_kk[i]
+        self.store_c(mma, dlb, smem.dlb, lane)
         for h in cutlass.range_constexpr(2):
             total = row_sum[h]
             for offset in (1, 2):
@@ -505,15 +540,17 @@ class BwdGrads(TokenPrep):
         self.accumulate(mma, d_qd, smem.dmqk, kinv_band, False, True, 1, lane)
         self.accumulate(mma, d_kd, smem.neg_bdu, s_band, False, False, K_STEPS, lane)
         self.accumulate(mma, d_kd, smem.dlb, kinv_band, False, True, 1, lane)
+        qd = self.load_c(mma, cute.local_tile(smem.qd, shape, (0, warp_idx)), lane)
+        kd = self.load_c(mma, cute.local_tile(smem.kd, shape, (0, warp_idx)), lane)
+        cum = self.load_pairs(smem.cumsum, coords, c0, lane)
         dq_hat = make_fragment(mma, Operand.C, Float32, tile=shape)
         dk_hat = make_fragment(mma, Operand.C, Float32, tile=shape)
+        d_g = make_fragment(mma, Operand.C, Float32, tile=shape)
         for i in cutlass.range_constexpr(cute.size(d_qd)):
-            row, c_local = coords[i]
-            c = c0 + c_local
-            decay = ex2_approx(smem.cumsum[row, c])
+            decay = ex2_approx(cum[i])
             dq_hat[i] = d_qd[i] * decay * scalars.scale
             dk_hat[i] = d_kd[i] * decay
-            smem.dg_cum[row, c] = d_qd[i] * smem.qd[row, c].to(Float32) + d_kd[i] * smem.kd[row, c].to(Float32)
+            d_g[i] = d_qd[i] * qd[i].to(Float32) + d_kd[i] * kd[i].to(Float32)
 
         d_kinv = make_fragment(mma, Operand.C, Float32, tile=shape)
         d_kr = make_fragment(mma, Operand.C, Float32, tile=shape)
@@ -525,45 +562,93 @@ class BwdGrads(TokenPrep):
                         True, True, 1, lane)
         self.accumulate(mma, d_kr, smem.u_out, cute.local_tile(smem.state_grad, (band, self.dim), (warp_idx, 0)),
                         False, False, K_STEPS, lane)
-        dot_q = cute.make_rmem_tensor((2,), Float32)
-        dot_k = cute.make_rmem_tensor((2,), Float32)
-        dot_q.fill(0.0)
-        dot_k.fill(0.0)
+        kinv = self.load_c(mma, cute.local_tile(smem.kinv, shape, (0, warp_idx)), lane)
+        kr = self.load_c(mma, cute.local_tile(smem.kr, shape, (0, warp_idx)), lane)
+        cum_last = self.load_pairs(smem.cumsum, coords, c0, lane, row=CHUNK - 1)
+        dkr_kr = make_fragment(mma, Operand.C, Float32, tile=shape)
         for i in cutlass.range_constexpr(cute.size(d_kr)):
-            row, c_local = coords[i]
-            c = c0 + c_local
-            cum = smem.cumsum[row, c]
             # dk̂ = dkd·2^G + dkinv·2^-G + dkr·2^(G_last − G), summed in this order
-            dk_hat[i] = (dk_hat[i] + d_kinv[i] * ex2_approx(-cum)
-                         + d_kr[i] * ex2_approx(smem.cumsum[CHUNK - 1, c] - cum))
-            dkr_kr = d_kr[i] * smem.kr[row, c].to(Float32)
-            smem.dg_cum[row, c] = ln2 * (smem.dg_cum[row, c] - d_kinv[i] * smem.kinv[row, c].to(Float32) - dkr_kr)
-            smem.dkr_kr[row, c] = dkr_kr
-            if cutlass.const_expr(self.qk_l2norm):
-                h = c_row_half(i)
-                dot_q[h] = dot_q[h] + smem.q[row, c].to(Float32) * smem.rinv_q[row] * dq_hat[i]
-                dot_k[h] = dot_k[h] + smem.k[row, c].to(Float32) * smem.rinv_k[row] * dk_hat[i]
+            dk_hat[i] = (dk_hat[i] + d_kinv[i] * ex2_approx(-cum[i])
+                         + d_kr[i] * ex2_approx(cum_last[i] - cum[i]))
+            dkr_kr[i] = d_kr[i] * kr[i].to(Float32)
+            d_g[i] = ln2 * (d_g[i] - d_kinv[i] * kinv[i].to(Float32) - dkr_kr[i])
+        self.store_pairs(smem.dg_cum, d_g, coords, c0)
+        self.store_pairs(smem.dkr_kr, dkr_kr, coords, c0)
+
+        dq = make_fragment(mma, Operand.C, BFloat16, tile=shape)
+        dk = make_fragment(mma, Operand.C, BFloat16, tile=shape)
         if cutlass.const_expr(self.qk_l2norm):
+            q = self.load_c(mma, cute.local_tile(smem.q, shape, (0, warp_idx)), lane)
+            k = self.load_c(mma, cute.local_tile(smem.k, shape, (0, warp_idx)), lane)
+            rinv_q, rinv_k = self.row_values(smem.rinv_q, lane), self.row_values(smem.rinv_k, lane)
+            dot_q = cute.make_rmem_tensor((2,), Float32)
+            dot_k = cute.make_rmem_tensor((2,), Float32)
+            dot_q.fill(0.0)
+            dot_k.fill(0.0)
+            for i in cutlass.range_constexpr(cute.size(d_kr)):
+                h = c_row_half(i)
+                dot_q[h] = dot_q[h] + q[i].to(Float32) * rinv_q[h] * dq_hat[i]
+                dot_k[h] = dot_k[h] + k[i].to(Float32) * rinv_k[h] * dk_hat[i]
             self.store_row_partials(smem.dot_q, dot_q, warp_idx, lane)
             self.store_row_partials(smem.dot_k, dot_k, warp_idx, lane)
             cute.arch.sync_threads()
-        for i in cutlass.range_constexpr(cute.size(d_qd)):
-            row, c_local = coords[i]
-            c = c0 + c_local
-            dq = dq_hat[i]
-            dk = dk_hat[i]
-            if cutlass.const_expr(self.qk_l2norm):
-                sum_q = Float32(0.0)
-                sum_k = Float32(0.0)
+            sum_q = cute.make_rmem_tensor((2,), Float32)
+            sum_k = cute.make_rmem_tensor((2,), Float32)
+            for h in cutlass.range_constexpr(2):  # the row sums over the warps, in warp order
+                row = lane // 4 + 8 * h
+                total_q = Float32(0.0)
+                total_k = Float32(0.0)
                 for w in cutlass.range_constexpr(self.warps):
-                    sum_q = sum_q + smem.dot_q[w, row]
-                    sum_k = sum_k + smem.dot_k[w, row]
-                rq, rk = smem.rinv_q[row], smem.rinv_k[row]
-                dq = rq * (dq - smem.q[row, c].to(Float32) * rq * sum_q)
-                dk = rk * (dk - smem.k[row, c].to(Float32) * rk * sum_k)
-            if row < valid_rows:
-                out.dq[row0 + row, head, c] = dq.to(BFloat16)
-                out.dk[row0 + row, head, c] = dk.to(BFloat16)
+                    total_q = total_q + smem.dot_q[w, row]
+                    total_k = total_k + smem.dot_k[w, row]
+                sum_q[h] = total_q
+                sum_k[h] = total_k
+            for i in cutlass.range_constexpr(cute.size(d_qd)):
+                h = c_row_half(i)
+                dq[i] = (rinv_q[h] * (dq_hat[i] - q[i].to(Float32) * rinv_q[h] * sum_q[h])).to(BFloat16)
+                dk[i] = (rinv_k[h] * (dk_hat[i] - k[i].to(Float32) * rinv_k[h] * sum_k[h])).to(BFloat16)
+        else:
+            for i in cutlass.range_constexpr(cute.size(d_qd)):
+                dq[i] = dq_hat[i].to(BFloat16)
+                dk[i] = dk_hat[i].to(BFloat16)
+        self.store_token_pairs(out.dq, dq, coords, c0, head, row0, valid_rows)
+        self.store_token_pairs(out.dk, dk, coords, c0, head, row0, valid_rows)
+
+    @cute.jit
+    def load_pairs(self, s_tile: cute.Tensor, coords: cute.Tensor, c0: Int32, lane: Int32, row=None) -> cute.Tensor:
+        """fp32 values of a ``[16, D]`` smem tile at a C fragment's positions (columns ``c0 +`` its own), two
+        adjacent columns per access; ``row`` fixes the row (e.g. G's last) instead of the fragment's."""
+        values = cute.make_rmem_tensor(cute.size(coords), Float32)
+        pair = cute.make_rmem_tensor((1, 2), Float32)
+        for p in cutlass.range_constexpr(cute.size(coords) // 2):
+            r, c = coords[2 * p]
+            at_row = r if cutlass.const_expr(row is None) else row
+            cute.autovec_copy(cute.local_tile(s_tile, (1, 2), (at_row, (c0 + c) // 2)), pair)
+            values[2 * p] = pair[0]
+            values[2 * p + 1] = pair[1]
+        return values
+
+    @cute.jit
+    def store_pairs(self, s_tile: cute.Tensor, frag: cute.Tensor, coords: cute.Tensor, c0: Int32):
+        """``frag`` (fp32, C fragment order) into a ``[16, D]`` smem tile, two adjacent columns per access."""
+        pair = cute.make_rmem_tensor((1, 2), Float32)
+        for p in cutlass.range_constexpr(cute.size(frag) // 2):
+            r, c = coords[2 * p]
+            pair[0] = frag[2 * p]
+            pair[1] = frag[2 * p + 1]
+            cute.autovec_copy(pair, cute.local_tile(s_tile, (1, 2), (r, (c0 + c) // 2)))
+
+    @cute.jit
+    def store_token_pairs(self, gmem: cute.Tensor, frag: cute.Tensor, coords: cute.Tensor, c0: Int32, head: Int32,
+                          row0: Int32, valid_rows: Int32):
+        """bf16 C fragment into the token rows ``row0 + r`` (valid rows only) of ``[rows, H, D]``, 32 bits a store."""
+        pair = cute.make_rmem_tensor((2,), BFloat16)
+        for p in cutlass.range_constexpr(cute.size(frag) // 2):
+            r, c = coords[2 * p]
+            if r < valid_rows:
+                pair[0] = frag[2 * p]
+                pair[1] = frag[2 * p + 1]
+                cute.autovec_copy(pair, cute.local_tile(gmem[row0 + r, head, None], (2,), ((c0 + c) // 2,)))
 
     @cute.jit
     def gate_backward(self, smem: GradsSmem, inputs: GradsInputs, out: GradsOutputs, scalars: GradsScalars,
