@@ -36,6 +36,7 @@ from cutlass.memory import SmemAllocator
 
 from ..dsl import cute, cutlass
 from ..layouts import bwd_grads as plan
+from ..layouts.budget import SMEM_CARVEOUT_PERCENT
 from ..layouts.fwd_prepare import chunk_tile, compact, gate_cumsum_tile
 from ..layouts.smem import CHUNK, HEAD_DIM, square_tile, square_tile_transposed, sw128_tile_transposed
 from ..numerics import LN2, LOG2E
@@ -79,11 +80,11 @@ class GradsStates(NamedTuple):
 
 
 class GradsWorkspace(NamedTuple):
-    """The K1 workspace fields Kernel B reads (``R = H · tiles`` rows, slot = h·tiles + tile)."""
+    """The K1 workspace fields Kernel B reads (``R = H · tiles`` rows, slot = h·tiles + tile); gT it
+    recomputes as K1 does (``2^G_last``, the same instruction on the same value)."""
 
     inv: cute.Tensor  # bf16 [R, 16, 16]
     beta: cute.Tensor  # fp32 [R, 16]
-    gt: cute.Tensor  # fp32 [R, D]
 
 
 class GradsOutputs(NamedTuple):
@@ -127,7 +128,7 @@ class GradsSmem(NamedTuple):
     neg_bdu: cute.Tensor
     cumsum: cute.Tensor
     dg_cum: cute.Tensor
-    dkr_kr: cute.Tensor
+    dkr_col: cute.Tensor
     inv: cute.Tensor
     dmqk: cute.Tensor
     dmqk_t: cute.Tensor
@@ -141,7 +142,6 @@ class GradsSmem(NamedTuple):
     dot_q: cute.Tensor
     dot_k: cute.Tensor
     dgt: cute.Tensor
-    gt: cute.Tensor
     dalog_w: cute.Tensor
 
 
@@ -179,7 +179,7 @@ class BwdGrads(TokenPrep):
         tile_base: Optional[cute.Tensor],
         stream,
     ) -> None:
-        """Launch over ``(tiles, H)``, ``tiles = ws.gt.shape[0] // H``. Tensors C-contiguous with the
+        """Launch over ``(tiles, H)``, ``tiles = ws.beta.shape[0] // H``. Tensors C-contiguous with the
         shapes of the argument bundles (dynamic extents); ``cu_seqlens`` int64 / ``tile_base`` int32
         ``[N+1]`` for varlen, else None."""
         heads, d = inputs.q.shape[1], self.dim
@@ -191,8 +191,7 @@ class BwdGrads(TokenPrep):
             a_log=compact(inputs.a_log, ()), dt_bias=compact(inputs.dt_bias, (d,)),
         )
         states = GradsStates(state=compact(states.state, (1, d)), state_grad=compact(states.state_grad, (1, d)))
-        ws = GradsWorkspace(inv=compact(ws.inv, (CHUNK, CHUNK)), beta=compact(ws.beta, (CHUNK,)),
-                            gt=compact(ws.gt, (d,)))
+        ws = GradsWorkspace(inv=compact(ws.inv, (CHUNK, CHUNK)), beta=compact(ws.beta, (CHUNK,)))
         out = GradsOutputs(
             dq=compact(out.dq, (heads, d)), dk=compact(out.dk, (heads, d)), dg=compact(out.dg, (heads, d)),
             dbeta=compact(out.dbeta, (heads,)), ddt_partial=compact(out.ddt_partial, (d,)),
@@ -205,9 +204,10 @@ class BwdGrads(TokenPrep):
         tma_states = tuple(make_head_tile_tma_atom(load, t, state, self.state_box)
                            for t in (states.state, states.state_grad))
         self.shared_storage = plan.shared_storage(self.warps, d)
-        tiles = ws.gt.shape[0] // heads
+        tiles = ws.beta.shape[0] // heads
         self.kernel(tma_tokens, tma_states, inputs, ws, out, scalars, cu_seqlens, tile_base).launch(
-            grid=(tiles, heads, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=1,
+            grid=(tiles, heads, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=plan.CTAS_PER_SM,
+            preferred_smem_carveout=SMEM_CARVEOUT_PERCENT,
         )
 
     @cute.kernel
@@ -245,25 +245,27 @@ class BwdGrads(TokenPrep):
         def view(buffer, layout, dtype=bf16):
             return smem_tensor(buffer.data_ptr(), layout, dtype)
 
+        early = storage.vdu_then_dg.inputs_vdu
+        # qd, kd, kr are written over q, k, g (smem plan): both names view the same bytes
         return GradsSmem(
-            q=view(storage.q, tile), k=view(storage.k, tile), g=view(storage.g, tile), v=view(storage.v, tile),
-            do=view(storage.do, tile), du=view(storage.du, tile),
+            q=view(storage.q, tile), k=view(storage.k, tile), g=view(storage.g, tile), v=view(early.v, tile),
+            do=view(storage.do, tile), du=view(early.du, tile),
             state=view(storage.state, state), state_t=view(storage.state, state_t),
             state_grad=view(storage.state_grad, state),
-            qd=view(storage.qd, tile), qd_t=view(storage.qd, tile_t), kd=view(storage.kd, tile),
-            kd_t=view(storage.kd, tile_t), kr=view(storage.kr, tile), kinv=view(storage.kinv, tile),
+            qd=view(storage.q, tile), qd_t=view(storage.q, tile_t), kd=view(storage.k, tile),
+            kd_t=view(storage.k, tile_t), kr=view(storage.g, tile), kinv=view(storage.kinv, tile),
             kinv_t=view(storage.kinv, tile_t), u_out=view(storage.u_out, tile), neg_bdu=view(storage.neg_bdu, tile),
-            cumsum=view(storage.cumsum, fp32, Float32), dg_cum=view(storage.dg_cum, fp32, Float32),
-            dkr_kr=view(storage.dkr_kr, fp32, Float32),
+            cumsum=view(storage.cumsum, fp32, Float32), dg_cum=view(storage.vdu_then_dg.dg_cum, fp32, Float32),
+            dkr_col=view(storage.dkr_col, plan.vector(self.dim), Float32),
             inv=view(storage.inv, sq), dmqk=view(storage.dmqk, sq), dmqk_t=view(storage.dmqk, sq_t),
             dlb=view(storage.dlb, sq), dlb_t=view(storage.dlb, sq_t),
             beta=view(storage.beta, plan.row_vector(), Float32), rinv_q=view(storage.rinv_q, plan.row_vector(), Float32),
             rinv_k=view(storage.rinv_k, plan.row_vector(), Float32),
             dbeta_square=view(storage.dbeta_square, plan.row_vector(), Float32),
-            dbeta_w=view(storage.dbeta_w, plan.warp_rows(self.warps), Float32),
-            dot_q=view(storage.dot_q, plan.warp_rows(self.warps), Float32),
-            dot_k=view(storage.dot_k, plan.warp_rows(self.warps), Float32),
-            dgt=view(storage.dgt, plan.vector(self.dim), Float32), gt=view(storage.gt, plan.vector(self.dim), Float32),
+            dbeta_w=view(storage.rows_then_l2norm.dbeta_w, plan.warp_rows(self.warps), Float32),
+            dot_q=view(storage.rows_then_l2norm.l2norm_rows.dot_q, plan.warp_rows(self.warps), Float32),
+            dot_k=view(storage.rows_then_l2norm.l2norm_rows.dot_k, plan.warp_rows(self.warps), Float32),
+            dgt=view(storage.dgt, plan.vector(self.dim), Float32),
             dalog_w=view(storage.dalog_w, plan.vector(plan.CHANNEL_WARPS), Float32),
         )
 
@@ -284,8 +286,6 @@ class BwdGrads(TokenPrep):
         col = tidx % self.dim
         dt = inputs.dt_bias[head, col]
         e_a = ex2_approx(inputs.a_log[head] * Float32(LOG2E))
-        if tidx < self.dim:
-            smem.gt[col] = ws.gt[slot, col]
         if tidx < CHUNK:
             smem.beta[tidx] = ws.beta[slot, tidx]
         for i in cutlass.range_constexpr(CHUNK * CHUNK // self.num_threads):
@@ -317,7 +317,7 @@ class BwdGrads(TokenPrep):
         cute.arch.sync_threads()
 
         # 5. channel products per key band, 6. finish
-        self.channel_band(smem, out, scalars, head, row0, valid_rows, warp_idx, lane)
+        self.channel_band(smem, inputs, out, scalars, head, row0, valid_rows, warp_idx, lane)
         cute.arch.sync_threads()
         self.gate_backward(smem, inputs, out, scalars, head, slot, row0, valid_rows, col, dt, e_a, warp_idx, lane)
         if tidx < CHUNK:
@@ -497,8 +497,12 @@ class BwdGrads(TokenPrep):
             total = row_sum[h]
             for offset in (1, 2):
                 total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
-            if lane % 4 == 0:
-                smem.dbeta_square[lane // 4 + 8 * h] = total
+            if lane % 4 == 0:  # dβ's two parts: Σ_v du·w (the warps' partials, in warp order), then Σ_j dL ⊙ A
+                row = lane // 4 + 8 * h
+                value_part = Float32(0.0)
+                for w in cutlass.range_constexpr(self.warps):
+                    value_part = value_part + smem.dbeta_w[w, row]
+                smem.dbeta_square[row] = value_part + total
 
     @cute.jit
     def state_gate_grad(self, smem: GradsSmem, thread: Int32):
@@ -519,8 +523,8 @@ class BwdGrads(TokenPrep):
             smem.dgt[c] = total
 
     @cute.jit
-    def channel_band(self, smem: GradsSmem, out: GradsOutputs, scalars: GradsScalars, head: Int32, row0: Int32,
-                     valid_rows: Int32, warp_idx: Int32, lane: Int32):
+    def channel_band(self, smem: GradsSmem, inputs: GradsInputs, out: GradsOutputs, scalars: GradsScalars,
+                     head: Int32, row0: Int32, valid_rows: Int32, warp_idx: Int32, lane: Int32):
         """Key band of warp ``w``: dqd, dkd, dkinv, dkr; the q̂ / k̂ gradients; ``dG`` and ``dkr ⊙ kr``;
         the l2norm backward (after the row dot products of all warps)."""
         band = self.band
@@ -573,13 +577,14 @@ class BwdGrads(TokenPrep):
             dkr_kr[i] = d_kr[i] * kr[i].to(Float32)
             d_g[i] = ln2 * (d_g[i] - d_kinv[i] * kinv[i].to(Float32) - dkr_kr[i])
         self.store_pairs(smem.dg_cum, d_g, coords, c0)
-        self.store_pairs(smem.dkr_kr, dkr_kr, coords, c0)
+        self.store_column_sums(smem.dkr_col, dkr_kr, coords, c0, lane)
 
         dq = make_fragment(mma, Operand.C, BFloat16, tile=shape)
         dk = make_fragment(mma, Operand.C, BFloat16, tile=shape)
         if cutlass.const_expr(self.qk_l2norm):
-            q = self.load_c(mma, cute.local_tile(smem.q, shape, (0, warp_idx)), lane)
-            k = self.load_c(mma, cute.local_tile(smem.k, shape, (0, warp_idx)), lane)
+            # raw q, k back from global memory (L2): their smem tiles hold qd, kd now
+            q = self.load_token_pairs(inputs.q, coords, c0, head, row0, valid_rows)
+            k = self.load_token_pairs(inputs.k, coords, c0, head, row0, valid_rows)
             rinv_q, rinv_k = self.row_values(smem.rinv_q, lane), self.row_values(smem.rinv_k, lane)
             dot_q = cute.make_rmem_tensor((2,), Float32)
             dot_k = cute.make_rmem_tensor((2,), Float32)
@@ -639,6 +644,35 @@ class BwdGrads(TokenPrep):
             cute.autovec_copy(pair, cute.local_tile(s_tile, (1, 2), (r, (c0 + c) // 2)))
 
     @cute.jit
+    def store_column_sums(self, s_cols: cute.Tensor, frag: cute.Tensor, coords: cute.Tensor, c0: Int32, lane: Int32):
+        """``s_cols[c0 + c] = Σ_r frag[r, c]`` over the 16 rows of a fp32 C fragment: the lane's two rows,
+        then the 8 lanes that share its columns (``shfl.xor`` 4, 8, 16); lanes 0-3 write."""
+        for a in cutlass.range_constexpr(cute.size(frag) // 4):
+            for e in cutlass.range_constexpr(2):
+                total = frag[e + 4 * a] + frag[e + 2 + 4 * a]  # rows g and g + 8
+                for offset in (4, 8, 16):
+                    total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
+                _, c = coords[e + 4 * a]
+                if lane < 4:
+                    s_cols[c0 + c] = total
+
+    @cute.jit
+    def load_token_pairs(self, gmem: cute.Tensor, coords: cute.Tensor, c0: Int32, head: Int32, row0: Int32,
+                         valid_rows: Int32) -> cute.Tensor:
+        """bf16 values of the token rows ``row0 + r`` of ``[rows, H, D]`` at a C fragment's positions, 32 bits a
+        load; rows past the sequence end read as 0 (they may lie past the tensor)."""
+        values = cute.make_rmem_tensor(cute.size(coords), BFloat16)
+        pair = cute.make_rmem_tensor((2,), BFloat16)
+        for p in cutlass.range_constexpr(cute.size(coords) // 2):
+            r, c = coords[2 * p]
+            pair.fill(0.0)
+            if r < valid_rows:
+                cute.autovec_copy(cute.local_tile(gmem[row0 + r, head, None], (2,), ((c0 + c) // 2,)), pair)
+            values[2 * p] = pair[0]
+            values[2 * p + 1] = pair[1]
+        return values
+
+    @cute.jit
     def store_token_pairs(self, gmem: cute.Tensor, frag: cute.Tensor, coords: cute.Tensor, c0: Int32, head: Int32,
                           row0: Int32, valid_rows: Int32):
         """bf16 C fragment into the token rows ``row0 + r`` (valid rows only) of ``[rows, H, D]``, 32 bits a store."""
@@ -657,10 +691,8 @@ class BwdGrads(TokenPrep):
         """Channel ``col``: ``dg' = Σ_{s≥r} dG_s + dG_last`` (reverse cumsum), the gate backward to the raw
         gate, and the tile's partial sums of ddt_bias (per channel) and dA_log (over channels, warp order)."""
         if warp_idx < plan.CHANNEL_WARPS:  # one thread per channel
-            d_last = Float32(0.0)
-            for row in cutlass.range_constexpr(CHUNK):
-                d_last = d_last + smem.dkr_kr[row, col]
-            d_last = Float32(LN2) * (d_last + smem.dgt[col] * smem.gt[col])
+            gate_total = ex2_approx(smem.cumsum[CHUNK - 1, col])  # gT, as K1 computes it
+            d_last = Float32(LN2) * (smem.dkr_col[col] + smem.dgt[col] * gate_total)
             suffix = Float32(0.0)
             ddt = Float32(0.0)
             dalog = Float32(0.0)
@@ -668,7 +700,8 @@ class BwdGrads(TokenPrep):
                 row = CHUNK - 1 - step
                 if row < valid_rows:
                     suffix = suffix + smem.dg_cum[row, col]
-                    x = e_a * (smem.g[row, col].to(Float32) + dt)
+                    # raw g from global memory (L2): its smem tile holds kr now
+                    x = e_a * (inputs.g[row0 + row, head, col].to(Float32) + dt)
                     # σ'(x) = σ(x)·σ(−x), each factor from ex2: σ·(1 − σ) of the tanh form cancels where it saturates
                     scaled = x * Float32(LOG2E)
                     dsig = (Float32(1.0) / (Float32(1.0) + ex2_approx(-scaled))) * (
@@ -694,10 +727,7 @@ class BwdGrads(TokenPrep):
     def beta_backward(self, smem: GradsSmem, out: GradsOutputs, head: Int32, row0: Int32, valid_rows: Int32,
                       row: Int32):
         """Row ``row``: ``dβ = Σ_v du·w + Σ_j dL ⊙ A`` (warp partials in order), through the sigmoid."""
-        total = Float32(0.0)
-        for w in cutlass.range_constexpr(self.warps):
-            total = total + smem.dbeta_w[w, row]
-        total = total + smem.dbeta_square[row]
+        total = smem.dbeta_square[row]
         if cutlass.const_expr(self.beta_logits):
             beta = smem.beta[row]
             total = total * beta * (Float32(1.0) - beta)

@@ -43,6 +43,7 @@ from cutlass.memory import SmemAllocator
 
 from ..dsl import cute, cutlass
 from ..layouts import fwd_prepare as plan
+from ..layouts.budget import SMEM_CARVEOUT_PERCENT  # K1 wants CTAs, not L1
 from ..layouts.smem import CHUNK, HEAD_DIM
 from .common.copy import (
     WARP_TILE,
@@ -59,7 +60,6 @@ from .common.fastmath import ex2_approx, sigmoid_approx
 from .common.token_prep import ROW_LANES, TokenPrep
 from ..numerics import LOG2E
 
-SMEM_CARVEOUT_PERCENT = 100  # all of the unified L1/smem as smem: K1 wants CTAs, not L1
 
 
 class PrepareInputs(NamedTuple):

@@ -30,6 +30,7 @@ from .analysis import LayoutSpec, evaluate, layout_spec, swizzle_period_bytes
 SMEM_PER_SM = 228 * 1024
 SMEM_PER_CTA_MAX = 227 * 1024
 SMEM_RESERVED_PER_CTA = 1024
+SMEM_CARVEOUT_PERCENT = 100  # all of the unified L1/smem as smem: the kernels that ask for several CTAs an SM
 BUFFER_ALIGN = 128
 MBARRIER_ALIGN = 8
 

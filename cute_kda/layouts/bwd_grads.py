@@ -22,12 +22,10 @@ from .smem import CHUNK, HEAD_DIM, square_tile, sw128_tile, vector
 
 TOKEN_TILES = ("q", "k", "g", "v", "do", "du")  # TMA-loaded [16, D] bf16 tiles, in load order
 STATE_TILES = ("state", "state_grad")  # TMA-loaded [D, D] bf16: S entering the tile, dS' after it
-DERIVED_TILES = ("qd", "kd", "kr", "kinv", "u_out", "neg_bdu")  # [16, D] bf16 computed in the CTA
-SQUARE_TILES = ("inv", "dmqk", "dlb")  # [16, 16] bf16
-FP32_TILES = ("cumsum", "dg_cum", "dkr_kr")  # [16, D] fp32
 ROW_VECTORS = ("beta", "rinv_q", "rinv_k", "dbeta_square")  # [16] fp32
 COMPUTE_WARPS = (4, 8)  # warps per CTA the kernel is built for; warp w owns columns w·(D/warps) …
 DEFAULT_WARPS = 8  # measured faster than 4 (docs/perf-log.md, B1)
+CTAS_PER_SM = 2  # what the smem plan is sized for; the launch asks ptxas for it (≤ 128 registers at 8 warps)
 CHANNEL_WARPS = 4  # warps 0-3 also run the per-channel phases (one thread per channel at D = 128)
 
 
@@ -47,7 +45,13 @@ def load_bytes(dim: int = HEAD_DIM, chunk: int = CHUNK) -> int:
 
 
 def smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
-    """Kernel B's shared-memory plan for ``warps`` compute warps (host side)."""
+    """Kernel B's shared-memory plan for ``warps`` compute warps (host side).
+
+    Sized for two CTAs per SM (≤ 113 KB each): qd, kd, kr are written over the raw q, k, g tiles (as
+    K1 does; the raw values the last phases need are read back from global memory, where the TMA
+    just left them in L2); dG takes the bytes of v and du, dead after the 16×16 products; the l2norm's
+    row partials take those of dβ's; Σ_r dkr ⊙ kr is kept per channel, not per element.
+    """
     tile = layout_spec(f"chunk_tile({dim},{chunk})", chunk_tile, dim, chunk, dtype=cutlass.BFloat16)
     state = layout_spec(f"state_tile({dim})", state_tile, dim, dtype=cutlass.BFloat16)
     square = layout_spec(f"square_tile({chunk})", square_tile, chunk, dtype=cutlass.BFloat16)
@@ -56,28 +60,35 @@ def smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudg
     per_warp = layout_spec(f"warp_rows({warps},{chunk})", warp_rows, warps, chunk, dtype=cutlass.Float32)
     channels = layout_spec(f"vector({dim})", vector, dim, dtype=cutlass.Float32)
     channel_warps = layout_spec(f"vector({CHANNEL_WARPS})", vector, CHANNEL_WARPS, dtype=cutlass.Float32)
-    notes = {
-        "q": "raw q (TMA)", "k": "raw k (TMA)", "g": "raw gate (TMA)", "v": "v (TMA)", "do": "dO (TMA)",
-        "du": "du from Kernel A (TMA)", "state": "S entering the tile, [K, V] (TMA)",
-        "state_grad": "dS' after the tile, [K, V] (TMA)", "qd": "recomputed as K1", "kd": "recomputed as K1",
-        "kr": "recomputed as K1", "kinv": "recomputed as K1", "u_out": "U = INV·u",
-        "neg_bdu": "−bf16(β ⊙ du)", "inv": "INV (workspace)",
-        "dmqk": "bf16(tril(dO·Uᵀ))", "dlb": "bf16(β_i · dL_ij)", "cumsum": "G", "dg_cum": "dG per token",
-        "dkr_kr": "dkr ⊙ kr",
-    }
-    buffers = [SmemBuffer(name, tile, note=notes[name]) for name in TOKEN_TILES]
-    buffers += [SmemBuffer(name, state, note=notes[name]) for name in STATE_TILES]
-    buffers += [SmemBuffer(name, tile, note=notes[name]) for name in DERIVED_TILES]
-    buffers += [SmemBuffer(name, fp32, note=notes[name]) for name in FP32_TILES]
-    buffers += [SmemBuffer(name, square, note=notes[name]) for name in SQUARE_TILES]
-    buffers += [SmemBuffer(name, rows, align_bytes=16, note="per row") for name in ROW_VECTORS]
-    buffers += [SmemBuffer(name, per_warp, align_bytes=16, note="per warp and row")
-                for name in ("dbeta_w", "dot_q", "dot_k")]
-    buffers += [SmemBuffer("dgt", channels, align_bytes=16, note="Σ_v S ⊙ dS' per channel"),
-                SmemBuffer("gt", channels, align_bytes=16, note="2^G_last (workspace)"),
-                SmemBuffer("dalog_w", channel_warps, align_bytes=16, note="dA_log partial per channel warp"),
-                mbarriers("tma_barrier", 1, "transaction barrier of the loads")]
-    return SmemBudget(f"Kernel B warps={warps} D={dim} CHUNK={chunk}", SmemGroup("GradsStorage", tuple(buffers)))
+
+    def tiles(*named):
+        return tuple(SmemBuffer(name, tile, note=note) for name, note in named)
+
+    dead_after_products = SmemGroup("inputs_vdu", tiles(("v", "v (TMA)"), ("du", "du from Kernel A (TMA)")))
+    row_partials = SmemGroup("l2norm_rows", (
+        SmemBuffer("dot_q", per_warp, align_bytes=16, note="Σ_c q̂·dq̂ per warp and row"),
+        SmemBuffer("dot_k", per_warp, align_bytes=16, note="Σ_c k̂·dk̂ per warp and row"),
+    ))
+    buffers = (
+        *tiles(("q", "raw q (TMA), then qd"), ("k", "raw k (TMA), then kd"), ("g", "raw gate (TMA), then kr"),
+               ("do", "dO (TMA)")),
+        SmemGroup("vdu_then_dg", (dead_after_products, SmemBuffer("dg_cum", fp32, note="dG per token")), union=True),
+        *(SmemBuffer(name, state, note=note) for name, note in (
+            ("state", "S entering the tile, [K, V] (TMA)"), ("state_grad", "dS' after the tile, [K, V] (TMA)"))),
+        *tiles(("kinv", "recomputed as K1"), ("u_out", "U = INV·u"), ("neg_bdu", "−bf16(β ⊙ du)")),
+        SmemBuffer("cumsum", fp32, note="G"),
+        *(SmemBuffer(name, square, note=note) for name, note in (
+            ("inv", "INV (workspace)"), ("dmqk", "bf16(tril(dO·Uᵀ))"), ("dlb", "bf16(β_i · dL_ij)"))),
+        *(SmemBuffer(name, rows, align_bytes=16, note="per row") for name in ROW_VECTORS),
+        SmemGroup("rows_then_l2norm", (
+            SmemBuffer("dbeta_w", per_warp, align_bytes=16, note="Σ_v du·w per warp and row"), row_partials),
+            union=True),
+        SmemBuffer("dkr_col", channels, align_bytes=16, note="Σ_r dkr ⊙ kr per channel"),
+        SmemBuffer("dgt", channels, align_bytes=16, note="Σ_v S ⊙ dS' per channel"),
+        SmemBuffer("dalog_w", channel_warps, align_bytes=16, note="dA_log partial per channel warp"),
+        mbarriers("tma_barrier", 1, "transaction barrier of the loads"),
+    )
+    return SmemBudget(f"Kernel B warps={warps} D={dim} CHUNK={chunk}", SmemGroup("GradsStorage", buffers))
 
 
 def shared_storage(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK):

@@ -48,7 +48,7 @@ def launch_arguments(
     inputs = GradsInputs(q=tokens(q), k=tokens(k), g=tokens(g), v=tokens(v), do=tokens(do), du=tokens(du),
                          a_log=tensor(A_log.view(heads), 4), dt_bias=tensor(dt_bias.view(heads, dim), 4))
     states_args = GradsStates(state=matrices(states), state_grad=matrices(state_grads))
-    workspace = GradsWorkspace(inv=tensor(ws.inv, 16), beta=tensor(ws.beta, 16), gt=tensor(ws.gt, 16))
+    workspace = GradsWorkspace(inv=tensor(ws.inv, 16), beta=tensor(ws.beta, 16))
     outputs = GradsOutputs(
         dq=tokens(dq), dk=tokens(dk), dg=tokens(dg), dbeta=tensor(dbeta.view(rows, heads), 2),
         ddt_partial=tensor(ddt_partial.view(-1, dim), 4), dalog_partial=tensor(dalog_partial.view(-1), 4),
