@@ -326,7 +326,8 @@ def launchers_on_mirrors(monkeypatch):
 
     @fake(kb, "bwd_grads")
     def _(q, k, g, v, do, du, ws, states, state_grads, A_log, dt_bias, dq, dk, dg, dbeta, ddt_partial,
-          dalog_partial, scale, lower_bound, cu_seqlens, tile_base, qk_l2norm, beta_logits):
+          dalog_partial, scale, lower_bound, cu_seqlens, tile_base, qk_l2norm, beta_logits, compute_warps):
+        assert compute_warps == kb.DEFAULT_WARPS  # the autograd layer leaves the tuning knob at its default
         kb._check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial,
                           dalog_partial, num_seqs(q, cu_seqlens))
         grads = mirror_bwd_grads(q, k, g, fakes.beta, v, do, du, ws, states, state_grads, A_log=A_log,

@@ -1,0 +1,56 @@
+"""CPU checks of ``benchmarks/bench_bwd_grads.py``: its byte arithmetic, its options, and that it refuses
+to time without CUDA."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCHMARKS))  # the script imports its neighbour ``shapes``
+    try:
+        spec = importlib.util.spec_from_file_location("bench_bwd_grads", BENCHMARKS / "bench_bwd_grads.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return module
+
+
+def test_traffic_b1_t8192_h96(bench):
+    read, written = bench.grads_traffic((8192,), 96)
+    tiles = 512 * 96
+    assert read == tiles * (6 * 4096 + 2 * 32768 + 512 + 64)  # 90.7 KB a (tile, head)
+    assert written == 8192 * 96 * (3 * 256 + 2) + tiles * 129 * 4
+    assert round((read + written) / 1e9, 2) == 5.09
+
+
+def test_traffic_counts_real_tiles_only(bench):
+    read, _ = bench.grads_traffic((17, 0, 1), 1)
+    assert read == 3 * (6 * 4096 + 2 * 32768 + 512 + 64)
+
+
+def test_warps_option(bench):
+    assert bench.parse_warps("4,8") == [4, 8] and bench.parse_warps("8") == [8]
+    for bad in ("2", "4,16", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_warps(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_refuses_without_cuda():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_bwd_grads.py"), "--shapes", "B1_T8192_H96"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode != 0 and "needs a CUDA GPU" in done.stderr
