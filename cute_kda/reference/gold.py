@@ -176,12 +176,12 @@ def gold_forward(
     """
     if state_layout not in STATE_LAYOUTS:
         raise ValueError(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
-    batch, seq_len, _, key_dim = q.shape
-    heads, value_dim = v.shape[2], v.shape[-1]  # the state, v, g and β are per value head
-    group = value_head_group(q.shape[2], heads)
+    batch, seq_len, qk_heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2], v.shape[-1]  # the state, v, g and β are per value head
+    group = value_head_group(qk_heads, value_heads)
     per_head = g.dim() == 3
-    expected_g = (batch, seq_len, heads) if per_head else (batch, seq_len, heads, key_dim)
-    if k.shape != q.shape or tuple(g.shape) != expected_g or tuple(beta.shape) != (batch, seq_len, heads):
+    expected_g = (batch, seq_len, value_heads) if per_head else (batch, seq_len, value_heads, key_dim)
+    if k.shape != q.shape or tuple(g.shape) != expected_g or tuple(beta.shape) != (batch, seq_len, value_heads):
         raise ValueError(f"k {tuple(k.shape)}, g {tuple(g.shape)} or beta {tuple(beta.shape)} do not fit "
                          f"q {tuple(q.shape)} and v {tuple(v.shape)}")
     if scale is None:
@@ -199,12 +199,12 @@ def gold_forward(
 
     spans = _sequence_spans(batch, seq_len, cu_seqlens)
     if initial_state is None:
-        states = q.new_zeros(len(spans), heads, key_dim, value_dim)
+        states = q.new_zeros(len(spans), value_heads, key_dim, value_dim)
     else:
         states = initial_state.to(dtype)
         if state_layout == "vk":
             states = states.transpose(-1, -2)
-        if tuple(states.shape) != (len(spans), heads, key_dim, value_dim):
+        if tuple(states.shape) != (len(spans), value_heads, key_dim, value_dim):
             raise ValueError(f"initial_state has shape {tuple(initial_state.shape)} for {len(spans)} sequences")
 
     if cu_seqlens is None:
