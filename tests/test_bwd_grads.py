@@ -123,6 +123,16 @@ def test_launcher_rejects_mismatched_buffers():
             kb.bwd_grads(*broken, scale=0.1, lower_bound=-5.0)
 
 
+def test_training_size_limit():
+    """Kernel B's per-token offsets are 32-bit: more than 2^31 elements per tensor is refused by name
+    (checked on a meta tensor: no memory)."""
+    from cute_kda import validation
+
+    validation.check_training_size(torch.empty(1, 2 ** 24, 1, 128, device="meta"))  # 2^31: allowed
+    with pytest.raises(NotImplementedError, match="2\\^31"):
+        validation.check_training_size(torch.empty(1, 2 ** 24 + 1, 1, 128, device="meta"))
+
+
 def test_launcher_keys_the_variant_and_builds_its_arguments(monkeypatch):
     """The launch path up to the compiled call, on the CPU: the key, the argument bundles, the stream."""
     heads, n, T = 2, 2, 40
