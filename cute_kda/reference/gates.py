@@ -37,11 +37,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace, tiles_per_head
+from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace
 from .backward import _EXACT, _tile_blocks, chunk_bwd_scan_exact, chunk_fwd_states_exact
 from .gold import L2NORM_EPS, channel_log_decay, expand_to_value_heads, value_head_group
 from .mirror import (
-    Constants, _l2norm_rinv, _mma, _tile_map, _TileMap, _to_tiles, ex2_approx, sigmoid_approx,
+    Constants, _l2norm_rinv, _mma, _TileMap, _to_tiles, _token_tile_map, ex2_approx, sigmoid_approx,
 )
 
 # the proposed ways of computing K1's pairwise sums, measured in docs/numerics.md ("Unbounded gates")
@@ -293,13 +293,6 @@ def _workspace(fields: dict[str, torch.Tensor], tile_map: _TileMap) -> Workspace
     return Workspace(**out)
 
 
-def _problem_map(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> _TileMap:
-    batch, seq_len = q.shape[:2]
-    num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
-    tiles = tiles_per_head(batch * seq_len, num_seqs, cu_seqlens is not None)
-    return _tile_map(cu_seqlens, batch, seq_len, tiles, q.device)
-
-
 def prepare_pairwise_exact(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -326,7 +319,7 @@ def prepare_pairwise_exact(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     tokens = _exact_tokens(q, k, g, beta, scale=scale, gate=gate, A_log=A_log, dt_bias=dt_bias,
                            lower_bound=lower_bound, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
-    tile_map = _problem_map(q, cu_seqlens)
+    tile_map = _token_tile_map(q, cu_seqlens)
     t = _exact_tiles(tokens, tile_map)
     return _workspace(dict(qd=t.qd, kd=t.kd, kr=t.kr, gt=t.gt, inv=t.inv, mqk=t.mqk, beta=t.beta), tile_map)
 
@@ -446,7 +439,7 @@ def chunk_backward_pairwise_exact(
     scale = key_dim ** -0.5 if scale is None else scale
     tokens = _exact_tokens(q, k, g, beta, scale=scale, gate=gate, A_log=A_log, dt_bias=dt_bias,
                            lower_bound=lower_bound, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
-    tile_map = _problem_map(q, cu_seqlens)
+    tile_map = _token_tile_map(q, cu_seqlens)
     t = _exact_tiles(tokens, tile_map)
     ws = _workspace(dict(qd=t.qd, kd=t.kd, kr=t.kr, gt=t.gt, inv=t.inv, mqk=t.mqk, beta=t.beta), tile_map)
     forward = chunk_fwd_states_exact(ws, v, cu_seqlens=cu_seqlens, initial_state=initial_state,
@@ -685,7 +678,7 @@ def mirror_prepare_gates(
     group = value_head_group(heads, value_heads)
     total = batch * seq_len
     consts = Constants.make(lower_bound, dim ** -0.5 if scale is None else scale)
-    tile_map = _problem_map(q, cu_seqlens)
+    tile_map = _token_tile_map(q, cu_seqlens)
     tiles = tile_map.slot_exists.numel()
 
     q32, k32 = (x.reshape(total, heads, dim).float() for x in (q, k))
