@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from . import validation
+from .api import refuse_neg_eigval
 
 _GDN_CHUNK_SIZES = (16, 32, 64)
 _GDN_EXTRA_KWARGS = ("transpose_state_layout", "head_first", "chunk_size", "use_gate_in_kernel", "A_log", "dt_bias")
@@ -108,15 +109,7 @@ def translate_fla_gdn_call(
     chunk_size = kwargs.get("chunk_size", 64)
     if chunk_size not in _GDN_CHUNK_SIZES:
         raise ValueError(f"chunk_size must be 16, 32 or 64 for the gated delta rule, got {chunk_size}")
-    if allow_neg_eigval:
-        if not use_beta_sigmoid_in_kernel:  # FLA raises this ValueError itself
-            raise ValueError(
-                "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (FLA's rule); cute_kda does not "
-                "implement allow_neg_eigval=True with either beta flag: pass allow_neg_eigval=False"
-            )
-        raise NotImplementedError(
-            "allow_neg_eigval=True (beta = 2·sigmoid(logits)) is not supported; pass allow_neg_eigval=False"
-        )
+    refuse_neg_eigval(allow_neg_eigval, use_beta_sigmoid_in_kernel)
     if cp_context is not None:
         raise NotImplementedError("cp_context (context parallelism) is not supported")
 
