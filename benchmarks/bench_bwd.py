@@ -59,7 +59,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from cute_kda._bench import add_run_arguments, environment, graph_median_ms, markdown_table, median_ms, publish  # noqa: E402
+from cute_kda._bench import (  # noqa: E402
+    add_run_arguments, environment, graph_median_ms, markdown_table, median_ms, publish, save,
+)
 from cute_kda.workspace import CHUNK, SNAPSHOT_TILES, WorkspaceSpec, block_states_shape  # noqa: E402
 
 from bench_prepare import COPY_CEILING_TBPS  # noqa: E402
@@ -521,9 +523,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.shapes:
         results.append(bench_shape(name, args.vsplits, args.peers, args.warmup, args.rep))
         text = report(results, command, env)
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:  # after every shape: a run cut short keeps what it measured
-            f.write(text)
+        save(text, out)  # after every shape
     publish(text, out)
 
 

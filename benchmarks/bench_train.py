@@ -68,7 +68,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from cute_kda._bench import environment, event_median_ms, markdown_table, publish  # noqa: E402
+from cute_kda._bench import environment, event_median_ms, markdown_table, publish, save  # noqa: E402
 
 from shapes import D, LOWER_BOUND, SHAPES, make_inputs  # noqa: E402
 
@@ -586,9 +586,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.shapes:
         rows.append(bench_shape(name, args))
         text = report(rows, command, env, sha, args.steps, args.warmup)
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:  # after every shape: a run cut short keeps what it measured
-            f.write(text)
+        save(text, out)  # after every shape
     publish(text, out)
 
 

@@ -119,10 +119,16 @@ def environment(*modules: str, labels: dict[str, str] | None = None) -> str:
             f"{', '.join(shown)} · Python {platform.python_version()}")
 
 
+def save(text: str, out: str) -> None:
+    """Write ``text`` to the file ``out``, creating its folder (a script may save after every shape, so a
+    run cut short keeps what it measured)."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        f.write(text)
+
+
 def publish(text: str, out: str | None) -> None:
-    """Print ``text``; also write it to the file ``out`` (creating its folder) when given."""
+    """Print ``text``; also :func:`save` it to ``out`` when given."""
     print(text)
     if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            f.write(text)
+        save(text, out)

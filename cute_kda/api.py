@@ -376,10 +376,8 @@ def _check_fla_state_shape(state: torch.Tensor, q: torch.Tensor, v: torch.Tensor
     validation.check_shape("initial_state", state, (num_seqs, heads, *inner), meaning)
 
 
-def _refuse_unsupported_fla_flags(
-    *, allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool, return_intermediate_states: bool,
-    cp_context: Any, use_graph: bool,
-) -> None:
+def refuse_neg_eigval(allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool) -> None:
+    """FLA's ``allow_neg_eigval`` (β = 2·sigmoid) is not implemented: FLA's own ValueError first, then ours."""
     if allow_neg_eigval:
         if not use_beta_sigmoid_in_kernel:  # FLA raises this ValueError itself
             raise ValueError(
@@ -389,6 +387,13 @@ def _refuse_unsupported_fla_flags(
         raise NotImplementedError(
             "allow_neg_eigval=True (beta = 2·sigmoid(logits)) is not supported; pass allow_neg_eigval=False"
         )
+
+
+def _refuse_unsupported_fla_flags(
+    *, allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool, return_intermediate_states: bool,
+    cp_context: Any, use_graph: bool,
+) -> None:
+    refuse_neg_eigval(allow_neg_eigval, use_beta_sigmoid_in_kernel)
     if return_intermediate_states:
         raise NotImplementedError("return_intermediate_states=True is not supported (no chunk states are kept)")
     if cp_context is not None:

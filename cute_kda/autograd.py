@@ -378,6 +378,7 @@ def train(
     """The recorded training call on arguments that :func:`~cute_kda.validation.validate_forward` accepted
     (``problem`` is its result); :func:`cute_kda.kda_forward`'s contract otherwise."""
     validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
+    validation.check_training_size(q)
     cu_seqlens = staged_cu_seqlens(cu_seqlens, q)
     final_state_dtype = None
     if output_final_state:

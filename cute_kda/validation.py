@@ -181,6 +181,19 @@ def needs_autograd(*tensors: object) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
+TOKEN_ELEMENTS_LIMIT = 2 ** 31  # Kernel B indexes its per-token outputs with 32-bit element offsets
+
+
+def check_training_size(q: torch.Tensor) -> None:
+    """A training call's per-token tensors must have at most 2^31 elements (B·T·H·K): Kernel B's stores
+    of dq, dk, dg and dβ compute 32-bit element offsets, which would wrap past that."""
+    if q.numel() > TOKEN_ELEMENTS_LIMIT:
+        raise NotImplementedError(
+            f"training calls need B·T·H·K ≤ 2^31 elements per tensor (Kernel B's 32-bit offsets); q has "
+            f"{q.numel()}: split the batch"
+        )
+
+
 def check_no_buffers_under_autograd(*, out: object, final_state: object) -> None:
     """Caller buffers are written in place, which autograd cannot record: refuse them on the training path."""
     given = [name for name, buffer in (("out", out), ("final_state", final_state)) if buffer is not None]

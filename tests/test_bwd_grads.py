@@ -109,16 +109,25 @@ def test_variant_compiles(variant):
     print(f"{variant}: {report.kernels[0].registers} registers, {report.launch_smem[0]} B smem")
 
 
-def test_launcher_rejects_mismatched_buffers():
-    heads, n, T = 2, 2, 40
+_CPU_HEADS, _CPU_SEQS, _CPU_T = 2, 2, 40
+
+
+def _cpu_launch_args() -> list:
+    """``bwd_grads``' positional arguments as CPU zeros: B = N = 2, T = 40, H = 2, a 6-tile workspace."""
+    heads, n, T = _CPU_HEADS, _CPU_SEQS, _CPU_T
     tok = torch.zeros(n, T, heads, D, dtype=torch.bfloat16)
     spec = WorkspaceSpec(heads=heads, tiles=6)
     ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
     states = torch.zeros(block_states_shape(ws, heads, n), dtype=torch.bfloat16)
     ddt, dalog = (torch.zeros(s) for s in kb.gate_partials_shapes(ws, heads))
     dbeta = torch.zeros(n, T, heads, dtype=torch.bfloat16)
-    args = [tok, tok, tok, tok, tok, tok, ws, states, states, torch.zeros(heads), torch.zeros(heads, D), tok, tok, tok,
-            dbeta, ddt, dalog]
+    return [tok, tok, tok, tok, tok, tok, ws, states, states, torch.zeros(heads), torch.zeros(heads, D), tok, tok,
+            tok, dbeta, ddt, dalog]
+
+
+def test_launcher_rejects_mismatched_buffers():
+    args = _cpu_launch_args()
+    tok, states, dbeta, ddt, dalog = args[0], args[7], args[14], args[15], args[16]
     cases = {1: tok.float(), 7: states[1:], 8: states.float(), 14: dbeta[:, 1:], 15: ddt[:, 1:], 16: dalog.double(),
              11: tok.transpose(0, 1).contiguous().transpose(0, 1)}
     for index, bad in cases.items():
@@ -128,14 +137,18 @@ def test_launcher_rejects_mismatched_buffers():
             kb.bwd_grads(*broken, scale=0.1, lower_bound=-5.0)
 
 
+def test_training_size_limit():
+    """Kernel B's per-token offsets are 32-bit: more than 2^31 elements per tensor is refused by name
+    (checked on a meta tensor: no memory)."""
+    from cute_kda import validation
+
+    validation.check_training_size(torch.empty(1, 2 ** 24, 1, 128, device="meta"))  # 2^31: allowed
+    with pytest.raises(NotImplementedError, match="2\\^31"):
+        validation.check_training_size(torch.empty(1, 2 ** 24 + 1, 1, 128, device="meta"))
+
+
 def test_launcher_keys_the_variant_and_builds_its_arguments(monkeypatch):
     """The launch path up to the compiled call, on the CPU: the key, the argument bundles, the stream."""
-    heads, n, T = 2, 2, 40
-    tok = torch.zeros(n, T, heads, D, dtype=torch.bfloat16)
-    spec = WorkspaceSpec(heads=heads, tiles=6)
-    ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
-    states = torch.zeros(block_states_shape(ws, heads, n), dtype=torch.bfloat16)
-    ddt, dalog = (torch.zeros(s) for s in kb.gate_partials_shapes(ws, heads))
     seen = []
 
     def compiled(key, tensors, options, stream):
@@ -146,16 +159,12 @@ def test_launcher_keys_the_variant_and_builds_its_arguments(monkeypatch):
     monkeypatch.setattr(kb, "current_stream", lambda device: "stream")
     monkeypatch.setattr(kb, "device_index", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    kb.bwd_grads(tok, tok, tok, tok, tok, tok, ws, states, states, torch.zeros(heads), torch.zeros(heads, D),
-                 tok, tok, tok, torch.zeros(n, T, heads, dtype=torch.bfloat16), ddt, dalog, scale=0.1,
-                 lower_bound=-5.0, compute_warps=4)
+    kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=4)
     key, args = seen
     assert key == (False, True, True, 4, 0)
-    assert len(args) == 10 and args[-1] == "stream" and args[6] == T
+    assert len(args) == 10 and args[-1] == "stream" and args[6] == _CPU_T
     with pytest.raises(ValueError, match="compute_warps"):
-        kb.bwd_grads(tok, tok, tok, tok, tok, tok, ws, states, states, torch.zeros(heads), torch.zeros(heads, D),
-                     tok, tok, tok, torch.zeros(n, T, heads, dtype=torch.bfloat16), ddt, dalog, scale=0.1,
-                     lower_bound=-5.0, compute_warps=2)
+        kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=2)
 
 
 # ============================================================================ GPU: the kernel chain

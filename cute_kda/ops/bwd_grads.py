@@ -12,6 +12,7 @@ import torch
 
 from ..layouts.bwd_grads import COMPUTE_WARPS, DEFAULT_WARPS
 from ..numerics import f32, gate_constant
+from ..validation import check_training_size
 from ..workspace import Workspace, block_states_shape
 from ._cache import CompileCache, compile_for_launch, current_stream, device_index, launch_tensor, to_cute_tensor
 from .prepare import tile_bases
@@ -66,6 +67,7 @@ def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbet
         if t.dtype != torch.bfloat16 or tuple(t.shape) != token_shape or t.device != q.device:
             raise ValueError(f"{name} must be bf16 {token_shape} on {q.device}, got {t.dtype} {tuple(t.shape)} "
                              f"on {t.device}")
+    check_training_size(q)
     for name, t in (("q", q), ("k", k), ("g", g), ("v", v), ("do", do), ("du", du), ("dq", dq), ("dk", dk),
                     ("dg", dg), ("dbeta", dbeta), ("states", states), ("state_grads", state_grads),
                     ("ddt_partial", ddt_partial), ("dalog_partial", dalog_partial)):

@@ -6,6 +6,8 @@
 - :mod:`.backward`: gold gradients by autograd; the backward's reverse state-gradient scan (Kernel A),
   its per-tile gradients (Kernel B) and the whole backward chain, with the kernels' rounding and in
   exact float64.
+- :mod:`.gates`: every gate (issue 12): the overflow-free pairwise K1 formulation, exact (forward and backward
+  chain) and with the rounding of each proposed K1 scheme.
 
 Importing this package needs no GPU and does not import the CuTe DSL.
 """
@@ -28,6 +30,13 @@ from .backward import (
     mirror_bwd_scan,
     prepare_exact,
 )
+from .gates import (
+    K1_SCHEMES,
+    chunk_backward_pairwise_exact,
+    chunk_forward_pairwise_exact,
+    mirror_prepare_gates,
+    prepare_pairwise_exact,
+)
 from .gold import gold_forward
 from .mirror import intrinsics_exact, mirror_forward, mirror_prepare, mirror_recurrence, tile_bases
 
@@ -48,12 +57,15 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 __all__ = [
+    "K1_SCHEMES",
     "BwdGradsResult",
     "BwdScanResult",
     "FwdStatesResult",
     "chunk_backward_exact",
+    "chunk_backward_pairwise_exact",
     "chunk_bwd_grads_exact",
     "chunk_bwd_scan_exact",
+    "chunk_forward_pairwise_exact",
     "chunk_fwd_states_exact",
     "gold_backward",
     "gold_forward",
@@ -63,8 +75,10 @@ __all__ = [
     "mirror_bwd_scan",
     "mirror_forward",
     "mirror_prepare",
+    "mirror_prepare_gates",
     "mirror_recurrence",
     "prepare_exact",
+    "prepare_pairwise_exact",
     "rel_rms",
     "tile_bases",
 ]

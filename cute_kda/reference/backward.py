@@ -7,7 +7,7 @@ per-tile gradients (Kernel B), each with the kernels' rounding and in exact floa
 - :func:`mirror_bwd_scan`: Kernel A of docs/numerics.md ("Backward: Kernel A") with the kernel's
   rounding, over a K1 workspace; loops over the tile step only, batched over every
   (head, sequence), each sequence running from its own last tile down to its first.
-- :func:`mirror_bwd_grads`: Kernel B ("Backward: Kernel B"; /work/notes/kernelB-contract.md) with
+- :func:`mirror_bwd_grads`: Kernel B (docs/numerics.md, "Backward: Kernel B") with
   the kernel's rounding: dq, dk, dg, dβ per token and dA_log, ddt_bias from per-tile partials, every
   (head, tile) at once (the tiles are independent given the per-tile states and state gradients).
 - :func:`mirror_backward`: the whole chain with the kernels' rounding — K1, the training forward's
@@ -35,7 +35,8 @@ from ..workspace import (
 )
 from .gold import L2NORM_EPS, STATE_LAYOUTS, gate_log_decay, gold_forward, l2norm
 from .mirror import (
-    Constants, _fma_f32, _k1_rows, _mma, _tile_map, _TileMap, _to_tiles, ex2_approx, mirror_prepare, mirror_recurrence,
+    Constants, _fma_f32, _k1_rows, _mma, _tile_map, _TileMap, _to_tiles, _token_tile_map, ex2_approx, mirror_prepare,
+    mirror_recurrence,
 )
 
 
@@ -218,6 +219,14 @@ def _state_out(dS: torch.Tensor, state_layout: str, dtype: torch.dtype) -> torch
     return (dS.transpose(-1, -2) if state_layout == "vk" else dS).to(dtype).contiguous()
 
 
+def _check_workspace_dtypes(ws: Workspace, heads: int) -> None:
+    """The mirrors take a workspace in the dtypes K1 writes (:class:`~cute_kda.workspace.WorkspaceSpec`)."""
+    spec = WorkspaceSpec(heads=heads, tiles=ws.qd.shape[0] // heads, dim=ws.qd.shape[-1])
+    for name, (_, dtype) in spec.fields().items():
+        if getattr(ws, name).dtype != getattr(torch, dtype):
+            raise TypeError(f"workspace field {name} is {getattr(ws, name).dtype}, the kernels write {dtype}")
+
+
 def mirror_bwd_scan(
     ws: Workspace,
     do: torch.Tensor,
@@ -244,10 +253,7 @@ def mirror_bwd_scan(
     if dh0_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"dh0_dtype must be bf16 or fp32, got {dh0_dtype}")
     heads = do.shape[2]
-    spec = WorkspaceSpec(heads=heads, tiles=ws.qd.shape[0] // heads, dim=ws.qd.shape[-1])
-    for name, (_, dtype) in spec.fields().items():
-        if getattr(ws, name).dtype != getattr(torch, dtype):
-            raise TypeError(f"workspace field {name} is {getattr(ws, name).dtype}, the kernels write {dtype}")
+    _check_workspace_dtypes(ws, heads)
     du, dv, dS, snapshots = _reverse_scan(ws, do, cu_seqlens, dht, state_layout, _KERNEL, snapshot_every)
     return BwdScanResult(du, dv, _state_out(dS, state_layout, dh0_dtype), snapshots)
 
@@ -300,9 +306,8 @@ def prepare_exact(
     if scale is None:
         scale = key_dim ** -0.5
     total = batch * seq_len
-    num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
-    tiles = tiles_per_head(total, num_seqs, cu_seqlens is not None)
-    tile_map = _tile_map(cu_seqlens, batch, seq_len, tiles, q.device)
+    tile_map = _token_tile_map(q, cu_seqlens)
+    tiles = tile_map.slot_exists.numel()
 
     q64, k64, g64 = (x.reshape(total, heads, key_dim).double() for x in (q, k, g))
     if qk_l2norm:
@@ -403,7 +408,7 @@ def chunk_fwd_states_exact(
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernel B: the per-tile gradients (/work/notes/kernelB-contract.md, docs/numerics.md "Backward: Kernel B")
+# Kernel B: the per-tile gradients (docs/numerics.md, "Backward: Kernel B")
 
 _PER_TILE = 1  # Kernel B reads the state entering each tile and the gradient leaving it
 
@@ -700,7 +705,7 @@ def mirror_bwd_grads(
     qk_l2norm: bool = True,
     beta_logits: bool = True,
 ) -> BwdGradsResult:
-    """Kernel B (/work/notes/kernelB-contract.md, docs/numerics.md) with the kernel's rounding.
+    """Kernel B (docs/numerics.md, "Backward: Kernel B") with the kernel's rounding.
 
     Inputs bf16: q, k, g (raw gate input) ``[B, T, H, K]``, beta ``[B, T, H]`` (logits when
     ``beta_logits``; as in the kernel, β itself is read from ``ws``), v, do, du ``[B, T, H, V]`` (V == K;
@@ -721,10 +726,7 @@ def mirror_bwd_grads(
     if A_log.dtype != torch.float32 or dt_bias.dtype != torch.float32:
         raise TypeError("A_log and dt_bias must be fp32")
     heads = q.shape[2]
-    spec = WorkspaceSpec(heads=heads, tiles=ws.qd.shape[0] // heads, dim=ws.qd.shape[-1])
-    for name, (_, dtype) in spec.fields().items():
-        if getattr(ws, name).dtype != getattr(torch, dtype):
-            raise TypeError(f"workspace field {name} is {getattr(ws, name).dtype}, the kernels write {dtype}")
+    _check_workspace_dtypes(ws, heads)
     return _bwd_grads(q, k, g, beta, v, do, du, ws, states, state_grads, A_log, dt_bias, scale, lower_bound,
                       cu_seqlens, qk_l2norm, beta_logits, _KERNEL, _kernel_recompute)
 

@@ -3,6 +3,12 @@
 Plain torch, one token at a time, batched over sequences and heads; differentiable with autograd
 (no in-place updates). It is the yardstick for every accuracy figure of the kernels and of the
 chunk-16 mirror; speed is not a goal.
+
+Every gate users run (issue 12): a per-channel gate ``[B, T, HV, K]`` (KDA) or a per-head scalar gate
+``[B, T, HV]`` (GatedDeltaNet, broadcast over the K channels), each as the safe (bounded) form, the
+softplus (unbounded) form or a precomputed log decay; and grouped value heads (GVA): q, k per q/k head
+``[B, T, H, K]``, v, g, β and the state per value head, HV a multiple of H, value head ``j`` reading q/k
+head ``j // (HV / H)`` as FLA does.
 """
 
 from __future__ import annotations
@@ -50,6 +56,58 @@ def gate_log_decay(
     return lower_bound * torch.sigmoid(x)
 
 
+def head_gate_log_decay(
+    g: torch.Tensor,
+    *,
+    gate: str = "softplus",
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float = -5.0,
+) -> torch.Tensor:
+    """Per-head (scalar) log decay from the gate input ``g`` ``[..., HV]`` (GatedDeltaNet; in ``g.dtype``).
+
+    The forms of :func:`gate_log_decay` with one channel per head: ``"softplus"`` is FLA's GDN gate
+    ``−exp(A_log) · softplus(g + dt_bias)``. ``A_log`` and ``dt_bias`` are ``[HV]`` (dt_bias may be None).
+    Returns ``[..., HV]``.
+    """
+    heads = g.shape[-1]
+    bias = None if dt_bias is None else dt_bias.reshape(heads, 1)
+    return gate_log_decay(g[..., None], gate=gate, A_log=A_log, dt_bias=bias, lower_bound=lower_bound)[..., 0]
+
+
+def channel_log_decay(
+    g: torch.Tensor,
+    key_dim: int,
+    *,
+    per_head: bool,
+    gate: str = "safe",
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float = -5.0,
+) -> torch.Tensor:
+    """Log decay per value head and key channel, ``[..., HV, key_dim]``, from either gate layout.
+
+    ``per_head`` False: ``g`` ``[..., HV, key_dim]`` through :func:`gate_log_decay`; True: ``g`` ``[..., HV]``
+    through :func:`head_gate_log_decay`, broadcast (a view) over the channels.
+    """
+    if not per_head:
+        return gate_log_decay(g, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    decay = head_gate_log_decay(g, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    return decay[..., None].expand(*decay.shape, key_dim)
+
+
+def value_head_group(heads: int, value_heads: int) -> int:
+    """``HV / H``: value heads per q/k head (1 without GVA)."""
+    if value_heads % heads:
+        raise ValueError(f"value heads HV = {value_heads} must be a multiple of the q/k heads H = {heads}")
+    return value_heads // heads
+
+
+def expand_to_value_heads(x: torch.Tensor, group: int, dim: int = 2) -> torch.Tensor:
+    """A q/k-head tensor (H heads along ``dim``) → H·group heads: value head ``j`` gets q/k head ``j // group``."""
+    return x if group == 1 else x.repeat_interleave(group, dim=dim)
+
+
 def _sequence_spans(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, int]]:
     """(batch row, start, end) of every sequence, in state order."""
     if cu_seqlens is None:
@@ -65,8 +123,9 @@ def _sequence_spans(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None) -
 def _recurrence(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token loop for ``n`` equal-length sequences: q, k, decay ``[n,T,H,K]``, v ``[n,T,H,V]``,
-    beta ``[n,T,H]``, state ``[n,H,K,V]`` → (o ``[n,T,H,V]``, final state ``[n,H,K,V]``)."""
+    """Token loop for ``n`` equal-length sequences: q, k ``[n,T,H,K]``, decay ``[n,T,H,K]`` (or
+    ``[n,T,H,1]``, broadcast), v ``[n,T,H,V]``, beta ``[n,T,H]``, state ``[n,H,K,V]`` → (o ``[n,T,H,V]``,
+    final state ``[n,H,K,V]``); H counts value heads."""
     outputs = []
     for t in range(q.shape[1]):
         state = state * decay[:, t, :, :, None]
@@ -100,39 +159,52 @@ def gold_forward(
     cu_seqlens: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """KDA forward by the token recurrence, every input widened to ``dtype``.
+    """KDA / GatedDeltaNet forward by the token recurrence, every input widened to ``dtype``.
 
-    Shapes: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; A_log ``[H]``;
-    dt_bias ``[H, K]`` or ``[H*K]``. With ``cu_seqlens`` (int ``[N+1]``, B must be 1) the tokens
-    form N packed sequences; otherwise N = B. ``initial_state`` (any float dtype) and the final
-    state are ``[N, H, V, K]`` for ``state_layout="vk"`` or ``[N, H, K, V]`` for ``"kv"``.
-    ``gate``: see :func:`gate_log_decay`. ``beta_logits``: β = sigmoid(beta), else β = beta.
+    Shapes: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` with HV a multiple of H (GVA: value head ``j``
+    reads q/k head ``j // (HV / H)``; HV = H without it); beta ``[B, T, HV]``; g ``[B, T, HV, K]``
+    (per-channel gate, KDA; dt_bias ``[HV, K]`` or ``[HV*K]``) or ``[B, T, HV]`` (per-head scalar gate,
+    GatedDeltaNet, broadcast over the K channels; dt_bias ``[HV]``); A_log ``[HV]``. With ``cu_seqlens``
+    (int ``[N+1]``, B must be 1) the tokens form N packed sequences; otherwise N = B.
+    ``initial_state`` (any float dtype) and the final state are ``[N, HV, V, K]`` for
+    ``state_layout="vk"`` or ``[N, HV, K, V]`` for ``"kv"``. ``gate``: see :func:`gate_log_decay`
+    (``"none"``: g is the log decay itself). ``beta_logits``: β = sigmoid(beta), else β = beta.
     ``scale`` defaults to ``K ** -0.5``; q is l2-normalised first when ``qk_l2norm``.
 
-    Returns (o ``[B, T, H, V]`` in ``dtype``, final state in ``dtype`` or None).
+    Returns (o ``[B, T, HV, V]`` in ``dtype``, final state in ``dtype`` or None). Under autograd, the
+    gradients of q and k come out summed over each group of value heads.
     """
     if state_layout not in STATE_LAYOUTS:
         raise ValueError(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
-    batch, seq_len, heads, key_dim = q.shape
-    value_dim = v.shape[-1]
+    batch, seq_len, qk_heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2], v.shape[-1]  # the state, v, g and β are per value head
+    group = value_head_group(qk_heads, value_heads)
+    per_head = g.dim() == 3
+    expected_g = (batch, seq_len, value_heads) if per_head else (batch, seq_len, value_heads, key_dim)
+    if k.shape != q.shape or tuple(g.shape) != expected_g or tuple(beta.shape) != (batch, seq_len, value_heads):
+        raise ValueError(f"k {tuple(k.shape)}, g {tuple(g.shape)} or beta {tuple(beta.shape)} do not fit "
+                         f"q {tuple(q.shape)} and v {tuple(v.shape)}")
     if scale is None:
         scale = key_dim ** -0.5
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     if qk_l2norm:
         q, k = l2norm(q), l2norm(k)
-    q = q * scale
-    decay = torch.exp(gate_log_decay(g, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound))
+    q, k = expand_to_value_heads(q * scale, group), expand_to_value_heads(k, group)
+    # a per-head gate stays [B, T, HV, 1]: the recurrence broadcasts it over the channels
+    log_decay = (head_gate_log_decay(g, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)[..., None]
+                 if per_head else gate_log_decay(g, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound))
+    decay = torch.exp(log_decay)
     if beta_logits:
         beta = torch.sigmoid(beta)
 
     spans = _sequence_spans(batch, seq_len, cu_seqlens)
     if initial_state is None:
-        states = q.new_zeros(len(spans), heads, key_dim, value_dim)
+        states = q.new_zeros(len(spans), value_heads, key_dim, value_dim)
     else:
         states = initial_state.to(dtype)
         if state_layout == "vk":
             states = states.transpose(-1, -2)
-        if tuple(states.shape) != (len(spans), heads, key_dim, value_dim):
+        if tuple(states.shape) != (len(spans), value_heads, key_dim, value_dim):
             raise ValueError(f"initial_state has shape {tuple(initial_state.shape)} for {len(spans)} sequences")
 
     if cu_seqlens is None:

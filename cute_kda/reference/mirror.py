@@ -180,6 +180,14 @@ def _tile_map(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int, tiles: 
     return _TileMap(bases, counts, token_of_row, slot_exists, row_of_token)
 
 
+def _token_tile_map(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> _TileMap:
+    """The tile map of a call's tokens (``q`` ``[B, T, ...]``, ``cu_seqlens`` as the forward takes it)."""
+    batch, seq_len = q.shape[:2]
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
+    tiles = tiles_per_head(batch * seq_len, num_seqs, cu_seqlens is not None)
+    return _tile_map(cu_seqlens, batch, seq_len, tiles, q.device)
+
+
 def _to_tiles(x: torch.Tensor, tile_map: _TileMap) -> torch.Tensor:
     """Per-token ``x`` ``[tokens, H, ...]`` → ``[H, tiles, 16, ...]``; rows without a token are 0."""
     padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
@@ -316,10 +324,8 @@ def mirror_prepare(
         raise ValueError(f"head dim must be 8·2^m, got {dim}")
     device = q.device
     consts = Constants.make(lower_bound, dim ** -0.5 if scale is None else scale)
-    total = batch * seq_len
-    num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
-    tiles = tiles_per_head(total, num_seqs, cu_seqlens is not None)
-    tile_map = _tile_map(cu_seqlens, batch, seq_len, tiles, device)
+    tile_map = _token_tile_map(q, cu_seqlens)
+    tiles = tile_map.slot_exists.numel()
 
     rows = _k1_rows(q, k, g, beta, A_log, dt_bias, consts, tile_map, qk_l2norm, beta_logits)
     qd, kd, kinv, kr, gt, beta_t = rows.qd, rows.kd, rows.kinv, rows.kr, rows.gt, rows.beta
