@@ -3,7 +3,9 @@
 Per peer (cute_kda ``kda_forward``, cute_kda ``chunk_kda``, FLA ``chunk_kda``) and shape:
 
 - host µs / call: CPU wall time to issue ``--calls`` back-to-back calls (no synchronisation in
-  between; small shapes keep the GPU ahead of the host), divided by the number of calls;
+  between; small shapes keep the GPU ahead of the host), divided by the number of calls; the median
+  of ``HOST_ROUNDS`` such rounds, the GPU drained between them (one round of 200 calls lasts ~20 ms,
+  short enough for a busy host to skew it);
 - idle-GPU latency: median CUDA-event time of one call with the GPU idle before it, which is what a
   call costs when the host is on the critical path (decode, small batches);
 - GPU time: median replay time of a CUDA graph of one call (device time alone; "—" where capture fails).
@@ -46,14 +48,19 @@ HOST_SHAPES = {
 }
 
 
-def host_us(fn, calls: int) -> float:
+HOST_ROUNDS = 7
+
+
+def host_us(fn, calls: int, rounds: int = HOST_ROUNDS) -> float:
+    per_call = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append(1e6 * (time.perf_counter() - start) / calls)
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e6 * elapsed / calls
+    return sorted(per_call)[rounds // 2]
 
 
 def profile(fn, calls: int) -> str:

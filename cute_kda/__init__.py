@@ -20,7 +20,8 @@ def __getattr__(name: str):
     if name in _API:
         from . import api
 
-        return getattr(api, name)
+        value = globals()[name] = getattr(api, name)  # later look-ups skip this hook
+        return value
     raise AttributeError(f"module 'cute_kda' has no attribute {name!r}")
 
 

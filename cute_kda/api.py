@@ -53,16 +53,17 @@ class WorkspaceCache:
             stream = torch.cuda.current_stream(device).cuda_stream
         key = (device.index, stream)
         with self._lock:
+            cached = self._views.get(key)
+            if cached is not None and cached[0] == spec:  # the steady state: same spec, same stream
+                return cached[1]
             buffer = self._buffers.get(key)
             if buffer is None or buffer.numel() < spec.nbytes:
                 nbytes = -(-spec.nbytes // _WORKSPACE_GRANULE) * _WORKSPACE_GRANULE
                 buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 self._buffers[key] = buffer
-                self._views.pop(key, None)
-            cached = self._views.get(key)
-            if cached is None or cached[0] != spec:
-                cached = self._views[key] = (spec, workspace_views(spec, buffer))
-        return cached[1]
+            views = workspace_views(spec, buffer)
+            self._views[key] = (spec, views)
+        return views
 
     def snapshot(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(device index, stream handle) → (buffer address, bytes) of every cached buffer."""
@@ -235,7 +236,7 @@ def _forward(
     )
     k2.recurrence(
         v, workspace, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
-        initial_state=initial_state, final_state=final_state, vsplit=config.vsplit,
+        initial_state=initial_state, final_state=final_state, vsplit=config.vsplit, stream=stream,
     )
     return out, final_state
 

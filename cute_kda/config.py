@@ -42,6 +42,7 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=4096)  # on every call's host path: a look-up instead of an import and a scan
 def resolve_vsplit(vsplit: int | None, num_seqs: int, heads: int, sms: int) -> int:
     """The caller's ``vsplit``, or K2's heuristic for ``num_seqs × heads`` CTAs on ``sms`` SMs."""
     if vsplit is not None:

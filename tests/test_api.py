@@ -164,8 +164,10 @@ def mirror_kernels(monkeypatch):
             field.copy_(value)
         launches.append("k1")
 
-    def recurrence(v, ws, out, *, cu_seqlens=None, tile_base=None, initial_state=None, final_state=None, vsplit=None):
+    def recurrence(v, ws, out, *, cu_seqlens=None, tile_base=None, initial_state=None, final_state=None, vsplit=None,
+                   stream=None):
         assert vsplit in validation_vsplits()
+        assert stream == ("CUstream", 7)  # K2 launches on the call's one stream look-up too
         o, state = mirror.mirror_recurrence(
             ws, v, cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=final_state is not None,
             state_dtype=torch.float32 if final_state is None else final_state.dtype)

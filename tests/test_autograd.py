@@ -305,7 +305,7 @@ def launchers_on_mirrors(monkeypatch):
             field.copy_(value)
 
     @fake(k2, "recurrence")
-    def _(v, ws, out, cu_seqlens, tile_base, initial_state, final_state, vsplit, checkpoints):
+    def _(v, ws, out, cu_seqlens, tile_base, initial_state, final_state, vsplit, checkpoints, stream):
         assert vsplit in validation.SUPPORTED_VSPLITS and checkpoints.dtype == torch.bfloat16
         assert checkpoints.shape == block_states_shape(ws, v.shape[2], num_seqs(v, cu_seqlens))
         o, state = mirror.mirror_recurrence(

@@ -172,6 +172,19 @@ def test_miss_then_hit_in_a_fresh_cache(cache_dir):
     assert second.stats == {"loaded": 1} and _refuses_cpu_tensors(loaded)
 
 
+def test_fresh_and_loaded_compiles_launch_through_the_same_entry(cache_dir):
+    """A fresh compile hands the launchers its TVM-FFI function, not the DSL object whose ``__call__``
+    adds a keyword wrapper per launch: the callable the disk cache loads in a later process."""
+    import tvm_ffi
+
+    fresh = CompileCache("test_prefix").get((0,), _compile_tile_prefix)
+    loaded = CompileCache("test_prefix").get((0,), _compile_tile_prefix)
+    assert type(fresh) is type(loaded) is tvm_ffi.Function
+    assert _refuses_cpu_tensors(fresh)
+    plain = _compile_tile_prefix()
+    assert _cache.launch_entry(plain) is not plain and isinstance(_cache.launch_entry(plain), tvm_ffi.Function)
+
+
 def test_keys_names_and_fingerprints_do_not_share_entries(cache_dir, monkeypatch):
     cache = CompileCache("test_prefix")
     cache.get((0,), _compile_tile_prefix)

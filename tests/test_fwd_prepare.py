@@ -38,7 +38,7 @@ def _fake(dtype, rank: int, align: int = 16):
 def _compile(kernel: PrepareKernel):
     """(PTX report, dynamic smem bytes of each launch) of ``kernel`` compiled for sm_90a."""
     inputs = PrepareInputs(
-        q=_fake(BF16, 3), k=_fake(BF16, 3), g=_fake(BF16, 3), beta=_fake(BF16, 2, 2),
+        q=_fake(BF16, 4), k=_fake(BF16, 4), g=_fake(BF16, 4), beta=_fake(BF16, 3, 2),  # [B, T, ...] as the launcher passes
         a_log=_fake(F32, 1, 4), dt_bias=_fake(F32, 2, 4),
     )
     ws = WorkspaceTiles(

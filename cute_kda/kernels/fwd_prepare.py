@@ -63,12 +63,13 @@ from ..numerics import LOG2E
 
 
 class PrepareInputs(NamedTuple):
-    """K1's inputs, tokens flattened (``rows = B·T``); validated by the API layer."""
+    """K1's inputs, validated by the API layer; token tensors ``[B, T, ...]`` or with the tokens
+    flattened (``rows = B·T``), C-contiguous either way (:func:`~cute_kda.layouts.fwd_prepare.compact`)."""
 
-    q: cute.Tensor  # bf16 [rows, H, D], D contiguous
-    k: cute.Tensor  # bf16 [rows, H, D]
-    g: cute.Tensor  # bf16 [rows, H, D], raw gate
-    beta: cute.Tensor  # bf16 [rows, H], logits or activated
+    q: cute.Tensor  # bf16 [B, T, H, D] or [rows, H, D], D contiguous
+    k: cute.Tensor  # bf16 like q
+    g: cute.Tensor  # bf16 like q, raw gate
+    beta: cute.Tensor  # bf16 [B, T, H] or [rows, H], logits or activated
     a_log: cute.Tensor  # fp32 [H]
     dt_bias: cute.Tensor  # fp32 [H, D]
 
@@ -143,7 +144,7 @@ class PrepareKernel(TokenPrep):
         (:class:`cute_kda.kernels.tile_prefix.TilePrefixKernel`) for varlen, else None.
         """
         scalars = PrepareScalars(scale=scale, c_gate=c_gate, seq_len=seq_len)
-        heads, d = inputs.q.shape[1], self.dim
+        heads, d = inputs.beta.shape[cute.rank(inputs.beta) - 1], self.dim
         inputs = PrepareInputs(
             q=plan.compact(inputs.q, (heads, d)),
             k=plan.compact(inputs.k, (heads, d)),

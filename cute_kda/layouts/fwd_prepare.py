@@ -83,6 +83,12 @@ def compact(tensor: cute.Tensor, inner: tuple) -> cute.Tensor:
 
     K1's launcher hands over tensors with dynamic layouts (one compile serves every size); only the
     leading extent ``n`` stays dynamic here, so tiles and fragments of the inner modes are static.
+    ``n`` is the product of every mode before the inner ones: a C-contiguous ``[B, T, H, D]`` tensor
+    with ``inner = (H, D)`` is the ``[B·T, H, D]`` tensor (the launcher passes no views, which cost
+    host time per call).
     """
-    shape = (tensor.shape[0], *inner)
+    n = tensor.shape[0]
+    for extent in tensor.shape[1:cute.rank(tensor) - len(inner)]:
+        n = n * extent
+    shape = (n, *inner)
     return cute.make_tensor(tensor.iterator, cute.make_layout(shape, stride=cute.make_layout(shape[::-1]).stride[::-1]))

@@ -97,7 +97,21 @@ class CompileCache:
         if os.environ.get(QUIET_ENV, "") in ("", "0"):
             print(f"cute_kda: compiled {self.name} {key} in {seconds:.1f}s{where} "
                   f"(once per configuration; {QUIET_ENV}=1 silences this)", file=sys.stderr)
+        return launch_entry(compiled)
+
+
+def launch_entry(compiled: Any) -> Any:
+    """What a launch calls for a DSL compile: its TVM-FFI function, the object the disk cache loads
+    back, so a fresh compile and a loaded one take one call path. The compiled object's own
+    ``__call__`` puts a generated keyword-argument wrapper in front of that function (several µs a
+    launch on the H200) for signatures with defaults or dataclasses, which the launchers do not need:
+    they pass every argument positionally, tensors and NamedTuples of tensors. A compile with raw
+    pointer arguments (converted in that ``__call__``) or without TVM-FFI is returned as it is."""
+    unwrap = getattr(compiled, "__tvm_ffi_object__", None)
+    function = None if unwrap is None else unwrap()
+    if function is None or compiled.execution_args.has_pointer_address_arg_specs:
         return compiled
+    return function
 
 
 def _dsl_type(dtype: Any) -> Any:

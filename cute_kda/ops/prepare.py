@@ -10,6 +10,7 @@ the host. Variants compile from fake tensors (``meta`` tensors described by
 
 from __future__ import annotations
 
+import functools
 
 import torch
 
@@ -58,13 +59,9 @@ def _kernel_args(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float, low
     """
     from ..kernels.fwd_prepare import PrepareInputs
 
-    batch, steps, heads, dim = q.shape
-    rows = batch * steps
-    inputs = PrepareInputs(
-        q=tensor(q.view(rows, heads, dim), 16),
-        k=tensor(k.view(rows, heads, dim), 16),
-        g=tensor(g.view(rows, heads, dim), 16),
-        beta=tensor(beta.view(rows, heads), 2),
+    heads, dim = q.shape[2], q.shape[3]
+    inputs = PrepareInputs(  # [B, T, ...] as given: the kernel folds B·T (layouts.fwd_prepare.compact)
+        q=tensor(q, 16), k=tensor(k, 16), g=tensor(g, 16), beta=tensor(beta, 2),
         a_log=tensor(A_log if A_log.dim() == 1 else A_log.view(heads), 4),
         dt_bias=tensor(dt_bias if dt_bias.dim() == 2 else dt_bias.view(heads, dim), 4),
     )
@@ -73,9 +70,15 @@ def _kernel_args(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float, low
     else:
         tiles = _workspace_tiles(ws, tensor)
     return (
-        inputs, tiles, f32(scale), f32(gate_constant(lower_bound)), seq_len,
+        inputs, tiles, *_fp32_scalars(scale, lower_bound), seq_len,
         tensor(cu_seqlens, 8), tensor(tile_base, 4), stream,
     )
+
+
+@functools.lru_cache(maxsize=256)  # a call's host path: one look-up instead of two struct round trips
+def _fp32_scalars(scale: float, lower_bound: float) -> tuple[float, float]:
+    """K1's ``(scale, c_gate)`` rounded to fp32 (docs/numerics.md)."""
+    return f32(scale), gate_constant(lower_bound)
 
 
 def _workspace_tiles(ws: Workspace, tensor) -> tuple:

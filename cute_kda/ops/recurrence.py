@@ -12,10 +12,13 @@ import torch
 
 from ..layouts.fwd_recurrence import SUPPORTED_VSPLITS
 from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace, block_states_shape
-from ._cache import CompileCache, compile_for_launch, current_stream, device_index, launch_tensor, to_cute_tensor
+from ._cache import (
+    CompileCache, compile_for_launch, current_stream, device_index, launch_tensor, on_device, to_cute_tensor,
+)
 from .prepare import tile_bases
 
 _CACHE = CompileCache("fwd_recurrence")
+_ARGUMENT_ALIGNMENT = (16,) * 11 + (8, 4, 16)  # bytes, per tensor of launch_arguments (cu_seqlens 8, tile_base 4)
 
 
 def choose_vsplit(num_seqs: int, heads: int, sm_count: int) -> int:
@@ -52,12 +55,11 @@ def launch_arguments(
     ``tensor(t, assumed_align)`` converts each: :func:`~._cache.launch_tensor` (the default) for a
     call of the compiled function, :func:`~._cache.to_cute_tensor` for the compile.
     """
-    return (
-        tensor(v, 16), tensor(out, 16),
-        tensor(ws.qd, 16), tensor(ws.kd, 16), tensor(ws.kr, 16), tensor(ws.gt, 16), tensor(ws.inv, 16),
-        tensor(ws.mqk, 16), tensor(ws.beta, 16), tensor(initial_state, 16), tensor(final_state, 16),
-        tensor(cu_seqlens, 8), tensor(tile_base, 4), tensor(checkpoints, 16),
-    )
+    tensors = (v, out, ws.qd, ws.kd, ws.kr, ws.gt, ws.inv, ws.mqk, ws.beta, initial_state, final_state,
+               cu_seqlens, tile_base, checkpoints)
+    if tensor is launch_tensor:  # every call: the tensors as they are
+        return tensors
+    return tuple(tensor(t, align) for t, align in zip(tensors, _ARGUMENT_ALIGNMENT))
 
 
 def _compiled(key: tuple, tensors: dict, stream):
@@ -88,6 +90,7 @@ def recurrence(
     final_state: torch.Tensor | None = None,
     vsplit: int | None = None,
     checkpoints: torch.Tensor | None = None,
+    stream=None,
 ) -> None:
     """Run K2: ``out`` (valid rows only) and, when given, ``final_state``, from v and the K1 workspace.
 
@@ -98,7 +101,8 @@ def recurrence(
     from it when not given. ``vsplit`` None: :func:`choose_vsplit`. ``checkpoints``: None, or bf16
     ``[H · slots, K, V]`` (:func:`cute_kda.workspace.block_states_shape`) for the training forward, which also keeps the
     state entering every 4-tile block there (the slots of :func:`cute_kda.workspace.snapshot_slots`;
-    other rows are not written). Launches on torch's current stream.
+    other rows are not written). Launches on ``stream`` (a ``CUstream``; default torch's current stream
+    on v's device).
     """
     varlen = cu_seqlens is not None
     num_seqs = cu_seqlens.numel() - 1 if varlen else v.shape[0]
@@ -116,8 +120,9 @@ def recurrence(
                              f"got {checkpoints.dtype} {tuple(checkpoints.shape)} on {checkpoints.device}")
     if varlen and tile_base is None:
         tile_base = tile_bases(cu_seqlens)
-    with torch.cuda.device(v.device):
-        stream = current_stream(v.device)
+    with on_device(v.device):
+        if stream is None:
+            stream = current_stream(v.device)
         tensors = dict(v=v, ws=ws, out=out, cu_seqlens=cu_seqlens, tile_base=tile_base,
                        initial_state=initial_state, final_state=final_state, checkpoints=checkpoints)
         key = (vsplit, dtype_or_none(initial_state), dtype_or_none(final_state), varlen, checkpoints is not None,
