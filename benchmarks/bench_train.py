@@ -7,6 +7,9 @@ and beta logits (``use_gate_in_kernel``, ``safe_gate``, ``lower_bound=-5``,
 (FLA's documented shape), an fp32 v-first initial state (``state_v_first=True``) and
 ``output_final_state=True``; q, k, v, g, beta, A_log, dt_bias and the initial state all require grad.
 ``cu_seqlens`` (varlen shapes) is passed with ``cu_seqlens_cpu``, as a training loop would.
+``disable_recompute`` is FLA's default (False: the backward recomputes the forward's intermediates,
+in cute_kda K1 and K2) unless ``--disable-recompute`` passes True to both peers (the forward keeps
+them: more memory held, a shorter backward).
 
 What is measured, per shape of ``benchmarks/shapes.py``:
 
@@ -38,6 +41,7 @@ what it measured.
     python benchmarks/bench_train.py                                        # six shapes, with FLA
     python benchmarks/bench_train.py --shapes B1_T8192_H96,B1_T8192_H64 --out /tmp/train.md
     python benchmarks/bench_train.py --peers none --no-profile --steps 10   # cute_kda only
+    python benchmarks/bench_train.py --shapes B1_T8192_H96 --disable-recompute   # both peers keep intermediates
 
 On a fresh H200 every shape costs FLA's Triton autotune of its forward and backward (30-60 s each)
 and cute_kda's first compiles; two shapes per call stay well under the 8-minute mark:
@@ -122,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=positive_int, default=3,
                         help="untimed steps first; the first compiles / autotunes (default 3)")
     parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown")
+    parser.add_argument("--disable-recompute", action="store_true",
+                        help="pass disable_recompute=True to both peers (default: FLA's False, recompute in the backward)")
     parser.add_argument("--out", help="markdown file (default $OUT/train-<date>.md or benchmarks/results/)")
     return parser
 
@@ -390,12 +396,14 @@ def agreement_table(rows: list[dict]) -> str:
     return markdown_table(head, table)
 
 
-def report(rows: list[dict], command: str, env: str, sha: str, steps: int, warmup: int) -> str:
+def report(rows: list[dict], command: str, env: str, sha: str, steps: int, warmup: int,
+           disable_recompute: bool = False) -> str:
     parts = [
         "# Training step (forward + backward): cute_kda vs FLA chunk_kda",
         f"Command: `{command}` · commit `{sha}`",
         f"{env} · D={D}, bf16 q/k/v/g/beta (raw; gate, l2norm and β-sigmoid in-kernel, safe_gate, "
         f"lower_bound={LOWER_BOUND}), fp32 A_log/dt_bias/initial state (v-first), all requiring grad; "
+        f"disable_recompute={disable_recompute} for both peers; "
         f"step = forward + backward of sum(o·dO) + sum(ht·dht), fixed dO bf16 / dht fp32; medians of {steps} "
         f"CUDA-event-timed steps after {warmup} warm-up steps; ratios cute_kda / FLA (< 1: cute_kda faster)",
         speed_table(rows),
@@ -420,8 +428,9 @@ def report(rows: list[dict], command: str, env: str, sha: str, steps: int, warmu
 # measuring (GPU)
 
 
-def make_problem(name: str, device: torch.device) -> dict:
-    """Inputs of ``name`` as autograd leaves (dt_bias flattened to FLA's [H*K]), fixed dO / dht, the kwargs."""
+def make_problem(name: str, device: torch.device, disable_recompute: bool = False) -> dict:
+    """Inputs of ``name`` as autograd leaves (dt_bias flattened to FLA's [H*K]), fixed dO / dht, the kwargs
+    (FLA's ``disable_recompute`` as given)."""
     shape = SHAPES[name]
     inputs = make_inputs(shape, device)
     inputs["dt_bias"] = inputs["dt_bias"].reshape(-1).contiguous()
@@ -434,7 +443,7 @@ def make_problem(name: str, device: torch.device) -> dict:
         scale=D ** -0.5, initial_state=leaves["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=True,
         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND,
         A_log=leaves["A_log"], dt_bias=leaves["dt_bias"], state_v_first=True, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=None if cu_seqlens is None else cu_seqlens.cpu(),
+        cu_seqlens_cpu=None if cu_seqlens is None else cu_seqlens.cpu(), disable_recompute=disable_recompute,
     )
     input_tensors = [*leaves.values()] + ([cu_seqlens] if cu_seqlens is not None else [])
     return dict(leaves=leaves, do=do, dht=dht, kwargs=kwargs, inputs=input_tensors,
@@ -548,7 +557,7 @@ def bench_shape(name: str, args, device: torch.device | None = None) -> dict:
     from cute_kda.reference import rel_rms
 
     print(f"== {name}", file=sys.stderr)
-    problem = make_problem(name, device or torch.device("cuda"))
+    problem = make_problem(name, device or torch.device("cuda"), args.disable_recompute)
     forwards = peer_forwards(problem, args.peers)
     row: dict = dict(shape=name, input_bytes=problem["input_bytes"], peers={}, agreement={})
     keep: dict = {}
@@ -582,10 +591,10 @@ def main(argv: list[str] | None = None) -> None:
     env = environment("cutlass", "fla", "triton", labels={"cutlass": "cutlass-dsl"})
     sha = commit()
     rows: list[dict] = []
-    text = report(rows, command, env, sha, args.steps, args.warmup)
+    text = report(rows, command, env, sha, args.steps, args.warmup, args.disable_recompute)
     for name in args.shapes:
         rows.append(bench_shape(name, args))
-        text = report(rows, command, env, sha, args.steps, args.warmup)
+        text = report(rows, command, env, sha, args.steps, args.warmup, args.disable_recompute)
         save(text, out)  # after every shape
     publish(text, out)
 

@@ -11,6 +11,13 @@ buffer, which the next call reuses), K1, then K2 writing also the bf16 state ent
 (``checkpoints``, :func:`cute_kda.workspace.block_states_shape`). Saved for the backward: the raw
 inputs, the workspace, the checkpoints, ``cu_seqlens`` on the device and ``tile_base``.
 
+With ``recompute`` the forward keeps neither: K2 runs without checkpoints and the workspace is freed
+when the forward returns; the backward runs K1 and K2 (with checkpoints) again from the saved inputs,
+``initial_state`` included, before Kernel A. The recomputation is the same kernels on the same inputs,
+so the gradients are bit-identical to the default path's; it costs one K1 and one K2 per backward and
+saves the workspace and checkpoints (about 2.8× the bf16 q, k, v, g of the call) for as long as the
+graph holds the call.
+
 Backward: dO (zeros when only the final state is used) and dht (None when the final state is unused
 or absent) → Kernel A (dv, du, the per-tile state gradients, dh0) → Kernel B (dq, dk, dg, dβ and
 per-tile partial sums of ddt_bias / dA_log, reduced by ``.sum(1)``: deterministic). Kernel B runs
@@ -73,6 +80,7 @@ class Options(NamedTuple):
     beta_logits: bool
     final_state_dtype: torch.dtype | None
     vsplit: int | None
+    recompute: bool = False
 
 
 class Saved(NamedTuple):
@@ -80,11 +88,12 @@ class Saved(NamedTuple):
 
     workspace: flat uint8 ``[WorkspaceSpec.nbytes]`` (:func:`workspace_of` carves the K1 fields);
     checkpoints: bf16 ``[H · slots, K, V]``, the state entering every tile; tile_base: None (fixed
-    length) or int32 ``[N+1]``.
+    length) or int32 ``[N+1]``. Under ``Options.recompute`` workspace and checkpoints are None
+    (:func:`recomputed` makes them in the backward).
     """
 
-    workspace: torch.Tensor
-    checkpoints: torch.Tensor
+    workspace: torch.Tensor | None
+    checkpoints: torch.Tensor | None
     tile_base: torch.Tensor | None
 
 
@@ -121,7 +130,8 @@ class GradsResult(NamedTuple):
 class Backend(NamedTuple):
     """The three stages of a training step.
 
-    forward(inputs, options) → :class:`ForwardResult`;
+    forward(inputs, options) → :class:`ForwardResult` (without workspace and checkpoints under
+    ``options.recompute``);
     scan(inputs, options, saved, do, dht, dh0_dtype) → :class:`ScanResult` (do bf16 ``[B, T, H, V]``
     contiguous; dht None or bf16 / fp32 ``[N, H, V, K]`` contiguous; dh0_dtype None: no dh0);
     grads(inputs, options, saved, do, scan) → :class:`GradsResult`.
@@ -178,7 +188,8 @@ def staged_cu_seqlens(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> torch
 
 
 def _kernel_forward(x: Inputs, options: Options) -> ForwardResult:
-    """K1 into a fresh workspace, K2 with checkpoints, on the current stream of q's device."""
+    """K1 into a fresh workspace, K2 with checkpoints (without them under ``options.recompute``, the
+    workspace then dropped), on the current stream of q's device."""
     validation.check_on_cuda("q", x.q)
     from .ops import prepare as k1
     from .ops import recurrence as k2
@@ -186,7 +197,9 @@ def _kernel_forward(x: Inputs, options: Options) -> ForwardResult:
     problem, device = options.problem, x.q.device
     buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=device)
     saved_ws = workspace_views(workspace_spec(problem), buffer)
-    checkpoints = torch.empty(checkpoints_shape(problem), dtype=torch.bfloat16, device=device)
+    checkpoints = None
+    if not options.recompute:
+        checkpoints = torch.empty(checkpoints_shape(problem), dtype=torch.bfloat16, device=device)
     out = torch.empty_like(x.v)
     final_state = None
     if options.final_state_dtype is not None:
@@ -206,7 +219,7 @@ def _kernel_forward(x: Inputs, options: Options) -> ForwardResult:
         x.v, saved_ws, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=x.initial_state,
         final_state=final_state, vsplit=config.vsplit, checkpoints=checkpoints,
     )
-    return ForwardResult(out, final_state, Saved(buffer, checkpoints, tile_base))
+    return ForwardResult(out, final_state, Saved(None if options.recompute else buffer, checkpoints, tile_base))
 
 
 def _kernel_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None,
@@ -251,7 +264,7 @@ KERNELS = Backend("kernels", _kernel_forward, _kernel_scan, _kernel_grads)
 
 def _reference_forward(x: Inputs, options: Options) -> ForwardResult:
     """:func:`~cute_kda.reference.mirror_prepare` and :func:`~cute_kda.reference.mirror_recurrence`
-    with checkpoints; slots the kernels leave unwritten are NaN."""
+    with checkpoints (without them under ``options.recompute``); slots the kernels leave unwritten are NaN."""
     from .reference import mirror_prepare, mirror_recurrence, tile_bases
 
     problem = options.problem
@@ -263,7 +276,9 @@ def _reference_forward(x: Inputs, options: Options) -> ForwardResult:
     ws = workspace_views(workspace_spec(problem), buffer)
     for field, value in zip(ws, mirrored):
         field.copy_(value)
-    checkpoints = torch.full(checkpoints_shape(problem), float("nan"), dtype=torch.bfloat16, device=x.q.device)
+    checkpoints = None
+    if not options.recompute:
+        checkpoints = torch.full(checkpoints_shape(problem), float("nan"), dtype=torch.bfloat16, device=x.q.device)
     wants_state = options.final_state_dtype is not None
     out, final_state = mirror_recurrence(
         ws, x.v, cu_seqlens=x.cu_seqlens, initial_state=x.initial_state, output_final_state=wants_state,
@@ -272,7 +287,8 @@ def _reference_forward(x: Inputs, options: Options) -> ForwardResult:
     )
     tile_base = tile_bases(x.cu_seqlens, problem.total_tokens, problem.batch) if problem.varlen else None
     final_state = None if final_state is None else final_state.contiguous()
-    return ForwardResult(out.contiguous(), final_state, Saved(buffer, checkpoints, tile_base))
+    return ForwardResult(out.contiguous(), final_state,
+                         Saved(None if options.recompute else buffer, checkpoints, tile_base))
 
 
 def _reference_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None,
@@ -323,12 +339,19 @@ def kernel_operand(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
+def recomputed(backend: Backend, x: Inputs, options: Options) -> Saved:
+    """The workspace and checkpoints a ``recompute`` forward did not keep: ``backend``'s forward again on
+    the same inputs (``x.initial_state`` included), keeping them this time and skipping the final state."""
+    return backend.forward(x, options._replace(recompute=False, final_state_dtype=None)).saved
+
+
 def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out: torch.Tensor | None,
              d_final: torch.Tensor | None, needs: tuple[bool, ...],
              initial_state_dtype: torch.dtype | None) -> tuple[torch.Tensor | None, ...]:
     """Gradients of q, k, v, g, beta, A_log, dt_bias, initial_state (None where ``needs`` is False).
 
-    ``x``: the forward's inputs (``x.initial_state`` is not read: pass None); d_out: None or the
+    ``x``: the forward's inputs (``x.initial_state`` is read only under ``options.recompute``, where
+    ``saved`` lacks the workspace and checkpoints and :func:`recomputed` rebuilds them); d_out: None or the
     gradient w.r.t. out ``[B, T, H, V]``; d_final: None or the gradient w.r.t. the final state
     ``[N, H, V, K]`` (its dtype); ``needs``: one flag per input, in :data:`INPUT_NAMES` order;
     ``initial_state_dtype``: the forward's initial state dtype, None without one (then no dh0).
@@ -336,6 +359,8 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     do = torch.zeros_like(x.v) if d_out is None else kernel_operand(d_out, torch.bfloat16)
     dht = None if d_final is None else kernel_operand(d_final, d_final.dtype)
     dh0_dtype = initial_state_dtype if needs[7] else None
+    if options.recompute:
+        saved = recomputed(backend, x, options)
     scan = backend.scan(x, options, saved, do, dht, dh0_dtype)
     dq = dk = dg = dbeta = dA_log = ddt_bias = None
     if any(needs[i] for i in KERNEL_B_INPUTS):
@@ -355,14 +380,16 @@ class TrainingForward(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.backend, ctx.options = backend, options
         ctx.initial_state_dtype = None if x.initial_state is None else x.initial_state.dtype
-        ctx.save_for_backward(x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, x.cu_seqlens, *result.saved)
+        initial_state = x.initial_state if options.recompute else None  # only the recomputation reads it
+        ctx.save_for_backward(x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, initial_state, x.cu_seqlens,
+                              *result.saved)
         return result.out, result.final_state
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor | None, d_final: torch.Tensor | None) -> tuple:
         check_first_order()
-        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, *saved = ctx.saved_tensors
-        x = Inputs(q, k, v, g, beta, A_log, dt_bias, None, cu_seqlens)
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *saved = ctx.saved_tensors
+        x = Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
         grads = backward(ctx.backend, x, ctx.options, Saved(*saved), d_out, d_final, ctx.needs_input_grad[2:10],
                          ctx.initial_state_dtype)
         return (None, None, *grads, None)
@@ -373,7 +400,7 @@ def train(
     beta: torch.Tensor, *, scale: float | None, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
     initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None,
     out: torch.Tensor | None, final_state: torch.Tensor | None, vsplit: int | None, qk_l2norm: bool,
-    beta_logits: bool,
+    beta_logits: bool, recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recorded training call on arguments that :func:`~cute_kda.validation.validate_forward` accepted
     (``problem`` is its result); :func:`cute_kda.kda_forward`'s contract otherwise."""
@@ -386,7 +413,7 @@ def train(
     options = Options(
         problem=problem, scale=float(problem.head_dim ** -0.5 if scale is None else scale),
         lower_bound=float(lower_bound), qk_l2norm=bool(qk_l2norm), beta_logits=bool(beta_logits),
-        final_state_dtype=final_state_dtype, vsplit=vsplit,
+        final_state_dtype=final_state_dtype, vsplit=vsplit, recompute=bool(recompute),
     )
     return TrainingForward.apply(backend, options, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
 
@@ -396,7 +423,7 @@ def kda_forward(
     scale: float | None = None, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float = -5.0,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
     out: torch.Tensor | None = None, final_state: torch.Tensor | None = None, vsplit: int | None = None,
-    qk_l2norm: bool = True, beta_logits: bool = True,
+    qk_l2norm: bool = True, beta_logits: bool = True, recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`cute_kda.kda_forward`'s training path on torch tensors, with the stages of ``backend``.
 
@@ -411,5 +438,5 @@ def kda_forward(
     return train(
         backend, problem, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens, out=out,
-        final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+        final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute,
     )

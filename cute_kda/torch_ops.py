@@ -90,35 +90,39 @@ def forward_train_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     A_log: torch.Tensor, dt_bias: torch.Tensor, initial_state: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor], scale: float, lower_bound: float, final_state_dtype: Optional[torch.dtype],
-    vsplit: int, qk_l2norm: bool, beta_logits: bool,
+    vsplit: int, qk_l2norm: bool, beta_logits: bool, recompute: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The training forward (arguments as :func:`forward_op`). Returns out bf16 ``[B, T, H, V]``, the
-    final state ``[N, H, V, K]`` (empty when ``final_state_dtype`` is None), the flat uint8 workspace
-    ``[WorkspaceSpec.nbytes]``, the checkpoints bf16 ``[H · slots, K, V]`` and ``tile_base`` int32
+    """The training forward (arguments as :func:`forward_op`, and ``recompute``: keep nothing for the
+    backward, which recomputes it). Returns out bf16 ``[B, T, H, V]``, the final state ``[N, H, V, K]``
+    (empty when ``final_state_dtype`` is None), the flat uint8 workspace ``[WorkspaceSpec.nbytes]``, the
+    checkpoints bf16 ``[H · slots, K, V]`` (both empty under ``recompute``) and ``tile_base`` int32
     ``[N+1]`` (empty for fixed length)."""
     problem = validation.validate_forward(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         initial_state=initial_state, cu_seqlens=cu_seqlens, vsplit=vsplit or None,
     )
     x = autograd.Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, autograd.staged_cu_seqlens(cu_seqlens, q))
-    options = autograd.Options(problem, scale, lower_bound, qk_l2norm, beta_logits, final_state_dtype, vsplit or None)
+    options = autograd.Options(problem, scale, lower_bound, qk_l2norm, beta_logits, final_state_dtype, vsplit or None,
+                               recompute)
     result = _stages().forward(x, options)
     saved = result.saved
+    workspace = q.new_empty((0,), dtype=torch.uint8) if saved.workspace is None else saved.workspace
+    checkpoints = q.new_empty((0, 0, 0), dtype=torch.bfloat16) if saved.checkpoints is None else saved.checkpoints
     return (
-        result.out, q.new_empty((0,)) if result.final_state is None else result.final_state, saved.workspace,
-        saved.checkpoints, q.new_empty((0,), dtype=torch.int32) if saved.tile_base is None else saved.tile_base,
+        result.out, q.new_empty((0,)) if result.final_state is None else result.final_state, workspace,
+        checkpoints, q.new_empty((0,), dtype=torch.int32) if saved.tile_base is None else saved.tile_base,
     )
 
 
 @forward_train_op.register_fake
 def _forward_train_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-                        final_state_dtype, vsplit, qk_l2norm, beta_logits):
+                        final_state_dtype, vsplit, qk_l2norm, beta_logits, recompute):
     problem = autograd.problem_of(q, cu_seqlens)
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     state = q.new_empty((0,)) if final_state_dtype is None else q.new_empty(_state_shape(q, v, cu_seqlens),
                                                                              dtype=final_state_dtype)
-    workspace = q.new_empty((autograd.workspace_spec(problem).nbytes,), dtype=torch.uint8)
-    checkpoints = q.new_empty(autograd.checkpoints_shape(problem), dtype=torch.bfloat16)
+    workspace = q.new_empty((0 if recompute else autograd.workspace_spec(problem).nbytes,), dtype=torch.uint8)
+    checkpoints = q.new_empty((0, 0, 0) if recompute else autograd.checkpoints_shape(problem), dtype=torch.bfloat16)
     tile_base = q.new_empty((problem.num_seqs + 1 if problem.varlen else 0,), dtype=torch.int32)
     return o, state, workspace, checkpoints, tile_base
 
@@ -127,27 +131,28 @@ def _forward_train_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
 def backward_op(
     do: torch.Tensor, dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     g: torch.Tensor, beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-    cu_seqlens: Optional[torch.Tensor], workspace: torch.Tensor, checkpoints: torch.Tensor,
-    tile_base: Optional[torch.Tensor], scale: float, lower_bound: float, qk_l2norm: bool, beta_logits: bool,
-    dh0_dtype: Optional[torch.dtype], token_grads: bool,
+    initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], workspace: torch.Tensor,
+    checkpoints: torch.Tensor, tile_base: Optional[torch.Tensor], scale: float, lower_bound: float, qk_l2norm: bool,
+    beta_logits: bool, dh0_dtype: Optional[torch.dtype], token_grads: bool, recompute: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     """The backward of :func:`forward_train_op`: do bf16 ``[B, T, H, V]``; dht None or ``[N, H, V, K]``;
-    the forward's inputs and saved outputs (``tile_base`` None for fixed length). Returns dq, dk, dv, dg,
+    the forward's inputs (``initial_state`` read only under ``recompute``) and saved outputs (``tile_base``
+    None for fixed length; workspace and checkpoints empty under ``recompute``). Returns dq, dk, dv, dg,
     dbeta, dA_log, ddt_bias, dh0 in their inputs' shapes and dtypes; dq, dk, dg, dbeta, dA_log, ddt_bias
     are empty unless ``token_grads``, dh0 unless ``dh0_dtype`` (then ``[N, H, V, K]`` in it)."""
     problem = autograd.problem_of(q, cu_seqlens)
-    x = autograd.Inputs(q, k, v, g, beta, A_log, dt_bias, None, autograd.staged_cu_seqlens(cu_seqlens, q))
-    options = autograd.Options(problem, scale, lower_bound, qk_l2norm, beta_logits, None, None)
+    x = autograd.Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, autograd.staged_cu_seqlens(cu_seqlens, q))
+    options = autograd.Options(problem, scale, lower_bound, qk_l2norm, beta_logits, None, None, recompute)
     needs = (token_grads, token_grads, True, token_grads, token_grads, token_grads, token_grads, dh0_dtype is not None)
-    grads = autograd.backward(_stages(), x, options, autograd.Saved(workspace, checkpoints, tile_base), do, dht,
-                              needs, dh0_dtype)
+    saved = autograd.Saved(None, None, tile_base) if recompute else autograd.Saved(workspace, checkpoints, tile_base)
+    grads = autograd.backward(_stages(), x, options, saved, do, dht, needs, dh0_dtype)
     return tuple(q.new_empty((0,)) if grad is None else grad for grad in grads)
 
 
 @backward_op.register_fake
-def _backward_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, workspace, checkpoints, tile_base, scale,
-                   lower_bound, qk_l2norm, beta_logits, dh0_dtype, token_grads):
+def _backward_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, workspace, checkpoints,
+                   tile_base, scale, lower_bound, qk_l2norm, beta_logits, dh0_dtype, token_grads, recompute):
     def like(t: torch.Tensor, wanted: bool) -> torch.Tensor:
         return torch.empty_like(t, memory_format=torch.contiguous_format) if wanted else q.new_empty((0,))
 
@@ -156,29 +161,30 @@ def _backward_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, worksp
             like(A_log, token_grads), like(dt_bias, token_grads), dh0)
 
 
-_TRAIN_INPUTS = 15  # arguments of forward_train_op
+_TRAIN_INPUTS = 16  # arguments of forward_train_op
 
 
 def _setup_train_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound = inputs[:11]
-    qk_l2norm, beta_logits = inputs[13:]
+    qk_l2norm, beta_logits, recompute = inputs[13:]
     _, _, workspace, checkpoints, tile_base = output
     ctx.mark_non_differentiable(workspace, checkpoints, tile_base)
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, workspace, checkpoints, tile_base)
-    ctx.options = (scale, lower_bound, qk_l2norm, beta_logits)
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state if recompute else None, cu_seqlens,
+                          workspace, checkpoints, tile_base)
+    ctx.options = (scale, lower_bound, qk_l2norm, beta_logits, recompute)
     ctx.initial_state_dtype = None if initial_state is None else initial_state.dtype
 
 
 def _train_backward(ctx: Any, d_out: torch.Tensor, d_final: torch.Tensor, *_: Any) -> tuple:
     autograd.check_first_order()
-    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, workspace, checkpoints, tile_base = ctx.saved_tensors
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, workspace, checkpoints, tile_base = ctx.saved_tensors
     needs = ctx.needs_input_grad
     dh0_dtype = ctx.initial_state_dtype if needs[7] else None
-    scale, lower_bound, qk_l2norm, beta_logits = ctx.options
+    scale, lower_bound, qk_l2norm, beta_logits, recompute = ctx.options
     grads = backward_op(
-        d_out, d_final if d_final.numel() else None, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, workspace,
-        checkpoints, tile_base if tile_base.numel() else None, scale, lower_bound, qk_l2norm, beta_logits, dh0_dtype,
-        any(needs[i] for i in autograd.KERNEL_B_INPUTS),
+        d_out, d_final if d_final.numel() else None, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+        workspace, checkpoints, tile_base if tile_base.numel() else None, scale, lower_bound, qk_l2norm, beta_logits,
+        dh0_dtype, any(needs[i] for i in autograd.KERNEL_B_INPUTS), recompute,
     )
     return (*(grad if need else None for grad, need in zip(grads, needs[:8])), *(None,) * (_TRAIN_INPUTS - 8))
 
@@ -191,7 +197,7 @@ def kda_forward(
     scale: float | None, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
     initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None,
     out: torch.Tensor | None, final_state: torch.Tensor | None, vsplit: int | None, qk_l2norm: bool,
-    beta_logits: bool,
+    beta_logits: bool, recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`cute_kda.kda_forward` as Dynamo traces it: the same arguments and results, one op (the
     training op when autograd records the call)."""
@@ -207,9 +213,12 @@ def kda_forward(
     if wants_state:
         state_dtype = (final_state.dtype if final_state is not None
                        else torch.float32 if initial_state is None else initial_state.dtype)
-    op = forward_train_op if training else forward_op
-    o, state, *_ = op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, float(scale),
-                      float(lower_bound), state_dtype, vsplit or 0, bool(qk_l2norm), bool(beta_logits))
+    arguments = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, float(scale), float(lower_bound),
+                 state_dtype, vsplit or 0, bool(qk_l2norm), bool(beta_logits))
+    if training:
+        o, state, *_ = forward_train_op(*arguments, bool(recompute))
+    else:
+        o, state = forward_op(*arguments)
     if out is not None:
         out.copy_(o)
         o = out
@@ -225,4 +234,4 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | N
 
     call = api.translate_fla_call(*args, **kwargs)
     return call.run(lambda *tensors, **options: kda_forward(
-        *tensors, out=None, final_state=None, vsplit=None, **options))
+        *tensors, out=None, final_state=None, vsplit=None, recompute=call.recompute, **options))

@@ -204,6 +204,38 @@ def test_requires_grad_subsets(full_run, subset):
     assert recording.calls[1][3] == (torch.float32 if "initial_state" in subset else None)
 
 
+@pytest.mark.parametrize("lengths, state", [([25, 17], torch.float32), ([20, 0, 17, 5], torch.bfloat16), ([40], None)],
+                         ids=["varlen_fp32_state", "varlen_empty_bf16_state", "no_state"])
+def test_recompute_gives_the_same_gradients_and_keeps_nothing(lengths, state):
+    """``recompute=True``: the forward keeps no workspace or checkpoints, the backward runs the forward
+    stage again (without a final state) before the scan, and every gradient equals the default path's."""
+    problem, do, dht = make_problem(lengths, state=state)
+    dht = dht if state is not None else None
+    _, _, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht)
+    recording = Recording()
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        _, _, grads = train(recording.forward, problem, do=do, dht=dht, recompute=True)
+    for name in expected:
+        assert torch.equal(grads[name], expected[name]), name
+    assert recording.stages() == ["forward", "forward", "scan", "grads"]
+    first, again = recording.calls[0][1], recording.calls[1][1]
+    assert first.recompute and not again.recompute and again.final_state_dtype is None
+    assert not any(t.dtype == torch.uint8 or t.dim() == 3 and t.shape[-1] == D for t in kept)  # no workspace, states
+    if state is not None:
+        assert any(t is not None and t.shape == problem["initial_state"].shape for t in kept)  # h0, for the rerun
+
+
+def test_chunk_kda_maps_fla_disable_recompute():
+    """FLA's ``disable_recompute`` keeps its meaning: False (its default) recomputes in the backward."""
+    problem, _, _ = make_problem([20])
+    p = {name: problem[name] for name in ("q", "k", "v", "g", "beta")}
+    fla = dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=problem["A_log"],
+               dt_bias=problem["dt_bias"])
+    assert api.translate_fla_call(*p.values(), **fla).recompute
+    assert not api.translate_fla_call(*p.values(), disable_recompute=True, **fla).recompute
+
+
 def test_no_input_requires_grad_still_records_on_the_reference_path():
     """autograd.kda_forward always goes through the Function; the outputs do not require grad then."""
     problem, _, _ = make_problem([20])
@@ -510,20 +542,24 @@ def _fake_inputs(varlen, heads=3):
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 @pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, torch.float32], ids=["none", "bf16", "fp32"])
-def test_forward_train_fake_shapes(varlen, state_dtype):
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+def test_forward_train_fake_shapes(varlen, state_dtype, recompute):
     with FakeTensorMode():
         q, beta, cu, A_log, dt_bias = _fake_inputs(varlen)
         o, state, ws, checkpoints, tile_base = torch.ops.cute_kda.forward_train(
-            q, q, q, q, beta, A_log, dt_bias, None, cu, 0.1, -5.0, state_dtype, 0, True, True)
+            q, q, q, q, beta, A_log, dt_bias, None, cu, 0.1, -5.0, state_dtype, 0, True, True, recompute)
     batch, tokens, heads = q.shape[:3]
     num_seqs = 4 if varlen else batch
     tiles = tiles_per_head(batch * tokens, num_seqs, varlen)
     assert o.shape == q.shape and o.dtype == torch.bfloat16
     assert (state.numel() == 0) if state_dtype is None else (state.shape == (num_seqs, heads, D, D)
                                                               and state.dtype == state_dtype)
-    assert ws.dtype == torch.uint8 and ws.shape == (WorkspaceSpec(heads=heads, tiles=tiles).nbytes,)
-    assert checkpoints.dtype == torch.bfloat16
-    assert checkpoints.shape == (heads * snapshot_slots(tiles, num_seqs), D, D)
+    assert ws.dtype == torch.uint8 and checkpoints.dtype == torch.bfloat16
+    if recompute:  # nothing kept: the backward recomputes it
+        assert ws.numel() == 0 and checkpoints.numel() == 0
+    else:
+        assert ws.shape == (WorkspaceSpec(heads=heads, tiles=tiles).nbytes,)
+        assert checkpoints.shape == (heads * snapshot_slots(tiles, num_seqs), D, D)
     assert tile_base.dtype == torch.int32 and tile_base.shape == ((num_seqs + 1,) if varlen else (0,))
 
 
@@ -535,8 +571,8 @@ def test_backward_fake_shapes(varlen, dh0_dtype, token_grads):
         q, beta, cu, A_log, dt_bias = _fake_inputs(varlen)
         ws, checkpoints = torch.empty(64, dtype=torch.uint8), torch.empty(8, D, D, dtype=torch.bfloat16)
         tile_base = torch.empty(5, dtype=torch.int32) if varlen else None
-        grads = torch.ops.cute_kda.backward(q, None, q, q, q, q, beta, A_log, dt_bias, cu, ws, checkpoints, tile_base,
-                                            0.1, -5.0, True, True, dh0_dtype, token_grads)
+        grads = torch.ops.cute_kda.backward(q, None, q, q, q, q, beta, A_log, dt_bias, None, cu, ws, checkpoints,
+                                            tile_base, 0.1, -5.0, True, True, dh0_dtype, token_grads, False)
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = grads
     assert dv.shape == q.shape and dv.dtype == torch.bfloat16
     for grad, like in ((dq, q), (dk, q), (dg, q), (dbeta, beta), (dA_log, A_log), (ddt_bias, dt_bias)):
@@ -551,26 +587,28 @@ def reference_ops(monkeypatch):
     monkeypatch.setattr(torch_ops, "_stages", lambda: autograd.REFERENCE)
 
 
-def _op_arguments(problem):
+def _op_arguments(problem, recompute=False):
     p = problem
     return (*(p[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), p.get("initial_state"),
-            p.get("cu_seqlens"), D ** -0.5, -5.0, torch.float32, 0, True, True)
+            p.get("cu_seqlens"), D ** -0.5, -5.0, torch.float32, 0, True, True, recompute)
 
 
-def test_opcheck_forward_train(reference_ops):
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+def test_opcheck_forward_train(reference_ops, recompute):
     problem, _, _ = make_problem([20, 17], state=torch.float32)
     leaves = {n: x.requires_grad_() if x.is_floating_point() else x for n, x in problem.items()}
     # no test_aot_dispatch: checkpoint slots that are no tile hold NaN, which never compares equal
-    torch.library.opcheck(torch_ops.forward_train_op, _op_arguments(leaves),
+    torch.library.opcheck(torch_ops.forward_train_op, _op_arguments(leaves, recompute),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
-def test_opcheck_backward(reference_ops):
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+def test_opcheck_backward(reference_ops, recompute):
     problem, do, dht = make_problem([20, 17], state=torch.bfloat16)
-    _, _, ws, checkpoints, tile_base = torch_ops.forward_train_op(*_op_arguments(problem))
+    _, _, ws, checkpoints, tile_base = torch_ops.forward_train_op(*_op_arguments(problem, recompute))
     p = problem
-    args = (do, dht, *(p[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), p["cu_seqlens"], ws,
-            checkpoints, tile_base, D ** -0.5, -5.0, True, True, torch.bfloat16, True)
+    args = (do, dht, *(p[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), p["initial_state"],
+            p["cu_seqlens"], ws, checkpoints, tile_base, D ** -0.5, -5.0, True, True, torch.bfloat16, True, recompute)
     torch.library.opcheck(torch_ops.backward_op, args)
 
 

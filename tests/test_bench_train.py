@@ -377,6 +377,15 @@ def test_bench_shape_on_cpu(bench, monkeypatch, lengths, varlen):
     assert f"| {name} | 1.250 | 1.250 | 1.00× | not met (2.00× over) |" in text
 
 
+def test_disable_recompute_reaches_both_peers_and_the_report(bench, monkeypatch):
+    monkeypatch.setitem(bench.SHAPES, "tiny", type(bench.SHAPES["B1_T8192_H96"])((16,), 1))
+    cpu = torch.device("cpu")
+    assert bench.make_problem("tiny", cpu, disable_recompute=True)["kwargs"]["disable_recompute"] is True
+    assert bench.make_problem("tiny", cpu)["kwargs"]["disable_recompute"] is False  # FLA's default
+    assert bench.build_parser().parse_args(["--disable-recompute"]).disable_recompute
+    assert "disable_recompute=True for both peers" in bench.report([], "cmd", "ENV", "sha", 1, 1, True)
+
+
 def test_bench_shape_keeps_going_when_ours_fails(bench, monkeypatch):
     _fake_cuda(bench, monkeypatch)
     monkeypatch.setitem(bench.SHAPES, "tiny", type(bench.SHAPES["B1_T8192_H96"])((16,), 1))

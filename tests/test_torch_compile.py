@@ -47,7 +47,7 @@ def gold_kernels(monkeypatch):
     calls = []
 
     def forward(q, k, v, g, beta, *, scale, A_log, dt_bias, lower_bound, initial_state, output_final_state,
-                cu_seqlens, out, final_state, vsplit, qk_l2norm, beta_logits):
+                cu_seqlens, out, final_state, vsplit, qk_l2norm, beta_logits, recompute=False):
         problem = api.validation.validate_forward(
             q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
             initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit)
