@@ -3,7 +3,8 @@
 Its inputs are made by the kernels themselves once per shape (K1's workspace, the training forward's
 per-tile checkpoints, Kernel A's snapshots and du), then ``cute_kda.ops.bwd_grads.bwd_grads`` is timed
 alone: median of CUDA-graph replays (events when capture fails). Also printed: the bytes Kernel B
-reads and writes per call and the bandwidth that makes, and µs per (tile, head) CTA-wave share.
+reads and writes per call and the bandwidth that makes, and µs per wave of (tile, head) CTAs (as many
+CTAs an SM as the smem plan is sized for, ``layouts.bwd_grads.CTAS_PER_SM``).
 
     python benchmarks/bench_bwd_grads.py                                 # six shapes, 4 and 8 warps
     python benchmarks/bench_bwd_grads.py --shapes B1_T8192_H96 --warps 8
@@ -90,9 +91,11 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_bwd_grads needs a CUDA GPU (Hopper)")
+    from cute_kda.layouts.bwd_grads import CTAS_PER_SM
     from cute_kda.ops import bwd_grads as kb
 
     device = torch.device("cuda")
+    wave = torch.cuda.get_device_properties(device).multi_processor_count * CTAS_PER_SM
     rows = []
     for name in args.shapes:
         shape = SHAPES[name]
@@ -108,9 +111,10 @@ def main() -> None:
                 ms = median_ms(call, args.warmup, args.rep)
             tiles = sum(-(-n // CHUNK) for n in shape.lengths) * shape.heads
             rows.append([name, str(warps), f"{ms:.3f}", f"{(read + written) / ms / 1e9:.2f}",
-                         f"{ms * 1e3 / math.ceil(tiles / torch.cuda.get_device_properties(device).multi_processor_count):.2f}"])
+                         f"{ms * 1e3 / math.ceil(tiles / wave):.2f}"])
             print(" ".join(rows[-1]), file=sys.stderr)
-    head = ["shape", "warps", "Kernel B ms", "TB/s (bytes read + written)", "µs per CTA wave (one CTA an SM)"]
+    head = ["shape", "warps", "Kernel B ms", "TB/s (bytes read + written)",
+            f"µs per CTA wave ({CTAS_PER_SM} CTAs an SM)"]
     publish(f"{environment('cutlass')}\n\n`{' '.join(sys.argv)}`\n\n{markdown_table(head, rows)}\n", args.out)
 
 
