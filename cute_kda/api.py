@@ -444,6 +444,8 @@ def _fla_A_log(A_log: Any, heads: int, device: torch.device) -> torch.Tensor:
     if A_log is None:
         return torch.zeros(heads, dtype=torch.float32, device=device)
     validation.check_is_tensor("A_log", A_log)
+    if A_log.dtype is torch.float32 and A_log.shape == (heads,) and A_log.is_contiguous():
+        return A_log  # already what the kernels take (what the conversions below would return, for less host time)
     if A_log.numel() != heads:
         raise ValueError(f"A_log must hold H = {heads} values, got shape {list(A_log.shape)}")
     return A_log.reshape(heads).to(torch.float32).contiguous()
@@ -454,6 +456,8 @@ def _fla_dt_bias(dt_bias: Any, heads: int, key_dim: int, device: torch.device) -
     if dt_bias is None:
         return torch.zeros(heads, key_dim, dtype=torch.float32, device=device)
     validation.check_is_tensor("dt_bias", dt_bias)
+    if dt_bias.dtype is torch.float32 and dt_bias.shape == (heads, key_dim) and dt_bias.is_contiguous():
+        return dt_bias
     if tuple(dt_bias.shape) not in ((heads * key_dim,), (heads, key_dim)):
         raise ValueError(f"dt_bias must have shape [H*K] = [{heads * key_dim}] or [H, K] = [{heads}, {key_dim}], "
                          f"got {list(dt_bias.shape)}")
@@ -515,20 +519,28 @@ def chunk_kda(
             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context, use_graph=use_graph,
             max_num_seqs=max_num_seqs, **kwargs,
         )
+    fla_flags = dict(
+        scale=scale, output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+        disable_recompute=disable_recompute, return_intermediate_states=return_intermediate_states,
+        state_v_first=state_v_first, cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs,
+    )
+    as_torch = interop.as_torch
+
+    def run() -> tuple[torch.Tensor, torch.Tensor | None]:
+        call = translate_fla_call(
+            *(as_torch(x) for x in (q, k, v, g, beta)), initial_state=as_torch(initial_state),
+            cu_seqlens=as_torch(cu_seqlens), cu_seqlens_cpu=as_torch(cu_seqlens_cpu), **fla_flags,
+            **{name: as_torch(value) for name, value in kwargs.items()},
+        )
+        return call.run(functools.partial(kda_forward, recompute=call.recompute))
+
+    if isinstance(q, torch.Tensor):  # torch in, torch out, torch's current stream: nothing to hand over
+        return run()
     framework = interop.framework_of(q)
     with interop.caller_stream(framework, q):
-        call = translate_fla_call(
-            *(interop.as_torch(x) for x in (q, k, v, g, beta)),
-            scale=scale, initial_state=interop.as_torch(initial_state), output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-            safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
-            return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
-            cu_seqlens=interop.as_torch(cu_seqlens), cu_seqlens_cpu=interop.as_torch(cu_seqlens_cpu),
-            cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs,
-            **{name: interop.as_torch(value) for name, value in kwargs.items()},
-        )
-        o, state = call.run(functools.partial(kda_forward, recompute=call.recompute))
+        o, state = run()
         return interop.to_framework(o, framework), interop.to_framework(state, framework)
 
 
