@@ -3,7 +3,6 @@ that it imports and refuses to time without CUDA."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,22 +10,16 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-from cute_kda.workspace import SNAPSHOT_TILES  # noqa: E402
+import bench_script
+from bench_script import BENCHMARKS
+from cute_kda.workspace import SNAPSHOT_TILES
 
 STATE = 128 * 128  # elements of one (sequence, head) state at D = 128
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCHMARKS))  # the script imports its neighbour ``shapes``
-    try:
-        spec = importlib.util.spec_from_file_location("bench_bwd", BENCHMARKS / "bench_bwd.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return bench_script.load("bench_bwd")
 
 
 def test_workspace_tile_bytes_match_the_workspace_doc(bench):

@@ -4,28 +4,21 @@ to time without CUDA."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+import bench_script
+from bench_script import BENCHMARKS
+
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCHMARKS))  # the script imports its neighbour ``shapes``
-    try:
-        spec = importlib.util.spec_from_file_location("bench_bwd_grads", BENCHMARKS / "bench_bwd_grads.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return bench_script.load("bench_bwd_grads")
 
 
 def test_traffic_b1_t8192_h96(bench):

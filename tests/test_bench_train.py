@@ -5,7 +5,6 @@ peers standing in for cute_kda and FLA (the GPU calls replaced)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,19 +15,14 @@ from typing import NamedTuple
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+import bench_script
+from bench_script import BENCHMARKS
+
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCHMARKS))  # the script imports its neighbour ``shapes``
-    try:
-        spec = importlib.util.spec_from_file_location("bench_train", BENCHMARKS / "bench_train.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return bench_script.load("bench_train")
 
 
 # ---------------------------------------------------------------------------------------------
