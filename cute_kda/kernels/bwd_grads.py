@@ -284,8 +284,7 @@ class BwdGrads(TokenPrep):
             self.load_tiles(tma_tokens, tma_states, smem, tma_barrier, head, row0, state_row)
         # 1. workspace values and this thread's channel constants while the TMA runs
         col = tidx % self.dim
-        dt = inputs.dt_bias[head, col]
-        e_a = ex2_approx(inputs.a_log[head] * Float32(LOG2E))
+        dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, head, col)
         if tidx < CHUNK:
             smem.beta[tidx] = ws.beta[slot, tidx]
         for i in cutlass.range_constexpr(CHUNK * CHUNK // self.num_threads):

@@ -58,8 +58,6 @@ from .common.copy import (
 )
 from .common.fastmath import ex2_approx, sigmoid_approx
 from .common.token_prep import ROW_LANES, TokenPrep
-from ..numerics import LOG2E
-
 
 
 class PrepareInputs(NamedTuple):
@@ -218,8 +216,7 @@ class PrepareKernel(TokenPrep):
             self.load_inputs(tma, s_q, s_k, s_g, tma_barrier, head, row0)
         # gate inputs of this thread's scan column, fetched while the TMA runs
         col = tidx % self.dim
-        dt = inputs.dt_bias[head, col]
-        e_a = ex2_approx(inputs.a_log[head] * Float32(LOG2E))
+        dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, head, col)
         if tidx < CHUNK:
             self.activate_beta(inputs.beta, ws.beta, s_beta, head, slot, row0, valid_rows, tidx)
         cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it

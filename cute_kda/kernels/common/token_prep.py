@@ -14,7 +14,7 @@ from typing import Optional
 from cutlass import BFloat16, Float32, Int32
 
 from ...dsl import cute, cutlass
-from ...numerics import CHUNK, EPS
+from ...numerics import CHUNK, EPS, LOG2E
 from .fastmath import ex2_approx, mul_rn, sigmoid_approx
 
 CHANNELS_PER_LANE = 8  # l2norm partial: 8 consecutive channels per lane, 16 lanes per row
@@ -54,6 +54,12 @@ class TokenPrep:
             row0 = seq * seq_len + (tile_slot - seq * tiles_per_seq) * CHUNK
             exists = True  # the grid is exact
         return row0, cutlass.min(seq_end - row0, CHUNK), exists, seq
+
+    @cute.jit
+    def gate_constants(self, a_log: cute.Tensor, dt_bias: cute.Tensor, head: Int32, col: Int32):
+        """(``dt_bias[head, col]``, ``e_a = 2^(A_log[head]·log2 e)``): :meth:`gate_scan`'s constants of channel
+        ``col``, read from global memory (issued while the tile's TMA runs)."""
+        return dt_bias[head, col], ex2_approx(a_log[head] * Float32(LOG2E))
 
     @cute.jit
     def gate_scan(self, s_g, s_cumsum, col: Int32, dt: Float32, e_a: Float32, c_gate: Float32,
