@@ -452,18 +452,20 @@ class BwdGrads(TokenPrep):
                 s_rows[warp_idx, lane // 4 + 8 * h] = total
 
     @cute.jit
-    def square_product(self, acc: cute.Tensor, s_left: cute.Tensor, s_right: cute.Tensor, lane: Int32):
-        """``acc += left · rightᵀ`` of two ``[16, D]`` tiles (fp32, 16-wide steps in order)."""
-        self.accumulate(warp_tiled_mma(BFloat16, Float32), acc, s_left, s_right, False, False, K_STEPS, lane)
+    def square_product(self, s_left: cute.Tensor, s_right: cute.Tensor, lane: Int32) -> cute.Tensor:
+        """``left · rightᵀ`` of two ``[16, D]`` tiles: a fresh fp32 C fragment (16-wide steps in order)."""
+        mma = warp_tiled_mma(BFloat16, Float32)
+        acc = make_fragment(mma, Operand.C, Float32)
+        acc.fill(0.0)
+        self.accumulate(mma, acc, s_left, s_right, False, False, K_STEPS, lane)
+        return acc
 
     @cute.jit
     def masked_do_u(self, smem: GradsSmem, lane: Int32):
         """Warp 0: ``dMqk = bf16(tril(dO·Uᵀ))`` (diagonal kept)."""
         mma = warp_tiled_mma(BFloat16, Float32)
         coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
-        acc = make_fragment(mma, Operand.C, Float32)
-        acc.fill(0.0)
-        self.square_product(acc, smem.do, smem.u_out, lane)
+        acc = self.square_product(smem.do, smem.u_out, lane)
         dmqk = make_fragment(mma, Operand.C, BFloat16)
         for i in cutlass.range_constexpr(cute.size(acc)):
             row, c = coords[i]
@@ -475,12 +477,8 @@ class BwdGrads(TokenPrep):
         """Warp 1: ``dL = −stril(du·Uᵀ)``, ``bf16(β_i·dL_ij)`` into ``dlb``, ``Σ_j dL ⊙ (kd·kinvᵀ)`` per row."""
         mma = warp_tiled_mma(BFloat16, Float32)
         coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
-        du_u = make_fragment(mma, Operand.C, Float32)
-        du_u.fill(0.0)
-        self.square_product(du_u, smem.du, smem.u_out, lane)
-        a_kk = make_fragment(mma, Operand.C, Float32)
-        a_kk.fill(0.0)
-        self.square_product(a_kk, smem.kd, smem.kinv, lane)
+        du_u = self.square_product(smem.du, smem.u_out, lane)
+        a_kk = self.square_product(smem.kd, smem.kinv, lane)
         beta = self.row_values(smem.beta, lane)
         dlb = make_fragment(mma, Operand.C, BFloat16)
         row_sum = cute.make_rmem_tensor((2,), Float32)
