@@ -167,16 +167,8 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, total_tokens: int, name: s
 def check_state(name: str, state: torch.Tensor, problem: ProblemShape, device: torch.device) -> None:
     """A recurrent state: bf16 or fp32 ``[N, H, V, K]`` (v-first), contiguous, on q's device."""
     d = problem.head_dim
-    shape = (problem.num_seqs, problem.heads, d, d)
-    if (isinstance(state, torch.Tensor) and state.dtype in STATE_DTYPES and state.shape == shape
-            and state.is_contiguous() and state.device == device and not state.data_ptr() % ALIGNMENT_BYTES):
-        return  # the common case in one test, as for the activations
-    check_is_tensor(name, state)
-    check_dtype(name, state, STATE_DTYPES)
-    check_shape(name, state, shape, "[N, H, V, K]")
-    check_contiguous(name, state)
-    check_same_device(name, state, device)
-    check_aligned(name, state)
+    _check_tensor(name, state, STATE_DTYPES, (problem.num_seqs, problem.heads, d, d), "[N, H, V, K]", device,
+                  aligned=True)
 
 
 def needs_autograd(*tensors: object) -> bool:
@@ -210,27 +202,32 @@ def check_no_buffers_under_autograd(*, out: object, final_state: object) -> None
         )
 
 
-def _check_activation(name: str, tensor: object, shape: tuple[int, ...], meaning: str, device: torch.device) -> None:
-    if (isinstance(tensor, torch.Tensor) and tensor.dtype is torch.bfloat16 and tensor.shape == shape
-            and tensor.is_contiguous() and tensor.device == device and not tensor.data_ptr() % ALIGNMENT_BYTES):
+_BF16, _FP32 = (torch.bfloat16,), (torch.float32,)
+
+
+def _check_tensor(name: str, tensor: object, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...], meaning: str,
+                  device: torch.device, *, aligned: bool) -> None:
+    """A tensor of one of ``dtypes`` with ``shape``, C-contiguous, on ``device`` and, when ``aligned``, on a
+    16-byte boundary."""
+    if (isinstance(tensor, torch.Tensor) and tensor.dtype in dtypes and tensor.shape == shape
+            and tensor.is_contiguous() and tensor.device == device
+            and not (aligned and tensor.data_ptr() % ALIGNMENT_BYTES)):
         return  # the common case in one test; otherwise the checks below name what is wrong
     t = check_is_tensor(name, tensor)
-    check_dtype(name, t, (torch.bfloat16,))
+    check_dtype(name, t, dtypes)
     check_shape(name, t, shape, meaning)
     check_contiguous(name, t)
     check_same_device(name, t, device)
-    check_aligned(name, t)
+    if aligned:
+        check_aligned(name, t)
+
+
+def _check_activation(name: str, tensor: object, shape: tuple[int, ...], meaning: str, device: torch.device) -> None:
+    _check_tensor(name, tensor, _BF16, shape, meaning, device, aligned=True)
 
 
 def _check_parameter(name: str, tensor: object, shape: tuple[int, ...], meaning: str, device: torch.device) -> None:
-    if (isinstance(tensor, torch.Tensor) and tensor.dtype is torch.float32 and tensor.shape == shape
-            and tensor.is_contiguous() and tensor.device == device):
-        return
-    t = check_is_tensor(name, tensor)
-    check_dtype(name, t, (torch.float32,))
-    check_shape(name, t, shape, meaning)
-    check_contiguous(name, t)
-    check_same_device(name, t, device)
+    _check_tensor(name, tensor, _FP32, shape, meaning, device, aligned=False)
 
 
 def validate_forward(
