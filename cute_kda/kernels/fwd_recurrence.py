@@ -8,9 +8,14 @@ u  = bf16(f32(v − kS)·β)                    Phase 2 (C fragment)
 U  = bf16(INV·u)                            Phase 3 (u moved C→B by movmatrix, no smem round trip)
 o  = bf16(qS + Mqk·U)                       Phase 4 (qS is the C operand of the mma; U moved C→B again)
 out tile ← o                                Phase 5 (stmatrix into an output stage)
-S ← bf16(fma(gT, S, krᵀ·U))                 Phase 6 (row block by row block of 16 k, ldmatrix.trans /
-                                                     stmatrix.trans on the [K, V] view of the state)
+c = fma(gT, S + S_lo, krᵀ·U)                Phase 6 (row block by row block of 16 k, ldmatrix.trans /
+S ← bf16(c),  S_lo ← bf16(c − S)                     stmatrix.trans on the [K, V] view of the state)
 ```
+
+The state is carried as a pair of bf16 halves: ``S`` in shared memory (the operand of every tensor-core
+product) and the low half ``S_lo`` in the compute warps' registers, C fragments of the warp's columns
+(64, 32 or 16 registers a thread at V-split 1, 2, 4). ``S + S_lo`` holds 16 significant bits, so the
+state no longer drifts by a bf16 rounding per tile (docs/numerics.md, K2).
 
 Grid: ``(vsplit · N, H)``; CTA ``x`` owns band ``x % vsplit`` of sequence ``x // vsplit`` (the bands
 of one (sequence, head) run side by side and share the tile's kd/qd/kr reads in L2).
@@ -29,9 +34,10 @@ consumer = the 4 compute warps, one arrival per warp from lane 0 after ``bar.war
 store warp, the lane that issued a TMA store arriving only after ``cp.async.bulk.wait_group.read 0``,
 so a stage is released once the store has read it).
 
-State I/O: none (zeros), bf16 (TMA straight into the state buffer) or fp32 (TMA into a staging buffer
-that shares its bytes with the pipeline buffers, converted to bf16 in shared memory before the
-loop; the reverse after it). Global state tensors are ``[N, H, V, K]``.
+State I/O: none (zeros), bf16 (TMA straight into the state buffer, low half 0) or fp32 (TMA into a
+staging buffer that shares its bytes with the pipeline buffers, split into the two halves before the
+loop; after it, the compute warps stage ``S + S_lo`` there for the TMA store). A bf16 final state is
+``S`` as it stands (``bf16(S + S_lo) = S``). Global state tensors are ``[N, H, V, K]``.
 
 Inputs are assumed valid (the API layer checks them): v / out bf16 ``[B, T, H, 128]`` with the last
 mode contiguous, workspace fields as :mod:`cute_kda.workspace`, ``cu_seqlens`` int64 ``[N+1]`` with
@@ -57,6 +63,7 @@ from ..numerics import CHUNK
 from ..workspace import SNAPSHOT_TILES
 from .common.band_scan import BandScan, OutputTile
 from .common.copy import c_row_half, smem_tensor
+from .common.fastmath import bf16x2_first, bf16x2_second, pack_bf16x2
 from .common.copy import transpose_c_to_b  # movmatrix.trans word by word: C fragment of M → B fragment of Mᵀ
 
 
@@ -67,6 +74,7 @@ class RecurrenceSmem:
     state: cute.Tensor  # [v_band, D] bf16, K_INTER
     state_acc: cute.Tensor  # [D, v_band] bf16, MN_INTER view of state
     state_fp32: cute.Tensor  # [v_band, D] fp32 staging (in the union)
+    state_fp32_acc: cute.Tensor  # [D, v_band] view of the staging
     v: cute.Tensor  # [16, v_band, stage]
     qd: cute.Tensor  # [16, D, stage]
     kd: cute.Tensor  # [16, D, stage]
@@ -228,6 +236,7 @@ class FwdRecurrence(BandScan):
             state=smem_tensor(state_ptr, layouts.state_b(plan), BFloat16),
             state_acc=smem_tensor(state_ptr, layouts.state_acc(plan), BFloat16),
             state_fp32=smem_tensor(union_ptr, layouts.state_fp32(plan), Float32),
+            state_fp32_acc=smem_tensor(union_ptr, layouts.state_fp32_acc(plan), Float32),
             v=smem_tensor(at["v"], layouts.value_tile(plan, stages), BFloat16),
             qd=smem_tensor(at["qd"], layouts.chunk_operand(plan), BFloat16),
             kd=smem_tensor(at["kd"], layouts.chunk_operand(plan), BFloat16),
@@ -247,6 +256,12 @@ class FwdRecurrence(BandScan):
             state_in_tiles = self.state_tile(gmem_state_in, seq, head, band)
         self.load_initial_state(warp_idx, tidx, tma_state_in, state_in_tiles, state_mbar,
                                 smem.state, smem.state_fp32, tma_smem.state, tma_smem.state_fp32)
+        # the state's low half lives in the compute warps' registers for the whole kernel
+        state_low = self.state_fragment(BFloat16)
+        if warp_idx < self.mma_warps:
+            self.init_state_low(warp_idx, state_low, smem)
+        if const_expr(self.initial_state is Float32):
+            cute.arch.barrier()  # the staging is read before the load warp's first stage reuses its bytes
 
         # --- roles
         if warp_idx < self.mma_warps:
@@ -255,7 +270,7 @@ class FwdRecurrence(BandScan):
                 _, heads, _ = cute.arch.grid_dim()
                 first_tile = ws_row0 - head * tiles_per_head  # global tile index of the sequence's tile 0
                 checkpoint_row0 = head * (checkpoints.shape[0] // heads) + seq
-            self.compute(warp_idx, num_tiles, load_pipe, store_pipe, smem,
+            self.compute(warp_idx, num_tiles, load_pipe, store_pipe, smem, state_low,
                          band, first_tile, checkpoint_row0, checkpoints)
         elif warp_idx == self.load_warp:
             loads = (
@@ -276,24 +291,65 @@ class FwdRecurrence(BandScan):
                                   self.band_tiles(gmem_out, head, batch, first_row, band), out_rows),)
             self.store(seq_len, num_tiles, store_pipe, outputs)
 
-        # --- final state
+        # --- final state: bf16 is the high half as it stands; fp32 is high + low, staged by the compute warps
         cute.arch.fence_view_async_shared()  # stmatrix writes of the state → visible to the TMA store
         cute.arch.barrier()
+        if const_expr(self.final_state is Float32):
+            if warp_idx < self.mma_warps:
+                self.stage_state_fp32(warp_idx, state_low, smem)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier()
         if const_expr(self.final_state is not None):
             state_out_tiles = self.state_tile(gmem_state_out, seq, head, band)
             self.store_final_state(warp_idx, tidx, tma_state_out, state_out_tiles,
-                                   smem.state, smem.state_fp32, tma_smem.state, tma_smem.state_fp32)
+                                   smem.state, smem.state_fp32, tma_smem.state, tma_smem.state_fp32, staged=True)
 
     # -----------------------------------------------------------------------------------------
     # compute warps
+
+    def state_fragment(self, dtype: type) -> cute.Tensor:
+        """A register fragment of the warp's ``[K, warp_cols]`` state columns in C-fragment order."""
+        return cute.make_rmem_tensor(self.warp_mma().partition_shape_C((self.dim, self.warp_cols)), dtype)
+
+    def warp_state_elements(self, warp_idx: Int32, view: cute.Tensor) -> cute.Tensor:
+        """The lane's elements of the warp's columns of a ``[K, v_band]`` smem view, in
+        :meth:`state_fragment` order."""
+        warp_columns = cute.local_tile(view, (self.dim, self.warp_cols), (0, warp_idx))
+        return self.warp_mma().get_slice(cute.arch.lane_idx()).partition_C(warp_columns)
+
+    @cute.jit
+    def init_state_low(self, warp_idx: Int32, state_low: cute.Tensor, smem: RecurrenceSmem):
+        """The low half of the initial state: ``bf16(x − f32(bf16(x)))`` of an fp32 state ``x`` (its high
+        half ``bf16(x)`` is in the state buffer), else 0."""
+        if const_expr(self.initial_state is Float32):
+            staged = self.warp_state_elements(warp_idx, smem.state_fp32_acc)
+            low_words = cute.recast_tensor(state_low, Uint32)  # word j: elements 2j, 2j + 1
+            for j in cutlass.range_constexpr(cute.size(low_words)):
+                x0, x1 = staged[2 * j], staged[2 * j + 1]
+                high = pack_bf16x2(x0, x1)
+                low_words[j] = pack_bf16x2(x0 - bf16x2_first(high), x1 - bf16x2_second(high))
+        else:
+            state_low.fill(0.0)
+
+    @cute.jit
+    def stage_state_fp32(self, warp_idx: Int32, state_low: cute.Tensor, smem: RecurrenceSmem):
+        """The fp32 final state ``f32(high) + f32(low)`` of the warp's columns → the staging."""
+        high = self.warp_state_elements(warp_idx, smem.state_acc)
+        staged = self.warp_state_elements(warp_idx, smem.state_fp32_acc)
+        low_words = cute.recast_tensor(state_low, Uint32)  # word j: elements 2j, 2j + 1
+        for j in cutlass.range_constexpr(cute.size(low_words)):
+            staged[2 * j] = Float32(high[2 * j]) + bf16x2_first(low_words[j])
+            staged[2 * j + 1] = Float32(high[2 * j + 1]) + bf16x2_second(low_words[j])
 
     @cute.jit
     def compute(
         self, warp_idx: Int32, num_tiles: Int32,
         load_pipe: pipeline.PipelineTmaAsync, store_pipe: pipeline.PipelineAsync, smem: RecurrenceSmem,
-        band: Int32, first_tile: Int32, checkpoint_row0: Int32, checkpoints: Optional[cute.Tensor],
+        state_low: cute.Tensor, band: Int32, first_tile: Int32, checkpoint_row0: Int32,
+        checkpoints: Optional[cute.Tensor],
     ):
-        """Phases 1-6 per tile on the warp's ``warp_cols`` value columns (module docstring).
+        """Phases 1-6 per tile on the warp's ``warp_cols`` value columns (module docstring);
+        ``state_low``: the low half of those columns (:meth:`state_fragment`, updated in place).
 
         Training variant: global tile ``g = first_tile + tile`` that starts a block of
         ``checkpoint_every`` (or its sequence) keeps the state entering it in checkpoint row
@@ -347,7 +403,7 @@ class FwdRecurrence(BandScan):
         r_c16 = cute.make_rmem_tensor(c_shape, BFloat16)  # u, then U, then o (bf16 C fragments)
         r_u_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, CHUNK)))  # u as B
         r_big_u_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, CHUNK)))  # U as B (Phases 4, 6)
-        r_state_acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((dim, cols)), BFloat16)  # ((2,2), k_steps, n)
+        r_state_acc = self.state_fragment(BFloat16)  # ((2,2), k_steps, n): the high half, a row block at a time
 
         v_kd = ldsm_a.retile(r_kd)
         v_qd = ldsm_a.retile(r_qd)
@@ -425,7 +481,7 @@ class FwdRecurrence(BandScan):
                 if const_expr(self.checkpoints):
                     if take_checkpoint:
                         self.store_band_block(checkpoint, state_words, m, lane, checkpoint_column)
-                self.decay_and_add_block(r_state_acc, acc, smem.gt, stage, m, lane)
+                self.decay_and_add_block(r_state_acc, acc, smem.gt, stage, m, lane, low=state_low)
                 cute.copy(stsm_c_t, v_state_acc_st[None, m, None], p_state_acc_st[None, m, None])
 
             # the warp's state columns and its reads of this stage are complete before lane 0 releases it

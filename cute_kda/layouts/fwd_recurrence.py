@@ -212,6 +212,12 @@ def state_fp32(plan: RecurrenceSmemPlan):
     return state_b(plan).outer
 
 
+def state_fp32_acc(plan: RecurrenceSmemPlan):
+    """fp32 staging ``[D, v_band]`` (rows k, cols v): :func:`state_fp32` in the accumulator orientation,
+    same bytes (K2's compute warps read and write their C-fragment elements of the staging through it)."""
+    return cute.select(state_fp32(plan), mode=[1, 0])
+
+
 def value_tile(plan: RecurrenceSmemPlan, stages: int):
     """``[16, v_band, stages]``: v (input stages) or out (output stages) tiles, K_INTER."""
     return staged(operand_tile(plan.chunk, plan.v_band), stages)

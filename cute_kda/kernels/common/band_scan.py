@@ -30,7 +30,7 @@ from ...layouts import fwd_recurrence as layouts
 from ...layouts.smem import vector
 from ...numerics import CHUNK
 from .copy import c_row_half, smem_tensor, tma_store_tiles
-from .fastmath import fma_rn
+from .fastmath import bf16x2_first, bf16x2_second, fma_rn, pack_bf16x2
 
 
 class WarpCopies(NamedTuple):
@@ -256,13 +256,19 @@ class BandScan:
     def store_final_state(
         self, warp_idx: Int32, tidx: Int32, tma_state_out: cute.CopyAtom, g_state: cute.Tensor,
         state: cute.Tensor, state_fp32: cute.Tensor, tma_state: cute.Tensor, tma_state_fp32: cute.Tensor,
+        staged: bool = False,
     ):
-        """``state`` → the final-state band (bf16 directly, fp32 through the staging buffer)."""
+        """``state`` → the final-state band (bf16 directly, fp32 through the staging buffer).
+
+        ``staged``: the fp32 staging already holds the band (the caller wrote it and met the CTA
+        barrier after), so only the TMA store is left.
+        """
         source = tma_state
         if const_expr(self.final_state is Float32):
-            self.convert_state(tidx, state, state_fp32)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier()
+            if const_expr(not staged):
+                self.convert_state(tidx, state, state_fp32)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier()
             source = tma_state_fp32
         if warp_idx == self.store_warp:
             s_part, g_part = cpasync.tma_partition(
@@ -383,15 +389,33 @@ class BandScan:
 
     @cute.jit
     def decay_and_add_block(self, band_fragment: cute.Tensor, acc: cute.Tensor, gt: cute.Tensor, stage,
-                            m: int, lane: Int32):
+                            m: int, lane: Int32, low: Optional[cute.Tensor] = None):
         """Row block ``m`` (16 k) of the warp's bf16 ``[K, cols]`` C fragment ← ``bf16(fma(gT[k], band, acc))``:
         the decay-and-add both scans end a tile with (K2's state update, Kernel A's combine).
-        ``gt``: the staged ``[D, stage]`` gT; ``acc``: the fp32 C fragment of the block's sum."""
+        ``gt``: the staged ``[D, stage]`` gT; ``acc``: the fp32 C fragment of the block's sum.
+
+        ``low``: the bf16 low half of a band carried as a pair (K2's state, docs/numerics.md), a fragment
+        of the band fragment's shape: the update reads ``f32(band) + f32(low)`` and splits its fp32 result
+        ``c`` into ``bf16(c)`` (the band) and ``bf16(c − f32(bf16(c)))`` (the low half).
+        """
         group = lane // 4
         decay = (gt[m * CHUNK + group, stage], gt[m * CHUNK + group + 8, stage])
         block = band_fragment[None, m, None]
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            block[i] = BFloat16(fma_rn(decay[c_row_half(i)], Float32(block[i]), acc[i]))
+        if const_expr(low is None):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                block[i] = BFloat16(fma_rn(decay[c_row_half(i)], Float32(block[i]), acc[i]))
+        else:
+            # word by word (two value columns of one row), so both halves stay packed in 32-bit registers
+            high_words = cute.recast_tensor(band_fragment, Uint32)[None, m, None]
+            low_words = cute.recast_tensor(low, Uint32)[None, m, None]
+            for j in cutlass.range_constexpr(cute.size(high_words)):
+                d = decay[j % 2]  # word j of a block holds elements 2j, 2j + 1 (row half j % 2)
+                high, low_word = high_words[j], low_words[j]
+                c0 = fma_rn(d, bf16x2_first(high) + bf16x2_first(low_word), acc[2 * j])
+                c1 = fma_rn(d, bf16x2_second(high) + bf16x2_second(low_word), acc[2 * j + 1])
+                high = pack_bf16x2(c0, c1)
+                high_words[j] = high
+                low_words[j] = pack_bf16x2(c0 - bf16x2_first(high), c1 - bf16x2_second(high))
 
     def warp_mma(self) -> cute.TiledMma:
         """One warp's ``16 × warp_cols × 16`` tile of ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate)."""

@@ -14,16 +14,20 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 _REGISTERS = {Float32: ("f", T.f32), Uint32: ("r", T.i32)}
 
 
-def _one_instruction(ptx: str, dtype: type, *operands, side_effects: bool = False, loc=None, ip=None):
-    """``ptx`` (result ``$0``, operands ``$1, $2, …``), every value a 32-bit register of ``dtype``.
+def _one_instruction(ptx: str, dtype: type, *operands, side_effects: bool = False, operand_dtype: type | None = None,
+                     loc=None, ip=None):
+    """``ptx`` (result ``$0``, operands ``$1, $2, …``), every value a 32-bit register: the result of
+    ``dtype``, the operands of ``operand_dtype`` (default ``dtype``).
 
     ``side_effects`` keeps a warp-collective instruction where it is (no hoisting or merging).
     """
     reg, mlir_type = _REGISTERS[dtype]
+    operand_dtype = operand_dtype or dtype
+    operand_reg = _REGISTERS[operand_dtype][0]
     return dtype(
         llvm.inline_asm(
-            mlir_type(), [dtype(x).ir_value(loc=loc, ip=ip) for x in operands], ptx,
-            ",".join([f"={reg}"] + [reg] * len(operands)),
+            mlir_type(), [operand_dtype(x).ir_value(loc=loc, ip=ip) for x in operands], ptx,
+            ",".join([f"={reg}"] + [operand_reg] * len(operands)),
             has_side_effects=side_effects, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
@@ -70,3 +74,27 @@ def movmatrix_trans(packed: Uint32, *, loc=None, ip=None) -> Uint32:
     """
     return _one_instruction("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", Uint32, packed, side_effects=True,
                             loc=loc, ip=ip)
+
+
+# Two bf16 values in one 32-bit word (the register form of a C fragment's column pair): element 0 in
+# bits 0-15, element 1 in bits 16-31. Widening a bf16 to fp32 is exact: its bits in the high half.
+
+
+@dsl_user_op
+def pack_bf16x2(first: Float32, second: Float32, *, loc=None, ip=None) -> Uint32:
+    """``cvt.rn.bf16x2.f32``: ``bf16(first)`` in bits 0-15 and ``bf16(second)`` in bits 16-31 of one word,
+    each rounded to nearest even."""
+    return _one_instruction("cvt.rn.bf16x2.f32 $0, $2, $1;", Uint32, first, second, operand_dtype=Float32,
+                            loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bf16x2_first(word: Uint32, *, loc=None, ip=None) -> Float32:
+    """Element 0 (bits 0-15) of a bf16 pair, widened to fp32."""
+    return _one_instruction("shl.b32 $0, $1, 16;", Float32, word, operand_dtype=Uint32, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bf16x2_second(word: Uint32, *, loc=None, ip=None) -> Float32:
+    """Element 1 (bits 16-31) of a bf16 pair, widened to fp32."""
+    return _one_instruction("and.b32 $0, $1, 0xFFFF0000;", Float32, word, operand_dtype=Uint32, loc=loc, ip=ip)
