@@ -227,8 +227,8 @@ def _kernel_b_inputs(lengths=None, *, T=None, B=1, seed=3, **kw):
 
 def test_recompute_is_bit_identical_to_k1_and_k2():
     """Kernel B's qd, kd, kr are K1's workspace fields, and its forward recompute continues K2 bit for bit:
-    o = bf16(qd·S + Mqk·U) is K2's output, and bf16(fma(gT, S, krᵀ·U)) the next tile's checkpoint — K2 adds
-    its low half, gT·S_lo, inside the fma, which at these gates' decays never moves the rounding."""
+    o = bf16(qd·S + Mqk·U) is K2's output, and bf16(fma(gT, S, krᵀ·U)) the next tile's checkpoint — K2 decays
+    its fp32 state, not S, which at these gates' decays never moves the rounding."""
     lengths = [0, 1, 17, 33, 0, 16]
     args, kw, o, _ = _kernel_b_inputs(lengths)
     q, k, g, beta, v, do, du, ws, states, state_grads = args

@@ -48,20 +48,3 @@ def assert_within_one_ulp(label: str, got: torch.Tensor, want: torch.Tensor, dim
           f"max {worst_row:.3f} ulp at row scale)")
     assert beyond <= max(2, int(1e-3 * n)), f"{label}: {beyond} of {n} entries beyond 1 ulp"
     assert worst_row <= 1.0, f"{label}: {worst_row:.3f} ulp at row scale"
-
-
-# K2 carries its state as a pair of bf16 halves (docs/numerics.md, K2)
-
-
-def pair(state: torch.Tensor) -> torch.Tensor:
-    """An fp32 state as K2 carries it: ``f32(S) + f32(S_lo)`` with ``S = bf16(x)``, ``S_lo = bf16(x − S)``."""
-    high = state.bfloat16().float()
-    return high + (state - high).bfloat16().float()
-
-
-def within_half_ulp(state: torch.Tensor, high: torch.Tensor) -> bool:
-    """``state − high`` (the low half) is at most half a bf16 ULP of the high half ``high`` (not always
-    ``high == bf16(state)``: a low half rounded up to exactly half a ULP makes a tie)."""
-    high = high.float()
-    half_ulp = torch.exp2(torch.floor(torch.log2(high.abs())) - 8)
-    return bool(((state - high).abs() <= torch.where(high == 0, 0.0, half_ulp)).all())

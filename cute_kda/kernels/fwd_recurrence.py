@@ -8,14 +8,15 @@ u  = bf16(f32(v − kS)·β)                    Phase 2 (C fragment)
 U  = bf16(INV·u)                            Phase 3 (u moved C→B by movmatrix, no smem round trip)
 o  = bf16(qS + Mqk·U)                       Phase 4 (qS is the C operand of the mma; U moved C→B again)
 out tile ← o                                Phase 5 (stmatrix into an output stage)
-c = fma(gT, S + S_lo, krᵀ·U)                Phase 6 (row block by row block of 16 k, ldmatrix.trans /
-S ← bf16(c),  S_lo ← bf16(c − S)                     stmatrix.trans on the [K, V] view of the state)
+S32 ← krᵀ·U + f32(gT·S32),  S = bf16(S32)     Phase 6 (row block by row block of 16 k: the decayed state
+                                                     is the C operand of the mma; stmatrix.trans of S on
+                                                     the [K, V] view of the state buffer)
 ```
 
-The state is carried as a pair of bf16 halves: ``S`` in shared memory (the operand of every tensor-core
-product) and the low half ``S_lo`` in the compute warps' registers, C fragments of the warp's columns
-(64, 32 or 16 registers a thread at V-split 1, 2, 4). ``S + S_lo`` holds 16 significant bits, so the
-state no longer drifts by a bf16 rounding per tile (docs/numerics.md, K2).
+The state lives in fp32 in the compute warps' registers (``S32``, C fragments of the warp's columns:
+128, 64 or 32 registers a thread at V-split 1, 2, 4); shared memory holds its bf16 rounding ``S``, the
+B operand of the next tile's products. So the state is not rounded once per tile, which drifted over
+long sequences with little decay (docs/numerics.md, K2), and Phase 6 reads no state from shared memory.
 
 Grid: ``(vsplit · N, H)``; CTA ``x`` owns band ``x % vsplit`` of sequence ``x // vsplit`` (the bands
 of one (sequence, head) run side by side and share the tile's kd/qd/kr reads in L2).
@@ -34,10 +35,11 @@ consumer = the 4 compute warps, one arrival per warp from lane 0 after ``bar.war
 store warp, the lane that issued a TMA store arriving only after ``cp.async.bulk.wait_group.read 0``,
 so a stage is released once the store has read it).
 
-State I/O: none (zeros), bf16 (TMA straight into the state buffer, low half 0) or fp32 (TMA into a
-staging buffer that shares its bytes with the pipeline buffers, split into the two halves before the
-loop; after it, the compute warps stage ``S + S_lo`` there for the TMA store). A bf16 final state is
-``S`` as it stands (``bf16(S + S_lo) = S``). Global state tensors are ``[N, H, V, K]``.
+State I/O: none (zeros), bf16 (TMA straight into the state buffer) or fp32 (TMA into a staging buffer
+that shares its bytes with the pipeline buffers, rounded to bf16 in shared memory before the loop).
+The compute warps then read their ``S32`` from the buffer they came in through. After the loop a bf16
+final state is ``S`` as it stands; an fp32 one is ``S32``, written into the staging by the compute
+warps for the TMA store. Global state tensors are ``[N, H, V, K]``.
 
 Inputs are assumed valid (the API layer checks them): v / out bf16 ``[B, T, H, 128]`` with the last
 mode contiguous, workspace fields as :mod:`cute_kda.workspace`, ``cu_seqlens`` int64 ``[N+1]`` with
@@ -63,7 +65,7 @@ from ..numerics import CHUNK
 from ..workspace import SNAPSHOT_TILES
 from .common.band_scan import BandScan, OutputTile
 from .common.copy import c_row_half, smem_tensor
-from .common.fastmath import bf16x2_first, bf16x2_second, pack_bf16x2
+from .common.fastmath import mul_rn, pack_bf16x2
 from .common.copy import transpose_c_to_b  # movmatrix.trans word by word: C fragment of M → B fragment of Mᵀ
 
 
@@ -256,10 +258,10 @@ class FwdRecurrence(BandScan):
             state_in_tiles = self.state_tile(gmem_state_in, seq, head, band)
         self.load_initial_state(warp_idx, tidx, tma_state_in, state_in_tiles, state_mbar,
                                 smem.state, smem.state_fp32, tma_smem.state, tma_smem.state_fp32)
-        # the state's low half lives in the compute warps' registers for the whole kernel
-        state_low = self.state_fragment(BFloat16)
+        # the fp32 state lives in the compute warps' registers for the whole kernel
+        state32 = self.state_blocks()
         if warp_idx < self.mma_warps:
-            self.init_state_low(warp_idx, state_low, smem)
+            self.load_state32(warp_idx, state32, smem)
         if const_expr(self.initial_state is Float32):
             cute.arch.barrier()  # the staging is read before the load warp's first stage reuses its bytes
 
@@ -270,7 +272,7 @@ class FwdRecurrence(BandScan):
                 _, heads, _ = cute.arch.grid_dim()
                 first_tile = ws_row0 - head * tiles_per_head  # global tile index of the sequence's tile 0
                 checkpoint_row0 = head * (checkpoints.shape[0] // heads) + seq
-            self.compute(warp_idx, num_tiles, load_pipe, store_pipe, smem, state_low,
+            self.compute(warp_idx, num_tiles, load_pipe, store_pipe, smem, state32,
                          band, first_tile, checkpoint_row0, checkpoints)
         elif warp_idx == self.load_warp:
             loads = (
@@ -291,12 +293,12 @@ class FwdRecurrence(BandScan):
                                   self.band_tiles(gmem_out, head, batch, first_row, band), out_rows),)
             self.store(seq_len, num_tiles, store_pipe, outputs)
 
-        # --- final state: bf16 is the high half as it stands; fp32 is high + low, staged by the compute warps
+        # --- final state: bf16 is the state buffer as it stands; fp32 is S32, staged by the compute warps
         cute.arch.fence_view_async_shared()  # stmatrix writes of the state → visible to the TMA store
         cute.arch.barrier()
         if const_expr(self.final_state is Float32):
             if warp_idx < self.mma_warps:
-                self.stage_state_fp32(warp_idx, state_low, smem)
+                self.stage_state32(warp_idx, state32, smem)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier()
         if const_expr(self.final_state is not None):
@@ -307,49 +309,69 @@ class FwdRecurrence(BandScan):
     # -----------------------------------------------------------------------------------------
     # compute warps
 
-    def state_fragment(self, dtype: type) -> cute.Tensor:
-        """A register fragment of the warp's ``[K, warp_cols]`` state columns in C-fragment order."""
-        return cute.make_rmem_tensor(self.warp_mma().partition_shape_C((self.dim, self.warp_cols)), dtype)
+    def state_blocks(self) -> tuple:
+        """The warp's fp32 state columns as registers: one C fragment ``((2, 2), 1, n)`` per row block of
+        16 k (the accumulator of that block's update mma)."""
+        tiled_mma = self.warp_mma()
+        shape = tiled_mma.partition_shape_C((CHUNK, self.warp_cols))
+        return tuple(tiled_mma.make_fragment_C(shape) for _ in range(self.dim // CHUNK))
 
     def warp_state_elements(self, warp_idx: Int32, view: cute.Tensor) -> cute.Tensor:
-        """The lane's elements of the warp's columns of a ``[K, v_band]`` smem view, in
-        :meth:`state_fragment` order."""
+        """The lane's elements of the warp's columns of a ``[K, v_band]`` smem view, ``((2, 2), k_steps, n)``:
+        ``[None, m, None]`` is in the order of :meth:`state_blocks` ``[m]``."""
         warp_columns = cute.local_tile(view, (self.dim, self.warp_cols), (0, warp_idx))
         return self.warp_mma().get_slice(cute.arch.lane_idx()).partition_C(warp_columns)
 
     @cute.jit
-    def init_state_low(self, warp_idx: Int32, state_low: cute.Tensor, smem: RecurrenceSmem):
-        """The low half of the initial state: ``bf16(x − f32(bf16(x)))`` of an fp32 state ``x`` (its high
-        half ``bf16(x)`` is in the state buffer), else 0."""
-        if const_expr(self.initial_state is Float32):
-            staged = self.warp_state_elements(warp_idx, smem.state_fp32_acc)
-            low_words = cute.recast_tensor(state_low, Uint32)  # word j: elements 2j, 2j + 1
-            for j in cutlass.range_constexpr(cute.size(low_words)):
-                x0, x1 = staged[2 * j], staged[2 * j + 1]
-                high = pack_bf16x2(x0, x1)
-                low_words[j] = pack_bf16x2(x0 - bf16x2_first(high), x1 - bf16x2_second(high))
+    def load_state32(self, warp_idx: Int32, state32: tuple, smem: RecurrenceSmem):
+        """``S32`` from the initial state: 0, the bf16 state buffer widened, or the fp32 staging."""
+        if const_expr(self.initial_state is None):
+            for block in state32:
+                block.fill(0.0)
         else:
-            state_low.fill(0.0)
+            source = smem.state_fp32_acc if const_expr(self.initial_state is Float32) else smem.state_acc
+            elements = self.warp_state_elements(warp_idx, source)
+            for m in cutlass.range_constexpr(len(state32)):
+                block, rows = state32[m], elements[None, m, None]
+                for i in cutlass.range_constexpr(cute.size(block)):
+                    block[i] = Float32(rows[i])
 
     @cute.jit
-    def stage_state_fp32(self, warp_idx: Int32, state_low: cute.Tensor, smem: RecurrenceSmem):
-        """The fp32 final state ``f32(high) + f32(low)`` of the warp's columns → the staging."""
-        high = self.warp_state_elements(warp_idx, smem.state_acc)
-        staged = self.warp_state_elements(warp_idx, smem.state_fp32_acc)
-        low_words = cute.recast_tensor(state_low, Uint32)  # word j: elements 2j, 2j + 1
-        for j in cutlass.range_constexpr(cute.size(low_words)):
-            staged[2 * j] = Float32(high[2 * j]) + bf16x2_first(low_words[j])
-            staged[2 * j + 1] = Float32(high[2 * j + 1]) + bf16x2_second(low_words[j])
+    def stage_state32(self, warp_idx: Int32, state32: tuple, smem: RecurrenceSmem):
+        """``S32`` of the warp's columns → the fp32 staging (the final state's TMA store reads it)."""
+        elements = self.warp_state_elements(warp_idx, smem.state_fp32_acc)
+        for m in cutlass.range_constexpr(len(state32)):
+            block, rows = state32[m], elements[None, m, None]
+            for i in cutlass.range_constexpr(cute.size(block)):
+                rows[i] = block[i]
+
+    @cute.jit
+    def decay_block(self, block: cute.Tensor, decay: tuple, m: int):
+        """``block ← f32(gT[k]·block)`` for row block ``m`` of the fp32 state; ``decay``: (staged gT
+        ``[D, stage]``, stage, the lane's fragment row g)."""
+        gt, stage, group = decay
+        row_decay = (gt[m * CHUNK + group, stage], gt[m * CHUNK + group + 8, stage])
+        for i in cutlass.range_constexpr(cute.size(block)):
+            block[i] = mul_rn(row_decay[c_row_half(i)], block[i])
+
+    @staticmethod
+    @cute.jit
+    def round_block(block: cute.Tensor, words: cute.Tensor, m: int):
+        """Row block ``m`` of the fp32 state → bf16 pairs (word ``j``: elements ``2j``, ``2j + 1``) in
+        row block ``m`` of ``words``, the 32-bit view of the bf16 C fragment that stmatrix stores."""
+        block_words = words[None, m, None]
+        for j in cutlass.range_constexpr(cute.size(block_words)):
+            block_words[j] = pack_bf16x2(block[2 * j], block[2 * j + 1])
 
     @cute.jit
     def compute(
         self, warp_idx: Int32, num_tiles: Int32,
         load_pipe: pipeline.PipelineTmaAsync, store_pipe: pipeline.PipelineAsync, smem: RecurrenceSmem,
-        state_low: cute.Tensor, band: Int32, first_tile: Int32, checkpoint_row0: Int32,
+        state32: tuple, band: Int32, first_tile: Int32, checkpoint_row0: Int32,
         checkpoints: Optional[cute.Tensor],
     ):
         """Phases 1-6 per tile on the warp's ``warp_cols`` value columns (module docstring);
-        ``state_low``: the low half of those columns (:meth:`state_fragment`, updated in place).
+        ``state32``: the fp32 state of those columns (:meth:`state_blocks`, updated in place).
 
         Training variant: global tile ``g = first_tile + tile`` that starts a block of
         ``checkpoint_every`` (or its sequence) keeps the state entering it in checkpoint row
@@ -367,7 +389,6 @@ class FwdRecurrence(BandScan):
         ldsm_a_t = copies.ldsm_a_t.get_slice(lane)
         ldsm_b = copies.ldsm_b.get_slice(lane)
         ldsm_c = copies.ldsm_c.get_slice(lane)
-        ldsm_c_t = copies.ldsm_c_t.get_slice(lane)
         stsm_c = copies.stsm_c.get_slice(lane)
         stsm_c_t = copies.stsm_c_t.get_slice(lane)
 
@@ -386,7 +407,6 @@ class FwdRecurrence(BandScan):
         p_state = ldsm_b.partition_S(w_state)  # (CPY, n, k_steps)
         p_v = ldsm_c.partition_S(w_v)  # (CPY, 1, n, stage)
         p_out = stsm_c.partition_D(w_out)
-        p_state_acc_ld = ldsm_c_t.partition_S(w_state_acc)  # (CPY, k_steps, n)
         p_state_acc_st = stsm_c_t.partition_D(w_state_acc)
 
         # register fragments
@@ -398,12 +418,12 @@ class FwdRecurrence(BandScan):
         c_shape = tiled_mma.partition_shape_C((CHUNK, cols))  # ((2,2), 1, n)
         acc_ks = tiled_mma.make_fragment_C(c_shape)
         acc_qs = tiled_mma.make_fragment_C(c_shape)  # qS, then o
-        acc = tiled_mma.make_fragment_C(c_shape)  # INV·u, then krᵀ·U per row block
+        acc = tiled_mma.make_fragment_C(c_shape)  # INV·u
         r_v = cute.make_rmem_tensor(c_shape, BFloat16)
         r_c16 = cute.make_rmem_tensor(c_shape, BFloat16)  # u, then U, then o (bf16 C fragments)
         r_u_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, CHUNK)))  # u as B
         r_big_u_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, CHUNK)))  # U as B (Phases 4, 6)
-        r_state_acc = self.state_fragment(BFloat16)  # ((2,2), k_steps, n): the high half, a row block at a time
+        r_state_acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((dim, cols)), BFloat16)  # S, a row block at a time
 
         v_kd = ldsm_a.retile(r_kd)
         v_qd = ldsm_a.retile(r_qd)
@@ -412,10 +432,9 @@ class FwdRecurrence(BandScan):
         v_kr_t = ldsm_a_t.retile(r_kr_t)
         v_v = ldsm_c.retile(r_v)
         v_out = stsm_c.retile(r_c16)
-        v_state_acc_ld = ldsm_c_t.retile(r_state_acc)
         v_state_acc_st = stsm_c_t.retile(r_state_acc)
+        state_words = cute.recast_tensor(r_state_acc, Uint32)  # ((1,2), k_steps, n): pairs of value columns
         if const_expr(self.checkpoints):
-            state_words = cute.recast_tensor(r_state_acc, Uint32)  # ((1,2), k_steps, n): pairs of value columns
             checkpoint_column = self.band_words_column(band, warp_idx, lane)
 
         load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.plan.input_stages)
@@ -464,24 +483,25 @@ class FwdRecurrence(BandScan):
             store_pipe.producer_commit(out_state)
             out_state.advance()
 
-            # Phase 6: S ← bf16(fma(gT, S, krᵀ·U)), row block m of 16 k at a time; block m+1 is loaded
-            # before block m is written back (and, on a checkpoint tile, block m stored first)
+            # Phase 6: S32 ← krᵀ·U + f32(gT·S32), row block m of 16 k at a time (the decayed block is the
+            # mma's C), then S = bf16(S32) → the state buffer; on a checkpoint tile the entering S of the
+            # block is stored first
             if const_expr(self.checkpoints):
                 global_tile = first_tile + tile
                 take_checkpoint = (global_tile % self.checkpoint_every == 0) or (tile == 0)
                 checkpoint = self.band_matrix_words(checkpoints, checkpoint_row0 + global_tile // self.checkpoint_every)
+            decay = (smem.gt, stage, group)
             cute.copy(ldsm_a_t, p_kr_t[None, 0, None, stage], v_kr_t[None, 0, None])
-            cute.copy(ldsm_c_t, p_state_acc_ld[None, 0, None], v_state_acc_ld[None, 0, None])
             for m in cutlass.range_constexpr(k_steps):
-                acc.fill(0.0)
-                cute.gemm(tiled_mma, acc, r_kr_t[None, m, None], r_big_u_b[None, None, 0], acc)
                 if const_expr(m + 1 < k_steps):
                     cute.copy(ldsm_a_t, p_kr_t[None, m + 1, None, stage], v_kr_t[None, m + 1, None])
-                    cute.copy(ldsm_c_t, p_state_acc_ld[None, m + 1, None], v_state_acc_ld[None, m + 1, None])
                 if const_expr(self.checkpoints):
                     if take_checkpoint:
+                        self.round_block(state32[m], state_words, m)
                         self.store_band_block(checkpoint, state_words, m, lane, checkpoint_column)
-                self.decay_and_add_block(r_state_acc, acc, smem.gt, stage, m, lane, low=state_low)
+                self.decay_block(state32[m], decay, m)
+                cute.gemm(tiled_mma, state32[m], r_kr_t[None, m, None], r_big_u_b[None, None, 0], state32[m])
+                self.round_block(state32[m], state_words, m)
                 cute.copy(stsm_c_t, v_state_acc_st[None, m, None], p_state_acc_st[None, m, None])
 
             # the warp's state columns and its reads of this stage are complete before lane 0 releases it

@@ -370,14 +370,14 @@ def mirror_recurrence(
     """K2 of docs/numerics.md over the workspace ``ws`` (from K1 or :func:`mirror_prepare`).
 
     v bf16 ``[B, T, H, V]`` (V == D); ``initial_state`` None, bf16 or fp32, ``[N, H, V, K]``
-    (``state_layout="vk"``, the kernels' layout) or ``[N, H, K, V]`` (``"kv"``). The state is a pair
-    of bf16 halves between tiles (``S``, read by the products, and its low half ``S_lo``). Returns o
-    bf16 ``[B, T, H, V]`` and, when ``output_final_state``, the final state in ``state_dtype`` (bf16:
-    ``S``; fp32: ``f32(S) + f32(S_lo)``) in ``state_layout``; else None.
+    (``state_layout="vk"``, the kernels' layout) or ``[N, H, K, V]`` (``"kv"``). The state is fp32
+    between tiles (``S32``); the products read its bf16 rounding ``S``. Returns o bf16 ``[B, T, H, V]``
+    and, when ``output_final_state``, the final state in ``state_dtype`` (bf16: ``S``; fp32: ``S32``)
+    in ``state_layout``; else None.
 
     ``checkpoints`` (the training forward): a bf16 ``[H · slots, K, V]`` buffer
     (:func:`cute_kda.workspace.block_states_shape` with ``every=checkpoint_every``) that receives, in slot
-    ``g // checkpoint_every + s``, the bf16 ``S`` entering every global tile ``g`` of sequence ``s`` that
+    ``g // checkpoint_every + s``, ``S = bf16(S32)`` entering every global tile ``g`` of sequence ``s`` that
     starts a block of ``checkpoint_every`` or the sequence; other rows are left as they are.
     """
     if v.dtype != torch.bfloat16:
@@ -402,17 +402,15 @@ def mirror_recurrence(
     v_t = _to_tiles(v.reshape(batch * seq_len, heads, value_dim).float(), tile_map)  # [H, tiles, 16, V]
 
     if initial_state is None:
-        state = torch.zeros(heads, num_seqs, key_dim, value_dim, device=device, dtype=torch.bfloat16)
-        low = torch.zeros_like(state)
+        state32 = torch.zeros(heads, num_seqs, key_dim, value_dim, device=device, dtype=torch.float32)
     else:
         if initial_state.dtype not in (torch.bfloat16, torch.float32):
             raise TypeError(f"initial_state must be bf16 or fp32, got {initial_state.dtype}")
         init = initial_state.transpose(-1, -2) if state_layout == "vk" else initial_state
         if tuple(init.shape) != (num_seqs, heads, key_dim, value_dim):
             raise ValueError(f"initial_state has shape {tuple(initial_state.shape)} for {num_seqs} sequences")
-        exact = init.to(device=device).movedim(0, 1).contiguous()
-        state = exact.bfloat16()
-        low = (exact.float() - state.float()).bfloat16()  # 0 for a bf16 state
+        state32 = init.to(device=device, dtype=torch.float32).movedim(0, 1).contiguous()  # exact
+    state = state32.bfloat16()  # the products' operand
 
     out_t = torch.empty(heads, tiles + 1, CHUNK, value_dim, device=device, dtype=torch.bfloat16)  # slot `tiles`: sink
     starts = tile_map.bases[:-1]
@@ -437,11 +435,9 @@ def mirror_recurrence(
         u = ((v_t[:, slot] - kS) * beta[:, slot][..., None]).bfloat16()
         U = _mma(inv[:, slot], u).bfloat16()
         o = _mma(mqk[:, slot], U, c=qS).bfloat16()
-        W = _mma(kr[:, slot].transpose(-1, -2), U)  # [H, N, K, V]
-        c = _fma_f32(gt[:, slot][..., None], state.float() + low.float(), W)
-        high = c.bfloat16()
-        low = torch.where(active[None, :, None, None], (c - high.float()).bfloat16(), low)
-        state = torch.where(active[None, :, None, None], high, state)
+        updated = _mma(kr[:, slot].transpose(-1, -2), U, c=gt[:, slot][..., None] * state32)  # [H, N, K, V]
+        state32 = torch.where(active[None, :, None, None], updated, state32)
+        state = state32.bfloat16()
         out_t.index_copy_(1, torch.where(active, slot, torch.full_like(slot, tiles)), o)
 
     if checkpoints is not None:
@@ -450,7 +446,7 @@ def mirror_recurrence(
     out = o_rows.movedim(0, 1).reshape(batch, seq_len, heads, value_dim)
     if not output_final_state:
         return out, None
-    final = state.movedim(1, 0) if state_dtype == torch.bfloat16 else (state.float() + low.float()).movedim(1, 0)
+    final = (state if state_dtype == torch.bfloat16 else state32).movedim(1, 0)
     if state_layout == "vk":
         final = final.transpose(-1, -2)
     return out, final.to(state_dtype).contiguous()

@@ -30,7 +30,7 @@ from ...layouts import fwd_recurrence as layouts
 from ...layouts.smem import vector
 from ...numerics import CHUNK
 from .copy import c_row_half, smem_tensor, tma_store_tiles
-from .fastmath import bf16x2_first, bf16x2_second, fma_rn, pack_bf16x2
+from .fastmath import fma_rn
 
 
 class WarpCopies(NamedTuple):
@@ -389,33 +389,15 @@ class BandScan:
 
     @cute.jit
     def decay_and_add_block(self, band_fragment: cute.Tensor, acc: cute.Tensor, gt: cute.Tensor, stage,
-                            m: int, lane: Int32, low: Optional[cute.Tensor] = None):
+                            m: int, lane: Int32):
         """Row block ``m`` (16 k) of the warp's bf16 ``[K, cols]`` C fragment ← ``bf16(fma(gT[k], band, acc))``:
         the decay-and-add both scans end a tile with (K2's state update, Kernel A's combine).
-        ``gt``: the staged ``[D, stage]`` gT; ``acc``: the fp32 C fragment of the block's sum.
-
-        ``low``: the bf16 low half of a band carried as a pair (K2's state, docs/numerics.md), a fragment
-        of the band fragment's shape: the update reads ``f32(band) + f32(low)`` and splits its fp32 result
-        ``c`` into ``bf16(c)`` (the band) and ``bf16(c − f32(bf16(c)))`` (the low half).
-        """
+        ``gt``: the staged ``[D, stage]`` gT; ``acc``: the fp32 C fragment of the block's sum."""
         group = lane // 4
         decay = (gt[m * CHUNK + group, stage], gt[m * CHUNK + group + 8, stage])
         block = band_fragment[None, m, None]
-        if const_expr(low is None):
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                block[i] = BFloat16(fma_rn(decay[c_row_half(i)], Float32(block[i]), acc[i]))
-        else:
-            # word by word (two value columns of one row), so both halves stay packed in 32-bit registers
-            high_words = cute.recast_tensor(band_fragment, Uint32)[None, m, None]
-            low_words = cute.recast_tensor(low, Uint32)[None, m, None]
-            for j in cutlass.range_constexpr(cute.size(high_words)):
-                d = decay[j % 2]  # word j of a block holds elements 2j, 2j + 1 (row half j % 2)
-                high, low_word = high_words[j], low_words[j]
-                c0 = fma_rn(d, bf16x2_first(high) + bf16x2_first(low_word), acc[2 * j])
-                c1 = fma_rn(d, bf16x2_second(high) + bf16x2_second(low_word), acc[2 * j + 1])
-                high = pack_bf16x2(c0, c1)
-                high_words[j] = high
-                low_words[j] = pack_bf16x2(c0 - bf16x2_first(high), c1 - bf16x2_second(high))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            block[i] = BFloat16(fma_rn(decay[c_row_half(i)], Float32(block[i]), acc[i]))
 
     def warp_mma(self) -> cute.TiledMma:
         """One warp's ``16 × warp_cols × 16`` tile of ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate)."""

@@ -76,10 +76,6 @@ def movmatrix_trans(packed: Uint32, *, loc=None, ip=None) -> Uint32:
                             loc=loc, ip=ip)
 
 
-# Two bf16 values in one 32-bit word (the register form of a C fragment's column pair): element 0 in
-# bits 0-15, element 1 in bits 16-31. Widening a bf16 to fp32 is exact: its bits in the high half.
-
-
 @dsl_user_op
 def pack_bf16x2(first: Float32, second: Float32, *, loc=None, ip=None) -> Uint32:
     """``cvt.rn.bf16x2.f32``: ``bf16(first)`` in bits 0-15 and ``bf16(second)`` in bits 16-31 of one word,
@@ -87,14 +83,3 @@ def pack_bf16x2(first: Float32, second: Float32, *, loc=None, ip=None) -> Uint32
     return _one_instruction("cvt.rn.bf16x2.f32 $0, $2, $1;", Uint32, first, second, operand_dtype=Float32,
                             loc=loc, ip=ip)
 
-
-@dsl_user_op
-def bf16x2_first(word: Uint32, *, loc=None, ip=None) -> Float32:
-    """Element 0 (bits 0-15) of a bf16 pair, widened to fp32."""
-    return _one_instruction("shl.b32 $0, $1, 16;", Float32, word, operand_dtype=Uint32, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def bf16x2_second(word: Uint32, *, loc=None, ip=None) -> Float32:
-    """Element 1 (bits 16-31) of a bf16 pair, widened to fp32."""
-    return _one_instruction("and.b32 $0, $1, 0xFFFF0000;", Float32, word, operand_dtype=Uint32, loc=loc, ip=ip)
