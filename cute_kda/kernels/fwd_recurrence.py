@@ -345,14 +345,10 @@ class FwdRecurrence(BandScan):
             for i in cutlass.range_constexpr(cute.size(block)):
                 rows[i] = block[i]
 
-    @cute.jit
-    def decay_block(self, block: cute.Tensor, decay: tuple, m: int):
-        """``block ← f32(gT[k]·block)`` for row block ``m`` of the fp32 state; ``decay``: (staged gT
-        ``[D, stage]``, stage, the lane's fragment row g)."""
-        gt, stage, group = decay
-        row_decay = (gt[m * CHUNK + group, stage], gt[m * CHUNK + group + 8, stage])
-        for i in cutlass.range_constexpr(cute.size(block)):
-            block[i] = mul_rn(row_decay[c_row_half(i)], block[i])
+    @staticmethod
+    def row_decay(gt: cute.Tensor, stage, group: Int32, m: int) -> tuple:
+        """gT of the lane's two fragment rows (``g``, ``g + 8``) of row block ``m``, from the staged ``[D, stage]``."""
+        return gt[m * CHUNK + group, stage], gt[m * CHUNK + group + 8, stage]
 
     @staticmethod
     @cute.jit
@@ -490,18 +486,22 @@ class FwdRecurrence(BandScan):
                 global_tile = first_tile + tile
                 take_checkpoint = (global_tile % self.checkpoint_every == 0) or (tile == 0)
                 checkpoint = self.band_matrix_words(checkpoints, checkpoint_row0 + global_tile // self.checkpoint_every)
-            decay = (smem.gt, stage, group)
+            # block m+1's krᵀ and gT are read before block m is stored, so no load waits behind a store
             cute.copy(ldsm_a_t, p_kr_t[None, 0, None, stage], v_kr_t[None, 0, None])
+            decay = self.row_decay(smem.gt, stage, group, 0)
             for m in cutlass.range_constexpr(k_steps):
-                if const_expr(m + 1 < k_steps):
-                    cute.copy(ldsm_a_t, p_kr_t[None, m + 1, None, stage], v_kr_t[None, m + 1, None])
                 if const_expr(self.checkpoints):
                     if take_checkpoint:
                         self.round_block(state32[m], state_words, m)
                         self.store_band_block(checkpoint, state_words, m, lane, checkpoint_column)
-                self.decay_block(state32[m], decay, m)
-                cute.gemm(tiled_mma, state32[m], r_kr_t[None, m, None], r_big_u_b[None, None, 0], state32[m])
-                self.round_block(state32[m], state_words, m)
+                block = state32[m]
+                for i in cutlass.range_constexpr(cute.size(block)):
+                    block[i] = mul_rn(decay[c_row_half(i)], block[i])
+                cute.gemm(tiled_mma, block, r_kr_t[None, m, None], r_big_u_b[None, None, 0], block)
+                if const_expr(m + 1 < k_steps):
+                    cute.copy(ldsm_a_t, p_kr_t[None, m + 1, None, stage], v_kr_t[None, m + 1, None])
+                    decay = self.row_decay(smem.gt, stage, group, m + 1)
+                self.round_block(block, state_words, m)
                 cute.copy(stsm_c_t, v_state_acc_st[None, m, None], p_state_acc_st[None, m, None])
 
             # the warp's state columns and its reads of this stage are complete before lane 0 releases it
