@@ -438,6 +438,8 @@ class FwdRecurrence(BandScan):
         for tile in cutlass.range(num_tiles, unroll=1):
             load_pipe.consumer_wait(load_state)
             stage = load_state.index
+            # gT of every row block, read now so that Phase 6's decays wait on no load
+            decays = [self.row_decay(smem.gt, stage, group, m) for m in range(k_steps)]
 
             # Phase 1: kS = kd·S, qS = qd·S; operands of step k+1 are loaded before the mma of step k
             acc_ks.fill(0.0)
@@ -486,9 +488,8 @@ class FwdRecurrence(BandScan):
                 global_tile = first_tile + tile
                 take_checkpoint = (global_tile % self.checkpoint_every == 0) or (tile == 0)
                 checkpoint = self.band_matrix_words(checkpoints, checkpoint_row0 + global_tile // self.checkpoint_every)
-            # block m+1's krᵀ and gT are read before block m is stored, so no load waits behind a store
+            # block m+1's krᵀ is read before block m is stored, so no load waits behind a store
             cute.copy(ldsm_a_t, p_kr_t[None, 0, None, stage], v_kr_t[None, 0, None])
-            decay = self.row_decay(smem.gt, stage, group, 0)
             for m in cutlass.range_constexpr(k_steps):
                 if const_expr(self.checkpoints):
                     if take_checkpoint:
@@ -496,11 +497,10 @@ class FwdRecurrence(BandScan):
                         self.store_band_block(checkpoint, state_words, m, lane, checkpoint_column)
                 block = state32[m]
                 for i in cutlass.range_constexpr(cute.size(block)):
-                    block[i] = mul_rn(decay[c_row_half(i)], block[i])
+                    block[i] = mul_rn(decays[m][c_row_half(i)], block[i])
                 cute.gemm(tiled_mma, block, r_kr_t[None, m, None], r_big_u_b[None, None, 0], block)
                 if const_expr(m + 1 < k_steps):
                     cute.copy(ldsm_a_t, p_kr_t[None, m + 1, None, stage], v_kr_t[None, m + 1, None])
-                    decay = self.row_decay(smem.gt, stage, group, m + 1)
                 self.round_block(block, state_words, m)
                 cute.copy(stsm_c_t, v_state_acc_st[None, m, None], p_state_acc_st[None, m, None])
 
