@@ -11,8 +11,9 @@ times, changing only what its ``chunk_kda`` call runs on:
   of the difference over RMS of the reference).
 
 FLA's tolerance, 0.005, is the one its ``tests/ops/test_kda.py`` applies to ``chunk_kda``'s output
-``o``; it is checked here at the same place, on the ``o`` each run's ``chunk_kda`` returns inside the
-layer (the fp64 one before rounding). The layer's output is compared too and printed: it passes
+``o``; it is checked here at the same place, on the ``o`` cute_kda's ``chunk_kda`` returns inside the
+layer, against the fp64 one before rounding (FLA's kernels' ``o`` is printed beside it, not judged: at
+some shapes it sits at the tolerance itself). The layer's output is compared too and printed: it passes
 through the layer's bf16 gated norm and output projection after the kernel, which add their own
 rounding to every run alike, so there the check is that cute_kda is no worse than FLA's kernels
 (within ``LAYER_SLACK``).
@@ -175,10 +176,12 @@ def compare(seq_lens: list[int], heads: int, hidden: int, batch: int, reps: int,
 
 
 def failures(result: dict) -> list[str]:
-    """What :func:`compare`'s numbers break: FLA's tolerance on ``o`` (both kernels), and cute_kda's
-    layer output no worse than ``LAYER_SLACK`` times FLA's."""
-    found = [f"{name} o vs fp64 {result[f'o_{name}_vs_gold']:.2e} > {FLA_TOLERANCE}"
-             for name in ("fla", "cute_kda") if result[f"o_{name}_vs_gold"] > FLA_TOLERANCE]
+    """What :func:`compare`'s numbers break for cute_kda: FLA's tolerance on its ``o``, and its layer
+    output no worse than ``LAYER_SLACK`` times FLA's. (FLA's own ``o`` is printed, not judged: at some
+    shapes FLA's kernels sit at the tolerance themselves, 5.0e-3 at T = 2048 on the H200.)"""
+    found = []
+    if result["o_cute_kda_vs_gold"] > FLA_TOLERANCE:
+        found.append(f"cute_kda o vs fp64 {result['o_cute_kda_vs_gold']:.2e} > {FLA_TOLERANCE}")
     if result["cute_kda_vs_gold"] > LAYER_SLACK * result["fla_vs_gold"]:
         found.append(f"layer output: cute_kda {result['cute_kda_vs_gold']:.2e} > {LAYER_SLACK} × FLA's "
                      f"{result['fla_vs_gold']:.2e}")
@@ -200,7 +203,8 @@ def main() -> None:
     print(f"KimiDeltaAttention(hidden={args.hidden}, heads={args.heads}, head_dim=128, safe_gate, lower_bound=-5), "
           f"bf16, input {list(r['shape'])}" + (f", packed {seq_lens}" if len(seq_lens) > 1 else ""))
     print(f"chunk_kda's o inside the layer vs the fp64 recurrence (FLA's metric and tolerance, {FLA_TOLERANCE}):")
-    print(f"  FLA kernels: {r['o_fla_vs_gold']:.2e}   cute_kda: {r['o_cute_kda_vs_gold']:.2e}")
+    over = "  (FLA's kernels are over FLA's tolerance here)" if r["o_fla_vs_gold"] > FLA_TOLERANCE else ""
+    print(f"  FLA kernels: {r['o_fla_vs_gold']:.2e}   cute_kda: {r['o_cute_kda_vs_gold']:.2e}{over}")
     print("layer output vs the layer with the fp64 recurrence (after the bf16 gated norm and projection):")
     print(f"  FLA kernels: {r['fla_vs_gold']:.2e}   cute_kda: {r['cute_kda_vs_gold']:.2e}   "
           f"cute_kda vs FLA: {r['cute_kda_vs_fla']:.2e}")
