@@ -1,6 +1,7 @@
 """K2: the forward chunk recurrence, one CTA per (sequence, head, V-band), serial over 16-token tiles.
 
-Per tile (docs/numerics.md, section K2), with the state band ``S[k, v]`` bf16 in shared memory:
+Per tile (docs/numerics.md, section K2), with the fp32 state band ``S32[k, v]`` in registers and its
+bf16 rounding ``S`` in shared memory:
 
 ```
 kS = kd·S,  qS = qd·S                       Phase 1 (fp32 accumulators, 8 k-steps)
@@ -8,9 +9,9 @@ u  = bf16(f32(v − kS)·β)                    Phase 2 (C fragment)
 U  = bf16(INV·u)                            Phase 3 (u moved C→B by movmatrix, no smem round trip)
 o  = bf16(qS + Mqk·U)                       Phase 4 (qS is the C operand of the mma; U moved C→B again)
 out tile ← o                                Phase 5 (stmatrix into an output stage)
-S32 ← krᵀ·U + f32(gT·S32),  S = bf16(S32)     Phase 6 (row block by row block of 16 k: the decayed state
-                                                     is the C operand of the mma; stmatrix.trans of S on
-                                                     the [K, V] view of the state buffer)
+S32 ← krᵀ·U + f32(gT·S32),  S = bf16(S32)   Phase 6 (row block by row block of 16 k: the decayed state
+                                            is the C operand of the mma; stmatrix.trans of S on the
+                                            [K, V] view of the state buffer)
 ```
 
 The state lives in fp32 in the compute warps' registers (``S32``, C fragments of the warp's columns:
@@ -109,10 +110,11 @@ class FwdRecurrence(BandScan):
     ``vsplit`` ∈ {1, 2, 4}: CTAs per (sequence, head), each owning ``128 / vsplit`` value columns.
     ``initial_state`` / ``final_state``: None, ``cutlass.BFloat16`` or ``cutlass.Float32`` (the dtype
     of the ``[N, H, V, K]`` state tensors). ``varlen``: sequences packed along T with ``cu_seqlens``.
-    ``checkpoints``: the training variant, which also keeps the state entering every block of
+    ``checkpoints``: the training variant, which also keeps ``S = bf16(S32)`` entering every block of
     ``checkpoint_every`` global tiles (default :data:`~cute_kda.workspace.SNAPSHOT_TILES`; and each
-    sequence's first tile) for the backward, ``[H · slots, K, V]`` bf16 (:func:`cute_kda.workspace.snapshot_slots`: the slot of a
-    block is the one the backward scan keeps its gradient in).
+    sequence's first tile) for the backward, ``[H · slots, K, V]`` bf16
+    (:func:`cute_kda.workspace.snapshot_slots`: the slot of a block is the one the backward scan keeps
+    its gradient in).
     """
 
     def __init__(

@@ -25,11 +25,11 @@ def choose_vsplit(num_seqs: int, heads: int, sm_count: int) -> int:
     """V-split for ``num_seqs × heads`` (sequence, head) pairs on ``sm_count`` SMs.
 
     The largest VSplit in {1, 2, 4} whose CTA count ``N·H·VSplit`` still fits one CTA per SM; 1
-    when even ``N·H`` does not. Splitting shortens a CTA's tile step (K2 alone on the H200: 1.28 µs
-    at VSplit 1, 1.02 at 2, 0.71 at 4, one CTA per SM) but two CTAs sharing an SM step slower than
-    one unsplit CTA (B1 T8192 H96 at VSplit 2: 192 CTAs, 1.76 µs against 1.28 at VSplit 1), so a
-    split pays only while it lands on idle SMs. Measured by ``benchmarks/bench_recurrence.py``
-    (``benchmarks/results/2026-11-29-recurrence.md``).
+    when even ``N·H`` does not. Splitting shortens a CTA's tile step (K2 alone on the H200: 0.99 µs
+    at VSplit 1, 0.75 at 2, 0.67 at 4, one CTA per SM, at B1 T32768 H16) but two CTAs sharing an SM
+    step slower than one unsplit CTA (B1 T8192 H96 at VSplit 2: 192 CTAs, 1.78 µs against 1.07 at
+    VSplit 1), so a split pays only while it lands on idle SMs. Measured by
+    ``benchmarks/bench_recurrence.py`` (``benchmarks/results/2026-12-01-k2-fp32-state.md``).
     """
     fitting = [v for v in SUPPORTED_VSPLITS if num_seqs * heads * v <= sm_count]
     return max(fitting, default=SUPPORTED_VSPLITS[0])
@@ -96,7 +96,7 @@ def recurrence(
 
     v, out: bf16 ``[B, T, H, 128]``; ws: the :class:`~cute_kda.workspace.Workspace` of these
     sequences; initial_state / final_state: None or bf16 / fp32 ``[N, H, V, K]`` (the dtype of each
-    selects the variant; the state is bf16 between tiles). ``cu_seqlens`` int64 ``[N+1]`` with B == 1
+    selects the variant; the state is fp32 between tiles). ``cu_seqlens`` int64 ``[N+1]`` with B == 1
     packs N sequences; ``tile_base`` int32 ``[N+1]`` (prefix sums of ``ceil(len / 16)``) is derived
     from it when not given. ``vsplit`` None: :func:`choose_vsplit`. ``checkpoints``: None, or bf16
     ``[H · slots, K, V]`` (:func:`cute_kda.workspace.block_states_shape`) for the training forward, which also keeps the
