@@ -66,7 +66,7 @@ from ..numerics import CHUNK
 from ..workspace import SNAPSHOT_TILES
 from .common.band_scan import BandScan, OutputTile
 from .common.copy import c_row_half, smem_tensor
-from .common.fastmath import mul_rn, pack_bf16x2
+from .common.fastmath import mul_rn
 from .common.copy import transpose_c_to_b  # movmatrix.trans word by word: C fragment of M → B fragment of Mᵀ
 
 
@@ -261,9 +261,9 @@ class FwdRecurrence(BandScan):
         self.load_initial_state(warp_idx, tidx, tma_state_in, state_in_tiles, state_mbar,
                                 smem.state, smem.state_fp32, tma_smem.state, tma_smem.state_fp32)
         # the fp32 state lives in the compute warps' registers for the whole kernel
-        state32 = self.state_blocks()
+        state32 = self.band_blocks()
         if warp_idx < self.mma_warps:
-            self.load_state32(warp_idx, state32, smem)
+            self.load_band32(warp_idx, state32, smem.state_acc, smem.state_fp32_acc)
         if const_expr(self.initial_state is Float32):
             cute.arch.barrier()  # the staging is read before the load warp's first stage reuses its bytes
 
@@ -300,7 +300,7 @@ class FwdRecurrence(BandScan):
         cute.arch.barrier()
         if const_expr(self.final_state is Float32):
             if warp_idx < self.mma_warps:
-                self.stage_state32(warp_idx, state32, smem)
+                self.stage_band32(warp_idx, state32, smem.state_fp32_acc)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier()
         if const_expr(self.final_state is not None):
@@ -311,56 +311,6 @@ class FwdRecurrence(BandScan):
     # -----------------------------------------------------------------------------------------
     # compute warps
 
-    def state_blocks(self) -> tuple:
-        """The warp's fp32 state columns as registers: one C fragment ``((2, 2), 1, n)`` per row block of
-        16 k (the accumulator of that block's update mma)."""
-        tiled_mma = self.warp_mma()
-        shape = tiled_mma.partition_shape_C((CHUNK, self.warp_cols))
-        return tuple(tiled_mma.make_fragment_C(shape) for _ in range(self.dim // CHUNK))
-
-    def warp_state_elements(self, warp_idx: Int32, view: cute.Tensor) -> cute.Tensor:
-        """The lane's elements of the warp's columns of a ``[K, v_band]`` smem view, ``((2, 2), k_steps, n)``:
-        ``[None, m, None]`` is in the order of :meth:`state_blocks` ``[m]``."""
-        warp_columns = cute.local_tile(view, (self.dim, self.warp_cols), (0, warp_idx))
-        return self.warp_mma().get_slice(cute.arch.lane_idx()).partition_C(warp_columns)
-
-    @cute.jit
-    def load_state32(self, warp_idx: Int32, state32: tuple, smem: RecurrenceSmem):
-        """``S32`` from the initial state: 0, the bf16 state buffer widened, or the fp32 staging."""
-        if const_expr(self.initial_state is None):
-            for block in state32:
-                block.fill(0.0)
-        else:
-            source = smem.state_fp32_acc if const_expr(self.initial_state is Float32) else smem.state_acc
-            elements = self.warp_state_elements(warp_idx, source)
-            for m in cutlass.range_constexpr(len(state32)):
-                block, rows = state32[m], elements[None, m, None]
-                for i in cutlass.range_constexpr(cute.size(block)):
-                    block[i] = Float32(rows[i])
-
-    @cute.jit
-    def stage_state32(self, warp_idx: Int32, state32: tuple, smem: RecurrenceSmem):
-        """``S32`` of the warp's columns → the fp32 staging (the final state's TMA store reads it)."""
-        elements = self.warp_state_elements(warp_idx, smem.state_fp32_acc)
-        for m in cutlass.range_constexpr(len(state32)):
-            block, rows = state32[m], elements[None, m, None]
-            for i in cutlass.range_constexpr(cute.size(block)):
-                rows[i] = block[i]
-
-    @staticmethod
-    def row_decay(gt: cute.Tensor, stage, group: Int32, m: int) -> tuple:
-        """gT of the lane's two fragment rows (``g``, ``g + 8``) of row block ``m``, from the staged ``[D, stage]``."""
-        return gt[m * CHUNK + group, stage], gt[m * CHUNK + group + 8, stage]
-
-    @staticmethod
-    @cute.jit
-    def round_block(block: cute.Tensor, words: cute.Tensor, m: int):
-        """Row block ``m`` of the fp32 state → bf16 pairs (word ``j``: elements ``2j``, ``2j + 1``) in
-        row block ``m`` of ``words``, the 32-bit view of the bf16 C fragment that stmatrix stores."""
-        block_words = words[None, m, None]
-        for j in cutlass.range_constexpr(cute.size(block_words)):
-            block_words[j] = pack_bf16x2(block[2 * j], block[2 * j + 1])
-
     @cute.jit
     def compute(
         self, warp_idx: Int32, num_tiles: Int32,
@@ -369,7 +319,7 @@ class FwdRecurrence(BandScan):
         checkpoints: Optional[cute.Tensor],
     ):
         """Phases 1-6 per tile on the warp's ``warp_cols`` value columns (module docstring);
-        ``state32``: the fp32 state of those columns (:meth:`state_blocks`, updated in place).
+        ``state32``: the fp32 state of those columns (:meth:`band_blocks`, updated in place).
 
         Training variant: global tile ``g = first_tile + tile`` that starts a block of
         ``checkpoint_every`` (or its sequence) keeps the state entering it in checkpoint row

@@ -5,7 +5,9 @@ tiles last to first) are the same machine with other arithmetic:
 
 - a bf16 ``[v_band, D]`` band of a state-like matrix (the state ``S``, or its gradient ``dS``) in
   shared memory for the whole kernel, loaded from and stored to ``[N, H, V, K]`` tensors (none,
-  bf16, or fp32 through a staging buffer that shares its bytes with the pipeline buffers);
+  bf16, or fp32 through a staging buffer that shares its bytes with the pipeline buffers); K2 also
+  keeps the band in fp32 in the compute warps' registers (:meth:`BandScan.band_blocks`), the smem
+  band being its bf16 rounding;
 - a load warp that TMA-loads one input stage per tile (a per-token ``[16, v_band]`` tile and the
   seven K1 workspace fields of the tile) under one transaction barrier of a ``PipelineTmaAsync``;
 - compute warps, warp ``w`` owning value columns ``[w·c, (w+1)·c)`` of the band (every line of both
@@ -30,7 +32,7 @@ from ...layouts import fwd_recurrence as layouts
 from ...layouts.smem import vector
 from ...numerics import CHUNK
 from .copy import c_row_half, smem_tensor, tma_store_tiles
-from .fastmath import fma_rn
+from .fastmath import fma_rn, pack_bf16x2
 
 
 class WarpCopies(NamedTuple):
@@ -398,6 +400,59 @@ class BandScan:
         block = band_fragment[None, m, None]
         for i in cutlass.range_constexpr(cute.size(acc)):
             block[i] = BFloat16(fma_rn(decay[c_row_half(i)], Float32(block[i]), acc[i]))
+
+    # a band kept in fp32 in the compute warps' registers (K2's state): row block m of 16 k of the warp's
+    # [K, cols] columns is one C fragment, the accumulator of that block's update mma
+
+    def band_blocks(self) -> tuple:
+        """The warp's fp32 band columns as registers: one C fragment ``((2, 2), 1, n)`` per row block."""
+        tiled_mma = self.warp_mma()
+        shape = tiled_mma.partition_shape_C((CHUNK, self.warp_cols))
+        return tuple(tiled_mma.make_fragment_C(shape) for _ in range(self.dim // CHUNK))
+
+    def warp_band_elements(self, warp_idx: Int32, view: cute.Tensor) -> cute.Tensor:
+        """The lane's elements of the warp's columns of a ``[K, v_band]`` smem view, ``((2, 2), k_steps, n)``:
+        ``[None, m, None]`` is in the order of :meth:`band_blocks` ``[m]``."""
+        warp_columns = cute.local_tile(view, (self.dim, self.warp_cols), (0, warp_idx))
+        return self.warp_mma().get_slice(cute.arch.lane_idx()).partition_C(warp_columns)
+
+    @cute.jit
+    def load_band32(self, warp_idx: Int32, band32: tuple, band_acc: cute.Tensor, staging_acc: cute.Tensor):
+        """The fp32 band from the initial state: 0, the bf16 band buffer widened (``band_acc``, its
+        ``[K, v_band]`` view), or the fp32 staging (``staging_acc``, the same view of it)."""
+        if const_expr(self.initial_state is None):
+            for block in band32:
+                block.fill(0.0)
+        else:
+            source = staging_acc if const_expr(self.initial_state is Float32) else band_acc
+            elements = self.warp_band_elements(warp_idx, source)
+            for m in cutlass.range_constexpr(len(band32)):
+                block, rows = band32[m], elements[None, m, None]
+                for i in cutlass.range_constexpr(cute.size(block)):
+                    block[i] = Float32(rows[i])
+
+    @cute.jit
+    def stage_band32(self, warp_idx: Int32, band32: tuple, staging_acc: cute.Tensor):
+        """The fp32 band of the warp's columns → the fp32 staging (the final state's TMA store reads it)."""
+        elements = self.warp_band_elements(warp_idx, staging_acc)
+        for m in cutlass.range_constexpr(len(band32)):
+            block, rows = band32[m], elements[None, m, None]
+            for i in cutlass.range_constexpr(cute.size(block)):
+                rows[i] = block[i]
+
+    @staticmethod
+    def row_decay(gt: cute.Tensor, stage, group: Int32, m: int) -> tuple:
+        """gT of the lane's two fragment rows (``g``, ``g + 8``) of row block ``m``, from the staged ``[D, stage]``."""
+        return gt[m * CHUNK + group, stage], gt[m * CHUNK + group + 8, stage]
+
+    @staticmethod
+    @cute.jit
+    def round_block(block: cute.Tensor, words: cute.Tensor, m: int):
+        """Row block ``m`` of an fp32 band → bf16 pairs (word ``j``: elements ``2j``, ``2j + 1``) in row
+        block ``m`` of ``words``, the 32-bit view of the bf16 C fragment that stmatrix stores."""
+        block_words = words[None, m, None]
+        for j in cutlass.range_constexpr(cute.size(block_words)):
+            block_words[j] = pack_bf16x2(block[2 * j], block[2 * j + 1])
 
     def warp_mma(self) -> cute.TiledMma:
         """One warp's ``16 × warp_cols × 16`` tile of ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate)."""
