@@ -66,8 +66,8 @@ from ..numerics import CHUNK
 from ..workspace import SNAPSHOT_TILES
 from .common.band_scan import BandScan, OutputTile
 from .common.copy import c_row_half, smem_tensor
-from .common.fastmath import mul_rn
 from .common.copy import transpose_c_to_b  # movmatrix.trans word by word: C fragment of M → B fragment of Mᵀ
+from .common.fastmath import mul_rn
 
 
 @dataclass(frozen=True)
