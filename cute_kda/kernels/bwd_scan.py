@@ -403,7 +403,7 @@ class BwdScan(BandScan):
             cute.gemm(tiled_mma, acc, r_square[None, None, 0], r_c16_b[None, None, 0], acc)
 
             # du and dv = bf16(β·du) → output stage; −dv (exact negation) as the B operand of G5
-            beta = (smem.beta[group, stage], smem.beta[group + 8, stage])
+            beta = self.fragment_rows(smem.beta, stage, group)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 scaled = acc[i] * beta[c_row_half(i)]
                 r_c16[i] = BFloat16(acc[i])

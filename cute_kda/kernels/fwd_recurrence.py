@@ -391,7 +391,7 @@ class FwdRecurrence(BandScan):
             load_pipe.consumer_wait(load_state)
             stage = load_state.index
             # gT of every row block, read now so that Phase 6's decays wait on no load
-            decays = [self.row_decay(smem.gt, stage, group, m) for m in range(k_steps)]
+            decays = [self.fragment_rows(smem.gt, stage, group, m) for m in range(k_steps)]
 
             # Phase 1: kS = kd·S, qS = qd·S; operands of step k+1 are loaded before the mma of step k
             acc_ks.fill(0.0)
@@ -410,7 +410,7 @@ class FwdRecurrence(BandScan):
             # Phase 2: u = bf16(f32(v − kS)·β) in C format
             cute.copy(ldsm_c, p_v[None, None, None, stage], v_v)
             cute.copy(ldsm_a, p_inv[None, None, None, stage], v_square)
-            beta = (smem.beta[group, stage], smem.beta[group + 8, stage])
+            beta = self.fragment_rows(smem.beta, stage, group)
             for i in cutlass.range_constexpr(cute.size(acc_ks)):
                 r_c16[i] = BFloat16((Float32(r_v[i]) - acc_ks[i]) * beta[c_row_half(i)])
 

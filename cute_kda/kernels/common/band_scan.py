@@ -393,10 +393,9 @@ class BandScan:
     def decay_and_add_block(self, band_fragment: cute.Tensor, acc: cute.Tensor, gt: cute.Tensor, stage,
                             m: int, lane: Int32):
         """Row block ``m`` (16 k) of the warp's bf16 ``[K, cols]`` C fragment ← ``bf16(fma(gT[k], band, acc))``:
-        the decay-and-add both scans end a tile with (K2's state update, Kernel A's combine).
+        the decay-and-add that ends Kernel A's tile (its combine; K2 keeps its band in fp32 instead).
         ``gt``: the staged ``[D, stage]`` gT; ``acc``: the fp32 C fragment of the block's sum."""
-        group = lane // 4
-        decay = (gt[m * CHUNK + group, stage], gt[m * CHUNK + group + 8, stage])
+        decay = self.fragment_rows(gt, stage, lane // 4, m)
         block = band_fragment[None, m, None]
         for i in cutlass.range_constexpr(cute.size(acc)):
             block[i] = BFloat16(fma_rn(decay[c_row_half(i)], Float32(block[i]), acc[i]))
@@ -441,9 +440,10 @@ class BandScan:
                 rows[i] = block[i]
 
     @staticmethod
-    def row_decay(gt: cute.Tensor, stage, group: Int32, m: int) -> tuple:
-        """gT of the lane's two fragment rows (``g``, ``g + 8``) of row block ``m``, from the staged ``[D, stage]``."""
-        return gt[m * CHUNK + group, stage], gt[m * CHUNK + group + 8, stage]
+    def fragment_rows(vector: cute.Tensor, stage, group: Int32, m: int = 0) -> tuple:
+        """A staged ``[n, stage]`` vector (gT, β) at the lane's two C-fragment rows ``g``, ``g + 8`` of row
+        block ``m`` (the values ``c_row_half`` picks between)."""
+        return vector[m * CHUNK + group, stage], vector[m * CHUNK + group + 8, stage]
 
     @staticmethod
     @cute.jit
