@@ -227,7 +227,7 @@ def _kernel_b_inputs(lengths=None, *, T=None, B=1, seed=3, **kw):
 
 def test_recompute_is_bit_identical_to_k1_and_k2():
     """Kernel B's qd, kd, kr are K1's workspace fields, and its forward recompute continues K2 bit for bit:
-    o = bf16(qd·S + Mqk·U) is K2's output, and bf16(fma(gT, S, krᵀ·U)) the next tile's checkpoint — K2 decays
+    o = bf16(qd·S + Mqk·U) is K2's output, and bf16(krᵀ·U + f32(gT·S)) the next tile's checkpoint — K2 decays
     its fp32 state, not S, which at these gates' decays never moves the rounding."""
     lengths = [0, 1, 17, 33, 0, 16]
     args, kw, o, _ = _kernel_b_inputs(lengths)
@@ -243,7 +243,7 @@ def test_recompute_is_bit_identical_to_k1_and_k2():
     out = mirror._mma(ops.mqk, U, c=mirror._mma(ops.qd, ops.S)).bfloat16()
     rows = out.reshape(H, tiles * 16, D)[:, tile_map.row_of_token].movedim(0, 1)
     assert torch.equal(rows, o[0])
-    after = mirror._fma_f32(ops.gt[..., None], ops.S.float(), mirror._mma(ops.kr.transpose(-1, -2), U)).bfloat16()
+    after = mirror._mma(ops.kr.transpose(-1, -2), U, c=ops.gt[..., None] * ops.S.float()).bfloat16()
     bases = tile_map.bases.tolist()
     for n in range(len(lengths)):
         for tile in range(bases[n], bases[n + 1] - 1):  # the tile after it belongs to the same sequence
