@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cute_kda import autograd, kda_forward, validation  # noqa: E402
 from cute_kda.ops import bwd_grads, bwd_scan, prepare, recurrence  # noqa: E402
 from cute_kda.reference import tile_bases  # noqa: E402
+from shapes import D, LOWER_BOUND, Shape, make_inputs  # noqa: E402
 
-D = 128
 LAUNCHERS = ((prepare, "prepare", "K1"), (recurrence, "recurrence", "K2"), (bwd_scan, "bwd_scan", "Kernel A"),
              (bwd_grads, "bwd_grads", "Kernel B"))
 
@@ -49,15 +49,10 @@ def install_noop_kernels(launches: list) -> None:
 
 
 def make_problem(seq_len: int, heads: int) -> dict:
-    """Leaves that require grad (bf16 activations, fp32 gate parameters and initial state), dO and dht."""
-    gen = torch.Generator().manual_seed(0)
-
-    def leaf(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, generator=gen).to(dtype).requires_grad_()
-
-    leaves = dict(q=leaf(1, seq_len, heads, D), k=leaf(1, seq_len, heads, D), v=leaf(1, seq_len, heads, D),
-                  g=leaf(1, seq_len, heads, D), beta=leaf(1, seq_len, heads), A_log=leaf(heads, dtype=torch.float32),
-                  dt_bias=leaf(heads, D, dtype=torch.float32), initial_state=leaf(1, heads, D, D, dtype=torch.float32))
+    """The benchmarks' inputs (``shapes.make_inputs``, B1) as leaves that require grad, dO and dht."""
+    inputs = make_inputs(Shape((seq_len,), heads), torch.device("cpu"))
+    leaves = {name: tensor.requires_grad_() for name, tensor in inputs.items() if tensor is not None}
+    gen = torch.Generator().manual_seed(1)
     return dict(leaves=leaves, do=torch.randn(1, seq_len, heads, D, generator=gen).bfloat16(),
                 dht=torch.randn(1, heads, D, D, generator=gen))
 
@@ -72,7 +67,7 @@ def time_steps(problem: dict, launches: list, steps: int, recompute: bool) -> di
             x.grad = None
         launches.clear()
         start = time.perf_counter()
-        o, ht = kda_forward(**leaves, lower_bound=-5.0, output_final_state=True, recompute=recompute)
+        o, ht = kda_forward(**leaves, lower_bound=LOWER_BOUND, output_final_state=True, recompute=recompute)
         forwarded = time.perf_counter()
         torch.autograd.backward((o, ht), (problem["do"], problem["dht"]))
         done = time.perf_counter()
