@@ -406,14 +406,20 @@ def test_variant_compiles(variant):
 
 @pytest.mark.parametrize("vsplit,varlen", list(itertools.product(VSPLITS, (False, True))))
 def test_training_variant_compiles(vsplit, varlen):
-    """The training forward (state checkpoints) runs the inference variant's instructions plus one 32-bit
-    store per (row block, row half, atom) on a checkpoint tile, with no spills."""
+    """The training forward (state checkpoints) runs the inference variant's instructions plus, on a
+    checkpoint tile, one ldmatrix.trans of each row block of S from the state buffer and one 32-bit store
+    per (row block, row half, atom), with no spills."""
     variant = (vsplit, "fp32", "fp32", varlen)
     kernel, report = _compiled(variant, checkpoints=True)
     _, inference = _compiled(variant)
     atoms = kernel.warp_cols // 8
-    assert report.count("st.global.b32") == (D // CHUNK) * 2 * atoms
-    for mnemonic in ("mma.sync", "movmatrix", "ldmatrix", "stmatrix", "fma.rn.f32", "cp.async.bulk.tensor"):
+    k_steps = D // CHUNK
+    assert report.count("st.global.b32") == k_steps * 2 * atoms
+    per_block = atoms // 2 if kernel.band_matrices == 4 else 1
+    assert report.count("ldmatrix") == inference.count("ldmatrix") + k_steps * per_block
+    assert report.count(f"ldmatrix.sync.aligned.m8n8.x{kernel.band_matrices}.trans") == (
+        inference.count(f"ldmatrix.sync.aligned.m8n8.x{kernel.band_matrices}.trans") + k_steps * per_block)
+    for mnemonic in ("mma.sync", "movmatrix", "stmatrix", "mul.rn.f32", "cvt.rn.bf16x2.f32", "cp.async.bulk.tensor"):
         assert report.count(mnemonic) == inference.count(mnemonic), mnemonic
     assert report.local_memory_ops == 0 and report.spills == 0 and report.kernels[0].stack_frame == 0
     assert report.launch_smem == inference.launch_smem

@@ -1,17 +1,21 @@
 """Kernel A: the backward state-gradient scan, one CTA per (sequence, head, V-band), tiles last to first.
 
-Per tile (docs/numerics.md, section "Kernel A"), with the band of the state gradient ``dS[k, v]``
-(the gradient w.r.t. the state after the tile, ``dS'``) bf16 in shared memory:
+Per tile (docs/numerics.md, section "Kernel A"), with the band of the state gradient ``dS32[k, v]``
+(the gradient w.r.t. the state after the tile, ``dS'``) fp32 in the compute warps' registers and its
+bf16 rounding ``dS`` in shared memory:
 
 ```
-snapshot ← dS'                                   (kept for the tile-gradient kernel)
+snapshot ← dS'                                   (bf16; kept for the tile-gradient kernel)
 dU = bf16(Mqkᵀ·dO + kr·dS')                      G1, G2 (one fp32 accumulator; 1 + 8 k-steps)
 du = INVᵀ·dU                                     G3 (dU moved C→B by movmatrix)
 du → du out (bf16);  dv = bf16(β·du) → dv out    (stmatrix into an output stage)
-dS ← bf16(fma(gT, dS', qdᵀ·dO − kdᵀ·dv))         G4, G5 and the combine, row block by row block of
-                                                 16 k (ldmatrix.trans / stmatrix.trans on the [K, V]
-                                                 view; −dv moved C→B by movmatrix)
+dS32 ← qdᵀ·dO − kdᵀ·dv + f32(gT·dS32)            G4, G5 and the combine, row block by row block of
+dS = bf16(dS32)                                  16 k (the decayed block is the C of G4; stmatrix.trans
+                                                 on the [K, V] view; −dv moved C→B by movmatrix)
 ```
+
+As in K2, the band is not rounded to bf16 once per tile (that drifted over long sequences with
+little decay), and the combine reads no band from shared memory.
 
 Every line is separable in the value columns (V is never contracted), so warp ``w`` owns value
 columns ``[w·c, (w+1)·c)`` of the CTA's band and the compute warps never wait for each other inside
@@ -21,8 +25,10 @@ V-split 8), warp ``m`` TMA-loads the input stages (dO band, kd, qd, kr, gT, INV,
 warp ``m + 1`` stores the output stages (dv and du tiles; TMA for a full tile, the valid rows of a
 tail tile by plain stores).
 
-The snapshot of a tile goes from registers to global memory: the combine loads each 16-row block of
-``dS'`` into a C fragment before it is overwritten, and each lane stores the 32-bit pairs it holds.
+The snapshot of a tile goes from the band buffer to global memory through registers: on a snapshot
+tile the combine reads each 16-row block of ``dS'`` (bf16, as the buffer holds it) into a C fragment
+before the block is updated, and each lane stores the 32-bit pairs it holds. (Rounding the fp32 block
+for it instead measured 296 B of spills at V-split 1 in the compile report.)
 Snapshots are kept once per block of ``snapshot_every`` global tiles (default 4: 64 tokens) and
 at the last tile of each sequence, ``[H · slots, K, V]`` bf16 (:func:`cute_kda.workspace.snapshot_slots`).
 Global tensors: dO / dv / du ``[B, T, H, V]``; dht / dh0 ``[N, H, V, K]`` (none, bf16, fp32).
@@ -52,6 +58,7 @@ from ..numerics import CHUNK
 from ..workspace import SNAPSHOT_TILES
 from .common.band_scan import BandScan, OutputTile
 from .common.copy import c_row_half, smem_tensor, transpose_c_to_b
+from .common.fastmath import mul_rn
 
 
 class ScanWorkspace(NamedTuple):
@@ -88,6 +95,7 @@ class ScanSmem:
     ds: cute.Tensor  # [v_band, D] bf16 K_INTER: dS as the B operand of kr·dS'
     ds_acc: cute.Tensor  # [D, v_band] MN_INTER view of ds (the combine's C fragments)
     ds_fp32: cute.Tensor  # [v_band, D] fp32 staging (in the union)
+    ds_fp32_acc: cute.Tensor  # [D, v_band] view of the staging
     do_t: cute.Tensor  # [v_band, 16, stage] MN_INTER view of the dO tiles (B operand dOᵀ)
     kr: cute.Tensor  # [16, D, stage]
     qd_t: cute.Tensor  # [D, 16, stage] MN_INTER view of qd
@@ -229,11 +237,17 @@ class BwdScan(BandScan):
             dht_tiles = self.state_tile(gmem_dht, seq, head, band)
         self.load_initial_state(warp_idx, tidx, tma_dht, dht_tiles, state_mbar,
                                 smem.ds, smem.ds_fp32, tma_smem.state, tma_smem.state_fp32)
+        # the fp32 band lives in the compute warps' registers for the whole kernel
+        ds32 = self.band_blocks()
+        if warp_idx < self.mma_warps:
+            self.load_band32(warp_idx, ds32, smem.ds_acc, smem.ds_fp32_acc)
+        if const_expr(self.initial_state is Float32):
+            cute.arch.barrier()  # the staging is read before the load warp's first stage reuses its bytes
 
         if warp_idx < self.mma_warps:
             first_tile = ws_row0 - head * tiles_per_head  # global tile index of the sequence's tile 0
             self.compute(warp_idx, band, num_tiles, first_tile, head * slots_per_head + seq,
-                         load_pipe, store_pipe, smem, snapshots)
+                         load_pipe, store_pipe, smem, ds32, snapshots)
         elif warp_idx == self.load_warp:
             loads = (
                 (tma.do[0], self.band_tiles(tma.do[1], head, batch, first_row, band), tma_smem.do),
@@ -257,11 +271,17 @@ class BwdScan(BandScan):
             )
             self.store(seq_len, num_tiles, store_pipe, outputs)
 
+        # dh0: bf16 is the band buffer as it stands; fp32 is dS32, staged by the compute warps
         cute.arch.fence_view_async_shared()  # stmatrix writes of dS → visible to the TMA store
         cute.arch.barrier()
+        if const_expr(self.final_state is Float32):
+            if warp_idx < self.mma_warps:
+                self.stage_band32(warp_idx, ds32, smem.ds_fp32_acc)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier()
         if const_expr(self.final_state is not None):
             self.store_final_state(warp_idx, tidx, tma_dh0, self.state_tile(gmem_dh0, seq, head, band),
-                                   smem.ds, smem.ds_fp32, tma_smem.state, tma_smem.state_fp32)
+                                   smem.ds, smem.ds_fp32, tma_smem.state, tma_smem.state_fp32, staged=True)
 
     @cute.jit
     def carve_smem(self):
@@ -275,6 +295,7 @@ class BwdScan(BandScan):
             ds=smem_tensor(ds_ptr, layouts.state_b(plan), bf16),
             ds_acc=smem_tensor(ds_ptr, layouts.state_acc(plan), bf16),
             ds_fp32=smem_tensor(union_ptr, layouts.state_fp32(plan), Float32),
+            ds_fp32_acc=smem_tensor(union_ptr, layouts.state_fp32_acc(plan), Float32),
             do_t=smem_tensor(at["do"], scan_layouts.token_tile_transposed(plan, stages), bf16),
             kr=smem_tensor(at["kr"], layouts.chunk_operand(plan), bf16),
             qd_t=smem_tensor(at["qd"], layouts.chunk_operand_transposed(plan), bf16),
@@ -296,12 +317,13 @@ class BwdScan(BandScan):
     def compute(
         self, warp_idx: Int32, band: Int32, num_tiles: Int32, first_tile: Int32, snapshot_row0: Int32,
         load_pipe: pipeline.PipelineTmaAsync, store_pipe: pipeline.PipelineAsync, smem: ScanSmem,
-        snapshots: cute.Tensor,
+        ds32: tuple, snapshots: cute.Tensor,
     ):
         """G1-G5 and the combine per tile on the warp's ``warp_cols`` value columns (module docstring).
 
         ``snapshot_row0 + g // snapshot_every`` is the snapshot row of global tile ``g`` (the
         sequence's tiles are ``first_tile ..``), written when ``g`` ends a block or the sequence.
+        ``ds32``: the fp32 band of the warp's columns (:meth:`band_blocks`, updated in place).
         """
         lane = cute.arch.lane_idx()
         group = lane // 4  # fragment row g (rows g and g + 8)
@@ -350,11 +372,11 @@ class BwdScan(BandScan):
         r_ndv_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, CHUNK)))  # −dv as B (G5)
         c_shape = tiled_mma.partition_shape_C((CHUNK, cols))  # ((2,2), 1, n)
         acc = tiled_mma.make_fragment_C(c_shape)  # dU, then du
-        acc_ds = tiled_mma.make_fragment_C(c_shape)  # qdᵀ·dO − kdᵀ·dv per row block
+        acc_ds = tiled_mma.make_fragment_C(c_shape)  # G2's second accumulator (split_accumulator)
         r_c16 = cute.make_rmem_tensor(c_shape, BFloat16)  # dU, then du (bf16 C fragments)
         r_dv = cute.make_rmem_tensor(c_shape, BFloat16)
         r_ndv = cute.make_rmem_tensor(c_shape, BFloat16)
-        r_ds_acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((dim, cols)), BFloat16)  # ((2,2), k_steps, n)
+        r_ds_acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((dim, cols)), BFloat16)  # dS, a row block at a time
         ds_words = cute.recast_tensor(r_ds_acc, Uint32)  # ((1,2), k_steps, n): pairs of value columns
 
         v_kr = ldsm_a.retile(r_kr)
@@ -417,26 +439,29 @@ class BwdScan(BandScan):
             out_state.advance()
             transpose_c_to_b(r_ndv, r_ndv_b)
 
-            # G4 + G5 + combine, row block m of 16 k: dS ← bf16(fma(gT, dS', qdᵀ·dO − kdᵀ·dv)); the
-            # block's dS' goes to the snapshot first (on a snapshot tile); block m+1 is loaded before
-            # block m is written back
+            # G4 + G5 + combine, row block m of 16 k: dS32 ← qdᵀ·dO − kdᵀ·dv + f32(gT·dS32) (the decayed
+            # block is the C of G4), then dS = bf16(dS32) → the band buffer; the block's dS' goes to the
+            # snapshot first (on a snapshot tile); block m+1's qdᵀ, kdᵀ and gT are read before block m is stored
             global_tile = first_tile + tile
             take_snapshot = (global_tile % self.snapshot_every == self.snapshot_every - 1) or (tile == num_tiles - 1)
             snapshot = self.band_matrix_words(snapshots, snapshot_row0 + global_tile // self.snapshot_every)
             cute.copy(ldsm_a_t, p_qd_t[None, 0, None, stage], v_qd_t[None, 0, None])
             cute.copy(ldsm_a_t, p_kd_t[None, 0, None, stage], v_kd_t[None, 0, None])
-            cute.copy(ldsm_c_t, p_ds_acc_ld[None, 0, None], v_ds_acc_ld[None, 0, None])
+            decay = self.fragment_rows(smem.gt, stage, group, 0)
             for m in cutlass.range_constexpr(k_steps):
-                acc_ds.fill(0.0)
-                cute.gemm(tiled_mma, acc_ds, r_qd_t[None, m, None], r_do_b[None, None, 0], acc_ds)
-                cute.gemm(tiled_mma, acc_ds, r_kd_t[None, m, None], r_ndv_b[None, None, 0], acc_ds)
+                block = ds32[m]
+                if take_snapshot:  # dS' as the band buffer holds it (bf16), read back on the snapshot tiles only
+                    cute.copy(ldsm_c_t, p_ds_acc_ld[None, m, None], v_ds_acc_ld[None, m, None])
+                    self.store_band_block(snapshot, ds_words, m, lane, snapshot_column)
+                for i in cutlass.range_constexpr(cute.size(block)):
+                    block[i] = mul_rn(decay[c_row_half(i)], block[i])
+                cute.gemm(tiled_mma, block, r_qd_t[None, m, None], r_do_b[None, None, 0], block)
+                cute.gemm(tiled_mma, block, r_kd_t[None, m, None], r_ndv_b[None, None, 0], block)
                 if const_expr(m + 1 < k_steps):
                     cute.copy(ldsm_a_t, p_qd_t[None, m + 1, None, stage], v_qd_t[None, m + 1, None])
                     cute.copy(ldsm_a_t, p_kd_t[None, m + 1, None, stage], v_kd_t[None, m + 1, None])
-                    cute.copy(ldsm_c_t, p_ds_acc_ld[None, m + 1, None], v_ds_acc_ld[None, m + 1, None])
-                if take_snapshot:
-                    self.store_band_block(snapshot, ds_words, m, lane, snapshot_column)
-                self.decay_and_add_block(r_ds_acc, acc_ds, smem.gt, stage, m, lane)
+                    decay = self.fragment_rows(smem.gt, stage, group, m + 1)
+                self.round_block(block, ds_words, m)
                 cute.copy(stsm_c_t, v_ds_acc_st[None, m, None], p_ds_acc_st[None, m, None])
 
             # the warp's dS columns and its reads of this stage are complete before lane 0 releases it

@@ -338,6 +338,7 @@ class FwdRecurrence(BandScan):
         ldsm_b = copies.ldsm_b.get_slice(lane)
         ldsm_c = copies.ldsm_c.get_slice(lane)
         stsm_c = copies.stsm_c.get_slice(lane)
+        ldsm_c_t = copies.ldsm_c_t.get_slice(lane)
         stsm_c_t = copies.stsm_c_t.get_slice(lane)
 
         # the warp's columns of the state (both views), of v and of out
@@ -355,6 +356,7 @@ class FwdRecurrence(BandScan):
         p_state = ldsm_b.partition_S(w_state)  # (CPY, n, k_steps)
         p_v = ldsm_c.partition_S(w_v)  # (CPY, 1, n, stage)
         p_out = stsm_c.partition_D(w_out)
+        p_state_acc_ld = ldsm_c_t.partition_S(w_state_acc)  # (CPY, k_steps, n): the checkpoint reads
         p_state_acc_st = stsm_c_t.partition_D(w_state_acc)
 
         # register fragments
@@ -380,6 +382,7 @@ class FwdRecurrence(BandScan):
         v_kr_t = ldsm_a_t.retile(r_kr_t)
         v_v = ldsm_c.retile(r_v)
         v_out = stsm_c.retile(r_c16)
+        v_state_acc_ld = ldsm_c_t.retile(r_state_acc)
         v_state_acc_st = stsm_c_t.retile(r_state_acc)
         state_words = cute.recast_tensor(r_state_acc, Uint32)  # ((1,2), k_steps, n): pairs of value columns
         if const_expr(self.checkpoints):
@@ -435,7 +438,7 @@ class FwdRecurrence(BandScan):
 
             # Phase 6: S32 ← krᵀ·U + f32(gT·S32), row block m of 16 k at a time (the decayed block is the
             # mma's C), then S = bf16(S32) → the state buffer; on a checkpoint tile the entering S of the
-            # block is stored first
+            # block is stored first (read from the buffer: rounding S32 for it cost 29 registers)
             if const_expr(self.checkpoints):
                 global_tile = first_tile + tile
                 take_checkpoint = (global_tile % self.checkpoint_every == 0) or (tile == 0)
@@ -444,8 +447,8 @@ class FwdRecurrence(BandScan):
             cute.copy(ldsm_a_t, p_kr_t[None, 0, None, stage], v_kr_t[None, 0, None])
             for m in cutlass.range_constexpr(k_steps):
                 if const_expr(self.checkpoints):
-                    if take_checkpoint:
-                        self.round_block(state32[m], state_words, m)
+                    if take_checkpoint:  # S as the state buffer holds it, read back on checkpoint tiles only
+                        cute.copy(ldsm_c_t, p_state_acc_ld[None, m, None], v_state_acc_ld[None, m, None])
                         self.store_band_block(checkpoint, state_words, m, lane, checkpoint_column)
                 block = state32[m]
                 for i in cutlass.range_constexpr(cute.size(block)):

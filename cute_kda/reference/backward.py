@@ -125,7 +125,7 @@ class _Arithmetic(NamedTuple):
     dtype: torch.dtype  # type of the bf16 values: Kernel A's dS, dU, dv, du_out, snapshots; Kernel B's v, dO, du, S
     load: Callable[[torch.Tensor], torch.Tensor]  # a workspace field (or state block) as the chain reads it
     store: Callable[[torch.Tensor], torch.Tensor]  # a value the kernel holds as bf16 (smem, operand, output)
-    mma: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # one tensor-core accumulation
+    mma: Callable[..., torch.Tensor]  # one tensor-core accumulation ``c + a @ b`` (``c`` optional)
     fma: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     work: torch.dtype  # type of the values the kernels hold in fp32 registers
     # Σ a·b over dims, a reduction whose order the contract leaves open: the exact sum rounded once
@@ -138,7 +138,8 @@ def _dot_f32(a: torch.Tensor, b: torch.Tensor, dim: int | tuple[int, ...]) -> to
 
 
 _KERNEL = _Arithmetic(torch.bfloat16, lambda x: x, torch.Tensor.bfloat16, _mma, _fma_f32, torch.float32, _dot_f32)
-_EXACT = _Arithmetic(torch.float64, torch.Tensor.double, lambda x: x, torch.matmul, lambda a, b, c: a * b + c,
+_EXACT = _Arithmetic(torch.float64, torch.Tensor.double, lambda x: x,
+                     lambda a, b, c=None: a @ b if c is None else a @ b + c, lambda a, b, c: a * b + c,
                      torch.float64, lambda a, b, dim: (a * b).sum(dim))
 
 
@@ -151,7 +152,7 @@ def _reverse_scan(
     arith: _Arithmetic,
     snapshot_every: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Kernel A chain (docs/numerics.md) in ``arith``; returns du, dv, dS ``[N, H, K, V]``, snapshots."""
+    """The Kernel A chain (docs/numerics.md) in ``arith``; returns du, dv, dS32 ``[N, H, K, V]``, snapshots."""
     if state_layout not in STATE_LAYOUTS:
         raise ValueError(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
     batch, seq_len, heads, value_dim = do.shape
@@ -170,13 +171,15 @@ def _reverse_scan(
     # tail rows of dO are 0 here; in the kernel they meet the exact zeros of their Mqk and qd rows
     do_t = _to_tiles(do.reshape(batch * seq_len, heads, value_dim).to(arith.dtype), tile_map)  # [H, tiles, 16, V]
 
+    # dS32: the band in the kernel's fp32 registers; dS = store(dS32): its bf16 copy, the products' operand
     if dht is None:
-        state = torch.zeros(heads, num_seqs, key_dim, value_dim, device=device, dtype=arith.dtype)
+        state32 = torch.zeros(heads, num_seqs, key_dim, value_dim, device=device, dtype=arith.work)
     else:
         init = dht.transpose(-1, -2) if state_layout == "vk" else dht
         if tuple(init.shape) != (num_seqs, heads, key_dim, value_dim):
             raise ValueError(f"dht has shape {tuple(dht.shape)} for {num_seqs} sequences")
-        state = init.to(device=device, dtype=arith.dtype).movedim(0, 1).contiguous()  # [H, N, K, V]
+        state32 = init.to(device=device, dtype=arith.work).movedim(0, 1).contiguous()  # [H, N, K, V], exact
+    state = arith.store(state32)
 
     # slot `tiles` (`slots` for snapshots) is a sink for the writes of sequences that have no tile at this step
     slots = snapshot_slots(tiles, num_seqs, snapshot_every)
@@ -200,9 +203,10 @@ def _reverse_scan(
                                    torch.cat([dO, state], -2)))
         du = arith.mma(inv[:, slot].transpose(-1, -2), dU)
         dv = arith.store(beta[:, slot][..., None] * du)
-        W = arith.mma(torch.cat([qd[:, slot], kd[:, slot]], -2).transpose(-1, -2), torch.cat([dO, -dv], -2))
-        updated = arith.store(arith.fma(gt[:, slot][..., None], state, W))
-        state = torch.where(active[None, :, None, None], updated, state)
+        updated = arith.mma(torch.cat([qd[:, slot], kd[:, slot]], -2).transpose(-1, -2), torch.cat([dO, -dv], -2),
+                            c=gt[:, slot][..., None] * state32)
+        state32 = torch.where(active[None, :, None, None], updated, state32)
+        state = arith.store(state32)
         du_t.index_copy_(1, target, arith.store(du))
         dv_t.index_copy_(1, target, dv)
 
@@ -211,7 +215,7 @@ def _reverse_scan(
         return rows.movedim(0, 1).reshape(batch, seq_len, heads, value_dim)
 
     snapshot_rows = snapshots[:, :slots].reshape(heads * slots, key_dim, value_dim)
-    return untile(du_t), untile(dv_t), state.movedim(1, 0), snapshot_rows
+    return untile(du_t), untile(dv_t), state32.movedim(1, 0), snapshot_rows
 
 
 def _state_out(dS: torch.Tensor, state_layout: str, dtype: torch.dtype) -> torch.Tensor:
@@ -241,10 +245,10 @@ def mirror_bwd_scan(
 
     ``ws`` from the K1 kernel or :func:`~.mirror.mirror_prepare` (its dtypes); do bf16
     ``[B, T, H, V]``; ``cu_seqlens`` int ``[N+1]`` (B == 1) as for the forward; ``dht`` None, bf16 or
-    fp32, ``[N, H, V, K]`` (``state_layout="vk"``) or ``[N, H, K, V]`` (``"kv"``), rounded to bf16
-    on entry. Returns du, dv bf16 ``[B, T, H, V]``; dh0 in ``dh0_dtype`` (bf16, or the bf16 value
-    widened exactly to fp32) in ``state_layout``; snapshots bf16 ``[H*tiles, K, V]`` (see
-    :class:`BwdScanResult`). An empty sequence passes ``bf16(dht)`` through to its dh0.
+    fp32, ``[N, H, V, K]`` (``state_layout="vk"``) or ``[N, H, K, V]`` (``"kv"``), carried in fp32
+    (the products read its bf16 rounding). Returns du, dv bf16 ``[B, T, H, V]``; dh0 in ``dh0_dtype``
+    (the fp32 band, or its bf16 rounding) in ``state_layout``; snapshots bf16 ``[H*tiles, K, V]``
+    (see :class:`BwdScanResult`). An empty sequence passes ``dht`` through to its dh0.
     """
     if do.dtype != torch.bfloat16:
         raise TypeError("do must be bf16 (the kernel's input type)")
