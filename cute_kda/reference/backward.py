@@ -35,7 +35,7 @@ from ..workspace import (
 )
 from .gold import L2NORM_EPS, STATE_LAYOUTS, gate_log_decay, gold_forward, l2norm
 from .mirror import (
-    Constants, _fma_f32, _k1_rows, _mma, _tile_map, _TileMap, _to_tiles, _token_tile_map, ex2_approx, mirror_prepare,
+    Constants, _k1_rows, _mma, _tile_map, _TileMap, _to_tiles, _token_tile_map, ex2_approx, mirror_prepare,
     mirror_recurrence,
 )
 
@@ -126,7 +126,6 @@ class _Arithmetic(NamedTuple):
     load: Callable[[torch.Tensor], torch.Tensor]  # a workspace field (or state block) as the chain reads it
     store: Callable[[torch.Tensor], torch.Tensor]  # a value the kernel holds as bf16 (smem, operand, output)
     mma: Callable[..., torch.Tensor]  # one tensor-core accumulation ``c + a @ b`` (``c`` optional)
-    fma: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     work: torch.dtype  # type of the values the kernels hold in fp32 registers
     # Σ a·b over dims, a reduction whose order the contract leaves open: the exact sum rounded once
     dot: Callable[[torch.Tensor, torch.Tensor, int | tuple[int, ...]], torch.Tensor]
@@ -137,10 +136,10 @@ def _dot_f32(a: torch.Tensor, b: torch.Tensor, dim: int | tuple[int, ...]) -> to
     return (a.double() * b.double()).sum(dim).float()
 
 
-_KERNEL = _Arithmetic(torch.bfloat16, lambda x: x, torch.Tensor.bfloat16, _mma, _fma_f32, torch.float32, _dot_f32)
+_KERNEL = _Arithmetic(torch.bfloat16, lambda x: x, torch.Tensor.bfloat16, _mma, torch.float32, _dot_f32)
 _EXACT = _Arithmetic(torch.float64, torch.Tensor.double, lambda x: x,
-                     lambda a, b, c=None: a @ b if c is None else a @ b + c, lambda a, b, c: a * b + c,
-                     torch.float64, lambda a, b, dim: (a * b).sum(dim))
+                     lambda a, b, c=None: a @ b if c is None else a @ b + c, torch.float64,
+                     lambda a, b, dim: (a * b).sum(dim))
 
 
 def _reverse_scan(

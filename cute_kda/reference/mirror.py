@@ -103,24 +103,6 @@ def _mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None) -> tor
     return acc.float()
 
 
-def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``fma.rn.f32(a, b, c)`` for fp32 tensors, correctly rounded (one rounding of ``a·b + c``).
-
-    ``a·b`` is exact in float64; ``a·b + c`` is formed in float64 rounded to odd (TwoSum gives the
-    lost bits), and rounding a round-to-odd value of 53 bits to 24 bits equals rounding the exact
-    value, so there is no double-rounding error.
-    """
-    product = a.double() * b.double()
-    addend = c.double()
-    total = product + addend
-    addend_part = total - product
-    product_part = total - addend_part
-    lost = (product - product_part) + (addend - addend_part)
-    inexact_even = (lost != 0) & torch.isfinite(lost) & ((total.view(torch.int64) & 1) == 0)
-    toward = torch.where(lost > 0, torch.full_like(total, math.inf), torch.full_like(total, -math.inf))
-    return torch.where(inexact_even, torch.nextafter(total, toward), total).float()
-
-
 # ---------------------------------------------------------------------------------------------
 # Tile numbering (cute_kda/workspace.py)
 

@@ -32,7 +32,7 @@ from ...layouts import fwd_recurrence as layouts
 from ...layouts.smem import vector
 from ...numerics import CHUNK
 from .copy import c_row_half, smem_tensor, tma_store_tiles
-from .fastmath import fma_rn, pack_bf16x2
+from .fastmath import pack_bf16x2
 
 
 class WarpCopies(NamedTuple):
@@ -388,17 +388,6 @@ class BandScan:
         for half in cutlass.range_constexpr(2):
             for atom in cutlass.range_constexpr(self.warp_cols // 8):
                 words[CHUNK * m + group + 8 * half, column + 4 * atom] = fragment_words[(0, half), m, atom]
-
-    @cute.jit
-    def decay_and_add_block(self, band_fragment: cute.Tensor, acc: cute.Tensor, gt: cute.Tensor, stage,
-                            m: int, lane: Int32):
-        """Row block ``m`` (16 k) of the warp's bf16 ``[K, cols]`` C fragment ← ``bf16(fma(gT[k], band, acc))``:
-        the decay-and-add that ends Kernel A's tile (its combine; K2 keeps its band in fp32 instead).
-        ``gt``: the staged ``[D, stage]`` gT; ``acc``: the fp32 C fragment of the block's sum."""
-        decay = self.fragment_rows(gt, stage, lane // 4, m)
-        block = band_fragment[None, m, None]
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            block[i] = BFloat16(fma_rn(decay[c_row_half(i)], Float32(block[i]), acc[i]))
 
     # a band kept in fp32 in the compute warps' registers (K2's state): row block m of 16 k of the warp's
     # [K, cols] columns is one C fragment, the accumulator of that block's update mma
