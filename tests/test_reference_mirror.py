@@ -276,7 +276,7 @@ def test_input_validation():
 
 
 # ---------------------------------------------------------------------------------------------
-# rounding helpers
+# rounding and summation order
 
 
 def test_l2norm_sum_order_is_literal():
