@@ -243,16 +243,17 @@ def _check_gold(problem, label, **options):
     return run
 
 
-# Measured on the H200 (2026-12-01) and reproduced by the CPU mirror: dA_log 3.8e-2 here. Its sum cancels
-# ~65× (Σ|terms| 34 and 47 for dA_log 0.60 and −0.70), and the float64 chain over K1's rounded workspace
-# (exact states and exact scan alike) keeps the error: the forward's bf16 operands set it, not Kernel B.
-_DALOG_CANCELS = pytest.mark.xfail(strict=True, reason="dA_log 3.8e-2 > 2e-2: cancellation in the sum (see above)")
+# dA_log on the H200 (2026-12-01, dS fp32 in Kernel A): 2.93e-2 at g ~ N(0, 1) with dt_bias = 8; the CPU mirror
+# gives 2.98e-2 on the same inputs. Its sum cancels: dA_log = Σ dγ·γ over T·K terms is 1-2 % of Σ|dγ·γ|. On the case
+# that crossed 2e-2 before (B2 T100, 3.8e-2 with dS bf16; it passes now, the mirror at 2.2e-2) the float64 chain over
+# K1's rounded workspace kept the error: the forward's bf16 operands set it, and which case crosses moves with them.
+_DALOG_CANCELS = pytest.mark.xfail(strict=True, reason="dA_log 2.9e-2 > 2e-2: cancellation in the sum (see above)")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T,initial,dht", [
     (1, 1, "fp32", "none"), (2, 15, "bf16", "fp32"), (1, 16, "none", "none"), (2, 17, "fp32", "bf16"),
-    pytest.param(2, 100, "fp32", "fp32", marks=_DALOG_CANCELS), (1, 1024, "none", "fp32"), (8, 64, "bf16", "bf16"),
+    (2, 100, "fp32", "fp32"), (1, 1024, "none", "fp32"), (8, 64, "bf16", "bf16"),
 ])
 def test_gold_shapes(B, T, initial, dht):
     _check_gold(_problem(B, T, 2, seed=T), f"B={B} T={T} {initial}/{dht}", initial=initial, dht=dht, seed=T)
@@ -266,7 +267,8 @@ def test_gold_varlen(lengths):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("g_raw,dt_bias", [(-8, -8.0), (8, 8.0), (0, "normal"), ("normal", 8.0), ("normal", -8.0)])
+@pytest.mark.parametrize("g_raw,dt_bias", [(-8, -8.0), (8, 8.0), (0, "normal"),
+                                         pytest.param("normal", 8.0, marks=_DALOG_CANCELS), ("normal", -8.0)])
 def test_gold_gates(g_raw, dt_bias):
     """Gates saturating both ways (no decay, or the lower bound on every token)."""
     _check_gold(_problem(2, 97, 2, g_raw=g_raw, dt_bias=dt_bias, seed=1), f"g={g_raw} bias={dt_bias}", seed=1)
