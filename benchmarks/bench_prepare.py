@@ -39,13 +39,13 @@ def _direct_launch(threads: int, ctas: int, q, k, g, beta, a_log, dt_bias, ws, c
     """A compiled ``PrepareKernel(num_threads=threads, ctas_per_sm=ctas)`` bound to these tensors."""
     from cute_kda.kernels.fwd_prepare import PrepareKernel
     from cute_kda.ops._cache import compile_for_launch, current_stream, to_cute_tensor
-    from cute_kda.ops.prepare import _kernel_args
+    from cute_kda.ops.prepare import launch_arguments
 
     arguments = (q, k, g, beta, a_log, dt_bias, ws, D ** -0.5, LOWER_BOUND, steps, cu_seqlens, tile_base,
                  current_stream(q.device))
     kernel = PrepareKernel(varlen=cu_seqlens is not None, num_threads=threads, ctas_per_sm=ctas)
-    compiled = compile_for_launch(kernel, *_kernel_args(*arguments, tensor=to_cute_tensor))
-    launch_args = _kernel_args(*arguments)
+    compiled = compile_for_launch(kernel, *launch_arguments(*arguments, tensor=to_cute_tensor))
+    launch_args = launch_arguments(*arguments)
     return lambda: compiled(*launch_args)
 
 

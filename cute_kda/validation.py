@@ -230,6 +230,42 @@ def _check_parameter(name: str, tensor: object, shape: tuple[int, ...], meaning:
     _check_tensor(name, tensor, _FP32, shape, meaning, device, aligned=False)
 
 
+def _is_plain_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+                      vsplit) -> bool:
+    """Whether a call without ``cu_seqlens`` passes every check of :func:`validate_forward`, tested in one
+    pass (a small call's host time is mostly checks). It only ever answers True for a call the checks
+    below accept; False sends the call through them, and they name what is wrong."""
+    if not (isinstance(q, torch.Tensor) and q.dim() == 4 and type(lower_bound) is float
+            and LOWER_BOUND_MIN <= lower_bound < LOWER_BOUND_MAX
+            and (scale is None or (type(scale) is float and scale != 0.0 and math.isfinite(scale)))
+            and (vsplit is None or (type(vsplit) is int and vsplit in SUPPORTED_VSPLITS))):
+        return False
+    shape, device = q.shape, q.device
+    if shape[1] == 0 or shape[3] not in SUPPORTED_HEAD_DIMS:
+        return False
+    bf16 = torch.bfloat16
+    for t in (q, k, v, g, beta, out):
+        if t is None and t is out:
+            continue
+        if not (isinstance(t, torch.Tensor) and t.dtype is bf16 and t.is_contiguous() and t.device == device
+                and not t.data_ptr() % ALIGNMENT_BYTES):
+            return False
+    if not (k.shape == shape and v.shape == shape and g.shape == shape and beta.shape == (shape[0], shape[1], shape[2])
+            and (out is None or out.shape == shape)):
+        return False
+    fp32 = torch.float32
+    for t, expected in ((A_log, (shape[2],)), (dt_bias, (shape[2], shape[3]))):
+        if not (isinstance(t, torch.Tensor) and t.dtype is fp32 and t.shape == expected and t.is_contiguous()
+                and t.device == device):
+            return False
+    state_shape = (shape[0], shape[2], shape[3], shape[3])
+    for t in (initial_state, final_state):
+        if t is not None and not (isinstance(t, torch.Tensor) and t.dtype in STATE_DTYPES and t.shape == state_shape
+                                  and t.is_contiguous() and t.device == device and not t.data_ptr() % ALIGNMENT_BYTES):
+            return False
+    return True
+
+
 def validate_forward(
     q: object,
     k: object,
@@ -252,6 +288,10 @@ def validate_forward(
     Structure first (types, dtypes, shapes, layouts, devices agreeing with q), so these checks run
     on CPU tensors too; whether the device is a GPU is :func:`check_on_cuda`'s separate concern.
     """
+    if cu_seqlens is None and _is_plain_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state,
+                                                final_state, out, vsplit):
+        batch, seq_len, heads, key_dim = q.shape
+        return ProblemShape(batch, seq_len, heads, key_dim, batch, False)
     q = check_is_tensor("q", q)
     check_ndim("q", q, 4, "[B, T, H, K]")
     batch, seq_len, heads, key_dim = q.shape

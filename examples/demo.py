@@ -138,7 +138,7 @@ def _prepare_build(varlen: bool) -> Callable[[], tuple]:
         spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(tokens, len(lengths), varlen))
         cu_seqlens = torch.tensor([0, 40, tokens]) if varlen else None
         tile_base = torch.tensor([0, 3, 4], dtype=torch.int32) if varlen else None
-        args = k1._kernel_args(
+        args = k1.launch_arguments(
             x, x, x, x[..., 0].contiguous(), torch.zeros(heads), torch.zeros(heads, D),
             allocate_workspace(spec, "cpu"), D ** -0.5, LOWER_BOUND, tokens, cu_seqlens, tile_base,
             cute.runtime.make_fake_stream(), tensor=to_cute_tensor,

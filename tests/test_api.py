@@ -134,15 +134,17 @@ def test_canonical_call_runs_any_forward_and_restores_kv_layout():
 
 @pytest.fixture
 def mirror_kernels(monkeypatch):
-    """kda_forward's launch path on the CPU with the mirror standing in for K1 and K2.
+    """kda_forward's launch path on the CPU with the mirror standing in for the compiled K1 and K2.
 
-    Exercises the plumbing between validation and the launchers (workspace size, tile bases,
-    flags, state dtypes, output buffers) with the launchers' real signatures; a test-only seam.
+    Exercises the plumbing between validation and the launches (workspace size, tile bases, flags,
+    state dtypes, output buffers, K2's real argument tuple) with the variants' real signatures; K1's
+    argument bundle is taken as the API hands it over (its conversion is tested with the kernels).
+    A test-only seam.
     """
     from cute_kda.ops import prepare as k1
     from cute_kda.ops import recurrence as k2
     from cute_kda.reference import mirror
-    from cute_kda.workspace import allocate_workspace
+    from cute_kda.workspace import Workspace, allocate_workspace
 
     launches = []
 
@@ -153,28 +155,39 @@ def mirror_kernels(monkeypatch):
             assert stream == 7  # the one stream look-up of the call, handed on
             return allocate_workspace(spec, device)
 
-    def prepare(q, k, g, beta, A_log, dt_bias, ws, *, scale, lower_bound, cu_seqlens=None, tile_base=None,
-                qk_l2norm=True, beta_logits=True, stream=None):
-        assert stream == ("CUstream", 7)
-        assert (cu_seqlens is None) == (tile_base is None)
-        filled = mirror.mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                                       scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
-        for field, value in zip(ws, filled):
-            assert field.shape == value.shape  # the API sized the workspace as K1 fills it
-            field.copy_(value)
-        launches.append("k1")
+    def prepare_variant(varlen, qk_l2norm, beta_logits, index):
+        def prepare(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, seq_len, cu_seqlens, tile_base, stream):
+            assert stream == ("CUstream", 7)
+            assert (cu_seqlens is None) == (tile_base is None) == (not varlen) and seq_len == q.shape[1]
+            filled = mirror.mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                           scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
+                                           beta_logits=beta_logits)
+            for field, value in zip(ws, filled):
+                assert field.shape == value.shape  # the API sized the workspace as K1 fills it
+                field.copy_(value)
+            launches.append("k1")
 
-    def recurrence(v, ws, out, *, cu_seqlens=None, tile_base=None, initial_state=None, final_state=None, vsplit=None,
-                   stream=None):
-        assert vsplit in validation_vsplits()
-        assert stream == ("CUstream", 7)  # K2 launches on the call's one stream look-up too
-        o, state = mirror.mirror_recurrence(
-            ws, v, cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=final_state is not None,
-            state_dtype=torch.float32 if final_state is None else final_state.dtype)
-        out.copy_(o)
-        if final_state is not None:
-            final_state.copy_(state)
-        launches.append("k2")
+        return prepare
+
+    def recurrence_variant(vsplit, initial_dtype, final_dtype, varlen, checkpoints, index, arguments, stream):
+        assert vsplit in validation_vsplits() and not checkpoints and stream == ("CUstream", 7)
+
+        def recurrence(v, out, *fields_states_and_bases):
+            *fields, initial_state, final_state, cu_seqlens, tile_base, _, stream = fields_states_and_bases
+            assert stream == ("CUstream", 7)  # K2 launches on the call's one stream look-up too
+            assert (cu_seqlens is not None) == varlen and (tile_base is not None) == varlen
+            assert (initial_dtype, final_dtype) == tuple(None if s is None else s.dtype
+                                                         for s in (initial_state, final_state))
+            o, state = mirror.mirror_recurrence(
+                Workspace(*fields), v, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                output_final_state=final_state is not None,
+                state_dtype=torch.float32 if final_state is None else final_state.dtype)
+            out.copy_(o)
+            if final_state is not None:
+                final_state.copy_(state)
+            launches.append("k2")
+
+        return recurrence
 
     monkeypatch.setattr(api.validation, "check_on_cuda", lambda name, tensor: None)
     monkeypatch.setattr(api.validation, "device_cu_seqlens", lambda cu_seqlens, device, total: cu_seqlens)
@@ -183,8 +196,9 @@ def mirror_kernels(monkeypatch):
     monkeypatch.setattr(k1, "tile_bases", lambda cu_seqlens, stream=None: mirror.tile_bases(cu_seqlens, 0, 1))
     monkeypatch.setattr(_cache, "current_stream_handle", lambda index: 7)
     monkeypatch.setattr(_cache, "cu_stream", lambda handle: ("CUstream", handle))
-    monkeypatch.setattr(k1, "prepare", prepare)
-    monkeypatch.setattr(k2, "recurrence", recurrence)
+    monkeypatch.setattr(k1, "launch_arguments", lambda *arguments: arguments)  # what the API hands K1, as handed
+    monkeypatch.setattr(k1, "compiled_variant", prepare_variant)
+    monkeypatch.setattr(k2, "compiled_variant", recurrence_variant)
     return launches
 
 

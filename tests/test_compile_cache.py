@@ -53,12 +53,12 @@ def _generic(tensor, assumed_align=16, **kw):
 
 def _k1(tensor):
     from cute_kda.kernels.fwd_prepare import PrepareKernel
-    from cute_kda.ops.prepare import _kernel_args
+    from cute_kda.ops.prepare import launch_arguments
 
     heads, tokens = 2, 40
     q = torch.zeros(1, tokens, heads, D, dtype=torch.bfloat16)
     ws = allocate_workspace(WorkspaceSpec(heads=heads, tiles=tiles_per_head(tokens, 2, True)), "cpu")
-    args = _kernel_args(q, q, q, q[..., 0].contiguous(), torch.zeros(heads), torch.zeros(heads, D), ws, D ** -0.5,
+    args = launch_arguments(q, q, q, q[..., 0].contiguous(), torch.zeros(heads), torch.zeros(heads, D), ws, D ** -0.5,
                         -5.0, tokens, torch.tensor([0, 17, tokens]), torch.tensor([0, 2, 4], dtype=torch.int32),
                         cute.runtime.make_fake_stream(), tensor=tensor)
     return PrepareKernel(varlen=True), args
@@ -387,9 +387,9 @@ def test_fake_compiled_launchers_match_dlpack_compiled_kernels(device):
     ws = allocate_workspace(spec, device)
     stream = current_stream(device)
     args = (q, k, g, beta, inputs["A_log"], inputs["dt_bias"], ws, D ** -0.5, -5.0, q.shape[1], cu, tile_base, stream)
-    prepare = cute.compile(PrepareKernel(varlen=True), *k1._kernel_args(*args, tensor=dlpack_tensor),
+    prepare = cute.compile(PrepareKernel(varlen=True), *k1.launch_arguments(*args, tensor=dlpack_tensor),
                            options=TVM_FFI_OPTION)
-    prepare(*k1._kernel_args(*args, tensor=launch_tensor))
+    prepare(*k1.launch_arguments(*args, tensor=launch_tensor))
     out, final = torch.empty_like(v), torch.empty_like(h0)
     tensors = dict(v=v, ws=ws, out=out, cu_seqlens=cu, tile_base=tile_base, initial_state=h0, final_state=final)
     kernel = FwdRecurrence(vsplit=2, initial_state=cutlass.Float32, final_state=cutlass.Float32, varlen=True)

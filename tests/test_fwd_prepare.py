@@ -160,14 +160,14 @@ def test_no_unintended_fma(compiled):
 def test_launcher_arguments_compile():
     """The launcher's torch → DSL conversion (CPU tensors here) compiles to the same kernel."""
     from cute_kda.ops._cache import to_cute_tensor
-    from cute_kda.ops.prepare import _kernel_args
+    from cute_kda.ops.prepare import launch_arguments
 
     B, T, H = 1, 40, 2
     q = torch.zeros(B, T, H, D, dtype=torch.bfloat16)
     cu_seqlens = torch.tensor([0, 17, 40])
     spec = WorkspaceSpec(heads=H, tiles=tiles_per_head(B * T, 2, True))
     ws = workspace_views(spec, torch.empty(spec.nbytes, dtype=torch.uint8))
-    args = _kernel_args(
+    args = launch_arguments(
         q, q, q, q[..., 0].contiguous(), torch.zeros(H), torch.zeros(H, D), ws, D ** -0.5, -5.0, T,
         cu_seqlens, torch.tensor([0, 2, 4], dtype=torch.int32), cute.runtime.make_fake_stream(), tensor=to_cute_tensor,
     )

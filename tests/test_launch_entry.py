@@ -26,7 +26,7 @@ def _same_kernel(kernel, *args) -> None:
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_prepare_entry(varlen):
     from cute_kda.kernels.fwd_prepare import PrepareKernel
-    from cute_kda.ops.prepare import _kernel_args
+    from cute_kda.ops.prepare import launch_arguments
 
     heads, tokens = 2, 40
     q = torch.zeros(1, tokens, heads, D, dtype=torch.bfloat16)
@@ -34,7 +34,7 @@ def test_prepare_entry(varlen):
     tile_base = torch.tensor([0, 2, 4], dtype=torch.int32) if varlen else None
     spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(tokens, 2 if varlen else 1, varlen))
     ws = allocate_workspace(spec, "cpu")
-    args = _kernel_args(q, q, q, q[..., 0].contiguous(), torch.zeros(heads), torch.zeros(heads, D), ws, D ** -0.5,
+    args = launch_arguments(q, q, q, q[..., 0].contiguous(), torch.zeros(heads), torch.zeros(heads, D), ws, D ** -0.5,
                         -5.0, tokens, cu_seqlens, tile_base, cute.runtime.make_fake_stream(), tensor=to_cute_tensor)
     _same_kernel(PrepareKernel(varlen=varlen), *args)
 

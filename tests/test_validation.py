@@ -244,3 +244,24 @@ def test_requires_grad_under_no_grad_is_fine():
 def test_cu_seqlens_values_checker_names_its_argument():
     with pytest.raises(ValueError, match="cu_seqlens_cpu must end at T = 9"):
         validation.check_cu_seqlens_values(torch.tensor([0, 4, 8]), 9, name="cu_seqlens_cpu")
+
+
+@pytest.mark.parametrize("extra", [
+    {}, dict(initial_state=torch.zeros(B, H, D, D)), dict(scale=0.3, vsplit=2, lower_bound=-1.0),
+    dict(initial_state=torch.zeros(B, H, D, D, dtype=torch.bfloat16), final_state=torch.zeros(B, H, D, D),
+         out=torch.zeros(B, T, H, D, dtype=torch.bfloat16)),
+])
+def test_plain_call_takes_the_one_pass_check(monkeypatch, extra):
+    """A valid call without cu_seqlens passes the one-pass check (the host-cost path) with the problem the
+    detailed checks give; every error test above goes through the detailed ones (the one-pass check
+    answered False there, else the call would have reached the device check)."""
+    inputs = make_inputs()
+    inputs.update(extra)
+    options = dict(A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=inputs.get("lower_bound", -5.0),
+                   scale=inputs.get("scale"), initial_state=inputs.get("initial_state"),
+                   final_state=inputs.get("final_state"), out=inputs.get("out"), vsplit=inputs.get("vsplit"))
+    tensors = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
+    assert validation._is_plain_forward(*tensors, *options.values())
+    fast = validation.validate_forward(*tensors, **options)
+    monkeypatch.setattr(validation, "_is_plain_forward", lambda *args: False)
+    assert validation.validate_forward(*tensors, **options) == fast == validation.ProblemShape(B, T, H, D, B, False)

@@ -87,7 +87,7 @@ def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbet
                          f"{tuple(dalog_partial.shape)}")
 
 
-def _compiled(key: tuple, tensors: tuple, options: dict, stream):
+def compiled_variant(key: tuple, tensors: tuple, options: dict, stream):
     """The compiled variant ``key = (varlen, qk_l2norm, beta_logits, compute_warps, device)``, built on first use."""
 
     def build():
@@ -137,4 +137,4 @@ def bwd_grads(
     with torch.cuda.device(q.device):
         stream = current_stream(q.device)
         key = (varlen, qk_l2norm, beta_logits, compute_warps, device_index(q.device))
-        _compiled(key, tensors, options, stream)(*launch_arguments(*tensors, **options), stream)
+        compiled_variant(key, tensors, options, stream)(*launch_arguments(*tensors, **options), stream)

@@ -68,7 +68,7 @@ def launch_arguments(
     )
 
 
-def _compiled(key: tuple, tensors: dict, stream):
+def compiled_variant(key: tuple, tensors: dict, stream):
     """The compiled variant ``key = (vsplit, dht dtype, dh0 dtype, varlen, tuning, device)``, compiled on
     first use from ``tensors`` (:func:`launch_arguments`' keywords)."""
 
@@ -154,5 +154,5 @@ def bwd_scan(
         tensors = dict(do=do, ws=ws, dv=dv, du=du, snapshots=snapshots, dht=dht, dh0=dh0,
                        cu_seqlens=cu_seqlens, tile_base=tile_base)
         key = (vsplit, dtype_or_none(dht), dtype_or_none(dh0), varlen, tuning, device_index(do.device))
-        _compiled(key, tensors, stream)(*launch_arguments(**tensors), stream)
+        compiled_variant(key, tensors, stream)(*launch_arguments(**tensors), stream)
 

@@ -50,29 +50,34 @@ def tile_bases(cu_seqlens: torch.Tensor, *, stream=None) -> torch.Tensor:
     return out
 
 
-def _kernel_args(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float, lower_bound: float,
-                 seq_len: int, cu_seqlens, tile_base, stream, tensor=launch_tensor) -> tuple:
+def launch_arguments(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float, lower_bound: float,
+                     seq_len: int, cu_seqlens, tile_base, stream, tensor=launch_tensor) -> tuple:
     """Positional arguments of ``PrepareKernel.__call__`` for these torch tensors.
 
     ``tensor(t, assumed_align)`` converts each tensor: :func:`~._cache.launch_tensor` (the default)
     for a call of the compiled function, :func:`~._cache.to_cute_tensor` for the compile.
     """
+    if A_log.dim() != 1 or dt_bias.dim() != 2:
+        heads, dim = q.shape[2], q.shape[3]
+        A_log, dt_bias = A_log.view(heads), dt_bias.view(heads, dim)
+    scalars = _fp32_scalars(scale, lower_bound)
+    if tensor is launch_tensor:  # every call: the tensors as they are, the workspace's as kept
+        inputs = _prepare_inputs()(q, k, g, beta, A_log, dt_bias)
+        return inputs, _launch_tiles(ws), *scalars, seq_len, cu_seqlens, tile_base, stream
+    inputs = _prepare_inputs()(  # [B, T, ...] as given: the kernel folds B·T (layouts.fwd_prepare.compact)
+        q=tensor(q, 16), k=tensor(k, 16), g=tensor(g, 16), beta=tensor(beta, 2), a_log=tensor(A_log, 4),
+        dt_bias=tensor(dt_bias, 4),
+    )
+    return (inputs, _workspace_tiles(ws, tensor), *scalars, seq_len, tensor(cu_seqlens, 8), tensor(tile_base, 4),
+            stream)
+
+
+@functools.cache
+def _prepare_inputs() -> type:
+    """``PrepareInputs``, imported on first use (its module brings in the DSL)."""
     from ..kernels.fwd_prepare import PrepareInputs
 
-    heads, dim = q.shape[2], q.shape[3]
-    inputs = PrepareInputs(  # [B, T, ...] as given: the kernel folds B·T (layouts.fwd_prepare.compact)
-        q=tensor(q, 16), k=tensor(k, 16), g=tensor(g, 16), beta=tensor(beta, 2),
-        a_log=tensor(A_log if A_log.dim() == 1 else A_log.view(heads), 4),
-        dt_bias=tensor(dt_bias if dt_bias.dim() == 2 else dt_bias.view(heads, dim), 4),
-    )
-    if tensor is launch_tensor:
-        tiles = _launch_tiles(ws)
-    else:
-        tiles = _workspace_tiles(ws, tensor)
-    return (
-        inputs, tiles, *_fp32_scalars(scale, lower_bound), seq_len,
-        tensor(cu_seqlens, 8), tensor(tile_base, 4), stream,
-    )
+    return PrepareInputs
 
 
 @functools.lru_cache(maxsize=256)  # a call's host path: one look-up instead of two struct round trips
@@ -118,28 +123,27 @@ def forget_launch_tiles() -> None:
 
 
 def _compile_arguments(varlen: bool) -> tuple:
-    """:func:`_kernel_args` of a K1 variant for the compile: ``meta`` tensors, a fake stream."""
+    """:func:`launch_arguments` of a K1 variant for the compile: ``meta`` tensors, a fake stream."""
     q = torch.empty((1, CHUNK, 1, _DIM), dtype=torch.bfloat16, device=_META)
     ws = allocate_workspace(WorkspaceSpec(heads=1, tiles=2), _META)
     cu_seqlens = torch.empty(2, dtype=torch.int64, device=_META) if varlen else None
     tile_base = torch.empty(2, dtype=torch.int32, device=_META) if varlen else None
     A_log = torch.empty(1, dtype=torch.float32, device=_META)
     dt_bias = torch.empty((1, _DIM), dtype=torch.float32, device=_META)
-    return _kernel_args(q, q, q, q[..., 0], A_log, dt_bias, ws, 1.0, -1.0, CHUNK, cu_seqlens, tile_base,
+    return launch_arguments(q, q, q, q[..., 0], A_log, dt_bias, ws, 1.0, -1.0, CHUNK, cu_seqlens, tile_base,
                         fake_stream(), tensor=to_cute_tensor)
 
 
-def _compiled(key: tuple):
-    """The K1 variant ``key = (varlen, qk_l2norm, beta_logits, device)``, compiled on first use."""
+def compiled_variant(varlen: bool, qk_l2norm: bool, beta_logits: bool, index: int):
+    """The K1 variant for these flags on device ``index``, compiled (from fake tensors) on first use."""
 
     def build():
         from ..kernels.fwd_prepare import PrepareKernel
 
-        varlen, qk_l2norm, beta_logits, _ = key
         kernel = PrepareKernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
         return compile_for_launch(kernel, *_compile_arguments(varlen))
 
-    return _PREPARE.get(key, build)
+    return _PREPARE.get((varlen, qk_l2norm, beta_logits, index), build)
 
 
 def prepare(
@@ -175,9 +179,9 @@ def prepare(
         stream = current_stream(device)
     if cu_seqlens is not None and tile_base is None:
         tile_base = tile_bases(cu_seqlens, stream=stream)
-    compiled = _compiled((cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), device_index(device)))
+    compiled = compiled_variant(cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), device_index(device))
     with on_device(device):
-        compiled(*_kernel_args(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, steps, cu_seqlens, tile_base,
+        compiled(*launch_arguments(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, steps, cu_seqlens, tile_base,
                                stream))
 
 
@@ -185,6 +189,6 @@ def compile_prepare(*, qk_l2norm: bool, beta_logits: bool, varlen: bool, device:
     """Compile (or load from the disk cache) the K1 variant for these flags on ``device`` ahead of
     time, and with ``varlen`` the tile prefix kernel too; nothing is allocated or launched."""
     index = device_index(torch.device(device))
-    _compiled((varlen, bool(qk_l2norm), bool(beta_logits), index))
+    compiled_variant(varlen, bool(qk_l2norm), bool(beta_logits), index)
     if varlen:
         _TILE_PREFIX.get((index,), _compile_tile_prefix)

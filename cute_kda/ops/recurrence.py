@@ -62,21 +62,22 @@ def launch_arguments(
     return tuple(tensor(t, align) for t, align in zip(tensors, _ARGUMENT_ALIGNMENT))
 
 
-def _compiled(key: tuple, tensors: dict, stream):
-    """The compiled K2 variant ``key = (vsplit, state in, state out, varlen, checkpoints, device)``,
-    compiled on first use from ``tensors`` (:func:`launch_arguments`' keywords)."""
+def compiled_variant(vsplit: int, initial_state: torch.dtype | None, final_state: torch.dtype | None, varlen: bool,
+                     checkpoints: bool, index: int, arguments: tuple, stream):
+    """The compiled K2 variant for these state dtypes, flags and device ``index``, compiled on first use
+    from ``arguments`` (a :func:`launch_arguments` tuple of torch tensors) and ``stream``."""
 
     def build():
         from ..kernels.fwd_recurrence import FwdRecurrence
 
-        vsplit, state_in, state_out, varlen, checkpoints, _ = key
         kernel = FwdRecurrence(
-            vsplit=vsplit, initial_state=state_dsl_type(state_in), final_state=state_dsl_type(state_out), varlen=varlen,
-            checkpoints=checkpoints,
+            vsplit=vsplit, initial_state=state_dsl_type(initial_state), final_state=state_dsl_type(final_state),
+            varlen=varlen, checkpoints=checkpoints,
         )
-        return compile_for_launch(kernel, *launch_arguments(**tensors, tensor=to_cute_tensor), stream)
+        converted = (to_cute_tensor(t, align) for t, align in zip(arguments, _ARGUMENT_ALIGNMENT))
+        return compile_for_launch(kernel, *converted, stream)
 
-    return _CACHE.get(key, build)
+    return _CACHE.get((vsplit, initial_state, final_state, varlen, checkpoints, index), build)
 
 
 def recurrence(
@@ -123,11 +124,11 @@ def recurrence(
     with on_device(v.device):
         if stream is None:
             stream = current_stream(v.device)
-        tensors = dict(v=v, ws=ws, out=out, cu_seqlens=cu_seqlens, tile_base=tile_base,
-                       initial_state=initial_state, final_state=final_state, checkpoints=checkpoints)
-        key = (vsplit, dtype_or_none(initial_state), dtype_or_none(final_state), varlen, checkpoints is not None,
-               device_index(v.device))
-        _compiled(key, tensors, stream)(*launch_arguments(**tensors), stream)
+        arguments = launch_arguments(v, ws, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
+                                     initial_state=initial_state, final_state=final_state, checkpoints=checkpoints)
+        compiled = compiled_variant(vsplit, dtype_or_none(initial_state), dtype_or_none(final_state), varlen,
+                                    checkpoints is not None, device_index(v.device), arguments, stream)
+        compiled(*arguments, stream)
 
 
 def compile_recurrence(
@@ -146,7 +147,7 @@ def compile_recurrence(
         return None if dtype is None else torch.zeros((num_seqs, heads, dim, dim), dtype=dtype, device=device)
 
     with torch.cuda.device(device):
-        tensors = dict(v=v, ws=ws, out=torch.empty_like(v), cu_seqlens=cu_seqlens, tile_base=tile_base,
-                       initial_state=state(initial_state), final_state=state(final_state))
-        key = (vsplit, initial_state, final_state, varlen, False, device_index(device))
-        _compiled(key, tensors, current_stream(device))
+        arguments = launch_arguments(v, ws, torch.empty_like(v), cu_seqlens=cu_seqlens, tile_base=tile_base,
+                                     initial_state=state(initial_state), final_state=state(final_state))
+        compiled_variant(vsplit, initial_state, final_state, varlen, False, device_index(device), arguments,
+                         current_stream(device))
