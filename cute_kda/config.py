@@ -9,8 +9,7 @@ lives next to K2 (:func:`cute_kda.ops.recurrence.choose_vsplit`).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -19,8 +18,7 @@ from .validation import SUPPORTED_VSPLITS, ProblemShape
 STATE_MODES = (None, torch.bfloat16, torch.float32)  # no state, bf16 state, fp32 state
 
 
-@dataclass(frozen=True)
-class ForwardConfig:
+class ForwardConfig(NamedTuple):
     """Everything that selects compiled code for one forward call.
 
     qk_l2norm: K1 l2-normalises q and k.  beta_logits: K1 applies sigmoid to beta.

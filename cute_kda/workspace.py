@@ -31,7 +31,6 @@ Per tile-head this is 3·4096 + 512 + 2·512 + 64 = 13 888 bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -75,9 +74,9 @@ def block_states_shape(ws: "Workspace", heads: int, num_seqs: int, every: int = 
     return (heads * snapshot_slots(rows // heads, num_seqs, every), dim, dim)
 
 
-@dataclass(frozen=True)
-class WorkspaceSpec:
-    """Shapes and dtypes of the workspace for ``heads`` heads and ``tiles`` slots per head."""
+class WorkspaceSpec(NamedTuple):
+    """Shapes and dtypes of the workspace for ``heads`` heads and ``tiles`` slots per head (built on
+    every call: a NamedTuple)."""
 
     heads: int
     tiles: int

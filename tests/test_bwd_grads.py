@@ -155,7 +155,7 @@ def test_launcher_keys_the_variant_and_builds_its_arguments(monkeypatch):
         seen.append(key)
         return lambda *args: seen.append(args)
 
-    monkeypatch.setattr(kb, "_compiled", compiled)
+    monkeypatch.setattr(kb, "compiled_variant", compiled)
     monkeypatch.setattr(kb, "current_stream", lambda device: "stream")
     monkeypatch.setattr(kb, "device_index", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
