@@ -228,13 +228,14 @@ def current_stream(device: Any) -> Any:
     return cu_stream(current_stream_handle(device_index(device)))
 
 
+_ALREADY_CURRENT = contextlib.nullcontext()  # reusable: it holds no state
+
+
 def on_device(device: Any) -> Any:
     """A context that makes ``device`` current: a no-op when it already is (the common case), else
     ``torch.cuda.device(device)``."""
-    import contextlib
-
     import torch
 
     if device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
+        return _ALREADY_CURRENT
     return torch.cuda.device(device)
