@@ -24,7 +24,6 @@ import io
 import os
 import pstats
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
@@ -35,7 +34,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from cute_kda._bench import (  # noqa: E402
-    add_run_arguments, environment, event_median_ms, graph_median_ms, markdown_table, publish,
+    add_run_arguments, environment, event_median_ms, graph_median_ms, host_round_us, markdown_table, publish,
 )
 
 from bench_fwd import peers  # noqa: E402
@@ -52,15 +51,7 @@ HOST_ROUNDS = 7
 
 
 def host_us(fn, calls: int, rounds: int = HOST_ROUNDS) -> float:
-    per_call = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per_call.append(1e6 * (time.perf_counter() - start) / calls)
-    torch.cuda.synchronize()
-    return sorted(per_call)[rounds // 2]
+    return sorted(host_round_us(fn, calls, rounds))[rounds // 2]
 
 
 def profile(fn, calls: int) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -25,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import cute_kda  # noqa: E402
+from cute_kda._bench import host_round_us  # noqa: E402
 from shapes import LOWER_BOUND, Shape, make_inputs  # noqa: E402
 
 
@@ -47,14 +47,7 @@ def entry_points() -> dict[str, Callable[[], object]]:
 
 def host_us(fn: Callable[[], object], calls: int = 200, rounds: int = 15) -> tuple[float, float]:
     """(minimum, median) µs per call over ``rounds`` rounds of ``calls`` calls."""
-    per_call = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per_call.append(1e6 * (time.perf_counter() - start) / calls)
-    torch.cuda.synchronize()
+    per_call = host_round_us(fn, calls, rounds)
     return min(per_call), statistics.median(per_call)
 
 

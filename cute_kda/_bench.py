@@ -15,6 +15,7 @@ import importlib
 import os
 import platform
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -72,6 +73,20 @@ def graph_median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) 
         print(f"CUDA graph capture failed: {str(error).splitlines()[0]}", file=sys.stderr)
         return None
     return median_ms(graph.replay, warmup, rep)
+
+
+def host_round_us(fn: Callable[[], object], calls: int, rounds: int) -> list[float]:
+    """Host µs per call of ``fn`` in each of ``rounds`` rounds of ``calls`` back-to-back calls (no
+    synchronisation inside a round; the GPU drained before each round and after the last)."""
+    per_call = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append(1e6 * (time.perf_counter() - start) / calls)
+    torch.cuda.synchronize()
+    return per_call
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, shapes: dict | None = None) -> None:
