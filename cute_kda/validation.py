@@ -204,13 +204,19 @@ def check_no_buffers_under_autograd(*, out: object, final_state: object) -> None
 _BF16, _FP32 = (torch.bfloat16,), (torch.float32,)
 
 
+def _fits(tensor: object, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...], device: torch.device,
+          aligned: bool) -> bool:
+    """Whether ``tensor`` passes :func:`_check_tensor`, in one test."""
+    return (isinstance(tensor, torch.Tensor) and tensor.dtype in dtypes and tensor.shape == shape
+            and tensor.is_contiguous() and tensor.device == device
+            and not (aligned and tensor.data_ptr() % ALIGNMENT_BYTES))
+
+
 def _check_tensor(name: str, tensor: object, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...], meaning: str,
                   device: torch.device, *, aligned: bool) -> None:
     """A tensor of one of ``dtypes`` with ``shape``, C-contiguous, on ``device`` and, when ``aligned``, on a
     16-byte boundary."""
-    if (isinstance(tensor, torch.Tensor) and tensor.dtype in dtypes and tensor.shape == shape
-            and tensor.is_contiguous() and tensor.device == device
-            and not (aligned and tensor.data_ptr() % ALIGNMENT_BYTES)):
+    if _fits(tensor, dtypes, shape, device, aligned):
         return  # the common case in one test; otherwise the checks below name what is wrong
     t = check_is_tensor(name, tensor)
     check_dtype(name, t, dtypes)
@@ -242,27 +248,15 @@ def _is_plain_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, init
     shape, device = q.shape, q.device
     if shape[1] == 0 or shape[3] not in SUPPORTED_HEAD_DIMS:
         return False
-    bf16 = torch.bfloat16
-    for t in (q, k, v, g, beta, out):
-        if t is None and t is out:
-            continue
-        if not (isinstance(t, torch.Tensor) and t.dtype is bf16 and t.is_contiguous() and t.device == device
-                and not t.data_ptr() % ALIGNMENT_BYTES):
-            return False
-    if not (k.shape == shape and v.shape == shape and g.shape == shape and beta.shape == (shape[0], shape[1], shape[2])
-            and (out is None or out.shape == shape)):
-        return False
-    fp32 = torch.float32
-    for t, expected in ((A_log, (shape[2],)), (dt_bias, (shape[2], shape[3]))):
-        if not (isinstance(t, torch.Tensor) and t.dtype is fp32 and t.shape == expected and t.is_contiguous()
-                and t.device == device):
-            return False
-    state_shape = (shape[0], shape[2], shape[3], shape[3])
-    for t in (initial_state, final_state):
-        if t is not None and not (isinstance(t, torch.Tensor) and t.dtype in STATE_DTYPES and t.shape == state_shape
-                                  and t.is_contiguous() and t.device == device and not t.data_ptr() % ALIGNMENT_BYTES):
-            return False
-    return True
+    batch, seq_len, heads, dim = shape
+    state_shape = (batch, heads, dim, dim)
+    return (_fits(q, _BF16, shape, device, True) and _fits(k, _BF16, shape, device, True)
+            and _fits(v, _BF16, shape, device, True) and _fits(g, _BF16, shape, device, True)
+            and _fits(beta, _BF16, (batch, seq_len, heads), device, True)
+            and (out is None or _fits(out, _BF16, shape, device, True))
+            and _fits(A_log, _FP32, (heads,), device, False) and _fits(dt_bias, _FP32, (heads, dim), device, False)
+            and (initial_state is None or _fits(initial_state, STATE_DTYPES, state_shape, device, True))
+            and (final_state is None or _fits(final_state, STATE_DTYPES, state_shape, device, True)))
 
 
 def validate_forward(
