@@ -14,6 +14,11 @@ repetition) or, without Triton, of CUDA-event timings with an L2 flush in betwee
     python benchmarks/bench_prepare.py                                   # B1 T8192 H96
     python benchmarks/bench_prepare.py --lengths 1300,547,2048,963,271,3063 --varlen
     python benchmarks/bench_prepare.py --out benchmarks/results/prepare.md
+    python benchmarks/bench_prepare.py --gates safe,softplus,none --variants ''   # the unbounded gates' K1 beside
+
+``--gates``: K1 of each gate form in the same run (CUDA graph of one launch): the safe gate, the softplus
+gate (raw bf16 g) and a precomputed fp32 log decay (``none``: 2 more bytes per g element read, no A_log,
+dt_bias), the last two through the overflow-free K1 of docs/numerics.md ("Unbounded gates").
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ def _direct_launch(threads: int, ctas: int, q, k, g, beta, a_log, dt_bias, ws, c
 
 
 def run(lengths: list[int], heads: int, varlen: bool, variants: list[tuple[int, int]], warmup: int,
-        rep: int) -> list[dict]:
+        rep: int, gates: tuple[str, ...] = ("safe",)) -> list[dict]:
     from cute_kda.ops.prepare import prepare, tile_bases
 
     device = torch.device("cuda")
@@ -84,14 +89,28 @@ def run(lengths: list[int], heads: int, varlen: bool, variants: list[tuple[int, 
     read = 3 * rows * heads * D * 2 + rows * heads * 2 + heads * 4 + heads * D * 4
     written = heads * real_tiles * TILE_BYTES
     moved = read + written
-    timed = [("K1 prepare, eager (with host launch cost)", median_ms(k1, warmup, rep))]
+    timed = [("K1 prepare, eager (with host launch cost)", median_ms(k1, warmup, rep), moved)]
     kernel_alone = graph_median_ms(k1, warmup, rep)  # one graph replay has no Python launch cost
     if kernel_alone is not None:
-        timed.insert(0, ("K1 prepare, CUDA graph", kernel_alone))
+        timed.insert(0, ("K1 prepare, CUDA graph", kernel_alone, moved))
+    for gate in gates:
+        if gate == "safe":
+            continue
+        log_decay = -torch.nn.functional.softplus(g.float()) if gate == "none" else g  # fp32 with gate "none"
+        constants = (None, None) if gate == "none" else (a_log, dt_bias)
+
+        def k1_gate(gate=gate, log_decay=log_decay, constants=constants):
+            prepare(q, k, log_decay, beta, *constants, ws, scale=D ** -0.5, lower_bound=LOWER_BOUND,
+                    cu_seqlens=cu_seqlens, tile_base=tile_base, gate=gate)
+
+        k1_gate()
+        torch.cuda.synchronize()
+        extra = rows * heads * D * 2 if gate == "none" else 0  # fp32 g: twice the bytes of bf16
+        timed.append((f"K1 prepare, gate {gate}, CUDA graph", graph_median_ms(k1_gate, warmup, rep), moved + extra))
     for threads, ctas in variants:  # other static configurations of the same kernel, launched directly
         timed.append((f"K1 {threads} threads × {ctas} CTAs/SM, direct launch",
                       median_ms(_direct_launch(threads, ctas, q, k, g, beta, a_log, dt_bias, ws, cu_seqlens,
-                                               tile_base, steps), warmup, rep)))
+                                               tile_base, steps), warmup, rep), moved))
 
     src = torch.empty(moved // 2, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -100,7 +119,7 @@ def run(lengths: list[int], heads: int, varlen: bool, variants: list[tuple[int, 
 
     shape = f"varlen {lengths} H{heads}" if varlen else f"B{batch} T{steps} H{heads}"
     out = []
-    for what, ms, nbytes in [*((w, t, moved) for w, t in timed), ("D2D copy, same bytes", copy_ms, 2 * src.numel())]:
+    for what, ms, nbytes in [*timed, ("D2D copy, same bytes", copy_ms, 2 * src.numel())]:
         tbps = nbytes / ms / 1e9
         out.append(dict(shape=shape, what=what, ms=ms, bytes=nbytes, tbps=tbps,
                         of_ceiling=tbps / COPY_CEILING_TBPS, of_copy=tbps / copy_tbps))
@@ -128,6 +147,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="8192", help="comma-separated sequence lengths (batch rows, or packed with --varlen)")
     parser.add_argument("--heads", type=int, default=96)
     parser.add_argument("--varlen", action="store_true", help="pack the sequences with cu_seqlens")
+    parser.add_argument("--gates", default="safe", help="comma-separated gate forms to time: safe, softplus, none")
     parser.add_argument("--variants", default="128x8,256x5",
                         help="THREADSxCTAS_PER_SM configurations to time by direct launch (comma-separated, '' for none)")
     add_run_arguments(parser)
@@ -140,7 +160,8 @@ def main() -> None:
 
     with torch.inference_mode():
         variants = [tuple(int(x) for x in v.split("x")) for v in args.variants.split(",") if v.strip()]
-        rows = run(lengths, args.heads, args.varlen, variants, args.warmup, args.rep)
+        gates = tuple(x.strip() for x in args.gates.split(",") if x.strip())
+        rows = run(lengths, args.heads, args.varlen, variants, args.warmup, args.rep, gates)
     publish(f"{header()}\n\n{markdown(rows)}\n", args.out)
 
 

@@ -42,6 +42,15 @@ SHAPES = {
 }
 
 
+# Kimi-Linear-48B-A3B prefill (H = 32, D = 128): the model of the softplus gate (issue 12)
+KIMI_SHAPES = {
+    "kimi_T4096_H32": Shape((4096,), 32),
+    "kimi_T32768_H32": Shape((32768,), 32),
+    "kimi_T131072_H32": Shape((131072,), 32),
+    "kimi_varlen6_H32": Shape((1300, 547, 2048, 963, 271, 3063), 32, varlen=True),
+}
+
+
 def make_inputs(shape: Shape, device: torch.device, seed: int = 0) -> dict:
     """FlashKDA-style inputs: raw q, k, gate and beta logits (all activations in-kernel), fp32 v-first state.
 

@@ -92,8 +92,8 @@ def kda_forward(
     beta: Any,
     *,
     scale: float | None = None,
-    A_log: Any,
-    dt_bias: Any,
+    A_log: Any = None,
+    dt_bias: Any = None,
     lower_bound: float = -5.0,
     initial_state: Any = None,
     output_final_state: bool = False,
@@ -104,15 +104,21 @@ def kda_forward(
     qk_l2norm: bool = True,
     beta_logits: bool = True,
     recompute: bool = False,
+    gate: str = "safe",
 ) -> tuple[Any, Any]:
     """KDA forward (docs/design.md §1) with the in-kernel gate, on a Hopper GPU.
 
     Inputs (any DLPack tensors on one CUDA device, contiguous, 16-byte aligned):
       q, k   bf16 ``[B, T, H, K]``; l2-normalised per token inside when ``qk_l2norm``.
       v      bf16 ``[B, T, H, V]``.
-      g      bf16 ``[B, T, H, K]``: raw gate; decay ``lower_bound · sigmoid(exp(A_log[h]) · (g + dt_bias[h]))``.
+      g      ``[B, T, H, K]``, the gate; the per-channel log decay it gives depends on ``gate``:
+               ``"safe"`` (default)  bf16 raw gate, ``lower_bound · sigmoid(exp(A_log[h]) · (g + dt_bias[h]))``;
+               ``"softplus"``  bf16 raw gate, ``−exp(A_log[h]) · softplus(g + dt_bias[h])`` (Kimi-Linear's
+                          gate, unbounded below);
+               ``"none"``  bf16 or fp32, the log decay itself (any value ≤ 0; −1000 masks a channel).
       beta   bf16 ``[B, T, H]``: logits (``beta_logits=True``, sigmoid inside) or β itself.
-      A_log  fp32 ``[H]``;  dt_bias fp32 ``[H, K]``;  lower_bound in [-5, 0).
+      A_log  fp32 ``[H]``;  dt_bias fp32 ``[H, K]`` (gates "safe" and "softplus"; None with "none");
+      lower_bound in [-5, 0) (gate "safe" only).
       scale  Python float, default ``K ** -0.5``.
       cu_seqlens  int64 ``[N+1]``, optional: N packed sequences (then B == 1). On the GPU it is
              trusted (its length gives N; set ``CUTE_KDA_DEBUG_CHECKS=1`` to check its values, a
@@ -124,7 +130,8 @@ def kda_forward(
       final_state  ``[N, H, V, K]``, written into ``final_state`` when given (then returned even
              without ``output_final_state``), else allocated when ``output_final_state`` with the
              dtype of ``initial_state`` (fp32 without one); None otherwise.
-    K = V = 128. ``vsplit`` (1, 2, 4 or None = heuristic): K2 CTAs per (sequence, head).
+    K = V = 128. ``vsplit`` (1, 2, 4 or None = heuristic): K2 CTAs per (sequence, head). The unbounded gates
+    ("softplus", "none") run K1's overflow-free form (docs/numerics.md, "Unbounded gates"); K2 is the same.
 
     Runs on the caller's current stream (torch's, or CuPy's for CuPy arrays) without host
     synchronisation; returns arrays of ``q``'s framework (torch, CuPy, JAX; torch otherwise).
@@ -132,8 +139,8 @@ def kda_forward(
     Autograd: under grad mode, when any of q, k, v, g, beta, A_log, dt_bias, initial_state requires
     grad, the call is recorded (:mod:`cute_kda.autograd`) and ``backward`` gives each of those that
     requires grad its gradient (in its dtype; dh0 ``[N, H, V, K]``), the final state's gradient flowing
-    in when the final state is used. Not on that path: ``out=`` / ``final_state=`` buffers and double
-    backward (``NotImplementedError``). Under ``torch.no_grad()`` / ``torch.inference_mode()`` nothing
+    in when the final state is used. Not on that path: ``out=`` / ``final_state=`` buffers, double
+    backward and, for now, the gates "softplus" and "none" (``NotImplementedError``). Under ``torch.no_grad()`` / ``torch.inference_mode()`` nothing
     is recorded or saved. ``recompute`` (training only): the forward keeps nothing beyond its inputs and
     the backward runs K1 and K2 again first (bit-identical gradients; at B1 T8192 H96 2.3 GB less held
     per call for 1 ms more per step, 7.22 against 6.19 ms); False keeps K1's workspace and the per-tile
@@ -147,7 +154,7 @@ def kda_forward(
             q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
             initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens, out=out,
             final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
-            recompute=recompute,
+            recompute=recompute, gate=gate,
         )
     as_torch = interop.as_torch
     if isinstance(q, torch.Tensor):  # torch in, torch out, torch's current stream: nothing to hand over
@@ -156,7 +163,7 @@ def kda_forward(
             dt_bias=as_torch(dt_bias), lower_bound=lower_bound, initial_state=as_torch(initial_state),
             output_final_state=output_final_state, cu_seqlens=as_torch(cu_seqlens), out=as_torch(out),
             final_state=as_torch(final_state), vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
-            recompute=recompute,
+            recompute=recompute, gate=gate,
         )
     framework = interop.framework_of(q)
     with interop.caller_stream(framework, q):
@@ -166,7 +173,7 @@ def kda_forward(
             lower_bound=lower_bound, initial_state=as_torch(initial_state),
             output_final_state=output_final_state, cu_seqlens=as_torch(cu_seqlens),
             out=as_torch(out), final_state=as_torch(final_state), vsplit=vsplit,
-            qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute,
+            qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute, gate=gate,
         )
         return interop.to_framework(o, framework), interop.to_framework(state, framework)
 
@@ -192,7 +199,7 @@ def _forward(
     scale: float | None, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
     initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None,
     out: torch.Tensor | None, final_state: torch.Tensor | None, vsplit: int | None,
-    qk_l2norm: bool, beta_logits: bool, recompute: bool = False,
+    qk_l2norm: bool, beta_logits: bool, recompute: bool = False, gate: str = "safe",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`kda_forward` on torch tensors: validate, pick the variant, launch K1 then K2 (a call that
     autograd records: :func:`cute_kda.autograd.train` on the kernels).
@@ -204,8 +211,10 @@ def _forward(
     problem = validation.validate_forward(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
+        gate=gate,
     )
     if validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        autograd.check_trainable_gate(gate)
         return autograd.train(
             autograd.KERNELS, problem, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
             lower_bound=lower_bound, initial_state=initial_state, output_final_state=output_final_state,
@@ -243,7 +252,7 @@ def _forward(
     stream = streams.cu_stream(handle)
     with streams.on_device(device):
         tile_base = k1.tile_bases(cu_seqlens, stream=stream) if problem.varlen else None
-        prepare = k1.compiled_variant(problem.varlen, config.qk_l2norm, config.beta_logits, device.index)
+        prepare = k1.compiled_variant(problem.varlen, config.qk_l2norm, config.beta_logits, device.index, gate, g.dtype)
         prepare(*k1.launch_arguments(q, k, g, beta, A_log, dt_bias, workspace, scale, float(lower_bound),
                                      problem.seq_len, cu_seqlens, tile_base, stream))
         tensors = k2.launch_arguments(v, workspace, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
@@ -316,9 +325,11 @@ def translate_fla_call(
     Pure: no kernel runs, no device is needed. What maps (same function as FLA computes):
       - gate: ``use_gate_in_kernel=True`` with ``lower_bound`` set is FLA's bounded gate
         ``lower_bound · sigmoid(exp(A_log) · (g + dt_bias))`` whatever ``safe_gate`` says (FLA's
-        gate kernel keys on ``lower_bound``); ``A_log=None`` means no scaling (we pass zeros:
-        exp(0) = 1); ``dt_bias`` ``[H*K]``, ``[H, K]`` or None (zeros). Both are taken to fp32
-        as FLA's kernels do.
+        gate kernel keys on ``lower_bound``) → ``gate="safe"``; without ``lower_bound`` it is the
+        softplus gate ``−exp(A_log) · softplus(g + dt_bias)`` → ``gate="softplus"``; ``A_log=None``
+        means no scaling (we pass zeros: exp(0) = 1); ``dt_bias`` ``[H*K]``, ``[H, K]`` or None
+        (zeros). Both are taken to fp32 as FLA's kernels do. ``use_gate_in_kernel=False``: g is the
+        log decay itself (bf16 or fp32) → ``gate="none"``, A_log and dt_bias unused.
       - ``use_qk_l2norm_in_kernel`` → ``qk_l2norm``; ``use_beta_sigmoid_in_kernel`` → ``beta_logits``.
       - states: fp32 ``[N, H, K, V]`` (default) or ``[N, H, V, K]`` with ``state_v_first`` /
         ``transpose_state_layout``; the final state is fp32 in the caller's layout.
@@ -328,10 +339,8 @@ def translate_fla_call(
       - ``safe_gate`` changes how FLA computes, not what: accepted. ``chunk_size`` (32 or 64)
         likewise. ``cu_seqlens_cpu``, when given, is checked on the host.
       - inputs that are not contiguous are made contiguous (FLA does the same).
-    What raises ``NotImplementedError`` (the flag is named): the softplus gate
-    (``use_gate_in_kernel=True`` without ``lower_bound``), a precomputed decay
-    (``use_gate_in_kernel=False``), a bounded gate with ``lower_bound`` outside [-5, 0) when
-    ``safe_gate=False``, ``allow_neg_eigval``, grouped value heads (HV != H),
+    What raises ``NotImplementedError`` (the flag is named): a bounded gate with ``lower_bound``
+    outside [-5, 0) when ``safe_gate=False``, ``allow_neg_eigval``, grouped value heads (HV != H),
     ``return_intermediate_states``, ``cp_context``, ``use_graph``. Errors FLA raises itself
     (``ValueError``) are raised the same way.
     """
@@ -349,7 +358,7 @@ def translate_fla_call(
         allow_neg_eigval=allow_neg_eigval, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         return_intermediate_states=return_intermediate_states, cp_context=cp_context, use_graph=use_graph,
     )
-    lower_bound = _fla_lower_bound(use_gate_in_kernel, safe_gate, lower_bound)
+    gate, lower_bound = _fla_gate(use_gate_in_kernel, safe_gate, lower_bound)
 
     tensor = torch.Tensor
     if not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor) and isinstance(g, tensor)
@@ -364,8 +373,11 @@ def translate_fla_call(
         raise NotImplementedError(
             f"grouped value heads (v has HV = {v.shape[2]} heads, q has H = {heads}) are not supported; HV must equal H"
         )
-    A_log = _fla_A_log(kwargs.get("A_log"), heads, q.device)
-    dt_bias = _fla_dt_bias(kwargs.get("dt_bias"), heads, key_dim, q.device)
+    if gate == "none":  # FLA reads neither with a precomputed log decay
+        A_log = dt_bias = None
+    else:
+        A_log = _fla_A_log(kwargs.get("A_log"), heads, q.device)
+        dt_bias = _fla_dt_bias(kwargs.get("dt_bias"), heads, key_dim, q.device)
 
     if initial_state is not None:
         validation.check_is_tensor("initial_state", initial_state)
@@ -380,7 +392,7 @@ def translate_fla_call(
     options = dict(
         scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, initial_state=initial_state,
         output_final_state=bool(output_final_state), cu_seqlens=cu_seqlens,
-        qk_l2norm=bool(use_qk_l2norm_in_kernel), beta_logits=bool(use_beta_sigmoid_in_kernel),
+        qk_l2norm=bool(use_qk_l2norm_in_kernel), beta_logits=bool(use_beta_sigmoid_in_kernel), gate=gate,
     )
     tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous())
     return CanonicalCall(tensors=tensors, options=options, state_k_first=not state_v_first,
@@ -431,25 +443,20 @@ def _refuse_unsupported_fla_flags(
         )
 
 
-def _fla_lower_bound(use_gate_in_kernel: bool, safe_gate: bool, lower_bound: float | None) -> float:
+def _fla_gate(use_gate_in_kernel: bool, safe_gate: bool, lower_bound: float | None) -> tuple[str, float]:
+    """(``gate``, ``lower_bound``) of :func:`kda_forward` for FLA's gate flags."""
     if not use_gate_in_kernel:
-        raise NotImplementedError(
-            "use_gate_in_kernel=False (g given as a precomputed log decay) is not supported; "
-            "pass the raw gate with use_gate_in_kernel=True, A_log, dt_bias and lower_bound"
-        )
+        return "none", -5.0  # g is the log decay; lower_bound plays no part
     if lower_bound is None:
         if safe_gate:
             raise ValueError("lower_bound must be specified when safe_gate=True and use_gate_in_kernel=True")
-        raise NotImplementedError(
-            "use_gate_in_kernel=True without lower_bound (the softplus gate -exp(A_log)·softplus(g + dt_bias)) "
-            "is not supported; set lower_bound in [-5, 0) for the bounded gate"
-        )
+        return "softplus", -5.0
     value = validation.check_real("lower_bound", lower_bound)
     if not validation.LOWER_BOUND_MIN <= value < validation.LOWER_BOUND_MAX:
         if safe_gate:
             raise ValueError(f"lower_bound must be in the safe range [-5, 0), got {value}")
         raise NotImplementedError(f"lower_bound = {value} is not supported; the kernels need lower_bound in [-5, 0)")
-    return value
+    return "safe", value
 
 
 def _fla_A_log(A_log: Any, heads: int, device: torch.device) -> torch.Tensor:
@@ -510,9 +517,12 @@ def chunk_kda(
     ``transpose_state_layout=True``); ``cu_seqlens`` int64 ``[N+1]`` with B == 1. Returns
     (o bf16 ``[B, T, H, V]``, final state fp32 in the caller's layout or None).
 
-    Supported: K = V = 128, bf16 q/k/v/g/beta, ``use_gate_in_kernel=True`` with ``lower_bound``
-    in [-5, 0) (the bounded gate), ``use_qk_l2norm_in_kernel`` and ``use_beta_sigmoid_in_kernel``
-    on or off. Other combinations raise ``NotImplementedError`` naming the flag (see
+    Supported: K = V = 128, bf16 q/k/v/beta; the gate as FLA has it: ``use_gate_in_kernel=True`` with
+    ``lower_bound`` in [-5, 0) (the bounded gate) or without (the softplus gate of Kimi-Linear), both with
+    a bf16 raw g, or ``use_gate_in_kernel=False`` (g the log decay, bf16 or fp32);
+    ``use_qk_l2norm_in_kernel`` and ``use_beta_sigmoid_in_kernel`` on or off. Training runs with the
+    bounded gate only for now (the others raise ``NotImplementedError`` when inputs require grad).
+    Other combinations raise ``NotImplementedError`` naming the flag (see
     :func:`translate_fla_call`). FLA's default ``[N, H, K, V]`` state costs a transpose copy each way;
     ``state_v_first=True`` avoids it. Takes DLPack tensors like :func:`kda_forward` and answers in
     ``q``'s framework; ``torch.compile`` traces it into the translation and one ``cute_kda::forward``
@@ -569,6 +579,7 @@ def warmup(
     varlen: tuple[bool, ...] = (False, True),
     state_modes: tuple[torch.dtype | None, ...] = STATE_MODES,
     vsplits: tuple[int, ...] | None = None,
+    gates: tuple[str, ...] = ("safe",),
 ) -> int:
     """Compile, ahead of time and without running anything, every variant the flags select.
 
@@ -578,8 +589,9 @@ def warmup(
 
     Each argument lists the values to cover: ``state_modes`` holds None (no state), bf16 and/or
     fp32 (used for both the initial and the final state); ``vsplits`` None covers every supported
-    V-split. ``device`` (default: the current CUDA device) is where the compiled code will run.
-    Returns the number of (K1, K2) variant pairs visited; already-compiled ones cost nothing.
+    V-split; ``gates`` the K1 gate forms (``"none"`` for both g dtypes, bf16 and fp32). ``device``
+    (default: the current CUDA device) is where the compiled code will run. Returns the number of
+    (K1, K2) configurations visited (each with every gate); already-compiled ones cost nothing.
     """
     from .ops import prepare as k1
     from .ops import recurrence as k2
@@ -599,10 +611,14 @@ def warmup(
         qk_l2norm=qk_l2norm, beta_logits=beta_logits, varlen=varlen, state_modes=state_modes,
         vsplits=validation.SUPPORTED_VSPLITS if vsplits is None else vsplits,
     ))
+    for gate in gates:
+        validation.check_gate(gate)
+    k1_gates = [(gate, dtype) for gate in gates
+                for dtype in ((torch.bfloat16, torch.float32) if gate == "none" else (torch.bfloat16,))]
     for config in configs:
-        k1.compile_prepare(
-            qk_l2norm=config.qk_l2norm, beta_logits=config.beta_logits, varlen=config.varlen, device=device,
-        )
+        for gate, g_dtype in k1_gates:
+            k1.compile_prepare(qk_l2norm=config.qk_l2norm, beta_logits=config.beta_logits, varlen=config.varlen,
+                               device=device, gate=gate, g_dtype=g_dtype)
         k2.compile_recurrence(
             varlen=config.varlen, initial_state=config.initial_state, final_state=config.final_state,
             vsplit=config.vsplit, device=device,

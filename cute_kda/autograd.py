@@ -321,6 +321,16 @@ REFERENCE = Backend("reference", _reference_forward, _reference_scan, _reference
 # the backward, shared by the autograd.Function and torch.ops.cute_kda.backward
 
 
+def check_trainable_gate(gate: str) -> None:
+    """Refuse a training call with a gate the backward kernels do not cover yet (Kernel B's intra-tile
+    terms go through ``kinv``, which the unbounded gates never form)."""
+    if gate != "safe":
+        raise NotImplementedError(
+            f"gate={gate!r} has no backward yet (only the safe gate trains); run it under torch.no_grad() / "
+            "torch.inference_mode(), or detach its inputs"
+        )
+
+
 def check_first_order() -> None:
     """Refuse a backward that autograd would record (``create_graph=True``): the kernels' gradients are
     not differentiable."""
@@ -423,18 +433,20 @@ def kda_forward(
     scale: float | None = None, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float = -5.0,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
     out: torch.Tensor | None = None, final_state: torch.Tensor | None = None, vsplit: int | None = None,
-    qk_l2norm: bool = True, beta_logits: bool = True, recompute: bool = False,
+    qk_l2norm: bool = True, beta_logits: bool = True, recompute: bool = False, gate: str = "safe",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`cute_kda.kda_forward`'s training path on torch tensors, with the stages of ``backend``.
 
     Same arguments, checks and results as :func:`cute_kda.kda_forward` (which calls :func:`train` with
     :data:`KERNELS`); always recorded by autograd, whatever requires grad. For the references:
-    ``backend=REFERENCE`` runs on any device.
+    ``backend=REFERENCE`` runs on any device. ``gate``: the safe gate only (the others raise).
     """
     problem = validation.validate_forward(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
+        gate=gate,
     )
+    check_trainable_gate(gate)
     return train(
         backend, problem, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens, out=out,

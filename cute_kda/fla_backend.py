@@ -7,7 +7,8 @@ module registers :class:`CuteKDABackend` there:
 
 - **priority 2**, ahead of FlashKDA's 3 (FLA runs lower numbers first);
 - **verifier** :func:`verify` accepts exactly the calls ``cute_kda.chunk_kda`` computes, inference and
-  training alike (inputs that require grad get cute_kda's backward, :mod:`cute_kda.autograd`): it runs
+  training alike (inputs that require grad get cute_kda's backward, :mod:`cute_kda.autograd`; training
+  with the unbounded gates stays with FLA until their backward exists): it runs
   the same argument translation and input checks the call would (no kernel), on a CUDA device of
   compute capability 9.x (the kernels are built for sm_90a); what it refuses FLA computes itself.
   Every distinct reason is logged once at INFO on the ``cute_kda.fla_backend`` logger (FLA also logs
@@ -83,7 +84,7 @@ def _call_key(args: tuple, kwargs: dict) -> tuple:
 
 def verify(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
     """(True, None) if cute_kda computes this FLA ``chunk_kda`` call, else (False, the reason)."""
-    from . import api, validation
+    from . import api, autograd, validation
 
     _state.pending = None
     reason = _device_reason(_bind(args, kwargs).get("q"))
@@ -94,8 +95,10 @@ def verify(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
             validation.validate_forward(
                 *call.tensors, A_log=options["A_log"], dt_bias=options["dt_bias"],
                 lower_bound=options["lower_bound"], scale=options["scale"], initial_state=options["initial_state"],
-                cu_seqlens=options["cu_seqlens"],
+                cu_seqlens=options["cu_seqlens"], gate=options["gate"],
             )
+            if validation.needs_autograd(*call.tensors, options["A_log"], options["dt_bias"], options["initial_state"]):
+                autograd.check_trainable_gate(options["gate"])
         except (TypeError, ValueError, NotImplementedError) as error:
             reason = f"{type(error).__name__}: {error}"
     if reason is not None:

@@ -18,6 +18,12 @@ LOG2E = f32(log2(e))
 LN2 = f32(log(2.0))  # the backward: d 2^x / dx = ln2 · 2^x
 EPS = f32(1e-6)  # l2norm: x · rsqrt(Σx² + EPS)
 
+# the gate forms (docs/numerics.md): "safe" lower_bound · sigmoid(e^A · (g + dt_bias)); "softplus"
+# −e^A · softplus(g + dt_bias) (unbounded below); "none": g is the log decay itself (any value ≤ 0)
+GATES = ("safe", "softplus", "none")
+# the unbounded gates' K1: straddle levels of blocks of 16, 8, 4 and 2 rows (docs/numerics.md, "dyadic")
+DYADIC_BLOCKS = (CHUNK, CHUNK // 2, CHUNK // 4, CHUNK // 8)
+
 
 def gate_constant(lower_bound: float) -> float:
     """``c_gate = f32(lower_bound · log2(e))``: the base-2 gate is ``c_gate · sigmoid(...)``."""

@@ -40,12 +40,13 @@ BACKWARD_OP_NAME = "cute_kda::backward"
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    A_log: torch.Tensor, dt_bias: torch.Tensor, initial_state: Optional[torch.Tensor],
+    A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor], scale: float, lower_bound: float, final_state_dtype: Optional[torch.dtype],
-    vsplit: int, qk_l2norm: bool, beta_logits: bool,
+    vsplit: int, qk_l2norm: bool, beta_logits: bool, gate: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``kda_forward`` on torch tensors; ``final_state_dtype`` None means no final state (then the
-    second output is an empty tensor), ``vsplit`` 0 means the heuristic."""
+    second output is an empty tensor), ``vsplit`` 0 means the heuristic; A_log, dt_bias None with
+    ``gate="none"``."""
     from . import api
 
     final_state = None
@@ -55,14 +56,14 @@ def forward_op(
     o, state = api._forward(
         q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         initial_state=initial_state, output_final_state=False, cu_seqlens=cu_seqlens, out=None,
-        final_state=final_state, vsplit=vsplit or None, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+        final_state=final_state, vsplit=vsplit or None, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
     )
     return o, (state if state is not None else q.new_empty((0,)))
 
 
 @forward_op.register_fake
 def _forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-                  final_state_dtype, vsplit, qk_l2norm, beta_logits):
+                  final_state_dtype, vsplit, qk_l2norm, beta_logits, gate):
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     if final_state_dtype is None:
         return o, q.new_empty((0,))
@@ -194,17 +195,20 @@ forward_train_op.register_autograd(_train_backward, setup_context=_setup_train_c
 
 def kda_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
-    scale: float | None, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
+    scale: float | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float,
     initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None,
     out: torch.Tensor | None, final_state: torch.Tensor | None, vsplit: int | None, qk_l2norm: bool,
-    beta_logits: bool, recompute: bool = False,
+    beta_logits: bool, recompute: bool = False, gate: str = "safe",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`cute_kda.kda_forward` as Dynamo traces it: the same arguments and results, one op (the
     training op when autograd records the call)."""
     training = validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state)
+    validation.check_gate(gate)
     if training:
         validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
-    validation.check_lower_bound(lower_bound)
+        autograd.check_trainable_gate(gate)
+    if gate == "safe":
+        validation.check_lower_bound(lower_bound)
     validation.check_vsplit(vsplit)
     validation.check_is_tensor("q", q)
     scale = q.shape[-1] ** -0.5 if scale is None else validation.check_scale(scale)
@@ -218,7 +222,7 @@ def kda_forward(
     if training:
         o, state, *_ = forward_train_op(*arguments, bool(recompute))
     else:
-        o, state = forward_op(*arguments)
+        o, state = forward_op(*arguments, gate)
     if out is not None:
         out.copy_(o)
         o = out

@@ -20,6 +20,8 @@ from typing import Iterable, NamedTuple
 
 import torch
 
+from .numerics import GATES
+
 SUPPORTED_HEAD_DIMS = (128,)
 LOWER_BOUND_MIN, LOWER_BOUND_MAX = -5.0, 0.0  # lower_bound must lie in [min, max)
 STATE_DTYPES = (torch.bfloat16, torch.float32)
@@ -131,6 +133,34 @@ def check_lower_bound(lower_bound: object) -> float:
     return value
 
 
+def check_gate(gate: object) -> str:
+    if not isinstance(gate, str) or gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+    return gate
+
+
+_LOG_DECAY_DTYPES = (torch.bfloat16, torch.float32)  # gate "none": g is the log decay, bf16 or fp32
+
+
+def check_gate_inputs(gate: str, g: object, A_log: object, dt_bias: object, shape: tuple[int, ...],
+                      device: torch.device) -> None:
+    """g, A_log and dt_bias for ``gate``: a raw bf16 gate with fp32 ``A_log [H]`` and ``dt_bias [H, K]``
+    ("safe", "softplus"), or the log decay itself, bf16 or fp32, with neither ("none")."""
+    batch, seq_len, heads, key_dim = shape
+    if gate == "none":
+        _check_tensor("g", g, _LOG_DECAY_DTYPES, shape, "[B, T, H, K] (the log decay)", device, aligned=True)
+        given = [name for name, value in (("A_log", A_log), ("dt_bias", dt_bias)) if value is not None]
+        if given:
+            raise ValueError(f"gate='none' takes g as the log decay itself: pass {' and '.join(given)}=None")
+        return
+    _check_activation("g", g, shape, "[B, T, H, K]", device)
+    for name, value in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if value is None:
+            raise TypeError(f"gate={gate!r} needs {name} (an fp32 tensor); pass zeros for no {name}")
+    _check_parameter("A_log", A_log, (heads,), "[H]", device)
+    _check_parameter("dt_bias", dt_bias, (heads, key_dim), "[H, K]", device)
+
+
 def check_vsplit(vsplit: object) -> None:
     if vsplit is not None and (isinstance(vsplit, bool) or vsplit not in SUPPORTED_VSPLITS):
         raise ValueError(f"vsplit must be None or one of {SUPPORTED_VSPLITS}, got {vsplit!r}")
@@ -236,11 +266,11 @@ def _check_parameter(name: str, tensor: object, shape: tuple[int, ...], meaning:
 
 
 def _is_plain_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-                      vsplit) -> bool:
-    """Whether a call without ``cu_seqlens`` passes every check of :func:`validate_forward`, tested in one
-    pass (a small call's host time is mostly checks). It only ever answers True for a call the checks
-    below accept; False sends the call through them, and they name what is wrong."""
-    if not (isinstance(q, torch.Tensor) and q.dim() == 4 and type(lower_bound) is float
+                      vsplit, gate) -> bool:
+    """Whether a call without ``cu_seqlens`` with the safe gate passes every check of :func:`validate_forward`,
+    tested in one pass (a small call's host time is mostly checks). It only ever answers True for a call the
+    checks below accept; False sends the call through them, and they name what is wrong."""
+    if not (gate == "safe" and isinstance(q, torch.Tensor) and q.dim() == 4 and type(lower_bound) is float
             and LOWER_BOUND_MIN <= lower_bound < LOWER_BOUND_MAX
             and (scale is None or (type(scale) is float and scale != 0.0 and math.isfinite(scale)))
             and (vsplit is None or (type(vsplit) is int and vsplit in SUPPORTED_VSPLITS))):
@@ -275,6 +305,7 @@ def validate_forward(
     out: object = None,
     cu_seqlens: object = None,
     vsplit: object = None,
+    gate: object = "safe",
 ) -> ProblemShape:
     """Check every argument of :func:`cute_kda.kda_forward` (see its docstring for the contract).
 
@@ -282,7 +313,7 @@ def validate_forward(
     on CPU tensors too; whether the device is a GPU is :func:`check_on_cuda`'s separate concern.
     """
     if cu_seqlens is None and _is_plain_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state,
-                                                final_state, out, vsplit):
+                                                final_state, out, vsplit, gate):
         batch, seq_len, heads, key_dim = q.shape
         return ProblemShape(batch, seq_len, heads, key_dim, batch, False)
     q = check_is_tensor("q", q)
@@ -298,11 +329,11 @@ def validate_forward(
     check_ndim("v", v, 4, "[B, T, H, V]")
     check_head_dim("V (v.shape[-1])", v.shape[-1])
     _check_activation("v", v, (batch, seq_len, heads, key_dim), "[B, T, H, V]", device)
-    _check_activation("g", g, (batch, seq_len, heads, key_dim), "[B, T, H, K]", device)
+    check_gate(gate)
+    check_gate_inputs(gate, g, A_log, dt_bias, (batch, seq_len, heads, key_dim), device)
     _check_activation("beta", beta, (batch, seq_len, heads), "[B, T, H]", device)
-    _check_parameter("A_log", A_log, (heads,), "[H]", device)
-    _check_parameter("dt_bias", dt_bias, (heads, key_dim), "[H, K]", device)
-    check_lower_bound(lower_bound)
+    if gate == "safe":
+        check_lower_bound(lower_bound)
     if scale is not None:
         check_scale(scale)
     check_vsplit(vsplit)

@@ -123,11 +123,13 @@ class KernelBuild:
     build: Callable[[], tuple]
 
 
-def _prepare_build(varlen: bool) -> Callable[[], tuple]:
+def _prepare_build(varlen: bool, gate: str = "safe", g_dtype: torch.dtype = torch.bfloat16) -> Callable[[], tuple]:
     def build():
+        import cutlass
+
         from cute_kda.dsl import cute
         from cute_kda.kernels.fwd_prepare import PrepareKernel
-        from cute_kda.layouts import k1_budget
+        from cute_kda.layouts import k1_budget, k1_pairwise_budget
         from cute_kda.ops import prepare as k1
         from cute_kda.ops._cache import to_cute_tensor
         from cute_kda.workspace import WorkspaceSpec, allocate_workspace, tiles_per_head
@@ -138,12 +140,15 @@ def _prepare_build(varlen: bool) -> Callable[[], tuple]:
         spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(tokens, len(lengths), varlen))
         cu_seqlens = torch.tensor([0, 40, tokens]) if varlen else None
         tile_base = torch.tensor([0, 3, 4], dtype=torch.int32) if varlen else None
+        constants = gate != "none"
         args = k1.launch_arguments(
-            x, x, x, x[..., 0].contiguous(), torch.zeros(heads), torch.zeros(heads, D),
-            allocate_workspace(spec, "cpu"), D ** -0.5, LOWER_BOUND, tokens, cu_seqlens, tile_base,
-            cute.runtime.make_fake_stream(), tensor=to_cute_tensor,
+            x, x, x.to(g_dtype), x[..., 0].contiguous(), torch.zeros(heads) if constants else None,
+            torch.zeros(heads, D) if constants else None, allocate_workspace(spec, "cpu"), D ** -0.5, LOWER_BOUND,
+            tokens, cu_seqlens, tile_base, cute.runtime.make_fake_stream(), tensor=to_cute_tensor,
         )
-        return PrepareKernel(varlen=varlen), args, k1_budget()
+        kernel = PrepareKernel(varlen=varlen, gate=gate, gate_dtype=cutlass.Float32 if g_dtype is torch.float32
+                               else cutlass.BFloat16)
+        return kernel, args, k1_budget() if gate == "safe" else k1_pairwise_budget()
     return build
 
 
@@ -250,11 +255,13 @@ def _k2_label(varlen: bool, state_in: torch.dtype | None, vsplit: int, state_out
 
 
 def kernel_builds(all_variants: bool) -> list[KernelBuild]:
-    """What the compile report covers: K1 (both variants), the tile prefix, K2 (:func:`k2_variants`), two of
+    """What the compile report covers: K1 (both variants of the safe gate, two of the unbounded gates'), the tile prefix, K2 (:func:`k2_variants`), two of
     Kernel A's 72 variants (V-split 1 and 8; the compile tier builds all), the round trip."""
     return [
         KernelBuild("K1 prepare (fixed length)", _prepare_build(varlen=False)),
         KernelBuild("K1 prepare (varlen)", _prepare_build(varlen=True)),
+        KernelBuild("K1 prepare, softplus gate (fixed length)", _prepare_build(False, "softplus")),
+        KernelBuild("K1 prepare, fp32 log decay (varlen)", _prepare_build(True, "none", torch.float32)),
         KernelBuild("tile prefix (varlen tile bases)", _tile_prefix_build),
         *(KernelBuild(_k2_label(varlen, state_in, vsplit, state_out),
                       _recurrence_build(varlen, state_in, vsplit, state_out))

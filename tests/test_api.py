@@ -143,7 +143,7 @@ def mirror_kernels(monkeypatch):
     """
     from cute_kda.ops import prepare as k1
     from cute_kda.ops import recurrence as k2
-    from cute_kda.reference import mirror
+    from cute_kda.reference import mirror, mirror_prepare_gates
     from cute_kda.workspace import Workspace, allocate_workspace
 
     launches = []
@@ -155,13 +155,18 @@ def mirror_kernels(monkeypatch):
             assert stream == 7  # the one stream look-up of the call, handed on
             return allocate_workspace(spec, device)
 
-    def prepare_variant(varlen, qk_l2norm, beta_logits, index):
+    def prepare_variant(varlen, qk_l2norm, beta_logits, index, gate, g_dtype):
         def prepare(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, seq_len, cu_seqlens, tile_base, stream):
             assert stream == ("CUstream", 7)
             assert (cu_seqlens is None) == (tile_base is None) == (not varlen) and seq_len == q.shape[1]
-            filled = mirror.mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                                           scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
-                                           beta_logits=beta_logits)
+            assert g.dtype == g_dtype
+            if gate == "safe":
+                filled = mirror.mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                               scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
+                                               beta_logits=beta_logits)
+            else:  # the unbounded gates' K1 (scheme "dyadic")
+                filled = mirror_prepare_gates(q, k, g, beta, gate=gate, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                                              cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
             for field, value in zip(ws, filled):
                 assert field.shape == value.shape  # the API sized the workspace as K1 fills it
                 field.copy_(value)
@@ -232,6 +237,58 @@ def test_launch_path_fills_caller_buffers(mirror_kernels):
     assert torch.equal(out, o_ref) and torch.equal(final, final_ref)
 
 
+def gate_inputs(case: str, lengths, heads, device, seed: int = 0) -> tuple[dict, str]:
+    """kda_forward inputs for one unbounded-gate case (docs/numerics.md, "Unbounded gates") and the gate."""
+    inputs = make_inputs(lengths, heads, device, seed=seed)
+    gen = torch.Generator(device=device).manual_seed(seed + 7)
+    shape = inputs["g"].shape
+    raw = torch.randn(shape, generator=gen, device=device)
+    if case == "softplus_kimi_init":  # exp(A_log) ~ U(1, 16), g_raw ~ N(0, 1)
+        inputs["A_log"] = torch.log(torch.rand(heads, generator=gen, device=device) * 15 + 1)
+        inputs["g"] = raw.bfloat16()
+        return inputs, "softplus"
+    if case == "softplus_pm1000":  # g_raw of ±1000 and N(0, 1), a third each, A_log = 3
+        pick = torch.randint(0, 3, shape, generator=gen, device=device)
+        inputs["g"] = torch.where(pick == 0, -1000.0, torch.where(pick == 1, 1000.0, raw)).bfloat16()
+        inputs["A_log"] = torch.full((heads,), 3.0, device=device)
+        return inputs, "softplus"
+    if case == "softplus_low_decay":  # decay ≈ e^−3e-4 a token
+        inputs["g"] = (raw * 0.1 - 8.0).bfloat16()
+        inputs["A_log"] = torch.zeros(heads, device=device)
+        inputs["dt_bias"] = torch.zeros(heads, D, device=device)
+        return inputs, "softplus"
+    dtype = torch.float32 if case == "log_decay_fp32" else torch.bfloat16
+    decay = -torch.nn.functional.softplus(raw) * torch.rand(heads, 1, generator=gen, device=device)
+    masked = torch.rand(shape, generator=gen, device=device) < 0.05  # 5 % of the entries at −1000
+    inputs["g"] = torch.where(masked, -1000.0, decay).to(dtype)
+    inputs["A_log"] = inputs["dt_bias"] = None
+    return inputs, "none"
+
+
+UNBOUNDED_CPU_CASES = {
+    "softplus_pm1000": dict(lengths=[40, 40], state=torch.float32),
+    "log_decay_fp32": dict(lengths=[5, 16, 1, 30], state=torch.bfloat16),
+    "log_decay_bf16": dict(lengths=[19], state=None),
+}
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("case", sorted(UNBOUNDED_CPU_CASES))
+def test_unbounded_gates_through_the_launch_path(mirror_kernels, case):
+    """The gate reaches K1's variant key and the launch arguments (A_log / dt_bias None for a log decay):
+    the API's result equals the mirror's for the same gate, and the gold's to the forward bound."""
+    spec = UNBOUNDED_CPU_CASES[case]
+    inputs, gate = gate_inputs(case, spec["lengths"], 2, torch.device("cpu"))
+    h0 = None if spec["state"] is None else initial_state(spec["lengths"], 2, spec["state"], torch.device("cpu"))
+    o, final = cute_kda.kda_forward(**inputs, gate=gate, initial_state=h0, output_final_state=True)
+    o_ref, final_ref = mirror_forward(**inputs, lower_bound=-5.0, gate=gate, initial_state=h0,
+                                      output_final_state=True)
+    assert mirror_kernels == ["k1", "k2"]
+    assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+    o_gold, final_gold = gold(inputs, gate=gate, initial_state=h0, output_final_state=True)
+    assert rel_rms(o, o_gold) <= GOLD_BOUND and rel_rms(final, final_gold) <= GOLD_BOUND
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU tier
 
@@ -265,10 +322,10 @@ def initial_state(lengths, heads, dtype, device, seed=1):
     return (0.1 * torch.randn(len(lengths), heads, D, D, generator=gen, device=device)).to(dtype)
 
 
-def gold(inputs, **options):
+def gold(inputs, *, gate: str = "safe", **options):
     names = ("q", "k", "v", "g", "beta")
     rest = {name: value for name, value in inputs.items() if name not in names}
-    return gold_forward(*(inputs[n] for n in names), **rest, **options, gate="safe", state_layout="vk")
+    return gold_forward(*(inputs[n] for n in names), **rest, **options, gate=gate, state_layout="vk")
 
 
 GOLD_CASES = {
@@ -307,6 +364,35 @@ def test_kda_forward_matches_gold(case, device):
         assert state is None
     print(line)
     assert err_o <= GOLD_BOUND, line
+
+
+UNBOUNDED_GOLD_CASES = {
+    "softplus_kimi_init_B2_T100_H4_fp32_state": ("softplus_kimi_init", dict(lengths=[100, 100], heads=4,
+                                                                           state=torch.float32)),
+    "softplus_pm1000_B1_T257_H2": ("softplus_pm1000", dict(lengths=[257], heads=2, state=torch.float32)),
+    "softplus_low_decay_B1_T1024_H2": ("softplus_low_decay", dict(lengths=[1024], heads=2, state=torch.float32)),
+    "log_decay_bf16_varlen_empty_1_token": ("log_decay_bf16", dict(lengths=[17, 0, 33, 1, 300], heads=4,
+                                                                   state=torch.bfloat16)),
+    "log_decay_fp32_B1_T1024_H4": ("log_decay_fp32", dict(lengths=[1024], heads=4, state=None)),
+    "log_decay_fp32_varlen_design_H2": ("log_decay_fp32", dict(lengths=[1300, 547, 2048, 963, 271, 3063], heads=2,
+                                                               state=torch.float32)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(UNBOUNDED_GOLD_CASES))
+def test_unbounded_gates_match_gold(case, device):
+    """The softplus gate and a precomputed log decay (±1000, −1000 masks, low decay) against the fp64 gold."""
+    gate_case, spec = UNBOUNDED_GOLD_CASES[case]
+    inputs, gate = gate_inputs(gate_case, spec["lengths"], spec["heads"], device)
+    h0 = None if spec["state"] is None else initial_state(spec["lengths"], spec["heads"], spec["state"], device)
+    o, state = cute_kda.kda_forward(**inputs, gate=gate, initial_state=h0, output_final_state=True)
+    o_ref, state_ref = gold(inputs, gate=gate, initial_state=h0, output_final_state=True)
+    err_o, err_state = rel_rms(o, o_ref), rel_rms(state, state_ref)
+    line = f"[kda_forward vs gold] {case}: rel-RMS o {err_o:.3e}, final state {err_state:.3e}"
+    print(line)
+    assert torch.isfinite(o.float()).all() and torch.isfinite(state.float()).all(), line
+    assert err_o <= GOLD_BOUND and err_state <= GOLD_BOUND, line
 
 
 @pytest.mark.gpu

@@ -328,7 +328,8 @@ def launchers_on_mirrors(monkeypatch):
 
     @fake(k1, "prepare")
     def _(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, cu_seqlens, tile_base, qk_l2norm, beta_logits,
-          stream):
+          gate, stream):
+        assert gate == "safe"  # training takes the safe gate only
         assert tile_base is None if cu_seqlens is None else torch.equal(tile_base, mirror.tile_bases(cu_seqlens, 0, 1))
         done = mirror.mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                                      scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
@@ -484,8 +485,10 @@ def test_public_api_on_cpu_still_needs_cuda():
 def test_unsupported_flags_are_refused_under_grad():
     inputs = make_fla_problem([20])
     inputs["q"].requires_grad_()
-    with pytest.raises(NotImplementedError, match="use_gate_in_kernel=False"):
+    with pytest.raises(NotImplementedError, match="gate='none' has no backward yet"):
         cute_kda.chunk_kda(**{**FLAGS, "use_gate_in_kernel": False}, **inputs)
+    with pytest.raises(NotImplementedError, match="gate='softplus' has no backward yet"):
+        cute_kda.chunk_kda(**{**FLAGS, "lower_bound": None, "safe_gate": False}, **inputs)
     with pytest.raises(NotImplementedError, match="allow_neg_eigval"):
         cute_kda.chunk_kda(**FLAGS, allow_neg_eigval=True, **inputs)
 

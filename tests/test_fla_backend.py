@@ -81,8 +81,6 @@ def test_non_hopper_gpu_is_refused(monkeypatch):
 
 
 REFUSED = {
-    "softplus gate": (dict(lower_bound=None, safe_gate=False), "without lower_bound"),
-    "precomputed decay": (dict(use_gate_in_kernel=False), "use_gate_in_kernel=False"),
     "negative eigenvalues": (dict(allow_neg_eigval=True), "allow_neg_eigval"),
     "intermediate states": (dict(return_intermediate_states=True), "return_intermediate_states"),
     "context parallel": (dict(cp_context=object()), "cp_context"),
@@ -113,6 +111,23 @@ def test_calls_cute_kda_does_not_compute_are_refused(any_device, case):
     assert not accepted and words in reason, reason
 
 
+UNBOUNDED_GATES = {"softplus gate": dict(lower_bound=None, safe_gate=False),
+                   "precomputed decay": dict(use_gate_in_kernel=False)}
+
+
+@pytest.mark.parametrize("case", sorted(UNBOUNDED_GATES))
+def test_unbounded_gates_are_taken_for_inference_only(any_device, case):
+    """The softplus gate and a precomputed log decay run forward only: a training call stays with FLA."""
+    kwargs = layer_call(**UNBOUNDED_GATES[case])
+    if case == "precomputed decay":
+        kwargs["g"] = -torch.rand(kwargs["g"].shape)  # the log decay, fp32
+    with torch.no_grad():
+        assert fla_backend.verify(**kwargs) == (True, None)
+    kwargs["k"].requires_grad_()
+    accepted, reason = fla_backend.verify(**kwargs)
+    assert not accepted and "has no backward yet" in reason, reason
+
+
 def test_every_distinct_reason_is_logged_once(caplog, monkeypatch):
     monkeypatch.setattr(fla_backend, "_logged_reasons", set())
     caplog.set_level(logging.INFO, logger="cute_kda.fla_backend")
@@ -120,7 +135,7 @@ def test_every_distinct_reason_is_logged_once(caplog, monkeypatch):
         for _ in range(3):
             fla_backend.verify(**layer_call())  # CPU: refused by device
         monkeypatch.setattr(fla_backend, "_device_reason", lambda q: None)
-        fla_backend.verify(**layer_call(lower_bound=None, safe_gate=False))
+        fla_backend.verify(**layer_call(allow_neg_eigval=True))
     messages = [r.getMessage() for r in caplog.records if r.name == "cute_kda.fla_backend"]
     assert len(messages) == 2 and all("FLA computes it" in m for m in messages)
 

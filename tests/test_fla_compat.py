@@ -31,15 +31,23 @@ D = 128
 
 
 def fla_semantics(q, k, v, g, beta, *, scale=None, A_log=None, dt_bias=None, lower_bound, l2norm, beta_sigmoid,
-                  initial_state=None, state_v_first=False, output_final_state=False, cu_seqlens=None):
-    """FLA's chunk_kda function, restated in fp64 from its naive definitions (bounded gate only)."""
+                  initial_state=None, state_v_first=False, output_final_state=False, cu_seqlens=None,
+                  use_gate_in_kernel=True):
+    """FLA's chunk_kda function, restated in fp64 from its naive definitions (``naive_kda_gate`` for the
+    softplus gate, ``lower_bound · sigmoid`` for the bounded one; g the log decay without the gate)."""
     q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
     heads, key_dim = q.shape[2], q.shape[3]
     scale = key_dim ** -0.5 if scale is None else scale
     x = g if dt_bias is None else g + dt_bias.double().view(heads, key_dim)
-    if A_log is not None:
-        x = A_log.double().exp().view(heads, 1) * x
-    decay = torch.exp(lower_bound * torch.sigmoid(x))
+    if not use_gate_in_kernel:
+        decay = torch.exp(g)
+    elif lower_bound is None:
+        a = torch.ones(heads, 1, dtype=torch.float64) if A_log is None else A_log.double().exp().view(heads, 1)
+        decay = torch.exp(-a * F.softplus(x))
+    else:
+        if A_log is not None:
+            x = A_log.double().exp().view(heads, 1) * x
+        decay = torch.exp(lower_bound * torch.sigmoid(x))
     if l2norm:
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
@@ -67,10 +75,10 @@ def fla_semantics(q, k, v, g, beta, *, scale=None, A_log=None, dt_bias=None, low
 
 
 def gold_as_kernels(q, k, v, g, beta, *, scale, A_log, dt_bias, lower_bound, initial_state, output_final_state,
-                    cu_seqlens, qk_l2norm, beta_logits):
-    """The canonical forward (kda_forward's contract: safe gate, contiguous v-first states) by the gold recurrence."""
+                    cu_seqlens, qk_l2norm, beta_logits, gate):
+    """The canonical forward (kda_forward's contract: contiguous v-first states) by the gold recurrence."""
     o, state = gold_forward(
-        q, k, v, g, beta, scale=scale, gate="safe", A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        q, k, v, g, beta, scale=scale, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         qk_l2norm=qk_l2norm, beta_logits=beta_logits, initial_state=initial_state, state_layout="vk",
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, dtype=torch.float64,
     )
@@ -124,6 +132,13 @@ TRANSLATION_CASES = {
     "varlen_states": (dict(lengths=[5, 16, 1, 17], state="kv"), dict(output_final_state=True), {}),
     "varlen_no_state_out": (dict(lengths=[9, 33]), dict(output_final_state=True, state_v_first=True), {}),
     "accepted_noops": (dict(lengths=[18]), dict(disable_recompute=True, chunk_size=32), {}),
+    "softplus_gate": (dict(lengths=[5, 16, 1, 17], state="kv"), dict(lower_bound=None, safe_gate=False,
+                                                                     output_final_state=True), {}),
+    "softplus_no_dt_bias_no_A_log": (dict(lengths=[19]), dict(lower_bound=None, safe_gate=False, dt_bias_shape=None,
+                                                              A_log=None), {}),
+    "log_decay_fp32": (dict(lengths=[37], state="vk"), dict(use_gate_in_kernel=False, log_decay=torch.float32,
+                                                             output_final_state=True, state_v_first=True), {}),
+    "log_decay_bf16_masks": (dict(lengths=[9, 33]), dict(use_gate_in_kernel=False, log_decay=torch.bfloat16), {}),
 }
 
 
@@ -138,6 +153,11 @@ def run_translation(case: str, forward):
         inputs["dt_bias"] = inputs["dt_bias"].view(inputs["q"].shape[2], D)
     if "A_log" in extra:
         inputs["A_log"] = extra.pop("A_log")
+    log_decay = extra.pop("log_decay", None)
+    if log_decay is not None:  # the log decay itself, ≤ 0, with −1000 masks on some entries
+        decay = -F.softplus(inputs["g"].float())
+        inputs["g"] = torch.where(torch.rand(decay.shape, generator=torch.Generator().manual_seed(5)) < 0.05,
+                                  -1000.0, decay).to(log_decay)
     kwargs = {**FLAGS, **inputs, **extra}
     call = api.translate_fla_call(**kwargs)
     o, state = call.run(forward)
@@ -147,6 +167,7 @@ def run_translation(case: str, forward):
         inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], scale=kwargs.get("scale"),
         A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=kwargs["lower_bound"],
         l2norm=kwargs["use_qk_l2norm_in_kernel"], beta_sigmoid=kwargs["use_beta_sigmoid_in_kernel"],
+        use_gate_in_kernel=kwargs["use_gate_in_kernel"],
         initial_state=inputs.get("initial_state"), state_v_first=state_v_first,
         output_final_state=kwargs.get("output_final_state", False), cu_seqlens=inputs.get("cu_seqlens"),
     )
@@ -187,8 +208,6 @@ def test_non_contiguous_inputs_are_made_contiguous():
 
 
 UNSUPPORTED = [
-    (dict(use_gate_in_kernel=False), NotImplementedError, "use_gate_in_kernel=False"),
-    (dict(lower_bound=None, safe_gate=False), NotImplementedError, "without lower_bound"),
     (dict(lower_bound=None), ValueError, "lower_bound must be specified"),
     (dict(lower_bound=-6.0, safe_gate=False), NotImplementedError, "lower_bound = -6.0"),
     (dict(lower_bound=-6.0), ValueError, "safe range"),

@@ -37,9 +37,10 @@ def _fake(dtype, rank: int, align: int = 16):
 
 def _compile(kernel: PrepareKernel):
     """(PTX report, dynamic smem bytes of each launch) of ``kernel`` compiled for sm_90a."""
+    constants = kernel.gate != "none"  # a log decay comes without A_log and dt_bias
     inputs = PrepareInputs(
-        q=_fake(BF16, 4), k=_fake(BF16, 4), g=_fake(BF16, 4), beta=_fake(BF16, 3, 2),  # [B, T, ...] as the launcher passes
-        a_log=_fake(F32, 1, 4), dt_bias=_fake(F32, 2, 4),
+        q=_fake(BF16, 4), k=_fake(BF16, 4), g=_fake(kernel.gate_dtype, 4), beta=_fake(BF16, 3, 2),  # [B, T, ...]
+        a_log=_fake(F32, 1, 4) if constants else None, dt_bias=_fake(F32, 2, 4) if constants else None,
     )
     ws = WorkspaceTiles(
         qd=_fake(BF16, 3), kd=_fake(BF16, 3), kr=_fake(BF16, 3), gt=_fake(F32, 2),
@@ -57,6 +58,11 @@ VARIANTS = {
     "varlen": dict(varlen=True),
     "fixed_plain": dict(varlen=False, qk_l2norm=False, beta_logits=False),
     "varlen_256threads": dict(varlen=True, num_threads=256, ctas_per_sm=5),
+    # the unbounded gates (docs/numerics.md, "Unbounded gates"): the pairwise K1
+    "softplus": dict(varlen=False, gate="softplus"),
+    "softplus_varlen_plain": dict(varlen=True, gate="softplus", qk_l2norm=False, beta_logits=False),
+    "log_decay_fp32_varlen": dict(varlen=True, gate="none", gate_dtype=F32),
+    "log_decay_bf16": dict(varlen=False, gate="none"),
 }
 
 
@@ -68,6 +74,8 @@ def compiled(request):
 
 def test_ptx_primitives(compiled):
     kernel, report, _ = compiled
+    if kernel.pairwise:
+        return _check_pairwise_ptx(kernel, report)
     # q, k, g: one 4-D TMA load each (two 64-column boxes of the 128-byte swizzle); qd, kd, kr: one store each
     assert report.count("cp.async.bulk.tensor.4d.shared::cta.global") == 3
     assert report.count("cp.async.bulk.tensor.3d.global.shared::cta") == 3
@@ -90,6 +98,32 @@ def test_ptx_primitives(compiled):
         assert not report.has("shfl.sync.bfly") and not report.has("sqrt")
 
 
+def _check_pairwise_ptx(kernel: PrepareKernel, report) -> None:
+    """The unbounded gates' K1: q, k by TMA (g column by column), the straddle levels on the tensor cores."""
+    assert report.count("cp.async.bulk.tensor.4d.shared::cta.global") == 2
+    assert report.count("cp.async.bulk.tensor.3d.global.shared::cta") == 3
+    assert report.has("mbarrier.arrive.expect_tx") and report.has("fence.proxy.async.shared::cta")
+    # 4 levels × 8 k-steps × 2 n-atoms; Neumann as the safe K1
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 32
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 12
+    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 64
+    assert report.count("movmatrix.sync.aligned.m8n8.trans.b16") == 16
+    # per row of the channel: a = 2^g', 2^G, 2^Gs (+ 2^G_last, which ptxas may share with row 15's 2^G);
+    # softplus adds 2^−|y| and lg2 per row. No 2^−G anywhere: nothing can overflow
+    softplus = kernel.gate == "softplus"
+    ex2 = report.count("ex2.approx.ftz.f32")
+    assert 3 * CHUNK - 2 + (CHUNK if softplus else 0) <= ex2 <= 3 * CHUNK + 1 + (CHUNK if softplus else 0), ex2
+    assert report.count("lg2.approx.f32") == (CHUNK if softplus else 0)
+    assert report.count("tanh.approx.f32") == (1 if kernel.beta_logits else 0)  # β only: the gate has no sigmoid
+    items = CHUNK * D // 8 // kernel.num_threads
+    assert report.count("mul.rn.f32") == CHUNK + 8 * items  # the gate's last product; Mqk's diagonal products
+    butterflies = (3 if kernel.qk_l2norm else 1) * 4 * items  # q, k norms and the diagonal; offsets 8, 4, 2, 1
+    assert report.count("shfl.sync.bfly.b32") == butterflies
+    # per row and channel: qd, kd, kr, X of 4 levels; Q of the 2 levels (on average) where the row is upper
+    assert report.count("st.shared.b16") == CHUNK * (3 + 4) + 4 * CHUNK // 2
+    assert report.count("bar.sync") == 4
+
+
 def _elected_lane_only(lines: list[str], at: int) -> bool:
     """Whether PTX line ``at`` runs on one lane only: in its basic block, after ``elect.sync _|%p``,
     every other lane takes ``@!%p bra`` to a label past ``at``."""
@@ -110,7 +144,8 @@ def test_tma_copies_are_issued_by_one_elected_lane(compiled):
     _, report, _ = compiled
     lines = report.ptx.splitlines()
     bulk = [i for i, line in enumerate(lines) if re.match(r"\s*cp\.async\.bulk\.", line)]
-    assert len(bulk) == 3 + 3 + 2  # loads, stores, commit_group + wait_group.read
+    kernel = compiled[0]
+    assert len(bulk) == (2 if kernel.pairwise else 3) + 3 + 2  # loads, stores, commit_group + wait_group.read
     unguarded = [lines[i].strip() for i in bulk if not _elected_lane_only(lines, i)]
     assert unguarded == []
 
@@ -118,8 +153,8 @@ def test_tma_copies_are_issued_by_one_elected_lane(compiled):
 def test_smem_is_the_plan(compiled):
     """The launch asks for exactly the bytes of ``layouts.fwd_prepare.smem_budget``; 8 CTAs fit per SM."""
     kernel, _, launch_smem = compiled
-    budget = plan.smem_budget(D)
-    assert launch_smem == [budget.total_bytes] == [25600]
+    budget = plan.pairwise_smem_budget(D) if kernel.pairwise else plan.smem_budget(D)
+    assert launch_smem == [budget.total_bytes] == [39936 if kernel.pairwise else 25600]
     assert budget.ctas_per_sm >= kernel.ctas_per_sm
 
 
@@ -128,7 +163,8 @@ def test_no_local_memory_and_occupancy(compiled):
     assert report.local_memory_ops == 0 and report.spills == 0, report.summary()
     (entry,) = report.kernels
     assert entry.registers * kernel.num_threads * kernel.ctas_per_sm <= REGISTERS_PER_SM, report.summary()
-    print(f"\n{report.summary()}\nsmem {plan.smem_budget(D).total_bytes} B/CTA; "
+    budget = plan.pairwise_smem_budget(D) if kernel.pairwise else plan.smem_budget(D)
+    print(f"\n{report.summary()}\nsmem {budget.total_bytes} B/CTA; "
           f"{kernel.ctas_per_sm} CTAs × {kernel.num_threads} threads per SM")
 
 
@@ -395,3 +431,111 @@ def test_prepare_computes_tile_bases_itself():
     torch.cuda.synchronize()
     for name in ws._fields:
         assert torch.equal(_bits(getattr(ws, name)), _bits(getattr(again, name))), name
+
+
+# ---------------------------------------------------------------- the unbounded gates (GPU)
+
+
+def _gate_problem(case: str, batch: int, steps: int, heads: int, seed: int = 0) -> tuple[list, str, torch.dtype]:
+    """(q, k, g, beta, A_log, dt_bias; gate; g's dtype) of one gate case of docs/numerics.md ("Unbounded gates")."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch, steps, heads, D)
+    q, k = (torch.randn(*shape, generator=gen).bfloat16() for _ in range(2))
+    beta = (torch.randn(batch, steps, heads, generator=gen) * 2).bfloat16()
+    a_log = torch.log(torch.rand(heads, generator=gen) * 15 + 1)  # Kimi-Linear's init: exp(A_log) ~ U(1, 16)
+    dt_bias = torch.randn(heads, D, generator=gen)
+    g_raw = torch.randn(*shape, generator=gen)
+    gate, dtype = "softplus", torch.bfloat16
+    if case == "softplus_pm1000":  # g_raw of −1000, +1000 and N(0, 1), a third each, A_log = 3
+        pick = torch.randint(0, 3, shape, generator=gen)
+        g_raw = torch.where(pick == 0, -1000.0, torch.where(pick == 1, 1000.0, g_raw))
+        a_log = torch.full((heads,), 3.0)
+    elif case == "softplus_low_decay":  # decay ≈ e^−3e-4 a token
+        g_raw = g_raw * 0.1 - 8.0
+        a_log = torch.zeros(heads)
+    elif case.startswith("log_decay"):  # the log decay itself, with 5 % of tokens and 5 % of entries at −1000
+        gate, dtype = "none", torch.float32 if case.endswith("fp32") else torch.bfloat16
+        g_raw = -torch.nn.functional.softplus(g_raw) * torch.rand(heads, 1, generator=gen) * 2
+        g_raw = torch.where(torch.rand(batch, steps, heads, 1, generator=gen) < 0.05, -1000.0, g_raw)
+        g_raw = torch.where(torch.rand(*shape, generator=gen) < 0.05, -1000.0, g_raw)
+        a_log = dt_bias = None
+    data = [q, k, g_raw.to(dtype), beta, a_log, dt_bias]
+    return [None if t is None else t.to("cuda") for t in data], gate, dtype
+
+
+def _run_gate(q, k, g, beta, a_log, dt_bias, gate: str, *, cu_seqlens=None, qk_l2norm=True, beta_logits=True):
+    """The unbounded gates' K1 into a NaN-poisoned workspace and its mirror (scheme ``dyadic``)."""
+    from cute_kda.ops.prepare import prepare, tile_bases
+    from cute_kda.reference import mirror_prepare_gates
+
+    batch, steps, heads, _ = q.shape
+    varlen = cu_seqlens is not None
+    num_seqs = cu_seqlens.numel() - 1 if varlen else batch
+    spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(batch * steps, num_seqs, varlen))
+    ws = workspace_views(spec, torch.full((spec.nbytes,), 0xFF, dtype=torch.uint8, device=q.device))
+    scale = D ** -0.5
+    prepare(q, k, g, beta, a_log, dt_bias, ws, scale=scale, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens,
+            tile_base=tile_bases(cu_seqlens) if varlen else None, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+            gate=gate)
+    ref = mirror_prepare_gates(q, k, g, beta, scheme="dyadic", gate=gate, A_log=a_log, dt_bias=dt_bias, scale=scale,
+                               cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+    if varlen:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).cpu()
+        real_tiles = int(((lengths + CHUNK - 1) // CHUNK).sum())
+    else:
+        real_tiles = spec.tiles
+    exists = (torch.arange(spec.tiles) < real_tiles).repeat(heads).to(q.device)
+    return ws, ref, exists
+
+
+GATE_CASES = ["softplus_kimi_init", "softplus_pm1000", "softplus_low_decay", "log_decay_bf16", "log_decay_fp32"]
+GATE_SHAPES = [(1, 1, 2), (1, 15, 2), (1, 17, 4), (2, 97, 4), (1, 1024, 8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,steps,heads", GATE_SHAPES, ids=[f"B{b}T{t}H{h}" for b, t, h in GATE_SHAPES])
+@pytest.mark.parametrize("case", GATE_CASES)
+def test_unbounded_gates_match_mirror_fixed(case, batch, steps, heads):
+    data, gate, _ = _gate_problem(case, batch, steps, heads)
+    ws, ref, exists = _run_gate(*data, gate)
+    _assert_matches(ws, ref, exists, f"{case} B{batch} T{steps} H{heads}")
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(getattr(ws, name)[exists].float()).all() for name in ws._fields), "not finite"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["softplus_pm1000", "log_decay_fp32"])
+@pytest.mark.parametrize("lengths", [[1300, 547, 2048, 963, 271, 3063], [5, 0, 16, 0, 1], [17, 33, 65]],
+                         ids=["design", "empty_and_1_token", "tails"])
+def test_unbounded_gates_match_mirror_varlen(case, lengths):
+    data, gate, _ = _gate_problem(case, 1, sum(lengths), 4, seed=1)
+    cu_seqlens = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64, device="cuda")
+    _assert_matches(*_run_gate(*data, gate, cu_seqlens=cu_seqlens), f"{case} varlen {lengths}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qk_l2norm,beta_logits", [(False, True), (True, False), (False, False)],
+                         ids=["no_l2norm", "beta_activated", "neither"])
+@pytest.mark.parametrize("case", ["softplus_kimi_init", "log_decay_bf16"])
+def test_unbounded_gates_match_mirror_flags(case, qk_l2norm, beta_logits):
+    data, gate, _ = _gate_problem(case, 1, 115, 4, seed=2)
+    if not beta_logits:
+        data[3] = torch.sigmoid(data[3].float()).bfloat16()
+    if not qk_l2norm:
+        data[0], data[1] = (torch.nn.functional.normalize(x.float(), dim=-1).bfloat16() for x in data[:2])
+    _assert_matches(*_run_gate(*data, gate, qk_l2norm=qk_l2norm, beta_logits=beta_logits),
+                    f"{case} l2norm={qk_l2norm} logits={beta_logits}")
+
+
+@pytest.mark.gpu
+def test_unbounded_gate_tail_tile_ignores_the_next_sequence():
+    """Rows past a tail are never read as g (no load) nor used as q, k: NaN there reaches nothing."""
+    first, gate, _ = _gate_problem("log_decay_fp32", 1, 17, 4, seed=3)
+    neighbour = [torch.full_like(t, float("nan")) for t in first[:4]]
+    data = [torch.cat([a, b], dim=1) for a, b in zip(first[:4], neighbour)] + first[4:]
+    cu_seqlens = torch.tensor([0, 17, 34], dtype=torch.int64, device="cuda")
+    ws, _, _ = _run_gate(*data, gate, cu_seqlens=cu_seqlens)
+    ref_first, _, exists_first = _run_gate(*first, gate)
+    tiles = ws.gt.shape[0] // 4
+    rows = (torch.arange(4, device="cuda")[:, None] * tiles + torch.arange(2, device="cuda")).flatten()
+    _assert_matches(type(ws)(*(field[rows] for field in ws)), ref_first, exists_first, "log decay tail next to NaN")

@@ -39,6 +39,24 @@ def test_prepare_entry(varlen):
     _same_kernel(PrepareKernel(varlen=varlen), *args)
 
 
+@pytest.mark.parametrize("gate,dtype", [("softplus", torch.bfloat16), ("none", torch.float32)])
+def test_prepare_entry_unbounded_gates(gate, dtype):
+    """The unbounded gates' K1 takes g in its own dtype and, for a log decay, no A_log / dt_bias (None)."""
+    from cute_kda.kernels.fwd_prepare import PrepareKernel
+    from cute_kda.ops.prepare import launch_arguments
+
+    heads, tokens = 2, 40
+    q = torch.zeros(1, tokens, heads, D, dtype=torch.bfloat16)
+    constants = gate != "none"
+    spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(tokens, 1, False))
+    args = launch_arguments(q, q, q.to(dtype), q[..., 0].contiguous(), torch.zeros(heads) if constants else None,
+                            torch.zeros(heads, D) if constants else None, allocate_workspace(spec, "cpu"), D ** -0.5,
+                            -5.0, tokens, None, None, cute.runtime.make_fake_stream(), tensor=to_cute_tensor)
+    _same_kernel(PrepareKernel(varlen=False, gate=gate, gate_dtype=getattr(cutlass, {torch.bfloat16: "BFloat16",
+                                                                                     torch.float32: "Float32"}[dtype])),
+                 *args)
+
+
 @pytest.mark.parametrize("vsplit, state", [(1, None), (4, torch.float32)], ids=["vs1-none", "vs4-fp32"])
 def test_recurrence_entry(vsplit, state):
     from cute_kda.kernels.fwd_recurrence import FwdRecurrence

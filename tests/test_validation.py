@@ -259,9 +259,43 @@ def test_plain_call_takes_the_one_pass_check(monkeypatch, extra):
     inputs.update(extra)
     options = dict(A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=inputs.get("lower_bound", -5.0),
                    scale=inputs.get("scale"), initial_state=inputs.get("initial_state"),
-                   final_state=inputs.get("final_state"), out=inputs.get("out"), vsplit=inputs.get("vsplit"))
+                   final_state=inputs.get("final_state"), out=inputs.get("out"), vsplit=inputs.get("vsplit"),
+                   gate="safe")
     tensors = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
     assert validation._is_plain_forward(*tensors, *options.values())
     fast = validation.validate_forward(*tensors, **options)
     monkeypatch.setattr(validation, "_is_plain_forward", lambda *args: False)
     assert validation.validate_forward(*tensors, **options) == fast == validation.ProblemShape(B, T, H, D, B, False)
+
+
+# ---------------------------------------------------------------- gate forms
+
+
+def test_unknown_gate():
+    expect(ValueError, "gate must be one of", "softplus", gate="sigmoid")
+
+
+def test_softplus_gate_passes_structure_and_needs_its_constants():
+    expect(ValueError, "q must be on a CUDA device", gate="softplus", lower_bound=-9.0)  # lower_bound is not read
+    expect(TypeError, "gate='softplus' needs A_log", gate="softplus", A_log=None)
+    expect(TypeError, "g", "bfloat16", gate="softplus", g=make_inputs()["g"].float())
+
+
+def test_log_decay_takes_bf16_or_fp32_and_no_constants():
+    log_decay = -make_inputs()["g"].float().abs()
+    expect(ValueError, "q must be on a CUDA device", gate="none", g=log_decay, A_log=None, dt_bias=None)
+    expect(ValueError, "q must be on a CUDA device", gate="none", g=log_decay.bfloat16(), A_log=None, dt_bias=None)
+    expect(ValueError, "pass A_log and dt_bias=None", gate="none", g=log_decay)
+    expect(TypeError, "g", "float16", gate="none", g=log_decay.half(), A_log=None, dt_bias=None)
+    expect(ValueError, "g must have shape", gate="none", g=log_decay[..., :64].contiguous(), A_log=None, dt_bias=None)
+
+
+@pytest.mark.parametrize("gate", ["softplus", "none"])
+def test_unbounded_gates_refuse_training(gate):
+    inputs = make_inputs()
+    if gate == "none":
+        inputs.update(g=-inputs["g"].float().abs(), A_log=None, dt_bias=None)
+    inputs["q"].requires_grad_()
+    q, k, v, g, beta = (inputs.pop(name) for name in ("q", "k", "v", "g", "beta"))
+    with pytest.raises(NotImplementedError, match=f"gate={gate!r} has no backward yet"):
+        cute_kda.kda_forward(q, k, v, g, beta, gate=gate, **inputs)

@@ -56,8 +56,11 @@ from .common.copy import (
     transpose_c_to_b,
     warp_tiled_mma,
 )
-from .common.fastmath import ex2_approx, sigmoid_approx
-from .common.token_prep import ROW_LANES, TokenPrep
+from ..numerics import DYADIC_BLOCKS, GATES, LOG2E
+from .common.fastmath import ex2_approx, lg2_approx, mul_rn, sigmoid_approx
+from .common.token_prep import CHANNELS_PER_LANE, ROW_LANES, TokenPrep
+
+LEVEL_ROWS = CHUNK // 2  # upper (and lower) rows of one straddle level, over all its blocks
 
 
 class PrepareInputs(NamedTuple):
@@ -104,16 +107,33 @@ class PrepareTma(NamedTuple):
 
 
 class PrepareKernel(TokenPrep):
-    """K1. Static configuration: ``varlen``, ``qk_l2norm``, ``beta_logits``, ``num_threads``."""
+    """K1. Static configuration: ``varlen``, ``qk_l2norm``, ``beta_logits``, ``gate``, ``gate_dtype``,
+    ``num_threads``.
 
-    def __init__(self, *, varlen: bool, qk_l2norm: bool = True, beta_logits: bool = True,
-                 num_threads: int = 128, ctas_per_sm: int = 8) -> None:
+    ``gate`` (:data:`cute_kda.numerics.GATES`): ``"safe"`` is the kernel above; ``"softplus"`` and ``"none"``
+    (a precomputed log decay, bf16 or fp32 ``g``) are unbounded below and run the overflow-free form of
+    docs/numerics.md ("Unbounded gates", scheme ``dyadic``), :meth:`prepare_tile_pairwise`.
+    """
+
+    def __init__(self, *, varlen: bool, qk_l2norm: bool = True, beta_logits: bool = True, gate: str = "safe",
+                 gate_dtype: type = BFloat16, num_threads: int = 128, ctas_per_sm: Optional[int] = None) -> None:
         if num_threads not in (128, 256):
             raise ValueError(f"num_threads must be 128 or 256, got {num_threads}")
+        if gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+        if gate_dtype not in (BFloat16, Float32) or (gate_dtype is Float32 and gate != "none"):
+            raise ValueError(f"g is bf16 (or fp32 with gate 'none'), got {gate_dtype} with gate {gate!r}")
+        self.pairwise = gate != "safe"
+        if self.pairwise and num_threads != HEAD_DIM:
+            raise ValueError(f"the unbounded gates' K1 runs one thread per channel ({HEAD_DIM}), got {num_threads}")
         self.varlen = varlen
         self.qk_l2norm = qk_l2norm
         self.beta_logits = beta_logits
+        self.gate = gate
+        self.gate_dtype = gate_dtype
         self.num_threads = num_threads
+        if ctas_per_sm is None:
+            ctas_per_sm = plan.PAIRWISE_CTAS_PER_SM if self.pairwise else 8
         self.ctas_per_sm = ctas_per_sm  # register budget: 65536 / (num_threads · ctas_per_sm)
         self.dim = HEAD_DIM
         self.tile = (CHUNK, HEAD_DIM)
@@ -143,13 +163,14 @@ class PrepareKernel(TokenPrep):
         """
         scalars = PrepareScalars(scale=scale, c_gate=c_gate, seq_len=seq_len)
         heads, d = inputs.beta.shape[cute.rank(inputs.beta) - 1], self.dim
+        with_constants = self.gate != "none"  # a log decay needs neither A_log nor dt_bias (None)
         inputs = PrepareInputs(
             q=plan.compact(inputs.q, (heads, d)),
             k=plan.compact(inputs.k, (heads, d)),
             g=plan.compact(inputs.g, (heads, d)),
             beta=plan.compact(inputs.beta, (heads,)),
-            a_log=plan.compact(inputs.a_log, ()),
-            dt_bias=plan.compact(inputs.dt_bias, (d,)),
+            a_log=plan.compact(inputs.a_log, ()) if with_constants else None,
+            dt_bias=plan.compact(inputs.dt_bias, (d,)) if with_constants else None,
         )
         ws = WorkspaceTiles(
             qd=plan.compact(ws.qd, (1, d)),
@@ -165,12 +186,12 @@ class PrepareKernel(TokenPrep):
         tma = PrepareTma(
             q=make_head_tile_tma_atom(load, inputs.q, tile, self.tile),
             k=make_head_tile_tma_atom(load, inputs.k, tile, self.tile),
-            g=make_head_tile_tma_atom(load, inputs.g, tile, self.tile),
+            g=None if self.pairwise else make_head_tile_tma_atom(load, inputs.g, tile, self.tile),
             qd=make_head_tile_tma_atom(store, ws.qd, tile, self.tile),
             kd=make_head_tile_tma_atom(store, ws.kd, tile, self.tile),
             kr=make_head_tile_tma_atom(store, ws.kr, tile, self.tile),
         )
-        self.shared_storage = plan.shared_storage(d)
+        self.shared_storage = plan.shared_storage(d, pairwise=self.pairwise)
         tiles = ws.gt.shape[0] // heads
         self.kernel(tma, inputs, ws, scalars, cu_seqlens, tile_base).launch(
             grid=(tiles, heads, 1), block=(self.num_threads, 1, 1), stream=stream,
@@ -192,7 +213,10 @@ class PrepareKernel(TokenPrep):
         tiles, _, _ = cute.arch.grid_dim()
         row0, valid_rows, exists, _ = self.locate_tile(tile_slot, scalars.seq_len, cu_seqlens, tile_base)
         if exists:
-            self.prepare_tile(tma, inputs, ws, scalars, head, head * tiles + tile_slot, row0, valid_rows)
+            if cutlass.const_expr(self.pairwise):
+                self.prepare_tile_pairwise(tma, inputs, ws, scalars, head, head * tiles + tile_slot, row0, valid_rows)
+            else:
+                self.prepare_tile(tma, inputs, ws, scalars, head, head * tiles + tile_slot, row0, valid_rows)
 
     @cute.jit
     def prepare_tile(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles,
@@ -213,7 +237,7 @@ class PrepareKernel(TokenPrep):
         tma_barrier = storage.tma_barrier.data_ptr()
 
         if warp_idx == 0:
-            self.load_inputs(tma, s_q, s_k, s_g, tma_barrier, head, row0)
+            self.load_inputs(((tma.q, s_q), (tma.k, s_k), (tma.g, s_g)), tma_barrier, head, row0)
         # gate inputs of this thread's scan column, fetched while the TMA runs
         col = tidx % self.dim
         dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, head, col)
@@ -238,15 +262,14 @@ class PrepareKernel(TokenPrep):
             self.store_tiles(tma, s_q, s_k, s_g, slot)
 
     @cute.jit
-    def load_inputs(self, tma: PrepareTma, s_q, s_k, s_g, tma_barrier, head: Int32, row0: Int32):
-        """Warp 0: one transaction barrier, three TMA tile loads starting at token row ``row0``."""
+    def load_inputs(self, tiles: tuple, tma_barrier, head: Int32, row0: Int32):
+        """Warp 0: one transaction barrier, TMA tile loads starting at token row ``row0``; ``tiles`` is
+        ``((atom, tma_tensor), smem)`` per tile."""
         with cute.arch.elect_one():
             cute.arch.mbarrier_init(tma_barrier, 1)
             cute.arch.mbarrier_init_fence()
-            cute.arch.mbarrier_arrive_and_expect_tx(
-                tma_barrier, plan.INPUT_TILES * plan.input_tile_bytes(self.dim)
-            )
-        for (atom, tma_tensor), smem in ((tma.q, s_q), (tma.k, s_k), (tma.g, s_g)):
+            cute.arch.mbarrier_arrive_and_expect_tx(tma_barrier, len(tiles) * plan.input_tile_bytes(self.dim))
+        for (atom, tma_tensor), smem in tiles:
             s_part, g_part = head_tile_tma_partition(
                 atom, cute.domain_offset((row0, 0, 0), tma_tensor), smem, head, self.tile
             )
@@ -272,9 +295,15 @@ class PrepareKernel(TokenPrep):
         fragment of the same matrix, and ``transpose_c_to_b`` turns them into the B fragment that
         makes it the right factor: ``X·Y`` = ``mma(A = X, B = transpose_c_to_b(Y))``.
         """
-        mma_bf16 = warp_tiled_mma(BFloat16, Float32)
-        a_kk = self.tile_product(mma_bf16, s_kd, s_kinv, lane)
-        coords = mma_bf16.get_slice(lane).partition_C(cute.make_identity_tensor((WARP_TILE, WARP_TILE)))
+        self.lower_inverse(self.tile_product(warp_tiled_mma(BFloat16, Float32), s_kd, s_kinv, lane),
+                           s_beta, ws_inv, slot, lane)
+
+    @cute.jit
+    def lower_inverse(self, a_kk: cute.Tensor, s_beta, ws_inv: cute.Tensor, slot: Int32, lane: Int32):
+        """``L = f16(β_i · A_kk[i, j])`` (i > j) from ``A_kk``'s fp32 C fragment, INV = (I + L)⁻¹ by the
+        Neumann product, stored to workspace slot ``slot``."""
+        coords = warp_tiled_mma(BFloat16, Float32).get_slice(lane).partition_C(
+            cute.make_identity_tensor((WARP_TILE, WARP_TILE)))
         mma_f16 = warp_tiled_mma(Float16, Float32)
         l_a = make_fragment(mma_f16, Operand.A, Float16)
         p1 = make_fragment(mma_f16, Operand.C, Float32)
@@ -337,8 +366,12 @@ class PrepareKernel(TokenPrep):
     @cute.jit
     def masked_qk(self, s_qd, s_kinv, ws_mqk: cute.Tensor, slot: Int32, lane: Int32):
         """Warp 1: ``Mqk = bf16(qd_i·kinv_j)`` for i ≥ j, else 0."""
+        self.store_mqk(self.tile_product(warp_tiled_mma(BFloat16, Float32), s_qd, s_kinv, lane), ws_mqk, slot, lane)
+
+    @cute.jit
+    def store_mqk(self, a_qk: cute.Tensor, ws_mqk: cute.Tensor, slot: Int32, lane: Int32):
+        """``Mqk = bf16(A_qk[i, j])`` for i ≥ j, else 0, from ``A_qk``'s fp32 C fragment, to slot ``slot``."""
         mma_bf16 = warp_tiled_mma(BFloat16, Float32)
-        a_qk = self.tile_product(mma_bf16, s_qd, s_kinv, lane)
         thr = mma_bf16.get_slice(lane)
         coords = thr.partition_C(cute.make_identity_tensor((WARP_TILE, WARP_TILE)))
         mqk = make_fragment(mma_bf16, Operand.C, BFloat16)
@@ -375,3 +408,222 @@ class PrepareKernel(TokenPrep):
             s_part, g_part = head_tile_tma_partition(atom, tma_tensor, smem, 0, self.tile)
             copies.append((atom, s_part, g_part[None, slot]))
         tma_store_tiles(*copies)
+
+    # ------------------------------------------------------------------------------------------
+    # the unbounded gates (docs/numerics.md, "Unbounded gates": the dyadic scheme)
+
+    @cute.jit
+    def prepare_tile_pairwise(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles,
+                              scalars: PrepareScalars, head: Int32, slot: Int32, row0: Int32, valid_rows: Int32):
+        """One tile with an unbounded gate: no ``2^−G`` is ever formed.
+
+        1. Warp 0 TMA-loads q and k; every thread (one per channel) loads its column of g.
+        2. Rows (16 lanes per row, as :meth:`decay`): the l2norm scales and Mqk's diagonal ``Σ_c qh·kh``.
+        3. Columns (one thread per channel, rows in order): the gate, ``a = 2^g'``, the prefix ``G`` and the
+           suffix ``Gs``, ``qd``, ``kd`` (over q, k), ``kr``, and per straddle level the factors (running
+           products of ``a`` outward from the block's middle row, all ≤ 1) and the operands X, Q.
+        4. Warp ``ℓ``: level ``ℓ``'s pair sums by one tensor-core product, scattered into ``A_kk`` / ``A_qk``.
+        5. Warp 0: L and INV; warp 1: Mqk; warp 2: TMA stores of qd, kd, kr.
+        """
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+
+        tile_layout = plan.chunk_tile(self.dim)
+        storage = SmemAllocator().allocate(self.shared_storage)
+        s_q = storage.q.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
+        s_k = storage.k.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
+        s_kr = storage.kr.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
+        s_levels = tuple(getattr(storage, f"level_rows{level}").get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
+                         for level in range(len(DYADIC_BLOCKS)))
+        s_lowers = tuple(getattr(storage, f"lower_rows{pair}").get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
+                         for pair in range(len(DYADIC_BLOCKS) // 2))
+        s_akk = storage.a_kk.get_tensor(plan.pair_matrix())
+        s_aqk = storage.a_qk.get_tensor(plan.pair_matrix())
+        s_beta = storage.beta.get_tensor(plan.row_vector())
+        s_q_scale = storage.q_scale.get_tensor(plan.row_vector())
+        s_k_scale = storage.k_scale.get_tensor(plan.row_vector())
+        s_diagonal = storage.mqk_diagonal.get_tensor(plan.row_vector())
+        tma_barrier = storage.tma_barrier.data_ptr()
+
+        if warp_idx == 0:
+            self.load_inputs(((tma.q, s_q), (tma.k, s_k)), tma_barrier, head, row0)
+        col = tidx
+        gate_in = self.load_gate_column(inputs.g, head, row0, valid_rows, col)  # in flight with the TMA
+        dt, e_a = Float32(0.0), Float32(1.0)
+        if cutlass.const_expr(self.gate != "none"):
+            dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, head, col)
+        if tidx < CHUNK:
+            self.activate_beta(inputs.beta, ws.beta, s_beta, head, slot, row0, valid_rows, tidx)
+        cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
+        cute.arch.mbarrier_wait(tma_barrier, 0)
+
+        self.row_scales(s_q, s_k, s_q_scale, s_k_scale, s_diagonal, scalars.scale, valid_rows, tidx)
+        cute.arch.sync_threads()
+        ws.gt[slot, col] = ex2_approx(self.pairwise_scan(
+            s_q, s_k, s_kr, s_levels, s_lowers, s_q_scale, s_k_scale, gate_in, dt, e_a, valid_rows, col))
+        cute.arch.fence_view_async_shared()  # generic-proxy smem writes → TMA store reads
+        cute.arch.sync_threads()
+        for level in cutlass.range_constexpr(len(DYADIC_BLOCKS)):
+            if warp_idx == level:
+                self.level_pair_sums(level, s_levels[level], s_lowers[level // 2], s_akk, s_aqk, lane)
+        cute.arch.sync_threads()
+
+        if warp_idx == self.kkt_warp:
+            self.lower_inverse(self.pair_fragment(s_akk, None, lane), s_beta, ws.inv, slot, lane)
+        elif warp_idx == self.qk_warp:
+            self.store_mqk(self.pair_fragment(s_aqk, s_diagonal, lane), ws.mqk, slot, lane)
+        elif warp_idx == self.store_warp:
+            self.store_tiles(tma, s_q, s_k, s_kr, slot)
+
+    @cute.jit
+    def load_gate_column(self, g: cute.Tensor, head: Int32, row0: Int32, valid_rows: Int32, col: Int32) -> cute.Tensor:
+        """Channel ``col`` of the tile's g rows as fp32 (0 on invalid rows: nothing past the sequence is read)."""
+        column = cute.make_rmem_tensor((CHUNK,), Float32)
+        for row in cutlass.range_constexpr(CHUNK):
+            value = Float32(0.0)
+            if row < valid_rows:
+                value = g[row0 + row, head, col].to(Float32)
+            column[row] = value
+        return column
+
+    @cute.jit
+    def base2_log_decay(self, g: Float32, dt: Float32, e_a: Float32) -> Float32:
+        """``g'`` (base 2, ≤ 0) of one entry: softplus ``−e^A · softplus2(g + dt_bias)`` or ``g · log2 e``.
+
+        ``softplus2(x) = max(y, 0) + lg2(1 + 2^−|y|)`` with ``y = x · log2 e``: no overflow for any g. The
+        final products are ``mul.rn`` so that the scan's add stays a separate rounding.
+        """
+        if cutlass.const_expr(self.gate == "softplus"):
+            y = (g + dt) * Float32(LOG2E)
+            softplus2 = cutlass.max(y, Float32(0.0)) + lg2_approx(Float32(1.0) + ex2_approx(cutlass.min(y, -y)))
+            return -mul_rn(e_a, softplus2)
+        return mul_rn(g, Float32(LOG2E))
+
+    @cute.jit
+    def row_scales(self, s_q, s_k, s_q_scale, s_k_scale, s_diagonal, scale: Float32, valid_rows: Int32, tidx: Int32):
+        """Per row: ``rq = rinv_q · scale``, ``rk = rinv_k`` (scale and 1 without l2norm) and Mqk's diagonal
+        ``Σ_c f32(qh·kh)`` (qh = q·rq, kh = k·rk; sequential over the lane's 8 channels, then the butterfly)."""
+        for item in cutlass.range_constexpr(self.decay_items):
+            flat = tidx + item * self.num_threads
+            row = flat // ROW_LANES
+            chunk = flat % ROW_LANES
+            valid = row < valid_rows
+            run = (1, CHANNELS_PER_LANE)
+            q_in = cute.make_rmem_tensor(run, BFloat16)
+            k_in = cute.make_rmem_tensor(run, BFloat16)
+            cute.autovec_copy(cute.local_tile(s_q, run, (row, chunk)), q_in)
+            cute.autovec_copy(cute.local_tile(s_k, run, (row, chunk)), k_in)
+            q32 = cute.make_rmem_tensor(run, Float32)
+            k32 = cute.make_rmem_tensor(run, Float32)
+            for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                q32[i] = Float32(cutlass.select_(valid, q_in[i].to(Float32), Float32(0.0)))
+                k32[i] = Float32(cutlass.select_(valid, k_in[i].to(Float32), Float32(0.0)))
+            q_rscale = scale
+            k_rscale = Float32(1.0)
+            if cutlass.const_expr(self.qk_l2norm):
+                q_rscale = self.row_rsqrt(q32) * scale
+                k_rscale = self.row_rsqrt(k32)
+            dot = Float32(0.0)
+            for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                k_hat = k32[i] * k_rscale if cutlass.const_expr(self.qk_l2norm) else k32[i]
+                dot = dot + mul_rn(q32[i] * q_rscale, k_hat)
+            for offset in (8, 4, 2, 1):
+                dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=offset)
+            if chunk == 0:
+                s_q_scale[row] = q_rscale
+                s_k_scale[row] = k_rscale
+                s_diagonal[row] = dot
+
+    @cute.jit
+    def pairwise_scan(self, s_q, s_k, s_kr, s_levels: tuple, s_lowers: tuple, s_q_scale, s_k_scale,
+                      gate_in: cute.Tensor, dt: Float32, e_a: Float32, valid_rows: Int32, col: Int32) -> Float32:
+        """Channel ``col`` of every row: qd, kd over q, k; kr; the straddle operands. Returns ``G_15``.
+
+        Level ``ℓ`` (blocks of ``b = 16 >> ℓ`` rows, middle row ``m`` the last of each block's first half):
+        an upper row ``r > m`` of block ``β`` takes slot ``β·b/2 + (r − m − 1)``, a lower row ``r ≤ m`` slot
+        ``β·b/2 + (r − β·b)``; ``factor`` runs ``a_{m+1}·…·a_r`` upwards and ``a_m·…·a_{r+1}`` downwards.
+        """
+        gp = cute.make_rmem_tensor((CHUNK,), Float32)
+        a = cute.make_rmem_tensor((CHUNK,), Float32)
+        qh = cute.make_rmem_tensor((CHUNK,), Float32)
+        kh = cute.make_rmem_tensor((CHUNK,), Float32)
+        # rows last to first first (g' and kh, the suffix sum, kr), so that g' is live during one pass only
+        suffix = Float32(0.0)
+        for step in cutlass.range_constexpr(CHUNK):
+            row = CHUNK - 1 - step
+            valid = row < valid_rows
+            gp[row] = Float32(cutlass.select_(valid, self.base2_log_decay(gate_in[row], dt, e_a), Float32(0.0)))
+            k_raw = Float32(cutlass.select_(valid, s_k[row, col].to(Float32), Float32(0.0)))
+            kh[row] = k_raw * s_k_scale[row] if cutlass.const_expr(self.qk_l2norm) else k_raw
+            s_kr[row, col] = (kh[row] * ex2_approx(suffix)).to(BFloat16)
+            suffix = suffix + gp[row]
+        prefix = Float32(0.0)
+        for row in cutlass.range_constexpr(CHUNK):
+            a[row] = ex2_approx(gp[row])
+            prefix = prefix + gp[row]
+            q_raw = Float32(cutlass.select_(row < valid_rows, s_q[row, col].to(Float32), Float32(0.0)))
+            qh[row] = q_raw * s_q_scale[row]
+            decay = ex2_approx(prefix)
+            s_q[row, col] = (qh[row] * decay).to(BFloat16)
+            s_k[row, col] = (kh[row] * decay).to(BFloat16)
+        for level in cutlass.range_constexpr(len(DYADIC_BLOCKS)):
+            block = DYADIC_BLOCKS[level]
+            half = block // 2
+            lower_base = LEVEL_ROWS * (level % 2)
+            for start in cutlass.range_constexpr(0, CHUNK, block):
+                middle = start + half - 1
+                slot0 = start // block * half
+                factor = Float32(1.0)
+                for r in cutlass.range_constexpr(middle, start - 1, -1):
+                    if cutlass.const_expr(r < middle):
+                        factor = factor * a[r + 1]
+                    s_lowers[level // 2][lower_base + slot0 + r - start, col] = (kh[r] * factor).to(BFloat16)
+                factor = a[middle + 1]
+                for r in cutlass.range_constexpr(middle + 1, start + block):
+                    if cutlass.const_expr(r > middle + 1):
+                        factor = factor * a[r]
+                    s_levels[level][slot0 + r - middle - 1, col] = (kh[r] * factor).to(BFloat16)
+                    s_levels[level][LEVEL_ROWS + slot0 + r - middle - 1, col] = (qh[r] * factor).to(BFloat16)
+        return prefix
+
+    @cute.jit
+    def level_pair_sums(self, level: int, s_level, s_lower, s_akk, s_aqk, lane: Int32):
+        """One warp: ``P = level_rows · lower_rowsᵀ`` (fp32), scattered: ``P[p, l]`` → ``A_kk[i, j]``,
+        ``P[8 + p, l]`` → ``A_qk[i, j]`` for the level's upper slot p (row i) and lower slot l (row j) of one
+        block; the other entries of P (pairs across blocks, the other level's columns) are dropped."""
+        mma_bf16 = warp_tiled_mma(BFloat16, Float32)
+        product = self.tile_product(mma_bf16, s_level, s_lower, lane)
+        coords = mma_bf16.get_slice(lane).partition_C(cute.make_identity_tensor((WARP_TILE, WARP_TILE)))
+        block = DYADIC_BLOCKS[level]
+        half = block // 2
+        lower_base = LEVEL_ROWS * (level % 2)
+        for i in cutlass.range_constexpr(cute.size(product)):
+            prow, pcol = coords[i]
+            upper_slot = prow % LEVEL_ROWS
+            lower_slot = pcol - lower_base
+            in_level = (lower_slot >= 0) & (lower_slot < LEVEL_ROWS)
+            if in_level & (upper_slot // half == lower_slot // half):
+                row_i = upper_slot // half * block + half + upper_slot % half
+                row_j = lower_slot // half * block + lower_slot % half
+                if prow < LEVEL_ROWS:
+                    s_akk[row_i, row_j] = product[i]
+                else:
+                    s_aqk[row_i, row_j] = product[i]
+
+    @cute.jit
+    def pair_fragment(self, s_pairs, s_diagonal, lane: Int32) -> cute.Tensor:
+        """The fp32 C fragment of ``s_pairs`` below the diagonal, ``s_diagonal`` on it (0 when None), 0 above."""
+        mma_bf16 = warp_tiled_mma(BFloat16, Float32)
+        coords = mma_bf16.get_slice(lane).partition_C(cute.make_identity_tensor((WARP_TILE, WARP_TILE)))
+        frag = make_fragment(mma_bf16, Operand.C, Float32)
+        for i in cutlass.range_constexpr(cute.size(frag)):
+            row, col = coords[i]
+            value = Float32(0.0)
+            if row > col:
+                value = s_pairs[row, col]
+            if cutlass.const_expr(s_diagonal is not None):
+                if row == col:
+                    value = s_diagonal[row]
+            frag[i] = value
+        return frag

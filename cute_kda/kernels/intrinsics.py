@@ -1,8 +1,8 @@
 """Elementwise kernel applying one approximate PTX math instruction to an fp32 tensor.
 
-The mirror reference (``cute_kda.reference.mirror``) evaluates ``tanh.approx.f32`` and
-``ex2.approx.ftz.f32`` through this kernel so that its results carry exactly the rounding of the
-instructions the forward kernels issue (docs/numerics.md). Both variants use the device helpers
+The mirror reference (``cute_kda.reference.mirror``) evaluates ``tanh.approx.f32``,
+``ex2.approx.ftz.f32`` and ``lg2.approx.f32`` through this kernel so that its results carry exactly the rounding of the
+instructions the forward kernels issue (docs/numerics.md). Every variant uses the device helpers
 of ``cute_kda.kernels.common.fastmath``, the same ones the forward kernels call.
 """
 
@@ -18,6 +18,7 @@ from .common import fastmath
 INTRINSICS: dict[str, Callable] = {
     "tanh": fastmath.tanh_approx,  # tanh.approx.f32
     "ex2": fastmath.ex2_approx,  # ex2.approx.ftz.f32
+    "lg2": fastmath.lg2_approx,  # lg2.approx.f32
 }
 
 

@@ -31,10 +31,15 @@ struct's ``get_tensor(layout.outer, swizzle=layout.inner)`` does.
 from ..dsl import cute, cutlass
 from .analysis import layout_spec
 from .budget import SmemBudget, SmemBuffer, SmemGroup, mbarriers
+from ..numerics import DYADIC_BLOCKS
 from .smem import CHUNK, HEAD_DIM, row_major_tile, sw128_tile
 
+DYADIC_LEVELS = len(DYADIC_BLOCKS)
+
 INPUT_TILES = 3  # q, k, g: the TMA transaction of one CTA
+PAIRWISE_INPUT_TILES = 2  # q, k: the unbounded gates' K1 reads g column by column instead
 BETA_ALIGN = 16  # β is read and written element by element, never by the TMA
+PAIRWISE_CTAS_PER_SM = 5  # the unbounded gates' K1: ≈ 39 KB of shared memory a CTA
 
 
 def chunk_tile(dim: int = HEAD_DIM, chunk: int = CHUNK, dtype: type = cutlass.BFloat16):
@@ -50,6 +55,11 @@ def gate_cumsum_tile(dim: int = HEAD_DIM, chunk: int = CHUNK):
 def row_vector(chunk: int = CHUNK):
     """``[CHUNK]`` contiguous (β per row)."""
     return cute.make_layout(chunk)
+
+
+def pair_matrix(chunk: int = CHUNK):
+    """``[CHUNK, CHUNK]`` fp32 row-major: the pair sums ``A_kk``, ``A_qk`` of the unbounded gates' K1."""
+    return row_major_tile(chunk, chunk)
 
 
 def input_tile_bytes(dim: int = HEAD_DIM, chunk: int = CHUNK) -> int:
@@ -73,9 +83,46 @@ def smem_budget(dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
     )))
 
 
-def shared_storage(dim: int = HEAD_DIM, chunk: int = CHUNK):
-    """The ``cute.struct`` of K1's shared memory: :func:`smem_budget`'s fields, offsets and size."""
-    return smem_budget(dim, chunk).storage_struct()
+def pairwise_smem_budget(dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
+    """Shared-memory plan of K1 for the unbounded gates (softplus, a precomputed log decay).
+
+    The straddle levels of docs/numerics.md ("Unbounded gates", scheme ``dyadic``): level ``ℓ`` has blocks
+    of ``16 >> ℓ`` rows, and each block's upper half pairs with its lower half. ``level_rows{ℓ}`` holds the
+    level's 8 upper rows of ``X = kh ⊙ factor`` (rows 0-7) and of ``Q = qh ⊙ factor`` (rows 8-15);
+    ``lower_rows{p}`` the 8 lower rows of ``X`` of levels ``2p`` (rows 0-7) and ``2p + 1`` (rows 8-15). One
+    tensor-core product ``level_rows · lower_rowsᵀ`` then gives a level's pair sums of ``A_kk`` and ``A_qk``.
+    """
+    tile = layout_spec(f"chunk_tile({dim},{chunk})", chunk_tile, dim, chunk, dtype=cutlass.BFloat16)
+    pairs = layout_spec(f"pair_matrix({chunk})", pair_matrix, chunk, dtype=cutlass.Float32)
+    rows = layout_spec(f"row_vector({chunk})", row_vector, chunk, dtype=cutlass.Float32)
+    levels = tuple(
+        SmemBuffer(f"level_rows{level}", tile, note=f"level {level}: X upper rows 0-7, Q upper rows 8-15")
+        for level in range(DYADIC_LEVELS)
+    )
+    lowers = tuple(
+        SmemBuffer(f"lower_rows{pair}", tile, note=f"X lower rows of levels {2 * pair} (0-7) and {2 * pair + 1} (8-15)")
+        for pair in range(DYADIC_LEVELS // 2)
+    )
+    return SmemBudget(f"K1 unbounded gates D={dim} CHUNK={chunk}", SmemGroup("PairwisePrepareStorage", (
+        SmemBuffer("q", tile, note="TMA-loaded q; qd written over it"),
+        SmemBuffer("k", tile, note="TMA-loaded k; kd written over it"),
+        SmemBuffer("kr", tile, note="kr = kh ⊙ 2^Gs (suffix sum)"),
+        *levels,
+        *lowers,
+        SmemBuffer("a_kk", pairs, note="A_kk[i, j], i > j, from the level products"),
+        SmemBuffer("a_qk", pairs, note="A_qk[i, j], i > j, from the level products"),
+        SmemBuffer("beta", rows, align_bytes=BETA_ALIGN, note="activated β per row, 0 on invalid rows"),
+        SmemBuffer("q_scale", rows, align_bytes=BETA_ALIGN, note="rinv_q · scale per row (scale without l2norm)"),
+        SmemBuffer("k_scale", rows, align_bytes=BETA_ALIGN, note="rinv_k per row (1 without l2norm)"),
+        SmemBuffer("mqk_diagonal", rows, align_bytes=BETA_ALIGN, note="Σ_c qh·kh per row (Mqk's diagonal)"),
+        mbarriers("tma_barrier", 1, "transaction barrier of the q, k loads"),
+    )))
+
+
+def shared_storage(dim: int = HEAD_DIM, chunk: int = CHUNK, pairwise: bool = False):
+    """The ``cute.struct`` of K1's shared memory: :func:`smem_budget`'s (or with ``pairwise``
+    :func:`pairwise_smem_budget`'s) fields, offsets and size."""
+    return (pairwise_smem_budget if pairwise else smem_budget)(dim, chunk).storage_struct()
 
 
 def compact(tensor: cute.Tensor, inner: tuple) -> cute.Tensor:

@@ -1,7 +1,7 @@
 """Torch launchers of :class:`cute_kda.kernels.intrinsics.ApproxIntrinsicKernel`.
 
-``tanh_approx(x)`` / ``ex2_approx(x)`` return a new fp32 tensor of ``x``'s shape holding
-``tanh.approx.f32`` / ``ex2.approx.ftz.f32`` of every element, computed on ``x``'s GPU on the
+``tanh_approx(x)`` / ``ex2_approx(x)`` / ``lg2_approx(x)`` return a new fp32 tensor of ``x``'s shape
+holding ``tanh.approx.f32`` / ``ex2.approx.ftz.f32`` / ``lg2.approx.f32`` of every element, computed on ``x``'s GPU on the
 current stream. The mirror reference uses them to see the kernels' exact instruction results.
 """
 
@@ -47,3 +47,8 @@ def tanh_approx(x: torch.Tensor) -> torch.Tensor:
 def ex2_approx(x: torch.Tensor) -> torch.Tensor:
     """``ex2.approx.ftz.f32`` (2^x, subnormal inputs and results flushed to 0) of every element of ``x``."""
     return _launch("ex2", x)
+
+
+def lg2_approx(x: torch.Tensor) -> torch.Tensor:
+    """``lg2.approx.f32`` (log2 x) of every element of the CUDA fp32 tensor ``x``."""
+    return _launch("lg2", x)

@@ -57,7 +57,7 @@ def launch_arguments(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float,
     ``tensor(t, assumed_align)`` converts each tensor: :func:`~._cache.launch_tensor` (the default)
     for a call of the compiled function, :func:`~._cache.to_cute_tensor` for the compile.
     """
-    if A_log.dim() != 1 or dt_bias.dim() != 2:
+    if A_log is not None and (A_log.dim() != 1 or dt_bias.dim() != 2):  # None: gate "none" (no constants)
         heads, dim = q.shape[2], q.shape[3]
         A_log, dt_bias = A_log.view(heads), dt_bias.view(heads, dim)
     scalars = _fp32_scalars(scale, lower_bound)
@@ -65,8 +65,8 @@ def launch_arguments(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float,
         inputs = _prepare_inputs()(q, k, g, beta, A_log, dt_bias)
         return inputs, _launch_tiles(ws), *scalars, seq_len, cu_seqlens, tile_base, stream
     inputs = _prepare_inputs()(  # [B, T, ...] as given: the kernel folds B·T (layouts.fwd_prepare.compact)
-        q=tensor(q, 16), k=tensor(k, 16), g=tensor(g, 16), beta=tensor(beta, 2), a_log=tensor(A_log, 4),
-        dt_bias=tensor(dt_bias, 4),
+        q=tensor(q, 16), k=tensor(k, 16), g=tensor(g, 16), beta=tensor(beta, 2),
+        a_log=None if A_log is None else tensor(A_log, 4), dt_bias=None if dt_bias is None else tensor(dt_bias, 4),
     )
     return (inputs, _workspace_tiles(ws, tensor), *scalars, seq_len, tensor(cu_seqlens, 8), tensor(tile_base, 4),
             stream)
@@ -122,28 +122,38 @@ def forget_launch_tiles() -> None:
     _LAST_TILES = (None, None)
 
 
-def _compile_arguments(varlen: bool) -> tuple:
+def _compile_arguments(varlen: bool, gate: str, g_dtype: torch.dtype) -> tuple:
     """:func:`launch_arguments` of a K1 variant for the compile: ``meta`` tensors, a fake stream."""
     q = torch.empty((1, CHUNK, 1, _DIM), dtype=torch.bfloat16, device=_META)
+    g = torch.empty(q.shape, dtype=g_dtype, device=_META)
     ws = allocate_workspace(WorkspaceSpec(heads=1, tiles=2), _META)
     cu_seqlens = torch.empty(2, dtype=torch.int64, device=_META) if varlen else None
     tile_base = torch.empty(2, dtype=torch.int32, device=_META) if varlen else None
-    A_log = torch.empty(1, dtype=torch.float32, device=_META)
-    dt_bias = torch.empty((1, _DIM), dtype=torch.float32, device=_META)
-    return launch_arguments(q, q, q, q[..., 0], A_log, dt_bias, ws, 1.0, -1.0, CHUNK, cu_seqlens, tile_base,
-                        fake_stream(), tensor=to_cute_tensor)
+    constants = gate != "none"
+    A_log = torch.empty(1, dtype=torch.float32, device=_META) if constants else None
+    dt_bias = torch.empty((1, _DIM), dtype=torch.float32, device=_META) if constants else None
+    return launch_arguments(q, q, g, q[..., 0], A_log, dt_bias, ws, 1.0, -1.0, CHUNK, cu_seqlens, tile_base,
+                            fake_stream(), tensor=to_cute_tensor)
 
 
-def compiled_variant(varlen: bool, qk_l2norm: bool, beta_logits: bool, index: int):
-    """The K1 variant for these flags on device ``index``, compiled (from fake tensors) on first use."""
+_GATE_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}  # g's torch dtype → the DSL type's name
+
+
+def compiled_variant(varlen: bool, qk_l2norm: bool, beta_logits: bool, index: int, gate: str = "safe",
+                     g_dtype: torch.dtype = torch.bfloat16):
+    """The K1 variant for these flags, ``gate`` (:data:`cute_kda.numerics.GATES`) and g's dtype (bf16; fp32
+    with gate "none") on device ``index``, compiled (from fake tensors) on first use."""
 
     def build():
+        import cutlass
+
         from ..kernels.fwd_prepare import PrepareKernel
 
-        kernel = PrepareKernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
-        return compile_for_launch(kernel, *_compile_arguments(varlen))
+        kernel = PrepareKernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
+                               gate_dtype=getattr(cutlass, _GATE_DTYPES[g_dtype]))
+        return compile_for_launch(kernel, *_compile_arguments(varlen, gate, g_dtype))
 
-    return _PREPARE.get((varlen, qk_l2norm, beta_logits, index), build)
+    return _PREPARE.get((varlen, qk_l2norm, beta_logits, gate, g_dtype, index), build)
 
 
 def prepare(
@@ -151,8 +161,8 @@ def prepare(
     k: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
     ws: Workspace,
     *,
     scale: float,
@@ -161,12 +171,14 @@ def prepare(
     tile_base: torch.Tensor | None = None,
     qk_l2norm: bool = True,
     beta_logits: bool = True,
+    gate: str = "safe",
     stream=None,
 ) -> None:
     """Run K1: fill ``ws`` (``tiles_per_head(B·T, N, varlen)`` slots per head) from the raw inputs.
 
-    q, k, g: bf16 ``[B, T, H, 128]``; beta: bf16 ``[B, T, H]`` (logits if ``beta_logits``); A_log fp32
-    ``[H]``; dt_bias fp32 ``[H, 128]``; ``cu_seqlens`` int64 ``[N+1]`` (then ``B == 1``) with
+    q, k: bf16 ``[B, T, H, 128]``; g ``[B, T, H, 128]``: bf16 raw gate (``gate`` "safe" or "softplus"), or
+    the log decay, bf16 or fp32 (``gate="none"``); beta: bf16 ``[B, T, H]`` (logits if ``beta_logits``); A_log
+    fp32 ``[H]``; dt_bias fp32 ``[H, 128]`` (None with gate "none"); ``cu_seqlens`` int64 ``[N+1]`` (then ``B == 1``) with
     ``tile_base = tile_bases(cu_seqlens)`` (computed here when omitted). Slots without a tile are
     left untouched. Launches on ``stream`` (a ``CUstream``; default torch's current stream on q's
     device); returns without synchronising.
@@ -179,16 +191,18 @@ def prepare(
         stream = current_stream(device)
     if cu_seqlens is not None and tile_base is None:
         tile_base = tile_bases(cu_seqlens, stream=stream)
-    compiled = compiled_variant(cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), device_index(device))
+    compiled = compiled_variant(cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), device_index(device), gate,
+                                g.dtype)
     with on_device(device):
         compiled(*launch_arguments(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, steps, cu_seqlens, tile_base,
                                stream))
 
 
-def compile_prepare(*, qk_l2norm: bool, beta_logits: bool, varlen: bool, device: torch.device | str) -> None:
+def compile_prepare(*, qk_l2norm: bool, beta_logits: bool, varlen: bool, device: torch.device | str,
+                    gate: str = "safe", g_dtype: torch.dtype = torch.bfloat16) -> None:
     """Compile (or load from the disk cache) the K1 variant for these flags on ``device`` ahead of
     time, and with ``varlen`` the tile prefix kernel too; nothing is allocated or launched."""
     index = device_index(torch.device(device))
-    compiled_variant(varlen, bool(qk_l2norm), bool(beta_logits), index)
+    compiled_variant(varlen, bool(qk_l2norm), bool(beta_logits), index, gate, g_dtype)
     if varlen:
         _TILE_PREFIX.get((index,), _compile_tile_prefix)

@@ -37,11 +37,13 @@ from typing import NamedTuple
 
 import torch
 
+from ..numerics import DYADIC_BLOCKS
 from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace
 from .backward import _EXACT, _tile_blocks, chunk_bwd_scan_exact, chunk_fwd_states_exact
 from .gold import L2NORM_EPS, channel_log_decay, expand_to_value_heads, value_head_group
 from .mirror import (
-    Constants, _l2norm_rinv, _mma, _TileMap, _to_tiles, _token_tile_map, ex2_approx, sigmoid_approx,
+    Constants, _l2norm_rinv, _mma, _row_butterfly_sum, _TileMap, _to_tiles, _token_tile_map, ex2_approx, lg2_approx,
+    sigmoid_approx,
 )
 
 # the proposed ways of computing K1's pairwise sums, measured in docs/numerics.md ("Unbounded gates")
@@ -117,7 +119,6 @@ def pairwise_tile_products_backward(
     return dqs, dkh, dgamma
 
 
-DYADIC_BLOCKS = (CHUNK, CHUNK // 2, CHUNK // 4, CHUNK // 8)  # the straddle levels: blocks of 16, 8, 4, 2 rows
 
 
 def _straddle_geometry(block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -499,12 +500,6 @@ def chunk_backward_pairwise_exact(
 # The rounded mirror of the proposed K1 kernels
 
 
-def _lg2_approx(x: torch.Tensor) -> torch.Tensor:
-    """``lg2.approx.f32`` of an fp32 tensor; torch's log2 stands in for it on every device (no DSL
-    intrinsic yet: a design-stage mirror)."""
-    return torch.log2(x)
-
-
 def _base2_log_decay(
     g: torch.Tensor, key_dim: int, gate: str, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
     consts: Constants,
@@ -530,7 +525,7 @@ def _base2_log_decay(
             gp = consts.c_gate * sigmoid_approx(e_a * (g32 + bias))
         elif gate == "softplus":
             y = (g32 + bias) * consts.log2e
-            softplus2 = torch.clamp(y, min=0.0) + _lg2_approx(1.0 + ex2_approx(-y.abs()))
+            softplus2 = torch.clamp(y, min=0.0) + lg2_approx(1.0 + ex2_approx(-y.abs()))
             gp = -(e_a * softplus2)
         else:
             raise ValueError(f"gate must be 'safe', 'softplus' or 'none', got {gate!r}")
@@ -560,11 +555,39 @@ def _cuda_core_pairs(qh: torch.Tensor, kh: torch.Tensor, spans: torch.Tensor) ->
     return A, A_qk
 
 
-def _straddle_operands(qh: torch.Tensor, kh: torch.Tensor, spans: torch.Tensor, block: int
+def _running_straddle_factor(a: torch.Tensor, block: int) -> torch.Tensor:
+    """K1's factors of one straddle level (:func:`_straddle_factor`) ``[..., 16, K]`` fp32 from ``a = ex2(g')``,
+    as running products outward from each block's middle row m: upper rows ``f_{m+1} = a_{m+1}``,
+    ``f_r = f32(f_{r−1}·a_r)``; lower rows ``f_m = 1``, ``f_r = f32(f_{r+1}·a_{r+1})``. The upper rows equal the
+    spans ``E[r, m]`` bit for bit; the lower ones are ``E[m, r]`` multiplied from the other end."""
+    rows: list[torch.Tensor] = [a[..., 0, :]] * CHUNK
+    for start in range(0, CHUNK, block):
+        middle = start + block // 2 - 1
+        rows[middle] = torch.ones_like(a[..., 0, :])
+        for r in range(middle - 1, start - 1, -1):
+            rows[r] = rows[r + 1] * a[..., r + 1, :]
+        rows[middle + 1] = a[..., middle + 1, :]
+        for r in range(middle + 2, start + block):
+            rows[r] = rows[r - 1] * a[..., r, :]
+    return torch.stack(rows, dim=-2)
+
+
+def _row_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``Σ_c x_c·y_c`` per row of fp32 ``[..., D]`` in K1's order: fp32 products, sequential partials over 8
+    consecutive channels, then the butterfly over the D/8 partials → ``[...]``."""
+    products = (x * y).unflatten(-1, (-1, 8))
+    partial = products[..., 0]
+    for c in range(1, 8):
+        partial = partial + products[..., c]
+    return _row_butterfly_sum(partial)
+
+
+def _straddle_operands(qh: torch.Tensor, kh: torch.Tensor, a: torch.Tensor, block: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One straddle level (:func:`_straddle_factor`) with the fp32 spans: (X, Q, mask), X = bf16(kh ⊙ factor)
-    on every row, Q = bf16(qh ⊙ factor) on upper rows (0 on lower rows) ``[..., 16, K]``."""
-    factor, upper, mask = _straddle_factor(spans, block)
+    """One straddle level with K1's factors (:func:`_running_straddle_factor`): (X, Q, mask),
+    X = bf16(kh ⊙ factor) on every row, Q = bf16(qh ⊙ factor) on upper rows (0 on lower rows) ``[..., 16, K]``."""
+    factor = _running_straddle_factor(a, block)
+    _, upper, mask = _straddle_geometry(block, kh.device)
     X = (kh * factor).bfloat16()
     Q = torch.where(upper[:, None], qh * factor, torch.zeros((), device=kh.device)).bfloat16()
     return X, Q, mask
@@ -609,13 +632,18 @@ def _scheme_products(scheme: str, qh: torch.Tensor, kh: torch.Tensor, gp: torch.
         k16 = kh.bfloat16()
         return (spans * _mma(k16, k16.transpose(-1, -2)),
                 spans * _mma(qh.bfloat16(), k16.transpose(-1, -2)))
-    spans = _decay_spans(ex2_approx(gp))
-    A, A_qk = _cuda_core_pairs(qh, kh, spans)
-    if scheme == "pairwise":
-        return A, A_qk
-    levels = {"halves": DYADIC_BLOCKS[:1], "dyadic": DYADIC_BLOCKS}[scheme]
+    a = ex2_approx(gp)
+    if scheme == "dyadic":  # every pair i > j on one level; the diagonal in K1's order
+        A = torch.zeros(*gp.shape[:-1], CHUNK, dtype=torch.float32, device=gp.device)
+        A_qk = torch.diag_embed(_row_dot(qh, kh))
+        levels = DYADIC_BLOCKS
+    else:
+        A, A_qk = _cuda_core_pairs(qh, kh, _decay_spans(a))
+        if scheme == "pairwise":
+            return A, A_qk
+        levels = DYADIC_BLOCKS[:1]
     for block in levels:  # each straddle level on the tensor cores replaces the CUDA-core values of its pairs
-        X, Q, mask = _straddle_operands(qh, kh, spans, block)
+        X, Q, mask = _straddle_operands(qh, kh, a, block)
         A = torch.where(mask, _mma(X, X.transpose(-1, -2)), A)
         A_qk = torch.where(mask, _mma(Q, X.transpose(-1, -2)), A_qk)
     return A, A_qk

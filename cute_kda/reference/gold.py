@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..numerics import GATES
+
 L2NORM_EPS = 1e-6
-GATES = ("safe", "softplus", "none")
 STATE_LAYOUTS = ("vk", "kv")
 
 

@@ -77,6 +77,16 @@ def ex2_approx(x: torch.Tensor) -> torch.Tensor:
     return _flush_subnormals(torch.exp2(_flush_subnormals(x)))
 
 
+def lg2_approx(x: torch.Tensor) -> torch.Tensor:
+    """``lg2.approx.f32`` of an fp32 tensor (on CPU: ``torch.log2``)."""
+    if x.is_cuda:
+        from ..ops.intrinsics import lg2_approx as launch
+
+        return launch(x)
+    _warn_inexact_once()
+    return torch.log2(x)
+
+
 def sigmoid_approx(x: torch.Tensor) -> torch.Tensor:
     """``f32(0.5 · tanh_approx(0.5 · x) + 0.5)``: both products are exact, one rounding in the sum."""
     return tanh_approx(x * 0.5) * 0.5 + 0.5
@@ -189,10 +199,16 @@ def _l2norm_rinv(x: torch.Tensor, eps: float) -> torch.Tensor:
     partial = squares[..., 0]
     for c in range(1, 8):
         partial = partial + squares[..., c]
+    return torch.reciprocal(torch.sqrt(_row_butterfly_sum(partial) + eps)[..., None])
+
+
+def _row_butterfly_sum(partial: torch.Tensor) -> torch.Tensor:
+    """The ``shfl.xor`` butterfly (offsets n/2, …, 1) over the last axis of fp32 partials → ``[...]``: lane
+    ``j`` adds lane ``j ^ offset``, so the halves are added elementwise, then their halves, …"""
     while partial.shape[-1] > 1:
         half = partial.shape[-1] // 2
         partial = partial[..., :half] + partial[..., half:]
-    return torch.reciprocal(torch.sqrt(partial + eps))
+    return partial[..., 0]
 
 
 class _K1Rows(NamedTuple):
@@ -441,8 +457,8 @@ def mirror_forward(
     g: torch.Tensor,
     beta: torch.Tensor,
     *,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
     lower_bound: float,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
@@ -452,15 +468,23 @@ def mirror_forward(
     qk_l2norm: bool = True,
     beta_logits: bool = True,
     state_layout: str = "vk",
+    gate: str = "safe",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`mirror_prepare` then :func:`mirror_recurrence`.
+    """:func:`mirror_prepare` (or for the unbounded gates ``"softplus"`` and ``"none"`` K1's overflow-free
+    form, :func:`~.gates.mirror_prepare_gates` with scheme ``"dyadic"``) then :func:`mirror_recurrence`.
 
     ``state_dtype`` None: the initial state's dtype, fp32 when there is none.
     """
-    ws = mirror_prepare(
-        q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-        cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
-    )
+    if gate == "safe":
+        ws = mirror_prepare(
+            q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+            cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+        )
+    else:
+        from .gates import mirror_prepare_gates  # gates builds on this module
+
+        ws = mirror_prepare_gates(q, k, g, beta, scheme="dyadic", gate=gate, A_log=A_log, dt_bias=dt_bias,
+                                  scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
     if state_dtype is None:
         state_dtype = torch.float32 if initial_state is None else initial_state.dtype
     return mirror_recurrence(

@@ -46,6 +46,12 @@ def ex2_approx(x: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def lg2_approx(x: Float32, *, loc=None, ip=None) -> Float32:
+    """``lg2.approx.f32`` (log2 x; the softplus gate takes it of 1 + 2^−|y| ∈ [1, 2])."""
+    return _one_instruction("lg2.approx.f32 $0, $1;", Float32, x, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     """``mul.rn.f32``: a product that neither LLVM nor ptxas may fuse into a following add."""
     return _one_instruction("mul.rn.f32 $0, $1, $2;", Float32, a, b, loc=loc, ip=ip)

@@ -1,0 +1,42 @@
+"""CPU checks of ``benchmarks/bench_gates.py``: its rows, its inputs for each gate form, the table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bench_script
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return bench_script.load("bench_gates")
+
+
+def test_rows_cover_kimi_linear_and_the_log_decay(bench):
+    assert set(bench.ROWS) == set(bench.ALL_SHAPES)
+    assert {bench.ROWS[name] for name in bench.KIMI_SHAPES} == {"softplus"}
+    assert all(bench.ALL_SHAPES[name].heads == 32 for name in bench.KIMI_SHAPES)
+    assert bench.ROWS["B1_T8192_H96"] == "log_decay"
+
+
+def test_inputs_per_gate(bench, monkeypatch):
+    small = bench.ALL_SHAPES["kimi_varlen6_H32"].__class__((40, 9), 2, varlen=True)
+    monkeypatch.setitem(bench.ALL_SHAPES, "tiny", small)
+    softplus = bench.gate_inputs("tiny", "softplus", torch.device("cpu"))
+    assert softplus["g"].dtype == torch.bfloat16 and softplus["A_log"].exp().min() >= 1
+    log_decay = bench.gate_inputs("tiny", "log_decay", torch.device("cpu"))
+    assert log_decay["g"].dtype == torch.float32 and (log_decay["g"] <= 0).all()
+    assert log_decay["A_log"] is None and log_decay["dt_bias"] is None
+    # the log decay is the softplus gate of the same raw inputs
+    x = softplus["g"].float() + softplus["dt_bias"]
+    torch.testing.assert_close(log_decay["g"], -softplus["A_log"].exp()[:, None] * torch.nn.functional.softplus(x))
+
+
+def test_table(bench):
+    rows = [dict(shape="kimi_T4096_H32", gate="softplus", ms={"cute_kda": 0.5, "FLA chunk_kda": 1.0},
+                 err=(1e-3, 2e-3)),
+            dict(shape="B1_T8192_H96", gate="log_decay", ms={"cute_kda": 1.0}, err=None)]
+    table = bench.markdown(rows).splitlines()
+    assert "2.00×" in table[2] and "1.0e-03 / 2.0e-03" in table[2]
+    assert table[3].count("—") == 3
