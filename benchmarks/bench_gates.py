@@ -8,13 +8,18 @@ Two gate forms (docs/numerics.md, "Unbounded gates"):
   ``2^−G``, which overflows), so it is not a peer here.
 - ``log_decay``: g given as the fp32 log decay (FLA's ``use_gate_in_kernel=False``), that same softplus gate
   evaluated outside, on design.md's main forward shape.
+- ``gdn_softplus`` / ``gdn_log_decay``: GatedDeltaNet (Qwen3-Next / Qwen3.5: H = 16 q/k heads, HV = 32 value
+  heads), one decay per value head, through ``cute_kda.chunk_gated_delta_rule`` against FLA's
+  ``chunk_gated_delta_rule`` with the same arguments (FLA's default ``[N, HV, K, V]`` fp32 state).
 
 fp32 state in and out (v-first), l2norm and β logits in the kernels. Times are medians of
 ``triton.testing.do_bench`` (L2 cleared before every repetition); the rel-RMS columns compare with FLA's
 outputs on the same inputs. The table is written to ``--out`` after every row.
 
     python benchmarks/bench_gates.py                                  # every row
-    python benchmarks/bench_gates.py --shapes kimi_T4096_H32 --gates softplus
+    python benchmarks/bench_gates.py --shapes kimi_T4096_H32,gdn_T8192_H16_HV32
+
+The FLA column is FLA's ``chunk_kda`` for the KDA rows and its ``chunk_gated_delta_rule`` for the GDN rows.
 """
 
 from __future__ import annotations
@@ -37,13 +42,22 @@ from cute_kda.reference import rel_rms  # noqa: E402
 
 from shapes import D, KIMI_SHAPES, SHAPES, make_inputs  # noqa: E402
 
-ROWS = {**{name: "softplus" for name in KIMI_SHAPES}, "B1_T8192_H96": "log_decay"}
-ALL_SHAPES = {**KIMI_SHAPES, "B1_T8192_H96": SHAPES["B1_T8192_H96"]}
+GDN_SHAPES = {  # (lengths, q/k heads, value heads)
+    "gdn_T8192_H16_HV32": ((8192,), 16, 32),
+    "gdn_T32768_H16_HV32": ((32768,), 16, 32),
+    "gdn_varlen6_H16_HV32": ((1300, 547, 2048, 963, 271, 3063), 16, 32),
+}
+ROWS = {**{name: "softplus" for name in KIMI_SHAPES}, "B1_T8192_H96": "log_decay",
+        "gdn_T8192_H16_HV32": "gdn_softplus", "gdn_T32768_H16_HV32": "gdn_softplus",
+        "gdn_varlen6_H16_HV32": "gdn_log_decay"}
+ALL_SHAPES = {**KIMI_SHAPES, "B1_T8192_H96": SHAPES["B1_T8192_H96"], **GDN_SHAPES}
 
 
 def gate_inputs(name: str, gate: str, device: torch.device) -> dict:
     """The shape's inputs with the gate of ``gate``: a raw bf16 gate at Kimi-Linear's initialisation, or the
     fp32 log decay that gate gives."""
+    if gate.startswith("gdn"):
+        return gdn_inputs(name, gate, device)
     shape = ALL_SHAPES[name]
     inputs = make_inputs(shape, device)
     gen = torch.Generator(device=device).manual_seed(1)
@@ -55,8 +69,50 @@ def gate_inputs(name: str, gate: str, device: torch.device) -> dict:
     return inputs
 
 
+def gdn_inputs(name: str, gate: str, device: torch.device) -> dict:
+    """GatedDeltaNet's ``chunk_gated_delta_rule`` arguments: q, k ``[B, T, H, D]``; v ``[B, T, HV, D]``; g ``[B, T, HV]``
+    raw bf16 (with A_log, dt_bias ``[HV]``) or the fp32 log decay; β logits; an fp32 ``[N, HV, K, V]`` state."""
+    lengths, heads, value_heads = GDN_SHAPES[name]
+    gen = torch.Generator(device=device).manual_seed(0)
+    varlen = len(lengths) > 1
+    batch, steps = (1, sum(lengths)) if varlen else (len(lengths), lengths[0])
+
+    def randn(*size, dtype=torch.bfloat16):
+        return torch.randn(*size, generator=gen, device=device).to(dtype)
+
+    A_log = torch.log(torch.rand(value_heads, generator=gen, device=device) * 15 + 1)
+    dt_bias = torch.rand(value_heads, generator=gen, device=device)
+    g = randn(batch, steps, value_heads)
+    kwargs = dict(q=randn(batch, steps, heads, D), k=randn(batch, steps, heads, D), v=randn(batch, steps, value_heads, D),
+                  beta=randn(batch, steps, value_heads), scale=D ** -0.5, output_final_state=True,
+                  initial_state=0.1 * randn(len(lengths), value_heads, D, D, dtype=torch.float32),
+                  use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                  cu_seqlens=torch.tensor((0, *lengths), device=device).cumsum(0) if varlen else None)
+    if gate == "gdn_softplus":
+        kwargs.update(g=g, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    else:
+        kwargs.update(g=-A_log.exp() * F.softplus(g.float() + dt_bias))
+    return kwargs
+
+
+def gdn_peers(kwargs: dict) -> dict:
+    import cute_kda
+
+    runs = {"cute_kda": lambda: cute_kda.chunk_gated_delta_rule(**kwargs)}
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
+
+        runs["FLA chunk_kda"] = lambda: fla_gdn(**kwargs)
+    except ImportError as error:
+        print(f"FLA not importable, skipped: {error}", file=sys.stderr)
+    return runs
+
+
 def peers(inputs: dict, gate: str) -> dict:
     import cute_kda
+
+    if gate.startswith("gdn"):
+        return gdn_peers(inputs)
 
     tensors = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
     out, final = torch.empty_like(inputs["v"]), torch.empty_like(inputs["initial_state"])
@@ -100,7 +156,7 @@ def bench_row(name: str, gate: str, device: torch.device, warmup: int, rep: int)
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ["shape", "gate", "cute_kda (ms)", "FLA chunk_kda (ms)", "FLA / cute_kda", "rel-RMS vs FLA: o / state"]
+    head = ["shape", "gate", "cute_kda (ms)", "FLA (ms)", "FLA / cute_kda", "rel-RMS vs FLA: o / state"]
     table = []
     for row in rows:
         ms = row["ms"]

@@ -213,8 +213,9 @@ def _forward(
         initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
         gate=gate,
     )
+    per_head_gate, grouped = g.dim() == 3, v.shape[2] != q.shape[2]
     if validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state):
-        autograd.check_trainable_gate(gate)
+        autograd.check_trainable(gate, per_head_gate, grouped)
         return autograd.train(
             autograd.KERNELS, problem, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
             lower_bound=lower_bound, initial_state=initial_state, output_final_state=output_final_state,
@@ -252,7 +253,8 @@ def _forward(
     stream = streams.cu_stream(handle)
     with streams.on_device(device):
         tile_base = k1.tile_bases(cu_seqlens, stream=stream) if problem.varlen else None
-        prepare = k1.compiled_variant(problem.varlen, config.qk_l2norm, config.beta_logits, device.index, gate, g.dtype)
+        prepare = k1.compiled_variant(problem.varlen, config.qk_l2norm, config.beta_logits, device.index, gate, g.dtype,
+                                      per_head_gate, grouped)
         prepare(*k1.launch_arguments(q, k, g, beta, A_log, dt_bias, workspace, scale, float(lower_bound),
                                      problem.seq_len, cu_seqlens, tile_base, stream))
         tensors = k2.launch_arguments(v, workspace, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
@@ -338,6 +340,8 @@ def translate_fla_call(
         forward keeping them (FLA's memory-lean default); True → they are kept (faster backward).
       - ``safe_gate`` changes how FLA computes, not what: accepted. ``chunk_size`` (32 or 64)
         likewise. ``cu_seqlens_cpu``, when given, is checked on the host.
+      - grouped value heads: v, g, beta, ``A_log``, ``dt_bias`` and the states have HV heads, a multiple of
+        q's and k's H (value head ``j`` reads q/k head ``j // (HV / H)``); inference only for now.
       - inputs that are not contiguous are made contiguous (FLA does the same).
     What raises ``NotImplementedError`` (the flag is named): a bounded gate with ``lower_bound``
     outside [-5, 0) when ``safe_gate=False``, ``allow_neg_eigval``, grouped value heads (HV != H),
@@ -368,11 +372,9 @@ def translate_fla_call(
             validation.check_is_tensor(name, x)
             ndim, meaning = (3, "[B, T, H]") if name == "beta" else (4, "[B, T, H, D]")
             validation.check_ndim(name, x, ndim, meaning)
-    heads, key_dim = q.shape[2], q.shape[3]
-    if v.shape[2] != heads:
-        raise NotImplementedError(
-            f"grouped value heads (v has HV = {v.shape[2]} heads, q has H = {heads}) are not supported; HV must equal H"
-        )
+    key_dim, heads = q.shape[3], v.shape[2]  # value heads: g, beta, A_log, dt_bias and the states have HV
+    if heads != q.shape[2]:
+        validation.check_value_heads(q.shape[2], heads)
     if gate == "none":  # FLA reads neither with a precomputed log decay
         A_log = dt_bias = None
     else:
@@ -409,7 +411,7 @@ def _check_fla_state_shape(state: torch.Tensor, q: torch.Tensor, v: torch.Tensor
         num_seqs = cu_seqlens.numel() - 1
     else:
         num_seqs = q.shape[0]
-    heads, key_dim, value_dim = q.shape[2], q.shape[3], v.shape[3]
+    heads, key_dim, value_dim = v.shape[2], q.shape[3], v.shape[3]
     inner = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
     validation.check_shape("initial_state", state, (num_seqs, heads, *inner), meaning)
 

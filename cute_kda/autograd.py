@@ -321,13 +321,16 @@ REFERENCE = Backend("reference", _reference_forward, _reference_scan, _reference
 # the backward, shared by the autograd.Function and torch.ops.cute_kda.backward
 
 
-def check_trainable_gate(gate: str) -> None:
-    """Refuse a training call with a gate the backward kernels do not cover yet (Kernel B's intra-tile
-    terms go through ``kinv``, which the unbounded gates never form)."""
-    if gate != "safe":
+def check_trainable(gate: str, per_head_gate: bool = False, grouped: bool = False) -> None:
+    """Refuse a training call the backward kernels do not cover yet: the unbounded gates (Kernel B's
+    intra-tile terms go through ``kinv``, which they never form), per-head gates, grouped value heads
+    (dq, dk summed over each group)."""
+    what = (f"gate={gate!r}" if gate != "safe" else "a per-head gate g [B, T, HV]" if per_head_gate
+            else "grouped value heads (HV != H)" if grouped else None)
+    if what is not None:
         raise NotImplementedError(
-            f"gate={gate!r} has no backward yet (only the safe gate trains); run it under torch.no_grad() / "
-            "torch.inference_mode(), or detach its inputs"
+            f"{what} has no backward yet (only the safe per-channel gate with HV = H trains); run it under "
+            "torch.no_grad() / torch.inference_mode(), or detach its inputs"
         )
 
 
@@ -446,7 +449,7 @@ def kda_forward(
         initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
         gate=gate,
     )
-    check_trainable_gate(gate)
+    check_trainable(gate, g.dim() == 3, v.shape[2] != q.shape[2])
     return train(
         backend, problem, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens, out=out,

@@ -98,7 +98,8 @@ def verify(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
                 cu_seqlens=options["cu_seqlens"], gate=options["gate"],
             )
             if validation.needs_autograd(*call.tensors, options["A_log"], options["dt_bias"], options["initial_state"]):
-                autograd.check_trainable_gate(options["gate"])
+                q, _, v, g, _ = call.tensors
+                autograd.check_trainable(options["gate"], g.dim() == 3, v.shape[2] != q.shape[2])
         except (TypeError, ValueError, NotImplementedError) as error:
             reason = f"{type(error).__name__}: {error}"
     if reason is not None:

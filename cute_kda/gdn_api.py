@@ -1,12 +1,13 @@
-"""FLA's ``chunk_gated_delta_rule`` (GatedDeltaNet) mapped onto a canonical call: the argument translation.
+"""FLA's ``chunk_gated_delta_rule`` (GatedDeltaNet) on cute_kda's kernels: :func:`chunk_gated_delta_rule`.
 
 GatedDeltaNet (Qwen3-Next, Qwen3.5) is the KDA recurrence with one decay per value head, broadcast over
 the K channels, and grouped value heads (GVA: HV a multiple of H). :func:`translate_fla_gdn_call` is a
 pure function of flash-linear-attention's arguments (fla-core 0.6.0): it checks them the way FLA does,
-raises ``NotImplementedError`` naming the flag for what cute_kda's kernels will not cover, and returns a
-:class:`GdnCall` — the canonical description the GatedDeltaNet kernels of issue 12 will take. It launches
-nothing and needs no device; the CPU tests run it against the gold token recurrence
-(:func:`cute_kda.reference.gold_forward` with ``g`` ``[B, T, HV]``).
+raises ``NotImplementedError`` naming the flag for what cute_kda's kernels do not cover, and returns a
+:class:`GdnCall`, the canonical description :func:`cute_kda.kda_forward` computes (a per-head g
+``[B, T, HV]``, the gate "softplus" or "none"). The translation launches nothing and needs no device;
+the CPU tests run it against the gold token recurrence (:func:`cute_kda.reference.gold_forward` with
+``g`` ``[B, T, HV]``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import validation
-from .api import refuse_neg_eigval
+from . import interop, validation
+from .api import kda_forward, refuse_neg_eigval
 
 _GDN_CHUNK_SIZES = (16, 32, 64)
 _GDN_EXTRA_KWARGS = ("transpose_state_layout", "head_first", "chunk_size", "use_gate_in_kernel", "A_log", "dt_bias")
@@ -183,3 +184,63 @@ def _gdn_gate(use_gate_in_kernel: bool, A_log: Any, dt_bias: Any, value_heads: i
             raise ValueError(f"{name} must hold HV = {value_heads} values, got shape {list(x.shape)}")
         out.append(x.reshape(value_heads).to(torch.float32).contiguous())
     return "softplus", out[0], out[1]
+
+
+def chunk_gated_delta_rule(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    scale: float | None = None,
+    initial_state: Any = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Any = None,
+    cu_seqlens_cpu: Any = None,
+    chunk_indices: Any = None,
+    cp_context: Any = None,
+    **kwargs: Any,
+) -> tuple[Any, Any]:
+    """Drop-in for ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (fla-core 0.6.0 signature), forward.
+
+    Shapes as in FLA: q, k bf16 ``[B, T, H, K]``; v bf16 ``[B, T, HV, V]``, HV a multiple of H (value head
+    ``j`` reads q/k head ``j // (HV / H)``); g ``[B, T, HV]``: the log decay (bf16 or fp32, FLA's default
+    ``use_gate_in_kernel=False``) or with ``use_gate_in_kernel=True`` the raw bf16 input of
+    ``−exp(A_log) · softplus(g + dt_bias)`` (keywords ``A_log`` ``[HV]``, ``dt_bias`` ``[HV]`` or None);
+    beta bf16 ``[B, T, HV]`` (logits with ``use_beta_sigmoid_in_kernel``); ``initial_state`` fp32 or bf16
+    ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); ``cu_seqlens`` int64 ``[N+1]`` with B = 1.
+    K = V = 128. Returns (o bf16 ``[B, T, HV, V]``, the final state fp32 in the caller's layout or None), in
+    ``q``'s framework, computed by K1 (one decay per head on every channel, overflow-free for any gate value)
+    and K2 on the current stream, with no host synchronisation.
+
+    Inference only for now: inputs that require grad raise ``NotImplementedError`` (FLA's own GDN backward
+    refuses to run on Hopper with Triton < 3.7.1, its issue #640). Flags as :func:`translate_fla_gdn_call`.
+    """
+    as_torch = interop.as_torch
+    call = translate_fla_gdn_call(
+        as_torch(q), as_torch(k), as_torch(v), as_torch(g), as_torch(beta), scale=scale,
+        initial_state=as_torch(initial_state), output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=as_torch(cu_seqlens),
+        cu_seqlens_cpu=as_torch(cu_seqlens_cpu), chunk_indices=chunk_indices, cp_context=cp_context,
+        **{name: as_torch(value) for name, value in kwargs.items()},
+    )
+    if isinstance(q, torch.Tensor):
+        return call.run(_gdn_forward)
+    framework = interop.framework_of(q)
+    with interop.caller_stream(framework, q):
+        o, state = call.run(_gdn_forward)
+        return interop.to_framework(o, framework), interop.to_framework(state, framework)
+
+
+def _gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                 gate: str, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                 **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A :class:`GdnCall` by :func:`cute_kda.kda_forward` (the softplus gate without dt_bias: zeros)."""
+    if gate == "softplus" and dt_bias is None:
+        dt_bias = torch.zeros(v.shape[2], dtype=torch.float32, device=v.device)
+    return kda_forward(q, k, v, g, beta, gate=gate, A_log=A_log, dt_bias=dt_bias, **options)

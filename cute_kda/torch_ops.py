@@ -71,9 +71,9 @@ def _forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
 
 
 def _state_shape(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple:
-    """``[N, H, V, K]``: N sequences (B, or the packed count of ``cu_seqlens``)."""
+    """``[N, HV, V, K]``: N sequences (B, or the packed count of ``cu_seqlens``), v's heads."""
     num_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return (num_seqs, q.shape[2], v.shape[3], q.shape[3])
+    return (num_seqs, v.shape[2], v.shape[3], q.shape[3])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,13 +204,14 @@ def kda_forward(
     training op when autograd records the call)."""
     training = validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state)
     validation.check_gate(gate)
+    for name, x in (("q", q), ("v", v), ("g", g)):
+        validation.check_is_tensor(name, x)
     if training:
         validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
-        autograd.check_trainable_gate(gate)
+        autograd.check_trainable(gate, g.dim() == 3, v.dim() == 4 and v.shape[2] != q.shape[2])
     if gate == "safe":
         validation.check_lower_bound(lower_bound)
     validation.check_vsplit(vsplit)
-    validation.check_is_tensor("q", q)
     scale = q.shape[-1] ** -0.5 if scale is None else validation.check_scale(scale)
     wants_state = final_state is not None or output_final_state
     state_dtype = None

@@ -32,7 +32,8 @@ DEBUG_ENV = "CUTE_KDA_DEBUG_CHECKS"
 
 class ProblemShape(NamedTuple):
     """Sizes of one forward call: ``[batch, seq_len, heads, head_dim]`` inputs, ``num_seqs`` states
-    (a NamedTuple: built on every call, and a frozen dataclass costs 1 µs more to build)."""
+    (a NamedTuple: built on every call, and a frozen dataclass costs 1 µs more to build). ``heads``
+    counts the value heads (v, β, g, the states): q and k may have fewer (grouped value heads)."""
 
     batch: int
     seq_len: int
@@ -143,22 +144,38 @@ _LOG_DECAY_DTYPES = (torch.bfloat16, torch.float32)  # gate "none": g is the log
 
 
 def check_gate_inputs(gate: str, g: object, A_log: object, dt_bias: object, shape: tuple[int, ...],
-                      device: torch.device) -> None:
-    """g, A_log and dt_bias for ``gate``: a raw bf16 gate with fp32 ``A_log [H]`` and ``dt_bias [H, K]``
-    ("safe", "softplus"), or the log decay itself, bf16 or fp32, with neither ("none")."""
+                      device: torch.device) -> bool:
+    """g, A_log and dt_bias for ``gate``; returns whether the gate is per head. ``shape`` = ``[B, T, HV, K]``.
+
+    g is ``[B, T, HV, K]`` (per channel) or, with the unbounded gates, ``[B, T, HV]`` (one decay per value
+    head, GatedDeltaNet's): a raw bf16 gate with fp32 ``A_log [HV]`` and ``dt_bias [HV, K]`` (``[HV]`` per
+    head) for "safe" and "softplus", or the log decay itself, bf16 or fp32, with neither for "none".
+    """
     batch, seq_len, heads, key_dim = shape
+    per_head = isinstance(g, torch.Tensor) and g.dim() == 3 and gate != "safe"
+    g_shape, g_meaning = ((batch, seq_len, heads), "[B, T, HV]") if per_head else (shape, "[B, T, HV, K]")
     if gate == "none":
-        _check_tensor("g", g, _LOG_DECAY_DTYPES, shape, "[B, T, H, K] (the log decay)", device, aligned=True)
+        _check_tensor("g", g, _LOG_DECAY_DTYPES, g_shape, f"{g_meaning} (the log decay)", device, aligned=True)
         given = [name for name, value in (("A_log", A_log), ("dt_bias", dt_bias)) if value is not None]
         if given:
             raise ValueError(f"gate='none' takes g as the log decay itself: pass {' and '.join(given)}=None")
-        return
-    _check_activation("g", g, shape, "[B, T, H, K]", device)
+        return per_head
+    _check_activation("g", g, g_shape, g_meaning, device)
     for name, value in (("A_log", A_log), ("dt_bias", dt_bias)):
         if value is None:
             raise TypeError(f"gate={gate!r} needs {name} (an fp32 tensor); pass zeros for no {name}")
-    _check_parameter("A_log", A_log, (heads,), "[H]", device)
-    _check_parameter("dt_bias", dt_bias, (heads, key_dim), "[H, K]", device)
+    _check_parameter("A_log", A_log, (heads,), "[HV]", device)
+    if per_head:
+        _check_parameter("dt_bias", dt_bias, (heads,), "[HV] (per-head gate)", device)
+    else:
+        _check_parameter("dt_bias", dt_bias, (heads, key_dim), "[HV, K]", device)
+    return per_head
+
+
+def check_value_heads(heads: int, value_heads: int) -> None:
+    """Grouped value heads: HV a multiple of H (value head ``j`` reads q/k head ``j // (HV / H)``)."""
+    if value_heads == 0 or value_heads % heads:
+        raise ValueError(f"v must have a multiple of q's H = {heads} heads (grouped value heads), got HV = {value_heads}")
 
 
 def check_vsplit(vsplit: object) -> None:
@@ -326,12 +343,15 @@ def validate_forward(
     _check_activation("q", q, (batch, seq_len, heads, key_dim), "[B, T, H, K]", device)
     _check_activation("k", k, (batch, seq_len, heads, key_dim), "[B, T, H, K]", device)
     v = check_is_tensor("v", v)
-    check_ndim("v", v, 4, "[B, T, H, V]")
+    check_ndim("v", v, 4, "[B, T, HV, V]")
     check_head_dim("V (v.shape[-1])", v.shape[-1])
-    _check_activation("v", v, (batch, seq_len, heads, key_dim), "[B, T, H, V]", device)
+    if v.dim() == 4 and v.shape[2] != heads:
+        check_value_heads(heads, v.shape[2])
+        heads = v.shape[2]  # from here on: the value heads (the state, the workspace, K2)
+    _check_activation("v", v, (batch, seq_len, heads, key_dim), "[B, T, HV, V]", device)
     check_gate(gate)
     check_gate_inputs(gate, g, A_log, dt_bias, (batch, seq_len, heads, key_dim), device)
-    _check_activation("beta", beta, (batch, seq_len, heads), "[B, T, H]", device)
+    _check_activation("beta", beta, (batch, seq_len, heads), "[B, T, HV]", device)
     if gate == "safe":
         check_lower_bound(lower_bound)
     if scale is not None:
@@ -353,7 +373,7 @@ def validate_forward(
     if final_state is not None:
         check_state("final_state", final_state, problem, device)
     if out is not None:
-        _check_activation("out", out, (batch, seq_len, heads, key_dim), "[B, T, H, V]", device)
+        _check_activation("out", out, (batch, seq_len, heads, key_dim), "[B, T, HV, V]", device)
     return problem
 
 

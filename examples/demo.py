@@ -123,7 +123,9 @@ class KernelBuild:
     build: Callable[[], tuple]
 
 
-def _prepare_build(varlen: bool, gate: str = "safe", g_dtype: torch.dtype = torch.bfloat16) -> Callable[[], tuple]:
+def _prepare_build(varlen: bool, gate: str = "safe", g_dtype: torch.dtype = torch.bfloat16,
+                   gdn: bool = False) -> Callable[[], tuple]:
+    """K1 of one gate; ``gdn``: GatedDeltaNet's per-head gate with two value heads per q/k head."""
     def build():
         import cutlass
 
@@ -136,18 +138,22 @@ def _prepare_build(varlen: bool, gate: str = "safe", g_dtype: torch.dtype = torc
 
         lengths = [40, 9] if varlen else [49]
         heads, tokens = 2, sum(lengths)
+        value_heads = 2 * heads if gdn else heads
         x = torch.zeros(1, tokens, heads, D, dtype=torch.bfloat16)
-        spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(tokens, len(lengths), varlen))
+        g = torch.zeros(1, tokens, value_heads, *(() if gdn else (D,)), dtype=g_dtype)
+        beta = torch.zeros(1, tokens, value_heads, dtype=torch.bfloat16)
+        spec = WorkspaceSpec(heads=value_heads, tiles=tiles_per_head(tokens, len(lengths), varlen))
         cu_seqlens = torch.tensor([0, 40, tokens]) if varlen else None
         tile_base = torch.tensor([0, 3, 4], dtype=torch.int32) if varlen else None
         constants = gate != "none"
         args = k1.launch_arguments(
-            x, x, x.to(g_dtype), x[..., 0].contiguous(), torch.zeros(heads) if constants else None,
-            torch.zeros(heads, D) if constants else None, allocate_workspace(spec, "cpu"), D ** -0.5, LOWER_BOUND,
-            tokens, cu_seqlens, tile_base, cute.runtime.make_fake_stream(), tensor=to_cute_tensor,
+            x, x, g, beta, torch.zeros(value_heads) if constants else None,
+            torch.zeros(value_heads, *(() if gdn else (D,))) if constants else None, allocate_workspace(spec, "cpu"),
+            D ** -0.5, LOWER_BOUND, tokens, cu_seqlens, tile_base, cute.runtime.make_fake_stream(),
+            tensor=to_cute_tensor,
         )
         kernel = PrepareKernel(varlen=varlen, gate=gate, gate_dtype=cutlass.Float32 if g_dtype is torch.float32
-                               else cutlass.BFloat16)
+                               else cutlass.BFloat16, per_head_gate=gdn, grouped=gdn)
         return kernel, args, k1_budget() if gate == "safe" else k1_pairwise_budget()
     return build
 
@@ -262,6 +268,8 @@ def kernel_builds(all_variants: bool) -> list[KernelBuild]:
         KernelBuild("K1 prepare (varlen)", _prepare_build(varlen=True)),
         KernelBuild("K1 prepare, softplus gate (fixed length)", _prepare_build(False, "softplus")),
         KernelBuild("K1 prepare, fp32 log decay (varlen)", _prepare_build(True, "none", torch.float32)),
+        KernelBuild("K1 prepare, GatedDeltaNet softplus per-head gate, HV = 2H (varlen)",
+                    _prepare_build(True, "softplus", gdn=True)),
         KernelBuild("tile prefix (varlen tile bases)", _tile_prefix_build),
         *(KernelBuild(_k2_label(varlen, state_in, vsplit, state_out),
                       _recurrence_build(varlen, state_in, vsplit, state_out))

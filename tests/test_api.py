@@ -155,11 +155,11 @@ def mirror_kernels(monkeypatch):
             assert stream == 7  # the one stream look-up of the call, handed on
             return allocate_workspace(spec, device)
 
-    def prepare_variant(varlen, qk_l2norm, beta_logits, index, gate, g_dtype):
+    def prepare_variant(varlen, qk_l2norm, beta_logits, index, gate, g_dtype, per_head_gate, grouped):
         def prepare(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, seq_len, cu_seqlens, tile_base, stream):
             assert stream == ("CUstream", 7)
             assert (cu_seqlens is None) == (tile_base is None) == (not varlen) and seq_len == q.shape[1]
-            assert g.dtype == g_dtype
+            assert g.dtype == g_dtype and per_head_gate == (g.dim() == 3) and grouped == (beta.shape[2] != q.shape[2])
             if gate == "safe":
                 filled = mirror.mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                                                scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,

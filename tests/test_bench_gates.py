@@ -18,6 +18,20 @@ def test_rows_cover_kimi_linear_and_the_log_decay(bench):
     assert {bench.ROWS[name] for name in bench.KIMI_SHAPES} == {"softplus"}
     assert all(bench.ALL_SHAPES[name].heads == 32 for name in bench.KIMI_SHAPES)
     assert bench.ROWS["B1_T8192_H96"] == "log_decay"
+    assert {bench.ROWS[name] for name in bench.GDN_SHAPES} == {"gdn_softplus", "gdn_log_decay"}
+
+
+def test_gdn_inputs_are_a_chunk_gated_delta_rule_call(bench, monkeypatch):
+    import inspect
+
+    from cute_kda.gdn_api import chunk_gated_delta_rule
+
+    monkeypatch.setitem(bench.GDN_SHAPES, "tiny", ((20, 9), 2, 4))
+    for gate in ("gdn_softplus", "gdn_log_decay"):
+        kwargs = bench.gate_inputs("tiny", gate, torch.device("cpu"))
+        inspect.signature(chunk_gated_delta_rule).bind(**kwargs)
+        assert kwargs["g"].shape == (1, 29, 4) and kwargs["v"].shape[2] == 4 and kwargs["q"].shape[2] == 2
+        assert (gate == "gdn_log_decay") == (kwargs["g"].dtype == torch.float32)
 
 
 def test_inputs_per_gate(bench, monkeypatch):

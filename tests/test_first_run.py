@@ -100,7 +100,7 @@ def test_demo_compile_report_covers_every_kernel():
         sys.path.pop(0)
     labels = [build.label for build in demo.kernel_builds(all_variants=False)]
     assert any(label.startswith("tile prefix") for label in labels)
-    assert sum(label.startswith("K1 prepare") for label in labels) == 4  # safe gate fixed / varlen, two unbounded
+    assert sum(label.startswith("K1 prepare") for label in labels) == 5  # safe gate fixed / varlen, unbounded, GDN
     assert any("softplus" in label for label in labels) and any("log decay" in label for label in labels)
     default = demo.k2_variants(False)
     assert {v[0] for v in default} == {False, True}  # varlen
@@ -109,4 +109,4 @@ def test_demo_compile_report_covers_every_kernel():
     every = demo.k2_variants(True)
     assert len(set(every)) == len(every) == 54
     assert sum(label.startswith("Kernel A") for label in labels) == 2  # V-split 1 and 8
-    assert len(demo.kernel_builds(all_variants=True)) == 4 + 1 + 54 + 2 + 1
+    assert len(demo.kernel_builds(all_variants=True)) == 5 + 1 + 54 + 2 + 1

@@ -250,11 +250,19 @@ def test_wrong_state_count_for_packed_sequences():
         api.translate_fla_call(**FLAGS, **inputs)
 
 
-def test_grouped_value_heads_not_supported():
-    inputs = make_problem([20])
-    inputs["v"] = torch.zeros(1, 20, 4, D, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="grouped value heads"):
-        api.translate_fla_call(**FLAGS, **inputs)
+def test_grouped_value_heads_translate_to_value_head_parameters():
+    """GVA: v, g, beta and A_log, dt_bias per value head (HV = 4 over H = 2); the call is the gold's GVA call."""
+    inputs = make_problem([20], heads=4)
+    inputs["q"], inputs["k"] = inputs["q"][:, :, :2].contiguous(), inputs["k"][:, :, :2].contiguous()
+    call = api.translate_fla_call(**FLAGS, **inputs)
+    assert call.options["A_log"].shape == (4,) and call.options["dt_bias"].shape == (4, D)
+    o, _ = call.run(gold_as_kernels)
+    o_ref, _ = gold_forward(*call.tensors, gate="safe", scale=D ** -0.5, A_log=inputs["A_log"],
+                            dt_bias=inputs["dt_bias"], lower_bound=-5.0, state_layout="vk", dtype=torch.float64)
+    assert o.shape == inputs["v"].shape and torch.equal(o, o_ref)
+    with pytest.raises(ValueError, match="multiple of q's H = 2"):
+        api.translate_fla_call(**FLAGS, **{**inputs, "q": inputs["q"][:, :, :1].repeat(1, 1, 2, 1).contiguous()[:, :, :2],
+                                           "v": inputs["v"][:, :, :3].contiguous()})
 
 
 def test_public_chunk_kda_refuses_cpu_tensors():

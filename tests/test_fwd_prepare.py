@@ -38,9 +38,10 @@ def _fake(dtype, rank: int, align: int = 16):
 def _compile(kernel: PrepareKernel):
     """(PTX report, dynamic smem bytes of each launch) of ``kernel`` compiled for sm_90a."""
     constants = kernel.gate != "none"  # a log decay comes without A_log and dt_bias
+    per_channel = 0 if kernel.per_head_gate else 1  # a per-head gate: g [B, T, HV], dt_bias [HV]
     inputs = PrepareInputs(
-        q=_fake(BF16, 4), k=_fake(BF16, 4), g=_fake(kernel.gate_dtype, 4), beta=_fake(BF16, 3, 2),  # [B, T, ...]
-        a_log=_fake(F32, 1, 4) if constants else None, dt_bias=_fake(F32, 2, 4) if constants else None,
+        q=_fake(BF16, 4), k=_fake(BF16, 4), g=_fake(kernel.gate_dtype, 3 + per_channel), beta=_fake(BF16, 3, 2),
+        a_log=_fake(F32, 1, 4) if constants else None, dt_bias=_fake(F32, 1 + per_channel, 4) if constants else None,
     )
     ws = WorkspaceTiles(
         qd=_fake(BF16, 3), kd=_fake(BF16, 3), kr=_fake(BF16, 3), gt=_fake(F32, 2),
@@ -63,6 +64,10 @@ VARIANTS = {
     "softplus_varlen_plain": dict(varlen=True, gate="softplus", qk_l2norm=False, beta_logits=False),
     "log_decay_fp32_varlen": dict(varlen=True, gate="none", gate_dtype=F32),
     "log_decay_bf16": dict(varlen=False, gate="none"),
+    # GatedDeltaNet: a per-head gate, grouped value heads; and the safe gate with grouped value heads
+    "gdn_softplus_varlen": dict(varlen=True, gate="softplus", per_head_gate=True, grouped=True),
+    "gdn_log_decay_fp32": dict(varlen=False, gate="none", gate_dtype=F32, per_head_gate=True, grouped=True),
+    "safe_grouped": dict(varlen=False, grouped=True),
 }
 
 
@@ -539,3 +544,50 @@ def test_unbounded_gate_tail_tile_ignores_the_next_sequence():
     tiles = ws.gt.shape[0] // 4
     rows = (torch.arange(4, device="cuda")[:, None] * tiles + torch.arange(2, device="cuda")).flatten()
     _assert_matches(type(ws)(*(field[rows] for field in ws)), ref_first, exists_first, "log decay tail next to NaN")
+
+
+def _gdn_problem(case: str, batch: int, steps: int, heads: int, value_heads: int, seed: int = 0):
+    """GatedDeltaNet-style inputs (q, k per q/k head; g [B, T, HV] per head, β, A_log, dt_bias per value head),
+    or the safe per-channel gate with grouped value heads; returns (data, gate, scheme of the mirror)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(batch, steps, heads, D, generator=gen).bfloat16() for _ in range(2))
+    beta = (torch.randn(batch, steps, value_heads, generator=gen) * 2).bfloat16()
+    a_log = torch.log(torch.rand(value_heads, generator=gen) * 15 + 1)
+    if case == "safe_grouped":
+        g = (torch.rand(batch, steps, value_heads, D, generator=gen) * 16 - 8).bfloat16()
+        data = [q, k, g, beta, torch.rand(value_heads, generator=gen) - 0.5, torch.randn(value_heads, D, generator=gen)]
+        return [t.to("cuda") for t in data], "safe", "kinv"
+    raw = torch.randn(batch, steps, value_heads, generator=gen)
+    if case == "gdn_softplus":
+        data = [q, k, raw.bfloat16(), beta, a_log, torch.randn(value_heads, generator=gen)]
+        return [t.to("cuda") for t in data], "softplus", "dyadic"
+    decay = -torch.nn.functional.softplus(raw) * 2  # gdn_log_decay: fp32 with 5 % of the tokens at −1000
+    decay = torch.where(torch.rand(raw.shape, generator=gen) < 0.05, -1000.0, decay)
+    return [t.to("cuda") for t in (q, k, decay, beta)] + [None, None], "none", "dyadic"
+
+
+GDN_CASES = ["gdn_softplus", "gdn_log_decay", "safe_grouped"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[97], [5, 0, 16, 1, 300]], ids=["B1T97", "varlen_empty_1_token"])
+@pytest.mark.parametrize("case", GDN_CASES)
+def test_grouped_value_heads_and_per_head_gates_match_mirror(case, lengths):
+    """K1 per value head (HV = 4 over H = 2: value head j reads q/k head j // 2), with GatedDeltaNet's per-head
+    gate or the safe per-channel one, against the mirror (which expands q, k over the groups)."""
+    from cute_kda.ops.prepare import prepare, tile_bases
+    from cute_kda.reference import mirror_prepare_gates
+
+    data, gate, scheme = _gdn_problem(case, 1, sum(lengths), 2, 4)
+    varlen = len(lengths) > 1
+    cu_seqlens = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64, device="cuda") if varlen else None
+    spec = WorkspaceSpec(heads=4, tiles=tiles_per_head(sum(lengths), len(lengths), varlen))
+    ws = workspace_views(spec, torch.full((spec.nbytes,), 0xFF, dtype=torch.uint8, device="cuda"))
+    prepare(*data, ws, scale=D ** -0.5, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens,
+            tile_base=tile_bases(cu_seqlens) if varlen else None, gate=gate)
+    q, k, g, beta, a_log, dt_bias = data
+    ref = mirror_prepare_gates(q, k, g, beta, scheme=scheme, gate=gate, A_log=a_log, dt_bias=dt_bias,
+                               lower_bound=LOWER_BOUND, scale=D ** -0.5, cu_seqlens=cu_seqlens)
+    real_tiles = sum((n + CHUNK - 1) // CHUNK for n in lengths)
+    exists = (torch.arange(spec.tiles) < real_tiles).repeat(4).to("cuda")
+    _assert_matches(ws, ref, exists, f"{case} {lengths}")

@@ -72,7 +72,7 @@ def test_not_a_tensor(name):
     "name, shape",
     [
         ("k", (B, T + 1, H, D)),
-        ("v", (B, T, H + 1, D)),
+        ("v", (B, T + 1, H, D)),
         ("g", (B, T, H, D, 1)),
         ("beta", (B, T, H, 1)),
         ("A_log", (H + 1,)),
@@ -219,7 +219,7 @@ def test_state_not_contiguous():
 
 def test_out_buffer():
     expect(TypeError, "out", "bfloat16", out=torch.zeros(B, T, H, D))
-    expect(ValueError, "out", "[B, T, H, V]", out=torch.zeros(B, T, H + 1, D, dtype=torch.bfloat16))
+    expect(ValueError, "out", "[B, T, HV, V]", out=torch.zeros(B, T, H + 1, D, dtype=torch.bfloat16))
 
 
 def test_training_call_reaches_the_device_check():
@@ -299,3 +299,26 @@ def test_unbounded_gates_refuse_training(gate):
     q, k, v, g, beta = (inputs.pop(name) for name in ("q", "k", "v", "g", "beta"))
     with pytest.raises(NotImplementedError, match=f"gate={gate!r} has no backward yet"):
         cute_kda.kda_forward(q, k, v, g, beta, gate=gate, **inputs)
+
+
+def test_grouped_value_heads():
+    """HV a multiple of H: v, g, beta, A_log, dt_bias and the states per value head; else a ValueError."""
+    wide = make_inputs(heads=2 * H)
+    grouped = dict(v=wide["v"], g=wide["g"], beta=wide["beta"], A_log=wide["A_log"], dt_bias=wide["dt_bias"])
+    expect(ValueError, "q must be on a CUDA device", **grouped)
+    expect(ValueError, "multiple of q's H = 2", v=make_inputs(heads=3)["v"])
+    expect(ValueError, "beta", "[B, T, HV]", **{**grouped, "beta": make_inputs()["beta"]})
+    expect(ValueError, "initial_state", **grouped, initial_state=torch.zeros(B, H, D, D))
+    wide["v"].requires_grad_()
+    with pytest.raises(NotImplementedError, match="grouped value heads"):
+        cute_kda.kda_forward(make_inputs()["q"], make_inputs()["k"], **grouped)
+
+
+def test_per_head_gate_takes_the_unbounded_gates():
+    inputs = make_inputs()
+    per_head = -inputs["g"][..., 0].float().abs()
+    expect(ValueError, "q must be on a CUDA device", gate="none", g=per_head, A_log=None, dt_bias=None)
+    expect(ValueError, "q must be on a CUDA device", gate="softplus", g=per_head.bfloat16(),
+           dt_bias=torch.zeros(H))
+    expect(ValueError, "dt_bias", "[HV] (per-head gate)", gate="softplus", g=per_head.bfloat16())
+    expect(ValueError, "g", "[B, T, HV, K]", g=per_head.bfloat16())  # the safe gate is per channel

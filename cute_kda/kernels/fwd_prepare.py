@@ -112,11 +112,15 @@ class PrepareKernel(TokenPrep):
 
     ``gate`` (:data:`cute_kda.numerics.GATES`): ``"safe"`` is the kernel above; ``"softplus"`` and ``"none"``
     (a precomputed log decay, bf16 or fp32 ``g``) are unbounded below and run the overflow-free form of
-    docs/numerics.md ("Unbounded gates", scheme ``dyadic``), :meth:`prepare_tile_pairwise`.
+    docs/numerics.md ("Unbounded gates", scheme ``dyadic``), :meth:`prepare_tile_pairwise`; with
+    ``per_head_gate`` (GatedDeltaNet) g is ``[.., HV]`` and dt_bias ``[HV]``, one decay per head broadcast
+    over the channels. ``grouped``: q and k have H heads, everything else HV = group · H (value heads);
+    the grid and the workspace run over value heads, and value head ``h`` reads q/k head ``h // group``.
     """
 
     def __init__(self, *, varlen: bool, qk_l2norm: bool = True, beta_logits: bool = True, gate: str = "safe",
-                 gate_dtype: type = BFloat16, num_threads: int = 128, ctas_per_sm: Optional[int] = None) -> None:
+                 gate_dtype: type = BFloat16, per_head_gate: bool = False, grouped: bool = False,
+                 num_threads: int = 128, ctas_per_sm: Optional[int] = None) -> None:
         if num_threads not in (128, 256):
             raise ValueError(f"num_threads must be 128 or 256, got {num_threads}")
         if gate not in GATES:
@@ -124,6 +128,8 @@ class PrepareKernel(TokenPrep):
         if gate_dtype not in (BFloat16, Float32) or (gate_dtype is Float32 and gate != "none"):
             raise ValueError(f"g is bf16 (or fp32 with gate 'none'), got {gate_dtype} with gate {gate!r}")
         self.pairwise = gate != "safe"
+        if per_head_gate and not self.pairwise:
+            raise ValueError("a per-head gate (GatedDeltaNet's) takes gate 'softplus' or 'none'")
         if self.pairwise and num_threads != HEAD_DIM:
             raise ValueError(f"the unbounded gates' K1 runs one thread per channel ({HEAD_DIM}), got {num_threads}")
         self.varlen = varlen
@@ -131,6 +137,8 @@ class PrepareKernel(TokenPrep):
         self.beta_logits = beta_logits
         self.gate = gate
         self.gate_dtype = gate_dtype
+        self.per_head_gate = per_head_gate  # g [.., HV] and dt_bias [HV]: one decay per head, on every channel
+        self.grouped = grouped  # grouped value heads: HV = group · H, value head h reads q/k head h // group
         self.num_threads = num_threads
         if ctas_per_sm is None:
             ctas_per_sm = plan.PAIRWISE_CTAS_PER_SM if self.pairwise else 8
@@ -162,15 +170,17 @@ class PrepareKernel(TokenPrep):
         (:class:`cute_kda.kernels.tile_prefix.TilePrefixKernel`) for varlen, else None.
         """
         scalars = PrepareScalars(scale=scale, c_gate=c_gate, seq_len=seq_len)
-        heads, d = inputs.beta.shape[cute.rank(inputs.beta) - 1], self.dim
+        heads, d = inputs.beta.shape[cute.rank(inputs.beta) - 1], self.dim  # value heads
+        qk_heads = inputs.q.shape[cute.rank(inputs.q) - 2] if self.grouped else heads
         with_constants = self.gate != "none"  # a log decay needs neither A_log nor dt_bias (None)
+        channels = () if self.per_head_gate else (d,)
         inputs = PrepareInputs(
-            q=plan.compact(inputs.q, (heads, d)),
-            k=plan.compact(inputs.k, (heads, d)),
-            g=plan.compact(inputs.g, (heads, d)),
+            q=plan.compact(inputs.q, (qk_heads, d)),
+            k=plan.compact(inputs.k, (qk_heads, d)),
+            g=plan.compact(inputs.g, (heads, *channels)),
             beta=plan.compact(inputs.beta, (heads,)),
             a_log=plan.compact(inputs.a_log, ()) if with_constants else None,
-            dt_bias=plan.compact(inputs.dt_bias, (d,)) if with_constants else None,
+            dt_bias=plan.compact(inputs.dt_bias, channels) if with_constants else None,
         )
         ws = WorkspaceTiles(
             qd=plan.compact(ws.qd, (1, d)),
@@ -210,17 +220,21 @@ class PrepareKernel(TokenPrep):
     ):
         tidx, _, _ = cute.arch.thread_idx()
         tile_slot, head, _ = cute.arch.block_idx()
-        tiles, _, _ = cute.arch.grid_dim()
+        tiles, heads, _ = cute.arch.grid_dim()
         row0, valid_rows, exists, _ = self.locate_tile(tile_slot, scalars.seq_len, cu_seqlens, tile_base)
+        qk_head = head
+        if cutlass.const_expr(self.grouped):
+            qk_head = head // (heads // inputs.q.shape[1])
         if exists:
             if cutlass.const_expr(self.pairwise):
-                self.prepare_tile_pairwise(tma, inputs, ws, scalars, head, head * tiles + tile_slot, row0, valid_rows)
+                self.prepare_tile_pairwise(tma, inputs, ws, scalars, head, qk_head, head * tiles + tile_slot, row0,
+                                           valid_rows)
             else:
-                self.prepare_tile(tma, inputs, ws, scalars, head, head * tiles + tile_slot, row0, valid_rows)
+                self.prepare_tile(tma, inputs, ws, scalars, head, qk_head, head * tiles + tile_slot, row0, valid_rows)
 
     @cute.jit
     def prepare_tile(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles,
-                     scalars: PrepareScalars, head: Int32, slot: Int32, row0: Int32, valid_rows: Int32):
+                     scalars: PrepareScalars, head: Int32, qk_head: Int32, slot: Int32, row0: Int32, valid_rows: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -237,7 +251,7 @@ class PrepareKernel(TokenPrep):
         tma_barrier = storage.tma_barrier.data_ptr()
 
         if warp_idx == 0:
-            self.load_inputs(((tma.q, s_q), (tma.k, s_k), (tma.g, s_g)), tma_barrier, head, row0)
+            self.load_inputs(((tma.q, s_q, qk_head), (tma.k, s_k, qk_head), (tma.g, s_g, head)), tma_barrier, row0)
         # gate inputs of this thread's scan column, fetched while the TMA runs
         col = tidx % self.dim
         dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, head, col)
@@ -262,14 +276,14 @@ class PrepareKernel(TokenPrep):
             self.store_tiles(tma, s_q, s_k, s_g, slot)
 
     @cute.jit
-    def load_inputs(self, tiles: tuple, tma_barrier, head: Int32, row0: Int32):
+    def load_inputs(self, tiles: tuple, tma_barrier, row0: Int32):
         """Warp 0: one transaction barrier, TMA tile loads starting at token row ``row0``; ``tiles`` is
-        ``((atom, tma_tensor), smem)`` per tile."""
+        ``((atom, tma_tensor), smem, head)`` per tile."""
         with cute.arch.elect_one():
             cute.arch.mbarrier_init(tma_barrier, 1)
             cute.arch.mbarrier_init_fence()
             cute.arch.mbarrier_arrive_and_expect_tx(tma_barrier, len(tiles) * plan.input_tile_bytes(self.dim))
-        for (atom, tma_tensor), smem in tiles:
+        for (atom, tma_tensor), smem, head in tiles:
             s_part, g_part = head_tile_tma_partition(
                 atom, cute.domain_offset((row0, 0, 0), tma_tensor), smem, head, self.tile
             )
@@ -413,8 +427,8 @@ class PrepareKernel(TokenPrep):
     # the unbounded gates (docs/numerics.md, "Unbounded gates": the dyadic scheme)
 
     @cute.jit
-    def prepare_tile_pairwise(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles,
-                              scalars: PrepareScalars, head: Int32, slot: Int32, row0: Int32, valid_rows: Int32):
+    def prepare_tile_pairwise(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles, scalars: PrepareScalars,
+                              head: Int32, qk_head: Int32, slot: Int32, row0: Int32, valid_rows: Int32):
         """One tile with an unbounded gate: no ``2^−G`` is ever formed.
 
         1. Warp 0 TMA-loads q and k; every thread (one per channel) loads its column of g.
@@ -447,12 +461,15 @@ class PrepareKernel(TokenPrep):
         tma_barrier = storage.tma_barrier.data_ptr()
 
         if warp_idx == 0:
-            self.load_inputs(((tma.q, s_q), (tma.k, s_k)), tma_barrier, head, row0)
+            self.load_inputs(((tma.q, s_q, qk_head), (tma.k, s_k, qk_head)), tma_barrier, row0)
         col = tidx
         gate_in = self.load_gate_column(inputs.g, head, row0, valid_rows, col)  # in flight with the TMA
         dt, e_a = Float32(0.0), Float32(1.0)
         if cutlass.const_expr(self.gate != "none"):
-            dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, head, col)
+            if cutlass.const_expr(self.per_head_gate):
+                dt, e_a = inputs.dt_bias[head], ex2_approx(inputs.a_log[head] * Float32(LOG2E))
+            else:
+                dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, head, col)
         if tidx < CHUNK:
             self.activate_beta(inputs.beta, ws.beta, s_beta, head, slot, row0, valid_rows, tidx)
         cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
@@ -478,12 +495,16 @@ class PrepareKernel(TokenPrep):
 
     @cute.jit
     def load_gate_column(self, g: cute.Tensor, head: Int32, row0: Int32, valid_rows: Int32, col: Int32) -> cute.Tensor:
-        """Channel ``col`` of the tile's g rows as fp32 (0 on invalid rows: nothing past the sequence is read)."""
+        """Channel ``col`` of the tile's g rows as fp32 (0 on invalid rows: nothing past the sequence is read);
+        a per-head gate gives every channel the head's value."""
         column = cute.make_rmem_tensor((CHUNK,), Float32)
         for row in cutlass.range_constexpr(CHUNK):
             value = Float32(0.0)
             if row < valid_rows:
-                value = g[row0 + row, head, col].to(Float32)
+                if cutlass.const_expr(self.per_head_gate):
+                    value = g[row0 + row, head].to(Float32)
+                else:
+                    value = g[row0 + row, head, col].to(Float32)
             column[row] = value
         return column
 

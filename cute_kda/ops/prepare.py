@@ -57,9 +57,9 @@ def launch_arguments(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float,
     ``tensor(t, assumed_align)`` converts each tensor: :func:`~._cache.launch_tensor` (the default)
     for a call of the compiled function, :func:`~._cache.to_cute_tensor` for the compile.
     """
-    if A_log is not None and (A_log.dim() != 1 or dt_bias.dim() != 2):  # None: gate "none" (no constants)
-        heads, dim = q.shape[2], q.shape[3]
-        A_log, dt_bias = A_log.view(heads), dt_bias.view(heads, dim)
+    if A_log is not None and (A_log.dim() != 1 or dt_bias.dim() != g.dim() - 2):  # None: gate "none"
+        heads, dim = beta.shape[2], q.shape[3]  # value heads; a per-head gate's dt_bias is [HV]
+        A_log, dt_bias = A_log.view(heads), dt_bias.view(heads, dim) if g.dim() == 4 else dt_bias.view(heads)
     scalars = _fp32_scalars(scale, lower_bound)
     if tensor is launch_tensor:  # every call: the tensors as they are, the workspace's as kept
         inputs = _prepare_inputs()(q, k, g, beta, A_log, dt_bias)
@@ -122,17 +122,22 @@ def forget_launch_tiles() -> None:
     _LAST_TILES = (None, None)
 
 
-def _compile_arguments(varlen: bool, gate: str, g_dtype: torch.dtype) -> tuple:
-    """:func:`launch_arguments` of a K1 variant for the compile: ``meta`` tensors, a fake stream."""
+def _compile_arguments(varlen: bool, gate: str, g_dtype: torch.dtype, per_head_gate: bool = False,
+                       grouped: bool = False) -> tuple:
+    """:func:`launch_arguments` of a K1 variant for the compile: ``meta`` tensors, a fake stream (two value
+    heads to one q/k head when ``grouped``)."""
+    heads = 2 if grouped else 1
     q = torch.empty((1, CHUNK, 1, _DIM), dtype=torch.bfloat16, device=_META)
-    g = torch.empty(q.shape, dtype=g_dtype, device=_META)
-    ws = allocate_workspace(WorkspaceSpec(heads=1, tiles=2), _META)
+    per_channel = () if per_head_gate else (_DIM,)
+    g = torch.empty((1, CHUNK, heads, *per_channel), dtype=g_dtype, device=_META)
+    beta = torch.empty((1, CHUNK, heads), dtype=torch.bfloat16, device=_META)
+    ws = allocate_workspace(WorkspaceSpec(heads=heads, tiles=2), _META)
     cu_seqlens = torch.empty(2, dtype=torch.int64, device=_META) if varlen else None
     tile_base = torch.empty(2, dtype=torch.int32, device=_META) if varlen else None
     constants = gate != "none"
-    A_log = torch.empty(1, dtype=torch.float32, device=_META) if constants else None
-    dt_bias = torch.empty((1, _DIM), dtype=torch.float32, device=_META) if constants else None
-    return launch_arguments(q, q, g, q[..., 0], A_log, dt_bias, ws, 1.0, -1.0, CHUNK, cu_seqlens, tile_base,
+    A_log = torch.empty(heads, dtype=torch.float32, device=_META) if constants else None
+    dt_bias = torch.empty((heads, *per_channel), dtype=torch.float32, device=_META) if constants else None
+    return launch_arguments(q, q, g, beta, A_log, dt_bias, ws, 1.0, -1.0, CHUNK, cu_seqlens, tile_base,
                             fake_stream(), tensor=to_cute_tensor)
 
 
@@ -140,9 +145,10 @@ _GATE_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}  # g's tor
 
 
 def compiled_variant(varlen: bool, qk_l2norm: bool, beta_logits: bool, index: int, gate: str = "safe",
-                     g_dtype: torch.dtype = torch.bfloat16):
-    """The K1 variant for these flags, ``gate`` (:data:`cute_kda.numerics.GATES`) and g's dtype (bf16; fp32
-    with gate "none") on device ``index``, compiled (from fake tensors) on first use."""
+                     g_dtype: torch.dtype = torch.bfloat16, per_head_gate: bool = False, grouped: bool = False):
+    """The K1 variant for these flags, ``gate`` (:data:`cute_kda.numerics.GATES`), g's dtype (bf16; fp32
+    with gate "none"), a per-head gate (g ``[B, T, HV]``) and grouped value heads on device ``index``,
+    compiled (from fake tensors) on first use."""
 
     def build():
         import cutlass
@@ -150,10 +156,11 @@ def compiled_variant(varlen: bool, qk_l2norm: bool, beta_logits: bool, index: in
         from ..kernels.fwd_prepare import PrepareKernel
 
         kernel = PrepareKernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
-                               gate_dtype=getattr(cutlass, _GATE_DTYPES[g_dtype]))
-        return compile_for_launch(kernel, *_compile_arguments(varlen, gate, g_dtype))
+                               gate_dtype=getattr(cutlass, _GATE_DTYPES[g_dtype]), per_head_gate=per_head_gate,
+                               grouped=grouped)
+        return compile_for_launch(kernel, *_compile_arguments(varlen, gate, g_dtype, per_head_gate, grouped))
 
-    return _PREPARE.get((varlen, qk_l2norm, beta_logits, gate, g_dtype, index), build)
+    return _PREPARE.get((varlen, qk_l2norm, beta_logits, gate, g_dtype, per_head_gate, grouped, index), build)
 
 
 def prepare(
@@ -176,9 +183,11 @@ def prepare(
 ) -> None:
     """Run K1: fill ``ws`` (``tiles_per_head(B·T, N, varlen)`` slots per head) from the raw inputs.
 
-    q, k: bf16 ``[B, T, H, 128]``; g ``[B, T, H, 128]``: bf16 raw gate (``gate`` "safe" or "softplus"), or
-    the log decay, bf16 or fp32 (``gate="none"``); beta: bf16 ``[B, T, H]`` (logits if ``beta_logits``); A_log
-    fp32 ``[H]``; dt_bias fp32 ``[H, 128]`` (None with gate "none"); ``cu_seqlens`` int64 ``[N+1]`` (then ``B == 1``) with
+    q, k: bf16 ``[B, T, H, 128]``; g ``[B, T, HV, 128]`` (or ``[B, T, HV]``, a per-head gate, with the unbounded
+    gates): bf16 raw gate (``gate`` "safe" or "softplus"), or the log decay, bf16 or fp32 (``gate="none"``);
+    beta: bf16 ``[B, T, HV]`` (logits if ``beta_logits``); A_log fp32 ``[HV]``; dt_bias fp32 ``[HV, 128]``
+    (``[HV]`` per head; both None with gate "none"); HV a multiple of H (grouped value heads; the workspace
+    has HV heads); ``cu_seqlens`` int64 ``[N+1]`` (then ``B == 1``) with
     ``tile_base = tile_bases(cu_seqlens)`` (computed here when omitted). Slots without a tile are
     left untouched. Launches on ``stream`` (a ``CUstream``; default torch's current stream on q's
     device); returns without synchronising.
@@ -192,7 +201,7 @@ def prepare(
     if cu_seqlens is not None and tile_base is None:
         tile_base = tile_bases(cu_seqlens, stream=stream)
     compiled = compiled_variant(cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), device_index(device), gate,
-                                g.dtype)
+                                g.dtype, g.dim() == 3, beta.shape[2] != q.shape[2])
     with on_device(device):
         compiled(*launch_arguments(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, steps, cu_seqlens, tile_base,
                                stream))
