@@ -356,3 +356,14 @@ def test_k2_budget_layouts_are_the_kernels(plan):
         table, kernel = analysis.run_traced(lambda: (analysis.evaluate_layout(ours(), buf.width),
                                                      analysis.evaluate_layout(build(), buf.width)))
         assert np.array_equal(table.bytes, kernel.bytes), name
+
+
+def test_sw128_column_offsets_are_the_swizzled_layout():
+    """K1's unbounded-gate scan addresses a sw128 tile as eight per-column offsets plus a per-row constant."""
+    from cute_kda.layouts.smem import sw128_column_offsets, sw128_row_offset
+
+    table = analysis.byte_table(SW128_FAMILY.spec(16, 128, BF16))
+    for col in range(128):
+        columns = sw128_column_offsets(col)
+        for row in range(16):
+            assert 2 * (columns[row % 8] + sw128_row_offset(row)) == table[row, col], (row, col)

@@ -44,7 +44,7 @@ from cutlass.memory import SmemAllocator
 from ..dsl import cute, cutlass
 from ..layouts import fwd_prepare as plan
 from ..layouts.budget import SMEM_CARVEOUT_PERCENT  # K1 wants CTAs, not L1
-from ..layouts.smem import CHUNK, HEAD_DIM
+from ..layouts.smem import CHUNK, HEAD_DIM, sw128_column_offsets, sw128_row_offset
 from .common.copy import (
     WARP_TILE,
     Operand,
@@ -61,6 +61,21 @@ from .common.fastmath import ex2_approx, lg2_approx, mul_rn, sigmoid_approx
 from .common.token_prep import CHANNELS_PER_LANE, ROW_LANES, TokenPrep
 
 LEVEL_ROWS = CHUNK // 2  # upper (and lower) rows of one straddle level, over all its blocks
+
+
+class SwizzledColumn:
+    """One column of a sw128 ``[16, D]`` smem tile, indexed by a compile-time row: the flat (unswizzled)
+    element view of the tile at the column's eight precomputed offsets (``layouts.smem.sw128_column_offsets``)
+    plus the row's constant, so no access recomputes the swizzle."""
+
+    def __init__(self, flat: cute.Tensor, offsets: list) -> None:
+        self.flat, self.offsets = flat, offsets
+
+    def __getitem__(self, row: int):
+        return self.flat[self.offsets[row % len(self.offsets)] + sw128_row_offset(row)]
+
+    def __setitem__(self, row: int, value) -> None:
+        self.flat[self.offsets[row % len(self.offsets)] + sw128_row_offset(row)] = value
 
 
 class PrepareInputs(NamedTuple):
@@ -477,8 +492,17 @@ class PrepareKernel(TokenPrep):
 
         self.row_scales(s_q, s_k, s_q_scale, s_k_scale, s_diagonal, scalars.scale, valid_rows, tidx)
         cute.arch.sync_threads()
+        offsets = sw128_column_offsets(col)
+        flat = cute.make_layout(CHUNK * self.dim)
+
+        def column(buffer) -> SwizzledColumn:
+            return SwizzledColumn(buffer.get_tensor(flat), offsets)
+
         ws.gt[slot, col] = ex2_approx(self.pairwise_scan(
-            s_q, s_k, s_kr, s_levels, s_lowers, s_q_scale, s_k_scale, gate_in, dt, e_a, valid_rows, col))
+            column(storage.q), column(storage.k), column(storage.kr),
+            tuple(column(getattr(storage, f"level_rows{level}")) for level in range(len(DYADIC_BLOCKS))),
+            tuple(column(getattr(storage, f"lower_rows{pair}")) for pair in range(len(DYADIC_BLOCKS) // 2)),
+            s_q_scale, s_k_scale, gate_in, dt, e_a, valid_rows))
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes → TMA store reads
         cute.arch.sync_threads()
         for level in cutlass.range_constexpr(len(DYADIC_BLOCKS)):
@@ -557,9 +581,10 @@ class PrepareKernel(TokenPrep):
                 s_diagonal[row] = dot
 
     @cute.jit
-    def pairwise_scan(self, s_q, s_k, s_kr, s_levels: tuple, s_lowers: tuple, s_q_scale, s_k_scale,
-                      gate_in: cute.Tensor, dt: Float32, e_a: Float32, valid_rows: Int32, col: Int32) -> Float32:
-        """Channel ``col`` of every row: qd, kd over q, k; kr; the straddle operands. Returns ``G_15``.
+    def pairwise_scan(self, q_col: SwizzledColumn, k_col: SwizzledColumn, kr_col: SwizzledColumn, level_cols: tuple,
+                      lower_cols: tuple, s_q_scale, s_k_scale, gate_in: cute.Tensor, dt: Float32, e_a: Float32,
+                      valid_rows: Int32) -> Float32:
+        """This thread's channel of every row: qd, kd over q, k; kr; the straddle operands. Returns ``G_15``.
 
         Level ``ℓ`` (blocks of ``b = 16 >> ℓ`` rows, middle row ``m`` the last of each block's first half):
         an upper row ``r > m`` of block ``β`` takes slot ``β·b/2 + (r − m − 1)``, a lower row ``r ≤ m`` slot
@@ -575,19 +600,19 @@ class PrepareKernel(TokenPrep):
             row = CHUNK - 1 - step
             valid = row < valid_rows
             gp[row] = Float32(cutlass.select_(valid, self.base2_log_decay(gate_in[row], dt, e_a), Float32(0.0)))
-            k_raw = Float32(cutlass.select_(valid, s_k[row, col].to(Float32), Float32(0.0)))
+            k_raw = Float32(cutlass.select_(valid, k_col[row].to(Float32), Float32(0.0)))
             kh[row] = k_raw * s_k_scale[row] if cutlass.const_expr(self.qk_l2norm) else k_raw
-            s_kr[row, col] = (kh[row] * ex2_approx(suffix)).to(BFloat16)
+            kr_col[row] = (kh[row] * ex2_approx(suffix)).to(BFloat16)
             suffix = suffix + gp[row]
         prefix = Float32(0.0)
         for row in cutlass.range_constexpr(CHUNK):
             a[row] = ex2_approx(gp[row])
             prefix = prefix + gp[row]
-            q_raw = Float32(cutlass.select_(row < valid_rows, s_q[row, col].to(Float32), Float32(0.0)))
+            q_raw = Float32(cutlass.select_(row < valid_rows, q_col[row].to(Float32), Float32(0.0)))
             qh[row] = q_raw * s_q_scale[row]
             decay = ex2_approx(prefix)
-            s_q[row, col] = (qh[row] * decay).to(BFloat16)
-            s_k[row, col] = (kh[row] * decay).to(BFloat16)
+            q_col[row] = (qh[row] * decay).to(BFloat16)
+            k_col[row] = (kh[row] * decay).to(BFloat16)
         for level in cutlass.range_constexpr(len(DYADIC_BLOCKS)):
             block = DYADIC_BLOCKS[level]
             half = block // 2
@@ -599,13 +624,13 @@ class PrepareKernel(TokenPrep):
                 for r in cutlass.range_constexpr(middle, start - 1, -1):
                     if cutlass.const_expr(r < middle):
                         factor = factor * a[r + 1]
-                    s_lowers[level // 2][lower_base + slot0 + r - start, col] = (kh[r] * factor).to(BFloat16)
+                    lower_cols[level // 2][lower_base + slot0 + r - start] = (kh[r] * factor).to(BFloat16)
                 factor = a[middle + 1]
                 for r in cutlass.range_constexpr(middle + 1, start + block):
                     if cutlass.const_expr(r > middle + 1):
                         factor = factor * a[r]
-                    s_levels[level][slot0 + r - middle - 1, col] = (kh[r] * factor).to(BFloat16)
-                    s_levels[level][LEVEL_ROWS + slot0 + r - middle - 1, col] = (qh[r] * factor).to(BFloat16)
+                    level_cols[level][slot0 + r - middle - 1] = (kh[r] * factor).to(BFloat16)
+                    level_cols[level][LEVEL_ROWS + slot0 + r - middle - 1] = (qh[r] * factor).to(BFloat16)
         return prefix
 
     @cute.jit

@@ -79,6 +79,34 @@ def sw128_tile(rows: int, cols: int, dtype: type = cutlass.BFloat16):
     return atom_tile(AtomKind.K_SW128, rows, cols, dtype)
 
 
+SW128_ATOM_ROWS = 8  # a K_SW128 atom: 8 rows of 128 bytes, 16-byte chunk j of row r at chunk j ^ (r % 8)
+SW128_CHUNK_ELEMS = 8  # bf16 elements per 16-byte chunk
+
+
+def sw128_column_offsets(col, rows: int = CHUNK, cols: int = HEAD_DIM) -> list:
+    """Element offsets (bf16) of column ``col`` in rows ``0 … 7`` of :func:`sw128_tile` ``(rows, cols)``: the
+    part of ``offset(r, col)`` that depends on the column, one per ``r % 8``. With :func:`sw128_row_offset`,
+    ``offset(r, col) = sw128_column_offsets(col)[r % 8] + sw128_row_offset(r)``.
+
+    For a kernel that walks one column down the rows (K1's unbounded-gate scan): eight offsets per column
+    once, then every access is a register plus a constant, with no swizzle arithmetic per access. ``col`` is
+    a Python int or a DSL integer (bit operations only); the layout tests check the formula against the
+    DSL layout on every coordinate.
+    """
+    atom_cols = 128 // 2  # bf16 columns of an atom
+    atom_block = rows * atom_cols  # elements of one atom column: the atoms go down the rows first
+    chunk, within = (col >> 3) & (atom_cols // SW128_CHUNK_ELEMS - 1), col & (SW128_CHUNK_ELEMS - 1)
+    block = (col >> 6) * atom_block
+    return [block + ((chunk ^ r8) * SW128_CHUNK_ELEMS) + within for r8 in range(SW128_ATOM_ROWS)]
+
+
+def sw128_row_offset(row: int, cols: int = HEAD_DIM) -> int:
+    """The column-independent part of row ``row``'s element offsets in :func:`sw128_tile` (see
+    :func:`sw128_column_offsets`): whole atoms above it, then 64 elements a row inside the atom."""
+    atom_cols = 128 // 2
+    return (row // SW128_ATOM_ROWS) * SW128_ATOM_ROWS * atom_cols + (row % SW128_ATOM_ROWS) * atom_cols
+
+
 def sw128_tile_transposed(rows: int, cols: int, dtype: type = cutlass.BFloat16):
     """``[cols, rows]`` ``MN_SW128`` view of :func:`sw128_tile` (same bytes)."""
     return atom_tile_transposed(AtomKind.K_SW128, rows, cols, dtype)
