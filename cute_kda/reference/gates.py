@@ -879,11 +879,14 @@ def mirror_backward_gates(
     dk, dv, dg, dbeta bf16; dA_log, ddt_bias fp32 (None for a None input); dh0 fp32 (None without an initial
     state).
     """
+    if gate not in ("softplus", "none"):
+        raise ValueError(f"gate must be 'softplus' or 'none' (the safe gate's is mirror_backward), got {gate!r}")
     batch, seq_len, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
     per_head = g.dim() == 3
     scheme = "per_head" if per_head else "dyadic"
-    values = _k1_gate_values(q, k, g, beta, scheme=scheme, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+    values = _k1_gate_values(q, k, g, beta, scheme=scheme, gate=gate, A_log=A_log, dt_bias=dt_bias,
+                             lower_bound=-5.0,  # the safe gate's constant: unused by these gates
                              scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
     ws, tile_map, group = values.workspace, values.tile_map, values.group
     num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
