@@ -213,9 +213,8 @@ def _forward(
         initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
         gate=gate,
     )
-    per_head_gate, grouped = g.dim() == 3, v.shape[2] != q.shape[2]
     if validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state):
-        autograd.check_trainable(gate, per_head_gate, grouped)
+        autograd.check_trainable(gate, q, v, g)
         return autograd.train(
             autograd.KERNELS, problem, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
             lower_bound=lower_bound, initial_state=initial_state, output_final_state=output_final_state,
@@ -254,7 +253,7 @@ def _forward(
     with streams.on_device(device):
         tile_base = k1.tile_bases(cu_seqlens, stream=stream) if problem.varlen else None
         prepare = k1.compiled_variant(problem.varlen, config.qk_l2norm, config.beta_logits, device.index, gate, g.dtype,
-                                      per_head_gate, grouped)
+                                      g.dim() == 3, problem.heads != q.shape[2])
         prepare(*k1.launch_arguments(q, k, g, beta, A_log, dt_bias, workspace, scale, float(lower_bound),
                                      problem.seq_len, cu_seqlens, tile_base, stream))
         tensors = k2.launch_arguments(v, workspace, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
