@@ -165,17 +165,14 @@ def kda_forward(
             final_state=as_torch(final_state), vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
             recompute=recompute, gate=gate,
         )
-    framework = interop.framework_of(q)
-    with interop.caller_stream(framework, q):
-        o, state = _forward(
-            *(as_torch(x) for x in (q, k, v, g, beta)),
-            scale=scale, A_log=as_torch(A_log), dt_bias=as_torch(dt_bias),
-            lower_bound=lower_bound, initial_state=as_torch(initial_state),
-            output_final_state=output_final_state, cu_seqlens=as_torch(cu_seqlens),
-            out=as_torch(out), final_state=as_torch(final_state), vsplit=vsplit,
-            qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute, gate=gate,
-        )
-        return interop.to_framework(o, framework), interop.to_framework(state, framework)
+    return interop.answer_in_framework(q, lambda: _forward(
+        *(as_torch(x) for x in (q, k, v, g, beta)),
+        scale=scale, A_log=as_torch(A_log), dt_bias=as_torch(dt_bias),
+        lower_bound=lower_bound, initial_state=as_torch(initial_state),
+        output_final_state=output_final_state, cu_seqlens=as_torch(cu_seqlens),
+        out=as_torch(out), final_state=as_torch(final_state), vsplit=vsplit,
+        qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute, gate=gate,
+    ))
 
 
 _LAUNCHERS: tuple = ()
@@ -564,12 +561,7 @@ def chunk_kda(
         return call.run(functools.partial(_forward, out=None, final_state=None, vsplit=None,
                                           recompute=call.recompute))
 
-    if isinstance(q, torch.Tensor):  # torch in, torch out, torch's current stream: nothing to hand over
-        return run()
-    framework = interop.framework_of(q)
-    with interop.caller_stream(framework, q):
-        o, state = run()
-        return interop.to_framework(o, framework), interop.to_framework(state, framework)
+    return interop.answer_in_framework(q, run)
 
 
 def warmup(
