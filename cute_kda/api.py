@@ -19,7 +19,7 @@ import functools
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -31,7 +31,8 @@ _WORKSPACE_GRANULE = 2 << 20  # grow the cached buffer in 2 MiB steps
 
 
 class WorkspaceCache:
-    """One flat uint8 K1→K2 workspace buffer per (device, stream), grown on demand, never shrunk.
+    """One flat uint8 K1→K2 workspace buffer per (device, stream), grown on demand, never shrunk, and the
+    launch plans of the calls that use it.
 
     Keyed by stream because the buffer is reused without any event: two calls on one stream are
     ordered by the stream, so the second call's K1 cannot overwrite what the first call's K2 still
@@ -40,11 +41,17 @@ class WorkspaceCache:
     under CUDA-graph capture (a captured call would keep using a buffer that a later eager call on
     the capture stream may replace); :meth:`clear` drops every buffer. The views of the last spec
     seen per buffer are kept too: carving them costs more host time than a small call's kernels.
+
+    A :class:`LaunchPlan` (what one static configuration launches, with views of the buffer) is kept per
+    (device, stream) and configuration; a buffer that grows drops the plans on the old one.
     """
+
+    _MAX_PLANS = 64  # per (device, stream); past it the plans start over (a workload of ever new shapes)
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
         self._views: dict[tuple[int, int], tuple[WorkspaceSpec, Workspace]] = {}
+        self._plans: dict[tuple[int, int], dict[tuple, LaunchPlan]] = {}
         self._lock = threading.Lock()
 
     def get(self, spec: WorkspaceSpec, device: torch.device, stream: int | None = None) -> Workspace:
@@ -62,9 +69,24 @@ class WorkspaceCache:
                 nbytes = -(-spec.nbytes // _WORKSPACE_GRANULE) * _WORKSPACE_GRANULE
                 buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 self._buffers[key] = buffer
+                self._plans.pop(key, None)  # their views are of the old buffer
             views = workspace_views(spec, buffer)
             self._views[key] = (spec, views)
         return views
+
+    def plan(self, index: int, stream: int, config: tuple) -> LaunchPlan | None:
+        """The kept plan of ``config`` on (device ``index``, raw ``stream``), None before :meth:`keep`."""
+        plans = self._plans.get((index, stream))
+        return None if plans is None else plans.get(config)
+
+    def keep(self, index: int, stream: int, config: tuple, plan: LaunchPlan) -> LaunchPlan:
+        """Keep ``plan`` (built on this cache's current buffer) for ``config``; returns it."""
+        with self._lock:
+            plans = self._plans.setdefault((index, stream), {})
+            if len(plans) >= self._MAX_PLANS:
+                plans.clear()
+            plans[config] = plan
+        return plan
 
     def snapshot(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(device index, stream handle) → (buffer address, bytes) of every cached buffer."""
@@ -72,13 +94,28 @@ class WorkspaceCache:
             return {key: (b.data_ptr(), b.numel()) for key, b in self._buffers.items()}
 
     def clear(self) -> None:
-        """Drop every cached buffer (their memory returns to torch's caching allocator)."""
+        """Drop every cached buffer and plan (their memory returns to torch's caching allocator)."""
         with self._lock:
             self._buffers.clear()
             self._views.clear()
+            self._plans.clear()
         prepare = sys.modules.get("cute_kda.ops.prepare")
         if prepare is not None:
             prepare.forget_launch_tiles()  # K1 keeps its arguments for the last workspace it saw
+
+
+class LaunchPlan(NamedTuple):
+    """What a forward call of one static configuration launches on one (device, stream): the compiled K1
+    and K2 variants, the workspace as each takes it (converted for TVM-FFI once), K1's fp32 scalars, the
+    ``CUstream``. Built on the configuration's first call, then looked up: building it costs a small call more
+    host time than its kernels take."""
+
+    prepare: Callable[..., None]
+    recurrence: Callable[..., None]
+    prepare_workspace: Any
+    recurrence_workspace: tuple
+    scalars: tuple[float, float]
+    stream: Any
 
 
 WORKSPACES = WorkspaceCache()
@@ -156,15 +193,14 @@ def kda_forward(
             final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
             recompute=recompute, gate=gate,
         )
-    as_torch = interop.as_torch
     if isinstance(q, torch.Tensor):  # torch in, torch out, torch's current stream: nothing to hand over
         return _forward(
-            q, as_torch(k), as_torch(v), as_torch(g), as_torch(beta), scale=scale, A_log=as_torch(A_log),
-            dt_bias=as_torch(dt_bias), lower_bound=lower_bound, initial_state=as_torch(initial_state),
-            output_final_state=output_final_state, cu_seqlens=as_torch(cu_seqlens), out=as_torch(out),
-            final_state=as_torch(final_state), vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+            q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens, out=out,
+            final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
             recompute=recompute, gate=gate,
         )
+    as_torch = interop.as_torch
     return interop.answer_in_framework(q, lambda: _forward(
         *(as_torch(x) for x in (q, k, v, g, beta)),
         scale=scale, A_log=as_torch(A_log), dt_bias=as_torch(dt_bias),
@@ -192,24 +228,32 @@ def _launchers() -> tuple:
 
 
 def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
-    scale: float | None, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
-    initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None,
-    out: torch.Tensor | None, final_state: torch.Tensor | None, vsplit: int | None,
+    q: torch.Tensor, k: Any, v: Any, g: Any, beta: Any, *,
+    scale: float | None, A_log: Any, dt_bias: Any, lower_bound: float,
+    initial_state: Any, output_final_state: bool, cu_seqlens: Any,
+    out: Any, final_state: Any, vsplit: int | None,
     qk_l2norm: bool, beta_logits: bool, recompute: bool = False, gate: str = "safe",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`kda_forward` on torch tensors: validate, pick the variant, launch K1 then K2 (a call that
-    autograd records: :func:`cute_kda.autograd.train` on the kernels).
+    """:func:`kda_forward` for a torch ``q`` (the other arguments may be any DLPack tensors): validate, look up
+    the :class:`LaunchPlan`, launch K1 then K2 (a call that autograd records: :func:`cute_kda.autograd.train`
+    on the kernels).
 
-    The launches call the compiled variants (``compiled_variant`` of ``ops.prepare`` and
-    ``ops.recurrence``) with the arguments the public ``prepare`` / ``recurrence`` would build, under
-    one device check: their defaults and look-ups cost a small call several µs of host time.
+    A plain call (every argument a torch tensor that passes, no ``cu_seqlens``, the safe gate) is checked in
+    one pass (:func:`cute_kda.validation.plain_forward`); any other goes through the checks that name what is
+    wrong, its arguments seen as torch tensors first.
     """
-    problem = validation.validate_forward(
-        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-        initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
-        gate=gate,
-    )
+    problem = validation.plain_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state,
+                                       final_state, out, cu_seqlens, vsplit, gate)
+    if problem is None:
+        as_torch = interop.as_torch
+        k, v, g, beta, A_log, dt_bias = (as_torch(x) for x in (k, v, g, beta, A_log, dt_bias))
+        initial_state, cu_seqlens, out, final_state = (as_torch(x) for x in (initial_state, cu_seqlens, out,
+                                                                             final_state))
+        problem = validation.validate_forward(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+            initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
+            gate=gate,
+        )
     if validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state):
         autograd.check_trainable(gate, q, v, g)
         return autograd.train(
@@ -232,33 +276,46 @@ def _forward(
         out = torch.empty_like(v)
     if problem.heads == 0 or problem.total_tokens == 0:
         return out, final_state
-    config = select_forward_config(
-        problem, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
-        initial_state=None if initial_state is None else initial_state.dtype,
-        final_state=None if final_state is None else final_state.dtype,
-        vsplit=vsplit, sms=sm_count(device.index),
-    )
     k1, k2, streams = _launchers()
-    spec = WorkspaceSpec(
-        heads=problem.heads,
-        tiles=tiles_per_head(problem.total_tokens, problem.num_seqs, problem.varlen),
-        dim=problem.head_dim,
-    )
-    handle = streams.current_stream_handle(device.index)  # one stream look-up for the workspace and both launches
+    handle = streams.current_stream_handle(device.index)  # one stream look-up for the plan and both launches
+    states = (None if initial_state is None else initial_state.dtype, None if final_state is None else final_state.dtype)
+    config = (problem, q.shape[2], g.dtype, g.dim(), gate, qk_l2norm, beta_logits, states, vsplit, scale,
+              lower_bound)
+    plan = WORKSPACES.plan(device.index, handle, config)
+    with streams.on_device(device):
+        if plan is None:
+            plan = WORKSPACES.keep(device.index, handle, config, _build_plan(
+                problem, config, v, out, initial_state, final_state, cu_seqlens, device, handle))
+        tile_base = k1.tile_bases(cu_seqlens, stream=plan.stream) if problem.varlen else None
+        k1.launch(plan.prepare, q, k, g, beta, A_log, dt_bias, plan.prepare_workspace, plan.scalars, problem.seq_len,
+                  cu_seqlens, tile_base, plan.stream)
+        k2.launch(plan.recurrence, v, out, plan.recurrence_workspace, initial_state, final_state, cu_seqlens,
+                  tile_base, plan.stream)
+    return out, final_state
+
+
+def _build_plan(problem: validation.ProblemShape, config: tuple, v: torch.Tensor, out: torch.Tensor,
+                initial_state: torch.Tensor | None, final_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                device: torch.device, handle: int) -> LaunchPlan:
+    """The :class:`LaunchPlan` of ``config`` (:func:`_forward`'s key) on ``device`` and stream ``handle``,
+    compiling the variants on first use (K2's from this call's tensors and a fake ``tile_base``)."""
+    _, qk_heads, g_dtype, g_dim, gate, qk_l2norm, beta_logits, states, vsplit, scale, lower_bound = config
+    k1, k2, streams = _launchers()
+    forward = select_forward_config(problem, qk_l2norm=qk_l2norm, beta_logits=beta_logits, initial_state=states[0],
+                                    final_state=states[1], vsplit=vsplit, sms=sm_count(device.index))
+    spec = WorkspaceSpec(heads=problem.heads, tiles=tiles_per_head(problem.total_tokens, problem.num_seqs,
+                                                                   problem.varlen), dim=problem.head_dim)
     workspace = WORKSPACES.get(spec, device, handle)
     stream = streams.cu_stream(handle)
-    with streams.on_device(device):
-        tile_base = k1.tile_bases(cu_seqlens, stream=stream) if problem.varlen else None
-        prepare = k1.compiled_variant(problem.varlen, config.qk_l2norm, config.beta_logits, device.index, gate, g.dtype,
-                                      g.dim() == 3, problem.heads != q.shape[2])
-        prepare(*k1.launch_arguments(q, k, g, beta, A_log, dt_bias, workspace, scale, float(lower_bound),
-                                     problem.seq_len, cu_seqlens, tile_base, stream))
-        tensors = k2.launch_arguments(v, workspace, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
-                                      initial_state=initial_state, final_state=final_state)
-        recurrence = k2.compiled_variant(config.vsplit, config.initial_state, config.final_state, problem.varlen,
-                                         False, device.index, tensors, stream)
-        recurrence(*tensors, stream)
-    return out, final_state
+    prepare = k1.compiled_variant(problem.varlen, forward.qk_l2norm, forward.beta_logits, device.index, gate, g_dtype,
+                                  g_dim == 3, problem.heads != qk_heads)
+    tile_base = None if cu_seqlens is None else torch.empty(cu_seqlens.shape, dtype=torch.int32, device="meta")
+    arguments = k2.launch_arguments(v, workspace, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
+                                    initial_state=initial_state, final_state=final_state)
+    recurrence = k2.compiled_variant(forward.vsplit, forward.initial_state, forward.final_state, problem.varlen, False,
+                                     device.index, arguments, stream)
+    return LaunchPlan(prepare, recurrence, k1.workspace_arguments(workspace), k2.workspace_arguments(workspace),
+                      k1.fp32_scalars(scale, float(lower_bound)), stream)
 
 
 # ---------------------------------------------------------------------------------------------

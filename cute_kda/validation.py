@@ -93,7 +93,7 @@ def check_same_device(name: str, tensor: torch.Tensor, device: torch.device, ref
 
 
 def check_on_cuda(name: str, tensor: torch.Tensor) -> None:
-    if tensor.device.type != "cuda":
+    if not tensor.is_cuda:
         raise ValueError(
             f"{name} must be on a CUDA device (the kernels run on Hopper GPUs), got {tensor.device}; "
             "the torch references in cute_kda.reference run on the CPU"
@@ -288,28 +288,31 @@ def _check_parameter(name: str, tensor: object, shape: tuple[int, ...], meaning:
     _check_tensor(name, tensor, _FP32, shape, meaning, device, aligned=False)
 
 
-def _is_plain_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-                      vsplit, gate) -> bool:
-    """Whether a call without ``cu_seqlens`` with the safe gate passes every check of :func:`validate_forward`,
-    tested in one pass (a small call's host time is mostly checks). It only ever answers True for a call the
-    checks below accept; False sends the call through them, and they name what is wrong."""
-    if not (gate == "safe" and isinstance(q, torch.Tensor) and q.dim() == 4 and type(lower_bound) is float
+def plain_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out, cu_seqlens,
+                  vsplit, gate) -> ProblemShape | None:
+    """The :class:`ProblemShape` of a plain call, tested in one pass, else None: torch tensors only, no
+    ``cu_seqlens``, the safe gate, no grouped value heads (a small call's host time is mostly checks). It only
+    ever answers for a call that :func:`validate_forward`'s checks accept; None sends the call through them,
+    and they name what is wrong."""
+    if not (gate == "safe" and cu_seqlens is None and isinstance(q, torch.Tensor) and type(lower_bound) is float
             and LOWER_BOUND_MIN <= lower_bound < LOWER_BOUND_MAX
             and (scale is None or (type(scale) is float and scale != 0.0 and math.isfinite(scale)))
             and (vsplit is None or (type(vsplit) is int and vsplit in SUPPORTED_VSPLITS))):
-        return False
+        return None
     shape, device = q.shape, q.device
-    if shape[1] == 0 or shape[3] not in SUPPORTED_HEAD_DIMS:
-        return False
+    if len(shape) != 4 or shape[1] == 0 or shape[3] not in SUPPORTED_HEAD_DIMS:
+        return None
     batch, seq_len, heads, dim = shape
     state_shape = (batch, heads, dim, dim)
-    return (_fits(q, _BF16, shape, device, True) and _fits(k, _BF16, shape, device, True)
+    if (_fits(q, _BF16, shape, device, True) and _fits(k, _BF16, shape, device, True)
             and _fits(v, _BF16, shape, device, True) and _fits(g, _BF16, shape, device, True)
             and _fits(beta, _BF16, (batch, seq_len, heads), device, True)
             and (out is None or _fits(out, _BF16, shape, device, True))
             and _fits(A_log, _FP32, (heads,), device, False) and _fits(dt_bias, _FP32, (heads, dim), device, False)
             and (initial_state is None or _fits(initial_state, STATE_DTYPES, state_shape, device, True))
-            and (final_state is None or _fits(final_state, STATE_DTYPES, state_shape, device, True)))
+            and (final_state is None or _fits(final_state, STATE_DTYPES, state_shape, device, True))):
+        return ProblemShape(batch, seq_len, heads, dim, batch, False)
+    return None
 
 
 def validate_forward(
@@ -335,10 +338,10 @@ def validate_forward(
     Structure first (types, dtypes, shapes, layouts, devices agreeing with q), so these checks run
     on CPU tensors too; whether the device is a GPU is :func:`check_on_cuda`'s separate concern.
     """
-    if cu_seqlens is None and _is_plain_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state,
-                                                final_state, out, vsplit, gate):
-        batch, seq_len, heads, key_dim = q.shape
-        return ProblemShape(batch, seq_len, heads, key_dim, batch, False)
+    plain = plain_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+                          cu_seqlens, vsplit, gate)
+    if plain is not None:
+        return plain
     q = check_is_tensor("q", q)
     check_ndim("q", q, 4, "[B, T, H, K]")
     batch, seq_len, heads, key_dim = q.shape

@@ -174,19 +174,20 @@ def mirror_kernels(monkeypatch):
     from cute_kda.ops import prepare as k1
     from cute_kda.ops import recurrence as k2
     from cute_kda.reference import mirror, mirror_prepare_gates
-    from cute_kda.workspace import Workspace, allocate_workspace
+    from cute_kda.workspace import Workspace
 
     launches = []
 
     from cute_kda.ops import _cache
 
-    class CpuWorkspaces:
+    class CpuWorkspaces(api.WorkspaceCache):
         def get(self, spec, device, stream=None):
             assert stream == 7  # the one stream look-up of the call, handed on
-            return allocate_workspace(spec, device)
+            return super().get(spec, device, stream)
 
     def prepare_variant(varlen, qk_l2norm, beta_logits, index, gate, g_dtype, per_head_gate, grouped):
-        def prepare(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, seq_len, cu_seqlens, tile_base, stream):
+        def prepare(q, k, g, beta, A_log, dt_bias, ws, scalars, seq_len, cu_seqlens, tile_base, stream):
+            scale, lower_bound = scalars
             assert stream == ("CUstream", 7)
             assert (cu_seqlens is None) == (tile_base is None) == (not varlen) and seq_len == q.shape[1]
             assert g.dtype == g_dtype and per_head_gate == (g.dim() == 3) and grouped == (beta.shape[2] != q.shape[2])
@@ -231,7 +232,10 @@ def mirror_kernels(monkeypatch):
     monkeypatch.setattr(k1, "tile_bases", lambda cu_seqlens, stream=None: mirror.tile_bases(cu_seqlens, 0, 1))
     monkeypatch.setattr(_cache, "current_stream_handle", lambda index: 7)
     monkeypatch.setattr(_cache, "cu_stream", lambda handle: ("CUstream", handle))
-    monkeypatch.setattr(k1, "launch_arguments", lambda *arguments: arguments)  # what the API hands K1, as handed
+    monkeypatch.setattr(k1, "launch", lambda compiled, *arguments: compiled(*arguments))  # K1's arguments as handed
+    monkeypatch.setattr(k1, "workspace_arguments", lambda ws: ws)
+    monkeypatch.setattr(k2, "workspace_arguments", tuple)
+    monkeypatch.setattr(k1, "fp32_scalars", lambda scale, lower_bound: (scale, lower_bound))
     monkeypatch.setattr(k1, "compiled_variant", prepare_variant)
     monkeypatch.setattr(k2, "compiled_variant", recurrence_variant)
     return launches
@@ -265,6 +269,30 @@ def test_launch_path_fills_caller_buffers(mirror_kernels):
                                       beta_logits=False, qk_l2norm=False)
     assert o is out and state is final
     assert torch.equal(out, o_ref) and torch.equal(final, final_ref)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_launch_plans_are_kept_per_configuration(mirror_kernels, monkeypatch):
+    """A call's configuration builds its launch plan once (the compiled variants are looked up then, not per
+    call) and gives the same results from the kept plan; a larger problem grows the buffer and drops the plans
+    on the old one; ``clear`` drops them all."""
+    from cute_kda.ops import prepare as k1
+
+    builds = []
+    variant = k1.compiled_variant
+    monkeypatch.setattr(k1, "compiled_variant", lambda *key: builds.append(key) or variant(*key))
+    small, large = (make_inputs(lengths, 2, torch.device("cpu")) for lengths in ([40], [4000]))
+    first = cute_kda.kda_forward(**small, output_final_state=True)
+    again = cute_kda.kda_forward(**small, output_final_state=True)
+    assert len(builds) == 1 and all(torch.equal(a, b) for a, b in zip(first, again))
+    cute_kda.kda_forward(**small, output_final_state=True, vsplit=2)  # another configuration, the same buffer
+    assert len(builds) == 2 and len(api.WORKSPACES._plans[(None, 7)]) == 2
+    cute_kda.kda_forward(**large)
+    assert len(builds) == 3 and len(api.WORKSPACES._plans[(None, 7)]) == 1  # the grown buffer's plan only
+    api.WORKSPACES.clear()
+    assert not api.WORKSPACES._plans
+    assert all(torch.equal(a, b) for a, b in zip(first, cute_kda.kda_forward(**small, output_final_state=True)))
+    assert len(builds) == 4
 
 
 def gate_inputs(case: str, lengths, heads, device, seed: int = 0) -> tuple[dict, str]:

@@ -254,7 +254,7 @@ def test_cu_seqlens_values_checker_names_its_argument():
 def test_plain_call_takes_the_one_pass_check(monkeypatch, extra):
     """A valid call without cu_seqlens passes the one-pass check (the host-cost path) with the problem the
     detailed checks give; every error test above goes through the detailed ones (the one-pass check
-    answered False there, else the call would have reached the device check)."""
+    answered None there, else the call would have reached the device check)."""
     inputs = make_inputs()
     inputs.update(extra)
     options = dict(A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=inputs.get("lower_bound", -5.0),
@@ -262,9 +262,9 @@ def test_plain_call_takes_the_one_pass_check(monkeypatch, extra):
                    final_state=inputs.get("final_state"), out=inputs.get("out"), vsplit=inputs.get("vsplit"),
                    gate="safe")
     tensors = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
-    assert validation._is_plain_forward(*tensors, *options.values())
-    fast = validation.validate_forward(*tensors, **options)
-    monkeypatch.setattr(validation, "_is_plain_forward", lambda *args: False)
+    fast = validation.plain_forward(*tensors, cu_seqlens=None, **options)
+    assert fast == validation.validate_forward(*tensors, **options)
+    monkeypatch.setattr(validation, "plain_forward", lambda *args: None)
     assert validation.validate_forward(*tensors, **options) == fast == validation.ProblemShape(B, T, H, D, B, False)
 
 

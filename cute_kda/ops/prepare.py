@@ -11,6 +11,7 @@ the host. Variants compile from fake tensors (``meta`` tensors described by
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -60,7 +61,7 @@ def launch_arguments(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float,
     if A_log is not None and (A_log.dim() != 1 or dt_bias.dim() != g.dim() - 2):  # None: gate "none"
         heads, dim = beta.shape[2], q.shape[3]  # value heads; a per-head gate's dt_bias is [HV]
         A_log, dt_bias = A_log.view(heads), dt_bias.view(heads, dim) if g.dim() == 4 else dt_bias.view(heads)
-    scalars = _fp32_scalars(scale, lower_bound)
+    scalars = fp32_scalars(scale, lower_bound)
     if tensor is launch_tensor:  # every call: the tensors as they are, the workspace's as kept
         inputs = _prepare_inputs()(q, k, g, beta, A_log, dt_bias)
         return inputs, _launch_tiles(ws), *scalars, seq_len, cu_seqlens, tile_base, stream
@@ -81,9 +82,26 @@ def _prepare_inputs() -> type:
 
 
 @functools.lru_cache(maxsize=256)  # a call's host path: one look-up instead of two struct round trips
-def _fp32_scalars(scale: float, lower_bound: float) -> tuple[float, float]:
+def fp32_scalars(scale: float, lower_bound: float) -> tuple[float, float]:
     """K1's ``(scale, c_gate)`` rounded to fp32 (docs/numerics.md)."""
     return f32(scale), gate_constant(lower_bound)
+
+
+def workspace_arguments(ws: Workspace) -> Any:
+    """K1's workspace argument for repeated launches on ``ws``, built once by the caller that keeps it: its
+    ``WorkspaceTiles`` as one TVM-FFI array of FFI tensors (a tuple of torch tensors is converted anew on every
+    call, about 1 µs of host time for these seven)."""
+    import tvm_ffi
+
+    return tvm_ffi.convert(_workspace_tiles(ws, launch_tensor))
+
+
+def launch(compiled, q, k, g, beta, A_log, dt_bias, tiles: Any, scalars: tuple[float, float], seq_len: int,
+           cu_seqlens, tile_base, stream) -> None:
+    """Call the compiled K1 ``compiled`` on validated tensors (A_log, dt_bias in the kernel's shapes), the
+    :func:`workspace_arguments` ``tiles`` and the :func:`fp32_scalars` ``scalars``: the API's launch."""
+    compiled(_prepare_inputs()(q, k, g, beta, A_log, dt_bias), tiles, *scalars, seq_len, cu_seqlens, tile_base,
+             stream)
 
 
 def _workspace_tiles(ws: Workspace, tensor) -> tuple:

@@ -62,6 +62,21 @@ def launch_arguments(
     return tuple(tensor(t, align) for t, align in zip(tensors, _ARGUMENT_ALIGNMENT))
 
 
+def workspace_arguments(ws: Workspace) -> tuple:
+    """K2's workspace tensors for repeated launches on ``ws`` (:func:`launch`), as FFI tensors converted once
+    by the caller that keeps them (a torch tensor is converted anew on every call)."""
+    import tvm_ffi
+
+    return tuple(tvm_ffi.from_dlpack(field) for field in ws)
+
+
+def launch(compiled, v: torch.Tensor, out: torch.Tensor, workspace: tuple, initial_state, final_state, cu_seqlens,
+           tile_base, stream) -> None:
+    """Call the compiled K2 ``compiled`` (inference: no checkpoints) in :func:`launch_arguments`' order, with the
+    :func:`workspace_arguments` ``workspace``."""
+    compiled(v, out, *workspace, initial_state, final_state, cu_seqlens, tile_base, None, stream)
+
+
 def compiled_variant(vsplit: int, initial_state: torch.dtype | None, final_state: torch.dtype | None, varlen: bool,
                      checkpoints: bool, index: int, arguments: tuple, stream):
     """The compiled K2 variant for these state dtypes, flags and device ``index``, compiled on first use
