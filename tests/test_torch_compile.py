@@ -178,6 +178,28 @@ def test_compiled_chunk_kda_with_fla_layout_state(gold_kernels):
     assert backend.op_count() == 1 and eager[1].shape == (1, 2, D, D)
 
 
+class GdnLayer(torch.nn.Module):
+    """GatedDeltaNet through cute_kda.chunk_gated_delta_rule: a per-head log decay, two value heads per q/k head."""
+
+    def forward(self, q, k, v, g, beta, h0):
+        return cute_kda.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+
+
+def test_compiled_gated_delta_rule_is_one_graph(gold_kernels):
+    """The per-head gate, grouped value heads and gate "none" (A_log, dt_bias None) through the op."""
+    inputs = make_inputs([33])
+    q, k = inputs["q"][:, :, :1].contiguous(), inputs["k"][:, :, :1].contiguous()  # H = 1, HV = 2
+    g = -torch.rand(inputs["beta"].shape)  # [B, T, HV], fp32
+    args = (q, k, inputs["v"], g, inputs["beta"], 0.1 * torch.randn(1, 2, D, D))
+    backend = OneGraph()
+    module = GdnLayer()
+    compiled = torch.compile(module, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        _compare(module(*args), compiled(*args))
+    assert backend.op_count() == 1 and gold_kernels[-1].heads == 2
+
+
 def test_compiled_call_fills_caller_buffers(gold_kernels):
     inputs = make_inputs([21])
 
