@@ -582,6 +582,7 @@ def warmup(
     state_modes: tuple[torch.dtype | None, ...] = STATE_MODES,
     vsplits: tuple[int, ...] | None = None,
     gates: tuple[str, ...] = ("safe",),
+    gated_delta_rule: bool = False,
 ) -> int:
     """Compile, ahead of time and without running anything, every variant the flags select.
 
@@ -591,9 +592,11 @@ def warmup(
 
     Each argument lists the values to cover: ``state_modes`` holds None (no state), bf16 and/or
     fp32 (used for both the initial and the final state); ``vsplits`` None covers every supported
-    V-split; ``gates`` the K1 gate forms (``"none"`` for both g dtypes, bf16 and fp32). ``device``
-    (default: the current CUDA device) is where the compiled code will run. Returns the number of
-    (K1, K2) configurations visited (each with every gate); already-compiled ones cost nothing.
+    V-split; ``gates`` the K1 gate forms (``"none"`` for both g dtypes, bf16 and fp32);
+    ``gated_delta_rule`` also the K1 variants of :func:`cute_kda.chunk_gated_delta_rule` (a per-head gate
+    with grouped value heads, for each unbounded gate in ``gates``). ``device`` (default: the current
+    CUDA device) is where the compiled code will run. Returns the number of (K1, K2) configurations
+    visited (each with every gate); already-compiled ones cost nothing.
     """
     from .ops import prepare as k1
     from .ops import recurrence as k2
@@ -615,12 +618,14 @@ def warmup(
     ))
     for gate in gates:
         validation.check_gate(gate)
-    k1_gates = [(gate, dtype) for gate in gates
+    k1_gates = [(gate, dtype, False) for gate in gates
                 for dtype in ((torch.bfloat16, torch.float32) if gate == "none" else (torch.bfloat16,))]
+    if gated_delta_rule:
+        k1_gates += [(gate, dtype, True) for gate, dtype, _ in k1_gates if gate != "safe"]
     for config in configs:
-        for gate, g_dtype in k1_gates:
+        for gate, g_dtype, gdn in k1_gates:
             k1.compile_prepare(qk_l2norm=config.qk_l2norm, beta_logits=config.beta_logits, varlen=config.varlen,
-                               device=device, gate=gate, g_dtype=g_dtype)
+                               device=device, gate=gate, g_dtype=g_dtype, per_head_gate=gdn, grouped=gdn)
         k2.compile_recurrence(
             varlen=config.varlen, initial_state=config.initial_state, final_state=config.final_state,
             vsplit=config.vsplit, device=device,

@@ -87,6 +87,27 @@ def test_workspace_cache_reuses_views_until_spec_or_buffer_changes(monkeypatch):
     assert cache.snapshot() == {}
 
 
+def test_warmup_visits_every_selected_k1_variant(monkeypatch):
+    """``gates`` and ``gated_delta_rule`` select K1 variants (the log decay in both dtypes); K2 once per config."""
+    from cute_kda.ops import prepare as k1
+    from cute_kda.ops import recurrence as k2
+
+    seen, recurrences = [], []
+    monkeypatch.setattr(api.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(k1, "compile_prepare", lambda **kw: seen.append(
+        (kw["gate"], kw["g_dtype"], kw["per_head_gate"], kw["grouped"])))
+    monkeypatch.setattr(k2, "compile_recurrence", lambda **kw: recurrences.append(kw))
+    count = cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(None,), vsplits=(1,),
+                            gates=("safe", "softplus", "none"), gated_delta_rule=True)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert count == 1 and len(recurrences) == 1
+    assert seen == [("safe", bf16, False, False), ("softplus", bf16, False, False), ("none", bf16, False, False),
+                    ("none", fp32, False, False), ("softplus", bf16, True, True), ("none", bf16, True, True),
+                    ("none", fp32, True, True)]
+    with pytest.raises(ValueError, match="gate must be one of"):
+        cute_kda.warmup(device="cuda:0", gates=("sigmoid",))
+
+
 def test_warmup_without_cuda_says_so(monkeypatch):
     monkeypatch.setattr(api.torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match=r"warmup\(\) needs a CUDA device"):

@@ -578,6 +578,10 @@ def _gdn_problem(case: str, batch: int, steps: int, heads: int, value_heads: int
         g = (torch.rand(batch, steps, value_heads, D, generator=gen) * 16 - 8).bfloat16()
         data = [q, k, g, beta, torch.rand(value_heads, generator=gen) - 0.5, torch.randn(value_heads, D, generator=gen)]
         return [t.to("cuda") for t in data], "safe", "kinv"
+    if case == "softplus_grouped":  # Kimi-Linear's per-channel gate with grouped value heads
+        g = torch.randn(batch, steps, value_heads, D, generator=gen).bfloat16()
+        data = [q, k, g, beta, a_log, torch.randn(value_heads, D, generator=gen)]
+        return [t.to("cuda") for t in data], "softplus", "dyadic"
     raw = torch.randn(batch, steps, value_heads, generator=gen)
     if case == "gdn_softplus":
         data = [q, k, raw.bfloat16(), beta, a_log, torch.randn(value_heads, generator=gen)]
@@ -587,7 +591,7 @@ def _gdn_problem(case: str, batch: int, steps: int, heads: int, value_heads: int
     return [t.to("cuda") for t in (q, k, decay, beta)] + [None, None], "none", "per_head"
 
 
-GDN_CASES = ["gdn_softplus", "gdn_log_decay", "safe_grouped"]
+GDN_CASES = ["gdn_softplus", "gdn_log_decay", "safe_grouped", "softplus_grouped"]
 
 
 @pytest.mark.gpu

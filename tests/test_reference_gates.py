@@ -26,6 +26,7 @@ from cute_kda.reference.gates import (
     chunk_forward_pairwise_exact,
     dyadic_tile_products,
     dyadic_tile_products_backward,
+    mirror_backward_gates,
     mirror_prepare_gates,
     pairwise_tile_products,
     pairwise_tile_products_backward,
@@ -374,3 +375,105 @@ def test_gva_mirror_equals_the_expanded_heads_and_per_head_needs_a_per_head_gate
         mirror_prepare_gates(inputs["q"], inputs["k"], channel_gate, inputs["beta"], scheme="per_head", gate="none")
     with pytest.raises(ValueError, match="scheme"):
         mirror_prepare_gates(inputs["q"], inputs["k"], inputs["g"], inputs["beta"], scheme="kd_kinv", **keywords)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rounded backward of the unbounded gates (a proposal for the tile-gradient kernel)
+
+D = 128  # the kernels' head dim: the rounded backward works on their tile shapes
+# the issue's backward targets (rel-RMS vs autograd through the fp64 gold)
+BACKWARD_TARGETS = {"dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dA_log": 8e-3,
+                    "ddt_bias": 8e-3}
+
+
+def _backward_problem(kind: str, *, heads: int, value_heads: int, lengths: list[int], seed: int,
+                      per_head: bool = False, dht_scale: float = 1.0) -> tuple[tuple, dict]:
+    """bf16 inputs of one gate kind ("kimi_init", "pm1000", "low_decay": the softplus gate; "masks": a log
+    decay) with h0 and dht; ``per_head`` takes g ``[B, T, HV]`` (GatedDeltaNet)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_len, num_seqs = sum(lengths), len(lengths)
+    shape = (1, seq_len, value_heads) + (() if per_head else (D,))
+    q, k = (torch.randn(1, seq_len, heads, D, generator=gen).bfloat16() for _ in range(2))
+    v, do = (torch.randn(1, seq_len, value_heads, D, generator=gen).bfloat16() for _ in range(2))
+    beta = torch.randn(1, seq_len, value_heads, generator=gen).bfloat16()
+    raw = torch.randn(*shape, generator=gen)
+    options = dict(gate="softplus", A_log=torch.log(torch.rand(value_heads, generator=gen) * 15 + 1),
+                   dt_bias=torch.randn(*shape[2:], generator=gen))
+    g = raw.bfloat16()
+    if kind == "pm1000":
+        pick = torch.randint(0, 3, shape, generator=gen)
+        g = torch.where(pick == 0, -1000.0, torch.where(pick == 1, 1000.0, raw)).bfloat16()
+        options["A_log"] = torch.full((value_heads,), 3.0)
+    elif kind == "low_decay":
+        g = (raw * 0.1 - 8.0).bfloat16()
+        options.update(A_log=torch.zeros(value_heads), dt_bias=torch.zeros(*shape[2:]))
+    elif kind == "masks":  # the log decay, 10 % of the entries at −1000
+        decay = F.logsigmoid(raw + 2.0)
+        g = torch.where(torch.rand(shape, generator=gen) < 0.1, -1000.0, decay).float()
+        options = dict(gate="none", A_log=None, dt_bias=None)
+    h0 = 0.1 * torch.randn(num_seqs, value_heads, D, D, generator=gen)
+    dht = dht_scale * torch.randn(num_seqs, value_heads, D, D, generator=gen)
+    cu_seqlens = None if num_seqs == 1 else torch.tensor([0, *np.cumsum(lengths)])
+    options.update(initial_state=h0, dht=dht, cu_seqlens=cu_seqlens)
+    return (q, k, v, g, beta, do), options
+
+
+BACKWARD_CASES = {
+    "softplus_kimi_init": dict(kind="kimi_init", heads=2, value_heads=2, lengths=[96], seed=1),
+    "softplus_pm1000": dict(kind="pm1000", heads=2, value_heads=2, lengths=[96], seed=0),
+    "softplus_low_decay": dict(kind="low_decay", heads=2, value_heads=2, lengths=[96], seed=0),
+    "softplus_gva_varlen_empty_1_token": dict(kind="kimi_init", heads=2, value_heads=4, lengths=[17, 0, 33, 1, 45],
+                                              seed=0),
+    "log_decay_masks": dict(kind="masks", heads=2, value_heads=2, lengths=[96], seed=0),
+    "gdn_softplus_gva_varlen": dict(kind="kimi_init", heads=2, value_heads=4, lengths=[40, 1, 60], seed=0,
+                                    per_head=True),
+    "gdn_masks_small_dht": dict(kind="masks", heads=1, value_heads=2, lengths=[96], seed=0, per_head=True,
+                                dht_scale=0.1),
+}
+# over the issue's targets on some draws (16 seeds of each case, docs/numerics.md, "The rounded backward"):
+# dA_log and ddt_bias are sums over the tokens (and for a per-head gate over the channels too) that cancel, as the
+# safe gate's dA_log does; every per-token gradient stays within its target on every draw
+BACKWARD_OVER = {
+    "softplus_pm1000_seed8": (dict(kind="pm1000", heads=2, value_heads=2, lengths=[96], seed=8),
+                              {"dA_log": 1.27e-2}),
+    "softplus_low_decay_seed14": (dict(kind="low_decay", heads=2, value_heads=2, lengths=[96], seed=14),
+                                  {"dA_log": 1.35e-2}),
+    "gdn_softplus_seed7": (dict(kind="kimi_init", heads=1, value_heads=2, lengths=[96], seed=7, per_head=True),
+                           {"dA_log": 1.24e-2, "ddt_bias": 2.23e-2}),
+}
+
+
+def _backward_errors(spec: dict) -> dict[str, float]:
+    kind, shape = spec["kind"], {n: x for n, x in spec.items() if n != "kind"}
+    tensors, options = _backward_problem(kind, **shape)
+    got = mirror_backward_gates(*tensors, **options)
+    want = gold_backward(*tensors, **options)
+    return {name: rel_rms(got[name], want[name]) for name in got if got[name] is not None and want[name] is not None}
+
+
+@pytest.mark.parametrize("case", sorted(BACKWARD_CASES))
+def test_rounded_backward_of_the_unbounded_gates_meets_the_targets(case):
+    errors = _backward_errors(BACKWARD_CASES[case])
+    print(case, {name: f"{e:.2e}" for name, e in errors.items()})
+    assert set(errors) >= {"dq", "dk", "dv", "dg", "dbeta", "dh0"}
+    over = {name: e for name, e in errors.items() if e > BACKWARD_TARGETS[name]}
+    assert not over, over
+
+
+@pytest.mark.parametrize("case", sorted(BACKWARD_OVER))
+def test_rounded_backward_cases_over_the_targets(case):
+    """The measured exceptions, held to their figures (a change that moves them shows here)."""
+    spec, measured = BACKWARD_OVER[case]
+    errors = _backward_errors(spec)
+    for name, figure in measured.items():
+        assert BACKWARD_TARGETS[name] < errors[name] < 1.25 * figure, (name, errors[name])
+    others = {n: e for n, e in errors.items() if n not in measured and e > BACKWARD_TARGETS[n]}
+    assert not others, others
+
+
+def test_rounded_backward_gives_masked_entries_a_zero_gate_gradient():
+    """The straddle form: an entry whose decay underflows (−1000) gets dg = 0 exactly, as autograd gives."""
+    tensors, options = _backward_problem("masks", heads=2, value_heads=2, lengths=[96], seed=0)
+    got = mirror_backward_gates(*tensors, **options)
+    masked = tensors[3] == -1000.0
+    assert masked.any() and torch.equal(got["dg"][masked].float(), torch.zeros(int(masked.sum())))

@@ -208,10 +208,11 @@ def prepare(
 
 
 def compile_prepare(*, qk_l2norm: bool, beta_logits: bool, varlen: bool, device: torch.device | str,
-                    gate: str = "safe", g_dtype: torch.dtype = torch.bfloat16) -> None:
+                    gate: str = "safe", g_dtype: torch.dtype = torch.bfloat16, per_head_gate: bool = False,
+                    grouped: bool = False) -> None:
     """Compile (or load from the disk cache) the K1 variant for these flags on ``device`` ahead of
     time, and with ``varlen`` the tile prefix kernel too; nothing is allocated or launched."""
     index = device_index(torch.device(device))
-    compiled_variant(varlen, bool(qk_l2norm), bool(beta_logits), index, gate, g_dtype)
+    compiled_variant(varlen, bool(qk_l2norm), bool(beta_logits), index, gate, g_dtype, per_head_gate, grouped)
     if varlen:
         _TILE_PREFIX.get((index,), _compile_tile_prefix)

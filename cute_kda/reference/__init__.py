@@ -34,6 +34,7 @@ from .gates import (
     K1_SCHEMES,
     chunk_backward_pairwise_exact,
     chunk_forward_pairwise_exact,
+    mirror_backward_gates,
     mirror_prepare_gates,
     prepare_pairwise_exact,
 )

@@ -37,13 +37,15 @@ from typing import NamedTuple
 
 import torch
 
-from ..numerics import DYADIC_BLOCKS
-from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace
-from .backward import _EXACT, _tile_blocks, chunk_bwd_scan_exact, chunk_fwd_states_exact
+from ..numerics import DYADIC_BLOCKS, LN2
+from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace, block_states_shape
+from .backward import (
+    _EXACT, _KERNEL, _PER_TILE, _dot_f32, _tile_blocks, chunk_bwd_scan_exact, chunk_fwd_states_exact, mirror_bwd_scan,
+)
 from .gold import L2NORM_EPS, channel_log_decay, expand_to_value_heads, value_head_group
 from .mirror import (
     Constants, _l2norm_rinv, _mma, _row_butterfly_sum, _TileMap, _to_tiles, _token_tile_map, ex2_approx, lg2_approx,
-    sigmoid_approx,
+    mirror_recurrence, sigmoid_approx,
 )
 
 # the proposed ways of computing K1's pairwise sums, measured in docs/numerics.md ("Unbounded gates")
@@ -660,43 +662,39 @@ def _neumann_inverse(L: torch.Tensor) -> torch.Tensor:
     return _mma(P3, L8, c=P3).bfloat16()
 
 
-def mirror_prepare_gates(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    scheme: str = "dyadic",
-    gate: str = "softplus",
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    lower_bound: float = -5.0,
-    scale: float | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
-) -> Workspace:
-    """A proposed K1 for every gate (docs/numerics.md, "Unbounded gates") with its rounding → a K1 workspace.
+class _K1GateValues(NamedTuple):
+    """What the unbounded gates' K1 computes, kept for the backward's recompute (Kernel B's operands).
 
-    q, k bf16 ``[B, T, H, D]``; g ``[B, T, HV, D]`` or ``[B, T, HV]`` (bf16 or fp32: the raw gate, or the log
-    decay itself for ``gate="none"``); beta ``[B, T, HV]``; A_log fp32 ``[HV]`` (None: e^A = 1); dt_bias fp32
-    ``[HV, D]`` / ``[HV*D]`` (per channel) or ``[HV]`` (per head), None for none. Everything ahead of L and
-    Mqk as today's K1 (l2norm, β, the prefix G, qd, kd, gT = ex2(G_last)) except the gate forms and, for every
-    scheme but ``"kinv"``, ``kr = bf16(kh · ex2(Gs))`` with the suffix ``Gs`` its own running sum. ``scheme``:
-
-    - ``"kinv"``: today's tensor-core products with ``kinv = bf16(kh · ex2(−G))`` (overflows past 2^128);
-    - ``"middle"``: one tensor-core product factorised around row 7 with a per-row exponent guard;
-    - ``"halves"``: the pairs straddling row 7 on the tensor cores (both factors ≤ 1), the pairs inside each
-      8-row half and Mqk's diagonal on CUDA cores in fp32;
-    - ``"dyadic"``: four straddle levels (blocks of 16, 8, 4, 2 rows) on the tensor cores, every factor ≤ 1;
-      Mqk's diagonal on CUDA cores;
-    - ``"pairwise"``: every pair on CUDA cores in fp32 (``t = f32(kh_j·E_ij)``, two fp32 sums);
-    - ``"per_head"``: per-head gates only (GatedDeltaNet): ``A = E ⊙ (bf16 kh · bf16 khᵀ)``.
-
-    Then ``L = f16(f32(β·A))``, ``Mqk = bf16(A_qk)`` and INV by the fp16 Neumann product, as today. With
-    ``scheme="kinv"`` and the safe gate this is :func:`~.mirror.mirror_prepare` bit for bit. Returns a
-    Workspace ``[HV · tiles, ...]`` in the kernels' dtypes (slots that are no tile NaN).
+    Per value head and tile ``[HV, tiles, 16, ...]``: qh (= q̂·scale), kh fp32 ``[.., K]``; gp (g', base 2),
+    G (prefix), Gs (suffix) fp32 ``[.., K]``; beta (activated) ``[..]``; A, A_qk fp32 ``[.., 16]`` (the
+    scheme's pair sums). Per token and q/k head ``[tokens, H, K]``: qhat, khat (l2-normalised, unscaled) and
+    rinv_q, rinv_k ``[tokens, H, 1]`` (None without the l2norm). The workspace as K1 writes it.
     """
+
+    tile_map: _TileMap
+    group: int
+    consts: Constants
+    qh: torch.Tensor
+    kh: torch.Tensor
+    gp: torch.Tensor
+    G: torch.Tensor
+    Gs: torch.Tensor
+    beta: torch.Tensor
+    A: torch.Tensor
+    A_qk: torch.Tensor
+    qhat: torch.Tensor | None
+    khat: torch.Tensor | None
+    rinv_q: torch.Tensor | None
+    rinv_k: torch.Tensor | None
+    workspace: Workspace
+
+
+def _k1_gate_values(
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scheme: str, gate: str,
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float, scale: float | None,
+    cu_seqlens: torch.Tensor | None, qk_l2norm: bool, beta_logits: bool,
+) -> _K1GateValues:
+    """:func:`mirror_prepare_gates`' arithmetic, with the values it passes through."""
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
         raise TypeError("q and k must be bf16 (the kernels' input type)")
     if scheme not in K1_SCHEMES:
@@ -742,4 +740,238 @@ def mirror_prepare_gates(
                         ("mqk", mqk), ("beta", beta_t)):
         value = value.masked_fill(missing.reshape(1, tiles, *([1] * (value.dim() - 2))), math.nan)
         getattr(ws, name).copy_(value.reshape(getattr(ws, name).shape))
-    return ws
+    qhat = khat = rinv_q = rinv_k = None
+    if qk_l2norm:
+        rinv_q, rinv_k = _l2norm_rinv(q32, consts.eps), _l2norm_rinv(k32, consts.eps)
+        qhat, khat = q32 * rinv_q, k32 * rinv_k
+    return _K1GateValues(tile_map, group, consts, qh, kh, gp, G, Gs, beta_t, A, A_qk, qhat, khat, rinv_q, rinv_k, ws)
+
+
+def mirror_prepare_gates(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scheme: str = "dyadic",
+    gate: str = "softplus",
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float = -5.0,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    qk_l2norm: bool = True,
+    beta_logits: bool = True,
+) -> Workspace:
+    """A proposed K1 for every gate (docs/numerics.md, "Unbounded gates") with its rounding → a K1 workspace.
+
+    q, k bf16 ``[B, T, H, D]``; g ``[B, T, HV, D]`` or ``[B, T, HV]`` (bf16 or fp32: the raw gate, or the log
+    decay itself for ``gate="none"``); beta ``[B, T, HV]``; A_log fp32 ``[HV]`` (None: e^A = 1); dt_bias fp32
+    ``[HV, D]`` / ``[HV*D]`` (per channel) or ``[HV]`` (per head), None for none. Everything ahead of L and
+    Mqk as today's K1 (l2norm, β, the prefix G, qd, kd, gT = ex2(G_last)) except the gate forms and, for every
+    scheme but ``"kinv"``, ``kr = bf16(kh · ex2(Gs))`` with the suffix ``Gs`` its own running sum. ``scheme``:
+
+    - ``"kinv"``: today's tensor-core products with ``kinv = bf16(kh · ex2(−G))`` (overflows past 2^128);
+    - ``"middle"``: one tensor-core product factorised around row 7 with a per-row exponent guard;
+    - ``"halves"``: the pairs straddling row 7 on the tensor cores (both factors ≤ 1), the pairs inside each
+      8-row half and Mqk's diagonal on CUDA cores in fp32;
+    - ``"dyadic"``: four straddle levels (blocks of 16, 8, 4, 2 rows) on the tensor cores, every factor ≤ 1;
+      Mqk's diagonal on CUDA cores;
+    - ``"pairwise"``: every pair on CUDA cores in fp32 (``t = f32(kh_j·E_ij)``, two fp32 sums);
+    - ``"per_head"``: per-head gates only (GatedDeltaNet): ``A = E ⊙ (bf16 kh · bf16 khᵀ)``.
+
+    Then ``L = f16(f32(β·A))``, ``Mqk = bf16(A_qk)`` and INV by the fp16 Neumann product, as today. With
+    ``scheme="kinv"`` and the safe gate this is :func:`~.mirror.mirror_prepare` bit for bit. Returns a
+    Workspace ``[HV · tiles, ...]`` in the kernels' dtypes (slots that are no tile NaN).
+    """
+    values = _k1_gate_values(q, k, g, beta, scheme=scheme, gate=gate, A_log=A_log, dt_bias=dt_bias,
+                             lower_bound=lower_bound, scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
+                             beta_logits=beta_logits)
+    return values.workspace
+
+
+# ---------------------------------------------------------------------------------------------
+# The rounded backward of the unbounded gates: the tile-gradient kernel's proposed arithmetic
+
+
+def _rounded_pair_backward(values: _K1GateValues, scheme: str, dA: torch.Tensor, dMqk: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dqh, dkh, dγ per channel, dγ per head or None) of the pair terms, with a kernel's rounding.
+
+    ``dA = bf16(β ⊙ dL)`` (strictly lower), ``dMqk`` bf16 (lower with the diagonal) ``[HV, tiles, 16, 16]``.
+    dyadic (:func:`dyadic_tile_products_backward`'s plan): per level the bf16 operands X, Q of the forward,
+    three tensor-core products ``P = dA_ℓ X``, ``Pq = dM_ℓ X``, ``C = dA_ℓᵀ X + dM_ℓᵀ Q`` (one fp32
+    accumulator), ``dqh += factor ⊙ Pq``, ``dkh += factor ⊙ (P + C)`` and the straddle sums of
+    ``X⊙P + Q⊙Pq`` and ``X⊙C`` for dγ. per_head: ``dP = bf16(E ⊙ dA)``, ``dPq = bf16(E ⊙ dMqk)`` on the
+    tensor cores against the bf16 rows k̂, q̂; ``dγ_s = Σ_{i≥s>j} E_ij (dA_ij P_ij + dM_ij Pq_ij)`` per head.
+    Mqk's diagonal: ``dqh += dM_ii kh_i``, ``dkh += dM_ii qh_i`` (fp32) in the dyadic scheme, inside the
+    product in the per-head one.
+    """
+    qh, kh = values.qh, values.kh
+    rows = torch.arange(CHUNK, device=qh.device)
+    zero = torch.zeros((), dtype=torch.bfloat16, device=qh.device)
+    if scheme == "per_head":
+        spans = _decay_spans(ex2_approx(values.gp[..., :1]))[..., 0]
+        k16, q16 = kh.bfloat16(), qh.bfloat16()
+        dP = (spans * dA.float()).bfloat16()
+        dPq = (spans * dMqk.float()).bfloat16()
+        dkh = _mma(torch.cat([dP, dP.transpose(-1, -2), dPq.transpose(-1, -2)], -1),
+                   torch.cat([k16, k16, q16], -2))
+        dqh = _mma(dPq, k16)
+        W = spans * (dA.float() * _mma(k16, k16.transpose(-1, -2)) + dMqk.float() * _mma(q16, k16.transpose(-1, -2)))
+        crossing = (rows[None, :, None] >= rows[:, None, None]) & (rows[:, None, None] > rows[None, None, :])  # [s, i, j]
+        dgamma_head = torch.einsum("sij,...ij->...s", crossing.double(), torch.tril(W, diagonal=-1).double()).float()
+        return dqh, dkh, torch.zeros_like(qh), dgamma_head
+    a = ex2_approx(values.gp)
+    diagonal = torch.diagonal(dMqk, dim1=-2, dim2=-1).float()[..., None]
+    dqh, dkh = diagonal * kh, diagonal * qh
+    dgamma = torch.zeros_like(qh)
+    for block in DYADIC_BLOCKS:
+        X, Q, mask = _straddle_operands(qh, kh, a, block)
+        factor = _running_straddle_factor(a, block)
+        _, upper, _ = _straddle_geometry(block, qh.device)
+        dA_level, dM_level = torch.where(mask, dA, zero), torch.where(mask, dMqk, zero)
+        P, Pq = _mma(dA_level, X), _mma(dM_level, X)
+        C = _mma(torch.cat([dA_level.transpose(-1, -2), dM_level.transpose(-1, -2)], -1), torch.cat([X, Q], -2))
+        dqh = dqh + factor * Pq
+        dkh = dkh + factor * (P + C)
+        row_sums = X.float() * P + Q.float() * Pq
+        column_sums = X.float() * C
+        same_block = rows[:, None] // block == rows[None, :] // block
+        from_s = same_block & (rows[None, :] >= rows[:, None]) & upper[None, :] & upper[:, None]
+        before_s = same_block & (rows[None, :] < rows[:, None]) & ~upper[None, :] & ~upper[:, None]
+        dgamma = dgamma + (torch.einsum("sr,...rc->...sc", from_s.double(), row_sums.double())
+                           + torch.einsum("sr,...rc->...sc", before_s.double(), column_sums.double())).float()
+    return dqh, dkh, dgamma, None
+
+
+def mirror_backward_gates(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    do: torch.Tensor,
+    *,
+    dht: torch.Tensor | None = None,
+    scale: float | None = None,
+    gate: str = "softplus",
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    qk_l2norm: bool = True,
+    beta_logits: bool = True,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor | None]:
+    """The backward of the unbounded gates with a kernel's rounding (a proposal: no kernel implements it yet).
+
+    The forward as the kernels run it (:func:`mirror_prepare_gates`: scheme ``"dyadic"``, ``"per_head"`` for a
+    per-head g ``[B, T, HV]``; K2's mirror with the state entering every tile), Kernel A's mirror (unchanged: it
+    reads the workspace only), then per tile Kernel B's terms with kinv replaced by the pair terms of
+    :func:`_rounded_pair_backward` and dγ in the straddle form of :func:`chunk_backward_pairwise_exact`
+    (natural log units: ``γ = g'·ln 2``): bf16 mma operands, fp32 accumulators and element-wise values,
+    reductions rounded once. The gate in fp32: softplus ``dx = −e^A σ(x) dγ`` with
+    ``σ(x) = 1 / (1 + 2^(−x·log2 e))``, ``dA_log = Σ dγ·γ``; a log decay ``dg = dγ``; per-head gates sum dγ over
+    the channels; dq, dk summed over each group of value heads before the l2norm backward.
+
+    Inputs bf16 as the kernels take them (g fp32 allowed for gate "none"), shapes as :func:`~.gold.gold_forward`,
+    ``initial_state`` / ``dht`` v-first ``[N, HV, V, K]``. Returns :func:`~.backward.gold_backward`'s keys: dq,
+    dk, dv, dg, dbeta bf16; dA_log, ddt_bias fp32 (None for a None input); dh0 fp32 (None without an initial
+    state).
+    """
+    if gate not in ("softplus", "none"):
+        raise ValueError(f"gate must be 'softplus' or 'none' (the safe gate's is mirror_backward), got {gate!r}")
+    batch, seq_len, heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    per_head = g.dim() == 3
+    scheme = "per_head" if per_head else "dyadic"
+    values = _k1_gate_values(q, k, g, beta, scheme=scheme, gate=gate, A_log=A_log, dt_bias=dt_bias,
+                             lower_bound=-5.0,  # the safe gate's constant: unused by these gates
+                             scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+    ws, tile_map, group = values.workspace, values.tile_map, values.group
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
+    states = torch.full(block_states_shape(ws, value_heads, num_seqs, _PER_TILE), math.nan, dtype=torch.bfloat16,
+                        device=q.device)
+    mirror_recurrence(ws, v, cu_seqlens=cu_seqlens, initial_state=initial_state, checkpoints=states,
+                      checkpoint_every=_PER_TILE)
+    scan = mirror_bwd_scan(ws, do, cu_seqlens=cu_seqlens, dht=dht, snapshot_every=_PER_TILE)
+    S = _tile_blocks(states, value_heads, tile_map, _KERNEL)  # bf16 [HV, tiles, K, V]
+    dS = _tile_blocks(scan.snapshots, value_heads, tile_map, _KERNEL)
+
+    def tiles_of(x: torch.Tensor) -> torch.Tensor:
+        return _to_tiles(x.reshape(batch * seq_len, value_heads, value_dim), tile_map)
+
+    ws_tiles = type(ws)(*(x.view(value_heads, -1, *x.shape[1:]) for x in ws))
+    exists = tile_map.slot_exists.reshape(1, -1, 1, 1)
+    qd, kd, kr, inv = (torch.where(exists, x, torch.zeros_like(x)) for x in (ws_tiles.qd, ws_tiles.kd, ws_tiles.kr,
+                                                                              ws_tiles.inv))
+    gt = torch.where(tile_map.slot_exists.reshape(1, -1, 1), ws_tiles.gt, torch.zeros_like(ws_tiles.gt))
+    v_t, do_t, du_t = tiles_of(v), tiles_of(do), tiles_of(scan.du)
+    beta_col = values.beta[..., None]
+    # K2's recompute, Kernel B's products (docs/numerics.md, "Backward: Kernel B")
+    w = v_t.float() - _mma(kd, S)
+    U = _mma(inv, (w * beta_col).bfloat16()).bfloat16()
+    dMqk = torch.tril(_mma(do_t, U.transpose(-1, -2))).bfloat16()
+    dL = torch.tril(-_mma(du_t, U.transpose(-1, -2)), diagonal=-1)
+    dA = (beta_col * dL).bfloat16()
+    bdu = (beta_col * du_t.float()).bfloat16()
+    dqd = _mma(do_t, S.transpose(-1, -2))
+    dkd = _mma(-bdu, S.transpose(-1, -2))
+    dkr = _mma(U, dS.transpose(-1, -2))
+    dgT = _dot_f32(S, dS, -1)
+    dbeta_t = _dot_f32(torch.cat([du_t.float(), dL], -1), torch.cat([w, values.A], -1), -1)
+    dqh, dkh, dgamma, dgamma_head = _rounded_pair_backward(values, scheme, dA, dMqk)
+    dqh = dqh + dqd * ex2_approx(values.G)
+    dkh = dkh + dkd * ex2_approx(values.G) + dkr * ex2_approx(values.Gs)
+    through_prefix = dqd * qd.float() + dkd * kd.float()  # rows r ≥ s carry token s's decay
+    through_suffix = dkr * kr.float()  # rows r < s
+    rows_from_s = torch.flip(torch.cumsum(torch.flip(through_prefix.double(), [2]), dim=2), [2])
+    rows_before_s = torch.cat([torch.zeros_like(through_suffix[:, :, :1].double()),
+                               torch.cumsum(through_suffix.double(), dim=2)[:, :, :-1]], dim=2)
+    dgamma = (dgamma.double() + rows_from_s + rows_before_s + (dgT * gt)[:, :, None].double()).float()
+
+    def untile(x: torch.Tensor) -> torch.Tensor:  # [HV, tiles, 16, ...] → [tokens, HV, ...]
+        return x.reshape(value_heads, -1, *x.shape[3:])[:, tile_map.row_of_token].movedim(0, 1)
+
+    def group_sum(x: torch.Tensor) -> torch.Tensor:  # [tokens, HV, K] → [tokens, H, K]
+        return x.reshape(x.shape[0], heads, group, key_dim).double().sum(2).float()
+
+    def l2norm_backward(dx_hat: torch.Tensor, x_hat: torch.Tensor | None, rinv: torch.Tensor | None) -> torch.Tensor:
+        if x_hat is None:
+            return dx_hat
+        return rinv * (dx_hat - x_hat * _dot_f32(x_hat, dx_hat, -1)[..., None])
+
+    tokens = batch * seq_len
+    dq = l2norm_backward(group_sum(untile(dqh)) * values.consts.scale, values.qhat, values.rinv_q)
+    dk = l2norm_backward(group_sum(untile(dkh)), values.khat, values.rinv_k)
+    dgamma_tokens = untile(dgamma)  # [tokens, HV, K] w.r.t. the natural log decay
+    gamma = untile(values.gp) * LN2
+    if per_head:  # one decay per head: its channels' terms summed, then the head's pair terms
+        dgamma_tokens = _dot_f32(dgamma_tokens, torch.ones((), device=q.device), -1) + untile(dgamma_head[..., None])[..., 0]
+        gamma = gamma[..., 0]
+    dA_log = ddt_bias = None
+    if gate == "none":
+        dg = dgamma_tokens
+    else:
+        shape = (value_heads,) if per_head else (value_heads, key_dim)
+        x = g.reshape(tokens, *g.shape[2:]).float()
+        if dt_bias is not None:
+            x = x + dt_bias.float().reshape(shape)
+        e_a = torch.ones(value_heads, device=q.device) if A_log is None else ex2_approx(
+            A_log.float().reshape(value_heads) * values.consts.log2e)
+        e_a = e_a if per_head else e_a[:, None]
+        sigmoid = 1.0 / (1.0 + ex2_approx(-(x * values.consts.log2e)))
+        dg = -(e_a * sigmoid) * dgamma_tokens
+        if A_log is not None:
+            dA_log = _dot_f32(dgamma_tokens, gamma, (0,) if per_head else (0, 2))
+        if dt_bias is not None:
+            ddt_bias = _dot_f32(dg, torch.ones((), device=q.device), 0).reshape(dt_bias.shape)
+    dbeta = untile(dbeta_t)
+    if beta_logits:
+        activated = untile(values.beta)
+        dbeta = dbeta * activated * (1 - activated)
+    return {
+        "dq": dq.reshape(q.shape).bfloat16(), "dk": dk.reshape(k.shape).bfloat16(), "dv": scan.dv,
+        "dg": dg.reshape(g.shape).bfloat16(), "dbeta": dbeta.reshape(beta.shape).bfloat16(),
+        "dA_log": dA_log, "ddt_bias": ddt_bias, "dh0": None if initial_state is None else scan.dh0,
+    }
