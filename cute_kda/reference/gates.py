@@ -865,8 +865,9 @@ def mirror_backward_gates(
 ) -> dict[str, torch.Tensor | None]:
     """The backward of the unbounded gates with a kernel's rounding (a proposal: no kernel implements it yet).
 
-    The forward as the kernels run it (:func:`mirror_prepare_gates`: scheme ``"dyadic"``, ``"per_head"`` for a
-    per-head g ``[B, T, HV]``; K2's mirror with the state entering every tile), Kernel A's mirror (unchanged: it
+    The forward through :func:`mirror_prepare_gates` (scheme ``"dyadic"``; ``"per_head"`` for a per-head g
+    ``[B, T, HV]``, the scheme proposed for GatedDeltaNet's K1) and K2's mirror with the state entering every
+    tile, Kernel A's mirror (unchanged: it
     reads the workspace only), then per tile Kernel B's terms with kinv replaced by the pair terms of
     :func:`_rounded_pair_backward` and dγ in the straddle form of :func:`chunk_backward_pairwise_exact`
     (natural log units: ``γ = g'·ln 2``): bf16 mma operands, fp32 accumulators and element-wise values,
