@@ -28,6 +28,8 @@ STATE_DTYPES = (torch.bfloat16, torch.float32)
 SUPPORTED_VSPLITS = (1, 2, 4)  # = cute_kda.layouts.fwd_recurrence.SUPPORTED_VSPLITS (that module imports the DSL)
 ALIGNMENT_BYTES = 16  # TMA and the DSL tensors assume 16-byte aligned base addresses
 DEBUG_ENV = "CUTE_KDA_DEBUG_CHECKS"
+# Kernel B indexes its per-token outputs, and the unbounded gates' K1 its g loads, with 32-bit element offsets
+TOKEN_ELEMENTS_LIMIT = 2 ** 31
 
 
 class ProblemShape(NamedTuple):
@@ -153,6 +155,11 @@ def check_gate_inputs(gate: str, g: object, A_log: object, dt_bias: object, shap
     """
     batch, seq_len, heads, key_dim = shape
     per_head = isinstance(g, torch.Tensor) and g.dim() == 3 and gate != "safe"
+    if gate != "safe" and not per_head and isinstance(g, torch.Tensor) and g.numel() > TOKEN_ELEMENTS_LIMIT:
+        raise NotImplementedError(
+            f"the unbounded gates' K1 reads g with 32-bit element offsets: g must hold at most 2^31 elements "
+            f"(B·T·HV·K), got {g.numel()}; split the batch or the sequence"
+        )
     g_shape, g_meaning = ((batch, seq_len, heads), "[B, T, HV]") if per_head else (shape, "[B, T, HV, K]")
     if gate == "none":
         _check_tensor("g", g, _LOG_DECAY_DTYPES, g_shape, f"{g_meaning} (the log decay)", device, aligned=True)
@@ -225,7 +232,6 @@ def needs_autograd(*tensors: object) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-TOKEN_ELEMENTS_LIMIT = 2 ** 31  # Kernel B indexes its per-token outputs with 32-bit element offsets
 
 
 def check_training_size(q: torch.Tensor) -> None:

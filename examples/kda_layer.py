@@ -1,7 +1,8 @@
 """FLA's KimiDeltaAttention layer end to end: FLA's kernels against cute_kda, on the same inputs.
 
 One ``fla.layers.kda.KimiDeltaAttention`` on random weights (the safe-gate configuration,
-``safe_gate=True, lower_bound=-5``), bf16, inference. The same input goes through the layer three
+``safe_gate=True, lower_bound=-5``, or with ``--gate softplus`` the layer's defaults: Kimi-Linear's unbounded
+softplus gate), bf16, inference. The same input goes through the layer three
 times, changing only what its ``chunk_kda`` call runs on:
 
 - FLA's Triton kernels (``FLA_CUTE_KDA=0``);
@@ -25,6 +26,7 @@ needing ``transformers``; when that is missing the KDA layer's module is importe
 
     python examples/kda_layer.py
     python examples/kda_layer.py --seq-lens 1300,547,2048 --heads 32      # packed sequences (varlen)
+    python examples/kda_layer.py --gate softplus                          # Kimi-Linear's gate
 """
 
 from __future__ import annotations
@@ -59,13 +61,20 @@ def import_kda_layer():
         return importlib.import_module("fla.layers.kda").KimiDeltaAttention
 
 
-def build_layer(hidden: int, heads: int, seed: int = 0) -> torch.nn.Module:
+GATES = ("safe", "softplus")  # the layer's safe-gate configuration, or its default (Kimi-Linear's softplus gate)
+
+
+def build_layer(hidden: int, heads: int, seed: int = 0, gate: str = "safe") -> torch.nn.Module:
+    """The layer on random weights: ``gate="safe"`` is ``safe_gate=True, lower_bound=-5``; ``"softplus"`` the
+    layer's defaults (``safe_gate=False``, no lower bound: Kimi-Linear's gate, A_log at log U(1, 16))."""
     KimiDeltaAttention = import_kda_layer()
     torch.manual_seed(seed)
-    layer = KimiDeltaAttention(hidden_size=hidden, num_heads=heads, head_dim=128, mode="chunk", safe_gate=True,
-                               lower_bound=-5.0, layer_idx=0)
-    with torch.no_grad():  # random but not degenerate: A_log starts at zeros in the safe-gate layer
-        layer.A_log.uniform_(-1.0, 1.0)
+    safe = gate == "safe"
+    layer = KimiDeltaAttention(hidden_size=hidden, num_heads=heads, head_dim=128, mode="chunk", safe_gate=safe,
+                               lower_bound=-5.0 if safe else None, layer_idx=0)
+    if safe:
+        with torch.no_grad():  # random but not degenerate: A_log starts at zeros in the safe-gate layer
+            layer.A_log.uniform_(-1.0, 1.0)
     return layer.to("cuda", torch.bfloat16).eval()
 
 
@@ -79,7 +88,7 @@ def gold_chunk_kda(*args, fp64_outputs: list, **kwargs):
     v = call.tensors[2]
 
     def forward(*tensors, **options):
-        o, state = gold_forward(*tensors, **options, gate="safe", state_layout="vk", dtype=torch.float64)
+        o, state = gold_forward(*tensors, **options, state_layout="vk", dtype=torch.float64)
         return o, None if state is None else state.float()
 
     o, state = call.run(forward)
@@ -139,12 +148,13 @@ def err_ratio(ref: torch.Tensor, other: torch.Tensor) -> float:
     return ((ref - other).square().mean().sqrt() / (ref.square().mean().sqrt() + 1e-8)).item()
 
 
-def compare(seq_lens: list[int], heads: int, hidden: int, batch: int, reps: int, time_it: bool = True) -> dict:
+def compare(seq_lens: list[int], heads: int, hidden: int, batch: int, reps: int, time_it: bool = True,
+            gate: str = "safe") -> dict:
     """Outputs of the three runs compared, and (``time_it``) the layer's forward timed on FLA and cute_kda."""
     import cute_kda  # noqa: F401  (registers the FLA backend)
     from cute_kda import fla_backend
 
-    layer = build_layer(hidden, heads)
+    layer = build_layer(hidden, heads, gate=gate)
     if not fla_backend.is_registered():
         raise RuntimeError("cute_kda is not registered with FLA's chunk_kda")
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -195,12 +205,15 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--gate", choices=GATES, default="safe",
+                        help="safe: safe_gate=True, lower_bound=-5; softplus: the layer's defaults (Kimi-Linear's gate)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (Hopper): the layer runs FLA's and cute_kda's kernels")
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
-    r = compare(seq_lens, args.heads, args.hidden, args.batch, args.reps)
-    print(f"KimiDeltaAttention(hidden={args.hidden}, heads={args.heads}, head_dim=128, safe_gate, lower_bound=-5), "
+    r = compare(seq_lens, args.heads, args.hidden, args.batch, args.reps, gate=args.gate)
+    configuration = "safe_gate, lower_bound=-5" if args.gate == "safe" else "the softplus gate (the layer's defaults)"
+    print(f"KimiDeltaAttention(hidden={args.hidden}, heads={args.heads}, head_dim=128, {configuration}), "
           f"bf16, input {list(r['shape'])}" + (f", packed {seq_lens}" if len(seq_lens) > 1 else ""))
     print(f"chunk_kda's o inside the layer vs the fp64 recurrence (FLA's metric and tolerance, {FLA_TOLERANCE}):")
     over = "  (FLA's kernels are over FLA's tolerance here)" if r["o_fla_vs_gold"] > FLA_TOLERANCE else ""

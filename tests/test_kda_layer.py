@@ -44,11 +44,12 @@ def test_failures_name_what_breaks():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gate", kda_layer.GATES)
 @pytest.mark.parametrize("seq_lens, batch", [([1000], 2), ([1300, 547, 80], 1)], ids=["B2_T1000", "varlen"])
-def test_layer_within_fla_tolerance(seq_lens, batch):
+def test_layer_within_fla_tolerance(seq_lens, batch, gate):
     pytest.importorskip("fla.ops.kda")
-    r = kda_layer.compare(seq_lens, heads=8, hidden=1024, batch=batch, reps=0, time_it=False)
-    print(f"[kda layer] {seq_lens}: o vs fp64 FLA {r['o_fla_vs_gold']:.2e}, cute_kda {r['o_cute_kda_vs_gold']:.2e}; "
+    r = kda_layer.compare(seq_lens, heads=8, hidden=1024, batch=batch, reps=0, time_it=False, gate=gate)
+    print(f"[kda layer, {gate} gate] {seq_lens}: o vs fp64 FLA {r['o_fla_vs_gold']:.2e}, cute_kda {r['o_cute_kda_vs_gold']:.2e}; "
           f"layer vs fp64 layer FLA {r['fla_vs_gold']:.2e}, cute_kda {r['cute_kda_vs_gold']:.2e}; "
           f"cute_kda vs FLA {r['cute_kda_vs_fla']:.2e}")
     assert kda_layer.failures(r) == []

@@ -322,3 +322,16 @@ def test_per_head_gate_takes_the_unbounded_gates():
            dt_bias=torch.zeros(H))
     expect(ValueError, "dt_bias", "[HV] (per-head gate)", gate="softplus", g=per_head.bfloat16())
     expect(ValueError, "g", "[B, T, HV, K]", g=per_head.bfloat16())  # the safe gate is per channel
+
+
+def test_unbounded_gates_refuse_g_past_32_bit_offsets():
+    """K1 reads a per-channel unbounded gate with 32-bit element offsets (meta tensors: no memory)."""
+    meta, bf16 = torch.device("meta"), torch.bfloat16
+    tokens, heads = 2 ** 31 // (2 * D) + 16, 2  # B·T·H·K just past 2^31
+    x = torch.empty(1, tokens, heads, D, dtype=bf16, device=meta)
+    beta = torch.empty(1, tokens, heads, dtype=bf16, device=meta)
+    args = dict(A_log=torch.empty(heads, device=meta), dt_bias=torch.empty(heads, D, device=meta), lower_bound=-5.0,
+                scale=None)
+    with pytest.raises(NotImplementedError, match="32-bit element offsets"):
+        validation.validate_forward(x, x, x, x, beta, gate="softplus", **args)
+    assert validation.validate_forward(x, x, x, x, beta, gate="safe", **args).seq_len == tokens  # TMA-loaded g
