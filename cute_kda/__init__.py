@@ -1,8 +1,9 @@
 """cute_kda: Kimi Delta Attention kernels for Hopper in the CUTLASS CuTe DSL.
 
-Importing the package needs neither a GPU nor a CUDA driver; kernels compile on first use. With
-flash-linear-attention installed, ``fla.ops.kda.chunk_kda`` dispatches inference calls here
-(:mod:`cute_kda.fla_backend`; ``FLA_CUTE_KDA=0`` opts out).
+Importing the package needs neither a GPU nor a CUDA driver; kernels compile on first use. Entry points:
+:func:`kda_forward`, :func:`chunk_kda` (FLA's KDA signature), :func:`chunk_gated_delta_rule` (FLA's
+GatedDeltaNet signature), :func:`warmup`. With flash-linear-attention installed, ``fla.ops.kda.chunk_kda``
+dispatches the calls cute_kda computes here (:mod:`cute_kda.fla_backend`; ``FLA_CUTE_KDA=0`` opts out).
 """
 
 from __future__ import annotations
