@@ -7,7 +7,8 @@
   its per-tile gradients (Kernel B) and the whole backward chain, with the kernels' rounding and in
   exact float64.
 - :mod:`.gates`: every gate (issue 12): the overflow-free pairwise K1 formulation, exact (forward and backward
-  chain) and with the rounding of each proposed K1 scheme.
+  chain) and with the rounding of each proposed K1 scheme, and the backward with a tile-gradient kernel's
+  proposed rounding (:func:`~.gates.mirror_backward_gates`).
 
 Importing this package needs no GPU and does not import the CuTe DSL.
 """
@@ -72,6 +73,7 @@ __all__ = [
     "gold_forward",
     "intrinsics_exact",
     "mirror_backward",
+    "mirror_backward_gates",
     "mirror_bwd_grads",
     "mirror_bwd_scan",
     "mirror_forward",
