@@ -165,17 +165,14 @@ def kda_forward(
             final_state=as_torch(final_state), vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
             recompute=recompute, gate=gate,
         )
-    framework = interop.framework_of(q)
-    with interop.caller_stream(framework, q):
-        o, state = _forward(
-            *(as_torch(x) for x in (q, k, v, g, beta)),
-            scale=scale, A_log=as_torch(A_log), dt_bias=as_torch(dt_bias),
-            lower_bound=lower_bound, initial_state=as_torch(initial_state),
-            output_final_state=output_final_state, cu_seqlens=as_torch(cu_seqlens),
-            out=as_torch(out), final_state=as_torch(final_state), vsplit=vsplit,
-            qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute, gate=gate,
-        )
-        return interop.to_framework(o, framework), interop.to_framework(state, framework)
+    return interop.answer_in_framework(q, lambda: _forward(
+        *(as_torch(x) for x in (q, k, v, g, beta)),
+        scale=scale, A_log=as_torch(A_log), dt_bias=as_torch(dt_bias),
+        lower_bound=lower_bound, initial_state=as_torch(initial_state),
+        output_final_state=output_final_state, cu_seqlens=as_torch(cu_seqlens),
+        out=as_torch(out), final_state=as_torch(final_state), vsplit=vsplit,
+        qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute, gate=gate,
+    ))
 
 
 _LAUNCHERS: tuple = ()
@@ -213,9 +210,8 @@ def _forward(
         initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
         gate=gate,
     )
-    per_head_gate, grouped = g.dim() == 3, v.shape[2] != q.shape[2]
     if validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state):
-        autograd.check_trainable(gate, per_head_gate, grouped)
+        autograd.check_trainable(gate, q, v, g)
         return autograd.train(
             autograd.KERNELS, problem, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
             lower_bound=lower_bound, initial_state=initial_state, output_final_state=output_final_state,
@@ -254,7 +250,7 @@ def _forward(
     with streams.on_device(device):
         tile_base = k1.tile_bases(cu_seqlens, stream=stream) if problem.varlen else None
         prepare = k1.compiled_variant(problem.varlen, config.qk_l2norm, config.beta_logits, device.index, gate, g.dtype,
-                                      per_head_gate, grouped)
+                                      g.dim() == 3, problem.heads != q.shape[2])
         prepare(*k1.launch_arguments(q, k, g, beta, A_log, dt_bias, workspace, scale, float(lower_bound),
                                      problem.seq_len, cu_seqlens, tile_base, stream))
         tensors = k2.launch_arguments(v, workspace, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
@@ -565,12 +561,7 @@ def chunk_kda(
         return call.run(functools.partial(_forward, out=None, final_state=None, vsplit=None,
                                           recompute=call.recompute))
 
-    if isinstance(q, torch.Tensor):  # torch in, torch out, torch's current stream: nothing to hand over
-        return run()
-    framework = interop.framework_of(q)
-    with interop.caller_stream(framework, q):
-        o, state = run()
-        return interop.to_framework(o, framework), interop.to_framework(state, framework)
+    return interop.answer_in_framework(q, run)
 
 
 def warmup(

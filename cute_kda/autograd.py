@@ -321,12 +321,12 @@ REFERENCE = Backend("reference", _reference_forward, _reference_scan, _reference
 # the backward, shared by the autograd.Function and torch.ops.cute_kda.backward
 
 
-def check_trainable(gate: str, per_head_gate: bool = False, grouped: bool = False) -> None:
+def check_trainable(gate: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> None:
     """Refuse a training call the backward kernels do not cover yet: the unbounded gates (Kernel B's
-    intra-tile terms go through ``kinv``, which they never form), per-head gates, grouped value heads
-    (dq, dk summed over each group)."""
-    what = (f"gate={gate!r}" if gate != "safe" else "a per-head gate g [B, T, HV]" if per_head_gate
-            else "grouped value heads (HV != H)" if grouped else None)
+    intra-tile terms go through ``kinv``, which they never form), a per-head gate (g ``[B, T, HV]``), grouped
+    value heads (v with more heads than q: dq, dk summed over each group)."""
+    what = (f"gate={gate!r}" if gate != "safe" else "a per-head gate g [B, T, HV]" if g.dim() == 3
+            else "grouped value heads (HV != H)" if v.dim() == 4 and v.shape[2] != q.shape[2] else None)
     if what is not None:
         raise NotImplementedError(
             f"{what} has no backward yet (only the safe per-channel gate with HV = H trains); run it under "
@@ -449,7 +449,7 @@ def kda_forward(
         initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
         gate=gate,
     )
-    check_trainable(gate, g.dim() == 3, v.shape[2] != q.shape[2])
+    check_trainable(gate, q, v, g)
     return train(
         backend, problem, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens, out=out,

@@ -99,7 +99,7 @@ def verify(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
             )
             if validation.needs_autograd(*call.tensors, options["A_log"], options["dt_bias"], options["initial_state"]):
                 q, _, v, g, _ = call.tensors
-                autograd.check_trainable(options["gate"], g.dim() == 3, v.shape[2] != q.shape[2])
+                autograd.check_trainable(options["gate"], q, v, g)
         except (TypeError, ValueError, NotImplementedError) as error:
             reason = f"{type(error).__name__}: {error}"
     if reason is not None:

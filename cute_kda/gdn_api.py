@@ -229,12 +229,7 @@ def chunk_gated_delta_rule(
         cu_seqlens_cpu=as_torch(cu_seqlens_cpu), chunk_indices=chunk_indices, cp_context=cp_context,
         **{name: as_torch(value) for name, value in kwargs.items()},
     )
-    if isinstance(q, torch.Tensor):
-        return call.run(_gdn_forward)
-    framework = interop.framework_of(q)
-    with interop.caller_stream(framework, q):
-        o, state = call.run(_gdn_forward)
-        return interop.to_framework(o, framework), interop.to_framework(state, framework)
+    return interop.answer_in_framework(q, lambda: call.run(_gdn_forward))
 
 
 def _gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,

@@ -14,7 +14,7 @@ producers whose stream we cannot see (JAX).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -72,3 +72,14 @@ def caller_stream(framework: str, array: Any) -> Iterator[None]:
         stream = torch.cuda.default_stream(device) if pointer == 0 else torch.cuda.ExternalStream(pointer, device=device)
         with torch.cuda.stream(stream):
             yield
+
+
+def answer_in_framework(array: Any, run: Callable[[], tuple]) -> tuple:
+    """``run()`` (work on torch tensors, returning a tuple of tensors or None) for a caller whose arrays are
+    ``array``'s: on the caller's stream, the results handed back to its framework; torch callers get
+    ``run()``'s tuple as it is."""
+    if isinstance(array, torch.Tensor):
+        return run()
+    framework = framework_of(array)
+    with caller_stream(framework, array):
+        return tuple(to_framework(x, framework) for x in run())

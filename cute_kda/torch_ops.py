@@ -208,7 +208,7 @@ def kda_forward(
         validation.check_is_tensor(name, x)
     if training:
         validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
-        autograd.check_trainable(gate, g.dim() == 3, v.dim() == 4 and v.shape[2] != q.shape[2])
+        autograd.check_trainable(gate, q, v, g)
     if gate == "safe":
         validation.check_lower_bound(lower_bound)
     validation.check_vsplit(vsplit)

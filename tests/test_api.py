@@ -43,6 +43,15 @@ def test_torch_and_non_arrays_pass_through():
     assert interop.to_framework(None, interop.CUPY) is None
 
 
+def test_answer_in_framework_hands_back_every_result():
+    """Torch callers get run()'s tuple itself; other DLPack callers each result through to_framework (torch for
+    a producer cute_kda does not know), None kept."""
+    results = (torch.ones(2), None)
+    assert interop.answer_in_framework(torch.zeros(1), lambda: results) is results
+    o, state = interop.answer_in_framework(np.zeros(1), lambda: results)
+    assert o is results[0] and state is None
+
+
 def test_dlpack_arrays_reach_validation():
     """A numpy float32 q goes through DLPack and is refused by dtype, naming q."""
     q = np.zeros((1, 16, 2, D), dtype=np.float32)

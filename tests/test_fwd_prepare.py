@@ -327,21 +327,30 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 LOWER_BOUND = -5.0
 
 
-def _run(q, k, g, beta, a_log, dt_bias, *, cu_seqlens=None, qk_l2norm=True, beta_logits=True):
-    """K1 into a NaN-poisoned workspace (every byte 0xFF) and the mirror; returns both and the slot mask."""
-    from cute_kda.ops.prepare import prepare, tile_bases
-    from cute_kda.reference import mirror_prepare
+def _run(q, k, g, beta, a_log, dt_bias, *, cu_seqlens=None, qk_l2norm=True, beta_logits=True, gate="safe",
+         scheme=None):
+    """K1 into a NaN-poisoned workspace (every byte 0xFF) and the mirror; returns both and the slot mask.
 
-    batch, steps, heads, _ = q.shape
+    The mirror: ``mirror_prepare`` for the safe gate, else (or with ``scheme``) ``mirror_prepare_gates`` with
+    ``scheme`` (default ``"dyadic"``, the unbounded gates' K1). The workspace has beta's (value) heads."""
+    from cute_kda.ops.prepare import prepare, tile_bases
+    from cute_kda.reference import mirror_prepare, mirror_prepare_gates
+
+    batch, steps, heads = beta.shape
     varlen = cu_seqlens is not None
     num_seqs = cu_seqlens.numel() - 1 if varlen else batch
     spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(batch * steps, num_seqs, varlen))
     ws = workspace_views(spec, torch.full((spec.nbytes,), 0xFF, dtype=torch.uint8, device=q.device))
     scale = D ** -0.5
     prepare(q, k, g, beta, a_log, dt_bias, ws, scale=scale, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens,
-            tile_base=tile_bases(cu_seqlens) if varlen else None, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
-    ref = mirror_prepare(q, k, g, beta, A_log=a_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND, scale=scale,
-                         cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+            tile_base=tile_bases(cu_seqlens) if varlen else None, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+            gate=gate)
+    options = dict(A_log=a_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND, scale=scale, cu_seqlens=cu_seqlens,
+                   qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+    if gate == "safe" and scheme is None:
+        ref = mirror_prepare(q, k, g, beta, **options)
+    else:
+        ref = mirror_prepare_gates(q, k, g, beta, scheme=scheme or "dyadic", gate=gate, **options)
     if varlen:
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).cpu()
         real_tiles = int(((lengths + CHUNK - 1) // CHUNK).sum())
@@ -489,31 +498,6 @@ def _gate_problem(case: str, batch: int, steps: int, heads: int, seed: int = 0) 
     return [None if t is None else t.to("cuda") for t in data], gate, dtype
 
 
-def _run_gate(q, k, g, beta, a_log, dt_bias, gate: str, *, cu_seqlens=None, qk_l2norm=True, beta_logits=True):
-    """The unbounded gates' K1 into a NaN-poisoned workspace and its mirror (scheme ``dyadic``)."""
-    from cute_kda.ops.prepare import prepare, tile_bases
-    from cute_kda.reference import mirror_prepare_gates
-
-    batch, steps, heads, _ = q.shape
-    varlen = cu_seqlens is not None
-    num_seqs = cu_seqlens.numel() - 1 if varlen else batch
-    spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(batch * steps, num_seqs, varlen))
-    ws = workspace_views(spec, torch.full((spec.nbytes,), 0xFF, dtype=torch.uint8, device=q.device))
-    scale = D ** -0.5
-    prepare(q, k, g, beta, a_log, dt_bias, ws, scale=scale, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens,
-            tile_base=tile_bases(cu_seqlens) if varlen else None, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
-            gate=gate)
-    ref = mirror_prepare_gates(q, k, g, beta, scheme="dyadic", gate=gate, A_log=a_log, dt_bias=dt_bias, scale=scale,
-                               cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
-    if varlen:
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).cpu()
-        real_tiles = int(((lengths + CHUNK - 1) // CHUNK).sum())
-    else:
-        real_tiles = spec.tiles
-    exists = (torch.arange(spec.tiles) < real_tiles).repeat(heads).to(q.device)
-    return ws, ref, exists
-
-
 GATE_CASES = ["softplus_kimi_init", "softplus_pm1000", "softplus_low_decay", "log_decay_bf16", "log_decay_fp32"]
 GATE_SHAPES = [(1, 1, 2), (1, 15, 2), (1, 17, 4), (2, 97, 4), (1, 1024, 8)]
 
@@ -523,7 +507,7 @@ GATE_SHAPES = [(1, 1, 2), (1, 15, 2), (1, 17, 4), (2, 97, 4), (1, 1024, 8)]
 @pytest.mark.parametrize("case", GATE_CASES)
 def test_unbounded_gates_match_mirror_fixed(case, batch, steps, heads):
     data, gate, _ = _gate_problem(case, batch, steps, heads)
-    ws, ref, exists = _run_gate(*data, gate)
+    ws, ref, exists = _run(*data, gate=gate)
     _assert_matches(ws, ref, exists, f"{case} B{batch} T{steps} H{heads}")
     torch.cuda.synchronize()
     assert all(torch.isfinite(getattr(ws, name)[exists].float()).all() for name in ws._fields), "not finite"
@@ -536,7 +520,7 @@ def test_unbounded_gates_match_mirror_fixed(case, batch, steps, heads):
 def test_unbounded_gates_match_mirror_varlen(case, lengths):
     data, gate, _ = _gate_problem(case, 1, sum(lengths), 4, seed=1)
     cu_seqlens = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64, device="cuda")
-    _assert_matches(*_run_gate(*data, gate, cu_seqlens=cu_seqlens), f"{case} varlen {lengths}")
+    _assert_matches(*_run(*data, gate=gate, cu_seqlens=cu_seqlens), f"{case} varlen {lengths}")
 
 
 @pytest.mark.gpu
@@ -549,7 +533,7 @@ def test_unbounded_gates_match_mirror_flags(case, qk_l2norm, beta_logits):
         data[3] = torch.sigmoid(data[3].float()).bfloat16()
     if not qk_l2norm:
         data[0], data[1] = (torch.nn.functional.normalize(x.float(), dim=-1).bfloat16() for x in data[:2])
-    _assert_matches(*_run_gate(*data, gate, qk_l2norm=qk_l2norm, beta_logits=beta_logits),
+    _assert_matches(*_run(*data, gate=gate, qk_l2norm=qk_l2norm, beta_logits=beta_logits),
                     f"{case} l2norm={qk_l2norm} logits={beta_logits}")
 
 
@@ -560,8 +544,8 @@ def test_unbounded_gate_tail_tile_ignores_the_next_sequence():
     neighbour = [torch.full_like(t, float("nan")) for t in first[:4]]
     data = [torch.cat([a, b], dim=1) for a, b in zip(first[:4], neighbour)] + first[4:]
     cu_seqlens = torch.tensor([0, 17, 34], dtype=torch.int64, device="cuda")
-    ws, _, _ = _run_gate(*data, gate, cu_seqlens=cu_seqlens)
-    ref_first, _, exists_first = _run_gate(*first, gate)
+    ws, _, _ = _run(*data, gate=gate, cu_seqlens=cu_seqlens)
+    ref_first, _, exists_first = _run(*first, gate=gate)
     tiles = ws.gt.shape[0] // 4
     rows = (torch.arange(4, device="cuda")[:, None] * tiles + torch.arange(2, device="cuda")).flatten()
     _assert_matches(type(ws)(*(field[rows] for field in ws)), ref_first, exists_first, "log decay tail next to NaN")
@@ -600,19 +584,8 @@ GDN_CASES = ["gdn_softplus", "gdn_log_decay", "safe_grouped", "softplus_grouped"
 def test_grouped_value_heads_and_per_head_gates_match_mirror(case, lengths):
     """K1 per value head (HV = 4 over H = 2: value head j reads q/k head j // 2), with GatedDeltaNet's per-head
     gate or the safe per-channel one, against the mirror (which expands q, k over the groups)."""
-    from cute_kda.ops.prepare import prepare, tile_bases
-    from cute_kda.reference import mirror_prepare_gates
-
     data, gate, scheme = _gdn_problem(case, 1, sum(lengths), 2, 4)
     varlen = len(lengths) > 1
     cu_seqlens = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64, device="cuda") if varlen else None
-    spec = WorkspaceSpec(heads=4, tiles=tiles_per_head(sum(lengths), len(lengths), varlen))
-    ws = workspace_views(spec, torch.full((spec.nbytes,), 0xFF, dtype=torch.uint8, device="cuda"))
-    prepare(*data, ws, scale=D ** -0.5, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens,
-            tile_base=tile_bases(cu_seqlens) if varlen else None, gate=gate)
-    q, k, g, beta, a_log, dt_bias = data
-    ref = mirror_prepare_gates(q, k, g, beta, scheme=scheme, gate=gate, A_log=a_log, dt_bias=dt_bias,
-                               lower_bound=LOWER_BOUND, scale=D ** -0.5, cu_seqlens=cu_seqlens)
-    real_tiles = sum((n + CHUNK - 1) // CHUNK for n in lengths)
-    exists = (torch.arange(spec.tiles) < real_tiles).repeat(4).to("cuda")
+    ws, ref, exists = _run(*data, cu_seqlens=cu_seqlens, gate=gate, scheme=scheme)
     _assert_matches(ws, ref, exists, f"{case} {lengths}")

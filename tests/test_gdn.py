@@ -12,46 +12,28 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import cute_kda
 from cute_kda.gdn_api import translate_fla_gdn_call
 from cute_kda.reference import gold_forward, mirror_forward, rel_rms
 
 from test_api import GOLD_BOUND, mirror_kernels  # noqa: F401  (fixture)
+from test_gdn_translation import make_gdn_problem
 
 os.environ.setdefault("FLA_CUTE_KDA", "0")
 D = 128
 
 
 def gdn_problem(lengths, *, heads=2, value_heads=4, raw_gate=True, state="fp32", device="cpu", seed=0) -> dict:
-    """FLA-style GatedDeltaNet inputs at D = 128: g a raw bf16 gate (``use_gate_in_kernel=True``, A_log, dt_bias
-    ``[HV]``) or the fp32 log decay with 10 % of the entries at −1000; β logits; a ``[N, HV, K, V]`` state."""
-    gen = torch.Generator().manual_seed(seed)
-    varlen = len(set(lengths)) > 1
-    batch, seq_len = (1, sum(lengths)) if varlen else (len(lengths), lengths[0])
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    if raw_gate:
-        g = randn(batch, seq_len, value_heads).bfloat16()
-    else:
-        g = F.logsigmoid(randn(batch, seq_len, value_heads) + 2.0)
-        g = torch.where(torch.rand(g.shape, generator=gen) < 0.1, torch.full_like(g, -1000.0), g)
-    inputs = dict(
-        q=randn(batch, seq_len, heads, D).bfloat16(), k=randn(batch, seq_len, heads, D).bfloat16(),
-        v=randn(batch, seq_len, value_heads, D).bfloat16(), g=g, beta=randn(batch, seq_len, value_heads).bfloat16(),
-    )
+    """``make_gdn_problem``'s inputs at D = 128 (β logits) with the call's flags: a raw gate takes
+    ``use_gate_in_kernel=True`` with A_log, dt_bias ``[HV]``; the log decay neither."""
+    inputs = make_gdn_problem(lengths, heads=heads, value_heads=value_heads, raw_gate=raw_gate, state=state,
+                              seed=seed, dim=D)
     flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, output_final_state=True)
     if raw_gate:
-        flags.update(use_gate_in_kernel=True, A_log=torch.log(torch.rand(value_heads, generator=gen) * 15 + 1),
-                     dt_bias=randn(value_heads))
-    if varlen:
-        inputs["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-    if state is not None:
-        h0 = 0.3 * randn(len(lengths), value_heads, D, D)
-        inputs["initial_state"] = h0 if state == "fp32" else h0.bfloat16()
+        flags["use_gate_in_kernel"] = True
+    else:
+        del inputs["A_log"], inputs["dt_bias"]
     return {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in {**inputs, **flags}.items()}
 
 
@@ -67,10 +49,7 @@ def test_call_path_with_mirror_kernels(mirror_kernels, raw_gate):
     o, state = cute_kda.chunk_gated_delta_rule(**problem)
     assert mirror_kernels == ["k1", "k2"]
     call = translate_fla_gdn_call(**problem)
-    options = dict(call.options)
-    if options["dt_bias"] is None and options["gate"] == "softplus":
-        options["dt_bias"] = torch.zeros(4)
-    o_mirror, state_mirror = mirror_forward(*call.tensors, lower_bound=-5.0, **options)
+    o_mirror, state_mirror = mirror_forward(*call.tensors, lower_bound=-5.0, **call.options)
     assert torch.equal(o, o_mirror) and torch.equal(state, state_mirror.transpose(-1, -2).float())
     o_gold, state_gold = gold_gdn(problem)
     assert state.dtype == torch.float32 and state.shape == state_gold.shape

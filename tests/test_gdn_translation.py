@@ -73,11 +73,11 @@ def gold_as_gdn_kernels(q, k, v, g, beta, **options):
 
 
 def make_gdn_problem(lengths, *, heads=2, value_heads=4, raw_gate=True, beta_logits=True, state="fp32",
-                     state_v_first=False, seed=0):
+                     state_v_first=False, seed=0, dim=K):
     """FLA-style GatedDeltaNet inputs: B = len(lengths) equal sequences, or one packed row when lengths vary.
 
     q, k, v, beta bf16; g bf16 raw (``raw_gate``) or an fp32 log decay with −1000 masks; A_log, dt_bias fp32
-    ``[HV]``; an initial state in the caller's layout (fp32, bf16 or none).
+    ``[HV]``; an initial state in the caller's layout (fp32, bf16 or none). Head dims ``dim`` (K = V).
     """
     gen = torch.Generator().manual_seed(seed)
     varlen = len(set(lengths)) > 1
@@ -93,14 +93,14 @@ def make_gdn_problem(lengths, *, heads=2, value_heads=4, raw_gate=True, beta_log
         g = torch.where(torch.rand(g.shape, generator=gen) < 0.1, torch.full_like(g, -1000.0), g)
     beta = randn(batch, seq_len, value_heads) if beta_logits else torch.rand(batch, seq_len, value_heads, generator=gen)
     inputs = dict(
-        q=randn(batch, seq_len, heads, K).bfloat16(), k=randn(batch, seq_len, heads, K).bfloat16(),
-        v=randn(batch, seq_len, value_heads, V).bfloat16(), g=g, beta=beta.bfloat16(),
+        q=randn(batch, seq_len, heads, dim).bfloat16(), k=randn(batch, seq_len, heads, dim).bfloat16(),
+        v=randn(batch, seq_len, value_heads, dim).bfloat16(), g=g, beta=beta.bfloat16(),
         A_log=torch.log(torch.rand(value_heads, generator=gen) * 15 + 1), dt_bias=randn(value_heads),
     )
     if varlen:
         inputs["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
     if state is not None:
-        h0 = 0.3 * randn(len(lengths), value_heads, K, V)
+        h0 = 0.3 * randn(len(lengths), value_heads, dim, dim)
         h0 = h0.transpose(-1, -2).contiguous() if state_v_first else h0
         inputs["initial_state"] = h0 if state == "fp32" else h0.bfloat16()
     return inputs

@@ -33,7 +33,7 @@ gate) or ``[B, T, HV]`` (per-head gate, GatedDeltaNet); HV a multiple of H (valu
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -167,6 +167,19 @@ def dyadic_tile_products(
     return A, Mqk
 
 
+def _straddle_sums(row_sums: torch.Tensor, column_sums: torch.Tensor, block: int, upper: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A straddle level's two parts of ``dγ_s`` ``[..., 16, K]`` in the inputs' dtype: for s upper the sum of
+    ``row_sums`` over the upper rows i ≥ s of s's block, for s lower the sum of ``column_sums`` over the lower
+    rows j < s of s's block (every term crosses s)."""
+    rows = torch.arange(CHUNK, device=row_sums.device)
+    same_block = rows[:, None] // block == rows[None, :] // block
+    from_s = same_block & (rows[None, :] >= rows[:, None]) & upper[None, :] & upper[:, None]
+    before_s = same_block & (rows[None, :] < rows[:, None]) & ~upper[None, :] & ~upper[:, None]
+    return (torch.einsum("sr,...rc->...sc", from_s.to(row_sums.dtype), row_sums),
+            torch.einsum("sr,...rc->...sc", before_s.to(column_sums.dtype), column_sums))
+
+
 def dyadic_tile_products_backward(
     qs: torch.Tensor, kh: torch.Tensor, gamma: torch.Tensor, dA: torch.Tensor, dMqk: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -185,7 +198,6 @@ def dyadic_tile_products_backward(
     dqs, dkh = diagonal * kh, diagonal * qs
     dgamma = torch.zeros_like(gamma)
     zero = torch.zeros((), dtype=qs.dtype)
-    rows = torch.arange(CHUNK, device=qs.device)
     for block in DYADIC_BLOCKS:
         factor, upper, mask = _straddle_factor(decay, block)
         X = kh * factor
@@ -195,13 +207,8 @@ def dyadic_tile_products_backward(
         C = dA_level.transpose(-1, -2) @ X + dM_level.transpose(-1, -2) @ Q
         dqs = dqs + factor * Pq
         dkh = dkh + factor * (P + C)
-        row_sums, column_sums = X * P + Q * Pq, X * C
-        same_block = rows[:, None] // block == rows[None, :] // block
-        # s upper: Σ over upper rows i ≥ s of its block; s lower: Σ over lower rows j < s of its block
-        from_s = same_block & (rows[None, :] >= rows[:, None]) & upper[None, :] & upper[:, None]
-        before_s = same_block & (rows[None, :] < rows[:, None]) & ~upper[None, :] & ~upper[:, None]
-        dgamma = (dgamma + torch.einsum("sr,...rc->...sc", from_s.to(qs.dtype), row_sums)
-                  + torch.einsum("sr,...rc->...sc", before_s.to(qs.dtype), column_sums))
+        from_s, before_s = _straddle_sums(X * P + Q * Pq, X * C, block, upper)
+        dgamma = dgamma + from_s + before_s
     return dqs, dkh, dgamma
 
 
@@ -392,11 +399,33 @@ def _gate_backward(
     return dg, None if A_log is None else dA, ddt
 
 
-def _qk_backward(dx_hat: torch.Tensor, x_hat: torch.Tensor | None, rinv: torch.Tensor | None) -> torch.Tensor:
-    """Through the l2norm ``x̂ = x·rinv``: ``dx = rinv·(dx̂ − x̂·(x̂·dx̂))``; without it, dx = dx̂."""
+def _qk_backward(dx_hat: torch.Tensor, x_hat: torch.Tensor | None, rinv: torch.Tensor | None,
+                 row_dot: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Through the l2norm ``x̂ = x·rinv``: ``dx = rinv·(dx̂ − x̂·(x̂·dx̂))``; without it, dx = dx̂. ``row_dot(a, b)``
+    ``[..., 1]``: the dot product over the channels (default the plain sum)."""
     if x_hat is None:
         return dx_hat
-    return rinv * (dx_hat - x_hat * (x_hat * dx_hat).sum(-1, keepdim=True))
+    dot = (x_hat * dx_hat).sum(-1, keepdim=True) if row_dot is None else row_dot(x_hat, dx_hat)
+    return rinv * (dx_hat - x_hat * dot)
+
+
+def _crossing_rows(through_prefix: torch.Tensor, through_suffix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-row terms of ``dγ_s`` that carry token s's decay ``[.., 16, K]``: ``Σ_{r≥s}`` of the prefix terms
+    (dqd⊙qd + dkd⊙kd) and ``Σ_{r<s}`` of the suffix terms (dkr⊙kr), in the inputs' dtype."""
+    from_s = torch.flip(torch.cumsum(torch.flip(through_prefix, [2]), dim=2), [2])
+    before_s = torch.cat([torch.zeros_like(through_suffix[:, :, :1]), torch.cumsum(through_suffix, dim=2)[:, :, :-1]],
+                         dim=2)
+    return from_s, before_s
+
+
+def _untile(x: torch.Tensor, tile_map: _TileMap) -> torch.Tensor:
+    """``[HV, tiles, 16, ...]`` → ``[tokens, HV, ...]``."""
+    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, tile_map.row_of_token].movedim(0, 1)
+
+
+def _group_sum(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[tokens, HV, K]`` → ``[tokens, H, K]``: the sum over each group of value heads, in x's dtype."""
+    return x.reshape(x.shape[0], heads, x.shape[1] // heads, x.shape[2]).sum(2)
 
 
 def chunk_backward_pairwise_exact(
@@ -438,7 +467,6 @@ def chunk_backward_pairwise_exact(
     """
     batch, seq_len, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
-    group = value_head_group(heads, value_heads)
     scale = key_dim ** -0.5 if scale is None else scale
     tokens = _exact_tokens(q, k, g, beta, scale=scale, gate=gate, A_log=A_log, dt_bias=dt_bias,
                            lower_bound=lower_bound, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
@@ -469,22 +497,14 @@ def chunk_backward_pairwise_exact(
     dqs = dqs + dqd * t.prefix.exp()
     dkh = dkh + dkd * t.prefix.exp() + dkr * t.suffix.exp()
     # every term below carries the decay of token s: qd, kd of rows r ≥ s, kr of rows r < s, gT
-    through_prefix = dqd * t.qd + dkd * t.kd
-    through_suffix = dkr * t.kr
-    rows_from_s = torch.flip(torch.cumsum(torch.flip(through_prefix, [2]), dim=2), [2])  # Σ_{r≥s}
-    rows_before_s = torch.cat([torch.zeros_like(through_suffix[:, :, :1]),
-                               torch.cumsum(through_suffix, dim=2)[:, :, :-1]], dim=2)  # Σ_{r<s}
+    rows_from_s, rows_before_s = _crossing_rows(dqd * t.qd + dkd * t.kd, dkr * t.kr)
     dgamma_t = dgamma_t + rows_from_s + rows_before_s + (dgT * t.gt)[:, :, None]
 
-    def untile(x: torch.Tensor) -> torch.Tensor:  # [HV, tiles, 16, ...] → [tokens, HV, ...]
-        rows = x.reshape(value_heads, -1, *x.shape[3:])[:, tile_map.row_of_token]
-        return rows.movedim(0, 1)
+    def untile(x: torch.Tensor) -> torch.Tensor:
+        return _untile(x, tile_map)
 
-    def group_sum(x: torch.Tensor) -> torch.Tensor:  # [tokens, HV, K] → [tokens, H, K]
-        return x.reshape(x.shape[0], heads, group, key_dim).sum(2)
-
-    dq = _qk_backward(group_sum(untile(dqs)) * scale, tokens.qhat, tokens.rinv_q)
-    dk = _qk_backward(group_sum(untile(dkh)), tokens.khat, tokens.rinv_k)
+    dq = _qk_backward(_group_sum(untile(dqs), heads) * scale, tokens.qhat, tokens.rinv_q)
+    dk = _qk_backward(_group_sum(untile(dkh), heads), tokens.khat, tokens.rinv_k)
     g_tokens = g.reshape(batch * seq_len, *g.shape[2:])
     dg, dA_log, ddt_bias = _gate_backward(g_tokens, untile(dgamma_t), gate=gate, A_log=A_log, dt_bias=dt_bias,
                                           lower_bound=lower_bound)
@@ -672,7 +692,6 @@ class _K1GateValues(NamedTuple):
     """
 
     tile_map: _TileMap
-    group: int
     consts: Constants
     qh: torch.Tensor
     kh: torch.Tensor
@@ -705,11 +724,13 @@ def _k1_gate_values(
     total = batch * seq_len
     consts = Constants.make(lower_bound, dim ** -0.5 if scale is None else scale)
     tile_map = _token_tile_map(q, cu_seqlens)
-    tiles = tile_map.slot_exists.numel()
 
     q32, k32 = (x.reshape(total, heads, dim).float() for x in (q, k))
+    qhat = khat = rinv_q = rinv_k = None
     if qk_l2norm:
-        q_hat, k_hat = q32 * (_l2norm_rinv(q32, consts.eps) * consts.scale), k32 * _l2norm_rinv(k32, consts.eps)
+        rinv_q, rinv_k = _l2norm_rinv(q32, consts.eps), _l2norm_rinv(k32, consts.eps)
+        qhat, khat = q32 * rinv_q, k32 * rinv_k  # for the l2norm backward (unscaled)
+        q_hat, k_hat = q32 * (rinv_q * consts.scale), khat
     else:
         q_hat, k_hat = q32 * consts.scale, k32
     qh = _to_tiles(expand_to_value_heads(q_hat, group, dim=1), tile_map)  # [HV, tiles, 16, D]
@@ -734,17 +755,8 @@ def _k1_gate_values(
     mqk = torch.tril(A_qk).bfloat16()
     inv = _neumann_inverse(L)
 
-    ws = allocate_workspace(WorkspaceSpec(heads=value_heads, tiles=tiles, dim=dim), q.device)
-    missing = ~tile_map.slot_exists
-    for name, value in (("qd", qd), ("kd", kd), ("kr", kr), ("gt", ex2_approx(G_last)), ("inv", inv),
-                        ("mqk", mqk), ("beta", beta_t)):
-        value = value.masked_fill(missing.reshape(1, tiles, *([1] * (value.dim() - 2))), math.nan)
-        getattr(ws, name).copy_(value.reshape(getattr(ws, name).shape))
-    qhat = khat = rinv_q = rinv_k = None
-    if qk_l2norm:
-        rinv_q, rinv_k = _l2norm_rinv(q32, consts.eps), _l2norm_rinv(k32, consts.eps)
-        qhat, khat = q32 * rinv_q, k32 * rinv_k
-    return _K1GateValues(tile_map, group, consts, qh, kh, gp, G, Gs, beta_t, A, A_qk, qhat, khat, rinv_q, rinv_k, ws)
+    ws = _workspace(dict(qd=qd, kd=kd, kr=kr, gt=ex2_approx(G_last), inv=inv, mqk=mqk, beta=beta_t), tile_map)
+    return _K1GateValues(tile_map, consts, qh, kh, gp, G, Gs, beta_t, A, A_qk, qhat, khat, rinv_q, rinv_k, ws)
 
 
 def mirror_prepare_gates(
@@ -835,13 +847,9 @@ def _rounded_pair_backward(values: _K1GateValues, scheme: str, dA: torch.Tensor,
         C = _mma(torch.cat([dA_level.transpose(-1, -2), dM_level.transpose(-1, -2)], -1), torch.cat([X, Q], -2))
         dqh = dqh + factor * Pq
         dkh = dkh + factor * (P + C)
-        row_sums = X.float() * P + Q.float() * Pq
-        column_sums = X.float() * C
-        same_block = rows[:, None] // block == rows[None, :] // block
-        from_s = same_block & (rows[None, :] >= rows[:, None]) & upper[None, :] & upper[:, None]
-        before_s = same_block & (rows[None, :] < rows[:, None]) & ~upper[None, :] & ~upper[:, None]
-        dgamma = dgamma + (torch.einsum("sr,...rc->...sc", from_s.double(), row_sums.double())
-                           + torch.einsum("sr,...rc->...sc", before_s.double(), column_sums.double())).float()
+        from_s, before_s = _straddle_sums((X.float() * P + Q.float() * Pq).double(), (X.float() * C).double(),
+                                          block, upper)
+        dgamma = dgamma + (from_s + before_s).float()
     return dqh, dkh, dgamma, None
 
 
@@ -889,7 +897,7 @@ def mirror_backward_gates(
     values = _k1_gate_values(q, k, g, beta, scheme=scheme, gate=gate, A_log=A_log, dt_bias=dt_bias,
                              lower_bound=-5.0,  # the safe gate's constant: unused by these gates
                              scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
-    ws, tile_map, group = values.workspace, values.tile_map, values.group
+    ws, tile_map = values.workspace, values.tile_map
     num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
     states = torch.full(block_states_shape(ws, value_heads, num_seqs, _PER_TILE), math.nan, dtype=torch.bfloat16,
                         device=q.device)
@@ -924,27 +932,21 @@ def mirror_backward_gates(
     dqh, dkh, dgamma, dgamma_head = _rounded_pair_backward(values, scheme, dA, dMqk)
     dqh = dqh + dqd * ex2_approx(values.G)
     dkh = dkh + dkd * ex2_approx(values.G) + dkr * ex2_approx(values.Gs)
-    through_prefix = dqd * qd.float() + dkd * kd.float()  # rows r ≥ s carry token s's decay
-    through_suffix = dkr * kr.float()  # rows r < s
-    rows_from_s = torch.flip(torch.cumsum(torch.flip(through_prefix.double(), [2]), dim=2), [2])
-    rows_before_s = torch.cat([torch.zeros_like(through_suffix[:, :, :1].double()),
-                               torch.cumsum(through_suffix.double(), dim=2)[:, :, :-1]], dim=2)
+    # rows r ≥ s (qd, kd) and r < s (kr) carry token s's decay
+    rows_from_s, rows_before_s = _crossing_rows((dqd * qd.float() + dkd * kd.float()).double(),
+                                                (dkr * kr.float()).double())
     dgamma = (dgamma.double() + rows_from_s + rows_before_s + (dgT * gt)[:, :, None].double()).float()
 
-    def untile(x: torch.Tensor) -> torch.Tensor:  # [HV, tiles, 16, ...] → [tokens, HV, ...]
-        return x.reshape(value_heads, -1, *x.shape[3:])[:, tile_map.row_of_token].movedim(0, 1)
+    def untile(x: torch.Tensor) -> torch.Tensor:
+        return _untile(x, tile_map)
 
-    def group_sum(x: torch.Tensor) -> torch.Tensor:  # [tokens, HV, K] → [tokens, H, K]
-        return x.reshape(x.shape[0], heads, group, key_dim).double().sum(2).float()
-
-    def l2norm_backward(dx_hat: torch.Tensor, x_hat: torch.Tensor | None, rinv: torch.Tensor | None) -> torch.Tensor:
-        if x_hat is None:
-            return dx_hat
-        return rinv * (dx_hat - x_hat * _dot_f32(x_hat, dx_hat, -1)[..., None])
+    def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return _dot_f32(a, b, -1)[..., None]
 
     tokens = batch * seq_len
-    dq = l2norm_backward(group_sum(untile(dqh)) * values.consts.scale, values.qhat, values.rinv_q)
-    dk = l2norm_backward(group_sum(untile(dkh)), values.khat, values.rinv_k)
+    dq = _qk_backward(_group_sum(untile(dqh).double(), heads).float() * values.consts.scale, values.qhat,
+                      values.rinv_q, row_dot)
+    dk = _qk_backward(_group_sum(untile(dkh).double(), heads).float(), values.khat, values.rinv_k, row_dot)
     dgamma_tokens = untile(dgamma)  # [tokens, HV, K] w.r.t. the natural log decay
     gamma = untile(values.gp) * LN2
     if per_head:  # one decay per head: its channels' terms summed, then the head's pair terms
