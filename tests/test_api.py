@@ -195,9 +195,10 @@ def mirror_kernels(monkeypatch):
                 filled = mirror.mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                                                scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
                                                beta_logits=beta_logits)
-            else:  # the unbounded gates' K1 (scheme "dyadic")
+            else:  # the unbounded gates' K1 (scheme "dyadic"; "per_head" for a per-head gate)
                 filled = mirror_prepare_gates(q, k, g, beta, gate=gate, A_log=A_log, dt_bias=dt_bias, scale=scale,
-                                              cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+                                              cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+                                              scheme="per_head" if per_head_gate else "dyadic")
             for field, value in zip(ws, filled):
                 assert field.shape == value.shape  # the API sized the workspace as K1 fills it
                 field.copy_(value)

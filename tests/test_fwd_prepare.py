@@ -79,6 +79,8 @@ def compiled(request):
 
 def test_ptx_primitives(compiled):
     kernel, report, _ = compiled
+    if kernel.per_head_gate:
+        return _check_per_head_ptx(kernel, report)
     if kernel.pairwise:
         return _check_pairwise_ptx(kernel, report)
     # q, k, g: one 4-D TMA load each (two 64-column boxes of the 128-byte swizzle); qd, kd, kr: one store each
@@ -129,6 +131,23 @@ def _check_pairwise_ptx(kernel: PrepareKernel, report) -> None:
     assert report.count("bar.sync") == 4
 
 
+def _check_per_head_ptx(kernel: PrepareKernel, report) -> None:
+    """A per-head gate's K1 (scheme per_head): the safe K1's two tile products and Neumann inverse, over the
+    bf16 rows q̂, k̂, scaled by the tile's pair decays; one decay per row, so 2 × 16 ex2 for 2^G and 2^Gs."""
+    assert report.count("cp.async.bulk.tensor.4d.shared::cta.global") == 2
+    assert report.count("cp.async.bulk.tensor.3d.global.shared::cta") == 3
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 32
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 12
+    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 32
+    softplus = kernel.gate == "softplus"
+    # 2^G and 2^Gs per row, a = 2^g' of the thread's row; softplus adds 2^−|y|, lg2 and e^A
+    assert report.count("ex2.approx.ftz.f32") == 2 * CHUNK + 1 + (2 if softplus else 0)
+    assert report.count("lg2.approx.f32") == (1 if softplus else 0)
+    assert report.count("mul.rn.f32") == 1  # the gate's last product
+    assert report.count("shfl.sync.bfly.b32") == (2 * 4 * 2 if kernel.qk_l2norm else 0)
+    assert report.count("bar.sync") == 3
+
+
 def _elected_lane_only(lines: list[str], at: int) -> bool:
     """Whether PTX line ``at`` runs on one lane only: in its basic block, after ``elect.sync _|%p``,
     every other lane takes ``@!%p bra`` to a label past ``at``."""
@@ -158,8 +177,9 @@ def test_tma_copies_are_issued_by_one_elected_lane(compiled):
 def test_smem_is_the_plan(compiled):
     """The launch asks for exactly the bytes of ``layouts.fwd_prepare.smem_budget``; 8 CTAs fit per SM."""
     kernel, _, launch_smem = compiled
-    budget = plan.pairwise_smem_budget(D) if kernel.pairwise else plan.smem_budget(D)
-    assert launch_smem == [budget.total_bytes] == [39936 if kernel.pairwise else 25600]
+    budget, size = ((plan.per_head_smem_budget(D), 22528) if kernel.per_head_gate
+                    else (plan.pairwise_smem_budget(D), 39936) if kernel.pairwise else (plan.smem_budget(D), 25600))
+    assert launch_smem == [budget.total_bytes] == [size]
     assert budget.ctas_per_sm >= kernel.ctas_per_sm
 
 
@@ -168,7 +188,8 @@ def test_no_local_memory_and_occupancy(compiled):
     assert report.local_memory_ops == 0 and report.spills == 0, report.summary()
     (entry,) = report.kernels
     assert entry.registers * kernel.num_threads * kernel.ctas_per_sm <= REGISTERS_PER_SM, report.summary()
-    budget = plan.pairwise_smem_budget(D) if kernel.pairwise else plan.smem_budget(D)
+    budget = (plan.per_head_smem_budget(D) if kernel.per_head_gate else plan.pairwise_smem_budget(D)
+              if kernel.pairwise else plan.smem_budget(D))
     print(f"\n{report.summary()}\nsmem {budget.total_bytes} B/CTA; "
           f"{kernel.ctas_per_sm} CTAs × {kernel.num_threads} threads per SM")
 
@@ -548,10 +569,10 @@ def _gdn_problem(case: str, batch: int, steps: int, heads: int, value_heads: int
     raw = torch.randn(batch, steps, value_heads, generator=gen)
     if case == "gdn_softplus":
         data = [q, k, raw.bfloat16(), beta, a_log, torch.randn(value_heads, generator=gen)]
-        return [t.to("cuda") for t in data], "softplus", "dyadic"
+        return [t.to("cuda") for t in data], "softplus", "per_head"
     decay = -torch.nn.functional.softplus(raw) * 2  # gdn_log_decay: fp32 with 5 % of the tokens at −1000
     decay = torch.where(torch.rand(raw.shape, generator=gen) < 0.05, -1000.0, decay)
-    return [t.to("cuda") for t in (q, k, decay, beta)] + [None, None], "none", "dyadic"
+    return [t.to("cuda") for t in (q, k, decay, beta)] + [None, None], "none", "per_head"
 
 
 GDN_CASES = ["gdn_softplus", "gdn_log_decay", "safe_grouped", "softplus_grouped"]

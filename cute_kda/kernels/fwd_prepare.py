@@ -61,6 +61,7 @@ from .common.fastmath import ex2_approx, lg2_approx, mul_rn, sigmoid_approx
 from .common.token_prep import CHANNELS_PER_LANE, ROW_LANES, TokenPrep
 
 LEVEL_ROWS = CHUNK // 2  # upper (and lower) rows of one straddle level, over all its blocks
+ROW_SUMS_THREAD = 32  # a per-head gate's prefix and suffix sums: warp 1, beside warp 0's span columns
 
 
 class SwizzledColumn:
@@ -129,7 +130,7 @@ class PrepareKernel(TokenPrep):
     (a precomputed log decay, bf16 or fp32 ``g``) are unbounded below and run the overflow-free form of
     docs/numerics.md ("Unbounded gates", scheme ``dyadic``), :meth:`prepare_tile_pairwise`; with
     ``per_head_gate`` (GatedDeltaNet) g is ``[.., HV]`` and dt_bias ``[HV]``, one decay per head broadcast
-    over the channels. ``grouped``: q and k have H heads, everything else HV = group · H (value heads);
+    over the channels, computed by the cheaper scheme ``per_head`` (:meth:`prepare_tile_per_head`). ``grouped``: q and k have H heads, everything else HV = group · H (value heads);
     the grid and the workspace run over value heads, and value head ``h`` reads q/k head ``h // group``.
     """
 
@@ -156,7 +157,8 @@ class PrepareKernel(TokenPrep):
         self.grouped = grouped  # grouped value heads: HV = group · H, value head h reads q/k head h // group
         self.num_threads = num_threads
         if ctas_per_sm is None:
-            ctas_per_sm = plan.PAIRWISE_CTAS_PER_SM if self.pairwise else 8
+            ctas_per_sm = (plan.PER_HEAD_CTAS_PER_SM if per_head_gate else plan.PAIRWISE_CTAS_PER_SM if self.pairwise
+                           else 8)
         self.ctas_per_sm = ctas_per_sm  # register budget: 65536 / (num_threads · ctas_per_sm)
         self.dim = HEAD_DIM
         self.tile = (CHUNK, HEAD_DIM)
@@ -216,7 +218,7 @@ class PrepareKernel(TokenPrep):
             kd=make_head_tile_tma_atom(store, ws.kd, tile, self.tile),
             kr=make_head_tile_tma_atom(store, ws.kr, tile, self.tile),
         )
-        self.shared_storage = plan.shared_storage(d, pairwise=self.pairwise)
+        self.shared_storage = plan.shared_storage(d, pairwise=self.pairwise, per_head=self.per_head_gate)
         tiles = ws.gt.shape[0] // heads
         self.kernel(tma, inputs, ws, scalars, cu_seqlens, tile_base).launch(
             grid=(tiles, heads, 1), block=(self.num_threads, 1, 1), stream=stream,
@@ -241,7 +243,10 @@ class PrepareKernel(TokenPrep):
         if cutlass.const_expr(self.grouped):
             qk_head = head // (heads // inputs.q.shape[1])
         if exists:
-            if cutlass.const_expr(self.pairwise):
+            if cutlass.const_expr(self.per_head_gate):
+                self.prepare_tile_per_head(tma, inputs, ws, scalars, head, qk_head, head * tiles + tile_slot, row0,
+                                           valid_rows)
+            elif cutlass.const_expr(self.pairwise):
                 self.prepare_tile_pairwise(tma, inputs, ws, scalars, head, qk_head, head * tiles + tile_slot, row0,
                                            valid_rows)
             else:
@@ -673,3 +678,156 @@ class PrepareKernel(TokenPrep):
                     value = s_diagonal[row]
             frag[i] = value
         return frag
+
+    # ------------------------------------------------------------------------------------------
+    # a per-head gate (GatedDeltaNet): docs/numerics.md, "Unbounded gates", scheme per_head
+
+    @cute.jit
+    def prepare_tile_per_head(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles,
+                              scalars: PrepareScalars, head: Int32, qk_head: Int32, slot: Int32, row0: Int32,
+                              valid_rows: Int32):
+        """One tile with one decay per row (the head's), scheme ``per_head``: no per-channel decay exists, so
+        ``A = E ⊙ (bf16(kh)·bf16(kh)ᵀ)`` and ``A_qk = E ⊙ (bf16(qh)·bf16(kh)ᵀ)`` with the tile's 16 × 16 pair
+        decays ``E[i, j] = a_{j+1}·…·a_i`` (each ≤ 1: nothing overflows for any gate value).
+
+        1. Warp 0 TMA-loads q and k; threads 0-15 compute β and ``g'``, ``a = 2^g'`` of their row.
+        2. Threads 0-15: column j of E, ``E[i, j] = f32(E[i−1, j]·a_i)`` down the rows; thread 32: the prefix and
+           suffix sums, ``2^G``, ``2^Gs``.
+        3. Rows, 16 lanes a row (as :meth:`decay`): l2norm, then qd, kd, kr and the bf16 rows ``q̂``, ``k̂``.
+        4. Warp 0: ``A_kk`` and INV; warp 1: Mqk; warp 2: TMA stores of qd, kd, kr.
+        """
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+
+        tile_layout = plan.chunk_tile(self.dim)
+        storage = SmemAllocator().allocate(self.shared_storage)
+        s_q = storage.q.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
+        s_k = storage.k.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
+        s_kr = storage.kr.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
+        s_q_hat = storage.q_hat.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
+        s_k_hat = storage.k_hat.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
+        s_spans = storage.spans.get_tensor(plan.pair_matrix())
+        s_beta = storage.beta.get_tensor(plan.row_vector())
+        s_gate = storage.gate.get_tensor(plan.row_vector())
+        s_decay = storage.decay.get_tensor(plan.row_vector())
+        s_prefix = storage.prefix_decay.get_tensor(plan.row_vector())
+        s_suffix = storage.suffix_decay.get_tensor(plan.row_vector())
+        tma_barrier = storage.tma_barrier.data_ptr()
+
+        if warp_idx == 0:
+            self.load_inputs(((tma.q, s_q, qk_head), (tma.k, s_k, qk_head)), tma_barrier, row0)
+        if tidx < CHUNK:
+            self.activate_beta(inputs.beta, ws.beta, s_beta, head, slot, row0, valid_rows, tidx)
+            dt, e_a = Float32(0.0), Float32(1.0)
+            if cutlass.const_expr(self.gate != "none"):
+                dt, e_a = inputs.dt_bias[head], ex2_approx(inputs.a_log[head] * Float32(LOG2E))
+            gate = Float32(0.0)
+            if tidx < valid_rows:
+                gate = self.base2_log_decay(inputs.g[row0 + tidx, head].to(Float32), dt, e_a)
+            s_gate[tidx] = gate
+            s_decay[tidx] = ex2_approx(gate)
+        cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
+        if tidx < CHUNK:
+            self.span_column(s_decay, s_spans, tidx)
+        elif tidx == ROW_SUMS_THREAD:
+            self.row_sums(s_gate, s_prefix, s_suffix)
+        cute.arch.sync_threads()
+        ws.gt[slot, tidx] = s_prefix[CHUNK - 1]
+        cute.arch.mbarrier_wait(tma_barrier, 0)
+        self.decay_per_row(s_q, s_k, s_kr, s_q_hat, s_k_hat, s_prefix, s_suffix, scalars.scale, valid_rows, tidx)
+        cute.arch.fence_view_async_shared()  # generic-proxy smem writes → TMA store reads
+        cute.arch.sync_threads()
+
+        if warp_idx == self.kkt_warp:
+            mma_bf16 = warp_tiled_mma(BFloat16, Float32)
+            a_kk = self.spanned(self.tile_product(mma_bf16, s_k_hat, s_k_hat, lane), s_spans, lane)
+            self.lower_inverse(a_kk, s_beta, ws.inv, slot, lane)
+        elif warp_idx == self.qk_warp:
+            mma_bf16 = warp_tiled_mma(BFloat16, Float32)
+            a_qk = self.spanned(self.tile_product(mma_bf16, s_q_hat, s_k_hat, lane), s_spans, lane)
+            self.store_mqk(a_qk, ws.mqk, slot, lane)
+        elif warp_idx == self.store_warp:
+            self.store_tiles(tma, s_q, s_k, s_kr, slot)
+
+    @cute.jit
+    def span_column(self, s_decay, s_spans, col: Int32):
+        """Column ``col`` of the pair decays: ``E[col, col] = 1``, ``E[i, col] = f32(E[i−1, col]·a_i)`` below
+        (the product only shrinks); rows above the diagonal are 0 (never read)."""
+        span = Float32(1.0)
+        for row in cutlass.range_constexpr(CHUNK):
+            value = Float32(0.0)
+            if row >= col:
+                if row > col:
+                    span = span * s_decay[row]
+                value = span
+            s_spans[row, col] = value
+
+    @cute.jit
+    def row_sums(self, s_gate, s_prefix, s_suffix):
+        """One thread: ``2^G`` (prefix sums of g') and ``2^Gs`` (suffix sums ``Σ_{s>r} g'_s``) per row, in row order."""
+        prefix = Float32(0.0)
+        for row in cutlass.range_constexpr(CHUNK):
+            prefix = prefix + s_gate[row]
+            s_prefix[row] = ex2_approx(prefix)
+        suffix = Float32(0.0)
+        for step in cutlass.range_constexpr(CHUNK):
+            row = CHUNK - 1 - step
+            s_suffix[row] = ex2_approx(suffix)
+            suffix = suffix + s_gate[row]
+
+    @cute.jit
+    def decay_per_row(self, s_q, s_k, s_kr, s_q_hat, s_k_hat, s_prefix, s_suffix, scale: Float32,
+                      valid_rows: Int32, tidx: Int32):
+        """This thread's row chunks: the l2norm, qd and kd (over q and k), kr, and the bf16 rows ``q̂``, ``k̂``."""
+        for item in cutlass.range_constexpr(self.decay_items):
+            flat = tidx + item * self.num_threads
+            row = flat // ROW_LANES
+            chunk = flat % ROW_LANES
+            valid = row < valid_rows
+            at = (row, chunk)
+            run = (1, CHANNELS_PER_LANE)
+            q_in = cute.make_rmem_tensor(run, BFloat16)
+            k_in = cute.make_rmem_tensor(run, BFloat16)
+            cute.autovec_copy(cute.local_tile(s_q, run, at), q_in)
+            cute.autovec_copy(cute.local_tile(s_k, run, at), k_in)
+            q32 = cute.make_rmem_tensor(run, Float32)
+            k32 = cute.make_rmem_tensor(run, Float32)
+            for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                q32[i] = Float32(cutlass.select_(valid, q_in[i].to(Float32), Float32(0.0)))
+                k32[i] = Float32(cutlass.select_(valid, k_in[i].to(Float32), Float32(0.0)))
+            q_rscale = scale
+            k_rscale = Float32(1.0)
+            if cutlass.const_expr(self.qk_l2norm):
+                q_rscale = self.row_rsqrt(q32) * scale
+                k_rscale = self.row_rsqrt(k32)
+            decay, rest = s_prefix[row], s_suffix[row]
+            qd = cute.make_rmem_tensor(run, BFloat16)
+            kd = cute.make_rmem_tensor(run, BFloat16)
+            kr = cute.make_rmem_tensor(run, BFloat16)
+            q_hat = cute.make_rmem_tensor(run, BFloat16)
+            k_hat = cute.make_rmem_tensor(run, BFloat16)
+            for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                qh = q32[i] * q_rscale
+                kh = k32[i] * k_rscale if cutlass.const_expr(self.qk_l2norm) else k32[i]
+                qd[i] = (qh * decay).to(BFloat16)
+                kd[i] = (kh * decay).to(BFloat16)
+                kr[i] = (kh * rest).to(BFloat16)
+                q_hat[i] = qh.to(BFloat16)
+                k_hat[i] = kh.to(BFloat16)
+            for values, tile in ((qd, s_q), (kd, s_k), (kr, s_kr), (q_hat, s_q_hat), (k_hat, s_k_hat)):
+                cute.autovec_copy(values, cute.local_tile(tile, run, at))
+
+    @cute.jit
+    def spanned(self, product: cute.Tensor, s_spans, lane: Int32) -> cute.Tensor:
+        """``E ⊙ product`` on and below the diagonal (fp32 C fragment; above it 0)."""
+        mma_bf16 = warp_tiled_mma(BFloat16, Float32)
+        coords = mma_bf16.get_slice(lane).partition_C(cute.make_identity_tensor((WARP_TILE, WARP_TILE)))
+        out = make_fragment(mma_bf16, Operand.C, Float32)
+        for i in cutlass.range_constexpr(cute.size(product)):
+            row, col = coords[i]
+            value = Float32(0.0)
+            if row >= col:
+                value = product[i] * s_spans[row, col]
+            out[i] = value
+        return out

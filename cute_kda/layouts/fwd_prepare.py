@@ -40,6 +40,7 @@ INPUT_TILES = 3  # q, k, g: the TMA transaction of one CTA
 PAIRWISE_INPUT_TILES = 2  # q, k: the unbounded gates' K1 reads g column by column instead
 BETA_ALIGN = 16  # β is read and written element by element, never by the TMA
 PAIRWISE_CTAS_PER_SM = 5  # the unbounded gates' K1: ≈ 39 KB of shared memory a CTA
+PER_HEAD_CTAS_PER_SM = 8  # GatedDeltaNet's per-head gate: ≈ 22 KB a CTA, as many CTAs as the safe K1
 
 
 def chunk_tile(dim: int = HEAD_DIM, chunk: int = CHUNK, dtype: type = cutlass.BFloat16):
@@ -119,10 +120,34 @@ def pairwise_smem_budget(dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
     )))
 
 
-def shared_storage(dim: int = HEAD_DIM, chunk: int = CHUNK, pairwise: bool = False):
-    """The ``cute.struct`` of K1's shared memory: :func:`smem_budget`'s (or with ``pairwise``
-    :func:`pairwise_smem_budget`'s) fields, offsets and size."""
-    return (pairwise_smem_budget if pairwise else smem_budget)(dim, chunk).storage_struct()
+def per_head_smem_budget(dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
+    """Shared-memory plan of K1 for a per-head gate (GatedDeltaNet), scheme ``per_head`` of docs/numerics.md:
+    one decay per row, so ``A = E ⊙ (k̂ k̂ᵀ)`` and ``A_qk = E ⊙ (q̂ k̂ᵀ)`` with the bf16 rows ``k̂``, ``q̂`` and the
+    16 × 16 span matrix ``E`` of the tile."""
+    tile = layout_spec(f"chunk_tile({dim},{chunk})", chunk_tile, dim, chunk, dtype=cutlass.BFloat16)
+    pairs = layout_spec(f"pair_matrix({chunk})", pair_matrix, chunk, dtype=cutlass.Float32)
+    rows = layout_spec(f"row_vector({chunk})", row_vector, chunk, dtype=cutlass.Float32)
+    return SmemBudget(f"K1 per-head gate D={dim} CHUNK={chunk}", SmemGroup("PerHeadPrepareStorage", (
+        SmemBuffer("q", tile, note="TMA-loaded q; qd written over it"),
+        SmemBuffer("k", tile, note="TMA-loaded k; kd written over it"),
+        SmemBuffer("kr", tile, note="kr = kh · 2^Gs"),
+        SmemBuffer("q_hat", tile, note="bf16(qh): left operand of A_qk"),
+        SmemBuffer("k_hat", tile, note="bf16(kh): both operands of A_kk, right operand of A_qk"),
+        SmemBuffer("spans", pairs, note="E[i, j] = a_{j+1}·…·a_i (i ≥ j): the tile's pair decays"),
+        SmemBuffer("beta", rows, align_bytes=BETA_ALIGN, note="activated β per row, 0 on invalid rows"),
+        SmemBuffer("gate", rows, align_bytes=BETA_ALIGN, note="g' per row (base 2), 0 on invalid rows"),
+        SmemBuffer("decay", rows, align_bytes=BETA_ALIGN, note="a = 2^g' per row"),
+        SmemBuffer("prefix_decay", rows, align_bytes=BETA_ALIGN, note="2^G per row (G the prefix sum)"),
+        SmemBuffer("suffix_decay", rows, align_bytes=BETA_ALIGN, note="2^Gs per row (Gs the suffix sum)"),
+        mbarriers("tma_barrier", 1, "transaction barrier of the q, k loads"),
+    )))
+
+
+def shared_storage(dim: int = HEAD_DIM, chunk: int = CHUNK, pairwise: bool = False, per_head: bool = False):
+    """The ``cute.struct`` of K1's shared memory: :func:`smem_budget`'s (with ``pairwise``
+    :func:`pairwise_smem_budget`'s, with ``per_head`` :func:`per_head_smem_budget`'s) fields, offsets and size."""
+    budget = per_head_smem_budget if per_head else pairwise_smem_budget if pairwise else smem_budget
+    return budget(dim, chunk).storage_struct()
 
 
 def compact(tensor: cute.Tensor, inner: tuple) -> cute.Tensor:

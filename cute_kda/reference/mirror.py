@@ -471,7 +471,8 @@ def mirror_forward(
     gate: str = "safe",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`mirror_prepare` (or for the unbounded gates ``"softplus"`` and ``"none"`` K1's overflow-free
-    form, :func:`~.gates.mirror_prepare_gates` with scheme ``"dyadic"``) then :func:`mirror_recurrence`.
+    form, :func:`~.gates.mirror_prepare_gates` with scheme ``"dyadic"``, ``"per_head"`` for a per-head g
+    ``[B, T, HV]``) then :func:`mirror_recurrence`.
 
     ``state_dtype`` None: the initial state's dtype, fp32 when there is none.
     """
@@ -483,7 +484,8 @@ def mirror_forward(
     else:
         from .gates import mirror_prepare_gates  # gates builds on this module
 
-        ws = mirror_prepare_gates(q, k, g, beta, scheme="dyadic", gate=gate, A_log=A_log, dt_bias=dt_bias,
+        scheme = "per_head" if g.dim() == 3 else "dyadic"  # the kernels' K1 for a per-head / per-channel gate
+        ws = mirror_prepare_gates(q, k, g, beta, scheme=scheme, gate=gate, A_log=A_log, dt_bias=dt_bias,
                                   scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
     if state_dtype is None:
         state_dtype = torch.float32 if initial_state is None else initial_state.dtype
