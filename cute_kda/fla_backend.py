@@ -15,9 +15,16 @@ module registers :class:`CuteKDABackend` there:
   its first one);
 - **opt-out** ``FLA_CUTE_KDA=0`` (read by FLA on every call).
 
-Registration happens on ``import cute_kda`` when FLA is installed: at once if ``fla.ops.kda`` is
-already imported, otherwise right after it is (a one-shot import hook; importing cute_kda does not
-import FLA). :func:`register` does it explicitly. FLA stays optional: without it nothing happens.
+The same backend serves FLA's ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (GatedDeltaNet) through
+FLA's ``gated_delta_rule`` registry, for inference: its verifier :func:`verify_gdn` accepts what
+``cute_kda.chunk_gated_delta_rule`` computes and refuses calls that need a backward (not built for the
+per-head gate yet). There it runs at **priority 4**: behind FlashQLA's 3 (Qwen's TileLang kernels, which we
+have not measured against), ahead of FLA's own Triton kernels.
+
+Registration happens on ``import cute_kda`` when FLA is installed: at once for each of ``fla.ops.kda`` and
+``fla.ops.gated_delta_rule`` that is already imported, otherwise right after it is (a one-shot import hook
+per module; importing cute_kda does not import FLA). :func:`register` and :func:`register_gdn` do it
+explicitly. FLA stays optional: without it nothing happens.
 """
 
 from __future__ import annotations
@@ -34,12 +41,15 @@ logger = logging.getLogger(__name__)
 BACKEND_TYPE = "cute_kda"
 ENV_VAR = "FLA_CUTE_KDA"
 PRIORITY = 2  # FLA: lower values run first; FlashKDA registers 3
+GDN_PRIORITY = 4  # behind FlashQLA's 3 for chunk_gated_delta_rule, ahead of FLA's Triton kernels
 FLA_MODULE = "fla.ops.kda"
+FLA_GDN_MODULE = "fla.ops.gated_delta_rule"
 _MAX_LOGGED_REASONS = 64
 
 _state = threading.local()
 _logged_reasons: set[str] = set()
 _registered = False
+_registered_gdn = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,6 +132,46 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     return call.run(api.kda_forward)
 
 
+def verify_gdn(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
+    """(True, None) if cute_kda computes this FLA ``chunk_gated_delta_rule`` call, else (False, the reason)."""
+    from . import autograd, gdn_api, validation
+
+    _state.pending = None
+    reason = _device_reason(_bind(args, kwargs).get("q"))
+    if reason is None:
+        try:
+            call = gdn_api.translate_fla_gdn_call(*args, **kwargs)
+            options = call.options
+            q, _, v, g, _ = call.tensors
+            if validation.needs_autograd(*call.tensors, options["A_log"], options["dt_bias"], options["initial_state"]):
+                autograd.check_trainable(options["gate"], q, v, g)
+            validation.validate_forward(
+                *call.tensors, A_log=options["A_log"], dt_bias=gdn_api.gate_bias(call), lower_bound=-5.0,
+                scale=options["scale"], initial_state=options["initial_state"], cu_seqlens=options["cu_seqlens"],
+                gate=options["gate"],
+            )
+        except (TypeError, ValueError, NotImplementedError) as error:
+            reason = f"{type(error).__name__}: {error}"
+    if reason is not None:
+        _log_once(reason, "fla.ops.gated_delta_rule.chunk_gated_delta_rule")
+        return False, reason
+    _state.pending = (_call_key(args, kwargs), call)
+    return True, None
+
+
+def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """Compute an accepted FLA ``chunk_gated_delta_rule`` call (the translation :func:`verify_gdn` made, when
+    it is this call's)."""
+    from . import gdn_api
+
+    pending, _state.pending = getattr(_state, "pending", None), None
+    if pending is not None and pending[0] == _call_key(args, kwargs) and isinstance(pending[1], gdn_api.GdnCall):
+        call = pending[1]
+    else:
+        call = gdn_api.translate_fla_gdn_call(*args, **kwargs)
+    return call.run(gdn_api.gdn_forward)
+
+
 _FLA_POSITIONAL = ("q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state")
 
 
@@ -131,28 +181,30 @@ def _bind(args: tuple, kwargs: dict) -> dict:
     return bound
 
 
-def _log_once(reason: str) -> None:
-    if reason in _logged_reasons or len(_logged_reasons) >= _MAX_LOGGED_REASONS:
+def _log_once(reason: str, entry_point: str = "fla.ops.kda.chunk_kda") -> None:
+    key = f"{entry_point}: {reason}"
+    if key in _logged_reasons or len(_logged_reasons) >= _MAX_LOGGED_REASONS:
         return
-    _logged_reasons.add(reason)
-    logger.info("cute_kda does not take this fla.ops.kda.chunk_kda call (FLA computes it): %s", reason)
+    _logged_reasons.add(key)
+    logger.info("cute_kda does not take this %s call (FLA computes it): %s", entry_point, reason)
 
 
 # ---------------------------------------------------------------------------------------------
 # registration with fla.backends
 
 
-def backend_class(base: type) -> type:
-    """The backend class on FLA's ``BaseBackend`` (built here so FLA is imported only when present)."""
+def backend_class(base: type, priority: int = PRIORITY) -> type:
+    """The backend class on FLA's ``BaseBackend`` (built here so FLA is imported only when present), at
+    ``priority`` in the registry it joins. FLA looks up ``<function>_verifier`` and ``<function>`` by the name
+    of the dispatched function, so one class serves ``chunk_kda`` and ``chunk_gated_delta_rule``."""
 
     class CuteKDABackend(base):  # type: ignore[misc, valid-type]
-        """cute_kda's CuTe DSL kernels for Hopper (forward and backward); ``FLA_CUTE_KDA=0`` disables it."""
+        """cute_kda's CuTe DSL kernels for Hopper; ``FLA_CUTE_KDA=0`` disables it."""
 
         backend_type = BACKEND_TYPE
         package_name = "cute_kda"
         env_var = ENV_VAR
         default_enable = True
-        priority = PRIORITY
 
         def chunk_kda_verifier(self, *args: Any, **kwargs: Any) -> tuple[bool, str | None]:
             return verify(*args, **kwargs)
@@ -160,6 +212,13 @@ def backend_class(base: type) -> type:
         def chunk_kda(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
             return chunk_kda(*args, **kwargs)
 
+        def chunk_gated_delta_rule_verifier(self, *args: Any, **kwargs: Any) -> tuple[bool, str | None]:
+            return verify_gdn(*args, **kwargs)
+
+        def chunk_gated_delta_rule(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            return chunk_gated_delta_rule(*args, **kwargs)
+
+    CuteKDABackend.priority = priority
     return CuteKDABackend
 
 
@@ -179,41 +238,75 @@ def register() -> bool:
     return True
 
 
+def register_gdn() -> bool:
+    """Register cute_kda with FLA's ``gated_delta_rule`` registry (imports FLA). False if FLA is missing."""
+    global _registered_gdn
+    try:
+        from fla.backends import BaseBackend
+        from fla.backends import register as fla_register
+    except ImportError as error:
+        logger.debug("FLA is not importable (%s); cute_kda is not registered as its backend", error)
+        return False
+    fla_register("gated_delta_rule")(backend_class(BaseBackend, GDN_PRIORITY))
+    _registered_gdn = True
+    logger.info("cute_kda registered as an FLA chunk_gated_delta_rule backend (priority %d; %s=0 disables it)",
+                GDN_PRIORITY, ENV_VAR)
+    return True
+
+
 def is_registered() -> bool:
     return _registered
 
 
+def is_registered_gdn() -> bool:
+    return _registered_gdn
+
+
+_REGISTRATIONS = {FLA_MODULE: register, FLA_GDN_MODULE: register_gdn}  # FLA module → what registers with it
+
+
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when ``fla.ops.kda`` is being imported, wraps its loader so that
-    :func:`register` runs right after the module has executed, then leaves ``sys.meta_path``."""
+    """Finds nothing itself: when a module of :data:`_REGISTRATIONS` not yet seen is being imported, wraps
+    its loader so that its registration runs right after the module has executed; leaves ``sys.meta_path``
+    once every one has been seen."""
+
+    def __init__(self) -> None:
+        self.waiting = set(_REGISTRATIONS)
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != FLA_MODULE:
+        if fullname not in self.waiting:
             return None
-        _remove_hook()
-        spec = importlib.util.find_spec(fullname)  # the real finders, without this one
+        self.waiting.discard(fullname)
+        if not self.waiting:
+            _remove_hook()
+        spec = importlib.util.find_spec(fullname)  # the real finders (this one no longer waits for it)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = _RegisteringLoader(spec.loader)
+        spec.loader = _RegisteringLoader(spec.loader, _REGISTRATIONS[fullname])
         return spec
 
 
 class _RegisteringLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, registration: Any) -> None:
         self._loader = loader
+        self._registration = registration
 
     def create_module(self, spec: Any) -> Any:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         self._loader.exec_module(module)
-        try:
-            register()
-        except Exception as error:  # noqa: BLE001 - never break FLA's import
-            logger.warning("cute_kda could not register as an FLA backend: %s", error)
+        _register_safely(self._registration)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
+
+
+def _register_safely(registration: Any) -> None:
+    try:
+        registration()
+    except Exception as error:  # noqa: BLE001 - never break FLA's import
+        logger.warning("cute_kda could not register as an FLA backend: %s", error)
 
 
 _HOOK = _RegisterAfterImport()
@@ -227,11 +320,11 @@ def _remove_hook() -> None:
 
 
 def install() -> None:
-    """Register now if FLA's ``fla.ops.kda`` is imported, else as soon as it is (called by ``import cute_kda``)."""
-    if FLA_MODULE in sys.modules:
-        try:
-            register()
-        except Exception as error:  # noqa: BLE001
-            logger.warning("cute_kda could not register as an FLA backend: %s", error)
-    elif _HOOK not in sys.meta_path:
+    """Register with each FLA module of :data:`_REGISTRATIONS` now if it is imported, else as soon as it is
+    (called by ``import cute_kda``)."""
+    for module, registration in _REGISTRATIONS.items():
+        if module in sys.modules:
+            _HOOK.waiting.discard(module)
+            _register_safely(registration)
+    if _HOOK.waiting and _HOOK not in sys.meta_path:
         sys.meta_path.insert(0, _HOOK)

@@ -229,13 +229,23 @@ def chunk_gated_delta_rule(
         cu_seqlens_cpu=as_torch(cu_seqlens_cpu), chunk_indices=chunk_indices, cp_context=cp_context,
         **{name: as_torch(value) for name, value in kwargs.items()},
     )
-    return interop.answer_in_framework(q, lambda: call.run(_gdn_forward))
+    return interop.answer_in_framework(q, lambda: call.run(gdn_forward))
 
 
-def _gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
-                 gate: str, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
-                 **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A :class:`GdnCall` by :func:`cute_kda.kda_forward` (the softplus gate without dt_bias: zeros)."""
+def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                gate: str, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A :class:`GdnCall`'s canonical forward by :func:`cute_kda.kda_forward` (the softplus gate without dt_bias:
+    zeros)."""
     if gate == "softplus" and dt_bias is None:
         dt_bias = torch.zeros(v.shape[2], dtype=torch.float32, device=v.device)
     return kda_forward(q, k, v, g, beta, gate=gate, A_log=A_log, dt_bias=dt_bias, **options)
+
+
+def gate_bias(call: GdnCall) -> torch.Tensor | None:
+    """The dt_bias :func:`gdn_forward` hands the kernels for ``call``: its own, or zeros ``[HV]`` for a softplus
+    call without one."""
+    dt_bias, v = call.options["dt_bias"], call.tensors[2]
+    if call.options["gate"] == "softplus" and dt_bias is None:
+        return torch.zeros(v.shape[2], dtype=torch.float32, device=v.device)
+    return dt_bias

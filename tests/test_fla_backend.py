@@ -1,4 +1,4 @@
-"""cute_kda as a backend of FLA's ``chunk_kda`` (``cute_kda/fla_backend.py``).
+"""cute_kda as a backend of FLA's ``chunk_kda`` and ``chunk_gated_delta_rule`` (``cute_kda/fla_backend.py``).
 
 CPU tier: the verifier on its own (grad, device, every refusal of the translation, the call FLA's
 ``KimiDeltaAttention`` layer makes), the hand-over of the verifier's translation to the
@@ -8,7 +8,9 @@ importable (it needs triton), the registry's order, the opt-out and a dispatched
 with the gold recurrence behind the kernels.
 
 GPU tier: ``fla.ops.kda.chunk_kda`` dispatches to cute_kda (bit-equal to ``cute_kda.chunk_kda``),
-falls back to FLA's kernels for a training call (reason logged) and with ``FLA_CUTE_KDA=0``.
+falls back to FLA's kernels for a training call (reason logged) and with ``FLA_CUTE_KDA=0``; the same for
+``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, whose training calls stay with FLA (no per-head
+backward yet).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import cute_kda
 from cute_kda import api, fla_backend
 
 from test_fla_compat import make_problem
+from test_gdn import gdn_problem
 from test_torch_compile import gold_kernels  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,10 +160,53 @@ def test_implementation_reuses_the_verifiers_translation(any_device, gold_kernel
     assert len(calls) == 3
 
 
+def test_gdn_inference_call_is_accepted_and_training_is_left_to_fla(any_device):
+    problem = gdn_problem([40, 9], raw_gate=True)
+    with torch.no_grad():
+        assert fla_backend.verify_gdn(**problem) == (True, None)
+        assert fla_backend.verify_gdn(**gdn_problem([40], raw_gate=False)) == (True, None)
+        problem_no_bias = dict(problem, dt_bias=None)
+        assert fla_backend.verify_gdn(**problem_no_bias) == (True, None)
+    problem["q"].requires_grad_()
+    accepted, reason = fla_backend.verify_gdn(**problem)
+    assert not accepted and "has no backward yet" in reason, reason
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(allow_neg_eigval=True), "allow_neg_eigval"),
+    (dict(cp_context=object()), "cp_context"),
+    (dict(chunk_size=128), "chunk_size"),
+    (dict(made_up_flag=1), "made_up_flag"),
+])
+def test_gdn_refusals_name_the_flag(any_device, changes, words):
+    with torch.no_grad():
+        accepted, reason = fla_backend.verify_gdn(**gdn_problem([20]), **changes)
+    assert not accepted and words in reason, reason
+
+
+def test_gdn_implementation_reuses_the_verifiers_translation(any_device, gold_kernels, monkeypatch):
+    from cute_kda import gdn_api
+
+    problem = gdn_problem([9, 30], raw_gate=True)
+    calls = []
+    translate = gdn_api.translate_fla_gdn_call
+    monkeypatch.setattr(gdn_api, "translate_fla_gdn_call", lambda *a, **k: calls.append(1) or translate(*a, **k))
+    with torch.no_grad():
+        assert fla_backend.verify_gdn(**problem) == (True, None)
+        o, state = fla_backend.chunk_gated_delta_rule(**problem)
+        expected = cute_kda.chunk_gated_delta_rule(**problem)
+        assert len(calls) == 2  # once in the verifier, once for `expected`: the implementation reused it
+        assert torch.equal(o, expected[0]) and torch.equal(state, expected[1])
+        assert fla_backend.verify(**layer_call()) == (True, None)  # a chunk_kda translation pending ...
+        fla_backend.chunk_gated_delta_rule(**problem)  # ... is not taken for this call
+    assert len(calls) == 3
+
+
 STUB_FLA = {
     "fla/__init__.py": "",
     "fla/ops/__init__.py": "",
     "fla/ops/kda/__init__.py": "def chunk_kda(*args, **kwargs):\n    return 'fla'\n",
+    "fla/ops/gated_delta_rule/__init__.py": "def chunk_gated_delta_rule(*args, **kwargs):\n    return 'fla'\n",
     "fla/backends.py": textwrap.dedent("""
         REGISTERED = []
 
@@ -181,6 +227,8 @@ HOOK_CHECK = textwrap.dedent("""
     if {fla_first}:
         import fla.ops.kda
     import cute_kda
+    from cute_kda import fla_backend
+    fla_backend_hooked = lambda: fla_backend._HOOK in sys.meta_path
     assert {fla_first} or "fla" not in sys.modules, "import cute_kda imported FLA"
     import fla.ops.kda
     from fla.backends import REGISTERED
@@ -188,6 +236,10 @@ HOOK_CHECK = textwrap.dedent("""
     assert entry is fla.ops.kda.chunk_kda
     backend = cls()
     print(cls.backend_type, cls.priority, cls.env_var, cls.package_name, hasattr(backend, "chunk_kda_verifier"))
+    import fla.ops.gated_delta_rule
+    (_, _), (entry, cls) = REGISTERED
+    assert entry == "gated_delta_rule" and hasattr(cls(), "chunk_gated_delta_rule_verifier")
+    print(cls.priority, fla_backend_hooked())
 """)
 
 
@@ -199,7 +251,7 @@ def test_import_hook_registers_with_fla(tmp_path, fla_first):
     code = HOOK_CHECK.format(stub=str(tmp_path), root=str(ROOT), fla_first=fla_first)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["cute_kda", "2", "FLA_CUTE_KDA", "cute_kda", "True"]
+    assert proc.stdout.split() == ["cute_kda", "2", "FLA_CUTE_KDA", "cute_kda", "True", "4", "False"]
 
 
 def test_importing_cute_kda_without_fla_works():
@@ -232,6 +284,35 @@ def test_real_registry_orders_cute_kda_before_flash_kda(monkeypatch):
     assert ours.is_available() and ours.is_enabled()
     monkeypatch.setenv("FLA_CUTE_KDA", "0")
     assert not ours.is_enabled()
+
+
+def _gdn_registry():
+    fla_gdn = pytest.importorskip("fla.ops.gated_delta_rule")
+    backends = pytest.importorskip("fla.backends")
+    return fla_gdn, backends._get_operation_registry("gated_delta_rule")
+
+
+def test_real_gdn_registry_puts_cute_kda_behind_flash_qla(monkeypatch):
+    _, registry = _gdn_registry()
+    backends = registry._get_sorted_backends()
+    order = [b.backend_type for b in backends]
+    assert "cute_kda" in order
+    if "flash_qla" in order:
+        assert order.index("flash_qla") < order.index("cute_kda")
+    ours = next(b for b in backends if b.backend_type == "cute_kda")
+    assert ours.priority == fla_backend.GDN_PRIORITY
+    monkeypatch.setenv("FLA_CUTE_KDA", "0")
+    assert not ours.is_enabled()
+
+
+def test_real_gdn_dispatch_reaches_cute_kda_on_the_cpu(any_device, gold_kernels, monkeypatch):
+    fla_gdn, _ = _gdn_registry()
+    monkeypatch.delenv("FLA_CUTE_KDA", raising=False)
+    problem = gdn_problem([33])
+    with torch.no_grad():
+        o, state = fla_gdn.chunk_gated_delta_rule(**problem)
+        expected = cute_kda.chunk_gated_delta_rule(**problem)
+    assert len(gold_kernels) == 2 and torch.equal(o, expected[0]) and torch.equal(state, expected[1])
 
 
 def test_real_dispatch_reaches_cute_kda_on_the_cpu(any_device, gold_kernels):
@@ -272,3 +353,39 @@ def test_opt_out_runs_fla(device, monkeypatch):
     with torch.no_grad():
         o, _ = fla_kda.chunk_kda(**layer_call([200], device=device))
     assert ran == [] and o.shape == (1, 200, 2, D)
+
+
+@pytest.mark.gpu
+def test_fla_dispatches_gdn_inference_to_cute_kda(device, monkeypatch):
+    fla_gdn, _ = _gdn_registry()
+    monkeypatch.delenv("FLA_CUTE_KDA", raising=False)
+    ran = []
+    implementation = fla_backend.chunk_gated_delta_rule
+    monkeypatch.setattr(fla_backend, "chunk_gated_delta_rule", lambda *a, **k: ran.append(1) or implementation(*a, **k))
+    problem = gdn_problem([1300, 547, 2048], device=device)
+    with torch.no_grad():
+        o, state = fla_gdn.chunk_gated_delta_rule(**problem)
+        expected, expected_state = cute_kda.chunk_gated_delta_rule(**problem)
+    torch.cuda.synchronize()
+    assert ran == [1]
+    assert torch.equal(o, expected) and torch.equal(state, expected_state)
+
+
+@pytest.mark.gpu
+def test_fla_keeps_gdn_training_and_opt_out(device, monkeypatch, caplog):
+    fla_gdn, _ = _gdn_registry()
+    ran = []
+    monkeypatch.setattr(fla_backend, "chunk_gated_delta_rule", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr(fla_backend, "_logged_reasons", set())
+    caplog.set_level(logging.INFO, logger="cute_kda.fla_backend")
+    monkeypatch.delenv("FLA_CUTE_KDA", raising=False)
+    problem = gdn_problem([200], device=device, raw_gate=False)
+    problem["v"].requires_grad_()
+    o, _ = fla_gdn.chunk_gated_delta_rule(**problem)
+    assert ran == [] and o.requires_grad
+    assert any("has no backward yet" in r.getMessage() for r in caplog.records if r.name == "cute_kda.fla_backend")
+    monkeypatch.setenv("FLA_CUTE_KDA", "0")
+    problem["v"].requires_grad_(False)
+    with torch.no_grad():
+        o, _ = fla_gdn.chunk_gated_delta_rule(**problem)
+    assert ran == [] and o.shape == (1, 200, 4, D)
