@@ -555,25 +555,10 @@ class PrepareKernel(TokenPrep):
         """Per row: ``rq = rinv_q · scale``, ``rk = rinv_k`` (scale and 1 without l2norm) and Mqk's diagonal
         ``Σ_c f32(qh·kh)`` (qh = q·rq, kh = k·rk; sequential over the lane's 8 channels, then the butterfly)."""
         for item in cutlass.range_constexpr(self.decay_items):
-            flat = tidx + item * self.num_threads
-            row = flat // ROW_LANES
-            chunk = flat % ROW_LANES
+            row, chunk = self.row_chunk(tidx, item)
             valid = row < valid_rows
-            run = (1, CHANNELS_PER_LANE)
-            q_in = cute.make_rmem_tensor(run, BFloat16)
-            k_in = cute.make_rmem_tensor(run, BFloat16)
-            cute.autovec_copy(cute.local_tile(s_q, run, (row, chunk)), q_in)
-            cute.autovec_copy(cute.local_tile(s_k, run, (row, chunk)), k_in)
-            q32 = cute.make_rmem_tensor(run, Float32)
-            k32 = cute.make_rmem_tensor(run, Float32)
-            for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                q32[i] = Float32(cutlass.select_(valid, q_in[i].to(Float32), Float32(0.0)))
-                k32[i] = Float32(cutlass.select_(valid, k_in[i].to(Float32), Float32(0.0)))
-            q_rscale = scale
-            k_rscale = Float32(1.0)
-            if cutlass.const_expr(self.qk_l2norm):
-                q_rscale = self.row_rsqrt(q32) * scale
-                k_rscale = self.row_rsqrt(k32)
+            q_in, k_in = self.load_row_chunk(s_q, s_k, row, chunk)
+            q32, k32, _, q_rscale, k_rscale = self.chunk_scales(q_in, k_in, valid, scale)
             dot = Float32(0.0)
             for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
                 k_hat = k32[i] * k_rscale if cutlass.const_expr(self.qk_l2norm) else k32[i]
@@ -781,26 +766,12 @@ class PrepareKernel(TokenPrep):
                       valid_rows: Int32, tidx: Int32):
         """This thread's row chunks: the l2norm, qd and kd (over q and k), kr, and the bf16 rows ``q̂``, ``k̂``."""
         for item in cutlass.range_constexpr(self.decay_items):
-            flat = tidx + item * self.num_threads
-            row = flat // ROW_LANES
-            chunk = flat % ROW_LANES
+            row, chunk = self.row_chunk(tidx, item)
             valid = row < valid_rows
             at = (row, chunk)
             run = (1, CHANNELS_PER_LANE)
-            q_in = cute.make_rmem_tensor(run, BFloat16)
-            k_in = cute.make_rmem_tensor(run, BFloat16)
-            cute.autovec_copy(cute.local_tile(s_q, run, at), q_in)
-            cute.autovec_copy(cute.local_tile(s_k, run, at), k_in)
-            q32 = cute.make_rmem_tensor(run, Float32)
-            k32 = cute.make_rmem_tensor(run, Float32)
-            for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                q32[i] = Float32(cutlass.select_(valid, q_in[i].to(Float32), Float32(0.0)))
-                k32[i] = Float32(cutlass.select_(valid, k_in[i].to(Float32), Float32(0.0)))
-            q_rscale = scale
-            k_rscale = Float32(1.0)
-            if cutlass.const_expr(self.qk_l2norm):
-                q_rscale = self.row_rsqrt(q32) * scale
-                k_rscale = self.row_rsqrt(k32)
+            q_in, k_in = self.load_row_chunk(s_q, s_k, row, chunk)
+            q32, k32, _, q_rscale, k_rscale = self.chunk_scales(q_in, k_in, valid, scale)
             decay, rest = s_prefix[row], s_suffix[row]
             qd = cute.make_rmem_tensor(run, BFloat16)
             kd = cute.make_rmem_tensor(run, BFloat16)

@@ -83,36 +83,20 @@ class TokenPrep:
         fp32, optional) receive each row's ``1/sqrt(Σx² + EPS)`` (with l2norm only).
         """
         for item in cutlass.range_constexpr(self.decay_items):
-            flat = tidx + item * self.num_threads
-            row = flat // ROW_LANES
-            chunk = flat % ROW_LANES
+            row, chunk = self.row_chunk(tidx, item)
             valid = row < valid_rows
             at = (row, chunk)
             run = (1, CHANNELS_PER_LANE)
-            q_in = cute.make_rmem_tensor(run, BFloat16)
-            k_in = cute.make_rmem_tensor(run, BFloat16)
+            q_in, k_in = self.load_row_chunk(s_q, s_k, row, chunk)
             cum = cute.make_rmem_tensor(run, Float32)
             cum_last = cute.make_rmem_tensor(run, Float32)
-            cute.autovec_copy(cute.local_tile(s_q, run, at), q_in)
-            cute.autovec_copy(cute.local_tile(s_k, run, at), k_in)
             cute.autovec_copy(cute.local_tile(s_cumsum, run, at), cum)
             cute.autovec_copy(cute.local_tile(s_cumsum, run, (CHUNK - 1, chunk)), cum_last)
-
-            q32 = cute.make_rmem_tensor(run, Float32)
-            k32 = cute.make_rmem_tensor(run, Float32)
-            for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                q32[i] = Float32(cutlass.select_(valid, q_in[i].to(Float32), Float32(0.0)))
-                k32[i] = Float32(cutlass.select_(valid, k_in[i].to(Float32), Float32(0.0)))
-            q_rscale = scale
-            k_rscale = Float32(1.0)
-            if cutlass.const_expr(self.qk_l2norm):
-                q_rinv = self.row_rsqrt(q32)
-                q_rscale = q_rinv * scale
-                k_rscale = self.row_rsqrt(k32)
-                if cutlass.const_expr(s_rinv_q is not None):
-                    if chunk == 0:
-                        s_rinv_q[row] = q_rinv
-                        s_rinv_k[row] = k_rscale
+            q32, k32, q_rinv, q_rscale, k_rscale = self.chunk_scales(q_in, k_in, valid, scale)
+            if cutlass.const_expr(self.qk_l2norm and s_rinv_q is not None):
+                if chunk == 0:
+                    s_rinv_q[row] = q_rinv
+                    s_rinv_k[row] = k_rscale
 
             qd = cute.make_rmem_tensor(run, BFloat16)
             kd = cute.make_rmem_tensor(run, BFloat16)
@@ -130,6 +114,42 @@ class TokenPrep:
             cute.autovec_copy(kd, cute.local_tile(s_kd, run, at))
             cute.autovec_copy(kr, cute.local_tile(s_kr, run, at))
             cute.autovec_copy(kinv, cute.local_tile(s_kinv, run, at))
+
+    def row_chunk(self, tidx: Int32, item: int) -> tuple:
+        """(row, 8-channel chunk) of this thread's ``item``-th of its ``decay_items`` row chunks (16 lanes a row)."""
+        flat = tidx + item * self.num_threads
+        return flat // ROW_LANES, flat % ROW_LANES
+
+    @cute.jit
+    def load_row_chunk(self, s_q, s_k, row: Int32, chunk: Int32) -> tuple:
+        """Channels ``8·chunk …`` of row ``row`` of q and k (bf16 registers; :meth:`chunk_scales` takes them)."""
+        run = (1, CHANNELS_PER_LANE)
+        q_in = cute.make_rmem_tensor(run, BFloat16)
+        k_in = cute.make_rmem_tensor(run, BFloat16)
+        cute.autovec_copy(cute.local_tile(s_q, run, (row, chunk)), q_in)
+        cute.autovec_copy(cute.local_tile(s_k, run, (row, chunk)), k_in)
+        return q_in, k_in
+
+    @cute.jit
+    def chunk_scales(self, q_in: cute.Tensor, k_in: cute.Tensor, valid, scale: Float32) -> tuple:
+        """A :meth:`load_row_chunk` pair in fp32, zero where not ``valid``, and the row's scales:
+        ``(q32, k32, q_rinv, q_rscale, k_rscale)`` with ``q_rinv = 1/sqrt(Σq² + EPS)``, ``q_rscale = q_rinv ·
+        scale`` and ``k_rscale`` k's ``1/sqrt(Σk² + EPS)`` (:meth:`row_rsqrt`); without l2norm ``q_rscale =
+        scale``, ``k_rscale = 1`` and ``q_rinv`` is not used."""
+        run = (1, CHANNELS_PER_LANE)
+        q32 = cute.make_rmem_tensor(run, Float32)
+        k32 = cute.make_rmem_tensor(run, Float32)
+        for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
+            q32[i] = Float32(cutlass.select_(valid, q_in[i].to(Float32), Float32(0.0)))
+            k32[i] = Float32(cutlass.select_(valid, k_in[i].to(Float32), Float32(0.0)))
+        q_rinv = Float32(1.0)
+        q_rscale = scale
+        k_rscale = Float32(1.0)
+        if cutlass.const_expr(self.qk_l2norm):
+            q_rinv = self.row_rsqrt(q32)
+            q_rscale = q_rinv * scale
+            k_rscale = self.row_rsqrt(k32)
+        return q32, k32, q_rinv, q_rscale, k_rscale
 
     @cute.jit
     def row_rsqrt(self, x: cute.Tensor) -> Float32:
