@@ -315,8 +315,9 @@ def test_real_gdn_dispatch_reaches_cute_kda_on_the_cpu(any_device, gold_kernels,
     assert len(gold_kernels) == 2 and torch.equal(o, expected[0]) and torch.equal(state, expected[1])
 
 
-def test_real_dispatch_reaches_cute_kda_on_the_cpu(any_device, gold_kernels):
+def test_real_dispatch_reaches_cute_kda_on_the_cpu(any_device, gold_kernels, monkeypatch):
     fla_kda, _ = _registry()
+    monkeypatch.delenv("FLA_CUTE_KDA", raising=False)  # test_fla_compat (imported above) turns the dispatch off
     kwargs = layer_call([33])
     with torch.no_grad():
         o, state = fla_kda.chunk_kda(**kwargs)
