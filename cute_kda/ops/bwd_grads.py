@@ -20,10 +20,12 @@ from .prepare import tile_bases
 _CACHE = CompileCache("bwd_grads")
 
 
-def gate_partials_shapes(ws: Workspace, heads: int) -> tuple[tuple[int, int, int], tuple[int, int]]:
-    """Shapes of the per-tile partial sums ``(ddt_partial [H, tiles, K], dalog_partial [H, tiles])``."""
+def gate_partials_shapes(ws: Workspace, heads: int, per_head_gate: bool = False) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """Shapes of the per-tile partial sums ``(ddt_partial [H, tiles, K], dalog_partial [H, tiles])``; a per-head
+    gate's ddt_partial is ``[HV, tiles]``."""
     rows, _, dim = ws.qd.shape
-    return (heads, rows // heads, dim), (heads, rows // heads)
+    tiles = rows // heads
+    return ((heads, tiles) if per_head_gate else (heads, tiles, dim)), (heads, tiles)
 
 
 def launch_arguments(
@@ -37,22 +39,29 @@ def launch_arguments(
     """
     from ..kernels.bwd_grads import GradsInputs, GradsOutputs, GradsStates, GradsWorkspace
 
-    batch, steps, heads, dim = q.shape
+    batch, steps, qk_heads, dim = q.shape
+    heads = v.shape[2]  # value heads
     rows = batch * steps
+    per_head = g.dim() == 3  # a per-head gate [B, T, HV]
 
-    def tokens(t):
-        return tensor(t.view(rows, heads, dim), 16)
+    def tokens(t, n=heads):
+        return tensor(t.view(rows, n, dim), 16)
+
+    def optional(t, shape):
+        return None if t is None else tensor(t.view(*shape), 4)
 
     def matrices(t):
         return tensor(t.view(t.shape[0] * dim, 1, dim), 16)
 
-    inputs = GradsInputs(q=tokens(q), k=tokens(k), g=tokens(g), v=tokens(v), do=tokens(do), du=tokens(du),
-                         a_log=tensor(A_log.view(heads), 4), dt_bias=tensor(dt_bias.view(heads, dim), 4))
+    gate_of = (lambda t: tensor(t.view(rows, heads), 16)) if per_head else tokens
+    inputs = GradsInputs(q=tokens(q, qk_heads), k=tokens(k, qk_heads), g=gate_of(g), v=tokens(v), do=tokens(do),
+                         du=tokens(du), a_log=optional(A_log, (heads,)),
+                         dt_bias=optional(dt_bias, (heads,) if per_head else (heads, dim)))
     states_args = GradsStates(state=matrices(states), state_grad=matrices(state_grads))
     workspace = GradsWorkspace(inv=tensor(ws.inv, 16), beta=tensor(ws.beta, 16))
     outputs = GradsOutputs(
-        dq=tokens(dq), dk=tokens(dk), dg=tokens(dg), dbeta=tensor(dbeta.view(rows, heads), 2),
-        ddt_partial=tensor(ddt_partial.view(-1, dim), 4), dalog_partial=tensor(dalog_partial.view(-1), 4),
+        dq=tokens(dq), dk=tokens(dk), dg=gate_of(dg), dbeta=tensor(dbeta.view(rows, heads), 2),
+        ddt_partial=optional(ddt_partial, (-1,) if per_head else (-1, dim)), dalog_partial=optional(dalog_partial, (-1,)),
     )
     return (inputs, states_args, workspace, outputs, f32(scale), f32(gate_constant(lower_bound)), steps,
             tensor(cu_seqlens, 8), tensor(tile_base, 4))
