@@ -359,10 +359,11 @@ def launchers_on_mirrors(monkeypatch):
 
     @fake(kb, "bwd_grads")
     def _(q, k, g, v, do, du, ws, states, state_grads, A_log, dt_bias, dq, dk, dg, dbeta, ddt_partial,
-          dalog_partial, scale, lower_bound, cu_seqlens, tile_base, qk_l2norm, beta_logits, compute_warps):
+          dalog_partial, scale, lower_bound, cu_seqlens, tile_base, qk_l2norm, beta_logits, compute_warps, gate):
         assert compute_warps == kb.DEFAULT_WARPS  # the autograd layer leaves the tuning knob at its default
+        assert gate == "safe"
         kb._check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial,
-                          dalog_partial, num_seqs(q, cu_seqlens))
+                          dalog_partial, num_seqs(q, cu_seqlens), gate)
         grads = mirror_bwd_grads(q, k, g, fakes.beta, v, do, du, ws, states, state_grads, A_log=A_log,
                                  dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
                                  qk_l2norm=qk_l2norm, beta_logits=beta_logits)

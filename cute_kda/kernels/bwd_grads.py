@@ -850,6 +850,11 @@ class BwdGrads(TokenPrep):
         sums of ddt_bias (``Σ dx``) and dA_log (``Σ dγ·γ``, ``γ = g'·ln 2``) over its rows, lanes in order."""
         ddt = Float32(0.0)
         dalog = Float32(0.0)
+        dgt_sum = Float32(0.0)  # Σ_c dgT_c: 4 channels a lane, then the butterfly (every lane holds the total)
+        for part in cutlass.range_constexpr(self.dim // 32):
+            dgt_sum = dgt_sum + smem.dgt[lane + 32 * part]
+        for offset in (16, 8, 4, 2, 1):
+            dgt_sum = dgt_sum + cute.arch.shuffle_sync_bfly(dgt_sum, offset=offset)
         if lane < CHUNK:
             s = lane
             from_s = Float32(0.0)
@@ -862,9 +867,6 @@ class BwdGrads(TokenPrep):
                     y_r = y_r + smem.y_w[w, r]
                 from_s = from_s + Float32(cutlass.select_(r >= s, x_r, Float32(0.0)))
                 before_s = before_s + Float32(cutlass.select_(r < s, y_r, Float32(0.0)))
-            dgt_sum = Float32(0.0)
-            for c in cutlass.range_constexpr(self.dim):
-                dgt_sum = dgt_sum + smem.dgt[c]
             pairs = Float32(0.0)
             for i in cutlass.range_constexpr(1, CHUNK):
                 for j in cutlass.range_constexpr(i):  # i > j: the strictly lower pairs; those with i ≥ s > j count

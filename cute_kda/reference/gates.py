@@ -881,7 +881,8 @@ def mirror_backward_gates(
     (natural log units: ``γ = g'·ln 2``): bf16 mma operands, fp32 accumulators and element-wise values,
     reductions rounded once. The gate in fp32: softplus ``dx = −e^A σ(x) dγ`` with
     ``σ(x) = 1 / (1 + 2^(−x·log2 e))``, ``dA_log = Σ dγ·γ``; a log decay ``dg = dγ``; per-head gates sum dγ over
-    the channels; dq, dk summed over each group of value heads before the l2norm backward.
+    the channels; dq, dk through the l2norm backward per value head, rounded to bf16, then summed over each group
+    of value heads in fp32.
 
     Inputs bf16 as the kernels take them (g fp32 allowed for gate "none"), shapes as :func:`~.gold.gold_forward`,
     ``initial_state`` / ``dht`` v-first ``[N, HV, V, K]``. Returns :func:`~.backward.gold_backward`'s keys: dq,
@@ -944,9 +945,18 @@ def mirror_backward_gates(
         return _dot_f32(a, b, -1)[..., None]
 
     tokens = batch * seq_len
-    dq = _qk_backward(_group_sum(untile(dqh).double(), heads).float() * values.consts.scale, values.qhat,
-                      values.rinv_q, row_dot)
-    dk = _qk_backward(_group_sum(untile(dkh).double(), heads).float(), values.khat, values.rinv_k, row_dot)
+    group = value_heads // heads
+
+    def per_value_head(dx_hat: torch.Tensor, x_hat: torch.Tensor | None, rinv: torch.Tensor | None) -> torch.Tensor:
+        """The l2norm backward per value head, rounded to bf16 there, then summed over each group in fp32 (Kernel
+        B writes dq, dk per value head; docs/numerics.md, "Kernel B for a per-head gate")."""
+        if group > 1 and x_hat is not None:
+            x_hat, rinv = x_hat.repeat_interleave(group, dim=1), rinv.repeat_interleave(group, dim=1)
+        dx = _qk_backward(dx_hat, x_hat, rinv, row_dot).bfloat16()
+        return dx.float().view(tokens, heads, group, -1).sum(2) if group > 1 else dx
+
+    dq = per_value_head(untile(dqh) * values.consts.scale, values.qhat, values.rinv_q)
+    dk = per_value_head(untile(dkh), values.khat, values.rinv_k)
     dgamma_tokens = untile(dgamma)  # [tokens, HV, K] w.r.t. the natural log decay
     gamma = untile(values.gp) * LN2
     if per_head:  # one decay per head: its channels' terms summed, then the head's pair terms
