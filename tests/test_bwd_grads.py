@@ -471,18 +471,27 @@ def _per_head_chain(case: str) -> tuple[dict, dict, tuple, dict]:
     grads = {"dq": group_sum(raw["dq"]), "dk": group_sum(raw["dk"]), "dv": dv, "dg": raw["dg"], "dbeta": raw["dbeta"],
              "dh0": dh0, "dA_log": None if dalog is None else dalog.sum(1),
              "ddt_bias": None if ddt is None else ddt.sum(1)}
-    raw.update(ddt_partial=ddt, dalog_partial=dalog)
+    raw.update(ddt_partial=ddt, dalog_partial=dalog, ws=ws, states=states, state_grads=state_grads, du=du)
     return grads, raw, (q, k, v, g, beta, do), options
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(PER_HEAD_CASES))
 def test_per_head_gate_tracks_the_mirror_and_the_gold(case):
-    """Kernel B with a per-head gate, in the kernels' chain, against ``mirror_backward_gates`` (the rounded
-    proposal it implements) and against autograd through the fp64 gold; masked entries (−1000) get dg = 0."""
-    from cute_kda.reference import gold_backward, mirror_backward_gates, rel_rms
+    """Kernel B with a per-head gate: alone against its mirror ``mirror_bwd_grads_gates`` on the chain's own
+    workspace, states and du; the kernels' whole chain against ``mirror_backward_gates`` and against autograd
+    through the fp64 gold; masked entries (−1000) get dg = 0."""
+    from cute_kda.reference import gold_backward, mirror_backward_gates, mirror_bwd_grads_gates, rel_rms
 
-    grads, _, tensors, options = _per_head_chain(case)
+    grads, raw, tensors, options = _per_head_chain(case)
+    q, k, v, g, beta, do = tensors
+    stage = mirror_bwd_grads_gates(q, k, g, beta, v, do, raw["du"], raw["ws"], raw["states"], raw["state_grads"],
+                                   gate=options["gate"], A_log=options["A_log"], dt_bias=options["dt_bias"],
+                                   scale=D ** -0.5, cu_seqlens=options["cu_seqlens"])
+    alone = {n: rel_rms(grads[n].float(), stage[n].float()) for n in ("dq", "dk", "dg", "dbeta", "dA_log", "ddt_bias")
+             if stage[n] is not None}
+    print(f"{case}: Kernel B vs its mirror " + ", ".join(f"{n} {e:.2e}" for n, e in alone.items()))
+    assert all(e <= MIRROR_TOL for e in alone.values()), alone
     mirror = mirror_backward_gates(*tensors, scale=D ** -0.5, **options)
     gold = gold_backward(*tensors, scale=D ** -0.5, **options)
     names = [n for n in ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias") if grads[n] is not None]

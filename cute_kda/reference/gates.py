@@ -905,8 +905,58 @@ def mirror_backward_gates(
     mirror_recurrence(ws, v, cu_seqlens=cu_seqlens, initial_state=initial_state, checkpoints=states,
                       checkpoint_every=_PER_TILE)
     scan = mirror_bwd_scan(ws, do, cu_seqlens=cu_seqlens, dht=dht, snapshot_every=_PER_TILE)
+    grads = _gate_tile_gradients(values, ws, q, k, v, g, beta, do, scan.du, states, scan.snapshots, gate=gate,
+                                 A_log=A_log, dt_bias=dt_bias, beta_logits=beta_logits)
+    return {**grads, "dv": scan.dv, "dh0": None if initial_state is None else scan.dh0}
+
+
+def mirror_bwd_grads_gates(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    du: torch.Tensor,
+    ws: Workspace,
+    states: torch.Tensor,
+    state_grads: torch.Tensor,
+    *,
+    gate: str,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    qk_l2norm: bool = True,
+    beta_logits: bool = True,
+) -> dict[str, torch.Tensor | None]:
+    """Kernel B's stage of :func:`mirror_backward_gates` on a chain's own intermediates (the per-head gate's
+    Kernel B, docs/numerics.md, "Kernel B for a per-head gate"): K1's quantities recomputed from the raw inputs
+    (the per-head scheme for g ``[B, T, HV]``, else dyadic), INV, gT and β read from ``ws`` (the forward's
+    workspace), ``states`` / ``state_grads`` the per-tile checkpoints and Kernel A's snapshots, ``du`` Kernel A's.
+    Returns dq, dk, dg, dbeta (bf16, dq and dk summed over each group of value heads) and dA_log, ddt_bias
+    (fp32; None for a None input)."""
+    scheme = "per_head" if g.dim() == 3 else "dyadic"
+    values = _k1_gate_values(q, k, g, beta, scheme=scheme, gate=gate, A_log=A_log, dt_bias=dt_bias,
+                             lower_bound=-5.0, scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
+                             beta_logits=beta_logits)
+    return _gate_tile_gradients(values, ws, q, k, v, g, beta, do, du, states, state_grads, gate=gate, A_log=A_log,
+                                dt_bias=dt_bias, beta_logits=beta_logits)
+
+
+def _gate_tile_gradients(values: _K1GateValues, ws: Workspace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         g: torch.Tensor, beta: torch.Tensor, do: torch.Tensor, du: torch.Tensor,
+                         states: torch.Tensor, state_grads: torch.Tensor, *, gate: str, A_log: torch.Tensor | None,
+                         dt_bias: torch.Tensor | None, beta_logits: bool) -> dict[str, torch.Tensor | None]:
+    """The tile gradients of the unbounded gates with a kernel's rounding (the body of
+    :func:`mirror_bwd_grads_gates`); ``values`` K1's recompute, ``ws`` the workspace INV, gT are read from."""
+    batch, seq_len, heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    per_head = g.dim() == 3
+    scheme = "per_head" if per_head else "dyadic"
+    tile_map = values.tile_map
     S = _tile_blocks(states, value_heads, tile_map, _KERNEL)  # bf16 [HV, tiles, K, V]
-    dS = _tile_blocks(scan.snapshots, value_heads, tile_map, _KERNEL)
+    dS = _tile_blocks(state_grads, value_heads, tile_map, _KERNEL)
 
     def tiles_of(x: torch.Tensor) -> torch.Tensor:
         return _to_tiles(x.reshape(batch * seq_len, value_heads, value_dim), tile_map)
@@ -916,7 +966,7 @@ def mirror_backward_gates(
     qd, kd, kr, inv = (torch.where(exists, x, torch.zeros_like(x)) for x in (ws_tiles.qd, ws_tiles.kd, ws_tiles.kr,
                                                                               ws_tiles.inv))
     gt = torch.where(tile_map.slot_exists.reshape(1, -1, 1), ws_tiles.gt, torch.zeros_like(ws_tiles.gt))
-    v_t, do_t, du_t = tiles_of(v), tiles_of(do), tiles_of(scan.du)
+    v_t, do_t, du_t = tiles_of(v), tiles_of(do), tiles_of(du)
     beta_col = values.beta[..., None]
     # K2's recompute, Kernel B's products (docs/numerics.md, "Backward: Kernel B")
     w = v_t.float() - _mma(kd, S)
@@ -984,7 +1034,7 @@ def mirror_backward_gates(
         activated = untile(values.beta)
         dbeta = dbeta * activated * (1 - activated)
     return {
-        "dq": dq.reshape(q.shape).bfloat16(), "dk": dk.reshape(k.shape).bfloat16(), "dv": scan.dv,
+        "dq": dq.reshape(q.shape).bfloat16(), "dk": dk.reshape(k.shape).bfloat16(),
         "dg": dg.reshape(g.shape).bfloat16(), "dbeta": dbeta.reshape(beta.shape).bfloat16(),
-        "dA_log": dA_log, "ddt_bias": ddt_bias, "dh0": None if initial_state is None else scan.dh0,
+        "dA_log": dA_log, "ddt_bias": ddt_bias,
     }
