@@ -56,11 +56,19 @@ def test_call_path_with_mirror_kernels(mirror_kernels, raw_gate):
     assert rel_rms(o, o_gold) <= GOLD_BOUND and rel_rms(state, state_gold) <= GOLD_BOUND
 
 
-def test_training_is_refused():
+def test_training_takes_the_autograd_path(monkeypatch):
+    """A call that autograd records goes to the training path with the per-head gate (its gradients: the CPU
+    references in tests/test_autograd.py, the kernels in tests/test_bwd_grads.py)."""
+    from cute_kda import autograd
+
+    seen = []
+    monkeypatch.setattr(autograd, "train", lambda backend, problem, *tensors, **options: seen.append(
+        (backend, problem, tensors, options)) or (tensors[2], None))
     problem = gdn_problem([20])
     problem["q"].requires_grad_()
-    with pytest.raises(NotImplementedError, match="gate='softplus' has no backward yet"):
-        cute_kda.chunk_gated_delta_rule(**problem)
+    cute_kda.chunk_gated_delta_rule(**problem)
+    ((backend, shape, tensors, options),) = seen
+    assert backend is autograd.KERNELS and options["gate"] == "softplus" and tensors[3].shape == (1, 20, 4)
 
 
 GOLD_CASES = {
