@@ -466,7 +466,7 @@ def train(
     (``problem`` is its result) and :func:`check_trainable` admits; :func:`cute_kda.kda_forward`'s contract
     otherwise."""
     validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
-    validation.check_training_size(q)
+    validation.check_training_size(v, "v")  # v, dq and dk per value head: the largest per-token tensors
     cu_seqlens = staged_cu_seqlens(cu_seqlens, q)
     final_state_dtype = None
     if output_final_state:

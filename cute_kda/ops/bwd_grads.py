@@ -95,7 +95,7 @@ def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbet
     else:
         _check("g", g, bf16, token_shape, device)
         _check("dg", dg, bf16, token_shape, device)
-    check_training_size(v)
+    check_training_size(v, "v")
     _check("dbeta", dbeta, bf16, token_shape[:3], device)
     expected = block_states_shape(ws, heads, num_seqs)
     for name, t in (("states", states), ("state_grads", state_grads)):
