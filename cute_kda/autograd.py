@@ -147,11 +147,12 @@ class Backend(NamedTuple):
     grads: Callable[..., GradsResult]
 
 
-def problem_of(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ProblemShape:
-    """The :class:`~cute_kda.validation.ProblemShape` of validated ``q`` ``[B, T, H, K]`` and ``cu_seqlens``."""
-    batch, seq_len, heads, dim = q.shape
+def problem_of(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ProblemShape:
+    """The :class:`~cute_kda.validation.ProblemShape` of validated ``q`` ``[B, T, H, K]``, ``v`` ``[B, T, HV, V]``
+    (its heads are the problem's: the states and the workspace are per value head) and ``cu_seqlens``."""
+    batch, seq_len, _, dim = q.shape
     num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return ProblemShape(batch, seq_len, heads, dim, num_seqs, cu_seqlens is not None)
+    return ProblemShape(batch, seq_len, v.shape[2], dim, num_seqs, cu_seqlens is not None)
 
 
 def workspace_spec(problem: ProblemShape) -> WorkspaceSpec:

@@ -218,8 +218,8 @@ def chunk_gated_delta_rule(
     and K2 on the current stream, with no host synchronisation.
 
     Training: inputs that require grad get the backward of :mod:`cute_kda.autograd` (Kernel B's per-head form; dq,
-    dk summed over each group of value heads), eagerly (not yet under torch.compile). Flags as
-    :func:`translate_fla_gdn_call`.
+    dk summed over each group of value heads), eagerly or under torch.compile (the training ops of
+    :mod:`cute_kda.torch_ops`). Flags as :func:`translate_fla_gdn_call`.
     """
     as_torch = interop.as_torch
     call = translate_fla_gdn_call(

@@ -551,7 +551,7 @@ def test_forward_train_fake_shapes(varlen, state_dtype, recompute):
     with FakeTensorMode():
         q, beta, cu, A_log, dt_bias = _fake_inputs(varlen)
         o, state, ws, checkpoints, tile_base = torch.ops.cute_kda.forward_train(
-            q, q, q, q, beta, A_log, dt_bias, None, cu, 0.1, -5.0, state_dtype, 0, True, True, recompute)
+            q, q, q, q, beta, A_log, dt_bias, None, cu, 0.1, -5.0, state_dtype, 0, True, True, recompute, "safe")
     batch, tokens, heads = q.shape[:3]
     num_seqs = 4 if varlen else batch
     tiles = tiles_per_head(batch * tokens, num_seqs, varlen)
@@ -576,7 +576,7 @@ def test_backward_fake_shapes(varlen, dh0_dtype, token_grads):
         ws, checkpoints = torch.empty(64, dtype=torch.uint8), torch.empty(8, D, D, dtype=torch.bfloat16)
         tile_base = torch.empty(5, dtype=torch.int32) if varlen else None
         grads = torch.ops.cute_kda.backward(q, None, q, q, q, q, beta, A_log, dt_bias, None, cu, ws, checkpoints,
-                                            tile_base, 0.1, -5.0, True, True, dh0_dtype, token_grads, False)
+                                            tile_base, 0.1, -5.0, True, True, dh0_dtype, token_grads, False, "safe")
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = grads
     assert dv.shape == q.shape and dv.dtype == torch.bfloat16
     for grad, like in ((dq, q), (dk, q), (dg, q), (dbeta, beta), (dA_log, A_log), (ddt_bias, dt_bias)):
@@ -594,7 +594,7 @@ def reference_ops(monkeypatch):
 def _op_arguments(problem, recompute=False):
     p = problem
     return (*(p[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), p.get("initial_state"),
-            p.get("cu_seqlens"), D ** -0.5, -5.0, torch.float32, 0, True, True, recompute)
+            p.get("cu_seqlens"), D ** -0.5, -5.0, torch.float32, 0, True, True, recompute, p.get("gate", "safe"))
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
@@ -612,7 +612,8 @@ def test_opcheck_backward(reference_ops, recompute):
     _, _, ws, checkpoints, tile_base = torch_ops.forward_train_op(*_op_arguments(problem, recompute))
     p = problem
     args = (do, dht, *(p[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), p["initial_state"],
-            p["cu_seqlens"], ws, checkpoints, tile_base, D ** -0.5, -5.0, True, True, torch.bfloat16, True, recompute)
+            p["cu_seqlens"], ws, checkpoints, tile_base, D ** -0.5, -5.0, True, True, torch.bfloat16, True, recompute,
+            "safe")
     torch.library.opcheck(torch_ops.backward_op, args)
 
 
@@ -916,3 +917,35 @@ def test_per_head_gate_trains_through_the_reference_stages(case):
         assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype and leaf.grad.shape == leaf.shape, name
         error = rel_rms(leaf.grad, want[names[name]])
         assert error <= {**TOLS, "dA_log": 8e-3}[names[name]], (name, error)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_compiled_per_head_training_step_matches_eager(reference_ops):
+    """GatedDeltaNet's per-head gate with grouped value heads under torch.compile: one training op each way, the
+    gradients equal to eager's (both on the reference stages)."""
+    from test_reference_gates import BACKWARD_CASES, _backward_problem
+
+    spec = BACKWARD_CASES["gdn_softplus_gva_varlen"]
+    (q, k, v, g, beta, do), options = _backward_problem(spec["kind"], **{n: x for n, x in spec.items() if n != "kind"})
+    dht, cu_seqlens = options["dht"], options["cu_seqlens"]
+
+    def step(forward):
+        def run(q, k, v, g, beta, A_log, dt_bias, h0):
+            o, ht = forward(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0, output_final_state=True,
+                            cu_seqlens=cu_seqlens, gate="softplus")
+            return (o.float() * do.float()).sum() + (ht * dht).sum()
+        return run
+
+    def grads_of(run):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, options["A_log"], options["dt_bias"],
+                                                                 options["initial_state"])]
+        run(*leaves).backward()
+        return [leaf.grad for leaf in leaves]
+
+    eager = grads_of(step(REFERENCE_FORWARD))
+    graphs = Graphs()
+    compiled = grads_of(torch.compile(step(cute_kda.kda_forward), fullgraph=True, backend=graphs.backend))
+    for a, b in zip(eager, compiled):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    assert Graphs.count(graphs.forward, "cute_kda.forward_train.default") == 1
+    assert Graphs.count(graphs.backward, "cute_kda.backward.default") == 1
