@@ -516,3 +516,50 @@ def test_per_head_gate_is_deterministic():
     second = _per_head_chain("softplus_gva_varlen")
     for name in ("dq", "dk", "dg", "dbeta", "ddt_partial", "dalog_partial"):
         assert torch.equal(first[1][name], second[1][name]), name
+
+
+def _per_head_cpu_launch(gate: str = "softplus", grouped: bool = True) -> dict:
+    """``bwd_grads``' keyword arguments for a per-head gate as CPU zeros: B = 1, T = 40, H = 1, HV = 2."""
+    qk_heads, heads, T = (1, 2, 40) if grouped else (2, 2, 40)
+    qk = torch.zeros(1, T, qk_heads, D, dtype=torch.bfloat16)
+    tok = torch.zeros(1, T, heads, D, dtype=torch.bfloat16)
+    spec = WorkspaceSpec(heads=heads, tiles=3)
+    ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
+    states = torch.zeros(block_states_shape(ws, heads, 1), dtype=torch.bfloat16)
+    ddt_shape, dalog_shape = kb.gate_partials_shapes(ws, heads, per_head_gate=True)
+    constants = gate != "none"
+    return dict(q=qk, k=qk, g=torch.zeros(1, T, heads, dtype=torch.bfloat16), v=tok, do=tok, du=tok, ws=ws,
+                states=states, state_grads=states, A_log=torch.zeros(heads) if constants else None,
+                dt_bias=torch.zeros(heads) if constants else None, dq=tok.clone(), dk=tok.clone(),
+                dg=torch.zeros(1, T, heads), dbeta=torch.zeros(1, T, heads, dtype=torch.bfloat16),
+                ddt_partial=torch.zeros(ddt_shape) if constants else None,
+                dalog_partial=torch.zeros(dalog_shape) if constants else None, gate=gate, scale=0.1, lower_bound=-5.0)
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(g=torch.zeros(1, 40, 2, D, dtype=torch.bfloat16)), "g must be"),  # a per-channel g with a per-head gate
+    (dict(dg=torch.zeros(1, 40, 2, dtype=torch.bfloat16)), "dg must be float32"),  # dg is fp32 per (token, head)
+    (dict(dq=torch.zeros(1, 40, 1, D, dtype=torch.bfloat16)), "dq must be"),  # dq per value head
+    (dict(ddt_partial=torch.zeros(2, 3, D)), "ddt_partial must be"),  # per head, not per channel
+    (dict(gate="none"), "pass ddt_partial=dalog_partial=None"),  # a log decay has no partial sums
+    (dict(gate="safe"), "grouped value heads need a per-head gate"),
+])
+def test_per_head_launcher_rejects_mismatched_buffers(change, words):
+    kwargs = {**_per_head_cpu_launch(), **change}
+    with pytest.raises(ValueError, match=words):
+        kb.bwd_grads(**kwargs)
+
+
+def test_per_head_launcher_keys_the_variant(monkeypatch):
+    seen = []
+    monkeypatch.setattr(kb, "compiled_variant", lambda key, tensors, options, stream: seen.append(key) or (
+        lambda *args: seen.append(args)))
+    monkeypatch.setattr(kb, "current_stream", lambda device: "stream")
+    monkeypatch.setattr(kb, "device_index", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    kb.bwd_grads(**_per_head_cpu_launch("none"))
+    key, args = seen
+    assert key == (False, True, True, plan.DEFAULT_WARPS, "none", torch.bfloat16, True, 0)
+    inputs, outputs = args[0], args[3]
+    assert inputs.a_log is None and inputs.dt_bias is None and outputs.ddt_partial is None
+    assert tuple(inputs.g.shape) == (40, 2) and tuple(outputs.dq.shape) == (40, 2, D)
