@@ -33,7 +33,7 @@ import importlib.util
 import logging
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
@@ -91,31 +91,49 @@ def _call_key(args: tuple, kwargs: dict) -> tuple:
     return tuple(id(x) for x in args) + tuple((name, id(value)) for name, value in sorted(kwargs.items()))
 
 
-def verify(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
-    """(True, None) if cute_kda computes this FLA ``chunk_kda`` call, else (False, the reason)."""
-    from . import api, autograd, validation
+def _verify(args: tuple, kwargs: dict, entry_point: str, translate: Callable[..., Any],
+            checked: Callable[[Any], dict]) -> tuple[bool, str | None]:
+    """The verdict on one FLA call: the device rule, ``translate(*args, **kwargs)`` (a canonical call), the input
+    checks on ``checked(call)`` (``validate_forward``'s keywords) and, for a call autograd records, the backward's
+    coverage. An accepted call's translation is kept for the implementation (:func:`_pending_call`)."""
+    from . import autograd, validation
 
     _state.pending = None
     reason = _device_reason(_bind(args, kwargs).get("q"))
     if reason is None:
         try:
-            call = api.translate_fla_call(*args, **kwargs)
-            options = call.options
-            validation.validate_forward(
-                *call.tensors, A_log=options["A_log"], dt_bias=options["dt_bias"],
-                lower_bound=options["lower_bound"], scale=options["scale"], initial_state=options["initial_state"],
-                cu_seqlens=options["cu_seqlens"], gate=options["gate"],
-            )
+            call = translate(*args, **kwargs)
+            options = checked(call)
+            validation.validate_forward(*call.tensors, **options)
             if validation.needs_autograd(*call.tensors, options["A_log"], options["dt_bias"], options["initial_state"]):
                 q, _, v, g, _ = call.tensors
                 autograd.check_trainable(options["gate"], q, v, g)
         except (TypeError, ValueError, NotImplementedError) as error:
             reason = f"{type(error).__name__}: {error}"
     if reason is not None:
-        _log_once(reason)
+        _log_once(reason, entry_point)
         return False, reason
     _state.pending = (_call_key(args, kwargs), call)
     return True, None
+
+
+def _pending_call(args: tuple, kwargs: dict, call_type: type, translate: Callable[..., Any]) -> Any:
+    """The translation the verifier made for this very call (a ``call_type``), else a fresh one."""
+    pending, _state.pending = getattr(_state, "pending", None), None
+    if pending is not None and pending[0] == _call_key(args, kwargs) and isinstance(pending[1], call_type):
+        return pending[1]
+    return translate(*args, **kwargs)
+
+
+_CHECKED = ("A_log", "dt_bias", "lower_bound", "scale", "initial_state", "cu_seqlens", "gate")
+
+
+def verify(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
+    """(True, None) if cute_kda computes this FLA ``chunk_kda`` call, else (False, the reason)."""
+    from . import api
+
+    return _verify(args, kwargs, "fla.ops.kda.chunk_kda", api.translate_fla_call,
+                   lambda call: {name: call.options[name] for name in _CHECKED})
 
 
 def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -123,39 +141,19 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     this call's)."""
     from . import api
 
-    pending, _state.pending = getattr(_state, "pending", None), None
-    if pending is not None and pending[0] == _call_key(args, kwargs):
-        call = pending[1]
-    else:
-        call = api.translate_fla_call(*args, **kwargs)
-    return call.run(api.kda_forward)
+    return _pending_call(args, kwargs, api.CanonicalCall, api.translate_fla_call).run(api.kda_forward)
 
 
 def verify_gdn(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
     """(True, None) if cute_kda computes this FLA ``chunk_gated_delta_rule`` call, else (False, the reason)."""
-    from . import autograd, gdn_api, validation
+    from . import gdn_api
 
-    _state.pending = None
-    reason = _device_reason(_bind(args, kwargs).get("q"))
-    if reason is None:
-        try:
-            call = gdn_api.translate_fla_gdn_call(*args, **kwargs)
-            options = call.options
-            q, _, v, g, _ = call.tensors
-            if validation.needs_autograd(*call.tensors, options["A_log"], options["dt_bias"], options["initial_state"]):
-                autograd.check_trainable(options["gate"], q, v, g)
-            validation.validate_forward(
-                *call.tensors, A_log=options["A_log"], dt_bias=gdn_api.gate_bias(call), lower_bound=-5.0,
-                scale=options["scale"], initial_state=options["initial_state"], cu_seqlens=options["cu_seqlens"],
-                gate=options["gate"],
-            )
-        except (TypeError, ValueError, NotImplementedError) as error:
-            reason = f"{type(error).__name__}: {error}"
-    if reason is not None:
-        _log_once(reason, "fla.ops.gated_delta_rule.chunk_gated_delta_rule")
-        return False, reason
-    _state.pending = (_call_key(args, kwargs), call)
-    return True, None
+    def checked(call: Any) -> dict:  # the kernels' dt_bias (zeros when the call has none); no lower bound
+        options = {name: call.options.get(name) for name in _CHECKED}
+        return {**options, "dt_bias": gdn_api.gate_bias(call), "lower_bound": -5.0}
+
+    return _verify(args, kwargs, "fla.ops.gated_delta_rule.chunk_gated_delta_rule", gdn_api.translate_fla_gdn_call,
+                   checked)
 
 
 def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -163,11 +161,7 @@ def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     it is this call's)."""
     from . import gdn_api
 
-    pending, _state.pending = getattr(_state, "pending", None), None
-    if pending is not None and pending[0] == _call_key(args, kwargs) and isinstance(pending[1], gdn_api.GdnCall):
-        call = pending[1]
-    else:
-        call = gdn_api.translate_fla_gdn_call(*args, **kwargs)
+    call = _pending_call(args, kwargs, gdn_api.GdnCall, gdn_api.translate_fla_gdn_call)
     return call.run(gdn_api.gdn_forward)
 
 
@@ -180,7 +174,7 @@ def _bind(args: tuple, kwargs: dict) -> dict:
     return bound
 
 
-def _log_once(reason: str, entry_point: str = "fla.ops.kda.chunk_kda") -> None:
+def _log_once(reason: str, entry_point: str) -> None:
     key = f"{entry_point}: {reason}"
     if key in _logged_reasons or len(_logged_reasons) >= _MAX_LOGGED_REASONS:
         return

@@ -485,10 +485,7 @@ class PrepareKernel(TokenPrep):
         gate_in = self.load_gate_column(inputs.g, head, row0, valid_rows, col)  # in flight with the TMA
         dt, e_a = Float32(0.0), Float32(1.0)
         if cutlass.const_expr(self.gate != "none"):
-            if cutlass.const_expr(self.per_head_gate):
-                dt, e_a = inputs.dt_bias[head], ex2_approx(inputs.a_log[head] * Float32(LOG2E))
-            else:
-                dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, head, col)
+            dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, head, col)
         if tidx < CHUNK:
             self.activate_beta(inputs.beta, ws.beta, s_beta, head, slot, row0, valid_rows, tidx)
         cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
@@ -523,16 +520,12 @@ class PrepareKernel(TokenPrep):
 
     @cute.jit
     def load_gate_column(self, g: cute.Tensor, head: Int32, row0: Int32, valid_rows: Int32, col: Int32) -> cute.Tensor:
-        """Channel ``col`` of the tile's g rows as fp32 (0 on invalid rows: nothing past the sequence is read);
-        a per-head gate gives every channel the head's value."""
+        """Channel ``col`` of the tile's g rows as fp32 (0 on invalid rows: nothing past the sequence is read)."""
         column = cute.make_rmem_tensor((CHUNK,), Float32)
         for row in cutlass.range_constexpr(CHUNK):
             value = Float32(0.0)
             if row < valid_rows:
-                if cutlass.const_expr(self.per_head_gate):
-                    value = g[row0 + row, head].to(Float32)
-                else:
-                    value = g[row0 + row, head, col].to(Float32)
+                value = g[row0 + row, head, col].to(Float32)
             column[row] = value
         return column
 
