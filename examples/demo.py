@@ -198,7 +198,7 @@ def _bwd_scan_build(varlen: bool, state: torch.dtype | None, vsplit: int) -> Cal
         from cute_kda.kernels.bwd_scan import BwdScan
         from cute_kda.layouts import k2_budget
         from cute_kda.ops import bwd_scan as ka
-        from cute_kda.ops._cache import to_cute_tensor
+        from cute_kda.ops._cache import dsl_type, to_cute_tensor
         from cute_kda.workspace import WorkspaceSpec, allocate_workspace, block_states_shape, tiles_per_head
 
         lengths = [40, 9] if varlen else [49]
@@ -212,7 +212,7 @@ def _bwd_scan_build(varlen: bool, state: torch.dtype | None, vsplit: int) -> Cal
             dht=states, dh0=states, cu_seqlens=torch.tensor([0, 40, tokens]) if varlen else None,
             tile_base=torch.tensor([0, 3, 4], dtype=torch.int32) if varlen else None, tensor=to_cute_tensor,
         )
-        kernel = BwdScan(vsplit=vsplit, dht=ka.state_dsl_type(state), dh0=ka.state_dsl_type(state), varlen=varlen)
+        kernel = BwdScan(vsplit=vsplit, dht=dsl_type(state), dh0=dsl_type(state), varlen=varlen)
         return kernel, (*args, cute.runtime.make_fake_stream()), k2_budget(kernel.plan)
     return build
 

@@ -21,7 +21,7 @@ from cute_kda.kernels.bwd_scan import BwdScan
 from cute_kda.layouts import budget
 from cute_kda.layouts.bwd_scan import SCAN_VSPLITS, ScanSmemPlan
 from cute_kda.ops import bwd_scan as ka
-from cute_kda.ops._cache import to_cute_tensor
+from cute_kda.ops._cache import dsl_type, to_cute_tensor
 from cute_kda.workspace import WorkspaceSpec, block_states_shape, snapshot_slots, workspace_views
 
 D = 128
@@ -119,7 +119,7 @@ def _compiled(variant):
         from cute_kda.compile_report import compile_with_report
 
         vsplit, dht, dh0, varlen = variant
-        kernel = BwdScan(vsplit=vsplit, dht=ka.state_dsl_type(STATE[dht]), dh0=ka.state_dsl_type(STATE[dh0]),
+        kernel = BwdScan(vsplit=vsplit, dht=dsl_type(STATE[dht]), dh0=dsl_type(STATE[dh0]),
                          varlen=varlen)
         _, report = compile_with_report(kernel, *_compile_args(*variant), cute.runtime.make_fake_stream())
         _COMPILED[variant] = (kernel, report)

@@ -25,7 +25,7 @@ from cute_kda.layouts import budget, smem
 from cute_kda.layouts.analysis import run_traced
 from cute_kda.layouts.fwd_recurrence import RecurrenceSmemPlan
 from cute_kda.ops import recurrence as k2
-from cute_kda.ops._cache import to_cute_tensor
+from cute_kda.ops._cache import dsl_type, to_cute_tensor
 
 D = 128
 CHUNK = 16
@@ -351,8 +351,8 @@ def _compiled(variant, checkpoints=False):
 
         vsplit, state_in, state_out, varlen = variant
         kernel = FwdRecurrence(
-            vsplit=vsplit, initial_state=k2.state_dsl_type(STATE[state_in]),
-            final_state=k2.state_dsl_type(STATE[state_out]), varlen=varlen, checkpoints=checkpoints,
+            vsplit=vsplit, initial_state=dsl_type(STATE[state_in]),
+            final_state=dsl_type(STATE[state_out]), varlen=varlen, checkpoints=checkpoints,
         )
         _, report = compile_with_report(kernel, *_compile_args(*variant, checkpoints), cute.runtime.make_fake_stream())
         _COMPILED[(variant, checkpoints)] = (kernel, report)

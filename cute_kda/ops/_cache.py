@@ -188,6 +188,15 @@ def compile_for_launch(kernel: Any, *args: Any) -> Any:
     return cute.compile(kernel, *args, options=TVM_FFI_OPTION)
 
 
+def dsl_type(dtype: Any) -> Any:
+    """The DSL element type of a torch dtype the kernels take (bf16, fp32; None stays None: no tensor)."""
+    import torch
+
+    from ..dsl import cutlass
+
+    return {None: None, torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[dtype]
+
+
 def device_index(device: Any) -> int:
     """CUDA ordinal of a torch device (``cuda`` without an index means the current device)."""
     import torch

@@ -14,9 +14,11 @@ import torch
 
 from ..layouts.bwd_scan import SCAN_VSPLITS
 from ..workspace import Workspace, block_states_shape
-from ._cache import CompileCache, compile_for_launch, current_stream, device_index, launch_tensor, to_cute_tensor
+from ._cache import (
+    CompileCache, compile_for_launch, current_stream, device_index, dsl_type, launch_tensor, to_cute_tensor,
+)
 from .prepare import tile_bases
-from .recurrence import dtype_or_none, state_dsl_type
+from .recurrence import dtype_or_none
 
 _CACHE = CompileCache("bwd_scan")
 _STATE_DTYPES = (torch.bfloat16, torch.float32)
@@ -76,7 +78,7 @@ def compiled_variant(key: tuple, tensors: dict, stream):
         from ..kernels.bwd_scan import BwdScan
 
         vsplit, dht, dh0, varlen, tuning, _ = key
-        kernel = BwdScan(vsplit=vsplit, dht=state_dsl_type(dht), dh0=state_dsl_type(dh0), varlen=varlen,
+        kernel = BwdScan(vsplit=vsplit, dht=dsl_type(dht), dh0=dsl_type(dh0), varlen=varlen,
                          compute_warps=tuning.compute_warps, output_stages=tuning.output_stages,
                          split_accumulator=tuning.split_accumulator)
         return compile_for_launch(kernel, *launch_arguments(**tensors, tensor=to_cute_tensor), stream)

@@ -18,8 +18,8 @@ import torch
 from ..numerics import f32, gate_constant
 from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace
 from ._cache import (
-    CompileCache, compile_for_launch, current_stream, device_index, fake_stream, launch_tensor, on_device,
-    to_cute_tensor,
+    CompileCache, compile_for_launch, current_stream, device_index, dsl_type, fake_stream, launch_tensor,
+    on_device, to_cute_tensor,
 )
 
 _PREPARE = CompileCache("fwd_prepare")
@@ -159,9 +159,6 @@ def _compile_arguments(varlen: bool, gate: str, g_dtype: torch.dtype, per_head_g
                             fake_stream(), tensor=to_cute_tensor)
 
 
-_GATE_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}  # g's torch dtype → the DSL type's name
-
-
 def compiled_variant(varlen: bool, qk_l2norm: bool, beta_logits: bool, index: int, gate: str = "safe",
                      g_dtype: torch.dtype = torch.bfloat16, per_head_gate: bool = False, grouped: bool = False):
     """The K1 variant for these flags, ``gate`` (:data:`cute_kda.numerics.GATES`), g's dtype (bf16; fp32
@@ -169,12 +166,10 @@ def compiled_variant(varlen: bool, qk_l2norm: bool, beta_logits: bool, index: in
     compiled (from fake tensors) on first use."""
 
     def build():
-        import cutlass
-
         from ..kernels.fwd_prepare import PrepareKernel
 
         kernel = PrepareKernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
-                               gate_dtype=getattr(cutlass, _GATE_DTYPES[g_dtype]), per_head_gate=per_head_gate,
+                               gate_dtype=dsl_type(g_dtype), per_head_gate=per_head_gate,
                                grouped=grouped)
         return compile_for_launch(kernel, *_compile_arguments(varlen, gate, g_dtype, per_head_gate, grouped))
 

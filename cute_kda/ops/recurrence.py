@@ -13,7 +13,7 @@ import torch
 from ..layouts.fwd_recurrence import SUPPORTED_VSPLITS
 from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace, block_states_shape
 from ._cache import (
-    CompileCache, compile_for_launch, current_stream, device_index, launch_tensor, on_device, to_cute_tensor,
+    CompileCache, compile_for_launch, current_stream, device_index, dsl_type, launch_tensor, on_device, to_cute_tensor,
 )
 from .prepare import tile_bases
 
@@ -33,12 +33,6 @@ def choose_vsplit(num_seqs: int, heads: int, sm_count: int) -> int:
     """
     fitting = [v for v in SUPPORTED_VSPLITS if num_seqs * heads * v <= sm_count]
     return max(fitting, default=SUPPORTED_VSPLITS[0])
-
-
-def state_dsl_type(dtype: torch.dtype | None):
-    from ..dsl import cutlass
-
-    return {None: None, torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[dtype]
 
 
 def dtype_or_none(tensor: torch.Tensor | None) -> torch.dtype | None:
@@ -86,7 +80,7 @@ def compiled_variant(vsplit: int, initial_state: torch.dtype | None, final_state
         from ..kernels.fwd_recurrence import FwdRecurrence
 
         kernel = FwdRecurrence(
-            vsplit=vsplit, initial_state=state_dsl_type(initial_state), final_state=state_dsl_type(final_state),
+            vsplit=vsplit, initial_state=dsl_type(initial_state), final_state=dsl_type(final_state),
             varlen=varlen, checkpoints=checkpoints,
         )
         converted = (to_cute_tensor(t, align) for t, align in zip(arguments, _ARGUMENT_ALIGNMENT))
