@@ -15,12 +15,13 @@ import pytest
 import torch
 from test_fwd_recurrence import STATE, _assert_guards_untouched, _guarded, _problem
 
+from cute_kda import autograd
 from cute_kda.dsl import cute
 from cute_kda.kernels.bwd_grads import BwdGrads
 from cute_kda.layouts import bwd_grads as plan
 from cute_kda.ops import bwd_grads as kb
 from cute_kda.ops._cache import to_cute_tensor
-from cute_kda.workspace import WorkspaceSpec, block_states_shape, workspace_views
+from cute_kda.workspace import WorkspaceSpec, block_states_shape, tiles_per_head, workspace_views
 
 D = 128
 CHUNK = 16
@@ -130,40 +131,49 @@ def test_per_head_plan():
     assert placed["dot_q"].offset == placed["dbeta_w"].offset
 
 
-def _per_head_compile_args(varlen: bool, gate: str, g_dtype: torch.dtype, grouped: bool):
-    qk_heads, heads, num_seqs = (1, 2, 3) if grouped else (2, 2, 3)
-    batch, steps = (1, 80) if varlen else (num_seqs, 24)
-    qk = torch.zeros(batch, steps, qk_heads, D, dtype=torch.bfloat16)
-    tok = torch.zeros(batch, steps, heads, D, dtype=torch.bfloat16)
-    spec = WorkspaceSpec(heads=heads, tiles=8)
+_LAUNCH_ORDER = ("q", "k", "g", "v", "do", "du", "A_log", "dt_bias", "ws", "states", "state_grads", "dq", "dk", "dg",
+                 "dbeta", "ddt_partial", "dalog_partial")  # kb.launch_arguments' positional tensors
+
+
+def _per_head_buffers(gate: str = "softplus", grouped: bool = True, varlen: bool = False,
+                      g_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """``bwd_grads``' keyword arguments for a per-head gate as CPU zeros: T = 40 tokens, HV = 2 value heads on 1
+    q/k head (2 without grouping); one sequence, or with ``varlen`` three packed ([20, 0, 20])."""
+    qk_heads, heads, T = (1 if grouped else 2), 2, 40
+    cu_seqlens = torch.tensor([0, 20, 20, 40]) if varlen else None
+    num_seqs = 3 if varlen else 1
+    qk = torch.zeros(1, T, qk_heads, D, dtype=torch.bfloat16)
+    tok = torch.zeros(1, T, heads, D, dtype=torch.bfloat16)
+    spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(T, num_seqs, varlen))
     ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
     states = torch.zeros(block_states_shape(ws, heads, num_seqs), dtype=torch.bfloat16)
-    constants = gate != "none"
     ddt_shape, dalog_shape = kb.gate_partials_shapes(ws, heads, per_head_gate=True)
-    return kb.launch_arguments(
-        qk, qk, torch.zeros(batch, steps, heads, dtype=g_dtype), tok, tok, tok,
-        torch.zeros(heads) if constants else None, torch.zeros(heads) if constants else None, ws, states, states,
-        tok, tok, torch.zeros(batch, steps, heads), torch.zeros(batch, steps, heads, dtype=torch.bfloat16),
-        torch.zeros(ddt_shape) if constants else None, torch.zeros(dalog_shape) if constants else None,
-        scale=D ** -0.5, lower_bound=-5.0, cu_seqlens=torch.tensor([0, 20, 20, 80]) if varlen else None,
-        tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32) if varlen else None, tensor=to_cute_tensor,
-    )
+    constants = gate != "none"
+    return dict(q=qk, k=qk, g=torch.zeros(1, T, heads, dtype=g_dtype), v=tok, do=tok, du=tok, ws=ws,
+                states=states, state_grads=states, A_log=torch.zeros(heads) if constants else None,
+                dt_bias=torch.zeros(heads) if constants else None, dq=tok.clone(), dk=tok.clone(),
+                dg=torch.zeros(1, T, heads), dbeta=torch.zeros(1, T, heads, dtype=torch.bfloat16),
+                ddt_partial=torch.zeros(ddt_shape) if constants else None,
+                dalog_partial=torch.zeros(dalog_shape) if constants else None, cu_seqlens=cu_seqlens,
+                tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32) if varlen else None, gate=gate, scale=0.1,
+                lower_bound=-5.0)
 
 
 @pytest.mark.parametrize("variant", PER_HEAD_VARIANTS, ids=lambda v: "{}-{}-{}-{}-{}".format(
     "varlen" if v[0] else "fixed", v[1], str(v[2]).replace("torch.", ""), "grouped" if v[3] else "HV=H",
     "l2norm_logits" if v[4] else "plain"))
 def test_per_head_variant_compiles(variant):
-    import cutlass
-
     from cute_kda.compile_report import compile_with_report
+    from cute_kda.ops._cache import dsl_type
 
     varlen, gate, g_dtype, grouped, qk_l2norm, beta_logits = variant
     kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
-                      gate_dtype=cutlass.Float32 if g_dtype == torch.float32 else cutlass.BFloat16, per_head_gate=True,
-                      grouped=grouped)
-    _, report = compile_with_report(kernel, *_per_head_compile_args(varlen, gate, g_dtype, grouped),
-                                    cute.runtime.make_fake_stream())
+                      gate_dtype=dsl_type(g_dtype), per_head_gate=True, grouped=grouped)
+    buffers = _per_head_buffers(gate, grouped, varlen, g_dtype)
+    arguments = kb.launch_arguments(*(buffers[name] for name in _LAUNCH_ORDER), scale=D ** -0.5, lower_bound=-5.0,
+                                    cu_seqlens=buffers["cu_seqlens"], tile_base=buffers["tile_base"],
+                                    tensor=to_cute_tensor)
+    _, report = compile_with_report(kernel, *arguments, cute.runtime.make_fake_stream())
     k_steps, band_atoms = D // CHUNK, D // plan.DEFAULT_WARPS // 8
     # kd·S and INV·u per band; dO·Uᵀ, q̂k̂ᵀ (warp 0), du·Uᵀ, k̂k̂ᵀ (warp 1) at 16 columns; dqd, dkd, dkr per band
     # and the pair terms: bf16(E ⊙ dMqk)·k̂ (1 k-step), [dP | dPᵀ | dPqᵀ]·[k̂; k̂; q̂] (3 k-steps)
@@ -463,12 +473,7 @@ def _per_head_chain(case: str) -> tuple[dict, dict, tuple, dict]:
         assert not raw[name].isnan().any(), f"a {name} row was not written"
     if constants:
         assert not ddt.isnan().any() and not dalog.isnan().any(), "a partial-sum slot was not written"
-    group = HV // H
-
-    def group_sum(x):
-        return x.float().view(B, T, H, group, D).sum(3).bfloat16()
-
-    grads = {"dq": group_sum(raw["dq"]), "dk": group_sum(raw["dk"]), "dv": dv, "dg": raw["dg"], "dbeta": raw["dbeta"],
+    grads = {"dq": autograd.group_sum(raw["dq"], H), "dk": autograd.group_sum(raw["dk"], H), "dv": dv, "dg": raw["dg"], "dbeta": raw["dbeta"],
              "dh0": dh0, "dA_log": None if dalog is None else dalog.sum(1),
              "ddt_bias": None if ddt is None else ddt.sum(1)}
     raw.update(ddt_partial=ddt, dalog_partial=dalog, ws=ws, states=states, state_grads=state_grads, du=du)
@@ -518,24 +523,6 @@ def test_per_head_gate_is_deterministic():
         assert torch.equal(first[1][name], second[1][name]), name
 
 
-def _per_head_cpu_launch(gate: str = "softplus", grouped: bool = True) -> dict:
-    """``bwd_grads``' keyword arguments for a per-head gate as CPU zeros: B = 1, T = 40, H = 1, HV = 2."""
-    qk_heads, heads, T = (1, 2, 40) if grouped else (2, 2, 40)
-    qk = torch.zeros(1, T, qk_heads, D, dtype=torch.bfloat16)
-    tok = torch.zeros(1, T, heads, D, dtype=torch.bfloat16)
-    spec = WorkspaceSpec(heads=heads, tiles=3)
-    ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
-    states = torch.zeros(block_states_shape(ws, heads, 1), dtype=torch.bfloat16)
-    ddt_shape, dalog_shape = kb.gate_partials_shapes(ws, heads, per_head_gate=True)
-    constants = gate != "none"
-    return dict(q=qk, k=qk, g=torch.zeros(1, T, heads, dtype=torch.bfloat16), v=tok, do=tok, du=tok, ws=ws,
-                states=states, state_grads=states, A_log=torch.zeros(heads) if constants else None,
-                dt_bias=torch.zeros(heads) if constants else None, dq=tok.clone(), dk=tok.clone(),
-                dg=torch.zeros(1, T, heads), dbeta=torch.zeros(1, T, heads, dtype=torch.bfloat16),
-                ddt_partial=torch.zeros(ddt_shape) if constants else None,
-                dalog_partial=torch.zeros(dalog_shape) if constants else None, gate=gate, scale=0.1, lower_bound=-5.0)
-
-
 @pytest.mark.parametrize("change, words", [
     (dict(g=torch.zeros(1, 40, 2, D, dtype=torch.bfloat16)), "g must be"),  # a per-channel g with a per-head gate
     (dict(dg=torch.zeros(1, 40, 2, dtype=torch.bfloat16)), "dg must be float32"),  # dg is fp32 per (token, head)
@@ -545,7 +532,7 @@ def _per_head_cpu_launch(gate: str = "softplus", grouped: bool = True) -> dict:
     (dict(gate="safe"), "grouped value heads need a per-head gate"),
 ])
 def test_per_head_launcher_rejects_mismatched_buffers(change, words):
-    kwargs = {**_per_head_cpu_launch(), **change}
+    kwargs = {**_per_head_buffers(), **change}
     with pytest.raises(ValueError, match=words):
         kb.bwd_grads(**kwargs)
 
@@ -557,7 +544,7 @@ def test_per_head_launcher_keys_the_variant(monkeypatch):
     monkeypatch.setattr(kb, "current_stream", lambda device: "stream")
     monkeypatch.setattr(kb, "device_index", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    kb.bwd_grads(**_per_head_cpu_launch("none"))
+    kb.bwd_grads(**_per_head_buffers("none"))
     key, args = seen
     assert key == (False, True, True, plan.DEFAULT_WARPS, "none", torch.bfloat16, True, 0)
     inputs, outputs = args[0], args[3]

@@ -14,7 +14,9 @@ from ..layouts.bwd_grads import COMPUTE_WARPS, DEFAULT_WARPS
 from ..numerics import f32, gate_constant
 from ..validation import check_training_size
 from ..workspace import Workspace, block_states_shape
-from ._cache import CompileCache, compile_for_launch, current_stream, device_index, launch_tensor, to_cute_tensor
+from ._cache import (
+    CompileCache, compile_for_launch, current_stream, device_index, dsl_type, launch_tensor, to_cute_tensor,
+)
 from .prepare import tile_bases
 
 _CACHE = CompileCache("bwd_grads")
@@ -109,21 +111,16 @@ def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbet
     _check("dalog_partial", dalog_partial, (torch.float32,), dalog_shape, device)
 
 
-_GATE_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}  # g's torch dtype → the DSL type's name
-
-
 def compiled_variant(key: tuple, tensors: tuple, options: dict, stream):
     """The compiled variant ``key = (varlen, qk_l2norm, beta_logits, compute_warps, gate, g dtype, grouped,
     device)``, built on first use (a gate other than "safe" is a per-head one)."""
 
     def build():
-        import cutlass
-
         from ..kernels.bwd_grads import BwdGrads
 
         varlen, qk_l2norm, beta_logits, compute_warps, gate, g_dtype, grouped, _ = key
         kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=compute_warps,
-                          gate=gate, gate_dtype=getattr(cutlass, _GATE_DTYPES[g_dtype]), per_head_gate=gate != "safe",
+                          gate=gate, gate_dtype=dsl_type(g_dtype), per_head_gate=gate != "safe",
                           grouped=grouped)
         return compile_for_launch(kernel, *launch_arguments(*tensors, **options, tensor=to_cute_tensor), stream)
 
