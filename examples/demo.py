@@ -127,13 +127,11 @@ def _prepare_build(varlen: bool, gate: str = "safe", g_dtype: torch.dtype = torc
                    gdn: bool = False) -> Callable[[], tuple]:
     """K1 of one gate; ``gdn``: GatedDeltaNet's per-head gate with two value heads per q/k head."""
     def build():
-        import cutlass
-
         from cute_kda.dsl import cute
         from cute_kda.kernels.fwd_prepare import PrepareKernel
-        from cute_kda.layouts import k1_budget, k1_pairwise_budget
+        from cute_kda.layouts import fwd_prepare as plans
         from cute_kda.ops import prepare as k1
-        from cute_kda.ops._cache import to_cute_tensor
+        from cute_kda.ops._cache import dsl_type, to_cute_tensor
         from cute_kda.workspace import WorkspaceSpec, allocate_workspace, tiles_per_head
 
         lengths = [40, 9] if varlen else [49]
@@ -152,9 +150,10 @@ def _prepare_build(varlen: bool, gate: str = "safe", g_dtype: torch.dtype = torc
             D ** -0.5, LOWER_BOUND, tokens, cu_seqlens, tile_base, cute.runtime.make_fake_stream(),
             tensor=to_cute_tensor,
         )
-        kernel = PrepareKernel(varlen=varlen, gate=gate, gate_dtype=cutlass.Float32 if g_dtype is torch.float32
-                               else cutlass.BFloat16, per_head_gate=gdn, grouped=gdn)
-        return kernel, args, k1_budget() if gate == "safe" else k1_pairwise_budget()
+        kernel = PrepareKernel(varlen=varlen, gate=gate, gate_dtype=dsl_type(g_dtype), per_head_gate=gdn, grouped=gdn)
+        budget = (plans.per_head_smem_budget if gdn else plans.smem_budget if gate == "safe"
+                  else plans.pairwise_smem_budget)  # the plan the kernel's launch asks for
+        return kernel, args, budget()
     return build
 
 

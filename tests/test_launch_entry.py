@@ -10,7 +10,7 @@ import torch
 
 from cute_kda.compile_report import compile_with_report
 from cute_kda.dsl import cute, cutlass
-from cute_kda.ops._cache import TVM_FFI_OPTION, to_cute_tensor
+from cute_kda.ops._cache import TVM_FFI_OPTION, dsl_type, to_cute_tensor
 from cute_kda.workspace import WorkspaceSpec, allocate_workspace, tiles_per_head
 
 D = 128
@@ -52,9 +52,7 @@ def test_prepare_entry_unbounded_gates(gate, dtype):
     args = launch_arguments(q, q, q.to(dtype), q[..., 0].contiguous(), torch.zeros(heads) if constants else None,
                             torch.zeros(heads, D) if constants else None, allocate_workspace(spec, "cpu"), D ** -0.5,
                             -5.0, tokens, None, None, cute.runtime.make_fake_stream(), tensor=to_cute_tensor)
-    _same_kernel(PrepareKernel(varlen=False, gate=gate, gate_dtype=getattr(cutlass, {torch.bfloat16: "BFloat16",
-                                                                                     torch.float32: "Float32"}[dtype])),
-                 *args)
+    _same_kernel(PrepareKernel(varlen=False, gate=gate, gate_dtype=dsl_type(dtype)), *args)
 
 
 @pytest.mark.parametrize("vsplit, state", [(1, None), (4, torch.float32)], ids=["vs1-none", "vs4-fp32"])
