@@ -47,8 +47,7 @@ _MAX_LOGGED_REASONS = 64
 
 _state = threading.local()
 _logged_reasons: set[str] = set()
-_registered = False
-_registered_gdn = False
+_registered: set[str] = set()  # the FLA functions cute_kda is registered for
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,44 +214,40 @@ def backend_class(base: type, priority: int = PRIORITY) -> type:
     return CuteKDABackend
 
 
-def register() -> bool:
-    """Register cute_kda with FLA's ``chunk_kda`` registry (imports FLA). False if FLA is missing."""
-    global _registered
+def _register(function: str, entry_point: Callable[[], Any], priority: int) -> bool:
+    """Register the backend for FLA's ``function`` at ``priority``; ``entry_point()`` (imports FLA) is what
+    ``fla.backends.register`` takes. False if FLA is missing."""
     try:
         from fla.backends import BaseBackend
         from fla.backends import register as fla_register
-        from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+        target = entry_point()
     except ImportError as error:
         logger.debug("FLA is not importable (%s); cute_kda is not registered as its backend", error)
         return False
-    fla_register(fla_chunk_kda)(backend_class(BaseBackend))
-    _registered = True
-    logger.info("cute_kda registered as an FLA chunk_kda backend (priority %d; %s=0 disables it)", PRIORITY, ENV_VAR)
+    fla_register(target)(backend_class(BaseBackend, priority))
+    _registered.add(function)
+    logger.info("cute_kda registered as an FLA %s backend (priority %d; %s=0 disables it)", function, priority,
+                ENV_VAR)
     return True
+
+
+def register() -> bool:
+    """Register cute_kda with FLA's ``chunk_kda`` registry (imports FLA). False if FLA is missing."""
+    return _register("chunk_kda", lambda: importlib.import_module(FLA_MODULE).chunk_kda, PRIORITY)
 
 
 def register_gdn() -> bool:
     """Register cute_kda with FLA's ``gated_delta_rule`` registry (imports FLA). False if FLA is missing."""
-    global _registered_gdn
-    try:
-        from fla.backends import BaseBackend
-        from fla.backends import register as fla_register
-    except ImportError as error:
-        logger.debug("FLA is not importable (%s); cute_kda is not registered as its backend", error)
-        return False
-    fla_register("gated_delta_rule")(backend_class(BaseBackend, GDN_PRIORITY))
-    _registered_gdn = True
-    logger.info("cute_kda registered as an FLA chunk_gated_delta_rule backend (priority %d; %s=0 disables it)",
-                GDN_PRIORITY, ENV_VAR)
-    return True
+    return _register("chunk_gated_delta_rule", lambda: "gated_delta_rule", GDN_PRIORITY)
 
 
 def is_registered() -> bool:
-    return _registered
+    return "chunk_kda" in _registered
 
 
 def is_registered_gdn() -> bool:
-    return _registered_gdn
+    return "chunk_gated_delta_rule" in _registered
 
 
 _REGISTRATIONS = {FLA_MODULE: register, FLA_GDN_MODULE: register_gdn}  # FLA module → what registers with it
