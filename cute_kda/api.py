@@ -25,7 +25,7 @@ import torch
 
 from . import autograd, interop, torch_ops, validation
 from .config import STATE_MODES, enumerate_configs, select_forward_config, sm_count
-from .workspace import Workspace, WorkspaceSpec, tiles_per_head, workspace_views
+from .workspace import Workspace, WorkspaceSpec, workspace_views
 
 _WORKSPACE_GRANULE = 2 << 20  # grow the cached buffer in 2 MiB steps
 
@@ -303,9 +303,7 @@ def _build_plan(problem: validation.ProblemShape, config: tuple, v: torch.Tensor
     k1, k2, streams = _launchers()
     forward = select_forward_config(problem, qk_l2norm=qk_l2norm, beta_logits=beta_logits, initial_state=states[0],
                                     final_state=states[1], vsplit=vsplit, sms=sm_count(device.index))
-    spec = WorkspaceSpec(heads=problem.heads, tiles=tiles_per_head(problem.total_tokens, problem.num_seqs,
-                                                                   problem.varlen), dim=problem.head_dim)
-    workspace = WORKSPACES.get(spec, device, handle)
+    workspace = WORKSPACES.get(autograd.workspace_spec(problem), device, handle)
     stream = streams.cu_stream(handle)
     prepare = k1.compiled_variant(problem.varlen, forward.qk_l2norm, forward.beta_logits, device.index, gate, g_dtype,
                                   g_dim == 3, problem.heads != qk_heads)

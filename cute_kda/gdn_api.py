@@ -237,16 +237,17 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 gate: str, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
                 **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A :class:`GdnCall`'s canonical forward by :func:`cute_kda.kda_forward` (the softplus gate without dt_bias:
-    zeros)."""
+    zeros, :func:`kernel_dt_bias`)."""
+    return kda_forward(q, k, v, g, beta, gate=gate, A_log=A_log, dt_bias=kernel_dt_bias(gate, dt_bias, v), **options)
+
+
+def kernel_dt_bias(gate: str, dt_bias: torch.Tensor | None, v: torch.Tensor) -> torch.Tensor | None:
+    """The dt_bias the kernels take: the call's own, or zeros ``[HV]`` for a softplus call without one."""
     if gate == "softplus" and dt_bias is None:
-        dt_bias = torch.zeros(v.shape[2], dtype=torch.float32, device=v.device)
-    return kda_forward(q, k, v, g, beta, gate=gate, A_log=A_log, dt_bias=dt_bias, **options)
+        return torch.zeros(v.shape[2], dtype=torch.float32, device=v.device)
+    return dt_bias
 
 
 def gate_bias(call: GdnCall) -> torch.Tensor | None:
-    """The dt_bias :func:`gdn_forward` hands the kernels for ``call``: its own, or zeros ``[HV]`` for a softplus
-    call without one."""
-    dt_bias, v = call.options["dt_bias"], call.tensors[2]
-    if call.options["gate"] == "softplus" and dt_bias is None:
-        return torch.zeros(v.shape[2], dtype=torch.float32, device=v.device)
-    return dt_bias
+    """The dt_bias :func:`gdn_forward` hands the kernels for ``call``."""
+    return kernel_dt_bias(call.options["gate"], call.options["dt_bias"], call.tensors[2])
