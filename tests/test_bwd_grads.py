@@ -422,6 +422,11 @@ PER_HEAD_CASES = {
 }
 
 
+# batch slices of guard on each side of the per-head outputs: eight keep the [B, T, HV] views 16-byte aligned (the
+# launchers' contract) whatever T·HV is
+GUARD = 8
+
+
 def _per_head_chain(case: str) -> tuple[dict, dict, tuple, dict]:
     """The kernels' chain for a per-head gate — K1 (per-head scheme), K2 with per-tile checkpoints, Kernel A,
     Kernel B — on one of :data:`PER_HEAD_CASES`; dq, dk summed over each group of value heads. Returns (the
@@ -458,9 +463,9 @@ def _per_head_chain(case: str) -> tuple[dict, dict, tuple, dict]:
     ka.bwd_scan(do, ws, dv, du, state_grads, cu_seqlens=cu, tile_base=tile_base, dht=dht, dh0=dh0)
     raw = {}
     for name in ("dq", "dk"):
-        raw[name], raw[name + "_buf"] = _guarded((B, T, HV, D), torch.bfloat16, device, axis=0, pad=1)
-    raw["dg"], raw["dg_buf"] = _guarded((B, T, HV), torch.float32, device, axis=0, pad=1)
-    raw["dbeta"], raw["dbeta_buf"] = _guarded((B, T, HV), torch.bfloat16, device, axis=0, pad=1)
+        raw[name], raw[name + "_buf"] = _guarded((B, T, HV, D), torch.bfloat16, device, axis=0, pad=GUARD)
+    raw["dg"], raw["dg_buf"] = _guarded((B, T, HV), torch.float32, device, axis=0, pad=GUARD)
+    raw["dbeta"], raw["dbeta_buf"] = _guarded((B, T, HV), torch.bfloat16, device, axis=0, pad=GUARD)
     ddt_shape, dalog_shape = kb.gate_partials_shapes(ws, HV, per_head_gate=True)
     constants = gate != "none"
     ddt = torch.full(ddt_shape, math.nan, device=device) if constants else None
@@ -469,7 +474,7 @@ def _per_head_chain(case: str) -> tuple[dict, dict, tuple, dict]:
                  raw["dbeta"], ddt, dalog, scale=scale, lower_bound=-5.0, cu_seqlens=cu, tile_base=tile_base, gate=gate)
     torch.cuda.synchronize()
     for name in ("dq", "dk", "dg", "dbeta"):
-        _assert_guards_untouched(raw.pop(name + "_buf"), axis=0, pad=1)
+        _assert_guards_untouched(raw.pop(name + "_buf"), axis=0, pad=GUARD)
         assert not raw[name].isnan().any(), f"a {name} row was not written"
     if constants:
         assert not ddt.isnan().any() and not dalog.isnan().any(), "a partial-sum slot was not written"
