@@ -24,7 +24,9 @@ outputs on the same inputs. The table is written to ``--out`` after every row.
 backward yet): q, k, v, g, beta, A_log, dt_bias and the initial state require grad; one step is the forward and
 ``torch.autograd.backward((o, ht), (dO, dht))`` with fixed dO, dht, the gradients reset before each step; a peer
 that raises (FLA's GDN backward refuses Hopper with Triton < 3.7.1) is reported with its error, not timed; the
-rel-RMS columns then compare dq and dv with FLA's.
+rel-RMS columns then compare dq and dv with FLA's. ``--train --fla-unguarded`` turns that guard of FLA's off to
+time its backward all the same: speed only, since FLA says its gradients are wrong there (no rel-RMS column; the
+note says so).
 
 The FLA column is FLA's ``chunk_kda`` for the KDA rows and its ``chunk_gated_delta_rule`` for the GDN rows.
 """
@@ -162,8 +164,18 @@ def bench_row(name: str, gate: str, device: torch.device, warmup: int, rep: int)
     return row
 
 
-def train_row(name: str, gate: str, device: torch.device, warmup: int, rep: int) -> dict:
-    """One GatedDeltaNet row of ``--train``: the median fwd+bwd step per peer, or the error that stopped it."""
+def unguard_fla_backward() -> str:
+    """Turn off FLA's refusal of its gated ``chunk_bwd_dqkwg`` on Hopper with Triton 3.4-3.7.0 (FLA #640: wrong
+    results there, not a crash), so that its backward can be timed; returns the note for the table."""
+    from fla.ops.common import chunk_o
+
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return "Triton guard (#640) off: speed only, its gradients are wrong on this Triton"
+
+
+def train_row(name: str, gate: str, device: torch.device, warmup: int, rep: int, fla_note: str | None = None) -> dict:
+    """One GatedDeltaNet row of ``--train``: the median fwd+bwd step per peer, or the error that stopped it;
+    ``fla_note``: FLA's guard is off (:func:`unguard_fla_backward`), so its gradients are not compared."""
     inputs = gate_inputs(name, gate, device)
     leaves = [n for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
               if isinstance(inputs.get(n), torch.Tensor) and inputs[n].is_floating_point()]
@@ -190,7 +202,9 @@ def train_row(name: str, gate: str, device: torch.device, warmup: int, rep: int)
         grads[peer] = (inputs["q"].grad.clone(), inputs["v"].grad.clone())
         row["ms"][peer] = median_ms(step, warmup, rep)
         print(f"{name:18s} {gate:10s} {peer:14s} {row['ms'][peer]:8.3f} ms / step", file=sys.stderr)
-    if len(grads) == 2:
+    if fla_note is not None and "FLA chunk_kda" in row["ms"]:
+        row["notes"]["FLA chunk_kda"] = fla_note
+    elif len(grads) == 2:
         (dq, dv), (dq_ref, dv_ref) = grads["cute_kda"], grads["FLA chunk_kda"]
         row["err"] = (rel_rms(dq, dq_ref), rel_rms(dv, dv_ref))
     del inputs, runs, grads
@@ -228,7 +242,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, ALL_SHAPES)
     parser.add_argument("--train", action="store_true", help="time fwd+bwd steps on the GatedDeltaNet rows")
+    parser.add_argument("--fla-unguarded", action="store_true",
+                        help="with --train: time FLA's backward with its Triton guard (#640) off (speed only)")
     args = parser.parse_args()
+    if args.fla_unguarded and not args.train:
+        parser.error("--fla-unguarded goes with --train")
     if not torch.cuda.is_available():
         sys.exit("bench_gates needs a CUDA GPU (Hopper)")
     device = torch.device("cuda")
@@ -239,9 +257,13 @@ def main() -> None:
     header = (f"{environment('cutlass', 'fla', 'triton')} · D={D}, fp32 state in/out (v-first), l2norm and β "
               "logits in the kernels; " + ("fwd+bwd steps, every input requiring grad; ratios < 1 mean cute_kda is "
                                            "faster" if args.train else "ratios > 1 mean cute_kda is faster"))
+    fla_note = unguard_fla_backward() if args.fla_unguarded else None
     rows = []
     for name in args.shapes:
-        rows.append((train_row if args.train else bench_row)(name, ROWS[name], device, args.warmup, args.rep))
+        if args.train:
+            rows.append(train_row(name, ROWS[name], device, args.warmup, args.rep, fla_note))
+        else:
+            rows.append(bench_row(name, ROWS[name], device, args.warmup, args.rep))
         table = f"{header}\n\n{(train_markdown if args.train else markdown)(rows)}\n"
         if args.out:
             Path(args.out).write_text(table)

@@ -83,3 +83,19 @@ def test_train_steps_on_the_cpu_through_a_stand_in(bench, monkeypatch):
     monkeypatch.setattr(bench, "median_ms", lambda fn, warmup, rep: (fn(), 1.25)[1])
     row = bench.train_row("tiny", "gdn_softplus", torch.device("cpu"), 1, 1)
     assert row["ms"] == {"cute_kda": 1.25} and row["notes"]["FLA chunk_kda"].startswith("RuntimeError")
+
+
+def test_train_row_with_fla_unguarded_times_without_comparing(bench, monkeypatch):
+    """With FLA's Triton guard off its gradients are not trusted: timed, noted, no rel-RMS."""
+    monkeypatch.setitem(bench.GDN_SHAPES, "tiny", ((20,), 1, 2))
+    monkeypatch.setitem(bench.ROWS, "tiny", "gdn_softplus")
+
+    def differentiable(**kwargs):
+        return kwargs["v"] * kwargs["q"].sum(), kwargs["initial_state"] * kwargs["beta"].sum()
+
+    monkeypatch.setattr(bench, "peers", lambda inputs, gate: {"cute_kda": lambda: differentiable(**inputs),
+                                                               "FLA chunk_kda": lambda: differentiable(**inputs)})
+    monkeypatch.setattr(bench, "median_ms", lambda fn, warmup, rep: (fn(), 1.25)[1])
+    row = bench.train_row("tiny", "gdn_softplus", torch.device("cpu"), 1, 1, fla_note="guard off: speed only")
+    assert row["ms"] == {"cute_kda": 1.25, "FLA chunk_kda": 1.25} and row["err"] is None
+    assert "FLA chunk_kda: guard off: speed only" in bench.train_markdown([row])

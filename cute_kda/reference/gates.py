@@ -886,8 +886,8 @@ def mirror_backward_gates(
 
     Inputs bf16 as the kernels take them (g fp32 allowed for gate "none"), shapes as :func:`~.gold.gold_forward`,
     ``initial_state`` / ``dht`` v-first ``[N, HV, V, K]``. Returns :func:`~.backward.gold_backward`'s keys: dq,
-    dk, dv, dg, dbeta bf16; dA_log, ddt_bias fp32 (None for a None input); dh0 fp32 (None without an initial
-    state).
+    dk, dv, dbeta bf16; dg bf16 per channel, fp32 for a per-head gate (as Kernel B writes it); dA_log, ddt_bias
+    fp32 (None for a None input); dh0 fp32 (None without an initial state).
     """
     if gate not in ("softplus", "none"):
         raise ValueError(f"gate must be 'softplus' or 'none' (the safe gate's is mirror_backward), got {gate!r}")
@@ -934,8 +934,8 @@ def mirror_bwd_grads_gates(
     Kernel B, docs/numerics.md, "Kernel B for a per-head gate"): K1's quantities recomputed from the raw inputs
     (the per-head scheme for g ``[B, T, HV]``, else dyadic), INV, gT and β read from ``ws`` (the forward's
     workspace), ``states`` / ``state_grads`` the per-tile checkpoints and Kernel A's snapshots, ``du`` Kernel A's.
-    Returns dq, dk, dg, dbeta (bf16, dq and dk summed over each group of value heads) and dA_log, ddt_bias
-    (fp32; None for a None input)."""
+    Returns dq, dk, dbeta (bf16, dq and dk summed over each group of value heads), dg (fp32 for a per-head gate,
+    as Kernel B writes it; bf16 per channel) and dA_log, ddt_bias (fp32; None for a None input)."""
     scheme = "per_head" if g.dim() == 3 else "dyadic"
     values = _k1_gate_values(q, k, g, beta, scheme=scheme, gate=gate, A_log=A_log, dt_bias=dt_bias,
                              lower_bound=-5.0, scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
@@ -1035,6 +1035,9 @@ def _gate_tile_gradients(values: _K1GateValues, ws: Workspace, q: torch.Tensor, 
         dbeta = dbeta * activated * (1 - activated)
     return {
         "dq": dq.reshape(q.shape).bfloat16(), "dk": dk.reshape(k.shape).bfloat16(),
-        "dg": dg.reshape(g.shape).bfloat16(), "dbeta": dbeta.reshape(beta.shape).bfloat16(),
+        # a per-head gate's dg is Kernel B's fp32 [B, T, HV] output (its token's channel sum, not rounded); a
+        # per-channel dg is bf16
+        "dg": dg.reshape(g.shape) if per_head else dg.reshape(g.shape).bfloat16(),
+        "dbeta": dbeta.reshape(beta.shape).bfloat16(),
         "dA_log": dA_log, "ddt_bias": ddt_bias,
     }
