@@ -18,6 +18,15 @@ outputs on the same inputs. The table is written to ``--out`` after every row.
 
     python benchmarks/bench_gates.py                                  # every row
     python benchmarks/bench_gates.py --shapes kimi_T4096_H32,gdn_T8192_H16_HV32
+    python benchmarks/bench_gates.py --train --shapes gdn_T8192_H16_HV32   # GatedDeltaNet fwd+bwd steps
+
+``--train`` times a training step on the GatedDeltaNet rows instead (the per-channel unbounded gates have no
+backward yet): q, k, v, g, beta, A_log, dt_bias and the initial state require grad; one step is the forward and
+``torch.autograd.backward((o, ht), (dO, dht))`` with fixed dO, dht, the gradients reset before each step; a peer
+that raises (FLA's GDN backward refuses Hopper with Triton < 3.7.1) is reported with its error, not timed; the
+rel-RMS columns then compare dq and dv with FLA's. ``--train --fla-unguarded`` turns that guard of FLA's off to
+time its backward all the same: speed only, since FLA says its gradients are wrong there (no rel-RMS column; the
+note says so).
 
 The FLA column is FLA's ``chunk_kda`` for the KDA rows and its ``chunk_gated_delta_rule`` for the GDN rows.
 """
@@ -155,6 +164,68 @@ def bench_row(name: str, gate: str, device: torch.device, warmup: int, rep: int)
     return row
 
 
+def unguard_fla_backward() -> str:
+    """Turn off FLA's refusal of its gated ``chunk_bwd_dqkwg`` on Hopper with Triton 3.4-3.7.0 (FLA #640: wrong
+    results there, not a crash), so that its backward can be timed; returns the note for the table."""
+    from fla.ops.common import chunk_o
+
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return "Triton guard (#640) off: speed only, its gradients are wrong on this Triton"
+
+
+def train_row(name: str, gate: str, device: torch.device, warmup: int, rep: int, fla_note: str | None = None) -> dict:
+    """One GatedDeltaNet row of ``--train``: the median fwd+bwd step per peer, or the error that stopped it;
+    ``fla_note``: FLA's guard is off (:func:`unguard_fla_backward`), so its gradients are not compared."""
+    inputs = gate_inputs(name, gate, device)
+    leaves = [n for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+              if isinstance(inputs.get(n), torch.Tensor) and inputs[n].is_floating_point()]
+    for n in leaves:
+        inputs[n] = inputs[n].detach().requires_grad_()
+    runs = peers(inputs, gate)
+    gen = torch.Generator(device=device).manual_seed(2)
+    do = torch.randn(inputs["v"].shape, generator=gen, device=device).bfloat16()
+    dht = torch.randn(inputs["initial_state"].shape, generator=gen, device=device)
+    row = {"shape": name, "gate": gate, "ms": {}, "err": None, "notes": {}}
+    grads = {}
+    for peer, fn in runs.items():
+        def step():
+            for n in leaves:
+                inputs[n].grad = None
+            o, state = fn()
+            torch.autograd.backward((o, state), (do, dht))
+        try:
+            step()  # compile / autotune outside the timing
+        except Exception as error:  # noqa: BLE001 - a peer that cannot train is reported, not timed
+            row["notes"][peer] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+            print(f"{name:18s} {gate:10s} {peer:14s} refused: {row['notes'][peer]}", file=sys.stderr)
+            continue
+        grads[peer] = (inputs["q"].grad.clone(), inputs["v"].grad.clone())
+        row["ms"][peer] = median_ms(step, warmup, rep)
+        print(f"{name:18s} {gate:10s} {peer:14s} {row['ms'][peer]:8.3f} ms / step", file=sys.stderr)
+    if fla_note is not None and "FLA chunk_kda" in row["ms"]:
+        row["notes"]["FLA chunk_kda"] = fla_note
+    elif len(grads) == 2:
+        (dq, dv), (dq_ref, dv_ref) = grads["cute_kda"], grads["FLA chunk_kda"]
+        row["err"] = (rel_rms(dq, dq_ref), rel_rms(dv, dv_ref))
+    del inputs, runs, grads
+    torch.cuda.empty_cache()
+    return row
+
+
+def train_markdown(rows: list[dict]) -> str:
+    head = ["shape", "gate", "cute_kda fwd+bwd (ms)", "FLA fwd+bwd (ms)", "cute_kda / FLA", "rel-RMS vs FLA: dq / dv",
+            "notes"]
+    table = []
+    for row in rows:
+        ms, fla = row["ms"], row["ms"].get("FLA chunk_kda")
+        ours = ms.get("cute_kda")
+        table.append([row["shape"], row["gate"], f"{ours:.3f}" if ours else "—", f"{fla:.3f}" if fla else "—",
+                      f"{ours / fla:.2f}×" if ours and fla else "—",
+                      f"{row['err'][0]:.1e} / {row['err'][1]:.1e}" if row["err"] else "—",
+                      "; ".join(f"{peer}: {note}" for peer, note in row["notes"].items()) or "—"])
+    return markdown_table(head, table)
+
+
 def markdown(rows: list[dict]) -> str:
     head = ["shape", "gate", "cute_kda (ms)", "FLA (ms)", "FLA / cute_kda", "rel-RMS vs FLA: o / state"]
     table = []
@@ -170,16 +241,30 @@ def markdown(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, ALL_SHAPES)
+    parser.add_argument("--train", action="store_true", help="time fwd+bwd steps on the GatedDeltaNet rows")
+    parser.add_argument("--fla-unguarded", action="store_true",
+                        help="with --train: time FLA's backward with its Triton guard (#640) off (speed only)")
     args = parser.parse_args()
+    if args.fla_unguarded and not args.train:
+        parser.error("--fla-unguarded goes with --train")
     if not torch.cuda.is_available():
         sys.exit("bench_gates needs a CUDA GPU (Hopper)")
     device = torch.device("cuda")
+    if args.train:
+        unfit = [name for name in args.shapes if not ROWS[name].startswith("gdn")]
+        if unfit:
+            sys.exit(f"--train times the GatedDeltaNet rows only (no backward for the per-channel gates yet): {unfit}")
     header = (f"{environment('cutlass', 'fla', 'triton')} · D={D}, fp32 state in/out (v-first), l2norm and β "
-              "logits in the kernels; ratios > 1 mean cute_kda is faster")
+              "logits in the kernels; " + ("fwd+bwd steps, every input requiring grad; ratios < 1 mean cute_kda is "
+                                           "faster" if args.train else "ratios > 1 mean cute_kda is faster"))
+    fla_note = unguard_fla_backward() if args.fla_unguarded else None
     rows = []
     for name in args.shapes:
-        rows.append(bench_row(name, ROWS[name], device, args.warmup, args.rep))
-        table = f"{header}\n\n{markdown(rows)}\n"
+        if args.train:
+            rows.append(train_row(name, ROWS[name], device, args.warmup, args.rep, fla_note))
+        else:
+            rows.append(bench_row(name, ROWS[name], device, args.warmup, args.rep))
+        table = f"{header}\n\n{(train_markdown if args.train else markdown)(rows)}\n"
         if args.out:
             Path(args.out).write_text(table)
     publish(table, args.out)

@@ -260,7 +260,7 @@ def _forward(
             autograd.KERNELS, problem, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
             lower_bound=lower_bound, initial_state=initial_state, output_final_state=output_final_state,
             cu_seqlens=cu_seqlens, out=out, final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm,
-            beta_logits=beta_logits, recompute=recompute,
+            beta_logits=beta_logits, recompute=recompute, gate=gate,
         )
     validation.check_on_cuda("q", q)
     device = q.device

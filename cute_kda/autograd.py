@@ -55,7 +55,9 @@ class Inputs(NamedTuple):
 
     q, k, g bf16 ``[B, T, H, K]``; v bf16 ``[B, T, H, V]``; beta bf16 ``[B, T, H]``; A_log fp32 ``[H]``;
     dt_bias fp32 ``[H, K]``; initial_state None or bf16 / fp32 ``[N, H, V, K]``; cu_seqlens None or
-    int64 ``[N+1]`` (on q's device for the kernels).
+    int64 ``[N+1]`` (on q's device for the kernels). A per-head gate (GatedDeltaNet): v, beta, the states with
+    HV value heads (a multiple of q's H), g ``[B, T, HV]`` (bf16, or an fp32 log decay), A_log, dt_bias
+    ``[HV]`` (None for the log decay).
     """
 
     q: torch.Tensor
@@ -63,8 +65,8 @@ class Inputs(NamedTuple):
     v: torch.Tensor
     g: torch.Tensor
     beta: torch.Tensor
-    A_log: torch.Tensor
-    dt_bias: torch.Tensor
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
     initial_state: torch.Tensor | None
     cu_seqlens: torch.Tensor | None
 
@@ -81,6 +83,7 @@ class Options(NamedTuple):
     final_state_dtype: torch.dtype | None
     vsplit: int | None
     recompute: bool = False
+    gate: str = "safe"  # or, with a per-head g [B, T, HV], "softplus" / "none" (GatedDeltaNet)
 
 
 class Saved(NamedTuple):
@@ -117,7 +120,8 @@ class ScanResult(NamedTuple):
 
 class GradsResult(NamedTuple):
     """Kernel B: dq, dk, dg bf16 ``[B, T, H, K]``; dbeta bf16 ``[B, T, H]``; dA_log fp32 ``[H]``;
-    ddt_bias fp32 ``[H, K]``."""
+    ddt_bias fp32 ``[H, K]``. A per-head gate: dq, dk summed over each group of value heads; dg ``[B, T, HV]`` in
+    g's dtype; dbeta ``[B, T, HV]``; dA_log, ddt_bias ``[HV]`` (None for the log decay)."""
 
     dq: torch.Tensor
     dk: torch.Tensor
@@ -143,11 +147,12 @@ class Backend(NamedTuple):
     grads: Callable[..., GradsResult]
 
 
-def problem_of(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ProblemShape:
-    """The :class:`~cute_kda.validation.ProblemShape` of validated ``q`` ``[B, T, H, K]`` and ``cu_seqlens``."""
-    batch, seq_len, heads, dim = q.shape
+def problem_of(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ProblemShape:
+    """The :class:`~cute_kda.validation.ProblemShape` of validated ``q`` ``[B, T, H, K]``, ``v`` ``[B, T, HV, V]``
+    (its heads are the problem's: the states and the workspace are per value head) and ``cu_seqlens``."""
+    batch, seq_len, _, dim = q.shape
     num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return ProblemShape(batch, seq_len, heads, dim, num_seqs, cu_seqlens is not None)
+    return ProblemShape(batch, seq_len, v.shape[2], dim, num_seqs, cu_seqlens is not None)
 
 
 def workspace_spec(problem: ProblemShape) -> WorkspaceSpec:
@@ -213,6 +218,7 @@ def _kernel_forward(x: Inputs, options: Options) -> ForwardResult:
     k1.prepare(
         x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, saved_ws, scale=options.scale, lower_bound=options.lower_bound,
         cu_seqlens=x.cu_seqlens, tile_base=tile_base, qk_l2norm=config.qk_l2norm, beta_logits=config.beta_logits,
+        gate=options.gate,
     )
     k1.forget_launch_tiles()  # K1 keeps the arguments of the last workspace it saw: not this one's memory
     k2.recurrence(
@@ -240,18 +246,38 @@ def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, s
     from .ops import bwd_grads as kb
 
     ws = workspace_of(options, saved)
-    ddt_shape, dalog_shape = kb.gate_partials_shapes(ws, options.problem.heads)
-    ddt_partial = torch.empty(ddt_shape, dtype=torch.float32, device=do.device)
-    dalog_partial = torch.empty(dalog_shape, dtype=torch.float32, device=do.device)
-    dq, dk, dg, dbeta = (torch.empty_like(t) for t in (x.q, x.k, x.g, x.beta))
+    per_head = options.gate != "safe"  # GatedDeltaNet's per-head gate (check_trainable admits no other)
+    ddt_shape, dalog_shape = kb.gate_partials_shapes(ws, options.problem.heads, per_head)
+    constants = options.gate != "none"  # a log decay has no A_log / dt_bias
+    ddt_partial = torch.empty(ddt_shape, dtype=torch.float32, device=do.device) if constants else None
+    dalog_partial = torch.empty(dalog_shape, dtype=torch.float32, device=do.device) if constants else None
+    if per_head:  # dq, dk per value head (summed over each group below), dg in fp32
+        dq, dk = torch.empty_like(x.v), torch.empty_like(x.v)
+        dg = torch.empty(x.g.shape, dtype=torch.float32, device=do.device)
+    else:
+        dq, dk, dg = (torch.empty_like(t) for t in (x.q, x.k, x.g))
+    dbeta = torch.empty_like(x.beta)
     kb.bwd_grads(  # β enters through the workspace's activated ws.beta
         q=x.q, k=x.k, g=x.g, v=x.v, do=do, du=scan.du, ws=ws, states=saved.checkpoints,
         state_grads=scan.state_grads, A_log=x.A_log, dt_bias=x.dt_bias, dq=dq, dk=dk, dg=dg, dbeta=dbeta,
         ddt_partial=ddt_partial, dalog_partial=dalog_partial, scale=options.scale, lower_bound=options.lower_bound,
         cu_seqlens=x.cu_seqlens, tile_base=saved.tile_base, qk_l2norm=options.qk_l2norm,
-        beta_logits=options.beta_logits,
+        beta_logits=options.beta_logits, gate=options.gate,
     )
-    return GradsResult(dq, dk, dg, dbeta, dalog_partial.sum(1), ddt_partial.sum(1))
+    if per_head:
+        dq, dk = (group_sum(t, x.q.shape[2]) for t in (dq, dk))
+        dg = dg.to(x.g.dtype)
+    return GradsResult(dq, dk, dg, dbeta, None if dalog_partial is None else dalog_partial.sum(1),
+                       None if ddt_partial is None else ddt_partial.sum(1))
+
+
+def group_sum(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """bf16 ``[B, T, HV, D]`` summed over each group of ``HV / heads`` value heads in fp32: ``[B, T, heads, D]``
+    bf16 (the per-value-head dq, dk of grouped value heads; deterministic, no atomics)."""
+    batch, steps, value_heads, dim = t.shape
+    if value_heads == heads:
+        return t
+    return t.float().view(batch, steps, heads, value_heads // heads, dim).sum(3).bfloat16()
 
 
 KERNELS = Backend("kernels", _kernel_forward, _kernel_scan, _kernel_grads)
@@ -267,11 +293,20 @@ def _reference_forward(x: Inputs, options: Options) -> ForwardResult:
     with checkpoints (without them under ``options.recompute``); slots the kernels leave unwritten are NaN."""
     from .reference import mirror_prepare, mirror_recurrence, tile_bases
 
+    from .reference import mirror_prepare_gates
+
     problem = options.problem
-    mirrored = mirror_prepare(
-        x.q, x.k, x.g, x.beta, A_log=x.A_log, dt_bias=x.dt_bias, lower_bound=options.lower_bound,
-        scale=options.scale, cu_seqlens=x.cu_seqlens, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
-    )
+    if options.gate == "safe":
+        mirrored = mirror_prepare(
+            x.q, x.k, x.g, x.beta, A_log=x.A_log, dt_bias=x.dt_bias, lower_bound=options.lower_bound,
+            scale=options.scale, cu_seqlens=x.cu_seqlens, qk_l2norm=options.qk_l2norm,
+            beta_logits=options.beta_logits,
+        )
+    else:  # K1's per-head scheme (the only unbounded gate that trains)
+        mirrored = mirror_prepare_gates(
+            x.q, x.k, x.g, x.beta, gate=options.gate, A_log=x.A_log, dt_bias=x.dt_bias, scale=options.scale,
+            cu_seqlens=x.cu_seqlens, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits, scheme="per_head",
+        )
     buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=x.q.device)
     ws = workspace_views(workspace_spec(problem), buffer)
     for field, value in zip(ws, mirrored):
@@ -303,9 +338,19 @@ def _reference_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor,
 
 
 def _reference_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult) -> GradsResult:
-    """:func:`~cute_kda.reference.backward.mirror_bwd_grads`."""
+    """:func:`~cute_kda.reference.backward.mirror_bwd_grads` (:func:`~cute_kda.reference.mirror_bwd_grads_gates`
+    for a per-head gate)."""
+    from .reference import mirror_bwd_grads_gates
     from .reference.backward import mirror_bwd_grads
 
+    if options.gate != "safe":
+        grads = mirror_bwd_grads_gates(
+            x.q, x.k, x.g, x.beta, x.v, do, scan.du, workspace_of(options, saved), saved.checkpoints,
+            scan.state_grads, gate=options.gate, A_log=x.A_log, dt_bias=x.dt_bias, scale=options.scale,
+            cu_seqlens=x.cu_seqlens, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
+        )
+        return GradsResult(*(None if grads[n] is None else grads[n].contiguous()
+                             for n in ("dq", "dk", "dg", "dbeta", "dA_log", "ddt_bias")))
     result = mirror_bwd_grads(
         x.q, x.k, x.g, x.beta, x.v, do, scan.du, workspace_of(options, saved), saved.checkpoints, scan.state_grads,
         A_log=x.A_log, dt_bias=x.dt_bias, scale=options.scale, lower_bound=options.lower_bound,
@@ -322,15 +367,18 @@ REFERENCE = Backend("reference", _reference_forward, _reference_scan, _reference
 
 
 def check_trainable(gate: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> None:
-    """Refuse a training call the backward kernels do not cover yet: the unbounded gates (Kernel B's
-    intra-tile terms go through ``kinv``, which they never form), a per-head gate (g ``[B, T, HV]``), grouped
-    value heads (v with more heads than q: dq, dk summed over each group)."""
-    what = (f"gate={gate!r}" if gate != "safe" else "a per-head gate g [B, T, HV]" if g.dim() == 3
-            else "grouped value heads (HV != H)" if v.dim() == 4 and v.shape[2] != q.shape[2] else None)
+    """Refuse a training call the backward kernels do not cover yet: the per-channel unbounded gates (Kernel B's
+    intra-tile terms go through ``kinv``, which they never form; the dyadic Kernel B is not built) and grouped
+    value heads with a per-channel gate. What trains: the safe per-channel gate with HV = H, and GatedDeltaNet's
+    per-head gate (g ``[B, T, HV]``, gate "softplus" or "none"), grouped value heads included."""
+    per_head = isinstance(g, torch.Tensor) and g.dim() == 3 and gate != "safe"
+    what = (None if per_head else f"gate={gate!r} per channel (g [B, T, HV, K])" if gate != "safe"
+            else "grouped value heads (HV != H) with the safe gate"
+            if v.dim() == 4 and v.shape[2] != q.shape[2] else None)
     if what is not None:
         raise NotImplementedError(
-            f"{what} has no backward yet (only the safe per-channel gate with HV = H trains); run it under "
-            "torch.no_grad() / torch.inference_mode(), or detach its inputs"
+            f"{what} has no backward yet (the safe per-channel gate with HV = H and the per-head gates train); "
+            "run it under torch.no_grad() / torch.inference_mode(), or detach its inputs"
         )
 
 
@@ -413,12 +461,13 @@ def train(
     beta: torch.Tensor, *, scale: float | None, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
     initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None,
     out: torch.Tensor | None, final_state: torch.Tensor | None, vsplit: int | None, qk_l2norm: bool,
-    beta_logits: bool, recompute: bool = False,
+    beta_logits: bool, recompute: bool = False, gate: str = "safe",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recorded training call on arguments that :func:`~cute_kda.validation.validate_forward` accepted
-    (``problem`` is its result); :func:`cute_kda.kda_forward`'s contract otherwise."""
+    (``problem`` is its result) and :func:`check_trainable` admits; :func:`cute_kda.kda_forward`'s contract
+    otherwise."""
     validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
-    validation.check_training_size(q)
+    validation.check_training_size(v, "v")  # v, dq and dk per value head: the largest per-token tensors
     cu_seqlens = staged_cu_seqlens(cu_seqlens, q)
     final_state_dtype = None
     if output_final_state:
@@ -426,7 +475,7 @@ def train(
     options = Options(
         problem=problem, scale=float(problem.head_dim ** -0.5 if scale is None else scale),
         lower_bound=float(lower_bound), qk_l2norm=bool(qk_l2norm), beta_logits=bool(beta_logits),
-        final_state_dtype=final_state_dtype, vsplit=vsplit, recompute=bool(recompute),
+        final_state_dtype=final_state_dtype, vsplit=vsplit, recompute=bool(recompute), gate=gate,
     )
     return TrainingForward.apply(backend, options, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
 
@@ -442,7 +491,8 @@ def kda_forward(
 
     Same arguments, checks and results as :func:`cute_kda.kda_forward` (which calls :func:`train` with
     :data:`KERNELS`); always recorded by autograd, whatever requires grad. For the references:
-    ``backend=REFERENCE`` runs on any device. ``gate``: the safe gate only (the others raise).
+    ``backend=REFERENCE`` runs on any device. ``gate``: the safe gate, or "softplus" / "none" with a per-head g
+    (the others raise, :func:`check_trainable`).
     """
     problem = validation.validate_forward(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
@@ -454,4 +504,5 @@ def kda_forward(
         backend, problem, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens, out=out,
         final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute,
+        gate=gate,
     )

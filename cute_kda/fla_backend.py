@@ -16,9 +16,8 @@ module registers :class:`CuteKDABackend` there:
 - **opt-out** ``FLA_CUTE_KDA=0`` (read by FLA on every call).
 
 The same backend serves FLA's ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (GatedDeltaNet) through
-FLA's ``gated_delta_rule`` registry, for inference: its verifier :func:`verify_gdn` accepts what
-``cute_kda.chunk_gated_delta_rule`` computes and refuses calls that need a backward (not built for the
-per-head gate yet). There it runs at **priority 4**: behind FlashQLA's 3 (Qwen's TileLang kernels, which we
+FLA's ``gated_delta_rule`` registry, inference and training: its verifier :func:`verify_gdn` accepts what
+``cute_kda.chunk_gated_delta_rule`` computes. There it runs at **priority 4**: behind FlashQLA's 3 (Qwen's TileLang kernels, which we
 have not measured against), ahead of FLA's own Triton kernels.
 
 Registration happens on ``import cute_kda`` when FLA is installed: at once for each of ``fla.ops.kda`` and

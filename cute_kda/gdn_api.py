@@ -217,8 +217,9 @@ def chunk_gated_delta_rule(
     ``q``'s framework, computed by K1 (one decay per head on every channel, overflow-free for any gate value)
     and K2 on the current stream, with no host synchronisation.
 
-    Inference only for now: inputs that require grad raise ``NotImplementedError`` (FLA's own GDN backward
-    refuses to run on Hopper with Triton < 3.7.1, its issue #640). Flags as :func:`translate_fla_gdn_call`.
+    Training: inputs that require grad get the backward of :mod:`cute_kda.autograd` (Kernel B's per-head form; dq,
+    dk summed over each group of value heads), eagerly or under torch.compile (the training ops of
+    :mod:`cute_kda.torch_ops`). Flags as :func:`translate_fla_gdn_call`.
     """
     as_torch = interop.as_torch
     call = translate_fla_gdn_call(

@@ -89,22 +89,23 @@ def _stages() -> autograd.Backend:
 @torch.library.custom_op(TRAIN_OP_NAME, mutates_args=())
 def forward_train_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    A_log: torch.Tensor, dt_bias: torch.Tensor, initial_state: Optional[torch.Tensor],
+    A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor], scale: float, lower_bound: float, final_state_dtype: Optional[torch.dtype],
-    vsplit: int, qk_l2norm: bool, beta_logits: bool, recompute: bool,
+    vsplit: int, qk_l2norm: bool, beta_logits: bool, recompute: bool, gate: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The training forward (arguments as :func:`forward_op`, and ``recompute``: keep nothing for the
-    backward, which recomputes it). Returns out bf16 ``[B, T, H, V]``, the final state ``[N, H, V, K]``
-    (empty when ``final_state_dtype`` is None), the flat uint8 workspace ``[WorkspaceSpec.nbytes]``, the
-    checkpoints bf16 ``[H · slots, K, V]`` (both empty under ``recompute``) and ``tile_base`` int32
-    ``[N+1]`` (empty for fixed length)."""
+    backward, which recomputes it; ``gate`` as :func:`cute_kda.autograd.check_trainable` admits). Returns out bf16
+    ``[B, T, HV, V]``, the final state ``[N, HV, V, K]`` (empty when ``final_state_dtype`` is None), the flat uint8
+    workspace ``[WorkspaceSpec.nbytes]``, the checkpoints bf16 ``[HV · slots, K, V]`` (both empty under
+    ``recompute``) and ``tile_base`` int32 ``[N+1]`` (empty for fixed length)."""
     problem = validation.validate_forward(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-        initial_state=initial_state, cu_seqlens=cu_seqlens, vsplit=vsplit or None,
+        initial_state=initial_state, cu_seqlens=cu_seqlens, vsplit=vsplit or None, gate=gate,
     )
+    autograd.check_trainable(gate, q, v, g)
     x = autograd.Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, autograd.staged_cu_seqlens(cu_seqlens, q))
     options = autograd.Options(problem, scale, lower_bound, qk_l2norm, beta_logits, final_state_dtype, vsplit or None,
-                               recompute)
+                               recompute, gate)
     result = _stages().forward(x, options)
     saved = result.saved
     workspace = q.new_empty((0,), dtype=torch.uint8) if saved.workspace is None else saved.workspace
@@ -117,8 +118,8 @@ def forward_train_op(
 
 @forward_train_op.register_fake
 def _forward_train_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
-                        final_state_dtype, vsplit, qk_l2norm, beta_logits, recompute):
-    problem = autograd.problem_of(q, cu_seqlens)
+                        final_state_dtype, vsplit, qk_l2norm, beta_logits, recompute, gate):
+    problem = autograd.problem_of(q, v, cu_seqlens)
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     state = q.new_empty((0,)) if final_state_dtype is None else q.new_empty(_state_shape(q, v, cu_seqlens),
                                                                              dtype=final_state_dtype)
@@ -131,21 +132,23 @@ def _forward_train_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
 @torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
 def backward_op(
     do: torch.Tensor, dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    g: torch.Tensor, beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    g: torch.Tensor, beta: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
     initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], workspace: torch.Tensor,
     checkpoints: torch.Tensor, tile_base: Optional[torch.Tensor], scale: float, lower_bound: float, qk_l2norm: bool,
-    beta_logits: bool, dh0_dtype: Optional[torch.dtype], token_grads: bool, recompute: bool,
+    beta_logits: bool, dh0_dtype: Optional[torch.dtype], token_grads: bool, recompute: bool, gate: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     """The backward of :func:`forward_train_op`: do bf16 ``[B, T, H, V]``; dht None or ``[N, H, V, K]``;
     the forward's inputs (``initial_state`` read only under ``recompute``) and saved outputs (``tile_base``
     None for fixed length; workspace and checkpoints empty under ``recompute``). Returns dq, dk, dv, dg,
     dbeta, dA_log, ddt_bias, dh0 in their inputs' shapes and dtypes; dq, dk, dg, dbeta, dA_log, ddt_bias
-    are empty unless ``token_grads``, dh0 unless ``dh0_dtype`` (then ``[N, H, V, K]`` in it)."""
-    problem = autograd.problem_of(q, cu_seqlens)
+    are empty unless ``token_grads``, dh0 unless ``dh0_dtype`` (then ``[N, HV, V, K]`` in it); dA_log, ddt_bias
+    empty for the log decay (gate "none", no A_log / dt_bias)."""
+    problem = autograd.problem_of(q, v, cu_seqlens)
     x = autograd.Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, autograd.staged_cu_seqlens(cu_seqlens, q))
-    options = autograd.Options(problem, scale, lower_bound, qk_l2norm, beta_logits, None, None, recompute)
-    needs = (token_grads, token_grads, True, token_grads, token_grads, token_grads, token_grads, dh0_dtype is not None)
+    options = autograd.Options(problem, scale, lower_bound, qk_l2norm, beta_logits, None, None, recompute, gate)
+    constants = token_grads and A_log is not None
+    needs = (token_grads, token_grads, True, token_grads, token_grads, constants, constants, dh0_dtype is not None)
     saved = autograd.Saved(None, None, tile_base) if recompute else autograd.Saved(workspace, checkpoints, tile_base)
     grads = autograd.backward(_stages(), x, options, saved, do, dht, needs, dh0_dtype)
     return tuple(q.new_empty((0,)) if grad is None else grad for grad in grads)
@@ -153,26 +156,28 @@ def backward_op(
 
 @backward_op.register_fake
 def _backward_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, workspace, checkpoints,
-                   tile_base, scale, lower_bound, qk_l2norm, beta_logits, dh0_dtype, token_grads, recompute):
-    def like(t: torch.Tensor, wanted: bool) -> torch.Tensor:
-        return torch.empty_like(t, memory_format=torch.contiguous_format) if wanted else q.new_empty((0,))
+                   tile_base, scale, lower_bound, qk_l2norm, beta_logits, dh0_dtype, token_grads, recompute, gate):
+    def like(t: torch.Tensor | None, wanted: bool) -> torch.Tensor:
+        if t is None or not wanted:
+            return q.new_empty((0,))
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
 
     dh0 = q.new_empty((0,)) if dh0_dtype is None else q.new_empty(_state_shape(q, v, cu_seqlens), dtype=dh0_dtype)
     return (like(q, token_grads), like(k, token_grads), like(v, True), like(g, token_grads), like(beta, token_grads),
             like(A_log, token_grads), like(dt_bias, token_grads), dh0)
 
 
-_TRAIN_INPUTS = 16  # arguments of forward_train_op
+_TRAIN_INPUTS = 17  # arguments of forward_train_op
 
 
 def _setup_train_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound = inputs[:11]
-    qk_l2norm, beta_logits, recompute = inputs[13:]
+    qk_l2norm, beta_logits, recompute, gate = inputs[13:]
     _, _, workspace, checkpoints, tile_base = output
     ctx.mark_non_differentiable(workspace, checkpoints, tile_base)
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state if recompute else None, cu_seqlens,
                           workspace, checkpoints, tile_base)
-    ctx.options = (scale, lower_bound, qk_l2norm, beta_logits, recompute)
+    ctx.options = (scale, lower_bound, qk_l2norm, beta_logits, recompute, gate)
     ctx.initial_state_dtype = None if initial_state is None else initial_state.dtype
 
 
@@ -181,11 +186,11 @@ def _train_backward(ctx: Any, d_out: torch.Tensor, d_final: torch.Tensor, *_: An
     q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, workspace, checkpoints, tile_base = ctx.saved_tensors
     needs = ctx.needs_input_grad
     dh0_dtype = ctx.initial_state_dtype if needs[7] else None
-    scale, lower_bound, qk_l2norm, beta_logits, recompute = ctx.options
+    scale, lower_bound, qk_l2norm, beta_logits, recompute, gate = ctx.options
     grads = backward_op(
         d_out, d_final if d_final.numel() else None, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
         workspace, checkpoints, tile_base if tile_base.numel() else None, scale, lower_bound, qk_l2norm, beta_logits,
-        dh0_dtype, any(needs[i] for i in autograd.KERNEL_B_INPUTS), recompute,
+        dh0_dtype, any(needs[i] for i in autograd.KERNEL_B_INPUTS), recompute, gate,
     )
     return (*(grad if need else None for grad, need in zip(grads, needs[:8])), *(None,) * (_TRAIN_INPUTS - 8))
 
@@ -221,7 +226,7 @@ def kda_forward(
     arguments = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, float(scale), float(lower_bound),
                  state_dtype, vsplit or 0, bool(qk_l2norm), bool(beta_logits))
     if training:
-        o, state, *_ = forward_train_op(*arguments, bool(recompute))
+        o, state, *_ = forward_train_op(*arguments, bool(recompute), gate)
     else:
         o, state = forward_op(*arguments, gate)
     if out is not None:

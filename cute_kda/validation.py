@@ -234,13 +234,13 @@ def needs_autograd(*tensors: object) -> bool:
 
 
 
-def check_training_size(q: torch.Tensor) -> None:
+def check_training_size(tensor: torch.Tensor, name: str = "q") -> None:
     """A training call's per-token tensors must have at most 2^31 elements (B·T·H·K): Kernel B's stores
     of dq, dk, dg and dβ compute 32-bit element offsets, which would wrap past that."""
-    if q.numel() > TOKEN_ELEMENTS_LIMIT:
+    if tensor.numel() > TOKEN_ELEMENTS_LIMIT:
         raise NotImplementedError(
-            f"training calls need B·T·H·K ≤ 2^31 elements per tensor (Kernel B's 32-bit offsets); q has "
-            f"{q.numel()}: split the batch"
+            f"training calls need B·T·H·K ≤ 2^31 elements per tensor (Kernel B's 32-bit offsets); {name} has "
+            f"{tensor.numel()}: split the batch"
         )
 
 

@@ -54,3 +54,48 @@ def test_table(bench):
     table = bench.markdown(rows).splitlines()
     assert "2.00×" in table[2] and "1.0e-03 / 2.0e-03" in table[2]
     assert table[3].count("—") == 3
+
+
+def test_train_table_reports_a_peer_that_cannot_train(bench):
+    rows = [dict(shape="gdn_T8192_H16_HV32", gate="gdn_softplus", ms={"cute_kda": 2.0, "FLA chunk_kda": 4.0},
+                 err=(3e-3, 4e-3), notes={}),
+            dict(shape="gdn_varlen6_H16_HV32", gate="gdn_log_decay", ms={"cute_kda": 1.5}, err=None,
+                 notes={"FLA chunk_kda": "RuntimeError: refused"})]
+    table = bench.train_markdown(rows).splitlines()
+    assert "0.50×" in table[2] and "3.0e-03 / 4.0e-03" in table[2]
+    assert "FLA chunk_kda: RuntimeError: refused" in table[3] and "1.500" in table[3]
+
+
+def test_train_steps_on_the_cpu_through_a_stand_in(bench, monkeypatch):
+    """``train_row``'s step on the CPU: every floating input a leaf, fwd+bwd per call, a raising peer noted."""
+    monkeypatch.setitem(bench.GDN_SHAPES, "tiny", ((20,), 1, 2))
+    monkeypatch.setitem(bench.ROWS, "tiny", "gdn_softplus")
+
+    def differentiable(**kwargs):
+        o = kwargs["v"] * kwargs["q"].sum() + kwargs["g"].sum() + kwargs["A_log"].sum() + kwargs["dt_bias"].sum()
+        return o, kwargs["initial_state"] * kwargs["beta"].sum()
+
+    def refuses(**kwargs):
+        raise RuntimeError("no backward here")
+
+    monkeypatch.setattr(bench, "peers", lambda inputs, gate: {"cute_kda": lambda: differentiable(**inputs),
+                                                               "FLA chunk_kda": lambda: refuses(**inputs)})
+    monkeypatch.setattr(bench, "median_ms", lambda fn, warmup, rep: (fn(), 1.25)[1])
+    row = bench.train_row("tiny", "gdn_softplus", torch.device("cpu"), 1, 1)
+    assert row["ms"] == {"cute_kda": 1.25} and row["notes"]["FLA chunk_kda"].startswith("RuntimeError")
+
+
+def test_train_row_with_fla_unguarded_times_without_comparing(bench, monkeypatch):
+    """With FLA's Triton guard off its gradients are not trusted: timed, noted, no rel-RMS."""
+    monkeypatch.setitem(bench.GDN_SHAPES, "tiny", ((20,), 1, 2))
+    monkeypatch.setitem(bench.ROWS, "tiny", "gdn_softplus")
+
+    def differentiable(**kwargs):
+        return kwargs["v"] * kwargs["q"].sum(), kwargs["initial_state"] * kwargs["beta"].sum()
+
+    monkeypatch.setattr(bench, "peers", lambda inputs, gate: {"cute_kda": lambda: differentiable(**inputs),
+                                                               "FLA chunk_kda": lambda: differentiable(**inputs)})
+    monkeypatch.setattr(bench, "median_ms", lambda fn, warmup, rep: (fn(), 1.25)[1])
+    row = bench.train_row("tiny", "gdn_softplus", torch.device("cpu"), 1, 1, fla_note="guard off: speed only")
+    assert row["ms"] == {"cute_kda": 1.25, "FLA chunk_kda": 1.25} and row["err"] is None
+    assert "FLA chunk_kda: guard off: speed only" in bench.train_markdown([row])

@@ -15,12 +15,13 @@ import pytest
 import torch
 from test_fwd_recurrence import STATE, _assert_guards_untouched, _guarded, _problem
 
+from cute_kda import autograd
 from cute_kda.dsl import cute
 from cute_kda.kernels.bwd_grads import BwdGrads
 from cute_kda.layouts import bwd_grads as plan
 from cute_kda.ops import bwd_grads as kb
 from cute_kda.ops._cache import to_cute_tensor
-from cute_kda.workspace import WorkspaceSpec, block_states_shape, workspace_views
+from cute_kda.workspace import WorkspaceSpec, block_states_shape, tiles_per_head, workspace_views
 
 D = 128
 CHUNK = 16
@@ -30,6 +31,7 @@ CHUNK = 16
 TOL = {"dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dA_log": 2e-2,
        "ddt_bias": 8e-3}
 MIRROR_TOL = 2e-3  # rel-RMS vs the mirror on the same inputs (accumulation order, fp32 rounding)
+CHAIN_MIRROR_TOL = 5e-3  # rel-RMS of the kernels' whole chain vs a mirror that runs its own forward
 # (varlen, qk_l2norm, beta_logits, compute_warps): every flag combination at the default warps, one at 4
 VARIANTS = [(*flags, plan.DEFAULT_WARPS) for flags in itertools.product((False, True), (True, False), (True, False))]
 VARIANTS.append((False, True, True, 4))
@@ -109,6 +111,91 @@ def test_variant_compiles(variant):
     print(f"{variant}: {report.kernels[0].registers} registers, {report.launch_smem[0]} B smem")
 
 
+# a per-head gate (GatedDeltaNet): (varlen, gate, g dtype, grouped, qk_l2norm, beta_logits)
+PER_HEAD_VARIANTS = [
+    (False, "softplus", torch.bfloat16, True, True, True),
+    (True, "softplus", torch.bfloat16, False, True, True),
+    (True, "none", torch.float32, True, True, True),
+    (False, "none", torch.bfloat16, False, False, False),
+]
+
+
+def test_per_head_plan():
+    """The per-head gate's plan keeps two CTAs per SM; its TMA loads five token tiles (no gate tile) and the states."""
+    for warps in plan.COMPUTE_WARPS:
+        assert plan.per_head_smem_budget(warps).ctas_per_sm >= plan.CTAS_PER_SM
+    assert plan.load_bytes(per_head_gate=True) == 5 * CHUNK * D * 2 + 2 * D * D * 2
+    placed = plan.per_head_smem_budget(plan.DEFAULT_WARPS).buffers
+    for name in ("q", "k", "v", "do", "du", "state", "state_grad"):
+        assert placed[name].offset % 1024 == 0, name
+    assert placed["dot_q"].offset == placed["dbeta_w"].offset
+
+
+_LAUNCH_ORDER = ("q", "k", "g", "v", "do", "du", "A_log", "dt_bias", "ws", "states", "state_grads", "dq", "dk", "dg",
+                 "dbeta", "ddt_partial", "dalog_partial")  # kb.launch_arguments' positional tensors
+
+
+def _per_head_buffers(gate: str = "softplus", grouped: bool = True, varlen: bool = False,
+                      g_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """``bwd_grads``' keyword arguments for a per-head gate as CPU zeros: T = 40 tokens, HV = 2 value heads on 1
+    q/k head (2 without grouping); one sequence, or with ``varlen`` three packed ([20, 0, 20])."""
+    qk_heads, heads, T = (1 if grouped else 2), 2, 40
+    cu_seqlens = torch.tensor([0, 20, 20, 40]) if varlen else None
+    num_seqs = 3 if varlen else 1
+    qk = torch.zeros(1, T, qk_heads, D, dtype=torch.bfloat16)
+    tok = torch.zeros(1, T, heads, D, dtype=torch.bfloat16)
+    spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(T, num_seqs, varlen))
+    ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
+    states = torch.zeros(block_states_shape(ws, heads, num_seqs), dtype=torch.bfloat16)
+    ddt_shape, dalog_shape = kb.gate_partials_shapes(ws, heads, per_head_gate=True)
+    constants = gate != "none"
+    return dict(q=qk, k=qk, g=torch.zeros(1, T, heads, dtype=g_dtype), v=tok, do=tok, du=tok, ws=ws,
+                states=states, state_grads=states, A_log=torch.zeros(heads) if constants else None,
+                dt_bias=torch.zeros(heads) if constants else None, dq=tok.clone(), dk=tok.clone(),
+                dg=torch.zeros(1, T, heads), dbeta=torch.zeros(1, T, heads, dtype=torch.bfloat16),
+                ddt_partial=torch.zeros(ddt_shape) if constants else None,
+                dalog_partial=torch.zeros(dalog_shape) if constants else None, cu_seqlens=cu_seqlens,
+                tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32) if varlen else None, gate=gate, scale=0.1,
+                lower_bound=-5.0)
+
+
+@pytest.mark.parametrize("variant", PER_HEAD_VARIANTS, ids=lambda v: "{}-{}-{}-{}-{}".format(
+    "varlen" if v[0] else "fixed", v[1], str(v[2]).replace("torch.", ""), "grouped" if v[3] else "HV=H",
+    "l2norm_logits" if v[4] else "plain"))
+def test_per_head_variant_compiles(variant):
+    from cute_kda.compile_report import compile_with_report
+    from cute_kda.ops._cache import dsl_type
+
+    varlen, gate, g_dtype, grouped, qk_l2norm, beta_logits = variant
+    kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
+                      gate_dtype=dsl_type(g_dtype), per_head_gate=True, grouped=grouped)
+    buffers = _per_head_buffers(gate, grouped, varlen, g_dtype)
+    arguments = kb.launch_arguments(*(buffers[name] for name in _LAUNCH_ORDER), scale=D ** -0.5, lower_bound=-5.0,
+                                    cu_seqlens=buffers["cu_seqlens"], tile_base=buffers["tile_base"],
+                                    tensor=to_cute_tensor)
+    _, report = compile_with_report(kernel, *arguments, cute.runtime.make_fake_stream())
+    k_steps, band_atoms = D // CHUNK, D // plan.DEFAULT_WARPS // 8
+    # kd·S and INV·u per band; dO·Uᵀ, q̂k̂ᵀ (warp 0), du·Uᵀ, k̂k̂ᵀ (warp 1) at 16 columns; dqd, dkd, dkr per band
+    # and the pair terms: bf16(E ⊙ dMqk)·k̂ (1 k-step), [dP | dPᵀ | dPqᵀ]·[k̂; k̂; q̂] (3 k-steps)
+    mmas = (k_steps + 1) * band_atoms + 4 * k_steps * 2 + (3 * k_steps + 4) * band_atoms
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == mmas
+    assert report.count("cp.async.bulk.tensor") == 7  # q, k, v, dO, du and the two state matrices
+    assert report.has("mbarrier.try_wait") and report.has("mbarrier.arrive.expect_tx")
+    assert report.count("lg2.approx.f32") == (1 if gate == "softplus" else 0)  # the gate's softplus, one row a thread
+    assert not report.has("atom.") and not report.has("red.")  # no atomics: partial sums per tile
+    assert report.local_memory_ops == 0
+    assert len(report.kernels) == 1 and report.spills == 0 and report.kernels[0].stack_frame == 0
+    assert report.launch_smem == [plan.per_head_smem_budget(plan.DEFAULT_WARPS).total_bytes]
+    print(f"{variant}: {report.kernels[0].registers} registers, {report.launch_smem[0]} B smem")
+
+
+def test_per_channel_unbounded_gates_have_no_kernel_b_yet():
+    with pytest.raises(NotImplementedError, match="per-head unbounded gates"):
+        BwdGrads(varlen=False, gate="softplus")
+    with pytest.raises(NotImplementedError, match="grouped"):
+        BwdGrads(varlen=False, grouped=True)
+
+
 _CPU_HEADS, _CPU_SEQS, _CPU_T = 2, 2, 40
 
 
@@ -161,7 +248,7 @@ def test_launcher_keys_the_variant_and_builds_its_arguments(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=4)
     key, args = seen
-    assert key == (False, True, True, 4, 0)
+    assert key == (False, True, True, 4, "safe", torch.bfloat16, False, 0)
     assert len(args) == 10 and args[-1] == "stream" and args[6] == _CPU_T
     with pytest.raises(ValueError, match="compute_warps"):
         kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=2)
@@ -321,3 +408,150 @@ def test_deterministic_and_empty_slots_zero():
         assert torch.equal(first[name], second[name]), name
     tiles = sum(-(-n // CHUNK) for n in lengths)
     assert bool((first["ddt_partial"][:, tiles:] == 0).all()) and bool((first["dalog_partial"][:, tiles:] == 0).all())
+
+
+# ============================================================================ GPU: a per-head gate (GatedDeltaNet)
+
+# _backward_problem's cases of tests/test_reference_gates.py with a per-head gate, and two more shapes
+PER_HEAD_CASES = {
+    "softplus_gva_varlen": dict(kind="kimi_init", heads=2, value_heads=4, lengths=[40, 1, 60], seed=0),
+    "log_decay_masks_small_dht": dict(kind="masks", heads=1, value_heads=2, lengths=[96], seed=0, dht_scale=0.1),
+    "softplus_pm1000_T_under_16": dict(kind="pm1000", heads=2, value_heads=2, lengths=[13], seed=3),
+    "softplus_low_decay_varlen_empty": dict(kind="low_decay", heads=1, value_heads=2, lengths=[17, 0, 33, 1, 45],
+                                            seed=1),
+}
+
+
+# batch slices of guard on each side of the per-head outputs: eight keep the [B, T, HV] views 16-byte aligned (the
+# launchers' contract) whatever T·HV is
+GUARD = 8
+
+
+def _per_head_chain(case: str) -> tuple[dict, dict, tuple, dict]:
+    """The kernels' chain for a per-head gate — K1 (per-head scheme), K2 with per-tile checkpoints, Kernel A,
+    Kernel B — on one of :data:`PER_HEAD_CASES`; dq, dk summed over each group of value heads. Returns (the
+    gradients by the mirror's names, Kernel B's raw outputs, the inputs, the options)."""
+    from test_reference_gates import _backward_problem
+
+    from cute_kda.ops import bwd_scan as ka
+    from cute_kda.ops import prepare as k1
+    from cute_kda.ops import recurrence as k2
+    from cute_kda.workspace import allocate_workspace, tiles_per_head
+
+    spec = PER_HEAD_CASES[case]
+    tensors, options = _backward_problem(spec["kind"], **{n: x for n, x in spec.items() if n != "kind"},
+                                         per_head=True)
+    device = torch.device("cuda")
+    q, k, v, g, beta, do = (t.to(device) for t in tensors)
+    options = {n: (x.to(device) if isinstance(x, torch.Tensor) else x) for n, x in options.items()}
+    gate, A_log, dt_bias = options["gate"], options["A_log"], options["dt_bias"]
+    cu, h0, dht = options["cu_seqlens"], options["initial_state"], options["dht"]
+    B, T, H, _ = q.shape
+    HV = v.shape[2]
+    N = B if cu is None else cu.numel() - 1
+    scale = D ** -0.5
+    ws = allocate_workspace(WorkspaceSpec(heads=HV, tiles=tiles_per_head(B * T, N, cu is not None)), device)
+    tile_base = k1.tile_bases(cu) if cu is not None else None
+    k1.prepare(q, k, g, beta, A_log, dt_bias, ws, scale=scale, lower_bound=-5.0, cu_seqlens=cu, tile_base=tile_base,
+               gate=gate)
+    states = torch.full(block_states_shape(ws, HV, N), math.nan, dtype=torch.bfloat16, device=device)
+    k2.recurrence(v, ws, torch.empty_like(v), cu_seqlens=cu, tile_base=tile_base, initial_state=h0, final_state=None,
+                  checkpoints=states)
+    dv, du = torch.empty_like(do), torch.empty_like(do)
+    state_grads = torch.full_like(states, math.nan)
+    dh0 = torch.empty(N, HV, D, D, device=device)
+    ka.bwd_scan(do, ws, dv, du, state_grads, cu_seqlens=cu, tile_base=tile_base, dht=dht, dh0=dh0)
+    raw = {}
+    for name in ("dq", "dk"):
+        raw[name], raw[name + "_buf"] = _guarded((B, T, HV, D), torch.bfloat16, device, axis=0, pad=GUARD)
+    raw["dg"], raw["dg_buf"] = _guarded((B, T, HV), torch.float32, device, axis=0, pad=GUARD)
+    raw["dbeta"], raw["dbeta_buf"] = _guarded((B, T, HV), torch.bfloat16, device, axis=0, pad=GUARD)
+    ddt_shape, dalog_shape = kb.gate_partials_shapes(ws, HV, per_head_gate=True)
+    constants = gate != "none"
+    ddt = torch.full(ddt_shape, math.nan, device=device) if constants else None
+    dalog = torch.full(dalog_shape, math.nan, device=device) if constants else None
+    kb.bwd_grads(q, k, g, v, do, du, ws, states, state_grads, A_log, dt_bias, raw["dq"], raw["dk"], raw["dg"],
+                 raw["dbeta"], ddt, dalog, scale=scale, lower_bound=-5.0, cu_seqlens=cu, tile_base=tile_base, gate=gate)
+    torch.cuda.synchronize()
+    for name in ("dq", "dk", "dg", "dbeta"):
+        _assert_guards_untouched(raw.pop(name + "_buf"), axis=0, pad=GUARD)
+        assert not raw[name].isnan().any(), f"a {name} row was not written"
+    if constants:
+        assert not ddt.isnan().any() and not dalog.isnan().any(), "a partial-sum slot was not written"
+    grads = {"dq": autograd.group_sum(raw["dq"], H), "dk": autograd.group_sum(raw["dk"], H), "dv": dv, "dg": raw["dg"], "dbeta": raw["dbeta"],
+             "dh0": dh0, "dA_log": None if dalog is None else dalog.sum(1),
+             "ddt_bias": None if ddt is None else ddt.sum(1)}
+    raw.update(ddt_partial=ddt, dalog_partial=dalog, ws=ws, states=states, state_grads=state_grads, du=du)
+    return grads, raw, (q, k, v, g, beta, do), options
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(PER_HEAD_CASES))
+def test_per_head_gate_tracks_the_mirror_and_the_gold(case):
+    """Kernel B with a per-head gate: alone against its mirror ``mirror_bwd_grads_gates`` on the chain's own
+    workspace, states and du; the kernels' whole chain against ``mirror_backward_gates`` and against autograd
+    through the fp64 gold; masked entries (−1000) get dg = 0."""
+    from cute_kda.reference import gold_backward, mirror_backward_gates, mirror_bwd_grads_gates, rel_rms
+
+    grads, raw, tensors, options = _per_head_chain(case)
+    q, k, v, g, beta, do = tensors
+    stage = mirror_bwd_grads_gates(q, k, g, beta, v, do, raw["du"], raw["ws"], raw["states"], raw["state_grads"],
+                                   gate=options["gate"], A_log=options["A_log"], dt_bias=options["dt_bias"],
+                                   scale=D ** -0.5, cu_seqlens=options["cu_seqlens"])
+    alone = {n: rel_rms(grads[n].float(), stage[n].float()) for n in ("dq", "dk", "dg", "dbeta", "dA_log", "ddt_bias")
+             if stage[n] is not None}
+    print(f"{case}: Kernel B vs its mirror " + ", ".join(f"{n} {e:.2e}" for n, e in alone.items()))
+    assert all(e <= MIRROR_TOL for e in alone.values()), alone
+    mirror = mirror_backward_gates(*tensors, scale=D ** -0.5, **options)
+    gold = gold_backward(*tensors, scale=D ** -0.5, **options)
+    names = [n for n in ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias") if grads[n] is not None]
+    vs_mirror = {n: rel_rms(grads[n].float(), mirror[n].float()) for n in names}
+    vs_gold = {n: rel_rms(grads[n].float(), gold[n].float()) for n in names}
+    print(f"{case}: vs mirror " + ", ".join(f"{n} {e:.2e}" for n, e in vs_mirror.items())
+          + "; vs gold " + ", ".join(f"{n} {e:.2e}" for n, e in vs_gold.items()))
+    targets = {**TOL, "dA_log": 8e-3}  # issue 10's targets
+    # the mirror runs its own forward (INV, Mqk within one bf16 ULP of K1's), so the bound is the chain's, not
+    # Kernel B's alone; a structural error shows as O(1)
+    assert all(e <= CHAIN_MIRROR_TOL for n, e in vs_mirror.items() if n not in ("dA_log", "ddt_bias")), vs_mirror
+    assert all(e <= targets[n] for n, e in vs_gold.items()), vs_gold
+    g = tensors[3]
+    masked = g == -1000.0
+    if masked.any():
+        assert torch.equal(grads["dg"][masked], torch.zeros(int(masked.sum()), device=g.device))
+
+
+@pytest.mark.gpu
+def test_per_head_gate_is_deterministic():
+    first = _per_head_chain("softplus_gva_varlen")
+    second = _per_head_chain("softplus_gva_varlen")
+    for name in ("dq", "dk", "dg", "dbeta", "ddt_partial", "dalog_partial"):
+        assert torch.equal(first[1][name], second[1][name]), name
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(g=torch.zeros(1, 40, 2, D, dtype=torch.bfloat16)), "g must be"),  # a per-channel g with a per-head gate
+    (dict(dg=torch.zeros(1, 40, 2, dtype=torch.bfloat16)), "dg must be float32"),  # dg is fp32 per (token, head)
+    (dict(dq=torch.zeros(1, 40, 1, D, dtype=torch.bfloat16)), "dq must be"),  # dq per value head
+    (dict(ddt_partial=torch.zeros(2, 3, D)), "ddt_partial must be"),  # per head, not per channel
+    (dict(gate="none"), "pass ddt_partial=dalog_partial=None"),  # a log decay has no partial sums
+    (dict(gate="safe"), "grouped value heads need a per-head gate"),
+])
+def test_per_head_launcher_rejects_mismatched_buffers(change, words):
+    kwargs = {**_per_head_buffers(), **change}
+    with pytest.raises(ValueError, match=words):
+        kb.bwd_grads(**kwargs)
+
+
+def test_per_head_launcher_keys_the_variant(monkeypatch):
+    seen = []
+    monkeypatch.setattr(kb, "compiled_variant", lambda key, tensors, options, stream: seen.append(key) or (
+        lambda *args: seen.append(args)))
+    monkeypatch.setattr(kb, "current_stream", lambda device: "stream")
+    monkeypatch.setattr(kb, "device_index", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    kb.bwd_grads(**_per_head_buffers("none"))
+    key, args = seen
+    assert key == (False, True, True, plan.DEFAULT_WARPS, "none", torch.bfloat16, True, 0)
+    inputs, outputs = args[0], args[3]
+    assert inputs.a_log is None and inputs.dt_bias is None and outputs.ddt_partial is None
+    assert tuple(inputs.g.shape) == (40, 2) and tuple(outputs.dq.shape) == (40, 2, D)

@@ -24,6 +24,14 @@ checkpoint) and the gradient ``dS'`` leaving it (Kernel A's snapshot), both ``[K
    (dg, and the tile's partial sums of ddt_bias and dA_log); per row, dβ.
 
 Rows past the end of the sequence are invalid: masked to zero on entry, never written.
+
+A per-head gate (GatedDeltaNet: ``per_head_gate=True``, gate ``"softplus"`` or ``"none"``, optionally grouped value
+heads) runs the plan of docs/numerics.md, "Kernel B for a per-head gate": phase 2 recomputes K1's per-head
+scheme (one decay per row, the pair decays E, the bf16 rows q̂, k̂), the kinv products give way to the pair
+terms ``bf16(E ⊙ dMqk)``, ``bf16(E ⊙ β·dL)`` against q̂, k̂, and phase 6 runs one thread per row: dγ from the row
+sums over the channels and the head's crossing pair sums, then the gate backward per (token, head). dq and dk are
+written per value head; grouped heads sum them afterwards. Shared-memory plan:
+``cute_kda.layouts.bwd_grads.per_head_smem_budget``.
 """
 
 from __future__ import annotations
@@ -37,9 +45,9 @@ from cutlass.memory import SmemAllocator
 from ..dsl import cute, cutlass
 from ..layouts import bwd_grads as plan
 from ..layouts.budget import SMEM_CARVEOUT_PERCENT
-from ..layouts.fwd_prepare import chunk_tile, compact, gate_cumsum_tile
+from ..layouts.fwd_prepare import chunk_tile, compact, gate_cumsum_tile, pair_matrix
 from ..layouts.smem import CHUNK, HEAD_DIM, square_tile, square_tile_transposed, sw128_tile_transposed
-from ..numerics import LN2, LOG2E
+from ..numerics import GATES, LN2, LOG2E
 from .common.copy import (
     WARP_TILE,
     Operand,
@@ -54,22 +62,23 @@ from .common.copy import (
     warp_tiled_mma,
 )
 from .common.fastmath import ex2_approx
-from .common.token_prep import ROW_LANES, TokenPrep
+from .common.token_prep import ROW_LANES, ROW_SUMS_THREAD, TokenPrep
 
 K_STEPS = HEAD_DIM // WARP_TILE  # 16-wide contraction steps over a full head dimension
 
 
 class GradsInputs(NamedTuple):
-    """Per-token inputs, tokens flattened (``rows = B·T``); validated by the launcher."""
+    """Per-token inputs, tokens flattened (``rows = B·T``); validated by the launcher. ``HV`` value heads (= H
+    unless grouped); a per-head gate's g, A_log, dt_bias are per value head (A_log, dt_bias None for gate "none")."""
 
     q: cute.Tensor  # bf16 [rows, H, D], raw
     k: cute.Tensor  # bf16 [rows, H, D], raw
-    g: cute.Tensor  # bf16 [rows, H, D], raw gate
-    v: cute.Tensor  # bf16 [rows, H, D]
-    do: cute.Tensor  # bf16 [rows, H, D]
-    du: cute.Tensor  # bf16 [rows, H, D], Kernel A's
-    a_log: cute.Tensor  # fp32 [H]
-    dt_bias: cute.Tensor  # fp32 [H, D]
+    g: cute.Tensor  # bf16 [rows, H, D], raw gate; per-head gate: [rows, HV] (bf16, or fp32 log decay)
+    v: cute.Tensor  # bf16 [rows, HV, D]
+    do: cute.Tensor  # bf16 [rows, HV, D]
+    du: cute.Tensor  # bf16 [rows, HV, D], Kernel A's
+    a_log: Optional[cute.Tensor]  # fp32 [HV]
+    dt_bias: Optional[cute.Tensor]  # fp32 [H, D]; per-head gate: [HV]
 
 
 class GradsStates(NamedTuple):
@@ -88,14 +97,16 @@ class GradsWorkspace(NamedTuple):
 
 
 class GradsOutputs(NamedTuple):
-    """Gradients: per token (valid rows only) and per tile slot (every slot written)."""
+    """Gradients: per token (valid rows only) and per tile slot (every slot written). A per-head gate: dq, dk per
+    value head (their group sums are the caller's), dg per (token, value head), the partials per slot; none for
+    gate "none"."""
 
-    dq: cute.Tensor  # bf16 [rows, H, D]
-    dk: cute.Tensor  # bf16 [rows, H, D]
-    dg: cute.Tensor  # bf16 [rows, H, D], w.r.t. the raw gate
-    dbeta: cute.Tensor  # bf16 [rows, H], w.r.t. beta as given (logits when beta_logits)
-    ddt_partial: cute.Tensor  # fp32 [R, D]: Σ over the tile's tokens of dg_raw
-    dalog_partial: cute.Tensor  # fp32 [R]: Σ over the tile's tokens and channels of dx · x
+    dq: cute.Tensor  # bf16 [rows, H, D]; per-head gate: [rows, HV, D]
+    dk: cute.Tensor  # bf16 [rows, H, D]; per-head gate: [rows, HV, D]
+    dg: cute.Tensor  # bf16 [rows, H, D], w.r.t. the raw gate; per-head gate: fp32 [rows, HV]
+    dbeta: cute.Tensor  # bf16 [rows, HV], w.r.t. beta as given (logits when beta_logits)
+    ddt_partial: Optional[cute.Tensor]  # fp32 [R, D]: Σ over the tile's tokens of dg_raw; per-head gate: [R]
+    dalog_partial: Optional[cute.Tensor]  # fp32 [R]: Σ of dx · x (safe) or of dγ · γ (per-head softplus)
 
 
 class GradsScalars(NamedTuple):
@@ -145,14 +156,76 @@ class GradsSmem(NamedTuple):
     dalog_w: cute.Tensor
 
 
+class PerHeadGradsSmem(NamedTuple):
+    """Shared-memory tensors of one CTA with a per-head gate (``layouts.bwd_grads.per_head_smem_budget``)."""
+
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    do: cute.Tensor
+    du: cute.Tensor
+    state: cute.Tensor  # [K, V]
+    state_t: cute.Tensor  # [V, K]
+    state_grad: cute.Tensor  # [K, V]
+    qd: cute.Tensor
+    kd: cute.Tensor
+    kr: cute.Tensor
+    k_hat: cute.Tensor
+    k_hat_t: cute.Tensor
+    q_hat: cute.Tensor
+    q_hat_t: cute.Tensor
+    u_out: cute.Tensor
+    neg_bdu: cute.Tensor
+    spans: cute.Tensor
+    a_pairs: cute.Tensor
+    m_pairs: cute.Tensor
+    inv: cute.Tensor
+    dmqk: cute.Tensor
+    dmqk_t: cute.Tensor
+    dlb: cute.Tensor
+    dlb_t: cute.Tensor
+    beta: cute.Tensor
+    rinv_q: cute.Tensor
+    rinv_k: cute.Tensor
+    dbeta_square: cute.Tensor
+    gate: cute.Tensor
+    decay: cute.Tensor
+    prefix: cute.Tensor
+    suffix: cute.Tensor
+    dbeta_w: cute.Tensor
+    dot_q: cute.Tensor
+    dot_k: cute.Tensor
+    x_w: cute.Tensor
+    y_w: cute.Tensor
+    dgt: cute.Tensor
+
+
 class BwdGrads(TokenPrep):
     """Kernel B. Static configuration: ``varlen``, ``qk_l2norm``, ``beta_logits``; ``compute_warps`` (4 or
-    8): warps per CTA, each owning ``128 / compute_warps`` columns in the band phases."""
+    8): warps per CTA, each owning ``128 / compute_warps`` columns in the band phases. ``per_head_gate``:
+    GatedDeltaNet's per-head gate, with ``gate`` "softplus" (raw bf16 g, A_log, dt_bias per head) or "none"
+    (the log decay, ``gate_dtype`` bf16 or fp32), and ``grouped`` value heads (value head ``h`` reads q/k head
+    ``h // (HV / H)``). The per-channel unbounded gates have no Kernel B yet."""
 
     def __init__(self, *, varlen: bool, qk_l2norm: bool = True, beta_logits: bool = True,
-                 compute_warps: int = plan.DEFAULT_WARPS) -> None:
+                 compute_warps: int = plan.DEFAULT_WARPS, gate: str = "safe", gate_dtype: type = BFloat16,
+                 per_head_gate: bool = False, grouped: bool = False) -> None:
         if compute_warps not in plan.COMPUTE_WARPS:
             raise ValueError(f"compute_warps must be one of {plan.COMPUTE_WARPS}, got {compute_warps}")
+        if gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+        if per_head_gate == (gate == "safe"):
+            raise NotImplementedError(
+                "Kernel B covers the safe gate (per channel) and the per-head unbounded gates (GatedDeltaNet); "
+                f"got gate={gate!r} with per_head_gate={per_head_gate}")
+        if grouped and not per_head_gate:
+            raise NotImplementedError("grouped value heads are built for the per-head gate only")
+        if gate_dtype not in (BFloat16, Float32) or (gate_dtype is Float32 and gate != "none"):
+            raise ValueError(f"g is bf16 (or fp32 with gate 'none'), got {gate_dtype} with gate {gate!r}")
+        self.gate = gate
+        self.gate_dtype = gate_dtype
+        self.per_head_gate = per_head_gate
+        self.grouped = grouped
         self.varlen = varlen
         self.qk_l2norm = qk_l2norm
         self.beta_logits = beta_logits
@@ -182,28 +255,34 @@ class BwdGrads(TokenPrep):
         """Launch over ``(tiles, H)``, ``tiles = ws.beta.shape[0] // H``. Tensors C-contiguous with the
         shapes of the argument bundles (dynamic extents); ``cu_seqlens`` int64 / ``tile_base`` int32
         ``[N+1]`` for varlen, else None."""
-        heads, d = inputs.q.shape[1], self.dim
+        heads, qk_heads, d = inputs.v.shape[1], inputs.q.shape[1], self.dim
         scalars = GradsScalars(scale=scale, c_gate=c_gate, seq_len=seq_len,
                                state_slots=states.state.shape[0] // (heads * d))
+        per_head = self.per_head_gate
+        gate_inner = (heads,) if per_head else (heads, d)
+        with_constants = self.gate != "none"  # a log decay has neither A_log nor dt_bias (None)
         inputs = GradsInputs(
-            q=compact(inputs.q, (heads, d)), k=compact(inputs.k, (heads, d)), g=compact(inputs.g, (heads, d)),
+            q=compact(inputs.q, (qk_heads, d)), k=compact(inputs.k, (qk_heads, d)), g=compact(inputs.g, gate_inner),
             v=compact(inputs.v, (heads, d)), do=compact(inputs.do, (heads, d)), du=compact(inputs.du, (heads, d)),
-            a_log=compact(inputs.a_log, ()), dt_bias=compact(inputs.dt_bias, (d,)),
+            a_log=compact(inputs.a_log, ()) if with_constants else None,
+            dt_bias=(compact(inputs.dt_bias, () if per_head else (d,)) if with_constants else None),
         )
         states = GradsStates(state=compact(states.state, (1, d)), state_grad=compact(states.state_grad, (1, d)))
         ws = GradsWorkspace(inv=compact(ws.inv, (CHUNK, CHUNK)), beta=compact(ws.beta, (CHUNK,)))
         out = GradsOutputs(
-            dq=compact(out.dq, (heads, d)), dk=compact(out.dk, (heads, d)), dg=compact(out.dg, (heads, d)),
-            dbeta=compact(out.dbeta, (heads,)), ddt_partial=compact(out.ddt_partial, (d,)),
-            dalog_partial=compact(out.dalog_partial, ()),
+            dq=compact(out.dq, (heads, d)), dk=compact(out.dk, (heads, d)), dg=compact(out.dg, gate_inner),
+            dbeta=compact(out.dbeta, (heads,)),
+            ddt_partial=compact(out.ddt_partial, () if per_head else (d,)) if with_constants else None,
+            dalog_partial=compact(out.dalog_partial, ()) if with_constants else None,
         )
         load = cpasync.CopyBulkTensorTileG2SOp()
         tile, state = chunk_tile(d), plan.state_tile(d)
-        tma_tokens = tuple(make_head_tile_tma_atom(load, t, tile, self.tile)
-                           for t in (inputs.q, inputs.k, inputs.g, inputs.v, inputs.do, inputs.du))
+        token_tiles = ((inputs.q, inputs.k, inputs.v, inputs.do, inputs.du) if per_head
+                       else (inputs.q, inputs.k, inputs.g, inputs.v, inputs.do, inputs.du))
+        tma_tokens = tuple(make_head_tile_tma_atom(load, t, tile, self.tile) for t in token_tiles)
         tma_states = tuple(make_head_tile_tma_atom(load, t, state, self.state_box)
                            for t in (states.state, states.state_grad))
-        self.shared_storage = plan.shared_storage(self.warps, d)
+        self.shared_storage = plan.shared_storage(self.warps, d, per_head_gate=per_head)
         tiles = ws.beta.shape[0] // heads
         self.kernel(tma_tokens, tma_states, inputs, ws, out, scalars, cu_seqlens, tile_base).launch(
             grid=(tiles, heads, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=plan.CTAS_PER_SM,
@@ -221,8 +300,13 @@ class BwdGrads(TokenPrep):
         if exists:
             # per-tile state slot (cute_kda.workspace.snapshot_slots with blocks of one tile)
             state_row = head * scalars.state_slots + tile_slot + seq
-            self.tile_gradients(tma_tokens, tma_states, inputs, ws, out, scalars, head, slot, state_row,
-                                row0, valid_rows)
+            if cutlass.const_expr(self.per_head_gate):
+                qk_head = head // (inputs.v.shape[1] // inputs.q.shape[1]) if cutlass.const_expr(self.grouped) else head
+                self.tile_gradients_per_head(tma_tokens, tma_states, inputs, ws, out, scalars, head, qk_head, slot,
+                                             state_row, row0, valid_rows)
+            else:
+                self.tile_gradients(tma_tokens, tma_states, inputs, ws, out, scalars, head, slot, state_row,
+                                    row0, valid_rows)
         else:
             self.zero_partials(out, slot)
 
@@ -230,10 +314,16 @@ class BwdGrads(TokenPrep):
     def zero_partials(self, out: GradsOutputs, slot: Int32):
         """A slot that is no tile (varlen bound) still sums to nothing."""
         tidx, _, _ = cute.arch.thread_idx()
-        if tidx < self.dim:
-            out.ddt_partial[slot, tidx] = Float32(0.0)
-        if tidx == 0:
-            out.dalog_partial[slot] = Float32(0.0)
+        if cutlass.const_expr(self.per_head_gate):
+            if cutlass.const_expr(self.gate != "none"):
+                if tidx == 0:
+                    out.ddt_partial[slot] = Float32(0.0)
+                    out.dalog_partial[slot] = Float32(0.0)
+        else:
+            if tidx < self.dim:
+                out.ddt_partial[slot, tidx] = Float32(0.0)
+            if tidx == 0:
+                out.dalog_partial[slot] = Float32(0.0)
 
     def make_smem(self, storage) -> GradsSmem:
         tile, tile_t = chunk_tile(self.dim), sw128_tile_transposed(CHUNK, self.dim)
@@ -269,6 +359,96 @@ class BwdGrads(TokenPrep):
             dalog_w=view(storage.dalog_w, plan.vector(plan.CHANNEL_WARPS), Float32),
         )
 
+    def make_per_head_smem(self, storage) -> PerHeadGradsSmem:
+        tile, tile_t = chunk_tile(self.dim), sw128_tile_transposed(CHUNK, self.dim)
+        state, state_t = plan.state_tile(self.dim), sw128_tile_transposed(self.dim, self.dim)
+        sq, sq_t = square_tile(), square_tile_transposed()
+        pairs, rows, warp_rows = pair_matrix(), plan.row_vector(), plan.warp_rows(self.warps)
+
+        def view(buffer, layout, dtype=BFloat16):
+            return smem_tensor(buffer.data_ptr(), layout, dtype)
+
+        l2norm = storage.rows_then_l2norm.l2norm_rows
+        # qd, kd are written over q, k (smem plan): both names view the same bytes
+        return PerHeadGradsSmem(
+            q=view(storage.q, tile), k=view(storage.k, tile), v=view(storage.v, tile), do=view(storage.do, tile),
+            du=view(storage.du, tile), state=view(storage.state, state), state_t=view(storage.state, state_t),
+            state_grad=view(storage.state_grad, state), qd=view(storage.q, tile), kd=view(storage.k, tile),
+            kr=view(storage.kr, tile), k_hat=view(storage.k_hat, tile), k_hat_t=view(storage.k_hat, tile_t),
+            q_hat=view(storage.q_hat, tile), q_hat_t=view(storage.q_hat, tile_t), u_out=view(storage.u_out, tile),
+            neg_bdu=view(storage.neg_bdu, tile), spans=view(storage.spans, pairs, Float32),
+            a_pairs=view(storage.a_pairs, pairs, Float32), m_pairs=view(storage.m_pairs, pairs, Float32),
+            inv=view(storage.inv, sq), dmqk=view(storage.dmqk, sq), dmqk_t=view(storage.dmqk, sq_t),
+            dlb=view(storage.dlb, sq), dlb_t=view(storage.dlb, sq_t),
+            **{name: view(getattr(storage, name), rows, Float32) for name in (
+                "beta", "rinv_q", "rinv_k", "dbeta_square", "gate", "decay", "prefix", "suffix")},
+            dbeta_w=view(storage.rows_then_l2norm.dbeta_w, warp_rows, Float32),
+            dot_q=view(l2norm.dot_q, warp_rows, Float32), dot_k=view(l2norm.dot_k, warp_rows, Float32),
+            x_w=view(storage.x_w, warp_rows, Float32), y_w=view(storage.y_w, warp_rows, Float32),
+            dgt=view(storage.dgt, plan.vector(self.dim), Float32),
+        )
+
+    @cute.jit
+    def tile_gradients_per_head(self, tma_tokens: tuple, tma_states: tuple, inputs: GradsInputs, ws: GradsWorkspace,
+                                out: GradsOutputs, scalars: GradsScalars, head: Int32, qk_head: Int32, slot: Int32,
+                                state_row: Int32, row0: Int32, valid_rows: Int32):
+        """The phases of a per-head gate (module docstring; docs/numerics.md, "Kernel B for a per-head gate")."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        storage = SmemAllocator().allocate(self.shared_storage)
+        smem = self.make_per_head_smem(storage)
+        tma_barrier = storage.tma_barrier.data_ptr()
+
+        if warp_idx == 0:
+            self.load_tiles(tma_tokens, tma_states, ((smem.q, qk_head), (smem.k, qk_head), (smem.v, head),
+                                                     (smem.do, head), (smem.du, head)),
+                            (smem.state, smem.state_grad), tma_barrier, row0, state_row)
+        # 1. workspace values, the rows' gate while the TMA runs
+        if tidx < CHUNK:
+            smem.beta[tidx] = ws.beta[slot, tidx]
+        for i in cutlass.range_constexpr(CHUNK * CHUNK // self.num_threads):
+            flat = tidx + i * self.num_threads
+            smem.inv[flat // CHUNK, flat % CHUNK] = ws.inv[slot, flat // CHUNK, flat % CHUNK]
+        dt, e_a = Float32(0.0), Float32(1.0)
+        if tidx < CHUNK:
+            dt, e_a = self.head_gate_row(inputs.g, inputs.a_log, inputs.dt_bias, head, row0, valid_rows, smem.gate,
+                                         smem.decay, tidx)
+        cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
+
+        # 2. K1's per-head recompute; rows past the sequence end of v, dO, du are zeroed
+        if tidx < CHUNK:
+            self.span_column(smem.decay, smem.spans, tidx)
+        elif tidx == ROW_SUMS_THREAD:
+            self.row_sums(smem.gate, smem.prefix, smem.suffix)
+        cute.arch.mbarrier_wait(tma_barrier, 0)
+        self.zero_invalid_rows(smem, valid_rows, tidx)
+        cute.arch.sync_threads()
+        self.decay_per_row(smem.q, smem.k, smem.kr, smem.q_hat, smem.k_hat, smem.prefix, smem.suffix, scalars.scale,
+                           valid_rows, tidx, smem.rinv_q, smem.rinv_k)
+        cute.arch.sync_threads()
+
+        # 3. forward recompute per value band
+        self.forward_band(smem, warp_idx, lane)
+        cute.arch.sync_threads()
+
+        # 4. the 16×16 products with the pair decays, dgT
+        if warp_idx == 0:
+            self.masked_do_u(smem, lane)
+        elif warp_idx == 1:
+            self.masked_du_u(smem, lane)
+        elif warp_idx >= self.dgt_warp:
+            self.state_gate_grad(smem, tidx - self.dgt_warp * 32)
+        cute.arch.sync_threads()
+
+        # 5. channel products per key band, 6. finish per row
+        self.channel_band_per_head(smem, inputs, out, scalars, head, qk_head, row0, valid_rows, warp_idx, lane)
+        cute.arch.sync_threads()
+        if warp_idx == 0:
+            self.gate_backward_per_head(smem, inputs, out, head, slot, row0, valid_rows, dt, e_a, lane)
+        if tidx < CHUNK:
+            self.beta_backward(smem, out, head, row0, valid_rows, tidx)
+
     @cute.jit
     def tile_gradients(self, tma_tokens: tuple, tma_states: tuple, inputs: GradsInputs, ws: GradsWorkspace,
                        out: GradsOutputs, scalars: GradsScalars, head: Int32, slot: Int32, state_row: Int32,
@@ -281,7 +461,9 @@ class BwdGrads(TokenPrep):
         tma_barrier = storage.tma_barrier.data_ptr()
 
         if warp_idx == 0:
-            self.load_tiles(tma_tokens, tma_states, smem, tma_barrier, head, row0, state_row)
+            self.load_tiles(tma_tokens, tma_states, tuple((b, head) for b in (smem.q, smem.k, smem.g, smem.v, smem.do,
+                                                                              smem.du)),
+                            (smem.state, smem.state_grad), tma_barrier, row0, state_row)
         # 1. workspace values and this thread's channel constants while the TMA runs
         col = tidx % self.dim
         dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, head, col)
@@ -323,24 +505,26 @@ class BwdGrads(TokenPrep):
             self.beta_backward(smem, out, head, row0, valid_rows, tidx)
 
     @cute.jit
-    def load_tiles(self, tma_tokens: tuple, tma_states: tuple, smem: GradsSmem, tma_barrier, head: Int32,
-                   row0: Int32, state_row: Int32):
-        """Warp 0: one transaction barrier; six token tiles at token row ``row0``, two state matrices."""
+    def load_tiles(self, tma_tokens: tuple, tma_states: tuple, token_buffers: tuple, state_buffers: tuple,
+                   tma_barrier, row0: Int32, state_row: Int32):
+        """Warp 0: one transaction barrier; the token tiles at token row ``row0`` (``token_buffers``: (smem tile,
+        head) in ``tma_tokens``' order), the two state matrices."""
         with cute.arch.elect_one():
             cute.arch.mbarrier_init(tma_barrier, 1)
             cute.arch.mbarrier_init_fence()
-            cute.arch.mbarrier_arrive_and_expect_tx(tma_barrier, plan.load_bytes(self.dim))
-        for (atom, tma_tensor), buffer in zip(tma_tokens, (smem.q, smem.k, smem.g, smem.v, smem.do, smem.du)):
+            cute.arch.mbarrier_arrive_and_expect_tx(tma_barrier, plan.load_bytes(self.dim,
+                                                                                 per_head_gate=self.per_head_gate))
+        for (atom, tma_tensor), (buffer, head) in zip(tma_tokens, token_buffers):
             s_part, g_part = head_tile_tma_partition(
                 atom, cute.domain_offset((row0, 0, 0), tma_tensor), buffer, head, self.tile
             )
             cute.copy(atom, g_part[None, 0], s_part, tma_bar_ptr=tma_barrier)
-        for (atom, tma_tensor), buffer in zip(tma_states, (smem.state, smem.state_grad)):
+        for (atom, tma_tensor), buffer in zip(tma_states, state_buffers):
             s_part, g_part = head_tile_tma_partition(atom, tma_tensor, buffer, 0, self.state_box)
             cute.copy(atom, g_part[None, state_row], s_part, tma_bar_ptr=tma_barrier)
 
     @cute.jit
-    def zero_invalid_rows(self, smem: GradsSmem, valid_rows: Int32, tidx: Int32):
+    def zero_invalid_rows(self, smem, valid_rows: Int32, tidx: Int32):
         """v, dO and du rows past the sequence end (the TMA brought another sequence's rows) := 0."""
         if valid_rows < CHUNK:
             for i in cutlass.range_constexpr(CHUNK * self.dim // self.num_threads):
@@ -399,7 +583,7 @@ class BwdGrads(TokenPrep):
         return values
 
     @cute.jit
-    def forward_band(self, smem: GradsSmem, warp_idx: Int32, lane: Int32):
+    def forward_band(self, smem, warp_idx: Int32, lane: Int32):
         """Value band of warp ``w``: ``w = v − kd·S``, ``u``, ``U = bf16(INV·u)`` into ``u_out``,
         ``−bf16(β·du)`` into ``neg_bdu``, and the warp's row partial of ``Σ_v du·w``."""
         band = self.band
@@ -461,8 +645,9 @@ class BwdGrads(TokenPrep):
         return acc
 
     @cute.jit
-    def masked_do_u(self, smem: GradsSmem, lane: Int32):
-        """Warp 0: ``dMqk = bf16(tril(dO·Uᵀ))`` (diagonal kept)."""
+    def masked_do_u(self, smem, lane: Int32):
+        """Warp 0: ``dMqk = bf16(tril(dO·Uᵀ))`` (diagonal kept). A per-head gate stores ``bf16(E ⊙ dMqk)`` in its
+        place and ``f32(dMqk ⊙ q̂k̂ᵀ)`` for the head's pair sums."""
         mma = warp_tiled_mma(BFloat16, Float32)
         coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
         acc = self.square_product(smem.do, smem.u_out, lane)
@@ -470,15 +655,25 @@ class BwdGrads(TokenPrep):
         for i in cutlass.range_constexpr(cute.size(acc)):
             row, c = coords[i]
             dmqk[i] = Float32(cutlass.select_(row >= c, acc[i], Float32(0.0))).to(BFloat16)
+        if cutlass.const_expr(self.per_head_gate):
+            qk = self.square_product(smem.q_hat, smem.k_hat, lane)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                row, c = coords[i]
+                d_m = dmqk[i].to(Float32)
+                smem.m_pairs[row, c] = d_m * qk[i]
+                dmqk[i] = (smem.spans[row, c] * d_m).to(BFloat16)  # E is 0 above the diagonal
         self.store_c(mma, dmqk, smem.dmqk, lane)
 
     @cute.jit
-    def masked_du_u(self, smem: GradsSmem, lane: Int32):
-        """Warp 1: ``dL = −stril(du·Uᵀ)``, ``bf16(β_i·dL_ij)`` into ``dlb``, ``Σ_j dL ⊙ (kd·kinvᵀ)`` per row."""
+    def masked_du_u(self, smem, lane: Int32):
+        """Warp 1: ``dL = −stril(du·Uᵀ)``, ``bf16(β_i·dL_ij)`` into ``dlb``, ``Σ_j dL ⊙ A`` per row with the
+        forward's ``A = kd·kinvᵀ``. A per-head gate: ``A = E ⊙ k̂k̂ᵀ``, ``bf16(E ⊙ bf16(β·dL))`` into ``dlb`` and
+        ``f32(bf16(β·dL) ⊙ k̂k̂ᵀ)`` for the head's pair sums."""
         mma = warp_tiled_mma(BFloat16, Float32)
         coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
         du_u = self.square_product(smem.du, smem.u_out, lane)
-        a_kk = self.square_product(smem.kd, smem.kinv, lane)
+        a_kk = (self.square_product(smem.k_hat, smem.k_hat, lane) if cutlass.const_expr(self.per_head_gate)
+                else self.square_product(smem.kd, smem.kinv, lane))
         beta = self.row_values(smem.beta, lane)
         dlb = make_fragment(mma, Operand.C, BFloat16)
         row_sum = cute.make_rmem_tensor((2,), Float32)
@@ -488,7 +683,14 @@ class BwdGrads(TokenPrep):
             h = c_row_half(i)
             d_l = Float32(cutlass.select_(row > c, -du_u[i], Float32(0.0)))
             dlb[i] = (beta[h] * d_l).to(BFloat16)
-            row_sum[h] = row_sum[h] + d_l * a_kk[i]
+            if cutlass.const_expr(self.per_head_gate):
+                span = smem.spans[row, c]
+                d_a = dlb[i].to(Float32)
+                row_sum[h] = row_sum[h] + d_l * (span * a_kk[i])
+                smem.a_pairs[row, c] = d_a * a_kk[i]
+                dlb[i] = (span * d_a).to(BFloat16)
+            else:
+                row_sum[h] = row_sum[h] + d_l * a_kk[i]
         self.store_c(mma, dlb, smem.dlb, lane)
         for h in cutlass.range_constexpr(2):
             total = row_sum[h]
@@ -502,7 +704,7 @@ class BwdGrads(TokenPrep):
                 smem.dbeta_square[row] = value_part + total
 
     @cute.jit
-    def state_gate_grad(self, smem: GradsSmem, thread: Int32):
+    def state_gate_grad(self, smem, thread: Int32):
         """The dgT warps (``thread`` counts from their first lane): ``dgT[c] = Σ_v S[c, v]·dS'[c, v]`` for the
         channels ``c ≡ thread`` modulo their thread count."""
         run = (1, 8)
@@ -576,18 +778,141 @@ class BwdGrads(TokenPrep):
         self.store_pairs(smem.dg_cum, d_g, coords, c0)
         self.store_column_sums(smem.dkr_col, dkr_kr, coords, c0, lane)
 
+        self.store_token_gradients(smem, inputs, out, dq_hat, dk_hat, coords, c0, head, head, row0, valid_rows,
+                                   warp_idx, lane)
+
+    @cute.jit
+    def channel_band_per_head(self, smem: PerHeadGradsSmem, inputs: GradsInputs, out: GradsOutputs,
+                              scalars: GradsScalars, head: Int32, qk_head: Int32, row0: Int32, valid_rows: Int32,
+                              warp_idx: Int32, lane: Int32):
+        """Key band of warp ``w`` with a per-head gate: dqd, dkd, dkr; the pair terms ``bf16(E ⊙ dMqk)·k̂`` and
+        ``[dP | dPᵀ | dPqᵀ]·[k̂; k̂; q̂]``; the q̂ / k̂ gradients; the per-row channel sums of ``dqd⊙qd + dkd⊙kd``
+        and ``dkr⊙kr`` for dγ; then dq, dk (:meth:`store_token_gradients`)."""
+        band = self.band
+        mma = warp_tiled_mma(BFloat16, Float32, band)
+        c0 = warp_idx * band
+        shape = (CHUNK, band)
+        coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor(shape))
+        s_band = cute.local_tile(smem.state, (band, self.dim), (warp_idx, 0))
+        k_hat_band = cute.local_tile(smem.k_hat_t, (band, CHUNK), (warp_idx, 0))
+        q_hat_band = cute.local_tile(smem.q_hat_t, (band, CHUNK), (warp_idx, 0))
+        d_qd = make_fragment(mma, Operand.C, Float32, tile=shape)
+        d_kd = make_fragment(mma, Operand.C, Float32, tile=shape)
+        pair_q = make_fragment(mma, Operand.C, Float32, tile=shape)
+        d_qd.fill(0.0)
+        d_kd.fill(0.0)
+        pair_q.fill(0.0)
+        self.accumulate(mma, d_qd, smem.do, s_band, False, False, K_STEPS, lane)
+        self.accumulate(mma, d_kd, smem.neg_bdu, s_band, False, False, K_STEPS, lane)
+        self.accumulate(mma, pair_q, smem.dmqk, k_hat_band, False, True, 1, lane)
+        qd = self.load_c(mma, cute.local_tile(smem.qd, shape, (0, warp_idx)), lane)
+        kd = self.load_c(mma, cute.local_tile(smem.kd, shape, (0, warp_idx)), lane)
+        prefix = self.row_values(smem.prefix, lane)
+        suffix = self.row_values(smem.suffix, lane)
+        dq_hat = make_fragment(mma, Operand.C, Float32, tile=shape)
+        dk_hat = make_fragment(mma, Operand.C, Float32, tile=shape)
+        x_sum = cute.make_rmem_tensor((2,), Float32)  # rows g and g + 8 of this lane
+        y_sum = cute.make_rmem_tensor((2,), Float32)
+        x_sum.fill(0.0)
+        y_sum.fill(0.0)
+        for i in cutlass.range_constexpr(cute.size(d_qd)):
+            h = c_row_half(i)
+            dq_hat[i] = (pair_q[i] + d_qd[i] * prefix[h]) * scalars.scale
+            dk_hat[i] = d_kd[i] * prefix[h]
+            x_sum[h] = x_sum[h] + (d_qd[i] * qd[i].to(Float32) + d_kd[i] * kd[i].to(Float32))
+
+        pair_k = make_fragment(mma, Operand.C, Float32, tile=shape)
+        d_kr = make_fragment(mma, Operand.C, Float32, tile=shape)
+        pair_k.fill(0.0)
+        d_kr.fill(0.0)
+        self.accumulate(mma, pair_k, smem.dlb, k_hat_band, False, True, 1, lane)
+        self.accumulate(mma, pair_k, smem.dlb_t, k_hat_band, True, True, 1, lane)
+        self.accumulate(mma, pair_k, smem.dmqk_t, q_hat_band, True, True, 1, lane)
+        self.accumulate(mma, d_kr, smem.u_out, cute.local_tile(smem.state_grad, (band, self.dim), (warp_idx, 0)),
+                        False, False, K_STEPS, lane)
+        kr = self.load_c(mma, cute.local_tile(smem.kr, shape, (0, warp_idx)), lane)
+        for i in cutlass.range_constexpr(cute.size(d_kr)):
+            h = c_row_half(i)
+            # dk̂ = (pair + dkd·2^G) + dkr·2^Gs, the mirror's order
+            dk_hat[i] = (pair_k[i] + dk_hat[i]) + d_kr[i] * suffix[h]
+            y_sum[h] = y_sum[h] + d_kr[i] * kr[i].to(Float32)
+        self.store_row_partials(smem.x_w, x_sum, warp_idx, lane)
+        self.store_row_partials(smem.y_w, y_sum, warp_idx, lane)
+        self.store_token_gradients(smem, inputs, out, dq_hat, dk_hat, coords, c0, qk_head, head, row0, valid_rows,
+                                   warp_idx, lane)
+
+    @cute.jit
+    def gate_backward_per_head(self, smem: PerHeadGradsSmem, inputs: GradsInputs, out: GradsOutputs, head: Int32,
+                               slot: Int32, row0: Int32, valid_rows: Int32, dt: Float32, e_a: Float32, lane: Int32):
+        """Warp 0, lane ``s`` < 16 a row: ``dγ_s = Σ_{r≥s} X_r + Σ_{r<s} Y_r + gT·Σ_c dgT_c + Σ_{i≥s>j} W_ij``
+        (``X``, ``Y`` the channel sums of phase 5 over the warps in warp order; ``W = E ⊙ (dA ⊙ k̂k̂ᵀ + dMqk ⊙ q̂k̂ᵀ)``
+        the head's pairs), then ``dg = dγ`` (log decay) or ``dx = −e^A·σ(g + dt_bias)·dγ``; the tile's partial
+        sums of ddt_bias (``Σ dx``) and dA_log (``Σ dγ·γ``, ``γ = g'·ln 2``) over its rows, lanes in order."""
+        ddt = Float32(0.0)
+        dalog = Float32(0.0)
+        dgt_sum = Float32(0.0)  # Σ_c dgT_c: 4 channels a lane, then the butterfly (every lane holds the total)
+        for part in cutlass.range_constexpr(self.dim // 32):
+            dgt_sum = dgt_sum + smem.dgt[lane + 32 * part]
+        for offset in (16, 8, 4, 2, 1):
+            dgt_sum = dgt_sum + cute.arch.shuffle_sync_bfly(dgt_sum, offset=offset)
+        if lane < CHUNK:
+            s = lane
+            from_s = Float32(0.0)
+            before_s = Float32(0.0)
+            for r in cutlass.range_constexpr(CHUNK):
+                x_r = Float32(0.0)
+                y_r = Float32(0.0)
+                for w in cutlass.range_constexpr(self.warps):
+                    x_r = x_r + smem.x_w[w, r]
+                    y_r = y_r + smem.y_w[w, r]
+                from_s = from_s + Float32(cutlass.select_(r >= s, x_r, Float32(0.0)))
+                before_s = before_s + Float32(cutlass.select_(r < s, y_r, Float32(0.0)))
+            pairs = Float32(0.0)
+            for i in cutlass.range_constexpr(1, CHUNK):
+                for j in cutlass.range_constexpr(i):  # i > j: the strictly lower pairs; those with i ≥ s > j count
+                    w_ij = smem.spans[i, j] * (smem.a_pairs[i, j] + smem.m_pairs[i, j])
+                    crossing = Float32(cutlass.select_(s > j, w_ij, Float32(0.0)))
+                    pairs = pairs + Float32(cutlass.select_(s <= i, crossing, Float32(0.0)))
+            dgamma = ((from_s + before_s) + smem.prefix[CHUNK - 1] * dgt_sum) + pairs
+            if s < valid_rows:
+                dg = dgamma
+                if cutlass.const_expr(self.gate == "softplus"):
+                    x = inputs.g[row0 + s, head].to(Float32) + dt
+                    sigmoid = Float32(1.0) / (Float32(1.0) + ex2_approx(-(x * Float32(LOG2E))))
+                    dg = -(e_a * sigmoid) * dgamma
+                    ddt = dg
+                    dalog = dgamma * (smem.gate[s] * Float32(LN2))
+                out.dg[row0 + s, head] = dg
+        if cutlass.const_expr(self.gate == "softplus"):
+            for offset in (16, 8, 4, 2, 1):
+                ddt = ddt + cute.arch.shuffle_sync_bfly(ddt, offset=offset)
+                dalog = dalog + cute.arch.shuffle_sync_bfly(dalog, offset=offset)
+            if lane == 0:
+                out.ddt_partial[slot] = ddt
+                out.dalog_partial[slot] = dalog
+
+    @cute.jit
+    def store_token_gradients(self, smem, inputs: GradsInputs, out: GradsOutputs, dq_hat: cute.Tensor,
+                              dk_hat: cute.Tensor, coords: cute.Tensor, c0: Int32, qk_head: Int32, head: Int32,
+                              row0: Int32, valid_rows: Int32, warp_idx: Int32, lane: Int32):
+        """dq, dk of the warp's key band from the gradients of q̂, k̂ (fp32 C fragments): the l2norm backward
+        (the row dot products of all warps, a barrier, the raw q, k of q/k head ``qk_head`` read back from L2),
+        stored at (value) head ``head``."""
+        band = self.band
+        mma = warp_tiled_mma(BFloat16, Float32, band)
+        shape = (CHUNK, band)
         dq = make_fragment(mma, Operand.C, BFloat16, tile=shape)
         dk = make_fragment(mma, Operand.C, BFloat16, tile=shape)
         if cutlass.const_expr(self.qk_l2norm):
             # raw q, k back from global memory (L2): their smem tiles hold qd, kd now
-            q = self.load_token_pairs(inputs.q, coords, c0, head, row0, valid_rows)
-            k = self.load_token_pairs(inputs.k, coords, c0, head, row0, valid_rows)
+            q = self.load_token_pairs(inputs.q, coords, c0, qk_head, row0, valid_rows)
+            k = self.load_token_pairs(inputs.k, coords, c0, qk_head, row0, valid_rows)
             rinv_q, rinv_k = self.row_values(smem.rinv_q, lane), self.row_values(smem.rinv_k, lane)
             dot_q = cute.make_rmem_tensor((2,), Float32)
             dot_k = cute.make_rmem_tensor((2,), Float32)
             dot_q.fill(0.0)
             dot_k.fill(0.0)
-            for i in cutlass.range_constexpr(cute.size(d_kr)):
+            for i in cutlass.range_constexpr(cute.size(dq_hat)):
                 h = c_row_half(i)
                 dot_q[h] = dot_q[h] + q[i].to(Float32) * rinv_q[h] * dq_hat[i]
                 dot_k[h] = dot_k[h] + k[i].to(Float32) * rinv_k[h] * dk_hat[i]
@@ -605,12 +930,12 @@ class BwdGrads(TokenPrep):
                     total_k = total_k + smem.dot_k[w, row]
                 sum_q[h] = total_q
                 sum_k[h] = total_k
-            for i in cutlass.range_constexpr(cute.size(d_qd)):
+            for i in cutlass.range_constexpr(cute.size(dq_hat)):
                 h = c_row_half(i)
                 dq[i] = (rinv_q[h] * (dq_hat[i] - q[i].to(Float32) * rinv_q[h] * sum_q[h])).to(BFloat16)
                 dk[i] = (rinv_k[h] * (dk_hat[i] - k[i].to(Float32) * rinv_k[h] * sum_k[h])).to(BFloat16)
         else:
-            for i in cutlass.range_constexpr(cute.size(d_qd)):
+            for i in cutlass.range_constexpr(cute.size(dq_hat)):
                 dq[i] = dq_hat[i].to(BFloat16)
                 dk[i] = dk_hat[i].to(BFloat16)
         self.store_token_pairs(out.dq, dq, coords, c0, head, row0, valid_rows)
@@ -721,7 +1046,7 @@ class BwdGrads(TokenPrep):
             out.dalog_partial[slot] = total
 
     @cute.jit
-    def beta_backward(self, smem: GradsSmem, out: GradsOutputs, head: Int32, row0: Int32, valid_rows: Int32,
+    def beta_backward(self, smem, out: GradsOutputs, head: Int32, row0: Int32, valid_rows: Int32,
                       row: Int32):
         """Row ``row``: ``dβ = Σ_v du·w + Σ_j dL ⊙ A`` (warp partials in order), through the sigmoid."""
         total = smem.dbeta_square[row]

@@ -57,11 +57,10 @@ from .common.copy import (
     warp_tiled_mma,
 )
 from ..numerics import DYADIC_BLOCKS, GATES, LOG2E
-from .common.fastmath import ex2_approx, lg2_approx, mul_rn, sigmoid_approx
-from .common.token_prep import CHANNELS_PER_LANE, ROW_LANES, TokenPrep
+from .common.fastmath import ex2_approx, mul_rn, sigmoid_approx
+from .common.token_prep import CHANNELS_PER_LANE, ROW_LANES, ROW_SUMS_THREAD, TokenPrep
 
 LEVEL_ROWS = CHUNK // 2  # upper (and lower) rows of one straddle level, over all its blocks
-ROW_SUMS_THREAD = 32  # a per-head gate's prefix and suffix sums: warp 1, beside warp 0's span columns
 
 
 class SwizzledColumn:
@@ -531,19 +530,6 @@ class PrepareKernel(TokenPrep):
         return column
 
     @cute.jit
-    def base2_log_decay(self, g: Float32, dt: Float32, e_a: Float32) -> Float32:
-        """``g'`` (base 2, ≤ 0) of one entry: softplus ``−e^A · softplus2(g + dt_bias)`` or ``g · log2 e``.
-
-        ``softplus2(x) = max(y, 0) + lg2(1 + 2^−|y|)`` with ``y = x · log2 e``: no overflow for any g. The
-        final products are ``mul.rn`` so that the scan's add stays a separate rounding.
-        """
-        if cutlass.const_expr(self.gate == "softplus"):
-            y = (g + dt) * Float32(LOG2E)
-            softplus2 = cutlass.max(y, Float32(0.0)) + lg2_approx(Float32(1.0) + ex2_approx(cutlass.min(y, -y)))
-            return -mul_rn(e_a, softplus2)
-        return mul_rn(g, Float32(LOG2E))
-
-    @cute.jit
     def row_scales(self, s_q, s_k, s_q_scale, s_k_scale, s_diagonal, scale: Float32, valid_rows: Int32, tidx: Int32):
         """Per row: ``rq = rinv_q · scale``, ``rk = rinv_k`` (scale and 1 without l2norm) and Mqk's diagonal
         ``Σ_c f32(qh·kh)`` (qh = q·rq, kh = k·rk; sequential over the lane's 8 channels, then the butterfly)."""
@@ -697,14 +683,7 @@ class PrepareKernel(TokenPrep):
             self.load_inputs(((tma.q, s_q, qk_head), (tma.k, s_k, qk_head)), tma_barrier, row0)
         if tidx < CHUNK:
             self.activate_beta(inputs.beta, ws.beta, s_beta, head, slot, row0, valid_rows, tidx)
-            dt, e_a = Float32(0.0), Float32(1.0)
-            if cutlass.const_expr(self.gate != "none"):
-                dt, e_a = inputs.dt_bias[head], ex2_approx(inputs.a_log[head] * Float32(LOG2E))
-            gate = Float32(0.0)
-            if tidx < valid_rows:
-                gate = self.base2_log_decay(inputs.g[row0 + tidx, head].to(Float32), dt, e_a)
-            s_gate[tidx] = gate
-            s_decay[tidx] = ex2_approx(gate)
+            self.head_gate_row(inputs.g, inputs.a_log, inputs.dt_bias, head, row0, valid_rows, s_gate, s_decay, tidx)
         cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
         if tidx < CHUNK:
             self.span_column(s_decay, s_spans, tidx)
@@ -727,60 +706,6 @@ class PrepareKernel(TokenPrep):
             self.store_mqk(a_qk, ws.mqk, slot, lane)
         elif warp_idx == self.store_warp:
             self.store_tiles(tma, s_q, s_k, s_kr, slot)
-
-    @cute.jit
-    def span_column(self, s_decay, s_spans, col: Int32):
-        """Column ``col`` of the pair decays: ``E[col, col] = 1``, ``E[i, col] = f32(E[i−1, col]·a_i)`` below
-        (the product only shrinks); rows above the diagonal are 0 (never read)."""
-        span = Float32(1.0)
-        for row in cutlass.range_constexpr(CHUNK):
-            value = Float32(0.0)
-            if row >= col:
-                if row > col:
-                    span = span * s_decay[row]
-                value = span
-            s_spans[row, col] = value
-
-    @cute.jit
-    def row_sums(self, s_gate, s_prefix, s_suffix):
-        """One thread: ``2^G`` (prefix sums of g') and ``2^Gs`` (suffix sums ``Σ_{s>r} g'_s``) per row, in row order."""
-        prefix = Float32(0.0)
-        for row in cutlass.range_constexpr(CHUNK):
-            prefix = prefix + s_gate[row]
-            s_prefix[row] = ex2_approx(prefix)
-        suffix = Float32(0.0)
-        for step in cutlass.range_constexpr(CHUNK):
-            row = CHUNK - 1 - step
-            s_suffix[row] = ex2_approx(suffix)
-            suffix = suffix + s_gate[row]
-
-    @cute.jit
-    def decay_per_row(self, s_q, s_k, s_kr, s_q_hat, s_k_hat, s_prefix, s_suffix, scale: Float32,
-                      valid_rows: Int32, tidx: Int32):
-        """This thread's row chunks: the l2norm, qd and kd (over q and k), kr, and the bf16 rows ``q̂``, ``k̂``."""
-        for item in cutlass.range_constexpr(self.decay_items):
-            row, chunk = self.row_chunk(tidx, item)
-            valid = row < valid_rows
-            at = (row, chunk)
-            run = (1, CHANNELS_PER_LANE)
-            q_in, k_in = self.load_row_chunk(s_q, s_k, row, chunk)
-            q32, k32, _, q_rscale, k_rscale = self.chunk_scales(q_in, k_in, valid, scale)
-            decay, rest = s_prefix[row], s_suffix[row]
-            qd = cute.make_rmem_tensor(run, BFloat16)
-            kd = cute.make_rmem_tensor(run, BFloat16)
-            kr = cute.make_rmem_tensor(run, BFloat16)
-            q_hat = cute.make_rmem_tensor(run, BFloat16)
-            k_hat = cute.make_rmem_tensor(run, BFloat16)
-            for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                qh = q32[i] * q_rscale
-                kh = k32[i] * k_rscale if cutlass.const_expr(self.qk_l2norm) else k32[i]
-                qd[i] = (qh * decay).to(BFloat16)
-                kd[i] = (kh * decay).to(BFloat16)
-                kr[i] = (kh * rest).to(BFloat16)
-                q_hat[i] = qh.to(BFloat16)
-                k_hat[i] = kh.to(BFloat16)
-            for values, tile in ((qd, s_q), (kd, s_k), (kr, s_kr), (q_hat, s_q_hat), (k_hat, s_k_hat)):
-                cute.autovec_copy(values, cute.local_tile(tile, run, at))
 
     @cute.jit
     def spanned(self, product: cute.Tensor, s_spans, lane: Int32) -> cute.Tensor:

@@ -17,10 +17,12 @@ from __future__ import annotations
 from ..dsl import cute, cutlass
 from .analysis import layout_spec
 from .budget import SmemBudget, SmemBuffer, SmemGroup, mbarriers
-from .fwd_prepare import chunk_tile, gate_cumsum_tile, row_vector
+from .fwd_prepare import chunk_tile, gate_cumsum_tile, pair_matrix, row_vector
 from .smem import CHUNK, HEAD_DIM, square_tile, sw128_tile, vector
 
 TOKEN_TILES = ("q", "k", "g", "v", "do", "du")  # TMA-loaded [16, D] bf16 tiles, in load order
+PER_HEAD_TOKEN_TILES = ("q", "k", "v", "do", "du")  # a per-head gate is one value a row, not a tile
+PER_HEAD_ROWS = ("gate", "decay", "prefix", "suffix", "x_rows", "y_rows")  # [16] fp32 of a per-head gate
 STATE_TILES = ("state", "state_grad")  # TMA-loaded [D, D] bf16: S entering the tile, dS' after it
 ROW_VECTORS = ("beta", "rinv_q", "rinv_k", "dbeta_square")  # [16] fp32
 COMPUTE_WARPS = (4, 8)  # warps per CTA the kernel is built for; warp w owns columns w·(D/warps) …
@@ -39,9 +41,10 @@ def warp_rows(warps: int, chunk: int = CHUNK):
     return cute.make_layout((warps, chunk), stride=(chunk, 1))
 
 
-def load_bytes(dim: int = HEAD_DIM, chunk: int = CHUNK) -> int:
+def load_bytes(dim: int = HEAD_DIM, chunk: int = CHUNK, per_head_gate: bool = False) -> int:
     """Bytes of the one TMA transaction: the token tiles and the two state matrices."""
-    return len(TOKEN_TILES) * chunk * dim * 2 + len(STATE_TILES) * dim * dim * 2
+    tiles = PER_HEAD_TOKEN_TILES if per_head_gate else TOKEN_TILES
+    return len(tiles) * chunk * dim * 2 + len(STATE_TILES) * dim * dim * 2
 
 
 def smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
@@ -91,6 +94,54 @@ def smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudg
     return SmemBudget(f"Kernel B warps={warps} D={dim} CHUNK={chunk}", SmemGroup("GradsStorage", buffers))
 
 
-def shared_storage(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK):
-    """The ``cute.struct`` of Kernel B's shared memory, from :func:`smem_budget`."""
-    return smem_budget(warps, dim, chunk).storage_struct()
+def per_head_smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
+    """Kernel B's shared-memory plan for a per-head gate (GatedDeltaNet; docs/numerics.md, "Kernel B for a
+    per-head gate"), two CTAs per SM as :func:`smem_budget`.
+
+    qd, kd over q, k and kr in a tile of its own (no gate tile is loaded); k̂ and q̂, the bf16 rows of the pair
+    products, take kinv's place and one tile more; the fp32 G and dG tiles go (one decay per row: the per-row
+    values of :data:`PER_HEAD_ROWS` instead); the pair decays E, ``f32(dA ⊙ k̂k̂ᵀ)`` and ``f32(dMqk ⊙ q̂k̂ᵀ)`` are
+    16 × 16 fp32. dMqk and β·dL hold ``bf16(E ⊙ dMqk)`` and ``bf16(E ⊙ β·dL)``.
+    """
+    tile = layout_spec(f"chunk_tile({dim},{chunk})", chunk_tile, dim, chunk, dtype=cutlass.BFloat16)
+    state = layout_spec(f"state_tile({dim})", state_tile, dim, dtype=cutlass.BFloat16)
+    square = layout_spec(f"square_tile({chunk})", square_tile, chunk, dtype=cutlass.BFloat16)
+    pairs = layout_spec(f"pair_matrix({chunk})", pair_matrix, chunk, dtype=cutlass.Float32)
+    rows = layout_spec(f"row_vector({chunk})", row_vector, chunk, dtype=cutlass.Float32)
+    per_warp = layout_spec(f"warp_rows({warps},{chunk})", warp_rows, warps, chunk, dtype=cutlass.Float32)
+    channels = layout_spec(f"vector({dim})", vector, dim, dtype=cutlass.Float32)
+
+    def tiles(*named):
+        return tuple(SmemBuffer(name, tile, note=note) for name, note in named)
+
+    row_partials = SmemGroup("l2norm_rows", (
+        SmemBuffer("dot_q", per_warp, align_bytes=16, note="Σ_c q̂·dq̂ per warp and row"),
+        SmemBuffer("dot_k", per_warp, align_bytes=16, note="Σ_c k̂·dk̂ per warp and row"),
+    ))
+    buffers = (
+        *tiles(("q", "raw q (TMA), then qd"), ("k", "raw k (TMA), then kd"), ("kr", "kr"), ("do", "dO (TMA)"),
+               ("v", "v (TMA)"), ("du", "du from Kernel A (TMA)")),
+        *(SmemBuffer(name, state, note=note) for name, note in (
+            ("state", "S entering the tile, [K, V] (TMA)"), ("state_grad", "dS' after the tile, [K, V] (TMA)"))),
+        *tiles(("k_hat", "bf16 k̂"), ("q_hat", "bf16 q̂"), ("u_out", "U = INV·u"), ("neg_bdu", "−bf16(β ⊙ du)")),
+        *(SmemBuffer(name, pairs, align_bytes=16, note=note) for name, note in (
+            ("spans", "E, the pair decays"), ("a_pairs", "f32(dA ⊙ k̂k̂ᵀ)"), ("m_pairs", "f32(dMqk ⊙ q̂k̂ᵀ)"))),
+        *(SmemBuffer(name, square, note=note) for name, note in (
+            ("inv", "INV (workspace)"), ("dmqk", "bf16(E ⊙ dMqk)"), ("dlb", "bf16(E ⊙ bf16(β_i · dL_ij))"))),
+        *(SmemBuffer(name, rows, align_bytes=16, note="per row") for name in ROW_VECTORS + PER_HEAD_ROWS),
+        SmemGroup("rows_then_l2norm", (
+            SmemBuffer("dbeta_w", per_warp, align_bytes=16, note="Σ_v du·w per warp and row"), row_partials),
+            union=True),
+        SmemBuffer("x_w", per_warp, align_bytes=16, note="Σ_c dqd⊙qd + dkd⊙kd per warp and row"),
+        SmemBuffer("y_w", per_warp, align_bytes=16, note="Σ_c dkr⊙kr per warp and row"),
+        SmemBuffer("dgt", channels, align_bytes=16, note="Σ_v S ⊙ dS' per channel"),
+        mbarriers("tma_barrier", 1, "transaction barrier of the loads"),
+    )
+    return SmemBudget(f"Kernel B per-head gate warps={warps} D={dim} CHUNK={chunk}",
+                      SmemGroup("PerHeadGradsStorage", buffers))
+
+
+def shared_storage(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK, per_head_gate: bool = False):
+    """The ``cute.struct`` of Kernel B's shared memory, from :func:`smem_budget` (or :func:`per_head_smem_budget`)."""
+    budget = per_head_smem_budget if per_head_gate else smem_budget
+    return budget(warps, dim, chunk).storage_struct()

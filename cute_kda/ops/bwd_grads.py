@@ -14,16 +14,20 @@ from ..layouts.bwd_grads import COMPUTE_WARPS, DEFAULT_WARPS
 from ..numerics import f32, gate_constant
 from ..validation import check_training_size
 from ..workspace import Workspace, block_states_shape
-from ._cache import CompileCache, compile_for_launch, current_stream, device_index, launch_tensor, to_cute_tensor
+from ._cache import (
+    CompileCache, compile_for_launch, current_stream, device_index, dsl_type, launch_tensor, to_cute_tensor,
+)
 from .prepare import tile_bases
 
 _CACHE = CompileCache("bwd_grads")
 
 
-def gate_partials_shapes(ws: Workspace, heads: int) -> tuple[tuple[int, int, int], tuple[int, int]]:
-    """Shapes of the per-tile partial sums ``(ddt_partial [H, tiles, K], dalog_partial [H, tiles])``."""
+def gate_partials_shapes(ws: Workspace, heads: int, per_head_gate: bool = False) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """Shapes of the per-tile partial sums ``(ddt_partial [H, tiles, K], dalog_partial [H, tiles])``; a per-head
+    gate's ddt_partial is ``[HV, tiles]``."""
     rows, _, dim = ws.qd.shape
-    return (heads, rows // heads, dim), (heads, rows // heads)
+    tiles = rows // heads
+    return ((heads, tiles) if per_head_gate else (heads, tiles, dim)), (heads, tiles)
 
 
 def launch_arguments(
@@ -37,64 +41,87 @@ def launch_arguments(
     """
     from ..kernels.bwd_grads import GradsInputs, GradsOutputs, GradsStates, GradsWorkspace
 
-    batch, steps, heads, dim = q.shape
+    batch, steps, qk_heads, dim = q.shape
+    heads = v.shape[2]  # value heads
     rows = batch * steps
+    per_head = g.dim() == 3  # a per-head gate [B, T, HV]
 
-    def tokens(t):
-        return tensor(t.view(rows, heads, dim), 16)
+    def tokens(t, n=heads):
+        return tensor(t.view(rows, n, dim), 16)
+
+    def optional(t, shape):
+        return None if t is None else tensor(t.view(*shape), 4)
 
     def matrices(t):
         return tensor(t.view(t.shape[0] * dim, 1, dim), 16)
 
-    inputs = GradsInputs(q=tokens(q), k=tokens(k), g=tokens(g), v=tokens(v), do=tokens(do), du=tokens(du),
-                         a_log=tensor(A_log.view(heads), 4), dt_bias=tensor(dt_bias.view(heads, dim), 4))
+    gate_of = (lambda t: tensor(t.view(rows, heads), 16)) if per_head else tokens
+    inputs = GradsInputs(q=tokens(q, qk_heads), k=tokens(k, qk_heads), g=gate_of(g), v=tokens(v), do=tokens(do),
+                         du=tokens(du), a_log=optional(A_log, (heads,)),
+                         dt_bias=optional(dt_bias, (heads,) if per_head else (heads, dim)))
     states_args = GradsStates(state=matrices(states), state_grad=matrices(state_grads))
     workspace = GradsWorkspace(inv=tensor(ws.inv, 16), beta=tensor(ws.beta, 16))
     outputs = GradsOutputs(
-        dq=tokens(dq), dk=tokens(dk), dg=tokens(dg), dbeta=tensor(dbeta.view(rows, heads), 2),
-        ddt_partial=tensor(ddt_partial.view(-1, dim), 4), dalog_partial=tensor(dalog_partial.view(-1), 4),
+        dq=tokens(dq), dk=tokens(dk), dg=gate_of(dg), dbeta=tensor(dbeta.view(rows, heads), 2),
+        ddt_partial=optional(ddt_partial, (-1,) if per_head else (-1, dim)), dalog_partial=optional(dalog_partial, (-1,)),
     )
     return (inputs, states_args, workspace, outputs, f32(scale), f32(gate_constant(lower_bound)), steps,
             tensor(cu_seqlens, 8), tensor(tile_base, 4))
 
 
+def _check(name: str, t, dtypes: tuple, shape: tuple, device) -> None:
+    if t.dtype not in dtypes or tuple(t.shape) != tuple(shape) or t.device != device:
+        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name} must be {names} {tuple(shape)} on {device}, got {t.dtype} {tuple(t.shape)} "
+                         f"on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be C-contiguous")
+
+
 def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial, dalog_partial,
-                   num_seqs: int) -> None:
-    batch, steps, heads, dim = q.shape
-    token_shape = (batch, steps, heads, dim)
-    for name, t in (("q", q), ("k", k), ("g", g), ("v", v), ("do", do), ("du", du), ("dq", dq), ("dk", dk),
-                    ("dg", dg)):
-        if t.dtype != torch.bfloat16 or tuple(t.shape) != token_shape or t.device != q.device:
-            raise ValueError(f"{name} must be bf16 {token_shape} on {q.device}, got {t.dtype} {tuple(t.shape)} "
-                             f"on {t.device}")
-    check_training_size(q)
-    for name, t in (("q", q), ("k", k), ("g", g), ("v", v), ("do", do), ("du", du), ("dq", dq), ("dk", dk),
-                    ("dg", dg), ("dbeta", dbeta), ("states", states), ("state_grads", state_grads),
-                    ("ddt_partial", ddt_partial), ("dalog_partial", dalog_partial)):
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be C-contiguous")
-    if dbeta.dtype != torch.bfloat16 or tuple(dbeta.shape) != token_shape[:3]:
-        raise ValueError(f"dbeta must be bf16 {token_shape[:3]}, got {dbeta.dtype} {tuple(dbeta.shape)}")
+                   num_seqs: int, gate: str) -> None:
+    batch, steps, qk_heads, dim = q.shape
+    heads = v.shape[2] if v.dim() == 4 else qk_heads
+    per_head = gate != "safe"
+    if heads % qk_heads or (heads != qk_heads and not per_head):
+        raise ValueError(f"v has {heads} heads for q's {qk_heads}: grouped value heads need a per-head gate here")
+    bf16, device = (torch.bfloat16,), q.device
+    qk_shape, token_shape = (batch, steps, qk_heads, dim), (batch, steps, heads, dim)
+    for name, t in (("q", q), ("k", k)):
+        _check(name, t, bf16, qk_shape, device)
+    for name, t in (("v", v), ("do", do), ("du", du), ("dq", dq), ("dk", dk)):
+        _check(name, t, bf16, token_shape, device)
+    if per_head:
+        _check("g", g, (torch.bfloat16, torch.float32) if gate == "none" else bf16, token_shape[:3], device)
+        _check("dg", dg, (torch.float32,), token_shape[:3], device)
+    else:
+        _check("g", g, bf16, token_shape, device)
+        _check("dg", dg, bf16, token_shape, device)
+    check_training_size(v, "v")
+    _check("dbeta", dbeta, bf16, token_shape[:3], device)
     expected = block_states_shape(ws, heads, num_seqs)
     for name, t in (("states", states), ("state_grads", state_grads)):
-        if t.dtype != torch.bfloat16 or tuple(t.shape) != expected or t.device != q.device:
-            raise ValueError(f"{name} must be bf16 {expected} on {q.device}, got {t.dtype} {tuple(t.shape)}")
-    ddt_shape, dalog_shape = gate_partials_shapes(ws, heads)
-    if ddt_partial.dtype != torch.float32 or tuple(ddt_partial.shape) != ddt_shape:
-        raise ValueError(f"ddt_partial must be fp32 {ddt_shape}, got {ddt_partial.dtype} {tuple(ddt_partial.shape)}")
-    if dalog_partial.dtype != torch.float32 or tuple(dalog_partial.shape) != dalog_shape:
-        raise ValueError(f"dalog_partial must be fp32 {dalog_shape}, got {dalog_partial.dtype} "
-                         f"{tuple(dalog_partial.shape)}")
+        _check(name, t, bf16, expected, device)
+    ddt_shape, dalog_shape = gate_partials_shapes(ws, heads, per_head)
+    if gate == "none":
+        if ddt_partial is not None or dalog_partial is not None:
+            raise ValueError("a log decay (gate 'none') has no A_log / dt_bias: pass ddt_partial=dalog_partial=None")
+        return
+    _check("ddt_partial", ddt_partial, (torch.float32,), ddt_shape, device)
+    _check("dalog_partial", dalog_partial, (torch.float32,), dalog_shape, device)
 
 
 def compiled_variant(key: tuple, tensors: tuple, options: dict, stream):
-    """The compiled variant ``key = (varlen, qk_l2norm, beta_logits, compute_warps, device)``, built on first use."""
+    """The compiled variant ``key = (varlen, qk_l2norm, beta_logits, compute_warps, gate, g dtype, grouped,
+    device)``, built on first use (a gate other than "safe" is a per-head one)."""
 
     def build():
         from ..kernels.bwd_grads import BwdGrads
 
-        varlen, qk_l2norm, beta_logits, compute_warps, _ = key
-        kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=compute_warps)
+        varlen, qk_l2norm, beta_logits, compute_warps, gate, g_dtype, grouped, _ = key
+        kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=compute_warps,
+                          gate=gate, gate_dtype=dsl_type(g_dtype), per_head_gate=gate != "safe",
+                          grouped=grouped)
         return compile_for_launch(kernel, *launch_arguments(*tensors, **options, tensor=to_cute_tensor), stream)
 
     return _CACHE.get(key, build)
@@ -106,7 +133,7 @@ def bwd_grads(
     dt_bias: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dg: torch.Tensor, dbeta: torch.Tensor,
     ddt_partial: torch.Tensor, dalog_partial: torch.Tensor, *, scale: float, lower_bound: float,
     cu_seqlens: torch.Tensor | None = None, tile_base: torch.Tensor | None = None, qk_l2norm: bool = True,
-    beta_logits: bool = True, compute_warps: int = DEFAULT_WARPS,
+    beta_logits: bool = True, compute_warps: int = DEFAULT_WARPS, gate: str = "safe",
 ) -> None:
     """Run Kernel B: dq, dk, dg, dbeta (valid rows) and the per-tile partials of ddt_bias and dA_log.
 
@@ -119,12 +146,19 @@ def bwd_grads(
     that are no tile), so ``ddt_bias = ddt_partial.sum(1)`` and ``dA_log = dalog_partial.sum(1)``.
     ``scale`` and ``lower_bound`` as the forward's; ``cu_seqlens`` int64 ``[N+1]`` with B == 1 packs N
     sequences (``tile_base`` derived when not given). ``compute_warps``: 4 or 8 warps per CTA (a tuning
-    knob; the row sums over warps then group differently, so results agree to rounding, not bit for bit). Launches on torch's current stream.
+    knob; the row sums over warps then group differently, so results agree to rounding, not bit for bit).
+
+    ``gate`` "softplus" or "none": GatedDeltaNet's per-head gate (docs/numerics.md, "Kernel B for a per-head
+    gate"). Then v, do, du, dq, dk are ``[B, T, HV, 128]`` with HV a multiple of q and k's H (grouped value
+    heads: dq, dk come per value head, the caller sums each group); g ``[B, T, HV]`` (raw bf16 for "softplus",
+    the log decay bf16 / fp32 for "none"); A_log, dt_bias fp32 ``[HV]`` (None for "none"); dg fp32
+    ``[B, T, HV]``; ddt_partial, dalog_partial fp32 ``[HV, tiles]`` (None for "none"). Launches on torch's
+    current stream.
     """
     varlen = cu_seqlens is not None
     num_seqs = cu_seqlens.numel() - 1 if varlen else q.shape[0]
     _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial, dalog_partial,
-                   num_seqs)
+                   num_seqs, gate)
     if compute_warps not in COMPUTE_WARPS:
         raise ValueError(f"compute_warps must be one of {COMPUTE_WARPS}, got {compute_warps}")
     if ws.qd.shape[0] == 0:
@@ -136,5 +170,6 @@ def bwd_grads(
     options = dict(scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens, tile_base=tile_base)
     with torch.cuda.device(q.device):
         stream = current_stream(q.device)
-        key = (varlen, qk_l2norm, beta_logits, compute_warps, device_index(q.device))
+        key = (varlen, qk_l2norm, beta_logits, compute_warps, gate, g.dtype, v.shape[2] != q.shape[2],
+               device_index(q.device))
         compiled_variant(key, tensors, options, stream)(*launch_arguments(*tensors, **options), stream)

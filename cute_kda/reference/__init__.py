@@ -36,6 +36,7 @@ from .gates import (
     chunk_backward_pairwise_exact,
     chunk_forward_pairwise_exact,
     mirror_backward_gates,
+    mirror_bwd_grads_gates,
     mirror_prepare_gates,
     prepare_pairwise_exact,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "intrinsics_exact",
     "mirror_backward",
     "mirror_backward_gates",
+    "mirror_bwd_grads_gates",
     "mirror_bwd_grads",
     "mirror_bwd_scan",
     "mirror_forward",

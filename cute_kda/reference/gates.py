@@ -881,12 +881,13 @@ def mirror_backward_gates(
     (natural log units: ``γ = g'·ln 2``): bf16 mma operands, fp32 accumulators and element-wise values,
     reductions rounded once. The gate in fp32: softplus ``dx = −e^A σ(x) dγ`` with
     ``σ(x) = 1 / (1 + 2^(−x·log2 e))``, ``dA_log = Σ dγ·γ``; a log decay ``dg = dγ``; per-head gates sum dγ over
-    the channels; dq, dk summed over each group of value heads before the l2norm backward.
+    the channels; dq, dk through the l2norm backward per value head, rounded to bf16, then summed over each group
+    of value heads in fp32.
 
     Inputs bf16 as the kernels take them (g fp32 allowed for gate "none"), shapes as :func:`~.gold.gold_forward`,
     ``initial_state`` / ``dht`` v-first ``[N, HV, V, K]``. Returns :func:`~.backward.gold_backward`'s keys: dq,
-    dk, dv, dg, dbeta bf16; dA_log, ddt_bias fp32 (None for a None input); dh0 fp32 (None without an initial
-    state).
+    dk, dv, dbeta bf16; dg bf16 per channel, fp32 for a per-head gate (as Kernel B writes it); dA_log, ddt_bias
+    fp32 (None for a None input); dh0 fp32 (None without an initial state).
     """
     if gate not in ("softplus", "none"):
         raise ValueError(f"gate must be 'softplus' or 'none' (the safe gate's is mirror_backward), got {gate!r}")
@@ -904,8 +905,58 @@ def mirror_backward_gates(
     mirror_recurrence(ws, v, cu_seqlens=cu_seqlens, initial_state=initial_state, checkpoints=states,
                       checkpoint_every=_PER_TILE)
     scan = mirror_bwd_scan(ws, do, cu_seqlens=cu_seqlens, dht=dht, snapshot_every=_PER_TILE)
+    grads = _gate_tile_gradients(values, ws, q, k, v, g, beta, do, scan.du, states, scan.snapshots, gate=gate,
+                                 A_log=A_log, dt_bias=dt_bias, beta_logits=beta_logits)
+    return {**grads, "dv": scan.dv, "dh0": None if initial_state is None else scan.dh0}
+
+
+def mirror_bwd_grads_gates(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    du: torch.Tensor,
+    ws: Workspace,
+    states: torch.Tensor,
+    state_grads: torch.Tensor,
+    *,
+    gate: str,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    qk_l2norm: bool = True,
+    beta_logits: bool = True,
+) -> dict[str, torch.Tensor | None]:
+    """Kernel B's stage of :func:`mirror_backward_gates` on a chain's own intermediates (the per-head gate's
+    Kernel B, docs/numerics.md, "Kernel B for a per-head gate"): K1's quantities recomputed from the raw inputs
+    (the per-head scheme for g ``[B, T, HV]``, else dyadic), INV, gT and β read from ``ws`` (the forward's
+    workspace), ``states`` / ``state_grads`` the per-tile checkpoints and Kernel A's snapshots, ``du`` Kernel A's.
+    Returns dq, dk, dbeta (bf16, dq and dk summed over each group of value heads), dg (fp32 for a per-head gate,
+    as Kernel B writes it; bf16 per channel) and dA_log, ddt_bias (fp32; None for a None input)."""
+    scheme = "per_head" if g.dim() == 3 else "dyadic"
+    values = _k1_gate_values(q, k, g, beta, scheme=scheme, gate=gate, A_log=A_log, dt_bias=dt_bias,
+                             lower_bound=-5.0, scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
+                             beta_logits=beta_logits)
+    return _gate_tile_gradients(values, ws, q, k, v, g, beta, do, du, states, state_grads, gate=gate, A_log=A_log,
+                                dt_bias=dt_bias, beta_logits=beta_logits)
+
+
+def _gate_tile_gradients(values: _K1GateValues, ws: Workspace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         g: torch.Tensor, beta: torch.Tensor, do: torch.Tensor, du: torch.Tensor,
+                         states: torch.Tensor, state_grads: torch.Tensor, *, gate: str, A_log: torch.Tensor | None,
+                         dt_bias: torch.Tensor | None, beta_logits: bool) -> dict[str, torch.Tensor | None]:
+    """The tile gradients of the unbounded gates with a kernel's rounding (the body of
+    :func:`mirror_bwd_grads_gates`); ``values`` K1's recompute, ``ws`` the workspace INV, gT are read from."""
+    batch, seq_len, heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    per_head = g.dim() == 3
+    scheme = "per_head" if per_head else "dyadic"
+    tile_map = values.tile_map
     S = _tile_blocks(states, value_heads, tile_map, _KERNEL)  # bf16 [HV, tiles, K, V]
-    dS = _tile_blocks(scan.snapshots, value_heads, tile_map, _KERNEL)
+    dS = _tile_blocks(state_grads, value_heads, tile_map, _KERNEL)
 
     def tiles_of(x: torch.Tensor) -> torch.Tensor:
         return _to_tiles(x.reshape(batch * seq_len, value_heads, value_dim), tile_map)
@@ -915,7 +966,7 @@ def mirror_backward_gates(
     qd, kd, kr, inv = (torch.where(exists, x, torch.zeros_like(x)) for x in (ws_tiles.qd, ws_tiles.kd, ws_tiles.kr,
                                                                               ws_tiles.inv))
     gt = torch.where(tile_map.slot_exists.reshape(1, -1, 1), ws_tiles.gt, torch.zeros_like(ws_tiles.gt))
-    v_t, do_t, du_t = tiles_of(v), tiles_of(do), tiles_of(scan.du)
+    v_t, do_t, du_t = tiles_of(v), tiles_of(do), tiles_of(du)
     beta_col = values.beta[..., None]
     # K2's recompute, Kernel B's products (docs/numerics.md, "Backward: Kernel B")
     w = v_t.float() - _mma(kd, S)
@@ -944,9 +995,18 @@ def mirror_backward_gates(
         return _dot_f32(a, b, -1)[..., None]
 
     tokens = batch * seq_len
-    dq = _qk_backward(_group_sum(untile(dqh).double(), heads).float() * values.consts.scale, values.qhat,
-                      values.rinv_q, row_dot)
-    dk = _qk_backward(_group_sum(untile(dkh).double(), heads).float(), values.khat, values.rinv_k, row_dot)
+    group = value_heads // heads
+
+    def per_value_head(dx_hat: torch.Tensor, x_hat: torch.Tensor | None, rinv: torch.Tensor | None) -> torch.Tensor:
+        """The l2norm backward per value head, rounded to bf16 there, then summed over each group in fp32 (Kernel
+        B writes dq, dk per value head; docs/numerics.md, "Kernel B for a per-head gate")."""
+        if group > 1 and x_hat is not None:
+            x_hat, rinv = x_hat.repeat_interleave(group, dim=1), rinv.repeat_interleave(group, dim=1)
+        dx = _qk_backward(dx_hat, x_hat, rinv, row_dot).bfloat16()
+        return dx.float().view(tokens, heads, group, -1).sum(2) if group > 1 else dx
+
+    dq = per_value_head(untile(dqh) * values.consts.scale, values.qhat, values.rinv_q)
+    dk = per_value_head(untile(dkh), values.khat, values.rinv_k)
     dgamma_tokens = untile(dgamma)  # [tokens, HV, K] w.r.t. the natural log decay
     gamma = untile(values.gp) * LN2
     if per_head:  # one decay per head: its channels' terms summed, then the head's pair terms
@@ -974,7 +1034,10 @@ def mirror_backward_gates(
         activated = untile(values.beta)
         dbeta = dbeta * activated * (1 - activated)
     return {
-        "dq": dq.reshape(q.shape).bfloat16(), "dk": dk.reshape(k.shape).bfloat16(), "dv": scan.dv,
-        "dg": dg.reshape(g.shape).bfloat16(), "dbeta": dbeta.reshape(beta.shape).bfloat16(),
-        "dA_log": dA_log, "ddt_bias": ddt_bias, "dh0": None if initial_state is None else scan.dh0,
+        "dq": dq.reshape(q.shape).bfloat16(), "dk": dk.reshape(k.shape).bfloat16(),
+        # a per-head gate's dg is Kernel B's fp32 [B, T, HV] output (its token's channel sum, not rounded); a
+        # per-channel dg is bf16
+        "dg": dg.reshape(g.shape) if per_head else dg.reshape(g.shape).bfloat16(),
+        "dbeta": dbeta.reshape(beta.shape).bfloat16(),
+        "dA_log": dA_log, "ddt_bias": ddt_bias,
     }

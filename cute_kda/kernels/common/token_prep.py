@@ -4,7 +4,8 @@ K1 (:mod:`cute_kda.kernels.fwd_prepare`) computes it to fill the workspace; Kern
 (:mod:`cute_kda.kernels.bwd_grads`) recomputes it from the raw inputs (bit for bit, the same
 instructions) because it needs what K1 never stores: ``kinv``, the cumsum ``G`` and the l2norm
 scales. :class:`TokenPrep` is a mixin: the kernel class sets ``dim``, ``num_threads``,
-``qk_l2norm`` and ``decay_items`` (rows × lanes-per-row items per thread).
+``qk_l2norm`` and ``decay_items`` (rows × lanes-per-row items per thread); the unbounded gates' methods
+(:meth:`~TokenPrep.base2_log_decay`, the per-head ones) read ``gate`` too.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from cutlass import BFloat16, Float32, Int32
 
 from ...dsl import cute, cutlass
 from ...numerics import CHUNK, EPS, LOG2E
-from .fastmath import ex2_approx, mul_rn, sigmoid_approx
+from .fastmath import ex2_approx, lg2_approx, mul_rn, sigmoid_approx
 
 CHANNELS_PER_LANE = 8  # l2norm partial: 8 consecutive channels per lane, 16 lanes per row
 ROW_LANES = 128 // CHANNELS_PER_LANE
+ROW_SUMS_THREAD = 32  # a per-head gate's prefix and suffix sums: warp 1, beside warp 0's span columns
 
 
 class TokenPrep:
@@ -150,6 +152,95 @@ class TokenPrep:
             q_rscale = q_rinv * scale
             k_rscale = self.row_rsqrt(k32)
         return q32, k32, q_rinv, q_rscale, k_rscale
+
+    @cute.jit
+    def base2_log_decay(self, g: Float32, dt: Float32, e_a: Float32) -> Float32:
+        """``g'`` (base 2, ≤ 0) of one entry: softplus ``−e^A · softplus2(g + dt_bias)`` or ``g · log2 e``.
+
+        ``softplus2(x) = max(y, 0) + lg2(1 + 2^−|y|)`` with ``y = x · log2 e``: no overflow for any g. The
+        final products are ``mul.rn`` so that the scan's add stays a separate rounding.
+        """
+        if cutlass.const_expr(self.gate == "softplus"):
+            y = (g + dt) * Float32(LOG2E)
+            softplus2 = cutlass.max(y, Float32(0.0)) + lg2_approx(Float32(1.0) + ex2_approx(cutlass.min(y, -y)))
+            return -mul_rn(e_a, softplus2)
+        return mul_rn(g, Float32(LOG2E))
+
+    @cute.jit
+    def span_column(self, s_decay, s_spans, col: Int32):
+        """Column ``col`` of the pair decays: ``E[col, col] = 1``, ``E[i, col] = f32(E[i−1, col]·a_i)`` below
+        (the product only shrinks); rows above the diagonal are 0 (never read)."""
+        span = Float32(1.0)
+        for row in cutlass.range_constexpr(CHUNK):
+            value = Float32(0.0)
+            if row >= col:
+                if row > col:
+                    span = span * s_decay[row]
+                value = span
+            s_spans[row, col] = value
+
+    @cute.jit
+    def row_sums(self, s_gate, s_prefix, s_suffix):
+        """One thread: ``2^G`` (prefix sums of g') and ``2^Gs`` (suffix sums ``Σ_{s>r} g'_s``) per row, in row order."""
+        prefix = Float32(0.0)
+        for row in cutlass.range_constexpr(CHUNK):
+            prefix = prefix + s_gate[row]
+            s_prefix[row] = ex2_approx(prefix)
+        suffix = Float32(0.0)
+        for step in cutlass.range_constexpr(CHUNK):
+            row = CHUNK - 1 - step
+            s_suffix[row] = ex2_approx(suffix)
+            suffix = suffix + s_gate[row]
+
+    @cute.jit
+    def decay_per_row(self, s_q, s_k, s_kr, s_q_hat, s_k_hat, s_prefix, s_suffix, scale: Float32,
+                      valid_rows: Int32, tidx: Int32, s_rinv_q=None, s_rinv_k=None):
+        """A per-head gate's :meth:`decay`: this thread's row chunks, the l2norm, qd and kd (over q and k), kr, and
+        the bf16 rows ``q̂``, ``k̂``, from the per-row ``2^G`` and ``2^Gs`` of :meth:`row_sums`; ``s_rinv_q`` /
+        ``s_rinv_k`` as :meth:`decay`'s."""
+        for item in cutlass.range_constexpr(self.decay_items):
+            row, chunk = self.row_chunk(tidx, item)
+            valid = row < valid_rows
+            at = (row, chunk)
+            run = (1, CHANNELS_PER_LANE)
+            q_in, k_in = self.load_row_chunk(s_q, s_k, row, chunk)
+            q32, k32, q_rinv, q_rscale, k_rscale = self.chunk_scales(q_in, k_in, valid, scale)
+            if cutlass.const_expr(self.qk_l2norm and s_rinv_q is not None):
+                if chunk == 0:
+                    s_rinv_q[row] = q_rinv
+                    s_rinv_k[row] = k_rscale
+            decay, rest = s_prefix[row], s_suffix[row]
+            qd = cute.make_rmem_tensor(run, BFloat16)
+            kd = cute.make_rmem_tensor(run, BFloat16)
+            kr = cute.make_rmem_tensor(run, BFloat16)
+            q_hat = cute.make_rmem_tensor(run, BFloat16)
+            k_hat = cute.make_rmem_tensor(run, BFloat16)
+            for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                qh = q32[i] * q_rscale
+                kh = k32[i] * k_rscale if cutlass.const_expr(self.qk_l2norm) else k32[i]
+                qd[i] = (qh * decay).to(BFloat16)
+                kd[i] = (kh * decay).to(BFloat16)
+                kr[i] = (kh * rest).to(BFloat16)
+                q_hat[i] = qh.to(BFloat16)
+                k_hat[i] = kh.to(BFloat16)
+            for values, tile in ((qd, s_q), (kd, s_k), (kr, s_kr), (q_hat, s_q_hat), (k_hat, s_k_hat)):
+                cute.autovec_copy(values, cute.local_tile(tile, run, at))
+
+    @cute.jit
+    def head_gate_row(self, g: cute.Tensor, a_log: Optional[cute.Tensor], dt_bias: Optional[cute.Tensor], head: Int32,
+                      row0: Int32, valid_rows: Int32, s_gate, s_decay, row: Int32):
+        """Thread ``row`` (< 16) of a per-head gate (needs ``self.gate``): ``g'`` of the row (0 at and past
+        ``valid_rows``) into ``s_gate``, ``a = 2^g'`` into ``s_decay``; returns the head's ``(dt_bias, e^A)``
+        (0 and 1 for the log decay)."""
+        dt, e_a = Float32(0.0), Float32(1.0)
+        if cutlass.const_expr(self.gate != "none"):
+            dt, e_a = dt_bias[head], ex2_approx(a_log[head] * Float32(LOG2E))
+        gate = Float32(0.0)
+        if row < valid_rows:
+            gate = self.base2_log_decay(g[row0 + row, head].to(Float32), dt, e_a)
+        s_gate[row] = gate
+        s_decay[row] = ex2_approx(gate)
+        return dt, e_a
 
     @cute.jit
     def row_rsqrt(self, x: cute.Tensor) -> Float32:
