@@ -486,12 +486,25 @@ def test_public_api_on_cpu_still_needs_cuda():
 def test_unsupported_flags_are_refused_under_grad():
     inputs = make_fla_problem([20])
     inputs["q"].requires_grad_()
-    with pytest.raises(NotImplementedError, match="gate='none' per channel .* has no backward yet"):
-        cute_kda.chunk_kda(**{**FLAGS, "use_gate_in_kernel": False}, **inputs)
-    with pytest.raises(NotImplementedError, match="gate='softplus' per channel .* has no backward yet"):
-        cute_kda.chunk_kda(**{**FLAGS, "lower_bound": None, "safe_gate": False}, **inputs)
     with pytest.raises(NotImplementedError, match="allow_neg_eigval"):
         cute_kda.chunk_kda(**FLAGS, allow_neg_eigval=True, **inputs)
+    q = torch.zeros(1, 20, 1, 128, dtype=torch.bfloat16)
+    v = torch.zeros(1, 20, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="grouped value heads .* with the safe gate have no backward"):
+        autograd.check_trainable("safe", q, v, v)
+    for gate in ("softplus", "none"):  # the unbounded gates train with grouped value heads
+        autograd.check_trainable(gate, q, v, v)
+
+
+def test_per_channel_unbounded_gates_take_the_autograd_path(recorded_training):
+    """chunk_kda's per-channel softplus gate and log decay under grad go to the kernels' training path (Kernel B's
+    dyadic variant)."""
+    inputs = make_fla_problem([20])
+    inputs["q"].requires_grad_()
+    cute_kda.chunk_kda(**{**FLAGS, "use_gate_in_kernel": False}, **inputs)
+    cute_kda.chunk_kda(**{**FLAGS, "lower_bound": None, "safe_gate": False}, **inputs)
+    assert [(backend, options["gate"]) for backend, _, options in recorded_training] == [
+        (autograd.KERNELS, "none"), (autograd.KERNELS, "softplus")]
 
 
 @pytest.fixture
