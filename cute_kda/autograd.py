@@ -302,10 +302,11 @@ def _reference_forward(x: Inputs, options: Options) -> ForwardResult:
             scale=options.scale, cu_seqlens=x.cu_seqlens, qk_l2norm=options.qk_l2norm,
             beta_logits=options.beta_logits,
         )
-    else:  # K1's per-head scheme (the only unbounded gate that trains)
+    else:  # K1's per-head scheme for a per-head gate, its dyadic one per channel (the kernels' schemes)
         mirrored = mirror_prepare_gates(
             x.q, x.k, x.g, x.beta, gate=options.gate, A_log=x.A_log, dt_bias=x.dt_bias, scale=options.scale,
-            cu_seqlens=x.cu_seqlens, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits, scheme="per_head",
+            cu_seqlens=x.cu_seqlens, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
+            scheme="per_head" if x.g.dim() == 3 else "dyadic",
         )
     buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=x.q.device)
     ws = workspace_views(workspace_spec(problem), buffer)

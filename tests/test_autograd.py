@@ -902,10 +902,10 @@ def test_fla_dispatches_training_calls(device, monkeypatch):
         assert torch.equal(a, b)
 
 
-def _train_per_head(case: str, backend: autograd.Backend, device: torch.device) -> None:
-    """GatedDeltaNet's per-head gate through ``autograd.kda_forward`` on ``backend``: every gradient autograd hands
-    back, in the input's dtype and shape, against autograd through the fp64 gold (issue 10's targets; dq and dk
-    summed over each group of value heads)."""
+def _train_unbounded(case: str, backend: autograd.Backend, device: torch.device) -> None:
+    """An unbounded gate (GatedDeltaNet's per head, or per channel) of ``BACKWARD_CASES`` through
+    ``autograd.kda_forward`` on ``backend``: every gradient autograd hands back, in the input's dtype and shape,
+    against autograd through the fp64 gold (issue 10's targets; dq and dk summed over each group of value heads)."""
     from test_reference_gates import BACKWARD_CASES, _backward_problem
 
     spec = BACKWARD_CASES[case]
@@ -935,17 +935,57 @@ def _train_per_head(case: str, backend: autograd.Backend, device: torch.device) 
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the mirrors on the CPU use accurate tanh / exp2 / log2
-@pytest.mark.parametrize("case", ["gdn_softplus_gva_varlen", "gdn_masks_small_dht"])
-def test_per_head_gate_trains_through_the_reference_stages(case):
-    """The training path's stages by the mirrors (K1's per-head scheme, K2 with checkpoints, Kernel A,
+@pytest.mark.parametrize("case", ["gdn_softplus_gva_varlen", "gdn_masks_small_dht", "softplus_kimi_init",
+                                  "softplus_gva_varlen_empty_1_token"])
+def test_unbounded_gate_trains_through_the_reference_stages(case):
+    """The training path's stages by the mirrors (K1's per-head or dyadic scheme, K2 with checkpoints, Kernel A,
     :func:`~cute_kda.reference.mirror_bwd_grads_gates`)."""
-    _train_per_head(case, autograd.REFERENCE, torch.device("cpu"))
+    _train_unbounded(case, autograd.REFERENCE, torch.device("cpu"))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["gdn_softplus_gva_varlen", "gdn_masks_small_dht"])
 def test_per_head_gate_trains_on_the_kernels(case, device):
-    _train_per_head(case, autograd.KERNELS, device)
+    _train_unbounded(case, autograd.KERNELS, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["softplus_kimi_init", "softplus_gva_varlen_empty_1_token", "log_decay_masks",
+                                  "softplus_pm1000"])
+def test_per_channel_unbounded_gate_trains_on_the_kernels(case, device):
+    """Kimi-Linear's softplus gate and a log decay per channel: K1's dyadic scheme, Kernel B's dyadic variant."""
+    _train_unbounded(case, autograd.KERNELS, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.fla
+def test_softplus_gate_gradients_against_fla(device):
+    """chunk_kda with the softplus gate (FLA's ``safe_gate=False``, no lower bound), cute_kda and FLA on the same
+    inputs, each against autograd through the fp64 gold: ours no worse (within 1.25×, or within target)."""
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    inputs = make_fla_problem([300, 0, 57, 200], heads=4, state="kv", seed=15)
+    flags = {**FLAGS, "safe_gate": False, "lower_bound": None}
+    gen = torch.Generator().manual_seed(16)
+    do = torch.randn(inputs["v"].shape, generator=gen).bfloat16()
+    dht = torch.randn(inputs["initial_state"].shape, generator=gen)
+
+    def grads(chunk_kda):
+        leaves = {n: x.to(device).requires_grad_() if x.is_floating_point() else x.to(device)
+                  for n, x in inputs.items()}
+        o, ht = chunk_kda(**leaves, output_final_state=True, **flags)
+        torch.autograd.backward([o, ht], [do.to(device), dht.to(device)])
+        return {n: leaves[n].grad.cpu() for n in INPUTS}
+
+    ours, theirs = grads(cute_kda.chunk_kda), grads(fla_kda.chunk_kda)
+    p = dict(inputs)
+    want = gold_backward(p.pop("q"), p.pop("k"), p.pop("v"), p.pop("g"), p.pop("beta"), do, dht=dht, gate="softplus",
+                         A_log=p.pop("A_log"), dt_bias=p.pop("dt_bias"), initial_state=p.pop("initial_state"),
+                         state_layout="kv", cu_seqlens=p.pop("cu_seqlens"))
+    rows = {n: (rel_rms(ours[n], want[GRAD[n]]), rel_rms(theirs[n], want[GRAD[n]])) for n in INPUTS}
+    print("[softplus gate gradients vs gold] " + ", ".join(f"{GRAD[n]} cute_kda {a:.2e} FLA {b:.2e}"
+                                                           for n, (a, b) in rows.items()))
+    targets = {**TOLS, "dA_log": 8e-3}
+    assert all(a <= max(1.25 * b, targets[GRAD[n]]) for n, (a, b) in rows.items()), rows
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")

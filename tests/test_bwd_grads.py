@@ -497,6 +497,10 @@ DYADIC_CASES = {
                                               seed=0),
     "log_decay_masks": dict(kind="masks", heads=2, value_heads=2, lengths=[96], seed=0),
 }
+# measured over issue 10's targets on the H200, the kernels equal to their mirror there (chain vs mirror 6.5e-5):
+# dA_log sums dγ·γ over every token and channel and cancels (the mirror on the CPU, with accurate exp2 / lg2: 7.6e-3;
+# docs/numerics.md, "The rounded backward"); held to 1.25× the figure
+DYADIC_OVER = {"softplus_low_decay": {"dA_log": 8.52e-3}}
 
 
 # batch slices of guard on each side of the per-head outputs: eight keep the [B, T, HV] views 16-byte aligned (the
@@ -588,7 +592,8 @@ def _check_unbounded_chain(case: str, per_head: bool) -> None:
     vs_gold = {n: rel_rms(grads[n].float(), gold[n].float()) for n in names}
     print(f"{case}: vs mirror " + ", ".join(f"{n} {e:.2e}" for n, e in vs_mirror.items())
           + "; vs gold " + ", ".join(f"{n} {e:.2e}" for n, e in vs_gold.items()))
-    targets = {**TOL, "dA_log": 8e-3}  # issue 10's targets
+    over = {} if per_head else {n: 1.25 * figure for n, figure in DYADIC_OVER.get(case, {}).items()}
+    targets = {**TOL, "dA_log": 8e-3, **over}  # issue 10's targets
     # the mirror runs its own forward (INV, Mqk within one bf16 ULP of K1's), so the bound is the chain's, not
     # Kernel B's alone; a structural error shows as O(1)
     assert all(e <= CHAIN_MIRROR_TOL for n, e in vs_mirror.items() if n not in ("dA_log", "ddt_bias")), vs_mirror

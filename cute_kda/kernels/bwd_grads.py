@@ -32,6 +32,13 @@ terms ``bf16(E ⊙ dMqk)``, ``bf16(E ⊙ β·dL)`` against q̂, k̂, and phase 6
 sums over the channels and the head's crossing pair sums, then the gate backward per (token, head). dq and dk are
 written per value head; grouped heads sum them afterwards. Shared-memory plan:
 ``cute_kda.layouts.bwd_grads.per_head_smem_budget``.
+
+The per-channel unbounded gates (``gate`` "softplus" or "none" with a per-channel g) run the first form of
+docs/numerics.md, "Kernel B for the per-channel unbounded gates": phase 2 recomputes K1's dyadic scan per channel
+(qd, kd, kr, ``2^G``, ``2^Gs``, and per straddle level the factors and the operands X, Q, unpacked) and K1's A
+level by level; the kinv products give way to three 16 × 16 × D products per level against X and Q; phase 6 sums
+dγ per channel from the levels' straddle sums and the rows' terms. One CTA per SM
+(``cute_kda.layouts.bwd_grads.dyadic_smem_budget``).
 """
 
 from __future__ import annotations
