@@ -32,6 +32,8 @@ from cute_kda.reference import gold_backward, rel_rms
 from cute_kda.reference.backward import mirror_backward
 from cute_kda.workspace import WorkspaceSpec, block_states_shape, snapshot_slots, tiles_per_head
 
+from gradient_targets import SAFE_GATE_TOLERANCES as TOLS
+from gradient_targets import TARGETS
 from test_fla_compat import FLAGS
 from test_fla_compat import make_problem as make_fla_problem
 
@@ -40,11 +42,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:cute_kda mirror on CPU:RuntimeWa
 D = 128
 INPUTS = autograd.INPUT_NAMES  # q k v g beta A_log dt_bias initial_state
 GRAD = dict(zip(INPUTS, ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")))
-# rel-RMS vs the fp64 gold. dA_log is held to dg's bound: it is Σ over all tokens and channels of
-# dg·(g + dt_bias) per head, a sum that can cancel, so over H values its rel-RMS spreads much wider than
-# the per-element gradients' (the mirror on 24 random 40-token problems: 3e-4 to 1.9e-2, 1.1e-2 on
-# B2_T129_H2_no_state below); ddt_bias, a token sum per channel, stays within 8e-3.
-TOLS = {"dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dA_log": 2e-2, "ddt_bias": 8e-3}
+# rel-RMS vs the fp64 gold: the safe gate's tests hold dA_log to dg's bound (1.1e-2 on B2_T129_H2_no_state below)
 REFERENCE_FORWARD = functools.partial(autograd.kda_forward, backend=autograd.REFERENCE)
 
 
@@ -931,7 +929,7 @@ def _train_unbounded(case: str, backend: autograd.Backend, device: torch.device)
         assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype and leaf.grad.shape == leaf.shape, name
         errors[names[name]] = rel_rms(leaf.grad.cpu(), want[names[name]])
     print(f"[{backend.name} vs gold] {case}: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
-    assert all(e <= {**TOLS, "dA_log": 8e-3}[n] for n, e in errors.items()), errors
+    assert all(e <= TARGETS[n] for n, e in errors.items()), errors
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the mirrors on the CPU use accurate tanh / exp2 / log2
@@ -984,7 +982,7 @@ def test_softplus_gate_gradients_against_fla(device):
     rows = {n: (rel_rms(ours[n], want[GRAD[n]]), rel_rms(theirs[n], want[GRAD[n]])) for n in INPUTS}
     print("[softplus gate gradients vs gold] " + ", ".join(f"{GRAD[n]} cute_kda {a:.2e} FLA {b:.2e}"
                                                            for n, (a, b) in rows.items()))
-    targets = {**TOLS, "dA_log": 8e-3}
+    targets = TARGETS
     assert all(a <= max(1.25 * b, targets[GRAD[n]]) for n, (a, b) in rows.items()), rows
 
 
