@@ -629,6 +629,7 @@ def warmup(
     vsplits: tuple[int, ...] | None = None,
     gates: tuple[str, ...] = ("safe",),
     gated_delta_rule: bool = False,
+    training: bool = False,
 ) -> int:
     """Compile, ahead of time and without running anything, every variant the flags select.
 
@@ -640,10 +641,15 @@ def warmup(
     fp32 (used for both the initial and the final state); ``vsplits`` None covers every supported
     V-split; ``gates`` the K1 gate forms (``"none"`` for both g dtypes, bf16 and fp32);
     ``gated_delta_rule`` also the K1 variants of :func:`cute_kda.chunk_gated_delta_rule` (a per-head gate
-    with grouped value heads, for each unbounded gate in ``gates``). ``device`` (default: the current
-    CUDA device) is where the compiled code will run. Returns the number of (K1, K2) configurations
-    visited (each with every gate); already-compiled ones cost nothing.
+    with grouped value heads, for each unbounded gate in ``gates``). ``training`` also compiles what a training
+    step adds: K2 with checkpoints, Kernel A (every V-split in ``vsplits``; dht of the final state's dtype or none,
+    dh0 of the initial state's dtype or none) and Kernel B for each gate that trains (the safe gate, and the
+    per-head gates with ``gated_delta_rule``). ``device`` (default: the current CUDA device) is where the compiled
+    code will run. Returns the number of (K1, K2) configurations visited (each with every gate);
+    already-compiled ones cost nothing.
     """
+    from .ops import bwd_grads as kb
+    from .ops import bwd_scan as ka
     from .ops import prepare as k1
     from .ops import recurrence as k2
 
@@ -676,4 +682,20 @@ def warmup(
             varlen=config.varlen, initial_state=config.initial_state, final_state=config.final_state,
             vsplit=config.vsplit, device=device,
         )
+        if training:
+            k2.compile_recurrence(
+                varlen=config.varlen, initial_state=config.initial_state, final_state=config.final_state,
+                vsplit=config.vsplit, device=device, checkpoints=True,
+            )
+    if training:  # Kernel A picks its own V-split (8 as well); Kernel B has no state flags
+        scan_vsplits = ka.SCAN_VSPLITS if vsplits is None else tuple(v for v in vsplits if v in ka.SCAN_VSPLITS)
+        scans = {(vsplit, dht, config.initial_state, config.varlen) for config in configs for vsplit in scan_vsplits
+                 for dht in (config.final_state, None)}
+        for vsplit, dht, dh0, varlen_scan in sorted(scans, key=repr):
+            ka.compile_bwd_scan(vsplit=vsplit, dht=dht, dh0=dh0, varlen=varlen_scan, device=device)
+        grads = {(config.varlen, config.qk_l2norm, config.beta_logits, gate, g_dtype, gdn) for config in configs
+                 for gate, g_dtype, gdn in k1_gates if gate == "safe" or gdn}  # the gates whose Kernel B is built
+        for varlen_grads, qk_l2norm_grads, beta_logits_grads, gate, g_dtype, gdn in sorted(grads, key=repr):
+            kb.compile_bwd_grads(varlen=varlen_grads, qk_l2norm=qk_l2norm_grads, beta_logits=beta_logits_grads,
+                                 device=device, gate=gate, g_dtype=g_dtype, per_head_gate=gdn, grouped=gdn)
     return len(configs)

@@ -117,6 +117,74 @@ def test_warmup_visits_every_selected_k1_variant(monkeypatch):
         cute_kda.warmup(device="cuda:0", gates=("sigmoid",))
 
 
+def test_warmup_with_training_visits_the_backward_variants(monkeypatch):
+    """``training``: K2 with checkpoints per config, Kernel A per (V-split of its own, dht, dh0, varlen), Kernel B per
+    gate that trains; without it none of them."""
+    from cute_kda.ops import bwd_grads as kb
+    from cute_kda.ops import bwd_scan as ka
+    from cute_kda.ops import prepare as k1
+    from cute_kda.ops import recurrence as k2
+
+    recurrences, scans, grads = [], [], []
+    monkeypatch.setattr(api.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(k1, "compile_prepare", lambda **kw: None)
+    monkeypatch.setattr(k2, "compile_recurrence", lambda **kw: recurrences.append(kw.get("checkpoints", False)))
+    monkeypatch.setattr(ka, "compile_bwd_scan", lambda **kw: scans.append((kw["vsplit"], kw["dht"], kw["dh0"])))
+    monkeypatch.setattr(kb, "compile_bwd_grads", lambda **kw: grads.append((kw["gate"], kw["per_head_gate"])))
+    fp32 = torch.float32
+    cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(fp32,), vsplits=(1,), gates=("safe", "softplus"))
+    assert recurrences == [False] and scans == [] and grads == []
+    recurrences.clear()
+    cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(fp32,), vsplits=(1,), gates=("safe", "softplus"),
+                    gated_delta_rule=True, training=True)
+    assert recurrences == [False, True]
+    assert sorted(scans, key=repr) == sorted([(1, fp32, fp32), (1, None, fp32)], key=repr)
+    assert grads == [("safe", False), ("softplus", True)]  # the per-channel softplus gate has no Kernel B
+    scans.clear()
+    cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(None,), training=True)
+    assert {v for v, _, _ in scans} == set(ka.SCAN_VSPLITS)  # Kernel A's own V-splits, 8 included
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["safe", "per_head"])
+def test_compile_bwd_grads_builds_the_key_a_call_uses(monkeypatch, per_head):
+    """The ahead-of-time Kernel B compile hands the same variant key to the cache as a call on its buffers does."""
+    import contextlib
+
+    from cute_kda.ops import bwd_grads as kb
+
+    seen = []
+    monkeypatch.setattr(kb, "compiled_variant", lambda key, tensors, options, stream: seen.append(
+        (key, tensors, options)) or (lambda *args: None))
+    monkeypatch.setattr(kb, "current_stream", lambda device: "stream")
+    monkeypatch.setattr(kb, "device_index", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    gate = "softplus" if per_head else "safe"
+    kb.compile_bwd_grads(varlen=True, qk_l2norm=True, beta_logits=False, device="cpu", gate=gate,
+                         per_head_gate=per_head, grouped=per_head)
+    (key, tensors, options), = seen
+    names = ("q", "k", "g", "v", "do", "du", "A_log", "dt_bias", "ws", "states", "state_grads", "dq", "dk", "dg",
+             "dbeta", "ddt_partial", "dalog_partial")
+    kb.bwd_grads(**dict(zip(names, tensors)), **options, qk_l2norm=True, beta_logits=False, gate=gate)
+    assert seen[1][0] == key
+
+
+def test_compile_bwd_scan_builds_the_key_a_call_uses(monkeypatch):
+    import contextlib
+
+    from cute_kda.ops import bwd_scan as ka
+
+    seen = []
+    monkeypatch.setattr(ka, "compiled_variant", lambda key, tensors, stream: seen.append((key, tensors)) or (
+        lambda *args: None))
+    monkeypatch.setattr(ka, "current_stream", lambda device: "stream")
+    monkeypatch.setattr(ka, "device_index", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    ka.compile_bwd_scan(vsplit=8, dht=None, dh0=torch.bfloat16, varlen=True, device="cpu")
+    (key, tensors), = seen
+    ka.bwd_scan(**tensors, vsplit=8)
+    assert seen[1][0] == key
+
+
 def test_warmup_without_cuda_says_so(monkeypatch):
     monkeypatch.setattr(api.torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match=r"warmup\(\) needs a CUDA device"):
@@ -575,3 +643,28 @@ def test_cupy_current_stream_is_honoured(device):
 def test_warmup_compiles_selected_variants(device):
     count = cute_kda.warmup(device=device, varlen=(False,), state_modes=(None, torch.float32), vsplits=(1,))
     assert count == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_warmup_for_training_leaves_a_step_nothing_to_compile(device):
+    """After ``warmup(training=True)`` a training step finds every kernel it launches compiled (the caches do not
+    grow)."""
+    from cute_kda.ops import bwd_grads as kb
+    from cute_kda.ops import bwd_scan as ka
+    from cute_kda.ops import prepare as k1
+    from cute_kda.ops import recurrence as k2
+
+    cute_kda.warmup(device=device, varlen=(False,), state_modes=(torch.float32,), training=True)
+    caches = (k1._PREPARE, k2._CACHE, ka._CACHE, kb._CACHE)
+    sizes = [len(cache) for cache in caches]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 300, 4, 128, generator=gen).bfloat16().to(device).requires_grad_() for _ in range(3))
+    g = torch.randn(1, 300, 4, 128, generator=gen).bfloat16().to(device).requires_grad_()
+    beta = torch.randn(1, 300, 4, generator=gen).bfloat16().to(device).requires_grad_()
+    h0 = torch.randn(1, 4, 128, 128, generator=gen).to(device).requires_grad_()
+    o, ht = cute_kda.kda_forward(q, k, v, g, beta, A_log=torch.zeros(4, device=device),
+                                 dt_bias=torch.zeros(4, 128, device=device), initial_state=h0, output_final_state=True)
+    (o.float().square().sum() + ht.sum()).backward()
+    torch.cuda.synchronize()
+    assert [len(cache) for cache in caches] == sizes

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layouts.bwd_scan import SCAN_VSPLITS
-from ..workspace import Workspace, block_states_shape
+from ..workspace import Workspace, WorkspaceSpec, allocate_workspace, block_states_shape
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, dsl_type, launch_tensor, to_cute_tensor,
 )
@@ -158,3 +158,27 @@ def bwd_scan(
         key = (vsplit, dtype_or_none(dht), dtype_or_none(dh0), varlen, tuning, device_index(do.device))
         compiled_variant(key, tensors, stream)(*launch_arguments(**tensors), stream)
 
+
+
+def compile_bwd_scan(*, vsplit: int, dht: torch.dtype | None, dh0: torch.dtype | None, varlen: bool,
+                     device: torch.device | str, tuning: ScanTuning = DEFAULT_TUNING) -> None:
+    """Compile (or load from the disk cache) the Kernel A variant for this V-split, dht / dh0 dtypes (None: no
+    such tensor) and ``varlen`` on ``device`` ahead of time; small buffers are allocated, nothing is launched."""
+    if vsplit not in SCAN_VSPLITS:
+        raise ValueError(f"vsplit must be one of {SCAN_VSPLITS}, got {vsplit}")
+    device = torch.device(device)
+    heads, dim, num_seqs, steps = 2, 128, 2, 32
+    do = torch.zeros((1 if varlen else num_seqs, steps, heads, dim), dtype=torch.bfloat16, device=device)
+    ws = allocate_workspace(WorkspaceSpec(heads=heads, tiles=4), device)
+
+    def state(dtype: torch.dtype | None):
+        return None if dtype is None else torch.zeros((num_seqs, heads, dim, dim), dtype=dtype, device=device)
+
+    tensors = dict(do=do, ws=ws, dv=torch.empty_like(do), du=torch.empty_like(do),
+                   snapshots=torch.zeros(block_states_shape(ws, heads, num_seqs), dtype=torch.bfloat16, device=device),
+                   dht=state(dht), dh0=state(dh0),
+                   cu_seqlens=torch.tensor([0, 16, steps], dtype=torch.int64, device=device) if varlen else None,
+                   tile_base=torch.tensor([0, 1, 2], dtype=torch.int32, device=device) if varlen else None)
+    with torch.cuda.device(device):
+        key = (vsplit, dht, dh0, varlen, tuning, device_index(device))
+        compiled_variant(key, tensors, current_stream(device))

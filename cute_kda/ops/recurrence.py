@@ -142,9 +142,10 @@ def recurrence(
 
 def compile_recurrence(
     *, varlen: bool, initial_state: torch.dtype | None, final_state: torch.dtype | None, vsplit: int,
-    device: torch.device | str,
+    device: torch.device | str, checkpoints: bool = False,
 ) -> None:
-    """Compile the K2 variant for these state dtypes, ``varlen`` and ``vsplit`` on ``device`` (nothing runs)."""
+    """Compile the K2 variant for these state dtypes, ``varlen`` and ``vsplit`` on ``device`` (nothing runs);
+    ``checkpoints``: the training forward's variant, which saves the state entering each tile."""
     device = torch.device(device)
     heads, dim, num_seqs = 2, 128, 2
     v = torch.zeros((1 if varlen else num_seqs, 2 * CHUNK, heads, dim), dtype=torch.bfloat16, device=device)
@@ -156,7 +157,10 @@ def compile_recurrence(
         return None if dtype is None else torch.zeros((num_seqs, heads, dim, dim), dtype=dtype, device=device)
 
     with torch.cuda.device(device):
+        saved = (torch.zeros(block_states_shape(ws, heads, num_seqs), dtype=torch.bfloat16, device=device)
+                 if checkpoints else None)
         arguments = launch_arguments(v, ws, torch.empty_like(v), cu_seqlens=cu_seqlens, tile_base=tile_base,
-                                     initial_state=state(initial_state), final_state=state(final_state))
-        compiled_variant(vsplit, initial_state, final_state, varlen, False, device_index(device), arguments,
+                                     initial_state=state(initial_state), final_state=state(final_state),
+                                     checkpoints=saved)
+        compiled_variant(vsplit, initial_state, final_state, varlen, checkpoints, device_index(device), arguments,
                          current_stream(device))
