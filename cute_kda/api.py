@@ -643,8 +643,8 @@ def warmup(
     ``gated_delta_rule`` also the K1 variants of :func:`cute_kda.chunk_gated_delta_rule` (a per-head gate
     with grouped value heads, for each unbounded gate in ``gates``). ``training`` also compiles what a training
     step adds: K2 with checkpoints, Kernel A (every V-split in ``vsplits``; dht of the final state's dtype or none,
-    dh0 of the initial state's dtype or none) and Kernel B for each gate that trains (the safe gate, and the
-    per-head gates with ``gated_delta_rule``). ``device`` (default: the current CUDA device) is where the compiled
+    dh0 of the initial state's dtype or none) and Kernel B for each gate (per head too with
+    ``gated_delta_rule``). ``device`` (default: the current CUDA device) is where the compiled
     code will run. Returns the number of (K1, K2) configurations visited (each with every gate);
     already-compiled ones cost nothing.
     """
@@ -694,7 +694,7 @@ def warmup(
         for vsplit, dht, dh0, varlen_scan in sorted(scans, key=repr):
             ka.compile_bwd_scan(vsplit=vsplit, dht=dht, dh0=dh0, varlen=varlen_scan, device=device)
         grads = {(config.varlen, config.qk_l2norm, config.beta_logits, gate, g_dtype, gdn) for config in configs
-                 for gate, g_dtype, gdn in k1_gates if gate == "safe" or gdn}  # the gates whose Kernel B is built
+                 for gate, g_dtype, gdn in k1_gates}
         for varlen_grads, qk_l2norm_grads, beta_logits_grads, gate, g_dtype, gdn in sorted(grads, key=repr):
             kb.compile_bwd_grads(varlen=varlen_grads, qk_l2norm=qk_l2norm_grads, beta_logits=beta_logits_grads,
                                  device=device, gate=gate, g_dtype=g_dtype, per_head_gate=gdn, grouped=gdn)

@@ -181,8 +181,8 @@ def compile_bwd_grads(*, varlen: bool, qk_l2norm: bool, beta_logits: bool, devic
                       gate: str = "safe", g_dtype: torch.dtype = torch.bfloat16, per_head_gate: bool = False,
                       grouped: bool = False, compute_warps: int = DEFAULT_WARPS) -> None:
     """Compile (or load from the disk cache) the Kernel B variant for these flags on ``device`` ahead of time
-    (``per_head_gate``: g ``[B, T, HV]``; ``grouped``: two value heads per q/k head); small buffers are allocated,
-    nothing is launched."""
+    (``per_head_gate``: g ``[B, T, HV]``, else per channel; ``grouped``: two value heads per q/k head); small buffers
+    are allocated, nothing is launched."""
     device = torch.device(device)
     qk_heads, dim, num_seqs, steps = 1 if grouped else 2, 128, 2, 32
     heads = 2
@@ -209,6 +209,6 @@ def compile_bwd_grads(*, varlen: bool, qk_l2norm: bool, beta_logits: bool, devic
                    cu_seqlens=torch.tensor([0, 16, steps], dtype=torch.int64, device=device) if varlen else None,
                    tile_base=torch.tensor([0, 1, 2], dtype=torch.int32, device=device) if varlen else None)
     with torch.cuda.device(device):
-        key = (varlen, bool(qk_l2norm), bool(beta_logits), compute_warps, gate, g_dtype, grouped,
+        key = (varlen, bool(qk_l2norm), bool(beta_logits), compute_warps, gate, per_head_gate, g_dtype, grouped,
                device_index(device))
         compiled_variant(key, tensors, options, current_stream(device))
