@@ -110,4 +110,4 @@ def test_demo_compile_report_covers_every_kernel():
     assert len(set(every)) == len(every) == 54
     assert sum(label.startswith("Kernel A") for label in labels) == 2  # V-split 1 and 8
     assert sum(label.startswith("Kernel B") for label in labels) == 3  # the safe, the per-head, the per-channel gate
-    assert len(demo.kernel_builds(all_variants=True)) == 5 + 1 + 54 + 2 + 2 + 1
+    assert len(demo.kernel_builds(all_variants=True)) == 5 + 1 + 54 + 2 + 3 + 1
