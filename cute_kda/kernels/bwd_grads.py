@@ -463,11 +463,7 @@ class BwdGrads(TokenPrep):
                                                      (smem.do, head), (smem.du, head)),
                             (smem.state, smem.state_grad), tma_barrier, row0, state_row)
         # 1. workspace values, the rows' gate while the TMA runs
-        if tidx < CHUNK:
-            smem.beta[tidx] = ws.beta[slot, tidx]
-        for i in cutlass.range_constexpr(CHUNK * CHUNK // self.num_threads):
-            flat = tidx + i * self.num_threads
-            smem.inv[flat // CHUNK, flat % CHUNK] = ws.inv[slot, flat // CHUNK, flat % CHUNK]
+        self.load_workspace_rows(smem, ws, slot, tidx)
         dt, e_a = Float32(0.0), Float32(1.0)
         if tidx < CHUNK:
             dt, e_a = self.head_gate_row(inputs.g, inputs.a_log, inputs.dt_bias, head, row0, valid_rows, smem.gate,
@@ -525,11 +521,7 @@ class BwdGrads(TokenPrep):
         # 1. workspace values and this thread's channel constants while the TMA runs
         col = tidx % self.dim
         dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, head, col)
-        if tidx < CHUNK:
-            smem.beta[tidx] = ws.beta[slot, tidx]
-        for i in cutlass.range_constexpr(CHUNK * CHUNK // self.num_threads):
-            flat = tidx + i * self.num_threads
-            smem.inv[flat // CHUNK, flat % CHUNK] = ws.inv[slot, flat // CHUNK, flat % CHUNK]
+        self.load_workspace_rows(smem, ws, slot, tidx)
         cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
         cute.arch.mbarrier_wait(tma_barrier, 0)
 
@@ -580,6 +572,15 @@ class BwdGrads(TokenPrep):
         for (atom, tma_tensor), buffer in zip(tma_states, state_buffers):
             s_part, g_part = head_tile_tma_partition(atom, tma_tensor, buffer, 0, self.state_box)
             cute.copy(atom, g_part[None, state_row], s_part, tma_bar_ptr=tma_barrier)
+
+    @cute.jit
+    def load_workspace_rows(self, smem, ws: GradsWorkspace, slot: Int32, tidx: Int32):
+        """The tile's activated β and INV from the workspace into shared memory (plain loads, during the TMA)."""
+        if tidx < CHUNK:
+            smem.beta[tidx] = ws.beta[slot, tidx]
+        for i in cutlass.range_constexpr(CHUNK * CHUNK // self.num_threads):
+            flat = tidx + i * self.num_threads
+            smem.inv[flat // CHUNK, flat % CHUNK] = ws.inv[slot, flat // CHUNK, flat % CHUNK]
 
     @cute.jit
     def zero_invalid_rows(self, smem, valid_rows: Int32, tidx: Int32):
@@ -1183,11 +1184,7 @@ class BwdGrads(TokenPrep):
         dt, e_a = Float32(0.0), Float32(1.0)
         if cutlass.const_expr(self.gate != "none"):
             dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, head, col)
-        if tidx < CHUNK:
-            smem.beta[tidx] = ws.beta[slot, tidx]
-        for i in cutlass.range_constexpr(CHUNK * CHUNK // self.num_threads):
-            flat = tidx + i * self.num_threads
-            smem.inv[flat // CHUNK, flat % CHUNK] = ws.inv[slot, flat // CHUNK, flat % CHUNK]
+        self.load_workspace_rows(smem, ws, slot, tidx)
         cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
         cute.arch.mbarrier_wait(tma_barrier, 0)
 
