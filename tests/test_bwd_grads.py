@@ -16,6 +16,7 @@ import torch
 from gradient_targets import SAFE_GATE_TOLERANCES as TOL
 from gradient_targets import TARGETS
 from test_fwd_recurrence import STATE, _assert_guards_untouched, _guarded, _problem
+from test_reference_gates import BACKWARD_CASES
 
 from cute_kda import autograd
 from cute_kda.dsl import cute
@@ -486,14 +487,8 @@ PER_HEAD_CASES = {
                                             seed=1),
 }
 # the per-channel unbounded gates (Kernel B's dyadic variant): _backward_problem's per-channel cases
-DYADIC_CASES = {
-    "softplus_kimi_init": dict(kind="kimi_init", heads=2, value_heads=2, lengths=[96], seed=1),
-    "softplus_pm1000_T_under_16": dict(kind="pm1000", heads=2, value_heads=2, lengths=[13], seed=0),
-    "softplus_low_decay": dict(kind="low_decay", heads=2, value_heads=2, lengths=[96], seed=0),
-    "softplus_gva_varlen_empty_1_token": dict(kind="kimi_init", heads=2, value_heads=4, lengths=[17, 0, 33, 1, 45],
-                                              seed=0),
-    "log_decay_masks": dict(kind="masks", heads=2, value_heads=2, lengths=[96], seed=0),
-}
+DYADIC_CASES = {**{name: spec for name, spec in BACKWARD_CASES.items() if not spec.get("per_head")},
+                "softplus_pm1000_T_under_16": dict(kind="pm1000", heads=2, value_heads=2, lengths=[13], seed=0)}
 # measured over issue 10's targets on the H200, the kernels equal to their mirror there (chain vs mirror 6.5e-5):
 # dA_log sums dγ·γ over every token and channel and cancels (the mirror on the CPU, with accurate exp2 / lg2: 7.6e-3;
 # docs/numerics.md, "The rounded backward"); held to 1.25× the figure
