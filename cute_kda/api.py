@@ -392,11 +392,11 @@ def translate_fla_call(
       - ``safe_gate`` changes how FLA computes, not what: accepted. ``chunk_size`` (32 or 64)
         likewise. ``cu_seqlens_cpu``, when given, is checked on the host.
       - grouped value heads: v, g, beta, ``A_log``, ``dt_bias`` and the states have HV heads, a multiple of
-        q's and k's H (value head ``j`` reads q/k head ``j // (HV / H)``); inference only for now.
+        q's and k's H (value head ``j`` reads q/k head ``j // (HV / H)``); they train with the unbounded gates.
       - inputs that are not contiguous are made contiguous (FLA does the same).
     What raises ``NotImplementedError`` (the flag is named): a bounded gate with ``lower_bound``
-    outside [-5, 0) when ``safe_gate=False``, ``allow_neg_eigval``, grouped value heads (HV != H),
-    ``return_intermediate_states``, ``cp_context``, ``use_graph``. Errors FLA raises itself
+    outside [-5, 0) when ``safe_gate=False``, ``allow_neg_eigval``, training grouped value heads (HV != H) with
+    the safe gate, ``return_intermediate_states``, ``cp_context``, ``use_graph``. Errors FLA raises itself
     (``ValueError``) are raised the same way.
     """
     if not kwargs.keys() <= _FLA_EXTRA_KWARGS:
