@@ -405,11 +405,7 @@ class BwdGrads(TokenPrep):
                                                      (smem.do, head), (smem.du, head)),
                             (smem.state, smem.state_grad), tma_barrier, row0, state_row)
         # 1. workspace values, the rows' gate while the TMA runs
-        if tidx < CHUNK:
-            smem.beta[tidx] = ws.beta[slot, tidx]
-        for i in cutlass.range_constexpr(CHUNK * CHUNK // self.num_threads):
-            flat = tidx + i * self.num_threads
-            smem.inv[flat // CHUNK, flat % CHUNK] = ws.inv[slot, flat // CHUNK, flat % CHUNK]
+        self.load_workspace_rows(smem, ws, slot, tidx)
         dt, e_a = Float32(0.0), Float32(1.0)
         if tidx < CHUNK:
             dt, e_a = self.head_gate_row(inputs.g, inputs.a_log, inputs.dt_bias, head, row0, valid_rows, smem.gate,
@@ -428,18 +424,8 @@ class BwdGrads(TokenPrep):
                            valid_rows, tidx, smem.rinv_q, smem.rinv_k)
         cute.arch.sync_threads()
 
-        # 3. forward recompute per value band
-        self.forward_band(smem, warp_idx, lane)
-        cute.arch.sync_threads()
-
-        # 4. the 16×16 products with the pair decays, dgT
-        if warp_idx == 0:
-            self.masked_do_u(smem, lane)
-        elif warp_idx == 1:
-            self.masked_du_u(smem, lane)
-        elif warp_idx >= self.dgt_warp:
-            self.state_gate_grad(smem, tidx - self.dgt_warp * 32)
-        cute.arch.sync_threads()
+        # 3. forward recompute per value band, 4. the 16×16 products with the pair decays, dgT
+        self.forward_and_square_products(smem, tidx, warp_idx, lane)
 
         # 5. channel products per key band, 6. finish per row
         self.channel_band_per_head(smem, inputs, out, scalars, head, qk_head, row0, valid_rows, warp_idx, lane)
@@ -467,11 +453,7 @@ class BwdGrads(TokenPrep):
         # 1. workspace values and this thread's channel constants while the TMA runs
         col = tidx % self.dim
         dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, head, col)
-        if tidx < CHUNK:
-            smem.beta[tidx] = ws.beta[slot, tidx]
-        for i in cutlass.range_constexpr(CHUNK * CHUNK // self.num_threads):
-            flat = tidx + i * self.num_threads
-            smem.inv[flat // CHUNK, flat % CHUNK] = ws.inv[slot, flat // CHUNK, flat % CHUNK]
+        self.load_workspace_rows(smem, ws, slot, tidx)
         cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
         cute.arch.mbarrier_wait(tma_barrier, 0)
 
@@ -484,18 +466,8 @@ class BwdGrads(TokenPrep):
                    tidx, smem.rinv_q, smem.rinv_k)
         cute.arch.sync_threads()
 
-        # 3. forward recompute per value band
-        self.forward_band(smem, warp_idx, lane)
-        cute.arch.sync_threads()
-
-        # 4. the 16×16 products, dgT
-        if warp_idx == 0:
-            self.masked_do_u(smem, lane)
-        elif warp_idx == 1:
-            self.masked_du_u(smem, lane)
-        elif warp_idx >= self.dgt_warp:
-            self.state_gate_grad(smem, tidx - self.dgt_warp * 32)
-        cute.arch.sync_threads()
+        # 3. forward recompute per value band, 4. the 16×16 products, dgT
+        self.forward_and_square_products(smem, tidx, warp_idx, lane)
 
         # 5. channel products per key band, 6. finish
         self.channel_band(smem, inputs, out, scalars, head, row0, valid_rows, warp_idx, lane)
@@ -522,6 +494,29 @@ class BwdGrads(TokenPrep):
         for (atom, tma_tensor), buffer in zip(tma_states, state_buffers):
             s_part, g_part = head_tile_tma_partition(atom, tma_tensor, buffer, 0, self.state_box)
             cute.copy(atom, g_part[None, state_row], s_part, tma_bar_ptr=tma_barrier)
+
+    @cute.jit
+    def load_workspace_rows(self, smem, ws: GradsWorkspace, slot: Int32, tidx: Int32):
+        """The tile's activated β and INV from the workspace into shared memory (plain loads, during the TMA)."""
+        if tidx < CHUNK:
+            smem.beta[tidx] = ws.beta[slot, tidx]
+        for i in cutlass.range_constexpr(CHUNK * CHUNK // self.num_threads):
+            flat = tidx + i * self.num_threads
+            smem.inv[flat // CHUNK, flat % CHUNK] = ws.inv[slot, flat // CHUNK, flat % CHUNK]
+
+    @cute.jit
+    def forward_and_square_products(self, smem, tidx: Int32, warp_idx: Int32, lane: Int32):
+        """Phases 3 and 4, the same for every gate: the forward recompute per value band; then warp 0 ``dMqk``,
+        warp 1 ``dL`` (:meth:`masked_do_u`, :meth:`masked_du_u`) and the last warps dgT; a barrier after each."""
+        self.forward_band(smem, warp_idx, lane)
+        cute.arch.sync_threads()
+        if warp_idx == 0:
+            self.masked_do_u(smem, lane)
+        elif warp_idx == 1:
+            self.masked_du_u(smem, lane)
+        elif warp_idx >= self.dgt_warp:
+            self.state_gate_grad(smem, tidx - self.dgt_warp * 32)
+        cute.arch.sync_threads()
 
     @cute.jit
     def zero_invalid_rows(self, smem, valid_rows: Int32, tidx: Int32):

@@ -14,6 +14,8 @@ K1's gate-cumsum layout.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..dsl import cute, cutlass
 from .analysis import layout_spec
 from .budget import SmemBudget, SmemBuffer, SmemGroup, mbarriers
@@ -47,6 +49,49 @@ def load_bytes(dim: int = HEAD_DIM, chunk: int = CHUNK, per_head_gate: bool = Fa
     return len(tiles) * chunk * dim * 2 + len(STATE_TILES) * dim * dim * 2
 
 
+class _Specs(NamedTuple):
+    """The layouts Kernel B's plans place, as budget specs."""
+
+    tile: object
+    state: object
+    square: object
+    fp32: object
+    pairs: object
+    rows: object
+    per_warp: object
+    channels: object
+    channel_warps: object
+
+
+def _specs(warps: int, dim: int, chunk: int) -> _Specs:
+    return _Specs(
+        tile=layout_spec(f"chunk_tile({dim},{chunk})", chunk_tile, dim, chunk, dtype=cutlass.BFloat16),
+        state=layout_spec(f"state_tile({dim})", state_tile, dim, dtype=cutlass.BFloat16),
+        square=layout_spec(f"square_tile({chunk})", square_tile, chunk, dtype=cutlass.BFloat16),
+        fp32=layout_spec(f"gate_cumsum_tile({dim},{chunk})", gate_cumsum_tile, dim, chunk, dtype=cutlass.Float32),
+        pairs=layout_spec(f"pair_matrix({chunk})", pair_matrix, chunk, dtype=cutlass.Float32),
+        rows=layout_spec(f"row_vector({chunk})", row_vector, chunk, dtype=cutlass.Float32),
+        per_warp=layout_spec(f"warp_rows({warps},{chunk})", warp_rows, warps, chunk, dtype=cutlass.Float32),
+        channels=layout_spec(f"vector({dim})", vector, dim, dtype=cutlass.Float32),
+        channel_warps=layout_spec(f"vector({CHANNEL_WARPS})", vector, CHANNEL_WARPS, dtype=cutlass.Float32),
+    )
+
+
+def _tiles(specs: _Specs, *named) -> tuple:
+    """``[16, D]`` bf16 tiles, each ``(name, note)``."""
+    return tuple(SmemBuffer(name, specs.tile, note=note) for name, note in named)
+
+
+def _rows_then_l2norm(specs: _Specs) -> SmemGroup:
+    """dβ's per-warp row partials, then (a union) the l2norm's."""
+    l2norm = SmemGroup("l2norm_rows", (
+        SmemBuffer("dot_q", specs.per_warp, align_bytes=16, note="Σ_c q̂·dq̂ per warp and row"),
+        SmemBuffer("dot_k", specs.per_warp, align_bytes=16, note="Σ_c k̂·dk̂ per warp and row"),
+    ))
+    return SmemGroup("rows_then_l2norm", (
+        SmemBuffer("dbeta_w", specs.per_warp, align_bytes=16, note="Σ_v du·w per warp and row"), l2norm), union=True)
+
+
 def smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
     """Kernel B's shared-memory plan for ``warps`` compute warps (host side).
 
@@ -55,40 +100,23 @@ def smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudg
     just left them in L2); dG takes the bytes of v and du, dead after the 16×16 products; the l2norm's
     row partials take those of dβ's; Σ_r dkr ⊙ kr is kept per channel, not per element.
     """
-    tile = layout_spec(f"chunk_tile({dim},{chunk})", chunk_tile, dim, chunk, dtype=cutlass.BFloat16)
-    state = layout_spec(f"state_tile({dim})", state_tile, dim, dtype=cutlass.BFloat16)
-    square = layout_spec(f"square_tile({chunk})", square_tile, chunk, dtype=cutlass.BFloat16)
-    fp32 = layout_spec(f"gate_cumsum_tile({dim},{chunk})", gate_cumsum_tile, dim, chunk, dtype=cutlass.Float32)
-    rows = layout_spec(f"row_vector({chunk})", row_vector, chunk, dtype=cutlass.Float32)
-    per_warp = layout_spec(f"warp_rows({warps},{chunk})", warp_rows, warps, chunk, dtype=cutlass.Float32)
-    channels = layout_spec(f"vector({dim})", vector, dim, dtype=cutlass.Float32)
-    channel_warps = layout_spec(f"vector({CHANNEL_WARPS})", vector, CHANNEL_WARPS, dtype=cutlass.Float32)
-
-    def tiles(*named):
-        return tuple(SmemBuffer(name, tile, note=note) for name, note in named)
-
-    dead_after_products = SmemGroup("inputs_vdu", tiles(("v", "v (TMA)"), ("du", "du from Kernel A (TMA)")))
-    row_partials = SmemGroup("l2norm_rows", (
-        SmemBuffer("dot_q", per_warp, align_bytes=16, note="Σ_c q̂·dq̂ per warp and row"),
-        SmemBuffer("dot_k", per_warp, align_bytes=16, note="Σ_c k̂·dk̂ per warp and row"),
-    ))
+    specs = _specs(warps, dim, chunk)
+    dead_after_products = SmemGroup("inputs_vdu", _tiles(specs, ("v", "v (TMA)"), ("du", "du from Kernel A (TMA)")))
     buffers = (
-        *tiles(("q", "raw q (TMA), then qd"), ("k", "raw k (TMA), then kd"), ("g", "raw gate (TMA), then kr"),
+        *_tiles(specs, ("q", "raw q (TMA), then qd"), ("k", "raw k (TMA), then kd"), ("g", "raw gate (TMA), then kr"),
                ("do", "dO (TMA)")),
-        SmemGroup("vdu_then_dg", (dead_after_products, SmemBuffer("dg_cum", fp32, note="dG per token")), union=True),
-        *(SmemBuffer(name, state, note=note) for name, note in (
+        SmemGroup("vdu_then_dg", (dead_after_products, SmemBuffer("dg_cum", specs.fp32, note="dG per token")), union=True),
+        *(SmemBuffer(name, specs.state, note=note) for name, note in (
             ("state", "S entering the tile, [K, V] (TMA)"), ("state_grad", "dS' after the tile, [K, V] (TMA)"))),
-        *tiles(("kinv", "recomputed as K1"), ("u_out", "U = INV·u"), ("neg_bdu", "−bf16(β ⊙ du)")),
-        SmemBuffer("cumsum", fp32, note="G"),
-        *(SmemBuffer(name, square, note=note) for name, note in (
+        *_tiles(specs, ("kinv", "recomputed as K1"), ("u_out", "U = INV·u"), ("neg_bdu", "−bf16(β ⊙ du)")),
+        SmemBuffer("cumsum", specs.fp32, note="G"),
+        *(SmemBuffer(name, specs.square, note=note) for name, note in (
             ("inv", "INV (workspace)"), ("dmqk", "bf16(tril(dO·Uᵀ))"), ("dlb", "bf16(β_i · dL_ij)"))),
-        *(SmemBuffer(name, rows, align_bytes=16, note="per row") for name in ROW_VECTORS),
-        SmemGroup("rows_then_l2norm", (
-            SmemBuffer("dbeta_w", per_warp, align_bytes=16, note="Σ_v du·w per warp and row"), row_partials),
-            union=True),
-        SmemBuffer("dkr_col", channels, align_bytes=16, note="Σ_r dkr ⊙ kr per channel"),
-        SmemBuffer("dgt", channels, align_bytes=16, note="Σ_v S ⊙ dS' per channel"),
-        SmemBuffer("dalog_w", channel_warps, align_bytes=16, note="dA_log partial per channel warp"),
+        *(SmemBuffer(name, specs.rows, align_bytes=16, note="per row") for name in ROW_VECTORS),
+        _rows_then_l2norm(specs),
+        SmemBuffer("dkr_col", specs.channels, align_bytes=16, note="Σ_r dkr ⊙ kr per channel"),
+        SmemBuffer("dgt", specs.channels, align_bytes=16, note="Σ_v S ⊙ dS' per channel"),
+        SmemBuffer("dalog_w", specs.channel_warps, align_bytes=16, note="dA_log partial per channel warp"),
         mbarriers("tma_barrier", 1, "transaction barrier of the loads"),
     )
     return SmemBudget(f"Kernel B warps={warps} D={dim} CHUNK={chunk}", SmemGroup("GradsStorage", buffers))
@@ -103,38 +131,22 @@ def per_head_smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) ->
     values of :data:`PER_HEAD_ROWS` instead); the pair decays E, ``f32(dA ⊙ k̂k̂ᵀ)`` and ``f32(dMqk ⊙ q̂k̂ᵀ)`` are
     16 × 16 fp32. dMqk and β·dL hold ``bf16(E ⊙ dMqk)`` and ``bf16(E ⊙ β·dL)``.
     """
-    tile = layout_spec(f"chunk_tile({dim},{chunk})", chunk_tile, dim, chunk, dtype=cutlass.BFloat16)
-    state = layout_spec(f"state_tile({dim})", state_tile, dim, dtype=cutlass.BFloat16)
-    square = layout_spec(f"square_tile({chunk})", square_tile, chunk, dtype=cutlass.BFloat16)
-    pairs = layout_spec(f"pair_matrix({chunk})", pair_matrix, chunk, dtype=cutlass.Float32)
-    rows = layout_spec(f"row_vector({chunk})", row_vector, chunk, dtype=cutlass.Float32)
-    per_warp = layout_spec(f"warp_rows({warps},{chunk})", warp_rows, warps, chunk, dtype=cutlass.Float32)
-    channels = layout_spec(f"vector({dim})", vector, dim, dtype=cutlass.Float32)
-
-    def tiles(*named):
-        return tuple(SmemBuffer(name, tile, note=note) for name, note in named)
-
-    row_partials = SmemGroup("l2norm_rows", (
-        SmemBuffer("dot_q", per_warp, align_bytes=16, note="Σ_c q̂·dq̂ per warp and row"),
-        SmemBuffer("dot_k", per_warp, align_bytes=16, note="Σ_c k̂·dk̂ per warp and row"),
-    ))
+    specs = _specs(warps, dim, chunk)
     buffers = (
-        *tiles(("q", "raw q (TMA), then qd"), ("k", "raw k (TMA), then kd"), ("kr", "kr"), ("do", "dO (TMA)"),
+        *_tiles(specs, ("q", "raw q (TMA), then qd"), ("k", "raw k (TMA), then kd"), ("kr", "kr"), ("do", "dO (TMA)"),
                ("v", "v (TMA)"), ("du", "du from Kernel A (TMA)")),
-        *(SmemBuffer(name, state, note=note) for name, note in (
+        *(SmemBuffer(name, specs.state, note=note) for name, note in (
             ("state", "S entering the tile, [K, V] (TMA)"), ("state_grad", "dS' after the tile, [K, V] (TMA)"))),
-        *tiles(("k_hat", "bf16 k̂"), ("q_hat", "bf16 q̂"), ("u_out", "U = INV·u"), ("neg_bdu", "−bf16(β ⊙ du)")),
-        *(SmemBuffer(name, pairs, align_bytes=16, note=note) for name, note in (
+        *_tiles(specs, ("k_hat", "bf16 k̂"), ("q_hat", "bf16 q̂"), ("u_out", "U = INV·u"), ("neg_bdu", "−bf16(β ⊙ du)")),
+        *(SmemBuffer(name, specs.pairs, align_bytes=16, note=note) for name, note in (
             ("spans", "E, the pair decays"), ("a_pairs", "f32(dA ⊙ k̂k̂ᵀ)"), ("m_pairs", "f32(dMqk ⊙ q̂k̂ᵀ)"))),
-        *(SmemBuffer(name, square, note=note) for name, note in (
+        *(SmemBuffer(name, specs.square, note=note) for name, note in (
             ("inv", "INV (workspace)"), ("dmqk", "bf16(E ⊙ dMqk)"), ("dlb", "bf16(E ⊙ bf16(β_i · dL_ij))"))),
-        *(SmemBuffer(name, rows, align_bytes=16, note="per row") for name in ROW_VECTORS + PER_HEAD_ROWS),
-        SmemGroup("rows_then_l2norm", (
-            SmemBuffer("dbeta_w", per_warp, align_bytes=16, note="Σ_v du·w per warp and row"), row_partials),
-            union=True),
-        SmemBuffer("x_w", per_warp, align_bytes=16, note="Σ_c dqd⊙qd + dkd⊙kd per warp and row"),
-        SmemBuffer("y_w", per_warp, align_bytes=16, note="Σ_c dkr⊙kr per warp and row"),
-        SmemBuffer("dgt", channels, align_bytes=16, note="Σ_v S ⊙ dS' per channel"),
+        *(SmemBuffer(name, specs.rows, align_bytes=16, note="per row") for name in ROW_VECTORS + PER_HEAD_ROWS),
+        _rows_then_l2norm(specs),
+        SmemBuffer("x_w", specs.per_warp, align_bytes=16, note="Σ_c dqd⊙qd + dkd⊙kd per warp and row"),
+        SmemBuffer("y_w", specs.per_warp, align_bytes=16, note="Σ_c dkr⊙kr per warp and row"),
+        SmemBuffer("dgt", specs.channels, align_bytes=16, note="Σ_v S ⊙ dS' per channel"),
         mbarriers("tma_barrier", 1, "transaction barrier of the loads"),
     )
     return SmemBudget(f"Kernel B per-head gate warps={warps} D={dim} CHUNK={chunk}",
