@@ -327,17 +327,27 @@ def test_real_dispatch_reaches_cute_kda_on_the_cpu(any_device, gold_kernels, mon
 # GPU tier: live dispatch
 
 
+# the entry points FLA and cute_kda share, by name: (FLA's module of it, the call's inputs on a device)
+DISPATCHED = {
+    "chunk_kda": (lambda: _registry()[0],
+                  lambda device: layer_call([1300, 547, 2048], heads=4, device=device, output_final_state=True)),
+    "chunk_gated_delta_rule": (lambda: _gdn_registry()[0], lambda device: gdn_problem([1300, 547, 2048], device=device)),
+}
+
+
 @pytest.mark.gpu
-def test_fla_dispatches_inference_to_cute_kda(device, monkeypatch):
-    fla_kda, _ = _registry()
+@pytest.mark.parametrize("name", sorted(DISPATCHED))
+def test_fla_dispatches_inference_to_cute_kda(device, monkeypatch, name):
+    registry, inputs = DISPATCHED[name]
+    fla_module = registry()
     monkeypatch.delenv("FLA_CUTE_KDA", raising=False)
     ran = []
-    implementation = fla_backend.chunk_kda
-    monkeypatch.setattr(fla_backend, "chunk_kda", lambda *a, **k: ran.append(1) or implementation(*a, **k))
-    kwargs = layer_call([1300, 547, 2048], heads=4, device=device, output_final_state=True)
+    implementation = getattr(fla_backend, name)
+    monkeypatch.setattr(fla_backend, name, lambda *a, **k: ran.append(1) or implementation(*a, **k))
+    kwargs = inputs(device)
     with torch.no_grad():
-        o, state = fla_kda.chunk_kda(**kwargs)
-        expected, expected_state = cute_kda.chunk_kda(**kwargs)
+        o, state = getattr(fla_module, name)(**kwargs)
+        expected, expected_state = getattr(cute_kda, name)(**kwargs)
     torch.cuda.synchronize()
     assert ran == [1]
     assert torch.equal(o, expected) and torch.equal(state, expected_state)
@@ -352,22 +362,6 @@ def test_opt_out_runs_fla(device, monkeypatch):
     with torch.no_grad():
         o, _ = fla_kda.chunk_kda(**layer_call([200], device=device))
     assert ran == [] and o.shape == (1, 200, 2, D)
-
-
-@pytest.mark.gpu
-def test_fla_dispatches_gdn_inference_to_cute_kda(device, monkeypatch):
-    fla_gdn, _ = _gdn_registry()
-    monkeypatch.delenv("FLA_CUTE_KDA", raising=False)
-    ran = []
-    implementation = fla_backend.chunk_gated_delta_rule
-    monkeypatch.setattr(fla_backend, "chunk_gated_delta_rule", lambda *a, **k: ran.append(1) or implementation(*a, **k))
-    problem = gdn_problem([1300, 547, 2048], device=device)
-    with torch.no_grad():
-        o, state = fla_gdn.chunk_gated_delta_rule(**problem)
-        expected, expected_state = cute_kda.chunk_gated_delta_rule(**problem)
-    torch.cuda.synchronize()
-    assert ran == [1]
-    assert torch.equal(o, expected) and torch.equal(state, expected_state)
 
 
 @pytest.mark.gpu

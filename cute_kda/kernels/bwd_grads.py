@@ -482,18 +482,8 @@ class BwdGrads(TokenPrep):
                            valid_rows, tidx, smem.rinv_q, smem.rinv_k)
         cute.arch.sync_threads()
 
-        # 3. forward recompute per value band
-        self.forward_band(smem, warp_idx, lane)
-        cute.arch.sync_threads()
-
-        # 4. the 16×16 products with the pair decays, dgT
-        if warp_idx == 0:
-            self.masked_do_u(smem, lane)
-        elif warp_idx == 1:
-            self.masked_du_u(smem, lane)
-        elif warp_idx >= self.dgt_warp:
-            self.state_gate_grad(smem, tidx - self.dgt_warp * 32)
-        cute.arch.sync_threads()
+        # 3. forward recompute per value band, 4. the 16×16 products with the pair decays, dgT
+        self.forward_and_square_products(smem, tidx, warp_idx, lane)
 
         # 5. channel products per key band, 6. finish per row
         self.channel_band_per_head(smem, inputs, out, scalars, head, qk_head, row0, valid_rows, warp_idx, lane)
@@ -534,18 +524,8 @@ class BwdGrads(TokenPrep):
                    tidx, smem.rinv_q, smem.rinv_k)
         cute.arch.sync_threads()
 
-        # 3. forward recompute per value band
-        self.forward_band(smem, warp_idx, lane)
-        cute.arch.sync_threads()
-
-        # 4. the 16×16 products, dgT
-        if warp_idx == 0:
-            self.masked_do_u(smem, lane)
-        elif warp_idx == 1:
-            self.masked_du_u(smem, lane)
-        elif warp_idx >= self.dgt_warp:
-            self.state_gate_grad(smem, tidx - self.dgt_warp * 32)
-        cute.arch.sync_threads()
+        # 3. forward recompute per value band, 4. the 16×16 products, dgT
+        self.forward_and_square_products(smem, tidx, warp_idx, lane)
 
         # 5. channel products per key band, 6. finish
         self.channel_band(smem, inputs, out, scalars, head, row0, valid_rows, warp_idx, lane)
@@ -581,6 +561,20 @@ class BwdGrads(TokenPrep):
         for i in cutlass.range_constexpr(CHUNK * CHUNK // self.num_threads):
             flat = tidx + i * self.num_threads
             smem.inv[flat // CHUNK, flat % CHUNK] = ws.inv[slot, flat // CHUNK, flat % CHUNK]
+
+    @cute.jit
+    def forward_and_square_products(self, smem, tidx: Int32, warp_idx: Int32, lane: Int32):
+        """Phases 3 and 4, the same for every gate: the forward recompute per value band; then warp 0 ``dMqk``,
+        warp 1 ``dL`` (:meth:`masked_do_u`, :meth:`masked_du_u`) and the last warps dgT; a barrier after each."""
+        self.forward_band(smem, warp_idx, lane)
+        cute.arch.sync_threads()
+        if warp_idx == 0:
+            self.masked_do_u(smem, lane)
+        elif warp_idx == 1:
+            self.masked_du_u(smem, lane)
+        elif warp_idx >= self.dgt_warp:
+            self.state_gate_grad(smem, tidx - self.dgt_warp * 32)
+        cute.arch.sync_threads()
 
     @cute.jit
     def zero_invalid_rows(self, smem, valid_rows: Int32, tidx: Int32):
@@ -1200,18 +1194,8 @@ class BwdGrads(TokenPrep):
             if warp_idx == level:
                 self.level_pairs(level, smem, lane)
 
-        # 3. forward recompute per value band
-        self.forward_band(smem, warp_idx, lane)
-        cute.arch.sync_threads()
-
-        # 4. the 16×16 products, dgT; then the levels' masked dA, dMqk
-        if warp_idx == 0:
-            self.masked_do_u(smem, lane)
-        elif warp_idx == 1:
-            self.masked_du_u(smem, lane)
-        elif warp_idx >= self.dgt_warp:
-            self.state_gate_grad(smem, tidx - self.dgt_warp * 32)
-        cute.arch.sync_threads()
+        # 3. forward recompute per value band, 4. the 16×16 products, dgT; then the levels' masked dA, dMqk
+        self.forward_and_square_products(smem, tidx, warp_idx, lane)
         for level in cutlass.range_constexpr(plan.DYADIC_LEVELS):
             if warp_idx == level:
                 self.mask_level(level, smem, lane)
@@ -1226,14 +1210,13 @@ class BwdGrads(TokenPrep):
 
     @cute.jit
     def row_norms(self, smem: DyadicGradsSmem, scale: Float32, valid_rows: Int32, tidx: Int32):
-        """Per row the l2norm's ``rinv_q`` and ``rinv_k`` (1 without l2norm), as K1's row phase computes them."""
+        """Per row the l2norm's ``rinv_q`` and ``rinv_k``, as K1's row phase computes them (without l2norm none: no
+        phase reads them then)."""
         for item in cutlass.range_constexpr(self.decay_items):
             row, chunk = self.row_chunk(tidx, item)
             q_in, k_in = self.load_row_chunk(smem.q, smem.k, row, chunk)
             _, _, q_rinv, _, k_rscale = self.chunk_scales(q_in, k_in, row < valid_rows, scale)
-            if chunk == 0:
-                smem.rinv_q[row] = q_rinv
-                smem.rinv_k[row] = k_rscale
+            self.store_row_rinv(smem.rinv_q, smem.rinv_k, row, chunk, q_rinv, k_rscale)
 
     @cute.jit
     def dyadic_scan(self, smem: DyadicGradsSmem, gate_in: cute.Tensor, dt: Float32, e_a: Float32, scale: Float32,

@@ -13,11 +13,11 @@ import torch
 from ..layouts.bwd_grads import COMPUTE_WARPS, DEFAULT_WARPS
 from ..numerics import f32, gate_constant
 from ..validation import check_training_size
-from ..workspace import Workspace, WorkspaceSpec, allocate_workspace, block_states_shape
+from ..workspace import Workspace, block_states_shape
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, dsl_type, launch_tensor, to_cute_tensor,
 )
-from .prepare import tile_bases
+from .prepare import compile_problem, tile_bases
 
 _CACHE = CompileCache("bwd_grads")
 
@@ -184,30 +184,23 @@ def compile_bwd_grads(*, varlen: bool, qk_l2norm: bool, beta_logits: bool, devic
     (``per_head_gate``: g ``[B, T, HV]``, else per channel; ``grouped``: two value heads per q/k head); small buffers
     are allocated, nothing is launched."""
     device = torch.device(device)
-    qk_heads, dim, num_seqs, steps = 1 if grouped else 2, 128, 2, 32
-    heads = 2
-    rows = (1 if varlen else num_seqs, steps)
-
-    def zeros(*shape, dtype=torch.bfloat16):
-        return torch.zeros(*shape, dtype=dtype, device=device)
-
-    ws = allocate_workspace(WorkspaceSpec(heads=heads, tiles=4), device)
-    qk, tokens = zeros(*rows, qk_heads, dim), zeros(*rows, heads, dim)
-    gate_shape = (*rows, heads) if per_head_gate else (*rows, heads, dim)
-    states = zeros(*block_states_shape(ws, heads, num_seqs))
-    ddt_shape, dalog_shape = gate_partials_shapes(ws, heads, per_head_gate)
+    problem = compile_problem(varlen, device)
+    heads, fp32 = problem.heads, torch.float32
+    qk, tokens = problem.tokens(1 if grouped else heads), problem.tokens()
+    gate_inner = () if per_head_gate else (problem.dim,)
+    states = problem.block_states()
+    ddt_shape, dalog_shape = gate_partials_shapes(problem.ws, heads, per_head_gate)
     constants = gate != "none"
-    tensors = (qk, qk, zeros(*gate_shape, dtype=g_dtype), tokens, tokens, tokens,
-               zeros(heads, dtype=torch.float32) if constants else None,
-               (zeros(heads, dtype=torch.float32) if per_head_gate else zeros(heads, dim, dtype=torch.float32))
-               if constants else None,
-               ws, states, states, tokens, tokens,
-               zeros(*gate_shape, dtype=torch.float32 if per_head_gate else torch.bfloat16), zeros(*rows, heads),
-               zeros(*ddt_shape, dtype=torch.float32) if constants else None,
-               zeros(*dalog_shape, dtype=torch.float32) if constants else None)
-    options = dict(scale=dim ** -0.5, lower_bound=-5.0,
-                   cu_seqlens=torch.tensor([0, 16, steps], dtype=torch.int64, device=device) if varlen else None,
-                   tile_base=torch.tensor([0, 1, 2], dtype=torch.int32, device=device) if varlen else None)
+    tensors = (qk, qk, problem.tokens(heads, gate_inner, dtype=g_dtype), tokens, tokens, tokens,
+               problem.zeros(heads, dtype=fp32) if constants else None,
+               problem.zeros(heads, *gate_inner, dtype=fp32) if constants else None,
+               problem.ws, states, states, tokens, tokens,
+               problem.tokens(heads, gate_inner, dtype=fp32 if per_head_gate else torch.bfloat16),
+               problem.tokens(heads, ()),
+               problem.zeros(*ddt_shape, dtype=fp32) if constants else None,
+               problem.zeros(*dalog_shape, dtype=fp32) if constants else None)
+    options = dict(scale=problem.dim ** -0.5, lower_bound=-5.0, cu_seqlens=problem.cu_seqlens,
+                   tile_base=problem.tile_base)
     with torch.cuda.device(device):
         key = (varlen, bool(qk_l2norm), bool(beta_logits), compute_warps, gate, per_head_gate, g_dtype, grouped,
                device_index(device))

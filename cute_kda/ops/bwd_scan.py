@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from ..layouts.bwd_scan import SCAN_VSPLITS
-from ..workspace import Workspace, WorkspaceSpec, allocate_workspace, block_states_shape
+from ..workspace import Workspace, block_states_shape
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, dsl_type, launch_tensor, to_cute_tensor,
 )
-from .prepare import tile_bases
+from .prepare import compile_problem, tile_bases
 from .recurrence import dtype_or_none
 
 _CACHE = CompileCache("bwd_scan")
@@ -167,18 +167,11 @@ def compile_bwd_scan(*, vsplit: int, dht: torch.dtype | None, dh0: torch.dtype |
     if vsplit not in SCAN_VSPLITS:
         raise ValueError(f"vsplit must be one of {SCAN_VSPLITS}, got {vsplit}")
     device = torch.device(device)
-    heads, dim, num_seqs, steps = 2, 128, 2, 32
-    do = torch.zeros((1 if varlen else num_seqs, steps, heads, dim), dtype=torch.bfloat16, device=device)
-    ws = allocate_workspace(WorkspaceSpec(heads=heads, tiles=4), device)
-
-    def state(dtype: torch.dtype | None):
-        return None if dtype is None else torch.zeros((num_seqs, heads, dim, dim), dtype=dtype, device=device)
-
-    tensors = dict(do=do, ws=ws, dv=torch.empty_like(do), du=torch.empty_like(do),
-                   snapshots=torch.zeros(block_states_shape(ws, heads, num_seqs), dtype=torch.bfloat16, device=device),
-                   dht=state(dht), dh0=state(dh0),
-                   cu_seqlens=torch.tensor([0, 16, steps], dtype=torch.int64, device=device) if varlen else None,
-                   tile_base=torch.tensor([0, 1, 2], dtype=torch.int32, device=device) if varlen else None)
+    problem = compile_problem(varlen, device)
+    do = problem.tokens()
+    tensors = dict(do=do, ws=problem.ws, dv=torch.empty_like(do), du=torch.empty_like(do),
+                   snapshots=problem.block_states(), dht=problem.state(dht), dh0=problem.state(dh0),
+                   cu_seqlens=problem.cu_seqlens, tile_base=problem.tile_base)
     with torch.cuda.device(device):
         key = (vsplit, dht, dh0, varlen, tuning, device_index(device))
         compiled_variant(key, tensors, current_stream(device))

@@ -11,12 +11,12 @@ the host. Variants compile from fake tensors (``meta`` tensors described by
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..numerics import f32, gate_constant
-from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace
+from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace, block_states_shape
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, dsl_type, fake_stream, launch_tensor,
     on_device, to_cute_tensor,
@@ -35,6 +35,46 @@ def _compile_tile_prefix():
     tile_base = torch.empty(2, dtype=torch.int32, device=_META)
     return compile_for_launch(TilePrefixKernel(), to_cute_tensor(cu_seqlens, 8), to_cute_tensor(tile_base, 4),
                               fake_stream())
+
+
+class CompileProblem(NamedTuple):
+    """The small problem the ahead-of-time compiles of K2, Kernel A and Kernel B build their buffers from: two
+    sequences (of two tiles each, or packed in one row of one tile each), two heads, D = 128; zeros, never run."""
+
+    rows: tuple[int, int]  # (B, T) of the token tensors
+    heads: int
+    dim: int
+    num_seqs: int
+    ws: Workspace
+    cu_seqlens: torch.Tensor | None
+    tile_base: torch.Tensor | None
+    device: torch.device
+
+    def zeros(self, *shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def tokens(self, heads: int | None = None, inner: tuple[int, ...] | None = None,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``[B, T, heads, *inner]`` (``heads`` default the problem's, ``inner`` default ``(D,)``)."""
+        inner = (self.dim,) if inner is None else inner
+        return self.zeros(*self.rows, self.heads if heads is None else heads, *inner, dtype=dtype)
+
+    def state(self, dtype: torch.dtype | None) -> torch.Tensor | None:
+        """``[N, H, D, D]`` of ``dtype``, or None."""
+        return None if dtype is None else self.zeros(self.num_seqs, self.heads, self.dim, self.dim, dtype=dtype)
+
+    def block_states(self) -> torch.Tensor:
+        """The checkpoints' / snapshots' bf16 ``block_states_shape``."""
+        return self.zeros(*block_states_shape(self.ws, self.heads, self.num_seqs))
+
+
+def compile_problem(varlen: bool, device: torch.device) -> CompileProblem:
+    num_seqs, heads = 2, 2
+    cu_seqlens = torch.tensor([0, CHUNK, 2 * CHUNK], dtype=torch.int64, device=device) if varlen else None
+    tile_base = torch.tensor([0, 1, 2], dtype=torch.int32, device=device) if varlen else None
+    return CompileProblem(rows=(1 if varlen else num_seqs, 2 * CHUNK), heads=heads, dim=_DIM, num_seqs=num_seqs,
+                          ws=allocate_workspace(WorkspaceSpec(heads=heads, tiles=4), device), cu_seqlens=cu_seqlens,
+                          tile_base=tile_base, device=device)
 
 
 def tile_bases(cu_seqlens: torch.Tensor, *, stream=None) -> torch.Tensor:

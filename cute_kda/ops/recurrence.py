@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from ..layouts.fwd_recurrence import SUPPORTED_VSPLITS
-from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace, block_states_shape
+from ..workspace import Workspace, block_states_shape
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, dsl_type, launch_tensor, on_device, to_cute_tensor,
 )
-from .prepare import tile_bases
+from .prepare import compile_problem, tile_bases
 
 _CACHE = CompileCache("fwd_recurrence")
 _ARGUMENT_ALIGNMENT = (16,) * 11 + (8, 4, 16)  # bytes, per tensor of launch_arguments (cu_seqlens 8, tile_base 4)
@@ -147,20 +147,12 @@ def compile_recurrence(
     """Compile the K2 variant for these state dtypes, ``varlen`` and ``vsplit`` on ``device`` (nothing runs);
     ``checkpoints``: the training forward's variant, which saves the state entering each tile."""
     device = torch.device(device)
-    heads, dim, num_seqs = 2, 128, 2
-    v = torch.zeros((1 if varlen else num_seqs, 2 * CHUNK, heads, dim), dtype=torch.bfloat16, device=device)
-    ws = allocate_workspace(WorkspaceSpec(heads=heads, tiles=4), device)
-    cu_seqlens = torch.tensor([0, CHUNK, 2 * CHUNK], dtype=torch.int64, device=device) if varlen else None
-    tile_base = torch.tensor([0, 1, 2], dtype=torch.int32, device=device) if varlen else None
-
-    def state(dtype: torch.dtype | None):
-        return None if dtype is None else torch.zeros((num_seqs, heads, dim, dim), dtype=dtype, device=device)
-
+    problem = compile_problem(varlen, device)
+    v = problem.tokens()
     with torch.cuda.device(device):
-        saved = (torch.zeros(block_states_shape(ws, heads, num_seqs), dtype=torch.bfloat16, device=device)
-                 if checkpoints else None)
-        arguments = launch_arguments(v, ws, torch.empty_like(v), cu_seqlens=cu_seqlens, tile_base=tile_base,
-                                     initial_state=state(initial_state), final_state=state(final_state),
-                                     checkpoints=saved)
+        arguments = launch_arguments(v, problem.ws, torch.empty_like(v), cu_seqlens=problem.cu_seqlens,
+                                     tile_base=problem.tile_base, initial_state=problem.state(initial_state),
+                                     final_state=problem.state(final_state),
+                                     checkpoints=problem.block_states() if checkpoints else None)
         compiled_variant(vsplit, initial_state, final_state, varlen, checkpoints, device_index(device), arguments,
                          current_stream(device))

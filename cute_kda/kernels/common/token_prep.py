@@ -106,10 +106,7 @@ class TokenPrep:
             cute.autovec_copy(cute.local_tile(s_cumsum, run, at), cum)
             cute.autovec_copy(cute.local_tile(s_cumsum, run, (CHUNK - 1, chunk)), cum_last)
             q32, k32, q_rinv, q_rscale, k_rscale = self.chunk_scales(q_in, k_in, valid, scale)
-            if cutlass.const_expr(self.qk_l2norm and s_rinv_q is not None):
-                if chunk == 0:
-                    s_rinv_q[row] = q_rinv
-                    s_rinv_k[row] = k_rscale
+            self.store_row_rinv(s_rinv_q, s_rinv_k, row, chunk, q_rinv, k_rscale)
 
             qd = cute.make_rmem_tensor(run, BFloat16)
             kd = cute.make_rmem_tensor(run, BFloat16)
@@ -165,6 +162,15 @@ class TokenPrep:
         return q32, k32, q_rinv, q_rscale, k_rscale
 
     @cute.jit
+    def store_row_rinv(self, s_rinv_q, s_rinv_k, row: Int32, chunk: Int32, q_rinv: Float32, k_rinv: Float32):
+        """With l2norm and row vectors given (Kernel B keeps them for the l2norm backward): the row's
+        ``1/‖q‖`` and ``1/‖k‖`` (:meth:`chunk_scales`), written once a row, by its first chunk's lane."""
+        if cutlass.const_expr(self.qk_l2norm and s_rinv_q is not None):
+            if chunk == 0:
+                s_rinv_q[row] = q_rinv
+                s_rinv_k[row] = k_rinv
+
+    @cute.jit
     def base2_log_decay(self, g: Float32, dt: Float32, e_a: Float32) -> Float32:
         """``g'`` (base 2, ≤ 0) of one entry: softplus ``−e^A · softplus2(g + dt_bias)`` or ``g · log2 e``.
 
@@ -216,10 +222,7 @@ class TokenPrep:
             run = (1, CHANNELS_PER_LANE)
             q_in, k_in = self.load_row_chunk(s_q, s_k, row, chunk)
             q32, k32, q_rinv, q_rscale, k_rscale = self.chunk_scales(q_in, k_in, valid, scale)
-            if cutlass.const_expr(self.qk_l2norm and s_rinv_q is not None):
-                if chunk == 0:
-                    s_rinv_q[row] = q_rinv
-                    s_rinv_k[row] = k_rscale
+            self.store_row_rinv(s_rinv_q, s_rinv_k, row, chunk, q_rinv, k_rscale)
             decay, rest = s_prefix[row], s_suffix[row]
             qd = cute.make_rmem_tensor(run, BFloat16)
             kd = cute.make_rmem_tensor(run, BFloat16)
