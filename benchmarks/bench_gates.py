@@ -132,8 +132,8 @@ def peers(inputs: dict, gate: str, train: bool = False) -> dict:
         use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=False, lower_bound=None,
         state_v_first=True, cu_seqlens=inputs["cu_seqlens"],
     )
-    if softplus:
-        fla_kwargs.update(A_log=inputs["A_log"], dt_bias=inputs["dt_bias"])
+    if softplus:  # FLA's dt_bias is flat, [H·D]; its backward returns that shape
+        fla_kwargs.update(A_log=inputs["A_log"], dt_bias=inputs["dt_bias"].flatten())
     buffers = dict(output_final_state=True) if train else dict(out=out, final_state=final)
     runs = {"cute_kda": lambda: cute_kda.kda_forward(
         *tensors, scale=D ** -0.5, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], gate="softplus" if softplus
@@ -147,9 +147,9 @@ def peers(inputs: dict, gate: str, train: bool = False) -> dict:
     return runs
 
 
-def bench_row(name: str, gate: str, device: torch.device, warmup: int, rep: int) -> dict:
+def bench_row(name: str, gate: str, device: torch.device, warmup: int, rep: int, only: list[str]) -> dict:
     inputs = gate_inputs(name, gate, device)
-    runs = peers(inputs, gate)
+    runs = {peer: fn for peer, fn in peers(inputs, gate).items() if peer.split()[0] in only}
     row = {"shape": name, "gate": gate, "ms": {}, "err": None}
     with torch.inference_mode():
         results = {}
@@ -175,7 +175,8 @@ def unguard_fla_backward() -> str:
     return "Triton guard (#640) off: speed only, its gradients are wrong on this Triton"
 
 
-def train_row(name: str, gate: str, device: torch.device, warmup: int, rep: int, fla_note: str | None = None) -> dict:
+def train_row(name: str, gate: str, device: torch.device, warmup: int, rep: int, only: list[str],
+              fla_note: str | None = None) -> dict:
     """One row of ``--train``: the median fwd+bwd step per peer, or the error that stopped it;
     ``fla_note``: FLA's guard is off (:func:`unguard_fla_backward`), so its gradients are not compared."""
     inputs = gate_inputs(name, gate, device)
@@ -183,7 +184,7 @@ def train_row(name: str, gate: str, device: torch.device, warmup: int, rep: int,
               if isinstance(inputs.get(n), torch.Tensor) and inputs[n].is_floating_point()]
     for n in leaves:
         inputs[n] = inputs[n].detach().requires_grad_()
-    runs = peers(inputs, gate, train=True)
+    runs = {peer: fn for peer, fn in peers(inputs, gate, train=True).items() if peer.split()[0] in only}
     gen = torch.Generator(device=device).manual_seed(2)
     do = torch.randn(inputs["v"].shape, generator=gen, device=device).bfloat16()
     dht = torch.randn(inputs["initial_state"].shape, generator=gen, device=device)
@@ -246,6 +247,8 @@ def main() -> None:
     parser.add_argument("--train", action="store_true", help="time fwd+bwd steps instead of the forward")
     parser.add_argument("--fla-unguarded", action="store_true",
                         help="with --train: time FLA's backward with its Triton guard (#640) off (speed only)")
+    parser.add_argument("--peers", type=lambda text: text.split(","), default=["cute_kda", "FLA"],
+                        help="comma-separated peers to time: cute_kda, FLA (default both)")
     args = parser.parse_args()
     if args.fla_unguarded and not args.train:
         parser.error("--fla-unguarded goes with --train")
@@ -259,9 +262,9 @@ def main() -> None:
     rows = []
     for name in args.shapes:
         if args.train:
-            rows.append(train_row(name, ROWS[name], device, args.warmup, args.rep, fla_note))
+            rows.append(train_row(name, ROWS[name], device, args.warmup, args.rep, args.peers, fla_note))
         else:
-            rows.append(bench_row(name, ROWS[name], device, args.warmup, args.rep))
+            rows.append(bench_row(name, ROWS[name], device, args.warmup, args.rep, args.peers))
         table = f"{header}\n\n{(train_markdown if args.train else markdown)(rows)}\n"
         if args.out:
             Path(args.out).write_text(table)
