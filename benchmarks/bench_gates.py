@@ -18,10 +18,10 @@ outputs on the same inputs. The table is written to ``--out`` after every row.
 
     python benchmarks/bench_gates.py                                  # every row
     python benchmarks/bench_gates.py --shapes kimi_T4096_H32,gdn_T8192_H16_HV32
-    python benchmarks/bench_gates.py --train --shapes gdn_T8192_H16_HV32   # GatedDeltaNet fwd+bwd steps
+    python benchmarks/bench_gates.py --train --shapes kimi_T4096_H32,gdn_T8192_H16_HV32   # fwd+bwd steps
 
-``--train`` times a training step on the GatedDeltaNet rows instead (the per-channel unbounded gates have no
-backward yet): q, k, v, g, beta, A_log, dt_bias and the initial state require grad; one step is the forward and
+``--train`` times a training step instead: q, k, v, g, beta, A_log, dt_bias and the initial state require grad
+(cute_kda's ``kda_forward`` keeps its checkpoints for the backward, its default); one step is the forward and
 ``torch.autograd.backward((o, ht), (dO, dht))`` with fixed dO, dht, the gradients reset before each step; a peer
 that raises (FLA's GDN backward refuses Hopper with Triton < 3.7.1) is reported with its error, not timed; the
 rel-RMS columns then compare dq and dv with FLA's. ``--train --fla-unguarded`` turns that guard of FLA's off to
@@ -117,7 +117,8 @@ def gdn_peers(kwargs: dict) -> dict:
     return runs
 
 
-def peers(inputs: dict, gate: str) -> dict:
+def peers(inputs: dict, gate: str, train: bool = False) -> dict:
+    """The calls to time, by peer; ``train``: cute_kda allocates its outputs (autograd records the call)."""
     import cute_kda
 
     if gate.startswith("gdn"):
@@ -131,11 +132,12 @@ def peers(inputs: dict, gate: str) -> dict:
         use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=False, lower_bound=None,
         state_v_first=True, cu_seqlens=inputs["cu_seqlens"],
     )
-    if softplus:
-        fla_kwargs.update(A_log=inputs["A_log"], dt_bias=inputs["dt_bias"])
+    if softplus:  # FLA's dt_bias is flat, [H·D]; its backward returns that shape
+        fla_kwargs.update(A_log=inputs["A_log"], dt_bias=inputs["dt_bias"].flatten())
+    buffers = dict(output_final_state=True) if train else dict(out=out, final_state=final)
     runs = {"cute_kda": lambda: cute_kda.kda_forward(
         *tensors, scale=D ** -0.5, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], gate="softplus" if softplus
-        else "none", initial_state=inputs["initial_state"], cu_seqlens=inputs["cu_seqlens"], out=out, final_state=final)}
+        else "none", initial_state=inputs["initial_state"], cu_seqlens=inputs["cu_seqlens"], **buffers)}
     try:
         from fla.ops.kda import chunk_kda as fla_chunk_kda
 
@@ -145,9 +147,9 @@ def peers(inputs: dict, gate: str) -> dict:
     return runs
 
 
-def bench_row(name: str, gate: str, device: torch.device, warmup: int, rep: int) -> dict:
+def bench_row(name: str, gate: str, device: torch.device, warmup: int, rep: int, only: list[str]) -> dict:
     inputs = gate_inputs(name, gate, device)
-    runs = peers(inputs, gate)
+    runs = {peer: fn for peer, fn in peers(inputs, gate).items() if peer.split()[0] in only}
     row = {"shape": name, "gate": gate, "ms": {}, "err": None}
     with torch.inference_mode():
         results = {}
@@ -173,15 +175,16 @@ def unguard_fla_backward() -> str:
     return "Triton guard (#640) off: speed only, its gradients are wrong on this Triton"
 
 
-def train_row(name: str, gate: str, device: torch.device, warmup: int, rep: int, fla_note: str | None = None) -> dict:
-    """One GatedDeltaNet row of ``--train``: the median fwd+bwd step per peer, or the error that stopped it;
+def train_row(name: str, gate: str, device: torch.device, warmup: int, rep: int, only: list[str],
+              fla_note: str | None = None) -> dict:
+    """One row of ``--train``: the median fwd+bwd step per peer, or the error that stopped it;
     ``fla_note``: FLA's guard is off (:func:`unguard_fla_backward`), so its gradients are not compared."""
     inputs = gate_inputs(name, gate, device)
     leaves = [n for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
               if isinstance(inputs.get(n), torch.Tensor) and inputs[n].is_floating_point()]
     for n in leaves:
         inputs[n] = inputs[n].detach().requires_grad_()
-    runs = peers(inputs, gate)
+    runs = {peer: fn for peer, fn in peers(inputs, gate, train=True).items() if peer.split()[0] in only}
     gen = torch.Generator(device=device).manual_seed(2)
     do = torch.randn(inputs["v"].shape, generator=gen, device=device).bfloat16()
     dht = torch.randn(inputs["initial_state"].shape, generator=gen, device=device)
@@ -241,19 +244,17 @@ def markdown(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, ALL_SHAPES)
-    parser.add_argument("--train", action="store_true", help="time fwd+bwd steps on the GatedDeltaNet rows")
+    parser.add_argument("--train", action="store_true", help="time fwd+bwd steps instead of the forward")
     parser.add_argument("--fla-unguarded", action="store_true",
                         help="with --train: time FLA's backward with its Triton guard (#640) off (speed only)")
+    parser.add_argument("--peers", type=lambda text: text.split(","), default=["cute_kda", "FLA"],
+                        help="comma-separated peers to time: cute_kda, FLA (default both)")
     args = parser.parse_args()
     if args.fla_unguarded and not args.train:
         parser.error("--fla-unguarded goes with --train")
     if not torch.cuda.is_available():
         sys.exit("bench_gates needs a CUDA GPU (Hopper)")
     device = torch.device("cuda")
-    if args.train:
-        unfit = [name for name in args.shapes if not ROWS[name].startswith("gdn")]
-        if unfit:
-            sys.exit(f"--train times the GatedDeltaNet rows only (no backward for the per-channel gates yet): {unfit}")
     header = (f"{environment('cutlass', 'fla', 'triton')} · D={D}, fp32 state in/out (v-first), l2norm and β "
               "logits in the kernels; " + ("fwd+bwd steps, every input requiring grad; ratios < 1 mean cute_kda is "
                                            "faster" if args.train else "ratios > 1 mean cute_kda is faster"))
@@ -261,9 +262,9 @@ def main() -> None:
     rows = []
     for name in args.shapes:
         if args.train:
-            rows.append(train_row(name, ROWS[name], device, args.warmup, args.rep, fla_note))
+            rows.append(train_row(name, ROWS[name], device, args.warmup, args.rep, args.peers, fla_note))
         else:
-            rows.append(bench_row(name, ROWS[name], device, args.warmup, args.rep))
+            rows.append(bench_row(name, ROWS[name], device, args.warmup, args.rep, args.peers))
         table = f"{header}\n\n{(train_markdown if args.train else markdown)(rows)}\n"
         if args.out:
             Path(args.out).write_text(table)

@@ -392,11 +392,11 @@ def translate_fla_call(
       - ``safe_gate`` changes how FLA computes, not what: accepted. ``chunk_size`` (32 or 64)
         likewise. ``cu_seqlens_cpu``, when given, is checked on the host.
       - grouped value heads: v, g, beta, ``A_log``, ``dt_bias`` and the states have HV heads, a multiple of
-        q's and k's H (value head ``j`` reads q/k head ``j // (HV / H)``); inference only for now.
+        q's and k's H (value head ``j`` reads q/k head ``j // (HV / H)``); they train with the unbounded gates.
       - inputs that are not contiguous are made contiguous (FLA does the same).
     What raises ``NotImplementedError`` (the flag is named): a bounded gate with ``lower_bound``
-    outside [-5, 0) when ``safe_gate=False``, ``allow_neg_eigval``, grouped value heads (HV != H),
-    ``return_intermediate_states``, ``cp_context``, ``use_graph``. Errors FLA raises itself
+    outside [-5, 0) when ``safe_gate=False``, ``allow_neg_eigval``, training grouped value heads (HV != H) with
+    the safe gate, ``return_intermediate_states``, ``cp_context``, ``use_graph``. Errors FLA raises itself
     (``ValueError``) are raised the same way.
     """
     if not kwargs.keys() <= _FLA_EXTRA_KWARGS:
@@ -643,8 +643,8 @@ def warmup(
     ``gated_delta_rule`` also the K1 variants of :func:`cute_kda.chunk_gated_delta_rule` (a per-head gate
     with grouped value heads, for each unbounded gate in ``gates``). ``training`` also compiles what a training
     step adds: K2 with checkpoints, Kernel A (every V-split in ``vsplits``; dht of the final state's dtype or none,
-    dh0 of the initial state's dtype or none) and Kernel B for each gate that trains (the safe gate, and the
-    per-head gates with ``gated_delta_rule``). ``device`` (default: the current CUDA device) is where the compiled
+    dh0 of the initial state's dtype or none) and Kernel B for each gate (per head too with
+    ``gated_delta_rule``). ``device`` (default: the current CUDA device) is where the compiled
     code will run. Returns the number of (K1, K2) configurations visited (each with every gate);
     already-compiled ones cost nothing.
     """
@@ -694,7 +694,7 @@ def warmup(
         for vsplit, dht, dh0, varlen_scan in sorted(scans, key=repr):
             ka.compile_bwd_scan(vsplit=vsplit, dht=dht, dh0=dh0, varlen=varlen_scan, device=device)
         grads = {(config.varlen, config.qk_l2norm, config.beta_logits, gate, g_dtype, gdn) for config in configs
-                 for gate, g_dtype, gdn in k1_gates if gate == "safe" or gdn}  # the gates whose Kernel B is built
+                 for gate, g_dtype, gdn in k1_gates}
         for varlen_grads, qk_l2norm_grads, beta_logits_grads, gate, g_dtype, gdn in sorted(grads, key=repr):
             kb.compile_bwd_grads(varlen=varlen_grads, qk_l2norm=qk_l2norm_grads, beta_logits=beta_logits_grads,
                                  device=device, gate=gate, g_dtype=g_dtype, per_head_gate=gdn, grouped=gdn)

@@ -246,16 +246,16 @@ def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, s
     from .ops import bwd_grads as kb
 
     ws = workspace_of(options, saved)
-    per_head = options.gate != "safe"  # GatedDeltaNet's per-head gate (check_trainable admits no other)
+    per_head = x.g.dim() == 3  # GatedDeltaNet's per-head gate
     ddt_shape, dalog_shape = kb.gate_partials_shapes(ws, options.problem.heads, per_head)
     constants = options.gate != "none"  # a log decay has no A_log / dt_bias
     ddt_partial = torch.empty(ddt_shape, dtype=torch.float32, device=do.device) if constants else None
     dalog_partial = torch.empty(dalog_shape, dtype=torch.float32, device=do.device) if constants else None
-    if per_head:  # dq, dk per value head (summed over each group below), dg in fp32
-        dq, dk = torch.empty_like(x.v), torch.empty_like(x.v)
-        dg = torch.empty(x.g.shape, dtype=torch.float32, device=do.device)
-    else:
-        dq, dk, dg = (torch.empty_like(t) for t in (x.q, x.k, x.g))
+    unbounded = options.gate != "safe"  # dq, dk per value head (summed over each group below)
+    dq, dk = (torch.empty_like(x.v), torch.empty_like(x.v)) if unbounded else (torch.empty_like(x.q),
+                                                                                  torch.empty_like(x.k))
+    # dg: fp32 per (token, head) for a per-head gate, else bf16 like g (a fp32 log decay's is widened below)
+    dg = torch.empty(x.g.shape, dtype=torch.float32 if per_head else torch.bfloat16, device=do.device)
     dbeta = torch.empty_like(x.beta)
     kb.bwd_grads(  # β enters through the workspace's activated ws.beta
         q=x.q, k=x.k, g=x.g, v=x.v, do=do, du=scan.du, ws=ws, states=saved.checkpoints,
@@ -264,9 +264,9 @@ def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, s
         cu_seqlens=x.cu_seqlens, tile_base=saved.tile_base, qk_l2norm=options.qk_l2norm,
         beta_logits=options.beta_logits, gate=options.gate,
     )
-    if per_head:
+    if unbounded:
         dq, dk = (group_sum(t, x.q.shape[2]) for t in (dq, dk))
-        dg = dg.to(x.g.dtype)
+    dg = dg.to(x.g.dtype)
     return GradsResult(dq, dk, dg, dbeta, None if dalog_partial is None else dalog_partial.sum(1),
                        None if ddt_partial is None else ddt_partial.sum(1))
 
@@ -302,10 +302,11 @@ def _reference_forward(x: Inputs, options: Options) -> ForwardResult:
             scale=options.scale, cu_seqlens=x.cu_seqlens, qk_l2norm=options.qk_l2norm,
             beta_logits=options.beta_logits,
         )
-    else:  # K1's per-head scheme (the only unbounded gate that trains)
+    else:  # K1's per-head scheme for a per-head gate, its dyadic one per channel (the kernels' schemes)
         mirrored = mirror_prepare_gates(
             x.q, x.k, x.g, x.beta, gate=options.gate, A_log=x.A_log, dt_bias=x.dt_bias, scale=options.scale,
-            cu_seqlens=x.cu_seqlens, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits, scheme="per_head",
+            cu_seqlens=x.cu_seqlens, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
+            scheme="per_head" if x.g.dim() == 3 else "dyadic",
         )
     buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=x.q.device)
     ws = workspace_views(workspace_spec(problem), buffer)
@@ -367,18 +368,13 @@ REFERENCE = Backend("reference", _reference_forward, _reference_scan, _reference
 
 
 def check_trainable(gate: str, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> None:
-    """Refuse a training call the backward kernels do not cover yet: the per-channel unbounded gates (Kernel B's
-    intra-tile terms go through ``kinv``, which they never form; the dyadic Kernel B is not built) and grouped
-    value heads with a per-channel gate. What trains: the safe per-channel gate with HV = H, and GatedDeltaNet's
-    per-head gate (g ``[B, T, HV]``, gate "softplus" or "none"), grouped value heads included."""
-    per_head = isinstance(g, torch.Tensor) and g.dim() == 3 and gate != "safe"
-    what = (None if per_head else f"gate={gate!r} per channel (g [B, T, HV, K])" if gate != "safe"
-            else "grouped value heads (HV != H) with the safe gate"
-            if v.dim() == 4 and v.shape[2] != q.shape[2] else None)
-    if what is not None:
+    """Refuse a training call the backward kernels do not cover: grouped value heads with the safe gate (its Kernel
+    B writes dq, dk per q/k head). What trains: the safe gate with HV = H, and the unbounded gates ("softplus",
+    "none") per channel (Kernel B's dyadic variant) or per head (GatedDeltaNet), grouped value heads included."""
+    if gate == "safe" and v.dim() == 4 and v.shape[2] != q.shape[2]:
         raise NotImplementedError(
-            f"{what} has no backward yet (the safe per-channel gate with HV = H and the per-head gates train); "
-            "run it under torch.no_grad() / torch.inference_mode(), or detach its inputs"
+            "grouped value heads (HV != H) with the safe gate have no backward yet (the unbounded gates train with "
+            "them); run it under torch.no_grad() / torch.inference_mode(), or detach its inputs"
         )
 
 

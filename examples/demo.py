@@ -216,9 +216,9 @@ def _bwd_scan_build(varlen: bool, state: torch.dtype | None, vsplit: int) -> Cal
     return build
 
 
-def _bwd_grads_build(varlen: bool, gate: str = "safe") -> Callable[[], tuple]:
-    """Kernel B (the backward's tile gradients): the safe gate, or GatedDeltaNet's per-head ``gate`` with two
-    value heads per q/k head."""
+def _bwd_grads_build(varlen: bool, gate: str = "safe", per_head: bool = True) -> Callable[[], tuple]:
+    """Kernel B (the backward's tile gradients): the safe gate, or an unbounded ``gate`` — GatedDeltaNet's per
+    head (``per_head``) with two value heads per q/k head, or Kimi-Linear's per channel (the dyadic variant)."""
 
     def build():
         import cutlass
@@ -231,29 +231,29 @@ def _bwd_grads_build(varlen: bool, gate: str = "safe") -> Callable[[], tuple]:
         from cute_kda.workspace import WorkspaceSpec, allocate_workspace, block_states_shape, tiles_per_head
 
         lengths = [40, 9] if varlen else [49]
-        per_head = gate != "safe"
+        gdn = per_head and gate != "safe"
         heads, tokens = 2, sum(lengths)
-        value_heads = 2 * heads if per_head else heads
+        value_heads = 2 * heads if gdn else heads
         qk = torch.zeros(1, tokens, heads, D, dtype=torch.bfloat16)
         tok = torch.zeros(1, tokens, value_heads, D, dtype=torch.bfloat16)
-        g = torch.zeros(1, tokens, value_heads, dtype=torch.bfloat16) if per_head else tok
+        g = torch.zeros(1, tokens, value_heads, dtype=torch.bfloat16) if gdn else tok
         ws = allocate_workspace(WorkspaceSpec(heads=value_heads, tiles=tiles_per_head(tokens, len(lengths), varlen)),
                                 "cpu")
         states = torch.zeros(block_states_shape(ws, value_heads, len(lengths)), dtype=torch.bfloat16)
-        ddt_shape, dalog_shape = kb.gate_partials_shapes(ws, value_heads, per_head)
+        ddt_shape, dalog_shape = kb.gate_partials_shapes(ws, value_heads, gdn)
         constants = gate != "none"
         args = kb.launch_arguments(
             qk, qk, g, tok, tok, tok, torch.zeros(value_heads) if constants else None,
-            (torch.zeros(value_heads) if per_head else torch.zeros(heads, D)) if constants else None, ws, states,
-            states, tok, tok, torch.zeros(1, tokens, value_heads) if per_head else tok,
+            (torch.zeros(value_heads) if gdn else torch.zeros(heads, D)) if constants else None, ws, states,
+            states, tok, tok, torch.zeros(1, tokens, value_heads) if gdn else tok,
             torch.zeros(1, tokens, value_heads, dtype=torch.bfloat16), torch.zeros(ddt_shape) if constants else None,
             torch.zeros(dalog_shape) if constants else None, scale=D ** -0.5, lower_bound=LOWER_BOUND,
             cu_seqlens=torch.tensor([0, 40, tokens]) if varlen else None,
             tile_base=torch.tensor([0, 3, 4], dtype=torch.int32) if varlen else None, tensor=to_cute_tensor,
         )
-        kernel = BwdGrads(varlen=varlen, gate=gate, gate_dtype=cutlass.BFloat16, per_head_gate=per_head,
-                          grouped=per_head)
-        budget = plan.per_head_smem_budget(kernel.warps) if per_head else plan.smem_budget(kernel.warps)
+        kernel = BwdGrads(varlen=varlen, gate=gate, gate_dtype=cutlass.BFloat16, per_head_gate=gdn, grouped=gdn)
+        budget = (plan.per_head_smem_budget(kernel.warps) if gdn else plan.dyadic_smem_budget(kernel.warps)
+                  if gate != "safe" else plan.smem_budget(kernel.warps))
         return kernel, (*args, cute.runtime.make_fake_stream()), budget
     return build
 
@@ -303,8 +303,8 @@ def _k2_label(varlen: bool, state_in: torch.dtype | None, vsplit: int, state_out
 
 def kernel_builds(all_variants: bool) -> list[KernelBuild]:
     """What the compile report covers: K1 (both variants of the safe gate, two of the unbounded gates'), the tile prefix, K2 (:func:`k2_variants`), two of
-    Kernel A's 72 variants (V-split 1 and 8; the compile tier builds all), Kernel B (the safe and the per-head
-    gate), the round trip."""
+    Kernel A's 72 variants (V-split 1 and 8; the compile tier builds all), Kernel B (the safe gate, the per-head
+    gate and the per-channel softplus gate), the round trip."""
     return [
         KernelBuild("K1 prepare (fixed length)", _prepare_build(varlen=False)),
         KernelBuild("K1 prepare (varlen)", _prepare_build(varlen=True)),
@@ -321,6 +321,8 @@ def kernel_builds(all_variants: bool) -> list[KernelBuild]:
         KernelBuild("Kernel B tile gradients (varlen, safe gate)", _bwd_grads_build(True)),
         KernelBuild("Kernel B tile gradients, GatedDeltaNet softplus per-head gate, HV = 2H (fixed length)",
                     _bwd_grads_build(False, "softplus")),
+        KernelBuild("Kernel B tile gradients, softplus gate per channel (varlen)",
+                    _bwd_grads_build(True, "softplus", per_head=False)),
         KernelBuild("transpose round trip", _roundtrip_build),
     ]
 

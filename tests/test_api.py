@@ -139,14 +139,15 @@ def test_warmup_with_training_visits_the_backward_variants(monkeypatch):
                     gated_delta_rule=True, training=True)
     assert recurrences == [False, True]
     assert sorted(scans, key=repr) == sorted([(1, fp32, fp32), (1, None, fp32)], key=repr)
-    assert grads == [("safe", False), ("softplus", True)]  # the per-channel softplus gate has no Kernel B
+    assert sorted(grads) == [("safe", False), ("softplus", False), ("softplus", True)]
     scans.clear()
     cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(None,), training=True)
     assert {v for v, _, _ in scans} == set(ka.SCAN_VSPLITS)  # Kernel A's own V-splits, 8 included
 
 
-@pytest.mark.parametrize("per_head", [False, True], ids=["safe", "per_head"])
-def test_compile_bwd_grads_builds_the_key_a_call_uses(monkeypatch, per_head):
+@pytest.mark.parametrize("gate, per_head", [("safe", False), ("softplus", True), ("none", False)],
+                         ids=["safe", "per_head", "per_channel_log_decay"])
+def test_compile_bwd_grads_builds_the_key_a_call_uses(monkeypatch, gate, per_head):
     """The ahead-of-time Kernel B compile hands the same variant key to the cache as a call on its buffers does."""
     import contextlib
 
@@ -158,7 +159,6 @@ def test_compile_bwd_grads_builds_the_key_a_call_uses(monkeypatch, per_head):
     monkeypatch.setattr(kb, "current_stream", lambda device: "stream")
     monkeypatch.setattr(kb, "device_index", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    gate = "softplus" if per_head else "safe"
     kb.compile_bwd_grads(varlen=True, qk_l2norm=True, beta_logits=False, device="cpu", gate=gate,
                          per_head_gate=per_head, grouped=per_head)
     (key, tensors, options), = seen

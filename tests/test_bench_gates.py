@@ -78,7 +78,7 @@ def test_train_steps_on_the_cpu_through_a_stand_in(bench, monkeypatch):
     def refuses(**kwargs):
         raise RuntimeError("no backward here")
 
-    monkeypatch.setattr(bench, "peers", lambda inputs, gate: {"cute_kda": lambda: differentiable(**inputs),
+    monkeypatch.setattr(bench, "peers", lambda inputs, gate, train: {"cute_kda": lambda: differentiable(**inputs),
                                                                "FLA chunk_kda": lambda: refuses(**inputs)})
     monkeypatch.setattr(bench, "median_ms", lambda fn, warmup, rep: (fn(), 1.25)[1])
     row = bench.train_row("tiny", "gdn_softplus", torch.device("cpu"), 1, 1)
@@ -93,9 +93,24 @@ def test_train_row_with_fla_unguarded_times_without_comparing(bench, monkeypatch
     def differentiable(**kwargs):
         return kwargs["v"] * kwargs["q"].sum(), kwargs["initial_state"] * kwargs["beta"].sum()
 
-    monkeypatch.setattr(bench, "peers", lambda inputs, gate: {"cute_kda": lambda: differentiable(**inputs),
+    monkeypatch.setattr(bench, "peers", lambda inputs, gate, train: {"cute_kda": lambda: differentiable(**inputs),
                                                                "FLA chunk_kda": lambda: differentiable(**inputs)})
     monkeypatch.setattr(bench, "median_ms", lambda fn, warmup, rep: (fn(), 1.25)[1])
     row = bench.train_row("tiny", "gdn_softplus", torch.device("cpu"), 1, 1, fla_note="guard off: speed only")
     assert row["ms"] == {"cute_kda": 1.25, "FLA chunk_kda": 1.25} and row["err"] is None
     assert "FLA chunk_kda: guard off: speed only" in bench.train_markdown([row])
+
+
+def test_training_peers_let_autograd_allocate(bench, monkeypatch):
+    """A KDA row's cute_kda call under ``--train`` asks for the final state instead of passing out= buffers."""
+    import cute_kda
+
+    small = bench.ALL_SHAPES["kimi_varlen6_H32"].__class__((40, 9), 2, varlen=True)
+    monkeypatch.setitem(bench.ALL_SHAPES, "tiny", small)
+    inputs = bench.gate_inputs("tiny", "softplus", torch.device("cpu"))
+    calls = []
+    monkeypatch.setattr(cute_kda, "kda_forward", lambda *tensors, **kwargs: calls.append(kwargs))
+    for train in (False, True):
+        bench.peers(inputs, "softplus", train=train)["cute_kda"]()
+    inference, training = calls
+    assert "out" in inference and "out" not in training and training["output_final_state"]

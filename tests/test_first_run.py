@@ -109,5 +109,5 @@ def test_demo_compile_report_covers_every_kernel():
     every = demo.k2_variants(True)
     assert len(set(every)) == len(every) == 54
     assert sum(label.startswith("Kernel A") for label in labels) == 2  # V-split 1 and 8
-    assert sum(label.startswith("Kernel B") for label in labels) == 2  # the safe and the per-head gate
-    assert len(demo.kernel_builds(all_variants=True)) == 5 + 1 + 54 + 2 + 2 + 1
+    assert sum(label.startswith("Kernel B") for label in labels) == 3  # the safe, the per-head, the per-channel gate
+    assert len(demo.kernel_builds(all_variants=True)) == 5 + 1 + 54 + 2 + 3 + 1

@@ -35,6 +35,8 @@ from cute_kda.reference.gates import (
 )
 from cute_kda.reference.gold import channel_log_decay, head_gate_log_decay
 
+from gradient_targets import TARGETS
+
 EXACT_TOL = 1e-10
 FORWARD_TARGET = 6e-3  # the issue's forward target (o, final state rel-RMS vs the fp64 gold)
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")
@@ -382,8 +384,6 @@ def test_gva_mirror_equals_the_expanded_heads_and_per_head_needs_a_per_head_gate
 
 D = 128  # the kernels' head dim: the rounded backward works on their tile shapes
 # the issue's backward targets (rel-RMS vs autograd through the fp64 gold)
-BACKWARD_TARGETS = {"dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "dbeta": 2e-2, "dA_log": 8e-3,
-                    "ddt_bias": 8e-3}
 
 
 def _backward_problem(kind: str, *, heads: int, value_heads: int, lengths: list[int], seed: int,
@@ -456,7 +456,7 @@ def test_rounded_backward_of_the_unbounded_gates_meets_the_targets(case):
     errors = _backward_errors(BACKWARD_CASES[case])
     print(case, {name: f"{e:.2e}" for name, e in errors.items()})
     assert set(errors) >= {"dq", "dk", "dv", "dg", "dbeta", "dh0"}
-    over = {name: e for name, e in errors.items() if e > BACKWARD_TARGETS[name]}
+    over = {name: e for name, e in errors.items() if e > TARGETS[name]}
     assert not over, over
 
 
@@ -466,8 +466,8 @@ def test_rounded_backward_cases_over_the_targets(case):
     spec, measured = BACKWARD_OVER[case]
     errors = _backward_errors(spec)
     for name, figure in measured.items():
-        assert BACKWARD_TARGETS[name] < errors[name] < 1.25 * figure, (name, errors[name])
-    others = {n: e for n, e in errors.items() if n not in measured and e > BACKWARD_TARGETS[n]}
+        assert TARGETS[name] < errors[name] < 1.25 * figure, (name, errors[name])
+    others = {n: e for n, e in errors.items() if n not in measured and e > TARGETS[n]}
     assert not others, others
 
 

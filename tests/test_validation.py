@@ -291,14 +291,20 @@ def test_log_decay_takes_bf16_or_fp32_and_no_constants():
 
 
 @pytest.mark.parametrize("gate", ["softplus", "none"])
-def test_unbounded_gates_refuse_training(gate):
+def test_unbounded_gates_train(gate, monkeypatch):
+    """A per-channel unbounded gate under grad takes the training path (Kernel B's dyadic variant)."""
+    from cute_kda import autograd
+
+    seen = []
+    monkeypatch.setattr(autograd, "train", lambda backend, problem, *tensors, **options: seen.append(
+        options["gate"]) or (tensors[2], None))
     inputs = make_inputs()
     if gate == "none":
         inputs.update(g=-inputs["g"].float().abs(), A_log=None, dt_bias=None)
     inputs["q"].requires_grad_()
     q, k, v, g, beta = (inputs.pop(name) for name in ("q", "k", "v", "g", "beta"))
-    with pytest.raises(NotImplementedError, match=f"gate={gate!r} per channel .* has no backward yet"):
-        cute_kda.kda_forward(q, k, v, g, beta, gate=gate, **inputs)
+    cute_kda.kda_forward(q, k, v, g, beta, gate=gate, **inputs)
+    assert seen == [gate]
 
 
 def test_grouped_value_heads():

@@ -32,6 +32,13 @@ terms ``bf16(E ⊙ dMqk)``, ``bf16(E ⊙ β·dL)`` against q̂, k̂, and phase 6
 sums over the channels and the head's crossing pair sums, then the gate backward per (token, head). dq and dk are
 written per value head; grouped heads sum them afterwards. Shared-memory plan:
 ``cute_kda.layouts.bwd_grads.per_head_smem_budget``.
+
+The per-channel unbounded gates (``gate`` "softplus" or "none" with a per-channel g) run the first form of
+docs/numerics.md, "Kernel B for the per-channel unbounded gates": phase 2 recomputes K1's dyadic scan per channel
+(qd, kd, kr, ``2^G``, ``2^Gs``, and per straddle level the factors and the operands X, Q, unpacked) and K1's A
+level by level; the kinv products give way to three 16 × 16 × D products per level against X and Q; phase 6 sums
+dγ per channel from the levels' straddle sums and the rows' terms. One CTA per SM
+(``cute_kda.layouts.bwd_grads.dyadic_smem_budget``).
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ from ..layouts import bwd_grads as plan
 from ..layouts.budget import SMEM_CARVEOUT_PERCENT
 from ..layouts.fwd_prepare import chunk_tile, compact, gate_cumsum_tile, pair_matrix
 from ..layouts.smem import CHUNK, HEAD_DIM, square_tile, square_tile_transposed, sw128_tile_transposed
-from ..numerics import GATES, LN2, LOG2E
+from ..numerics import DYADIC_BLOCKS, GATES, LN2, LOG2E
 from .common.copy import (
     WARP_TILE,
     Operand,
@@ -200,12 +207,60 @@ class PerHeadGradsSmem(NamedTuple):
     dgt: cute.Tensor
 
 
+class DyadicGradsSmem(NamedTuple):
+    """Shared-memory tensors of one CTA with a per-channel unbounded gate (``layouts.bwd_grads.dyadic_smem_budget``);
+    the per-level fields are tuples over the straddle levels."""
+
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    do: cute.Tensor
+    du: cute.Tensor
+    state: cute.Tensor  # [K, V]
+    state_t: cute.Tensor  # [V, K]
+    state_grad: cute.Tensor  # [K, V]
+    qd: cute.Tensor
+    kd: cute.Tensor
+    kr: cute.Tensor
+    level_x: tuple
+    level_x_t: tuple
+    level_q: tuple
+    level_q_t: tuple
+    factors: tuple
+    pow_g: cute.Tensor
+    pow_gs: cute.Tensor
+    level_sums: tuple  # over S's bytes, after the state products
+    row_x: cute.Tensor  # over dS''s bytes, after the state products
+    row_y: cute.Tensor
+    u_out: cute.Tensor
+    neg_bdu: cute.Tensor
+    a_kk: cute.Tensor
+    inv: cute.Tensor
+    dmqk: cute.Tensor
+    dlb: cute.Tensor
+    masked_dlb: tuple
+    masked_dlb_t: tuple
+    masked_dmqk: tuple
+    masked_dmqk_t: tuple
+    beta: cute.Tensor
+    rinv_q: cute.Tensor
+    rinv_k: cute.Tensor
+    dbeta_square: cute.Tensor
+    dbeta_w: cute.Tensor
+    dot_q: cute.Tensor
+    dot_k: cute.Tensor
+    dgt: cute.Tensor
+    dalog_w: cute.Tensor
+
+
 class BwdGrads(TokenPrep):
     """Kernel B. Static configuration: ``varlen``, ``qk_l2norm``, ``beta_logits``; ``compute_warps`` (4 or
     8): warps per CTA, each owning ``128 / compute_warps`` columns in the band phases. ``per_head_gate``:
     GatedDeltaNet's per-head gate, with ``gate`` "softplus" (raw bf16 g, A_log, dt_bias per head) or "none"
     (the log decay, ``gate_dtype`` bf16 or fp32), and ``grouped`` value heads (value head ``h`` reads q/k head
-    ``h // (HV / H)``). The per-channel unbounded gates have no Kernel B yet."""
+    ``h // (HV / H)``). ``gate`` "softplus" or "none" without ``per_head_gate``: the per-channel unbounded gates
+    (Kimi-Linear-48B's softplus, a per-channel log decay), K1's dyadic scheme recomputed (docs/numerics.md,
+    "Kernel B for the per-channel unbounded gates"), grouped value heads allowed as well."""
 
     def __init__(self, *, varlen: bool, qk_l2norm: bool = True, beta_logits: bool = True,
                  compute_warps: int = plan.DEFAULT_WARPS, gate: str = "safe", gate_dtype: type = BFloat16,
@@ -214,17 +269,16 @@ class BwdGrads(TokenPrep):
             raise ValueError(f"compute_warps must be one of {plan.COMPUTE_WARPS}, got {compute_warps}")
         if gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
-        if per_head_gate == (gate == "safe"):
-            raise NotImplementedError(
-                "Kernel B covers the safe gate (per channel) and the per-head unbounded gates (GatedDeltaNet); "
-                f"got gate={gate!r} with per_head_gate={per_head_gate}")
-        if grouped and not per_head_gate:
-            raise NotImplementedError("grouped value heads are built for the per-head gate only")
+        if per_head_gate and gate == "safe":
+            raise ValueError("a per-head gate is 'softplus' or 'none' (the safe gate is per channel)")
+        if grouped and gate == "safe":
+            raise NotImplementedError("grouped value heads are built for the unbounded gates only")
         if gate_dtype not in (BFloat16, Float32) or (gate_dtype is Float32 and gate != "none"):
             raise ValueError(f"g is bf16 (or fp32 with gate 'none'), got {gate_dtype} with gate {gate!r}")
         self.gate = gate
         self.gate_dtype = gate_dtype
         self.per_head_gate = per_head_gate
+        self.dyadic = gate != "safe" and not per_head_gate  # K1's dyadic scheme per channel
         self.grouped = grouped
         self.varlen = varlen
         self.qk_l2norm = qk_l2norm
@@ -277,15 +331,16 @@ class BwdGrads(TokenPrep):
         )
         load = cpasync.CopyBulkTensorTileG2SOp()
         tile, state = chunk_tile(d), plan.state_tile(d)
-        token_tiles = ((inputs.q, inputs.k, inputs.v, inputs.do, inputs.du) if per_head
+        token_tiles = ((inputs.q, inputs.k, inputs.v, inputs.do, inputs.du) if per_head or self.dyadic
                        else (inputs.q, inputs.k, inputs.g, inputs.v, inputs.do, inputs.du))
         tma_tokens = tuple(make_head_tile_tma_atom(load, t, tile, self.tile) for t in token_tiles)
         tma_states = tuple(make_head_tile_tma_atom(load, t, state, self.state_box)
                            for t in (states.state, states.state_grad))
-        self.shared_storage = plan.shared_storage(self.warps, d, per_head_gate=per_head)
+        self.shared_storage = plan.shared_storage(self.warps, d, per_head_gate=per_head, dyadic=self.dyadic)
         tiles = ws.beta.shape[0] // heads
+        ctas_per_sm = plan.DYADIC_CTAS_PER_SM if self.dyadic else plan.CTAS_PER_SM
         self.kernel(tma_tokens, tma_states, inputs, ws, out, scalars, cu_seqlens, tile_base).launch(
-            grid=(tiles, heads, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=plan.CTAS_PER_SM,
+            grid=(tiles, heads, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=ctas_per_sm,
             preferred_smem_carveout=SMEM_CARVEOUT_PERCENT,
         )
 
@@ -300,10 +355,13 @@ class BwdGrads(TokenPrep):
         if exists:
             # per-tile state slot (cute_kda.workspace.snapshot_slots with blocks of one tile)
             state_row = head * scalars.state_slots + tile_slot + seq
+            qk_head = head // (inputs.v.shape[1] // inputs.q.shape[1]) if cutlass.const_expr(self.grouped) else head
             if cutlass.const_expr(self.per_head_gate):
-                qk_head = head // (inputs.v.shape[1] // inputs.q.shape[1]) if cutlass.const_expr(self.grouped) else head
                 self.tile_gradients_per_head(tma_tokens, tma_states, inputs, ws, out, scalars, head, qk_head, slot,
                                              state_row, row0, valid_rows)
+            elif cutlass.const_expr(self.dyadic):
+                self.tile_gradients_dyadic(tma_tokens, tma_states, inputs, ws, out, scalars, head, qk_head, slot,
+                                           state_row, row0, valid_rows)
             else:
                 self.tile_gradients(tma_tokens, tma_states, inputs, ws, out, scalars, head, slot, state_row,
                                     row0, valid_rows)
@@ -319,7 +377,7 @@ class BwdGrads(TokenPrep):
                 if tidx == 0:
                     out.ddt_partial[slot] = Float32(0.0)
                     out.dalog_partial[slot] = Float32(0.0)
-        else:
+        elif cutlass.const_expr(self.gate != "none"):
             if tidx < self.dim:
                 out.ddt_partial[slot, tidx] = Float32(0.0)
             if tidx == 0:
@@ -484,8 +542,8 @@ class BwdGrads(TokenPrep):
         with cute.arch.elect_one():
             cute.arch.mbarrier_init(tma_barrier, 1)
             cute.arch.mbarrier_init_fence()
-            cute.arch.mbarrier_arrive_and_expect_tx(tma_barrier, plan.load_bytes(self.dim,
-                                                                                 per_head_gate=self.per_head_gate))
+            cute.arch.mbarrier_arrive_and_expect_tx(
+                tma_barrier, plan.load_bytes(self.dim, per_head_gate=self.per_head_gate or self.dyadic))
         for (atom, tma_tensor), (buffer, head) in zip(tma_tokens, token_buffers):
             s_part, g_part = head_tile_tma_partition(
                 atom, cute.domain_offset((row0, 0, 0), tma_tensor), buffer, head, self.tile
@@ -662,13 +720,17 @@ class BwdGrads(TokenPrep):
     @cute.jit
     def masked_du_u(self, smem, lane: Int32):
         """Warp 1: ``dL = −stril(du·Uᵀ)``, ``bf16(β_i·dL_ij)`` into ``dlb``, ``Σ_j dL ⊙ A`` per row with the
-        forward's ``A = kd·kinvᵀ``. A per-head gate: ``A = E ⊙ k̂k̂ᵀ``, ``bf16(E ⊙ bf16(β·dL))`` into ``dlb`` and
+        forward's ``A = kd·kinvᵀ`` (the dyadic K1's fp32 level sums with a per-channel unbounded gate). A per-head gate: ``A = E ⊙ k̂k̂ᵀ``, ``bf16(E ⊙ bf16(β·dL))`` into ``dlb`` and
         ``f32(bf16(β·dL) ⊙ k̂k̂ᵀ)`` for the head's pair sums."""
         mma = warp_tiled_mma(BFloat16, Float32)
         coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
         du_u = self.square_product(smem.du, smem.u_out, lane)
-        a_kk = (self.square_product(smem.k_hat, smem.k_hat, lane) if cutlass.const_expr(self.per_head_gate)
-                else self.square_product(smem.kd, smem.kinv, lane))
+        if cutlass.const_expr(self.per_head_gate):
+            a_kk = self.square_product(smem.k_hat, smem.k_hat, lane)
+        elif cutlass.const_expr(self.dyadic):
+            a_kk = self.lower_pairs(smem.a_kk, coords)
+        else:
+            a_kk = self.square_product(smem.kd, smem.kinv, lane)
         beta = self.row_values(smem.beta, lane)
         dlb = make_fragment(mma, Operand.C, BFloat16)
         row_sum = cute.make_rmem_tensor((2,), Float32)
@@ -1050,3 +1112,353 @@ class BwdGrads(TokenPrep):
             total = total * beta * (Float32(1.0) - beta)
         if row < valid_rows:
             out.dbeta[row0 + row, head] = total.to(BFloat16)
+
+    # -------------------------------------------------------------------------------------------
+    # the per-channel unbounded gates: docs/numerics.md, "Kernel B for the per-channel unbounded gates"
+
+    def make_dyadic_smem(self, storage) -> DyadicGradsSmem:
+        tile, tile_t = chunk_tile(self.dim), sw128_tile_transposed(CHUNK, self.dim)
+        state, state_t = plan.state_tile(self.dim), sw128_tile_transposed(self.dim, self.dim)
+        fp32 = gate_cumsum_tile(self.dim)
+        sq, sq_t = square_tile(), square_tile_transposed()
+        rows, warp_rows = plan.row_vector(), plan.warp_rows(self.warps)
+        levels = range(plan.DYADIC_LEVELS)
+
+        def view(buffer, layout, dtype=BFloat16):
+            return smem_tensor(buffer.data_ptr(), layout, dtype)
+
+        def per_level(prefix: str, layout, dtype=BFloat16, group=storage) -> tuple:
+            return tuple(view(getattr(group, f"{prefix}{ell}"), layout, dtype) for ell in levels)
+
+        state_space = storage.state_then_level_sums
+        grad_space = storage.state_grad_then_row_terms
+        l2norm = storage.rows_then_l2norm.l2norm_rows
+        # qd, kd are written over q, k (smem plan): both names view the same bytes
+        return DyadicGradsSmem(
+            q=view(storage.q, tile), k=view(storage.k, tile), v=view(storage.v, tile), do=view(storage.do, tile),
+            du=view(storage.du, tile), state=view(state_space.state, state), state_t=view(state_space.state, state_t),
+            state_grad=view(grad_space.state_grad, state), qd=view(storage.q, tile), kd=view(storage.k, tile),
+            kr=view(storage.kr, tile), level_x=per_level("level_x", tile), level_x_t=per_level("level_x", tile_t),
+            level_q=per_level("level_q", tile), level_q_t=per_level("level_q", tile_t),
+            factors=per_level("factor", fp32, Float32), pow_g=view(storage.pow_g, fp32, Float32),
+            pow_gs=view(storage.pow_gs, fp32, Float32),
+            level_sums=per_level("level_sum", fp32, Float32, state_space.level_sums),
+            row_x=view(grad_space.row_terms.row_x, fp32, Float32), row_y=view(grad_space.row_terms.row_y, fp32, Float32),
+            u_out=view(storage.u_out, tile), neg_bdu=view(storage.neg_bdu, tile),
+            a_kk=view(storage.a_kk, pair_matrix(), Float32), inv=view(storage.inv, sq), dmqk=view(storage.dmqk, sq),
+            dlb=view(storage.dlb, sq), masked_dlb=per_level("masked_dlb", sq), masked_dlb_t=per_level("masked_dlb", sq_t),
+            masked_dmqk=per_level("masked_dmqk", sq), masked_dmqk_t=per_level("masked_dmqk", sq_t),
+            **{name: view(getattr(storage, name), rows, Float32) for name in plan.ROW_VECTORS},
+            dbeta_w=view(storage.rows_then_l2norm.dbeta_w, warp_rows, Float32),
+            dot_q=view(l2norm.dot_q, warp_rows, Float32), dot_k=view(l2norm.dot_k, warp_rows, Float32),
+            dgt=view(storage.dgt, plan.vector(self.dim), Float32),
+            dalog_w=view(storage.dalog_w, plan.vector(plan.CHANNEL_WARPS), Float32),
+        )
+
+    @cute.jit
+    def tile_gradients_dyadic(self, tma_tokens: tuple, tma_states: tuple, inputs: GradsInputs, ws: GradsWorkspace,
+                              out: GradsOutputs, scalars: GradsScalars, head: Int32, qk_head: Int32, slot: Int32,
+                              state_row: Int32, row0: Int32, valid_rows: Int32):
+        """The phases of a per-channel unbounded gate (module docstring; docs/numerics.md, "Kernel B for the
+        per-channel unbounded gates")."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        storage = SmemAllocator().allocate(self.shared_storage)
+        smem = self.make_dyadic_smem(storage)
+        tma_barrier = storage.tma_barrier.data_ptr()
+
+        if warp_idx == 0:
+            self.load_tiles(tma_tokens, tma_states, ((smem.q, qk_head), (smem.k, qk_head), (smem.v, head),
+                                                     (smem.do, head), (smem.du, head)),
+                            (smem.state, smem.state_grad), tma_barrier, row0, state_row)
+        # 1. workspace values, this thread's channel of g and its gate constants while the TMA runs
+        col = tidx % self.dim
+        gate_in = self.load_gate_column(inputs.g, head, row0, valid_rows, col)
+        dt, e_a = Float32(0.0), Float32(1.0)
+        if cutlass.const_expr(self.gate != "none"):
+            dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, head, col)
+        self.load_workspace_rows(smem, ws, slot, tidx)
+        cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
+        cute.arch.mbarrier_wait(tma_barrier, 0)
+
+        # 2. K1's dyadic recompute: the rows' l2norm scales, the channel scan, the levels' A; rows past the sequence
+        # end of v, dO, du are zeroed
+        self.zero_invalid_rows(smem, valid_rows, tidx)
+        self.row_norms(smem, scalars.scale, valid_rows, tidx)
+        cute.arch.sync_threads()
+        if tidx < self.dim:
+            self.dyadic_scan(smem, gate_in, dt, e_a, scalars.scale, valid_rows, col)
+        cute.arch.sync_threads()
+        for level in cutlass.range_constexpr(plan.DYADIC_LEVELS):
+            if warp_idx == level:
+                self.level_pairs(level, smem, lane)
+
+        # 3. forward recompute per value band, 4. the 16×16 products, dgT; then the levels' masked dA, dMqk
+        self.forward_and_square_products(smem, tidx, warp_idx, lane)
+        for level in cutlass.range_constexpr(plan.DYADIC_LEVELS):
+            if warp_idx == level:
+                self.mask_level(level, smem, lane)
+        cute.arch.sync_threads()
+
+        # 5. channel products per key band, 6. finish per channel and per row
+        self.channel_band_dyadic(smem, inputs, out, scalars, head, qk_head, row0, valid_rows, warp_idx, lane)
+        cute.arch.sync_threads()
+        self.gate_backward_dyadic(smem, inputs, out, head, slot, row0, valid_rows, col, dt, e_a, warp_idx, lane)
+        if tidx < CHUNK:
+            self.beta_backward(smem, out, head, row0, valid_rows, tidx)
+
+    @cute.jit
+    def row_norms(self, smem: DyadicGradsSmem, scale: Float32, valid_rows: Int32, tidx: Int32):
+        """Per row the l2norm's ``rinv_q`` and ``rinv_k``, as K1's row phase computes them (without l2norm none: no
+        phase reads them then)."""
+        for item in cutlass.range_constexpr(self.decay_items):
+            row, chunk = self.row_chunk(tidx, item)
+            q_in, k_in = self.load_row_chunk(smem.q, smem.k, row, chunk)
+            _, _, q_rinv, _, k_rscale = self.chunk_scales(q_in, k_in, row < valid_rows, scale)
+            self.store_row_rinv(smem.rinv_q, smem.rinv_k, row, chunk, q_rinv, k_rscale)
+
+    @cute.jit
+    def dyadic_scan(self, smem: DyadicGradsSmem, gate_in: cute.Tensor, dt: Float32, e_a: Float32, scale: Float32,
+                    valid_rows: Int32, col: Int32):
+        """Channel ``col`` of every row, K1's dyadic scan (``PrepareKernel.pairwise_scan``, the same instructions in
+        the same order): qd, kd over q, k; kr; ``2^G`` and ``2^Gs``; per straddle level the fp32 factors (running
+        products of ``a = 2^g'`` outward from each block's middle row) and the bf16 operands ``X = kh ⊙ factor``
+        (every row) and ``Q = qh ⊙ factor`` (upper rows, 0 on lower ones), unpacked: row r of the tile is row r."""
+        gp = cute.make_rmem_tensor((CHUNK,), Float32)
+        a = cute.make_rmem_tensor((CHUNK,), Float32)
+        qh = cute.make_rmem_tensor((CHUNK,), Float32)
+        kh = cute.make_rmem_tensor((CHUNK,), Float32)
+        suffix = Float32(0.0)
+        for step in cutlass.range_constexpr(CHUNK):
+            row = CHUNK - 1 - step
+            valid = row < valid_rows
+            gp[row] = Float32(cutlass.select_(valid, self.base2_log_decay(gate_in[row], dt, e_a), Float32(0.0)))
+            k_raw = Float32(cutlass.select_(valid, smem.k[row, col].to(Float32), Float32(0.0)))
+            kh[row] = k_raw * smem.rinv_k[row] if cutlass.const_expr(self.qk_l2norm) else k_raw
+            growth = ex2_approx(suffix)
+            smem.pow_gs[row, col] = growth
+            smem.kr[row, col] = (kh[row] * growth).to(BFloat16)
+            suffix = suffix + gp[row]
+        prefix = Float32(0.0)
+        for row in cutlass.range_constexpr(CHUNK):
+            a[row] = ex2_approx(gp[row])
+            prefix = prefix + gp[row]
+            q_raw = Float32(cutlass.select_(row < valid_rows, smem.q[row, col].to(Float32), Float32(0.0)))
+            q_rscale = smem.rinv_q[row] * scale if cutlass.const_expr(self.qk_l2norm) else scale
+            qh[row] = q_raw * q_rscale
+            decay = ex2_approx(prefix)
+            smem.pow_g[row, col] = decay
+            smem.q[row, col] = (qh[row] * decay).to(BFloat16)
+            smem.k[row, col] = (kh[row] * decay).to(BFloat16)
+        for level in cutlass.range_constexpr(plan.DYADIC_LEVELS):
+            block = DYADIC_BLOCKS[level]
+            half = block // 2
+            for start in cutlass.range_constexpr(0, CHUNK, block):
+                middle = start + half - 1
+                factor = Float32(1.0)
+                for r in cutlass.range_constexpr(middle, start - 1, -1):
+                    if cutlass.const_expr(r < middle):
+                        factor = factor * a[r + 1]
+                    smem.factors[level][r, col] = factor
+                    smem.level_x[level][r, col] = (kh[r] * factor).to(BFloat16)
+                    smem.level_q[level][r, col] = BFloat16(0.0)
+                factor = a[middle + 1]
+                for r in cutlass.range_constexpr(middle + 1, start + block):
+                    if cutlass.const_expr(r > middle + 1):
+                        factor = factor * a[r]
+                    smem.factors[level][r, col] = factor
+                    smem.level_x[level][r, col] = (kh[r] * factor).to(BFloat16)
+                    smem.level_q[level][r, col] = (qh[r] * factor).to(BFloat16)
+
+    @cute.jit
+    def straddles(self, level: int, row: Int32, c: Int32):
+        """Whether the pair (row, c) straddles level ``level``'s middle row: one block, row upper, c lower."""
+        block = DYADIC_BLOCKS[level]
+        half = block // 2
+        return (row // block == c // block) & (row % block >= half) & (c % block < half)
+
+    @cute.jit
+    def level_pairs(self, level: int, smem: DyadicGradsSmem, lane: Int32):
+        """One warp: level ``level``'s part of K1's ``A``: ``X·Xᵀ`` (fp32) on the pairs that straddle it, into
+        ``a_kk`` (over the four levels every pair i > j is written once)."""
+        mma = warp_tiled_mma(BFloat16, Float32)
+        coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
+        product = self.square_product(smem.level_x[level], smem.level_x[level], lane)
+        for i in cutlass.range_constexpr(cute.size(product)):
+            row, c = coords[i]
+            if self.straddles(level, row, c):
+                smem.a_kk[row, c] = product[i]
+
+    @cute.jit
+    def lower_pairs(self, s_pairs: cute.Tensor, coords: cute.Tensor) -> cute.Tensor:
+        """fp32 C fragment of ``s_pairs`` strictly below the diagonal, 0 on and above it (never read there)."""
+        values = cute.make_rmem_tensor(cute.size(coords), Float32)
+        for i in cutlass.range_constexpr(cute.size(coords)):
+            row, c = coords[i]
+            value = Float32(0.0)
+            if row > c:
+                value = s_pairs[row, c]
+            values[i] = value
+        return values
+
+    @cute.jit
+    def mask_level(self, level: int, smem: DyadicGradsSmem, lane: Int32):
+        """One warp: ``dA_ℓ = mask_ℓ ⊙ bf16(β·dL)`` and ``dM_ℓ = mask_ℓ ⊙ dMqk`` (the pairs that straddle level ℓ)."""
+        for e in cutlass.range_constexpr(CHUNK * CHUNK // 32):
+            flat = lane + 32 * e
+            row, c = flat // CHUNK, flat % CHUNK
+            inside = self.straddles(level, row, c)
+            smem.masked_dlb[level][row, c] = Float32(
+                cutlass.select_(inside, smem.dlb[row, c].to(Float32), Float32(0.0))).to(BFloat16)
+            smem.masked_dmqk[level][row, c] = Float32(
+                cutlass.select_(inside, smem.dmqk[row, c].to(Float32), Float32(0.0))).to(BFloat16)
+
+    @cute.jit
+    def channel_band_dyadic(self, smem: DyadicGradsSmem, inputs: GradsInputs, out: GradsOutputs,
+                            scalars: GradsScalars, head: Int32, qk_head: Int32, row0: Int32, valid_rows: Int32,
+                            warp_idx: Int32, lane: Int32):
+        """Key band of warp ``w`` with a per-channel unbounded gate: the state products dqd, dkd, dkr (then a
+        barrier: S and dS' are dead); Mqk's diagonal terms; per level ``P = dA_ℓ X``, ``Pq = dM_ℓ X``,
+        ``C = dA_ℓᵀ X + dM_ℓᵀ Q``, ``dq̂ += factor ⊙ Pq``, ``dk̂ += factor ⊙ (P + C)`` and the level's pair sums
+        ``X⊙P + Q⊙Pq + X⊙C`` into S's bytes; ``dq̂ = (… + dqd ⊙ 2^G)·scale``, ``dk̂ = (… + dkd ⊙ 2^G) + dkr ⊙ 2^Gs``;
+        the rows' terms into dS''s bytes; then dq, dk (:meth:`store_token_gradients`)."""
+        band = self.band
+        mma = warp_tiled_mma(BFloat16, Float32, band)
+        c0 = warp_idx * band
+        shape = (CHUNK, band)
+        coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor(shape))
+        s_band = cute.local_tile(smem.state, (band, self.dim), (warp_idx, 0))
+        d_qd = make_fragment(mma, Operand.C, Float32, tile=shape)
+        d_kd = make_fragment(mma, Operand.C, Float32, tile=shape)
+        d_kr = make_fragment(mma, Operand.C, Float32, tile=shape)
+        d_qd.fill(0.0)
+        d_kd.fill(0.0)
+        d_kr.fill(0.0)
+        self.accumulate(mma, d_qd, smem.do, s_band, False, False, K_STEPS, lane)
+        self.accumulate(mma, d_kd, smem.neg_bdu, s_band, False, False, K_STEPS, lane)
+        self.accumulate(mma, d_kr, smem.u_out, cute.local_tile(smem.state_grad, (band, self.dim), (warp_idx, 0)),
+                        False, False, K_STEPS, lane)
+        cute.arch.sync_threads()  # every warp's reads of S and dS' are done: their bytes take the sums below
+
+        # Mqk's diagonal: dqh += dMqk_ii·kh_i, dkh += dMqk_ii·qh_i (kh, qh from the raw q, k in L2)
+        q = self.load_token_pairs(inputs.q, coords, c0, qk_head, row0, valid_rows)
+        k = self.load_token_pairs(inputs.k, coords, c0, qk_head, row0, valid_rows)
+        rinv_q, rinv_k = self.row_values(smem.rinv_q, lane), self.row_values(smem.rinv_k, lane)
+        diagonal = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            row = lane // 4 + 8 * h
+            diagonal[h] = smem.dmqk[row, row].to(Float32)
+        dq_pairs = make_fragment(mma, Operand.C, Float32, tile=shape)
+        dk_pairs = make_fragment(mma, Operand.C, Float32, tile=shape)
+        for i in cutlass.range_constexpr(cute.size(dq_pairs)):
+            h = c_row_half(i)
+            q_rscale = rinv_q[h] * scalars.scale if cutlass.const_expr(self.qk_l2norm) else scalars.scale
+            k_hat = k[i].to(Float32) * rinv_k[h] if cutlass.const_expr(self.qk_l2norm) else k[i].to(Float32)
+            dq_pairs[i] = diagonal[h] * k_hat
+            dk_pairs[i] = diagonal[h] * (q[i].to(Float32) * q_rscale)
+
+        for level in cutlass.range_constexpr(plan.DYADIC_LEVELS):
+            x_band = cute.local_tile(smem.level_x_t[level], (band, CHUNK), (warp_idx, 0))
+            q_band = cute.local_tile(smem.level_q_t[level], (band, CHUNK), (warp_idx, 0))
+            p = make_fragment(mma, Operand.C, Float32, tile=shape)
+            pq = make_fragment(mma, Operand.C, Float32, tile=shape)
+            cross = make_fragment(mma, Operand.C, Float32, tile=shape)
+            p.fill(0.0)
+            pq.fill(0.0)
+            cross.fill(0.0)
+            self.accumulate(mma, p, smem.masked_dlb[level], x_band, False, True, 1, lane)
+            self.accumulate(mma, pq, smem.masked_dmqk[level], x_band, False, True, 1, lane)
+            self.accumulate(mma, cross, smem.masked_dlb_t[level], x_band, True, True, 1, lane)
+            self.accumulate(mma, cross, smem.masked_dmqk_t[level], q_band, True, True, 1, lane)
+            x = self.load_c(mma, cute.local_tile(smem.level_x[level], shape, (0, warp_idx)), lane)
+            q_op = self.load_c(mma, cute.local_tile(smem.level_q[level], shape, (0, warp_idx)), lane)
+            factor = self.load_pairs(smem.factors[level], coords, c0, lane)
+            sums = make_fragment(mma, Operand.C, Float32, tile=shape)
+            for i in cutlass.range_constexpr(cute.size(p)):
+                x_i = x[i].to(Float32)
+                dq_pairs[i] = dq_pairs[i] + factor[i] * pq[i]
+                dk_pairs[i] = dk_pairs[i] + factor[i] * (p[i] + cross[i])
+                # P, Pq vanish on lower rows and C on upper ones: one tile holds both halves' sums
+                sums[i] = (x_i * p[i] + q_op[i].to(Float32) * pq[i]) + x_i * cross[i]
+            self.store_pairs(smem.level_sums[level], sums, coords, c0)
+
+        qd = self.load_c(mma, cute.local_tile(smem.qd, shape, (0, warp_idx)), lane)
+        kd = self.load_c(mma, cute.local_tile(smem.kd, shape, (0, warp_idx)), lane)
+        kr = self.load_c(mma, cute.local_tile(smem.kr, shape, (0, warp_idx)), lane)
+        pow_g = self.load_pairs(smem.pow_g, coords, c0, lane)
+        pow_gs = self.load_pairs(smem.pow_gs, coords, c0, lane)
+        dq_hat = make_fragment(mma, Operand.C, Float32, tile=shape)
+        dk_hat = make_fragment(mma, Operand.C, Float32, tile=shape)
+        row_x = make_fragment(mma, Operand.C, Float32, tile=shape)
+        row_y = make_fragment(mma, Operand.C, Float32, tile=shape)
+        for i in cutlass.range_constexpr(cute.size(d_qd)):
+            dq_hat[i] = (dq_pairs[i] + d_qd[i] * pow_g[i]) * scalars.scale
+            dk_hat[i] = (dk_pairs[i] + d_kd[i] * pow_g[i]) + d_kr[i] * pow_gs[i]
+            row_x[i] = d_qd[i] * qd[i].to(Float32) + d_kd[i] * kd[i].to(Float32)
+            row_y[i] = d_kr[i] * kr[i].to(Float32)
+        self.store_pairs(smem.row_x, row_x, coords, c0)
+        self.store_pairs(smem.row_y, row_y, coords, c0)
+        self.store_token_gradients(smem, inputs, out, dq_hat, dk_hat, coords, c0, qk_head, head, row0, valid_rows,
+                                   warp_idx, lane)
+
+    @cute.jit
+    def gate_backward_dyadic(self, smem: DyadicGradsSmem, inputs: GradsInputs, out: GradsOutputs, head: Int32,
+                             slot: Int32, row0: Int32, valid_rows: Int32, col: Int32, dt: Float32, e_a: Float32,
+                             warp_idx: Int32, lane: Int32):
+        """Channel ``col``: ``dγ_s`` = the levels' straddle sums (upper rows: Σ of the level's sums over the upper
+        rows r ≥ s of s's block, running down from its last row; lower rows: Σ over the lower rows j < s, running
+        up from its first) + ``Σ_{r≥s} (dqd⊙qd + dkd⊙kd)_r`` + ``Σ_{r<s} (dkr⊙kr)_r`` + ``dgT·gT``; then
+        ``dg = dγ`` (log decay) or ``dg = −e^A·σ(g + dt_bias)·dγ`` (softplus) and the tile's partial sums of
+        ddt_bias (per channel) and dA_log (``Σ dγ·γ``, ``γ = g'·ln 2``; over channels in warp order)."""
+        if warp_idx < plan.CHANNEL_WARPS:  # one thread per channel
+            levels = cute.make_rmem_tensor((CHUNK,), Float32)
+            levels.fill(0.0)
+            for level in cutlass.range_constexpr(plan.DYADIC_LEVELS):
+                block = DYADIC_BLOCKS[level]
+                half = block // 2
+                for start in cutlass.range_constexpr(0, CHUNK, block):
+                    running = Float32(0.0)
+                    for r in cutlass.range_constexpr(start + block - 1, start + half - 1, -1):
+                        running = running + smem.level_sums[level][r, col]
+                        levels[r] = levels[r] + running
+                    running = Float32(0.0)
+                    for r in cutlass.range_constexpr(start, start + half):
+                        levels[r] = levels[r] + running
+                        running = running + smem.level_sums[level][r, col]
+            from_s = cute.make_rmem_tensor((CHUNK,), Float32)
+            running = Float32(0.0)
+            for step in cutlass.range_constexpr(CHUNK):
+                r = CHUNK - 1 - step
+                running = running + smem.row_x[r, col]
+                from_s[r] = running
+            state_term = smem.dgt[col] * smem.pow_g[CHUNK - 1, col]  # dgT ⊙ gT
+            before_s = Float32(0.0)
+            ddt = Float32(0.0)
+            dalog = Float32(0.0)
+            for s in cutlass.range_constexpr(CHUNK):
+                dgamma = ((levels[s] + from_s[s]) + before_s) + state_term
+                before_s = before_s + smem.row_y[s, col]
+                if s < valid_rows:
+                    dg = dgamma
+                    if cutlass.const_expr(self.gate == "softplus"):
+                        g_raw = inputs.g[row0 + s, head, col].to(Float32)
+                        x = g_raw + dt
+                        sigmoid = Float32(1.0) / (Float32(1.0) + ex2_approx(-(x * Float32(LOG2E))))
+                        dg = -(e_a * sigmoid) * dgamma
+                        ddt = ddt + dg
+                        dalog = dalog + dgamma * (self.base2_log_decay(g_raw, dt, e_a) * Float32(LN2))
+                    out.dg[row0 + s, head, col] = dg.to(BFloat16)
+            if cutlass.const_expr(self.gate == "softplus"):
+                out.ddt_partial[slot, col] = ddt
+                for offset in (16, 8, 4, 2, 1):
+                    dalog = dalog + cute.arch.shuffle_sync_bfly(dalog, offset=offset)
+                if lane == 0:
+                    smem.dalog_w[warp_idx] = dalog
+        if cutlass.const_expr(self.gate == "softplus"):
+            cute.arch.sync_threads()
+            if warp_idx == 0 and lane == 0:
+                total = Float32(0.0)
+                for w in cutlass.range_constexpr(plan.CHANNEL_WARPS):
+                    total = total + smem.dalog_w[w]
+                out.dalog_partial[slot] = total

@@ -519,17 +519,6 @@ class PrepareKernel(TokenPrep):
             self.store_tiles(tma, s_q, s_k, s_kr, slot)
 
     @cute.jit
-    def load_gate_column(self, g: cute.Tensor, head: Int32, row0: Int32, valid_rows: Int32, col: Int32) -> cute.Tensor:
-        """Channel ``col`` of the tile's g rows as fp32 (0 on invalid rows: nothing past the sequence is read)."""
-        column = cute.make_rmem_tensor((CHUNK,), Float32)
-        for row in cutlass.range_constexpr(CHUNK):
-            value = Float32(0.0)
-            if row < valid_rows:
-                value = g[row0 + row, head, col].to(Float32)
-            column[row] = value
-        return column
-
-    @cute.jit
     def row_scales(self, s_q, s_k, s_q_scale, s_k_scale, s_diagonal, scale: Float32, valid_rows: Int32, tidx: Int32):
         """Per row: ``rq = rinv_q · scale``, ``rk = rinv_k`` (scale and 1 without l2norm) and Mqk's diagonal
         ``Σ_c f32(qh·kh)`` (qh = q·rq, kh = k·rk; sequential over the lane's 8 channels, then the butterfly)."""

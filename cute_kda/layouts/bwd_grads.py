@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..dsl import cute, cutlass
+from ..numerics import DYADIC_BLOCKS
 from .analysis import layout_spec
 from .budget import SmemBudget, SmemBuffer, SmemGroup, mbarriers
 from .fwd_prepare import chunk_tile, gate_cumsum_tile, pair_matrix, row_vector
@@ -31,6 +32,8 @@ COMPUTE_WARPS = (4, 8)  # warps per CTA the kernel is built for; warp w owns col
 DEFAULT_WARPS = 8  # measured faster than 4 (docs/perf-log.md, B1)
 CTAS_PER_SM = 2  # what the smem plan is sized for; the launch asks ptxas for it (≤ 128 registers at 8 warps)
 CHANNEL_WARPS = 4  # warps 0-3 also run the per-channel phases (one thread per channel at D = 128)
+DYADIC_LEVELS = len(DYADIC_BLOCKS)  # the straddle levels of the per-channel unbounded gates
+DYADIC_CTAS_PER_SM = 1  # the dyadic plan's first form
 
 
 def state_tile(dim: int = HEAD_DIM):
@@ -44,7 +47,8 @@ def warp_rows(warps: int, chunk: int = CHUNK):
 
 
 def load_bytes(dim: int = HEAD_DIM, chunk: int = CHUNK, per_head_gate: bool = False) -> int:
-    """Bytes of the one TMA transaction: the token tiles and the two state matrices."""
+    """Bytes of the one TMA transaction: the token tiles and the two state matrices. ``per_head_gate``: no gate
+    tile is loaded (a per-head gate; the per-channel unbounded gates read g column by column too)."""
     tiles = PER_HEAD_TOKEN_TILES if per_head_gate else TOKEN_TILES
     return len(tiles) * chunk * dim * 2 + len(STATE_TILES) * dim * dim * 2
 
@@ -153,7 +157,51 @@ def per_head_smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) ->
                       SmemGroup("PerHeadGradsStorage", buffers))
 
 
-def shared_storage(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK, per_head_gate: bool = False):
-    """The ``cute.struct`` of Kernel B's shared memory, from :func:`smem_budget` (or :func:`per_head_smem_budget`)."""
-    budget = per_head_smem_budget if per_head_gate else smem_budget
+def dyadic_smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
+    """Kernel B's shared-memory plan for the per-channel unbounded gates (the dyadic scheme of docs/numerics.md,
+    "Kernel B for the per-channel unbounded gates"): the first, simplest form, one CTA per SM.
+
+    As :func:`per_head_smem_budget` for the token tiles and the states; K1's dyadic recompute adds, per straddle
+    level, the bf16 operands X (every row) and Q (upper rows) and the fp32 factors, and the fp32 tiles ``2^G`` and
+    ``2^Gs``; the 16 × 16 ``A`` of dβ is fp32; the masked ``dA_ℓ``, ``dM_ℓ`` are bf16 operand tiles. After the
+    state products (a barrier), S's bytes take the four levels' fp32 pair sums (``X⊙P + Q⊙Pq`` on upper rows,
+    ``X⊙C`` on lower ones) and dS''s the rows' terms ``dqd⊙qd + dkd⊙kd`` and ``dkr⊙kr``.
+    """
+    specs = _specs(warps, dim, chunk)
+    levels = range(DYADIC_LEVELS)
+    buffers = (
+        *_tiles(specs, ("q", "raw q (TMA), then qd"), ("k", "raw k (TMA), then kd"), ("kr", "kr"), ("do", "dO (TMA)"),
+               ("v", "v (TMA)"), ("du", "du from Kernel A (TMA)")),
+        SmemGroup("state_then_level_sums", (
+            SmemBuffer("state", specs.state, note="S entering the tile, [K, V] (TMA)"),
+            SmemGroup("level_sums", tuple(SmemBuffer(f"level_sum{ell}", specs.fp32, note=f"level {ell}'s pair sums")
+                                          for ell in levels))), union=True),
+        SmemGroup("state_grad_then_row_terms", (
+            SmemBuffer("state_grad", specs.state, note="dS' after the tile, [K, V] (TMA)"),
+            SmemGroup("row_terms", (SmemBuffer("row_x", specs.fp32, note="dqd⊙qd + dkd⊙kd"),
+                                    SmemBuffer("row_y", specs.fp32, note="dkr⊙kr")))), union=True),
+        *(SmemBuffer(f"level_x{ell}", specs.tile, note=f"X of level {ell}") for ell in levels),
+        *(SmemBuffer(f"level_q{ell}", specs.tile, note=f"Q of level {ell}") for ell in levels),
+        *(SmemBuffer(f"factor{ell}", specs.fp32, note=f"level {ell}'s factors") for ell in levels),
+        SmemBuffer("pow_g", specs.fp32, note="2^G"), SmemBuffer("pow_gs", specs.fp32, note="2^Gs"),
+        *_tiles(specs, ("u_out", "U = INV·u"), ("neg_bdu", "−bf16(β ⊙ du)")),
+        SmemBuffer("a_kk", specs.pairs, align_bytes=16, note="A, K1's pair sums"),
+        *(SmemBuffer(name, specs.square, note=note) for name, note in (
+            ("inv", "INV (workspace)"), ("dmqk", "bf16(tril(dO·Uᵀ))"), ("dlb", "bf16(β_i · dL_ij)"))),
+        *(SmemBuffer(f"masked_dlb{ell}", specs.square, note=f"dA of level {ell}") for ell in levels),
+        *(SmemBuffer(f"masked_dmqk{ell}", specs.square, note=f"dMqk of level {ell}") for ell in levels),
+        *(SmemBuffer(name, specs.rows, align_bytes=16, note="per row") for name in ROW_VECTORS),
+        _rows_then_l2norm(specs),
+        SmemBuffer("dgt", specs.channels, align_bytes=16, note="Σ_v S ⊙ dS' per channel"),
+        SmemBuffer("dalog_w", specs.channel_warps, align_bytes=16, note="dA_log partial per channel warp"),
+        mbarriers("tma_barrier", 1, "transaction barrier of the loads"),
+    )
+    return SmemBudget(f"Kernel B dyadic warps={warps} D={dim} CHUNK={chunk}", SmemGroup("DyadicGradsStorage", buffers))
+
+
+def shared_storage(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK, per_head_gate: bool = False,
+                   dyadic: bool = False):
+    """The ``cute.struct`` of Kernel B's shared memory, from :func:`smem_budget` (or :func:`per_head_smem_budget`,
+    :func:`dyadic_smem_budget`)."""
+    budget = per_head_smem_budget if per_head_gate else dyadic_smem_budget if dyadic else smem_budget
     return budget(warps, dim, chunk).storage_struct()

@@ -82,9 +82,9 @@ def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbet
                    num_seqs: int, gate: str) -> None:
     batch, steps, qk_heads, dim = q.shape
     heads = v.shape[2] if v.dim() == 4 else qk_heads
-    per_head = gate != "safe"
-    if heads % qk_heads or (heads != qk_heads and not per_head):
-        raise ValueError(f"v has {heads} heads for q's {qk_heads}: grouped value heads need a per-head gate here")
+    per_head = gate != "safe" and g.dim() == 3
+    if heads % qk_heads or (heads != qk_heads and gate == "safe"):
+        raise ValueError(f"v has {heads} heads for q's {qk_heads}: grouped value heads need an unbounded gate here")
     bf16, device = (torch.bfloat16,), q.device
     qk_shape, token_shape = (batch, steps, qk_heads, dim), (batch, steps, heads, dim)
     for name, t in (("q", q), ("k", k)):
@@ -95,7 +95,7 @@ def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbet
         _check("g", g, (torch.bfloat16, torch.float32) if gate == "none" else bf16, token_shape[:3], device)
         _check("dg", dg, (torch.float32,), token_shape[:3], device)
     else:
-        _check("g", g, bf16, token_shape, device)
+        _check("g", g, (torch.bfloat16, torch.float32) if gate == "none" else bf16, token_shape, device)
         _check("dg", dg, bf16, token_shape, device)
     check_training_size(v, "v")
     _check("dbeta", dbeta, bf16, token_shape[:3], device)
@@ -112,16 +112,15 @@ def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbet
 
 
 def compiled_variant(key: tuple, tensors: tuple, options: dict, stream):
-    """The compiled variant ``key = (varlen, qk_l2norm, beta_logits, compute_warps, gate, g dtype, grouped,
-    device)``, built on first use (a gate other than "safe" is a per-head one)."""
+    """The compiled variant ``key = (varlen, qk_l2norm, beta_logits, compute_warps, gate, per-head gate, g dtype,
+    grouped, device)``, built on first use."""
 
     def build():
         from ..kernels.bwd_grads import BwdGrads
 
-        varlen, qk_l2norm, beta_logits, compute_warps, gate, g_dtype, grouped, _ = key
+        varlen, qk_l2norm, beta_logits, compute_warps, gate, per_head, g_dtype, grouped, _ = key
         kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=compute_warps,
-                          gate=gate, gate_dtype=dsl_type(g_dtype), per_head_gate=gate != "safe",
-                          grouped=grouped)
+                          gate=gate, gate_dtype=dsl_type(g_dtype), per_head_gate=per_head, grouped=grouped)
         return compile_for_launch(kernel, *launch_arguments(*tensors, **options, tensor=to_cute_tensor), stream)
 
     return _CACHE.get(key, build)
@@ -148,8 +147,11 @@ def bwd_grads(
     sequences (``tile_base`` derived when not given). ``compute_warps``: 4 or 8 warps per CTA (a tuning
     knob; the row sums over warps then group differently, so results agree to rounding, not bit for bit).
 
-    ``gate`` "softplus" or "none": GatedDeltaNet's per-head gate (docs/numerics.md, "Kernel B for a per-head
-    gate"). Then v, do, du, dq, dk are ``[B, T, HV, 128]`` with HV a multiple of q and k's H (grouped value
+    ``gate`` "softplus" or "none" with g ``[B, T, HV, 128]``: the per-channel unbounded gates (docs/numerics.md,
+    "Kernel B for the per-channel unbounded gates"): g raw bf16 for "softplus", the log decay bf16 / fp32 for
+    "none"; dg bf16 like g's shape, the partials as the safe gate's (None for "none"); v, do, du, dq, dk per value
+    head as below. With g ``[B, T, HV]``: GatedDeltaNet's per-head gate (docs/numerics.md, "Kernel B for a
+    per-head gate"). Then v, do, du, dq, dk are ``[B, T, HV, 128]`` with HV a multiple of q and k's H (grouped value
     heads: dq, dk come per value head, the caller sums each group); g ``[B, T, HV]`` (raw bf16 for "softplus",
     the log decay bf16 / fp32 for "none"); A_log, dt_bias fp32 ``[HV]`` (None for "none"); dg fp32
     ``[B, T, HV]``; ddt_partial, dalog_partial fp32 ``[HV, tiles]`` (None for "none"). Launches on torch's
@@ -170,7 +172,7 @@ def bwd_grads(
     options = dict(scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens, tile_base=tile_base)
     with torch.cuda.device(q.device):
         stream = current_stream(q.device)
-        key = (varlen, qk_l2norm, beta_logits, compute_warps, gate, g.dtype, v.shape[2] != q.shape[2],
+        key = (varlen, qk_l2norm, beta_logits, compute_warps, gate, g.dim() == 3, g.dtype, v.shape[2] != q.shape[2],
                device_index(q.device))
         compiled_variant(key, tensors, options, stream)(*launch_arguments(*tensors, **options), stream)
 
@@ -179,8 +181,8 @@ def compile_bwd_grads(*, varlen: bool, qk_l2norm: bool, beta_logits: bool, devic
                       gate: str = "safe", g_dtype: torch.dtype = torch.bfloat16, per_head_gate: bool = False,
                       grouped: bool = False, compute_warps: int = DEFAULT_WARPS) -> None:
     """Compile (or load from the disk cache) the Kernel B variant for these flags on ``device`` ahead of time
-    (``per_head_gate``: g ``[B, T, HV]``; ``grouped``: two value heads per q/k head); small buffers are allocated,
-    nothing is launched."""
+    (``per_head_gate``: g ``[B, T, HV]``, else per channel; ``grouped``: two value heads per q/k head); small buffers
+    are allocated, nothing is launched."""
     device = torch.device(device)
     problem = compile_problem(varlen, device)
     heads, fp32 = problem.heads, torch.float32
@@ -200,6 +202,6 @@ def compile_bwd_grads(*, varlen: bool, qk_l2norm: bool, beta_logits: bool, devic
     options = dict(scale=problem.dim ** -0.5, lower_bound=-5.0, cu_seqlens=problem.cu_seqlens,
                    tile_base=problem.tile_base)
     with torch.cuda.device(device):
-        key = (varlen, bool(qk_l2norm), bool(beta_logits), compute_warps, gate, g_dtype, grouped,
+        key = (varlen, bool(qk_l2norm), bool(beta_logits), compute_warps, gate, per_head_gate, g_dtype, grouped,
                device_index(device))
         compiled_variant(key, tensors, options, current_stream(device))

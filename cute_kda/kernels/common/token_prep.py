@@ -64,6 +64,17 @@ class TokenPrep:
         return dt_bias[head, col], ex2_approx(a_log[head] * Float32(LOG2E))
 
     @cute.jit
+    def load_gate_column(self, g: cute.Tensor, head: Int32, row0: Int32, valid_rows: Int32, col: Int32) -> cute.Tensor:
+        """Channel ``col`` of the tile's g rows as fp32 (0 on invalid rows: nothing past the sequence is read)."""
+        column = cute.make_rmem_tensor((CHUNK,), Float32)
+        for row in cutlass.range_constexpr(CHUNK):
+            value = Float32(0.0)
+            if row < valid_rows:
+                value = g[row0 + row, head, col].to(Float32)
+            column[row] = value
+        return column
+
+    @cute.jit
     def gate_scan(self, s_g, s_cumsum, col: Int32, dt: Float32, e_a: Float32, c_gate: Float32,
                   valid_rows: Int32) -> Float32:
         """Column ``col``: ``G[r] = G[r-1] + g'[r]`` in row order into ``s_cumsum``; returns ``G[15]``."""
