@@ -147,7 +147,11 @@ def peers(inputs: dict, gate: str, train: bool = False) -> dict:
     return runs
 
 
-def bench_row(name: str, gate: str, device: torch.device, warmup: int, rep: int, only: list[str]) -> dict:
+PEERS = ("cute_kda", "FLA")  # --peers' choices, by the first word of a peer's name
+
+
+def bench_row(name: str, gate: str, device: torch.device, warmup: int, rep: int,
+              only: tuple[str, ...] = PEERS) -> dict:
     inputs = gate_inputs(name, gate, device)
     runs = {peer: fn for peer, fn in peers(inputs, gate).items() if peer.split()[0] in only}
     row = {"shape": name, "gate": gate, "ms": {}, "err": None}
@@ -175,8 +179,8 @@ def unguard_fla_backward() -> str:
     return "Triton guard (#640) off: speed only, its gradients are wrong on this Triton"
 
 
-def train_row(name: str, gate: str, device: torch.device, warmup: int, rep: int, only: list[str],
-              fla_note: str | None = None) -> dict:
+def train_row(name: str, gate: str, device: torch.device, warmup: int, rep: int, fla_note: str | None = None,
+              only: tuple[str, ...] = PEERS) -> dict:
     """One row of ``--train``: the median fwd+bwd step per peer, or the error that stopped it;
     ``fla_note``: FLA's guard is off (:func:`unguard_fla_backward`), so its gradients are not compared."""
     inputs = gate_inputs(name, gate, device)
@@ -247,7 +251,7 @@ def main() -> None:
     parser.add_argument("--train", action="store_true", help="time fwd+bwd steps instead of the forward")
     parser.add_argument("--fla-unguarded", action="store_true",
                         help="with --train: time FLA's backward with its Triton guard (#640) off (speed only)")
-    parser.add_argument("--peers", type=lambda text: text.split(","), default=["cute_kda", "FLA"],
+    parser.add_argument("--peers", type=lambda text: tuple(text.split(",")), default=PEERS,
                         help="comma-separated peers to time: cute_kda, FLA (default both)")
     args = parser.parse_args()
     if args.fla_unguarded and not args.train:
@@ -262,9 +266,9 @@ def main() -> None:
     rows = []
     for name in args.shapes:
         if args.train:
-            rows.append(train_row(name, ROWS[name], device, args.warmup, args.rep, args.peers, fla_note))
+            rows.append(train_row(name, ROWS[name], device, args.warmup, args.rep, fla_note, only=args.peers))
         else:
-            rows.append(bench_row(name, ROWS[name], device, args.warmup, args.rep, args.peers))
+            rows.append(bench_row(name, ROWS[name], device, args.warmup, args.rep, only=args.peers))
         table = f"{header}\n\n{(train_markdown if args.train else markdown)(rows)}\n"
         if args.out:
             Path(args.out).write_text(table)

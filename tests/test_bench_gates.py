@@ -101,6 +101,24 @@ def test_train_row_with_fla_unguarded_times_without_comparing(bench, monkeypatch
     assert "FLA chunk_kda: guard off: speed only" in bench.train_markdown([row])
 
 
+def test_peers_option_times_only_the_named_peers(bench, monkeypatch):
+    """``--peers cute_kda`` leaves FLA's call out of a row (its first step may autotune for minutes)."""
+    monkeypatch.setitem(bench.GDN_SHAPES, "tiny", ((20,), 1, 2))
+    monkeypatch.setitem(bench.ROWS, "tiny", "gdn_softplus")
+
+    def differentiable(**kwargs):
+        return kwargs["v"] * kwargs["q"].sum(), kwargs["initial_state"] * kwargs["beta"].sum()
+
+    def never(**kwargs):
+        raise AssertionError("FLA was called")
+
+    monkeypatch.setattr(bench, "peers", lambda inputs, gate, train: {"cute_kda": lambda: differentiable(**inputs),
+                                                               "FLA chunk_kda": lambda: never(**inputs)})
+    monkeypatch.setattr(bench, "median_ms", lambda fn, warmup, rep: (fn(), 1.25)[1])
+    row = bench.train_row("tiny", "gdn_softplus", torch.device("cpu"), 1, 1, only=("cute_kda",))
+    assert row["ms"] == {"cute_kda": 1.25} and row["notes"] == {}
+
+
 def test_training_peers_let_autograd_allocate(bench, monkeypatch):
     """A KDA row's cute_kda call under ``--train`` asks for the final state instead of passing out= buffers."""
     import cute_kda
