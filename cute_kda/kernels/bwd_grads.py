@@ -253,6 +253,47 @@ class DyadicGradsSmem(NamedTuple):
     dalog_w: cute.Tensor
 
 
+class UnpackedLevels:
+    """Where Kernel B puts channel ``col`` of :meth:`~.common.token_prep.TokenPrep.dyadic_channel_scan` (K1's scan,
+    the same instructions): qd, kd over q, k; kr; ``2^G`` and ``2^Gs``; per level the fp32 factors and the bf16
+    operands ``X = kh ⊙ factor`` (every row) and ``Q = qh ⊙ factor`` (upper rows, 0 on lower ones), unpacked: row
+    r of a level's tile is row r."""
+
+    def __init__(self, smem: "DyadicGradsSmem", col: Int32, scale: Float32, qk_l2norm: bool) -> None:
+        self.smem, self.col, self.scale, self.qk_l2norm = smem, col, scale, qk_l2norm
+
+    def q(self, row: int):
+        return self.smem.q[row, self.col]
+
+    def k(self, row: int):
+        return self.smem.k[row, self.col]
+
+    def q_scale(self, row: int):
+        return self.smem.rinv_q[row] * self.scale if self.qk_l2norm else self.scale
+
+    def k_scale(self, row: int):
+        return self.smem.rinv_k[row]
+
+    def suffix(self, row: int, kh: Float32, growth: Float32) -> None:
+        self.smem.pow_gs[row, self.col] = growth
+        self.smem.kr[row, self.col] = (kh * growth).to(BFloat16)
+
+    def prefix(self, row: int, qh: Float32, kh: Float32, decay: Float32) -> None:
+        self.smem.pow_g[row, self.col] = decay
+        self.smem.q[row, self.col] = (qh * decay).to(BFloat16)
+        self.smem.k[row, self.col] = (kh * decay).to(BFloat16)
+
+    def lower(self, level: int, start: int, row: int, factor: Float32, kh: Float32) -> None:
+        self.smem.factors[level][row, self.col] = factor
+        self.smem.level_x[level][row, self.col] = (kh * factor).to(BFloat16)
+        self.smem.level_q[level][row, self.col] = BFloat16(0.0)
+
+    def upper(self, level: int, start: int, row: int, factor: Float32, kh: Float32, qh: Float32) -> None:
+        self.smem.factors[level][row, self.col] = factor
+        self.smem.level_x[level][row, self.col] = (kh * factor).to(BFloat16)
+        self.smem.level_q[level][row, self.col] = (qh * factor).to(BFloat16)
+
+
 class BwdGrads(TokenPrep):
     """Kernel B. Static configuration: ``varlen``, ``qk_l2norm``, ``beta_logits``; ``compute_warps`` (4 or
     8): warps per CTA, each owning ``128 / compute_warps`` columns in the band phases. ``per_head_gate``:
@@ -1188,7 +1229,8 @@ class BwdGrads(TokenPrep):
         self.row_norms(smem, scalars.scale, valid_rows, tidx)
         cute.arch.sync_threads()
         if tidx < self.dim:
-            self.dyadic_scan(smem, gate_in, dt, e_a, scalars.scale, valid_rows, col)
+            self.dyadic_channel_scan(UnpackedLevels(smem, col, scalars.scale, self.qk_l2norm), gate_in, dt, e_a,
+                                     valid_rows)
         cute.arch.sync_threads()
         for level in cutlass.range_constexpr(plan.DYADIC_LEVELS):
             if warp_idx == level:
@@ -1217,59 +1259,6 @@ class BwdGrads(TokenPrep):
             q_in, k_in = self.load_row_chunk(smem.q, smem.k, row, chunk)
             _, _, q_rinv, _, k_rscale = self.chunk_scales(q_in, k_in, row < valid_rows, scale)
             self.store_row_rinv(smem.rinv_q, smem.rinv_k, row, chunk, q_rinv, k_rscale)
-
-    @cute.jit
-    def dyadic_scan(self, smem: DyadicGradsSmem, gate_in: cute.Tensor, dt: Float32, e_a: Float32, scale: Float32,
-                    valid_rows: Int32, col: Int32):
-        """Channel ``col`` of every row, K1's dyadic scan (``PrepareKernel.pairwise_scan``, the same instructions in
-        the same order): qd, kd over q, k; kr; ``2^G`` and ``2^Gs``; per straddle level the fp32 factors (running
-        products of ``a = 2^g'`` outward from each block's middle row) and the bf16 operands ``X = kh ⊙ factor``
-        (every row) and ``Q = qh ⊙ factor`` (upper rows, 0 on lower ones), unpacked: row r of the tile is row r."""
-        gp = cute.make_rmem_tensor((CHUNK,), Float32)
-        a = cute.make_rmem_tensor((CHUNK,), Float32)
-        qh = cute.make_rmem_tensor((CHUNK,), Float32)
-        kh = cute.make_rmem_tensor((CHUNK,), Float32)
-        suffix = Float32(0.0)
-        for step in cutlass.range_constexpr(CHUNK):
-            row = CHUNK - 1 - step
-            valid = row < valid_rows
-            gp[row] = Float32(cutlass.select_(valid, self.base2_log_decay(gate_in[row], dt, e_a), Float32(0.0)))
-            k_raw = Float32(cutlass.select_(valid, smem.k[row, col].to(Float32), Float32(0.0)))
-            kh[row] = k_raw * smem.rinv_k[row] if cutlass.const_expr(self.qk_l2norm) else k_raw
-            growth = ex2_approx(suffix)
-            smem.pow_gs[row, col] = growth
-            smem.kr[row, col] = (kh[row] * growth).to(BFloat16)
-            suffix = suffix + gp[row]
-        prefix = Float32(0.0)
-        for row in cutlass.range_constexpr(CHUNK):
-            a[row] = ex2_approx(gp[row])
-            prefix = prefix + gp[row]
-            q_raw = Float32(cutlass.select_(row < valid_rows, smem.q[row, col].to(Float32), Float32(0.0)))
-            q_rscale = smem.rinv_q[row] * scale if cutlass.const_expr(self.qk_l2norm) else scale
-            qh[row] = q_raw * q_rscale
-            decay = ex2_approx(prefix)
-            smem.pow_g[row, col] = decay
-            smem.q[row, col] = (qh[row] * decay).to(BFloat16)
-            smem.k[row, col] = (kh[row] * decay).to(BFloat16)
-        for level in cutlass.range_constexpr(plan.DYADIC_LEVELS):
-            block = DYADIC_BLOCKS[level]
-            half = block // 2
-            for start in cutlass.range_constexpr(0, CHUNK, block):
-                middle = start + half - 1
-                factor = Float32(1.0)
-                for r in cutlass.range_constexpr(middle, start - 1, -1):
-                    if cutlass.const_expr(r < middle):
-                        factor = factor * a[r + 1]
-                    smem.factors[level][r, col] = factor
-                    smem.level_x[level][r, col] = (kh[r] * factor).to(BFloat16)
-                    smem.level_q[level][r, col] = BFloat16(0.0)
-                factor = a[middle + 1]
-                for r in cutlass.range_constexpr(middle + 1, start + block):
-                    if cutlass.const_expr(r > middle + 1):
-                        factor = factor * a[r]
-                    smem.factors[level][r, col] = factor
-                    smem.level_x[level][r, col] = (kh[r] * factor).to(BFloat16)
-                    smem.level_q[level][r, col] = (qh[r] * factor).to(BFloat16)
 
     @cute.jit
     def straddles(self, level: int, row: Int32, c: Int32):

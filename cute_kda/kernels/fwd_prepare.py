@@ -78,6 +78,49 @@ class SwizzledColumn:
         self.flat[self.offsets[row % len(self.offsets)] + sw128_row_offset(row)] = value
 
 
+class PackedLevels:
+    """Where K1 puts one channel of :meth:`~.common.token_prep.TokenPrep.dyadic_channel_scan`: qd, kd over q, k and
+    kr in their sw128 tiles (:class:`SwizzledColumn` s), and each level's operands packed into 8 slots a level:
+    an upper row ``r > m`` of block ``β`` (``b`` rows) in slot ``β·b/2 + (r − m − 1)`` of the level's rows (``X``
+    then, 8 rows on, ``Q``), a lower row ``r ≤ m`` in slot ``β·b/2 + (r − β·b)`` of its pair's lower rows."""
+
+    def __init__(self, q_col: SwizzledColumn, k_col: SwizzledColumn, kr_col: SwizzledColumn, level_cols: tuple,
+                 lower_cols: tuple, s_q_scale: cute.Tensor, s_k_scale: cute.Tensor) -> None:
+        self.q_col, self.k_col, self.kr_col = q_col, k_col, kr_col
+        self.level_cols, self.lower_cols = level_cols, lower_cols
+        self.s_q_scale, self.s_k_scale = s_q_scale, s_k_scale
+
+    def q(self, row: int):
+        return self.q_col[row]
+
+    def k(self, row: int):
+        return self.k_col[row]
+
+    def q_scale(self, row: int):
+        return self.s_q_scale[row]
+
+    def k_scale(self, row: int):
+        return self.s_k_scale[row]
+
+    def suffix(self, row: int, kh: Float32, growth: Float32) -> None:
+        self.kr_col[row] = (kh * growth).to(BFloat16)
+
+    def prefix(self, row: int, qh: Float32, kh: Float32, decay: Float32) -> None:
+        self.q_col[row] = (qh * decay).to(BFloat16)
+        self.k_col[row] = (kh * decay).to(BFloat16)
+
+    def lower(self, level: int, start: int, row: int, factor: Float32, kh: Float32) -> None:
+        block = DYADIC_BLOCKS[level]
+        slot = LEVEL_ROWS * (level % 2) + start // block * (block // 2) + row - start
+        self.lower_cols[level // 2][slot] = (kh * factor).to(BFloat16)
+
+    def upper(self, level: int, start: int, row: int, factor: Float32, kh: Float32, qh: Float32) -> None:
+        block = DYADIC_BLOCKS[level]
+        slot = start // block * (block // 2) + row - (start + block // 2)
+        self.level_cols[level][slot] = (kh * factor).to(BFloat16)
+        self.level_cols[level][LEVEL_ROWS + slot] = (qh * factor).to(BFloat16)
+
+
 class PrepareInputs(NamedTuple):
     """K1's inputs, validated by the API layer; token tensors ``[B, T, ...]`` or with the tokens
     flattened (``rows = B·T``), C-contiguous either way (:func:`~cute_kda.layouts.fwd_prepare.compact`)."""
@@ -499,11 +542,12 @@ class PrepareKernel(TokenPrep):
         def column(buffer) -> SwizzledColumn:
             return SwizzledColumn(buffer.get_tensor(flat), offsets)
 
-        ws.gt[slot, col] = ex2_approx(self.pairwise_scan(
+        sink = PackedLevels(
             column(storage.q), column(storage.k), column(storage.kr),
             tuple(column(getattr(storage, f"level_rows{level}")) for level in range(len(DYADIC_BLOCKS))),
             tuple(column(getattr(storage, f"lower_rows{pair}")) for pair in range(len(DYADIC_BLOCKS) // 2)),
-            s_q_scale, s_k_scale, gate_in, dt, e_a, valid_rows))
+            s_q_scale, s_k_scale)
+        ws.gt[slot, col] = ex2_approx(self.dyadic_channel_scan(sink, gate_in, dt, e_a, valid_rows))
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes → TMA store reads
         cute.arch.sync_threads()
         for level in cutlass.range_constexpr(len(DYADIC_BLOCKS)):
@@ -537,59 +581,6 @@ class PrepareKernel(TokenPrep):
                 s_q_scale[row] = q_rscale
                 s_k_scale[row] = k_rscale
                 s_diagonal[row] = dot
-
-    @cute.jit
-    def pairwise_scan(self, q_col: SwizzledColumn, k_col: SwizzledColumn, kr_col: SwizzledColumn, level_cols: tuple,
-                      lower_cols: tuple, s_q_scale, s_k_scale, gate_in: cute.Tensor, dt: Float32, e_a: Float32,
-                      valid_rows: Int32) -> Float32:
-        """This thread's channel of every row: qd, kd over q, k; kr; the straddle operands. Returns ``G_15``.
-
-        Level ``ℓ`` (blocks of ``b = 16 >> ℓ`` rows, middle row ``m`` the last of each block's first half):
-        an upper row ``r > m`` of block ``β`` takes slot ``β·b/2 + (r − m − 1)``, a lower row ``r ≤ m`` slot
-        ``β·b/2 + (r − β·b)``; ``factor`` runs ``a_{m+1}·…·a_r`` upwards and ``a_m·…·a_{r+1}`` downwards.
-        """
-        gp = cute.make_rmem_tensor((CHUNK,), Float32)
-        a = cute.make_rmem_tensor((CHUNK,), Float32)
-        qh = cute.make_rmem_tensor((CHUNK,), Float32)
-        kh = cute.make_rmem_tensor((CHUNK,), Float32)
-        # rows last to first first (g' and kh, the suffix sum, kr), so that g' is live during one pass only
-        suffix = Float32(0.0)
-        for step in cutlass.range_constexpr(CHUNK):
-            row = CHUNK - 1 - step
-            valid = row < valid_rows
-            gp[row] = Float32(cutlass.select_(valid, self.base2_log_decay(gate_in[row], dt, e_a), Float32(0.0)))
-            k_raw = Float32(cutlass.select_(valid, k_col[row].to(Float32), Float32(0.0)))
-            kh[row] = k_raw * s_k_scale[row] if cutlass.const_expr(self.qk_l2norm) else k_raw
-            kr_col[row] = (kh[row] * ex2_approx(suffix)).to(BFloat16)
-            suffix = suffix + gp[row]
-        prefix = Float32(0.0)
-        for row in cutlass.range_constexpr(CHUNK):
-            a[row] = ex2_approx(gp[row])
-            prefix = prefix + gp[row]
-            q_raw = Float32(cutlass.select_(row < valid_rows, q_col[row].to(Float32), Float32(0.0)))
-            qh[row] = q_raw * s_q_scale[row]
-            decay = ex2_approx(prefix)
-            q_col[row] = (qh[row] * decay).to(BFloat16)
-            k_col[row] = (kh[row] * decay).to(BFloat16)
-        for level in cutlass.range_constexpr(len(DYADIC_BLOCKS)):
-            block = DYADIC_BLOCKS[level]
-            half = block // 2
-            lower_base = LEVEL_ROWS * (level % 2)
-            for start in cutlass.range_constexpr(0, CHUNK, block):
-                middle = start + half - 1
-                slot0 = start // block * half
-                factor = Float32(1.0)
-                for r in cutlass.range_constexpr(middle, start - 1, -1):
-                    if cutlass.const_expr(r < middle):
-                        factor = factor * a[r + 1]
-                    lower_cols[level // 2][lower_base + slot0 + r - start] = (kh[r] * factor).to(BFloat16)
-                factor = a[middle + 1]
-                for r in cutlass.range_constexpr(middle + 1, start + block):
-                    if cutlass.const_expr(r > middle + 1):
-                        factor = factor * a[r]
-                    level_cols[level][slot0 + r - middle - 1] = (kh[r] * factor).to(BFloat16)
-                    level_cols[level][LEVEL_ROWS + slot0 + r - middle - 1] = (qh[r] * factor).to(BFloat16)
-        return prefix
 
     @cute.jit
     def level_pair_sums(self, level: int, s_level, s_lower, s_akk, s_aqk, lane: Int32):

@@ -15,7 +15,7 @@ from typing import Optional
 from cutlass import BFloat16, Float32, Int32
 
 from ...dsl import cute, cutlass
-from ...numerics import CHUNK, EPS, LOG2E
+from ...numerics import CHUNK, DYADIC_BLOCKS, EPS, LOG2E
 from .fastmath import ex2_approx, lg2_approx, mul_rn, sigmoid_approx
 
 CHANNELS_PER_LANE = 8  # l2norm partial: 8 consecutive channels per lane, 16 lanes per row
@@ -182,6 +182,60 @@ class TokenPrep:
             softplus2 = cutlass.max(y, Float32(0.0)) + lg2_approx(Float32(1.0) + ex2_approx(cutlass.min(y, -y)))
             return -mul_rn(e_a, softplus2)
         return mul_rn(g, Float32(LOG2E))
+
+    @cute.jit
+    def dyadic_channel_scan(self, sink, gate_in: cute.Tensor, dt: Float32, e_a: Float32, valid_rows: Int32) -> Float32:
+        """One channel of every row of the tile, the per-channel unbounded gates' ``dyadic`` scan (docs/numerics.md);
+        returns ``G_15``. K1 runs it to fill the workspace and Kernel B to recompute it, with the same instructions
+        in the same order; ``sink`` says where each value goes (the two kernels keep different buffers).
+
+        ``sink`` reads ``k(row)``, ``q(row)`` (raw bf16), ``k_scale(row)`` (1/‖k‖, under l2norm), ``q_scale(row)``
+        (1/‖q‖ · scale) and takes, in this order:
+
+        1. rows last to first: ``suffix(row, kh, growth)``, ``growth = 2^(G_15 − G_row)`` (for ``kr``);
+        2. rows first to last: ``prefix(row, qh, kh, decay)``, ``decay = 2^G_row`` (for ``qd``, ``kd``);
+        3. per level ``ℓ`` (blocks of ``b = DYADIC_BLOCKS[ℓ]`` rows from ``start``, middle row ``m`` the last of
+           the first half): ``lower(ℓ, start, r, factor, kh)`` for ``r = m … start`` (``factor`` the running
+           product ``a_m·…·a_{r+1}``, 1 at ``m``) and ``upper(ℓ, start, r, factor, kh, qh)`` for
+           ``r = m+1 … start+b−1`` (``a_{m+1}·…·a_r``), with ``a = 2^g'``.
+        """
+        gp = cute.make_rmem_tensor((CHUNK,), Float32)
+        a = cute.make_rmem_tensor((CHUNK,), Float32)
+        qh = cute.make_rmem_tensor((CHUNK,), Float32)
+        kh = cute.make_rmem_tensor((CHUNK,), Float32)
+        # rows last to first first (g' and kh, the suffix sum, kr), so that g' is live during one pass only
+        suffix = Float32(0.0)
+        for step in cutlass.range_constexpr(CHUNK):
+            row = CHUNK - 1 - step
+            valid = row < valid_rows
+            gp[row] = Float32(cutlass.select_(valid, self.base2_log_decay(gate_in[row], dt, e_a), Float32(0.0)))
+            k_raw = Float32(cutlass.select_(valid, sink.k(row).to(Float32), Float32(0.0)))
+            kh[row] = k_raw * sink.k_scale(row) if cutlass.const_expr(self.qk_l2norm) else k_raw
+            sink.suffix(row, kh[row], ex2_approx(suffix))
+            suffix = suffix + gp[row]
+        prefix = Float32(0.0)
+        for row in cutlass.range_constexpr(CHUNK):
+            a[row] = ex2_approx(gp[row])
+            prefix = prefix + gp[row]
+            q_raw = Float32(cutlass.select_(row < valid_rows, sink.q(row).to(Float32), Float32(0.0)))
+            qh[row] = q_raw * sink.q_scale(row)
+            sink.prefix(row, qh[row], kh[row], ex2_approx(prefix))
+        for level in cutlass.range_constexpr(len(DYADIC_BLOCKS)):
+            block = DYADIC_BLOCKS[level]
+            half = block // 2
+            for start in cutlass.range_constexpr(0, CHUNK, block):
+                middle = start + half - 1
+                factor = Float32(1.0)
+                for r in cutlass.range_constexpr(middle, start - 1, -1):
+                    if cutlass.const_expr(r < middle):
+                        factor = factor * a[r + 1]
+                    sink.lower(level, start, r, factor, kh[r])
+                factor = a[middle + 1]
+                for r in cutlass.range_constexpr(middle + 1, start + block):
+                    if cutlass.const_expr(r > middle + 1):
+                        factor = factor * a[r]
+                    sink.upper(level, start, r, factor, kh[r], qh[r])
+        return prefix
 
     @cute.jit
     def span_column(self, s_decay, s_spans, col: Int32):
