@@ -761,8 +761,9 @@ class BwdGrads(TokenPrep):
     @cute.jit
     def masked_du_u(self, smem, lane: Int32):
         """Warp 1: ``dL = −stril(du·Uᵀ)``, ``bf16(β_i·dL_ij)`` into ``dlb``, ``Σ_j dL ⊙ A`` per row with the
-        forward's ``A = kd·kinvᵀ`` (the dyadic K1's fp32 level sums with a per-channel unbounded gate). A per-head gate: ``A = E ⊙ k̂k̂ᵀ``, ``bf16(E ⊙ bf16(β·dL))`` into ``dlb`` and
-        ``f32(bf16(β·dL) ⊙ k̂k̂ᵀ)`` for the head's pair sums."""
+        forward's ``A = kd·kinvᵀ`` (the dyadic K1's fp32 level sums with a per-channel unbounded gate). A
+        per-head gate: ``A = E ⊙ k̂k̂ᵀ``, ``bf16(E ⊙ bf16(β·dL))`` into ``dlb`` and ``f32(bf16(β·dL) ⊙ k̂k̂ᵀ)`` for
+        the head's pair sums."""
         mma = warp_tiled_mma(BFloat16, Float32)
         coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor((CHUNK, CHUNK)))
         du_u = self.square_product(smem.du, smem.u_out, lane)
@@ -975,9 +976,7 @@ class BwdGrads(TokenPrep):
             if s < valid_rows:
                 dg = dgamma
                 if cutlass.const_expr(self.gate == "softplus"):
-                    x = inputs.g[row0 + s, head].to(Float32) + dt
-                    sigmoid = Float32(1.0) / (Float32(1.0) + ex2_approx(-(x * Float32(LOG2E))))
-                    dg = -(e_a * sigmoid) * dgamma
+                    dg = self.softplus_gate_grad(inputs.g[row0 + s, head].to(Float32), dt, e_a, dgamma)
                     ddt = dg
                     dalog = dgamma * (smem.gate[s] * Float32(LN2))
                 out.dg[row0 + s, head] = dg
@@ -988,6 +987,14 @@ class BwdGrads(TokenPrep):
             if lane == 0:
                 out.ddt_partial[slot] = ddt
                 out.dalog_partial[slot] = dalog
+
+    @cute.jit
+    def softplus_gate_grad(self, g_raw: Float32, dt: Float32, e_a: Float32, dgamma: Float32) -> Float32:
+        """``dg = −e^A·σ(g + dt_bias)·dγ``, the softplus gate's backward; ``σ`` as ``1 / (1 + 2^(−x·log2 e))``,
+        accurate in relative terms where it saturates."""
+        x = g_raw + dt
+        sigmoid = Float32(1.0) / (Float32(1.0) + ex2_approx(-(x * Float32(LOG2E))))
+        return -(e_a * sigmoid) * dgamma
 
     @cute.jit
     def store_token_gradients(self, smem, inputs: GradsInputs, out: GradsOutputs, dq_hat: cute.Tensor,
@@ -1432,9 +1439,7 @@ class BwdGrads(TokenPrep):
                     dg = dgamma
                     if cutlass.const_expr(self.gate == "softplus"):
                         g_raw = inputs.g[row0 + s, head, col].to(Float32)
-                        x = g_raw + dt
-                        sigmoid = Float32(1.0) / (Float32(1.0) + ex2_approx(-(x * Float32(LOG2E))))
-                        dg = -(e_a * sigmoid) * dgamma
+                        dg = self.softplus_gate_grad(g_raw, dt, e_a, dgamma)
                         ddt = ddt + dg
                         dalog = dalog + dgamma * (self.base2_log_decay(g_raw, dt, e_a) * Float32(LN2))
                     out.dg[row0 + s, head, col] = dg.to(BFloat16)
