@@ -251,9 +251,8 @@ def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, s
     constants = options.gate != "none"  # a log decay has no A_log / dt_bias
     ddt_partial = torch.empty(ddt_shape, dtype=torch.float32, device=do.device) if constants else None
     dalog_partial = torch.empty(dalog_shape, dtype=torch.float32, device=do.device) if constants else None
-    unbounded = options.gate != "safe"  # dq, dk per value head (summed over each group below)
-    dq, dk = (torch.empty_like(x.v), torch.empty_like(x.v)) if unbounded else (torch.empty_like(x.q),
-                                                                                  torch.empty_like(x.k))
+    unbounded = options.gate != "safe"  # dq, dk per value head (summed over each group below), else like q, k
+    dq, dk = (torch.empty_like(x.v if unbounded else t) for t in (x.q, x.k))
     # dg: fp32 per (token, head) for a per-head gate, else bf16 like g (a fp32 log decay's is widened below)
     dg = torch.empty(x.g.shape, dtype=torch.float32 if per_head else torch.bfloat16, device=do.device)
     dbeta = torch.empty_like(x.beta)

@@ -252,8 +252,7 @@ def _bwd_grads_build(varlen: bool, gate: str = "safe", per_head: bool = True) ->
             tile_base=torch.tensor([0, 3, 4], dtype=torch.int32) if varlen else None, tensor=to_cute_tensor,
         )
         kernel = BwdGrads(varlen=varlen, gate=gate, gate_dtype=cutlass.BFloat16, per_head_gate=gdn, grouped=gdn)
-        budget = (plan.per_head_smem_budget(kernel.warps) if gdn else plan.dyadic_smem_budget(kernel.warps)
-                  if gate != "safe" else plan.smem_budget(kernel.warps))
+        budget = plan.variant_budget(kernel.warps, per_head_gate=kernel.per_head_gate, dyadic=kernel.dyadic)
         return kernel, (*args, cute.runtime.make_fake_stream()), budget
     return build
 

@@ -157,34 +157,48 @@ def _per_head_buffers(gate: str = "softplus", grouped: bool = True, varlen: bool
                 lower_bound=-5.0)
 
 
-@pytest.mark.parametrize("variant", PER_HEAD_VARIANTS, ids=lambda v: "{}-{}-{}-{}-{}".format(
-    "varlen" if v[0] else "fixed", v[1], str(v[2]).replace("torch.", ""), "grouped" if v[3] else "HV=H",
-    "l2norm_logits" if v[4] else "plain"))
-def test_per_head_variant_compiles(variant):
+def _variant_id(variant) -> str:
+    varlen, gate, g_dtype, grouped, qk_l2norm, _ = variant
+    return "{}-{}-{}-{}-{}".format("varlen" if varlen else "fixed", gate, str(g_dtype).replace("torch.", ""),
+                                   "grouped" if grouped else "HV=H", "l2norm_logits" if qk_l2norm else "plain")
+
+
+def _compile_unbounded(variant, per_head: bool):
+    """Compile Kernel B for an unbounded-gate ``variant`` (per head, or the per-channel dyadic form) on the CPU
+    buffers, check what every such variant must show (one kernel, the 7 TMA loads under one transaction barrier,
+    no atomics, no local memory or spills, the plan's shared memory) and return the report."""
     from cute_kda.compile_report import compile_with_report
     from cute_kda.ops._cache import dsl_type
 
     varlen, gate, g_dtype, grouped, qk_l2norm, beta_logits = variant
     kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
-                      gate_dtype=dsl_type(g_dtype), per_head_gate=True, grouped=grouped)
-    buffers = _per_head_buffers(gate, grouped, varlen, g_dtype)
+                      gate_dtype=dsl_type(g_dtype), per_head_gate=per_head, grouped=grouped)
+    buffers = (_per_head_buffers if per_head else _dyadic_buffers)(gate, grouped, varlen, g_dtype)
     arguments = kb.launch_arguments(*(buffers[name] for name in _LAUNCH_ORDER), scale=D ** -0.5, lower_bound=-5.0,
                                     cu_seqlens=buffers["cu_seqlens"], tile_base=buffers["tile_base"],
                                     tensor=to_cute_tensor)
     _, report = compile_with_report(kernel, *arguments, cute.runtime.make_fake_stream())
+    budget = plan.variant_budget(plan.DEFAULT_WARPS, per_head_gate=per_head, dyadic=not per_head)
+    assert report.count("cp.async.bulk.tensor") == 7  # q, k, v, dO, du and the two state matrices
+    assert report.has("mbarrier.try_wait") and report.has("mbarrier.arrive.expect_tx")
+    assert not report.has("atom.") and not report.has("red.")  # no atomics: partial sums per tile
+    assert report.local_memory_ops == 0
+    assert len(report.kernels) == 1 and report.spills == 0 and report.kernels[0].stack_frame == 0
+    assert report.launch_smem == [budget.total_bytes]
+    print(f"{variant}: {report.kernels[0].registers} registers, {report.launch_smem[0]} B smem")
+    return report
+
+
+@pytest.mark.parametrize("variant", PER_HEAD_VARIANTS, ids=_variant_id)
+def test_per_head_variant_compiles(variant):
+    report = _compile_unbounded(variant, per_head=True)
+    gate = variant[1]
     k_steps, band_atoms = D // CHUNK, D // plan.DEFAULT_WARPS // 8
     # kd·S and INV·u per band; dO·Uᵀ, q̂k̂ᵀ (warp 0), du·Uᵀ, k̂k̂ᵀ (warp 1) at 16 columns; dqd, dkd, dkr per band
     # and the pair terms: bf16(E ⊙ dMqk)·k̂ (1 k-step), [dP | dPᵀ | dPqᵀ]·[k̂; k̂; q̂] (3 k-steps)
     mmas = (k_steps + 1) * band_atoms + 4 * k_steps * 2 + (3 * k_steps + 4) * band_atoms
     assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == mmas
-    assert report.count("cp.async.bulk.tensor") == 7  # q, k, v, dO, du and the two state matrices
-    assert report.has("mbarrier.try_wait") and report.has("mbarrier.arrive.expect_tx")
     assert report.count("lg2.approx.f32") == (1 if gate == "softplus" else 0)  # the gate's softplus, one row a thread
-    assert not report.has("atom.") and not report.has("red.")  # no atomics: partial sums per tile
-    assert report.local_memory_ops == 0
-    assert len(report.kernels) == 1 and report.spills == 0 and report.kernels[0].stack_frame == 0
-    assert report.launch_smem == [plan.per_head_smem_budget(plan.DEFAULT_WARPS).total_bytes]
-    print(f"{variant}: {report.kernels[0].registers} registers, {report.launch_smem[0]} B smem")
 
 
 def test_refused_configurations():
@@ -228,21 +242,10 @@ def _dyadic_buffers(gate: str = "softplus", grouped: bool = False, varlen: bool 
             "dalog_partial": torch.zeros(dalog_shape) if constants else None}
 
 
-@pytest.mark.parametrize("variant", DYADIC_VARIANTS, ids=lambda v: "{}-{}-{}-{}-{}".format(
-    "varlen" if v[0] else "fixed", v[1], str(v[2]).replace("torch.", ""), "grouped" if v[3] else "HV=H",
-    "l2norm_logits" if v[4] else "plain"))
+@pytest.mark.parametrize("variant", DYADIC_VARIANTS, ids=_variant_id)
 def test_dyadic_variant_compiles(variant):
-    from cute_kda.compile_report import compile_with_report
-    from cute_kda.ops._cache import dsl_type
-
-    varlen, gate, g_dtype, grouped, qk_l2norm, beta_logits = variant
-    kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
-                      gate_dtype=dsl_type(g_dtype), grouped=grouped)
-    buffers = _dyadic_buffers(gate, grouped, varlen, g_dtype)
-    arguments = kb.launch_arguments(*(buffers[name] for name in _LAUNCH_ORDER), scale=D ** -0.5, lower_bound=-5.0,
-                                    cu_seqlens=buffers["cu_seqlens"], tile_base=buffers["tile_base"],
-                                    tensor=to_cute_tensor)
-    _, report = compile_with_report(kernel, *arguments, cute.runtime.make_fake_stream())
+    report = _compile_unbounded(variant, per_head=False)
+    gate = variant[1]
     k_steps, band_atoms, levels = D // CHUNK, D // plan.DEFAULT_WARPS // 8, plan.DYADIC_LEVELS
     # kd·S and INV·u per band; dO·Uᵀ (warp 0), du·Uᵀ (warp 1); per level X·Xᵀ (a warp each: level 0 keeps one of
     # its two 8-column halves, the other straddles nothing); dqd, dkd, dkr per band; per level P, Pq (1 k-step
@@ -250,16 +253,9 @@ def test_dyadic_variant_compiles(variant):
     mmas = ((k_steps + 1) * band_atoms + 2 * k_steps * 2 + (levels * 2 - 1) * k_steps
             + (3 * k_steps + 4 * levels) * band_atoms)
     assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == mmas
-    assert report.count("cp.async.bulk.tensor") == 7  # q, k, v, dO, du and the two state matrices
-    assert report.has("mbarrier.try_wait") and report.has("mbarrier.arrive.expect_tx")
     # the gate's softplus per (row, channel): K1's scan and dA_log's γ, one channel a thread
     assert report.count("lg2.approx.f32") == (2 * CHUNK if gate == "softplus" else 0)
     assert report.has("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") and report.has("stmatrix")
-    assert not report.has("atom.") and not report.has("red.")  # no atomics: partial sums per tile
-    assert report.local_memory_ops == 0
-    assert len(report.kernels) == 1 and report.spills == 0 and report.kernels[0].stack_frame == 0
-    assert report.launch_smem == [plan.dyadic_smem_budget(plan.DEFAULT_WARPS).total_bytes]
-    print(f"{variant}: {report.kernels[0].registers} registers, {report.launch_smem[0]} B smem")
 
 
 _CPU_HEADS, _CPU_SEQS, _CPU_T = 2, 2, 40
