@@ -49,9 +49,11 @@ def test_plan_bytes(vsplit):
     assert list(offsets) == ["v", "kd", "qd", "kr", "gt", "inv", "mqk", "beta", "out"]
     assert offsets["kd"] == CHUNK * band * 2 * plan.input_stages
     assert offsets["out"] - offsets["beta"] == 128 * plan.input_stages  # β's 64 bytes take a 128-byte slot
-    assert plan.union_bytes == plan.pipeline_bytes
+    assert all(offsets[name] % layouts.SWIZZLED_ALIGN == 0 for name in layouts.SWIZZLED_FIELDS)
+    align = layouts.SWIZZLED_ALIGN  # the union holds K_SW128 tiles: its size is a multiple of their period
+    assert plan.union_bytes == -(-plan.pipeline_bytes // align) * align
     fp32 = RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=True)
-    assert fp32.union_bytes == max(plan.pipeline_bytes, band * D * 4)
+    assert fp32.union_bytes == -(-max(plan.pipeline_bytes, band * D * 4) // align) * align
     # two CTAs per SM (228 KiB, 1 KiB reserved per CTA) in every variant
     assert 2 * (fp32.total_bytes + 1024) <= 228 * 1024
 
@@ -109,10 +111,19 @@ def test_state_views_are_transpose_dual(vsplit):
 def test_staged_operands():
     plan = RecurrenceSmemPlan()
     stages = plan.input_stages
-    kr = _offsets(lambda: layouts.chunk_operand(plan), (CHUNK, D, stages))
-    kr_t = _offsets(lambda: layouts.chunk_operand_transposed(plan), (D, CHUNK, stages))
-    tile = _offsets(lambda: smem.chunk_operand(), (CHUNK, D))
+    # kd / qd / kr: staged K_SW128 tiles and their MN_SW128 view; the swizzle (on byte addresses) is the
+    # 128-byte one of K1's tiles, and the element offsets before it agree view by view, stage by stage
+    kr = _offsets(lambda: layouts.chunk_operand(plan).outer, (CHUNK, D, stages))
+    kr_t = _offsets(lambda: layouts.chunk_operand_transposed(plan).outer, (D, CHUNK, stages))
+    tile = _offsets(lambda: smem.sw128_tile(CHUNK, D).outer, (CHUNK, D))
+    box = _offsets(lambda: layouts.chunk_operand(plan, stages=0).outer, (CHUNK, D))
+    assert box == tile
     assert all(kr[(r, c, s)] == kr_t[(c, r, s)] == tile[(r, c)] + s * CHUNK * D for r, c, s in kr)
+    swizzles = run_traced(lambda: [str(build().inner) for build in (
+        lambda: layouts.chunk_operand(plan), lambda: layouts.chunk_operand_transposed(plan),
+        lambda: smem.sw128_tile(CHUNK, D))])
+    assert len(set(swizzles)) == 1 and swizzles[0] == "S<3,4,3>"
+    assert all(plan.union_offsets()[name] % layouts.SWIZZLED_ALIGN == 0 for name in layouts.SWIZZLED_FIELDS)
     square = _offsets(lambda: layouts.square_tile(plan), (CHUNK, CHUNK, stages))
     square_tile = _offsets(lambda: smem.square_tile(), (CHUNK, CHUNK))
     assert all(square[(i, j, s)] == square_tile[(i, j)] + s * CHUNK * CHUNK for i, j, s in square)
@@ -142,14 +153,14 @@ def test_gmem_views_reach_the_right_elements():
 
     def run():
         tokens = layouts.token_runs_view(_gmem((B, T, H, D))).layout
-        tiles = layouts.tile_runs_view(_gmem((rows, CHUNK, D))).layout
+        tiles = layouts.tile_rows_view(_gmem((rows, CHUNK, D)), 64).layout
         squares = layouts.tile_runs_view(_gmem((rows, CHUNK, CHUNK))).layout
         vectors = layouts.vector_rows_view(_gmem((rows, D), cutlass.Float32)).layout
         states = layouts.state_runs_view(_gmem((N, H, D, D))).layout
         return (
             {(b, t, h, c): tokens((c % 8, t, c // 8, h, b)) for b in range(B) for t in (0, 17, 39)
              for h in range(H) for c in (0, 7, 8, 127)},
-            {(r, i, c): tiles((c % 8, i, c // 8, r)) for r in range(rows) for i in (0, 15) for c in (0, 9, 127)},
+            {(r, i, c): tiles((r * CHUNK + i, (c % 64, c // 64))) for r in range(rows) for i in (0, 15) for c in (0, 9, 127)},
             {(r, i, c): squares((c % 8, i, c // 8, r)) for r in range(rows) for i in (0, 15) for c in (0, 9, 15)},
             {(r, c): vectors((c, r)) for r in range(rows) for c in (0, 127)},
             {(n, h, v, k): states((k % 8, v, k // 8, n, h)) for n in range(N) for h in range(H)
@@ -366,8 +377,8 @@ def test_variant_compiles(variant):
     atoms = kernel.warp_cols // 8  # n=8 mma atoms per warp row of 16
     k_steps = D // CHUNK
     # TMA: 8 loads per stage (v, kd, qd, kr, gT, INV, Mqk, β), one tile store, one per state transfer
-    tma = {dims: report.count(f"cp.async.bulk.tensor.{dims}d.shared::cta.global") for dims in (2, 4, 5)}
-    assert tma == {2: 2, 4: 5, 5: 1 + (state_in != "none")}  # gT, β | kd, qd, kr, INV, Mqk | v, state
+    tma = {dims: report.count(f"cp.async.bulk.tensor.{dims}d.shared::cta.global") for dims in (2, 3, 4, 5)}
+    assert tma == {2: 2, 3: 3, 4: 2, 5: 1 + (state_in != "none")}  # gT, β | kd, qd, kr (K_SW128) | INV, Mqk | v, state
     assert report.count("cp.async.bulk.tensor.5d.global.shared::cta") == 1 + (state_out != "none")  # out, state
     assert report.has("mbarrier.try_wait") and report.has("mbarrier.arrive.expect_tx")
     # per tile: Phase 1 (kd·S, qd·S), INV·u, Mqk·U, krᵀ·U over 8 row blocks

@@ -97,9 +97,9 @@ class ScanSmem:
     ds_fp32: cute.Tensor  # [v_band, D] fp32 staging (in the union)
     ds_fp32_acc: cute.Tensor  # [D, v_band] view of the staging
     do_t: cute.Tensor  # [v_band, 16, stage] MN_INTER view of the dO tiles (B operand dOᵀ)
-    kr: cute.Tensor  # [16, D, stage]
-    qd_t: cute.Tensor  # [D, 16, stage] MN_INTER view of qd
-    kd_t: cute.Tensor  # [D, 16, stage] MN_INTER view of kd
+    kr: cute.Tensor  # [16, D, stage] K_SW128
+    qd_t: cute.Tensor  # [D, 16, stage] MN_SW128 view of qd
+    kd_t: cute.Tensor  # [D, 16, stage] MN_SW128 view of kd
     gt: cute.Tensor  # [D, stage] fp32
     inv_t: cute.Tensor  # [16, 16, stage] MN_INTER view of INV
     mqk_t: cute.Tensor  # [16, 16, stage] MN_INTER view of Mqk
@@ -110,7 +110,8 @@ class ScanSmem:
 
 @dataclass(frozen=True)
 class ScanTmaSmem:
-    """The same bytes as :class:`ScanSmem`, as TMA boxes ``(RUN, rows, cols / RUN[, stage])``."""
+    """The same bytes as :class:`ScanSmem`, as the TMA sees them: boxes ``(RUN, rows, cols / RUN[, stage])``,
+    kd / qd / kr as their K_SW128 tiles."""
 
     do: cute.Tensor
     qd: cute.Tensor
@@ -179,9 +180,9 @@ class BwdScan(BandScan):
             do=self.runs_atom(load, layouts.token_runs_view(do), CHUNK, band),
             dv=self.runs_atom(store, layouts.token_runs_view(dv), CHUNK, band),
             du=self.runs_atom(store, layouts.token_runs_view(du), CHUNK, band),
-            qd=self.runs_atom(load, layouts.tile_runs_view(ws.qd), CHUNK, dim),
-            kd=self.runs_atom(load, layouts.tile_runs_view(ws.kd), CHUNK, dim),
-            kr=self.runs_atom(load, layouts.tile_runs_view(ws.kr), CHUNK, dim),
+            qd=self.workspace_tile_atom(load, ws.qd),
+            kd=self.workspace_tile_atom(load, ws.kd),
+            kr=self.workspace_tile_atom(load, ws.kr),
             gt=self.vector_atom(ws.gt, dim),
             inv=self.runs_atom(load, layouts.tile_runs_view(ws.inv), CHUNK, CHUNK),
             mqk=self.runs_atom(load, layouts.tile_runs_view(ws.mqk), CHUNK, CHUNK),
@@ -251,9 +252,9 @@ class BwdScan(BandScan):
         elif warp_idx == self.load_warp:
             loads = (
                 (tma.do[0], self.band_tiles(tma.do[1], head, batch, first_row, band), tma_smem.do),
-                (tma.qd[0], self.workspace_tiles(tma.qd[1], self.dim), tma_smem.qd),
-                (tma.kd[0], self.workspace_tiles(tma.kd[1], self.dim), tma_smem.kd),
-                (tma.kr[0], self.workspace_tiles(tma.kr[1], self.dim), tma_smem.kr),
+                (tma.qd[0], self.workspace_rows(tma.qd[1]), tma_smem.qd),
+                (tma.kd[0], self.workspace_rows(tma.kd[1]), tma_smem.kd),
+                (tma.kr[0], self.workspace_rows(tma.kr[1]), tma_smem.kr),
                 (tma.inv[0], self.workspace_tiles(tma.inv[1], CHUNK), tma_smem.inv),
                 (tma.mqk[0], self.workspace_tiles(tma.mqk[1], CHUNK), tma_smem.mqk),
                 (tma.gt[0], cute.local_tile(tma.gt[1], (self.dim,), (0, None)), smem.gt),

@@ -79,9 +79,9 @@ class RecurrenceSmem:
     state_fp32: cute.Tensor  # [v_band, D] fp32 staging (in the union)
     state_fp32_acc: cute.Tensor  # [D, v_band] view of the staging
     v: cute.Tensor  # [16, v_band, stage]
-    qd: cute.Tensor  # [16, D, stage]
-    kd: cute.Tensor  # [16, D, stage]
-    kr_t: cute.Tensor  # [D, 16, stage], MN_INTER view of kr
+    qd: cute.Tensor  # [16, D, stage], K_SW128
+    kd: cute.Tensor  # [16, D, stage], K_SW128
+    kr_t: cute.Tensor  # [D, 16, stage], MN_SW128 view of kr
     gt: cute.Tensor  # [D, stage] fp32
     inv: cute.Tensor  # [16, 16, stage]
     mqk: cute.Tensor  # [16, 16, stage]
@@ -91,7 +91,8 @@ class RecurrenceSmem:
 
 @dataclass(frozen=True)
 class RecurrenceTmaSmem:
-    """The same bytes as :class:`RecurrenceSmem`, as TMA boxes ``(RUN, rows, cols / RUN[, stage])``."""
+    """The same bytes as :class:`RecurrenceSmem`, as the TMA sees them: boxes ``(RUN, rows, cols / RUN[, stage])``,
+    kd / qd / kr as their K_SW128 tiles."""
 
     v: cute.Tensor
     qd: cute.Tensor
@@ -172,9 +173,9 @@ class FwdRecurrence(BandScan):
 
         tma_v, gmem_v = runs_atom(load, layouts.token_runs_view(v), CHUNK, self.v_band)
         tma_out, gmem_out = runs_atom(store, layouts.token_runs_view(out), CHUNK, self.v_band)
-        tma_qd, gmem_qd = runs_atom(load, layouts.tile_runs_view(ws_qd), CHUNK, self.dim)
-        tma_kd, gmem_kd = runs_atom(load, layouts.tile_runs_view(ws_kd), CHUNK, self.dim)
-        tma_kr, gmem_kr = runs_atom(load, layouts.tile_runs_view(ws_kr), CHUNK, self.dim)
+        tma_qd, gmem_qd = self.workspace_tile_atom(load, ws_qd)
+        tma_kd, gmem_kd = self.workspace_tile_atom(load, ws_kd)
+        tma_kr, gmem_kr = self.workspace_tile_atom(load, ws_kr)
         tma_inv, gmem_inv = runs_atom(load, layouts.tile_runs_view(ws_inv), CHUNK, CHUNK)
         tma_mqk, gmem_mqk = runs_atom(load, layouts.tile_runs_view(ws_mqk), CHUNK, CHUNK)
         tma_gt, gmem_gt = self.vector_atom(ws_gt, self.dim)
@@ -279,9 +280,9 @@ class FwdRecurrence(BandScan):
         elif warp_idx == self.load_warp:
             loads = (
                 (tma_v, self.band_tiles(gmem_v, head, batch, first_row, band), tma_smem.v),
-                (tma_qd, self.workspace_tiles(gmem_qd, self.dim), tma_smem.qd),
-                (tma_kd, self.workspace_tiles(gmem_kd, self.dim), tma_smem.kd),
-                (tma_kr, self.workspace_tiles(gmem_kr, self.dim), tma_smem.kr),
+                (tma_qd, self.workspace_rows(gmem_qd), tma_smem.qd),
+                (tma_kd, self.workspace_rows(gmem_kd), tma_smem.kd),
+                (tma_kr, self.workspace_rows(gmem_kr), tma_smem.kr),
                 (tma_inv, self.workspace_tiles(gmem_inv, CHUNK), tma_smem.inv),
                 (tma_mqk, self.workspace_tiles(gmem_mqk, CHUNK), tma_smem.mqk),
                 (tma_gt, cute.local_tile(gmem_gt, (self.dim,), (0, None)), smem.gt),

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..dsl import cute
-from .smem import CHUNK, HEAD_DIM, operand_tile, operand_tile_transposed, state_acc_view, state_b_view
+from .smem import (CHUNK, HEAD_DIM, SW128_PERIOD_BYTES, AtomKind, atom_tile, atom_tile_transposed, operand_tile,
+                   operand_tile_transposed, state_acc_view, state_b_view)
 
 SUPPORTED_VSPLITS = (1, 2, 4)
 MMA_WARPS = 4  # compute warps; warp w owns value columns [w·v_band/4, (w+1)·v_band/4) of the CTA's band
@@ -33,6 +34,11 @@ MIN_WARP_COLS = 8  # one n=8 mma atom: a narrower band runs on fewer compute war
 INPUT_STAGES = 3
 OUTPUT_STAGES = 2
 ALIGN = 128  # byte alignment of every buffer (TMA needs 16; 128 keeps ldmatrix rows in one bank sweep)
+# kd, qd, kr: K_SW128 tiles, moved by the TMA in 128-byte rows (a K_INTER box moves 16-byte rows, and the
+# TMA's time goes by rows: perf-log T4). Their slots sit on the swizzle's period, and so do the state
+# and the union that hold them.
+SWIZZLED_FIELDS = ("kd", "qd", "kr")
+SWIZZLED_ALIGN = SW128_PERIOD_BYTES
 MBARRIER_BYTES = 8
 
 _BF16 = 2
@@ -55,9 +61,9 @@ class RecurrenceSmemPlan:
     field     tile                    meaning
     ========  ======================  =====================================
     v         bf16 [16, v_band]       values of the CTA's band (TMA load)
-    kd        bf16 [16, D]            workspace kd (K_INTER operand tile)
-    qd        bf16 [16, D]            workspace qd
-    kr        bf16 [16, D]            workspace kr (read through its [D, 16] MN_INTER view)
+    kd        bf16 [16, D]            workspace kd (K_SW128 operand tile)
+    qd        bf16 [16, D]            workspace qd (K_SW128)
+    kr        bf16 [16, D]            workspace kr (K_SW128; K2 reads its [D, 16] MN_SW128 view)
     gt        fp32 [D]                workspace gT
     inv       bf16 [16, 16]           workspace INV
     mqk       bf16 [16, 16]           workspace Mqk
@@ -65,7 +71,8 @@ class RecurrenceSmemPlan:
     out       bf16 [16, v_band]       output tile (output stages; TMA store or tail store)
     ========  ======================  =====================================
 
-    Each field is an array of 128-byte aligned stage slots (stage ``s`` at ``offset + s · slot``).
+    Each field is an array of 128-byte aligned stage slots (stage ``s`` at ``offset + s · slot``); the
+    K_SW128 fields' slots are aligned to the swizzle period (:data:`SWIZZLED_ALIGN`).
     The class attributes name the per-token input field and the output fields, so a kernel with the
     same skeleton and other tensors (the backward scan, :mod:`.bwd_scan`) reuses the plan.
     """
@@ -144,13 +151,15 @@ class RecurrenceSmemPlan:
     def union_offsets(self) -> dict[str, int]:
         """Pipeline field → byte offset of its stage 0 inside the union (the fp32 staging sits at 0).
 
-        A stage slot is the field's bytes rounded up to 128 (the TMA destination alignment), so β's
-        64 bytes take a 128-byte slot.
+        A stage slot is the field's bytes rounded up to its alignment (128, the TMA destination
+        alignment, or :data:`SWIZZLED_ALIGN`), so β's 64 bytes take a 128-byte slot.
         """
         offsets, at = {}, 0
         for name, nbytes in self.input_field_bytes().items():
+            align = field_align(name)
+            at = _round_up(at, align)
             offsets[name] = at
-            at += _round_up(nbytes) * self.input_stages
+            at += _round_up(nbytes, align) * self.input_stages
         for name in self.output_fields:
             offsets[name] = at
             at += _round_up(self.out_tile_bytes) * self.output_stages
@@ -162,8 +171,9 @@ class RecurrenceSmemPlan:
 
     @property
     def union_bytes(self) -> int:
-        staging = _round_up(self.state_fp32_bytes) if self.state_io_fp32 else 0
-        return max(self.pipeline_bytes, staging)
+        """The larger of the pipeline buffers and the staging, rounded up to the union's alignment."""
+        staging = self.state_fp32_bytes if self.state_io_fp32 else 0
+        return _round_up(max(self.pipeline_bytes, staging), SWIZZLED_ALIGN)
 
     @property
     def barrier_count(self) -> int:
@@ -172,8 +182,14 @@ class RecurrenceSmemPlan:
 
     @property
     def total_bytes(self) -> int:
-        """Shared memory per CTA: state, union, mbarriers (the struct padded to its 128-byte alignment)."""
-        return _round_up(_round_up(self.state_bytes) + self.union_bytes + self.barrier_count * MBARRIER_BYTES)
+        """Shared memory per CTA: state, union, mbarriers (the struct padded to its alignment, the swizzle period)."""
+        state = _round_up(self.state_bytes, SWIZZLED_ALIGN)
+        return _round_up(state + self.union_bytes + self.barrier_count * MBARRIER_BYTES, SWIZZLED_ALIGN)
+
+
+def field_align(name: str) -> int:
+    """Byte alignment of a pipeline field's stage slots."""
+    return SWIZZLED_ALIGN if name in SWIZZLED_FIELDS else ALIGN
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,14 +239,19 @@ def value_tile(plan: RecurrenceSmemPlan, stages: int):
     return staged(operand_tile(plan.chunk, plan.v_band), stages)
 
 
-def chunk_operand(plan: RecurrenceSmemPlan):
-    """``[16, D, input_stages]``: kd / qd / kr tiles (A operand of ``kd·S``, ``qd·S``), K_INTER."""
-    return staged(operand_tile(plan.chunk, plan.dim), plan.input_stages)
+def chunk_operand(plan: RecurrenceSmemPlan, stages: int | None = None):
+    """``[16, D(, stages)]``: kd / qd / kr tiles (A operand of ``kd·S``, ``qd·S``), K_SW128 atoms.
+
+    ``stages`` None: the input stages; 0: one unstaged tile (the TMA atom's box). The swizzle acts on
+    byte addresses: build tensors with :func:`cute_kda.kernels.common.copy.smem_tensor`.
+    """
+    stages = plan.input_stages if stages is None else stages
+    return atom_tile(AtomKind.K_SW128, plan.chunk, plan.dim, stages=stages or None)
 
 
 def chunk_operand_transposed(plan: RecurrenceSmemPlan):
-    """``[D, 16, input_stages]``: MN_INTER view of :func:`chunk_operand` (``krᵀ``, A operand of the update)."""
-    return staged(operand_tile_transposed(plan.chunk, plan.dim), plan.input_stages)
+    """``[D, 16, input_stages]``: MN_SW128 view of :func:`chunk_operand` (``krᵀ``, A operand of the update)."""
+    return atom_tile_transposed(AtomKind.K_SW128, plan.chunk, plan.dim, stages=plan.input_stages)
 
 
 def square_tile(plan: RecurrenceSmemPlan):
@@ -277,6 +298,16 @@ def tile_runs_view(tensor: cute.Tensor) -> cute.Tensor:
     rows, chunk, cols = tensor.shape
     s_rows, s_chunk, s_cols = tensor.layout.stride
     layout = cute.make_layout((RUN, chunk, cols // RUN, rows), stride=(s_cols, s_chunk, RUN * s_cols, s_rows))
+    return cute.make_tensor(tensor.iterator, layout)
+
+
+def tile_rows_view(tensor: cute.Tensor, run: int) -> cute.Tensor:
+    """Workspace field ``[rows, 16, C]`` (C-contiguous) → ``(rows · 16, (run, C / run))``: token rows, the
+    columns split at the smem tile's contiguous run (64 for K_SW128 bf16), so a ``(16, C)`` TMA tile is
+    one box of ``C / run`` swizzled 128-byte rows per token row (:func:`chunk_operand`)."""
+    rows, chunk, cols = tensor.shape
+    _, s_chunk, s_cols = tensor.layout.stride
+    layout = cute.make_layout((rows * chunk, (run, cols // run)), stride=(s_chunk, (s_cols, run * s_cols)))
     return cute.make_tensor(tensor.iterator, layout)
 
 

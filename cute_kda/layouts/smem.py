@@ -81,6 +81,7 @@ def sw128_tile(rows: int, cols: int, dtype: type = cutlass.BFloat16):
 
 SW128_ATOM_ROWS = 8  # a K_SW128 atom: 8 rows of 128 bytes, 16-byte chunk j of row r at chunk j ^ (r % 8)
 SW128_CHUNK_ELEMS = 8  # bf16 elements per 16-byte chunk
+SW128_PERIOD_BYTES = SW128_ATOM_ROWS * 128  # the swizzle repeats every atom: its buffers sit on this alignment
 
 
 def sw128_column_offsets(col, rows: int = CHUNK, cols: int = HEAD_DIM) -> list:

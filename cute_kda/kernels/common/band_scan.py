@@ -31,6 +31,7 @@ from ...dsl import cute, cutlass
 from ...layouts import fwd_recurrence as layouts
 from ...layouts.smem import vector
 from ...numerics import CHUNK
+from ...layouts.tma import contiguous_col_run
 from .copy import c_row_half, smem_tensor, tma_store_tiles
 from .fastmath import pack_bf16x2
 
@@ -105,6 +106,13 @@ class BandScan:
         box = layouts.tma_box(rows, cols)
         return cpasync.make_tiled_tma_atom(op, view, box, (layouts.RUN, rows, cols // layouts.RUN))
 
+    def workspace_tile_atom(self, op, field: cute.Tensor):
+        """TMA atom and tensor moving a workspace field's ``[16, D]`` K_SW128 tiles (kd, qd, kr) as one box
+        of 128-byte rows (:func:`~cute_kda.layouts.fwd_recurrence.tile_rows_view`)."""
+        box = layouts.chunk_operand(self.plan, stages=0)
+        view = layouts.tile_rows_view(field, contiguous_col_run(box))
+        return cpasync.make_tiled_tma_atom(op, view, box, (CHUNK, self.dim))
+
     @staticmethod
     def vector_atom(field: cute.Tensor, n: int):
         """TMA atom and tensor of the ``[rows, n]`` workspace vectors (gT, β), one row per copy."""
@@ -118,8 +126,8 @@ class BandScan:
 
         @cute.struct
         class SharedStorage:  # RecurrenceSmemPlan, in its order
-            state: cute.struct.Align[cute.struct.MemRange[BFloat16, plan.v_band * plan.dim], layouts.ALIGN]
-            union: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, plan.union_bytes], layouts.ALIGN]
+            state: cute.struct.Align[cute.struct.MemRange[BFloat16, plan.v_band * plan.dim], layouts.SWIZZLED_ALIGN]
+            union: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, plan.union_bytes], layouts.SWIZZLED_ALIGN]
             load_mbar: cute.struct.MemRange[cutlass.Int64, 2 * plan.input_stages]
             store_mbar: cute.struct.MemRange[cutlass.Int64, 2 * plan.output_stages]
             state_mbar: cute.struct.MemRange[cutlass.Int64, 1]
@@ -136,13 +144,14 @@ class BandScan:
         return state_ptr, union_ptr, {name: union_ptr + offset for name, offset in self.plan.union_offsets().items()}
 
     def tma_boxes(self, state_ptr, union_ptr, at: dict) -> dict:
-        """Every TMA-moved buffer as its TMA box ``(RUN, rows, cols / RUN[, stage])``, by plan field name:
-        the per-token tile, kd, qd, kr, INV, Mqk, the output tiles, ``state`` and ``state_fp32``."""
+        """Every TMA-moved buffer as its TMA smem tensor, by plan field name: the per-token tile, INV, Mqk,
+        the output tiles, ``state`` and ``state_fp32`` as boxes ``(RUN, rows, cols / RUN[, stage])``; kd,
+        qd, kr as their K_SW128 ``[16, D, stage]`` tiles."""
         plan, bf16 = self.plan, BFloat16
         stages, out_stages = plan.input_stages, plan.output_stages
         boxes = {plan.token_field: smem_tensor(at[plan.token_field], layouts.tma_box(CHUNK, self.v_band, stages), bf16)}
-        for name in ("qd", "kd", "kr"):
-            boxes[name] = smem_tensor(at[name], layouts.tma_box(CHUNK, self.dim, stages), bf16)
+        for name in layouts.SWIZZLED_FIELDS:
+            boxes[name] = smem_tensor(at[name], layouts.chunk_operand(plan), bf16)
         for name in ("inv", "mqk"):
             boxes[name] = smem_tensor(at[name], layouts.tma_box(CHUNK, CHUNK, stages), bf16)
         for name in plan.output_fields:
@@ -209,8 +218,12 @@ class BandScan:
 
     @staticmethod
     def workspace_tiles(gmem: cute.Tensor, cols: int) -> cute.Tensor:
-        """``(RUN, 16, cols / RUN, rows)``: workspace row ``r`` is TMA tile ``[..., r]``."""
+        """``(RUN, 16, cols / RUN, rows)``: workspace row ``r`` is TMA tile ``[..., r]`` (INV, Mqk)."""
         return cute.local_tile(gmem, (layouts.RUN, CHUNK, cols // layouts.RUN), (0, 0, 0, None))
+
+    def workspace_rows(self, gmem: cute.Tensor) -> cute.Tensor:
+        """``(16, D, rows)`` of a :meth:`workspace_tile_atom` tensor: workspace row ``r`` is TMA tile ``[..., r]``."""
+        return cute.local_tile(gmem, (CHUNK, self.dim), (None, 0))
 
     def band_tiles(self, gmem_tokens: cute.Tensor, head: Int32, batch: Int32, first_row: Int32,
                    band: Int32) -> cute.Tensor:
