@@ -57,7 +57,7 @@ from ..layouts.fwd_recurrence import OUTPUT_STAGES
 from ..numerics import CHUNK
 from ..workspace import SNAPSHOT_TILES
 from .common.band_scan import BandScan, OutputTile
-from .common.copy import c_row_half, smem_tensor, transpose_c_to_b
+from .common.copy import aligned_smem_tensor, c_row_half, smem_tensor, transpose_c_to_b
 from .common.fastmath import mul_rn
 
 
@@ -298,9 +298,9 @@ class BwdScan(BandScan):
             ds_fp32=smem_tensor(union_ptr, layouts.state_fp32(plan), Float32),
             ds_fp32_acc=smem_tensor(union_ptr, layouts.state_fp32_acc(plan), Float32),
             do_t=smem_tensor(at["do"], scan_layouts.token_tile_transposed(plan, stages), bf16),
-            kr=smem_tensor(at["kr"], layouts.chunk_operand(plan), bf16),
-            qd_t=smem_tensor(at["qd"], layouts.chunk_operand_transposed(plan), bf16),
-            kd_t=smem_tensor(at["kd"], layouts.chunk_operand_transposed(plan), bf16),
+            kr=aligned_smem_tensor(at["kr"], layouts.chunk_operand(plan), bf16),
+            qd_t=aligned_smem_tensor(at["qd"], layouts.chunk_operand_transposed(plan), bf16),
+            kd_t=aligned_smem_tensor(at["kd"], layouts.chunk_operand_transposed(plan), bf16),
             gt=smem_tensor(at["gt"], layouts.vector(self.dim, stages), Float32),
             inv_t=smem_tensor(at["inv"], scan_layouts.square_tile_transposed(plan), bf16),
             mqk_t=smem_tensor(at["mqk"], scan_layouts.square_tile_transposed(plan), bf16),

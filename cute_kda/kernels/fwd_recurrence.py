@@ -65,7 +65,7 @@ from ..layouts.fwd_recurrence import RecurrenceSmemPlan
 from ..numerics import CHUNK
 from ..workspace import SNAPSHOT_TILES
 from .common.band_scan import BandScan, OutputTile
-from .common.copy import c_row_half, smem_tensor
+from .common.copy import aligned_smem_tensor, c_row_half, smem_tensor
 from .common.copy import transpose_c_to_b  # movmatrix.trans word by word: C fragment of M → B fragment of Mᵀ
 from .common.fastmath import mul_rn
 
@@ -243,9 +243,9 @@ class FwdRecurrence(BandScan):
             state_fp32=smem_tensor(union_ptr, layouts.state_fp32(plan), Float32),
             state_fp32_acc=smem_tensor(union_ptr, layouts.state_fp32_acc(plan), Float32),
             v=smem_tensor(at["v"], layouts.value_tile(plan, stages), BFloat16),
-            qd=smem_tensor(at["qd"], layouts.chunk_operand(plan), BFloat16),
-            kd=smem_tensor(at["kd"], layouts.chunk_operand(plan), BFloat16),
-            kr_t=smem_tensor(at["kr"], layouts.chunk_operand_transposed(plan), BFloat16),
+            qd=aligned_smem_tensor(at["qd"], layouts.chunk_operand(plan), BFloat16),
+            kd=aligned_smem_tensor(at["kd"], layouts.chunk_operand(plan), BFloat16),
+            kr_t=aligned_smem_tensor(at["kr"], layouts.chunk_operand_transposed(plan), BFloat16),
             gt=smem_tensor(at["gt"], layouts.vector(self.dim, stages), Float32),
             inv=smem_tensor(at["inv"], layouts.square_tile(plan), BFloat16),
             mqk=smem_tensor(at["mqk"], layouts.square_tile(plan), BFloat16),

@@ -108,6 +108,24 @@ def sw128_row_offset(row: int, cols: int = HEAD_DIM) -> int:
     return (row // SW128_ATOM_ROWS) * SW128_ATOM_ROWS * atom_cols + (row % SW128_ATOM_ROWS) * atom_cols
 
 
+def offset_swizzled(layout, dtype: type = cutlass.BFloat16):
+    """``layout`` (a composed layout whose swizzle acts on byte addresses, as the DSL's atoms do) with its
+    swizzle moved to element offsets: ``S<B, M, S>`` on bytes is ``S<B, M − log2(width), S>`` on elements.
+
+    A tensor over a pointer aligned to the swizzle period then addresses the same bytes as the pointer
+    swizzle (:func:`cute_kda.kernels.common.copy.smem_tensor`), but the swizzle sees only the offset
+    inside the buffer: a stage offset that is a multiple of the period drops out of it at compile time,
+    where a pointer swizzle is recomputed from the whole address at every access.
+    """
+    width = dtype.width // 8
+    shift = width.bit_length() - 1
+    swizzle = layout.inner
+    if swizzle.num_base < shift:
+        raise ValueError(f"the swizzle {swizzle} moves units smaller than a {dtype.__name__} element")
+    element = cute.make_swizzle(swizzle.num_bits, swizzle.num_base - shift, swizzle.num_shift)
+    return cute.make_composed_layout(element, layout.offset, layout.outer)
+
+
 def sw128_tile_transposed(rows: int, cols: int, dtype: type = cutlass.BFloat16):
     """``[cols, rows]`` ``MN_SW128`` view of :func:`sw128_tile` (same bytes)."""
     return atom_tile_transposed(AtomKind.K_SW128, rows, cols, dtype)

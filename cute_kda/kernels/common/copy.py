@@ -47,6 +47,7 @@ from cutlass import Uint32
 from cutlass.cute.nvgpu import cpasync, warp
 
 from ...dsl import cute, cutlass
+from ...layouts.smem import offset_swizzled
 from ...layouts.tma import contiguous_col_run, head_tile_view
 from .fastmath import movmatrix_trans
 
@@ -125,6 +126,13 @@ def smem_tensor(ptr: cute.Pointer, layout, dtype: type) -> cute.Tensor:
     if isinstance(layout, cute.ComposedLayout):
         return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=dtype), layout.outer)
     return cute.make_tensor(cute.recast_ptr(ptr, dtype=dtype), layout)
+
+
+def aligned_smem_tensor(ptr: cute.Pointer, layout, dtype: type) -> cute.Tensor:
+    """Tensor over ``ptr`` with ``layout``, its swizzle applied to element offsets from ``ptr``
+    (:func:`cute_kda.layouts.smem.offset_swizzled`): the same bytes as :func:`smem_tensor` when ``ptr`` is
+    aligned to the swizzle period, with the stage offsets of a staged layout outside the swizzle."""
+    return cute.make_tensor(cute.recast_ptr(ptr, dtype=dtype), offset_swizzled(layout, dtype))
 
 
 def make_fragment(
