@@ -367,3 +367,29 @@ def test_sw128_column_offsets_are_the_swizzled_layout():
         columns = sw128_column_offsets(col)
         for row in range(16):
             assert 2 * (columns[row % 8] + sw128_row_offset(row)) == table[row, col], (row, col)
+
+
+@pytest.mark.parametrize("kind", [smem.AtomKind.K_SW128, smem.AtomKind.K_SW64, smem.AtomKind.K_SW32, smem.AtomKind.K_INTER],
+                         ids=lambda k: k.name)
+def test_offset_swizzle_addresses_the_pointer_swizzles_bytes(kind):
+    """A tensor over a period-aligned pointer with :func:`smem.offset_swizzled` (the compute warps' views)
+    reaches the byte the pointer swizzle (the TMA's view) reaches, for every coordinate of a staged tile."""
+    rows, cols, stages = 16, 64, 3
+    pointer_bytes = analysis.run_traced(
+        lambda: analysis.evaluate_layout(smem.atom_tile(kind, rows, cols, BF16, stages), 2)).bytes
+
+    def element_offsets():
+        layout = smem.offset_swizzled(smem.atom_tile(kind, rows, cols, BF16, stages), BF16)
+        return np.array([[[layout((r, c, s)) for s in range(stages)] for c in range(cols)] for r in range(rows)])
+
+    assert np.array_equal(2 * analysis.run_traced(element_offsets), pointer_bytes)
+    assert smem.SWIZZLE_PERIOD_BYTES[kind] * 1 <= rows * cols * 2  # the stage stride is a multiple of the period
+    assert (rows * cols * 2) % smem.SWIZZLE_PERIOD_BYTES[kind] == 0
+
+
+def test_row_atom_is_the_widest_swizzle_that_fits():
+    assert [smem.row_atom(n) for n in (256, 128, 64, 32, 16, 48)] == [
+        smem.AtomKind.K_SW128, smem.AtomKind.K_SW128, smem.AtomKind.K_SW64, smem.AtomKind.K_SW32,
+        smem.AtomKind.K_INTER, smem.AtomKind.K_INTER]
+    with pytest.raises(ValueError):
+        smem.row_atom(24)

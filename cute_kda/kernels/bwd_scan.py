@@ -110,8 +110,9 @@ class ScanSmem:
 
 @dataclass(frozen=True)
 class ScanTmaSmem:
-    """The same bytes as :class:`ScanSmem`, as the TMA sees them: boxes ``(RUN, rows, cols / RUN[, stage])``,
-    kd / qd / kr as their K_SW128 tiles."""
+    """The same bytes as :class:`ScanSmem`, as the TMA sees them: the swizzled tiles (the per-token
+    and output band tiles, kd / qd / kr) with the swizzle on the pointer, the others as boxes
+    ``(RUN, rows, cols / RUN[, stage])``."""
 
     do: cute.Tensor
     qd: cute.Tensor
@@ -177,9 +178,9 @@ class BwdScan(BandScan):
         store = cpasync.CopyBulkTensorTileS2GOp()
         band, dim = self.v_band, self.dim
         tma = ScanTma(
-            do=self.runs_atom(load, layouts.token_runs_view(do), CHUNK, band),
-            dv=self.runs_atom(store, layouts.token_runs_view(dv), CHUNK, band),
-            du=self.runs_atom(store, layouts.token_runs_view(du), CHUNK, band),
+            do=self.token_tile_atom(load, do),
+            dv=self.token_tile_atom(store, dv),
+            du=self.token_tile_atom(store, du),
             qd=self.workspace_tile_atom(load, ws.qd),
             kd=self.workspace_tile_atom(load, ws.kd),
             kr=self.workspace_tile_atom(load, ws.kr),
@@ -297,7 +298,7 @@ class BwdScan(BandScan):
             ds_acc=smem_tensor(ds_ptr, layouts.state_acc(plan), bf16),
             ds_fp32=smem_tensor(union_ptr, layouts.state_fp32(plan), Float32),
             ds_fp32_acc=smem_tensor(union_ptr, layouts.state_fp32_acc(plan), Float32),
-            do_t=smem_tensor(at["do"], scan_layouts.token_tile_transposed(plan, stages), bf16),
+            do_t=aligned_smem_tensor(at["do"], scan_layouts.token_tile_transposed(plan, stages), bf16),
             kr=aligned_smem_tensor(at["kr"], layouts.chunk_operand(plan), bf16),
             qd_t=aligned_smem_tensor(at["qd"], layouts.chunk_operand_transposed(plan), bf16),
             kd_t=aligned_smem_tensor(at["kd"], layouts.chunk_operand_transposed(plan), bf16),
@@ -305,8 +306,8 @@ class BwdScan(BandScan):
             inv_t=smem_tensor(at["inv"], scan_layouts.square_tile_transposed(plan), bf16),
             mqk_t=smem_tensor(at["mqk"], scan_layouts.square_tile_transposed(plan), bf16),
             beta=smem_tensor(at["beta"], layouts.vector(CHUNK, stages), Float32),
-            dv=smem_tensor(at["dv"], layouts.value_tile(plan, out_stages), bf16),
-            du=smem_tensor(at["du"], layouts.value_tile(plan, out_stages), bf16),
+            dv=aligned_smem_tensor(at["dv"], layouts.value_tile(plan, out_stages), bf16),
+            du=aligned_smem_tensor(at["du"], layouts.value_tile(plan, out_stages), bf16),
         )
         tma_smem = ScanTmaSmem(**self.tma_boxes(ds_ptr, union_ptr, at))
         return smem, tma_smem, storage
