@@ -298,7 +298,7 @@ class BwdScan(BandScan):
             ds_acc=smem_tensor(ds_ptr, layouts.state_acc(plan), bf16),
             ds_fp32=smem_tensor(union_ptr, layouts.state_fp32(plan), Float32),
             ds_fp32_acc=smem_tensor(union_ptr, layouts.state_fp32_acc(plan), Float32),
-            do_t=aligned_smem_tensor(at["do"], scan_layouts.token_tile_transposed(plan, stages), bf16),
+            do_t=self.token_smem(at["do"], scan_layouts.token_tile_transposed(plan, stages)),
             kr=aligned_smem_tensor(at["kr"], layouts.chunk_operand(plan), bf16),
             qd_t=aligned_smem_tensor(at["qd"], layouts.chunk_operand_transposed(plan), bf16),
             kd_t=aligned_smem_tensor(at["kd"], layouts.chunk_operand_transposed(plan), bf16),
@@ -306,8 +306,8 @@ class BwdScan(BandScan):
             inv_t=smem_tensor(at["inv"], scan_layouts.square_tile_transposed(plan), bf16),
             mqk_t=smem_tensor(at["mqk"], scan_layouts.square_tile_transposed(plan), bf16),
             beta=smem_tensor(at["beta"], layouts.vector(CHUNK, stages), Float32),
-            dv=aligned_smem_tensor(at["dv"], layouts.value_tile(plan, out_stages), bf16),
-            du=aligned_smem_tensor(at["du"], layouts.value_tile(plan, out_stages), bf16),
+            dv=self.token_smem(at["dv"], layouts.value_tile(plan, out_stages)),
+            du=self.token_smem(at["du"], layouts.value_tile(plan, out_stages)),
         )
         tma_smem = ScanTmaSmem(**self.tma_boxes(ds_ptr, union_ptr, at))
         return smem, tma_smem, storage

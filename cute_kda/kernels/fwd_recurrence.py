@@ -244,7 +244,7 @@ class FwdRecurrence(BandScan):
             state_acc=smem_tensor(state_ptr, layouts.state_acc(plan), BFloat16),
             state_fp32=smem_tensor(union_ptr, layouts.state_fp32(plan), Float32),
             state_fp32_acc=smem_tensor(union_ptr, layouts.state_fp32_acc(plan), Float32),
-            v=aligned_smem_tensor(at["v"], layouts.value_tile(plan, stages), BFloat16),
+            v=self.token_smem(at["v"], layouts.value_tile(plan, stages)),
             qd=aligned_smem_tensor(at["qd"], layouts.chunk_operand(plan), BFloat16),
             kd=aligned_smem_tensor(at["kd"], layouts.chunk_operand(plan), BFloat16),
             kr_t=aligned_smem_tensor(at["kr"], layouts.chunk_operand_transposed(plan), BFloat16),
@@ -252,7 +252,7 @@ class FwdRecurrence(BandScan):
             inv=smem_tensor(at["inv"], layouts.square_tile(plan), BFloat16),
             mqk=smem_tensor(at["mqk"], layouts.square_tile(plan), BFloat16),
             beta=smem_tensor(at["beta"], layouts.vector(CHUNK, stages), Float32),
-            out=aligned_smem_tensor(at["out"], layouts.value_tile(plan, out_stages), BFloat16),
+            out=self.token_smem(at["out"], layouts.value_tile(plan, out_stages)),
         )
         tma_smem = RecurrenceTmaSmem(**self.tma_boxes(state_ptr, union_ptr, at))
         load_pipe, store_pipe, state_mbar = self.make_pipelines(warp_idx, storage)

@@ -237,9 +237,11 @@ def k2_budget(plan: fwd_recurrence.RecurrenceSmemPlan = fwd_recurrence.Recurrenc
     def swizzled(rows: int, cols: int) -> LayoutSpec:
         return layout_spec(f"sw128_tile({rows},{cols})", smem.sw128_tile, rows, cols, dtype=bf16)
 
-    token_kind = fwd_recurrence.token_atom(plan)
-    band = layout_spec(f"atom_tile({token_kind.name},{chunk},{v_band})", smem.atom_tile, token_kind, chunk, v_band,
-                       dtype=bf16)
+    band = tile(chunk, v_band)
+    if plan.swizzled_tokens:
+        token_kind = fwd_recurrence.token_atom(plan)
+        band = layout_spec(f"atom_tile({token_kind.name},{chunk},{v_band})", smem.atom_tile, token_kind, chunk, v_band,
+                           dtype=bf16)
     slots = {plan.token_field: band, **{name: swizzled(chunk, dim) for name in fwd_recurrence.SWIZZLED_FIELDS},
              "gt": vector(dim), "inv": tile(chunk, chunk), "mqk": tile(chunk, chunk), "beta": vector(chunk)}
     pipeline = SmemGroup("pipeline", (

@@ -82,6 +82,9 @@ class RecurrenceSmemPlan:
     supported_vsplits: ClassVar[tuple[int, ...]] = SUPPORTED_VSPLITS
     token_field: ClassVar[str] = "v"  # the per-token input tile of the CTA's band
     output_fields: ClassVar[tuple[str, ...]] = ("out",)  # per-token output tiles of an output stage
+    # the per-token and output tiles in the swizzle of :func:`token_atom` (else K_INTER, moved as
+    # :func:`tma_box` boxes of 16-byte rows)
+    swizzled_tokens: ClassVar[bool] = True
 
     vsplit: int = 1
     state_io_fp32: bool = False  # the initial or the final state is fp32: the union holds the staging
@@ -170,7 +173,7 @@ class RecurrenceSmemPlan:
         (kd, qd, kr; the per-token and output tiles), else 128."""
         if name in SWIZZLED_FIELDS:
             return SWIZZLED_ALIGN
-        if name == self.token_field or name in self.output_fields:
+        if self.swizzled_tokens and (name == self.token_field or name in self.output_fields):
             return SWIZZLE_PERIOD_BYTES[row_atom(self.v_band * _BF16)]
         return ALIGN
 
@@ -247,8 +250,12 @@ def token_atom(plan: RecurrenceSmemPlan) -> AtomKind:
 
 def value_tile(plan: RecurrenceSmemPlan, stages: int):
     """``[16, v_band(, stages)]``: per-token band tiles (v, out; Kernel A's dO, dv, du), :func:`token_atom`
-    atoms; ``stages`` 0: one unstaged tile (the TMA atom's box). The swizzle acts on byte addresses."""
-    return atom_tile(token_atom(plan), plan.chunk, plan.v_band, stages=stages or None)
+    atoms when ``plan.swizzled_tokens`` (the swizzle acts on byte addresses), else K_INTER; ``stages`` 0:
+    one unstaged tile (the TMA atom's box)."""
+    if plan.swizzled_tokens:
+        return atom_tile(token_atom(plan), plan.chunk, plan.v_band, stages=stages or None)
+    tile = operand_tile(plan.chunk, plan.v_band)
+    return staged(tile, stages) if stages else tile
 
 
 def chunk_operand(plan: RecurrenceSmemPlan, stages: int | None = None):
@@ -282,7 +289,7 @@ def tma_box(rows: int, cols: int, stages: int | None = None):
     A K_INTER tile stores 8-element runs of a row contiguously, the rows of one run-column one after
     the other, then the next run-column: as a TMA box that is ``(run, row, run-column)`` with the
     first mode innermost, so one ``cp.async.bulk.tensor`` moves a whole tile (the gmem side is the
-    matching view of :func:`tile_runs_view` / :func:`state_runs_view`).
+    matching view of :func:`token_runs_view` / :func:`tile_runs_view` / :func:`state_runs_view`).
     ``tma_box(r, c)(i, j, l) == operand_tile(r, c)(j, RUN·l + i)``. ``stages``: a trailing stage mode.
     """
     shape, stride = (RUN, rows, cols // RUN), (1, RUN, RUN * rows)
@@ -293,6 +300,17 @@ def tma_box(rows: int, cols: int, stages: int | None = None):
 
 # ---------------------------------------------------------------------------------------------
 # Global-memory views for TMA (inside a trace; the last mode of every tensor has stride 1).
+
+
+def token_runs_view(tensor: cute.Tensor) -> cute.Tensor:
+    """``[B, T, H, D]`` → ``(RUN, T, D / RUN, H, B)``: token rows of one (head, batch) in :func:`tma_box` order
+    (the K_INTER band tiles of a plan without ``swizzled_tokens``)."""
+    batch, seq, heads, dim = tensor.shape
+    s_batch, s_seq, s_heads, s_dim = tensor.layout.stride
+    layout = cute.make_layout(
+        (RUN, seq, dim // RUN, heads, batch), stride=(s_dim, s_seq, RUN * s_dim, s_heads, s_batch)
+    )
+    return cute.make_tensor(tensor.iterator, layout)
 
 
 def token_band_view(tensor: cute.Tensor, run: int) -> cute.Tensor:
