@@ -30,7 +30,8 @@ a call must move, each read or written once:
 
 The training forward's extra cost is measured beside it: K2 alone on the same workspace (fp32
 state in and out) as the inference variant and as the training variant, which also writes the bf16
-state entering every 4-tile block (``cute_kda.ops.recurrence.recurrence(..., checkpoints=...)``).
+state entering every block of ``cute_kda.workspace.SNAPSHOT_TILES`` tiles (one tile today;
+``cute_kda.ops.recurrence.recurrence(..., checkpoints=...)``).
 
 The table is printed last and written to ``--out`` (default ``$OUT/bwd-<date>.md`` when ``$OUT``
 is set, else ``benchmarks/results/bwd-<date>.md``) after every shape, so a run cut short keeps
@@ -174,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peers", choices=("fla", "none"), default="fla",
                         help="'none' skips FLA's reverse scan (default: fla)")
     return parser
+
+
+def _checkpoint_block() -> str:
+    from cute_kda.workspace import SNAPSHOT_TILES
+
+    return "tile" if SNAPSHOT_TILES == 1 else f"{SNAPSHOT_TILES}-tile block"
 
 
 def default_out() -> str:
@@ -495,7 +502,7 @@ def report(results: list[dict], command: str, env: str) -> str:
         detail_table(results),
         "Training forward: K2 alone on the same workspace (fp32 state in/out, the heuristic's V-split), "
         "the inference variant and the training variant that also keeps the bf16 state entering every "
-        "4-tile block for the backward:",
+        f"{_checkpoint_block()} for the backward:",
         training_table(results),
         "Steps are 16-token steps of the longest sequence for both kernels (FLA steps over 64-token chunks); "
         "bytes are unique bytes per call (see the script's docstring); GB/s = (read + written) / time; the bytes "
