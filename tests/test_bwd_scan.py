@@ -47,33 +47,6 @@ def test_plan(vsplit):
     assert plan.total_bytes + 1024 <= 227 * 1024
 
 
-class _SwizzledScanPlan(ScanSmemPlan):
-    swizzled_tokens = True  # K2's band tiles on Kernel A's plan (failed the GPU tests at V-splits 1 and 2)
-
-
-@pytest.mark.parametrize("swizzled", [False, True], ids=["kernel-A", "swizzled"])
-@pytest.mark.parametrize("vsplit", SCAN_VSPLITS)
-def test_token_tiles_and_their_transposed_view_are_dual(vsplit, swizzled):
-    """dO's band tile (the TMA's and stmatrix's face) and its MN-major view (dOᵀ, the B operand) address the
-    same bytes stage by stage: K_INTER in Kernel A, and in the widest swizzle whose rows fit the band
-    (128 / 64 / 32 bytes) on a plan with ``swizzled_tokens``."""
-    from cute_kda.layouts import bwd_scan as scan_layouts
-    from cute_kda.layouts import fwd_recurrence as layouts
-    from cute_kda.layouts.analysis import evaluate_layout, run_traced
-
-    plan = (_SwizzledScanPlan if swizzled else ScanSmemPlan)(vsplit=vsplit)
-    assert plan.swizzled_tokens == swizzled
-    stages = plan.input_stages
-    tile, view = run_traced(lambda: (evaluate_layout(layouts.value_tile(plan, stages), 2),
-                                     evaluate_layout(scan_layouts.token_tile_transposed(plan, stages), 2)))
-    assert tile.bytes.shape == (CHUNK, plan.v_band, stages)
-    assert (tile.bytes == view.bytes.transpose(1, 0, 2)).all()
-    swizzle = {1: (3, 4, 3), 2: (3, 4, 3), 4: (2, 4, 3), 8: (1, 4, 3)}[vsplit] if swizzled else (0, 4, 3)
-    assert tile.swizzle == view.swizzle == swizzle
-    period = {1: 1024, 2: 1024, 4: 512, 8: 256}[vsplit] if swizzled else 128  # the slots sit on the swizzle period
-    assert plan.field_align("do") == plan.field_align("dv") == plan.field_align("du") == period
-
-
 def test_snapshot_slots_are_distinct():
     """Slot g // every + s of every block-ending tile of every sequence: distinct and inside the bound."""
     for every in (1, 2, 4, 8):

@@ -110,9 +110,8 @@ class ScanSmem:
 
 @dataclass(frozen=True)
 class ScanTmaSmem:
-    """The same bytes as :class:`ScanSmem`, as the TMA sees them: the swizzled tiles (the per-token
-    and output band tiles, kd / qd / kr) with the swizzle on the pointer, the others as boxes
-    ``(RUN, rows, cols / RUN[, stage])``."""
+    """The same bytes as :class:`ScanSmem`, as the TMA sees them: boxes ``(RUN, rows, cols / RUN[, stage])``,
+    kd / qd / kr as their K_SW128 tiles."""
 
     do: cute.Tensor
     qd: cute.Tensor
@@ -178,9 +177,9 @@ class BwdScan(BandScan):
         store = cpasync.CopyBulkTensorTileS2GOp()
         band, dim = self.v_band, self.dim
         tma = ScanTma(
-            do=self.token_tile_atom(load, do),
-            dv=self.token_tile_atom(store, dv),
-            du=self.token_tile_atom(store, du),
+            do=self.runs_atom(load, layouts.token_runs_view(do), CHUNK, band),
+            dv=self.runs_atom(store, layouts.token_runs_view(dv), CHUNK, band),
+            du=self.runs_atom(store, layouts.token_runs_view(du), CHUNK, band),
             qd=self.workspace_tile_atom(load, ws.qd),
             kd=self.workspace_tile_atom(load, ws.kd),
             kr=self.workspace_tile_atom(load, ws.kr),
@@ -298,7 +297,7 @@ class BwdScan(BandScan):
             ds_acc=smem_tensor(ds_ptr, layouts.state_acc(plan), bf16),
             ds_fp32=smem_tensor(union_ptr, layouts.state_fp32(plan), Float32),
             ds_fp32_acc=smem_tensor(union_ptr, layouts.state_fp32_acc(plan), Float32),
-            do_t=self.token_smem(at["do"], scan_layouts.token_tile_transposed(plan, stages)),
+            do_t=smem_tensor(at["do"], scan_layouts.token_tile_transposed(plan, stages), bf16),
             kr=aligned_smem_tensor(at["kr"], layouts.chunk_operand(plan), bf16),
             qd_t=aligned_smem_tensor(at["qd"], layouts.chunk_operand_transposed(plan), bf16),
             kd_t=aligned_smem_tensor(at["kd"], layouts.chunk_operand_transposed(plan), bf16),
@@ -306,8 +305,8 @@ class BwdScan(BandScan):
             inv_t=smem_tensor(at["inv"], scan_layouts.square_tile_transposed(plan), bf16),
             mqk_t=smem_tensor(at["mqk"], scan_layouts.square_tile_transposed(plan), bf16),
             beta=smem_tensor(at["beta"], layouts.vector(CHUNK, stages), Float32),
-            dv=self.token_smem(at["dv"], layouts.value_tile(plan, out_stages)),
-            du=self.token_smem(at["du"], layouts.value_tile(plan, out_stages)),
+            dv=smem_tensor(at["dv"], layouts.value_tile(plan, out_stages), bf16),
+            du=smem_tensor(at["du"], layouts.value_tile(plan, out_stages), bf16),
         )
         tma_smem = ScanTmaSmem(**self.tma_boxes(ds_ptr, union_ptr, at))
         return smem, tma_smem, storage

@@ -26,8 +26,7 @@ Roles (192 threads): warps 0-3 compute, warp ``w`` owning value columns ``[w·c,
 CTA's band (``c = v_band / 4``: 32, 16 or 8). Every line above is separable in the value columns,
 so a warp reads and writes only its own columns of v, out and S: the compute warps never wait for
 each other. Warp 4 issues the TMA loads of an input stage (v band, kd, qd, kr, gT, INV, Mqk, β under
-one transaction barrier; the per-token tiles and kd, qd, kr are swizzled, so each moves as one box of
-rows of up to 128 bytes); warp 5 stores output stages (TMA for a full tile; for a tail tile only the
+one transaction barrier); warp 5 stores output stages (TMA for a full tile; for a tail tile only the
 valid rows, by plain stores, so the next sequence's rows are never written).
 
 Pipelines: input ``PipelineTmaAsync`` (3 stages; producer = the load warp, one expect-tx arrival;
@@ -92,9 +91,8 @@ class RecurrenceSmem:
 
 @dataclass(frozen=True)
 class RecurrenceTmaSmem:
-    """The same bytes as :class:`RecurrenceSmem`, as the TMA sees them: the swizzled tiles (the per-token
-    and output band tiles, kd / qd / kr) with the swizzle on the pointer, the others as boxes
-    ``(RUN, rows, cols / RUN[, stage])``."""
+    """The same bytes as :class:`RecurrenceSmem`, as the TMA sees them: boxes ``(RUN, rows, cols / RUN[, stage])``,
+    kd / qd / kr as their K_SW128 tiles."""
 
     v: cute.Tensor
     qd: cute.Tensor
@@ -173,8 +171,8 @@ class FwdRecurrence(BandScan):
         store = cpasync.CopyBulkTensorTileS2GOp()
         runs_atom = self.runs_atom
 
-        tma_v, gmem_v = self.token_tile_atom(load, v)
-        tma_out, gmem_out = self.token_tile_atom(store, out)
+        tma_v, gmem_v = runs_atom(load, layouts.token_runs_view(v), CHUNK, self.v_band)
+        tma_out, gmem_out = runs_atom(store, layouts.token_runs_view(out), CHUNK, self.v_band)
         tma_qd, gmem_qd = self.workspace_tile_atom(load, ws_qd)
         tma_kd, gmem_kd = self.workspace_tile_atom(load, ws_kd)
         tma_kr, gmem_kr = self.workspace_tile_atom(load, ws_kr)
@@ -244,7 +242,7 @@ class FwdRecurrence(BandScan):
             state_acc=smem_tensor(state_ptr, layouts.state_acc(plan), BFloat16),
             state_fp32=smem_tensor(union_ptr, layouts.state_fp32(plan), Float32),
             state_fp32_acc=smem_tensor(union_ptr, layouts.state_fp32_acc(plan), Float32),
-            v=self.token_smem(at["v"], layouts.value_tile(plan, stages)),
+            v=smem_tensor(at["v"], layouts.value_tile(plan, stages), BFloat16),
             qd=aligned_smem_tensor(at["qd"], layouts.chunk_operand(plan), BFloat16),
             kd=aligned_smem_tensor(at["kd"], layouts.chunk_operand(plan), BFloat16),
             kr_t=aligned_smem_tensor(at["kr"], layouts.chunk_operand_transposed(plan), BFloat16),
@@ -252,7 +250,7 @@ class FwdRecurrence(BandScan):
             inv=smem_tensor(at["inv"], layouts.square_tile(plan), BFloat16),
             mqk=smem_tensor(at["mqk"], layouts.square_tile(plan), BFloat16),
             beta=smem_tensor(at["beta"], layouts.vector(CHUNK, stages), Float32),
-            out=self.token_smem(at["out"], layouts.value_tile(plan, out_stages)),
+            out=smem_tensor(at["out"], layouts.value_tile(plan, out_stages), BFloat16),
         )
         tma_smem = RecurrenceTmaSmem(**self.tma_boxes(state_ptr, union_ptr, at))
         load_pipe, store_pipe, state_mbar = self.make_pipelines(warp_idx, storage)
