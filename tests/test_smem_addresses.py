@@ -14,6 +14,8 @@ lanes, while a pointer swizzle, and the element-offset K_SW64 / K_SW32 views, ar
 """
 
 
+import tempfile
+
 import pytest
 import torch
 from ptx_addresses import matrix_addresses
@@ -95,9 +97,10 @@ class _Case:
         from cute_kda.ops._cache import to_cute_tensor
 
         out = to_cute_tensor(torch.zeros(32 * 512, dtype=torch.int32), 16)
-        compiled = cute.compile(Probe(), out, cutlass.Int32(0), cutlass.Int32(0), cute.runtime.make_fake_stream(),
-                                  options="--keep-ptx")
-        return compiled.__ptx__
+        with tempfile.TemporaryDirectory() as dump_dir:  # the kept PTX file goes there, not into the working directory
+            compiled = cute.compile(Probe(), out, cutlass.Int32(0), cutlass.Int32(0), cute.runtime.make_fake_stream(),
+                                    options=f"--keep-ptx --dump-dir={dump_dir}")
+            return compiled.__ptx__
 
     def expected(self) -> dict:
         """(warp, lane) → the byte address of each row the lane hands its instructions, in issue order."""
