@@ -131,7 +131,11 @@ def smem_tensor(ptr: cute.Pointer, layout, dtype: type) -> cute.Tensor:
 def aligned_smem_tensor(ptr: cute.Pointer, layout, dtype: type) -> cute.Tensor:
     """Tensor over ``ptr`` with ``layout``, its swizzle applied to element offsets from ``ptr``
     (:func:`cute_kda.layouts.smem.offset_swizzled`): the same bytes as :func:`smem_tensor` when ``ptr`` is
-    aligned to the swizzle period, with the stage offsets of a staged layout outside the swizzle."""
+    aligned to the swizzle period, with the stage offsets of a staged layout outside the swizzle.
+
+    Only for views whose runtime offsets are multiples of the swizzle period (a pipeline stage): a view
+    sliced by a runtime offset inside a K_SW128 swizzle (a warp's columns of a band tile) gets wrong
+    addresses from the DSL (4.8.1; ``tests/test_smem_addresses.py``). Use :func:`smem_tensor` there."""
     return cute.make_tensor(cute.recast_ptr(ptr, dtype=dtype), offset_swizzled(layout, dtype))
 
 
