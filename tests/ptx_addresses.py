@@ -17,7 +17,8 @@ _INSTRUCTION = re.compile(r"(@!?%p\d+\s+)?([a-z][\w.:]*)\s+(.*)")
 
 _BINARY = {
     "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b, "and": lambda a, b: a & b,
-    "or": lambda a, b: a | b, "xor": lambda a, b: a ^ b, "shl": lambda a, b: a << min(b, 64),  # PTX clamps the shift; the mask drops what overflows
+    "or": lambda a, b: a | b, "xor": lambda a, b: a ^ b,
+    "shl": lambda a, b: a << min(b, 64),  # PTX clamps the shift; the caller's mask drops what overflows
 }
 
 

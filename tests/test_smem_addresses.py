@@ -21,15 +21,18 @@ import torch
 from ptx_addresses import matrix_addresses
 
 from cute_kda.dsl import cute, cutlass
+from cutlass.memory import SmemAllocator
+
 from cute_kda.kernels.bwd_scan import BwdScan
-from cute_kda.kernels.common.copy import aligned_smem_tensor, smem_tensor
+from cute_kda.kernels.common.copy import Operand, aligned_smem_tensor, make_fragment, smem_tensor
 from cute_kda.kernels.fwd_recurrence import FwdRecurrence
 from cute_kda.layouts import fwd_recurrence as layouts
 from cute_kda.layouts.analysis import evaluate_layout, run_traced
 from cute_kda.layouts.smem import AtomKind, atom_tile, atom_tile_transposed
+from cute_kda.numerics import CHUNK
+from cute_kda.ops._cache import to_cute_tensor
 
 BF16 = cutlass.BFloat16
-CHUNK = 16
 STAGES = 3
 
 
@@ -38,15 +41,11 @@ def _scan_kernel(vsplit: int):
     return BwdScan(vsplit=vsplit) if vsplit == 8 else FwdRecurrence(vsplit=vsplit)
 
 
-def _fragment_shape(mma, operand: str, tile: tuple[int, int]):
-    return {"A": mma.partition_shape_A, "B": mma.partition_shape_B, "C": mma.partition_shape_C}[operand](tile)
-
-
 class _Case:
     """One probe: ``build()`` the staged layout, the warp's ``tile`` of it (``warp_mode``: the mode a runtime
     warp index slices, None for the whole tile), the copy ``name`` and its fragment ``operand``."""
 
-    def __init__(self, vsplit: int, build, tile: tuple[int, int], warp_mode, name: str, operand: str,
+    def __init__(self, vsplit: int, build, tile: tuple[int, int], warp_mode, name: str, operand: Operand,
                  swizzle_on: str):
         self.kernel = _scan_kernel(vsplit)
         self.build, self.tile, self.warp_mode = build, tile, warp_mode
@@ -75,8 +74,6 @@ class _Case:
 
             @cute.kernel
             def kernel(self, out: cute.Tensor, warp: cutlass.Int32, stage: cutlass.Int32):
-                from cutlass.memory import SmemAllocator
-
                 lane = cute.arch.lane_idx()
                 storage = SmemAllocator().allocate(self.storage)
                 make = aligned_smem_tensor if cutlass.const_expr(case.swizzle_on == "offset") else smem_tensor
@@ -84,7 +81,7 @@ class _Case:
                 mma = case.kernel.warp_mma()
                 tiled = getattr(case.kernel.warp_copies(mma), case.name)
                 thr = tiled.get_slice(lane)
-                frag = cute.make_rmem_tensor(_fragment_shape(mma, case.operand, case.tile), BF16)
+                frag = make_fragment(mma, case.operand, BF16, case.tile)
                 if cutlass.const_expr(case.name.startswith("stsm")):
                     frag.fill(1.0)
                     cute.copy(tiled, thr.retile(frag), thr.partition_D(view)[(*([None] * 3), stage)])
@@ -93,8 +90,6 @@ class _Case:
                     words = cute.recast_tensor(frag, cutlass.Uint32)
                     for i in cutlass.range_constexpr(cute.size(words)):
                         out[lane * cute.size(words) + i] = words[i]
-
-        from cute_kda.ops._cache import to_cute_tensor
 
         out = to_cute_tensor(torch.zeros(32 * 512, dtype=torch.int32), 16)
         with tempfile.TemporaryDirectory() as dump_dir:  # the kept PTX file goes there, not into the working directory
@@ -137,8 +132,8 @@ def _band_case(vsplit: int, kind: AtomKind, name: str, swizzle_on: str) -> _Case
     band, cols = kernel.v_band, kernel.warp_cols
     if name == "ldsm_b_t":  # Kernel A's dOᵀ: the MN-major face of the band tile, B operand
         return _Case(vsplit, lambda: atom_tile_transposed(kind, CHUNK, band, BF16, STAGES), (cols, CHUNK), 0,
-                     name, "B", swizzle_on)
-    return _Case(vsplit, lambda: atom_tile(kind, CHUNK, band, BF16, STAGES), (CHUNK, cols), 1, name, "C",
+                     name, Operand.B, swizzle_on)
+    return _Case(vsplit, lambda: atom_tile(kind, CHUNK, band, BF16, STAGES), (CHUNK, cols), 1, name, Operand.C,
                  swizzle_on)
 
 
@@ -148,9 +143,10 @@ def test_workspace_operand_views_address_their_bytes(transposed):
     no warp slice, a runtime stage (``layouts.fwd_recurrence.chunk_operand``)."""
     plan = layouts.RecurrenceSmemPlan(vsplit=1)
     if transposed:
-        case = _Case(1, lambda: layouts.chunk_operand_transposed(plan), (128, CHUNK), None, "ldsm_a_t", "A", "offset")
+        case = _Case(1, lambda: layouts.chunk_operand_transposed(plan), (128, CHUNK), None, "ldsm_a_t", Operand.A,
+                     "offset")
     else:
-        case = _Case(1, lambda: layouts.chunk_operand(plan), (CHUNK, 128), None, "ldsm_a", "A", "offset")
+        case = _Case(1, lambda: layouts.chunk_operand(plan), (CHUNK, 128), None, "ldsm_a", Operand.A, "offset")
     assert _mismatches(case) == 0
 
 

@@ -221,8 +221,8 @@ def k2_budget(plan: fwd_recurrence.RecurrenceSmemPlan = fwd_recurrence.Recurrenc
     :class:`~cute_kda.layouts.fwd_recurrence.RecurrenceSmemPlan` is what K2 allocates (``state``, a
     byte ``union``, mbarriers) and where it puts each pipeline field inside the union. This gives the
     same storage buffer by buffer: fields, order and stage counts from ``plan``; slot layouts the
-    ones :mod:`.fwd_recurrence` stages (K_INTER operand tiles, K_SW128 kd / qd / kr, fp32 vectors); the state and its fp32
-    staging (present only when ``plan.state_io_fp32``) are that module's views. The tests check its
+    ones :mod:`.fwd_recurrence` stages (K_INTER operand tiles, K_SW128 kd / qd / kr, fp32 vectors); the
+    state and its fp32 staging (present only when ``plan.state_io_fp32``) are that module's views. The tests check its
     offsets and total against ``plan`` and the compiled launch.
     """
     bf16, f32 = cutlass.BFloat16, cutlass.Float32

@@ -34,9 +34,9 @@ MIN_WARP_COLS = 8  # one n=8 mma atom: a narrower band runs on fewer compute war
 INPUT_STAGES = 3
 OUTPUT_STAGES = 2
 ALIGN = 128  # byte alignment of every buffer (TMA needs 16; 128 keeps ldmatrix rows in one bank sweep)
-# kd, qd, kr: K_SW128 tiles, moved by the TMA in 128-byte rows (a K_INTER box moves 16-byte rows, and the
-# TMA's time goes by rows: perf-log T4). Their slots sit on the swizzle's period, and so do the state
-# and the union that hold them.
+# kd, qd, kr: K_SW128 tiles, moved by the TMA in 128-byte rows (a K_INTER box moves 16-byte rows, and with
+# several CTAs an SM the TMA's time goes by rows: perf-log v6). Their slots sit on the swizzle's period,
+# and so do the state and the union that hold them.
 SWIZZLED_FIELDS = ("kd", "qd", "kr")
 SWIZZLED_ALIGN = SW128_PERIOD_BYTES
 MBARRIER_BYTES = 8
@@ -243,7 +243,8 @@ def chunk_operand(plan: RecurrenceSmemPlan, stages: int | None = None):
     """``[16, D(, stages)]``: kd / qd / kr tiles (A operand of ``kd·S``, ``qd·S``), K_SW128 atoms.
 
     ``stages`` None: the input stages; 0: one unstaged tile (the TMA atom's box). The swizzle acts on
-    byte addresses: build tensors with :func:`cute_kda.kernels.common.copy.smem_tensor`.
+    byte addresses: the TMA's tensors take it on the pointer (:func:`cute_kda.kernels.common.copy.smem_tensor`),
+    the compute warps' on element offsets (:func:`~cute_kda.kernels.common.copy.aligned_smem_tensor`).
     """
     stages = plan.input_stages if stages is None else stages
     return atom_tile(AtomKind.K_SW128, plan.chunk, plan.dim, stages=stages or None)

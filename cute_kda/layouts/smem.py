@@ -115,9 +115,10 @@ def offset_swizzled(layout, dtype: type = cutlass.BFloat16):
     A tensor over a pointer aligned to the swizzle period then addresses the same bytes as the pointer
     swizzle (:func:`cute_kda.kernels.common.copy.smem_tensor`), but the swizzle sees only the offset
     inside the buffer: a stage offset that is a multiple of the period drops out of it at compile time,
-    where a pointer swizzle is recomputed from the whole address at every access. Runtime offsets inside
+    where a pointer swizzle is recomputed from the whole address at every access
+    (:func:`cute_kda.kernels.common.copy.aligned_smem_tensor` builds such tensors). Runtime offsets inside
     the period (a warp's slice of a K_SW128 tile) are mis-addressed by the DSL: keep those on the pointer
-    swizzle (:func:`cute_kda.kernels.common.copy.aligned_smem_tensor`).
+    swizzle.
     """
     width = dtype.width // 8
     shift = width.bit_length() - 1

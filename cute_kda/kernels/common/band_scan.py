@@ -30,8 +30,8 @@ import cutlass.pipeline as pipeline
 from ...dsl import cute, cutlass
 from ...layouts import fwd_recurrence as layouts
 from ...layouts.smem import vector
-from ...numerics import CHUNK
 from ...layouts.tma import contiguous_col_run
+from ...numerics import CHUNK
 from .copy import c_row_half, smem_tensor, tma_store_tiles
 from .fastmath import pack_bf16x2
 
