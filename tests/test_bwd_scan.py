@@ -47,6 +47,28 @@ def test_plan(vsplit):
     assert plan.total_bytes + 1024 <= 227 * 1024
 
 
+@pytest.mark.parametrize("vsplit", SCAN_VSPLITS)
+def test_token_tiles_and_their_transposed_view_are_dual(vsplit):
+    """dO's band tile (the TMA's and stmatrix's face) and its MN-major view (dOᵀ, the B operand) address the
+    same bytes stage by stage, in the widest swizzle whose rows fit the band (128 / 64 / 32 bytes), with the
+    slots on that swizzle's period."""
+    from cute_kda.layouts import bwd_scan as scan_layouts
+    from cute_kda.layouts import fwd_recurrence as layouts
+    from cute_kda.layouts.analysis import evaluate_layout, run_traced
+
+    plan = ScanSmemPlan(vsplit=vsplit)
+    assert plan.swizzled_tokens
+    stages = plan.input_stages
+    tile, view = run_traced(lambda: (evaluate_layout(layouts.value_tile(plan, stages), 2),
+                                     evaluate_layout(scan_layouts.token_tile_transposed(plan, stages), 2)))
+    assert tile.bytes.shape == (CHUNK, plan.v_band, stages)
+    assert (tile.bytes == view.bytes.transpose(1, 0, 2)).all()
+    swizzle = {1: (3, 4, 3), 2: (3, 4, 3), 4: (2, 4, 3), 8: (1, 4, 3)}[vsplit]
+    assert tile.swizzle == view.swizzle == swizzle
+    period = {1: 1024, 2: 1024, 4: 512, 8: 256}[vsplit]
+    assert plan.field_align("do") == plan.field_align("dv") == plan.field_align("du") == period
+
+
 def test_snapshot_slots_are_distinct():
     """Slot g // every + s of every block-ending tile of every sequence: distinct and inside the bound."""
     for every in (1, 2, 4, 8):

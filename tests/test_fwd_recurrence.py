@@ -48,7 +48,10 @@ def test_plan_bytes(vsplit):
     assert all(offset % 128 == 0 for offset in offsets.values())
     assert list(offsets) == ["v", "kd", "qd", "kr", "gt", "inv", "mqk", "beta", "out"]
     assert offsets["kd"] == CHUNK * band * 2 * plan.input_stages
-    assert offsets["out"] - offsets["beta"] == 128 * plan.input_stages  # β's 64 bytes take a 128-byte slot
+    out_align = plan.field_align("out")  # the band tiles' swizzle period: 1024 B (K_SW128) or 512 B (K_SW64)
+    assert out_align == (512 if vsplit == 4 else 1024) == plan.field_align("v")
+    # β's 64 bytes take a 128-byte slot; the output stages start on their swizzle period
+    assert offsets["out"] == -(-(offsets["beta"] + 128 * plan.input_stages) // out_align) * out_align
     assert all(offsets[name] % layouts.SWIZZLED_ALIGN == 0 for name in layouts.SWIZZLED_FIELDS)
     align = layouts.SWIZZLED_ALIGN  # the union holds K_SW128 tiles: its size is a multiple of their period
     assert plan.union_bytes == -(-plan.pipeline_bytes // align) * align
@@ -152,13 +155,13 @@ def test_gmem_views_reach_the_right_elements():
     B, T, H, N, rows = 2, 40, 3, 2, 5
 
     def run():
-        tokens = layouts.token_runs_view(_gmem((B, T, H, D))).layout
+        tokens = layouts.token_band_view(_gmem((B, T, H, D)), 64).layout
         tiles = layouts.tile_rows_view(_gmem((rows, CHUNK, D)), 64).layout
         squares = layouts.tile_runs_view(_gmem((rows, CHUNK, CHUNK))).layout
         vectors = layouts.vector_rows_view(_gmem((rows, D), cutlass.Float32)).layout
         states = layouts.state_runs_view(_gmem((N, H, D, D))).layout
         return (
-            {(b, t, h, c): tokens((c % 8, t, c // 8, h, b)) for b in range(B) for t in (0, 17, 39)
+            {(b, t, h, c): tokens((t, (c % 64, c // 64), h, b)) for b in range(B) for t in (0, 17, 39)
              for h in range(H) for c in (0, 7, 8, 127)},
             {(r, i, c): tiles((r * CHUNK + i, (c % 64, c // 64))) for r in range(rows) for i in (0, 15) for c in (0, 9, 127)},
             {(r, i, c): squares((c % 8, i, c // 8, r)) for r in range(rows) for i in (0, 15) for c in (0, 9, 15)},

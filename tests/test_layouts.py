@@ -383,4 +383,13 @@ def test_offset_swizzle_addresses_the_pointer_swizzles_bytes(kind):
         return np.array([[[layout((r, c, s)) for s in range(stages)] for c in range(cols)] for r in range(rows)])
 
     assert np.array_equal(2 * analysis.run_traced(element_offsets), pointer_bytes)
+    assert smem.SWIZZLE_PERIOD_BYTES[kind] * 1 <= rows * cols * 2  # the stage stride is a multiple of the period
+    assert (rows * cols * 2) % smem.SWIZZLE_PERIOD_BYTES[kind] == 0
 
+
+def test_row_atom_is_the_widest_swizzle_that_fits():
+    assert [smem.row_atom(n) for n in (256, 128, 64, 32, 16, 48)] == [
+        smem.AtomKind.K_SW128, smem.AtomKind.K_SW128, smem.AtomKind.K_SW64, smem.AtomKind.K_SW32,
+        smem.AtomKind.K_INTER, smem.AtomKind.K_INTER]
+    with pytest.raises(ValueError):
+        smem.row_atom(24)

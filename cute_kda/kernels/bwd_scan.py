@@ -110,8 +110,9 @@ class ScanSmem:
 
 @dataclass(frozen=True)
 class ScanTmaSmem:
-    """The same bytes as :class:`ScanSmem`, as the TMA sees them: boxes ``(RUN, rows, cols / RUN[, stage])``,
-    kd / qd / kr as their K_SW128 tiles."""
+    """The same bytes as :class:`ScanSmem`, as the TMA sees them: the swizzled tiles (the per-token
+    and output band tiles, kd / qd / kr) with the swizzle on the pointer, the others as boxes
+    ``(RUN, rows, cols / RUN[, stage])``."""
 
     do: cute.Tensor
     qd: cute.Tensor
@@ -177,9 +178,9 @@ class BwdScan(BandScan):
         store = cpasync.CopyBulkTensorTileS2GOp()
         band, dim = self.v_band, self.dim
         tma = ScanTma(
-            do=self.runs_atom(load, layouts.token_runs_view(do), CHUNK, band),
-            dv=self.runs_atom(store, layouts.token_runs_view(dv), CHUNK, band),
-            du=self.runs_atom(store, layouts.token_runs_view(du), CHUNK, band),
+            do=self.token_tile_atom(load, do),
+            dv=self.token_tile_atom(store, dv),
+            du=self.token_tile_atom(store, du),
             qd=self.workspace_tile_atom(load, ws.qd),
             kd=self.workspace_tile_atom(load, ws.kd),
             kr=self.workspace_tile_atom(load, ws.kr),

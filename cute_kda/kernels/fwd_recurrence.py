@@ -26,7 +26,8 @@ Roles (192 threads): warps 0-3 compute, warp ``w`` owning value columns ``[w·c,
 CTA's band (``c = v_band / 4``: 32, 16 or 8). Every line above is separable in the value columns,
 so a warp reads and writes only its own columns of v, out and S: the compute warps never wait for
 each other. Warp 4 issues the TMA loads of an input stage (v band, kd, qd, kr, gT, INV, Mqk, β under
-one transaction barrier); warp 5 stores output stages (TMA for a full tile; for a tail tile only the
+one transaction barrier; the per-token tiles and kd, qd, kr are swizzled, so each moves as one box of
+rows of up to 128 bytes); warp 5 stores output stages (TMA for a full tile; for a tail tile only the
 valid rows, by plain stores, so the next sequence's rows are never written).
 
 Pipelines: input ``PipelineTmaAsync`` (3 stages; producer = the load warp, one expect-tx arrival;
@@ -91,8 +92,9 @@ class RecurrenceSmem:
 
 @dataclass(frozen=True)
 class RecurrenceTmaSmem:
-    """The same bytes as :class:`RecurrenceSmem`, as the TMA sees them: boxes ``(RUN, rows, cols / RUN[, stage])``,
-    kd / qd / kr as their K_SW128 tiles."""
+    """The same bytes as :class:`RecurrenceSmem`, as the TMA sees them: the swizzled tiles (the per-token
+    and output band tiles, kd / qd / kr) with the swizzle on the pointer, the others as boxes
+    ``(RUN, rows, cols / RUN[, stage])``."""
 
     v: cute.Tensor
     qd: cute.Tensor
@@ -171,8 +173,8 @@ class FwdRecurrence(BandScan):
         store = cpasync.CopyBulkTensorTileS2GOp()
         runs_atom = self.runs_atom
 
-        tma_v, gmem_v = runs_atom(load, layouts.token_runs_view(v), CHUNK, self.v_band)
-        tma_out, gmem_out = runs_atom(store, layouts.token_runs_view(out), CHUNK, self.v_band)
+        tma_v, gmem_v = self.token_tile_atom(load, v)
+        tma_out, gmem_out = self.token_tile_atom(store, out)
         tma_qd, gmem_qd = self.workspace_tile_atom(load, ws_qd)
         tma_kd, gmem_kd = self.workspace_tile_atom(load, ws_kd)
         tma_kr, gmem_kr = self.workspace_tile_atom(load, ws_kr)

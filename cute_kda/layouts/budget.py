@@ -221,8 +221,8 @@ def k2_budget(plan: fwd_recurrence.RecurrenceSmemPlan = fwd_recurrence.Recurrenc
     :class:`~cute_kda.layouts.fwd_recurrence.RecurrenceSmemPlan` is what K2 allocates (``state``, a
     byte ``union``, mbarriers) and where it puts each pipeline field inside the union. This gives the
     same storage buffer by buffer: fields, order and stage counts from ``plan``; slot layouts the
-    ones :mod:`.fwd_recurrence` stages (K_INTER operand tiles, K_SW128 kd / qd / kr, fp32 vectors); the
-    state and its fp32 staging (present only when ``plan.state_io_fp32``) are that module's views. The tests check its
+    ones :mod:`.fwd_recurrence` stages (swizzled band tiles and kd / qd / kr, K_INTER squares, fp32 vectors); the state and its fp32
+    staging (present only when ``plan.state_io_fp32``) are that module's views. The tests check its
     offsets and total against ``plan`` and the compiled launch.
     """
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
@@ -237,11 +237,16 @@ def k2_budget(plan: fwd_recurrence.RecurrenceSmemPlan = fwd_recurrence.Recurrenc
     def swizzled(rows: int, cols: int) -> LayoutSpec:
         return layout_spec(f"sw128_tile({rows},{cols})", smem.sw128_tile, rows, cols, dtype=bf16)
 
-    slots = {plan.token_field: tile(chunk, v_band), **{name: swizzled(chunk, dim) for name in fwd_recurrence.SWIZZLED_FIELDS},
+    band = tile(chunk, v_band)
+    if plan.swizzled_tokens:
+        token_kind = fwd_recurrence.token_atom(plan)
+        band = layout_spec(f"atom_tile({token_kind.name},{chunk},{v_band})", smem.atom_tile, token_kind, chunk, v_band,
+                           dtype=bf16)
+    slots = {plan.token_field: band, **{name: swizzled(chunk, dim) for name in fwd_recurrence.SWIZZLED_FIELDS},
              "gt": vector(dim), "inv": tile(chunk, chunk), "mqk": tile(chunk, chunk), "beta": vector(chunk)}
     pipeline = SmemGroup("pipeline", (
         *(SmemBuffer(name, slots[name], plan.input_stages, "input") for name in plan.input_field_bytes()),
-        *(SmemBuffer(name, tile(chunk, v_band), plan.output_stages, "output") for name in plan.output_fields),
+        *(SmemBuffer(name, band, plan.output_stages, "output") for name in plan.output_fields),
     ))
     union: tuple[SmemNode, ...] = (pipeline,)
     if plan.state_io_fp32:

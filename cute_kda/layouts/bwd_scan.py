@@ -8,15 +8,16 @@ where K2's carries ``v``, and the same seven workspace fields; its output stage 
 ``dv`` and ``du``. So the plan is K2's with other field names and V-split 8 allowed (a 16-column
 band runs on two compute warps of 8 columns).
 
-The operands it reads through their MN_INTER faces (``ldmatrix.trans``): ``Mqkᵀ`` and ``INVᵀ`` (A
-operands, from the K_INTER squares), ``qdᵀ`` and ``kdᵀ`` (A operands of the ``[D, 16]`` row blocks,
-like K2's ``krᵀ``), and ``dOᵀ`` (the B operand ``[cols, 16]`` of the warp's columns).
+The operands it reads through their MN-major faces (``ldmatrix.trans``): ``Mqkᵀ`` and ``INVᵀ`` (A
+operands, from the K_INTER squares), ``qdᵀ`` and ``kdᵀ`` (A operands of the ``[D, 16]`` row blocks of
+the K_SW128 tiles, like K2's ``krᵀ``), and ``dOᵀ`` (the B operand ``[cols, 16]`` of the warp's columns,
+from the swizzled band tile).
 """
 
 from __future__ import annotations
 
-from .fwd_recurrence import RecurrenceSmemPlan, staged
-from .smem import operand_tile_transposed
+from .fwd_recurrence import RecurrenceSmemPlan, staged, token_atom
+from .smem import atom_tile_transposed, operand_tile_transposed
 
 SCAN_VSPLITS = (1, 2, 4, 8)
 
@@ -32,7 +33,10 @@ class ScanSmemPlan(RecurrenceSmemPlan):
 
 
 def token_tile_transposed(plan: RecurrenceSmemPlan, stages: int):
-    """``[v_band, 16, stages]``: MN_INTER view of the per-token tiles (``dOᵀ``, B operand), same bytes."""
+    """``[v_band, 16, stages]``: MN-major view of the per-token tiles (``dOᵀ``, B operand), same bytes
+    (the transposed atom of :func:`~.fwd_recurrence.token_atom`)."""
+    if plan.swizzled_tokens:
+        return atom_tile_transposed(token_atom(plan), plan.chunk, plan.v_band, stages=stages)
     return staged(operand_tile_transposed(plan.chunk, plan.v_band), stages)
 
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..dsl import cute
-from .smem import (CHUNK, HEAD_DIM, SW128_PERIOD_BYTES, AtomKind, atom_tile, atom_tile_transposed, operand_tile,
-                   operand_tile_transposed, state_acc_view, state_b_view)
+from .smem import (CHUNK, HEAD_DIM, SW128_PERIOD_BYTES, SWIZZLE_PERIOD_BYTES, AtomKind, atom_tile, atom_tile_transposed,
+                   operand_tile, row_atom, state_acc_view, state_b_view)
 
 SUPPORTED_VSPLITS = (1, 2, 4)
 MMA_WARPS = 4  # compute warps; warp w owns value columns [w·v_band/4, (w+1)·v_band/4) of the CTA's band
@@ -34,9 +34,10 @@ MIN_WARP_COLS = 8  # one n=8 mma atom: a narrower band runs on fewer compute war
 INPUT_STAGES = 3
 OUTPUT_STAGES = 2
 ALIGN = 128  # byte alignment of every buffer (TMA needs 16; 128 keeps ldmatrix rows in one bank sweep)
-# kd, qd, kr: K_SW128 tiles, moved by the TMA in 128-byte rows (a K_INTER box moves 16-byte rows, and with
-# several CTAs an SM the TMA's time goes by rows: perf-log v6). Their slots sit on the swizzle's period,
-# and so do the state and the union that hold them.
+# kd, qd, kr: K_SW128 tiles, and the per-token band tiles in the widest swizzle their rows fit
+# (:func:`token_atom`), so the TMA moves them in rows of up to 128 bytes (a K_INTER box moves 16-byte
+# rows, and with several CTAs an SM the TMA's time goes by rows: perf-log v6). Each slot sits on its
+# swizzle's period, and the state and the union that hold them on the largest one.
 SWIZZLED_FIELDS = ("kd", "qd", "kr")
 SWIZZLED_ALIGN = SW128_PERIOD_BYTES
 MBARRIER_BYTES = 8
@@ -60,7 +61,7 @@ class RecurrenceSmemPlan:
     ========  ======================  =====================================
     field     tile                    meaning
     ========  ======================  =====================================
-    v         bf16 [16, v_band]       values of the CTA's band (TMA load)
+    v         bf16 [16, v_band]       values of the CTA's band (TMA load; :func:`token_atom`)
     kd        bf16 [16, D]            workspace kd (K_SW128 operand tile)
     qd        bf16 [16, D]            workspace qd (K_SW128)
     kr        bf16 [16, D]            workspace kr (K_SW128; K2 reads its [D, 16] MN_SW128 view)
@@ -68,11 +69,11 @@ class RecurrenceSmemPlan:
     inv       bf16 [16, 16]           workspace INV
     mqk       bf16 [16, 16]           workspace Mqk
     beta      fp32 [16]               workspace β
-    out       bf16 [16, v_band]       output tile (output stages; TMA store or tail store)
+    out       bf16 [16, v_band]       output tile (output stages; TMA store or tail store; :func:`token_atom`)
     ========  ======================  =====================================
 
-    Each field is an array of 128-byte aligned stage slots (stage ``s`` at ``offset + s · slot``); the
-    K_SW128 fields' slots are aligned to the swizzle period (:data:`SWIZZLED_ALIGN`).
+    Each field is an array of stage slots (stage ``s`` at ``offset + s · slot``), each aligned to 128 bytes
+    or, for a swizzled tile, to its swizzle period (:meth:`field_align`).
     The class attributes name the per-token input field and the output fields, so a kernel with the
     same skeleton and other tensors (the backward scan, :mod:`.bwd_scan`) reuses the plan.
     """
@@ -81,6 +82,9 @@ class RecurrenceSmemPlan:
     supported_vsplits: ClassVar[tuple[int, ...]] = SUPPORTED_VSPLITS
     token_field: ClassVar[str] = "v"  # the per-token input tile of the CTA's band
     output_fields: ClassVar[tuple[str, ...]] = ("out",)  # per-token output tiles of an output stage
+    # the per-token and output tiles in the swizzle of :func:`token_atom` (else K_INTER, moved as
+    # :func:`tma_box` boxes of 16-byte rows)
+    swizzled_tokens: ClassVar[bool] = True
 
     vsplit: int = 1
     state_io_fp32: bool = False  # the initial or the final state is fp32: the union holds the staging
@@ -151,23 +155,32 @@ class RecurrenceSmemPlan:
     def union_offsets(self) -> dict[str, int]:
         """Pipeline field → byte offset of its stage 0 inside the union (the fp32 staging sits at 0).
 
-        A stage slot is the field's bytes rounded up to its alignment (128, the TMA destination
-        alignment, or :data:`SWIZZLED_ALIGN`), so β's 64 bytes take a 128-byte slot.
+        A stage slot is the field's bytes rounded up to its alignment (:meth:`field_align`), so β's
+        64 bytes take a 128-byte slot.
         """
         offsets, at = {}, 0
-        for name, nbytes in self.input_field_bytes().items():
-            align = field_align(name)
+        fields = [(name, nbytes, self.input_stages) for name, nbytes in self.input_field_bytes().items()]
+        fields += [(name, self.out_tile_bytes, self.output_stages) for name in self.output_fields]
+        for name, nbytes, stages in fields:
+            align = self.field_align(name)
             at = _round_up(at, align)
             offsets[name] = at
-            at += _round_up(nbytes, align) * self.input_stages
-        for name in self.output_fields:
-            offsets[name] = at
-            at += _round_up(self.out_tile_bytes) * self.output_stages
+            at += _round_up(nbytes, align) * stages
         return offsets
+
+    def field_align(self, name: str) -> int:
+        """Byte alignment of a pipeline field's stage slots: the swizzle period of a swizzled tile
+        (kd, qd, kr; the per-token and output tiles), else 128."""
+        if name in SWIZZLED_FIELDS:
+            return SWIZZLED_ALIGN
+        if self.swizzled_tokens and (name == self.token_field or name in self.output_fields):
+            return SWIZZLE_PERIOD_BYTES[row_atom(self.v_band * _BF16)]
+        return ALIGN
 
     @property
     def pipeline_bytes(self) -> int:
-        return self.union_offsets()[self.output_fields[-1]] + _round_up(self.out_tile_bytes) * self.output_stages
+        last = self.output_fields[-1]
+        return self.union_offsets()[last] + _round_up(self.out_tile_bytes, self.field_align(last)) * self.output_stages
 
     @property
     def union_bytes(self) -> int:
@@ -185,11 +198,6 @@ class RecurrenceSmemPlan:
         """Shared memory per CTA: state, union, mbarriers (the struct padded to its alignment, the swizzle period)."""
         state = _round_up(self.state_bytes, SWIZZLED_ALIGN)
         return _round_up(state + self.union_bytes + self.barrier_count * MBARRIER_BYTES, SWIZZLED_ALIGN)
-
-
-def field_align(name: str) -> int:
-    """Byte alignment of a pipeline field's stage slots."""
-    return SWIZZLED_ALIGN if name in SWIZZLED_FIELDS else ALIGN
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,9 +242,20 @@ def state_fp32_acc(plan: RecurrenceSmemPlan):
     return cute.select(state_fp32(plan), mode=[1, 0])
 
 
+def token_atom(plan: RecurrenceSmemPlan) -> AtomKind:
+    """The atom of the per-token band tiles: K_SW128 for bands of 64 columns or more, K_SW64 for 32,
+    K_SW32 for 16 (rows of ``2 · v_band`` bytes)."""
+    return row_atom(plan.v_band * _BF16)
+
+
 def value_tile(plan: RecurrenceSmemPlan, stages: int):
-    """``[16, v_band, stages]``: v (input stages) or out (output stages) tiles, K_INTER."""
-    return staged(operand_tile(plan.chunk, plan.v_band), stages)
+    """``[16, v_band(, stages)]``: per-token band tiles (v, out; Kernel A's dO, dv, du), :func:`token_atom`
+    atoms when ``plan.swizzled_tokens`` (the swizzle acts on byte addresses), else K_INTER; ``stages`` 0:
+    one unstaged tile (the TMA atom's box)."""
+    if plan.swizzled_tokens:
+        return atom_tile(token_atom(plan), plan.chunk, plan.v_band, stages=stages or None)
+    tile = operand_tile(plan.chunk, plan.v_band)
+    return staged(tile, stages) if stages else tile
 
 
 def chunk_operand(plan: RecurrenceSmemPlan, stages: int | None = None):
@@ -285,11 +304,24 @@ def tma_box(rows: int, cols: int, stages: int | None = None):
 
 
 def token_runs_view(tensor: cute.Tensor) -> cute.Tensor:
-    """``[B, T, H, D]`` → ``(RUN, T, D / RUN, H, B)``: token rows of one (head, batch) in :func:`tma_box` order."""
+    """``[B, T, H, D]`` → ``(RUN, T, D / RUN, H, B)``: token rows of one (head, batch) in :func:`tma_box` order
+    (the K_INTER band tiles of a plan without ``swizzled_tokens``)."""
     batch, seq, heads, dim = tensor.shape
     s_batch, s_seq, s_heads, s_dim = tensor.layout.stride
     layout = cute.make_layout(
         (RUN, seq, dim // RUN, heads, batch), stride=(s_dim, s_seq, RUN * s_dim, s_heads, s_batch)
+    )
+    return cute.make_tensor(tensor.iterator, layout)
+
+
+def token_band_view(tensor: cute.Tensor, run: int) -> cute.Tensor:
+    """``[B, T, H, D]`` → ``(T, (run, D / run), H, B)``: token rows of one (head, batch), the columns split at
+    the band tile's contiguous run (:func:`value_tile`), so a ``(16, v_band)`` TMA tile is one box of rows
+    of ``min(run, v_band)`` elements."""
+    batch, seq, heads, dim = tensor.shape
+    s_batch, s_seq, s_heads, s_dim = tensor.layout.stride
+    layout = cute.make_layout(
+        (seq, (run, dim // run), heads, batch), stride=(s_seq, (s_dim, run * s_dim), s_heads, s_batch)
     )
     return cute.make_tensor(tensor.iterator, layout)
 

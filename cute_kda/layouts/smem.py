@@ -81,7 +81,21 @@ def sw128_tile(rows: int, cols: int, dtype: type = cutlass.BFloat16):
 
 SW128_ATOM_ROWS = 8  # a K_SW128 atom: 8 rows of 128 bytes, 16-byte chunk j of row r at chunk j ^ (r % 8)
 SW128_CHUNK_ELEMS = 8  # bf16 elements per 16-byte chunk
-SW128_PERIOD_BYTES = SW128_ATOM_ROWS * 128  # the swizzle repeats every atom: its buffers sit on this alignment
+# Bytes after which an atom's swizzle pattern repeats (8 rows of its width): a buffer of that atom sits on
+# this alignment, and a stage stride that is a multiple of it leaves the swizzle unchanged.
+SWIZZLE_PERIOD_BYTES = {AtomKind.K_INTER: 128, AtomKind.K_SW32: 256, AtomKind.K_SW64: 512, AtomKind.K_SW128: 1024}
+SW128_PERIOD_BYTES = SWIZZLE_PERIOD_BYTES[AtomKind.K_SW128]
+# The widest K-major swizzle atom whose 16-bit rows fit a band of this many bytes (8 rows of it per period)
+_ATOM_FOR_ROW_BYTES = ((128, AtomKind.K_SW128), (64, AtomKind.K_SW64), (32, AtomKind.K_SW32), (16, AtomKind.K_INTER))
+
+
+def row_atom(row_bytes: int) -> AtomKind:
+    """The K-major atom for tiles whose rows are ``row_bytes`` long (a multiple of 16): the widest
+    swizzle that fits, so that a TMA box moves rows of that width (K_SW128 for 128 bytes and more)."""
+    for width, kind in _ATOM_FOR_ROW_BYTES:
+        if row_bytes % width == 0:
+            return kind
+    raise ValueError(f"rows of {row_bytes} bytes are not a multiple of 16")
 
 
 def sw128_column_offsets(col, rows: int = CHUNK, cols: int = HEAD_DIM) -> list:

@@ -54,9 +54,9 @@ class OutputTile(NamedTuple):
     the gmem TMA tiles of the CTA's band and the plain ``[rows, v_band]`` view for tail rows."""
 
     atom: cute.CopyAtom
-    tma_smem: cute.Tensor  # (RUN, 16, v_band / RUN, stage)
+    tma_smem: cute.Tensor  # [16, v_band, stage] with the swizzle on the pointer, or (RUN, 16, v_band / RUN, stage)
     smem: cute.Tensor  # [16, v_band, stage]
-    gmem_tiles: cute.Tensor  # (RUN, 16, v_band / RUN, tile)
+    gmem_tiles: cute.Tensor  # (16, v_band, tile), or (RUN, 16, v_band / RUN, tile)
     rows: cute.Tensor  # [tokens of the sequence, v_band]
 
 
@@ -106,6 +106,16 @@ class BandScan:
         box = layouts.tma_box(rows, cols)
         return cpasync.make_tiled_tma_atom(op, view, box, (layouts.RUN, rows, cols // layouts.RUN))
 
+    def token_tile_atom(self, op, tensor: cute.Tensor):
+        """TMA atom and tensor moving the CTA's ``[16, v_band]`` band tiles of a ``[B, T, H, D]`` tensor as one
+        box: of swizzled rows (:func:`~cute_kda.layouts.fwd_recurrence.value_tile`), or of the K_INTER
+        tile's 16-byte runs for a plan without ``swizzled_tokens``."""
+        if const_expr(not self.plan.swizzled_tokens):
+            return self.runs_atom(op, layouts.token_runs_view(tensor), CHUNK, self.v_band)
+        box = layouts.value_tile(self.plan, 0)
+        view = layouts.token_band_view(tensor, contiguous_col_run(box))
+        return cpasync.make_tiled_tma_atom(op, view, box, (CHUNK, self.v_band))
+
     def workspace_tile_atom(self, op, field: cute.Tensor):
         """TMA atom and tensor moving a workspace field's ``[16, D]`` K_SW128 tiles (kd, qd, kr) as one box
         of 128-byte rows (:func:`~cute_kda.layouts.fwd_recurrence.tile_rows_view`)."""
@@ -144,18 +154,24 @@ class BandScan:
         return state_ptr, union_ptr, {name: union_ptr + offset for name, offset in self.plan.union_offsets().items()}
 
     def tma_boxes(self, state_ptr, union_ptr, at: dict) -> dict:
-        """Every TMA-moved buffer as its TMA smem tensor, by plan field name: the per-token tile, INV, Mqk,
-        the output tiles, ``state`` and ``state_fp32`` as boxes ``(RUN, rows, cols / RUN[, stage])``; kd,
-        qd, kr as their K_SW128 ``[16, D, stage]`` tiles."""
+        """Every TMA-moved buffer as its TMA smem tensor, by plan field name: the swizzled tiles (kd, qd, kr;
+        the per-token and output tiles when ``plan.swizzled_tokens``) as ``[16, cols, stage]`` with the
+        swizzle on the pointer; the others as boxes ``(RUN, rows, cols / RUN[, stage])``."""
         plan, bf16 = self.plan, BFloat16
         stages, out_stages = plan.input_stages, plan.output_stages
-        boxes = {plan.token_field: smem_tensor(at[plan.token_field], layouts.tma_box(CHUNK, self.v_band, stages), bf16)}
+
+        def token_box(name: str, count: int) -> cute.Tensor:
+            if plan.swizzled_tokens:
+                return smem_tensor(at[name], layouts.value_tile(plan, count), bf16)
+            return smem_tensor(at[name], layouts.tma_box(CHUNK, self.v_band, count), bf16)
+
+        boxes = {plan.token_field: token_box(plan.token_field, stages)}
         for name in layouts.SWIZZLED_FIELDS:
             boxes[name] = smem_tensor(at[name], layouts.chunk_operand(plan), bf16)
         for name in ("inv", "mqk"):
             boxes[name] = smem_tensor(at[name], layouts.tma_box(CHUNK, CHUNK, stages), bf16)
         for name in plan.output_fields:
-            boxes[name] = smem_tensor(at[name], layouts.tma_box(CHUNK, self.v_band, out_stages), bf16)
+            boxes[name] = token_box(name, out_stages)
         boxes["state"] = smem_tensor(state_ptr, layouts.tma_box(self.v_band, self.dim), bf16)
         boxes["state_fp32"] = smem_tensor(union_ptr, layouts.tma_box(self.v_band, self.dim), Float32)
         return boxes
@@ -227,10 +243,14 @@ class BandScan:
 
     def band_tiles(self, gmem_tokens: cute.Tensor, head: Int32, batch: Int32, first_row: Int32,
                    band: Int32) -> cute.Tensor:
-        """``(RUN, 16, v_band / RUN, tile)`` TMA tiles of a ``token_runs_view``: the CTA's band of the
-        sequence's token rows, tile ``t`` holding rows ``16t .. 16t + 15`` from ``first_row`` on."""
-        value_rows = cute.domain_offset((0, first_row, 0), gmem_tokens[None, None, None, head, batch])
-        return cute.local_tile(value_rows, (layouts.RUN, CHUNK, self.v_band // layouts.RUN), (0, None, band))
+        """``(16, v_band, tile)`` TMA tiles of a :meth:`token_tile_atom` tensor (``(RUN, 16, v_band / RUN, tile)``
+        without ``swizzled_tokens``): the CTA's band of the sequence's token rows, tile ``t`` holding rows
+        ``16t .. 16t + 15`` from ``first_row`` on."""
+        if const_expr(not self.plan.swizzled_tokens):
+            value_rows = cute.domain_offset((0, first_row, 0), gmem_tokens[None, None, None, head, batch])
+            return cute.local_tile(value_rows, (layouts.RUN, CHUNK, self.v_band // layouts.RUN), (0, None, band))
+        value_rows = cute.domain_offset((first_row, 0), gmem_tokens[None, None, head, batch])
+        return cute.local_tile(value_rows, (CHUNK, self.v_band), (None, band))
 
     # -----------------------------------------------------------------------------------------
     # state I/O (all threads take part; TMA from one warp)
@@ -349,9 +369,10 @@ class BandScan:
         lane = cute.arch.lane_idx()
         parts = []
         for out in outputs:
+            box_rank = cute.rank(out.tma_smem) - 1
             s_part, g_part = cpasync.tma_partition(
-                out.atom, 0, cute.make_layout(1), cute.group_modes(out.tma_smem, 0, 3),
-                cute.group_modes(out.gmem_tiles, 0, 3),
+                out.atom, 0, cute.make_layout(1), cute.group_modes(out.tma_smem, 0, box_rank),
+                cute.group_modes(out.gmem_tiles, 0, box_rank),
             )
             parts.append((s_part, g_part))
         runs_per_row = self.v_band // layouts.RUN
