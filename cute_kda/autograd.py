@@ -90,7 +90,8 @@ class Saved(NamedTuple):
     """What the training forward leaves for the backward besides the inputs.
 
     workspace: flat uint8 ``[WorkspaceSpec.nbytes]`` (:func:`workspace_of` carves the K1 fields);
-    checkpoints: bf16 ``[H · slots, K, V]``, the state entering every tile; tile_base: None (fixed
+    checkpoints: bf16 ``[H · slots, D, D]``, the state entering every tile (state images from the kernels,
+    :func:`cute_kda.workspace.states_to_images`; ``[K, V]`` matrices from the reference backend); tile_base: None (fixed
     length) or int32 ``[N+1]``. Under ``Options.recompute`` workspace and checkpoints are None
     (:func:`recomputed` makes them in the backward).
     """
@@ -174,7 +175,7 @@ def state_shape(problem: ProblemShape) -> tuple[int, int, int, int]:
 
 
 def checkpoints_shape(problem: ProblemShape) -> tuple[int, int, int]:
-    """``[H · slots, K, V]`` of the checkpoints and of the state gradients, one slot per tile
+    """``[H · slots, D, D]`` of the checkpoints and of the state gradients, one slot per tile
     (:func:`cute_kda.workspace.block_states_shape` of the problem's workspace)."""
     slots = snapshot_slots(workspace_spec(problem).tiles, problem.num_seqs)
     return (problem.heads * slots, problem.head_dim, problem.head_dim)

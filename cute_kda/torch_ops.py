@@ -96,7 +96,7 @@ def forward_train_op(
     """The training forward (arguments as :func:`forward_op`, and ``recompute``: keep nothing for the
     backward, which recomputes it; ``gate`` as :func:`cute_kda.autograd.check_trainable` admits). Returns out bf16
     ``[B, T, HV, V]``, the final state ``[N, HV, V, K]`` (empty when ``final_state_dtype`` is None), the flat uint8
-    workspace ``[WorkspaceSpec.nbytes]``, the checkpoints bf16 ``[HV · slots, K, V]`` (both empty under
+    workspace ``[WorkspaceSpec.nbytes]``, the checkpoints bf16 ``[HV · slots, D, D]`` (state images; both empty under
     ``recompute``) and ``tile_base`` int32 ``[N+1]`` (empty for fixed length)."""
     problem = validation.validate_forward(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,

@@ -67,9 +67,29 @@ def snapshot_slots(tiles: int, num_seqs: int, every: int = SNAPSHOT_TILES) -> in
     return tiles // every + num_seqs
 
 
+def states_to_images(states: torch.Tensor) -> torch.Tensor:
+    """``[..., K, V]`` matrices → their state images (the kept checkpoints' and snapshots' element order,
+    :func:`cute_kda.layouts.fwd_recurrence.state_image`), the same shape: flat element
+    ``(D / 8 · V) · (k // 8) + 8 · v + k % 8`` of each image is ``[k, v]``."""
+    from .layouts.fwd_recurrence import RUN
+
+    dim = states.shape[-1]
+    images = states.unflatten(-2, (dim // RUN, RUN)).transpose(-1, -2)
+    return images.reshape(states.shape)
+
+
+def images_to_states(images: torch.Tensor) -> torch.Tensor:
+    """State images (:func:`states_to_images`) → ``[..., K, V]`` matrices."""
+    from .layouts.fwd_recurrence import RUN
+
+    dim = images.shape[-1]
+    return images.reshape(*images.shape[:-2], dim // RUN, dim, RUN).transpose(-1, -2).reshape(images.shape)
+
+
 def block_states_shape(ws: "Workspace", heads: int, num_seqs: int, every: int = SNAPSHOT_TILES) -> tuple[int, int, int]:
-    """``[H · slots, K, V]``: one ``[K, V]`` matrix per slot of :func:`snapshot_slots` — the shape of the
-    training forward's state checkpoints and of the backward scan's state-gradient snapshots."""
+    """``[H · slots, D, D]``: one matrix per slot of :func:`snapshot_slots` — the shape of the training
+    forward's state checkpoints and of the backward scan's state-gradient snapshots, each a state image
+    (:func:`states_to_images`; :func:`images_to_states` gives the ``[K, V]`` matrices)."""
     rows, _, dim = ws.qd.shape
     return (heads * snapshot_slots(rows // heads, num_seqs, every), dim, dim)
 

@@ -30,7 +30,8 @@ import cute_kda
 from cute_kda import api, autograd, fla_backend, torch_ops, validation
 from cute_kda.reference import gold_backward, rel_rms
 from cute_kda.reference.backward import mirror_backward
-from cute_kda.workspace import WorkspaceSpec, block_states_shape, snapshot_slots, tiles_per_head
+from cute_kda.workspace import (WorkspaceSpec, block_states_shape, images_to_states, snapshot_slots, states_to_images,
+                                tiles_per_head)
 
 from gradient_targets import SAFE_GATE_TOLERANCES as TOLS
 from gradient_targets import TARGETS
@@ -339,9 +340,12 @@ def launchers_on_mirrors(monkeypatch):
     def _(v, ws, out, cu_seqlens, tile_base, initial_state, final_state, vsplit, checkpoints, stream):
         assert vsplit in validation.SUPPORTED_VSPLITS and checkpoints.dtype == torch.bfloat16
         assert checkpoints.shape == block_states_shape(ws, v.shape[2], num_seqs(v, cu_seqlens))
+        kept = torch.full_like(checkpoints, float("nan"))
         o, state = mirror.mirror_recurrence(
             ws, v, cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=final_state is not None,
-            state_dtype=torch.float32 if final_state is None else final_state.dtype, checkpoints=checkpoints)
+            state_dtype=torch.float32 if final_state is None else final_state.dtype, checkpoints=kept)
+        written = ~kept.isnan().flatten(1).all(1)  # the kernel keeps state images, in the rows it owns
+        checkpoints[written] = states_to_images(kept[written])
         out.copy_(o)
         if final_state is not None:
             final_state.copy_(state)
@@ -351,7 +355,8 @@ def launchers_on_mirrors(monkeypatch):
         ka._check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs(do, cu_seqlens))
         scan = mirror_bwd_scan(ws, do, cu_seqlens=cu_seqlens, dht=dht,
                                dh0_dtype=torch.float32 if dh0 is None else dh0.dtype)
-        for buffer, value in ((dv, scan.dv), (du, scan.du), (snapshots, scan.snapshots), (dh0, scan.dh0)):
+        for buffer, value in ((dv, scan.dv), (du, scan.du), (snapshots, states_to_images(scan.snapshots)),
+                              (dh0, scan.dh0)):
             if buffer is not None:
                 buffer.copy_(value)
 
@@ -362,7 +367,8 @@ def launchers_on_mirrors(monkeypatch):
         assert gate == "safe"
         kb._check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial,
                           dalog_partial, num_seqs(q, cu_seqlens), gate)
-        grads = mirror_bwd_grads(q, k, g, fakes.beta, v, do, du, ws, states, state_grads, A_log=A_log,
+        grads = mirror_bwd_grads(q, k, g, fakes.beta, v, do, du, ws, images_to_states(states),
+                                 images_to_states(state_grads), A_log=A_log,
                                  dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
                                  qk_l2norm=qk_l2norm, beta_logits=beta_logits)
         for buffer, value in ((dq, grads.dq), (dk, grads.dk), (dg, grads.dg), (dbeta, grads.dbeta)):

@@ -24,7 +24,7 @@ from cute_kda.kernels.bwd_grads import BwdGrads
 from cute_kda.layouts import bwd_grads as plan
 from cute_kda.ops import bwd_grads as kb
 from cute_kda.ops._cache import to_cute_tensor
-from cute_kda.workspace import WorkspaceSpec, block_states_shape, tiles_per_head, workspace_views
+from cute_kda.workspace import WorkspaceSpec, block_states_shape, images_to_states, tiles_per_head, workspace_views
 
 D = 128
 CHUNK = 16
@@ -94,12 +94,14 @@ def test_variant_compiles(variant):
     mmas = (k_steps + 1) * band_atoms + 3 * k_steps * 2 + (2 * (k_steps + 1) + 2 + k_steps) * band_atoms
     assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == mmas
     assert report.count("movmatrix.sync.aligned.m8n8.trans.b16") == 2 * band_atoms  # u: C → B
-    # transposed reads: S as [V, K] (per k-step), kinvᵀ (one load serves dqd and dkd), qdᵀ and kdᵀ as B
-    # (band_x4 each); dMqkᵀ and β·dLᵀ (1 each) as A
-    assert report.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == band_x4 * (k_steps + 3) + 2
+    # transposed reads: S and dS' as [K, V] through the state image's MN_INTER face (per k-step; dqd and dkd
+    # share S's), kinvᵀ (one load serves dqd and dkd), qdᵀ and kdᵀ as B (band_x4 each); dMqkᵀ and β·dLᵀ
+    # (1 each) as A
+    assert report.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == band_x4 * (2 * k_steps + 3) + 2
     assert report.has("ldmatrix.sync.aligned.m8n8.x4.shared.b16")
-    # TMA: six token tiles (4-D boxes) and two state matrices behind one transaction barrier
-    assert report.count("cp.async.bulk.tensor") == 8
+    # six token tiles by TMA (4-D boxes) and the two state images by 1-D bulk copies, one transaction barrier
+    assert report.count("cp.async.bulk.tensor") == 6
+    assert report.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") == 2
     assert report.has("mbarrier.try_wait") and report.has("mbarrier.arrive.expect_tx")
     assert report.count("ex2.approx.ftz.f32") >= 4 and report.has("tanh.approx.f32")
     assert not report.has("atom.") and not report.has("red.")  # no atomics: partial sums per tile
@@ -179,7 +181,8 @@ def _compile_unbounded(variant, per_head: bool):
                                     tensor=to_cute_tensor)
     _, report = compile_with_report(kernel, *arguments, cute.runtime.make_fake_stream())
     budget = plan.variant_budget(plan.DEFAULT_WARPS, per_head_gate=per_head, dyadic=not per_head)
-    assert report.count("cp.async.bulk.tensor") == 7  # q, k, v, dO, du and the two state matrices
+    assert report.count("cp.async.bulk.tensor") == 5  # q, k, v, dO, du; the two state images by 1-D bulk copies
+    assert report.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") == 2
     assert report.has("mbarrier.try_wait") and report.has("mbarrier.arrive.expect_tx")
     assert not report.has("atom.") and not report.has("red.")  # no atomics: partial sums per tile
     assert report.local_memory_ops == 0
@@ -366,7 +369,8 @@ def _chain(problem, *, lengths=None, dht="fp32", initial="fp32", seed=0, lower_b
         assert not outs[name].isnan().any(), f"a {name} row was not written"
     assert not ddt.isnan().any() and not dalog.isnan().any(), "a partial-sum slot was not written"
     outs.update(dv=dv, dh0=dh0, dA_log=dalog.sum(1), ddt_bias=ddt.sum(1), ddt_partial=ddt, dalog_partial=dalog,
-                du=du, ws=ws, states=states, state_grads=grads, do=do, dht=dht_in, init=init, cu=cu, scale=scale)
+                du=du, ws=ws, states=images_to_states(states), state_grads=images_to_states(grads), do=do, dht=dht_in,
+                init=init, cu=cu, scale=scale)  # the kernels' state images as the mirror's [K, V] matrices
     return outs
 
 
@@ -554,7 +558,8 @@ def _unbounded_chain(case: str, per_head: bool = True) -> tuple[dict, dict, tupl
     grads = {"dq": autograd.group_sum(raw["dq"], H), "dk": autograd.group_sum(raw["dk"], H), "dv": dv, "dg": raw["dg"], "dbeta": raw["dbeta"],
              "dh0": dh0, "dA_log": None if dalog is None else dalog.sum(1),
              "ddt_bias": None if ddt is None else ddt.sum(1)}
-    raw.update(ddt_partial=ddt, dalog_partial=dalog, ws=ws, states=states, state_grads=state_grads, du=du)
+    raw.update(ddt_partial=ddt, dalog_partial=dalog, ws=ws, states=images_to_states(states),
+               state_grads=images_to_states(state_grads), du=du)  # [K, V] matrices for the mirror
     return grads, raw, (q, k, v, g, beta, do), options
 
 

@@ -14,6 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from ptx_checks import assert_band_image_copies
 from ulp_check import assert_within_one_ulp, bf16_ulps
 
 from cute_kda.dsl import cute, cutlass
@@ -299,7 +300,7 @@ def _copy_model(vsplit: int, name: str, view_shape, operand: str, transpose: boo
     return moved
 
 
-# (copy, view shape given warp columns c, operand, .trans, stmatrix): the band-scan kernels' eight copies
+# (copy, view shape given warp columns c, operand, .trans, stmatrix): the band-scan kernels' seven copies
 # (ldsm_b_t is the backward scan's dOᵀ; the others are K2's)
 _COPIES = {
     "ldsm_a": (lambda c: (CHUNK, D), "A", False, False),  # kd / qd [16, D] (INV, Mqk: first block)
@@ -307,7 +308,6 @@ _COPIES = {
     "ldsm_b": (lambda c: (c, D), "B", False, False),  # S band [cols, K]
     "ldsm_b_t": (lambda c: (c, CHUNK), "B", True, False),  # dOᵀ [cols, 16] (MN_INTER view of a token tile)
     "ldsm_c": (lambda c: (CHUNK, c), "C", False, False),  # v [16, cols]
-    "ldsm_c_t": (lambda c: (D, c), "C", True, False),  # S band [K, cols] (MN_INTER)
     "stsm_c": (lambda c: (CHUNK, c), "C", False, True),  # out [16, cols]
     "stsm_c_t": (lambda c: (D, c), "C", True, True),  # S band [K, cols] (MN_INTER)
 }
@@ -421,19 +421,17 @@ def test_variant_compiles(variant):
 @pytest.mark.parametrize("vsplit,varlen", list(itertools.product(VSPLITS, (False, True))))
 def test_training_variant_compiles(vsplit, varlen):
     """The training forward (state checkpoints) runs the inference variant's instructions plus, on a
-    checkpoint tile, one ldmatrix.trans of each row block of S from the state buffer and one 32-bit store
-    per (row block, row half, atom), with no spills."""
+    checkpoint tile, each warp's rows of the state buffer as D / 8 one-dimensional bulk copies from one lane
+    (the state image, ``layouts.fwd_recurrence.state_image``), one wait for their read and one proxy fence
+    a tile, with no spills."""
     variant = (vsplit, "fp32", "fp32", varlen)
     kernel, report = _compiled(variant, checkpoints=True)
     _, inference = _compiled(variant)
-    atoms = kernel.warp_cols // 8
-    k_steps = D // CHUNK
-    assert report.count("st.global.b32") == k_steps * 2 * atoms
-    per_block = atoms // 2 if kernel.band_matrices == 4 else 1
-    assert report.count("ldmatrix") == inference.count("ldmatrix") + k_steps * per_block
-    assert report.count(f"ldmatrix.sync.aligned.m8n8.x{kernel.band_matrices}.trans") == (
-        inference.count(f"ldmatrix.sync.aligned.m8n8.x{kernel.band_matrices}.trans") + k_steps * per_block)
-    for mnemonic in ("mma.sync", "movmatrix", "stmatrix", "mul.rn.f32", "cvt.rn.bf16x2.f32", "cp.async.bulk.tensor"):
+    assert_band_image_copies(report, kernel.warp_cols, D)
+    assert report.count("cp.async.bulk.commit_group") == inference.count("cp.async.bulk.commit_group") + 1
+    assert report.count("fence.proxy.async") == inference.count("fence.proxy.async") + 1
+    for mnemonic in ("mma.sync", "movmatrix", "ldmatrix", "stmatrix", "mul.rn.f32", "cvt.rn.bf16x2.f32",
+                     "cp.async.bulk.tensor", "st.global"):
         assert report.count(mnemonic) == inference.count(mnemonic), mnemonic
     assert report.local_memory_ops == 0 and report.spills == 0 and report.kernels[0].stack_frame == 0
     assert report.launch_smem == inference.launch_smem
@@ -737,10 +735,10 @@ def test_one_million_tokens():
 @pytest.mark.parametrize("lengths", [None, [40, 0, 97, 16, 300, 1]], ids=["B2xT300", "varlen"])
 def test_training_variant_checkpoints(lengths):
     """The training variant writes the inference variant's o and final state bit for bit, and checkpoints
-    that track the mirror's (the first of each sequence is bf16(initial state) exactly); rows it does not
+    (state images) that track the mirror's (the first of each sequence is bf16(initial state) exactly); rows it does not
     own stay poisoned and the guards around the buffer untouched."""
     from cute_kda.reference import mirror_recurrence, rel_rms
-    from cute_kda.workspace import SNAPSHOT_TILES, block_states_shape
+    from cute_kda.workspace import SNAPSHOT_TILES, block_states_shape, images_to_states
 
     B, T = (2, 300) if lengths is None else (1, sum(lengths))
     problem = _problem(B, T, 2, seed=12)
@@ -753,6 +751,7 @@ def test_training_variant_checkpoints(lengths):
     torch.cuda.synchronize()
     _assert_guards_untouched(ckpt_buf, axis=0, pad=1)
     assert torch.equal(out2.view(torch.int16), o.view(torch.int16)) and torch.equal(final2, final)
+    ckpt = images_to_states(ckpt)  # the kernel keeps state images; the mirror [K, V] matrices
     want = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=o.device)
     mirror_recurrence(ws, problem[2], cu_seqlens=cu, initial_state=init, checkpoints=want)
     written = ~want.isnan()
@@ -769,3 +768,37 @@ def test_training_variant_checkpoints(lengths):
     err = rel_rms(ckpt[written], want[written])
     print(f"checkpoints vs mirror: {err:.2e} over {int(written.sum()) // (D * D)} matrices")
     assert err <= MIRROR_TOL
+
+
+def test_state_images_are_the_state_image_layout():
+    """The torch conversion of the kept matrices (``workspace.states_to_images``) puts ``S[k, v]`` where the
+    kernels' CuTe layout (``layouts.fwd_recurrence.state_image``) puts element ``[v, k]``, and a band-scan warp's
+    rows of its band buffer are D / 8 contiguous runs of ``cols · 16`` bytes in it at every V-split (K2's and
+    Kernel A's)."""
+    from cute_kda.layouts import fwd_recurrence as layouts
+    from cute_kda.layouts.analysis import evaluate_layout, run_traced
+    from cute_kda.workspace import images_to_states, states_to_images
+
+    image = run_traced(lambda: evaluate_layout(layouts.state_image(D), 2))
+    assert image.bytes.shape == (D, D) and image.cosize == D * D
+    elements = torch.from_numpy(image.bytes // 2)  # [v, k]
+    states = torch.randn(3, D, D)
+    flat = states_to_images(states).flatten(1)
+    assert torch.equal(flat[:, elements], states.transpose(1, 2))
+    assert torch.equal(images_to_states(states_to_images(states)), states)
+    from cute_kda.layouts.bwd_scan import SCAN_VSPLITS, ScanSmemPlan
+
+    plans = [RecurrenceSmemPlan(vsplit=vsplit) for vsplit in VSPLITS] + [ScanSmemPlan(vsplit=v) for v in SCAN_VSPLITS]
+    for plan in plans:
+        vsplit = plan.vsplit
+        band = run_traced(lambda: evaluate_layout(layouts.state_b(plan), 2)).bytes
+        cols = plan.warp_cols
+        for band_index in range(vsplit):
+            for w in range(plan.v_band // cols):
+                for j in range(D // layouts.RUN):
+                    run = slice(8 * j, 8 * j + 8)
+                    rows = slice(w * cols, (w + 1) * cols)
+                    local = band[rows, run]
+                    kept = image.bytes[band_index * plan.v_band + w * cols:band_index * plan.v_band + (w + 1) * cols, run]
+                    assert sorted(local.flatten()) == list(range(local.min(), local.min() + cols * 16, 2))
+                    assert (kept - kept.min() == local - local.min()).all()

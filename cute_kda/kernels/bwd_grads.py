@@ -6,10 +6,11 @@ Arithmetic: docs/numerics.md, "Backward: Kernel B", operation by operation (the 
 
 Tile-parallel: one CTA per (tile slot, head), 4 or 8 warps, no dependence between CTAs. Inputs are what the
 forward and the reverse scan left: the state ``S`` entering the tile (the training forward's
-checkpoint) and the gradient ``dS'`` leaving it (Kernel A's snapshot), both ``[K, V]``; Kernel A's
+checkpoint) and the gradient ``dS'`` leaving it (Kernel A's snapshot), both state images
+(:func:`cute_kda.layouts.fwd_recurrence.state_image`); Kernel A's
 ``du``; dO; the raw q, k, g, v; the workspace's INV, β and gT. Phases (``sync_threads`` between):
 
-1. *Load.* Warp 0 TMA-loads q, k, g, v, dO, du and the two state matrices behind one transaction
+1. *Load.* Warp 0 TMA-loads q, k, g, v, dO, du and bulk-copies the two state images behind one transaction
    barrier; the other threads fetch INV, β, gT and their channel's gate constants.
 2. *Recompute K1* (:class:`~.common.token_prep.TokenPrep`, the instructions K1 runs): ``G``, the
    l2norm scales, qd, kd, kr and kinv. Invalid rows of v, dO, du are zeroed.
@@ -45,14 +46,16 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
+from cutlass.experimental.primitives import cp_async_bulk_shared_cluster_global
 from cutlass.memory import SmemAllocator
 
 from ..dsl import cute, cutlass
 from ..layouts import bwd_grads as plan
 from ..layouts.budget import SMEM_CARVEOUT_PERCENT
 from ..layouts.fwd_prepare import chunk_tile, compact, gate_cumsum_tile, pair_matrix
+from ..layouts.fwd_recurrence import RUN
 from ..layouts.smem import CHUNK, HEAD_DIM, square_tile, square_tile_transposed, sw128_tile_transposed
 from ..numerics import DYADIC_BLOCKS, GATES, LN2, LOG2E
 from .common.copy import (
@@ -89,7 +92,8 @@ class GradsInputs(NamedTuple):
 
 
 class GradsStates(NamedTuple):
-    """Per-tile state matrices, ``[H · slots · D, 1, D]`` (row ``h·slots + g + s`` of ``[H·slots, K, V]``)."""
+    """Per-tile state matrices, ``[H · slots · D, 1, D]``: matrix ``h·slots + g + s`` of ``[H·slots, D, D]`` state
+    images (:func:`cute_kda.layouts.fwd_recurrence.state_image`), each loaded by one 1-D bulk copy."""
 
     state: cute.Tensor  # bf16: S entering the tile (training forward's checkpoints)
     state_grad: cute.Tensor  # bf16: dS' after the tile (Kernel A's snapshots)
@@ -330,7 +334,6 @@ class BwdGrads(TokenPrep):
         self.num_threads = compute_warps * 32
         self.dim = HEAD_DIM
         self.tile = (CHUNK, HEAD_DIM)
-        self.state_box = (HEAD_DIM, HEAD_DIM)
         self.decay_items = CHUNK * ROW_LANES // self.num_threads
 
     @cute.jit
@@ -362,7 +365,6 @@ class BwdGrads(TokenPrep):
             a_log=compact(inputs.a_log, ()) if with_constants else None,
             dt_bias=(compact(inputs.dt_bias, () if per_head else (d,)) if with_constants else None),
         )
-        states = GradsStates(state=compact(states.state, (1, d)), state_grad=compact(states.state_grad, (1, d)))
         ws = GradsWorkspace(inv=compact(ws.inv, (CHUNK, CHUNK)), beta=compact(ws.beta, (CHUNK,)))
         out = GradsOutputs(
             dq=compact(out.dq, (heads, d)), dk=compact(out.dk, (heads, d)), dg=compact(out.dg, gate_inner),
@@ -371,22 +373,20 @@ class BwdGrads(TokenPrep):
             dalog_partial=compact(out.dalog_partial, ()) if with_constants else None,
         )
         load = cpasync.CopyBulkTensorTileG2SOp()
-        tile, state = chunk_tile(d), plan.state_tile(d)
+        tile = chunk_tile(d)
         token_tiles = ((inputs.q, inputs.k, inputs.v, inputs.do, inputs.du) if per_head or self.dyadic
                        else (inputs.q, inputs.k, inputs.g, inputs.v, inputs.do, inputs.du))
         tma_tokens = tuple(make_head_tile_tma_atom(load, t, tile, self.tile) for t in token_tiles)
-        tma_states = tuple(make_head_tile_tma_atom(load, t, state, self.state_box)
-                           for t in (states.state, states.state_grad))
         self.shared_storage = plan.shared_storage(self.warps, d, per_head_gate=per_head, dyadic=self.dyadic)
         tiles = ws.beta.shape[0] // heads
         ctas_per_sm = plan.DYADIC_CTAS_PER_SM if self.dyadic else plan.CTAS_PER_SM
-        self.kernel(tma_tokens, tma_states, inputs, ws, out, scalars, cu_seqlens, tile_base).launch(
+        self.kernel(tma_tokens, states, inputs, ws, out, scalars, cu_seqlens, tile_base).launch(
             grid=(tiles, heads, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=ctas_per_sm,
             preferred_smem_carveout=SMEM_CARVEOUT_PERCENT,
         )
 
     @cute.kernel
-    def kernel(self, tma_tokens: tuple, tma_states: tuple, inputs: GradsInputs, ws: GradsWorkspace,
+    def kernel(self, tma_tokens: tuple, states: GradsStates, inputs: GradsInputs, ws: GradsWorkspace,
                out: GradsOutputs, scalars: GradsScalars, cu_seqlens: Optional[cute.Tensor],
                tile_base: Optional[cute.Tensor]):
         tile_slot, head, _ = cute.arch.block_idx()
@@ -398,13 +398,13 @@ class BwdGrads(TokenPrep):
             state_row = head * scalars.state_slots + tile_slot + seq
             qk_head = head // (inputs.v.shape[1] // inputs.q.shape[1]) if cutlass.const_expr(self.grouped) else head
             if cutlass.const_expr(self.per_head_gate):
-                self.tile_gradients_per_head(tma_tokens, tma_states, inputs, ws, out, scalars, head, qk_head, slot,
+                self.tile_gradients_per_head(tma_tokens, states, inputs, ws, out, scalars, head, qk_head, slot,
                                              state_row, row0, valid_rows)
             elif cutlass.const_expr(self.dyadic):
-                self.tile_gradients_dyadic(tma_tokens, tma_states, inputs, ws, out, scalars, head, qk_head, slot,
+                self.tile_gradients_dyadic(tma_tokens, states, inputs, ws, out, scalars, head, qk_head, slot,
                                            state_row, row0, valid_rows)
             else:
-                self.tile_gradients(tma_tokens, tma_states, inputs, ws, out, scalars, head, slot, state_row,
+                self.tile_gradients(tma_tokens, states, inputs, ws, out, scalars, head, slot, state_row,
                                     row0, valid_rows)
         else:
             self.zero_partials(out, slot)
@@ -426,7 +426,7 @@ class BwdGrads(TokenPrep):
 
     def make_smem(self, storage) -> GradsSmem:
         tile, tile_t = chunk_tile(self.dim), sw128_tile_transposed(CHUNK, self.dim)
-        state, state_t = plan.state_tile(self.dim), sw128_tile_transposed(self.dim, self.dim)
+        state, state_t = plan.state_tile(self.dim), plan.state_tile_transposed(self.dim)
         fp32 = gate_cumsum_tile(self.dim)
         sq, sq_t = square_tile(), square_tile_transposed()
         bf16 = BFloat16
@@ -460,7 +460,7 @@ class BwdGrads(TokenPrep):
 
     def make_per_head_smem(self, storage) -> PerHeadGradsSmem:
         tile, tile_t = chunk_tile(self.dim), sw128_tile_transposed(CHUNK, self.dim)
-        state, state_t = plan.state_tile(self.dim), sw128_tile_transposed(self.dim, self.dim)
+        state, state_t = plan.state_tile(self.dim), plan.state_tile_transposed(self.dim)
         sq, sq_t = square_tile(), square_tile_transposed()
         pairs, rows, warp_rows = pair_matrix(), plan.row_vector(), plan.warp_rows(self.warps)
 
@@ -488,7 +488,7 @@ class BwdGrads(TokenPrep):
         )
 
     @cute.jit
-    def tile_gradients_per_head(self, tma_tokens: tuple, tma_states: tuple, inputs: GradsInputs, ws: GradsWorkspace,
+    def tile_gradients_per_head(self, tma_tokens: tuple, states: GradsStates, inputs: GradsInputs, ws: GradsWorkspace,
                                 out: GradsOutputs, scalars: GradsScalars, head: Int32, qk_head: Int32, slot: Int32,
                                 state_row: Int32, row0: Int32, valid_rows: Int32):
         """The phases of a per-head gate (module docstring; docs/numerics.md, "Kernel B for a per-head gate")."""
@@ -500,7 +500,7 @@ class BwdGrads(TokenPrep):
         tma_barrier = storage.tma_barrier.data_ptr()
 
         if warp_idx == 0:
-            self.load_tiles(tma_tokens, tma_states, ((smem.q, qk_head), (smem.k, qk_head), (smem.v, head),
+            self.load_tiles(tma_tokens, states, ((smem.q, qk_head), (smem.k, qk_head), (smem.v, head),
                                                      (smem.do, head), (smem.du, head)),
                             (smem.state, smem.state_grad), tma_barrier, row0, state_row)
         # 1. workspace values, the rows' gate while the TMA runs
@@ -535,7 +535,7 @@ class BwdGrads(TokenPrep):
             self.beta_backward(smem, out, head, row0, valid_rows, tidx)
 
     @cute.jit
-    def tile_gradients(self, tma_tokens: tuple, tma_states: tuple, inputs: GradsInputs, ws: GradsWorkspace,
+    def tile_gradients(self, tma_tokens: tuple, states: GradsStates, inputs: GradsInputs, ws: GradsWorkspace,
                        out: GradsOutputs, scalars: GradsScalars, head: Int32, slot: Int32, state_row: Int32,
                        row0: Int32, valid_rows: Int32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -546,7 +546,7 @@ class BwdGrads(TokenPrep):
         tma_barrier = storage.tma_barrier.data_ptr()
 
         if warp_idx == 0:
-            self.load_tiles(tma_tokens, tma_states, tuple((b, head) for b in (smem.q, smem.k, smem.g, smem.v, smem.do,
+            self.load_tiles(tma_tokens, states, tuple((b, head) for b in (smem.q, smem.k, smem.g, smem.v, smem.do,
                                                                               smem.du)),
                             (smem.state, smem.state_grad), tma_barrier, row0, state_row)
         # 1. workspace values and this thread's channel constants while the TMA runs
@@ -576,10 +576,11 @@ class BwdGrads(TokenPrep):
             self.beta_backward(smem, out, head, row0, valid_rows, tidx)
 
     @cute.jit
-    def load_tiles(self, tma_tokens: tuple, tma_states: tuple, token_buffers: tuple, state_buffers: tuple,
+    def load_tiles(self, tma_tokens: tuple, states: GradsStates, token_buffers: tuple, state_buffers: tuple,
                    tma_barrier, row0: Int32, state_row: Int32):
         """Warp 0: one transaction barrier; the token tiles at token row ``row0`` (``token_buffers``: (smem tile,
-        head) in ``tma_tokens``' order), the two state matrices."""
+        head) in ``tma_tokens``' order), the two state images of row ``state_row`` (one 1-D bulk copy each)."""
+        image_elements = self.dim * self.dim
         with cute.arch.elect_one():
             cute.arch.mbarrier_init(tma_barrier, 1)
             cute.arch.mbarrier_init_fence()
@@ -590,9 +591,10 @@ class BwdGrads(TokenPrep):
                 atom, cute.domain_offset((row0, 0, 0), tma_tensor), buffer, head, self.tile
             )
             cute.copy(atom, g_part[None, 0], s_part, tma_bar_ptr=tma_barrier)
-        for (atom, tma_tensor), buffer in zip(tma_states, state_buffers):
-            s_part, g_part = head_tile_tma_partition(atom, tma_tensor, buffer, 0, self.state_box)
-            cute.copy(atom, g_part[None, state_row], s_part, tma_bar_ptr=tma_barrier)
+        with cute.arch.elect_one():
+            for source, buffer in zip(states, state_buffers):
+                image = source.iterator + Int64(state_row) * image_elements
+                cp_async_bulk_shared_cluster_global(buffer.iterator, image, tma_barrier, image_elements * 2)
 
     @cute.jit
     def load_workspace_rows(self, smem, ws: GradsWorkspace, slot: Int32, tidx: Int32):
@@ -686,7 +688,7 @@ class BwdGrads(TokenPrep):
         ks = make_fragment(mma, Operand.C, Float32, tile=block)
         ks.fill(0.0)
         self.accumulate(mma, ks, smem.kd, cute.local_tile(smem.state_t, (band, self.dim), (warp_idx, 0)),
-                        False, True, K_STEPS, lane)
+                        False, False, K_STEPS, lane)
         v = self.load_c(mma, cute.local_tile(smem.v, block, (0, warp_idx)), lane)
         du = self.load_c(mma, cute.local_tile(smem.du, block, (0, warp_idx)), lane)
         beta = self.row_values(smem.beta, lane)
@@ -804,21 +806,36 @@ class BwdGrads(TokenPrep):
 
     @cute.jit
     def state_gate_grad(self, smem, thread: Int32):
-        """The dgT warps (``thread`` counts from their first lane): ``dgT[c] = Σ_v S[c, v]·dS'[c, v]`` for the
-        channels ``c ≡ thread`` modulo their thread count."""
-        run = (1, 8)
-        threads = self.num_threads - self.dgt_warp * 32
-        for part in cutlass.range_constexpr(self.dim // threads):
-            c = thread + part * threads
-            total = Float32(0.0)
-            s_run = cute.make_rmem_tensor(run, BFloat16)
-            ds_run = cute.make_rmem_tensor(run, BFloat16)
-            for j in cutlass.range_constexpr(self.dim // 8):
-                cute.autovec_copy(cute.local_tile(smem.state, run, (c, j)), s_run)
-                cute.autovec_copy(cute.local_tile(smem.state_grad, run, (c, j)), ds_run)
-                for e in cutlass.range_constexpr(8):
-                    total = total + s_run[e].to(Float32) * ds_run[e].to(Float32)
-            smem.dgt[c] = total
+        """The dgT warps (``thread`` counts from their first lane): ``dgT[c] = Σ_v S[c, v]·dS'[c, v]``.
+
+        A state matrix is a state image (8 channels contiguous per value column), so each thread takes one
+        8-channel run and a slice of the value columns, reading 16 bytes of S and of dS' a column; the
+        slices of a run are summed by butterflies inside the warp. Lane ``l`` starts its slice at column
+        offset ``l % 8``, so the 32 lanes' reads fall in distinct 16-byte bank groups, 4 wavefronts an access."""
+        run = (RUN, 1)
+        warps = self.warps - self.dgt_warp
+        runs_per_warp = self.dim // RUN // warps  # 8-channel runs a warp owns
+        slices = 32 // runs_per_warp  # value-column slices a run is split into
+        width = self.dim // slices
+        lane = thread % 32
+        channel_run = (thread // 32) * runs_per_warp + lane % runs_per_warp
+        first = (lane // runs_per_warp) * width
+        totals = cute.make_rmem_tensor((RUN,), Float32)
+        totals.fill(0.0)
+        s_run = cute.make_rmem_tensor(run, BFloat16)
+        ds_run = cute.make_rmem_tensor(run, BFloat16)
+        for i in cutlass.range_constexpr(width):
+            column = first + (i + lane % 8) % width
+            cute.autovec_copy(cute.local_tile(smem.state, run, (channel_run, column)), s_run)
+            cute.autovec_copy(cute.local_tile(smem.state_grad, run, (channel_run, column)), ds_run)
+            for e in cutlass.range_constexpr(RUN):
+                totals[e] = totals[e] + s_run[e].to(Float32) * ds_run[e].to(Float32)
+        for e in cutlass.range_constexpr(RUN):
+            total = totals[e]
+            for level in cutlass.range_constexpr(slices.bit_length() - 1):
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=runs_per_warp << level)
+            if lane < runs_per_warp:
+                smem.dgt[channel_run * RUN + e] = total
 
     @cute.jit
     def channel_band(self, smem: GradsSmem, inputs: GradsInputs, out: GradsOutputs, scalars: GradsScalars,
@@ -838,9 +855,9 @@ class BwdGrads(TokenPrep):
         d_kd = make_fragment(mma, Operand.C, Float32, tile=shape)
         d_qd.fill(0.0)
         d_kd.fill(0.0)
-        self.accumulate(mma, d_qd, smem.do, s_band, False, False, K_STEPS, lane)
+        self.accumulate(mma, d_qd, smem.do, s_band, False, True, K_STEPS, lane)
         self.accumulate(mma, d_qd, smem.dmqk, kinv_band, False, True, 1, lane)
-        self.accumulate(mma, d_kd, smem.neg_bdu, s_band, False, False, K_STEPS, lane)
+        self.accumulate(mma, d_kd, smem.neg_bdu, s_band, False, True, K_STEPS, lane)
         self.accumulate(mma, d_kd, smem.dlb, kinv_band, False, True, 1, lane)
         qd = self.load_c(mma, cute.local_tile(smem.qd, shape, (0, warp_idx)), lane)
         kd = self.load_c(mma, cute.local_tile(smem.kd, shape, (0, warp_idx)), lane)
@@ -863,7 +880,7 @@ class BwdGrads(TokenPrep):
         self.accumulate(mma, d_kinv, smem.dlb_t, cute.local_tile(smem.kd_t, (band, CHUNK), (warp_idx, 0)),
                         True, True, 1, lane)
         self.accumulate(mma, d_kr, smem.u_out, cute.local_tile(smem.state_grad, (band, self.dim), (warp_idx, 0)),
-                        False, False, K_STEPS, lane)
+                        False, True, K_STEPS, lane)
         kinv = self.load_c(mma, cute.local_tile(smem.kinv, shape, (0, warp_idx)), lane)
         kr = self.load_c(mma, cute.local_tile(smem.kr, shape, (0, warp_idx)), lane)
         cum_last = self.load_pairs(smem.cumsum, coords, c0, lane, row=CHUNK - 1)
@@ -901,8 +918,8 @@ class BwdGrads(TokenPrep):
         d_qd.fill(0.0)
         d_kd.fill(0.0)
         pair_q.fill(0.0)
-        self.accumulate(mma, d_qd, smem.do, s_band, False, False, K_STEPS, lane)
-        self.accumulate(mma, d_kd, smem.neg_bdu, s_band, False, False, K_STEPS, lane)
+        self.accumulate(mma, d_qd, smem.do, s_band, False, True, K_STEPS, lane)
+        self.accumulate(mma, d_kd, smem.neg_bdu, s_band, False, True, K_STEPS, lane)
         self.accumulate(mma, pair_q, smem.dmqk, k_hat_band, False, True, 1, lane)
         qd = self.load_c(mma, cute.local_tile(smem.qd, shape, (0, warp_idx)), lane)
         kd = self.load_c(mma, cute.local_tile(smem.kd, shape, (0, warp_idx)), lane)
@@ -928,7 +945,7 @@ class BwdGrads(TokenPrep):
         self.accumulate(mma, pair_k, smem.dlb_t, k_hat_band, True, True, 1, lane)
         self.accumulate(mma, pair_k, smem.dmqk_t, q_hat_band, True, True, 1, lane)
         self.accumulate(mma, d_kr, smem.u_out, cute.local_tile(smem.state_grad, (band, self.dim), (warp_idx, 0)),
-                        False, False, K_STEPS, lane)
+                        False, True, K_STEPS, lane)
         kr = self.load_c(mma, cute.local_tile(smem.kr, shape, (0, warp_idx)), lane)
         for i in cutlass.range_constexpr(cute.size(d_kr)):
             h = c_row_half(i)
@@ -1166,7 +1183,7 @@ class BwdGrads(TokenPrep):
 
     def make_dyadic_smem(self, storage) -> DyadicGradsSmem:
         tile, tile_t = chunk_tile(self.dim), sw128_tile_transposed(CHUNK, self.dim)
-        state, state_t = plan.state_tile(self.dim), sw128_tile_transposed(self.dim, self.dim)
+        state, state_t = plan.state_tile(self.dim), plan.state_tile_transposed(self.dim)
         fp32 = gate_cumsum_tile(self.dim)
         sq, sq_t = square_tile(), square_tile_transposed()
         rows, warp_rows = plan.row_vector(), plan.warp_rows(self.warps)
@@ -1204,7 +1221,7 @@ class BwdGrads(TokenPrep):
         )
 
     @cute.jit
-    def tile_gradients_dyadic(self, tma_tokens: tuple, tma_states: tuple, inputs: GradsInputs, ws: GradsWorkspace,
+    def tile_gradients_dyadic(self, tma_tokens: tuple, states: GradsStates, inputs: GradsInputs, ws: GradsWorkspace,
                               out: GradsOutputs, scalars: GradsScalars, head: Int32, qk_head: Int32, slot: Int32,
                               state_row: Int32, row0: Int32, valid_rows: Int32):
         """The phases of a per-channel unbounded gate (module docstring; docs/numerics.md, "Kernel B for the
@@ -1217,7 +1234,7 @@ class BwdGrads(TokenPrep):
         tma_barrier = storage.tma_barrier.data_ptr()
 
         if warp_idx == 0:
-            self.load_tiles(tma_tokens, tma_states, ((smem.q, qk_head), (smem.k, qk_head), (smem.v, head),
+            self.load_tiles(tma_tokens, states, ((smem.q, qk_head), (smem.k, qk_head), (smem.v, head),
                                                      (smem.do, head), (smem.du, head)),
                             (smem.state, smem.state_grad), tma_barrier, row0, state_row)
         # 1. workspace values, this thread's channel of g and its gate constants while the TMA runs
@@ -1331,10 +1348,10 @@ class BwdGrads(TokenPrep):
         d_qd.fill(0.0)
         d_kd.fill(0.0)
         d_kr.fill(0.0)
-        self.accumulate(mma, d_qd, smem.do, s_band, False, False, K_STEPS, lane)
-        self.accumulate(mma, d_kd, smem.neg_bdu, s_band, False, False, K_STEPS, lane)
+        self.accumulate(mma, d_qd, smem.do, s_band, False, True, K_STEPS, lane)
+        self.accumulate(mma, d_kd, smem.neg_bdu, s_band, False, True, K_STEPS, lane)
         self.accumulate(mma, d_kr, smem.u_out, cute.local_tile(smem.state_grad, (band, self.dim), (warp_idx, 0)),
-                        False, False, K_STEPS, lane)
+                        False, True, K_STEPS, lane)
         cute.arch.sync_threads()  # every warp's reads of S and dS' are done: their bytes take the sums below
 
         # Mqk's diagonal: dqh += dMqk_ii·kh_i, dkh += dMqk_ii·qh_i (kh, qh from the raw q, k in L2)

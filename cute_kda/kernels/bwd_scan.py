@@ -25,12 +25,13 @@ V-split 8), warp ``m`` TMA-loads the input stages (dO band, kd, qd, kr, gT, INV,
 warp ``m + 1`` stores the output stages (dv and du tiles; TMA for a full tile, the valid rows of a
 tail tile by plain stores).
 
-The snapshot of a tile goes from the band buffer to global memory through registers: on a snapshot
-tile the combine reads each 16-row block of ``dS'`` (bf16, as the buffer holds it) into a C fragment
-before the block is updated, and each lane stores the 32-bit pairs it holds. (Rounding the fp32 block
-for it instead measured 296 B of spills at V-split 1 in the compile report.)
-Snapshots are kept once per block of ``snapshot_every`` global tiles (default 4: 64 tokens) and
-at the last tile of each sequence, ``[H · slots, K, V]`` bf16 (:func:`cute_kda.workspace.snapshot_slots`).
+The snapshot of a tile is ``dS'`` as the band buffer holds it (bf16) when the tile starts: each compute
+warp bulk-copies its rows of the buffer into the snapshot's state image
+(:func:`cute_kda.layouts.fwd_recurrence.state_image`, D / 8 runs of 1-D bulk copies from one lane), and
+the combine waits for that read before it writes the rows again.
+Snapshots are kept once per block of ``snapshot_every`` global tiles and at the last tile of each
+sequence, bf16 ``[H · slots, D, D]`` state images (:func:`cute_kda.workspace.snapshot_slots`,
+:func:`cute_kda.workspace.images_to_states`).
 Global tensors: dO / dv / du ``[B, T, H, V]``; dht / dh0 ``[N, H, V, K]`` (none, bf16, fp32).
 
 Inputs are assumed valid (the launcher's callers check them): the K1 workspace of the forward
@@ -339,7 +340,6 @@ class BwdScan(BandScan):
         ldsm_a_t = copies.ldsm_a_t.get_slice(lane)
         ldsm_b = copies.ldsm_b.get_slice(lane)
         ldsm_b_t = copies.ldsm_b_t.get_slice(lane)
-        ldsm_c_t = copies.ldsm_c_t.get_slice(lane)
         stsm_c = copies.stsm_c.get_slice(lane)
         stsm_c_t = copies.stsm_c_t.get_slice(lane)
 
@@ -360,7 +360,6 @@ class BwdScan(BandScan):
         p_do_t = ldsm_b_t.partition_S(w_do_t)  # (CPY, n, 1, stage)
         p_dv = stsm_c.partition_D(w_dv)
         p_du = stsm_c.partition_D(w_du)
-        p_ds_acc_ld = ldsm_c_t.partition_S(w_ds_acc)  # (CPY, k_steps, n)
         p_ds_acc_st = stsm_c_t.partition_D(w_ds_acc)
 
         # register fragments
@@ -389,15 +388,18 @@ class BwdScan(BandScan):
         v_do_b = ldsm_b_t.retile(r_do_b)
         v_dv = stsm_c.retile(r_dv)
         v_du = stsm_c.retile(r_c16)
-        v_ds_acc_ld = ldsm_c_t.retile(r_ds_acc)
         v_ds_acc_st = stsm_c_t.retile(r_ds_acc)
-
-        snapshot_column = self.band_words_column(band, warp_idx, lane)
 
         load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.plan.input_stages)
         out_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.plan.output_stages)
         for step in cutlass.range(num_tiles, unroll=1):
             tile = self.tile_at(step, num_tiles)
+            # dS' entering the tile, as the band buffer holds it (the last tile's writes are fenced)
+            global_tile = first_tile + tile
+            take_snapshot = (global_tile % self.snapshot_every == self.snapshot_every - 1) or (tile == num_tiles - 1)
+            if take_snapshot:
+                snapshot = self.band_image(snapshots, snapshot_row0 + global_tile // self.snapshot_every)
+                self.store_band_image(snapshot, smem.ds, band, warp_idx)
             load_pipe.consumer_wait(load_state)
             stage = load_state.index
 
@@ -442,19 +444,15 @@ class BwdScan(BandScan):
             transpose_c_to_b(r_ndv, r_ndv_b)
 
             # G4 + G5 + combine, row block m of 16 k: dS32 ← qdᵀ·dO − kdᵀ·dv + f32(gT·dS32) (the decayed
-            # block is the C of G4), then dS = bf16(dS32) → the band buffer; the block's dS' goes to the
-            # snapshot first (on a snapshot tile); block m+1's qdᵀ, kdᵀ and gT are read before block m is stored
-            global_tile = first_tile + tile
-            take_snapshot = (global_tile % self.snapshot_every == self.snapshot_every - 1) or (tile == num_tiles - 1)
-            snapshot = self.band_matrix_words(snapshots, snapshot_row0 + global_tile // self.snapshot_every)
+            # block is the C of G4), then dS = bf16(dS32) → the band buffer (after the snapshot's copy has read
+            # it); block m+1's qdᵀ, kdᵀ and gT are read before block m is stored
+            if take_snapshot:
+                self.wait_band_image_read()
             cute.copy(ldsm_a_t, p_qd_t[None, 0, None, stage], v_qd_t[None, 0, None])
             cute.copy(ldsm_a_t, p_kd_t[None, 0, None, stage], v_kd_t[None, 0, None])
             decay = self.fragment_rows(smem.gt, stage, group, 0)
             for m in cutlass.range_constexpr(k_steps):
                 block = ds32[m]
-                if take_snapshot:  # dS' as the band buffer holds it (bf16), read back on the snapshot tiles only
-                    cute.copy(ldsm_c_t, p_ds_acc_ld[None, m, None], v_ds_acc_ld[None, m, None])
-                    self.store_band_block(snapshot, ds_words, m, lane, snapshot_column)
                 for i in cutlass.range_constexpr(cute.size(block)):
                     block[i] = mul_rn(decay[c_row_half(i)], block[i])
                 cute.gemm(tiled_mma, block, r_qd_t[None, m, None], r_do_b[None, None, 0], block)
@@ -466,7 +464,9 @@ class BwdScan(BandScan):
                 self.round_block(block, ds_words, m)
                 cute.copy(stsm_c_t, v_ds_acc_st[None, m, None], p_ds_acc_st[None, m, None])
 
-            # the warp's dS columns and its reads of this stage are complete before lane 0 releases it
+            # the warp's dS columns and its reads of this stage are complete before lane 0 releases it (and its
+            # band writes fenced for the next tile's snapshot copy)
+            cute.arch.fence_view_async_shared()
             cute.arch.sync_warp()
             load_pipe.consumer_release(load_state)
             load_state.advance()

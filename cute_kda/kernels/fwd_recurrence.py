@@ -115,7 +115,7 @@ class FwdRecurrence(BandScan):
     of the ``[N, H, V, K]`` state tensors). ``varlen``: sequences packed along T with ``cu_seqlens``.
     ``checkpoints``: the training variant, which also keeps ``S = bf16(S32)`` entering every block of
     ``checkpoint_every`` global tiles (default :data:`~cute_kda.workspace.SNAPSHOT_TILES`; and each
-    sequence's first tile) for the backward, ``[H · slots, K, V]`` bf16
+    sequence's first tile) for the backward, ``[H · slots, D, D]`` bf16 state images
     (:func:`cute_kda.workspace.snapshot_slots`: the slot of a block is the one the backward scan keeps
     its gradient in).
     """
@@ -326,7 +326,9 @@ class FwdRecurrence(BandScan):
 
         Training variant: global tile ``g = first_tile + tile`` that starts a block of
         ``checkpoint_every`` (or its sequence) keeps the state entering it in checkpoint row
-        ``checkpoint_row0 + g // checkpoint_every``: Phase 6 stores each old row block before the update.
+        ``checkpoint_row0 + g // checkpoint_every``: at the top of the tile each warp bulk-copies its rows
+        of the state buffer there (:meth:`store_band_image`) and Phase 6 waits for that read before it
+        writes them.
         """
         lane = cute.arch.lane_idx()
         group = lane // 4  # fragment row g (rows g and g + 8)
@@ -341,7 +343,6 @@ class FwdRecurrence(BandScan):
         ldsm_b = copies.ldsm_b.get_slice(lane)
         ldsm_c = copies.ldsm_c.get_slice(lane)
         stsm_c = copies.stsm_c.get_slice(lane)
-        ldsm_c_t = copies.ldsm_c_t.get_slice(lane)
         stsm_c_t = copies.stsm_c_t.get_slice(lane)
 
         # the warp's columns of the state (both views), of v and of out
@@ -359,7 +360,6 @@ class FwdRecurrence(BandScan):
         p_state = ldsm_b.partition_S(w_state)  # (CPY, n, k_steps)
         p_v = ldsm_c.partition_S(w_v)  # (CPY, 1, n, stage)
         p_out = stsm_c.partition_D(w_out)
-        p_state_acc_ld = ldsm_c_t.partition_S(w_state_acc)  # (CPY, k_steps, n): the checkpoint reads
         p_state_acc_st = stsm_c_t.partition_D(w_state_acc)
 
         # register fragments
@@ -385,15 +385,19 @@ class FwdRecurrence(BandScan):
         v_kr_t = ldsm_a_t.retile(r_kr_t)
         v_v = ldsm_c.retile(r_v)
         v_out = stsm_c.retile(r_c16)
-        v_state_acc_ld = ldsm_c_t.retile(r_state_acc)
         v_state_acc_st = stsm_c_t.retile(r_state_acc)
         state_words = cute.recast_tensor(r_state_acc, Uint32)  # ((1,2), k_steps, n): pairs of value columns
-        if const_expr(self.checkpoints):
-            checkpoint_column = self.band_words_column(band, warp_idx, lane)
 
         load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.plan.input_stages)
         out_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.plan.output_stages)
         for tile in cutlass.range(num_tiles, unroll=1):
+            if const_expr(self.checkpoints):
+                # the state entering the tile, as the buffer holds it (the last tile's writes are fenced)
+                global_tile = first_tile + tile
+                take_checkpoint = (global_tile % self.checkpoint_every == 0) or (tile == 0)
+                if take_checkpoint:
+                    checkpoint = self.band_image(checkpoints, checkpoint_row0 + global_tile // self.checkpoint_every)
+                    self.store_band_image(checkpoint, smem.state, band, warp_idx)
             load_pipe.consumer_wait(load_state)
             stage = load_state.index
             # gT of every row block, read now so that Phase 6's decays wait on no load
@@ -440,19 +444,13 @@ class FwdRecurrence(BandScan):
             out_state.advance()
 
             # Phase 6: S32 ← krᵀ·U + f32(gT·S32), row block m of 16 k at a time (the decayed block is the
-            # mma's C), then S = bf16(S32) → the state buffer; on a checkpoint tile the entering S of the
-            # block is stored first (read from the buffer: rounding S32 for it cost 29 registers)
+            # mma's C), then S = bf16(S32) → the state buffer (after the checkpoint's copy has read it)
             if const_expr(self.checkpoints):
-                global_tile = first_tile + tile
-                take_checkpoint = (global_tile % self.checkpoint_every == 0) or (tile == 0)
-                checkpoint = self.band_matrix_words(checkpoints, checkpoint_row0 + global_tile // self.checkpoint_every)
+                if take_checkpoint:
+                    self.wait_band_image_read()
             # block m+1's krᵀ is read before block m is stored, so no load waits behind a store
             cute.copy(ldsm_a_t, p_kr_t[None, 0, None, stage], v_kr_t[None, 0, None])
             for m in cutlass.range_constexpr(k_steps):
-                if const_expr(self.checkpoints):
-                    if take_checkpoint:  # S as the state buffer holds it, read back on checkpoint tiles only
-                        cute.copy(ldsm_c_t, p_state_acc_ld[None, m, None], v_state_acc_ld[None, m, None])
-                        self.store_band_block(checkpoint, state_words, m, lane, checkpoint_column)
                 block = state32[m]
                 for i in cutlass.range_constexpr(cute.size(block)):
                     block[i] = mul_rn(decays[m][c_row_half(i)], block[i])
@@ -462,7 +460,10 @@ class FwdRecurrence(BandScan):
                 self.round_block(block, state_words, m)
                 cute.copy(stsm_c_t, v_state_acc_st[None, m, None], p_state_acc_st[None, m, None])
 
-            # the warp's state columns and its reads of this stage are complete before lane 0 releases it
+            # the warp's state columns and its reads of this stage are complete before lane 0 releases it (and
+            # its state writes fenced for the next tile's checkpoint copy)
+            if const_expr(self.checkpoints):
+                cute.arch.fence_view_async_shared()
             cute.arch.sync_warp()
             load_pipe.consumer_release(load_state)
             load_state.advance()

@@ -5,9 +5,10 @@ bf16 tile and both ``[128, 128]`` state matrices use K1's 128-byte-swizzled ``K_
 (:func:`cute_kda.layouts.fwd_prepare.chunk_tile`): the TMA's ``SWIZZLE_128B`` mode, conflict-free
 16-byte runs for the elementwise phases, and ``ldmatrix`` / ``ldmatrix.trans`` through the tile or
 its ``MN_SW128`` transposed view (:func:`cute_kda.layouts.smem.sw128_tile_transposed`), as each
-product needs. A state matrix is ``[K, V]`` (V contiguous, as the checkpoints and snapshots are in
-global memory): ``S`` as ``[K, V]`` is the B operand of ``dO·Sᵀ`` (n = K, k = V), its ``[V, K]`` view
-that of ``kd·S`` (n = V, k = K, ``ldmatrix.trans``). The 16×16 matrices (INV, dMqk, β·dL) are
+product needs. A state matrix arrives as the scan kernels keep it in global memory, a state image
+(:func:`cute_kda.layouts.fwd_recurrence.state_image`: K_INTER ``[V, K]``, 8 k contiguous), by one 1-D
+bulk copy: its ``[V, K]`` face is the B operand of ``kd·S`` (n = V, k = K), its ``[K, V]`` MN_INTER face
+that of ``dO·Sᵀ`` (n = K, k = V, ``ldmatrix.trans``); both read 128-byte core matrices, conflict-free. The 16×16 matrices (INV, dMqk, β·dL) are
 K_INTER operand tiles with their transposed views. The fp32 ``[16, 128]`` tiles (G, dG, dkr⊙kr) use
 K1's gate-cumsum layout.
 """
@@ -21,12 +22,12 @@ from ..numerics import DYADIC_BLOCKS
 from .analysis import layout_spec
 from .budget import SmemBudget, SmemBuffer, SmemGroup, mbarriers
 from .fwd_prepare import chunk_tile, gate_cumsum_tile, pair_matrix, row_vector
-from .smem import CHUNK, HEAD_DIM, square_tile, sw128_tile, vector
+from .smem import CHUNK, HEAD_DIM, square_tile, state_acc_view, state_b_view, vector
 
 TOKEN_TILES = ("q", "k", "g", "v", "do", "du")  # TMA-loaded [16, D] bf16 tiles, in load order
 PER_HEAD_TOKEN_TILES = ("q", "k", "v", "do", "du")  # a per-head gate is one value a row, not a tile
 PER_HEAD_ROWS = ("gate", "decay", "prefix", "suffix", "x_rows", "y_rows")  # [16] fp32 of a per-head gate
-STATE_TILES = ("state", "state_grad")  # TMA-loaded [D, D] bf16: S entering the tile, dS' after it
+STATE_TILES = ("state", "state_grad")  # bulk-loaded [D, D] bf16 state images: S entering the tile, dS' after it
 ROW_VECTORS = ("beta", "rinv_q", "rinv_k", "dbeta_square")  # [16] fp32
 COMPUTE_WARPS = (4, 8)  # warps per CTA the kernel is built for; warp w owns columns w·(D/warps) …
 DEFAULT_WARPS = 8  # measured faster than 4 (docs/perf-log.md, B1)
@@ -37,8 +38,15 @@ DYADIC_CTAS_PER_SM = 1  # the dyadic plan's first form
 
 
 def state_tile(dim: int = HEAD_DIM):
-    """``[D, D]`` bf16 ``K_SW128`` tile (a state or state gradient, ``[K, V]``)."""
-    return sw128_tile(dim, dim, cutlass.BFloat16)
+    """``[K, V]`` face of a state (or state gradient) matrix as the kernels keep it: the state image
+    (:func:`cute_kda.layouts.fwd_recurrence.state_image`) seen through its MN_INTER atoms, so the matrix
+    arrives by one 1-D bulk copy."""
+    return state_acc_view(dim)
+
+
+def state_tile_transposed(dim: int = HEAD_DIM):
+    """``[V, K]`` face of :func:`state_tile` (the image's own K_INTER layout), same bytes."""
+    return state_b_view(dim)
 
 
 def warp_rows(warps: int, chunk: int = CHUNK):

@@ -226,6 +226,16 @@ def state_acc(plan: RecurrenceSmemPlan):
     return state_acc_view(plan.dim, vband=plan.v_band)
 
 
+def state_image(dim: int = HEAD_DIM):
+    """``[V, K]`` layout of a kept state matrix in global memory (the training forward's checkpoints, Kernel A's
+    snapshots, both bf16): the bytes of a whole V-split-1 state buffer (:func:`state_b` with ``v_band = D``).
+    Element ``[v, k]`` is at ``1024 · (k // 8) + 8 · v + k % 8`` (D = 128): a compute warp's rows of its band
+    buffer are D / 8 contiguous runs there and in the image at every V-split, so 1-D bulk copies move them,
+    and Kernel B loads a matrix into shared memory as one bulk copy. :func:`cute_kda.workspace.images_to_states`
+    turns images into ``[K, V]`` matrices."""
+    return state_b_view(dim)
+
+
 def state_fp32(plan: RecurrenceSmemPlan):
     """fp32 staging ``[v_band, D]``: the element layout of :func:`state_b` with fp32 elements.
 

@@ -140,7 +140,7 @@ def bwd_grads(
     ``[B, T, H]``, w.r.t. beta as the forward took it (the logits when ``beta_logits``; β itself enters
     through the workspace's activated ``ws.beta``); A_log fp32 ``[H]``, dt_bias fp32 ``[H, 128]``; ws: the forward's K1
     workspace. states: the training forward's per-tile checkpoints, state_grads: Kernel A's per-tile
-    snapshots, both bf16 ``block_states_shape(ws, H, N)``. ddt_partial fp32 ``[H, tiles, 128]``,
+    snapshots, both bf16 ``block_states_shape(ws, H, N)`` state images. ddt_partial fp32 ``[H, tiles, 128]``,
     dalog_partial fp32 ``[H, tiles]`` (:func:`gate_partials_shapes`): every slot is written (0 for slots
     that are no tile), so ``ddt_bias = ddt_partial.sum(1)`` and ``dA_log = dalog_partial.sum(1)``.
     ``scale`` and ``lower_bound`` as the forward's; ``cu_seqlens`` int64 ``[N+1]`` with B == 1 packs N

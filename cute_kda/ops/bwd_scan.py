@@ -127,7 +127,7 @@ def bwd_scan(
     do, dv, du: bf16 ``[B, T, H, 128]`` (dO the gradient w.r.t. the forward's output; du the gradient
     w.r.t. ``u = β ⊙ (v − kd S)`` of each tile, for the tile-gradient kernel; dv the gradient w.r.t. v).
     ws: the K1 :class:`~cute_kda.workspace.Workspace` of the forward these gradients belong to.
-    snapshots: bf16 ``[H · slots, K, V]`` (:func:`cute_kda.workspace.block_states_shape`): row ``h · slots + g // 4 + s``
+    snapshots: bf16 ``[H · slots, D, D]`` state images (:func:`cute_kda.workspace.block_states_shape`): row ``h · slots + g // 4 + s``
     receives the gradient w.r.t. the state after global tile ``g`` of sequence ``s``, head ``h``,
     where ``g`` ends a block of 4 global tiles or the sequence (:func:`~cute_kda.workspace.snapshot_slots`);
     other rows are not written. dht: None (zero) or bf16 / fp32 ``[N, H, V, K]``, the gradient w.r.t. the final

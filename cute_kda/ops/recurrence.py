@@ -109,8 +109,8 @@ def recurrence(
     selects the variant; the state is fp32 between tiles). ``cu_seqlens`` int64 ``[N+1]`` with B == 1
     packs N sequences; ``tile_base`` int32 ``[N+1]`` (prefix sums of ``ceil(len / 16)``) is derived
     from it when not given. ``vsplit`` None: :func:`choose_vsplit`. ``checkpoints``: None, or bf16
-    ``[H · slots, K, V]`` (:func:`cute_kda.workspace.block_states_shape`) for the training forward, which also keeps
-    the bf16 state entering every block of :data:`~cute_kda.workspace.SNAPSHOT_TILES` tiles there (the slots of
+    ``[H · slots, D, D]`` state images (:func:`cute_kda.workspace.block_states_shape`) for the training forward, which
+    also keeps the bf16 state entering every block of :data:`~cute_kda.workspace.SNAPSHOT_TILES` tiles there (the slots of
     :func:`cute_kda.workspace.snapshot_slots`; other rows are not written). Launches on ``stream`` (a ``CUstream``; default torch's current stream
     on v's device).
     """

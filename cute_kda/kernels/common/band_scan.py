@@ -24,6 +24,7 @@ from typing import NamedTuple, Optional
 
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.experimental.primitives import cp_async_bulk_global_shared_cta
 
 import cutlass.pipeline as pipeline
 
@@ -44,7 +45,6 @@ class WarpCopies(NamedTuple):
     ldsm_b: cute.TiledCopy  # B from K_INTER: the warp's band rows [cols, K]
     ldsm_b_t: cute.TiledCopy  # B from MN_INTER: the warp's columns of a token tile, as [cols, 16]
     ldsm_c: cute.TiledCopy  # C from K_INTER: the warp's columns of a token tile [16, cols]
-    ldsm_c_t: cute.TiledCopy  # C from MN_INTER: the warp's band columns [K, cols]
     stsm_c: cute.TiledCopy  # C to K_INTER: the warp's columns of an output tile [16, cols]
     stsm_c_t: cute.TiledCopy  # C to MN_INTER: the warp's band columns [K, cols]
 
@@ -397,31 +397,38 @@ class BandScan:
     # -----------------------------------------------------------------------------------------
     # compute warps
 
-    # band matrices kept in global memory (the backward's snapshots, the training forward's checkpoints)
+    # band matrices kept in global memory (the backward's snapshots, the training forward's checkpoints), as
+    # state images (layouts.fwd_recurrence.state_image): each warp's rows of the bf16 band buffer are D / 8
+    # contiguous runs of warp_cols · 16 bytes there and in the image, so 1-D bulk copies move them
 
-    def band_words_column(self, band: Int32, warp_idx: Int32, lane: Int32) -> Int32:
-        """First 32-bit word column of the lane in a ``[K, V]`` bf16 matrix: its first value column / 2."""
-        return (band * self.v_band + warp_idx * self.warp_cols) // 2 + lane % 4
-
-    def band_matrix_words(self, matrices: cute.Tensor, index) -> cute.Tensor:
-        """Matrix ``index`` of a ``[rows, K, V]`` bf16 tensor as 32-bit words ``[K, V / 2]`` (64-bit offset)."""
-        words_per_row = self.dim // 2
-        base = cute.recast_ptr(matrices.iterator, dtype=Uint32) + Int64(index) * (self.dim * words_per_row)
-        return cute.make_tensor(base, cute.make_layout((self.dim, words_per_row), stride=(words_per_row, 1)))
+    def band_image(self, images: cute.Tensor, index) -> cute.Tensor:
+        """Matrix ``index`` of a ``[rows, D, D]`` bf16 tensor of state images as its ``[V, K]`` view (64-bit offset)."""
+        base = images.iterator + Int64(index) * (self.dim * self.dim)
+        return cute.make_tensor(base, layouts.state_image(self.dim))
 
     @cute.jit
-    def store_band_block(self, words: cute.Tensor, fragment_words: cute.Tensor, m: int, lane: Int32,
-                         column: Int32):
-        """Row block ``m`` (16 k) of the warp's ``[K, cols]`` C fragment → ``words`` (:meth:`band_matrix_words`).
+    def store_band_image(self, image: cute.Tensor, band_state: cute.Tensor, band: Int32, warp_idx: Int32):
+        """The warp's ``warp_cols`` rows of the bf16 band buffer ``band_state`` (``[v_band, D]``) → their rows of
+        ``image`` (:meth:`band_image`): one lane issues D / 8 bulk copies (one per 8-k run) as one bulk group.
 
-        ``fragment_words``: the fragment recast to 32 bits, ``((1, 2), k_steps, atoms)``; word ``(h, m, j)``
-        holds value columns ``8j + 2q, +1`` of row ``16m + g + 8h`` (``g = lane / 4``, ``q = lane % 4``),
-        so every lane stores one word per (row half, atom); ``column``: :meth:`band_words_column`.
-        """
-        group = lane // 4
-        for half in cutlass.range_constexpr(2):
-            for atom in cutlass.range_constexpr(self.warp_cols // 8):
-                words[CHUNK * m + group + 8 * half, column + 4 * atom] = fragment_words[(0, half), m, atom]
+        Call from the whole warp after each lane fenced its writes to those rows
+        (``fence_view_async_shared``) and the warp synchronised; :meth:`wait_band_image_read` before the rows
+        are written again."""
+        cols = self.warp_cols
+        image_row_block = band * (self.v_band // cols) + warp_idx
+        with cute.arch.elect_one():
+            for j in cutlass.range_constexpr(self.dim // layouts.RUN):
+                source = cute.local_tile(band_state, (cols, layouts.RUN), (warp_idx, j))
+                target = cute.local_tile(image, (cols, layouts.RUN), (image_row_block, j))
+                cp_async_bulk_global_shared_cta(target.iterator, source.iterator, cols * layouts.RUN * 2)
+            cute.arch.cp_async_bulk_commit_group()
+
+    @staticmethod
+    def wait_band_image_read():
+        """The warp's bulk copies have read the band buffer (so the warp may overwrite it)."""
+        with cute.arch.elect_one():
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.sync_warp()
 
     # a band kept in fp32 in the compute warps' registers (K2's state): row block m of 16 k of the warp's
     # [K, cols] columns is one C fragment, the accumulator of that block's update mma
@@ -497,7 +504,6 @@ class BandScan:
             ldsm_b=tiled(cute.make_tiled_copy_B, warp.LdMatrix8x8x16bOp(False, band)),
             ldsm_b_t=tiled(cute.make_tiled_copy_B, warp.LdMatrix8x8x16bOp(True, band)),
             ldsm_c=tiled(cute.make_tiled_copy_C, warp.LdMatrix8x8x16bOp(False, band)),
-            ldsm_c_t=tiled(cute.make_tiled_copy_C, warp.LdMatrix8x8x16bOp(True, band)),
             stsm_c=tiled(cute.make_tiled_copy_C, warp.StMatrix8x8x16bOp(False, band)),
             stsm_c_t=tiled(cute.make_tiled_copy_C, warp.StMatrix8x8x16bOp(True, band)),
         )
