@@ -28,7 +28,8 @@ tail tile by plain stores).
 The snapshot of a tile is ``dS'`` as the band buffer holds it (bf16) when the tile starts: each compute
 warp bulk-copies its rows of the buffer into the snapshot's state image
 (:func:`cute_kda.layouts.fwd_recurrence.state_image`, D / 8 runs of 1-D bulk copies from one lane), and
-the combine waits for that read before it writes the rows again.
+the combine waits for that read before it writes the rows again; warps of bands under 32 columns store
+instead the B fragment of ``dS'`` that G2 loaded (32-bit words from every lane).
 Snapshots are kept once per block of ``snapshot_every`` global tiles and at the last tile of each
 sequence, bf16 ``[H · slots, D, D]`` state images (:func:`cute_kda.workspace.snapshot_slots`,
 :func:`cute_kda.workspace.images_to_states`).
@@ -397,9 +398,10 @@ class BwdScan(BandScan):
             # dS' entering the tile, as the band buffer holds it (the last tile's writes are fenced)
             global_tile = first_tile + tile
             take_snapshot = (global_tile % self.snapshot_every == self.snapshot_every - 1) or (tile == num_tiles - 1)
-            if take_snapshot:
-                snapshot = self.band_image(snapshots, snapshot_row0 + global_tile // self.snapshot_every)
-                self.store_band_image(snapshot, smem.ds, band, warp_idx)
+            snapshot = self.band_image(snapshots, snapshot_row0 + global_tile // self.snapshot_every)
+            if const_expr(self.image_by_bulk):
+                if take_snapshot:
+                    self.store_band_image(snapshot, smem.ds, band, warp_idx)
             load_pipe.consumer_wait(load_state)
             stage = load_state.index
 
@@ -418,6 +420,9 @@ class BwdScan(BandScan):
                     cute.copy(ldsm_b, p_ds[None, None, k + 1], v_ds[None, None, k + 1])
                 target = acc_ds if const_expr(self.split_accumulator and k % 2 == 1) else acc
                 cute.gemm(tiled_mma, target, r_kr[None, None, k], r_ds[None, None, k], target)
+            if const_expr(not self.image_by_bulk):
+                if take_snapshot:  # narrow bands: dS' as G2 loaded it
+                    self.store_band_fragment(snapshot, r_ds, band, warp_idx, lane)
             if const_expr(self.split_accumulator):
                 acc.store(acc.load() + acc_ds.load())
             r_c16.store(acc.load().to(BFloat16))
@@ -446,8 +451,9 @@ class BwdScan(BandScan):
             # G4 + G5 + combine, row block m of 16 k: dS32 ← qdᵀ·dO − kdᵀ·dv + f32(gT·dS32) (the decayed
             # block is the C of G4), then dS = bf16(dS32) → the band buffer (after the snapshot's copy has read
             # it); block m+1's qdᵀ, kdᵀ and gT are read before block m is stored
-            if take_snapshot:
-                self.wait_band_image_read()
+            if const_expr(self.image_by_bulk):
+                if take_snapshot:
+                    self.wait_band_image_read()
             cute.copy(ldsm_a_t, p_qd_t[None, 0, None, stage], v_qd_t[None, 0, None])
             cute.copy(ldsm_a_t, p_kd_t[None, 0, None, stage], v_kd_t[None, 0, None])
             decay = self.fragment_rows(smem.gt, stage, group, 0)
@@ -466,7 +472,8 @@ class BwdScan(BandScan):
 
             # the warp's dS columns and its reads of this stage are complete before lane 0 releases it (and its
             # band writes fenced for the next tile's snapshot copy)
-            cute.arch.fence_view_async_shared()
+            if const_expr(self.image_by_bulk):
+                cute.arch.fence_view_async_shared()
             cute.arch.sync_warp()
             load_pipe.consumer_release(load_state)
             load_state.advance()

@@ -328,7 +328,7 @@ class FwdRecurrence(BandScan):
         ``checkpoint_every`` (or its sequence) keeps the state entering it in checkpoint row
         ``checkpoint_row0 + g // checkpoint_every``: at the top of the tile each warp bulk-copies its rows
         of the state buffer there (:meth:`store_band_image`) and Phase 6 waits for that read before it
-        writes them.
+        writes them; warps of narrower bands store the state as Phase 1 loaded it (:meth:`store_band_fragment`).
         """
         lane = cute.arch.lane_idx()
         group = lane // 4  # fragment row g (rows g and g + 8)
@@ -395,9 +395,10 @@ class FwdRecurrence(BandScan):
                 # the state entering the tile, as the buffer holds it (the last tile's writes are fenced)
                 global_tile = first_tile + tile
                 take_checkpoint = (global_tile % self.checkpoint_every == 0) or (tile == 0)
-                if take_checkpoint:
-                    checkpoint = self.band_image(checkpoints, checkpoint_row0 + global_tile // self.checkpoint_every)
-                    self.store_band_image(checkpoint, smem.state, band, warp_idx)
+                checkpoint = self.band_image(checkpoints, checkpoint_row0 + global_tile // self.checkpoint_every)
+                if const_expr(self.image_by_bulk):
+                    if take_checkpoint:
+                        self.store_band_image(checkpoint, smem.state, band, warp_idx)
             load_pipe.consumer_wait(load_state)
             stage = load_state.index
             # gT of every row block, read now so that Phase 6's decays wait on no load
@@ -416,6 +417,9 @@ class FwdRecurrence(BandScan):
                     cute.copy(ldsm_b, p_state[None, None, k + 1], v_state[None, None, k + 1])
                 cute.gemm(tiled_mma, acc_ks, r_kd[None, None, k], r_state[None, None, k], acc_ks)
                 cute.gemm(tiled_mma, acc_qs, r_qd[None, None, k], r_state[None, None, k], acc_qs)
+            if const_expr(self.checkpoints and not self.image_by_bulk):
+                if take_checkpoint:  # narrow bands: S as Phase 1 loaded it
+                    self.store_band_fragment(checkpoint, r_state, band, warp_idx, lane)
 
             # Phase 2: u = bf16(f32(v − kS)·β) in C format
             cute.copy(ldsm_c, p_v[None, None, None, stage], v_v)
@@ -445,7 +449,7 @@ class FwdRecurrence(BandScan):
 
             # Phase 6: S32 ← krᵀ·U + f32(gT·S32), row block m of 16 k at a time (the decayed block is the
             # mma's C), then S = bf16(S32) → the state buffer (after the checkpoint's copy has read it)
-            if const_expr(self.checkpoints):
+            if const_expr(self.checkpoints and self.image_by_bulk):
                 if take_checkpoint:
                     self.wait_band_image_read()
             # block m+1's krᵀ is read before block m is stored, so no load waits behind a store
@@ -462,7 +466,7 @@ class FwdRecurrence(BandScan):
 
             # the warp's state columns and its reads of this stage are complete before lane 0 releases it (and
             # its state writes fenced for the next tile's checkpoint copy)
-            if const_expr(self.checkpoints):
+            if const_expr(self.checkpoints and self.image_by_bulk):
                 cute.arch.fence_view_async_shared()
             cute.arch.sync_warp()
             load_pipe.consumer_release(load_state)

@@ -36,6 +36,8 @@ from ...numerics import CHUNK
 from .copy import c_row_half, smem_tensor, tma_store_tiles
 from .fastmath import pack_bf16x2
 
+BULK_IMAGE_COLS = 32  # narrowest warp band whose kept rows leave by bulk copies
+
 
 class WarpCopies(NamedTuple):
     """Tiled copies of a compute warp, by operand and direction (which smem view each one reads)."""
@@ -399,7 +401,16 @@ class BandScan:
 
     # band matrices kept in global memory (the backward's snapshots, the training forward's checkpoints), as
     # state images (layouts.fwd_recurrence.state_image): each warp's rows of the bf16 band buffer are D / 8
-    # contiguous runs of warp_cols · 16 bytes there and in the image, so 1-D bulk copies move them
+    # contiguous runs of warp_cols · 16 bytes there and in the image, so 1-D bulk copies move them. Runs of
+    # 32 columns (V-split 1) measured faster that way; narrower runs (128 bytes at 8 columns) measured slower
+    # than stores from registers (docs/perf-log.md, T5), so those warps store the B fragment of their rows
+    # that the products load anyway.
+
+    @property
+    def image_by_bulk(self) -> bool:
+        """Whether the warps' kept rows leave by bulk copies (:meth:`store_band_image`), not by
+        :meth:`store_band_fragment`."""
+        return self.warp_cols >= BULK_IMAGE_COLS
 
     def band_image(self, images: cute.Tensor, index) -> cute.Tensor:
         """Matrix ``index`` of a ``[rows, D, D]`` bf16 tensor of state images as its ``[V, K]`` view (64-bit offset)."""
@@ -422,6 +433,27 @@ class BandScan:
                 target = cute.local_tile(image, (cols, layouts.RUN), (image_row_block, j))
                 cp_async_bulk_global_shared_cta(target.iterator, source.iterator, cols * layouts.RUN * 2)
             cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def store_band_fragment(self, image: cute.Tensor, fragment: cute.Tensor, band: Int32, warp_idx: Int32,
+                            lane: Int32):
+        """The warp's B fragment of its band rows (``[cols, K]`` bf16, ``((2, 2), n, k_steps)``, as ``ldmatrix``
+        loaded it for the products) → its rows of ``image`` (:meth:`band_image`): each lane stores its pairs of
+        consecutive k (contiguous in the image) as 32-bit words.
+
+        Word ``((0, h), j, s)`` of the fragment holds ``[v, k], [v, k + 1]`` with ``v = 8j + g``,
+        ``k = 16s + 2q + 8h`` (``g = lane / 4``, ``q = lane % 4``); in the image's words that pair sits at
+        ``4v + q + 512 · (2s + h)`` (D = 128: a k-run of 8 is ``4 · D`` words)."""
+        run_words = layouts.RUN // 2 * self.dim  # words of one 8-k run of the whole image
+        first_v = band * self.v_band + warp_idx * self.warp_cols + lane // 4
+        # the image starts on 32 KB, so its words are 4-byte aligned (a recast keeps the bf16 pointer's 2)
+        words_ptr = cute.make_ptr(Uint32, image.iterator.toint(), cute.AddressSpace.gmem, assumed_align=4)
+        base = words_ptr + (layouts.RUN // 2 * first_v + lane % 4)
+        words = cute.recast_tensor(fragment, Uint32)
+        target = cute.make_tensor(base, cute.make_layout(
+            ((1, 2), self.warp_cols // 8, self.dim // CHUNK), stride=((0, run_words), 8 * layouts.RUN // 2, 2 * run_words)))
+        for i in cutlass.range_constexpr(cute.size(words)):
+            target[i] = words[i]
 
     @staticmethod
     def wait_band_image_read():
