@@ -92,8 +92,8 @@ class GradsInputs(NamedTuple):
 
 
 class GradsStates(NamedTuple):
-    """Per-tile state matrices, ``[H · slots · D, 1, D]``: matrix ``h·slots + g + s`` of ``[H·slots, D, D]`` state
-    images (:func:`cute_kda.layouts.fwd_recurrence.state_image`), each loaded by one 1-D bulk copy."""
+    """Per-tile state matrices, ``[H · slots, D, D]`` state images (:func:`cute_kda.layouts.fwd_recurrence.state_image`):
+    matrix ``h·slots + g + s``, each loaded by one 1-D bulk copy."""
 
     state: cute.Tensor  # bf16: S entering the tile (training forward's checkpoints)
     state_grad: cute.Tensor  # bf16: dS' after the tile (Kernel A's snapshots)
@@ -355,7 +355,7 @@ class BwdGrads(TokenPrep):
         ``[N+1]`` for varlen, else None."""
         heads, qk_heads, d = inputs.v.shape[1], inputs.q.shape[1], self.dim
         scalars = GradsScalars(scale=scale, c_gate=c_gate, seq_len=seq_len,
-                               state_slots=states.state.shape[0] // (heads * d))
+                               state_slots=states.state.shape[0] // heads)
         per_head = self.per_head_gate
         gate_inner = (heads,) if per_head else (heads, d)
         with_constants = self.gate != "none"  # a log decay has neither A_log nor dt_bias (None)

@@ -52,14 +52,11 @@ def launch_arguments(
     def optional(t, shape):
         return None if t is None else tensor(t.view(*shape), 4)
 
-    def matrices(t):
-        return tensor(t.view(t.shape[0] * dim, 1, dim), 16)
-
     gate_of = (lambda t: tensor(t.view(rows, heads), 16)) if per_head else tokens
     inputs = GradsInputs(q=tokens(q, qk_heads), k=tokens(k, qk_heads), g=gate_of(g), v=tokens(v), do=tokens(do),
                          du=tokens(du), a_log=optional(A_log, (heads,)),
                          dt_bias=optional(dt_bias, (heads,) if per_head else (heads, dim)))
-    states_args = GradsStates(state=matrices(states), state_grad=matrices(state_grads))
+    states_args = GradsStates(state=tensor(states, 16), state_grad=tensor(state_grads, 16))
     workspace = GradsWorkspace(inv=tensor(ws.inv, 16), beta=tensor(ws.beta, 16))
     outputs = GradsOutputs(
         dq=tokens(dq), dk=tokens(dk), dg=gate_of(dg), dbeta=tensor(dbeta.view(rows, heads), 2),
