@@ -784,6 +784,7 @@ def test_state_images_are_the_state_image_layout():
     Kernel A's)."""
     from cute_kda.layouts import fwd_recurrence as layouts
     from cute_kda.layouts.analysis import evaluate_layout, run_traced
+    from cute_kda.layouts.bwd_scan import SCAN_VSPLITS, ScanSmemPlan
     from cute_kda.workspace import images_to_states, states_to_images
 
     image = run_traced(lambda: evaluate_layout(layouts.state_image(D), 2))
@@ -793,8 +794,6 @@ def test_state_images_are_the_state_image_layout():
     flat = states_to_images(states).flatten(1)
     assert torch.equal(flat[:, elements], states.transpose(1, 2))
     assert torch.equal(images_to_states(states_to_images(states)), states)
-    from cute_kda.layouts.bwd_scan import SCAN_VSPLITS, ScanSmemPlan
-
     plans = [RecurrenceSmemPlan(vsplit=vsplit) for vsplit in VSPLITS] + [ScanSmemPlan(vsplit=v) for v in SCAN_VSPLITS]
     for plan in plans:
         vsplit = plan.vsplit
