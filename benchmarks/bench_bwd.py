@@ -28,6 +28,13 @@ a call must move, each read or written once:
 - FLA's kernel reads qg, kg, w, dO, dv (bf16, per token), the last row of gk per chunk (fp32) and
   dht; it writes dh (bf16, per 64-token chunk), dv2 and dh0.
 
+Where the public API cuts the shape into context-parallel segments (``cute_kda.context_parallel``: fixed-length
+shapes with few (sequence, head) pairs, B1 T32768 H16 among the six), the row "Kernel A, C segments" times what
+the backward runs there instead: the training stage's scan (``cute_kda.autograd.KERNELS.scan`` on the packed
+segments), i.e. Kernel A over every segment with zero gradients leaving them, the reverse combine of their
+transitions (fp32 matmuls), and Kernel A again with each segment's gradient; its allocations included. That row is
+the "auto" one of its shape; its steps are one segment's tiles (each of the two passes), its bytes those of one pass.
+
 The training forward's extra cost is measured beside it: K2 alone on the same workspace (fp32
 state in and out) as the inference variant and as the training variant, which also writes the bf16
 state entering every block of ``cute_kda.workspace.SNAPSHOT_TILES`` tiles (one tile today;
@@ -248,8 +255,56 @@ def time_scan(name: str, inputs: dict, do: torch.Tensor, dht: torch.Tensor, vspl
             traceback.print_exc()
             row["note"] = f"error: {_first_line(error)}"
         rows.append(row)
+    segmented = time_segmented_scan(name, inputs, do, dht, warmup, rep)
+    if segmented is not None:
+        for row in rows:
+            row["auto"] = False
+        rows.append(segmented)
     rows.append(time_training_forward(name, inputs, ws, tile_base, warmup, rep))
     return rows
+
+
+def time_segmented_scan(name: str, inputs: dict, do: torch.Tensor, dht: torch.Tensor, warmup: int,
+                        rep: int) -> dict | None:
+    """The row of the backward's segmented scan (the module docstring), None where the API does not split."""
+    from cute_kda import autograd
+    from cute_kda.validation import ProblemShape
+
+    shape = SHAPES[name]
+    problem = ProblemShape(shape.batch, shape.seq_len, shape.heads, D, len(shape.lengths), shape.varlen)
+    seg = autograd.segmentation_of(problem, do.device, None, None)
+    if seg is None:
+        return None
+    options = autograd.Options(problem, D ** -0.5, LOWER_BOUND, True, True, None, None, False, "safe", seg)
+    user = autograd.Inputs(*(inputs[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")),
+                           None)
+    x, options = autograd.packed(user, options)
+    saved = autograd.KERNELS.forward(x, options).saved
+    packed_do = do.view(x.v.shape)
+
+    def launch():
+        autograd.KERNELS.scan(x, options, saved, packed_do, dht, torch.float32)
+
+    steps = seg.length // CHUNK
+    row = dict(kind="scan", vsplit=1, segments=seg.per_seq, auto=True, ctas=seg.count * shape.heads, steps=steps,
+               traffic=scan_traffic(shape.lengths, shape.heads, dht_itemsize=dht.element_size()), ms=None,
+               timing=None, note="")
+    try:
+        launch()
+        torch.cuda.synchronize()
+        row["ms"], row["timing"] = _time(launch, warmup, rep)
+        print(f"{name} Kernel A, {seg.per_seq} segments: {row['ms']:.3f} ms", file=sys.stderr)
+    except Exception as error:
+        traceback.print_exc()
+        row["note"] = f"error: {_first_line(error)}"
+    return row
+
+
+def scan_label(row: dict) -> str:
+    """The kernel column of a Kernel A row."""
+    if row.get("segments"):
+        return f"Kernel A, {row['segments']} segments × V-split {row['vsplit']} (2 passes + combine)"
+    return f"Kernel A, V-split {row['vsplit']}"
 
 
 def time_training_forward(name: str, inputs: dict, ws, tile_base, warmup: int, rep: int) -> dict:
@@ -429,7 +484,7 @@ def detail_table(results: list[dict]) -> str:
         for r in result["scan"]:
             if r["kind"] != "scan":
                 continue
-            label = f"**Kernel A, V-split {r['vsplit']}** (auto)" if r["auto"] else f"Kernel A, V-split {r['vsplit']}"
+            label = f"**{scan_label(r)}** (auto)" if r["auto"] else scan_label(r)
             ms = r["ms"]
             rows.append([
                 result["shape"], label, str(r["ctas"]), str(r["steps"]), _ms(ms) if ms is not None else r["note"],
@@ -450,8 +505,15 @@ def detail_table(results: list[dict]) -> str:
     return markdown_table(head, rows)
 
 
+def _split(row: dict | None) -> str:
+    """A row's split: its V-split, with its segments when it has them."""
+    if row is None:
+        return "—"
+    return f"{row['segments']} seg × {row['vsplit']}" if row.get("segments") else str(row["vsplit"])
+
+
 def summary_table(results: list[dict]) -> str:
-    head = ["shape", "auto V-split", "Kernel A auto ms", "best V-split", "Kernel A best ms", "FLA bwd_dhu ms",
+    head = ["shape", "auto split", "Kernel A auto ms", "best split", "Kernel A best ms", "FLA bwd_dhu ms",
             "FLA ms, issue 9 (profiler)", "best / FLA", "auto / FLA",
             f"bytes floor ms at {COPY_CEILING_TBPS} TB/s, Kernel A / FLA"]
     rows = []
@@ -465,8 +527,8 @@ def summary_table(results: list[dict]) -> str:
         floors = (floor_ms(scan_traffic(shape.lengths, shape.heads).total),
                   floor_ms(fla_dhu_traffic(shape.lengths, shape.heads).total))
         rows.append([
-            result["shape"], str(auto["vsplit"]) if auto else "—", _ms(auto["ms"]) if auto else "—",
-            str(best["vsplit"]) if best else "—", _ms(best["ms"]) if best else "—", _fla_cell(fla),
+            result["shape"], _split(auto), _ms(auto["ms"]) if auto else "—",
+            _split(best), _ms(best["ms"]) if best else "—", _fla_cell(fla),
             f"{fla['reference']:.2f}" if fla.get("reference") else "—",
             _ratio(best["ms"] if best else None, fla["ms"]), _ratio(auto["ms"] if auto else None, fla["ms"]),
             f"{floors[0]:.3f} / {floors[1]:.3f}",

@@ -42,6 +42,11 @@ what it measured.
     python benchmarks/bench_train.py --shapes B1_T8192_H96,B1_T8192_H64 --out /tmp/train.md
     python benchmarks/bench_train.py --peers none --no-profile --steps 10   # cute_kda only
     python benchmarks/bench_train.py --shapes B1_T8192_H96 --disable-recompute   # both peers keep intermediates
+    python benchmarks/bench_train.py --shapes B1_T32768_H16 --segments 1         # cute_kda without segments
+
+``--segments N`` runs cute_kda's canonical call (``chunk_kda``'s translation, then ``kda_forward(..., segments=N)``)
+instead of ``chunk_kda``, whose context-parallel split is the heuristic's (``cute_kda.context_parallel``); 1 keeps
+every sequence whole.
 
 On a fresh H200 every shape costs FLA's Triton autotune of its forward and backward (30-60 s each)
 and cute_kda's first compiles; two shapes per call stay well under the 8-minute mark:
@@ -128,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown")
     parser.add_argument("--disable-recompute", action="store_true",
                         help="pass disable_recompute=True to both peers (default: FLA's False, recompute in the backward)")
+    parser.add_argument("--segments", type=positive_int, default=None,
+                        help="cute_kda's context-parallel segments per sequence (default: its heuristic; 1: none)")
     parser.add_argument("--out", help="markdown file (default $OUT/train-<date>.md or benchmarks/results/)")
     return parser
 
@@ -397,13 +404,14 @@ def agreement_table(rows: list[dict]) -> str:
 
 
 def report(rows: list[dict], command: str, env: str, sha: str, steps: int, warmup: int,
-           disable_recompute: bool = False) -> str:
+           disable_recompute: bool = False, segments: int | None = None) -> str:
     parts = [
         "# Training step (forward + backward): cute_kda vs FLA chunk_kda",
         f"Command: `{command}` · commit `{sha}`",
         f"{env} · D={D}, bf16 q/k/v/g/beta (raw; gate, l2norm and β-sigmoid in-kernel, safe_gate, "
         f"lower_bound={LOWER_BOUND}), fp32 A_log/dt_bias/initial state (v-first), all requiring grad; "
-        f"disable_recompute={disable_recompute} for both peers; "
+        f"disable_recompute={disable_recompute} for both peers; cute_kda's context-parallel segments: "
+        f"{'its heuristic' if segments is None else segments}; "
         f"step = forward + backward of sum(o·dO) + sum(ht·dht), fixed dO bf16 / dht fp32; medians of {steps} "
         f"CUDA-event-timed steps after {warmup} warm-up steps; ratios cute_kda / FLA (< 1: cute_kda faster)",
         speed_table(rows),
@@ -450,13 +458,23 @@ def make_problem(name: str, device: torch.device, disable_recompute: bool = Fals
                 input_bytes=sum(storages(input_tensors).values()))
 
 
-def peer_forwards(problem: dict, peers: str) -> dict[str, Callable[[], tuple]]:
-    """name → zero-argument forward (o, ht) through FLA's signature; FLA left out when absent or not asked."""
+def peer_forwards(problem: dict, peers: str, segments: int | None = None) -> dict[str, Callable[[], tuple]]:
+    """name → zero-argument forward (o, ht) through FLA's signature; FLA left out when absent or not asked.
+    ``segments``: cute_kda's context-parallel split (None: ``chunk_kda``, its heuristic)."""
     import cute_kda
+    from cute_kda.api import translate_fla_call
 
     leaves, kwargs = problem["leaves"], problem["kwargs"]
     tensors = [leaves[key] for key in ("q", "k", "v", "g", "beta")]
     runs = {"cute_kda": lambda: cute_kda.chunk_kda(*tensors, **kwargs)}
+    if segments is not None:
+
+        def split_forward() -> tuple:
+            call = translate_fla_call(*tensors, **kwargs)
+            return call.run(lambda *t, **options: cute_kda.kda_forward(*t, **options, recompute=call.recompute,
+                                                                       segments=segments))
+
+        runs["cute_kda"] = split_forward
     if peers == "fla":
         try:
             from fla.ops.kda import chunk_kda as fla_chunk_kda
@@ -558,7 +576,7 @@ def bench_shape(name: str, args, device: torch.device | None = None) -> dict:
 
     print(f"== {name}", file=sys.stderr)
     problem = make_problem(name, device or torch.device("cuda"), args.disable_recompute)
-    forwards = peer_forwards(problem, args.peers)
+    forwards = peer_forwards(problem, args.peers, args.segments)
     row: dict = dict(shape=name, input_bytes=problem["input_bytes"], peers={}, agreement={})
     keep: dict = {}
     for peer, forward in forwards.items():
@@ -591,10 +609,10 @@ def main(argv: list[str] | None = None) -> None:
     env = environment("cutlass", "fla", "triton", labels={"cutlass": "cutlass-dsl"})
     sha = commit()
     rows: list[dict] = []
-    text = report(rows, command, env, sha, args.steps, args.warmup, args.disable_recompute)
+    text = report(rows, command, env, sha, args.steps, args.warmup, args.disable_recompute, args.segments)
     for name in args.shapes:
         rows.append(bench_shape(name, args))
-        text = report(rows, command, env, sha, args.steps, args.warmup, args.disable_recompute)
+        text = report(rows, command, env, sha, args.steps, args.warmup, args.disable_recompute, args.segments)
         save(text, out)  # after every shape
     publish(text, out)
 

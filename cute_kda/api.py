@@ -142,6 +142,7 @@ def kda_forward(
     beta_logits: bool = True,
     recompute: bool = False,
     gate: str = "safe",
+    segments: int | None = None,
 ) -> tuple[Any, Any]:
     """KDA forward (docs/design.md §1) with the in-kernel gate, on a Hopper GPU.
 
@@ -167,7 +168,12 @@ def kda_forward(
       final_state  ``[N, H, V, K]``, written into ``final_state`` when given (then returned even
              without ``output_final_state``), else allocated when ``output_final_state`` with the
              dtype of ``initial_state`` (fp32 without one); None otherwise.
-    K = V = 128. ``vsplit`` (1, 2, 4 or None = heuristic): K2 CTAs per (sequence, head). The unbounded gates
+    K = V = 128. ``vsplit`` (1, 2, 4 or None = heuristic): K2 CTAs per (sequence, head). ``segments``
+    (context parallelism, :mod:`cute_kda.context_parallel`): None lets a fixed-length call with few (sequence,
+    head) pairs and long sequences cut each sequence into segments of whole tiles that the serial scans run side
+    by side (the forward's K2 then runs three passes, the backward's Kernel A two; results differ from the unsplit
+    chain by rounding); 1 never splits; an int ≥ 2 asks for that many segments per sequence. Varlen calls are
+    never split, calls that fix ``vsplit`` only when ``segments`` asks. The unbounded gates
     ("softplus", "none") run K1's overflow-free form (docs/numerics.md, "Unbounded gates"); K2 is the same.
 
     Runs on the caller's current stream (torch's, or CuPy's for CuPy arrays) without host
@@ -191,14 +197,14 @@ def kda_forward(
             q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
             initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens, out=out,
             final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
-            recompute=recompute, gate=gate,
+            recompute=recompute, gate=gate, segments=segments,
         )
     if isinstance(q, torch.Tensor):  # torch in, torch out, torch's current stream: nothing to hand over
         return _forward(
             q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
             initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens, out=out,
             final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
-            recompute=recompute, gate=gate,
+            recompute=recompute, gate=gate, segments=segments,
         )
     as_torch = interop.as_torch
     return interop.answer_in_framework(q, lambda: _forward(
@@ -207,7 +213,7 @@ def kda_forward(
         lower_bound=lower_bound, initial_state=as_torch(initial_state),
         output_final_state=output_final_state, cu_seqlens=as_torch(cu_seqlens),
         out=as_torch(out), final_state=as_torch(final_state), vsplit=vsplit,
-        qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute, gate=gate,
+        qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute, gate=gate, segments=segments,
     ))
 
 
@@ -232,7 +238,7 @@ def _forward(
     scale: float | None, A_log: Any, dt_bias: Any, lower_bound: float,
     initial_state: Any, output_final_state: bool, cu_seqlens: Any,
     out: Any, final_state: Any, vsplit: int | None,
-    qk_l2norm: bool, beta_logits: bool, recompute: bool = False, gate: str = "safe",
+    qk_l2norm: bool, beta_logits: bool, recompute: bool = False, gate: str = "safe", segments: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`kda_forward` for a torch ``q`` (the other arguments may be any DLPack tensors): validate, look up
     the :class:`LaunchPlan`, launch K1 then K2 (a call that autograd records: :func:`cute_kda.autograd.train`
@@ -260,7 +266,7 @@ def _forward(
             autograd.KERNELS, problem, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
             lower_bound=lower_bound, initial_state=initial_state, output_final_state=output_final_state,
             cu_seqlens=cu_seqlens, out=out, final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm,
-            beta_logits=beta_logits, recompute=recompute, gate=gate,
+            beta_logits=beta_logits, recompute=recompute, gate=gate, segments=segments,
         )
     validation.check_on_cuda("q", q)
     device = q.device
@@ -272,6 +278,11 @@ def _forward(
         dtype = torch.float32 if initial_state is None else initial_state.dtype
         d = problem.head_dim
         final_state = torch.empty((problem.num_seqs, problem.heads, d, d), dtype=dtype, device=device)
+    segmentation = autograd.segmentation_of(problem, device, segments, vsplit)
+    if segmentation is not None:
+        return _segmented_forward(problem, segmentation, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
+                                  lower_bound=lower_bound, initial_state=initial_state, out=out,
+                                  final_state=final_state, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate)
     if out is None:
         out = torch.empty_like(v)
     if problem.heads == 0 or problem.total_tokens == 0:
@@ -292,6 +303,25 @@ def _forward(
         k2.launch(plan.recurrence, v, out, plan.recurrence_workspace, initial_state, final_state, cu_seqlens,
                   tile_base, plan.stream)
     return out, final_state
+
+
+def _segmented_forward(problem: validation.ProblemShape, segmentation: Any, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scale: float, A_log: Any, dt_bias: Any,
+                       lower_bound: float, initial_state: Any, out: Any, final_state: Any, qk_l2norm: bool,
+                       beta_logits: bool, gate: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The inference forward of a call split into segments (:mod:`cute_kda.context_parallel`): the training
+    forward's stage keeping nothing (a fresh workspace), then the caller's buffers filled when given."""
+    final_dtype = None if final_state is None else final_state.dtype
+    options = autograd.Options(problem, scale, float(lower_bound), bool(qk_l2norm), bool(beta_logits), final_dtype,
+                               None, True, gate, segmentation)
+    x = autograd.Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, None)
+    result = autograd.KERNELS.forward(*autograd.packed(x, options))
+    o = result.out.view(v.shape)
+    if out is not None:
+        o = out.copy_(o)
+    if final_state is not None:
+        final_state.copy_(result.final_state)
+    return o, final_state
 
 
 def _build_plan(problem: validation.ProblemShape, config: tuple, v: torch.Tensor, out: torch.Tensor,

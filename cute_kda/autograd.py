@@ -41,8 +41,9 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import validation
+from . import context_parallel, validation
 from .config import select_forward_config, sm_count
+from .context_parallel import Segmentation
 from .validation import ProblemShape
 from .workspace import Workspace, WorkspaceSpec, snapshot_slots, tiles_per_head, workspace_views
 
@@ -84,6 +85,7 @@ class Options(NamedTuple):
     vsplit: int | None
     recompute: bool = False
     gate: str = "safe"  # or, with a per-head g [B, T, HV], "softplus" / "none" (GatedDeltaNet)
+    segmentation: Segmentation | None = None  # context parallelism (cute_kda.context_parallel); None: unsplit
 
 
 class Saved(NamedTuple):
@@ -93,12 +95,15 @@ class Saved(NamedTuple):
     checkpoints: bf16 ``[H · slots, D, D]``, the state entering every tile (state images from the kernels,
     :func:`cute_kda.workspace.states_to_images`; ``[K, V]`` matrices from the reference backend); tile_base: None (fixed
     length) or int32 ``[N+1]``. Under ``Options.recompute`` workspace and checkpoints are None
-    (:func:`recomputed` makes them in the backward).
+    (:func:`recomputed` makes them in the backward). segment_states: None unsplit, else fp32 ``[2, segments, H, V, K]``,
+    the state entering every segment and every segment's transition
+    (:func:`cute_kda.context_parallel.segment_states`), kept under ``recompute`` too (two states a segment).
     """
 
     workspace: torch.Tensor | None
     checkpoints: torch.Tensor | None
     tile_base: torch.Tensor | None
+    segment_states: torch.Tensor | None = None
 
 
 class ForwardResult(NamedTuple):
@@ -135,15 +140,15 @@ class GradsResult(NamedTuple):
 class Backend(NamedTuple):
     """The three stages of a training step.
 
-    forward(inputs, options) → :class:`ForwardResult` (without workspace and checkpoints under
-    ``options.recompute``);
+    forward(inputs, options, segment_states=None) → :class:`ForwardResult` (without workspace and checkpoints under
+    ``options.recompute``; ``segment_states``: a segmented call's, when an earlier forward made them);
     scan(inputs, options, saved, do, dht, dh0_dtype) → :class:`ScanResult` (do bf16 ``[B, T, H, V]``
     contiguous; dht None or bf16 / fp32 ``[N, H, V, K]`` contiguous; dh0_dtype None: no dh0);
     grads(inputs, options, saved, do, scan) → :class:`GradsResult`.
     """
 
     name: str
-    forward: Callable[[Inputs, Options], ForwardResult]
+    forward: Callable[..., ForwardResult]
     scan: Callable[..., ScanResult]
     grads: Callable[..., GradsResult]
 
@@ -189,13 +194,79 @@ def staged_cu_seqlens(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> torch
     return validation.device_cu_seqlens(cu_seqlens, q.device, q.shape[1])
 
 
+def segmentation_of(problem: ProblemShape, device: torch.device, segments: int | None,
+                    vsplit: int | None) -> Segmentation | None:
+    """The context-parallel split of ``problem`` (:func:`cute_kda.context_parallel.plan`) for the SMs of ``device``;
+    on a CPU (the reference backend) only an explicit ``segments`` splits."""
+    if device.type != "cuda":
+        return None if segments is None else context_parallel.plan(problem, 0, segments, vsplit)
+    return context_parallel.plan(problem, sm_count(device.index), segments, vsplit)
+
+
+def packed(x: Inputs, options: Options) -> tuple[Inputs, Options]:
+    """What the stages run: a segmented call's inputs as one packed row of segments (``[1, N · T, ...]`` views,
+    ``cu_seqlens`` the segment bounds on q's device) and the packed problem; an unsplit call as it is."""
+    seg = options.segmentation
+    if seg is None:
+        return x, options
+    flat = [t.reshape(1, -1, *t.shape[2:]) for t in (x.q, x.k, x.v, x.g, x.beta)]
+    bounds = seg.cu_seqlens()
+    cu_seqlens = validation.device_cu_seqlens(bounds, x.q.device, 0) if x.q.is_cuda else bounds
+    return (Inputs(*flat, x.A_log, x.dt_bias, x.initial_state, cu_seqlens),
+            options._replace(problem=seg.problem(options.problem.heads, options.problem.head_dim)))
+
+
+def _entering(options: Options, x: Inputs, segment_states: torch.Tensor | None,
+              final_states: context_parallel.FinalStates) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the initial states of the packed run, the segment states): ``x.initial_state`` and None unsplit; else the
+    entering states ``[segments, H, V, K]`` fp32 of ``segment_states``, made first when not given."""
+    seg = options.segmentation
+    if seg is None:
+        return x.initial_state, None
+    if segment_states is None:
+        segment_states = context_parallel.segment_states(seg, final_states, x.v, x.initial_state)
+    return segment_states[0], segment_states
+
+
+def _final_state_buffer(options: Options, device: torch.device) -> torch.Tensor | None:
+    """The final-state buffer of the packed run: ``[N, H, V, K]`` in the requested dtype; fp32 for every segment
+    of a segmented call (:func:`_final_state_of` takes the last ones)."""
+    if options.final_state_dtype is None:
+        return None
+    dtype = torch.float32 if options.segmentation is not None else options.final_state_dtype
+    return torch.empty(state_shape(options.problem), dtype=dtype, device=device)
+
+
+def _final_state_of(options: Options, final_state: torch.Tensor | None) -> torch.Tensor | None:
+    """Each sequence's final state, contiguous, in the requested dtype."""
+    if options.segmentation is None or final_state is None:
+        return final_state
+    return options.segmentation.last(final_state).to(options.final_state_dtype).contiguous()
+
+
+def _segment_scan(options: Options, saved: Saved, dht: torch.Tensor | None, dh0_dtype: torch.dtype | None,
+                  scan: Callable[[torch.Tensor | None, torch.dtype | None], ScanResult]) -> ScanResult:
+    """The backward scan of a segmented call: ``scan(dht, dh0_dtype)`` runs the packed scan (``[segments, H, V, K]``
+    states); once with zero gradients leaving the segments for their own gradients, the reverse combine, then the
+    real scan. Unsplit: ``scan(dht, dh0_dtype)``."""
+    seg = options.segmentation
+    if seg is None:
+        return scan(dht, dh0_dtype)
+    local = scan(None, torch.float32).dh0
+    leaving = context_parallel.exiting_gradients(seg, local, saved.segment_states[1], dht)
+    result = scan(leaving, None if dh0_dtype is None else torch.float32)
+    dh0 = None if dh0_dtype is None else seg.first(result.dh0).to(dh0_dtype).contiguous()
+    return result._replace(dh0=dh0)
+
+
 # ---------------------------------------------------------------------------------------------
 # the kernel backend
 
 
-def _kernel_forward(x: Inputs, options: Options) -> ForwardResult:
+def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | None = None) -> ForwardResult:
     """K1 into a fresh workspace, K2 with checkpoints (without them under ``options.recompute``, the
-    workspace then dropped), on the current stream of q's device."""
+    workspace then dropped), on the current stream of q's device. A segmented call (packed, :func:`packed`) runs K2
+    twice more first, for the segment states (:func:`cute_kda.context_parallel.segment_states`), unless given."""
     validation.check_on_cuda("q", x.q)
     from .ops import prepare as k1
     from .ops import recurrence as k2
@@ -207,13 +278,10 @@ def _kernel_forward(x: Inputs, options: Options) -> ForwardResult:
     if not options.recompute:
         checkpoints = torch.empty(checkpoints_shape(problem), dtype=torch.bfloat16, device=device)
     out = torch.empty_like(x.v)
-    final_state = None
-    if options.final_state_dtype is not None:
-        final_state = torch.empty(state_shape(problem), dtype=options.final_state_dtype, device=device)
+    final_state = _final_state_buffer(options, device)
     config = select_forward_config(
         problem, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
-        initial_state=None if x.initial_state is None else x.initial_state.dtype,
-        final_state=options.final_state_dtype, vsplit=options.vsplit, sms=sm_count(device.index),
+        initial_state=None, final_state=None, vsplit=options.vsplit, sms=sm_count(device.index),
     )
     tile_base = k1.tile_bases(x.cu_seqlens) if problem.varlen else None
     k1.prepare(
@@ -222,24 +290,36 @@ def _kernel_forward(x: Inputs, options: Options) -> ForwardResult:
         gate=options.gate,
     )
     k1.forget_launch_tiles()  # K1 keeps the arguments of the last workspace it saw: not this one's memory
+
+    def final_states(v: torch.Tensor, initial: torch.Tensor | None, into: torch.Tensor) -> None:
+        k2.recurrence(v, saved_ws, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=initial,
+                      final_state=into, vsplit=config.vsplit)
+
+    initial_state, segment_states = _entering(options, x, segment_states, final_states)
     k2.recurrence(
-        x.v, saved_ws, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=x.initial_state,
+        x.v, saved_ws, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=initial_state,
         final_state=final_state, vsplit=config.vsplit, checkpoints=checkpoints,
     )
-    return ForwardResult(out, final_state, Saved(None if options.recompute else buffer, checkpoints, tile_base))
+    return ForwardResult(out, _final_state_of(options, final_state),
+                         Saved(None if options.recompute else buffer, checkpoints, tile_base, segment_states))
 
 
 def _kernel_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None,
                  dh0_dtype: torch.dtype | None) -> ScanResult:
-    """Kernel A (:func:`cute_kda.ops.bwd_scan.bwd_scan`)."""
+    """Kernel A (:func:`cute_kda.ops.bwd_scan.bwd_scan`); twice for a segmented call (:func:`_segment_scan`)."""
     from .ops import bwd_scan as ka
 
     dv, du = torch.empty_like(x.v), torch.empty_like(x.v)
     state_grads = torch.empty_like(saved.checkpoints)
-    dh0 = None if dh0_dtype is None else torch.empty(state_shape(options.problem), dtype=dh0_dtype, device=do.device)
-    ka.bwd_scan(do, workspace_of(options, saved), dv, du, state_grads, cu_seqlens=x.cu_seqlens,
-                tile_base=saved.tile_base, dht=dht, dh0=dh0)
-    return ScanResult(dv, du, state_grads, dh0)
+    ws = workspace_of(options, saved)
+
+    def scan(leaving: torch.Tensor | None, dtype: torch.dtype | None) -> ScanResult:
+        dh0 = None if dtype is None else torch.empty(state_shape(options.problem), dtype=dtype, device=do.device)
+        ka.bwd_scan(do, ws, dv, du, state_grads, cu_seqlens=x.cu_seqlens, tile_base=saved.tile_base, dht=leaving,
+                    dh0=dh0)
+        return ScanResult(dv, du, state_grads, dh0)
+
+    return _segment_scan(options, saved, dht, dh0_dtype, scan)
 
 
 def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult) -> GradsResult:
@@ -288,7 +368,7 @@ KERNELS = Backend("kernels", _kernel_forward, _kernel_scan, _kernel_grads)
 # C-contiguous like the kernels' (the fake implementations of the ops promise that layout).
 
 
-def _reference_forward(x: Inputs, options: Options) -> ForwardResult:
+def _reference_forward(x: Inputs, options: Options, segment_states: torch.Tensor | None = None) -> ForwardResult:
     """:func:`~cute_kda.reference.mirror_prepare` and :func:`~cute_kda.reference.mirror_recurrence`
     with checkpoints (without them under ``options.recompute``); slots the kernels leave unwritten are NaN."""
     from .reference import mirror_prepare, mirror_recurrence, tile_bases
@@ -315,27 +395,35 @@ def _reference_forward(x: Inputs, options: Options) -> ForwardResult:
     checkpoints = None
     if not options.recompute:
         checkpoints = torch.full(checkpoints_shape(problem), float("nan"), dtype=torch.bfloat16, device=x.q.device)
+    def final_states(v: torch.Tensor, initial: torch.Tensor | None, into: torch.Tensor) -> None:
+        into.copy_(mirror_recurrence(ws, v, cu_seqlens=x.cu_seqlens, initial_state=initial, output_final_state=True,
+                                     state_layout="vk")[1])
+
+    initial_state, segment_states = _entering(options, x, segment_states, final_states)
     wants_state = options.final_state_dtype is not None
+    state_dtype = torch.float32 if options.segmentation is not None or not wants_state else options.final_state_dtype
     out, final_state = mirror_recurrence(
-        ws, x.v, cu_seqlens=x.cu_seqlens, initial_state=x.initial_state, output_final_state=wants_state,
-        state_dtype=options.final_state_dtype if wants_state else torch.float32, state_layout="vk",
-        checkpoints=checkpoints,
+        ws, x.v, cu_seqlens=x.cu_seqlens, initial_state=initial_state, output_final_state=wants_state,
+        state_dtype=state_dtype, state_layout="vk", checkpoints=checkpoints,
     )
     tile_base = tile_bases(x.cu_seqlens, problem.total_tokens, problem.batch) if problem.varlen else None
-    final_state = None if final_state is None else final_state.contiguous()
+    final_state = None if final_state is None else _final_state_of(options, final_state.contiguous())
     return ForwardResult(out.contiguous(), final_state,
-                         Saved(None if options.recompute else buffer, checkpoints, tile_base))
+                         Saved(None if options.recompute else buffer, checkpoints, tile_base, segment_states))
 
 
 def _reference_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None,
                     dh0_dtype: torch.dtype | None) -> ScanResult:
-    """:func:`~cute_kda.reference.mirror_bwd_scan`."""
+    """:func:`~cute_kda.reference.mirror_bwd_scan` (twice for a segmented call, :func:`_segment_scan`)."""
     from .reference import mirror_bwd_scan
 
-    scan = mirror_bwd_scan(workspace_of(options, saved), do, cu_seqlens=x.cu_seqlens, dht=dht,
-                           dh0_dtype=torch.float32 if dh0_dtype is None else dh0_dtype, state_layout="vk")
-    return ScanResult(scan.dv.contiguous(), scan.du.contiguous(), scan.snapshots.contiguous(),
-                      None if dh0_dtype is None else scan.dh0.contiguous())
+    def scan(leaving: torch.Tensor | None, dtype: torch.dtype | None) -> ScanResult:
+        result = mirror_bwd_scan(workspace_of(options, saved), do, cu_seqlens=x.cu_seqlens, dht=leaving,
+                                 dh0_dtype=torch.float32 if dtype is None else dtype, state_layout="vk")
+        return ScanResult(result.dv.contiguous(), result.du.contiguous(), result.snapshots.contiguous(),
+                          None if dtype is None else result.dh0.contiguous())
+
+    return _segment_scan(options, saved, dht, dh0_dtype, scan)
 
 
 def _reference_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult) -> GradsResult:
@@ -396,10 +484,11 @@ def kernel_operand(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def recomputed(backend: Backend, x: Inputs, options: Options) -> Saved:
+def recomputed(backend: Backend, x: Inputs, options: Options, saved: Saved) -> Saved:
     """The workspace and checkpoints a ``recompute`` forward did not keep: ``backend``'s forward again on
-    the same inputs (``x.initial_state`` included), keeping them this time and skipping the final state."""
-    return backend.forward(x, options._replace(recompute=False, final_state_dtype=None)).saved
+    the same inputs (``x.initial_state`` included), keeping them this time and skipping the final state; a segmented
+    call's kept segment states spare it the two extra passes."""
+    return backend.forward(x, options._replace(recompute=False, final_state_dtype=None), saved.segment_states).saved
 
 
 def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out: torch.Tensor | None,
@@ -407,17 +496,18 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
              initial_state_dtype: torch.dtype | None) -> tuple[torch.Tensor | None, ...]:
     """Gradients of q, k, v, g, beta, A_log, dt_bias, initial_state (None where ``needs`` is False).
 
-    ``x``: the forward's inputs (``x.initial_state`` is read only under ``options.recompute``, where
-    ``saved`` lacks the workspace and checkpoints and :func:`recomputed` rebuilds them); d_out: None or the
-    gradient w.r.t. out ``[B, T, H, V]``; d_final: None or the gradient w.r.t. the final state
-    ``[N, H, V, K]`` (its dtype); ``needs``: one flag per input, in :data:`INPUT_NAMES` order;
-    ``initial_state_dtype``: the forward's initial state dtype, None without one (then no dh0).
+    ``x``, ``options``: the forward's, packed (:func:`packed`; ``x.initial_state`` is read only under
+    ``options.recompute``, where ``saved`` lacks the workspace and checkpoints and :func:`recomputed` rebuilds them);
+    d_out: None or the gradient w.r.t. out (``[B, T, H, V]``, or its packed ``[1, B · T, H, V]``); d_final: None or
+    the gradient w.r.t. the final state ``[N, H, V, K]`` (its dtype); ``needs``: one flag per input, in
+    :data:`INPUT_NAMES` order; ``initial_state_dtype``: the forward's initial state dtype, None without one (then no
+    dh0). The token gradients come back in the packed shapes (:func:`unpacked` takes them to the caller's).
     """
-    do = torch.zeros_like(x.v) if d_out is None else kernel_operand(d_out, torch.bfloat16)
+    do = torch.zeros_like(x.v) if d_out is None else kernel_operand(d_out, torch.bfloat16).view(x.v.shape)
     dht = None if d_final is None else kernel_operand(d_final, d_final.dtype)
     dh0_dtype = initial_state_dtype if needs[7] else None
     if options.recompute:
-        saved = recomputed(backend, x, options)
+        saved = recomputed(backend, x, options, saved)
     scan = backend.scan(x, options, saved, do, dht, dh0_dtype)
     dq = dk = dg = dbeta = dA_log = ddt_bias = None
     if any(needs[i] for i in KERNEL_B_INPUTS):
@@ -426,21 +516,34 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     return tuple(grad if need else None for grad, need in zip(grads, needs))
 
 
+def unpacked(grads: tuple, shapes: tuple) -> tuple:
+    """The gradients of :func:`backward` in the caller's shapes: the token gradients (dq, dk, dv, dg, dβ) viewed as
+    ``shapes`` (:func:`shapes_of`), the others as they are."""
+    tokens = tuple(None if grad is None else grad.view(shape) for grad, shape in zip(grads, shapes))
+    return (*tokens, *grads[len(shapes):])
+
+
+def shapes_of(x: Inputs) -> tuple:
+    """The shapes of the per-token inputs q, k, v, g, beta."""
+    return tuple(t.shape for t in x[:5])
+
+
 class TrainingForward(torch.autograd.Function):
     """``(backend, options, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens) → (out, final_state)``
     (tensors as :class:`Inputs`; final_state None without one)."""
 
     @staticmethod
     def forward(ctx: Any, backend: Backend, options: Options, *tensors: torch.Tensor | None) -> tuple:
-        x = Inputs(*tensors)
+        user = Inputs(*tensors)
+        x, options = packed(user, options)
         result = backend.forward(x, options)
         ctx.set_materialize_grads(False)
-        ctx.backend, ctx.options = backend, options
+        ctx.backend, ctx.options, ctx.shapes = backend, options, shapes_of(user)
         ctx.initial_state_dtype = None if x.initial_state is None else x.initial_state.dtype
         initial_state = x.initial_state if options.recompute else None  # only the recomputation reads it
         ctx.save_for_backward(x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, initial_state, x.cu_seqlens,
                               *result.saved)
-        return result.out, result.final_state
+        return result.out.view(user.v.shape), result.final_state
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor | None, d_final: torch.Tensor | None) -> tuple:
@@ -449,7 +552,7 @@ class TrainingForward(torch.autograd.Function):
         x = Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
         grads = backward(ctx.backend, x, ctx.options, Saved(*saved), d_out, d_final, ctx.needs_input_grad[2:10],
                          ctx.initial_state_dtype)
-        return (None, None, *grads, None)
+        return (None, None, *unpacked(grads, ctx.shapes), None)
 
 
 def train(
@@ -457,11 +560,11 @@ def train(
     beta: torch.Tensor, *, scale: float | None, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
     initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None,
     out: torch.Tensor | None, final_state: torch.Tensor | None, vsplit: int | None, qk_l2norm: bool,
-    beta_logits: bool, recompute: bool = False, gate: str = "safe",
+    beta_logits: bool, recompute: bool = False, gate: str = "safe", segments: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The recorded training call on arguments that :func:`~cute_kda.validation.validate_forward` accepted
     (``problem`` is its result) and :func:`check_trainable` admits; :func:`cute_kda.kda_forward`'s contract
-    otherwise."""
+    otherwise (``segments``: its context-parallel split, :func:`segmentation_of`)."""
     validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
     validation.check_training_size(v, "v")  # v, dq and dk per value head: the largest per-token tensors
     cu_seqlens = staged_cu_seqlens(cu_seqlens, q)
@@ -472,6 +575,7 @@ def train(
         problem=problem, scale=float(problem.head_dim ** -0.5 if scale is None else scale),
         lower_bound=float(lower_bound), qk_l2norm=bool(qk_l2norm), beta_logits=bool(beta_logits),
         final_state_dtype=final_state_dtype, vsplit=vsplit, recompute=bool(recompute), gate=gate,
+        segmentation=segmentation_of(problem, q.device, segments, vsplit),
     )
     return TrainingForward.apply(backend, options, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
 
@@ -482,6 +586,7 @@ def kda_forward(
     initial_state: torch.Tensor | None = None, output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
     out: torch.Tensor | None = None, final_state: torch.Tensor | None = None, vsplit: int | None = None,
     qk_l2norm: bool = True, beta_logits: bool = True, recompute: bool = False, gate: str = "safe",
+    segments: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`cute_kda.kda_forward`'s training path on torch tensors, with the stages of ``backend``.
 
@@ -500,5 +605,5 @@ def kda_forward(
         backend, problem, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens, out=out,
         final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute,
-        gate=gate,
+        gate=gate, segments=segments,
     )

@@ -156,9 +156,9 @@ class Recording:
         self.calls = []
         self.backend = autograd.Backend("recording", self._forward, self._scan, self._grads)
 
-    def _forward(self, x, options):
+    def _forward(self, x, options, segment_states=None):
         self.calls.append(("forward", options))
-        return autograd.REFERENCE.forward(x, options)
+        return autograd.REFERENCE.forward(x, options, segment_states)
 
     def _scan(self, x, options, saved, do, dht, dh0_dtype):
         self.calls.append(("scan", do, dht, dh0_dtype))
@@ -567,8 +567,8 @@ def _fake_inputs(varlen, heads=3):
 def test_forward_train_fake_shapes(varlen, state_dtype, recompute):
     with FakeTensorMode():
         q, beta, cu, A_log, dt_bias = _fake_inputs(varlen)
-        o, state, ws, checkpoints, tile_base = torch.ops.cute_kda.forward_train(
-            q, q, q, q, beta, A_log, dt_bias, None, cu, 0.1, -5.0, state_dtype, 0, True, True, recompute, "safe")
+        o, state, ws, checkpoints, tile_base, segment_states = torch.ops.cute_kda.forward_train(
+            q, q, q, q, beta, A_log, dt_bias, None, cu, 0.1, -5.0, state_dtype, 0, True, True, recompute, "safe", 0)
     batch, tokens, heads = q.shape[:3]
     num_seqs = 4 if varlen else batch
     tiles = tiles_per_head(batch * tokens, num_seqs, varlen)
@@ -582,6 +582,25 @@ def test_forward_train_fake_shapes(varlen, state_dtype, recompute):
         assert ws.shape == (WorkspaceSpec(heads=heads, tiles=tiles).nbytes,)
         assert checkpoints.shape == (heads * snapshot_slots(tiles, num_seqs), D, D)
     assert tile_base.dtype == torch.int32 and tile_base.shape == ((num_seqs + 1,) if varlen else (0,))
+    assert segment_states.numel() == 0  # a call on the CPU is split only when it asks
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+def test_forward_train_fake_shapes_of_a_segmented_call(recompute):
+    """Segments ask for the packed problem's workspace, checkpoints and tile_base (2 × 35 tokens in segments of
+    16: 3 a sequence), and the segment states."""
+    with FakeTensorMode():
+        q, beta, cu, A_log, dt_bias = _fake_inputs(False)
+        o, state, ws, checkpoints, tile_base, segment_states = torch.ops.cute_kda.forward_train(
+            q, q, q, q, beta, A_log, dt_bias, None, cu, 0.1, -5.0, torch.float32, 0, True, True, recompute, "safe", 3)
+    heads, segments = q.shape[2], 6
+    tiles = tiles_per_head(70, segments, True)
+    assert o.shape == q.shape and state.shape == (2, heads, D, D)
+    assert segment_states.shape == (2, segments, heads, D, D) and segment_states.dtype == torch.float32
+    assert tile_base.shape == (segments + 1,)
+    if not recompute:
+        assert ws.shape == (WorkspaceSpec(heads=heads, tiles=tiles).nbytes,)
+        assert checkpoints.shape == (heads * snapshot_slots(tiles, segments), D, D)
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
@@ -593,7 +612,8 @@ def test_backward_fake_shapes(varlen, dh0_dtype, token_grads):
         ws, checkpoints = torch.empty(64, dtype=torch.uint8), torch.empty(8, D, D, dtype=torch.bfloat16)
         tile_base = torch.empty(5, dtype=torch.int32) if varlen else None
         grads = torch.ops.cute_kda.backward(q, None, q, q, q, q, beta, A_log, dt_bias, None, cu, ws, checkpoints,
-                                            tile_base, 0.1, -5.0, True, True, dh0_dtype, token_grads, False, "safe")
+                                            tile_base, None, 0.1, -5.0, True, True, dh0_dtype, token_grads, False,
+                                            "safe", 0)
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = grads
     assert dv.shape == q.shape and dv.dtype == torch.bfloat16
     for grad, like in ((dq, q), (dk, q), (dg, q), (dbeta, beta), (dA_log, A_log), (ddt_bias, dt_bias)):
@@ -608,29 +628,39 @@ def reference_ops(monkeypatch):
     monkeypatch.setattr(torch_ops, "_stages", lambda: autograd.REFERENCE)
 
 
-def _op_arguments(problem, recompute=False):
+def _op_arguments(problem, recompute=False, segments=0):
     p = problem
     return (*(p[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), p.get("initial_state"),
-            p.get("cu_seqlens"), D ** -0.5, -5.0, torch.float32, 0, True, True, recompute, p.get("gate", "safe"))
+            p.get("cu_seqlens"), D ** -0.5, -5.0, torch.float32, 0, True, True, recompute, p.get("gate", "safe"),
+            segments)
+
+
+OP_PROBLEMS = {"varlen": ([20, 17], 0), "segmented": ([40, 40], 2)}  # (lengths, segments)
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
-def test_opcheck_forward_train(reference_ops, recompute):
-    problem, _, _ = make_problem([20, 17], state=torch.float32)
+@pytest.mark.parametrize("case", sorted(OP_PROBLEMS))
+def test_opcheck_forward_train(reference_ops, recompute, case):
+    lengths, segments = OP_PROBLEMS[case]
+    problem, _, _ = make_problem(lengths, state=torch.float32)
     leaves = {n: x.requires_grad_() if x.is_floating_point() else x for n, x in problem.items()}
     # no test_aot_dispatch: checkpoint slots that are no tile hold NaN, which never compares equal
-    torch.library.opcheck(torch_ops.forward_train_op, _op_arguments(leaves, recompute),
+    torch.library.opcheck(torch_ops.forward_train_op, _op_arguments(leaves, recompute, segments),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
-def test_opcheck_backward(reference_ops, recompute):
-    problem, do, dht = make_problem([20, 17], state=torch.bfloat16)
-    _, _, ws, checkpoints, tile_base = torch_ops.forward_train_op(*_op_arguments(problem, recompute))
+@pytest.mark.parametrize("case", sorted(OP_PROBLEMS))
+def test_opcheck_backward(reference_ops, recompute, case):
+    lengths, segments = OP_PROBLEMS[case]
+    problem, do, dht = make_problem(lengths, state=torch.bfloat16)
+    _, _, ws, checkpoints, tile_base, segment_states = torch_ops.forward_train_op(
+        *_op_arguments(problem, recompute, segments))
     p = problem
     args = (do, dht, *(p[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), p["initial_state"],
-            p["cu_seqlens"], ws, checkpoints, tile_base, D ** -0.5, -5.0, True, True, torch.bfloat16, True, recompute,
-            "safe")
+            p.get("cu_seqlens"), ws, checkpoints, tile_base if tile_base.numel() else None,
+            segment_states if segment_states.numel() else None, D ** -0.5, -5.0, True, True, torch.bfloat16, True,
+            recompute, "safe", segments)
     torch.library.opcheck(torch_ops.backward_op, args)
 
 

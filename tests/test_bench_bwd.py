@@ -148,3 +148,17 @@ def test_report(bench):
     assert any("| Kernel A, V-split 8 | 768 | 512 | error: X |" in line for line in lines)
     assert any("FLA bwd_dhu (BV 32, 4 warps, 2 stages) | 384 | 512 | 0.500 |" in line for line in lines)
     assert "- B1_T8192_H96: `chunk_gated_delta_rule_bwd_dhu(q=bfloat16[1, 8192, 96, 128])`" in lines
+
+
+def test_report_of_a_segmented_shape(bench):
+    """A shape the API splits: the segmented scan is its auto row, named with its segments."""
+    segmented = dict(_scan_row(bench, 1, 0.80, auto=True), segments=8, ctas=128, steps=256)
+    result = dict(shape="B1_T32768_H16", scan=[_scan_row(bench, 8, 1.40), segmented],
+                  fla=dict(kind="fla", ctas=None, steps=512, ms=0.70, timing="graph", note="", call="",
+                           traffic=bench.fla_dhu_traffic((32768,), 16), reference=0.69))
+    lines = bench.report([result], "python benchmarks/bench_bwd.py", "ENV").splitlines()
+    assert any(line.startswith("| B1_T32768_H16 | 8 seg × 1 | 0.800 | 8 seg × 1 | 0.800 | 0.700 | 0.69 | 1.14 | 1.14 |")
+               for line in lines)
+    assert any(line.startswith("| B1_T32768_H16 | **Kernel A, 8 segments × V-split 1 (2 passes + combine)** (auto) "
+                               "| 128 | 256 | 0.800 | 3.12 |") for line in lines)
+    assert any(line.startswith("| B1_T32768_H16 | Kernel A, V-split 8 | 768 | 512 | 1.400 |") for line in lines)

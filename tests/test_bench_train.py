@@ -38,6 +38,7 @@ def test_options(bench):
          "--no-profile", "--out", "/tmp/x.md"])
     assert args.shapes == ["B1_T32768_H16", "varlen6_H96"]  # order kept, duplicate dropped
     assert (args.peers, args.steps, args.warmup, args.no_profile, args.out) == ("none", 7, 1, True, "/tmp/x.md")
+    assert args.segments is None and bench.build_parser().parse_args(["--segments", "1"]).segments == 1
 
 
 @pytest.mark.parametrize("argv", [["--shapes", "B1_T1_H1"], ["--shapes", ","], ["--steps", "0"], ["--warmup", "x"],
@@ -342,7 +343,7 @@ def test_bench_shape_on_cpu(bench, monkeypatch, lengths, varlen):
     name = "tiny_varlen" if varlen else "tiny"
     monkeypatch.setitem(bench.SHAPES, name, type(bench.SHAPES["B1_T8192_H96"])(lengths, 2, varlen=varlen))
 
-    def forwards(problem, peers):
+    def forwards(problem, peers, segments=None):
         leaves, kwargs = problem["leaves"], problem["kwargs"]
         tensors = [leaves[key] for key in ("q", "k", "v", "g", "beta")]
         runs = {"cute_kda": lambda: toy_chunk_kda(*tensors, keep=True, **kwargs)}
@@ -387,7 +388,7 @@ def test_bench_shape_keeps_going_when_ours_fails(bench, monkeypatch):
     def broken(*args, **kwargs):
         raise NotImplementedError("inputs that require grad are not supported yet")
 
-    def forwards(problem, peers):
+    def forwards(problem, peers, segments=None):
         leaves, kwargs = problem["leaves"], problem["kwargs"]
         tensors = [leaves[key] for key in ("q", "k", "v", "g", "beta")]
         return {"cute_kda": lambda: broken(), "FLA": lambda: toy_chunk_kda(*tensors, **kwargs)}

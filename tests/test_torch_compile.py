@@ -47,7 +47,8 @@ def gold_kernels(monkeypatch):
     calls = []
 
     def forward(q, k, v, g, beta, *, scale, A_log, dt_bias, lower_bound, initial_state, output_final_state,
-                cu_seqlens, out, final_state, vsplit, qk_l2norm, beta_logits, recompute=False, gate="safe"):
+                cu_seqlens, out, final_state, vsplit, qk_l2norm, beta_logits, recompute=False, gate="safe",
+                segments=None):
         problem = api.validation.validate_forward(
             q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
             initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
@@ -98,7 +99,7 @@ def test_fake_impl_gives_exact_shapes_and_dtypes(varlen, state_dtype):
         beta = torch.empty(batch, tokens, heads, dtype=torch.bfloat16)
         cu = torch.empty(5, dtype=torch.int64) if varlen else None
         o, state = torch.ops.cute_kda.forward(q, q, q, q, beta, torch.empty(heads), torch.empty(heads, D), None, cu,
-                                              0.1, -5.0, state_dtype, 0, True, True, "safe")
+                                              0.1, -5.0, state_dtype, 0, True, True, "safe", 0)
     assert o.shape == (batch, tokens, heads, D) and o.dtype == torch.bfloat16
     if state_dtype is None:
         assert state.numel() == 0
@@ -110,7 +111,7 @@ def test_opcheck(gold_kernels):
     inputs = make_inputs([37, 20])
     h0 = 0.1 * torch.randn(2, 2, D, D)
     args = (*(inputs[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), h0, inputs["cu_seqlens"],
-            D ** -0.5, -5.0, torch.float32, 0, True, True, "safe")
+            D ** -0.5, -5.0, torch.float32, 0, True, True, "safe", 0)
     torch.library.opcheck(torch_ops.forward_op, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -119,7 +120,7 @@ def test_opcheck_log_decay_without_gate_constants(gold_kernels):
     inputs = make_inputs([37, 20])
     g = -torch.rand(inputs["g"].shape)
     args = (*(inputs[n] for n in ("q", "k", "v")), g, inputs["beta"], None, None, None, inputs["cu_seqlens"],
-            D ** -0.5, -5.0, torch.float32, 0, True, True, "none")
+            D ** -0.5, -5.0, torch.float32, 0, True, True, "none", 0)
     torch.library.opcheck(torch_ops.forward_op, args, test_utils=("test_schema", "test_faketensor"))
 
 

@@ -1,0 +1,183 @@
+"""Context parallelism: each long sequence split into segments that the serial scans run side by side.
+
+Why. K2 and Kernel A are serial over a sequence's 16-token tiles, one CTA chain per (sequence, head, V band). With
+few (sequence, head) pairs most SMs idle: at B1 T32768 H16 the best V-split gives 64 K2 CTAs of 2048 steps, and a
+narrower band shortens a step far less than it divides the work (K2 on the H200: 0.94 µs a step for 128 columns,
+0.66 µs for 32). Cutting every sequence into C segments of whole tiles gives C times the chains at full width, for
+the price of extra passes over the segments.
+
+The algebra (v-first states ``X = Sᵀ``, ``[V, K]``, as the kernels keep them). Over one segment the state recurrence
+is affine in the state entering it:
+
+    X_end = X_start · F + H
+
+``F`` (``[K, K]``) is the segment's transition: its final state when run from ``X_start = I`` with ``v = 0`` (a
+K × K identity is a state of V = K columns). ``H`` is its final state when run from zero with the real ``v``. So the
+forward is (:func:`segment_states`): one pass for every ``H``, one for every ``F`` (the same kernel on ``v = 0``), a
+serial combine over the segments of each sequence (``C − 1`` batched matmuls of 128 × 128, fp32), then the real run
+of every segment from the state entering it. The backward scan is the adjoint (:func:`exiting_gradients`):
+``dX_start = dX_end · Fᵀ + L`` with ``L`` a segment's own gradient (its scan with a zero ``dht``), so one scan pass
+for every ``L``, a reverse combine with the forward's ``F``, and the real scan with the gradient leaving each segment
+as its ``dht``. The transitions come from the forward; nothing is transposed on the device.
+
+Every pass is the varlen form of the kernels on a packed problem whose sequences are the segments
+(:meth:`Segmentation.cu_seqlens`): the tiles, the workspace, K1, Kernel B and the per-tile checkpoints are those of
+the unsplit problem, because a segment boundary falls on a tile boundary. Results differ from the unsplit chain by
+rounding only (the entering states pass through the fp32 combine instead of the chain's registers); the first
+segment of each sequence is computed exactly as without segments.
+
+Fixed-length batches only (``cu_seqlens`` None): the segment bounds are then known on the host, and so is the
+serial combine's shape, with no device value read.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import torch
+
+from .numerics import CHUNK
+from .validation import ProblemShape
+
+# The heuristic's bounds. A segment of fewer tiles leaves the combine's launches and the extra passes without work
+# to hide behind; fewer segments than MIN_SEGMENTS do not pay for the extra passes (K2 runs three, at
+# 0.94 µs a step, against one at the best V-split's 0.66 µs: C ≥ 3 · 0.94 / 0.66 ≈ 4.3 breaks even; Kernel A
+# runs two at 1.5 µs against 0.7: C ≥ 4.3 too).
+MIN_SEGMENT_TILES = 64
+MIN_SEGMENTS = 6
+
+
+class Segmentation(NamedTuple):
+    """``num_seqs`` sequences of ``seq_len`` tokens, each cut into segments of ``length`` tokens (a multiple of the
+    tile; a sequence's last segment may be shorter)."""
+
+    num_seqs: int
+    seq_len: int
+    length: int
+
+    @property
+    def per_seq(self) -> int:
+        """Segments per sequence."""
+        return -(-self.seq_len // self.length)
+
+    @property
+    def count(self) -> int:
+        """Segments in all: the sequences of the packed problem."""
+        return self.num_seqs * self.per_seq
+
+    def cu_seqlens(self) -> torch.Tensor:
+        """int64 ``[count + 1]`` on the CPU: the segment bounds in the flattened ``[1, N · T]`` token order."""
+        return _segment_bounds(self.num_seqs, self.seq_len, self.length)
+
+    def problem(self, heads: int, head_dim: int) -> ProblemShape:
+        """The packed problem of the segments: ``[1, N · T]`` tokens, ``count`` sequences."""
+        return ProblemShape(1, self.num_seqs * self.seq_len, heads, head_dim, self.count, True)
+
+    def by_sequence(self, states: torch.Tensor) -> torch.Tensor:
+        """``[count, ...]`` per-segment tensors as ``[N, C, ...]``."""
+        return states.view(self.num_seqs, self.per_seq, *states.shape[1:])
+
+    def first(self, states: torch.Tensor) -> torch.Tensor:
+        """Each sequence's first segment of ``[count, ...]``: ``[N, ...]`` (a view)."""
+        return self.by_sequence(states)[:, 0]
+
+    def last(self, states: torch.Tensor) -> torch.Tensor:
+        """Each sequence's last segment of ``[count, ...]``: ``[N, ...]`` (a view)."""
+        return self.by_sequence(states)[:, -1]
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_bounds(num_seqs: int, seq_len: int, length: int) -> torch.Tensor:
+    starts = torch.arange(0, seq_len, length, dtype=torch.int64)
+    bounds = (torch.arange(num_seqs, dtype=torch.int64)[:, None] * seq_len + starts).flatten()
+    return torch.cat((bounds, torch.tensor([num_seqs * seq_len], dtype=torch.int64)))
+
+
+def check_segments(segments: object) -> None:
+    """``segments``: None (the heuristic) or an int ≥ 1 (1: no segments)."""
+    if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int) or segments < 1):
+        raise ValueError(f"segments must be None or an int >= 1 (1: no context parallelism), got {segments!r}")
+
+
+def plan(problem: ProblemShape, sms: int, segments: int | None = None,
+         vsplit: int | None = None) -> Segmentation | None:
+    """The segmentation of ``problem``, or None to run it unsplit.
+
+    ``segments`` None: the heuristic: a fixed-length problem whose ``num_seqs · heads`` chains leave at least
+    :data:`MIN_SEGMENTS` SMs to each is cut into ``sms // (num_seqs · heads)`` segments per sequence of at least
+    :data:`MIN_SEGMENT_TILES` tiles, unless the caller fixed ``vsplit``. An int: that many segments per sequence
+    (fewer where the sequence has fewer tiles), 1 meaning none. Varlen problems are not split: asking for segments
+    there raises ``NotImplementedError``.
+    """
+    check_segments(segments)
+    if problem.varlen and segments is not None and segments > 1:
+        raise NotImplementedError("segments (context parallelism) with cu_seqlens: only fixed-length batches are "
+                                  "split; pass segments=None or 1 for packed sequences")
+    return _plan(problem, sms, segments, vsplit)
+
+
+@functools.lru_cache(maxsize=256)  # on the host path of every unsplit call
+def _plan(problem: ProblemShape, sms: int, segments: int | None, vsplit: int | None) -> Segmentation | None:
+    if problem.varlen or problem.heads == 0 or problem.seq_len == 0 or problem.num_seqs == 0:
+        return None
+    tiles = -(-problem.seq_len // CHUNK)
+    if segments is None:
+        if vsplit is not None:
+            return None
+        segments = min(sms // (problem.num_seqs * problem.heads), tiles // MIN_SEGMENT_TILES)
+        if segments < MIN_SEGMENTS:
+            return None
+    segments = min(segments, tiles)
+    if segments <= 1:
+        return None
+    length = -(-tiles // segments) * CHUNK
+    return Segmentation(problem.num_seqs, problem.seq_len, length)
+
+
+FinalStates = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor], None]
+
+
+def segment_states(seg: Segmentation, final_states: FinalStates, v: torch.Tensor,
+                   initial_state: torch.Tensor | None) -> torch.Tensor:
+    """fp32 ``[2, count, H, V, K]``: the state entering every segment (``[0]``) and every segment's transition
+    ``F`` (``[1]``), from two passes of the forward scan and the serial combine.
+
+    ``final_states(v, initial, into)`` runs the forward scan (K2, or its mirror) over every segment with the packed
+    problem's ``v`` ``[1, N · T, H, V]`` and ``initial`` (None: zero; else fp32 ``[count, H, V, K]``) and writes the
+    fp32 final states into ``into`` ``[count, H, V, K]``. ``initial_state``: None or ``[N, H, V, K]``, the caller's.
+    """
+    heads, dim = v.shape[2], v.shape[3]
+    kept = torch.empty((2, seg.count, heads, dim, dim), dtype=torch.float32, device=v.device)
+    local = torch.empty_like(kept[0])
+    final_states(v, None, local)
+    identity = torch.eye(dim, dtype=torch.float32, device=v.device).expand(seg.count, heads, dim, dim)
+    final_states(torch.zeros_like(v), identity.contiguous(), kept[1])
+    entering, ends, steps = (seg.by_sequence(t) for t in (kept[0], local, kept[1]))
+    if initial_state is None:
+        entering[:, 0].zero_()
+    else:
+        entering[:, 0].copy_(initial_state)
+    for c in range(1, seg.per_seq):
+        entering[:, c] = torch.matmul(entering[:, c - 1], steps[:, c - 1]) + ends[:, c - 1]
+    return kept
+
+
+def exiting_gradients(seg: Segmentation, local_gradients: torch.Tensor, transitions: torch.Tensor,
+                      dht: torch.Tensor | None) -> torch.Tensor:
+    """fp32 ``[count, H, V, K]``: the gradient w.r.t. the state leaving every segment, the reverse combine.
+
+    ``local_gradients``: fp32 ``[count, H, V, K]``, each segment's scan gradient at its start with a zero gradient
+    leaving it; ``transitions``: the forward's ``F`` (:func:`segment_states`'s ``[1]``); ``dht``: None or
+    ``[N, H, V, K]``, the gradient w.r.t. each sequence's final state.
+    """
+    local = seg.by_sequence(local_gradients)
+    steps = seg.by_sequence(transitions)
+    leaving = torch.empty_like(local)
+    if dht is None:
+        leaving[:, -1].zero_()
+    else:
+        leaving[:, -1].copy_(dht)
+    for c in range(seg.per_seq - 1, 0, -1):
+        leaving[:, c - 1] = torch.matmul(leaving[:, c], steps[:, c].transpose(-1, -2)) + local[:, c]
+    return leaving.view_as(local_gradients)

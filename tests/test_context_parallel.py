@@ -1,0 +1,270 @@
+"""Context parallelism (``cute_kda/context_parallel.py``): sequences cut into segments that the serial scans run side by
+side, the segments' states joined by the forward's and the backward's combines.
+
+CPU tier: the heuristic and its refusals; the segment bounds; the training chain on the reference backend (the
+mirrors) with segments against autograd through the fp64 gold and against the unsplit chain (the first segment
+computed exactly as unsplit, the rest within rounding), through the autograd Function, ``recompute`` and the
+training ops, on gates that keep half the channels from decaying so that the states crossing the segment bounds
+carry weight.
+
+GPU tier: the public API (the kernels) with segments against the fp64 gold (forward and every gradient) and against
+the reference backend, the first segment bit-identical to the unsplit forward, the heuristic splitting a long
+one-head call (and the result tracking the unsplit one), the segmented backward deterministic.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cute_kda
+from cute_kda import autograd, context_parallel, torch_ops
+from cute_kda.context_parallel import MIN_SEGMENT_TILES, MIN_SEGMENTS, Segmentation, plan
+from cute_kda.reference import gold_forward, rel_rms
+from cute_kda.validation import ProblemShape
+
+from test_autograd import INPUTS, REFERENCE_FORWARD, assert_close_to_gold, gold, make_problem, train
+
+pytestmark = pytest.mark.filterwarnings("ignore:cute_kda mirror on CPU:RuntimeWarning")
+
+D = 128
+GOLD_BOUND = 6e-3  # o and the final state against the fp64 gold, as the forward's tests hold them
+
+
+def fixed(batch, seq_len, heads):
+    return ProblemShape(batch, seq_len, heads, D, batch, False)
+
+
+# ============================================================================ CPU tier: the plan
+
+@pytest.mark.parametrize("problem, sms, expected", [
+    (fixed(1, 32768, 16), 132, Segmentation(1, 32768, 4096)),  # 16 chains: 8 segments of 256 tiles
+    (fixed(1, 32768, 96), 132, None),  # enough chains already
+    (fixed(2, 8192, 8), 132, Segmentation(2, 8192, 1024)),  # 16 chains, 8 segments of 64 tiles
+    (fixed(1, 6000, 16), 132, None),  # 375 tiles: fewer than MIN_SEGMENTS segments of MIN_SEGMENT_TILES
+    (fixed(1, 8192, 22), 132, Segmentation(1, 8192, 1376)),  # 6 segments (86 tiles each, the last 82)
+    (fixed(1, 8192, 23), 132, None),  # 5 segments an SM's worth: not worth the extra passes
+    (fixed(1, 1 << 20, 1), 132, Segmentation(1, 1 << 20, 7952)),  # 132 segments of 497 tiles (the last 429)
+])
+def test_heuristic(problem, sms, expected):
+    assert plan(problem, sms) == expected
+    if expected is not None:
+        assert expected.per_seq >= MIN_SEGMENTS and expected.length >= MIN_SEGMENT_TILES * 16
+        assert expected.length % 16 == 0 and problem.num_seqs * problem.heads * expected.per_seq <= sms
+
+
+def test_explicit_segments():
+    assert plan(fixed(2, 100, 4), 132, segments=3) == Segmentation(2, 100, 48)  # 7 tiles: 3, 3, 1
+    assert plan(fixed(2, 100, 4), 132, segments=100) == Segmentation(2, 100, 16)  # at most one a tile
+    assert plan(fixed(2, 100, 4), 132, segments=1) is None
+    assert plan(fixed(1, 10, 4), 132, segments=4) is None  # one tile: nothing to split
+    assert plan(fixed(1, 32768, 16), 132, vsplit=4) is None  # a fixed V-split keeps the heuristic out
+    assert plan(fixed(1, 32768, 16), 132, segments=2, vsplit=4) == Segmentation(1, 32768, 16384)
+
+
+@pytest.mark.parametrize("segments", [0, -2, 2.0, True, "4"])
+def test_bad_segments_are_refused(segments):
+    with pytest.raises(ValueError, match="segments"):
+        plan(fixed(1, 64, 1), 132, segments=segments)
+
+
+def test_varlen_is_not_split():
+    packed = ProblemShape(1, 32768, 1, D, 2, True)
+    assert plan(packed, 132) is None and plan(packed, 132, segments=1) is None
+    with pytest.raises(NotImplementedError, match="cu_seqlens"):
+        plan(packed, 132, segments=4)
+
+
+def test_segment_bounds():
+    seg = Segmentation(2, 100, 48)
+    assert seg.per_seq == 3 and seg.count == 6
+    assert seg.cu_seqlens().tolist() == [0, 48, 96, 100, 148, 196, 200]
+    assert seg.problem(4, D) == ProblemShape(1, 200, 4, D, 6, True)
+    states = torch.arange(6.0)
+    assert seg.first(states).tolist() == [0.0, 3.0] and seg.last(states).tolist() == [2.0, 5.0]
+
+
+# ============================================================================ CPU tier: the chain on the mirrors
+
+def low_decay(problem):
+    """The problem with every other channel's gate pushed into the sigmoid's floor (decay ≈ 1 a token): states
+    carry across many segments there, while the other channels keep make_problem's saturating gates."""
+    g = problem["g"].float()
+    g[..., ::2] = g[..., ::2] / 4 - 10
+    return {**problem, "g": g.bfloat16()}
+
+
+CPU_CASES = {  # lengths, make_problem keywords, segments, recompute
+    "B2_T100_fp32_state_3_segments": ([100, 100], dict(state=torch.float32), 3, False),
+    "B1_T90_bf16_state_4_segments_recompute": ([90], dict(state=torch.bfloat16), 4, True),
+    "B1_T64_no_state_4_segments": ([64], {}, 4, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CPU_CASES))
+def test_reference_segments_match_gold(case):
+    lengths, make, segments, recompute = CPU_CASES[case]
+    problem, do, dht = make_problem(lengths, **make, seed=3)
+    problem = low_decay(problem)
+    o, ht, grads = train(REFERENCE_FORWARD, problem, do=do, dht=dht, segments=segments, recompute=recompute)
+    p = dict(problem)
+    tokens = [p.pop(n) for n in ("q", "k", "v", "g", "beta")]
+    o_gold, ht_gold = gold_forward(*tokens, output_final_state=True, **p)
+    assert o.shape == problem["v"].shape and ht.shape == dht.shape
+    assert rel_rms(o, o_gold) <= GOLD_BOUND and rel_rms(ht, ht_gold) <= GOLD_BOUND
+    assert_close_to_gold(grads, gold(problem, do, dht), problem, f"{case} segmented")
+
+
+def test_reference_segments_change_only_what_crosses_a_bound():
+    """The first segment of each sequence is the unsplit chain's, bit for bit; later ones differ (the entering
+    states come through the fp32 combine), by rounding only."""
+    problem, do, dht = make_problem([100, 100], state=torch.float32, seed=4)
+    problem = low_decay(problem)
+    split = train(REFERENCE_FORWARD, problem, do=do, dht=dht, segments=3)
+    whole = train(REFERENCE_FORWARD, problem, do=do, dht=dht, segments=1)
+    length = plan(fixed(2, 100, 2), 0, segments=3).length
+    assert torch.equal(split[0][:, :length], whole[0][:, :length])
+    assert not torch.equal(split[0], whole[0])
+    assert rel_rms(split[0], whole[0]) <= GOLD_BOUND and rel_rms(split[1], whole[1]) <= GOLD_BOUND
+    for name in INPUTS:
+        assert rel_rms(split[2][name], whole[2][name]) <= 1e-2, name
+
+
+def test_segments_run_the_extra_passes(monkeypatch):
+    """A segmented call makes the segment states once (the forward) and scans twice; ``recompute`` reuses the kept
+    segment states instead of making them again."""
+    made, scans = [], []
+    segment_states, exiting = context_parallel.segment_states, context_parallel.exiting_gradients
+    monkeypatch.setattr(context_parallel, "segment_states", lambda *a: made.append(1) or segment_states(*a))
+    monkeypatch.setattr(context_parallel, "exiting_gradients", lambda *a: scans.append(1) or exiting(*a))
+    problem, do, dht = make_problem([40], state=torch.float32)
+    train(REFERENCE_FORWARD, problem, do=do, dht=dht, segments=2, recompute=True)
+    assert made == [1] and scans == [1]
+
+
+def test_training_ops_split_as_the_function_does(monkeypatch):
+    """The training ops (torch.compile's path) on the reference stages give what the autograd Function gives."""
+    monkeypatch.setattr(torch_ops, "_stages", lambda: autograd.REFERENCE)
+    problem, do, dht = make_problem([50, 50], state=torch.float32, seed=5)
+
+    def ops_forward(q, k, v, g, beta, *, A_log, dt_bias, initial_state, output_final_state, segments):
+        return torch_ops.kda_forward(q, k, v, g, beta, scale=None, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+                                     initial_state=initial_state, output_final_state=output_final_state,
+                                     cu_seqlens=None, out=None, final_state=None, vsplit=None, qk_l2norm=True,
+                                     beta_logits=True, segments=segments)
+
+    by_ops = train(ops_forward, problem, do=do, dht=dht, segments=3)
+    by_function = train(REFERENCE_FORWARD, problem, do=do, dht=dht, segments=3)
+    assert torch.equal(by_ops[0], by_function[0]) and torch.equal(by_ops[1], by_function[1])
+    for name in INPUTS:
+        assert torch.equal(by_ops[2][name], by_function[2][name]), name
+
+
+def test_bad_segments_name_the_argument():
+    problem, do, _ = make_problem([40])
+    with pytest.raises(ValueError, match="segments"):
+        train(REFERENCE_FORWARD, problem, do=do, segments=0)
+    packed, do, _ = make_problem([20, 17])
+    with pytest.raises(NotImplementedError, match="cu_seqlens"):
+        train(REFERENCE_FORWARD, packed, do=do, segments=2)
+
+
+# ============================================================================ GPU tier
+
+GPU_CASES = {  # lengths, heads, make_problem keywords, kda_forward keywords
+    "B2_T1000_H2_fp32_state_4_segments": ([1000, 1000], 2, dict(state=torch.float32), dict(segments=4)),
+    "B1_T777_H3_bf16_state_5_segments": ([777], 3, dict(state=torch.bfloat16), dict(segments=5)),
+    "B1_T600_H2_softplus_3_segments": ([600], 2, {}, dict(segments=3, gate="softplus")),
+}
+
+
+def _gpu_problem(case, device):
+    lengths, heads, make, options = GPU_CASES[case]
+    problem, do, dht = make_problem(lengths, heads, **make, device=device, seed=21)
+    return low_decay(problem), do, dht, dict(options)
+
+
+def _cpu(tensors):
+    return {n: x.cpu() for n, x in tensors.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_public_api_segments_match_gold(case, device):
+    problem, do, dht, options = _gpu_problem(case, device)
+    o, ht, grads = train(cute_kda.kda_forward, problem, do=do, dht=dht, **options)
+    torch.cuda.synchronize()
+    gate = options.pop("gate", "safe")
+    p = _cpu(problem)
+    tokens = [p.pop(n) for n in ("q", "k", "v", "g", "beta")]
+    o_gold, ht_gold = gold_forward(*tokens, output_final_state=True, gate=gate, **p)
+    err_o, err_ht = rel_rms(o.cpu(), o_gold), rel_rms(ht.cpu(), ht_gold)
+    print(f"[segments] {case}: o {err_o:.2e}, final state {err_ht:.2e}")
+    assert err_o <= GOLD_BOUND and err_ht <= GOLD_BOUND
+    expected = gold(_cpu(problem), do.cpu(), dht.cpu(), gate=gate)
+    assert_close_to_gold(_cpu(grads), expected, _cpu(problem), f"{case} segmented")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_public_api_segments_near_the_reference_backend(case, device):
+    problem, do, dht, options = _gpu_problem(case, device)
+    _, _, grads = train(cute_kda.kda_forward, problem, do=do, dht=dht, **options)
+    _, _, mirrored = train(REFERENCE_FORWARD, problem, do=do, dht=dht, **options)
+    torch.cuda.synchronize()
+    assert_close_to_gold(grads, mirrored, problem, f"{case} vs reference backend")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state", [None, torch.bfloat16, torch.float32], ids=["none", "bf16", "fp32"])
+def test_inference_first_segment_is_the_unsplit_forward(state, device):
+    problem, _, _ = make_problem([700, 700], 2, state=state, device=device, seed=22)
+    problem = low_decay(problem)
+    with torch.no_grad():
+        split = cute_kda.kda_forward(**problem, output_final_state=True, segments=4)
+        whole = cute_kda.kda_forward(**problem, output_final_state=True, segments=1)
+    length = plan(fixed(2, 700, 2), 0, segments=4).length
+    assert torch.equal(split[0][:, :length], whole[0][:, :length])
+    assert split[1].dtype == whole[1].dtype == (state or torch.float32)
+    assert rel_rms(split[0], whole[0]) <= GOLD_BOUND and rel_rms(split[1], whole[1]) <= GOLD_BOUND
+
+
+@pytest.mark.gpu
+def test_inference_fills_caller_buffers(device):
+    problem, _, _ = make_problem([300], 2, state=torch.bfloat16, device=device, seed=23)
+    out = torch.empty_like(problem["v"])
+    final = torch.empty_like(problem["initial_state"])
+    with torch.no_grad():
+        o, state = cute_kda.kda_forward(**problem, out=out, final_state=final, segments=3)
+        o_ref, state_ref = cute_kda.kda_forward(**problem, output_final_state=True, segments=3)
+    assert o is out and state is final
+    assert torch.equal(out, o_ref) and torch.equal(final, state_ref)
+
+
+@pytest.mark.gpu
+def test_heuristic_splits_a_long_one_head_call(device, monkeypatch):
+    """B1 T65536 H1: 4096 tiles on one chain; the heuristic cuts it (the SMs' worth of segments of ≥ 64 tiles) and
+    the result tracks the unsplit forward."""
+    problem, _, _ = make_problem([65536], 1, state=torch.float32, device=device, seed=24)
+    problem = low_decay(problem)
+    made = []
+    segment_states = context_parallel.segment_states
+    monkeypatch.setattr(context_parallel, "segment_states", lambda *a: made.append(a[0]) or segment_states(*a))
+    with torch.no_grad():
+        split = cute_kda.kda_forward(**problem, output_final_state=True)
+        whole = cute_kda.kda_forward(**problem, output_final_state=True, segments=1)
+    assert len(made) == 1 and made[0].per_seq >= MIN_SEGMENTS
+    errors = rel_rms(split[0], whole[0]), rel_rms(split[1], whole[1])
+    print(f"[segments] heuristic {made[0]}: o {errors[0]:.2e}, final state {errors[1]:.2e} against unsplit")
+    assert max(errors) <= GOLD_BOUND
+
+
+@pytest.mark.gpu
+def test_segmented_backward_is_deterministic(device):
+    problem, do, dht, options = _gpu_problem("B1_T777_H3_bf16_state_5_segments", device)
+    first = train(cute_kda.kda_forward, problem, do=do, dht=dht, **options)
+    second = train(cute_kda.kda_forward, problem, do=do, dht=dht, **options)
+    torch.cuda.synchronize()
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    for name in INPUTS:
+        assert torch.equal(first[2][name], second[2][name]), name
