@@ -245,14 +245,14 @@ def _final_state_of(options: Options, final_state: torch.Tensor | None) -> torch
 
 
 def _segment_scan(options: Options, saved: Saved, dht: torch.Tensor | None, dh0_dtype: torch.dtype | None,
-                  scan: Callable[[torch.Tensor | None, torch.dtype | None], ScanResult]) -> ScanResult:
-    """The backward scan of a segmented call: ``scan(dht, dh0_dtype)`` runs the packed scan (``[segments, H, V, K]``
-    states); once with zero gradients leaving the segments for their own gradients, the reverse combine, then the
-    real scan. Unsplit: ``scan(dht, dh0_dtype)``."""
+                  scan: Callable[..., ScanResult]) -> ScanResult:
+    """The backward scan of a segmented call: ``scan(dht, dh0_dtype, token_outputs)`` runs the packed scan
+    (``[segments, H, V, K]`` states); once with zero gradients leaving the segments for their own gradients (dh0
+    only: ``token_outputs`` False), the reverse combine, then the real scan. Unsplit: ``scan(dht, dh0_dtype)``."""
     seg = options.segmentation
     if seg is None:
         return scan(dht, dh0_dtype)
-    local = scan(None, torch.float32).dh0
+    local = scan(None, torch.float32, token_outputs=False).dh0
     leaving = context_parallel.exiting_gradients(seg, local, saved.segment_states[1], dht)
     result = scan(leaving, None if dh0_dtype is None else torch.float32)
     dh0 = None if dh0_dtype is None else seg.first(result.dh0).to(dh0_dtype).contiguous()
@@ -313,10 +313,10 @@ def _kernel_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dh
     state_grads = torch.empty_like(saved.checkpoints)
     ws = workspace_of(options, saved)
 
-    def scan(leaving: torch.Tensor | None, dtype: torch.dtype | None) -> ScanResult:
+    def scan(leaving: torch.Tensor | None, dtype: torch.dtype | None, token_outputs: bool = True) -> ScanResult:
         dh0 = None if dtype is None else torch.empty(state_shape(options.problem), dtype=dtype, device=do.device)
         ka.bwd_scan(do, ws, dv, du, state_grads, cu_seqlens=x.cu_seqlens, tile_base=saved.tile_base, dht=leaving,
-                    dh0=dh0)
+                    dh0=dh0, token_outputs=token_outputs)
         return ScanResult(dv, du, state_grads, dh0)
 
     return _segment_scan(options, saved, dht, dh0_dtype, scan)
@@ -414,10 +414,11 @@ def _reference_forward(x: Inputs, options: Options, segment_states: torch.Tensor
 
 def _reference_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None,
                     dh0_dtype: torch.dtype | None) -> ScanResult:
-    """:func:`~cute_kda.reference.mirror_bwd_scan` (twice for a segmented call, :func:`_segment_scan`)."""
+    """:func:`~cute_kda.reference.mirror_bwd_scan` (twice for a segmented call, :func:`_segment_scan`; the mirror
+    computes every output in either pass, so ``token_outputs`` changes nothing here)."""
     from .reference import mirror_bwd_scan
 
-    def scan(leaving: torch.Tensor | None, dtype: torch.dtype | None) -> ScanResult:
+    def scan(leaving: torch.Tensor | None, dtype: torch.dtype | None, token_outputs: bool = True) -> ScanResult:
         result = mirror_bwd_scan(workspace_of(options, saved), do, cu_seqlens=x.cu_seqlens, dht=leaving,
                                  dh0_dtype=torch.float32 if dtype is None else dtype, state_layout="vk")
         return ScanResult(result.dv.contiguous(), result.du.contiguous(), result.snapshots.contiguous(),

@@ -153,13 +153,7 @@ def segment_states(seg: Segmentation, final_states: FinalStates, v: torch.Tensor
     final_states(v, None, local)
     identity = torch.eye(dim, dtype=torch.float32, device=v.device).expand(seg.count, heads, dim, dim)
     final_states(torch.zeros_like(v), identity.contiguous(), kept[1])
-    entering, ends, steps = (seg.by_sequence(t) for t in (kept[0], local, kept[1]))
-    if initial_state is None:
-        entering[:, 0].zero_()
-    else:
-        entering[:, 0].copy_(initial_state)
-    for c in range(1, seg.per_seq):
-        entering[:, c] = torch.matmul(entering[:, c - 1], steps[:, c - 1]) + ends[:, c - 1]
+    _combine(seg, kept[0], local, kept[1], initial_state, transpose=False)
     return kept
 
 
@@ -171,13 +165,32 @@ def exiting_gradients(seg: Segmentation, local_gradients: torch.Tensor, transiti
     leaving it; ``transitions``: the forward's ``F`` (:func:`segment_states`'s ``[1]``); ``dht``: None or
     ``[N, H, V, K]``, the gradient w.r.t. each sequence's final state.
     """
-    local = seg.by_sequence(local_gradients)
-    steps = seg.by_sequence(transitions)
-    leaving = torch.empty_like(local)
-    if dht is None:
-        leaving[:, -1].zero_()
+    leaving = torch.empty_like(local_gradients)
+    _combine(seg, leaving, local_gradients, transitions, dht, transpose=True)
+    return leaving
+
+
+def _combine(seg: Segmentation, into: torch.Tensor, local: torch.Tensor, transitions: torch.Tensor,
+             boundary: torch.Tensor | None, *, transpose: bool) -> None:
+    """The serial combine of :func:`segment_states` (``transpose`` False: ``X[c] = X[c−1]·F[c−1] + H[c−1]`` from
+    ``X[0] = boundary``) or of :func:`exiting_gradients` (True: ``G[c−1] = G[c]·F[c]ᵀ + L[c]`` from
+    ``G[C−1] = boundary``) into ``into`` (``[count, H, V, K]``; ``boundary`` None: zero): one batched matmul a
+    segment over segment-major ``[C, N · H, V, K]`` operands."""
+    count, heads, rows, cols = into.shape
+
+    def segment_major(t: torch.Tensor) -> torch.Tensor:  # a view for one sequence, else a copy
+        return seg.by_sequence(t).transpose(0, 1).reshape(seg.per_seq, seg.num_seqs * heads, rows, cols)
+
+    states = torch.empty((seg.per_seq, seg.num_seqs * heads, rows, cols), dtype=into.dtype, device=into.device)
+    local, steps = segment_major(local), segment_major(transitions)
+    if transpose:
+        steps = steps.transpose(-1, -2)
+    first = seg.per_seq - 1 if transpose else 0
+    if boundary is None:
+        states[first].zero_()
     else:
-        leaving[:, -1].copy_(dht)
-    for c in range(seg.per_seq - 1, 0, -1):
-        leaving[:, c - 1] = torch.matmul(leaving[:, c], steps[:, c].transpose(-1, -2)) + local[:, c]
-    return leaving.view_as(local_gradients)
+        states[first].copy_(boundary.reshape(seg.num_seqs * heads, rows, cols))
+    for target in (range(seg.per_seq - 2, -1, -1) if transpose else range(1, seg.per_seq)):
+        source = target + 1 if transpose else target - 1
+        torch.baddbmm(local[source], states[source], steps[source], out=states[target])
+    seg.by_sequence(into).copy_(states.view(seg.per_seq, seg.num_seqs, heads, rows, cols).transpose(0, 1))

@@ -338,25 +338,30 @@ def launchers_on_mirrors(monkeypatch):
 
     @fake(k2, "recurrence")
     def _(v, ws, out, cu_seqlens, tile_base, initial_state, final_state, vsplit, checkpoints, stream):
-        assert vsplit in validation.SUPPORTED_VSPLITS and checkpoints.dtype == torch.bfloat16
-        assert checkpoints.shape == block_states_shape(ws, v.shape[2], num_seqs(v, cu_seqlens))
-        kept = torch.full_like(checkpoints, float("nan"))
+        assert vsplit is None or vsplit in validation.SUPPORTED_VSPLITS
+        kept = None
+        if checkpoints is not None:  # the training pass (a segmented call's extra passes keep none)
+            assert checkpoints.dtype == torch.bfloat16
+            assert checkpoints.shape == block_states_shape(ws, v.shape[2], num_seqs(v, cu_seqlens))
+            kept = torch.full_like(checkpoints, float("nan"))
         o, state = mirror.mirror_recurrence(
             ws, v, cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=final_state is not None,
             state_dtype=torch.float32 if final_state is None else final_state.dtype, checkpoints=kept)
-        written = ~kept.isnan().flatten(1).all(1)  # the kernel keeps state images, in the rows it owns
-        checkpoints[written] = states_to_images(kept[written])
+        if kept is not None:
+            written = ~kept.isnan().flatten(1).all(1)  # the kernel keeps state images, in the rows it owns
+            checkpoints[written] = states_to_images(kept[written])
         out.copy_(o)
         if final_state is not None:
             final_state.copy_(state)
 
     @fake(ka, "bwd_scan")
-    def _(do, ws, dv, du, snapshots, cu_seqlens, tile_base, dht, dh0, vsplit, tuning):
+    def _(do, ws, dv, du, snapshots, cu_seqlens, tile_base, dht, dh0, vsplit, tuning, token_outputs):
         ka._check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs(do, cu_seqlens))
         scan = mirror_bwd_scan(ws, do, cu_seqlens=cu_seqlens, dht=dht,
                                dh0_dtype=torch.float32 if dh0 is None else dh0.dtype)
-        for buffer, value in ((dv, scan.dv), (du, scan.du), (snapshots, states_to_images(scan.snapshots)),
-                              (dh0, scan.dh0)):
+        outputs = ((dv, scan.dv), (du, scan.du), (snapshots, states_to_images(scan.snapshots))) if token_outputs \
+            else ()  # without token outputs the kernel writes dh0 alone
+        for buffer, value in (*outputs, (dh0, scan.dh0)):
             if buffer is not None:
                 buffer.copy_(value)
 
@@ -394,6 +399,27 @@ def test_kernel_stages_hand_the_launchers_what_they_check(launchers_on_mirrors, 
     varlen = "cu_seqlens" in problem
     assert launchers_on_mirrors.calls == [*(["tile_bases"] if varlen else []), "prepare", "recurrence", "bwd_scan",
                                           "bwd_grads"]
+    for name in expected:
+        assert grads[name].dtype == expected[name].dtype and torch.equal(grads[name], expected[name]), name
+
+
+@pytest.mark.parametrize("lengths,state,recompute", [([48, 48], torch.float32, False), ([40], None, True)],
+                         ids=["B2_fp32", "B1_no_state_recompute"])
+def test_kernel_stages_of_a_segmented_call(launchers_on_mirrors, lengths, state, recompute):
+    """A segmented call on the kernel backend: the launchers see the packed segments (K2 three times in the
+    forward, once more in a recomputing backward, Kernel A twice, the first without token outputs), and every
+    gradient is the reference backend's, bit for bit."""
+    problem, do, dht = make_problem(lengths, state=state)
+    dht = dht if state is not None else None
+    launchers_on_mirrors.beta = problem["beta"].reshape(1, -1, problem["beta"].shape[2])
+    options = dict(segments=3, recompute=recompute)
+    o, ht, grads = train(functools.partial(autograd.kda_forward, backend=autograd.KERNELS), problem, do=do, dht=dht,
+                         **options)
+    o_ref, ht_ref, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht, **options)
+    forward = ["tile_bases", "prepare", "recurrence", "recurrence", "recurrence"]
+    again = ["tile_bases", "prepare", "recurrence"] if recompute else []
+    assert launchers_on_mirrors.calls == [*forward, *again, "bwd_scan", "bwd_scan", "bwd_grads"]
+    assert torch.equal(o, o_ref) and (ht is None or torch.equal(ht, ht_ref))
     for name in expected:
         assert grads[name].dtype == expected[name].dtype and torch.equal(grads[name], expected[name]), name
 

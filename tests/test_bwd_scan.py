@@ -106,6 +106,8 @@ def test_launcher_rejects_mismatched_buffers():
         ka.bwd_scan(do, ws, dv, du, snaps, dht=torch.zeros(n + 1, heads, D, D))
     with pytest.raises(ValueError, match="vsplit"):
         ka.bwd_scan(do, ws, dv, du, snaps, vsplit=3)
+    with pytest.raises(ValueError, match="dh0"):
+        ka.bwd_scan(do, ws, dv, du, snaps, token_outputs=False)
 
 
 # ============================================================================ compile (CPU)
@@ -137,16 +139,42 @@ def _compile_args(vsplit, dht, dh0, varlen):
 _COMPILED: dict = {}
 
 
-def _compiled(variant):
-    if variant not in _COMPILED:
+def _compiled(variant, token_outputs=True):
+    key = (*variant, token_outputs)
+    if key not in _COMPILED:
         from cute_kda.compile_report import compile_with_report
 
         vsplit, dht, dh0, varlen = variant
         kernel = BwdScan(vsplit=vsplit, dht=dsl_type(STATE[dht]), dh0=dsl_type(STATE[dh0]),
-                         varlen=varlen)
+                         varlen=varlen, token_outputs=token_outputs)
         _, report = compile_with_report(kernel, *_compile_args(*variant), cute.runtime.make_fake_stream())
-        _COMPILED[variant] = (kernel, report)
-    return _COMPILED[variant]
+        _COMPILED[key] = (kernel, report)
+    return _COMPILED[key]
+
+
+@pytest.mark.parametrize("vsplit", SCAN_VSPLITS)
+def test_local_gradient_variant_compiles(vsplit):
+    """The context-parallel backward's first pass (token_outputs=False; no dht, fp32 dh0, varlen): the products
+    of every tile, no dv / du tiles, no snapshots, dh0 alone leaving by TMA."""
+    kernel, report = _compiled((vsplit, "none", "fp32", True), token_outputs=False)
+    full_kernel, full = _compiled((vsplit, "none", "fp32", True))
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    assert report.count(mma) == full.count(mma) > 0
+    assert report.count("cp.async.bulk.tensor.5d.global.shared::cta") == 1  # dh0
+    assert report.count("cp.async.bulk.global.shared::cta") == 0 and report.count("st.global.b32") == 0
+    assert report.count("st.global.b16") == 0  # no tail rows either
+    x = kernel.band_matrices
+    assert report.count(f"stmatrix.sync.aligned.m8n8.x{x}.shared.b16") == 0
+    assert report.count(f"stmatrix.sync.aligned.m8n8.x{x}.trans.shared.b16") == \
+        full.count(f"stmatrix.sync.aligned.m8n8.x{x}.trans.shared.b16")
+    assert report.local_memory_ops == 0 and report.spills == 0 and report.kernels[0].stack_frame == 0
+    print(f"vsplit {vsplit} local gradients: {report.kernels[0].registers} registers "
+          f"({full.kernels[0].registers} with the token outputs)")
+
+
+def test_local_gradient_variant_needs_dh0():
+    with pytest.raises(ValueError, match="dh0"):
+        BwdScan(vsplit=1, dh0=None, token_outputs=False)
 
 
 @pytest.mark.parametrize("variant", _variants(), ids=lambda v: "vs{}-{}-{}-{}".format(v[0], v[1], v[2], "varlen" if v[3] else "fixed"))
@@ -293,6 +321,25 @@ def test_vsplits_are_bit_identical(dh0):
         for name in ("dv", "du", "snapshots"):
             assert _same_bits_or_both_nan(run[name], runs[0][name]), name
         assert torch.equal(run["dh0"], runs[0]["dh0"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vsplit", SCAN_VSPLITS)
+def test_local_gradient_variant_gives_the_full_scans_dh0(vsplit):
+    """token_outputs=False (the context-parallel backward's first pass): the same dh0, bit for bit, and not one
+    byte of dv, du or the snapshots written."""
+    lengths = [300, 0, 17, 1, 64]
+    problem = _problem(1, sum(lengths), 3, seed=6)
+    run = _run(problem, lengths=lengths, dht="none", dh0="fp32", vsplit=vsplit, seed=6)
+    dv, du = torch.full_like(run["dv"], float("nan")), torch.full_like(run["du"], float("nan"))
+    snaps = torch.full(block_states_shape(run["ws"], 3, len(lengths)), float("nan"), dtype=torch.bfloat16,
+                       device=dv.device)
+    dh0 = torch.full_like(run["dh0"], float("nan"))
+    ka.bwd_scan(run["do"], run["ws"], dv, du, snaps, cu_seqlens=run["cu"], dh0=dh0, vsplit=vsplit,
+                token_outputs=False)
+    torch.cuda.synchronize()
+    assert torch.equal(dh0, run["dh0"])
+    assert dv.isnan().all() and du.isnan().all() and snaps.isnan().all()
 
 
 def _gold(problem, run, *, lengths, lower_bound=-5.0):

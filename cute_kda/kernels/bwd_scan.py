@@ -136,18 +136,24 @@ class BwdScan(BandScan):
     ``split_accumulator``: G2's 8 k-steps run on two accumulators (even, odd), added at the end, so the
     chain of dependent mma is half as long. ``snapshot_every``: tiles per snapshot block (:func:`cute_kda.workspace.snapshot_slots`). ``dht`` / ``dh0``: None, ``cutlass.BFloat16`` or ``cutlass.Float32``: the dtype of the ``[N, H, V, K]``
     gradient w.r.t. the final state (in) and w.r.t. the initial state (out); None means zero in and
-    no output. ``varlen``: sequences packed along T with ``cu_seqlens``.
+    no output. ``varlen``: sequences packed along T with ``cu_seqlens``. ``token_outputs`` False: the scan writes
+    dh0 only (no dv, du or snapshots; the store warp idles): the first pass of the context-parallel backward
+    (:mod:`cute_kda.context_parallel`), which needs each segment's own gradient at its start and nothing else.
     """
 
     def __init__(self, *, vsplit: int = 1, dht: Optional[type] = None, dh0: Optional[type] = None,
                  varlen: bool = False, snapshot_every: int = SNAPSHOT_TILES, compute_warps: Optional[int] = None,
-                 output_stages: int = OUTPUT_STAGES, split_accumulator: bool = False) -> None:
+                 output_stages: int = OUTPUT_STAGES, split_accumulator: bool = False,
+                 token_outputs: bool = True) -> None:
         super().__init__(
             ScanSmemPlan(vsplit=vsplit, state_io_fp32=Float32 in (dht, dh0), compute_warps=compute_warps,
                          output_stages=output_stages),
             initial_state=dht, final_state=dh0, varlen=varlen, reverse=True,
         )
         self.split_accumulator = split_accumulator
+        self.token_outputs = token_outputs
+        if token_outputs is False and dh0 is None:
+            raise ValueError("a scan without token outputs needs dh0 (it would write nothing)")
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
         self.snapshot_every = snapshot_every
@@ -264,7 +270,7 @@ class BwdScan(BandScan):
                 (tma.beta[0], cute.local_tile(tma.beta[1], (CHUNK,), (0, None)), smem.beta),
             )
             self.load(num_tiles, ws_row0, load_pipe, loads)
-        else:
+        elif const_expr(self.token_outputs):
             # plain views of this (batch, head, band) from the sequence start, for tail rows
             band_col = band * self.v_band
             outputs = (
@@ -399,7 +405,7 @@ class BwdScan(BandScan):
             global_tile = first_tile + tile
             take_snapshot = (global_tile % self.snapshot_every == self.snapshot_every - 1) or (tile == num_tiles - 1)
             snapshot = self.band_image(snapshots, snapshot_row0 + global_tile // self.snapshot_every)
-            if const_expr(self.image_by_bulk):
+            if const_expr(self.image_by_bulk and self.token_outputs):
                 if take_snapshot:
                     self.store_band_image(snapshot, smem.ds, band, warp_idx)
             load_pipe.consumer_wait(load_state)
@@ -420,7 +426,7 @@ class BwdScan(BandScan):
                     cute.copy(ldsm_b, p_ds[None, None, k + 1], v_ds[None, None, k + 1])
                 target = acc_ds if const_expr(self.split_accumulator and k % 2 == 1) else acc
                 cute.gemm(tiled_mma, target, r_kr[None, None, k], r_ds[None, None, k], target)
-            if const_expr(not self.image_by_bulk):
+            if const_expr(not self.image_by_bulk and self.token_outputs):
                 if take_snapshot:  # narrow bands: dS' as G2 loaded it
                     self.store_band_fragment(snapshot, r_ds, band, warp_idx, lane)
             if const_expr(self.split_accumulator):
@@ -440,18 +446,19 @@ class BwdScan(BandScan):
                 r_c16[i] = BFloat16(acc[i])
                 r_dv[i] = BFloat16(scaled)
                 r_ndv[i] = BFloat16(-scaled)
-            store_pipe.producer_acquire(out_state)
-            cute.copy(stsm_c, v_dv, p_dv[None, None, None, out_state.index])
-            cute.copy(stsm_c, v_du, p_du[None, None, None, out_state.index])
-            cute.arch.fence_view_async_shared()
-            store_pipe.producer_commit(out_state)
-            out_state.advance()
+            if const_expr(self.token_outputs):
+                store_pipe.producer_acquire(out_state)
+                cute.copy(stsm_c, v_dv, p_dv[None, None, None, out_state.index])
+                cute.copy(stsm_c, v_du, p_du[None, None, None, out_state.index])
+                cute.arch.fence_view_async_shared()
+                store_pipe.producer_commit(out_state)
+                out_state.advance()
             transpose_c_to_b(r_ndv, r_ndv_b)
 
             # G4 + G5 + combine, row block m of 16 k: dS32 ← qdᵀ·dO − kdᵀ·dv + f32(gT·dS32) (the decayed
             # block is the C of G4), then dS = bf16(dS32) → the band buffer (after the snapshot's copy has read
             # it); block m+1's qdᵀ, kdᵀ and gT are read before block m is stored
-            if const_expr(self.image_by_bulk):
+            if const_expr(self.image_by_bulk and self.token_outputs):
                 if take_snapshot:
                     self.wait_band_image_read()
             cute.copy(ldsm_a_t, p_qd_t[None, 0, None, stage], v_qd_t[None, 0, None])
@@ -472,7 +479,7 @@ class BwdScan(BandScan):
 
             # the warp's dS columns and its reads of this stage are complete before lane 0 releases it (and its
             # band writes fenced for the next tile's snapshot copy)
-            if const_expr(self.image_by_bulk):
+            if const_expr(self.image_by_bulk and self.token_outputs):
                 cute.arch.fence_view_async_shared()
             cute.arch.sync_warp()
             load_pipe.consumer_release(load_state)

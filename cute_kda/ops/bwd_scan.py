@@ -71,16 +71,16 @@ def launch_arguments(
 
 
 def compiled_variant(key: tuple, tensors: dict, stream):
-    """The compiled variant ``key = (vsplit, dht dtype, dh0 dtype, varlen, tuning, device)``, compiled on
-    first use from ``tensors`` (:func:`launch_arguments`' keywords)."""
+    """The compiled variant ``key = (vsplit, dht dtype, dh0 dtype, varlen, tuning, token_outputs, device)``,
+    compiled on first use from ``tensors`` (:func:`launch_arguments`' keywords)."""
 
     def build():
         from ..kernels.bwd_scan import BwdScan
 
-        vsplit, dht, dh0, varlen, tuning, _ = key
+        vsplit, dht, dh0, varlen, tuning, token_outputs, _ = key
         kernel = BwdScan(vsplit=vsplit, dht=dsl_type(dht), dh0=dsl_type(dh0), varlen=varlen,
                          compute_warps=tuning.compute_warps, output_stages=tuning.output_stages,
-                         split_accumulator=tuning.split_accumulator)
+                         split_accumulator=tuning.split_accumulator, token_outputs=token_outputs)
         return compile_for_launch(kernel, *launch_arguments(**tensors, tensor=to_cute_tensor), stream)
 
     return _CACHE.get(key, build)
@@ -121,6 +121,7 @@ def bwd_scan(
     dh0: torch.Tensor | None = None,
     vsplit: int | None = None,
     tuning: ScanTuning = DEFAULT_TUNING,
+    token_outputs: bool = True,
 ) -> None:
     """Run Kernel A: ``dv``, ``du`` (valid rows only), ``snapshots`` and, when given, ``dh0``.
 
@@ -134,8 +135,9 @@ def bwd_scan(
     state; dh0: None or bf16 / fp32 ``[N, H, V, K]``, receives the gradient w.r.t. the initial state
     (the bf16 scan value, widened exactly for fp32). ``cu_seqlens`` int64 ``[N+1]`` with B == 1
     packs N sequences (``tile_base`` int32 ``[N+1]`` derived when not given); ``vsplit`` ∈ {1, 2, 4, 8}
-    or None (:func:`choose_scan_vsplit`); ``tuning``: :class:`ScanTuning`. Launches on torch's current
-    stream of ``do``'s device.
+    or None (:func:`choose_scan_vsplit`); ``tuning``: :class:`ScanTuning`. ``token_outputs`` False: only ``dh0`` is
+    written (dv, du and snapshots are left as they are; ``dh0`` required). Launches on torch's current stream of
+    ``do``'s device.
     """
     varlen = cu_seqlens is not None
     num_seqs = cu_seqlens.numel() - 1 if varlen else do.shape[0]
@@ -143,6 +145,8 @@ def bwd_scan(
     _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs)
     if vsplit is not None and vsplit not in SCAN_VSPLITS:
         raise ValueError(f"vsplit must be one of {SCAN_VSPLITS} or None, got {vsplit}")
+    if not token_outputs and dh0 is None:
+        raise ValueError("a scan without token outputs (token_outputs=False) needs dh0, its only output")
     if num_seqs == 0 or heads == 0:
         return
     if vsplit is None:
@@ -155,15 +159,18 @@ def bwd_scan(
         stream = current_stream(do.device)
         tensors = dict(do=do, ws=ws, dv=dv, du=du, snapshots=snapshots, dht=dht, dh0=dh0,
                        cu_seqlens=cu_seqlens, tile_base=tile_base)
-        key = (vsplit, dtype_or_none(dht), dtype_or_none(dh0), varlen, tuning, device_index(do.device))
+        key = (vsplit, dtype_or_none(dht), dtype_or_none(dh0), varlen, tuning, bool(token_outputs),
+               device_index(do.device))
         compiled_variant(key, tensors, stream)(*launch_arguments(**tensors), stream)
 
 
 
 def compile_bwd_scan(*, vsplit: int, dht: torch.dtype | None, dh0: torch.dtype | None, varlen: bool,
-                     device: torch.device | str, tuning: ScanTuning = DEFAULT_TUNING) -> None:
+                     device: torch.device | str, tuning: ScanTuning = DEFAULT_TUNING,
+                     token_outputs: bool = True) -> None:
     """Compile (or load from the disk cache) the Kernel A variant for this V-split, dht / dh0 dtypes (None: no
-    such tensor) and ``varlen`` on ``device`` ahead of time; small buffers are allocated, nothing is launched."""
+    such tensor), ``varlen`` and ``token_outputs`` on ``device`` ahead of time; small buffers are allocated, nothing
+    is launched."""
     if vsplit not in SCAN_VSPLITS:
         raise ValueError(f"vsplit must be one of {SCAN_VSPLITS}, got {vsplit}")
     device = torch.device(device)
@@ -173,5 +180,5 @@ def compile_bwd_scan(*, vsplit: int, dht: torch.dtype | None, dh0: torch.dtype |
                    snapshots=problem.block_states(), dht=problem.state(dht), dh0=problem.state(dh0),
                    cu_seqlens=problem.cu_seqlens, tile_base=problem.tile_base)
     with torch.cuda.device(device):
-        key = (vsplit, dht, dh0, varlen, tuning, device_index(device))
+        key = (vsplit, dht, dh0, varlen, tuning, bool(token_outputs), device_index(device))
         compiled_variant(key, tensors, current_stream(device))
