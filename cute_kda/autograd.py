@@ -70,6 +70,7 @@ class Inputs(NamedTuple):
     dt_bias: torch.Tensor | None
     initial_state: torch.Tensor | None
     cu_seqlens: torch.Tensor | None
+    tile_base: torch.Tensor | None = None  # int32 [N+1] when known (a segmented call's, or the forward's saved one)
 
 
 class Options(NamedTuple):
@@ -210,9 +211,8 @@ def packed(x: Inputs, options: Options) -> tuple[Inputs, Options]:
     if seg is None:
         return x, options
     flat = [t.reshape(1, -1, *t.shape[2:]) for t in (x.q, x.k, x.v, x.g, x.beta)]
-    bounds = seg.cu_seqlens()
-    cu_seqlens = validation.device_cu_seqlens(bounds, x.q.device, 0) if x.q.is_cuda else bounds
-    return (Inputs(*flat, x.A_log, x.dt_bias, x.initial_state, cu_seqlens),
+    cu_seqlens, tile_base = seg.on_device(x.q.device) if x.q.is_cuda else (seg.cu_seqlens(), seg.tile_bases())
+    return (Inputs(*flat, x.A_log, x.dt_bias, x.initial_state, cu_seqlens, tile_base),
             options._replace(problem=seg.problem(options.problem.heads, options.problem.head_dim)))
 
 
@@ -283,7 +283,9 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
         problem, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
         initial_state=None, final_state=None, vsplit=options.vsplit, sms=sm_count(device.index),
     )
-    tile_base = k1.tile_bases(x.cu_seqlens) if problem.varlen else None
+    tile_base = x.tile_base
+    if tile_base is None and problem.varlen:
+        tile_base = k1.tile_bases(x.cu_seqlens)
     k1.prepare(
         x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, saved_ws, scale=options.scale, lower_bound=options.lower_bound,
         cu_seqlens=x.cu_seqlens, tile_base=tile_base, qk_l2norm=config.qk_l2norm, beta_logits=config.beta_logits,
@@ -489,7 +491,8 @@ def recomputed(backend: Backend, x: Inputs, options: Options, saved: Saved) -> S
     """The workspace and checkpoints a ``recompute`` forward did not keep: ``backend``'s forward again on
     the same inputs (``x.initial_state`` included), keeping them this time and skipping the final state; a segmented
     call's kept segment states spare it the two extra passes."""
-    return backend.forward(x, options._replace(recompute=False, final_state_dtype=None), saved.segment_states).saved
+    return backend.forward(x._replace(tile_base=saved.tile_base), options._replace(recompute=False, final_state_dtype=None),
+                           saved.segment_states).saved
 
 
 def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out: torch.Tensor | None,

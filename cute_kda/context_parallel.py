@@ -70,6 +70,25 @@ class Segmentation(NamedTuple):
         """int64 ``[count + 1]`` on the CPU: the segment bounds in the flattened ``[1, N · T]`` token order."""
         return _segment_bounds(self.num_seqs, self.seq_len, self.length)
 
+    def tile_bases(self) -> torch.Tensor:
+        """int32 ``[count + 1]`` on the CPU: the global tile index of each segment's first tile
+        (:mod:`cute_kda.workspace`), what ``ops.prepare.tile_bases`` computes on the device from the bounds."""
+        tiles = (self.cu_seqlens().diff() + CHUNK - 1) // CHUNK
+        return torch.cat((torch.zeros(1, dtype=torch.int64), tiles.cumsum(0))).to(torch.int32)
+
+    def on_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(:meth:`cu_seqlens`, :meth:`tile_bases`) on ``device``, copied once per (segmentation, device, stream)
+        asynchronously from pinned memory and kept: a call then launches neither a copy nor the tile prefix."""
+        stream = torch.cuda.current_stream(device).cuda_stream
+        key = (self, device.index, stream)
+        kept = _ON_DEVICE.get(key)
+        if kept is None:
+            if len(_ON_DEVICE) >= _ON_DEVICE_LIMIT:
+                _ON_DEVICE.clear()
+            kept = tuple(t.pin_memory().to(device, non_blocking=True) for t in (self.cu_seqlens(), self.tile_bases()))
+            _ON_DEVICE[key] = kept
+        return kept
+
     def problem(self, heads: int, head_dim: int) -> ProblemShape:
         """The packed problem of the segments: ``[1, N · T]`` tokens, ``count`` sequences."""
         return ProblemShape(1, self.num_seqs * self.seq_len, heads, head_dim, self.count, True)
@@ -85,6 +104,11 @@ class Segmentation(NamedTuple):
     def last(self, states: torch.Tensor) -> torch.Tensor:
         """Each sequence's last segment of ``[count, ...]``: ``[N, ...]`` (a view)."""
         return self.by_sequence(states)[:, -1]
+
+
+# the device copies of Segmentation.on_device, per (segmentation, device index, stream); read-only once made
+_ON_DEVICE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_ON_DEVICE_LIMIT = 64
 
 
 @functools.lru_cache(maxsize=64)
@@ -181,7 +205,8 @@ def _combine(seg: Segmentation, into: torch.Tensor, local: torch.Tensor, transit
     def segment_major(t: torch.Tensor) -> torch.Tensor:  # a view for one sequence, else a copy
         return seg.by_sequence(t).transpose(0, 1).reshape(seg.per_seq, seg.num_seqs * heads, rows, cols)
 
-    states = torch.empty((seg.per_seq, seg.num_seqs * heads, rows, cols), dtype=into.dtype, device=into.device)
+    one = seg.num_seqs == 1
+    states = segment_major(into) if one else into.new_empty((seg.per_seq, seg.num_seqs * heads, rows, cols))
     local, steps = segment_major(local), segment_major(transitions)
     if transpose:
         steps = steps.transpose(-1, -2)
@@ -193,4 +218,5 @@ def _combine(seg: Segmentation, into: torch.Tensor, local: torch.Tensor, transit
     for target in (range(seg.per_seq - 2, -1, -1) if transpose else range(1, seg.per_seq)):
         source = target + 1 if transpose else target - 1
         torch.baddbmm(local[source], states[source], steps[source], out=states[target])
-    seg.by_sequence(into).copy_(states.view(seg.per_seq, seg.num_seqs, heads, rows, cols).transpose(0, 1))
+    if not one:
+        seg.by_sequence(into).copy_(states.view(seg.per_seq, seg.num_seqs, heads, rows, cols).transpose(0, 1))
