@@ -660,6 +660,7 @@ def warmup(
     gates: tuple[str, ...] = ("safe",),
     gated_delta_rule: bool = False,
     training: bool = False,
+    segments: bool = True,
 ) -> int:
     """Compile, ahead of time and without running anything, every variant the flags select.
 
@@ -674,7 +675,10 @@ def warmup(
     with grouped value heads, for each unbounded gate in ``gates``). ``training`` also compiles what a training
     step adds: K2 with checkpoints, Kernel A (every V-split in ``vsplits``; dht of the final state's dtype or none,
     dh0 of the initial state's dtype or none) and Kernel B for each gate (per head too with
-    ``gated_delta_rule``). ``device`` (default: the current CUDA device) is where the compiled
+    ``gated_delta_rule``). ``segments`` also compiles what a call split into segments runs (context parallelism,
+    :mod:`cute_kda.context_parallel`; V-split 1): K2 on packed segments with fp32 states in and out, and with
+    ``training`` its checkpoint variant and Kernel A's two passes. ``device`` (default: the current CUDA device) is
+    where the compiled
     code will run. Returns the number of (K1, K2) configurations visited (each with every gate);
     already-compiled ones cost nothing.
     """
@@ -728,4 +732,25 @@ def warmup(
         for varlen_grads, qk_l2norm_grads, beta_logits_grads, gate, g_dtype, gdn in sorted(grads, key=repr):
             kb.compile_bwd_grads(varlen=varlen_grads, qk_l2norm=qk_l2norm_grads, beta_logits=beta_logits_grads,
                                  device=device, gate=gate, g_dtype=g_dtype, per_head_gate=gdn, grouped=gdn)
+    if segments:
+        _warm_segments(device, training)
     return len(configs)
+
+
+def _warm_segments(device: torch.device, training: bool) -> None:
+    """The K2 and Kernel A variants of a segmented call (:func:`cute_kda.autograd.packed`): varlen, V-split 1 (the
+    heuristic's; ``N · H · segments`` chains fill the SMs once), fp32 states."""
+    from .ops import bwd_scan as ka
+    from .ops import recurrence as k2
+
+    fp32 = torch.float32
+    passes = [(None, fp32), (fp32, fp32), (fp32, None)]  # the local pass, the transition / real pass, no final state
+    for initial, final in passes:
+        k2.compile_recurrence(varlen=True, initial_state=initial, final_state=final, vsplit=1, device=device)
+    if training:
+        for final in (fp32, None):
+            k2.compile_recurrence(varlen=True, initial_state=fp32, final_state=final, vsplit=1, device=device,
+                                  checkpoints=True)
+        ka.compile_bwd_scan(vsplit=1, dht=None, dh0=fp32, varlen=True, device=device, token_outputs=False)
+        for dh0 in (fp32, None):
+            ka.compile_bwd_scan(vsplit=1, dht=fp32, dh0=dh0, varlen=True, device=device)

@@ -241,7 +241,8 @@ def _final_state_of(options: Options, final_state: torch.Tensor | None) -> torch
     """Each sequence's final state, contiguous, in the requested dtype."""
     if options.segmentation is None or final_state is None:
         return final_state
-    return options.segmentation.last(final_state).to(options.final_state_dtype).contiguous()
+    # a copy of its own: a view would keep every segment's final state alive
+    return options.segmentation.last(final_state).to(options.final_state_dtype, copy=True).contiguous()
 
 
 def _segment_scan(options: Options, saved: Saved, dht: torch.Tensor | None, dh0_dtype: torch.dtype | None,
@@ -255,7 +256,7 @@ def _segment_scan(options: Options, saved: Saved, dht: torch.Tensor | None, dh0_
     local = scan(None, torch.float32, token_outputs=False).dh0
     leaving = context_parallel.exiting_gradients(seg, local, saved.segment_states[1], dht)
     result = scan(leaving, None if dh0_dtype is None else torch.float32)
-    dh0 = None if dh0_dtype is None else seg.first(result.dh0).to(dh0_dtype).contiguous()
+    dh0 = None if dh0_dtype is None else seg.first(result.dh0).to(dh0_dtype, copy=True).contiguous()
     return result._replace(dh0=dh0)
 
 

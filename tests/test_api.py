@@ -107,7 +107,7 @@ def test_warmup_visits_every_selected_k1_variant(monkeypatch):
         (kw["gate"], kw["g_dtype"], kw["per_head_gate"], kw["grouped"])))
     monkeypatch.setattr(k2, "compile_recurrence", lambda **kw: recurrences.append(kw))
     count = cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(None,), vsplits=(1,),
-                            gates=("safe", "softplus", "none"), gated_delta_rule=True)
+                            gates=("safe", "softplus", "none"), gated_delta_rule=True, segments=False)
     bf16, fp32 = torch.bfloat16, torch.float32
     assert count == 1 and len(recurrences) == 1
     assert seen == [("safe", bf16, False, False), ("softplus", bf16, False, False), ("none", bf16, False, False),
@@ -132,17 +132,44 @@ def test_warmup_with_training_visits_the_backward_variants(monkeypatch):
     monkeypatch.setattr(ka, "compile_bwd_scan", lambda **kw: scans.append((kw["vsplit"], kw["dht"], kw["dh0"])))
     monkeypatch.setattr(kb, "compile_bwd_grads", lambda **kw: grads.append((kw["gate"], kw["per_head_gate"])))
     fp32 = torch.float32
-    cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(fp32,), vsplits=(1,), gates=("safe", "softplus"))
+    cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(fp32,), vsplits=(1,), gates=("safe", "softplus"),
+                    segments=False)
     assert recurrences == [False] and scans == [] and grads == []
     recurrences.clear()
     cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(fp32,), vsplits=(1,), gates=("safe", "softplus"),
-                    gated_delta_rule=True, training=True)
+                    gated_delta_rule=True, training=True, segments=False)
     assert recurrences == [False, True]
     assert sorted(scans, key=repr) == sorted([(1, fp32, fp32), (1, None, fp32)], key=repr)
     assert sorted(grads) == [("safe", False), ("softplus", False), ("softplus", True)]
     scans.clear()
-    cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(None,), training=True)
+    cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(None,), training=True, segments=False)
     assert {v for v, _, _ in scans} == set(ka.SCAN_VSPLITS)  # Kernel A's own V-splits, 8 included
+
+
+def test_warmup_covers_the_segmented_variants(monkeypatch):
+    """``segments`` (on by default): the packed segments' K2 passes (varlen, V-split 1, fp32 states), and with
+    ``training`` the checkpoint pass and Kernel A's two passes, the first without token outputs."""
+    from cute_kda.ops import bwd_grads as kb
+    from cute_kda.ops import bwd_scan as ka
+    from cute_kda.ops import prepare as k1
+    from cute_kda.ops import recurrence as k2
+
+    recurrences, scans = [], []
+    monkeypatch.setattr(api.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(k1, "compile_prepare", lambda **kw: None)
+    monkeypatch.setattr(kb, "compile_bwd_grads", lambda **kw: None)
+    monkeypatch.setattr(k2, "compile_recurrence", lambda **kw: recurrences.append(
+        (kw["varlen"], kw["initial_state"], kw["final_state"], kw["vsplit"], kw.get("checkpoints", False))))
+    monkeypatch.setattr(ka, "compile_bwd_scan", lambda **kw: scans.append(
+        (kw["varlen"], kw["dht"], kw["dh0"], kw["vsplit"], kw.get("token_outputs", True))))
+    fp32 = torch.float32
+    cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(None,), vsplits=(2,))
+    assert recurrences == [(False, None, None, 2, False), (True, None, fp32, 1, False), (True, fp32, fp32, 1, False),
+                           (True, fp32, None, 1, False)]
+    recurrences.clear()
+    cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(None,), vsplits=(2,), training=True)
+    assert recurrences[-2:] == [(True, fp32, fp32, 1, True), (True, fp32, None, 1, True)]
+    assert scans[-3:] == [(True, None, fp32, 1, False), (True, fp32, fp32, 1, True), (True, fp32, None, 1, True)]
 
 
 @pytest.mark.parametrize("gate, per_head", [("safe", False), ("softplus", True), ("none", False)],

@@ -135,6 +135,15 @@ def test_reference_segments_change_only_what_crosses_a_bound():
         assert rel_rms(split[2][name], whole[2][name]) <= 1e-2, name
 
 
+def test_results_own_their_memory():
+    """The final state and dh0 of a segmented call are copies, not views of the per-segment buffers (a view would
+    keep every segment's state alive as long as the result)."""
+    problem, do, dht = make_problem([64], state=torch.float32)
+    _, ht, grads = train(REFERENCE_FORWARD, problem, do=do, dht=dht, segments=4)
+    for t in (ht, grads["initial_state"]):
+        assert t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 def test_segments_run_the_extra_passes(monkeypatch):
     """A segmented call makes the segment states once (the forward) and scans twice; ``recompute`` reuses the kept
     segment states instead of making them again."""

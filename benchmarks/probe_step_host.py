@@ -1,0 +1,151 @@
+"""Host against GPU in one training step: where the GPU waits for Python.
+
+For one shape of ``benchmarks/shapes.py`` and each context-parallel setting asked (``--segments``: ``auto`` is
+``chunk_kda`` with its heuristic, an int the canonical call with ``kda_forward(..., segments=N)``), the inputs and
+upstream gradients of ``benchmarks/bench_train.py`` (every input requiring grad, ``disable_recompute=False``):
+
+- the host time of the forward call and of ``torch.autograd.backward`` (``time.perf_counter`` around each, the
+  device synchronised before the step), beside the GPU time of each (CUDA events recorded around the same calls),
+  medians over ``--steps`` steps after two warm-up steps. A host time near or above its GPU time means the GPU
+  waits for the host;
+- one profiled step of the first setting (torch.profiler): the GPU events' span and busy time, the largest idle gaps
+  between consecutive GPU events with their neighbours' names, and the CPU operators by self time.
+
+Printed as markdown, and written to ``--out`` when given:
+
+    python benchmarks/probe_step_host.py --shape B1_T32768_H16 --segments auto,1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("FLA_CUTE_KDA", "0")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from cute_kda._bench import markdown_table, publish  # noqa: E402
+
+import bench_train  # noqa: E402
+from bench_train import positive_int  # noqa: E402
+from shapes import SHAPES  # noqa: E402
+
+GAP_US = 15.0  # idle time between GPU events that counts as a gap
+TOP_GAPS = 8
+
+
+def parse_segments(listed: str) -> list[int | None]:
+    """``auto`` → None (the heuristic), an int ≥ 1 → itself; comma-separated, order kept."""
+    values = [None if item == "auto" else positive_int(item)
+              for item in (part.strip() for part in listed.split(",")) if item]
+    if not values:
+        raise argparse.ArgumentTypeError("no segments setting given")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="B1_T32768_H16")
+    parser.add_argument("--segments", type=parse_segments, default=[None, 1],
+                        help="comma-separated settings: 'auto' (the heuristic) or segments per sequence")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per median (default 10)")
+    parser.add_argument("--out", help="markdown file to write besides printing")
+    return parser
+
+
+def label(segments: int | None) -> str:
+    return "heuristic" if segments is None else f"segments={segments}"
+
+
+def forward_of(problem: dict, segments: int | None):
+    """Zero-argument forward (o, ht) of ``problem`` (bench_train's) with this context-parallel setting."""
+    import cute_kda
+    from cute_kda.api import translate_fla_call
+
+    leaves, kwargs = problem["leaves"], problem["kwargs"]
+    tensors = [leaves[key] for key in ("q", "k", "v", "g", "beta")]
+    if segments is None:
+        return lambda: cute_kda.chunk_kda(*tensors, **kwargs)
+
+    def forward():
+        call = translate_fla_call(*tensors, **kwargs)
+        return call.run(lambda *t, **options: cute_kda.kda_forward(*t, **options, recompute=call.recompute,
+                                                                   segments=segments))
+
+    return forward
+
+
+def timed_step(problem: dict, forward) -> tuple[float, float, float, float]:
+    """(host fwd, host bwd, GPU fwd, GPU bwd) ms of one step."""
+    for leaf in problem["leaves"].values():
+        leaf.grad = None
+    torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    start = time.perf_counter()
+    events[0].record()
+    with torch.enable_grad():
+        o, ht = forward()
+        middle = time.perf_counter()
+        events[1].record()
+        torch.autograd.backward((o, ht), (problem["do"], problem["dht"]))
+    end = time.perf_counter()
+    events[2].record()
+    torch.cuda.synchronize()
+    return ((middle - start) * 1e3, (end - middle) * 1e3, events[0].elapsed_time(events[1]),
+            events[1].elapsed_time(events[2]))
+
+
+def profiled_gaps(problem: dict, forward) -> tuple[str, list[list[str]], str]:
+    """One profiled step: (summary line, the largest GPU gaps as table rows, CPU operators by self time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        timed_step(problem, forward)
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    busy = sum(e.time_range.elapsed_us() for e in kernels)
+    span = kernels[-1].time_range.end - kernels[0].time_range.start if kernels else 0
+    gaps = sorted(((b.time_range.start - a.time_range.end, a.name, b.name) for a, b in zip(kernels, kernels[1:])
+                   if b.time_range.start - a.time_range.end > GAP_US), reverse=True)
+    summary = (f"{len(kernels)} GPU events, span {span / 1e3:.3f} ms, busy {busy / 1e3:.3f} ms; "
+               f"{len(gaps)} gaps over {GAP_US:g} µs, {sum(g for g, _, _ in gaps) / 1e3:.3f} ms in all")
+    rows = [[f"{gap:.1f}", f"`{before[:70]}`", f"`{after[:70]}`"] for gap, before, after in gaps[:TOP_GAPS]]
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    return summary, rows, table
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("probe_step_host needs a CUDA GPU (Hopper): nothing timed")
+    problem = bench_train.make_problem(args.shape, torch.device("cuda"))
+    rows = []
+    for segments in args.segments:
+        forward = forward_of(problem, segments)
+        for _ in range(2):
+            timed_step(problem, forward)  # compiles, fills the caches
+        times = [timed_step(problem, forward) for _ in range(args.steps)]
+        medians = [statistics.median(column) for column in zip(*times)]
+        rows.append([args.shape, label(segments), *(f"{ms:.3f}" for ms in medians)])
+        print(f"{label(segments)}: host fwd {medians[0]:.3f}, host bwd {medians[1]:.3f}, GPU fwd {medians[2]:.3f}, "
+              f"GPU bwd {medians[3]:.3f} ms", file=sys.stderr)
+    summary, gaps, operators = profiled_gaps(problem, forward_of(problem, args.segments[0]))
+    text = "\n\n".join([
+        f"# Host against GPU in one training step ({args.shape})",
+        markdown_table(["shape", "setting", "host fwd ms", "host bwd ms", "GPU fwd ms", "GPU bwd ms"], rows),
+        f"One profiled step ({label(args.segments[0])}): {summary}.",
+        markdown_table(["gap µs", "after", "before"], gaps),
+        "CPU operators by self time:\n\n```\n" + operators + "\n```",
+    ]) + "\n"
+    publish(text, args.out)
+
+
+if __name__ == "__main__":
+    main()

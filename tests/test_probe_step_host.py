@@ -1,0 +1,31 @@
+"""CPU checks of ``benchmarks/probe_step_host.py``: its options, and that it refuses to time without CUDA."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import bench_script
+
+
+@pytest.fixture(scope="module")
+def probe():
+    return bench_script.load("probe_step_host")
+
+
+def test_options(probe):
+    args = probe.build_parser().parse_args([])
+    assert (args.shape, args.segments, args.steps, args.out) == ("B1_T32768_H16", [None, 1], 10, None)
+    args = probe.build_parser().parse_args(["--shape", "B1_T8192_H96", "--segments", "auto, 8", "--steps", "3"])
+    assert (args.shape, args.segments, args.steps) == ("B1_T8192_H96", [None, 8], 3)
+    for bad in ("0", "x", ","):
+        with pytest.raises(argparse.ArgumentTypeError):
+            probe.parse_segments(bad)
+    assert [probe.label(s) for s in (None, 4)] == ["heuristic", "segments=4"]
+
+
+def test_refuses_to_time_without_cuda(probe, monkeypatch):
+    monkeypatch.setattr(probe.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        probe.main([])
