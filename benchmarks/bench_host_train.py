@@ -9,6 +9,7 @@ out of work is a gap in the step. The figures are this machine's; a GPU host may
 
     python3 benchmarks/bench_host_train.py
     python3 benchmarks/bench_host_train.py --seq-len 64 --heads 16 --steps 50
+    python3 benchmarks/bench_host_train.py --seq-len 2048 --heads 1 --segments 8   # a call split into 8 segments
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ def make_problem(seq_len: int, heads: int) -> dict:
                 dht=torch.randn(1, heads, D, D, generator=gen))
 
 
-def time_steps(problem: dict, launches: list, steps: int, recompute: bool) -> dict:
+def time_steps(problem: dict, launches: list, steps: int, recompute: bool, segments: int | None = None) -> dict:
     """Medians over ``steps`` steps (after 5 untimed): forward and backward host µs, and per launch µs
-    from the step's start (in launch order)."""
+    from the step's start (in launch order); ``segments``: ``kda_forward``'s context-parallel split."""
     leaves = problem["leaves"]
     forward_us, backward_us, offsets = [], [], []
     for i in range(steps + 5):
@@ -67,7 +68,8 @@ def time_steps(problem: dict, launches: list, steps: int, recompute: bool) -> di
             x.grad = None
         launches.clear()
         start = time.perf_counter()
-        o, ht = kda_forward(**leaves, lower_bound=LOWER_BOUND, output_final_state=True, recompute=recompute)
+        o, ht = kda_forward(**leaves, lower_bound=LOWER_BOUND, output_final_state=True, recompute=recompute,
+                            segments=segments)
         forwarded = time.perf_counter()
         torch.autograd.backward((o, ht), (problem["do"], problem["dht"]))
         done = time.perf_counter()
@@ -93,13 +95,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--steps", type=int, default=50, help="timed steps (medians)")
+    parser.add_argument("--segments", type=int, default=None,
+                        help="context-parallel segments per sequence (default: none; the heuristic needs a GPU)")
     args = parser.parse_args(argv)
     launches: list = []
     install_noop_kernels(launches)
     problem = make_problem(args.seq_len, args.heads)
-    print(f"B1 T{args.seq_len} H{args.heads}, kernels replaced by no-ops, medians of {args.steps} steps")
+    split = "" if args.segments is None else f", {args.segments} segments"
+    print(f"B1 T{args.seq_len} H{args.heads}{split}, kernels replaced by no-ops, medians of {args.steps} steps")
     for recompute in (True, False):
-        print(report(recompute, time_steps(problem, launches, args.steps, recompute)))
+        print(report(recompute, time_steps(problem, launches, args.steps, recompute, args.segments)))
 
 
 if __name__ == "__main__":
