@@ -741,6 +741,22 @@ def test_compiled_training_step_is_one_op_each_way(reference_ops):
     assert Graphs.count(graphs.backward, "cute_kda.backward.default") == 1
 
 
+def test_compiled_segmented_training_step(reference_ops):
+    """A split call under torch.compile: still one op each way, the segments reaching the ops, the gradients the
+    eager split call's bit for bit."""
+    problem, do, dht = make_problem([40, 40], state=torch.float32)
+    eager = _grads_of(_step(functools.partial(REFERENCE_FORWARD, segments=3), do, dht), problem)
+    graphs = Graphs()
+    step = _step(functools.partial(cute_kda.kda_forward, segments=3), do, dht)
+    compiled = _grads_of(torch.compile(step, fullgraph=True, backend=graphs.backend), problem)
+    for a, b in zip(eager, compiled):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert Graphs.count(graphs.forward, "cute_kda.forward_train.default") == 1
+    assert Graphs.count(graphs.backward, "cute_kda.backward.default") == 1
+    unsplit = _grads_of(_step(REFERENCE_FORWARD, do, dht), problem)
+    assert any(not torch.equal(a, b) for a, b in zip(eager, unsplit))  # the split reached the stages
+
+
 def test_compiled_training_step_across_sizes(reference_ops):
     """With dynamic shapes the fake implementations size the workspace and checkpoints symbolically: one
     compiled step serves varlen batches of other lengths and counts."""
