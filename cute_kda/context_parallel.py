@@ -78,7 +78,9 @@ class Segmentation(NamedTuple):
 
     def on_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(:meth:`cu_seqlens`, :meth:`tile_bases`) on ``device``, copied once per (segmentation, device, stream)
-        asynchronously from pinned memory and kept: a call then launches neither a copy nor the tile prefix."""
+        asynchronously from pinned memory and kept: a call then launches neither a copy nor the tile prefix. Like the
+        inference workspace cache, not for a first call under CUDA-graph capture (the copy would be captured and
+        the kept tensors come from the graph's pool)."""
         stream = torch.cuda.current_stream(device).cuda_stream
         key = (self, device.index, stream)
         kept = _ON_DEVICE.get(key)
