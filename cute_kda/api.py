@@ -274,15 +274,16 @@ def _forward(
     if cu_seqlens is not None:
         cu_seqlens = validation.device_cu_seqlens(cu_seqlens, device, problem.seq_len)
 
-    if final_state is None and output_final_state:
-        dtype = torch.float32 if initial_state is None else initial_state.dtype
-        d = problem.head_dim
-        final_state = torch.empty((problem.num_seqs, problem.heads, d, d), dtype=dtype, device=device)
     segmentation = autograd.segmentation_of(problem, device, segments, vsplit)
     if segmentation is not None:
         return _segmented_forward(problem, segmentation, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
                                   lower_bound=lower_bound, initial_state=initial_state, out=out,
-                                  final_state=final_state, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate)
+                                  final_state=final_state, output_final_state=output_final_state,
+                                  qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate)
+    if final_state is None and output_final_state:
+        dtype = torch.float32 if initial_state is None else initial_state.dtype
+        d = problem.head_dim
+        final_state = torch.empty((problem.num_seqs, problem.heads, d, d), dtype=dtype, device=device)
     if out is None:
         out = torch.empty_like(v)
     if problem.heads == 0 or problem.total_tokens == 0:
@@ -307,11 +308,15 @@ def _forward(
 
 def _segmented_forward(problem: validation.ProblemShape, segmentation: Any, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scale: float, A_log: Any, dt_bias: Any,
-                       lower_bound: float, initial_state: Any, out: Any, final_state: Any, qk_l2norm: bool,
-                       beta_logits: bool, gate: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       lower_bound: float, initial_state: Any, out: Any, final_state: Any, output_final_state: bool,
+                       qk_l2norm: bool, beta_logits: bool, gate: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The inference forward of a call split into segments (:mod:`cute_kda.context_parallel`): the training
     forward's stage keeping nothing (a fresh workspace), then the caller's buffers filled when given."""
-    final_dtype = None if final_state is None else final_state.dtype
+    final_dtype = None
+    if final_state is not None:
+        final_dtype = final_state.dtype
+    elif output_final_state:
+        final_dtype = torch.float32 if initial_state is None else initial_state.dtype
     options = autograd.Options(problem, scale, float(lower_bound), bool(qk_l2norm), bool(beta_logits), final_dtype,
                                None, True, gate, segmentation)
     x = autograd.Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, None)
@@ -319,9 +324,9 @@ def _segmented_forward(problem: validation.ProblemShape, segmentation: Any, q: t
     o = result.out.view(v.shape)
     if out is not None:
         o = out.copy_(o)
-    if final_state is not None:
-        final_state.copy_(result.final_state)
-    return o, final_state
+    if final_state is None:
+        return o, result.final_state
+    return o, final_state.copy_(result.final_state)
 
 
 def _build_plan(problem: validation.ProblemShape, config: tuple, v: torch.Tensor, out: torch.Tensor,

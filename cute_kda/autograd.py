@@ -398,6 +398,7 @@ def _reference_forward(x: Inputs, options: Options, segment_states: torch.Tensor
     checkpoints = None
     if not options.recompute:
         checkpoints = torch.full(checkpoints_shape(problem), float("nan"), dtype=torch.bfloat16, device=x.q.device)
+
     def final_states(v: torch.Tensor, initial: torch.Tensor | None, into: torch.Tensor) -> None:
         into.copy_(mirror_recurrence(ws, v, cu_seqlens=x.cu_seqlens, initial_state=initial, output_final_state=True,
                                      state_layout="vk")[1])

@@ -39,6 +39,7 @@ import torch
 
 from .numerics import CHUNK
 from .validation import ProblemShape
+from .workspace import tile_bases_of
 
 # The heuristic's bounds. A segment of fewer tiles leaves the combine's launches and the extra passes without work
 # to hide behind; fewer segments than MIN_SEGMENTS do not pay for the extra passes (K2 runs three, at
@@ -72,9 +73,8 @@ class Segmentation(NamedTuple):
 
     def tile_bases(self) -> torch.Tensor:
         """int32 ``[count + 1]`` on the CPU: the global tile index of each segment's first tile
-        (:mod:`cute_kda.workspace`), what ``ops.prepare.tile_bases`` computes on the device from the bounds."""
-        tiles = (self.cu_seqlens().diff() + CHUNK - 1) // CHUNK
-        return torch.cat((torch.zeros(1, dtype=torch.int64), tiles.cumsum(0))).to(torch.int32)
+        (:func:`cute_kda.workspace.tile_bases_of`), what ``ops.prepare.tile_bases`` computes on the device."""
+        return tile_bases_of(self.cu_seqlens())
 
     def on_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(:meth:`cu_seqlens`, :meth:`tile_bases`) on ``device``, copied once per (segmentation, device, stream)

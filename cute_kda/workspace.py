@@ -56,6 +56,15 @@ def tiles_per_head(total_tokens: int, num_seqs: int, varlen: bool) -> int:
 SNAPSHOT_TILES = 1
 
 
+def tile_bases_of(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """int32 ``[N+1]``: ``tile_base[s] = Σ_{j<s} ceil(len_j / 16)`` (the tile numbering above) from int ``[N+1]``
+    ``cu_seqlens``, on its device; the launchers' tile-prefix kernel computes the same on the GPU."""
+    import torch
+
+    counts = ((cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64) + CHUNK - 1) // CHUNK
+    return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
+
+
 def snapshot_slots(tiles: int, num_seqs: int, every: int = SNAPSHOT_TILES) -> int:
     """Snapshot slots per head for ``tiles`` workspace tile slots per head and ``num_seqs`` sequences.
 

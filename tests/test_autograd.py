@@ -425,6 +425,21 @@ def test_kernel_stages_of_a_segmented_call(launchers_on_mirrors, lengths, state,
         assert grads[name].dtype == expected[name].dtype and torch.equal(grads[name], expected[name]), name
 
 
+@pytest.mark.parametrize("state", [None, torch.bfloat16], ids=["no_state", "bf16_state"])
+def test_segmented_inference_path(launchers_on_mirrors, state):
+    """The public inference call split into segments (mirrored launchers on the CPU): the reference's split forward
+    bit for bit, the final state in the initial state's dtype (fp32 without one), and caller buffers filled."""
+    problem, _, _ = make_problem([48, 48], state=state)
+    with torch.no_grad():
+        o, ht = cute_kda.kda_forward(**problem, output_final_state=True, segments=3)
+        o_ref, ht_ref = REFERENCE_FORWARD(**problem, output_final_state=True, segments=3)
+        out, final = torch.empty_like(o), torch.empty_like(ht)
+        o_buf, ht_buf = cute_kda.kda_forward(**problem, out=out, final_state=final, segments=3)
+    assert ht.dtype == (state or torch.float32) and ht.shape == (2, 2, D, D) and ht.is_contiguous()
+    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
+    assert o_buf is out and ht_buf is final and torch.equal(out, o) and torch.equal(final, ht)
+
+
 # --------------------------------------------------------------------------- chunk_kda's translation
 
 # (FLA problem keywords, chunk_kda keywords): FLA's names, each state layout

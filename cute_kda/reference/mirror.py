@@ -22,7 +22,9 @@ from typing import NamedTuple
 import torch
 
 from ..numerics import EPS, LOG2E, f32, gate_constant
-from ..workspace import CHUNK, SNAPSHOT_TILES, Workspace, WorkspaceSpec, allocate_workspace, snapshot_slots, tiles_per_head
+from ..workspace import (
+    CHUNK, SNAPSHOT_TILES, Workspace, WorkspaceSpec, allocate_workspace, snapshot_slots, tile_bases_of, tiles_per_head,
+)
 
 _SMALLEST_NORMAL_F32 = 2.0 ** -126
 _warned_inexact = False
@@ -126,9 +128,7 @@ def tile_bases(cu_seqlens: torch.Tensor | None, total_tokens: int, batch: int) -
     if cu_seqlens is None:
         seq_len = total_tokens // batch if batch else 0
         return torch.arange(batch + 1, dtype=torch.int32) * ((seq_len + CHUNK - 1) // CHUNK)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-    counts = (lengths + CHUNK - 1) // CHUNK
-    return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
+    return tile_bases_of(cu_seqlens)
 
 
 class _TileMap(NamedTuple):
