@@ -9,7 +9,9 @@ upstream gradients of ``benchmarks/bench_train.py`` (every input requiring grad,
   medians over ``--steps`` steps after two warm-up steps. A host time near or above its GPU time means the GPU
   waits for the host;
 - one profiled step of the first setting (torch.profiler): the GPU events' span and busy time, the largest idle gaps
-  between consecutive GPU events with their neighbours' names, and the CPU operators by self time.
+  between consecutive GPU events with their neighbours' names, and the CPU operators by self time;
+- with ``--cprofile N``: N steps of the first setting under cProfile, the Python functions by own time (the
+  host path attributed to our code, torch's calls and the CUDA runtime calls they make).
 
 Printed as markdown, and written to ``--out`` when given:
 
@@ -56,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--segments", type=parse_segments, default=[None, 1],
                         help="comma-separated settings: 'auto' (the heuristic) or segments per sequence")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per median (default 10)")
+    parser.add_argument("--cprofile", type=positive_int, default=None, metavar="N",
+                        help="also profile N steps of the first setting with cProfile")
     parser.add_argument("--out", help="markdown file to write besides printing")
     return parser
 
@@ -121,6 +125,24 @@ def profiled_gaps(problem: dict, forward) -> tuple[str, list[list[str]], str]:
     return summary, rows, table
 
 
+def python_profile(problem: dict, forward, steps: int, rows: int = 30) -> str:
+    """``steps`` steps under cProfile: the functions by own time, then by cumulative time (pstats' text)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        timed_step(problem, forward)
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumtime").print_stats(rows)
+    return text.getvalue()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
@@ -144,6 +166,9 @@ def main(argv: list[str] | None = None) -> None:
         markdown_table(["gap µs", "after", "before"], gaps),
         "CPU operators by self time:\n\n```\n" + operators + "\n```",
     ]) + "\n"
+    if args.cprofile:
+        text += (f"\nPython profile of {args.cprofile} steps ({label(args.segments[0])}, cProfile):\n\n```\n"
+                 + python_profile(problem, forward_of(problem, args.segments[0]), args.cprofile) + "```\n")
     publish(text, args.out)
 
 
