@@ -208,10 +208,12 @@ def _combine(seg: Segmentation, into: torch.Tensor, local: torch.Tensor, transit
         return seg.by_sequence(t).transpose(0, 1).reshape(seg.per_seq, seg.num_seqs * heads, rows, cols)
 
     one = seg.num_seqs == 1
-    states = segment_major(into) if one else into.new_empty((seg.per_seq, seg.num_seqs * heads, rows, cols))
-    local, steps = segment_major(local), segment_major(transitions)
+    whole = segment_major(into) if one else into.new_empty((seg.per_seq, seg.num_seqs * heads, rows, cols))
+    steps = segment_major(transitions)
     if transpose:
         steps = steps.transpose(-1, -2)
+    # per-segment views by one unbind each (indexing in the loop costs a select a view on the host path)
+    states, local, steps = whole.unbind(0), segment_major(local).unbind(0), steps.unbind(0)
     first = seg.per_seq - 1 if transpose else 0
     if boundary is None:
         states[first].zero_()
@@ -221,4 +223,4 @@ def _combine(seg: Segmentation, into: torch.Tensor, local: torch.Tensor, transit
         source = target + 1 if transpose else target - 1
         torch.baddbmm(local[source], states[source], steps[source], out=states[target])
     if not one:
-        seg.by_sequence(into).copy_(states.view(seg.per_seq, seg.num_seqs, heads, rows, cols).transpose(0, 1))
+        seg.by_sequence(into).copy_(whole.view(seg.per_seq, seg.num_seqs, heads, rows, cols).transpose(0, 1))

@@ -31,6 +31,7 @@ Per tile-head this is 3·4096 + 512 + 2·512 + 64 = 13 888 bytes.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -164,16 +165,33 @@ def workspace_views(spec: WorkspaceSpec, buffer: "torch.Tensor") -> Workspace:
     """Carve the field views out of a flat uint8 ``buffer`` of at least ``spec.nbytes`` bytes."""
     import torch
 
-    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < spec.nbytes:
-        raise ValueError(f"workspace buffer must be 1-D uint8 with >= {spec.nbytes} bytes")
-    views = {}
-    for name, (offset, shape, dtype) in spec.layout().items():
-        tdtype = getattr(torch, dtype)
-        n = 1
-        for s in shape:
-            n *= s
-        views[name] = buffer[offset: offset + n * tdtype.itemsize].view(tdtype).view(shape)
-    return Workspace(**views)
+    nbytes = _nbytes(spec)
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < nbytes:
+        raise ValueError(f"workspace buffer must be 1-D uint8 with >= {nbytes} bytes")
+    # one typed view per dtype, then one as_strided a field: on the host path of every training call
+    typed = {dtype: buffer[:nbytes].view(dtype) for dtype in (torch.bfloat16, torch.float32)}
+    return Workspace(*(typed[dtype].as_strided(shape, strides, offset)
+                       for dtype, shape, strides, offset in _view_plan(spec)))
+
+
+@functools.lru_cache(maxsize=64)
+def _nbytes(spec: WorkspaceSpec) -> int:
+    return spec.nbytes
+
+
+@functools.lru_cache(maxsize=64)
+def _view_plan(spec: WorkspaceSpec) -> tuple:
+    """Per field in :class:`Workspace` order: (torch dtype, shape, C-contiguous strides, offset in elements)."""
+    import torch
+
+    plan = []
+    for offset, shape, dtype in spec.layout().values():
+        strides, stride = [], 1
+        for n in reversed(shape):
+            strides.insert(0, stride)
+            stride *= n
+        plan.append((getattr(torch, dtype), shape, tuple(strides), offset // _ITEMSIZE[dtype]))
+    return tuple(plan)
 
 
 def allocate_workspace(spec: WorkspaceSpec, device: "torch.device | str") -> Workspace:

@@ -250,6 +250,26 @@ def test_workspace_format_and_invariants():
     assert (per_head["gt"][:, :real] > 0).all() and (per_head["gt"][:, :real] <= 1).all()
 
 
+def test_workspace_views_carve_the_layout():
+    """Each view starts at its layout offset with its shape and dtype, C-contiguous; the fields are disjoint."""
+    from cute_kda.workspace import workspace_views
+
+    spec = WorkspaceSpec(heads=3, tiles=5, dim=D)
+    buffer = torch.zeros(spec.nbytes + 7, dtype=torch.uint8)  # a larger buffer is allowed
+    ws = workspace_views(spec, buffer)
+    for (name, (offset, shape, dtype)), field in zip(spec.layout().items(), ws):
+        assert field.data_ptr() - buffer.data_ptr() == offset, name
+        assert tuple(field.shape) == shape and field.dtype == getattr(torch, dtype) and field.is_contiguous(), name
+    for index, field in enumerate(ws):
+        field.fill_(index + 1)
+    for index, field in enumerate(ws):
+        assert (field == index + 1).all(), ws._fields[index]
+    for bad in (torch.zeros(spec.nbytes - 1, dtype=torch.uint8), torch.zeros(spec.nbytes, dtype=torch.int8),
+                torch.zeros(1, spec.nbytes, dtype=torch.uint8)):
+        with pytest.raises(ValueError, match="workspace buffer"):
+            workspace_views(spec, bad)
+
+
 def test_recurrence_never_reads_missing_slots():
     """The NaN-filled slots stay unread: outputs and state are finite with the NaN workspace."""
     lengths = [7, 16, 9]
