@@ -356,11 +356,13 @@ def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, s
 
 def group_sum(t: torch.Tensor, heads: int) -> torch.Tensor:
     """bf16 ``[B, T, HV, D]`` summed over each group of ``HV / heads`` value heads in fp32: ``[B, T, heads, D]``
-    bf16 (the per-value-head dq, dk of grouped value heads; deterministic, no atomics)."""
+    bf16 (the per-value-head dq, dk of grouped value heads; deterministic, no atomics). One reduction that reads
+    the bf16 values and accumulates in fp32 (torch's accumulator type for bf16), rounding once: no fp32 copy of
+    ``t`` (that copy and a reduction over it took 0.67 ms for each of dq, dk at T32768 HV32)."""
     batch, steps, value_heads, dim = t.shape
     if value_heads == heads:
         return t
-    return t.float().view(batch, steps, heads, value_heads // heads, dim).sum(3).bfloat16()
+    return t.view(batch, steps, heads, value_heads // heads, dim).sum(3)
 
 
 KERNELS = Backend("kernels", _kernel_forward, _kernel_scan, _kernel_grads)
