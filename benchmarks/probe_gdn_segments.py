@@ -1,0 +1,103 @@
+"""GatedDeltaNet's training step at chosen context-parallel segment counts, with its per-kernel breakdown.
+
+For one GatedDeltaNet shape of ``benchmarks/bench_gates.py`` (its inputs: softplus gate, every input requiring
+grad, fixed dO and dht), and each ``--segments`` value (0: the heuristic of ``cute_kda/context_parallel.py``; an
+int: ``kda_forward(..., segments=N)`` under ``chunk_gated_delta_rule``'s translation):
+
+- the median fwd+bwd step and the median forward (``median_ms``: ``triton.testing.do_bench``, L2 cleared);
+- the gradients' rel-RMS against those of the first value listed (segments change the rounding of the states
+  entering each segment only);
+- torch.profiler's device time per kernel group of ``benchmarks/bench_train.py`` over five steps, and the
+  heaviest kernels.
+
+    python benchmarks/probe_gdn_segments.py --shape gdn_T32768_H16_HV32 --segments 0,4,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("FLA_CUTE_KDA", "0")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from cute_kda._bench import median_ms  # noqa: E402
+from cute_kda.gdn_api import gdn_forward, translate_fla_gdn_call  # noqa: E402
+from cute_kda.reference import rel_rms  # noqa: E402
+
+from bench_gates import GDN_SHAPES, gdn_inputs  # noqa: E402
+from bench_train import kernel_breakdown, profile_kernels, top_kernels  # noqa: E402
+
+LEAVES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+POSITIONAL = ("q", "k", "v", "g", "beta")
+PROFILE_STEPS = 5
+
+
+def segment_counts(text: str) -> list[int]:
+    """``"0,4,8"`` → ``[0, 4, 8]``; 0 is the heuristic."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if any(count < 0 for count in counts):
+        raise argparse.ArgumentTypeError(f"segment counts are >= 0 (0: the heuristic), got {text!r}")
+    return counts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=tuple(GDN_SHAPES), default="gdn_T32768_H16_HV32")
+    parser.add_argument("--segments", type=segment_counts, default=[0, 4, 8],
+                        help="comma-separated segment counts per sequence (0: the heuristic)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("probe_gdn_segments needs a CUDA GPU (Hopper)")
+    device = torch.device("cuda")
+    inputs = gdn_inputs(args.shape, "gdn_softplus", device)
+    for name in LEAVES:
+        inputs[name] = inputs[name].detach().requires_grad_()
+    gen = torch.Generator(device=device).manual_seed(2)
+    do = torch.randn(inputs["v"].shape, generator=gen, device=device).bfloat16()
+    dht = torch.randn(inputs["initial_state"].shape, generator=gen, device=device)
+    positional = [inputs[name] for name in POSITIONAL]
+    keywords = {name: value for name, value in inputs.items() if name not in POSITIONAL}
+    first = None
+    for segments in args.segments:
+        def forward():
+            call = translate_fla_gdn_call(*positional, **keywords)
+            return call.run(lambda *a, **options: gdn_forward(*a, segments=segments or None, **options))
+
+        def step():
+            for name in LEAVES:
+                inputs[name].grad = None
+            o, state = forward()
+            torch.autograd.backward((o, state), (do, dht))
+
+        step()  # compile outside the timing
+        grads = [inputs[name].grad.clone() for name in LEAVES]
+        first = grads if first is None else first
+        agreement = " ".join(f"{name} {rel_rms(a, b):.1e}" for name, a, b in zip(LEAVES, grads, first))
+        with torch.no_grad():
+            forward_ms = median_ms(forward, 25, 200)
+        step_ms = median_ms(step, 25, 300)
+        label = "heuristic" if segments == 0 else f"{segments} segments"
+        print(f"\n{args.shape}, {label}: step {step_ms:.3f} ms, forward {forward_ms:.3f} ms; gradients against "
+              f"the first setting's: {agreement}")
+        kernels = profile_kernels(step, PROFILE_STEPS)
+        for group, (ms, launches) in kernel_breakdown(kernels, PROFILE_STEPS).items():
+            print(f"    {group:16s} {ms:7.3f} ms  {launches:5.1f} launches")
+        for name, group, ms, launches in top_kernels(kernels, PROFILE_STEPS, 6):
+            print(f"      {ms:7.3f} ms {launches:4.1f}x  {group:12s} {name[:80]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""CPU checks of ``benchmarks/probe_gdn_segments.py``: its options, and that it refuses to time without CUDA."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import bench_script
+
+
+@pytest.fixture(scope="module")
+def probe():
+    return bench_script.load("probe_gdn_segments")
+
+
+def test_options(probe):
+    args = probe.build_parser().parse_args([])
+    assert (args.shape, args.segments) == ("gdn_T32768_H16_HV32", [0, 4, 8])
+    args = probe.build_parser().parse_args(["--shape", "gdn_T8192_H16_HV32", "--segments", "0,4"])
+    assert (args.shape, args.segments) == ("gdn_T8192_H16_HV32", [0, 4])
+    for bad in ("-1", "x", "4,"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            probe.segment_counts(bad)
+
+
+def test_refuses_to_time_without_cuda(probe, monkeypatch):
+    monkeypatch.setattr(probe.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        probe.main([])
