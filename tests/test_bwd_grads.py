@@ -396,7 +396,7 @@ def _check_gold(problem, label, **options):
     return run
 
 
-# dA_log on the H200 (2026-12-01, dS fp32 in Kernel A): 2.93e-2 at g ~ N(0, 1) with dt_bias = 8; the CPU mirror
+# dA_log on the H200 (2026-12-01, dS fp32 in Kernel A): 2.93e-2 at g = 8·N(0, 1) with dt_bias = 8; the CPU mirror
 # gives 2.98e-2 on the same inputs. Its sum cancels: dA_log = Σ dγ·γ over T·K terms is 1-2 % of Σ|dγ·γ|. On the case
 # that crossed 2e-2 before (B2 T100, 3.8e-2 with dS bf16; it passes now, the mirror at 2.2e-2) the float64 chain over
 # K1's rounded workspace kept the error: the forward's bf16 operands set it, and which case crosses moves with them.

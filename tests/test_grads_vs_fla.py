@@ -31,7 +31,7 @@ CASES = {
     # the other seven gradients pass. The sum cancels and either side can lose: at g_normal_bias_8 FLA's is 1.7e-2
     # against our 3.3e-3.
     "B1_T2048": dict(lengths=None, B=1, T=2048, seed=7, xfail="dA_log 1.2e-2 > 1.25 x FLA's 7.2e-3"),
-    # the gates of test_bwd_grads' strict dA_log xfail: g ~ N(0, 1) with dt_bias = 8 (low decay)
+    # low decay: g ~ N(0, 1) with dt_bias = 8 (test_bwd_grads' strict dA_log xfail draws g = 8·N(0, 1))
     "g_normal_bias_8": dict(lengths=None, B=2, T=97, seed=1, g_normal=True, dt_bias=8.0),
 }
 
