@@ -24,6 +24,7 @@ import inspect
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cute_kda
@@ -1049,35 +1050,50 @@ def test_per_channel_unbounded_gate_trains_on_the_kernels(case, device):
     _train_unbounded(case, autograd.KERNELS, device)
 
 
+def unbounded_gate_problem(gate: str) -> tuple[dict, dict]:
+    """FLA-style inputs and flags for chunk_kda's unbounded gates: ``"softplus"`` (FLA's ``safe_gate=False``, no
+    lower bound: the raw bf16 g with A_log, dt_bias) or ``"none"`` (``use_gate_in_kernel=False``: g the fp32 log
+    decay ``−exp(A_log)·softplus(g + dt_bias)`` of the same draw, with a −1000 mask on some channels)."""
+    inputs = make_fla_problem([300, 0, 57, 200], heads=4, state="kv", seed=15)
+    if gate == "softplus":
+        return inputs, {**FLAGS, "safe_gate": False, "lower_bound": None}
+    A_log, dt_bias = inputs.pop("A_log"), inputs.pop("dt_bias")
+    log_decay = -A_log.exp()[:, None] * F.softplus(inputs["g"].float() + dt_bias.view(A_log.numel(), -1))
+    masked = torch.rand(log_decay.shape, generator=torch.Generator().manual_seed(17)) < 0.01
+    inputs["g"] = torch.where(masked, torch.full_like(log_decay, -1000.0), log_decay)
+    return inputs, {**FLAGS, "use_gate_in_kernel": False, "safe_gate": False, "lower_bound": None}
+
+
 @pytest.mark.gpu
 @pytest.mark.fla
-def test_softplus_gate_gradients_against_fla(device):
-    """chunk_kda with the softplus gate (FLA's ``safe_gate=False``, no lower bound), cute_kda and FLA on the same
-    inputs, each against autograd through the fp64 gold: ours no worse (within 1.25×, or within target)."""
+@pytest.mark.parametrize("gate", ["softplus", "none"])
+def test_unbounded_gate_gradients_against_fla(gate, device):
+    """chunk_kda with the softplus gate (FLA's ``safe_gate=False``) and with a precomputed log decay
+    (``use_gate_in_kernel=False``), cute_kda and FLA on the same inputs, each against autograd through the fp64
+    gold: ours no worse (within 1.25×, or within target)."""
     fla_kda = pytest.importorskip("fla.ops.kda")
-    inputs = make_fla_problem([300, 0, 57, 200], heads=4, state="kv", seed=15)
-    flags = {**FLAGS, "safe_gate": False, "lower_bound": None}
+    inputs, flags = unbounded_gate_problem(gate)
+    leaves_named = [n for n in INPUTS if n in inputs]
     gen = torch.Generator().manual_seed(16)
     do = torch.randn(inputs["v"].shape, generator=gen).bfloat16()
     dht = torch.randn(inputs["initial_state"].shape, generator=gen)
 
     def grads(chunk_kda):
-        leaves = {n: x.to(device).requires_grad_() if x.is_floating_point() else x.to(device)
+        leaves = {n: x.to(device).detach().requires_grad_() if x.is_floating_point() else x.to(device)
                   for n, x in inputs.items()}
         o, ht = chunk_kda(**leaves, output_final_state=True, **flags)
         torch.autograd.backward([o, ht], [do.to(device), dht.to(device)])
-        return {n: leaves[n].grad.cpu() for n in INPUTS}
+        return {n: leaves[n].grad.cpu() for n in leaves_named}
 
     ours, theirs = grads(cute_kda.chunk_kda), grads(fla_kda.chunk_kda)
     p = dict(inputs)
-    want = gold_backward(p.pop("q"), p.pop("k"), p.pop("v"), p.pop("g"), p.pop("beta"), do, dht=dht, gate="softplus",
-                         A_log=p.pop("A_log"), dt_bias=p.pop("dt_bias"), initial_state=p.pop("initial_state"),
-                         state_layout="kv", cu_seqlens=p.pop("cu_seqlens"))
-    rows = {n: (rel_rms(ours[n], want[GRAD[n]]), rel_rms(theirs[n], want[GRAD[n]])) for n in INPUTS}
-    print("[softplus gate gradients vs gold] " + ", ".join(f"{GRAD[n]} cute_kda {a:.2e} FLA {b:.2e}"
-                                                           for n, (a, b) in rows.items()))
-    targets = TARGETS
-    assert all(a <= max(1.25 * b, targets[GRAD[n]]) for n, (a, b) in rows.items()), rows
+    want = gold_backward(p.pop("q"), p.pop("k"), p.pop("v"), p.pop("g"), p.pop("beta"), do, dht=dht, gate=gate,
+                         A_log=p.pop("A_log", None), dt_bias=p.pop("dt_bias", None),
+                         initial_state=p.pop("initial_state"), state_layout="kv", cu_seqlens=p.pop("cu_seqlens"))
+    rows = {n: (rel_rms(ours[n], want[GRAD[n]]), rel_rms(theirs[n], want[GRAD[n]])) for n in leaves_named}
+    print(f"[{gate} gate gradients vs gold] " + ", ".join(f"{GRAD[n]} cute_kda {a:.2e} FLA {b:.2e}"
+                                                          for n, (a, b) in rows.items()))
+    assert all(a <= max(1.25 * b, TARGETS[GRAD[n]]) for n, (a, b) in rows.items()), rows
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
