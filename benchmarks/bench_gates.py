@@ -179,19 +179,26 @@ def unguard_fla_backward() -> str:
     return "Triton guard (#640) off: speed only, its gradients are wrong on this Triton"
 
 
-def train_row(name: str, gate: str, device: torch.device, warmup: int, rep: int, fla_note: str | None = None,
-              only: tuple[str, ...] = PEERS) -> dict:
-    """One row of ``--train``: the median fwd+bwd step per peer, or the error that stopped it;
-    ``fla_note``: FLA's guard is off (:func:`unguard_fla_backward`), so its gradients are not compared."""
+def training_problem(name: str, gate: str, device: torch.device) -> tuple[dict, list[str], torch.Tensor, torch.Tensor]:
+    """A training step's inputs: :func:`gate_inputs` with every floating tensor among q, k, v, g, beta, A_log,
+    dt_bias and the initial state a leaf that requires grad; returns (inputs, the leaves' names, dO, dht)."""
     inputs = gate_inputs(name, gate, device)
     leaves = [n for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
               if isinstance(inputs.get(n), torch.Tensor) and inputs[n].is_floating_point()]
     for n in leaves:
         inputs[n] = inputs[n].detach().requires_grad_()
-    runs = {peer: fn for peer, fn in peers(inputs, gate, train=True).items() if peer.split()[0] in only}
     gen = torch.Generator(device=device).manual_seed(2)
     do = torch.randn(inputs["v"].shape, generator=gen, device=device).bfloat16()
     dht = torch.randn(inputs["initial_state"].shape, generator=gen, device=device)
+    return inputs, leaves, do, dht
+
+
+def train_row(name: str, gate: str, device: torch.device, warmup: int, rep: int, fla_note: str | None = None,
+              only: tuple[str, ...] = PEERS) -> dict:
+    """One row of ``--train``: the median fwd+bwd step per peer, or the error that stopped it;
+    ``fla_note``: FLA's guard is off (:func:`unguard_fla_backward`), so its gradients are not compared."""
+    inputs, leaves, do, dht = training_problem(name, gate, device)
+    runs = {peer: fn for peer, fn in peers(inputs, gate, train=True).items() if peer.split()[0] in only}
     row = {"shape": name, "gate": gate, "ms": {}, "err": None, "notes": {}}
     grads = {}
     for peer, fn in runs.items():

@@ -30,10 +30,9 @@ from cute_kda._bench import median_ms  # noqa: E402
 from cute_kda.gdn_api import gdn_forward, translate_fla_gdn_call  # noqa: E402
 from cute_kda.reference import rel_rms  # noqa: E402
 
-from bench_gates import GDN_SHAPES, gdn_inputs  # noqa: E402
+from bench_gates import GDN_SHAPES, training_problem  # noqa: E402
 from bench_train import kernel_breakdown, profile_kernels, top_kernels  # noqa: E402
 
-LEAVES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 POSITIONAL = ("q", "k", "v", "g", "beta")
 PROFILE_STEPS = 5
 
@@ -62,12 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("probe_gdn_segments needs a CUDA GPU (Hopper)")
     device = torch.device("cuda")
-    inputs = gdn_inputs(args.shape, "gdn_softplus", device)
-    for name in LEAVES:
-        inputs[name] = inputs[name].detach().requires_grad_()
-    gen = torch.Generator(device=device).manual_seed(2)
-    do = torch.randn(inputs["v"].shape, generator=gen, device=device).bfloat16()
-    dht = torch.randn(inputs["initial_state"].shape, generator=gen, device=device)
+    inputs, leaves, do, dht = training_problem(args.shape, "gdn_softplus", device)
     positional = [inputs[name] for name in POSITIONAL]
     keywords = {name: value for name, value in inputs.items() if name not in POSITIONAL}
     first = None
@@ -77,15 +71,15 @@ def main(argv: list[str] | None = None) -> None:
             return call.run(lambda *a, **options: gdn_forward(*a, segments=segments or None, **options))
 
         def step():
-            for name in LEAVES:
+            for name in leaves:
                 inputs[name].grad = None
             o, state = forward()
             torch.autograd.backward((o, state), (do, dht))
 
         step()  # compile outside the timing
-        grads = [inputs[name].grad.clone() for name in LEAVES]
+        grads = [inputs[name].grad.clone() for name in leaves]
         first = grads if first is None else first
-        agreement = " ".join(f"{name} {rel_rms(a, b):.1e}" for name, a, b in zip(LEAVES, grads, first))
+        agreement = " ".join(f"{name} {rel_rms(a, b):.1e}" for name, a, b in zip(leaves, grads, first))
         with torch.no_grad():
             forward_ms = median_ms(forward, 25, 200)
         step_ms = median_ms(step, 25, 300)

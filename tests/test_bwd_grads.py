@@ -322,6 +322,15 @@ def test_launcher_keys_the_variant_and_builds_its_arguments(monkeypatch):
 # ============================================================================ GPU: the kernel chain
 
 
+def chain_draws(B, T, H, N, *, seed, initial="fp32", dht="fp32", device="cuda"):
+    """The chain's initial state, dht (``STATE`` kinds: None for "none") and bf16 dO, from one generator."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    init = None if STATE[initial] is None else (torch.randn(N, H, D, D, generator=gen) * 0.3).to(device, STATE[initial])
+    dht_in = None if STATE[dht] is None else (torch.randn(N, H, D, D, generator=gen) * 0.3).to(device, STATE[dht])
+    do = torch.randn(B, T, H, D, generator=gen).bfloat16().to(device)
+    return init, dht_in, do
+
+
 def _chain(problem, *, lengths=None, dht="fp32", initial="fp32", seed=0, lower_bound=-5.0, qk_l2norm=True,
            beta_logits=True):
     """K1 → K2 (per-tile checkpoints) → Kernel A → Kernel B on the GPU; every output guarded."""
@@ -335,10 +344,7 @@ def _chain(problem, *, lengths=None, dht="fp32", initial="fp32", seed=0, lower_b
     B, T, H, _ = q.shape
     cu = None if lengths is None else torch.tensor([0, *itertools.accumulate(lengths)], device=device)
     N = B if lengths is None else len(lengths)
-    gen = torch.Generator().manual_seed(seed + 7)
-    init = None if STATE[initial] is None else (torch.randn(N, H, D, D, generator=gen) * 0.3).to(device, STATE[initial])
-    dht_in = None if STATE[dht] is None else (torch.randn(N, H, D, D, generator=gen) * 0.3).to(device, STATE[dht])
-    do = torch.randn(B, T, H, D, generator=gen).bfloat16().to(device)
+    init, dht_in, do = chain_draws(B, T, H, N, seed=seed, initial=initial, dht=dht, device=device)
     scale = D ** -0.5
     ws = allocate_workspace(WorkspaceSpec(heads=H, tiles=tiles_per_head(B * T, N, cu is not None)), device)
     tile_base = k1.tile_bases(cu) if cu is not None else None
