@@ -3,8 +3,9 @@
 Kernel A (``cute_kda.ops.bwd_scan.bwd_scan``) reads the workspace the forward's K1 writes
 (``cute_kda.ops.prepare.prepare`` on the raw inputs of ``benchmarks/shapes.py``), a random bf16 dO
 and an fp32 dht ``[N, H, V, K]``; it writes dv, du (bf16), one bf16 snapshot of dS' per block of
-four 16-token tiles (and per sequence end: ``cute_kda.workspace.snapshot_slots``), and an fp32 dh0. Every shape runs at V-split 1, 2, 4, 8 and at the heuristic's choice
-(``choose_scan_vsplit``, marked "auto"). Kernel A is serial over the tiles of a sequence, so the
+``cute_kda.workspace.SNAPSHOT_TILES`` 16-token tiles (one tile: Kernel B reads one per tile) and per sequence end
+(``cute_kda.workspace.snapshot_slots``), and an fp32 dh0. Every shape runs at V-split 1, 2, 4, 8 and at the
+heuristic's choice (``choose_scan_vsplit``, marked "auto"). Kernel A is serial over the tiles of a sequence, so the
 figure of merit for few (sequence, head) pairs is the time per serial step,
 ``ms · 1000 / max_s ceil(len_s / 16)``.
 
@@ -34,6 +35,11 @@ the backward runs there instead: the training stage's scan (``cute_kda.autograd.
 segments), i.e. Kernel A over every segment with zero gradients leaving them, the reverse combine of their
 transitions (fp32 matmuls), and Kernel A again with each segment's gradient; its allocations included. That row is
 the "auto" one of its shape; its steps are one segment's tiles (each of the two passes), its bytes those of one pass.
+
+One more row per shape, "FLA's density", times Kernel A at its fastest V-split keeping one snapshot per 4 tiles
+(``bwd_scan(..., snapshot_every=4)``: one per 64 tokens, as FLA's kernel keeps its dh) with everything else the
+same: the kernel against FLA's on equal outputs. The training step does not run it (its Kernel B reads a snapshot
+per tile), so the summary's "best" and "auto" columns leave it out.
 
 The training forward's extra cost is measured beside it: K2 alone on the same workspace (fp32
 state in and out) as the inference variant and as the training variant, which also writes the bf16
@@ -77,6 +83,7 @@ from shapes import D, LOWER_BOUND, SHAPES, make_inputs  # noqa: E402
 
 VSPLITS = (1, 2, 4, 8)
 FLA_CHUNK = 64  # FLA's chunk_size for KDA
+FLA_DENSITY_TILES = FLA_CHUNK // CHUNK  # Kernel A's snapshot blocks at FLA's dh density: one per 64 tokens
 # FLA's chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64 on an H200, measured by torch.profiler (issue 9)
 FLA_REFERENCE_MS = {"B1_T8192_H96": 0.55, "B1_T32768_H16": 0.69}
 _ITEMSIZE = {"bfloat16": 2, "float32": 4}
@@ -124,15 +131,16 @@ def workspace_bytes_per_tile(dim: int = D) -> int:
     return sum(math.prod(shape) * _ITEMSIZE[dtype] for shape, dtype in fields)
 
 
-def scan_traffic(lengths, heads: int, *, dht_itemsize: int | None = 4, dh0: bool = True, dim: int = D) -> Traffic:
+def scan_traffic(lengths, heads: int, *, dht_itemsize: int | None = 4, dh0: bool = True, dim: int = D,
+                 every: int = SNAPSHOT_TILES) -> Traffic:
     """Kernel A's unique bytes: reads dO, the workspace of every real tile, dht (``dht_itemsize`` bytes an
-    element, None for no dht); writes dv, du, one bf16 dim×dim snapshot per block (:func:`snapshot_blocks`),
-    dh0 (fp32)."""
+    element, None for no dht); writes dv, du, one bf16 dim×dim snapshot per block of ``every`` tiles
+    (:func:`snapshot_blocks`), dh0 (fp32)."""
     tokens, tiles, seqs = sum(lengths), chunks(lengths), len(lengths)
     state = seqs * heads * dim * dim
     read = tokens * heads * dim * 2 + tiles * heads * workspace_bytes_per_tile(dim)
     read += state * dht_itemsize if dht_itemsize else 0
-    written = 2 * tokens * heads * dim * 2 + snapshot_blocks(lengths) * heads * dim * dim * 2
+    written = 2 * tokens * heads * dim * 2 + snapshot_blocks(lengths, every) * heads * dim * dim * 2
     written += state * 4 if dh0 else 0
     return Traffic(read, written)
 
@@ -255,6 +263,8 @@ def time_scan(name: str, inputs: dict, do: torch.Tensor, dht: torch.Tensor, vspl
             traceback.print_exc()
             row["note"] = f"error: {_first_line(error)}"
         rows.append(row)
+    rows.append(time_fla_density_scan(name, rows, launch_kwargs=dict(
+        ws=ws, cu_seqlens=cu_seqlens, tile_base=tile_base, dht=dht, dh0=dh0), do=do, warmup=warmup, rep=rep))
     segmented = time_segmented_scan(name, inputs, do, dht, warmup, rep)
     if segmented is not None:
         for row in rows:
@@ -262,6 +272,39 @@ def time_scan(name: str, inputs: dict, do: torch.Tensor, dht: torch.Tensor, vspl
         rows.append(segmented)
     rows.append(time_training_forward(name, inputs, ws, tile_base, warmup, rep))
     return rows
+
+
+def time_fla_density_scan(name: str, rows: list[dict], *, launch_kwargs: dict, do: torch.Tensor, warmup: int,
+                          rep: int) -> dict:
+    """The "FLA's density" row (the module docstring): Kernel A at the fastest timed V-split of ``rows`` with
+    one snapshot per :data:`FLA_DENSITY_TILES` tiles, into its own snapshot buffer."""
+    from cute_kda.ops.bwd_scan import bwd_scan
+
+    shape = SHAPES[name]
+    lengths, heads = shape.lengths, shape.heads
+    timed = [r for r in rows if r["ms"] is not None]
+    vsplit = min(timed, key=lambda r: r["ms"])["vsplit"] if timed else 1
+    row = dict(kind="scan_fla_density", vsplit=vsplit, auto=False, ctas=len(lengths) * heads * vsplit,
+               steps=tile_steps(lengths), ms=None, timing=None, note="",
+               traffic=scan_traffic(lengths, heads, dht_itemsize=launch_kwargs["dht"].element_size(),
+                                    every=FLA_DENSITY_TILES))
+    snapshots = torch.empty(block_states_shape(launch_kwargs["ws"], heads, len(lengths), FLA_DENSITY_TILES),
+                            dtype=torch.bfloat16, device=do.device)
+    dv, du = torch.empty_like(do), torch.empty_like(do)
+
+    def launch():
+        bwd_scan(do, dv=dv, du=du, snapshots=snapshots, vsplit=vsplit, snapshot_every=FLA_DENSITY_TILES,
+                 **launch_kwargs)
+
+    try:
+        launch()
+        torch.cuda.synchronize()
+        row["ms"], row["timing"] = _time(launch, warmup, rep)
+        print(f"{name} Kernel A vsplit={vsplit}, FLA's density: {row['ms']:.3f} ms", file=sys.stderr)
+    except Exception as error:
+        traceback.print_exc()
+        row["note"] = f"error: {_first_line(error)}"
+    return row
 
 
 def time_segmented_scan(name: str, inputs: dict, do: torch.Tensor, dht: torch.Tensor, warmup: int,
@@ -304,6 +347,8 @@ def scan_label(row: dict) -> str:
     """The kernel column of a Kernel A row."""
     if row.get("segments"):
         return f"Kernel A, {row['segments']} segments × V-split {row['vsplit']} (2 passes + combine)"
+    if row["kind"] == "scan_fla_density":
+        return f"Kernel A, V-split {row['vsplit']}, FLA's density (a snapshot per {FLA_DENSITY_TILES} tiles; not in the step)"
     return f"Kernel A, V-split {row['vsplit']}"
 
 
@@ -482,7 +527,7 @@ def detail_table(results: list[dict]) -> str:
     for result in results:
         fla = result["fla"]
         for r in result["scan"]:
-            if r["kind"] != "scan":
+            if r["kind"] not in ("scan", "scan_fla_density"):
                 continue
             label = f"**{scan_label(r)}** (auto)" if r["auto"] else scan_label(r)
             ms = r["ms"]
@@ -514,24 +559,27 @@ def _split(row: dict | None) -> str:
 
 def summary_table(results: list[dict]) -> str:
     head = ["shape", "auto split", "Kernel A auto ms", "best split", "Kernel A best ms", "FLA bwd_dhu ms",
-            "FLA ms, issue 9 (profiler)", "best / FLA", "auto / FLA",
-            f"bytes floor ms at {COPY_CEILING_TBPS} TB/s, Kernel A / FLA"]
+            "FLA ms, issue 9 (profiler)", "best / FLA", "auto / FLA", "FLA's density ms", "FLA's density / FLA",
+            f"bytes floor ms at {COPY_CEILING_TBPS} TB/s, Kernel A / FLA's density / FLA"]
     rows = []
     for result in results:
         scan = [r for r in result["scan"] if r["kind"] == "scan"]
         timed = [r for r in scan if r["ms"] is not None]
         auto = next((r for r in scan if r["auto"]), None)
         best = min(timed, key=lambda r: r["ms"], default=None)
+        density = next((r for r in result["scan"] if r["kind"] == "scan_fla_density"), None)
+        density_ms = density["ms"] if density else None
         fla = result["fla"]
         shape = SHAPES[result["shape"]]
         floors = (floor_ms(scan_traffic(shape.lengths, shape.heads).total),
+                  floor_ms(scan_traffic(shape.lengths, shape.heads, every=FLA_DENSITY_TILES).total),
                   floor_ms(fla_dhu_traffic(shape.lengths, shape.heads).total))
         rows.append([
             result["shape"], _split(auto), _ms(auto["ms"]) if auto else "—",
             _split(best), _ms(best["ms"]) if best else "—", _fla_cell(fla),
             f"{fla['reference']:.2f}" if fla.get("reference") else "—",
             _ratio(best["ms"] if best else None, fla["ms"]), _ratio(auto["ms"] if auto else None, fla["ms"]),
-            f"{floors[0]:.3f} / {floors[1]:.3f}",
+            _ms(density_ms), _ratio(density_ms, fla["ms"]), " / ".join(f"{f:.3f}" for f in floors),
         ])
     return markdown_table(head, rows)
 

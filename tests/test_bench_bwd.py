@@ -46,6 +46,9 @@ def test_scan_traffic_b1_t8192_h96(bench):
     assert bench.scan_traffic((t,), h, dht_itemsize=2).read == traffic.read - h * STATE * 2
     assert bench.scan_traffic((t,), h, dht_itemsize=None).read == traffic.read - h * STATE * 4
     assert bench.scan_traffic((t,), h, dh0=False).written == traffic.written - h * STATE * 4
+    density = bench.scan_traffic((t,), h, every=bench.FLA_DENSITY_TILES)  # FLA's: one per 64 tokens
+    assert bench.FLA_DENSITY_TILES == 4 and density.read == traffic.read
+    assert density.written == 2 * t * h * 128 * 2 + tiles // 4 * h * STATE * 2 + h * STATE * 4
 
 
 def test_scan_traffic_counts_real_tiles_of_each_sequence(bench):
@@ -126,8 +129,10 @@ def _scan_row(bench, vsplit, ms, auto=False):
 
 
 def test_report(bench):
+    density = dict(_scan_row(bench, 2, 0.25), kind="scan_fla_density",
+                   traffic=bench.scan_traffic((8192,), 96, every=4))
     measured = dict(shape="B1_T8192_H96", scan=[_scan_row(bench, 1, 0.40, auto=True), _scan_row(bench, 2, 0.30),
-                                                _scan_row(bench, 8, None)],
+                                                _scan_row(bench, 8, None), density],
                     fla=dict(kind="fla", ctas=384, steps=512, ms=0.50, timing="graph", note="BV 32, 4 warps, 2 stages",
                              call="q=bfloat16[1, 8192, 96, 128]", traffic=bench.fla_dhu_traffic((8192,), 96),
                              reference=0.55))
@@ -137,12 +142,16 @@ def test_report(bench):
     text = bench.report([measured, absent], "python benchmarks/bench_bwd.py", "ENV")
     lines = text.splitlines()
     assert lines[2] == "Command: `python benchmarks/bench_bwd.py`" and lines[4].startswith("ENV · ")
-    # summary: auto V-split 1 at 0.40, best V-split 2 at 0.30, against FLA's 0.50 (issue: 0.55)
-    floors = [f"{bench.floor_ms(traffic((8192,), 96).total):.3f}" for traffic in (bench.scan_traffic,
-                                                                                  bench.fla_dhu_traffic)]
-    assert f"| B1_T8192_H96 | 1 | 0.400 | 2 | 0.300 | 0.500 | 0.55 | 0.60 | 0.80 | {' / '.join(floors)} |" in lines
-    assert any(line.startswith("| B1_T32768_H16 | 4 | 1.000 | 4 | 1.000 | not installed | 0.69 | — | — |")
+    # summary: auto V-split 1 at 0.40, best V-split 2 at 0.30 (the density row not among them), against FLA's 0.50
+    # (issue: 0.55); FLA's density 0.25
+    floors = [f"{bench.floor_ms(traffic.total):.3f}" for traffic in (
+        bench.scan_traffic((8192,), 96), bench.scan_traffic((8192,), 96, every=4), bench.fla_dhu_traffic((8192,), 96))]
+    assert (f"| B1_T8192_H96 | 1 | 0.400 | 2 | 0.300 | 0.500 | 0.55 | 0.60 | 0.80 | 0.250 | 0.50 | "
+            f"{' / '.join(floors)} |") in lines
+    assert any(line.startswith("| B1_T32768_H16 | 4 | 1.000 | 4 | 1.000 | not installed | 0.69 | — | — | — | — |")
                for line in lines)
+    assert any(line.startswith("| B1_T8192_H96 | Kernel A, V-split 2, FLA's density (a snapshot per 4 tiles; not in "
+                               "the step) | 192 | 512 | 0.250 |") for line in lines)
     assert any(line.startswith("| B1_T8192_H96 | **Kernel A, V-split 1** (auto) | 96 | 512 | 0.400 | 0.78 |")
                for line in lines)
     assert any("| Kernel A, V-split 8 | 768 | 512 | error: X |" in line for line in lines)
@@ -157,7 +166,7 @@ def test_report_of_a_segmented_shape(bench):
                   fla=dict(kind="fla", ctas=None, steps=512, ms=0.70, timing="graph", note="", call="",
                            traffic=bench.fla_dhu_traffic((32768,), 16), reference=0.69))
     lines = bench.report([result], "python benchmarks/bench_bwd.py", "ENV").splitlines()
-    assert any(line.startswith("| B1_T32768_H16 | 8 seg × 1 | 0.800 | 8 seg × 1 | 0.800 | 0.700 | 0.69 | 1.14 | 1.14 |")
+    assert any(line.startswith("| B1_T32768_H16 | 8 seg × 1 | 0.800 | 8 seg × 1 | 0.800 | 0.700 | 0.69 | 1.14 | 1.14 | — |")
                for line in lines)
     assert any(line.startswith("| B1_T32768_H16 | **Kernel A, 8 segments × V-split 1 (2 passes + combine)** (auto) "
                                "| 128 | 256 | 0.800 | 3.12 |") for line in lines)

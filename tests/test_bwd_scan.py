@@ -108,6 +108,10 @@ def test_launcher_rejects_mismatched_buffers():
         ka.bwd_scan(do, ws, dv, du, snaps, vsplit=3)
     with pytest.raises(ValueError, match="dh0"):
         ka.bwd_scan(do, ws, dv, du, snaps, token_outputs=False)
+    with pytest.raises(ValueError, match="snapshot_every"):
+        ka.bwd_scan(do, ws, dv, du, snaps, snapshot_every=0)
+    with pytest.raises(ValueError, match="snapshots"):  # per-tile rows handed to a 4-tile-block scan
+        ka.bwd_scan(do, ws, dv, du, snaps, snapshot_every=4)
 
 
 # ============================================================================ compile (CPU)
@@ -118,7 +122,7 @@ def _variants():
     return list(itertools.product(SCAN_VSPLITS, STATE, STATE, (False, True)))
 
 
-def _compile_args(vsplit, dht, dh0, varlen):
+def _compile_args(vsplit, dht, dh0, varlen, snapshot_every=1):
     heads, num_seqs = 2, 3
     batch, steps = (1, 80) if varlen else (num_seqs, 24)
     do = torch.zeros(batch, steps, heads, D, dtype=torch.bfloat16)
@@ -130,7 +134,7 @@ def _compile_args(vsplit, dht, dh0, varlen):
 
     return ka.launch_arguments(
         do, ws, torch.zeros_like(do), torch.zeros_like(do),
-        torch.zeros(block_states_shape(ws, heads, num_seqs), dtype=torch.bfloat16),
+        torch.zeros(block_states_shape(ws, heads, num_seqs, snapshot_every), dtype=torch.bfloat16),
         dht=state(dht), dh0=state(dh0), cu_seqlens=torch.tensor([0, 20, 20, 80]) if varlen else None,
         tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32) if varlen else None, tensor=to_cute_tensor,
     )
@@ -139,15 +143,16 @@ def _compile_args(vsplit, dht, dh0, varlen):
 _COMPILED: dict = {}
 
 
-def _compiled(variant, token_outputs=True):
-    key = (*variant, token_outputs)
+def _compiled(variant, token_outputs=True, snapshot_every=1):
+    key = (*variant, token_outputs, snapshot_every)
     if key not in _COMPILED:
         from cute_kda.compile_report import compile_with_report
 
         vsplit, dht, dh0, varlen = variant
         kernel = BwdScan(vsplit=vsplit, dht=dsl_type(STATE[dht]), dh0=dsl_type(STATE[dh0]),
-                         varlen=varlen, token_outputs=token_outputs)
-        _, report = compile_with_report(kernel, *_compile_args(*variant), cute.runtime.make_fake_stream())
+                         varlen=varlen, token_outputs=token_outputs, snapshot_every=snapshot_every)
+        _, report = compile_with_report(kernel, *_compile_args(*variant, snapshot_every),
+                                        cute.runtime.make_fake_stream())
         _COMPILED[key] = (kernel, report)
     return _COMPILED[key]
 
@@ -170,6 +175,20 @@ def test_local_gradient_variant_compiles(vsplit):
     assert report.local_memory_ops == 0 and report.spills == 0 and report.kernels[0].stack_frame == 0
     print(f"vsplit {vsplit} local gradients: {report.kernels[0].registers} registers "
           f"({full.kernels[0].registers} with the token outputs)")
+
+
+@pytest.mark.parametrize("vsplit", [1, 8])
+def test_block_snapshot_variant_compiles(vsplit):
+    """snapshot_every=4 (one snapshot per 64 tokens, FLA's density; benchmarks/bench_bwd.py times it): the same
+    products and the same snapshot copies as the per-tile scan, issued under a tile-dependent branch."""
+    variant = (vsplit, "fp32", "fp32", True)
+    _, report = _compiled(variant, snapshot_every=4)
+    _, per_tile = _compiled(variant)
+    for op in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.bulk.global.shared::cta",
+               "st.global.b32", "cp.async.bulk.tensor.5d.global.shared::cta"):
+        assert report.count(op) == per_tile.count(op), op
+    assert report.local_memory_ops == 0 and report.spills == 0 and report.kernels[0].stack_frame == 0
+    assert report.ptx != per_tile.ptx
 
 
 def test_local_gradient_variant_needs_dh0():
@@ -238,7 +257,7 @@ def _dht(kind, N, H, seed, device):
     return (torch.randn(N, H, D, D, generator=gen) * 0.5).to(device=device, dtype=STATE[kind])
 
 
-def _run(problem, *, lengths=None, dht="fp32", dh0="fp32", vsplit=None, seed=0, lower_bound=-5.0):
+def _run(problem, *, lengths=None, dht="fp32", dh0="fp32", vsplit=None, seed=0, lower_bound=-5.0, snapshot_every=1):
     """Workspace from the mirror's K1, then Kernel A into guarded buffers (poisoned snapshot rows too)."""
     from cute_kda.reference import mirror_prepare
 
@@ -252,11 +271,12 @@ def _run(problem, *, lengths=None, dht="fp32", dh0="fp32", vsplit=None, seed=0, 
     dht_in = _dht(dht, N, H, seed, device)
     dv, dv_buf = _guarded((B, T, H, D), torch.bfloat16, device, axis=1, pad=CHUNK)
     du, du_buf = _guarded((B, T, H, D), torch.bfloat16, device, axis=1, pad=CHUNK)
-    snaps, snaps_buf = _guarded(block_states_shape(ws, H, N), torch.bfloat16, device, axis=0, pad=1)
+    snaps, snaps_buf = _guarded(block_states_shape(ws, H, N, snapshot_every), torch.bfloat16, device, axis=0, pad=1)
     dh0_out = dh0_buf = None
     if STATE[dh0] is not None:
         dh0_out, dh0_buf = _guarded((N, H, D, D), STATE[dh0], device, axis=0, pad=1)
-    ka.bwd_scan(do, ws, dv, du, snaps, cu_seqlens=cu, dht=dht_in, dh0=dh0_out, vsplit=vsplit)
+    ka.bwd_scan(do, ws, dv, du, snaps, cu_seqlens=cu, dht=dht_in, dh0=dh0_out, vsplit=vsplit,
+                snapshot_every=snapshot_every)
     torch.cuda.synchronize()
     for buf, axis, pad in ((dv_buf, 1, CHUNK), (du_buf, 1, CHUNK), (snaps_buf, 0, 1)):
         _assert_guards_untouched(buf, axis, pad)
@@ -321,6 +341,34 @@ def test_vsplits_are_bit_identical(dh0):
         for name in ("dv", "du", "snapshots"):
             assert _same_bits_or_both_nan(run[name], runs[0][name]), name
         assert torch.equal(run["dh0"], runs[0]["dh0"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vsplit", [1, 8])
+def test_block_snapshots_are_the_per_tile_ones_at_block_ends(vsplit):
+    """snapshot_every=4 (FLA's density, timed by bench_bwd.py): dv, du, dh0 bit for bit the per-tile scan's; slot
+    g // 4 + s holds the per-tile snapshot of each global tile g ending a block or its sequence; nothing else is
+    written (the guarded buffer's poison stays)."""
+    from cute_kda.ops.prepare import tile_bases
+
+    lengths = [300, 0, 17, 1, 64, 33]
+    problem = _problem(1, sum(lengths), 3, seed=9)
+    fine = _run(problem, lengths=lengths, dht="fp32", dh0="fp32", vsplit=vsplit, seed=9)
+    coarse = _run(problem, lengths=lengths, dht="fp32", dh0="fp32", vsplit=vsplit, seed=9, snapshot_every=4)
+    for name in ("dv", "du", "dh0"):
+        assert torch.equal(coarse[name], fine[name]), name
+    n_seqs, heads = len(lengths), 3
+    bases = tile_bases(fine["cu"]).tolist()
+    tiles = bases[-1]
+    per_tile = fine["snapshots"].view(heads, snapshot_slots(tiles, n_seqs, 1), D, D)
+    blocks = coarse["snapshots"].view(heads, snapshot_slots(tiles, n_seqs, 4), D, D)
+    written = {g // 4 + n: g + n for n in range(n_seqs) for g in range(bases[n], bases[n + 1])
+               if g % 4 == 3 or g == bases[n + 1] - 1}
+    for slot in range(blocks.shape[1]):
+        if slot in written:
+            assert _same_bits_or_both_nan(blocks[:, slot], per_tile[:, written[slot]]), slot
+        else:
+            assert bool(blocks[:, slot].isnan().all()), slot
 
 
 @pytest.mark.gpu

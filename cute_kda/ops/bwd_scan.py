@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layouts.bwd_scan import SCAN_VSPLITS
-from ..workspace import Workspace, block_states_shape
+from ..workspace import SNAPSHOT_TILES, Workspace, block_states_shape
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, dsl_type, launch_tensor, to_cute_tensor,
 )
@@ -71,22 +71,23 @@ def launch_arguments(
 
 
 def compiled_variant(key: tuple, tensors: dict, stream):
-    """The compiled variant ``key = (vsplit, dht dtype, dh0 dtype, varlen, tuning, token_outputs, device)``,
-    compiled on first use from ``tensors`` (:func:`launch_arguments`' keywords)."""
+    """The compiled variant ``key = (vsplit, dht dtype, dh0 dtype, varlen, tuning, token_outputs, snapshot_every,
+    device)``, compiled on first use from ``tensors`` (:func:`launch_arguments`' keywords)."""
 
     def build():
         from ..kernels.bwd_scan import BwdScan
 
-        vsplit, dht, dh0, varlen, tuning, token_outputs, _ = key
+        vsplit, dht, dh0, varlen, tuning, token_outputs, snapshot_every, _ = key
         kernel = BwdScan(vsplit=vsplit, dht=dsl_type(dht), dh0=dsl_type(dh0), varlen=varlen,
-                         compute_warps=tuning.compute_warps, output_stages=tuning.output_stages,
-                         split_accumulator=tuning.split_accumulator, token_outputs=token_outputs)
+                         snapshot_every=snapshot_every, compute_warps=tuning.compute_warps,
+                         output_stages=tuning.output_stages, split_accumulator=tuning.split_accumulator,
+                         token_outputs=token_outputs)
         return compile_for_launch(kernel, *launch_arguments(**tensors, tensor=to_cute_tensor), stream)
 
     return _CACHE.get(key, build)
 
 
-def _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs: int) -> None:
+def _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs: int, snapshot_every: int) -> None:
     """Shapes, dtypes and devices of Kernel A's buffers against ``do`` and the workspace."""
     batch, steps, heads, dim = do.shape
     if do.dtype != torch.bfloat16 or dim != ws.qd.shape[-1]:
@@ -96,7 +97,7 @@ def _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs: int) -> None:
     for name, t in (("dv", dv), ("du", du)):
         if t.dtype != torch.bfloat16 or t.shape != do.shape or t.device != do.device:
             raise ValueError(f"{name} must be bf16 {tuple(do.shape)} on {do.device}, got {t.dtype} {tuple(t.shape)}")
-    expected = block_states_shape(ws, heads, num_seqs)
+    expected = block_states_shape(ws, heads, num_seqs, snapshot_every)
     if snapshots.dtype != torch.bfloat16 or tuple(snapshots.shape) != expected:
         raise ValueError(f"snapshots must be bf16 {expected}, got {snapshots.dtype} {tuple(snapshots.shape)}")
     for name, t in (("dht", dht), ("dh0", dh0)):
@@ -122,16 +123,19 @@ def bwd_scan(
     vsplit: int | None = None,
     tuning: ScanTuning = DEFAULT_TUNING,
     token_outputs: bool = True,
+    snapshot_every: int = SNAPSHOT_TILES,
 ) -> None:
     """Run Kernel A: ``dv``, ``du`` (valid rows only), ``snapshots`` and, when given, ``dh0``.
 
     do, dv, du: bf16 ``[B, T, H, 128]`` (dO the gradient w.r.t. the forward's output; du the gradient
     w.r.t. ``u = β ⊙ (v − kd S)`` of each tile, for the tile-gradient kernel; dv the gradient w.r.t. v).
     ws: the K1 :class:`~cute_kda.workspace.Workspace` of the forward these gradients belong to.
-    snapshots: bf16 ``[H · slots, D, D]`` state images (:func:`cute_kda.workspace.block_states_shape`): row ``h · slots + g // 4 + s``
-    receives the gradient w.r.t. the state after global tile ``g`` of sequence ``s``, head ``h``,
-    where ``g`` ends a block of 4 global tiles or the sequence (:func:`~cute_kda.workspace.snapshot_slots`);
-    other rows are not written. dht: None (zero) or bf16 / fp32 ``[N, H, V, K]``, the gradient w.r.t. the final
+    snapshots: bf16 ``[H · slots, D, D]`` state images (:func:`cute_kda.workspace.block_states_shape` with
+    ``snapshot_every``): row ``h · slots + g // snapshot_every + s`` receives the gradient w.r.t. the state after
+    global tile ``g`` of sequence ``s``, head ``h``, where ``g`` ends a block of ``snapshot_every`` global tiles
+    or the sequence (:func:`~cute_kda.workspace.snapshot_slots`); other rows are not written. The training step's
+    Kernel B reads one per tile (the default, :data:`~cute_kda.workspace.SNAPSHOT_TILES`); ``snapshot_every=4``
+    keeps one per 64 tokens, the density of FLA's reverse scan, for ``benchmarks/bench_bwd.py``. dht: None (zero) or bf16 / fp32 ``[N, H, V, K]``, the gradient w.r.t. the final
     state; dh0: None or bf16 / fp32 ``[N, H, V, K]``, receives the gradient w.r.t. the initial state
     (the bf16 scan value, widened exactly for fp32). ``cu_seqlens`` int64 ``[N+1]`` with B == 1
     packs N sequences (``tile_base`` int32 ``[N+1]`` derived when not given); ``vsplit`` ∈ {1, 2, 4, 8}
@@ -142,7 +146,9 @@ def bwd_scan(
     varlen = cu_seqlens is not None
     num_seqs = cu_seqlens.numel() - 1 if varlen else do.shape[0]
     heads = do.shape[2]
-    _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs)
+    if snapshot_every < 1:
+        raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
+    _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs, snapshot_every)
     if vsplit is not None and vsplit not in SCAN_VSPLITS:
         raise ValueError(f"vsplit must be one of {SCAN_VSPLITS} or None, got {vsplit}")
     if not token_outputs and dh0 is None:
@@ -160,7 +166,7 @@ def bwd_scan(
         tensors = dict(do=do, ws=ws, dv=dv, du=du, snapshots=snapshots, dht=dht, dh0=dh0,
                        cu_seqlens=cu_seqlens, tile_base=tile_base)
         key = (vsplit, dtype_or_none(dht), dtype_or_none(dh0), varlen, tuning, bool(token_outputs),
-               device_index(do.device))
+               snapshot_every, device_index(do.device))
         compiled_variant(key, tensors, stream)(*launch_arguments(**tensors), stream)
 
 
@@ -180,5 +186,5 @@ def compile_bwd_scan(*, vsplit: int, dht: torch.dtype | None, dh0: torch.dtype |
                    snapshots=problem.block_states(), dht=problem.state(dht), dh0=problem.state(dh0),
                    cu_seqlens=problem.cu_seqlens, tile_base=problem.tile_base)
     with torch.cuda.device(device):
-        key = (vsplit, dht, dh0, varlen, tuning, bool(token_outputs), device_index(device))
+        key = (vsplit, dht, dh0, varlen, tuning, bool(token_outputs), SNAPSHOT_TILES, device_index(device))
         compiled_variant(key, tensors, current_stream(device))
