@@ -359,9 +359,8 @@ def test_block_snapshots_are_the_per_tile_ones_at_block_ends(vsplit):
         assert torch.equal(coarse[name], fine[name]), name
     n_seqs, heads = len(lengths), 3
     bases = tile_bases(fine["cu"]).tolist()
-    tiles = bases[-1]
-    per_tile = fine["snapshots"].view(heads, snapshot_slots(tiles, n_seqs, 1), D, D)
-    blocks = coarse["snapshots"].view(heads, snapshot_slots(tiles, n_seqs, 4), D, D)
+    per_tile = fine["snapshots"].view(heads, -1, D, D)  # slots of the workspace's tiles (block_states_shape)
+    blocks = coarse["snapshots"].view(heads, -1, D, D)
     written = {g // 4 + n: g + n for n in range(n_seqs) for g in range(bases[n], bases[n + 1])
                if g % 4 == 3 or g == bases[n + 1] - 1}
     for slot in range(blocks.shape[1]):
