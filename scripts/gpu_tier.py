@@ -1,22 +1,114 @@
-"""Run the GPU test tier and write a dated summary (markdown) for benchmarks/results/.
+"""Run the GPU test tier (or a part of it) and write a dated summary (markdown) for benchmarks/results/.
 
-    python3 scripts/gpu_tier.py [extra pytest args]
+    python3 scripts/gpu_tier.py [--part NAME] [--deadline SECONDS] [-- pytest args]
 
-Writes ``<date>-gpu-tier.md`` (and the junit XML beside it) to ``$OUT`` when that is set (the
-device machine's return folder), else to ``benchmarks/results/``. The commit comes from
-``$CUTE_KDA_COMMIT`` or ``git rev-parse``. Exit status is pytest's.
+Runs ``pytest -m gpu -v tests`` (the pytest args after ``--`` are appended: ``-m "gpu and not fla"``, ``-n 8``,
+file names) and writes, to ``$OUT`` when that is set (the device machine's return folder), else to
+``benchmarks/results/``:
+
+- ``<date>-gpu-tier[-NAME].log``: pytest's output, line by line as it runs, so a call the device's time limit
+  ends still says which tests passed, failed or never ran;
+- ``<date>-gpu-tier[-NAME].md``: commit, device, command, the counts by outcome, and one row per test.
+
+``--deadline``: after that many seconds pytest is interrupted (SIGINT: pytest stops, reports what ran, and the
+summary is still written, with the items it did not reach counted) and killed 60 s later if it has not exited.
+Give it somewhat less than the device call's limit. The commit comes from ``$CUTE_KDA_COMMIT`` or
+``git rev-parse``. Exit status: pytest's (2 without CUDA).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import os
+import re
+import signal
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
+import threading
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+GRACE_S = 60  # after the SIGINT, before the kill
+# one result line of `pytest -v`: "tests/x.py::t[a] PASSED [ 5%]", or with xdist "[gw3] [ 5%] PASSED tests/x.py::t[a]"
+_OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
+_SERIAL = re.compile(r"^(?P<test>tests/\S+::\S+) (?P<outcome>" + "|".join(_OUTCOMES) + r")\b")
+_XDIST = re.compile(r"^\[gw\d+\] \[\s*\d+%\] (?P<outcome>" + "|".join(_OUTCOMES) + r") (?P<test>tests/\S+::\S+)")
+_COLLECTED = re.compile(r"(?:collected (\d+) items?(?: / (\d+) deselected)?)|(?:\d+ workers \[(\d+) items?\])")
+
+
+def parse_outcomes(log: str) -> dict[str, str]:
+    """{test id: outcome} from ``pytest -v`` output, serial or xdist (a test's last result line wins)."""
+    outcomes = {}
+    for line in log.splitlines():
+        match = _SERIAL.match(line) or _XDIST.match(line)
+        if match:
+            outcomes[match["test"]] = match["outcome"]
+    return outcomes
+
+
+def selected_count(log: str) -> int | None:
+    """The number of tests pytest selected to run (collected minus deselected), None if it never said."""
+    match = _COLLECTED.search(log)
+    if match is None:
+        return None
+    if match.group(3) is not None:
+        return int(match.group(3))
+    return int(match.group(1)) - int(match.group(2) or 0)
+
+
+def run_with_deadline(cmd: list[str], log_path: Path, deadline_s: float | None, *, cwd: Path = ROOT,
+                      grace_s: float = GRACE_S) -> tuple[int, bool]:
+    """Run ``cmd`` with its output written line by line to ``log_path`` and echoed; after ``deadline_s`` send it
+    SIGINT, after ``grace_s`` more kill it. Returns (exit status, whether the deadline was reached)."""
+    with open(log_path, "w", buffering=1) as log:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+
+        def copy_output():
+            for line in proc.stdout:
+                log.write(line)
+                print(line, end="", flush=True)
+
+        reader = threading.Thread(target=copy_output, daemon=True)
+        reader.start()
+        cut = False
+        try:
+            proc.wait(timeout=deadline_s)
+        except subprocess.TimeoutExpired:
+            cut = True
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        reader.join(timeout=grace_s)
+    return proc.returncode, cut
+
+
+def summary(log: str, *, stamp: str, commit: str, device: str, command: str, rc: int, cut: bool) -> str:
+    """The markdown record of one run from its ``-v`` log."""
+    outcomes = parse_outcomes(log)
+    counts = Counter(outcomes.values())
+    selected = selected_count(log)
+    missing = None if selected is None else selected - len(outcomes)
+    told = ", ".join(f"{counts[o]} {o.lower()}" for o in _OUTCOMES if counts[o])
+    lines = [
+        f"# GPU tier {stamp}",
+        "",
+        f"- commit: `{commit}`",
+        f"- device: {device}",
+        f"- command: `{command}`",
+        f"- result: {told or 'no test reported'}"
+        + (f"; {missing} of {selected} selected not reported" if missing else "")
+        + (" (stopped at its deadline)" if cut else "") + f" (pytest exit {rc})",
+        "",
+        "| test | outcome |",
+        "|---|---|",
+    ]
+    lines += [f"| {test} | {outcome.lower()} |" for test, outcome in sorted(outcomes.items())]
+    return "\n".join(lines) + "\n"
 
 
 def _commit() -> str:
@@ -37,7 +129,16 @@ def _device() -> str:
         return f"unavailable: {exc}"
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", default="", help="suffix of the output files, for a tier run in several calls")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds before pytest is interrupted")
+    parser.add_argument("pytest_args", nargs="*", help="appended to the pytest command (after --)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
@@ -46,33 +147,15 @@ def main() -> int:
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "benchmarks" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
-    junit = out_dir / f"{stamp}-gpu-tier.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", f"--junitxml={junit}", "tests", *sys.argv[1:]]
-    rc = subprocess.call(cmd, cwd=ROOT)
-    root = ET.parse(junit).getroot()
-    suite = root if root.tag == "testsuite" else root.find("testsuite")
-    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    lines = [
-        f"# GPU tier {stamp}",
-        "",
-        f"- commit: `{_commit()}`",
-        f"- device: {_device()}",
-        f"- command: `{' '.join(cmd[1:])}`",
-        f"- result: {passed} passed, {counts['failures']} failed, {counts['errors']} errors, "
-        f"{counts['skipped']} skipped (pytest exit {rc})",
-        "",
-        "| test | outcome | time (s) |",
-        "|---|---|---|",
-    ]
-    for case in suite.iter("testcase"):
-        outcome = "passed"
-        for tag in ("failure", "error", "skipped"):
-            if case.find(tag) is not None:
-                outcome = tag
-        lines.append(f"| {case.get('classname', '')}::{case.get('name')} | {outcome} | {float(case.get('time', 0)):.2f} |")
-    (out_dir / f"{stamp}-gpu-tier.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:6]))
+    name = f"{stamp}-gpu-tier" + (f"-{args.part}" if args.part else "")
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rfE", "-p", "no:cacheprovider", "tests",
+           *args.pytest_args]
+    log_path = out_dir / f"{name}.log"
+    rc, cut = run_with_deadline(cmd, log_path, args.deadline)
+    text = summary(log_path.read_text(), stamp=stamp, commit=_commit(), device=_device(),
+                   command=" ".join(cmd[1:]), rc=rc, cut=cut)
+    (out_dir / f"{name}.md").write_text(text)
+    print("\n".join(text.splitlines()[:6]))
     return rc
 
 
