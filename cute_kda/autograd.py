@@ -376,9 +376,7 @@ KERNELS = Backend("kernels", _kernel_forward, _kernel_scan, _kernel_grads)
 def _reference_forward(x: Inputs, options: Options, segment_states: torch.Tensor | None = None) -> ForwardResult:
     """:func:`~cute_kda.reference.mirror_prepare` and :func:`~cute_kda.reference.mirror_recurrence`
     with checkpoints (without them under ``options.recompute``); slots the kernels leave unwritten are NaN."""
-    from .reference import mirror_prepare, mirror_recurrence, tile_bases
-
-    from .reference import mirror_prepare_gates
+    from .reference import mirror_prepare, mirror_prepare_gates, mirror_recurrence, tile_bases
 
     problem = options.problem
     if options.gate == "safe":
