@@ -31,8 +31,8 @@ import cute_kda
 from cute_kda import api, autograd, fla_backend, torch_ops, validation
 from cute_kda.reference import gold_backward, rel_rms
 from cute_kda.reference.backward import mirror_backward
-from cute_kda.workspace import (WorkspaceSpec, block_states_shape, images_to_states, snapshot_slots, states_to_images,
-                                tiles_per_head)
+from cute_kda.workspace import (SNAPSHOT_TILES, WorkspaceSpec, block_states_shape, images_to_states, snapshot_slots,
+                                states_to_images, tiles_per_head)
 
 from gradient_targets import SAFE_GATE_TOLERANCES as TOLS
 from gradient_targets import TARGETS
@@ -356,9 +356,10 @@ def launchers_on_mirrors(monkeypatch):
             final_state.copy_(state)
 
     @fake(ka, "bwd_scan")
-    def _(do, ws, dv, du, snapshots, cu_seqlens, tile_base, dht, dh0, vsplit, tuning, token_outputs):
-        ka._check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs(do, cu_seqlens))
-        scan = mirror_bwd_scan(ws, do, cu_seqlens=cu_seqlens, dht=dht,
+    def _(do, ws, dv, du, snapshots, cu_seqlens, tile_base, dht, dh0, vsplit, tuning, token_outputs, snapshot_every):
+        assert snapshot_every == SNAPSHOT_TILES  # Kernel B reads the scan's snapshots at the default density
+        ka._check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs(do, cu_seqlens), snapshot_every)
+        scan = mirror_bwd_scan(ws, do, cu_seqlens=cu_seqlens, dht=dht, snapshot_every=snapshot_every,
                                dh0_dtype=torch.float32 if dh0 is None else dh0.dtype)
         outputs = ((dv, scan.dv), (du, scan.du), (snapshots, states_to_images(scan.snapshots))) if token_outputs \
             else ()  # without token outputs the kernel writes dh0 alone
