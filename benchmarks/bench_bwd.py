@@ -348,7 +348,8 @@ def scan_label(row: dict) -> str:
     if row.get("segments"):
         return f"Kernel A, {row['segments']} segments × V-split {row['vsplit']} (2 passes + combine)"
     if row["kind"] == "scan_fla_density":
-        return f"Kernel A, V-split {row['vsplit']}, FLA's density (a snapshot per {FLA_DENSITY_TILES} tiles; not in the step)"
+        return (f"Kernel A, V-split {row['vsplit']}, FLA's density "
+                f"(a snapshot per {FLA_DENSITY_TILES} tiles; not in the step)")
     return f"Kernel A, V-split {row['vsplit']}"
 
 
