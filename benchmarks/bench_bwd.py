@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import math
 import os
 import shlex
@@ -76,7 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from cute_kda._bench import (  # noqa: E402
     add_run_arguments, environment, graph_median_ms, markdown_table, median_ms, publish, save,
 )
-from cute_kda.workspace import CHUNK, SNAPSHOT_TILES, WorkspaceSpec, block_states_shape  # noqa: E402
+from cute_kda.workspace import CHUNK, SNAPSHOT_TILES, WorkspaceSpec, block_states_shape, kept_tiles  # noqa: E402
 
 from bench_prepare import COPY_CEILING_TBPS  # noqa: E402
 from shapes import D, LOWER_BOUND, SHAPES, make_inputs  # noqa: E402
@@ -116,13 +117,9 @@ def tile_steps(lengths: tuple[int, ...] | list[int], size: int = CHUNK) -> int:
 
 def snapshot_blocks(lengths: tuple[int, ...] | list[int], every: int = SNAPSHOT_TILES) -> int:
     """Snapshots (or checkpoints) of one head: the global tiles that end a block of ``every`` or end their
-    sequence (``cute_kda.workspace.snapshot_slots``), the tiles numbered across sequences as the workspace does."""
-    count, base = 0, 0
-    for n in lengths:
-        tiles = -(-n // CHUNK)
-        count += sum(1 for g in range(base, base + tiles) if g % every == every - 1 or g == base + tiles - 1)
-        base += tiles
-    return count
+    sequence (``cute_kda.workspace.kept_tiles``), the tiles numbered across sequences as the workspace does."""
+    bases = list(itertools.accumulate((-(-n // CHUNK) for n in lengths), initial=0))
+    return len(kept_tiles(bases, every))
 
 
 def workspace_bytes_per_tile(dim: int = D) -> int:
@@ -220,6 +217,20 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:120]
 
 
+def _time_scan_row(row: dict, launch: Callable[[], object], label: str, warmup: int, rep: int) -> dict:
+    """Fill a Kernel A row's ``ms`` and ``timing`` (compiled by a first call outside the timing), or its ``note``
+    with the error, so the other rows keep their numbers."""
+    try:
+        launch()
+        torch.cuda.synchronize()
+        row["ms"], row["timing"] = _time(launch, warmup, rep)
+        print(f"{label}: {row['ms']:.3f} ms, {us_per_step(row['ms'], row['steps']):.2f} µs/step", file=sys.stderr)
+    except Exception as error:
+        traceback.print_exc()
+        row["note"] = f"error: {_first_line(error)}"
+    return row
+
+
 def time_scan(name: str, inputs: dict, do: torch.Tensor, dht: torch.Tensor, vsplits: tuple[int, ...],
               warmup: int, rep: int) -> list[dict]:
     """Rows of Kernel A alone, one per V-split (the heuristic's added), on the workspace of the real K1."""
@@ -253,16 +264,7 @@ def time_scan(name: str, inputs: dict, do: torch.Tensor, dht: torch.Tensor, vspl
 
         row = dict(kind="scan", vsplit=vsplit, auto=vsplit == auto, ctas=len(lengths) * heads * vsplit,
                    steps=steps, traffic=traffic, ms=None, timing=None, note="")
-        try:
-            launch()  # compile outside the timing
-            torch.cuda.synchronize()
-            row["ms"], row["timing"] = _time(launch, warmup, rep)
-            print(f"{name} Kernel A vsplit={vsplit}: {row['ms']:.3f} ms, "
-                  f"{us_per_step(row['ms'], steps):.2f} µs/step", file=sys.stderr)
-        except Exception as error:  # keep the other variants' numbers
-            traceback.print_exc()
-            row["note"] = f"error: {_first_line(error)}"
-        rows.append(row)
+        rows.append(_time_scan_row(row, launch, f"{name} Kernel A vsplit={vsplit}", warmup, rep))
     rows.append(time_fla_density_scan(name, rows, launch_kwargs=dict(
         ws=ws, cu_seqlens=cu_seqlens, tile_base=tile_base, dht=dht, dh0=dh0), do=do, warmup=warmup, rep=rep))
     segmented = time_segmented_scan(name, inputs, do, dht, warmup, rep)
@@ -296,15 +298,7 @@ def time_fla_density_scan(name: str, rows: list[dict], *, launch_kwargs: dict, d
         bwd_scan(do, dv=dv, du=du, snapshots=snapshots, vsplit=vsplit, snapshot_every=FLA_DENSITY_TILES,
                  **launch_kwargs)
 
-    try:
-        launch()
-        torch.cuda.synchronize()
-        row["ms"], row["timing"] = _time(launch, warmup, rep)
-        print(f"{name} Kernel A vsplit={vsplit}, FLA's density: {row['ms']:.3f} ms", file=sys.stderr)
-    except Exception as error:
-        traceback.print_exc()
-        row["note"] = f"error: {_first_line(error)}"
-    return row
+    return _time_scan_row(row, launch, f"{name} Kernel A vsplit={vsplit}, FLA's density", warmup, rep)
 
 
 def time_segmented_scan(name: str, inputs: dict, do: torch.Tensor, dht: torch.Tensor, warmup: int,
@@ -332,15 +326,7 @@ def time_segmented_scan(name: str, inputs: dict, do: torch.Tensor, dht: torch.Te
     row = dict(kind="scan", vsplit=1, segments=seg.per_seq, auto=True, ctas=seg.count * shape.heads, steps=steps,
                traffic=scan_traffic(shape.lengths, shape.heads, dht_itemsize=dht.element_size()), ms=None,
                timing=None, note="")
-    try:
-        launch()
-        torch.cuda.synchronize()
-        row["ms"], row["timing"] = _time(launch, warmup, rep)
-        print(f"{name} Kernel A, {seg.per_seq} segments: {row['ms']:.3f} ms", file=sys.stderr)
-    except Exception as error:
-        traceback.print_exc()
-        row["note"] = f"error: {_first_line(error)}"
-    return row
+    return _time_scan_row(row, launch, f"{name} Kernel A, {seg.per_seq} segments", warmup, rep)
 
 
 def scan_label(row: dict) -> str:

@@ -32,7 +32,7 @@ Per tile-head this is 3·4096 + 512 + 2·512 + 64 = 13 888 bytes.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -75,6 +75,14 @@ def snapshot_slots(tiles: int, num_seqs: int, every: int = SNAPSHOT_TILES) -> in
     Those slots are distinct and below ``tiles // every + num_seqs``.
     """
     return tiles // every + num_seqs
+
+
+def kept_tiles(tile_bases: Sequence[int], every: int = SNAPSHOT_TILES) -> list[tuple[int, int]]:
+    """``(s, g)`` for each global tile ``g`` of sequence ``s`` whose state (gradient) is kept: ``g`` ends a block of
+    ``every`` global tiles or ends its sequence (:func:`snapshot_slots`: slot ``g // every + s``). ``tile_bases``:
+    ``[N+1]`` global tile numbers where each sequence starts (:func:`tile_bases_of`), as plain ints."""
+    return [(s, g) for s in range(len(tile_bases) - 1) for g in range(tile_bases[s], tile_bases[s + 1])
+            if g % every == every - 1 or g == tile_bases[s + 1] - 1]
 
 
 def states_to_images(states: torch.Tensor) -> torch.Tensor:

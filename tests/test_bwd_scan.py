@@ -23,7 +23,8 @@ from cute_kda.layouts import budget
 from cute_kda.layouts.bwd_scan import SCAN_VSPLITS, ScanSmemPlan
 from cute_kda.ops import bwd_scan as ka
 from cute_kda.ops._cache import dsl_type, to_cute_tensor
-from cute_kda.workspace import WorkspaceSpec, block_states_shape, images_to_states, snapshot_slots, workspace_views
+from cute_kda.workspace import (WorkspaceSpec, block_states_shape, images_to_states, kept_tiles, snapshot_slots,
+                                workspace_views)
 
 D = 128
 CHUNK = 16
@@ -77,8 +78,7 @@ def test_snapshot_slots_are_distinct():
             counts = [(n + CHUNK - 1) // CHUNK for n in lengths]
             bases = list(itertools.accumulate([0, *counts]))
             tiles = sum(lengths) // CHUNK + len(lengths)
-            slots = [g // every + s for s in range(len(lengths)) for g in range(bases[s], bases[s + 1])
-                     if g % every == every - 1 or g == bases[s + 1] - 1]
+            slots = [g // every + s for s, g in kept_tiles(bases, every)]
             assert len(set(slots)) == len(slots) and max(slots, default=0) < snapshot_slots(tiles, len(lengths), every)
 
 
@@ -357,12 +357,10 @@ def test_block_snapshots_are_the_per_tile_ones_at_block_ends(vsplit):
     coarse = _run(problem, lengths=lengths, dht="fp32", dh0="fp32", vsplit=vsplit, seed=9, snapshot_every=4)
     for name in ("dv", "du", "dh0"):
         assert torch.equal(coarse[name], fine[name]), name
-    n_seqs, heads = len(lengths), 3
-    bases = tile_bases(fine["cu"]).tolist()
+    heads = 3
     per_tile = fine["snapshots"].view(heads, -1, D, D)  # slots of the workspace's tiles (block_states_shape)
     blocks = coarse["snapshots"].view(heads, -1, D, D)
-    written = {g // 4 + n: g + n for n in range(n_seqs) for g in range(bases[n], bases[n + 1])
-               if g % 4 == 3 or g == bases[n + 1] - 1}
+    written = {g // 4 + s: g + s for s, g in kept_tiles(tile_bases(fine["cu"]).tolist(), 4)}
     for slot in range(blocks.shape[1]):
         if slot in written:
             assert _same_bits_or_both_nan(blocks[:, slot], per_tile[:, written[slot]]), slot

@@ -17,7 +17,7 @@ from cute_kda.reference import (
     rel_rms,
     tile_bases,
 )
-from cute_kda.workspace import SNAPSHOT_TILES, snapshot_slots, tiles_per_head
+from cute_kda.workspace import SNAPSHOT_TILES, kept_tiles, snapshot_slots, tiles_per_head
 
 EXACT_TOL = 1e-9
 TOL = 8e-3  # the Kernel A issue's bound for the rounded chain
@@ -284,12 +284,9 @@ def test_block_snapshots_are_the_per_tile_ones_at_block_ends(every):
     bases = tile_bases(cu, sum(lengths), 1).tolist()
     fine = per_tile.snapshots.view(H, snapshot_slots(tiles, N, 1), D, D)
     coarse = blocks.snapshots.view(H, snapshot_slots(tiles, N, every), D, D)
-    written = {}
-    for n in range(N):
-        for g in range(bases[n], bases[n + 1]):
-            if g % every == every - 1 or g == bases[n + 1] - 1:
-                assert g // every + n not in written
-                written[g // every + n] = g + n
+    kept = kept_tiles(bases, every)
+    written = {g // every + n: g + n for n, g in kept}
+    assert len(written) == len(kept)  # distinct slots
     for slot in range(coarse.shape[1]):
         if slot in written:
             assert torch.equal(coarse[:, slot], fine[:, written[slot]]), slot

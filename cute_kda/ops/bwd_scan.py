@@ -133,10 +133,10 @@ def bwd_scan(
     snapshots: bf16 ``[H · slots, D, D]`` state images (:func:`cute_kda.workspace.block_states_shape` with
     ``snapshot_every``): row ``h · slots + g // snapshot_every + s`` receives the gradient w.r.t. the state after
     global tile ``g`` of sequence ``s``, head ``h``, where ``g`` ends a block of ``snapshot_every`` global tiles
-    or the sequence (:func:`~cute_kda.workspace.snapshot_slots`); other rows are not written. The training step's
+    or the sequence (:func:`~cute_kda.workspace.kept_tiles`); other rows are not written. The training step's
     Kernel B reads one per tile (the default, :data:`~cute_kda.workspace.SNAPSHOT_TILES`); ``snapshot_every=4``
-    keeps one per 64 tokens, the density of FLA's reverse scan, for ``benchmarks/bench_bwd.py``. dht: None (zero) or bf16 / fp32 ``[N, H, V, K]``, the gradient w.r.t. the final
-    state; dh0: None or bf16 / fp32 ``[N, H, V, K]``, receives the gradient w.r.t. the initial state
+    keeps one per 64 tokens, the density of FLA's reverse scan, for ``benchmarks/bench_bwd.py``.
+    dht: None (zero) or bf16 / fp32 ``[N, H, V, K]``, the gradient w.r.t. the final state; dh0: None or bf16 / fp32 ``[N, H, V, K]``, receives the gradient w.r.t. the initial state
     (the bf16 scan value, widened exactly for fp32). ``cu_seqlens`` int64 ``[N+1]`` with B == 1
     packs N sequences (``tile_base`` int32 ``[N+1]`` derived when not given); ``vsplit`` ∈ {1, 2, 4, 8}
     or None (:func:`choose_scan_vsplit`); ``tuning``: :class:`ScanTuning`. ``token_outputs`` False: only ``dh0`` is
