@@ -158,7 +158,8 @@ def kda_forward(
       A_log  fp32 ``[H]``;  dt_bias fp32 ``[H, K]`` (gates "safe" and "softplus"; None with "none");
       lower_bound in [-5, 0) (gate "safe" only).
       scale  Python float, default ``K ** -0.5``.
-      cu_seqlens  int64 ``[N+1]``, optional: N packed sequences (then B == 1). On the GPU it is
+      cu_seqlens  int32 or int64 ``[N+1]``, optional: N packed sequences (then B == 1); int32 is widened
+             to int64 on the device (one small kernel, no sync). On the GPU it is
              trusted (its length gives N; set ``CUTE_KDA_DEBUG_CHECKS=1`` to check its values, a
              sync); on the CPU its values are checked and it is copied over asynchronously.
       initial_state  bf16 or fp32 ``[N, H, V, K]`` (v-first: ``state[n, h, v, k]``), N = B without
@@ -602,7 +603,7 @@ def chunk_kda(
     Shapes as in FLA: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; keyword
     ``A_log`` ``[H]`` and ``dt_bias`` ``[H*K]`` or ``[H, K]``; ``initial_state`` fp32
     ``[N, H, K, V]`` (``[N, H, V, K]`` with ``state_v_first=True`` or the deprecated
-    ``transpose_state_layout=True``); ``cu_seqlens`` int64 ``[N+1]`` with B == 1. Returns
+    ``transpose_state_layout=True``); ``cu_seqlens`` int32 or int64 ``[N+1]`` with B == 1. Returns
     (o bf16 ``[B, T, H, V]``, final state fp32 in the caller's layout or None).
 
     Supported: K = V = 128, bf16 q/k/v/beta; the gate as FLA has it: ``use_gate_in_kernel=True`` with

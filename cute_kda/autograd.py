@@ -56,7 +56,7 @@ class Inputs(NamedTuple):
 
     q, k, g bf16 ``[B, T, H, K]``; v bf16 ``[B, T, H, V]``; beta bf16 ``[B, T, H]``; A_log fp32 ``[H]``;
     dt_bias fp32 ``[H, K]``; initial_state None or bf16 / fp32 ``[N, H, V, K]``; cu_seqlens None or
-    int64 ``[N+1]`` (on q's device for the kernels). A per-head gate (GatedDeltaNet): v, beta, the states with
+    int64 ``[N+1]`` (on q's device for the kernels; :func:`staged_cu_seqlens` widens an int32 one). A per-head gate (GatedDeltaNet): v, beta, the states with
     HV value heads (a multiple of q's H), g ``[B, T, HV]`` (bf16, or an fp32 log decay), A_log, dt_bias
     ``[HV]`` (None for the log decay).
     """
@@ -188,10 +188,10 @@ def checkpoints_shape(problem: ProblemShape) -> tuple[int, int, int]:
 
 
 def staged_cu_seqlens(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-    """``cu_seqlens`` as the stages read it: on q's device when that is a GPU
-    (:func:`~cute_kda.validation.device_cu_seqlens`: an asynchronous copy of a CPU tensor), else as given."""
+    """``cu_seqlens`` as the stages read it, int64: on q's device when that is a GPU
+    (:func:`~cute_kda.validation.device_cu_seqlens`: an asynchronous copy of a CPU tensor), else on the CPU."""
     if cu_seqlens is None or not q.is_cuda:
-        return cu_seqlens
+        return None if cu_seqlens is None else cu_seqlens.to(torch.int64)
     return validation.device_cu_seqlens(cu_seqlens, q.device, q.shape[1])
 
 

@@ -212,7 +212,7 @@ def chunk_gated_delta_rule(
     ``use_gate_in_kernel=False``) or with ``use_gate_in_kernel=True`` the raw bf16 input of
     ``−exp(A_log) · softplus(g + dt_bias)`` (keywords ``A_log`` ``[HV]``, ``dt_bias`` ``[HV]`` or None);
     beta bf16 ``[B, T, HV]`` (logits with ``use_beta_sigmoid_in_kernel``); ``initial_state`` fp32 or bf16
-    ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); ``cu_seqlens`` int64 ``[N+1]`` with B = 1.
+    ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); ``cu_seqlens`` int32 or int64 ``[N+1]`` with B = 1.
     K = V = 128. Returns (o bf16 ``[B, T, HV, V]``, the final state fp32 in the caller's layout or None), in
     ``q``'s framework, computed by K1 (one decay per head on every channel, overflow-free for any gate value)
     and K2 on the current stream, with no host synchronisation.

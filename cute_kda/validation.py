@@ -25,6 +25,7 @@ from .numerics import GATES
 SUPPORTED_HEAD_DIMS = (128,)
 LOWER_BOUND_MIN, LOWER_BOUND_MAX = -5.0, 0.0  # lower_bound must lie in [min, max)
 STATE_DTYPES = (torch.bfloat16, torch.float32)
+CU_SEQLENS_DTYPES = (torch.int32, torch.int64)  # int32 as FLA's unpadding builds it; widened to int64 for the kernels
 SUPPORTED_VSPLITS = (1, 2, 4)  # = cute_kda.layouts.fwd_recurrence.SUPPORTED_VSPLITS (that module imports the DSL)
 ALIGNMENT_BYTES = 16  # TMA and the DSL tensors assume 16-byte aligned base addresses
 DEBUG_ENV = "CUTE_KDA_DEBUG_CHECKS"
@@ -191,8 +192,8 @@ def check_vsplit(vsplit: object) -> None:
 
 
 def check_cu_seqlens_layout(cu_seqlens: torch.Tensor, batch: int) -> int:
-    """dtype, rank and length of ``cu_seqlens`` and B == 1; returns N (no device values read)."""
-    check_dtype("cu_seqlens", cu_seqlens, (torch.int64,))
+    """dtype (int32 or int64), rank and length of ``cu_seqlens`` and B == 1; returns N (no device values read)."""
+    check_dtype("cu_seqlens", cu_seqlens, CU_SEQLENS_DTYPES)
     check_ndim("cu_seqlens", cu_seqlens, 1, "[N+1] (cumulative sequence lengths)")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must hold at least 2 entries (N+1 with N >= 1), got {cu_seqlens.numel()}")
@@ -387,14 +388,16 @@ def validate_forward(
 
 
 def device_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device, total_tokens: int) -> torch.Tensor:
-    """``cu_seqlens`` on ``device`` for the kernels.
+    """``cu_seqlens`` on ``device`` as the kernels read it: int64.
 
-    A CPU tensor (values already checked) is copied over from pinned memory, asynchronously on the
-    current stream (a pageable copy would wait for the stream); a device tensor is used as is, and
-    its values are checked only under ``CUTE_KDA_DEBUG_CHECKS=1`` (that check synchronises).
+    A CPU tensor (values already checked) is widened on the host and copied over from pinned memory,
+    asynchronously on the current stream (a pageable copy would wait for the stream); an int64 device tensor is
+    used as is, an int32 one widened by one small kernel on the current stream (no sync; FLA's layers build int32
+    ``cu_seqlens`` for padded batches). Values are checked on the device only under ``CUTE_KDA_DEBUG_CHECKS=1``
+    (that check synchronises).
     """
     if cu_seqlens.device.type == "cpu":
-        return cu_seqlens.pin_memory().to(device, non_blocking=True)
+        return cu_seqlens.to(torch.int64).pin_memory().to(device, non_blocking=True)
     if debug_checks_enabled():
         check_cu_seqlens_values(cu_seqlens.cpu(), total_tokens)
-    return cu_seqlens
+    return cu_seqlens.to(torch.int64)

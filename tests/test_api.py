@@ -581,6 +581,18 @@ def test_cpu_cu_seqlens_equals_device_cu_seqlens(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_int32_cu_seqlens_equals_int64(device, where):
+    """int32 cu_seqlens (FLA's padded batches) give the int64 call's output and final state bit for bit."""
+    inputs = make_inputs([40, 0, 7, 90], 2, device)
+    expected = cute_kda.kda_forward(**inputs, output_final_state=True)
+    narrow = inputs["cu_seqlens"].to(torch.int32)
+    got = cute_kda.kda_forward(**{**inputs, "cu_seqlens": narrow if where == "device" else narrow.cpu()},
+                               output_final_state=True)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+@pytest.mark.gpu
 def test_debug_checks_read_device_cu_seqlens(device, monkeypatch):
     inputs = make_inputs([40, 7, 90], 2, device)
     inputs["cu_seqlens"] = torch.tensor([0, 40, 30, 137], dtype=torch.int64, device=device)

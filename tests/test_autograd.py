@@ -303,7 +303,7 @@ def launchers_on_mirrors(monkeypatch):
     from cute_kda.reference import mirror, mirror_bwd_scan
     from cute_kda.reference.backward import mirror_bwd_grads
 
-    fakes = type("Fakes", (), {"calls": [], "beta": None})()
+    fakes = type("Fakes", (), {"calls": [], "beta": None, "cu_seqlens_dtypes": []})()
 
     def fake(module, name):
         signature = inspect.signature(getattr(module, name))
@@ -313,6 +313,8 @@ def launchers_on_mirrors(monkeypatch):
                 bound = signature.bind(*args, **kwargs)
                 bound.apply_defaults()
                 fakes.calls.append(name)
+                if bound.arguments.get("cu_seqlens") is not None:
+                    fakes.cu_seqlens_dtypes.append(bound.arguments["cu_seqlens"].dtype)
                 return body(**bound.arguments)
 
             monkeypatch.setattr(module, name, launcher)
@@ -403,6 +405,21 @@ def test_kernel_stages_hand_the_launchers_what_they_check(launchers_on_mirrors, 
                                           "bwd_grads"]
     for name in expected:
         assert grads[name].dtype == expected[name].dtype and torch.equal(grads[name], expected[name]), name
+
+
+def test_kernel_stages_take_int32_cu_seqlens_as_int64(launchers_on_mirrors):
+    """An int32 cu_seqlens reaches every launcher widened to int64, and the step is the int64 call's, bit for bit."""
+    problem, do, dht = make_problem([20, 0, 17, 5], state=torch.bfloat16)
+    launchers_on_mirrors.beta = problem["beta"]
+    forward = functools.partial(autograd.kda_forward, backend=autograd.KERNELS)
+    o, ht, expected = train(forward, problem, do=do, dht=dht)
+    launchers_on_mirrors.cu_seqlens_dtypes.clear()
+    narrow = {**problem, "cu_seqlens": problem["cu_seqlens"].to(torch.int32)}
+    o32, ht32, grads = train(forward, narrow, do=do, dht=dht)
+    assert launchers_on_mirrors.cu_seqlens_dtypes == [torch.int64] * 5  # tile prefix, K1, K2, Kernel A, Kernel B
+    assert torch.equal(o32, o) and torch.equal(ht32, ht)
+    for name in expected:
+        assert torch.equal(grads[name], expected[name]), name
 
 
 @pytest.mark.parametrize("lengths,state,recompute", [([48, 48], torch.float32, False), ([40], None, True)],

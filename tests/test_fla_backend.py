@@ -59,6 +59,14 @@ def test_layer_call_is_accepted(any_device):
         assert fla_backend.verify(**layer_call([17, 40, 3], state_v_first=False, output_final_state=True)) == (True, None)
 
 
+def test_int32_cu_seqlens_are_taken(any_device):
+    """FLA's layers unpad a masked batch into int32 cu_seqlens: the verifier takes them (no silent fallback)."""
+    kwargs = layer_call([17, 40, 3])
+    kwargs["cu_seqlens"] = kwargs["cu_seqlens"].to(torch.int32)
+    with torch.no_grad():
+        assert fla_backend.verify(**kwargs) == (True, None)
+
+
 def test_training_call_is_verified_like_an_inference_call(any_device):
     """cute_kda has a backward: inputs that require grad change nothing in the verdict."""
     kwargs = layer_call()
@@ -381,3 +389,37 @@ def test_fla_dispatches_gdn_training_and_honours_the_opt_out(device, monkeypatch
     with torch.no_grad():
         o, _ = fla_gdn.chunk_gated_delta_rule(**problem)
     assert ran == [1] and o.shape == (1, 200, 4, D)
+
+
+@pytest.mark.gpu
+@pytest.mark.fla
+def test_fla_layer_on_a_padded_batch_runs_on_cute_kda(device, monkeypatch):
+    """FLA's KimiDeltaAttention on a right-padded batch (``attention_mask``): FLA unpads it into int32 cu_seqlens;
+    the call goes to cute_kda (counted) and the valid tokens' outputs agree with FLA's kernels (FLA_CUTE_KDA=0)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kda_layer_example", ROOT / "examples" / "kda_layer.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    layer = example.build_layer(hidden=512, heads=4)
+    lengths = (96, 61, 17)
+    mask = torch.zeros(len(lengths), max(lengths), dtype=torch.long, device=device)
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1
+    x = torch.randn(len(lengths), max(lengths), 512, device=device, dtype=torch.bfloat16)
+    ran = []
+    implementation = fla_backend.chunk_kda
+    monkeypatch.setattr(fla_backend, "chunk_kda",
+                        lambda *a, **k: ran.append(fla_backend._bind(a, k).get("cu_seqlens")) or implementation(*a, **k))
+    with torch.no_grad():
+        monkeypatch.setenv("FLA_CUTE_KDA", "0")
+        expected = layer(x, attention_mask=mask)[0]
+        assert ran == []
+        monkeypatch.delenv("FLA_CUTE_KDA")
+        got = layer(x, attention_mask=mask)[0]
+    assert len(ran) == 1 and ran[0] is not None and ran[0].dtype == torch.int32
+    valid = mask.bool()
+    error = ((got[valid].float() - expected[valid].float()).square().mean().sqrt()
+             / expected[valid].float().square().mean().sqrt()).item()
+    print(f"[fla layer, padded batch] rel-RMS against FLA's kernels {error:.2e}")
+    assert error <= 1e-2

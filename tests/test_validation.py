@@ -169,10 +169,27 @@ def test_cu_seqlens_valid_on_cpu_reaches_device_check():
     expect(ValueError, "CUDA device", **packed([5, 0, 17]))
 
 
-def test_cu_seqlens_dtype():
+@pytest.mark.parametrize("dtype", [torch.int16, torch.float32])
+def test_cu_seqlens_dtype(dtype):
     inputs = packed([5, 15])
+    inputs["cu_seqlens"] = inputs["cu_seqlens"].to(dtype)
+    expect(TypeError, "cu_seqlens", "int32", "int64", **inputs)
+
+
+def test_cu_seqlens_int32_taken():
+    """int32 (FLA's unpadding builds it) passes the checks as int64 does: the CPU call reaches the device check."""
+    inputs = packed([5, 0, 17])
     inputs["cu_seqlens"] = inputs["cu_seqlens"].to(torch.int32)
-    expect(TypeError, "cu_seqlens", "int64", **inputs)
+    expect(ValueError, "CUDA device", **inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["cpu", "cuda"])
+def test_device_cu_seqlens_widens_int32(where):
+    """An int32 cu_seqlens, on the host or the device, reaches the kernels as int64 on the device."""
+    bounds = torch.tensor([0, 5, 5, 22], dtype=torch.int32, device=where)
+    staged = validation.device_cu_seqlens(bounds, torch.device("cuda"), 22)
+    assert staged.dtype == torch.int64 and staged.is_cuda and staged.cpu().tolist() == bounds.cpu().tolist()
 
 
 @pytest.mark.parametrize(
