@@ -1,6 +1,9 @@
-"""Host-side scalars of the numerics contract (docs/numerics.md): computed in double, rounded once
-to fp32. The K1 kernel, its launcher and the mirror reference take them from here, and every module
-takes the chunk length (tokens per tile) from here."""
+"""The problem's constants and the host-side scalars of the numerics contract (docs/numerics.md).
+
+Every module takes from here the chunk length (tokens per tile), the head dim, the V-splits of the scans and
+the state images' run length, so each is defined once (this module imports nothing of the DSL, so validation,
+the workspace format and the layouts can all use it). The fp32 scalars are computed in double, rounded once to
+fp32; the K1 kernel, its launcher and the mirror reference take them from here."""
 
 from __future__ import annotations
 
@@ -14,6 +17,11 @@ def f32(value: float) -> float:
 
 
 CHUNK = 16  # tokens per tile: the chunk length the contract, the workspace and every kernel are written for
+HEAD_DIM = 128  # K = V: the head dim the kernels and layouts are written for
+SUPPORTED_HEAD_DIMS = (HEAD_DIM,)
+SUPPORTED_VSPLITS = (1, 2, 4)  # K2: CTAs per (sequence, head), each owning HEAD_DIM / vsplit value columns
+SCAN_VSPLITS = (1, 2, 4, 8)  # Kernel A: K2's skeleton, one split more
+IMAGE_RUN = 8  # elements of one 16-byte (bf16) run of a state image: a row of a K_INTER core matrix
 LOG2E = f32(log2(e))
 LN2 = f32(log(2.0))  # the backward: d 2^x / dx = ln2 · 2^x
 EPS = f32(1e-6)  # l2norm: x · rsqrt(Σx² + EPS)

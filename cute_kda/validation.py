@@ -20,13 +20,11 @@ from typing import Iterable, NamedTuple
 
 import torch
 
-from .numerics import GATES
+from .numerics import GATES, SUPPORTED_HEAD_DIMS, SUPPORTED_VSPLITS
 
-SUPPORTED_HEAD_DIMS = (128,)
 LOWER_BOUND_MIN, LOWER_BOUND_MAX = -5.0, 0.0  # lower_bound must lie in [min, max)
 STATE_DTYPES = (torch.bfloat16, torch.float32)
 CU_SEQLENS_DTYPES = (torch.int32, torch.int64)  # int32 as FLA's unpadding builds it; widened to int64 for the kernels
-SUPPORTED_VSPLITS = (1, 2, 4)  # = cute_kda.layouts.fwd_recurrence.SUPPORTED_VSPLITS (that module imports the DSL)
 ALIGNMENT_BYTES = 16  # TMA and the DSL tensors assume 16-byte aligned base addresses
 DEBUG_ENV = "CUTE_KDA_DEBUG_CHECKS"
 # Kernel B indexes its per-token outputs, and the unbounded gates' K1 its g loads, with 32-bit element offsets

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 if TYPE_CHECKING:
     import torch
 
-from .numerics import CHUNK
+from .numerics import CHUNK, IMAGE_RUN
 
 _ALIGN = 128  # every field starts on a 128-byte boundary (TMA needs 16, we keep 128)
 _ITEMSIZE = {"bfloat16": 2, "float32": 4}
@@ -89,19 +89,15 @@ def states_to_images(states: torch.Tensor) -> torch.Tensor:
     """``[..., K, V]`` matrices → their state images (the kept checkpoints' and snapshots' element order,
     :func:`cute_kda.layouts.fwd_recurrence.state_image`), the same shape: flat element
     ``(D / 8 · V) · (k // 8) + 8 · v + k % 8`` of each image is ``[k, v]``."""
-    from .layouts.fwd_recurrence import RUN
-
     dim = states.shape[-1]
-    images = states.unflatten(-2, (dim // RUN, RUN)).transpose(-1, -2)
+    images = states.unflatten(-2, (dim // IMAGE_RUN, IMAGE_RUN)).transpose(-1, -2)
     return images.reshape(states.shape)
 
 
 def images_to_states(images: torch.Tensor) -> torch.Tensor:
     """State images (:func:`states_to_images`) → ``[..., K, V]`` matrices."""
-    from .layouts.fwd_recurrence import RUN
-
     dim = images.shape[-1]
-    return images.reshape(*images.shape[:-2], dim // RUN, dim, RUN).transpose(-1, -2).reshape(images.shape)
+    return images.reshape(*images.shape[:-2], dim // IMAGE_RUN, dim, IMAGE_RUN).transpose(-1, -2).reshape(images.shape)
 
 
 def block_states_shape(ws: "Workspace", heads: int, num_seqs: int, every: int = SNAPSHOT_TILES) -> tuple[int, int, int]:

@@ -137,10 +137,10 @@ def test_staged_operands():
 
 @pytest.mark.parametrize("rows,cols", [(CHUNK, D), (CHUNK, 32), (CHUNK, CHUNK), (D, D), (32, D)])
 def test_tma_box_is_operand_tile_address_order(rows, cols):
-    box = _offsets(lambda: layouts.tma_box(rows, cols), (layouts.RUN, rows, cols // layouts.RUN))
+    box = _offsets(lambda: layouts.tma_box(rows, cols), (layouts.IMAGE_RUN, rows, cols // layouts.IMAGE_RUN))
     tile = _offsets(lambda: smem.operand_tile(rows, cols), (rows, cols))
-    assert all(box[(i, r, c)] == tile[(r, layouts.RUN * c + i)] for i, r, c in box)
-    staged = _offsets(lambda: layouts.tma_box(rows, cols, 2), (layouts.RUN, rows, cols // layouts.RUN, 2))
+    assert all(box[(i, r, c)] == tile[(r, layouts.IMAGE_RUN * c + i)] for i, r, c in box)
+    staged = _offsets(lambda: layouts.tma_box(rows, cols, 2), (layouts.IMAGE_RUN, rows, cols // layouts.IMAGE_RUN, 2))
     assert all(staged[(i, r, c, s)] == box[(i, r, c)] + s * rows * cols for i, r, c, s in staged)
 
 
@@ -801,7 +801,7 @@ def test_state_images_are_the_state_image_layout():
         cols = plan.warp_cols
         for band_index in range(vsplit):
             for w in range(plan.v_band // cols):
-                for j in range(D // layouts.RUN):
+                for j in range(D // layouts.IMAGE_RUN):
                     run = slice(8 * j, 8 * j + 8)
                     rows = slice(w * cols, (w + 1) * cols)
                     local = band[rows, run]

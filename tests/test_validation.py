@@ -153,12 +153,6 @@ def test_vsplit(value):
     expect(ValueError, "vsplit", vsplit=value)
 
 
-def test_vsplit_set_matches_the_kernel():
-    from cute_kda.layouts.fwd_recurrence import SUPPORTED_VSPLITS
-
-    assert validation.SUPPORTED_VSPLITS == SUPPORTED_VSPLITS
-
-
 def packed(lengths: list[int]) -> dict:
     inputs = make_inputs(seq_len=sum(lengths))
     inputs["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)

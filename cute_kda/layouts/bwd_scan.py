@@ -16,10 +16,10 @@ from the swizzled band tile).
 
 from __future__ import annotations
 
+from ..numerics import SCAN_VSPLITS
 from .fwd_recurrence import RecurrenceSmemPlan, staged, token_atom
 from .smem import atom_tile_transposed, operand_tile_transposed
 
-SCAN_VSPLITS = (1, 2, 4, 8)
 
 
 class ScanSmemPlan(RecurrenceSmemPlan):

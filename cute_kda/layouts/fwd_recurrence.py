@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..dsl import cute
+from ..numerics import IMAGE_RUN, SUPPORTED_VSPLITS
 from .smem import (CHUNK, HEAD_DIM, SW128_PERIOD_BYTES, SWIZZLE_PERIOD_BYTES, AtomKind, atom_tile, atom_tile_transposed,
                    operand_tile, row_atom, state_acc_view, state_b_view)
 
-SUPPORTED_VSPLITS = (1, 2, 4)
 MMA_WARPS = 4  # compute warps; warp w owns value columns [w·v_band/4, (w+1)·v_band/4) of the CTA's band
 MIN_WARP_COLS = 8  # one n=8 mma atom: a narrower band runs on fewer compute warps
 INPUT_STAGES = 3
@@ -204,7 +204,6 @@ class RecurrenceSmemPlan:
 # Shared-memory layouts (inside a trace). Operand layouts are K_INTER / MN_INTER from :mod:`.smem`;
 # ``stages`` appends a stage mode of stride one tile.
 
-RUN = 8  # elements of one 16-byte (bf16) run: a row of a K_INTER core matrix
 
 
 def staged(tile, stages: int):
@@ -295,15 +294,15 @@ def vector(n: int, stages: int):
 
 
 def tma_box(rows: int, cols: int, stages: int | None = None):
-    """``(RUN, rows, cols / RUN, stages)``: the bytes of ``operand_tile(rows, cols)`` in address order.
+    """``(IMAGE_RUN, rows, cols / IMAGE_RUN, stages)``: the bytes of ``operand_tile(rows, cols)`` in address order.
 
     A K_INTER tile stores 8-element runs of a row contiguously, the rows of one run-column one after
     the other, then the next run-column: as a TMA box that is ``(run, row, run-column)`` with the
     first mode innermost, so one ``cp.async.bulk.tensor`` moves a whole tile (the gmem side is the
     matching view of :func:`token_runs_view` / :func:`tile_runs_view` / :func:`state_runs_view`).
-    ``tma_box(r, c)(i, j, l) == operand_tile(r, c)(j, RUN·l + i)``. ``stages``: a trailing stage mode.
+    ``tma_box(r, c)(i, j, l) == operand_tile(r, c)(j, IMAGE_RUN·l + i)``. ``stages``: a trailing stage mode.
     """
-    shape, stride = (RUN, rows, cols // RUN), (1, RUN, RUN * rows)
+    shape, stride = (IMAGE_RUN, rows, cols // IMAGE_RUN), (1, IMAGE_RUN, IMAGE_RUN * rows)
     if stages is not None:
         shape, stride = (*shape, stages), (*stride, rows * cols)
     return cute.make_layout(shape, stride=stride)
@@ -314,12 +313,12 @@ def tma_box(rows: int, cols: int, stages: int | None = None):
 
 
 def token_runs_view(tensor: cute.Tensor) -> cute.Tensor:
-    """``[B, T, H, D]`` → ``(RUN, T, D / RUN, H, B)``: token rows of one (head, batch) in :func:`tma_box` order
+    """``[B, T, H, D]`` → ``(IMAGE_RUN, T, D / IMAGE_RUN, H, B)``: token rows of one (head, batch) in :func:`tma_box` order
     (the K_INTER band tiles of a plan without ``swizzled_tokens``)."""
     batch, seq, heads, dim = tensor.shape
     s_batch, s_seq, s_heads, s_dim = tensor.layout.stride
     layout = cute.make_layout(
-        (RUN, seq, dim // RUN, heads, batch), stride=(s_dim, s_seq, RUN * s_dim, s_heads, s_batch)
+        (IMAGE_RUN, seq, dim // IMAGE_RUN, heads, batch), stride=(s_dim, s_seq, IMAGE_RUN * s_dim, s_heads, s_batch)
     )
     return cute.make_tensor(tensor.iterator, layout)
 
@@ -337,10 +336,10 @@ def token_band_view(tensor: cute.Tensor, run: int) -> cute.Tensor:
 
 
 def tile_runs_view(tensor: cute.Tensor) -> cute.Tensor:
-    """Workspace field ``[rows, 16, C]`` → ``(RUN, 16, C / RUN, rows)`` (qd/kd/kr: C = D; INV/Mqk: C = 16)."""
+    """Workspace field ``[rows, 16, C]`` → ``(IMAGE_RUN, 16, C / IMAGE_RUN, rows)`` (qd/kd/kr: C = D; INV/Mqk: C = 16)."""
     rows, chunk, cols = tensor.shape
     s_rows, s_chunk, s_cols = tensor.layout.stride
-    layout = cute.make_layout((RUN, chunk, cols // RUN, rows), stride=(s_cols, s_chunk, RUN * s_cols, s_rows))
+    layout = cute.make_layout((IMAGE_RUN, chunk, cols // IMAGE_RUN, rows), stride=(s_cols, s_chunk, IMAGE_RUN * s_cols, s_rows))
     return cute.make_tensor(tensor.iterator, layout)
 
 
@@ -360,8 +359,8 @@ def vector_rows_view(tensor: cute.Tensor) -> cute.Tensor:
 
 
 def state_runs_view(tensor: cute.Tensor) -> cute.Tensor:
-    """State ``[N, H, V, K]`` → ``(RUN, V, K / RUN, N, H)``: one (sequence, head) in :func:`tma_box` order."""
+    """State ``[N, H, V, K]`` → ``(IMAGE_RUN, V, K / IMAGE_RUN, N, H)``: one (sequence, head) in :func:`tma_box` order."""
     seqs, heads, rows, cols = tensor.shape
     s_seqs, s_heads, s_rows, s_cols = tensor.layout.stride
-    layout = cute.make_layout((RUN, rows, cols // RUN, seqs, heads), stride=(s_cols, s_rows, RUN * s_cols, s_seqs, s_heads))
+    layout = cute.make_layout((IMAGE_RUN, rows, cols // IMAGE_RUN, seqs, heads), stride=(s_cols, s_rows, IMAGE_RUN * s_cols, s_seqs, s_heads))
     return cute.make_tensor(tensor.iterator, layout)

@@ -23,11 +23,9 @@ from __future__ import annotations
 from ..dsl import cute, cutlass
 from cutlass.cute.nvgpu import warpgroup
 
-from ..numerics import CHUNK
+from ..numerics import CHUNK, HEAD_DIM
 
 AtomKind = warpgroup.SmemLayoutAtomKind
-
-HEAD_DIM = 128
 
 
 # The MN-major atom whose ``[cols, rows]`` tiling addresses the bytes of a K-major ``[rows, cols]`` tiling.
