@@ -14,17 +14,16 @@ from . import fla_backend as _fla_backend  # noqa: E402  (stdlib only: registers
 
 _fla_backend.install()
 
-_API = ("kda_forward", "chunk_kda", "warmup")
-_GDN_API = ("chunk_gated_delta_rule",)
+_API = ("kda_forward", "chunk_kda", "chunk_gated_delta_rule", "warmup")
 
 
 def __getattr__(name: str):
-    if name in _API or name in _GDN_API:
-        from . import api, gdn_api
+    if name in _API:
+        from . import api
 
-        value = globals()[name] = getattr(api if name in _API else gdn_api, name)  # later look-ups skip this hook
+        value = globals()[name] = getattr(api, name)  # later look-ups skip this hook
         return value
     raise AttributeError(f"module 'cute_kda' has no attribute {name!r}")
 
 
-__all__ = [*_API, *_GDN_API]
+__all__ = list(_API)

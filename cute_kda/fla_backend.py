@@ -7,8 +7,7 @@ module registers :class:`CuteKDABackend` there:
 
 - **priority 2**, ahead of FlashKDA's 3 (FLA runs lower numbers first);
 - **verifier** :func:`verify` accepts exactly the calls ``cute_kda.chunk_kda`` computes, inference and
-  training alike (inputs that require grad get cute_kda's backward, :mod:`cute_kda.autograd`; training
-  with the unbounded gates stays with FLA until their backward exists): it runs
+  training alike (inputs that require grad get cute_kda's backward, :mod:`cute_kda.executors.training`): it runs
   the same argument translation and input checks the call would (no kernel), on a CUDA device of
   compute capability 9.x (the kernels are built for sm_90a); what it refuses FLA computes itself.
   Every distinct reason is logged once at INFO on the ``cute_kda.fla_backend`` logger (FLA also logs
@@ -28,6 +27,7 @@ explicitly. FLA stays optional: without it nothing happens.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import logging
@@ -68,21 +68,12 @@ def _device_rule(device: Any) -> str | None:
 
     if device.type != "cuda":
         return f"q is on {device}; cute_kda's kernels run on CUDA devices"
-    major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    from .device import capability
+
+    major, minor = capability(device.index if device.index is not None else torch.cuda.current_device())
     if major != 9:
         return f"cute_kda's kernels are built for sm_90a (Hopper); {device} is sm_{major}{minor}"
     return None
-
-
-_CAPABILITIES: dict[int, tuple[int, int]] = {}
-
-
-def _capability(index: int) -> tuple[int, int]:
-    if index not in _CAPABILITIES:
-        import torch
-
-        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITIES[index]
 
 
 def _call_key(args: tuple, kwargs: dict) -> tuple:
@@ -95,7 +86,8 @@ def _verify(args: tuple, kwargs: dict, entry_point: str, translate: Callable[...
     """The verdict on one FLA call: the device rule, ``translate(*args, **kwargs)`` (a canonical call), the input
     checks on ``checked(call)`` (``validate_forward``'s keywords) and, for a call autograd records, the backward's
     coverage. An accepted call's translation is kept for the implementation (:func:`_pending_call`)."""
-    from . import autograd, validation
+    from . import validation
+    from .call import check_trainable
 
     _state.pending = None
     reason = _device_reason(_bind(args, kwargs).get("q"))
@@ -105,8 +97,8 @@ def _verify(args: tuple, kwargs: dict, entry_point: str, translate: Callable[...
             options = checked(call)
             validation.validate_forward(*call.tensors, **options)
             if validation.needs_autograd(*call.tensors, options["A_log"], options["dt_bias"], options["initial_state"]):
-                q, _, v, g, _ = call.tensors
-                autograd.check_trainable(options["gate"], q, v, g)
+                q, _, v, _, _ = call.tensors
+                check_trainable(options["gate"], q, v)
         except (TypeError, ValueError, NotImplementedError) as error:
             reason = f"{type(error).__name__}: {error}"
     if reason is not None:
@@ -129,9 +121,9 @@ _CHECKED = ("A_log", "dt_bias", "lower_bound", "scale", "initial_state", "cu_seq
 
 def verify(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
     """(True, None) if cute_kda computes this FLA ``chunk_kda`` call, else (False, the reason)."""
-    from . import api
+    from .fla_calls import translate_fla_call
 
-    return _verify(args, kwargs, "fla.ops.kda.chunk_kda", api.translate_fla_call,
+    return _verify(args, kwargs, "fla.ops.kda.chunk_kda", translate_fla_call,
                    lambda call: {name: call.options[name] for name in _CHECKED})
 
 
@@ -140,28 +132,26 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     this call's)."""
     from . import api
 
-    return _pending_call(args, kwargs, api.CanonicalCall, api.translate_fla_call).run(api.kda_forward)
+    call = _pending_call(args, kwargs, api.CanonicalCall, api.translate_fla_call)
+    return call.run(functools.partial(api.kda_forward, recompute=call.recompute))
 
 
 def verify_gdn(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
     """(True, None) if cute_kda computes this FLA ``chunk_gated_delta_rule`` call, else (False, the reason)."""
-    from . import gdn_api
+    from .fla_calls import translate_fla_gdn_call
 
-    def checked(call: Any) -> dict:  # the kernels' dt_bias (zeros when the call has none); no lower bound
-        options = {name: call.options.get(name) for name in _CHECKED}
-        return {**options, "dt_bias": gdn_api.gate_bias(call), "lower_bound": -5.0}
+    def checked(call: Any) -> dict:  # no lower bound
+        return {**{name: call.options.get(name) for name in _CHECKED}, "lower_bound": -5.0}
 
-    return _verify(args, kwargs, "fla.ops.gated_delta_rule.chunk_gated_delta_rule", gdn_api.translate_fla_gdn_call,
-                   checked)
+    return _verify(args, kwargs, "fla.ops.gated_delta_rule.chunk_gated_delta_rule", translate_fla_gdn_call, checked)
 
 
 def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     """Compute an accepted FLA ``chunk_gated_delta_rule`` call (the translation :func:`verify_gdn` made, when
     it is this call's)."""
-    from . import gdn_api
+    from . import api
 
-    call = _pending_call(args, kwargs, gdn_api.GdnCall, gdn_api.translate_fla_gdn_call)
-    return call.run(gdn_api.gdn_forward)
+    return _pending_call(args, kwargs, api.GdnCall, api.translate_fla_gdn_call).run(api.kda_forward)
 
 
 _FLA_POSITIONAL = ("q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state")
@@ -244,10 +234,6 @@ def register_gdn() -> bool:
 
 def is_registered() -> bool:
     return "chunk_kda" in _registered
-
-
-def is_registered_gdn() -> bool:
-    return "chunk_gated_delta_rule" in _registered
 
 
 _REGISTRATIONS = {FLA_MODULE: register, FLA_GDN_MODULE: register_gdn}  # FLA module → what registers with it

@@ -13,9 +13,11 @@ import torch
 from ..layouts.bwd_grads import COMPUTE_WARPS, DEFAULT_WARPS
 from ..numerics import f32, gate_constant
 from ..validation import check_training_size
+from ..variants import GradsVariant
 from ..workspace import Workspace, block_states_shape
 from ._cache import (
-    CompileCache, compile_for_launch, current_stream, device_index, dsl_type, launch_tensor, to_cute_tensor,
+    CompileCache, compile_for_launch, current_stream, device_index, dsl_type, fake_stream, launch_tensor,
+    to_cute_tensor,
 )
 from .prepare import compile_problem, tile_bases
 
@@ -108,19 +110,19 @@ def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbet
     _check("dalog_partial", dalog_partial, (torch.float32,), dalog_shape, device)
 
 
-def compiled_variant(key: tuple, tensors: tuple, options: dict, stream):
-    """The compiled variant ``key = (varlen, qk_l2norm, beta_logits, compute_warps, gate, per-head gate, g dtype,
-    grouped, device)``, built on first use."""
+def compiled_variant(variant: GradsVariant, index: int, tensors: tuple, options: dict):
+    """The compiled Kernel B ``variant`` on device ``index``, built on first use from ``tensors`` and ``options``
+    (:func:`launch_arguments`' arguments, real or ``meta``)."""
 
     def build():
         from ..kernels.bwd_grads import BwdGrads
 
-        varlen, qk_l2norm, beta_logits, compute_warps, gate, per_head, g_dtype, grouped, _ = key
-        kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=compute_warps,
-                          gate=gate, gate_dtype=dsl_type(g_dtype), per_head_gate=per_head, grouped=grouped)
-        return compile_for_launch(kernel, *launch_arguments(*tensors, **options, tensor=to_cute_tensor), stream)
+        kernel = BwdGrads(varlen=variant.varlen, qk_l2norm=variant.qk_l2norm, beta_logits=variant.beta_logits,
+                          compute_warps=variant.compute_warps, gate=variant.gate, gate_dtype=dsl_type(variant.g_dtype),
+                          per_head_gate=variant.per_head_gate, grouped=variant.grouped)
+        return compile_for_launch(kernel, *launch_arguments(*tensors, **options, tensor=to_cute_tensor), fake_stream())
 
-    return _CACHE.get(key, build)
+    return _CACHE.get((variant, index), build)
 
 
 def bwd_grads(
@@ -169,36 +171,31 @@ def bwd_grads(
     options = dict(scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens, tile_base=tile_base)
     with torch.cuda.device(q.device):
         stream = current_stream(q.device)
-        key = (varlen, qk_l2norm, beta_logits, compute_warps, gate, g.dim() == 3, g.dtype, v.shape[2] != q.shape[2],
-               device_index(q.device))
-        compiled_variant(key, tensors, options, stream)(*launch_arguments(*tensors, **options), stream)
+        variant = GradsVariant(varlen, bool(qk_l2norm), bool(beta_logits), gate, g.dtype, g.dim() == 3,
+                               v.shape[2] != q.shape[2], compute_warps)
+        compiled_variant(variant, device_index(q.device), tensors, options)(*launch_arguments(*tensors, **options),
+                                                                            stream)
 
 
-def compile_bwd_grads(*, varlen: bool, qk_l2norm: bool, beta_logits: bool, device: torch.device | str,
-                      gate: str = "safe", g_dtype: torch.dtype = torch.bfloat16, per_head_gate: bool = False,
-                      grouped: bool = False, compute_warps: int = DEFAULT_WARPS) -> None:
-    """Compile (or load from the disk cache) the Kernel B variant for these flags on ``device`` ahead of time
-    (``per_head_gate``: g ``[B, T, HV]``, else per channel; ``grouped``: two value heads per q/k head); small buffers
-    are allocated, nothing is launched."""
-    device = torch.device(device)
-    problem = compile_problem(varlen, device)
+def compile_variant(variant: GradsVariant, device: torch.device | str) -> None:
+    """Compile (or load from the disk cache) the Kernel B ``variant`` for ``device`` ahead of time from ``meta``
+    tensors (a per-head gate: g ``[B, T, HV]``; grouped: two value heads per q/k head): nothing is allocated or
+    launched."""
+    problem = compile_problem(variant.varlen)
     heads, fp32 = problem.heads, torch.float32
-    qk, tokens = problem.tokens(1 if grouped else heads), problem.tokens()
-    gate_inner = () if per_head_gate else (problem.dim,)
+    qk, tokens = problem.tokens(1 if variant.grouped else heads), problem.tokens()
+    gate_inner = () if variant.per_head_gate else (problem.dim,)
     states = problem.block_states()
-    ddt_shape, dalog_shape = gate_partials_shapes(problem.ws, heads, per_head_gate)
-    constants = gate != "none"
-    tensors = (qk, qk, problem.tokens(heads, gate_inner, dtype=g_dtype), tokens, tokens, tokens,
+    ddt_shape, dalog_shape = gate_partials_shapes(problem.ws, heads, variant.per_head_gate)
+    constants = variant.gate != "none"
+    tensors = (qk, qk, problem.tokens(heads, gate_inner, dtype=variant.g_dtype), tokens, tokens, tokens,
                problem.zeros(heads, dtype=fp32) if constants else None,
                problem.zeros(heads, *gate_inner, dtype=fp32) if constants else None,
                problem.ws, states, states, tokens, tokens,
-               problem.tokens(heads, gate_inner, dtype=fp32 if per_head_gate else torch.bfloat16),
+               problem.tokens(heads, gate_inner, dtype=fp32 if variant.per_head_gate else torch.bfloat16),
                problem.tokens(heads, ()),
                problem.zeros(*ddt_shape, dtype=fp32) if constants else None,
                problem.zeros(*dalog_shape, dtype=fp32) if constants else None)
     options = dict(scale=problem.dim ** -0.5, lower_bound=-5.0, cu_seqlens=problem.cu_seqlens,
                    tile_base=problem.tile_base)
-    with torch.cuda.device(device):
-        key = (varlen, bool(qk_l2norm), bool(beta_logits), compute_warps, gate, per_head_gate, g_dtype, grouped,
-               device_index(device))
-        compiled_variant(key, tensors, options, current_stream(device))
+    compiled_variant(variant, device_index(torch.device(device)), tensors, options)

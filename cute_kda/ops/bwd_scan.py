@@ -8,44 +8,21 @@ stream. Nothing here reads device memory on the host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..layouts.bwd_scan import SCAN_VSPLITS
+from ..device import sm_count
+from ..numerics import SCAN_VSPLITS
+from ..variants import ScanTuning, ScanVariant
 from ..workspace import SNAPSHOT_TILES, Workspace, block_states_shape
 from ._cache import (
-    CompileCache, compile_for_launch, current_stream, device_index, dsl_type, launch_tensor, to_cute_tensor,
+    CompileCache, compile_for_launch, current_stream, device_index, dsl_type, fake_stream, launch_tensor,
+    to_cute_tensor,
 )
 from .prepare import compile_problem, tile_bases
 from .recurrence import dtype_or_none
 
 _CACHE = CompileCache("bwd_scan")
 _STATE_DTYPES = (torch.bfloat16, torch.float32)
-
-
-@dataclass(frozen=True)
-class ScanTuning:
-    """Kernel A's compile-time tuning knobs (:class:`cute_kda.kernels.bwd_scan.BwdScan`); the defaults
-    are what ``benchmarks/explore_bwd_scan.py`` measured fastest (docs/perf-log.md)."""
-
-    compute_warps: int | None = None  # None: 4 (2 at V-split 8)
-    output_stages: int = 2
-    split_accumulator: bool = False
-
-
-DEFAULT_TUNING = ScanTuning()
-
-
-def choose_scan_vsplit(num_seqs: int, heads: int, sm_count: int) -> int:
-    """V-split for ``num_seqs × heads`` (sequence, head) pairs on ``sm_count`` SMs.
-
-    The largest VSplit in {1, 2, 4, 8} whose CTA count ``N·H·VSplit`` fits one CTA per SM (1 when
-    even ``N·H`` does not): Kernel A has K2's skeleton, whose measured rule this is
-    (:func:`cute_kda.ops.recurrence.choose_vsplit`); ``benchmarks/bench_bwd.py`` measures Kernel A.
-    """
-    fitting = [v for v in SCAN_VSPLITS if num_seqs * heads * v <= sm_count]
-    return max(fitting, default=SCAN_VSPLITS[0])
 
 
 def launch_arguments(
@@ -70,21 +47,21 @@ def launch_arguments(
     )
 
 
-def compiled_variant(key: tuple, tensors: dict, stream):
-    """The compiled variant ``key = (vsplit, dht dtype, dh0 dtype, varlen, tuning, token_outputs, snapshot_every,
-    device)``, compiled on first use from ``tensors`` (:func:`launch_arguments`' keywords)."""
+def compiled_variant(variant: ScanVariant, index: int, tensors: dict):
+    """The compiled Kernel A ``variant`` on device ``index``, compiled on first use from ``tensors``
+    (:func:`launch_arguments`' keywords, real or ``meta``)."""
 
     def build():
         from ..kernels.bwd_scan import BwdScan
 
-        vsplit, dht, dh0, varlen, tuning, token_outputs, snapshot_every, _ = key
-        kernel = BwdScan(vsplit=vsplit, dht=dsl_type(dht), dh0=dsl_type(dh0), varlen=varlen,
-                         snapshot_every=snapshot_every, compute_warps=tuning.compute_warps,
-                         output_stages=tuning.output_stages, split_accumulator=tuning.split_accumulator,
-                         token_outputs=token_outputs)
-        return compile_for_launch(kernel, *launch_arguments(**tensors, tensor=to_cute_tensor), stream)
+        tuning = variant.tuning
+        kernel = BwdScan(vsplit=variant.vsplit, dht=dsl_type(variant.dht), dh0=dsl_type(variant.dh0),
+                         varlen=variant.varlen, snapshot_every=variant.snapshot_every,
+                         compute_warps=tuning.compute_warps, output_stages=tuning.output_stages,
+                         split_accumulator=tuning.split_accumulator, token_outputs=variant.token_outputs)
+        return compile_for_launch(kernel, *launch_arguments(**tensors, tensor=to_cute_tensor), fake_stream())
 
-    return _CACHE.get(key, build)
+    return _CACHE.get((variant, index), build)
 
 
 def _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs: int, snapshot_every: int) -> None:
@@ -121,7 +98,7 @@ def bwd_scan(
     dht: torch.Tensor | None = None,
     dh0: torch.Tensor | None = None,
     vsplit: int | None = None,
-    tuning: ScanTuning = DEFAULT_TUNING,
+    tuning: ScanTuning = ScanTuning(),
     token_outputs: bool = True,
     snapshot_every: int = SNAPSHOT_TILES,
 ) -> None:
@@ -139,7 +116,7 @@ def bwd_scan(
     dht: None (zero) or bf16 / fp32 ``[N, H, V, K]``, the gradient w.r.t. the final state; dh0: None or bf16 / fp32 ``[N, H, V, K]``, receives the gradient w.r.t. the initial state
     (the bf16 scan value, widened exactly for fp32). ``cu_seqlens`` int64 ``[N+1]`` with B == 1
     packs N sequences (``tile_base`` int32 ``[N+1]`` derived when not given); ``vsplit`` ∈ {1, 2, 4, 8}
-    or None (:func:`choose_scan_vsplit`); ``tuning``: :class:`ScanTuning`. ``token_outputs`` False: only ``dh0`` is
+    or None (:meth:`~cute_kda.variants.ScanVariant.choose_vsplit`); ``tuning``: :class:`ScanTuning`. ``token_outputs`` False: only ``dh0`` is
     written (dv, du and snapshots are left as they are; ``dh0`` required). Launches on torch's current stream of
     ``do``'s device.
     """
@@ -156,35 +133,27 @@ def bwd_scan(
     if num_seqs == 0 or heads == 0:
         return
     if vsplit is None:
-        from ..config import sm_count
-
-        vsplit = choose_scan_vsplit(num_seqs, heads, sm_count(device_index(do.device)))
+        vsplit = ScanVariant.choose_vsplit(num_seqs, heads, sm_count(device_index(do.device)))
     if varlen and tile_base is None:
         tile_base = tile_bases(cu_seqlens)
     with torch.cuda.device(do.device):
         stream = current_stream(do.device)
         tensors = dict(do=do, ws=ws, dv=dv, du=du, snapshots=snapshots, dht=dht, dh0=dh0,
                        cu_seqlens=cu_seqlens, tile_base=tile_base)
-        key = (vsplit, dtype_or_none(dht), dtype_or_none(dh0), varlen, tuning, bool(token_outputs),
-               snapshot_every, device_index(do.device))
-        compiled_variant(key, tensors, stream)(*launch_arguments(**tensors), stream)
+        variant = ScanVariant(vsplit, dtype_or_none(dht), dtype_or_none(dh0), varlen, tuning, bool(token_outputs),
+                              snapshot_every)
+        compiled_variant(variant, device_index(do.device), tensors)(*launch_arguments(**tensors), stream)
 
 
 
-def compile_bwd_scan(*, vsplit: int, dht: torch.dtype | None, dh0: torch.dtype | None, varlen: bool,
-                     device: torch.device | str, tuning: ScanTuning = DEFAULT_TUNING,
-                     token_outputs: bool = True) -> None:
-    """Compile (or load from the disk cache) the Kernel A variant for this V-split, dht / dh0 dtypes (None: no
-    such tensor), ``varlen`` and ``token_outputs`` on ``device`` ahead of time; small buffers are allocated, nothing
-    is launched."""
-    if vsplit not in SCAN_VSPLITS:
-        raise ValueError(f"vsplit must be one of {SCAN_VSPLITS}, got {vsplit}")
-    device = torch.device(device)
-    problem = compile_problem(varlen, device)
+def compile_variant(variant: ScanVariant, device: torch.device | str) -> None:
+    """Compile (or load from the disk cache) the Kernel A ``variant`` for ``device`` ahead of time from ``meta``
+    tensors: nothing is allocated or launched."""
+    if variant.vsplit not in SCAN_VSPLITS:
+        raise ValueError(f"vsplit must be one of {SCAN_VSPLITS}, got {variant.vsplit}")
+    problem = compile_problem(variant.varlen)
     do = problem.tokens()
-    tensors = dict(do=do, ws=problem.ws, dv=torch.empty_like(do), du=torch.empty_like(do),
-                   snapshots=problem.block_states(), dht=problem.state(dht), dh0=problem.state(dh0),
-                   cu_seqlens=problem.cu_seqlens, tile_base=problem.tile_base)
-    with torch.cuda.device(device):
-        key = (vsplit, dht, dh0, varlen, tuning, bool(token_outputs), SNAPSHOT_TILES, device_index(device))
-        compiled_variant(key, tensors, current_stream(device))
+    tensors = dict(do=do, ws=problem.ws, dv=do, du=do, snapshots=problem.block_states(variant.snapshot_every),
+                   dht=problem.state(variant.dht), dh0=problem.state(variant.dh0), cu_seqlens=problem.cu_seqlens,
+                   tile_base=problem.tile_base)
+    compiled_variant(variant, device_index(torch.device(device)), tensors)

@@ -15,8 +15,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..numerics import f32, gate_constant
-from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace, block_states_shape
+from ..numerics import HEAD_DIM, f32, gate_constant
+from ..variants import PrepareVariant
+from ..workspace import CHUNK, SNAPSHOT_TILES, Workspace, WorkspaceSpec, allocate_workspace, block_states_shape
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, dsl_type, fake_stream, launch_tensor,
     on_device, to_cute_tensor,
@@ -25,7 +26,6 @@ from ._cache import (
 _PREPARE = CompileCache("fwd_prepare")
 _TILE_PREFIX = CompileCache("tile_prefix")
 _META = torch.device("meta")
-_DIM = 128
 
 
 def _compile_tile_prefix():
@@ -38,8 +38,9 @@ def _compile_tile_prefix():
 
 
 class CompileProblem(NamedTuple):
-    """The small problem the ahead-of-time compiles of K2, Kernel A and Kernel B build their buffers from: two
-    sequences (of two tiles each, or packed in one row of one tile each), two heads, D = 128; zeros, never run."""
+    """The small problem the ahead-of-time compiles of K2, Kernel A and Kernel B describe their arguments with: two
+    sequences (of two tiles each, or packed in one row of one tile each), two heads, D = 128; ``meta`` tensors (a
+    compile reads dtypes, ranks and alignment only)."""
 
     rows: tuple[int, int]  # (B, T) of the token tensors
     heads: int
@@ -63,18 +64,18 @@ class CompileProblem(NamedTuple):
         """``[N, H, D, D]`` of ``dtype``, or None."""
         return None if dtype is None else self.zeros(self.num_seqs, self.heads, self.dim, self.dim, dtype=dtype)
 
-    def block_states(self) -> torch.Tensor:
-        """The checkpoints' / snapshots' bf16 ``block_states_shape``."""
-        return self.zeros(*block_states_shape(self.ws, self.heads, self.num_seqs))
+    def block_states(self, every: int = SNAPSHOT_TILES) -> torch.Tensor:
+        """The checkpoints' / snapshots' bf16 ``block_states_shape`` (one kept state per ``every`` tiles)."""
+        return self.zeros(*block_states_shape(self.ws, self.heads, self.num_seqs, every))
 
 
-def compile_problem(varlen: bool, device: torch.device) -> CompileProblem:
+def compile_problem(varlen: bool) -> CompileProblem:
     num_seqs, heads = 2, 2
-    cu_seqlens = torch.tensor([0, CHUNK, 2 * CHUNK], dtype=torch.int64, device=device) if varlen else None
-    tile_base = torch.tensor([0, 1, 2], dtype=torch.int32, device=device) if varlen else None
-    return CompileProblem(rows=(1 if varlen else num_seqs, 2 * CHUNK), heads=heads, dim=_DIM, num_seqs=num_seqs,
-                          ws=allocate_workspace(WorkspaceSpec(heads=heads, tiles=4), device), cu_seqlens=cu_seqlens,
-                          tile_base=tile_base, device=device)
+    cu_seqlens = torch.empty(num_seqs + 1, dtype=torch.int64, device=_META) if varlen else None
+    tile_base = torch.empty(num_seqs + 1, dtype=torch.int32, device=_META) if varlen else None
+    return CompileProblem(rows=(1 if varlen else num_seqs, 2 * CHUNK), heads=heads, dim=HEAD_DIM, num_seqs=num_seqs,
+                          ws=allocate_workspace(WorkspaceSpec(heads=heads, tiles=4), _META), cu_seqlens=cu_seqlens,
+                          tile_base=tile_base, device=_META)
 
 
 def tile_bases(cu_seqlens: torch.Tensor, *, stream=None) -> torch.Tensor:
@@ -104,7 +105,7 @@ def launch_arguments(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float,
     scalars = fp32_scalars(scale, lower_bound)
     if tensor is launch_tensor:  # every call: the tensors as they are, the workspace's as kept
         inputs = _prepare_inputs()(q, k, g, beta, A_log, dt_bias)
-        return inputs, _launch_tiles(ws), *scalars, seq_len, cu_seqlens, tile_base, stream
+        return inputs, _workspace_tiles(ws, launch_tensor), *scalars, seq_len, cu_seqlens, tile_base, stream
     inputs = _prepare_inputs()(  # [B, T, ...] as given: the kernel folds B·T (layouts.fwd_prepare.compact)
         q=tensor(q, 16), k=tensor(k, 16), g=tensor(g, 16), beta=tensor(beta, 2),
         a_log=None if A_log is None else tensor(A_log, 4), dt_bias=None if dt_bias is None else tensor(dt_bias, 4),
@@ -161,59 +162,36 @@ def _workspace_tiles(ws: Workspace, tensor) -> tuple:
     )
 
 
-_LAST_TILES: tuple = (None, None)  # (workspace, its launch WorkspaceTiles): the API hands back one object per spec
-
-
-def _launch_tiles(ws: Workspace) -> tuple:
-    """:func:`_workspace_tiles` for a launch, kept for the last workspace seen (views cost host time)."""
-    global _LAST_TILES
-    last, tiles = _LAST_TILES
-    if last is not ws:
-        tiles = _workspace_tiles(ws, launch_tensor)
-        _LAST_TILES = (ws, tiles)
-    return tiles
-
-
-def forget_launch_tiles() -> None:
-    """Drop the kept workspace arguments (and so the last reference to that workspace's memory)."""
-    global _LAST_TILES
-    _LAST_TILES = (None, None)
-
-
-def _compile_arguments(varlen: bool, gate: str, g_dtype: torch.dtype, per_head_gate: bool = False,
-                       grouped: bool = False) -> tuple:
+def _compile_arguments(variant: PrepareVariant) -> tuple:
     """:func:`launch_arguments` of a K1 variant for the compile: ``meta`` tensors, a fake stream (two value
     heads to one q/k head when ``grouped``)."""
-    heads = 2 if grouped else 1
-    q = torch.empty((1, CHUNK, 1, _DIM), dtype=torch.bfloat16, device=_META)
-    per_channel = () if per_head_gate else (_DIM,)
-    g = torch.empty((1, CHUNK, heads, *per_channel), dtype=g_dtype, device=_META)
+    heads = 2 if variant.grouped else 1
+    q = torch.empty((1, CHUNK, 1, HEAD_DIM), dtype=torch.bfloat16, device=_META)
+    per_channel = () if variant.per_head_gate else (HEAD_DIM,)
+    g = torch.empty((1, CHUNK, heads, *per_channel), dtype=variant.g_dtype, device=_META)
     beta = torch.empty((1, CHUNK, heads), dtype=torch.bfloat16, device=_META)
     ws = allocate_workspace(WorkspaceSpec(heads=heads, tiles=2), _META)
-    cu_seqlens = torch.empty(2, dtype=torch.int64, device=_META) if varlen else None
-    tile_base = torch.empty(2, dtype=torch.int32, device=_META) if varlen else None
-    constants = gate != "none"
+    cu_seqlens = torch.empty(2, dtype=torch.int64, device=_META) if variant.varlen else None
+    tile_base = torch.empty(2, dtype=torch.int32, device=_META) if variant.varlen else None
+    constants = variant.gate != "none"
     A_log = torch.empty(heads, dtype=torch.float32, device=_META) if constants else None
     dt_bias = torch.empty((heads, *per_channel), dtype=torch.float32, device=_META) if constants else None
     return launch_arguments(q, q, g, beta, A_log, dt_bias, ws, 1.0, -1.0, CHUNK, cu_seqlens, tile_base,
                             fake_stream(), tensor=to_cute_tensor)
 
 
-def compiled_variant(varlen: bool, qk_l2norm: bool, beta_logits: bool, index: int, gate: str = "safe",
-                     g_dtype: torch.dtype = torch.bfloat16, per_head_gate: bool = False, grouped: bool = False):
-    """The K1 variant for these flags, ``gate`` (:data:`cute_kda.numerics.GATES`), g's dtype (bf16; fp32
-    with gate "none"), a per-head gate (g ``[B, T, HV]``) and grouped value heads on device ``index``,
-    compiled (from fake tensors) on first use."""
+def compiled_variant(variant: PrepareVariant, index: int):
+    """The compiled K1 ``variant`` on device ``index``, compiled (from fake tensors) on first use."""
 
     def build():
         from ..kernels.fwd_prepare import PrepareKernel
 
-        kernel = PrepareKernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
-                               gate_dtype=dsl_type(g_dtype), per_head_gate=per_head_gate,
-                               grouped=grouped)
-        return compile_for_launch(kernel, *_compile_arguments(varlen, gate, g_dtype, per_head_gate, grouped))
+        kernel = PrepareKernel(varlen=variant.varlen, qk_l2norm=variant.qk_l2norm, beta_logits=variant.beta_logits,
+                               gate=variant.gate, gate_dtype=dsl_type(variant.g_dtype),
+                               per_head_gate=variant.per_head_gate, grouped=variant.grouped)
+        return compile_for_launch(kernel, *_compile_arguments(variant))
 
-    return _PREPARE.get((varlen, qk_l2norm, beta_logits, gate, g_dtype, per_head_gate, grouped, index), build)
+    return _PREPARE.get((variant, index), build)
 
 
 def prepare(
@@ -253,19 +231,18 @@ def prepare(
         stream = current_stream(device)
     if cu_seqlens is not None and tile_base is None:
         tile_base = tile_bases(cu_seqlens, stream=stream)
-    compiled = compiled_variant(cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), device_index(device), gate,
-                                g.dtype, g.dim() == 3, beta.shape[2] != q.shape[2])
+    variant = PrepareVariant(cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), gate, g.dtype, g.dim() == 3,
+                             beta.shape[2] != q.shape[2])
+    compiled = compiled_variant(variant, device_index(device))
     with on_device(device):
         compiled(*launch_arguments(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, steps, cu_seqlens, tile_base,
                                stream))
 
 
-def compile_prepare(*, qk_l2norm: bool, beta_logits: bool, varlen: bool, device: torch.device | str,
-                    gate: str = "safe", g_dtype: torch.dtype = torch.bfloat16, per_head_gate: bool = False,
-                    grouped: bool = False) -> None:
-    """Compile (or load from the disk cache) the K1 variant for these flags on ``device`` ahead of
-    time, and with ``varlen`` the tile prefix kernel too; nothing is allocated or launched."""
+def compile_variant(variant: PrepareVariant, device: torch.device | str) -> None:
+    """Compile (or load from the disk cache) the K1 ``variant`` for ``device`` ahead of time, and for a varlen one
+    the tile prefix kernel too; nothing is allocated or launched."""
     index = device_index(torch.device(device))
-    compiled_variant(varlen, bool(qk_l2norm), bool(beta_logits), index, gate, g_dtype, per_head_gate, grouped)
-    if varlen:
+    compiled_variant(variant, index)
+    if variant.varlen:
         _TILE_PREFIX.get((index,), _compile_tile_prefix)

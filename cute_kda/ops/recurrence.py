@@ -10,29 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from ..layouts.fwd_recurrence import SUPPORTED_VSPLITS
+from ..device import sm_count
+from ..variants import RecurrenceVariant
 from ..workspace import Workspace, block_states_shape
 from ._cache import (
-    CompileCache, compile_for_launch, current_stream, device_index, dsl_type, launch_tensor, on_device, to_cute_tensor,
+    CompileCache, compile_for_launch, current_stream, device_index, dsl_type, fake_stream, launch_tensor, on_device,
+    to_cute_tensor,
 )
 from .prepare import compile_problem, tile_bases
 
 _CACHE = CompileCache("fwd_recurrence")
 _ARGUMENT_ALIGNMENT = (16,) * 11 + (8, 4, 16)  # bytes, per tensor of launch_arguments (cu_seqlens 8, tile_base 4)
-
-
-def choose_vsplit(num_seqs: int, heads: int, sm_count: int) -> int:
-    """V-split for ``num_seqs × heads`` (sequence, head) pairs on ``sm_count`` SMs.
-
-    The largest VSplit in {1, 2, 4} whose CTA count ``N·H·VSplit`` still fits one CTA per SM; 1
-    when even ``N·H`` does not. Splitting shortens a CTA's tile step (K2 alone on the H200: 0.99 µs
-    at VSplit 1, 0.75 at 2, 0.67 at 4, one CTA per SM, at B1 T32768 H16) but two CTAs sharing an SM
-    step slower than one unsplit CTA (B1 T8192 H96 at VSplit 2: 192 CTAs, 1.78 µs against 1.07 at
-    VSplit 1), so a split pays only while it lands on idle SMs. Measured by
-    ``benchmarks/bench_recurrence.py`` (``benchmarks/results/2026-12-01-k2-fp32-state.md``).
-    """
-    fitting = [v for v in SUPPORTED_VSPLITS if num_seqs * heads * v <= sm_count]
-    return max(fitting, default=SUPPORTED_VSPLITS[0])
 
 
 def dtype_or_none(tensor: torch.Tensor | None) -> torch.dtype | None:
@@ -71,22 +59,22 @@ def launch(compiled, v: torch.Tensor, out: torch.Tensor, workspace: tuple, initi
     compiled(v, out, *workspace, initial_state, final_state, cu_seqlens, tile_base, None, stream)
 
 
-def compiled_variant(vsplit: int, initial_state: torch.dtype | None, final_state: torch.dtype | None, varlen: bool,
-                     checkpoints: bool, index: int, arguments: tuple, stream):
-    """The compiled K2 variant for these state dtypes, flags and device ``index``, compiled on first use
-    from ``arguments`` (a :func:`launch_arguments` tuple of torch tensors) and ``stream``."""
+def compiled_variant(variant: RecurrenceVariant, index: int, arguments: tuple):
+    """The compiled K2 ``variant`` on device ``index``, compiled on first use from ``arguments`` (a
+    :func:`launch_arguments` tuple of torch tensors, real or ``meta``: only their dtypes, ranks and alignment
+    count)."""
 
     def build():
         from ..kernels.fwd_recurrence import FwdRecurrence
 
         kernel = FwdRecurrence(
-            vsplit=vsplit, initial_state=dsl_type(initial_state), final_state=dsl_type(final_state),
-            varlen=varlen, checkpoints=checkpoints,
+            vsplit=variant.vsplit, initial_state=dsl_type(variant.initial_state),
+            final_state=dsl_type(variant.final_state), varlen=variant.varlen, checkpoints=variant.checkpoints,
         )
         converted = (to_cute_tensor(t, align) for t, align in zip(arguments, _ARGUMENT_ALIGNMENT))
-        return compile_for_launch(kernel, *converted, stream)
+        return compile_for_launch(kernel, *converted, fake_stream())
 
-    return _CACHE.get((vsplit, initial_state, final_state, varlen, checkpoints, index), build)
+    return _CACHE.get((variant, index), build)
 
 
 def recurrence(
@@ -108,7 +96,7 @@ def recurrence(
     sequences; initial_state / final_state: None or bf16 / fp32 ``[N, H, V, K]`` (the dtype of each
     selects the variant; the state is fp32 between tiles). ``cu_seqlens`` int64 ``[N+1]`` with B == 1
     packs N sequences; ``tile_base`` int32 ``[N+1]`` (prefix sums of ``ceil(len / 16)``) is derived
-    from it when not given. ``vsplit`` None: :func:`choose_vsplit`. ``checkpoints``: None, or bf16
+    from it when not given. ``vsplit`` None: :meth:`~cute_kda.variants.RecurrenceVariant.choose_vsplit`. ``checkpoints``: None, or bf16
     ``[H · slots, D, D]`` state images (:func:`cute_kda.workspace.block_states_shape`) for the training forward, which
     also keeps the bf16 state entering every block of :data:`~cute_kda.workspace.SNAPSHOT_TILES` tiles there (the slots of
     :func:`cute_kda.workspace.snapshot_slots`; other rows are not written). Launches on ``stream`` (a ``CUstream``; default torch's current stream
@@ -120,9 +108,7 @@ def recurrence(
     if num_seqs == 0 or heads == 0:
         return
     if vsplit is None:
-        from ..config import sm_count
-
-        vsplit = choose_vsplit(num_seqs, heads, sm_count(device_index(v.device)))
+        vsplit = RecurrenceVariant.choose_vsplit(num_seqs, heads, sm_count(device_index(v.device)))
     if checkpoints is not None:
         expected = block_states_shape(ws, heads, num_seqs)
         if checkpoints.dtype != torch.bfloat16 or tuple(checkpoints.shape) != expected or checkpoints.device != v.device:
@@ -135,24 +121,18 @@ def recurrence(
             stream = current_stream(v.device)
         arguments = launch_arguments(v, ws, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
                                      initial_state=initial_state, final_state=final_state, checkpoints=checkpoints)
-        compiled = compiled_variant(vsplit, dtype_or_none(initial_state), dtype_or_none(final_state), varlen,
-                                    checkpoints is not None, device_index(v.device), arguments, stream)
-        compiled(*arguments, stream)
+        variant = RecurrenceVariant(vsplit, dtype_or_none(initial_state), dtype_or_none(final_state), varlen,
+                                    checkpoints is not None)
+        compiled_variant(variant, device_index(v.device), arguments)(*arguments, stream)
 
 
-def compile_recurrence(
-    *, varlen: bool, initial_state: torch.dtype | None, final_state: torch.dtype | None, vsplit: int,
-    device: torch.device | str, checkpoints: bool = False,
-) -> None:
-    """Compile the K2 variant for these state dtypes, ``varlen`` and ``vsplit`` on ``device`` (nothing runs);
-    ``checkpoints``: the training forward's variant, which saves the state entering each tile."""
-    device = torch.device(device)
-    problem = compile_problem(varlen, device)
+def compile_variant(variant: RecurrenceVariant, device: torch.device | str) -> None:
+    """Compile (or load from the disk cache) the K2 ``variant`` for ``device`` from ``meta`` tensors: nothing is
+    allocated or launched."""
+    problem = compile_problem(variant.varlen)
     v = problem.tokens()
-    with torch.cuda.device(device):
-        arguments = launch_arguments(v, problem.ws, torch.empty_like(v), cu_seqlens=problem.cu_seqlens,
-                                     tile_base=problem.tile_base, initial_state=problem.state(initial_state),
-                                     final_state=problem.state(final_state),
-                                     checkpoints=problem.block_states() if checkpoints else None)
-        compiled_variant(vsplit, initial_state, final_state, varlen, checkpoints, device_index(device), arguments,
-                         current_stream(device))
+    arguments = launch_arguments(v, problem.ws, v, cu_seqlens=problem.cu_seqlens, tile_base=problem.tile_base,
+                                 initial_state=problem.state(variant.initial_state),
+                                 final_state=problem.state(variant.final_state),
+                                 checkpoints=problem.block_states() if variant.checkpoints else None)
+    compiled_variant(variant, device_index(torch.device(device)), arguments)

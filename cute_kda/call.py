@@ -1,0 +1,172 @@
+"""One resolved call: every entry point's arguments turned, once, into what the executors run.
+
+:func:`resolve` takes the arguments of :func:`cute_kda.kda_forward` (which :func:`cute_kda.chunk_kda` and
+:func:`cute_kda.chunk_gated_delta_rule` translate into), checks them (:mod:`cute_kda.validation`) and derives
+everything the kernels need exactly here: the problem's shape, the default scale, the final state's dtype,
+``cu_seqlens`` as the kernels read it (int64 on the device), the context-parallel segmentation, and whether autograd
+records the call. The result is a :class:`Call`; the inference executor (:mod:`cute_kda.executors.inference`) and
+the training executor (:mod:`cute_kda.executors.training`) consume it. The custom ops that ``torch.compile`` traces
+rebuild their :class:`Options` with :func:`options_of`, the same function :func:`resolve` uses, so a default or a
+derived value has one definition.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import context_parallel, validation
+from .context_parallel import Segmentation
+from .device import sm_count
+from .validation import ProblemShape
+
+INPUT_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+
+
+class Inputs(NamedTuple):
+    """The validated tensors of one call.
+
+    q, k bf16 ``[B, T, H, K]``; v bf16 ``[B, T, HV, V]`` (HV a multiple of H: grouped value heads); g
+    ``[B, T, HV, K]`` (or ``[B, T, HV]``, a per-head gate); beta bf16 ``[B, T, HV]``; A_log fp32 ``[HV]``; dt_bias
+    fp32 ``[HV, K]`` (``[HV]`` per head; both None for the log decay, gate "none"); initial_state None or bf16 / fp32
+    ``[N, HV, V, K]``; cu_seqlens None or int64 ``[N+1]`` on q's device (:func:`staged_cu_seqlens`); tile_base None or
+    int32 ``[N+1]`` when known (a segmented call's, or the training forward's saved one).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    initial_state: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    tile_base: torch.Tensor | None = None
+
+
+class Options(NamedTuple):
+    """The non-tensor arguments of one call, resolved: ``scale`` a float, ``final_state_dtype`` None for no final
+    state, ``vsplit`` None for K2's heuristic, ``segmentation`` None for an unsplit call."""
+
+    problem: ProblemShape
+    scale: float
+    lower_bound: float
+    qk_l2norm: bool
+    beta_logits: bool
+    final_state_dtype: torch.dtype | None
+    vsplit: int | None
+    recompute: bool = False
+    gate: str = "safe"
+    segmentation: Segmentation | None = None
+
+
+class Call(NamedTuple):
+    """A resolved :func:`cute_kda.kda_forward` call: its tensors, its options, the caller's output buffers (None:
+    allocate) and whether autograd records it (``training``)."""
+
+    inputs: Inputs
+    options: Options
+    out: torch.Tensor | None
+    final_state: torch.Tensor | None
+    training: bool
+
+
+def problem_of(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ProblemShape:
+    """The :class:`~cute_kda.validation.ProblemShape` of ``q`` ``[B, T, H, K]``, ``v`` ``[B, T, HV, V]`` (its heads are
+    the problem's: the states and the workspace are per value head) and ``cu_seqlens`` (shapes only)."""
+    batch, seq_len, _, dim = q.shape
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return ProblemShape(batch, seq_len, v.shape[2], dim, num_seqs, cu_seqlens is not None)
+
+
+def state_shape(problem: ProblemShape) -> tuple[int, int, int, int]:
+    """``[N, HV, V, K]``: a v-first state per sequence and value head."""
+    return (problem.num_seqs, problem.heads, problem.head_dim, problem.head_dim)
+
+
+def final_state_dtype_of(initial_state: torch.Tensor | None, final_state: torch.Tensor | None,
+                         output_final_state: bool) -> torch.dtype | None:
+    """The final state's dtype: the caller's buffer's, else (when asked for) the initial state's, fp32 without one;
+    None: no final state."""
+    if final_state is not None:
+        return final_state.dtype
+    if not output_final_state:
+        return None
+    return torch.float32 if initial_state is None else initial_state.dtype
+
+
+def staged_cu_seqlens(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """``cu_seqlens`` as the stages read it, int64: on q's device when that is a GPU
+    (:func:`~cute_kda.validation.device_cu_seqlens`: no sync), else on the CPU."""
+    if cu_seqlens is None or not q.is_cuda:
+        return None if cu_seqlens is None else cu_seqlens.to(torch.int64)
+    return validation.device_cu_seqlens(cu_seqlens, q.device, q.shape[1])
+
+
+def segmentation_of(problem: ProblemShape, device: torch.device, segments: int | None,
+                    vsplit: int | None) -> Segmentation | None:
+    """The context-parallel split of ``problem`` (:func:`cute_kda.context_parallel.plan`) for the SMs of ``device``;
+    on a CPU (the reference stages) only an explicit ``segments`` splits."""
+    if device.type != "cuda":
+        return None if segments is None else context_parallel.plan(problem, 0, segments, vsplit)
+    return context_parallel.plan(problem, sm_count(device.index), segments, vsplit)
+
+
+def check_trainable(gate: str, q: torch.Tensor, v: torch.Tensor) -> None:
+    """Refuse a training call the backward kernels do not cover: grouped value heads with the safe gate (its Kernel
+    B writes dq, dk per q/k head). What trains: the safe gate with HV = H, and the unbounded gates ("softplus",
+    "none") per channel or per head (GatedDeltaNet), grouped value heads included."""
+    if gate == "safe" and v.dim() == 4 and v.shape[2] != q.shape[2]:
+        raise NotImplementedError(
+            "grouped value heads (HV != H) with the safe gate have no backward yet (the unbounded gates train with "
+            "them); run it under torch.no_grad() / torch.inference_mode(), or detach its inputs"
+        )
+
+
+def options_of(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, *, scale: float | None,
+               lower_bound: float, qk_l2norm: bool, beta_logits: bool, final_state_dtype: torch.dtype | None,
+               vsplit: int | None, recompute: bool, gate: str, segments: int | None,
+               problem: ProblemShape | None = None) -> Options:
+    """The :class:`Options` of a call on checked arguments (``problem`` when already known): the default scale
+    ``K ** -0.5``, the segmentation of :func:`segmentation_of`."""
+    problem = problem_of(q, v, cu_seqlens) if problem is None else problem
+    return Options(
+        problem=problem, scale=float(problem.head_dim ** -0.5 if scale is None else scale),
+        lower_bound=float(lower_bound), qk_l2norm=bool(qk_l2norm), beta_logits=bool(beta_logits),
+        final_state_dtype=final_state_dtype, vsplit=vsplit, recompute=bool(recompute), gate=gate,
+        segmentation=segmentation_of(problem, q.device, segments, vsplit),
+    )
+
+
+def resolve(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+    scale: float | None = None, A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+    lower_bound: float = -5.0, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None, out: torch.Tensor | None = None, final_state: torch.Tensor | None = None,
+    vsplit: int | None = None, qk_l2norm: bool = True, beta_logits: bool = True, recompute: bool = False,
+    gate: str = "safe", segments: int | None = None, training: bool | None = None,
+) -> Call:
+    """Check the arguments of :func:`cute_kda.kda_forward` (torch tensors; its docstring is the contract) and
+    resolve them into a :class:`Call`. ``training`` None: autograd records the call when grad mode is on and an
+    input requires grad (:func:`~cute_kda.validation.needs_autograd`); True / False forces the path (the training
+    executor's own entry, the custom ops). A training call is refused here when the backward does not cover it, when
+    caller buffers are given, or when a tensor is too large for Kernel B's offsets. Reads no device memory."""
+    problem = validation.validate_forward(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+        initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
+        gate=gate,
+    )
+    if training is None:
+        training = validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state)
+    if training:
+        check_trainable(gate, q, v)
+        validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
+        validation.check_training_size(v, "v")  # v, dq and dk per value head: the largest per-token tensors
+    options = options_of(q, v, cu_seqlens, scale=scale, lower_bound=lower_bound, qk_l2norm=qk_l2norm,
+                         beta_logits=beta_logits,
+                         final_state_dtype=final_state_dtype_of(initial_state, final_state, output_final_state),
+                         vsplit=vsplit, recompute=recompute, gate=gate, segments=segments, problem=problem)
+    inputs = Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, staged_cu_seqlens(cu_seqlens, q))
+    return Call(inputs, options, out, final_state, bool(training))

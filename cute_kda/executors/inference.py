@@ -1,0 +1,233 @@
+"""The inference executor: a resolved call (:mod:`cute_kda.call`) that autograd does not record.
+
+K1 then K2 on the caller's current stream, sharing a workspace buffer cached per (device, stream)
+(:class:`WorkspaceCache`), with the compiled variants and the launch arguments of each static configuration kept in
+a :class:`LaunchPlan`: a small call's host time is mostly looking things up. Nothing here waits for the device. A call
+split into segments (context parallelism) runs the training forward's stage keeping nothing
+(:mod:`cute_kda.executors.stages`). Under ``torch.compile`` the same executor is the custom op
+``torch.ops.cute_kda.forward``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from .. import validation
+from ..call import Call, Inputs, Options, problem_of, resolve, state_shape
+from ..device import sm_count
+from ..variants import PrepareVariant, RecurrenceVariant
+from ..workspace import Workspace, WorkspaceSpec, workspace_views
+from .stages import KERNELS, packed, workspace_spec
+
+OP_NAME = "cute_kda::forward"
+
+_WORKSPACE_GRANULE = 2 << 20  # grow the cached buffer in 2 MiB steps
+
+
+class WorkspaceCache:
+    """One flat uint8 K1→K2 workspace buffer per (device, stream), grown on demand, never shrunk, and the
+    launch plans of the calls that use it.
+
+    Keyed by stream because the buffer is reused without any event: two calls on one stream are
+    ordered by the stream, so the second call's K1 cannot overwrite what the first call's K2 still
+    reads; calls on different streams get different buffers. A buffer that grows is freed to
+    torch's caching allocator, which hands it only to later work on the same stream. Not safe
+    under CUDA-graph capture (a captured call would keep using a buffer that a later eager call on
+    the capture stream may replace); :meth:`clear` drops every buffer. The views of the last spec
+    seen per buffer are kept too: carving them costs more host time than a small call's kernels.
+
+    A :class:`LaunchPlan` (what one static configuration launches, with views of the buffer) is kept per
+    (device, stream) and configuration; a buffer that grows drops the plans on the old one.
+    """
+
+    _MAX_PLANS = 64  # per (device, stream); past it the plans start over (a workload of ever new shapes)
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._views: dict[tuple[int, int], tuple[WorkspaceSpec, Workspace]] = {}
+        self._plans: dict[tuple[int, int], dict[tuple, LaunchPlan]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, spec: WorkspaceSpec, device: torch.device, stream: int | None = None) -> Workspace:
+        """Views of a workspace for ``spec`` on ``device``, for work on the stream with raw handle
+        ``stream`` (default: the current stream)."""
+        if stream is None:
+            stream = torch.cuda.current_stream(device).cuda_stream
+        key = (device.index, stream)
+        with self._lock:
+            cached = self._views.get(key)
+            if cached is not None and cached[0] == spec:  # the steady state: same spec, same stream
+                return cached[1]
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.numel() < spec.nbytes:
+                nbytes = -(-spec.nbytes // _WORKSPACE_GRANULE) * _WORKSPACE_GRANULE
+                buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                self._buffers[key] = buffer
+                self._plans.pop(key, None)  # their views are of the old buffer
+            views = workspace_views(spec, buffer)
+            self._views[key] = (spec, views)
+        return views
+
+    def plan(self, index: int, stream: int, config: tuple) -> LaunchPlan | None:
+        """The kept plan of ``config`` on (device ``index``, raw ``stream``), None before :meth:`keep`."""
+        plans = self._plans.get((index, stream))
+        return None if plans is None else plans.get(config)
+
+    def keep(self, index: int, stream: int, config: tuple, plan: LaunchPlan) -> LaunchPlan:
+        """Keep ``plan`` (built on this cache's current buffer) for ``config``; returns it."""
+        with self._lock:
+            plans = self._plans.setdefault((index, stream), {})
+            if len(plans) >= self._MAX_PLANS:
+                plans.clear()
+            plans[config] = plan
+        return plan
+
+    def snapshot(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(device index, stream handle) → (buffer address, bytes) of every cached buffer."""
+        with self._lock:
+            return {key: (b.data_ptr(), b.numel()) for key, b in self._buffers.items()}
+
+    def clear(self) -> None:
+        """Drop every cached buffer and plan (their memory returns to torch's caching allocator)."""
+        with self._lock:
+            self._buffers.clear()
+            self._views.clear()
+            self._plans.clear()
+
+
+class LaunchPlan(NamedTuple):
+    """What a forward call of one static configuration launches on one (device, stream): the compiled K1
+    and K2 variants, the workspace as each takes it (converted for TVM-FFI once), K1's fp32 scalars, the
+    ``CUstream``. Built on the configuration's first call, then looked up: building it costs a small call more
+    host time than its kernels take."""
+
+    prepare: Callable[..., None]
+    recurrence: Callable[..., None]
+    prepare_workspace: Any
+    recurrence_workspace: tuple
+    scalars: tuple[float, float]
+    stream: Any
+
+
+WORKSPACES = WorkspaceCache()
+
+
+
+
+_LAUNCHERS: tuple = ()
+
+
+def _launchers() -> tuple:
+    """(``ops.prepare``, ``ops.recurrence``, ``ops._cache``), imported on the first call (they bring in the DSL), then
+    kept."""
+    global _LAUNCHERS
+    if not _LAUNCHERS:
+        from ..ops import _cache
+        from ..ops import prepare as k1
+        from ..ops import recurrence as k2
+
+        _LAUNCHERS = (k1, k2, _cache)
+    return _LAUNCHERS
+
+
+def run(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, final state or None) of a resolved inference ``call``: K1 then K2 on the current stream of q's device,
+    into the caller's buffers when given (``call.out``, ``call.final_state``)."""
+    x, options = call.inputs, call.options
+    validation.check_on_cuda("q", x.q)
+    if options.segmentation is not None:
+        return _segmented(call)
+    problem, device = options.problem, x.q.device
+    final_state = call.final_state
+    if final_state is None and options.final_state_dtype is not None:
+        final_state = torch.empty(state_shape(problem), dtype=options.final_state_dtype, device=device)
+    out = torch.empty_like(x.v) if call.out is None else call.out
+    if problem.heads == 0:
+        return out, final_state
+    k1, k2, streams = _launchers()
+    handle = streams.current_stream_handle(device.index)  # one stream look-up for the plan and both launches
+    initial_dtype = None if x.initial_state is None else x.initial_state.dtype
+    config = (options, x.q.shape[2], x.g.dtype, x.g.dim(), initial_dtype)
+    plan = WORKSPACES.plan(device.index, handle, config)
+    with streams.on_device(device):
+        if plan is None:
+            plan = WORKSPACES.keep(device.index, handle, config, _build_plan(x, options, out, final_state, handle))
+        tile_base = k1.tile_bases(x.cu_seqlens, stream=plan.stream) if problem.varlen else None
+        k1.launch(plan.prepare, x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, plan.prepare_workspace, plan.scalars,
+                  problem.seq_len, x.cu_seqlens, tile_base, plan.stream)
+        k2.launch(plan.recurrence, x.v, out, plan.recurrence_workspace, x.initial_state, final_state, x.cu_seqlens,
+                  tile_base, plan.stream)
+    return out, final_state
+
+
+def _segmented(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The inference forward of a call split into segments (:mod:`cute_kda.context_parallel`): the training
+    forward's stage keeping nothing (a fresh workspace), then the caller's buffers filled when given."""
+    options = call.options._replace(recompute=True)
+    result = KERNELS.forward(*packed(call.inputs, options))
+    o = result.out.view(call.inputs.v.shape)
+    if call.out is not None:
+        o = call.out.copy_(o)
+    if call.final_state is None:
+        return o, result.final_state
+    return o, call.final_state.copy_(result.final_state)
+
+
+def _build_plan(x: Inputs, options: Options, out: torch.Tensor, final_state: torch.Tensor | None,
+                handle: int) -> LaunchPlan:
+    """The :class:`LaunchPlan` of a call's configuration on q's device and stream ``handle``, compiling the variants
+    on first use (K2's from this call's tensors and a fake ``tile_base``)."""
+    k1, k2, streams = _launchers()
+    problem, device = options.problem, x.q.device
+    vsplit = options.vsplit
+    if vsplit is None:
+        vsplit = RecurrenceVariant.choose_vsplit(problem.num_seqs, problem.heads, sm_count(device.index))
+    workspace = WORKSPACES.get(workspace_spec(problem), device, handle)
+    stream = streams.cu_stream(handle)
+    prepare = k1.compiled_variant(
+        PrepareVariant(problem.varlen, options.qk_l2norm, options.beta_logits, options.gate, x.g.dtype, x.g.dim() == 3,
+                       problem.heads != x.q.shape[2]), device.index)
+    tile_base = None if x.cu_seqlens is None else torch.empty(x.cu_seqlens.shape, dtype=torch.int32, device="meta")
+    arguments = k2.launch_arguments(x.v, workspace, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base,
+                                    initial_state=x.initial_state, final_state=final_state)
+    recurrence = k2.compiled_variant(
+        RecurrenceVariant(vsplit, None if x.initial_state is None else x.initial_state.dtype,
+                          None if final_state is None else final_state.dtype, problem.varlen), device.index, arguments)
+    return LaunchPlan(prepare, recurrence, k1.workspace_arguments(workspace), k2.workspace_arguments(workspace),
+                      k1.fp32_scalars(options.scale, options.lower_bound), stream)
+
+
+# ---------------------------------------------------------------------------------------------
+# the inference op (torch.compile)
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor], scale: Optional[float], lower_bound: float,
+    final_state_dtype: Optional[torch.dtype], vsplit: Optional[int], qk_l2norm: bool, beta_logits: bool, gate: str,
+    segments: Optional[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cute_kda.kda_forward`'s inference on torch tensors; ``final_state_dtype`` None means no final state
+    (then the second output is an empty tensor); A_log, dt_bias None with ``gate="none"``."""
+    final_state = None
+    if final_state_dtype is not None:
+        final_state = torch.empty(state_shape(problem_of(q, v, cu_seqlens)), dtype=final_state_dtype, device=q.device)
+    o, state = run(resolve(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                           initial_state=initial_state, cu_seqlens=cu_seqlens, final_state=final_state, vsplit=vsplit,
+                           qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate, segments=segments,
+                           training=False))
+    return o, (state if state is not None else q.new_empty((0,)))
+
+
+@forward_op.register_fake
+def _forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+                  final_state_dtype, vsplit, qk_l2norm, beta_logits, gate, segments):
+    o = torch.empty_like(v, memory_format=torch.contiguous_format)
+    if final_state_dtype is None:
+        return o, q.new_empty((0,))
+    return o, q.new_empty(state_shape(problem_of(q, v, cu_seqlens)), dtype=final_state_dtype)

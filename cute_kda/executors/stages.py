@@ -1,0 +1,266 @@
+"""The stages of a call on the kernels: K1 + K2 (the forward), Kernel A (the backward scan), Kernel B (the tile
+gradients), behind one :class:`Backend`, and what passes between them.
+
+The inference executor runs the forward stage for a call split into segments; the training executor runs all three
+(:mod:`cute_kda.executors.training`). :data:`KERNELS` launches the CUDA kernels on the current stream of q's
+device; :data:`cute_kda.reference.backend.REFERENCE` runs the same stages on the mirror references, on any device
+(the tests name it). A segmented call (context parallelism, :mod:`cute_kda.context_parallel`) is run as one packed
+row of segments (:func:`packed`); the helpers here turn its states back into the caller's.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from .. import context_parallel, validation
+from ..call import Inputs, Options, state_shape
+from ..validation import ProblemShape
+from ..workspace import Workspace, WorkspaceSpec, snapshot_slots, tiles_per_head, workspace_views
+
+KERNEL_B_INPUTS = (0, 1, 3, 4, 5, 6)  # q, k, g, beta, A_log, dt_bias: the inputs whose gradients Kernel B gives
+
+
+class Saved(NamedTuple):
+    """What the training forward leaves for the backward besides the inputs.
+
+    workspace: flat uint8 ``[WorkspaceSpec.nbytes]`` (:func:`workspace_of` carves the K1 fields);
+    checkpoints: bf16 ``[H · slots, D, D]``, the state entering every tile (state images from the kernels,
+    :func:`cute_kda.workspace.states_to_images`; ``[K, V]`` matrices from the reference backend); tile_base: None (fixed
+    length) or int32 ``[N+1]``. Under ``Options.recompute`` workspace and checkpoints are None
+    (:func:`recomputed` makes them in the backward). segment_states: None unsplit, else fp32 ``[2, segments, H, V, K]``,
+    the state entering every segment and every segment's transition
+    (:func:`cute_kda.context_parallel.segment_states`), kept under ``recompute`` too (two states a segment).
+    """
+
+    workspace: torch.Tensor | None
+    checkpoints: torch.Tensor | None
+    tile_base: torch.Tensor | None
+    segment_states: torch.Tensor | None = None
+
+
+class ForwardResult(NamedTuple):
+    """out bf16 ``[B, T, H, V]``; final_state None or ``[N, H, V, K]`` in ``Options.final_state_dtype``."""
+
+    out: torch.Tensor
+    final_state: torch.Tensor | None
+    saved: Saved
+
+
+class ScanResult(NamedTuple):
+    """Kernel A: dv, du bf16 ``[B, T, H, V]``; state_grads bf16 like the checkpoints (the gradient w.r.t.
+    the state after each tile); dh0 None or ``[N, H, V, K]`` in the requested dtype."""
+
+    dv: torch.Tensor
+    du: torch.Tensor
+    state_grads: torch.Tensor
+    dh0: torch.Tensor | None
+
+
+class GradsResult(NamedTuple):
+    """Kernel B: dq, dk, dg bf16 ``[B, T, H, K]``; dbeta bf16 ``[B, T, H]``; dA_log fp32 ``[H]``;
+    ddt_bias fp32 ``[H, K]``. A per-head gate: dq, dk summed over each group of value heads; dg ``[B, T, HV]`` in
+    g's dtype; dbeta ``[B, T, HV]``; dA_log, ddt_bias ``[HV]`` (None for the log decay)."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dg: torch.Tensor
+    dbeta: torch.Tensor
+    dA_log: torch.Tensor
+    ddt_bias: torch.Tensor
+
+
+class Backend(NamedTuple):
+    """The three stages of a training step.
+
+    forward(inputs, options, segment_states=None) → :class:`ForwardResult` (without workspace and checkpoints under
+    ``options.recompute``; ``segment_states``: a segmented call's, when an earlier forward made them);
+    scan(inputs, options, saved, do, dht, dh0_dtype) → :class:`ScanResult` (do bf16 ``[B, T, H, V]``
+    contiguous; dht None or bf16 / fp32 ``[N, H, V, K]`` contiguous; dh0_dtype None: no dh0);
+    grads(inputs, options, saved, do, scan) → :class:`GradsResult`.
+    """
+
+    name: str
+    forward: Callable[..., ForwardResult]
+    scan: Callable[..., ScanResult]
+    grads: Callable[..., GradsResult]
+
+
+def workspace_spec(problem: ProblemShape) -> WorkspaceSpec:
+    """The K1 workspace of ``problem``: ``tiles_per_head`` slots per head."""
+    return WorkspaceSpec(
+        heads=problem.heads, tiles=tiles_per_head(problem.total_tokens, problem.num_seqs, problem.varlen),
+        dim=problem.head_dim,
+    )
+
+
+def workspace_of(options: Options, saved: Saved) -> Workspace:
+    """The K1 field views of ``saved.workspace``."""
+    return workspace_views(workspace_spec(options.problem), saved.workspace)
+
+
+def checkpoints_shape(problem: ProblemShape) -> tuple[int, int, int]:
+    """``[H · slots, D, D]`` of the checkpoints and of the state gradients, one slot per tile
+    (:func:`cute_kda.workspace.block_states_shape` of the problem's workspace)."""
+    slots = snapshot_slots(workspace_spec(problem).tiles, problem.num_seqs)
+    return (problem.heads * slots, problem.head_dim, problem.head_dim)
+
+
+def packed(x: Inputs, options: Options) -> tuple[Inputs, Options]:
+    """What the stages run: a segmented call's inputs as one packed row of segments (``[1, N · T, ...]`` views,
+    ``cu_seqlens`` the segment bounds on q's device) and the packed problem; an unsplit call as it is."""
+    seg = options.segmentation
+    if seg is None:
+        return x, options
+    flat = [t.reshape(1, -1, *t.shape[2:]) for t in (x.q, x.k, x.v, x.g, x.beta)]
+    cu_seqlens, tile_base = seg.on_device(x.q.device) if x.q.is_cuda else (seg.cu_seqlens(), seg.tile_bases())
+    return (Inputs(*flat, x.A_log, x.dt_bias, x.initial_state, cu_seqlens, tile_base),
+            options._replace(problem=seg.problem(options.problem.heads, options.problem.head_dim)))
+
+
+def entering_states(options: Options, x: Inputs, segment_states: torch.Tensor | None,
+              final_states: context_parallel.FinalStates) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the initial states of the packed run, the segment states): ``x.initial_state`` and None unsplit; else the
+    entering states ``[segments, H, V, K]`` fp32 of ``segment_states``, made first when not given."""
+    seg = options.segmentation
+    if seg is None:
+        return x.initial_state, None
+    if segment_states is None:
+        segment_states = context_parallel.segment_states(seg, final_states, x.v, x.initial_state)
+    return segment_states[0], segment_states
+
+
+def final_state_buffer(options: Options, device: torch.device) -> torch.Tensor | None:
+    """The final-state buffer of the packed run: ``[N, H, V, K]`` in the requested dtype; fp32 for every segment
+    of a segmented call (:func:`final_state_of` takes the last ones)."""
+    if options.final_state_dtype is None:
+        return None
+    dtype = torch.float32 if options.segmentation is not None else options.final_state_dtype
+    return torch.empty(state_shape(options.problem), dtype=dtype, device=device)
+
+
+def final_state_of(options: Options, final_state: torch.Tensor | None) -> torch.Tensor | None:
+    """Each sequence's final state, contiguous, in the requested dtype."""
+    if options.segmentation is None or final_state is None:
+        return final_state
+    # a copy of its own: a view would keep every segment's final state alive
+    return options.segmentation.last(final_state).to(options.final_state_dtype, copy=True).contiguous()
+
+
+def segment_scan(options: Options, saved: Saved, dht: torch.Tensor | None, dh0_dtype: torch.dtype | None,
+                  scan: Callable[..., ScanResult]) -> ScanResult:
+    """The backward scan of a segmented call: ``scan(dht, dh0_dtype, token_outputs)`` runs the packed scan
+    (``[segments, H, V, K]`` states); once with zero gradients leaving the segments for their own gradients (dh0
+    only: ``token_outputs`` False), the reverse combine, then the real scan. Unsplit: ``scan(dht, dh0_dtype)``."""
+    seg = options.segmentation
+    if seg is None:
+        return scan(dht, dh0_dtype)
+    local = scan(None, torch.float32, token_outputs=False).dh0
+    leaving = context_parallel.exiting_gradients(seg, local, saved.segment_states[1], dht)
+    result = scan(leaving, None if dh0_dtype is None else torch.float32)
+    dh0 = None if dh0_dtype is None else seg.first(result.dh0).to(dh0_dtype, copy=True).contiguous()
+    return result._replace(dh0=dh0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel backend
+
+
+def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | None = None) -> ForwardResult:
+    """K1 into a fresh workspace, K2 with checkpoints (without them under ``options.recompute``, the
+    workspace then dropped), on the current stream of q's device. A segmented call (packed, :func:`packed`) runs K2
+    twice more first, for the segment states (:func:`cute_kda.context_parallel.segment_states`), unless given."""
+    validation.check_on_cuda("q", x.q)
+    from ..ops import prepare as k1
+    from ..ops import recurrence as k2
+
+    problem, device = options.problem, x.q.device
+    buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=device)
+    saved_ws = workspace_views(workspace_spec(problem), buffer)
+    checkpoints = None
+    if not options.recompute:
+        checkpoints = torch.empty(checkpoints_shape(problem), dtype=torch.bfloat16, device=device)
+    out = torch.empty_like(x.v)
+    final_state = final_state_buffer(options, device)
+    tile_base = x.tile_base
+    if tile_base is None and problem.varlen:
+        tile_base = k1.tile_bases(x.cu_seqlens)
+    k1.prepare(
+        x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, saved_ws, scale=options.scale, lower_bound=options.lower_bound,
+        cu_seqlens=x.cu_seqlens, tile_base=tile_base, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
+        gate=options.gate,
+    )
+
+    def final_states(v: torch.Tensor, initial: torch.Tensor | None, into: torch.Tensor) -> None:
+        k2.recurrence(v, saved_ws, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=initial,
+                      final_state=into, vsplit=options.vsplit)
+
+    initial_state, segment_states = entering_states(options, x, segment_states, final_states)
+    k2.recurrence(
+        x.v, saved_ws, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=initial_state,
+        final_state=final_state, vsplit=options.vsplit, checkpoints=checkpoints,
+    )
+    return ForwardResult(out, final_state_of(options, final_state),
+                         Saved(None if options.recompute else buffer, checkpoints, tile_base, segment_states))
+
+
+def _kernel_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None,
+                 dh0_dtype: torch.dtype | None) -> ScanResult:
+    """Kernel A (:func:`cute_kda.ops.bwd_scan.bwd_scan`); twice for a segmented call (:func:`segment_scan`)."""
+    from ..ops import bwd_scan as ka
+
+    dv, du = torch.empty_like(x.v), torch.empty_like(x.v)
+    state_grads = torch.empty_like(saved.checkpoints)
+    ws = workspace_of(options, saved)
+
+    def scan(leaving: torch.Tensor | None, dtype: torch.dtype | None, token_outputs: bool = True) -> ScanResult:
+        dh0 = None if dtype is None else torch.empty(state_shape(options.problem), dtype=dtype, device=do.device)
+        ka.bwd_scan(do, ws, dv, du, state_grads, cu_seqlens=x.cu_seqlens, tile_base=saved.tile_base, dht=leaving,
+                    dh0=dh0, token_outputs=token_outputs)
+        return ScanResult(dv, du, state_grads, dh0)
+
+    return segment_scan(options, saved, dht, dh0_dtype, scan)
+
+
+def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult) -> GradsResult:
+    """Kernel B (:func:`cute_kda.ops.bwd_grads.bwd_grads`), its gate partials summed over the tiles."""
+    from ..ops import bwd_grads as kb
+
+    ws = workspace_of(options, saved)
+    per_head = x.g.dim() == 3  # GatedDeltaNet's per-head gate
+    ddt_shape, dalog_shape = kb.gate_partials_shapes(ws, options.problem.heads, per_head)
+    constants = options.gate != "none"  # a log decay has no A_log / dt_bias
+    ddt_partial = torch.empty(ddt_shape, dtype=torch.float32, device=do.device) if constants else None
+    dalog_partial = torch.empty(dalog_shape, dtype=torch.float32, device=do.device) if constants else None
+    unbounded = options.gate != "safe"  # dq, dk per value head (summed over each group below), else like q, k
+    dq, dk = (torch.empty_like(x.v if unbounded else t) for t in (x.q, x.k))
+    # dg: fp32 per (token, head) for a per-head gate, else bf16 like g (a fp32 log decay's is widened below)
+    dg = torch.empty(x.g.shape, dtype=torch.float32 if per_head else torch.bfloat16, device=do.device)
+    dbeta = torch.empty_like(x.beta)
+    kb.bwd_grads(  # β enters through the workspace's activated ws.beta
+        q=x.q, k=x.k, g=x.g, v=x.v, do=do, du=scan.du, ws=ws, states=saved.checkpoints,
+        state_grads=scan.state_grads, A_log=x.A_log, dt_bias=x.dt_bias, dq=dq, dk=dk, dg=dg, dbeta=dbeta,
+        ddt_partial=ddt_partial, dalog_partial=dalog_partial, scale=options.scale, lower_bound=options.lower_bound,
+        cu_seqlens=x.cu_seqlens, tile_base=saved.tile_base, qk_l2norm=options.qk_l2norm,
+        beta_logits=options.beta_logits, gate=options.gate,
+    )
+    if unbounded:
+        dq, dk = (group_sum(t, x.q.shape[2]) for t in (dq, dk))
+    dg = dg.to(x.g.dtype)
+    return GradsResult(dq, dk, dg, dbeta, None if dalog_partial is None else dalog_partial.sum(1),
+                       None if ddt_partial is None else ddt_partial.sum(1))
+
+
+def group_sum(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """bf16 ``[B, T, HV, D]`` summed over each group of ``HV / heads`` value heads in fp32: ``[B, T, heads, D]``
+    bf16 (the per-value-head dq, dk of grouped value heads; deterministic, no atomics). One reduction that reads
+    the bf16 values and accumulates in fp32 (torch's accumulator type for bf16), rounding once: no fp32 copy of
+    ``t`` (that copy and a reduction over it took 0.67 ms for each of dq, dk at T32768 HV32)."""
+    batch, steps, value_heads, dim = t.shape
+    if value_heads == heads:
+        return t
+    return t.view(batch, steps, heads, value_heads // heads, dim).sum(3)
+
+
+KERNELS = Backend("kernels", _kernel_forward, _kernel_scan, _kernel_grads)

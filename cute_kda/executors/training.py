@@ -1,0 +1,295 @@
+"""The training executor: a call that autograd records runs here, its forward and backward behind one
+``torch.autograd.Function`` (eager) or as the custom ops ``torch.ops.cute_kda.forward_train`` and
+``torch.ops.cute_kda.backward`` (under ``torch.compile``).
+
+Forward (training): a fresh K1 workspace per call (never the inference executor's shared buffer, which the next
+call reuses), K1, then K2 writing also the bf16 state entering every tile (``checkpoints``,
+:func:`cute_kda.workspace.block_states_shape`). Saved for the backward: the raw inputs, the workspace, the
+checkpoints, ``cu_seqlens`` on the device and ``tile_base``. With ``recompute`` the forward keeps neither: K2 runs
+without checkpoints and the workspace is freed when the forward returns; the backward runs K1 and K2 (with
+checkpoints) again from the saved inputs, ``initial_state`` included, before Kernel A. The recomputation is the
+same kernels on the same inputs, so the gradients are bit-identical to the default path's; it costs one K1 and one
+K2 per backward and saves the workspace and checkpoints (about 2.8× the bf16 q, k, v, g of the call) for as long as
+the graph holds the call.
+
+Backward: dO (zeros when only the final state is used) and dht (None when the final state is unused or absent) →
+Kernel A (dv, du, the per-tile state gradients, dh0) → Kernel B (dq, dk, dg, dβ and per-tile partial sums of
+ddt_bias / dA_log, reduced by ``.sum(1)``: deterministic). Kernel B runs only when one of q, k, g, beta, A_log,
+dt_bias needs a gradient. Everything is queued on the current stream; nothing synchronises the host. Gradients come
+back only for the inputs that need them, each in its input's dtype and shape (dh0 in ``initial_state``'s
+``[N, HV, V, K]`` layout and dtype).
+
+The stages sit behind a :class:`~cute_kda.executors.stages.Backend`: :data:`~cute_kda.executors.stages.KERNELS` for
+every public call and op; :data:`cute_kda.reference.backend.REFERENCE` only for a caller that names it
+(:func:`kda_forward` here with ``backend=``; the tests). Not supported, with an error naming it: double backward
+(``create_graph=True``), caller buffers ``out=`` / ``final_state=``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .. import validation
+from ..call import Call, Inputs, Options, check_trainable, options_of, problem_of, resolve, staged_cu_seqlens, state_shape
+from .stages import (
+    KERNEL_B_INPUTS, KERNELS, Backend, Saved, checkpoints_shape, packed, workspace_spec,
+)
+
+TRAIN_OP_NAME = "cute_kda::forward_train"
+BACKWARD_OP_NAME = "cute_kda::backward"
+
+
+def check_first_order() -> None:
+    """Refuse a backward that autograd would record (``create_graph=True``): the kernels' gradients are
+    not differentiable."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            "cute_kda's backward is not differentiable: double backward (create_graph=True, or a backward "
+            "of the backward) is not supported"
+        )
+
+
+def kernel_operand(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as a contiguous, 16-byte aligned ``dtype`` tensor (copied only when it is not one)."""
+    t = t.to(dtype).contiguous()
+    if t.data_ptr() % validation.ALIGNMENT_BYTES:
+        t = t.clone()
+    return t
+
+
+def recomputed(backend: Backend, x: Inputs, options: Options, saved: Saved) -> Saved:
+    """The workspace and checkpoints a ``recompute`` forward did not keep: ``backend``'s forward again on
+    the same inputs (``x.initial_state`` included), keeping them this time and skipping the final state; a segmented
+    call's kept segment states spare it the two extra passes."""
+    return backend.forward(x._replace(tile_base=saved.tile_base), options._replace(recompute=False, final_state_dtype=None),
+                           saved.segment_states).saved
+
+
+def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out: torch.Tensor | None,
+             d_final: torch.Tensor | None, needs: tuple[bool, ...],
+             initial_state_dtype: torch.dtype | None) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of q, k, v, g, beta, A_log, dt_bias, initial_state (None where ``needs`` is False).
+
+    ``x``, ``options``: the forward's, packed (:func:`packed`; ``x.initial_state`` is read only under
+    ``options.recompute``, where ``saved`` lacks the workspace and checkpoints and :func:`recomputed` rebuilds them);
+    d_out: None or the gradient w.r.t. out (``[B, T, H, V]``, or its packed ``[1, B · T, H, V]``); d_final: None or
+    the gradient w.r.t. the final state ``[N, H, V, K]`` (its dtype); ``needs``: one flag per input, in
+    :data:`INPUT_NAMES` order; ``initial_state_dtype``: the forward's initial state dtype, None without one (then no
+    dh0). The token gradients come back in the packed shapes (:func:`unpacked` takes them to the caller's).
+    """
+    do = torch.zeros_like(x.v) if d_out is None else kernel_operand(d_out, torch.bfloat16).view(x.v.shape)
+    dht = None if d_final is None else kernel_operand(d_final, d_final.dtype)
+    dh0_dtype = initial_state_dtype if needs[7] else None
+    if options.recompute:
+        saved = recomputed(backend, x, options, saved)
+    scan = backend.scan(x, options, saved, do, dht, dh0_dtype)
+    dq = dk = dg = dbeta = dA_log = ddt_bias = None
+    if any(needs[i] for i in KERNEL_B_INPUTS):
+        dq, dk, dg, dbeta, dA_log, ddt_bias = backend.grads(x, options, saved, do, scan)
+    grads = (dq, dk, scan.dv, dg, dbeta, dA_log, ddt_bias, scan.dh0)
+    return tuple(grad if need else None for grad, need in zip(grads, needs))
+
+
+def unpacked(grads: tuple, shapes: tuple) -> tuple:
+    """The gradients of :func:`backward` in the caller's shapes: the token gradients (dq, dk, dv, dg, dβ) viewed as
+    ``shapes`` (:func:`shapes_of`), the others as they are."""
+    tokens = tuple(None if grad is None else grad.view(shape) for grad, shape in zip(grads, shapes))
+    return (*tokens, *grads[len(shapes):])
+
+
+def shapes_of(x: Inputs) -> tuple:
+    """The shapes of the per-token inputs q, k, v, g, beta."""
+    return tuple(t.shape for t in x[:5])
+
+
+class TrainingForward(torch.autograd.Function):
+    """``(backend, options, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens) → (out, final_state)``
+    (tensors as :class:`Inputs`; final_state None without one)."""
+
+    @staticmethod
+    def forward(ctx: Any, backend: Backend, options: Options, *tensors: torch.Tensor | None) -> tuple:
+        user = Inputs(*tensors)
+        x, options = packed(user, options)
+        result = backend.forward(x, options)
+        ctx.set_materialize_grads(False)
+        ctx.backend, ctx.options, ctx.shapes = backend, options, shapes_of(user)
+        ctx.initial_state_dtype = None if x.initial_state is None else x.initial_state.dtype
+        initial_state = x.initial_state if options.recompute else None  # only the recomputation reads it
+        ctx.save_for_backward(x.q, x.k, x.v, x.g, x.beta, x.A_log, x.dt_bias, initial_state, x.cu_seqlens,
+                              *result.saved)
+        return result.out.view(user.v.shape), result.final_state
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor | None, d_final: torch.Tensor | None) -> tuple:
+        check_first_order()
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *saved = ctx.saved_tensors
+        x = Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+        grads = backward(ctx.backend, x, ctx.options, Saved(*saved), d_out, d_final, ctx.needs_input_grad[2:10],
+                         ctx.initial_state_dtype)
+        return (None, None, *unpacked(grads, ctx.shapes), None)
+
+
+def train(backend: Backend, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The recorded training forward of a resolved ``call`` (:func:`cute_kda.call.resolve` admitted it) on
+    ``backend``'s stages: (out, final state or None), with their backward recorded."""
+    x, options = call.inputs, call.options
+    return TrainingForward.apply(backend, options, *x[:9])
+
+
+def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                backend: Backend, **arguments: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`cute_kda.kda_forward`'s training path on torch tensors, with the stages of ``backend``: the same
+    arguments, checks and results, always recorded by autograd, whatever requires grad. For the references:
+    ``backend=REFERENCE`` runs on any device."""
+    return train(backend, resolve(q, k, v, g, beta, training=True, **arguments))
+
+
+# ---------------------------------------------------------------------------------------------
+# the training ops (torch.compile)
+
+
+def _stages() -> Backend:
+    """The stages the training ops run: always the kernels (a test replaces this function to run the
+    ops on the references)."""
+    return KERNELS
+
+
+def _empty_if_none(t: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype | None = None,
+                   rank: int = 1) -> torch.Tensor:
+    """``t``, or an empty tensor of ``rank`` dims standing for None (a custom op returns tensors only)."""
+    return like.new_empty((0,) * rank, dtype=dtype) if t is None else t
+
+
+@torch.library.custom_op(TRAIN_OP_NAME, mutates_args=())
+def forward_train_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor], scale: Optional[float], lower_bound: float, output_final_state: bool,
+    vsplit: Optional[int], qk_l2norm: bool, beta_logits: bool, recompute: bool, gate: str, segments: Optional[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The training forward of :func:`cute_kda.kda_forward`'s arguments (caller buffers excepted). Returns out bf16
+    ``[B, T, HV, V]``, the final state ``[N, HV, V, K]`` (empty without ``output_final_state``), the flat uint8
+    workspace ``[WorkspaceSpec.nbytes]``, the checkpoints bf16 ``[HV · slots, D, D]`` (state images; both empty under
+    ``recompute``), ``tile_base`` int32 ``[N+1]`` (empty for fixed length) and the segment states fp32
+    ``[2, segments, HV, V, K]`` (empty unsplit). A segmented call's workspace, checkpoints and ``tile_base`` are those
+    of its packed problem (:func:`cute_kda.executors.stages.packed`)."""
+    call = resolve(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                   initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                   vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute, gate=gate,
+                   segments=segments, training=True)
+    result = _stages().forward(*packed(call.inputs, call.options))
+    saved = result.saved
+    return (result.out.view(v.shape), _empty_if_none(result.final_state, q),
+            _empty_if_none(saved.workspace, q, torch.uint8), _empty_if_none(saved.checkpoints, q, torch.bfloat16, 3),
+            _empty_if_none(saved.tile_base, q, torch.int32), _empty_if_none(saved.segment_states, q, torch.float32))
+
+
+def _op_options(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, scale: float | None,
+                lower_bound: float, final_state_dtype: torch.dtype | None, vsplit: int | None, qk_l2norm: bool,
+                beta_logits: bool, recompute: bool, gate: str, segments: int | None) -> Options:
+    """The :class:`~cute_kda.call.Options` the training ops' fakes and backward derive from the op's arguments
+    (:func:`~cute_kda.call.options_of`, as the forward's :func:`~cute_kda.call.resolve` did)."""
+    return options_of(q, v, cu_seqlens, scale=scale, lower_bound=lower_bound, qk_l2norm=qk_l2norm,
+                      beta_logits=beta_logits, final_state_dtype=final_state_dtype, vsplit=vsplit,
+                      recompute=recompute, gate=gate, segments=segments)
+
+
+@forward_train_op.register_fake
+def _forward_train_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
+                        output_final_state, vsplit, qk_l2norm, beta_logits, recompute, gate, segments):
+    state_dtype = None
+    if output_final_state:
+        state_dtype = torch.float32 if initial_state is None else initial_state.dtype
+    options = _op_options(q, v, cu_seqlens, scale, lower_bound, state_dtype, vsplit, qk_l2norm, beta_logits,
+                          recompute, gate, segments)
+    problem, seg = options.problem, options.segmentation
+    segment_states = q.new_empty((0,), dtype=torch.float32)
+    if seg is not None:
+        segment_states = q.new_empty((2, seg.count, *state_shape(problem)[1:]), dtype=torch.float32)
+        problem = seg.problem(problem.heads, problem.head_dim)
+    o = torch.empty_like(v, memory_format=torch.contiguous_format)
+    state = q.new_empty((0,)) if state_dtype is None else q.new_empty(state_shape(options.problem), dtype=state_dtype)
+    workspace = q.new_empty((0 if recompute else workspace_spec(problem).nbytes,), dtype=torch.uint8)
+    checkpoints = q.new_empty((0, 0, 0) if recompute else checkpoints_shape(problem), dtype=torch.bfloat16)
+    tile_base = q.new_empty((problem.num_seqs + 1 if problem.varlen else 0,), dtype=torch.int32)
+    return o, state, workspace, checkpoints, tile_base, segment_states
+
+
+@torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
+def backward_op(
+    do: torch.Tensor, dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    g: torch.Tensor, beta: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
+    initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], workspace: torch.Tensor,
+    checkpoints: torch.Tensor, tile_base: Optional[torch.Tensor], segment_states: Optional[torch.Tensor],
+    scale: Optional[float], lower_bound: float, qk_l2norm: bool, beta_logits: bool, dh0_dtype: Optional[torch.dtype],
+    token_grads: bool, recompute: bool, gate: str, vsplit: Optional[int], segments: Optional[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    """The backward of :func:`forward_train_op`: do bf16 ``[B, T, HV, V]``; dht None or ``[N, HV, V, K]``;
+    the forward's inputs (``initial_state`` read only under ``recompute``) and saved outputs (``tile_base``
+    None for fixed length, ``segment_states`` None unsplit; workspace and checkpoints empty under ``recompute``);
+    ``vsplit`` and ``segments`` as the forward had them. Returns dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 in
+    their inputs' shapes and dtypes; dq, dk, dg, dbeta, dA_log, ddt_bias are empty unless ``token_grads``, dh0
+    unless ``dh0_dtype`` (then ``[N, HV, V, K]`` in it); dA_log, ddt_bias empty for the log decay (gate "none")."""
+    options = _op_options(q, v, cu_seqlens, scale, lower_bound, None, vsplit, qk_l2norm, beta_logits, recompute,
+                          gate, segments)
+    user = Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, staged_cu_seqlens(cu_seqlens, q))
+    x, options = packed(user, options)
+    constants = token_grads and A_log is not None
+    needs = (token_grads, token_grads, True, token_grads, token_grads, constants, constants, dh0_dtype is not None)
+    kept = (None, None) if recompute else (workspace, checkpoints)
+    saved = Saved(*kept, tile_base, segment_states)
+    grads = backward(_stages(), x, options, saved, do, dht, needs, dh0_dtype)
+    grads = unpacked(grads, shapes_of(user))
+    return tuple(q.new_empty((0,)) if grad is None else grad for grad in grads)
+
+
+@backward_op.register_fake
+def _backward_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, workspace, checkpoints,
+                   tile_base, segment_states, scale, lower_bound, qk_l2norm, beta_logits, dh0_dtype, token_grads,
+                   recompute, gate, vsplit, segments):
+    def like(t: torch.Tensor | None, wanted: bool) -> torch.Tensor:
+        if t is None or not wanted:
+            return q.new_empty((0,))
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    dh0 = q.new_empty((0,))
+    if dh0_dtype is not None:
+        dh0 = q.new_empty(state_shape(problem_of(q, v, cu_seqlens)), dtype=dh0_dtype)
+    return (like(q, token_grads), like(k, token_grads), like(v, True), like(g, token_grads), like(beta, token_grads),
+            like(A_log, token_grads), like(dt_bias, token_grads), dh0)
+
+
+_TRAIN_INPUTS = 18  # arguments of forward_train_op
+
+
+def _setup_train_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound = inputs[:11]
+    vsplit, qk_l2norm, beta_logits, recompute, gate, segments = inputs[12:]
+    _, _, workspace, checkpoints, tile_base, segment_states = output
+    ctx.mark_non_differentiable(workspace, checkpoints, tile_base, segment_states)
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state if recompute else None, cu_seqlens,
+                          workspace, checkpoints, tile_base, segment_states)
+    ctx.options = (scale, lower_bound, qk_l2norm, beta_logits, recompute, gate, vsplit, segments)
+    ctx.initial_state_dtype = None if initial_state is None else initial_state.dtype
+
+
+def _train_backward(ctx: Any, d_out: torch.Tensor, d_final: torch.Tensor, *_: Any) -> tuple:
+    check_first_order()
+    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, workspace, checkpoints, tile_base,
+     segment_states) = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    dh0_dtype = ctx.initial_state_dtype if needs[7] else None
+    scale, lower_bound, qk_l2norm, beta_logits, recompute, gate, vsplit, segments = ctx.options
+    grads = backward_op(
+        d_out, d_final if d_final.numel() else None, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+        workspace, checkpoints, tile_base if tile_base.numel() else None,
+        segment_states if segment_states.numel() else None, scale, lower_bound, qk_l2norm, beta_logits,
+        dh0_dtype, any(needs[i] for i in KERNEL_B_INPUTS), recompute, gate, vsplit, segments,
+    )
+    return (*(grad if need else None for grad, need in zip(grads, needs[:8])), *(None,) * (_TRAIN_INPUTS - 8))
+
+
+forward_train_op.register_autograd(_train_backward, setup_context=_setup_train_context)

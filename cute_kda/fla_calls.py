@@ -1,0 +1,401 @@
+"""flash-linear-attention's calls translated into cute_kda's: ``chunk_kda`` (KDA) and ``chunk_gated_delta_rule``
+(GatedDeltaNet), fla-core 0.6.0's signatures.
+
+Each translation is a pure function of FLA's arguments: it checks them the way FLA does (FLA's error types and, where
+FLA's code or tests match them, its texts), raises ``NotImplementedError`` naming the flag for what the kernels do
+not cover, and returns the canonical :func:`cute_kda.kda_forward` call (:class:`CanonicalCall`, :class:`GdnCall`)
+with the way back to FLA's layouts. Nothing is launched and no device is needed: the CPU tests run the translations
+against the gold token recurrence.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import validation
+
+
+@dataclass(frozen=True)
+class CanonicalCall:
+    """A :func:`kda_forward` call equivalent to an FLA ``chunk_kda`` call, and how to hand back.
+
+    ``tensors`` = (q, k, v, g, beta); ``options`` = keyword arguments of :func:`kda_forward`;
+    ``state_k_first``: the caller's states are FLA's default ``[N, H, K, V]``, so the v-first
+    final state is transposed back (into a contiguous tensor) on the way out; ``recompute``: FLA's
+    ``not disable_recompute``, :func:`kda_forward`'s training-memory choice (not in ``options``, which
+    the references take too).
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    options: dict[str, Any]
+    state_k_first: bool
+    recompute: bool = True
+
+    def run(self, forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[Any, Any]:
+        """Call ``forward`` (:func:`kda_forward`, or a reference with its signature) and shape the result."""
+        o, state = forward(*self.tensors, **self.options)
+        if state is not None and self.state_k_first:
+            state = state.transpose(-1, -2).contiguous()
+        return o, state
+
+
+_FLA_CHUNK_SIZES = (32, 64)
+_FLA_EXTRA_KWARGS = frozenset(("A_log", "dt_bias", "chunk_size", "transpose_state_layout"))
+
+
+def translate_fla_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    cp_context: Any = None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    **kwargs: Any,
+) -> CanonicalCall:
+    """Map FLA ``chunk_kda`` arguments (fla-core 0.6.0) onto a :func:`kda_forward` call.
+
+    Pure: no kernel runs, no device is needed. What maps (same function as FLA computes):
+      - gate: ``use_gate_in_kernel=True`` with ``lower_bound`` set is FLA's bounded gate
+        ``lower_bound · sigmoid(exp(A_log) · (g + dt_bias))`` whatever ``safe_gate`` says (FLA's
+        gate kernel keys on ``lower_bound``) → ``gate="safe"``; without ``lower_bound`` it is the
+        softplus gate ``−exp(A_log) · softplus(g + dt_bias)`` → ``gate="softplus"``; ``A_log=None``
+        means no scaling (we pass zeros: exp(0) = 1); ``dt_bias`` ``[H*K]``, ``[H, K]`` or None
+        (zeros). Both are taken to fp32 as FLA's kernels do. ``use_gate_in_kernel=False``: g is the
+        log decay itself (bf16 or fp32) → ``gate="none"``, A_log and dt_bias unused.
+      - ``use_qk_l2norm_in_kernel`` → ``qk_l2norm``; ``use_beta_sigmoid_in_kernel`` → ``beta_logits``.
+      - states: fp32 ``[N, H, K, V]`` (default) or ``[N, H, V, K]`` with ``state_v_first`` /
+        ``transpose_state_layout``; the final state is fp32 in the caller's layout.
+      - ``disable_recompute`` keeps FLA's meaning for training: False (FLA's default) →
+        ``recompute=True``, the backward recomputes the forward's intermediates instead of the
+        forward keeping them (FLA's memory-lean default); True → they are kept (faster backward).
+      - ``safe_gate`` changes how FLA computes, not what: accepted. ``chunk_size`` (32 or 64)
+        likewise. ``cu_seqlens_cpu``, when given, is checked on the host.
+      - grouped value heads: v, g, beta, ``A_log``, ``dt_bias`` and the states have HV heads, a multiple of
+        q's and k's H (value head ``j`` reads q/k head ``j // (HV / H)``); they train with the unbounded gates.
+      - inputs that are not contiguous are made contiguous (FLA does the same).
+    What raises ``NotImplementedError`` (the flag is named): a bounded gate with ``lower_bound``
+    outside [-5, 0) when ``safe_gate=False``, ``allow_neg_eigval``, training grouped value heads (HV != H) with
+    the safe gate, ``return_intermediate_states``, ``cp_context``, ``use_graph``. Errors FLA raises itself
+    (``ValueError``) are raised the same way.
+    """
+    if not kwargs.keys() <= _FLA_EXTRA_KWARGS:
+        unknown = sorted(kwargs.keys() - _FLA_EXTRA_KWARGS)
+        raise TypeError(f"chunk_kda got unexpected keyword arguments: {', '.join(unknown)}")
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            raise ValueError("pass either state_v_first or the deprecated transpose_state_layout, not both")
+        state_v_first = bool(kwargs["transpose_state_layout"])
+    chunk_size = kwargs.get("chunk_size", 64)
+    if chunk_size not in _FLA_CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be 32 or 64 for KDA, got {chunk_size}")
+    _refuse_unsupported_fla_flags(
+        allow_neg_eigval=allow_neg_eigval, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        return_intermediate_states=return_intermediate_states, cp_context=cp_context, use_graph=use_graph,
+    )
+    gate, lower_bound = _fla_gate(use_gate_in_kernel, safe_gate, lower_bound)
+
+    tensor = torch.Tensor
+    if not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor) and isinstance(g, tensor)
+            and isinstance(beta, tensor) and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and g.dim() == 4
+            and beta.dim() == 3):  # the common case in one test; otherwise the checks name the argument
+        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            validation.check_is_tensor(name, x)
+            ndim, meaning = (3, "[B, T, H]") if name == "beta" else (4, "[B, T, H, D]")
+            validation.check_ndim(name, x, ndim, meaning)
+    key_dim, heads = q.shape[3], v.shape[2]  # value heads: g, beta, A_log, dt_bias and the states have HV
+    if heads != q.shape[2]:
+        validation.check_value_heads(q.shape[2], heads)
+    if gate == "none":  # FLA reads neither with a precomputed log decay
+        A_log = dt_bias = None
+    else:
+        A_log = _fla_A_log(kwargs.get("A_log"), heads, q.device)
+        dt_bias = _fla_dt_bias(kwargs.get("dt_bias"), heads, key_dim, q.device)
+
+    if initial_state is not None:
+        validation.check_is_tensor("initial_state", initial_state)
+        validation.check_dtype("initial_state", initial_state, (torch.float32,))
+        _check_fla_state_shape(initial_state, q, v, cu_seqlens, state_v_first)
+        initial_state = initial_state if state_v_first else initial_state.transpose(-1, -2)
+        initial_state = initial_state.contiguous()
+    if cu_seqlens is not None and cu_seqlens_cpu is not None:
+        validation.check_is_tensor("cu_seqlens_cpu", cu_seqlens_cpu)
+        validation.check_cu_seqlens_values(cu_seqlens_cpu, q.shape[1], name="cu_seqlens_cpu")
+
+    options = dict(
+        scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, initial_state=initial_state,
+        output_final_state=bool(output_final_state), cu_seqlens=cu_seqlens,
+        qk_l2norm=bool(use_qk_l2norm_in_kernel), beta_logits=bool(use_beta_sigmoid_in_kernel), gate=gate,
+    )
+    tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous())
+    return CanonicalCall(tensors=tensors, options=options, state_k_first=not state_v_first,
+                         recompute=not disable_recompute)
+
+
+def _check_fla_state_shape(state: torch.Tensor, q: torch.Tensor, v: torch.Tensor, cu_seqlens: Any,
+                           state_v_first: bool) -> None:
+    """The caller's state shape in the caller's layout (checked before the v-first transpose, so an
+    error shows the shape that was passed)."""
+    meaning = "[N, H, V, K] (state_v_first)" if state_v_first else "[N, H, K, V]"
+    validation.check_ndim("initial_state", state, 4, meaning)
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1:
+        num_seqs = cu_seqlens.numel() - 1
+    else:
+        num_seqs = q.shape[0]
+    heads, key_dim, value_dim = v.shape[2], q.shape[3], v.shape[3]
+    inner = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
+    validation.check_shape("initial_state", state, (num_seqs, heads, *inner), meaning)
+
+
+def refuse_neg_eigval(allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool) -> None:
+    """FLA's ``allow_neg_eigval`` (β = 2·sigmoid) is not implemented: FLA's own ValueError first, then ours."""
+    if allow_neg_eigval:
+        if not use_beta_sigmoid_in_kernel:  # FLA raises this ValueError itself
+            raise ValueError(
+                "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (FLA's rule); cute_kda does not "
+                "implement allow_neg_eigval=True with either beta flag: pass allow_neg_eigval=False"
+            )
+        raise NotImplementedError(
+            "allow_neg_eigval=True (beta = 2·sigmoid(logits)) is not supported; pass allow_neg_eigval=False"
+        )
+
+
+def _refuse_unsupported_fla_flags(
+    *, allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool, return_intermediate_states: bool,
+    cp_context: Any, use_graph: bool,
+) -> None:
+    refuse_neg_eigval(allow_neg_eigval, use_beta_sigmoid_in_kernel)
+    if return_intermediate_states:
+        raise NotImplementedError("return_intermediate_states=True is not supported (no chunk states are kept)")
+    if cp_context is not None:
+        raise NotImplementedError("cp_context (context parallelism) is not supported")
+    if use_graph:
+        raise NotImplementedError(
+            "use_graph=True (padded cu_seqlens for graph capture) is not supported; "
+            "the kernels need no host sync, call with the real cu_seqlens"
+        )
+
+
+def _fla_gate(use_gate_in_kernel: bool, safe_gate: bool, lower_bound: float | None) -> tuple[str, float]:
+    """(``gate``, ``lower_bound``) of :func:`kda_forward` for FLA's gate flags."""
+    if not use_gate_in_kernel:
+        return "none", -5.0  # g is the log decay; lower_bound plays no part
+    if lower_bound is None:
+        if safe_gate:
+            raise ValueError("lower_bound must be specified when safe_gate=True and use_gate_in_kernel=True")
+        return "softplus", -5.0
+    value = validation.check_real("lower_bound", lower_bound)
+    if not validation.LOWER_BOUND_MIN <= value < validation.LOWER_BOUND_MAX:
+        if safe_gate:
+            raise ValueError(f"lower_bound must be in the safe range [-5, 0), got {value}")
+        raise NotImplementedError(f"lower_bound = {value} is not supported; the kernels need lower_bound in [-5, 0)")
+    return "safe", value
+
+
+def _fla_A_log(A_log: Any, heads: int, device: torch.device) -> torch.Tensor:
+    """FLA's ``A_log`` (``[H]``-sized, any float dtype, or None) as fp32 ``[H]``."""
+    if A_log is None:
+        return torch.zeros(heads, dtype=torch.float32, device=device)
+    validation.check_is_tensor("A_log", A_log)
+    if A_log.dtype is torch.float32 and A_log.shape == (heads,) and A_log.is_contiguous():
+        return A_log  # already what the kernels take (what the conversions below would return, for less host time)
+    if A_log.numel() != heads:
+        raise ValueError(f"A_log must hold H = {heads} values, got shape {list(A_log.shape)}")
+    return A_log.reshape(heads).to(torch.float32).contiguous()
+
+
+def _fla_dt_bias(dt_bias: Any, heads: int, key_dim: int, device: torch.device) -> torch.Tensor:
+    """FLA's ``dt_bias`` (``[H*K]``, ``[H, K]`` or None) as fp32 ``[H, K]``."""
+    if dt_bias is None:
+        return torch.zeros(heads, key_dim, dtype=torch.float32, device=device)
+    validation.check_is_tensor("dt_bias", dt_bias)
+    if dt_bias.dtype is torch.float32 and dt_bias.shape == (heads, key_dim) and dt_bias.is_contiguous():
+        return dt_bias
+    if tuple(dt_bias.shape) not in ((heads * key_dim,), (heads, key_dim)):
+        raise ValueError(f"dt_bias must have shape [H*K] = [{heads * key_dim}] or [H, K] = [{heads}, {key_dim}], "
+                         f"got {list(dt_bias.shape)}")
+    return dt_bias.reshape(heads, key_dim).to(torch.float32).contiguous()
+
+
+_GDN_CHUNK_SIZES = (16, 32, 64)
+_GDN_EXTRA_KWARGS = ("transpose_state_layout", "head_first", "chunk_size", "use_gate_in_kernel", "A_log", "dt_bias")
+GDN_GATES = ("softplus", "none")  # raw input through −exp(A_log)·softplus(g + dt_bias), or the log decay itself
+
+
+@dataclass(frozen=True)
+class GdnCall:
+    """A canonical GatedDeltaNet forward equivalent to an FLA ``chunk_gated_delta_rule`` call.
+
+    ``tensors`` = (q, k, v, g, beta), contiguous, dtypes as given: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``;
+    g ``[B, T, HV]`` (the raw gate input for ``gate="softplus"``, the per-token log decay for ``"none"``);
+    beta ``[B, T, HV]`` (logits when ``beta_logits``).
+
+    ``options``, the keywords of the canonical forward: ``scale`` (float, resolved), ``gate`` (one of
+    ``GDN_GATES``), ``A_log`` fp32 ``[HV]`` (softplus gate; None for ``"none"``), ``dt_bias`` fp32 ``[HV]``
+    (softplus gate: zeros when the call has none; None for ``"none"``), ``qk_l2norm``, ``beta_logits``, ``initial_state`` (None, or contiguous v-first
+    ``[N, HV, V, K]`` in the caller's fp32 / bf16), ``output_final_state``, ``cu_seqlens`` (int ``[N+1]``, B = 1).
+
+    ``state_k_first``: the caller's states are FLA's default ``[N, HV, K, V]``, so the v-first final state
+    is transposed back (into a contiguous tensor) on the way out.
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    options: dict[str, Any]
+    state_k_first: bool
+
+    def run(self, forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, Any]:
+        """Call ``forward`` (a canonical GatedDeltaNet forward: ``forward(q, k, v, g, beta, **options)`` →
+        (o ``[B, T, HV, V]``, v-first final state or None)) and hand back as FLA does: the final state fp32
+        (whatever the initial state's dtype) in the caller's layout."""
+        o, state = forward(*self.tensors, **self.options)
+        if state is not None:
+            state = state.transpose(-1, -2) if self.state_k_first else state
+            state = state.to(torch.float32).contiguous()
+        return o, state
+
+
+def translate_fla_gdn_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    cp_context: Any = None,
+    **kwargs: Any,
+) -> GdnCall:
+    """Map FLA ``chunk_gated_delta_rule`` arguments (fla-core 0.6.0) onto a :class:`GdnCall`.
+
+    Pure: no kernel runs, no device is needed. What maps (the same function as FLA computes):
+      - gate: ``use_gate_in_kernel=True`` is the softplus gate ``−exp(A_log) · softplus(g + dt_bias)`` per value
+        head (``A_log`` ``[HV]`` required, ``dt_bias`` ``[HV]`` or None; both taken to fp32 as FLA's gate kernel
+        does); ``use_gate_in_kernel=False`` (FLA's default) takes g as the log decay (any value ≤ 0, −1000
+        masks included; A_log and dt_bias are then ignored, as FLA ignores them).
+      - GVA: v, g, beta and the states have HV heads, HV a multiple of H; value head ``j`` reads q/k head
+        ``j // (HV / H)``.
+      - ``use_qk_l2norm_in_kernel`` → ``qk_l2norm``; ``use_beta_sigmoid_in_kernel`` → ``beta_logits``.
+      - states: ``[N, HV, K, V]`` (default) or ``[N, HV, V, K]`` with ``state_v_first`` / the deprecated
+        ``transpose_state_layout``, fp32 or bf16; the final state is fp32 in the caller's layout.
+      - ``chunk_size`` (16, 32 or 64) and ``chunk_indices`` change how FLA computes, not what: accepted.
+        ``cu_seqlens_cpu``, when given, is checked on the host. Inputs that are not contiguous are made so.
+    What raises ``NotImplementedError`` (the flag is named): ``allow_neg_eigval=True`` (β = 2·sigmoid) and
+    ``cp_context``. Errors FLA raises itself are raised the same way (``ValueError``; its
+    ``DeprecationWarning`` for ``head_first``); a missing ``A_log`` with ``use_gate_in_kernel=True`` is a
+    ``ValueError`` here (FLA asserts). Unknown keywords raise ``TypeError``.
+    """
+    unknown = sorted(set(kwargs) - set(_GDN_EXTRA_KWARGS))
+    if unknown:
+        raise TypeError(f"chunk_gated_delta_rule got unexpected keyword arguments: {', '.join(unknown)}")
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            raise ValueError("pass either state_v_first or the deprecated transpose_state_layout, not both")
+        warnings.warn("transpose_state_layout is deprecated and renamed to state_v_first", DeprecationWarning,
+                      stacklevel=2)
+        state_v_first = bool(kwargs["transpose_state_layout"])
+    if "head_first" in kwargs:  # FLA raises the warning class itself
+        raise DeprecationWarning("head_first has been removed; inputs must be in [B, T, H, ...] format")
+    chunk_size = kwargs.get("chunk_size", 64)
+    if chunk_size not in _GDN_CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be 16, 32 or 64 for the gated delta rule, got {chunk_size}")
+    refuse_neg_eigval(allow_neg_eigval, use_beta_sigmoid_in_kernel)
+    if cp_context is not None:
+        raise NotImplementedError("cp_context (context parallelism) is not supported")
+
+    batch, seq_len, heads, value_heads = _check_gdn_shapes(q, k, v, g, beta)
+    gate, A_log, dt_bias = _gdn_gate(bool(kwargs.get("use_gate_in_kernel", False)), kwargs.get("A_log"),
+                                     kwargs.get("dt_bias"), value_heads, q.device)
+    if cu_seqlens is not None:
+        validation.check_is_tensor("cu_seqlens", cu_seqlens)
+        if batch != 1:
+            raise ValueError(f"the batch size must be 1 with cu_seqlens (flatten variable-length inputs), got {batch}")
+        if cu_seqlens_cpu is not None:
+            validation.check_is_tensor("cu_seqlens_cpu", cu_seqlens_cpu)
+            validation.check_cu_seqlens_values(cu_seqlens_cpu, seq_len, name="cu_seqlens_cpu")
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None:
+        validation.check_is_tensor("initial_state", initial_state)
+        validation.check_dtype("initial_state", initial_state, validation.STATE_DTYPES)
+        meaning = "[N, HV, V, K] (state_v_first)" if state_v_first else "[N, HV, K, V]"
+        validation.check_ndim("initial_state", initial_state, 4, meaning)
+        if initial_state.shape[0] != num_seqs:
+            raise ValueError(f"initial_state must hold one state per sequence ({num_seqs}), got "
+                             f"{initial_state.shape[0]}")
+        inner = (v.shape[3], q.shape[3]) if state_v_first else (q.shape[3], v.shape[3])
+        validation.check_shape("initial_state", initial_state, (num_seqs, value_heads, *inner), meaning)
+        initial_state = (initial_state if state_v_first else initial_state.transpose(-1, -2)).contiguous()
+
+    options = dict(
+        scale=float(q.shape[3] ** -0.5 if scale is None else validation.check_real("scale", scale)),
+        gate=gate, A_log=A_log, dt_bias=dt_bias, qk_l2norm=bool(use_qk_l2norm_in_kernel),
+        beta_logits=bool(use_beta_sigmoid_in_kernel), initial_state=initial_state,
+        output_final_state=bool(output_final_state), cu_seqlens=cu_seqlens,
+    )
+    tensors = tuple(x.contiguous() for x in (q, k, v, g, beta))
+    return GdnCall(tensors=tensors, options=options, state_k_first=not state_v_first)
+
+
+def _check_gdn_shapes(q: Any, k: Any, v: Any, g: Any, beta: Any) -> tuple[int, int, int, int]:
+    """FLA's shape rules for GatedDeltaNet → (B, T, H, HV)."""
+    for name, x, ndim, meaning in (("q", q, 4, "[B, T, H, K]"), ("k", k, 4, "[B, T, H, K]"), ("v", v, 4, "[B, T, HV, V]"),
+                                   ("g", g, 3, "[B, T, HV]"), ("beta", beta, 3, "[B, T, HV]")):
+        validation.check_is_tensor(name, x)
+        validation.check_ndim(name, x, ndim, meaning)
+    batch, seq_len, heads, key_dim = q.shape
+    if k.shape[2] != heads:
+        raise ValueError(f"q and k must have the same number of heads, got {heads} and {k.shape[2]}")
+    validation.check_shape("k", k, tuple(q.shape), "[B, T, H, K]")
+    value_heads = v.shape[2]
+    if value_heads % heads:
+        raise ValueError(f"for GVA the value heads (HV = {value_heads}) must be a multiple of the q/k heads "
+                         f"(H = {heads})")
+    validation.check_shape("v", v, (batch, seq_len, value_heads, v.shape[3]), "[B, T, HV, V]")
+    validation.check_shape("g", g, (batch, seq_len, value_heads), "[B, T, HV]")
+    validation.check_shape("beta", beta, (batch, seq_len, value_heads), "[B, T, HV]")
+    return batch, seq_len, heads, value_heads
+
+
+def _gdn_gate(use_gate_in_kernel: bool, A_log: Any, dt_bias: Any, value_heads: int, device: torch.device
+              ) -> tuple[str, torch.Tensor | None, torch.Tensor | None]:
+    """(gate, A_log fp32 [HV] or None, dt_bias fp32 [HV] or None) of FLA's gate flags; the softplus gate without a
+    bias gets zeros (the kernels read one)."""
+    if not use_gate_in_kernel:
+        return "none", None, None
+    if A_log is None:
+        raise ValueError("A_log must be provided when use_gate_in_kernel=True")
+    if dt_bias is None:
+        dt_bias = torch.zeros(value_heads, dtype=torch.float32, device=device)
+    out = []
+    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+        validation.check_is_tensor(name, x)
+        if x.numel() != value_heads:
+            raise ValueError(f"{name} must hold HV = {value_heads} values, got shape {list(x.shape)}")
+        out.append(x.reshape(value_heads).to(torch.float32).contiguous())
+    return "softplus", out[0], out[1]

@@ -1,0 +1,110 @@
+"""Kernel variants: one frozen dataclass per kernel, naming everything that selects compiled code.
+
+A variant is the compile key of its kernel (the launchers in :mod:`cute_kda.ops` cache compiled code by
+``(variant, device index)``), what its launcher builds the kernel class from, and what :func:`cute_kda.warmup`
+lists. Sizes that vary per call are not part of it: one compile serves every size. The choices that depend on
+the problem and the device (the V-split of the scans) are class methods here, next to the field they choose.
+This module imports nothing of the DSL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .numerics import SCAN_VSPLITS, SUPPORTED_VSPLITS
+from .workspace import SNAPSHOT_TILES
+
+
+def fill_sms(num_seqs: int, heads: int, sms: int, splits: tuple[int, ...]) -> int:
+    """The largest split in ``splits`` whose CTA count ``num_seqs · heads · split`` still fits one CTA per SM; the
+    smallest when even ``num_seqs · heads`` does not.
+
+    The rule of the serial scans (K2 and Kernel A): splitting the value columns shortens a CTA's tile step (K2 alone
+    on the H200: 0.99 µs at V-split 1, 0.75 at 2, 0.67 at 4, one CTA per SM, at B1 T32768 H16), but two CTAs sharing
+    an SM step slower than one unsplit CTA (B1 T8192 H96 at V-split 2: 192 CTAs, 1.78 µs against 1.07 at V-split
+    1), so a split pays only while it lands on idle SMs (``benchmarks/bench_recurrence.py``,
+    ``benchmarks/bench_bwd.py``).
+    """
+    fitting = [split for split in splits if num_seqs * heads * split <= sms]
+    return max(fitting, default=splits[0])
+
+
+@dataclass(frozen=True)
+class PrepareVariant:
+    """K1 (:class:`cute_kda.kernels.fwd_prepare.PrepareKernel`).
+
+    ``gate``: one of :data:`cute_kda.numerics.GATES`; ``g_dtype``: bf16 (fp32 too with gate "none");
+    ``per_head_gate``: g ``[B, T, HV]`` (GatedDeltaNet), else per channel; ``grouped``: HV > H value heads.
+    """
+
+    varlen: bool
+    qk_l2norm: bool = True
+    beta_logits: bool = True
+    gate: str = "safe"
+    g_dtype: torch.dtype = torch.bfloat16
+    per_head_gate: bool = False
+    grouped: bool = False
+
+
+@dataclass(frozen=True)
+class RecurrenceVariant:
+    """K2 (:class:`cute_kda.kernels.fwd_recurrence.FwdRecurrence`): the state dtypes in and out (None: no such
+    state), ``checkpoints``: the training forward's variant that keeps the state entering every tile."""
+
+    vsplit: int
+    initial_state: torch.dtype | None
+    final_state: torch.dtype | None
+    varlen: bool
+    checkpoints: bool = False
+
+    @staticmethod
+    def choose_vsplit(num_seqs: int, heads: int, sms: int) -> int:
+        """K2's V-split for ``num_seqs × heads`` chains on ``sms`` SMs (:func:`fill_sms`)."""
+        return fill_sms(num_seqs, heads, sms, SUPPORTED_VSPLITS)
+
+
+@dataclass(frozen=True)
+class ScanTuning:
+    """Kernel A's compile-time tuning knobs; the defaults are what ``benchmarks/explore_bwd_scan.py`` measured
+    fastest (docs/perf-log.md)."""
+
+    compute_warps: int | None = None  # None: 4 (2 at V-split 8)
+    output_stages: int = 2
+    split_accumulator: bool = False
+
+
+@dataclass(frozen=True)
+class ScanVariant:
+    """Kernel A (:class:`cute_kda.kernels.bwd_scan.BwdScan`): dht / dh0 dtypes (None: no such tensor);
+    ``token_outputs`` False writes dh0 alone (a segmented call's first pass); ``snapshot_every`` tiles per kept
+    state gradient."""
+
+    vsplit: int
+    dht: torch.dtype | None
+    dh0: torch.dtype | None
+    varlen: bool
+    tuning: ScanTuning = ScanTuning()
+    token_outputs: bool = True
+    snapshot_every: int = SNAPSHOT_TILES
+
+    @staticmethod
+    def choose_vsplit(num_seqs: int, heads: int, sms: int) -> int:
+        """Kernel A's V-split (K2's rule over its own splits, 8 included)."""
+        return fill_sms(num_seqs, heads, sms, SCAN_VSPLITS)
+
+
+@dataclass(frozen=True)
+class GradsVariant:
+    """Kernel B (:class:`cute_kda.kernels.bwd_grads.BwdGrads`): K1's flags and ``compute_warps`` (4 or 8; the
+    launcher's default is :data:`cute_kda.layouts.bwd_grads.DEFAULT_WARPS`)."""
+
+    varlen: bool
+    qk_l2norm: bool
+    beta_logits: bool
+    gate: str
+    g_dtype: torch.dtype
+    per_head_gate: bool
+    grouped: bool
+    compute_warps: int
