@@ -5,8 +5,8 @@ Kernel A (``cute_kda.ops.bwd_scan.bwd_scan``) reads the workspace the forward's 
 and an fp32 dht ``[N, H, V, K]``; it writes dv, du (bf16), one bf16 snapshot of dS' per block of
 ``cute_kda.workspace.SNAPSHOT_TILES`` 16-token tiles (one tile: Kernel B reads one per tile) and per sequence end
 (``cute_kda.workspace.snapshot_slots``), and an fp32 dh0. Every shape runs at V-split 1, 2, 4, 8 and at the
-heuristic's choice (``choose_scan_vsplit``, marked "auto"). Kernel A is serial over the tiles of a sequence, so the
-figure of merit for few (sequence, head) pairs is the time per serial step,
+heuristic's choice (``cute_kda.variants.ScanVariant.choose_vsplit``, marked "auto"). Kernel A is serial over the
+tiles of a sequence, so the figure of merit for few (sequence, head) pairs is the time per serial step,
 ``ms · 1000 / max_s ceil(len_s / 16)``.
 
 The peer is FLA's reverse scan, ``fla.ops.common.chunk_delta_h.chunk_gated_delta_rule_bwd_dhu``
@@ -31,8 +31,8 @@ a call must move, each read or written once:
 
 Where the public API cuts the shape into context-parallel segments (``cute_kda.context_parallel``: fixed-length
 shapes with few (sequence, head) pairs, B1 T32768 H16 among the six), the row "Kernel A, C segments" times what
-the backward runs there instead: the training stage's scan (``cute_kda.autograd.KERNELS.scan`` on the packed
-segments), i.e. Kernel A over every segment with zero gradients leaving them, the reverse combine of their
+the backward runs there instead: the training stage's scan (``cute_kda.executors.stages.KERNELS.scan`` on the
+packed segments), i.e. Kernel A over every segment with zero gradients leaving them, the reverse combine of their
 transitions (fp32 matmuls), and Kernel A again with each segment's gradient; its allocations included. That row is
 the "auto" one of its shape; its steps are one segment's tiles (each of the two passes), its bytes those of one pass.
 
@@ -77,12 +77,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from cute_kda._bench import (  # noqa: E402
     add_run_arguments, environment, graph_median_ms, markdown_table, median_ms, publish, save,
 )
+from cute_kda.numerics import SCAN_VSPLITS  # noqa: E402
 from cute_kda.workspace import CHUNK, SNAPSHOT_TILES, WorkspaceSpec, block_states_shape, kept_tiles  # noqa: E402
 
 from bench_prepare import COPY_CEILING_TBPS  # noqa: E402
 from shapes import D, LOWER_BOUND, SHAPES, make_inputs  # noqa: E402
 
-VSPLITS = (1, 2, 4, 8)
+VSPLITS = SCAN_VSPLITS  # every V-split Kernel A offers
 FLA_CHUNK = 64  # FLA's chunk_size for KDA
 FLA_DENSITY_TILES = FLA_CHUNK // CHUNK  # Kernel A's snapshot blocks at FLA's dh density: one per 64 tokens
 # FLA's chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64 on an H200, measured by torch.profiler (issue 9)
@@ -234,9 +235,10 @@ def _time_scan_row(row: dict, launch: Callable[[], object], label: str, warmup: 
 def time_scan(name: str, inputs: dict, do: torch.Tensor, dht: torch.Tensor, vsplits: tuple[int, ...],
               warmup: int, rep: int) -> list[dict]:
     """Rows of Kernel A alone, one per V-split (the heuristic's added), on the workspace of the real K1."""
-    from cute_kda.config import sm_count
-    from cute_kda.ops.bwd_scan import bwd_scan, choose_scan_vsplit
+    from cute_kda.device import sm_count
+    from cute_kda.ops.bwd_scan import bwd_scan
     from cute_kda.ops.prepare import prepare, tile_bases
+    from cute_kda.variants import ScanVariant
     from cute_kda.workspace import allocate_workspace, tiles_per_head
 
     shape = SHAPES[name]
@@ -252,7 +254,7 @@ def time_scan(name: str, inputs: dict, do: torch.Tensor, dht: torch.Tensor, vspl
     dv, du = torch.empty_like(do), torch.empty_like(do)
     dh0 = torch.empty((len(lengths), heads, D, D), dtype=torch.float32, device=device)
 
-    auto = choose_scan_vsplit(len(lengths), heads, sm_count(device.index or 0))
+    auto = ScanVariant.choose_vsplit(len(lengths), heads, sm_count(device.index or 0))
     steps = tile_steps(lengths)
     traffic = scan_traffic(lengths, heads, dht_itemsize=dht.element_size())
     rows = []
@@ -304,23 +306,22 @@ def time_fla_density_scan(name: str, rows: list[dict], *, launch_kwargs: dict, d
 def time_segmented_scan(name: str, inputs: dict, do: torch.Tensor, dht: torch.Tensor, warmup: int,
                         rep: int) -> dict | None:
     """The row of the backward's segmented scan (the module docstring), None where the API does not split."""
-    from cute_kda import autograd
-    from cute_kda.validation import ProblemShape
+    from cute_kda.call import resolve
+    from cute_kda.executors.stages import KERNELS, packed
 
     shape = SHAPES[name]
-    problem = ProblemShape(shape.batch, shape.seq_len, shape.heads, D, len(shape.lengths), shape.varlen)
-    seg = autograd.segmentation_of(problem, do.device, None, None)
+    call = resolve(*(inputs[n] for n in ("q", "k", "v", "g", "beta")), A_log=inputs["A_log"],
+                   dt_bias=inputs["dt_bias"], lower_bound=LOWER_BOUND, initial_state=inputs["initial_state"],
+                   cu_seqlens=inputs["cu_seqlens"], training=True)
+    seg = call.options.segmentation
     if seg is None:
         return None
-    options = autograd.Options(problem, D ** -0.5, LOWER_BOUND, True, True, None, None, False, "safe", seg)
-    user = autograd.Inputs(*(inputs[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")),
-                           None)
-    x, options = autograd.packed(user, options)
-    saved = autograd.KERNELS.forward(x, options).saved
+    x, options = packed(call.inputs, call.options)
+    saved = KERNELS.forward(x, options).saved
     packed_do = do.view(x.v.shape)
 
     def launch():
-        autograd.KERNELS.scan(x, options, saved, packed_do, dht, torch.float32)
+        KERNELS.scan(x, options, saved, packed_do, dht, torch.float32)
 
     steps = seg.length // CHUNK
     row = dict(kind="scan", vsplit=1, segments=seg.per_seq, auto=True, ctas=seg.count * shape.heads, steps=steps,
