@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from cute_kda._bench import add_run_arguments, environment, graph_median_ms, markdown_table, median_ms, publish  # noqa: E402
+from cute_kda.numerics import SUPPORTED_VSPLITS  # noqa: E402
 from cute_kda.workspace import CHUNK  # noqa: E402
 
 from shapes import D, LOWER_BOUND, SHAPES, Shape, make_inputs  # noqa: E402
@@ -80,13 +81,14 @@ def _resources(vsplit: int, varlen: bool) -> tuple[str, int]:
 def resources_table() -> str:
     """Registers and smem of every V-split, fixed length and varlen (CPU compile, no GPU needed)."""
     rows = [[str(vsplit), "varlen" if varlen else "fixed", *map(str, _resources(vsplit, varlen))]
-            for vsplit in (1, 2, 4) for varlen in (False, True)]
+            for vsplit in SUPPORTED_VSPLITS for varlen in (False, True)]
     return markdown_table(["VSplit", "batching", "registers", "smem / CTA (B)"], rows)
 
 
 def run(name: str, warmup: int, rep: int) -> list[dict]:
-    from cute_kda.config import sm_count
+    from cute_kda.device import sm_count
     from cute_kda.ops import recurrence as k2
+    from cute_kda.variants import RecurrenceVariant
 
     shape = SHAPES[name]
     lengths, heads, varlen = shape.lengths, shape.heads, shape.varlen
@@ -96,9 +98,9 @@ def run(name: str, warmup: int, rep: int) -> list[dict]:
     final = torch.empty_like(initial)
     tile_base = k2.tile_bases(cu_seqlens) if varlen else None
     steps = max((n + CHUNK - 1) // CHUNK for n in lengths)
-    auto = k2.choose_vsplit(len(lengths), heads, sm_count(device.index or 0))
+    auto = RecurrenceVariant.choose_vsplit(len(lengths), heads, sm_count(device.index or 0))
     rows = []
-    for vsplit in (1, 2, 4):
+    for vsplit in SUPPORTED_VSPLITS:
 
         def launch(vsplit=vsplit):
             k2.recurrence(v, ws, out, cu_seqlens=cu_seqlens, tile_base=tile_base, initial_state=initial,

@@ -462,7 +462,7 @@ def peer_forwards(problem: dict, peers: str, segments: int | None = None) -> dic
     """name → zero-argument forward (o, ht) through FLA's signature; FLA left out when absent or not asked.
     ``segments``: cute_kda's context-parallel split (None: ``chunk_kda``, its heuristic)."""
     import cute_kda
-    from cute_kda.api import translate_fla_call
+    from cute_kda.fla_calls import translate_fla_call
 
     leaves, kwargs = problem["leaves"], problem["kwargs"]
     tensors = [leaves[key] for key in ("q", "k", "v", "g", "beta")]
@@ -497,7 +497,7 @@ def run_step(forward: Callable[[], tuple], problem: dict) -> tuple:
 
 def _clear_cute_kda_cache() -> None:
     try:
-        from cute_kda.api import WORKSPACES
+        from cute_kda.executors.inference import WORKSPACES
     except ImportError:
         return
     WORKSPACES.clear()

@@ -27,7 +27,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from cute_kda._bench import median_ms  # noqa: E402
-from cute_kda.gdn_api import gdn_forward, translate_fla_gdn_call  # noqa: E402
+from cute_kda.api import kda_forward  # noqa: E402
+from cute_kda.fla_calls import translate_fla_gdn_call  # noqa: E402
 from cute_kda.reference import rel_rms  # noqa: E402
 
 from bench_gates import GDN_SHAPES, training_problem  # noqa: E402
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     for segments in args.segments:
         def forward():
             call = translate_fla_gdn_call(*positional, **keywords)
-            return call.run(lambda *a, **options: gdn_forward(*a, segments=segments or None, **options))
+            return call.run(lambda *a, **options: kda_forward(*a, segments=segments or None, **options))
 
         def step():
             for name in leaves:

@@ -71,7 +71,7 @@ def label(segments: int | None) -> str:
 def forward_of(problem: dict, segments: int | None):
     """Zero-argument forward (o, ht) of ``problem`` (bench_train's) with this context-parallel setting."""
     import cute_kda
-    from cute_kda.api import translate_fla_call
+    from cute_kda.fla_calls import translate_fla_call
 
     leaves, kwargs = problem["leaves"], problem["kwargs"]
     tensors = [leaves[key] for key in ("q", "k", "v", "g", "beta")]

@@ -90,7 +90,7 @@ def references(problem: dict) -> tuple:
 
 def fla_translation(problem: dict, gold: tuple) -> None:
     """An FLA chunk_kda call ([N, H, K, V] state, dt_bias [H*K]) through the drop-in's translation, on the mirror."""
-    from cute_kda.api import translate_fla_call
+    from cute_kda.fla_calls import translate_fla_call
     from cute_kda.reference import mirror_forward, rel_rms
 
     heads = problem["q"].shape[2]

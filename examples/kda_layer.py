@@ -81,7 +81,7 @@ def build_layer(hidden: int, heads: int, seed: int = 0, gate: str = "safe") -> t
 def gold_chunk_kda(*args, fp64_outputs: list, **kwargs):
     """``chunk_kda`` by the fp64 token recurrence (the same argument translation as cute_kda's); the
     layer gets ``o`` rounded to its dtype, ``fp64_outputs`` the fp64 ``o`` in FLA's layout."""
-    from cute_kda.api import translate_fla_call
+    from cute_kda.fla_calls import translate_fla_call
     from cute_kda.reference import gold_forward
 
     call = translate_fla_call(*args, **kwargs)

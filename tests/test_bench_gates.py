@@ -24,7 +24,7 @@ def test_rows_cover_kimi_linear_and_the_log_decay(bench):
 def test_gdn_inputs_are_a_chunk_gated_delta_rule_call(bench, monkeypatch):
     import inspect
 
-    from cute_kda.gdn_api import chunk_gated_delta_rule
+    from cute_kda.api import chunk_gated_delta_rule
 
     monkeypatch.setitem(bench.GDN_SHAPES, "tiny", ((20, 9), 2, 4))
     for gate in ("gdn_softplus", "gdn_log_decay"):
