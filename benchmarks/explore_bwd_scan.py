@@ -1,6 +1,6 @@
 """Kernel A's tuning knobs, timed: compute warps, output stages and a split G2 accumulator per V-split.
 
-For each shape (``benchmarks/shapes.py``) and each (V-split, :class:`cute_kda.ops.bwd_scan.ScanTuning`)
+For each shape (``benchmarks/shapes.py``) and each (V-split, :class:`cute_kda.variants.ScanTuning`)
 of the grid, Kernel A alone on the K1 workspace of the shape's inputs (fp32 dht in, fp32 dh0 out),
 median ms of CUDA-graph replays and µs per serial 16-token step; a row per variant. This is how the
 defaults of ``ScanTuning`` are chosen (docs/perf-log.md); ``benchmarks/bench_bwd.py`` is the benchmark.
@@ -37,8 +37,9 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("explore_bwd_scan needs a CUDA GPU")
-    from cute_kda.ops.bwd_scan import ScanTuning, bwd_scan
+    from cute_kda.ops.bwd_scan import bwd_scan
     from cute_kda.ops.prepare import prepare, tile_bases
+    from cute_kda.variants import ScanTuning
     from cute_kda.workspace import WorkspaceSpec, allocate_workspace, block_states_shape, tiles_per_head
 
     device = torch.device("cuda")

@@ -21,8 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cute_kda.dsl import cutlass  # noqa: E402
 from cute_kda.layouts import RecurrenceSmemPlan, analysis, k1_budget, k2_budget, smem  # noqa: E402
-from cute_kda.layouts.bwd_scan import SCAN_VSPLITS, ScanSmemPlan  # noqa: E402
 from cute_kda.layouts.analysis import layout_spec  # noqa: E402
+from cute_kda.layouts.bwd_scan import ScanSmemPlan  # noqa: E402
+from cute_kda.numerics import SCAN_VSPLITS, SUPPORTED_VSPLITS  # noqa: E402
 
 SECTIONS = ("atoms", "grids", "dual", "banks", "budget", "gemm")
 DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
@@ -90,7 +91,7 @@ def print_budget(dim: int, chunk: int) -> None:
     print(k1_budget(dim, chunk).describe())
     print()
     k2_plans = [RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=fp32, dim=dim, chunk=chunk)
-                for fp32 in (False, True) for vsplit in (1, 2, 4)]
+                for fp32 in (False, True) for vsplit in SUPPORTED_VSPLITS]
     scan_plans = [ScanSmemPlan(vsplit=vsplit, state_io_fp32=fp32, dim=dim, chunk=chunk)
                   for fp32 in (False, True) for vsplit in SCAN_VSPLITS]  # Kernel A: K2's plan, other fields
     for plan in k2_plans + scan_plans:
