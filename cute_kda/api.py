@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import interop, validation
-from .call import Call, check_trainable, final_state_dtype_of, resolve
+from .call import Call, final_state_dtype_of, resolve
 from .context_parallel import check_segments
 from .executors import inference, training
 from .executors.stages import KERNELS
@@ -84,7 +84,8 @@ def kda_forward(
     ("softplus", "none") run K1's overflow-free form (docs/numerics.md, "Unbounded gates"); K2 is the same.
 
     Runs on the caller's current stream (torch's, or CuPy's for CuPy arrays) without host
-    synchronisation; returns arrays of ``q``'s framework (torch, CuPy, JAX; torch otherwise).
+    synchronisation; returns arrays of ``q``'s framework (torch, CuPy, JAX; torch otherwise). With a torch ``q``
+    every array argument is a torch tensor (one framework a call).
 
     Autograd: under grad mode, when any of q, k, v, g, beta, A_log, dt_bias, initial_state requires
     grad, the call is recorded (:mod:`cute_kda.executors.training`) and ``backward`` gives each of those that
@@ -104,12 +105,10 @@ def kda_forward(
     if torch.compiler.is_compiling():
         return _traced(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
                        cu_seqlens=cu_seqlens, out=out, final_state=final_state, **arguments)
-    as_torch = interop.as_torch
     if isinstance(q, torch.Tensor):  # torch in, torch out, torch's current stream: nothing to hand over
-        return run(resolve(q, as_torch(k), as_torch(v), as_torch(g), as_torch(beta), A_log=as_torch(A_log),
-                           dt_bias=as_torch(dt_bias), initial_state=as_torch(initial_state),
-                           cu_seqlens=as_torch(cu_seqlens), out=as_torch(out), final_state=as_torch(final_state),
-                           **arguments))
+        return run(resolve(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                           cu_seqlens=cu_seqlens, out=out, final_state=final_state, **arguments))
+    as_torch = interop.as_torch
     return interop.answer_in_framework(q, lambda: run(resolve(
         *(as_torch(x) for x in (q, k, v, g, beta)), A_log=as_torch(A_log), dt_bias=as_torch(dt_bias),
         initial_state=as_torch(initial_state), cu_seqlens=as_torch(cu_seqlens), out=as_torch(out),
@@ -127,7 +126,7 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             scale: float | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float,
             initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None,
             out: torch.Tensor | None, final_state: torch.Tensor | None, vsplit: int | None, qk_l2norm: bool,
-            beta_logits: bool, recompute: bool, gate: str, segments: int | None,
+            beta_logits: bool, recompute: bool = False, gate: str = "safe", segments: int | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`kda_forward` as Dynamo traces it: the checks that need no memory, then one op (the training op when
     autograd records the call; it resolves the call itself when the graph runs). Caller buffers are filled by a copy
@@ -138,7 +137,7 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         validation.check_is_tensor(name, x)
     if training_call:
         validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
-        check_trainable(gate, q, v)
+        validation.check_trainable(gate, q, v)
     if gate == "safe":
         validation.check_lower_bound(lower_bound)
     if scale is not None:

@@ -16,10 +16,9 @@ from typing import NamedTuple
 
 import torch
 
-from . import context_parallel, validation
-from .context_parallel import Segmentation
-from .device import sm_count
-from .validation import ProblemShape
+from . import validation
+from .context_parallel import Segmentation, segmentation_of
+from .validation import ProblemShape, problem_of
 
 INPUT_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
@@ -30,7 +29,8 @@ class Inputs(NamedTuple):
     q, k bf16 ``[B, T, H, K]``; v bf16 ``[B, T, HV, V]`` (HV a multiple of H: grouped value heads); g
     ``[B, T, HV, K]`` (or ``[B, T, HV]``, a per-head gate); beta bf16 ``[B, T, HV]``; A_log fp32 ``[HV]``; dt_bias
     fp32 ``[HV, K]`` (``[HV]`` per head; both None for the log decay, gate "none"); initial_state None or bf16 / fp32
-    ``[N, HV, V, K]``; cu_seqlens None or int64 ``[N+1]`` on q's device (:func:`staged_cu_seqlens`); tile_base None or
+    ``[N, HV, V, K]``; cu_seqlens None or int64 ``[N+1]`` on q's device
+    (:func:`~cute_kda.validation.staged_cu_seqlens`); tile_base None or
     int32 ``[N+1]`` when known (a segmented call's, or the training forward's saved one).
     """
 
@@ -73,19 +73,6 @@ class Call(NamedTuple):
     training: bool
 
 
-def problem_of(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ProblemShape:
-    """The :class:`~cute_kda.validation.ProblemShape` of ``q`` ``[B, T, H, K]``, ``v`` ``[B, T, HV, V]`` (its heads are
-    the problem's: the states and the workspace are per value head) and ``cu_seqlens`` (shapes only)."""
-    batch, seq_len, _, dim = q.shape
-    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return ProblemShape(batch, seq_len, v.shape[2], dim, num_seqs, cu_seqlens is not None)
-
-
-def state_shape(problem: ProblemShape) -> tuple[int, int, int, int]:
-    """``[N, HV, V, K]``: a v-first state per sequence and value head."""
-    return (problem.num_seqs, problem.heads, problem.head_dim, problem.head_dim)
-
-
 def final_state_dtype_of(initial_state: torch.Tensor | None, final_state: torch.Tensor | None,
                          output_final_state: bool) -> torch.dtype | None:
     """The final state's dtype: the caller's buffer's, else (when asked for) the initial state's, fp32 without one;
@@ -97,40 +84,12 @@ def final_state_dtype_of(initial_state: torch.Tensor | None, final_state: torch.
     return torch.float32 if initial_state is None else initial_state.dtype
 
 
-def staged_cu_seqlens(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-    """``cu_seqlens`` as the stages read it, int64: on q's device when that is a GPU
-    (:func:`~cute_kda.validation.device_cu_seqlens`: no sync), else on the CPU."""
-    if cu_seqlens is None or not q.is_cuda:
-        return None if cu_seqlens is None else cu_seqlens.to(torch.int64)
-    return validation.device_cu_seqlens(cu_seqlens, q.device, q.shape[1])
-
-
-def segmentation_of(problem: ProblemShape, device: torch.device, segments: int | None,
-                    vsplit: int | None) -> Segmentation | None:
-    """The context-parallel split of ``problem`` (:func:`cute_kda.context_parallel.plan`) for the SMs of ``device``;
-    on a CPU (the reference stages) only an explicit ``segments`` splits."""
-    if device.type != "cuda":
-        return None if segments is None else context_parallel.plan(problem, 0, segments, vsplit)
-    return context_parallel.plan(problem, sm_count(device.index), segments, vsplit)
-
-
-def check_trainable(gate: str, q: torch.Tensor, v: torch.Tensor) -> None:
-    """Refuse a training call the backward kernels do not cover: grouped value heads with the safe gate (its Kernel
-    B writes dq, dk per q/k head). What trains: the safe gate with HV = H, and the unbounded gates ("softplus",
-    "none") per channel or per head (GatedDeltaNet), grouped value heads included."""
-    if gate == "safe" and v.dim() == 4 and v.shape[2] != q.shape[2]:
-        raise NotImplementedError(
-            "grouped value heads (HV != H) with the safe gate have no backward yet (the unbounded gates train with "
-            "them); run it under torch.no_grad() / torch.inference_mode(), or detach its inputs"
-        )
-
-
 def options_of(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, *, scale: float | None,
                lower_bound: float, qk_l2norm: bool, beta_logits: bool, final_state_dtype: torch.dtype | None,
                vsplit: int | None, recompute: bool, gate: str, segments: int | None,
                problem: ProblemShape | None = None) -> Options:
     """The :class:`Options` of a call on checked arguments (``problem`` when already known): the default scale
-    ``K ** -0.5``, the segmentation of :func:`segmentation_of`."""
+    ``K ** -0.5``, the segmentation of :func:`cute_kda.context_parallel.segmentation_of`."""
     problem = problem_of(q, v, cu_seqlens) if problem is None else problem
     return Options(
         problem=problem, scale=float(problem.head_dim ** -0.5 if scale is None else scale),
@@ -161,12 +120,12 @@ def resolve(
     if training is None:
         training = validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state)
     if training:
-        check_trainable(gate, q, v)
+        validation.check_trainable(gate, q, v)
         validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
         validation.check_training_size(v, "v")  # v, dq and dk per value head: the largest per-token tensors
+    inputs = Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, validation.staged_cu_seqlens(cu_seqlens, q))
     options = options_of(q, v, cu_seqlens, scale=scale, lower_bound=lower_bound, qk_l2norm=qk_l2norm,
                          beta_logits=beta_logits,
                          final_state_dtype=final_state_dtype_of(initial_state, final_state, output_final_state),
                          vsplit=vsplit, recompute=recompute, gate=gate, segments=segments, problem=problem)
-    inputs = Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, staged_cu_seqlens(cu_seqlens, q))
     return Call(inputs, options, out, final_state, bool(training))

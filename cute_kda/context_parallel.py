@@ -37,6 +37,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from .device import sm_count
 from .numerics import CHUNK
 from .validation import ProblemShape
 from .workspace import tile_bases_of
@@ -118,6 +119,15 @@ def _segment_bounds(num_seqs: int, seq_len: int, length: int) -> torch.Tensor:
     starts = torch.arange(0, seq_len, length, dtype=torch.int64)
     bounds = (torch.arange(num_seqs, dtype=torch.int64)[:, None] * seq_len + starts).flatten()
     return torch.cat((bounds, torch.tensor([num_seqs * seq_len], dtype=torch.int64)))
+
+
+def segmentation_of(problem: ProblemShape, device: torch.device, segments: int | None,
+                    vsplit: int | None) -> Segmentation | None:
+    """:func:`plan` for the SMs of ``device``; on a CPU (the reference stages) only an explicit ``segments``
+    splits."""
+    if device.type != "cuda":
+        return None if segments is None else plan(problem, 0, segments, vsplit)
+    return plan(problem, sm_count(device.index), segments, vsplit)
 
 
 def check_segments(segments: object) -> None:

@@ -68,12 +68,9 @@ def _device_rule(device: Any) -> str | None:
 
     if device.type != "cuda":
         return f"q is on {device}; cute_kda's kernels run on CUDA devices"
-    from .device import capability
+    from .device import unsupported_reason
 
-    major, minor = capability(device.index if device.index is not None else torch.cuda.current_device())
-    if major != 9:
-        return f"cute_kda's kernels are built for sm_90a (Hopper); {device} is sm_{major}{minor}"
-    return None
+    return unsupported_reason(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _call_key(args: tuple, kwargs: dict) -> tuple:
@@ -87,7 +84,6 @@ def _verify(args: tuple, kwargs: dict, entry_point: str, translate: Callable[...
     checks on ``checked(call)`` (``validate_forward``'s keywords) and, for a call autograd records, the backward's
     coverage. An accepted call's translation is kept for the implementation (:func:`_pending_call`)."""
     from . import validation
-    from .call import check_trainable
 
     _state.pending = None
     reason = _device_reason(_bind(args, kwargs).get("q"))
@@ -98,7 +94,7 @@ def _verify(args: tuple, kwargs: dict, entry_point: str, translate: Callable[...
             validation.validate_forward(*call.tensors, **options)
             if validation.needs_autograd(*call.tensors, options["A_log"], options["dt_bias"], options["initial_state"]):
                 q, _, v, _, _ = call.tensors
-                check_trainable(options["gate"], q, v)
+                validation.check_trainable(options["gate"], q, v)
         except (TypeError, ValueError, NotImplementedError) as error:
             reason = f"{type(error).__name__}: {error}"
     if reason is not None:
@@ -121,9 +117,9 @@ _CHECKED = ("A_log", "dt_bias", "lower_bound", "scale", "initial_state", "cu_seq
 
 def verify(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
     """(True, None) if cute_kda computes this FLA ``chunk_kda`` call, else (False, the reason)."""
-    from .fla_calls import translate_fla_call
+    from . import api
 
-    return _verify(args, kwargs, "fla.ops.kda.chunk_kda", translate_fla_call,
+    return _verify(args, kwargs, "fla.ops.kda.chunk_kda", api.translate_fla_call,
                    lambda call: {name: call.options[name] for name in _CHECKED})
 
 
@@ -138,12 +134,13 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
 
 def verify_gdn(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
     """(True, None) if cute_kda computes this FLA ``chunk_gated_delta_rule`` call, else (False, the reason)."""
-    from .fla_calls import translate_fla_gdn_call
+    from . import api
 
     def checked(call: Any) -> dict:  # no lower bound
         return {**{name: call.options.get(name) for name in _CHECKED}, "lower_bound": -5.0}
 
-    return _verify(args, kwargs, "fla.ops.gated_delta_rule.chunk_gated_delta_rule", translate_fla_gdn_call, checked)
+    return _verify(args, kwargs, "fla.ops.gated_delta_rule.chunk_gated_delta_rule", api.translate_fla_gdn_call,
+                   checked)
 
 
 def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:

@@ -47,6 +47,20 @@ class ProblemShape(NamedTuple):
     def total_tokens(self) -> int:
         return self.batch * self.seq_len
 
+    @property
+    def state_shape(self) -> tuple[int, int, int, int]:
+        """``[N, HV, V, K]``: a v-first state per sequence and value head."""
+        return (self.num_seqs, self.heads, self.head_dim, self.head_dim)
+
+
+def problem_of(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ProblemShape:
+    """The :class:`ProblemShape` of ``q`` ``[B, T, H, K]``, ``v`` ``[B, T, HV, V]`` (its heads are the problem's: the
+    states and the workspace are per value head) and ``cu_seqlens`` (shapes only: what the custom ops' fake
+    implementations can see)."""
+    batch, seq_len, _, dim = q.shape
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return ProblemShape(batch, seq_len, v.shape[2], dim, num_seqs, cu_seqlens is not None)
+
 
 def debug_checks_enabled() -> bool:
     """Whether ``CUTE_KDA_DEBUG_CHECKS`` asks for the checks that synchronise with the device."""
@@ -243,6 +257,17 @@ def check_training_size(tensor: torch.Tensor, name: str = "q") -> None:
         )
 
 
+def check_trainable(gate: str, q: torch.Tensor, v: torch.Tensor) -> None:
+    """Refuse a training call the backward kernels do not cover: grouped value heads with the safe gate (its Kernel
+    B writes dq, dk per q/k head). What trains: the safe gate with HV = H, and the unbounded gates ("softplus",
+    "none") per channel or per head (GatedDeltaNet), grouped value heads included."""
+    if gate == "safe" and v.dim() == 4 and v.shape[2] != q.shape[2]:
+        raise NotImplementedError(
+            "grouped value heads (HV != H) with the safe gate have no backward yet (the unbounded gates train with "
+            "them); run it under torch.no_grad() / torch.inference_mode(), or detach its inputs"
+        )
+
+
 def check_no_buffers_under_autograd(*, out: object, final_state: object) -> None:
     """Caller buffers are written in place, which autograd cannot record: refuse them on the training path."""
     given = [name for name, buffer in (("out", out), ("final_state", final_state)) if buffer is not None]
@@ -399,3 +424,11 @@ def device_cu_seqlens(cu_seqlens: torch.Tensor, device: torch.device, total_toke
     if debug_checks_enabled():
         check_cu_seqlens_values(cu_seqlens.cpu(), total_tokens)
     return cu_seqlens.to(torch.int64)
+
+
+def staged_cu_seqlens(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """``cu_seqlens`` as the stages read it, int64: on q's device when that is a GPU (:func:`device_cu_seqlens`, no
+    sync), else on the CPU (the reference stages)."""
+    if cu_seqlens is None or not q.is_cuda:
+        return None if cu_seqlens is None else cu_seqlens.to(torch.int64)
+    return device_cu_seqlens(cu_seqlens, q.device, q.shape[1])

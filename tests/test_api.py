@@ -11,7 +11,11 @@ import pytest
 import torch
 
 import cute_kda
-from cute_kda import api, config, interop
+import cute_kda.call as call_module
+from cute_kda import api, interop, validation
+from cute_kda.executors import inference
+from cute_kda.numerics import SCAN_VSPLITS
+from cute_kda.variants import GradsVariant, PrepareVariant, RecurrenceVariant, ScanVariant
 from cute_kda.reference import gold_forward, mirror_forward, rel_rms
 
 D = 128
@@ -59,20 +63,21 @@ def test_dlpack_arrays_reach_validation():
         cute_kda.kda_forward(q, q, q, q, q[..., 0], A_log=np.zeros(2, np.float32), dt_bias=np.zeros((2, D), np.float32))
 
 
-def test_config_keeps_an_explicit_vsplit():
-    from cute_kda.validation import ProblemShape
+def test_options_keep_an_explicit_vsplit_and_resolve_the_scale():
+    q = torch.zeros(1, 64, 4, D, dtype=torch.bfloat16)
+    options = call_module.options_of(q, q, None, scale=None, lower_bound=-5, qk_l2norm=True, beta_logits=False,
+                                     final_state_dtype=None, vsplit=4, recompute=False, gate="safe", segments=None)
+    assert options.vsplit == 4 and options.scale == D ** -0.5 and options.lower_bound == -5.0
+    assert options.problem == validation.problem_of(q, q, None) and options.segmentation is None
 
-    problem = ProblemShape(batch=1, seq_len=64, heads=4, head_dim=D, num_seqs=1, varlen=False)
-    cfg = config.select_forward_config(problem, qk_l2norm=True, beta_logits=False, initial_state=torch.float32,
-                                       final_state=None, vsplit=4, sms=132)
-    assert cfg == config.ForwardConfig(True, False, False, torch.float32, None, 4)
 
-
-def test_warmup_configs_cover_the_product():
-    configs = list(config.enumerate_configs(qk_l2norm=(True, False), varlen=(True,), state_modes=(None, torch.float32),
-                                            vsplits=(1, 4)))
-    assert len(configs) == len(set(configs)) == 2 * 1 * 1 * 2 * 2
-    assert {(c.initial_state, c.final_state) for c in configs} == {(None, None), (torch.float32, torch.float32)}
+def test_warmup_variants_cover_the_product():
+    variants = api.warmup_variants(qk_l2norm=(True, False), varlen=(True,), state_modes=(None, torch.float32),
+                                   vsplits=(1, 4), segments=False)
+    recurrences = [v for v in variants if isinstance(v, RecurrenceVariant)]
+    assert len(variants) == len(set(variants)) and len(recurrences) == 1 * 2 * 2  # varlen × modes × V-splits
+    assert {(v.initial_state, v.final_state) for v in recurrences} == {(None, None), (torch.float32, torch.float32)}
+    assert {(v.qk_l2norm, v.varlen) for v in variants if isinstance(v, PrepareVariant)} == {(True, True), (False, True)}
 
 
 def test_workspace_cache_reuses_views_until_spec_or_buffer_changes(monkeypatch):
@@ -82,7 +87,7 @@ def test_workspace_cache_reuses_views_until_spec_or_buffer_changes(monkeypatch):
     from cute_kda.workspace import WorkspaceSpec
 
     monkeypatch.setattr(api.torch.cuda, "current_stream", lambda device: SimpleNamespace(cuda_stream=7))
-    cache, cpu = api.WorkspaceCache(), torch.device("cpu")
+    cache, cpu = inference.WorkspaceCache(), torch.device("cpu")
     small, other = WorkspaceSpec(heads=2, tiles=3), WorkspaceSpec(heads=3, tiles=2)
     first = cache.get(small, cpu)
     assert cache.get(small, cpu) is first
@@ -96,103 +101,99 @@ def test_workspace_cache_reuses_views_until_spec_or_buffer_changes(monkeypatch):
     assert cache.snapshot() == {}
 
 
-def test_warmup_visits_every_selected_k1_variant(monkeypatch):
+def test_warmup_visits_every_selected_k1_variant():
     """``gates`` and ``gated_delta_rule`` select K1 variants (the log decay in both dtypes); K2 once per config."""
-    from cute_kda.ops import prepare as k1
-    from cute_kda.ops import recurrence as k2
-
-    seen, recurrences = [], []
-    monkeypatch.setattr(api.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(k1, "compile_prepare", lambda **kw: seen.append(
-        (kw["gate"], kw["g_dtype"], kw["per_head_gate"], kw["grouped"])))
-    monkeypatch.setattr(k2, "compile_recurrence", lambda **kw: recurrences.append(kw))
-    count = cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(None,), vsplits=(1,),
-                            gates=("safe", "softplus", "none"), gated_delta_rule=True, segments=False)
+    variants = api.warmup_variants(varlen=(False,), state_modes=(None,), vsplits=(1,),
+                                   gates=("safe", "softplus", "none"), gated_delta_rule=True, segments=False)
     bf16, fp32 = torch.bfloat16, torch.float32
-    assert count == 1 and len(recurrences) == 1
-    assert seen == [("safe", bf16, False, False), ("softplus", bf16, False, False), ("none", bf16, False, False),
-                    ("none", fp32, False, False), ("softplus", bf16, True, True), ("none", bf16, True, True),
-                    ("none", fp32, True, True)]
+    prepares = [(v.gate, v.g_dtype, v.per_head_gate, v.grouped) for v in variants if isinstance(v, PrepareVariant)]
+    assert [v for v in variants if isinstance(v, RecurrenceVariant)] == [RecurrenceVariant(1, None, None, False)]
+    assert prepares == [("safe", bf16, False, False), ("softplus", bf16, False, False), ("none", bf16, False, False),
+                        ("none", fp32, False, False), ("softplus", bf16, True, True), ("none", bf16, True, True),
+                        ("none", fp32, True, True)]
     with pytest.raises(ValueError, match="gate must be one of"):
-        cute_kda.warmup(device="cuda:0", gates=("sigmoid",))
+        api.warmup_variants(gates=("sigmoid",))
 
 
-def test_warmup_with_training_visits_the_backward_variants(monkeypatch):
+def test_warmup_with_training_visits_the_backward_variants():
     """``training``: K2 with checkpoints per config, Kernel A per (V-split of its own, dht, dh0, varlen), Kernel B per
     gate that trains; without it none of them."""
-    from cute_kda.ops import bwd_grads as kb
-    from cute_kda.ops import bwd_scan as ka
-    from cute_kda.ops import prepare as k1
-    from cute_kda.ops import recurrence as k2
-
-    recurrences, scans, grads = [], [], []
-    monkeypatch.setattr(api.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(k1, "compile_prepare", lambda **kw: None)
-    monkeypatch.setattr(k2, "compile_recurrence", lambda **kw: recurrences.append(kw.get("checkpoints", False)))
-    monkeypatch.setattr(ka, "compile_bwd_scan", lambda **kw: scans.append((kw["vsplit"], kw["dht"], kw["dh0"])))
-    monkeypatch.setattr(kb, "compile_bwd_grads", lambda **kw: grads.append((kw["gate"], kw["per_head_gate"])))
     fp32 = torch.float32
-    cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(fp32,), vsplits=(1,), gates=("safe", "softplus"),
-                    segments=False)
-    assert recurrences == [False] and scans == [] and grads == []
-    recurrences.clear()
-    cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(fp32,), vsplits=(1,), gates=("safe", "softplus"),
-                    gated_delta_rule=True, training=True, segments=False)
+
+    def kinds(**options):
+        variants = api.warmup_variants(**options)
+        return ([v.checkpoints for v in variants if isinstance(v, RecurrenceVariant)],
+                [(v.vsplit, v.dht, v.dh0) for v in variants if isinstance(v, ScanVariant)],
+                [(v.gate, v.per_head_gate) for v in variants if isinstance(v, GradsVariant)])
+
+    assert kinds(varlen=(False,), state_modes=(fp32,), vsplits=(1,), gates=("safe", "softplus"), segments=False) == (
+        [False], [], [])
+    recurrences, scans, grads = kinds(varlen=(False,), state_modes=(fp32,), vsplits=(1,), gates=("safe", "softplus"),
+                                      gated_delta_rule=True, training=True, segments=False)
     assert recurrences == [False, True]
     assert sorted(scans, key=repr) == sorted([(1, fp32, fp32), (1, None, fp32)], key=repr)
     assert sorted(grads) == [("safe", False), ("softplus", False), ("softplus", True)]
-    scans.clear()
-    cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(None,), training=True, segments=False)
-    assert {v for v, _, _ in scans} == set(ka.SCAN_VSPLITS)  # Kernel A's own V-splits, 8 included
+    _, scans, _ = kinds(varlen=(False,), state_modes=(None,), training=True, segments=False)
+    assert {v for v, _, _ in scans} == set(SCAN_VSPLITS)  # Kernel A's own V-splits, 8 included
 
 
-def test_warmup_covers_the_segmented_variants(monkeypatch):
+def test_warmup_covers_the_segmented_variants():
     """``segments`` (on by default): the packed segments' K2 passes (varlen, V-split 1, fp32 states), and with
     ``training`` the checkpoint pass and Kernel A's two passes, the first without token outputs."""
-    from cute_kda.ops import bwd_grads as kb
-    from cute_kda.ops import bwd_scan as ka
-    from cute_kda.ops import prepare as k1
-    from cute_kda.ops import recurrence as k2
-
-    recurrences, scans = [], []
-    monkeypatch.setattr(api.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(k1, "compile_prepare", lambda **kw: None)
-    monkeypatch.setattr(kb, "compile_bwd_grads", lambda **kw: None)
-    monkeypatch.setattr(k2, "compile_recurrence", lambda **kw: recurrences.append(
-        (kw["varlen"], kw["initial_state"], kw["final_state"], kw["vsplit"], kw.get("checkpoints", False))))
-    monkeypatch.setattr(ka, "compile_bwd_scan", lambda **kw: scans.append(
-        (kw["varlen"], kw["dht"], kw["dh0"], kw["vsplit"], kw.get("token_outputs", True))))
     fp32 = torch.float32
-    cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(None,), vsplits=(2,))
-    assert recurrences == [(False, None, None, 2, False), (True, None, fp32, 1, False), (True, fp32, fp32, 1, False),
-                           (True, fp32, None, 1, False)]
-    recurrences.clear()
-    cute_kda.warmup(device="cuda:0", varlen=(False,), state_modes=(None,), vsplits=(2,), training=True)
-    assert recurrences[-2:] == [(True, fp32, fp32, 1, True), (True, fp32, None, 1, True)]
-    assert scans[-3:] == [(True, None, fp32, 1, False), (True, fp32, fp32, 1, True), (True, fp32, None, 1, True)]
+    variants = api.warmup_variants(varlen=(False,), state_modes=(None,), vsplits=(2,))
+    assert [v for v in variants if isinstance(v, RecurrenceVariant)] == [
+        RecurrenceVariant(2, None, None, False), RecurrenceVariant(1, None, fp32, True),
+        RecurrenceVariant(1, fp32, fp32, True), RecurrenceVariant(1, fp32, None, True)]
+    variants = api.warmup_variants(varlen=(False,), state_modes=(None,), vsplits=(2,), training=True)
+    recurrences = [v for v in variants if isinstance(v, RecurrenceVariant)]
+    scans = [v for v in variants if isinstance(v, ScanVariant)]
+    assert recurrences[-2:] == [RecurrenceVariant(1, fp32, fp32, True, True), RecurrenceVariant(1, fp32, None, True, True)]
+    assert scans[-3:] == [ScanVariant(1, None, fp32, True, token_outputs=False), ScanVariant(1, fp32, fp32, True),
+                          ScanVariant(1, fp32, None, True)]
+
+
+def test_warmup_compiles_each_listed_variant_with_its_launcher(monkeypatch):
+    from cute_kda.ops import bwd_grads, bwd_scan, prepare, recurrence
+
+    compiled = []
+    monkeypatch.setattr(api.torch.cuda, "is_available", lambda: True)
+    for module in (prepare, recurrence, bwd_scan, bwd_grads):
+        monkeypatch.setattr(module, "compile_variant",
+                            lambda variant, device, module=module: compiled.append((module, variant, device)))
+    options = dict(varlen=(True,), state_modes=(torch.float32,), vsplits=(2,), gates=("softplus",), training=True)
+    count = cute_kda.warmup(device="cuda:0", **options)
+    expected = api.warmup_variants(**options)
+    assert count == len(expected) and [variant for _, variant, _ in compiled] == expected
+    kinds = {PrepareVariant: prepare, RecurrenceVariant: recurrence, ScanVariant: bwd_scan, GradsVariant: bwd_grads}
+    assert all(module is kinds[type(variant)] and device == torch.device("cuda", 0)
+               for module, variant, device in compiled)
 
 
 @pytest.mark.parametrize("gate, per_head", [("safe", False), ("softplus", True), ("none", False)],
                          ids=["safe", "per_head", "per_channel_log_decay"])
 def test_compile_bwd_grads_builds_the_key_a_call_uses(monkeypatch, gate, per_head):
-    """The ahead-of-time Kernel B compile hands the same variant key to the cache as a call on its buffers does."""
+    """The ahead-of-time Kernel B compile (``meta`` tensors) hands the same variant to the cache as a call on its
+    buffers does."""
     import contextlib
 
+    from cute_kda.layouts.bwd_grads import DEFAULT_WARPS
     from cute_kda.ops import bwd_grads as kb
 
     seen = []
-    monkeypatch.setattr(kb, "compiled_variant", lambda key, tensors, options, stream: seen.append(
-        (key, tensors, options)) or (lambda *args: None))
+    monkeypatch.setattr(kb, "compiled_variant", lambda variant, index, tensors, options: seen.append(
+        (variant, tensors, options)) or (lambda *args: None))
     monkeypatch.setattr(kb, "current_stream", lambda device: "stream")
     monkeypatch.setattr(kb, "device_index", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    kb.compile_bwd_grads(varlen=True, qk_l2norm=True, beta_logits=False, device="cpu", gate=gate,
-                         per_head_gate=per_head, grouped=per_head)
-    (key, tensors, options), = seen
+    g_dtype = torch.bfloat16
+    kb.compile_variant(GradsVariant(True, True, False, gate, g_dtype, per_head, per_head, DEFAULT_WARPS), "cuda:0")
+    (variant, tensors, options), = seen
+    assert all(t is None or t.device.type == "meta" for t in tensors if isinstance(t, torch.Tensor))
     names = ("q", "k", "g", "v", "do", "du", "A_log", "dt_bias", "ws", "states", "state_grads", "dq", "dk", "dg",
              "dbeta", "ddt_partial", "dalog_partial")
     kb.bwd_grads(**dict(zip(names, tensors)), **options, qk_l2norm=True, beta_logits=False, gate=gate)
-    assert seen[1][0] == key
+    assert seen[1][0] == variant
 
 
 def test_compile_bwd_scan_builds_the_key_a_call_uses(monkeypatch):
@@ -201,15 +202,16 @@ def test_compile_bwd_scan_builds_the_key_a_call_uses(monkeypatch):
     from cute_kda.ops import bwd_scan as ka
 
     seen = []
-    monkeypatch.setattr(ka, "compiled_variant", lambda key, tensors, stream: seen.append((key, tensors)) or (
+    monkeypatch.setattr(ka, "compiled_variant", lambda variant, index, tensors: seen.append((variant, tensors)) or (
         lambda *args: None))
     monkeypatch.setattr(ka, "current_stream", lambda device: "stream")
     monkeypatch.setattr(ka, "device_index", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    ka.compile_bwd_scan(vsplit=8, dht=None, dh0=torch.bfloat16, varlen=True, device="cpu")
-    (key, tensors), = seen
+    ka.compile_variant(ScanVariant(8, None, torch.bfloat16, True), "cuda:0")
+    (variant, tensors), = seen
+    assert tensors["do"].device.type == "meta"
     ka.bwd_scan(**tensors, vsplit=8)
-    assert seen[1][0] == key
+    assert seen[1][0] == variant
 
 
 def test_warmup_without_cuda_says_so(monkeypatch):
@@ -221,22 +223,13 @@ def test_warmup_without_cuda_says_so(monkeypatch):
 
 
 def test_host_path_keeps_what_it_can(monkeypatch):
-    """Per-call host work kept across calls: CUstream wrappers per handle, K1's workspace arguments
-    per workspace object, no device switch when the device is current."""
+    """Per-call host work kept across calls: CUstream wrappers per handle, no device switch when the device is
+    current."""
     import contextlib
 
     from cute_kda.ops import _cache
-    from cute_kda.ops import prepare as k1
-    from cute_kda.workspace import WorkspaceSpec, allocate_workspace
 
     assert _cache.cu_stream(12345) is _cache.cu_stream(12345)
-    ws = allocate_workspace(WorkspaceSpec(heads=2, tiles=3), "cpu")
-    tiles = k1._launch_tiles(ws)
-    assert k1._launch_tiles(ws) is tiles and tiles.qd.shape == (2 * 3 * 16, 1, 128)
-    other = allocate_workspace(WorkspaceSpec(heads=2, tiles=3), "cpu")
-    assert k1._launch_tiles(other) is not tiles and k1._launch_tiles(other).qd.data_ptr() == other.qd.data_ptr()
-    api.WorkspaceCache().clear()  # clearing workspaces lets go of K1's kept arguments too
-    assert k1._LAST_TILES == (None, None)
     assert isinstance(_cache.on_device(torch.device("cuda")), contextlib.nullcontext)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert isinstance(_cache.on_device(torch.device("cuda", 1)), contextlib.nullcontext)
@@ -275,12 +268,16 @@ def mirror_kernels(monkeypatch):
 
     from cute_kda.ops import _cache
 
-    class CpuWorkspaces(api.WorkspaceCache):
+    class CpuWorkspaces(inference.WorkspaceCache):
         def get(self, spec, device, stream=None):
             assert stream == 7  # the one stream look-up of the call, handed on
             return super().get(spec, device, stream)
 
-    def prepare_variant(varlen, qk_l2norm, beta_logits, index, gate, g_dtype, per_head_gate, grouped):
+    def prepare_variant(variant, index):
+        varlen, qk_l2norm, beta_logits, gate, g_dtype, per_head_gate, grouped = (
+            variant.varlen, variant.qk_l2norm, variant.beta_logits, variant.gate, variant.g_dtype,
+            variant.per_head_gate, variant.grouped)
+
         def prepare(q, k, g, beta, A_log, dt_bias, ws, scalars, seq_len, cu_seqlens, tile_base, stream):
             scale, lower_bound = scalars
             assert stream == ("CUstream", 7)
@@ -301,8 +298,10 @@ def mirror_kernels(monkeypatch):
 
         return prepare
 
-    def recurrence_variant(vsplit, initial_dtype, final_dtype, varlen, checkpoints, index, arguments, stream):
-        assert vsplit in validation_vsplits() and not checkpoints and stream == ("CUstream", 7)
+    def recurrence_variant(variant, index, arguments):
+        vsplit, initial_dtype, final_dtype, varlen = (variant.vsplit, variant.initial_state, variant.final_state,
+                                                      variant.varlen)
+        assert vsplit in validation_vsplits() and not variant.checkpoints
 
         def recurrence(v, out, *fields_states_and_bases):
             *fields, initial_state, final_state, cu_seqlens, tile_base, _, stream = fields_states_and_bases
@@ -323,8 +322,8 @@ def mirror_kernels(monkeypatch):
 
     monkeypatch.setattr(api.validation, "check_on_cuda", lambda name, tensor: None)
     monkeypatch.setattr(api.validation, "device_cu_seqlens", lambda cu_seqlens, device, total: cu_seqlens)
-    monkeypatch.setattr(api, "sm_count", lambda index: 132)
-    monkeypatch.setattr(api, "WORKSPACES", CpuWorkspaces())
+    monkeypatch.setattr(inference, "sm_count", lambda index: 132)
+    monkeypatch.setattr(inference, "WORKSPACES", CpuWorkspaces())
     monkeypatch.setattr(k1, "tile_bases", lambda cu_seqlens, stream=None: mirror.tile_bases(cu_seqlens, 0, 1))
     monkeypatch.setattr(_cache, "current_stream_handle", lambda index: 7)
     monkeypatch.setattr(_cache, "cu_stream", lambda handle: ("CUstream", handle))
@@ -367,6 +366,35 @@ def test_launch_path_fills_caller_buffers(mirror_kernels):
     assert torch.equal(out, o_ref) and torch.equal(final, final_ref)
 
 
+@pytest.mark.parametrize("capability, name", [((8, 0), "A100"), ((10, 0), "B200"), ((12, 0), "RTX 5090")])
+def test_device_check_names_the_capability(monkeypatch, capability, name):
+    import cute_kda.device
+
+    monkeypatch.setattr(cute_kda.device, "capability", lambda index: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: f"NVIDIA {name}")
+    major, minor = capability
+    with pytest.raises(RuntimeError, match=rf"built for sm_90a .*cuda:1 is sm_{major}{minor} \(NVIDIA {name}\)"):
+        cute_kda.device.check_supported(torch.device("cuda", 1))
+    monkeypatch.setattr(cute_kda.device, "capability", lambda index: (9, 0))
+    cute_kda.device.check_supported(torch.device("cuda", 1))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_device_is_checked_before_any_compile(mirror_kernels, monkeypatch):
+    """The inference executor asks for the device check before it builds (compiles) a launch plan; a refusal
+    stops the call there."""
+    from cute_kda.ops import prepare as k1
+
+    def refuse(device):
+        raise RuntimeError("sm_100")
+
+    monkeypatch.setattr(inference, "check_supported", refuse)
+    monkeypatch.setattr(k1, "compiled_variant", lambda *a: pytest.fail("compiled before the device check"))
+    inference.WORKSPACES.clear()
+    with pytest.raises(RuntimeError, match="sm_100"):
+        cute_kda.kda_forward(**make_inputs([40], 2, torch.device("cpu")))
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_launch_plans_are_kept_per_configuration(mirror_kernels, monkeypatch):
     """A call's configuration builds its launch plan once (the compiled variants are looked up then, not per
@@ -382,11 +410,11 @@ def test_launch_plans_are_kept_per_configuration(mirror_kernels, monkeypatch):
     again = cute_kda.kda_forward(**small, output_final_state=True)
     assert len(builds) == 1 and all(torch.equal(a, b) for a, b in zip(first, again))
     cute_kda.kda_forward(**small, output_final_state=True, vsplit=2)  # another configuration, the same buffer
-    assert len(builds) == 2 and len(api.WORKSPACES._plans[(None, 7)]) == 2
+    assert len(builds) == 2 and len(inference.WORKSPACES._plans[(None, 7)]) == 2
     cute_kda.kda_forward(**large)
-    assert len(builds) == 3 and len(api.WORKSPACES._plans[(None, 7)]) == 1  # the grown buffer's plan only
-    api.WORKSPACES.clear()
-    assert not api.WORKSPACES._plans
+    assert len(builds) == 3 and len(inference.WORKSPACES._plans[(None, 7)]) == 1  # the grown buffer's plan only
+    inference.WORKSPACES.clear()
+    assert not inference.WORKSPACES._plans
     assert all(torch.equal(a, b) for a, b in zip(first, cute_kda.kda_forward(**small, output_final_state=True)))
     assert len(builds) == 4
 
@@ -604,14 +632,14 @@ def test_debug_checks_read_device_cu_seqlens(device, monkeypatch):
 @pytest.mark.gpu
 def test_workspace_is_reused_and_grows(device):
     key = (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
-    api.WORKSPACES.clear()
+    inference.WORKSPACES.clear()
     cute_kda.kda_forward(**make_inputs([512], 4, device))
-    first = api.WORKSPACES.snapshot()[key]
+    first = inference.WORKSPACES.snapshot()[key]
     cute_kda.kda_forward(**make_inputs([512], 4, device, seed=3))
     cute_kda.kda_forward(**make_inputs([100], 2, device))
-    assert api.WORKSPACES.snapshot()[key] == first  # same buffer: reused, not shrunk
+    assert inference.WORKSPACES.snapshot()[key] == first  # same buffer: reused, not shrunk
     cute_kda.kda_forward(**make_inputs([4096], 8, device))
-    grown = api.WORKSPACES.snapshot()[key]
+    grown = inference.WORKSPACES.snapshot()[key]
     assert grown[1] > first[1]
 
 

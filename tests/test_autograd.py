@@ -1,8 +1,8 @@
-"""Autograd of ``kda_forward`` / ``chunk_kda`` (``cute_kda/autograd.py``; the training ops of
-``cute_kda/torch_ops.py``).
+"""Autograd of ``kda_forward`` / ``chunk_kda`` (the training executor ``cute_kda/executors/training.py``, its
+autograd Function and its custom ops).
 
 CPU tier: the ``torch.autograd.Function`` on the reference backend (the mirrors of the kernels,
-``autograd.REFERENCE``, named by each test) against ``gold_backward`` (fp64 autograd through the token
+``REFERENCE``, named by each test) against ``gold_backward`` (fp64 autograd through the token
 recurrence) and bit for bit against ``mirror_backward`` (the same chain); which inputs get gradients
 (subsets of requires_grad, Kernel B skipped when no token or gate gradient is needed), the final state's
 gradient flowing in, initial-state gradients in both layouts and dtypes, varlen with an empty sequence,
@@ -28,7 +28,12 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cute_kda
-from cute_kda import api, autograd, fla_backend, torch_ops, validation
+import cute_kda.context_parallel
+from cute_kda import api, fla_backend, validation
+from cute_kda.call import INPUT_NAMES
+from cute_kda.validation import check_trainable
+from cute_kda.executors import inference, stages, training
+from cute_kda.reference.backend import REFERENCE
 from cute_kda.reference import gold_backward, rel_rms
 from cute_kda.reference.backward import mirror_backward
 from cute_kda.workspace import (SNAPSHOT_TILES, WorkspaceSpec, block_states_shape, images_to_states, snapshot_slots,
@@ -42,10 +47,10 @@ from test_fla_compat import make_problem as make_fla_problem
 pytestmark = pytest.mark.filterwarnings("ignore:cute_kda mirror on CPU:RuntimeWarning")
 
 D = 128
-INPUTS = autograd.INPUT_NAMES  # q k v g beta A_log dt_bias initial_state
+INPUTS = INPUT_NAMES  # q k v g beta A_log dt_bias initial_state
 GRAD = dict(zip(INPUTS, ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")))
 # rel-RMS vs the fp64 gold: the safe gate's tests hold dA_log to dg's bound (1.1e-2 on B2_T129_H2_no_state below)
-REFERENCE_FORWARD = functools.partial(autograd.kda_forward, backend=autograd.REFERENCE)
+REFERENCE_FORWARD = functools.partial(training.kda_forward, backend=REFERENCE)
 
 
 def make_problem(lengths, heads=2, *, packed=None, state=None, device="cpu", seed=0, beta_logits=True,
@@ -155,22 +160,22 @@ class Recording:
 
     def __init__(self):
         self.calls = []
-        self.backend = autograd.Backend("recording", self._forward, self._scan, self._grads)
+        self.backend = stages.Backend("recording", self._forward, self._scan, self._grads)
 
     def _forward(self, x, options, segment_states=None):
         self.calls.append(("forward", options))
-        return autograd.REFERENCE.forward(x, options, segment_states)
+        return REFERENCE.forward(x, options, segment_states)
 
     def _scan(self, x, options, saved, do, dht, dh0_dtype):
         self.calls.append(("scan", do, dht, dh0_dtype))
-        return autograd.REFERENCE.scan(x, options, saved, do, dht, dh0_dtype)
+        return REFERENCE.scan(x, options, saved, do, dht, dh0_dtype)
 
     def _grads(self, x, options, saved, do, scan):
         self.calls.append(("grads",))
-        return autograd.REFERENCE.grads(x, options, saved, do, scan)
+        return REFERENCE.grads(x, options, saved, do, scan)
 
     def forward(self, *args, **kwargs):
-        return autograd.kda_forward(*args, backend=self.backend, **kwargs)
+        return training.kda_forward(*args, backend=self.backend, **kwargs)
 
     def stages(self):
         return [call[0] for call in self.calls]
@@ -237,7 +242,7 @@ def test_chunk_kda_maps_fla_disable_recompute():
 
 
 def test_no_input_requires_grad_still_records_on_the_reference_path():
-    """autograd.kda_forward always goes through the Function; the outputs do not require grad then."""
+    """training.kda_forward always goes through the Function; the outputs do not require grad then."""
     problem, _, _ = make_problem([20])
     o, _ = REFERENCE_FORWARD(**problem)
     assert not o.requires_grad and o.shape == problem["v"].shape
@@ -385,8 +390,8 @@ def launchers_on_mirrors(monkeypatch):
         ddt_partial.zero_()[:, 0] = grads.ddt_bias  # the whole sum in the first tile's slot
         dalog_partial.zero_()[:, 0] = grads.dA_log
 
-    monkeypatch.setattr(autograd.validation, "check_on_cuda", lambda name, tensor: None)
-    monkeypatch.setattr(autograd, "sm_count", lambda index: 132)
+    monkeypatch.setattr(validation, "check_on_cuda", lambda name, tensor: None)
+    monkeypatch.setattr(cute_kda.context_parallel, "sm_count", lambda index: 132)
     return fakes
 
 
@@ -398,7 +403,7 @@ def test_kernel_stages_hand_the_launchers_what_they_check(launchers_on_mirrors, 
     problem, do, dht = make_problem(lengths, state=state)
     dht = dht if state is not None else None
     launchers_on_mirrors.beta = problem["beta"]
-    _, _, grads = train(functools.partial(autograd.kda_forward, backend=autograd.KERNELS), problem, do=do, dht=dht)
+    _, _, grads = train(functools.partial(training.kda_forward, backend=stages.KERNELS), problem, do=do, dht=dht)
     _, _, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht)
     varlen = "cu_seqlens" in problem
     assert launchers_on_mirrors.calls == [*(["tile_bases"] if varlen else []), "prepare", "recurrence", "bwd_scan",
@@ -411,7 +416,7 @@ def test_kernel_stages_take_int32_cu_seqlens_as_int64(launchers_on_mirrors):
     """An int32 cu_seqlens reaches every launcher widened to int64, and the step is the int64 call's, bit for bit."""
     problem, do, dht = make_problem([20, 0, 17, 5], state=torch.bfloat16)
     launchers_on_mirrors.beta = problem["beta"]
-    forward = functools.partial(autograd.kda_forward, backend=autograd.KERNELS)
+    forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
     o, ht, expected = train(forward, problem, do=do, dht=dht)
     launchers_on_mirrors.cu_seqlens_dtypes.clear()
     narrow = {**problem, "cu_seqlens": problem["cu_seqlens"].to(torch.int32)}
@@ -433,7 +438,7 @@ def test_kernel_stages_of_a_segmented_call(launchers_on_mirrors, lengths, state,
     dht = dht if state is not None else None
     launchers_on_mirrors.beta = problem["beta"].reshape(1, -1, problem["beta"].shape[2])
     options = dict(segments=3, recompute=recompute)
-    o, ht, grads = train(functools.partial(autograd.kda_forward, backend=autograd.KERNELS), problem, do=do, dht=dht,
+    o, ht, grads = train(functools.partial(training.kda_forward, backend=stages.KERNELS), problem, do=do, dht=dht,
                          **options)
     o_ref, ht_ref, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht, **options)
     forward = ["prepare", "recurrence", "recurrence", "recurrence"]  # the tile bases come from the host
@@ -545,7 +550,7 @@ def test_public_api_on_cpu_still_needs_cuda():
     with pytest.raises(ValueError, match="q must be on a CUDA device"):
         cute_kda.chunk_kda(**FLAGS, **inputs, output_final_state=True)
     with pytest.raises(ValueError, match="q must be on a CUDA device"):
-        autograd.kda_forward(**problem, backend=autograd.KERNELS)
+        training.kda_forward(**problem, backend=stages.KERNELS)
 
 
 def test_unsupported_flags_are_refused_under_grad():
@@ -556,9 +561,9 @@ def test_unsupported_flags_are_refused_under_grad():
     q = torch.zeros(1, 20, 1, 128, dtype=torch.bfloat16)
     v = torch.zeros(1, 20, 2, 128, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="grouped value heads .* with the safe gate have no backward"):
-        autograd.check_trainable("safe", q, v, v)
+        check_trainable("safe", q, v)
     for gate in ("softplus", "none"):  # the unbounded gates train with grouped value heads
-        autograd.check_trainable(gate, q, v, v)
+        check_trainable(gate, q, v)
 
 
 def test_per_channel_unbounded_gates_take_the_autograd_path(recorded_training):
@@ -568,8 +573,8 @@ def test_per_channel_unbounded_gates_take_the_autograd_path(recorded_training):
     inputs["q"].requires_grad_()
     cute_kda.chunk_kda(**{**FLAGS, "use_gate_in_kernel": False}, **inputs)
     cute_kda.chunk_kda(**{**FLAGS, "lower_bound": None, "safe_gate": False}, **inputs)
-    assert [(backend, options["gate"]) for backend, _, options in recorded_training] == [
-        (autograd.KERNELS, "none"), (autograd.KERNELS, "softplus")]
+    assert [(backend, call.options.gate) for backend, call in recorded_training] == [
+        (stages.KERNELS, "none"), (stages.KERNELS, "softplus")]
 
 
 @pytest.fixture
@@ -577,11 +582,11 @@ def recorded_training(monkeypatch):
     """api's training entry replaced by a recorder (no kernels needed)."""
     calls = []
 
-    def record(backend, problem, *tensors, **options):
-        calls.append((backend, problem, options))
+    def record(backend, call):
+        calls.append((backend, call))
         return "recorded", None
 
-    monkeypatch.setattr(autograd, "train", record)
+    monkeypatch.setattr(training, "train", record)
     return calls
 
 
@@ -589,8 +594,9 @@ def test_public_api_routes_recorded_calls_to_the_kernels(recorded_training):
     problem, _, _ = make_problem([20])
     problem["A_log"].requires_grad_()
     assert cute_kda.kda_forward(**problem) == ("recorded", None)
-    (backend, shape, options), = recorded_training
-    assert backend is autograd.KERNELS and shape.seq_len == 20 and options["output_final_state"] is False
+    (backend, call), = recorded_training
+    assert backend is stages.KERNELS and call.training and call.options.problem.seq_len == 20
+    assert call.options.final_state_dtype is None
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "detached"])
@@ -626,12 +632,15 @@ def _fake_inputs(varlen, heads=3):
 @pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, torch.float32], ids=["none", "bf16", "fp32"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
 def test_forward_train_fake_shapes(varlen, state_dtype, recompute):
+    """The final state takes the initial state's dtype (``state_dtype``; None: no state in or out)."""
     with FakeTensorMode():
         q, beta, cu, A_log, dt_bias = _fake_inputs(varlen)
+        batch, tokens, heads = q.shape[:3]
+        num_seqs = 4 if varlen else batch
+        h0 = None if state_dtype is None else torch.empty(num_seqs, heads, D, D, dtype=state_dtype)
         o, state, ws, checkpoints, tile_base, segment_states = torch.ops.cute_kda.forward_train(
-            q, q, q, q, beta, A_log, dt_bias, None, cu, 0.1, -5.0, state_dtype, 0, True, True, recompute, "safe", 0)
-    batch, tokens, heads = q.shape[:3]
-    num_seqs = 4 if varlen else batch
+            q, q, q, q, beta, A_log, dt_bias, h0, cu, 0.1, -5.0, state_dtype is not None, None, True, True, recompute,
+            "safe", None)
     tiles = tiles_per_head(batch * tokens, num_seqs, varlen)
     assert o.shape == q.shape and o.dtype == torch.bfloat16
     assert (state.numel() == 0) if state_dtype is None else (state.shape == (num_seqs, heads, D, D)
@@ -653,7 +662,7 @@ def test_forward_train_fake_shapes_of_a_segmented_call(recompute):
     with FakeTensorMode():
         q, beta, cu, A_log, dt_bias = _fake_inputs(False)
         o, state, ws, checkpoints, tile_base, segment_states = torch.ops.cute_kda.forward_train(
-            q, q, q, q, beta, A_log, dt_bias, None, cu, 0.1, -5.0, torch.float32, 0, True, True, recompute, "safe", 3)
+            q, q, q, q, beta, A_log, dt_bias, None, cu, 0.1, -5.0, True, None, True, True, recompute, "safe", 3)
     heads, segments = q.shape[2], 6
     tiles = tiles_per_head(70, segments, True)
     assert o.shape == q.shape and state.shape == (2, heads, D, D)
@@ -674,7 +683,7 @@ def test_backward_fake_shapes(varlen, dh0_dtype, token_grads):
         tile_base = torch.empty(5, dtype=torch.int32) if varlen else None
         grads = torch.ops.cute_kda.backward(q, None, q, q, q, q, beta, A_log, dt_bias, None, cu, ws, checkpoints,
                                             tile_base, None, 0.1, -5.0, True, True, dh0_dtype, token_grads, False,
-                                            "safe", 0)
+                                            "safe", None, None)
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = grads
     assert dv.shape == q.shape and dv.dtype == torch.bfloat16
     for grad, like in ((dq, q), (dk, q), (dg, q), (dbeta, beta), (dA_log, A_log), (ddt_bias, dt_bias)):
@@ -686,14 +695,14 @@ def test_backward_fake_shapes(varlen, dh0_dtype, token_grads):
 @pytest.fixture
 def reference_ops(monkeypatch):
     """The training ops on the reference stages (the kernels need a GPU)."""
-    monkeypatch.setattr(torch_ops, "_stages", lambda: autograd.REFERENCE)
+    monkeypatch.setattr(training, "_stages", lambda: REFERENCE)
 
 
 def _op_arguments(problem, recompute=False, segments=0):
     p = problem
     return (*(p[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), p.get("initial_state"),
-            p.get("cu_seqlens"), D ** -0.5, -5.0, torch.float32, 0, True, True, recompute, p.get("gate", "safe"),
-            segments)
+            p.get("cu_seqlens"), D ** -0.5, -5.0, True, None, True, True, recompute, p.get("gate", "safe"),
+            segments or None)
 
 
 OP_PROBLEMS = {"varlen": ([20, 17], 0), "segmented": ([40, 40], 2)}  # (lengths, segments)
@@ -706,7 +715,7 @@ def test_opcheck_forward_train(reference_ops, recompute, case):
     problem, _, _ = make_problem(lengths, state=torch.float32)
     leaves = {n: x.requires_grad_() if x.is_floating_point() else x for n, x in problem.items()}
     # no test_aot_dispatch: checkpoint slots that are no tile hold NaN, which never compares equal
-    torch.library.opcheck(torch_ops.forward_train_op, _op_arguments(leaves, recompute, segments),
+    torch.library.opcheck(training.forward_train_op, _op_arguments(leaves, recompute, segments),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
@@ -715,14 +724,14 @@ def test_opcheck_forward_train(reference_ops, recompute, case):
 def test_opcheck_backward(reference_ops, recompute, case):
     lengths, segments = OP_PROBLEMS[case]
     problem, do, dht = make_problem(lengths, state=torch.bfloat16)
-    _, _, ws, checkpoints, tile_base, segment_states = torch_ops.forward_train_op(
+    _, _, ws, checkpoints, tile_base, segment_states = training.forward_train_op(
         *_op_arguments(problem, recompute, segments))
     p = problem
     args = (do, dht, *(p[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), p["initial_state"],
             p.get("cu_seqlens"), ws, checkpoints, tile_base if tile_base.numel() else None,
             segment_states if segment_states.numel() else None, D ** -0.5, -5.0, True, True, torch.bfloat16, True,
-            recompute, "safe", segments)
-    torch.library.opcheck(torch_ops.backward_op, args)
+            recompute, "safe", None, segments or None)
+    torch.library.opcheck(training.backward_op, args)
 
 
 class Graphs:
@@ -851,7 +860,7 @@ def test_compiled_call_refuses_buffers_under_grad(reference_ops):
 def _ops_forward(q, k, v, g, beta, *, scale=None, A_log, dt_bias, lower_bound=-5.0, initial_state=None,
                  output_final_state=False, cu_seqlens=None, qk_l2norm=True, beta_logits=True):
     """The traced path's ``kda_forward`` (the training ops), called eagerly."""
-    return torch_ops.kda_forward(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+    return api._traced(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                                  initial_state=initial_state, output_final_state=output_final_state,
                                  cu_seqlens=cu_seqlens, out=None, final_state=None, vsplit=None, qk_l2norm=qk_l2norm,
                                  beta_logits=beta_logits)
@@ -1013,9 +1022,9 @@ def test_fla_dispatches_training_calls(device, monkeypatch):
         assert torch.equal(a, b)
 
 
-def _train_unbounded(case: str, backend: autograd.Backend, device: torch.device) -> None:
+def _train_unbounded(case: str, backend: stages.Backend, device: torch.device) -> None:
     """An unbounded gate (GatedDeltaNet's per head, or per channel) of ``BACKWARD_CASES`` through
-    ``autograd.kda_forward`` on ``backend``: every gradient autograd hands back, in the input's dtype and shape,
+    ``training.kda_forward`` on ``backend``: every gradient autograd hands back, in the input's dtype and shape,
     against autograd through the fp64 gold (issue 10's targets; dq and dk summed over each group of value heads)."""
     from test_reference_gates import BACKWARD_CASES, _backward_problem
 
@@ -1027,7 +1036,7 @@ def _train_unbounded(case: str, backend: autograd.Backend, device: torch.device)
               "initial_state": options["initial_state"]}
     leaves = {n: (t.to(device).requires_grad_() if t is not None else None) for n, t in inputs.items()}
     cu_seqlens = options["cu_seqlens"]
-    o, ht = autograd.kda_forward(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), A_log=leaves["A_log"],
+    o, ht = training.kda_forward(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), A_log=leaves["A_log"],
                                  dt_bias=leaves["dt_bias"], initial_state=leaves["initial_state"], gate=gate,
                                  cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(device),
                                  output_final_state=True, backend=backend)
@@ -1051,13 +1060,13 @@ def _train_unbounded(case: str, backend: autograd.Backend, device: torch.device)
 def test_unbounded_gate_trains_through_the_reference_stages(case):
     """The training path's stages by the mirrors (K1's per-head or dyadic scheme, K2 with checkpoints, Kernel A,
     :func:`~cute_kda.reference.mirror_bwd_grads_gates`)."""
-    _train_unbounded(case, autograd.REFERENCE, torch.device("cpu"))
+    _train_unbounded(case, REFERENCE, torch.device("cpu"))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["gdn_softplus_gva_varlen", "gdn_masks_small_dht"])
 def test_per_head_gate_trains_on_the_kernels(case, device):
-    _train_unbounded(case, autograd.KERNELS, device)
+    _train_unbounded(case, stages.KERNELS, device)
 
 
 @pytest.mark.gpu
@@ -1065,7 +1074,7 @@ def test_per_head_gate_trains_on_the_kernels(case, device):
                                   "softplus_pm1000"])
 def test_per_channel_unbounded_gate_trains_on_the_kernels(case, device):
     """Kimi-Linear's softplus gate and a log decay per channel: K1's dyadic scheme, Kernel B's dyadic variant."""
-    _train_unbounded(case, autograd.KERNELS, device)
+    _train_unbounded(case, stages.KERNELS, device)
 
 
 def unbounded_gate_problem(gate: str) -> tuple[dict, dict]:

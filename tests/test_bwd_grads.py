@@ -18,7 +18,8 @@ from gradient_targets import TARGETS
 from test_fwd_recurrence import STATE, _assert_guards_untouched, _guarded, _problem
 from test_reference_gates import BACKWARD_CASES
 
-from cute_kda import autograd
+from cute_kda.executors import stages
+from cute_kda.variants import GradsVariant
 from cute_kda.dsl import cute
 from cute_kda.kernels.bwd_grads import BwdGrads
 from cute_kda.layouts import bwd_grads as plan
@@ -303,8 +304,8 @@ def test_launcher_keys_the_variant_and_builds_its_arguments(monkeypatch):
     """The launch path up to the compiled call, on the CPU: the key, the argument bundles, the stream."""
     seen = []
 
-    def compiled(key, tensors, options, stream):
-        seen.append(key)
+    def compiled(variant, index, tensors, options):
+        seen.append((variant, index))
         return lambda *args: seen.append(args)
 
     monkeypatch.setattr(kb, "compiled_variant", compiled)
@@ -313,7 +314,7 @@ def test_launcher_keys_the_variant_and_builds_its_arguments(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=4)
     key, args = seen
-    assert key == (False, True, True, 4, "safe", False, torch.bfloat16, False, 0)
+    assert key == (GradsVariant(False, True, True, "safe", torch.bfloat16, False, False, 4), 0)
     assert len(args) == 10 and args[-1] == "stream" and args[6] == _CPU_T
     with pytest.raises(ValueError, match="compute_warps"):
         kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=2)
@@ -561,7 +562,7 @@ def _unbounded_chain(case: str, per_head: bool = True) -> tuple[dict, dict, tupl
         assert not raw[name].isnan().any(), f"a {name} row was not written"
     if constants:
         assert not ddt.isnan().any() and not dalog.isnan().any(), "a partial-sum slot was not written"
-    grads = {"dq": autograd.group_sum(raw["dq"], H), "dk": autograd.group_sum(raw["dk"], H), "dv": dv, "dg": raw["dg"], "dbeta": raw["dbeta"],
+    grads = {"dq": stages.group_sum(raw["dq"], H), "dk": stages.group_sum(raw["dk"], H), "dv": dv, "dg": raw["dg"], "dbeta": raw["dbeta"],
              "dh0": dh0, "dA_log": None if dalog is None else dalog.sum(1),
              "ddt_bias": None if ddt is None else ddt.sum(1)}
     raw.update(ddt_partial=ddt, dalog_partial=dalog, ws=ws, states=images_to_states(states),
@@ -640,21 +641,21 @@ def test_per_head_launcher_rejects_mismatched_buffers(change, words):
 
 def test_per_head_launcher_keys_the_variant(monkeypatch):
     seen = []
-    monkeypatch.setattr(kb, "compiled_variant", lambda key, tensors, options, stream: seen.append(key) or (
-        lambda *args: seen.append(args)))
+    monkeypatch.setattr(kb, "compiled_variant", lambda variant, index, tensors, options: seen.append(
+        (variant, index)) or (lambda *args: seen.append(args)))
     monkeypatch.setattr(kb, "current_stream", lambda device: "stream")
     monkeypatch.setattr(kb, "device_index", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     kb.bwd_grads(**_per_head_buffers("none"))
     key, args = seen
-    assert key == (False, True, True, plan.DEFAULT_WARPS, "none", True, torch.bfloat16, True, 0)
+    assert key == (GradsVariant(False, True, True, "none", torch.bfloat16, True, True, plan.DEFAULT_WARPS), 0)
     inputs, outputs = args[0], args[3]
     assert inputs.a_log is None and inputs.dt_bias is None and outputs.ddt_partial is None
     assert tuple(inputs.g.shape) == (40, 2) and tuple(outputs.dq.shape) == (40, 2, D)
     seen.clear()
     kb.bwd_grads(**_dyadic_buffers("softplus", grouped=True, g_dtype=torch.bfloat16))
     key, args = seen
-    assert key == (False, True, True, plan.DEFAULT_WARPS, "softplus", False, torch.bfloat16, True, 0)
+    assert key == (GradsVariant(False, True, True, "softplus", torch.bfloat16, False, True, plan.DEFAULT_WARPS), 0)
     inputs, outputs = args[0], args[3]
     assert tuple(inputs.g.shape) == (40, 2, D) and tuple(outputs.dg.shape) == (40, 2, D)
     assert tuple(inputs.dt_bias.shape) == (2, D) and tuple(outputs.ddt_partial.shape[1:]) == (D,)

@@ -83,12 +83,14 @@ def test_snapshot_slots_are_distinct():
 
 
 def test_choose_scan_vsplit():
+    from cute_kda.variants import ScanVariant
+
     sms = 132
-    assert ka.choose_scan_vsplit(1, 96, sms) == 1
-    assert ka.choose_scan_vsplit(1, 64, sms) == 2
-    assert ka.choose_scan_vsplit(1, 16, sms) == 8  # B1 T32768 H16: 128 CTAs
-    assert ka.choose_scan_vsplit(1, 17, sms) == 4
-    assert ka.choose_scan_vsplit(8, 32, sms) == 1
+    assert ScanVariant.choose_vsplit(1, 96, sms) == 1
+    assert ScanVariant.choose_vsplit(1, 64, sms) == 2
+    assert ScanVariant.choose_vsplit(1, 16, sms) == 8  # B1 T32768 H16: 128 CTAs
+    assert ScanVariant.choose_vsplit(1, 17, sms) == 4
+    assert ScanVariant.choose_vsplit(8, 32, sms) == 1
 
 
 def test_launcher_rejects_mismatched_buffers():

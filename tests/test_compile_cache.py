@@ -28,6 +28,7 @@ import torch
 
 from cute_kda.dsl import cute, cutlass
 from cute_kda.ops import _cache, _disk_cache
+from cute_kda.variants import PrepareVariant
 from cute_kda.ops._cache import TVM_FFI_OPTION, CompileCache, dlpack_tensor, to_cute_tensor
 from cute_kda.workspace import WorkspaceSpec, allocate_workspace, tiles_per_head
 
@@ -117,15 +118,33 @@ def test_fake_tensor_keeps_dtype_rank_and_contiguous_mode():
 
 
 def test_k1_compiles_from_meta_tensors_without_a_device(monkeypatch, tmp_path):
-    """``compile_prepare`` allocates nothing: it works on a machine with no CUDA at all."""
+    """``compile_variant`` allocates nothing: it works on a machine with no CUDA at all."""
     from cute_kda.ops import prepare as k1
 
     monkeypatch.setenv("CUTE_KDA_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(k1, "_PREPARE", CompileCache("fwd_prepare"))
     monkeypatch.setattr(k1, "_TILE_PREFIX", CompileCache("tile_prefix"))
-    k1.compile_prepare(qk_l2norm=True, beta_logits=False, varlen=True, device=torch.device("cuda", 0))
+    k1.compile_variant(PrepareVariant(True, True, False), torch.device("cuda", 0))
     assert k1._PREPARE.stats == {"compiled": 1} and k1._TILE_PREFIX.stats == {"compiled": 1}
     assert len(list(tmp_path.rglob("*.o"))) == 2
+
+
+@pytest.mark.parametrize("kind", ["recurrence", "bwd_scan", "bwd_grads"])
+def test_scans_and_kernel_b_compile_from_meta_tensors_without_a_device(monkeypatch, tmp_path, kind):
+    """K2, Kernel A and Kernel B compile ahead of time from ``meta`` tensors too (no device memory, no CUDA)."""
+    import importlib
+
+    from cute_kda.layouts.bwd_grads import DEFAULT_WARPS
+    from cute_kda.variants import GradsVariant, RecurrenceVariant, ScanVariant
+
+    module = importlib.import_module(f"cute_kda.ops.{kind}")
+    variant = {"recurrence": RecurrenceVariant(2, torch.float32, torch.bfloat16, True, True),
+               "bwd_scan": ScanVariant(4, torch.float32, None, True),
+               "bwd_grads": GradsVariant(True, True, True, "softplus", torch.bfloat16, True, True, DEFAULT_WARPS)}[kind]
+    monkeypatch.setenv("CUTE_KDA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(module, "_CACHE", CompileCache(kind))
+    module.compile_variant(variant, torch.device("cuda", 0))
+    assert module._CACHE.stats == {"compiled": 1} and (variant, 0) in module._CACHE
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,11 +14,15 @@ one-head call (and the result tracking the unsplit one), the segmented backward 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import cute_kda
-from cute_kda import autograd, context_parallel, torch_ops
+from cute_kda import api, context_parallel
+from cute_kda.executors import training
+from cute_kda.reference.backend import REFERENCE
 from cute_kda.context_parallel import MIN_SEGMENT_TILES, MIN_SEGMENTS, Segmentation, plan
 from cute_kda.reference import gold_forward, rel_rms
 from cute_kda.reference import mirror
@@ -158,11 +162,11 @@ def test_segments_run_the_extra_passes(monkeypatch):
 
 def test_training_ops_split_as_the_function_does(monkeypatch):
     """The training ops (torch.compile's path) on the reference stages give what the autograd Function gives."""
-    monkeypatch.setattr(torch_ops, "_stages", lambda: autograd.REFERENCE)
+    monkeypatch.setattr(training, "_stages", lambda: REFERENCE)
     problem, do, dht = make_problem([50, 50], state=torch.float32, seed=5)
 
     def ops_forward(q, k, v, g, beta, *, A_log, dt_bias, initial_state, output_final_state, segments):
-        return torch_ops.kda_forward(q, k, v, g, beta, scale=None, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+        return api._traced(q, k, v, g, beta, scale=None, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
                                      initial_state=initial_state, output_final_state=output_final_state,
                                      cu_seqlens=None, out=None, final_state=None, vsplit=None, qk_l2norm=True,
                                      beta_logits=True, segments=segments)
@@ -178,7 +182,7 @@ def test_training_ops_split_as_the_function_does(monkeypatch):
 def test_reference_segments_of_gated_delta_rule_match_gold(raw_gate):
     """GatedDeltaNet (a per-head gate, grouped value heads: 2 q/k heads, 4 value heads) split 3 ways on the mirrors:
     every gradient FLA fills within issue 10's targets of the fp64 gold."""
-    from cute_kda.gdn_api import kernel_dt_bias, translate_fla_gdn_call
+    from cute_kda.fla_calls import translate_fla_gdn_call
 
     from gradient_targets import TARGETS
     from test_gdn import GDN_GRADS, gdn_grads, gdn_problem, gold_gdn_grads
@@ -189,13 +193,7 @@ def test_reference_segments_of_gated_delta_rule_match_gold(raw_gate):
     dht = torch.randn(2, problem["v"].shape[2], D, D, generator=gen)
 
     def split_gdn(**leaves):
-        call = translate_fla_gdn_call(**leaves)
-
-        def forward(q, k, v, g, beta, *, gate, A_log, dt_bias, **options):
-            return REFERENCE_FORWARD(q, k, v, g, beta, gate=gate, A_log=A_log,
-                                     dt_bias=kernel_dt_bias(gate, dt_bias, v), segments=3, **options)
-
-        return call.run(forward)
+        return translate_fla_gdn_call(**leaves).run(functools.partial(REFERENCE_FORWARD, segments=3))
 
     grads = gdn_grads(split_gdn, problem, do, dht)
     want = gold_gdn_grads(problem, do, dht)

@@ -84,10 +84,13 @@ def test_cpu_tensors_are_refused():
 
 
 def test_non_hopper_gpu_is_refused(monkeypatch):
-    monkeypatch.setattr(fla_backend, "_capability", lambda index: (10, 0))
+    import cute_kda.device
+
+    monkeypatch.setattr(cute_kda.device, "capability", lambda index: (10, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA B200")
     reason = fla_backend._device_rule(torch.device("cuda", 0))
-    assert "sm_90a" in reason and "sm_100" in reason
-    monkeypatch.setattr(fla_backend, "_capability", lambda index: (9, 0))
+    assert "sm_90a" in reason and "sm_100" in reason and "B200" in reason
+    monkeypatch.setattr(cute_kda.device, "capability", lambda index: (9, 0))
     assert fla_backend._device_rule(torch.device("cuda", 1)) is None
 
 
@@ -191,12 +194,10 @@ def test_gdn_refusals_name_the_flag(any_device, changes, words):
 
 
 def test_gdn_implementation_reuses_the_verifiers_translation(any_device, gold_kernels, monkeypatch):
-    from cute_kda import gdn_api
-
     problem = gdn_problem([9, 30], raw_gate=True)
     calls = []
-    translate = gdn_api.translate_fla_gdn_call
-    monkeypatch.setattr(gdn_api, "translate_fla_gdn_call", lambda *a, **k: calls.append(1) or translate(*a, **k))
+    translate = api.translate_fla_gdn_call
+    monkeypatch.setattr(api, "translate_fla_gdn_call", lambda *a, **k: calls.append(1) or translate(*a, **k))
     with torch.no_grad():
         assert fla_backend.verify_gdn(**problem) == (True, None)
         o, state = fla_backend.chunk_gated_delta_rule(**problem)

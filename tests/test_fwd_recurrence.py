@@ -456,17 +456,19 @@ def test_every_axis_value_is_compiled():
 
 def test_choose_vsplit():
     """One CTA per SM at most: the largest split that still fits (bench_recurrence's measurement)."""
+    from cute_kda.variants import RecurrenceVariant
+
     sms = 132
-    assert k2.choose_vsplit(1, 96, sms) == 1  # B1 T8192 H96: 192 CTAs at VSplit 2 would share SMs
-    assert k2.choose_vsplit(1, 64, sms) == 2  # 128 CTAs
-    assert k2.choose_vsplit(1, 66, sms) == 2  # exactly one per SM
-    assert k2.choose_vsplit(1, 67, sms) == 1
-    assert k2.choose_vsplit(1, 16, sms) == 4  # B1 T32768 H16
-    assert k2.choose_vsplit(1, 33, sms) == 4  # 132 CTAs
-    assert k2.choose_vsplit(1, 34, sms) == 2
-    assert k2.choose_vsplit(8, 32, sms) == 1
-    assert k2.choose_vsplit(6, 96, sms) == 1
-    assert k2.choose_vsplit(1, 1, sms) == 4
+    assert RecurrenceVariant.choose_vsplit(1, 96, sms) == 1  # B1 T8192 H96: 192 CTAs at VSplit 2 would share SMs
+    assert RecurrenceVariant.choose_vsplit(1, 64, sms) == 2  # 128 CTAs
+    assert RecurrenceVariant.choose_vsplit(1, 66, sms) == 2  # exactly one per SM
+    assert RecurrenceVariant.choose_vsplit(1, 67, sms) == 1
+    assert RecurrenceVariant.choose_vsplit(1, 16, sms) == 4  # B1 T32768 H16
+    assert RecurrenceVariant.choose_vsplit(1, 33, sms) == 4  # 132 CTAs
+    assert RecurrenceVariant.choose_vsplit(1, 34, sms) == 2
+    assert RecurrenceVariant.choose_vsplit(8, 32, sms) == 1
+    assert RecurrenceVariant.choose_vsplit(6, 96, sms) == 1
+    assert RecurrenceVariant.choose_vsplit(1, 1, sms) == 4
 
 
 def test_tile_bases():

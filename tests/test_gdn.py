@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import cute_kda
-from cute_kda.gdn_api import translate_fla_gdn_call
+from cute_kda.fla_calls import translate_fla_gdn_call
 from cute_kda.reference import gold_backward, gold_forward, mirror_forward, rel_rms
 
 from test_api import GOLD_BOUND, mirror_kernels  # noqa: F401  (fixture)
@@ -60,16 +60,16 @@ def test_call_path_with_mirror_kernels(mirror_kernels, raw_gate):
 def test_training_takes_the_autograd_path(monkeypatch):
     """A call that autograd records goes to the training path with the per-head gate (its gradients: the CPU
     references in tests/test_autograd.py, the kernels in tests/test_bwd_grads.py)."""
-    from cute_kda import autograd
+    from cute_kda.executors import stages, training
 
     seen = []
-    monkeypatch.setattr(autograd, "train", lambda backend, problem, *tensors, **options: seen.append(
-        (backend, problem, tensors, options)) or (tensors[2], None))
+    monkeypatch.setattr(training, "train", lambda backend, call: seen.append((backend, call)) or (call.inputs.v, None))
     problem = gdn_problem([20])
     problem["q"].requires_grad_()
     cute_kda.chunk_gated_delta_rule(**problem)
-    ((backend, shape, tensors, options),) = seen
-    assert backend is autograd.KERNELS and options["gate"] == "softplus" and tensors[3].shape == (1, 20, 4)
+    ((backend, call),) = seen
+    assert backend is stages.KERNELS and call.training and call.options.gate == "softplus"
+    assert call.inputs.g.shape == (1, 20, 4)
 
 
 GOLD_CASES = {

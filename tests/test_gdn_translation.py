@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cute_kda.gdn_api import GDN_GATES, GdnCall, translate_fla_gdn_call
+from cute_kda.fla_calls import GDN_GATES, GdnCall, translate_fla_gdn_call
 from cute_kda.reference import gold_forward, rel_rms
 
 K = V = 16  # the translation does not depend on the head dim; small keeps the token loops fast

@@ -1,10 +1,10 @@
 """``torch.compile`` of code that calls ``kda_forward`` / ``chunk_kda``: the ``cute_kda::forward``
-custom op (``cute_kda/torch_ops.py``).
+custom op (``cute_kda/executors/inference.py``).
 
 CPU tier: the fake implementation's shapes and dtypes under ``FakeTensorMode``; ``opcheck`` of the
 op; ``torch.compile(fullgraph=True)`` of a module calling each entry traces one graph holding the op
 (no graph break) and answers as eager; the eager path never enters the dispatcher. The kernels are
-replaced on the CPU by the fp64 gold recurrence behind ``api._forward`` (a test-only seam).
+replaced on the CPU by the fp64 gold recurrence behind ``inference.run`` (a test-only seam).
 
 GPU tier: the same compiled modules on the real kernels, bit-equal to eager, and a CUDA-graph
 replay of the compiled forward.
@@ -17,7 +17,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cute_kda
-from cute_kda import api, torch_ops
+from cute_kda import api
+from cute_kda.executors import inference
 from cute_kda.reference import gold_forward
 
 D = 128
@@ -42,33 +43,26 @@ def make_inputs(lengths, heads=2, device="cpu", seed=0):
 
 @pytest.fixture
 def gold_kernels(monkeypatch):
-    """``api._forward`` by the gold recurrence on the CPU, with the real validation in front and the
-    kernels' output dtypes and buffers: what the op's real implementation calls."""
+    """The inference executor (``inference.run``) by the gold recurrence on the CPU, with the real resolution in
+    front and the kernels' output dtypes and buffers: what the op's real implementation calls."""
     calls = []
 
-    def forward(q, k, v, g, beta, *, scale, A_log, dt_bias, lower_bound, initial_state, output_final_state,
-                cu_seqlens, out, final_state, vsplit, qk_l2norm, beta_logits, recompute=False, gate="safe",
-                segments=None):
-        problem = api.validation.validate_forward(
-            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-            initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
-            gate=gate)
-        calls.append(problem)
-        wants = final_state is not None or output_final_state
-        o, state = gold_forward(q, k, v, g, beta, scale=scale, gate=gate, A_log=A_log, dt_bias=dt_bias,
-                                lower_bound=lower_bound,
-                                qk_l2norm=qk_l2norm, beta_logits=beta_logits, initial_state=initial_state,
-                                output_final_state=wants, cu_seqlens=cu_seqlens)
+    def run(call):
+        x, options = call.inputs, call.options
+        calls.append(options.problem)
+        wants = options.final_state_dtype is not None
+        o, state = gold_forward(x.q, x.k, x.v, x.g, x.beta, scale=options.scale, gate=options.gate, A_log=x.A_log,
+                                dt_bias=x.dt_bias, lower_bound=options.lower_bound, qk_l2norm=options.qk_l2norm,
+                                beta_logits=options.beta_logits, initial_state=x.initial_state,
+                                output_final_state=wants, cu_seqlens=x.cu_seqlens)
         o = o.to(torch.bfloat16)
-        if out is not None:
-            o = out.copy_(o)
+        if call.out is not None:
+            o = call.out.copy_(o)
         if wants:
-            dtype = final_state.dtype if final_state is not None else (
-                torch.float32 if initial_state is None else initial_state.dtype)
-            state = state.to(dtype) if final_state is None else final_state.copy_(state)
+            state = state.to(options.final_state_dtype) if call.final_state is None else call.final_state.copy_(state)
         return o, state
 
-    monkeypatch.setattr(api, "_forward", forward)
+    monkeypatch.setattr(inference, "run", run)
     return calls
 
 
@@ -99,7 +93,7 @@ def test_fake_impl_gives_exact_shapes_and_dtypes(varlen, state_dtype):
         beta = torch.empty(batch, tokens, heads, dtype=torch.bfloat16)
         cu = torch.empty(5, dtype=torch.int64) if varlen else None
         o, state = torch.ops.cute_kda.forward(q, q, q, q, beta, torch.empty(heads), torch.empty(heads, D), None, cu,
-                                              0.1, -5.0, state_dtype, 0, True, True, "safe", 0)
+                                              0.1, -5.0, state_dtype, None, True, True, "safe", None)
     assert o.shape == (batch, tokens, heads, D) and o.dtype == torch.bfloat16
     if state_dtype is None:
         assert state.numel() == 0
@@ -111,8 +105,8 @@ def test_opcheck(gold_kernels):
     inputs = make_inputs([37, 20])
     h0 = 0.1 * torch.randn(2, 2, D, D)
     args = (*(inputs[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), h0, inputs["cu_seqlens"],
-            D ** -0.5, -5.0, torch.float32, 0, True, True, "safe", 0)
-    torch.library.opcheck(torch_ops.forward_op, args, test_utils=("test_schema", "test_faketensor"))
+            D ** -0.5, -5.0, torch.float32, None, True, True, "safe", None)
+    torch.library.opcheck(inference.forward_op, args, test_utils=("test_schema", "test_faketensor"))
 
 
 def test_opcheck_log_decay_without_gate_constants(gold_kernels):
@@ -120,8 +114,8 @@ def test_opcheck_log_decay_without_gate_constants(gold_kernels):
     inputs = make_inputs([37, 20])
     g = -torch.rand(inputs["g"].shape)
     args = (*(inputs[n] for n in ("q", "k", "v")), g, inputs["beta"], None, None, None, inputs["cu_seqlens"],
-            D ** -0.5, -5.0, torch.float32, 0, True, True, "none", 0)
-    torch.library.opcheck(torch_ops.forward_op, args, test_utils=("test_schema", "test_faketensor"))
+            D ** -0.5, -5.0, torch.float32, None, True, True, "none", None)
+    torch.library.opcheck(inference.forward_op, args, test_utils=("test_schema", "test_faketensor"))
 
 
 class Layer(torch.nn.Module):
@@ -224,8 +218,8 @@ def test_eager_calls_skip_the_dispatcher(gold_kernels, monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("an eager call went through the custom op")
 
-    monkeypatch.setattr(torch_ops, "forward_op", must_not_run)
-    monkeypatch.setattr(torch_ops, "kda_forward", must_not_run)
+    monkeypatch.setattr(inference, "forward_op", must_not_run)
+    monkeypatch.setattr(api, "_traced", must_not_run)
     inputs = make_inputs([21])
     o, _ = cute_kda.kda_forward(**inputs)
     assert o.dtype == torch.bfloat16 and len(gold_kernels) == 1

@@ -16,8 +16,9 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from .. import validation
-from ..call import Call, Inputs, Options, problem_of, resolve, state_shape
-from ..device import sm_count
+from ..call import Call, Inputs, Options, resolve
+from ..validation import problem_of
+from ..device import check_supported, sm_count
 from ..variants import PrepareVariant, RecurrenceVariant
 from ..workspace import Workspace, WorkspaceSpec, workspace_views
 from .stages import KERNELS, packed, workspace_spec
@@ -143,7 +144,7 @@ def run(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
     problem, device = options.problem, x.q.device
     final_state = call.final_state
     if final_state is None and options.final_state_dtype is not None:
-        final_state = torch.empty(state_shape(problem), dtype=options.final_state_dtype, device=device)
+        final_state = torch.empty(problem.state_shape, dtype=options.final_state_dtype, device=device)
     out = torch.empty_like(x.v) if call.out is None else call.out
     if problem.heads == 0:
         return out, final_state
@@ -180,8 +181,9 @@ def _build_plan(x: Inputs, options: Options, out: torch.Tensor, final_state: tor
                 handle: int) -> LaunchPlan:
     """The :class:`LaunchPlan` of a call's configuration on q's device and stream ``handle``, compiling the variants
     on first use (K2's from this call's tensors and a fake ``tile_base``)."""
-    k1, k2, streams = _launchers()
     problem, device = options.problem, x.q.device
+    check_supported(device)
+    k1, k2, streams = _launchers()
     vsplit = options.vsplit
     if vsplit is None:
         vsplit = RecurrenceVariant.choose_vsplit(problem.num_seqs, problem.heads, sm_count(device.index))
@@ -216,7 +218,7 @@ def forward_op(
     (then the second output is an empty tensor); A_log, dt_bias None with ``gate="none"``."""
     final_state = None
     if final_state_dtype is not None:
-        final_state = torch.empty(state_shape(problem_of(q, v, cu_seqlens)), dtype=final_state_dtype, device=q.device)
+        final_state = torch.empty(problem_of(q, v, cu_seqlens).state_shape, dtype=final_state_dtype, device=q.device)
     o, state = run(resolve(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                            initial_state=initial_state, cu_seqlens=cu_seqlens, final_state=final_state, vsplit=vsplit,
                            qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate, segments=segments,
@@ -230,4 +232,4 @@ def _forward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     if final_state_dtype is None:
         return o, q.new_empty((0,))
-    return o, q.new_empty(state_shape(problem_of(q, v, cu_seqlens)), dtype=final_state_dtype)
+    return o, q.new_empty(problem_of(q, v, cu_seqlens).state_shape, dtype=final_state_dtype)

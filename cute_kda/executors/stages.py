@@ -15,7 +15,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from .. import context_parallel, validation
-from ..call import Inputs, Options, state_shape
+from ..call import Inputs, Options
+from ..device import check_supported
 from ..validation import ProblemShape
 from ..workspace import Workspace, WorkspaceSpec, snapshot_slots, tiles_per_head, workspace_views
 
@@ -137,7 +138,7 @@ def final_state_buffer(options: Options, device: torch.device) -> torch.Tensor |
     if options.final_state_dtype is None:
         return None
     dtype = torch.float32 if options.segmentation is not None else options.final_state_dtype
-    return torch.empty(state_shape(options.problem), dtype=dtype, device=device)
+    return torch.empty(options.problem.state_shape, dtype=dtype, device=device)
 
 
 def final_state_of(options: Options, final_state: torch.Tensor | None) -> torch.Tensor | None:
@@ -172,6 +173,7 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
     workspace then dropped), on the current stream of q's device. A segmented call (packed, :func:`packed`) runs K2
     twice more first, for the segment states (:func:`cute_kda.context_parallel.segment_states`), unless given."""
     validation.check_on_cuda("q", x.q)
+    check_supported(x.q.device)
     from ..ops import prepare as k1
     from ..ops import recurrence as k2
 
@@ -215,7 +217,7 @@ def _kernel_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dh
     ws = workspace_of(options, saved)
 
     def scan(leaving: torch.Tensor | None, dtype: torch.dtype | None, token_outputs: bool = True) -> ScanResult:
-        dh0 = None if dtype is None else torch.empty(state_shape(options.problem), dtype=dtype, device=do.device)
+        dh0 = None if dtype is None else torch.empty(options.problem.state_shape, dtype=dtype, device=do.device)
         ka.bwd_scan(do, ws, dv, du, state_grads, cu_seqlens=x.cu_seqlens, tile_base=saved.tile_base, dht=leaving,
                     dh0=dh0, token_outputs=token_outputs)
         return ScanResult(dv, du, state_grads, dh0)

@@ -32,7 +32,8 @@ from typing import Any, Optional
 import torch
 
 from .. import validation
-from ..call import Call, Inputs, Options, check_trainable, options_of, problem_of, resolve, staged_cu_seqlens, state_shape
+from ..call import Call, Inputs, Options, options_of, resolve
+from ..validation import problem_of, staged_cu_seqlens
 from .stages import (
     KERNEL_B_INPUTS, KERNELS, Backend, Saved, checkpoints_shape, packed, workspace_spec,
 )
@@ -207,10 +208,10 @@ def _forward_train_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
     problem, seg = options.problem, options.segmentation
     segment_states = q.new_empty((0,), dtype=torch.float32)
     if seg is not None:
-        segment_states = q.new_empty((2, seg.count, *state_shape(problem)[1:]), dtype=torch.float32)
+        segment_states = q.new_empty((2, seg.count, *problem.state_shape[1:]), dtype=torch.float32)
         problem = seg.problem(problem.heads, problem.head_dim)
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
-    state = q.new_empty((0,)) if state_dtype is None else q.new_empty(state_shape(options.problem), dtype=state_dtype)
+    state = q.new_empty((0,)) if state_dtype is None else q.new_empty(options.problem.state_shape, dtype=state_dtype)
     workspace = q.new_empty((0 if recompute else workspace_spec(problem).nbytes,), dtype=torch.uint8)
     checkpoints = q.new_empty((0, 0, 0) if recompute else checkpoints_shape(problem), dtype=torch.bfloat16)
     tile_base = q.new_empty((problem.num_seqs + 1 if problem.varlen else 0,), dtype=torch.int32)
@@ -257,7 +258,7 @@ def _backward_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_
 
     dh0 = q.new_empty((0,))
     if dh0_dtype is not None:
-        dh0 = q.new_empty(state_shape(problem_of(q, v, cu_seqlens)), dtype=dh0_dtype)
+        dh0 = q.new_empty(problem_of(q, v, cu_seqlens).state_shape, dtype=dh0_dtype)
     return (like(q, token_grads), like(k, token_grads), like(v, True), like(g, token_grads), like(beta, token_grads),
             like(A_log, token_grads), like(dt_bias, token_grads), dh0)
 

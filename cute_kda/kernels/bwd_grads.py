@@ -55,9 +55,8 @@ from ..dsl import cute, cutlass
 from ..layouts import bwd_grads as plan
 from ..layouts.budget import SMEM_CARVEOUT_PERCENT
 from ..layouts.fwd_prepare import chunk_tile, compact, gate_cumsum_tile, pair_matrix
-from ..layouts.fwd_recurrence import RUN
 from ..layouts.smem import CHUNK, HEAD_DIM, square_tile, square_tile_transposed, sw128_tile_transposed
-from ..numerics import DYADIC_BLOCKS, GATES, LN2, LOG2E
+from ..numerics import DYADIC_BLOCKS, GATES, IMAGE_RUN, LN2, LOG2E
 from .common.copy import (
     WARP_TILE,
     Operand,
@@ -812,15 +811,15 @@ class BwdGrads(TokenPrep):
         8-channel run and a slice of the value columns, reading 16 bytes of S and of dS' a column; the
         slices of a run are summed by butterflies inside the warp. Lane ``l`` starts its slice at column
         offset ``l % 8``, so the 32 lanes' reads fall in distinct 16-byte bank groups, 4 wavefronts an access."""
-        run = (RUN, 1)
+        run = (IMAGE_RUN, 1)
         warps = self.warps - self.dgt_warp
-        runs_per_warp = self.dim // RUN // warps  # 8-channel runs a warp owns
+        runs_per_warp = self.dim // IMAGE_RUN // warps  # 8-channel runs a warp owns
         slices = 32 // runs_per_warp  # value-column slices a run is split into
         width = self.dim // slices
         lane = thread % 32
         channel_run = (thread // 32) * runs_per_warp + lane % runs_per_warp
         first = (lane // runs_per_warp) * width
-        totals = cute.make_rmem_tensor((RUN,), Float32)
+        totals = cute.make_rmem_tensor((IMAGE_RUN,), Float32)
         totals.fill(0.0)
         s_run = cute.make_rmem_tensor(run, BFloat16)
         ds_run = cute.make_rmem_tensor(run, BFloat16)
@@ -828,14 +827,14 @@ class BwdGrads(TokenPrep):
             column = first + (i + lane % 8) % width
             cute.autovec_copy(cute.local_tile(smem.state, run, (channel_run, column)), s_run)
             cute.autovec_copy(cute.local_tile(smem.state_grad, run, (channel_run, column)), ds_run)
-            for e in cutlass.range_constexpr(RUN):
+            for e in cutlass.range_constexpr(IMAGE_RUN):
                 totals[e] = totals[e] + s_run[e].to(Float32) * ds_run[e].to(Float32)
-        for e in cutlass.range_constexpr(RUN):
+        for e in cutlass.range_constexpr(IMAGE_RUN):
             total = totals[e]
             for level in cutlass.range_constexpr(slices.bit_length() - 1):
                 total = total + cute.arch.shuffle_sync_bfly(total, offset=runs_per_warp << level)
             if lane < runs_per_warp:
-                smem.dgt[channel_run * RUN + e] = total
+                smem.dgt[channel_run * IMAGE_RUN + e] = total
 
     @cute.jit
     def channel_band(self, smem: GradsSmem, inputs: GradsInputs, out: GradsOutputs, scalars: GradsScalars,

@@ -114,7 +114,7 @@ class ScanSmem:
 class ScanTmaSmem:
     """The same bytes as :class:`ScanSmem`, as the TMA sees them: the swizzled tiles (the per-token
     and output band tiles, kd / qd / kr) with the swizzle on the pointer, the others as boxes
-    ``(RUN, rows, cols / RUN[, stage])``."""
+    ``(IMAGE_RUN, rows, cols / IMAGE_RUN[, stage])``."""
 
     do: cute.Tensor
     qd: cute.Tensor

@@ -94,7 +94,7 @@ class RecurrenceSmem:
 class RecurrenceTmaSmem:
     """The same bytes as :class:`RecurrenceSmem`, as the TMA sees them: the swizzled tiles (the per-token
     and output band tiles, kd / qd / kr) with the swizzle on the pointer, the others as boxes
-    ``(RUN, rows, cols / RUN[, stage])``."""
+    ``(IMAGE_RUN, rows, cols / IMAGE_RUN[, stage])``."""
 
     v: cute.Tensor
     qd: cute.Tensor

@@ -56,9 +56,9 @@ class OutputTile(NamedTuple):
     the gmem TMA tiles of the CTA's band and the plain ``[rows, v_band]`` view for tail rows."""
 
     atom: cute.CopyAtom
-    tma_smem: cute.Tensor  # [16, v_band, stage] with the swizzle on the pointer, or (RUN, 16, v_band / RUN, stage)
+    tma_smem: cute.Tensor  # [16, v_band, stage] with the swizzle on the pointer, or (IMAGE_RUN, 16, v_band / IMAGE_RUN, stage)
     smem: cute.Tensor  # [16, v_band, stage]
-    gmem_tiles: cute.Tensor  # (16, v_band, tile), or (RUN, 16, v_band / RUN, tile)
+    gmem_tiles: cute.Tensor  # (16, v_band, tile), or (IMAGE_RUN, 16, v_band / IMAGE_RUN, tile)
     rows: cute.Tensor  # [tokens of the sequence, v_band]
 
 
@@ -106,7 +106,7 @@ class BandScan:
     def runs_atom(op, view: cute.Tensor, rows: int, cols: int):
         """TMA atom and tensor moving ``[rows, cols]`` K_INTER tiles of a runs view as one box."""
         box = layouts.tma_box(rows, cols)
-        return cpasync.make_tiled_tma_atom(op, view, box, (layouts.RUN, rows, cols // layouts.RUN))
+        return cpasync.make_tiled_tma_atom(op, view, box, (layouts.IMAGE_RUN, rows, cols // layouts.IMAGE_RUN))
 
     def token_tile_atom(self, op, tensor: cute.Tensor):
         """TMA atom and tensor moving the CTA's ``[16, v_band]`` band tiles of a ``[B, T, H, D]`` tensor as one
@@ -158,7 +158,7 @@ class BandScan:
     def tma_boxes(self, state_ptr, union_ptr, at: dict) -> dict:
         """Every TMA-moved buffer as its TMA smem tensor, by plan field name: the swizzled tiles (kd, qd, kr;
         the per-token and output tiles when ``plan.swizzled_tokens``) as ``[16, cols, stage]`` with the
-        swizzle on the pointer; the others as boxes ``(RUN, rows, cols / RUN[, stage])``."""
+        swizzle on the pointer; the others as boxes ``(IMAGE_RUN, rows, cols / IMAGE_RUN[, stage])``."""
         plan, bf16 = self.plan, BFloat16
         stages, out_stages = plan.input_stages, plan.output_stages
 
@@ -230,14 +230,14 @@ class BandScan:
         return step
 
     def state_tile(self, gmem_state: cute.Tensor, seq: Int32, head: Int32, band: Int32) -> cute.Tensor:
-        """The ``(RUN, v_band, D / RUN)`` TMA tile of the state of (seq, head, band)."""
-        box = (layouts.RUN, self.v_band, self.dim // layouts.RUN)
+        """The ``(IMAGE_RUN, v_band, D / IMAGE_RUN)`` TMA tile of the state of (seq, head, band)."""
+        box = (layouts.IMAGE_RUN, self.v_band, self.dim // layouts.IMAGE_RUN)
         return cute.local_tile(gmem_state[None, None, None, seq, head], box, (0, band, 0))
 
     @staticmethod
     def workspace_tiles(gmem: cute.Tensor, cols: int) -> cute.Tensor:
-        """``(RUN, 16, cols / RUN, rows)``: workspace row ``r`` is TMA tile ``[..., r]`` (INV, Mqk)."""
-        return cute.local_tile(gmem, (layouts.RUN, CHUNK, cols // layouts.RUN), (0, 0, 0, None))
+        """``(IMAGE_RUN, 16, cols / IMAGE_RUN, rows)``: workspace row ``r`` is TMA tile ``[..., r]`` (INV, Mqk)."""
+        return cute.local_tile(gmem, (layouts.IMAGE_RUN, CHUNK, cols // layouts.IMAGE_RUN), (0, 0, 0, None))
 
     def workspace_rows(self, gmem: cute.Tensor) -> cute.Tensor:
         """``(16, D, rows)`` of a :meth:`workspace_tile_atom` tensor: workspace row ``r`` is TMA tile ``[..., r]``."""
@@ -245,12 +245,12 @@ class BandScan:
 
     def band_tiles(self, gmem_tokens: cute.Tensor, head: Int32, batch: Int32, first_row: Int32,
                    band: Int32) -> cute.Tensor:
-        """``(16, v_band, tile)`` TMA tiles of a :meth:`token_tile_atom` tensor (``(RUN, 16, v_band / RUN, tile)``
+        """``(16, v_band, tile)`` TMA tiles of a :meth:`token_tile_atom` tensor (``(IMAGE_RUN, 16, v_band / IMAGE_RUN, tile)``
         without ``swizzled_tokens``): the CTA's band of the sequence's token rows, tile ``t`` holding rows
         ``16t .. 16t + 15`` from ``first_row`` on."""
         if const_expr(not self.plan.swizzled_tokens):
             value_rows = cute.domain_offset((0, first_row, 0), gmem_tokens[None, None, None, head, batch])
-            return cute.local_tile(value_rows, (layouts.RUN, CHUNK, self.v_band // layouts.RUN), (0, None, band))
+            return cute.local_tile(value_rows, (layouts.IMAGE_RUN, CHUNK, self.v_band // layouts.IMAGE_RUN), (0, None, band))
         value_rows = cute.domain_offset((first_row, 0), gmem_tokens[None, None, head, batch])
         return cute.local_tile(value_rows, (CHUNK, self.v_band), (None, band))
 
@@ -321,10 +321,10 @@ class BandScan:
         rows: 16-byte runs on the bf16 side, 32-byte runs on the fp32 side, both contiguous across a warp.
         """
         rows = self.v_band
-        for unit in cutlass.range(tidx, rows * (self.dim // layouts.RUN), self.threads, unroll=1):
+        for unit in cutlass.range(tidx, rows * (self.dim // layouts.IMAGE_RUN), self.threads, unroll=1):
             row = unit % rows
-            col0 = (unit // rows) * layouts.RUN
-            for j in cutlass.range_constexpr(layouts.RUN):
+            col0 = (unit // rows) * layouts.IMAGE_RUN
+            for j in cutlass.range_constexpr(layouts.IMAGE_RUN):
                 dst[row, col0 + j] = dst.element_type(src[row, col0 + j])
 
     # -----------------------------------------------------------------------------------------
@@ -377,7 +377,7 @@ class BandScan:
                 cute.group_modes(out.gmem_tiles, 0, box_rank),
             )
             parts.append((s_part, g_part))
-        runs_per_row = self.v_band // layouts.RUN
+        runs_per_row = self.v_band // layouts.IMAGE_RUN
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.plan.output_stages)
         for step in cutlass.range(num_tiles, unroll=1):
             tile = self.tile_at(step, num_tiles)
@@ -389,9 +389,9 @@ class BandScan:
                 for out in outputs:
                     for run in cutlass.range(lane, CHUNK * runs_per_row, 32, unroll=1):
                         row = run // runs_per_row
-                        col0 = (run % runs_per_row) * layouts.RUN
+                        col0 = (run % runs_per_row) * layouts.IMAGE_RUN
                         if row < valid_rows:
-                            for j in cutlass.range_constexpr(layouts.RUN):
+                            for j in cutlass.range_constexpr(layouts.IMAGE_RUN):
                                 out.rows[tile * CHUNK + row, col0 + j] = out.smem[row, col0 + j, state.index]
             store_pipe.consumer_release(state)
             state.advance()
@@ -428,10 +428,10 @@ class BandScan:
         cols = self.warp_cols
         image_row_block = band * (self.v_band // cols) + warp_idx
         with cute.arch.elect_one():
-            for j in cutlass.range_constexpr(self.dim // layouts.RUN):
-                source = cute.local_tile(band_state, (cols, layouts.RUN), (warp_idx, j))
-                target = cute.local_tile(image, (cols, layouts.RUN), (image_row_block, j))
-                cp_async_bulk_global_shared_cta(target.iterator, source.iterator, cols * layouts.RUN * 2)
+            for j in cutlass.range_constexpr(self.dim // layouts.IMAGE_RUN):
+                source = cute.local_tile(band_state, (cols, layouts.IMAGE_RUN), (warp_idx, j))
+                target = cute.local_tile(image, (cols, layouts.IMAGE_RUN), (image_row_block, j))
+                cp_async_bulk_global_shared_cta(target.iterator, source.iterator, cols * layouts.IMAGE_RUN * 2)
             cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
@@ -444,14 +444,14 @@ class BandScan:
         Word ``((0, h), j, s)`` of the fragment holds ``[v, k], [v, k + 1]`` with ``v = 8j + g``,
         ``k = 16s + 2q + 8h`` (``g = lane / 4``, ``q = lane % 4``); in the image's words that pair sits at
         ``4v + q + 512 · (2s + h)`` (D = 128: a k-run of 8 is ``4 · D`` words)."""
-        run_words = layouts.RUN // 2 * self.dim  # words of one 8-k run of the whole image
+        run_words = layouts.IMAGE_RUN // 2 * self.dim  # words of one 8-k run of the whole image
         first_v = band * self.v_band + warp_idx * self.warp_cols + lane // 4
         # the image starts on 32 KB, so its words are 4-byte aligned (a recast keeps the bf16 pointer's 2)
         words_ptr = cute.make_ptr(Uint32, image.iterator.toint(), cute.AddressSpace.gmem, assumed_align=4)
-        base = words_ptr + (layouts.RUN // 2 * first_v + lane % 4)
+        base = words_ptr + (layouts.IMAGE_RUN // 2 * first_v + lane % 4)
         words = cute.recast_tensor(fragment, Uint32)
         target = cute.make_tensor(base, cute.make_layout(
-            ((1, 2), self.warp_cols // 8, self.dim // CHUNK), stride=((0, run_words), 8 * layouts.RUN // 2, 2 * run_words)))
+            ((1, 2), self.warp_cols // 8, self.dim // CHUNK), stride=((0, run_words), 8 * layouts.IMAGE_RUN // 2, 2 * run_words)))
         for i in cutlass.range_constexpr(cute.size(words)):
             target[i] = words[i]
 
