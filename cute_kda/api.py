@@ -12,6 +12,7 @@ custom op (the inference op, or the training op and its backward), with the same
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -159,31 +160,7 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     return o, (state if state_dtype is not None else None)
 
 
-def chunk_kda(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    scale: float | None = None,
-    initial_state: Any = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    safe_gate: bool = False,
-    lower_bound: float | None = None,
-    disable_recompute: bool = False,
-    return_intermediate_states: bool = False,
-    state_v_first: bool = False,
-    cu_seqlens: Any = None,
-    cu_seqlens_cpu: Any = None,
-    cp_context: Any = None,
-    use_graph: bool = False,
-    max_num_seqs: int | None = None,
-    **kwargs: Any,
-) -> tuple[Any, Any]:
+def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     """Drop-in for ``fla.ops.kda.chunk_kda`` (fla-core 0.6.0 signature), forward and backward.
 
     Shapes as in FLA: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``; keyword
@@ -209,47 +186,17 @@ def chunk_kda(
     ``disable_recompute`` keeps FLA's meaning: False (the default) keeps nothing beyond the inputs for
     the backward (``kda_forward``'s ``recompute=True``), True keeps the intermediates for a faster one.
     """
-    fla_flags = dict(
-        scale=scale, output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
-        disable_recompute=disable_recompute, return_intermediate_states=return_intermediate_states,
-        state_v_first=state_v_first, cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs,
-    )
-    as_torch = interop.as_torch
-
     def translated() -> tuple[torch.Tensor, torch.Tensor | None]:
-        call = translate_fla_call(
-            as_torch(q), as_torch(k), as_torch(v), as_torch(g), as_torch(beta), initial_state=as_torch(initial_state),
-            cu_seqlens=as_torch(cu_seqlens), cu_seqlens_cpu=as_torch(cu_seqlens_cpu), **fla_flags,
-            **{name: as_torch(value) for name, value in kwargs.items()},
-        )
+        call = translate_fla_call(*_as_torch(args), **_as_torch(kwargs))
         return call.run(functools.partial(kda_forward, recompute=call.recompute))
 
-    if torch.compiler.is_compiling():
-        return translated()
-    return interop.answer_in_framework(q, translated)
+    return _in_framework(args, kwargs, translated)
 
 
-def chunk_gated_delta_rule(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
-    scale: float | None = None,
-    initial_state: Any = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    state_v_first: bool = False,
-    cu_seqlens: Any = None,
-    cu_seqlens_cpu: Any = None,
-    chunk_indices: Any = None,
-    cp_context: Any = None,
-    **kwargs: Any,
-) -> tuple[Any, Any]:
+chunk_kda.__signature__ = inspect.signature(translate_fla_call).replace(return_annotation=tuple[Any, Any])
+
+
+def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     """Drop-in for ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (fla-core 0.6.0 signature), forward and
     backward.
 
@@ -267,22 +214,29 @@ def chunk_gated_delta_rule(
     form; dq, dk summed over each group of value heads), eagerly or under torch.compile (its training ops). Flags as
     :func:`cute_kda.fla_calls.translate_fla_gdn_call`.
     """
-    as_torch = interop.as_torch
-
     def translated() -> tuple[torch.Tensor, torch.Tensor | None]:
-        call = translate_fla_gdn_call(
-            as_torch(q), as_torch(k), as_torch(v), as_torch(g), as_torch(beta), scale=scale,
-            initial_state=as_torch(initial_state), output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-            allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=as_torch(cu_seqlens),
-            cu_seqlens_cpu=as_torch(cu_seqlens_cpu), chunk_indices=chunk_indices, cp_context=cp_context,
-            **{name: as_torch(value) for name, value in kwargs.items()},
-        )
-        return call.run(kda_forward)
+        return translate_fla_gdn_call(*_as_torch(args), **_as_torch(kwargs)).run(kda_forward)
 
+    return _in_framework(args, kwargs, translated)
+
+
+chunk_gated_delta_rule.__signature__ = inspect.signature(translate_fla_gdn_call).replace(
+    return_annotation=tuple[Any, Any])
+
+
+def _as_torch(arguments: tuple | dict) -> tuple | dict:
+    """The array arguments of an FLA call as torch tensors (DLPack), the others as they are."""
+    if isinstance(arguments, dict):
+        return {name: interop.as_torch(value) for name, value in arguments.items()}
+    return tuple(interop.as_torch(value) for value in arguments)
+
+
+def _in_framework(args: tuple, kwargs: dict, run: Any) -> tuple[Any, Any]:
+    """``run()``'s results in the framework of the call's q (its first argument, or keyword ``q``); traced as it
+    is under ``torch.compile``."""
     if torch.compiler.is_compiling():
-        return translated()
-    return interop.answer_in_framework(q, translated)
+        return run()
+    return interop.answer_in_framework(args[0] if args else kwargs.get("q"), run)
 
 
 def warmup(
