@@ -239,38 +239,14 @@ def _in_framework(args: tuple, kwargs: dict, run: Any) -> tuple[Any, Any]:
     return interop.answer_in_framework(args[0] if args else kwargs.get("q"), run)
 
 
-def warmup(
-    *,
-    device: Any = None,
-    qk_l2norm: tuple[bool, ...] = (True,),
-    beta_logits: tuple[bool, ...] = (True,),
-    varlen: tuple[bool, ...] = (False, True),
-    state_modes: tuple[torch.dtype | None, ...] = STATE_MODES,
-    vsplits: tuple[int, ...] | None = None,
-    gates: tuple[str, ...] = ("safe",),
-    gated_delta_rule: bool = False,
-    training: bool = False,
-    segments: bool = True,
-) -> int:
-    """Compile, ahead of time and without running anything, every variant the flags select.
+def warmup(*, device: Any = None, **selection: Any) -> int:
+    """Compile, ahead of time and without running anything, every variant ``selection`` selects: the keyword
+    arguments of :func:`warmup_variants` (which lists them, and says what each covers), for ``device`` (default: the
+    current CUDA device), where the compiled code will run.
 
-    Variants already in the disk cache (``$CUTE_KDA_CACHE_DIR``, default ``~/.cache/cute_kda``) are
-    loaded instead of compiled, and the ones compiled here are saved there, so a later process
-    starts warm.
-
-    Each argument lists the values to cover: ``state_modes`` holds None (no state), bf16 and/or
-    fp32 (used for both the initial and the final state); ``vsplits`` None covers every supported
-    V-split; ``gates`` the K1 gate forms (``"none"`` for both g dtypes, bf16 and fp32);
-    ``gated_delta_rule`` also the K1 variants of :func:`cute_kda.chunk_gated_delta_rule` (a per-head gate
-    with grouped value heads, for each unbounded gate in ``gates``). ``training`` also compiles what a training
-    step adds: K2 with checkpoints, Kernel A (every V-split in ``vsplits``; dht of the final state's dtype or none,
-    dh0 of the initial state's dtype or none) and Kernel B for each gate (per head too with
-    ``gated_delta_rule``). ``segments`` also compiles what a call split into segments runs (context parallelism,
-    :mod:`cute_kda.context_parallel`; V-split 1): K2 on packed segments with fp32 states in and out, and with
-    ``training`` its checkpoint variant and Kernel A's two passes. ``device`` (default: the current CUDA device) is
-    where the compiled
-    code will run. Returns the number of (K1, K2) configurations visited (each with every gate);
-    already-compiled ones cost nothing.
+    Variants already in the disk cache (``$CUTE_KDA_CACHE_DIR``, default ``~/.cache/cute_kda``) are loaded instead of
+    compiled, and the ones compiled here are saved there, so a later process starts warm. Returns the number of
+    variants visited; already-compiled ones cost nothing.
     """
     device = torch.device("cuda") if device is None else torch.device(device)
     if device.type != "cuda":
@@ -283,9 +259,7 @@ def warmup(
         )
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    variants = warmup_variants(qk_l2norm=qk_l2norm, beta_logits=beta_logits, varlen=varlen, state_modes=state_modes,
-                               vsplits=vsplits, gates=gates, gated_delta_rule=gated_delta_rule, training=training,
-                               segments=segments)
+    variants = warmup_variants(**selection)
     launchers = _launchers_by_variant()
     for variant in variants:
         launchers[type(variant)].compile_variant(variant, device)
@@ -311,8 +285,19 @@ def warmup_variants(
     training: bool = False,
     segments: bool = True,
 ) -> list:
-    """The variants :func:`warmup` compiles for these arguments (its docstring says what each covers), in order,
-    without duplicates. Pure: nothing is compiled, no device is needed."""
+    """The variants :func:`warmup` compiles, in order, without duplicates. Pure: nothing is compiled, no device is
+    needed.
+
+    Each argument lists the values to cover: ``state_modes`` holds None (no state), bf16 and/or fp32 (used for both
+    the initial and the final state); ``vsplits`` None covers every supported V-split; ``gates`` the K1 gate forms
+    (``"none"`` for both g dtypes, bf16 and fp32); ``gated_delta_rule`` also the K1 variants of
+    :func:`cute_kda.chunk_gated_delta_rule` (a per-head gate with grouped value heads, for each unbounded gate in
+    ``gates``). ``training`` also lists what a training step adds: K2 with checkpoints, Kernel A (every V-split in
+    ``vsplits``; dht of the final state's dtype or none, dh0 of the initial state's dtype or none) and Kernel B for
+    each gate (per head too with ``gated_delta_rule``). ``segments`` also lists what a call split into segments runs
+    (context parallelism, :mod:`cute_kda.context_parallel`; V-split 1): K2 on packed segments with fp32 states in and
+    out, and with ``training`` its checkpoint variant and Kernel A's two passes.
+    """
     from .layouts.bwd_grads import DEFAULT_WARPS
     from .numerics import SCAN_VSPLITS, SUPPORTED_VSPLITS
 
