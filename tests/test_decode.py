@@ -172,3 +172,127 @@ def test_mirror_long_chain():
         mirror_decode(**step, **params, state_pool=pool, state_indices=indices, **options("safe", "kv"))
         gold_decode(**step, **params, state_pool=gold_pool, state_indices=indices, **options("safe", "kv"))
     assert rel_rms(pool, gold_pool) < 5e-6
+
+
+# ============================================================================ thread map and launcher (CPU)
+
+
+def test_thread_map_matches_the_mirror_order():
+    from cute_kda.layouts.decode import DecodeThreadMap
+
+    for layout, dtype in itertools.product(("vk", "kv"), DTYPES):
+        for vsplit in DecodeThreadMap.vsplits(layout, dtype):
+            tmap = DecodeThreadMap(layout, dtype, vsplit)
+            order = [[tmap.channel(lane, e) for e in range(16)] for lane in range(8)]
+            assert order == channel_order(layout, DTYPES[dtype]).tolist()
+            # the vectors cover the thread's rows × channel slots once, and sit where the channels say
+            seen = set()
+            for vector in tmap.state_vectors():
+                assert len(vector.registers) == tmap.vector
+                for c, (row, e) in enumerate(vector.registers):
+                    seen.add((row, e))
+                    for lane in range(8):
+                        value, channel = (row, tmap.channel(lane, e))
+                        expected = value * D + channel if layout == "vk" else channel * D + value
+                        assert tmap.state_base(lane, 0) + vector.offset + c == expected
+            assert seen == {(r, e) for r in range(tmap.rows) for e in range(16)}
+            runs = [(run.first + c, run.offset + c) for run in tmap.channel_runs() for c in range(run.length)]
+            for lane in range(8):
+                assert [tmap.lane_channel_base(lane) + off for _, off in sorted(runs)] == order[lane]
+            assert tmap.threads * tmap.rows // 8 * vsplit == D
+
+
+def test_choose_vsplit():
+    from cute_kda.kernels.decode import DecodeVariant
+
+    sms = 132
+    assert DecodeVariant.choose_vsplit(1, 32, sms) == 8  # 256 CTAs of one warp
+    assert DecodeVariant.choose_vsplit(1, 96, sms) == 4  # 384 CTAs of 64 threads
+    assert DecodeVariant.choose_vsplit(512, 96, sms) == 4
+    assert DecodeVariant.choose_vsplit(512, 96, sms, "kv", "bf16") == 2  # 64 threads: 32 columns of 8
+    assert DecodeVariant.choose_vsplit(1, 4, sms, "kv", "bf16") == 4  # a K-first bf16 band needs 32 columns
+
+
+def test_variant_rejects_what_the_kernel_cannot_run():
+    from cute_kda.kernels.decode import DecodeVariant
+
+    for bad in (dict(tokens=9), dict(gate="tanh"), dict(vsplit=3), dict(state_layout="kv", state_dtype="bf16",
+                                                                         vsplit=8)):
+        with pytest.raises(ValueError):
+            DecodeVariant(**bad)
+
+
+# ============================================================================ sm_90a compile (CPU)
+
+def _compile_matrix():
+    """Every value of every axis, a few times, in 8 variants (a T = 8 verify among them)."""
+    from cute_kda.kernels.decode import DecodeVariant as V
+
+    return [
+        V(),
+        V(gate="softplus", state_dtype="bf16", grouped=True, vsplit=2),
+        V(gate="none", per_head_gate=True, state_layout="kv", vsplit=8),
+        V(per_head_gate=True, state_dtype="bf16", state_layout="kv", tokens=4, verify=True, grouped=True, vsplit=4),
+        V(gate="softplus", per_head_gate=True, tokens=4, verify=True, qk_l2norm=False, beta_logits=False, vsplit=8),
+        V(gate="none", state_dtype="bf16", tokens=2, qk_l2norm=False, vsplit=4),
+        V(state_layout="kv", tokens=8, verify=True, grouped=True, vsplit=2),
+        V(gate="softplus", state_dtype="bf16", state_layout="kv", beta_logits=False),
+    ]
+
+
+def test_compile_matrix_covers_every_axis_value():
+    from dataclasses import fields
+
+    from cute_kda.kernels.decode import DecodeVariant
+
+    matrix = _compile_matrix()
+    for field in fields(DecodeVariant):
+        values = {getattr(v, field.name) for v in matrix}
+        if field.type in ("bool", bool):
+            assert values == {False, True}, field.name
+    assert {v.gate for v in matrix} == {"safe", "softplus", "none"}
+    assert {v.vsplit for v in matrix} == {1, 2, 4, 8} and max(v.tokens for v in matrix) == 8
+
+
+def _scalar_loads(variant) -> int:
+    """Non-vector global loads the kernel may issue: slot ids (and accepted counts), β, A_log and a per-head
+    gate with its dt_bias; everything else moves in vectors."""
+    t = variant.tokens
+    indices = 2 + t if variant.verify else 1
+    constants = variant.gate != "none"
+    return indices + t + constants + variant.per_head_gate * (t + constants)
+
+
+@pytest.mark.parametrize("variant", _compile_matrix(), ids=lambda v: (
+    f"{v.gate}{'-head' if v.per_head_gate else ''}-{v.state_dtype}-{v.state_layout}-T{v.tokens}"
+    f"{'-verify' if v.verify else ''}{'' if v.qk_l2norm else '-nol2'}{'' if v.beta_logits else '-nosig'}"
+    f"{'-gva' if v.grouped else ''}-vs{v.vsplit}"))
+def test_variant_compiles(variant):
+    """The launcher's own compile arguments (meta tensors): the state moves in 16-byte vectors only, read once
+    and written once per kept state; the token operands in vectors; no local memory, no spills."""
+    import re
+
+    from cute_kda.compile_report import compile_with_report
+    from cute_kda.kernels.decode import DecodeKernel
+    from cute_kda.ops import decode as ops
+    from cute_kda.ops._cache import TVM_FFI_OPTION
+
+    kernel = DecodeKernel(variant)
+    _, report = compile_with_report(kernel, *ops.compile_arguments(variant), options=TVM_FFI_OPTION)
+    tmap = variant.thread_map
+    vectors = len(tmap.state_vectors())
+    writes = variant.tokens if variant.verify else 1
+    wide_outputs = 2 * variant.tokens if tmap.rows * 2 == 16 else 0  # o rows of 16 bytes (and the zero rows)
+    assert report.count("st.global.v4.b32") == vectors * writes + wide_outputs
+    assert report.count("ld.global.v4.b32") >= vectors
+    scalar_stores = re.findall(r"^\s*(?:@%p\d+\s+)?st\.global\.[bfsu]\d+", report.ptx, re.M)
+    assert not scalar_stores  # outputs too are one vector a row group
+    scalar_loads = re.findall(r"^\s*(?:@%p\d+\s+)?ld\.global\.(?:nc\.)?[bfsu]\d+", report.ptx, re.M)
+    assert len(scalar_loads) <= _scalar_loads(variant), scalar_loads
+    # the dot products and the update: one fma per state element each; the decay one mul.rn
+    elements = tmap.rows * 16 * variant.tokens
+    assert report.count("fma.rn.f32") >= 3 * elements - 2 * tmap.rows * variant.tokens
+    assert report.count("mul.rn.f32") >= elements
+    assert report.local_memory_ops == 0
+    assert len(report.kernels) == 1 and report.spills == 0 and report.kernels[0].stack_frame == 0
+    print(f"{variant}: {report.kernels[0].registers} registers, {tmap.threads} threads")
