@@ -59,8 +59,8 @@ def options(gate: str, layout: str, *, qk_l2norm: bool = True, beta_logits: bool
                 state_layout=layout)
 
 
-def random_pool(slots: int, HV: int, dtype: torch.dtype, device="cpu") -> torch.Tensor:
-    return (0.1 * torch.randn(slots, HV, D, D, device=device)).to(dtype)
+def random_pool(slots: int, HV: int, dtype: torch.dtype, device="cpu", generator=None) -> torch.Tensor:
+    return (0.1 * torch.randn(slots, HV, D, D, device=device, generator=generator)).to(dtype)
 
 
 def rounding_floor(o_gold: torch.Tensor) -> float:
@@ -296,3 +296,221 @@ def test_variant_compiles(variant):
     assert report.local_memory_ops == 0
     assert len(report.kernels) == 1 and report.spills == 0 and report.kernels[0].stack_frame == 0
     print(f"{variant}: {report.kernels[0].registers} registers, {tmap.threads} threads")
+
+
+# ============================================================================ kernel (GPU tier)
+
+
+def _case(variant, N: int = 5, extra_slots: int = 3, seed: int = 0, device="cuda") -> dict:
+    """Inputs, a random pool and slot ids for ``variant``: row 1 is padding; in a verify, row 3 keeps no state
+    after its last token (−1) and the accepted counts cycle through 1 .. T."""
+    gen = torch.Generator().manual_seed(seed)
+    T, HV = variant.tokens, 4
+    H = 2 if variant.grouped else HV
+    step = make_step(N, T, H, HV, variant.gate, variant.per_head_gate, qk_l2norm=variant.qk_l2norm,
+                     beta_logits=variant.beta_logits, generator=gen)
+    params = make_params(HV, variant.gate, variant.per_head_gate, generator=gen)
+    listed = N * T if variant.verify else N
+    slots = listed + extra_slots
+    order = torch.randperm(slots, generator=gen)[:listed].int()
+    accepted = None
+    if variant.verify:
+        indices = order.reshape(N, T)
+        indices[1] = -1
+        indices[3, T - 1] = -1
+        accepted = (torch.arange(N) % T + 1).int()
+        accepted[3] = 1
+    else:
+        indices = order
+        indices[1] = -1
+    pool = random_pool(slots, HV, DTYPES[variant.state_dtype], generator=gen)
+    tensors = {**step, **params, "state_pool": pool, "state_indices": indices, "num_accepted_tokens": accepted}
+    return {name: None if t is None else t.to(device) for name, t in tensors.items()}
+
+
+def _run_kernel(case: dict, variant, out=None) -> torch.Tensor:
+    from cute_kda.ops.decode import decode
+
+    return decode(**case, **_kernel_options(variant), out=out, vsplit=variant.vsplit)
+
+
+def _kernel_options(variant) -> dict:
+    return dict(gate=variant.gate, scale=SCALE, lower_bound=-5.0, qk_l2norm=variant.qk_l2norm,
+                beta_logits=variant.beta_logits, state_layout=variant.state_layout)
+
+
+def _run_mirror(case: dict, variant) -> torch.Tensor:
+    return mirror_decode(**case, **options(variant.gate, variant.state_layout, qk_l2norm=variant.qk_l2norm,
+                                           beta_logits=variant.beta_logits))
+
+
+def assert_matches_mirror(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """fp32: equal to rounding (the mirror's fma is one double rounding off in ~1 of 2^29 cases); bf16: equal
+    but for rare last-bit flips of such cases."""
+    if actual.dtype == torch.float32:
+        assert rel_rms(actual, expected) <= 1e-6, (what, rel_rms(actual, expected))
+        return
+    differ = (actual != expected).float().mean().item()
+    assert differ <= 1e-2 and rel_rms(actual.float(), expected.float()) <= 2e-3, (what, differ)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", _compile_matrix(), ids=lambda v: f"{v}")
+def test_kernel_matches_mirror(variant):
+    """Each compiled variant: o and every slot of the pool as the mirror has them (padding row zero, the caller's
+    ``out`` filled, unlisted slots untouched in both)."""
+    case = _case(variant)
+    expected_pool = case["state_pool"].clone()
+    expected = _run_mirror({**case, "state_pool": expected_pool}, variant)
+    out = torch.full_like(expected, float("nan"))
+    got = _run_kernel(case, variant, out=out)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    assert_matches_mirror(got, expected, "o")
+    assert_matches_mirror(case["state_pool"], expected_pool, "pool")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_padding_rows_and_unlisted_slots_untouched(verify, dtype):
+    """A guard pool (a pattern of random bits, NaNs included, one guard slot on each side of the pool): after the
+    call every slot not listed, and both guards, keep their bits; padding rows' outputs are zero."""
+    from cute_kda.kernels.decode import DecodeVariant
+
+    variant = DecodeVariant(state_dtype=dtype, state_layout="kv" if verify else "vk", tokens=4 if verify else 1,
+                            verify=verify, vsplit=2)
+    case = _case(variant, N=6, extra_slots=9)
+    pool = case["state_pool"]
+    guarded = torch.empty(pool.shape[0] + 2, *pool.shape[1:], dtype=pool.dtype, device=pool.device)
+    _bits(guarded).copy_(torch.randint(-2**15, 2**15, guarded.shape, device=pool.device, dtype=torch.int32))
+    listed = case["state_indices"].flatten()
+    listed = listed[listed >= 0].long()
+    guarded[1:-1][listed] = pool[listed]  # the listed slots hold real states; the others, the pattern
+    before = guarded.clone()
+    case["state_pool"] = guarded[1:-1]
+    out = _run_kernel(case, variant)
+    torch.cuda.synchronize()
+    unlisted = torch.ones(pool.shape[0] + 2, dtype=torch.bool, device=pool.device)
+    unlisted[listed + 1] = False
+    assert torch.equal(_bits(guarded[unlisted]), _bits(before[unlisted]))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.isfinite(out.float()).all()
+
+
+@pytest.mark.gpu
+def test_verify_every_accepted_count():
+    """T = 4: one row per accepted count 1 .. 4 — the state read is the named slot's, every token's state lands in
+    its slot (the mirror's, itself checked against the fp64 recurrence on the CPU)."""
+    from cute_kda.kernels.decode import DecodeVariant
+
+    for layout, dtype in (("vk", "fp32"), ("kv", "bf16")):
+        variant = DecodeVariant(state_dtype=dtype, state_layout=layout, tokens=4, verify=True, vsplit=4)
+        case = _case(variant, N=4, extra_slots=2, seed=5)
+        case["state_indices"] = torch.arange(16, dtype=torch.int32, device="cuda").reshape(4, 4)
+        case["num_accepted_tokens"] = torch.tensor([1, 2, 3, 4], dtype=torch.int32, device="cuda")
+        case["state_pool"] = random_pool(18, 4, DTYPES[dtype], device="cuda")
+        expected_pool = case["state_pool"].clone()
+        expected = _run_mirror({**case, "state_pool": expected_pool}, variant)
+        got = _run_kernel(case, variant)
+        torch.cuda.synchronize()
+        assert_matches_mirror(got, expected, "o")
+        assert_matches_mirror(case["state_pool"], expected_pool, "pool")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate,per_head,dtype,layout", [
+    ("safe", False, "fp32", "vk"), ("softplus", True, "bf16", "kv"), ("none", False, "fp32", "kv"),
+    ("softplus", False, "bf16", "vk"),
+])
+def test_chain_of_1000_decode_steps_tracks_fp64(gate, per_head, dtype, layout):
+    """1000 chained decode steps (GVA, a padding row): o of every step and the final states within 5e-3 rel-RMS
+    of the fp64 recurrence on an fp64 pool."""
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    N, H, HV, slots = 3, 2, 4, 5
+    opts = options(gate, layout)
+    params = make_params(HV, gate, per_head, device="cuda", generator=gen)
+    pool = random_pool(slots, HV, DTYPES[dtype], device="cuda")
+    gold_pool = pool.double()
+    indices = torch.tensor([3, -1, 0], dtype=torch.int32, device="cuda")
+    from cute_kda.ops.decode import decode
+
+    worst_o = 0.0
+    for _ in range(1000):
+        step = make_step(N, 1, H, HV, gate, per_head, device="cuda", generator=gen)
+        o = decode(**step, **params, state_pool=pool, state_indices=indices, **{
+            "gate": gate, "scale": SCALE, "lower_bound": -5.0, "state_layout": layout})
+        o_gold = gold_decode(**step, **params, state_pool=gold_pool, state_indices=indices, **opts)
+        worst_o = max(worst_o, rel_rms(o[[0, 2]], o_gold[[0, 2]]))
+    state_error = rel_rms(pool[[3, 0]], gold_pool[[3, 0]])
+    assert worst_o <= 5e-3 and state_error <= 5e-3, (worst_o, state_error)
+    print(f"{gate} {per_head} {dtype} {layout}: worst o {worst_o:.2e}, state {state_error:.2e}")
+
+
+@pytest.mark.gpu
+def test_vsplits_are_bit_identical():
+    """A row's sums do not depend on the band it sits in: every V-split gives the same bits."""
+    from cute_kda.kernels.decode import DecodeVariant
+    from cute_kda.layouts.decode import DecodeThreadMap
+
+    for layout, dtype in (("vk", "fp32"), ("kv", "bf16")):
+        results = []
+        for vsplit in DecodeThreadMap.vsplits(layout, dtype):
+            variant = DecodeVariant(state_dtype=dtype, state_layout=layout, tokens=2, vsplit=vsplit)
+            case = _case(variant, seed=9)
+            out = _run_kernel(case, variant)
+            results.append((out, case["state_pool"]))
+        torch.cuda.synchronize()
+        for out, pool in results[1:]:
+            assert torch.equal(out, results[0][0]) and torch.equal(_bits(pool), _bits(results[0][1]))
+
+
+@pytest.mark.gpu
+def test_pool_over_two_to_the_31_elements():
+    """A bf16 pool of 8200 slots × 16 heads (2.15e9 elements, 4.3 GB): the last slot is read and written at its
+    64-bit offset, and nothing else moves."""
+    from cute_kda.kernels.decode import DecodeVariant
+
+    variant = DecodeVariant(state_dtype="bf16", vsplit=4)
+    slots, HV = 8200, 16
+    assert slots * HV * D * D > 2**31
+    gen = torch.Generator().manual_seed(2)
+    step = {name: t.cuda() for name, t in make_step(2, 1, HV, HV, "safe", False, generator=gen).items()}
+    params = {name: t.cuda() for name, t in make_params(HV, "safe", False, generator=gen).items()}
+    pool = torch.zeros(slots, HV, D, D, dtype=torch.bfloat16, device="cuda")
+    pool[[slots - 1, 7]] = random_pool(2, HV, torch.bfloat16, device="cuda")
+    small = pool[[slots - 1, 7]].clone()
+    indices = torch.tensor([slots - 1, 7], dtype=torch.int32, device="cuda")
+    got = _run_kernel({**step, **params, "state_pool": pool, "state_indices": indices, "num_accepted_tokens": None},
+                      variant)
+    expected = _run_mirror({**step, **params, "state_pool": small, "num_accepted_tokens": None,
+                            "state_indices": torch.tensor([0, 1], dtype=torch.int32, device="cuda")}, variant)
+    torch.cuda.synchronize()
+    assert_matches_mirror(got, expected, "o")
+    assert_matches_mirror(pool[[slots - 1, 7]], small, "pool")
+    pool[[slots - 1, 7]] = 0
+    assert pool.count_nonzero().item() == 0
+
+
+@pytest.mark.gpu
+def test_decode_replays_in_a_cuda_graph():
+    """Allocation-free with a caller's ``out``: a captured call replays to the eager result."""
+    from cute_kda.kernels.decode import DecodeVariant
+
+    variant = DecodeVariant(tokens=4, verify=True, state_layout="kv", vsplit=4)
+    case = _case(variant, seed=4)
+    eager_case = {**case, "state_pool": case["state_pool"].clone()}
+    out = torch.empty(5, 4, 4, D, dtype=torch.bfloat16, device="cuda")
+    eager = _run_kernel(eager_case, variant)  # also compiles before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _run_kernel(case, variant, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager) and torch.equal(_bits(case["state_pool"]), _bits(eager_case["state_pool"]))
