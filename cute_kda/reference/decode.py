@@ -237,7 +237,7 @@ def gold_decode(
         q64, k64 = l2norm(q64), l2norm(k64)
     q64 = (q64 * scale).repeat_interleave(group, dim=2)
     k64 = k64.repeat_interleave(group, dim=2)
-    params = {"A_log": None if A_log is None else A_log.to(f64), "dt_bias": None if dt_bias is None else dt_bias.to(f64)}
+    params = {name: None if t is None else t.to(f64) for name, t in (("A_log", A_log), ("dt_bias", dt_bias))}
     decay = torch.exp(channel_log_decay(g[live].to(f64), DIM, per_head=g.dim() == 3, gate=gate,
                                         lower_bound=lower_bound, **params))
     beta64 = torch.sigmoid(beta[live].to(f64)) if beta_logits else beta[live].to(f64)
