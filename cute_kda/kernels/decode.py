@@ -100,6 +100,40 @@ class DecodeInputs(NamedTuple):
     dt_bias: Optional[cute.Tensor]  # fp32 [HV, K] or [HV]
 
 
+class Position(NamedTuple):
+    """Where a thread works: its sequence, q/k head, value head, lane, first value row (or column), and the
+    head counts (trace-time tuple of device integers)."""
+
+    seq: Int32
+    head: Int32
+    value_head: Int32
+    lane: Int32
+    first_value: Int32
+    qk_heads: Int32
+    value_heads: Int32
+
+
+class GateConstants(NamedTuple):
+    """Per-head scalars of the token preparation: dt_bias of the lane's channels (``[0]``: of the head), ``e^A``,
+    ``c_gate = lower_bound · log2 e`` and the q scale."""
+
+    dt: cute.Tensor
+    e_a: Float32
+    c_gate: Float32
+    scale: Float32
+
+
+class TokenOperands(NamedTuple):
+    """One token's operands for one thread: ``q̂·scale``, ``k̂`` and the decay ``2^g'`` of its 16 channels (``[0]``
+    for a per-head gate), β, and v of its value rows (bf16)."""
+
+    q_hat: cute.Tensor
+    k_hat: cute.Tensor
+    decay: cute.Tensor
+    beta: Float32
+    values: cute.Tensor
+
+
 class DecodeKernel(TokenPrep):
     """One compiled decode / verify variant (:class:`DecodeVariant`); head size 128."""
 
@@ -148,60 +182,56 @@ class DecodeKernel(TokenPrep):
             slot = state_indices[seq, num_accepted_tokens[seq] - 1]
         else:
             slot = state_indices[seq]
-        first_value = self.map.first_value(band, group)
-        where = (seq, head, value_head, lane, first_value)
+        at = Position(seq, head, value_head, lane, self.map.first_value(band, group), qk_heads, value_heads)
+        # the first token's operands do not depend on the slot: their loads overlap the slot id's
+        gate = self.gate_constants_of(inputs, value_head, lane, scale, c_gate)
+        first = self.token_operands(inputs, at, 0, gate)
         if slot >= 0:
-            self.update(inputs, pool, state_indices, out, scale, c_gate, qk_heads, value_heads, slot, where)
+            self.update(inputs, pool, state_indices, out, slot, at, gate, first)
         else:
-            self.zero_outputs(out, value_heads, seq, value_head, lane, first_value)
+            self.zero_outputs(out, at)
 
     @cute.jit
     def update(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor, out: cute.Tensor,
-               scale: Float32, c_gate: Float32, qk_heads: Int32, value_heads: Int32, slot: Int32, where: tuple):
+               slot: Int32, at: "Position", gate: "GateConstants", first: "TokenOperands"):
         """Load the band from ``slot``, run the tokens, write the state(s) back and the outputs."""
-        seq, head, value_head, lane, first_value = where
         rows = self.map.rows
-        head_offset = Int64(value_head) * pool.stride[1] + Int64(self.map.state_base(lane, first_value))
+        head_offset = Int64(at.value_head) * pool.stride[1] + Int64(self.map.state_base(at.lane, at.first_value))
         state = cute.make_rmem_tensor((rows, CHANNELS), Float32)
         self.load_state(pool, Int64(slot) * pool.stride[0] + head_offset, state)
-        dt, e_a = self.gate_constants_of(inputs, value_head, lane)
         for t in cutlass.range_constexpr(self.tokens):
-            token = seq * self.tokens + t
-            q_hat, k_hat = self.normalized_qk(inputs, token * qk_heads + head, lane, scale)
-            decay = self.decay(inputs, (seq, t, value_head), lane, dt, e_a, c_gate)
-            beta = inputs.beta[seq, t, value_head].to(Float32)
-            if const_expr(self.variant.beta_logits):
-                beta = sigmoid_approx(beta)
-            values = self.load_run(inputs.v, (token * value_heads + value_head) * DIM + first_value, rows)
+            operands = first if const_expr(t == 0) else self.token_operands(inputs, at, t, gate)
             outputs = cute.make_rmem_tensor((rows,), BFloat16)
             for r in cutlass.range_constexpr(rows):
                 for e in cutlass.range_constexpr(CHANNELS):
-                    channel_decay = decay[0] if const_expr(self.variant.per_head_gate) else decay[e]
-                    state[r, e] = mul_rn(state[r, e], channel_decay)
-                predicted = self.row_dot(state, r, k_hat)
-                u = beta * (values[r].to(Float32) - predicted)
+                    channel = 0 if const_expr(self.variant.per_head_gate) else e
+                    state[r, e] = mul_rn(state[r, e], operands.decay[channel])
+                predicted = self.row_dot(state, r, operands.k_hat)
+                u = operands.beta * (operands.values[r].to(Float32) - predicted)
                 for e in cutlass.range_constexpr(CHANNELS):
-                    state[r, e] = fma_rn(k_hat[e], u, state[r, e])
-                outputs[r] = self.row_dot(state, r, q_hat).to(BFloat16)
-            if lane == 0:
-                self.store_run(out, (token * value_heads + value_head) * DIM + first_value, outputs)
+                    state[r, e] = fma_rn(operands.k_hat[e], u, state[r, e])
+                outputs[r] = self.row_dot(state, r, operands.q_hat).to(BFloat16)
+            if at.lane == 0:
+                self.store_run(out, self.value_offset(at, t), outputs)
             if const_expr(self.variant.verify):
-                written = state_indices[seq, t]
+                written = state_indices[at.seq, t]
                 if written >= 0:
                     self.store_state(pool, Int64(written) * pool.stride[0] + head_offset, state)
         if const_expr(not self.variant.verify):
             self.store_state(pool, Int64(slot) * pool.stride[0] + head_offset, state)
 
+    def value_offset(self, at: "Position", t: int):
+        """Element offset of the thread's first value of token ``t`` in v and out (``[N, T, HV, 128]``)."""
+        return ((at.seq * self.tokens + t) * at.value_heads + at.value_head) * DIM + at.first_value
+
     @cute.jit
-    def zero_outputs(self, out: cute.Tensor, value_heads: Int32, seq: Int32, value_head: Int32, lane: Int32,
-                     first_value: Int32):
+    def zero_outputs(self, out: cute.Tensor, at: "Position"):
         """A padding row: zero output rows, nothing read or written in the pool."""
-        if lane == 0:
+        if at.lane == 0:
             zeros = cute.make_rmem_tensor((self.map.rows,), BFloat16)
             zeros.fill(0.0)
             for t in cutlass.range_constexpr(self.tokens):
-                token = seq * self.tokens + t
-                self.store_run(out, (token * value_heads + value_head) * DIM + first_value, zeros)
+                self.store_run(out, self.value_offset(at, t), zeros)
 
     # -- state I/O ----------------------------------------------------------------------------
 
@@ -258,6 +288,18 @@ class DecodeKernel(TokenPrep):
     # -- per-token operands ---------------------------------------------------------------------
 
     @cute.jit
+    def token_operands(self, inputs: DecodeInputs, at: "Position", t: int, gate: "GateConstants") -> "TokenOperands":
+        """Everything token ``t`` brings to the update, for this thread."""
+        q_hat, k_hat = self.normalized_qk(inputs, (at.seq * self.tokens + t) * at.qk_heads + at.head, at.lane,
+                                          gate.scale)
+        decay = self.decay(inputs, (at.seq, t, at.value_head), at.lane, gate)
+        beta = inputs.beta[at.seq, t, at.value_head].to(Float32)
+        if const_expr(self.variant.beta_logits):
+            beta = sigmoid_approx(beta)
+        values = self.load_run(inputs.v, self.value_offset(at, t), self.map.rows)
+        return TokenOperands(q_hat, k_hat, decay, beta, values)
+
+    @cute.jit
     def normalized_qk(self, inputs: DecodeInputs, qk_row: Int32, lane: Int32, scale: Float32):
         """``(q̂·scale, k̂)`` of the lane's channels (K1's l2norm: ``x · 1/sqrt(Σx² + EPS)``)."""
         q = self.load_channels(inputs.q, qk_row * DIM, lane)
@@ -296,8 +338,9 @@ class DecodeKernel(TokenPrep):
         return self.lane_sum(acc)
 
     @cute.jit
-    def gate_constants_of(self, inputs: DecodeInputs, value_head: Int32, lane: Int32):
-        """``(dt_bias of the lane's channels, or of the head; e^A)`` (unused by the "none" gate)."""
+    def gate_constants_of(self, inputs: DecodeInputs, value_head: Int32, lane: Int32, scale: Float32,
+                          c_gate: Float32) -> "GateConstants":
+        """The head's :class:`GateConstants` (dt_bias of the lane's channels, or of the head; e^A)."""
         dt = cute.make_rmem_tensor((CHANNELS,), Float32)
         dt.fill(0.0)
         e_a = Float32(1.0)
@@ -307,27 +350,26 @@ class DecodeKernel(TokenPrep):
                 dt[0] = inputs.dt_bias[value_head]
             else:
                 dt = self.load_channels(inputs.dt_bias, value_head * DIM, lane)
-        return dt, e_a
+        return GateConstants(dt, e_a, c_gate, scale)
 
     @cute.jit
-    def decay(self, inputs: DecodeInputs, at: tuple, lane: Int32, dt: cute.Tensor, e_a: Float32,
-              c_gate: Float32) -> cute.Tensor:
+    def decay(self, inputs: DecodeInputs, token: tuple, lane: Int32, gate: "GateConstants") -> cute.Tensor:
         """``a = 2^g'`` of the lane's channels (``[0]`` only for a per-head gate) of token ``at = (seq, t, value
         head)``."""
         decay = cute.make_rmem_tensor((CHANNELS,), Float32)
         if const_expr(self.variant.per_head_gate):
-            decay[0] = ex2_approx(self.log_decay2(inputs.g[at].to(Float32), dt[0], e_a, c_gate))
+            decay[0] = ex2_approx(self.log_decay2(inputs.g[token].to(Float32), gate.dt[0], gate))
         else:
-            seq, t, value_head = at
+            seq, t, value_head = token
             row = (seq * self.tokens + t) * inputs.g.shape[2] + value_head
             g = self.load_channels(inputs.g, row * DIM, lane)
             for e in cutlass.range_constexpr(CHANNELS):
-                decay[e] = ex2_approx(self.log_decay2(g[e], dt[e], e_a, c_gate))
+                decay[e] = ex2_approx(self.log_decay2(g[e], gate.dt[e], gate))
         return decay
 
     @cute.jit
-    def log_decay2(self, g: Float32, dt: Float32, e_a: Float32, c_gate: Float32) -> Float32:
+    def log_decay2(self, g: Float32, dt: Float32, gate: "GateConstants") -> Float32:
         """``g'`` (base 2): safe ``c_gate · sigmoid(e^A (g + dt_bias))``, else TokenPrep's softplus / log decay."""
         if const_expr(self.gate == "safe"):
-            return mul_rn(c_gate, sigmoid_approx(e_a * (g + dt)))
-        return self.base2_log_decay(g, dt, e_a)
+            return mul_rn(gate.c_gate, sigmoid_approx(gate.e_a * (g + dt)))
+        return self.base2_log_decay(g, dt, gate.e_a)
