@@ -17,7 +17,9 @@ bytes in flight) from the V-split: the value rows of a V-first state are indepen
 :class:`cute_kda.layouts.decode.DecodeThreadMap`. Slot offsets are 64-bit (pools over 2^31 elements).
 
 Inputs are assumed valid (the API layer checks): C-contiguous, 16-byte aligned bases, K = V = 128, slot ids
-in ``[−1, slots)``, accepted counts in ``[1, T]``, no slot twice in one call.
+in ``[−1, slots)``, accepted counts in ``[1, T]``, no slot twice in one call; every tensor's last mode contiguous
+and its rows (and the pool's state blocks, ``[128, 128]`` contiguous) starting 16-byte aligned — the other strides
+are free (engines hand strided pool views and q, k, v split from one projection).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import NamedTuple, Optional
 
 from ..dsl import cute, cutlass  # first: sets the target architecture before the DSL loads
 
-from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr
 
 from ..layouts.decode import CHANNELS, DIM, LANES, DecodeThreadMap
 from ..numerics import EPS, GATES, LOG2E
@@ -101,16 +103,14 @@ class DecodeInputs(NamedTuple):
 
 
 class Position(NamedTuple):
-    """Where a thread works: its sequence, q/k head, value head, lane, first value row (or column), and the
-    head counts (trace-time tuple of device integers)."""
+    """Where a thread works: its sequence, q/k head, value head, lane and first value row (or column)
+    (a trace-time tuple of device integers)."""
 
     seq: Int32
     head: Int32
     value_head: Int32
     lane: Int32
     first_value: Int32
-    qk_heads: Int32
-    value_heads: Int32
 
 
 class GateConstants(NamedTuple):
@@ -160,6 +160,7 @@ class DecodeKernel(TokenPrep):
             grid=[num_seqs * value_heads * self.variant.vsplit, 1, 1],  # the bands of a head are adjacent CTAs
             block=[self.map.threads, 1, 1],
             stream=stream,
+            min_blocks_per_mp=1,  # a launch bound lifts ptxas's own register cap (a T = 8 verify spilled at 168)
         )
 
     # -----------------------------------------------------------------------------------------
@@ -182,7 +183,7 @@ class DecodeKernel(TokenPrep):
             slot = state_indices[seq, num_accepted_tokens[seq] - 1]
         else:
             slot = state_indices[seq]
-        at = Position(seq, head, value_head, lane, self.map.first_value(band, group), qk_heads, value_heads)
+        at = Position(seq, head, value_head, lane, self.map.first_value(band, group))
         # the first token's operands do not depend on the slot: their loads overlap the slot id's
         gate = self.gate_constants_of(inputs, value_head, lane, scale, c_gate)
         first = self.token_operands(inputs, at, 0, gate)
@@ -196,9 +197,9 @@ class DecodeKernel(TokenPrep):
                slot: Int32, at: "Position", gate: "GateConstants", first: "TokenOperands"):
         """Load the band from ``slot``, run the tokens, write the state(s) back and the outputs."""
         rows = self.map.rows
-        head_offset = Int64(at.value_head) * pool.stride[1] + Int64(self.map.state_base(at.lane, at.first_value))
+        base = self.map.state_base(at.lane, at.first_value)
         state = cute.make_rmem_tensor((rows, CHANNELS), Float32)
-        self.load_state(pool, Int64(slot) * pool.stride[0] + head_offset, state)
+        self.load_state(pool[slot, at.value_head, None, None], base, state)
         for t in cutlass.range_constexpr(self.tokens):
             operands = first if const_expr(t == 0) else self.token_operands(inputs, at, t, gate)
             outputs = cute.make_rmem_tensor((rows,), BFloat16)
@@ -212,17 +213,13 @@ class DecodeKernel(TokenPrep):
                     state[r, e] = fma_rn(operands.k_hat[e], u, state[r, e])
                 outputs[r] = self.row_dot(state, r, operands.q_hat).to(BFloat16)
             if at.lane == 0:
-                self.store_run(out, self.value_offset(at, t), outputs)
+                self.store_run(out[at.seq, t, at.value_head, None], at.first_value, outputs)
             if const_expr(self.variant.verify):
                 written = state_indices[at.seq, t]
                 if written >= 0:
-                    self.store_state(pool, Int64(written) * pool.stride[0] + head_offset, state)
+                    self.store_state(pool[written, at.value_head, None, None], base, state)
         if const_expr(not self.variant.verify):
-            self.store_state(pool, Int64(slot) * pool.stride[0] + head_offset, state)
-
-    def value_offset(self, at: "Position", t: int):
-        """Element offset of the thread's first value of token ``t`` in v and out (``[N, T, HV, 128]``)."""
-        return ((at.seq * self.tokens + t) * at.value_heads + at.value_head) * DIM + at.first_value
+            self.store_state(pool[slot, at.value_head, None, None], base, state)
 
     @cute.jit
     def zero_outputs(self, out: cute.Tensor, at: "Position"):
@@ -231,32 +228,33 @@ class DecodeKernel(TokenPrep):
             zeros = cute.make_rmem_tensor((self.map.rows,), BFloat16)
             zeros.fill(0.0)
             for t in cutlass.range_constexpr(self.tokens):
-                self.store_run(out, self.value_offset(at, t), zeros)
+                self.store_run(out[at.seq, t, at.value_head, None], at.first_value, zeros)
 
     # -- state I/O ----------------------------------------------------------------------------
 
     @cute.jit
-    def load_state(self, pool: cute.Tensor, offset: Int64, state: cute.Tensor):
-        """The thread's state elements from ``pool`` (element ``offset``: slot, head, thread base) as fp32."""
+    def load_state(self, head: cute.Tensor, offset, state: cute.Tensor):
+        """The thread's state elements (from element ``offset`` of the head's ``[128, 128]`` block) as fp32."""
         for vector in self.map.state_vectors():
             staged = cute.make_rmem_tensor((self.map.vector,), self.state_type)
-            cute.autovec_copy(self.gmem_run(pool, offset + vector.offset, self.map.vector), staged)
+            cute.autovec_copy(self.gmem_run(head, offset + vector.offset, self.map.vector), staged)
             for c, (row, e) in enumerate(vector.registers):
                 state[row, e] = staged[c].to(Float32)
 
     @cute.jit
-    def store_state(self, pool: cute.Tensor, offset: Int64, state: cute.Tensor):
-        """The thread's state elements into ``pool`` at ``offset``, rounded to the pool's dtype."""
+    def store_state(self, head: cute.Tensor, offset, state: cute.Tensor):
+        """The thread's state elements into the head's block at ``offset``, rounded to the pool's dtype."""
         for vector in self.map.state_vectors():
             staged = cute.make_rmem_tensor((self.map.vector,), self.state_type)
             for c, (row, e) in enumerate(vector.registers):
                 staged[c] = state[row, e].to(self.state_type)
-            cute.autovec_copy(staged, self.gmem_run(pool, offset + vector.offset, self.map.vector))
+            cute.autovec_copy(staged, self.gmem_run(head, offset + vector.offset, self.map.vector))
 
     @cute.jit
     def gmem_run(self, tensor: cute.Tensor, offset, length: int) -> cute.Tensor:
-        """``length`` consecutive elements of ``tensor`` from element ``offset``, aligned to their size (up to 16
-        bytes): the maps only ask for runs that start at a multiple of it, so the copy is one wide access."""
+        """``length`` consecutive elements from element ``offset`` of a row view (a slice of a head's row, or of
+        a state block, whose last mode is contiguous), aligned to their size (up to 16 bytes): the maps only ask
+        for runs that start at a multiple of it, and the launcher's tensors start rows 16-byte aligned."""
         width = tensor.element_type.width // 8
         align = min(16, length * width)
         address = (tensor.iterator + offset).toint()
@@ -274,13 +272,12 @@ class DecodeKernel(TokenPrep):
         cute.autovec_copy(values, self.gmem_run(tensor, offset, cute.size(values)))
 
     @cute.jit
-    def load_channels(self, tensor: cute.Tensor, row_offset, lane: Int32) -> cute.Tensor:
-        """The lane's 16 key channels of a row (element ``row_offset``) of a ``[..., 128]`` tensor, as fp32 in
-        channel-slot order."""
+    def load_channels(self, row: cute.Tensor, lane: Int32) -> cute.Tensor:
+        """The lane's 16 key channels of a ``[128]`` row view, as fp32 in channel-slot order."""
         values = cute.make_rmem_tensor((CHANNELS,), Float32)
-        base = row_offset + self.map.lane_channel_base(lane)
+        base = self.map.lane_channel_base(lane)
         for run in self.map.channel_runs():
-            part = self.load_run(tensor, base + run.offset, run.length)
+            part = self.load_run(row, base + run.offset, run.length)
             for c in cutlass.range_constexpr(run.length):
                 values[run.first + c] = part[c].to(Float32)
         return values
@@ -290,20 +287,19 @@ class DecodeKernel(TokenPrep):
     @cute.jit
     def token_operands(self, inputs: DecodeInputs, at: "Position", t: int, gate: "GateConstants") -> "TokenOperands":
         """Everything token ``t`` brings to the update, for this thread."""
-        q_hat, k_hat = self.normalized_qk(inputs, (at.seq * self.tokens + t) * at.qk_heads + at.head, at.lane,
-                                          gate.scale)
+        q_hat, k_hat = self.normalized_qk(inputs, (at.seq, t, at.head, None), at.lane, gate.scale)
         decay = self.decay(inputs, (at.seq, t, at.value_head), at.lane, gate)
         beta = inputs.beta[at.seq, t, at.value_head].to(Float32)
         if const_expr(self.variant.beta_logits):
             beta = sigmoid_approx(beta)
-        values = self.load_run(inputs.v, self.value_offset(at, t), self.map.rows)
+        values = self.load_run(inputs.v[at.seq, t, at.value_head, None], at.first_value, self.map.rows)
         return TokenOperands(q_hat, k_hat, decay, beta, values)
 
     @cute.jit
-    def normalized_qk(self, inputs: DecodeInputs, qk_row: Int32, lane: Int32, scale: Float32):
-        """``(q̂·scale, k̂)`` of the lane's channels (K1's l2norm: ``x · 1/sqrt(Σx² + EPS)``)."""
-        q = self.load_channels(inputs.q, qk_row * DIM, lane)
-        k = self.load_channels(inputs.k, qk_row * DIM, lane)
+    def normalized_qk(self, inputs: DecodeInputs, row: tuple, lane: Int32, scale: Float32):
+        """``(q̂·scale, k̂)`` of the lane's channels of q/k row ``row`` (K1's l2norm: ``x / sqrt(Σx² + EPS)``)."""
+        q = self.load_channels(inputs.q[row], lane)
+        k = self.load_channels(inputs.k[row], lane)
         q_scale = scale
         k_scale = Float32(1.0)
         if const_expr(self.variant.qk_l2norm):
@@ -349,7 +345,7 @@ class DecodeKernel(TokenPrep):
             if const_expr(self.variant.per_head_gate):
                 dt[0] = inputs.dt_bias[value_head]
             else:
-                dt = self.load_channels(inputs.dt_bias, value_head * DIM, lane)
+                dt = self.load_channels(inputs.dt_bias[value_head, None], lane)
         return GateConstants(dt, e_a, c_gate, scale)
 
     @cute.jit
@@ -360,9 +356,7 @@ class DecodeKernel(TokenPrep):
         if const_expr(self.variant.per_head_gate):
             decay[0] = ex2_approx(self.log_decay2(inputs.g[token].to(Float32), gate.dt[0], gate))
         else:
-            seq, t, value_head = token
-            row = (seq * self.tokens + t) * inputs.g.shape[2] + value_head
-            g = self.load_channels(inputs.g, row * DIM, lane)
+            g = self.load_channels(inputs.g[(*token, None)], lane)
             for e in cutlass.range_constexpr(CHANNELS):
                 decay[e] = ex2_approx(self.log_decay2(g[e], gate.dt[e], gate))
         return decay

@@ -5,9 +5,10 @@ aligned bases; q, k bf16 ``[N, T, H, 128]``, v bf16 ``[N, T, HV, 128]``, g bf16 
 ``[N, T, HV]``, beta bf16 ``[N, T, HV]``, A_log fp32 ``[HV]``, dt_bias fp32 ``[HV, 128]`` (``[HV]`` with a
 per-head gate; both may be None for ``gate="none"``), state_pool fp32 / bf16 ``[slots, HV, 128, 128]``,
 state_indices int32 ``[N]`` (decode) or ``[N, T]`` with num_accepted_tokens int32 ``[N]`` (verify), slot ids
-in ``[−1, slots)``, no slot twice. This module picks the compiled variant (compiled from fake tensors on
-first use: nothing is allocated for it) and launches on torch's current stream: no host sync, no
-allocation but ``out`` when it is not given.
+in ``[−1, slots)``, no slot twice. q, k, v, g, beta, out and the pool may be strided views: their last mode
+contiguous, rows of 128 (and the pool's ``[128, 128]`` state blocks, contiguous) starting 16-byte aligned.
+This module picks the compiled variant (compiled from fake tensors on first use: nothing is allocated for
+it) and launches on torch's current stream: no host sync, no allocation but ``out`` when it is not given.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ def variant_of(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_l
                          beta_logits=beta_logits, grouped=grouped, vsplit=vsplit)
 
 
-@functools.lru_cache(maxsize=64)
-def _sm_count(index: int) -> int:
+@functools.lru_cache(maxsize=4096)  # a call's host path: a look-up instead of a device query and the heuristic
+def auto_vsplit(num_seqs: int, value_heads: int, index: int, state_layout: str, state_dtype: torch.dtype) -> int:
+    """:meth:`DecodeVariant.choose_vsplit` on device ``index``'s SMs."""
     from ..config import sm_count
 
-    return sm_count(index)
+    return DecodeVariant.choose_vsplit(num_seqs, value_heads, sm_count(index), state_layout, _STATE_DTYPES[state_dtype])
 
 
 def launch_arguments(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, num_accepted_tokens, out,
@@ -52,16 +54,34 @@ def launch_arguments(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices
         return (DecodeInputs(q, k, v, g, beta, A_log, dt_bias), state_pool, state_indices, num_accepted_tokens, out,
                 scale, c_gate, stream)
 
-    def convert(t, align):
-        return None if t is None else tensor(t, align)
+    def rows(t, rows_aligned: bool = True):
+        """Free strides but the last (1); rows of 16-byte aligned starts where the kernel reads them in vectors."""
+        return None if t is None else strided_fake(t, 16 if rows_aligned else t.element_size(),
+                                                   16 // t.element_size() if rows_aligned else 1)
 
     inputs = DecodeInputs(
-        q=convert(q, 16), k=convert(k, 16), v=convert(v, 16), g=convert(g, 16 if g.dim() == 4 else 2),
-        beta=convert(beta, 2), a_log=convert(A_log, 4), dt_bias=convert(dt_bias, 16 if dt_bias is not None
-                                                                          and dt_bias.dim() == 2 else 4),
+        q=rows(q), k=rows(k), v=rows(v), g=rows(g, rows_aligned=g.dim() == 4), beta=rows(beta, rows_aligned=False),
+        a_log=None if A_log is None else tensor(A_log, 4),
+        dt_bias=None if dt_bias is None else tensor(dt_bias, 16 if dt_bias.dim() == 2 else 4),
     )
-    return (inputs, convert(state_pool, 16), convert(state_indices, 4), convert(num_accepted_tokens, 4),
-            convert(out, 16), scale, c_gate, stream)
+    return (inputs, strided_fake(state_pool, 16, 16 // state_pool.element_size(), static_inner=True),
+            tensor(state_indices, 4), None if num_accepted_tokens is None else tensor(num_accepted_tokens, 4),
+            rows(out), scale, c_gate, stream)
+
+
+def strided_fake(t: torch.Tensor, assumed_align: int, divisibility: int, static_inner: bool = False):
+    """A fake DSL tensor of ``t``'s dtype and rank for a compile: dynamic extents, the last mode contiguous, every
+    other stride dynamic (64-bit, a multiple of ``divisibility`` elements). ``static_inner``: the two last modes
+    are a contiguous ``[128, 128]`` block (a state)."""
+    from ..dsl import cute
+    from ._cache import dsl_type
+
+    rank = t.dim()
+    free = rank - 2 if static_inner else rank - 1
+    shape = tuple(cute.sym_int() for _ in range(free)) + ((128, 128) if static_inner else (cute.sym_int(),))
+    stride = tuple(cute.sym_int(64, divisibility=divisibility) for _ in range(free)) + ((128, 1) if static_inner
+                                                                                       else (1,))
+    return cute.runtime.make_fake_tensor(dsl_type(t.dtype), shape, stride, assumed_align=assumed_align)
 
 
 def compile_arguments(variant: DecodeVariant) -> tuple:
@@ -135,8 +155,7 @@ def decode(
     index = device_index(v.device)
     state_dtype = state_pool.dtype
     if vsplit is None:
-        vsplit = DecodeVariant.choose_vsplit(num_seqs, value_heads, _sm_count(index), state_layout,
-                                             _STATE_DTYPES[state_dtype])
+        vsplit = auto_vsplit(num_seqs, value_heads, index, state_layout, state_dtype)
     variant = variant_of(gate, g.dim() == 3, state_dtype, state_layout, tokens, state_indices.dim() == 2,
                          qk_l2norm, beta_logits, qk_heads != value_heads, vsplit)
     scale32, c_gate = fp32_scalars(scale, lower_bound)
