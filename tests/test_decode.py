@@ -514,3 +514,27 @@ def test_decode_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager) and torch.equal(_bits(case["state_pool"]), _bits(eager_case["state_pool"]))
+
+
+@pytest.mark.gpu
+def test_strided_views_give_the_contiguous_result():
+    """A pool view with padded slot and head strides and q, k, v split from one fused projection: the same bits as
+    contiguous copies."""
+    from cute_kda.kernels.decode import DecodeVariant
+
+    variant = DecodeVariant(tokens=2, verify=True, grouped=True, vsplit=4)
+    case = _case(variant, seed=8)
+    N, T, H, HV = case["q"].shape[0], 2, case["q"].shape[2], case["v"].shape[2]
+    fused = torch.empty(N, T, 2 * H + HV + 1, D, dtype=torch.bfloat16, device="cuda")
+    views = {"q": fused[:, :, :H], "k": fused[:, :, H:2 * H], "v": fused[:, :, 2 * H:2 * H + HV]}
+    for name, view in views.items():
+        view.copy_(case[name])
+    pool = case["state_pool"]
+    padded = torch.zeros(pool.shape[0], HV + 1, D, D, dtype=pool.dtype, device="cuda")[:, 1:]
+    padded.copy_(pool)
+    strided = {**case, **views, "state_pool": padded}
+    assert not any(strided[name].is_contiguous() for name in ("q", "k", "v", "state_pool"))
+    expected = _run_kernel(case, variant)
+    got = _run_kernel(strided, variant)
+    torch.cuda.synchronize()
+    assert torch.equal(got, expected) and torch.equal(_bits(padded.contiguous()), _bits(pool))
