@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("FLA_CUTE_KDA", "0")  # FLA's own kernels, not cute_kda's backend, in its columns
 
-from cute_kda._bench import environment, graph_median_ms, markdown_table, publish  # noqa: E402
+from cute_kda._bench import environment, graph_median_ms, markdown_table, publish, save  # noqa: E402
 
 D = 128
 SEQS = (1, 8, 32, 128, 512)
@@ -169,7 +169,13 @@ def main() -> None:
                         rows.append(_row(N, HV, pool, mode, per_head, args))
                         print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
                         torch.cuda.empty_cache()
-    text = "\n".join([
+                        if args.out:  # a run cut short keeps what it measured
+                            save(_report(head, rows), args.out)
+    publish(_report(head, rows), args.out)
+
+
+def _report(head: list[str], rows: list[list[str]]) -> str:
+    return "\n".join([
         "# Decode / verify on a state pool (bench_decode.py)", "",
         environment("cutlass", "fla", labels={"cutlass": "nvidia-cutlass-dsl", "fla": "FLA"}), "",
         "KDA rows: safe gate per channel, l2norm and β sigmoid in the kernel, V-first pool, H = HV; per-head rows: "
@@ -177,7 +183,6 @@ def main() -> None:
         "% copy: state bytes / time against a device copy of the same bytes.", "",
         markdown_table(head, rows), "",
     ])
-    publish(text, args.out)
 
 
 if __name__ == "__main__":
