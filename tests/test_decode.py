@@ -263,10 +263,13 @@ def _scalar_loads(variant) -> int:
     return indices + t + constants + variant.per_head_gate * (t + constants)
 
 
-@pytest.mark.parametrize("variant", _compile_matrix(), ids=lambda v: (
-    f"{v.gate}{'-head' if v.per_head_gate else ''}-{v.state_dtype}-{v.state_layout}-T{v.tokens}"
-    f"{'-verify' if v.verify else ''}{'' if v.qk_l2norm else '-nol2'}{'' if v.beta_logits else '-nosig'}"
-    f"{'-gva' if v.grouped else ''}-vs{v.vsplit}"))
+def _variant_id(v) -> str:
+    return (f"{v.gate}{'-head' if v.per_head_gate else ''}-{v.state_dtype}-{v.state_layout}-T{v.tokens}"
+            f"{'-verify' if v.verify else ''}{'' if v.qk_l2norm else '-nol2'}{'' if v.beta_logits else '-nosig'}"
+            f"{'-gva' if v.grouped else ''}-vs{v.vsplit}")
+
+
+@pytest.mark.parametrize("variant", _compile_matrix(), ids=_variant_id)
 def test_variant_compiles(variant):
     """The launcher's own compile arguments (meta tensors): the state moves in 16-byte vectors only, read once
     and written once per kept state; the token operands in vectors; no local memory, no spills."""
@@ -355,7 +358,7 @@ def assert_matches_mirror(actual: torch.Tensor, expected: torch.Tensor, what: st
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", _compile_matrix(), ids=lambda v: f"{v}")
+@pytest.mark.parametrize("variant", _compile_matrix(), ids=_variant_id)
 def test_kernel_matches_mirror(variant):
     """Each compiled variant: o and every slot of the pool as the mirror has them (padding row zero, the caller's
     ``out`` filled, unlisted slots untouched in both)."""
