@@ -541,3 +541,34 @@ def test_strided_views_give_the_contiguous_result():
     got = _run_kernel(strided, variant)
     torch.cuda.synchronize()
     assert torch.equal(got, expected) and torch.equal(_bits(padded.contiguous()), _bits(pool))
+
+
+def test_launcher_picks_the_variant_and_passes_the_kernel_arguments(monkeypatch):
+    """The launcher's host path on CPU tensors (the compiled function recorded, not run): the variant follows
+    the tensors (per-head gate from g's rank, verify from the slot ids' rank, GVA from H < HV), the scalars are
+    fp32-rounded, ``out`` is allocated once when not given, and the arguments are the kernel's."""
+    from cute_kda.numerics import f32, gate_constant
+    from cute_kda.ops import decode as ops
+
+    calls = []
+    monkeypatch.setattr(ops, "compiled_variant", lambda variant, index: (lambda *a: calls.append((variant, a))))
+    monkeypatch.setattr(ops, "device_index", lambda device: 0)
+    monkeypatch.setattr(ops, "current_stream", lambda device: "stream")
+    monkeypatch.setattr(ops, "on_device", lambda device: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(ops, "auto_vsplit", lambda *a: 2)
+    step = make_step(3, 4, 2, 4, "softplus", True)
+    params = make_params(4, "softplus", True)
+    pool = random_pool(12, 4, torch.bfloat16)
+    indices = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    accepted = torch.ones(3, dtype=torch.int32)
+    out = ops.decode(**step, **params, state_pool=pool, state_indices=indices, num_accepted_tokens=accepted,
+                     gate="softplus", scale=0.1, lower_bound=-3.0, state_layout="kv")
+    (variant, args), = calls
+    assert variant == ops.variant_of("softplus", True, torch.bfloat16, "kv", 4, True, True, True, True, 2)
+    assert (variant.per_head_gate, variant.verify, variant.grouped, variant.tokens, variant.vsplit) == (
+        True, True, True, 4, 2)
+    inputs, pool_arg, indices_arg, accepted_arg, out_arg, scale, c_gate, stream = args
+    assert inputs.q is step["q"] and inputs.g is step["g"] and inputs.dt_bias is params["dt_bias"]
+    assert pool_arg is pool and indices_arg is indices and accepted_arg is accepted and out_arg is out
+    assert out.shape == (3, 4, 4, D) and out.dtype == torch.bfloat16
+    assert (scale, c_gate, stream) == (f32(0.1), gate_constant(-3.0), "stream")
