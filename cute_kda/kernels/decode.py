@@ -16,10 +16,10 @@ bytes in flight) from the V-split: the value rows of a V-first state are indepen
 ``s_v·k`` and ``s_v·q``), and so are the value columns of a K-first one. Thread map:
 :class:`cute_kda.layouts.decode.DecodeThreadMap`. Slot offsets are 64-bit (pools over 2^31 elements).
 
-Inputs are assumed valid (the API layer checks): C-contiguous, 16-byte aligned bases, K = V = 128, slot ids
-in ``[−1, slots)``, accepted counts in ``[1, T]``, no slot twice in one call; every tensor's last mode contiguous
-and its rows (and the pool's state blocks, ``[128, 128]`` contiguous) starting 16-byte aligned — the other strides
-are free (engines hand strided pool views and q, k, v split from one projection).
+Inputs are assumed valid (the API layer checks): K = V = 128, slot ids in ``[−1, slots)``, accepted counts in
+``[1, T]``, no slot twice in one call; every tensor's last mode contiguous and its rows (and the pool's state
+blocks, ``[128, 128]`` contiguous) starting 16-byte aligned — the other strides are free (engines hand strided
+pool views and q, k, v split from one projection).
 """
 
 from __future__ import annotations
