@@ -146,6 +146,8 @@ def decode(
     updated in place, o bf16 ``[N, T, HV, 128]`` returned (into ``out`` when given). The contract:
     :mod:`cute_kda.reference.decode`; shapes and assumptions: the module doc. ``state_layout``: "vk"
     (``[slots, HV, V, K]``) or "kv"; ``vsplit`` None: :meth:`DecodeVariant.choose_vsplit`."""
+    if gate == "none":  # a log decay needs no gate parameters; the variant is compiled without them
+        A_log = dt_bias = None
     num_seqs, tokens, qk_heads = q.shape[:3]
     value_heads = v.shape[2]
     if out is None:
