@@ -58,6 +58,13 @@ def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def fma_rn(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """``fma.rn.f32``: ``a·b + c`` rounded once, at the place the caller writes it (a dot product whose
+    summation order a mirror reproduces)."""
+    return _one_instruction("fma.rn.f32 $0, $1, $2, $3;", Float32, a, b, c, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def sigmoid_approx(x: Float32, *, loc=None, ip=None) -> Float32:
     """``0.5·tanh.approx(0.5·x) + 0.5`` — one rounding (0.5·t is exact), as docs/numerics.md states."""
     half = Float32(0.5)

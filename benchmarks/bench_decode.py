@@ -1,0 +1,189 @@
+"""Decode and speculative verify on a state pool (issue 32): µs per call, state bandwidth against a device copy,
+and FLA's fused recurrent kernels on the same inputs.
+
+Rows: N ∈ {1, 8, 32, 128, 512} sequences × HV ∈ {4, 32, 96} value heads (H = HV), fp32 and bf16 pools
+(V-first, FLA's layers' ``state_v_first=True``), decode (T = 1) and verify with S = 3 draft tokens (T = 4,
+every token's state written, accepted counts cycling 1..4); KDA's per-channel safe gate with l2norm and β
+sigmoid in the kernel. The per-head rows (GatedDeltaNet) run decode with a precomputed log decay.
+
+- **µs**: median of CUDA-graph replays of one call (:func:`cute_kda._bench.graph_median_ms`: do_bench with
+  the L2 cleared before each replay);
+- **state GB/s**: (bytes of state read + written) / time; **% copy**: that against a same-run device-to-device
+  copy (``torch.Tensor.copy_``) moving the same bytes (half read, half written), timed the same way;
+- **FLA**: ``fla.ops.kda.fused_recurrent_kda_fwd`` with its in-place pool indexing (``ssm_state_indices``,
+  ``num_accepted_tokens``, ``inplace_final_state=True``), the same gate, l2norm and β sigmoid in its kernel;
+  for the per-head rows ``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`` (FLA 0.6.0 has no pool
+  indexing there: it reads a contiguous ``[N, HV, V, K]`` initial state and allocates the final state). Slot
+  ids are a random permutation (no padding rows: FLA 0.6.0 reads slot −1);
+- ``--sweep``: every V-split of each row too (the column gives the fastest and its µs; ``auto`` is
+  :meth:`cute_kda.kernels.decode.DecodeVariant.choose_vsplit`).
+
+Goals (issue 32): ≥ 85 % of the copy's bandwidth where N·HV ≥ 2048; ≥ 1.5× FLA; N = 1, HV = 32 ≤ 8 µs.
+
+    python benchmarks/bench_decode.py --out benchmarks/results/decode.md
+    python benchmarks/bench_decode.py --sweep --pools fp32 --modes decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+os.environ.setdefault("FLA_CUTE_KDA", "0")  # FLA's own kernels, not cute_kda's backend, in its columns
+
+from cute_kda._bench import environment, graph_median_ms, markdown_table, publish, save  # noqa: E402
+
+D = 128
+SEQS = (1, 8, 32, 128, 512)
+HEADS = (4, 32, 96)
+POOLS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MODES = {"decode": 1, "verify": 4}  # tokens per sequence
+LOWER_BOUND = -5.0
+
+
+def _inputs(N: int, T: int, HV: int, pool_dtype: torch.dtype, per_head: bool, verify: bool) -> dict:
+    """A call's tensors (H = HV), its pool (``N·T`` slots for a verify, ``N`` for a decode) and slot ids."""
+    dev = "cuda"
+    bf16 = torch.bfloat16
+    gate_shape = (N, T, HV) if per_head else (N, T, HV, D)
+    g = torch.randn(*gate_shape, device=dev)
+    if per_head:
+        g = torch.nn.functional.logsigmoid(g + 2.0)  # GatedDeltaNet's precomputed log decay
+    slots = N * T if verify else N
+    indices = torch.randperm(slots, device=dev, dtype=torch.int32)
+    return dict(
+        q=torch.randn(N, T, HV, D, device=dev, dtype=bf16), k=torch.randn(N, T, HV, D, device=dev, dtype=bf16),
+        v=torch.randn(N, T, HV, D, device=dev, dtype=bf16), g=g.to(bf16),
+        beta=torch.randn(N, T, HV, device=dev, dtype=bf16),
+        A_log=None if per_head else torch.log(torch.rand(HV, device=dev) * 15 + 1),
+        dt_bias=None if per_head else 0.1 * torch.randn(HV, D, device=dev),
+        state_pool=(0.1 * torch.randn(slots, HV, D, D, device=dev)).to(pool_dtype),
+        state_indices=indices.reshape(N, T) if verify else indices,
+        num_accepted_tokens=(torch.arange(N, device=dev, dtype=torch.int32) % T + 1) if verify else None,
+    )
+
+
+def _ours(case: dict, per_head: bool, vsplit: int | None):
+    from cute_kda.ops.decode import decode
+
+    out = torch.empty_like(case["v"])
+    gate = "none" if per_head else "safe"
+    return lambda: decode(**case, gate=gate, scale=D ** -0.5, lower_bound=LOWER_BOUND, out=out, vsplit=vsplit)
+
+
+def _fla(case: dict, per_head: bool):
+    """FLA's call on the same tensors, or None when FLA does not import."""
+    try:
+        if per_head:
+            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+        else:
+            from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except ImportError:
+        return None
+    q, k, v, g, beta = (case[name] for name in ("q", "k", "v", "g", "beta"))
+    if per_head:
+        states = case["state_pool"][: q.shape[0]]  # the batch's states, contiguous: FLA's best case
+        return lambda: fused_recurrent_gated_delta_rule(
+            q, k, v, g=g, beta=beta, scale=D ** -0.5, initial_state=states, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True)
+    out = torch.empty_like(v)
+    return lambda: fused_recurrent_kda_fwd(
+        q=q, k=k, v=v, g=g, beta=beta, A_log=case["A_log"], dt_bias=case["dt_bias"], scale=D ** -0.5,
+        initial_state=case["state_pool"], inplace_final_state=True, state_v_first=True,
+        ssm_state_indices=case["state_indices"], num_accepted_tokens=case["num_accepted_tokens"],
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        lower_bound=LOWER_BOUND, out=out)
+
+
+def _copy_us(nbytes: int, warmup: int, rep: int) -> float:
+    """A device-to-device copy moving ``nbytes`` (half read, half written)."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 1e3 * graph_median_ms(lambda: dst.copy_(src), warmup, rep)
+
+
+def _time_us(fn, warmup: int, rep: int) -> float | None:
+    if fn is None:
+        return None
+    fn()  # compile / JIT outside the capture
+    torch.cuda.synchronize()
+    ms = graph_median_ms(fn, warmup, rep)
+    return None if ms is None else 1e3 * ms
+
+
+def _row(N: int, HV: int, pool: str, mode: str, per_head: bool, args) -> list[str]:
+    from cute_kda.config import sm_count
+    from cute_kda.kernels.decode import DecodeVariant
+    from cute_kda.layouts.decode import DecodeThreadMap
+
+    T = MODES[mode]
+    verify = mode == "verify"
+    case = _inputs(N, T, HV, POOLS[pool], per_head, verify)
+    state_bytes = HV * D * D * case["state_pool"].element_size()
+    traffic = N * state_bytes * (1 + (T if verify else 1))
+    auto = DecodeVariant.choose_vsplit(N, HV, sm_count(0), "vk", pool)
+    ours = _time_us(_ours(case, per_head, None), args.warmup, args.rep)
+    fla = _time_us(_fla(case, per_head), args.warmup, args.rep) if not (per_head and verify) else None
+    copy = _copy_us(traffic, args.warmup, args.rep)
+    cells = [str(N), str(HV), pool, mode + (" (per head)" if per_head else ""), str(auto), f"{ours:.2f}",
+             f"{traffic / ours / 1e3:.0f}", f"{100 * copy / ours:.0f} %",
+             "–" if fla is None else f"{fla:.2f}", "–" if fla is None else f"{fla / ours:.2f}×"]
+    if args.sweep:
+        timed = {v: _time_us(_ours(case, per_head, v), args.warmup, args.rep)
+                 for v in DecodeThreadMap.vsplits("vk", pool)}
+        best = min(timed, key=timed.get)
+        cells.append(f"{best}: {timed[best]:.2f}")
+    return cells
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="also write the markdown table to this file")
+    parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time, ms")
+    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    parser.add_argument("--seqs", type=lambda s: [int(x) for x in s.split(",")], default=list(SEQS))
+    parser.add_argument("--heads", type=lambda s: [int(x) for x in s.split(",")], default=list(HEADS))
+    parser.add_argument("--pools", type=lambda s: s.split(","), default=list(POOLS))
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
+    parser.add_argument("--no-per-head", action="store_true", help="skip the GatedDeltaNet rows")
+    parser.add_argument("--sweep", action="store_true", help="also time every V-split of each row")
+    args = parser.parse_args()
+
+    head = ["N", "HV", "pool", "mode", "vsplit", "µs", "state GB/s", "% copy", "FLA µs", "vs FLA"]
+    if args.sweep:
+        head.append("best vsplit: µs")
+    rows = []
+    kinds = [False] + ([] if args.no_per_head else [True])
+    for per_head in kinds:
+        for pool in args.pools:
+            for mode in args.modes:
+                if per_head and mode == "verify":
+                    continue
+                for N in args.seqs:
+                    for HV in args.heads:
+                        rows.append(_row(N, HV, pool, mode, per_head, args))
+                        print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+                        torch.cuda.empty_cache()
+                        if args.out:  # a run cut short keeps what it measured
+                            save(_report(head, rows), args.out)
+    publish(_report(head, rows), args.out)
+
+
+def _report(head: list[str], rows: list[list[str]]) -> str:
+    return "\n".join([
+        "# Decode / verify on a state pool (bench_decode.py)", "",
+        environment("cutlass", "fla", labels={"cutlass": "nvidia-cutlass-dsl", "fla": "FLA"}), "",
+        "KDA rows: safe gate per channel, l2norm and β sigmoid in the kernel, V-first pool, H = HV; per-head rows: "
+        "a precomputed log decay per head (FLA GDN without pool indexing). µs: CUDA-graph replay, median; "
+        "% copy: state bytes / time against a device copy of the same bytes.", "",
+        markdown_table(head, rows), "",
+    ])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""The decode / speculative-verify kernel: T = 1..8 tokens per sequence on a state pool, updated in place.
+
+Per (sequence ``n``, value head ``j``, V-band) one CTA (the contract: :mod:`cute_kda.reference.decode`, whose
+:func:`~cute_kda.reference.decode.mirror_decode` is this kernel's arithmetic)::
+
+    slot ← state_indices[n]  (verify: state_indices[n, num_accepted_tokens[n] − 1]);  −1: zero outputs, stop
+    S ← pool[slot]  (the band's rows, fp32 in registers)
+    per token t:  a = 2^g'_t (the gate of docs/numerics.md, base 2);  q̂, k̂ (l2norm), β (sigmoid)
+                  S ← a ⊙ S;  u = β (v_t − Sᵀk̂);  S ← S + k̂ uᵀ;  o_t = Sᵀ q̂
+                  verify: pool[state_indices[n, t]] ← S  (skipped for a −1 entry)
+    decode: pool[slot] ← S
+
+It moves the state once (read and written in 16-byte vectors straight between the pool and registers,
+no shared memory) and little else, so its speed is the HBM bandwidth; small batches get enough CTAs (and
+bytes in flight) from the V-split: the value rows of a V-first state are independent (row ``v`` needs only
+``s_v·k`` and ``s_v·q``), and so are the value columns of a K-first one. Thread map:
+:class:`cute_kda.layouts.decode.DecodeThreadMap`. Slot offsets are 64-bit (pools over 2^31 elements).
+
+Inputs are assumed valid (the API layer checks): K = V = 128, slot ids in ``[−1, slots)``, accepted counts in
+``[1, T]``, no slot twice in one call; every tensor's last mode contiguous and its rows (and the pool's state
+blocks, ``[128, 128]`` contiguous) starting 16-byte aligned — the other strides are free (engines hand strided
+pool views and q, k, v split from one projection).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+from ..dsl import cute, cutlass  # first: sets the target architecture before the DSL loads
+
+from cutlass import BFloat16, Float32, Int32, const_expr
+
+from ..layouts.decode import CHANNELS, DIM, LANES, DecodeThreadMap
+from ..numerics import EPS, GATES, LOG2E
+from .common.fastmath import ex2_approx, fma_rn, mul_rn, sigmoid_approx
+from .common.token_prep import TokenPrep
+
+MAX_TOKENS = 8
+BUTTERFLY = (4, 2, 1)  # shfl.xor offsets over the 8 lanes of a row (the mirror's order)
+_STATE_TYPES = {"fp32": Float32, "bf16": BFloat16}
+
+
+@dataclass(frozen=True)
+class DecodeVariant:
+    """The static configuration of one compiled decode kernel (its compile key).
+
+    ``gate``: "safe", "softplus" or "none" (g is the log decay); ``per_head_gate``: g ``[N, T, HV]`` (GatedDeltaNet)
+    instead of ``[N, T, HV, K]``; ``state_dtype``: "fp32" / "bf16" pool; ``state_layout``: "vk" (V-first) / "kv";
+    ``tokens``: T; ``verify``: 2-D slot ids with accepted counts (every token's state written); ``qk_l2norm``,
+    ``beta_logits``: in-kernel l2norm of q, k and sigmoid of beta; ``grouped``: HV > H (value head ``j`` reads
+    q/k head ``j // (HV / H)``); ``vsplit``: CTAs per (sequence, head).
+    """
+
+    gate: str = "safe"
+    per_head_gate: bool = False
+    state_dtype: str = "fp32"
+    state_layout: str = "vk"
+    tokens: int = 1
+    verify: bool = False
+    qk_l2norm: bool = True
+    beta_logits: bool = True
+    grouped: bool = False
+    vsplit: int = 1
+
+    def __post_init__(self) -> None:
+        if self.gate not in GATES:
+            raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
+        if not 1 <= self.tokens <= MAX_TOKENS:
+            raise ValueError(f"tokens must be in [1, {MAX_TOKENS}], got {self.tokens}")
+        self.thread_map  # validates layout, dtype and vsplit
+
+    @property
+    def thread_map(self) -> DecodeThreadMap:
+        return DecodeThreadMap(self.state_layout, self.state_dtype, self.vsplit)
+
+    @classmethod
+    def choose_vsplit(cls, num_seqs: int, value_heads: int, sm_count: int, state_layout: str = "vk",
+                      state_dtype: str = "fp32") -> int:
+        """V-split for ``num_seqs × value_heads`` heads on ``sm_count`` SMs: CTAs of 64 threads (a thread holds
+        ~150 registers, so six such CTAs share an SM where a 256-thread CTA sits alone, and a CTA's load, compute
+        and store phases overlap with its neighbours'), split further, down to one warp, while the grid has fewer
+        than two CTAs per SM (small batches: more CTAs, more bytes in flight). Not measured yet:
+        ``benchmarks/bench_decode.py --vsplits`` compares every split.
+        """
+        splits = DecodeThreadMap.vsplits(state_layout, state_dtype)
+        chosen = next(v for v in splits if DecodeThreadMap(state_layout, state_dtype, v).threads <= 64)
+        while num_seqs * value_heads * chosen < 2 * sm_count and chosen < splits[-1]:
+            chosen *= 2
+        return chosen
+
+
+class DecodeInputs(NamedTuple):
+    """The per-token tensors and the gate parameters (``a_log``, ``dt_bias`` None for the "none" gate)."""
+
+    q: cute.Tensor  # bf16 [N, T, H, K]
+    k: cute.Tensor  # bf16 [N, T, H, K]
+    v: cute.Tensor  # bf16 [N, T, HV, V]
+    g: cute.Tensor  # bf16 [N, T, HV, K] or [N, T, HV]
+    beta: cute.Tensor  # bf16 [N, T, HV]
+    a_log: Optional[cute.Tensor]  # fp32 [HV]
+    dt_bias: Optional[cute.Tensor]  # fp32 [HV, K] or [HV]
+
+
+class Position(NamedTuple):
+    """Where a thread works: its sequence, q/k head, value head, lane and first value row (or column)
+    (a trace-time tuple of device integers)."""
+
+    seq: Int32
+    head: Int32
+    value_head: Int32
+    lane: Int32
+    first_value: Int32
+
+
+class GateConstants(NamedTuple):
+    """Per-head scalars of the token preparation: dt_bias of the lane's channels (``[0]``: of the head), ``e^A``,
+    ``c_gate = lower_bound · log2 e`` and the q scale."""
+
+    dt: cute.Tensor
+    e_a: Float32
+    c_gate: Float32
+    scale: Float32
+
+
+class TokenOperands(NamedTuple):
+    """One token's operands for one thread: ``q̂·scale``, ``k̂`` and the decay ``2^g'`` of its 16 channels (``[0]``
+    for a per-head gate), β, and v of its value rows (bf16)."""
+
+    q_hat: cute.Tensor
+    k_hat: cute.Tensor
+    decay: cute.Tensor
+    beta: Float32
+    values: cute.Tensor
+
+
+class DecodeKernel(TokenPrep):
+    """One compiled decode / verify variant (:class:`DecodeVariant`); head size 128."""
+
+    def __init__(self, variant: DecodeVariant) -> None:
+        self.variant = variant
+        self.map = variant.thread_map
+        self.gate = variant.gate  # TokenPrep.base2_log_decay reads it
+        self.tokens = variant.tokens
+        self.state_type = _STATE_TYPES[variant.state_dtype]
+
+    # -----------------------------------------------------------------------------------------
+    # host
+
+    @cute.jit
+    def __call__(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor,
+                 num_accepted_tokens: Optional[cute.Tensor], out: cute.Tensor, scale: Float32, c_gate: Float32,
+                 stream):
+        """Launch one CTA per (sequence, value head, band): pool ``[slots, HV, 128, 128]``, out ``[N, T, HV, V]``
+        bf16; ``scale`` and ``c_gate = lower_bound · log2 e`` rounded to fp32 by the caller."""
+        num_seqs, value_heads = inputs.v.shape[0], inputs.v.shape[2]
+        qk_heads = inputs.q.shape[2]
+        self.kernel(inputs, pool, state_indices, num_accepted_tokens, out, scale, c_gate, qk_heads,
+                    value_heads).launch(
+            grid=[num_seqs * value_heads * self.variant.vsplit, 1, 1],  # the bands of a head are adjacent CTAs
+            block=[self.map.threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,  # a launch bound lifts ptxas's own register cap (a T = 8 verify spilled at 168)
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # device
+
+    @cute.kernel
+    def kernel(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor,
+               num_accepted_tokens: Optional[cute.Tensor], out: cute.Tensor, scale: Float32, c_gate: Float32,
+               qk_heads: Int32, value_heads: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        block, _, _ = cute.arch.block_idx()
+        lane, group = tidx % LANES, tidx // LANES
+        band = block % self.variant.vsplit
+        seq_head = block // self.variant.vsplit
+        seq, value_head = seq_head // value_heads, seq_head % value_heads
+        head = value_head
+        if const_expr(self.variant.grouped):
+            head = value_head // (value_heads // qk_heads)
+        if const_expr(self.variant.verify):
+            slot = state_indices[seq, num_accepted_tokens[seq] - 1]
+        else:
+            slot = state_indices[seq]
+        at = Position(seq, head, value_head, lane, self.map.first_value(band, group))
+        # the first token's operands do not depend on the slot: their loads overlap the slot id's
+        gate = self.gate_constants_of(inputs, value_head, lane, scale, c_gate)
+        first = self.token_operands(inputs, at, 0, gate)
+        if slot >= 0:
+            self.update(inputs, pool, state_indices, out, slot, at, gate, first)
+        else:
+            self.zero_outputs(out, at)
+
+    @cute.jit
+    def update(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor, out: cute.Tensor,
+               slot: Int32, at: "Position", gate: "GateConstants", first: "TokenOperands"):
+        """Load the band from ``slot``, run the tokens, write the state(s) back and the outputs."""
+        rows = self.map.rows
+        base = self.map.state_base(at.lane, at.first_value)
+        state = cute.make_rmem_tensor((rows, CHANNELS), Float32)
+        self.load_state(pool[slot, at.value_head, None, None], base, state)
+        for t in cutlass.range_constexpr(self.tokens):
+            operands = first if const_expr(t == 0) else self.token_operands(inputs, at, t, gate)
+            outputs = cute.make_rmem_tensor((rows,), BFloat16)
+            for r in cutlass.range_constexpr(rows):
+                for e in cutlass.range_constexpr(CHANNELS):
+                    channel = 0 if const_expr(self.variant.per_head_gate) else e
+                    state[r, e] = mul_rn(state[r, e], operands.decay[channel])
+                predicted = self.row_dot(state, r, operands.k_hat)
+                u = operands.beta * (operands.values[r].to(Float32) - predicted)
+                for e in cutlass.range_constexpr(CHANNELS):
+                    state[r, e] = fma_rn(operands.k_hat[e], u, state[r, e])
+                outputs[r] = self.row_dot(state, r, operands.q_hat).to(BFloat16)
+            if at.lane == 0:
+                self.store_run(out[at.seq, t, at.value_head, None], at.first_value, outputs)
+            if const_expr(self.variant.verify):
+                written = state_indices[at.seq, t]
+                if written >= 0:
+                    self.store_state(pool[written, at.value_head, None, None], base, state)
+        if const_expr(not self.variant.verify):
+            self.store_state(pool[slot, at.value_head, None, None], base, state)
+
+    @cute.jit
+    def zero_outputs(self, out: cute.Tensor, at: "Position"):
+        """A padding row: zero output rows, nothing read or written in the pool."""
+        if at.lane == 0:
+            zeros = cute.make_rmem_tensor((self.map.rows,), BFloat16)
+            zeros.fill(0.0)
+            for t in cutlass.range_constexpr(self.tokens):
+                self.store_run(out[at.seq, t, at.value_head, None], at.first_value, zeros)
+
+    # -- state I/O ----------------------------------------------------------------------------
+
+    @cute.jit
+    def load_state(self, head: cute.Tensor, offset, state: cute.Tensor):
+        """The thread's state elements (from element ``offset`` of the head's ``[128, 128]`` block) as fp32."""
+        for vector in self.map.state_vectors():
+            staged = cute.make_rmem_tensor((self.map.vector,), self.state_type)
+            cute.autovec_copy(self.gmem_run(head, offset + vector.offset, self.map.vector), staged)
+            for c, (row, e) in enumerate(vector.registers):
+                state[row, e] = staged[c].to(Float32)
+
+    @cute.jit
+    def store_state(self, head: cute.Tensor, offset, state: cute.Tensor):
+        """The thread's state elements into the head's block at ``offset``, rounded to the pool's dtype."""
+        for vector in self.map.state_vectors():
+            staged = cute.make_rmem_tensor((self.map.vector,), self.state_type)
+            for c, (row, e) in enumerate(vector.registers):
+                staged[c] = state[row, e].to(self.state_type)
+            cute.autovec_copy(staged, self.gmem_run(head, offset + vector.offset, self.map.vector))
+
+    @cute.jit
+    def gmem_run(self, tensor: cute.Tensor, offset, length: int) -> cute.Tensor:
+        """``length`` consecutive elements from element ``offset`` of a row view (a slice of a head's row, or of
+        a state block, whose last mode is contiguous), aligned to their size (up to 16 bytes): the maps only ask
+        for runs that start at a multiple of it, and the launcher's tensors start rows 16-byte aligned."""
+        width = tensor.element_type.width // 8
+        align = min(16, length * width)
+        address = (tensor.iterator + offset).toint()
+        pointer = cute.make_ptr(tensor.element_type, address, cute.AddressSpace.gmem, assumed_align=align)
+        return cute.make_tensor(pointer, cute.make_layout((length,)))
+
+    @cute.jit
+    def load_run(self, tensor: cute.Tensor, offset, length: int) -> cute.Tensor:
+        values = cute.make_rmem_tensor((length,), tensor.element_type)
+        cute.autovec_copy(self.gmem_run(tensor, offset, length), values)
+        return values
+
+    @cute.jit
+    def store_run(self, tensor: cute.Tensor, offset, values: cute.Tensor):
+        cute.autovec_copy(values, self.gmem_run(tensor, offset, cute.size(values)))
+
+    @cute.jit
+    def load_channels(self, row: cute.Tensor, lane: Int32) -> cute.Tensor:
+        """The lane's 16 key channels of a ``[128]`` row view, as fp32 in channel-slot order."""
+        values = cute.make_rmem_tensor((CHANNELS,), Float32)
+        base = self.map.lane_channel_base(lane)
+        for run in self.map.channel_runs():
+            part = self.load_run(row, base + run.offset, run.length)
+            for c in cutlass.range_constexpr(run.length):
+                values[run.first + c] = part[c].to(Float32)
+        return values
+
+    # -- per-token operands ---------------------------------------------------------------------
+
+    @cute.jit
+    def token_operands(self, inputs: DecodeInputs, at: "Position", t: int, gate: "GateConstants") -> "TokenOperands":
+        """Everything token ``t`` brings to the update, for this thread."""
+        q_hat, k_hat = self.normalized_qk(inputs, (at.seq, t, at.head, None), at.lane, gate.scale)
+        decay = self.decay(inputs, (at.seq, t, at.value_head), at.lane, gate)
+        beta = inputs.beta[at.seq, t, at.value_head].to(Float32)
+        if const_expr(self.variant.beta_logits):
+            beta = sigmoid_approx(beta)
+        values = self.load_run(inputs.v[at.seq, t, at.value_head, None], at.first_value, self.map.rows)
+        return TokenOperands(q_hat, k_hat, decay, beta, values)
+
+    @cute.jit
+    def normalized_qk(self, inputs: DecodeInputs, row: tuple, lane: Int32, scale: Float32):
+        """``(q̂·scale, k̂)`` of the lane's channels of q/k row ``row`` (K1's l2norm: ``x / sqrt(Σx² + EPS)``)."""
+        q = self.load_channels(inputs.q[row], lane)
+        k = self.load_channels(inputs.k[row], lane)
+        q_scale = scale
+        k_scale = Float32(1.0)
+        if const_expr(self.variant.qk_l2norm):
+            q_scale = self.lane_rinv(q) * scale
+            k_scale = self.lane_rinv(k)
+        for e in cutlass.range_constexpr(CHANNELS):
+            q[e] = q[e] * q_scale
+            if const_expr(self.variant.qk_l2norm):
+                k[e] = k[e] * k_scale
+        return q, k
+
+    @cute.jit
+    def lane_rinv(self, x: cute.Tensor) -> Float32:
+        """``1 / sqrt(Σx² + EPS)`` over the 8 lanes' channels (sequential partials, then the butterfly)."""
+        partial = x[0] * x[0]
+        for e in cutlass.range_constexpr(1, CHANNELS):
+            partial = partial + x[e] * x[e]  # a bf16 square is exact: fma or not, one rounding
+        return Float32(1.0) / cute.math.sqrt(self.lane_sum(partial) + Float32(EPS))
+
+    @cute.jit
+    def lane_sum(self, partial: Float32) -> Float32:
+        for offset in BUTTERFLY:
+            partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=offset)
+        return partial
+
+    @cute.jit
+    def row_dot(self, state: cute.Tensor, row: int, x: cute.Tensor) -> Float32:
+        """``Σ_k state[row, k]·x[k]``: one fma per channel slot in order, then the butterfly."""
+        acc = state[row, 0] * x[0]
+        for e in cutlass.range_constexpr(1, CHANNELS):
+            acc = fma_rn(state[row, e], x[e], acc)
+        return self.lane_sum(acc)
+
+    @cute.jit
+    def gate_constants_of(self, inputs: DecodeInputs, value_head: Int32, lane: Int32, scale: Float32,
+                          c_gate: Float32) -> "GateConstants":
+        """The head's :class:`GateConstants` (dt_bias of the lane's channels, or of the head; e^A)."""
+        dt = cute.make_rmem_tensor((CHANNELS,), Float32)
+        dt.fill(0.0)
+        e_a = Float32(1.0)
+        if const_expr(self.gate != "none"):
+            e_a = ex2_approx(inputs.a_log[value_head] * Float32(LOG2E))
+            if const_expr(self.variant.per_head_gate):
+                dt[0] = inputs.dt_bias[value_head]
+            else:
+                dt = self.load_channels(inputs.dt_bias[value_head, None], lane)
+        return GateConstants(dt, e_a, c_gate, scale)
+
+    @cute.jit
+    def decay(self, inputs: DecodeInputs, token: tuple, lane: Int32, gate: "GateConstants") -> cute.Tensor:
+        """``a = 2^g'`` of the lane's channels (``[0]`` only for a per-head gate) of token ``at = (seq, t, value
+        head)``."""
+        decay = cute.make_rmem_tensor((CHANNELS,), Float32)
+        if const_expr(self.variant.per_head_gate):
+            decay[0] = ex2_approx(self.log_decay2(inputs.g[token].to(Float32), gate.dt[0], gate))
+        else:
+            g = self.load_channels(inputs.g[(*token, None)], lane)
+            for e in cutlass.range_constexpr(CHANNELS):
+                decay[e] = ex2_approx(self.log_decay2(g[e], gate.dt[e], gate))
+        return decay
+
+    @cute.jit
+    def log_decay2(self, g: Float32, dt: Float32, gate: "GateConstants") -> Float32:
+        """``g'`` (base 2): safe ``c_gate · sigmoid(e^A (g + dt_bias))``, else TokenPrep's softplus / log decay."""
+        if const_expr(self.gate == "safe"):
+            return mul_rn(gate.c_gate, sigmoid_approx(gate.e_a * (g + dt)))
+        return self.base2_log_decay(g, dt, gate.e_a)

@@ -1,0 +1,168 @@
+"""Torch launcher of the decode / verify kernel (:class:`cute_kda.kernels.decode.DecodeKernel`).
+
+Inputs are assumed validated by the API layer: torch CUDA tensors on one device, C-contiguous, 16-byte
+aligned bases; q, k bf16 ``[N, T, H, 128]``, v bf16 ``[N, T, HV, 128]``, g bf16 ``[N, T, HV, 128]`` or
+``[N, T, HV]``, beta bf16 ``[N, T, HV]``, A_log fp32 ``[HV]``, dt_bias fp32 ``[HV, 128]`` (``[HV]`` with a
+per-head gate; both may be None for ``gate="none"``), state_pool fp32 / bf16 ``[slots, HV, 128, 128]``,
+state_indices int32 ``[N]`` (decode) or ``[N, T]`` with num_accepted_tokens int32 ``[N]`` (verify), slot ids
+in ``[−1, slots)``, no slot twice. q, k, v, g, beta, out and the pool may be strided views: their last mode
+contiguous, rows of 128 (and the pool's ``[128, 128]`` state blocks, contiguous) starting 16-byte aligned.
+This module picks the compiled variant (compiled from fake tensors on first use: nothing is allocated for
+it) and launches on torch's current stream: no host sync, no allocation but ``out`` when it is not given.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..kernels.decode import DecodeVariant
+from ._cache import (
+    CompileCache, compile_for_launch, current_stream, device_index, fake_stream, on_device, to_cute_tensor,
+)
+from .prepare import fp32_scalars
+
+_CACHE = CompileCache("decode")
+_STATE_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+_COMPILE_SIZES = (3, 2, 4, 5)  # N, H, HV, slots of the meta tensors a compile describes (every extent is dynamic)
+
+
+@functools.lru_cache(maxsize=1024)  # a call's host path: a look-up instead of a dataclass build and its checks
+def variant_of(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_layout: str, tokens: int,
+               verify: bool, qk_l2norm: bool, beta_logits: bool, grouped: bool, vsplit: int) -> DecodeVariant:
+    return DecodeVariant(gate=gate, per_head_gate=per_head_gate, state_dtype=_STATE_DTYPES[state_dtype],
+                         state_layout=state_layout, tokens=tokens, verify=verify, qk_l2norm=qk_l2norm,
+                         beta_logits=beta_logits, grouped=grouped, vsplit=vsplit)
+
+
+@functools.lru_cache(maxsize=4096)  # a call's host path: a look-up instead of a device query and the heuristic
+def auto_vsplit(num_seqs: int, value_heads: int, index: int, state_layout: str, state_dtype: torch.dtype) -> int:
+    """:meth:`DecodeVariant.choose_vsplit` on device ``index``'s SMs."""
+    from ..config import sm_count
+
+    return DecodeVariant.choose_vsplit(num_seqs, value_heads, sm_count(index), state_layout, _STATE_DTYPES[state_dtype])
+
+
+def launch_arguments(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, num_accepted_tokens, out,
+                     scale: float, c_gate: float, stream, tensor=None) -> tuple:
+    """The positional arguments of ``DecodeKernel.__call__``: the tensors as they are for a launch (``tensor``
+    None), or converted by ``tensor(t, assumed_align)`` (:func:`~._cache.to_cute_tensor`) for a compile."""
+    from ..kernels.decode import DecodeInputs
+
+    if tensor is None:
+        return (DecodeInputs(q, k, v, g, beta, A_log, dt_bias), state_pool, state_indices, num_accepted_tokens, out,
+                scale, c_gate, stream)
+
+    def rows(t, rows_aligned: bool = True):
+        """Free strides but the last (1); rows of 16-byte aligned starts where the kernel reads them in vectors."""
+        return None if t is None else strided_fake(t, 16 if rows_aligned else t.element_size(),
+                                                   16 // t.element_size() if rows_aligned else 1)
+
+    inputs = DecodeInputs(
+        q=rows(q), k=rows(k), v=rows(v), g=rows(g, rows_aligned=g.dim() == 4), beta=rows(beta, rows_aligned=False),
+        a_log=None if A_log is None else tensor(A_log, 4),
+        dt_bias=None if dt_bias is None else tensor(dt_bias, 16 if dt_bias.dim() == 2 else 4),
+    )
+    return (inputs, strided_fake(state_pool, 16, 16 // state_pool.element_size(), static_inner=True),
+            tensor(state_indices, 4), None if num_accepted_tokens is None else tensor(num_accepted_tokens, 4),
+            rows(out), scale, c_gate, stream)
+
+
+def strided_fake(t: torch.Tensor, assumed_align: int, divisibility: int, static_inner: bool = False):
+    """A fake DSL tensor of ``t``'s dtype and rank for a compile: dynamic extents, the last mode contiguous, every
+    other stride dynamic (64-bit, a multiple of ``divisibility`` elements). ``static_inner``: the two last modes
+    are a contiguous ``[128, 128]`` block (a state)."""
+    from ..dsl import cute
+    from ._cache import dsl_type
+
+    rank = t.dim()
+    free = rank - 2 if static_inner else rank - 1
+    shape = tuple(cute.sym_int() for _ in range(free)) + ((128, 128) if static_inner else (cute.sym_int(),))
+    stride = tuple(cute.sym_int(64, divisibility=divisibility) for _ in range(free)) + ((128, 1) if static_inner
+                                                                                       else (1,))
+    return cute.runtime.make_fake_tensor(dsl_type(t.dtype), shape, stride, assumed_align=assumed_align)
+
+
+def compile_arguments(variant: DecodeVariant) -> tuple:
+    """:func:`launch_arguments` for ``variant`` from meta tensors (no memory anywhere) and a fake stream."""
+    n, heads, value_heads, slots = _COMPILE_SIZES
+    qk_heads = heads if variant.grouped else value_heads
+    t, d = variant.tokens, 128
+    bf16 = torch.bfloat16
+
+    def meta(*shape, dtype=bf16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    v = meta(n, t, value_heads, d)
+    gate_channels = () if variant.per_head_gate else (d,)
+    with_constants = variant.gate != "none"
+    state_dtype = torch.float32 if variant.state_dtype == "fp32" else bf16
+    return launch_arguments(
+        meta(n, t, qk_heads, d), meta(n, t, qk_heads, d), v, meta(n, t, value_heads, *gate_channels),
+        meta(n, t, value_heads), meta(value_heads, dtype=torch.float32) if with_constants else None,
+        meta(value_heads, *gate_channels, dtype=torch.float32) if with_constants else None,
+        meta(slots, value_heads, d, d, dtype=state_dtype),
+        meta(n, t, dtype=torch.int32) if variant.verify else meta(n, dtype=torch.int32),
+        meta(n, dtype=torch.int32) if variant.verify else None, v, 1.0, 1.0, fake_stream(),
+        tensor=to_cute_tensor,
+    )
+
+
+def compiled_variant(variant: DecodeVariant, index: int):
+    """The compiled kernel of ``variant`` for device ``index`` (compiled from :func:`compile_arguments` on first
+    use, or loaded from the disk cache)."""
+
+    def build():
+        from ..kernels.decode import DecodeKernel
+
+        return compile_for_launch(DecodeKernel(variant), *compile_arguments(variant))
+
+    return _CACHE.get((variant, index), build)
+
+
+def decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    num_accepted_tokens: torch.Tensor | None = None,
+    *,
+    gate: str,
+    scale: float,
+    lower_bound: float = -5.0,
+    qk_l2norm: bool = True,
+    beta_logits: bool = True,
+    state_layout: str = "vk",
+    out: torch.Tensor | None = None,
+    vsplit: int | None = None,
+) -> torch.Tensor:
+    """One decode (``state_indices [N]``) or verify (``[N, T]`` with ``num_accepted_tokens``) call: ``state_pool``
+    updated in place, o bf16 ``[N, T, HV, 128]`` returned (into ``out`` when given). The contract:
+    :mod:`cute_kda.reference.decode`; shapes and assumptions: the module doc. ``state_layout``: "vk"
+    (``[slots, HV, V, K]``) or "kv"; ``vsplit`` None: :meth:`DecodeVariant.choose_vsplit`."""
+    if gate == "none":  # a log decay needs no gate parameters; the variant is compiled without them
+        A_log = dt_bias = None
+    num_seqs, tokens, qk_heads = q.shape[:3]
+    value_heads = v.shape[2]
+    if out is None:
+        out = torch.empty(num_seqs, tokens, value_heads, v.shape[3], dtype=torch.bfloat16, device=v.device)
+    if num_seqs == 0 or value_heads == 0:
+        return out
+    index = device_index(v.device)
+    state_dtype = state_pool.dtype
+    if vsplit is None:
+        vsplit = auto_vsplit(num_seqs, value_heads, index, state_layout, state_dtype)
+    variant = variant_of(gate, g.dim() == 3, state_dtype, state_layout, tokens, state_indices.dim() == 2,
+                         qk_l2norm, beta_logits, qk_heads != value_heads, vsplit)
+    scale32, c_gate = fp32_scalars(scale, lower_bound)
+    compiled = compiled_variant(variant, index)
+    with on_device(v.device):
+        compiled(*launch_arguments(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, num_accepted_tokens,
+                                   out, scale32, c_gate, current_stream(v.device)))
+    return out

@@ -1,0 +1,574 @@
+"""Decode / speculative verify on a state pool (issue 32): the mirror against the fp64 recurrence (CPU), the
+kernel's variants compiled for sm_90a with PTX checks (CPU), the kernel against the mirror and the fp64
+recurrence (GPU tier)."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+
+from cute_kda.reference import rel_rms
+from cute_kda.reference.decode import channel_order, gold_decode, mirror_decode, read_slots
+
+D = 128
+SCALE = D ** -0.5
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_cpu_intrinsics():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="cute_kda mirror on CPU")
+        yield
+
+
+def make_step(N: int, T: int, H: int, HV: int, gate: str, per_head: bool, *, qk_l2norm: bool = True,
+              beta_logits: bool = True, device="cpu", generator=None) -> dict:
+    """Inputs of one call (bf16 tokens, fp32 gate parameters), drawn as a model produces them."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, device=device)
+
+    k = randn(N, T, H, D)
+    if not qk_l2norm:  # the recurrence is stable for ‖k‖ ≤ 1 and β ≤ 1
+        k = k / k.norm(dim=-1, keepdim=True)
+    gate_shape = (N, T, HV) if per_head else (N, T, HV, D)
+    g = randn(*gate_shape)
+    if gate == "none":
+        g = torch.nn.functional.logsigmoid(g + 2.0)
+    beta = randn(N, T, HV)
+    if not beta_logits:
+        beta = torch.sigmoid(beta)
+    return dict(q=randn(N, T, H, D).bfloat16(), k=k.bfloat16(), v=randn(N, T, HV, D).bfloat16(), g=g.bfloat16(),
+                beta=beta.bfloat16())
+
+
+def make_params(HV: int, gate: str, per_head: bool, device="cpu", generator=None) -> dict:
+    """A_log fp32 ``[HV]`` (Kimi's init: log U(1, 16)), dt_bias fp32 ``[HV, 128]`` or ``[HV]``; None for "none"."""
+    if gate == "none":
+        return dict(A_log=None, dt_bias=None)
+    a_log = torch.log(torch.rand(HV, generator=generator, device=device) * 15 + 1)
+    bias_shape = (HV,) if per_head else (HV, D)
+    return dict(A_log=a_log, dt_bias=0.1 * torch.randn(*bias_shape, generator=generator, device=device))
+
+
+def options(gate: str, layout: str, *, qk_l2norm: bool = True, beta_logits: bool = True) -> dict:
+    return dict(gate=gate, scale=SCALE, lower_bound=-5.0, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+                state_layout=layout)
+
+
+def random_pool(slots: int, HV: int, dtype: torch.dtype, device="cpu", generator=None) -> torch.Tensor:
+    return (0.1 * torch.randn(slots, HV, D, D, device=device, generator=generator)).to(dtype)
+
+
+def rounding_floor(o_gold: torch.Tensor) -> float:
+    """rel-RMS of o's own bf16 rounding: what any bf16 output is off by at best."""
+    return rel_rms(o_gold.bfloat16(), o_gold)
+
+
+# ============================================================================ reference (CPU)
+
+
+def test_channel_order_is_a_permutation():
+    for layout, dtype in itertools.product(("vk", "kv"), DTYPES.values()):
+        order = channel_order(layout, dtype)
+        assert order.shape == (8, 16) and sorted(order.flatten().tolist()) == list(range(D))
+    # V-first: 8 lanes cover 128 contiguous bytes of a row per vector load
+    assert channel_order("vk", torch.float32)[:, :4].flatten().tolist() == list(range(32))
+    assert channel_order("vk", torch.bfloat16)[:, :8].flatten().tolist() == list(range(64))
+
+
+CASES = list(itertools.product(("safe", "softplus", "none"), (False, True), ("fp32", "bf16"), ("vk", "kv")))
+
+
+@pytest.mark.parametrize("gate,per_head,pool,layout", CASES, ids=lambda x: str(x))
+def test_mirror_chain_equals_gold(gate, per_head, pool, layout):
+    """12 chained decode steps, GVA (H 2, HV 4), a padding row: the mirror's states and outputs equal the fp64
+    recurrence to rounding; the padding row's outputs are zero and unlisted slots keep their bits."""
+    gen = torch.Generator().manual_seed(7)
+    N, H, HV, slots = 3, 2, 4, 6
+    params = make_params(HV, gate, per_head, generator=gen)
+    mirror_pool = random_pool(slots, HV, DTYPES[pool])
+    gold_pool = mirror_pool.double()
+    untouched = mirror_pool.clone()
+    indices = torch.tensor([4, -1, 1], dtype=torch.int32)
+    worst_o = 0.0
+    for _ in range(12):
+        step = make_step(N, 1, H, HV, gate, per_head, generator=gen)
+        o = mirror_decode(**step, **params, state_pool=mirror_pool, state_indices=indices, **options(gate, layout))
+        o_gold = gold_decode(**step, **params, state_pool=gold_pool, state_indices=indices, **options(gate, layout))
+        assert torch.equal(o[1], torch.zeros_like(o[1]))
+        live = o_gold[[0, 2]]
+        worst_o = max(worst_o, rel_rms(o[[0, 2]].double(), live) - rounding_floor(live))
+    state_error = rel_rms(mirror_pool[[4, 1]], gold_pool[[4, 1]])
+    for slot in (0, 2, 3, 5):
+        assert torch.equal(mirror_pool[slot], untouched[slot])
+    if pool == "fp32":
+        assert state_error < 2e-6 and worst_o < 2e-4, (state_error, worst_o)
+    else:  # a bf16 pool is rounded on every store
+        assert state_error < 6e-3 and worst_o < 5e-3, (state_error, worst_o)
+
+
+@pytest.mark.parametrize("pool,layout", [("fp32", "vk"), ("bf16", "kv")])
+def test_mirror_verify_every_accepted_count(pool, layout):
+    """Verify with T = 4: rows with every accepted count 1..4, a padding row, a −1 inside a row's slots;
+    the slots written and read are the contract's, each equal to the fp64 recurrence to rounding."""
+    gen = torch.Generator().manual_seed(11)
+    T, H, HV, slots = 4, 1, 2, 24
+    accepted = torch.tensor([1, 2, 3, 4, 2, 3], dtype=torch.int32)
+    indices = torch.arange(6 * T, dtype=torch.int32).reshape(6, T)
+    indices[4] = -1  # padding row: its read slot (accepted − 1) is −1
+    indices[5, 3] = -1  # the state after token 3 of row 5 is not kept
+    mirror_pool = random_pool(slots, HV, DTYPES[pool])
+    gold_pool = mirror_pool.double()
+    before = mirror_pool.clone()
+    step = make_step(6, T, H, HV, "safe", False, generator=gen)
+    params = make_params(HV, "safe", False, generator=gen)
+    o = mirror_decode(**step, **params, state_pool=mirror_pool, state_indices=indices,
+                      num_accepted_tokens=accepted, **options("safe", layout))
+    o_gold = gold_decode(**step, **params, state_pool=gold_pool, state_indices=indices,
+                         num_accepted_tokens=accepted, **options("safe", layout))
+    assert torch.equal(o[4], torch.zeros_like(o[4]))
+    live = [0, 1, 2, 3, 5]
+    tol = 2e-6 if pool == "fp32" else 6e-3
+    written = [int(s) for s in indices[live].flatten() if s >= 0]
+    assert rel_rms(mirror_pool[written], gold_pool[written]) < tol
+    assert rel_rms(o[live].double(), o_gold[live]) < rounding_floor(o_gold[live]) + 2e-4
+    for slot in set(range(slots)) - set(written):
+        assert torch.equal(mirror_pool[slot], before[slot]), slot
+    # the state read by a row is the one its accepted count names: the gold from that slot alone agrees
+    read = read_slots(indices, accepted)
+    assert read.tolist() == [0, 5, 10, 15, -1, 22]
+
+
+def test_mirror_without_l2norm_or_beta_logits():
+    gen = torch.Generator().manual_seed(3)
+    N, H, HV = 2, 2, 2
+    pool = random_pool(2, HV, torch.float32)
+    gold_pool = pool.double()
+    indices = torch.tensor([1, 0], dtype=torch.int32)
+    opts = options("softplus", "vk", qk_l2norm=False, beta_logits=False)
+    params = make_params(HV, "softplus", False, generator=gen)
+    for _ in range(6):
+        step = make_step(N, 2, H, HV, "softplus", False, qk_l2norm=False, beta_logits=False, generator=gen)
+        o = mirror_decode(**step, **params, state_pool=pool, state_indices=indices, **opts)
+        o_gold = gold_decode(**step, **params, state_pool=gold_pool, state_indices=indices, **opts)
+    assert rel_rms(pool, gold_pool) < 2e-6
+    assert rel_rms(o.double(), o_gold) < rounding_floor(o_gold) + 2e-4
+
+
+def test_mirror_long_chain():
+    """200 chained steps of the fp32 pool stay at fp32 rounding from the fp64 recurrence."""
+    gen = torch.Generator().manual_seed(5)
+    H = HV = 2
+    pool = random_pool(1, HV, torch.float32)
+    gold_pool = pool.double()
+    indices = torch.tensor([0], dtype=torch.int32)
+    params = make_params(HV, "safe", True, generator=gen)
+    for _ in range(200):
+        step = make_step(1, 1, H, HV, "safe", True, generator=gen)
+        mirror_decode(**step, **params, state_pool=pool, state_indices=indices, **options("safe", "kv"))
+        gold_decode(**step, **params, state_pool=gold_pool, state_indices=indices, **options("safe", "kv"))
+    assert rel_rms(pool, gold_pool) < 5e-6
+
+
+# ============================================================================ thread map and launcher (CPU)
+
+
+def test_thread_map_matches_the_mirror_order():
+    from cute_kda.layouts.decode import DecodeThreadMap
+
+    for layout, dtype in itertools.product(("vk", "kv"), DTYPES):
+        for vsplit in DecodeThreadMap.vsplits(layout, dtype):
+            tmap = DecodeThreadMap(layout, dtype, vsplit)
+            order = [[tmap.channel(lane, e) for e in range(16)] for lane in range(8)]
+            assert order == channel_order(layout, DTYPES[dtype]).tolist()
+            # the vectors cover the thread's rows × channel slots once, and sit where the channels say
+            seen = set()
+            for vector in tmap.state_vectors():
+                assert len(vector.registers) == tmap.vector
+                for c, (row, e) in enumerate(vector.registers):
+                    seen.add((row, e))
+                    for lane in range(8):
+                        value, channel = (row, tmap.channel(lane, e))
+                        expected = value * D + channel if layout == "vk" else channel * D + value
+                        assert tmap.state_base(lane, 0) + vector.offset + c == expected
+            assert seen == {(r, e) for r in range(tmap.rows) for e in range(16)}
+            runs = [(run.first + c, run.offset + c) for run in tmap.channel_runs() for c in range(run.length)]
+            for lane in range(8):
+                assert [tmap.lane_channel_base(lane) + off for _, off in sorted(runs)] == order[lane]
+            assert tmap.threads * tmap.rows // 8 * vsplit == D
+
+
+def test_choose_vsplit():
+    from cute_kda.kernels.decode import DecodeVariant
+
+    sms = 132
+    assert DecodeVariant.choose_vsplit(1, 32, sms) == 8  # 256 CTAs of one warp
+    assert DecodeVariant.choose_vsplit(1, 96, sms) == 4  # 384 CTAs of 64 threads
+    assert DecodeVariant.choose_vsplit(512, 96, sms) == 4
+    assert DecodeVariant.choose_vsplit(512, 96, sms, "kv", "bf16") == 2  # 64 threads: 32 columns of 8
+    assert DecodeVariant.choose_vsplit(1, 4, sms, "kv", "bf16") == 4  # a K-first bf16 band needs 32 columns
+
+
+def test_variant_rejects_what_the_kernel_cannot_run():
+    from cute_kda.kernels.decode import DecodeVariant
+
+    for bad in (dict(tokens=9), dict(gate="tanh"), dict(vsplit=3), dict(state_layout="kv", state_dtype="bf16",
+                                                                         vsplit=8)):
+        with pytest.raises(ValueError):
+            DecodeVariant(**bad)
+
+
+# ============================================================================ sm_90a compile (CPU)
+
+def _compile_matrix():
+    """Every value of every axis, a few times, in 8 variants (a T = 8 verify among them)."""
+    from cute_kda.kernels.decode import DecodeVariant as V
+
+    return [
+        V(),
+        V(gate="softplus", state_dtype="bf16", grouped=True, vsplit=2),
+        V(gate="none", per_head_gate=True, state_layout="kv", vsplit=8),
+        V(per_head_gate=True, state_dtype="bf16", state_layout="kv", tokens=4, verify=True, grouped=True, vsplit=4),
+        V(gate="softplus", per_head_gate=True, tokens=4, verify=True, qk_l2norm=False, beta_logits=False, vsplit=8),
+        V(gate="none", state_dtype="bf16", tokens=2, qk_l2norm=False, vsplit=4),
+        V(state_layout="kv", tokens=8, verify=True, grouped=True, vsplit=2),
+        V(gate="softplus", state_dtype="bf16", state_layout="kv", beta_logits=False),
+    ]
+
+
+def test_compile_matrix_covers_every_axis_value():
+    from dataclasses import fields
+
+    from cute_kda.kernels.decode import DecodeVariant
+
+    matrix = _compile_matrix()
+    for field in fields(DecodeVariant):
+        values = {getattr(v, field.name) for v in matrix}
+        if field.type in ("bool", bool):
+            assert values == {False, True}, field.name
+    assert {v.gate for v in matrix} == {"safe", "softplus", "none"}
+    assert {v.vsplit for v in matrix} == {1, 2, 4, 8} and max(v.tokens for v in matrix) == 8
+
+
+def _scalar_loads(variant) -> int:
+    """Non-vector global loads the kernel may issue: slot ids (and accepted counts), β, A_log and a per-head
+    gate with its dt_bias; everything else moves in vectors."""
+    t = variant.tokens
+    indices = 2 + t if variant.verify else 1
+    constants = variant.gate != "none"
+    return indices + t + constants + variant.per_head_gate * (t + constants)
+
+
+def _variant_id(v) -> str:
+    return (f"{v.gate}{'-head' if v.per_head_gate else ''}-{v.state_dtype}-{v.state_layout}-T{v.tokens}"
+            f"{'-verify' if v.verify else ''}{'' if v.qk_l2norm else '-nol2'}{'' if v.beta_logits else '-nosig'}"
+            f"{'-gva' if v.grouped else ''}-vs{v.vsplit}")
+
+
+@pytest.mark.parametrize("variant", _compile_matrix(), ids=_variant_id)
+def test_variant_compiles(variant):
+    """The launcher's own compile arguments (meta tensors): the state moves in 16-byte vectors only, read once
+    and written once per kept state; the token operands in vectors; no local memory, no spills."""
+    import re
+
+    from cute_kda.compile_report import compile_with_report
+    from cute_kda.kernels.decode import DecodeKernel
+    from cute_kda.ops import decode as ops
+    from cute_kda.ops._cache import TVM_FFI_OPTION
+
+    kernel = DecodeKernel(variant)
+    _, report = compile_with_report(kernel, *ops.compile_arguments(variant), options=TVM_FFI_OPTION)
+    tmap = variant.thread_map
+    vectors = len(tmap.state_vectors())
+    writes = variant.tokens if variant.verify else 1
+    wide_outputs = 2 * variant.tokens if tmap.rows * 2 == 16 else 0  # o rows of 16 bytes (and the zero rows)
+    assert report.count("st.global.v4.b32") == vectors * writes + wide_outputs
+    assert report.count("ld.global.v4.b32") >= vectors
+    scalar_stores = re.findall(r"^\s*(?:@%p\d+\s+)?st\.global\.[bfsu]\d+", report.ptx, re.M)
+    assert not scalar_stores  # outputs too are one vector a row group
+    scalar_loads = re.findall(r"^\s*(?:@%p\d+\s+)?ld\.global\.(?:nc\.)?[bfsu]\d+", report.ptx, re.M)
+    assert len(scalar_loads) <= _scalar_loads(variant), scalar_loads
+    # the dot products and the update: one fma per state element each; the decay one mul.rn
+    elements = tmap.rows * 16 * variant.tokens
+    assert report.count("fma.rn.f32") >= 3 * elements - 2 * tmap.rows * variant.tokens
+    assert report.count("mul.rn.f32") >= elements
+    assert report.local_memory_ops == 0
+    assert len(report.kernels) == 1 and report.spills == 0 and report.kernels[0].stack_frame == 0
+    print(f"{variant}: {report.kernels[0].registers} registers, {tmap.threads} threads")
+
+
+# ============================================================================ kernel (GPU tier)
+
+
+def _case(variant, N: int = 5, extra_slots: int = 3, seed: int = 0, device="cuda") -> dict:
+    """Inputs, a random pool and slot ids for ``variant``: row 1 is padding; in a verify, row 3 keeps no state
+    after its last token (−1) and the accepted counts cycle through 1 .. T."""
+    gen = torch.Generator().manual_seed(seed)
+    T, HV = variant.tokens, 4
+    H = 2 if variant.grouped else HV
+    step = make_step(N, T, H, HV, variant.gate, variant.per_head_gate, qk_l2norm=variant.qk_l2norm,
+                     beta_logits=variant.beta_logits, generator=gen)
+    params = make_params(HV, variant.gate, variant.per_head_gate, generator=gen)
+    listed = N * T if variant.verify else N
+    slots = listed + extra_slots
+    order = torch.randperm(slots, generator=gen)[:listed].int()
+    accepted = None
+    if variant.verify:
+        indices = order.reshape(N, T)
+        indices[1] = -1
+        indices[3, T - 1] = -1
+        accepted = (torch.arange(N) % T + 1).int()
+        accepted[3] = 1
+    else:
+        indices = order
+        indices[1] = -1
+    pool = random_pool(slots, HV, DTYPES[variant.state_dtype], generator=gen)
+    tensors = {**step, **params, "state_pool": pool, "state_indices": indices, "num_accepted_tokens": accepted}
+    return {name: None if t is None else t.to(device) for name, t in tensors.items()}
+
+
+def _run_kernel(case: dict, variant, out=None) -> torch.Tensor:
+    from cute_kda.ops.decode import decode
+
+    return decode(**case, **_kernel_options(variant), out=out, vsplit=variant.vsplit)
+
+
+def _kernel_options(variant) -> dict:
+    return dict(gate=variant.gate, scale=SCALE, lower_bound=-5.0, qk_l2norm=variant.qk_l2norm,
+                beta_logits=variant.beta_logits, state_layout=variant.state_layout)
+
+
+def _run_mirror(case: dict, variant) -> torch.Tensor:
+    return mirror_decode(**case, **options(variant.gate, variant.state_layout, qk_l2norm=variant.qk_l2norm,
+                                           beta_logits=variant.beta_logits))
+
+
+def assert_matches_mirror(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """fp32: equal to rounding (the mirror's fma is one double rounding off in ~1 of 2^29 cases); bf16: equal
+    but for rare last-bit flips of such cases."""
+    if actual.dtype == torch.float32:
+        assert rel_rms(actual, expected) <= 1e-6, (what, rel_rms(actual, expected))
+        return
+    differ = (actual != expected).float().mean().item()
+    assert differ <= 1e-2 and rel_rms(actual.float(), expected.float()) <= 2e-3, (what, differ)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", _compile_matrix(), ids=_variant_id)
+def test_kernel_matches_mirror(variant):
+    """Each compiled variant: o and every slot of the pool as the mirror has them (padding row zero, the caller's
+    ``out`` filled, unlisted slots untouched in both)."""
+    case = _case(variant)
+    expected_pool = case["state_pool"].clone()
+    expected = _run_mirror({**case, "state_pool": expected_pool}, variant)
+    out = torch.full_like(expected, float("nan"))
+    got = _run_kernel(case, variant, out=out)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    assert_matches_mirror(got, expected, "o")
+    assert_matches_mirror(case["state_pool"], expected_pool, "pool")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_padding_rows_and_unlisted_slots_untouched(verify, dtype):
+    """A guard pool (a pattern of random bits, NaNs included, one guard slot on each side of the pool): after the
+    call every slot not listed, and both guards, keep their bits; padding rows' outputs are zero."""
+    from cute_kda.kernels.decode import DecodeVariant
+
+    variant = DecodeVariant(state_dtype=dtype, state_layout="kv" if verify else "vk", tokens=4 if verify else 1,
+                            verify=verify, vsplit=2)
+    case = _case(variant, N=6, extra_slots=9)
+    pool = case["state_pool"]
+    guarded = torch.empty(pool.shape[0] + 2, *pool.shape[1:], dtype=pool.dtype, device=pool.device)
+    _bits(guarded).copy_(torch.randint(-2**15, 2**15, guarded.shape, device=pool.device, dtype=torch.int32))
+    listed = case["state_indices"].flatten()
+    listed = listed[listed >= 0].long()
+    guarded[1:-1][listed] = pool[listed]  # the listed slots hold real states; the others, the pattern
+    before = guarded.clone()
+    case["state_pool"] = guarded[1:-1]
+    out = _run_kernel(case, variant)
+    torch.cuda.synchronize()
+    unlisted = torch.ones(pool.shape[0] + 2, dtype=torch.bool, device=pool.device)
+    unlisted[listed + 1] = False
+    assert torch.equal(_bits(guarded[unlisted]), _bits(before[unlisted]))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.isfinite(out.float()).all()
+
+
+@pytest.mark.gpu
+def test_verify_every_accepted_count():
+    """T = 4: one row per accepted count 1 .. 4 — the state read is the named slot's, every token's state lands in
+    its slot (the mirror's, itself checked against the fp64 recurrence on the CPU)."""
+    from cute_kda.kernels.decode import DecodeVariant
+
+    for layout, dtype in (("vk", "fp32"), ("kv", "bf16")):
+        variant = DecodeVariant(state_dtype=dtype, state_layout=layout, tokens=4, verify=True, vsplit=4)
+        case = _case(variant, N=4, extra_slots=2, seed=5)
+        case["state_indices"] = torch.arange(16, dtype=torch.int32, device="cuda").reshape(4, 4)
+        case["num_accepted_tokens"] = torch.tensor([1, 2, 3, 4], dtype=torch.int32, device="cuda")
+        case["state_pool"] = random_pool(18, 4, DTYPES[dtype], device="cuda")
+        expected_pool = case["state_pool"].clone()
+        expected = _run_mirror({**case, "state_pool": expected_pool}, variant)
+        got = _run_kernel(case, variant)
+        torch.cuda.synchronize()
+        assert_matches_mirror(got, expected, "o")
+        assert_matches_mirror(case["state_pool"], expected_pool, "pool")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate,per_head,dtype,layout", [
+    ("safe", False, "fp32", "vk"), ("softplus", True, "bf16", "kv"), ("none", False, "fp32", "kv"),
+    ("softplus", False, "bf16", "vk"),
+])
+def test_chain_of_1000_decode_steps_tracks_fp64(gate, per_head, dtype, layout):
+    """1000 chained decode steps (GVA, a padding row): o of every step and the final states within 5e-3 rel-RMS
+    of the fp64 recurrence on an fp64 pool."""
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    N, H, HV, slots = 3, 2, 4, 5
+    opts = options(gate, layout)
+    params = make_params(HV, gate, per_head, device="cuda", generator=gen)
+    pool = random_pool(slots, HV, DTYPES[dtype], device="cuda")
+    gold_pool = pool.double()
+    indices = torch.tensor([3, -1, 0], dtype=torch.int32, device="cuda")
+    from cute_kda.ops.decode import decode
+
+    worst_o = 0.0
+    for _ in range(1000):
+        step = make_step(N, 1, H, HV, gate, per_head, device="cuda", generator=gen)
+        o = decode(**step, **params, state_pool=pool, state_indices=indices, **{
+            "gate": gate, "scale": SCALE, "lower_bound": -5.0, "state_layout": layout})
+        o_gold = gold_decode(**step, **params, state_pool=gold_pool, state_indices=indices, **opts)
+        worst_o = max(worst_o, rel_rms(o[[0, 2]], o_gold[[0, 2]]))
+    state_error = rel_rms(pool[[3, 0]], gold_pool[[3, 0]])
+    assert worst_o <= 5e-3 and state_error <= 5e-3, (worst_o, state_error)
+    print(f"{gate} {per_head} {dtype} {layout}: worst o {worst_o:.2e}, state {state_error:.2e}")
+
+
+@pytest.mark.gpu
+def test_vsplits_are_bit_identical():
+    """A row's sums do not depend on the band it sits in: every V-split gives the same bits."""
+    from cute_kda.kernels.decode import DecodeVariant
+    from cute_kda.layouts.decode import DecodeThreadMap
+
+    for layout, dtype in (("vk", "fp32"), ("kv", "bf16")):
+        results = []
+        for vsplit in DecodeThreadMap.vsplits(layout, dtype):
+            variant = DecodeVariant(state_dtype=dtype, state_layout=layout, tokens=2, vsplit=vsplit)
+            case = _case(variant, seed=9)
+            out = _run_kernel(case, variant)
+            results.append((out, case["state_pool"]))
+        torch.cuda.synchronize()
+        for out, pool in results[1:]:
+            assert torch.equal(out, results[0][0]) and torch.equal(_bits(pool), _bits(results[0][1]))
+
+
+@pytest.mark.gpu
+def test_pool_over_two_to_the_31_elements():
+    """A bf16 pool of 8200 slots × 16 heads (2.15e9 elements, 4.3 GB): the last slot is read and written at its
+    64-bit offset, and nothing else moves."""
+    from cute_kda.kernels.decode import DecodeVariant
+
+    variant = DecodeVariant(state_dtype="bf16", vsplit=4)
+    slots, HV = 8200, 16
+    assert slots * HV * D * D > 2**31
+    gen = torch.Generator().manual_seed(2)
+    step = {name: t.cuda() for name, t in make_step(2, 1, HV, HV, "safe", False, generator=gen).items()}
+    params = {name: t.cuda() for name, t in make_params(HV, "safe", False, generator=gen).items()}
+    pool = torch.zeros(slots, HV, D, D, dtype=torch.bfloat16, device="cuda")
+    pool[[slots - 1, 7]] = random_pool(2, HV, torch.bfloat16, device="cuda")
+    small = pool[[slots - 1, 7]].clone()
+    indices = torch.tensor([slots - 1, 7], dtype=torch.int32, device="cuda")
+    got = _run_kernel({**step, **params, "state_pool": pool, "state_indices": indices, "num_accepted_tokens": None},
+                      variant)
+    expected = _run_mirror({**step, **params, "state_pool": small, "num_accepted_tokens": None,
+                            "state_indices": torch.tensor([0, 1], dtype=torch.int32, device="cuda")}, variant)
+    torch.cuda.synchronize()
+    assert_matches_mirror(got, expected, "o")
+    assert_matches_mirror(pool[[slots - 1, 7]], small, "pool")
+    pool[[slots - 1, 7]] = 0
+    assert pool.count_nonzero().item() == 0
+
+
+@pytest.mark.gpu
+def test_decode_replays_in_a_cuda_graph():
+    """Allocation-free with a caller's ``out``: a captured call replays to the eager result."""
+    from cute_kda.kernels.decode import DecodeVariant
+
+    variant = DecodeVariant(tokens=4, verify=True, state_layout="kv", vsplit=4)
+    case = _case(variant, seed=4)
+    eager_case = {**case, "state_pool": case["state_pool"].clone()}
+    out = torch.empty(5, 4, 4, D, dtype=torch.bfloat16, device="cuda")
+    eager = _run_kernel(eager_case, variant)  # also compiles before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _run_kernel(case, variant, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager) and torch.equal(_bits(case["state_pool"]), _bits(eager_case["state_pool"]))
+
+
+@pytest.mark.gpu
+def test_strided_views_give_the_contiguous_result():
+    """A pool view with padded slot and head strides and q, k, v split from one fused projection: the same bits as
+    contiguous copies."""
+    from cute_kda.kernels.decode import DecodeVariant
+
+    variant = DecodeVariant(tokens=2, verify=True, grouped=True, vsplit=4)
+    case = _case(variant, seed=8)
+    N, T, H, HV = case["q"].shape[0], 2, case["q"].shape[2], case["v"].shape[2]
+    fused = torch.empty(N, T, 2 * H + HV + 1, D, dtype=torch.bfloat16, device="cuda")
+    views = {"q": fused[:, :, :H], "k": fused[:, :, H:2 * H], "v": fused[:, :, 2 * H:2 * H + HV]}
+    for name, view in views.items():
+        view.copy_(case[name])
+    pool = case["state_pool"]
+    padded = torch.zeros(pool.shape[0], HV + 1, D, D, dtype=pool.dtype, device="cuda")[:, 1:]
+    padded.copy_(pool)
+    strided = {**case, **views, "state_pool": padded}
+    assert not any(strided[name].is_contiguous() for name in ("q", "k", "v", "state_pool"))
+    expected = _run_kernel(case, variant)
+    got = _run_kernel(strided, variant)
+    torch.cuda.synchronize()
+    assert torch.equal(got, expected) and torch.equal(_bits(padded.contiguous()), _bits(pool))
+
+
+def test_launcher_picks_the_variant_and_passes_the_kernel_arguments(monkeypatch):
+    """The launcher's host path on CPU tensors (the compiled function recorded, not run): the variant follows
+    the tensors (per-head gate from g's rank, verify from the slot ids' rank, GVA from H < HV), the scalars are
+    fp32-rounded, ``out`` is allocated once when not given, and the arguments are the kernel's."""
+    from cute_kda.numerics import f32, gate_constant
+    from cute_kda.ops import decode as ops
+
+    calls = []
+    monkeypatch.setattr(ops, "compiled_variant", lambda variant, index: (lambda *a: calls.append((variant, a))))
+    monkeypatch.setattr(ops, "device_index", lambda device: 0)
+    monkeypatch.setattr(ops, "current_stream", lambda device: "stream")
+    monkeypatch.setattr(ops, "on_device", lambda device: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(ops, "auto_vsplit", lambda *a: 2)
+    step = make_step(3, 4, 2, 4, "softplus", True)
+    params = make_params(4, "softplus", True)
+    pool = random_pool(12, 4, torch.bfloat16)
+    indices = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    accepted = torch.ones(3, dtype=torch.int32)
+    out = ops.decode(**step, **params, state_pool=pool, state_indices=indices, num_accepted_tokens=accepted,
+                     gate="softplus", scale=0.1, lower_bound=-3.0, state_layout="kv")
+    (variant, args), = calls
+    assert variant == ops.variant_of("softplus", True, torch.bfloat16, "kv", 4, True, True, True, True, 2)
+    assert (variant.per_head_gate, variant.verify, variant.grouped, variant.tokens, variant.vsplit) == (
+        True, True, True, 4, 2)
+    inputs, pool_arg, indices_arg, accepted_arg, out_arg, scale, c_gate, stream = args
+    assert inputs.q is step["q"] and inputs.g is step["g"] and inputs.dt_bias is params["dt_bias"]
+    assert pool_arg is pool and indices_arg is indices and accepted_arg is accepted and out_arg is out
+    assert out.shape == (3, 4, 4, D) and out.dtype == torch.bfloat16
+    assert (scale, c_gate, stream) == (f32(0.1), gate_constant(-3.0), "stream")
