@@ -15,8 +15,9 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..workspace import CHUNK, Workspace, snapshot_slots, tiles_per_head
-from .common import PER_TILE, Arithmetic, TileMap, state_out, tile_blocks, tile_map_of, to_tiles
-from .gold import STATE_LAYOUTS
+from .common import (
+    PER_TILE, Arithmetic, TileMap, scan_shape, state_in, state_out, tile_blocks, tile_map_of, to_tiles,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Kernel A
@@ -49,15 +50,8 @@ def reverse_scan(
     dh0_dtype: torch.dtype,
 ) -> BwdScanResult:
     """The Kernel A chain (docs/numerics.md) in ``arith``; dh0 is its band after the first tile in ``dh0_dtype``."""
-    if state_layout not in STATE_LAYOUTS:
-        raise ValueError(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
-    batch, seq_len, heads, value_dim = do.shape
+    batch, seq_len, heads, value_dim, tiles, key_dim, tile_map = scan_shape(ws, do, "do", cu_seqlens, state_layout)
     device = do.device
-    tiles = ws.qd.shape[0] // heads
-    key_dim = ws.qd.shape[-1]
-    if ws.qd.shape[0] != heads * tiles:
-        raise ValueError(f"workspace {tuple(ws.qd.shape)} does not fit do {tuple(do.shape)}")
-    tile_map = tile_map_of(cu_seqlens, batch, seq_len, tiles, device)
     num_seqs = tile_map.tiles_per_seq.numel()
 
     def per_head(t: torch.Tensor) -> torch.Tensor:
@@ -68,13 +62,7 @@ def reverse_scan(
     do_t = to_tiles(do.reshape(batch * seq_len, heads, value_dim).to(arith.dtype), tile_map)  # [H, tiles, 16, V]
 
     # dS32: the band in the kernel's fp32 registers; dS = store(dS32): its bf16 copy, the products' operand
-    if dht is None:
-        state32 = torch.zeros(heads, num_seqs, key_dim, value_dim, device=device, dtype=arith.work)
-    else:
-        init = dht.transpose(-1, -2) if state_layout == "vk" else dht
-        if tuple(init.shape) != (num_seqs, heads, key_dim, value_dim):
-            raise ValueError(f"dht has shape {tuple(dht.shape)} for {num_seqs} sequences")
-        state32 = init.to(device=device, dtype=arith.work).movedim(0, 1).contiguous()  # [H, N, K, V], exact
+    state32 = state_in(dht, "dht", state_layout, (num_seqs, heads, key_dim, value_dim), arith.work, device)
     state = arith.store(state32)
 
     # slot `tiles` (`slots` for snapshots) is a sink for the writes of sequences that have no tile at this step

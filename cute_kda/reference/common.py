@@ -18,6 +18,7 @@ import torch
 
 from ..numerics import EPS, LOG2E, f32, gate_constant
 from ..workspace import CHUNK, Workspace, snapshot_slots, tile_bases_of, tiles_per_head
+from .gold import STATE_LAYOUTS
 
 PER_TILE = 1  # Kernel B reads the state entering each tile and the gradient leaving it: a block every tile
 _SMALLEST_NORMAL_F32 = 2.0 ** -126
@@ -284,6 +285,33 @@ def token_tile_map(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> TileMap:
     return tile_map_of(cu_seqlens, batch, seq_len, tiles, q.device)
 
 
+class ScanShape(NamedTuple):
+    """The sizes of a scan over a workspace's tiles: a per-token tensor's ``[B, T, H, V]`` and the workspace's tiles
+    per head and key dim K, with the problem's tile map."""
+
+    batch: int
+    seq_len: int
+    heads: int
+    value_dim: int
+    tiles: int
+    key_dim: int
+    tile_map: TileMap
+
+
+def scan_shape(ws: Workspace, x: torch.Tensor, name: str, cu_seqlens: torch.Tensor | None,
+               state_layout: str) -> ScanShape:
+    """Checks that the workspace ``ws`` ``[H·tiles, 16, K]`` fits the per-token ``x`` ``[B, T, H, V]`` (named
+    ``name``) and that ``state_layout`` is one of :data:`~.gold.STATE_LAYOUTS`; returns their sizes and the tile map."""
+    if state_layout not in STATE_LAYOUTS:
+        raise ValueError(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
+    batch, seq_len, heads, value_dim = x.shape
+    tiles = ws.qd.shape[0] // heads
+    if ws.qd.shape[0] != heads * tiles:
+        raise ValueError(f"workspace {tuple(ws.qd.shape)} does not fit {name} {tuple(x.shape)}")
+    return ScanShape(batch, seq_len, heads, value_dim, tiles, ws.qd.shape[-1],
+                     tile_map_of(cu_seqlens, batch, seq_len, tiles, x.device))
+
+
 def to_tiles(x: torch.Tensor, tiles: TileMap) -> torch.Tensor:
     """Per-token ``x`` ``[tokens, H, ...]`` → ``[H, tiles, 16, ...]``; rows without a token are 0."""
     padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
@@ -316,6 +344,18 @@ def workspace_of_tiles(fields: dict[str, torch.Tensor], tiles: TileMap) -> Works
         value = value.masked_fill(missing.reshape(1, count, *([1] * (value.dim() - 2))), math.nan)
         out[name] = value.reshape(heads * count, *value.shape[2:]).contiguous()
     return Workspace(**out)
+
+
+def state_in(state: torch.Tensor | None, name: str, state_layout: str, shape: tuple[int, int, int, int],
+             dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A chain's entering state (or state gradient) ``state`` ``[N, H, V, K]`` ("vk") or ``[N, H, K, V]`` ("kv")
+    → ``[H, N, K, V]`` in ``dtype`` (exact from bf16 and fp32; zeros for None); ``shape`` is (N, H, K, V)."""
+    if state is None:
+        return torch.zeros(shape[1], shape[0], *shape[2:], device=device, dtype=dtype)
+    init = state.transpose(-1, -2) if state_layout == "vk" else state
+    if tuple(init.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(state.shape)} for {shape[0]} sequences")
+    return init.to(device=device, dtype=dtype).movedim(0, 1).contiguous()
 
 
 def state_out(dS: torch.Tensor, state_layout: str, dtype: torch.dtype) -> torch.Tensor:

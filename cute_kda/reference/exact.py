@@ -40,11 +40,11 @@ from ..numerics import DYADIC_BLOCKS
 from ..workspace import CHUNK, SNAPSHOT_TILES, Workspace, snapshot_slots
 from .chains import BwdGradsResult, BwdScanResult, GradConstants, bwd_grads, gradient_dict, reverse_scan
 from .common import (
-    EXACT, PER_TILE, TileMap, crossing_rows, qk_backward, state_out, straddle_geometry, straddle_sums, tile_blocks,
-    tile_map_of, to_tiles, token_tile_map, untile, workspace_of_tiles,
+    EXACT, PER_TILE, TileMap, crossing_rows, qk_backward, scan_shape, state_in, state_out, straddle_geometry,
+    straddle_sums, tile_blocks, to_tiles, token_tile_map, untile, workspace_of_tiles,
 )
 from .gold import (
-    L2NORM_EPS, STATE_LAYOUTS, channel_log_decay, expand_to_value_heads, gate_log_decay, l2norm, value_head_group,
+    L2NORM_EPS, channel_log_decay, expand_to_value_heads, gate_log_decay, l2norm, value_head_group,
 )
 
 
@@ -53,18 +53,9 @@ from .gold import (
 
 
 def prepare_exact(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    scale: float | None = None,
-    gate: str = "safe",
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    lower_bound: float = -5.0,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scale: float | None = None,
+    gate: str = "safe", A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+    lower_bound: float = -5.0, qk_l2norm: bool = True, beta_logits: bool = True,
     cu_seqlens: torch.Tensor | None = None,
 ) -> Workspace:
     """The workspace fields of K1 (docs/numerics.md) in float64, unrounded, from the inputs.
@@ -123,12 +114,8 @@ class FwdStatesResult(NamedTuple):
 
 
 def chunk_fwd_states_exact(
-    ws: Workspace,
-    v: torch.Tensor,
-    *,
-    cu_seqlens: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    state_layout: str = "vk",
+    ws: Workspace, v: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None, state_layout: str = "vk",
 ) -> FwdStatesResult:
     """The K2 chunk recurrence in float64 with no rounding, keeping the state entering every tile.
 
@@ -137,24 +124,14 @@ def chunk_fwd_states_exact(
     u = (v − kd·S)·β, U = INV·u, o = qd·S + Mqk·U, S ← gT ⊙ S + krᵀ·U. Every output is float64
     (see :class:`FwdStatesResult`); an empty sequence keeps its initial state.
     """
-    if state_layout not in STATE_LAYOUTS:
-        raise ValueError(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
-    batch, seq_len, heads, value_dim = v.shape
+    batch, seq_len, heads, value_dim, tiles, key_dim, tile_map = scan_shape(ws, v, "v", cu_seqlens, state_layout)
     device = v.device
-    tiles = ws.qd.shape[0] // heads
-    key_dim = ws.qd.shape[-1]
-    tile_map = tile_map_of(cu_seqlens, batch, seq_len, tiles, device)
     num_seqs = tile_map.tiles_per_seq.numel()
     qd, kd, kr, gt, inv, mqk, beta = (t.double().view(heads, tiles, *t.shape[1:]) for t in ws)
     v_t = to_tiles(v.reshape(batch * seq_len, heads, value_dim).double(), tile_map)
 
-    if initial_state is None:
-        state = torch.zeros(heads, num_seqs, key_dim, value_dim, device=device, dtype=torch.float64)
-    else:
-        init = initial_state.transpose(-1, -2) if state_layout == "vk" else initial_state
-        if tuple(init.shape) != (num_seqs, heads, key_dim, value_dim):
-            raise ValueError(f"initial_state has shape {tuple(initial_state.shape)} for {num_seqs} sequences")
-        state = init.to(device=device, dtype=torch.float64).movedim(0, 1).contiguous()
+    state = state_in(initial_state, "initial_state", state_layout, (num_seqs, heads, key_dim, value_dim),
+                     torch.float64, device)
 
     slots = snapshot_slots(tiles, num_seqs, 1)
     kept = torch.full((heads, slots + 1, key_dim, value_dim), math.nan, device=device, dtype=torch.float64)
@@ -179,13 +156,8 @@ def chunk_fwd_states_exact(
 
 
 def chunk_bwd_scan_exact(
-    ws: Workspace,
-    do: torch.Tensor,
-    *,
-    cu_seqlens: torch.Tensor | None = None,
-    dht: torch.Tensor | None = None,
-    state_layout: str = "vk",
-    snapshot_every: int = SNAPSHOT_TILES,
+    ws: Workspace, do: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, dht: torch.Tensor | None = None,
+    state_layout: str = "vk", snapshot_every: int = SNAPSHOT_TILES,
 ) -> BwdScanResult:
     """The Kernel A chain of :func:`~.backward.mirror_bwd_scan` in float64 with no rounding at all.
 
@@ -227,24 +199,10 @@ def _exact_recompute(
 
 
 def chunk_bwd_grads_exact(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    v: torch.Tensor,
-    do: torch.Tensor,
-    du: torch.Tensor,
-    ws: Workspace,
-    states: torch.Tensor,
-    state_grads: torch.Tensor,
-    *,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    scale: float | None = None,
-    lower_bound: float = -5.0,
-    cu_seqlens: torch.Tensor | None = None,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+    du: torch.Tensor, ws: Workspace, states: torch.Tensor, state_grads: torch.Tensor, *, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, scale: float | None = None, lower_bound: float = -5.0,
+    cu_seqlens: torch.Tensor | None = None, qk_l2norm: bool = True, beta_logits: bool = True,
 ) -> BwdGradsResult:
     """The formulas of :func:`~.backward.mirror_bwd_grads` in float64 with no rounding at all (safe gate).
 
@@ -257,23 +215,10 @@ def chunk_bwd_grads_exact(
 
 
 def chunk_backward_exact(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    do: torch.Tensor,
-    *,
-    dht: torch.Tensor | None = None,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    scale: float | None = None,
-    lower_bound: float = -5.0,
-    initial_state: torch.Tensor | None = None,
-    state_layout: str = "vk",
-    cu_seqlens: torch.Tensor | None = None,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, do: torch.Tensor, *,
+    dht: torch.Tensor | None = None, A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float | None = None,
+    lower_bound: float = -5.0, initial_state: torch.Tensor | None = None, state_layout: str = "vk",
+    cu_seqlens: torch.Tensor | None = None, qk_l2norm: bool = True, beta_logits: bool = True,
 ) -> dict[str, torch.Tensor | None]:
     """:func:`~.backward.mirror_backward`'s chain in float64 with no rounding (safe gate), from any float inputs:
     :func:`prepare_exact` → :func:`chunk_fwd_states_exact` → :func:`chunk_bwd_scan_exact` →
@@ -499,18 +444,9 @@ def _exact_tiles(tokens: _ExactTokens, tile_map: TileMap) -> _ExactTiles:
 
 
 def prepare_gates_exact(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    scale: float | None = None,
-    gate: str = "softplus",
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    lower_bound: float = -5.0,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scale: float | None = None,
+    gate: str = "softplus", A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+    lower_bound: float = -5.0, qk_l2norm: bool = True, beta_logits: bool = True,
     cu_seqlens: torch.Tensor | None = None,
 ) -> Workspace:
     """K1's workspace in float64 by the pair-decay formulation (module docstring), for any gate.
@@ -530,15 +466,8 @@ def prepare_gates_exact(
 
 
 def chunk_forward_gates_exact(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    initial_state: torch.Tensor | None = None,
-    state_layout: str = "vk",
-    cu_seqlens: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+    initial_state: torch.Tensor | None = None, state_layout: str = "vk", cu_seqlens: torch.Tensor | None = None,
     **gate_options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`prepare_gates_exact` then the chunk recurrence (``chunk_fwd_states_exact``), in float64.
@@ -600,24 +529,11 @@ def _group_sum(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def chunk_backward_gates_exact(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    do: torch.Tensor,
-    *,
-    dht: torch.Tensor | None = None,
-    scale: float | None = None,
-    gate: str = "softplus",
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    lower_bound: float = -5.0,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
-    initial_state: torch.Tensor | None = None,
-    state_layout: str = "vk",
-    cu_seqlens: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, do: torch.Tensor, *,
+    dht: torch.Tensor | None = None, scale: float | None = None, gate: str = "softplus",
+    A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, lower_bound: float = -5.0,
+    qk_l2norm: bool = True, beta_logits: bool = True, initial_state: torch.Tensor | None = None,
+    state_layout: str = "vk", cu_seqlens: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor | None]:
     """The backward of the pair-decay chunk chain in float64, by formulas; :func:`~.gold.gold_backward`'s keys.
 

@@ -92,18 +92,6 @@ def _decay_spans(a: torch.Tensor) -> torch.Tensor:
     return spans
 
 
-def _decay_spans(a: torch.Tensor) -> torch.Tensor:
-    """``E[..., i, j, c]`` = the fp32 product ``(…((a_{j+1}·a_{j+2})·a_{j+3})…)·a_i`` for i > j, 1 for i = j,
-    0 above; ``a = ex2(g')`` ``[..., 16, K]`` (each factor ≤ 1: the products only shrink). ``[..., 16, 16, K]``."""
-    rows = a.shape[-2]
-    spans = torch.zeros(*a.shape[:-2], rows, rows, a.shape[-1], dtype=torch.float32, device=a.device)
-    for i in range(rows):
-        if i:
-            spans[..., i, :i, :] = spans[..., i - 1, :i, :] * a[..., i, None, :]
-        spans[..., i, i, :] = 1.0
-    return spans
-
-
 def _running_straddle_factor(a: torch.Tensor, block: int) -> torch.Tensor:
     """K1's factors of one straddle level (:func:`_straddle_factor`) ``[..., 16, K]`` fp32 from ``a = ex2(g')``,
     as running products outward from each block's middle row m: upper rows ``f_{m+1} = a_{m+1}``,
@@ -342,7 +330,8 @@ def mirror_bwd_grads_gates(
 ) -> dict[str, torch.Tensor | None]:
     """Kernel B with an unbounded gate (``BwdGrads(gate=…)``, docs/numerics.md, "Kernel B for a per-head gate" and
     "Kernel B for the per-channel unbounded gates") on a chain's own intermediates: K1's quantities recomputed from
-    the raw inputs (:func:`scheme_of` g), INV, gT and β read from ``ws`` (the forward's workspace), ``states`` / ``state_grads`` the per-tile checkpoints and Kernel A's snapshots, ``du`` Kernel A's.
+    the raw inputs (:func:`scheme_of` g), INV, gT and β read from ``ws`` (the forward's workspace), ``states`` /
+    ``state_grads`` the per-tile checkpoints and Kernel A's snapshots, ``du`` Kernel A's.
     Returns dq, dk, dbeta (bf16, dq and dk summed over each group of value heads), dg (fp32 for a per-head gate,
     as Kernel B writes it; bf16 per channel) and dA_log, ddt_bias (fp32; None for a None input)."""
     scheme = scheme_of(g)

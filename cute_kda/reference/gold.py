@@ -14,6 +14,8 @@ head ``j // (HV / H)`` as FLA does.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -236,24 +238,18 @@ def gold_backward(
     do: torch.Tensor,
     *,
     dht: torch.Tensor | None = None,
-    scale: float | None = None,
-    gate: str = "safe",
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
-    lower_bound: float = -5.0,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
     initial_state: torch.Tensor | None = None,
-    state_layout: str = "vk",
-    cu_seqlens: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
+    **forward_options: Any,
 ) -> dict[str, torch.Tensor | None]:
     """Gradients of ``Σ o·do + Σ final_state·dht`` through :func:`gold_forward`, by autograd.
 
-    Inputs and keywords as :func:`gold_forward` (which this calls with
-    ``output_final_state`` set as needed); every input is widened to ``dtype`` first. ``do``
-    ``[B, T, H, V]``; ``dht`` (optional) is the gradient w.r.t. the final state, ``[N, H, V, K]``
-    for ``state_layout="vk"`` or ``[N, H, K, V]`` for ``"kv"``.
+    Inputs and keywords as :func:`gold_forward`, which this calls with ``forward_options`` (``scale``, ``gate``,
+    ``lower_bound``, ``qk_l2norm``, ``beta_logits``, ``state_layout``, ``cu_seqlens``) and ``output_final_state``
+    set as needed; every input is widened to ``dtype`` first. ``do`` ``[B, T, H, V]``; ``dht`` (optional) is the
+    gradient w.r.t. the final state, ``[N, H, V, K]`` for ``state_layout="vk"`` or ``[N, H, K, V]`` for ``"kv"``.
 
     Returns, in ``dtype``, each with the shape of its input as given: ``dq``, ``dk``, ``dv``,
     ``dg`` (w.r.t. the raw gate input g), ``dbeta`` (w.r.t. beta as given: the logits when
@@ -267,10 +263,9 @@ def gold_backward(
     leaves = {name: x.detach().to(dtype).requires_grad_() for name, x in inputs.items() if x is not None}
     with torch.enable_grad():
         o, final = gold_forward(
-            leaves["dq"], leaves["dk"], leaves["dv"], leaves["dg"], leaves["dbeta"], scale=scale, gate=gate,
-            A_log=leaves.get("dA_log"), dt_bias=leaves.get("ddt_bias"), lower_bound=lower_bound,
-            qk_l2norm=qk_l2norm, beta_logits=beta_logits, initial_state=leaves.get("dh0"),
-            state_layout=state_layout, output_final_state=dht is not None, cu_seqlens=cu_seqlens, dtype=dtype,
+            leaves["dq"], leaves["dk"], leaves["dv"], leaves["dg"], leaves["dbeta"], A_log=leaves.get("dA_log"),
+            dt_bias=leaves.get("ddt_bias"), initial_state=leaves.get("dh0"), output_final_state=dht is not None,
+            dtype=dtype, **forward_options,
         )
         loss = (o * do.to(device=o.device, dtype=dtype)).sum()
         if dht is not None:

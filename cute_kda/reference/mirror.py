@@ -19,8 +19,8 @@ import torch
 
 from ..workspace import CHUNK, SNAPSHOT_TILES, Workspace, WorkspaceSpec, allocate_workspace, snapshot_slots
 from .common import (
-    Constants, TileMap, ex2_approx, l2norm_rinv, mma, neumann_inverse, sigmoid_approx, tile_map_of, to_tiles,
-    token_tile_map,
+    Constants, TileMap, ex2_approx, l2norm_rinv, mma, neumann_inverse, sigmoid_approx, scan_shape, state_in,
+    to_tiles, token_tile_map,
 )
 from .gates import mirror_prepare_gates
 from .gold import expand_to_value_heads, value_head_group
@@ -53,18 +53,8 @@ class K1Rows(NamedTuple):
     kr: torch.Tensor
 
 
-def k1_rows(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    consts: Constants,
-    tile_map: TileMap,
-    qk_l2norm: bool,
-    beta_logits: bool,
-) -> K1Rows:
+def k1_rows(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, A_log: torch.Tensor,
+            dt_bias: torch.Tensor, consts: Constants, tile_map: TileMap, qk_l2norm: bool, beta_logits: bool) -> K1Rows:
     """The safe K1's l2norm, gate, β and decayed operands (docs/numerics.md, K1) for q, k ``[B, T, H, D]``,
     g ``[B, T, HV, D]``, beta ``[B, T, HV]`` (bf16, or fp32 taken as is), A_log ``[HV]``, dt_bias ``[HV, D]`` or
     ``[HV*D]``; HV a multiple of H (value head ``j`` reads q/k head ``j // (HV / H)``)."""
@@ -191,15 +181,10 @@ def mirror_recurrence(
         raise TypeError("v must be bf16 (the kernels' input type)")
     if state_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"state_dtype must be bf16 or fp32, got {state_dtype}")
-    if state_layout not in ("vk", "kv"):
-        raise ValueError(f"state_layout must be 'vk' or 'kv', got {state_layout!r}")
-    batch, seq_len, heads, value_dim = v.shape
-    device = v.device
-    tiles = ws.qd.shape[0] // heads
-    key_dim = ws.qd.shape[-1]
-    if value_dim != key_dim or ws.qd.shape[0] != heads * tiles:
+    batch, seq_len, heads, value_dim, tiles, key_dim, tile_map = scan_shape(ws, v, "v", cu_seqlens, state_layout)
+    if value_dim != key_dim:
         raise ValueError(f"workspace {tuple(ws.qd.shape)} does not fit v {tuple(v.shape)}")
-    tile_map = tile_map_of(cu_seqlens, batch, seq_len, tiles, device)
+    device = v.device
     num_seqs = tile_map.tiles_per_seq.numel()
 
     def per_head(t: torch.Tensor) -> torch.Tensor:
@@ -208,15 +193,10 @@ def mirror_recurrence(
     qd, kd, kr, gt, inv, mqk, beta = (per_head(t) for t in ws)
     v_t = to_tiles(v.reshape(batch * seq_len, heads, value_dim).float(), tile_map)  # [H, tiles, 16, V]
 
-    if initial_state is None:
-        state32 = torch.zeros(heads, num_seqs, key_dim, value_dim, device=device, dtype=torch.float32)
-    else:
-        if initial_state.dtype not in (torch.bfloat16, torch.float32):
-            raise TypeError(f"initial_state must be bf16 or fp32, got {initial_state.dtype}")
-        init = initial_state.transpose(-1, -2) if state_layout == "vk" else initial_state
-        if tuple(init.shape) != (num_seqs, heads, key_dim, value_dim):
-            raise ValueError(f"initial_state has shape {tuple(initial_state.shape)} for {num_seqs} sequences")
-        state32 = init.to(device=device, dtype=torch.float32).movedim(0, 1).contiguous()  # exact
+    if initial_state is not None and initial_state.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"initial_state must be bf16 or fp32, got {initial_state.dtype}")
+    state32 = state_in(initial_state, "initial_state", state_layout, (num_seqs, heads, key_dim, value_dim),
+                       torch.float32, device)
     state = state32.bfloat16()  # the products' operand
 
     out_t = torch.empty(heads, tiles + 1, CHUNK, value_dim, device=device, dtype=torch.bfloat16)  # slot `tiles`: sink
