@@ -9,8 +9,8 @@ the unbounded gates' variants are :func:`~.gates.mirror_bwd_grads_gates`) and th
 - :func:`mirror_backward`: the whole chain for every gate — K1, the training forward's per-tile checkpoints,
   Kernel A, Kernel B — returning :func:`~.gold.gold_backward`'s gradients.
 
-Kernels A and B run the chains of :mod:`.chains` in :data:`~.common.KERNEL` arithmetic; :mod:`.exact` runs the
-same chains in float64.
+The mirrors of Kernels A and B run the chains of :mod:`.chains` in :data:`~.common.KERNEL` arithmetic;
+:mod:`.exact` runs the same chains in float64.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The backward kernels' chains in either arithmetic (:data:`~.common.KERNEL`: their rounding; :data:`~.common.EXACT`:
-float64 throughout): the reverse state-gradient scan (Kernel A, docs/numerics.md, "Backward: Kernel A") and the
-per-tile gradients of the safe gate (Kernel B, "Backward: Kernel B").
+"""The backward kernels' chains in either arithmetic (:data:`~.common.KERNEL`: their rounding;
+:data:`~.common.EXACT`: float64 throughout): the reverse state-gradient scan (Kernel A, docs/numerics.md,
+"Backward: Kernel A") and the per-tile gradients of the safe gate (Kernel B, "Backward: Kernel B").
 
 One chain per kernel serves its mirror (:mod:`.backward`) and its exact counterpart (:mod:`.exact`), so the two
 differ by rounding only. Kernel A needs no forward state: dv and the state gradients are linear in dO and dht and do

@@ -54,7 +54,7 @@ def _base2_log_decay(
 ) -> torch.Tensor:
     """K1's fp32 base-2 log decay g' per token ``[tokens, HV, K]`` from g ``[tokens, HV, K]`` or ``[tokens, HV]``.
 
-    safe: ``c_gate · sigmoid_approx(eA·(g + b))`` as today; softplus: with ``y = f32(f32(g + b)·LOG2E)``,
+    safe: ``c_gate · sigmoid_approx(eA·(g + b))`` as the safe K1; softplus: with ``y = f32(f32(g + b)·LOG2E)``,
     ``g' = −f32(eA · f32(max(y, 0) + lg2(f32(1 + ex2(−|y|)))))`` (softplus(x)·log2 e in base 2: no overflow for
     any y); none: ``g' = f32(g · LOG2E)``. ``eA = ex2_approx(f32(A_log · LOG2E))``, 1 without A_log.
     """
