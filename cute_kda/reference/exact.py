@@ -222,7 +222,7 @@ def chunk_backward_exact(
 ) -> dict[str, torch.Tensor | None]:
     """:func:`~.backward.mirror_backward`'s chain in float64 with no rounding (safe gate), from any float inputs:
     :func:`prepare_exact` → :func:`chunk_fwd_states_exact` → :func:`chunk_bwd_scan_exact` →
-    :func:`chunk_bwd_grads_exact`. Returns :func:`gold_backward`'s keys, every gradient float64."""
+    :func:`chunk_bwd_grads_exact`. Returns :func:`~.gold.gold_backward`'s keys, every gradient float64."""
     key_dim = q.shape[-1]
     scale = key_dim ** -0.5 if scale is None else scale
     ws = prepare_exact(q, k, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,

@@ -93,10 +93,11 @@ def _decay_spans(a: torch.Tensor) -> torch.Tensor:
 
 
 def _running_straddle_factor(a: torch.Tensor, block: int) -> torch.Tensor:
-    """K1's factors of one straddle level (:func:`_straddle_factor`) ``[..., 16, K]`` fp32 from ``a = ex2(g')``,
-    as running products outward from each block's middle row m: upper rows ``f_{m+1} = a_{m+1}``,
-    ``f_r = f32(f_{r−1}·a_r)``; lower rows ``f_m = 1``, ``f_r = f32(f_{r+1}·a_{r+1})``. The upper rows equal the
-    spans ``E[r, m]`` bit for bit; the lower ones are ``E[m, r]`` multiplied from the other end."""
+    """K1's factors of one straddle level ``[..., 16, K]`` fp32 from ``a = ex2(g')`` (their exact values:
+    :func:`~.exact.dyadic_tile_products`), as running products outward from each block's middle row m: upper rows
+    ``f_{m+1} = a_{m+1}``, ``f_r = f32(f_{r−1}·a_r)``; lower rows ``f_m = 1``, ``f_r = f32(f_{r+1}·a_{r+1})``. The
+    upper rows equal the spans ``E[r, m]`` bit for bit; the lower ones are ``E[m, r]`` multiplied from the other
+    end."""
     rows: list[torch.Tensor] = [a[..., 0, :]] * CHUNK
     for start in range(0, CHUNK, block):
         middle = start + block // 2 - 1
@@ -266,7 +267,7 @@ def _rounded_pair_backward(values: _K1GateValues, scheme: str, dA: torch.Tensor,
     """(dqh, dkh, dγ per channel, dγ per head or None) of the pair terms, with a kernel's rounding.
 
     ``dA = bf16(β ⊙ dL)`` (strictly lower), ``dMqk`` bf16 (lower with the diagonal) ``[HV, tiles, 16, 16]``.
-    dyadic (:func:`dyadic_tile_products_backward`'s plan): per level the bf16 operands X, Q of the forward,
+    dyadic (:func:`~.exact.dyadic_tile_products_backward`'s plan): per level the bf16 operands X, Q of the forward,
     three tensor-core products ``P = dA_ℓ X``, ``Pq = dM_ℓ X``, ``C = dA_ℓᵀ X + dM_ℓᵀ Q`` (one fp32
     accumulator), ``dqh += factor ⊙ Pq``, ``dkh += factor ⊙ (P + C)`` and the straddle sums of
     ``X⊙P + Q⊙Pq`` and ``X⊙C`` for dγ. per_head: ``dP = bf16(E ⊙ dA)``, ``dPq = bf16(E ⊙ dMqk)`` on the
