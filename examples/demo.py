@@ -66,8 +66,7 @@ def make_problem(lengths: list[int], heads: int, device: torch.device, seed: int
 
 def references(problem: dict) -> tuple:
     """(gold o, gold state) in fp64 and (mirror o, mirror state), printed against each other."""
-    from cute_kda.reference import gold_forward, mirror_forward, rel_rms
-    from cute_kda.reference.mirror import intrinsics_exact
+    from cute_kda.reference import gold_forward, intrinsics_exact, mirror_forward, rel_rms
 
     tensors = [problem[n] for n in ("q", "k", "v", "g", "beta")]
     options = {n: x for n, x in problem.items() if n not in ("q", "k", "v", "g", "beta")}

@@ -261,7 +261,7 @@ def mirror_kernels(monkeypatch):
     """
     from cute_kda.ops import prepare as k1
     from cute_kda.ops import recurrence as k2
-    from cute_kda.reference import mirror, mirror_prepare_gates
+    from cute_kda.reference import mirror, mirror_prepare_gates, tile_bases
     from cute_kda.workspace import Workspace
 
     launches = []
@@ -324,7 +324,7 @@ def mirror_kernels(monkeypatch):
     monkeypatch.setattr(api.validation, "device_cu_seqlens", lambda cu_seqlens, device, total: cu_seqlens)
     monkeypatch.setattr(inference, "sm_count", lambda index: 132)
     monkeypatch.setattr(inference, "WORKSPACES", CpuWorkspaces())
-    monkeypatch.setattr(k1, "tile_bases", lambda cu_seqlens, stream=None: mirror.tile_bases(cu_seqlens, 0, 1))
+    monkeypatch.setattr(k1, "tile_bases", lambda cu_seqlens, stream=None: tile_bases(cu_seqlens, 0, 1))
     monkeypatch.setattr(_cache, "current_stream_handle", lambda index: 7)
     monkeypatch.setattr(_cache, "cu_stream", lambda handle: ("CUstream", handle))
     monkeypatch.setattr(k1, "launch", lambda compiled, *arguments: compiled(*arguments))  # K1's arguments as handed

@@ -305,7 +305,7 @@ def launchers_on_mirrors(monkeypatch):
     from cute_kda.ops import bwd_scan as ka
     from cute_kda.ops import prepare as k1
     from cute_kda.ops import recurrence as k2
-    from cute_kda.reference import mirror, mirror_bwd_scan
+    from cute_kda.reference import mirror, mirror_bwd_scan, tile_bases
     from cute_kda.reference.backward import mirror_bwd_grads
 
     fakes = type("Fakes", (), {"calls": [], "beta": None, "cu_seqlens_dtypes": []})()
@@ -331,13 +331,13 @@ def launchers_on_mirrors(monkeypatch):
 
     @fake(k1, "tile_bases")
     def _(cu_seqlens, stream):
-        return mirror.tile_bases(cu_seqlens, 0, 1)
+        return tile_bases(cu_seqlens, 0, 1)
 
     @fake(k1, "prepare")
     def _(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, cu_seqlens, tile_base, qk_l2norm, beta_logits,
           gate, stream):
         assert gate == "safe"  # training takes the safe gate only
-        assert tile_base is None if cu_seqlens is None else torch.equal(tile_base, mirror.tile_bases(cu_seqlens, 0, 1))
+        assert tile_base is None if cu_seqlens is None else torch.equal(tile_base, tile_bases(cu_seqlens, 0, 1))
         done = mirror.mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                                      scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
                                      beta_logits=beta_logits)

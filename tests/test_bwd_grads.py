@@ -572,9 +572,9 @@ def _unbounded_chain(case: str, per_head: bool = True) -> tuple[dict, dict, tupl
 
 def _check_unbounded_chain(case: str, per_head: bool) -> None:
     """Kernel B with an unbounded gate: alone against its mirror ``mirror_bwd_grads_gates`` on the chain's own
-    workspace, states and du; the kernels' whole chain against ``mirror_backward_gates`` and against autograd
+    workspace, states and du; the kernels' whole chain against ``mirror_backward`` and against autograd
     through the fp64 gold; masked entries (−1000) get dg = 0."""
-    from cute_kda.reference import gold_backward, mirror_backward_gates, mirror_bwd_grads_gates, rel_rms
+    from cute_kda.reference import gold_backward, mirror_backward, mirror_bwd_grads_gates, rel_rms
 
     grads, raw, tensors, options = _unbounded_chain(case, per_head)
     q, k, v, g, beta, do = tensors
@@ -585,7 +585,7 @@ def _check_unbounded_chain(case: str, per_head: bool) -> None:
              if stage[n] is not None}
     print(f"{case}: Kernel B vs its mirror " + ", ".join(f"{n} {e:.2e}" for n, e in alone.items()))
     assert all(e <= MIRROR_TOL for e in alone.values()), alone
-    mirror = mirror_backward_gates(*tensors, scale=D ** -0.5, **options)
+    mirror = mirror_backward(*tensors, scale=D ** -0.5, **options)
     gold = gold_backward(*tensors, scale=D ** -0.5, **options)
     names = [n for n in ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias") if grads[n] is not None]
     vs_mirror = {n: rel_rms(grads[n].float(), mirror[n].float()) for n in names}

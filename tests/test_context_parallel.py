@@ -24,8 +24,7 @@ from cute_kda import api, context_parallel
 from cute_kda.executors import training
 from cute_kda.reference.backend import REFERENCE
 from cute_kda.context_parallel import MIN_SEGMENT_TILES, MIN_SEGMENTS, Segmentation, plan
-from cute_kda.reference import gold_forward, rel_rms
-from cute_kda.reference import mirror
+from cute_kda.reference import gold_forward, rel_rms, tile_bases
 from cute_kda.validation import ProblemShape
 
 from test_autograd import INPUTS, REFERENCE_FORWARD, assert_close_to_gold, gold, make_problem, train
@@ -90,7 +89,7 @@ def test_segment_bounds():
     # the tile bases the device prefix would compute from the bounds: 3 + 3 + 1 tiles a sequence
     assert seg.tile_bases().dtype == torch.int32
     assert seg.tile_bases().tolist() == [0, 3, 6, 7, 10, 13, 14]
-    assert torch.equal(seg.tile_bases(), mirror.tile_bases(seg.cu_seqlens(), 200, 1))
+    assert torch.equal(seg.tile_bases(), tile_bases(seg.cu_seqlens(), 200, 1))
 
 
 # ============================================================================ CPU tier: the chain on the mirrors

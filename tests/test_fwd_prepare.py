@@ -553,7 +553,8 @@ def test_unbounded_gate_tail_tile_ignores_the_next_sequence():
 
 def _gdn_problem(case: str, batch: int, steps: int, heads: int, value_heads: int, seed: int = 0):
     """GatedDeltaNet-style inputs (q, k per q/k head; g [B, T, HV] per head, β, A_log, dt_bias per value head),
-    or the safe per-channel gate with grouped value heads; returns (data, gate, scheme of the mirror)."""
+    or the safe per-channel gate with grouped value heads; returns (data, gate, scheme of the mirror: None for
+    the safe gate's K1, ``mirror_prepare``)."""
     gen = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(batch, steps, heads, D, generator=gen).bfloat16() for _ in range(2))
     beta = (torch.randn(batch, steps, value_heads, generator=gen) * 2).bfloat16()
@@ -561,7 +562,7 @@ def _gdn_problem(case: str, batch: int, steps: int, heads: int, value_heads: int
     if case == "safe_grouped":
         g = (torch.rand(batch, steps, value_heads, D, generator=gen) * 16 - 8).bfloat16()
         data = [q, k, g, beta, torch.rand(value_heads, generator=gen) - 0.5, torch.randn(value_heads, D, generator=gen)]
-        return [t.to("cuda") for t in data], "safe", "kinv"
+        return [t.to("cuda") for t in data], "safe", None
     if case == "softplus_grouped":  # Kimi-Linear's per-channel gate with grouped value heads
         g = torch.randn(batch, steps, value_heads, D, generator=gen).bfloat16()
         data = [q, k, g, beta, a_log, torch.randn(value_heads, D, generator=gen)]

@@ -130,16 +130,16 @@ def test_shape_strides_and_stream(device, op):
 def test_mirror_uses_the_kernels(device):
     """The mirror's intrinsic path on a GPU is the DSL kernel, bit for bit, and differs from torch."""
     from cute_kda.ops import intrinsics
-    from cute_kda.reference import mirror
+    from cute_kda.reference import common
 
-    assert mirror.intrinsics_exact(device)
-    assert mirror.INTRINSICS_EXACT
+    assert common.intrinsics_exact(device)
+    assert common.INTRINSICS_EXACT
     x = torch.randn(1 << 16, device=device) * 8
-    assert torch.equal(mirror.tanh_approx(x), intrinsics.tanh_approx(x))
-    assert torch.equal(mirror.ex2_approx(x), intrinsics.ex2_approx(x))
-    assert torch.equal(mirror.lg2_approx(x.abs() + 1), intrinsics.lg2_approx(x.abs() + 1))
-    assert torch.equal(mirror.sigmoid_approx(x), intrinsics.tanh_approx(x * 0.5) * 0.5 + 0.5)
-    assert not torch.equal(mirror.sigmoid_approx(x), torch.tanh(x * 0.5) * 0.5 + 0.5)
+    assert torch.equal(common.tanh_approx(x), intrinsics.tanh_approx(x))
+    assert torch.equal(common.ex2_approx(x), intrinsics.ex2_approx(x))
+    assert torch.equal(common.lg2_approx(x.abs() + 1), intrinsics.lg2_approx(x.abs() + 1))
+    assert torch.equal(common.sigmoid_approx(x), intrinsics.tanh_approx(x * 0.5) * 0.5 + 0.5)
+    assert not torch.equal(common.sigmoid_approx(x), torch.tanh(x * 0.5) * 0.5 + 0.5)
 
 
 @pytest.mark.gpu

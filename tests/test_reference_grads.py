@@ -22,7 +22,7 @@ from cute_kda.reference import (
     prepare_exact,
     rel_rms,
 )
-from cute_kda.reference import backward
+from cute_kda.reference import backward, chains, common
 from cute_kda.numerics import LN2, LOG2E
 from cute_kda.workspace import block_states_shape
 
@@ -272,18 +272,18 @@ def test_recompute_is_bit_identical_to_k1_and_k2():
     lengths = [0, 1, 17, 33, 0, 16]
     args, kw, o, _ = _kernel_b_inputs(lengths)
     q, k, g, beta, v, do, du, ws, states, state_grads = args
-    ops, _, tile_map = backward._tile_operands(
-        *args, kw["A_log"], kw["dt_bias"], None, -5.0, kw["cu_seqlens"], True, True, backward._KERNEL,
+    ops, _, tile_map = chains.tile_operands(
+        *args, kw["A_log"], kw["dt_bias"], None, -5.0, kw["cu_seqlens"], True, True, common.KERNEL,
         backward._kernel_recompute)
     tiles = ws.qd.shape[0] // H
     real = tile_map.slot_exists
     for name in ("qd", "kd", "kr"):
         assert torch.equal(getattr(ops, name)[:, real], getattr(ws, name).view(H, tiles, 16, D)[:, real]), name
-    _, U = backward._forward_recompute(ops, backward._KERNEL)
-    out = mirror._mma(ops.mqk, U, c=mirror._mma(ops.qd, ops.S)).bfloat16()
+    _, U = chains.forward_recompute(ops, common.KERNEL)
+    out = common.mma(ops.mqk, U, c=common.mma(ops.qd, ops.S)).bfloat16()
     rows = out.reshape(H, tiles * 16, D)[:, tile_map.row_of_token].movedim(0, 1)
     assert torch.equal(rows, o[0])
-    after = mirror._mma(ops.kr.transpose(-1, -2), U, c=ops.gt[..., None] * ops.S.float()).bfloat16()
+    after = common.mma(ops.kr.transpose(-1, -2), U, c=ops.gt[..., None] * ops.S.float()).bfloat16()
     bases = tile_map.bases.tolist()
     for n in range(len(lengths)):
         for tile in range(bases[n], bases[n + 1] - 1):  # the tile after it belongs to the same sequence
@@ -300,9 +300,9 @@ def test_one_tile_is_the_contract_literally():
     states, state_grads = (torch.randn(block_states_shape(ws, H, 1, 1), generator=gen).bfloat16() for _ in range(2))
     got = mirror_bwd_grads(q, k, g, beta, v, do, du, ws, states, state_grads, **gate)
 
-    consts = mirror.Constants.make(-5.0, D ** -0.5)
-    tile_map = mirror._tile_map(None, 1, 16, 1, torch.device("cpu"))
-    rows = mirror._k1_rows(q, k, g, beta, kw["A_log"], kw["dt_bias"], consts, tile_map, True, True)
+    consts = common.Constants.make(-5.0, D ** -0.5)
+    tile_map = common.tile_map_of(None, 1, 16, 1, torch.device("cpu"))
+    rows = mirror.k1_rows(q, k, g, beta, kw["A_log"], kw["dt_bias"], consts, tile_map, True, True)
     e, ei, er = (t[:, 0].double() for t in (rows.decay, rows.decay_inv, rows.decay_rest))  # [H, 16, K]
     qd, kd, kinv, kr = (t[:, 0].double() for t in (rows.qd, rows.kd, rows.kinv, rows.kr))
     inv, mqk, b, gT = ws.inv.double(), ws.mqk.double(), ws.beta.double(), ws.gt
@@ -340,7 +340,7 @@ def test_one_tile_is_the_contract_literally():
         dgp[:, r] = running + dG_last
     x = rows.x.view(16, H, D).transpose(0, 1)
     scaled = x * LOG2E
-    dsig = (1.0 / (1.0 + mirror.ex2_approx(-scaled))) * (1.0 / (1.0 + mirror.ex2_approx(scaled)))
+    dsig = (1.0 / (1.0 + common.ex2_approx(-scaled))) * (1.0 / (1.0 + common.ex2_approx(scaled)))
     dx = dgp * consts.c_gate * dsig
     dg = dx * rows.e_a[:, None, None]
     q32, k32 = (t[0].transpose(0, 1).float() for t in (q, k))

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from cute_kda.reference import gold_forward, mirror, mirror_forward, mirror_prepare, mirror_recurrence, rel_rms, tile_bases
+from cute_kda.numerics import EPS
+from cute_kda.reference import common, gold_forward, mirror_forward, mirror_prepare, mirror_recurrence, rel_rms, tile_bases
 from cute_kda.workspace import WorkspaceSpec, tiles_per_head
 
 TOL = 6e-3
@@ -302,7 +303,7 @@ def test_input_validation():
 def test_l2norm_sum_order_is_literal():
     """ss = butterfly over 16 sequential partials of 8 squares, each step an fp32 addition."""
     x = torch.randn(5, D).bfloat16().float() * 3
-    got = mirror._l2norm_rinv(x, mirror.EPS)[:, 0]
+    got = common.l2norm_rinv(x, EPS)[:, 0]
     f32 = np.float32
     for row, value in zip(x.numpy(), got.tolist()):
         partials = []
@@ -319,26 +320,26 @@ def test_l2norm_sum_order_is_literal():
 
 
 def test_constants_are_double_then_fp32():
-    c = mirror.Constants.make(-5.0, 128 ** -0.5)
+    c = common.Constants.make(-5.0, 128 ** -0.5)
     assert c.log2e == float(np.float32(math.log2(math.e)))
     assert c.c_gate == float(np.float32(-5.0 * math.log2(math.e)))
     assert c.scale == float(np.float32(128 ** -0.5)) and c.eps == float(np.float32(1e-6))
     # c_gate is not the fp32 product of the rounded factors for every bound (one rounding, not two)
-    assert any(mirror.Constants.make(lb, 1.0).c_gate != float(np.float32(lb) * np.float32(math.log2(math.e)))
+    assert any(common.Constants.make(lb, 1.0).c_gate != float(np.float32(lb) * np.float32(math.log2(math.e)))
                for lb in (-5.0, -4.3, -3.7, -2.9, -1.3, -0.7, -0.35))
 
 
 def test_cpu_fallback_is_flagged_once():
-    assert not mirror.intrinsics_exact("cpu")
-    assert mirror.intrinsics_exact(torch.device("cuda", 0))
-    assert mirror.INTRINSICS_EXACT == torch.cuda.is_available()
-    mirror._warned_inexact = False
+    assert not common.intrinsics_exact("cpu")
+    assert common.intrinsics_exact(torch.device("cuda", 0))
+    assert common.INTRINSICS_EXACT == torch.cuda.is_available()
+    common._warned_inexact = False
     with pytest.warns(RuntimeWarning, match="close to, not equal to"):
-        mirror.ex2_approx(torch.zeros(3))
+        common.ex2_approx(torch.zeros(3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        mirror.tanh_approx(torch.zeros(3))
-    ftz = mirror.ex2_approx(torch.tensor([-127.5, -1000.0, 1e-40, -math.inf, 3.0]))
+        common.tanh_approx(torch.zeros(3))
+    ftz = common.ex2_approx(torch.tensor([-127.5, -1000.0, 1e-40, -math.inf, 3.0]))
     assert ftz.tolist() == [0.0, 0.0, 1.0, 0.0, 8.0]
 
 

@@ -1,6 +1,6 @@
 """Elementwise kernel applying one approximate PTX math instruction to an fp32 tensor.
 
-The mirror reference (``cute_kda.reference.mirror``) evaluates ``tanh.approx.f32``,
+The mirror references (``cute_kda.reference.common``) evaluate ``tanh.approx.f32``,
 ``ex2.approx.ftz.f32`` and ``lg2.approx.f32`` through this kernel so that its results carry exactly the rounding of the
 instructions the forward kernels issue (docs/numerics.md). Every variant uses the device helpers
 of ``cute_kda.kernels.common.fastmath``, the same ones the forward kernels call.

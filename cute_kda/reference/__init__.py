@@ -1,15 +1,24 @@
-"""Torch references for the kernels.
+"""Torch references for the kernels, in three kinds that import one another only downwards.
 
-- :mod:`.gold`: the token recurrence in fp64 (or any dtype), differentiable — the accuracy yardstick.
-- :mod:`.mirror`: the chunk-16 algorithm with the kernels' rounding, step by step as
-  docs/numerics.md fixes it — the exact-comparison reference for K1 and K2.
-- :mod:`.backward`: gold gradients by autograd; the backward's reverse state-gradient scan (Kernel A),
-  its per-tile gradients (Kernel B) and the whole backward chain, with the kernels' rounding and in
-  exact float64.
-- :mod:`.gates`: every gate (issue 12): the overflow-free pairwise K1 formulation, exact (forward and backward
-  chain) and with the rounding of each proposed K1 scheme, and the backward with a tile-gradient kernel's
-  proposed rounding (:func:`~.gates.mirror_backward_gates`).
+The gold:
 
+- :mod:`.gold`: the token recurrence in fp64 (or any dtype) and its gradients by autograd — the accuracy
+  yardstick.
+
+Mirrors of what ships, with the kernels' rounding, step by step as docs/numerics.md fixes it — the
+exact-comparison references of the kernels:
+
+- :mod:`.mirror`: K1 of the safe gate and K2 (the forward);
+- :mod:`.gates`: K1 and Kernel B of the unbounded gates, by the kernels' schemes ``dyadic`` (per channel) and
+  ``per_head`` (GatedDeltaNet);
+- :mod:`.backward`: Kernel A, Kernel B of the safe gate and the whole backward chain for every gate.
+
+The exact chains, the same formulas in float64 without rounding, equal to the gold to fp64 precision:
+
+- :mod:`.exact`: the safe gate's chain (kinv form) and the every-gate chain (pair-decay form).
+
+Shared by all: :mod:`.common` (the intrinsics, constants, tensor-core sums, tile maps, row sums) and
+:mod:`.chains` (Kernel A's and Kernel B's chains in either arithmetic, for the mirrors and the exact chains).
 Importing this package needs no GPU and does not import the CuTe DSL.
 """
 
@@ -17,31 +26,23 @@ from __future__ import annotations
 
 import torch
 
-from .backward import (
-    BwdGradsResult,
-    BwdScanResult,
+from .backward import mirror_backward, mirror_bwd_grads, mirror_bwd_scan
+from .chains import BwdGradsResult, BwdScanResult
+from .common import intrinsics_exact, tile_bases
+from .exact import (
     FwdStatesResult,
     chunk_backward_exact,
+    chunk_backward_gates_exact,
     chunk_bwd_grads_exact,
     chunk_bwd_scan_exact,
+    chunk_forward_gates_exact,
     chunk_fwd_states_exact,
-    gold_backward,
-    mirror_backward,
-    mirror_bwd_grads,
-    mirror_bwd_scan,
     prepare_exact,
+    prepare_gates_exact,
 )
-from .gates import (
-    K1_SCHEMES,
-    chunk_backward_pairwise_exact,
-    chunk_forward_pairwise_exact,
-    mirror_backward_gates,
-    mirror_bwd_grads_gates,
-    mirror_prepare_gates,
-    prepare_pairwise_exact,
-)
-from .gold import gold_forward
-from .mirror import intrinsics_exact, mirror_forward, mirror_prepare, mirror_recurrence, tile_bases
+from .gates import K1_SCHEMES, mirror_bwd_grads_gates, mirror_prepare_gates
+from .gold import gold_backward, gold_forward
+from .mirror import mirror_forward, mirror_prepare, mirror_recurrence
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -65,16 +66,15 @@ __all__ = [
     "BwdScanResult",
     "FwdStatesResult",
     "chunk_backward_exact",
-    "chunk_backward_pairwise_exact",
+    "chunk_backward_gates_exact",
     "chunk_bwd_grads_exact",
     "chunk_bwd_scan_exact",
-    "chunk_forward_pairwise_exact",
+    "chunk_forward_gates_exact",
     "chunk_fwd_states_exact",
     "gold_backward",
     "gold_forward",
     "intrinsics_exact",
     "mirror_backward",
-    "mirror_backward_gates",
     "mirror_bwd_grads_gates",
     "mirror_bwd_grads",
     "mirror_bwd_scan",
@@ -83,7 +83,7 @@ __all__ = [
     "mirror_prepare_gates",
     "mirror_recurrence",
     "prepare_exact",
-    "prepare_pairwise_exact",
+    "prepare_gates_exact",
     "rel_rms",
     "tile_bases",
 ]

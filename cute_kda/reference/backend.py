@@ -18,7 +18,8 @@ from ..executors.stages import (
 from ..workspace import workspace_views
 from .backward import mirror_bwd_grads, mirror_bwd_scan
 from .gates import mirror_bwd_grads_gates, mirror_prepare_gates
-from .mirror import mirror_prepare, mirror_recurrence, tile_bases
+from .common import tile_bases
+from .mirror import mirror_prepare, mirror_recurrence
 
 
 def _reference_forward(x: Inputs, options: Options, segment_states: torch.Tensor | None = None) -> ForwardResult:

@@ -1,8 +1,9 @@
-"""Gold reference: the KDA token recurrence (docs/design.md §1) in high precision.
+"""Gold reference: the KDA token recurrence (docs/design.md §1) in high precision, and its gradients.
 
 Plain torch, one token at a time, batched over sequences and heads; differentiable with autograd
-(no in-place updates). It is the yardstick for every accuracy figure of the kernels and of the
-chunk-16 mirror; speed is not a goal.
+(no in-place updates). :func:`gold_forward` is the yardstick for every accuracy figure of the kernels and
+of the chunk-16 mirrors, :func:`gold_backward` (autograd through it in fp64) for every gradient; speed is
+not a goal.
 
 Every gate users run (issue 12): a per-channel gate ``[B, T, HV, K]`` (KDA) or a per-head scalar gate
 ``[B, T, HV]`` (GatedDeltaNet, broadcast over the K channels), each as the safe (bounded) form, the
@@ -12,6 +13,8 @@ head ``j // (HV / H)`` as FLA does.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -224,3 +227,55 @@ def gold_forward(
     if not output_final_state:
         return o, None
     return o, final.transpose(-1, -2) if state_layout == "vk" else final
+
+
+def gold_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    do: torch.Tensor,
+    *,
+    dht: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+    **forward_options: Any,
+) -> dict[str, torch.Tensor | None]:
+    """Gradients of ``Σ o·do + Σ final_state·dht`` through :func:`gold_forward`, by autograd.
+
+    Inputs and keywords as :func:`gold_forward`, which this calls with ``forward_options`` (``scale``, ``gate``,
+    ``lower_bound``, ``qk_l2norm``, ``beta_logits``, ``state_layout``, ``cu_seqlens``) and ``output_final_state``
+    set as needed; every input is widened to ``dtype`` first. ``do`` ``[B, T, H, V]``; ``dht`` (optional) is the
+    gradient w.r.t. the final state, ``[N, H, V, K]`` for ``state_layout="vk"`` or ``[N, H, K, V]`` for ``"kv"``.
+
+    Returns, in ``dtype``, each with the shape of its input as given: ``dq``, ``dk``, ``dv``,
+    ``dg`` (w.r.t. the raw gate input g), ``dbeta`` (w.r.t. beta as given: the logits when
+    ``beta_logits``), ``dA_log``, ``ddt_bias`` (None when that input is None; zeros when the gate
+    does not use it), ``dh0`` (w.r.t. ``initial_state`` in ``state_layout``; None without one).
+    """
+    if do.shape != v.shape:
+        raise ValueError(f"do has shape {tuple(do.shape)}, v {tuple(v.shape)}")
+    inputs = {"dq": q, "dk": k, "dv": v, "dg": g, "dbeta": beta, "dA_log": A_log, "ddt_bias": dt_bias,
+              "dh0": initial_state}
+    leaves = {name: x.detach().to(dtype).requires_grad_() for name, x in inputs.items() if x is not None}
+    with torch.enable_grad():
+        o, final = gold_forward(
+            leaves["dq"], leaves["dk"], leaves["dv"], leaves["dg"], leaves["dbeta"], A_log=leaves.get("dA_log"),
+            dt_bias=leaves.get("ddt_bias"), initial_state=leaves.get("dh0"), output_final_state=dht is not None,
+            dtype=dtype, **forward_options,
+        )
+        loss = (o * do.to(device=o.device, dtype=dtype)).sum()
+        if dht is not None:
+            if dht.shape != final.shape:
+                raise ValueError(f"dht has shape {tuple(dht.shape)}, the final state {tuple(final.shape)}")
+            loss = loss + (final * dht.to(device=final.device, dtype=dtype)).sum()
+        # no token and no dht: the loss is a constant (0) and every gradient is 0
+        grads = (torch.autograd.grad(loss, list(leaves.values()), allow_unused=True) if loss.requires_grad
+                 else [None] * len(leaves))
+    out: dict[str, torch.Tensor | None] = dict.fromkeys(inputs)
+    for (name, leaf), grad in zip(leaves.items(), grads):
+        out[name] = torch.zeros_like(leaf) if grad is None else grad
+    return out
