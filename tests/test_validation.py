@@ -304,11 +304,10 @@ def test_log_decay_takes_bf16_or_fp32_and_no_constants():
 @pytest.mark.parametrize("gate", ["softplus", "none"])
 def test_unbounded_gates_train(gate, monkeypatch):
     """A per-channel unbounded gate under grad takes the training path (Kernel B's dyadic variant)."""
-    from cute_kda import autograd
+    from cute_kda.executors import training
 
     seen = []
-    monkeypatch.setattr(autograd, "train", lambda backend, problem, *tensors, **options: seen.append(
-        options["gate"]) or (tensors[2], None))
+    monkeypatch.setattr(training, "train", lambda backend, call: seen.append(call.options.gate) or (call.inputs.v, None))
     inputs = make_inputs()
     if gate == "none":
         inputs.update(g=-inputs["g"].float().abs(), A_log=None, dt_bias=None)
