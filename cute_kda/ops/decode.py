@@ -17,6 +17,7 @@ import functools
 
 import torch
 
+from ..device import sm_count
 from ..kernels.decode import DecodeVariant
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, fake_stream, on_device, to_cute_tensor,
@@ -39,8 +40,6 @@ def variant_of(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_l
 @functools.lru_cache(maxsize=4096)  # a call's host path: a look-up instead of a device query and the heuristic
 def auto_vsplit(num_seqs: int, value_heads: int, index: int, state_layout: str, state_dtype: torch.dtype) -> int:
     """:meth:`DecodeVariant.choose_vsplit` on device ``index``'s SMs."""
-    from ..config import sm_count
-
     return DecodeVariant.choose_vsplit(num_seqs, value_heads, sm_count(index), state_layout, _STATE_DTYPES[state_dtype])
 
 
