@@ -224,8 +224,7 @@ def _bwd_grads_build(varlen: bool, gate: str = "safe", per_head: bool = True) ->
         import cutlass
 
         from cute_kda.dsl import cute
-        from cute_kda.kernels.bwd_grads import BwdGrads
-        from cute_kda.layouts import bwd_grads as plan
+        from cute_kda.kernels.bwd_grads import bwd_grads_kernel
         from cute_kda.ops import bwd_grads as kb
         from cute_kda.ops._cache import to_cute_tensor
         from cute_kda.workspace import WorkspaceSpec, allocate_workspace, block_states_shape, tiles_per_head
@@ -251,9 +250,9 @@ def _bwd_grads_build(varlen: bool, gate: str = "safe", per_head: bool = True) ->
             cu_seqlens=torch.tensor([0, 40, tokens]) if varlen else None,
             tile_base=torch.tensor([0, 3, 4], dtype=torch.int32) if varlen else None, tensor=to_cute_tensor,
         )
-        kernel = BwdGrads(varlen=varlen, gate=gate, gate_dtype=cutlass.BFloat16, per_head_gate=gdn, grouped=gdn)
-        budget = plan.variant_budget(kernel.warps, per_head_gate=kernel.per_head_gate, dyadic=kernel.dyadic)
-        return kernel, (*args, cute.runtime.make_fake_stream()), budget
+        kernel = bwd_grads_kernel(varlen=varlen, gate=gate, gate_dtype=cutlass.BFloat16, per_head_gate=gdn,
+                                  grouped=gdn)
+        return kernel, (*args, cute.runtime.make_fake_stream()), kernel.smem_budget()
     return build
 
 

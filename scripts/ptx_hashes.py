@@ -225,14 +225,14 @@ def _kb(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: st
         grouped: bool, compute_warps: int) -> tuple:
     import torch
 
-    from cute_kda.kernels.bwd_grads import BwdGrads
+    from cute_kda.kernels.bwd_grads import bwd_grads_kernel
     from cute_kda.ops._cache import dsl_type, fake_stream, to_cute_tensor
     from cute_kda.ops.bwd_grads import gate_partials_shapes, launch_arguments
     from cute_kda.workspace import block_states_shape
 
-    kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=compute_warps,
-                      gate=gate, gate_dtype=dsl_type(_torch_dtype(g_dtype)), per_head_gate=per_head_gate,
-                      grouped=grouped)
+    kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+                              compute_warps=compute_warps, gate=gate, gate_dtype=dsl_type(_torch_dtype(g_dtype)),
+                              per_head_gate=per_head_gate, grouped=grouped)
     f32 = torch.float32
     qk, tokens, ws = _meta(1, T, 1 if grouped else HEADS, D), _meta(1, T, HEADS, D), _workspace(HEADS, 4)
     channels = () if per_head_gate else (D,)

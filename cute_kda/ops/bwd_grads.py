@@ -113,11 +113,12 @@ def compiled_variant(key: tuple, tensors: tuple, options: dict, stream):
     grouped, device)``, built on first use."""
 
     def build():
-        from ..kernels.bwd_grads import BwdGrads
+        from ..kernels.bwd_grads import bwd_grads_kernel
 
         varlen, qk_l2norm, beta_logits, compute_warps, gate, per_head, g_dtype, grouped, _ = key
-        kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=compute_warps,
-                          gate=gate, gate_dtype=dsl_type(g_dtype), per_head_gate=per_head, grouped=grouped)
+        kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+                                  compute_warps=compute_warps, gate=gate, gate_dtype=dsl_type(g_dtype),
+                                  per_head_gate=per_head, grouped=grouped)
         return compile_for_launch(kernel, *launch_arguments(*tensors, **options, tensor=to_cute_tensor), stream)
 
     return _CACHE.get(key, build)
