@@ -128,8 +128,7 @@ def _prepare_build(varlen: bool, gate: str = "safe", g_dtype: torch.dtype = torc
     """K1 of one gate; ``gdn``: GatedDeltaNet's per-head gate with two value heads per q/k head."""
     def build():
         from cute_kda.dsl import cute
-        from cute_kda.kernels.fwd_prepare import PrepareKernel
-        from cute_kda.layouts import fwd_prepare as plans
+        from cute_kda.kernels.fwd_prepare import prepare_kernel
         from cute_kda.ops import prepare as k1
         from cute_kda.ops._cache import dsl_type, to_cute_tensor
         from cute_kda.workspace import WorkspaceSpec, allocate_workspace, tiles_per_head
@@ -150,10 +149,8 @@ def _prepare_build(varlen: bool, gate: str = "safe", g_dtype: torch.dtype = torc
             D ** -0.5, LOWER_BOUND, tokens, cu_seqlens, tile_base, cute.runtime.make_fake_stream(),
             tensor=to_cute_tensor,
         )
-        kernel = PrepareKernel(varlen=varlen, gate=gate, gate_dtype=dsl_type(g_dtype), per_head_gate=gdn, grouped=gdn)
-        budget = (plans.per_head_smem_budget if gdn else plans.smem_budget if gate == "safe"
-                  else plans.pairwise_smem_budget)  # the plan the kernel's launch asks for
-        return kernel, args, budget()
+        kernel = prepare_kernel(varlen=varlen, gate=gate, gate_dtype=dsl_type(g_dtype), per_head_gate=gdn, grouped=gdn)
+        return kernel, args, kernel.smem_budget()  # the plan the kernel's launch asks for
     return build
 
 

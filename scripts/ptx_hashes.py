@@ -1,7 +1,7 @@
 """Hash the sm_90a PTX of every kernel variant the package ships, on the CPU: a refactor check.
 
-Compiles each variant of K1 (``kernels/fwd_prepare.py``), K2 (``kernels/fwd_recurrence.py``), Kernel A
-(``kernels/bwd_scan.py``), Kernel B (``kernels/bwd_grads.py``) and the varlen tile prefix
+Compiles each variant of K1 (``kernels/fwd_prepare/``), K2 (``kernels/fwd_recurrence.py``), Kernel A
+(``kernels/bwd_scan.py``), Kernel B (``kernels/bwd_grads/``) and the varlen tile prefix
 (``kernels/tile_prefix.py``) from fake tensors (``meta`` tensors through the launchers' own
 ``launch_arguments``, so ranks, dtypes and alignments are what ships) and prints
 ``{variant: sha256 of the normalized PTX}`` as JSON. Run it before and after a change that should not change
@@ -107,9 +107,9 @@ def variants() -> dict[str, tuple]:
                                                             snapshot_every=every, token_outputs=False))
     for vsplit, warps_grid in SCAN_TUNING_GRID.items():
         for warps, stages, split in itertools.product(warps_grid, (2, 4), (False, True)):
-            found[f"ka/vs{vsplit}/fp32-fp32/varlen/every1/warps{warps}-stages{stages}" + _label(split, "-split", "")] = (
-                "ka", dict(vsplit=vsplit, dht="fp32", dh0="fp32", varlen=True, snapshot_every=1, compute_warps=warps,
-                           output_stages=stages, split_accumulator=split))
+            name = f"ka/vs{vsplit}/fp32-fp32/varlen/every1/warps{warps}-stages{stages}" + _label(split, "-split", "")
+            found[name] = ("ka", dict(vsplit=vsplit, dht="fp32", dh0="fp32", varlen=True, snapshot_every=1,
+                                      compute_warps=warps, output_stages=stages, split_accumulator=split))
     for gate, g_dtype, per_head in PER_CHANNEL_GATES + PER_HEAD_GATES:
         for grouped in (False, True) if gate != "safe" else (False,):
             for flags in FLAGS:
@@ -158,13 +158,13 @@ def _k1(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: st
         grouped: bool, **tuning: int) -> tuple:
     import torch
 
-    from cute_kda.kernels.fwd_prepare import PrepareKernel
+    from cute_kda.kernels.fwd_prepare import prepare_kernel
     from cute_kda.ops._cache import dsl_type, fake_stream, to_cute_tensor
     from cute_kda.ops.prepare import launch_arguments
 
-    kernel = PrepareKernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
-                           gate_dtype=dsl_type(_torch_dtype(g_dtype)), per_head_gate=per_head_gate, grouped=grouped,
-                           **tuning)
+    kernel = prepare_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
+                            gate_dtype=dsl_type(_torch_dtype(g_dtype)), per_head_gate=per_head_gate, grouped=grouped,
+                            **tuning)
     qk_heads = 1 if grouped else HEADS
     channels = () if per_head_gate else (D,)
     q = _meta(1, T, qk_heads, D)

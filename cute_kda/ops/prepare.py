@@ -206,11 +206,10 @@ def compiled_variant(varlen: bool, qk_l2norm: bool, beta_logits: bool, index: in
     compiled (from fake tensors) on first use."""
 
     def build():
-        from ..kernels.fwd_prepare import PrepareKernel
+        from ..kernels.fwd_prepare import prepare_kernel
 
-        kernel = PrepareKernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
-                               gate_dtype=dsl_type(g_dtype), per_head_gate=per_head_gate,
-                               grouped=grouped)
+        kernel = prepare_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
+                                gate_dtype=dsl_type(g_dtype), per_head_gate=per_head_gate, grouped=grouped)
         return compile_for_launch(kernel, *_compile_arguments(varlen, gate, g_dtype, per_head_gate, grouped))
 
     return _PREPARE.get((varlen, qk_l2norm, beta_logits, gate, g_dtype, per_head_gate, grouped, index), build)

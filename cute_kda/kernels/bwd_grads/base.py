@@ -35,7 +35,7 @@ bwd_grads_kernel` picks one from the variant's flags.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
@@ -149,21 +149,26 @@ class BwdGrads(TokenPrep):
     (:data:`cute_kda.numerics.GATES`) and ``gate_dtype`` (bf16, or fp32 with gate "none"); ``grouped`` value heads
     (value head ``h`` reads q/k head ``h // (HV / H)``).
 
-    A scheme's subclass sets :attr:`per_head_gate` (g ``[.., HV]`` instead of ``[.., HV, D]``), :attr:`gate_tile`
-    (g comes by TMA with the other token tiles) and :attr:`ctas_per_sm`, and provides :meth:`smem_budget`,
-    :meth:`make_smem`, :meth:`tile_gradients` (its phases) and :meth:`dl_pairs` (the ``A`` of dβ)."""
+    A scheme's subclass sets :attr:`gates`, :attr:`per_head_gate` (g ``[.., HV]`` instead of ``[.., HV, D]``),
+    :attr:`gate_tile` (g comes by TMA with the other token tiles), :attr:`grouped_heads`, :attr:`ctas_per_sm` and
+    :attr:`smem_plan`, and provides :meth:`make_smem`, :meth:`tile_gradients` (its phases) and :meth:`dl_pairs`
+    (the ``A`` of dβ)."""
 
     gates = ("softplus", "none")  # the gate forms the scheme takes
     per_head_gate = False
     gate_tile = False
+    grouped_heads = True  # built for grouped value heads
     ctas_per_sm = plan.CTAS_PER_SM
+    smem_plan: Callable[..., SmemBudget]  # of (warps, D)
 
-    def __init__(self, *, varlen: bool, gate: str, qk_l2norm: bool = True, beta_logits: bool = True,
+    def __init__(self, *, varlen: bool, gate: str = "safe", qk_l2norm: bool = True, beta_logits: bool = True,
                  compute_warps: int = plan.DEFAULT_WARPS, gate_dtype: type = BFloat16, grouped: bool = False) -> None:
         if compute_warps not in plan.COMPUTE_WARPS:
             raise ValueError(f"compute_warps must be one of {plan.COMPUTE_WARPS}, got {compute_warps}")
         if gate not in self.gates:
             raise ValueError(f"{type(self).__name__} takes gate {' or '.join(map(repr, self.gates))}, got {gate!r}")
+        if grouped and not self.grouped_heads:
+            raise NotImplementedError(f"grouped value heads are built for the unbounded gates only, not {gate!r}")
         if gate_dtype not in (BFloat16, Float32) or (gate_dtype is Float32 and gate != "none"):
             raise ValueError(f"g is bf16 (or fp32 with gate 'none'), got {gate_dtype} with gate {gate!r}")
         self.gate, self.gate_dtype, self.grouped = gate, gate_dtype, grouped
@@ -179,8 +184,8 @@ class BwdGrads(TokenPrep):
         self.decay_items = CHUNK * ROW_LANES // self.num_threads
 
     def smem_budget(self) -> SmemBudget:
-        """The scheme's shared-memory plan (``cute_kda.layouts.bwd_grads``)."""
-        raise NotImplementedError
+        """The shared-memory plan the launch asks for: the scheme's :attr:`smem_plan` (of ``layouts.bwd_grads``)."""
+        return self.smem_plan(self.warps, self.dim)
 
     @cute.jit
     def __call__(

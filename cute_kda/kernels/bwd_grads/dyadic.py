@@ -18,7 +18,6 @@ from cutlass import BFloat16, Float32, Int32
 
 from ...dsl import cute, cutlass
 from ...layouts import bwd_grads as plan
-from ...layouts.budget import SmemBudget
 from ...layouts.fwd_prepare import chunk_tile, gate_cumsum_tile, pair_matrix
 from ...layouts.smem import CHUNK, square_tile, square_tile_transposed, sw128_tile_transposed
 from ...numerics import DYADIC_BLOCKS, LN2
@@ -84,9 +83,7 @@ class DyadicBwdGrads(BwdGrads):
     dt_bias) or "none" (a per-channel log decay, ``gate_dtype`` bf16 or fp32); ``grouped`` value heads allowed."""
 
     ctas_per_sm = plan.DYADIC_CTAS_PER_SM
-
-    def smem_budget(self) -> SmemBudget:
-        return plan.dyadic_smem_budget(self.warps, self.dim)
+    smem_plan = staticmethod(plan.dyadic_smem_budget)
 
     def make_smem(self, storage) -> DyadicGradsSmem:
         tile, tile_t = chunk_tile(self.dim), sw128_tile_transposed(CHUNK, self.dim)

@@ -18,7 +18,6 @@ from cutlass import BFloat16, Float32, Int32
 
 from ...dsl import cute, cutlass
 from ...layouts import bwd_grads as plan
-from ...layouts.budget import SmemBudget
 from ...layouts.fwd_prepare import chunk_tile, pair_matrix
 from ...layouts.smem import CHUNK, square_tile_transposed, sw128_tile_transposed
 from ...numerics import LN2
@@ -41,9 +40,7 @@ class PerHeadBwdGrads(BwdGrads):
     decay, ``gate_dtype`` bf16 or fp32)."""
 
     per_head_gate = True
-
-    def smem_budget(self) -> SmemBudget:
-        return plan.per_head_smem_budget(self.warps, self.dim)
+    smem_plan = staticmethod(plan.per_head_smem_budget)
 
     @cute.jit
     def zero_partials(self, out: GradsOutputs, slot: Int32):

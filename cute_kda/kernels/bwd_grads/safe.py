@@ -15,7 +15,6 @@ from cutlass import BFloat16, Float32, Int32
 
 from ...dsl import cute, cutlass
 from ...layouts import bwd_grads as plan
-from ...layouts.budget import SmemBudget
 from ...layouts.fwd_prepare import chunk_tile, gate_cumsum_tile
 from ...layouts.smem import CHUNK, square_tile_transposed, sw128_tile_transposed
 from ...numerics import LN2, LOG2E
@@ -37,14 +36,8 @@ class SafeBwdGrads(BwdGrads):
 
     gates = ("safe",)
     gate_tile = True
-
-    def __init__(self, *, varlen: bool, qk_l2norm: bool = True, beta_logits: bool = True,
-                 compute_warps: int = plan.DEFAULT_WARPS) -> None:
-        super().__init__(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=compute_warps,
-                         gate="safe", gate_dtype=BFloat16, grouped=False)
-
-    def smem_budget(self) -> SmemBudget:
-        return plan.smem_budget(self.warps, self.dim)
+    grouped_heads = False
+    smem_plan = staticmethod(plan.smem_budget)
 
     def make_smem(self, storage) -> SafeGradsSmem:
         tile, tile_t = chunk_tile(self.dim), sw128_tile_transposed(CHUNK, self.dim)
