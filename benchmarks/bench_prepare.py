@@ -41,14 +41,14 @@ TILE_BYTES = 3 * CHUNK * D * 2 + D * 4 + 2 * CHUNK * CHUNK * 2 + CHUNK * 4  # on
 
 
 def _direct_launch(threads: int, ctas: int, q, k, g, beta, a_log, dt_bias, ws, cu_seqlens, tile_base, steps):
-    """A compiled ``PrepareKernel(num_threads=threads, ctas_per_sm=ctas)`` bound to these tensors."""
-    from cute_kda.kernels.fwd_prepare import PrepareKernel
+    """A compiled ``SafePrepare(num_threads=threads, ctas_per_sm=ctas)`` bound to these tensors."""
+    from cute_kda.kernels.fwd_prepare import SafePrepare
     from cute_kda.ops._cache import compile_for_launch, current_stream, to_cute_tensor
     from cute_kda.ops.prepare import launch_arguments
 
     arguments = (q, k, g, beta, a_log, dt_bias, ws, D ** -0.5, LOWER_BOUND, steps, cu_seqlens, tile_base,
                  current_stream(q.device))
-    kernel = PrepareKernel(varlen=cu_seqlens is not None, num_threads=threads, ctas_per_sm=ctas)
+    kernel = SafePrepare(varlen=cu_seqlens is not None, num_threads=threads, ctas_per_sm=ctas)
     compiled = compile_for_launch(kernel, *launch_arguments(*arguments, tensor=to_cute_tensor))
     launch_args = launch_arguments(*arguments)
     return lambda: compiled(*launch_args)

@@ -2,7 +2,7 @@
 
 Nsight Compute on K1 and K2 of the second call (achieved occupancy, bandwidth, warp stalls):
 
-    ncu --clock-control none -k 'regex:PrepareKernel|FwdRecurrence' --launch-skip 2 --launch-count 2 \\
+    ncu --clock-control none -k 'regex:fwd_prepare|FwdRecurrence' --launch-skip 2 --launch-count 2 \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
         python3 benchmarks/profile_forward.py --shape B1_T8192_H96
 

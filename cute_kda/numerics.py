@@ -31,6 +31,18 @@ EPS = f32(1e-6)  # l2norm: x · rsqrt(Σx² + EPS)
 GATES = ("safe", "softplus", "none")
 # the unbounded gates' K1: straddle levels of blocks of 16, 8, 4 and 2 rows (docs/numerics.md, "dyadic")
 DYADIC_BLOCKS = (CHUNK, CHUNK // 2, CHUNK // 4, CHUNK // 8)
+# how the kernels compute a gate (docs/numerics.md): "safe" the bounded gate's decayed operands; "dyadic" the
+# per-channel unbounded gates' straddle levels; "per_head" one decay per (token, head) and the pair decays E
+GATE_SCHEMES = ("safe", "dyadic", "per_head")
+
+
+def gate_scheme(gate: str, per_head_gate: bool) -> str:
+    """The scheme (:data:`GATE_SCHEMES`) that computes ``gate`` per channel, or per head with ``per_head_gate``."""
+    if gate == "safe":
+        if per_head_gate:
+            raise ValueError("a per-head gate (GatedDeltaNet's) takes gate 'softplus' or 'none'")
+        return "safe"
+    return "per_head" if per_head_gate else "dyadic"
 
 
 def gate_constant(lower_bound: float) -> float:

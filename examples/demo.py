@@ -127,8 +127,7 @@ def _prepare_build(varlen: bool, gate: str = "safe", g_dtype: torch.dtype = torc
     """K1 of one gate; ``gdn``: GatedDeltaNet's per-head gate with two value heads per q/k head."""
     def build():
         from cute_kda.dsl import cute
-        from cute_kda.kernels.fwd_prepare import PrepareKernel
-        from cute_kda.layouts import fwd_prepare as plans
+        from cute_kda.kernels.fwd_prepare import prepare_kernel
         from cute_kda.ops import prepare as k1
         from cute_kda.ops._cache import dsl_type, to_cute_tensor
         from cute_kda.workspace import WorkspaceSpec, allocate_workspace, tiles_per_head
@@ -149,10 +148,8 @@ def _prepare_build(varlen: bool, gate: str = "safe", g_dtype: torch.dtype = torc
             D ** -0.5, LOWER_BOUND, tokens, cu_seqlens, tile_base, cute.runtime.make_fake_stream(),
             tensor=to_cute_tensor,
         )
-        kernel = PrepareKernel(varlen=varlen, gate=gate, gate_dtype=dsl_type(g_dtype), per_head_gate=gdn, grouped=gdn)
-        budget = (plans.per_head_smem_budget if gdn else plans.smem_budget if gate == "safe"
-                  else plans.pairwise_smem_budget)  # the plan the kernel's launch asks for
-        return kernel, args, budget()
+        kernel = prepare_kernel(varlen=varlen, gate=gate, gate_dtype=dsl_type(g_dtype), per_head_gate=gdn, grouped=gdn)
+        return kernel, args, kernel.smem_budget()  # the plan the kernel's launch asks for
     return build
 
 
@@ -223,8 +220,7 @@ def _bwd_grads_build(varlen: bool, gate: str = "safe", per_head: bool = True) ->
         import cutlass
 
         from cute_kda.dsl import cute
-        from cute_kda.kernels.bwd_grads import BwdGrads
-        from cute_kda.layouts import bwd_grads as plan
+        from cute_kda.kernels.bwd_grads import bwd_grads_kernel
         from cute_kda.ops import bwd_grads as kb
         from cute_kda.ops._cache import to_cute_tensor
         from cute_kda.workspace import WorkspaceSpec, allocate_workspace, block_states_shape, tiles_per_head
@@ -250,9 +246,9 @@ def _bwd_grads_build(varlen: bool, gate: str = "safe", per_head: bool = True) ->
             cu_seqlens=torch.tensor([0, 40, tokens]) if varlen else None,
             tile_base=torch.tensor([0, 3, 4], dtype=torch.int32) if varlen else None, tensor=to_cute_tensor,
         )
-        kernel = BwdGrads(varlen=varlen, gate=gate, gate_dtype=cutlass.BFloat16, per_head_gate=gdn, grouped=gdn)
-        budget = plan.variant_budget(kernel.warps, per_head_gate=kernel.per_head_gate, dyadic=kernel.dyadic)
-        return kernel, (*args, cute.runtime.make_fake_stream()), budget
+        kernel = bwd_grads_kernel(varlen=varlen, gate=gate, gate_dtype=cutlass.BFloat16, per_head_gate=gdn,
+                                  grouped=gdn)
+        return kernel, (*args, cute.runtime.make_fake_stream()), kernel.smem_budget()
     return build
 
 

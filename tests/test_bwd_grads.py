@@ -21,7 +21,7 @@ from test_reference_gates import BACKWARD_CASES
 from cute_kda.executors import stages
 from cute_kda.variants import GradsVariant
 from cute_kda.dsl import cute
-from cute_kda.kernels.bwd_grads import BwdGrads
+from cute_kda.kernels.bwd_grads import bwd_grads_kernel
 from cute_kda.layouts import bwd_grads as plan
 from cute_kda.ops import bwd_grads as kb
 from cute_kda.ops._cache import to_cute_tensor
@@ -77,7 +77,7 @@ def _compiled(variant):
         from cute_kda.compile_report import compile_with_report
 
         varlen, qk_l2norm, beta_logits, warps = variant
-        kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=warps)
+        kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=warps)
         _, report = compile_with_report(kernel, *_compile_args(varlen), cute.runtime.make_fake_stream())
         _COMPILED[variant] = (kernel, report)
     return _COMPILED[variant]
@@ -174,14 +174,14 @@ def _compile_unbounded(variant, per_head: bool):
     from cute_kda.ops._cache import dsl_type
 
     varlen, gate, g_dtype, grouped, qk_l2norm, beta_logits = variant
-    kernel = BwdGrads(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
-                      gate_dtype=dsl_type(g_dtype), per_head_gate=per_head, grouped=grouped)
+    kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
+                              gate_dtype=dsl_type(g_dtype), per_head_gate=per_head, grouped=grouped)
     buffers = (_per_head_buffers if per_head else _dyadic_buffers)(gate, grouped, varlen, g_dtype)
     arguments = kb.launch_arguments(*(buffers[name] for name in _LAUNCH_ORDER), scale=D ** -0.5, lower_bound=-5.0,
                                     cu_seqlens=buffers["cu_seqlens"], tile_base=buffers["tile_base"],
                                     tensor=to_cute_tensor)
     _, report = compile_with_report(kernel, *arguments, cute.runtime.make_fake_stream())
-    budget = plan.variant_budget(plan.DEFAULT_WARPS, per_head_gate=per_head, dyadic=not per_head)
+    budget = kernel.smem_budget()
     assert report.count("cp.async.bulk.tensor") == 5  # q, k, v, dO, du; the two state images by 1-D bulk copies
     assert report.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") == 2
     assert report.has("mbarrier.try_wait") and report.has("mbarrier.arrive.expect_tx")
@@ -207,9 +207,9 @@ def test_per_head_variant_compiles(variant):
 
 def test_refused_configurations():
     with pytest.raises(ValueError, match="per-head gate"):
-        BwdGrads(varlen=False, per_head_gate=True)
+        bwd_grads_kernel(varlen=False, per_head_gate=True)
     with pytest.raises(NotImplementedError, match="grouped"):
-        BwdGrads(varlen=False, grouped=True)
+        bwd_grads_kernel(varlen=False, grouped=True)
 
 
 # the per-channel unbounded gates (Kernel B's dyadic variant): (varlen, gate, g dtype, grouped, qk_l2norm, beta_logits)

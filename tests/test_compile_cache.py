@@ -53,7 +53,7 @@ def _generic(tensor, assumed_align=16, **kw):
 
 
 def _k1(tensor):
-    from cute_kda.kernels.fwd_prepare import PrepareKernel
+    from cute_kda.kernels.fwd_prepare import prepare_kernel
     from cute_kda.ops.prepare import launch_arguments
 
     heads, tokens = 2, 40
@@ -62,7 +62,7 @@ def _k1(tensor):
     args = launch_arguments(q, q, q, q[..., 0].contiguous(), torch.zeros(heads), torch.zeros(heads, D), ws, D ** -0.5,
                         -5.0, tokens, torch.tensor([0, 17, tokens]), torch.tensor([0, 2, 4], dtype=torch.int32),
                         cute.runtime.make_fake_stream(), tensor=tensor)
-    return PrepareKernel(varlen=True), args
+    return prepare_kernel(varlen=True), args
 
 
 def _k2(tensor):
@@ -218,7 +218,7 @@ def test_keys_names_and_fingerprints_do_not_share_entries(cache_dir, monkeypatch
 
 def test_fingerprint_follows_the_kernel_sources(monkeypatch, tmp_path):
     names = {path.relative_to(_disk_cache.PACKAGE).as_posix() for path in _disk_cache._source_files()}
-    assert {"kernels/fwd_recurrence.py", "kernels/fwd_prepare.py", "kernels/tile_prefix.py",
+    assert {"kernels/fwd_recurrence.py", "kernels/fwd_prepare/base.py", "kernels/tile_prefix.py",
             "layouts/smem.py", "ops/prepare.py", "numerics.py"} <= names
     assert "api.py" not in names and "validation.py" not in names  # host-side checks do not recompile
     before = _disk_cache.source_fingerprint()
@@ -389,7 +389,7 @@ def test_fake_compiled_launchers_match_dlpack_compiled_kernels(device):
     from test_api import make_inputs
 
     import cute_kda
-    from cute_kda.kernels.fwd_prepare import PrepareKernel
+    from cute_kda.kernels.fwd_prepare import prepare_kernel
     from cute_kda.kernels.fwd_recurrence import FwdRecurrence
     from cute_kda.ops import prepare as k1
     from cute_kda.ops import recurrence as k2
@@ -406,7 +406,7 @@ def test_fake_compiled_launchers_match_dlpack_compiled_kernels(device):
     ws = allocate_workspace(spec, device)
     stream = current_stream(device)
     args = (q, k, g, beta, inputs["A_log"], inputs["dt_bias"], ws, D ** -0.5, -5.0, q.shape[1], cu, tile_base, stream)
-    prepare = cute.compile(PrepareKernel(varlen=True), *k1.launch_arguments(*args, tensor=dlpack_tensor),
+    prepare = cute.compile(prepare_kernel(varlen=True), *k1.launch_arguments(*args, tensor=dlpack_tensor),
                            options=TVM_FFI_OPTION)
     prepare(*k1.launch_arguments(*args, tensor=launch_tensor))
     out, final = torch.empty_like(v), torch.empty_like(h0)

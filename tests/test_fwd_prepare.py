@@ -13,7 +13,7 @@ from ulp_check import assert_within_one_ulp
 from cute_kda.compile_report import compile_with_report
 from cute_kda.dsl import cute, cutlass
 from cute_kda.kernels.common.copy import warp_tiled_mma
-from cute_kda.kernels.fwd_prepare import PrepareInputs, PrepareKernel, WorkspaceTiles
+from cute_kda.kernels.fwd_prepare import PrepareInputs, PrepareKernel, WorkspaceTiles, prepare_kernel
 from cute_kda.kernels.tile_prefix import TilePrefixKernel
 from cute_kda.layouts import fwd_prepare as plan
 from cute_kda.layouts.analysis import MatrixAccess, byte_table, layout_spec, max_wavefronts, phase_wavefronts, run_traced
@@ -59,7 +59,7 @@ VARIANTS = {
     "varlen": dict(varlen=True),
     "fixed_plain": dict(varlen=False, qk_l2norm=False, beta_logits=False),
     "varlen_256threads": dict(varlen=True, num_threads=256, ctas_per_sm=5),
-    # the unbounded gates (docs/numerics.md, "Unbounded gates"): the pairwise K1
+    # the unbounded gates (docs/numerics.md, "Unbounded gates"): the dyadic K1
     "softplus": dict(varlen=False, gate="softplus"),
     "softplus_varlen_plain": dict(varlen=True, gate="softplus", qk_l2norm=False, beta_logits=False),
     "log_decay_fp32_varlen": dict(varlen=True, gate="none", gate_dtype=F32),
@@ -73,7 +73,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module", params=list(VARIANTS), ids=list(VARIANTS))
 def compiled(request):
-    kernel = PrepareKernel(**VARIANTS[request.param])
+    kernel = prepare_kernel(**VARIANTS[request.param])
     return (kernel, *_compile(kernel))
 
 
@@ -81,8 +81,8 @@ def test_ptx_primitives(compiled):
     kernel, report, _ = compiled
     if kernel.per_head_gate:
         return _check_per_head_ptx(kernel, report)
-    if kernel.pairwise:
-        return _check_pairwise_ptx(kernel, report)
+    if not kernel.gate_tile:
+        return _check_dyadic_ptx(kernel, report)
     # q, k, g: one 4-D TMA load each (two 64-column boxes of the 128-byte swizzle); qd, kd, kr: one store each
     assert report.count("cp.async.bulk.tensor.4d.shared::cta.global") == 3
     assert report.count("cp.async.bulk.tensor.3d.global.shared::cta") == 3
@@ -105,7 +105,7 @@ def test_ptx_primitives(compiled):
         assert not report.has("shfl.sync.bfly") and not report.has("sqrt")
 
 
-def _check_pairwise_ptx(kernel: PrepareKernel, report) -> None:
+def _check_dyadic_ptx(kernel: PrepareKernel, report) -> None:
     """The unbounded gates' K1: q, k by TMA (g column by column), the straddle levels on the tensor cores."""
     assert report.count("cp.async.bulk.tensor.4d.shared::cta.global") == 2
     assert report.count("cp.async.bulk.tensor.3d.global.shared::cta") == 3
@@ -169,7 +169,7 @@ def test_tma_copies_are_issued_by_one_elected_lane(compiled):
     lines = report.ptx.splitlines()
     bulk = [i for i, line in enumerate(lines) if re.match(r"\s*cp\.async\.bulk\.", line)]
     kernel = compiled[0]
-    assert len(bulk) == (2 if kernel.pairwise else 3) + 3 + 2  # loads, stores, commit_group + wait_group.read
+    assert len(bulk) == (3 if kernel.gate_tile else 2) + 3 + 2  # loads, stores, commit_group + wait_group.read
     unguarded = [lines[i].strip() for i in bulk if not _elected_lane_only(lines, i)]
     assert unguarded == []
 
@@ -177,8 +177,8 @@ def test_tma_copies_are_issued_by_one_elected_lane(compiled):
 def test_smem_is_the_plan(compiled):
     """The launch asks for exactly the bytes of ``layouts.fwd_prepare.smem_budget``; 8 CTAs fit per SM."""
     kernel, _, launch_smem = compiled
-    budget, size = ((plan.per_head_smem_budget(D), 22528) if kernel.per_head_gate
-                    else (plan.pairwise_smem_budget(D), 39936) if kernel.pairwise else (plan.smem_budget(D), 25600))
+    budget = kernel.smem_budget()
+    size = 22528 if kernel.per_head_gate else 25600 if kernel.gate_tile else 39936
     assert launch_smem == [budget.total_bytes] == [size]
     assert budget.ctas_per_sm >= kernel.ctas_per_sm
 
@@ -188,8 +188,7 @@ def test_no_local_memory_and_occupancy(compiled):
     assert report.local_memory_ops == 0 and report.spills == 0, report.summary()
     (entry,) = report.kernels
     assert entry.registers * kernel.num_threads * kernel.ctas_per_sm <= REGISTERS_PER_SM, report.summary()
-    budget = (plan.per_head_smem_budget(D) if kernel.per_head_gate else plan.pairwise_smem_budget(D)
-              if kernel.pairwise else plan.smem_budget(D))
+    budget = kernel.smem_budget()
     print(f"\n{report.summary()}\nsmem {budget.total_bytes} B/CTA; "
           f"{kernel.ctas_per_sm} CTAs × {kernel.num_threads} threads per SM")
 
@@ -233,7 +232,7 @@ def test_launcher_arguments_compile():
         q, q, q, q[..., 0].contiguous(), torch.zeros(H), torch.zeros(H, D), ws, D ** -0.5, -5.0, T,
         cu_seqlens, torch.tensor([0, 2, 4], dtype=torch.int32), cute.runtime.make_fake_stream(), tensor=to_cute_tensor,
     )
-    _, report = compile_with_report(PrepareKernel(varlen=True), *args)
+    _, report = compile_with_report(prepare_kernel(varlen=True), *args)
     assert report.count("cp.async.bulk.tensor") == 6 and report.spills == 0
 
 

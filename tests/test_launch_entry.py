@@ -25,7 +25,7 @@ def _same_kernel(kernel, *args) -> None:
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_prepare_entry(varlen):
-    from cute_kda.kernels.fwd_prepare import PrepareKernel
+    from cute_kda.kernels.fwd_prepare import prepare_kernel
     from cute_kda.ops.prepare import launch_arguments
 
     heads, tokens = 2, 40
@@ -36,13 +36,13 @@ def test_prepare_entry(varlen):
     ws = allocate_workspace(spec, "cpu")
     args = launch_arguments(q, q, q, q[..., 0].contiguous(), torch.zeros(heads), torch.zeros(heads, D), ws, D ** -0.5,
                         -5.0, tokens, cu_seqlens, tile_base, cute.runtime.make_fake_stream(), tensor=to_cute_tensor)
-    _same_kernel(PrepareKernel(varlen=varlen), *args)
+    _same_kernel(prepare_kernel(varlen=varlen), *args)
 
 
 @pytest.mark.parametrize("gate,dtype", [("softplus", torch.bfloat16), ("none", torch.float32)])
 def test_prepare_entry_unbounded_gates(gate, dtype):
     """The unbounded gates' K1 takes g in its own dtype and, for a log decay, no A_log / dt_bias (None)."""
-    from cute_kda.kernels.fwd_prepare import PrepareKernel
+    from cute_kda.kernels.fwd_prepare import prepare_kernel
     from cute_kda.ops.prepare import launch_arguments
 
     heads, tokens = 2, 40
@@ -52,7 +52,7 @@ def test_prepare_entry_unbounded_gates(gate, dtype):
     args = launch_arguments(q, q, q.to(dtype), q[..., 0].contiguous(), torch.zeros(heads) if constants else None,
                             torch.zeros(heads, D) if constants else None, allocate_workspace(spec, "cpu"), D ** -0.5,
                             -5.0, tokens, None, None, cute.runtime.make_fake_stream(), tensor=to_cute_tensor)
-    _same_kernel(PrepareKernel(varlen=False, gate=gate, gate_dtype=dsl_type(dtype)), *args)
+    _same_kernel(prepare_kernel(varlen=False, gate=gate, gate_dtype=dsl_type(dtype)), *args)
 
 
 @pytest.mark.parametrize("vsplit, state", [(1, None), (4, torch.float32)], ids=["vs1-none", "vs4-fp32"])

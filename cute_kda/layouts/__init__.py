@@ -14,7 +14,7 @@ buffer tables.
 from . import analysis, budget, bwd_scan, fwd_prepare, fwd_recurrence, smem, tma  # noqa: F401
 from .analysis import bank_conflict_table, check_transpose_dual, design_pairs, format_conflict_table  # noqa: F401
 from .budget import SmemBudget, k2_budget  # noqa: F401
-from .fwd_prepare import pairwise_smem_budget as k1_pairwise_budget  # noqa: F401
+from .fwd_prepare import dyadic_smem_budget as k1_dyadic_budget  # noqa: F401
 from .fwd_prepare import smem_budget as k1_budget  # noqa: F401
 from .fwd_recurrence import RecurrenceSmemPlan  # noqa: F401
 from .smem import (  # noqa: F401

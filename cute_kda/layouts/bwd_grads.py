@@ -205,17 +205,3 @@ def dyadic_smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) -> S
         mbarriers("tma_barrier", 1, "transaction barrier of the loads"),
     )
     return SmemBudget(f"Kernel B dyadic warps={warps} D={dim} CHUNK={chunk}", SmemGroup("DyadicGradsStorage", buffers))
-
-
-def variant_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK, per_head_gate: bool = False,
-                   dyadic: bool = False) -> SmemBudget:
-    """The plan of a Kernel B variant: :func:`per_head_smem_budget` for a per-head gate, :func:`dyadic_smem_budget`
-    for the per-channel unbounded gates (``dyadic``), else :func:`smem_budget`."""
-    budget = per_head_smem_budget if per_head_gate else dyadic_smem_budget if dyadic else smem_budget
-    return budget(warps, dim, chunk)
-
-
-def shared_storage(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK, per_head_gate: bool = False,
-                   dyadic: bool = False):
-    """The ``cute.struct`` of Kernel B's shared memory, from :func:`variant_budget`."""
-    return variant_budget(warps, dim, chunk, per_head_gate, dyadic).storage_struct()

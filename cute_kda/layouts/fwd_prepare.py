@@ -37,9 +37,8 @@ from .smem import CHUNK, HEAD_DIM, row_major_tile, sw128_tile
 DYADIC_LEVELS = len(DYADIC_BLOCKS)
 
 INPUT_TILES = 3  # q, k, g: the TMA transaction of one CTA
-PAIRWISE_INPUT_TILES = 2  # q, k: the unbounded gates' K1 reads g column by column instead
 BETA_ALIGN = 16  # β is read and written element by element, never by the TMA
-PAIRWISE_CTAS_PER_SM = 5  # the unbounded gates' K1: ≈ 39 KB of shared memory a CTA
+DYADIC_CTAS_PER_SM = 5  # the dyadic K1 (per-channel unbounded gates): ≈ 39 KB of shared memory a CTA
 PER_HEAD_CTAS_PER_SM = 8  # GatedDeltaNet's per-head gate: ≈ 22 KB a CTA, as many CTAs as the safe K1
 
 
@@ -84,7 +83,7 @@ def smem_budget(dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
     )))
 
 
-def pairwise_smem_budget(dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
+def dyadic_smem_budget(dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
     """Shared-memory plan of K1 for the unbounded gates (softplus, a precomputed log decay).
 
     The straddle levels of docs/numerics.md ("Unbounded gates", scheme ``dyadic``): level ``ℓ`` has blocks
@@ -104,7 +103,7 @@ def pairwise_smem_budget(dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
         SmemBuffer(f"lower_rows{pair}", tile, note=f"X lower rows of levels {2 * pair} (0-7) and {2 * pair + 1} (8-15)")
         for pair in range(DYADIC_LEVELS // 2)
     )
-    return SmemBudget(f"K1 unbounded gates D={dim} CHUNK={chunk}", SmemGroup("PairwisePrepareStorage", (
+    return SmemBudget(f"K1 unbounded gates D={dim} CHUNK={chunk}", SmemGroup("DyadicPrepareStorage", (
         SmemBuffer("q", tile, note="TMA-loaded q; qd written over it"),
         SmemBuffer("k", tile, note="TMA-loaded k; kd written over it"),
         SmemBuffer("kr", tile, note="kr = kh ⊙ 2^Gs (suffix sum)"),
@@ -141,13 +140,6 @@ def per_head_smem_budget(dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
         SmemBuffer("suffix_decay", rows, align_bytes=BETA_ALIGN, note="2^Gs per row (Gs the suffix sum)"),
         mbarriers("tma_barrier", 1, "transaction barrier of the q, k loads"),
     )))
-
-
-def shared_storage(dim: int = HEAD_DIM, chunk: int = CHUNK, pairwise: bool = False, per_head: bool = False):
-    """The ``cute.struct`` of K1's shared memory: :func:`smem_budget`'s (with ``pairwise``
-    :func:`pairwise_smem_budget`'s, with ``per_head`` :func:`per_head_smem_budget`'s) fields, offsets and size."""
-    budget = per_head_smem_budget if per_head else pairwise_smem_budget if pairwise else smem_budget
-    return budget(dim, chunk).storage_struct()
 
 
 def compact(tensor: cute.Tensor, inner: tuple) -> cute.Tensor:

@@ -115,11 +115,12 @@ def compiled_variant(variant: GradsVariant, index: int, tensors: tuple, options:
     (:func:`launch_arguments`' arguments, real or ``meta``)."""
 
     def build():
-        from ..kernels.bwd_grads import BwdGrads
+        from ..kernels.bwd_grads import bwd_grads_kernel
 
-        kernel = BwdGrads(varlen=variant.varlen, qk_l2norm=variant.qk_l2norm, beta_logits=variant.beta_logits,
-                          compute_warps=variant.compute_warps, gate=variant.gate, gate_dtype=dsl_type(variant.g_dtype),
-                          per_head_gate=variant.per_head_gate, grouped=variant.grouped)
+        kernel = bwd_grads_kernel(varlen=variant.varlen, qk_l2norm=variant.qk_l2norm,
+                                  beta_logits=variant.beta_logits, compute_warps=variant.compute_warps,
+                                  gate=variant.gate, gate_dtype=dsl_type(variant.g_dtype),
+                                  per_head_gate=variant.per_head_gate, grouped=variant.grouped)
         return compile_for_launch(kernel, *launch_arguments(*tensors, **options, tensor=to_cute_tensor), fake_stream())
 
     return _CACHE.get((variant, index), build)

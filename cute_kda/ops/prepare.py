@@ -184,11 +184,11 @@ def compiled_variant(variant: PrepareVariant, index: int):
     """The compiled K1 ``variant`` on device ``index``, compiled (from fake tensors) on first use."""
 
     def build():
-        from ..kernels.fwd_prepare import PrepareKernel
+        from ..kernels.fwd_prepare import prepare_kernel
 
-        kernel = PrepareKernel(varlen=variant.varlen, qk_l2norm=variant.qk_l2norm, beta_logits=variant.beta_logits,
-                               gate=variant.gate, gate_dtype=dsl_type(variant.g_dtype),
-                               per_head_gate=variant.per_head_gate, grouped=variant.grouped)
+        kernel = prepare_kernel(varlen=variant.varlen, qk_l2norm=variant.qk_l2norm, beta_logits=variant.beta_logits,
+                                gate=variant.gate, gate_dtype=dsl_type(variant.g_dtype),
+                                per_head_gate=variant.per_head_gate, grouped=variant.grouped)
         return compile_for_launch(kernel, *_compile_arguments(variant))
 
     return _PREPARE.get((variant, index), build)

@@ -1,0 +1,184 @@
+"""Kernel B for the bounded (safe) gate, FlashKDA's form: the phases of :mod:`.base` with
+
+2. *Recompute K1*: the gate scan ``G`` per channel (threads 0-127), the l2norm scales, qd, kd, kr and kinv
+   (over q, k, g and into kinv).
+5. *Channel products*: dqd, dkd, dkinv, dkr, then the token gradients of q̂ and k̂, ``dG`` and ``dkr ⊙ kr``.
+6. *Finish*: per channel (threads 0-127), the reverse cumsum of dG, the gate backward (dg, and the tile's
+   partial sums of ddt_bias and dA_log).
+
+g comes by TMA with the other token tiles; two CTAs per SM (``cute_kda.layouts.bwd_grads.smem_budget``).
+"""
+
+from __future__ import annotations
+
+from cutlass import BFloat16, Float32, Int32
+
+from ...dsl import cute, cutlass
+from ...layouts import bwd_grads as plan
+from ...layouts.fwd_prepare import chunk_tile, gate_cumsum_tile
+from ...layouts.smem import CHUNK, square_tile_transposed, sw128_tile_transposed
+from ...numerics import LN2, LOG2E
+from ..common.copy import Operand, make_fragment
+from ..common.fastmath import ex2_approx
+from .base import (
+    K_STEPS, BwdGrads, GradsInputs, GradsOutputs, GradsScalars, GradsStates, GradsWorkspace, TileLocation, smem_bundle,
+)
+
+SafeGradsSmem = smem_bundle(
+    "SafeGradsSmem",
+    ("g", "qd_t", "kd_t", "kinv", "kinv_t", "cumsum", "dg_cum", "dkr_col", "dmqk_t", "dlb_t", "dalog_w"),
+    "Shared-memory tensors of one CTA with the safe gate (``layouts.bwd_grads.smem_budget``): kr is written over g.",
+)
+
+
+class SafeBwdGrads(BwdGrads):
+    """Kernel B for the safe gate (bf16 g, per channel; no grouped value heads)."""
+
+    gates = ("safe",)
+    gate_tile = True
+    grouped_heads = False
+    smem_plan = staticmethod(plan.smem_budget)
+
+    def make_smem(self, storage) -> SafeGradsSmem:
+        tile, tile_t = chunk_tile(self.dim), sw128_tile_transposed(CHUNK, self.dim)
+        fp32 = gate_cumsum_tile(self.dim)
+        sq_t = square_tile_transposed()
+        view = self.view
+        early = storage.vdu_then_dg.inputs_vdu
+        # kr is written over g (smem plan): both names view the same bytes
+        return SafeGradsSmem(
+            **self.shared_views(storage, v=early.v, du=early.du, kr=storage.g, state=storage.state,
+                                state_grad=storage.state_grad),
+            g=view(storage.g, tile), qd_t=view(storage.q, tile_t), kd_t=view(storage.k, tile_t),
+            kinv=view(storage.kinv, tile), kinv_t=view(storage.kinv, tile_t),
+            cumsum=view(storage.cumsum, fp32, Float32), dg_cum=view(storage.vdu_then_dg.dg_cum, fp32, Float32),
+            dkr_col=view(storage.dkr_col, plan.vector(self.dim), Float32), dmqk_t=view(storage.dmqk, sq_t),
+            dlb_t=view(storage.dlb, sq_t), dalog_w=view(storage.dalog_w, plan.vector(plan.CHANNEL_WARPS), Float32),
+        )
+
+    @cute.jit
+    def tile_gradients(self, tma_tokens: tuple, states: GradsStates, inputs: GradsInputs, ws: GradsWorkspace,
+                       out: GradsOutputs, scalars: GradsScalars, tile: TileLocation):
+        tidx, warp_idx, lane, smem, tma_barrier = self.start_tile(tma_tokens, states, tile)
+        # 1. workspace values and this thread's channel constants while the TMA runs
+        col = tidx % self.dim
+        dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, tile.head, col)
+        self.load_workspace_rows(smem, ws, tile.slot, tidx)
+        cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
+        cute.arch.mbarrier_wait(tma_barrier, 0)
+
+        # 2. K1's recompute; rows past the sequence end of v, dO, du are zeroed
+        self.zero_invalid_rows(smem, tile.valid_rows, tidx)
+        if tidx < self.dim:
+            self.gate_scan(smem.g, smem.cumsum, col, dt, e_a, scalars.c_gate, tile.valid_rows)
+        cute.arch.sync_threads()
+        self.decay(smem.q, smem.k, smem.cumsum, smem.qd, smem.kd, smem.kr, smem.kinv, scalars.scale, tile.valid_rows,
+                   tidx, smem.rinv_q, smem.rinv_k)
+        cute.arch.sync_threads()
+
+        # 3. forward recompute per value band, 4. the 16×16 products, dgT
+        self.forward_and_square_products(smem, tidx, warp_idx, lane)
+
+        # 5. channel products per key band, 6. finish
+        self.channel_band(smem, inputs, out, scalars, tile, warp_idx, lane)
+        cute.arch.sync_threads()
+        self.gate_backward(smem, inputs, out, scalars, tile, col, dt, e_a, warp_idx, lane)
+        if tidx < CHUNK:
+            self.beta_backward(smem, out, tile.head, tile.row0, tile.valid_rows, tidx)
+
+    @cute.jit
+    def dl_pairs(self, smem: SafeGradsSmem, coords: cute.Tensor, lane: Int32) -> cute.Tensor:
+        """``A = kd·kinvᵀ``, as K1 forms it."""
+        return self.square_product(smem.kd, smem.kinv, lane)
+
+    @cute.jit
+    def channel_band(self, smem: SafeGradsSmem, inputs: GradsInputs, out: GradsOutputs, scalars: GradsScalars,
+                     tile: TileLocation, warp_idx: Int32, lane: Int32):
+        """Key band of warp ``w``: dqd, dkd, dkinv, dkr; the q̂ / k̂ gradients; ``dG`` and ``dkr ⊙ kr``;
+        the l2norm backward (after the row dot products of all warps)."""
+        band = self.band
+        mma, c0, shape, coords, s_band = self.key_band(smem, warp_idx, lane)
+        kinv_band = cute.local_tile(smem.kinv_t, (band, CHUNK), (warp_idx, 0))
+        ln2 = Float32(LN2)
+        # two passes of two accumulators each (register pressure): dqd and dkd, then dkinv and dkr
+        d_qd, d_kd = self.zero_fragments(mma, shape, 2)
+        self.accumulate(mma, d_qd, smem.do, s_band, False, True, K_STEPS, lane)
+        self.accumulate(mma, d_qd, smem.dmqk, kinv_band, False, True, 1, lane)
+        self.accumulate(mma, d_kd, smem.neg_bdu, s_band, False, True, K_STEPS, lane)
+        self.accumulate(mma, d_kd, smem.dlb, kinv_band, False, True, 1, lane)
+        qd = self.load_c(mma, cute.local_tile(smem.qd, shape, (0, warp_idx)), lane)
+        kd = self.load_c(mma, cute.local_tile(smem.kd, shape, (0, warp_idx)), lane)
+        cum = self.load_pairs(smem.cumsum, coords, c0, lane)
+        dq_hat = make_fragment(mma, Operand.C, Float32, tile=shape)
+        dk_hat = make_fragment(mma, Operand.C, Float32, tile=shape)
+        d_g = make_fragment(mma, Operand.C, Float32, tile=shape)
+        for i in cutlass.range_constexpr(cute.size(d_qd)):
+            decay = ex2_approx(cum[i])
+            dq_hat[i] = d_qd[i] * decay * scalars.scale
+            dk_hat[i] = d_kd[i] * decay
+            d_g[i] = d_qd[i] * qd[i].to(Float32) + d_kd[i] * kd[i].to(Float32)
+
+        d_kinv, d_kr = self.zero_fragments(mma, shape, 2)
+        self.accumulate(mma, d_kinv, smem.dmqk_t, cute.local_tile(smem.qd_t, (band, CHUNK), (warp_idx, 0)),
+                        True, True, 1, lane)
+        self.accumulate(mma, d_kinv, smem.dlb_t, cute.local_tile(smem.kd_t, (band, CHUNK), (warp_idx, 0)),
+                        True, True, 1, lane)
+        self.accumulate(mma, d_kr, smem.u_out, cute.local_tile(smem.state_grad, (band, self.dim), (warp_idx, 0)),
+                        False, True, K_STEPS, lane)
+        kinv = self.load_c(mma, cute.local_tile(smem.kinv, shape, (0, warp_idx)), lane)
+        kr = self.load_c(mma, cute.local_tile(smem.kr, shape, (0, warp_idx)), lane)
+        cum_last = self.load_pairs(smem.cumsum, coords, c0, lane, row=CHUNK - 1)
+        dkr_kr = make_fragment(mma, Operand.C, Float32, tile=shape)
+        for i in cutlass.range_constexpr(cute.size(d_kr)):
+            # dk̂ = dkd·2^G + dkinv·2^-G + dkr·2^(G_last − G), summed in this order
+            dk_hat[i] = (dk_hat[i] + d_kinv[i] * ex2_approx(-cum[i])
+                         + d_kr[i] * ex2_approx(cum_last[i] - cum[i]))
+            dkr_kr[i] = d_kr[i] * kr[i].to(Float32)
+            d_g[i] = ln2 * (d_g[i] - d_kinv[i] * kinv[i].to(Float32) - dkr_kr[i])
+        self.store_pairs(smem.dg_cum, d_g, coords, c0)
+        self.store_column_sums(smem.dkr_col, dkr_kr, coords, c0, lane)
+
+        self.store_token_gradients(smem, inputs, out, dq_hat, dk_hat, coords, c0, tile, warp_idx, lane)
+
+    @cute.jit
+    def store_column_sums(self, s_cols: cute.Tensor, frag: cute.Tensor, coords: cute.Tensor, c0: Int32, lane: Int32):
+        """``s_cols[c0 + c] = Σ_r frag[r, c]`` over the 16 rows of a fp32 C fragment: the lane's two rows,
+        then the 8 lanes that share its columns (``shfl.xor`` 4, 8, 16); lanes 0-3 write."""
+        for a in cutlass.range_constexpr(cute.size(frag) // 4):
+            for e in cutlass.range_constexpr(2):
+                total = frag[e + 4 * a] + frag[e + 2 + 4 * a]  # rows g and g + 8
+                for offset in (4, 8, 16):
+                    total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
+                _, c = coords[e + 4 * a]
+                if lane < 4:
+                    s_cols[c0 + c] = total
+
+    @cute.jit
+    def gate_backward(self, smem: SafeGradsSmem, inputs: GradsInputs, out: GradsOutputs, scalars: GradsScalars,
+                      tile: TileLocation, col: Int32, dt: Float32, e_a: Float32, warp_idx: Int32, lane: Int32):
+        """Channel ``col``: ``dg' = Σ_{s≥r} dG_s + dG_last`` (reverse cumsum), the gate backward to the raw
+        gate, and the tile's partial sums of ddt_bias (per channel) and dA_log (over channels, warp order)."""
+        if warp_idx < plan.CHANNEL_WARPS:  # one thread per channel
+            gate_total = ex2_approx(smem.cumsum[CHUNK - 1, col])  # gT, as K1 computes it
+            d_last = Float32(LN2) * (smem.dkr_col[col] + smem.dgt[col] * gate_total)
+            suffix = Float32(0.0)
+            ddt = Float32(0.0)
+            dalog = Float32(0.0)
+            for step in cutlass.range_constexpr(CHUNK):
+                row = CHUNK - 1 - step
+                if row < tile.valid_rows:
+                    suffix = suffix + smem.dg_cum[row, col]
+                    # raw g from global memory (L2): its smem tile holds kr now
+                    x = e_a * (inputs.g[tile.row0 + row, tile.head, col].to(Float32) + dt)
+                    # σ'(x) = σ(x)·σ(−x), each factor from ex2: σ·(1 − σ) of the tanh form cancels where it saturates
+                    scaled = x * Float32(LOG2E)
+                    dsig = (Float32(1.0) / (Float32(1.0) + ex2_approx(-scaled))) * (
+                        Float32(1.0) / (Float32(1.0) + ex2_approx(scaled)))
+                    dx = (suffix + d_last) * scalars.c_gate * dsig
+                    dg_raw = dx * e_a
+                    out.dg[tile.row0 + row, tile.head, col] = dg_raw.to(BFloat16)
+                    ddt = ddt + dg_raw
+                    dalog = dalog + dx * x
+            out.ddt_partial[tile.slot, col] = ddt
+            self.store_warp_dalog(smem, dalog, warp_idx, lane)
+        self.store_dalog_partial(smem, out, tile.slot, warp_idx, lane)

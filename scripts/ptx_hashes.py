@@ -1,0 +1,329 @@
+"""Hash the sm_90a PTX of every kernel variant the package ships, on the CPU: a refactor check.
+
+Compiles each variant of K1 (``kernels/fwd_prepare/``), K2 (``kernels/fwd_recurrence.py``), Kernel A
+(``kernels/bwd_scan.py``), Kernel B (``kernels/bwd_grads/``) and the varlen tile prefix
+(``kernels/tile_prefix.py``) from fake tensors (``meta`` tensors through the launchers' own
+``launch_arguments``, so ranks, dtypes and alignments are what ships) and prints
+``{variant: sha256 of the normalized PTX}`` as JSON. Run it before and after a change that should not change
+the code (``--out`` both, then ``--compare``): equal hashes mean byte-identical PTX up to the normalization.
+
+The variants: every combination the launchers can key (``ops/*.compiled_variant``) and ``api.warmup`` visits,
+plus the knobs only tests and benchmarks set (K1's 256 threads, Kernel A's tuning grid of
+``benchmarks/explore_bwd_scan.py``, K2's and Kernel A's blocks of 4 tiles, Kernel B at 4 warps).
+
+Normalized (everything else is hashed as the compiler wrote it):
+
+- debug and line information: ``.loc`` and ``.file`` lines, and ``.section .debug_*`` blocks (DWARF);
+- the names of the ``.entry`` functions, which the DSL mangles from the Python module, class and method
+  names and the kernel's arguments: each becomes ``kernel_<i>`` (``i`` its order in the PTX), everywhere it
+  occurs (its ``_param_<n>`` names included).
+
+Usage::
+
+    PYTHONPATH=$PWD python scripts/ptx_hashes.py --out before.json [--only k1/] [--jobs 2]
+    PYTHONPATH=$PWD python scripts/ptx_hashes.py --out after.json --compare before.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+STATES = ("none", "bf16", "fp32")
+FLAGS = list(itertools.product((False, True), (True, False), (True, False)))  # varlen, qk_l2norm, beta_logits
+# gate forms: (gate, g dtype, per-head gate)
+PER_CHANNEL_GATES = [("safe", "bf16", False), ("softplus", "bf16", False), ("none", "bf16", False),
+                     ("none", "fp32", False)]
+PER_HEAD_GATES = [("softplus", "bf16", True), ("none", "bf16", True), ("none", "fp32", True)]
+SCAN_TUNING_GRID = {1: (4, 8), 2: (4, 8), 4: (4,), 8: (2,)}  # benchmarks/explore_bwd_scan.py's GRID
+
+_DEBUG_SECTION = re.compile(r"^\s*\.section\s+\.debug\w*\s*\{.*?^\s*\}\s*$\n?", re.M | re.S)
+_DEBUG_LINE = re.compile(r"^\s*\.(?:loc|file)\b.*$\n?", re.M)
+_ENTRY = re.compile(r"\.entry\s+([A-Za-z_$][\w$]*)")
+
+
+def normalize(ptx: str) -> str:
+    """``ptx`` without debug / line information and with its entry names replaced (module docstring)."""
+    ptx = _DEBUG_SECTION.sub("", ptx)
+    ptx = _DEBUG_LINE.sub("", ptx)
+    names = list(dict.fromkeys(_ENTRY.findall(ptx)))
+    for index, name in sorted(enumerate(names), key=lambda item: -len(item[1])):
+        ptx = ptx.replace(name, f"kernel_{index}")
+    return ptx
+
+
+def _label(flag: bool, yes: str, no: str) -> str:
+    return yes if flag else no
+
+
+def _flags_label(varlen: bool, qk_l2norm: bool, beta_logits: bool) -> str:
+    return "/".join((_label(varlen, "varlen", "fixed"), _label(qk_l2norm, "l2norm", "raw_qk"),
+                     _label(beta_logits, "beta_logits", "beta")))
+
+
+def _gate_label(gate: str, g_dtype: str, per_head: bool, grouped: bool) -> str:
+    return f"{gate}-{g_dtype}" + _label(per_head, "-per_head", "") + _label(grouped, "-grouped", "")
+
+
+def variants() -> dict[str, tuple]:
+    """Every variant: name → (kernel, its keyword arguments), in a stable order."""
+    found: dict[str, tuple] = {}
+    for gate, g_dtype, per_head in PER_CHANNEL_GATES + PER_HEAD_GATES:
+        for grouped in (False, True):
+            for flags in FLAGS:
+                name = f"k1/{_gate_label(gate, g_dtype, per_head, grouped)}/{_flags_label(*flags)}"
+                found[name] = ("k1", dict(zip(("varlen", "qk_l2norm", "beta_logits"), flags), gate=gate,
+                                             g_dtype=g_dtype, per_head_gate=per_head, grouped=grouped))
+    for varlen in (False, True):  # tests/test_fwd_prepare.py's 256-thread safe-gate K1
+        found[f"k1/safe-bf16/{_flags_label(varlen, True, True)}/256threads"] = (
+            "k1", dict(varlen=varlen, qk_l2norm=True, beta_logits=True, gate="safe", g_dtype="bf16",
+                       per_head_gate=False, grouped=False, num_threads=256, ctas_per_sm=5))
+    for vsplit, initial, final, varlen, checkpoints in itertools.product((1, 2, 4), STATES, STATES, (False, True),
+                                                                       (False, True)):
+        name = f"k2/vs{vsplit}/{initial}-{final}/{_label(varlen, 'varlen', 'fixed')}" + _label(
+            checkpoints, "/checkpoints", "")
+        found[name] = ("k2", dict(vsplit=vsplit, initial=initial, final=final, varlen=varlen, checkpoints=checkpoints))
+    for varlen in (False, True):
+        found[f"k2/vs1/fp32-fp32/{_label(varlen, 'varlen', 'fixed')}/checkpoints/every4"] = (
+            "k2", dict(vsplit=1, initial="fp32", final="fp32", varlen=varlen, checkpoints=True, checkpoint_every=4))
+    for vsplit, dht, dh0, varlen, every in itertools.product((1, 2, 4, 8), STATES, STATES, (False, True), (1, 4)):
+        base = f"ka/vs{vsplit}/{dht}-{dh0}/{_label(varlen, 'varlen', 'fixed')}/every{every}"
+        found[base] = ("ka", dict(vsplit=vsplit, dht=dht, dh0=dh0, varlen=varlen, snapshot_every=every))
+        if dh0 != "none":  # the context-parallel backward's local pass
+            found[base + "/no_token_outputs"] = ("ka", dict(vsplit=vsplit, dht=dht, dh0=dh0, varlen=varlen,
+                                                            snapshot_every=every, token_outputs=False))
+    for vsplit, warps_grid in SCAN_TUNING_GRID.items():
+        for warps, stages, split in itertools.product(warps_grid, (2, 4), (False, True)):
+            name = f"ka/vs{vsplit}/fp32-fp32/varlen/every1/warps{warps}-stages{stages}" + _label(split, "-split", "")
+            found[name] = ("ka", dict(vsplit=vsplit, dht="fp32", dh0="fp32", varlen=True, snapshot_every=1,
+                                      compute_warps=warps, output_stages=stages, split_accumulator=split))
+    for gate, g_dtype, per_head in PER_CHANNEL_GATES + PER_HEAD_GATES:
+        for grouped in (False, True) if gate != "safe" else (False,):
+            for flags in FLAGS:
+                for warps in (8, 4):
+                    name = f"kb/{_gate_label(gate, g_dtype, per_head, grouped)}/{_flags_label(*flags)}/warps{warps}"
+                    found[name] = ("kb", dict(zip(("varlen", "qk_l2norm", "beta_logits"), flags), gate=gate,
+                                              g_dtype=g_dtype, per_head_gate=per_head, grouped=grouped,
+                                              compute_warps=warps))
+    found["tile_prefix"] = ("tile_prefix", {})
+    return found
+
+
+# ------------------------------------------------------------------------------ compiles (in the workers)
+
+
+def _torch_dtype(name: str | None) -> Any:
+    import torch
+
+    return {"none": None, None: None, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def _meta(*shape: int, dtype: Any = None) -> Any:
+    import torch
+
+    return torch.empty(shape, dtype=torch.bfloat16 if dtype is None else dtype, device="meta")
+
+
+def _segmentation(varlen: bool, num_seqs: int) -> tuple:
+    import torch
+
+    if not varlen:
+        return None, None
+    return _meta(num_seqs + 1, dtype=torch.int64), _meta(num_seqs + 1, dtype=torch.int32)
+
+
+def _workspace(heads: int, tiles: int) -> Any:
+    from cute_kda.workspace import WorkspaceSpec, allocate_workspace
+
+    return allocate_workspace(WorkspaceSpec(heads=heads, tiles=tiles), "meta")
+
+
+D, T, HEADS, NUM_SEQS = 128, 32, 2, 2
+
+
+def _k1(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: str, per_head_gate: bool,
+        grouped: bool, **tuning: int) -> tuple:
+    import torch
+
+    from cute_kda.kernels.fwd_prepare import prepare_kernel
+    from cute_kda.ops._cache import dsl_type, fake_stream, to_cute_tensor
+    from cute_kda.ops.prepare import launch_arguments
+
+    kernel = prepare_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
+                            gate_dtype=dsl_type(_torch_dtype(g_dtype)), per_head_gate=per_head_gate, grouped=grouped,
+                            **tuning)
+    qk_heads = 1 if grouped else HEADS
+    channels = () if per_head_gate else (D,)
+    q = _meta(1, T, qk_heads, D)
+    g = _meta(1, T, HEADS, *channels, dtype=_torch_dtype(g_dtype))
+    constants = gate != "none"
+    a_log = _meta(HEADS, dtype=torch.float32) if constants else None
+    dt_bias = _meta(HEADS, *channels, dtype=torch.float32) if constants else None
+    cu_seqlens, tile_base = _segmentation(varlen, NUM_SEQS)
+    return kernel, launch_arguments(q, q, g, _meta(1, T, HEADS), a_log, dt_bias, _workspace(HEADS, 4), D ** -0.5,
+                                    -5.0, T, cu_seqlens, tile_base, fake_stream(), tensor=to_cute_tensor)
+
+
+def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, checkpoint_every: int = 1) -> tuple:
+    from cute_kda.kernels.fwd_recurrence import FwdRecurrence
+    from cute_kda.ops._cache import dsl_type, fake_stream, to_cute_tensor
+    from cute_kda.ops.recurrence import launch_arguments
+    from cute_kda.workspace import block_states_shape
+
+    kernel = FwdRecurrence(vsplit=vsplit, initial_state=dsl_type(_torch_dtype(initial)),
+                           final_state=dsl_type(_torch_dtype(final)), varlen=varlen, checkpoints=checkpoints,
+                           checkpoint_every=checkpoint_every)
+    v, ws = _meta(1, T, HEADS, D), _workspace(HEADS, 4)
+    cu_seqlens, tile_base = _segmentation(varlen, NUM_SEQS)
+
+    def state(name: str) -> Any:
+        dtype = _torch_dtype(name)
+        return None if dtype is None else _meta(NUM_SEQS, HEADS, D, D, dtype=dtype)
+
+    kept = _meta(*block_states_shape(ws, HEADS, NUM_SEQS)) if checkpoints else None
+    arguments = launch_arguments(v, ws, v, cu_seqlens=cu_seqlens, tile_base=tile_base, initial_state=state(initial),
+                                 final_state=state(final), checkpoints=kept, tensor=to_cute_tensor)
+    return kernel, (*arguments, fake_stream())
+
+
+def _ka(vsplit: int, dht: str, dh0: str, varlen: bool, snapshot_every: int, token_outputs: bool = True,
+        **tuning: Any) -> tuple:
+    from cute_kda.kernels.bwd_scan import BwdScan
+    from cute_kda.ops._cache import dsl_type, fake_stream, to_cute_tensor
+    from cute_kda.ops.bwd_scan import launch_arguments
+    from cute_kda.workspace import block_states_shape
+
+    kernel = BwdScan(vsplit=vsplit, dht=dsl_type(_torch_dtype(dht)), dh0=dsl_type(_torch_dtype(dh0)), varlen=varlen,
+                     snapshot_every=snapshot_every, token_outputs=token_outputs, **tuning)
+    do, ws = _meta(1, T, HEADS, D), _workspace(HEADS, 4)
+    cu_seqlens, tile_base = _segmentation(varlen, NUM_SEQS)
+
+    def state(name: str) -> Any:
+        dtype = _torch_dtype(name)
+        return None if dtype is None else _meta(NUM_SEQS, HEADS, D, D, dtype=dtype)
+
+    snapshots = _meta(*block_states_shape(ws, HEADS, NUM_SEQS, snapshot_every))
+    arguments = launch_arguments(do, ws, do, do, snapshots, dht=state(dht), dh0=state(dh0), cu_seqlens=cu_seqlens,
+                                 tile_base=tile_base, tensor=to_cute_tensor)
+    return kernel, (*arguments, fake_stream())
+
+
+def _kb(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: str, per_head_gate: bool,
+        grouped: bool, compute_warps: int) -> tuple:
+    import torch
+
+    from cute_kda.kernels.bwd_grads import bwd_grads_kernel
+    from cute_kda.ops._cache import dsl_type, fake_stream, to_cute_tensor
+    from cute_kda.ops.bwd_grads import gate_partials_shapes, launch_arguments
+    from cute_kda.workspace import block_states_shape
+
+    kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+                              compute_warps=compute_warps, gate=gate, gate_dtype=dsl_type(_torch_dtype(g_dtype)),
+                              per_head_gate=per_head_gate, grouped=grouped)
+    f32 = torch.float32
+    qk, tokens, ws = _meta(1, T, 1 if grouped else HEADS, D), _meta(1, T, HEADS, D), _workspace(HEADS, 4)
+    channels = () if per_head_gate else (D,)
+    states = _meta(*block_states_shape(ws, HEADS, NUM_SEQS))
+    ddt_shape, dalog_shape = gate_partials_shapes(ws, HEADS, per_head_gate)
+    constants = gate != "none"
+    cu_seqlens, tile_base = _segmentation(varlen, NUM_SEQS)
+    arguments = launch_arguments(
+        qk, qk, _meta(1, T, HEADS, *channels, dtype=_torch_dtype(g_dtype)), tokens, tokens, tokens,
+        _meta(HEADS, dtype=f32) if constants else None, _meta(HEADS, *channels, dtype=f32) if constants else None,
+        ws, states, states, tokens, tokens, _meta(1, T, HEADS, *channels, dtype=f32 if per_head_gate else None),
+        _meta(1, T, HEADS), _meta(*ddt_shape, dtype=f32) if constants else None,
+        _meta(*dalog_shape, dtype=f32) if constants else None, scale=D ** -0.5, lower_bound=-5.0,
+        cu_seqlens=cu_seqlens, tile_base=tile_base, tensor=to_cute_tensor)
+    return kernel, (*arguments, fake_stream())
+
+
+def _tile_prefix() -> tuple:
+    import torch
+
+    from cute_kda.kernels.tile_prefix import TilePrefixKernel
+    from cute_kda.ops._cache import fake_stream, to_cute_tensor
+
+    return TilePrefixKernel(), (to_cute_tensor(_meta(3, dtype=torch.int64), 8),
+                                to_cute_tensor(_meta(3, dtype=torch.int32), 4), fake_stream())
+
+
+BUILDERS: dict[str, Callable[..., tuple]] = {"k1": _k1, "k2": _k2, "ka": _ka, "kb": _kb, "tile_prefix": _tile_prefix}
+
+
+def ptx_hash(item: tuple[str, tuple]) -> tuple[str, str, float]:
+    """(name, sha256 of the normalized PTX, compile seconds) of one variant."""
+    from cute_kda.dsl import cute
+
+    name, (kind, keywords) = item
+    start = time.perf_counter()
+    kernel, arguments = BUILDERS[kind](**keywords)
+    with tempfile.TemporaryDirectory() as dump_dir:  # --keep-ptx writes a file; keep it out of the tree
+        compiled = cute.compile(kernel, *arguments, options=f"--keep-ptx --dump-dir={dump_dir}")
+        ptx = compiled.__ptx__
+    return name, hashlib.sha256(normalize(ptx).encode()).hexdigest(), time.perf_counter() - start
+
+
+def compare(hashes: dict[str, str], baseline: dict[str, str]) -> int:
+    """Print the differences; return the number of variants that differ or are missing on either side."""
+    same = sorted(name for name in hashes if baseline.get(name) == hashes[name])
+    changed = sorted(name for name in hashes if name in baseline and baseline[name] != hashes[name])
+    new = sorted(set(hashes) - set(baseline))
+    missing = sorted(set(baseline) - set(hashes))
+    for label, names in (("different", changed), ("not in the baseline", new), ("not compiled here", missing)):
+        for name in names:
+            print(f"{label}: {name}")
+    print(f"{len(same)} identical, {len(changed)} different, {len(new)} new, {len(missing)} not compiled here")
+    return len(changed) + len(new) + len(missing)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the JSON here (else print it)")
+    parser.add_argument("--only", default="", help="only the variants whose name contains this")
+    parser.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
+    parser.add_argument("--compare", help="a baseline JSON: report identical / different variants, exit 1 on any "
+                                          "difference (with --only, only the selected variants are compared)")
+    parser.add_argument("--list", action="store_true", help="print the variant names and exit")
+    args = parser.parse_args()
+    selected = {name: spec for name, spec in variants().items() if args.only in name}
+    if args.list:
+        print("\n".join(selected))
+        return
+    start = time.perf_counter()
+    items = list(selected.items())
+    if args.jobs > 1:  # spawn: the DSL's MLIR context is not fork-safe
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            results = pool.map(ptx_hash, items, chunksize=1)
+    else:
+        results = [ptx_hash(item) for item in items]
+    hashes = {name: digest for name, digest, _ in results}
+    slowest = max(results, key=lambda r: r[2], default=("", "", 0.0))
+    print(f"{len(hashes)} variants in {time.perf_counter() - start:.0f} s "
+          f"(slowest {slowest[0]}: {slowest[2]:.1f} s)", file=sys.stderr)
+    text = json.dumps(hashes, indent=1, sort_keys=True)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    elif not args.compare:
+        print(text)
+    if args.compare:
+        baseline = json.loads(Path(args.compare).read_text())
+        if args.only:
+            baseline = {name: digest for name, digest in baseline.items() if args.only in name}
+        sys.exit(1 if compare(hashes, baseline) else 0)
+
+
+if __name__ == "__main__":
+    main()
