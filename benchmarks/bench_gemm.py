@@ -1,4 +1,4 @@
-"""The multistage GEMM (teaching kernel, ``cute_kda.ops.gemm``) against ``torch.matmul`` (cuBLAS), same run.
+"""The multistage GEMM (teaching kernel, ``teaching.ops.gemm``) against ``torch.matmul`` (cuBLAS), same run.
 
 ``C = A·Bᵀ``, bf16 A ``[M, K]`` and B ``[N, K]``, fp32 accumulation, bf16 C, for every offered tile
 configuration × stage count, the default configuration without the swizzle, and cuBLAS on the same
@@ -46,7 +46,7 @@ STAGES = (2, 3, 4)
 
 def variants() -> list[tuple[str, dict]]:
     """(label, ``gemm`` keyword arguments) of every configuration benchmarked."""
-    from cute_kda.ops.gemm import CONFIGS, DEFAULT_CONFIG, DEFAULT_STAGES
+    from teaching.ops.gemm import CONFIGS, DEFAULT_CONFIG, DEFAULT_STAGES
 
     out = [(f"{config} s{stages}", dict(config=config, stages=stages)) for config in CONFIGS for stages in STAGES]
     out.append((f"{DEFAULT_CONFIG} s{DEFAULT_STAGES} unswizzled",
@@ -55,7 +55,7 @@ def variants() -> list[tuple[str, dict]]:
 
 
 def bench_shape(name: str, shape: tuple[int, int, int], warmup: int, rep: int) -> list[dict]:
-    from cute_kda.ops.gemm import gemm
+    from teaching.ops.gemm import gemm
 
     m, n, k = shape
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -254,8 +254,8 @@ def _bwd_grads_build(varlen: bool, gate: str = "safe", per_head: bool = True) ->
 
 def _roundtrip_build() -> tuple:
     from cute_kda.dsl import cute, cutlass
-    from cute_kda.kernels.transpose_roundtrip import TransposeRoundTrip
     from cute_kda.ops._cache import to_cute_tensor
+    from teaching.kernels.transpose_roundtrip import TransposeRoundTrip
 
     x = torch.zeros(48, 2, D, dtype=torch.bfloat16)
     y = torch.zeros(3 * D, 2, 16, dtype=torch.bfloat16)

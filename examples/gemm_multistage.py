@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from cute_kda.dsl import cute, cutlass  # noqa: E402
-from cute_kda.layouts import gemm as layouts  # noqa: E402
 from cute_kda.layouts.analysis import evaluate  # noqa: E402
-from cute_kda.ops import gemm as ops  # noqa: E402
+from teaching.layouts import gemm as layouts  # noqa: E402
+from teaching.ops import gemm as ops  # noqa: E402
 
 NOTABLE = (
     ("cp.async 16 B", "cp.async.cg.shared.global"),

@@ -8,7 +8,7 @@ Sections: ``atoms`` (GMMA smem atoms and the kernels' layouts as CuTe prints the
 (tiled layouts drawn as index grids), ``dual`` (transpose-dual check), ``banks`` (ldmatrix/stmatrix
 wavefronts per instruction: K_INTER vs row-major vs K_SW128), ``budget`` (smem per kernel plan: K1's
 ``smem_budget``, K2's ``RecurrenceSmemPlan`` and Kernel A's ``ScanSmemPlan`` per V-split and state I/O), ``gemm`` (the multistage GEMM
-of ``cute_kda.layouts.gemm``: its smem layouts, the swizzle, its bank conflicts with and without it).
+of ``teaching.layouts.gemm``: its smem layouts, the swizzle, its bank conflicts with and without it).
 """
 
 from __future__ import annotations
@@ -106,10 +106,10 @@ def print_budget(dim: int, chunk: int) -> None:
 
 
 def print_gemm() -> None:
-    """The multistage GEMM (``cute_kda.layouts.gemm``): its smem layouts per offered tile, the swizzle
+    """The multistage GEMM (``teaching.layouts.gemm``): its smem layouts per offered tile, the swizzle
     as 16-byte chunks per row, and the bank conflicts of its accesses with and without the swizzle."""
-    from cute_kda.layouts import gemm
-    from cute_kda.ops.gemm import CONFIGS
+    from teaching.layouts import gemm
+    from teaching.ops.gemm import CONFIGS
 
     print("== multistage GEMM: smem layouts, swizzle, bank conflicts (swizzled vs row-major) ==")
     for name, kwargs in CONFIGS.items():

@@ -11,11 +11,11 @@ import torch
 
 from cute_kda.compile_report import compile_with_report
 from cute_kda.dsl import cute, cutlass
-from cute_kda.layouts import gemm as layouts
 from cute_kda.layouts.analysis import MatrixAccess, byte_table, max_wavefronts
-from cute_kda.layouts.gemm import GemmPlan
-from cute_kda.ops import gemm as ops
 from cute_kda.ops._cache import to_cute_tensor
+from teaching.layouts import gemm as layouts
+from teaching.layouts.gemm import GemmPlan
+from teaching.ops import gemm as ops
 
 BF16, F32 = cutlass.BFloat16, cutlass.Float32
 STAGES = (2, 3, 4)

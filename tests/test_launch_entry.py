@@ -80,7 +80,7 @@ def test_tile_prefix_entry():
 
 
 def test_roundtrip_entry():
-    from cute_kda.kernels.transpose_roundtrip import TransposeRoundTrip
+    from teaching.kernels.transpose_roundtrip import TransposeRoundTrip
 
     x = torch.zeros(48, 2, D, dtype=torch.bfloat16)
     y = torch.zeros(3 * D, 2, 16, dtype=torch.bfloat16)

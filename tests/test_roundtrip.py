@@ -9,9 +9,9 @@ import torch
 from cute_kda.compile_report import compile_with_report
 from cute_kda.dsl import cute, cutlass
 from cute_kda.kernels.common.copy import Operand, make_fragment, warp_tiled_mma
-from cute_kda.kernels.transpose_roundtrip import TransposeRoundTrip
 from cute_kda.layouts import smem, tma
-from cute_kda.ops.roundtrip import transpose_tiles, transpose_tiles_reference
+from teaching.kernels.transpose_roundtrip import TransposeRoundTrip
+from teaching.ops.roundtrip import transpose_tiles, transpose_tiles_reference
 
 D = 128
 CHUNK = 16

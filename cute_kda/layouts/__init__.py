@@ -6,9 +6,10 @@ evaluate them on the host, so everything here works on a machine without a GPU.
 Modules: :mod:`.smem` (layout constructors), :mod:`.tma` (TMA views), :mod:`.analysis` (byte tables,
 transpose-dual check, bank conflicts), :mod:`.budget` (smem plans: buffers, offsets, occupancy),
 one module per kernel with its layouts and smem plan (:mod:`.fwd_prepare`: K1, :mod:`.fwd_recurrence`:
-K2, :mod:`.bwd_scan`: Kernel A, the backward scan, :mod:`.gemm`: the teaching GEMM). ``k1_budget()``
-and ``k2_budget(plan)`` (a ``RecurrenceSmemPlan`` or Kernel A's ``ScanSmemPlan``) give the plans as
-buffer tables.
+K2, :mod:`.bwd_scan`: Kernel A, the backward scan, :mod:`.bwd_grads`: Kernel B, the tile gradients).
+``k1_budget()`` and ``k2_budget(plan)`` (a ``RecurrenceSmemPlan`` or Kernel A's ``ScanSmemPlan``) give
+the plans as buffer tables. The teaching kernels' layouts (the multistage GEMM's) live outside the
+package, in ``teaching/layouts``.
 """
 
 from . import analysis, budget, bwd_scan, fwd_prepare, fwd_recurrence, smem, tma  # noqa: F401
@@ -39,4 +40,3 @@ from .smem import (  # noqa: F401
     sw128_tile_transposed,
     vector,
 )
-from . import gemm  # noqa: F401,E402  (the multistage GEMM teaching example: layouts, plan, bank analysis)

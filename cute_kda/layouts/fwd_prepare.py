@@ -36,7 +36,6 @@ from .smem import CHUNK, HEAD_DIM, row_major_tile, sw128_tile
 
 DYADIC_LEVELS = len(DYADIC_BLOCKS)
 
-INPUT_TILES = 3  # q, k, g: the TMA transaction of one CTA
 BETA_ALIGN = 16  # β is read and written element by element, never by the TMA
 DYADIC_CTAS_PER_SM = 5  # the dyadic K1 (per-channel unbounded gates): ≈ 39 KB of shared memory a CTA
 PER_HEAD_CTAS_PER_SM = 8  # GatedDeltaNet's per-head gate: ≈ 22 KB a CTA, as many CTAs as the safe K1
@@ -63,7 +62,7 @@ def pair_matrix(chunk: int = CHUNK):
 
 
 def input_tile_bytes(dim: int = HEAD_DIM, chunk: int = CHUNK) -> int:
-    """Bytes of one bf16 input tile; the TMA barrier expects ``INPUT_TILES`` of them."""
+    """Bytes of one bf16 input tile; K1's TMA barrier expects this once per tile it loads."""
     return chunk * dim * 2
 
 

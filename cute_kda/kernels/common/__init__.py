@@ -1,1 +1,1 @@
-"""Device helpers shared by the kernels: fast math, movmatrix, named barriers, copy helpers."""
+"""Device helpers shared by the kernels: fast math, movmatrix, copy helpers, the band scan, token prep."""

@@ -1,4 +1,4 @@
-"""Layouts and shared-memory plan of the multistage GEMM (:mod:`cute_kda.kernels.gemm_multistage`), and
+"""Layouts and shared-memory plan of the multistage GEMM (:mod:`teaching.kernels.gemm_multistage`), and
 the bank-conflict analysis of every shared-memory access it makes.
 
 The GEMM is ``C[M, N] = A[M, K] · B[N, K]ᵀ`` (bf16 in, fp32 accumulation, bf16 or fp32 out). One CTA
@@ -39,12 +39,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..dsl import cute, cutlass
 from cutlass.cute.nvgpu import warp
 
-from . import smem
-from .analysis import BANK_BYTES, BANKS, LayoutSpec, byte_table, layout_spec, phase_wavefronts, run_traced
-from .budget import SmemBudget, SmemBuffer, SmemGroup
+from cute_kda.dsl import cute, cutlass
+from cute_kda.layouts import smem
+from cute_kda.layouts.analysis import BANK_BYTES, BANKS, LayoutSpec, byte_table, layout_spec, phase_wavefronts, run_traced
+from cute_kda.layouts.budget import SmemBudget, SmemBuffer, SmemGroup
 
 BF16, F32 = cutlass.BFloat16, cutlass.Float32
 MMA_SHAPE = (16, 8, 16)  # mma.sync.m16n8k16
@@ -346,8 +346,8 @@ def instruction_wavefronts(table: np.ndarray, access: WarpAccess) -> np.ndarray:
     """Wavefronts of every warp instruction of ``access`` sweeping the 2-D byte ``table`` (flat array).
 
     The access's tile is repeated over the table; per repetition, warp and value group, the 32 lanes
-    present their byte runs at once. Bank model of :mod:`.analysis`: lanes go in phases of
-    ``128 / lane_bytes`` (8 for 16-byte accesses and for ldmatrix/stmatrix rows, 16 for 8 bytes), a
+    present their byte runs at once. Bank model of :mod:`cute_kda.layouts.analysis`: lanes go in phases
+    of ``128 / lane_bytes`` (8 for 16-byte accesses and for ldmatrix/stmatrix rows, 16 for 8 bytes), a
     phase costs the largest number of distinct 4-byte words it asks of one bank.
     """
     rows, cols = access.tile

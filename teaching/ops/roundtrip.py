@@ -1,4 +1,4 @@
-"""Torch launcher of :class:`cute_kda.kernels.transpose_roundtrip.TransposeRoundTrip`.
+"""Torch launcher of :class:`teaching.kernels.transpose_roundtrip.TransposeRoundTrip`.
 
 ``transpose_tiles(x)`` returns, for ``x`` of shape ``[T, H, D]`` (bf16 or fp16, on a GPU), the
 transpose of every 16-token tile of every head: ``y[t·D + i, h, j] = x[16·t + j, h, i]``, ``y`` of
@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from ..numerics import CHUNK
-from ._cache import CompileCache, compile_for_launch, current_stream, to_cute_tensor
+from cute_kda.numerics import CHUNK
+from cute_kda.ops._cache import compile_for_launch, current_stream, to_cute_tensor
 
-_CACHE = CompileCache("transpose_roundtrip")
+from ._cache import teaching_cache
+
+_CACHE = teaching_cache("transpose_roundtrip")
 _DTYPES = (torch.bfloat16, torch.float16)
 _TMA_ALIGN = 16  # bytes: TMA base addresses and strides
 
@@ -61,7 +63,7 @@ def transpose_tiles(
     ``x``'s dtype) receives the result if given. ``transposed_views`` selects the register route
     (see the kernel module). Runs on ``x``'s device, on the current stream.
     """
-    from ..dsl import cutlass
+    from cute_kda.dsl import cutlass
 
     if not x.is_cuda or x.dtype not in _DTYPES or x.dim() != 3:
         raise TypeError(

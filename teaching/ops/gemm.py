@@ -1,10 +1,10 @@
-"""Torch launcher of the multistage GEMM (:class:`cute_kda.kernels.gemm_multistage.GemmMultistageKernel`).
+"""Torch launcher of the multistage GEMM (:class:`teaching.kernels.gemm_multistage.GemmMultistageKernel`).
 
 ``gemm(a, b)`` = ``a @ b.T`` for bf16 ``a [M, K]``, ``b [N, K]`` (row-major), fp32 accumulation, bf16 or
 fp32 ``C [M, N]``. A teaching kernel (``docs/gemm-walkthrough.md``), not a cuBLAS replacement:
 ``benchmarks/bench_gemm.py`` says how far it is from ``torch.matmul``.
 
-One compile per static configuration (:class:`~cute_kda.layouts.gemm.GemmPlan` and device), with
+One compile per static configuration (:class:`~teaching.layouts.gemm.GemmPlan` and device), with
 dynamic M, N, K. Inputs are checked here (:func:`validate_gemm`); the launch runs on torch's current
 stream and does not synchronise.
 """
@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from ..validation import (
+from cute_kda.ops._cache import compile_for_launch, current_stream, device_index, launch_tensor, to_cute_tensor
+from cute_kda.validation import (
     ALIGNMENT_BYTES, check_aligned, check_contiguous, check_dtype, check_is_tensor, check_ndim, check_on_cuda,
     check_same_device,
 )
-from ._cache import CompileCache, compile_for_launch, current_stream, device_index, launch_tensor, to_cute_tensor
 
-_GEMM = CompileCache("gemm_multistage")
+from ._cache import teaching_cache
+
+_GEMM = teaching_cache("gemm_multistage")
 
 # The tile configurations offered: name → kernel keyword arguments (every stage count ≥ 2 is accepted).
 CONFIGS: dict[str, dict] = {
@@ -34,7 +36,7 @@ MAX_ELEMENTS = 2 ** 31 - 1  # the kernel's index arithmetic is 32-bit
 
 
 def _dsl_dtype(dtype: torch.dtype):
-    from ..dsl import cutlass
+    from cute_kda.dsl import cutlass
 
     return {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[dtype]
 
@@ -95,7 +97,8 @@ def validate_gemm(a: object, b: object, out: object | None, out_dtype: torch.dty
 
 def _kernel_args(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, stream, tensor=launch_tensor) -> tuple:
     """Positional arguments of ``GemmMultistageKernel.__call__``; ``tensor`` converts each tensor
-    (:func:`~._cache.launch_tensor` for a call, :func:`~._cache.to_cute_tensor` for the compile)."""
+    (:func:`~cute_kda.ops._cache.launch_tensor` for a call, :func:`~cute_kda.ops._cache.to_cute_tensor`
+    for the compile)."""
     return tensor(a, ALIGNMENT_BYTES), tensor(b, ALIGNMENT_BYTES), tensor(c, ALIGNMENT_BYTES), stream
 
 

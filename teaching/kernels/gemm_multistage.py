@@ -1,10 +1,11 @@
 """A multistage ``cp.async`` GEMM on ``mma.sync``: the teaching example of the layout machinery.
 
 ``C[M, N] = A[M, K] · B[N, K]ᵀ``: A and B bf16 row-major (K contiguous), fp32 accumulation, C bf16 or
-fp32 row-major. Not part of KDA; it shows, on the smallest kernel that needs them, the pieces K1 and K2
-are built from: swizzled shared-memory layouts from :mod:`cute_kda.layouts` (:mod:`.layouts.gemm`),
-``ldmatrix`` fragments for ``mma.sync.m16n8k16``, an epilogue through shared memory. The walk-through
-is ``docs/gemm-walkthrough.md``; ``examples/gemm_multistage.py`` prints the layouts and runs it.
+fp32 row-major. Not part of KDA (nor of the ``cute_kda`` package); it shows, on the smallest kernel that
+needs them, the pieces K1 and K2 are built from: swizzled shared-memory layouts made of
+:mod:`cute_kda.layouts`' atoms (:mod:`teaching.layouts.gemm`), ``ldmatrix`` fragments for
+``mma.sync.m16n8k16``, an epilogue through shared memory. The walk-through is
+``docs/gemm-walkthrough.md``; ``examples/gemm_multistage.py`` prints the layouts and runs it.
 
 One CTA of ``32 · warps_m · warps_n`` threads per ``[BM, BN]`` tile of C (grid ``⌈M/BM⌉ × ⌈N/BN⌉``):
 
@@ -35,10 +36,11 @@ from cutlass import BFloat16, Boolean, Int32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from ..dsl import cute, cutlass
+from cute_kda.dsl import cute, cutlass
+from cute_kda.kernels.common.copy import Operand, ldmatrix_copy, stmatrix_copy
+
 from ..layouts import gemm as layouts
 from ..layouts.gemm import GemmPlan
-from .common.copy import Operand, ldmatrix_copy, stmatrix_copy
 
 
 class GemmOperands(NamedTuple):
@@ -79,7 +81,7 @@ class GemmMultistageKernel:
     """Static configuration: CTA ``tile = (BM, BN, BK)``, ``stages``, ``warps = (warps_m, warps_n)``,
     ``out_dtype`` (``BFloat16`` or ``Float32``), ``swizzle`` (False: row-major smem, for comparison).
 
-    See :class:`cute_kda.layouts.gemm.GemmPlan` for what is accepted.
+    See :class:`teaching.layouts.gemm.GemmPlan` for what is accepted.
     """
 
     def __init__(self, *, tile: tuple[int, int, int] = (128, 128, 32), stages: int = 3,

@@ -48,10 +48,8 @@ from cutlass.pipeline import (
     make_pipeline_state,
 )
 
-from ..dsl import cute, cutlass
-from ..layouts.smem import CHUNK
-from ..layouts.tma import operand_tile_staged, operand_tile_transposed_staged
-from .common.copy import (
+from cute_kda.dsl import cute, cutlass
+from cute_kda.kernels.common.copy import (
     WARP_TILE,
     Operand,
     head_tile_tma_partition,
@@ -63,6 +61,8 @@ from .common.copy import (
     transpose_c_to_b,
     warp_tiled_mma,
 )
+from cute_kda.layouts.smem import CHUNK
+from cute_kda.layouts.tma import operand_tile_staged, operand_tile_transposed_staged
 
 _SMEM_ALIGN = 128
 

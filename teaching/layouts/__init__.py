@@ -1,0 +1,1 @@
+"""Layouts, smem plans and bank analysis of the teaching kernels, built from ``cute_kda.layouts``' atoms."""

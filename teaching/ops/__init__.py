@@ -1,0 +1,1 @@
+"""Torch launchers of the teaching kernels: checked tensors in, a launch on the current stream."""
