@@ -10,6 +10,7 @@ This module imports nothing of the DSL.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -31,6 +32,17 @@ def fill_sms(num_seqs: int, heads: int, sms: int, splits: tuple[int, ...]) -> in
     return max(fitting, default=splits[0])
 
 
+class SerialScan:
+    """A serial scan over the tiles (K2, Kernel A): its V-split heuristic, over the class's ``splits``."""
+
+    splits: ClassVar[tuple[int, ...]]
+
+    @classmethod
+    def choose_vsplit(cls, num_seqs: int, heads: int, sms: int) -> int:
+        """The V-split for ``num_seqs × heads`` chains on ``sms`` SMs (:func:`fill_sms` over ``splits``)."""
+        return fill_sms(num_seqs, heads, sms, cls.splits)
+
+
 @dataclass(frozen=True)
 class PrepareVariant:
     """K1 (:class:`cute_kda.kernels.fwd_prepare.PrepareKernel`).
@@ -49,7 +61,7 @@ class PrepareVariant:
 
 
 @dataclass(frozen=True)
-class RecurrenceVariant:
+class RecurrenceVariant(SerialScan):
     """K2 (:class:`cute_kda.kernels.fwd_recurrence.FwdRecurrence`): the state dtypes in and out (None: no such
     state), ``checkpoints``: the training forward's variant that keeps the state entering every tile."""
 
@@ -58,11 +70,7 @@ class RecurrenceVariant:
     final_state: torch.dtype | None
     varlen: bool
     checkpoints: bool = False
-
-    @staticmethod
-    def choose_vsplit(num_seqs: int, heads: int, sms: int) -> int:
-        """K2's V-split for ``num_seqs × heads`` chains on ``sms`` SMs (:func:`fill_sms`)."""
-        return fill_sms(num_seqs, heads, sms, SUPPORTED_VSPLITS)
+    splits: ClassVar[tuple[int, ...]] = SUPPORTED_VSPLITS
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,7 @@ class ScanTuning:
 
 
 @dataclass(frozen=True)
-class ScanVariant:
+class ScanVariant(SerialScan):
     """Kernel A (:class:`cute_kda.kernels.bwd_scan.BwdScan`): dht / dh0 dtypes (None: no such tensor);
     ``token_outputs`` False writes dh0 alone (a segmented call's first pass); ``snapshot_every`` tiles per kept
     state gradient."""
@@ -88,11 +96,7 @@ class ScanVariant:
     tuning: ScanTuning = ScanTuning()
     token_outputs: bool = True
     snapshot_every: int = SNAPSHOT_TILES
-
-    @staticmethod
-    def choose_vsplit(num_seqs: int, heads: int, sms: int) -> int:
-        """Kernel A's V-split (K2's rule over its own splits, 8 included)."""
-        return fill_sms(num_seqs, heads, sms, SCAN_VSPLITS)
+    splits: ClassVar[tuple[int, ...]] = SCAN_VSPLITS  # K2's rule over Kernel A's own splits, 8 included
 
 
 @dataclass(frozen=True)
