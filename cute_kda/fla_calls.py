@@ -157,10 +157,8 @@ def _check_fla_state_shape(state: torch.Tensor, q: torch.Tensor, v: torch.Tensor
     error shows the shape that was passed)."""
     meaning = "[N, H, V, K] (state_v_first)" if state_v_first else "[N, H, K, V]"
     validation.check_ndim("initial_state", state, 4, meaning)
-    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1:
-        num_seqs = cu_seqlens.numel() - 1
-    else:
-        num_seqs = q.shape[0]
+    packed = isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1
+    num_seqs = validation.num_seqs(q.shape[0], cu_seqlens if packed else None)
     heads, key_dim, value_dim = v.shape[2], q.shape[3], v.shape[3]
     inner = (value_dim, key_dim) if state_v_first else (key_dim, value_dim)
     validation.check_shape("initial_state", state, (num_seqs, heads, *inner), meaning)
@@ -339,7 +337,7 @@ def translate_fla_gdn_call(
         if cu_seqlens_cpu is not None:
             validation.check_is_tensor("cu_seqlens_cpu", cu_seqlens_cpu)
             validation.check_cu_seqlens_values(cu_seqlens_cpu, seq_len, name="cu_seqlens_cpu")
-    num_seqs = batch if cu_seqlens is None else cu_seqlens.numel() - 1
+    num_seqs = validation.num_seqs(batch, cu_seqlens)
     if initial_state is not None:
         validation.check_is_tensor("initial_state", initial_state)
         validation.check_dtype("initial_state", initial_state, validation.STATE_DTYPES)

@@ -53,13 +53,17 @@ class ProblemShape(NamedTuple):
         return (self.num_seqs, self.heads, self.head_dim, self.head_dim)
 
 
+def num_seqs(batch: int, cu_seqlens: torch.Tensor | None) -> int:
+    """N: the sequences of a call, ``batch`` rows or ``cu_seqlens``' ``N + 1`` bounds (its length only)."""
+    return batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
 def problem_of(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> ProblemShape:
     """The :class:`ProblemShape` of ``q`` ``[B, T, H, K]``, ``v`` ``[B, T, HV, V]`` (its heads are the problem's: the
     states and the workspace are per value head) and ``cu_seqlens`` (shapes only: what the custom ops' fake
     implementations can see)."""
     batch, seq_len, _, dim = q.shape
-    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return ProblemShape(batch, seq_len, v.shape[2], dim, num_seqs, cu_seqlens is not None)
+    return ProblemShape(batch, seq_len, v.shape[2], dim, num_seqs(batch, cu_seqlens), cu_seqlens is not None)
 
 
 def debug_checks_enabled() -> bool:

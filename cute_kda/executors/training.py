@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 
 from .. import validation
-from ..call import Call, Inputs, Options, options_of, resolve
+from ..call import Call, Inputs, Options, final_state_dtype_of, options_of, resolve
 from ..validation import problem_of, staged_cu_seqlens
 from .stages import (
     KERNEL_B_INPUTS, KERNELS, Backend, Saved, checkpoints_shape, packed, workspace_spec,
@@ -200,9 +200,7 @@ def _op_options(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | Non
 @forward_train_op.register_fake
 def _forward_train_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
                         output_final_state, vsplit, qk_l2norm, beta_logits, recompute, gate, segments):
-    state_dtype = None
-    if output_final_state:
-        state_dtype = torch.float32 if initial_state is None else initial_state.dtype
+    state_dtype = final_state_dtype_of(initial_state, None, output_final_state)
     options = _op_options(q, v, cu_seqlens, scale, lower_bound, state_dtype, vsplit, qk_l2norm, beta_logits,
                           recompute, gate, segments)
     problem, seg = options.problem, options.segmentation

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import validation
 from ..layouts.bwd_grads import COMPUTE_WARPS, DEFAULT_WARPS
 from ..numerics import f32, gate_constant
-from ..validation import check_training_size
 from ..variants import GradsVariant
 from ..workspace import Workspace, block_states_shape
 from ._cache import (
@@ -96,7 +96,7 @@ def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbet
     else:
         _check("g", g, (torch.bfloat16, torch.float32) if gate == "none" else bf16, token_shape, device)
         _check("dg", dg, bf16, token_shape, device)
-    check_training_size(v, "v")
+    validation.check_training_size(v, "v")
     _check("dbeta", dbeta, bf16, token_shape[:3], device)
     expected = block_states_shape(ws, heads, num_seqs)
     for name, t in (("states", states), ("state_grads", state_grads)):
@@ -158,7 +158,7 @@ def bwd_grads(
     current stream.
     """
     varlen = cu_seqlens is not None
-    num_seqs = cu_seqlens.numel() - 1 if varlen else q.shape[0]
+    num_seqs = validation.num_seqs(q.shape[0], cu_seqlens)
     _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial, dalog_partial,
                    num_seqs, gate)
     if compute_warps not in COMPUTE_WARPS:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import validation
 from ..device import sm_count
 from ..numerics import SCAN_VSPLITS
 from ..variants import ScanTuning, ScanVariant
@@ -121,7 +122,7 @@ def bwd_scan(
     ``do``'s device.
     """
     varlen = cu_seqlens is not None
-    num_seqs = cu_seqlens.numel() - 1 if varlen else do.shape[0]
+    num_seqs = validation.num_seqs(do.shape[0], cu_seqlens)
     heads = do.shape[2]
     if snapshot_every < 1:
         raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import validation
 from ..device import sm_count
 from ..variants import RecurrenceVariant
 from ..workspace import Workspace, block_states_shape
@@ -103,7 +104,7 @@ def recurrence(
     on v's device).
     """
     varlen = cu_seqlens is not None
-    num_seqs = cu_seqlens.numel() - 1 if varlen else v.shape[0]
+    num_seqs = validation.num_seqs(v.shape[0], cu_seqlens)
     heads = v.shape[2]
     if num_seqs == 0 or heads == 0:
         return
