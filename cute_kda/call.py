@@ -18,7 +18,7 @@ import torch
 
 from . import validation
 from .context_parallel import Segmentation, segmentation_of
-from .validation import ProblemShape, problem_of
+from .validation import ProblemShape
 
 INPUT_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
 
@@ -84,18 +84,16 @@ def final_state_dtype_of(initial_state: torch.Tensor | None, final_state: torch.
     return torch.float32 if initial_state is None else initial_state.dtype
 
 
-def options_of(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, *, scale: float | None,
-               lower_bound: float, qk_l2norm: bool, beta_logits: bool, final_state_dtype: torch.dtype | None,
-               vsplit: int | None, recompute: bool, gate: str, segments: int | None,
-               problem: ProblemShape | None = None) -> Options:
-    """The :class:`Options` of a call on checked arguments (``problem`` when already known): the default scale
+def options_of(problem: ProblemShape, device: torch.device, *, scale: float | None, lower_bound: float,
+               qk_l2norm: bool, beta_logits: bool, final_state_dtype: torch.dtype | None, vsplit: int | None,
+               recompute: bool, gate: str, segments: int | None) -> Options:
+    """The :class:`Options` of a call of shape ``problem`` on ``device`` with checked arguments: the default scale
     ``K ** -0.5``, the segmentation of :func:`cute_kda.context_parallel.segmentation_of`."""
-    problem = problem_of(q, v, cu_seqlens) if problem is None else problem
     return Options(
         problem=problem, scale=float(problem.head_dim ** -0.5 if scale is None else scale),
         lower_bound=float(lower_bound), qk_l2norm=bool(qk_l2norm), beta_logits=bool(beta_logits),
         final_state_dtype=final_state_dtype, vsplit=vsplit, recompute=bool(recompute), gate=gate,
-        segmentation=segmentation_of(problem, q.device, segments, vsplit),
+        segmentation=segmentation_of(problem, device, segments, vsplit),
     )
 
 
@@ -124,8 +122,8 @@ def resolve(
         validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
         validation.check_training_size(v, "v")  # v, dq and dk per value head: the largest per-token tensors
     inputs = Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, validation.staged_cu_seqlens(cu_seqlens, q))
-    options = options_of(q, v, cu_seqlens, scale=scale, lower_bound=lower_bound, qk_l2norm=qk_l2norm,
+    options = options_of(problem, q.device, scale=scale, lower_bound=lower_bound, qk_l2norm=qk_l2norm,
                          beta_logits=beta_logits,
                          final_state_dtype=final_state_dtype_of(initial_state, final_state, output_final_state),
-                         vsplit=vsplit, recompute=recompute, gate=gate, segments=segments, problem=problem)
+                         vsplit=vsplit, recompute=recompute, gate=gate, segments=segments)
     return Call(inputs, options, out, final_state, bool(training))

@@ -65,7 +65,8 @@ def test_dlpack_arrays_reach_validation():
 
 def test_options_keep_an_explicit_vsplit_and_resolve_the_scale():
     q = torch.zeros(1, 64, 4, D, dtype=torch.bfloat16)
-    options = call_module.options_of(q, q, None, scale=None, lower_bound=-5, qk_l2norm=True, beta_logits=False,
+    options = call_module.options_of(validation.problem_of(q, q, None), q.device, scale=None, lower_bound=-5,
+                                     qk_l2norm=True, beta_logits=False,
                                      final_state_dtype=None, vsplit=4, recompute=False, gate="safe", segments=None)
     assert options.vsplit == 4 and options.scale == D ** -0.5 and options.lower_bound == -5.0
     assert options.problem == validation.problem_of(q, q, None) and options.segmentation is None

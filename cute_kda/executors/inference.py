@@ -138,9 +138,9 @@ def run(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, final state or None) of a resolved inference ``call``: K1 then K2 on the current stream of q's device,
     into the caller's buffers when given (``call.out``, ``call.final_state``)."""
     x, options = call.inputs, call.options
-    validation.check_on_cuda("q", x.q)
-    if options.segmentation is not None:
+    if options.segmentation is not None:  # the training forward's stage checks the device itself
         return _segmented(call)
+    validation.check_on_cuda("q", x.q)
     problem, device = options.problem, x.q.device
     final_state = call.final_state
     if final_state is None and options.final_state_dtype is not None:

@@ -157,12 +157,6 @@ def _stages() -> Backend:
     return KERNELS
 
 
-def _empty_if_none(t: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype | None = None,
-                   rank: int = 1) -> torch.Tensor:
-    """``t``, or an empty tensor of ``rank`` dims standing for None (a custom op returns tensors only)."""
-    return like.new_empty((0,) * rank, dtype=dtype) if t is None else t
-
-
 @torch.library.custom_op(TRAIN_OP_NAME, mutates_args=())
 def forward_train_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -181,10 +175,15 @@ def forward_train_op(
                    vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute, gate=gate,
                    segments=segments, training=True)
     result = _stages().forward(*packed(call.inputs, call.options))
-    saved = result.saved
-    return (result.out.view(v.shape), _empty_if_none(result.final_state, q),
-            _empty_if_none(saved.workspace, q, torch.uint8), _empty_if_none(saved.checkpoints, q, torch.bfloat16, 3),
-            _empty_if_none(saved.tile_base, q, torch.int32), _empty_if_none(saved.segment_states, q, torch.float32))
+    saved, device = result.saved, v.device
+
+    def present(t: torch.Tensor | None, dtype: torch.dtype, rank: int = 1) -> torch.Tensor:
+        """``t``, or an empty tensor standing for None (a custom op returns tensors only)."""
+        return torch.empty((0,) * rank, dtype=dtype, device=device) if t is None else t
+
+    return (result.out.view(v.shape), present(result.final_state, v.dtype), present(saved.workspace, torch.uint8),
+            present(saved.checkpoints, torch.bfloat16, 3), present(saved.tile_base, torch.int32),
+            present(saved.segment_states, torch.float32))
 
 
 def _op_options(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, scale: float | None,
@@ -192,8 +191,8 @@ def _op_options(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | Non
                 beta_logits: bool, recompute: bool, gate: str, segments: int | None) -> Options:
     """The :class:`~cute_kda.call.Options` the training ops' fakes and backward derive from the op's arguments
     (:func:`~cute_kda.call.options_of`, as the forward's :func:`~cute_kda.call.resolve` did)."""
-    return options_of(q, v, cu_seqlens, scale=scale, lower_bound=lower_bound, qk_l2norm=qk_l2norm,
-                      beta_logits=beta_logits, final_state_dtype=final_state_dtype, vsplit=vsplit,
+    return options_of(problem_of(q, v, cu_seqlens), q.device, scale=scale, lower_bound=lower_bound,
+                      qk_l2norm=qk_l2norm, beta_logits=beta_logits, final_state_dtype=final_state_dtype, vsplit=vsplit,
                       recompute=recompute, gate=gate, segments=segments)
 
 

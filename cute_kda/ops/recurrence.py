@@ -68,10 +68,9 @@ def compiled_variant(variant: RecurrenceVariant, index: int, arguments: tuple):
     def build():
         from ..kernels.fwd_recurrence import FwdRecurrence
 
-        kernel = FwdRecurrence(
-            vsplit=variant.vsplit, initial_state=dsl_type(variant.initial_state),
-            final_state=dsl_type(variant.final_state), varlen=variant.varlen, checkpoints=variant.checkpoints,
-        )
+        initial_state, final_state = dsl_type(variant.initial_state), dsl_type(variant.final_state)
+        kernel = FwdRecurrence(vsplit=variant.vsplit, initial_state=initial_state, final_state=final_state,
+                               varlen=variant.varlen, checkpoints=variant.checkpoints)
         converted = (to_cute_tensor(t, align) for t, align in zip(arguments, _ARGUMENT_ALIGNMENT))
         return compile_for_launch(kernel, *converted, fake_stream())
 
