@@ -117,7 +117,7 @@ def _time_us(fn, warmup: int, rep: int) -> float | None:
 
 
 def _row(N: int, HV: int, pool: str, mode: str, per_head: bool, args) -> list[str]:
-    from cute_kda.config import sm_count
+    from cute_kda.device import sm_count
     from cute_kda.kernels.decode import DecodeVariant
     from cute_kda.layouts.decode import DecodeThreadMap
 

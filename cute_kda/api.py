@@ -186,11 +186,13 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     ``disable_recompute`` keeps FLA's meaning: False (the default) keeps nothing beyond the inputs for
     the backward (``kda_forward``'s ``recompute=True``), True keeps the intermediates for a faster one.
     """
-    def translated() -> tuple[torch.Tensor, torch.Tensor | None]:
-        call = translate_fla_call(*_as_torch(args), **_as_torch(kwargs))
+    q = args[0] if args else kwargs.get("q")
+    if not isinstance(q, torch.Tensor):  # another framework's arrays: as torch tensors, answered in that framework
+        return interop.answer_in_framework(q, lambda: chunk_kda(*_as_torch(args), **_as_torch(kwargs)))
+    call = translate_fla_call(*args, **kwargs)
+    if torch.compiler.is_compiling():
         return call.run(functools.partial(kda_forward, recompute=call.recompute))
-
-    return _in_framework(args, kwargs, translated)
+    return call.run(lambda *tensors, **options: run(resolve(*tensors, recompute=call.recompute, **options)))
 
 
 chunk_kda.__signature__ = inspect.signature(translate_fla_call).replace(return_annotation=tuple[Any, Any])
@@ -214,10 +216,10 @@ def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     form; dq, dk summed over each group of value heads), eagerly or under torch.compile (its training ops). Flags as
     :func:`cute_kda.fla_calls.translate_fla_gdn_call`.
     """
-    def translated() -> tuple[torch.Tensor, torch.Tensor | None]:
-        return translate_fla_gdn_call(*_as_torch(args), **_as_torch(kwargs)).run(kda_forward)
-
-    return _in_framework(args, kwargs, translated)
+    q = args[0] if args else kwargs.get("q")
+    if not isinstance(q, torch.Tensor):  # another framework's arrays: as torch tensors, answered in that framework
+        return interop.answer_in_framework(q, lambda: chunk_gated_delta_rule(*_as_torch(args), **_as_torch(kwargs)))
+    return translate_fla_gdn_call(*args, **kwargs).run(kda_forward)
 
 
 chunk_gated_delta_rule.__signature__ = inspect.signature(translate_fla_gdn_call).replace(
@@ -229,14 +231,6 @@ def _as_torch(arguments: tuple | dict) -> tuple | dict:
     if isinstance(arguments, dict):
         return {name: interop.as_torch(value) for name, value in arguments.items()}
     return tuple(interop.as_torch(value) for value in arguments)
-
-
-def _in_framework(args: tuple, kwargs: dict, run: Any) -> tuple[Any, Any]:
-    """``run()``'s results in the framework of the call's q (its first argument, or keyword ``q``); traced as it
-    is under ``torch.compile``."""
-    if torch.compiler.is_compiling():
-        return run()
-    return interop.answer_in_framework(args[0] if args else kwargs.get("q"), run)
 
 
 def warmup(*, device: Any = None, **selection: Any) -> int:
