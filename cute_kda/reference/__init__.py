@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .backward import mirror_backward, mirror_bwd_grads, mirror_bwd_scan
-from .chains import BwdGradsResult, BwdScanResult
+from .chains import BwdScanResult
 from .common import intrinsics_exact, tile_bases
 from .exact import (
     FwdStatesResult,
@@ -62,7 +62,6 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 __all__ = [
     "K1_SCHEMES",
-    "BwdGradsResult",
     "BwdScanResult",
     "FwdStatesResult",
     "chunk_backward_exact",

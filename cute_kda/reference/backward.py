@@ -20,8 +20,9 @@ import math
 import torch
 
 from ..numerics import LN2, LOG2E
+from ..executors.stages import GradsResult
 from ..workspace import SNAPSHOT_TILES, Workspace, WorkspaceSpec, block_states_shape
-from .chains import BwdGradsResult, BwdScanResult, GradConstants, bwd_grads, gradient_dict, reverse_scan
+from .chains import BwdScanResult, GradConstants, bwd_grads, gradient_dict, reverse_scan
 from .common import KERNEL, PER_TILE, Constants, TileMap, ex2_approx, to_tiles
 from .gates import mirror_bwd_grads_gates, mirror_prepare_gates
 from .mirror import k1_rows, mirror_prepare, mirror_recurrence
@@ -116,7 +117,7 @@ def mirror_bwd_grads(
     cu_seqlens: torch.Tensor | None = None,
     qk_l2norm: bool = True,
     beta_logits: bool = True,
-) -> BwdGradsResult:
+) -> GradsResult:
     """Kernel B (docs/numerics.md, "Backward: Kernel B") with the kernel's rounding.
 
     Inputs bf16: q, k, g (raw gate input) ``[B, T, H, K]``, beta ``[B, T, H]`` (logits when

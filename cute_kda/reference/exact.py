@@ -36,9 +36,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..executors.stages import GradsResult
 from ..numerics import DYADIC_BLOCKS
 from ..workspace import CHUNK, SNAPSHOT_TILES, Workspace, snapshot_slots
-from .chains import BwdGradsResult, BwdScanResult, GradConstants, bwd_grads, gradient_dict, reverse_scan
+from .chains import BwdScanResult, GradConstants, bwd_grads, gradient_dict, reverse_scan
 from .common import (
     EXACT, PER_TILE, TileMap, crossing_rows, qk_backward, scan_shape, state_in, state_out, straddle_geometry,
     straddle_sums, tile_blocks, to_tiles, token_tile_map, untile, workspace_of_tiles,
@@ -203,7 +204,7 @@ def chunk_bwd_grads_exact(
     du: torch.Tensor, ws: Workspace, states: torch.Tensor, state_grads: torch.Tensor, *, A_log: torch.Tensor,
     dt_bias: torch.Tensor, scale: float | None = None, lower_bound: float = -5.0,
     cu_seqlens: torch.Tensor | None = None, qk_l2norm: bool = True, beta_logits: bool = True,
-) -> BwdGradsResult:
+) -> GradsResult:
     """The formulas of :func:`~.backward.mirror_bwd_grads` in float64 with no rounding at all (safe gate).
 
     Arguments as :func:`~.backward.mirror_bwd_grads`, any float dtype, widened to float64: ``ws`` from
