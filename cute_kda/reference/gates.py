@@ -21,7 +21,7 @@ gate) or ``[B, T, HV]`` (per-head gate, GatedDeltaNet); HV a multiple of H (valu
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -169,11 +169,14 @@ class _K1GateValues(NamedTuple):
 
 
 def _k1_gate_values(
-    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scheme: str, gate: str,
-    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float, scale: float | None,
-    cu_seqlens: torch.Tensor | None, qk_l2norm: bool, beta_logits: bool,
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scheme: str | None = None,
+    gate: str = "softplus", A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+    lower_bound: float = -5.0, scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
+    qk_l2norm: bool = True, beta_logits: bool = True,
 ) -> _K1GateValues:
-    """:func:`mirror_prepare_gates`' arithmetic, with the values it passes through."""
+    """:func:`mirror_prepare_gates`' arithmetic (its arguments), with the values it passes through."""
+    if scheme is None:
+        scheme = scheme_of(g)
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
         raise TypeError("q and k must be bf16 (the kernels' input type)")
     if scheme not in K1_SCHEMES:
@@ -218,24 +221,12 @@ def _k1_gate_values(
     return _K1GateValues(tile_map, consts, qh, kh, gp, G, Gs, beta_t, A, A_qk, qhat, khat, rinv_q, rinv_k, ws)
 
 
-def mirror_prepare_gates(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    scheme: str | None = None,
-    gate: str = "softplus",
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    lower_bound: float = -5.0,
-    scale: float | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
-) -> Workspace:
+def mirror_prepare_gates(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, **options: Any
+                         ) -> Workspace:
     """The unbounded gates' K1 (docs/numerics.md, "The dyadic K1 as built", "The per-head K1 as built") with
-    its rounding → a K1 workspace.
+    its rounding → a K1 workspace. ``options``: ``scheme``, ``gate`` ("softplus" unless given), ``A_log``,
+    ``dt_bias``, ``lower_bound``, ``scale``, ``cu_seqlens``, ``qk_l2norm``, ``beta_logits`` (by default None, except
+    lower_bound −5 and qk_l2norm, beta_logits True).
 
     q, k bf16 ``[B, T, H, D]``; g ``[B, T, HV, D]`` or ``[B, T, HV]`` (bf16 or fp32: the raw gate, or the log
     decay itself for ``gate="none"``); beta ``[B, T, HV]``; A_log fp32 ``[HV]`` (None: e^A = 1); dt_bias fp32
@@ -252,10 +243,7 @@ def mirror_prepare_gates(
     Then ``L = f16(f32(β·A))``, ``Mqk = bf16(A_qk)`` and INV by the fp16 Neumann product, as the safe K1.
     Returns a Workspace ``[HV · tiles, ...]`` in the kernels' dtypes (slots that are no tile NaN).
     """
-    values = _k1_gate_values(q, k, g, beta, scheme=scheme_of(g) if scheme is None else scheme, gate=gate,
-                             A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-                             cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
-    return values.workspace
+    return _k1_gate_values(q, k, g, beta, **options).workspace
 
 
 # ---------------------------------------------------------------------------------------------
