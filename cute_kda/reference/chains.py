@@ -301,12 +301,12 @@ def bwd_grads(
                        arith.dot(grads.ddt_partial, one, 1))
 
 
-def gradient_dict(grads: GradsResult, scan: BwdScanResult, dt_bias: torch.Tensor,
+def gradient_dict(grads: GradsResult, scan: BwdScanResult, dt_bias: torch.Tensor | None,
                   initial_state: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
     """The chain's gradients by :func:`~.gold.gold_backward`'s keys (ddt_bias in dt_bias's shape; dh0 None without
     an initial state)."""
+    ddt_bias = None if grads.ddt_bias is None else grads.ddt_bias.reshape(dt_bias.shape)
     return {"dq": grads.dq, "dk": grads.dk, "dv": scan.dv, "dg": grads.dg, "dbeta": grads.dbeta,
-            "dA_log": grads.dA_log, "ddt_bias": grads.ddt_bias.reshape(dt_bias.shape),
-            "dh0": None if initial_state is None else scan.dh0}
+            "dA_log": grads.dA_log, "ddt_bias": ddt_bias, "dh0": None if initial_state is None else scan.dh0}
 
 

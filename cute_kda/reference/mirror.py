@@ -106,7 +106,7 @@ def mirror_prepare(
     *,
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
-    lower_bound: float,
+    lower_bound: float = -5.0,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     qk_l2norm: bool = True,
