@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from .backward import mirror_backward, mirror_bwd_grads, mirror_bwd_scan
-from .chains import BwdGradsResult, BwdScanResult
+from .backward import mirror_backward, mirror_bwd_grads, mirror_bwd_grads_gates, mirror_bwd_scan
+from .chains import BwdScanResult
 from .common import intrinsics_exact, tile_bases
 from .exact import (
     FwdStatesResult,
@@ -40,7 +40,7 @@ from .exact import (
     prepare_exact,
     prepare_gates_exact,
 )
-from .gates import K1_SCHEMES, mirror_bwd_grads_gates, mirror_prepare_gates
+from .gates import K1_SCHEMES, mirror_prepare_gates
 from .gold import gold_backward, gold_forward
 from .mirror import mirror_forward, mirror_prepare, mirror_recurrence
 
@@ -62,7 +62,6 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 __all__ = [
     "K1_SCHEMES",
-    "BwdGradsResult",
     "BwdScanResult",
     "FwdStatesResult",
     "chunk_backward_exact",

@@ -17,7 +17,7 @@ from ..executors.stages import (
 )
 from ..workspace import workspace_views
 from .backward import mirror_bwd_grads, mirror_bwd_scan
-from .gates import mirror_bwd_grads_gates, mirror_prepare_gates
+from .gates import mirror_prepare_gates
 from .common import tile_bases
 from .mirror import mirror_prepare, mirror_recurrence
 
@@ -77,22 +77,13 @@ def _reference_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor,
 
 
 def _reference_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult) -> GradsResult:
-    """:func:`~cute_kda.reference.backward.mirror_bwd_grads` (:func:`~cute_kda.reference.mirror_bwd_grads_gates`
-    for a per-head gate)."""
-    if options.gate != "safe":
-        grads = mirror_bwd_grads_gates(
-            x.q, x.k, x.g, x.beta, x.v, do, scan.du, workspace_of(options, saved), saved.checkpoints,
-            scan.state_grads, gate=options.gate, A_log=x.A_log, dt_bias=x.dt_bias, scale=options.scale,
-            cu_seqlens=x.cu_seqlens, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
-        )
-        return GradsResult(*(None if grads[n] is None else grads[n].contiguous()
-                             for n in ("dq", "dk", "dg", "dbeta", "dA_log", "ddt_bias")))
+    """:func:`~cute_kda.reference.backward.mirror_bwd_grads`."""
     result = mirror_bwd_grads(
         x.q, x.k, x.g, x.beta, x.v, do, scan.du, workspace_of(options, saved), saved.checkpoints, scan.state_grads,
-        A_log=x.A_log, dt_bias=x.dt_bias, scale=options.scale, lower_bound=options.lower_bound,
+        gate=options.gate, A_log=x.A_log, dt_bias=x.dt_bias, scale=options.scale, lower_bound=options.lower_bound,
         cu_seqlens=x.cu_seqlens, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
     )
-    return GradsResult(*(t.contiguous() for t in result))
+    return GradsResult(*(None if t is None else t.contiguous() for t in result))
 
 
 REFERENCE = Backend("reference", _reference_forward, _reference_scan, _reference_grads)

@@ -1,11 +1,12 @@
 """Mirrors of the backward kernels, with their rounding: the reverse state-gradient scan (Kernel A,
 docs/numerics.md, "Backward: Kernel A"), the safe gate's per-tile gradients (Kernel B, "Backward: Kernel B";
-the unbounded gates' variants are :func:`~.gates.mirror_bwd_grads_gates`) and the whole chain.
+the unbounded gates' variants are :func:`~.gates.bwd_grads_gates`) and the whole chain.
 
 - :func:`mirror_bwd_scan`: Kernel A over a K1 workspace; loops over the tile step only, batched over every
   (head, sequence), each sequence running from its own last tile down to its first.
-- :func:`mirror_bwd_grads`: Kernel B: dq, dk, dg, dβ per token and dA_log, ddt_bias from per-tile partials,
-  every (head, tile) at once (the tiles are independent given the per-tile states and state gradients).
+- :func:`mirror_bwd_grads`: Kernel B for every gate: dq, dk, dg, dβ per token and dA_log, ddt_bias from per-tile
+  partials, every (head, tile) at once (the tiles are independent given the per-tile states and state gradients);
+  :func:`mirror_bwd_grads_gates` the same by name.
 - :func:`mirror_backward`: the whole chain for every gate — K1, the training forward's per-tile checkpoints,
   Kernel A, Kernel B — returning :func:`~.gold.gold_backward`'s gradients.
 
@@ -16,14 +17,16 @@ The mirrors of Kernels A and B run the chains of :mod:`.chains` in :data:`~.comm
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from ..numerics import LN2, LOG2E
+from ..executors.stages import GradsResult
 from ..workspace import SNAPSHOT_TILES, Workspace, WorkspaceSpec, block_states_shape
-from .chains import BwdGradsResult, BwdScanResult, GradConstants, bwd_grads, gradient_dict, reverse_scan
+from .chains import BwdScanResult, GradConstants, bwd_grads, gradient_dict, reverse_scan
 from .common import KERNEL, PER_TILE, Constants, TileMap, ex2_approx, to_tiles
-from .gates import mirror_bwd_grads_gates, mirror_prepare_gates
+from .gates import bwd_grads_gates, mirror_prepare_gates
 from .mirror import k1_rows, mirror_prepare, mirror_recurrence
 
 
@@ -109,15 +112,17 @@ def mirror_bwd_grads(
     states: torch.Tensor,
     state_grads: torch.Tensor,
     *,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
+    gate: str = "safe",
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
     scale: float | None = None,
     lower_bound: float = -5.0,
     cu_seqlens: torch.Tensor | None = None,
     qk_l2norm: bool = True,
     beta_logits: bool = True,
-) -> BwdGradsResult:
-    """Kernel B (docs/numerics.md, "Backward: Kernel B") with the kernel's rounding.
+) -> GradsResult:
+    """Kernel B (docs/numerics.md, "Backward: Kernel B") with the kernel's rounding; an unbounded ``gate``
+    ("softplus", "none") by :func:`~.gates.bwd_grads_gates` (its inputs and outputs there).
 
     Inputs bf16: q, k, g (raw gate input) ``[B, T, H, K]``, beta ``[B, T, H]`` (logits when
     ``beta_logits``; as in the kernel, β itself is read from ``ws``), v, do, du ``[B, T, H, V]`` (V == K;
@@ -131,16 +136,27 @@ def mirror_bwd_grads(
     Returns dq, dk, dg, dbeta bf16 in their inputs' shapes; dA_log fp32 ``[H]``, ddt_bias fp32 ``[H, K]``:
     the per-tile partials summed over the tiles.
     """
+    if gate != "safe":
+        return bwd_grads_gates(q, k, g, beta, v, do, du, ws, states, state_grads, gate=gate, A_log=A_log,
+                               dt_bias=dt_bias, scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
+                               beta_logits=beta_logits)
     for name, x in (("q", q), ("k", k), ("g", g), ("beta", beta), ("v", v), ("do", do), ("du", du),
                     ("states", states), ("state_grads", state_grads)):
         if x.dtype != torch.bfloat16:
             raise TypeError(f"{name} must be bf16 (the kernel's input type), got {x.dtype}")
-    if A_log.dtype != torch.float32 or dt_bias.dtype != torch.float32:
-        raise TypeError("A_log and dt_bias must be fp32")
+    if A_log is None or dt_bias is None or A_log.dtype != torch.float32 or dt_bias.dtype != torch.float32:
+        raise TypeError("the safe gate's A_log and dt_bias must be fp32 tensors")
     heads = q.shape[2]
     _check_workspace_dtypes(ws, heads)
     return bwd_grads(q, k, g, beta, v, do, du, ws, states, state_grads, A_log, dt_bias, scale, lower_bound,
                      cu_seqlens, qk_l2norm, beta_logits, KERNEL, _kernel_recompute)
+
+
+def mirror_bwd_grads_gates(*operands: torch.Tensor | Workspace, gate: str, **options: Any
+                           ) -> dict[str, torch.Tensor | None]:
+    """:func:`mirror_bwd_grads` (its operands and keywords but ``lower_bound``) for an unbounded ``gate``, its
+    gradients by name."""
+    return mirror_bwd_grads(*operands, gate=gate, **options)._asdict()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,27 +173,24 @@ def mirror_backward(
     *,
     dht: torch.Tensor | None = None,
     gate: str = "safe",
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    scale: float | None = None,
-    lower_bound: float = -5.0,
     initial_state: torch.Tensor | None = None,
     state_layout: str = "vk",
     cu_seqlens: torch.Tensor | None = None,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
+    **k1_options: Any,
 ) -> dict[str, torch.Tensor | None]:
     """The whole backward with the kernels' rounding, for every gate: the reference backend of the autograd layer.
 
     K1 (:func:`~.mirror.mirror_prepare` for the safe gate; :func:`~.gates.mirror_prepare_gates` for "softplus" and
     "none", the per-head scheme for g ``[B, T, HV]``, else dyadic) → :func:`~.mirror.mirror_recurrence` (the
     training forward: per-tile checkpoints) → :func:`mirror_bwd_scan` (Kernel A, per-tile snapshots, from ``dht``)
-    → Kernel B (:func:`mirror_bwd_grads`; :func:`~.gates.mirror_bwd_grads_gates`). Inputs bf16 as the kernels take
+    → Kernel B (:func:`mirror_bwd_grads`). Inputs bf16 as the kernels take
     them: q, k ``[B, T, H, K]``, v, do ``[B, T, HV, V]``, g ``[B, T, HV, K]`` (or ``[B, T, HV]``, a per-head
     unbounded gate; a log decay for "none" may be fp32), beta ``[B, T, HV]``; HV = H for the safe gate, a multiple
     of H for the others; A_log fp32 ``[HV]``, dt_bias fp32 ``[HV, K]`` or ``[HV*K]`` (``[HV]`` per head; both
     needed by the safe gate, optional for softplus, unused by "none"); ``initial_state`` and ``dht`` None, bf16 or
     fp32, ``[N, HV, V, K]`` ("vk") or ``[N, HV, K, V]`` ("kv"); ``cu_seqlens`` int ``[N+1]`` (B == 1).
+    ``k1_options``: ``A_log``, ``dt_bias``, ``scale``, ``lower_bound``, ``qk_l2norm``, ``beta_logits``, passed on
+    to K1 and Kernel B.
 
     Returns :func:`~.gold.gold_backward`'s keys: dq, dk (summed over each group of value heads), dv, dbeta bf16 in
     their inputs' shapes; dg bf16 (fp32 for a per-head gate, as Kernel B writes it); dA_log, ddt_bias fp32 in their
@@ -186,11 +199,11 @@ def mirror_backward(
     """
     value_heads = v.shape[2]
     num_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-    options = dict(scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+    options = dict(cu_seqlens=cu_seqlens, **k1_options)
     if gate == "safe":
-        ws = mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **options)
+        ws = mirror_prepare(q, k, g, beta, **options)
     else:
-        ws = mirror_prepare_gates(q, k, g, beta, gate=gate, A_log=A_log, dt_bias=dt_bias, **options)
+        ws = mirror_prepare_gates(q, k, g, beta, gate=gate, **options)
     states = torch.full(block_states_shape(ws, value_heads, num_seqs, PER_TILE), math.nan, dtype=torch.bfloat16,
                         device=q.device)
     mirror_recurrence(ws, v, cu_seqlens=cu_seqlens, initial_state=initial_state, state_layout=state_layout,
@@ -198,10 +211,5 @@ def mirror_backward(
     dh0_dtype = torch.float32 if initial_state is None else initial_state.dtype
     scan = mirror_bwd_scan(ws, do, cu_seqlens=cu_seqlens, dht=dht, dh0_dtype=dh0_dtype, state_layout=state_layout,
                            snapshot_every=PER_TILE)
-    if gate == "safe":
-        grads = mirror_bwd_grads(q, k, g, beta, v, do, scan.du, ws, states, scan.snapshots, A_log=A_log,
-                                 dt_bias=dt_bias, lower_bound=lower_bound, **options)
-        return gradient_dict(grads, scan, dt_bias, initial_state)
-    grads = mirror_bwd_grads_gates(q, k, g, beta, v, do, scan.du, ws, states, scan.snapshots, gate=gate, A_log=A_log,
-                                   dt_bias=dt_bias, **options)
-    return {**grads, "dv": scan.dv, "dh0": None if initial_state is None else scan.dh0}
+    grads = mirror_bwd_grads(q, k, g, beta, v, do, scan.du, ws, states, scan.snapshots, gate=gate, **options)
+    return gradient_dict(grads, scan, k1_options.get("dt_bias"), initial_state)

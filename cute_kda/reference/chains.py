@@ -14,6 +14,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from ..executors.stages import GradsResult
 from ..workspace import CHUNK, Workspace, snapshot_slots, tiles_per_head
 from .common import (
     PER_TILE, Arithmetic, TileMap, scan_shape, state_in, state_out, tile_blocks, tile_map_of, to_tiles,
@@ -105,21 +106,6 @@ def reverse_scan(
 
 # ---------------------------------------------------------------------------------------------
 # Kernel B
-
-
-class BwdGradsResult(NamedTuple):
-    """Outputs of the tile-gradient kernel.
-
-    dq, dk, dg ``[B, T, H, K]`` (dg w.r.t. the raw gate input), dbeta ``[B, T, H]`` (w.r.t. beta as
-    given: the logits when ``beta_logits``), dA_log ``[H]``, ddt_bias ``[H, K]``.
-    """
-
-    dq: torch.Tensor
-    dk: torch.Tensor
-    dg: torch.Tensor
-    dbeta: torch.Tensor
-    dA_log: torch.Tensor
-    ddt_bias: torch.Tensor
 
 
 class GradConstants(NamedTuple):
@@ -297,7 +283,7 @@ def bwd_grads(
     du: torch.Tensor, ws: Workspace, states: torch.Tensor, state_grads: torch.Tensor, A_log: torch.Tensor,
     dt_bias: torch.Tensor, scale: float | None, lower_bound: float, cu_seqlens: torch.Tensor | None,
     qk_l2norm: bool, beta_logits: bool, arith: Arithmetic, recompute: Recompute,
-) -> BwdGradsResult:
+) -> GradsResult:
     """Kernel B over every (head, tile) slot in ``arith``; the partials reduced over the tiles."""
     ops, consts, tile_map = tile_operands(q, k, g, beta, v, do, du, ws, states, state_grads, A_log, dt_bias, scale,
                                           lower_bound, cu_seqlens, qk_l2norm, beta_logits, arith, recompute)
@@ -310,17 +296,17 @@ def bwd_grads(
 
     # the reduction over tiles: one fixed-order sum (no atomics), rounded once
     one = torch.ones((), dtype=arith.work, device=q.device)
-    return BwdGradsResult(untile(grads.dq, q.shape), untile(grads.dk, q.shape), untile(grads.dg, q.shape),
-                          untile(grads.dbeta, beta.shape), arith.dot(grads.dalog_partial, one, 1),
-                          arith.dot(grads.ddt_partial, one, 1))
+    return GradsResult(untile(grads.dq, q.shape), untile(grads.dk, q.shape), untile(grads.dg, q.shape),
+                       untile(grads.dbeta, beta.shape), arith.dot(grads.dalog_partial, one, 1),
+                       arith.dot(grads.ddt_partial, one, 1))
 
 
-def gradient_dict(grads: BwdGradsResult, scan: BwdScanResult, dt_bias: torch.Tensor,
+def gradient_dict(grads: GradsResult, scan: BwdScanResult, dt_bias: torch.Tensor | None,
                   initial_state: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
     """The chain's gradients by :func:`~.gold.gold_backward`'s keys (ddt_bias in dt_bias's shape; dh0 None without
     an initial state)."""
+    ddt_bias = None if grads.ddt_bias is None else grads.ddt_bias.reshape(dt_bias.shape)
     return {"dq": grads.dq, "dk": grads.dk, "dv": scan.dv, "dg": grads.dg, "dbeta": grads.dbeta,
-            "dA_log": grads.dA_log, "ddt_bias": grads.ddt_bias.reshape(dt_bias.shape),
-            "dh0": None if initial_state is None else scan.dh0}
+            "dA_log": grads.dA_log, "ddt_bias": ddt_bias, "dh0": None if initial_state is None else scan.dh0}
 
 

@@ -29,10 +29,13 @@ fused multiply-add per element and the decay one multiply.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..numerics import EPS
 from .gates import _base2_log_decay
+from .common import row_butterfly_sum
 from .gold import STATE_LAYOUTS, channel_log_decay, l2norm, value_head_group
 from .mirror import Constants, ex2_approx, sigmoid_approx
 
@@ -74,14 +77,6 @@ def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double() + c.double()).float()
 
 
-def _butterfly(partial: torch.Tensor) -> torch.Tensor:
-    """Sum over the lane axis (-1, 8 lanes) in the order of the ``shfl.xor`` butterfly 4, 2, 1."""
-    while partial.shape[-1] > 1:
-        half = partial.shape[-1] // 2
-        partial = partial[..., :half] + partial[..., half:]
-    return partial[..., 0]
-
-
 def _lane_dot(state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``Σ_k state[..., v, k]·x[..., k]`` as the kernel sums it: ``state [..., V, 8, 16]`` and
     ``x [..., 8, 16]`` in lane order → ``[..., V]``."""
@@ -89,7 +84,7 @@ def _lane_dot(state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     acc = state[..., 0] * x[..., 0]
     for e in range(1, CHANNELS_PER_LANE):
         acc = _fma(state[..., e], x[..., e], acc)
-    return _butterfly(acc)
+    return row_butterfly_sum(acc)
 
 
 def _lane_rinv(x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +92,7 @@ def _lane_rinv(x: torch.Tensor) -> torch.Tensor:
     partial = x[..., 0] * x[..., 0]
     for e in range(1, CHANNELS_PER_LANE):
         partial = partial + x[..., e] * x[..., e]
-    return torch.reciprocal(torch.sqrt(_butterfly(partial) + EPS))[..., None, None]
+    return torch.reciprocal(torch.sqrt(row_butterfly_sum(partial) + EPS))[..., None, None]
 
 
 def _to_lanes(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -121,143 +116,188 @@ def _check_head_dims(q: torch.Tensor, v: torch.Tensor, state_pool: torch.Tensor)
                          f"state_pool {tuple(state_pool.shape)}")
 
 
-def mirror_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    state_pool: torch.Tensor,
-    state_indices: torch.Tensor,
-    num_accepted_tokens: torch.Tensor | None = None,
-    *,
-    gate: str,
-    scale: float,
-    lower_bound: float = -5.0,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
-    state_layout: str = "vk",
-) -> torch.Tensor:
-    """One decode (or verify) call with the kernel's rounding; updates ``state_pool`` in place, returns o.
+class _Operands(NamedTuple):
+    """One call's live rows ``[n, ...]`` as an arithmetic holds them: q (l2-normalised and scaled), k, the decay
+    factor, β (activated) and v per token ``[n, T, HV, ...]``; the states read from the pool ``[n, HV, ...]``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    decay: torch.Tensor
+    beta: torch.Tensor
+    v: torch.Tensor
+    state: torch.Tensor
+
+
+class _Arithmetic:
+    """How one decode call on a pool of ``state_layout`` and ``state_dtype`` computes: the operands of its live rows,
+    the three steps of a token's update and the store of a state into the pool. ``out_dtype``: o's dtype."""
+
+    out_dtype: torch.dtype
+
+    def __init__(self, state_layout: str, state_dtype: torch.dtype, device: torch.device) -> None:
+        self.state_layout = state_layout
+
+    def operands(self, live: torch.Tensor, slots: torch.Tensor, group: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, A_log: torch.Tensor | None,
+                 dt_bias: torch.Tensor | None, state_pool: torch.Tensor, gate: str, scale: float, lower_bound: float,
+                 qk_l2norm: bool, beta_logits: bool) -> _Operands:
+        raise NotImplementedError
+
+    def decayed(self, state: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+        """``Diag(exp g_t) S`` (``decay`` one token's ``[n, HV, ...]``)."""
+        raise NotImplementedError
+
+    def dot(self, state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``Sᵀ x`` per row ``[n, HV, V]``."""
+        raise NotImplementedError
+
+    def updated(self, state: torch.Tensor, k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """``S + k uᵀ``."""
+        raise NotImplementedError
+
+    def store(self, state_pool: torch.Tensor, slots: torch.Tensor, state: torch.Tensor) -> None:
+        """The states into the pool's slots, in the pool's dtype; −1 slots skipped."""
+        raise NotImplementedError
+
+
+class _KernelArithmetic(_Arithmetic):
+    """The decode kernel's: fp32 in lane order (module doc), the gate, l2norm and β as K1 computes them, o bf16."""
+
+    out_dtype = torch.bfloat16
+
+    def __init__(self, state_layout: str, state_dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(state_layout, state_dtype, device)
+        self.order = channel_order(state_layout, state_dtype).to(device)
+
+    def operands(self, live, slots, group, q, k, v, g, beta, A_log, dt_bias, state_pool, gate, scale, lower_bound,
+                 qk_l2norm, beta_logits) -> _Operands:
+        consts = Constants.make(lower_bound, scale)
+        order = self.order
+        q_lanes, k_lanes = _to_lanes(q[live].float(), order), _to_lanes(k[live].float(), order)
+        if qk_l2norm:
+            q_lanes = q_lanes * (_lane_rinv(q_lanes) * consts.scale)
+            k_lanes = k_lanes * _lane_rinv(k_lanes)
+        else:
+            q_lanes = q_lanes * consts.scale
+        g_live = g[live]
+        tokens = g_live.reshape(-1, *g_live.shape[2:])
+        gp = _base2_log_decay(tokens, DIM, gate, A_log, dt_bias, consts)
+        decay = _to_lanes(ex2_approx(gp.contiguous()).reshape(*g_live.shape[:3], DIM), order)
+        beta32 = beta[live].float()
+        state = _to_lanes(_as_vk(state_pool[slots[live]], self.state_layout).float(), order)  # [n, HV, V, 8, 16]
+        return _Operands(q_lanes.repeat_interleave(group, dim=2), k_lanes.repeat_interleave(group, dim=2), decay,
+                         sigmoid_approx(beta32) if beta_logits else beta32, v[live].float(), state)
+
+    def decayed(self, state, decay):
+        return state * decay[:, :, None]
+
+    def dot(self, state, x):
+        return _lane_dot(state, x)
+
+    def updated(self, state, k, u):
+        return _fma(k[:, :, None], u[..., None, None], state)
+
+    def store(self, state_pool, slots, state):
+        keep = slots >= 0
+        states = _as_vk(_from_lanes(state[keep], self.order), self.state_layout)
+        state_pool[slots[keep]] = states.to(state_pool.dtype)
+
+
+class _ExactArithmetic(_Arithmetic):
+    """The fp64 token recurrence of :mod:`.gold` (its gates and l2norm), states ``S[k, v]``, o float64."""
+
+    out_dtype = torch.float64
+
+    def operands(self, live, slots, group, q, k, v, g, beta, A_log, dt_bias, state_pool, gate, scale, lower_bound,
+                 qk_l2norm, beta_logits) -> _Operands:
+        f64 = torch.float64
+        q64, k64 = q[live].to(f64), k[live].to(f64)
+        if qk_l2norm:
+            q64, k64 = l2norm(q64), l2norm(k64)
+        params = {name: None if t is None else t.to(f64) for name, t in (("A_log", A_log), ("dt_bias", dt_bias))}
+        decay = torch.exp(channel_log_decay(g[live].to(f64), DIM, per_head=g.dim() == 3, gate=gate,
+                                            lower_bound=lower_bound, **params))
+        beta64 = torch.sigmoid(beta[live].to(f64)) if beta_logits else beta[live].to(f64)
+        state = _as_vk(state_pool[slots[live]], self.state_layout).to(f64).transpose(-1, -2)  # S[k, v]
+        return _Operands((q64 * scale).repeat_interleave(group, dim=2), k64.repeat_interleave(group, dim=2), decay,
+                         beta64, v[live].to(f64), state)
+
+    def decayed(self, state, decay):
+        return state * decay[..., None]
+
+    def dot(self, state, x):
+        return torch.einsum("nhk,nhkv->nhv", x, state)
+
+    def updated(self, state, k, u):
+        return state + k[..., :, None] * u[:, :, None, :]
+
+    def store(self, state_pool, slots, state):
+        keep = slots >= 0
+        states = state[keep] if self.state_layout == "kv" else state[keep].transpose(-1, -2)
+        state_pool[slots[keep]] = states.to(state_pool.dtype)
+
+
+class ReferenceDecode:
+    """One decode (or verify) call on a state pool (the module doc's contract) in one arithmetic: updates
+    ``state_pool`` in place, returns o ``[N, T, HV, 128]``.
 
     q, k ``[N, T, H, 128]``, v ``[N, T, HV, 128]``, g ``[N, T, HV, 128]`` (per channel) or ``[N, T, HV]``
     (per head), beta ``[N, T, HV]`` (bf16, or any float taken as is), A_log fp32 ``[HV]`` and dt_bias fp32
     ``[HV, 128]`` (``[HV]`` with a per-head gate; both None for ``gate="none"``); ``state_pool``
-    ``[slots, HV, V, K]`` (``state_layout="vk"``) or ``[slots, HV, K, V]``, fp32 or bf16; ``state_indices``
-    int ``[N]`` (decode) or ``[N, T]`` with ``num_accepted_tokens`` ``[N]`` (verify); see the module doc.
-    Returns o bf16 ``[N, T, HV, 128]``.
+    ``[slots, HV, V, K]`` (``state_layout="vk"``) or ``[slots, HV, K, V]``; ``state_indices`` int ``[N]``
+    (decode) or ``[N, T]`` with ``num_accepted_tokens`` ``[N]`` (verify).
     """
-    _check_head_dims(q, v, state_pool)
-    batch, steps, heads = q.shape[:3]
-    value_heads = v.shape[2]
-    group = value_head_group(heads, value_heads)
-    consts = Constants.make(lower_bound, scale)
-    order = channel_order(state_layout, state_pool.dtype).to(q.device)
-    slots = read_slots(state_indices, num_accepted_tokens)
-    live = (slots >= 0).nonzero().flatten()
-    out = torch.zeros(batch, steps, value_heads, DIM, dtype=torch.bfloat16, device=q.device)
-    if live.numel() == 0:
+
+    def __init__(self, arithmetic: type[_Arithmetic], doc: str) -> None:
+        self.arithmetic = arithmetic
+        self.__doc__ = f"{doc}\n\n{ReferenceDecode.__doc__}"
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        A_log: torch.Tensor | None,
+        dt_bias: torch.Tensor | None,
+        state_pool: torch.Tensor,
+        state_indices: torch.Tensor,
+        num_accepted_tokens: torch.Tensor | None = None,
+        *,
+        gate: str,
+        scale: float,
+        lower_bound: float = -5.0,
+        qk_l2norm: bool = True,
+        beta_logits: bool = True,
+        state_layout: str = "vk",
+    ) -> torch.Tensor:
+        _check_head_dims(q, v, state_pool)
+        arith = self.arithmetic(state_layout, state_pool.dtype, q.device)
+        batch, steps, heads = q.shape[:3]
+        value_heads = v.shape[2]
+        group = value_head_group(heads, value_heads)
+        slots = read_slots(state_indices, num_accepted_tokens)
+        live = (slots >= 0).nonzero().flatten()
+        out = torch.zeros(batch, steps, value_heads, DIM, dtype=arith.out_dtype, device=q.device)
+        if live.numel() == 0:
+            return out
+        x = arith.operands(live, slots, group, q, k, v, g, beta, A_log, dt_bias, state_pool, gate, scale,
+                           lower_bound, qk_l2norm, beta_logits)
+        state = x.state
+        for t in range(steps):
+            state = arith.decayed(state, x.decay[:, t])
+            u = x.beta[:, t, :, None] * (x.v[:, t] - arith.dot(state, x.k[:, t]))
+            state = arith.updated(state, x.k[:, t], u)
+            out[live, t] = arith.dot(state, x.q[:, t]).to(arith.out_dtype)
+            if num_accepted_tokens is not None:
+                arith.store(state_pool, state_indices[live, t].long(), state)
+        if num_accepted_tokens is None:
+            arith.store(state_pool, slots[live], state)
         return out
 
-    # per token, live rows only: the operands of the update in lane order
-    q32, k32 = q[live].float(), k[live].float()
-    q_lanes, k_lanes = _to_lanes(q32, order), _to_lanes(k32, order)
-    if qk_l2norm:
-        q_lanes = q_lanes * (_lane_rinv(q_lanes) * consts.scale)
-        k_lanes = k_lanes * _lane_rinv(k_lanes)
-    else:
-        q_lanes = q_lanes * consts.scale
-    q_lanes = q_lanes.repeat_interleave(group, dim=2)  # [n, T, HV, 8, 16]
-    k_lanes = k_lanes.repeat_interleave(group, dim=2)
-    g_live = g[live]
-    tokens = g_live.reshape(-1, *g_live.shape[2:])
-    gp = _base2_log_decay(tokens, DIM, gate, A_log, dt_bias, consts)
-    decay = _to_lanes(ex2_approx(gp.contiguous()).reshape(*g_live.shape[:3], DIM), order)
-    beta32 = beta[live].float()
-    beta_act = sigmoid_approx(beta32) if beta_logits else beta32
-    v32 = v[live].float()
 
-    state = _to_lanes(_as_vk(state_pool[slots[live]], state_layout).float(), order)  # [n, HV, V, 8, 16]
-    for t in range(steps):
-        state = state * decay[:, t, :, None]
-        predicted = _lane_dot(state, k_lanes[:, t])
-        u = beta_act[:, t, :, None] * (v32[:, t] - predicted)
-        state = _fma(k_lanes[:, t, :, None], u[..., None, None], state)
-        out[live, t] = _lane_dot(state, q_lanes[:, t]).bfloat16()
-        if num_accepted_tokens is not None:
-            _store(state_pool, state_indices[live, t].long(), state, order, state_layout)
-    if num_accepted_tokens is None:
-        _store(state_pool, slots[live], state, order, state_layout)
-    return out
-
-
-def _store(state_pool: torch.Tensor, slots: torch.Tensor, state_lanes: torch.Tensor, order: torch.Tensor,
-           state_layout: str) -> None:
-    """The states (lane order, fp32) into the pool's slots, rounded to the pool's dtype; −1 slots skipped."""
-    keep = slots >= 0
-    states = _as_vk(_from_lanes(state_lanes[keep], order), state_layout)
-    state_pool[slots[keep]] = states.to(state_pool.dtype)
-
-
-def gold_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    state_pool: torch.Tensor,
-    state_indices: torch.Tensor,
-    num_accepted_tokens: torch.Tensor | None = None,
-    *,
-    gate: str,
-    scale: float,
-    lower_bound: float = -5.0,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
-    state_layout: str = "vk",
-) -> torch.Tensor:
-    """:func:`mirror_decode`'s contract on the exact token recurrence in float64 (:mod:`.gold`'s gates and
-    l2norm); the pool (any dtype; fp64 keeps it exact) is updated in place. Returns o float64."""
-    _check_head_dims(q, v, state_pool)
-    batch, steps, heads = q.shape[:3]
-    value_heads = v.shape[2]
-    group = value_head_group(heads, value_heads)
-    slots = read_slots(state_indices, num_accepted_tokens)
-    live = (slots >= 0).nonzero().flatten()
-    out = torch.zeros(batch, steps, value_heads, DIM, dtype=torch.float64, device=q.device)
-    if live.numel() == 0:
-        return out
-    f64 = torch.float64
-    q64, k64 = q[live].to(f64), k[live].to(f64)
-    if qk_l2norm:
-        q64, k64 = l2norm(q64), l2norm(k64)
-    q64 = (q64 * scale).repeat_interleave(group, dim=2)
-    k64 = k64.repeat_interleave(group, dim=2)
-    params = {name: None if t is None else t.to(f64) for name, t in (("A_log", A_log), ("dt_bias", dt_bias))}
-    decay = torch.exp(channel_log_decay(g[live].to(f64), DIM, per_head=g.dim() == 3, gate=gate,
-                                        lower_bound=lower_bound, **params))
-    beta64 = torch.sigmoid(beta[live].to(f64)) if beta_logits else beta[live].to(f64)
-    v64 = v[live].to(f64)
-
-    state = _as_vk(state_pool[slots[live]], state_layout).to(f64).transpose(-1, -2)  # S[k, v]
-    for t in range(steps):
-        state = state * decay[:, t, :, :, None]
-        predicted = torch.einsum("nhk,nhkv->nhv", k64[:, t], state)
-        u = beta64[:, t, :, None] * (v64[:, t] - predicted)
-        state = state + k64[:, t, :, :, None] * u[:, :, None, :]
-        out[live, t] = torch.einsum("nhk,nhkv->nhv", q64[:, t], state)
-        if num_accepted_tokens is not None:
-            _store_exact(state_pool, state_indices[live, t].long(), state, state_layout)
-    if num_accepted_tokens is None:
-        _store_exact(state_pool, slots[live], state, state_layout)
-    return out
-
-
-def _store_exact(state_pool: torch.Tensor, slots: torch.Tensor, state_kv: torch.Tensor, state_layout: str) -> None:
-    keep = slots >= 0
-    states = state_kv[keep] if state_layout == "kv" else state_kv[keep].transpose(-1, -2)
-    state_pool[slots[keep]] = states.to(state_pool.dtype)
+mirror_decode = ReferenceDecode(_KernelArithmetic, "The decode kernel's arithmetic (module doc); o bf16.")
+gold_decode = ReferenceDecode(
+    _ExactArithmetic, ":func:`mirror_decode`'s contract on the exact token recurrence in float64 (:mod:`.gold`'s gates "
+    "and l2norm); the pool (any dtype; fp64 keeps it exact) is updated in place; o float64.")

@@ -32,19 +32,20 @@ head ``j`` reads q/k head ``j // (HV / H)``). Workspaces are per value head: ``[
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from ..executors.stages import GradsResult
 from ..numerics import DYADIC_BLOCKS
 from ..workspace import CHUNK, SNAPSHOT_TILES, Workspace, snapshot_slots
-from .chains import BwdGradsResult, BwdScanResult, GradConstants, bwd_grads, gradient_dict, reverse_scan
+from .chains import BwdScanResult, GradConstants, bwd_grads, gradient_dict, reverse_scan
 from .common import (
     EXACT, PER_TILE, TileMap, crossing_rows, qk_backward, scan_shape, state_in, state_out, straddle_geometry,
     straddle_sums, tile_blocks, to_tiles, token_tile_map, untile, workspace_of_tiles,
 )
 from .gold import (
-    L2NORM_EPS, channel_log_decay, expand_to_value_heads, gate_log_decay, l2norm, value_head_group,
+    L2NORM_EPS, channel_log_decay, expand_to_value_heads, value_head_group,
 )
 
 
@@ -68,22 +69,11 @@ def prepare_exact(
     Rows past a sequence's end are 0 (γ = 0, β = 0), slots that are no tile NaN, as in K1.
     Returns a :class:`~cute_kda.workspace.Workspace` of float64 tensors with K1's shapes.
     """
-    batch, seq_len, heads, key_dim = q.shape
-    if scale is None:
-        scale = key_dim ** -0.5
-    total = batch * seq_len
+    tokens = _exact_tokens(q, k, g, beta, scale=scale, gate=gate, A_log=A_log, dt_bias=dt_bias,
+                           lower_bound=lower_bound, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
     tile_map = token_tile_map(q, cu_seqlens)
-    tiles = tile_map.slot_exists.numel()
-
-    q64, k64, g64 = (x.reshape(total, heads, key_dim).double() for x in (q, k, g))
-    if qk_l2norm:
-        q64, k64 = l2norm(q64), l2norm(k64)
-    log_decay = gate_log_decay(g64, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
-    beta64 = beta.reshape(total, heads).double()
-    beta64 = torch.sigmoid(beta64) if beta_logits else beta64
-
-    q_t, k_t, beta_t = to_tiles(q64 * scale, tile_map), to_tiles(k64, tile_map), to_tiles(beta64, tile_map)
-    G = torch.cumsum(to_tiles(log_decay, tile_map), dim=2)  # [H, tiles, 16, K]
+    q_t, k_t, beta_t = (to_tiles(x, tile_map) for x in (tokens.qs, tokens.kh, tokens.beta))
+    G = torch.cumsum(to_tiles(tokens.gamma, tile_map), dim=2)  # [H, tiles, 16, K]
     G_last = G[:, :, -1:]
     qd, kd, kinv = q_t * G.exp(), k_t * G.exp(), k_t * (-G).exp()
     kr = k_t * (G_last - G).exp()
@@ -91,13 +81,8 @@ def prepare_exact(
     eye = torch.eye(CHUNK, dtype=torch.float64, device=q.device)
     inv = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
     mqk = torch.tril(qd @ kinv.transpose(-1, -2))
-
-    missing = ~tile_map.slot_exists
     fields = {"qd": qd, "kd": kd, "kr": kr, "gt": G_last[:, :, 0].exp(), "inv": inv, "mqk": mqk, "beta": beta_t}
-    for name, value in fields.items():
-        value = value.masked_fill(missing.reshape(1, tiles, *([1] * (value.dim() - 2))), math.nan)
-        fields[name] = value.reshape(heads * tiles, *value.shape[2:]).contiguous()
-    return Workspace(**fields)
+    return workspace_of_tiles(fields, tile_map)
 
 
 class FwdStatesResult(NamedTuple):
@@ -203,7 +188,7 @@ def chunk_bwd_grads_exact(
     du: torch.Tensor, ws: Workspace, states: torch.Tensor, state_grads: torch.Tensor, *, A_log: torch.Tensor,
     dt_bias: torch.Tensor, scale: float | None = None, lower_bound: float = -5.0,
     cu_seqlens: torch.Tensor | None = None, qk_l2norm: bool = True, beta_logits: bool = True,
-) -> BwdGradsResult:
+) -> GradsResult:
     """The formulas of :func:`~.backward.mirror_bwd_grads` in float64 with no rounding at all (safe gate).
 
     Arguments as :func:`~.backward.mirror_bwd_grads`, any float dtype, widened to float64: ``ws`` from
@@ -383,11 +368,13 @@ class _ExactTokens(NamedTuple):
 
 
 def _exact_tokens(
-    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scale: float, gate: str,
-    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float, qk_l2norm: bool,
-    beta_logits: bool,
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scale: float | None = None,
+    gate: str = "softplus", A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+    lower_bound: float = -5.0, qk_l2norm: bool = True, beta_logits: bool = True,
 ) -> _ExactTokens:
+    """The per-token values of K1's inputs (``scale`` None: ``K ** -0.5``)."""
     batch, seq_len, heads, key_dim = q.shape
+    scale = key_dim ** -0.5 if scale is None else scale
     value_heads = beta.shape[2]
     group = value_head_group(heads, value_heads)
     total = batch * seq_len
@@ -443,25 +430,20 @@ def _exact_tiles(tokens: _ExactTokens, tile_map: TileMap) -> _ExactTiles:
                        kd=kh * prefix.exp(), kr=kh * suffix.exp(), gt=prefix[:, :, -1].exp(), A=A, inv=inv, mqk=mqk)
 
 
-def prepare_gates_exact(
-    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scale: float | None = None,
-    gate: str = "softplus", A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-    lower_bound: float = -5.0, qk_l2norm: bool = True, beta_logits: bool = True,
-    cu_seqlens: torch.Tensor | None = None,
-) -> Workspace:
+def prepare_gates_exact(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                        cu_seqlens: torch.Tensor | None = None, **options: Any) -> Workspace:
     """K1's workspace in float64 by the pair-decay formulation (module docstring), for any gate.
 
-    Inputs as :func:`~.gold.gold_forward` (any float dtype; the gate, l2norm and β-sigmoid are its own
-    functions): q, k ``[B, T, H, K]``, g ``[B, T, HV, K]`` or ``[B, T, HV]``, beta ``[B, T, HV]``. Returns a
+    Inputs and ``options`` (``scale``, ``gate`` ("softplus" unless given), ``A_log``, ``dt_bias``,
+    ``lower_bound``, ``qk_l2norm``, ``beta_logits``) as :func:`~.gold.gold_forward` (any float dtype; the gate,
+    l2norm and β-sigmoid are its own functions): q, k ``[B, T, H, K]``, g ``[B, T, HV, K]`` or ``[B, T, HV]``,
+    beta ``[B, T, HV]``. Returns a
     :class:`~cute_kda.workspace.Workspace` of float64 tensors ``[HV · tiles, ...]``; rows past a sequence's
     end are 0 (γ = 0, β = 0), slots that are no tile NaN. It holds for gates of any size: every
     exponential has a non-positive argument.
     """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    tokens = _exact_tokens(q, k, g, beta, scale=scale, gate=gate, A_log=A_log, dt_bias=dt_bias,
-                           lower_bound=lower_bound, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
     tile_map = token_tile_map(q, cu_seqlens)
-    t = _exact_tiles(tokens, tile_map)
+    t = _exact_tiles(_exact_tokens(q, k, g, beta, **options), tile_map)
     return workspace_of_tiles(dict(qd=t.qd, kd=t.kd, kr=t.kr, gt=t.gt, inv=t.inv, mqk=t.mqk, beta=t.beta), tile_map)
 
 

@@ -10,7 +10,7 @@ formulation"; its float64 chain is :mod:`.exact`), by one of two schemes (:data:
 - ``"dyadic"`` (a per-channel gate): four straddle levels on the tensor cores, every factor ≤ 1;
 - ``"per_head"`` (a per-head gate, GatedDeltaNet): ``A = E ⊙ (k̂ k̂ᵀ)`` with one decay matrix per tile.
 
-:func:`mirror_prepare_gates` is K1 (``PrepareKernel(gate="softplus" | "none")``), :func:`mirror_bwd_grads_gates`
+:func:`mirror_prepare_gates` is K1 (``PrepareKernel(gate="softplus" | "none")``), :func:`bwd_grads_gates`
 Kernel B (``BwdGrads(gate=…)``); K2 and Kernel A are the safe gate's (they only read the workspace), and
 :func:`~.backward.mirror_backward` runs the whole chain for every gate.
 
@@ -21,10 +21,11 @@ gate) or ``[B, T, HV]`` (per-head gate, GatedDeltaNet); HV a multiple of H (valu
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from ..executors.stages import GradsResult
 from ..numerics import DYADIC_BLOCKS, LN2
 from ..workspace import CHUNK, Workspace
 from .common import (
@@ -169,11 +170,14 @@ class _K1GateValues(NamedTuple):
 
 
 def _k1_gate_values(
-    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scheme: str, gate: str,
-    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float, scale: float | None,
-    cu_seqlens: torch.Tensor | None, qk_l2norm: bool, beta_logits: bool,
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, scheme: str | None = None,
+    gate: str = "softplus", A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+    lower_bound: float = -5.0, scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
+    qk_l2norm: bool = True, beta_logits: bool = True,
 ) -> _K1GateValues:
-    """:func:`mirror_prepare_gates`' arithmetic, with the values it passes through."""
+    """:func:`mirror_prepare_gates`' arithmetic (its arguments), with the values it passes through."""
+    if scheme is None:
+        scheme = scheme_of(g)
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
         raise TypeError("q and k must be bf16 (the kernels' input type)")
     if scheme not in K1_SCHEMES:
@@ -218,24 +222,12 @@ def _k1_gate_values(
     return _K1GateValues(tile_map, consts, qh, kh, gp, G, Gs, beta_t, A, A_qk, qhat, khat, rinv_q, rinv_k, ws)
 
 
-def mirror_prepare_gates(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    scheme: str | None = None,
-    gate: str = "softplus",
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    lower_bound: float = -5.0,
-    scale: float | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
-) -> Workspace:
+def mirror_prepare_gates(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, **options: Any
+                         ) -> Workspace:
     """The unbounded gates' K1 (docs/numerics.md, "The dyadic K1 as built", "The per-head K1 as built") with
-    its rounding → a K1 workspace.
+    its rounding → a K1 workspace. ``options``: ``scheme``, ``gate`` ("softplus" unless given), ``A_log``,
+    ``dt_bias``, ``lower_bound``, ``scale``, ``cu_seqlens``, ``qk_l2norm``, ``beta_logits`` (by default None, except
+    lower_bound −5 and qk_l2norm, beta_logits True).
 
     q, k bf16 ``[B, T, H, D]``; g ``[B, T, HV, D]`` or ``[B, T, HV]`` (bf16 or fp32: the raw gate, or the log
     decay itself for ``gate="none"``); beta ``[B, T, HV]``; A_log fp32 ``[HV]`` (None: e^A = 1); dt_bias fp32
@@ -252,10 +244,7 @@ def mirror_prepare_gates(
     Then ``L = f16(f32(β·A))``, ``Mqk = bf16(A_qk)`` and INV by the fp16 Neumann product, as the safe K1.
     Returns a Workspace ``[HV · tiles, ...]`` in the kernels' dtypes (slots that are no tile NaN).
     """
-    values = _k1_gate_values(q, k, g, beta, scheme=scheme_of(g) if scheme is None else scheme, gate=gate,
-                             A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-                             cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
-    return values.workspace
+    return _k1_gate_values(q, k, g, beta, **options).workspace
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,36 +298,22 @@ def _rounded_pair_backward(values: _K1GateValues, scheme: str, dA: torch.Tensor,
     return dqh, dkh, dgamma, None
 
 
-def mirror_bwd_grads_gates(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    v: torch.Tensor,
-    do: torch.Tensor,
-    du: torch.Tensor,
-    ws: Workspace,
-    states: torch.Tensor,
-    state_grads: torch.Tensor,
-    *,
-    gate: str,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    scale: float | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
-) -> dict[str, torch.Tensor | None]:
+def bwd_grads_gates(
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+    du: torch.Tensor, ws: Workspace, states: torch.Tensor, state_grads: torch.Tensor, *, gate: str,
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, scale: float | None, cu_seqlens: torch.Tensor | None,
+    qk_l2norm: bool, beta_logits: bool,
+) -> GradsResult:
     """Kernel B with an unbounded gate (``BwdGrads(gate=…)``, docs/numerics.md, "Kernel B for a per-head gate" and
     "Kernel B for the per-channel unbounded gates") on a chain's own intermediates: K1's quantities recomputed from
     the raw inputs (:func:`scheme_of` g), INV, gT and β read from ``ws`` (the forward's workspace), ``states`` /
     ``state_grads`` the per-tile checkpoints and Kernel A's snapshots, ``du`` Kernel A's.
-    Returns dq, dk, dbeta (bf16, dq and dk summed over each group of value heads), dg (fp32 for a per-head gate,
-    as Kernel B writes it; bf16 per channel) and dA_log, ddt_bias (fp32; None for a None input)."""
+    :func:`~.backward.mirror_bwd_grads`' arguments. Returns dq, dk, dbeta (bf16, dq and dk summed over each group of
+    value heads), dg (fp32 for a per-head gate, as Kernel B writes it; bf16 per channel) and dA_log, ddt_bias (fp32;
+    None for a None input)."""
     scheme = scheme_of(g)
-    values = _k1_gate_values(q, k, g, beta, scheme=scheme, gate=gate, A_log=A_log, dt_bias=dt_bias,
-                             lower_bound=-5.0,  # the safe gate's constant: unused by these gates
-                             scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+    values = _k1_gate_values(q, k, g, beta, scheme=scheme, gate=gate, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                             cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
     batch, seq_len, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
     per_head = scheme == "per_head"
@@ -419,11 +394,10 @@ def mirror_bwd_grads_gates(
     if beta_logits:
         activated = untile(values.beta, tile_map)
         dbeta = dbeta * activated * (1 - activated)
-    return {
-        "dq": dq.reshape(q.shape).bfloat16(), "dk": dk.reshape(k.shape).bfloat16(),
+    return GradsResult(
+        dq.reshape(q.shape).bfloat16(), dk.reshape(k.shape).bfloat16(),
         # a per-head gate's dg is Kernel B's fp32 [B, T, HV] output (its token's channel sum, not rounded); a
         # per-channel dg is bf16
-        "dg": dg.reshape(g.shape) if per_head else dg.reshape(g.shape).bfloat16(),
-        "dbeta": dbeta.reshape(beta.shape).bfloat16(),
-        "dA_log": dA_log, "ddt_bias": ddt_bias,
-    }
+        dg.reshape(g.shape) if per_head else dg.reshape(g.shape).bfloat16(),
+        dbeta.reshape(beta.shape).bfloat16(), dA_log, ddt_bias,
+    )

@@ -61,42 +61,30 @@ def gate_log_decay(
 
 
 def head_gate_log_decay(
-    g: torch.Tensor,
-    *,
-    gate: str = "softplus",
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    lower_bound: float = -5.0,
+    g: torch.Tensor, *, gate: str = "softplus", dt_bias: torch.Tensor | None = None, **gate_options: Any
 ) -> torch.Tensor:
     """Per-head (scalar) log decay from the gate input ``g`` ``[..., HV]`` (GatedDeltaNet; in ``g.dtype``).
 
-    The forms of :func:`gate_log_decay` with one channel per head: ``"softplus"`` is FLA's GDN gate
-    ``−exp(A_log) · softplus(g + dt_bias)``. ``A_log`` and ``dt_bias`` are ``[HV]`` (dt_bias may be None).
-    Returns ``[..., HV]``.
+    The forms of :func:`gate_log_decay` with one channel per head (``gate_options``: its ``A_log`` ``[HV]`` and
+    ``lower_bound``): ``"softplus"`` is FLA's GDN gate ``−exp(A_log) · softplus(g + dt_bias)``. ``dt_bias`` is
+    ``[HV]`` (or None). Returns ``[..., HV]``.
     """
-    heads = g.shape[-1]
-    bias = None if dt_bias is None else dt_bias.reshape(heads, 1)
-    return gate_log_decay(g[..., None], gate=gate, A_log=A_log, dt_bias=bias, lower_bound=lower_bound)[..., 0]
+    bias = None if dt_bias is None else dt_bias.reshape(g.shape[-1], 1)
+    return gate_log_decay(g[..., None], gate=gate, dt_bias=bias, **gate_options)[..., 0]
 
 
 def channel_log_decay(
-    g: torch.Tensor,
-    key_dim: int,
-    *,
-    per_head: bool,
-    gate: str = "safe",
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    lower_bound: float = -5.0,
+    g: torch.Tensor, key_dim: int, *, per_head: bool, gate: str = "safe", **gate_options: Any
 ) -> torch.Tensor:
     """Log decay per value head and key channel, ``[..., HV, key_dim]``, from either gate layout.
 
     ``per_head`` False: ``g`` ``[..., HV, key_dim]`` through :func:`gate_log_decay`; True: ``g`` ``[..., HV]``
-    through :func:`head_gate_log_decay`, broadcast (a view) over the channels.
+    through :func:`head_gate_log_decay`, broadcast (a view) over the channels. ``gate_options``: ``A_log``,
+    ``dt_bias``, ``lower_bound`` as those take them.
     """
     if not per_head:
-        return gate_log_decay(g, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
-    decay = head_gate_log_decay(g, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+        return gate_log_decay(g, gate=gate, **gate_options)
+    decay = head_gate_log_decay(g, gate=gate, **gate_options)
     return decay[..., None].expand(*decay.shape, key_dim)
 
 

@@ -13,7 +13,7 @@ finished sequences masked. :func:`mirror_forward` runs the K1 a gate takes, then
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -106,7 +106,7 @@ def mirror_prepare(
     *,
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
-    lower_bound: float,
+    lower_bound: float = -5.0,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     qk_l2norm: bool = True,
@@ -246,33 +246,25 @@ def mirror_forward(
     g: torch.Tensor,
     beta: torch.Tensor,
     *,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    lower_bound: float,
-    scale: float | None = None,
+    gate: str = "safe",
     cu_seqlens: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     state_dtype: torch.dtype | None = None,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
     state_layout: str = "vk",
-    gate: str = "safe",
+    **k1_options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`mirror_prepare` (or for the unbounded gates ``"softplus"`` and ``"none"`` K1's overflow-free
     form, :func:`~.gates.mirror_prepare_gates` with scheme ``"dyadic"``, ``"per_head"`` for a per-head g
-    ``[B, T, HV]``) then :func:`mirror_recurrence`.
+    ``[B, T, HV]``) then :func:`mirror_recurrence`. ``k1_options``: K1's keywords (``A_log``, ``dt_bias``,
+    ``lower_bound``, ``scale``, ``qk_l2norm``, ``beta_logits``), passed on as those take them.
 
     ``state_dtype`` None: the initial state's dtype, fp32 when there is none.
     """
     if gate == "safe":
-        ws = mirror_prepare(
-            q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-            cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
-        )
+        ws = mirror_prepare(q, k, g, beta, cu_seqlens=cu_seqlens, **k1_options)
     else:
-        ws = mirror_prepare_gates(q, k, g, beta, gate=gate, A_log=A_log, dt_bias=dt_bias,
-                                  scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+        ws = mirror_prepare_gates(q, k, g, beta, gate=gate, cu_seqlens=cu_seqlens, **k1_options)
     if state_dtype is None:
         state_dtype = torch.float32 if initial_state is None else initial_state.dtype
     return mirror_recurrence(
