@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def test_paths(pytest_args: list[str]) -> list[str]:
+    """``["tests"]`` unless the pytest args name test files or folders themselves (a part of the tier)."""
+    return [] if any(arg.startswith("tests") for arg in pytest_args) else ["tests"]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
@@ -148,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
     name = f"{stamp}-gpu-tier" + (f"-{args.part}" if args.part else "")
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rfE", "-p", "no:cacheprovider", "tests",
-           *args.pytest_args]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rfE", "-p", "no:cacheprovider",
+           *test_paths(args.pytest_args), *args.pytest_args]
     log_path = out_dir / f"{name}.log"
     rc, cut = run_with_deadline(cmd, log_path, args.deadline)
     text = summary(log_path.read_text(), stamp=stamp, commit=_commit(), device=_device(),

@@ -83,3 +83,9 @@ def test_without_cuda_it_says_so(tier, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert tier.main(["--deadline", "5"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_a_part_runs_only_the_files_it_names(tier):
+    """A part of the tier (file arguments) collects those files alone, not the whole tests folder as well."""
+    assert tier.test_paths(["-m", "gpu and not fla", "-n", "8", "tests/test_api.py"]) == []
+    assert tier.test_paths(["-m", "gpu and not fla", "-n", "8"]) == ["tests"]
