@@ -89,11 +89,10 @@ def options_of(problem: ProblemShape, device: torch.device, *, scale: float | No
                recompute: bool, gate: str, segments: int | None) -> Options:
     """The :class:`Options` of a call of shape ``problem`` on ``device`` with checked arguments: the default scale
     ``K ** -0.5``, the segmentation of :func:`cute_kda.context_parallel.segmentation_of`."""
-    return Options(
-        problem=problem, scale=float(problem.head_dim ** -0.5 if scale is None else scale),
-        lower_bound=float(lower_bound), qk_l2norm=bool(qk_l2norm), beta_logits=bool(beta_logits),
-        final_state_dtype=final_state_dtype, vsplit=vsplit, recompute=bool(recompute), gate=gate,
-        segmentation=segmentation_of(problem, device, segments, vsplit),
+    return Options(  # positionally: a call's host path builds one (keywords cost a µs more)
+        problem, float(problem.head_dim ** -0.5 if scale is None else scale), float(lower_bound), bool(qk_l2norm),
+        bool(beta_logits), final_state_dtype, vsplit, bool(recompute), gate,
+        segmentation_of(problem, device, segments, vsplit),
     )
 
 
