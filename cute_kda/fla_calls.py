@@ -107,7 +107,7 @@ def translate_fla_call(
         state_v_first = bool(kwargs["transpose_state_layout"])
     chunk_size = kwargs.get("chunk_size", 64)
     if chunk_size not in _FLA_CHUNK_SIZES:
-        raise ValueError(f"chunk_size must be 32 or 64 for KDA, got {chunk_size}")
+        raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}.")  # FLA's text
     _refuse_unsupported_fla_flags(
         allow_neg_eigval=allow_neg_eigval, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         return_intermediate_states=return_intermediate_states, cp_context=cp_context, use_graph=use_graph,
@@ -199,7 +199,7 @@ def _fla_gate(use_gate_in_kernel: bool, safe_gate: bool, lower_bound: float | No
         return "none", -5.0  # g is the log decay; lower_bound plays no part
     if lower_bound is None:
         if safe_gate:
-            raise ValueError("lower_bound must be specified when safe_gate=True and use_gate_in_kernel=True")
+            raise ValueError("`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`.")
         return "softplus", -5.0
     value = validation.check_real("lower_bound", lower_bound)
     if not validation.LOWER_BOUND_MIN <= value < validation.LOWER_BOUND_MAX:
@@ -322,7 +322,7 @@ def translate_fla_gdn_call(
         raise DeprecationWarning("head_first has been removed; inputs must be in [B, T, H, ...] format")
     chunk_size = kwargs.get("chunk_size", 64)
     if chunk_size not in _GDN_CHUNK_SIZES:
-        raise ValueError(f"chunk_size must be 16, 32 or 64 for the gated delta rule, got {chunk_size}")
+        raise ValueError(f"`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got {chunk_size}.")  # FLA's text
     refuse_neg_eigval(allow_neg_eigval, use_beta_sigmoid_in_kernel)
     if cp_context is not None:
         raise NotImplementedError("cp_context (context parallelism) is not supported")

@@ -208,7 +208,7 @@ def test_non_contiguous_inputs_are_made_contiguous():
 
 
 UNSUPPORTED = [
-    (dict(lower_bound=None), ValueError, "lower_bound must be specified"),
+    (dict(lower_bound=None), ValueError, "`lower_bound` must be specified"),
     (dict(lower_bound=-6.0, safe_gate=False), NotImplementedError, "lower_bound = -6.0"),
     (dict(lower_bound=-6.0), ValueError, "safe range"),
     (dict(lower_bound=0.0), ValueError, "safe range"),
@@ -217,7 +217,7 @@ UNSUPPORTED = [
     (dict(return_intermediate_states=True), NotImplementedError, "return_intermediate_states"),
     (dict(cp_context=object()), NotImplementedError, "cp_context"),
     (dict(use_graph=True), NotImplementedError, "use_graph"),
-    (dict(chunk_size=16), ValueError, "chunk_size"),
+    (dict(chunk_size=16), ValueError, "`chunk_size` must be either 32 or 64 for KDA, got 16."),  # FLA's own text
     (dict(state_v_first=True, transpose_state_layout=True), ValueError, "transpose_state_layout"),
     (dict(some_new_flag=True), TypeError, "some_new_flag"),
     (dict(dt_bias=torch.zeros(3)), ValueError, "dt_bias"),

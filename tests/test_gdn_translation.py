@@ -202,7 +202,7 @@ def test_signature_is_flas():
     (dict(allow_neg_eigval=True), ValueError, "use_beta_sigmoid_in_kernel"),
     (dict(cp_context=object()), NotImplementedError, "cp_context"),
     (dict(head_first=False), DeprecationWarning, "head_first"),
-    (dict(chunk_size=128), ValueError, "chunk_size"),
+    (dict(chunk_size=128), ValueError, "`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got 128."),
     (dict(use_gate_in_kernel=True, A_log=None), ValueError, "A_log"),
     (dict(use_gate_in_kernel=True, A_log=torch.zeros(3)), ValueError, "A_log"),
     (dict(use_gate_in_kernel=True, dt_bias=torch.zeros(4, K)), ValueError, "dt_bias"),
