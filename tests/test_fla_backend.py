@@ -170,6 +170,18 @@ def test_implementation_reuses_the_verifiers_translation(any_device, gold_kernel
     assert len(calls) == 3
 
 
+@pytest.mark.parametrize("disable_recompute", [False, True])
+def test_backend_keeps_flas_recompute_choice(any_device, monkeypatch, disable_recompute):
+    """FLA's ``disable_recompute`` reaches the forward as ``recompute`` through the backend as through
+    ``cute_kda.chunk_kda`` (FLA's default False: keep nothing beyond the inputs for the backward)."""
+    seen = []
+    monkeypatch.setattr(api, "kda_forward", lambda *a, recompute=False, **k: seen.append(recompute) or (None, None))
+    kwargs = layer_call([20], disable_recompute=disable_recompute)
+    assert fla_backend.verify(**kwargs) == (True, None)
+    fla_backend.chunk_kda(**kwargs)
+    assert seen == [not disable_recompute]
+
+
 def test_gdn_inference_and_training_calls_are_accepted(any_device):
     problem = gdn_problem([40, 9], raw_gate=True)
     with torch.no_grad():
