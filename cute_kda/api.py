@@ -92,7 +92,8 @@ def kda_forward(
     grad, the call is recorded (:mod:`cute_kda.executors.training`) and ``backward`` gives each of those that
     requires grad its gradient (in its dtype; dh0 ``[N, H, V, K]``), the final state's gradient flowing
     in when the final state is used. Not on that path: ``out=`` / ``final_state=`` buffers, double
-    backward and grouped value heads (HV > H) with the safe gate (``NotImplementedError``); every gate trains. Under ``torch.no_grad()`` / ``torch.inference_mode()`` nothing
+    backward and grouped value heads (HV > H) with the safe gate (``NotImplementedError``); every gate trains.
+    Under ``torch.no_grad()`` / ``torch.inference_mode()`` nothing
     is recorded or saved. ``recompute`` (training only): the forward keeps nothing beyond its inputs and
     the backward runs K1 and K2 again first (bit-identical gradients; at B1 T8192 H96 2.3 GB less held
     per call for 1 ms more per step, 7.22 against 6.19 ms); False keeps K1's workspace and the per-tile

@@ -249,7 +249,8 @@ class GdnCall:
 
     ``options``, the keywords of the canonical forward: ``scale`` (float, resolved), ``gate`` (one of
     ``GDN_GATES``), ``A_log`` fp32 ``[HV]`` (softplus gate; None for ``"none"``), ``dt_bias`` fp32 ``[HV]``
-    (softplus gate: zeros when the call has none; None for ``"none"``), ``qk_l2norm``, ``beta_logits``, ``initial_state`` (None, or contiguous v-first
+    (softplus gate: zeros when the call has none; None for ``"none"``), ``qk_l2norm``, ``beta_logits``,
+    ``initial_state`` (None, or contiguous v-first
     ``[N, HV, V, K]`` in the caller's fp32 / bf16), ``output_final_state``, ``cu_seqlens`` (int ``[N+1]``, B = 1).
 
     ``state_k_first``: the caller's states are FLA's default ``[N, HV, K, V]``, so the v-first final state

@@ -64,7 +64,8 @@ def recomputed(backend: Backend, x: Inputs, options: Options, saved: Saved) -> S
     """The workspace and checkpoints a ``recompute`` forward did not keep: ``backend``'s forward again on
     the same inputs (``x.initial_state`` included), keeping them this time and skipping the final state; a segmented
     call's kept segment states spare it the two extra passes."""
-    return backend.forward(x._replace(tile_base=saved.tile_base), options._replace(recompute=False, final_state_dtype=None),
+    return backend.forward(x._replace(tile_base=saved.tile_base),
+                           options._replace(recompute=False, final_state_dtype=None),
                            saved.segment_states).saved
 
 
