@@ -247,7 +247,7 @@ class GdnCall:
     g ``[B, T, HV]`` (the raw gate input for ``gate="softplus"``, the per-token log decay for ``"none"``);
     beta ``[B, T, HV]`` (logits when ``beta_logits``).
 
-    ``options``, the keywords of the canonical forward: ``scale`` (float, resolved), ``gate`` (one of
+    ``options``, the keywords of the canonical forward: ``scale`` (None: the default), ``gate`` (one of
     ``GDN_GATES``), ``A_log`` fp32 ``[HV]`` (softplus gate; None for ``"none"``), ``dt_bias`` fp32 ``[HV]``
     (softplus gate: zeros when the call has none; None for ``"none"``), ``qk_l2norm``, ``beta_logits``,
     ``initial_state`` (None, or contiguous v-first
@@ -352,7 +352,7 @@ def translate_fla_gdn_call(
         initial_state = (initial_state if state_v_first else initial_state.transpose(-1, -2)).contiguous()
 
     options = dict(
-        scale=float(q.shape[3] ** -0.5 if scale is None else validation.check_real("scale", scale)),
+        scale=None if scale is None else validation.check_real("scale", scale),
         gate=gate, A_log=A_log, dt_bias=dt_bias, qk_l2norm=bool(use_qk_l2norm_in_kernel),
         beta_logits=bool(use_beta_sigmoid_in_kernel), initial_state=initial_state,
         output_final_state=bool(output_final_state), cu_seqlens=cu_seqlens,
