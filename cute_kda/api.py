@@ -22,7 +22,7 @@ from .call import Call, final_state_dtype_of, resolve
 from .context_parallel import check_segments
 from .executors import inference, training
 from .executors.stages import KERNELS
-from .fla_calls import CanonicalCall, GdnCall, translate_fla_call, translate_fla_gdn_call
+from .fla_calls import translate_fla_call, translate_fla_gdn_call
 from .variants import GradsVariant, PrepareVariant, RecurrenceVariant, ScanVariant
 
 STATE_MODES = (None, torch.bfloat16, torch.float32)  # no state, bf16 state, fp32 state

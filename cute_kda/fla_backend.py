@@ -127,8 +127,9 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     """Compute an accepted FLA ``chunk_kda`` call (the translation :func:`verify` made, when it is
     this call's)."""
     from . import api
+    from .fla_calls import CanonicalCall
 
-    call = _pending_call(args, kwargs, api.CanonicalCall, api.translate_fla_call)
+    call = _pending_call(args, kwargs, CanonicalCall, api.translate_fla_call)
     return call.run(functools.partial(api.kda_forward, recompute=call.recompute))
 
 
@@ -147,8 +148,9 @@ def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     """Compute an accepted FLA ``chunk_gated_delta_rule`` call (the translation :func:`verify_gdn` made, when
     it is this call's)."""
     from . import api
+    from .fla_calls import GdnCall
 
-    return _pending_call(args, kwargs, api.GdnCall, api.translate_fla_gdn_call).run(api.kda_forward)
+    return _pending_call(args, kwargs, GdnCall, api.translate_fla_gdn_call).run(api.kda_forward)
 
 
 _FLA_POSITIONAL = ("q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state")

@@ -14,6 +14,7 @@ import cute_kda
 import cute_kda.call as call_module
 from cute_kda import api, interop, validation
 from cute_kda.executors import inference
+from cute_kda.fla_calls import CanonicalCall
 from cute_kda.numerics import SCAN_VSPLITS
 from cute_kda.variants import GradsVariant, PrepareVariant, RecurrenceVariant, ScanVariant
 from cute_kda.reference import gold_forward, mirror_forward, rel_rms
@@ -239,7 +240,7 @@ def test_host_path_keeps_what_it_can(monkeypatch):
 
 def test_canonical_call_runs_any_forward_and_restores_kv_layout():
     state_vk = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).view(2, 3, 4, 4)
-    call = api.CanonicalCall(tensors=(torch.zeros(1),), options={"flag": 1}, state_k_first=True)
+    call = CanonicalCall(tensors=(torch.zeros(1),), options={"flag": 1}, state_k_first=True)
     seen = {}
 
     def forward(x, **options):
