@@ -65,7 +65,7 @@ CASES = {"fixed": "first call, B1 T1024 H16, fp32 state", "varlen": "first call,
 
 
 def run(case: str, cache_dir: str) -> dict:
-    env = {**os.environ, "CUTE_KDA_CACHE_DIR": cache_dir, "CUTE_KDA_QUIET": "1"}
+    env = {**os.environ, "CUTE_KDA_CACHE_DIR": cache_dir}
     env.pop("CUTE_KDA_DISK_CACHE", None)
     proc = subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT), case=case)], env=env,
                           capture_output=True, text=True, timeout=900)

@@ -7,7 +7,6 @@ import os
 import pytest
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-os.environ.setdefault("CUTE_KDA_QUIET", "1")
 
 
 def _has_cuda() -> bool:

@@ -362,7 +362,7 @@ WORKER = textwrap.dedent("""
 def test_two_processes_compile_a_key_once(cache_dir, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(root=str(ROOT), tests=str(ROOT / "tests")))
-    env = {**os.environ, "CUTE_KDA_CACHE_DIR": str(cache_dir), "CUTE_KDA_QUIET": "1"}
+    env = {**os.environ, "CUTE_KDA_CACHE_DIR": str(cache_dir)}
     go = tmp_path / "go"
     workers = [subprocess.Popen([sys.executable, str(script), str(tmp_path / f"ready{i}"), str(go)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -444,7 +444,7 @@ WARM_PROCESS = textwrap.dedent("""
 def test_second_process_loads_every_variant_from_disk(tmp_path):
     script = tmp_path / "first_call.py"
     script.write_text(WARM_PROCESS.format(root=str(ROOT)))
-    env = {**os.environ, "CUTE_KDA_CACHE_DIR": str(tmp_path / "cache"), "CUTE_KDA_QUIET": "1"}
+    env = {**os.environ, "CUTE_KDA_CACHE_DIR": str(tmp_path / "cache")}
     runs = []
     for _ in range(2):
         proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)

@@ -4,7 +4,8 @@ A kernel variant is compiled once per *static configuration* (the key: dtypes, f
 parameters; never sizes that vary per call) and reused: in memory for the life of the process, and
 on disk across processes (:mod:`._disk_cache`: ``$CUTE_KDA_CACHE_DIR``, default
 ``~/.cache/cute_kda``; ``CUTE_KDA_DISK_CACHE=0`` turns it off). The first compile of a key in a
-process prints one line to stderr (a load from disk prints nothing); ``CUTE_KDA_QUIET=1`` silences it.
+process is logged at INFO on the ``cute_kda.compile`` logger (a load from disk logs nothing): a first call that
+compiles takes seconds, and ``logging.getLogger("cute_kda").setLevel(logging.INFO)`` (with a handler) shows why.
 
 Compiles start from *fake* tensors (:func:`to_cute_tensor`: dtype, rank, alignment, the contiguous
 mode; every extent and stride dynamic), never from device memory, so a variant can be compiled
@@ -19,8 +20,7 @@ the launch.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
+import logging
 import threading
 import time
 from collections import Counter
@@ -28,7 +28,7 @@ from typing import Any, Callable, Hashable
 
 from . import _disk_cache
 
-QUIET_ENV = "CUTE_KDA_QUIET"
+logger = logging.getLogger("cute_kda.compile")
 TVM_FFI_OPTION = "--enable-tvm-ffi"
 
 
@@ -94,9 +94,7 @@ class CompileCache:
         where = ""
         if saved is not None and _disk_cache.store(saved, compiled):
             where = f", saved to {saved.obj.parent}"
-        if os.environ.get(QUIET_ENV, "") in ("", "0"):
-            print(f"cute_kda: compiled {self.name} {key} in {seconds:.1f}s{where} "
-                  f"(once per configuration; {QUIET_ENV}=1 silences this)", file=sys.stderr)
+        logger.info("compiled %s %s in %.1fs%s (once per configuration)", self.name, key, seconds, where)
         return launch_entry(compiled)
 
 
