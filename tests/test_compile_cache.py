@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -174,10 +175,13 @@ def _entry(cache_dir, name="test_prefix", key=(0,)):
     return _disk_cache.entry_for(cache_dir, name, key)
 
 
-def test_miss_then_hit_in_a_fresh_cache(cache_dir):
+def test_miss_then_hit_in_a_fresh_cache(cache_dir, caplog):
     first = CompileCache("test_prefix")
-    compiled = first.get((0,), _compile_tile_prefix)
+    with caplog.at_level(logging.INFO, logger="cute_kda"):
+        compiled = first.get((0,), _compile_tile_prefix)
     assert first.stats == {"compiled": 1} and first.get((0,), _compile_tile_prefix) is compiled
+    (notice,) = [r for r in caplog.records if r.name == "cute_kda.compile"]  # the compile, on the library's logger
+    assert notice.levelno == logging.INFO and notice.getMessage().startswith("compiled test_prefix (0,) in ")
     entry = _entry(cache_dir)
     record = json.loads(entry.record.read_text())
     assert record["key"] == "test_prefix:(0,)" and record["bytes"] == entry.obj.stat().st_size
