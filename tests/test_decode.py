@@ -174,6 +174,91 @@ def test_mirror_long_chain():
     assert rel_rms(pool, gold_pool) < 5e-6
 
 
+PACKED_LENGTHS = (0, 1, 3, 8, 13, 5)  # the last a padding row (slot −1)
+
+
+def packed_case(lengths, H: int, HV: int, gate: str, per_head: bool, pool_dtype: torch.dtype, *,
+                verify_width: int | None = None, offsets_dtype=torch.int32, device="cpu", seed: int = 0) -> dict:
+    """A packed call: q, k, v, g, beta ``[1, Σ lengths, ...]``, ``cu_seqlens``, a pool with spare slots, slot ids
+    (a random permutation; the last sequence is padding) — ``[N]``, or ``[N, verify_width]`` with accepted counts
+    cycling through 1 .. verify_width."""
+    gen = torch.Generator().manual_seed(seed)
+    N = len(lengths)
+    step = make_step(1, sum(lengths), H, HV, gate, per_head, generator=gen)
+    params = make_params(HV, gate, per_head, generator=gen)
+    width = verify_width or 1
+    listed = N * width
+    slots = listed + 3
+    indices = torch.randperm(slots, generator=gen)[:listed].int().reshape(N, width)
+    indices[-1] = -1
+    accepted = None
+    if verify_width is None:
+        indices = indices[:, 0]
+    else:
+        accepted = (torch.arange(N) % width + 1).int()
+    bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=offsets_dtype)
+    tensors = {**step, **params, "state_pool": random_pool(slots, HV, pool_dtype, generator=gen),
+               "state_indices": indices, "num_accepted_tokens": accepted, "cu_seqlens": bounds}
+    return {name: None if t is None else t.to(device) for name, t in tensors.items()}
+
+
+def packed_slots(case: dict, lengths) -> tuple[list[int], list[int]]:
+    """(slots a packed call may write, slots it must keep): a decode writes its live sequences' slots, a verify the
+    first ``length`` entries of a live row; 0-length sequences and padding rows write nothing."""
+    indices, accepted = case["state_indices"].cpu(), case["num_accepted_tokens"]
+    read = read_slots(indices, None if accepted is None else accepted.cpu())
+    written = []
+    for n, length in enumerate(lengths):
+        if length == 0 or read[n] < 0:
+            continue
+        row = indices[n:n + 1].flatten() if indices.dim() == 1 else indices[n, :length]
+        written += [int(s) for s in row if s >= 0]
+    kept = sorted(set(range(case["state_pool"].shape[0])) - set(written))
+    return written, kept
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["decode", "verify"])
+@pytest.mark.parametrize("pool", ["fp32", "bf16"])
+def test_mirror_packed_equals_gold(verify, pool):
+    """Packed sequences of lengths 0, 1, 3, 8, 13 and a padding row (verify: S + 1 = 13 slots a row): the mirror's
+    outputs and written states equal the fp64 recurrence to rounding; the padding row's outputs are zero; the slots
+    of the 0-length sequence, the padding row and the unlisted ones keep their bits."""
+    case = packed_case(PACKED_LENGTHS, 2, 4, "safe", False, DTYPES[pool], verify_width=13 if verify else None)
+    gold_case = {**case, "state_pool": case["state_pool"].double()}
+    before = case["state_pool"].clone()
+    o = mirror_decode(**case, **options("safe", "vk"))
+    o_gold = gold_decode(**gold_case, **options("safe", "vk"))
+    written, kept = packed_slots(case, PACKED_LENGTHS)
+    assert len(written) == (1 + 3 + 8 + 13 if verify else 4)
+    padding = slice(sum(PACKED_LENGTHS[:-1]), None)
+    assert torch.equal(o[:, padding], torch.zeros_like(o[:, padding]))
+    live = slice(0, padding.start)
+    tol = 2e-6 if pool == "fp32" else 6e-3
+    assert rel_rms(case["state_pool"][written], gold_case["state_pool"][written]) < tol
+    assert rel_rms(o[:, live].double(), o_gold[:, live]) < rounding_floor(o_gold[:, live]) + 2e-4
+    assert torch.equal(case["state_pool"][kept], before[kept])
+
+
+def test_mirror_packed_is_per_sequence():
+    """A packed call computes each sequence exactly as a fixed-length call of its own (int64 offsets)."""
+    lengths = (2, 0, 4)
+    case = packed_case(lengths, 1, 2, "softplus", True, torch.float32, offsets_dtype=torch.int64, seed=3)
+    case["state_indices"][-1] = 0  # no padding row here: every sequence live
+    solo_pool = case["state_pool"].clone()
+    o = mirror_decode(**case, **options("softplus", "kv"))
+    start = 0
+    for n, length in enumerate(lengths):
+        rows = slice(start, start + length)
+        start += length
+        if length == 0:
+            continue
+        solo = {name: case[name][:, rows] for name in ("q", "k", "v", "g", "beta")}
+        o_solo = mirror_decode(**solo, A_log=case["A_log"], dt_bias=case["dt_bias"], state_pool=solo_pool,
+                               state_indices=case["state_indices"][n:n + 1], **options("softplus", "kv"))
+        assert torch.equal(o[:, rows], o_solo)
+    assert torch.equal(case["state_pool"], solo_pool)
+
+
 # ============================================================================ thread map and launcher (CPU)
 
 
@@ -216,10 +301,12 @@ def test_choose_vsplit():
 def test_variant_rejects_what_the_kernel_cannot_run():
     from cute_kda.kernels.decode import DecodeVariant
 
-    for bad in (dict(tokens=9), dict(gate="tanh"), dict(vsplit=3), dict(state_layout="kv", state_dtype="bf16",
-                                                                         vsplit=8)):
+    for bad in (dict(tokens=9), dict(tokens=0), dict(gate="tanh"), dict(vsplit=3),
+                dict(state_layout="kv", state_dtype="bf16", vsplit=8), dict(cu_seqlens="int32"),
+                dict(tokens=None, cu_seqlens="int16")):
         with pytest.raises(ValueError):
             DecodeVariant(**bad)
+    DecodeVariant(tokens=None, cu_seqlens="int64")
 
 
 # ============================================================================ sm_90a compile (CPU)
@@ -240,6 +327,30 @@ def _compile_matrix():
     ]
 
 
+def _loop_matrix():
+    """The runtime token loop (``tokens`` None): fixed length over 8, packed with either offset dtype, decode and
+    verify, both layouts and pool dtypes (the K-first bf16 verify holds the most registers)."""
+    from cute_kda.kernels.decode import DecodeVariant as V
+
+    return [
+        V(tokens=None, vsplit=4),
+        V(tokens=None, gate="softplus", state_dtype="bf16", verify=True, grouped=True, vsplit=2),
+        V(tokens=None, cu_seqlens="int32", state_dtype="bf16", verify=True, grouped=True, vsplit=2),
+        V(tokens=None, cu_seqlens="int64", gate="softplus", per_head_gate=True, state_dtype="bf16",
+          state_layout="kv"),
+        V(tokens=None, cu_seqlens="int32", gate="none", state_layout="kv", verify=True, qk_l2norm=False,
+          beta_logits=False, vsplit=8),
+        V(tokens=None, cu_seqlens="int64", state_dtype="bf16", state_layout="kv", verify=True, vsplit=4),
+    ]
+
+
+def test_loop_matrix_covers_offsets_and_modes():
+    matrix = _loop_matrix()
+    assert {v.cu_seqlens for v in matrix} == {None, "int32", "int64"}
+    assert {(v.cu_seqlens is None, v.verify) for v in matrix} == {(a, b) for a in (False, True) for b in (False, True)}
+    assert {(v.state_layout, v.state_dtype) for v in matrix} == {(a, b) for a in ("vk", "kv") for b in DTYPES}
+
+
 def test_compile_matrix_covers_every_axis_value():
     from dataclasses import fields
 
@@ -255,21 +366,23 @@ def test_compile_matrix_covers_every_axis_value():
 
 
 def _scalar_loads(variant) -> int:
-    """Non-vector global loads the kernel may issue: slot ids (and accepted counts), β, A_log and a per-head
-    gate with its dt_bias; everything else moves in vectors."""
-    t = variant.tokens
-    indices = 2 + t if variant.verify else 1
+    """Non-vector global loads the kernel may issue: slot ids (and accepted counts), the two offsets of a packed
+    sequence, β, A_log and a per-head gate with its dt_bias; everything else moves in vectors. The runtime loop
+    loads a token's inputs at two sites (the first token, the next one inside the loop)."""
+    t = variant.tokens or 2
+    indices = 2 + (variant.tokens or 1) if variant.verify else 1
+    offsets = 0 if variant.cu_seqlens is None else 2
     constants = variant.gate != "none"
-    return indices + t + constants + variant.per_head_gate * (t + constants)
+    return indices + offsets + t + constants + variant.per_head_gate * (t + constants)
 
 
 def _variant_id(v) -> str:
-    return (f"{v.gate}{'-head' if v.per_head_gate else ''}-{v.state_dtype}-{v.state_layout}-T{v.tokens}"
+    return (f"{v.gate}{'-head' if v.per_head_gate else ''}-{v.state_dtype}-{v.state_layout}-T{v.tokens or 'n'}"
             f"{'-verify' if v.verify else ''}{'' if v.qk_l2norm else '-nol2'}{'' if v.beta_logits else '-nosig'}"
-            f"{'-gva' if v.grouped else ''}-vs{v.vsplit}")
+            f"{'-gva' if v.grouped else ''}-vs{v.vsplit}{'' if v.cu_seqlens is None else '-' + v.cu_seqlens}")
 
 
-@pytest.mark.parametrize("variant", _compile_matrix(), ids=_variant_id)
+@pytest.mark.parametrize("variant", _compile_matrix() + _loop_matrix(), ids=_variant_id)
 def test_variant_compiles(variant):
     """The launcher's own compile arguments (meta tensors): the state moves in 16-byte vectors only, read once
     and written once per kept state; the token operands in vectors; no local memory, no spills."""
@@ -284,8 +397,9 @@ def test_variant_compiles(variant):
     _, report = compile_with_report(kernel, *ops.compile_arguments(variant), options=TVM_FFI_OPTION)
     tmap = variant.thread_map
     vectors = len(tmap.state_vectors())
-    writes = variant.tokens if variant.verify else 1
-    wide_outputs = 2 * variant.tokens if tmap.rows * 2 == 16 else 0  # o rows of 16 bytes (and the zero rows)
+    tokens = variant.tokens or 1  # the runtime loop's body is one token's code
+    writes = tokens if variant.verify else 1
+    wide_outputs = 2 * tokens if tmap.rows * 2 == 16 else 0  # o rows of 16 bytes (and the zero rows)
     assert report.count("st.global.v4.b32") == vectors * writes + wide_outputs
     assert report.count("ld.global.v4.b32") >= vectors
     scalar_stores = re.findall(r"^\s*(?:@%p\d+\s+)?st\.global\.[bfsu]\d+", report.ptx, re.M)
@@ -293,8 +407,8 @@ def test_variant_compiles(variant):
     scalar_loads = re.findall(r"^\s*(?:@%p\d+\s+)?ld\.global\.(?:nc\.)?[bfsu]\d+", report.ptx, re.M)
     assert len(scalar_loads) <= _scalar_loads(variant), scalar_loads
     # the dot products and the update: one fma per state element each; the decay one mul.rn
-    elements = tmap.rows * 16 * variant.tokens
-    assert report.count("fma.rn.f32") >= 3 * elements - 2 * tmap.rows * variant.tokens
+    elements = tmap.rows * 16 * tokens
+    assert report.count("fma.rn.f32") >= 3 * elements - 2 * tmap.rows * tokens
     assert report.count("mul.rn.f32") >= elements
     assert report.local_memory_ops == 0
     assert len(report.kernels) == 1 and report.spills == 0 and report.kernels[0].stack_frame == 0
@@ -567,8 +681,24 @@ def test_launcher_picks_the_variant_and_passes_the_kernel_arguments(monkeypatch)
     assert variant == ops.variant_of("softplus", True, torch.bfloat16, "kv", 4, True, True, True, True, 2)
     assert (variant.per_head_gate, variant.verify, variant.grouped, variant.tokens, variant.vsplit) == (
         True, True, True, 4, 2)
-    inputs, pool_arg, indices_arg, accepted_arg, out_arg, scale, c_gate, stream = args
+    inputs, pool_arg, indices_arg, accepted_arg, offsets_arg, out_arg, scale, c_gate, stream = args
     assert inputs.q is step["q"] and inputs.g is step["g"] and inputs.dt_bias is params["dt_bias"]
     assert pool_arg is pool and indices_arg is indices and accepted_arg is accepted and out_arg is out
+    assert offsets_arg is None
     assert out.shape == (3, 4, 4, D) and out.dtype == torch.bfloat16
     assert (scale, c_gate, stream) == (f32(0.1), gate_constant(-3.0), "stream")
+
+    # over 8 tokens: the runtime loop; packed: the loop with the offsets' dtype, N from the slot ids, o [1, T, ...]
+    long_step = make_step(2, 11, 4, 4, "safe", False)
+    ops.decode(**long_step, **make_params(4, "safe", False), state_pool=pool.float(),
+               state_indices=torch.tensor([0, 1], dtype=torch.int32), gate="safe", scale=0.1)
+    assert calls[-1][0] == ops.variant_of("safe", False, torch.float32, "vk", 11, False, True, True, False, 2)
+    assert calls[-1][0].tokens is None and calls[-1][0].cu_seqlens is None
+    packed = make_step(1, 7, 4, 4, "safe", False)
+    offsets = torch.tensor([0, 3, 3, 7], dtype=torch.int64)
+    out = ops.decode(**packed, **make_params(4, "safe", False), state_pool=pool.float(),
+                     state_indices=torch.tensor([0, 1, 2], dtype=torch.int32), gate="safe", scale=0.1,
+                     cu_seqlens=offsets)
+    variant, args = calls[-1]
+    assert (variant.tokens, variant.cu_seqlens, variant.verify) == (None, "int64", False)
+    assert args[4] is offsets and out.shape == (1, 7, 4, D)
