@@ -178,13 +178,15 @@ PACKED_LENGTHS = (0, 1, 3, 8, 13, 5)  # the last a padding row (slot −1)
 
 
 def packed_case(lengths, H: int, HV: int, gate: str, per_head: bool, pool_dtype: torch.dtype, *,
-                verify_width: int | None = None, offsets_dtype=torch.int32, device="cpu", seed: int = 0) -> dict:
+                verify_width: int | None = None, offsets_dtype=torch.int32, qk_l2norm: bool = True,
+                beta_logits: bool = True, device="cpu", seed: int = 0) -> dict:
     """A packed call: q, k, v, g, beta ``[1, Σ lengths, ...]``, ``cu_seqlens``, a pool with spare slots, slot ids
     (a random permutation; the last sequence is padding) — ``[N]``, or ``[N, verify_width]`` with accepted counts
     cycling through 1 .. verify_width."""
     gen = torch.Generator().manual_seed(seed)
     N = len(lengths)
-    step = make_step(1, sum(lengths), H, HV, gate, per_head, generator=gen)
+    step = make_step(1, sum(lengths), H, HV, gate, per_head, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+                     generator=gen)
     params = make_params(HV, gate, per_head, generator=gen)
     width = verify_width or 1
     listed = N * width
@@ -418,11 +420,12 @@ def test_variant_compiles(variant):
 # ============================================================================ kernel (GPU tier)
 
 
-def _case(variant, N: int = 5, extra_slots: int = 3, seed: int = 0, device="cuda") -> dict:
-    """Inputs, a random pool and slot ids for ``variant``: row 1 is padding; in a verify, row 3 keeps no state
-    after its last token (−1) and the accepted counts cycle through 1 .. T."""
+def _case(variant, N: int = 5, extra_slots: int = 3, seed: int = 0, device="cuda", tokens: int | None = None) -> dict:
+    """Inputs, a random pool and slot ids for ``variant`` (``tokens``: T of a runtime-loop variant): row 1 is
+    padding; in a verify, row 3 keeps no state after its last token (−1) and the accepted counts cycle through
+    1 .. T."""
     gen = torch.Generator().manual_seed(seed)
-    T, HV = variant.tokens, 4
+    T, HV = variant.tokens or tokens, 4
     H = 2 if variant.grouped else HV
     step = make_step(N, T, H, HV, variant.gate, variant.per_head_gate, qk_l2norm=variant.qk_l2norm,
                      beta_logits=variant.beta_logits, generator=gen)
@@ -615,22 +618,47 @@ def test_pool_over_two_to_the_31_elements():
 
 
 @pytest.mark.gpu
-def test_decode_replays_in_a_cuda_graph():
-    """Allocation-free with a caller's ``out``: a captured call replays to the eager result."""
+def test_steady_decode_loop_replays_in_a_cuda_graph_without_allocating():
+    """A serving step captured once: three decode calls (T = 1, the same slots, each step's inputs in its own static
+    buffers) and a packed verify, caller ``out``, the pool updated in place. Two replays give the bits of two eager
+    rounds on a copy of the pool, and neither the capture nor the replays allocate (torch's allocation count)."""
     from cute_kda.kernels.decode import DecodeVariant
+    from cute_kda.ops.decode import decode
 
-    variant = DecodeVariant(tokens=4, verify=True, state_layout="kv", vsplit=4)
-    case = _case(variant, seed=4)
-    eager_case = {**case, "state_pool": case["state_pool"].clone()}
-    out = torch.empty(5, 4, 4, D, dtype=torch.bfloat16, device="cuda")
-    eager = _run_kernel(eager_case, variant)  # also compiles before the capture
+    decode_variant = DecodeVariant(vsplit=4)
+    steps = [_case(decode_variant, N=4, extra_slots=0, seed=s) for s in range(3)]
+    pool = steps[0]["state_pool"]
+    for step in steps:
+        step["state_indices"] = steps[0]["state_indices"]
+    verify = packed_case((2, 0, 4, 1), 4, 4, "safe", False, torch.float32, verify_width=4, device="cuda", seed=6)
+    verify_pool = verify.pop("state_pool")
+    calls = [({**step, "state_pool": pool}, _kernel_options(decode_variant)) for step in steps]
+    calls.append(({**verify, "state_pool": verify_pool}, options("safe", "vk")))
+    outs = [torch.empty(*case["v"].shape[:3], D, dtype=torch.bfloat16, device="cuda") for case, _ in calls]
+
+    def serve(pools: dict):
+        for (case, opts), out in zip(calls, outs):
+            decode(**{**case, "state_pool": pools[id(case["state_pool"])]}, **opts, out=out)
+
+    eager_pools = {id(pool): pool.clone(), id(verify_pool): verify_pool.clone()}
+    own_pools = {id(pool): pool, id(verify_pool): verify_pool}
+    eager_outs = []
+    for _ in range(2):  # the first round also compiles every variant before the capture
+        serve(eager_pools)
+        eager_outs.append([out.clone() for out in outs])
     torch.cuda.synchronize()
+    allocated = torch.cuda.memory_stats()["allocation.all.allocated"]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _run_kernel(case, variant, out=out)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager) and torch.equal(_bits(case["state_pool"]), _bits(eager_case["state_pool"]))
+        serve(own_pools)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocated, "the capture allocated"
+    for expected in eager_outs:
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(out, want) for out, want in zip(outs, expected))
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocated, "a replay allocated"
+    for key, own in own_pools.items():
+        assert torch.equal(_bits(own), _bits(eager_pools[key]))
 
 
 @pytest.mark.gpu
@@ -655,6 +683,101 @@ def test_strided_views_give_the_contiguous_result():
     got = _run_kernel(strided, variant)
     torch.cuda.synchronize()
     assert torch.equal(got, expected) and torch.equal(_bits(padded.contiguous()), _bits(pool))
+
+
+def _guarded(pool: torch.Tensor, listed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(guarded, view): ``pool`` inside one guard slot on each side, every slot not ``listed`` (and the guards) a
+    pattern of random bits (NaNs included); ``view`` the pool the kernel gets."""
+    guarded = torch.empty(pool.shape[0] + 2, *pool.shape[1:], dtype=pool.dtype, device=pool.device)
+    _bits(guarded).copy_(torch.randint(-2**15, 2**15, guarded.shape, device=pool.device, dtype=torch.int32))
+    guarded[1:-1][listed] = pool[listed]
+    return guarded, guarded[1:-1]
+
+
+def _packed_variants():
+    return [v for v in _loop_matrix() if v.cu_seqlens is not None]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", _packed_variants(), ids=_variant_id)
+def test_packed_kernel_matches_mirror_and_fp64(variant):
+    """Packed sequences of lengths 0, 1, 3, 8, 13 and a padding row of 5 (verify: S + 1 = 13 slots a row, accepted
+    counts cycling): o and the written states as the mirror has them and within 5e-3 of the fp64 recurrence; the
+    padding row's outputs zero; on a guard pool, every slot not written (the 0-length sequence's, the padding
+    row's, the unlisted ones) and both guards keep their bits; every output row written (o poisoned with NaN)."""
+    H = 2 if variant.grouped else 4
+    offsets = torch.int32 if variant.cu_seqlens == "int32" else torch.int64
+    case = packed_case(PACKED_LENGTHS, H, 4, variant.gate, variant.per_head_gate, DTYPES[variant.state_dtype],
+                       verify_width=13 if variant.verify else None, offsets_dtype=offsets,
+                       qk_l2norm=variant.qk_l2norm, beta_logits=variant.beta_logits, device="cuda", seed=21)
+    written, kept = packed_slots(case, PACKED_LENGTHS)
+    listed = case["state_indices"].flatten()
+    guarded, case["state_pool"] = _guarded(case["state_pool"], listed[listed >= 0].long())
+    before = guarded.clone()
+    expected_pool = case["state_pool"].clone()
+    expected = _run_mirror({**case, "state_pool": expected_pool}, variant)
+    gold_pool = case["state_pool"].double()
+    o_gold = gold_decode(**{**case, "state_pool": gold_pool}, **options(
+        variant.gate, variant.state_layout, qk_l2norm=variant.qk_l2norm, beta_logits=variant.beta_logits))
+    out = torch.full_like(expected, float("nan"))
+    got = _run_kernel(case, variant, out=out)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr()
+    padding = slice(sum(PACKED_LENGTHS[:-1]), None)
+    assert torch.equal(got[:, padding], torch.zeros_like(got[:, padding]))
+    assert_matches_mirror(got, expected, "o")
+    assert_matches_mirror(case["state_pool"][written], expected_pool[written], "pool")
+    kept_rows = torch.tensor([0] + [s + 1 for s in kept] + [guarded.shape[0] - 1], device="cuda")
+    assert torch.equal(_bits(guarded[kept_rows]), _bits(before[kept_rows]))
+    live = slice(0, padding.start)
+    o_error = rel_rms(got[:, live], o_gold[:, live])
+    state_error = rel_rms(case["state_pool"][written], gold_pool[written])
+    assert o_error <= 5e-3 and state_error <= 5e-3, (o_error, state_error)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("verify", [False, True], ids=["decode", "verify"])
+def test_fixed_length_over_eight_tokens(verify):
+    """T = 13 (decode) and 11 (verify, every accepted count among the rows) at a fixed length: the runtime loop as
+    the mirror has it, within 5e-3 of the fp64 recurrence, the padding row zero."""
+    from cute_kda.kernels.decode import DecodeVariant
+
+    variant = DecodeVariant(tokens=None, verify=verify, state_dtype="bf16" if verify else "fp32", grouped=verify,
+                            vsplit=2)
+    T = 11 if verify else 13
+    case = _case(variant, N=5, seed=13, tokens=T)
+    gold_pool = case["state_pool"].double()
+    expected_pool = case["state_pool"].clone()
+    expected = _run_mirror({**case, "state_pool": expected_pool}, variant)
+    o_gold = gold_decode(**{**case, "state_pool": gold_pool}, **options(variant.gate, variant.state_layout))
+    got = _run_kernel(case, variant)
+    torch.cuda.synchronize()
+    assert got.shape[1] == T and torch.equal(got[1], torch.zeros_like(got[1]))
+    assert_matches_mirror(got, expected, "o")
+    assert_matches_mirror(case["state_pool"], expected_pool, "pool")
+    live = [0, 2, 3, 4]
+    assert rel_rms(got[live], o_gold[live]) <= 5e-3
+    assert rel_rms(case["state_pool"], gold_pool) <= 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("verify", [False, True], ids=["decode", "verify"])
+def test_runtime_loop_has_the_unrolled_bits(verify):
+    """Five sequences of 4 tokens (a padding row), packed (the runtime loop) and as a fixed T = 4 call (unrolled): the same
+    arithmetic, so the same bits in o and in the pool."""
+    from cute_kda.kernels.decode import DecodeVariant
+
+    unrolled = DecodeVariant(tokens=4, verify=verify, state_layout="kv", vsplit=4)
+    case = _case(unrolled, N=5, seed=17)
+    packed = {**case, "state_pool": case["state_pool"].clone(),
+              "cu_seqlens": torch.arange(0, 21, 4, dtype=torch.int32, device="cuda")}
+    for name in ("q", "k", "v", "g", "beta"):
+        packed[name] = case[name].reshape(1, 20, *case[name].shape[2:])
+    fixed = _run_kernel(case, unrolled)
+    looped = _run_kernel(packed, unrolled)  # the launcher picks the loop from cu_seqlens
+    torch.cuda.synchronize()
+    assert torch.equal(looped.reshape(fixed.shape), fixed)
+    assert torch.equal(_bits(packed["state_pool"]), _bits(case["state_pool"]))
 
 
 def test_launcher_picks_the_variant_and_passes_the_kernel_arguments(monkeypatch):
