@@ -9,7 +9,15 @@ sigmoid in the kernel. The per-head rows (GatedDeltaNet) run decode with a preco
 - **µs**: median of CUDA-graph replays of one call (:func:`cute_kda._bench.graph_median_ms`: do_bench with
   the L2 cleared before each replay);
 - **state GB/s**: (bytes of state read + written) / time; **% copy**: that against a same-run device-to-device
-  copy (``torch.Tensor.copy_``) moving the same bytes (half read, half written), timed the same way;
+  copy moving the same bytes (half read, half written), timed the same way (graph replay, L2 cleared before each
+  repetition), the faster of two copies: ``cudaMemcpyAsync`` (``torch.Tensor.copy_``) and a vectorized SM kernel
+  (``torch.add(x, 0, out=y)`` on fp32, 16-byte accesses); **copy GB/s** is that copy's rate, so the baseline can be
+  read beside the kernel; stderr gives both copies' µs per row. Why two: cudaMemcpy alone is no HBM ceiling on
+  Hopper (NVIDIA/cccl#1672: 66 % of the H200's bandwidth for an 8.6 GB device copy; pytorch/pytorch#161518: slower
+  than a vectorized x + 0 on H100). The 2026-12-03 run used it alone: on 12 of its 90 rows, all among the largest
+  (N = 512 with HV ≥ 32; the fp32 verify at N = 128, HV = 32; 0.5-8 GB a copy, far past the 50 MB L2, so not a
+  cache effect), the copy ran at ~2.75 TB/s against ~4.1-4.3 TB/s on its neighbours while the kernel held
+  3.8-3.9 TB/s, hence the 114-143 %;
 - **FLA**: ``fla.ops.kda.fused_recurrent_kda_fwd`` with its in-place pool indexing (``ssm_state_indices``,
   ``num_accepted_tokens``, ``inplace_final_state=True``), the same gate, l2norm and β sigmoid in its kernel;
   for the per-head rows ``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`` (FLA 0.6.0 has no pool
@@ -100,11 +108,14 @@ def _fla(case: dict, per_head: bool):
         lower_bound=LOWER_BOUND, out=out)
 
 
-def _copy_us(nbytes: int, warmup: int, rep: int) -> float:
-    """A device-to-device copy moving ``nbytes`` (half read, half written)."""
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+def _copy_us(nbytes: int, warmup: int, rep: int) -> dict[str, float]:
+    """µs of two device-to-device copies moving ``nbytes`` (half read, half written) of random fp32 values:
+    ``memcpy`` (cudaMemcpyAsync, what ``copy_`` of contiguous tensors calls) and ``sm`` (torch's vectorized
+    elementwise kernel, x + 0)."""
+    src = torch.rand(max(nbytes // 8, 1), device="cuda")
     dst = torch.empty_like(src)
-    return 1e3 * graph_median_ms(lambda: dst.copy_(src), warmup, rep)
+    return {"memcpy": 1e3 * graph_median_ms(lambda: dst.copy_(src), warmup, rep),
+            "sm": 1e3 * graph_median_ms(lambda: torch.add(src, 0.0, out=dst), warmup, rep)}
 
 
 def _time_us(fn, warmup: int, rep: int) -> float | None:
@@ -129,9 +140,11 @@ def _row(N: int, HV: int, pool: str, mode: str, per_head: bool, args) -> list[st
     auto = DecodeVariant.choose_vsplit(N, HV, sm_count(0), "vk", pool)
     ours = _time_us(_ours(case, per_head, None), args.warmup, args.rep)
     fla = _time_us(_fla(case, per_head), args.warmup, args.rep) if not (per_head and verify) else None
-    copy = _copy_us(traffic, args.warmup, args.rep)
+    copies = _copy_us(traffic, args.warmup, args.rep)
+    copy = min(copies.values())
+    print(f"copy µs: {copies}", file=sys.stderr)
     cells = [str(N), str(HV), pool, mode + (" (per head)" if per_head else ""), str(auto), f"{ours:.2f}",
-             f"{traffic / ours / 1e3:.0f}", f"{100 * copy / ours:.0f} %",
+             f"{traffic / ours / 1e3:.0f}", f"{traffic / copy / 1e3:.0f}", f"{100 * copy / ours:.0f} %",
              "–" if fla is None else f"{fla:.2f}", "–" if fla is None else f"{fla / ours:.2f}×"]
     if args.sweep:
         timed = {v: _time_us(_ours(case, per_head, v), args.warmup, args.rep)
@@ -154,7 +167,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time every V-split of each row")
     args = parser.parse_args()
 
-    head = ["N", "HV", "pool", "mode", "vsplit", "µs", "state GB/s", "% copy", "FLA µs", "vs FLA"]
+    head = ["N", "HV", "pool", "mode", "vsplit", "µs", "state GB/s", "copy GB/s", "% copy", "FLA µs", "vs FLA"]
     if args.sweep:
         head.append("best vsplit: µs")
     rows = []
@@ -179,8 +192,9 @@ def _report(head: list[str], rows: list[list[str]]) -> str:
         "# Decode / verify on a state pool (bench_decode.py)", "",
         environment("cutlass", "fla", labels={"cutlass": "nvidia-cutlass-dsl", "fla": "FLA"}), "",
         "KDA rows: safe gate per channel, l2norm and β sigmoid in the kernel, V-first pool, H = HV; per-head rows: "
-        "a precomputed log decay per head (FLA GDN without pool indexing). µs: CUDA-graph replay, median; "
-        "% copy: state bytes / time against a device copy of the same bytes.", "",
+        "a precomputed log decay per head (FLA GDN without pool indexing). µs: CUDA-graph replay, median, L2 cleared "
+        "before each repetition; % copy: state bytes / time against the faster of two device copies of the same "
+        "bytes (cudaMemcpyAsync, a vectorized SM kernel) timed the same way; copy GB/s: that copy's.", "",
         markdown_table(head, rows), "",
     ])
 
