@@ -763,8 +763,8 @@ def test_fixed_length_over_eight_tokens(verify):
 @pytest.mark.gpu
 @pytest.mark.parametrize("verify", [False, True], ids=["decode", "verify"])
 def test_runtime_loop_has_the_unrolled_bits(verify):
-    """Five sequences of 4 tokens (a padding row), packed (the runtime loop) and as a fixed T = 4 call (unrolled): the same
-    arithmetic, so the same bits in o and in the pool."""
+    """Five sequences of 4 tokens (a padding row), packed (the runtime loop) and as a fixed T = 4 call (unrolled):
+    the same arithmetic, so the same bits in o and in the pool."""
     from cute_kda.kernels.decode import DecodeVariant
 
     unrolled = DecodeVariant(tokens=4, verify=verify, state_layout="kv", vsplit=4)

@@ -1,4 +1,4 @@
-"""The decode / speculative-verify kernel: T = 1..8 tokens per sequence on a state pool, updated in place.
+"""The decode / speculative-verify kernel: tokens of a sequence on a state pool, updated in place.
 
 Per (sequence ``n``, value head ``j``, V-band) one CTA (the contract: :mod:`cute_kda.reference.decode`, whose
 :func:`~cute_kda.reference.decode.mirror_decode` is this kernel's arithmetic)::
@@ -16,8 +16,19 @@ bytes in flight) from the V-split: the value rows of a V-first state are indepen
 ``s_v·k`` and ``s_v·q``), and so are the value columns of a K-first one. Thread map:
 :class:`cute_kda.layouts.decode.DecodeThreadMap`. Slot offsets are 64-bit (pools over 2^31 elements).
 
+Two token loops, one arithmetic (the same bits for the same tokens):
+
+- **unrolled** (``tokens`` = T ≤ 8, fixed length): every token's code inline; token 0's loads are issued before
+  the branch on the slot id, and ptxas schedules the later tokens' loads across the unrolled math;
+- **runtime** (``tokens`` None): a loop over a count known at run time — a fixed T over 8 (the tensors' extent),
+  or packed sequences (``cu_seqlens`` int32 / int64 ``[N + 1]``, read on the device: sequence ``n`` is input rows
+  ``cu_seqlens[n] .. cu_seqlens[n + 1] − 1`` of batch row 0). Token ``t + 1``'s inputs are loaded into registers
+  (bf16, unconverted) before token ``t``'s math, so their latency hides behind it; the last token reloads itself
+  rather than branch. A sequence of length 0 reads and writes nothing: its slot is not rewritten (decode or
+  verify), and it has no output rows. A verify's sequence is at most S + 1 tokens (``state_indices [N, S + 1]``).
+
 Inputs are assumed valid (the API layer checks): K = V = 128, slot ids in ``[−1, slots)``, accepted counts in
-``[1, T]``, no slot twice in one call; every tensor's last mode contiguous and its rows (and the pool's state
+``[1, S + 1]``, no slot twice in one call; every tensor's last mode contiguous and its rows (and the pool's state
 blocks, ``[128, 128]`` contiguous) starting 16-byte aligned — the other strides are free (engines hand strided
 pool views and q, k, v split from one projection).
 """
@@ -31,7 +42,7 @@ from ..dsl import cute, cutlass  # first: sets the target architecture before th
 
 from cutlass import BFloat16, Float32, Int32, const_expr
 
-from ..layouts.decode import CHANNELS, DIM, LANES, DecodeThreadMap
+from ..layouts.decode import CHANNELS, LANES, DecodeThreadMap
 from ..numerics import EPS, GATES, LOG2E
 from .common.fastmath import ex2_approx, fma_rn, mul_rn, sigmoid_approx
 from .common.token_prep import TokenPrep

@@ -4,9 +4,11 @@ Inputs are assumed validated by the API layer: torch CUDA tensors on one device,
 aligned bases; q, k bf16 ``[N, T, H, 128]``, v bf16 ``[N, T, HV, 128]``, g bf16 ``[N, T, HV, 128]`` or
 ``[N, T, HV]``, beta bf16 ``[N, T, HV]``, A_log fp32 ``[HV]``, dt_bias fp32 ``[HV, 128]`` (``[HV]`` with a
 per-head gate; both may be None for ``gate="none"``), state_pool fp32 / bf16 ``[slots, HV, 128, 128]``,
-state_indices int32 ``[N]`` (decode) or ``[N, T]`` with num_accepted_tokens int32 ``[N]`` (verify), slot ids
-in ``[−1, slots)``, no slot twice. q, k, v, g, beta, out and the pool may be strided views: their last mode
-contiguous, rows of 128 (and the pool's ``[128, 128]`` state blocks, contiguous) starting 16-byte aligned.
+state_indices int32 ``[N]`` (decode) or ``[N, S + 1]`` (T ≤ S + 1) with num_accepted_tokens int32 ``[N]``
+(verify), slot ids in ``[−1, slots)``, no slot twice. Any T: up to 8 the unrolled kernel, over 8 its runtime loop.
+Packed sequences: ``cu_seqlens`` int32 or int64 ``[N + 1]`` on the device, q, k, v, g, beta and out
+``[1, total T, ...]``, N the rows of state_indices. q, k, v, g, beta, out and the pool may be strided views: their
+last mode contiguous, rows of 128 (and the pool's ``[128, 128]`` state blocks, contiguous) starting 16-byte aligned.
 This module picks the compiled variant (compiled from fake tensors on first use: nothing is allocated for
 it) and launches on torch's current stream: no host sync, no allocation but ``out`` when it is not given.
 """
