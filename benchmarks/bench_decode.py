@@ -24,7 +24,10 @@ sigmoid in the kernel. The per-head rows (GatedDeltaNet) run decode with a preco
   indexing there: it reads a contiguous ``[N, HV, V, K]`` initial state and allocates the final state). Slot
   ids are a random permutation (no padding rows: FLA 0.6.0 reads slot −1);
 - ``--sweep``: every V-split of each row too (the column gives the fastest and its µs; ``auto`` is
-  :meth:`cute_kda.kernels.decode.DecodeVariant.choose_vsplit`).
+  :meth:`cute_kda.kernels.decode.DecodeVariant.choose_vsplit`);
+- ``--modes packed,packed-verify``: the same calls with the tokens packed (``[1, N·T, ...]``, int32 ``cu_seqlens``,
+  every sequence T long), which runs our runtime token loop instead of the unrolled one (FLA takes the same
+  ``cu_seqlens``): beside the decode / verify rows, the loop's cost.
 
 Goals (issue 32): ≥ 85 % of the copy's bandwidth where N·HV ≥ 2048; ≥ 1.5× FLA; N = 1, HV = 32 ≤ 8 µs.
 
@@ -50,12 +53,15 @@ D = 128
 SEQS = (1, 8, 32, 128, 512)
 HEADS = (4, 32, 96)
 POOLS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MODES = {"decode": 1, "verify": 4}  # tokens per sequence
+MODES = {"decode": 1, "verify": 4, "packed": 1, "packed-verify": 4}  # tokens per sequence
+ISSUE_MODES = ("decode", "verify")  # the issue's grid; the packed modes (cu_seqlens: our runtime loop) on request
 LOWER_BOUND = -5.0
 
 
-def _inputs(N: int, T: int, HV: int, pool_dtype: torch.dtype, per_head: bool, verify: bool) -> dict:
-    """A call's tensors (H = HV), its pool (``N·T`` slots for a verify, ``N`` for a decode) and slot ids."""
+def _inputs(N: int, T: int, HV: int, pool_dtype: torch.dtype, per_head: bool, verify: bool,
+            packed: bool = False) -> dict:
+    """A call's tensors (H = HV), its pool (``N·T`` slots for a verify, ``N`` for a decode) and slot ids;
+    ``packed``: the same tokens as ``[1, N·T, ...]`` with int32 ``cu_seqlens`` (every sequence T long)."""
     dev = "cuda"
     bf16 = torch.bfloat16
     gate_shape = (N, T, HV) if per_head else (N, T, HV, D)
@@ -64,7 +70,7 @@ def _inputs(N: int, T: int, HV: int, pool_dtype: torch.dtype, per_head: bool, ve
         g = torch.nn.functional.logsigmoid(g + 2.0)  # GatedDeltaNet's precomputed log decay
     slots = N * T if verify else N
     indices = torch.randperm(slots, device=dev, dtype=torch.int32)
-    return dict(
+    case = dict(
         q=torch.randn(N, T, HV, D, device=dev, dtype=bf16), k=torch.randn(N, T, HV, D, device=dev, dtype=bf16),
         v=torch.randn(N, T, HV, D, device=dev, dtype=bf16), g=g.to(bf16),
         beta=torch.randn(N, T, HV, device=dev, dtype=bf16),
@@ -74,6 +80,11 @@ def _inputs(N: int, T: int, HV: int, pool_dtype: torch.dtype, per_head: bool, ve
         state_indices=indices.reshape(N, T) if verify else indices,
         num_accepted_tokens=(torch.arange(N, device=dev, dtype=torch.int32) % T + 1) if verify else None,
     )
+    if packed:
+        for name in ("q", "k", "v", "g", "beta"):
+            case[name] = case[name].reshape(1, N * T, *case[name].shape[2:])
+        case["cu_seqlens"] = torch.arange(0, N * T + 1, T, device=dev, dtype=torch.int32)
+    return case
 
 
 def _ours(case: dict, per_head: bool, vsplit: int | None):
@@ -95,15 +106,17 @@ def _fla(case: dict, per_head: bool):
         return None
     q, k, v, g, beta = (case[name] for name in ("q", "k", "v", "g", "beta"))
     if per_head:
-        states = case["state_pool"][: q.shape[0]]  # the batch's states, contiguous: FLA's best case
+        states = case["state_pool"][: case["state_indices"].shape[0]]  # the batch's states, contiguous: FLA's best case
         return lambda: fused_recurrent_gated_delta_rule(
             q, k, v, g=g, beta=beta, scale=D ** -0.5, initial_state=states, output_final_state=True,
-            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True)
+            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True,
+            cu_seqlens=case.get("cu_seqlens"))
     out = torch.empty_like(v)
     return lambda: fused_recurrent_kda_fwd(
         q=q, k=k, v=v, g=g, beta=beta, A_log=case["A_log"], dt_bias=case["dt_bias"], scale=D ** -0.5,
         initial_state=case["state_pool"], inplace_final_state=True, state_v_first=True,
         ssm_state_indices=case["state_indices"], num_accepted_tokens=case["num_accepted_tokens"],
+        cu_seqlens=case.get("cu_seqlens"),
         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
         lower_bound=LOWER_BOUND, out=out)
 
@@ -133,8 +146,8 @@ def _row(N: int, HV: int, pool: str, mode: str, per_head: bool, args) -> list[st
     from cute_kda.layouts.decode import DecodeThreadMap
 
     T = MODES[mode]
-    verify = mode == "verify"
-    case = _inputs(N, T, HV, POOLS[pool], per_head, verify)
+    verify = mode.endswith("verify")
+    case = _inputs(N, T, HV, POOLS[pool], per_head, verify, packed=mode.startswith("packed"))
     state_bytes = HV * D * D * case["state_pool"].element_size()
     traffic = N * state_bytes * (1 + (T if verify else 1))
     auto = DecodeVariant.choose_vsplit(N, HV, sm_count(0), "vk", pool)
@@ -162,7 +175,8 @@ def main() -> None:
     parser.add_argument("--seqs", type=lambda s: [int(x) for x in s.split(",")], default=list(SEQS))
     parser.add_argument("--heads", type=lambda s: [int(x) for x in s.split(",")], default=list(HEADS))
     parser.add_argument("--pools", type=lambda s: s.split(","), default=list(POOLS))
-    parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=list(ISSUE_MODES),
+                        help=f"of {', '.join(MODES)}")
     parser.add_argument("--no-per-head", action="store_true", help="skip the GatedDeltaNet rows")
     parser.add_argument("--sweep", action="store_true", help="also time every V-split of each row")
     args = parser.parse_args()
@@ -175,7 +189,7 @@ def main() -> None:
     for per_head in kinds:
         for pool in args.pools:
             for mode in args.modes:
-                if per_head and mode == "verify":
+                if per_head and mode.endswith("verify"):
                     continue
                 for N in args.seqs:
                     for HV in args.heads:
