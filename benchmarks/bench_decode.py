@@ -9,14 +9,25 @@ sigmoid in the kernel. The per-head rows (GatedDeltaNet) run decode with a preco
 - **µs**: median of CUDA-graph replays of one call (:func:`cute_kda._bench.graph_median_ms`: do_bench with
   the L2 cleared before each replay);
 - **state GB/s**: (bytes of state read + written) / time; **% copy**: that against a same-run device-to-device
-  copy (``torch.Tensor.copy_``) moving the same bytes (half read, half written), timed the same way;
+  copy moving the same bytes (half read, half written), timed the same way (graph replay, L2 cleared before each
+  repetition), the faster of two copies: ``cudaMemcpyAsync`` (``torch.Tensor.copy_``) and a vectorized SM kernel
+  (``torch.add(x, 0, out=y)`` on fp32, 16-byte accesses); **copy GB/s** is that copy's rate, so the baseline can be
+  read beside the kernel; stderr gives both copies' µs per row. Why two: cudaMemcpy alone is no HBM ceiling on
+  Hopper (NVIDIA/cccl#1672: 66 % of the H200's bandwidth for an 8.6 GB device copy; pytorch/pytorch#161518: slower
+  than a vectorized x + 0 on H100). The 2026-12-03 run used it alone: on 12 of its 90 rows, all among the largest
+  (N = 512 with HV ≥ 32; the fp32 verify at N = 128, HV = 32; 0.5-8 GB a copy, far past the 50 MB L2, so not a
+  cache effect), the copy ran at ~2.75 TB/s against ~4.1-4.3 TB/s on its neighbours while the kernel held
+  3.8-3.9 TB/s, hence the 114-143 %;
 - **FLA**: ``fla.ops.kda.fused_recurrent_kda_fwd`` with its in-place pool indexing (``ssm_state_indices``,
   ``num_accepted_tokens``, ``inplace_final_state=True``), the same gate, l2norm and β sigmoid in its kernel;
   for the per-head rows ``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`` (FLA 0.6.0 has no pool
   indexing there: it reads a contiguous ``[N, HV, V, K]`` initial state and allocates the final state). Slot
   ids are a random permutation (no padding rows: FLA 0.6.0 reads slot −1);
 - ``--sweep``: every V-split of each row too (the column gives the fastest and its µs; ``auto`` is
-  :meth:`cute_kda.kernels.decode.DecodeVariant.choose_vsplit`).
+  :meth:`cute_kda.kernels.decode.DecodeVariant.choose_vsplit`);
+- ``--modes packed,packed-verify``: the same calls with the tokens packed (``[1, N·T, ...]``, int32 ``cu_seqlens``,
+  every sequence T long), which runs our runtime token loop instead of the unrolled one (FLA takes the same
+  ``cu_seqlens``): beside the decode / verify rows, the loop's cost.
 
 Goals (issue 32): ≥ 85 % of the copy's bandwidth where N·HV ≥ 2048; ≥ 1.5× FLA; N = 1, HV = 32 ≤ 8 µs.
 
@@ -42,12 +53,15 @@ D = 128
 SEQS = (1, 8, 32, 128, 512)
 HEADS = (4, 32, 96)
 POOLS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MODES = {"decode": 1, "verify": 4}  # tokens per sequence
+MODES = {"decode": 1, "verify": 4, "packed": 1, "packed-verify": 4}  # tokens per sequence
+ISSUE_MODES = ("decode", "verify")  # the issue's grid; the packed modes (cu_seqlens: our runtime loop) on request
 LOWER_BOUND = -5.0
 
 
-def _inputs(N: int, T: int, HV: int, pool_dtype: torch.dtype, per_head: bool, verify: bool) -> dict:
-    """A call's tensors (H = HV), its pool (``N·T`` slots for a verify, ``N`` for a decode) and slot ids."""
+def _inputs(N: int, T: int, HV: int, pool_dtype: torch.dtype, per_head: bool, verify: bool,
+            packed: bool = False) -> dict:
+    """A call's tensors (H = HV), its pool (``N·T`` slots for a verify, ``N`` for a decode) and slot ids;
+    ``packed``: the same tokens as ``[1, N·T, ...]`` with int32 ``cu_seqlens`` (every sequence T long)."""
     dev = "cuda"
     bf16 = torch.bfloat16
     gate_shape = (N, T, HV) if per_head else (N, T, HV, D)
@@ -56,7 +70,7 @@ def _inputs(N: int, T: int, HV: int, pool_dtype: torch.dtype, per_head: bool, ve
         g = torch.nn.functional.logsigmoid(g + 2.0)  # GatedDeltaNet's precomputed log decay
     slots = N * T if verify else N
     indices = torch.randperm(slots, device=dev, dtype=torch.int32)
-    return dict(
+    case = dict(
         q=torch.randn(N, T, HV, D, device=dev, dtype=bf16), k=torch.randn(N, T, HV, D, device=dev, dtype=bf16),
         v=torch.randn(N, T, HV, D, device=dev, dtype=bf16), g=g.to(bf16),
         beta=torch.randn(N, T, HV, device=dev, dtype=bf16),
@@ -66,6 +80,11 @@ def _inputs(N: int, T: int, HV: int, pool_dtype: torch.dtype, per_head: bool, ve
         state_indices=indices.reshape(N, T) if verify else indices,
         num_accepted_tokens=(torch.arange(N, device=dev, dtype=torch.int32) % T + 1) if verify else None,
     )
+    if packed:
+        for name in ("q", "k", "v", "g", "beta"):
+            case[name] = case[name].reshape(1, N * T, *case[name].shape[2:])
+        case["cu_seqlens"] = torch.arange(0, N * T + 1, T, device=dev, dtype=torch.int32)
+    return case
 
 
 def _ours(case: dict, per_head: bool, vsplit: int | None):
@@ -87,24 +106,29 @@ def _fla(case: dict, per_head: bool):
         return None
     q, k, v, g, beta = (case[name] for name in ("q", "k", "v", "g", "beta"))
     if per_head:
-        states = case["state_pool"][: q.shape[0]]  # the batch's states, contiguous: FLA's best case
+        states = case["state_pool"][: case["state_indices"].shape[0]]  # the batch's states, contiguous: FLA's best case
         return lambda: fused_recurrent_gated_delta_rule(
             q, k, v, g=g, beta=beta, scale=D ** -0.5, initial_state=states, output_final_state=True,
-            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True)
+            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True,
+            cu_seqlens=case.get("cu_seqlens"))
     out = torch.empty_like(v)
     return lambda: fused_recurrent_kda_fwd(
         q=q, k=k, v=v, g=g, beta=beta, A_log=case["A_log"], dt_bias=case["dt_bias"], scale=D ** -0.5,
         initial_state=case["state_pool"], inplace_final_state=True, state_v_first=True,
         ssm_state_indices=case["state_indices"], num_accepted_tokens=case["num_accepted_tokens"],
+        cu_seqlens=case.get("cu_seqlens"),
         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
         lower_bound=LOWER_BOUND, out=out)
 
 
-def _copy_us(nbytes: int, warmup: int, rep: int) -> float:
-    """A device-to-device copy moving ``nbytes`` (half read, half written)."""
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+def _copy_us(nbytes: int, warmup: int, rep: int) -> dict[str, float]:
+    """µs of two device-to-device copies moving ``nbytes`` (half read, half written) of random fp32 values:
+    ``memcpy`` (cudaMemcpyAsync, what ``copy_`` of contiguous tensors calls) and ``sm`` (torch's vectorized
+    elementwise kernel, x + 0)."""
+    src = torch.rand(max(nbytes // 8, 1), device="cuda")
     dst = torch.empty_like(src)
-    return 1e3 * graph_median_ms(lambda: dst.copy_(src), warmup, rep)
+    return {"memcpy": 1e3 * graph_median_ms(lambda: dst.copy_(src), warmup, rep),
+            "sm": 1e3 * graph_median_ms(lambda: torch.add(src, 0.0, out=dst), warmup, rep)}
 
 
 def _time_us(fn, warmup: int, rep: int) -> float | None:
@@ -122,16 +146,18 @@ def _row(N: int, HV: int, pool: str, mode: str, per_head: bool, args) -> list[st
     from cute_kda.layouts.decode import DecodeThreadMap
 
     T = MODES[mode]
-    verify = mode == "verify"
-    case = _inputs(N, T, HV, POOLS[pool], per_head, verify)
+    verify = mode.endswith("verify")
+    case = _inputs(N, T, HV, POOLS[pool], per_head, verify, packed=mode.startswith("packed"))
     state_bytes = HV * D * D * case["state_pool"].element_size()
     traffic = N * state_bytes * (1 + (T if verify else 1))
     auto = DecodeVariant.choose_vsplit(N, HV, sm_count(0), "vk", pool)
     ours = _time_us(_ours(case, per_head, None), args.warmup, args.rep)
     fla = _time_us(_fla(case, per_head), args.warmup, args.rep) if not (per_head and verify) else None
-    copy = _copy_us(traffic, args.warmup, args.rep)
+    copies = _copy_us(traffic, args.warmup, args.rep)
+    copy = min(copies.values())
+    print(f"copy µs: {copies}", file=sys.stderr)
     cells = [str(N), str(HV), pool, mode + (" (per head)" if per_head else ""), str(auto), f"{ours:.2f}",
-             f"{traffic / ours / 1e3:.0f}", f"{100 * copy / ours:.0f} %",
+             f"{traffic / ours / 1e3:.0f}", f"{traffic / copy / 1e3:.0f}", f"{100 * copy / ours:.0f} %",
              "–" if fla is None else f"{fla:.2f}", "–" if fla is None else f"{fla / ours:.2f}×"]
     if args.sweep:
         timed = {v: _time_us(_ours(case, per_head, v), args.warmup, args.rep)
@@ -149,12 +175,13 @@ def main() -> None:
     parser.add_argument("--seqs", type=lambda s: [int(x) for x in s.split(",")], default=list(SEQS))
     parser.add_argument("--heads", type=lambda s: [int(x) for x in s.split(",")], default=list(HEADS))
     parser.add_argument("--pools", type=lambda s: s.split(","), default=list(POOLS))
-    parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=list(ISSUE_MODES),
+                        help=f"of {', '.join(MODES)}")
     parser.add_argument("--no-per-head", action="store_true", help="skip the GatedDeltaNet rows")
     parser.add_argument("--sweep", action="store_true", help="also time every V-split of each row")
     args = parser.parse_args()
 
-    head = ["N", "HV", "pool", "mode", "vsplit", "µs", "state GB/s", "% copy", "FLA µs", "vs FLA"]
+    head = ["N", "HV", "pool", "mode", "vsplit", "µs", "state GB/s", "copy GB/s", "% copy", "FLA µs", "vs FLA"]
     if args.sweep:
         head.append("best vsplit: µs")
     rows = []
@@ -162,7 +189,7 @@ def main() -> None:
     for per_head in kinds:
         for pool in args.pools:
             for mode in args.modes:
-                if per_head and mode == "verify":
+                if per_head and mode.endswith("verify"):
                     continue
                 for N in args.seqs:
                     for HV in args.heads:
@@ -179,8 +206,9 @@ def _report(head: list[str], rows: list[list[str]]) -> str:
         "# Decode / verify on a state pool (bench_decode.py)", "",
         environment("cutlass", "fla", labels={"cutlass": "nvidia-cutlass-dsl", "fla": "FLA"}), "",
         "KDA rows: safe gate per channel, l2norm and β sigmoid in the kernel, V-first pool, H = HV; per-head rows: "
-        "a precomputed log decay per head (FLA GDN without pool indexing). µs: CUDA-graph replay, median; "
-        "% copy: state bytes / time against a device copy of the same bytes.", "",
+        "a precomputed log decay per head (FLA GDN without pool indexing). µs: CUDA-graph replay, median, L2 cleared "
+        "before each repetition; % copy: state bytes / time against the faster of two device copies of the same "
+        "bytes (cudaMemcpyAsync, a vectorized SM kernel) timed the same way; copy GB/s: that copy's.", "",
         markdown_table(head, rows), "",
     ])
 

@@ -174,6 +174,93 @@ def test_mirror_long_chain():
     assert rel_rms(pool, gold_pool) < 5e-6
 
 
+PACKED_LENGTHS = (0, 1, 3, 8, 13, 5)  # the last a padding row (slot −1)
+
+
+def packed_case(lengths, H: int, HV: int, gate: str, per_head: bool, pool_dtype: torch.dtype, *,
+                verify_width: int | None = None, offsets_dtype=torch.int32, qk_l2norm: bool = True,
+                beta_logits: bool = True, device="cpu", seed: int = 0) -> dict:
+    """A packed call: q, k, v, g, beta ``[1, Σ lengths, ...]``, ``cu_seqlens``, a pool with spare slots, slot ids
+    (a random permutation; the last sequence is padding) — ``[N]``, or ``[N, verify_width]`` with accepted counts
+    cycling through 1 .. verify_width."""
+    gen = torch.Generator().manual_seed(seed)
+    N = len(lengths)
+    step = make_step(1, sum(lengths), H, HV, gate, per_head, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+                     generator=gen)
+    params = make_params(HV, gate, per_head, generator=gen)
+    width = verify_width or 1
+    listed = N * width
+    slots = listed + 3
+    indices = torch.randperm(slots, generator=gen)[:listed].int().reshape(N, width)
+    indices[-1] = -1
+    accepted = None
+    if verify_width is None:
+        indices = indices[:, 0]
+    else:
+        accepted = (torch.arange(N) % width + 1).int()
+    bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=offsets_dtype)
+    tensors = {**step, **params, "state_pool": random_pool(slots, HV, pool_dtype, generator=gen),
+               "state_indices": indices, "num_accepted_tokens": accepted, "cu_seqlens": bounds}
+    return {name: None if t is None else t.to(device) for name, t in tensors.items()}
+
+
+def packed_slots(case: dict, lengths) -> tuple[list[int], list[int]]:
+    """(slots a packed call may write, slots it must keep): a decode writes its live sequences' slots, a verify the
+    first ``length`` entries of a live row; 0-length sequences and padding rows write nothing."""
+    indices, accepted = case["state_indices"].cpu(), case["num_accepted_tokens"]
+    read = read_slots(indices, None if accepted is None else accepted.cpu())
+    written = []
+    for n, length in enumerate(lengths):
+        if length == 0 or read[n] < 0:
+            continue
+        row = indices[n:n + 1].flatten() if indices.dim() == 1 else indices[n, :length]
+        written += [int(s) for s in row if s >= 0]
+    kept = sorted(set(range(case["state_pool"].shape[0])) - set(written))
+    return written, kept
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["decode", "verify"])
+@pytest.mark.parametrize("pool", ["fp32", "bf16"])
+def test_mirror_packed_equals_gold(verify, pool):
+    """Packed sequences of lengths 0, 1, 3, 8, 13 and a padding row (verify: S + 1 = 13 slots a row): the mirror's
+    outputs and written states equal the fp64 recurrence to rounding; the padding row's outputs are zero; the slots
+    of the 0-length sequence, the padding row and the unlisted ones keep their bits."""
+    case = packed_case(PACKED_LENGTHS, 2, 4, "safe", False, DTYPES[pool], verify_width=13 if verify else None)
+    gold_case = {**case, "state_pool": case["state_pool"].double()}
+    before = case["state_pool"].clone()
+    o = mirror_decode(**case, **options("safe", "vk"))
+    o_gold = gold_decode(**gold_case, **options("safe", "vk"))
+    written, kept = packed_slots(case, PACKED_LENGTHS)
+    assert len(written) == (1 + 3 + 8 + 13 if verify else 4)
+    padding = slice(sum(PACKED_LENGTHS[:-1]), None)
+    assert torch.equal(o[:, padding], torch.zeros_like(o[:, padding]))
+    live = slice(0, padding.start)
+    tol = 2e-6 if pool == "fp32" else 6e-3
+    assert rel_rms(case["state_pool"][written], gold_case["state_pool"][written]) < tol
+    assert rel_rms(o[:, live].double(), o_gold[:, live]) < rounding_floor(o_gold[:, live]) + 2e-4
+    assert torch.equal(case["state_pool"][kept], before[kept])
+
+
+def test_mirror_packed_is_per_sequence():
+    """A packed call computes each sequence exactly as a fixed-length call of its own (int64 offsets)."""
+    lengths = (2, 0, 4)
+    case = packed_case(lengths, 1, 2, "softplus", True, torch.float32, offsets_dtype=torch.int64, seed=3)
+    case["state_indices"][-1] = 0  # no padding row here: every sequence live
+    solo_pool = case["state_pool"].clone()
+    o = mirror_decode(**case, **options("softplus", "kv"))
+    start = 0
+    for n, length in enumerate(lengths):
+        rows = slice(start, start + length)
+        start += length
+        if length == 0:
+            continue
+        solo = {name: case[name][:, rows] for name in ("q", "k", "v", "g", "beta")}
+        o_solo = mirror_decode(**solo, A_log=case["A_log"], dt_bias=case["dt_bias"], state_pool=solo_pool,
+                               state_indices=case["state_indices"][n:n + 1], **options("softplus", "kv"))
+        assert torch.equal(o[:, rows], o_solo)
+    assert torch.equal(case["state_pool"], solo_pool)
+
+
 # ============================================================================ thread map and launcher (CPU)
 
 
@@ -216,10 +303,12 @@ def test_choose_vsplit():
 def test_variant_rejects_what_the_kernel_cannot_run():
     from cute_kda.kernels.decode import DecodeVariant
 
-    for bad in (dict(tokens=9), dict(gate="tanh"), dict(vsplit=3), dict(state_layout="kv", state_dtype="bf16",
-                                                                         vsplit=8)):
+    for bad in (dict(tokens=9), dict(tokens=0), dict(gate="tanh"), dict(vsplit=3),
+                dict(state_layout="kv", state_dtype="bf16", vsplit=8), dict(cu_seqlens="int32"),
+                dict(tokens=None, cu_seqlens="int16")):
         with pytest.raises(ValueError):
             DecodeVariant(**bad)
+    DecodeVariant(tokens=None, cu_seqlens="int64")
 
 
 # ============================================================================ sm_90a compile (CPU)
@@ -240,6 +329,30 @@ def _compile_matrix():
     ]
 
 
+def _loop_matrix():
+    """The runtime token loop (``tokens`` None): fixed length over 8, packed with either offset dtype, decode and
+    verify, both layouts and pool dtypes (the K-first bf16 verify holds the most registers)."""
+    from cute_kda.kernels.decode import DecodeVariant as V
+
+    return [
+        V(tokens=None, vsplit=4),
+        V(tokens=None, gate="softplus", state_dtype="bf16", verify=True, grouped=True, vsplit=2),
+        V(tokens=None, cu_seqlens="int32", state_dtype="bf16", verify=True, grouped=True, vsplit=2),
+        V(tokens=None, cu_seqlens="int64", gate="softplus", per_head_gate=True, state_dtype="bf16",
+          state_layout="kv"),
+        V(tokens=None, cu_seqlens="int32", gate="none", state_layout="kv", verify=True, qk_l2norm=False,
+          beta_logits=False, vsplit=8),
+        V(tokens=None, cu_seqlens="int64", state_dtype="bf16", state_layout="kv", verify=True, vsplit=4),
+    ]
+
+
+def test_loop_matrix_covers_offsets_and_modes():
+    matrix = _loop_matrix()
+    assert {v.cu_seqlens for v in matrix} == {None, "int32", "int64"}
+    assert {(v.cu_seqlens is None, v.verify) for v in matrix} == {(a, b) for a in (False, True) for b in (False, True)}
+    assert {(v.state_layout, v.state_dtype) for v in matrix} == {(a, b) for a in ("vk", "kv") for b in DTYPES}
+
+
 def test_compile_matrix_covers_every_axis_value():
     from dataclasses import fields
 
@@ -255,21 +368,23 @@ def test_compile_matrix_covers_every_axis_value():
 
 
 def _scalar_loads(variant) -> int:
-    """Non-vector global loads the kernel may issue: slot ids (and accepted counts), β, A_log and a per-head
-    gate with its dt_bias; everything else moves in vectors."""
-    t = variant.tokens
-    indices = 2 + t if variant.verify else 1
+    """Non-vector global loads the kernel may issue: slot ids (and accepted counts), the two offsets of a packed
+    sequence, β, A_log and a per-head gate with its dt_bias; everything else moves in vectors. The runtime loop
+    loads a token's inputs at two sites (the first token, the next one inside the loop)."""
+    t = variant.tokens or 2
+    indices = 2 + (variant.tokens or 1) if variant.verify else 1
+    offsets = 0 if variant.cu_seqlens is None else 2
     constants = variant.gate != "none"
-    return indices + t + constants + variant.per_head_gate * (t + constants)
+    return indices + offsets + t + constants + variant.per_head_gate * (t + constants)
 
 
 def _variant_id(v) -> str:
-    return (f"{v.gate}{'-head' if v.per_head_gate else ''}-{v.state_dtype}-{v.state_layout}-T{v.tokens}"
+    return (f"{v.gate}{'-head' if v.per_head_gate else ''}-{v.state_dtype}-{v.state_layout}-T{v.tokens or 'n'}"
             f"{'-verify' if v.verify else ''}{'' if v.qk_l2norm else '-nol2'}{'' if v.beta_logits else '-nosig'}"
-            f"{'-gva' if v.grouped else ''}-vs{v.vsplit}")
+            f"{'-gva' if v.grouped else ''}-vs{v.vsplit}{'' if v.cu_seqlens is None else '-' + v.cu_seqlens}")
 
 
-@pytest.mark.parametrize("variant", _compile_matrix(), ids=_variant_id)
+@pytest.mark.parametrize("variant", _compile_matrix() + _loop_matrix(), ids=_variant_id)
 def test_variant_compiles(variant):
     """The launcher's own compile arguments (meta tensors): the state moves in 16-byte vectors only, read once
     and written once per kept state; the token operands in vectors; no local memory, no spills."""
@@ -284,8 +399,9 @@ def test_variant_compiles(variant):
     _, report = compile_with_report(kernel, *ops.compile_arguments(variant), options=TVM_FFI_OPTION)
     tmap = variant.thread_map
     vectors = len(tmap.state_vectors())
-    writes = variant.tokens if variant.verify else 1
-    wide_outputs = 2 * variant.tokens if tmap.rows * 2 == 16 else 0  # o rows of 16 bytes (and the zero rows)
+    tokens = variant.tokens or 1  # the runtime loop's body is one token's code
+    writes = tokens if variant.verify else 1
+    wide_outputs = 2 * tokens if tmap.rows * 2 == 16 else 0  # o rows of 16 bytes (and the zero rows)
     assert report.count("st.global.v4.b32") == vectors * writes + wide_outputs
     assert report.count("ld.global.v4.b32") >= vectors
     scalar_stores = re.findall(r"^\s*(?:@%p\d+\s+)?st\.global\.[bfsu]\d+", report.ptx, re.M)
@@ -293,8 +409,8 @@ def test_variant_compiles(variant):
     scalar_loads = re.findall(r"^\s*(?:@%p\d+\s+)?ld\.global\.(?:nc\.)?[bfsu]\d+", report.ptx, re.M)
     assert len(scalar_loads) <= _scalar_loads(variant), scalar_loads
     # the dot products and the update: one fma per state element each; the decay one mul.rn
-    elements = tmap.rows * 16 * variant.tokens
-    assert report.count("fma.rn.f32") >= 3 * elements - 2 * tmap.rows * variant.tokens
+    elements = tmap.rows * 16 * tokens
+    assert report.count("fma.rn.f32") >= 3 * elements - 2 * tmap.rows * tokens
     assert report.count("mul.rn.f32") >= elements
     assert report.local_memory_ops == 0
     assert len(report.kernels) == 1 and report.spills == 0 and report.kernels[0].stack_frame == 0
@@ -304,11 +420,12 @@ def test_variant_compiles(variant):
 # ============================================================================ kernel (GPU tier)
 
 
-def _case(variant, N: int = 5, extra_slots: int = 3, seed: int = 0, device="cuda") -> dict:
-    """Inputs, a random pool and slot ids for ``variant``: row 1 is padding; in a verify, row 3 keeps no state
-    after its last token (−1) and the accepted counts cycle through 1 .. T."""
+def _case(variant, N: int = 5, extra_slots: int = 3, seed: int = 0, device="cuda", tokens: int | None = None) -> dict:
+    """Inputs, a random pool and slot ids for ``variant`` (``tokens``: T of a runtime-loop variant): row 1 is
+    padding; in a verify, row 3 keeps no state after its last token (−1) and the accepted counts cycle through
+    1 .. T."""
     gen = torch.Generator().manual_seed(seed)
-    T, HV = variant.tokens, 4
+    T, HV = variant.tokens or tokens, 4
     H = 2 if variant.grouped else HV
     step = make_step(N, T, H, HV, variant.gate, variant.per_head_gate, qk_l2norm=variant.qk_l2norm,
                      beta_logits=variant.beta_logits, generator=gen)
@@ -501,22 +618,47 @@ def test_pool_over_two_to_the_31_elements():
 
 
 @pytest.mark.gpu
-def test_decode_replays_in_a_cuda_graph():
-    """Allocation-free with a caller's ``out``: a captured call replays to the eager result."""
+def test_steady_decode_loop_replays_in_a_cuda_graph_without_allocating():
+    """A serving step captured once: three decode calls (T = 1, the same slots, each step's inputs in its own static
+    buffers) and a packed verify, caller ``out``, the pool updated in place. Two replays give the bits of two eager
+    rounds on a copy of the pool, and neither the capture nor the replays allocate (torch's allocation count)."""
     from cute_kda.kernels.decode import DecodeVariant
+    from cute_kda.ops.decode import decode
 
-    variant = DecodeVariant(tokens=4, verify=True, state_layout="kv", vsplit=4)
-    case = _case(variant, seed=4)
-    eager_case = {**case, "state_pool": case["state_pool"].clone()}
-    out = torch.empty(5, 4, 4, D, dtype=torch.bfloat16, device="cuda")
-    eager = _run_kernel(eager_case, variant)  # also compiles before the capture
+    decode_variant = DecodeVariant(vsplit=4)
+    steps = [_case(decode_variant, N=4, extra_slots=0, seed=s) for s in range(3)]
+    pool = steps[0]["state_pool"]
+    for step in steps:
+        step["state_indices"] = steps[0]["state_indices"]
+    verify = packed_case((2, 0, 4, 1), 4, 4, "safe", False, torch.float32, verify_width=4, device="cuda", seed=6)
+    verify_pool = verify.pop("state_pool")
+    calls = [({**step, "state_pool": pool}, _kernel_options(decode_variant)) for step in steps]
+    calls.append(({**verify, "state_pool": verify_pool}, options("safe", "vk")))
+    outs = [torch.empty(*case["v"].shape[:3], D, dtype=torch.bfloat16, device="cuda") for case, _ in calls]
+
+    def serve(pools: dict):
+        for (case, opts), out in zip(calls, outs):
+            decode(**{**case, "state_pool": pools[id(case["state_pool"])]}, **opts, out=out)
+
+    eager_pools = {id(pool): pool.clone(), id(verify_pool): verify_pool.clone()}
+    own_pools = {id(pool): pool, id(verify_pool): verify_pool}
+    eager_outs = []
+    for _ in range(2):  # the first round also compiles every variant before the capture
+        serve(eager_pools)
+        eager_outs.append([out.clone() for out in outs])
     torch.cuda.synchronize()
+    allocated = torch.cuda.memory_stats()["allocation.all.allocated"]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _run_kernel(case, variant, out=out)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager) and torch.equal(_bits(case["state_pool"]), _bits(eager_case["state_pool"]))
+        serve(own_pools)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocated, "the capture allocated"
+    for expected in eager_outs:
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(out, want) for out, want in zip(outs, expected))
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocated, "a replay allocated"
+    for key, own in own_pools.items():
+        assert torch.equal(_bits(own), _bits(eager_pools[key]))
 
 
 @pytest.mark.gpu
@@ -543,6 +685,101 @@ def test_strided_views_give_the_contiguous_result():
     assert torch.equal(got, expected) and torch.equal(_bits(padded.contiguous()), _bits(pool))
 
 
+def _guarded(pool: torch.Tensor, listed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(guarded, view): ``pool`` inside one guard slot on each side, every slot not ``listed`` (and the guards) a
+    pattern of random bits (NaNs included); ``view`` the pool the kernel gets."""
+    guarded = torch.empty(pool.shape[0] + 2, *pool.shape[1:], dtype=pool.dtype, device=pool.device)
+    _bits(guarded).copy_(torch.randint(-2**15, 2**15, guarded.shape, device=pool.device, dtype=torch.int32))
+    guarded[1:-1][listed] = pool[listed]
+    return guarded, guarded[1:-1]
+
+
+def _packed_variants():
+    return [v for v in _loop_matrix() if v.cu_seqlens is not None]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", _packed_variants(), ids=_variant_id)
+def test_packed_kernel_matches_mirror_and_fp64(variant):
+    """Packed sequences of lengths 0, 1, 3, 8, 13 and a padding row of 5 (verify: S + 1 = 13 slots a row, accepted
+    counts cycling): o and the written states as the mirror has them and within 5e-3 of the fp64 recurrence; the
+    padding row's outputs zero; on a guard pool, every slot not written (the 0-length sequence's, the padding
+    row's, the unlisted ones) and both guards keep their bits; every output row written (o poisoned with NaN)."""
+    H = 2 if variant.grouped else 4
+    offsets = torch.int32 if variant.cu_seqlens == "int32" else torch.int64
+    case = packed_case(PACKED_LENGTHS, H, 4, variant.gate, variant.per_head_gate, DTYPES[variant.state_dtype],
+                       verify_width=13 if variant.verify else None, offsets_dtype=offsets,
+                       qk_l2norm=variant.qk_l2norm, beta_logits=variant.beta_logits, device="cuda", seed=21)
+    written, kept = packed_slots(case, PACKED_LENGTHS)
+    listed = case["state_indices"].flatten()
+    guarded, case["state_pool"] = _guarded(case["state_pool"], listed[listed >= 0].long())
+    before = guarded.clone()
+    expected_pool = case["state_pool"].clone()
+    expected = _run_mirror({**case, "state_pool": expected_pool}, variant)
+    gold_pool = case["state_pool"].double()
+    o_gold = gold_decode(**{**case, "state_pool": gold_pool}, **options(
+        variant.gate, variant.state_layout, qk_l2norm=variant.qk_l2norm, beta_logits=variant.beta_logits))
+    out = torch.full_like(expected, float("nan"))
+    got = _run_kernel(case, variant, out=out)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr()
+    padding = slice(sum(PACKED_LENGTHS[:-1]), None)
+    assert torch.equal(got[:, padding], torch.zeros_like(got[:, padding]))
+    assert_matches_mirror(got, expected, "o")
+    assert_matches_mirror(case["state_pool"][written], expected_pool[written], "pool")
+    kept_rows = torch.tensor([0] + [s + 1 for s in kept] + [guarded.shape[0] - 1], device="cuda")
+    assert torch.equal(_bits(guarded[kept_rows]), _bits(before[kept_rows]))
+    live = slice(0, padding.start)
+    o_error = rel_rms(got[:, live], o_gold[:, live])
+    state_error = rel_rms(case["state_pool"][written], gold_pool[written])
+    assert o_error <= 5e-3 and state_error <= 5e-3, (o_error, state_error)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("verify", [False, True], ids=["decode", "verify"])
+def test_fixed_length_over_eight_tokens(verify):
+    """T = 13 (decode) and 11 (verify, every accepted count among the rows) at a fixed length: the runtime loop as
+    the mirror has it, within 5e-3 of the fp64 recurrence, the padding row zero."""
+    from cute_kda.kernels.decode import DecodeVariant
+
+    variant = DecodeVariant(tokens=None, verify=verify, state_dtype="bf16" if verify else "fp32", grouped=verify,
+                            vsplit=2)
+    T = 11 if verify else 13
+    case = _case(variant, N=5, seed=13, tokens=T)
+    gold_pool = case["state_pool"].double()
+    expected_pool = case["state_pool"].clone()
+    expected = _run_mirror({**case, "state_pool": expected_pool}, variant)
+    o_gold = gold_decode(**{**case, "state_pool": gold_pool}, **options(variant.gate, variant.state_layout))
+    got = _run_kernel(case, variant)
+    torch.cuda.synchronize()
+    assert got.shape[1] == T and torch.equal(got[1], torch.zeros_like(got[1]))
+    assert_matches_mirror(got, expected, "o")
+    assert_matches_mirror(case["state_pool"], expected_pool, "pool")
+    live = [0, 2, 3, 4]
+    assert rel_rms(got[live], o_gold[live]) <= 5e-3
+    assert rel_rms(case["state_pool"], gold_pool) <= 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("verify", [False, True], ids=["decode", "verify"])
+def test_runtime_loop_has_the_unrolled_bits(verify):
+    """Five sequences of 4 tokens (a padding row), packed (the runtime loop) and as a fixed T = 4 call (unrolled):
+    the same arithmetic, so the same bits in o and in the pool."""
+    from cute_kda.kernels.decode import DecodeVariant
+
+    unrolled = DecodeVariant(tokens=4, verify=verify, state_layout="kv", vsplit=4)
+    case = _case(unrolled, N=5, seed=17)
+    packed = {**case, "state_pool": case["state_pool"].clone(),
+              "cu_seqlens": torch.arange(0, 21, 4, dtype=torch.int32, device="cuda")}
+    for name in ("q", "k", "v", "g", "beta"):
+        packed[name] = case[name].reshape(1, 20, *case[name].shape[2:])
+    fixed = _run_kernel(case, unrolled)
+    looped = _run_kernel(packed, unrolled)  # the launcher picks the loop from cu_seqlens
+    torch.cuda.synchronize()
+    assert torch.equal(looped.reshape(fixed.shape), fixed)
+    assert torch.equal(_bits(packed["state_pool"]), _bits(case["state_pool"]))
+
+
 def test_launcher_picks_the_variant_and_passes_the_kernel_arguments(monkeypatch):
     """The launcher's host path on CPU tensors (the compiled function recorded, not run): the variant follows
     the tensors (per-head gate from g's rank, verify from the slot ids' rank, GVA from H < HV), the scalars are
@@ -567,8 +804,24 @@ def test_launcher_picks_the_variant_and_passes_the_kernel_arguments(monkeypatch)
     assert variant == ops.variant_of("softplus", True, torch.bfloat16, "kv", 4, True, True, True, True, 2)
     assert (variant.per_head_gate, variant.verify, variant.grouped, variant.tokens, variant.vsplit) == (
         True, True, True, 4, 2)
-    inputs, pool_arg, indices_arg, accepted_arg, out_arg, scale, c_gate, stream = args
+    inputs, pool_arg, indices_arg, accepted_arg, offsets_arg, out_arg, scale, c_gate, stream = args
     assert inputs.q is step["q"] and inputs.g is step["g"] and inputs.dt_bias is params["dt_bias"]
     assert pool_arg is pool and indices_arg is indices and accepted_arg is accepted and out_arg is out
+    assert offsets_arg is None
     assert out.shape == (3, 4, 4, D) and out.dtype == torch.bfloat16
     assert (scale, c_gate, stream) == (f32(0.1), gate_constant(-3.0), "stream")
+
+    # over 8 tokens: the runtime loop; packed: the loop with the offsets' dtype, N from the slot ids, o [1, T, ...]
+    long_step = make_step(2, 11, 4, 4, "safe", False)
+    ops.decode(**long_step, **make_params(4, "safe", False), state_pool=pool.float(),
+               state_indices=torch.tensor([0, 1], dtype=torch.int32), gate="safe", scale=0.1)
+    assert calls[-1][0] == ops.variant_of("safe", False, torch.float32, "vk", 11, False, True, True, False, 2)
+    assert calls[-1][0].tokens is None and calls[-1][0].cu_seqlens is None
+    packed = make_step(1, 7, 4, 4, "safe", False)
+    offsets = torch.tensor([0, 3, 3, 7], dtype=torch.int64)
+    out = ops.decode(**packed, **make_params(4, "safe", False), state_pool=pool.float(),
+                     state_indices=torch.tensor([0, 1, 2], dtype=torch.int32), gate="safe", scale=0.1,
+                     cu_seqlens=offsets)
+    variant, args = calls[-1]
+    assert (variant.tokens, variant.cu_seqlens, variant.verify) == (None, "int64", False)
+    assert args[4] is offsets and out.shape == (1, 7, 4, D)

@@ -1,4 +1,4 @@
-"""The decode / speculative-verify kernel: T = 1..8 tokens per sequence on a state pool, updated in place.
+"""The decode / speculative-verify kernel: tokens of a sequence on a state pool, updated in place.
 
 Per (sequence ``n``, value head ``j``, V-band) one CTA (the contract: :mod:`cute_kda.reference.decode`, whose
 :func:`~cute_kda.reference.decode.mirror_decode` is this kernel's arithmetic)::
@@ -16,8 +16,19 @@ bytes in flight) from the V-split: the value rows of a V-first state are indepen
 ``s_v·k`` and ``s_v·q``), and so are the value columns of a K-first one. Thread map:
 :class:`cute_kda.layouts.decode.DecodeThreadMap`. Slot offsets are 64-bit (pools over 2^31 elements).
 
+Two token loops, one arithmetic (the same bits for the same tokens):
+
+- **unrolled** (``tokens`` = T ≤ 8, fixed length): every token's code inline; token 0's loads are issued before
+  the branch on the slot id, and ptxas schedules the later tokens' loads across the unrolled math;
+- **runtime** (``tokens`` None): a loop over a count known at run time — a fixed T over 8 (the tensors' extent),
+  or packed sequences (``cu_seqlens`` int32 / int64 ``[N + 1]``, read on the device: sequence ``n`` is input rows
+  ``cu_seqlens[n] .. cu_seqlens[n + 1] − 1`` of batch row 0). Token ``t + 1``'s inputs are loaded into registers
+  (bf16, unconverted) before token ``t``'s math, so their latency hides behind it; the last token reloads itself
+  rather than branch. A sequence of length 0 reads and writes nothing: its slot is not rewritten (decode or
+  verify), and it has no output rows. A verify's sequence is at most S + 1 tokens (``state_indices [N, S + 1]``).
+
 Inputs are assumed valid (the API layer checks): K = V = 128, slot ids in ``[−1, slots)``, accepted counts in
-``[1, T]``, no slot twice in one call; every tensor's last mode contiguous and its rows (and the pool's state
+``[1, S + 1]``, no slot twice in one call; every tensor's last mode contiguous and its rows (and the pool's state
 blocks, ``[128, 128]`` contiguous) starting 16-byte aligned — the other strides are free (engines hand strided
 pool views and q, k, v split from one projection).
 """
@@ -31,7 +42,7 @@ from ..dsl import cute, cutlass  # first: sets the target architecture before th
 
 from cutlass import BFloat16, Float32, Int32, const_expr
 
-from ..layouts.decode import CHANNELS, DIM, LANES, DecodeThreadMap
+from ..layouts.decode import CHANNELS, LANES, DecodeThreadMap
 from ..numerics import EPS, GATES, LOG2E
 from .common.fastmath import ex2_approx, fma_rn, mul_rn, sigmoid_approx
 from .common.token_prep import TokenPrep
@@ -39,6 +50,7 @@ from .common.token_prep import TokenPrep
 MAX_TOKENS = 8
 BUTTERFLY = (4, 2, 1)  # shfl.xor offsets over the 8 lanes of a row (the mirror's order)
 _STATE_TYPES = {"fp32": Float32, "bf16": BFloat16}
+OFFSET_DTYPES = ("int32", "int64")  # of cu_seqlens
 
 
 @dataclass(frozen=True)
@@ -47,27 +59,35 @@ class DecodeVariant:
 
     ``gate``: "safe", "softplus" or "none" (g is the log decay); ``per_head_gate``: g ``[N, T, HV]`` (GatedDeltaNet)
     instead of ``[N, T, HV, K]``; ``state_dtype``: "fp32" / "bf16" pool; ``state_layout``: "vk" (V-first) / "kv";
-    ``tokens``: T; ``verify``: 2-D slot ids with accepted counts (every token's state written); ``qk_l2norm``,
-    ``beta_logits``: in-kernel l2norm of q, k and sigmoid of beta; ``grouped``: HV > H (value head ``j`` reads
-    q/k head ``j // (HV / H)``); ``vsplit``: CTAs per (sequence, head).
+    ``tokens``: T = 1..8, the token loop unrolled, or None: a runtime loop over a count read at run time (the
+    tensors' T for a fixed length over 8, each sequence's length for packed ones); ``verify``: 2-D slot ids with
+    accepted counts (every token's state written); ``qk_l2norm``, ``beta_logits``: in-kernel l2norm of q, k and
+    sigmoid of beta; ``grouped``: HV > H (value head ``j`` reads q/k head ``j // (HV / H)``); ``vsplit``: CTAs per
+    (sequence, head); ``cu_seqlens``: None (fixed length) or the dtype ("int32", "int64") of the ``[N + 1]``
+    offsets of packed sequences (tokens None).
     """
 
     gate: str = "safe"
     per_head_gate: bool = False
     state_dtype: str = "fp32"
     state_layout: str = "vk"
-    tokens: int = 1
+    tokens: Optional[int] = 1
     verify: bool = False
     qk_l2norm: bool = True
     beta_logits: bool = True
     grouped: bool = False
     vsplit: int = 1
+    cu_seqlens: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
-        if not 1 <= self.tokens <= MAX_TOKENS:
-            raise ValueError(f"tokens must be in [1, {MAX_TOKENS}], got {self.tokens}")
+        if self.tokens is not None and not 1 <= self.tokens <= MAX_TOKENS:
+            raise ValueError(f"tokens must be None or in [1, {MAX_TOKENS}], got {self.tokens}")
+        if self.cu_seqlens not in (None, *OFFSET_DTYPES):
+            raise ValueError(f"cu_seqlens must be None or one of {OFFSET_DTYPES}, got {self.cu_seqlens!r}")
+        if self.cu_seqlens is not None and self.tokens is not None:
+            raise ValueError("packed sequences (cu_seqlens) take their lengths at run time: tokens must be None")
         self.thread_map  # validates layout, dtype and vsplit
 
     @property
@@ -123,6 +143,27 @@ class GateConstants(NamedTuple):
     scale: Float32
 
 
+class TokenSpan(NamedTuple):
+    """A sequence's tokens in the input rows (runtime loop): batch row, first token and count (device integers);
+    ``(n, 0, T)`` at a fixed length, ``(0, cu_seqlens[n], cu_seqlens[n + 1] − cu_seqlens[n])`` packed."""
+
+    batch: Int32
+    start: Int32
+    length: Int32
+
+
+class RawToken(NamedTuple):
+    """One token's inputs for one thread as loaded (bf16 registers, the runtime loop's prefetch buffers): q, k and
+    a per-channel gate of its 16 channels in channel-slot order (a per-head gate: ``[0]``), β ``[0]``, v of its
+    value rows."""
+
+    q: cute.Tensor
+    k: cute.Tensor
+    g: cute.Tensor
+    beta: cute.Tensor
+    values: cute.Tensor
+
+
 class TokenOperands(NamedTuple):
     """One token's operands for one thread: ``q̂·scale``, ``k̂`` and the decay ``2^g'`` of its 16 channels (``[0]``
     for a per-head gate), β, and v of its value rows (bf16)."""
@@ -149,13 +190,14 @@ class DecodeKernel(TokenPrep):
 
     @cute.jit
     def __call__(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor,
-                 num_accepted_tokens: Optional[cute.Tensor], out: cute.Tensor, scale: Float32, c_gate: Float32,
-                 stream):
+                 num_accepted_tokens: Optional[cute.Tensor], cu_seqlens: Optional[cute.Tensor], out: cute.Tensor,
+                 scale: Float32, c_gate: Float32, stream):
         """Launch one CTA per (sequence, value head, band): pool ``[slots, HV, 128, 128]``, out ``[N, T, HV, V]``
-        bf16; ``scale`` and ``c_gate = lower_bound · log2 e`` rounded to fp32 by the caller."""
-        num_seqs, value_heads = inputs.v.shape[0], inputs.v.shape[2]
+        bf16 (packed: ``[1, total T, HV, V]``, with ``cu_seqlens [N + 1]``); ``scale`` and
+        ``c_gate = lower_bound · log2 e`` rounded to fp32 by the caller."""
+        num_seqs, value_heads = state_indices.shape[0], inputs.v.shape[2]  # a row of slot ids per sequence
         qk_heads = inputs.q.shape[2]
-        self.kernel(inputs, pool, state_indices, num_accepted_tokens, out, scale, c_gate, qk_heads,
+        self.kernel(inputs, pool, state_indices, num_accepted_tokens, cu_seqlens, out, scale, c_gate, qk_heads,
                     value_heads).launch(
             grid=[num_seqs * value_heads * self.variant.vsplit, 1, 1],  # the bands of a head are adjacent CTAs
             block=[self.map.threads, 1, 1],
@@ -168,8 +210,8 @@ class DecodeKernel(TokenPrep):
 
     @cute.kernel
     def kernel(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor,
-               num_accepted_tokens: Optional[cute.Tensor], out: cute.Tensor, scale: Float32, c_gate: Float32,
-               qk_heads: Int32, value_heads: Int32):
+               num_accepted_tokens: Optional[cute.Tensor], cu_seqlens: Optional[cute.Tensor], out: cute.Tensor,
+               scale: Float32, c_gate: Float32, qk_heads: Int32, value_heads: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         lane, group = tidx % LANES, tidx // LANES
@@ -184,13 +226,16 @@ class DecodeKernel(TokenPrep):
         else:
             slot = state_indices[seq]
         at = Position(seq, head, value_head, lane, self.map.first_value(band, group))
-        # the first token's operands do not depend on the slot: their loads overlap the slot id's
         gate = self.gate_constants_of(inputs, value_head, lane, scale, c_gate)
-        first = self.token_operands(inputs, at, 0, gate)
-        if slot >= 0:
-            self.update(inputs, pool, state_indices, out, slot, at, gate, first)
+        if const_expr(self.tokens is None):
+            self.run_tokens(inputs, pool, state_indices, out, slot, at, gate, self.token_span(inputs, cu_seqlens, seq))
         else:
-            self.zero_outputs(out, at)
+            # the first token's operands do not depend on the slot: their loads overlap the slot id's
+            first = self.token_operands(inputs, at, 0, gate)
+            if slot >= 0:
+                self.update(inputs, pool, state_indices, out, slot, at, gate, first)
+            else:
+                self.zero_outputs(out, at, None)
 
     @cute.jit
     def update(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor, out: cute.Tensor,
@@ -202,33 +247,88 @@ class DecodeKernel(TokenPrep):
         self.load_state(pool[slot, at.value_head, None, None], base, state)
         for t in cutlass.range_constexpr(self.tokens):
             operands = first if const_expr(t == 0) else self.token_operands(inputs, at, t, gate)
-            outputs = cute.make_rmem_tensor((rows,), BFloat16)
-            for r in cutlass.range_constexpr(rows):
-                for e in cutlass.range_constexpr(CHANNELS):
-                    channel = 0 if const_expr(self.variant.per_head_gate) else e
-                    state[r, e] = mul_rn(state[r, e], operands.decay[channel])
-                predicted = self.row_dot(state, r, operands.k_hat)
-                u = operands.beta * (operands.values[r].to(Float32) - predicted)
-                for e in cutlass.range_constexpr(CHANNELS):
-                    state[r, e] = fma_rn(operands.k_hat[e], u, state[r, e])
-                outputs[r] = self.row_dot(state, r, operands.q_hat).to(BFloat16)
-            if at.lane == 0:
-                self.store_run(out[at.seq, t, at.value_head, None], at.first_value, outputs)
-            if const_expr(self.variant.verify):
-                written = state_indices[at.seq, t]
-                if written >= 0:
-                    self.store_state(pool[written, at.value_head, None, None], base, state)
+            outputs = self.advance(state, operands)
+            self.finish_token(out, pool, state_indices, at, (at.seq, t), t, base, state, outputs)
         if const_expr(not self.variant.verify):
             self.store_state(pool[slot, at.value_head, None, None], base, state)
 
     @cute.jit
-    def zero_outputs(self, out: cute.Tensor, at: "Position"):
-        """A padding row: zero output rows, nothing read or written in the pool."""
+    def run_tokens(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor, out: cute.Tensor,
+                   slot: Int32, at: "Position", gate: "GateConstants", span: "TokenSpan"):
+        """The runtime token loop (``tokens`` None) over ``span``. A sequence of length 0 reads and writes nothing
+        (its slot keeps its bits, verify or not); a padding row (slot −1) zeroes its output rows."""
+        if span.length > 0:
+            raw = self.raw_token_buffers()
+            self.load_raw(inputs, at, span.batch, span.start, raw)  # overlaps the slot id's load
+            if slot >= 0:
+                self.update_loop(inputs, pool, state_indices, out, slot, at, gate, span, raw)
+            else:
+                self.zero_outputs(out, at, span)
+
+    @cute.jit
+    def update_loop(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor, out: cute.Tensor,
+                    slot: Int32, at: "Position", gate: "GateConstants", span: "TokenSpan", raw: "RawToken"):
+        """:meth:`update` with a runtime count: token ``t``'s operands come from ``raw`` (loaded during token
+        ``t − 1``), and the loads of token ``t + 1`` go out before token ``t``'s math, so their latency hides behind
+        it (the last token loads itself again: no branch, no read past the sequence)."""
+        base = self.map.state_base(at.lane, at.first_value)
+        state = cute.make_rmem_tensor((self.map.rows, CHANNELS), Float32)
+        self.load_state(pool[slot, at.value_head, None, None], base, state)
+        last = span.length - 1
+        for t in cutlass.range(span.length, unroll=1):
+            operands = self.prepared(raw, gate)
+            self.load_raw(inputs, at, span.batch, span.start + cutlass.min(t + 1, last), raw)
+            outputs = self.advance(state, operands)
+            self.finish_token(out, pool, state_indices, at, (span.batch, span.start + t), t, base, state, outputs)
+        if const_expr(not self.variant.verify):
+            self.store_state(pool[slot, at.value_head, None, None], base, state)
+
+    @cute.jit
+    def advance(self, state: cute.Tensor, operands: "TokenOperands") -> cute.Tensor:
+        """One token on the thread's state (decay, delta-rule write, read); its value rows' outputs, bf16."""
+        rows = self.map.rows
+        outputs = cute.make_rmem_tensor((rows,), BFloat16)
+        for r in cutlass.range_constexpr(rows):
+            for e in cutlass.range_constexpr(CHANNELS):
+                channel = 0 if const_expr(self.variant.per_head_gate) else e
+                state[r, e] = mul_rn(state[r, e], operands.decay[channel])
+            predicted = self.row_dot(state, r, operands.k_hat)
+            u = operands.beta * (operands.values[r].to(Float32) - predicted)
+            for e in cutlass.range_constexpr(CHANNELS):
+                state[r, e] = fma_rn(operands.k_hat[e], u, state[r, e])
+            outputs[r] = self.row_dot(state, r, operands.q_hat).to(BFloat16)
+        return outputs
+
+    @cute.jit
+    def finish_token(self, out: cute.Tensor, pool: cute.Tensor, state_indices: cute.Tensor, at: "Position",
+                     row: tuple, t, base, state: cute.Tensor, outputs: cute.Tensor):
+        """Token ``t``'s outputs to input row ``row = (batch, token)`` of ``out``; a verify keeps its state too."""
+        if at.lane == 0:
+            self.store_run(out[(*row, at.value_head, None)], at.first_value, outputs)
+        if const_expr(self.variant.verify):
+            written = state_indices[at.seq, t]
+            if written >= 0:
+                self.store_state(pool[written, at.value_head, None, None], base, state)
+
+    @cute.jit
+    def zero_outputs(self, out: cute.Tensor, at: "Position", span: Optional["TokenSpan"]):
+        """A padding row: zero output rows, nothing read or written in the pool (``span`` None: the fixed T)."""
         if at.lane == 0:
             zeros = cute.make_rmem_tensor((self.map.rows,), BFloat16)
             zeros.fill(0.0)
-            for t in cutlass.range_constexpr(self.tokens):
-                self.store_run(out[at.seq, t, at.value_head, None], at.first_value, zeros)
+            if const_expr(span is None):
+                for t in cutlass.range_constexpr(self.tokens):
+                    self.store_run(out[at.seq, t, at.value_head, None], at.first_value, zeros)
+            else:
+                for t in cutlass.range(span.length, unroll=1):
+                    self.store_run(out[span.batch, span.start + t, at.value_head, None], at.first_value, zeros)
+
+    @cute.jit
+    def token_span(self, inputs: DecodeInputs, cu_seqlens: Optional[cute.Tensor], seq: Int32) -> "TokenSpan":
+        if const_expr(self.variant.cu_seqlens is None):
+            return TokenSpan(seq, Int32(0), Int32(inputs.q.shape[1]))
+        start = Int32(cu_seqlens[seq])
+        return TokenSpan(Int32(0), start, Int32(cu_seqlens[seq + 1]) - start)
 
     # -- state I/O ----------------------------------------------------------------------------
 
@@ -272,6 +372,15 @@ class DecodeKernel(TokenPrep):
         cute.autovec_copy(values, self.gmem_run(tensor, offset, cute.size(values)))
 
     @cute.jit
+    def raw_channels(self, row: cute.Tensor, lane: Int32, into: cute.Tensor):
+        """The lane's 16 key channels of a ``[128]`` row view into ``into``, as they are, in channel-slot order."""
+        base = self.map.lane_channel_base(lane)
+        for run in self.map.channel_runs():
+            part = self.load_run(row, base + run.offset, run.length)
+            for c in cutlass.range_constexpr(run.length):
+                into[run.first + c] = part[c]
+
+    @cute.jit
     def load_channels(self, row: cute.Tensor, lane: Int32) -> cute.Tensor:
         """The lane's 16 key channels of a ``[128]`` row view, as fp32 in channel-slot order."""
         values = cute.make_rmem_tensor((CHANNELS,), Float32)
@@ -286,20 +395,69 @@ class DecodeKernel(TokenPrep):
 
     @cute.jit
     def token_operands(self, inputs: DecodeInputs, at: "Position", t: int, gate: "GateConstants") -> "TokenOperands":
-        """Everything token ``t`` brings to the update, for this thread."""
+        """Everything token ``t`` brings to the update, for this thread (the unrolled loop: loads and math
+        together, ptxas schedules them across the unrolled tokens)."""
         q_hat, k_hat = self.normalized_qk(inputs, (at.seq, t, at.head, None), at.lane, gate.scale)
         decay = self.decay(inputs, (at.seq, t, at.value_head), at.lane, gate)
-        beta = inputs.beta[at.seq, t, at.value_head].to(Float32)
-        if const_expr(self.variant.beta_logits):
-            beta = sigmoid_approx(beta)
+        beta = self.activated_beta(inputs.beta[at.seq, t, at.value_head].to(Float32))
         values = self.load_run(inputs.v[at.seq, t, at.value_head, None], at.first_value, self.map.rows)
         return TokenOperands(q_hat, k_hat, decay, beta, values)
 
     @cute.jit
+    def raw_token_buffers(self) -> "RawToken":
+        gate_channels = 1 if const_expr(self.variant.per_head_gate) else CHANNELS
+        return RawToken(cute.make_rmem_tensor((CHANNELS,), BFloat16), cute.make_rmem_tensor((CHANNELS,), BFloat16),
+                        cute.make_rmem_tensor((gate_channels,), BFloat16), cute.make_rmem_tensor((1,), BFloat16),
+                        cute.make_rmem_tensor((self.map.rows,), BFloat16))
+
+    @cute.jit
+    def load_raw(self, inputs: DecodeInputs, at: "Position", batch: Int32, token: Int32, raw: "RawToken"):
+        """The loads of input row ``(batch, token)`` into ``raw`` (no conversion: nothing waits for them here)."""
+        self.raw_channels(inputs.q[batch, token, at.head, None], at.lane, raw.q)
+        self.raw_channels(inputs.k[batch, token, at.head, None], at.lane, raw.k)
+        if const_expr(self.variant.per_head_gate):
+            raw.g[0] = inputs.g[batch, token, at.value_head]
+        else:
+            self.raw_channels(inputs.g[batch, token, at.value_head, None], at.lane, raw.g)
+        raw.beta[0] = inputs.beta[batch, token, at.value_head]
+        cute.autovec_copy(self.gmem_run(inputs.v[batch, token, at.value_head, None], at.first_value, self.map.rows),
+                          raw.values)
+
+    @cute.jit
+    def prepared(self, raw: "RawToken", gate: "GateConstants") -> "TokenOperands":
+        """:meth:`token_operands` from loaded inputs (the same arithmetic); copies what ``raw`` holds, so the next
+        token's loads may land in it."""
+        q_hat, k_hat = self.normalize(self.widened(raw.q), self.widened(raw.k), gate.scale)
+        decay = self.decay_of(self.widened(raw.g), gate)
+        beta = self.activated_beta(raw.beta[0].to(Float32))
+        values = cute.make_rmem_tensor((self.map.rows,), BFloat16)
+        for r in cutlass.range_constexpr(self.map.rows):
+            values[r] = raw.values[r]
+        return TokenOperands(q_hat, k_hat, decay, beta, values)
+
+    @cute.jit
+    def widened(self, x: cute.Tensor) -> cute.Tensor:
+        wide = cute.make_rmem_tensor((cute.size(x),), Float32)
+        for c in cutlass.range_constexpr(cute.size(x)):
+            wide[c] = x[c].to(Float32)
+        return wide
+
+    @cute.jit
+    def activated_beta(self, beta: Float32) -> Float32:
+        if const_expr(self.variant.beta_logits):
+            beta = sigmoid_approx(beta)
+        return beta
+
+    @cute.jit
     def normalized_qk(self, inputs: DecodeInputs, row: tuple, lane: Int32, scale: Float32):
-        """``(q̂·scale, k̂)`` of the lane's channels of q/k row ``row`` (K1's l2norm: ``x / sqrt(Σx² + EPS)``)."""
+        """``(q̂·scale, k̂)`` of the lane's channels of q/k row ``row``."""
         q = self.load_channels(inputs.q[row], lane)
         k = self.load_channels(inputs.k[row], lane)
+        return self.normalize(q, k, scale)
+
+    @cute.jit
+    def normalize(self, q: cute.Tensor, k: cute.Tensor, scale: Float32):
+        """``(q̂·scale, k̂)`` from fp32 channels, in place (K1's l2norm: ``x / sqrt(Σx² + EPS)``)."""
         q_scale = scale
         k_scale = Float32(1.0)
         if const_expr(self.variant.qk_l2norm):
@@ -352,11 +510,20 @@ class DecodeKernel(TokenPrep):
     def decay(self, inputs: DecodeInputs, token: tuple, lane: Int32, gate: "GateConstants") -> cute.Tensor:
         """``a = 2^g'`` of the lane's channels (``[0]`` only for a per-head gate) of token ``at = (seq, t, value
         head)``."""
-        decay = cute.make_rmem_tensor((CHANNELS,), Float32)
         if const_expr(self.variant.per_head_gate):
-            decay[0] = ex2_approx(self.log_decay2(inputs.g[token].to(Float32), gate.dt[0], gate))
+            g = cute.make_rmem_tensor((1,), Float32)
+            g[0] = inputs.g[token].to(Float32)
         else:
             g = self.load_channels(inputs.g[(*token, None)], lane)
+        return self.decay_of(g, gate)
+
+    @cute.jit
+    def decay_of(self, g: cute.Tensor, gate: "GateConstants") -> cute.Tensor:
+        """``a = 2^g'`` from the fp32 gate inputs ``g`` of the lane's channels (``[0]`` for a per-head gate)."""
+        decay = cute.make_rmem_tensor((CHANNELS,), Float32)
+        if const_expr(self.variant.per_head_gate):
+            decay[0] = ex2_approx(self.log_decay2(g[0], gate.dt[0], gate))
+        else:
             for e in cutlass.range_constexpr(CHANNELS):
                 decay[e] = ex2_approx(self.log_decay2(g[e], gate.dt[e], gate))
         return decay

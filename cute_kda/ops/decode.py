@@ -4,9 +4,11 @@ Inputs are assumed validated by the API layer: torch CUDA tensors on one device,
 aligned bases; q, k bf16 ``[N, T, H, 128]``, v bf16 ``[N, T, HV, 128]``, g bf16 ``[N, T, HV, 128]`` or
 ``[N, T, HV]``, beta bf16 ``[N, T, HV]``, A_log fp32 ``[HV]``, dt_bias fp32 ``[HV, 128]`` (``[HV]`` with a
 per-head gate; both may be None for ``gate="none"``), state_pool fp32 / bf16 ``[slots, HV, 128, 128]``,
-state_indices int32 ``[N]`` (decode) or ``[N, T]`` with num_accepted_tokens int32 ``[N]`` (verify), slot ids
-in ``[−1, slots)``, no slot twice. q, k, v, g, beta, out and the pool may be strided views: their last mode
-contiguous, rows of 128 (and the pool's ``[128, 128]`` state blocks, contiguous) starting 16-byte aligned.
+state_indices int32 ``[N]`` (decode) or ``[N, S + 1]`` (T ≤ S + 1) with num_accepted_tokens int32 ``[N]``
+(verify), slot ids in ``[−1, slots)``, no slot twice. Any T: up to 8 the unrolled kernel, over 8 its runtime loop.
+Packed sequences: ``cu_seqlens`` int32 or int64 ``[N + 1]`` on the device, q, k, v, g, beta and out
+``[1, total T, ...]``, N the rows of state_indices. q, k, v, g, beta, out and the pool may be strided views: their
+last mode contiguous, rows of 128 (and the pool's ``[128, 128]`` state blocks, contiguous) starting 16-byte aligned.
 This module picks the compiled variant (compiled from fake tensors on first use: nothing is allocated for
 it) and launches on torch's current stream: no host sync, no allocation but ``out`` when it is not given.
 """
@@ -18,7 +20,7 @@ import functools
 import torch
 
 from ..device import sm_count
-from ..kernels.decode import DecodeVariant
+from ..kernels.decode import MAX_TOKENS, DecodeVariant
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, fake_stream, on_device, to_cute_tensor,
 )
@@ -26,15 +28,20 @@ from .prepare import fp32_scalars
 
 _CACHE = CompileCache("decode")
 _STATE_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+_OFFSET_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 _COMPILE_SIZES = (3, 2, 4, 5)  # N, H, HV, slots of the meta tensors a compile describes (every extent is dynamic)
 
 
 @functools.lru_cache(maxsize=1024)  # a call's host path: a look-up instead of a dataclass build and its checks
-def variant_of(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_layout: str, tokens: int,
-               verify: bool, qk_l2norm: bool, beta_logits: bool, grouped: bool, vsplit: int) -> DecodeVariant:
+def variant_of(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_layout: str, tokens: int | None,
+               verify: bool, qk_l2norm: bool, beta_logits: bool, grouped: bool, vsplit: int,
+               cu_seqlens: torch.dtype | None = None) -> DecodeVariant:
+    """The variant of a call; ``tokens`` the fixed T (over :data:`MAX_TOKENS`: the runtime loop), ``cu_seqlens``
+    the offsets' dtype of a packed call (None: fixed length)."""
     return DecodeVariant(gate=gate, per_head_gate=per_head_gate, state_dtype=_STATE_DTYPES[state_dtype],
-                         state_layout=state_layout, tokens=tokens, verify=verify, qk_l2norm=qk_l2norm,
-                         beta_logits=beta_logits, grouped=grouped, vsplit=vsplit)
+                         state_layout=state_layout, tokens=tokens if cu_seqlens is None and tokens <= MAX_TOKENS
+                         else None, verify=verify, qk_l2norm=qk_l2norm, beta_logits=beta_logits, grouped=grouped,
+                         vsplit=vsplit, cu_seqlens=None if cu_seqlens is None else _OFFSET_DTYPES[cu_seqlens])
 
 
 @functools.lru_cache(maxsize=4096)  # a call's host path: a look-up instead of a device query and the heuristic
@@ -43,15 +50,15 @@ def auto_vsplit(num_seqs: int, value_heads: int, index: int, state_layout: str, 
     return DecodeVariant.choose_vsplit(num_seqs, value_heads, sm_count(index), state_layout, _STATE_DTYPES[state_dtype])
 
 
-def launch_arguments(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, num_accepted_tokens, out,
-                     scale: float, c_gate: float, stream, tensor=None) -> tuple:
+def launch_arguments(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, num_accepted_tokens, cu_seqlens,
+                     out, scale: float, c_gate: float, stream, tensor=None) -> tuple:
     """The positional arguments of ``DecodeKernel.__call__``: the tensors as they are for a launch (``tensor``
     None), or converted by ``tensor(t, assumed_align)`` (:func:`~._cache.to_cute_tensor`) for a compile."""
     from ..kernels.decode import DecodeInputs
 
     if tensor is None:
-        return (DecodeInputs(q, k, v, g, beta, A_log, dt_bias), state_pool, state_indices, num_accepted_tokens, out,
-                scale, c_gate, stream)
+        return (DecodeInputs(q, k, v, g, beta, A_log, dt_bias), state_pool, state_indices, num_accepted_tokens,
+                cu_seqlens, out, scale, c_gate, stream)
 
     def rows(t, rows_aligned: bool = True):
         """Free strides but the last (1); rows of 16-byte aligned starts where the kernel reads them in vectors."""
@@ -65,7 +72,8 @@ def launch_arguments(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices
     )
     return (inputs, strided_fake(state_pool, 16, 16 // state_pool.element_size(), static_inner=True),
             tensor(state_indices, 4), None if num_accepted_tokens is None else tensor(num_accepted_tokens, 4),
-            rows(out), scale, c_gate, stream)
+            None if cu_seqlens is None else tensor(cu_seqlens, cu_seqlens.element_size()), rows(out), scale, c_gate,
+            stream)
 
 
 def strided_fake(t: torch.Tensor, assumed_align: int, divisibility: int, static_inner: bool = False):
@@ -87,23 +95,28 @@ def compile_arguments(variant: DecodeVariant) -> tuple:
     """:func:`launch_arguments` for ``variant`` from meta tensors (no memory anywhere) and a fake stream."""
     n, heads, value_heads, slots = _COMPILE_SIZES
     qk_heads = heads if variant.grouped else value_heads
-    t, d = variant.tokens, 128
+    t, d = variant.tokens or MAX_TOKENS + 1, 128
     bf16 = torch.bfloat16
 
     def meta(*shape, dtype=bf16):
         return torch.empty(*shape, dtype=dtype, device="meta")
 
-    v = meta(n, t, value_heads, d)
+    cu_seqlens = None
+    batch = n
+    if variant.cu_seqlens is not None:  # packed: one batch row of all tokens, n + 1 offsets
+        cu_seqlens = meta(n + 1, dtype=torch.int32 if variant.cu_seqlens == "int32" else torch.int64)
+        batch = 1
+    v = meta(batch, t, value_heads, d)
     gate_channels = () if variant.per_head_gate else (d,)
     with_constants = variant.gate != "none"
     state_dtype = torch.float32 if variant.state_dtype == "fp32" else bf16
     return launch_arguments(
-        meta(n, t, qk_heads, d), meta(n, t, qk_heads, d), v, meta(n, t, value_heads, *gate_channels),
-        meta(n, t, value_heads), meta(value_heads, dtype=torch.float32) if with_constants else None,
+        meta(batch, t, qk_heads, d), meta(batch, t, qk_heads, d), v, meta(batch, t, value_heads, *gate_channels),
+        meta(batch, t, value_heads), meta(value_heads, dtype=torch.float32) if with_constants else None,
         meta(value_heads, *gate_channels, dtype=torch.float32) if with_constants else None,
         meta(slots, value_heads, d, d, dtype=state_dtype),
         meta(n, t, dtype=torch.int32) if variant.verify else meta(n, dtype=torch.int32),
-        meta(n, dtype=torch.int32) if variant.verify else None, v, 1.0, 1.0, fake_stream(),
+        meta(n, dtype=torch.int32) if variant.verify else None, cu_seqlens, v, 1.0, 1.0, fake_stream(),
         tensor=to_cute_tensor,
     )
 
@@ -140,28 +153,33 @@ def decode(
     state_layout: str = "vk",
     out: torch.Tensor | None = None,
     vsplit: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decode (``state_indices [N]``) or verify (``[N, T]`` with ``num_accepted_tokens``) call: ``state_pool``
-    updated in place, o bf16 ``[N, T, HV, 128]`` returned (into ``out`` when given). The contract:
+    """One decode (``state_indices [N]``) or verify (``[N, S + 1]`` with ``num_accepted_tokens``) call:
+    ``state_pool`` updated in place, o bf16 ``[N, T, HV, 128]`` returned (into ``out`` when given). The contract:
     :mod:`cute_kda.reference.decode`; shapes and assumptions: the module doc. ``state_layout``: "vk"
-    (``[slots, HV, V, K]``) or "kv"; ``vsplit`` None: :meth:`DecodeVariant.choose_vsplit`."""
+    (``[slots, HV, V, K]``) or "kv"; ``vsplit`` None: :meth:`DecodeVariant.choose_vsplit`. ``cu_seqlens``: int32 or
+    int64 ``[N + 1]`` on the device (never read on the host): q, k, v, g, beta and o are packed ``[1, total T, ...]``,
+    sequence ``n`` the rows ``cu_seqlens[n] .. cu_seqlens[n + 1] − 1``, any length (a verify's at most S + 1)."""
     if gate == "none":  # a log decay needs no gate parameters; the variant is compiled without them
         A_log = dt_bias = None
-    num_seqs, tokens, qk_heads = q.shape[:3]
+    batch, tokens, qk_heads = q.shape[:3]
+    num_seqs = state_indices.shape[0]
     value_heads = v.shape[2]
     if out is None:
-        out = torch.empty(num_seqs, tokens, value_heads, v.shape[3], dtype=torch.bfloat16, device=v.device)
-    if num_seqs == 0 or value_heads == 0:
+        out = torch.empty(batch, tokens, value_heads, v.shape[3], dtype=torch.bfloat16, device=v.device)
+    if num_seqs == 0 or value_heads == 0 or tokens == 0:
         return out
     index = device_index(v.device)
     state_dtype = state_pool.dtype
     if vsplit is None:
         vsplit = auto_vsplit(num_seqs, value_heads, index, state_layout, state_dtype)
     variant = variant_of(gate, g.dim() == 3, state_dtype, state_layout, tokens, state_indices.dim() == 2,
-                         qk_l2norm, beta_logits, qk_heads != value_heads, vsplit)
+                         qk_l2norm, beta_logits, qk_heads != value_heads, vsplit,
+                         None if cu_seqlens is None else cu_seqlens.dtype)
     scale32, c_gate = fp32_scalars(scale, lower_bound)
     compiled = compiled_variant(variant, index)
     with on_device(v.device):
         compiled(*launch_arguments(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, num_accepted_tokens,
-                                   out, scale32, c_gate, current_stream(v.device)))
+                                   cu_seqlens, out, scale32, c_gate, current_stream(v.device)))
     return out

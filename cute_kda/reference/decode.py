@@ -15,6 +15,11 @@ ids (the FLA ``fused_recurrent_kda_fwd`` contract with ``ssm_state_indices``, ``
   to slot ``state_indices[n, t]`` — skipped where that entry is −1 (vLLM's rule);
 - a row whose read slot is −1 is padding: nothing is read or written, its output rows are zero.
 
+**Packed sequences** (``cu_seqlens`` ``[N + 1]``): q, k, v, g, beta and o are ``[1, total T, ...]``, sequence ``n``
+the rows ``cu_seqlens[n] .. cu_seqlens[n + 1] − 1``, ``state_indices`` ``[N]`` or ``[N, S + 1]`` as above (a
+verify's sequence at most S + 1 long). A sequence of length 0 reads and writes nothing (its slot keeps its bits:
+the kernel does not rewrite it). Each sequence computes exactly as a fixed-length call of its own.
+
 :func:`mirror_decode` is the kernel's arithmetic in torch fp32, operation by operation (the rounding of
 docs/numerics.md's K1 for the gate, l2norm and β; the per-thread order of the dot products below; the bf16
 rounding of a bf16 pool on every store); on a CPU the approximate intrinsics are torch's accurate functions
@@ -245,7 +250,8 @@ class ReferenceDecode:
     (per head), beta ``[N, T, HV]`` (bf16, or any float taken as is), A_log fp32 ``[HV]`` and dt_bias fp32
     ``[HV, 128]`` (``[HV]`` with a per-head gate; both None for ``gate="none"``); ``state_pool``
     ``[slots, HV, V, K]`` (``state_layout="vk"``) or ``[slots, HV, K, V]``; ``state_indices`` int ``[N]``
-    (decode) or ``[N, T]`` with ``num_accepted_tokens`` ``[N]`` (verify).
+    (decode) or ``[N, T]`` with ``num_accepted_tokens`` ``[N]`` (verify). ``cu_seqlens`` (read on the host):
+    the tensors packed ``[1, total T, ...]``, ``state_indices`` ``[N]`` or ``[N, S + 1]``.
     """
 
     def __init__(self, arithmetic: type[_Arithmetic], doc: str) -> None:
@@ -271,8 +277,14 @@ class ReferenceDecode:
         qk_l2norm: bool = True,
         beta_logits: bool = True,
         state_layout: str = "vk",
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _check_head_dims(q, v, state_pool)
+        options = dict(gate=gate, scale=scale, lower_bound=lower_bound, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+                       state_layout=state_layout)
+        if cu_seqlens is not None:
+            return self._packed(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, num_accepted_tokens,
+                                cu_seqlens, options)
         arith = self.arithmetic(state_layout, state_pool.dtype, q.device)
         batch, steps, heads = q.shape[:3]
         value_heads = v.shape[2]
@@ -294,6 +306,20 @@ class ReferenceDecode:
                 arith.store(state_pool, state_indices[live, t].long(), state)
         if num_accepted_tokens is None:
             arith.store(state_pool, slots[live], state)
+        return out
+
+    def _packed(self, q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, num_accepted_tokens, cu_seqlens,
+                options: dict) -> torch.Tensor:
+        """Each sequence of a packed call as a fixed-length call of one batch row (length 0: skipped)."""
+        out = torch.zeros(1, q.shape[1], v.shape[2], DIM, dtype=self.arithmetic.out_dtype, device=q.device)
+        bounds = cu_seqlens.tolist()
+        for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if end == start:
+                continue
+            rows = slice(start, end)
+            accepted = None if num_accepted_tokens is None else num_accepted_tokens[n:n + 1]
+            out[:, rows] = self(q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows], A_log, dt_bias,
+                                state_pool, state_indices[n:n + 1], accepted, **options)
         return out
 
 
