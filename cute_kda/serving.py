@@ -45,6 +45,8 @@ What FLA takes and the kernel does not raises, naming the argument: head dims ot
 from __future__ import annotations
 
 import functools
+import math
+import os
 import warnings
 from typing import Any, NamedTuple
 
@@ -118,6 +120,14 @@ def slot_range(num_seqs: int, device: torch.device) -> torch.Tensor:
 def ones_counts(num_seqs: int, device: torch.device) -> torch.Tensor:
     """int32 ones ``[N]``: FLA's 2-D slot ids without accepted counts read column 0."""
     return torch.ones(num_seqs, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def parameter_view(parameter: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``parameter.view(shape)``, made once per parameter (a view costs more host time than the rest of a call's
+    checks; the layers' ``dt_bias`` is ``[HV·K]``, the kernel reads ``[HV, K]``). The view shares the parameter's
+    memory, so in-place updates show through; the cache holds up to 64 parameters alive."""
+    return parameter.view(shape)
 
 
 @functools.lru_cache(maxsize=256)
@@ -308,12 +318,92 @@ def _kda_gate(use_gate_in_kernel: bool, lower_bound: Any, A_log: Any, dt_bias: A
     return gate, bound, A_log, dt_bias
 
 
+def steady_kda_call(q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, use_gate_in_kernel, beta_logits,
+                    lower_bound, state_v_first, cu_seqlens, ids, counts, out) -> PoolCall | None:
+    """The :class:`PoolCall` of an engine's steady KDA pool call, recognised in one pass (the host time of a decode
+    step is mostly checks), else None. It only ever answers for a call :func:`kda_call`'s full checks accept (they
+    run on None and name what is wrong): CUDA tensors of one device; q, k, v, g and ``out`` bf16, contiguous,
+    16-byte aligned; beta bf16 contiguous; fp32 ``A_log`` ``[HV]`` and ``dt_bias`` of HV·K values; a contiguous,
+    aligned pool; contiguous int32 slot ids (and counts); no debug switch."""
+    if validation.DEBUG_ENV in os.environ or not isinstance(q, torch.Tensor) or not isinstance(v, torch.Tensor):
+        return None
+    shape, v_shape = q.shape, v.shape
+    if len(shape) != 4 or len(v_shape) != 4 or shape[3] != HEAD_DIM or v_shape[3] != HEAD_DIM or shape[1] == 0:
+        return None
+    batch, tokens, heads, _ = shape
+    value_heads = v_shape[2]
+    index = q.get_device()
+    if index < 0 or heads == 0 or value_heads % heads:
+        return None
+    bf16 = torch.bfloat16
+    for x, expected in ((q, shape), (k, shape), (v, v_shape), (g, v_shape), (out, v_shape)):
+        if not (isinstance(x, torch.Tensor) and x.dtype is bf16 and x.shape == expected and x.is_contiguous()
+                and x.get_device() == index and x.data_ptr() % 16 == 0):
+            return None
+    if not (isinstance(beta, torch.Tensor) and beta.dtype is bf16 and beta.shape == v_shape[:3]
+            and beta.is_contiguous() and beta.get_device() == index):
+        return None
+    if scale is None:
+        scale = HEAD_DIM ** -0.5
+    elif not (type(scale) is float and scale != 0.0 and math.isfinite(scale)):
+        return None
+    if use_gate_in_kernel:
+        if lower_bound is None:
+            gate, lower_bound = "softplus", -5.0
+        elif type(lower_bound) is float and validation.LOWER_BOUND_MIN <= lower_bound < validation.LOWER_BOUND_MAX:
+            gate = "safe"
+        else:
+            return None
+        for x, count in ((A_log, value_heads), (dt_bias, value_heads * HEAD_DIM)):
+            if not (isinstance(x, torch.Tensor) and x.dtype is torch.float32 and x.numel() == count
+                    and x.is_contiguous() and x.get_device() == index):
+                return None
+        if A_log.dim() != 1:
+            A_log = parameter_view(A_log, (value_heads,))
+        if dt_bias.dim() != 2:
+            dt_bias = parameter_view(dt_bias, (value_heads, HEAD_DIM))
+    else:
+        gate, lower_bound, A_log, dt_bias = "none", -5.0, None, None
+    num_seqs = batch
+    if cu_seqlens is not None:
+        if not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype in validation.CU_SEQLENS_DTYPES
+                and cu_seqlens.dim() == 1 and cu_seqlens.shape[0] >= 2 and cu_seqlens.is_contiguous()
+                and cu_seqlens.get_device() == index and batch == 1):
+            return None
+        num_seqs = cu_seqlens.shape[0] - 1
+    if not (isinstance(pool, torch.Tensor) and pool.dtype in validation.STATE_DTYPES and pool.dim() == 4
+            and pool.shape[1:] == (value_heads, HEAD_DIM, HEAD_DIM) and pool.is_contiguous()
+            and pool.get_device() == index and pool.data_ptr() % 16 == 0):
+        return None
+    if not (isinstance(ids, torch.Tensor) and ids.dtype is torch.int32 and ids.is_contiguous()
+            and ids.get_device() == index and ids.shape[0] == num_seqs):
+        return None
+    if ids.dim() == 2 and (cu_seqlens is not None or ids.shape[1] == tokens):
+        if counts is None:
+            counts = ones_counts(num_seqs, q.device)
+        elif not (isinstance(counts, torch.Tensor) and counts.dtype is torch.int32 and counts.shape == (num_seqs,)
+                  and counts.is_contiguous() and counts.get_device() == index):
+            return None
+    elif ids.dim() != 1 or counts is not None:
+        return None
+    options = dict(gate=gate, scale=scale, lower_bound=lower_bound, qk_l2norm=bool(qk_l2norm),
+                   beta_logits=bool(beta_logits), state_layout="vk" if state_v_first else "kv")
+    return PoolCall((q, k, v, g, beta), A_log, dt_bias, pool, None, ids, counts, cu_seqlens, out, options, True)
+
+
 def kda_call(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None, output_final_state=False,
              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
              allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, *,
              ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=None, out=None,
              **kwargs) -> PoolCall:
     """The :class:`PoolCall` of a :func:`fused_recurrent_kda` call (nothing runs)."""
+    if ssm_state_indices is not None and out is not None and inplace_final_state is not False and not kwargs \
+            and not allow_neg_eigval:
+        call = steady_kda_call(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, use_qk_l2norm_in_kernel,
+                               use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound, state_v_first, cu_seqlens,
+                               ssm_state_indices, num_accepted_tokens, out)
+        if call is not None:
+            return call
     state_v_first = _state_v_first(state_v_first, kwargs, "fused_recurrent_kda")
     refuse_neg_eigval(allow_neg_eigval, use_beta_sigmoid_in_kernel)
     shape = check_tokens(q, k, v, g, beta, per_head_gate=False)

@@ -843,3 +843,71 @@ def test_packed_verify_matches_fla(device):
     torch.cuda.synchronize()
     assert_close(o, fla_o, "o")
     _assert_states_close(pool, reference, "pool")
+
+
+# ============================================================================ the steady-state fast path (CPU)
+
+
+@pytest.fixture
+def cpu_as_device_0(monkeypatch):
+    """CPU tensors report device 0, so the fast path (CUDA tensors only) can be compared with the full checks."""
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+
+
+def _full_checks(monkeypatch, kwargs):
+    with monkeypatch.context() as patch:
+        patch.setattr(serving, "steady_kda_call", lambda *a: None)
+        return serving.kda_call(**kwargs)
+
+
+def _same_call(a: serving.PoolCall, b: serving.PoolCall) -> bool:
+    def same(x, y):
+        if x is y:
+            return True
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+                    and x.dtype == y.dtype and torch.equal(x, y))
+        if isinstance(x, tuple):
+            return len(x) == len(y) and all(same(i, j) for i, j in zip(x, y))
+        return x == y
+    return all(same(x, y) for x, y in zip(a, b))
+
+
+STEADY = {
+    "decode softplus": lambda: _decode_call(lower_bound=None, out=torch.empty(3, 1, 4, D, dtype=BF16)),
+    "decode safe, dt_bias [HV*K]": lambda: _decode_call(dt_bias=torch.zeros(4 * D),
+                                                        out=torch.empty(3, 1, 4, D, dtype=BF16)),
+    "decode log decay": lambda: _decode_call(use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                             out=torch.empty(3, 1, 4, D, dtype=BF16)),
+    "verify": lambda: _verify_call(out=torch.empty(3, 2, 4, D, dtype=BF16), scale=0.25),
+    "verify without counts": lambda: _verify_call(num_accepted_tokens=None, out=torch.empty(3, 2, 4, D, dtype=BF16)),
+    "packed verify": lambda: _decode_call(
+        **make_tokens(1, 5, 2, 4), cu_seqlens=torch.tensor([0, 1, 4, 5], dtype=torch.int32),
+        ssm_state_indices=torch.tensor([[0, 1, 2], [3, 4, 5], [-1, -1, -1]], dtype=torch.int32),
+        out=torch.empty(1, 5, 4, D, dtype=BF16)),
+    "bf16 pool, k-first": lambda: _decode_call(initial_state=make_pool(6, 4, torch.bfloat16), state_v_first=False,
+                                               out=torch.empty(3, 1, 4, D, dtype=BF16)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STEADY))
+def test_fast_path_builds_the_full_checks_call(cpu_as_device_0, monkeypatch, case):
+    kwargs = STEADY[case]()
+    fast = serving.steady_kda_call(
+        *(kwargs[name] for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), kwargs.get("scale"),
+        kwargs["initial_state"], True, kwargs["use_gate_in_kernel"], True, kwargs["lower_bound"],
+        kwargs["state_v_first"], kwargs.get("cu_seqlens"), kwargs["ssm_state_indices"],
+        kwargs.get("num_accepted_tokens"), kwargs["out"])
+    assert fast is not None
+    assert _same_call(fast, _full_checks(monkeypatch, kwargs))
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_fast_path_never_takes_a_bad_call(cpu_as_device_0, monkeypatch, case):
+    """Every bad input (with ``out`` given, so the fast path is tried) still raises, naming the argument."""
+    monkeypatch.setattr(validation, "check_pool_values", _no_device_reads)
+    make, error, words = BAD[case]
+    kwargs = make()
+    kwargs.setdefault("out", torch.empty(kwargs["v"].shape, dtype=BF16) if kwargs["v"].dtype == BF16 else None)
+    with pytest.raises(error, match=words):
+        serving.kda_call(**kwargs)
