@@ -452,8 +452,23 @@ def fused_recurrent_kda(
     dt_bias zeros). ``use_qk_l2norm_in_kernel``: q, k l2-normalised per token; ``use_beta_sigmoid_in_kernel``:
     beta holds logits. ``scale`` None: 128 ** -0.5.
 
-    ``inplace_final_state`` None: in place exactly when ``ssm_state_indices`` is given (FLA's
+    Shapes: q, k bf16 ``[B, T, H, 128]``; v bf16 ``[B, T, HV, 128]``; g bf16 ``[B, T, HV, 128]``; beta bf16
+    ``[B, T, HV]``; with ``cu_seqlens`` (int32 / int64 ``[N + 1]``, on the device) B = 1 and the N sequences are
+    packed. Returns o bf16 ``[B, T, HV, 128]`` (``out`` when given) and the final state.
+
+    States: without ``ssm_state_indices``, ``initial_state`` ``[N, HV, 128, 128]`` (K-first, or V-first with
+    ``state_v_first``; any float dtype) is read, the final state is a new fp32 tensor in that layout (None unless
+    ``output_final_state``); with ``inplace_final_state=True`` the final states overwrite ``initial_state``
+    (fp32 / bf16) instead. With ``ssm_state_indices`` (int32 ``[N]``, or ``[N, 1 + S]`` with
+    ``num_accepted_tokens`` int32 ``[N]`` for a verify), ``initial_state`` is the pool ``[slots, HV, 128, 128]``
+    (fp32 / bf16, each state block contiguous), updated in place and returned: a row starts from slot
+    ``ids[n]`` (verify: ``ids[n, num_accepted_tokens[n] − 1]``), writes its final state there (verify: the state
+    after token t to ``ids[n, t]``, skipped for −1); a row whose start slot is −1 is padding (outputs zero, nothing
+    read or written). ``inplace_final_state`` None: in place exactly when ``ssm_state_indices`` is given (FLA's
     ``fused_recurrent_kda`` never writes in place, its ``fused_recurrent_kda_fwd`` by default does).
+
+    Nothing synchronises with the device; with the pool, the slot ids and ``out`` given nothing is allocated (slot
+    values are checked only under ``CUTE_KDA_DEBUG_CHECKS=1``, which syncs).
     """
     call = kda_call(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                     use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
@@ -547,7 +562,8 @@ def fused_recurrent_gated_delta_rule(
 
     The gate: ``g`` bf16 ``[B, T, HV]``, the log decay, or with ``use_gate_in_kernel`` the raw input of
     ``−exp(A_log) · softplus(g + dt_bias)`` (``A_log`` ``[HV]`` required, ``dt_bias`` ``[HV]`` or None: zeros);
-    or ``gk`` bf16 ``[B, T, HV, K]`` alone, a per-channel log decay. beta None: ones (as FLA).
+    or ``gk`` bf16 ``[B, T, HV, K]`` alone, a per-channel log decay. beta None: ones (as FLA, allocated per call).
+    States, the pool, packing, outputs and the no-sync rule: as :func:`fused_recurrent_kda`.
     """
     call = gated_delta_rule_call(q, k, v, g, gk, gv, beta, scale, initial_state, output_final_state,
                                  use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,

@@ -705,9 +705,11 @@ def test_verify_every_accepted_count_matches_fla(device, state_v_first):
 @pytest.mark.gpu
 @pytest.mark.fla
 @pytest.mark.parametrize("gate", ["safe", "softplus", "log_decay"])
-def test_no_pool_call_matches_flas_fused_recurrent_kda(device, gate):
-    """FLA's public fused_recurrent_kda (initial_state, output_final_state) on each gate: o and the final state."""
+def test_no_pool_call_matches_flas_fused_recurrent_kda(device, monkeypatch, gate):
+    """FLA's public fused_recurrent_kda (initial_state, output_final_state) on each gate, FLA's kernel
+    (``FLA_CUTE_KDA=0``: it would dispatch to cute_kda) against cute_kda's: o and the final state."""
     fla_kda = pytest.importorskip("fla.ops.kda")
+    monkeypatch.setenv("FLA_CUTE_KDA", "0")
     N, T, H, HV = 3, 4, 2, 4
     x = make_tokens(N, T, H, HV, log_decay=gate == "log_decay", device=device, seed=14)
     flags = _flags(use_gate_in_kernel=gate != "log_decay", lower_bound=-5.0 if gate == "safe" else None)
@@ -769,6 +771,36 @@ def test_fla_kda_layer_in_decode_mode_runs_on_cute_kda(device, monkeypatch, toke
         got = layer(x)[0]
     assert ran == [1]
     assert_close(got, expected, "layer output", 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.fla
+def test_flas_dispatched_fwd_runs_engine_calls_on_cute_kda(device, monkeypatch):
+    """An engine's verify call to FLA's fused_recurrent_kda_fwd (the dispatched entry) reaches cute_kda (counted) and
+    gives cute_kda's bits; a call cute_kda refuses (fp32 q) stays with FLA's kernel."""
+    fused = pytest.importorskip("fla.ops.kda.fused_recurrent")
+    monkeypatch.delenv("FLA_CUTE_KDA", raising=False)
+    ran = []
+    implementation = fla_backend.fused_recurrent_kda_fwd
+    monkeypatch.setattr(fla_backend, "fused_recurrent_kda_fwd",
+                        lambda *a, **k: ran.append(1) or implementation(*a, **k))
+    N, W, H, HV = 4, 3, 2, 4
+    x = make_tokens(N, W, H, HV, device=device, seed=21)
+    gate = _gpu_gate(HV, device)
+    pool = make_pool(N * W, HV, device=device)
+    ids = torch.arange(N * W, dtype=torch.int32, device=device).reshape(N, W)
+    counts = torch.tensor([1, 3, 2, 1], dtype=torch.int32, device=device)
+    ours = pool.clone()
+    o, ht = fused.fused_recurrent_kda_fwd(**x, **gate, initial_state=pool, ssm_state_indices=ids,
+                                          num_accepted_tokens=counts, inplace_final_state=True, **_flags())
+    expected, _ = cute_kda.fused_recurrent_kda(**x, **gate, initial_state=ours, ssm_state_indices=ids,
+                                               num_accepted_tokens=counts, **_flags())
+    torch.cuda.synchronize()
+    assert ran == [1] and ht is pool
+    assert torch.equal(o, expected) and torch.equal(_bits(pool), _bits(ours))
+    fused.fused_recurrent_kda_fwd(**{**x, "q": x["q"].float()}, **gate, initial_state=pool, ssm_state_indices=ids,
+                                  num_accepted_tokens=counts, inplace_final_state=True, **_flags())
+    assert ran == [1]
 
 
 @pytest.mark.gpu
@@ -911,3 +943,37 @@ def test_fast_path_never_takes_a_bad_call(cpu_as_device_0, monkeypatch, case):
     kwargs.setdefault("out", torch.empty(kwargs["v"].shape, dtype=BF16) if kwargs["v"].dtype == BF16 else None)
     with pytest.raises(error, match=words):
         serving.kda_call(**kwargs)
+
+
+# ============================================================================ the launch (CPU)
+
+
+def test_cpu_tensors_raise_before_any_launch():
+    with pytest.raises(ValueError, match="CUDA"):
+        serving.fused_recurrent_kda(**_decode_call())
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
+def test_launch_passes_the_decode_launchers_arguments(monkeypatch, packed):
+    """What reaches ``cute_kda.ops.decode.decode``: the tensors as given (dt_bias viewed ``[HV, K]``), the pool, the
+    slot ids, the counts, the options; ``cu_seqlens`` only for a packed call (the fixed-length launcher has none)."""
+    from cute_kda.ops import decode as ops
+
+    calls = []
+    monkeypatch.setattr(ops, "decode", lambda *a, **k: calls.append((a, k)) or "o")
+    monkeypatch.setattr(validation, "check_on_cuda", lambda name, t: None)
+    changes = dict(**make_tokens(1, 3, 2, 4), cu_seqlens=torch.tensor([0, 1, 2, 3], dtype=torch.int32)) if packed \
+        else {}
+    kwargs = _verify_call(lower_bound=None, dt_bias=torch.zeros(4 * D), scale=0.5, **changes)
+    o, ht = serving.fused_recurrent_kda(**kwargs)
+    (args, options), = calls
+    assert o == "o" and ht is kwargs["initial_state"]
+    q, k, v, g, beta, A_log, dt_bias, pool, ids, counts = args
+    assert q is kwargs["q"] and beta is kwargs["beta"] and A_log is kwargs["A_log"] and pool is kwargs["initial_state"]
+    assert dt_bias.shape == (4, D) and dt_bias.data_ptr() == kwargs["dt_bias"].data_ptr()
+    assert ids is kwargs["ssm_state_indices"] and counts is kwargs["num_accepted_tokens"]
+    expected = dict(out=None, gate="softplus", scale=0.5, lower_bound=-5.0, qk_l2norm=True, beta_logits=True,
+                    state_layout="vk")
+    if packed:
+        expected["cu_seqlens"] = kwargs["cu_seqlens"]
+    assert options == expected
