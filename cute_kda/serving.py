@@ -124,10 +124,11 @@ def ones_counts(num_seqs: int, device: torch.device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def parameter_view(parameter: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``parameter.view(shape)``, made once per parameter (a view costs more host time than the rest of a call's
-    checks; the layers' ``dt_bias`` is ``[HV·K]``, the kernel reads ``[HV, K]``). The view shares the parameter's
-    memory, so in-place updates show through; the cache holds up to 64 parameters alive."""
-    return parameter.view(shape)
+    """``parameter`` detached and viewed as ``shape``, made once per parameter (a view costs more host time than the
+    rest of a call's checks; the layers' ``dt_bias`` is ``[HV·K]``, the kernel reads ``[HV, K]``; a tensor that
+    requires grad is not handed to the kernel: the decode kernel has no backward, as FLA's has none). The view
+    shares the parameter's memory, so in-place updates show through; the cache holds up to 64 parameters alive."""
+    return parameter.detach().view(shape)
 
 
 @functools.lru_cache(maxsize=256)
@@ -158,7 +159,8 @@ def _parameter(name: str, value: Any, shape: tuple[int, ...], device: torch.devi
     """A gate parameter as the kernel reads it: fp32 of ``shape`` (any shape of that many elements, viewed; another
     float dtype is widened exactly, at the cost of one small copy per call)."""
     value = validation.check_is_tensor(name, value)
-    if value.shape == shape and value.dtype is torch.float32 and value.is_contiguous() and value.device == device:
+    if (value.shape == shape and value.dtype is torch.float32 and value.is_contiguous() and value.device == device
+            and not value.requires_grad):
         return value
     count = 1
     for extent in shape:
@@ -169,7 +171,7 @@ def _parameter(name: str, value: Any, shape: tuple[int, ...], device: torch.devi
         raise TypeError(f"{name} must be a float tensor, got {value.dtype}")
     validation.check_contiguous(name, value)
     validation.check_same_device(name, value, device)
-    return value.view(shape).float()
+    return value.detach().view(shape).float()
 
 
 def _check_token_tensor(name: str, x: Any, shape: tuple[int, ...], meaning: str, device: torch.device,
@@ -358,9 +360,9 @@ def steady_kda_call(q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, us
             if not (isinstance(x, torch.Tensor) and x.dtype is torch.float32 and x.numel() == count
                     and x.is_contiguous() and x.get_device() == index):
                 return None
-        if A_log.dim() != 1:
+        if A_log.dim() != 1 or A_log.requires_grad:
             A_log = parameter_view(A_log, (value_heads,))
-        if dt_bias.dim() != 2:
+        if dt_bias.dim() != 2 or dt_bias.requires_grad:
             dt_bias = parameter_view(dt_bias, (value_heads, HEAD_DIM))
     else:
         gate, lower_bound, A_log, dt_bias = "none", -5.0, None, None

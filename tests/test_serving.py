@@ -746,10 +746,12 @@ def test_gdn_per_head_gate_matches_fla(device, use_gate_in_kernel):
 
 @pytest.mark.gpu
 @pytest.mark.fla
-@pytest.mark.parametrize("tokens", [1, 5], ids=["decode", "prompt_of_5"])
-def test_fla_kda_layer_in_decode_mode_runs_on_cute_kda(device, monkeypatch, tokens):
+@pytest.mark.parametrize("tokens,fp32_gate_parameters", [(1, False), (5, False), (1, True)],
+                         ids=["decode", "prompt_of_5", "decode_fp32_A_log"])
+def test_fla_kda_layer_in_decode_mode_runs_on_cute_kda(device, monkeypatch, tokens, fp32_gate_parameters):
     """FLA's KimiDeltaAttention in inference with q_len ≤ 64 takes its fused_recurrent mode: the dispatched
-    fused_recurrent_kda_fwd reaches cute_kda (counted), and the layer's output agrees with FLA's kernels."""
+    fused_recurrent_kda_fwd reaches cute_kda (counted), and the layer's output agrees with FLA's kernels. The layer in
+    bf16 has bf16 A_log / dt_bias (widened per call); Kimi keeps them fp32 (parameters that require grad)."""
     import importlib.util
     from pathlib import Path
 
@@ -758,6 +760,9 @@ def test_fla_kda_layer_in_decode_mode_runs_on_cute_kda(device, monkeypatch, toke
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     layer = example.build_layer(hidden=512, heads=4, gate="softplus")
+    if fp32_gate_parameters:
+        layer.A_log.data, layer.dt_bias.data = layer.A_log.data.float(), layer.dt_bias.data.float()
+        assert layer.A_log.requires_grad
     x = torch.randn(3, tokens, 512, device=device, dtype=BF16)
     ran = []
     implementation = fla_backend.fused_recurrent_kda_fwd
@@ -977,3 +982,12 @@ def test_launch_passes_the_decode_launchers_arguments(monkeypatch, packed):
     if packed:
         expected["cu_seqlens"] = kwargs["cu_seqlens"]
     assert options == expected
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_path", "full_checks"])
+def test_parameters_that_require_grad_reach_the_kernel_detached(cpu_as_device_0, monkeypatch, fast):
+    A_log, dt_bias = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4 * D))
+    kwargs = _decode_call(A_log=A_log, dt_bias=dt_bias, out=torch.empty(3, 1, 4, D, dtype=BF16))
+    call = serving.kda_call(**kwargs) if fast else _full_checks(monkeypatch, kwargs)
+    assert not call.A_log.requires_grad and not call.dt_bias.requires_grad
+    assert call.A_log.data_ptr() == A_log.data_ptr() and call.dt_bias.data_ptr() == dt_bias.data_ptr()
