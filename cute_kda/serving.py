@@ -79,8 +79,8 @@ class PoolCall(NamedTuple):
     options: dict  # gate, scale, lower_bound, qk_l2norm, beta_logits, state_layout
     returns_state: bool
 
-    def run(self, launch: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(o, final state) as FLA returns them; ``launch`` (default :func:`launch_decode`) runs the kernel."""
+    def run(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(o, final state) as FLA returns them (the kernel launched by :func:`launch_decode`)."""
         pool = self.pool
         if pool is None:
             v = self.tensors[2]
@@ -90,7 +90,7 @@ class PoolCall(NamedTuple):
                 pool.zero_()
             else:
                 pool.copy_(self.initial_state)
-        o = (launch or launch_decode)(self, pool)
+        o = launch_decode(self, pool)
         return o, (pool if self.returns_state else None)
 
 
