@@ -8,7 +8,8 @@ No check here synchronises the host with the device. ``cu_seqlens`` *values* (st
 T, never decreases) are read only when the tensor lives on the CPU, or when the debug switch
 ``CUTE_KDA_DEBUG_CHECKS=1`` is set — then a device ``cu_seqlens`` is copied to the host (a sync)
 so that bad values raise instead of producing garbage. Without it a device ``cu_seqlens`` is
-trusted: its length gives N, its values are read only by the kernels.
+trusted: its length gives N, its values are read only by the kernels. The serving entry points' slot ids and
+accepted counts likewise (the last section: the state pool's checks; :func:`check_pool_values` under the switch).
 """
 
 from __future__ import annotations
