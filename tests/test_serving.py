@@ -602,6 +602,18 @@ def test_fwd_verifier_refuses_what_flas_kernel_computes_otherwise(any_device, ch
     assert not accepted and words in reason
 
 
+def test_flas_kda_operation_registry_holds_cute_kda(monkeypatch):
+    """With FLA importable (it needs triton): cute_kda sits in FLA's ``kda`` registry, which dispatches
+    fused_recurrent_kda_fwd, at priority 2; ``FLA_CUTE_KDA=0`` disables it."""
+    pytest.importorskip("fla.ops.kda")
+    backends = pytest.importorskip("fla.backends")
+    ours = [b for b in backends._get_operation_registry("kda")._get_sorted_backends() if b.backend_type == "cute_kda"]
+    assert len(ours) == 1 and ours[0].priority == fla_backend.PRIORITY
+    assert hasattr(ours[0], "fused_recurrent_kda_fwd_verifier")
+    monkeypatch.setenv("FLA_CUTE_KDA", "0")
+    assert not ours[0].is_enabled()
+
+
 def test_fwd_verifier_refuses_cpu_tensors():
     accepted, reason = fla_backend.verify_fused_recurrent(**_fwd_layer_call())
     assert not accepted and "cuda" in reason.lower()
@@ -741,6 +753,32 @@ def test_gdn_per_head_gate_matches_fla(device, use_gate_in_kernel):
     torch.cuda.synchronize()
     assert_close(o, fla_o, "o")
     _assert_states_close(ht, fla_ht, "final state")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_v_first", [True, False], ids=["v_first", "k_first"])
+def test_gdn_pool_decode_equals_gather_run_scatter(device, state_v_first):
+    """GatedDeltaNet's per-head gate on an fp32 pool (FLA's GatedDeltaNet has no pool to compare with): the same bits
+    as gathering the live rows' states, a call without the pool, and scattering the final states back."""
+    N, H, HV, slots = 6, 2, 8, 10
+    x = make_tokens(N, 1, H, HV, per_head=True, device=device, seed=22)
+    gen = torch.Generator(device=device).manual_seed(23)
+    gate = dict(A_log=torch.log(torch.rand(HV, generator=gen, device=device) * 15 + 1),
+                dt_bias=0.1 * torch.randn(HV, generator=gen, device=device))
+    flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                 state_v_first=state_v_first)
+    pool = make_pool(slots, HV, device=device)
+    ids = torch.tensor([4, -1, 0, 9, -1, 7], dtype=torch.int32, device=device)
+    rows, live = (ids >= 0).nonzero().flatten(), ids[ids >= 0].long()
+    expected_pool = pool.clone()
+    o_rows, final = cute_kda.fused_recurrent_gated_delta_rule(
+        **{name: t[rows] for name, t in x.items()}, **gate, initial_state=expected_pool[live], output_final_state=True,
+        **flags)
+    expected_pool[live] = final
+    o, _ = cute_kda.fused_recurrent_gated_delta_rule(**x, **gate, initial_state=pool, ssm_state_indices=ids, **flags)
+    torch.cuda.synchronize()
+    assert torch.equal(o[rows], o_rows) and torch.equal(o[ids < 0], torch.zeros_like(o[ids < 0]))
+    assert torch.equal(_bits(pool), _bits(expected_pool))
 
 
 @pytest.mark.gpu
