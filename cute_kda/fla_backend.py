@@ -93,16 +93,27 @@ def _verify(args: tuple, kwargs: dict, entry_point: str, translate: Callable[...
     coverage. An accepted call's translation is kept for the implementation (:func:`_pending_call`)."""
     from . import validation
 
+
+    def checked_call() -> Any:
+        call = translate(*args, **kwargs)
+        options = checked(call)
+        validation.validate_forward(*call.tensors, **options)
+        if validation.needs_autograd(*call.tensors, options["A_log"], options["dt_bias"], options["initial_state"]):
+            q, _, v, _, _ = call.tensors
+            validation.check_trainable(options["gate"], q, v)
+        return call
+
+    return _verdict(args, kwargs, entry_point, _bind(args, kwargs).get("q"), checked_call)
+
+
+def _verdict(args: tuple, kwargs: dict, entry_point: str, q: Any, build: Callable[[], Any]) -> tuple[bool, str | None]:
+    """The device rule on ``q``, then ``build()`` (the checked translation, raising what cute_kda does not take); an
+    accepted call's translation is kept for the implementation (:func:`_pending_call`), a refusal logged once."""
     _state.pending = None
-    reason = _device_reason(_bind(args, kwargs).get("q"))
+    reason = _device_reason(q)
     if reason is None:
         try:
-            call = translate(*args, **kwargs)
-            options = checked(call)
-            validation.validate_forward(*call.tensors, **options)
-            if validation.needs_autograd(*call.tensors, options["A_log"], options["dt_bias"], options["initial_state"]):
-                q, _, v, _, _ = call.tensors
-                validation.check_trainable(options["gate"], q, v)
+            call = build()
         except (TypeError, ValueError, NotImplementedError) as error:
             reason = f"{type(error).__name__}: {error}"
     if reason is not None:
@@ -165,18 +176,8 @@ def verify_fused_recurrent(*args: Any, **kwargs: Any) -> tuple[bool, str | None]
     """(True, None) if cute_kda computes this FLA ``fused_recurrent_kda_fwd`` call, else (False, the reason)."""
     from . import serving
 
-    _state.pending = None
-    reason = _device_reason(_bind_fwd(args, kwargs).get("q"))
-    if reason is None:
-        try:
-            call = serving.fla_fwd_call(*args, **kwargs)
-        except (TypeError, ValueError, NotImplementedError) as error:
-            reason = f"{type(error).__name__}: {error}"
-    if reason is not None:
-        _log_once(reason, "fla.ops.kda.fused_recurrent_kda_fwd")
-        return False, reason
-    _state.pending = (_call_key(args, kwargs), call)
-    return True, None
+    return _verdict(args, kwargs, "fla.ops.kda.fused_recurrent_kda_fwd", _bind_fwd(args, kwargs).get("q"),
+                    lambda: serving.fla_fwd_call(*args, **kwargs))
 
 
 def fused_recurrent_kda_fwd(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
