@@ -1028,3 +1028,14 @@ def test_parameters_that_require_grad_reach_the_kernel_detached(cpu_as_device_0,
     call = serving.kda_call(**kwargs) if fast else _full_checks(monkeypatch, kwargs)
     assert not call.A_log.requires_grad and not call.dt_bias.requires_grad
     assert call.A_log.data_ptr() == A_log.data_ptr() and call.dt_bias.data_ptr() == dt_bias.data_ptr()
+
+
+def test_deprecated_transpose_state_layout_is_state_v_first(on_reference):
+    x = make_tokens(2, 1, 2, 2)
+    h0 = make_pool(2, 2)
+    expected = serving.fused_recurrent_kda(**x, initial_state=h0, output_final_state=True, state_v_first=True)
+    with pytest.warns(DeprecationWarning, match="state_v_first"):
+        got = serving.fused_recurrent_kda(**x, initial_state=h0, output_final_state=True, transpose_state_layout=True)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    with pytest.raises(ValueError, match="transpose_state_layout"):
+        serving.fused_recurrent_kda(**x, state_v_first=True, transpose_state_layout=True)
