@@ -1,8 +1,14 @@
-"""Host µs per call of ``kda_forward`` and ``chunk_kda`` at B1 T64 H16, in a short process for A/B runs.
+"""Host µs per call of ``kda_forward`` and ``chunk_kda`` at B1 T64 H16, and of the serving entry points on a state
+pool, in a short process for A/B runs.
 
 ``kda_forward`` with an fp32 initial state and output buffers given; ``chunk_kda`` with FLA's flags
-(in-kernel gate, l2norm and β-sigmoid, fp32 state v-first, final state allocated). Per entry point:
-the minimum and the median over 15 rounds of 200 back-to-back calls (the GPU drained between rounds).
+(in-kernel gate, l2norm and β-sigmoid, fp32 state v-first, final state allocated). Serving (issue 32's target:
+≤ 15 µs a decode call), N = 32 sequences × 16 heads on an fp32 V-first pool, FLA's KDA layer flags (softplus gate,
+dt_bias ``[HV·K]``), the engine's steady loop (pool, slot ids and ``out`` given): ``decode`` (T = 1, one slot id
+per sequence, a padding row), ``verify`` (S = 3: slot ids ``[N, 4]`` and accepted counts), and
+``decode_launcher``, the bare :func:`cute_kda.ops.decode.decode` under ``decode`` (what the serving checks add).
+Per entry point: the minimum and the median over 15 rounds of 200 back-to-back calls (the GPU drained between
+rounds).
 
 For an A/B of two checkouts on one machine, interleave the processes so that the host's drift (up to
 1.5× between consecutive runs on the H200 hosts) hits both alike; the label names the tree:
@@ -35,6 +41,7 @@ def entry_points() -> dict[str, Callable[[], object]]:
     out, final = torch.empty_like(v), torch.empty_like(h0)
     scale = q.shape[-1] ** -0.5
     return {
+        **serving_entry_points(),
         "kda_forward": lambda: cute_kda.kda_forward(
             q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND, initial_state=h0,
             out=out, final_state=final),
@@ -42,6 +49,37 @@ def entry_points() -> dict[str, Callable[[], object]]:
             q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True, use_gate_in_kernel=True,
             use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND,
             A_log=A_log, dt_bias=dt_bias, state_v_first=True),
+    }
+
+
+def serving_entry_points(num_seqs: int = 32, heads: int = 16, draft: int = 3) -> dict[str, Callable[[], object]]:
+    """The serving rows (module doc): decode and verify steps on one pool, their outputs given."""
+    from cute_kda.ops.decode import decode
+
+    device = torch.device("cuda")
+    width = 1 + draft
+    decode_in = make_inputs(Shape((1,) * num_seqs, heads), device)
+    verify_in = make_inputs(Shape((width,) * num_seqs, heads), device, seed=1)
+    tokens = ("q", "k", "v", "g", "beta")
+    pool = torch.zeros(num_seqs * (width + 1), heads, 128, 128, dtype=torch.float32, device=device)
+    A_log, dt_bias = decode_in["A_log"], decode_in["dt_bias"].reshape(-1)  # the layer's [HV·K]
+    slots = torch.arange(num_seqs, dtype=torch.int32, device=device)
+    slots[1] = -1
+    verify_slots = (num_seqs + torch.arange(num_seqs * width, dtype=torch.int32, device=device)).reshape(-1, width)
+    accepted = torch.ones(num_seqs, dtype=torch.int32, device=device)
+    decode_out, verify_out = torch.empty_like(decode_in["v"]), torch.empty_like(verify_in["v"])
+    flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                 state_v_first=True)
+    return {
+        "decode": lambda: cute_kda.fused_recurrent_kda(
+            *(decode_in[name] for name in tokens), A_log, dt_bias, initial_state=pool, ssm_state_indices=slots,
+            out=decode_out, **flags),
+        "verify": lambda: cute_kda.fused_recurrent_kda(
+            *(verify_in[name] for name in tokens), A_log, dt_bias, initial_state=pool,
+            ssm_state_indices=verify_slots, num_accepted_tokens=accepted, out=verify_out, **flags),
+        "decode_launcher": lambda: decode(
+            *(decode_in[name] for name in tokens), A_log, decode_in["dt_bias"], pool, slots, gate="softplus",
+            scale=128 ** -0.5, out=decode_out),
     }
 
 

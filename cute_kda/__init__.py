@@ -2,8 +2,10 @@
 
 Importing the package needs neither a GPU nor a CUDA driver; kernels compile on first use. Entry points:
 :func:`kda_forward`, :func:`chunk_kda` (FLA's KDA signature), :func:`chunk_gated_delta_rule` (FLA's
-GatedDeltaNet signature), :func:`warmup`. With flash-linear-attention installed, ``fla.ops.kda.chunk_kda``
-dispatches the calls cute_kda computes here (:mod:`cute_kda.fla_backend`; ``FLA_CUTE_KDA=0`` opts out).
+GatedDeltaNet signature), :func:`warmup`; for serving, :func:`fused_recurrent_kda` and
+:func:`fused_recurrent_gated_delta_rule` (FLA's decode entry points on a state pool, :mod:`cute_kda.serving`).
+With flash-linear-attention installed, ``fla.ops.kda.chunk_kda`` and ``fused_recurrent_kda_fwd`` dispatch the
+calls cute_kda computes here (:mod:`cute_kda.fla_backend`; ``FLA_CUTE_KDA=0`` opts out).
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ from . import fla_backend as _fla_backend  # noqa: E402  (stdlib only: registers
 _fla_backend.install()
 
 _API = ("kda_forward", "chunk_kda", "chunk_gated_delta_rule", "warmup")
+_SERVING = ("fused_recurrent_kda", "fused_recurrent_gated_delta_rule")
 
 
 def __getattr__(name: str):
-    if name in _API:
-        from . import api
+    if name in _API or name in _SERVING:
+        import importlib
 
-        value = globals()[name] = getattr(api, name)  # later look-ups skip this hook
+        module = importlib.import_module(".api" if name in _API else ".serving", __name__)
+        value = globals()[name] = getattr(module, name)  # later look-ups skip this hook
         return value
     raise AttributeError(f"module 'cute_kda' has no attribute {name!r}")
 
 
-__all__ = list(_API)
+__all__ = list(_API + _SERVING)

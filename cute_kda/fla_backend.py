@@ -19,6 +19,14 @@ FLA's ``gated_delta_rule`` registry, inference and training: its verifier :func:
 ``cute_kda.chunk_gated_delta_rule`` computes. There it runs at **priority 4**: behind FlashQLA's 3 (Qwen's TileLang kernels, which we
 have not measured against), ahead of FLA's own Triton kernels.
 
+FLA's decode kernel ``fla.ops.kda.fused_recurrent_kda_fwd`` (the one ``fla.ops.kda.fused_recurrent_kda`` and FLA's
+KDA layer in decode mode call, and the one engines call with a state pool) dispatches through FLA's operation registry
+``kda``: the backend joins it at **priority 2** with :func:`verify_fused_recurrent`, which accepts what
+:func:`cute_kda.serving.fla_fwd_call` translates (the decode kernel: bf16 tokens, head size 128, the pool contract of
+:mod:`cute_kda.serving`) on a compute capability 9.x device. FLA 0.6.0 does not dispatch GatedDeltaNet's
+``fused_recurrent_gated_delta_rule`` (it is a plain function, no registry), so nothing is registered for it; call
+``cute_kda.fused_recurrent_gated_delta_rule`` directly.
+
 Registration happens on ``import cute_kda`` when FLA is installed: at once for each of ``fla.ops.kda`` and
 ``fla.ops.gated_delta_rule`` that is already imported, otherwise right after it is (a one-shot import hook
 per module; importing cute_kda does not import FLA). :func:`register` and :func:`register_gdn` do it
@@ -85,16 +93,27 @@ def _verify(args: tuple, kwargs: dict, entry_point: str, translate: Callable[...
     coverage. An accepted call's translation is kept for the implementation (:func:`_pending_call`)."""
     from . import validation
 
+
+    def checked_call() -> Any:
+        call = translate(*args, **kwargs)
+        options = checked(call)
+        validation.validate_forward(*call.tensors, **options)
+        if validation.needs_autograd(*call.tensors, options["A_log"], options["dt_bias"], options["initial_state"]):
+            q, _, v, _, _ = call.tensors
+            validation.check_trainable(options["gate"], q, v)
+        return call
+
+    return _verdict(args, kwargs, entry_point, _bind(args, kwargs).get("q"), checked_call)
+
+
+def _verdict(args: tuple, kwargs: dict, entry_point: str, q: Any, build: Callable[[], Any]) -> tuple[bool, str | None]:
+    """The device rule on ``q``, then ``build()`` (the checked translation, raising what cute_kda does not take); an
+    accepted call's translation is kept for the implementation (:func:`_pending_call`), a refusal logged once."""
     _state.pending = None
-    reason = _device_reason(_bind(args, kwargs).get("q"))
+    reason = _device_reason(q)
     if reason is None:
         try:
-            call = translate(*args, **kwargs)
-            options = checked(call)
-            validation.validate_forward(*call.tensors, **options)
-            if validation.needs_autograd(*call.tensors, options["A_log"], options["dt_bias"], options["initial_state"]):
-                q, _, v, _, _ = call.tensors
-                validation.check_trainable(options["gate"], q, v)
+            call = build()
         except (TypeError, ValueError, NotImplementedError) as error:
             reason = f"{type(error).__name__}: {error}"
     if reason is not None:
@@ -153,7 +172,30 @@ def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     return _pending_call(args, kwargs, GdnCall, api.translate_fla_gdn_call).run(api.kda_forward)
 
 
+def verify_fused_recurrent(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
+    """(True, None) if cute_kda computes this FLA ``fused_recurrent_kda_fwd`` call, else (False, the reason)."""
+    from . import serving
+
+    return _verdict(args, kwargs, "fla.ops.kda.fused_recurrent_kda_fwd", _bind_fwd(args, kwargs).get("q"),
+                    lambda: serving.fla_fwd_call(*args, **kwargs))
+
+
+def fused_recurrent_kda_fwd(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """Compute an accepted FLA ``fused_recurrent_kda_fwd`` call (the translation :func:`verify_fused_recurrent`
+    made, when it is this call's)."""
+    from . import serving
+
+    return _pending_call(args, kwargs, serving.PoolCall, serving.fla_fwd_call).run()
+
+
 _FLA_POSITIONAL = ("q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state")
+_FLA_FWD_POSITIONAL = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "scale")
+
+
+def _bind_fwd(args: tuple, kwargs: dict) -> dict:
+    bound = dict(zip(_FLA_FWD_POSITIONAL, args))
+    bound.update(kwargs)
+    return bound
 
 
 def _bind(args: tuple, kwargs: dict) -> dict:
@@ -177,7 +219,9 @@ def _log_once(reason: str, entry_point: str) -> None:
 def backend_class(base: type, priority: int = PRIORITY) -> type:
     """The backend class on FLA's ``BaseBackend`` (built here so FLA is imported only when present), at
     ``priority`` in the registry it joins. FLA looks up ``<function>_verifier`` and ``<function>`` by the name
-    of the dispatched function, so one class serves ``chunk_kda`` and ``chunk_gated_delta_rule``."""
+    of the dispatched function, so one class serves ``chunk_kda``, ``chunk_gated_delta_rule`` and
+    ``fused_recurrent_kda_fwd`` (in the ``kda`` registry it is asked about FLA's other dispatched functions too:
+    without a method of that name it is skipped)."""
 
     class CuteKDABackend(base):  # type: ignore[misc, valid-type]
         """cute_kda's CuTe DSL kernels for Hopper; ``FLA_CUTE_KDA=0`` disables it."""
@@ -198,6 +242,12 @@ def backend_class(base: type, priority: int = PRIORITY) -> type:
 
         def chunk_gated_delta_rule(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
             return chunk_gated_delta_rule(*args, **kwargs)
+
+        def fused_recurrent_kda_fwd_verifier(self, *args: Any, **kwargs: Any) -> tuple[bool, str | None]:
+            return verify_fused_recurrent(*args, **kwargs)
+
+        def fused_recurrent_kda_fwd(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            return fused_recurrent_kda_fwd(*args, **kwargs)
 
     CuteKDABackend.priority = priority
     return CuteKDABackend
@@ -222,8 +272,10 @@ def _register(function: str, entry_point: Callable[[], Any], priority: int) -> b
 
 
 def register() -> bool:
-    """Register cute_kda with FLA's ``chunk_kda`` registry (imports FLA). False if FLA is missing."""
-    return _register("chunk_kda", lambda: importlib.import_module(FLA_MODULE).chunk_kda, PRIORITY)
+    """Register cute_kda with FLA's ``chunk_kda`` registry and its ``kda`` operation registry (which dispatches
+    ``fused_recurrent_kda_fwd``); imports FLA. False if FLA is missing."""
+    return (_register("chunk_kda", lambda: importlib.import_module(FLA_MODULE).chunk_kda, PRIORITY)
+            and _register("fused_recurrent_kda_fwd", lambda: "kda", PRIORITY))
 
 
 def register_gdn() -> bool:

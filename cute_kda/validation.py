@@ -8,7 +8,8 @@ No check here synchronises the host with the device. ``cu_seqlens`` *values* (st
 T, never decreases) are read only when the tensor lives on the CPU, or when the debug switch
 ``CUTE_KDA_DEBUG_CHECKS=1`` is set — then a device ``cu_seqlens`` is copied to the host (a sync)
 so that bad values raise instead of producing garbage. Without it a device ``cu_seqlens`` is
-trusted: its length gives N, its values are read only by the kernels.
+trusted: its length gives N, its values are read only by the kernels. The serving entry points' slot ids and
+accepted counts likewise (the last section: the state pool's checks; :func:`check_pool_values` under the switch).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Iterable, NamedTuple
 
 import torch
 
-from .numerics import GATES, SUPPORTED_HEAD_DIMS, SUPPORTED_VSPLITS
+from .numerics import GATES, HEAD_DIM, SUPPORTED_HEAD_DIMS, SUPPORTED_VSPLITS
 
 LOWER_BOUND_MIN, LOWER_BOUND_MAX = -5.0, 0.0  # lower_bound must lie in [min, max)
 STATE_DTYPES = (torch.bfloat16, torch.float32)
@@ -436,3 +437,115 @@ def staged_cu_seqlens(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> torch
     if cu_seqlens is None or not q.is_cuda:
         return None if cu_seqlens is None else cu_seqlens.to(torch.int64)
     return device_cu_seqlens(cu_seqlens, q.device, q.shape[1])
+
+
+# =============================================================================================
+# the state pool of the serving entry points (decode / verify, :mod:`cute_kda.serving`)
+#
+# Structure only (dtype, rank, shape, strides, device): nothing here reads a device value. The values (slot ids in
+# [−1, slots), no slot twice, accepted counts in [1, 1 + S], packed lengths within the verify width) are read by
+# :func:`check_pool_values`, which the serving entry points call only under ``CUTE_KDA_DEBUG_CHECKS=1`` (it
+# synchronises).
+
+SLOT_ID_DTYPES = (torch.int32,)
+_STATE_BLOCK = (HEAD_DIM, HEAD_DIM)
+
+
+def _row_strides_fit(tensor: torch.Tensor, modes: int) -> bool:
+    """The first ``modes`` strides are multiples of 16 bytes (so every row of the rest starts 16-byte aligned when
+    the base does)."""
+    per_vector = ALIGNMENT_BYTES // tensor.element_size()
+    strides = tensor.stride()
+    return all(strides[d] % per_vector == 0 for d in range(modes))
+
+
+def check_state_pool(name: str, pool: object, value_heads: int, device: torch.device, slots: int | None = None
+                     ) -> torch.Tensor:
+    """A state pool: fp32 or bf16 ``[slots, HV, 128, 128]`` on ``device`` (``slots`` exactly when given), each
+    ``[128, 128]`` state block contiguous, the base and the slot and head strides 16-byte multiples (a strided
+    view of a larger cache is fine). Which of the two inner modes is V is the caller's layout."""
+    pool = check_is_tensor(name, pool)
+    check_dtype(name, pool, STATE_DTYPES)
+    meaning = "[slots, HV, 128, 128] (a state pool)"
+    check_ndim(name, pool, 4, meaning)
+    expected = (pool.shape[0] if slots is None else slots, value_heads, *_STATE_BLOCK)
+    if tuple(pool.shape[2:]) != _STATE_BLOCK:
+        raise NotImplementedError(f"{name}: states of {list(pool.shape[2:])} are not supported; the decode kernel "
+                                  f"is written for K = V = {HEAD_DIM}")
+    check_shape(name, pool, expected, meaning)
+    if pool.stride(3) != 1 or pool.stride(2) != HEAD_DIM:
+        raise ValueError(f"{name}: each [128, 128] state block must be contiguous (strides [..., 128, 1]), got "
+                         f"strides {list(pool.stride())}")
+    if not _row_strides_fit(pool, 2):
+        raise ValueError(f"{name}: the slot and head strides must be multiples of 16 bytes, got strides "
+                         f"{list(pool.stride())}")
+    check_aligned(name, pool)
+    check_same_device(name, pool, device)
+    return pool
+
+
+def check_slot_ids(name: str, ids: object, num_seqs: int, device: torch.device, width: int | None = None
+                   ) -> torch.Tensor:
+    """Slot ids: contiguous int32 ``[N]`` (``width`` None) or ``[N, width]`` on ``device``."""
+    ids = check_is_tensor(name, ids)
+    check_dtype(name, ids, SLOT_ID_DTYPES)
+    if width is None:
+        check_shape(name, ids, (num_seqs,), "[N] (one slot per sequence)")
+    else:
+        check_ndim(name, ids, 2, "[N, 1 + S] (a verify's slots per sequence and token)")
+        check_shape(name, ids, (num_seqs, width), "[N, 1 + S]")
+    check_contiguous(name, ids)
+    check_same_device(name, ids, device)
+    return ids
+
+
+def check_accepted_counts(name: str, counts: object, num_seqs: int, device: torch.device) -> torch.Tensor:
+    """Accepted token counts of a verify: contiguous int32 ``[N]`` on ``device``."""
+    counts = check_is_tensor(name, counts)
+    check_dtype(name, counts, SLOT_ID_DTYPES)
+    check_shape(name, counts, (num_seqs,), "[N] (accepted tokens per sequence)")
+    check_contiguous(name, counts)
+    check_same_device(name, counts, device)
+    return counts
+
+
+def check_token_rows(name: str, tensor: torch.Tensor, aligned_rows: bool = True) -> None:
+    """A per-token tensor the decode kernel reads (or writes) by rows: the last mode contiguous and, with
+    ``aligned_rows``, every row starting 16-byte aligned (base and outer strides); other strides are free (q, k, v
+    may be views of one fused projection)."""
+    if tensor.stride(-1) != 1 and tensor.shape[-1] > 1:
+        raise ValueError(f"{name}: the last mode must be contiguous (stride 1), got strides {list(tensor.stride())}")
+    if aligned_rows and not _row_strides_fit(tensor, tensor.dim() - 1):
+        raise ValueError(f"{name}: every row must start on a 16-byte boundary (outer strides multiples of 16 bytes), "
+                         f"got strides {list(tensor.stride())}")
+    if aligned_rows:
+        check_aligned(name, tensor)
+
+
+def check_pool_values(slots: int, ids: torch.Tensor, counts: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                      *, ids_name: str = "state_indices", counts_name: str = "num_accepted_tokens") -> None:
+    """The device values behind a pool call (copies them to the host: a sync, debug only). ``ids`` ``[N]``, or
+    ``[N, 1 + S]`` with ``counts`` (or without: every count 1): every id in ``[−1, slots)``, no slot listed twice;
+    counts in ``[1, 1 + S]``; with ``cu_seqlens`` and 2-D ids, no sequence longer than ``1 + S`` tokens."""
+    host_ids = ids.cpu()
+    if host_ids.numel() and (int(host_ids.min()) < -1 or int(host_ids.max()) >= slots):
+        bad = host_ids[(host_ids < -1) | (host_ids >= slots)][0].item()
+        raise ValueError(f"{ids_name} must lie in [-1, {slots}) (the pool's slots; -1 marks padding), got {bad}")
+    listed = host_ids[host_ids >= 0]
+    unique, times = listed.unique(return_counts=True)
+    if (times > 1).any():
+        raise ValueError(f"{ids_name} lists slot {unique[times > 1][0].item()} more than once in one call "
+                         "(two rows would race on it)")
+    if ids.dim() != 2:
+        return
+    width = ids.shape[1]
+    if counts is not None:
+        host_counts = counts.cpu()
+        if host_counts.numel() and (int(host_counts.min()) < 1 or int(host_counts.max()) > width):
+            raise ValueError(f"{counts_name} must lie in [1, {width}] (1 + S, the width of {ids_name}), got "
+                             f"{host_counts.tolist()}")
+    if cu_seqlens is not None:
+        lengths = cu_seqlens.cpu().diff()
+        if lengths.numel() and int(lengths.max()) > width:
+            raise ValueError(f"cu_seqlens: a verified sequence holds at most {width} tokens (the width of "
+                             f"{ids_name}), got lengths {lengths.tolist()}")

@@ -251,12 +251,14 @@ HOOK_CHECK = textwrap.dedent("""
     assert {fla_first} or "fla" not in sys.modules, "import cute_kda imported FLA"
     import fla.ops.kda
     from fla.backends import REGISTERED
-    (entry, cls), = REGISTERED
+    (entry, cls), (operation, recurrent) = REGISTERED
     assert entry is fla.ops.kda.chunk_kda
+    assert operation == "kda" and hasattr(recurrent(), "fused_recurrent_kda_fwd_verifier")
+    assert recurrent.priority == cls.priority
     backend = cls()
     print(cls.backend_type, cls.priority, cls.env_var, cls.package_name, hasattr(backend, "chunk_kda_verifier"))
     import fla.ops.gated_delta_rule
-    (_, _), (entry, cls) = REGISTERED
+    (_, _), (_, _), (entry, cls) = REGISTERED
     assert entry == "gated_delta_rule" and hasattr(cls(), "chunk_gated_delta_rule_verifier")
     print(cls.priority, fla_backend_hooked())
 """)
