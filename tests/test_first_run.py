@@ -46,9 +46,9 @@ def test_package_metadata_has_an_spdx_license_and_no_deprecation_warnings(tmp_pa
     assert "License-Expression: MIT" in metadata
 
 
-# docs/gpu.md is the maintainers' page on building the offline GPU bundle, which starts from their
+# docs/contributing/gpu.md is the maintainers' page on building the offline GPU bundle, which starts from their
 # shared tools next to the repository; every other page and docstring is for users.
-MAINTAINER_PAGES = {"docs/gpu.md"}
+MAINTAINER_PAGES = {"docs/contributing/gpu.md"}
 
 
 def _user_facing_files() -> list[Path]:
