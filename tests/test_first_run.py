@@ -86,7 +86,7 @@ def test_readme_api_block_names_every_keyword_of_kda_forward():
 
     readme = (ROOT / "README.md").read_text()
     block = readme[readme.index("cute_kda.kda_forward("):]
-    block = block[: block.index("\n)")]
+    block = block[: re.search(r"\n\s*\)\n", block).start()]  # up to the call's closing parenthesis
     for name in inspect.signature(cute_kda.kda_forward).parameters:
         if name not in ("q", "k", "v", "g", "beta"):
             assert f"{name}=" in block, name
