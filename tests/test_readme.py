@@ -5,7 +5,7 @@ Every ``python`` block of README.md carries a marker on the line before it, an H
 order and one namespace, as a reader pastes them) or ``<!-- readme-test: gpu fla -->`` (also needs
 flash-linear-attention). Every block is compiled and the ``cute_kda`` names it uses must exist. Shell blocks: each
 ``make`` target exists in the Makefile and each script or file a command names exists. Links of README.md and of
-every page under docs/ point to files of the repository; only docs/performance.md and docs/accuracy.md link into
+every page under docs/ point to files of the repository, and so does every repository path they name; only docs/performance.md and docs/accuracy.md link into
 ``benchmarks/results/``. No commit hashes or dates in the README.
 """
 
@@ -53,6 +53,17 @@ def test_cpu_blocks_run():
     assert blocks
     for body in blocks:
         exec(compile(body, str(README), "exec"), {"__name__": "readme"})
+
+
+def test_gpu_blocks_pass_every_check_but_the_device():
+    """On CPU tensors each GPU block's call gets through the dtype, shape and flag checks, which come before the
+    device check: the block is a valid call (what it computes the GPU test below runs)."""
+    namespace = {"__name__": "readme"}
+    blocks = _python_blocks("gpu")
+    assert blocks
+    for body in blocks:
+        with pytest.raises(ValueError, match="CUDA"):
+            exec(compile(body.replace('"cuda"', '"cpu"'), str(README), "exec"), namespace)
 
 
 def _run_gpu_blocks(markers: tuple[str, ...]) -> None:
@@ -105,6 +116,16 @@ def test_links_point_to_files_that_exist(page):
             continue  # a URL or an anchor of the same page
         if not (page.parent / target.split("#")[0]).exists():
             missing.append(target)
+    assert missing == []
+
+
+_REPO_PATH = re.compile(r"\b(?:tests|benchmarks|scripts|examples|cute_kda|teaching)/[\w/.-]*[\w/]")
+
+
+@pytest.mark.parametrize("page", [p for p in _pages() if p.name != "perf-log.md"],  # the log cites past trees
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_repository_path_named_exists(page):
+    missing = sorted({path for path in _REPO_PATH.findall(page.read_text()) if not (ROOT / path).exists()})
     assert missing == []
 
 
