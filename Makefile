@@ -1,7 +1,7 @@
 # Two entry points do all the set-up themselves on a fresh machine:
 #   make demo   - build a local venv, then run the demo (CPU: references + sm_90a compile; GPU: run + check + time)
 #   make test   - build a local venv, then run the test suite on two workers (GPU tier skipped without CUDA)
-# GPU host (offline DSL bundle on PYTHONPATH, see docs/gpu.md; make gpu-bundle builds it here):
+# GPU host (offline DSL bundle on PYTHONPATH, see docs/contributing/gpu.md; make gpu-bundle builds it here):
 #   make gpu-test PYTHON=python3   - GPU tier, writes a dated summary to benchmarks/results/
 PYTHON ?= python3
 VENV := .venv
@@ -39,9 +39,9 @@ test: $(VENV)/.ready
 gpu-test:
 	$(PYTHON) scripts/gpu_tier.py
 
-# Offline bundle for the H200 (docs/gpu.md): the shared DSL bundle plus the cp312 TVM-FFI wheel and
+# Offline bundle for the H200 (docs/contributing/gpu.md): the shared DSL bundle plus the cp312 TVM-FFI wheel and
 # flash-linear-attention's layers (pure Python, beside the fla-core there; examples/kda_layer.py uses them) and
-# pytest-xdist, so the GPU tier's compiles spread over the host's cores (docs/gpu.md).
+# pytest-xdist, so the GPU tier's compiles spread over the host's cores (docs/contributing/gpu.md).
 gpu-bundle:
 	../shared/gpu/make-dsl-bundle
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -46,9 +46,9 @@ def test_package_metadata_has_an_spdx_license_and_no_deprecation_warnings(tmp_pa
     assert "License-Expression: MIT" in metadata
 
 
-# docs/gpu.md is the maintainers' page on building the offline GPU bundle, which starts from their
+# docs/contributing/gpu.md is the maintainers' page on building the offline GPU bundle, which starts from their
 # shared tools next to the repository; every other page and docstring is for users.
-MAINTAINER_PAGES = {"docs/gpu.md"}
+MAINTAINER_PAGES = {"docs/contributing/gpu.md"}
 
 
 def _user_facing_files() -> list[Path]:
@@ -86,7 +86,7 @@ def test_readme_api_block_names_every_keyword_of_kda_forward():
 
     readme = (ROOT / "README.md").read_text()
     block = readme[readme.index("cute_kda.kda_forward("):]
-    block = block[: block.index("\n)")]
+    block = block[: re.search(r"\n\s*\)\n", block).start()]  # up to the call's closing parenthesis
     for name in inspect.signature(cute_kda.kda_forward).parameters:
         if name not in ("q", "k", "v", "g", "beta"):
             assert f"{name}=" in block, name

@@ -1,10 +1,12 @@
-"""The support matrix that docs/support.md shows is the one the code accepts (``scripts/support_matrix.py`` probes
-each cell through the entry point's translation and ``cute_kda.call.resolve``)."""
+"""The support matrix that docs/support.md and the README show is the one the code accepts
+(``scripts/support_matrix.py`` probes each cell through the entry point's translation and ``cute_kda.call.resolve``)."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,14 +18,14 @@ def _script():
     return module
 
 
-def test_docs_show_the_matrix_the_code_accepts():
+@pytest.mark.parametrize("page", ["docs/support.md", "README.md"])
+def test_docs_show_the_matrix_the_code_accepts(page):
     table = _script().markdown()
-    assert table in (ROOT / "docs" / "support.md").read_text(), "regenerate: python3 scripts/support_matrix.py"
+    assert table in (ROOT / page).read_text(), "regenerate: python3 scripts/support_matrix.py"
 
 
 def test_a_refused_cell_names_what_it_refuses():
     """The probe counts only the errors that name the argument: an unexpected exception fails loudly."""
-    import pytest
     import torch
 
     script = _script()
