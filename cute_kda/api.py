@@ -104,17 +104,19 @@ def kda_forward(
     """
     arguments = dict(scale=scale, lower_bound=lower_bound, output_final_state=output_final_state, vsplit=vsplit,
                      qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute, gate=gate, segments=segments)
-    if torch.compiler.is_compiling():
-        return _traced(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-                       cu_seqlens=cu_seqlens, out=out, final_state=final_state, **arguments)
-    if isinstance(q, torch.Tensor):  # torch in, torch out, torch's current stream: nothing to hand over
-        return run(resolve(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-                           cu_seqlens=cu_seqlens, out=out, final_state=final_state, **arguments))
-    as_torch = interop.as_torch
-    return interop.answer_in_framework(q, lambda: run(resolve(
-        *(as_torch(x) for x in (q, k, v, g, beta)), A_log=as_torch(A_log), dt_bias=as_torch(dt_bias),
-        initial_state=as_torch(initial_state), cu_seqlens=as_torch(cu_seqlens), out=as_torch(out),
-        final_state=as_torch(final_state), **arguments)))
+    if not torch.compiler.is_compiling():
+        # torch in, torch out, on torch's current stream (q that is no array at all: resolve names it)
+        if isinstance(q, torch.Tensor) or not hasattr(q, "__dlpack__"):
+            return run(resolve(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                               cu_seqlens=cu_seqlens, out=out, final_state=final_state, **arguments))
+        # another framework's arrays: the same call on torch views of them, answered in q's framework
+        as_torch = interop.as_torch
+        return interop.answer_in_framework(q, lambda: kda_forward(
+            *(as_torch(x) for x in (q, k, v, g, beta)), A_log=as_torch(A_log), dt_bias=as_torch(dt_bias),
+            initial_state=as_torch(initial_state), cu_seqlens=as_torch(cu_seqlens), out=as_torch(out),
+            final_state=as_torch(final_state), **arguments))
+    return _traced(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,  # one custom op
+                   cu_seqlens=cu_seqlens, out=out, final_state=final_state, **arguments)
 
 
 def run(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -188,7 +190,7 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     the backward (``kda_forward``'s ``recompute=True``), True keeps the intermediates for a faster one.
     """
     q = args[0] if args else kwargs.get("q")
-    if not isinstance(q, torch.Tensor):  # another framework's arrays: as torch tensors, answered in that framework
+    if not isinstance(q, torch.Tensor) and hasattr(q, "__dlpack__"):  # another framework's arrays, answered in it
         return interop.answer_in_framework(q, lambda: chunk_kda(*_as_torch(args), **_as_torch(kwargs)))
     call = translate_fla_call(*args, **kwargs)
     if torch.compiler.is_compiling():
@@ -218,7 +220,7 @@ def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     :func:`cute_kda.fla_calls.translate_fla_gdn_call`.
     """
     q = args[0] if args else kwargs.get("q")
-    if not isinstance(q, torch.Tensor):  # another framework's arrays: as torch tensors, answered in that framework
+    if not isinstance(q, torch.Tensor) and hasattr(q, "__dlpack__"):  # another framework's arrays, answered in it
         return interop.answer_in_framework(q, lambda: chunk_gated_delta_rule(*_as_torch(args), **_as_torch(kwargs)))
     return translate_fla_gdn_call(*args, **kwargs).run(kda_forward)
 

@@ -103,12 +103,15 @@ def resolve(
     cu_seqlens: torch.Tensor | None = None, out: torch.Tensor | None = None, final_state: torch.Tensor | None = None,
     vsplit: int | None = None, qk_l2norm: bool = True, beta_logits: bool = True, recompute: bool = False,
     gate: str = "safe", segments: int | None = None, training: bool | None = None,
+    final_state_dtype: torch.dtype | None = None,
 ) -> Call:
     """Check the arguments of :func:`cute_kda.kda_forward` (torch tensors; its docstring is the contract) and
     resolve them into a :class:`Call`. ``training`` None: autograd records the call when grad mode is on and an
     input requires grad (:func:`~cute_kda.validation.needs_autograd`); True / False forces the path (the training
-    executor's own entry, the custom ops). A training call is refused here when the backward does not cover it, when
-    caller buffers are given, or when a tensor is too large for Kernel B's offsets. Reads no device memory."""
+    executor's own entry, the custom ops). ``final_state_dtype`` (the inference op's, which takes no buffer): a final
+    state of that dtype; None: :func:`final_state_dtype_of`'s. A training call is refused here when the backward does
+    not cover it, when caller buffers are given, or when a tensor is too large for Kernel B's offsets. Reads no device
+    memory."""
     problem = validation.validate_forward(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
@@ -120,9 +123,10 @@ def resolve(
         validation.check_trainable(gate, q, v)
         validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
         validation.check_training_size(v, "v")  # v, dq and dk per value head: the largest per-token tensors
+    if final_state_dtype is None:
+        final_state_dtype = final_state_dtype_of(initial_state, final_state, output_final_state)
     inputs = Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, validation.staged_cu_seqlens(cu_seqlens, q))
     options = options_of(problem, q.device, scale=scale, lower_bound=lower_bound, qk_l2norm=qk_l2norm,
-                         beta_logits=beta_logits,
-                         final_state_dtype=final_state_dtype_of(initial_state, final_state, output_final_state),
-                         vsplit=vsplit, recompute=recompute, gate=gate, segments=segments)
+                         beta_logits=beta_logits, final_state_dtype=final_state_dtype, vsplit=vsplit,
+                         recompute=recompute, gate=gate, segments=segments)
     return Call(inputs, options, out, final_state, bool(training))

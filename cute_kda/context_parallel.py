@@ -78,10 +78,12 @@ class Segmentation(NamedTuple):
         return tile_bases_of(self.cu_seqlens())
 
     def on_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(:meth:`cu_seqlens`, :meth:`tile_bases`) on ``device``, copied once per (segmentation, device, stream)
-        asynchronously from pinned memory and kept: a call then launches neither a copy nor the tile prefix. Like the
-        inference workspace cache, not for a first call under CUDA-graph capture (the copy would be captured and
-        the kept tensors come from the graph's pool)."""
+        """(:meth:`cu_seqlens`, :meth:`tile_bases`) on ``device``: on a GPU copied once per (segmentation, device,
+        stream) asynchronously from pinned memory and kept, so a call launches neither a copy nor the tile prefix (like
+        the inference workspace cache, not for a first call under CUDA-graph capture: the copy would be captured and
+        the kept tensors come from the graph's pool); on the CPU (the reference stages) as they are made."""
+        if device.type != "cuda":
+            return self.cu_seqlens(), self.tile_bases()
         stream = torch.cuda.current_stream(device).cuda_stream
         key = (self, device.index, stream)
         kept = _ON_DEVICE.get(key)

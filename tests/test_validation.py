@@ -68,6 +68,14 @@ def test_not_a_tensor(name):
     expect(TypeError, name, "tensor", **{name: [1.0, 2.0]})
 
 
+@pytest.mark.parametrize("entry", [cute_kda.chunk_kda, cute_kda.chunk_gated_delta_rule])
+def test_fla_entry_names_a_q_that_is_no_array(entry):
+    """A q that is neither a torch tensor nor a DLPack array is named (not handed to the framework bridge)."""
+    inputs = make_inputs()
+    with pytest.raises(TypeError, match="q must be a tensor"):
+        entry([1.0, 2.0], inputs["k"], inputs["v"], inputs["g"], inputs["beta"])
+
+
 @pytest.mark.parametrize(
     "name, shape",
     [

@@ -216,13 +216,10 @@ def forward_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`cute_kda.kda_forward`'s inference on torch tensors; ``final_state_dtype`` None means no final state
     (then the second output is an empty tensor); A_log, dt_bias None with ``gate="none"``."""
-    final_state = None
-    if final_state_dtype is not None:
-        final_state = torch.empty(problem_of(q, v, cu_seqlens).state_shape, dtype=final_state_dtype, device=q.device)
     o, state = run(resolve(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                           initial_state=initial_state, cu_seqlens=cu_seqlens, final_state=final_state, vsplit=vsplit,
-                           qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate, segments=segments,
-                           training=False))
+                           initial_state=initial_state, cu_seqlens=cu_seqlens, vsplit=vsplit, qk_l2norm=qk_l2norm,
+                           beta_logits=beta_logits, gate=gate, segments=segments, training=False,
+                           final_state_dtype=final_state_dtype))
     return o, (state if state is not None else q.new_empty((0,)))
 
 

@@ -88,20 +88,10 @@ def _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs: int, snapshot_
 
 
 def bwd_scan(
-    do: torch.Tensor,
-    ws: Workspace,
-    dv: torch.Tensor,
-    du: torch.Tensor,
-    snapshots: torch.Tensor,
-    *,
-    cu_seqlens: torch.Tensor | None = None,
-    tile_base: torch.Tensor | None = None,
-    dht: torch.Tensor | None = None,
-    dh0: torch.Tensor | None = None,
-    vsplit: int | None = None,
-    tuning: ScanTuning = ScanTuning(),
-    token_outputs: bool = True,
-    snapshot_every: int = SNAPSHOT_TILES,
+    do: torch.Tensor, ws: Workspace, dv: torch.Tensor, du: torch.Tensor, snapshots: torch.Tensor, *,
+    cu_seqlens: torch.Tensor | None = None, tile_base: torch.Tensor | None = None, dht: torch.Tensor | None = None,
+    dh0: torch.Tensor | None = None, vsplit: int | None = None, tuning: ScanTuning = ScanTuning(),
+    token_outputs: bool = True, snapshot_every: int = SNAPSHOT_TILES,
 ) -> None:
     """Run Kernel A: ``dv``, ``du`` (valid rows only), ``snapshots`` and, when given, ``dh0``.
 

@@ -195,22 +195,10 @@ def compiled_variant(variant: PrepareVariant, index: int):
 
 
 def prepare(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    ws: Workspace,
-    *,
-    scale: float,
-    lower_bound: float,
-    cu_seqlens: torch.Tensor | None = None,
-    tile_base: torch.Tensor | None = None,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
-    gate: str = "safe",
-    stream=None,
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None, ws: Workspace, *, scale: float, lower_bound: float,
+    cu_seqlens: torch.Tensor | None = None, tile_base: torch.Tensor | None = None, qk_l2norm: bool = True,
+    beta_logits: bool = True, gate: str = "safe", stream=None,
 ) -> None:
     """Run K1: fill ``ws`` (``tiles_per_head(B·T, N, varlen)`` slots per head) from the raw inputs.
 

@@ -164,19 +164,9 @@ def mirror_bwd_grads_gates(*operands: torch.Tensor | Workspace, gate: str, **opt
 
 
 def mirror_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    do: torch.Tensor,
-    *,
-    dht: torch.Tensor | None = None,
-    gate: str = "safe",
-    initial_state: torch.Tensor | None = None,
-    state_layout: str = "vk",
-    cu_seqlens: torch.Tensor | None = None,
-    **k1_options: Any,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, do: torch.Tensor, *,
+    dht: torch.Tensor | None = None, gate: str = "safe", initial_state: torch.Tensor | None = None,
+    state_layout: str = "vk", cu_seqlens: torch.Tensor | None = None, **k1_options: Any,
 ) -> dict[str, torch.Tensor | None]:
     """The whole backward with the kernels' rounding, for every gate: the reference backend of the autograd layer.
 

@@ -132,24 +132,11 @@ def _recurrence(
 
 
 def gold_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    scale: float | None = None,
-    gate: str = "safe",
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    lower_bound: float = -5.0,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
-    initial_state: torch.Tensor | None = None,
-    state_layout: str = "vk",
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float64,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+    scale: float | None = None, gate: str = "safe", A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None, lower_bound: float = -5.0, qk_l2norm: bool = True, beta_logits: bool = True,
+    initial_state: torch.Tensor | None = None, state_layout: str = "vk", output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None, dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA / GatedDeltaNet forward by the token recurrence, every input widened to ``dtype``.
 
@@ -218,19 +205,9 @@ def gold_forward(
 
 
 def gold_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    do: torch.Tensor,
-    *,
-    dht: torch.Tensor | None = None,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float64,
-    **forward_options: Any,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, do: torch.Tensor, *,
+    dht: torch.Tensor | None = None, A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None, dtype: torch.dtype = torch.float64, **forward_options: Any,
 ) -> dict[str, torch.Tensor | None]:
     """Gradients of ``Σ o·do + Σ final_state·dht`` through :func:`gold_forward`, by autograd.
 
