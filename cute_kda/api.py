@@ -50,6 +50,9 @@ def kda_forward(
     recompute: bool = False,
     gate: str = "safe",
     segments: int | None = None,
+    state_indices: Any = None,
+    checkpoint_every: int | None = None,
+    checkpoint_indices: Any = None,
 ) -> tuple[Any, Any]:
     """KDA forward (docs/design.md §1) with the in-kernel gate, on a Hopper GPU.
 
@@ -76,6 +79,20 @@ def kda_forward(
       final_state  ``[N, H, V, K]``, written into ``final_state`` when given (then returned even
              without ``output_final_state``), else allocated when ``output_final_state`` with the
              dtype of ``initial_state`` (fp32 without one); None otherwise.
+    Prefill on a state pool (serving; inference only): with ``state_indices`` int32 ``[N]``, ``initial_state`` is a
+    pool ``[slots, H, V, K]`` (bf16 or fp32; a strided view of a larger cache is fine as long as each ``[V, K]``
+    block is contiguous and the slot / head strides are multiples of 16 bytes): sequence n starts from
+    ``pool[state_indices[n]]`` and its final state is written back into that slot in place (K2 loads and stores it
+    there; the returned final state is the pool itself, whatever ``output_final_state`` says; ``final_state=`` may
+    only be the pool). ``state_indices[n] = -1`` marks a padding row: nothing of the pool is read or written for it,
+    it starts from a zero state, and its ``out`` rows are that zero-state prefill's outputs (finite; engines ignore
+    them). Prefix checkpoints (prefix caching): ``checkpoint_every`` = C tokens (a positive multiple of 64) and
+    ``checkpoint_indices`` int32 ``[N, M]``: the state after ``(j + 1)·C`` tokens of sequence n (counted from its
+    start in this call) goes into pool slot ``checkpoint_indices[n, j]``, in the pool's dtype (−1, or a j past the
+    sequence's last full C-block, writes nothing); it equals the final state of the same prefill stopped there.
+    Slot ids are not read on the host; ``CUTE_KDA_DEBUG_CHECKS=1`` checks that they lie in [−1, slots) and that no
+    slot appears twice across ``state_indices`` and ``checkpoint_indices`` (a sync). Pool calls are never split into
+    segments and are not traced by ``torch.compile`` (``NotImplementedError``).
     K = V = 128. ``vsplit`` (1, 2, 4 or None = heuristic): K2 CTAs per (sequence, head). ``segments``
     (context parallelism, :mod:`cute_kda.context_parallel`): None lets a fixed-length call with few (sequence,
     head) pairs and long sequences cut each sequence into segments of whole tiles that the serial scans run side
@@ -104,6 +121,9 @@ def kda_forward(
     """
     arguments = dict(scale=scale, lower_bound=lower_bound, output_final_state=output_final_state, vsplit=vsplit,
                      qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute, gate=gate, segments=segments)
+    if state_indices is not None or checkpoint_indices is not None or checkpoint_every is not None:
+        arguments.update(state_indices=state_indices, checkpoint_every=checkpoint_every,
+                         checkpoint_indices=checkpoint_indices)
     if torch.compiler.is_compiling():
         return _traced(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
                        cu_seqlens=cu_seqlens, out=out, final_state=final_state, **arguments)
@@ -111,6 +131,9 @@ def kda_forward(
         return run(resolve(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
                            cu_seqlens=cu_seqlens, out=out, final_state=final_state, **arguments))
     as_torch = interop.as_torch
+    for name in ("state_indices", "checkpoint_indices"):
+        if name in arguments:
+            arguments[name] = as_torch(arguments[name])
     return interop.answer_in_framework(q, lambda: run(resolve(
         *(as_torch(x) for x in (q, k, v, g, beta)), A_log=as_torch(A_log), dt_bias=as_torch(dt_bias),
         initial_state=as_torch(initial_state), cu_seqlens=as_torch(cu_seqlens), out=as_torch(out),
@@ -129,10 +152,14 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None,
             out: torch.Tensor | None, final_state: torch.Tensor | None, vsplit: int | None, qk_l2norm: bool,
             beta_logits: bool, recompute: bool = False, gate: str = "safe", segments: int | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            **pool: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`kda_forward` as Dynamo traces it: the checks that need no memory, then one op (the training op when
     autograd records the call; it resolves the call itself when the graph runs). Caller buffers are filled by a copy
-    of the op's result (inference only: a recorded call refuses them here, as eager does)."""
+    of the op's result (inference only: a recorded call refuses them here, as eager does). ``pool``: a prefill on a
+    state pool, which no op covers yet (refused)."""
+    if pool:
+        raise NotImplementedError(f"{', '.join(sorted(pool))} (a prefill on a state pool) is not supported under "
+                                  "torch.compile yet: call kda_forward eagerly (torch.compiler.disable)")
     training_call = validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state)
     validation.check_gate(gate)
     for name, x in (("q", q), ("v", v), ("g", g)):

@@ -70,6 +70,10 @@ def translate_fla_call(
     cp_context: Any = None,
     use_graph: bool = False,
     max_num_seqs: int | None = None,
+    *,
+    state_indices: torch.Tensor | None = None,
+    checkpoint_every: int | None = None,
+    checkpoint_indices: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> CanonicalCall:
     """Map FLA ``chunk_kda`` arguments (fla-core 0.6.0) onto a :func:`kda_forward` call.
@@ -97,6 +101,9 @@ def translate_fla_call(
     outside [-5, 0) when ``safe_gate=False``, ``allow_neg_eigval``, training grouped value heads (HV != H) with
     the safe gate, ``return_intermediate_states``, ``cp_context``, ``use_graph``. Errors FLA raises itself
     (``ValueError``) are raised the same way.
+
+    cute_kda's extension (keyword-only, not in FLA): ``state_indices``, ``checkpoint_every``, ``checkpoint_indices``
+    make the call a prefill on a state pool (:func:`translate_pool_arguments`).
     """
     if not kwargs.keys() <= _FLA_EXTRA_KWARGS:
         unknown = sorted(kwargs.keys() - _FLA_EXTRA_KWARGS)
@@ -131,7 +138,8 @@ def translate_fla_call(
         A_log = _fla_A_log(kwargs.get("A_log"), heads, q.device)
         dt_bias = _fla_dt_bias(kwargs.get("dt_bias"), heads, key_dim, q.device)
 
-    if initial_state is not None:
+    pool = translate_pool_arguments(state_indices, checkpoint_every, checkpoint_indices, state_v_first)
+    if initial_state is not None and not pool:
         validation.check_is_tensor("initial_state", initial_state)
         validation.check_dtype("initial_state", initial_state, (torch.float32,))
         _check_fla_state_shape(initial_state, q, v, cu_seqlens, state_v_first)
@@ -144,11 +152,27 @@ def translate_fla_call(
     options = dict(
         scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, initial_state=initial_state,
         output_final_state=bool(output_final_state), cu_seqlens=cu_seqlens,
-        qk_l2norm=bool(use_qk_l2norm_in_kernel), beta_logits=bool(use_beta_sigmoid_in_kernel), gate=gate,
+        qk_l2norm=bool(use_qk_l2norm_in_kernel), beta_logits=bool(use_beta_sigmoid_in_kernel), gate=gate, **pool,
     )
     tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous())
-    return CanonicalCall(tensors=tensors, options=options, state_k_first=not state_v_first,
+    return CanonicalCall(tensors=tensors, options=options, state_k_first=not (state_v_first or pool),
                          recompute=not disable_recompute)
+
+
+def translate_pool_arguments(state_indices: Any, checkpoint_every: Any, checkpoint_indices: Any,
+                             state_v_first: bool) -> dict[str, Any]:
+    """cute_kda's extension of FLA's prefill calls: :func:`cute_kda.kda_forward`'s pool keywords (a prefill on a state
+    pool, ``initial_state`` the pool, final states written into its slots in place and the pool returned; prefix
+    checkpoints into pool slots), or ``{}`` when none is given. The pool must be v-first (``state_v_first=True``,
+    ``[slots, HV, V, K]``, bf16 or fp32): a K-first pool raises ``NotImplementedError`` (K2 moves ``[V, K]`` blocks).
+    The other checks are :func:`cute_kda.kda_forward`'s."""
+    given = {name: value for name, value in (("state_indices", state_indices), ("checkpoint_every", checkpoint_every),
+                                             ("checkpoint_indices", checkpoint_indices)) if value is not None}
+    if given and not state_v_first:
+        raise NotImplementedError(
+            f"{', '.join(given)} (a prefill on a state pool) needs a v-first pool [slots, HV, V, K]: pass "
+            "state_v_first=True (K-first pools are not supported)")
+    return given
 
 
 def _check_fla_state_shape(state: torch.Tensor, q: torch.Tensor, v: torch.Tensor, cu_seqlens: Any,
@@ -260,13 +284,14 @@ class GdnCall:
     tensors: tuple[torch.Tensor, ...]
     options: dict[str, Any]
     state_k_first: bool
+    pool: bool = False  # a prefill on a state pool: the final state is the pool itself, handed back as it is
 
     def run(self, forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, Any]:
         """Call ``forward`` (a canonical GatedDeltaNet forward: ``forward(q, k, v, g, beta, **options)`` →
         (o ``[B, T, HV, V]``, v-first final state or None)) and hand back as FLA does: the final state fp32
-        (whatever the initial state's dtype) in the caller's layout."""
+        (whatever the initial state's dtype) in the caller's layout; a pool call's pool as it is."""
         o, state = forward(*self.tensors, **self.options)
-        if state is not None:
+        if state is not None and not self.pool:
             state = state.transpose(-1, -2) if self.state_k_first else state
             state = state.to(torch.float32).contiguous()
         return o, state
@@ -289,6 +314,10 @@ def translate_fla_gdn_call(
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
     cp_context: Any = None,
+    *,
+    state_indices: torch.Tensor | None = None,
+    checkpoint_every: int | None = None,
+    checkpoint_indices: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> GdnCall:
     """Map FLA ``chunk_gated_delta_rule`` arguments (fla-core 0.6.0) onto a :class:`GdnCall`.
@@ -308,7 +337,8 @@ def translate_fla_gdn_call(
     What raises ``NotImplementedError`` (the flag is named): ``allow_neg_eigval=True`` (β = 2·sigmoid) and
     ``cp_context``. Errors FLA raises itself are raised the same way (``ValueError``; its
     ``DeprecationWarning`` for ``head_first``); a missing ``A_log`` with ``use_gate_in_kernel=True`` is a
-    ``ValueError`` here (FLA asserts). Unknown keywords raise ``TypeError``.
+    ``ValueError`` here (FLA asserts). Unknown keywords raise ``TypeError``. cute_kda's extension (keyword-only):
+    ``state_indices``, ``checkpoint_every``, ``checkpoint_indices``, as :func:`translate_pool_arguments`.
     """
     unknown = sorted(set(kwargs) - set(_GDN_EXTRA_KWARGS))
     if unknown:
@@ -339,7 +369,8 @@ def translate_fla_gdn_call(
             validation.check_is_tensor("cu_seqlens_cpu", cu_seqlens_cpu)
             validation.check_cu_seqlens_values(cu_seqlens_cpu, seq_len, name="cu_seqlens_cpu")
     num_seqs = validation.num_seqs(batch, cu_seqlens)
-    if initial_state is not None:
+    pool = translate_pool_arguments(state_indices, checkpoint_every, checkpoint_indices, state_v_first)
+    if initial_state is not None and not pool:
         validation.check_is_tensor("initial_state", initial_state)
         validation.check_dtype("initial_state", initial_state, validation.STATE_DTYPES)
         meaning = "[N, HV, V, K] (state_v_first)" if state_v_first else "[N, HV, K, V]"
@@ -355,10 +386,10 @@ def translate_fla_gdn_call(
         scale=None if scale is None else validation.check_real("scale", scale),
         gate=gate, A_log=A_log, dt_bias=dt_bias, qk_l2norm=bool(use_qk_l2norm_in_kernel),
         beta_logits=bool(use_beta_sigmoid_in_kernel), initial_state=initial_state,
-        output_final_state=bool(output_final_state), cu_seqlens=cu_seqlens,
+        output_final_state=bool(output_final_state), cu_seqlens=cu_seqlens, **pool,
     )
     tensors = tuple(x.contiguous() for x in (q, k, v, g, beta))
-    return GdnCall(tensors=tensors, options=options, state_k_first=not state_v_first)
+    return GdnCall(tensors=tensors, options=options, state_k_first=not state_v_first, pool=bool(pool))
 
 
 def _check_gdn_shapes(q: Any, k: Any, v: Any, g: Any, beta: Any) -> tuple[int, int, int, int]:

@@ -151,7 +151,7 @@ def run(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
     k1, k2, streams = _launchers()
     handle = streams.current_stream_handle(device.index)  # one stream look-up for the plan and both launches
     initial_dtype = None if x.initial_state is None else x.initial_state.dtype
-    config = (options, x.q.shape[2], x.g.dtype, x.g.dim(), initial_dtype)
+    config = (options, x.q.shape[2], x.g.dtype, x.g.dim(), initial_dtype, x.state_indices is not None)
     plan = WORKSPACES.plan(device.index, handle, config)
     with streams.on_device(device):
         if plan is None:
@@ -160,7 +160,7 @@ def run(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         k1.launch(plan.prepare, x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, plan.prepare_workspace, plan.scalars,
                   problem.seq_len, x.cu_seqlens, tile_base, plan.stream)
         k2.launch(plan.recurrence, x.v, out, plan.recurrence_workspace, x.initial_state, final_state, x.cu_seqlens,
-                  tile_base, plan.stream)
+                  tile_base, plan.stream, x.state_indices, x.checkpoint_indices)
     return out, final_state
 
 
@@ -194,10 +194,12 @@ def _build_plan(x: Inputs, options: Options, out: torch.Tensor, final_state: tor
                        problem.heads != x.q.shape[2]), device.index)
     tile_base = None if x.cu_seqlens is None else torch.empty(x.cu_seqlens.shape, dtype=torch.int32, device="meta")
     arguments = k2.launch_arguments(x.v, workspace, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base,
-                                    initial_state=x.initial_state, final_state=final_state)
+                                    initial_state=x.initial_state, final_state=final_state,
+                                    state_indices=x.state_indices, checkpoint_indices=x.checkpoint_indices)
     recurrence = k2.compiled_variant(
         RecurrenceVariant(vsplit, None if x.initial_state is None else x.initial_state.dtype,
-                          None if final_state is None else final_state.dtype, problem.varlen), device.index, arguments)
+                          None if final_state is None else final_state.dtype, problem.varlen, False,
+                          x.state_indices is not None, options.checkpoint_every), device.index, arguments)
     return LaunchPlan(prepare, recurrence, k1.workspace_arguments(workspace), k2.workspace_arguments(workspace),
                       k1.fp32_scalars(options.scale, options.lower_bound), stream)
 
