@@ -87,7 +87,7 @@ def test_pool_variant_compiles(variant):
                      "cvt.rn.bf16x2.f32"):
         assert report.count(mnemonic) == plain.count(mnemonic), mnemonic
     elements = D * kernel.warp_cols // 32  # fp32 state elements per lane
-    store = "st.global.f32" if dtype == torch.float32 else "st.global.b16"
+    store = "st.global.b32" if dtype == torch.float32 else "st.global.b16"
     extra = report.count(store) - plain.count(store)
     assert extra == (elements if prefix else 0)
     print(f"{variant}: {report.kernels[0].registers} registers (plain {plain.kernels[0].registers})")
