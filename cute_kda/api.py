@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from .executors import inference, training
 from .executors.stages import KERNELS
 from .fla_calls import translate_fla_call, translate_fla_gdn_call
 from .variants import GradsVariant, PrepareVariant, RecurrenceVariant, ScanVariant
+
+if TYPE_CHECKING:
+    from .fla_calls import CanonicalCall
 
 STATE_MODES = (None, torch.bfloat16, torch.float32)  # no state, bf16 state, fp32 state
 
@@ -218,12 +221,23 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     if not isinstance(q, torch.Tensor):  # another framework's arrays: as torch tensors, answered in that framework
         return interop.answer_in_framework(q, lambda: chunk_kda(*_as_torch(args), **_as_torch(kwargs)))
     call = translate_fla_call(*args, **kwargs)
+    if call.chunk_states:  # FLA's return_intermediate_states
+        return run_with_chunk_states(call)
     if torch.compiler.is_compiling():
         return call.run(functools.partial(kda_forward, recompute=call.recompute))
     return call.run(lambda *tensors, **options: run(resolve(*tensors, recompute=call.recompute, **options)))
 
 
 chunk_kda.__signature__ = inspect.signature(translate_fla_call).replace(return_annotation=tuple[Any, Any])
+
+
+def run_with_chunk_states(call: CanonicalCall) -> tuple[Any, Any, Any]:
+    """(o, final state, h) of a translated ``chunk_kda`` call with ``return_intermediate_states=True``, unsplit
+    (:func:`cute_kda.executors.inference.run_keeping_chunk_states`); eager only."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("return_intermediate_states=True is not supported under torch.compile yet")
+    return call.run(lambda *tensors, **options: inference.run_keeping_chunk_states(
+        resolve(*tensors, segments=1, **options), call.chunk_states, call.cu_seqlens_cpu))
 
 
 def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:

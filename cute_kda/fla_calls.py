@@ -34,13 +34,20 @@ class CanonicalCall:
     options: dict[str, Any]
     state_k_first: bool
     recompute: bool = True
+    chunk_states: int = 0  # return_intermediate_states: FLA's chunk size (tokens), else 0
+    cu_seqlens_cpu: torch.Tensor | None = None
 
-    def run(self, forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[Any, Any]:
-        """Call ``forward`` (:func:`kda_forward`, or a reference with its signature) and shape the result."""
-        o, state = forward(*self.tensors, **self.options)
+    def run(self, forward: Callable[..., tuple]) -> tuple[Any, ...]:
+        """Call ``forward`` (:func:`kda_forward`, or a reference with its signature) and shape the result; with
+        ``chunk_states``, ``forward`` also returns the chunk states ``[B, NT, H, K, V]`` (handed back v-first when the
+        caller's states are)."""
+        o, state, *chunk_states = forward(*self.tensors, **self.options)
         if state is not None and self.state_k_first:
             state = state.transpose(-1, -2).contiguous()
-        return o, state
+        if not chunk_states:
+            return o, state
+        h = chunk_states[0]
+        return o, state, (h if self.state_k_first else h.transpose(-1, -2).contiguous())
 
 
 _FLA_CHUNK_SIZES = (32, 64)
@@ -99,7 +106,9 @@ def translate_fla_call(
       - inputs that are not contiguous are made contiguous (FLA does the same).
     What raises ``NotImplementedError`` (the flag is named): a bounded gate with ``lower_bound``
     outside [-5, 0) when ``safe_gate=False``, ``allow_neg_eigval``, training grouped value heads (HV != H) with
-    the safe gate, ``return_intermediate_states``, ``cp_context``, ``use_graph``. Errors FLA raises itself
+    the safe gate, ``cp_context``, ``use_graph``, ``return_intermediate_states`` with ``cu_seqlens`` but no
+    ``cu_seqlens_cpu`` (``return_intermediate_states`` otherwise returns FLA's third output ``h``, bf16
+    ``[B, NT, H, K, V]``: :func:`cute_kda.executors.inference.run_keeping_chunk_states`; inference only). Errors FLA raises itself
     (``ValueError``) are raised the same way.
 
     cute_kda's extension (keyword-only, not in FLA): ``state_indices``, ``checkpoint_every``, ``checkpoint_indices``
@@ -117,8 +126,11 @@ def translate_fla_call(
         raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}.")  # FLA's text
     _refuse_unsupported_fla_flags(
         allow_neg_eigval=allow_neg_eigval, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        return_intermediate_states=return_intermediate_states, cp_context=cp_context, use_graph=use_graph,
+        cp_context=cp_context, use_graph=use_graph,
     )
+    if return_intermediate_states and cu_seqlens is not None and cu_seqlens_cpu is None:
+        raise NotImplementedError("return_intermediate_states=True with cu_seqlens needs cu_seqlens_cpu (the chunk "
+                                  "count depends on the sequence lengths; reading them would sync with the device)")
     gate, lower_bound = _fla_gate(use_gate_in_kernel, safe_gate, lower_bound)
 
     tensor = torch.Tensor
@@ -156,7 +168,9 @@ def translate_fla_call(
     )
     tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous())
     return CanonicalCall(tensors=tensors, options=options, state_k_first=not (state_v_first or pool),
-                         recompute=not disable_recompute)
+                         recompute=not disable_recompute,
+                         chunk_states=chunk_size if return_intermediate_states else 0,
+                         cu_seqlens_cpu=cu_seqlens_cpu if return_intermediate_states else None)
 
 
 def translate_pool_arguments(state_indices: Any, checkpoint_every: Any, checkpoint_indices: Any,
@@ -202,12 +216,9 @@ def refuse_neg_eigval(allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool) 
 
 
 def _refuse_unsupported_fla_flags(
-    *, allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool, return_intermediate_states: bool,
-    cp_context: Any, use_graph: bool,
+    *, allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool, cp_context: Any, use_graph: bool,
 ) -> None:
     refuse_neg_eigval(allow_neg_eigval, use_beta_sigmoid_in_kernel)
-    if return_intermediate_states:
-        raise NotImplementedError("return_intermediate_states=True is not supported (no chunk states are kept)")
     if cp_context is not None:
         raise NotImplementedError("cp_context (context parallelism) is not supported")
     if use_graph:

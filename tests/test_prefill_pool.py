@@ -366,3 +366,83 @@ def test_chunk_kda_and_gdn_take_a_pool(device, dtype):
     torch.cuda.synchronize()
     assert state is pools[2] and torch.equal(o, reference)
     assert torch.equal(pools[2][0].float(), final[2]) and torch.equal(pools[2][2].float(), final[0])
+
+
+# ============================================================================ FLA's return_intermediate_states
+
+
+def test_intermediate_states_translate_to_chunk_states():
+    from cute_kda.fla_calls import translate_fla_call
+
+    x = _inputs()
+    flags = dict(use_gate_in_kernel=True, lower_bound=-5.0, A_log=x["A_log"], dt_bias=x["dt_bias"])
+    call = translate_fla_call(x["q"], x["k"], x["v"], x["g"], x["beta"], return_intermediate_states=True,
+                              chunk_size=32, **flags)
+    assert call.chunk_states == 32 and call.cu_seqlens_cpu is None
+    packed = [t[:1].reshape(1, -1, *t.shape[2:]) for t in (x["q"], x["k"], x["v"], x["g"], x["beta"])]
+    with pytest.raises(NotImplementedError, match="cu_seqlens_cpu"):
+        translate_fla_call(*packed, return_intermediate_states=True, cu_seqlens=torch.tensor([0, 7, T]), **flags)
+    cpu_bounds = torch.tensor([0, 7, T])
+    call = translate_fla_call(*packed, return_intermediate_states=True, cu_seqlens=cpu_bounds,
+                              cu_seqlens_cpu=cpu_bounds, **flags)
+    assert call.chunk_states == 64 and call.cu_seqlens_cpu is cpu_bounds
+
+
+INTERMEDIATE_CASES = {
+    "fixed_B2_T200_chunk64": dict(lengths=[200, 200], chunk=64, v_first=False),
+    "varlen_chunk64_v_first": dict(lengths=[70, 200, 33], chunk=64, v_first=True),
+    "fixed_B1_T96_chunk32": dict(lengths=[96], chunk=32, v_first=False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(INTERMEDIATE_CASES))
+def test_intermediate_states_are_the_states_entering_each_chunk(device, case):
+    """h[.., c, ..] (bf16) = the bf16 rounding of the fp32 final state of the prefill of the first c·chunk tokens
+    (the initial state for c = 0): bit for bit, the same tile chain; o and the final state are the plain call's."""
+    spec = INTERMEDIATE_CASES[case]
+    lengths, chunk, heads = spec["lengths"], spec["chunk"], 2
+    x = _random_inputs(lengths, heads, device, seed=7)
+    gen = torch.Generator(device=device).manual_seed(8)
+    initial = 0.1 * torch.randn(len(lengths), heads, D, D, generator=gen, device=device)  # [N, H, V, K]
+    cu = x.get("cu_seqlens")
+    fla = dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=x["A_log"], dt_bias=x["dt_bias"],
+               use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=spec["v_first"],
+               output_final_state=True, chunk_size=chunk)
+    if cu is not None:
+        fla.update(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+    tensors = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    caller_initial = initial if spec["v_first"] else initial.transpose(-1, -2).contiguous()  # the caller's layout
+    with torch.inference_mode():
+        o, final, h = cute_kda.chunk_kda(*tensors, initial_state=caller_initial, return_intermediate_states=True,
+                                         **fla)
+        plain_o, plain_final = cute_kda.chunk_kda(*tensors, initial_state=caller_initial, **fla)
+    if not spec["v_first"]:
+        h = h.transpose(-1, -2)  # FLA's [K, V] → [V, K], as kda_forward's states below
+    torch.cuda.synchronize()
+    assert torch.equal(o, plain_o) and torch.equal(final, plain_final)
+    varlen = cu is not None
+    assert h.dtype == torch.bfloat16
+    assert h.shape == (1 if varlen else len(lengths), sum(-(-n // chunk) for n in lengths) // (1 if varlen else len(lengths)),
+                       heads, D, D)
+    flat = h.reshape(-1, heads, D, D)
+    row = 0
+    for n, (b, start, length) in enumerate(sequence_bounds_of(lengths, varlen)):
+        for c in range(-(-length // chunk)):
+            expected = initial[n]
+            if c:
+                cut = [t[b:b + 1, start:start + c * chunk].contiguous() for t in tensors]
+                with torch.inference_mode():
+                    _, expected = cute_kda.kda_forward(*cut, A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                                       initial_state=initial[n:n + 1], output_final_state=True)
+                expected = expected[0]
+            assert torch.equal(flat[row], expected.to(torch.bfloat16)), f"sequence {n} chunk {c}"
+            row += 1
+
+
+def sequence_bounds_of(lengths, varlen):
+    """(batch row, first token, length) of each sequence of :func:`_random_inputs`."""
+    if not varlen:
+        return [(b, 0, lengths[0]) for b in range(len(lengths))]
+    starts = np.cumsum([0, *lengths[:-1]]).tolist()
+    return [(0, start, length) for start, length in zip(starts, lengths)]

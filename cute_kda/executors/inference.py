@@ -20,7 +20,8 @@ from ..call import Call, Inputs, Options, resolve
 from ..validation import problem_of
 from ..device import check_supported, sm_count
 from ..variants import PrepareVariant, RecurrenceVariant
-from ..workspace import Workspace, WorkspaceSpec, workspace_views
+from ..numerics import CHUNK
+from ..workspace import Workspace, WorkspaceSpec, images_to_states, tile_bases_of, workspace_views
 from .stages import KERNELS, packed, workspace_spec
 
 OP_NAME = "cute_kda::forward"
@@ -175,6 +176,43 @@ def _segmented(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
     if call.final_state is None:
         return o, result.final_state
     return o, call.final_state.copy_(result.final_state)
+
+
+def run_keeping_chunk_states(call: Call, chunk: int, cu_seqlens_cpu: torch.Tensor | None
+                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(out, final state or None, the bf16 state entering every ``chunk``-token chunk of every sequence) of an unsplit
+    inference ``call``: FLA's ``return_intermediate_states``. The forward stage with K2's training checkpoints (the
+    bf16 state ``S`` entering every tile, as state images) runs, and the images entering tiles ``0, chunk / 16, …`` of
+    each sequence are gathered: ``[B, NT, H, K, V]`` (NT = ceil(T / chunk)) for equal lengths, ``[1, Σ NT_n, H, K, V]``
+    packed. A packed call needs ``cu_seqlens_cpu`` (the chunk count depends on its values: without them the host would
+    wait for the device)."""
+    x, options = call.inputs, call.options
+    if call.training:
+        raise NotImplementedError("return_intermediate_states=True is inference only: run the call under "
+                                  "torch.inference_mode() / torch.no_grad() (as FLA requires)")
+    if options.segmentation is not None or x.state_indices is not None:
+        raise NotImplementedError("return_intermediate_states=True with segments or a state pool is not supported")
+    problem = options.problem
+    if problem.varlen:
+        if cu_seqlens_cpu is None:
+            raise NotImplementedError("return_intermediate_states=True with cu_seqlens needs cu_seqlens_cpu (the "
+                                      "chunk count depends on the sequence lengths; reading them would sync)")
+        bounds = cu_seqlens_cpu.tolist()
+        tile_base = tile_bases_of(cu_seqlens_cpu).tolist()
+        lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    else:
+        lengths, per_row = [problem.seq_len] * problem.batch, -(-problem.seq_len // CHUNK)
+        tile_base = [n * per_row for n in range(problem.batch + 1)]
+    result = KERNELS.forward(x, options._replace(recompute=False))
+    images = result.saved.checkpoints  # [H · slots, D, D]: the state entering global tile g of sequence n at g + n
+    slots, step = images.shape[0] // problem.heads, chunk // CHUNK
+    rows = [tile_base[n] + n + c * step for n, length in enumerate(lengths) for c in range(-(-length // chunk))]
+    index = torch.tensor([head * slots + row for head in range(problem.heads) for row in rows], dtype=torch.int64)
+    index = index.pin_memory().to(images.device, non_blocking=True)
+    states = images_to_states(images.index_select(0, index)).view(problem.heads, len(rows), *images.shape[1:])
+    batch = 1 if problem.varlen else problem.batch
+    h = states.transpose(0, 1).reshape(batch, len(rows) // batch, problem.heads, *images.shape[1:])
+    return result.out, result.final_state, h
 
 
 def _build_plan(x: Inputs, options: Options, out: torch.Tensor, final_state: torch.Tensor | None,
