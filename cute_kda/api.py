@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -320,6 +321,8 @@ def warmup_variants(
     gated_delta_rule: bool = False,
     training: bool = False,
     segments: bool = True,
+    state_pools: tuple[torch.dtype, ...] = (),
+    checkpoint_every: tuple[int, ...] = (),
 ) -> list:
     """The variants :func:`warmup` compiles, in order, without duplicates. Pure: nothing is compiled, no device is
     needed.
@@ -332,7 +335,9 @@ def warmup_variants(
     ``vsplits``; dht of the final state's dtype or none, dh0 of the initial state's dtype or none) and Kernel B for
     each gate (per head too with ``gated_delta_rule``). ``segments`` also lists what a call split into segments runs
     (context parallelism, :mod:`cute_kda.context_parallel`; V-split 1): K2 on packed segments with fp32 states in and
-    out, and with ``training`` its checkpoint variant and Kernel A's two passes.
+    out, and with ``training`` its checkpoint variant and Kernel A's two passes. ``state_pools`` (bf16 and/or fp32):
+    K2 of a prefill on a state pool of that dtype, for every V-split and ``varlen`` value, without prefix checkpoints
+    and with each of ``checkpoint_every`` (tokens: one variant per value).
     """
     from .layouts.bwd_grads import DEFAULT_WARPS
     from .numerics import SCAN_VSPLITS, SUPPORTED_VSPLITS
@@ -372,4 +377,6 @@ def warmup_variants(
             variants[ScanVariant(1, None, fp32, True, token_outputs=False)] = None
             for dh0 in (fp32, None):
                 variants[ScanVariant(1, fp32, dh0, True)] = None
+    for pool, packed, split, every in itertools.product(state_pools, varlen, k2_splits, (0, *checkpoint_every)):
+        variants[RecurrenceVariant(split, pool, pool, packed, False, True, every)] = None
     return list(variants)

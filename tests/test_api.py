@@ -306,8 +306,10 @@ def mirror_kernels(monkeypatch):
         assert vsplit in validation_vsplits() and not variant.checkpoints
 
         def recurrence(v, out, *fields_states_and_bases):
-            *fields, initial_state, final_state, cu_seqlens, tile_base, _, stream = fields_states_and_bases
+            *fields, initial_state, final_state, cu_seqlens, tile_base, _, state_indices, checkpoint_indices, stream = (
+                fields_states_and_bases)
             assert stream == ("CUstream", 7)  # K2 launches on the call's one stream look-up too
+            assert state_indices is None and checkpoint_indices is None and not variant.state_pool  # no pool here
             assert (cu_seqlens is not None) == varlen and (tile_base is not None) == varlen
             assert (initial_dtype, final_dtype) == tuple(None if s is None else s.dtype
                                                          for s in (initial_state, final_state))

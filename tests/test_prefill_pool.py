@@ -423,8 +423,8 @@ def test_intermediate_states_are_the_states_entering_each_chunk(device, case):
     assert torch.equal(o, plain_o) and torch.equal(final, plain_final)
     varlen = cu is not None
     assert h.dtype == torch.bfloat16
-    assert h.shape == (1 if varlen else len(lengths), sum(-(-n // chunk) for n in lengths) // (1 if varlen else len(lengths)),
-                       heads, D, D)
+    rows = 1 if varlen else len(lengths)
+    assert h.shape == (rows, sum(-(-n // chunk) for n in lengths) // rows, heads, D, D)
     flat = h.reshape(-1, heads, D, D)
     row = 0
     for n, (b, start, length) in enumerate(sequence_bounds_of(lengths, varlen)):
@@ -446,3 +446,14 @@ def sequence_bounds_of(lengths, varlen):
         return [(b, 0, lengths[0]) for b in range(len(lengths))]
     starts = np.cumsum([0, *lengths[:-1]]).tolist()
     return [(0, start, length) for start, length in zip(starts, lengths)]
+
+
+def test_warmup_lists_the_pool_variants():
+    from cute_kda.api import warmup_variants
+    from cute_kda.variants import RecurrenceVariant
+
+    plain = warmup_variants(varlen=(True,), vsplits=(2,))
+    pools = warmup_variants(varlen=(True,), vsplits=(2,), state_pools=(torch.float32,), checkpoint_every=(128,))
+    assert pools[:len(plain)] == plain
+    assert pools[len(plain):] == [RecurrenceVariant(2, torch.float32, torch.float32, True, False, True, every)
+                                  for every in (0, 128)]
