@@ -457,3 +457,35 @@ def test_warmup_lists_the_pool_variants():
     assert pools[:len(plain)] == plain
     assert pools[len(plain):] == [RecurrenceVariant(2, torch.float32, torch.float32, True, False, True, every)
                                   for every in (0, 128)]
+
+
+@pytest.mark.parametrize("lengths,chunk", [([40, 40], 32), ([17, 0, 70, 64], 64)])
+def test_chunk_states_are_picked_from_the_checkpoint_rows(monkeypatch, lengths, chunk):
+    """The index arithmetic of run_keeping_chunk_states: the state entering global tile g of sequence n is checkpoint
+    row ``head · slots + g + n``; image r is filled with r here (a constant matrix, its own transpose)."""
+    from cute_kda.executors import inference
+    from cute_kda.executors.stages import Backend, ForwardResult, Saved
+
+    varlen = len(set(lengths)) > 1
+    x = _inputs(batch=1 if varlen else len(lengths), seq_len=sum(lengths) if varlen else lengths[0])
+    cu = torch.tensor([0, *np.cumsum(lengths).tolist()]) if varlen else None
+    tiles = [-(-n // 16) for n in lengths]
+    tile_base = np.cumsum([0, *tiles]).tolist()
+    slots = sum(tiles) + len(lengths) + 3  # a few unused rows, as a larger workspace leaves
+
+    def forward(inputs, options):
+        rows = torch.arange(H * slots, dtype=torch.float32).view(-1, 1, 1).expand(-1, D, D)
+        return ForwardResult(inputs.v, None, Saved(None, rows.to(torch.bfloat16).contiguous(), None))
+
+    monkeypatch.setattr(inference, "KERNELS", Backend("rows", forward, None, None))
+    tensors = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    call = call_module.resolve(*tensors, A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=cu, segments=1,
+                               training=False)
+    _, _, h = inference.run_keeping_chunk_states(call, chunk, cu)
+    expected = [tile_base[n] + n + c * (chunk // 16) for n, length in enumerate(lengths)
+                for c in range(-(-length // chunk))]
+    flat = h.reshape(-1, H, D, D).float()
+    assert h.shape[0] == (1 if varlen else len(lengths)) and flat.shape[0] == len(expected)
+    for i, row in enumerate(expected):
+        for head in range(H):
+            assert (flat[i, head] == head * slots + row).all(), (i, head)

@@ -208,7 +208,8 @@ def run_keeping_chunk_states(call: Call, chunk: int, cu_seqlens_cpu: torch.Tenso
     slots, step = images.shape[0] // problem.heads, chunk // CHUNK
     rows = [tile_base[n] + n + c * step for n, length in enumerate(lengths) for c in range(-(-length // chunk))]
     index = torch.tensor([head * slots + row for head in range(problem.heads) for row in rows], dtype=torch.int64)
-    index = index.pin_memory().to(images.device, non_blocking=True)
+    if images.is_cuda:  # a pinned copy does not wait for the stream
+        index = index.pin_memory().to(images.device, non_blocking=True)
     states = images_to_states(images.index_select(0, index)).view(problem.heads, len(rows), *images.shape[1:])
     batch = 1 if problem.varlen else problem.batch
     h = states.transpose(0, 1).reshape(batch, len(rows) // batch, problem.heads, *images.shape[1:])
