@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from . import validation
+from .k_first_pool import run_on_k_first_pool
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,14 @@ class CanonicalCall:
     recompute: bool = True
     chunk_states: int = 0  # return_intermediate_states: FLA's chunk size (tokens), else 0
     cu_seqlens_cpu: torch.Tensor | None = None
+    k_first_pool: bool = False  # a prefill on a K-first state pool (:mod:`cute_kda.k_first_pool`)
 
     def run(self, forward: Callable[..., tuple]) -> tuple[Any, ...]:
         """Call ``forward`` (:func:`kda_forward`, or a reference with its signature) and shape the result; with
         ``chunk_states``, ``forward`` also returns the chunk states ``[B, NT, H, K, V]`` (handed back v-first when the
         caller's states are)."""
+        if self.k_first_pool:
+            return run_on_k_first_pool(forward, self.tensors, self.options)
         o, state, *chunk_states = forward(*self.tensors, **self.options)
         if state is not None and self.state_k_first:
             state = state.transpose(-1, -2).contiguous()
@@ -150,7 +154,7 @@ def translate_fla_call(
         A_log = _fla_A_log(kwargs.get("A_log"), heads, q.device)
         dt_bias = _fla_dt_bias(kwargs.get("dt_bias"), heads, key_dim, q.device)
 
-    pool = translate_pool_arguments(state_indices, checkpoint_every, checkpoint_indices, state_v_first)
+    pool = translate_pool_arguments(state_indices, checkpoint_every, checkpoint_indices)
     if initial_state is not None and not pool:
         validation.check_is_tensor("initial_state", initial_state)
         validation.check_dtype("initial_state", initial_state, (torch.float32,))
@@ -168,25 +172,20 @@ def translate_fla_call(
     )
     tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous())
     return CanonicalCall(tensors=tensors, options=options, state_k_first=not (state_v_first or pool),
-                         recompute=not disable_recompute,
+                         recompute=not disable_recompute, k_first_pool=bool(pool) and not state_v_first,
                          chunk_states=chunk_size if return_intermediate_states else 0,
                          cu_seqlens_cpu=cu_seqlens_cpu if return_intermediate_states else None)
 
 
-def translate_pool_arguments(state_indices: Any, checkpoint_every: Any, checkpoint_indices: Any,
-                             state_v_first: bool) -> dict[str, Any]:
+def translate_pool_arguments(state_indices: Any, checkpoint_every: Any, checkpoint_indices: Any) -> dict[str, Any]:
     """cute_kda's extension of FLA's prefill calls: :func:`cute_kda.kda_forward`'s pool keywords (a prefill on a state
-    pool, ``initial_state`` the pool, final states written into its slots in place and the pool returned; prefix
-    checkpoints into pool slots), or ``{}`` when none is given. The pool must be v-first (``state_v_first=True``,
-    ``[slots, HV, V, K]``, bf16 or fp32): a K-first pool raises ``NotImplementedError`` (K2 moves ``[V, K]`` blocks).
-    The other checks are :func:`cute_kda.kda_forward`'s."""
-    given = {name: value for name, value in (("state_indices", state_indices), ("checkpoint_every", checkpoint_every),
-                                             ("checkpoint_indices", checkpoint_indices)) if value is not None}
-    if given and not state_v_first:
-        raise NotImplementedError(
-            f"{', '.join(given)} (a prefill on a state pool) needs a v-first pool [slots, HV, V, K]: pass "
-            "state_v_first=True (K-first pools are not supported)")
-    return given
+    pool, ``initial_state`` the pool, bf16 or fp32, final states written into its slots in place and the pool
+    returned; prefix checkpoints into pool slots), or ``{}`` when none is given. A v-first pool
+    (``state_v_first=True``, ``[slots, HV, V, K]``) is K2's TMA tensor; a K-first one (``[slots, HV, K, V]``) is staged
+    through a v-first pool by torch copies on the stream (:mod:`cute_kda.k_first_pool`). The checks are
+    :func:`cute_kda.kda_forward`'s."""
+    return {name: value for name, value in (("state_indices", state_indices), ("checkpoint_every", checkpoint_every),
+                                            ("checkpoint_indices", checkpoint_indices)) if value is not None}
 
 
 def _check_fla_state_shape(state: torch.Tensor, q: torch.Tensor, v: torch.Tensor, cu_seqlens: Any,
@@ -296,11 +295,14 @@ class GdnCall:
     options: dict[str, Any]
     state_k_first: bool
     pool: bool = False  # a prefill on a state pool: the final state is the pool itself, handed back as it is
+    k_first_pool: bool = False  # a K-first pool (:mod:`cute_kda.k_first_pool`)
 
     def run(self, forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, Any]:
         """Call ``forward`` (a canonical GatedDeltaNet forward: ``forward(q, k, v, g, beta, **options)`` →
         (o ``[B, T, HV, V]``, v-first final state or None)) and hand back as FLA does: the final state fp32
         (whatever the initial state's dtype) in the caller's layout; a pool call's pool as it is."""
+        if self.k_first_pool:
+            return run_on_k_first_pool(forward, self.tensors, self.options)
         o, state = forward(*self.tensors, **self.options)
         if state is not None and not self.pool:
             state = state.transpose(-1, -2) if self.state_k_first else state
@@ -380,7 +382,7 @@ def translate_fla_gdn_call(
             validation.check_is_tensor("cu_seqlens_cpu", cu_seqlens_cpu)
             validation.check_cu_seqlens_values(cu_seqlens_cpu, seq_len, name="cu_seqlens_cpu")
     num_seqs = validation.num_seqs(batch, cu_seqlens)
-    pool = translate_pool_arguments(state_indices, checkpoint_every, checkpoint_indices, state_v_first)
+    pool = translate_pool_arguments(state_indices, checkpoint_every, checkpoint_indices)
     if initial_state is not None and not pool:
         validation.check_is_tensor("initial_state", initial_state)
         validation.check_dtype("initial_state", initial_state, validation.STATE_DTYPES)
@@ -400,7 +402,8 @@ def translate_fla_gdn_call(
         output_final_state=bool(output_final_state), cu_seqlens=cu_seqlens, **pool,
     )
     tensors = tuple(x.contiguous() for x in (q, k, v, g, beta))
-    return GdnCall(tensors=tensors, options=options, state_k_first=not state_v_first, pool=bool(pool))
+    return GdnCall(tensors=tensors, options=options, state_k_first=not state_v_first, pool=bool(pool),
+                   k_first_pool=bool(pool) and not state_v_first)
 
 
 def _check_gdn_shapes(q: Any, k: Any, v: Any, g: Any, beta: Any) -> tuple[int, int, int, int]:

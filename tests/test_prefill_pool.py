@@ -220,22 +220,69 @@ def test_slot_values_are_checked_only_under_the_debug_switch(monkeypatch, slots,
         _pool_call(**changes)
 
 
-def test_fla_drop_ins_take_a_v_first_pool_only():
+def test_fla_drop_ins_take_pools():
     from cute_kda.fla_calls import translate_fla_call, translate_fla_gdn_call
 
     x = _inputs()
     pool, slots = torch.zeros(6, H, D, D, dtype=torch.bfloat16), torch.tensor([3, -1], dtype=torch.int32)
+    flags = dict(use_gate_in_kernel=True, lower_bound=-5.0, A_log=x["A_log"], dt_bias=x["dt_bias"])
     kda = translate_fla_call(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool, state_indices=slots,
-                             state_v_first=True, use_gate_in_kernel=True, lower_bound=-5.0, A_log=x["A_log"],
-                             dt_bias=x["dt_bias"])
-    assert kda.options["initial_state"] is pool and kda.options["state_indices"] is slots and not kda.state_k_first
-    with pytest.raises(NotImplementedError, match="state_v_first"):
-        translate_fla_call(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool, state_indices=slots)
+                             state_v_first=True, **flags)
+    assert kda.options["initial_state"] is pool and kda.options["state_indices"] is slots
+    assert not kda.state_k_first and not kda.k_first_pool
+    k_first = translate_fla_call(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool, state_indices=slots,
+                                 **flags)
+    assert k_first.k_first_pool and not k_first.state_k_first
     gdn = translate_fla_gdn_call(x["q"], x["k"], x["v"], x["g"][..., 0], x["beta"], initial_state=pool,
                                  state_indices=slots, checkpoint_every=64,
                                  checkpoint_indices=torch.zeros(2, 1, dtype=torch.int32), state_v_first=True)
-    assert gdn.pool and gdn.options["checkpoint_every"] == 64
+    assert gdn.pool and not gdn.k_first_pool and gdn.options["checkpoint_every"] == 64
     assert gdn.run(lambda *t, **o: (t[2], o["initial_state"]))[1] is pool  # the pool comes back as it is
+
+
+@pytest.mark.parametrize("slot_list,checkpoint_list", [
+    ([4, -1, 0], [[2, -1], [5, 6], [1, 7]]),
+    ([-1, -1, -1], None),
+    ([-1, -1, -1], [[-1, -1], [3, -1], [-1, -1]]),
+])
+def test_k_first_pool_is_staged_through_a_v_first_one(slot_list, checkpoint_list):
+    """A stand-in forward updates the v-first staging pool as K2 would (listed rows only; checkpoint row 1 of each
+    sequence is not reached): the K-first pool gets exactly those rows, transposed, in their slots; every other slot
+    keeps its bits."""
+    from cute_kda.k_first_pool import run_on_k_first_pool
+
+    pool = torch.randn(9, H, D, D)
+    before = pool.clone()
+    slots = torch.tensor(slot_list, dtype=torch.int32)
+    checkpoints = None if checkpoint_list is None else torch.tensor(checkpoint_list, dtype=torch.int32)
+    seen = {}
+
+    def forward(*tensors, initial_state, state_indices, checkpoint_indices=None, **options):
+        seen.update(staged=initial_state.clone(), options=options)
+        for n, row in enumerate(state_indices.tolist()):
+            if row >= 0:
+                initial_state[row] = initial_state[row] * 2 + n
+        if checkpoint_indices is not None:
+            for n, row in enumerate(checkpoint_indices[:, 0].tolist()):
+                if row >= 0 and state_indices[n] >= 0:
+                    initial_state[row] = -float(n + 1)
+        return tensors[0], initial_state
+
+    options = dict(initial_state=pool, state_indices=slots, checkpoint_indices=checkpoints, gate="none")
+    o, returned = run_on_k_first_pool(forward, (torch.zeros(1),), options)
+    assert returned is pool and seen["options"] == {"gate": "none"}
+    expected = before.clone()
+    for n, slot in enumerate(slot_list):
+        if slot >= 0:
+            assert torch.equal(seen["staged"][n], before[slot].transpose(-1, -2))  # gathered v-first
+            expected[slot] = before[slot] * 2 + n
+        else:
+            assert not seen["staged"][n].any()
+    if checkpoint_list is not None:
+        for n, (first, _) in enumerate(checkpoint_list):
+            if first >= 0 and slot_list[n] >= 0:
+                expected[first] = -float(n + 1)
+    assert torch.equal(pool, expected)
 
 
 def test_reference_gathers_zeros_for_padding_rows():
@@ -489,3 +536,25 @@ def test_chunk_states_are_picked_from_the_checkpoint_rows(monkeypatch, lengths, 
     for i, row in enumerate(expected):
         for head in range(H):
             assert (flat[i, head] == head * slots + row).all(), (i, head)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_k_first_pool_equals_the_v_first_pool(device, dtype):
+    """chunk_kda on FLA's default K-first pool (staged through a v-first one) = the same call on the v-first pool:
+    the same slots written with the same bits, transposed; the other slots untouched."""
+    lengths, heads = [70, 200, 33, 128], 2
+    x = _random_inputs(lengths, heads, device, seed=9)
+    slots = torch.tensor([2, -1, 0, 6], dtype=torch.int32, device=device)
+    checkpoints = torch.tensor([[5, -1], [7, 8], [-1, -1], [1, 3]], dtype=torch.int32, device=device)
+    v_first = _guarded_pool(9, heads, dtype, device)[0]
+    k_first = v_first.transpose(-1, -2).contiguous()
+    flags = dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=x["A_log"], dt_bias=x["dt_bias"],
+                 use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, cu_seqlens=x["cu_seqlens"],
+                 state_indices=slots, checkpoint_every=64, checkpoint_indices=checkpoints)
+    tensors = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    o_v, _ = cute_kda.chunk_kda(*tensors, initial_state=v_first, state_v_first=True, **flags)
+    o_k, returned = cute_kda.chunk_kda(*tensors, initial_state=k_first, **flags)
+    torch.cuda.synchronize()
+    assert returned is k_first and torch.equal(o_k, o_v)
+    assert torch.equal(k_first.transpose(-1, -2), v_first)
