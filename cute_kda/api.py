@@ -217,6 +217,16 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     and casts are torch ops that autograd runs backwards); ``ht``'s gradient flows into the backward.
     ``disable_recompute`` keeps FLA's meaning: False (the default) keeps nothing beyond the inputs for
     the backward (``kda_forward``'s ``recompute=True``), True keeps the intermediates for a faster one.
+
+    ``return_intermediate_states=True`` (inference) returns FLA's third output, ``h`` bf16 ``[B, NT, H, K, V]``
+    (``[.., V, K]`` with ``state_v_first``): the state entering every ``chunk_size``-token chunk of each sequence;
+    with ``cu_seqlens`` it needs ``cu_seqlens_cpu`` (the chunk count depends on the lengths).
+
+    cute_kda's extension (keyword-only, not in FLA): ``state_indices``, ``checkpoint_every`` and
+    ``checkpoint_indices`` make the call a prefill on a state pool as :func:`kda_forward` describes
+    (``initial_state`` the pool, bf16 or fp32; its final states written into the pool, which is returned). A
+    v-first pool (``state_v_first=True``) is read and written by the kernel; a K-first pool is staged through a
+    v-first one by torch copies on the stream (:mod:`cute_kda.k_first_pool`).
     """
     q = args[0] if args else kwargs.get("q")
     if not isinstance(q, torch.Tensor):  # another framework's arrays: as torch tensors, answered in that framework
@@ -257,7 +267,8 @@ def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
 
     Training: inputs that require grad get the backward of :mod:`cute_kda.executors.training` (Kernel B's per-head
     form; dq, dk summed over each group of value heads), eagerly or under torch.compile (its training ops). Flags as
-    :func:`cute_kda.fla_calls.translate_fla_gdn_call`.
+    :func:`cute_kda.fla_calls.translate_fla_gdn_call`. A prefill on a state pool (``state_indices``,
+    ``checkpoint_every``, ``checkpoint_indices``: cute_kda's keyword-only extension) as :func:`chunk_kda`.
     """
     q = args[0] if args else kwargs.get("q")
     if not isinstance(q, torch.Tensor):  # another framework's arrays: as torch tensors, answered in that framework
