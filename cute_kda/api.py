@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+import itertools
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +25,9 @@ from .executors import inference, training
 from .executors.stages import KERNELS
 from .fla_calls import translate_fla_call, translate_fla_gdn_call
 from .variants import GradsVariant, PrepareVariant, RecurrenceVariant, ScanVariant
+
+if TYPE_CHECKING:
+    from .fla_calls import CanonicalCall
 
 STATE_MODES = (None, torch.bfloat16, torch.float32)  # no state, bf16 state, fp32 state
 
@@ -50,6 +54,9 @@ def kda_forward(
     recompute: bool = False,
     gate: str = "safe",
     segments: int | None = None,
+    state_indices: Any = None,
+    checkpoint_every: int | None = None,
+    checkpoint_indices: Any = None,
 ) -> tuple[Any, Any]:
     """KDA forward (docs/design.md §1) with the in-kernel gate, on a Hopper GPU.
 
@@ -76,6 +83,20 @@ def kda_forward(
       final_state  ``[N, H, V, K]``, written into ``final_state`` when given (then returned even
              without ``output_final_state``), else allocated when ``output_final_state`` with the
              dtype of ``initial_state`` (fp32 without one); None otherwise.
+    Prefill on a state pool (serving; inference only): with ``state_indices`` int32 ``[N]``, ``initial_state`` is a
+    pool ``[slots, H, V, K]`` (bf16 or fp32; a strided view of a larger cache is fine as long as each ``[V, K]``
+    block is contiguous and the slot / head strides are multiples of 16 bytes): sequence n starts from
+    ``pool[state_indices[n]]`` and its final state is written back into that slot in place (K2 loads and stores it
+    there; the returned final state is the pool itself, whatever ``output_final_state`` says; ``final_state=`` may
+    only be the pool). ``state_indices[n] = -1`` marks a padding row: nothing of the pool is read or written for it,
+    it starts from a zero state, and its ``out`` rows are that zero-state prefill's outputs (finite; engines ignore
+    them). Prefix checkpoints (prefix caching): ``checkpoint_every`` = C tokens (a positive multiple of 64) and
+    ``checkpoint_indices`` int32 ``[N, M]``: the state after ``(j + 1)·C`` tokens of sequence n (counted from its
+    start in this call) goes into pool slot ``checkpoint_indices[n, j]``, in the pool's dtype (−1, or a j past the
+    sequence's last full C-block, writes nothing); it equals the final state of the same prefill stopped there.
+    Slot ids are not read on the host; ``CUTE_KDA_DEBUG_CHECKS=1`` checks that they lie in [−1, slots) and that no
+    slot appears twice across ``state_indices`` and ``checkpoint_indices`` (a sync). Pool calls are never split into
+    segments and are not traced by ``torch.compile`` (``NotImplementedError``).
     K = V = 128. ``vsplit`` (1, 2, 4 or None = heuristic): K2 CTAs per (sequence, head). ``segments``
     (context parallelism, :mod:`cute_kda.context_parallel`): None lets a fixed-length call with few (sequence,
     head) pairs and long sequences cut each sequence into segments of whole tiles that the serial scans run side
@@ -104,6 +125,9 @@ def kda_forward(
     """
     arguments = dict(scale=scale, lower_bound=lower_bound, output_final_state=output_final_state, vsplit=vsplit,
                      qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute, gate=gate, segments=segments)
+    if state_indices is not None or checkpoint_indices is not None or checkpoint_every is not None:
+        arguments.update(state_indices=state_indices, checkpoint_every=checkpoint_every,
+                         checkpoint_indices=checkpoint_indices)
     if not torch.compiler.is_compiling():
         # torch in, torch out, on torch's current stream (q that is no array at all: resolve names it)
         if isinstance(q, torch.Tensor) or not hasattr(q, "__dlpack__"):
@@ -111,6 +135,9 @@ def kda_forward(
                                cu_seqlens=cu_seqlens, out=out, final_state=final_state, **arguments))
         # another framework's arrays: the same call on torch views of them, answered in q's framework
         as_torch = interop.as_torch
+        for name in ("state_indices", "checkpoint_indices"):
+            if name in arguments:
+                arguments[name] = as_torch(arguments[name])
         return interop.answer_in_framework(q, lambda: kda_forward(
             *(as_torch(x) for x in (q, k, v, g, beta)), A_log=as_torch(A_log), dt_bias=as_torch(dt_bias),
             initial_state=as_torch(initial_state), cu_seqlens=as_torch(cu_seqlens), out=as_torch(out),
@@ -131,10 +158,14 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None,
             out: torch.Tensor | None, final_state: torch.Tensor | None, vsplit: int | None, qk_l2norm: bool,
             beta_logits: bool, recompute: bool = False, gate: str = "safe", segments: int | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            **pool: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`kda_forward` as Dynamo traces it: the checks that need no memory, then one op (the training op when
     autograd records the call; it resolves the call itself when the graph runs). Caller buffers are filled by a copy
-    of the op's result (inference only: a recorded call refuses them here, as eager does)."""
+    of the op's result (inference only: a recorded call refuses them here, as eager does). ``pool``: a prefill on a
+    state pool, which no op covers yet (refused)."""
+    if pool:
+        raise NotImplementedError(f"{', '.join(sorted(pool))} (a prefill on a state pool) is not supported under "
+                                  "torch.compile yet: call kda_forward eagerly (torch.compiler.disable)")
     training_call = validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state)
     validation.check_gate(gate)
     for name, x in (("q", q), ("v", v), ("g", g)):
@@ -188,17 +219,38 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     and casts are torch ops that autograd runs backwards); ``ht``'s gradient flows into the backward.
     ``disable_recompute`` keeps FLA's meaning: False (the default) keeps nothing beyond the inputs for
     the backward (``kda_forward``'s ``recompute=True``), True keeps the intermediates for a faster one.
+
+    ``return_intermediate_states=True`` (inference) returns FLA's third output, ``h`` bf16 ``[B, NT, H, K, V]``
+    (``[.., V, K]`` with ``state_v_first``): the state entering every ``chunk_size``-token chunk of each sequence;
+    with ``cu_seqlens`` it needs ``cu_seqlens_cpu`` (the chunk count depends on the lengths).
+
+    cute_kda's extension (keyword-only, not in FLA): ``state_indices``, ``checkpoint_every`` and
+    ``checkpoint_indices`` make the call a prefill on a state pool as :func:`kda_forward` describes
+    (``initial_state`` the pool, bf16 or fp32; its final states written into the pool, which is returned). A
+    v-first pool (``state_v_first=True``) is read and written by the kernel; a K-first pool is staged through a
+    v-first one by torch copies on the stream (:mod:`cute_kda.k_first_pool`).
     """
     q = args[0] if args else kwargs.get("q")
     if not isinstance(q, torch.Tensor) and hasattr(q, "__dlpack__"):  # another framework's arrays, answered in it
         return interop.answer_in_framework(q, lambda: chunk_kda(*_as_torch(args), **_as_torch(kwargs)))
     call = translate_fla_call(*args, **kwargs)
+    if call.chunk_states:  # FLA's return_intermediate_states
+        return run_with_chunk_states(call)
     if torch.compiler.is_compiling():
         return call.run(functools.partial(kda_forward, recompute=call.recompute))
     return call.run(lambda *tensors, **options: run(resolve(*tensors, recompute=call.recompute, **options)))
 
 
 chunk_kda.__signature__ = inspect.signature(translate_fla_call).replace(return_annotation=tuple[Any, Any])
+
+
+def run_with_chunk_states(call: CanonicalCall) -> tuple[Any, Any, Any]:
+    """(o, final state, h) of a translated ``chunk_kda`` call with ``return_intermediate_states=True``, unsplit
+    (:func:`cute_kda.executors.inference.run_keeping_chunk_states`); eager only."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("return_intermediate_states=True is not supported under torch.compile yet")
+    return call.run(lambda *tensors, **options: inference.run_keeping_chunk_states(
+        resolve(*tensors, segments=1, **options), call.chunk_states, call.cu_seqlens_cpu))
 
 
 def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -217,7 +269,8 @@ def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
 
     Training: inputs that require grad get the backward of :mod:`cute_kda.executors.training` (Kernel B's per-head
     form; dq, dk summed over each group of value heads), eagerly or under torch.compile (its training ops). Flags as
-    :func:`cute_kda.fla_calls.translate_fla_gdn_call`.
+    :func:`cute_kda.fla_calls.translate_fla_gdn_call`. A prefill on a state pool (``state_indices``,
+    ``checkpoint_every``, ``checkpoint_indices``: cute_kda's keyword-only extension) as :func:`chunk_kda`.
     """
     q = args[0] if args else kwargs.get("q")
     if not isinstance(q, torch.Tensor) and hasattr(q, "__dlpack__"):  # another framework's arrays, answered in it
@@ -281,6 +334,8 @@ def warmup_variants(
     gated_delta_rule: bool = False,
     training: bool = False,
     segments: bool = True,
+    state_pools: tuple[torch.dtype, ...] = (),
+    checkpoint_every: tuple[int, ...] = (),
 ) -> list:
     """The variants :func:`warmup` compiles, in order, without duplicates. Pure: nothing is compiled, no device is
     needed.
@@ -293,7 +348,9 @@ def warmup_variants(
     ``vsplits``; dht of the final state's dtype or none, dh0 of the initial state's dtype or none) and Kernel B for
     each gate (per head too with ``gated_delta_rule``). ``segments`` also lists what a call split into segments runs
     (context parallelism, :mod:`cute_kda.context_parallel`; V-split 1): K2 on packed segments with fp32 states in and
-    out, and with ``training`` its checkpoint variant and Kernel A's two passes.
+    out, and with ``training`` its checkpoint variant and Kernel A's two passes. ``state_pools`` (bf16 and/or fp32):
+    K2 of a prefill on a state pool of that dtype, for every V-split and ``varlen`` value, without prefix checkpoints
+    and with each of ``checkpoint_every`` (tokens: one variant per value).
     """
     from .layouts.bwd_grads import DEFAULT_WARPS
     from .numerics import SCAN_VSPLITS, SUPPORTED_VSPLITS
@@ -333,4 +390,6 @@ def warmup_variants(
             variants[ScanVariant(1, None, fp32, True, token_outputs=False)] = None
             for dh0 in (fp32, None):
                 variants[ScanVariant(1, fp32, dh0, True)] = None
+    for pool, packed, split, every in itertools.product(state_pools, varlen, k2_splits, (0, *checkpoint_every)):
+        variants[RecurrenceVariant(split, pool, pool, packed, False, True, every)] = None
     return list(variants)

@@ -31,7 +31,10 @@ class Inputs(NamedTuple):
     fp32 ``[HV, K]`` (``[HV]`` per head; both None for the log decay, gate "none"); initial_state None or bf16 / fp32
     ``[N, HV, V, K]``; cu_seqlens None or int64 ``[N+1]`` on q's device
     (:func:`~cute_kda.validation.staged_cu_seqlens`); tile_base None or
-    int32 ``[N+1]`` when known (a segmented call's, or the training forward's saved one).
+    int32 ``[N+1]`` when known (a segmented call's, or the training forward's saved one). A prefill on a state pool
+    (inference only): ``initial_state`` is the pool ``[slots, HV, V, K]``, ``state_indices`` int32 ``[N]`` its slot per
+    sequence (−1: a padding row), ``checkpoint_indices`` None or int32 ``[N, M]`` the slots of the prefix
+    checkpoints (:func:`cute_kda.kda_forward`).
     """
 
     q: torch.Tensor
@@ -44,11 +47,14 @@ class Inputs(NamedTuple):
     initial_state: torch.Tensor | None
     cu_seqlens: torch.Tensor | None
     tile_base: torch.Tensor | None = None
+    state_indices: torch.Tensor | None = None
+    checkpoint_indices: torch.Tensor | None = None
 
 
 class Options(NamedTuple):
     """The non-tensor arguments of one call, resolved: ``scale`` a float, ``final_state_dtype`` None for no final
-    state, ``vsplit`` None for K2's heuristic, ``segmentation`` None for an unsplit call."""
+    state, ``vsplit`` None for K2's heuristic, ``segmentation`` None for an unsplit call, ``checkpoint_every`` the
+    tokens between a pool call's prefix checkpoints (0: none)."""
 
     problem: ProblemShape
     scale: float
@@ -60,6 +66,7 @@ class Options(NamedTuple):
     recompute: bool = False
     gate: str = "safe"
     segmentation: Segmentation | None = None
+    checkpoint_every: int = 0
 
 
 class Call(NamedTuple):
@@ -103,7 +110,8 @@ def resolve(
     cu_seqlens: torch.Tensor | None = None, out: torch.Tensor | None = None, final_state: torch.Tensor | None = None,
     vsplit: int | None = None, qk_l2norm: bool = True, beta_logits: bool = True, recompute: bool = False,
     gate: str = "safe", segments: int | None = None, training: bool | None = None,
-    final_state_dtype: torch.dtype | None = None,
+    final_state_dtype: torch.dtype | None = None, state_indices: torch.Tensor | None = None,
+    checkpoint_every: int | None = None, checkpoint_indices: torch.Tensor | None = None,
 ) -> Call:
     """Check the arguments of :func:`cute_kda.kda_forward` (torch tensors; its docstring is the contract) and
     resolve them into a :class:`Call`. ``training`` None: autograd records the call when grad mode is on and an
@@ -111,14 +119,28 @@ def resolve(
     executor's own entry, the custom ops). ``final_state_dtype`` (the inference op's, which takes no buffer): a final
     state of that dtype; None: :func:`final_state_dtype_of`'s. A training call is refused here when the backward does
     not cover it, when caller buffers are given, or when a tensor is too large for Kernel B's offsets. Reads no device
-    memory."""
+    memory.
+
+    A pool call (``state_indices`` given) checks the pool and slot arguments
+    (:func:`~cute_kda.validation.check_prefill_pool_call`), is never split into segments and never trains."""
+    pool = state_indices is not None
+    pool_arguments = pool or checkpoint_indices is not None or checkpoint_every is not None  # checked below
     problem = validation.validate_forward(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-        initial_state=initial_state, final_state=final_state, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
-        gate=gate,
+        initial_state=None if pool_arguments else initial_state, final_state=None if pool_arguments else final_state,
+        out=out,
+        cu_seqlens=cu_seqlens, vsplit=vsplit, gate=gate,
     )
+    every = None
+    if pool_arguments:
+        every = validation.check_prefill_pool_call(
+            problem, q.device, initial_state=initial_state, state_indices=state_indices,
+            checkpoint_every=checkpoint_every, checkpoint_indices=checkpoint_indices, final_state=final_state)
     if training is None:
         training = validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state)
+    if pool:
+        _check_pool_inference(bool(training), segments)
+        segments, final_state = 1, initial_state  # the final states go into the pool's slots
     if training:
         validation.check_trainable(gate, q, v)
         validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
@@ -126,7 +148,23 @@ def resolve(
     if final_state_dtype is None:
         final_state_dtype = final_state_dtype_of(initial_state, final_state, output_final_state)
     inputs = Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, validation.staged_cu_seqlens(cu_seqlens, q))
+    if pool:
+        inputs = inputs._replace(state_indices=state_indices, checkpoint_indices=checkpoint_indices)
     options = options_of(problem, q.device, scale=scale, lower_bound=lower_bound, qk_l2norm=qk_l2norm,
                          beta_logits=beta_logits, final_state_dtype=final_state_dtype, vsplit=vsplit,
                          recompute=recompute, gate=gate, segments=segments)
+    if every:
+        options = options._replace(checkpoint_every=every)
     return Call(inputs, options, out, final_state, bool(training))
+
+
+def _check_pool_inference(training: bool, segments: int | None) -> None:
+    """A prefill on a state pool runs in the inference executor, unsplit: refuse autograd and segments >= 2."""
+    if training:
+        raise NotImplementedError(
+            "state_indices (a prefill on a state pool) is inference only: run the call under torch.no_grad() / "
+            "torch.inference_mode(), or detach its inputs")
+    if segments is not None and segments != 1:
+        raise NotImplementedError(
+            f"segments={segments!r} (context parallelism) does not apply to a prefill on a state pool "
+            "(state_indices): pass segments=None or 1")

@@ -149,6 +149,8 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     from .fla_calls import CanonicalCall
 
     call = _pending_call(args, kwargs, CanonicalCall, api.translate_fla_call)
+    if call.chunk_states:  # return_intermediate_states: (o, final state, h), as api.chunk_kda returns them
+        return api.run_with_chunk_states(call)
     return call.run(functools.partial(api.kda_forward, recompute=call.recompute))
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from . import validation
+from .k_first_pool import run_on_k_first_pool
 
 
 @dataclass(frozen=True)
@@ -34,13 +35,23 @@ class CanonicalCall:
     options: dict[str, Any]
     state_k_first: bool
     recompute: bool = True
+    chunk_states: int = 0  # return_intermediate_states: FLA's chunk size (tokens), else 0
+    cu_seqlens_cpu: torch.Tensor | None = None
+    k_first_pool: bool = False  # a prefill on a K-first state pool (:mod:`cute_kda.k_first_pool`)
 
-    def run(self, forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[Any, Any]:
-        """Call ``forward`` (:func:`kda_forward`, or a reference with its signature) and shape the result."""
-        o, state = forward(*self.tensors, **self.options)
+    def run(self, forward: Callable[..., tuple]) -> tuple[Any, ...]:
+        """Call ``forward`` (:func:`kda_forward`, or a reference with its signature) and shape the result; with
+        ``chunk_states``, ``forward`` also returns the chunk states ``[B, NT, H, K, V]`` (handed back v-first when the
+        caller's states are)."""
+        if self.k_first_pool:
+            return run_on_k_first_pool(forward, self.tensors, self.options)
+        o, state, *chunk_states = forward(*self.tensors, **self.options)
         if state is not None and self.state_k_first:
             state = state.transpose(-1, -2).contiguous()
-        return o, state
+        if not chunk_states:
+            return o, state
+        h = chunk_states[0]
+        return o, state, (h if self.state_k_first else h.transpose(-1, -2).contiguous())
 
 
 _FLA_CHUNK_SIZES = (32, 64)
@@ -70,6 +81,10 @@ def translate_fla_call(
     cp_context: Any = None,
     use_graph: bool = False,
     max_num_seqs: int | None = None,
+    *,
+    state_indices: torch.Tensor | None = None,
+    checkpoint_every: int | None = None,
+    checkpoint_indices: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> CanonicalCall:
     """Map FLA ``chunk_kda`` arguments (fla-core 0.6.0) onto a :func:`kda_forward` call.
@@ -95,8 +110,13 @@ def translate_fla_call(
       - inputs that are not contiguous are made contiguous (FLA does the same).
     What raises ``NotImplementedError`` (the flag is named): a bounded gate with ``lower_bound``
     outside [-5, 0) when ``safe_gate=False``, ``allow_neg_eigval``, training grouped value heads (HV != H) with
-    the safe gate, ``return_intermediate_states``, ``cp_context``, ``use_graph``. Errors FLA raises itself
+    the safe gate, ``cp_context``, ``use_graph``, ``return_intermediate_states`` with ``cu_seqlens`` but no
+    ``cu_seqlens_cpu`` (``return_intermediate_states`` otherwise returns FLA's third output ``h``, bf16
+    ``[B, NT, H, K, V]``: :func:`cute_kda.executors.inference.run_keeping_chunk_states`; inference only). Errors FLA raises itself
     (``ValueError``) are raised the same way.
+
+    cute_kda's extension (keyword-only, not in FLA): ``state_indices``, ``checkpoint_every``, ``checkpoint_indices``
+    make the call a prefill on a state pool (:func:`translate_pool_arguments`).
     """
     if not kwargs.keys() <= _FLA_EXTRA_KWARGS:
         unknown = sorted(kwargs.keys() - _FLA_EXTRA_KWARGS)
@@ -110,8 +130,11 @@ def translate_fla_call(
         raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}.")  # FLA's text
     _refuse_unsupported_fla_flags(
         allow_neg_eigval=allow_neg_eigval, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        return_intermediate_states=return_intermediate_states, cp_context=cp_context, use_graph=use_graph,
+        cp_context=cp_context, use_graph=use_graph,
     )
+    if return_intermediate_states and cu_seqlens is not None and cu_seqlens_cpu is None:
+        raise NotImplementedError("return_intermediate_states=True with cu_seqlens needs cu_seqlens_cpu (the chunk "
+                                  "count depends on the sequence lengths; reading them would sync with the device)")
     gate, lower_bound = _fla_gate(use_gate_in_kernel, safe_gate, lower_bound)
 
     tensor = torch.Tensor
@@ -131,7 +154,8 @@ def translate_fla_call(
         A_log = _fla_A_log(kwargs.get("A_log"), heads, q.device)
         dt_bias = _fla_dt_bias(kwargs.get("dt_bias"), heads, key_dim, q.device)
 
-    if initial_state is not None:
+    pool = translate_pool_arguments(state_indices, checkpoint_every, checkpoint_indices)
+    if initial_state is not None and not pool:
         validation.check_is_tensor("initial_state", initial_state)
         validation.check_dtype("initial_state", initial_state, (torch.float32,))
         _check_fla_state_shape(initial_state, q, v, cu_seqlens, state_v_first)
@@ -144,11 +168,24 @@ def translate_fla_call(
     options = dict(
         scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, initial_state=initial_state,
         output_final_state=bool(output_final_state), cu_seqlens=cu_seqlens,
-        qk_l2norm=bool(use_qk_l2norm_in_kernel), beta_logits=bool(use_beta_sigmoid_in_kernel), gate=gate,
+        qk_l2norm=bool(use_qk_l2norm_in_kernel), beta_logits=bool(use_beta_sigmoid_in_kernel), gate=gate, **pool,
     )
     tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous())
-    return CanonicalCall(tensors=tensors, options=options, state_k_first=not state_v_first,
-                         recompute=not disable_recompute)
+    return CanonicalCall(tensors=tensors, options=options, state_k_first=not (state_v_first or pool),
+                         recompute=not disable_recompute, k_first_pool=bool(pool) and not state_v_first,
+                         chunk_states=chunk_size if return_intermediate_states else 0,
+                         cu_seqlens_cpu=cu_seqlens_cpu if return_intermediate_states else None)
+
+
+def translate_pool_arguments(state_indices: Any, checkpoint_every: Any, checkpoint_indices: Any) -> dict[str, Any]:
+    """cute_kda's extension of FLA's prefill calls: :func:`cute_kda.kda_forward`'s pool keywords (a prefill on a state
+    pool, ``initial_state`` the pool, bf16 or fp32, final states written into its slots in place and the pool
+    returned; prefix checkpoints into pool slots), or ``{}`` when none is given. A v-first pool
+    (``state_v_first=True``, ``[slots, HV, V, K]``) is K2's TMA tensor; a K-first one (``[slots, HV, K, V]``) is staged
+    through a v-first pool by torch copies on the stream (:mod:`cute_kda.k_first_pool`). The checks are
+    :func:`cute_kda.kda_forward`'s."""
+    return {name: value for name, value in (("state_indices", state_indices), ("checkpoint_every", checkpoint_every),
+                                            ("checkpoint_indices", checkpoint_indices)) if value is not None}
 
 
 def _check_fla_state_shape(state: torch.Tensor, q: torch.Tensor, v: torch.Tensor, cu_seqlens: Any,
@@ -178,12 +215,9 @@ def refuse_neg_eigval(allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool) 
 
 
 def _refuse_unsupported_fla_flags(
-    *, allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool, return_intermediate_states: bool,
-    cp_context: Any, use_graph: bool,
+    *, allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool, cp_context: Any, use_graph: bool,
 ) -> None:
     refuse_neg_eigval(allow_neg_eigval, use_beta_sigmoid_in_kernel)
-    if return_intermediate_states:
-        raise NotImplementedError("return_intermediate_states=True is not supported (no chunk states are kept)")
     if cp_context is not None:
         raise NotImplementedError("cp_context (context parallelism) is not supported")
     if use_graph:
@@ -260,13 +294,17 @@ class GdnCall:
     tensors: tuple[torch.Tensor, ...]
     options: dict[str, Any]
     state_k_first: bool
+    pool: bool = False  # a prefill on a state pool: the final state is the pool itself, handed back as it is
+    k_first_pool: bool = False  # a K-first pool (:mod:`cute_kda.k_first_pool`)
 
     def run(self, forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, Any]:
         """Call ``forward`` (a canonical GatedDeltaNet forward: ``forward(q, k, v, g, beta, **options)`` →
         (o ``[B, T, HV, V]``, v-first final state or None)) and hand back as FLA does: the final state fp32
-        (whatever the initial state's dtype) in the caller's layout."""
+        (whatever the initial state's dtype) in the caller's layout; a pool call's pool as it is."""
+        if self.k_first_pool:
+            return run_on_k_first_pool(forward, self.tensors, self.options)
         o, state = forward(*self.tensors, **self.options)
-        if state is not None:
+        if state is not None and not self.pool:
             state = state.transpose(-1, -2) if self.state_k_first else state
             state = state.to(torch.float32).contiguous()
         return o, state
@@ -289,6 +327,10 @@ def translate_fla_gdn_call(
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
     cp_context: Any = None,
+    *,
+    state_indices: torch.Tensor | None = None,
+    checkpoint_every: int | None = None,
+    checkpoint_indices: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> GdnCall:
     """Map FLA ``chunk_gated_delta_rule`` arguments (fla-core 0.6.0) onto a :class:`GdnCall`.
@@ -308,7 +350,8 @@ def translate_fla_gdn_call(
     What raises ``NotImplementedError`` (the flag is named): ``allow_neg_eigval=True`` (β = 2·sigmoid) and
     ``cp_context``. Errors FLA raises itself are raised the same way (``ValueError``; its
     ``DeprecationWarning`` for ``head_first``); a missing ``A_log`` with ``use_gate_in_kernel=True`` is a
-    ``ValueError`` here (FLA asserts). Unknown keywords raise ``TypeError``.
+    ``ValueError`` here (FLA asserts). Unknown keywords raise ``TypeError``. cute_kda's extension (keyword-only):
+    ``state_indices``, ``checkpoint_every``, ``checkpoint_indices``, as :func:`translate_pool_arguments`.
     """
     unknown = sorted(set(kwargs) - set(_GDN_EXTRA_KWARGS))
     if unknown:
@@ -339,7 +382,8 @@ def translate_fla_gdn_call(
             validation.check_is_tensor("cu_seqlens_cpu", cu_seqlens_cpu)
             validation.check_cu_seqlens_values(cu_seqlens_cpu, seq_len, name="cu_seqlens_cpu")
     num_seqs = validation.num_seqs(batch, cu_seqlens)
-    if initial_state is not None:
+    pool = translate_pool_arguments(state_indices, checkpoint_every, checkpoint_indices)
+    if initial_state is not None and not pool:
         validation.check_is_tensor("initial_state", initial_state)
         validation.check_dtype("initial_state", initial_state, validation.STATE_DTYPES)
         meaning = "[N, HV, V, K] (state_v_first)" if state_v_first else "[N, HV, K, V]"
@@ -355,10 +399,11 @@ def translate_fla_gdn_call(
         scale=None if scale is None else validation.check_real("scale", scale),
         gate=gate, A_log=A_log, dt_bias=dt_bias, qk_l2norm=bool(use_qk_l2norm_in_kernel),
         beta_logits=bool(use_beta_sigmoid_in_kernel), initial_state=initial_state,
-        output_final_state=bool(output_final_state), cu_seqlens=cu_seqlens,
+        output_final_state=bool(output_final_state), cu_seqlens=cu_seqlens, **pool,
     )
     tensors = tuple(x.contiguous() for x in (q, k, v, g, beta))
-    return GdnCall(tensors=tensors, options=options, state_k_first=not state_v_first)
+    return GdnCall(tensors=tensors, options=options, state_k_first=not state_v_first, pool=bool(pool),
+                   k_first_pool=bool(pool) and not state_v_first)
 
 
 def _check_gdn_shapes(q: Any, k: Any, v: Any, g: Any, beta: Any) -> tuple[int, int, int, int]:

@@ -14,6 +14,7 @@ accepted counts likewise (the last section: the state pool's checks; :func:`chec
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from numbers import Integral, Real
@@ -549,3 +550,111 @@ def check_pool_values(slots: int, ids: torch.Tensor, counts: torch.Tensor | None
         if lengths.numel() and int(lengths.max()) > width:
             raise ValueError(f"cu_seqlens: a verified sequence holds at most {width} tokens (the width of "
                              f"{ids_name}), got lengths {lengths.tolist()}")
+
+# ---------------------------------------------------------------------------------------------
+# Prefill on a state pool (serving): the pool, its slot ids and the prefix checkpoints.
+# (Decode pools have their own checks; these are the prefill's, to be unified with them.)
+
+CHECKPOINT_GRANULE = 64  # prefix checkpoints fall on multiples of 64 tokens (whole K2 tiles of the engines' blocks)
+
+
+def check_prefill_pool(pool: object, problem: ProblemShape, device: torch.device) -> torch.Tensor:
+    """``initial_state`` as a state pool: bf16 or fp32 ``[slots, HV, V, K]`` on q's device, 16-byte aligned, each
+    ``[V, K]`` block contiguous and the slot and head strides multiples of 16 bytes (a view of a larger cache is
+    fine: K2's TMA takes any such strides)."""
+    name, d = "initial_state", problem.head_dim
+    pool = check_is_tensor(name, pool)
+    check_dtype(name, pool, STATE_DTYPES)
+    check_ndim(name, pool, 4, "[slots, HV, V, K] (a state pool)")
+    slots, heads, rows, cols = pool.shape
+    if slots == 0 or (heads, rows, cols) != (problem.heads, d, d):
+        raise ValueError(f"initial_state (a state pool with state_indices) must have shape [slots, HV, V, K] = "
+                         f"[slots >= 1, {problem.heads}, {d}, {d}], got {list(pool.shape)}")
+    granule = ALIGNMENT_BYTES // pool.element_size()
+    s_slot, s_head, s_row, s_col = pool.stride()
+    if s_col != 1 or s_row != d or s_head % granule or s_slot % granule:
+        raise ValueError(f"initial_state (a state pool) must have contiguous [V, K] blocks and slot / head strides "
+                         f"that are multiples of {granule} elements (16 bytes), got strides {list(pool.stride())}")
+    check_same_device(name, pool, device)
+    check_aligned(name, pool)
+    return pool
+
+
+def check_slot_tensor(name: str, tensor: object, shape: tuple[int, ...], meaning: str,
+                      device: torch.device) -> torch.Tensor:
+    """A tensor of int32 pool slot ids (−1: none) of ``shape``, contiguous, on q's device (values not read)."""
+    tensor = check_is_tensor(name, tensor)
+    check_dtype(name, tensor, (torch.int32,))
+    check_ndim(name, tensor, len(shape), meaning)
+    check_shape(name, tensor, shape, meaning)
+    check_contiguous(name, tensor)
+    check_same_device(name, tensor, device)
+    return tensor
+
+
+def check_checkpoint_every(checkpoint_every: object) -> int:
+    """A positive Python int, a multiple of :data:`CHECKPOINT_GRANULE` tokens."""
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, Integral):
+        raise TypeError(f"checkpoint_every must be a Python int (tokens), got {type(checkpoint_every).__name__}")
+    if checkpoint_every <= 0 or checkpoint_every % CHECKPOINT_GRANULE:
+        raise ValueError(f"checkpoint_every must be a positive multiple of {CHECKPOINT_GRANULE} tokens, "
+                         f"got {checkpoint_every}")
+    return int(checkpoint_every)
+
+
+def check_prefill_pool_call(problem: ProblemShape, device: torch.device, *, initial_state: object,
+                            state_indices: object, checkpoint_every: object, checkpoint_indices: object,
+                            final_state: object) -> int:
+    """The pool arguments of a :func:`cute_kda.kda_forward` call (structure only; the slot values under
+    ``CUTE_KDA_DEBUG_CHECKS=1``, :func:`check_prefill_slot_values`). Returns ``checkpoint_every`` (0: none)."""
+    if state_indices is None:
+        for name, value in (("checkpoint_indices", checkpoint_indices), ("checkpoint_every", checkpoint_every)):
+            if value is not None:
+                raise ValueError(f"{name} writes into a state pool: pass initial_state=pool with state_indices")
+        return 0
+    if initial_state is None:
+        raise ValueError("state_indices selects slots of a state pool: pass the pool as initial_state")
+    pool = check_prefill_pool(initial_state, problem, device)
+    check_slot_tensor("state_indices", state_indices, (problem.num_seqs,), "[N] (a pool slot per sequence)", device)
+    if final_state is not None and not (final_state is pool or (
+            isinstance(final_state, torch.Tensor) and final_state.data_ptr() == pool.data_ptr()
+            and final_state.shape == pool.shape and final_state.stride() == pool.stride()
+            and final_state.dtype == pool.dtype)):
+        raise ValueError("final_state contradicts the state pool: with state_indices the final states are written "
+                         "into initial_state's slots in place; pass final_state=None (or the pool itself)")
+    if (checkpoint_every is None) != (checkpoint_indices is None):
+        given, missing = (("checkpoint_every", "checkpoint_indices") if checkpoint_indices is None
+                          else ("checkpoint_indices", "checkpoint_every"))
+        raise ValueError(f"{given} needs {missing}: prefix checkpoints take both")
+    if checkpoint_indices is None:
+        every = 0
+    else:
+        every = check_checkpoint_every(checkpoint_every)
+        indices = check_is_tensor("checkpoint_indices", checkpoint_indices)
+        check_ndim("checkpoint_indices", indices, 2, "[N, M] (a pool slot per sequence and checkpoint)")
+        check_slot_tensor("checkpoint_indices", indices, (problem.num_seqs, indices.shape[1]),
+                          "[N, M] (a pool slot per sequence and checkpoint)", device)
+    if debug_checks_enabled():
+        check_prefill_slot_values(pool.shape[0], state_indices, checkpoint_indices)
+    return every
+
+
+def check_prefill_slot_values(slots: int, state_indices: torch.Tensor,
+                              checkpoint_indices: torch.Tensor | None) -> None:
+    """Every slot id in [−1, slots) and no slot listed twice across ``state_indices`` and ``checkpoint_indices``
+    (reads the values: a sync for device tensors, so only under ``CUTE_KDA_DEBUG_CHECKS=1``)."""
+    seen: dict[int, str] = {}
+    named = [("state_indices", state_indices)]
+    if checkpoint_indices is not None:
+        named.append(("checkpoint_indices", checkpoint_indices))
+    for name, tensor in named:
+        values = tensor.cpu()
+        for position, slot in zip(itertools.product(*map(range, values.shape)), values.flatten().tolist()):
+            where = f"{name}[{', '.join(map(str, position))}]"
+            if not -1 <= slot < slots:
+                raise ValueError(f"{where} = {slot} is not a slot of the pool (0 <= slot < {slots}, or -1 for none)")
+            if slot >= 0:
+                if slot in seen:
+                    raise ValueError(f"{where} = {slot} repeats {seen[slot]}: a pool slot may be read or written by "
+                                     "one sequence and one checkpoint of a call only")
+                seen[slot] = where

@@ -63,13 +63,17 @@ class PrepareVariant:
 @dataclass(frozen=True)
 class RecurrenceVariant(SerialScan):
     """K2 (:class:`cute_kda.kernels.fwd_recurrence.FwdRecurrence`): the state dtypes in and out (None: no such
-    state), ``checkpoints``: the training forward's variant that keeps the state entering every tile."""
+    state), ``checkpoints``: the training forward's variant that keeps the state entering every tile;
+    ``state_pool``: the states are one pool read and written by slot id (both dtypes the pool's), with
+    ``prefix_checkpoint_every`` (tokens, a multiple of 64; 0: none) its prefix checkpoints into pool slots."""
 
     vsplit: int
     initial_state: torch.dtype | None
     final_state: torch.dtype | None
     varlen: bool
     checkpoints: bool = False
+    state_pool: bool = False
+    prefix_checkpoint_every: int = 0
     splits: ClassVar[tuple[int, ...]] = SUPPORTED_VSPLITS
 
 

@@ -99,6 +99,10 @@ def variants() -> dict[str, tuple]:
     for varlen in (False, True):
         found[f"k2/vs1/fp32-fp32/{_label(varlen, 'varlen', 'fixed')}/checkpoints/every4"] = (
             "k2", dict(vsplit=1, initial="fp32", final="fp32", varlen=varlen, checkpoints=True, checkpoint_every=4))
+    for vsplit, pool, varlen, every in itertools.product((1, 2, 4), ("bf16", "fp32"), (False, True), (0, 64)):
+        found[f"k2/vs{vsplit}/{pool}-pool/{_label(varlen, 'varlen', 'fixed')}" + (f"/prefix{every}" if every else "")] = (
+            "k2", dict(vsplit=vsplit, initial=pool, final=pool, varlen=varlen, checkpoints=False, state_pool=True,
+                       prefix_checkpoint_every=every))
     for vsplit, dht, dh0, varlen, every in itertools.product((1, 2, 4, 8), STATES, STATES, (False, True), (1, 4)):
         base = f"ka/vs{vsplit}/{dht}-{dh0}/{_label(varlen, 'varlen', 'fixed')}/every{every}"
         found[base] = ("ka", dict(vsplit=vsplit, dht=dht, dh0=dh0, varlen=varlen, snapshot_every=every))
@@ -177,7 +181,10 @@ def _k1(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: st
                                     -5.0, T, cu_seqlens, tile_base, fake_stream(), tensor=to_cute_tensor)
 
 
-def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, checkpoint_every: int = 1) -> tuple:
+def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, checkpoint_every: int = 1,
+        state_pool: bool = False, prefix_checkpoint_every: int = 0) -> tuple:
+    import torch
+
     from cute_kda.kernels.fwd_recurrence import FwdRecurrence
     from cute_kda.ops._cache import dsl_type, fake_stream, to_cute_tensor
     from cute_kda.ops.recurrence import launch_arguments
@@ -185,7 +192,8 @@ def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, 
 
     kernel = FwdRecurrence(vsplit=vsplit, initial_state=dsl_type(_torch_dtype(initial)),
                            final_state=dsl_type(_torch_dtype(final)), varlen=varlen, checkpoints=checkpoints,
-                           checkpoint_every=checkpoint_every)
+                           checkpoint_every=checkpoint_every, state_pool=state_pool,
+                           prefix_checkpoint_every=prefix_checkpoint_every)
     v, ws = _meta(1, T, HEADS, D), _workspace(HEADS, 4)
     cu_seqlens, tile_base = _segmentation(varlen, NUM_SEQS)
 
@@ -194,8 +202,11 @@ def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, 
         return None if dtype is None else _meta(NUM_SEQS, HEADS, D, D, dtype=dtype)
 
     kept = _meta(*block_states_shape(ws, HEADS, NUM_SEQS)) if checkpoints else None
+    slots = _meta(NUM_SEQS, dtype=torch.int32) if state_pool else None
+    prefix_slots = _meta(NUM_SEQS, 2, dtype=torch.int32) if prefix_checkpoint_every else None
     arguments = launch_arguments(v, ws, v, cu_seqlens=cu_seqlens, tile_base=tile_base, initial_state=state(initial),
-                                 final_state=state(final), checkpoints=kept, tensor=to_cute_tensor)
+                                 final_state=state(final), checkpoints=kept, state_indices=slots,
+                                 checkpoint_indices=prefix_slots, tensor=to_cute_tensor)
     return kernel, (*arguments, fake_stream())
 
 

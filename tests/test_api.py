@@ -264,6 +264,7 @@ def mirror_kernels(monkeypatch):
     from cute_kda.ops import prepare as k1
     from cute_kda.ops import recurrence as k2
     from cute_kda.reference import mirror, mirror_prepare_gates, tile_bases
+    from cute_kda.reference.pool import gather_states
     from cute_kda.workspace import Workspace
 
     launches = []
@@ -306,11 +307,26 @@ def mirror_kernels(monkeypatch):
         assert vsplit in validation_vsplits() and not variant.checkpoints
 
         def recurrence(v, out, *fields_states_and_bases):
-            *fields, initial_state, final_state, cu_seqlens, tile_base, _, stream = fields_states_and_bases
+            *fields, initial_state, final_state, cu_seqlens, tile_base, _, state_indices, checkpoint_indices, stream = (
+                fields_states_and_bases)
             assert stream == ("CUstream", 7)  # K2 launches on the call's one stream look-up too
             assert (cu_seqlens is not None) == varlen and (tile_base is not None) == varlen
             assert (initial_dtype, final_dtype) == tuple(None if s is None else s.dtype
                                                          for s in (initial_state, final_state))
+            assert (state_indices is not None) == variant.state_pool
+            assert (checkpoint_indices is not None) == (variant.prefix_checkpoint_every > 0)
+            if variant.state_pool:  # one pool in and out: gather, the mirror, scatter (prefix checkpoints not emulated)
+                assert initial_state is final_state
+                k2_pool_launches.append((variant, state_indices, checkpoint_indices))
+                entering = gather_states(initial_state, state_indices)
+                o, state = mirror.mirror_recurrence(Workspace(*fields), v, cu_seqlens=cu_seqlens, initial_state=entering,
+                                                    output_final_state=True, state_dtype=initial_state.dtype)
+                out.copy_(o)
+                for n, slot in enumerate(state_indices.tolist()):
+                    if slot >= 0:
+                        final_state[slot] = state[n]
+                launches.append("k2")
+                return
             o, state = mirror.mirror_recurrence(
                 Workspace(*fields), v, cu_seqlens=cu_seqlens, initial_state=initial_state,
                 output_final_state=final_state is not None,
@@ -354,6 +370,34 @@ def test_launch_path_with_mirror_kernels(mirror_kernels, lengths, state):
     assert mirror_kernels == ["k1", "k2"]
     assert torch.equal(o, o_ref)
     assert final.dtype == (state or torch.float32) and torch.equal(final, final_ref)
+
+
+k2_pool_launches: list = []  # (variant, state_indices, checkpoint_indices) of the pool launches the seam saw
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("lengths, dtype", [([40, 40, 40], torch.float32), ([5, 70, 1, 30], torch.bfloat16)])
+def test_pool_launch_path_with_mirror_kernels(mirror_kernels, lengths, dtype):
+    """A prefill on a state pool goes to K2's pool variant with the pool as its one state tensor and the slot ids as
+    given (the seam emulates the kernel by gather → mirror → scatter); prefix checkpoints select their variant."""
+    from cute_kda.reference.pool import prefill_on_pool
+
+    inputs = make_inputs(lengths, 2, torch.device("cpu"))
+    pool = (0.1 * torch.randn(9, 2, D, D)).to(dtype)
+    slots = torch.tensor([7, -1, 0, 3][:len(lengths)], dtype=torch.int32)
+    o_ref, pool_ref = prefill_on_pool(mirror_forward, **inputs, pool=pool, state_indices=slots)
+    k2_pool_launches.clear()
+    o, state = cute_kda.kda_forward(**inputs, initial_state=pool, state_indices=slots)
+    assert state is pool and mirror_kernels == ["k1", "k2"]
+    assert torch.equal(o, o_ref) and torch.equal(pool, pool_ref)
+    (variant, given_slots, given_checkpoints), = k2_pool_launches
+    assert variant.state_pool and variant.prefix_checkpoint_every == 0 and given_slots is slots
+    assert given_checkpoints is None and (variant.initial_state, variant.final_state) == (dtype, dtype)
+    checkpoints = torch.full((len(lengths), 2), -1, dtype=torch.int32)
+    cute_kda.kda_forward(**inputs, initial_state=pool, state_indices=slots, checkpoint_every=128,
+                         checkpoint_indices=checkpoints)
+    variant, _, given_checkpoints = k2_pool_launches[-1]
+    assert variant.prefix_checkpoint_every == 128 and given_checkpoints is checkpoints
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")

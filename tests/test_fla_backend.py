@@ -96,7 +96,7 @@ def test_non_hopper_gpu_is_refused(monkeypatch):
 
 REFUSED = {
     "negative eigenvalues": (dict(allow_neg_eigval=True), "allow_neg_eigval"),
-    "intermediate states": (dict(return_intermediate_states=True), "return_intermediate_states"),
+    "intermediate states of packed sequences without cu_seqlens_cpu": ("packed_states", "cu_seqlens_cpu"),
     "context parallel": (dict(cp_context=object()), "cp_context"),
     "graph mode": (dict(use_graph=True), "use_graph"),
     "bf16 state": (dict(initial_state=torch.zeros(1, 2, D, D, dtype=torch.bfloat16)), "initial_state must be float32"),
@@ -115,6 +115,8 @@ def test_calls_cute_kda_does_not_compute_are_refused(any_device, case):
     elif changes == "dim64":
         kwargs = {n: x[..., :64].contiguous() if n in ("q", "k", "g") else x for n, x in kwargs.items()}
         kwargs["dt_bias"] = kwargs["dt_bias"].view(2, D)[:, :64].reshape(-1)
+    elif changes == "packed_states":
+        kwargs = layer_call([17, 40], return_intermediate_states=True)
     elif changes == "misaligned":
         q = kwargs["q"]
         kwargs["q"] = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape).copy_(q)

@@ -20,7 +20,8 @@ from ..call import Call, Inputs, Options, resolve
 from ..validation import problem_of
 from ..device import check_supported, sm_count
 from ..variants import PrepareVariant, RecurrenceVariant
-from ..workspace import Workspace, WorkspaceSpec, workspace_views
+from ..numerics import CHUNK
+from ..workspace import Workspace, WorkspaceSpec, images_to_states, tile_bases_of, workspace_views
 from .stages import KERNELS, packed, workspace_spec
 
 OP_NAME = "cute_kda::forward"
@@ -151,7 +152,7 @@ def run(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
     k1, k2, streams = _launchers()
     handle = streams.current_stream_handle(device.index)  # one stream look-up for the plan and both launches
     initial_dtype = None if x.initial_state is None else x.initial_state.dtype
-    config = (options, x.q.shape[2], x.g.dtype, x.g.dim(), initial_dtype)
+    config = (options, x.q.shape[2], x.g.dtype, x.g.dim(), initial_dtype, x.state_indices is not None)
     plan = WORKSPACES.plan(device.index, handle, config)
     with streams.on_device(device):
         if plan is None:
@@ -160,7 +161,7 @@ def run(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         k1.launch(plan.prepare, x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, plan.prepare_workspace, plan.scalars,
                   problem.seq_len, x.cu_seqlens, tile_base, plan.stream)
         k2.launch(plan.recurrence, x.v, out, plan.recurrence_workspace, x.initial_state, final_state, x.cu_seqlens,
-                  tile_base, plan.stream)
+                  tile_base, plan.stream, x.state_indices, x.checkpoint_indices)
     return out, final_state
 
 
@@ -175,6 +176,44 @@ def _segmented(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
     if call.final_state is None:
         return o, result.final_state
     return o, call.final_state.copy_(result.final_state)
+
+
+def run_keeping_chunk_states(call: Call, chunk: int, cu_seqlens_cpu: torch.Tensor | None
+                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(out, final state or None, the bf16 state entering every ``chunk``-token chunk of every sequence) of an unsplit
+    inference ``call``: FLA's ``return_intermediate_states``. The forward stage with K2's training checkpoints (the
+    bf16 state ``S`` entering every tile, as state images) runs, and the images entering tiles ``0, chunk / 16, …`` of
+    each sequence are gathered: ``[B, NT, H, K, V]`` (NT = ceil(T / chunk)) for equal lengths, ``[1, Σ NT_n, H, K, V]``
+    packed. A packed call needs ``cu_seqlens_cpu`` (the chunk count depends on its values: without them the host would
+    wait for the device)."""
+    x, options = call.inputs, call.options
+    if call.training:
+        raise NotImplementedError("return_intermediate_states=True is inference only: run the call under "
+                                  "torch.inference_mode() / torch.no_grad() (as FLA requires)")
+    if options.segmentation is not None or x.state_indices is not None:
+        raise NotImplementedError("return_intermediate_states=True with segments or a state pool is not supported")
+    problem = options.problem
+    if problem.varlen:
+        if cu_seqlens_cpu is None:
+            raise NotImplementedError("return_intermediate_states=True with cu_seqlens needs cu_seqlens_cpu (the "
+                                      "chunk count depends on the sequence lengths; reading them would sync)")
+        bounds = cu_seqlens_cpu.tolist()
+        tile_base = tile_bases_of(cu_seqlens_cpu).tolist()
+        lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    else:
+        lengths, per_row = [problem.seq_len] * problem.batch, -(-problem.seq_len // CHUNK)
+        tile_base = [n * per_row for n in range(problem.batch + 1)]
+    result = KERNELS.forward(x, options._replace(recompute=False))
+    images = result.saved.checkpoints  # [H · slots, D, D]: the state entering global tile g of sequence n at g + n
+    slots, step = images.shape[0] // problem.heads, chunk // CHUNK
+    rows = [tile_base[n] + n + c * step for n, length in enumerate(lengths) for c in range(-(-length // chunk))]
+    index = torch.tensor([head * slots + row for head in range(problem.heads) for row in rows], dtype=torch.int64)
+    if images.is_cuda:  # a pinned copy does not wait for the stream
+        index = index.pin_memory().to(images.device, non_blocking=True)
+    states = images_to_states(images.index_select(0, index)).view(problem.heads, len(rows), *images.shape[1:])
+    batch = 1 if problem.varlen else problem.batch
+    h = states.transpose(0, 1).reshape(batch, len(rows) // batch, problem.heads, *images.shape[1:])
+    return result.out, result.final_state, h
 
 
 def _build_plan(x: Inputs, options: Options, out: torch.Tensor, final_state: torch.Tensor | None,
@@ -194,10 +233,12 @@ def _build_plan(x: Inputs, options: Options, out: torch.Tensor, final_state: tor
                        problem.heads != x.q.shape[2]), device.index)
     tile_base = None if x.cu_seqlens is None else torch.empty(x.cu_seqlens.shape, dtype=torch.int32, device="meta")
     arguments = k2.launch_arguments(x.v, workspace, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base,
-                                    initial_state=x.initial_state, final_state=final_state)
+                                    initial_state=x.initial_state, final_state=final_state,
+                                    state_indices=x.state_indices, checkpoint_indices=x.checkpoint_indices)
     recurrence = k2.compiled_variant(
         RecurrenceVariant(vsplit, None if x.initial_state is None else x.initial_state.dtype,
-                          None if final_state is None else final_state.dtype, problem.varlen), device.index, arguments)
+                          None if final_state is None else final_state.dtype, problem.varlen, False,
+                          x.state_indices is not None, options.checkpoint_every), device.index, arguments)
     return LaunchPlan(prepare, recurrence, k1.workspace_arguments(workspace), k2.workspace_arguments(workspace),
                       k1.fp32_scalars(options.scale, options.lower_bound), stream)
 

@@ -43,6 +43,15 @@ The compute warps then read their ``S32`` from the buffer they came in through. 
 final state is ``S`` as it stands; an fp32 one is ``S32``, written into the staging by the compute
 warps for the TMA store. Global state tensors are ``[N, H, V, K]``.
 
+State pool (``state_pool``, inference): the initial and the final state are one tensor ``[slots, H, V, K]`` (its
+``[V, K]`` blocks contiguous, the other strides free: a view of an engine's cache) and ``state_indices`` int32
+``[N]`` gives each sequence its slot, the TMA coordinate of its state in place of the sequence index. Slot −1 is a
+padding row: it starts from zeros and stores no state. Prefix checkpoints (``prefix_checkpoint_every`` = C tokens,
+a multiple of 64): after the tile that ends ``(j + 1) · C`` tokens into a sequence, the compute warps store their
+fp32 ``S32`` columns (the pool's dtype; a bf16 pool gets ``bf16(S32)``, which is ``S``) straight from registers
+into slot ``checkpoint_indices[n, j]`` of the pool (−1, a row past the sequence's last full C-block, or a padding
+sequence: nothing); these stores wait on nothing and no other variant has them.
+
 Inputs are assumed valid (the API layer checks them): v / out bf16 ``[B, T, H, 128]`` with the last
 mode contiguous, workspace fields as :mod:`cute_kda.workspace`, ``cu_seqlens`` int64 ``[N+1]`` with
 B == 1 and ``tile_base`` int32 ``[N+1]`` for varlen, every base address 16-byte aligned.
@@ -57,7 +66,7 @@ from ..dsl import cute, cutlass  # first: sets the target architecture before th
 
 import cutlass.pipeline as pipeline
 from cuda.bindings import driver
-from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
+from cutlass import BFloat16, Boolean, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
@@ -91,6 +100,17 @@ class RecurrenceSmem:
 
 
 @dataclass(frozen=True)
+class PrefixCheckpoints:
+    """What a CTA of the prefix-checkpoint variant needs to store its sequence's checkpoints (module docstring)."""
+
+    pool: cute.Tensor  # [slots, H, V, K], the state pool
+    slots: cute.Tensor  # [M] int32: the sequence's row of checkpoint_indices
+    head: Int32
+    full_tiles: Int32  # whole 16-token tiles of the sequence
+    active: Boolean  # the sequence's own slot is not −1 (a padding row writes nothing)
+
+
+@dataclass(frozen=True)
 class RecurrenceTmaSmem:
     """The same bytes as :class:`RecurrenceSmem`, as the TMA sees them: the swizzled tiles (the per-token
     and output band tiles, kd / qd / kr) with the swizzle on the pointer, the others as boxes
@@ -117,7 +137,8 @@ class FwdRecurrence(BandScan):
     ``checkpoint_every`` global tiles (default :data:`~cute_kda.workspace.SNAPSHOT_TILES`; and each
     sequence's first tile) for the backward, ``[H · slots, D, D]`` bf16 state images
     (:func:`cute_kda.workspace.snapshot_slots`: the slot of a block is the one the backward scan keeps
-    its gradient in).
+    its gradient in). ``state_pool``: the states are a pool read and written by slot id, ``prefix_checkpoint_every``
+    (tokens, a multiple of 64; 0: none) its prefix checkpoints (module docstring).
     """
 
     def __init__(
@@ -129,6 +150,8 @@ class FwdRecurrence(BandScan):
         varlen: bool = False,
         checkpoints: bool = False,
         checkpoint_every: int = SNAPSHOT_TILES,
+        state_pool: bool = False,
+        prefix_checkpoint_every: int = 0,
     ) -> None:
         super().__init__(
             RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=Float32 in (initial_state, final_state)),
@@ -138,6 +161,14 @@ class FwdRecurrence(BandScan):
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
         self.checkpoints = checkpoints
         self.checkpoint_every = checkpoint_every
+        if state_pool and (initial_state is None or initial_state is not final_state or checkpoints):
+            raise ValueError("state_pool reads and writes one pool: initial_state and final_state must be its dtype, "
+                             "without checkpoints")
+        if prefix_checkpoint_every and (not state_pool or prefix_checkpoint_every % (4 * CHUNK)):
+            raise ValueError(f"prefix_checkpoint_every must be a multiple of {4 * CHUNK} tokens on a state_pool variant, "
+                             f"got {prefix_checkpoint_every}")
+        self.state_pool = state_pool
+        self.prefix_checkpoint_every = prefix_checkpoint_every
 
     # -----------------------------------------------------------------------------------------
     # host
@@ -159,10 +190,14 @@ class FwdRecurrence(BandScan):
         cu_seqlens: Optional[cute.Tensor],
         tile_base: Optional[cute.Tensor],
         checkpoints: Optional[cute.Tensor],
+        state_indices: Optional[cute.Tensor],
+        checkpoint_indices: Optional[cute.Tensor],
         stream: driver.CUstream,
     ):
         """Launch K2. v, out ``[B, T, H, D]``; workspace fields as in :mod:`cute_kda.workspace`;
-        checkpoints ``[H · slots, D, D]`` (the training variant) or None."""
+        checkpoints ``[H · slots, D, D]`` (the training variant) or None; ``state_indices`` int32 ``[N]`` (the
+        pool variant: initial_state and final_state are both the pool) and ``checkpoint_indices`` int32 ``[N, M]``
+        (its prefix checkpoints), else None."""
         heads = v.shape[2]
         num_seqs = v.shape[0]
         if const_expr(self.varlen):
@@ -189,6 +224,7 @@ class FwdRecurrence(BandScan):
         if const_expr(final_state is not None):
             tma_state_out, gmem_state_out = runs_atom(store, layouts.state_runs_view(final_state), self.v_band, self.dim)
 
+        prefix_pool = final_state if const_expr(self.prefix_checkpoint_every > 0) else None  # plain stores
         self.shared_storage = self.make_shared_storage()
 
         self.kernel(
@@ -196,7 +232,8 @@ class FwdRecurrence(BandScan):
             tma_qd, gmem_qd, tma_kd, gmem_kd, tma_kr, gmem_kr,
             tma_gt, gmem_gt, tma_inv, gmem_inv, tma_mqk, gmem_mqk, tma_beta, gmem_beta,
             tma_state_in, gmem_state_in, tma_state_out, gmem_state_out,
-            out, cu_seqlens, tile_base, Int32(tiles_per_head), checkpoints,
+            out, cu_seqlens, tile_base, Int32(tiles_per_head), checkpoints, state_indices, checkpoint_indices,
+            prefix_pool,
         ).launch(
             grid=[self.vsplit * num_seqs, heads, 1],  # the bands of one (sequence, head) are adjacent CTAs
             block=[self.threads, 1, 1],
@@ -225,6 +262,9 @@ class FwdRecurrence(BandScan):
         tile_base: Optional[cute.Tensor],
         tiles_per_head: Int32,
         checkpoints: Optional[cute.Tensor],
+        state_indices: Optional[cute.Tensor],
+        checkpoint_indices: Optional[cute.Tensor],
+        prefix_pool: Optional[cute.Tensor],
     ):
         plan = self.plan
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -257,12 +297,16 @@ class FwdRecurrence(BandScan):
         tma_smem = RecurrenceTmaSmem(**self.tma_boxes(state_ptr, union_ptr, at))
         load_pipe, store_pipe, state_mbar = self.make_pipelines(warp_idx, storage)
 
-        # --- initial state → bf16 state buffer
+        # --- initial state → bf16 state buffer (a pool's: the sequence's slot, none for a padding row)
+        slot, present = seq, None
+        if const_expr(self.state_pool):
+            slot = state_indices[seq]
+            present = slot >= 0
         state_in_tiles = None
         if const_expr(self.initial_state is not None):
-            state_in_tiles = self.state_tile(gmem_state_in, seq, head, band)
+            state_in_tiles = self.state_tile(gmem_state_in, slot, head, band)
         self.load_initial_state(warp_idx, tidx, tma_state_in, state_in_tiles, state_mbar,
-                                smem.state, smem.state_fp32, tma_smem.state, tma_smem.state_fp32)
+                                smem.state, smem.state_fp32, tma_smem.state, tma_smem.state_fp32, present)
         # the fp32 state lives in the compute warps' registers for the whole kernel
         state32 = self.band_blocks()
         if warp_idx < self.mma_warps:
@@ -277,8 +321,11 @@ class FwdRecurrence(BandScan):
                 _, heads, _ = cute.arch.grid_dim()
                 first_tile = ws_row0 - head * tiles_per_head  # global tile index of the sequence's tile 0
                 checkpoint_row0 = head * (checkpoints.shape[0] // heads) + seq
+            prefix = None
+            if const_expr(self.prefix_checkpoint_every > 0):
+                prefix = PrefixCheckpoints(prefix_pool, checkpoint_indices[seq, None], head, seq_len // CHUNK, present)
             self.compute(warp_idx, num_tiles, load_pipe, store_pipe, smem, state32,
-                         band, first_tile, checkpoint_row0, checkpoints)
+                         band, first_tile, checkpoint_row0, checkpoints, prefix)
         elif warp_idx == self.load_warp:
             loads = (
                 (tma_v, self.band_tiles(gmem_v, head, batch, first_row, band), tma_smem.v),
@@ -307,9 +354,14 @@ class FwdRecurrence(BandScan):
             cute.arch.fence_view_async_shared()
             cute.arch.barrier()
         if const_expr(self.final_state is not None):
-            state_out_tiles = self.state_tile(gmem_state_out, seq, head, band)
-            self.store_final_state(warp_idx, tidx, tma_state_out, state_out_tiles,
-                                   smem.state, smem.state_fp32, tma_smem.state, tma_smem.state_fp32, staged=True)
+            state_out_tiles = self.state_tile(gmem_state_out, slot, head, band)
+            if const_expr(self.state_pool):
+                if present:
+                    self.store_final_state(warp_idx, tidx, tma_state_out, state_out_tiles, smem.state,
+                                           smem.state_fp32, tma_smem.state, tma_smem.state_fp32, staged=True)
+            else:
+                self.store_final_state(warp_idx, tidx, tma_state_out, state_out_tiles,
+                                       smem.state, smem.state_fp32, tma_smem.state, tma_smem.state_fp32, staged=True)
 
     # -----------------------------------------------------------------------------------------
     # compute warps
@@ -319,7 +371,7 @@ class FwdRecurrence(BandScan):
         self, warp_idx: Int32, num_tiles: Int32,
         load_pipe: pipeline.PipelineTmaAsync, store_pipe: pipeline.PipelineAsync, smem: RecurrenceSmem,
         state32: tuple, band: Int32, first_tile: Int32, checkpoint_row0: Int32,
-        checkpoints: Optional[cute.Tensor],
+        checkpoints: Optional[cute.Tensor], prefix: Optional[PrefixCheckpoints] = None,
     ):
         """Phases 1-6 per tile on the warp's ``warp_cols`` value columns (module docstring);
         ``state32``: the fp32 state of those columns (:meth:`band_blocks`, updated in place).
@@ -329,6 +381,8 @@ class FwdRecurrence(BandScan):
         ``checkpoint_row0 + g // checkpoint_every``: at the top of the tile each warp bulk-copies its rows
         of the state buffer there (:meth:`store_band_image`) and Phase 6 waits for that read before it
         writes them; warps of narrower bands store the state as Phase 1 loaded it (:meth:`store_band_fragment`).
+
+        Prefix-checkpoint variant (``prefix``): after a tile that ends a C-block, :meth:`store_prefix_checkpoint`.
         """
         lane = cute.arch.lane_idx()
         group = lane // 4  # fragment row g (rows g and g + 8)
@@ -471,3 +525,27 @@ class FwdRecurrence(BandScan):
             cute.arch.sync_warp()
             load_pipe.consumer_release(load_state)
             load_state.advance()
+            if const_expr(self.prefix_checkpoint_every > 0):
+                self.store_prefix_checkpoint(tile, state32, prefix, band, warp_idx)
+
+    @cute.jit
+    def store_prefix_checkpoint(self, tile: Int32, state32: tuple, prefix: PrefixCheckpoints, band: Int32,
+                                warp_idx: Int32):
+        """After tile ``tile``: when it ends C-block ``j`` of the sequence (``(tile + 1) · 16 = (j + 1) · C`` tokens,
+        all valid) and ``prefix.slots[j]`` is a slot of the pool, the warp's fp32 state columns → that slot, each
+        lane storing its C-fragment elements (in the pool's dtype) from registers."""
+        tiles_per_block = self.prefix_checkpoint_every // CHUNK
+        done = tile + 1
+        if prefix.active and done % tiles_per_block == 0 and done <= prefix.full_tiles:
+            block = done // tiles_per_block - 1
+            if block < prefix.slots.shape[0]:
+                target = prefix.slots[block]
+                if target >= 0 and target < prefix.pool.shape[0]:  # never a write outside the pool
+                    matrix = prefix.pool[target, prefix.head, None, None]  # [V, K]
+                    matrix_acc = cute.make_tensor(matrix.iterator, cute.select(matrix.layout, mode=[1, 0]))
+                    band_acc = cute.local_tile(matrix_acc, (self.dim, self.v_band), (0, band))
+                    elements = self.warp_band_elements(warp_idx, band_acc)
+                    for m in cutlass.range_constexpr(len(state32)):
+                        values, rows = state32[m], elements[None, m, None]
+                        for i in cutlass.range_constexpr(cute.size(values)):
+                            rows[i] = rows.element_type(values[i])

@@ -21,7 +21,8 @@ from ._cache import (
 from .prepare import compile_problem, tile_bases
 
 _CACHE = CompileCache("fwd_recurrence")
-_ARGUMENT_ALIGNMENT = (16,) * 11 + (8, 4, 16)  # bytes, per tensor of launch_arguments (cu_seqlens 8, tile_base 4)
+# bytes, per tensor of launch_arguments (cu_seqlens 8; tile_base, state_indices, checkpoint_indices 4)
+_ARGUMENT_ALIGNMENT = (16,) * 11 + (8, 4, 16, 4, 4)
 
 
 def dtype_or_none(tensor: torch.Tensor | None) -> torch.dtype | None:
@@ -31,15 +32,17 @@ def dtype_or_none(tensor: torch.Tensor | None) -> torch.dtype | None:
 def launch_arguments(
     v: torch.Tensor, ws: Workspace, out: torch.Tensor, *, cu_seqlens: torch.Tensor | None,
     tile_base: torch.Tensor | None, initial_state: torch.Tensor | None, final_state: torch.Tensor | None,
-    checkpoints: torch.Tensor | None = None, tensor=launch_tensor,
+    checkpoints: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
+    checkpoint_indices: torch.Tensor | None = None, tensor=launch_tensor,
 ) -> tuple:
-    """The tensor arguments of ``FwdRecurrence.__call__`` (dynamic shapes: one compile serves all sizes).
+    """The tensor arguments of ``FwdRecurrence.__call__`` (dynamic shapes: one compile serves all sizes). A pool
+    call passes the pool as both ``initial_state`` and ``final_state``.
 
     ``tensor(t, assumed_align)`` converts each: :func:`~._cache.launch_tensor` (the default) for a
     call of the compiled function, :func:`~._cache.to_cute_tensor` for the compile.
     """
     tensors = (v, out, ws.qd, ws.kd, ws.kr, ws.gt, ws.inv, ws.mqk, ws.beta, initial_state, final_state,
-               cu_seqlens, tile_base, checkpoints)
+               cu_seqlens, tile_base, checkpoints, state_indices, checkpoint_indices)
     if tensor is launch_tensor:  # every call: the tensors as they are
         return tensors
     return tuple(tensor(t, align) for t, align in zip(tensors, _ARGUMENT_ALIGNMENT))
@@ -54,10 +57,11 @@ def workspace_arguments(ws: Workspace) -> tuple:
 
 
 def launch(compiled, v: torch.Tensor, out: torch.Tensor, workspace: tuple, initial_state, final_state, cu_seqlens,
-           tile_base, stream) -> None:
-    """Call the compiled K2 ``compiled`` (inference: no checkpoints) in :func:`launch_arguments`' order, with the
-    :func:`workspace_arguments` ``workspace``."""
-    compiled(v, out, *workspace, initial_state, final_state, cu_seqlens, tile_base, None, stream)
+           tile_base, stream, state_indices=None, checkpoint_indices=None) -> None:
+    """Call the compiled K2 ``compiled`` (inference: no training checkpoints) in :func:`launch_arguments`' order, with
+    the :func:`workspace_arguments` ``workspace``."""
+    compiled(v, out, *workspace, initial_state, final_state, cu_seqlens, tile_base, None, state_indices,
+             checkpoint_indices, stream)
 
 
 def compiled_variant(variant: RecurrenceVariant, index: int, arguments: tuple):
@@ -70,7 +74,8 @@ def compiled_variant(variant: RecurrenceVariant, index: int, arguments: tuple):
 
         initial_state, final_state = dsl_type(variant.initial_state), dsl_type(variant.final_state)
         kernel = FwdRecurrence(vsplit=variant.vsplit, initial_state=initial_state, final_state=final_state,
-                               varlen=variant.varlen, checkpoints=variant.checkpoints)
+                               varlen=variant.varlen, checkpoints=variant.checkpoints, state_pool=variant.state_pool,
+                               prefix_checkpoint_every=variant.prefix_checkpoint_every)
         converted = (to_cute_tensor(t, align) for t, align in zip(arguments, _ARGUMENT_ALIGNMENT))
         return compile_for_launch(kernel, *converted, fake_stream())
 
@@ -131,8 +136,14 @@ def compile_variant(variant: RecurrenceVariant, device: torch.device | str) -> N
     allocated or launched."""
     problem = compile_problem(variant.varlen)
     v = problem.tokens()
+    num_seqs = problem.state(torch.float32).shape[0]
+    state_indices = torch.empty(num_seqs, dtype=torch.int32, device="meta") if variant.state_pool else None
+    checkpoint_indices = None
+    if variant.prefix_checkpoint_every:
+        checkpoint_indices = torch.empty(num_seqs, 1, dtype=torch.int32, device="meta")
     arguments = launch_arguments(v, problem.ws, v, cu_seqlens=problem.cu_seqlens, tile_base=problem.tile_base,
                                  initial_state=problem.state(variant.initial_state),
                                  final_state=problem.state(variant.final_state),
-                                 checkpoints=problem.block_states() if variant.checkpoints else None)
+                                 checkpoints=problem.block_states() if variant.checkpoints else None,
+                                 state_indices=state_indices, checkpoint_indices=checkpoint_indices)
     compiled_variant(variant, device_index(torch.device(device)), arguments)

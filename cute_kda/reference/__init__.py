@@ -17,6 +17,9 @@ The exact chains, the same formulas in float64 without rounding, equal to the go
 
 - :mod:`.exact`: the safe gate's chain (kinv form) and the every-gate chain (pair-decay form).
 
+Serving: :mod:`.pool`, a prefill on a state pool by definition (gather → prefill → scatter, prefix checkpoints as
+prefills cut short) around any of the forwards above or the kernels.
+
 Shared by all: :mod:`.common` (the intrinsics, constants, tensor-core sums, tile maps, row sums) and
 :mod:`.chains` (Kernel A's and Kernel B's chains in either arithmetic, for the mirrors and the exact chains).
 Importing this package needs no GPU and does not import the CuTe DSL.
@@ -43,6 +46,7 @@ from .exact import (
 from .gates import K1_SCHEMES, mirror_prepare_gates
 from .gold import gold_backward, gold_forward
 from .mirror import mirror_forward, mirror_prepare, mirror_recurrence
+from .pool import prefill_on_pool
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -81,6 +85,7 @@ __all__ = [
     "mirror_prepare",
     "mirror_prepare_gates",
     "mirror_recurrence",
+    "prefill_on_pool",
     "prepare_exact",
     "prepare_gates_exact",
     "rel_rms",

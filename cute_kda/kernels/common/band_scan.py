@@ -261,33 +261,52 @@ class BandScan:
     def load_initial_state(
         self, warp_idx: Int32, tidx: Int32, tma_state_in: Optional[cute.CopyAtom], g_state: Optional[cute.Tensor],
         state_mbar: cute.Pointer, state: cute.Tensor, state_fp32: cute.Tensor, tma_state: cute.Tensor,
-        tma_state_fp32: cute.Tensor,
+        tma_state_fp32: cute.Tensor, present=None,
     ):
         """Band → ``state`` (bf16): zeros, a TMA load, or a TMA load of fp32 and a conversion.
 
         ``state`` / ``state_fp32``: the bf16 band and the fp32 staging as ``[v_band, D]`` element views;
-        ``tma_state`` / ``tma_state_fp32``: the same bytes as TMA boxes.
+        ``tma_state`` / ``tma_state_fp32``: the same bytes as TMA boxes. ``present``: None, or a CTA-uniform
+        runtime boolean (a state pool's slot id is not −1); false loads nothing and starts from zeros.
         """
         if const_expr(self.initial_state is None):
-            words = cute.recast_tensor(cute.group_modes(tma_state, 0, 3), Uint32)
-            for i in cutlass.range(tidx, cute.size(words), self.threads, unroll=4):
-                words[i] = Uint32(0)
+            self.zero_box(tidx, tma_state)
         else:
             fp32 = self.initial_state is Float32
             target = tma_state_fp32 if const_expr(fp32) else tma_state
             nbytes = self.plan.state_fp32_bytes if const_expr(fp32) else self.plan.state_bytes
-            if warp_idx == self.load_warp:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(state_mbar, nbytes)
-                s_part, g_part = cpasync.tma_partition(
-                    tma_state_in, 0, cute.make_layout(1), cute.group_modes(target, 0, 3), cute.group_modes(g_state, 0, 3)
-                )
-                cute.copy(tma_state_in, g_part, s_part, tma_bar_ptr=state_mbar)
-            cute.arch.mbarrier_wait(state_mbar, 0)
+            if const_expr(present is None):
+                self.tma_load_state(warp_idx, tma_state_in, g_state, state_mbar, target, nbytes)
+            else:
+                if present:
+                    self.tma_load_state(warp_idx, tma_state_in, g_state, state_mbar, target, nbytes)
+                else:
+                    self.zero_box(tidx, target)
             if const_expr(fp32):
                 self.convert_state(tidx, state_fp32, state)
         cute.arch.fence_view_async_shared()  # generic smem accesses before any TMA touches these bytes
         cute.arch.barrier()
+
+    @cute.jit
+    def zero_box(self, tidx: Int32, box: cute.Tensor):
+        """Every byte of a TMA box of the band (bf16 state or fp32 staging) ← 0, by all threads."""
+        words = cute.recast_tensor(cute.group_modes(box, 0, 3), Uint32)
+        for i in cutlass.range(tidx, cute.size(words), self.threads, unroll=4):
+            words[i] = Uint32(0)
+
+    @cute.jit
+    def tma_load_state(self, warp_idx: Int32, tma_state_in: cute.CopyAtom, g_state: cute.Tensor,
+                       state_mbar: cute.Pointer, target: cute.Tensor, nbytes: int):
+        """The band's TMA tile ``g_state`` → the box ``target`` (one lane of the load warp issues it), and every
+        thread waits for it."""
+        if warp_idx == self.load_warp:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(state_mbar, nbytes)
+            s_part, g_part = cpasync.tma_partition(
+                tma_state_in, 0, cute.make_layout(1), cute.group_modes(target, 0, 3), cute.group_modes(g_state, 0, 3)
+            )
+            cute.copy(tma_state_in, g_part, s_part, tma_bar_ptr=state_mbar)
+        cute.arch.mbarrier_wait(state_mbar, 0)
 
     @cute.jit
     def store_final_state(
