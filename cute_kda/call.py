@@ -95,7 +95,32 @@ def options_of(problem: ProblemShape, device: torch.device, *, scale: float | No
                qk_l2norm: bool, beta_logits: bool, final_state_dtype: torch.dtype | None, vsplit: int | None,
                recompute: bool, gate: str, segments: int | None) -> Options:
     """The :class:`Options` of a call of shape ``problem`` on ``device`` with checked arguments: the default scale
-    ``K ** -0.5``, the segmentation of :func:`cute_kda.context_parallel.segmentation_of`."""
+    ``K ** -0.5``, the segmentation of :func:`cute_kda.context_parallel.segmentation_of`. Kept per distinct
+    arguments (a steady caller repeats them: one dictionary look-up instead of the build and the heuristic)."""
+    key = (problem, device, scale, lower_bound, qk_l2norm, beta_logits, final_state_dtype, vsplit, recompute, gate,
+           segments)
+    try:
+        return _OPTIONS[key]
+    except (KeyError, TypeError):  # TypeError: an unhashable argument, built every time
+        pass
+    options = _build_options(problem, device, scale, lower_bound, qk_l2norm, beta_logits, final_state_dtype, vsplit,
+                             recompute, gate, segments)
+    if len(_OPTIONS) >= _OPTIONS_LIMIT:
+        _OPTIONS.clear()
+    try:
+        _OPTIONS[key] = options
+    except TypeError:
+        pass
+    return options
+
+
+_OPTIONS: dict[tuple, Options] = {}
+_OPTIONS_LIMIT = 1024
+
+
+def _build_options(problem: ProblemShape, device: torch.device, scale: float | None, lower_bound: float,
+                   qk_l2norm: bool, beta_logits: bool, final_state_dtype: torch.dtype | None, vsplit: int | None,
+                   recompute: bool, gate: str, segments: int | None) -> Options:
     return Options(  # positionally: a call's host path builds one (keywords cost a µs more)
         problem, float(problem.head_dim ** -0.5 if scale is None else scale), float(lower_bound), bool(qk_l2norm),
         bool(beta_logits), final_state_dtype, vsplit, bool(recompute), gate,
@@ -125,12 +150,15 @@ def resolve(
     (:func:`~cute_kda.validation.check_prefill_pool_call`), is never split into segments and never trains."""
     pool = state_indices is not None
     pool_arguments = pool or checkpoint_indices is not None or checkpoint_every is not None  # checked below
-    problem = validation.validate_forward(
-        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-        initial_state=None if pool_arguments else initial_state, final_state=None if pool_arguments else final_state,
-        out=out,
-        cu_seqlens=cu_seqlens, vsplit=vsplit, gate=gate,
-    )
+    shown_initial, shown_final = (None, None) if pool_arguments else (initial_state, final_state)
+    problem = validation.plain_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, shown_initial,
+                                       shown_final, out, cu_seqlens, vsplit, gate)  # the common call, in one pass
+    if problem is None:
+        problem = validation.validate_forward(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+            initial_state=shown_initial, final_state=shown_final, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
+            gate=gate,
+        )
     every = None
     if pool_arguments:
         every = validation.check_prefill_pool_call(
@@ -147,7 +175,8 @@ def resolve(
         validation.check_training_size(v, "v")  # v, dq and dk per value head: the largest per-token tensors
     if final_state_dtype is None:
         final_state_dtype = final_state_dtype_of(initial_state, final_state, output_final_state)
-    inputs = Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, validation.staged_cu_seqlens(cu_seqlens, q))
+    inputs = Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state,
+                    None if cu_seqlens is None else validation.staged_cu_seqlens(cu_seqlens, q))
     if pool:
         inputs = inputs._replace(state_indices=state_indices, checkpoint_indices=checkpoint_indices)
     options = options_of(problem, q.device, scale=scale, lower_bound=lower_bound, qk_l2norm=qk_l2norm,
