@@ -478,7 +478,7 @@ def test_intermediate_states_are_the_states_entering_each_chunk(device, case):
         for c in range(-(-length // chunk)):
             expected = initial[n]
             if c:
-                cut = [t[b:b + 1, start:start + c * chunk].contiguous() for t in tensors]
+                cut = [t[b:b + 1, start:start + c * chunk].clone() for t in tensors]  # aligned copies
                 with torch.inference_mode():
                     _, expected = cute_kda.kda_forward(*cut, A_log=x["A_log"], dt_bias=x["dt_bias"],
                                                        initial_state=initial[n:n + 1], output_final_state=True)

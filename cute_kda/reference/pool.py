@@ -58,7 +58,7 @@ def prefill_on_pool(
             stop = (j + 1) * checkpoint_every
             if slots[n] < 0 or target < 0 or stop > length:
                 continue
-            cut = [x[row:row + 1, start:start + stop].contiguous() for x in (q, k, v, g, beta)]
+            cut = [x[row:row + 1, start:start + stop].clone() for x in (q, k, v, g, beta)]  # aligned copies
             _, state = forward(*cut, initial_state=entering[n:n + 1], output_final_state=True, **options)
             result[target] = state[0]
     return out, result
