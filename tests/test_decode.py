@@ -793,7 +793,7 @@ def test_runtime_loop_has_the_unrolled_bits(verify):
     assert torch.equal(_bits(packed["state_pool"]), _bits(case["state_pool"]))
 
 
-def test_launcher_picks_the_variant_and_passes_the_kernel_arguments(monkeypatch):
+def test_launcher_picks_the_variant_and_passes_the_kernel_arguments(monkeypatch, request):
     """The launcher's host path on CPU tensors (the compiled function recorded, not run): the variant follows
     the tensors (per-head gate from g's rank, verify from the slot ids' rank, GVA from H < HV), the scalars are
     fp32-rounded, ``out`` is allocated once when not given, and the arguments are the kernel's."""
@@ -801,6 +801,8 @@ def test_launcher_picks_the_variant_and_passes_the_kernel_arguments(monkeypatch)
     from cute_kda.ops import decode as ops
 
     calls = []
+    ops.launch_plan.cache_clear()  # the plans keep their compiled kernel: none made with the stand-in may outlive it
+    request.addfinalizer(ops.launch_plan.cache_clear)
     monkeypatch.setattr(ops, "compiled_variant", lambda variant, index: (lambda *a: calls.append((variant, a))))
     monkeypatch.setattr(ops, "device_index", lambda device: 0)
     monkeypatch.setattr(ops, "current_stream", lambda device: "stream")

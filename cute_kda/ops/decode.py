@@ -32,7 +32,6 @@ _OFFSET_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 _COMPILE_SIZES = (3, 2, 4, 5)  # N, H, HV, slots of the meta tensors a compile describes (every extent is dynamic)
 
 
-@functools.lru_cache(maxsize=1024)  # a call's host path: a look-up instead of a dataclass build and its checks
 def variant_of(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_layout: str, tokens: int | None,
                verify: bool, qk_l2norm: bool, beta_logits: bool, grouped: bool, vsplit: int,
                cu_seqlens: torch.dtype | None = None) -> DecodeVariant:
@@ -44,7 +43,6 @@ def variant_of(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_l
                          vsplit=vsplit, cu_seqlens=None if cu_seqlens is None else _OFFSET_DTYPES[cu_seqlens])
 
 
-@functools.lru_cache(maxsize=4096)  # a call's host path: a look-up instead of a device query and the heuristic
 def auto_vsplit(num_seqs: int, value_heads: int, index: int, state_layout: str, state_dtype: torch.dtype) -> int:
     """:meth:`DecodeVariant.choose_vsplit` on device ``index``'s SMs."""
     return DecodeVariant.choose_vsplit(num_seqs, value_heads, sm_count(index), state_layout, _STATE_DTYPES[state_dtype])
@@ -171,15 +169,25 @@ def decode(
     if num_seqs == 0 or value_heads == 0 or tokens == 0:
         return out
     index = device_index(v.device)
-    state_dtype = state_pool.dtype
-    if vsplit is None:
-        vsplit = auto_vsplit(num_seqs, value_heads, index, state_layout, state_dtype)
-    variant = variant_of(gate, g.dim() == 3, state_dtype, state_layout, tokens, state_indices.dim() == 2,
-                         qk_l2norm, beta_logits, qk_heads != value_heads, vsplit,
-                         None if cu_seqlens is None else cu_seqlens.dtype)
-    scale32, c_gate = fp32_scalars(scale, lower_bound)
-    compiled = compiled_variant(variant, index)
+    compiled, scale32, c_gate = launch_plan(
+        gate, g.dim() == 3, state_pool.dtype, state_layout, tokens, state_indices.dim() == 2, qk_l2norm, beta_logits,
+        qk_heads != value_heads, vsplit, None if cu_seqlens is None else cu_seqlens.dtype, num_seqs, value_heads,
+        index, scale, lower_bound)
     with on_device(v.device):
         compiled(*launch_arguments(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, num_accepted_tokens,
                                    cu_seqlens, out, scale32, c_gate, current_stream(v.device)))
     return out
+
+
+@functools.lru_cache(maxsize=4096)  # a call's host path: one look-up for the variant, its compile and the scalars
+def launch_plan(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_layout: str, tokens: int,
+                verify: bool, qk_l2norm: bool, beta_logits: bool, grouped: bool, vsplit: int | None,
+                cu_seqlens_dtype: torch.dtype | None, num_seqs: int, value_heads: int, index: int, scale: float,
+                lower_bound: float) -> tuple:
+    """(the compiled kernel, fp32 scale, fp32 gate constant) of a call: the variant (``vsplit`` None:
+    :meth:`DecodeVariant.choose_vsplit`) compiled for device ``index`` on first use."""
+    if vsplit is None:
+        vsplit = auto_vsplit(num_seqs, value_heads, index, state_layout, state_dtype)
+    variant = variant_of(gate, per_head_gate, state_dtype, state_layout, tokens, verify, qk_l2norm, beta_logits,
+                         grouped, vsplit, cu_seqlens_dtype)
+    return (compiled_variant(variant, index), *fp32_scalars(scale, lower_bound))
