@@ -805,6 +805,7 @@ def test_launcher_picks_the_variant_and_passes_the_kernel_arguments(monkeypatch,
     request.addfinalizer(ops.launch_plan.cache_clear)
     monkeypatch.setattr(ops, "compiled_variant", lambda variant, index: (lambda *a: calls.append((variant, a))))
     monkeypatch.setattr(ops, "device_index", lambda device: 0)
+    monkeypatch.setattr(ops, "check_supported", lambda device: None)  # no CUDA device here
     monkeypatch.setattr(ops, "current_stream", lambda device: "stream")
     monkeypatch.setattr(ops, "on_device", lambda device: __import__("contextlib").nullcontext())
     monkeypatch.setattr(ops, "auto_vsplit", lambda *a: 2)
@@ -840,3 +841,20 @@ def test_launcher_picks_the_variant_and_passes_the_kernel_arguments(monkeypatch,
     variant, args = calls[-1]
     assert (variant.tokens, variant.cu_seqlens, variant.verify) == (None, "int64", False)
     assert args[4] is offsets and out.shape == (1, 7, 4, D)
+
+
+def test_launcher_checks_the_device_before_any_compile(monkeypatch, request):
+    """A device that is not sm_90 is refused by name at the first call of a configuration, before a compile."""
+    import cute_kda.device
+    from cute_kda.ops import decode as ops
+
+    ops.launch_plan.cache_clear()
+    request.addfinalizer(ops.launch_plan.cache_clear)
+    monkeypatch.setattr(cute_kda.device, "capability", lambda index: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA A100")
+    monkeypatch.setattr(ops, "device_index", lambda device: 0)
+    monkeypatch.setattr(ops, "compiled_variant", lambda *a: pytest.fail("compiled before the device check"))
+    step = make_step(2, 1, 4, 4, "safe", False)
+    with pytest.raises(RuntimeError, match=r"built for sm_90a .*cuda:0 is sm_80 \(NVIDIA A100\)"):
+        ops.decode(**step, **make_params(4, "safe", False), state_pool=random_pool(4, 4, torch.float32),
+                   state_indices=torch.tensor([0, 1], dtype=torch.int32), gate="safe", scale=0.1)

@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from ..device import sm_count
+from ..device import check_supported, sm_count
 from ..kernels.decode import MAX_TOKENS, DecodeVariant
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, fake_stream, on_device, to_cute_tensor,
@@ -185,7 +185,9 @@ def launch_plan(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_
                 cu_seqlens_dtype: torch.dtype | None, num_seqs: int, value_heads: int, index: int, scale: float,
                 lower_bound: float) -> tuple:
     """(the compiled kernel, fp32 scale, fp32 gate constant) of a call: the variant (``vsplit`` None:
-    :meth:`DecodeVariant.choose_vsplit`) compiled for device ``index`` on first use."""
+    :meth:`DecodeVariant.choose_vsplit`) compiled for device ``index`` on first use, after the device check
+    (:func:`cute_kda.device.check_supported`: a clear error on a device that is not sm_90)."""
+    check_supported(torch.device("cuda", index))
     if vsplit is None:
         vsplit = auto_vsplit(num_seqs, value_heads, index, state_layout, state_dtype)
     variant = variant_of(gate, per_head_gate, state_dtype, state_layout, tokens, verify, qk_l2norm, beta_logits,
