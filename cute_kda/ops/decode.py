@@ -132,26 +132,11 @@ def compiled_variant(variant: DecodeVariant, index: int):
 
 
 def decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    state_pool: torch.Tensor,
-    state_indices: torch.Tensor,
-    num_accepted_tokens: torch.Tensor | None = None,
-    *,
-    gate: str,
-    scale: float,
-    lower_bound: float = -5.0,
-    qk_l2norm: bool = True,
-    beta_logits: bool = True,
-    state_layout: str = "vk",
-    out: torch.Tensor | None = None,
-    vsplit: int | None = None,
-    cu_seqlens: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, state_pool: torch.Tensor, state_indices: torch.Tensor,
+    num_accepted_tokens: torch.Tensor | None = None, *, gate: str, scale: float, lower_bound: float = -5.0,
+    qk_l2norm: bool = True, beta_logits: bool = True, state_layout: str = "vk", out: torch.Tensor | None = None,
+    vsplit: int | None = None, cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode (``state_indices [N]``) or verify (``[N, S + 1]`` with ``num_accepted_tokens``) call:
     ``state_pool`` updated in place, o bf16 ``[N, T, HV, 128]`` returned (into ``out`` when given). The contract:
