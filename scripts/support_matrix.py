@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from cute_kda import validation  # noqa: E402
 from cute_kda.call import resolve  # noqa: E402
 from cute_kda.fla_calls import translate_fla_call, translate_fla_gdn_call  # noqa: E402
 
@@ -33,18 +34,20 @@ COLUMNS = {  # column title → the change from the base call (B = 2, T = 33, H 
     "grouped value heads, training": {"value_heads": 4, "training": True},
     "fp32 initial state": {"state": torch.float32},
     "bf16 initial state": {"state": torch.bfloat16},
+    "fp16 initial state": {"state": torch.float16},
+    "fp32 β": {"beta_dtype": torch.float32},
     "fp16 inputs": {"dtype": torch.float16},
     "head dim 64": {"dim": 64},
 }
 
 
 def _tensors(gate: str, *, per_head: bool, heads: int = 2, value_heads: int = 2, dim: int = 128,
-             dtype: torch.dtype = torch.bfloat16, packed: bool = False) -> dict:
+             dtype: torch.dtype = torch.bfloat16, beta_dtype: torch.dtype | None = None, packed: bool = False) -> dict:
     batch, seq_len = (1, 66) if packed else (2, 33)
     g_shape = (batch, seq_len, value_heads) if per_head else (batch, seq_len, value_heads, dim)
     t = dict(q=torch.zeros(batch, seq_len, heads, dim, dtype=dtype), k=torch.zeros(batch, seq_len, heads, dim, dtype=dtype),
              v=torch.zeros(batch, seq_len, value_heads, dim, dtype=dtype), g=torch.zeros(g_shape, dtype=dtype),
-             beta=torch.zeros(batch, seq_len, value_heads, dtype=dtype))
+             beta=torch.zeros(batch, seq_len, value_heads, dtype=beta_dtype or dtype))
     if gate != "none":
         t["A_log"] = torch.zeros(value_heads)
         t["dt_bias"] = torch.zeros(value_heads if per_head else (value_heads, dim))
@@ -53,14 +56,17 @@ def _tensors(gate: str, *, per_head: bool, heads: int = 2, value_heads: int = 2,
 
 def _call(entry: str, gate: str, *, training: bool = False, packed: bool = False, value_heads: int = 2,
           state: torch.dtype | None = None, dtype: torch.dtype = torch.bfloat16, dim: int = 128,
-          cu_dtype: torch.dtype = torch.int64) -> None:
+          beta_dtype: torch.dtype | None = None, cu_dtype: torch.dtype = torch.int64) -> None:
     """Resolve one call; raises what the call would raise before any launch."""
     gdn = entry == "chunk_gated_delta_rule"
-    t = _tensors(gate, per_head=gdn, value_heads=value_heads, dim=dim, dtype=dtype, packed=packed)
+    t = _tensors(gate, per_head=gdn, value_heads=value_heads, dim=dim, dtype=dtype, beta_dtype=beta_dtype,
+                 packed=packed)
     num_seqs = 2
     cu_seqlens = torch.tensor([0, 33, 66], dtype=cu_dtype) if packed else None
     h0 = None if state is None else torch.zeros(num_seqs, value_heads, dim, dim, dtype=state)
-    if entry == "kda_forward":
+    if entry == "kda_forward":  # its translation: the casts where the call enters
+        t["beta"] = validation.cast_beta(t["beta"])
+        t["A_log"], t["dt_bias"] = validation.cast_gate_parameters(t.get("A_log"), t.get("dt_bias"))
         canonical = dict(t, gate=gate, initial_state=h0, cu_seqlens=cu_seqlens)
     else:
         flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, initial_state=h0,
