@@ -127,7 +127,6 @@ def kda_forward(
     recorded call ``torch.ops.cute_kda.forward_train`` with its backward op (:mod:`cute_kda.executors`);
     eager calls do not go through the dispatcher.
     """
-    beta, (A_log, dt_bias) = validation.cast_beta(beta), validation.cast_gate_parameters(A_log, dt_bias)
     arguments = dict(scale=scale, lower_bound=lower_bound, output_final_state=output_final_state, vsplit=vsplit,
                      qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute, gate=gate, segments=segments)
     if state_indices is not None or checkpoint_indices is not None or checkpoint_every is not None:
@@ -171,6 +170,7 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     if pool:
         raise NotImplementedError(f"{', '.join(sorted(pool))} (a prefill on a state pool) is not supported under "
                                   "torch.compile yet: call kda_forward eagerly (torch.compiler.disable)")
+    beta, (A_log, dt_bias) = validation.cast_beta(beta), validation.cast_gate_parameters(A_log, dt_bias)  # as resolve
     training_call = validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state)
     validation.check_gate(gate)
     for name, x in (("q", q), ("v", v), ("g", g)):

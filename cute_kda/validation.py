@@ -111,7 +111,7 @@ def check_kernel_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dty
 
 
 # β and the gate parameters are small (per token and head, per head): converted where a call enters (the FLA
-# translations and cute_kda.kda_forward) instead of refused. Torch casts on the current stream: no sync, and autograd
+# translations, cute_kda.call.resolve when its one-pass check fails, the traced kda_forward) instead of refused. Torch casts on the current stream: no sync, and autograd
 # takes each gradient back to its input's dtype. Anything else (other dtypes, non-tensors) passes as it is, for the
 # checks to name.
 _BETA_CASTS = (torch.float16, torch.float32)

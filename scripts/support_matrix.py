@@ -17,7 +17,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from cute_kda import validation  # noqa: E402
 from cute_kda.call import resolve  # noqa: E402
 from cute_kda.fla_calls import translate_fla_call, translate_fla_gdn_call  # noqa: E402
 
@@ -64,9 +63,7 @@ def _call(entry: str, gate: str, *, training: bool = False, packed: bool = False
     num_seqs = 2
     cu_seqlens = torch.tensor([0, 33, 66], dtype=cu_dtype) if packed else None
     h0 = None if state is None else torch.zeros(num_seqs, value_heads, dim, dim, dtype=state)
-    if entry == "kda_forward":  # its translation: the casts where the call enters
-        t["beta"] = validation.cast_beta(t["beta"])
-        t["A_log"], t["dt_bias"] = validation.cast_gate_parameters(t.get("A_log"), t.get("dt_bias"))
+    if entry == "kda_forward":
         canonical = dict(t, gate=gate, initial_state=h0, cu_seqlens=cu_seqlens)
     else:
         flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, initial_state=h0,

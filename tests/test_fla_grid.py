@@ -289,3 +289,28 @@ def test_low_precision_gate_parameters_enter_converted(any_device):
     call = translate_fla_call(**kwargs)
     assert call.options["A_log"].dtype == call.options["dt_bias"].dtype == torch.float32
     assert call.tensors[4].dtype == torch.bfloat16
+
+
+def test_kda_forward_converts_beta_and_gate_parameters_and_trains():
+    """``kda_forward``'s resolution casts an fp32 β and bf16 ``A_log`` / ``dt_bias`` (off its one-pass path); the
+    gradients come back in those dtypes, equal to the converted inputs' gradients."""
+    from cute_kda.executors import training
+    from cute_kda.reference.backend import REFERENCE
+
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, g = (torch.randn(1, 33, 2, 128, generator=gen).bfloat16() for _ in range(4))
+    do = torch.randn(1, 33, 2, 128, generator=gen).bfloat16()
+    given = dict(beta=torch.randn(1, 33, 2, generator=gen), A_log=torch.randn(2, generator=gen).bfloat16(),
+                 dt_bias=torch.randn(2, 128, generator=gen).bfloat16())
+    converted = dict(beta=given["beta"].bfloat16(), A_log=given["A_log"].float(), dt_bias=given["dt_bias"].float())
+    outputs = []
+    for leaves in (given, converted):
+        for x in leaves.values():
+            x.requires_grad_()
+        o, _ = training.kda_forward(q, k, v, g, leaves["beta"], A_log=leaves["A_log"], dt_bias=leaves["dt_bias"],
+                                    backend=REFERENCE)
+        (o.float() * do.float()).sum().backward()
+        outputs.append(o)
+    assert torch.equal(*outputs)
+    for name, x in given.items():
+        assert x.grad.dtype == x.dtype and torch.equal(x.grad, converted[name].grad.to(x.dtype)), name
