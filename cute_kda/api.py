@@ -68,8 +68,10 @@ def kda_forward(
                ``"softplus"``  bf16 raw gate, ``−exp(A_log[h]) · softplus(g + dt_bias[h])`` (Kimi-Linear's
                           gate, unbounded below);
                ``"none"``  bf16 or fp32, the log decay itself (any value ≤ 0; −1000 masks a channel).
-      beta   bf16 ``[B, T, H]``: logits (``beta_logits=True``, sigmoid inside) or β itself.
-      A_log  fp32 ``[H]``;  dt_bias fp32 ``[H, K]`` (gates "safe" and "softplus"; None with "none");
+      beta   bf16 ``[B, T, H]``: logits (``beta_logits=True``, sigmoid inside) or β itself; fp16 or fp32 is
+             rounded to bf16 on entry (one small cast on the stream; docs/numerics.md, "fp16 inputs").
+      A_log  fp32 ``[H]``;  dt_bias fp32 ``[H, K]`` (gates "safe" and "softplus"; None with "none"); bf16 or
+             fp16 ones are widened to fp32 on entry (exact).
       lower_bound in [-5, 0) (gate "safe" only).
       scale  Python float, default ``K ** -0.5``.
       cu_seqlens  int32 or int64 ``[N+1]``, optional: N packed sequences (then B == 1); int32 is widened
@@ -97,7 +99,9 @@ def kda_forward(
     Slot ids are not read on the host; ``CUTE_KDA_DEBUG_CHECKS=1`` checks that they lie in [−1, slots) and that no
     slot appears twice across ``state_indices`` and ``checkpoint_indices`` (a sync). Pool calls are never split into
     segments and are not traced by ``torch.compile`` (``NotImplementedError``).
-    K = V = 128. ``vsplit`` (1, 2, 4 or None = heuristic): K2 CTAs per (sequence, head). ``segments``
+    K = V = 128; other head dims, and q, k, v or a raw gate in fp16 or fp32 (an fp16 state), raise
+    ``NotImplementedError`` naming the argument (:class:`cute_kda.validation.UnsupportedDtypeError` for a dtype, also
+    a ``TypeError``). ``vsplit`` (1, 2, 4 or None = heuristic): K2 CTAs per (sequence, head). ``segments``
     (context parallelism, :mod:`cute_kda.context_parallel`): None lets a fixed-length call with few (sequence,
     head) pairs and long sequences cut each sequence into segments of whole tiles that the serial scans run side
     by side (the forward's K2 then runs three passes, the backward's Kernel A two; results differ from the unsplit
@@ -166,6 +170,7 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     if pool:
         raise NotImplementedError(f"{', '.join(sorted(pool))} (a prefill on a state pool) is not supported under "
                                   "torch.compile yet: call kda_forward eagerly (torch.compiler.disable)")
+    beta, (A_log, dt_bias) = validation.cast_beta(beta), validation.cast_gate_parameters(A_log, dt_bias)  # as resolve
     training_call = validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state)
     validation.check_gate(gate)
     for name, x in (("q", q), ("v", v), ("g", g)):
@@ -203,12 +208,14 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     ``transpose_state_layout=True``); ``cu_seqlens`` int32 or int64 ``[N+1]`` with B == 1. Returns
     (o bf16 ``[B, T, H, V]``, final state fp32 in the caller's layout or None).
 
-    Supported: K = V = 128, bf16 q/k/v/beta; the gate as FLA has it: ``use_gate_in_kernel=True`` with
+    Supported: K = V = 128, bf16 q/k/v, beta bf16 (fp16 or fp32 rounded to bf16 on entry, a small cast; FLA's
+    tests pass such betas); the gate as FLA has it: ``use_gate_in_kernel=True`` with
     ``lower_bound`` in [-5, 0) (the bounded gate) or without (the softplus gate of Kimi-Linear), both with
     a bf16 raw g, or ``use_gate_in_kernel=False`` (g the log decay, bf16 or fp32);
     ``use_qk_l2norm_in_kernel`` and ``use_beta_sigmoid_in_kernel`` on or off. Every gate trains (grouped
     value heads with the bounded gate do not: ``NotImplementedError`` when inputs require grad).
-    Other combinations raise ``NotImplementedError`` naming the flag (see
+    Other sizes, fp16 / fp32 q, k, v or raw g, and other combinations raise ``NotImplementedError`` naming the
+    argument or flag (see
     :func:`cute_kda.fla_calls.translate_fla_call`). FLA's default ``[N, H, K, V]`` state costs a transpose copy each way;
     ``state_v_first=True`` avoids it. Takes DLPack tensors like :func:`kda_forward` and answers in
     ``q``'s framework; ``torch.compile`` traces it into the translation and one ``cute_kda::forward``
@@ -261,9 +268,11 @@ def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     ``j`` reads q/k head ``j // (HV / H)``); g ``[B, T, HV]``: the log decay (bf16 or fp32, FLA's default
     ``use_gate_in_kernel=False``) or with ``use_gate_in_kernel=True`` the raw bf16 input of
     ``−exp(A_log) · softplus(g + dt_bias)`` (keywords ``A_log`` ``[HV]``, ``dt_bias`` ``[HV]`` or None);
-    beta bf16 ``[B, T, HV]`` (logits with ``use_beta_sigmoid_in_kernel``); ``initial_state`` fp32 or bf16
+    beta bf16 ``[B, T, HV]`` (logits with ``use_beta_sigmoid_in_kernel``; fp16 or fp32, as FLA's tests pass it, is
+    rounded to bf16 on entry); ``initial_state`` fp32 or bf16 (fp16 widened to fp32 on entry)
     ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); ``cu_seqlens`` int32 or int64 ``[N+1]`` with B = 1.
-    K = V = 128. Returns (o bf16 ``[B, T, HV, V]``, the final state fp32 in the caller's layout or None), in
+    K = V = 128: other head dims (``expand_v = 2`` too), fp16 / fp32 q, k, v, a raw g that is not bf16 and an fp16
+    log decay raise ``NotImplementedError`` naming the argument. Returns (o bf16 ``[B, T, HV, V]``, the final state fp32 in the caller's layout or None), in
     ``q``'s framework, computed by K1 (one decay per head on every channel, overflow-free for any gate value)
     and K2 on the current stream, with no host synchronisation.
 

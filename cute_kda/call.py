@@ -139,7 +139,9 @@ def resolve(
     checkpoint_every: int | None = None, checkpoint_indices: torch.Tensor | None = None,
 ) -> Call:
     """Check the arguments of :func:`cute_kda.kda_forward` (torch tensors; its docstring is the contract) and
-    resolve them into a :class:`Call`. ``training`` None: autograd records the call when grad mode is on and an
+    resolve them into a :class:`Call`. β in fp16 / fp32 and ``A_log``, ``dt_bias`` in bf16 / fp16 enter converted
+    (:func:`~cute_kda.validation.cast_beta`, :func:`~cute_kda.validation.cast_gate_parameters`; autograd records the
+    casts, so their gradients come back in the caller's dtypes). ``training`` None: autograd records the call when grad mode is on and an
     input requires grad (:func:`~cute_kda.validation.needs_autograd`); True / False forces the path (the training
     executor's own entry, the custom ops). ``final_state_dtype`` (the inference op's, which takes no buffer): a final
     state of that dtype; None: :func:`final_state_dtype_of`'s. A training call is refused here when the backward does
@@ -153,7 +155,8 @@ def resolve(
     shown_initial, shown_final = (None, None) if pool_arguments else (initial_state, final_state)
     problem = validation.plain_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, shown_initial,
                                        shown_final, out, cu_seqlens, vsplit, gate)  # the common call, in one pass
-    if problem is None:
+    if problem is None:  # β, A_log, dt_bias in other float dtypes are converted here, off the common call's path
+        beta, (A_log, dt_bias) = validation.cast_beta(beta), validation.cast_gate_parameters(A_log, dt_bias)
         problem = validation.validate_forward(
             q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
             initial_state=shown_initial, final_state=shown_final, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,

@@ -97,6 +97,8 @@ def translate_fla_call(
         means no scaling (we pass zeros: exp(0) = 1); ``dt_bias`` ``[H*K]``, ``[H, K]`` or None
         (zeros). Both are taken to fp32 as FLA's kernels do. ``use_gate_in_kernel=False``: g is the
         log decay itself (bf16 or fp32) → ``gate="none"``, A_log and dt_bias unused.
+      - beta bf16, or fp16 / fp32 rounded to bf16 here (:func:`cute_kda.validation.cast_beta`; FLA's kernels read
+        it in its own dtype, so this rounding is an error FLA does not make: docs/numerics.md, "fp16 inputs").
       - ``use_qk_l2norm_in_kernel`` → ``qk_l2norm``; ``use_beta_sigmoid_in_kernel`` → ``beta_logits``.
       - states: fp32 ``[N, H, K, V]`` (default) or ``[N, H, V, K]`` with ``state_v_first`` /
         ``transpose_state_layout``; the final state is fp32 in the caller's layout.
@@ -108,7 +110,9 @@ def translate_fla_call(
       - grouped value heads: v, g, beta, ``A_log``, ``dt_bias`` and the states have HV heads, a multiple of
         q's and k's H (value head ``j`` reads q/k head ``j // (HV / H)``); they train with the unbounded gates.
       - inputs that are not contiguous are made contiguous (FLA does the same).
-    What raises ``NotImplementedError`` (the flag is named): a bounded gate with ``lower_bound``
+    What raises ``NotImplementedError`` (the argument is named): head dims other than K = V = 128, fp16 or fp32 q, k,
+    v or raw g (:class:`cute_kda.validation.UnsupportedDtypeError`, raised by the checks of the canonical call), a
+    bounded gate with ``lower_bound``
     outside [-5, 0) when ``safe_gate=False``, ``allow_neg_eigval``, training grouped value heads (HV != H) with
     the safe gate, ``cp_context``, ``use_graph``, ``return_intermediate_states`` with ``cu_seqlens`` but no
     ``cu_seqlens_cpu`` (``return_intermediate_states`` otherwise returns FLA's third output ``h``, bf16
@@ -170,6 +174,7 @@ def translate_fla_call(
         output_final_state=bool(output_final_state), cu_seqlens=cu_seqlens,
         qk_l2norm=bool(use_qk_l2norm_in_kernel), beta_logits=bool(use_beta_sigmoid_in_kernel), gate=gate, **pool,
     )
+    beta = validation.cast_beta(beta)
     tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous())
     return CanonicalCall(tensors=tensors, options=options, state_k_first=not (state_v_first or pool),
                          recompute=not disable_recompute, k_first_pool=bool(pool) and not state_v_first,
@@ -332,13 +337,18 @@ def translate_fla_gdn_call(
         ``j // (HV / H)``.
       - ``use_qk_l2norm_in_kernel`` → ``qk_l2norm``; ``use_beta_sigmoid_in_kernel`` → ``beta_logits``.
       - states: ``[N, HV, K, V]`` (default) or ``[N, HV, V, K]`` with ``state_v_first`` / the deprecated
-        ``transpose_state_layout``, fp32 or bf16; the final state is fp32 in the caller's layout.
+        ``transpose_state_layout``, fp32 or bf16, or fp16 widened to fp32 here (exact; one copy of the states);
+        the final state is fp32 in the caller's layout.
+      - beta bf16, or fp16 / fp32 (FLA's tests pass fp32) rounded to bf16 here (:func:`cute_kda.validation.cast_beta`;
+        docs/numerics.md, "fp16 inputs", measures what the rounding costs).
       - ``chunk_size`` (16, 32 or 64) and ``chunk_indices`` change how FLA computes, not what: accepted.
         ``cu_seqlens_cpu``, when given, is checked on the host. Inputs that are not contiguous are made so.
-    What raises ``NotImplementedError`` (the flag is named): ``allow_neg_eigval=True`` (β = 2·sigmoid) and
-    ``cp_context``. Errors FLA raises itself are raised the same way (``ValueError``; its
-    ``DeprecationWarning`` for ``head_first``); a missing ``A_log`` with ``use_gate_in_kernel=True`` is a
-    ``ValueError`` here (FLA asserts). Unknown keywords raise ``TypeError``. cute_kda's extension (keyword-only):
+    What raises ``NotImplementedError`` (the argument is named): ``allow_neg_eigval=True`` (β = 2·sigmoid),
+    ``cp_context``, head dims other than K = V = 128 (GatedDeltaNet's ``expand_v = 2`` included), fp16 or fp32 q, k,
+    v or raw g (:class:`cute_kda.validation.UnsupportedDtypeError`, from the checks of the canonical call). Errors
+    FLA raises itself are raised the same way (``ValueError``; its ``DeprecationWarning`` for ``head_first``); a
+    missing ``A_log`` with ``use_gate_in_kernel=True`` is a ``ValueError`` here (FLA asserts). Unknown keywords raise
+    ``TypeError``. cute_kda's extension (keyword-only):
     ``state_indices``, ``checkpoint_every``, ``checkpoint_indices``, as :func:`translate_pool_arguments`.
     """
     unknown = sorted(set(kwargs) - set(_GDN_EXTRA_KWARGS))
@@ -373,6 +383,8 @@ def translate_fla_gdn_call(
     pool = translate_pool_arguments(state_indices, checkpoint_every, checkpoint_indices)
     if initial_state is not None and not pool:
         validation.check_is_tensor("initial_state", initial_state)
+        if initial_state.dtype == torch.float16:  # widened exactly: FLA returns an fp32 final state anyway
+            initial_state = initial_state.to(torch.float32)
         validation.check_dtype("initial_state", initial_state, validation.STATE_DTYPES)
         meaning = "[N, HV, V, K] (state_v_first)" if state_v_first else "[N, HV, K, V]"
         validation.check_ndim("initial_state", initial_state, 4, meaning)
@@ -389,7 +401,7 @@ def translate_fla_gdn_call(
         beta_logits=bool(use_beta_sigmoid_in_kernel), initial_state=initial_state,
         output_final_state=bool(output_final_state), cu_seqlens=cu_seqlens, **pool,
     )
-    tensors = tuple(x.contiguous() for x in (q, k, v, g, beta))
+    tensors = tuple(x.contiguous() for x in (q, k, v, g, validation.cast_beta(beta)))
     return GdnCall(tensors=tensors, options=options, state_k_first=not state_v_first, pool=bool(pool),
                    k_first_pool=bool(pool) and not state_v_first)
 

@@ -37,7 +37,8 @@ A steady decode loop can be captured in a CUDA graph (warm it up once first: the
 cached device constants — slot ranges, default gate parameters — are made on first use).
 
 What FLA takes and the kernel does not raises, naming the argument: head dims other than 128
-(``NotImplementedError``), q/k/v/g/beta in a dtype other than bf16 (``TypeError``: cast first), per-channel
+(``NotImplementedError``), q/k/v/g/beta in fp16 or fp32 (:class:`cute_kda.validation.UnsupportedDtypeError`, a
+``NotImplementedError`` and a ``TypeError``: cast first) or another dtype (``TypeError``), per-channel
 ("headwise") beta ``[B, T, HV, V]``, ``allow_neg_eigval=True``, a bounded gate's ``lower_bound`` outside
 [-5, 0), ``ssm_state_indices`` with ``inplace_final_state=False``; GatedDeltaNet's ``gv``, or ``gk`` with ``g``.
 """
@@ -177,8 +178,9 @@ def _parameter(name: str, value: Any, shape: tuple[int, ...], device: torch.devi
 def _check_token_tensor(name: str, x: Any, shape: tuple[int, ...], meaning: str, device: torch.device,
                         aligned_rows: bool = True) -> None:
     x = validation.check_is_tensor(name, x)
-    if x.dtype is not torch.bfloat16:
-        raise TypeError(f"{name} must be bf16 (the decode kernel reads bf16 tokens), got {x.dtype}; cast it first")
+    if x.dtype is not torch.bfloat16:  # a float dtype FLA takes: not implemented (its backend declines), else wrong
+        error = validation.UnsupportedDtypeError if x.dtype in validation.FLA_FLOAT_DTYPES else TypeError
+        raise error(f"{name} must be bf16 (the decode kernel reads bf16 tokens), got {x.dtype}; cast it first")
     validation.check_shape(name, x, shape, meaning)
     validation.check_same_device(name, x, device)
     validation.check_token_rows(name, x, aligned_rows)

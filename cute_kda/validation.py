@@ -2,7 +2,10 @@
 
 Error types: ``TypeError`` for a wrong dtype or a non-tensor, ``ValueError`` for a wrong shape,
 device, layout or value, ``NotImplementedError`` for a size or feature the kernels do not cover
-(head dims other than 128; on the training path, caller buffers).
+(head dims other than 128; on the training path, caller buffers). A float dtype FLA computes and the kernels do not
+(fp16 or fp32 q, k, v, a raw gate; an fp16 state) raises :class:`UnsupportedDtypeError`, both a
+``NotImplementedError`` and a ``TypeError``. β, ``A_log`` and ``dt_bias`` in another float dtype are converted where a
+call enters instead (:func:`cast_beta`, :func:`cast_gate_parameters`).
 
 No check here synchronises the host with the device. ``cu_seqlens`` *values* (starts at 0, ends at
 T, never decreases) are read only when the tensor lives on the CPU, or when the debug switch
@@ -84,6 +87,52 @@ def check_dtype(name: str, tensor: torch.Tensor, allowed: Iterable[torch.dtype])
     if tensor.dtype not in allowed:
         names = " or ".join(str(d).replace("torch.", "") for d in allowed)
         raise TypeError(f"{name} must be {names}, got {str(tensor.dtype).replace('torch.', '')}")
+
+
+FLA_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the float dtypes FLA's kernels take
+
+
+class UnsupportedDtypeError(NotImplementedError, TypeError):
+    """A float dtype FLA computes but the kernels do not (fp16 or fp32 activations, an fp16 state): not implemented,
+    so the FLA backends decline the call and FLA computes it; a ``TypeError`` too, as every other dtype error here."""
+
+
+def check_kernel_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    """:func:`check_dtype` for a tensor the kernels read: a float dtype of :data:`FLA_FLOAT_DTYPES` they do not take
+    raises :class:`UnsupportedDtypeError` naming the argument and the dtype."""
+    if tensor.dtype in allowed:
+        return
+    if tensor.dtype in FLA_FLOAT_DTYPES:
+        names = " or ".join(str(d).replace("torch.", "") for d in allowed)
+        got = str(tensor.dtype).replace("torch.", "")
+        raise UnsupportedDtypeError(f"{name} must be {names}, got {got}: the kernels do not take {got} here (not "
+                                    f"implemented); cast it to {names}, or let FLA compute the call")
+    check_dtype(name, tensor, allowed)
+
+
+# β and the gate parameters are small (per token and head, per head): converted where a call enters (the FLA
+# translations, cute_kda.call.resolve when its one-pass check fails, the traced kda_forward) instead of refused. Torch casts on the current stream: no sync, and autograd
+# takes each gradient back to its input's dtype. Anything else (other dtypes, non-tensors) passes as it is, for the
+# checks to name.
+_BETA_CASTS = (torch.float16, torch.float32)
+_PARAMETER_CASTS = (torch.float16, torch.bfloat16)
+
+
+def cast_beta(beta: object) -> object:
+    """An fp16 or fp32 β rounded to bf16, the dtype K1 reads: one elementwise cast of ``[B, T, HV]`` (6 bytes a
+    token and value head moved for fp32); the rounding's cost in accuracy is in docs/numerics.md, "fp16 inputs"."""
+    if isinstance(beta, torch.Tensor) and beta.dtype in _BETA_CASTS:
+        return beta.to(torch.bfloat16)
+    return beta
+
+
+def cast_gate_parameters(A_log: object, dt_bias: object) -> tuple[object, object]:
+    """A bf16 or fp16 ``A_log`` / ``dt_bias`` widened to fp32, the dtype K1 reads (exact; ``[HV]``, ``[HV, K]``)."""
+    if isinstance(A_log, torch.Tensor) and A_log.dtype in _PARAMETER_CASTS:
+        A_log = A_log.to(torch.float32)
+    if isinstance(dt_bias, torch.Tensor) and dt_bias.dtype in _PARAMETER_CASTS:
+        dt_bias = dt_bias.to(torch.float32)
+    return A_log, dt_bias
 
 
 def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...], meaning: str) -> None:
@@ -302,7 +351,7 @@ def _check_tensor(name: str, tensor: object, dtypes: tuple[torch.dtype, ...], sh
     if _fits(tensor, dtypes, shape, device, aligned):
         return  # the common case in one test; otherwise the checks below name what is wrong
     t = check_is_tensor(name, tensor)
-    check_dtype(name, t, dtypes)
+    check_kernel_dtype(name, t, dtypes)
     check_shape(name, t, shape, meaning)
     check_contiguous(name, t)
     check_same_device(name, t, device)

@@ -33,18 +33,20 @@ COLUMNS = {  # column title → the change from the base call (B = 2, T = 33, H 
     "grouped value heads, training": {"value_heads": 4, "training": True},
     "fp32 initial state": {"state": torch.float32},
     "bf16 initial state": {"state": torch.bfloat16},
+    "fp16 initial state": {"state": torch.float16},
+    "fp32 β": {"beta_dtype": torch.float32},
     "fp16 inputs": {"dtype": torch.float16},
     "head dim 64": {"dim": 64},
 }
 
 
 def _tensors(gate: str, *, per_head: bool, heads: int = 2, value_heads: int = 2, dim: int = 128,
-             dtype: torch.dtype = torch.bfloat16, packed: bool = False) -> dict:
+             dtype: torch.dtype = torch.bfloat16, beta_dtype: torch.dtype | None = None, packed: bool = False) -> dict:
     batch, seq_len = (1, 66) if packed else (2, 33)
     g_shape = (batch, seq_len, value_heads) if per_head else (batch, seq_len, value_heads, dim)
     t = dict(q=torch.zeros(batch, seq_len, heads, dim, dtype=dtype), k=torch.zeros(batch, seq_len, heads, dim, dtype=dtype),
              v=torch.zeros(batch, seq_len, value_heads, dim, dtype=dtype), g=torch.zeros(g_shape, dtype=dtype),
-             beta=torch.zeros(batch, seq_len, value_heads, dtype=dtype))
+             beta=torch.zeros(batch, seq_len, value_heads, dtype=beta_dtype or dtype))
     if gate != "none":
         t["A_log"] = torch.zeros(value_heads)
         t["dt_bias"] = torch.zeros(value_heads if per_head else (value_heads, dim))
@@ -53,10 +55,11 @@ def _tensors(gate: str, *, per_head: bool, heads: int = 2, value_heads: int = 2,
 
 def _call(entry: str, gate: str, *, training: bool = False, packed: bool = False, value_heads: int = 2,
           state: torch.dtype | None = None, dtype: torch.dtype = torch.bfloat16, dim: int = 128,
-          cu_dtype: torch.dtype = torch.int64) -> None:
+          beta_dtype: torch.dtype | None = None, cu_dtype: torch.dtype = torch.int64) -> None:
     """Resolve one call; raises what the call would raise before any launch."""
     gdn = entry == "chunk_gated_delta_rule"
-    t = _tensors(gate, per_head=gdn, value_heads=value_heads, dim=dim, dtype=dtype, packed=packed)
+    t = _tensors(gate, per_head=gdn, value_heads=value_heads, dim=dim, dtype=dtype, beta_dtype=beta_dtype,
+                 packed=packed)
     num_seqs = 2
     cu_seqlens = torch.tensor([0, 33, 66], dtype=cu_dtype) if packed else None
     h0 = None if state is None else torch.zeros(num_seqs, value_heads, dim, dim, dtype=state)

@@ -233,8 +233,8 @@ def test_shape_errors_are_flas():
         translate_fla_gdn_call(**dict(inputs, g=inputs["g"][..., None].expand(-1, -1, -1, K)))
     with pytest.raises(ValueError, match="one state per sequence"):
         translate_fla_gdn_call(**dict(inputs, initial_state=inputs["initial_state"].repeat(2, 1, 1, 1)))
-    with pytest.raises(TypeError, match="initial_state"):
-        translate_fla_gdn_call(**dict(inputs, initial_state=inputs["initial_state"].half()))
+    with pytest.raises(TypeError, match="initial_state"):  # fp16 is widened (test_fp16_state_is_widened_exactly)
+        translate_fla_gdn_call(**dict(inputs, initial_state=inputs["initial_state"].double()))
     varlen = make_gdn_problem([5, 15])
     with pytest.raises(ValueError, match="batch size must be 1"):
         translate_fla_gdn_call(**dict(make_gdn_problem([20, 20], state=None), cu_seqlens=varlen["cu_seqlens"]))

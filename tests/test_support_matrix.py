@@ -29,8 +29,9 @@ def test_a_refused_cell_names_what_it_refuses():
     import torch
 
     script = _script()
-    with pytest.raises(TypeError, match="q must be bfloat16"):
+    with pytest.raises(NotImplementedError, match="q must be bfloat16, got float16"):
         script._call("kda_forward", "safe", dtype=torch.float16)
     with pytest.raises(NotImplementedError, match="grouped value heads"):
         script._call("kda_forward", "safe", value_heads=4, training=True)
     assert script._accepts("chunk_gated_delta_rule", "none", {"packed": True})
+    assert script._accepts("kda_forward", "safe", {"beta_dtype": torch.float32})  # converted where it enters

@@ -51,16 +51,40 @@ def test_valid_cpu_call_is_refused_for_the_device():
     expect(ValueError, "q must be on a CUDA device")
 
 
-@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta"])
-def test_activation_dtype(name):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("name", ["q", "k", "v", "g"])
+def test_activation_dtype(name, dtype):
+    """fp16 / fp32 activations (FLA takes them) are not implemented: named, a NotImplementedError and a TypeError."""
     x = make_inputs()[name]
-    expect(TypeError, name, "bfloat16", "float16", **{name: x.to(torch.float16)})
+    expect(validation.UnsupportedDtypeError, name, "bfloat16", str(dtype)[6:], **{name: x.to(dtype)})
+    assert issubclass(validation.UnsupportedDtypeError, NotImplementedError)
+    assert issubclass(validation.UnsupportedDtypeError, TypeError)
 
 
-@pytest.mark.parametrize("name", ["A_log", "dt_bias"])
-def test_parameter_dtype(name):
+def test_activation_of_another_dtype_is_a_type_error():
+    with pytest.raises(TypeError, match="q must be bfloat16, got float64") as info:
+        call(q=make_inputs()["q"].double())
+    assert not isinstance(info.value, NotImplementedError)
+
+
+@pytest.mark.parametrize("name, dtype", [("beta", torch.float32), ("beta", torch.float16),
+                                         ("A_log", torch.bfloat16), ("dt_bias", torch.bfloat16),
+                                         ("A_log", torch.float16)])
+def test_small_inputs_are_converted_where_they_enter(name, dtype):
+    """β in fp16 / fp32 and the gate parameters in bf16 / fp16 are cast on entry: the call reaches the device check."""
     x = make_inputs()[name]
-    expect(TypeError, name, "float32", "bfloat16", **{name: x.to(torch.bfloat16)})
+    expect(ValueError, "q must be on a CUDA device", **{name: x.to(dtype)})
+
+
+@pytest.mark.parametrize("name", ["beta", "A_log"])
+def test_small_inputs_of_another_dtype_are_named(name):
+    x = make_inputs()[name]
+    expect(TypeError, name, "float64", **{name: x.double()})
+
+
+def test_fp16_state_is_not_implemented():
+    state = torch.zeros(B, H, D, D, dtype=torch.float16)
+    expect(validation.UnsupportedDtypeError, "initial_state", "float16", initial_state=state)
 
 
 @pytest.mark.parametrize("name", ["q", "v", "A_log", "initial_state", "cu_seqlens"])
