@@ -336,13 +336,17 @@ class LayerStackLM(torch.nn.Module):
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 torch.nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> SimpleNamespace:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> SimpleNamespace:
+        """As FLA's models: ``loss`` of the next token (``labels`` shifted inside) or, without labels, ``logits``."""
         x = self.embeddings(input_ids)
         for block in self.layers:
             x = x + block["attn"](block["attn_norm"](x))[0]
             x = x + block["mlp"](block["mlp_norm"](x))
+        x = self.norm(x)
+        if labels is None:
+            return SimpleNamespace(loss=None, logits=self.lm_head(x))
         targets = torch.cat((labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)), 1)
-        return SimpleNamespace(loss=self.criterion(self.norm(x), targets, self.lm_head.weight, None))
+        return SimpleNamespace(loss=self.criterion(x, targets, self.lm_head.weight, None), logits=None)
 
 
 def fla_causal_lm(model: str, size: Size, group: int = 2) -> torch.nn.Module:
@@ -465,11 +469,11 @@ def worker(spec: dict) -> dict:
     ``spec["result_path"]``."""
     size = Size(**spec["size"])
     result: dict = dict(peer=spec["peer"], error="", note="", losses=[], step_ms=[])
-    try:
-        import cute_kda  # noqa: F401  (registers its FLA backend; FLA_CUTE_KDA decides whether FLA uses it)
-        from cute_kda import fla_backend
+    import cute_kda  # noqa: F401  (registers its FLA backend; FLA_CUTE_KDA decides whether FLA uses it)
+    from cute_kda import fla_backend
 
-        counter = CallCounter(fla_backend).install()
+    counter = CallCounter(fla_backend).install()
+    try:
         torch.manual_seed(spec["seed"])
         model, result["built"] = build_model(spec["model"], size, spec["group"])
         init = Path(spec["init_path"])
@@ -481,17 +485,19 @@ def worker(spec: dict) -> dict:
         result["params"] = sum(p.numel() for p in model.parameters())
         if spec["fla_unguarded"] and spec["peer"] == "FLA":
             result["note"] = unguard_fla_backward()
-        device = torch.device("cuda")
+        device = torch.device(spec.get("device", "cuda"))
         autocast = spec["precision"] == "amp"
         model.to(device, torch.float32 if autocast else torch.bfloat16).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"], betas=(0.9, 0.95), weight_decay=0.1)
         result.update(run_training(
             model, optimizer, lambda step: make_batch(spec["task"], size, step, spec["seed"], spec["block"]),
             spec["steps"], spec["warmup"], device, autocast, spec["memory_profile"]))
-        result["calls"] = counter.summary()
     except Exception as error:  # noqa: BLE001 - the parent reports it
         traceback.print_exc()
         result["error"] = _first_line(error)
+    finally:
+        counter.uninstall()
+    result["calls"] = counter.summary()
     Path(spec["result_path"]).write_text(json.dumps(result))
     return result
 
@@ -499,7 +505,7 @@ def worker(spec: dict) -> dict:
 def peer_spec(args: argparse.Namespace, model: str, size: Size, peer: str, workdir: Path) -> dict:
     """What a worker needs (JSON-able)."""
     tag = f"{model}-{size.layers}x{size.hidden}-h{size.heads}-b{size.batch}-t{size.seq_len}-v{size.vocab}-s{args.seed}"
-    return dict(model=model, size=asdict(size), peer=peer, steps=args.steps, warmup=args.warmup, lr=args.lr,
+    return dict(model=model, size=asdict(size), peer=peer, device="cuda", steps=args.steps, warmup=args.warmup, lr=args.lr,
                 precision=args.precision, task=args.task, block=args.block, seed=args.seed, group=args.group,
                 fla_unguarded=args.fla_unguarded, memory_profile=args.memory_profile,
                 init_path=str(workdir / f"{tag}-init.pt"), result_path=str(workdir / f"{tag}-{peer}.json"))
