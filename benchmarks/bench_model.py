@@ -33,8 +33,9 @@ final norm, FLA's fused linear cross-entropy); the report says which was built.
 Sizes (``--preset``, each field overridable by ``--layers --hidden --heads --batch --seq-len --vocab``; ``--help``
 lists them with their parameter counts and estimated peaks): ``issue`` 4 layers, hidden 1024, 8 heads, B8 T2048 (the
 issue's measurement); ``t4k`` the same model at B16 T4096; ``t8k`` 8 layers, hidden 2048, 16 heads, B4 T8192;
-``t8k-fill`` 12 layers, hidden 2048, 16 heads, B8 T8192 (tens of GiB on the 141 GB H200). The estimate is the bf16 weights, gradients and AdamW moments (8 bytes a parameter) plus 45 bytes of activations per
-token, layer and unit of hidden size (calibrated on the issue's measurement of FLA: 3.69 GiB). GatedDeltaNet takes
+``t8k-fill`` 12 layers, hidden 2048, 16 heads, B8 T8192 (tens of GiB on the 141 GB H200). The estimate is the bf16
+weights, gradients and AdamW moments (8 bytes a parameter) plus 45 bytes of activations per token, layer and unit of
+hidden size (calibrated on the issue's measurement of FLA: 3.69 GiB). GatedDeltaNet takes
 ``--heads`` value heads and ``--heads / --group`` query/key heads (``--group`` 2 by default; Qwen3-Next's ratio).
 
     python benchmarks/bench_model.py --preset issue --models kda-safe            # the issue's model, both peers
@@ -62,10 +63,9 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -86,12 +86,12 @@ MODELS = {
     "gdn": "GatedDeltaNetForCausalLM, head dim 128, grouped value heads",
 }
 TASKS = ("repeat", "random")
+PRECISIONS = {"bf16": "bf16 weights and AdamW", "amp": "fp32 weights, bf16 autocast"}
 ACTIVATION_BYTES = 45  # per token, layer and unit of hidden size: the issue's FLA model, 3.69 GiB at B8 T2048
 IGNORE_INDEX = -100
 
 
-@dataclass(frozen=True)
-class Size:
+class Size(NamedTuple):
     """A model and its batch: ``layers`` blocks of ``hidden`` units, ``heads`` heads of 128 (GatedDeltaNet: value
     heads), ``batch`` rows of ``seq_len`` tokens from a ``vocab``-token vocabulary."""
 
@@ -173,8 +173,10 @@ def make_batch(task: str, size: Size, step: int, seed: int, block: int | None = 
 
 
 class CallCounter:
-    """Counts the FLA calls cute_kda's backend computed (``taken``) and those its verifier refused (``refused``, with
-    the first reasons), by wrapping the functions of ``cute_kda.fla_backend`` its FLA backend class calls."""
+    """Counts the FLA calls cute_kda's backend computed (``taken``; ``kept``: those of them with
+    ``disable_recompute=True``, whose forward keeps the workspace and checkpoints for the backward) and those its
+    verifier refused (``refused``, with the first reasons), by wrapping the functions of ``cute_kda.fla_backend`` its
+    FLA backend class calls."""
 
     PAIRS = (("chunk_kda", "verify"), ("chunk_gated_delta_rule", "verify_gdn"))  # (implementation, verifier)
     MAX_REASONS = 5
@@ -182,6 +184,7 @@ class CallCounter:
     def __init__(self, module: Any) -> None:
         self.module = module
         self.taken: Counter = Counter()
+        self.kept: Counter = Counter()
         self.refused: Counter = Counter()
         self.reasons: list[str] = []
         self._originals: dict[str, Callable] = {}
@@ -208,6 +211,8 @@ class CallCounter:
     def _taking(self, name: str, original: Callable) -> Callable:
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.taken[name] += 1
+            if kwargs.get("disable_recompute"):
+                self.kept[name] += 1
             return original(*args, **kwargs)
 
         return counted
@@ -224,7 +229,8 @@ class CallCounter:
         return judged
 
     def summary(self) -> dict:
-        return {"taken": dict(self.taken), "refused": dict(self.refused), "reasons": list(self.reasons)}
+        return {"taken": dict(self.taken), "kept": dict(self.kept), "refused": dict(self.refused),
+                "reasons": list(self.reasons)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,7 +511,8 @@ def worker(spec: dict) -> dict:
 def peer_spec(args: argparse.Namespace, model: str, size: Size, peer: str, workdir: Path) -> dict:
     """What a worker needs (JSON-able)."""
     tag = f"{model}-{size.layers}x{size.hidden}-h{size.heads}-b{size.batch}-t{size.seq_len}-v{size.vocab}-s{args.seed}"
-    return dict(model=model, size=asdict(size), peer=peer, device="cuda", steps=args.steps, warmup=args.warmup, lr=args.lr,
+    return dict(model=model, size=size._asdict(), peer=peer, device="cuda", steps=args.steps, warmup=args.warmup,
+                lr=args.lr,
                 precision=args.precision, task=args.task, block=args.block, seed=args.seed, group=args.group,
                 fla_unguarded=args.fla_unguarded, memory_profile=args.memory_profile,
                 init_path=str(workdir / f"{tag}-init.pt"), result_path=str(workdir / f"{tag}-{peer}.json"))
@@ -555,7 +562,8 @@ def _calls(result: dict) -> str:
     calls = result.get("calls")
     if not calls:
         return "—"
-    return f"{sum(calls['taken'].values())} / {sum(calls['refused'].values())}"
+    kept = sum(calls.get("kept", {}).values())
+    return f"{sum(calls['taken'].values())} / {sum(calls['refused'].values())}" + (f" ({kept} kept)" if kept else "")
 
 
 def peers_table(row: dict, warmup: int) -> str:
@@ -643,7 +651,7 @@ def report(rows: list[dict], args: argparse.Namespace, command: str, env: str, s
     head = [
         "# Model training: FLA's kernels vs cute_kda behind FLA's dispatch",
         f"Command: `{command}` · commit `{sha}`",
-        f"{env} · {args.precision} ({'bf16 weights and AdamW' if args.precision == 'bf16' else 'fp32 weights, bf16 autocast'}), "
+        f"{env} · {args.precision} ({PRECISIONS[args.precision]}), "
         f"AdamW lr {args.lr} betas (0.9, 0.95) weight decay 0.1; task {args.task}"
         + (f" (block {args.block or 'T/2'})" if args.task == "repeat" else "")
         + f", seed {args.seed}; {args.steps} steps, timing and peak over the {args.steps - args.warmup} after "
@@ -728,7 +736,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one more step recorded: the bytes live at its peak by where they were allocated")
     parser.add_argument("--plot", action="store_true", help="also a PNG of the loss curves beside --out (matplotlib)")
     parser.add_argument("--in-process", action="store_true", help="run the peers in this process, one after the other")
-    parser.add_argument("--worker-timeout", type=positive_int, default=540, help="seconds per peer process (default 540)")
+    parser.add_argument("--worker-timeout", type=positive_int, default=540,
+                        help="seconds per peer process (default 540)")
     parser.add_argument("--workdir", help="initial weights and worker results (default: a temporary folder)")
     parser.add_argument("--out", help="markdown file (default $OUT/model-<date>.md or benchmarks/results/)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -740,7 +749,7 @@ def resolve_size(args: argparse.Namespace, parser: argparse.ArgumentParser) -> S
     size = PRESETS[args.preset][0]
     given = {field: getattr(args, field) for field in ("layers", "hidden", "heads", "batch", "seq_len", "vocab")
              if getattr(args, field) is not None}
-    size = replace(size, **given)
+    size = size._replace(**given)
     if "gdn" in args.models and size.heads % args.group:
         parser.error(f"--heads {size.heads} is not a multiple of --group {args.group} (GatedDeltaNet's value heads)")
     if args.task == "repeat" and args.block and 2 * args.block > size.seq_len:

@@ -73,8 +73,9 @@ def verdict(history: list[tuple[int, float, float, float]]) -> tuple[bool, str]:
     first = sum(row[2] for row in tail) / len(tail)
     later = sum(row[3] for row in tail) / len(tail)
     fell = later < first
+    meaning = "recalls the block from its recurrent memory" if fell else "does not recall the block (yet)"
     return fell, (f"second-copy loss {later:.3f} {'<' if fell else '>='} first-copy loss {first:.3f} over the last "
-                  f"{len(tail)} steps: the model {'recalls the block from its recurrent memory' if fell else 'does not recall the block (yet)'}")
+                  f"{len(tail)} steps: the model {meaning}")
 
 
 def write_csv(path: Path, history: list[tuple[int, float, float, float]]) -> None:

@@ -158,12 +158,12 @@ def test_call_counter_counts_taken_and_refused(bench):
     originals = dict(vars(module))
     with bench.CallCounter(module) as counter:
         assert module.verify(1, refuse=False) == (True, None)
-        assert module.chunk_kda(1, 2) == ("o", "state")
+        assert module.chunk_kda(1, 2, disable_recompute=True) == ("o", "state")
         module.chunk_kda(3)
         assert module.verify_gdn(refuse=True) == (False, "q is on cpu")
         module.verify(refuse=True)
         module.chunk_gated_delta_rule(4)
-    assert counter.summary() == {"taken": {"chunk_kda": 2, "chunk_gated_delta_rule": 1},
+    assert counter.summary() == {"taken": {"chunk_kda": 2, "chunk_gated_delta_rule": 1}, "kept": {"chunk_kda": 1},
                                  "refused": {"chunk_gated_delta_rule": 1, "chunk_kda": 1},
                                  "reasons": ["q is on cpu"]}
     assert seen == [("kda", (1, 2)), ("kda", (3,)), ("gdn", (4,))]
@@ -225,7 +225,8 @@ def test_peak_origins_replays_the_trace(bench):
     ]
     peak, origins = bench.peak_origins({"device_traces": [trace]})
     assert peak == 450
-    assert origins == [("cute_kda/executors/stages.py:_kernel_forward", 400), ("fla/ops/kda/wy_fast.py:recompute_w_u_fwd", 50)]
+    assert origins == [("cute_kda/executors/stages.py:_kernel_forward", 400),
+                       ("fla/ops/kda/wy_fast.py:recompute_w_u_fwd", 50)]
     assert bench.peak_origins({"device_traces": [[]]}) == (0, [])
     assert bench.peak_origins({"device_traces": [trace]}, top=1)[1] == origins[:1]
 
@@ -297,7 +298,8 @@ def test_worker_on_cpu_shares_the_initial_weights(bench, monkeypatch, tmp_path):
     assert os.environ["FLA_CUTE_KDA"] == "1"
     for result in (first, second):
         assert result["error"] == "" and result["built"] == "toy" and len(result["losses"]) == 4
-        assert result["calls"] == {"taken": {}, "refused": {}, "reasons": []} and result["params"] == 16 * 16
+        assert result["calls"] == {"taken": {}, "kept": {}, "refused": {}, "reasons": []}
+        assert result["params"] == 16 * 16
     assert first["checksum"] == second["checksum"] and first["losses"] == second["losses"]
     saved = json.loads(Path(_spec(bench, tmp_path, "cute_kda")["result_path"]).read_text())
     assert saved["losses"] == second["losses"]
@@ -330,7 +332,8 @@ def _row(bench):
                origins=[["fla/ops/kda/wy_fast.py:recompute_w_u_fwd", 2_000_000]], profile_peak=3_000_000)
     ours = dict(peer="cute_kda", error="", note="", built="FLA's model class", params=119_000_000, checksum=1.5,
                 losses=[10.4, 10.01, 9.52, 9.03], step_ms=[2000.0, 40.0, 30.0, 45.0], peak_bytes=int(4.74 * 2**30),
-                held_bytes=2**30, calls={"taken": {"chunk_kda": 16}, "refused": {}, "reasons": []},
+                held_bytes=2**30, calls={"taken": {"chunk_kda": 16}, "kept": {"chunk_kda": 2}, "refused": {},
+                           "reasons": []},
                 origins=[["cute_kda/executors/stages.py:_kernel_forward", 5_000_000]], profile_peak=6_000_000)
     return dict(model="kda-safe", size=size, group=2, peers={"FLA": fla, "cute_kda": ours})
 
@@ -340,12 +343,13 @@ def test_report(bench):
     text = bench.report([_row(bench)], args, "python benchmarks/bench_model.py", "ENV", "abc1234")
     lines = text.splitlines()
     assert lines[0].startswith("# Model training") and lines[2].endswith("commit `abc1234`")
-    assert lines[4].startswith("ENV · bf16 (bf16 weights and AdamW)") and "timing and peak over the 3 after 1" in lines[4]
+    assert lines[4].startswith("ENV · bf16 (bf16 weights and AdamW)")
+    assert "timing and peak over the 3 after 1" in lines[4]
     assert "## kda-safe: KDAForCausalLM, safe gate (safe_gate=True, lower_bound=-5)" in lines
     assert any("initial weights identical" in line and "119.0M parameters" in line for line in lines)
     # medians over steps 1-3: FLA 50.0, cute_kda 40.0; peaks 3.69 / 4.74 GiB, held 1 GiB
     assert "| FLA | yes | 50.0 |  | 3.69 |  | 1.00 | 2.69 | 0 / 0 | 9.0000 | — |" in lines
-    assert "| cute_kda | yes | 40.0 | 0.80× | 4.74 | 1.28× | 1.00 | 3.74 | 16 / 0 | 9.0300 | — |" in lines
+    assert "| cute_kda | yes | 40.0 | 0.80× | 4.74 | 1.28× | 1.00 | 3.74 | 16 / 0 (2 kept) | 9.0300 | — |" in lines
     assert "| 2 | 9.5000 | 9.5200 | +0.0200 |" in lines
     agreement = next(line for line in lines if line.startswith("Loss: over 4 steps"))
     assert "max 0.0300" in agreement and "mean 0.0150" in agreement
@@ -386,7 +390,8 @@ def test_tiny_model_trains_on_both_peers(bench, model, tmp_path):
     pytest.importorskip("fla")
     out = tmp_path / "model.md"
     bench.main(["--models", model, "--layers", "2", "--hidden", "256", "--heads", "2", "--batch", "2", "--seq-len",
-                "512", "--vocab", "1024", "--steps", "6", "--warmup", "2", "--workdir", str(tmp_path), "--out", str(out)])
+                "512", "--vocab", "1024", "--steps", "6", "--warmup", "2", "--workdir", str(tmp_path),
+                "--out", str(out)])
     text = out.read_text()
     print(text)
     assert "| FLA | yes |" in text and "| cute_kda | yes |" in text and "initial weights identical" in text
