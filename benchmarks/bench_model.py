@@ -372,11 +372,11 @@ def fla_causal_lm(model: str, size: Size, group: int = 2) -> torch.nn.Module:
 
 
 def build_model(model: str, size: Size, group: int = 2) -> tuple[torch.nn.Module, str]:
-    """(the model, what was built): FLA's model class, else :class:`LayerStackLM` when ``fla.models`` does not
-    import."""
+    """(the model, what was built): FLA's model class, else :class:`LayerStackLM` when ``fla.models`` does not import
+    or its config refuses the installed ``transformers`` (a version FLA was not written for)."""
     try:
         return fla_causal_lm(model, size, group), "FLA's model class"
-    except ImportError as error:
+    except (ImportError, AttributeError, TypeError) as error:
         return LayerStackLM(model, size, group), f"LayerStackLM from FLA's layers (fla.models: {_first_line(error)})"
 
 

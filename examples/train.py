@@ -107,8 +107,8 @@ def plot(path: Path, history: list[tuple[int, float, float, float]], title: str)
     return True
 
 
-def train(args: argparse.Namespace) -> list[tuple[int, float, float, float]]:
-    """The training run of ``args``: (step, loss, first-copy loss, second-copy loss) per step."""
+def train(args: argparse.Namespace, device: str = "cuda") -> list[tuple[int, float, float, float]]:
+    """The training run of ``args`` on ``device``: (step, loss, first-copy loss, second-copy loss) per step."""
     os.environ.update(FLA_CUTE_KDA="1" if args.backend == "cute_kda" else "0", FLA_FLASH_KDA="0")
     import cute_kda  # noqa: F401  (registers cute_kda as FLA's chunk_kda backend)
     from cute_kda import fla_backend
@@ -118,14 +118,14 @@ def train(args: argparse.Namespace) -> list[tuple[int, float, float, float]]:
     model, built = build_model(GATES[args.gate], size)
     print(f"{built}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {args.layers} layers, "
           f"hidden {size.hidden}, {args.heads} heads of 128, {args.gate} gate; rows of 2 × {args.block} tokens")
-    model.to("cuda").train()  # fp32 weights; bf16 compute under autocast
+    model.to(device).train()  # fp32 weights; bf16 compute under autocast
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     first, later = copy_masks(size.seq_len, args.block)
     history = []
     with CallCounter(fla_backend) as counter:
         for step in range(args.steps):
-            input_ids = make_batch("repeat", size, step, args.seed, args.block).cuda()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            input_ids = make_batch("repeat", size, step, args.seed, args.block).to(device)
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
                 logits = model(input_ids=input_ids).logits
             losses = token_losses(logits, input_ids)
             loss = losses.mean()
@@ -133,7 +133,7 @@ def train(args: argparse.Namespace) -> list[tuple[int, float, float, float]]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            history.append((step, float(loss), *split_losses(losses.detach(), first, later)))
+            history.append((step, float(loss.detach()), *split_losses(losses.detach(), first, later)))
             if step % args.log == 0 or step == args.steps - 1:
                 print(f"step {step:4d}  loss {history[-1][1]:.3f}  first copy {history[-1][2]:.3f}  "
                       f"second copy {history[-1][3]:.3f}")

@@ -291,7 +291,8 @@ def test_worker_on_cpu_shares_the_initial_weights(bench, monkeypatch, tmp_path):
         return ToyLM(size.vocab), "toy"
 
     monkeypatch.setattr(bench, "build_model", toy_build)
-    monkeypatch.delenv("FLA_CUTE_KDA", raising=False)
+    for name in ("FLA_CUTE_KDA", "FLA_FLASH_KDA", "FLA_FLASH_QLA"):  # run_peer sets them in this process
+        monkeypatch.delenv(name, raising=False)
     first = bench.run_peer(_spec(bench, tmp_path, "FLA"), in_process=True, timeout=60)
     assert os.environ["FLA_CUTE_KDA"] == "0" and os.environ["FLA_FLASH_KDA"] == "0"
     second = bench.run_peer(_spec(bench, tmp_path, "cute_kda"), in_process=True, timeout=60)

@@ -105,6 +105,41 @@ def test_write_csv(tmp_path):
     assert train.plot(tmp_path / "x.png", [(0, 5.0, 5.5, 5.4)], "t") == (tmp_path / "x.png").exists()
 
 
+class ToyLM(torch.nn.Module):
+    """Bigram logits through FLA's model signature (no labels: ``.logits``)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(vocab, vocab)
+
+    def forward(self, input_ids):
+        return type("Output", (), {"logits": self.table(input_ids)})()
+
+
+@pytest.fixture
+def toy_model(monkeypatch):
+    """``build_model`` replaced by a toy; the backend variables train() sets restored afterwards."""
+    for name in ("FLA_CUTE_KDA", "FLA_FLASH_KDA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(train, "build_model", lambda model, size: (ToyLM(size.vocab), "toy"))
+
+
+def test_training_loop_on_cpu(toy_model, capsys):
+    args = train.build_parser().parse_args(["--backend", "fla", "--steps", "30", "--vocab", "16", "--block", "8",
+                                            "--batch", "8", "--log", "10", "--lr", "0.1"])
+    history = train.train(args, device="cpu")
+    assert [row[0] for row in history] == list(range(30)) and os.environ["FLA_CUTE_KDA"] == "0"
+    assert history[-1][1] < history[0][1]  # a bigram table learns the repeated half a little
+    out = capsys.readouterr().out
+    assert "step   10" in out and "step   29" in out and "chunk_kda calls computed by cute_kda: 0" in out
+
+
+def test_training_stops_when_calls_miss_cute_kda(toy_model):
+    args = train.build_parser().parse_args(["--steps", "2", "--vocab", "16", "--block", "4", "--batch", "2"])
+    with pytest.raises(SystemExit, match="cute_kda took 0 of the 4 chunk_kda calls"):
+        train.train(args, device="cpu")
+
+
 @pytest.mark.gpu
 def test_example_trains_on_cute_kda(tmp_path):
     pytest.importorskip("fla")
