@@ -398,3 +398,26 @@ def test_tiny_model_trains_on_both_peers(bench, model, tmp_path):
     assert "| FLA | yes |" in text and "| cute_kda | yes |" in text and "initial weights identical" in text
     assert "| 12 / 0 |" in text  # 2 layers × 6 steps went to cute_kda
     assert "| 0 / 0 |" in text  # none on FLA's run
+
+
+def test_main_writes_the_report_after_every_model(bench, monkeypatch, tmp_path):
+    """main's loop with the peers' results canned: FLA first, every model in the report, the file written."""
+    import cute_kda._bench
+
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cute_kda._bench, "environment", lambda *modules, **labels: "ENV")
+    calls = []
+
+    def canned(spec, in_process, timeout):
+        calls.append((spec["model"], spec["peer"], spec["size"]["seq_len"], timeout))
+        return dict(_row(bench)["peers"][spec["peer"]])
+
+    monkeypatch.setattr(bench, "run_peer", canned)
+    out = tmp_path / "model.md"
+    bench.main(["--models", "gdn,kda-softplus", "--seq-len", "4096", "--steps", "4", "--warmup", "1",
+                "--worker-timeout", "100", "--workdir", str(tmp_path / "w"), "--out", str(out)])
+    assert calls == [("gdn", "FLA", 4096, 100), ("gdn", "cute_kda", 4096, 100), ("kda-softplus", "FLA", 4096, 100),
+                     ("kda-softplus", "cute_kda", 4096, 100)]
+    text = out.read_text()
+    assert "## gdn: GatedDeltaNetForCausalLM" in text and "## kda-softplus: KDAForCausalLM" in text
+    assert "--seq-len 4096" in text.splitlines()[2] and (tmp_path / "w").is_dir()
