@@ -604,7 +604,7 @@ def loss_agreement(losses: dict[str, list[float]]) -> str:
     if not pairs:
         return "no common steps"
     gaps = [abs(ours - theirs) for theirs, ours in pairs]
-    relative = max(gap / abs(theirs) for gap, (theirs, _) in zip(gaps, pairs) if theirs)
+    relative = max((gap / abs(theirs) for gap, (theirs, _) in zip(gaps, pairs) if theirs), default=0.0)
     return (f"over {len(pairs)} steps |cute_kda − FLA| max {max(gaps):.4f}, mean {statistics.mean(gaps):.4f}, "
             f"max relative {relative:.2e}")
 
@@ -621,7 +621,7 @@ def origins_table(row: dict) -> str | None:
     return markdown_table(["allocated at", *(f"{peer} MB" for peer in found)], table)
 
 
-def model_section(row: dict, warmup: int) -> str:
+def model_section(row: dict, warmup: int, expected_calls: int) -> str:
     size: Size = row["size"]
     first = next(iter(row["peers"].values()), {})
     checksums = {peer: result.get("checksum") for peer, result in row["peers"].items()}
@@ -634,7 +634,9 @@ def model_section(row: dict, warmup: int) -> str:
         + (f" ({size.heads // row['group']} q/k heads)" if row["model"] == "gdn" else "")
         + f", vocab {size.vocab}, B{size.batch} T{size.seq_len}; {first.get('built', '—')}; "
         f"{first.get('params', parameter_count(row['model'], size, row['group'])) / 1e6:.1f}M parameters; "
-        f"initial weights {'identical' if same_start else 'DIFFERENT'} (Σ {checksums})",
+        f"initial weights {'identical' if same_start else 'DIFFERENT'} (Σ {checksums}); a run makes "
+        f"{expected_calls} {'chunk_gated_delta_rule' if row['model'] == 'gdn' else 'chunk_kda'} calls (one a layer "
+        "and forward), all of them cute_kda's on its peer and none on FLA's",
         peers_table(row, warmup),
         f"Loss: {loss_agreement(losses)}.",
         markdown_table(["step", *losses, "cute_kda − FLA"], loss_rows(losses, every)),
@@ -657,7 +659,9 @@ def report(rows: list[dict], args: argparse.Namespace, command: str, env: str, s
         f"{args.warmup} warm-up steps; each peer in {'this process' if args.in_process else 'a process of its own'}; "
         "GiB = 2³⁰ bytes; ratios cute_kda / FLA (< 1: cute_kda smaller or faster).",
     ]
-    return "\n\n".join(head + [model_section(row, args.warmup) for row in rows]) + "\n"
+    sections = [model_section(row, args.warmup, row["size"].layers * (args.steps + args.memory_profile))
+                for row in rows]
+    return "\n\n".join(head + sections) + "\n"
 
 
 def plot_losses(rows: list[dict], path: Path) -> bool:

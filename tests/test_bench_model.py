@@ -347,7 +347,8 @@ def test_report(bench):
     assert lines[4].startswith("ENV · bf16 (bf16 weights and AdamW)")
     assert "timing and peak over the 3 after 1" in lines[4]
     assert "## kda-safe: KDAForCausalLM, safe gate (safe_gate=True, lower_bound=-5)" in lines
-    assert any("initial weights identical" in line and "119.0M parameters" in line for line in lines)
+    assert any("initial weights identical" in line and "119.0M parameters" in line
+               and "a run makes 16 chunk_kda calls" in line for line in lines)
     # medians over steps 1-3: FLA 50.0, cute_kda 40.0; peaks 3.69 / 4.74 GiB, held 1 GiB
     assert "| FLA | yes | 50.0 |  | 3.69 |  | 1.00 | 2.69 | 0 / 0 | 9.0000 | — |" in lines
     assert "| cute_kda | yes | 40.0 | 0.80× | 4.74 | 1.28× | 1.00 | 3.74 | 16 / 0 (2 kept) | 9.0300 | — |" in lines
@@ -369,6 +370,7 @@ def test_report_of_a_peer_that_could_not_run(bench):
     assert "| FLA | FLA could not run (step 0): RuntimeError: not supported on Triton 3.6 | — |" in text
     assert "| cute_kda | yes | 40.0 | — | 4.74 | — |" in text
     assert "(4 q/k heads)" in text and "fp32 weights, bf16 autocast" in text
+    assert "a run makes 16 chunk_gated_delta_rule calls" in text
     assert "Loss: no common steps." in text and "initial weights identical" in text  # FLA has no checksum
 
 
@@ -379,6 +381,8 @@ def test_loss_rows_and_agreement(bench):
     assert bench.loss_rows(losses, every=2)[1][0] == "2"
     assert bench.loss_agreement(losses) == ("over 2 steps |cute_kda − FLA| max 0.5000, mean 0.2500, "
                                             "max relative 2.50e-01")
+    assert bench.loss_agreement({"FLA": [0.0], "cute_kda": [0.0]}).endswith("max relative 0.00e+00")
+    assert bench.loss_agreement({"cute_kda": [1.0]}) == "no common steps"
 
 
 # ---------------------------------------------------------------------------------------------
