@@ -431,12 +431,13 @@ def run_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
     what was held before them (CUDA only); a step that raises ends the run with ``error`` and ``failed_step``.
     ``memory_profile``: one more step recorded, its peak's origins in ``origins``."""
     cuda = device.type == "cuda"
-    result: dict = dict(losses=[], step_ms=[], error="", failed_step=None, peak_bytes=None, held_bytes=None)
+    result: dict = dict(losses=[], step_ms=[], error="", failed_step=None, peak_bytes=None, held_bytes=None,
+                        reserved_bytes=None)
     for step in range(steps):
         if step == min(warmup, steps - 1) and cuda:
             torch.cuda.synchronize()
             result["held_bytes"] = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.reset_peak_memory_stats()  # the allocated and the reserved peak
         try:
             input_ids = batch(step).to(device)
             loss, ms = timed(lambda: train_step(model, optimizer, input_ids, autocast), device)
@@ -449,6 +450,7 @@ def run_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch
         print(f"step {step}: loss {float(loss):.4f}, {ms:.1f} ms", file=sys.stderr)
     if cuda:
         result["peak_bytes"] = torch.cuda.max_memory_allocated()
+        result["reserved_bytes"] = torch.cuda.max_memory_reserved()  # what the allocator took from the device
     if memory_profile and cuda:
         input_ids = batch(steps).to(device)
         torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
@@ -569,7 +571,8 @@ def peers_table(row: dict, warmup: int) -> str:
     fla = row["peers"].get("FLA") or {}
     fla_ms = median_after_warmup(fla.get("step_ms", []), warmup)
     head = ["peer", "ran", "median step ms", "step / FLA", "peak GiB", "peak / FLA", "held between steps GiB",
-            "step's peak above held GiB", "calls to cute_kda (taken / refused)", "last loss", "note"]
+            "step's peak above held GiB", "peak reserved GiB", "calls to cute_kda (taken / refused)", "last loss",
+            "note"]
     table = []
     for peer, result in row["peers"].items():
         ms = median_after_warmup(result.get("step_ms", []), warmup)
@@ -580,7 +583,8 @@ def peers_table(row: dict, warmup: int) -> str:
         losses = result.get("losses") or []
         table.append([peer, ran, "—" if ms is None else f"{ms:.1f}", _ratio(ms, fla_ms) if peer != "FLA" else "",
                       _gib(peak), _ratio(peak, fla.get("peak_bytes")) if peer != "FLA" else "", _gib(held),
-                      _gib(peak - held if peak is not None and held is not None else None), _calls(result),
+                      _gib(peak - held if peak is not None and held is not None else None),
+                      _gib(result.get("reserved_bytes")), _calls(result),
                       f"{losses[-1]:.4f}" if losses else "—", result.get("note") or "—"])
     return markdown_table(head, table)
 

@@ -259,7 +259,7 @@ def test_run_training_on_cpu(bench):
                                 warmup=2, device=torch.device("cpu"))
     assert len(result["losses"]) == len(result["step_ms"]) == 12 and result["error"] == ""
     assert result["losses"][-1] < result["losses"][0]  # the bigram table learns the repeated halves
-    assert result["peak_bytes"] is None and result["held_bytes"] is None  # CUDA only
+    assert result["peak_bytes"] is None and result["held_bytes"] is None and result["reserved_bytes"] is None
     assert all(ms >= 0 for ms in result["step_ms"]) and model.table.weight.grad is None  # zero_grad(set_to_none)
     assert bench.median_after_warmup([9.0, 8.0, 1.0, 3.0, 2.0], 2) == 2.0
     assert bench.median_after_warmup([5.0], 3) == 5.0 and bench.median_after_warmup([], 1) is None
@@ -329,12 +329,12 @@ def _row(bench):
     size = bench.Size(4, 1024, 8, 8, 2048)
     fla = dict(peer="FLA", error="", note="", built="FLA's model class", params=119_000_000, checksum=1.5,
                losses=[10.4, 10.0, 9.5, 9.0], step_ms=[900.0, 50.0, 40.0, 60.0], peak_bytes=int(3.69 * 2**30),
-               held_bytes=2**30, calls={"taken": {}, "refused": {}, "reasons": []},
+               held_bytes=2**30, reserved_bytes=4 * 2**30, calls={"taken": {}, "refused": {}, "reasons": []},
                origins=[["fla/ops/kda/wy_fast.py:recompute_w_u_fwd", 2_000_000]], profile_peak=3_000_000)
     ours = dict(peer="cute_kda", error="", note="", built="FLA's model class", params=119_000_000, checksum=1.5,
                 losses=[10.4, 10.01, 9.52, 9.03], step_ms=[2000.0, 40.0, 30.0, 45.0], peak_bytes=int(4.74 * 2**30),
-                held_bytes=2**30, calls={"taken": {"chunk_kda": 16}, "kept": {"chunk_kda": 2}, "refused": {},
-                           "reasons": []},
+                held_bytes=2**30, reserved_bytes=5 * 2**30,
+                calls={"taken": {"chunk_kda": 16}, "kept": {"chunk_kda": 2}, "refused": {}, "reasons": []},
                 origins=[["cute_kda/executors/stages.py:_kernel_forward", 5_000_000]], profile_peak=6_000_000)
     return dict(model="kda-safe", size=size, group=2, peers={"FLA": fla, "cute_kda": ours})
 
@@ -350,8 +350,8 @@ def test_report(bench):
     assert any("initial weights identical" in line and "119.0M parameters" in line
                and "a run makes 16 chunk_kda calls" in line for line in lines)
     # medians over steps 1-3: FLA 50.0, cute_kda 40.0; peaks 3.69 / 4.74 GiB, held 1 GiB
-    assert "| FLA | yes | 50.0 |  | 3.69 |  | 1.00 | 2.69 | 0 / 0 | 9.0000 | — |" in lines
-    assert "| cute_kda | yes | 40.0 | 0.80× | 4.74 | 1.28× | 1.00 | 3.74 | 16 / 0 (2 kept) | 9.0300 | — |" in lines
+    assert "| FLA | yes | 50.0 |  | 3.69 |  | 1.00 | 2.69 | 4.00 | 0 / 0 | 9.0000 | — |" in lines
+    assert "| cute_kda | yes | 40.0 | 0.80× | 4.74 | 1.28× | 1.00 | 3.74 | 5.00 | 16 / 0 (2 kept) | 9.0300 | — |" in lines
     assert "| 2 | 9.5000 | 9.5200 | +0.0200 |" in lines
     agreement = next(line for line in lines if line.startswith("Loss: over 4 steps"))
     assert "max 0.0300" in agreement and "mean 0.0150" in agreement
