@@ -514,8 +514,8 @@ def peer_spec(args: argparse.Namespace, model: str, size: Size, peer: str, workd
     """What a worker needs (JSON-able)."""
     tag = f"{model}-{size.layers}x{size.hidden}-h{size.heads}-b{size.batch}-t{size.seq_len}-v{size.vocab}-s{args.seed}"
     return dict(model=model, size=size._asdict(), peer=peer, device="cuda", steps=args.steps, warmup=args.warmup,
-                lr=args.lr, precision=args.precision, task=args.task, block=args.block, seed=args.seed, group=args.group,
-                fla_unguarded=args.fla_unguarded, memory_profile=args.memory_profile,
+                lr=args.lr, precision=args.precision, task=args.task, block=args.block, seed=args.seed,
+                group=args.group, fla_unguarded=args.fla_unguarded, memory_profile=args.memory_profile,
                 init_path=str(workdir / f"{tag}-init.pt"), result_path=str(workdir / f"{tag}-{peer}.json"))
 
 
