@@ -251,7 +251,10 @@ def pool_call(q, k, v, g, beta, *, gate: str, A_log: torch.Tensor | None, dt_bia
                 raise ValueError(f"ssm_state_indices of a fixed-length verify must be [N, T] = [{num_seqs}, {tokens}] "
                                  f"(one slot per token), got {list(ssm_state_indices.shape)}; pack the tokens "
                                  "with cu_seqlens for shorter rows")
-        ids = validation.check_slot_ids("ssm_state_indices", ssm_state_indices, num_seqs, device, width)
+        ids = validation.check_slot_ids(
+            "ssm_state_indices", ssm_state_indices, (num_seqs,) if width is None else (num_seqs, width),
+            "[N] (one slot per sequence)" if width is None else "[N, 1 + S] (a verify's slots per sequence and token)",
+            device)
         if verify:
             counts = (ones_counts(num_seqs, device) if counts is None
                       else validation.check_accepted_counts("num_accepted_tokens", counts, num_seqs, device))
