@@ -38,11 +38,13 @@ def variant_of(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_l
                verify: bool, qk_l2norm: bool, beta_logits: bool, grouped: bool, vsplit: int,
                cu_seqlens: torch.dtype | None = None) -> DecodeVariant:
     """The variant of a call; ``tokens`` the fixed T (over :data:`MAX_TOKENS`: the runtime loop), ``cu_seqlens``
-    the offsets' dtype of a packed call (None: fixed length)."""
-    return DecodeVariant(gate=gate, per_head_gate=per_head_gate, state_dtype=_STATE_DTYPES[state_dtype],
-                         state_layout=state_layout, tokens=tokens if cu_seqlens is None and tokens <= MAX_TOKENS
-                         else None, verify=verify, qk_l2norm=qk_l2norm, beta_logits=beta_logits, grouped=grouped,
-                         vsplit=vsplit, cu_seqlens=None if cu_seqlens is None else _OFFSET_DTYPES[cu_seqlens])
+    the offsets' dtype of a packed call (None: fixed length); ``prefetch`` by :meth:`DecodeVariant.choose_prefetch`."""
+    unrolled = tokens if cu_seqlens is None and tokens <= MAX_TOKENS else None
+    dtype = _STATE_DTYPES[state_dtype]
+    return DecodeVariant(gate=gate, per_head_gate=per_head_gate, state_dtype=dtype, state_layout=state_layout,
+                         tokens=unrolled, verify=verify, qk_l2norm=qk_l2norm, beta_logits=beta_logits, grouped=grouped,
+                         vsplit=vsplit, cu_seqlens=None if cu_seqlens is None else _OFFSET_DTYPES[cu_seqlens],
+                         prefetch=DecodeVariant.choose_prefetch(unrolled, state_layout, dtype))
 
 
 def auto_vsplit(num_seqs: int, value_heads: int, index: int, state_layout: str, state_dtype: torch.dtype) -> int:
