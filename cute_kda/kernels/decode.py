@@ -360,7 +360,7 @@ class DecodeKernel(TokenPrep):
 
     @cute.jit
     def slot_row(self, state_indices: cute.Tensor, seq: Int32) -> cute.Tensor:
-        """A verify's slot ids ``state_indices[seq, 0 .. T − 1]`` in registers (independent loads, issued together)."""
+        """A verify's slot ids ``state_indices[seq, 0 .. T − 1]`` in registers (independent loads, together)."""
         row = cute.make_rmem_tensor((self.tokens,), Int32)
         for t in cutlass.range_constexpr(self.tokens):
             row[t] = state_indices[seq, t]
