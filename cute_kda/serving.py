@@ -121,12 +121,13 @@ def ones_counts(num_seqs: int, device: torch.device) -> torch.Tensor:
     return torch.ones(num_seqs, dtype=torch.int32, device=device)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=1024)
 def parameter_view(parameter: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """``parameter`` detached and viewed as ``shape``, made once per parameter (a view costs more host time than the
     rest of a call's checks; the layers' ``dt_bias`` is ``[HV·K]``, the kernel reads ``[HV, K]``; a tensor that
     requires grad is not handed to the kernel: the decode kernel has no backward, as FLA's has none). The view
-    shares the parameter's memory, so in-place updates show through; the cache holds up to 64 parameters alive."""
+    shares the parameter's memory, so in-place updates show through; the cache holds up to 1024 parameters alive
+    (a model's A_log and dt_bias of every layer: 64 thrashed on a 48-layer model, a new view a call)."""
     return parameter.detach().view(shape)
 
 
@@ -355,7 +356,7 @@ def steady_key(q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, use_gat
                                               dt_bias.dtype, dt_bias.get_device(), dt_bias.requires_grad),
                 type(scale), scale, type(lower_bound), lower_bound, qk_l2norm, use_gate_in_kernel, beta_logits,
                 state_v_first)
-    except (AttributeError, TypeError):  # not tensors
+    except (AttributeError, TypeError, RuntimeError):  # not tensors, or tensors without strides (sparse)
         return None
 
 

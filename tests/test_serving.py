@@ -1032,6 +1032,20 @@ def test_a_new_tensor_layout_or_address_leaves_the_fast_path(cpu_as_device_0, mo
     assert not _steady_launch(kwargs)
 
 
+def test_each_layers_gate_parameters_reach_the_kernel(cpu_as_device_0):
+    """Layers share a configuration (one plan) but not their parameters: each call's own A_log and dt_bias (viewed
+    and detached, as the layers' parameters require grad) reach the kernel, not the first layer's."""
+    launches = cpu_as_device_0
+    layers = [(torch.nn.Parameter(torch.rand(4)), torch.nn.Parameter(torch.rand(4 * D))) for _ in range(3)]
+    for A_log, dt_bias in layers + layers:
+        kwargs = _decode_call(A_log=A_log, dt_bias=dt_bias, out=torch.empty(3, 1, 4, D, dtype=BF16))
+        cute_kda.fused_recurrent_kda(**kwargs)
+        inputs = launches[-1][0]
+        assert inputs.a_log.data_ptr() == A_log.data_ptr() and not inputs.a_log.requires_grad
+        assert inputs.dt_bias.data_ptr() == dt_bias.data_ptr() and inputs.dt_bias.shape == (4, D)
+    assert len(launches) == 6 and _steady_launch(kwargs)
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_fast_path_never_takes_a_bad_call(cpu_as_device_0, monkeypatch, case):
     """With plans kept for the good decode and verify calls, every bad input (``out`` given, so the fast path is
