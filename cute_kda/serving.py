@@ -390,7 +390,19 @@ def _resolved(given: Any, source: tuple) -> Any:
     if how == _FIXED:
         return what
     parameter, view = what
-    return view if given is parameter else parameter_view(given, tuple(view.shape))
+    if given is parameter and view.data_ptr() == given.data_ptr():
+        return view
+    return current_view(given, tuple(view.shape))
+
+
+def current_view(parameter: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """:func:`parameter_view`, made again when the parameter's storage was replaced since (``param.data = ...``, a
+    weight reload): a cached view would still read the old memory."""
+    view = parameter_view(parameter, shape)
+    if view.data_ptr() != parameter.data_ptr():
+        parameter_view.cache_clear()
+        view = parameter_view(parameter, shape)
+    return view
 
 
 def _source(given: Any, used: Any) -> tuple | None:

@@ -1044,6 +1044,12 @@ def test_each_layers_gate_parameters_reach_the_kernel(cpu_as_device_0):
         assert inputs.a_log.data_ptr() == A_log.data_ptr() and not inputs.a_log.requires_grad
         assert inputs.dt_bias.data_ptr() == dt_bias.data_ptr() and inputs.dt_bias.shape == (4, D)
     assert len(launches) == 6 and _steady_launch(kwargs)
+    for A_log, dt_bias in layers[:2]:  # a weight reload that replaces the storage: the new memory is read
+        A_log.data, dt_bias.data = torch.rand(4), torch.rand(4 * D)
+        cute_kda.fused_recurrent_kda(**_decode_call(A_log=A_log, dt_bias=dt_bias,
+                                                    out=torch.empty(3, 1, 4, D, dtype=BF16)))
+        inputs = launches[-1][0]
+        assert inputs.a_log.data_ptr() == A_log.data_ptr() and inputs.dt_bias.data_ptr() == dt_bias.data_ptr()
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
