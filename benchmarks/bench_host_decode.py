@@ -68,6 +68,7 @@ def calls() -> dict[str, Callable[[], object]]:
     one, four = tokens(1), tokens(width)
     pool = torch.zeros(N * (width + 1), HV, D, D)
     A_log, dt_bias = torch.rand(HV), torch.rand(HV * D)  # the layer's dt_bias [HV·K]
+    dt_bias_hk = dt_bias.view(HV, D)  # as the launcher reads it
     slots = torch.arange(N, dtype=torch.int32)
     slots[1] = -1
     verify_slots = (N + torch.arange(N * width, dtype=torch.int32)).reshape(N, width)
@@ -81,8 +82,8 @@ def calls() -> dict[str, Callable[[], object]]:
         "verify": lambda: cute_kda.fused_recurrent_kda(*four, A_log, dt_bias, initial_state=pool,
                                                        ssm_state_indices=verify_slots, num_accepted_tokens=accepted,
                                                        out=four_out, **flags),
-        "decode_launcher": lambda: decode(*one, A_log, dt_bias.view(HV, D), pool, slots, gate="softplus",
-                                          scale=D ** -0.5, out=one_out),
+        "decode_launcher": lambda: decode(*one, A_log, dt_bias_hk, pool, slots, gate="softplus", scale=D ** -0.5,
+                                          out=one_out),
     }
 
 
