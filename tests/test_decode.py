@@ -410,7 +410,7 @@ def _scalar_loads(variant) -> int:
     sequence, β, A_log and a per-head gate with its dt_bias; everything else moves in vectors. The runtime loop
     loads a token's inputs at two sites (the first token, the next one inside the loop)."""
     t = variant.tokens or 2
-    indices = (2 + (variant.tokens or 1) if not variant.prefetch else 1 + variant.tokens) if variant.verify else 1
+    indices = 2 + (variant.tokens or 1) if variant.verify else 1  # prefetch: T ids, the count, one id past T
     offsets = 0 if variant.cu_seqlens is None else 2
     constants = variant.gate != "none"
     return indices + offsets + t + constants + variant.per_head_gate * (t + constants)
@@ -580,6 +580,25 @@ def test_verify_every_accepted_count():
         torch.cuda.synchronize()
         assert_matches_mirror(got, expected, "o")
         assert_matches_mirror(case["state_pool"], expected_pool, "pool")
+
+
+@pytest.mark.gpu
+def test_verify_with_slot_ids_wider_than_its_tokens():
+    """T = 2 on slot ids ``[N, 4]`` (S = 3): every accepted count 1 .. 4, the entering slot past T included (the
+    launcher's prefetch variant selects among the ids it loaded and loads the rest)."""
+    from cute_kda.kernels.decode import DecodeVariant
+
+    variant = DecodeVariant(tokens=2, verify=True, vsplit=4)
+    case = _case(variant, N=4, extra_slots=2, seed=9)
+    case["state_indices"] = torch.arange(16, dtype=torch.int32, device="cuda").reshape(4, 4)
+    case["num_accepted_tokens"] = torch.tensor([1, 2, 3, 4], dtype=torch.int32, device="cuda")
+    case["state_pool"] = random_pool(18, 4, torch.float32, device="cuda")
+    expected_pool = case["state_pool"].clone()
+    expected = _run_mirror({**case, "state_pool": expected_pool}, variant)
+    got = _run_kernel(case, variant)
+    torch.cuda.synchronize()
+    assert_matches_mirror(got, expected, "o")
+    assert_matches_mirror(case["state_pool"], expected_pool, "pool")
 
 
 @pytest.mark.gpu

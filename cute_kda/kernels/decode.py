@@ -239,7 +239,7 @@ class DecodeKernel(TokenPrep):
         written = None
         if const_expr(self.variant.verify and self.variant.prefetch):
             written = self.slot_row(state_indices, seq)
-            slot = self.entering_slot(written, num_accepted_tokens[seq])
+            slot = self.entering_slot(state_indices, seq, written, num_accepted_tokens[seq])
         elif const_expr(self.variant.verify):
             slot = state_indices[seq, num_accepted_tokens[seq] - 1]
         else:
@@ -367,12 +367,16 @@ class DecodeKernel(TokenPrep):
         return row
 
     @cute.jit
-    def entering_slot(self, written: cute.Tensor, count: Int32) -> Int32:
-        """``written[count − 1]`` by selects (a register array indexed at run time would go to local memory); the
-        count is loaded beside the ids, not before them (one memory latency instead of two)."""
+    def entering_slot(self, state_indices: cute.Tensor, seq: Int32, written: cute.Tensor, count: Int32) -> Int32:
+        """``state_indices[seq, count − 1]``: from the loaded ``written`` by selects (a register array indexed at
+        run time would go to local memory), so the count is loaded beside the ids, not before them (one memory
+        latency instead of two); loaded after the count only for a count past T (slot ids wider than the call's
+        tokens, ``[N, S + 1]`` with T < S + 1)."""
         slot = written[0]
         for t in cutlass.range_constexpr(1, self.tokens):
             slot = Int32(cutlass.select_(count == t + 1, written[t], slot))
+        if count > self.tokens:
+            slot = state_indices[seq, count - 1]
         return slot
 
     @cute.jit
