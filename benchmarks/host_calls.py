@@ -15,7 +15,8 @@ For an A/B of two checkouts on one machine, interleave the processes so that the
 
     for i in 1 2 3 4 5; do for t in old new; do (cd $t && python3 benchmarks/host_calls.py $t); done; done
 
-``bench_host.py`` is the full table (more shapes, FLA, idle-GPU latency, graph time).
+``bench_host.py`` is the full table (more shapes, FLA, idle-GPU latency, graph time); ``bench_host_decode.py`` times
+the serving rows' Python path on a machine without a GPU (CUDA stubbed).
 """
 
 from __future__ import annotations

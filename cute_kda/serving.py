@@ -46,7 +46,6 @@ What FLA takes and the kernel does not raises, naming the argument: head dims ot
 from __future__ import annotations
 
 import functools
-import math
 import os
 import warnings
 from typing import Any, NamedTuple
@@ -123,12 +122,13 @@ def ones_counts(num_seqs: int, device: torch.device) -> torch.Tensor:
     return torch.ones(num_seqs, dtype=torch.int32, device=device)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=1024)
 def parameter_view(parameter: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """``parameter`` detached and viewed as ``shape``, made once per parameter (a view costs more host time than the
     rest of a call's checks; the layers' ``dt_bias`` is ``[HV·K]``, the kernel reads ``[HV, K]``; a tensor that
     requires grad is not handed to the kernel: the decode kernel has no backward, as FLA's has none). The view
-    shares the parameter's memory, so in-place updates show through; the cache holds up to 64 parameters alive."""
+    shares the parameter's memory, so in-place updates show through; the cache holds up to 1024 parameters alive
+    (a model's A_log and dt_bias of every layer: 64 thrashed on a 48-layer model, a new view a call)."""
     return parameter.detach().view(shape)
 
 
@@ -254,7 +254,10 @@ def pool_call(q, k, v, g, beta, *, gate: str, A_log: torch.Tensor | None, dt_bia
                 raise ValueError(f"ssm_state_indices of a fixed-length verify must be [N, T] = [{num_seqs}, {tokens}] "
                                  f"(one slot per token), got {list(ssm_state_indices.shape)}; pack the tokens "
                                  "with cu_seqlens for shorter rows")
-        ids = validation.check_slot_ids("ssm_state_indices", ssm_state_indices, num_seqs, device, width)
+        ids = validation.check_slot_ids(
+            "ssm_state_indices", ssm_state_indices, (num_seqs,) if width is None else (num_seqs, width),
+            "[N] (one slot per sequence)" if width is None else "[N, 1 + S] (a verify's slots per sequence and token)",
+            device)
         if verify:
             counts = (ones_counts(num_seqs, device) if counts is None
                       else validation.check_accepted_counts("num_accepted_tokens", counts, num_seqs, device))
@@ -322,77 +325,157 @@ def _kda_gate(use_gate_in_kernel: bool, lower_bound: Any, A_log: Any, dt_bias: A
     return gate, bound, A_log, dt_bias
 
 
-def steady_kda_call(q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, use_gate_in_kernel, beta_logits,
-                    lower_bound, state_v_first, cu_seqlens, ids, counts, out) -> PoolCall | None:
-    """The :class:`PoolCall` of an engine's steady KDA pool call, recognised in one pass (the host time of a decode
-    step is mostly checks), else None. It only ever answers for a call :func:`kda_call`'s full checks accept (they
-    run on None and name what is wrong): CUDA tensors of one device; q, k, v, g and ``out`` bf16, contiguous,
-    16-byte aligned; beta bf16 contiguous; fp32 ``A_log`` ``[HV]`` and ``dt_bias`` of HV·K values; a contiguous,
-    aligned pool; contiguous int32 slot ids (and counts); no debug switch."""
-    if validation.DEBUG_ENV in os.environ or not isinstance(q, torch.Tensor) or not isinstance(v, torch.Tensor):
+# ---------------------------------------------------------------------------------------------
+# an engine's steady call: the full checks once per configuration, then only what changes between such calls
+
+
+def steady_key(q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, use_gate_in_kernel, beta_logits,
+               lower_bound, state_v_first, cu_seqlens, ids, counts, out) -> tuple | None:
+    """The facts of a pool call (``ids`` and ``out`` given) that :func:`kda_call`'s full checks read, but the
+    tensors' addresses: each tensor's type, shape, layout (True when contiguous, else its strides), dtype and device
+    (q's, and the others' index: the device type of each is checked again by the compiled function), the gate
+    parameters' requires_grad, the scalars with their types, the flags; None: an argument is not a tensor. Calls of
+    one key are accepted or refused alike by the full checks, but for a misaligned base address and one layout: a
+    contiguous tensor whose extent-1 modes have strides off a 16-byte multiple (torch calls it contiguous, the full
+    checks refuse it, the compiled function refuses it with its own ValueError). One read of each attribute."""
+    try:
+        return (type(q), q.shape, q.is_contiguous() or q.stride(), q.dtype, q.device,
+                type(k), k.shape, k.is_contiguous() or k.stride(), k.dtype, k.get_device(),
+                type(v), v.shape, v.is_contiguous() or v.stride(), v.dtype, v.get_device(),
+                type(g), g.shape, g.is_contiguous() or g.stride(), g.dtype, g.get_device(),
+                type(beta), beta.shape, beta.is_contiguous() or beta.stride(), beta.dtype, beta.get_device(),
+                type(out), out.shape, out.is_contiguous() or out.stride(), out.dtype, out.get_device(),
+                type(pool), pool.shape, pool.is_contiguous() or pool.stride(), pool.dtype, pool.get_device(),
+                type(ids), ids.shape, ids.is_contiguous() or ids.stride(), ids.dtype, ids.get_device(),
+                None if counts is None else (type(counts), counts.shape, counts.is_contiguous() or counts.stride(),
+                                             counts.dtype, counts.get_device()),
+                None if cu_seqlens is None else (type(cu_seqlens), cu_seqlens.shape,
+                                                 cu_seqlens.is_contiguous() or cu_seqlens.stride(), cu_seqlens.dtype,
+                                                 cu_seqlens.get_device()),
+                None if A_log is None else (type(A_log), A_log.shape, A_log.is_contiguous() or A_log.stride(),
+                                            A_log.dtype, A_log.get_device(), A_log.requires_grad),
+                None if dt_bias is None else (type(dt_bias), dt_bias.shape, dt_bias.is_contiguous() or dt_bias.stride(),
+                                              dt_bias.dtype, dt_bias.get_device(), dt_bias.requires_grad),
+                type(scale), scale, type(lower_bound), lower_bound, qk_l2norm, use_gate_in_kernel, beta_logits,
+                state_v_first)
+    except (AttributeError, TypeError, RuntimeError):  # not tensors, or tensors without strides (sparse)
         return None
-    shape, v_shape = q.shape, v.shape
-    if len(shape) != 4 or len(v_shape) != 4 or shape[3] != HEAD_DIM or v_shape[3] != HEAD_DIM or shape[1] == 0:
+
+
+_ARGUMENT, _VIEW, _FIXED = range(3)  # where a steady call's A_log, dt_bias, counts come from (SteadyPlan)
+
+
+class SteadyPlan(NamedTuple):
+    """How the calls of one :func:`steady_key` run, taken from the :class:`PoolCall` the full checks made for the
+    first of them: the decode launch (None: an empty call, nothing to launch), the launcher's options, and for
+    A_log, dt_bias and the accepted counts a pair (source, what): the call's argument as it is (``_ARGUMENT``), a
+    fixed tensor (``_FIXED``: a default constant, ones counts, or None), or the argument viewed (``_VIEW``: a gate
+    parameter detached and reshaped by :func:`parameter_view`; ``what`` = (the parameter seen first, its view),
+    reused while the call passes that parameter: a look-up in :func:`parameter_view`'s cache costs more)."""
+
+    key: tuple
+    launch: Any  # cute_kda.ops.decode.LaunchPlan | None
+    options: dict
+    A_log: tuple
+    dt_bias: tuple
+    counts: tuple
+
+    def resolve(self, A_log, dt_bias, counts) -> tuple:
+        """(A_log, dt_bias, counts) as the launcher takes them."""
+        return _resolved(A_log, self.A_log), _resolved(dt_bias, self.dt_bias), _resolved(counts, self.counts)
+
+
+def _resolved(given: Any, source: tuple) -> Any:
+    how, what = source
+    if how == _ARGUMENT:
+        return given
+    if how == _FIXED:
+        return what
+    parameter, view = what
+    if given is parameter and view.data_ptr() == given.data_ptr():
+        return view
+    return current_view(given, tuple(view.shape))
+
+
+def current_view(parameter: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """:func:`parameter_view`, made again when the parameter's storage was replaced since (``param.data = ...``, a
+    weight reload): a cached view would still read the old memory."""
+    view = parameter_view(parameter, shape)
+    if view.data_ptr() != parameter.data_ptr():
+        parameter_view.cache_clear()
+        view = parameter_view(parameter, shape)
+    return view
+
+
+def _source(given: Any, used: Any) -> tuple | None:
+    """(source, what) of ``used`` (the full checks' tensor) from ``given`` (the argument); None: a per-call copy."""
+    if used is given:
+        return _ARGUMENT, None
+    if given is None:
+        return _FIXED, used
+    if used.dtype == given.dtype and used.data_ptr() == given.data_ptr():
+        return _VIEW, (given, used)
+    return None
+
+
+# q.shape → the plans of that shape (a list of one, mostly: a hash of the whole key costs more than comparing it)
+_STEADY_PLANS: dict[tuple, list[SteadyPlan]] = {}
+_STEADY_PLANS_MAX = 1024  # configurations kept (an engine has a handful: batch sizes × modes); more start over
+_DEBUG_KEY = os.fsencode(validation.DEBUG_ENV)  # os.environ's own key: a look-up in it costs 1 µs, in _data 20 ns
+
+
+def remember_steady(key: tuple, call: PoolCall, A_log: Any, dt_bias: Any, counts: Any) -> None:
+    """Keep the :class:`SteadyPlan` of ``call`` (a pool call the full checks accepted, CUDA tensors) under ``key``;
+    one whose gate parameters are copied per call (not fp32) is not kept."""
+    sources = (_source(A_log, call.A_log), _source(dt_bias, call.dt_bias), _source(counts, call.num_accepted_tokens))
+    if None in sources:
+        return
+    from .ops.decode import plan_of
+
+    q, _, v, g, _ = call.tensors
+    options = call.options
+    launch = None
+    if call.state_indices.shape[0] and v.shape[2] and q.shape[1]:
+        launch = plan_of(q, v, g, call.pool, call.state_indices, options["gate"], options["scale"],
+                         options["lower_bound"], options["qk_l2norm"], options["beta_logits"], options["state_layout"],
+                         None, call.cu_seqlens)
+    if sum(map(len, _STEADY_PLANS.values())) >= _STEADY_PLANS_MAX:
+        _STEADY_PLANS.clear()
+    plans = _STEADY_PLANS.setdefault(key[1], [])
+    plans[:] = [plan for plan in plans if plan.key != key]
+    plans.append(SteadyPlan(key, launch, options, *sources))
+
+
+def steady_plan(key: tuple | None, q, k, v, g, pool, out) -> SteadyPlan | None:
+    """The plan of a call with ``key``, when one is kept, the bases are 16-byte aligned (the rest of what the full
+    checks read is the key) and the debug switch is off (it asks for the value checks)."""
+    if key is None:
         return None
-    batch, tokens, heads, _ = shape
-    value_heads = v_shape[2]
-    index = q.get_device()
-    if index < 0 or heads == 0 or value_heads % heads:
-        return None
-    bf16 = torch.bfloat16
-    for x, expected in ((q, shape), (k, shape), (v, v_shape), (g, v_shape), (out, v_shape)):
-        if not (isinstance(x, torch.Tensor) and x.dtype is bf16 and x.shape == expected and x.is_contiguous()
-                and x.get_device() == index and x.data_ptr() % 16 == 0):
-            return None
-    if not (isinstance(beta, torch.Tensor) and beta.dtype is bf16 and beta.shape == v_shape[:3]
-            and beta.is_contiguous() and beta.get_device() == index):
-        return None
-    if scale is None:
-        scale = HEAD_DIM ** -0.5
-    elif not (type(scale) is float and scale != 0.0 and math.isfinite(scale)):
-        return None
-    if use_gate_in_kernel:
-        if lower_bound is None:
-            gate, lower_bound = "softplus", -5.0
-        elif type(lower_bound) is float and validation.LOWER_BOUND_MIN <= lower_bound < validation.LOWER_BOUND_MAX:
-            gate = "safe"
-        else:
-            return None
-        for x, count in ((A_log, value_heads), (dt_bias, value_heads * HEAD_DIM)):
-            if not (isinstance(x, torch.Tensor) and x.dtype is torch.float32 and x.numel() == count
-                    and x.is_contiguous() and x.get_device() == index):
+    for plan in _STEADY_PLANS.get(key[1], ()):
+        if plan.key == key:
+            if (q.data_ptr() | k.data_ptr() | v.data_ptr() | g.data_ptr() | out.data_ptr() | pool.data_ptr()) \
+                    % validation.ALIGNMENT_BYTES or _DEBUG_KEY in os.environ._data:
                 return None
-        if A_log.dim() != 1 or A_log.requires_grad:
-            A_log = parameter_view(A_log, (value_heads,))
-        if dt_bias.dim() != 2 or dt_bias.requires_grad:
-            dt_bias = parameter_view(dt_bias, (value_heads, HEAD_DIM))
-    else:
-        gate, lower_bound, A_log, dt_bias = "none", -5.0, None, None
-    num_seqs = batch
-    if cu_seqlens is not None:
-        if not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype in validation.CU_SEQLENS_DTYPES
-                and cu_seqlens.dim() == 1 and cu_seqlens.shape[0] >= 2 and cu_seqlens.is_contiguous()
-                and cu_seqlens.get_device() == index and batch == 1):
-            return None
-        num_seqs = cu_seqlens.shape[0] - 1
-    if not (isinstance(pool, torch.Tensor) and pool.dtype in validation.STATE_DTYPES and pool.dim() == 4
-            and pool.shape[1:] == (value_heads, HEAD_DIM, HEAD_DIM) and pool.is_contiguous()
-            and pool.get_device() == index and pool.data_ptr() % 16 == 0):
-        return None
-    if not (isinstance(ids, torch.Tensor) and ids.dtype is torch.int32 and ids.is_contiguous()
-            and ids.get_device() == index and ids.shape[0] == num_seqs):
-        return None
-    if ids.dim() == 2 and (cu_seqlens is not None or ids.shape[1] == tokens):
-        if counts is None:
-            counts = ones_counts(num_seqs, q.device)
-        elif not (isinstance(counts, torch.Tensor) and counts.dtype is torch.int32 and counts.shape == (num_seqs,)
-                  and counts.is_contiguous() and counts.get_device() == index):
-            return None
-    elif ids.dim() != 1 or counts is not None:
-        return None
-    options = dict(gate=gate, scale=scale, lower_bound=lower_bound, qk_l2norm=bool(qk_l2norm),
-                   beta_logits=bool(beta_logits), state_layout="vk" if state_v_first else "kv")
-    return PoolCall((q, k, v, g, beta), A_log, dt_bias, pool, None, ids, counts, cu_seqlens, out, options, True)
+            return plan
+    return None
+
+
+def steady_kda_launch(q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, use_gate_in_kernel, beta_logits,
+                      lower_bound, state_v_first, cu_seqlens, ids, counts, out) -> bool:
+    """Launch an engine's steady KDA pool call (the host time of a decode step is mostly checks) when a call of its
+    :func:`steady_key` has passed the full checks before; False (nothing done): the caller runs them."""
+    plan = steady_plan(steady_key(q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, use_gate_in_kernel,
+                                  beta_logits, lower_bound, state_v_first, cu_seqlens, ids, counts, out),
+                       q, k, v, g, pool, out)
+    if plan is None:
+        return False
+    launch = plan.launch
+    if launch is not None:
+        if torch.cuda.current_device() != launch.index:
+            return False  # the launcher makes the device current
+        launch.launch(q, k, v, g, beta, _resolved(A_log, plan.A_log), _resolved(dt_bias, plan.dt_bias), pool, ids,
+                      _resolved(counts, plan.counts), cu_seqlens, out)
+    return True
 
 
 def kda_call(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None, output_final_state=False,
@@ -400,24 +483,33 @@ def kda_call(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_sta
              allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, *,
              ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=None, out=None,
              **kwargs) -> PoolCall:
-    """The :class:`PoolCall` of a :func:`fused_recurrent_kda` call (nothing runs)."""
+    """The :class:`PoolCall` of a :func:`fused_recurrent_kda` call (nothing runs). A steady pool call (the slot ids
+    and ``out`` given, CUDA tensors) is checked in full once per :func:`steady_key`."""
+    key = None
     if ssm_state_indices is not None and out is not None and inplace_final_state is not False and not kwargs \
             and not allow_neg_eigval:
-        call = steady_kda_call(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, use_qk_l2norm_in_kernel,
-                               use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound, state_v_first, cu_seqlens,
-                               ssm_state_indices, num_accepted_tokens, out)
-        if call is not None:
-            return call
+        key = steady_key(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, use_qk_l2norm_in_kernel,
+                         use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound, state_v_first, cu_seqlens,
+                         ssm_state_indices, num_accepted_tokens, out)
+        plan = steady_plan(key, q, k, v, g, initial_state, out)
+        if plan is not None:
+            A_log, dt_bias, counts = plan.resolve(A_log, dt_bias, num_accepted_tokens)
+            return PoolCall((q, k, v, g, beta), A_log, dt_bias, initial_state, None, ssm_state_indices, counts,
+                            cu_seqlens, out, plan.options, True)
     state_v_first = _state_v_first(state_v_first, kwargs, "fused_recurrent_kda")
     refuse_neg_eigval(allow_neg_eigval, use_beta_sigmoid_in_kernel)
     shape = check_tokens(q, k, v, g, beta, per_head_gate=False)
-    gate, bound, A_log, dt_bias = _kda_gate(use_gate_in_kernel, lower_bound, A_log, dt_bias, shape[3], q.device)
-    return pool_call(q, k, v, g, beta, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=bound, scale=scale,
-                     initial_state=initial_state, output_final_state=output_final_state,
+    gate, bound, A_log_used, dt_bias_used = _kda_gate(use_gate_in_kernel, lower_bound, A_log, dt_bias, shape[3],
+                                                      q.device)
+    call = pool_call(q, k, v, g, beta, gate=gate, A_log=A_log_used, dt_bias=dt_bias_used, lower_bound=bound,
+                     scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                      qk_l2norm=use_qk_l2norm_in_kernel, beta_logits=use_beta_sigmoid_in_kernel,
                      state_v_first=state_v_first, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
                      num_accepted_tokens=num_accepted_tokens, inplace_final_state=inplace_final_state, out=out,
                      shape=shape)
+    if key is not None and q.is_cuda:
+        remember_steady(key, call, A_log, dt_bias, num_accepted_tokens)
+    return call
 
 
 def fused_recurrent_kda(
@@ -474,6 +566,12 @@ def fused_recurrent_kda(
     Nothing synchronises with the device; with the pool, the slot ids and ``out`` given nothing is allocated (slot
     values are checked only under ``CUTE_KDA_DEBUG_CHECKS=1``, which syncs).
     """
+    if ssm_state_indices is not None and out is not None and inplace_final_state is not False and not kwargs \
+            and not allow_neg_eigval and steady_kda_launch(
+                q, k, v, g, beta, A_log, dt_bias, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                use_beta_sigmoid_in_kernel, lower_bound, state_v_first, cu_seqlens, ssm_state_indices,
+                num_accepted_tokens, out):
+        return out, initial_state
     call = kda_call(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                     use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                     lower_bound, state_v_first, cu_seqlens, ssm_state_indices=ssm_state_indices,

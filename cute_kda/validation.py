@@ -12,7 +12,7 @@ T, never decreases) are read only when the tensor lives on the CPU, or when the 
 ``CUTE_KDA_DEBUG_CHECKS=1`` is set — then a device ``cu_seqlens`` is copied to the host (a sync)
 so that bad values raise instead of producing garbage. Without it a device ``cu_seqlens`` is
 trusted: its length gives N, its values are read only by the kernels. The serving entry points' slot ids and
-accepted counts likewise (the last section: the state pool's checks; :func:`check_pool_values` under the switch).
+accepted counts likewise (the last sections: state pools; :func:`check_slot_values` under the switch).
 """
 
 from __future__ import annotations
@@ -490,15 +490,16 @@ def staged_cu_seqlens(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> torch
 
 
 # =============================================================================================
-# the state pool of the serving entry points (decode / verify, :mod:`cute_kda.serving`)
+# state pools (serving): the pool, its slot ids and their values — one set of checks for the decode / verify entry
+# points (:mod:`cute_kda.serving`) and the prefill on a pool (:func:`check_prefill_pool_call`)
 #
 # Structure only (dtype, rank, shape, strides, device): nothing here reads a device value. The values (slot ids in
 # [−1, slots), no slot twice, accepted counts in [1, 1 + S], packed lengths within the verify width) are read by
-# :func:`check_pool_values`, which the serving entry points call only under ``CUTE_KDA_DEBUG_CHECKS=1`` (it
-# synchronises).
+# :func:`check_slot_values` and :func:`check_pool_values`, which the entry points call only under
+# ``CUTE_KDA_DEBUG_CHECKS=1`` (they synchronise).
 
 SLOT_ID_DTYPES = (torch.int32,)
-_STATE_BLOCK = (HEAD_DIM, HEAD_DIM)
+CHECKPOINT_GRANULE = 64  # prefix checkpoints fall on multiples of 64 tokens (whole K2 tiles of the engines' blocks)
 
 
 def _row_strides_fit(tensor: torch.Tensor, modes: int) -> bool:
@@ -511,18 +512,20 @@ def _row_strides_fit(tensor: torch.Tensor, modes: int) -> bool:
 
 def check_state_pool(name: str, pool: object, value_heads: int, device: torch.device, slots: int | None = None
                      ) -> torch.Tensor:
-    """A state pool: fp32 or bf16 ``[slots, HV, 128, 128]`` on ``device`` (``slots`` exactly when given), each
-    ``[128, 128]`` state block contiguous, the base and the slot and head strides 16-byte multiples (a strided
-    view of a larger cache is fine). Which of the two inner modes is V is the caller's layout."""
+    """A state pool: fp32 or bf16 ``[slots, HV, 128, 128]`` on ``device`` (``slots`` exactly when given, else at
+    least one), each ``[128, 128]`` state block contiguous, the base and the slot and head strides 16-byte multiples
+    (a strided view of a larger cache is fine). Which of the two inner modes is V is the caller's layout."""
     pool = check_is_tensor(name, pool)
     check_dtype(name, pool, STATE_DTYPES)
     meaning = "[slots, HV, 128, 128] (a state pool)"
     check_ndim(name, pool, 4, meaning)
-    expected = (pool.shape[0] if slots is None else slots, value_heads, *_STATE_BLOCK)
-    if tuple(pool.shape[2:]) != _STATE_BLOCK:
-        raise NotImplementedError(f"{name}: states of {list(pool.shape[2:])} are not supported; the decode kernel "
-                                  f"is written for K = V = {HEAD_DIM}")
-    check_shape(name, pool, expected, meaning)
+    block = tuple(pool.shape[2:])
+    if block != (HEAD_DIM, HEAD_DIM) and block[0] == block[1]:
+        raise NotImplementedError(f"{name}: states of {list(block)} are not supported; the kernels are written for "
+                                  f"K = V = {HEAD_DIM}")
+    check_shape(name, pool, (pool.shape[0] if slots is None else slots, value_heads, HEAD_DIM, HEAD_DIM), meaning)
+    if slots is None and pool.shape[0] == 0:
+        raise ValueError(f"{name} (a state pool) must hold at least one slot, got shape {list(pool.shape)}")
     if pool.stride(3) != 1 or pool.stride(2) != HEAD_DIM:
         raise ValueError(f"{name}: each [128, 128] state block must be contiguous (strides [..., 128, 1]), got "
                          f"strides {list(pool.stride())}")
@@ -534,16 +537,13 @@ def check_state_pool(name: str, pool: object, value_heads: int, device: torch.de
     return pool
 
 
-def check_slot_ids(name: str, ids: object, num_seqs: int, device: torch.device, width: int | None = None
+def check_slot_ids(name: str, ids: object, shape: tuple[int, ...], meaning: str, device: torch.device
                    ) -> torch.Tensor:
-    """Slot ids: contiguous int32 ``[N]`` (``width`` None) or ``[N, width]`` on ``device``."""
+    """Pool slot ids (−1: none): contiguous int32 of ``shape`` on ``device`` (values not read)."""
     ids = check_is_tensor(name, ids)
     check_dtype(name, ids, SLOT_ID_DTYPES)
-    if width is None:
-        check_shape(name, ids, (num_seqs,), "[N] (one slot per sequence)")
-    else:
-        check_ndim(name, ids, 2, "[N, 1 + S] (a verify's slots per sequence and token)")
-        check_shape(name, ids, (num_seqs, width), "[N, 1 + S]")
+    check_ndim(name, ids, len(shape), meaning)
+    check_shape(name, ids, shape, meaning)
     check_contiguous(name, ids)
     check_same_device(name, ids, device)
     return ids
@@ -557,6 +557,24 @@ def check_accepted_counts(name: str, counts: object, num_seqs: int, device: torc
     check_contiguous(name, counts)
     check_same_device(name, counts, device)
     return counts
+
+
+def check_slot_values(slots: int, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Every slot id of the ``(name, ids)`` tensors in ``[−1, slots)`` and no slot listed twice across them (two
+    rows, or a row and a checkpoint, would race on it). Reads the values: a sync for device tensors, so only under
+    ``CUTE_KDA_DEBUG_CHECKS=1``."""
+    seen: dict[int, str] = {}
+    for name, tensor in named:
+        values = tensor.cpu()
+        for position, slot in zip(itertools.product(*map(range, values.shape)), values.flatten().tolist()):
+            where = f"{name}[{', '.join(map(str, position))}]"
+            if not -1 <= slot < slots:
+                raise ValueError(f"{where} = {slot} is not a slot of the pool (0 <= slot < {slots}, or -1 for none)")
+            if slot >= 0:
+                if slot in seen:
+                    raise ValueError(f"{where} = {slot} repeats {seen[slot]}: one call lists a pool slot once (two "
+                                     "rows would race on it)")
+                seen[slot] = where
 
 
 def check_token_rows(name: str, tensor: torch.Tensor, aligned_rows: bool = True) -> None:
@@ -574,18 +592,10 @@ def check_token_rows(name: str, tensor: torch.Tensor, aligned_rows: bool = True)
 
 def check_pool_values(slots: int, ids: torch.Tensor, counts: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
                       *, ids_name: str = "state_indices", counts_name: str = "num_accepted_tokens") -> None:
-    """The device values behind a pool call (copies them to the host: a sync, debug only). ``ids`` ``[N]``, or
-    ``[N, 1 + S]`` with ``counts`` (or without: every count 1): every id in ``[−1, slots)``, no slot listed twice;
+    """The device values behind a decode / verify call on a pool (copies them to the host: a sync, debug only).
+    ``ids`` ``[N]``, or ``[N, 1 + S]`` with ``counts`` (or without: every count 1): :func:`check_slot_values`;
     counts in ``[1, 1 + S]``; with ``cu_seqlens`` and 2-D ids, no sequence longer than ``1 + S`` tokens."""
-    host_ids = ids.cpu()
-    if host_ids.numel() and (int(host_ids.min()) < -1 or int(host_ids.max()) >= slots):
-        bad = host_ids[(host_ids < -1) | (host_ids >= slots)][0].item()
-        raise ValueError(f"{ids_name} must lie in [-1, {slots}) (the pool's slots; -1 marks padding), got {bad}")
-    listed = host_ids[host_ids >= 0]
-    unique, times = listed.unique(return_counts=True)
-    if (times > 1).any():
-        raise ValueError(f"{ids_name} lists slot {unique[times > 1][0].item()} more than once in one call "
-                         "(two rows would race on it)")
+    check_slot_values(slots, [(ids_name, ids)])
     if ids.dim() != 2:
         return
     width = ids.shape[1]
@@ -600,45 +610,9 @@ def check_pool_values(slots: int, ids: torch.Tensor, counts: torch.Tensor | None
             raise ValueError(f"cu_seqlens: a verified sequence holds at most {width} tokens (the width of "
                              f"{ids_name}), got lengths {lengths.tolist()}")
 
+
 # ---------------------------------------------------------------------------------------------
-# Prefill on a state pool (serving): the pool, its slot ids and the prefix checkpoints.
-# (Decode pools have their own checks; these are the prefill's, to be unified with them.)
-
-CHECKPOINT_GRANULE = 64  # prefix checkpoints fall on multiples of 64 tokens (whole K2 tiles of the engines' blocks)
-
-
-def check_prefill_pool(pool: object, problem: ProblemShape, device: torch.device) -> torch.Tensor:
-    """``initial_state`` as a state pool: bf16 or fp32 ``[slots, HV, V, K]`` on q's device, 16-byte aligned, each
-    ``[V, K]`` block contiguous and the slot and head strides multiples of 16 bytes (a view of a larger cache is
-    fine: K2's TMA takes any such strides)."""
-    name, d = "initial_state", problem.head_dim
-    pool = check_is_tensor(name, pool)
-    check_dtype(name, pool, STATE_DTYPES)
-    check_ndim(name, pool, 4, "[slots, HV, V, K] (a state pool)")
-    slots, heads, rows, cols = pool.shape
-    if slots == 0 or (heads, rows, cols) != (problem.heads, d, d):
-        raise ValueError(f"initial_state (a state pool with state_indices) must have shape [slots, HV, V, K] = "
-                         f"[slots >= 1, {problem.heads}, {d}, {d}], got {list(pool.shape)}")
-    granule = ALIGNMENT_BYTES // pool.element_size()
-    s_slot, s_head, s_row, s_col = pool.stride()
-    if s_col != 1 or s_row != d or s_head % granule or s_slot % granule:
-        raise ValueError(f"initial_state (a state pool) must have contiguous [V, K] blocks and slot / head strides "
-                         f"that are multiples of {granule} elements (16 bytes), got strides {list(pool.stride())}")
-    check_same_device(name, pool, device)
-    check_aligned(name, pool)
-    return pool
-
-
-def check_slot_tensor(name: str, tensor: object, shape: tuple[int, ...], meaning: str,
-                      device: torch.device) -> torch.Tensor:
-    """A tensor of int32 pool slot ids (−1: none) of ``shape``, contiguous, on q's device (values not read)."""
-    tensor = check_is_tensor(name, tensor)
-    check_dtype(name, tensor, (torch.int32,))
-    check_ndim(name, tensor, len(shape), meaning)
-    check_shape(name, tensor, shape, meaning)
-    check_contiguous(name, tensor)
-    check_same_device(name, tensor, device)
-    return tensor
+# Prefill on a state pool: the pool and slot ids as above, and the prefix checkpoints
 
 
 def check_checkpoint_every(checkpoint_every: object) -> int:
@@ -655,7 +629,7 @@ def check_prefill_pool_call(problem: ProblemShape, device: torch.device, *, init
                             state_indices: object, checkpoint_every: object, checkpoint_indices: object,
                             final_state: object) -> int:
     """The pool arguments of a :func:`cute_kda.kda_forward` call (structure only; the slot values under
-    ``CUTE_KDA_DEBUG_CHECKS=1``, :func:`check_prefill_slot_values`). Returns ``checkpoint_every`` (0: none)."""
+    ``CUTE_KDA_DEBUG_CHECKS=1``, :func:`check_slot_values`). Returns ``checkpoint_every`` (0: none)."""
     if state_indices is None:
         for name, value in (("checkpoint_indices", checkpoint_indices), ("checkpoint_every", checkpoint_every)):
             if value is not None:
@@ -663,8 +637,8 @@ def check_prefill_pool_call(problem: ProblemShape, device: torch.device, *, init
         return 0
     if initial_state is None:
         raise ValueError("state_indices selects slots of a state pool: pass the pool as initial_state")
-    pool = check_prefill_pool(initial_state, problem, device)
-    check_slot_tensor("state_indices", state_indices, (problem.num_seqs,), "[N] (a pool slot per sequence)", device)
+    pool = check_state_pool("initial_state", initial_state, problem.heads, device)
+    check_slot_ids("state_indices", state_indices, (problem.num_seqs,), "[N] (a pool slot per sequence)", device)
     if final_state is not None and not (final_state is pool or (
             isinstance(final_state, torch.Tensor) and final_state.data_ptr() == pool.data_ptr()
             and final_state.shape == pool.shape and final_state.stride() == pool.stride()
@@ -679,31 +653,13 @@ def check_prefill_pool_call(problem: ProblemShape, device: torch.device, *, init
         every = 0
     else:
         every = check_checkpoint_every(checkpoint_every)
+        meaning = "[N, M] (a pool slot per sequence and checkpoint)"
         indices = check_is_tensor("checkpoint_indices", checkpoint_indices)
-        check_ndim("checkpoint_indices", indices, 2, "[N, M] (a pool slot per sequence and checkpoint)")
-        check_slot_tensor("checkpoint_indices", indices, (problem.num_seqs, indices.shape[1]),
-                          "[N, M] (a pool slot per sequence and checkpoint)", device)
+        check_ndim("checkpoint_indices", indices, 2, meaning)
+        check_slot_ids("checkpoint_indices", indices, (problem.num_seqs, indices.shape[1]), meaning, device)
     if debug_checks_enabled():
-        check_prefill_slot_values(pool.shape[0], state_indices, checkpoint_indices)
+        named = [("state_indices", state_indices)]
+        if checkpoint_indices is not None:
+            named.append(("checkpoint_indices", checkpoint_indices))
+        check_slot_values(pool.shape[0], named)
     return every
-
-
-def check_prefill_slot_values(slots: int, state_indices: torch.Tensor,
-                              checkpoint_indices: torch.Tensor | None) -> None:
-    """Every slot id in [−1, slots) and no slot listed twice across ``state_indices`` and ``checkpoint_indices``
-    (reads the values: a sync for device tensors, so only under ``CUTE_KDA_DEBUG_CHECKS=1``)."""
-    seen: dict[int, str] = {}
-    named = [("state_indices", state_indices)]
-    if checkpoint_indices is not None:
-        named.append(("checkpoint_indices", checkpoint_indices))
-    for name, tensor in named:
-        values = tensor.cpu()
-        for position, slot in zip(itertools.product(*map(range, values.shape)), values.flatten().tolist()):
-            where = f"{name}[{', '.join(map(str, position))}]"
-            if not -1 <= slot < slots:
-                raise ValueError(f"{where} = {slot} is not a slot of the pool (0 <= slot < {slots}, or -1 for none)")
-            if slot >= 0:
-                if slot in seen:
-                    raise ValueError(f"{where} = {slot} repeats {seen[slot]}: a pool slot may be read or written by "
-                                     "one sequence and one checkpoint of a call only")
-                seen[slot] = where

@@ -305,7 +305,7 @@ def test_variant_rejects_what_the_kernel_cannot_run():
 
     for bad in (dict(tokens=9), dict(tokens=0), dict(gate="tanh"), dict(vsplit=3),
                 dict(state_layout="kv", state_dtype="bf16", vsplit=8), dict(cu_seqlens="int32"),
-                dict(tokens=None, cu_seqlens="int16")):
+                dict(tokens=None, cu_seqlens="int16"), dict(prefetch=True), dict(tokens=None, prefetch=True)):
         with pytest.raises(ValueError):
             DecodeVariant(**bad)
     DecodeVariant(tokens=None, cu_seqlens="int64")
@@ -326,7 +326,19 @@ def _compile_matrix():
         V(gate="none", state_dtype="bf16", tokens=2, qk_l2norm=False, vsplit=4),
         V(state_layout="kv", tokens=8, verify=True, grouped=True, vsplit=2),
         V(gate="softplus", state_dtype="bf16", state_layout="kv", beta_logits=False),
+        V(tokens=4, verify=True, vsplit=4, prefetch=True),
     ]
+
+
+def _prefetch_matrix():
+    """The unrolled variants :meth:`DecodeVariant.choose_prefetch` loads ahead, at their most registers (the
+    per-channel safe gate, l2norm, β sigmoid): T = 2 to 4, decode and verify, the V-first pools and K-first fp32."""
+    from cute_kda.kernels.decode import DecodeVariant as V
+
+    return [V(tokens=t, verify=verify, state_dtype=dtype, state_layout=layout, vsplit=4, prefetch=True)
+            for t in (2, 3, 4) for verify in (False, True) for dtype, layout in (("fp32", "vk"), ("bf16", "vk"),
+                                                                                   ("fp32", "kv"))
+            if V.choose_prefetch(t, layout, dtype) and (t == 4 or (verify and layout == "vk"))]
 
 
 def _loop_matrix():
@@ -367,12 +379,38 @@ def test_compile_matrix_covers_every_axis_value():
     assert {v.vsplit for v in matrix} == {1, 2, 4, 8} and max(v.tokens for v in matrix) == 8
 
 
+def test_choose_prefetch():
+    from cute_kda.kernels.decode import DecodeVariant
+
+    assert [t for t in (None, 1, 2, 3, 4, 5, 8) if DecodeVariant.choose_prefetch(t, "vk", "fp32")] == [2, 3, 4]
+    assert DecodeVariant.choose_prefetch(4, "vk", "bf16") and DecodeVariant.choose_prefetch(4, "kv", "fp32")
+    assert not DecodeVariant.choose_prefetch(4, "kv", "bf16")  # 255 registers without it
+
+
+@pytest.mark.parametrize("variant", _prefetch_matrix(), ids=lambda v: _variant_id(v))
+def test_prefetch_variants_load_every_token_before_the_math(variant):
+    """Every token's inputs (and a verify's slot ids) are loaded before the first token's math: no global load
+    after the first shuffle of the dot products; no spills at up to 255 registers."""
+    import re
+
+    from cute_kda.compile_report import compile_with_report
+    from cute_kda.kernels.decode import DecodeKernel
+    from cute_kda.ops import decode as ops
+    from cute_kda.ops._cache import TVM_FFI_OPTION
+
+    _, report = compile_with_report(DecodeKernel(variant), *ops.compile_arguments(variant), options=TVM_FFI_OPTION)
+    first_math = report.ptx.index("shfl.sync")
+    assert not re.search(r"ld\.global", report.ptx[first_math:])
+    assert report.local_memory_ops == 0 and report.spills == 0 and report.kernels[0].stack_frame == 0
+    print(f"{variant}: {report.kernels[0].registers} registers")
+
+
 def _scalar_loads(variant) -> int:
     """Non-vector global loads the kernel may issue: slot ids (and accepted counts), the two offsets of a packed
     sequence, β, A_log and a per-head gate with its dt_bias; everything else moves in vectors. The runtime loop
     loads a token's inputs at two sites (the first token, the next one inside the loop)."""
     t = variant.tokens or 2
-    indices = 2 + (variant.tokens or 1) if variant.verify else 1
+    indices = 2 + (variant.tokens or 1) if variant.verify else 1  # prefetch: T ids, the count, one id past T
     offsets = 0 if variant.cu_seqlens is None else 2
     constants = variant.gate != "none"
     return indices + offsets + t + constants + variant.per_head_gate * (t + constants)
@@ -381,7 +419,8 @@ def _scalar_loads(variant) -> int:
 def _variant_id(v) -> str:
     return (f"{v.gate}{'-head' if v.per_head_gate else ''}-{v.state_dtype}-{v.state_layout}-T{v.tokens or 'n'}"
             f"{'-verify' if v.verify else ''}{'' if v.qk_l2norm else '-nol2'}{'' if v.beta_logits else '-nosig'}"
-            f"{'-gva' if v.grouped else ''}-vs{v.vsplit}{'' if v.cu_seqlens is None else '-' + v.cu_seqlens}")
+            f"{'-gva' if v.grouped else ''}-vs{v.vsplit}{'' if v.cu_seqlens is None else '-' + v.cu_seqlens}"
+            f"{'-prefetch' if v.prefetch else ''}")
 
 
 @pytest.mark.parametrize("variant", _compile_matrix() + _loop_matrix(), ids=_variant_id)
@@ -541,6 +580,25 @@ def test_verify_every_accepted_count():
         torch.cuda.synchronize()
         assert_matches_mirror(got, expected, "o")
         assert_matches_mirror(case["state_pool"], expected_pool, "pool")
+
+
+@pytest.mark.gpu
+def test_verify_with_slot_ids_wider_than_its_tokens():
+    """T = 2 on slot ids ``[N, 4]`` (S = 3): every accepted count 1 .. 4, the entering slot past T included (the
+    launcher's prefetch variant selects among the ids it loaded and loads the rest)."""
+    from cute_kda.kernels.decode import DecodeVariant
+
+    variant = DecodeVariant(tokens=2, verify=True, vsplit=4)
+    case = _case(variant, N=4, extra_slots=2, seed=9)
+    case["state_indices"] = torch.arange(16, dtype=torch.int32, device="cuda").reshape(4, 4)
+    case["num_accepted_tokens"] = torch.tensor([1, 2, 3, 4], dtype=torch.int32, device="cuda")
+    case["state_pool"] = random_pool(18, 4, torch.float32, device="cuda")
+    expected_pool = case["state_pool"].clone()
+    expected = _run_mirror({**case, "state_pool": expected_pool}, variant)
+    got = _run_kernel(case, variant)
+    torch.cuda.synchronize()
+    assert_matches_mirror(got, expected, "o")
+    assert_matches_mirror(case["state_pool"], expected_pool, "pool")
 
 
 @pytest.mark.gpu
@@ -793,6 +851,28 @@ def test_runtime_loop_has_the_unrolled_bits(verify):
     assert torch.equal(_bits(packed["state_pool"]), _bits(case["state_pool"]))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,dtype", [("vk", "fp32"), ("vk", "bf16"), ("kv", "fp32")])
+@pytest.mark.parametrize("verify", [False, True], ids=["decode", "verify"])
+def test_prefetch_has_the_same_bits(monkeypatch, request, verify, layout, dtype):
+    """T = 4 with every token loaded ahead (the launcher's choice) and without: the same arithmetic, so the same
+    bits in o and in the pool."""
+    from cute_kda.kernels.decode import DecodeVariant
+    from cute_kda.ops import decode as ops
+
+    variant = DecodeVariant(tokens=4, verify=verify, state_layout=layout, state_dtype=dtype, vsplit=4)
+    case = _case(variant, N=5, seed=23)
+    plain = {**case, "state_pool": case["state_pool"].clone()}
+    ahead = _run_kernel(case, variant)
+    ops.launch_plan.cache_clear()
+    request.addfinalizer(ops.launch_plan.cache_clear)
+    monkeypatch.setattr(DecodeVariant, "choose_prefetch", staticmethod(lambda *a: False))
+    without = _run_kernel(plain, variant)
+    torch.cuda.synchronize()
+    assert torch.equal(ahead, without)
+    assert torch.equal(_bits(case["state_pool"]), _bits(plain["state_pool"]))
+
+
 def test_launcher_picks_the_variant_and_passes_the_kernel_arguments(monkeypatch, request):
     """The launcher's host path on CPU tensors (the compiled function recorded, not run): the variant follows
     the tensors (per-head gate from g's rank, verify from the slot ids' rank, GVA from H < HV), the scalars are
@@ -806,7 +886,8 @@ def test_launcher_picks_the_variant_and_passes_the_kernel_arguments(monkeypatch,
     monkeypatch.setattr(ops, "compiled_variant", lambda variant, index: (lambda *a: calls.append((variant, a))))
     monkeypatch.setattr(ops, "device_index", lambda device: 0)
     monkeypatch.setattr(ops, "check_supported", lambda device: None)  # no CUDA device here
-    monkeypatch.setattr(ops, "current_stream", lambda device: "stream")
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    monkeypatch.setitem(ops._CUSTREAMS, 7, "stream")
     monkeypatch.setattr(ops, "on_device", lambda device: __import__("contextlib").nullcontext())
     monkeypatch.setattr(ops, "auto_vsplit", lambda *a: 2)
     step = make_step(3, 4, 2, 4, "softplus", True)

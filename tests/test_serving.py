@@ -517,13 +517,14 @@ def test_values_are_not_read_without_the_debug_switch(monkeypatch):
 
 DEBUG_BAD = {
     "slot past the pool": (lambda: _decode_call(ssm_state_indices=torch.tensor([0, 6, -1], dtype=torch.int32)),
-                           "ssm_state_indices must lie in"),
+                           r"ssm_state_indices\[1\] = 6 is not a slot of the pool"),
     "slot below -1": (lambda: _decode_call(ssm_state_indices=torch.tensor([0, -2, 1], dtype=torch.int32)),
-                      "ssm_state_indices must lie in"),
+                      r"ssm_state_indices\[1\] = -2 is not a slot"),
     "slot twice": (lambda: _decode_call(ssm_state_indices=torch.tensor([4, 1, 4], dtype=torch.int32)),
-                   "ssm_state_indices lists slot 4 more than once"),
+                   r"ssm_state_indices\[2\] = 4 repeats ssm_state_indices\[0\]"),
     "slot twice in a verify": (lambda: _verify_call(
-        ssm_state_indices=torch.tensor([[0, 1], [2, 1], [-1, -1]], dtype=torch.int32)), "more than once"),
+        ssm_state_indices=torch.tensor([[0, 1], [2, 1], [-1, -1]], dtype=torch.int32)),
+        r"ssm_state_indices\[1, 1\] = 1 repeats ssm_state_indices\[0, 1\]"),
     "count 0": (lambda: _verify_call(num_accepted_tokens=torch.tensor([0, 1, 1], dtype=torch.int32)),
                 "num_accepted_tokens must lie in"),
     "count past 1 + S": (lambda: _verify_call(num_accepted_tokens=torch.tensor([1, 3, 1], dtype=torch.int32)),
@@ -923,36 +924,56 @@ def test_packed_verify_matches_fla(device):
 
 
 @pytest.fixture
-def cpu_as_device_0(monkeypatch):
-    """CPU tensors report device 0, so the fast path (CUDA tensors only) can be compared with the full checks."""
+def cpu_as_device_0(monkeypatch, request):
+    """CPU tensors pass for CUDA device 0's (the fast path keeps plans for CUDA calls only) and the compiled decode
+    kernel records its arguments instead of running: ``launches`` (a list of argument tuples) is returned."""
+    from cute_kda.ops import decode as ops
+
+    launches = []
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(ops, "sm_count", lambda index: 132)
+    monkeypatch.setattr(ops, "check_supported", lambda device: None)  # an sm_90 device, as far as the plan knows
+    monkeypatch.setattr(ops, "compiled_variant", lambda variant, index: lambda *args: launches.append(args))
+    for forget in (serving._STEADY_PLANS.clear, ops.launch_plan.cache_clear):  # none made with the stand-ins
+        forget()
+        request.addfinalizer(forget)
+    return launches
 
 
 def _full_checks(monkeypatch, kwargs):
     with monkeypatch.context() as patch:
-        patch.setattr(serving, "steady_kda_call", lambda *a: None)
+        patch.setattr(serving, "steady_plan", lambda *a: None)
         return serving.kda_call(**kwargs)
 
 
-def _same_call(a: serving.PoolCall, b: serving.PoolCall) -> bool:
-    def same(x, y):
-        if x is y:
-            return True
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
-                    and x.dtype == y.dtype and torch.equal(x, y))
-        if isinstance(x, tuple):
-            return len(x) == len(y) and all(same(i, j) for i, j in zip(x, y))
-        return x == y
-    return all(same(x, y) for x, y in zip(a, b))
+def _same(x, y) -> bool:
+    if x is y:
+        return True
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+                and x.stride() == y.stride() and x.dtype == y.dtype and x.data_ptr() == y.data_ptr())
+    if isinstance(x, tuple):
+        return type(x) is type(y) and len(x) == len(y) and all(_same(i, j) for i, j in zip(x, y))
+    return x == y
 
 
 STEADY = {
     "decode softplus": lambda: _decode_call(lower_bound=None, out=torch.empty(3, 1, 4, D, dtype=BF16)),
     "decode safe, dt_bias [HV*K]": lambda: _decode_call(dt_bias=torch.zeros(4 * D),
                                                         out=torch.empty(3, 1, 4, D, dtype=BF16)),
+    "decode, parameters that require grad": lambda: _decode_call(
+        A_log=torch.nn.Parameter(torch.zeros(4)), dt_bias=torch.nn.Parameter(torch.zeros(4 * D)),
+        out=torch.empty(3, 1, 4, D, dtype=BF16)),
+    "decode, default A_log and dt_bias": lambda: _decode_call(A_log=None, dt_bias=None,
+                                                              out=torch.empty(3, 1, 4, D, dtype=BF16)),
     "decode log decay": lambda: _decode_call(use_gate_in_kernel=False, A_log=None, dt_bias=None,
                                              out=torch.empty(3, 1, 4, D, dtype=BF16)),
+    "decode, q k v views of one projection": lambda: _decode_call(
+        **dict(zip("qkv", torch.zeros(3, 1, 8, D, dtype=BF16).split([2, 2, 4], dim=2))),
+        out=torch.empty(3, 1, 4, D, dtype=BF16)),
     "verify": lambda: _verify_call(out=torch.empty(3, 2, 4, D, dtype=BF16), scale=0.25),
     "verify without counts": lambda: _verify_call(num_accepted_tokens=None, out=torch.empty(3, 2, 4, D, dtype=BF16)),
     "packed verify": lambda: _decode_call(
@@ -961,28 +982,90 @@ STEADY = {
         out=torch.empty(1, 5, 4, D, dtype=BF16)),
     "bf16 pool, k-first": lambda: _decode_call(initial_state=make_pool(6, 4, torch.bfloat16), state_v_first=False,
                                                out=torch.empty(3, 1, 4, D, dtype=BF16)),
+    "strided pool view": lambda: _decode_call(initial_state=torch.zeros(6, 5, D, D)[:, 1:],
+                                              out=torch.empty(3, 1, 4, D, dtype=BF16)),
 }
 
 
-@pytest.mark.parametrize("case", sorted(STEADY))
-def test_fast_path_builds_the_full_checks_call(cpu_as_device_0, monkeypatch, case):
-    kwargs = STEADY[case]()
-    fast = serving.steady_kda_call(
+def _steady_launch(kwargs) -> bool:
+    return serving.steady_kda_launch(
         *(kwargs[name] for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), kwargs.get("scale"),
         kwargs["initial_state"], True, kwargs["use_gate_in_kernel"], True, kwargs["lower_bound"],
         kwargs["state_v_first"], kwargs.get("cu_seqlens"), kwargs["ssm_state_indices"],
         kwargs.get("num_accepted_tokens"), kwargs["out"])
-    assert fast is not None
-    assert _same_call(fast, _full_checks(monkeypatch, kwargs))
+
+
+@pytest.mark.parametrize("case", sorted(STEADY))
+def test_fast_path_launches_what_the_full_checks_launch(cpu_as_device_0, monkeypatch, case):
+    """The first call of a configuration runs the full checks and keeps its plan; a second call with other tensors
+    of the same configuration launches from the plan, with the arguments the full path gives the kernel."""
+    launches = cpu_as_device_0
+    first, second = STEADY[case](), STEADY[case]()
+    assert not _steady_launch(first)  # no plan yet
+    cute_kda.fused_recurrent_kda(**first)
+    cute_kda.fused_recurrent_kda(**second)  # from the plan
+    assert _steady_launch(second)
+    full = _full_checks(monkeypatch, second).run()
+    assert len(launches) == 4
+    fast_args, full_args = launches[1], launches[3]
+    assert all(_same(x, y) for x, y in zip(fast_args, full_args)), case
+    assert fast_args[0].q is second["q"] and fast_args[5] is second["out"] and full[0] is second["out"]
+    assert _same(serving.kda_call(**second), _full_checks(monkeypatch, second))  # FLA's backend: the PoolCall
+
+
+def test_a_new_tensor_layout_or_address_leaves_the_fast_path(cpu_as_device_0, monkeypatch):
+    """Calls of a kept configuration with a misaligned base, a strided view, the debug switch or another current
+    device go through the full checks (which refuse the misaligned base, name the value errors under the switch)."""
+    kwargs = _decode_call(out=torch.empty(3, 1, 4, D, dtype=BF16))
+    cute_kda.fused_recurrent_kda(**kwargs)
+    assert _steady_launch(kwargs)
+    misaligned = torch.zeros(3 * 2 * D + 1, dtype=BF16)[1:].view(3, 1, 2, D)
+    assert misaligned.stride() == kwargs["q"].stride()
+    with pytest.raises(ValueError, match="q"):
+        cute_kda.fused_recurrent_kda(**{**kwargs, "q": misaligned})
+    assert not _steady_launch({**kwargs, "v": torch.zeros(3, 1, 8, D, dtype=BF16)[:, :, ::2]})
+    monkeypatch.setenv(validation.DEBUG_ENV, "1")
+    assert not _steady_launch(kwargs)
+    with pytest.raises(ValueError, match="repeats"):
+        cute_kda.fused_recurrent_kda(**{**kwargs, "ssm_state_indices": torch.tensor([4, 1, 4], dtype=torch.int32)})
+    monkeypatch.delenv(validation.DEBUG_ENV)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert not _steady_launch(kwargs)
+
+
+def test_each_layers_gate_parameters_reach_the_kernel(cpu_as_device_0):
+    """Layers share a configuration (one plan) but not their parameters: each call's own A_log and dt_bias (viewed
+    and detached, as the layers' parameters require grad) reach the kernel, not the first layer's."""
+    launches = cpu_as_device_0
+    layers = [(torch.nn.Parameter(torch.rand(4)), torch.nn.Parameter(torch.rand(4 * D))) for _ in range(3)]
+    for A_log, dt_bias in layers + layers:
+        kwargs = _decode_call(A_log=A_log, dt_bias=dt_bias, out=torch.empty(3, 1, 4, D, dtype=BF16))
+        cute_kda.fused_recurrent_kda(**kwargs)
+        inputs = launches[-1][0]
+        assert inputs.a_log.data_ptr() == A_log.data_ptr() and not inputs.a_log.requires_grad
+        assert inputs.dt_bias.data_ptr() == dt_bias.data_ptr() and inputs.dt_bias.shape == (4, D)
+    assert len(launches) == 6 and _steady_launch(kwargs)
+    for A_log, dt_bias in layers[:2]:  # a weight reload that replaces the storage: the new memory is read
+        A_log.data, dt_bias.data = torch.rand(4), torch.rand(4 * D)
+        cute_kda.fused_recurrent_kda(**_decode_call(A_log=A_log, dt_bias=dt_bias,
+                                                    out=torch.empty(3, 1, 4, D, dtype=BF16)))
+        inputs = launches[-1][0]
+        assert inputs.a_log.data_ptr() == A_log.data_ptr() and inputs.dt_bias.data_ptr() == dt_bias.data_ptr()
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_fast_path_never_takes_a_bad_call(cpu_as_device_0, monkeypatch, case):
-    """Every bad input (with ``out`` given, so the fast path is tried) still raises, naming the argument."""
+    """With plans kept for the good decode and verify calls, every bad input (``out`` given, so the fast path is
+    tried) still raises, naming the argument, from the launching entry point and from FLA's backend's."""
     monkeypatch.setattr(validation, "check_pool_values", _no_device_reads)
+    for good in (_decode_call(out=torch.empty(3, 1, 4, D, dtype=BF16)),
+                 _verify_call(out=torch.empty(3, 2, 4, D, dtype=BF16))):
+        cute_kda.fused_recurrent_kda(**good)
     make, error, words = BAD[case]
     kwargs = make()
     kwargs.setdefault("out", torch.empty(kwargs["v"].shape, dtype=BF16) if kwargs["v"].dtype == BF16 else None)
+    with pytest.raises(error, match=words):
+        cute_kda.fused_recurrent_kda(**kwargs)
     with pytest.raises(error, match=words):
         serving.kda_call(**kwargs)
 
@@ -1025,6 +1108,8 @@ def test_launch_passes_the_decode_launchers_arguments(monkeypatch, packed):
 def test_parameters_that_require_grad_reach_the_kernel_detached(cpu_as_device_0, monkeypatch, fast):
     A_log, dt_bias = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4 * D))
     kwargs = _decode_call(A_log=A_log, dt_bias=dt_bias, out=torch.empty(3, 1, 4, D, dtype=BF16))
+    if fast:
+        serving.kda_call(**kwargs)  # the full checks; the plan kept
     call = serving.kda_call(**kwargs) if fast else _full_checks(monkeypatch, kwargs)
     assert not call.A_log.requires_grad and not call.dt_bias.requires_grad
     assert call.A_log.data_ptr() == A_log.data_ptr() and call.dt_bias.data_ptr() == dt_bias.data_ptr()

@@ -64,7 +64,10 @@ class DecodeVariant:
     accepted counts (every token's state written); ``qk_l2norm``, ``beta_logits``: in-kernel l2norm of q, k and
     sigmoid of beta; ``grouped``: HV > H (value head ``j`` reads q/k head ``j // (HV / H)``); ``vsplit``: CTAs per
     (sequence, head); ``cu_seqlens``: None (fixed length) or the dtype ("int32", "int64") of the ``[N + 1]``
-    offsets of packed sequences (tokens None).
+    offsets of packed sequences (tokens None); ``prefetch`` (unrolled, T ≥ 2): every token's inputs (and a
+    verify's slot ids, the accepted count) loaded before the branch on the slot, so their latencies overlap the
+    slot id's and the state's — without it token t + 1's loads wait behind token t's stores (each token's
+    conditional stores end a basic block, and ptxas does not hoist loads above them): one memory latency a token.
     """
 
     gate: str = "safe"
@@ -78,6 +81,7 @@ class DecodeVariant:
     grouped: bool = False
     vsplit: int = 1
     cu_seqlens: Optional[str] = None
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.gate not in GATES:
@@ -88,11 +92,22 @@ class DecodeVariant:
             raise ValueError(f"cu_seqlens must be None or one of {OFFSET_DTYPES}, got {self.cu_seqlens!r}")
         if self.cu_seqlens is not None and self.tokens is not None:
             raise ValueError("packed sequences (cu_seqlens) take their lengths at run time: tokens must be None")
+        if self.prefetch and (self.tokens is None or self.tokens < 2):
+            raise ValueError("prefetch loads the tokens of the unrolled loop ahead: it needs tokens >= 2")
         self.thread_map  # validates layout, dtype and vsplit
 
     @property
     def thread_map(self) -> DecodeThreadMap:
         return DecodeThreadMap(self.state_layout, self.state_dtype, self.vsplit)
+
+    @staticmethod
+    def choose_prefetch(tokens: Optional[int], state_layout: str, state_dtype: str) -> bool:
+        """Whether an unrolled loop of ``tokens`` loads every token ahead (``prefetch``): for 2 to 4 tokens, where
+        the loaded inputs (about 27 registers a token) fit beside the state without spills (ptxas, sm_90a: 206-254
+        registers; at T = 8 it spills, and a K-first bf16 state holds 255 registers without it). A T = 4 verify then
+        waits on memory twice (slot ids, then the state with every token's inputs) instead of six times, at 4 CTAs
+        an SM instead of 5-6 (docs/perf-log.md, D3)."""
+        return tokens is not None and 2 <= tokens <= 4 and not (state_layout == "kv" and state_dtype == "bf16")
 
     @classmethod
     def choose_vsplit(cls, num_seqs: int, value_heads: int, sm_count: int, state_layout: str = "vk",
@@ -221,7 +236,11 @@ class DecodeKernel(TokenPrep):
         head = value_head
         if const_expr(self.variant.grouped):
             head = value_head // (value_heads // qk_heads)
-        if const_expr(self.variant.verify):
+        written = None
+        if const_expr(self.variant.verify and self.variant.prefetch):
+            written = self.slot_row(state_indices, seq)
+            slot = self.entering_slot(state_indices, seq, written, num_accepted_tokens[seq])
+        elif const_expr(self.variant.verify):
             slot = state_indices[seq, num_accepted_tokens[seq] - 1]
         else:
             slot = state_indices[seq]
@@ -229,6 +248,12 @@ class DecodeKernel(TokenPrep):
         gate = self.gate_constants_of(inputs, value_head, lane, scale, c_gate)
         if const_expr(self.tokens is None):
             self.run_tokens(inputs, pool, state_indices, out, slot, at, gate, self.token_span(inputs, cu_seqlens, seq))
+        elif const_expr(self.variant.prefetch):
+            raws = self.raw_tokens(inputs, at)
+            if slot >= 0:
+                self.update(inputs, pool, state_indices, out, slot, at, gate, None, raws, written)
+            else:
+                self.zero_outputs(out, at, None)
         else:
             # the first token's operands do not depend on the slot: their loads overlap the slot id's
             first = self.token_operands(inputs, at, 0, gate)
@@ -239,16 +264,21 @@ class DecodeKernel(TokenPrep):
 
     @cute.jit
     def update(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor, out: cute.Tensor,
-               slot: Int32, at: "Position", gate: "GateConstants", first: "TokenOperands"):
-        """Load the band from ``slot``, run the tokens, write the state(s) back and the outputs."""
+               slot: Int32, at: "Position", gate: "GateConstants", first: Optional["TokenOperands"],
+               raws: Optional[tuple] = None, written: Optional[cute.Tensor] = None):
+        """Load the band from ``slot``, run the tokens, write the state(s) back and the outputs; token 0's operands
+        ``first``, or (``prefetch``) every token's loaded inputs ``raws`` and a verify's slot ids ``written``."""
         rows = self.map.rows
         base = self.map.state_base(at.lane, at.first_value)
         state = cute.make_rmem_tensor((rows, CHANNELS), Float32)
         self.load_state(pool[slot, at.value_head, None, None], base, state)
         for t in cutlass.range_constexpr(self.tokens):
-            operands = first if const_expr(t == 0) else self.token_operands(inputs, at, t, gate)
+            if const_expr(raws is not None):
+                operands = self.prepared(raws[t], gate)
+            else:
+                operands = first if const_expr(t == 0) else self.token_operands(inputs, at, t, gate)
             outputs = self.advance(state, operands)
-            self.finish_token(out, pool, state_indices, at, (at.seq, t), t, base, state, outputs)
+            self.finish_token(out, pool, state_indices, at, (at.seq, t), t, base, state, outputs, written)
         if const_expr(not self.variant.verify):
             self.store_state(pool[slot, at.value_head, None, None], base, state)
 
@@ -301,12 +331,17 @@ class DecodeKernel(TokenPrep):
 
     @cute.jit
     def finish_token(self, out: cute.Tensor, pool: cute.Tensor, state_indices: cute.Tensor, at: "Position",
-                     row: tuple, t, base, state: cute.Tensor, outputs: cute.Tensor):
-        """Token ``t``'s outputs to input row ``row = (batch, token)`` of ``out``; a verify keeps its state too."""
+                     row: tuple, t, base, state: cute.Tensor, outputs: cute.Tensor,
+                     written_ids: Optional[cute.Tensor] = None):
+        """Token ``t``'s outputs to input row ``row = (batch, token)`` of ``out``; a verify keeps its state too (in
+        slot ``state_indices[seq, t]``, or ``written_ids[t]`` when loaded ahead)."""
         if at.lane == 0:
             self.store_run(out[(*row, at.value_head, None)], at.first_value, outputs)
         if const_expr(self.variant.verify):
-            written = state_indices[at.seq, t]
+            if const_expr(written_ids is None):
+                written = state_indices[at.seq, t]
+            else:
+                written = written_ids[t]
             if written >= 0:
                 self.store_state(pool[written, at.value_head, None, None], base, state)
 
@@ -322,6 +357,37 @@ class DecodeKernel(TokenPrep):
             else:
                 for t in cutlass.range(span.length, unroll=1):
                     self.store_run(out[span.batch, span.start + t, at.value_head, None], at.first_value, zeros)
+
+    @cute.jit
+    def slot_row(self, state_indices: cute.Tensor, seq: Int32) -> cute.Tensor:
+        """A verify's slot ids ``state_indices[seq, 0 .. T − 1]`` in registers (independent loads, together)."""
+        row = cute.make_rmem_tensor((self.tokens,), Int32)
+        for t in cutlass.range_constexpr(self.tokens):
+            row[t] = state_indices[seq, t]
+        return row
+
+    @cute.jit
+    def entering_slot(self, state_indices: cute.Tensor, seq: Int32, written: cute.Tensor, count: Int32) -> Int32:
+        """``state_indices[seq, count − 1]``: from the loaded ``written`` by selects (a register array indexed at
+        run time would go to local memory), so the count is loaded beside the ids, not before them (one memory
+        latency instead of two); loaded after the count only for a count past T (slot ids wider than the call's
+        tokens, ``[N, S + 1]`` with T < S + 1)."""
+        slot = written[0]
+        for t in cutlass.range_constexpr(1, self.tokens):
+            slot = Int32(cutlass.select_(count == t + 1, written[t], slot))
+        if count > self.tokens:
+            slot = state_indices[seq, count - 1]
+        return slot
+
+    @cute.jit
+    def raw_tokens(self, inputs: DecodeInputs, at: "Position") -> tuple:
+        """Every token's inputs of the unrolled loop, loaded into registers as they are (``prefetch``)."""
+        raws = []
+        for t in cutlass.range_constexpr(self.tokens):
+            raw = self.raw_token_buffers()
+            self.load_raw(inputs, at, at.seq, t, raw)
+            raws.append(raw)
+        return tuple(raws)
 
     @cute.jit
     def token_span(self, inputs: DecodeInputs, cu_seqlens: Optional[cute.Tensor], seq: Int32) -> "TokenSpan":

@@ -16,19 +16,24 @@ it) and launches on torch's current stream: no host sync, no allocation but ``ou
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import torch
 
 from ..device import check_supported, sm_count
-from ..kernels.decode import MAX_TOKENS, DecodeVariant
+from ..kernels.decode import MAX_TOKENS, DecodeInputs, DecodeVariant
 from ._cache import (
-    CompileCache, compile_for_launch, current_stream, device_index, fake_stream, on_device, to_cute_tensor,
+    _CUSTREAMS, CompileCache, compile_for_launch, cu_stream, device_index, fake_stream, on_device,
+    to_cute_tensor,
 )
 from .prepare import fp32_scalars
 
 _CACHE = CompileCache("decode")
 _STATE_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 _OFFSET_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
+# Whether calls take the prefetching unrolled variants (docs/perf-log.md, D3): off until the H200 has run their tests
+# and the verify A/B (`bench_decode.py --prefetch`); they compile and their PTX is checked on the CPU.
+PREFETCH = False
 _COMPILE_SIZES = (3, 2, 4, 5)  # N, H, HV, slots of the meta tensors a compile describes (every extent is dynamic)
 
 
@@ -36,11 +41,14 @@ def variant_of(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_l
                verify: bool, qk_l2norm: bool, beta_logits: bool, grouped: bool, vsplit: int,
                cu_seqlens: torch.dtype | None = None) -> DecodeVariant:
     """The variant of a call; ``tokens`` the fixed T (over :data:`MAX_TOKENS`: the runtime loop), ``cu_seqlens``
-    the offsets' dtype of a packed call (None: fixed length)."""
-    return DecodeVariant(gate=gate, per_head_gate=per_head_gate, state_dtype=_STATE_DTYPES[state_dtype],
-                         state_layout=state_layout, tokens=tokens if cu_seqlens is None and tokens <= MAX_TOKENS
-                         else None, verify=verify, qk_l2norm=qk_l2norm, beta_logits=beta_logits, grouped=grouped,
-                         vsplit=vsplit, cu_seqlens=None if cu_seqlens is None else _OFFSET_DTYPES[cu_seqlens])
+    the offsets' dtype of a packed call (None: fixed length); ``prefetch`` where :data:`PREFETCH` is on and
+    :meth:`DecodeVariant.choose_prefetch` says it fits."""
+    unrolled = tokens if cu_seqlens is None and tokens <= MAX_TOKENS else None
+    dtype = _STATE_DTYPES[state_dtype]
+    return DecodeVariant(gate=gate, per_head_gate=per_head_gate, state_dtype=dtype, state_layout=state_layout,
+                         tokens=unrolled, verify=verify, qk_l2norm=qk_l2norm, beta_logits=beta_logits, grouped=grouped,
+                         vsplit=vsplit, cu_seqlens=None if cu_seqlens is None else _OFFSET_DTYPES[cu_seqlens],
+                         prefetch=PREFETCH and DecodeVariant.choose_prefetch(unrolled, state_layout, dtype))
 
 
 def auto_vsplit(num_seqs: int, value_heads: int, index: int, state_layout: str, state_dtype: torch.dtype) -> int:
@@ -52,8 +60,6 @@ def launch_arguments(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices
                      out, scale: float, c_gate: float, stream, tensor=None) -> tuple:
     """The positional arguments of ``DecodeKernel.__call__``: the tensors as they are for a launch (``tensor``
     None), or converted by ``tensor(t, assumed_align)`` (:func:`~._cache.to_cute_tensor`) for a compile."""
-    from ..kernels.decode import DecodeInputs
-
     if tensor is None:
         return (DecodeInputs(q, k, v, g, beta, A_log, dt_bias), state_pool, state_indices, num_accepted_tokens,
                 cu_seqlens, out, scale, c_gate, stream)
@@ -153,28 +159,56 @@ def decode(
         out = torch.empty(batch, tokens, value_heads, v.shape[3], dtype=torch.bfloat16, device=v.device)
     if num_seqs == 0 or value_heads == 0 or tokens == 0:
         return out
-    index = device_index(v.device)
-    compiled, scale32, c_gate = launch_plan(
-        gate, g.dim() == 3, state_pool.dtype, state_layout, tokens, state_indices.dim() == 2, qk_l2norm, beta_logits,
-        qk_heads != value_heads, vsplit, None if cu_seqlens is None else cu_seqlens.dtype, num_seqs, value_heads,
-        index, scale, lower_bound)
+    plan = plan_of(q, v, g, state_pool, state_indices, gate, scale, lower_bound, qk_l2norm, beta_logits, state_layout,
+                   vsplit, cu_seqlens)
     with on_device(v.device):
-        compiled(*launch_arguments(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, num_accepted_tokens,
-                                   cu_seqlens, out, scale32, c_gate, current_stream(v.device)))
+        plan.launch(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, num_accepted_tokens, cu_seqlens, out)
     return out
+
+
+class LaunchPlan(NamedTuple):
+    """What a call configuration launches (:func:`plan_of`): the compiled variant, the fp32-rounded scale and gate
+    constant, and the device; :meth:`launch` is the one launch path of :func:`decode` and of the serving fast path
+    (:func:`cute_kda.serving.steady_kda_launch`)."""
+
+    compiled: Any
+    scale: float
+    c_gate: float
+    index: int
+
+    def launch(self, q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, num_accepted_tokens, cu_seqlens,
+               out) -> None:
+        """Launch on the current stream of the plan's device (which must be the current device); the tensors as
+        :func:`decode` takes them (A_log, dt_bias None for the "none" gate), ``out`` given."""
+        handle = torch._C._cuda_getCurrentRawStream(self.index)  # current_stream's look-ups, inline (host time)
+        stream = _CUSTREAMS.get(handle)
+        inputs = tuple.__new__(DecodeInputs, (q, k, v, g, beta, A_log, dt_bias))  # without the NamedTuple's frame
+        self.compiled(inputs, state_pool, state_indices, num_accepted_tokens, cu_seqlens, out, self.scale, self.c_gate,
+                      cu_stream(handle) if stream is None else stream)
+
+
+def plan_of(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, state_pool: torch.Tensor, state_indices: torch.Tensor,
+            gate: str, scale: float, lower_bound: float, qk_l2norm: bool, beta_logits: bool, state_layout: str,
+            vsplit: int | None, cu_seqlens: torch.Tensor | None) -> LaunchPlan:
+    """The :class:`LaunchPlan` of a non-empty :func:`decode` call (its arguments' shapes, dtypes and device)."""
+    index = device_index(v.device)
+    return launch_plan(
+        gate, g.dim() == 3, state_pool.dtype, state_layout, q.shape[1], state_indices.dim() == 2, qk_l2norm,
+        beta_logits, q.shape[2] != v.shape[2], vsplit, None if cu_seqlens is None else cu_seqlens.dtype,
+        state_indices.shape[0], v.shape[2], index, scale, lower_bound)
 
 
 @functools.lru_cache(maxsize=4096)  # a call's host path: one look-up for the variant, its compile and the scalars
 def launch_plan(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_layout: str, tokens: int,
                 verify: bool, qk_l2norm: bool, beta_logits: bool, grouped: bool, vsplit: int | None,
                 cu_seqlens_dtype: torch.dtype | None, num_seqs: int, value_heads: int, index: int, scale: float,
-                lower_bound: float) -> tuple:
-    """(the compiled kernel, fp32 scale, fp32 gate constant) of a call: the variant (``vsplit`` None:
-    :meth:`DecodeVariant.choose_vsplit`) compiled for device ``index`` on first use, after the device check
-    (:func:`cute_kda.device.check_supported`: a clear error on a device that is not sm_90)."""
+                lower_bound: float) -> LaunchPlan:
+    """The :class:`LaunchPlan` of a call: the variant (``vsplit`` None: :meth:`DecodeVariant.choose_vsplit`)
+    compiled for device ``index`` on first use, after the device check (:func:`cute_kda.device.check_supported`: a
+    clear error on a device that is not sm_90)."""
     check_supported(torch.device("cuda", index))
     if vsplit is None:
         vsplit = auto_vsplit(num_seqs, value_heads, index, state_layout, state_dtype)
     variant = variant_of(gate, per_head_gate, state_dtype, state_layout, tokens, verify, qk_l2norm, beta_logits,
                          grouped, vsplit, cu_seqlens_dtype)
-    return (compiled_variant(variant, index), *fp32_scalars(scale, lower_bound))
+    return LaunchPlan(compiled_variant(variant, index), *fp32_scalars(scale, lower_bound), index)
