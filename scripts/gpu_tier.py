@@ -58,12 +58,19 @@ def selected_count(log: str) -> int | None:
     return int(match.group(1)) - int(match.group(2) or 0)
 
 
+def _default_sigint() -> None:
+    """In the child: SIGINT back to its default, so that Python turns it into KeyboardInterrupt (a shell's background
+    job inherits SIGINT ignored, and Python then installs no handler for it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_with_deadline(cmd: list[str], log_path: Path, deadline_s: float | None, *, cwd: Path = ROOT,
                       grace_s: float = GRACE_S) -> tuple[int, bool]:
     """Run ``cmd`` with its output written line by line to ``log_path`` and echoed; after ``deadline_s`` send it
     SIGINT, after ``grace_s`` more kill it. Returns (exit status, whether the deadline was reached)."""
     with open(log_path, "w", buffering=1) as log:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                preexec_fn=_default_sigint)
 
         def copy_output():
             for line in proc.stdout:
