@@ -97,6 +97,9 @@ def options_of(problem: ProblemShape, device: torch.device, *, scale: float | No
     """The :class:`Options` of a call of shape ``problem`` on ``device`` with checked arguments: the default scale
     ``K ** -0.5``, the segmentation of :func:`cute_kda.context_parallel.segmentation_of`. Kept per distinct
     arguments (a steady caller repeats them: one dictionary look-up instead of the build and the heuristic)."""
+    if not problem.concrete:  # a trace's symbolic sizes (the custom ops' fakes): built, never kept
+        return _build_options(problem, device, scale, lower_bound, qk_l2norm, beta_logits, final_state_dtype, vsplit,
+                              recompute, gate, segments)
     key = (problem, device, scale, lower_bound, qk_l2norm, beta_logits, final_state_dtype, vsplit, recompute, gate,
            segments)
     try:

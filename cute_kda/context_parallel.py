@@ -152,6 +152,8 @@ def plan(problem: ProblemShape, sms: int, segments: int | None = None,
     if problem.varlen and segments is not None and segments > 1:
         raise NotImplementedError("segments (context parallelism) with cu_seqlens: only fixed-length batches are "
                                   "split; pass segments=None or 1 for packed sequences")
+    if not problem.concrete:  # a trace's symbolic sizes: computed, not cached
+        return _plan.__wrapped__(problem, sms, segments, vsplit)
     return _plan(problem, sms, segments, vsplit)
 
 

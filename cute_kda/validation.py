@@ -57,6 +57,12 @@ class ProblemShape(NamedTuple):
         """``[N, HV, V, K]``: a v-first state per sequence and value head."""
         return (self.num_seqs, self.heads, self.head_dim, self.head_dim)
 
+    @property
+    def concrete(self) -> bool:
+        """Whether the sizes are plain ints (not the symbolic sizes of a trace, which caches must not key on)."""
+        return type(self.batch) is int and type(self.seq_len) is int and type(self.num_seqs) is int \
+            and type(self.heads) is int
+
 
 def num_seqs(batch: int, cu_seqlens: torch.Tensor | None) -> int:
     """N: the sequences of a call, ``batch`` rows or ``cu_seqlens``' ``N + 1`` bounds (its length only)."""

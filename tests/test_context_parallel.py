@@ -310,3 +310,23 @@ def test_segmented_backward_is_deterministic(device):
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     for name in INPUTS:
         assert torch.equal(first[2][name], second[2][name]), name
+
+
+def test_symbolic_sizes_are_planned_without_the_caches():
+    """A trace's symbolic sizes (torch 2.11's SymInt is unhashable) are planned and resolved uncached: the plan and
+    the call's options come out as for plain ints, and nothing keyed on them is kept."""
+    from cute_kda.call import _OPTIONS, options_of
+    from cute_kda.context_parallel import plan
+    from cute_kda.validation import ProblemShape
+
+    class Symbolic(int):
+        __hash__ = None  # as torch 2.11's SymInt: no hash
+
+    plain = ProblemShape(1, 4096, 2, 128, 1, False)
+    traced = ProblemShape(1, Symbolic(4096), 2, 128, 1, False)
+    assert not traced.concrete and plain.concrete
+    assert plan(traced, 132, 3) == plan(plain, 132, 3) is not None
+    kept = dict(_OPTIONS)
+    options = options_of(traced, torch.device("cpu"), scale=None, lower_bound=-5.0, qk_l2norm=True, beta_logits=True,
+                         final_state_dtype=None, vsplit=None, recompute=False, gate="safe", segments=3)
+    assert options.segmentation == plan(plain, 0, 3) and _OPTIONS == kept
