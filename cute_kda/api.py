@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import interop, validation
+from .interop import DLPackTensor
 from .call import Call, final_state_dtype_of, resolve
 from .context_parallel import check_segments
 from .executors import inference, training
@@ -33,31 +34,31 @@ STATE_MODES = (None, torch.bfloat16, torch.float32)  # no state, bf16 state, fp3
 
 
 def kda_forward(
-    q: Any,
-    k: Any,
-    v: Any,
-    g: Any,
-    beta: Any,
+    q: DLPackTensor,
+    k: DLPackTensor,
+    v: DLPackTensor,
+    g: DLPackTensor,
+    beta: DLPackTensor,
     *,
     scale: float | None = None,
-    A_log: Any = None,
-    dt_bias: Any = None,
+    A_log: DLPackTensor | None = None,
+    dt_bias: DLPackTensor | None = None,
     lower_bound: float = -5.0,
-    initial_state: Any = None,
+    initial_state: DLPackTensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Any = None,
-    out: Any = None,
-    final_state: Any = None,
+    cu_seqlens: DLPackTensor | None = None,
+    out: DLPackTensor | None = None,
+    final_state: DLPackTensor | None = None,
     vsplit: int | None = None,
     qk_l2norm: bool = True,
     beta_logits: bool = True,
     recompute: bool = False,
     gate: str = "safe",
     segments: int | None = None,
-    state_indices: Any = None,
+    state_indices: DLPackTensor | None = None,
     checkpoint_every: int | None = None,
-    checkpoint_indices: Any = None,
-) -> tuple[Any, Any]:
+    checkpoint_indices: DLPackTensor | None = None,
+) -> tuple[DLPackTensor, DLPackTensor | None]:
     """KDA forward (docs/design.md §1) with the in-kernel gate, on a Hopper GPU.
 
     Inputs (any DLPack tensors on one CUDA device, contiguous, 16-byte aligned):

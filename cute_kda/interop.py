@@ -14,9 +14,18 @@ producers whose stream we cannot see (JAX).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import torch
+
+
+@runtime_checkable
+class DLPackTensor(Protocol):
+    """What the entry points take as a tensor: any DLPack producer (a torch tensor, a CuPy or JAX array)."""
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def __dlpack_device__(self) -> tuple[int, int]: ...
 
 TORCH, CUPY, JAX, OTHER = "torch", "cupy", "jax", "other"
 

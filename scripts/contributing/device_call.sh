@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call (docs/contributing/gpu.md): the set-up line, FLA's autotune results restored, then each argument as a
 # shell step (its log in $OUT/step<i>.log, the last TAILN lines echoed), then the autotune results harvested into
-# $OUT/fla-autotune.tgz. Run from the repository root on the device: COMMIT=<sha> bash scripts/device_call.sh '<step>' ...
+# $OUT/fla-autotune.tgz. Run from the repository root on the device: COMMIT=<sha> bash scripts/contributing/device_call.sh '<step>' ...
 mkdir -p /tmp/dsl && tar -xJf .gpu-bundle/cute-dsl-py312.tar.xz -C /tmp/dsl && python3 -m pip install -q --no-index --no-deps --target /tmp/dsl/site .gpu-bundle/*.whl
 export PYTHONPATH=/tmp/dsl/site:/tmp/dsl/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1 CUTE_KDA_COMMIT=${COMMIT:-unknown}
 export CUTE_KDA_CACHE_DIR=/tmp/ckc FLA_CUTE_KDA=0 TRITON_CACHE_DIR=/tmp/tcache
