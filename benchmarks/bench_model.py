@@ -52,7 +52,6 @@ tokens FLOP at ≈ 400 TFLOP/s). The markdown goes to ``--out`` (default ``$OUT/
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shlex
@@ -72,7 +71,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from cute_kda._bench import markdown_table, publish, save  # noqa: E402
+from cute_kda._bench import (  # noqa: E402
+    checkout_commit, dated_out, markdown_table, positive_int, publish, save)
 
 HEAD_DIM = 128
 LOWER_BOUND = -5.0  # the safe gate's bound (FLA recommends -5)
@@ -693,16 +693,6 @@ def plot_losses(rows: list[dict], path: Path) -> bool:
 # options and main
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def parse_models(listed: str) -> list[str]:
     names = list(dict.fromkeys(name.strip() for name in listed.split(",") if name.strip()))
     unknown = [name for name in names if name not in MODELS]
@@ -767,19 +757,11 @@ def resolve_size(args: argparse.Namespace, parser: argparse.ArgumentParser) -> S
 
 
 def default_out() -> str:
-    folder = os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results")
-    return os.path.join(folder, f"model-{datetime.date.today()}.md")
+    return dated_out("model", Path(__file__).resolve().parent / "results")
 
 
 def commit() -> str:
-    if os.environ.get("CUTE_KDA_COMMIT"):
-        return os.environ["CUTE_KDA_COMMIT"]
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10)
-        return done.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    return checkout_commit(ROOT)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -57,12 +57,10 @@ and cute_kda's first compiles; two shapes per call stay well under the 8-minute 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import os
 import re
 import shlex
-import subprocess
 import sys
 import traceback
 from dataclasses import fields, is_dataclass
@@ -77,7 +75,8 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from cute_kda._bench import environment, event_median_ms, markdown_table, publish, save  # noqa: E402
+from cute_kda._bench import (  # noqa: E402
+    checkout_commit, dated_out, environment, event_median_ms, markdown_table, positive_int, publish, save)
 
 from shapes import D, LOWER_BOUND, SHAPES, make_inputs  # noqa: E402
 
@@ -111,16 +110,6 @@ def parse_shapes(listed: str) -> list[str]:
     return names
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", type=parse_shapes, default=list(SHAPES),
@@ -140,20 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_out() -> str:
-    folder = os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results")
-    return os.path.join(folder, f"train-{datetime.date.today()}.md")
+    return dated_out("train", Path(__file__).resolve().parent / "results")
 
 
 def commit() -> str:
-    """``$CUTE_KDA_COMMIT``, else the checkout's short HEAD, else "unknown"."""
-    if os.environ.get("CUTE_KDA_COMMIT"):
-        return os.environ["CUTE_KDA_COMMIT"]
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10)
-        return done.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    return checkout_commit(ROOT)
 
 
 def ratio(ours: float | None, theirs: float | None) -> float | None:

@@ -15,7 +15,9 @@ import importlib
 import os
 import platform
 import statistics
+import subprocess
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -147,3 +149,32 @@ def publish(text: str, out: str | None) -> None:
     print(text)
     if out:
         save(text, out)
+
+
+def checkout_commit(root: Path) -> str:
+    """``$CUTE_KDA_COMMIT`` (a device call's tree has no git), else ``root``'s short HEAD, else "unknown"."""
+    if os.environ.get("CUTE_KDA_COMMIT"):
+        return os.environ["CUTE_KDA_COMMIT"]
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10)
+        return done.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def dated_out(stem: str, results: Path) -> str:
+    """``$OUT/<stem>-<date>.md``, else in ``results`` (a device call writes under ``$OUT``)."""
+    return os.path.join(os.environ.get("OUT") or str(results), f"{stem}-{datetime.date.today()}.md")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
