@@ -988,8 +988,8 @@ STEADY = {
 
 
 def _steady_launch(kwargs) -> bool:
-    return serving.steady_kda_launch(
-        *(kwargs[name] for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), kwargs.get("scale"),
+    return serving.steady_launch(
+        "kda", *(kwargs[name] for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), kwargs.get("scale"),
         kwargs["initial_state"], True, kwargs["use_gate_in_kernel"], True, kwargs["lower_bound"],
         kwargs["state_v_first"], kwargs.get("cu_seqlens"), kwargs["ssm_state_indices"],
         kwargs.get("num_accepted_tokens"), kwargs["out"])
