@@ -897,6 +897,67 @@ def test_steady_decode_loop_allocates_nothing_syncs_nothing_and_replays_in_a_cud
 
 
 @pytest.mark.gpu
+def test_gdn_steady_loop_matches_the_full_checks_allocates_nothing_and_replays_in_a_cuda_graph(device, monkeypatch):
+    """GatedDeltaNet (Qwen3-Next's decode: grouped heads, per-head softplus gate, beta None) decode and verify steps
+    from their kept plans: the bits of the same steps run through the full checks, no allocation and no sync
+    eagerly, and a captured loop replays to the eager result."""
+    N, H, HV, W = 8, 4, 8, 4
+    dec = make_tokens(N, 1, H, HV, per_head=True, device=device, seed=24)
+    ver = make_tokens(N, W, H, HV, per_head=True, device=device, seed=25)
+    dec["beta"] = ver["beta"] = None
+    gen = torch.Generator(device=device).manual_seed(26)
+    gate = dict(A_log=torch.log(torch.rand(HV, generator=gen, device=device) * 15 + 1),
+                dt_bias=0.1 * torch.randn(HV, generator=gen, device=device), use_gate_in_kernel=True)
+    pool = make_pool(N * W + N, HV, device=device)
+    dec_ids = torch.arange(N, dtype=torch.int32, device=device)
+    dec_ids[3] = -1
+    ver_ids = (N + torch.arange(N * W, dtype=torch.int32, device=device)).reshape(N, W)
+    counts = (torch.arange(N, dtype=torch.int32, device=device) % W + 1).contiguous()
+    dec_out, ver_out = torch.empty_like(dec["v"]), torch.empty_like(ver["v"])
+    flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True)
+
+    def step(state_pool):
+        cute_kda.fused_recurrent_gated_delta_rule(**dec, **gate, initial_state=state_pool, ssm_state_indices=dec_ids,
+                                                  out=dec_out, **flags)
+        cute_kda.fused_recurrent_gated_delta_rule(**ver, **gate, initial_state=state_pool, ssm_state_indices=ver_ids,
+                                                  num_accepted_tokens=counts, out=ver_out, **flags)
+
+    full_pool = pool.clone()
+    with monkeypatch.context() as patch:
+        patch.setattr(serving, "steady_plan", lambda *a: None)
+        for _ in range(2):
+            step(full_pool)
+    torch.cuda.synchronize()
+    full = (dec_out.clone(), ver_out.clone(), full_pool)
+
+    eager_pool = pool.clone()
+    step(eager_pool)  # from the plans the full-check steps kept
+    torch.cuda.synchronize()
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(eager_pool)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
+    assert torch.equal(dec_out, full[0]) and torch.equal(ver_out, full[1])
+    assert torch.equal(_bits(eager_pool), _bits(full[2]))
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(pool)
+    pool.copy_(make_pool(N * W + N, HV, device=device))
+    allocated = torch.cuda.memory_allocated()
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated
+    assert torch.equal(dec_out, full[0]) and torch.equal(ver_out, full[1])
+    assert torch.equal(_bits(pool), _bits(full[2]))
+
+
+@pytest.mark.gpu
 @pytest.mark.fla
 def test_packed_verify_matches_fla(device):
     """Needs the decode launcher's cu_seqlens (the token-loop branch): packed verify of lengths ≤ 1 + S = 4 (a
