@@ -34,7 +34,9 @@ Tensors may be strided views: the last mode contiguous, rows (of q, k, v, g, out
 checks read shapes, dtypes and strides only; the values (ids in ``[−1, slots)``, no slot twice, accepted counts
 in range, packed lengths within the verify width) are checked only under ``CUTE_KDA_DEBUG_CHECKS=1`` (a sync).
 A steady decode loop can be captured in a CUDA graph (warm it up once first: the first call compiles, and the
-cached device constants — slot ranges, default gate parameters — are made on first use).
+cached device constants — slot ranges, default gate parameters, GatedDeltaNet's ones beta — are made on first use).
+Both entry points check an engine's steady call in full once per configuration and then launch it from the kept plan
+(:func:`steady_launch`): calls with the same shapes, layouts, dtypes, devices, flags and scalars, 16-byte aligned.
 
 What FLA takes and the kernel does not raises, naming the argument: head dims other than 128
 (``NotImplementedError``), q/k/v/g/beta in fp16 or fp32 (:class:`cute_kda.validation.UnsupportedDtypeError`, a

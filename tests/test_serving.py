@@ -881,19 +881,23 @@ def test_steady_decode_loop_allocates_nothing_syncs_nothing_and_replays_in_a_cud
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
     eager = (dec_out.clone(), ver_out.clone(), eager_pool.clone())
+    _assert_graph_replays_to(step, pool, 4, (dec_out, ver_out), eager)
 
+
+def _assert_graph_replays_to(step, pool, replays, outputs, expected) -> None:
+    """``step(pool)`` captured in a CUDA graph and replayed ``replays`` times from :func:`make_pool`'s pool
+    allocates nothing and leaves ``outputs`` and the pool as ``expected`` (the outputs', then the pool)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step(pool)
-    pool_before_replay = make_pool(N * W + N, HV, device=device)
-    pool.copy_(pool_before_replay)
+    pool.copy_(make_pool(*pool.shape[:2], device=pool.device))
     allocated = torch.cuda.memory_allocated()
-    for _ in range(4):
+    for _ in range(replays):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == allocated
-    assert torch.equal(dec_out, eager[0]) and torch.equal(ver_out, eager[1])
-    assert torch.equal(_bits(pool), _bits(eager[2]))
+    assert all(torch.equal(out, want) for out, want in zip(outputs, expected))
+    assert torch.equal(_bits(pool), _bits(expected[-1]))
 
 
 @pytest.mark.gpu
@@ -943,18 +947,7 @@ def test_gdn_steady_loop_matches_the_full_checks_allocates_nothing_and_replays_i
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
     assert torch.equal(dec_out, full[0]) and torch.equal(ver_out, full[1])
     assert torch.equal(_bits(eager_pool), _bits(full[2]))
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(pool)
-    pool.copy_(make_pool(N * W + N, HV, device=device))
-    allocated = torch.cuda.memory_allocated()
-    for _ in range(2):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == allocated
-    assert torch.equal(dec_out, full[0]) and torch.equal(ver_out, full[1])
-    assert torch.equal(_bits(pool), _bits(full[2]))
+    _assert_graph_replays_to(step, pool, 2, (dec_out, ver_out), full)
 
 
 @pytest.mark.gpu
@@ -1058,6 +1051,16 @@ def _steady_launch(kwargs) -> bool:
         kwargs.get("num_accepted_tokens"), kwargs["out"])
 
 
+def _assert_launched_alike(launches, kwargs, full_o, case) -> tuple:
+    """Of four launches (the first call's, the second call's from the plan, a direct steady launch's, the full
+    checks' run's), the second's arguments are the fourth's, with ``kwargs``'s q and out; returns those two."""
+    assert len(launches) == 4
+    fast_args, full_args = launches[1], launches[3]
+    assert all(_same(x, y) for x, y in zip(fast_args, full_args)), case
+    assert fast_args[0].q is kwargs["q"] and fast_args[5] is kwargs["out"] and full_o is kwargs["out"]
+    return fast_args, full_args
+
+
 @pytest.mark.parametrize("case", sorted(STEADY))
 def test_fast_path_launches_what_the_full_checks_launch(cpu_as_device_0, monkeypatch, case):
     """The first call of a configuration runs the full checks and keeps its plan; a second call with other tensors
@@ -1068,11 +1071,7 @@ def test_fast_path_launches_what_the_full_checks_launch(cpu_as_device_0, monkeyp
     cute_kda.fused_recurrent_kda(**first)
     cute_kda.fused_recurrent_kda(**second)  # from the plan
     assert _steady_launch(second)
-    full = _full_checks(monkeypatch, second).run()
-    assert len(launches) == 4
-    fast_args, full_args = launches[1], launches[3]
-    assert all(_same(x, y) for x, y in zip(fast_args, full_args)), case
-    assert fast_args[0].q is second["q"] and fast_args[5] is second["out"] and full[0] is second["out"]
+    _assert_launched_alike(launches, second, _full_checks(monkeypatch, second).run()[0], case)
     assert _same(serving.kda_call(**second), _full_checks(monkeypatch, second))  # FLA's backend: the PoolCall
 
 
@@ -1204,11 +1203,8 @@ def test_gdn_fast_path_launches_what_the_full_checks_launch(cpu_as_device_0, mon
         patch.setattr(serving, "check_tokens", _no_device_reads)
         cute_kda.fused_recurrent_gated_delta_rule(**second)  # from the plan
         assert _gdn_steady_launch(second)
-    full = _gdn_full_checks(monkeypatch, second).run()
-    assert len(launches) == 4
-    fast_args, full_args = launches[1], launches[3]
-    assert all(_same(x, y) for x, y in zip(fast_args, full_args)), case
-    assert fast_args[0].q is second["q"] and fast_args[5] is second["out"] and full[0] is second["out"]
+    fast_args, full_args = _assert_launched_alike(launches, second,
+                                                  _gdn_full_checks(monkeypatch, second).run()[0], case)
     if second["beta"] is None:
         assert fast_args[0].beta is launches[0][0].beta is full_args[0].beta
         assert torch.equal(fast_args[0].beta, torch.ones(second["v"].shape[:3], dtype=BF16))
