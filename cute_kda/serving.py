@@ -124,11 +124,19 @@ def ones_counts(num_seqs: int, device: torch.device) -> torch.Tensor:
     return torch.ones(num_seqs, dtype=torch.int32, device=device)
 
 
-@functools.lru_cache(maxsize=256)
+_ONES: dict[torch.device, torch.Tensor] = {}  # device → a flat bf16 ones buffer (ones_betas)
+
+
 def ones_betas(shape: tuple[int, int, int], device: torch.device) -> torch.Tensor:
-    """bf16 ones ``[B, T, HV]``: GatedDeltaNet's beta when none is given (FLA makes it per call; one kept per shape
-    keeps a steady loop free of allocations, as a CUDA graph needs); callers never write it."""
-    return torch.ones(shape, dtype=torch.bfloat16, device=device)
+    """bf16 ones ``[B, T, HV]``: GatedDeltaNet's beta when none is given (FLA makes it per call; a steady loop must
+    not allocate, as a CUDA graph needs). A view of one buffer per device, doubled when a call needs more (one
+    tensor per shape would pile up over the lengths of packed prompts); callers never write it."""
+    count = shape[0] * shape[1] * shape[2]
+    ones = _ONES.get(device)
+    if ones is None or ones.numel() < count:
+        ones = _ONES[device] = torch.ones(max(count, 0 if ones is None else 2 * ones.numel()), dtype=torch.bfloat16,
+                                          device=device)
+    return ones[:count].view(shape)
 
 
 @functools.lru_cache(maxsize=1024)

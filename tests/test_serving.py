@@ -1206,7 +1206,7 @@ def test_gdn_fast_path_launches_what_the_full_checks_launch(cpu_as_device_0, mon
     fast_args, full_args = _assert_launched_alike(launches, second,
                                                   _gdn_full_checks(monkeypatch, second).run()[0], case)
     if second["beta"] is None:
-        assert fast_args[0].beta is launches[0][0].beta is full_args[0].beta
+        assert _same(fast_args[0].beta, full_args[0].beta) and fast_args[0].beta is launches[0][0].beta
         assert torch.equal(fast_args[0].beta, torch.ones(second["v"].shape[:3], dtype=BF16))
     assert _same(serving.gated_delta_rule_call(**second), _gdn_full_checks(monkeypatch, second))
 
@@ -1272,6 +1272,20 @@ def test_gdn_debug_switch_and_a_new_layout_take_the_full_checks(cpu_as_device_0,
             **{**kwargs, "ssm_state_indices": torch.tensor([4, 1, 4], dtype=torch.int32)})
     monkeypatch.delenv(validation.DEBUG_ENV)
     assert _gdn_steady_launch(kwargs)
+
+
+def test_ones_betas_are_views_of_one_growing_buffer(monkeypatch):
+    """The betas of calls without them: ones of each call's shape, one buffer per device (not one per shape: packed
+    prompts of many lengths would pile them up); a view handed out before the buffer grows stays ones."""
+    monkeypatch.setattr(serving, "_ONES", {})
+    small = serving.ones_betas((2, 3, 4), torch.device("cpu"))
+    assert small.shape == (2, 3, 4) and small.dtype == BF16 and bool((small == 1).all())
+    same_size = serving.ones_betas((1, 6, 4), torch.device("cpu"))
+    assert same_size.data_ptr() == small.data_ptr() and same_size.shape == (1, 6, 4)
+    large = serving.ones_betas((1, 50, 4), torch.device("cpu"))
+    assert large.shape == (1, 50, 4) and bool((large == 1).all()) and bool((small == 1).all())
+    assert serving.ones_betas((1, 7, 4), torch.device("cpu")).data_ptr() == large.data_ptr()
+    assert len(serving._ONES) == 1
 
 
 @pytest.mark.parametrize("entry", ["kda", "gdn"])
