@@ -1,12 +1,15 @@
-"""Host µs of a steady serving call on a machine without a GPU: the Python path of ``fused_recurrent_kda`` with
-what needs CUDA stubbed, for A/B runs of two checkouts.
+"""Host µs of a steady serving call on a machine without a GPU: the Python path of ``fused_recurrent_kda`` and
+``fused_recurrent_gated_delta_rule`` with what needs CUDA stubbed, for A/B runs of two checkouts.
 
 host_calls.py times the same calls on the H200 (its ``decode`` / ``verify`` / ``decode_launcher`` rows, N = 32,
-HV = 16, fp32 V-first pool, FLA's KDA layer flags, ``out`` given); this script builds those calls on CPU tensors
-and stubs, with C-level callables where torch's own are C (so the stub adds little of its own):
+HV = 16, fp32 V-first pool, FLA's KDA layer flags, ``out`` given; its ``gdn_decode`` / ``gdn_verify`` /
+``gdn_decode_beta_none`` rows, GatedDeltaNet as Qwen3-Next's layer calls it: H = 8 key heads for the 16 value
+heads, a per-head gate in the kernel, beta given — or None, which FLA fills with ones); this script builds those
+calls on CPU tensors and stubs, with C-level callables where torch's own are C (so the stub adds little of its own):
 
 - ``Tensor.get_device`` → 0 and ``torch.cuda.current_device`` → 0 (the tensors pass as CUDA device 0's);
-- torch's raw current-stream look-up → 0, ``cute_kda.ops.decode.sm_count`` → 132 (the H200);
+- torch's raw current-stream look-up → 0, ``cute_kda.ops.decode.sm_count`` → 132 (the H200),
+  ``cute_kda.ops.decode.check_supported`` → nothing (an sm_90 device; run once per configuration);
 - ``cute_kda.ops.decode.compiled_variant`` → a function that takes any arguments and does nothing (what the
   compiled TVM-FFI function costs — it reads each tensor's DLPack descriptor in C — is not timed here);
 - ``Tensor.is_cuda`` → True (a Python property: read at most once a call on the timed paths).
@@ -43,6 +46,7 @@ def install_stubs() -> None:
     torch.cuda.current_device = (0).__int__
     decode_ops = importlib.import_module("cute_kda.ops.decode")
     decode_ops.sm_count = lambda index: 132
+    decode_ops.check_supported = lambda device: None
 
     def launch(*args):
         return None
@@ -52,7 +56,7 @@ def install_stubs() -> None:
 
 
 def calls() -> dict[str, Callable[[], object]]:
-    """host_calls.py's serving rows (decode, verify, decode_launcher) on CPU tensors."""
+    """host_calls.py's serving rows (decode, verify, decode_launcher, the gdn ones) on CPU tensors."""
     import torch
 
     import cute_kda
@@ -61,11 +65,12 @@ def calls() -> dict[str, Callable[[], object]]:
     bf16 = torch.bfloat16
     width = 1 + DRAFT
 
-    def tokens(t: int) -> tuple:
-        return (torch.randn(N, t, H, D).to(bf16), torch.randn(N, t, H, D).to(bf16), torch.randn(N, t, HV, D).to(bf16),
-                torch.randn(N, t, HV, D).to(bf16), torch.randn(N, t, HV).to(bf16))
+    def tokens(t: int, heads: int = H, gate: tuple = (D,)) -> tuple:
+        return (torch.randn(N, t, heads, D).to(bf16), torch.randn(N, t, heads, D).to(bf16),
+                torch.randn(N, t, HV, D).to(bf16), torch.randn(N, t, HV, *gate).to(bf16), torch.randn(N, t, HV).to(bf16))
 
     one, four = tokens(1), tokens(width)
+    gdn_one, gdn_four = tokens(1, H // 2, ()), tokens(width, H // 2, ())  # q, k, v, g [N, T, HV], beta
     pool = torch.zeros(N * (width + 1), HV, D, D)
     A_log, dt_bias = torch.rand(HV), torch.rand(HV * D)  # the layer's dt_bias [HV·K]
     dt_bias_hk = dt_bias.view(HV, D)  # as the launcher reads it
@@ -76,6 +81,8 @@ def calls() -> dict[str, Callable[[], object]]:
     one_out, four_out = torch.empty_like(one[2]), torch.empty_like(four[2])
     flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                  state_v_first=True)
+    gdn_flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=torch.rand(HV),
+                     state_v_first=True)
     return {
         "decode": lambda: cute_kda.fused_recurrent_kda(*one, A_log, dt_bias, initial_state=pool,
                                                        ssm_state_indices=slots, out=one_out, **flags),
@@ -84,6 +91,14 @@ def calls() -> dict[str, Callable[[], object]]:
                                                        out=four_out, **flags),
         "decode_launcher": lambda: decode(*one, A_log, dt_bias_hk, pool, slots, gate="softplus", scale=D ** -0.5,
                                           out=one_out),
+        "gdn_decode": lambda: cute_kda.fused_recurrent_gated_delta_rule(
+            *gdn_one[:3], gdn_one[3], beta=gdn_one[4], initial_state=pool, ssm_state_indices=slots, out=one_out,
+            **gdn_flags),
+        "gdn_verify": lambda: cute_kda.fused_recurrent_gated_delta_rule(
+            *gdn_four[:3], gdn_four[3], beta=gdn_four[4], initial_state=pool, ssm_state_indices=verify_slots,
+            num_accepted_tokens=accepted, out=four_out, **gdn_flags),
+        "gdn_decode_beta_none": lambda: cute_kda.fused_recurrent_gated_delta_rule(
+            *gdn_one[:3], gdn_one[3], initial_state=pool, ssm_state_indices=slots, out=one_out, **gdn_flags),
     }
 
 

@@ -6,7 +6,9 @@ pool, in a short process for A/B runs.
 ≤ 15 µs a decode call), N = 32 sequences × 16 heads on an fp32 V-first pool, FLA's KDA layer flags (softplus gate,
 dt_bias ``[HV·K]``), the engine's steady loop (pool, slot ids and ``out`` given): ``decode`` (T = 1, one slot id
 per sequence, a padding row), ``verify`` (S = 3: slot ids ``[N, 4]`` and accepted counts), and
-``decode_launcher``, the bare :func:`cute_kda.ops.decode.decode` under ``decode`` (what the serving checks add).
+``decode_launcher``, the bare :func:`cute_kda.ops.decode.decode` under ``decode`` (what the serving checks add);
+``gdn_decode`` / ``gdn_verify`` / ``gdn_decode_beta_none``: ``fused_recurrent_gated_delta_rule`` as Qwen3-Next's
+layer calls it (8 key heads for the 16 value heads, a per-head gate in the kernel, beta given or None), same pool.
 Per entry point: the minimum and the median over 15 rounds of 200 back-to-back calls (the GPU drained between
 rounds).
 
@@ -71,6 +73,9 @@ def serving_entry_points(num_seqs: int = 32, heads: int = 16, draft: int = 3) ->
     decode_out, verify_out = torch.empty_like(decode_in["v"]), torch.empty_like(verify_in["v"])
     flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                  state_v_first=True)
+    gdn_decode_in, gdn_verify_in = gdn_tokens(decode_in, heads // 2), gdn_tokens(verify_in, heads // 2)
+    gdn_flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
+                     dt_bias=decode_in["dt_bias"][:, 0].contiguous(), state_v_first=True)
     return {
         "decode": lambda: cute_kda.fused_recurrent_kda(
             *(decode_in[name] for name in tokens), A_log, dt_bias, initial_state=pool, ssm_state_indices=slots,
@@ -81,7 +86,22 @@ def serving_entry_points(num_seqs: int = 32, heads: int = 16, draft: int = 3) ->
         "decode_launcher": lambda: decode(
             *(decode_in[name] for name in tokens), A_log, decode_in["dt_bias"], pool, slots, gate="softplus",
             scale=128 ** -0.5, out=decode_out),
+        "gdn_decode": lambda: cute_kda.fused_recurrent_gated_delta_rule(
+            **gdn_decode_in, initial_state=pool, ssm_state_indices=slots, out=decode_out, **gdn_flags),
+        "gdn_verify": lambda: cute_kda.fused_recurrent_gated_delta_rule(
+            **gdn_verify_in, initial_state=pool, ssm_state_indices=verify_slots, num_accepted_tokens=accepted,
+            out=verify_out, **gdn_flags),
+        "gdn_decode_beta_none": lambda: cute_kda.fused_recurrent_gated_delta_rule(
+            **{**gdn_decode_in, "beta": None}, initial_state=pool, ssm_state_indices=slots, out=decode_out,
+            **gdn_flags),
     }
+
+
+def gdn_tokens(inputs: dict, key_heads: int) -> dict:
+    """GatedDeltaNet's tokens from KDA's: q, k of the first ``key_heads`` heads (grouped value heads), the gate
+    per head (``[B, T, HV]``), each contiguous."""
+    return dict(q=inputs["q"][:, :, :key_heads].contiguous(), k=inputs["k"][:, :, :key_heads].contiguous(),
+                v=inputs["v"], g=inputs["g"][..., 0].contiguous(), beta=inputs["beta"])
 
 
 def host_us(fn: Callable[[], object], calls: int = 200, rounds: int = 15) -> tuple[float, float]:

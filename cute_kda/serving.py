@@ -34,7 +34,9 @@ Tensors may be strided views: the last mode contiguous, rows (of q, k, v, g, out
 checks read shapes, dtypes and strides only; the values (ids in ``[−1, slots)``, no slot twice, accepted counts
 in range, packed lengths within the verify width) are checked only under ``CUTE_KDA_DEBUG_CHECKS=1`` (a sync).
 A steady decode loop can be captured in a CUDA graph (warm it up once first: the first call compiles, and the
-cached device constants — slot ranges, default gate parameters — are made on first use).
+cached device constants — slot ranges, default gate parameters, GatedDeltaNet's ones beta — are made on first use).
+Both entry points check an engine's steady call in full once per configuration and then launch it from the kept plan
+(:func:`steady_launch`): calls with the same shapes, layouts, dtypes, devices, flags and scalars, 16-byte aligned.
 
 What FLA takes and the kernel does not raises, naming the argument: head dims other than 128
 (``NotImplementedError``), q/k/v/g/beta in fp16 or fp32 (:class:`cute_kda.validation.UnsupportedDtypeError`, a
@@ -120,6 +122,21 @@ def slot_range(num_seqs: int, device: torch.device) -> torch.Tensor:
 def ones_counts(num_seqs: int, device: torch.device) -> torch.Tensor:
     """int32 ones ``[N]``: FLA's 2-D slot ids without accepted counts read column 0."""
     return torch.ones(num_seqs, dtype=torch.int32, device=device)
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}  # device → a flat bf16 ones buffer (ones_betas)
+
+
+def ones_betas(shape: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+    """bf16 ones ``[B, T, HV]``: GatedDeltaNet's beta when none is given (FLA makes it per call; a steady loop must
+    not allocate, as a CUDA graph needs). A view of one buffer per device, doubled when a call needs more (one
+    tensor per shape would pile up over the lengths of packed prompts); callers never write it."""
+    count = shape[0] * shape[1] * shape[2]
+    ones = _ONES.get(device)
+    if ones is None or ones.numel() < count:
+        ones = _ONES[device] = torch.ones(max(count, 0 if ones is None else 2 * ones.numel()), dtype=torch.bfloat16,
+                                          device=device)
+    return ones[:count].view(shape)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -329,12 +346,15 @@ def _kda_gate(use_gate_in_kernel: bool, lower_bound: Any, A_log: Any, dt_bias: A
 # an engine's steady call: the full checks once per configuration, then only what changes between such calls
 
 
-def steady_key(q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, use_gate_in_kernel, beta_logits,
+def steady_key(entry, q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, use_gate_in_kernel, beta_logits,
                lower_bound, state_v_first, cu_seqlens, ids, counts, out) -> tuple | None:
-    """The facts of a pool call (``ids`` and ``out`` given) that :func:`kda_call`'s full checks read, but the
+    """The facts of a pool call (``ids`` and ``out`` given) that the full checks of ``entry`` read (``"kda"``:
+    :func:`kda_call`; ``"gdn g"`` / ``"gdn gk"``: :func:`gated_delta_rule_call` with ``g`` / ``gk`` as the decay,
+    passed here as ``g``; its ``lower_bound`` None), but the
     tensors' addresses: each tensor's type, shape, layout (True when contiguous, else its strides), dtype and device
     (q's, and the others' index: the device type of each is checked again by the compiled function), the gate
-    parameters' requires_grad, the scalars with their types, the flags; None: an argument is not a tensor. Calls of
+    parameters' requires_grad, the scalars with their types, the flags (beta None: FLA's GatedDeltaNet's ones);
+    None: an argument is not a tensor. Calls of
     one key are accepted or refused alike by the full checks, but for a misaligned base address and one layout: a
     contiguous tensor whose extent-1 modes have strides off a 16-byte multiple (torch calls it contiguous, the full
     checks refuse it, the compiled function refuses it with its own ValueError). One read of each attribute."""
@@ -343,7 +363,8 @@ def steady_key(q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, use_gat
                 type(k), k.shape, k.is_contiguous() or k.stride(), k.dtype, k.get_device(),
                 type(v), v.shape, v.is_contiguous() or v.stride(), v.dtype, v.get_device(),
                 type(g), g.shape, g.is_contiguous() or g.stride(), g.dtype, g.get_device(),
-                type(beta), beta.shape, beta.is_contiguous() or beta.stride(), beta.dtype, beta.get_device(),
+                None if beta is None else (type(beta), beta.shape, beta.is_contiguous() or beta.stride(), beta.dtype,
+                                           beta.get_device()),
                 type(out), out.shape, out.is_contiguous() or out.stride(), out.dtype, out.get_device(),
                 type(pool), pool.shape, pool.is_contiguous() or pool.stride(), pool.dtype, pool.get_device(),
                 type(ids), ids.shape, ids.is_contiguous() or ids.stride(), ids.dtype, ids.get_device(),
@@ -357,7 +378,7 @@ def steady_key(q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, use_gat
                 None if dt_bias is None else (type(dt_bias), dt_bias.shape, dt_bias.is_contiguous() or dt_bias.stride(),
                                               dt_bias.dtype, dt_bias.get_device(), dt_bias.requires_grad),
                 type(scale), scale, type(lower_bound), lower_bound, qk_l2norm, use_gate_in_kernel, beta_logits,
-                state_v_first)
+                state_v_first, entry)
     except (AttributeError, TypeError, RuntimeError):  # not tensors, or tensors without strides (sparse)
         return None
 
@@ -367,22 +388,27 @@ _ARGUMENT, _VIEW, _FIXED = range(3)  # where a steady call's A_log, dt_bias, cou
 
 class SteadyPlan(NamedTuple):
     """How the calls of one :func:`steady_key` run, taken from the :class:`PoolCall` the full checks made for the
-    first of them: the decode launch (None: an empty call, nothing to launch), the launcher's options, and for
-    A_log, dt_bias and the accepted counts a pair (source, what): the call's argument as it is (``_ARGUMENT``), a
-    fixed tensor (``_FIXED``: a default constant, ones counts, or None), or the argument viewed (``_VIEW``: a gate
+    first of them: the decode launch (None: an empty call, nothing to launch), the launcher's options, the betas
+    of a call without them (GatedDeltaNet's ones; None: beta is given, and passed as it is), and for A_log, dt_bias
+    and the accepted counts a pair (source, what): the call's argument as it is (``_ARGUMENT``), a fixed tensor
+    (``_FIXED``: a default constant, ones counts, or None: a parameter the gate does not read), or the argument
+    viewed (``_VIEW``: a gate
     parameter detached and reshaped by :func:`parameter_view`; ``what`` = (the parameter seen first, its view),
     reused while the call passes that parameter: a look-up in :func:`parameter_view`'s cache costs more)."""
 
     key: tuple
     launch: Any  # cute_kda.ops.decode.LaunchPlan | None
     options: dict
+    ones: torch.Tensor | None
     A_log: tuple
     dt_bias: tuple
     counts: tuple
 
-    def resolve(self, A_log, dt_bias, counts) -> tuple:
-        """(A_log, dt_bias, counts) as the launcher takes them."""
-        return _resolved(A_log, self.A_log), _resolved(dt_bias, self.dt_bias), _resolved(counts, self.counts)
+    def call(self, q, k, v, g, beta, A_log, dt_bias, pool, ids, counts, cu_seqlens, out) -> PoolCall:
+        """The :class:`PoolCall` the full checks make of a call of this plan's key (aligned bases)."""
+        return PoolCall((q, k, v, g, self.ones if beta is None else beta), _resolved(A_log, self.A_log),
+                        _resolved(dt_bias, self.dt_bias), pool, None, ids, _resolved(counts, self.counts), cu_seqlens,
+                        out, self.options, True)
 
 
 def _resolved(given: Any, source: tuple) -> Any:
@@ -411,7 +437,7 @@ def _source(given: Any, used: Any) -> tuple | None:
     """(source, what) of ``used`` (the full checks' tensor) from ``given`` (the argument); None: a per-call copy."""
     if used is given:
         return _ARGUMENT, None
-    if given is None:
+    if given is None or used is None:
         return _FIXED, used
     if used.dtype == given.dtype and used.data_ptr() == given.data_ptr():
         return _VIEW, (given, used)
@@ -424,15 +450,17 @@ _STEADY_PLANS_MAX = 1024  # configurations kept (an engine has a handful: batch 
 _DEBUG_KEY = os.fsencode(validation.DEBUG_ENV)  # os.environ's own key: a look-up in it costs 1 µs, in _data 20 ns
 
 
-def remember_steady(key: tuple, call: PoolCall, A_log: Any, dt_bias: Any, counts: Any) -> None:
+def remember_steady(key: tuple | None, call: PoolCall, A_log: Any, dt_bias: Any, counts: Any, beta: Any) -> None:
     """Keep the :class:`SteadyPlan` of ``call`` (a pool call the full checks accepted, CUDA tensors) under ``key``;
-    one whose gate parameters are copied per call (not fp32) is not kept."""
+    one whose gate parameters are copied per call (not fp32) is not kept, nor one without a key or on the CPU."""
+    if key is None or not call.tensors[0].is_cuda:
+        return
     sources = (_source(A_log, call.A_log), _source(dt_bias, call.dt_bias), _source(counts, call.num_accepted_tokens))
-    if None in sources:
+    q, _, v, g, used_beta = call.tensors
+    if None in sources or beta is not None and used_beta is not beta:
         return
     from .ops.decode import plan_of
 
-    q, _, v, g, _ = call.tensors
     options = call.options
     launch = None
     if call.state_indices.shape[0] and v.shape[2] and q.shape[1]:
@@ -443,7 +471,7 @@ def remember_steady(key: tuple, call: PoolCall, A_log: Any, dt_bias: Any, counts
         _STEADY_PLANS.clear()
     plans = _STEADY_PLANS.setdefault(key[1], [])
     plans[:] = [plan for plan in plans if plan.key != key]
-    plans.append(SteadyPlan(key, launch, options, *sources))
+    plans.append(SteadyPlan(key, launch, options, used_beta if beta is None else None, *sources))
 
 
 def steady_plan(key: tuple | None, q, k, v, g, pool, out) -> SteadyPlan | None:
@@ -460,11 +488,11 @@ def steady_plan(key: tuple | None, q, k, v, g, pool, out) -> SteadyPlan | None:
     return None
 
 
-def steady_kda_launch(q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, use_gate_in_kernel, beta_logits,
-                      lower_bound, state_v_first, cu_seqlens, ids, counts, out) -> bool:
-    """Launch an engine's steady KDA pool call (the host time of a decode step is mostly checks) when a call of its
-    :func:`steady_key` has passed the full checks before; False (nothing done): the caller runs them."""
-    plan = steady_plan(steady_key(q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, use_gate_in_kernel,
+def steady_launch(entry, q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, use_gate_in_kernel, beta_logits,
+                  lower_bound, state_v_first, cu_seqlens, ids, counts, out) -> bool:
+    """Launch an engine's steady pool call (the host time of a decode step is mostly checks) when a call of its
+    :func:`steady_key` has passed the full checks of ``entry`` before; False (nothing done): the caller runs them."""
+    plan = steady_plan(steady_key(entry, q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, use_gate_in_kernel,
                                   beta_logits, lower_bound, state_v_first, cu_seqlens, ids, counts, out),
                        q, k, v, g, pool, out)
     if plan is None:
@@ -473,9 +501,21 @@ def steady_kda_launch(q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, 
     if launch is not None:
         if torch.cuda.current_device() != launch.index:
             return False  # the launcher makes the device current
-        launch.launch(q, k, v, g, beta, _resolved(A_log, plan.A_log), _resolved(dt_bias, plan.dt_bias), pool, ids,
-                      _resolved(counts, plan.counts), cu_seqlens, out)
+        launch.launch(q, k, v, g, plan.ones if beta is None else beta, _resolved(A_log, plan.A_log),
+                      _resolved(dt_bias, plan.dt_bias), pool, ids, _resolved(counts, plan.counts), cu_seqlens, out)
     return True
+
+
+def planned_call(entry, q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, use_gate_in_kernel, beta_logits,
+                 lower_bound, state_v_first, cu_seqlens, ids, counts, out) -> tuple[tuple | None, PoolCall | None]:
+    """(the :func:`steady_key` of a pool call, its :class:`PoolCall` when a call of that key passed the full checks
+    of ``entry`` before; None: they run, and keep the plan with :func:`remember_steady`)."""
+    key = steady_key(entry, q, k, v, g, beta, A_log, dt_bias, scale, pool, qk_l2norm, use_gate_in_kernel, beta_logits,
+                     lower_bound, state_v_first, cu_seqlens, ids, counts, out)
+    plan = steady_plan(key, q, k, v, g, pool, out)
+    if plan is None:
+        return key, None
+    return key, plan.call(q, k, v, g, beta, A_log, dt_bias, pool, ids, counts, cu_seqlens, out)
 
 
 def kda_call(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None, output_final_state=False,
@@ -488,14 +528,11 @@ def kda_call(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_sta
     key = None
     if ssm_state_indices is not None and out is not None and inplace_final_state is not False and not kwargs \
             and not allow_neg_eigval:
-        key = steady_key(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, use_qk_l2norm_in_kernel,
-                         use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound, state_v_first, cu_seqlens,
-                         ssm_state_indices, num_accepted_tokens, out)
-        plan = steady_plan(key, q, k, v, g, initial_state, out)
-        if plan is not None:
-            A_log, dt_bias, counts = plan.resolve(A_log, dt_bias, num_accepted_tokens)
-            return PoolCall((q, k, v, g, beta), A_log, dt_bias, initial_state, None, ssm_state_indices, counts,
-                            cu_seqlens, out, plan.options, True)
+        key, call = planned_call("kda", q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
+                                 use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound,
+                                 state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, out)
+        if call is not None:
+            return call
     state_v_first = _state_v_first(state_v_first, kwargs, "fused_recurrent_kda")
     refuse_neg_eigval(allow_neg_eigval, use_beta_sigmoid_in_kernel)
     shape = check_tokens(q, k, v, g, beta, per_head_gate=False)
@@ -507,8 +544,7 @@ def kda_call(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_sta
                      state_v_first=state_v_first, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
                      num_accepted_tokens=num_accepted_tokens, inplace_final_state=inplace_final_state, out=out,
                      shape=shape)
-    if key is not None and q.is_cuda:
-        remember_steady(key, call, A_log, dt_bias, num_accepted_tokens)
+    remember_steady(key, call, A_log, dt_bias, num_accepted_tokens, beta)
     return call
 
 
@@ -567,10 +603,10 @@ def fused_recurrent_kda(
     values are checked only under ``CUTE_KDA_DEBUG_CHECKS=1``, which syncs).
     """
     if ssm_state_indices is not None and out is not None and inplace_final_state is not False and not kwargs \
-            and not allow_neg_eigval and steady_kda_launch(
-                q, k, v, g, beta, A_log, dt_bias, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                use_beta_sigmoid_in_kernel, lower_bound, state_v_first, cu_seqlens, ssm_state_indices,
-                num_accepted_tokens, out):
+            and not allow_neg_eigval and steady_launch(
+                "kda", q, k, v, g, beta, A_log, dt_bias, scale, initial_state, use_qk_l2norm_in_kernel,
+                use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound, state_v_first, cu_seqlens,
+                ssm_state_indices, num_accepted_tokens, out):
         return out, initial_state
     call = kda_call(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                     use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
@@ -613,23 +649,34 @@ def gated_delta_rule_call(q, k, v, g=None, gk=None, gv=None, beta=None, scale=No
                           state_v_first=False, cu_seqlens=None, *, ssm_state_indices=None, num_accepted_tokens=None,
                           inplace_final_state=None, out=None, **kwargs) -> PoolCall:
     """The :class:`PoolCall` of a :func:`fused_recurrent_gated_delta_rule` call (nothing runs; a missing beta is
-    made here, as FLA makes it: ones)."""
+    ones, as FLA makes it: :func:`ones_betas`). A steady pool call is checked in full once per :func:`steady_key`,
+    as :func:`kda_call`'s."""
+    key = None
+    if ssm_state_indices is not None and out is not None and inplace_final_state is not False and not kwargs \
+            and not allow_neg_eigval and gv is None and (g is None or gk is None):
+        key, call = planned_call("gdn g" if gk is None else "gdn gk", q, k, v, g if gk is None else gk, beta, A_log,
+                                 dt_bias, scale, initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                                 use_beta_sigmoid_in_kernel, None, state_v_first, cu_seqlens, ssm_state_indices,
+                                 num_accepted_tokens, out)
+        if call is not None:
+            return call
     state_v_first = _state_v_first(state_v_first, kwargs, "fused_recurrent_gated_delta_rule")
     refuse_neg_eigval(allow_neg_eigval, use_beta_sigmoid_in_kernel)
     q = validation.check_is_tensor("q", q)
     v = validation.check_is_tensor("v", v)
     validation.check_ndim("v", v, 4, "[B, T, HV, V]")
-    gate, decay, per_head, A_log, dt_bias = _gdn_gate(g, gk, gv, use_gate_in_kernel, A_log, dt_bias, v.shape[2],
-                                                      q.device)
-    if beta is None:
-        beta = torch.ones(v.shape[:3], dtype=torch.bfloat16, device=v.device)
-    shape = check_tokens(q, k, v, decay, beta, per_head_gate=per_head)
-    return pool_call(q, k, v, decay, beta, gate=gate, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, scale=scale,
-                     initial_state=initial_state, output_final_state=output_final_state,
+    gate, decay, per_head, A_log_used, dt_bias_used = _gdn_gate(g, gk, gv, use_gate_in_kernel, A_log, dt_bias,
+                                                                v.shape[2], q.device)
+    beta_used = ones_betas(tuple(v.shape[:3]), v.device) if beta is None else beta
+    shape = check_tokens(q, k, v, decay, beta_used, per_head_gate=per_head)
+    call = pool_call(q, k, v, decay, beta_used, gate=gate, A_log=A_log_used, dt_bias=dt_bias_used, lower_bound=-5.0,
+                     scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                      qk_l2norm=use_qk_l2norm_in_kernel, beta_logits=use_beta_sigmoid_in_kernel,
                      state_v_first=state_v_first, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
                      num_accepted_tokens=num_accepted_tokens, inplace_final_state=inplace_final_state, out=out,
                      shape=shape)
+    remember_steady(key, call, A_log, dt_bias, num_accepted_tokens, beta)
+    return call
 
 
 def fused_recurrent_gated_delta_rule(
@@ -664,9 +711,16 @@ def fused_recurrent_gated_delta_rule(
 
     The gate: ``g`` bf16 ``[B, T, HV]``, the log decay, or with ``use_gate_in_kernel`` the raw input of
     ``−exp(A_log) · softplus(g + dt_bias)`` (``A_log`` ``[HV]`` required, ``dt_bias`` ``[HV]`` or None: zeros);
-    or ``gk`` bf16 ``[B, T, HV, K]`` alone, a per-channel log decay. beta None: ones (as FLA, allocated per call).
-    States, the pool, packing, outputs and the no-sync rule: as :func:`fused_recurrent_kda`.
+    or ``gk`` bf16 ``[B, T, HV, K]`` alone, a per-channel log decay. beta None: ones (as FLA; made once per shape
+    and device, not per call). States, the pool, packing, outputs, the no-sync rule and the steady calls' fast
+    path: as :func:`fused_recurrent_kda`.
     """
+    if ssm_state_indices is not None and out is not None and inplace_final_state is not False and not kwargs \
+            and not allow_neg_eigval and gv is None and (g is None or gk is None) and steady_launch(
+                "gdn g" if gk is None else "gdn gk", q, k, v, g if gk is None else gk, beta, A_log, dt_bias, scale,
+                initial_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, None,
+                state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, out):
+        return out, initial_state
     call = gated_delta_rule_call(q, k, v, g, gk, gv, beta, scale, initial_state, output_final_state,
                                  use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
                                  use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,

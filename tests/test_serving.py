@@ -881,19 +881,73 @@ def test_steady_decode_loop_allocates_nothing_syncs_nothing_and_replays_in_a_cud
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
     eager = (dec_out.clone(), ver_out.clone(), eager_pool.clone())
+    _assert_graph_replays_to(step, pool, 4, (dec_out, ver_out), eager)
 
+
+def _assert_graph_replays_to(step, pool, replays, outputs, expected) -> None:
+    """``step(pool)`` captured in a CUDA graph and replayed ``replays`` times from :func:`make_pool`'s pool
+    allocates nothing and leaves ``outputs`` and the pool as ``expected`` (the outputs', then the pool)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step(pool)
-    pool_before_replay = make_pool(N * W + N, HV, device=device)
-    pool.copy_(pool_before_replay)
+    pool.copy_(make_pool(*pool.shape[:2], device=pool.device))
     allocated = torch.cuda.memory_allocated()
-    for _ in range(4):
+    for _ in range(replays):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == allocated
-    assert torch.equal(dec_out, eager[0]) and torch.equal(ver_out, eager[1])
-    assert torch.equal(_bits(pool), _bits(eager[2]))
+    assert all(torch.equal(out, want) for out, want in zip(outputs, expected))
+    assert torch.equal(_bits(pool), _bits(expected[-1]))
+
+
+@pytest.mark.gpu
+def test_gdn_steady_loop_matches_the_full_checks_allocates_nothing_and_replays_in_a_cuda_graph(device, monkeypatch):
+    """GatedDeltaNet (Qwen3-Next's decode: grouped heads, per-head softplus gate, beta None) decode and verify steps
+    from their kept plans: the bits of the same steps run through the full checks, no allocation and no sync
+    eagerly, and a captured loop replays to the eager result."""
+    N, H, HV, W = 8, 4, 8, 4
+    dec = make_tokens(N, 1, H, HV, per_head=True, device=device, seed=24)
+    ver = make_tokens(N, W, H, HV, per_head=True, device=device, seed=25)
+    dec["beta"] = ver["beta"] = None
+    gen = torch.Generator(device=device).manual_seed(26)
+    gate = dict(A_log=torch.log(torch.rand(HV, generator=gen, device=device) * 15 + 1),
+                dt_bias=0.1 * torch.randn(HV, generator=gen, device=device), use_gate_in_kernel=True)
+    pool = make_pool(N * W + N, HV, device=device)
+    dec_ids = torch.arange(N, dtype=torch.int32, device=device)
+    dec_ids[3] = -1
+    ver_ids = (N + torch.arange(N * W, dtype=torch.int32, device=device)).reshape(N, W)
+    counts = (torch.arange(N, dtype=torch.int32, device=device) % W + 1).contiguous()
+    dec_out, ver_out = torch.empty_like(dec["v"]), torch.empty_like(ver["v"])
+    flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True)
+
+    def step(state_pool):
+        cute_kda.fused_recurrent_gated_delta_rule(**dec, **gate, initial_state=state_pool, ssm_state_indices=dec_ids,
+                                                  out=dec_out, **flags)
+        cute_kda.fused_recurrent_gated_delta_rule(**ver, **gate, initial_state=state_pool, ssm_state_indices=ver_ids,
+                                                  num_accepted_tokens=counts, out=ver_out, **flags)
+
+    full_pool = pool.clone()
+    with monkeypatch.context() as patch:
+        patch.setattr(serving, "steady_plan", lambda *a: None)
+        for _ in range(2):
+            step(full_pool)
+    torch.cuda.synchronize()
+    full = (dec_out.clone(), ver_out.clone(), full_pool)
+
+    eager_pool = pool.clone()
+    step(eager_pool)  # from the plans the full-check steps kept
+    torch.cuda.synchronize()
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(eager_pool)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
+    assert torch.equal(dec_out, full[0]) and torch.equal(ver_out, full[1])
+    assert torch.equal(_bits(eager_pool), _bits(full[2]))
+    _assert_graph_replays_to(step, pool, 2, (dec_out, ver_out), full)
 
 
 @pytest.mark.gpu
@@ -971,6 +1025,8 @@ STEADY = {
                                                               out=torch.empty(3, 1, 4, D, dtype=BF16)),
     "decode log decay": lambda: _decode_call(use_gate_in_kernel=False, A_log=None, dt_bias=None,
                                              out=torch.empty(3, 1, 4, D, dtype=BF16)),
+    "decode log decay, gate parameters given and unread": lambda: _decode_call(
+        use_gate_in_kernel=False, out=torch.empty(3, 1, 4, D, dtype=BF16)),
     "decode, q k v views of one projection": lambda: _decode_call(
         **dict(zip("qkv", torch.zeros(3, 1, 8, D, dtype=BF16).split([2, 2, 4], dim=2))),
         out=torch.empty(3, 1, 4, D, dtype=BF16)),
@@ -988,11 +1044,21 @@ STEADY = {
 
 
 def _steady_launch(kwargs) -> bool:
-    return serving.steady_kda_launch(
-        *(kwargs[name] for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), kwargs.get("scale"),
+    return serving.steady_launch(
+        "kda", *(kwargs[name] for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), kwargs.get("scale"),
         kwargs["initial_state"], True, kwargs["use_gate_in_kernel"], True, kwargs["lower_bound"],
         kwargs["state_v_first"], kwargs.get("cu_seqlens"), kwargs["ssm_state_indices"],
         kwargs.get("num_accepted_tokens"), kwargs["out"])
+
+
+def _assert_launched_alike(launches, kwargs, full_o, case) -> tuple:
+    """Of four launches (the first call's, the second call's from the plan, a direct steady launch's, the full
+    checks' run's), the second's arguments are the fourth's, with ``kwargs``'s q and out; returns those two."""
+    assert len(launches) == 4
+    fast_args, full_args = launches[1], launches[3]
+    assert all(_same(x, y) for x, y in zip(fast_args, full_args)), case
+    assert fast_args[0].q is kwargs["q"] and fast_args[5] is kwargs["out"] and full_o is kwargs["out"]
+    return fast_args, full_args
 
 
 @pytest.mark.parametrize("case", sorted(STEADY))
@@ -1005,11 +1071,7 @@ def test_fast_path_launches_what_the_full_checks_launch(cpu_as_device_0, monkeyp
     cute_kda.fused_recurrent_kda(**first)
     cute_kda.fused_recurrent_kda(**second)  # from the plan
     assert _steady_launch(second)
-    full = _full_checks(monkeypatch, second).run()
-    assert len(launches) == 4
-    fast_args, full_args = launches[1], launches[3]
-    assert all(_same(x, y) for x, y in zip(fast_args, full_args)), case
-    assert fast_args[0].q is second["q"] and fast_args[5] is second["out"] and full[0] is second["out"]
+    _assert_launched_alike(launches, second, _full_checks(monkeypatch, second).run()[0], case)
     assert _same(serving.kda_call(**second), _full_checks(monkeypatch, second))  # FLA's backend: the PoolCall
 
 
@@ -1068,6 +1130,185 @@ def test_fast_path_never_takes_a_bad_call(cpu_as_device_0, monkeypatch, case):
         cute_kda.fused_recurrent_kda(**kwargs)
     with pytest.raises(error, match=words):
         serving.kda_call(**kwargs)
+
+
+def _gdn_decode_call(**changes):
+    """A valid GatedDeltaNet pool decode call (N = 3, H = 2, HV = 4: grouped heads; per-head softplus gate; 6 slots;
+    ``out`` given), with ``changes``."""
+    x = make_tokens(3, 1, 2, 4, per_head=True)
+    kwargs = dict(**x, A_log=torch.zeros(4), dt_bias=torch.zeros(4), use_qk_l2norm_in_kernel=True,
+                  use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True,
+                  initial_state=make_pool(6, 4), ssm_state_indices=torch.tensor([0, 5, -1], dtype=torch.int32),
+                  out=torch.empty(3, 1, 4, D, dtype=BF16))
+    kwargs.update(changes)
+    return kwargs
+
+
+def _gdn_verify_call(**changes):
+    verify = dict(**make_tokens(3, 2, 2, 4, per_head=True), out=torch.empty(3, 2, 4, D, dtype=BF16),
+                  ssm_state_indices=torch.tensor([[0, 1], [2, 3], [-1, -1]], dtype=torch.int32),
+                  num_accepted_tokens=torch.tensor([1, 2, 1], dtype=torch.int32))
+    verify.update(changes)
+    return _gdn_decode_call(**verify)
+
+
+GDN_STEADY = {
+    "decode softplus": _gdn_decode_call,
+    "decode, beta None": lambda: _gdn_decode_call(beta=None),
+    "decode, default dt_bias": lambda: _gdn_decode_call(dt_bias=None),
+    "decode, parameters that require grad, A_log [HV, 1]": lambda: _gdn_decode_call(
+        A_log=torch.nn.Parameter(torch.zeros(4, 1)), dt_bias=torch.nn.Parameter(torch.zeros(4))),
+    "decode log decay, gate parameters given and unread": lambda: _gdn_decode_call(
+        g=F.logsigmoid(torch.randn(3, 1, 4)).to(BF16), use_gate_in_kernel=False),
+    "decode gk (per-channel log decay)": lambda: _gdn_decode_call(
+        g=None, gk=F.logsigmoid(torch.randn(3, 1, 4, D)).to(BF16), use_gate_in_kernel=False, A_log=None,
+        dt_bias=None),
+    "verify, beta None": lambda: _gdn_verify_call(beta=None, scale=0.25),
+    "verify without counts": lambda: _gdn_verify_call(num_accepted_tokens=None),
+    "packed verify, beta None": lambda: _gdn_decode_call(
+        **{**make_tokens(1, 5, 2, 4, per_head=True), "beta": None},
+        cu_seqlens=torch.tensor([0, 1, 4, 5], dtype=torch.int32),
+        ssm_state_indices=torch.tensor([[0, 1, 2], [3, 4, 5], [-1, -1, -1]], dtype=torch.int32),
+        out=torch.empty(1, 5, 4, D, dtype=BF16)),
+    "bf16 pool, k-first": lambda: _gdn_decode_call(initial_state=make_pool(6, 4, torch.bfloat16),
+                                                   state_v_first=False),
+}
+
+
+def _gdn_steady_launch(kwargs) -> bool:
+    g, gk = kwargs.get("g"), kwargs.get("gk")
+    return serving.steady_launch(
+        "gdn g" if gk is None else "gdn gk", *(kwargs[name] for name in ("q", "k", "v")), g if gk is None else gk,
+        *(kwargs.get(name) for name in ("beta", "A_log", "dt_bias", "scale")), kwargs["initial_state"], True,
+        kwargs["use_gate_in_kernel"], True, None, kwargs["state_v_first"], kwargs.get("cu_seqlens"),
+        kwargs["ssm_state_indices"], kwargs.get("num_accepted_tokens"), kwargs["out"])
+
+
+def _gdn_full_checks(monkeypatch, kwargs):
+    with monkeypatch.context() as patch:
+        patch.setattr(serving, "steady_plan", lambda *a: None)
+        return serving.gated_delta_rule_call(**kwargs)
+
+
+@pytest.mark.parametrize("case", sorted(GDN_STEADY))
+def test_gdn_fast_path_launches_what_the_full_checks_launch(cpu_as_device_0, monkeypatch, case):
+    """As for KDA: the first GatedDeltaNet call of a configuration keeps its plan, a second one with other tensors
+    launches from it (the full checks do not run) with the arguments the full path gives the kernel; a missing
+    beta is the same cached ones in both."""
+    launches = cpu_as_device_0
+    first, second = GDN_STEADY[case](), GDN_STEADY[case]()
+    assert not _gdn_steady_launch(first)  # no plan yet
+    cute_kda.fused_recurrent_gated_delta_rule(**first)
+    with monkeypatch.context() as patch:
+        patch.setattr(serving, "check_tokens", _no_device_reads)
+        cute_kda.fused_recurrent_gated_delta_rule(**second)  # from the plan
+        assert _gdn_steady_launch(second)
+    fast_args, full_args = _assert_launched_alike(launches, second,
+                                                  _gdn_full_checks(monkeypatch, second).run()[0], case)
+    if second["beta"] is None:
+        assert _same(fast_args[0].beta, full_args[0].beta) and fast_args[0].beta is launches[0][0].beta
+        assert torch.equal(fast_args[0].beta, torch.ones(second["v"].shape[:3], dtype=BF16))
+    assert _same(serving.gated_delta_rule_call(**second), _gdn_full_checks(monkeypatch, second))
+
+
+GDN_STEADY_BAD = {  # name: (the call's changes, error type, words the message holds)
+    "gv": (dict(gv=torch.zeros(3, 1, 4, D, dtype=BF16)), NotImplementedError, "gv"),
+    "gk with g": (dict(gk=torch.zeros(3, 1, 4, D, dtype=BF16)), NotImplementedError, "gk"),
+    "gk with the gate": (dict(g=None, gk=torch.zeros(3, 1, 4, D, dtype=BF16)), NotImplementedError, "gk"),
+    "per-channel g": (dict(g=torch.zeros(3, 1, 4, D, dtype=BF16), use_gate_in_kernel=False), ValueError, "g"),
+    "per-head gk": (dict(g=None, gk=torch.zeros(3, 1, 4, dtype=BF16), use_gate_in_kernel=False), ValueError, "g"),
+    "no decay": (dict(g=None), ValueError, "g"),
+    "gate without A_log": (dict(A_log=None), ValueError, "A_log"),
+    "A_log size": (dict(A_log=torch.zeros(2)), ValueError, "A_log"),
+    "per-channel dt_bias": (dict(dt_bias=torch.zeros(4, D)), ValueError, "dt_bias"),
+    "headwise beta": (dict(beta=torch.zeros(3, 1, 4, D, dtype=BF16)), NotImplementedError, "beta"),
+    "fp32 beta": (dict(beta=torch.zeros(3, 1, 4)), TypeError, "beta"),
+    "fp32 g": (dict(g=torch.zeros(3, 1, 4)), TypeError, "g"),
+    "fp32 v, beta None": (dict(v=torch.zeros(3, 1, 4, D), beta=None), TypeError, "v"),
+    "neg eigval": (dict(allow_neg_eigval=True), NotImplementedError, "allow_neg_eigval"),
+    "unknown keyword": (dict(chunk_size=64), TypeError, "chunk_size"),
+    "pool dtype": (dict(initial_state=make_pool(6, 4, torch.float16)), TypeError, "initial_state"),
+    "pool heads": (dict(initial_state=make_pool(6, 2)), ValueError, "initial_state"),
+    "slot ids int64": (dict(ssm_state_indices=torch.tensor([0, 5, -1])), TypeError, "ssm_state_indices"),
+    "counts with 1-D ids": (dict(num_accepted_tokens=torch.ones(3, dtype=torch.int32)), ValueError,
+                            "num_accepted_tokens"),
+    "not in place with a pool": (dict(inplace_final_state=False), NotImplementedError, "inplace_final_state"),
+    "fp32 out": (dict(out=torch.zeros(3, 1, 4, D)), TypeError, "out"),
+    "q rows misaligned": (dict(q=torch.zeros(3, 1, 2, D + 1, dtype=BF16)[..., 1:]), ValueError, "q"),
+    "misaligned out base": (dict(out=torch.zeros(3 * 4 * D + 1, dtype=BF16)[1:].view(3, 1, 4, D)), ValueError,
+                            "out"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GDN_STEADY_BAD))
+def test_gdn_fast_path_never_takes_a_bad_call(cpu_as_device_0, monkeypatch, case):
+    """With plans kept for good GatedDeltaNet calls (per-head gate, log decay, gk, beta None, verify), every bad
+    input still raises, naming the argument (g and gk, which the key tells apart, included)."""
+    monkeypatch.setattr(validation, "check_pool_values", _no_device_reads)
+    for good in (_gdn_decode_call(), _gdn_decode_call(beta=None), _gdn_verify_call(),
+                 _gdn_decode_call(use_gate_in_kernel=False),
+                 _gdn_decode_call(g=None, gk=torch.zeros(3, 1, 4, D, dtype=BF16), use_gate_in_kernel=False),
+                 _gdn_decode_call(g=torch.zeros(3, 1, 4, dtype=BF16), use_gate_in_kernel=False, A_log=None,
+                                  dt_bias=None)):
+        cute_kda.fused_recurrent_gated_delta_rule(**good)
+    changes, error, words = GDN_STEADY_BAD[case]
+    kwargs = _gdn_decode_call(**changes)
+    with pytest.raises(error, match=words):
+        cute_kda.fused_recurrent_gated_delta_rule(**kwargs)
+    with pytest.raises(error, match=words):
+        serving.gated_delta_rule_call(**kwargs)
+    assert _gdn_steady_launch(_gdn_decode_call())  # the plans are kept
+
+
+def test_gdn_debug_switch_and_a_new_layout_take_the_full_checks(cpu_as_device_0, monkeypatch):
+    kwargs = _gdn_decode_call(beta=None)
+    cute_kda.fused_recurrent_gated_delta_rule(**kwargs)
+    assert _gdn_steady_launch(kwargs)
+    assert not _gdn_steady_launch({**kwargs, "v": torch.zeros(3, 1, 8, D, dtype=BF16)[:, :, ::2]})
+    monkeypatch.setenv(validation.DEBUG_ENV, "1")
+    assert not _gdn_steady_launch(kwargs)
+    with pytest.raises(ValueError, match="repeats"):
+        cute_kda.fused_recurrent_gated_delta_rule(
+            **{**kwargs, "ssm_state_indices": torch.tensor([4, 1, 4], dtype=torch.int32)})
+    monkeypatch.delenv(validation.DEBUG_ENV)
+    assert _gdn_steady_launch(kwargs)
+
+
+def test_ones_betas_are_views_of_one_growing_buffer(monkeypatch):
+    """The betas of calls without them: ones of each call's shape, one buffer per device (not one per shape: packed
+    prompts of many lengths would pile them up); a view handed out before the buffer grows stays ones."""
+    monkeypatch.setattr(serving, "_ONES", {})
+    small = serving.ones_betas((2, 3, 4), torch.device("cpu"))
+    assert small.shape == (2, 3, 4) and small.dtype == BF16 and bool((small == 1).all())
+    same_size = serving.ones_betas((1, 6, 4), torch.device("cpu"))
+    assert same_size.data_ptr() == small.data_ptr() and same_size.shape == (1, 6, 4)
+    large = serving.ones_betas((1, 50, 4), torch.device("cpu"))
+    assert large.shape == (1, 50, 4) and bool((large == 1).all()) and bool((small == 1).all())
+    assert serving.ones_betas((1, 7, 4), torch.device("cpu")).data_ptr() == large.data_ptr()
+    assert len(serving._ONES) == 1
+
+
+@pytest.mark.parametrize("entry", ["kda", "gdn"])
+def test_steady_calls_allocate_nothing(cpu_as_device_0, entry):
+    """The CPU allocator's record (torch's profiler) over steady decode and verify calls, beta None for
+    GatedDeltaNet: nothing allocated (FLA's GatedDeltaNet makes a ones beta per call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if entry == "kda":
+        fn, calls = cute_kda.fused_recurrent_kda, (_decode_call(out=torch.empty(3, 1, 4, D, dtype=BF16)),
+                                                   _verify_call(out=torch.empty(3, 2, 4, D, dtype=BF16)))
+    else:
+        fn, calls = cute_kda.fused_recurrent_gated_delta_rule, (_gdn_decode_call(beta=None),
+                                                                _gdn_verify_call(beta=None))
+    for kwargs in calls:
+        fn(**kwargs)  # the full checks, the plans kept
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        for _ in range(3):
+            for kwargs in calls:
+                fn(**kwargs)
+    allocations = [(event.name, event.cpu_memory_usage) for event in profiler.events() if event.cpu_memory_usage > 0]
+    assert allocations == []
+    assert len(cpu_as_device_0) == 8
 
 
 # ============================================================================ the launch (CPU)

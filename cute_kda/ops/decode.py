@@ -169,7 +169,7 @@ def decode(
 class LaunchPlan(NamedTuple):
     """What a call configuration launches (:func:`plan_of`): the compiled variant, the fp32-rounded scale and gate
     constant, and the device; :meth:`launch` is the one launch path of :func:`decode` and of the serving fast path
-    (:func:`cute_kda.serving.steady_kda_launch`)."""
+    (:func:`cute_kda.serving.steady_launch`)."""
 
     compiled: Any
     scale: float
