@@ -23,6 +23,9 @@ are this file's in both runs)::
 
     git archive e8ffb54 | tar -x -C /tmp/base
     for i in 1 2 3 4 5; do for t in /tmp/base $PWD; do python benchmarks/bench_host_stub.py --tree $t; done; done
+
+``--profile kda_forward`` (or ``chunk_kda``) prints cProfile's table of one round of that row instead, to see where
+a tree spends it.
 """
 
 from __future__ import annotations
