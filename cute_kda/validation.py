@@ -404,7 +404,7 @@ def plain_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_
             and _fits(A_log, _FP32, (heads,), device, False) and _fits(dt_bias, _FP32, (heads, dim), device, False)
             and (initial_state is None or _fits(initial_state, STATE_DTYPES, state_shape, device, True))
             and (final_state is None or _fits(final_state, STATE_DTYPES, state_shape, device, True))):
-        return ProblemShape(batch, seq_len, heads, dim, batch, False)
+        return tuple.__new__(ProblemShape, (batch, seq_len, heads, dim, batch, False))  # without NamedTuple's __new__
     return None
 
 
