@@ -128,16 +128,21 @@ def kda_forward(
     recorded call ``torch.ops.cute_kda.forward_train`` with its backward op (:mod:`cute_kda.executors`);
     eager calls do not go through the dispatcher.
     """
+    compiling = torch.compiler.is_compiling()
+    if not compiling and (isinstance(q, torch.Tensor) or not hasattr(q, "__dlpack__")):
+        # torch in, torch out, on torch's current stream (q that is no array at all: resolve names it)
+        return run(resolve(  # the arguments by name, not through a dict: 0.2 µs of a small call's host path
+            q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens, out=out,
+            final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute,
+            gate=gate, segments=segments, state_indices=state_indices, checkpoint_every=checkpoint_every,
+            checkpoint_indices=checkpoint_indices))
     arguments = dict(scale=scale, lower_bound=lower_bound, output_final_state=output_final_state, vsplit=vsplit,
                      qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute, gate=gate, segments=segments)
     if state_indices is not None or checkpoint_indices is not None or checkpoint_every is not None:
         arguments.update(state_indices=state_indices, checkpoint_every=checkpoint_every,
                          checkpoint_indices=checkpoint_indices)
-    if not torch.compiler.is_compiling():
-        # torch in, torch out, on torch's current stream (q that is no array at all: resolve names it)
-        if isinstance(q, torch.Tensor) or not hasattr(q, "__dlpack__"):
-            return run(resolve(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-                               cu_seqlens=cu_seqlens, out=out, final_state=final_state, **arguments))
+    if not compiling:
         # another framework's arrays: the same call on torch views of them, answered in q's framework
         as_torch = interop.as_torch
         for name in ("state_indices", "checkpoint_indices"):

@@ -350,6 +350,15 @@ def _fits(tensor: object, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...
             and not (aligned and tensor.data_ptr() % ALIGNMENT_BYTES))
 
 
+def _all_fit(tensors: tuple, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...], device: torch.device) -> bool:
+    """Whether every one of ``tensors`` passes :func:`_fits` (aligned): one frame for the activations of a call."""
+    for tensor in tensors:
+        if not (isinstance(tensor, torch.Tensor) and tensor.dtype in dtypes and tensor.shape == shape
+                and tensor.is_contiguous() and tensor.device == device and not tensor.data_ptr() % ALIGNMENT_BYTES):
+            return False
+    return True
+
+
 def _check_tensor(name: str, tensor: object, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...], meaning: str,
                   device: torch.device, *, aligned: bool) -> None:
     """A tensor of one of ``dtypes`` with ``shape``, C-contiguous, on ``device`` and, when ``aligned``, on a
@@ -389,14 +398,13 @@ def plain_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_
         return None
     batch, seq_len, heads, dim = shape
     state_shape = (batch, heads, dim, dim)
-    if (_fits(q, _BF16, shape, device, True) and _fits(k, _BF16, shape, device, True)
-            and _fits(v, _BF16, shape, device, True) and _fits(g, _BF16, shape, device, True)
+    if (q.dtype in _BF16 and q.is_contiguous() and not q.data_ptr() % ALIGNMENT_BYTES  # q: the shape and device
+            and _all_fit((k, v, g) if out is None else (k, v, g, out), _BF16, shape, device)
             and _fits(beta, _BF16, (batch, seq_len, heads), device, True)
-            and (out is None or _fits(out, _BF16, shape, device, True))
             and _fits(A_log, _FP32, (heads,), device, False) and _fits(dt_bias, _FP32, (heads, dim), device, False)
             and (initial_state is None or _fits(initial_state, STATE_DTYPES, state_shape, device, True))
             and (final_state is None or _fits(final_state, STATE_DTYPES, state_shape, device, True))):
-        return ProblemShape(batch, seq_len, heads, dim, batch, False)
+        return tuple.__new__(ProblemShape, (batch, seq_len, heads, dim, batch, False))  # without NamedTuple's __new__
     return None
 
 

@@ -138,30 +138,33 @@ def _launchers() -> tuple:
 def run(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, final state or None) of a resolved inference ``call``: K1 then K2 on the current stream of q's device,
     into the caller's buffers when given (``call.out``, ``call.final_state``)."""
-    x, options = call.inputs, call.options
+    x, options, out, final_state, _ = call
     if options.segmentation is not None:  # the training forward's stage checks the device itself
         return _segmented(call)
-    validation.check_on_cuda("q", x.q)
-    problem, device = options.problem, x.q.device
-    final_state = call.final_state
+    # the fields as locals: one unpack instead of seventeen reads by name (0.2 µs of a small call's host path)
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, _, state_indices, checkpoint_indices = x
+    validation.check_on_cuda("q", q)
+    problem, device = options.problem, q.device
     if final_state is None and options.final_state_dtype is not None:
         final_state = torch.empty(problem.state_shape, dtype=options.final_state_dtype, device=device)
-    out = torch.empty_like(x.v) if call.out is None else call.out
+    if out is None:
+        out = torch.empty_like(v)
     if problem.heads == 0:
         return out, final_state
     k1, k2, streams = _launchers()
     handle = streams.current_stream_handle(device.index)  # one stream look-up for the plan and both launches
-    initial_dtype = None if x.initial_state is None else x.initial_state.dtype
-    config = (options, x.q.shape[2], x.g.dtype, x.g.dim(), initial_dtype, x.state_indices is not None)
+    config = (options, q.shape[2], g.dtype, g.dim(), None if initial_state is None else initial_state.dtype,
+              state_indices is not None)
     plan = WORKSPACES.plan(device.index, handle, config)
     with streams.on_device(device):
         if plan is None:
             plan = WORKSPACES.keep(device.index, handle, config, _build_plan(x, options, out, final_state, handle))
-        tile_base = k1.tile_bases(x.cu_seqlens, stream=plan.stream) if problem.varlen else None
-        k1.launch(plan.prepare, x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, plan.prepare_workspace, plan.scalars,
-                  problem.seq_len, x.cu_seqlens, tile_base, plan.stream)
-        k2.launch(plan.recurrence, x.v, out, plan.recurrence_workspace, x.initial_state, final_state, x.cu_seqlens,
-                  tile_base, plan.stream, x.state_indices, x.checkpoint_indices)
+        prepare, recurrence, prepare_workspace, recurrence_workspace, scalars, stream = plan
+        tile_base = k1.tile_bases(cu_seqlens, stream=stream) if problem.varlen else None
+        k1.launch(prepare, q, k, g, beta, A_log, dt_bias, prepare_workspace, scalars, problem.seq_len, cu_seqlens,
+                  tile_base, stream)
+        k2.launch(recurrence, v, out, recurrence_workspace, initial_state, final_state, cu_seqlens, tile_base, stream,
+                  state_indices, checkpoint_indices)
     return out, final_state
 
 

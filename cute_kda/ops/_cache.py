@@ -26,6 +26,8 @@ import time
 from collections import Counter
 from typing import Any, Callable, Hashable
 
+import torch
+
 from . import _disk_cache
 
 logger = logging.getLogger("cute_kda.compile")
@@ -113,8 +115,6 @@ def launch_entry(compiled: Any) -> Any:
 
 
 def _dsl_type(dtype: Any) -> Any:
-    import torch
-
     from ..dsl import cutlass
 
     types = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32,
@@ -188,8 +188,6 @@ def compile_for_launch(kernel: Any, *args: Any) -> Any:
 
 def dsl_type(dtype: Any) -> Any:
     """The DSL element type of a torch dtype the kernels take (bf16, fp32; None stays None: no tensor)."""
-    import torch
-
     from ..dsl import cutlass
 
     return {None: None, torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[dtype]
@@ -197,8 +195,6 @@ def dsl_type(dtype: Any) -> Any:
 
 def device_index(device: Any) -> int:
     """CUDA ordinal of a torch device (``cuda`` without an index means the current device)."""
-    import torch
-
     return torch.cuda.current_device() if device.index is None else device.index
 
 
@@ -212,8 +208,6 @@ def fake_stream() -> Any:
 def current_stream_handle(index: int) -> int:
     """The raw handle of torch's current CUDA stream on device ``index`` (no ``torch.cuda.Stream``
     object is built: the lookup torch's own compiled code uses)."""
-    import torch
-
     return torch._C._cuda_getCurrentRawStream(index)
 
 
@@ -241,8 +235,6 @@ _ALREADY_CURRENT = contextlib.nullcontext()  # reusable: it holds no state
 def on_device(device: Any) -> Any:
     """A context that makes ``device`` current: a no-op when it already is (the common case), else
     ``torch.cuda.device(device)``."""
-    import torch
-
     if device.index is None or device.index == torch.cuda.current_device():
         return _ALREADY_CURRENT
     return torch.cuda.device(device)

@@ -141,8 +141,8 @@ def launch(compiled, q, k, g, beta, A_log, dt_bias, tiles: Any, scalars: tuple[f
            cu_seqlens, tile_base, stream) -> None:
     """Call the compiled K1 ``compiled`` on validated tensors (A_log, dt_bias in the kernel's shapes), the
     :func:`workspace_arguments` ``tiles`` and the :func:`fp32_scalars` ``scalars``: the API's launch."""
-    compiled(_prepare_inputs()(q, k, g, beta, A_log, dt_bias), tiles, *scalars, seq_len, cu_seqlens, tile_base,
-             stream)
+    inputs = tuple.__new__(_prepare_inputs(), (q, k, g, beta, A_log, dt_bias))  # without NamedTuple's __new__
+    compiled(inputs, tiles, *scalars, seq_len, cu_seqlens, tile_base, stream)
 
 
 def _workspace_tiles(ws: Workspace, tensor) -> tuple:
