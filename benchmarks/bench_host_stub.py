@@ -1,10 +1,11 @@
-"""Host µs of an eager ``kda_forward`` / ``chunk_kda`` call on a machine without a GPU: the Python path with what
-needs CUDA stubbed, for A/B runs of two checkouts (issue 31's "eager host cost of a call not worse").
+"""Host µs of host_calls.py's rows on a machine without a GPU: the Python path of each call with what needs CUDA
+stubbed, for A/B runs of two checkouts (issue 31's "eager host cost of a call not worse", issue 32's ≤ 15 µs a
+decode call).
 
-host_calls.py times the same calls on the H200 (its ``kda_forward`` and ``chunk_kda`` rows: B1 T64 H16, fp32
-initial state; ``kda_forward`` with ``out`` and ``final_state`` given, ``chunk_kda`` with FLA's flags); this script
-builds them on CPU tensors and replaces only what needs a device, at the launchers, which both the package's older
-layout (``api._forward``) and its newer one (``executors/inference.py``) call the same way:
+The rows are host_calls.py's own (:func:`host_calls.forward_entry_points`, :func:`host_calls.serving_entry_points`)
+built on CPU tensors; only what needs a device is replaced. ``--rows forward`` (the default): ``kda_forward`` and
+``chunk_kda``, stubbed at the launchers, which both the package's older layout (``api._forward``) and its newer one
+(``executors/inference.py``) call the same way:
 
 - ``ops.prepare.compiled_variant`` and ``ops.recurrence.compiled_variant`` → a function that takes any arguments and
   does nothing (``ops.prepare.launch`` / ``ops.recurrence.launch`` still build their arguments and call it; what the
@@ -16,16 +17,27 @@ layout (``api._forward``) and its newer one (``executors/inference.py``) call th
 
 On the CPU ``device.index`` is None and ``on_device`` answers without CUDA; a CPU tensor makes the context-parallel
 heuristic answer "no segments" without asking for the SMs (on a GPU the older tree ran it on every call, the newer
-keeps its answer: that difference is not timed here). What is timed is the rest: the checks, the resolution, the
-plan look-up, the launch arguments. Per row: the minimum and the median over ``--rounds`` rounds of ``--calls``
-calls. An interleaved A/B of two trees (``--tree`` puts a checkout first on ``sys.path``; the stubs and the inputs
-are this file's in both runs)::
+keeps its answer: that difference is not timed here).
+
+``--rows serving``: the steady serving calls (``decode``, ``verify``, ``decode_launcher`` and the GatedDeltaNet rows),
+with C-level callables where torch's own are C (so the stub adds little of its own):
+
+- ``Tensor.get_device`` → 0 and ``torch.cuda.current_device`` → 0 (the tensors pass as CUDA device 0's);
+- torch's raw current-stream look-up → 0, ``cute_kda.ops.decode.sm_count`` → 132 (the H200),
+  ``cute_kda.ops.decode.check_supported`` → nothing (an sm_90 device; run once per configuration);
+- ``cute_kda.ops.decode.compiled_variant`` → a function that takes any arguments and does nothing;
+- ``Tensor.is_cuda`` → True (a Python property: read at most once a call on the timed paths).
+
+What is timed is the rest: the checks, the resolution, the plan look-ups, the launch arguments. Per row: the minimum
+and the median over ``--rounds`` rounds of ``--calls`` calls. An interleaved A/B of two trees (``--tree`` puts a
+checkout first on ``sys.path``; the stubs and the rows are this file's and its host_calls.py's in both runs)::
 
     git archive e8ffb54 | tar -x -C /tmp/base
     for i in 1 2 3 4 5; do for t in /tmp/base $PWD; do python benchmarks/bench_host_stub.py --tree $t; done; done
 
-``--profile kda_forward`` (or ``chunk_kda``) prints cProfile's table of one round of that row instead, to see where
-a tree spends it.
+``--profile ROW`` prints cProfile's table of one round of that row instead, to see where a tree spends it. The H200's
+host ran Python about 2× slower than the 2-core CPU this was written on (2026-12-03: 24-25 µs for the decode row
+there).
 """
 
 from __future__ import annotations
@@ -39,8 +51,8 @@ from pathlib import Path
 from typing import Callable
 
 
-def install_stubs() -> None:
-    """The CUDA queries and the compiled kernels of an eager call, answered on the CPU (module doc)."""
+def install_forward_stubs() -> None:
+    """The CUDA queries and the compiled kernels of an eager forward call, answered on the CPU (module doc)."""
     import torch
 
     torch._C._cuda_getCurrentRawStream = {None: 0, 0: 0}.get  # (index) → 0, in C
@@ -58,27 +70,22 @@ def install_stubs() -> None:
             module.sm_count = {None: 132, 0: 132}.get
 
 
-def calls() -> dict[str, Callable[[], object]]:
-    """host_calls.py's ``kda_forward`` and ``chunk_kda`` rows on CPU tensors."""
+def install_serving_stubs() -> None:
+    """The CUDA queries a steady serving call makes, answered on the CPU (module doc)."""
     import torch
 
-    import cute_kda
-    from shapes import LOWER_BOUND, Shape, make_inputs
+    torch.Tensor.get_device = (0).__int__  # a C callable that is not a descriptor: t.get_device() → 0
+    torch._C._cuda_getCurrentRawStream = (0).__mul__  # (index) → 0, in C
+    torch.cuda.current_device = (0).__int__
+    decode_ops = importlib.import_module("cute_kda.ops.decode")
+    decode_ops.sm_count = lambda index: 132
+    decode_ops.check_supported = lambda device: None
 
-    inputs = make_inputs(Shape((64,), 16), torch.device("cpu"))
-    q, k, v, g, beta = (inputs[name] for name in ("q", "k", "v", "g", "beta"))
-    A_log, dt_bias, h0 = inputs["A_log"], inputs["dt_bias"], inputs["initial_state"]
-    out, final = torch.empty_like(v), torch.empty_like(h0)
-    scale = q.shape[-1] ** -0.5
-    return {
-        "kda_forward": lambda: cute_kda.kda_forward(
-            q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND, initial_state=h0,
-            out=out, final_state=final),
-        "chunk_kda": lambda: cute_kda.chunk_kda(
-            q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True, use_gate_in_kernel=True,
-            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND,
-            A_log=A_log, dt_bias=dt_bias, state_v_first=True),
-    }
+    def launch(*args):
+        return None
+
+    decode_ops.compiled_variant = lambda variant, index: launch
+    torch.Tensor.is_cuda = property(lambda self: True)
 
 
 def round_us(fn: Callable[[], object], calls: int) -> float:
@@ -91,6 +98,8 @@ def round_us(fn: Callable[[], object], calls: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", help="a checkout to import cute_kda from (default: this one)")
+    parser.add_argument("--rows", choices=("forward", "serving"), default="forward",
+                        help="host_calls.py's kda_forward / chunk_kda rows, or its serving rows")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--profile", metavar="ROW", help="print cProfile's table of one row's calls instead")
@@ -98,10 +107,18 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, args.tree or str(Path(__file__).resolve().parents[1]))
     import torch
 
-    for name in ("api", "ops.prepare", "ops.recurrence"):  # the package's modules, before their attributes change
+    # the tree's package, before its attributes change and before host_calls.py imports it (then it finds it loaded)
+    for name in ("api", "ops.prepare", "ops.recurrence") if args.rows == "forward" else ("serving", "ops.decode"):
         importlib.import_module(f"cute_kda.{name}")
-    install_stubs()
-    runs = calls()
+    import host_calls
+
+    cpu = torch.device("cpu")
+    if args.rows == "forward":
+        install_forward_stubs()
+        runs = host_calls.forward_entry_points(cpu)
+    else:
+        install_serving_stubs()
+        runs = host_calls.serving_entry_points(cpu)
     figures = {}
     with torch.inference_mode():
         for fn in runs.values():

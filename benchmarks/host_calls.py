@@ -17,8 +17,8 @@ For an A/B of two checkouts on one machine, interleave the processes so that the
 
     for i in 1 2 3 4 5; do for t in old new; do (cd $t && python3 benchmarks/host_calls.py $t); done; done
 
-``bench_host.py`` is the full table (more shapes, FLA, idle-GPU latency, graph time); ``bench_host_decode.py`` times
-the serving rows' Python path on a machine without a GPU (CUDA stubbed).
+``bench_host.py`` is the full table (more shapes, FLA, idle-GPU latency, graph time); ``bench_host_stub.py`` times
+these rows' Python path on a machine without a GPU (CUDA stubbed).
 """
 
 from __future__ import annotations
@@ -38,13 +38,19 @@ from shapes import LOWER_BOUND, Shape, make_inputs  # noqa: E402
 
 
 def entry_points() -> dict[str, Callable[[], object]]:
-    inputs = make_inputs(Shape((64,), 16), torch.device("cuda"))
+    """Every row on the GPU."""
+    device = torch.device("cuda")
+    return {**serving_entry_points(device), **forward_entry_points(device)}
+
+
+def forward_entry_points(device: torch.device) -> dict[str, Callable[[], object]]:
+    """The ``kda_forward`` and ``chunk_kda`` rows (module doc) on ``device`` (``bench_host_stub.py``: the CPU)."""
+    inputs = make_inputs(Shape((64,), 16), device)
     q, k, v, g, beta = (inputs[name] for name in ("q", "k", "v", "g", "beta"))
     A_log, dt_bias, h0 = inputs["A_log"], inputs["dt_bias"], inputs["initial_state"]
     out, final = torch.empty_like(v), torch.empty_like(h0)
     scale = q.shape[-1] ** -0.5
     return {
-        **serving_entry_points(),
         "kda_forward": lambda: cute_kda.kda_forward(
             q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND, initial_state=h0,
             out=out, final_state=final),
@@ -55,11 +61,11 @@ def entry_points() -> dict[str, Callable[[], object]]:
     }
 
 
-def serving_entry_points(num_seqs: int = 32, heads: int = 16, draft: int = 3) -> dict[str, Callable[[], object]]:
-    """The serving rows (module doc): decode and verify steps on one pool, their outputs given."""
+def serving_entry_points(device: torch.device, num_seqs: int = 32, heads: int = 16,
+                         draft: int = 3) -> dict[str, Callable[[], object]]:
+    """The serving rows (module doc) on ``device``: decode and verify steps on one pool, their outputs given."""
     from cute_kda.ops.decode import decode
 
-    device = torch.device("cuda")
     width = 1 + draft
     decode_in = make_inputs(Shape((1,) * num_seqs, heads), device)
     verify_in = make_inputs(Shape((width,) * num_seqs, heads), device, seed=1)
