@@ -122,13 +122,7 @@ def translate_fla_call(
     cute_kda's extension (keyword-only, not in FLA): ``state_indices``, ``checkpoint_every``, ``checkpoint_indices``
     make the call a prefill on a state pool (:func:`translate_pool_arguments`).
     """
-    if not kwargs.keys() <= _FLA_EXTRA_KWARGS:
-        unknown = sorted(kwargs.keys() - _FLA_EXTRA_KWARGS)
-        raise TypeError(f"chunk_kda got unexpected keyword arguments: {', '.join(unknown)}")
-    if "transpose_state_layout" in kwargs:
-        if state_v_first:
-            raise ValueError("pass either state_v_first or the deprecated transpose_state_layout, not both")
-        state_v_first = bool(kwargs["transpose_state_layout"])
+    state_v_first = fla_state_v_first("chunk_kda", state_v_first, kwargs, _FLA_EXTRA_KWARGS, stacklevel=3)
     chunk_size = kwargs.get("chunk_size", 64)
     if chunk_size not in _FLA_CHUNK_SIZES:
         raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}.")  # FLA's text
@@ -206,6 +200,23 @@ def _check_fla_state_shape(state: torch.Tensor, q: torch.Tensor, v: torch.Tensor
     validation.check_shape("initial_state", state, (num_seqs, heads, *inner), meaning)
 
 
+def fla_state_v_first(entry_point: str, state_v_first: bool, kwargs: dict, allowed: frozenset[str], *,
+                      stacklevel: int) -> bool:
+    """FLA's ``state_v_first``, or its deprecated name ``transpose_state_layout`` (FLA's DeprecationWarning, raised
+    ``stacklevel`` frames up); keywords outside ``allowed`` raise ``TypeError`` naming ``entry_point`` (FLA would
+    ignore them)."""
+    unknown = sorted(kwargs.keys() - allowed)
+    if unknown:
+        raise TypeError(f"{entry_point} got unexpected keyword arguments: {', '.join(unknown)}")
+    if "transpose_state_layout" not in kwargs:
+        return bool(state_v_first)
+    if state_v_first:
+        raise ValueError("pass either state_v_first or the deprecated transpose_state_layout, not both")
+    warnings.warn("transpose_state_layout is deprecated and renamed to state_v_first", DeprecationWarning,
+                  stacklevel=stacklevel + 1)
+    return bool(kwargs["transpose_state_layout"])
+
+
 def refuse_neg_eigval(allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool) -> None:
     """FLA's ``allow_neg_eigval`` (β = 2·sigmoid) is not implemented: FLA's own ValueError first, then ours."""
     if allow_neg_eigval:
@@ -274,7 +285,8 @@ def _fla_dt_bias(dt_bias: Any, heads: int, key_dim: int, device: torch.device) -
 
 
 _GDN_CHUNK_SIZES = (16, 32, 64)
-_GDN_EXTRA_KWARGS = ("transpose_state_layout", "head_first", "chunk_size", "use_gate_in_kernel", "A_log", "dt_bias")
+_GDN_EXTRA_KWARGS = frozenset(("transpose_state_layout", "head_first", "chunk_size", "use_gate_in_kernel", "A_log",
+                               "dt_bias"))
 GDN_GATES = ("softplus", "none")  # raw input through −exp(A_log)·softplus(g + dt_bias), or the log decay itself
 
 
@@ -351,15 +363,8 @@ def translate_fla_gdn_call(
     ``TypeError``. cute_kda's extension (keyword-only):
     ``state_indices``, ``checkpoint_every``, ``checkpoint_indices``, as :func:`translate_pool_arguments`.
     """
-    unknown = sorted(set(kwargs) - set(_GDN_EXTRA_KWARGS))
-    if unknown:
-        raise TypeError(f"chunk_gated_delta_rule got unexpected keyword arguments: {', '.join(unknown)}")
-    if "transpose_state_layout" in kwargs:
-        if state_v_first:
-            raise ValueError("pass either state_v_first or the deprecated transpose_state_layout, not both")
-        warnings.warn("transpose_state_layout is deprecated and renamed to state_v_first", DeprecationWarning,
-                      stacklevel=2)
-        state_v_first = bool(kwargs["transpose_state_layout"])
+    state_v_first = fla_state_v_first("chunk_gated_delta_rule", state_v_first, kwargs, _GDN_EXTRA_KWARGS,
+                                      stacklevel=3)
     if "head_first" in kwargs:  # FLA raises the warning class itself
         raise DeprecationWarning("head_first has been removed; inputs must be in [B, T, H, ...] format")
     chunk_size = kwargs.get("chunk_size", 64)

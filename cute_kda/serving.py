@@ -49,13 +49,12 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from typing import Any, NamedTuple
 
 import torch
 
 from . import validation
-from .fla_calls import refuse_neg_eigval
+from .fla_calls import fla_state_v_first, refuse_neg_eigval
 from .numerics import HEAD_DIM
 
 _BF16 = (torch.bfloat16,)
@@ -157,20 +156,6 @@ def constant(value: float, shape: tuple[int, ...], device: torch.device) -> torc
 
 # ---------------------------------------------------------------------------------------------
 # FLA's arguments
-
-
-def _state_v_first(state_v_first: bool, kwargs: dict, entry_point: str) -> bool:
-    """FLA's ``state_v_first``, or its deprecated name; unknown keywords raise (FLA would ignore them)."""
-    unknown = sorted(kwargs.keys() - _EXTRA_KWARGS)
-    if unknown:
-        raise TypeError(f"{entry_point} got unexpected keyword arguments: {', '.join(unknown)}")
-    if "transpose_state_layout" in kwargs:
-        if state_v_first:
-            raise ValueError("pass either state_v_first or the deprecated transpose_state_layout, not both")
-        warnings.warn("transpose_state_layout is deprecated and renamed to state_v_first", DeprecationWarning,
-                      stacklevel=3)
-        return bool(kwargs["transpose_state_layout"])
-    return bool(state_v_first)
 
 
 def _parameter(name: str, value: Any, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -533,7 +518,7 @@ def kda_call(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_sta
                                  state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, out)
         if call is not None:
             return call
-    state_v_first = _state_v_first(state_v_first, kwargs, "fused_recurrent_kda")
+    state_v_first = fla_state_v_first("fused_recurrent_kda", state_v_first, kwargs, _EXTRA_KWARGS, stacklevel=3)
     refuse_neg_eigval(allow_neg_eigval, use_beta_sigmoid_in_kernel)
     shape = check_tokens(q, k, v, g, beta, per_head_gate=False)
     gate, bound, A_log_used, dt_bias_used = _kda_gate(use_gate_in_kernel, lower_bound, A_log, dt_bias, shape[3],
@@ -660,7 +645,8 @@ def gated_delta_rule_call(q, k, v, g=None, gk=None, gv=None, beta=None, scale=No
                                  num_accepted_tokens, out)
         if call is not None:
             return call
-    state_v_first = _state_v_first(state_v_first, kwargs, "fused_recurrent_gated_delta_rule")
+    state_v_first = fla_state_v_first("fused_recurrent_gated_delta_rule", state_v_first, kwargs, _EXTRA_KWARGS,
+                                      stacklevel=3)
     refuse_neg_eigval(allow_neg_eigval, use_beta_sigmoid_in_kernel)
     q = validation.check_is_tensor("q", q)
     v = validation.check_is_tensor("v", v)
