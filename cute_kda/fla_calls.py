@@ -205,7 +205,7 @@ def fla_state_v_first(entry_point: str, state_v_first: bool, kwargs: dict, allow
     """FLA's ``state_v_first``, or its deprecated name ``transpose_state_layout`` (FLA's DeprecationWarning, raised
     ``stacklevel`` frames up); keywords outside ``allowed`` raise ``TypeError`` naming ``entry_point`` (FLA would
     ignore them)."""
-    unknown = sorted(kwargs.keys() - allowed)
+    unknown = sorted(name for name in kwargs if name not in allowed)  # dynamo cannot trace dict_keys - frozenset
     if unknown:
         raise TypeError(f"{entry_point} got unexpected keyword arguments: {', '.join(unknown)}")
     if "transpose_state_layout" not in kwargs:
