@@ -25,9 +25,9 @@ sigmoid in the kernel. The per-head rows (GatedDeltaNet) run decode with a preco
   ids are a random permutation (no padding rows: FLA 0.6.0 reads slot −1);
 - ``--sweep``: every V-split of each row too (the column gives the fastest and its µs; ``auto`` is
   :meth:`cute_kda.kernels.decode.DecodeVariant.choose_vsplit`);
-- ``--prefetch``: the unrolled multi-token variants that load every token ahead where
-  :meth:`cute_kda.kernels.decode.DecodeVariant.choose_prefetch` says they fit (``cute_kda.ops.decode.PREFETCH``, off
-  by default until measured), the A/B of docs/perf-log.md's D3; ``--no-fla``: our columns only (shorter runs);
+- ``--no-prefetch``: the plain unrolled multi-token variants instead of those that load every token ahead
+  (:meth:`cute_kda.kernels.decode.DecodeVariant.choose_prefetch`, ``cute_kda.ops.decode.PREFETCH``), for the A/B of
+  docs/perf-log.md's D3; ``--no-fla``: our columns only (shorter runs);
 - ``--modes packed,packed-verify``: the same calls with the tokens packed (``[1, N·T, ...]``, int32 ``cu_seqlens``,
   every sequence T long), which runs our runtime token loop instead of the unrolled one (FLA takes the same
   ``cu_seqlens``): beside the decode / verify rows, the loop's cost.
@@ -183,14 +183,14 @@ def main() -> None:
                         help=f"of {', '.join(MODES)}")
     parser.add_argument("--no-per-head", action="store_true", help="skip the GatedDeltaNet rows")
     parser.add_argument("--sweep", action="store_true", help="also time every V-split of each row")
-    parser.add_argument("--prefetch", action="store_true",
-                        help="unrolled tokens loaded ahead where they fit (off by default until measured)")
+    parser.add_argument("--no-prefetch", action="store_true",
+                        help="the plain unrolled variants, not those loading every token ahead (A/B)")
     parser.add_argument("--no-fla", action="store_true", help="skip FLA's columns")
     args = parser.parse_args()
-    if args.prefetch:
+    if args.no_prefetch:
         from cute_kda.ops import decode as decode_ops
 
-        decode_ops.PREFETCH = True
+        decode_ops.PREFETCH = False
 
     head = ["N", "HV", "pool", "mode", "vsplit", "µs", "state GB/s", "copy GB/s", "% copy", "FLA µs", "vs FLA"]
     if args.sweep:

@@ -17,6 +17,8 @@ For an A/B of two checkouts on one machine, interleave the processes so that the
 
     for i in 1 2 3 4 5; do for t in old new; do (cd $t && python3 benchmarks/host_calls.py $t); done; done
 
+A second argument picks a group of rows (``forward`` or ``serving``; default ``all``).
+
 ``bench_host.py`` is the full table (more shapes, FLA, idle-GPU latency, graph time); ``bench_host_stub.py`` times
 these rows' Python path on a machine without a GPU (CUDA stubbed).
 """
@@ -37,10 +39,11 @@ from cute_kda._bench import host_round_us  # noqa: E402
 from shapes import LOWER_BOUND, Shape, make_inputs  # noqa: E402
 
 
-def entry_points() -> dict[str, Callable[[], object]]:
-    """Every row on the GPU."""
+def entry_points(rows: str = "all") -> dict[str, Callable[[], object]]:
+    """The rows on the GPU: ``all``, ``serving`` or ``forward`` (only that group's inputs are built)."""
     device = torch.device("cuda")
-    return {**serving_entry_points(device), **forward_entry_points(device)}
+    serving = serving_entry_points(device) if rows in ("all", "serving") else {}
+    return {**serving, **(forward_entry_points(device) if rows in ("all", "forward") else {})}
 
 
 def forward_entry_points(device: torch.device) -> dict[str, Callable[[], object]]:
@@ -121,7 +124,7 @@ def main() -> None:
         sys.exit("host_calls needs a CUDA GPU (Hopper)")
     label = sys.argv[1] if len(sys.argv) > 1 else "cute_kda"
     with torch.inference_mode():
-        runs = entry_points()
+        runs = entry_points(sys.argv[2] if len(sys.argv) > 2 else "all")
         for fn in runs.values():
             fn()  # compile or load from the disk cache
         figures = {name: host_us(fn) for name, fn in runs.items()}
