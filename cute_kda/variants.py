@@ -17,6 +17,10 @@ import torch
 from .numerics import SCAN_VSPLITS, SUPPORTED_VSPLITS
 from .workspace import SNAPSHOT_TILES
 
+# the token tensors' dtypes the forward kernels read and write (q, k, v, a raw gate, o): fp16 is widened to fp32 where
+# bf16 is and o rounded to it instead (docs/numerics.md, "fp16 inputs"); the workspace stays bf16
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
+
 
 def fill_sms(num_seqs: int, heads: int, sms: int, splits: tuple[int, ...]) -> int:
     """The largest split in ``splits`` whose CTA count ``num_seqs · heads · split`` still fits one CTA per SM; the
@@ -47,8 +51,9 @@ class SerialScan:
 class PrepareVariant:
     """K1 (:class:`cute_kda.kernels.fwd_prepare.PrepareKernel`).
 
-    ``gate``: one of :data:`cute_kda.numerics.GATES`; ``g_dtype``: bf16 (fp32 too with gate "none");
-    ``per_head_gate``: g ``[B, T, HV]`` (GatedDeltaNet), else per channel; ``grouped``: HV > H value heads.
+    ``gate``: one of :data:`cute_kda.numerics.GATES`; ``g_dtype``: ``dtype`` (fp32 too with gate "none");
+    ``per_head_gate``: g ``[B, T, HV]`` (GatedDeltaNet), else per channel; ``grouped``: HV > H value heads;
+    ``dtype``: q's and k's, bf16 or fp16 (:data:`ACTIVATION_DTYPES`).
     """
 
     varlen: bool
@@ -58,12 +63,14 @@ class PrepareVariant:
     g_dtype: torch.dtype = torch.bfloat16
     per_head_gate: bool = False
     grouped: bool = False
+    dtype: torch.dtype = torch.bfloat16
 
 
 @dataclass(frozen=True)
 class RecurrenceVariant(SerialScan):
     """K2 (:class:`cute_kda.kernels.fwd_recurrence.FwdRecurrence`): the state dtypes in and out (None: no such
-    state), ``checkpoints``: the training forward's variant that keeps the state entering every tile;
+    state), ``dtype``: v's and o's (bf16 or fp16), ``checkpoints``: the training forward's variant that keeps the
+    state entering every tile;
     ``state_pool``: the states are one pool read and written by slot id (both dtypes the pool's), with
     ``prefix_checkpoint_every`` (tokens, a multiple of 64; 0: none) its prefix checkpoints into pool slots."""
 
@@ -74,6 +81,7 @@ class RecurrenceVariant(SerialScan):
     checkpoints: bool = False
     state_pool: bool = False
     prefix_checkpoint_every: int = 0
+    dtype: torch.dtype = torch.bfloat16
     splits: ClassVar[tuple[int, ...]] = SUPPORTED_VSPLITS
 
 

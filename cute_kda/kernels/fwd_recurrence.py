@@ -52,7 +52,7 @@ fp32 ``S32`` columns (the pool's dtype; a bf16 pool gets ``bf16(S32)``, which is
 into slot ``checkpoint_indices[n, j]`` of the pool (−1, a row past the sequence's last full C-block, or a padding
 sequence: nothing); these stores wait on nothing and no other variant has them.
 
-Inputs are assumed valid (the API layer checks them): v / out bf16 ``[B, T, H, 128]`` with the last
+Inputs are assumed valid (the API layer checks them): v / out bf16 or fp16 ``[B, T, H, 128]`` with the last
 mode contiguous, workspace fields as :mod:`cute_kda.workspace`, ``cu_seqlens`` int64 ``[N+1]`` with
 B == 1 and ``tile_base`` int32 ``[N+1]`` for varlen, every base address 16-byte aligned.
 """
@@ -138,7 +138,9 @@ class FwdRecurrence(BandScan):
     sequence's first tile) for the backward, ``[H · slots, D, D]`` bf16 state images
     (:func:`cute_kda.workspace.snapshot_slots`: the slot of a block is the one the backward scan keeps
     its gradient in). ``state_pool``: the states are a pool read and written by slot id, ``prefix_checkpoint_every``
-    (tokens, a multiple of 64; 0: none) its prefix checkpoints (module docstring).
+    (tokens, a multiple of 64; 0: none) its prefix checkpoints (module docstring). ``dtype``: v's and o's,
+    ``cutlass.BFloat16`` or ``cutlass.Float16`` (v widened to fp32 exactly, o rounded to fp16 where it would be to
+    bf16: docs/numerics.md, "fp16 inputs").
     """
 
     def __init__(
@@ -152,10 +154,11 @@ class FwdRecurrence(BandScan):
         checkpoint_every: int = SNAPSHOT_TILES,
         state_pool: bool = False,
         prefix_checkpoint_every: int = 0,
+        dtype: type = BFloat16,
     ) -> None:
         super().__init__(
             RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=Float32 in (initial_state, final_state)),
-            initial_state=initial_state, final_state=final_state, varlen=varlen, reverse=False,
+            initial_state=initial_state, final_state=final_state, varlen=varlen, reverse=False, token_dtype=dtype,
         )
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
@@ -284,7 +287,7 @@ class FwdRecurrence(BandScan):
             state_acc=smem_tensor(state_ptr, layouts.state_acc(plan), BFloat16),
             state_fp32=smem_tensor(union_ptr, layouts.state_fp32(plan), Float32),
             state_fp32_acc=smem_tensor(union_ptr, layouts.state_fp32_acc(plan), Float32),
-            v=smem_tensor(at["v"], layouts.value_tile(plan, stages), BFloat16),
+            v=smem_tensor(at["v"], layouts.value_tile(plan, stages), self.token_dtype),
             qd=aligned_smem_tensor(at["qd"], layouts.chunk_operand(plan), BFloat16),
             kd=aligned_smem_tensor(at["kd"], layouts.chunk_operand(plan), BFloat16),
             kr_t=aligned_smem_tensor(at["kr"], layouts.chunk_operand_transposed(plan), BFloat16),
@@ -292,7 +295,7 @@ class FwdRecurrence(BandScan):
             inv=smem_tensor(at["inv"], layouts.square_tile(plan), BFloat16),
             mqk=smem_tensor(at["mqk"], layouts.square_tile(plan), BFloat16),
             beta=smem_tensor(at["beta"], layouts.vector(CHUNK, stages), Float32),
-            out=smem_tensor(at["out"], layouts.value_tile(plan, out_stages), BFloat16),
+            out=smem_tensor(at["out"], layouts.value_tile(plan, out_stages), self.token_dtype),
         )
         tma_smem = RecurrenceTmaSmem(**self.tma_boxes(state_ptr, union_ptr, at))
         load_pipe, store_pipe, state_mbar = self.make_pipelines(warp_idx, storage)
@@ -426,8 +429,9 @@ class FwdRecurrence(BandScan):
         acc_ks = tiled_mma.make_fragment_C(c_shape)
         acc_qs = tiled_mma.make_fragment_C(c_shape)  # qS, then o
         acc = tiled_mma.make_fragment_C(c_shape)  # INV·u
-        r_v = cute.make_rmem_tensor(c_shape, BFloat16)
-        r_c16 = cute.make_rmem_tensor(c_shape, BFloat16)  # u, then U, then o (bf16 C fragments)
+        r_v = cute.make_rmem_tensor(c_shape, self.token_dtype)
+        r_c16 = cute.make_rmem_tensor(c_shape, BFloat16)  # u, then U (bf16 C fragments)
+        r_o = cute.make_rmem_tensor(c_shape, self.token_dtype)
         r_u_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, CHUNK)))  # u as B
         r_big_u_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, CHUNK)))  # U as B (Phases 4, 6)
         r_state_acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((dim, cols)), BFloat16)  # S, a row block at a time
@@ -438,7 +442,7 @@ class FwdRecurrence(BandScan):
         v_square = ldsm_a.retile(r_square)
         v_kr_t = ldsm_a_t.retile(r_kr_t)
         v_v = ldsm_c.retile(r_v)
-        v_out = stsm_c.retile(r_c16)
+        v_out = stsm_c.retile(r_o)
         v_state_acc_st = stsm_c_t.retile(r_state_acc)
         state_words = cute.recast_tensor(r_state_acc, Uint32)  # ((1,2), k_steps, n): pairs of value columns
 
@@ -488,11 +492,12 @@ class FwdRecurrence(BandScan):
             cute.gemm(tiled_mma, acc, r_square[None, None, 0], r_u_b[None, None, 0], acc)
             r_c16.store(acc.load().to(BFloat16))
 
-            # Phase 4: o = bf16(qS + Mqk·U) (qS is the accumulator's C); U as B is kept for Phase 6
+            # Phase 4: o = bf16(qS + Mqk·U) (qS is the accumulator's C; f16 for fp16 tokens); U as B is kept for
+            # Phase 6
             transpose_c_to_b(r_c16, r_big_u_b)
             cute.copy(ldsm_a, p_mqk[None, None, None, stage], v_square)
             cute.gemm(tiled_mma, acc_qs, r_square[None, None, 0], r_big_u_b[None, None, 0], acc_qs)
-            r_c16.store(acc_qs.load().to(BFloat16))
+            r_o.store(acc_qs.load().to(self.token_dtype))
 
             # Phase 5: o → output stage; each thread fences its stmatrix writes for the TMA store, then arrives
             store_pipe.producer_acquire(out_state)

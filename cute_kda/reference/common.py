@@ -346,6 +346,20 @@ def workspace_of_tiles(fields: dict[str, torch.Tensor], tiles: TileMap) -> Works
     return Workspace(**out)
 
 
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)  # the token tensors the kernels read (fp16 widened exactly)
+
+
+def check_activations(**tensors: torch.Tensor) -> torch.dtype:
+    """The one dtype of the kernels' token tensors ``tensors`` (bf16, or fp16: docs/numerics.md, "fp16 inputs");
+    a TypeError naming them otherwise."""
+    dtypes = {t.dtype for t in tensors.values()}
+    if len(dtypes) != 1 or not dtypes <= set(ACTIVATION_DTYPES):
+        names = " and ".join(tensors)
+        raise TypeError(f"{names} must be all bf16 or all fp16 (the kernels' input types), got "
+                        f"{', '.join(str(t.dtype) for t in tensors.values())}")
+    return dtypes.pop()
+
+
 def state_in(state: torch.Tensor | None, name: str, state_layout: str, shape: tuple[int, int, int, int],
              dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A chain's entering state (or state gradient) ``state`` ``[N, H, V, K]`` ("vk") or ``[N, H, K, V]`` ("kv")

@@ -22,7 +22,7 @@ A kernel subclasses it and brings its own ``__call__``, ``kernel`` and ``compute
 
 from typing import NamedTuple, Optional
 
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
+from cutlass import BFloat16, Float16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.experimental.primitives import cp_async_bulk_global_shared_cta
 
@@ -74,15 +74,19 @@ class BandScan:
     subclass). ``initial_state`` / ``final_state``: None, ``cutlass.BFloat16`` or ``cutlass.Float32``
     (the dtype of the ``[N, H, V, K]`` tensors the band is loaded from before the tile loop and stored
     to after it). ``varlen``: sequences packed along T with ``cu_seqlens``. ``reverse``: tiles run
-    from the last to the first.
+    from the last to the first. ``token_dtype``: the per-token input and output tiles' (bf16, or fp16: the same
+    16-bit layouts and ldmatrix / stmatrix, other conversions).
     """
 
     def __init__(self, plan, *, initial_state: Optional[type], final_state: Optional[type], varlen: bool,
-                 reverse: bool) -> None:
+                 reverse: bool, token_dtype: type = BFloat16) -> None:
+        if token_dtype not in (BFloat16, Float16):
+            raise ValueError(f"token_dtype must be BFloat16 or Float16, got {token_dtype}")
         for name, dtype in (("initial_state", initial_state), ("final_state", final_state)):
             if dtype not in (None, BFloat16, Float32):
                 raise ValueError(f"{name} must be None, BFloat16 or Float32, got {dtype}")
         self.plan = plan
+        self.token_dtype = token_dtype
         self.vsplit = plan.vsplit
         self.initial_state = initial_state
         self.final_state = final_state
@@ -159,13 +163,13 @@ class BandScan:
         """Every TMA-moved buffer as its TMA smem tensor, by plan field name: the swizzled tiles (kd, qd, kr;
         the per-token and output tiles when ``plan.swizzled_tokens``) as ``[16, cols, stage]`` with the
         swizzle on the pointer; the others as boxes ``(IMAGE_RUN, rows, cols / IMAGE_RUN[, stage])``."""
-        plan, bf16 = self.plan, BFloat16
+        plan, bf16, tokens = self.plan, BFloat16, self.token_dtype
         stages, out_stages = plan.input_stages, plan.output_stages
 
         def token_box(name: str, count: int) -> cute.Tensor:
             if plan.swizzled_tokens:
-                return smem_tensor(at[name], layouts.value_tile(plan, count), bf16)
-            return smem_tensor(at[name], layouts.tma_box(CHUNK, self.v_band, count), bf16)
+                return smem_tensor(at[name], layouts.value_tile(plan, count), tokens)
+            return smem_tensor(at[name], layouts.tma_box(CHUNK, self.v_band, count), tokens)
 
         boxes = {plan.token_field: token_box(plan.token_field, stages)}
         for name in layouts.SWIZZLED_FIELDS:
@@ -543,18 +547,19 @@ class BandScan:
         )
 
     def warp_copies(self, tiled_mma: cute.TiledMma) -> WarpCopies:
-        """The ldmatrix / stmatrix tiled copies of the compute warps (x4, or x2 for 8-column bands)."""
+        """The ldmatrix / stmatrix tiled copies of the compute warps (x4, or x2 for 8-column bands); those of the
+        per-token tiles (``ldsm_c``, ``stsm_c``) in :attr:`token_dtype`."""
         band = self.band_matrices
 
-        def tiled(make, op):
-            return make(cute.make_copy_atom(op, BFloat16), tiled_mma)
+        def tiled(make, op, dtype=BFloat16):
+            return make(cute.make_copy_atom(op, dtype), tiled_mma)
 
         return WarpCopies(
             ldsm_a=tiled(cute.make_tiled_copy_A, warp.LdMatrix8x8x16bOp(False, 4)),
             ldsm_a_t=tiled(cute.make_tiled_copy_A, warp.LdMatrix8x8x16bOp(True, 4)),
             ldsm_b=tiled(cute.make_tiled_copy_B, warp.LdMatrix8x8x16bOp(False, band)),
             ldsm_b_t=tiled(cute.make_tiled_copy_B, warp.LdMatrix8x8x16bOp(True, band)),
-            ldsm_c=tiled(cute.make_tiled_copy_C, warp.LdMatrix8x8x16bOp(False, band)),
-            stsm_c=tiled(cute.make_tiled_copy_C, warp.StMatrix8x8x16bOp(False, band)),
+            ldsm_c=tiled(cute.make_tiled_copy_C, warp.LdMatrix8x8x16bOp(False, band), self.token_dtype),
+            stsm_c=tiled(cute.make_tiled_copy_C, warp.StMatrix8x8x16bOp(False, band), self.token_dtype),
             stsm_c_t=tiled(cute.make_tiled_copy_C, warp.StMatrix8x8x16bOp(True, band)),
         )
