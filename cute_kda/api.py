@@ -62,13 +62,15 @@ def kda_forward(
     """KDA forward (docs/design.md §1) with the in-kernel gate, on a Hopper GPU.
 
     Inputs (any DLPack tensors on one CUDA device, contiguous, 16-byte aligned):
-      q, k   bf16 ``[B, T, H, K]``; l2-normalised per token inside when ``qk_l2norm``.
-      v      bf16 ``[B, T, H, V]``.
+      q, k   bf16 ``[B, T, H, K]``; l2-normalised per token inside when ``qk_l2norm``. fp16 q, k, v, a raw g
+             and ``out`` (all of them: a mix is refused) run the forward kernels on fp16 (widened on load, o
+             in fp16; inference only: docs/numerics.md, "fp16 inputs").
+      v      bf16 ``[B, T, H, V]`` (q's dtype).
       g      ``[B, T, H, K]``, the gate; the per-channel log decay it gives depends on ``gate``:
-               ``"safe"`` (default)  bf16 raw gate, ``lower_bound · sigmoid(exp(A_log[h]) · (g + dt_bias[h]))``;
-               ``"softplus"``  bf16 raw gate, ``−exp(A_log[h]) · softplus(g + dt_bias[h])`` (Kimi-Linear's
+               ``"safe"`` (default)  raw gate (q's dtype), ``lower_bound · sigmoid(exp(A_log[h]) · (g + dt_bias[h]))``;
+               ``"softplus"``  raw gate in q's dtype, ``−exp(A_log[h]) · softplus(g + dt_bias[h])`` (Kimi-Linear's
                           gate, unbounded below);
-               ``"none"``  bf16 or fp32, the log decay itself (any value ≤ 0; −1000 masks a channel).
+               ``"none"``  q's dtype or fp32, the log decay itself (any value ≤ 0; −1000 masks a channel).
       beta   bf16 ``[B, T, H]``: logits (``beta_logits=True``, sigmoid inside) or β itself; fp16 or fp32 is
              rounded to bf16 on entry (one small cast on the stream; docs/numerics.md, "fp16 inputs").
       A_log  fp32 ``[H]``;  dt_bias fp32 ``[H, K]`` (gates "safe" and "softplus"; None with "none"); bf16 or
@@ -82,7 +84,7 @@ def kda_forward(
       initial_state  bf16 or fp32 ``[N, H, V, K]`` (v-first: ``state[n, h, v, k]``), N = B without
              cu_seqlens; None means zero.
     Outputs:
-      out    bf16 ``[B, T, H, V]``; written into ``out`` when given.
+      out    ``[B, T, H, V]`` in q's dtype; written into ``out`` when given.
       final_state  ``[N, H, V, K]``, written into ``final_state`` when given (then returned even
              without ``output_final_state``), else allocated when ``output_final_state`` with the
              dtype of ``initial_state`` (fp32 without one); None otherwise.
@@ -100,9 +102,10 @@ def kda_forward(
     Slot ids are not read on the host; ``CUTE_KDA_DEBUG_CHECKS=1`` checks that they lie in [−1, slots) and that no
     slot appears twice across ``state_indices`` and ``checkpoint_indices`` (a sync). Pool calls are never split into
     segments and are not traced by ``torch.compile`` (``NotImplementedError``).
-    K = V = 128; other head dims, and q, k, v or a raw gate in fp16 or fp32 (an fp16 state), raise
-    ``NotImplementedError`` naming the argument (:class:`cute_kda.validation.UnsupportedDtypeError` for a dtype, also
-    a ``TypeError``). ``vsplit`` (1, 2, 4 or None = heuristic): K2 CTAs per (sequence, head). ``segments``
+    K = V = 128; other head dims, and q, k, v or a raw gate in fp32, bf16 and fp16 mixed, fp16 inputs that require
+    grad (an fp16 state), raise ``NotImplementedError`` naming the argument
+    (:class:`cute_kda.validation.UnsupportedDtypeError` for a dtype, also a ``TypeError``). ``vsplit`` (1, 2, 4 or
+    None = heuristic): K2 CTAs per (sequence, head). ``segments``
     (context parallelism, :mod:`cute_kda.context_parallel`): None lets a fixed-length call with few (sequence,
     head) pairs and long sequences cut each sequence into segments of whole tiles that the serial scans run side
     by side (the forward's K2 then runs three passes, the backward's Kernel A two; results differ from the unsplit
@@ -212,15 +215,16 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     ``A_log`` ``[H]`` and ``dt_bias`` ``[H*K]`` or ``[H, K]``; ``initial_state`` fp32
     ``[N, H, K, V]`` (``[N, H, V, K]`` with ``state_v_first=True`` or the deprecated
     ``transpose_state_layout=True``); ``cu_seqlens`` int32 or int64 ``[N+1]`` with B == 1. Returns
-    (o bf16 ``[B, T, H, V]``, final state fp32 in the caller's layout or None).
+    (o ``[B, T, H, V]`` in q's dtype, final state fp32 in the caller's layout or None).
 
-    Supported: K = V = 128, bf16 q/k/v, beta bf16 (fp16 or fp32 rounded to bf16 on entry, a small cast; FLA's
+    Supported: K = V = 128, bf16 q/k/v (fp16 for inference: o in fp16), beta bf16 (fp16 or fp32 rounded to bf16 on entry, a small cast; FLA's
     tests pass such betas); the gate as FLA has it: ``use_gate_in_kernel=True`` with
     ``lower_bound`` in [-5, 0) (the bounded gate) or without (the softplus gate of Kimi-Linear), both with
-    a bf16 raw g, or ``use_gate_in_kernel=False`` (g the log decay, bf16 or fp32);
+    a raw g in q's dtype, or ``use_gate_in_kernel=False`` (g the log decay, q's dtype or fp32);
     ``use_qk_l2norm_in_kernel`` and ``use_beta_sigmoid_in_kernel`` on or off. Every gate trains (grouped
     value heads with the bounded gate do not: ``NotImplementedError`` when inputs require grad).
-    Other sizes, fp16 / fp32 q, k, v or raw g, and other combinations raise ``NotImplementedError`` naming the
+    Other sizes, fp32 q, k, v or raw g, fp16 with inputs that require grad, and other combinations raise
+    ``NotImplementedError`` naming the
     argument or flag (see
     :func:`cute_kda.fla_calls.translate_fla_call`). FLA's default ``[N, H, K, V]`` state costs a transpose copy each way;
     ``state_v_first=True`` avoids it. Takes DLPack tensors like :func:`kda_forward` and answers in
@@ -270,15 +274,16 @@ def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     """Drop-in for ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (fla-core 0.6.0 signature), forward and
     backward.
 
-    Shapes as in FLA: q, k bf16 ``[B, T, H, K]``; v bf16 ``[B, T, HV, V]``, HV a multiple of H (value head
-    ``j`` reads q/k head ``j // (HV / H)``); g ``[B, T, HV]``: the log decay (bf16 or fp32, FLA's default
-    ``use_gate_in_kernel=False``) or with ``use_gate_in_kernel=True`` the raw bf16 input of
+    Shapes as in FLA: q, k bf16 ``[B, T, H, K]`` (fp16 for inference); v ``[B, T, HV, V]`` in q's dtype, HV a
+    multiple of H (value head ``j`` reads q/k head ``j // (HV / H)``); g ``[B, T, HV]``: the log decay (q's dtype or
+    fp32, FLA's default ``use_gate_in_kernel=False``) or with ``use_gate_in_kernel=True`` the raw input (q's dtype) of
     ``−exp(A_log) · softplus(g + dt_bias)`` (keywords ``A_log`` ``[HV]``, ``dt_bias`` ``[HV]`` or None);
     beta bf16 ``[B, T, HV]`` (logits with ``use_beta_sigmoid_in_kernel``; fp16 or fp32, as FLA's tests pass it, is
     rounded to bf16 on entry); ``initial_state`` fp32 or bf16 (fp16 widened to fp32 on entry)
     ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); ``cu_seqlens`` int32 or int64 ``[N+1]`` with B = 1.
-    K = V = 128: other head dims (``expand_v = 2`` too), fp16 / fp32 q, k, v, a raw g that is not bf16 and an fp16
-    log decay raise ``NotImplementedError`` naming the argument. Returns (o bf16 ``[B, T, HV, V]``, the final state fp32 in the caller's layout or None), in
+    K = V = 128: other head dims (``expand_v = 2`` too), fp32 q, k, v, a g of the other 16-bit dtype than q's and
+    fp16 inputs that require grad raise ``NotImplementedError`` naming the argument. Returns (o ``[B, T, HV, V]`` in
+    q's dtype, the final state fp32 in the caller's layout or None), in
     ``q``'s framework, computed by K1 (one decay per head on every channel, overflow-free for any gate value)
     and K2 on the current stream, with no host synchronisation.
 
