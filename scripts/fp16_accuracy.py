@@ -10,7 +10,9 @@ fp64 gold recurrence on the fp16 values themselves (relative RMS, FLA's measure,
   alone costs, whatever the arithmetic after it;
 - ``pipeline``: the mirror against the gold on the rounded inputs: today's bf16 error on these distributions;
 - ``beta``: (β fp32 cases) the mirror with β kept in fp32 (what K1 would read without the entry cast), to show
-  what rounding β to bf16 costs.
+  what rounding β to bf16 costs;
+- ``fp16``: the mirror of the fp16 kernels (option 2, as built): q, k, v and g as they are (widened exactly where
+  bf16 is widened), o rounded to fp16, β rounded to bf16 where the call enters.
 
     python3 scripts/fp16_accuracy.py            # the table of docs/numerics.md, "fp16 inputs"
 """
@@ -101,6 +103,9 @@ def measure(case: Case, seed: int = 0) -> dict[str, tuple[float, float]]:
         return rel_rms(result[0], reference[0]), rel_rms(result[1], reference[1])
 
     out = dict(mirror=pair(mirror, gold), rounding=pair(gold_rounded, gold), pipeline=pair(mirror, gold_rounded))
+    fp16 = dict(x, beta=x["beta"].bfloat16())
+    out["fp16"] = pair(mirror_forward(*(fp16[n] for n in tensors), initial_state=state32, state_dtype=torch.float32,
+                                      **params, **common), gold)
     if x["beta"].dtype == torch.float32:
         exact_beta = dict(rounded, beta=x["beta"])
         out["beta"] = pair(mirror_forward(*(exact_beta[n] for n in tensors), initial_state=state32,
@@ -109,11 +114,13 @@ def measure(case: Case, seed: int = 0) -> dict[str, tuple[float, float]]:
 
 
 def table() -> str:
-    rows = ["| case | mirror (o / state) | rounding alone | pipeline | β kept fp32 |", "|---|---|---|---|---|"]
+    rows = ["| case | mirror (o / state) | rounding alone | pipeline | β kept fp32 | fp16 kernels |",
+            "|---|---|---|---|---|---|"]
     for case in CASES:
         m = measure(case)
         cell = lambda key: f"{m[key][0]:.2e} / {m[key][1]:.2e}" if key in m else "—"  # noqa: E731
-        rows.append(f"| {case.name} | {cell('mirror')} | {cell('rounding')} | {cell('pipeline')} | {cell('beta')} |")
+        rows.append(f"| {case.name} | {cell('mirror')} | {cell('rounding')} | {cell('pipeline')} | {cell('beta')} "
+                    f"| {cell('fp16')} |")
     return "\n".join(rows)
 
 
