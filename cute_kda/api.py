@@ -81,8 +81,8 @@ def kda_forward(
              to int64 on the device (one small kernel, no sync). On the GPU it is
              trusted (its length gives N; set ``CUTE_KDA_DEBUG_CHECKS=1`` to check its values, a
              sync); on the CPU its values are checked and it is copied over asynchronously.
-      initial_state  bf16 or fp32 ``[N, H, V, K]`` (v-first: ``state[n, h, v, k]``), N = B without
-             cu_seqlens; None means zero.
+      initial_state  bf16 or fp32 ``[N, H, V, K]`` (v-first: ``state[n, h, v, k]``; fp16 too with fp16 inputs,
+             not beside an fp32 final state), N = B without cu_seqlens; None means zero.
     Outputs:
       out    ``[B, T, H, V]`` in q's dtype; written into ``out`` when given.
       final_state  ``[N, H, V, K]``, written into ``final_state`` when given (then returned even
@@ -103,7 +103,7 @@ def kda_forward(
     slot appears twice across ``state_indices`` and ``checkpoint_indices`` (a sync). Pool calls are never split into
     segments and are not traced by ``torch.compile`` (``NotImplementedError``).
     K = V = 128; other head dims, and q, k, v or a raw gate in fp32, bf16 and fp16 mixed, fp16 inputs that require
-    grad (an fp16 state), raise ``NotImplementedError`` naming the argument
+    grad (an fp16 state with bf16 inputs), raise ``NotImplementedError`` naming the argument
     (:class:`cute_kda.validation.UnsupportedDtypeError` for a dtype, also a ``TypeError``). ``vsplit`` (1, 2, 4 or
     None = heuristic): K2 CTAs per (sequence, head). ``segments``
     (context parallelism, :mod:`cute_kda.context_parallel`): None lets a fixed-length call with few (sequence,

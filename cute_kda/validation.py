@@ -293,11 +293,23 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, total_tokens: int, name: s
             raise ValueError(f"{name} must not decrease, but {name}[{i + 1}] = {b} < {name}[{i}] = {a}")
 
 
-def check_state(name: str, state: torch.Tensor, problem: ProblemShape, device: torch.device) -> None:
-    """A recurrent state: bf16 or fp32 ``[N, H, V, K]`` (v-first), contiguous, on q's device."""
+def check_state(name: str, state: torch.Tensor, problem: ProblemShape, device: torch.device,
+                dtype: torch.dtype = torch.bfloat16) -> None:
+    """A recurrent state: bf16 or fp32 ``[N, H, V, K]`` (v-first), contiguous, on q's device; fp16 too when the
+    activations (``dtype``, q's) are fp16 (an inference call: K2 widens it on load and rounds to it on store)."""
     d = problem.head_dim
-    _check_tensor(name, state, STATE_DTYPES, (problem.num_seqs, problem.heads, d, d), "[N, H, V, K]", device,
-                  aligned=True)
+    allowed = STATE_DTYPES + (torch.float16,) if dtype == torch.float16 else STATE_DTYPES
+    _check_tensor(name, state, allowed, (problem.num_seqs, problem.heads, d, d), "[N, H, V, K]", device, aligned=True)
+
+
+def check_state_pair(initial_state: torch.Tensor | None, final_state: torch.Tensor | None) -> None:
+    """An fp16 state and an fp32 one do not meet in a call (K2 stages either through one buffer): refused by name."""
+    if initial_state is None or final_state is None:
+        return
+    if {initial_state.dtype, final_state.dtype} == {torch.float16, torch.float32}:
+        got, other = (str(t.dtype).replace("torch.", "") for t in (final_state, initial_state))
+        raise UnsupportedDtypeError(f"final_state is {got} but initial_state is {other}: fp16 and fp32 states in one "
+                                    f"call are not implemented; pass final_state in {other} (or bf16)")
 
 
 def needs_autograd(*tensors: object) -> bool:
@@ -497,9 +509,10 @@ def validate_forward(
     problem = ProblemShape(batch, seq_len, heads, key_dim, num_seqs, varlen)
 
     if initial_state is not None:
-        check_state("initial_state", initial_state, problem, device)
+        check_state("initial_state", initial_state, problem, device, dtype)
     if final_state is not None:
-        check_state("final_state", final_state, problem, device)
+        check_state("final_state", final_state, problem, device, dtype)
+        check_state_pair(initial_state, final_state)
     if out is not None:
         _check_activation("out", out, (batch, seq_len, heads, key_dim), "[B, T, HV, V]", device, dtype)
     return problem

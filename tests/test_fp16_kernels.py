@@ -103,6 +103,13 @@ K2_VARIANTS = [  # (vsplit, initial state, final state, varlen, the training for
     (2, torch.bfloat16, torch.float32, True, False), (4, torch.bfloat16, torch.bfloat16, True, False),
     (4, None, torch.float32, False, False), (1, torch.float32, torch.float32, True, True),
 ]
+FP16_STATE_VARIANTS = [(1, torch.float16, torch.float16, True, False), (2, None, torch.float16, False, False),
+                       (4, torch.float16, None, True, False)]
+
+
+def _variant_id(v) -> str:
+    states = (str(s).replace("torch.", "") for s in v[1:3])
+    return "vs{}-{}-{}-{}{}".format(v[0], *states, "varlen" if v[3] else "fixed", "-checkpoints" if v[4] else "")
 
 
 def _compile_k2(dtype, vsplit, state_in, state_out, varlen, checkpoints):
@@ -128,10 +135,7 @@ def _compile_k2(dtype, vsplit, state_in, state_out, varlen, checkpoints):
     return kernel, compile_with_report(kernel, *arguments, cute.runtime.make_fake_stream())[1]
 
 
-@pytest.mark.parametrize("variant", K2_VARIANTS,
-                         ids=lambda v: "vs{}-{}-{}-{}{}".format(v[0], *(str(s).replace("torch.", "") for s in v[1:3]),
-                                                               "varlen" if v[3] else "fixed",
-                                                               "-checkpoints" if v[4] else ""))
+@pytest.mark.parametrize("variant", K2_VARIANTS, ids=_variant_id)
 def test_k2_fp16_widens_v_and_rounds_o(variant):
     """v is widened by ``cvt.f32.f16`` where the bf16 twin widens bf16, o leaves by ``cvt.rn.f16x2.f32`` (one per
     pair of its C fragment: 2 a mma atom) where the twin's leaves by ``cvt.rn.bf16x2.f32``; u, U and the state keep
@@ -144,6 +148,29 @@ def test_k2_fp16_widens_v_and_rounds_o(variant):
     assert fp16.count("cvt.f32.f16") > 0
     _assert_only_conversions_moved(fp16, bf16, {"cvt.f32.bf16": "cvt.f32.f16", "cvt.rn.bf16x2.f32": "cvt.rn.f16x2.f32"})
     assert len(fp16.kernels) == 1 and fp16.kernels[0].stack_frame == 0
+
+
+@pytest.mark.parametrize("variant", FP16_STATE_VARIANTS, ids=_variant_id)
+def test_k2_fp16_states_pass_through_the_staging(variant):
+    """An fp16 state takes an fp32 state's way, through the staging buffer (the same shared memory): widened by
+    ``cvt.f32.f16`` into the fp32 registers on load (besides its bf16 rounding for the state buffer), and every fp32
+    state element a lane holds rounded once by ``cvt.rn.f16.f32`` on store; nothing spills."""
+    as_fp32 = tuple(torch.float32 if dtype is torch.float16 else dtype for dtype in variant[1:3])
+    kernel, fp16 = _compile_k2(torch.float16, *variant)
+    _, fp32 = _compile_k2(torch.float16, variant[0], *as_fp32, *variant[3:])
+    lane_elements = (D // 16) * (16 * kernel.warp_cols // 32)  # the warp's [K, cols] fp32 state, per lane
+    assert kernel.staging is cutlass.Float16 and kernel.plan.state_io_fp32
+    assert fp16.count("cvt.rn.f16.f32") == (lane_elements if variant[2] is torch.float16 else 0)
+    assert fp32.count("cvt.rn.f16.f32") == 0
+    widened = fp16.count("cvt.f32.f16") - fp32.count("cvt.f32.f16")
+    assert widened >= (lane_elements if variant[1] is torch.float16 else 0) and (widened > 0) == (variant[1] is not None)
+    assert fp16.local_memory_ops == 0 and fp16.spills == 0 and fp16.kernels[0].stack_frame == 0, fp16.summary()
+    assert fp16.launch_smem == fp32.launch_smem
+
+
+def test_k2_refuses_fp16_beside_fp32_states():
+    with pytest.raises(ValueError, match="staging"):
+        FwdRecurrence(initial_state=F16, final_state=F32)
 
 
 # ---------------------------------------------------------------- GPU: against the mirror and the gold
@@ -192,17 +219,18 @@ def test_k1_fp16_matches_the_mirror(case, lengths):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("state", [torch.float32, torch.float16])
 @pytest.mark.parametrize("steps", [1, 7, 16])
-def test_k2_fp16_single_tile_within_one_ulp_of_the_mirror(steps):
+def test_k2_fp16_single_tile_within_one_ulp_of_the_mirror(steps, state):
     from cute_kda.reference import mirror_prepare, mirror_recurrence
 
     x = _fp16_problem(2, steps, 3, seed=steps)
     ws = mirror_prepare(x["q"], x["k"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"])
-    init = torch.randn(2, 3, D, D, device="cuda") * 0.5
+    init = (torch.randn(2, 3, D, D, device="cuda") * 0.5).to(state)
     out = torch.full_like(x["v"], float("nan"))
     final = torch.empty_like(init)
     k2.recurrence(x["v"], ws, out, initial_state=init, final_state=final)
-    o_ref, final_ref = mirror_recurrence(ws, x["v"], initial_state=init, output_final_state=True)
+    o_ref, final_ref = mirror_recurrence(ws, x["v"], initial_state=init, output_final_state=True, state_dtype=state)
     assert out.dtype == torch.float16 and not out.isnan().any()
     assert_within_one_ulp(f"T={steps} o", out, o_ref)
     assert_within_one_ulp(f"T={steps} state", final, final_ref)
@@ -214,6 +242,9 @@ GPU_FORWARD_CASES = {  # gate, per-head gate, value heads, lengths (None: B2 T10
     "softplus_varlen": ("softplus", False, 2, [300, 1, 700], torch.bfloat16),
     "log_decay_fp32": ("none", False, 2, None, torch.float32),
     "gdn_grouped": ("softplus", True, 4, [513, 64, 2], torch.float32),
+    "safe_fp16_state": ("safe", False, 2, None, torch.float16),
+    "gdn_varlen_fp16_state": ("none", True, 2, [100, 0, 17, 700], torch.float16),
+    "safe_segmented_fp16_state": ("safe", False, 2, None, torch.float16),  # context parallel (segments=4)
 }
 
 
@@ -234,9 +265,11 @@ def test_fp16_forward_matches_the_mirror_and_the_gold(case):
     if state_dtype is not None:
         init = (torch.randn(num_seqs, value_heads, D, D, device="cuda") * 0.1).to(state_dtype)
     options = dict(gate=gate, A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=cu, initial_state=init)
+    segments = 4 if "segmented" in case else None
     with torch.inference_mode():
-        o, final = cute_kda.kda_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True, **options)
-    assert o.dtype == torch.float16
+        o, final = cute_kda.kda_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True,
+                                        segments=segments, **options)
+    assert o.dtype == torch.float16 and final.dtype == (state_dtype or torch.float32)
     tensors = [x[name] for name in ("q", "k", "v", "g", "beta")]
     mirror = mirror_forward(*tensors, output_final_state=True, state_dtype=final.dtype, **options)
     gold = gold_forward(*tensors, output_final_state=True, **options)

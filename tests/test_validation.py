@@ -78,6 +78,20 @@ def test_fp16_inference_call_reaches_the_device_check():
         expect(ValueError, "q must be on a CUDA device", **fp16_inputs(gate="none", g=g, A_log=None, dt_bias=None))
 
 
+def test_fp16_states_go_with_fp16_inputs():
+    """An fp16 state is taken with fp16 activations (K2 widens it on load, rounds to it on store), not with bf16 ones,
+    and never beside an fp32 one."""
+    fp16_state, fp32_state = torch.zeros(B, H, D, D, dtype=torch.float16), torch.zeros(B, H, D, D)
+    expect(ValueError, "q must be on a CUDA device", **fp16_inputs(initial_state=fp16_state))
+    expect(ValueError, "q must be on a CUDA device", **fp16_inputs(initial_state=fp16_state, final_state=fp16_state))
+    expect(ValueError, "q must be on a CUDA device", **fp16_inputs(initial_state=fp32_state))
+    expect(validation.UnsupportedDtypeError, "final_state is float32 but initial_state is float16",
+           **fp16_inputs(initial_state=fp16_state, final_state=fp32_state))
+    expect(validation.UnsupportedDtypeError, "final_state is float16 but initial_state is float32",
+           **fp16_inputs(initial_state=fp32_state, final_state=fp16_state))
+    expect(validation.UnsupportedDtypeError, "initial_state", "float16", initial_state=fp16_state)  # bf16 inputs
+
+
 @pytest.mark.parametrize("name", ["k", "v", "g", "out"])
 def test_mixed_bf16_and_fp16_are_refused_by_name(name):
     """One call, one activation dtype: a bf16 tensor among fp16 ones (or the reverse) is named with q's dtype."""

@@ -37,11 +37,11 @@ consumer = the 4 compute warps, one arrival per warp from lane 0 after ``bar.war
 store warp, the lane that issued a TMA store arriving only after ``cp.async.bulk.wait_group.read 0``,
 so a stage is released once the store has read it).
 
-State I/O: none (zeros), bf16 (TMA straight into the state buffer) or fp32 (TMA into a staging buffer
+State I/O: none (zeros), bf16 (TMA straight into the state buffer) or fp32 / fp16 (TMA into a staging buffer
 that shares its bytes with the pipeline buffers, rounded to bf16 in shared memory before the loop).
-The compute warps then read their ``S32`` from the buffer they came in through. After the loop a bf16
-final state is ``S`` as it stands; an fp32 one is ``S32``, written into the staging by the compute
-warps for the TMA store. Global state tensors are ``[N, H, V, K]``.
+The compute warps then read their ``S32`` from the buffer they came in through (fp16 widened exactly). After the
+loop a bf16 final state is ``S`` as it stands; an fp32 one is ``S32``, an fp16 one ``f16(S32)``, written into the
+staging by the compute warps for the TMA store. Global state tensors are ``[N, H, V, K]``.
 
 State pool (``state_pool``, inference): the initial and the final state are one tensor ``[slots, H, V, K]`` (its
 ``[V, K]`` blocks contiguous, the other strides free: a view of an engine's cache) and ``state_indices`` int32
@@ -66,7 +66,7 @@ from ..dsl import cute, cutlass  # first: sets the target architecture before th
 
 import cutlass.pipeline as pipeline
 from cuda.bindings import driver
-from cutlass import BFloat16, Boolean, Float32, Int32, Uint32, const_expr
+from cutlass import BFloat16, Boolean, Float16, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
@@ -74,7 +74,7 @@ from ..layouts import fwd_recurrence as layouts
 from ..layouts.fwd_recurrence import RecurrenceSmemPlan
 from ..numerics import CHUNK
 from ..workspace import SNAPSHOT_TILES
-from .common.band_scan import BandScan, OutputTile
+from .common.band_scan import STAGED_STATES, BandScan, OutputTile
 from .common.copy import aligned_smem_tensor, c_row_half, smem_tensor
 from .common.copy import transpose_c_to_b  # movmatrix.trans word by word: C fragment of M → B fragment of Mᵀ
 from .common.fastmath import mul_rn
@@ -86,7 +86,7 @@ class RecurrenceSmem:
 
     state: cute.Tensor  # [v_band, D] bf16, K_INTER
     state_acc: cute.Tensor  # [D, v_band] bf16, MN_INTER view of state
-    state_fp32: cute.Tensor  # [v_band, D] fp32 staging (in the union)
+    state_fp32: cute.Tensor  # [v_band, D] staging (in the union): fp32, or fp16 for fp16 states
     state_fp32_acc: cute.Tensor  # [D, v_band] view of the staging
     v: cute.Tensor  # [16, v_band, stage]
     qd: cute.Tensor  # [16, D, stage], K_SW128
@@ -131,8 +131,9 @@ class FwdRecurrence(BandScan):
     """K2 for head dim 128, one compiled variant per static configuration.
 
     ``vsplit`` ∈ {1, 2, 4}: CTAs per (sequence, head), each owning ``128 / vsplit`` value columns.
-    ``initial_state`` / ``final_state``: None, ``cutlass.BFloat16`` or ``cutlass.Float32`` (the dtype
-    of the ``[N, H, V, K]`` state tensors). ``varlen``: sequences packed along T with ``cu_seqlens``.
+    ``initial_state`` / ``final_state``: None, ``cutlass.BFloat16``, ``cutlass.Float32`` or ``cutlass.Float16``
+    (the dtype of the ``[N, H, V, K]`` state tensors; an fp16 state is staged as an fp32 one, widened on load and
+    rounded to fp16 on store, and does not meet an fp32 one in a variant). ``varlen``: sequences packed along T with ``cu_seqlens``.
     ``checkpoints``: the training variant, which also keeps ``S = bf16(S32)`` entering every block of
     ``checkpoint_every`` global tiles (default :data:`~cute_kda.workspace.SNAPSHOT_TILES`; and each
     sequence's first tile) for the backward, ``[H · slots, D, D]`` bf16 state images
@@ -157,8 +158,9 @@ class FwdRecurrence(BandScan):
         dtype: type = BFloat16,
     ) -> None:
         super().__init__(
-            RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=Float32 in (initial_state, final_state)),
+            RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=bool({initial_state, final_state} & set(STAGED_STATES))),
             initial_state=initial_state, final_state=final_state, varlen=varlen, reverse=False, token_dtype=dtype,
+            state_dtypes=(BFloat16, Float32, Float16),
         )
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
@@ -285,8 +287,8 @@ class FwdRecurrence(BandScan):
         smem = RecurrenceSmem(
             state=smem_tensor(state_ptr, layouts.state_b(plan), BFloat16),
             state_acc=smem_tensor(state_ptr, layouts.state_acc(plan), BFloat16),
-            state_fp32=smem_tensor(union_ptr, layouts.state_fp32(plan), Float32),
-            state_fp32_acc=smem_tensor(union_ptr, layouts.state_fp32_acc(plan), Float32),
+            state_fp32=smem_tensor(union_ptr, layouts.state_fp32(plan), self.staging),
+            state_fp32_acc=smem_tensor(union_ptr, layouts.state_fp32_acc(plan), self.staging),
             v=smem_tensor(at["v"], layouts.value_tile(plan, stages), self.token_dtype),
             qd=aligned_smem_tensor(at["qd"], layouts.chunk_operand(plan), BFloat16),
             kd=aligned_smem_tensor(at["kd"], layouts.chunk_operand(plan), BFloat16),
@@ -314,7 +316,7 @@ class FwdRecurrence(BandScan):
         state32 = self.band_blocks()
         if warp_idx < self.mma_warps:
             self.load_band32(warp_idx, state32, smem.state_acc, smem.state_fp32_acc)
-        if const_expr(self.initial_state is Float32):
+        if const_expr(self.initial_state in STAGED_STATES):
             cute.arch.barrier()  # the staging is read before the load warp's first stage reuses its bytes
 
         # --- roles
@@ -351,7 +353,7 @@ class FwdRecurrence(BandScan):
         # --- final state: bf16 is the state buffer as it stands; fp32 is S32, staged by the compute warps
         cute.arch.fence_view_async_shared()  # stmatrix writes of the state → visible to the TMA store
         cute.arch.barrier()
-        if const_expr(self.final_state is Float32):
+        if const_expr(self.final_state in STAGED_STATES):
             if warp_idx < self.mma_warps:
                 self.stage_band32(warp_idx, state32, smem.state_fp32_acc)
             cute.arch.fence_view_async_shared()
