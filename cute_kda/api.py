@@ -356,6 +356,7 @@ def warmup_variants(
     segments: bool = True,
     state_pools: tuple[torch.dtype, ...] = (),
     checkpoint_every: tuple[int, ...] = (),
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
 ) -> list:
     """The variants :func:`warmup` compiles, in order, without duplicates. Pure: nothing is compiled, no device is
     needed.
@@ -370,7 +371,9 @@ def warmup_variants(
     (context parallelism, :mod:`cute_kda.context_parallel`; V-split 1): K2 on packed segments with fp32 states in and
     out, and with ``training`` its checkpoint variant and Kernel A's two passes. ``state_pools`` (bf16 and/or fp32):
     K2 of a prefill on a state pool of that dtype, for every V-split and ``varlen`` value, without prefix checkpoints
-    and with each of ``checkpoint_every`` (tokens: one variant per value).
+    and with each of ``checkpoint_every`` (tokens: one variant per value). ``dtypes``: the activations' dtypes (bf16
+    and / or fp16) the forward variants are listed for (an fp16 one's log decay in fp16 or fp32, its ``state_modes``
+    may hold fp16); the backward's only for bf16 (fp16 does not train).
     """
     from .layouts.bwd_grads import DEFAULT_WARPS
     from .numerics import SCAN_VSPLITS, SUPPORTED_VSPLITS
@@ -379,19 +382,24 @@ def warmup_variants(
         validation.check_gate(gate)
     k2_splits = SUPPORTED_VSPLITS if vsplits is None else vsplits
     scan_splits = SCAN_VSPLITS if vsplits is None else tuple(v for v in vsplits if v in SCAN_VSPLITS)
-    gate_forms = [(gate, dtype, False) for gate in gates
-                  for dtype in ((torch.bfloat16, torch.float32) if gate == "none" else (torch.bfloat16,))]
-    if gated_delta_rule:
-        gate_forms += [(gate, dtype, True) for gate, dtype, _ in gate_forms if gate != "safe"]
+
+    def gate_forms_of(dtype: torch.dtype) -> list:  # (gate, g dtype, per head)
+        forms = [(gate, g_dtype, False) for gate in gates
+                 for g_dtype in ((dtype, torch.float32) if gate == "none" else (dtype,))]
+        return forms + [(gate, g_dtype, True) for gate, g_dtype, _ in forms if gate != "safe" and gated_delta_rule]
+
+    gate_forms = gate_forms_of(torch.bfloat16)
     flags = [(l2, logits, packed) for l2 in qk_l2norm for logits in beta_logits for packed in varlen]
     variants: dict = {}  # ordered, without duplicates
-    for l2, logits, packed in flags:
+    for dtype, (l2, logits, packed) in itertools.product(dtypes, flags):
+        trains = training and dtype == torch.bfloat16
         for mode in state_modes:
             for split in k2_splits:
-                for gate, g_dtype, per_head in gate_forms:
-                    variants[PrepareVariant(packed, l2, logits, gate, g_dtype, per_head, per_head)] = None
-                for checkpoints in ((False, True) if training else (False,)):
-                    variants[RecurrenceVariant(split, mode, mode, packed, checkpoints)] = None
+                for gate, g_dtype, per_head in gate_forms_of(dtype):
+                    variants[PrepareVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, dtype)] = None
+                for checkpoints in ((False, True) if trains else (False,)):
+                    variants[RecurrenceVariant(split, mode, mode, packed, checkpoints, dtype=dtype)] = None
+    training = training and torch.bfloat16 in dtypes
     if training:  # Kernel A picks its own V-split (8 as well); Kernel B has no state flags
         for l2, logits, packed in flags:
             for mode in state_modes:
@@ -402,14 +410,16 @@ def warmup_variants(
                     variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, DEFAULT_WARPS)] = None
     if segments:  # a segmented call (context parallelism): varlen, V-split 1 (the heuristic's), fp32 states
         fp32 = torch.float32
-        for initial, final in ((None, fp32), (fp32, fp32), (fp32, None)):  # local pass, transition / real, no state
-            variants[RecurrenceVariant(1, initial, final, True)] = None
+        for dtype in dtypes:
+            for initial, final in ((None, fp32), (fp32, fp32), (fp32, None)):  # local pass, transition / real, none
+                variants[RecurrenceVariant(1, initial, final, True, dtype=dtype)] = None
         if training:
             for final in (fp32, None):
                 variants[RecurrenceVariant(1, fp32, final, True, True)] = None
             variants[ScanVariant(1, None, fp32, True, token_outputs=False)] = None
             for dh0 in (fp32, None):
                 variants[ScanVariant(1, fp32, dh0, True)] = None
-    for pool, packed, split, every in itertools.product(state_pools, varlen, k2_splits, (0, *checkpoint_every)):
-        variants[RecurrenceVariant(split, pool, pool, packed, False, True, every)] = None
+    for dtype, pool, packed, split, every in itertools.product(dtypes, state_pools, varlen, k2_splits,
+                                                               (0, *checkpoint_every)):
+        variants[RecurrenceVariant(split, pool, pool, packed, False, True, every, dtype)] = None
     return list(variants)

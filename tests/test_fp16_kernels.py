@@ -173,6 +173,25 @@ def test_k2_refuses_fp16_beside_fp32_states():
         FwdRecurrence(initial_state=F16, final_state=F32)
 
 
+def test_warmup_lists_the_fp16_forward_variants():
+    """``dtypes`` lists K1 and K2 per activation dtype (an fp16 log decay beside the fp32 one); the backward's and
+    K2's checkpoint variants only for bf16 (fp16 does not train)."""
+    from cute_kda.api import warmup_variants
+    from cute_kda.variants import GradsVariant, PrepareVariant, RecurrenceVariant, ScanVariant
+
+    fp16, bf16, fp32 = torch.float16, torch.bfloat16, torch.float32
+    selection = dict(varlen=(False,), state_modes=(fp16,), vsplits=(1,), gates=("safe", "none"), segments=True)
+    variants = warmup_variants(dtypes=(fp16,), **selection)
+    prepares = {(v.gate, v.g_dtype, v.dtype) for v in variants if isinstance(v, PrepareVariant)}
+    assert prepares == {("safe", fp16, fp16), ("none", fp16, fp16), ("none", fp32, fp16)}
+    recurrences = [v for v in variants if isinstance(v, RecurrenceVariant)]
+    assert {v.dtype for v in recurrences} == {fp16} and RecurrenceVariant(1, fp16, fp16, False, dtype=fp16) in recurrences
+    assert warmup_variants(dtypes=(fp16,), training=True, **selection) == variants
+    both = warmup_variants(dtypes=(bf16, fp16), training=True, **selection)
+    assert set(variants) < set(both) and any(isinstance(v, (ScanVariant, GradsVariant)) for v in both)
+    assert not any(v.checkpoints and v.dtype == fp16 for v in both if isinstance(v, RecurrenceVariant))
+
+
 # ---------------------------------------------------------------- GPU: against the mirror and the gold
 
 
