@@ -17,10 +17,6 @@ import torch
 from .numerics import SCAN_VSPLITS, SUPPORTED_VSPLITS
 from .workspace import SNAPSHOT_TILES
 
-# the token tensors' dtypes the forward kernels read and write (q, k, v, a raw gate, o): fp16 is widened to fp32 where
-# bf16 is and o rounded to it instead (docs/numerics.md, "fp16 inputs"); the workspace stays bf16
-ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
-
 
 def fill_sms(num_seqs: int, heads: int, sms: int, splits: tuple[int, ...]) -> int:
     """The largest split in ``splits`` whose CTA count ``num_seqs · heads · split`` still fits one CTA per SM; the
@@ -53,7 +49,7 @@ class PrepareVariant:
 
     ``gate``: one of :data:`cute_kda.numerics.GATES`; ``g_dtype``: ``dtype`` (fp32 too with gate "none");
     ``per_head_gate``: g ``[B, T, HV]`` (GatedDeltaNet), else per channel; ``grouped``: HV > H value heads;
-    ``dtype``: q's and k's, bf16 or fp16 (:data:`ACTIVATION_DTYPES`).
+    ``dtype``: q's and k's, bf16 or fp16 (:data:`cute_kda.validation.ACTIVATION_DTYPES`).
     """
 
     varlen: bool
@@ -69,7 +65,7 @@ class PrepareVariant:
 @dataclass(frozen=True)
 class RecurrenceVariant(SerialScan):
     """K2 (:class:`cute_kda.kernels.fwd_recurrence.FwdRecurrence`): the state dtypes in and out (None: no such
-    state), ``dtype``: v's and o's (bf16 or fp16), ``checkpoints``: the training forward's variant that keeps the
+    state; fp16 ones not beside fp32), ``dtype``: v's and o's (bf16 or fp16), ``checkpoints``: the training forward's variant that keeps the
     state entering every tile;
     ``state_pool``: the states are one pool read and written by slot id (both dtypes the pool's), with
     ``prefix_checkpoint_every`` (tokens, a multiple of 64; 0: none) its prefix checkpoints into pool slots."""

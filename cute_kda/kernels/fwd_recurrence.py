@@ -133,7 +133,8 @@ class FwdRecurrence(BandScan):
     ``vsplit`` ∈ {1, 2, 4}: CTAs per (sequence, head), each owning ``128 / vsplit`` value columns.
     ``initial_state`` / ``final_state``: None, ``cutlass.BFloat16``, ``cutlass.Float32`` or ``cutlass.Float16``
     (the dtype of the ``[N, H, V, K]`` state tensors; an fp16 state is staged as an fp32 one, widened on load and
-    rounded to fp16 on store, and does not meet an fp32 one in a variant). ``varlen``: sequences packed along T with ``cu_seqlens``.
+    rounded to fp16 on store, and does not meet an fp32 one in a variant). ``varlen``: sequences packed along T
+    with ``cu_seqlens``.
     ``checkpoints``: the training variant, which also keeps ``S = bf16(S32)`` entering every block of
     ``checkpoint_every`` global tiles (default :data:`~cute_kda.workspace.SNAPSHOT_TILES`; and each
     sequence's first tile) for the backward, ``[H · slots, D, D]`` bf16 state images

@@ -97,9 +97,9 @@ def recurrence(
 ) -> None:
     """Run K2: ``out`` (valid rows only) and, when given, ``final_state``, from v and the K1 workspace.
 
-    v, out: bf16 or fp16 (both the same) ``[B, T, H, 128]``; ws: the :class:`~cute_kda.workspace.Workspace` of these
-    sequences; initial_state / final_state: None or bf16 / fp32 ``[N, H, V, K]`` (the dtype of each
-    selects the variant; the state is fp32 between tiles). ``cu_seqlens`` int64 ``[N+1]`` with B == 1
+    v, out: bf16 or fp16 (both the same) ``[B, T, H, 128]``; ws: the :class:`~cute_kda.workspace.Workspace` of
+    these sequences; initial_state / final_state: None or bf16 / fp32 / fp16 ``[N, H, V, K]`` (fp16 not beside
+    fp32; the dtype of each selects the variant; the state is fp32 between tiles). ``cu_seqlens`` int64 ``[N+1]`` with B == 1
     packs N sequences; ``tile_base`` int32 ``[N+1]`` (prefix sums of ``ceil(len / 16)``) is derived
     from it when not given. ``vsplit`` None: :meth:`~cute_kda.variants.RecurrenceVariant.choose_vsplit`. ``checkpoints``: None, or bf16
     ``[H · slots, D, D]`` state images (:func:`cute_kda.workspace.block_states_shape`) for the training forward, which

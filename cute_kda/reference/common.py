@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..numerics import EPS, LOG2E, f32, gate_constant
+from ..validation import ACTIVATION_DTYPES
 from ..workspace import CHUNK, Workspace, snapshot_slots, tile_bases_of, tiles_per_head
 from .gold import STATE_LAYOUTS
 
@@ -344,9 +345,6 @@ def workspace_of_tiles(fields: dict[str, torch.Tensor], tiles: TileMap) -> Works
         value = value.masked_fill(missing.reshape(1, count, *([1] * (value.dim() - 2))), math.nan)
         out[name] = value.reshape(heads * count, *value.shape[2:]).contiguous()
     return Workspace(**out)
-
-
-ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)  # the token tensors the kernels read (fp16 widened exactly)
 
 
 def check_activations(**tensors: torch.Tensor) -> torch.dtype:

@@ -190,8 +190,8 @@ class TokenPrep:
         returns ``G_15``. K1 runs it to fill the workspace and Kernel B to recompute it, with the same instructions
         in the same order; ``sink`` says where each value goes (the two kernels keep different buffers).
 
-        ``sink`` reads ``k(row)``, ``q(row)`` (raw bf16 or fp16), ``k_scale(row)`` (1/‖k‖, under l2norm), ``q_scale(row)``
-        (1/‖q‖ · scale) and takes, in this order:
+        ``sink`` reads ``k(row)``, ``q(row)`` (raw bf16 or fp16), ``k_scale(row)`` (1/‖k‖, under l2norm),
+        ``q_scale(row)`` (1/‖q‖ · scale) and takes, in this order:
 
         1. rows last to first: ``suffix(row, kh, growth)``, ``growth = 2^(G_15 − G_row)`` (for ``kr``);
         2. rows first to last: ``prefix(row, qh, kh, decay)``, ``decay = 2^G_row`` (for ``qd``, ``kd``);
