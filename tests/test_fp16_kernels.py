@@ -192,6 +192,31 @@ def test_warmup_lists_the_fp16_forward_variants():
     assert not any(v.checkpoints and v.dtype == fp16 for v in both if isinstance(v, RecurrenceVariant))
 
 
+def _fla_fp16_cases() -> list[str]:
+    from test_fla_grid import CASES
+
+    return sorted(name for name, case in CASES.items()
+                  if case.dtype == torch.float16 and case.dim == D and not case.neg_eigval)
+
+
+@pytest.mark.parametrize("name", _fla_fp16_cases())
+def test_flas_fp16_chunk_cases_run_on_the_kernels_as_inference(monkeypatch, name):
+    """FLA's own fp16 chunk tests (K = V = 128), called without autograd, are taken by the FLA backends (no silent
+    fallback) — but for a raw gate in fp32 beside fp16 activations, refused by name (FLA computes it)."""
+    from cute_kda import fla_backend
+    from test_fla_grid import CASES, fla_arguments
+
+    monkeypatch.setattr(fla_backend, "_device_reason", lambda q: None)
+    case = CASES[name]
+    verify = fla_backend.verify if case.op == "kda" else fla_backend.verify_gdn
+    with torch.no_grad():
+        accepted, reason = verify(**fla_arguments(case))
+    if case.gate_in_kernel and case.g_dtype == torch.float32:
+        assert not accepted and "g must be float16, got float32" in reason, reason
+    else:
+        assert (accepted, reason) == (True, None)
+
+
 # ---------------------------------------------------------------- GPU: against the mirror and the gold
 
 
