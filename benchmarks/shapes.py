@@ -55,8 +55,8 @@ def make_inputs(shape: Shape, device: torch.device, seed: int = 0, dtype: torch.
     """FlashKDA-style inputs: raw q, k, gate and beta logits (all activations in-kernel), fp32 v-first state.
 
     Keys: q, k, v, g ``[B, T, H, D]`` and beta ``[B, T, H]`` in ``dtype`` (bf16, or fp16 as FLA's tests pass it: the
-    same draws rounded to fp16; cute_kda rounds an fp16 β to bf16 where the call enters), A_log ``[H]`` and dt_bias ``[H, D]`` fp32, initial_state ``[N, H, D, D]`` fp32, cu_seqlens
-    int64 ``[N + 1]`` or None.
+    same draws rounded to fp16; cute_kda rounds an fp16 β to bf16 where the call enters), A_log ``[H]`` and
+    dt_bias ``[H, D]`` fp32, initial_state ``[N, H, D, D]`` fp32, cu_seqlens int64 ``[N + 1]`` or None.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     b, t, h = shape.batch, shape.seq_len, shape.heads

@@ -3,10 +3,11 @@
 Error types: ``TypeError`` for a wrong dtype or a non-tensor, ``ValueError`` for a wrong shape,
 device, layout or value, ``NotImplementedError`` for a size or feature the kernels do not cover
 (head dims other than 128; on the training path, caller buffers). A float dtype FLA computes and the kernels do not
-(fp32 q, k, v or raw gate; tensors of a call that mix bf16 and fp16; fp16 on the training path; an fp16 state) raises
+(fp32 q, k, v or raw gate; bf16 and fp16 mixed in a call; fp16 on the training path; an fp16 state with bf16 inputs) raises
 :class:`UnsupportedDtypeError`, both a ``NotImplementedError`` and a ``TypeError``. q, k, v, a raw gate and ``out``
-are bf16, or all fp16 (inference: the forward kernels widen fp16 where they widen bf16, o is fp16). β, ``A_log`` and ``dt_bias`` in another float dtype are converted where a
-call enters instead (:func:`cast_beta`, :func:`cast_gate_parameters`).
+are bf16, or all fp16 (inference: the forward kernels widen fp16 where they widen bf16, o is fp16). β, ``A_log``
+and ``dt_bias`` in another float dtype are converted where a call enters instead (:func:`cast_beta`,
+:func:`cast_gate_parameters`).
 
 No check here synchronises the host with the device. ``cu_seqlens`` *values* (starts at 0, ends at
 T, never decreases) are read only when the tensor lives on the CPU, or when the debug switch

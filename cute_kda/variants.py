@@ -65,8 +65,8 @@ class PrepareVariant:
 @dataclass(frozen=True)
 class RecurrenceVariant(SerialScan):
     """K2 (:class:`cute_kda.kernels.fwd_recurrence.FwdRecurrence`): the state dtypes in and out (None: no such
-    state; fp16 ones not beside fp32), ``dtype``: v's and o's (bf16 or fp16), ``checkpoints``: the training forward's variant that keeps the
-    state entering every tile;
+    state; fp16 ones not beside fp32), ``dtype``: v's and o's (bf16 or fp16), ``checkpoints``: the training
+    forward's variant that keeps the state entering every tile;
     ``state_pool``: the states are one pool read and written by slot id (both dtypes the pool's), with
     ``prefix_checkpoint_every`` (tokens, a multiple of 64; 0: none) its prefix checkpoints into pool slots."""
 

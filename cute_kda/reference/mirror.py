@@ -19,8 +19,8 @@ import torch
 
 from ..workspace import CHUNK, SNAPSHOT_TILES, Workspace, WorkspaceSpec, allocate_workspace, snapshot_slots
 from .common import (
-    Constants, TileMap, check_activations, ex2_approx, l2norm_rinv, mma, neumann_inverse, sigmoid_approx, scan_shape, state_in,
-    to_tiles, token_tile_map,
+    Constants, TileMap, check_activations, ex2_approx, l2norm_rinv, mma, neumann_inverse, sigmoid_approx, scan_shape,
+    state_in, to_tiles, token_tile_map,
 )
 from .gates import mirror_prepare_gates
 from .gold import expand_to_value_heads, value_head_group
@@ -115,9 +115,9 @@ def mirror_prepare(
     """K1 of docs/numerics.md for the safe gate: the workspace the prepare kernel writes.
 
     q, k bf16 or fp16 ``[B, T, H, D]`` (fp16 widened exactly, as bf16); g (raw gate input) ``[B, T, HV, D]`` and
-    beta ``[B, T, HV]`` in q's dtype or bf16 (fp32 is taken as is); A_log fp32 ``[HV]``; dt_bias fp32 ``[HV, D]`` or ``[HV*D]``; safe gate
-    ``lower_bound · sigmoid(exp(A_log) · (g + dt_bias))``. HV (value heads) a multiple of H: value head ``j``
-    reads q/k head ``j // (HV / H)``. ``cu_seqlens`` int ``[N+1]`` (B == 1) packs N sequences. D must be
+    beta ``[B, T, HV]`` in q's dtype or bf16 (fp32 is taken as is); A_log fp32 ``[HV]``; dt_bias fp32 ``[HV, D]``
+    or ``[HV*D]``; safe gate ``lower_bound · sigmoid(exp(A_log) · (g + dt_bias))``. HV (value heads) a multiple
+    of H: value head ``j`` reads q/k head ``j // (HV / H)``. ``cu_seqlens`` int ``[N+1]`` (B == 1) packs N sequences. D must be
     8·2^m (128 for the kernels).
 
     Returns a :class:`~cute_kda.workspace.Workspace` with ``tiles = tiles_per_head(B·T, N, varlen)``
@@ -165,8 +165,8 @@ def mirror_recurrence(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """K2 of docs/numerics.md over the workspace ``ws`` (from K1 or :func:`mirror_prepare`).
 
-    v bf16 or fp16 ``[B, T, H, V]`` (V == D; o in v's dtype); ``initial_state`` None, bf16, fp16 or fp32, ``[N, H, V, K]``
-    (``state_layout="vk"``, the kernels' layout) or ``[N, H, K, V]`` (``"kv"``). The state is fp32
+    v bf16 or fp16 ``[B, T, H, V]`` (V == D; o in v's dtype); ``initial_state`` None, bf16, fp16 or fp32,
+    ``[N, H, V, K]`` (``state_layout="vk"``, the kernels' layout) or ``[N, H, K, V]`` (``"kv"``). The state is fp32
     between tiles (``S32``); the products read its bf16 rounding ``S``. Returns o ``[B, T, H, V]`` in v's dtype
     and, when ``output_final_state``, the final state in ``state_dtype`` (bf16: ``S``; fp32: ``S32``; fp16:
     ``f16(S32)``)

@@ -57,7 +57,8 @@ class PerHeadPrepare(PrepareKernel):
         cute.arch.sync_threads()
         ws.gt[slot, tidx] = s_prefix[CHUNK - 1]
         cute.arch.mbarrier_wait(tma_barrier, 0)
-        self.decay_per_row(q_in, k_in, s_q, s_k, s_kr, s_q_hat, s_k_hat, s_prefix, s_suffix, scalars.scale, valid_rows, tidx)
+        self.decay_per_row(q_in, k_in, s_q, s_k, s_kr, s_q_hat, s_k_hat, s_prefix, s_suffix, scalars.scale, valid_rows,
+                           tidx)
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes → TMA store reads
         cute.arch.sync_threads()
 
