@@ -42,3 +42,20 @@ def test_fp16_inputs_through_bf16_stay_within_flas_tolerance(gate, value_heads):
     o_fp16, state_fp16 = measured["fp16"]
     assert o_fp16 < FLA_TOLERANCE and state_fp16 < FLA_TOLERANCE, measured
     assert o_fp16 < 0.9 * o, measured  # no rounding of the inputs, o's final rounding 8× finer
+
+
+FLA_GRADIENT_TOLERANCE = {"dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "dbeta": 2e-2}
+
+
+@pytest.mark.parametrize("gate, value_heads", [("softplus", 2), ("head", 4)])
+def test_training_through_bf16_stays_within_flas_gradient_tolerances(gate, value_heads):
+    """The bound behind docs/numerics.md's backward paragraph: fp16 inputs and dO rounded to bf16, the bf16 mirror of
+    the whole backward, against the fp64 gold gradients on the fp16 values; the rounding alone is part of it."""
+    script = _script()
+    case = script.Case(f"{gate} T256", 256, 2, value_heads, gate, 0.1, torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        measured = script.measure_backward(case, seed=1)
+    for name, (through_bf16, rounding, _) in measured.items():
+        assert through_bf16 < FLA_GRADIENT_TOLERANCE[name], (name, measured)
+        assert 0.3 * through_bf16 < rounding < through_bf16, (name, measured)
