@@ -294,7 +294,7 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, total_tokens: int, name: s
             raise ValueError(f"{name} must not decrease, but {name}[{i + 1}] = {b} < {name}[{i}] = {a}")
 
 
-def check_state(name: str, state: torch.Tensor, problem: ProblemShape, device: torch.device,
+def check_state(name: str, state: torch.Tensor, problem: ProblemShape, device: torch.device, *,
                 dtype: torch.dtype = torch.bfloat16) -> None:
     """A recurrent state: bf16 or fp32 ``[N, H, V, K]`` (v-first), contiguous, on q's device; fp16 too when the
     activations (``dtype``, q's) are fp16 (an inference call: K2 widens it on load and rounds to it on store)."""
@@ -510,9 +510,9 @@ def validate_forward(
     problem = ProblemShape(batch, seq_len, heads, key_dim, num_seqs, varlen)
 
     if initial_state is not None:
-        check_state("initial_state", initial_state, problem, device, dtype)
+        check_state("initial_state", initial_state, problem, device, dtype=dtype)
     if final_state is not None:
-        check_state("final_state", final_state, problem, device, dtype)
+        check_state("final_state", final_state, problem, device, dtype=dtype)
         check_state_pair(initial_state, final_state)
     if out is not None:
         _check_activation("out", out, (batch, seq_len, heads, key_dim), "[B, T, HV, V]", device, dtype)
