@@ -11,6 +11,7 @@ installed are skipped with a message.
 
     python benchmarks/bench_fwd.py                       # all shapes
     python benchmarks/bench_fwd.py --shapes B1_T8192_H96,B1_T32768_H16 --out /tmp/fwd.md
+    python benchmarks/bench_fwd.py --dtype fp16 --shapes B1_T8192_H96   # q, k, v, g, β in fp16 (o fp16)
 """
 
 from __future__ import annotations
@@ -77,8 +78,12 @@ def peers(inputs: dict) -> dict[str, Callable[[], tuple[torch.Tensor, torch.Tens
     return runs
 
 
-def bench_shape(name: str, shape: Shape, device: torch.device, warmup: int, rep: int) -> dict:
-    inputs = make_inputs(shape, device)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def bench_shape(name: str, shape: Shape, device: torch.device, warmup: int, rep: int,
+                dtype: torch.dtype = torch.bfloat16) -> dict:
+    inputs = make_inputs(shape, device, dtype=dtype)
     runs = peers(inputs)
     row = {"shape": name, "ms": {}, "err": {}, "flashkda_design_ms": shape.flashkda_ms}
     with torch.inference_mode():
@@ -115,9 +120,9 @@ def markdown(rows: list[dict], peers_seen: list[str]) -> str:
     return markdown_table(head, table)
 
 
-def header() -> str:
-    return (f"{environment('cutlass', 'fla', 'triton')} · D={D}, fp32 state in/out (v-first), "
-            f"lower_bound={LOWER_BOUND}; ratios > 1 mean cute_kda is faster")
+def header(dtype: str = "bf16") -> str:
+    return (f"{environment('cutlass', 'fla', 'triton')} · D={D}, {dtype} q, k, v, g and o, fp32 state in/out "
+            f"(v-first), lower_bound={LOWER_BOUND}; ratios > 1 mean cute_kda is faster")
 
 
 def draw_chart(rows: list[dict], path: str) -> bool:
@@ -156,6 +161,8 @@ def default_out() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, SHAPES)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                        help="q, k, v, g (and o) dtype; fp16 runs the kernels' fp16 variants (default bf16)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_fwd needs a CUDA GPU (Hopper)")
@@ -165,9 +172,9 @@ def main() -> None:
     device = torch.device("cuda")
     rows: list[dict] = []
     for name in args.shapes:
-        rows.append(bench_shape(name, SHAPES[name], device, args.warmup, args.rep))
+        rows.append(bench_shape(name, SHAPES[name], device, args.warmup, args.rep, DTYPES[args.dtype]))
         seen = list(dict.fromkeys(p for row in rows for p in row["ms"]))
-        table = f"{header()}\n\n{markdown(rows, seen)}\n"
+        table = f"{header(args.dtype)}\n\n{markdown(rows, seen)}\n"
         with open(out, "w") as f:  # after every shape: a run cut short keeps what it measured
             f.write(table)
     publish(table, out)

@@ -51,11 +51,12 @@ KIMI_SHAPES = {
 }
 
 
-def make_inputs(shape: Shape, device: torch.device, seed: int = 0) -> dict:
+def make_inputs(shape: Shape, device: torch.device, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict:
     """FlashKDA-style inputs: raw q, k, gate and beta logits (all activations in-kernel), fp32 v-first state.
 
-    Keys: q, k, v, g ``[B, T, H, D]`` bf16, beta ``[B, T, H]`` bf16, A_log ``[H]`` and dt_bias ``[H, D]``
-    fp32, initial_state ``[N, H, D, D]`` fp32, cu_seqlens int64 ``[N + 1]`` or None.
+    Keys: q, k, v, g ``[B, T, H, D]`` and beta ``[B, T, H]`` in ``dtype`` (bf16, or fp16 as FLA's tests pass it: the
+    same draws rounded to fp16; cute_kda rounds an fp16 β to bf16 where the call enters), A_log ``[H]`` and
+    dt_bias ``[H, D]`` fp32, initial_state ``[N, H, D, D]`` fp32, cu_seqlens int64 ``[N + 1]`` or None.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     b, t, h = shape.batch, shape.seq_len, shape.heads
@@ -64,7 +65,8 @@ def make_inputs(shape: Shape, device: torch.device, seed: int = 0) -> dict:
         return torch.randn(*size, generator=gen, device=device).to(dtype)
 
     inputs = dict(
-        q=randn(b, t, h, D), k=randn(b, t, h, D), v=randn(b, t, h, D), g=randn(b, t, h, D), beta=randn(b, t, h),
+        q=randn(b, t, h, D, dtype=dtype), k=randn(b, t, h, D, dtype=dtype), v=randn(b, t, h, D, dtype=dtype),
+        g=randn(b, t, h, D, dtype=dtype), beta=randn(b, t, h, dtype=dtype),
         A_log=torch.rand(h, generator=gen, device=device), dt_bias=torch.rand(h, D, generator=gen, device=device),
         initial_state=0.1 * randn(len(shape.lengths), h, D, D, dtype=torch.float32),
         cu_seqlens=None,

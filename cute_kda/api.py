@@ -62,13 +62,15 @@ def kda_forward(
     """KDA forward (docs/design.md §1) with the in-kernel gate, on a Hopper GPU.
 
     Inputs (any DLPack tensors on one CUDA device, contiguous, 16-byte aligned):
-      q, k   bf16 ``[B, T, H, K]``; l2-normalised per token inside when ``qk_l2norm``.
-      v      bf16 ``[B, T, H, V]``.
+      q, k   bf16 ``[B, T, H, K]``; l2-normalised per token inside when ``qk_l2norm``. fp16 q, k, v, a raw g
+             and ``out`` (all of them: a mix is refused) run the forward kernels on fp16 (widened on load, o
+             in fp16; inference only: docs/numerics.md, "fp16 inputs").
+      v      bf16 ``[B, T, H, V]`` (q's dtype).
       g      ``[B, T, H, K]``, the gate; the per-channel log decay it gives depends on ``gate``:
-               ``"safe"`` (default)  bf16 raw gate, ``lower_bound · sigmoid(exp(A_log[h]) · (g + dt_bias[h]))``;
-               ``"softplus"``  bf16 raw gate, ``−exp(A_log[h]) · softplus(g + dt_bias[h])`` (Kimi-Linear's
+               ``"safe"`` (default)  raw gate (q's dtype), ``lower_bound · sigmoid(exp(A_log[h]) · (g + dt_bias[h]))``;
+               ``"softplus"``  raw gate in q's dtype, ``−exp(A_log[h]) · softplus(g + dt_bias[h])`` (Kimi-Linear's
                           gate, unbounded below);
-               ``"none"``  bf16 or fp32, the log decay itself (any value ≤ 0; −1000 masks a channel).
+               ``"none"``  q's dtype or fp32, the log decay itself (any value ≤ 0; −1000 masks a channel).
       beta   bf16 ``[B, T, H]``: logits (``beta_logits=True``, sigmoid inside) or β itself; fp16 or fp32 is
              rounded to bf16 on entry (one small cast on the stream; docs/numerics.md, "fp16 inputs").
       A_log  fp32 ``[H]``;  dt_bias fp32 ``[H, K]`` (gates "safe" and "softplus"; None with "none"); bf16 or
@@ -79,10 +81,10 @@ def kda_forward(
              to int64 on the device (one small kernel, no sync). On the GPU it is
              trusted (its length gives N; set ``CUTE_KDA_DEBUG_CHECKS=1`` to check its values, a
              sync); on the CPU its values are checked and it is copied over asynchronously.
-      initial_state  bf16 or fp32 ``[N, H, V, K]`` (v-first: ``state[n, h, v, k]``), N = B without
-             cu_seqlens; None means zero.
+      initial_state  bf16 or fp32 ``[N, H, V, K]`` (v-first: ``state[n, h, v, k]``; fp16 too with fp16 inputs,
+             not beside an fp32 final state), N = B without cu_seqlens; None means zero.
     Outputs:
-      out    bf16 ``[B, T, H, V]``; written into ``out`` when given.
+      out    ``[B, T, H, V]`` in q's dtype; written into ``out`` when given.
       final_state  ``[N, H, V, K]``, written into ``final_state`` when given (then returned even
              without ``output_final_state``), else allocated when ``output_final_state`` with the
              dtype of ``initial_state`` (fp32 without one); None otherwise.
@@ -100,9 +102,10 @@ def kda_forward(
     Slot ids are not read on the host; ``CUTE_KDA_DEBUG_CHECKS=1`` checks that they lie in [−1, slots) and that no
     slot appears twice across ``state_indices`` and ``checkpoint_indices`` (a sync). Pool calls are never split into
     segments and are not traced by ``torch.compile`` (``NotImplementedError``).
-    K = V = 128; other head dims, and q, k, v or a raw gate in fp16 or fp32 (an fp16 state), raise
-    ``NotImplementedError`` naming the argument (:class:`cute_kda.validation.UnsupportedDtypeError` for a dtype, also
-    a ``TypeError``). ``vsplit`` (1, 2, 4 or None = heuristic): K2 CTAs per (sequence, head). ``segments``
+    K = V = 128; other head dims, and q, k, v or a raw gate in fp32, bf16 and fp16 mixed, fp16 inputs that require
+    grad (an fp16 state with bf16 inputs), raise ``NotImplementedError`` naming the argument
+    (:class:`cute_kda.validation.UnsupportedDtypeError` for a dtype, also a ``TypeError``). ``vsplit`` (1, 2, 4 or
+    None = heuristic): K2 CTAs per (sequence, head). ``segments``
     (context parallelism, :mod:`cute_kda.context_parallel`): None lets a fixed-length call with few (sequence,
     head) pairs and long sequences cut each sequence into segments of whole tiles that the serial scans run side
     by side (the forward's K2 then runs three passes, the backward's Kernel A two; results differ from the unsplit
@@ -212,15 +215,16 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     ``A_log`` ``[H]`` and ``dt_bias`` ``[H*K]`` or ``[H, K]``; ``initial_state`` fp32
     ``[N, H, K, V]`` (``[N, H, V, K]`` with ``state_v_first=True`` or the deprecated
     ``transpose_state_layout=True``); ``cu_seqlens`` int32 or int64 ``[N+1]`` with B == 1. Returns
-    (o bf16 ``[B, T, H, V]``, final state fp32 in the caller's layout or None).
+    (o ``[B, T, H, V]`` in q's dtype, final state fp32 in the caller's layout or None).
 
-    Supported: K = V = 128, bf16 q/k/v, beta bf16 (fp16 or fp32 rounded to bf16 on entry, a small cast; FLA's
+    Supported: K = V = 128, bf16 q/k/v (fp16 for inference: o in fp16), beta bf16 (fp16 or fp32 rounded to bf16 on entry, a small cast; FLA's
     tests pass such betas); the gate as FLA has it: ``use_gate_in_kernel=True`` with
     ``lower_bound`` in [-5, 0) (the bounded gate) or without (the softplus gate of Kimi-Linear), both with
-    a bf16 raw g, or ``use_gate_in_kernel=False`` (g the log decay, bf16 or fp32);
+    a raw g in q's dtype, or ``use_gate_in_kernel=False`` (g the log decay, q's dtype or fp32);
     ``use_qk_l2norm_in_kernel`` and ``use_beta_sigmoid_in_kernel`` on or off. Every gate trains (grouped
     value heads with the bounded gate do not: ``NotImplementedError`` when inputs require grad).
-    Other sizes, fp16 / fp32 q, k, v or raw g, and other combinations raise ``NotImplementedError`` naming the
+    Other sizes, fp32 q, k, v or raw g, fp16 with inputs that require grad, and other combinations raise
+    ``NotImplementedError`` naming the
     argument or flag (see
     :func:`cute_kda.fla_calls.translate_fla_call`). FLA's default ``[N, H, K, V]`` state costs a transpose copy each way;
     ``state_v_first=True`` avoids it. Takes DLPack tensors like :func:`kda_forward` and answers in
@@ -270,15 +274,16 @@ def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     """Drop-in for ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (fla-core 0.6.0 signature), forward and
     backward.
 
-    Shapes as in FLA: q, k bf16 ``[B, T, H, K]``; v bf16 ``[B, T, HV, V]``, HV a multiple of H (value head
-    ``j`` reads q/k head ``j // (HV / H)``); g ``[B, T, HV]``: the log decay (bf16 or fp32, FLA's default
-    ``use_gate_in_kernel=False``) or with ``use_gate_in_kernel=True`` the raw bf16 input of
+    Shapes as in FLA: q, k bf16 ``[B, T, H, K]`` (fp16 for inference); v ``[B, T, HV, V]`` in q's dtype, HV a
+    multiple of H (value head ``j`` reads q/k head ``j // (HV / H)``); g ``[B, T, HV]``: the log decay (q's dtype or
+    fp32, FLA's default ``use_gate_in_kernel=False``) or with ``use_gate_in_kernel=True`` the raw input (q's dtype) of
     ``−exp(A_log) · softplus(g + dt_bias)`` (keywords ``A_log`` ``[HV]``, ``dt_bias`` ``[HV]`` or None);
     beta bf16 ``[B, T, HV]`` (logits with ``use_beta_sigmoid_in_kernel``; fp16 or fp32, as FLA's tests pass it, is
     rounded to bf16 on entry); ``initial_state`` fp32 or bf16 (fp16 widened to fp32 on entry)
     ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); ``cu_seqlens`` int32 or int64 ``[N+1]`` with B = 1.
-    K = V = 128: other head dims (``expand_v = 2`` too), fp16 / fp32 q, k, v, a raw g that is not bf16 and an fp16
-    log decay raise ``NotImplementedError`` naming the argument. Returns (o bf16 ``[B, T, HV, V]``, the final state fp32 in the caller's layout or None), in
+    K = V = 128: other head dims (``expand_v = 2`` too), fp32 q, k, v, a g of the other 16-bit dtype than q's and
+    fp16 inputs that require grad raise ``NotImplementedError`` naming the argument. Returns (o ``[B, T, HV, V]`` in
+    q's dtype, the final state fp32 in the caller's layout or None), in
     ``q``'s framework, computed by K1 (one decay per head on every channel, overflow-free for any gate value)
     and K2 on the current stream, with no host synchronisation.
 
@@ -351,6 +356,7 @@ def warmup_variants(
     segments: bool = True,
     state_pools: tuple[torch.dtype, ...] = (),
     checkpoint_every: tuple[int, ...] = (),
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
 ) -> list:
     """The variants :func:`warmup` compiles, in order, without duplicates. Pure: nothing is compiled, no device is
     needed.
@@ -365,7 +371,9 @@ def warmup_variants(
     (context parallelism, :mod:`cute_kda.context_parallel`; V-split 1): K2 on packed segments with fp32 states in and
     out, and with ``training`` its checkpoint variant and Kernel A's two passes. ``state_pools`` (bf16 and/or fp32):
     K2 of a prefill on a state pool of that dtype, for every V-split and ``varlen`` value, without prefix checkpoints
-    and with each of ``checkpoint_every`` (tokens: one variant per value).
+    and with each of ``checkpoint_every`` (tokens: one variant per value). ``dtypes``: the activations' dtypes (bf16
+    and / or fp16) the forward variants are listed for (an fp16 one's log decay in fp16 or fp32, its ``state_modes``
+    may hold fp16); the backward's only for bf16 (fp16 does not train).
     """
     from .layouts.bwd_grads import DEFAULT_WARPS
     from .numerics import SCAN_VSPLITS, SUPPORTED_VSPLITS
@@ -374,19 +382,24 @@ def warmup_variants(
         validation.check_gate(gate)
     k2_splits = SUPPORTED_VSPLITS if vsplits is None else vsplits
     scan_splits = SCAN_VSPLITS if vsplits is None else tuple(v for v in vsplits if v in SCAN_VSPLITS)
-    gate_forms = [(gate, dtype, False) for gate in gates
-                  for dtype in ((torch.bfloat16, torch.float32) if gate == "none" else (torch.bfloat16,))]
-    if gated_delta_rule:
-        gate_forms += [(gate, dtype, True) for gate, dtype, _ in gate_forms if gate != "safe"]
+
+    def gate_forms_of(dtype: torch.dtype) -> list:  # (gate, g dtype, per head)
+        forms = [(gate, g_dtype, False) for gate in gates
+                 for g_dtype in ((dtype, torch.float32) if gate == "none" else (dtype,))]
+        return forms + [(gate, g_dtype, True) for gate, g_dtype, _ in forms if gate != "safe" and gated_delta_rule]
+
+    gate_forms = gate_forms_of(torch.bfloat16)
     flags = [(l2, logits, packed) for l2 in qk_l2norm for logits in beta_logits for packed in varlen]
     variants: dict = {}  # ordered, without duplicates
-    for l2, logits, packed in flags:
+    for dtype, (l2, logits, packed) in itertools.product(dtypes, flags):
+        trains = training and dtype == torch.bfloat16
         for mode in state_modes:
             for split in k2_splits:
-                for gate, g_dtype, per_head in gate_forms:
-                    variants[PrepareVariant(packed, l2, logits, gate, g_dtype, per_head, per_head)] = None
-                for checkpoints in ((False, True) if training else (False,)):
-                    variants[RecurrenceVariant(split, mode, mode, packed, checkpoints)] = None
+                for gate, g_dtype, per_head in gate_forms_of(dtype):
+                    variants[PrepareVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, dtype)] = None
+                for checkpoints in ((False, True) if trains else (False,)):
+                    variants[RecurrenceVariant(split, mode, mode, packed, checkpoints, dtype=dtype)] = None
+    training = training and torch.bfloat16 in dtypes
     if training:  # Kernel A picks its own V-split (8 as well); Kernel B has no state flags
         for l2, logits, packed in flags:
             for mode in state_modes:
@@ -397,14 +410,16 @@ def warmup_variants(
                     variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, DEFAULT_WARPS)] = None
     if segments:  # a segmented call (context parallelism): varlen, V-split 1 (the heuristic's), fp32 states
         fp32 = torch.float32
-        for initial, final in ((None, fp32), (fp32, fp32), (fp32, None)):  # local pass, transition / real, no state
-            variants[RecurrenceVariant(1, initial, final, True)] = None
+        for dtype in dtypes:
+            for initial, final in ((None, fp32), (fp32, fp32), (fp32, None)):  # local pass, transition / real, none
+                variants[RecurrenceVariant(1, initial, final, True, dtype=dtype)] = None
         if training:
             for final in (fp32, None):
                 variants[RecurrenceVariant(1, fp32, final, True, True)] = None
             variants[ScanVariant(1, None, fp32, True, token_outputs=False)] = None
             for dh0 in (fp32, None):
                 variants[ScanVariant(1, fp32, dh0, True)] = None
-    for pool, packed, split, every in itertools.product(state_pools, varlen, k2_splits, (0, *checkpoint_every)):
-        variants[RecurrenceVariant(split, pool, pool, packed, False, True, every)] = None
+    for dtype, pool, packed, split, every in itertools.product(dtypes, state_pools, varlen, k2_splits,
+                                                               (0, *checkpoint_every)):
+        variants[RecurrenceVariant(split, pool, pool, packed, False, True, every, dtype)] = None
     return list(variants)

@@ -3,9 +3,11 @@
 Error types: ``TypeError`` for a wrong dtype or a non-tensor, ``ValueError`` for a wrong shape,
 device, layout or value, ``NotImplementedError`` for a size or feature the kernels do not cover
 (head dims other than 128; on the training path, caller buffers). A float dtype FLA computes and the kernels do not
-(fp16 or fp32 q, k, v, a raw gate; an fp16 state) raises :class:`UnsupportedDtypeError`, both a
-``NotImplementedError`` and a ``TypeError``. β, ``A_log`` and ``dt_bias`` in another float dtype are converted where a
-call enters instead (:func:`cast_beta`, :func:`cast_gate_parameters`).
+(fp32 q, k, v or raw gate; bf16 and fp16 mixed in a call; fp16 on the training path; an fp16 state with bf16 inputs) raises
+:class:`UnsupportedDtypeError`, both a ``NotImplementedError`` and a ``TypeError``. q, k, v, a raw gate and ``out``
+are bf16, or all fp16 (inference: the forward kernels widen fp16 where they widen bf16, o is fp16). β, ``A_log``
+and ``dt_bias`` in another float dtype are converted where a call enters instead (:func:`cast_beta`,
+:func:`cast_gate_parameters`).
 
 No check here synchronises the host with the device. ``cu_seqlens`` *values* (starts at 0, ends at
 T, never decreases) are read only when the tensor lives on the CPU, or when the debug switch
@@ -29,6 +31,7 @@ from .numerics import GATES, HEAD_DIM, SUPPORTED_HEAD_DIMS, SUPPORTED_VSPLITS
 
 LOWER_BOUND_MIN, LOWER_BOUND_MAX = -5.0, 0.0  # lower_bound must lie in [min, max)
 STATE_DTYPES = (torch.bfloat16, torch.float32)
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)  # q, k, v, a raw gate, out: one of these for all of them
 CU_SEQLENS_DTYPES = (torch.int32, torch.int64)  # int32 as FLA's unpadding builds it; widened to int64 for the kernels
 ALIGNMENT_BYTES = 16  # TMA and the DSL tensors assume 16-byte aligned base addresses
 DEBUG_ENV = "CUTE_KDA_DEBUG_CHECKS"
@@ -99,8 +102,9 @@ FLA_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the float d
 
 
 class UnsupportedDtypeError(NotImplementedError, TypeError):
-    """A float dtype FLA computes but the kernels do not (fp16 or fp32 activations, an fp16 state): not implemented,
-    so the FLA backends decline the call and FLA computes it; a ``TypeError`` too, as every other dtype error here."""
+    """A float dtype FLA computes but the kernels do not (fp32 activations, bf16 and fp16 mixed in one call, fp16 on
+    the training path, an fp16 state): not implemented, so the FLA backends decline the call and FLA computes it; a
+    ``TypeError`` too, as every other dtype error here."""
 
 
 def check_kernel_dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
@@ -216,16 +220,14 @@ def check_gate(gate: object) -> str:
     return gate
 
 
-_LOG_DECAY_DTYPES = (torch.bfloat16, torch.float32)  # gate "none": g is the log decay, bf16 or fp32
-
-
 def check_gate_inputs(gate: str, g: object, A_log: object, dt_bias: object, shape: tuple[int, ...],
-                      device: torch.device) -> bool:
-    """g, A_log and dt_bias for ``gate``; returns whether the gate is per head. ``shape`` = ``[B, T, HV, K]``.
+                      device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """g, A_log and dt_bias for ``gate``; returns whether the gate is per head. ``shape`` = ``[B, T, HV, K]``;
+    ``dtype``: the call's activations' (q's).
 
     g is ``[B, T, HV, K]`` (per channel) or, with the unbounded gates, ``[B, T, HV]`` (one decay per value
-    head, GatedDeltaNet's): a raw bf16 gate with fp32 ``A_log [HV]`` and ``dt_bias [HV, K]`` (``[HV]`` per
-    head) for "safe" and "softplus", or the log decay itself, bf16 or fp32, with neither for "none".
+    head, GatedDeltaNet's): a raw gate in ``dtype`` with fp32 ``A_log [HV]`` and ``dt_bias [HV, K]`` (``[HV]`` per
+    head) for "safe" and "softplus", or the log decay itself, in ``dtype`` or fp32, with neither for "none".
     """
     batch, seq_len, heads, key_dim = shape
     per_head = isinstance(g, torch.Tensor) and g.dim() == 3 and gate != "safe"
@@ -236,12 +238,13 @@ def check_gate_inputs(gate: str, g: object, A_log: object, dt_bias: object, shap
         )
     g_shape, g_meaning = ((batch, seq_len, heads), "[B, T, HV]") if per_head else (shape, "[B, T, HV, K]")
     if gate == "none":
-        _check_tensor("g", g, _LOG_DECAY_DTYPES, g_shape, f"{g_meaning} (the log decay)", device, aligned=True)
+        _check_tensor("g", g, (dtype, torch.float32), g_shape, f"{g_meaning} (the log decay)", device, aligned=True,
+                      like_q=True)
         given = [name for name, value in (("A_log", A_log), ("dt_bias", dt_bias)) if value is not None]
         if given:
             raise ValueError(f"gate='none' takes g as the log decay itself: pass {' and '.join(given)}=None")
         return per_head
-    _check_activation("g", g, g_shape, g_meaning, device)
+    _check_activation("g", g, g_shape, g_meaning, device, dtype)
     for name, value in (("A_log", A_log), ("dt_bias", dt_bias)):
         if value is None:
             raise TypeError(f"gate={gate!r} needs {name} (an fp32 tensor); pass zeros for no {name}")
@@ -291,11 +294,23 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, total_tokens: int, name: s
             raise ValueError(f"{name} must not decrease, but {name}[{i + 1}] = {b} < {name}[{i}] = {a}")
 
 
-def check_state(name: str, state: torch.Tensor, problem: ProblemShape, device: torch.device) -> None:
-    """A recurrent state: bf16 or fp32 ``[N, H, V, K]`` (v-first), contiguous, on q's device."""
+def check_state(name: str, state: torch.Tensor, problem: ProblemShape, device: torch.device, *,
+                dtype: torch.dtype = torch.bfloat16) -> None:
+    """A recurrent state: bf16 or fp32 ``[N, H, V, K]`` (v-first), contiguous, on q's device; fp16 too when the
+    activations (``dtype``, q's) are fp16 (an inference call: K2 widens it on load and rounds to it on store)."""
     d = problem.head_dim
-    _check_tensor(name, state, STATE_DTYPES, (problem.num_seqs, problem.heads, d, d), "[N, H, V, K]", device,
-                  aligned=True)
+    allowed = STATE_DTYPES + (torch.float16,) if dtype == torch.float16 else STATE_DTYPES
+    _check_tensor(name, state, allowed, (problem.num_seqs, problem.heads, d, d), "[N, H, V, K]", device, aligned=True)
+
+
+def check_state_pair(initial_state: torch.Tensor | None, final_state: torch.Tensor | None) -> None:
+    """An fp16 state and an fp32 one do not meet in a call (K2 stages either through one buffer): refused by name."""
+    if initial_state is None or final_state is None:
+        return
+    if {initial_state.dtype, final_state.dtype} == {torch.float16, torch.float32}:
+        got, other = (str(t.dtype).replace("torch.", "") for t in (final_state, initial_state))
+        raise UnsupportedDtypeError(f"final_state is {got} but initial_state is {other}: fp16 and fp32 states in one "
+                                    f"call are not implemented; pass final_state in {other} (or bf16)")
 
 
 def needs_autograd(*tensors: object) -> bool:
@@ -319,9 +334,16 @@ def check_training_size(tensor: torch.Tensor, name: str = "q") -> None:
 
 
 def check_trainable(gate: str, q: torch.Tensor, v: torch.Tensor) -> None:
-    """Refuse a training call the backward kernels do not cover: grouped value heads with the safe gate (its Kernel
-    B writes dq, dk per q/k head). What trains: the safe gate with HV = H, and the unbounded gates ("softplus",
-    "none") per channel or per head (GatedDeltaNet), grouped value heads included."""
+    """Refuse a training call the backward kernels do not cover: fp16 activations (the backward kernels read and
+    write bf16; :class:`UnsupportedDtypeError`), grouped value heads with the safe gate (its Kernel B writes dq, dk
+    per q/k head). What trains: bf16, the safe gate with HV = H, and the unbounded gates ("softplus", "none") per
+    channel or per head (GatedDeltaNet), grouped value heads included."""
+    if isinstance(q, torch.Tensor) and q.dtype == torch.float16:
+        raise UnsupportedDtypeError(
+            "q is float16 on the training path: fp16 inputs run the forward only (the backward kernels take bf16, not "
+            "implemented for float16); run the call under torch.no_grad() / torch.inference_mode(), cast q, k, v and "
+            "g to bfloat16 to train, or let FLA compute the call"
+        )
     if gate == "safe" and v.dim() == 4 and v.shape[2] != q.shape[2]:
         raise NotImplementedError(
             "grouped value heads (HV != H) with the safe gate have no backward yet (the unbounded gates train with "
@@ -360,12 +382,15 @@ def _all_fit(tensors: tuple, dtypes: tuple[torch.dtype, ...], shape: tuple[int, 
 
 
 def _check_tensor(name: str, tensor: object, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...], meaning: str,
-                  device: torch.device, *, aligned: bool) -> None:
+                  device: torch.device, *, aligned: bool, like_q: bool = False) -> None:
     """A tensor of one of ``dtypes`` with ``shape``, C-contiguous, on ``device`` and, when ``aligned``, on a
-    16-byte boundary."""
+    16-byte boundary. ``like_q``: ``dtypes[0]`` is q's activation dtype, and the other one of
+    :data:`ACTIVATION_DTYPES` is refused as a mix (:func:`check_activation_dtype`)."""
     if _fits(tensor, dtypes, shape, device, aligned):
         return  # the common case in one test; otherwise the checks below name what is wrong
     t = check_is_tensor(name, tensor)
+    if like_q:
+        check_activation_dtype(name, t, dtypes[0])
     check_kernel_dtype(name, t, dtypes)
     check_shape(name, t, shape, meaning)
     check_contiguous(name, t)
@@ -374,8 +399,19 @@ def _check_tensor(name: str, tensor: object, dtypes: tuple[torch.dtype, ...], sh
         check_aligned(name, t)
 
 
-def _check_activation(name: str, tensor: object, shape: tuple[int, ...], meaning: str, device: torch.device) -> None:
-    _check_tensor(name, tensor, _BF16, shape, meaning, device, aligned=True)
+def _check_activation(name: str, tensor: object, shape: tuple[int, ...], meaning: str, device: torch.device,
+                      dtype: torch.dtype = torch.bfloat16) -> None:
+    """A token tensor in ``dtype`` (q's, one of :data:`ACTIVATION_DTYPES`): the other one is refused as a mix."""
+    _check_tensor(name, tensor, (dtype,), shape, meaning, device, aligned=True, like_q=name != "q")
+
+
+def check_activation_dtype(name: str, tensor: torch.Tensor, q_dtype: torch.dtype) -> None:
+    """``tensor`` (an activation of a call whose q is ``q_dtype``) is not the other of :data:`ACTIVATION_DTYPES`:
+    bf16 and fp16 in one call are refused by name (:class:`UnsupportedDtypeError`; the kernels read one dtype)."""
+    if tensor.dtype != q_dtype and tensor.dtype in ACTIVATION_DTYPES and q_dtype in ACTIVATION_DTYPES:
+        got, want = (str(d).replace("torch.", "") for d in (tensor.dtype, q_dtype))
+        raise UnsupportedDtypeError(f"{name} is {got} but q is {want}: q, k, v, a raw g and out must share one dtype "
+                                    f"(bf16 and fp16 mixed in one call are not implemented); cast {name} to {want}")
 
 
 def _check_parameter(name: str, tensor: object, shape: tuple[int, ...], meaning: str, device: torch.device) -> None:
@@ -398,8 +434,9 @@ def plain_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_
         return None
     batch, seq_len, heads, dim = shape
     state_shape = (batch, heads, dim, dim)
-    if (q.dtype in _BF16 and q.is_contiguous() and not q.data_ptr() % ALIGNMENT_BYTES  # q: the shape and device
-            and _all_fit((k, v, g) if out is None else (k, v, g, out), _BF16, shape, device)
+    activations = (q.dtype,)
+    if (q.dtype in ACTIVATION_DTYPES and q.is_contiguous() and not q.data_ptr() % ALIGNMENT_BYTES  # q: shape, device
+            and _all_fit((k, v, g) if out is None else (k, v, g, out), activations, shape, device)
             and _fits(beta, _BF16, (batch, seq_len, heads), device, True)
             and _fits(A_log, _FP32, (heads,), device, False) and _fits(dt_bias, _FP32, (heads, dim), device, False)
             and (initial_state is None or _fits(initial_state, STATE_DTYPES, state_shape, device, True))
@@ -442,18 +479,20 @@ def validate_forward(
     if seq_len == 0:
         raise ValueError("q must hold at least one token (T = q.shape[1] is 0)")
     device = q.device
-    _check_activation("q", q, (batch, seq_len, heads, key_dim), "[B, T, H, K]", device)
-    _check_activation("k", k, (batch, seq_len, heads, key_dim), "[B, T, H, K]", device)
+    check_kernel_dtype("q", q, ACTIVATION_DTYPES)
+    dtype = q.dtype
+    _check_activation("q", q, (batch, seq_len, heads, key_dim), "[B, T, H, K]", device, dtype)
+    _check_activation("k", k, (batch, seq_len, heads, key_dim), "[B, T, H, K]", device, dtype)
     v = check_is_tensor("v", v)
     check_ndim("v", v, 4, "[B, T, HV, V]")
     check_head_dim("V (v.shape[-1])", v.shape[-1])
     if v.dim() == 4 and v.shape[2] != heads:
         check_value_heads(heads, v.shape[2])
         heads = v.shape[2]  # from here on: the value heads (the state, the workspace, K2)
-    _check_activation("v", v, (batch, seq_len, heads, key_dim), "[B, T, HV, V]", device)
+    _check_activation("v", v, (batch, seq_len, heads, key_dim), "[B, T, HV, V]", device, dtype)
     check_gate(gate)
-    check_gate_inputs(gate, g, A_log, dt_bias, (batch, seq_len, heads, key_dim), device)
-    _check_activation("beta", beta, (batch, seq_len, heads), "[B, T, HV]", device)
+    check_gate_inputs(gate, g, A_log, dt_bias, (batch, seq_len, heads, key_dim), device, dtype)
+    _check_tensor("beta", beta, _BF16, (batch, seq_len, heads), "[B, T, HV]", device, aligned=True)
     if gate == "safe":
         check_lower_bound(lower_bound)
     if scale is not None:
@@ -471,11 +510,12 @@ def validate_forward(
     problem = ProblemShape(batch, seq_len, heads, key_dim, num_seqs, varlen)
 
     if initial_state is not None:
-        check_state("initial_state", initial_state, problem, device)
+        check_state("initial_state", initial_state, problem, device, dtype=dtype)
     if final_state is not None:
-        check_state("final_state", final_state, problem, device)
+        check_state("final_state", final_state, problem, device, dtype=dtype)
+        check_state_pair(initial_state, final_state)
     if out is not None:
-        _check_activation("out", out, (batch, seq_len, heads, key_dim), "[B, T, HV, V]", device)
+        _check_activation("out", out, (batch, seq_len, heads, key_dim), "[B, T, HV, V]", device, dtype)
     return problem
 
 

@@ -47,8 +47,9 @@ class SerialScan:
 class PrepareVariant:
     """K1 (:class:`cute_kda.kernels.fwd_prepare.PrepareKernel`).
 
-    ``gate``: one of :data:`cute_kda.numerics.GATES`; ``g_dtype``: bf16 (fp32 too with gate "none");
-    ``per_head_gate``: g ``[B, T, HV]`` (GatedDeltaNet), else per channel; ``grouped``: HV > H value heads.
+    ``gate``: one of :data:`cute_kda.numerics.GATES`; ``g_dtype``: ``dtype`` (fp32 too with gate "none");
+    ``per_head_gate``: g ``[B, T, HV]`` (GatedDeltaNet), else per channel; ``grouped``: HV > H value heads;
+    ``dtype``: q's and k's, bf16 or fp16 (:data:`cute_kda.validation.ACTIVATION_DTYPES`).
     """
 
     varlen: bool
@@ -58,12 +59,14 @@ class PrepareVariant:
     g_dtype: torch.dtype = torch.bfloat16
     per_head_gate: bool = False
     grouped: bool = False
+    dtype: torch.dtype = torch.bfloat16
 
 
 @dataclass(frozen=True)
 class RecurrenceVariant(SerialScan):
     """K2 (:class:`cute_kda.kernels.fwd_recurrence.FwdRecurrence`): the state dtypes in and out (None: no such
-    state), ``checkpoints``: the training forward's variant that keeps the state entering every tile;
+    state; fp16 ones not beside fp32), ``dtype``: v's and o's (bf16 or fp16), ``checkpoints``: the training
+    forward's variant that keeps the state entering every tile;
     ``state_pool``: the states are one pool read and written by slot id (both dtypes the pool's), with
     ``prefix_checkpoint_every`` (tokens, a multiple of 64; 0: none) its prefix checkpoints into pool slots."""
 
@@ -74,6 +77,7 @@ class RecurrenceVariant(SerialScan):
     checkpoints: bool = False
     state_pool: bool = False
     prefix_checkpoint_every: int = 0
+    dtype: torch.dtype = torch.bfloat16
     splits: ClassVar[tuple[int, ...]] = SUPPORTED_VSPLITS
 
 

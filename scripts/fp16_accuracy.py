@@ -10,9 +10,17 @@ fp64 gold recurrence on the fp16 values themselves (relative RMS, FLA's measure,
   alone costs, whatever the arithmetic after it;
 - ``pipeline``: the mirror against the gold on the rounded inputs: today's bf16 error on these distributions;
 - ``beta``: (β fp32 cases) the mirror with β kept in fp32 (what K1 would read without the entry cast), to show
-  what rounding β to bf16 costs.
+  what rounding β to bf16 costs;
+- ``fp16``: the mirror of the fp16 kernels (option 2, as built): q, k, v and g as they are (widened exactly where
+  bf16 is widened), o rounded to fp16, β rounded to bf16 where the call enters.
 
-    python3 scripts/fp16_accuracy.py            # the table of docs/numerics.md, "fp16 inputs"
+    python3 scripts/fp16_accuracy.py              # the table of docs/numerics.md, "fp16 inputs"
+    python3 scripts/fp16_accuracy.py --backward   # its gradient table (training on fp16 inputs through bf16)
+
+``--backward`` measures the gradients the same way (FLA's ``do = randn`` in fp16 and ``dht = randn`` fp32): the bf16
+mirror of the whole backward (:func:`cute_kda.reference.backward.mirror_backward`) on the inputs and ``do`` rounded to
+bf16 (what casting fp16 training to bf16 where the call enters computes) against the fp64 gold gradients on the fp16
+values; the rounding alone; the pipeline (mirror against the gold on the rounded values).
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from cute_kda.reference import gold_forward, mirror_forward, rel_rms  # noqa: E402
+from cute_kda.reference import gold_backward, gold_forward, mirror_forward, rel_rms  # noqa: E402
+from cute_kda.reference.backward import mirror_backward  # noqa: E402
 
 
 class Case(NamedTuple):
@@ -101,6 +110,9 @@ def measure(case: Case, seed: int = 0) -> dict[str, tuple[float, float]]:
         return rel_rms(result[0], reference[0]), rel_rms(result[1], reference[1])
 
     out = dict(mirror=pair(mirror, gold), rounding=pair(gold_rounded, gold), pipeline=pair(mirror, gold_rounded))
+    fp16 = dict(x, beta=x["beta"].bfloat16())
+    out["fp16"] = pair(mirror_forward(*(fp16[n] for n in tensors), initial_state=state32, state_dtype=torch.float32,
+                                      **params, **common), gold)
     if x["beta"].dtype == torch.float32:
         exact_beta = dict(rounded, beta=x["beta"])
         out["beta"] = pair(mirror_forward(*(exact_beta[n] for n in tensors), initial_state=state32,
@@ -108,15 +120,46 @@ def measure(case: Case, seed: int = 0) -> dict[str, tuple[float, float]]:
     return out
 
 
+GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def measure_backward(case: Case, seed: int = 0) -> dict[str, tuple[float, float, float]]:
+    """Per gradient: (through bf16, the rounding alone, the pipeline) rel-RMS, as the module doc's ``--backward``."""
+    x = inputs(case, seed)
+    gen = torch.Generator().manual_seed(seed + 5)
+    do = torch.randn(x["v"].shape, generator=gen).half()
+    dht = torch.randn(x["initial_state"].shape, generator=gen)
+    tensors = ("q", "k", "v", "g", "beta")
+    options = dict(gate=x["gate"], A_log=x["A_log"], dt_bias=x["dt_bias"], scale=x["scale"], qk_l2norm=True,
+                   beta_logits=False, state_layout="kv", dht=dht)
+    gold = gold_backward(*(x[n] for n in tensors), do, initial_state=x["initial_state"], **options)
+    rounded = [_bf16(x[n]) for n in ("q", "k", "v", "g")] + [x["beta"].bfloat16(), do.bfloat16()]
+    state32 = x["initial_state"].float()
+    mirror = mirror_backward(*rounded, initial_state=state32, **options)
+    gold_rounded = gold_backward(*rounded, initial_state=state32, **options)
+    return {name: (rel_rms(mirror[name], gold[name]), rel_rms(gold_rounded[name], gold[name]),
+                   rel_rms(mirror[name], gold_rounded[name])) for name in GRADIENTS}
+
+
+def backward_table() -> str:
+    rows = ["| case | " + " | ".join(GRADIENTS) + " |", "|---|" + "---|" * len(GRADIENTS)]
+    for case in CASES:
+        m = measure_backward(case)
+        rows.append(f"| {case.name} | " + " | ".join(f"{m[n][0]:.1e} ({m[n][1]:.1e})" for n in GRADIENTS) + " |")
+    return "\n".join(rows)
+
+
 def table() -> str:
-    rows = ["| case | mirror (o / state) | rounding alone | pipeline | β kept fp32 |", "|---|---|---|---|---|"]
+    rows = ["| case | mirror (o / state) | rounding alone | pipeline | β kept fp32 | fp16 kernels |",
+            "|---|---|---|---|---|---|"]
     for case in CASES:
         m = measure(case)
         cell = lambda key: f"{m[key][0]:.2e} / {m[key][1]:.2e}" if key in m else "—"  # noqa: E731
-        rows.append(f"| {case.name} | {cell('mirror')} | {cell('rounding')} | {cell('pipeline')} | {cell('beta')} |")
+        rows.append(f"| {case.name} | {cell('mirror')} | {cell('rounding')} | {cell('pipeline')} | {cell('beta')} "
+                    f"| {cell('fp16')} |")
     return "\n".join(rows)
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    print(table(), flush=True)
+    print(backward_table() if "--backward" in sys.argv[1:] else table(), flush=True)

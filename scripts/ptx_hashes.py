@@ -9,7 +9,8 @@ the code (``--out`` both, then ``--compare``): equal hashes mean byte-identical 
 
 The variants: every combination the launchers can key (``ops/*.compiled_variant``) and ``api.warmup`` visits,
 plus the knobs only tests and benchmarks set (K1's 256 threads, Kernel A's tuning grid of
-``benchmarks/explore_bwd_scan.py``, K2's and Kernel A's blocks of 4 tiles, Kernel B at 4 warps).
+``benchmarks/explore_bwd_scan.py``, K2's and Kernel A's blocks of 4 tiles, Kernel B at 4 warps), and the fp16
+forward (``k1/fp16/…``, ``k2/fp16/…``: inference, so no checkpoints or pools).
 
 Normalized (everything else is hashed as the compiler wrote it):
 
@@ -48,6 +49,7 @@ FLAGS = list(itertools.product((False, True), (True, False), (True, False)))  # 
 PER_CHANNEL_GATES = [("safe", "bf16", False), ("softplus", "bf16", False), ("none", "bf16", False),
                      ("none", "fp32", False)]
 PER_HEAD_GATES = [("softplus", "bf16", True), ("none", "bf16", True), ("none", "fp32", True)]
+FP16_STATES = ("none", "bf16", "fp32", "fp16")  # K2's fp16 variants: states of every kind, fp16 not beside fp32
 SCAN_TUNING_GRID = {1: (4, 8), 2: (4, 8), 4: (4,), 8: (2,)}  # benchmarks/explore_bwd_scan.py's GRID
 
 _DEBUG_SECTION = re.compile(r"^\s*\.section\s+\.debug\w*\s*\{.*?^\s*\}\s*$\n?", re.M | re.S)
@@ -122,6 +124,16 @@ def variants() -> dict[str, tuple]:
                     found[name] = ("kb", dict(zip(("varlen", "qk_l2norm", "beta_logits"), flags), gate=gate,
                                               g_dtype=g_dtype, per_head_gate=per_head, grouped=grouped,
                                               compute_warps=warps))
+    for gate, g_dtype, per_head in PER_CHANNEL_GATES + PER_HEAD_GATES:  # fp16 inputs (inference): K1 and K2
+        g_dtype = "fp16" if g_dtype == "bf16" else g_dtype
+        for grouped, flags in itertools.product((False, True), FLAGS):
+            name = f"k1/fp16/{_gate_label(gate, g_dtype, per_head, grouped)}/{_flags_label(*flags)}"
+            found[name] = ("k1", dict(zip(("varlen", "qk_l2norm", "beta_logits"), flags), gate=gate, g_dtype=g_dtype,
+                                      per_head_gate=per_head, grouped=grouped, dtype="fp16"))
+    for vsplit, initial, final, varlen in itertools.product((1, 2, 4), FP16_STATES, FP16_STATES, (False, True)):
+        if {initial, final} != {"fp16", "fp32"}:
+            found[f"k2/fp16/vs{vsplit}/{initial}-{final}/{_label(varlen, 'varlen', 'fixed')}"] = (
+                "k2", dict(vsplit=vsplit, initial=initial, final=final, varlen=varlen, checkpoints=False, dtype="fp16"))
     found["tile_prefix"] = ("tile_prefix", {})
     return found
 
@@ -132,7 +144,7 @@ def variants() -> dict[str, tuple]:
 def _torch_dtype(name: str | None) -> Any:
     import torch
 
-    return {"none": None, None: None, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
+    return {"none": None, None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
 def _meta(*shape: int, dtype: Any = None) -> Any:
@@ -159,7 +171,7 @@ D, T, HEADS, NUM_SEQS = 128, 32, 2, 2
 
 
 def _k1(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: str, per_head_gate: bool,
-        grouped: bool, **tuning: int) -> tuple:
+        grouped: bool, dtype: str = "bf16", **tuning: int) -> tuple:
     import torch
 
     from cute_kda.kernels.fwd_prepare import prepare_kernel
@@ -167,11 +179,11 @@ def _k1(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: st
     from cute_kda.ops.prepare import launch_arguments
 
     kernel = prepare_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
-                            gate_dtype=dsl_type(_torch_dtype(g_dtype)), per_head_gate=per_head_gate, grouped=grouped,
-                            **tuning)
+                            dtype=dsl_type(_torch_dtype(dtype)), gate_dtype=dsl_type(_torch_dtype(g_dtype)),
+                            per_head_gate=per_head_gate, grouped=grouped, **tuning)
     qk_heads = 1 if grouped else HEADS
     channels = () if per_head_gate else (D,)
-    q = _meta(1, T, qk_heads, D)
+    q = _meta(1, T, qk_heads, D, dtype=_torch_dtype(dtype))
     g = _meta(1, T, HEADS, *channels, dtype=_torch_dtype(g_dtype))
     constants = gate != "none"
     a_log = _meta(HEADS, dtype=torch.float32) if constants else None
@@ -182,7 +194,7 @@ def _k1(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: st
 
 
 def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, checkpoint_every: int = 1,
-        state_pool: bool = False, prefix_checkpoint_every: int = 0) -> tuple:
+        state_pool: bool = False, prefix_checkpoint_every: int = 0, dtype: str = "bf16") -> tuple:
     import torch
 
     from cute_kda.kernels.fwd_recurrence import FwdRecurrence
@@ -193,8 +205,8 @@ def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, 
     kernel = FwdRecurrence(vsplit=vsplit, initial_state=dsl_type(_torch_dtype(initial)),
                            final_state=dsl_type(_torch_dtype(final)), varlen=varlen, checkpoints=checkpoints,
                            checkpoint_every=checkpoint_every, state_pool=state_pool,
-                           prefix_checkpoint_every=prefix_checkpoint_every)
-    v, ws = _meta(1, T, HEADS, D), _workspace(HEADS, 4)
+                           prefix_checkpoint_every=prefix_checkpoint_every, dtype=dsl_type(_torch_dtype(dtype)))
+    v, ws = _meta(1, T, HEADS, D, dtype=_torch_dtype(dtype)), _workspace(HEADS, 4)
     cu_seqlens, tile_base = _segmentation(varlen, NUM_SEQS)
 
     def state(name: str) -> Any:

@@ -36,6 +36,7 @@ COLUMNS = {  # column title → the change from the base call (B = 2, T = 33, H 
     "fp16 initial state": {"state": torch.float16},
     "fp32 β": {"beta_dtype": torch.float32},
     "fp16 inputs": {"dtype": torch.float16},
+    "fp16 inputs, training": {"dtype": torch.float16, "training": True},
     "head dim 64": {"dim": 64},
 }
 

@@ -60,7 +60,7 @@ def test_answer_in_framework_hands_back_every_result():
 def test_dlpack_arrays_reach_validation():
     """A numpy float32 q goes through DLPack and is refused by dtype, naming q."""
     q = np.zeros((1, 16, 2, D), dtype=np.float32)
-    with pytest.raises(TypeError, match="q must be bfloat16, got float32"):
+    with pytest.raises(TypeError, match="q must be bfloat16 or float16, got float32"):
         cute_kda.kda_forward(q, q, q, q, q[..., 0], A_log=np.zeros(2, np.float32), dt_bias=np.zeros((2, D), np.float32))
 
 

@@ -67,6 +67,17 @@ def test_int32_cu_seqlens_are_taken(any_device):
         assert fla_backend.verify(**kwargs) == (True, None)
 
 
+def test_fp16_inference_is_taken_and_fp16_training_declined(any_device):
+    """FLA's chunk tests run fp16: the forward kernels take it (o in fp16), the backward does not yet, so a call that
+    records autograd is declined by name (FLA computes it)."""
+    kwargs = {n: x.half() if n in ("q", "k", "v", "g", "beta") else x for n, x in layer_call().items()}
+    with torch.no_grad():
+        assert fla_backend.verify(**kwargs) == (True, None)
+    kwargs["q"].requires_grad_()
+    accepted, reason = fla_backend.verify(**kwargs)
+    assert not accepted and "float16 on the training path" in reason, reason
+
+
 def test_training_call_is_verified_like_an_inference_call(any_device):
     """cute_kda has a backward: inputs that require grad change nothing in the verdict."""
     kwargs = layer_call()
@@ -100,7 +111,7 @@ REFUSED = {
     "context parallel": (dict(cp_context=object()), "cp_context"),
     "graph mode": (dict(use_graph=True), "use_graph"),
     "bf16 state": (dict(initial_state=torch.zeros(1, 2, D, D, dtype=torch.bfloat16)), "initial_state must be float32"),
-    "fp16 activations": ("fp16", "q must be bfloat16"),
+    "bf16 and fp16 mixed": ("fp16_q", "k is bfloat16 but q is float16"),
     "head dim 64": ("dim64", "not supported; supported head dims: 128"),
     "misaligned q": ("misaligned", "16-byte boundary"),
 }
@@ -110,8 +121,8 @@ REFUSED = {
 def test_calls_cute_kda_does_not_compute_are_refused(any_device, case):
     changes, words = REFUSED[case]
     kwargs = layer_call()
-    if changes == "fp16":
-        kwargs = {n: x.half() if n in ("q", "k", "v", "g", "beta") else x for n, x in kwargs.items()}
+    if changes == "fp16_q":
+        kwargs["q"] = kwargs["q"].half()
     elif changes == "dim64":
         kwargs = {n: x[..., :64].contiguous() if n in ("q", "k", "g") else x for n, x in kwargs.items()}
         kwargs["dt_bias"] = kwargs["dt_bias"].view(2, D)[:, :64].reshape(-1)

@@ -157,11 +157,15 @@ def expected_refusal(case: Case) -> tuple[type[Exception], tuple[str, ...]] | No
         return NotImplementedError, ("allow_neg_eigval",)
     if case.dim != 128:
         return NotImplementedError, (f"K (q.shape[-1]) = {case.dim}",)
-    if case.dtype != BF16:
-        return validation.UnsupportedDtypeError, ("q must be bfloat16", str(case.dtype)[6:])
-    g_dtype = case.g_dtype or case.dtype
-    if (g_dtype != BF16 and case.gate_in_kernel) or g_dtype == FP16:  # a raw gate is bf16; a log decay bf16 / fp32
-        return validation.UnsupportedDtypeError, ("g must be bfloat16", str(g_dtype)[6:])
+    if case.dtype == FP32:
+        return validation.UnsupportedDtypeError, ("q must be bfloat16 or float16", "float32")
+    g_dtype, name = case.g_dtype or case.dtype, str(case.dtype)[6:]
+    if g_dtype not in (case.dtype, FP32):  # the other 16-bit dtype: one dtype per call
+        return validation.UnsupportedDtypeError, (f"g is {str(g_dtype)[6:]} but q is {name}",)
+    if g_dtype == FP32 and case.gate_in_kernel:  # a raw gate in q's dtype; a log decay in it or fp32
+        return validation.UnsupportedDtypeError, (f"g must be {name}", "float32")
+    if case.dtype == FP16:  # every call here trains, and fp16 runs the forward only
+        return validation.UnsupportedDtypeError, ("q is float16 on the training path",)
     bounded = case.op == "kda" and case.gate_in_kernel and case.safe_gate
     if bounded and case.value_heads != case.heads:  # every call here trains
         return NotImplementedError, ("grouped value heads",)

@@ -40,7 +40,8 @@ def _compile(kernel: PrepareKernel):
     constants = kernel.gate != "none"  # a log decay comes without A_log and dt_bias
     per_channel = 0 if kernel.per_head_gate else 1  # a per-head gate: g [B, T, HV], dt_bias [HV]
     inputs = PrepareInputs(
-        q=_fake(BF16, 4), k=_fake(BF16, 4), g=_fake(kernel.gate_dtype, 3 + per_channel), beta=_fake(BF16, 3, 2),
+        q=_fake(kernel.dtype, 4), k=_fake(kernel.dtype, 4), g=_fake(kernel.gate_dtype, 3 + per_channel),
+        beta=_fake(BF16, 3, 2),
         a_log=_fake(F32, 1, 4) if constants else None, dt_bias=_fake(F32, 1 + per_channel, 4) if constants else None,
     )
     ws = WorkspaceTiles(

@@ -51,18 +51,67 @@ def test_valid_cpu_call_is_refused_for_the_device():
     expect(ValueError, "q must be on a CUDA device")
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("name", ["q", "k", "v", "g"])
-def test_activation_dtype(name, dtype):
-    """fp16 / fp32 activations (FLA takes them) are not implemented: named, a NotImplementedError and a TypeError."""
+def test_activation_dtype(name):
+    """fp32 activations (FLA takes them) are not implemented: named, a NotImplementedError and a TypeError."""
     x = make_inputs()[name]
-    expect(validation.UnsupportedDtypeError, name, "bfloat16", str(dtype)[6:], **{name: x.to(dtype)})
+    expect(validation.UnsupportedDtypeError, name, "bfloat16", "float32", **{name: x.float()})
     assert issubclass(validation.UnsupportedDtypeError, NotImplementedError)
     assert issubclass(validation.UnsupportedDtypeError, TypeError)
 
 
+def fp16_inputs(**changes) -> dict:
+    inputs = {name: x.half() if name in ("q", "k", "v", "g") else x for name, x in make_inputs().items()}
+    inputs.update(changes)
+    return inputs
+
+
+def test_fp16_inference_call_reaches_the_device_check():
+    """q, k, v and the raw gate all fp16 (β bf16, or fp16 / fp32 cast where it enters): the forward kernels take
+    them (docs/numerics.md, "fp16 inputs"), so a CPU call stops at the device check; so do a fp16 ``out`` and an
+    fp16 or fp32 log decay."""
+    expect(ValueError, "q must be on a CUDA device", **fp16_inputs())
+    expect(ValueError, "q must be on a CUDA device", **fp16_inputs(beta=make_inputs()["beta"].half()))
+    expect(ValueError, "q must be on a CUDA device", **fp16_inputs(out=torch.zeros(B, T, H, D, dtype=torch.float16)))
+    log_decay = -make_inputs()["g"].float().abs()
+    for g in (log_decay, log_decay.half()):
+        expect(ValueError, "q must be on a CUDA device", **fp16_inputs(gate="none", g=g, A_log=None, dt_bias=None))
+
+
+def test_fp16_states_go_with_fp16_inputs():
+    """An fp16 state is taken with fp16 activations (K2 widens it on load, rounds to it on store), not with bf16 ones,
+    and never beside an fp32 one."""
+    fp16_state, fp32_state = torch.zeros(B, H, D, D, dtype=torch.float16), torch.zeros(B, H, D, D)
+    expect(ValueError, "q must be on a CUDA device", **fp16_inputs(initial_state=fp16_state))
+    expect(ValueError, "q must be on a CUDA device", **fp16_inputs(initial_state=fp16_state, final_state=fp16_state))
+    expect(ValueError, "q must be on a CUDA device", **fp16_inputs(initial_state=fp32_state))
+    expect(validation.UnsupportedDtypeError, "final_state is float32 but initial_state is float16",
+           **fp16_inputs(initial_state=fp16_state, final_state=fp32_state))
+    expect(validation.UnsupportedDtypeError, "final_state is float16 but initial_state is float32",
+           **fp16_inputs(initial_state=fp32_state, final_state=fp16_state))
+    expect(validation.UnsupportedDtypeError, "initial_state", "float16", initial_state=fp16_state)  # bf16 inputs
+
+
+@pytest.mark.parametrize("name", ["k", "v", "g", "out"])
+def test_mixed_bf16_and_fp16_are_refused_by_name(name):
+    """One call, one activation dtype: a bf16 tensor among fp16 ones (or the reverse) is named with q's dtype."""
+    bf16 = make_inputs()[name] if name != "out" else torch.zeros(B, T, H, D, dtype=torch.bfloat16)
+    expect(validation.UnsupportedDtypeError, f"{name} is bfloat16 but q is float16", **fp16_inputs(**{name: bf16}))
+    expect(validation.UnsupportedDtypeError, f"{name} is float16 but q is bfloat16", **{name: bf16.half()})
+    log_decay = -make_inputs()["g"].float().abs()
+    expect(validation.UnsupportedDtypeError, "g is bfloat16 but q is float16",
+           **fp16_inputs(gate="none", g=log_decay.bfloat16(), A_log=None, dt_bias=None))
+
+
+def test_fp16_training_is_refused_by_name():
+    """fp16 runs the forward only: a call autograd records is refused (the backward kernels take bf16)."""
+    inputs = fp16_inputs()
+    inputs["q"].requires_grad_()
+    expect(validation.UnsupportedDtypeError, "q is float16 on the training path", "no_grad", **inputs)
+
+
 def test_activation_of_another_dtype_is_a_type_error():
-    with pytest.raises(TypeError, match="q must be bfloat16, got float64") as info:
+    with pytest.raises(TypeError, match="q must be bfloat16 or float16, got float64") as info:
         call(q=make_inputs()["q"].double())
     assert not isinstance(info.value, NotImplementedError)
 
@@ -329,7 +378,8 @@ def test_log_decay_takes_bf16_or_fp32_and_no_constants():
     expect(ValueError, "q must be on a CUDA device", gate="none", g=log_decay, A_log=None, dt_bias=None)
     expect(ValueError, "q must be on a CUDA device", gate="none", g=log_decay.bfloat16(), A_log=None, dt_bias=None)
     expect(ValueError, "pass A_log and dt_bias=None", gate="none", g=log_decay)
-    expect(TypeError, "g", "float16", gate="none", g=log_decay.half(), A_log=None, dt_bias=None)
+    expect(validation.UnsupportedDtypeError, "g is float16 but q is bfloat16", gate="none", g=log_decay.half(),
+           A_log=None, dt_bias=None)
     expect(ValueError, "g must have shape", gate="none", g=log_decay[..., :64].contiguous(), A_log=None, dt_bias=None)
 
 

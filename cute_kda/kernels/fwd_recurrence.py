@@ -37,11 +37,11 @@ consumer = the 4 compute warps, one arrival per warp from lane 0 after ``bar.war
 store warp, the lane that issued a TMA store arriving only after ``cp.async.bulk.wait_group.read 0``,
 so a stage is released once the store has read it).
 
-State I/O: none (zeros), bf16 (TMA straight into the state buffer) or fp32 (TMA into a staging buffer
+State I/O: none (zeros), bf16 (TMA straight into the state buffer) or fp32 / fp16 (TMA into a staging buffer
 that shares its bytes with the pipeline buffers, rounded to bf16 in shared memory before the loop).
-The compute warps then read their ``S32`` from the buffer they came in through. After the loop a bf16
-final state is ``S`` as it stands; an fp32 one is ``S32``, written into the staging by the compute
-warps for the TMA store. Global state tensors are ``[N, H, V, K]``.
+The compute warps then read their ``S32`` from the buffer they came in through (fp16 widened exactly). After the
+loop a bf16 final state is ``S`` as it stands; an fp32 one is ``S32``, an fp16 one ``f16(S32)``, written into the
+staging by the compute warps for the TMA store. Global state tensors are ``[N, H, V, K]``.
 
 State pool (``state_pool``, inference): the initial and the final state are one tensor ``[slots, H, V, K]`` (its
 ``[V, K]`` blocks contiguous, the other strides free: a view of an engine's cache) and ``state_indices`` int32
@@ -52,7 +52,7 @@ fp32 ``S32`` columns (the pool's dtype; a bf16 pool gets ``bf16(S32)``, which is
 into slot ``checkpoint_indices[n, j]`` of the pool (−1, a row past the sequence's last full C-block, or a padding
 sequence: nothing); these stores wait on nothing and no other variant has them.
 
-Inputs are assumed valid (the API layer checks them): v / out bf16 ``[B, T, H, 128]`` with the last
+Inputs are assumed valid (the API layer checks them): v / out bf16 or fp16 ``[B, T, H, 128]`` with the last
 mode contiguous, workspace fields as :mod:`cute_kda.workspace`, ``cu_seqlens`` int64 ``[N+1]`` with
 B == 1 and ``tile_base`` int32 ``[N+1]`` for varlen, every base address 16-byte aligned.
 """
@@ -66,7 +66,7 @@ from ..dsl import cute, cutlass  # first: sets the target architecture before th
 
 import cutlass.pipeline as pipeline
 from cuda.bindings import driver
-from cutlass import BFloat16, Boolean, Float32, Int32, Uint32, const_expr
+from cutlass import BFloat16, Boolean, Float16, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
@@ -74,7 +74,7 @@ from ..layouts import fwd_recurrence as layouts
 from ..layouts.fwd_recurrence import RecurrenceSmemPlan
 from ..numerics import CHUNK
 from ..workspace import SNAPSHOT_TILES
-from .common.band_scan import BandScan, OutputTile
+from .common.band_scan import STAGED_STATES, BandScan, OutputTile
 from .common.copy import aligned_smem_tensor, c_row_half, smem_tensor
 from .common.copy import transpose_c_to_b  # movmatrix.trans word by word: C fragment of M → B fragment of Mᵀ
 from .common.fastmath import mul_rn
@@ -86,7 +86,7 @@ class RecurrenceSmem:
 
     state: cute.Tensor  # [v_band, D] bf16, K_INTER
     state_acc: cute.Tensor  # [D, v_band] bf16, MN_INTER view of state
-    state_fp32: cute.Tensor  # [v_band, D] fp32 staging (in the union)
+    state_fp32: cute.Tensor  # [v_band, D] staging (in the union): fp32, or fp16 for fp16 states
     state_fp32_acc: cute.Tensor  # [D, v_band] view of the staging
     v: cute.Tensor  # [16, v_band, stage]
     qd: cute.Tensor  # [16, D, stage], K_SW128
@@ -131,14 +131,18 @@ class FwdRecurrence(BandScan):
     """K2 for head dim 128, one compiled variant per static configuration.
 
     ``vsplit`` ∈ {1, 2, 4}: CTAs per (sequence, head), each owning ``128 / vsplit`` value columns.
-    ``initial_state`` / ``final_state``: None, ``cutlass.BFloat16`` or ``cutlass.Float32`` (the dtype
-    of the ``[N, H, V, K]`` state tensors). ``varlen``: sequences packed along T with ``cu_seqlens``.
+    ``initial_state`` / ``final_state``: None, ``cutlass.BFloat16``, ``cutlass.Float32`` or ``cutlass.Float16``
+    (the dtype of the ``[N, H, V, K]`` state tensors; an fp16 state is staged as an fp32 one, widened on load and
+    rounded to fp16 on store, and does not meet an fp32 one in a variant). ``varlen``: sequences packed along T
+    with ``cu_seqlens``.
     ``checkpoints``: the training variant, which also keeps ``S = bf16(S32)`` entering every block of
     ``checkpoint_every`` global tiles (default :data:`~cute_kda.workspace.SNAPSHOT_TILES`; and each
     sequence's first tile) for the backward, ``[H · slots, D, D]`` bf16 state images
     (:func:`cute_kda.workspace.snapshot_slots`: the slot of a block is the one the backward scan keeps
     its gradient in). ``state_pool``: the states are a pool read and written by slot id, ``prefix_checkpoint_every``
-    (tokens, a multiple of 64; 0: none) its prefix checkpoints (module docstring).
+    (tokens, a multiple of 64; 0: none) its prefix checkpoints (module docstring). ``dtype``: v's and o's,
+    ``cutlass.BFloat16`` or ``cutlass.Float16`` (v widened to fp32 exactly, o rounded to fp16 where it would be to
+    bf16: docs/numerics.md, "fp16 inputs").
     """
 
     def __init__(
@@ -152,10 +156,12 @@ class FwdRecurrence(BandScan):
         checkpoint_every: int = SNAPSHOT_TILES,
         state_pool: bool = False,
         prefix_checkpoint_every: int = 0,
+        dtype: type = BFloat16,
     ) -> None:
         super().__init__(
-            RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=Float32 in (initial_state, final_state)),
-            initial_state=initial_state, final_state=final_state, varlen=varlen, reverse=False,
+            RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=bool({initial_state, final_state} & set(STAGED_STATES))),
+            initial_state=initial_state, final_state=final_state, varlen=varlen, reverse=False, token_dtype=dtype,
+            state_dtypes=(BFloat16, Float32, Float16),
         )
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
@@ -282,9 +288,9 @@ class FwdRecurrence(BandScan):
         smem = RecurrenceSmem(
             state=smem_tensor(state_ptr, layouts.state_b(plan), BFloat16),
             state_acc=smem_tensor(state_ptr, layouts.state_acc(plan), BFloat16),
-            state_fp32=smem_tensor(union_ptr, layouts.state_fp32(plan), Float32),
-            state_fp32_acc=smem_tensor(union_ptr, layouts.state_fp32_acc(plan), Float32),
-            v=smem_tensor(at["v"], layouts.value_tile(plan, stages), BFloat16),
+            state_fp32=smem_tensor(union_ptr, layouts.state_fp32(plan), self.staging),
+            state_fp32_acc=smem_tensor(union_ptr, layouts.state_fp32_acc(plan), self.staging),
+            v=smem_tensor(at["v"], layouts.value_tile(plan, stages), self.token_dtype),
             qd=aligned_smem_tensor(at["qd"], layouts.chunk_operand(plan), BFloat16),
             kd=aligned_smem_tensor(at["kd"], layouts.chunk_operand(plan), BFloat16),
             kr_t=aligned_smem_tensor(at["kr"], layouts.chunk_operand_transposed(plan), BFloat16),
@@ -292,7 +298,7 @@ class FwdRecurrence(BandScan):
             inv=smem_tensor(at["inv"], layouts.square_tile(plan), BFloat16),
             mqk=smem_tensor(at["mqk"], layouts.square_tile(plan), BFloat16),
             beta=smem_tensor(at["beta"], layouts.vector(CHUNK, stages), Float32),
-            out=smem_tensor(at["out"], layouts.value_tile(plan, out_stages), BFloat16),
+            out=smem_tensor(at["out"], layouts.value_tile(plan, out_stages), self.token_dtype),
         )
         tma_smem = RecurrenceTmaSmem(**self.tma_boxes(state_ptr, union_ptr, at))
         load_pipe, store_pipe, state_mbar = self.make_pipelines(warp_idx, storage)
@@ -311,7 +317,7 @@ class FwdRecurrence(BandScan):
         state32 = self.band_blocks()
         if warp_idx < self.mma_warps:
             self.load_band32(warp_idx, state32, smem.state_acc, smem.state_fp32_acc)
-        if const_expr(self.initial_state is Float32):
+        if const_expr(self.initial_state in STAGED_STATES):
             cute.arch.barrier()  # the staging is read before the load warp's first stage reuses its bytes
 
         # --- roles
@@ -348,7 +354,7 @@ class FwdRecurrence(BandScan):
         # --- final state: bf16 is the state buffer as it stands; fp32 is S32, staged by the compute warps
         cute.arch.fence_view_async_shared()  # stmatrix writes of the state → visible to the TMA store
         cute.arch.barrier()
-        if const_expr(self.final_state is Float32):
+        if const_expr(self.final_state in STAGED_STATES):
             if warp_idx < self.mma_warps:
                 self.stage_band32(warp_idx, state32, smem.state_fp32_acc)
             cute.arch.fence_view_async_shared()
@@ -426,8 +432,9 @@ class FwdRecurrence(BandScan):
         acc_ks = tiled_mma.make_fragment_C(c_shape)
         acc_qs = tiled_mma.make_fragment_C(c_shape)  # qS, then o
         acc = tiled_mma.make_fragment_C(c_shape)  # INV·u
-        r_v = cute.make_rmem_tensor(c_shape, BFloat16)
-        r_c16 = cute.make_rmem_tensor(c_shape, BFloat16)  # u, then U, then o (bf16 C fragments)
+        r_v = cute.make_rmem_tensor(c_shape, self.token_dtype)
+        r_c16 = cute.make_rmem_tensor(c_shape, BFloat16)  # u, then U (bf16 C fragments)
+        r_o = cute.make_rmem_tensor(c_shape, self.token_dtype)
         r_u_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, CHUNK)))  # u as B
         r_big_u_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, CHUNK)))  # U as B (Phases 4, 6)
         r_state_acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((dim, cols)), BFloat16)  # S, a row block at a time
@@ -438,7 +445,7 @@ class FwdRecurrence(BandScan):
         v_square = ldsm_a.retile(r_square)
         v_kr_t = ldsm_a_t.retile(r_kr_t)
         v_v = ldsm_c.retile(r_v)
-        v_out = stsm_c.retile(r_c16)
+        v_out = stsm_c.retile(r_o)
         v_state_acc_st = stsm_c_t.retile(r_state_acc)
         state_words = cute.recast_tensor(r_state_acc, Uint32)  # ((1,2), k_steps, n): pairs of value columns
 
@@ -488,11 +495,12 @@ class FwdRecurrence(BandScan):
             cute.gemm(tiled_mma, acc, r_square[None, None, 0], r_u_b[None, None, 0], acc)
             r_c16.store(acc.load().to(BFloat16))
 
-            # Phase 4: o = bf16(qS + Mqk·U) (qS is the accumulator's C); U as B is kept for Phase 6
+            # Phase 4: o = bf16(qS + Mqk·U) (qS is the accumulator's C; f16 for fp16 tokens); U as B is kept for
+            # Phase 6
             transpose_c_to_b(r_c16, r_big_u_b)
             cute.copy(ldsm_a, p_mqk[None, None, None, stage], v_square)
             cute.gemm(tiled_mma, acc_qs, r_square[None, None, 0], r_big_u_b[None, None, 0], acc_qs)
-            r_c16.store(acc_qs.load().to(BFloat16))
+            r_o.store(acc_qs.load().to(self.token_dtype))
 
             # Phase 5: o → output stage; each thread fences its stmatrix writes for the TMA store, then arrives
             store_pipe.producer_acquire(out_state)

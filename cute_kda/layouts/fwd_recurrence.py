@@ -87,7 +87,7 @@ class RecurrenceSmemPlan:
     swizzled_tokens: ClassVar[bool] = True
 
     vsplit: int = 1
-    state_io_fp32: bool = False  # the initial or the final state is fp32: the union holds the staging
+    state_io_fp32: bool = False  # a state is fp32 (or fp16): the union holds the (fp32-sized) staging
     dim: int = HEAD_DIM
     chunk: int = CHUNK
     input_stages: int = INPUT_STAGES

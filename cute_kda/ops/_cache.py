@@ -187,10 +187,11 @@ def compile_for_launch(kernel: Any, *args: Any) -> Any:
 
 
 def dsl_type(dtype: Any) -> Any:
-    """The DSL element type of a torch dtype the kernels take (bf16, fp32; None stays None: no tensor)."""
+    """The DSL element type of a torch dtype the kernels take (bf16, fp16, fp32; None stays None: no tensor)."""
     from ..dsl import cutlass
 
-    return {None: None, torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}[dtype]
+    return {None: None, torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+            torch.float32: cutlass.Float32}[dtype]
 
 
 def device_index(device: Any) -> int:

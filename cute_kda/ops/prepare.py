@@ -166,7 +166,7 @@ def _compile_arguments(variant: PrepareVariant) -> tuple:
     """:func:`launch_arguments` of a K1 variant for the compile: ``meta`` tensors, a fake stream (two value
     heads to one q/k head when ``grouped``)."""
     heads = 2 if variant.grouped else 1
-    q = torch.empty((1, CHUNK, 1, HEAD_DIM), dtype=torch.bfloat16, device=_META)
+    q = torch.empty((1, CHUNK, 1, HEAD_DIM), dtype=variant.dtype, device=_META)
     per_channel = () if variant.per_head_gate else (HEAD_DIM,)
     g = torch.empty((1, CHUNK, heads, *per_channel), dtype=variant.g_dtype, device=_META)
     beta = torch.empty((1, CHUNK, heads), dtype=torch.bfloat16, device=_META)
@@ -187,7 +187,7 @@ def compiled_variant(variant: PrepareVariant, index: int):
         from ..kernels.fwd_prepare import prepare_kernel
 
         kernel = prepare_kernel(varlen=variant.varlen, qk_l2norm=variant.qk_l2norm, beta_logits=variant.beta_logits,
-                                gate=variant.gate, gate_dtype=dsl_type(variant.g_dtype),
+                                gate=variant.gate, dtype=dsl_type(variant.dtype), gate_dtype=dsl_type(variant.g_dtype),
                                 per_head_gate=variant.per_head_gate, grouped=variant.grouped)
         return compile_for_launch(kernel, *_compile_arguments(variant))
 
@@ -202,8 +202,9 @@ def prepare(
 ) -> None:
     """Run K1: fill ``ws`` (``tiles_per_head(B·T, N, varlen)`` slots per head) from the raw inputs.
 
-    q, k: bf16 ``[B, T, H, 128]``; g ``[B, T, HV, 128]`` (or ``[B, T, HV]``, a per-head gate, with the unbounded
-    gates): bf16 raw gate (``gate`` "safe" or "softplus"), or the log decay, bf16 or fp32 (``gate="none"``);
+    q, k: bf16 or fp16 ``[B, T, H, 128]``; g ``[B, T, HV, 128]`` (or ``[B, T, HV]``, a per-head gate, with the
+    unbounded gates): the raw gate in q's dtype (``gate`` "safe" or "softplus"), or the log decay, q's dtype or fp32
+    (``gate="none"``);
     beta: bf16 ``[B, T, HV]`` (logits if ``beta_logits``); A_log fp32 ``[HV]``; dt_bias fp32 ``[HV, 128]``
     (``[HV]`` per head; both None with gate "none"); HV a multiple of H (grouped value heads; the workspace
     has HV heads); ``cu_seqlens`` int64 ``[N+1]`` (then ``B == 1``) with
@@ -220,7 +221,7 @@ def prepare(
     if cu_seqlens is not None and tile_base is None:
         tile_base = tile_bases(cu_seqlens, stream=stream)
     variant = PrepareVariant(cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), gate, g.dtype, g.dim() == 3,
-                             beta.shape[2] != q.shape[2])
+                             beta.shape[2] != q.shape[2], q.dtype)
     compiled = compiled_variant(variant, device_index(device))
     with on_device(device):
         compiled(*launch_arguments(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, steps, cu_seqlens, tile_base,

@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..numerics import EPS, LOG2E, f32, gate_constant
+from ..validation import ACTIVATION_DTYPES
 from ..workspace import CHUNK, Workspace, snapshot_slots, tile_bases_of, tiles_per_head
 from .gold import STATE_LAYOUTS
 
@@ -344,6 +345,17 @@ def workspace_of_tiles(fields: dict[str, torch.Tensor], tiles: TileMap) -> Works
         value = value.masked_fill(missing.reshape(1, count, *([1] * (value.dim() - 2))), math.nan)
         out[name] = value.reshape(heads * count, *value.shape[2:]).contiguous()
     return Workspace(**out)
+
+
+def check_activations(**tensors: torch.Tensor) -> torch.dtype:
+    """The one dtype of the kernels' token tensors ``tensors`` (bf16, or fp16: docs/numerics.md, "fp16 inputs");
+    a TypeError naming them otherwise."""
+    dtypes = {t.dtype for t in tensors.values()}
+    if len(dtypes) != 1 or not dtypes <= set(ACTIVATION_DTYPES):
+        names = " and ".join(tensors)
+        raise TypeError(f"{names} must be all bf16 or all fp16 (the kernels' input types), got "
+                        f"{', '.join(str(t.dtype) for t in tensors.values())}")
+    return dtypes.pop()
 
 
 def state_in(state: torch.Tensor | None, name: str, state_layout: str, shape: tuple[int, int, int, int],

@@ -29,9 +29,9 @@ from ..executors.stages import GradsResult
 from ..numerics import DYADIC_BLOCKS, LN2
 from ..workspace import CHUNK, Workspace
 from .common import (
-    KERNEL, Constants, TileMap, crossing_rows, dot_f32, ex2_approx, l2norm_rinv, lg2_approx, mma, neumann_inverse,
-    qk_backward, row_dot, sigmoid_approx, straddle_geometry, straddle_sums, tile_blocks, to_tiles, token_tile_map,
-    untile, workspace_of_tiles,
+    KERNEL, Constants, TileMap, check_activations, crossing_rows, dot_f32, ex2_approx, l2norm_rinv, lg2_approx, mma,
+    neumann_inverse, qk_backward, row_dot, sigmoid_approx, straddle_geometry, straddle_sums, tile_blocks, to_tiles,
+    token_tile_map, untile, workspace_of_tiles,
 )
 from .gold import expand_to_value_heads, value_head_group
 
@@ -178,8 +178,7 @@ def _k1_gate_values(
     """:func:`mirror_prepare_gates`' arithmetic (its arguments), with the values it passes through."""
     if scheme is None:
         scheme = scheme_of(g)
-    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
-        raise TypeError("q and k must be bf16 (the kernels' input type)")
+    check_activations(q=q, k=k)
     if scheme not in K1_SCHEMES:
         raise ValueError(f"scheme must be one of {K1_SCHEMES}, got {scheme!r}")
     batch, seq_len, heads, dim = q.shape

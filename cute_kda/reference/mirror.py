@@ -19,8 +19,8 @@ import torch
 
 from ..workspace import CHUNK, SNAPSHOT_TILES, Workspace, WorkspaceSpec, allocate_workspace, snapshot_slots
 from .common import (
-    Constants, TileMap, ex2_approx, l2norm_rinv, mma, neumann_inverse, sigmoid_approx, scan_shape, state_in,
-    to_tiles, token_tile_map,
+    Constants, TileMap, check_activations, ex2_approx, l2norm_rinv, mma, neumann_inverse, sigmoid_approx, scan_shape,
+    state_in, to_tiles, token_tile_map,
 )
 from .gates import mirror_prepare_gates
 from .gold import expand_to_value_heads, value_head_group
@@ -114,10 +114,10 @@ def mirror_prepare(
 ) -> Workspace:
     """K1 of docs/numerics.md for the safe gate: the workspace the prepare kernel writes.
 
-    q, k bf16 ``[B, T, H, D]``; g (raw gate input) ``[B, T, HV, D]`` and beta ``[B, T, HV]`` in bf16
-    (fp32 is taken as is); A_log fp32 ``[HV]``; dt_bias fp32 ``[HV, D]`` or ``[HV*D]``; safe gate
-    ``lower_bound · sigmoid(exp(A_log) · (g + dt_bias))``. HV (value heads) a multiple of H: value head ``j``
-    reads q/k head ``j // (HV / H)``. ``cu_seqlens`` int ``[N+1]`` (B == 1) packs N sequences. D must be
+    q, k bf16 or fp16 ``[B, T, H, D]`` (fp16 widened exactly, as bf16); g (raw gate input) ``[B, T, HV, D]`` and
+    beta ``[B, T, HV]`` in q's dtype or bf16 (fp32 is taken as is); A_log fp32 ``[HV]``; dt_bias fp32 ``[HV, D]``
+    or ``[HV*D]``; safe gate ``lower_bound · sigmoid(exp(A_log) · (g + dt_bias))``. HV (value heads) a multiple
+    of H: value head ``j`` reads q/k head ``j // (HV / H)``. ``cu_seqlens`` int ``[N+1]`` (B == 1) packs N sequences. D must be
     8·2^m (128 for the kernels).
 
     Returns a :class:`~cute_kda.workspace.Workspace` with ``tiles = tiles_per_head(B·T, N, varlen)``
@@ -125,8 +125,7 @@ def mirror_prepare(
     """
     dim = q.shape[-1]
     value_heads = beta.shape[2]
-    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
-        raise TypeError("q and k must be bf16 (the kernels' input type)")
+    check_activations(q=q, k=k)
     if dim % 8 or (dim // 8) & (dim // 8 - 1):
         raise ValueError(f"head dim must be 8·2^m, got {dim}")
     consts = Constants.make(lower_bound, dim ** -0.5 if scale is None else scale)
@@ -166,10 +165,11 @@ def mirror_recurrence(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """K2 of docs/numerics.md over the workspace ``ws`` (from K1 or :func:`mirror_prepare`).
 
-    v bf16 ``[B, T, H, V]`` (V == D); ``initial_state`` None, bf16 or fp32, ``[N, H, V, K]``
-    (``state_layout="vk"``, the kernels' layout) or ``[N, H, K, V]`` (``"kv"``). The state is fp32
-    between tiles (``S32``); the products read its bf16 rounding ``S``. Returns o bf16 ``[B, T, H, V]``
-    and, when ``output_final_state``, the final state in ``state_dtype`` (bf16: ``S``; fp32: ``S32``)
+    v bf16 or fp16 ``[B, T, H, V]`` (V == D; o in v's dtype); ``initial_state`` None, bf16, fp16 or fp32,
+    ``[N, H, V, K]`` (``state_layout="vk"``, the kernels' layout) or ``[N, H, K, V]`` (``"kv"``). The state is fp32
+    between tiles (``S32``); the products read its bf16 rounding ``S``. Returns o ``[B, T, H, V]`` in v's dtype
+    and, when ``output_final_state``, the final state in ``state_dtype`` (bf16: ``S``; fp32: ``S32``; fp16:
+    ``f16(S32)``)
     in ``state_layout``; else None.
 
     ``checkpoints`` (the training forward): a bf16 ``[H · slots, K, V]`` buffer
@@ -177,10 +177,9 @@ def mirror_recurrence(
     ``g // checkpoint_every + s``, ``S = bf16(S32)`` entering every global tile ``g`` of sequence ``s`` that
     starts a block of ``checkpoint_every`` or the sequence; other rows are left as they are.
     """
-    if v.dtype != torch.bfloat16:
-        raise TypeError("v must be bf16 (the kernels' input type)")
-    if state_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"state_dtype must be bf16 or fp32, got {state_dtype}")
+    check_activations(v=v)
+    if state_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"state_dtype must be bf16, fp16 or fp32, got {state_dtype}")
     batch, seq_len, heads, value_dim, tiles, key_dim, tile_map = scan_shape(ws, v, "v", cu_seqlens, state_layout)
     if value_dim != key_dim:
         raise ValueError(f"workspace {tuple(ws.qd.shape)} does not fit v {tuple(v.shape)}")
@@ -193,13 +192,13 @@ def mirror_recurrence(
     qd, kd, kr, gt, inv, mqk, beta = (per_head(t) for t in ws)
     v_t = to_tiles(v.reshape(batch * seq_len, heads, value_dim).float(), tile_map)  # [H, tiles, 16, V]
 
-    if initial_state is not None and initial_state.dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"initial_state must be bf16 or fp32, got {initial_state.dtype}")
+    if initial_state is not None and initial_state.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"initial_state must be bf16, fp16 or fp32, got {initial_state.dtype}")
     state32 = state_in(initial_state, "initial_state", state_layout, (num_seqs, heads, key_dim, value_dim),
                        torch.float32, device)
     state = state32.bfloat16()  # the products' operand
 
-    out_t = torch.empty(heads, tiles + 1, CHUNK, value_dim, device=device, dtype=torch.bfloat16)  # slot `tiles`: sink
+    out_t = torch.empty(heads, tiles + 1, CHUNK, value_dim, device=device, dtype=v.dtype)  # slot `tiles`: sink
     starts = tile_map.bases[:-1]
     if checkpoints is not None:
         slots = snapshot_slots(tiles, num_seqs, checkpoint_every)
@@ -221,7 +220,7 @@ def mirror_recurrence(
         qS = mma(qd[:, slot], state)
         u = ((v_t[:, slot] - kS) * beta[:, slot][..., None]).bfloat16()
         U = mma(inv[:, slot], u).bfloat16()
-        o = mma(mqk[:, slot], U, c=qS).bfloat16()
+        o = mma(mqk[:, slot], U, c=qS).to(v.dtype)
         updated = mma(kr[:, slot].transpose(-1, -2), U, c=gt[:, slot][..., None] * state32)  # [H, N, K, V]
         state32 = torch.where(active[None, :, None, None], updated, state32)
         state = state32.bfloat16()

@@ -22,7 +22,7 @@ A kernel subclasses it and brings its own ``__call__``, ``kernel`` and ``compute
 
 from typing import NamedTuple, Optional
 
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
+from cutlass import BFloat16, Float16, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.experimental.primitives import cp_async_bulk_global_shared_cta
 
@@ -37,6 +37,7 @@ from .copy import c_row_half, smem_tensor, tma_store_tiles
 from .fastmath import pack_bf16x2
 
 BULK_IMAGE_COLS = 32  # narrowest warp band whose kept rows leave by bulk copies
+STAGED_STATES = (Float32, Float16)  # state dtypes that pass through the staging buffer, converted in shared memory
 
 
 class WarpCopies(NamedTuple):
@@ -74,15 +75,26 @@ class BandScan:
     subclass). ``initial_state`` / ``final_state``: None, ``cutlass.BFloat16`` or ``cutlass.Float32``
     (the dtype of the ``[N, H, V, K]`` tensors the band is loaded from before the tile loop and stored
     to after it). ``varlen``: sequences packed along T with ``cu_seqlens``. ``reverse``: tiles run
-    from the last to the first.
+    from the last to the first. ``token_dtype``: the per-token input and output tiles' (bf16, or fp16: the same
+    16-bit layouts and ldmatrix / stmatrix, other conversions). ``state_dtypes``: the state dtypes the kernel
+    takes; a :data:`STAGED_STATES` one passes through the staging buffer (:attr:`staging`, its element type), so
+    an fp16 and an fp32 state do not meet in one variant.
     """
 
     def __init__(self, plan, *, initial_state: Optional[type], final_state: Optional[type], varlen: bool,
-                 reverse: bool) -> None:
+                 reverse: bool, token_dtype: type = BFloat16, state_dtypes: tuple = (BFloat16, Float32)) -> None:
+        if token_dtype not in (BFloat16, Float16):
+            raise ValueError(f"token_dtype must be BFloat16 or Float16, got {token_dtype}")
         for name, dtype in (("initial_state", initial_state), ("final_state", final_state)):
-            if dtype not in (None, BFloat16, Float32):
-                raise ValueError(f"{name} must be None, BFloat16 or Float32, got {dtype}")
+            if dtype is not None and dtype not in state_dtypes:
+                names = ", ".join(d.__name__ for d in state_dtypes)
+                raise ValueError(f"{name} must be None or one of {names}, got {dtype}")
+        staged = {dtype for dtype in (initial_state, final_state) if dtype in STAGED_STATES}
+        if len(staged) > 1:
+            raise ValueError("an fp16 and an fp32 state would share the staging buffer: give both states one of them")
+        self.staging = staged.pop() if staged else Float32
         self.plan = plan
+        self.token_dtype = token_dtype
         self.vsplit = plan.vsplit
         self.initial_state = initial_state
         self.final_state = final_state
@@ -159,13 +171,13 @@ class BandScan:
         """Every TMA-moved buffer as its TMA smem tensor, by plan field name: the swizzled tiles (kd, qd, kr;
         the per-token and output tiles when ``plan.swizzled_tokens``) as ``[16, cols, stage]`` with the
         swizzle on the pointer; the others as boxes ``(IMAGE_RUN, rows, cols / IMAGE_RUN[, stage])``."""
-        plan, bf16 = self.plan, BFloat16
+        plan, bf16, tokens = self.plan, BFloat16, self.token_dtype
         stages, out_stages = plan.input_stages, plan.output_stages
 
         def token_box(name: str, count: int) -> cute.Tensor:
             if plan.swizzled_tokens:
-                return smem_tensor(at[name], layouts.value_tile(plan, count), bf16)
-            return smem_tensor(at[name], layouts.tma_box(CHUNK, self.v_band, count), bf16)
+                return smem_tensor(at[name], layouts.value_tile(plan, count), tokens)
+            return smem_tensor(at[name], layouts.tma_box(CHUNK, self.v_band, count), tokens)
 
         boxes = {plan.token_field: token_box(plan.token_field, stages)}
         for name in layouts.SWIZZLED_FIELDS:
@@ -175,7 +187,7 @@ class BandScan:
         for name in plan.output_fields:
             boxes[name] = token_box(name, out_stages)
         boxes["state"] = smem_tensor(state_ptr, layouts.tma_box(self.v_band, self.dim), bf16)
-        boxes["state_fp32"] = smem_tensor(union_ptr, layouts.tma_box(self.v_band, self.dim), Float32)
+        boxes["state_fp32"] = smem_tensor(union_ptr, layouts.tma_box(self.v_band, self.dim), self.staging)
         return boxes
 
     @cute.jit
@@ -263,18 +275,19 @@ class BandScan:
         state_mbar: cute.Pointer, state: cute.Tensor, state_fp32: cute.Tensor, tma_state: cute.Tensor,
         tma_state_fp32: cute.Tensor, present=None,
     ):
-        """Band → ``state`` (bf16): zeros, a TMA load, or a TMA load of fp32 and a conversion.
+        """Band → ``state`` (bf16): zeros, a TMA load, or a TMA load of fp32 (or fp16) and a conversion.
 
-        ``state`` / ``state_fp32``: the bf16 band and the fp32 staging as ``[v_band, D]`` element views;
+        ``state`` / ``state_fp32``: the bf16 band and the staging (:attr:`staging`) as ``[v_band, D]`` element views;
         ``tma_state`` / ``tma_state_fp32``: the same bytes as TMA boxes. ``present``: None, or a CTA-uniform
         runtime boolean (a state pool's slot id is not −1); false loads nothing and starts from zeros.
         """
         if const_expr(self.initial_state is None):
             self.zero_box(tidx, tma_state)
         else:
-            fp32 = self.initial_state is Float32
-            target = tma_state_fp32 if const_expr(fp32) else tma_state
-            nbytes = self.plan.state_fp32_bytes if const_expr(fp32) else self.plan.state_bytes
+            staged = self.initial_state in STAGED_STATES
+            target = tma_state_fp32 if const_expr(staged) else tma_state
+            # an fp16 band moves the bytes of a bf16 one
+            nbytes = self.plan.state_fp32_bytes if const_expr(self.initial_state is Float32) else self.plan.state_bytes
             if const_expr(present is None):
                 self.tma_load_state(warp_idx, tma_state_in, g_state, state_mbar, target, nbytes)
             else:
@@ -282,7 +295,7 @@ class BandScan:
                     self.tma_load_state(warp_idx, tma_state_in, g_state, state_mbar, target, nbytes)
                 else:
                     self.zero_box(tidx, target)
-            if const_expr(fp32):
+            if const_expr(staged):
                 self.convert_state(tidx, state_fp32, state)
         cute.arch.fence_view_async_shared()  # generic smem accesses before any TMA touches these bytes
         cute.arch.barrier()
@@ -314,13 +327,13 @@ class BandScan:
         state: cute.Tensor, state_fp32: cute.Tensor, tma_state: cute.Tensor, tma_state_fp32: cute.Tensor,
         staged: bool = False,
     ):
-        """``state`` → the final-state band (bf16 directly, fp32 through the staging buffer).
+        """``state`` → the final-state band (bf16 directly, fp32 or fp16 through the staging buffer).
 
-        ``staged``: the fp32 staging already holds the band (the caller wrote it and met the CTA
+        ``staged``: the staging already holds the band (the caller wrote it and met the CTA
         barrier after), so only the TMA store is left.
         """
         source = tma_state
-        if const_expr(self.final_state is Float32):
+        if const_expr(self.final_state in STAGED_STATES):
             if const_expr(not staged):
                 self.convert_state(tidx, state, state_fp32)
                 cute.arch.fence_view_async_shared()
@@ -334,7 +347,7 @@ class BandScan:
 
     @cute.jit
     def convert_state(self, tidx: Int32, src: cute.Tensor, dst: cute.Tensor):
-        """``dst[v, k] = src[v, k]`` converted (fp32 → bf16 round-to-nearest-even, or bf16 → fp32 exactly).
+        """``dst[v, k] = src[v, k]`` converted (fp32 or fp16 → bf16 round-to-nearest-even, or bf16 → fp32 exactly).
 
         Thread ``i`` takes the 8 consecutive k of one row v per step, consecutive threads consecutive
         rows: 16-byte runs on the bf16 side, 32-byte runs on the fp32 side, both contiguous across a warp.
@@ -499,12 +512,12 @@ class BandScan:
     @cute.jit
     def load_band32(self, warp_idx: Int32, band32: tuple, band_acc: cute.Tensor, staging_acc: cute.Tensor):
         """The fp32 band from the initial state: 0, the bf16 band buffer widened (``band_acc``, its
-        ``[K, v_band]`` view), or the fp32 staging (``staging_acc``, the same view of it)."""
+        ``[K, v_band]`` view), or the staging (``staging_acc``, the same view of it; fp16 widened exactly)."""
         if const_expr(self.initial_state is None):
             for block in band32:
                 block.fill(0.0)
         else:
-            source = staging_acc if const_expr(self.initial_state is Float32) else band_acc
+            source = staging_acc if const_expr(self.initial_state in STAGED_STATES) else band_acc
             elements = self.warp_band_elements(warp_idx, source)
             for m in cutlass.range_constexpr(len(band32)):
                 block, rows = band32[m], elements[None, m, None]
@@ -513,12 +526,13 @@ class BandScan:
 
     @cute.jit
     def stage_band32(self, warp_idx: Int32, band32: tuple, staging_acc: cute.Tensor):
-        """The fp32 band of the warp's columns → the fp32 staging (the final state's TMA store reads it)."""
+        """The fp32 band of the warp's columns → the staging (the final state's TMA store reads it), rounded to
+        its element type (fp16: round to nearest even)."""
         elements = self.warp_band_elements(warp_idx, staging_acc)
         for m in cutlass.range_constexpr(len(band32)):
             block, rows = band32[m], elements[None, m, None]
             for i in cutlass.range_constexpr(cute.size(block)):
-                rows[i] = block[i]
+                rows[i] = rows.element_type(block[i])
 
     @staticmethod
     def fragment_rows(vector: cute.Tensor, stage, group: Int32, m: int = 0) -> tuple:
@@ -543,18 +557,19 @@ class BandScan:
         )
 
     def warp_copies(self, tiled_mma: cute.TiledMma) -> WarpCopies:
-        """The ldmatrix / stmatrix tiled copies of the compute warps (x4, or x2 for 8-column bands)."""
+        """The ldmatrix / stmatrix tiled copies of the compute warps (x4, or x2 for 8-column bands); those of the
+        per-token tiles (``ldsm_c``, ``stsm_c``) in :attr:`token_dtype`."""
         band = self.band_matrices
 
-        def tiled(make, op):
-            return make(cute.make_copy_atom(op, BFloat16), tiled_mma)
+        def tiled(make, op, dtype=BFloat16):
+            return make(cute.make_copy_atom(op, dtype), tiled_mma)
 
         return WarpCopies(
             ldsm_a=tiled(cute.make_tiled_copy_A, warp.LdMatrix8x8x16bOp(False, 4)),
             ldsm_a_t=tiled(cute.make_tiled_copy_A, warp.LdMatrix8x8x16bOp(True, 4)),
             ldsm_b=tiled(cute.make_tiled_copy_B, warp.LdMatrix8x8x16bOp(False, band)),
             ldsm_b_t=tiled(cute.make_tiled_copy_B, warp.LdMatrix8x8x16bOp(True, band)),
-            ldsm_c=tiled(cute.make_tiled_copy_C, warp.LdMatrix8x8x16bOp(False, band)),
-            stsm_c=tiled(cute.make_tiled_copy_C, warp.StMatrix8x8x16bOp(False, band)),
+            ldsm_c=tiled(cute.make_tiled_copy_C, warp.LdMatrix8x8x16bOp(False, band), self.token_dtype),
+            stsm_c=tiled(cute.make_tiled_copy_C, warp.StMatrix8x8x16bOp(False, band), self.token_dtype),
             stsm_c_t=tiled(cute.make_tiled_copy_C, warp.StMatrix8x8x16bOp(True, band)),
         )

@@ -132,10 +132,11 @@ class TokenPrep:
 
     @cute.jit
     def load_row_chunk(self, s_q, s_k, row: Int32, chunk: Int32) -> tuple:
-        """Channels ``8·chunk …`` of row ``row`` of q and k (bf16 registers; :meth:`chunk_scales` takes them)."""
+        """Channels ``8·chunk …`` of row ``row`` of q and k (registers of the tiles' bf16 or fp16;
+        :meth:`chunk_scales` widens them)."""
         run = (1, CHANNELS_PER_LANE)
-        q_in = cute.make_rmem_tensor(run, BFloat16)
-        k_in = cute.make_rmem_tensor(run, BFloat16)
+        q_in = cute.make_rmem_tensor(run, s_q.element_type)
+        k_in = cute.make_rmem_tensor(run, s_k.element_type)
         cute.autovec_copy(cute.local_tile(s_q, run, (row, chunk)), q_in)
         cute.autovec_copy(cute.local_tile(s_k, run, (row, chunk)), k_in)
         return q_in, k_in
@@ -189,8 +190,8 @@ class TokenPrep:
         returns ``G_15``. K1 runs it to fill the workspace and Kernel B to recompute it, with the same instructions
         in the same order; ``sink`` says where each value goes (the two kernels keep different buffers).
 
-        ``sink`` reads ``k(row)``, ``q(row)`` (raw bf16), ``k_scale(row)`` (1/‖k‖, under l2norm), ``q_scale(row)``
-        (1/‖q‖ · scale) and takes, in this order:
+        ``sink`` reads ``k(row)``, ``q(row)`` (raw bf16 or fp16), ``k_scale(row)`` (1/‖k‖, under l2norm),
+        ``q_scale(row)`` (1/‖q‖ · scale) and takes, in this order:
 
         1. rows last to first: ``suffix(row, kh, growth)``, ``growth = 2^(G_15 − G_row)`` (for ``kr``);
         2. rows first to last: ``prefix(row, qh, kh, decay)``, ``decay = 2^G_row`` (for ``qd``, ``kd``);
@@ -264,11 +265,11 @@ class TokenPrep:
             suffix = suffix + s_gate[row]
 
     @cute.jit
-    def decay_per_row(self, s_q, s_k, s_kr, s_q_hat, s_k_hat, s_prefix, s_suffix, scale: Float32,
+    def decay_per_row(self, s_q, s_k, s_qd, s_kd, s_kr, s_q_hat, s_k_hat, s_prefix, s_suffix, scale: Float32,
                       valid_rows: Int32, tidx: Int32, s_rinv_q=None, s_rinv_k=None):
-        """A per-head gate's :meth:`decay`: this thread's row chunks, the l2norm, qd and kd (over q and k), kr, and
-        the bf16 rows ``q̂``, ``k̂``, from the per-row ``2^G`` and ``2^Gs`` of :meth:`row_sums`; ``s_rinv_q`` /
-        ``s_rinv_k`` as :meth:`decay`'s."""
+        """A per-head gate's :meth:`decay`: this thread's row chunks, the l2norm, qd and kd (which may alias q and
+        k), kr, and the bf16 rows ``q̂``, ``k̂``, from the per-row ``2^G`` and ``2^Gs`` of :meth:`row_sums`;
+        ``s_rinv_q`` / ``s_rinv_k`` as :meth:`decay`'s."""
         for item in cutlass.range_constexpr(self.decay_items):
             row, chunk = self.row_chunk(tidx, item)
             valid = row < valid_rows
@@ -291,7 +292,7 @@ class TokenPrep:
                 kr[i] = (kh * rest).to(BFloat16)
                 q_hat[i] = qh.to(BFloat16)
                 k_hat[i] = kh.to(BFloat16)
-            for values, tile in ((qd, s_q), (kd, s_k), (kr, s_kr), (q_hat, s_q_hat), (k_hat, s_k_hat)):
+            for values, tile in ((qd, s_qd), (kd, s_kd), (kr, s_kr), (q_hat, s_q_hat), (k_hat, s_k_hat)):
                 cute.autovec_copy(values, cute.local_tile(tile, run, at))
 
     @cute.jit

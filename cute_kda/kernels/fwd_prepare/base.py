@@ -51,14 +51,16 @@ from ..common.copy import (
 from ..common.fastmath import sigmoid_approx
 from ..common.token_prep import ROW_LANES, TokenPrep
 
+INPUT_DTYPES = (BFloat16, Float16)  # q, k (and a raw gate): widened to fp32 on load, the same instructions after
+
 
 class PrepareInputs(NamedTuple):
     """K1's inputs, validated by the API layer; token tensors ``[B, T, ...]`` or with the tokens
     flattened (``rows = B·T``), C-contiguous either way (:func:`~cute_kda.layouts.fwd_prepare.compact`)."""
 
-    q: cute.Tensor  # bf16 [B, T, H, D] or [rows, H, D], D contiguous
-    k: cute.Tensor  # bf16 like q
-    g: cute.Tensor  # bf16 like q, raw gate
+    q: cute.Tensor  # bf16 or fp16 (the kernel's ``dtype``) [B, T, H, D] or [rows, H, D], D contiguous
+    k: cute.Tensor  # like q
+    g: cute.Tensor  # like q, raw gate (or the log decay: fp32 too)
     beta: cute.Tensor  # bf16 [B, T, H] or [rows, H], logits or activated
     a_log: cute.Tensor  # fp32 [H]
     dt_bias: cute.Tensor  # fp32 [H, D]
@@ -97,7 +99,9 @@ class PrepareTma(NamedTuple):
 
 class PrepareKernel(TokenPrep):
     """K1's shared parts. Static configuration: ``varlen``, ``qk_l2norm``, ``beta_logits``, ``gate``
-    (:data:`cute_kda.numerics.GATES`), ``gate_dtype`` (bf16, or fp32 with gate "none"), ``num_threads`` and
+    (:data:`cute_kda.numerics.GATES`), ``dtype`` (q's and k's: bf16, or fp16 widened to fp32 exactly where bf16
+    is, docs/numerics.md "fp16 inputs"; the workspace stays bf16), ``gate_dtype`` (``dtype``, or fp32 with gate
+    "none"), ``num_threads`` and
     ``ctas_per_sm`` (the launch's minimum, i.e. the register budget ``65536 / (num_threads · ctas_per_sm)``;
     default the scheme's). ``grouped``: q and k have H heads, everything else HV = group · H (value heads); the
     grid and the workspace run over value heads, and value head ``h`` reads q/k head ``h // group``.
@@ -114,15 +118,20 @@ class PrepareKernel(TokenPrep):
     smem_plan: Callable[..., SmemBudget]  # of D
 
     def __init__(self, *, varlen: bool, gate: str = "safe", qk_l2norm: bool = True, beta_logits: bool = True,
-                 gate_dtype: type = BFloat16, grouped: bool = False, num_threads: int = 128,
-                 ctas_per_sm: Optional[int] = None) -> None:
+                 dtype: type = BFloat16, gate_dtype: Optional[type] = None, grouped: bool = False,
+                 num_threads: int = 128, ctas_per_sm: Optional[int] = None) -> None:
         if num_threads not in self.thread_counts:
             raise ValueError(f"{type(self).__name__} runs {' or '.join(map(str, self.thread_counts))} threads, "
                              f"got {num_threads}")
         if gate not in self.gates:
             raise ValueError(f"{type(self).__name__} takes gate {' or '.join(map(repr, self.gates))}, got {gate!r}")
-        if gate_dtype not in (BFloat16, Float32) or (gate_dtype is Float32 and gate != "none"):
-            raise ValueError(f"g is bf16 (or fp32 with gate 'none'), got {gate_dtype} with gate {gate!r}")
+        if dtype not in INPUT_DTYPES:
+            raise ValueError(f"q and k are bf16 or fp16, got {dtype}")
+        gate_dtype = dtype if gate_dtype is None else gate_dtype
+        if gate_dtype not in (dtype, Float32) or (gate_dtype is Float32 and gate != "none"):
+            raise ValueError(f"g is q's dtype {dtype.__name__} (or fp32 with gate 'none'), got {gate_dtype} with "
+                             f"gate {gate!r}")
+        self.dtype = dtype
         self.varlen = varlen
         self.qk_l2norm = qk_l2norm
         self.beta_logits = beta_logits
@@ -221,9 +230,15 @@ class PrepareKernel(TokenPrep):
         return tidx, warp_idx, lane, SmemAllocator().allocate(self.shared_storage), tile_layout
 
     @staticmethod
-    def swizzled_views(layout, *buffers) -> tuple:
-        """Shared-memory tensors of ``buffers`` with the swizzled ``layout`` (a composed layout)."""
-        return tuple(buffer.get_tensor(layout.outer, swizzle=layout.inner) for buffer in buffers)
+    def swizzled_views(layout, *buffers, dtype: Optional[type] = None) -> tuple:
+        """Shared-memory tensors of ``buffers`` with the swizzled ``layout`` (a composed layout), of the buffers'
+        element type or ``dtype``."""
+        return tuple(buffer.get_tensor(layout.outer, swizzle=layout.inner, dtype=dtype) for buffer in buffers)
+
+    def input_views(self, layout, *buffers) -> tuple:
+        """:meth:`swizzled_views` of the TMA-loaded input tiles in :attr:`dtype`: the same bytes as their bf16
+        views, which the decayed operands then overwrite (fp16 and bf16 tiles share the layout)."""
+        return self.swizzled_views(layout, *buffers, dtype=self.dtype)
 
     @staticmethod
     def row_views(*buffers) -> tuple:

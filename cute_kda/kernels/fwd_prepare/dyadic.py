@@ -1,6 +1,6 @@
-"""K1 for the per-channel unbounded gates (``gate`` "softplus" or "none", the latter a precomputed log decay,
-bf16 or fp32 g): the overflow-free form of docs/numerics.md ("Unbounded gates", scheme ``dyadic``), one thread
-per channel (128); no ``2^−G`` is ever formed. Five CTAs per SM
+"""K1 for the per-channel unbounded gates (``gate`` "softplus" or "none", the latter a precomputed log decay;
+g in q's dtype, or fp32 with "none"): the overflow-free form of docs/numerics.md ("Unbounded gates", scheme
+``dyadic``), one thread per channel (128); no ``2^−G`` is ever formed. Five CTAs per SM
 (``cute_kda.layouts.fwd_prepare.dyadic_smem_budget``).
 """
 
@@ -37,22 +37,25 @@ class SwizzledColumn:
 
 
 class PackedLevels:
-    """Where K1 puts one channel of :meth:`~.common.token_prep.TokenPrep.dyadic_channel_scan`: qd, kd over q, k and
+    """Where K1 puts one channel of :meth:`~.common.token_prep.TokenPrep.dyadic_channel_scan`: it reads q, k through
+    ``q_in``, ``k_in`` (the input dtype's columns) and writes qd, kd over them (bf16 columns of the same bytes) and
     kr in their sw128 tiles (:class:`SwizzledColumn` s), and each level's operands packed into 8 slots a level:
     an upper row ``r > m`` of block ``β`` (``b`` rows) in slot ``β·b/2 + (r − m − 1)`` of the level's rows (``X``
     then, 8 rows on, ``Q``), a lower row ``r ≤ m`` in slot ``β·b/2 + (r − β·b)`` of its pair's lower rows."""
 
-    def __init__(self, q_col: SwizzledColumn, k_col: SwizzledColumn, kr_col: SwizzledColumn, level_cols: tuple,
-                 lower_cols: tuple, s_q_scale: cute.Tensor, s_k_scale: cute.Tensor) -> None:
+    def __init__(self, q_in: SwizzledColumn, k_in: SwizzledColumn, q_col: SwizzledColumn, k_col: SwizzledColumn,
+                 kr_col: SwizzledColumn, level_cols: tuple, lower_cols: tuple, s_q_scale: cute.Tensor,
+                 s_k_scale: cute.Tensor) -> None:
+        self.q_in, self.k_in = q_in, k_in
         self.q_col, self.k_col, self.kr_col = q_col, k_col, kr_col
         self.level_cols, self.lower_cols = level_cols, lower_cols
         self.s_q_scale, self.s_k_scale = s_q_scale, s_k_scale
 
     def q(self, row: int):
-        return self.q_col[row]
+        return self.q_in[row]
 
     def k(self, row: int):
-        return self.k_col[row]
+        return self.k_in[row]
 
     def q_scale(self, row: int):
         return self.s_q_scale[row]
@@ -101,6 +104,7 @@ class DyadicPrepare(PrepareKernel):
         """
         tidx, warp_idx, lane, storage, tile_layout = self.start_tile()
         s_q, s_k, s_kr = self.swizzled_views(tile_layout, storage.q, storage.k, storage.kr)
+        q_in, k_in = self.input_views(tile_layout, storage.q, storage.k)
         s_levels = self.swizzled_views(tile_layout, *(getattr(storage, f"level_rows{level}")
                                                       for level in range(len(DYADIC_BLOCKS))))
         s_lowers = self.swizzled_views(tile_layout, *(getattr(storage, f"lower_rows{pair}")
@@ -112,7 +116,7 @@ class DyadicPrepare(PrepareKernel):
         tma_barrier = storage.tma_barrier.data_ptr()
 
         if warp_idx == 0:
-            self.load_inputs(((tma.q, s_q, qk_head), (tma.k, s_k, qk_head)), tma_barrier, row0)
+            self.load_inputs(((tma.q, q_in, qk_head), (tma.k, k_in, qk_head)), tma_barrier, row0)
         col = tidx
         gate_in = self.load_gate_column(inputs.g, head, row0, valid_rows, col)  # in flight with the TMA
         dt, e_a = Float32(0.0), Float32(1.0)
@@ -123,16 +127,17 @@ class DyadicPrepare(PrepareKernel):
         cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
         cute.arch.mbarrier_wait(tma_barrier, 0)
 
-        self.row_scales(s_q, s_k, s_q_scale, s_k_scale, s_diagonal, scalars.scale, valid_rows, tidx)
+        self.row_scales(q_in, k_in, s_q_scale, s_k_scale, s_diagonal, scalars.scale, valid_rows, tidx)
         cute.arch.sync_threads()
         offsets = sw128_column_offsets(col)
         flat = cute.make_layout(CHUNK * self.dim)
 
-        def column(buffer) -> SwizzledColumn:
-            return SwizzledColumn(buffer.get_tensor(flat), offsets)
+        def column(buffer, dtype=None) -> SwizzledColumn:
+            return SwizzledColumn(buffer.get_tensor(flat, dtype=dtype), offsets)
 
         sink = PackedLevels(
-            column(storage.q), column(storage.k), column(storage.kr),
+            column(storage.q, self.dtype), column(storage.k, self.dtype), column(storage.q), column(storage.k),
+            column(storage.kr),
             tuple(column(getattr(storage, f"level_rows{level}")) for level in range(len(DYADIC_BLOCKS))),
             tuple(column(getattr(storage, f"lower_rows{pair}")) for pair in range(len(DYADIC_BLOCKS) // 2)),
             s_q_scale, s_k_scale)

@@ -38,13 +38,14 @@ class PerHeadPrepare(PrepareKernel):
         tidx, warp_idx, lane, storage, tile_layout = self.start_tile()
         s_q, s_k, s_kr, s_q_hat, s_k_hat = self.swizzled_views(tile_layout, storage.q, storage.k, storage.kr,
                                                                storage.q_hat, storage.k_hat)
+        q_in, k_in = self.input_views(tile_layout, storage.q, storage.k)
         s_spans = storage.spans.get_tensor(plan.pair_matrix())
         s_beta, s_gate, s_decay, s_prefix, s_suffix = self.row_views(storage.beta, storage.gate, storage.decay,
                                                                      storage.prefix_decay, storage.suffix_decay)
         tma_barrier = storage.tma_barrier.data_ptr()
 
         if warp_idx == 0:
-            self.load_inputs(((tma.q, s_q, qk_head), (tma.k, s_k, qk_head)), tma_barrier, row0)
+            self.load_inputs(((tma.q, q_in, qk_head), (tma.k, k_in, qk_head)), tma_barrier, row0)
         if tidx < CHUNK:
             self.activate_beta(inputs.beta, ws.beta, s_beta, head, slot, row0, valid_rows, tidx)
             self.head_gate_row(inputs.g, inputs.a_log, inputs.dt_bias, head, row0, valid_rows, s_gate, s_decay, tidx)
@@ -56,7 +57,8 @@ class PerHeadPrepare(PrepareKernel):
         cute.arch.sync_threads()
         ws.gt[slot, tidx] = s_prefix[CHUNK - 1]
         cute.arch.mbarrier_wait(tma_barrier, 0)
-        self.decay_per_row(s_q, s_k, s_kr, s_q_hat, s_k_hat, s_prefix, s_suffix, scalars.scale, valid_rows, tidx)
+        self.decay_per_row(q_in, k_in, s_q, s_k, s_kr, s_q_hat, s_k_hat, s_prefix, s_suffix, scalars.scale, valid_rows,
+                           tidx)
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes → TMA store reads
         cute.arch.sync_threads()
 

@@ -1,6 +1,6 @@
 """K1 for the bounded (safe) gate, FlashKDA's form; ``num_threads`` threads (128 or 256):
 
-1. *Load.* Warp 0 TMA-loads the q, k and g tiles (``[16, 128]`` bf16, 128-byte swizzle) behind one
+1. *Load.* Warp 0 TMA-loads the q, k and g tiles (``[16, 128]`` bf16 or fp16, 128-byte swizzle) behind one
    transaction barrier; meanwhile every thread fetches its gate column's ``dt_bias`` and
    ``exp(A_log)``, and threads 0-15 compute β of their row (written to smem and to the workspace).
 2. *Gate scan.* Threads 0-127 own one channel each and run the 16-row inclusive scan of
@@ -31,7 +31,7 @@ from .base import PrepareInputs, PrepareKernel, PrepareScalars, PrepareTma, Work
 
 
 class SafePrepare(PrepareKernel):
-    """K1 for the safe gate (bf16 g per channel; 128 or 256 threads)."""
+    """K1 for the safe gate (g per channel in q's dtype; 128 or 256 threads)."""
 
     gates = ("safe",)
     gate_tile = True
@@ -46,12 +46,13 @@ class SafePrepare(PrepareKernel):
         """The phases of the safe gate (module docstring)."""
         tidx, warp_idx, lane, storage, tile_layout = self.start_tile()
         s_q, s_k, s_g, s_kinv = self.swizzled_views(tile_layout, storage.q, storage.k, storage.g, storage.kinv)
+        q_in, k_in, g_in = self.input_views(tile_layout, storage.q, storage.k, storage.g)
         (s_cumsum,) = self.swizzled_views(plan.gate_cumsum_tile(self.dim), storage.gate_cumsum)
         s_beta = storage.beta.get_tensor(plan.row_vector())
         tma_barrier = storage.tma_barrier.data_ptr()
 
         if warp_idx == 0:
-            self.load_inputs(((tma.q, s_q, qk_head), (tma.k, s_k, qk_head), (tma.g, s_g, head)), tma_barrier, row0)
+            self.load_inputs(((tma.q, q_in, qk_head), (tma.k, k_in, qk_head), (tma.g, g_in, head)), tma_barrier, row0)
         # gate inputs of this thread's scan column, fetched while the TMA runs
         col = tidx % self.dim
         dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, head, col)
@@ -61,10 +62,10 @@ class SafePrepare(PrepareKernel):
         cute.arch.mbarrier_wait(tma_barrier, 0)
 
         if tidx < self.dim:
-            ws.gt[slot, col] = ex2_approx(self.gate_scan(s_g, s_cumsum, col, dt, e_a, scalars.c_gate, valid_rows))
+            ws.gt[slot, col] = ex2_approx(self.gate_scan(g_in, s_cumsum, col, dt, e_a, scalars.c_gate, valid_rows))
         cute.arch.sync_threads()
         # qd, kd, kr written over q, k, g
-        self.decay(s_q, s_k, s_cumsum, s_q, s_k, s_g, s_kinv, scalars.scale, valid_rows, tidx)
+        self.decay(q_in, k_in, s_cumsum, s_q, s_k, s_g, s_kinv, scalars.scale, valid_rows, tidx)
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes → TMA store reads
         cute.arch.sync_threads()
 
