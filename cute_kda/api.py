@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import interop, validation
+from . import head_dims, interop, validation
 from .interop import DLPackTensor
-from .call import Call, final_state_dtype_of, resolve
+from .call import Call, final_state_dtype_of, finish, resolve
 from .context_parallel import check_segments
 from .executors import inference, training
 from .executors.stages import KERNELS
@@ -157,10 +157,9 @@ def kda_forward(
 
 
 def run(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A resolved call on its executor: training (autograd records it) or inference."""
-    if call.training:
-        return training.train(KERNELS, call)
-    return inference.run(call)
+    """A resolved call on its executor: training (autograd records it) or inference; at the caller's head dims."""
+    result = training.train(KERNELS, call) if call.training else inference.run(call)
+    return result if call.caller_dims is None else call.caller_dims.restore(*result)
 
 
 def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
@@ -181,6 +180,14 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     validation.check_gate(gate)
     for name, x in (("q", q), ("v", v), ("g", g)):
         validation.check_is_tensor(name, x)
+    dims = head_dims.head_dims_of(q, v)
+    if dims is not None:  # the padded / split 128 call (cute_kda.head_dims), its results back at the caller's dims
+        return _traced_at_caller_dims(dims, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
+                                      lower_bound=lower_bound, initial_state=initial_state,
+                                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, out=out,
+                                      final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm,
+                                      beta_logits=beta_logits, recompute=recompute, gate=gate, segments=segments,
+                                      training_call=training_call)
     if training_call:
         validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
         validation.check_trainable(gate, q, v)
@@ -203,6 +210,27 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     if final_state is not None:
         return o, final_state.copy_(state)
     return o, (state if state_dtype is not None else None)
+
+
+def _traced_at_caller_dims(dims: head_dims.HeadDims, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           g: torch.Tensor, beta: torch.Tensor, *, scale: float | None, initial_state: torch.Tensor | None,
+                           output_final_state: bool, out: torch.Tensor | None, final_state: torch.Tensor | None,
+                           training_call: bool, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                           gate: str, **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_traced` of a call whose head dims are not the kernels' (shapes only: checked by the op at run time,
+    and by :func:`cute_kda.validation.check_padded_head_dim` here): the 128 call's op on
+    :func:`~cute_kda.head_dims.to_kernel_dims`' tensors, its results restored into the caller's dims and buffers."""
+    validation.check_padded_head_dim("K (q.shape[-1])", dims.key_dim, split=False)
+    validation.check_padded_head_dim("V (v.shape[-1])", dims.value_dim, split=True)
+    if training_call:
+        validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
+    state_dtype = final_state_dtype_of(initial_state, final_state, output_final_state)
+    tensors = head_dims.to_kernel_dims(dims, q, k, v, g, beta, A_log, dt_bias, initial_state,
+                                       repeat_qk=training_call and gate == "safe")
+    o, state = _traced(*tensors[:5], scale=dims.key_dim ** -0.5 if scale is None else scale, A_log=tensors[5],
+                       dt_bias=tensors[6], initial_state=tensors[7], output_final_state=state_dtype is not None,
+                       out=None, final_state=None, gate=gate, **options)
+    return head_dims.CallerDims(dims, out, final_state).restore(o, state)
 
 
 def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -262,8 +290,11 @@ def run_with_chunk_states(call: CanonicalCall) -> tuple[Any, Any, Any]:
     (:func:`cute_kda.executors.inference.run_keeping_chunk_states`); eager only."""
     if torch.compiler.is_compiling():
         raise NotImplementedError("return_intermediate_states=True is not supported under torch.compile yet")
-    return call.run(lambda *tensors, **options: inference.run_keeping_chunk_states(
-        resolve(*tensors, segments=1, **options), call.chunk_states, call.cu_seqlens_cpu))
+    def forward(*tensors: torch.Tensor, **options: Any) -> tuple:
+        resolved = resolve(*tensors, segments=1, **options)
+        return finish(resolved, inference.run_keeping_chunk_states(resolved, call.chunk_states, call.cu_seqlens_cpu))
+
+    return call.run(forward)
 
 
 def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
