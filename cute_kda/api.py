@@ -170,8 +170,9 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             **pool: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`kda_forward` as Dynamo traces it: the checks that need no memory, then one op (the training op when
     autograd records the call; it resolves the call itself when the graph runs). Caller buffers are filled by a copy
-    of the op's result (inference only: a recorded call refuses them here, as eager does). ``pool``: a prefill on a
-    state pool, which no op covers yet (refused)."""
+    of the op's result (inference only: a recorded call refuses them here, as eager does). Head dims other than the
+    kernels' run as the padded / split 128 call's op (:mod:`cute_kda.head_dims`; the padding and the restore are
+    traced torch ops). ``pool``: a prefill on a state pool, which no op covers yet (refused)."""
     if pool:
         raise NotImplementedError(f"{', '.join(sorted(pool))} (a prefill on a state pool) is not supported under "
                                   "torch.compile yet: call kda_forward eagerly (torch.compiler.disable)")
@@ -180,14 +181,6 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     validation.check_gate(gate)
     for name, x in (("q", q), ("v", v), ("g", g)):
         validation.check_is_tensor(name, x)
-    dims = head_dims.head_dims_of(q, v)
-    if dims is not None:  # the padded / split 128 call (cute_kda.head_dims), its results back at the caller's dims
-        return _traced_at_caller_dims(dims, q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
-                                      lower_bound=lower_bound, initial_state=initial_state,
-                                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, out=out,
-                                      final_state=final_state, vsplit=vsplit, qk_l2norm=qk_l2norm,
-                                      beta_logits=beta_logits, recompute=recompute, gate=gate, segments=segments,
-                                      training_call=training_call)
     if training_call:
         validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
         validation.check_trainable(gate, q, v)
@@ -198,39 +191,40 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     validation.check_vsplit(vsplit)
     check_segments(segments)
     state_dtype = final_state_dtype_of(initial_state, final_state, output_final_state)
-    arguments = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, float(lower_bound))
+    options = (float(lower_bound), vsplit, bool(qk_l2norm), bool(beta_logits), bool(recompute), gate, segments)
+    dims = head_dims.head_dims_of(q, v)
+    if dims is None:
+        return _traced_op(training_call, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
+                          state_dtype, out, final_state, *options)
+    # the padded / split 128 call (cute_kda.head_dims): its op on new tensors, the results back at the caller's dims
+    validation.check_padded_head_dim("K (q.shape[-1])", dims.key_dim, split=False)
+    validation.check_padded_head_dim("V (v.shape[-1])", dims.value_dim, split=True)
+    tensors = head_dims.to_kernel_dims(dims, q, k, v, g, beta, A_log, dt_bias, initial_state,
+                                       repeat_qk=training_call and gate == "safe")
+    o, state = _traced_op(training_call, *tensors, cu_seqlens, dims.key_dim ** -0.5 if scale is None else scale,
+                          state_dtype, None, None, *options)
+    return head_dims.CallerDims(dims, out, final_state).restore(o, state)
+
+
+def _traced_op(training_call: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+               initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float | None,
+               state_dtype: torch.dtype | None, out: torch.Tensor | None, final_state: torch.Tensor | None,
+               lower_bound: float, vsplit: int | None, qk_l2norm: bool, beta_logits: bool, recompute: bool, gate: str,
+               segments: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The op of a checked :func:`_traced` call (a final state of ``state_dtype``, None for none), its results
+    copied into the caller's buffers when given."""
+    arguments = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound)
     if training_call:
-        o, state, *_ = training.forward_train_op(*arguments, state_dtype is not None, vsplit, bool(qk_l2norm),
-                                                 bool(beta_logits), bool(recompute), gate, segments)
+        o, state, *_ = training.forward_train_op(*arguments, state_dtype is not None, vsplit, qk_l2norm, beta_logits,
+                                                 recompute, gate, segments)
     else:
-        o, state = inference.forward_op(*arguments, state_dtype, vsplit, bool(qk_l2norm), bool(beta_logits), gate,
-                                        segments)
+        o, state = inference.forward_op(*arguments, state_dtype, vsplit, qk_l2norm, beta_logits, gate, segments)
     if out is not None:
         o = out.copy_(o)
     if final_state is not None:
         return o, final_state.copy_(state)
     return o, (state if state_dtype is not None else None)
-
-
-def _traced_at_caller_dims(dims: head_dims.HeadDims, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           g: torch.Tensor, beta: torch.Tensor, *, scale: float | None, initial_state: torch.Tensor | None,
-                           output_final_state: bool, out: torch.Tensor | None, final_state: torch.Tensor | None,
-                           training_call: bool, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
-                           gate: str, **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`_traced` of a call whose head dims are not the kernels' (shapes only: checked by the op at run time,
-    and by :func:`cute_kda.validation.check_padded_head_dim` here): the 128 call's op on
-    :func:`~cute_kda.head_dims.to_kernel_dims`' tensors, its results restored into the caller's dims and buffers."""
-    validation.check_padded_head_dim("K (q.shape[-1])", dims.key_dim, split=False)
-    validation.check_padded_head_dim("V (v.shape[-1])", dims.value_dim, split=True)
-    if training_call:
-        validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
-    state_dtype = final_state_dtype_of(initial_state, final_state, output_final_state)
-    tensors = head_dims.to_kernel_dims(dims, q, k, v, g, beta, A_log, dt_bias, initial_state,
-                                       repeat_qk=training_call and gate == "safe")
-    o, state = _traced(*tensors[:5], scale=dims.key_dim ** -0.5 if scale is None else scale, A_log=tensors[5],
-                       dt_bias=tensors[6], initial_state=tensors[7], output_final_state=state_dtype is not None,
-                       out=None, final_state=None, gate=gate, **options)
-    return head_dims.CallerDims(dims, out, final_state).restore(o, state)
 
 
 def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
