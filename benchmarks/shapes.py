@@ -6,6 +6,7 @@ the bar every cute_kda number is held against.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import torch
@@ -51,11 +52,20 @@ KIMI_SHAPES = {
 }
 
 
-def make_inputs(shape: Shape, device: torch.device, seed: int = 0) -> dict:
+def head_dim(text: str) -> int:
+    """An argparse type: a head dim 1..128 (cute_kda runs the ones below 128 zero-padded to 128)."""
+    value = int(text)
+    if not 1 <= value <= D:
+        raise argparse.ArgumentTypeError(f"a head dim from 1 to {D}, got {value}")
+    return value
+
+
+def make_inputs(shape: Shape, device: torch.device, seed: int = 0, dim: int = D) -> dict:
     """FlashKDA-style inputs: raw q, k, gate and beta logits (all activations in-kernel), fp32 v-first state.
 
     Keys: q, k, v, g ``[B, T, H, D]`` bf16, beta ``[B, T, H]`` bf16, A_log ``[H]`` and dt_bias ``[H, D]``
-    fp32, initial_state ``[N, H, D, D]`` fp32, cu_seqlens int64 ``[N + 1]`` or None.
+    fp32, initial_state ``[N, H, D, D]`` fp32, cu_seqlens int64 ``[N + 1]`` or None; D = ``dim`` (the kernels' 128 by
+    default; cute_kda runs smaller head dims zero-padded to 128).
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     b, t, h = shape.batch, shape.seq_len, shape.heads
@@ -64,9 +74,10 @@ def make_inputs(shape: Shape, device: torch.device, seed: int = 0) -> dict:
         return torch.randn(*size, generator=gen, device=device).to(dtype)
 
     inputs = dict(
-        q=randn(b, t, h, D), k=randn(b, t, h, D), v=randn(b, t, h, D), g=randn(b, t, h, D), beta=randn(b, t, h),
-        A_log=torch.rand(h, generator=gen, device=device), dt_bias=torch.rand(h, D, generator=gen, device=device),
-        initial_state=0.1 * randn(len(shape.lengths), h, D, D, dtype=torch.float32),
+        q=randn(b, t, h, dim), k=randn(b, t, h, dim), v=randn(b, t, h, dim), g=randn(b, t, h, dim),
+        beta=randn(b, t, h), A_log=torch.rand(h, generator=gen, device=device),
+        dt_bias=torch.rand(h, dim, generator=gen, device=device),
+        initial_state=0.1 * randn(len(shape.lengths), h, dim, dim, dtype=torch.float32),
         cu_seqlens=None,
     )
     if shape.varlen:
