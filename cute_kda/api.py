@@ -100,9 +100,11 @@ def kda_forward(
     Slot ids are not read on the host; ``CUTE_KDA_DEBUG_CHECKS=1`` checks that they lie in [−1, slots) and that no
     slot appears twice across ``state_indices`` and ``checkpoint_indices`` (a sync). Pool calls are never split into
     segments and are not traced by ``torch.compile`` (``NotImplementedError``).
-    K = V = 128; other head dims, and q, k, v or a raw gate in fp16 or fp32 (an fp16 state), raise
-    ``NotImplementedError`` naming the argument (:class:`cute_kda.validation.UnsupportedDtypeError` for a dtype, also
-    a ``TypeError``). ``vsplit`` (1, 2, 4 or None = heuristic): K2 CTAs per (sequence, head). ``segments``
+    Head dims: the kernels' K = V = 128; K ≤ 128 and V ≤ 128 run zero-padded to 128, V a multiple of 128 as V / 128
+    value heads of 128 (:mod:`cute_kda.head_dims`: exact, forward and backward; the default scale is the caller's
+    ``K ** -0.5``; not for a pool call). K > 128, V > 128 not a multiple of 128, and q, k, v or a raw gate in fp16 or
+    fp32 (an fp16 state) raise ``NotImplementedError`` naming the argument and size
+    (:class:`cute_kda.validation.UnsupportedDtypeError` for a dtype, also a ``TypeError``). ``vsplit`` (1, 2, 4 or None = heuristic): K2 CTAs per (sequence, head). ``segments``
     (context parallelism, :mod:`cute_kda.context_parallel`): None lets a fixed-length call with few (sequence,
     head) pairs and long sequences cut each sequence into segments of whole tiles that the serial scans run side
     by side (the forward's K2 then runs three passes, the backward's Kernel A two; results differ from the unsplit
@@ -236,7 +238,8 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     ``transpose_state_layout=True``); ``cu_seqlens`` int32 or int64 ``[N+1]`` with B == 1. Returns
     (o bf16 ``[B, T, H, V]``, final state fp32 in the caller's layout or None).
 
-    Supported: K = V = 128, bf16 q/k/v, beta bf16 (fp16 or fp32 rounded to bf16 on entry, a small cast; FLA's
+    Supported: K = V = 128 (K, V ≤ 128 zero-padded to 128 and V a multiple of 128 split, as :func:`kda_forward`
+    does), bf16 q/k/v, beta bf16 (fp16 or fp32 rounded to bf16 on entry, a small cast; FLA's
     tests pass such betas); the gate as FLA has it: ``use_gate_in_kernel=True`` with
     ``lower_bound`` in [-5, 0) (the bounded gate) or without (the softplus gate of Kimi-Linear), both with
     a bf16 raw g, or ``use_gate_in_kernel=False`` (g the log decay, bf16 or fp32);
@@ -302,7 +305,8 @@ def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     beta bf16 ``[B, T, HV]`` (logits with ``use_beta_sigmoid_in_kernel``; fp16 or fp32, as FLA's tests pass it, is
     rounded to bf16 on entry); ``initial_state`` fp32 or bf16 (fp16 widened to fp32 on entry)
     ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); ``cu_seqlens`` int32 or int64 ``[N+1]`` with B = 1.
-    K = V = 128: other head dims (``expand_v = 2`` too), fp16 / fp32 q, k, v, a raw g that is not bf16 and an fp16
+    K = V = 128, and as :func:`kda_forward` other head dims padded or split (``expand_v = 2``'s V = 256 runs as two
+    value heads of 128 each); K > 128, fp16 / fp32 q, k, v, a raw g that is not bf16 and an fp16
     log decay raise ``NotImplementedError`` naming the argument. Returns (o bf16 ``[B, T, HV, V]``, the final state fp32 in the caller's layout or None), in
     ``q``'s framework, computed by K1 (one decay per head on every channel, overflow-free for any gate value)
     and K2 on the current stream, with no host synchronisation.

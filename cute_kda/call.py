@@ -2,7 +2,8 @@
 
 :func:`resolve` takes the arguments of :func:`cute_kda.kda_forward` (which :func:`cute_kda.chunk_kda` and
 :func:`cute_kda.chunk_gated_delta_rule` translate into), checks them (:mod:`cute_kda.validation`) and derives
-everything the kernels need exactly here: the problem's shape, the default scale, the final state's dtype,
+everything the kernels need exactly here: the problem's shape (at head dims other than 128, the padded / split call's,
+:mod:`cute_kda.head_dims`), the default scale, the final state's dtype,
 ``cu_seqlens`` as the kernels read it (int64 on the device), the context-parallel segmentation, and whether autograd
 records the call. The result is a :class:`Call`; the inference executor (:mod:`cute_kda.executors.inference`) and
 the training executor (:mod:`cute_kda.executors.training`) consume it. The custom ops that ``torch.compile`` traces
@@ -160,6 +161,11 @@ def resolve(
     state of that dtype; None: :func:`final_state_dtype_of`'s. A training call is refused here when the backward does
     not cover it, when caller buffers are given, or when a tensor is too large for Kernel B's offsets. Reads no device
     memory.
+
+    Head dims other than the kernels' K = V = 128 are checked at the caller's size, then the call is resolved as the
+    padded / split 128 call (:func:`cute_kda.head_dims.to_kernel_dims`, torch ops autograd records; the default scale
+    is the caller's ``K ** -0.5``) with the caller's buffers and dims in ``caller_dims``: its runner hands the results
+    through :func:`finish`. Refused there: a pool call.
 
     A pool call (``state_indices`` given) checks the pool and slot arguments
     (:func:`~cute_kda.validation.check_prefill_pool_call`), is never split into segments and never trains."""
