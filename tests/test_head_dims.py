@@ -415,13 +415,14 @@ def test_inference_fills_caller_buffers(name, device):
     options = dict(case.options, gate=case.gate)
     num_seqs = problem["cu_seqlens"].numel() - 1 if "cu_seqlens" in problem else tensors[0].shape[0]
     out = torch.full(tensors[2].shape, 7.0, dtype=torch.bfloat16, device=device)
-    final = torch.full((num_seqs, case.value_heads, case.value_dim, case.key_dim), 7.0, device=device)
+    final = torch.full((num_seqs, case.value_heads, case.value_dim, case.key_dim), 7.0, device=device,
+                       dtype=case.state or torch.float32)  # the dtype the call without a buffer returns
     with torch.no_grad():
         o, ht = cute_kda.kda_forward(*tensors, **problem, **options, out=out, final_state=final)
         o_plain, ht_plain = cute_kda.kda_forward(*tensors, **problem, **options, output_final_state=True)
     torch.cuda.synchronize()
     assert o is out and ht is final
-    assert torch.equal(out, o_plain) and torch.equal(final, ht_plain.float())
+    assert torch.equal(out, o_plain) and torch.equal(final, ht_plain)
     p = {n: x.cpu() for n, x in problem.items()}
     o_gold, ht_gold = gold_forward(*(t.cpu() for t in tensors), output_final_state=True, **p, **options)
     assert rel_rms(out.cpu(), o_gold) <= FORWARD_TOLERANCE and rel_rms(final.cpu(), ht_gold) <= FORWARD_TOLERANCE
@@ -457,22 +458,24 @@ def test_fla_drop_ins_on_the_kernels(device):
 
 @pytest.mark.gpu
 def test_chunk_states_at_head_dim_64(device):
-    """return_intermediate_states at K = V = 64: the state entering chunk c is the gold final state of the first
-    64·c tokens, in FLA's [B, NT, H, K, V]."""
+    """return_intermediate_states at K = V = 64, FLA's [B, NT, H, K, V]: the state entering chunk c is, bit for bit,
+    the bf16 rounding of the final state of the same call on the first 64·c tokens (as at D = 128,
+    tests/test_prefill_pool.py); o and the final state are the plain call's."""
     case = Case(64, 64, "softplus", lengths=(200,), state=None)
     problem, _, _ = make_problem(case, seed=14, device=device)
     problem["dt_bias"] = problem["dt_bias"].flatten()
+    flags = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                 output_final_state=True)
     with torch.no_grad():
-        o, _, h = cute_kda.chunk_kda(**problem, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                                     use_beta_sigmoid_in_kernel=True, return_intermediate_states=True)
+        o, final, h = cute_kda.chunk_kda(**problem, **flags, return_intermediate_states=True)
+        plain_o, plain_final = cute_kda.chunk_kda(**problem, **flags)
+        prefixes = [cute_kda.chunk_kda(**{n: x[:, :64 * c] if n in NAMES[:5] else x for n, x in problem.items()},
+                                       **flags)[1] for c in range(1, 4)]
     torch.cuda.synchronize()
-    assert h.shape == (1, 4, 2, 64, 64) and h.dtype == torch.bfloat16
-    p = {n: x.cpu() for n, x in problem.items()}
-    tensors = [p.pop(n) for n in NAMES[:5]]
-    for c in range(1, 4):
-        prefix = [t[:, :64 * c] for t in tensors]
-        _, state = gold_forward(*prefix, output_final_state=True, gate="softplus", state_layout="kv", **p)
-        assert rel_rms(h[:, c].float().cpu(), state) <= 1e-2, c
+    assert torch.equal(o, plain_o) and torch.equal(final, plain_final)
+    assert h.shape == (1, 4, 2, 64, 64) and h.dtype == torch.bfloat16 and not h[:, 0].any()
+    for c, state in enumerate(prefixes, start=1):
+        assert torch.equal(h[:, c], state.to(torch.bfloat16)), c
 
 
 @pytest.mark.gpu
