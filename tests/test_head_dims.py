@@ -497,3 +497,30 @@ def test_compiled_training_step_matches_eager(device):
     torch.cuda.synchronize()
     for name, a, b in zip(NAMES, eager, compiled):
         assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["K64_log_decay_no_state", "K128_V256_gdn_log_decay_gva"])
+def test_compiled_inference_fills_caller_buffers(name, device):
+    """Inference under torch.compile at the caller's dims (the inference op on the padded / split tensors, the
+    restore traced around it): the eager call's bits, into the caller's buffers."""
+    case = CASES[name]
+    problem, _, _ = make_problem(case, seed=16, device=device, scale_lengths=4)
+    tensors = [problem.pop(n) for n in NAMES[:5]]
+    num_seqs = tensors[0].shape[0]
+    shape = (num_seqs, case.value_heads, case.value_dim, case.key_dim)
+
+    def forward(q, k, v, g, beta, out, final):
+        return cute_kda.kda_forward(q, k, v, g, beta, **problem, gate=case.gate, out=out, final_state=final)
+
+    results = []
+    for fn in (forward, torch.compile(forward, fullgraph=True)):
+        out = torch.empty(tensors[2].shape, dtype=torch.bfloat16, device=device)
+        final = torch.empty(shape, device=device)
+        with torch.no_grad():
+            o, ht = fn(*tensors, out, final)
+        assert o is out and ht is final
+        results.append((out, final))
+    torch.cuda.synchronize()
+    (o_eager, ht_eager), (o_compiled, ht_compiled) = results
+    assert torch.equal(o_eager, o_compiled) and torch.equal(ht_eager, ht_compiled)
