@@ -394,7 +394,8 @@ def report(rows: list[dict], command: str, env: str, sha: str, steps: int, warmu
     parts = [
         "# Training step (forward + backward): cute_kda vs FLA chunk_kda",
         f"Command: `{command}` · commit `{sha}`",
-        f"{env} · D={head_dim}{'' if head_dim == D else f' (cute_kda: zero-padded to {D})'}, bf16 q/k/v/g/beta (raw; gate, l2norm and β-sigmoid in-kernel, safe_gate, "
+        f"{env} · D={head_dim}{'' if head_dim == D else f' (cute_kda: zero-padded to {D})'}, "
+        f"bf16 q/k/v/g/beta (raw; gate, l2norm and β-sigmoid in-kernel, safe_gate, "
         f"lower_bound={LOWER_BOUND}), fp32 A_log/dt_bias/initial state (v-first), all requiring grad; "
         f"disable_recompute={disable_recompute} for both peers; cute_kda's context-parallel segments: "
         f"{'its heuristic' if segments is None else segments}; "

@@ -104,7 +104,8 @@ def kda_forward(
     value heads of 128 (:mod:`cute_kda.head_dims`: exact, forward and backward; the default scale is the caller's
     ``K ** -0.5``; not for a pool call). K > 128, V > 128 not a multiple of 128, and q, k, v or a raw gate in fp16 or
     fp32 (an fp16 state) raise ``NotImplementedError`` naming the argument and size
-    (:class:`cute_kda.validation.UnsupportedDtypeError` for a dtype, also a ``TypeError``). ``vsplit`` (1, 2, 4 or None = heuristic): K2 CTAs per (sequence, head). ``segments``
+    (:class:`cute_kda.validation.UnsupportedDtypeError` for a dtype, also a ``TypeError``). ``vsplit`` (1, 2, 4 or
+    None = heuristic): K2 CTAs per (sequence, head). ``segments``
     (context parallelism, :mod:`cute_kda.context_parallel`): None lets a fixed-length call with few (sequence,
     head) pairs and long sequences cut each sequence into segments of whole tiles that the serial scans run side
     by side (the forward's K2 then runs three passes, the backward's Kernel A two; results differ from the unsplit
@@ -287,6 +288,7 @@ def run_with_chunk_states(call: CanonicalCall) -> tuple[Any, Any, Any]:
     (:func:`cute_kda.executors.inference.run_keeping_chunk_states`); eager only."""
     if torch.compiler.is_compiling():
         raise NotImplementedError("return_intermediate_states=True is not supported under torch.compile yet")
+
     def forward(*tensors: torch.Tensor, **options: Any) -> tuple:
         resolved = resolve(*tensors, segments=1, **options)
         return finish(resolved, inference.run_keeping_chunk_states(resolved, call.chunk_states, call.cu_seqlens_cpu))

@@ -13,7 +13,8 @@ repeated the same way instead.
 
 Everything here is torch ops on the caller's stream (no host sync), recorded by autograd: :func:`to_kernel_dims`
 before :func:`cute_kda.call.resolve` resolves the 128 call, :meth:`CallerDims.restore` on its results. K > 128 and V
-> 128 not a multiple of 128 are refused (:func:`cute_kda.validation.check_head_dims`), so FLA's backend computes them.
+> 128 not a multiple of 128 are refused (:func:`cute_kda.validation.check_padded_head_dim`), so FLA's backend computes
+them.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class HeadDims(NamedTuple):
 
 def head_dims_of(q: torch.Tensor, v: torch.Tensor) -> HeadDims | None:
     """The :class:`HeadDims` of q ``[B, T, H, K]`` and v ``[B, T, HV, V]`` (sizes checked by
-    :func:`cute_kda.validation.check_head_dims`), or None when they are the kernels' own (K = V = 128)."""
+    :func:`cute_kda.validation.check_padded_head_dim`), or None when they are the kernels' own (K = V = 128)."""
     key_dim, value_dim = q.shape[-1], v.shape[-1]
     if key_dim == HEAD_DIM and value_dim == HEAD_DIM:
         return None

@@ -3,8 +3,8 @@
 Error types: ``TypeError`` for a wrong dtype or a non-tensor, ``ValueError`` for a wrong shape,
 device, layout or value, ``NotImplementedError`` for a size or feature the kernels do not cover
 (K above 128, V above 128 and not a multiple of 128 — smaller ones are checked here at the caller's size and run
-padded, :mod:`cute_kda.head_dims`; on the training path, caller buffers). A float dtype FLA computes and the kernels do not
-(fp16 or fp32 q, k, v, a raw gate; an fp16 state) raises :class:`UnsupportedDtypeError`, both a
+padded, :mod:`cute_kda.head_dims`; on the training path, caller buffers). A float dtype FLA computes and the kernels
+do not (fp16 or fp32 q, k, v, a raw gate; an fp16 state) raises :class:`UnsupportedDtypeError`, both a
 ``NotImplementedError`` and a ``TypeError``. β, ``A_log`` and ``dt_bias`` in another float dtype are converted where a
 call enters instead (:func:`cast_beta`, :func:`cast_gate_parameters`).
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import cute_kda
-from cute_kda import api, fla_backend, head_dims
+from cute_kda import fla_backend, head_dims
 from cute_kda.executors import training
 from cute_kda.fla_calls import translate_fla_call, translate_fla_gdn_call
 from cute_kda.reference import gold_backward, gold_forward, rel_rms
@@ -405,7 +405,8 @@ def test_public_api_matches_gold(name, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["K64_log_decay_no_state", "K128_V256_gdn_log_decay_gva", "K60_softplus_varlen_bf16_state"])
+@pytest.mark.parametrize("name", ["K64_log_decay_no_state", "K128_V256_gdn_log_decay_gva",
+                                  "K60_softplus_varlen_bf16_state"])
 def test_inference_fills_caller_buffers(name, device):
     """Inference at the caller's dims: out= and final_state= buffers get the results the gold gives, nothing else of
     them is touched; the results without buffers are the same bits."""
