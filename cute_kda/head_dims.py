@@ -82,8 +82,9 @@ def to_kernel_dims(dims: HeadDims, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if dt_bias is not None and per_channel:
         dt_bias = _pad_last(dt_bias, HEAD_DIM, PAD_DT_BIAS)
     if initial_state is not None:
-        state = F.pad(initial_state, (0, HEAD_DIM - dims.key_dim, 0, kernel_v - dims.value_dim))  # [N, HV, 128·s, 128]
-        initial_state = state.unflatten(2, (s, HEAD_DIM)).flatten(1, 2).contiguous()
+        missing = (0, HEAD_DIM - dims.key_dim, 0, kernel_v - dims.value_dim)
+        state = F.pad(initial_state, missing) if any(missing) else initial_state  # [N, HV, 128·s, 128]
+        initial_state = state.unflatten(2, (s, HEAD_DIM)).flatten(1, 2).contiguous()  # a view when V only splits
     return (q, k, v.contiguous(), g.contiguous(), _repeat_heads(beta, s, 2), _repeat_heads(A_log, s, 0),
             _repeat_heads(dt_bias, s, 0), initial_state)
 

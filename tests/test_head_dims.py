@@ -214,6 +214,8 @@ def test_split_value_heads_keep_the_grouped_value_head_mapping():
     q, k, v, g, beta, A_log, dt_bias, h0 = head_dims.to_kernel_dims(dims, *(problem[n] for n in NAMES),
                                                                    repeat_qk=False)
     assert q is problem["q"] and v.shape == (1, 5, 8, 128) and h0.shape == (1, 8, 128, 128)
+    # a split alone copies nothing of v and the state (views of the caller's tensors)
+    assert v.data_ptr() == problem["v"].data_ptr() and h0.data_ptr() == problem["initial_state"].data_ptr()
     for split in range(8):
         head, r = divmod(split, 2)
         assert torch.equal(v[:, :, split], problem["v"][:, :, head, 128 * r:128 * (r + 1)])
