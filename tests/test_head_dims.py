@@ -8,7 +8,8 @@ against the fp64 gold recurrence at the caller's dims: o, the final state and ev
 ddt_bias dh0), in the caller's shapes and dtypes. The exactness argument itself on the mirror (the padded rows and
 columns of the state and of o stay exactly zero, the padded channels get exactly zero gate gradients); the default
 scale is the caller's K ** -0.5; FLA's drop-ins and their verifier; the traced path (one op each way); the chunk states'
-mapping; caller buffers; refusals naming the size (K = 192, 256; V = 192; state pools).
+mapping; refusals naming the size (K = 192, 256; V = 192; state pools). The public inference path with its executor
+replaced by the fp64 gold (``gold_kernels``): caller buffers, one traced op under torch.compile, FLA's backend at 64.
 
 GPU tier: the public API on the kernels against the gold (FLA's tolerances: o, final state 5e-3; dq dk dv dh0 8e-3; dg
 dβ 2e-2), inference with caller buffers, FLA's drop-ins, ``return_intermediate_states``, a compiled training step.
@@ -30,6 +31,7 @@ from cute_kda.reference import gold_backward, gold_forward, rel_rms
 from cute_kda.reference.backend import REFERENCE
 
 from gradient_targets import SAFE_GATE_TOLERANCES, TARGETS
+from test_torch_compile import gold_kernels  # noqa: F401 (a fixture: the inference executor by the fp64 gold)
 
 pytestmark = pytest.mark.filterwarnings("ignore:cute_kda mirror on CPU:RuntimeWarning")
 
@@ -385,6 +387,84 @@ def test_compiled_training_step_is_the_eager_one(reference_ops, name):
 
     assert count("forward", "cute_kda.forward_train.default") == 1
     assert count("backward", "cute_kda.backward.default") == 1
+
+
+INFERENCE_API_CASES = {
+    "K60_softplus_varlen_bf16_state": Case(60, 60, "softplus", lengths=(20, 0, 17, 5), state=torch.bfloat16),
+    "K128_V256_gdn_log_decay_gva": Case(128, 256, "none", per_head=True, heads=2, value_heads=4, lengths=(33,)),
+    "K64_V256_safe_gva": Case(64, 256, heads=1, value_heads=2, lengths=(30,)),
+}
+
+
+def _gold_at_caller_dims(case, tensors, problem, **options):
+    p = {n: x for n, x in problem.items()}
+    o, state = gold_forward(*tensors, output_final_state=True, gate=case.gate, **p, **options)
+    return o, state
+
+
+@pytest.mark.parametrize("name", sorted(INFERENCE_API_CASES))
+def test_public_inference_restores_into_caller_buffers(gold_kernels, name):
+    """The public kda_forward, eager, inference: resolve pads / splits, the inference executor (here the fp64 gold on
+    the 128 call: tests/test_torch_compile.py's ``gold_kernels``) runs the 128 call, and the results come back at the
+    caller's dims, into out= and final_state= when given; the executor saw the 128 problem."""
+    case = INFERENCE_API_CASES[name]
+    problem, _, _ = make_problem(case, seed=18)
+    tensors = [problem.pop(n) for n in NAMES[:5]]
+    num_seqs = problem["cu_seqlens"].numel() - 1 if "cu_seqlens" in problem else tensors[0].shape[0]
+    out = torch.full(tensors[2].shape, 7.0, dtype=torch.bfloat16)
+    final = torch.full((num_seqs, case.value_heads, case.value_dim, case.key_dim), 7.0,
+                       dtype=case.state or torch.float32)  # the dtype the call without a buffer returns
+    with torch.no_grad():
+        o, ht = cute_kda.kda_forward(*tensors, **problem, gate=case.gate, out=out, final_state=final)
+        o_plain, ht_plain = cute_kda.kda_forward(*tensors, **problem, gate=case.gate, output_final_state=True)
+    assert o is out and ht is final and o_plain.shape == out.shape and ht_plain.shape == final.shape
+    assert ht_plain.dtype == (case.state or torch.float32) and o_plain.is_contiguous() and ht_plain.is_contiguous()
+    assert all(problem.head_dim == 128 and problem.heads == case.value_heads * -(-case.value_dim // 128)
+               for problem in gold_kernels)
+    o_gold, ht_gold = _gold_at_caller_dims(case, tensors, problem)
+    # the gold in fp64 on the padded call, o rounded to bf16: the caller's gold up to fp64 rounding (a bf16 tie flips)
+    state_bound = 1e-6 if final.dtype == torch.float32 else 4e-3  # a bf16 state: its rounding
+    assert rel_rms(out, o_gold.bfloat16()) <= 1e-4 and rel_rms(final, ht_gold) <= state_bound
+    assert torch.equal(out, o_plain) and torch.equal(final, ht_plain)
+
+
+def test_compiled_inference_is_one_op_at_the_callers_dims(gold_kernels):
+    """Under torch.compile the padding and the restore are traced around one inference op, results as eager."""
+    case = INFERENCE_API_CASES["K64_V256_safe_gva"]
+    problem, _, _ = make_problem(case, seed=19)
+    tensors = [problem.pop(n) for n in NAMES[:5]]
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def forward(q, k, v, g, beta):
+        return cute_kda.kda_forward(q, k, v, g, beta, **problem, output_final_state=True)
+
+    with torch.no_grad():
+        eager = forward(*tensors)
+        compiled = torch.compile(forward, fullgraph=True, backend=backend)(*tensors)
+    assert sum(str(node.target) == "cute_kda.forward.default" for gm in graphs for node in gm.graph.nodes) == 1
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+    assert compiled[0].shape == (1, 30, 2, 256) and compiled[1].shape == (1, 2, 256, 64)
+
+
+def test_fla_backend_computes_head_dim_64(any_device, gold_kernels):
+    """FLA's chunk_kda dispatch at K = V = 64: the verifier takes it, the implementation runs the padded call and hands
+    FLA's layout back (K-first state, o at 64 columns)."""
+    case = Case(64, 64, "softplus", lengths=(20, 0, 17))
+    problem, _, _ = make_problem(case, seed=20)
+    kwargs = dict(problem, initial_state=problem["initial_state"].transpose(-1, -2).contiguous(),
+                  dt_bias=problem["dt_bias"].flatten(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    with torch.no_grad():
+        assert fla_backend.verify(**kwargs) == (True, None)
+        o, ht = fla_backend.chunk_kda(**kwargs)
+    tensors = [problem.pop(n) for n in NAMES[:5]]
+    o_gold, ht_gold = _gold_at_caller_dims(case, tensors, problem)
+    assert o.shape == (1, 37, 2, 64) and ht.shape == (3, 2, 64, 64)
+    assert rel_rms(o, o_gold.bfloat16()) <= 1e-4 and rel_rms(ht, ht_gold.transpose(-1, -2)) <= 1e-6
 
 
 # ============================================================================ GPU tier
