@@ -12,6 +12,10 @@ installed are skipped with a message.
     python benchmarks/bench_fwd.py                       # all shapes
     python benchmarks/bench_fwd.py --shapes B1_T8192_H96,B1_T32768_H16 --out /tmp/fwd.md
     python benchmarks/bench_fwd.py --dtype fp16 --shapes B1_T8192_H96   # q, k, v, g, β in fp16 (o fp16)
+    python benchmarks/bench_fwd.py --shapes B1_T8192_H96,B1_T32768_H16 --head-dim 64   # K = V = 64 beside FLA
+
+``--head-dim`` below 128: cute_kda runs zero-padded to 128 (``cute_kda.head_dims``: the D = 128 call plus the padding
+copies), FLA at that head dim; FlashKDA (D = 128 only) is skipped and design.md §6's FlashKDA column left empty.
 """
 
 from __future__ import annotations
@@ -33,14 +37,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from cute_kda._bench import add_run_arguments, environment, markdown_table, median_ms, publish  # noqa: E402
 from cute_kda.reference import rel_rms  # noqa: E402
 
-from shapes import D, LOWER_BOUND, SHAPES, Shape, make_inputs  # noqa: E402
+from shapes import D, LOWER_BOUND, SHAPES, Shape, head_dim, make_inputs  # noqa: E402
 
 
 def peers(inputs: dict) -> dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
-    """name → zero-argument forward producing (o, final state ``[N, H, V, K]`` fp32); absent peers are said so."""
+    """name → zero-argument forward producing (o, final state ``[N, H, V, K]`` fp32); absent peers are said so
+    (FlashKDA also at a head dim other than 128, which it does not take)."""
     import cute_kda
 
-    scale = D ** -0.5
+    dim = inputs["q"].shape[-1]
+    scale = dim ** -0.5
     tensors = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
     out = torch.empty_like(inputs["v"])
     final = torch.empty_like(inputs["initial_state"])
@@ -61,6 +67,9 @@ def peers(inputs: dict) -> dict[str, Callable[[], tuple[torch.Tensor, torch.Tens
         runs["FLA chunk_kda"] = lambda: fla_chunk_kda(*tensors, **fla_kwargs)
     except ImportError as error:
         print(f"FLA not importable, skipped: {error}", file=sys.stderr)
+    if dim != D:
+        print(f"FlashKDA takes D = {D} only: skipped at D = {dim}", file=sys.stderr)
+        return runs
     try:
         import flash_kda
 
@@ -82,10 +91,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def bench_shape(name: str, shape: Shape, device: torch.device, warmup: int, rep: int,
-                dtype: torch.dtype = torch.bfloat16) -> dict:
-    inputs = make_inputs(shape, device, dtype=dtype)
+                dtype: torch.dtype = torch.bfloat16, dim: int = D) -> dict:
+    inputs = make_inputs(shape, device, dtype=dtype, dim=dim)
     runs = peers(inputs)
-    row = {"shape": name, "ms": {}, "err": {}, "flashkda_design_ms": shape.flashkda_ms}
+    row = {"shape": name, "ms": {}, "err": {}, "flashkda_design_ms": shape.flashkda_ms if dim == D else None}
     with torch.inference_mode():
         reference = None
         for peer, fn in runs.items():
@@ -120,8 +129,9 @@ def markdown(rows: list[dict], peers_seen: list[str]) -> str:
     return markdown_table(head, table)
 
 
-def header(dtype: str = "bf16") -> str:
-    return (f"{environment('cutlass', 'fla', 'triton')} · D={D}, {dtype} q, k, v, g and o, fp32 state in/out "
+def header(dtype: str = "bf16", dim: int = D) -> str:
+    padded = f" (cute_kda: zero-padded to {D})" if dim != D else ""
+    return (f"{environment('cutlass', 'fla', 'triton')} · D={dim}{padded}, {dtype} q, k, v, g and o, fp32 state in/out "
             f"(v-first), lower_bound={LOWER_BOUND}; ratios > 1 mean cute_kda is faster")
 
 
@@ -153,9 +163,10 @@ def draw_chart(rows: list[dict], path: str) -> bool:
     return True
 
 
-def default_out() -> str:
+def default_out(dim: int = D) -> str:
     folder = os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results")
-    return os.path.join(folder, f"fwd-{datetime.date.today()}.md")
+    kind = "fwd" if dim == D else f"fwd-d{dim}"
+    return os.path.join(folder, f"{kind}-{datetime.date.today()}.md")
 
 
 def main() -> None:
@@ -163,18 +174,20 @@ def main() -> None:
     add_run_arguments(parser, SHAPES)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                         help="q, k, v, g (and o) dtype; fp16 runs the kernels' fp16 variants (default bf16)")
+    parser.add_argument("--head-dim", type=head_dim, default=D,
+                        help=f"K = V of every input (default {D}; smaller ones run zero-padded to {D} in cute_kda)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_fwd needs a CUDA GPU (Hopper)")
 
-    out = args.out or default_out()
+    out = args.out or default_out(args.head_dim)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     device = torch.device("cuda")
     rows: list[dict] = []
     for name in args.shapes:
-        rows.append(bench_shape(name, SHAPES[name], device, args.warmup, args.rep, DTYPES[args.dtype]))
+        rows.append(bench_shape(name, SHAPES[name], device, args.warmup, args.rep, DTYPES[args.dtype], args.head_dim))
         seen = list(dict.fromkeys(p for row in rows for p in row["ms"]))
-        table = f"{header(args.dtype)}\n\n{markdown(rows, seen)}\n"
+        table = f"{header(args.dtype, args.head_dim)}\n\n{markdown(rows, seen)}\n"
         with open(out, "w") as f:  # after every shape: a run cut short keeps what it measured
             f.write(table)
     publish(table, out)

@@ -43,6 +43,10 @@ what it measured.
     python benchmarks/bench_train.py --peers none --no-profile --steps 10   # cute_kda only
     python benchmarks/bench_train.py --shapes B1_T8192_H96 --disable-recompute   # both peers keep intermediates
     python benchmarks/bench_train.py --shapes B1_T32768_H16 --segments 1         # cute_kda without segments
+    python benchmarks/bench_train.py --shapes B1_T8192_H96 --head-dim 64          # K = V = 64 beside FLA
+
+``--head-dim`` below 128: cute_kda runs zero-padded to 128 (``cute_kda.head_dims``: the D = 128 step plus the
+padding copies and the gradients' slices), FLA at that head dim.
 
 ``--segments N`` runs cute_kda's canonical call (``chunk_kda``'s translation, then ``kda_forward(..., segments=N)``)
 instead of ``chunk_kda``, whose context-parallel split is the heuristic's (``cute_kda.context_parallel``); 1 keeps
@@ -78,7 +82,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from cute_kda._bench import (  # noqa: E402
     checkout_commit, dated_out, environment, event_median_ms, markdown_table, positive_int, publish, save)
 
-from shapes import D, LOWER_BOUND, SHAPES, make_inputs  # noqa: E402
+from shapes import D, LOWER_BOUND, SHAPES, head_dim, make_inputs  # noqa: E402
 
 GOAL = 0.5  # Done-means "Speed": a cute_kda step in at most half FLA's time
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
@@ -124,12 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pass disable_recompute=True to both peers (default: FLA's False, recompute in the backward)")
     parser.add_argument("--segments", type=positive_int, default=None,
                         help="cute_kda's context-parallel segments per sequence (default: its heuristic; 1: none)")
+    parser.add_argument("--head-dim", type=head_dim, default=D,
+                        help=f"K = V of every input (default {D}; smaller ones run zero-padded to {D} in cute_kda)")
     parser.add_argument("--out", help="markdown file (default $OUT/train-<date>.md or benchmarks/results/)")
     return parser
 
 
-def default_out() -> str:
-    return dated_out("train", Path(__file__).resolve().parent / "results")
+def default_out(dim: int = D) -> str:
+    return dated_out("train" if dim == D else f"train-d{dim}", Path(__file__).resolve().parent / "results")
 
 
 def commit() -> str:
@@ -384,11 +390,12 @@ def agreement_table(rows: list[dict]) -> str:
 
 
 def report(rows: list[dict], command: str, env: str, sha: str, steps: int, warmup: int,
-           disable_recompute: bool = False, segments: int | None = None) -> str:
+           disable_recompute: bool = False, segments: int | None = None, head_dim: int = D) -> str:
     parts = [
         "# Training step (forward + backward): cute_kda vs FLA chunk_kda",
         f"Command: `{command}` · commit `{sha}`",
-        f"{env} · D={D}, bf16 q/k/v/g/beta (raw; gate, l2norm and β-sigmoid in-kernel, safe_gate, "
+        f"{env} · D={head_dim}{'' if head_dim == D else f' (cute_kda: zero-padded to {D})'}, "
+        f"bf16 q/k/v/g/beta (raw; gate, l2norm and β-sigmoid in-kernel, safe_gate, "
         f"lower_bound={LOWER_BOUND}), fp32 A_log/dt_bias/initial state (v-first), all requiring grad; "
         f"disable_recompute={disable_recompute} for both peers; cute_kda's context-parallel segments: "
         f"{'its heuristic' if segments is None else segments}; "
@@ -416,11 +423,11 @@ def report(rows: list[dict], command: str, env: str, sha: str, steps: int, warmu
 # measuring (GPU)
 
 
-def make_problem(name: str, device: torch.device, disable_recompute: bool = False) -> dict:
-    """Inputs of ``name`` as autograd leaves (dt_bias flattened to FLA's [H*K]), fixed dO / dht, the kwargs
-    (FLA's ``disable_recompute`` as given)."""
+def make_problem(name: str, device: torch.device, disable_recompute: bool = False, dim: int = D) -> dict:
+    """Inputs of ``name`` at head dim ``dim`` as autograd leaves (dt_bias flattened to FLA's [H*K]), fixed dO / dht,
+    the kwargs (FLA's ``disable_recompute`` as given)."""
     shape = SHAPES[name]
-    inputs = make_inputs(shape, device)
+    inputs = make_inputs(shape, device, dim=dim)
     inputs["dt_bias"] = inputs["dt_bias"].reshape(-1).contiguous()
     leaves = {key: inputs[key].requires_grad_() for key in GRAD_NAMES}
     gen = torch.Generator(device=device).manual_seed(1)
@@ -428,7 +435,7 @@ def make_problem(name: str, device: torch.device, disable_recompute: bool = Fals
     dht = 0.1 * torch.randn(inputs["initial_state"].shape, generator=gen, device=device)
     cu_seqlens = inputs["cu_seqlens"]
     kwargs = dict(
-        scale=D ** -0.5, initial_state=leaves["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        scale=dim ** -0.5, initial_state=leaves["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=True,
         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND,
         A_log=leaves["A_log"], dt_bias=leaves["dt_bias"], state_v_first=True, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=None if cu_seqlens is None else cu_seqlens.cpu(), disable_recompute=disable_recompute,
@@ -555,7 +562,7 @@ def bench_shape(name: str, args, device: torch.device | None = None) -> dict:
     from cute_kda.reference import rel_rms
 
     print(f"== {name}", file=sys.stderr)
-    problem = make_problem(name, device or torch.device("cuda"), args.disable_recompute)
+    problem = make_problem(name, device or torch.device("cuda"), args.disable_recompute, args.head_dim)
     forwards = peer_forwards(problem, args.peers, args.segments)
     row: dict = dict(shape=name, input_bytes=problem["input_bytes"], peers={}, agreement={})
     keep: dict = {}
@@ -584,15 +591,17 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_train needs a CUDA GPU (Hopper): nothing timed")
-    out = args.out or default_out()
+    out = args.out or default_out(args.head_dim)
     command = shlex.join(["python", *(sys.argv if argv is None else ["benchmarks/bench_train.py", *argv])])
     env = environment("cutlass", "fla", "triton", labels={"cutlass": "cutlass-dsl"})
     sha = commit()
     rows: list[dict] = []
-    text = report(rows, command, env, sha, args.steps, args.warmup, args.disable_recompute, args.segments)
+    text = report(rows, command, env, sha, args.steps, args.warmup, args.disable_recompute, args.segments,
+                  args.head_dim)
     for name in args.shapes:
         rows.append(bench_shape(name, args))
-        text = report(rows, command, env, sha, args.steps, args.warmup, args.disable_recompute, args.segments)
+        text = report(rows, command, env, sha, args.steps, args.warmup, args.disable_recompute, args.segments,
+                      args.head_dim)
         save(text, out)  # after every shape
     publish(text, out)
 

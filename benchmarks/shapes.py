@@ -6,6 +6,7 @@ the bar every cute_kda number is held against.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import torch
@@ -51,12 +52,22 @@ KIMI_SHAPES = {
 }
 
 
-def make_inputs(shape: Shape, device: torch.device, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict:
+def head_dim(text: str) -> int:
+    """An argparse type: a head dim 1..128 (cute_kda runs the ones below 128 zero-padded to 128)."""
+    value = int(text)
+    if not 1 <= value <= D:
+        raise argparse.ArgumentTypeError(f"a head dim from 1 to {D}, got {value}")
+    return value
+
+
+def make_inputs(shape: Shape, device: torch.device, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                dim: int = D) -> dict:
     """FlashKDA-style inputs: raw q, k, gate and beta logits (all activations in-kernel), fp32 v-first state.
 
     Keys: q, k, v, g ``[B, T, H, D]`` and beta ``[B, T, H]`` in ``dtype`` (bf16, or fp16 as FLA's tests pass it: the
     same draws rounded to fp16; cute_kda rounds an fp16 β to bf16 where the call enters), A_log ``[H]`` and
-    dt_bias ``[H, D]`` fp32, initial_state ``[N, H, D, D]`` fp32, cu_seqlens int64 ``[N + 1]`` or None.
+    dt_bias ``[H, D]`` fp32, initial_state ``[N, H, D, D]`` fp32, cu_seqlens int64 ``[N + 1]`` or None; D = ``dim``
+    (the kernels' 128 by default; cute_kda runs smaller head dims zero-padded to 128).
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     b, t, h = shape.batch, shape.seq_len, shape.heads
@@ -65,10 +76,10 @@ def make_inputs(shape: Shape, device: torch.device, seed: int = 0, dtype: torch.
         return torch.randn(*size, generator=gen, device=device).to(dtype)
 
     inputs = dict(
-        q=randn(b, t, h, D, dtype=dtype), k=randn(b, t, h, D, dtype=dtype), v=randn(b, t, h, D, dtype=dtype),
-        g=randn(b, t, h, D, dtype=dtype), beta=randn(b, t, h, dtype=dtype),
-        A_log=torch.rand(h, generator=gen, device=device), dt_bias=torch.rand(h, D, generator=gen, device=device),
-        initial_state=0.1 * randn(len(shape.lengths), h, D, D, dtype=torch.float32),
+        q=randn(b, t, h, dim, dtype=dtype), k=randn(b, t, h, dim, dtype=dtype), v=randn(b, t, h, dim, dtype=dtype),
+        g=randn(b, t, h, dim, dtype=dtype), beta=randn(b, t, h, dtype=dtype),
+        A_log=torch.rand(h, generator=gen, device=device), dt_bias=torch.rand(h, dim, generator=gen, device=device),
+        initial_state=0.1 * randn(len(shape.lengths), h, dim, dim, dtype=torch.float32),
         cu_seqlens=None,
     )
     if shape.varlen:

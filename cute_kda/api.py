@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import interop, validation
+from . import head_dims, interop, validation
 from .interop import DLPackTensor
-from .call import Call, final_state_dtype_of, resolve
+from .call import Call, final_state_dtype_of, finish, resolve
 from .context_parallel import check_segments
 from .executors import inference, training
 from .executors.stages import KERNELS
@@ -102,8 +102,11 @@ def kda_forward(
     Slot ids are not read on the host; ``CUTE_KDA_DEBUG_CHECKS=1`` checks that they lie in [−1, slots) and that no
     slot appears twice across ``state_indices`` and ``checkpoint_indices`` (a sync). Pool calls are never split into
     segments and are not traced by ``torch.compile`` (``NotImplementedError``).
-    K = V = 128; other head dims, and q, k, v or a raw gate in fp32, bf16 and fp16 mixed, fp16 inputs that require
-    grad (an fp16 state with bf16 inputs), raise ``NotImplementedError`` naming the argument
+    Head dims: the kernels' K = V = 128; K ≤ 128 and V ≤ 128 run zero-padded to 128, V a multiple of 128 as V / 128
+    value heads of 128 (:mod:`cute_kda.head_dims`: exact, forward and backward; the default scale is the caller's
+    ``K ** -0.5``; not for a pool call). K > 128, V > 128 not a multiple of 128, and q, k, v or a raw gate in fp32,
+    bf16 and fp16 mixed, fp16 inputs that require grad (an fp16 state with bf16 inputs), raise ``NotImplementedError``
+    naming the argument and size
     (:class:`cute_kda.validation.UnsupportedDtypeError` for a dtype, also a ``TypeError``). ``vsplit`` (1, 2, 4 or
     None = heuristic): K2 CTAs per (sequence, head). ``segments``
     (context parallelism, :mod:`cute_kda.context_parallel`): None lets a fixed-length call with few (sequence,
@@ -160,10 +163,9 @@ def kda_forward(
 
 
 def run(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A resolved call on its executor: training (autograd records it) or inference."""
-    if call.training:
-        return training.train(KERNELS, call)
-    return inference.run(call)
+    """A resolved call on its executor: training (autograd records it) or inference; at the caller's head dims."""
+    result = training.train(KERNELS, call) if call.training else inference.run(call)
+    return result if call.caller_dims is None else call.caller_dims.restore(*result)
 
 
 def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
@@ -174,8 +176,9 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             **pool: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`kda_forward` as Dynamo traces it: the checks that need no memory, then one op (the training op when
     autograd records the call; it resolves the call itself when the graph runs). Caller buffers are filled by a copy
-    of the op's result (inference only: a recorded call refuses them here, as eager does). ``pool``: a prefill on a
-    state pool, which no op covers yet (refused)."""
+    of the op's result (inference only: a recorded call refuses them here, as eager does). Head dims other than the
+    kernels' run as the padded / split 128 call's op (:mod:`cute_kda.head_dims`; the padding and the restore are
+    traced torch ops). ``pool``: a prefill on a state pool, which no op covers yet (refused)."""
     if pool:
         raise NotImplementedError(f"{', '.join(sorted(pool))} (a prefill on a state pool) is not supported under "
                                   "torch.compile yet: call kda_forward eagerly (torch.compiler.disable)")
@@ -194,13 +197,35 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     validation.check_vsplit(vsplit)
     check_segments(segments)
     state_dtype = final_state_dtype_of(initial_state, final_state, output_final_state)
-    arguments = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, float(lower_bound))
+    options = (float(lower_bound), vsplit, bool(qk_l2norm), bool(beta_logits), bool(recompute), gate, segments)
+    dims = head_dims.head_dims_of(q, v)
+    if dims is None:
+        return _traced_op(training_call, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
+                          state_dtype, out, final_state, *options)
+    # the padded / split 128 call (cute_kda.head_dims): its op on new tensors, the results back at the caller's dims
+    validation.check_padded_head_dim("K (q.shape[-1])", dims.key_dim, split=False)
+    validation.check_padded_head_dim("V (v.shape[-1])", dims.value_dim, split=True)
+    tensors = head_dims.to_kernel_dims(dims, q, k, v, g, beta, A_log, dt_bias, initial_state,
+                                       repeat_qk=training_call and gate == "safe")
+    o, state = _traced_op(training_call, *tensors, cu_seqlens, dims.key_dim ** -0.5 if scale is None else scale,
+                          state_dtype, None, None, *options)
+    return head_dims.CallerDims(dims, out, final_state).restore(o, state)
+
+
+def _traced_op(training_call: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+               initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float | None,
+               state_dtype: torch.dtype | None, out: torch.Tensor | None, final_state: torch.Tensor | None,
+               lower_bound: float, vsplit: int | None, qk_l2norm: bool, beta_logits: bool, recompute: bool, gate: str,
+               segments: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The op of a checked :func:`_traced` call (a final state of ``state_dtype``, None for none), its results
+    copied into the caller's buffers when given."""
+    arguments = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound)
     if training_call:
-        o, state, *_ = training.forward_train_op(*arguments, state_dtype is not None, vsplit, bool(qk_l2norm),
-                                                 bool(beta_logits), bool(recompute), gate, segments)
+        o, state, *_ = training.forward_train_op(*arguments, state_dtype is not None, vsplit, qk_l2norm, beta_logits,
+                                                 recompute, gate, segments)
     else:
-        o, state = inference.forward_op(*arguments, state_dtype, vsplit, bool(qk_l2norm), bool(beta_logits), gate,
-                                        segments)
+        o, state = inference.forward_op(*arguments, state_dtype, vsplit, qk_l2norm, beta_logits, gate, segments)
     if out is not None:
         o = out.copy_(o)
     if final_state is not None:
@@ -217,7 +242,8 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     ``transpose_state_layout=True``); ``cu_seqlens`` int32 or int64 ``[N+1]`` with B == 1. Returns
     (o ``[B, T, H, V]`` in q's dtype, final state fp32 in the caller's layout or None).
 
-    Supported: K = V = 128, bf16 q/k/v (fp16 for inference: o in fp16), beta bf16 (fp16 or fp32 rounded to bf16 on entry, a small cast; FLA's
+    Supported: K = V = 128 (K, V ≤ 128 zero-padded to 128 and V a multiple of 128 split, as :func:`kda_forward`
+    does), bf16 q/k/v (fp16 for inference: o in fp16), beta bf16 (fp16 or fp32 rounded to bf16 on entry, a small cast; FLA's
     tests pass such betas); the gate as FLA has it: ``use_gate_in_kernel=True`` with
     ``lower_bound`` in [-5, 0) (the bounded gate) or without (the softplus gate of Kimi-Linear), both with
     a raw g in q's dtype, or ``use_gate_in_kernel=False`` (g the log decay, q's dtype or fp32);
@@ -266,8 +292,12 @@ def run_with_chunk_states(call: CanonicalCall) -> tuple[Any, Any, Any]:
     (:func:`cute_kda.executors.inference.run_keeping_chunk_states`); eager only."""
     if torch.compiler.is_compiling():
         raise NotImplementedError("return_intermediate_states=True is not supported under torch.compile yet")
-    return call.run(lambda *tensors, **options: inference.run_keeping_chunk_states(
-        resolve(*tensors, segments=1, **options), call.chunk_states, call.cu_seqlens_cpu))
+
+    def forward(*tensors: torch.Tensor, **options: Any) -> tuple:
+        resolved = resolve(*tensors, segments=1, **options)
+        return finish(resolved, inference.run_keeping_chunk_states(resolved, call.chunk_states, call.cu_seqlens_cpu))
+
+    return call.run(forward)
 
 
 def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -281,9 +311,10 @@ def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     beta bf16 ``[B, T, HV]`` (logits with ``use_beta_sigmoid_in_kernel``; fp16 or fp32, as FLA's tests pass it, is
     rounded to bf16 on entry); ``initial_state`` fp32 or bf16 (fp16 widened to fp32 on entry)
     ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); ``cu_seqlens`` int32 or int64 ``[N+1]`` with B = 1.
-    K = V = 128: other head dims (``expand_v = 2`` too), fp32 q, k, v, a g of the other 16-bit dtype than q's and
-    fp16 inputs that require grad raise ``NotImplementedError`` naming the argument. Returns (o ``[B, T, HV, V]`` in
-    q's dtype, the final state fp32 in the caller's layout or None), in
+    K = V = 128, and as :func:`kda_forward` other head dims padded or split (``expand_v = 2``'s V = 256 runs as two
+    value heads of 128 each); K > 128, fp32 q, k, v, a g of the other 16-bit dtype than q's and fp16 inputs that
+    require grad raise ``NotImplementedError`` naming the argument. Returns (o ``[B, T, HV, V]`` in q's dtype, the
+    final state fp32 in the caller's layout or None), in
     ``q``'s framework, computed by K1 (one decay per head on every channel, overflow-free for any gate value)
     and K2 on the current stream, with no host synchronisation.
 

@@ -2,7 +2,8 @@
 
 :func:`resolve` takes the arguments of :func:`cute_kda.kda_forward` (which :func:`cute_kda.chunk_kda` and
 :func:`cute_kda.chunk_gated_delta_rule` translate into), checks them (:mod:`cute_kda.validation`) and derives
-everything the kernels need exactly here: the problem's shape, the default scale, the final state's dtype,
+everything the kernels need exactly here: the problem's shape (at head dims other than 128, the padded / split call's,
+:mod:`cute_kda.head_dims`), the default scale, the final state's dtype,
 ``cu_seqlens`` as the kernels read it (int64 on the device), the context-parallel segmentation, and whether autograd
 records the call. The result is a :class:`Call`; the inference executor (:mod:`cute_kda.executors.inference`) and
 the training executor (:mod:`cute_kda.executors.training`) consume it. The custom ops that ``torch.compile`` traces
@@ -18,6 +19,7 @@ import torch
 
 from . import validation
 from .context_parallel import Segmentation, segmentation_of
+from .head_dims import CallerDims, head_dims_of, to_kernel_dims
 from .validation import ProblemShape
 
 INPUT_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
@@ -71,13 +73,22 @@ class Options(NamedTuple):
 
 class Call(NamedTuple):
     """A resolved :func:`cute_kda.kda_forward` call: its tensors, its options, the caller's output buffers (None:
-    allocate) and whether autograd records it (``training``)."""
+    allocate) and whether autograd records it (``training``). ``caller_dims``: None when the caller's head dims are the
+    kernels' (K = V = 128); else the call is the padded / split K = V = 128 call of :mod:`cute_kda.head_dims`, and
+    whoever runs it hands its results through :meth:`~cute_kda.head_dims.CallerDims.restore` (:func:`finish`)."""
 
     inputs: Inputs
     options: Options
     out: torch.Tensor | None
     final_state: torch.Tensor | None
     training: bool
+    caller_dims: CallerDims | None = None
+
+
+def finish(call: Call, results: tuple) -> tuple:
+    """The results of running ``call`` (o, final state, and FLA's chunk states when kept) at the caller's head
+    dims."""
+    return results if call.caller_dims is None else call.caller_dims.restore(*results)
 
 
 def final_state_dtype_of(initial_state: torch.Tensor | None, final_state: torch.Tensor | None,
@@ -151,6 +162,11 @@ def resolve(
     not cover it, when caller buffers are given, or when a tensor is too large for Kernel B's offsets. Reads no device
     memory.
 
+    Head dims other than the kernels' K = V = 128 are checked at the caller's size, then the call is resolved as the
+    padded / split 128 call (:func:`cute_kda.head_dims.to_kernel_dims`, torch ops autograd records; the default scale
+    is the caller's ``K ** -0.5``) with the caller's buffers and dims in ``caller_dims``: its runner hands the results
+    through :func:`finish`. Refused there: a pool call.
+
     A pool call (``state_indices`` given) checks the pool and slot arguments
     (:func:`~cute_kda.validation.check_prefill_pool_call`), is never split into segments and never trains."""
     pool = state_indices is not None
@@ -165,6 +181,26 @@ def resolve(
             initial_state=shown_initial, final_state=shown_final, out=out, cu_seqlens=cu_seqlens, vsplit=vsplit,
             gate=gate,
         )
+        dims = head_dims_of(q, v)
+        if dims is not None:  # checked at the caller's head dims: resolved as the padded / split 128 call
+            if pool_arguments:
+                raise NotImplementedError(
+                    f"state_indices (a prefill on a state pool) needs K = V = 128, got K = {dims.key_dim}, V = "
+                    f"{dims.value_dim}: other head dims run padded, and the pool is the engine's to lay out")
+            if training is None:
+                training = validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state)
+            if training:
+                validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
+            if final_state_dtype is None:
+                final_state_dtype = final_state_dtype_of(initial_state, final_state, output_final_state)
+            tensors = to_kernel_dims(dims, q, k, v, g, beta, A_log, dt_bias, initial_state,
+                                     repeat_qk=bool(training) and gate == "safe")
+            call = resolve(*tensors[:5], scale=dims.key_dim ** -0.5 if scale is None else scale, A_log=tensors[5],
+                           dt_bias=tensors[6], lower_bound=lower_bound, initial_state=tensors[7],
+                           cu_seqlens=cu_seqlens, vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
+                           recompute=recompute, gate=gate, segments=segments, training=training,
+                           final_state_dtype=final_state_dtype)
+            return call._replace(caller_dims=CallerDims(dims, out, final_state))
     every = None
     if pool_arguments:
         every = validation.check_prefill_pool_call(
@@ -189,7 +225,7 @@ def resolve(
                          recompute, gate, segments)
     if every:
         options = options._replace(checkpoint_every=every)
-    return tuple.__new__(Call, (inputs, options, out, final_state, bool(training)))  # as Inputs
+    return tuple.__new__(Call, (inputs, options, out, final_state, bool(training), None))  # as Inputs
 
 
 def _check_pool_inference(training: bool, segments: int | None) -> None:

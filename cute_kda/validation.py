@@ -2,11 +2,12 @@
 
 Error types: ``TypeError`` for a wrong dtype or a non-tensor, ``ValueError`` for a wrong shape,
 device, layout or value, ``NotImplementedError`` for a size or feature the kernels do not cover
-(head dims other than 128; on the training path, caller buffers). A float dtype FLA computes and the kernels do not
-(fp32 q, k, v or raw gate; bf16 and fp16 mixed in a call; fp16 on the training path; an fp16 state with bf16 inputs) raises
-:class:`UnsupportedDtypeError`, both a ``NotImplementedError`` and a ``TypeError``. q, k, v, a raw gate and ``out``
-are bf16, or all fp16 (inference: the forward kernels widen fp16 where they widen bf16, o is fp16). β, ``A_log``
-and ``dt_bias`` in another float dtype are converted where a call enters instead (:func:`cast_beta`,
+(K above 128, V above 128 and not a multiple of 128 — smaller ones are checked here at the caller's size and run
+padded, :mod:`cute_kda.head_dims`; on the training path, caller buffers). A float dtype FLA computes and the kernels
+do not (fp32 q, k, v or raw gate; bf16 and fp16 mixed in a call; fp16 on the training path; an fp16 state with bf16
+inputs) raises :class:`UnsupportedDtypeError`, both a ``NotImplementedError`` and a ``TypeError``. q, k, v, a raw gate
+and ``out`` are bf16, or all fp16 (inference: the forward kernels widen fp16 where they widen bf16, o is fp16). β,
+``A_log`` and ``dt_bias`` in another float dtype are converted where a call enters instead (:func:`cast_beta`,
 :func:`cast_gate_parameters`).
 
 No check here synchronises the host with the device. ``cu_seqlens`` *values* (starts at 0, ends at
@@ -179,10 +180,21 @@ def check_on_cuda(name: str, tensor: torch.Tensor) -> None:
 
 
 def check_head_dim(name: str, dim: int) -> None:
+    """A head dim the kernels take as it is (the decode kernels' only ones)."""
     if dim not in SUPPORTED_HEAD_DIMS:
         raise NotImplementedError(
             f"{name} = {dim} is not supported; supported head dims: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}"
         )
+
+
+def check_padded_head_dim(name: str, dim: int, *, split: bool) -> None:
+    """A head dim of the chunked forward: the kernels' own, or one :mod:`cute_kda.head_dims` maps exactly onto it,
+    1 to 128 (zero-padded to 128) and, with ``split`` (V), a multiple of 128 (value heads of 128 each)."""
+    if 1 <= dim <= HEAD_DIM or (split and dim % HEAD_DIM == 0):
+        return
+    also = f" or a multiple of {HEAD_DIM} (split into value heads of {HEAD_DIM})" if split else ""
+    raise NotImplementedError(f"{name} = {dim} is not supported; the kernels take head dims up to {HEAD_DIM} (smaller "
+                              f"ones run zero-padded to {HEAD_DIM}){also}")
 
 
 def check_real(name: str, value: object) -> float:
@@ -294,13 +306,15 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, total_tokens: int, name: s
             raise ValueError(f"{name} must not decrease, but {name}[{i + 1}] = {b} < {name}[{i}] = {a}")
 
 
-def check_state(name: str, state: torch.Tensor, problem: ProblemShape, device: torch.device, *,
-                dtype: torch.dtype = torch.bfloat16) -> None:
-    """A recurrent state: bf16 or fp32 ``[N, H, V, K]`` (v-first), contiguous, on q's device; fp16 too when the
-    activations (``dtype``, q's) are fp16 (an inference call: K2 widens it on load and rounds to it on store)."""
+def check_state(name: str, state: torch.Tensor, problem: ProblemShape, device: torch.device,
+                value_dim: int | None = None, *, dtype: torch.dtype = torch.bfloat16) -> None:
+    """A recurrent state: bf16 or fp32 ``[N, H, V, K]`` (v-first), contiguous, on q's device; V = K unless
+    ``value_dim`` says; fp16 too when the activations (``dtype``, q's) are fp16 (an inference call: K2 widens it on
+    load and rounds to it on store)."""
     d = problem.head_dim
+    shape = (problem.num_seqs, problem.heads, d if value_dim is None else value_dim, d)
     allowed = STATE_DTYPES + (torch.float16,) if dtype == torch.float16 else STATE_DTYPES
-    _check_tensor(name, state, allowed, (problem.num_seqs, problem.heads, d, d), "[N, H, V, K]", device, aligned=True)
+    _check_tensor(name, state, allowed, shape, "[N, H, V, K]", device, aligned=True)
 
 
 def check_state_pair(initial_state: torch.Tensor | None, final_state: torch.Tensor | None) -> None:
@@ -475,7 +489,7 @@ def validate_forward(
     q = check_is_tensor("q", q)
     check_ndim("q", q, 4, "[B, T, H, K]")
     batch, seq_len, heads, key_dim = q.shape
-    check_head_dim("K (q.shape[-1])", key_dim)
+    check_padded_head_dim("K (q.shape[-1])", key_dim, split=False)
     if seq_len == 0:
         raise ValueError("q must hold at least one token (T = q.shape[1] is 0)")
     device = q.device
@@ -485,11 +499,12 @@ def validate_forward(
     _check_activation("k", k, (batch, seq_len, heads, key_dim), "[B, T, H, K]", device, dtype)
     v = check_is_tensor("v", v)
     check_ndim("v", v, 4, "[B, T, HV, V]")
-    check_head_dim("V (v.shape[-1])", v.shape[-1])
+    value_dim = v.shape[-1]
+    check_padded_head_dim("V (v.shape[-1])", value_dim, split=True)
     if v.dim() == 4 and v.shape[2] != heads:
         check_value_heads(heads, v.shape[2])
         heads = v.shape[2]  # from here on: the value heads (the state, the workspace, K2)
-    _check_activation("v", v, (batch, seq_len, heads, key_dim), "[B, T, HV, V]", device, dtype)
+    _check_activation("v", v, (batch, seq_len, heads, value_dim), "[B, T, HV, V]", device, dtype)
     check_gate(gate)
     check_gate_inputs(gate, g, A_log, dt_bias, (batch, seq_len, heads, key_dim), device, dtype)
     _check_tensor("beta", beta, _BF16, (batch, seq_len, heads), "[B, T, HV]", device, aligned=True)
@@ -510,12 +525,12 @@ def validate_forward(
     problem = ProblemShape(batch, seq_len, heads, key_dim, num_seqs, varlen)
 
     if initial_state is not None:
-        check_state("initial_state", initial_state, problem, device, dtype=dtype)
+        check_state("initial_state", initial_state, problem, device, value_dim, dtype=dtype)
     if final_state is not None:
-        check_state("final_state", final_state, problem, device, dtype=dtype)
+        check_state("final_state", final_state, problem, device, value_dim, dtype=dtype)
         check_state_pair(initial_state, final_state)
     if out is not None:
-        _check_activation("out", out, (batch, seq_len, heads, key_dim), "[B, T, HV, V]", device, dtype)
+        _check_activation("out", out, (batch, seq_len, heads, value_dim), "[B, T, HV, V]", device, dtype)
     return problem
 
 

@@ -37,16 +37,19 @@ COLUMNS = {  # column title → the change from the base call (B = 2, T = 33, H 
     "fp32 β": {"beta_dtype": torch.float32},
     "fp16 inputs": {"dtype": torch.float16},
     "fp16 inputs, training": {"dtype": torch.float16, "training": True},
-    "head dim 64": {"dim": 64},
+    "head dim 64 (padded to 128)": {"dim": 64},
+    "K = 128, V = 256 (split)": {"value_dim": 256},
+    "head dim 64, training": {"dim": 64, "training": True},
+    "head dim 256": {"dim": 256},
 }
 
 
-def _tensors(gate: str, *, per_head: bool, heads: int = 2, value_heads: int = 2, dim: int = 128,
+def _tensors(gate: str, *, per_head: bool, heads: int = 2, value_heads: int = 2, dim: int = 128, value_dim: int = 128,
              dtype: torch.dtype = torch.bfloat16, beta_dtype: torch.dtype | None = None, packed: bool = False) -> dict:
     batch, seq_len = (1, 66) if packed else (2, 33)
     g_shape = (batch, seq_len, value_heads) if per_head else (batch, seq_len, value_heads, dim)
     t = dict(q=torch.zeros(batch, seq_len, heads, dim, dtype=dtype), k=torch.zeros(batch, seq_len, heads, dim, dtype=dtype),
-             v=torch.zeros(batch, seq_len, value_heads, dim, dtype=dtype), g=torch.zeros(g_shape, dtype=dtype),
+             v=torch.zeros(batch, seq_len, value_heads, value_dim, dtype=dtype), g=torch.zeros(g_shape, dtype=dtype),
              beta=torch.zeros(batch, seq_len, value_heads, dtype=beta_dtype or dtype))
     if gate != "none":
         t["A_log"] = torch.zeros(value_heads)
@@ -56,14 +59,17 @@ def _tensors(gate: str, *, per_head: bool, heads: int = 2, value_heads: int = 2,
 
 def _call(entry: str, gate: str, *, training: bool = False, packed: bool = False, value_heads: int = 2,
           state: torch.dtype | None = None, dtype: torch.dtype = torch.bfloat16, dim: int = 128,
-          beta_dtype: torch.dtype | None = None, cu_dtype: torch.dtype = torch.int64) -> None:
-    """Resolve one call; raises what the call would raise before any launch."""
+          value_dim: int | None = None, beta_dtype: torch.dtype | None = None, cu_dtype: torch.dtype = torch.int64
+          ) -> None:
+    """Resolve one call; raises what the call would raise before any launch. ``value_dim`` None: ``dim``."""
     gdn = entry == "chunk_gated_delta_rule"
-    t = _tensors(gate, per_head=gdn, value_heads=value_heads, dim=dim, dtype=dtype, beta_dtype=beta_dtype,
-                 packed=packed)
+    value_dim = dim if value_dim is None else value_dim
+    t = _tensors(gate, per_head=gdn, value_heads=value_heads, dim=dim, value_dim=value_dim, dtype=dtype,
+                 beta_dtype=beta_dtype, packed=packed)
     num_seqs = 2
     cu_seqlens = torch.tensor([0, 33, 66], dtype=cu_dtype) if packed else None
-    h0 = None if state is None else torch.zeros(num_seqs, value_heads, dim, dim, dtype=state)
+    inner = (value_dim, dim) if entry == "kda_forward" else (dim, value_dim)  # v-first, FLA's default K-first
+    h0 = None if state is None else torch.zeros(num_seqs, value_heads, *inner, dtype=state)
     if entry == "kda_forward":
         canonical = dict(t, gate=gate, initial_state=h0, cu_seqlens=cu_seqlens)
     else:

@@ -399,3 +399,23 @@ def test_bench_shape_keeps_going_when_ours_fails(bench, monkeypatch):
     assert row["peers"]["cute_kda"]["note"].startswith("step: NotImplementedError: inputs that require grad")
     assert row["peers"]["FLA"]["step_ms"] == 1.25 and row["agreement"] == {} and "breakdown" not in row
     assert "| tiny | — | 1.250 | — | — |" in bench.report([row], "cmd", "ENV", "sha", 1, 1)
+
+
+def test_head_dim_reaches_the_inputs_the_scale_and_the_report(bench):
+    """``--head-dim 64``: K = V = 64 inputs for both peers, FLA's default scale of that K, the report says cute_kda
+    pads; other sizes are refused by the parser."""
+    monkey = dict(bench.SHAPES)
+    try:
+        bench.SHAPES["tiny"] = type(bench.SHAPES["B1_T8192_H96"])((16,), 2)
+        problem = bench.make_problem("tiny", torch.device("cpu"), dim=64)
+    finally:
+        bench.SHAPES.clear()
+        bench.SHAPES.update(monkey)
+    leaves = problem["leaves"]
+    assert leaves["q"].shape == (1, 16, 2, 64) and leaves["dt_bias"].shape == (128,)
+    assert leaves["initial_state"].shape == (1, 2, 64, 64) and problem["kwargs"]["scale"] == 64 ** -0.5
+    assert bench.build_parser().parse_args(["--head-dim", "64"]).head_dim == 64
+    assert "D=64 (cute_kda: zero-padded to 128)" in bench.report([], "cmd", "ENV", "sha", 1, 1, head_dim=64)
+    assert os.path.basename(bench.default_out(64)).startswith("train-d64-")
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--head-dim", "256"])

@@ -112,7 +112,7 @@ REFUSED = {
     "graph mode": (dict(use_graph=True), "use_graph"),
     "bf16 state": (dict(initial_state=torch.zeros(1, 2, D, D, dtype=torch.bfloat16)), "initial_state must be float32"),
     "bf16 and fp16 mixed": ("fp16_q", "k is bfloat16 but q is float16"),
-    "head dim 64": ("dim64", "not supported; supported head dims: 128"),
+    "head dim 256": ("dim256", "K (q.shape[-1]) = 256 is not supported"),
     "misaligned q": ("misaligned", "16-byte boundary"),
 }
 
@@ -123,9 +123,9 @@ def test_calls_cute_kda_does_not_compute_are_refused(any_device, case):
     kwargs = layer_call()
     if changes == "fp16_q":
         kwargs["q"] = kwargs["q"].half()
-    elif changes == "dim64":
-        kwargs = {n: x[..., :64].contiguous() if n in ("q", "k", "g") else x for n, x in kwargs.items()}
-        kwargs["dt_bias"] = kwargs["dt_bias"].view(2, D)[:, :64].reshape(-1)
+    elif changes == "dim256":  # head dims up to 128 run padded (tests/test_head_dims.py); 256 is FLA's
+        kwargs = {n: torch.cat([x, x], -1) if n in ("q", "k", "g") else x for n, x in kwargs.items()}
+        kwargs["dt_bias"] = kwargs["dt_bias"].view(2, 1, D).expand(2, 2, D).reshape(-1)
     elif changes == "packed_states":
         kwargs = layer_call([17, 40], return_intermediate_states=True)
     elif changes == "misaligned":

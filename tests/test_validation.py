@@ -174,11 +174,31 @@ def test_empty_sequence():
     expect(ValueError, "T = q.shape[1] is 0", **inputs)
 
 
-@pytest.mark.parametrize("key_dim, value_dim, word", [(64, 64, "K (q.shape[-1]) = 64"), (128, 64, "V (v.shape[-1]) = 64")])
+@pytest.mark.parametrize("key_dim, value_dim", [(64, 64), (32, 32), (60, 60), (100, 100), (128, 64), (64, 128),
+                                                (128, 256), (64, 256), (1, 1)])
+def test_head_dims_that_pad_or_split_are_taken(key_dim, value_dim):
+    """K, V <= 128 (zero-padded to 128) and V a multiple of 128 (split into heads of 128): checked at the caller's
+    sizes, then the 128 call reaches the device check (cute_kda.head_dims; tests/test_head_dims.py computes them)."""
+    expect(ValueError, "q must be on a CUDA device", **make_inputs(dim=key_dim, value_dim=value_dim))
+
+
+@pytest.mark.parametrize("key_dim, value_dim, word", [(256, 256, "K (q.shape[-1]) = 256"),
+                                                     (192, 128, "K (q.shape[-1]) = 192"),
+                                                     (128, 192, "V (v.shape[-1]) = 192"),
+                                                     (64, 200, "V (v.shape[-1]) = 200")])
 def test_head_dim_not_supported(key_dim, value_dim, word):
+    """K > 128, and V > 128 that is not a multiple of 128: refused by size, so FLA's backend computes them."""
     with pytest.raises(NotImplementedError) as info:
         call(**make_inputs(dim=key_dim, value_dim=value_dim))
-    assert word in str(info.value) and "supported head dims: 128" in str(info.value)
+    assert word in str(info.value) and "head dims up to 128" in str(info.value)
+
+
+@pytest.mark.parametrize("name, shape", [("initial_state", (B, H, 64, 60)), ("final_state", (B, H, 60, 64)),
+                                         ("dt_bias", (H, 128)), ("out", (B, T, H, 128))])
+def test_padded_call_shapes_are_named_at_the_callers_dims(name, shape):
+    """A call at K = V = 64 names a wrong shape with the caller's sizes (checked before any padding)."""
+    dtype = torch.bfloat16 if name == "out" else torch.float32
+    expect(ValueError, name, str(list(shape)), **{**make_inputs(dim=64), name: torch.zeros(shape, dtype=dtype)})
 
 
 @pytest.mark.parametrize("name", ["q", "k", "v", "g"])

@@ -138,7 +138,7 @@ def _launchers() -> tuple:
 def run(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, final state or None) of a resolved inference ``call``: K1 then K2 on the current stream of q's device,
     into the caller's buffers when given (``call.out``, ``call.final_state``)."""
-    x, options, out, final_state, _ = call
+    x, options, out, final_state, _, _ = call
     if options.segmentation is not None:  # the training forward's stage checks the device itself
         return _segmented(call)
     # the fields as locals: one unpack instead of seventeen reads by name (0.2 µs of a small call's host path)

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 
 from .. import validation
-from ..call import Call, Inputs, Options, final_state_dtype_of, options_of, resolve
+from ..call import Call, Inputs, Options, final_state_dtype_of, finish, options_of, resolve
 from ..validation import problem_of, staged_cu_seqlens
 from .stages import (
     KERNEL_B_INPUTS, KERNELS, Backend, Saved, checkpoints_shape, packed, workspace_spec,
@@ -145,7 +145,8 @@ def kda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     """:func:`cute_kda.kda_forward`'s training path on torch tensors, with the stages of ``backend``: the same
     arguments, checks and results, always recorded by autograd, whatever requires grad. For the references:
     ``backend=REFERENCE`` runs on any device."""
-    return train(backend, resolve(q, k, v, g, beta, training=True, **arguments))
+    call = resolve(q, k, v, g, beta, training=True, **arguments)
+    return finish(call, train(backend, call))
 
 
 # ---------------------------------------------------------------------------------------------
