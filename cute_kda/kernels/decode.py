@@ -20,6 +20,10 @@ Two token loops, one arithmetic (the same bits for the same tokens):
 
 - **unrolled** (``tokens`` = T ≤ 8, fixed length): every token's code inline; token 0's loads are issued before
   the branch on the slot id, and ptxas schedules the later tokens' loads across the unrolled math;
+- **paired** (one token, a bf16 V-first decode): a thread group holds 8 value rows, two blocks of 4 that share
+  the slot id and the token's operands; the second block's lines are prefetched into L2 beside the first block's
+  loads, and loaded (from L2) once the first block is stored: twice the state in flight a CTA for the registers of
+  one block (docs/perf-log.md, D4);
 - **runtime** (``tokens`` None): a loop over a count known at run time — a fixed T over 8 (the tensors' extent),
   or packed sequences (``cu_seqlens`` int32 / int64 ``[N + 1]``, read on the device: sequence ``n`` is input rows
   ``cu_seqlens[n] .. cu_seqlens[n + 1] − 1`` of batch row 0). Token ``t + 1``'s inputs are loaded into registers
@@ -41,6 +45,7 @@ from typing import NamedTuple, Optional
 from ..dsl import cute, cutlass  # first: sets the target architecture before the DSL loads
 
 from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass.experimental.primitives import prefetch_l2
 
 from ..layouts.decode import CHANNELS, LANES, DecodeThreadMap
 from ..numerics import EPS, GATES, LOG2E
@@ -48,6 +53,7 @@ from .common.fastmath import ex2_approx, fma_rn, mul_rn, sigmoid_approx
 from .common.token_prep import TokenPrep
 
 MAX_TOKENS = 8
+PAIRED_CTAS_PER_SM = 6  # of 64 threads: a cap of 168 registers (ptxas, sm_90a: 128-167 used, no spills)
 BUTTERFLY = (4, 2, 1)  # shfl.xor offsets over the 8 lanes of a row (the mirror's order)
 _STATE_TYPES = {"fp32": Float32, "bf16": BFloat16}
 OFFSET_DTYPES = ("int32", "int64")  # of cu_seqlens
@@ -67,7 +73,9 @@ class DecodeVariant:
     offsets of packed sequences (tokens None); ``prefetch`` (unrolled, T ≥ 2): every token's inputs (and a
     verify's slot ids, the accepted count) loaded before the branch on the slot, so their latencies overlap the
     slot id's and the state's — without it token t + 1's loads wait behind token t's stores (each token's
-    conditional stores end a basic block, and ptxas does not hoist loads above them): one memory latency a token.
+    conditional stores end a basic block, and ptxas does not hoist loads above them): one memory latency a token;
+    ``paired`` (T = 1 decode, V-first bf16 pool): 8 value rows a thread group in two blocks of 4, the second's state
+    prefetched into L2 during the first's math (:meth:`choose_paired`).
     """
 
     gate: str = "safe"
@@ -82,6 +90,7 @@ class DecodeVariant:
     vsplit: int = 1
     cu_seqlens: Optional[str] = None
     prefetch: bool = False
+    paired: bool = False
 
     def __post_init__(self) -> None:
         if self.gate not in GATES:
@@ -94,11 +103,33 @@ class DecodeVariant:
             raise ValueError("packed sequences (cu_seqlens) take their lengths at run time: tokens must be None")
         if self.prefetch and (self.tokens is None or self.tokens < 2):
             raise ValueError("prefetch loads the tokens of the unrolled loop ahead: it needs tokens >= 2")
+        if self.paired and not self.pairs(self.tokens, self.verify, self.state_layout, self.state_dtype):
+            raise ValueError("paired runs a one-token decode on a V-first bf16 pool")
         self.thread_map  # validates layout, dtype and vsplit
 
     @property
     def thread_map(self) -> DecodeThreadMap:
-        return DecodeThreadMap(self.state_layout, self.state_dtype, self.vsplit)
+        return DecodeThreadMap(self.state_layout, self.state_dtype, self.vsplit, 2 if self.paired else 1)
+
+    @staticmethod
+    def pairs(tokens: Optional[int], verify: bool, state_layout: str, state_dtype: str) -> bool:
+        """Whether ``paired`` can run: one token (every later token would need the first block's operands again),
+        no verify (a state kept a token), V-first rows, a bf16 pool (fp32 decode is at 87-92 % of the copy
+        already, docs/perf-log.md D3)."""
+        return tokens == 1 and not verify and state_layout == "vk" and state_dtype == "bf16"
+
+    @classmethod
+    def choose_paired(cls, num_seqs: int, value_heads: int, sm_count: int, tokens: Optional[int], verify: bool,
+                      state_layout: str, state_dtype: str, vsplit: Optional[int] = None) -> bool:
+        """Whether a call runs ``paired``: where it can (:meth:`pairs`; a given ``vsplit`` leaving a paired CTA a
+        warp) and its grid (two CTAs a head at V-split 2) fills the SMs at least twice at
+        :data:`PAIRED_CTAS_PER_SM`; below that one wave of plain CTAs (8 an SM, each one block's math shorter)
+        ends sooner."""
+        if not cls.pairs(tokens, verify, state_layout, state_dtype):
+            return False
+        if vsplit is not None and vsplit not in DecodeThreadMap.vsplits(state_layout, state_dtype, halves=2):
+            return False
+        return num_seqs * value_heads * 2 >= 2 * PAIRED_CTAS_PER_SM * sm_count
 
     @staticmethod
     def choose_prefetch(tokens: Optional[int], state_layout: str, state_dtype: str) -> bool:
@@ -111,15 +142,17 @@ class DecodeVariant:
 
     @classmethod
     def choose_vsplit(cls, num_seqs: int, value_heads: int, sm_count: int, state_layout: str = "vk",
-                      state_dtype: str = "fp32") -> int:
+                      state_dtype: str = "fp32", paired: bool = False) -> int:
         """V-split for ``num_seqs × value_heads`` heads on ``sm_count`` SMs: CTAs of 64 threads (a thread holds
         ~150 registers, so six such CTAs share an SM where a 256-thread CTA sits alone, and a CTA's load, compute
         and store phases overlap with its neighbours'), split further, down to one warp, while the grid has fewer
         than two CTAs per SM (small batches: more CTAs, more bytes in flight). Not measured yet:
-        ``benchmarks/bench_decode.py --vsplits`` compares every split.
+        ``benchmarks/bench_decode.py --vsplits`` compares every split. ``paired``: the same rule on the paired map (8
+        rows a group: V-split 2 at 64 threads).
         """
-        splits = DecodeThreadMap.vsplits(state_layout, state_dtype)
-        chosen = next(v for v in splits if DecodeThreadMap(state_layout, state_dtype, v).threads <= 64)
+        halves = 2 if paired else 1
+        splits = DecodeThreadMap.vsplits(state_layout, state_dtype, halves)
+        chosen = next(v for v in splits if DecodeThreadMap(state_layout, state_dtype, v, halves).threads <= 64)
         while num_seqs * value_heads * chosen < 2 * sm_count and chosen < splits[-1]:
             chosen *= 2
         return chosen
@@ -217,8 +250,18 @@ class DecodeKernel(TokenPrep):
             grid=[num_seqs * value_heads * self.variant.vsplit, 1, 1],  # the bands of a head are adjacent CTAs
             block=[self.map.threads, 1, 1],
             stream=stream,
-            min_blocks_per_mp=1,  # a launch bound lifts ptxas's own register cap (a T = 8 verify spilled at 168)
+            **self.launch_bound(),
         )
+
+    def launch_bound(self) -> dict:
+        """The launch's occupancy keywords. One CTA an SM lifts ptxas's own register cap (a T = 8 verify spilled at
+        168). Paired: :data:`PAIRED_CTAS_PER_SM` CTAs of 64 threads (the same threads an SM at other sizes), a cap
+        of 168 registers (6 CTAs; 8 would need 128: it spills); the carveout given (the driver's default, -1) so
+        that the DSL does not ask a device for its shared memory."""
+        if self.variant.paired:
+            ctas = max(1, PAIRED_CTAS_PER_SM * 64 // self.map.threads)
+            return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=-1)
+        return dict(min_blocks_per_mp=1)
 
     # -----------------------------------------------------------------------------------------
     # device
@@ -258,7 +301,10 @@ class DecodeKernel(TokenPrep):
             # the first token's operands do not depend on the slot: their loads overlap the slot id's
             first = self.token_operands(inputs, at, 0, gate)
             if slot >= 0:
-                self.update(inputs, pool, state_indices, out, slot, at, gate, first)
+                if const_expr(self.variant.paired):
+                    self.update_paired(pool, out, slot, at, first)
+                else:
+                    self.update(inputs, pool, state_indices, out, slot, at, gate, first)
             else:
                 self.zero_outputs(out, at, None)
 
@@ -281,6 +327,33 @@ class DecodeKernel(TokenPrep):
             self.finish_token(out, pool, state_indices, at, (at.seq, t), t, base, state, outputs, written)
         if const_expr(not self.variant.verify):
             self.store_state(pool[slot, at.value_head, None, None], base, state)
+
+    @cute.jit
+    def update_paired(self, pool: cute.Tensor, out: cute.Tensor, slot: Int32, at: "Position",
+                      operands: "TokenOperands"):
+        """:meth:`update` of one token on the two blocks of a paired group: the first block's state loaded with the
+        second block's lines prefetched into L2 (no registers held for them), the first block run and stored (its
+        outputs too: nothing of it stays live), then the second loaded (from L2), run and stored."""
+        head = pool[slot, at.value_head, None, None]
+        base = self.map.state_base(at.lane, at.first_value)
+        state = cute.make_rmem_tensor((self.map.block_rows, CHANNELS), Float32)
+        for vector in self.map.block_vectors(1):
+            prefetch_l2(self.gmem_run(head, base + vector.offset, self.map.vector).iterator)
+        self.load_state(head, base, state, self.map.block_vectors(0))
+        # the warp barriers order memory among the warp's threads, so ptxas moves no memory operation across them:
+        # the prefetches stay beside the first block's loads (else they sink to its stores), the second block's
+        # loads below the first block's stores (else they rise over its math, both blocks live: spills)
+        cute.arch.sync_warp()
+        for half in cutlass.range_constexpr(self.map.halves):
+            vectors = self.map.block_vectors(half)
+            if const_expr(half > 0):
+                cute.arch.sync_warp()
+                self.load_state(head, base, state, vectors)
+            outputs = self.advance(state, operands)
+            if at.lane == 0:
+                self.store_run(out[at.seq, 0, at.value_head, None], at.first_value + half * self.map.block_rows,
+                               outputs)
+            self.store_state(head, base, state, vectors)
 
     @cute.jit
     def run_tokens(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor, out: cute.Tensor,
@@ -316,7 +389,7 @@ class DecodeKernel(TokenPrep):
     @cute.jit
     def advance(self, state: cute.Tensor, operands: "TokenOperands") -> cute.Tensor:
         """One token on the thread's state (decay, delta-rule write, read); its value rows' outputs, bf16."""
-        rows = self.map.rows
+        rows = cute.size(state, mode=[0])
         outputs = cute.make_rmem_tensor((rows,), BFloat16)
         for r in cutlass.range_constexpr(rows):
             for e in cutlass.range_constexpr(CHANNELS):
@@ -399,18 +472,20 @@ class DecodeKernel(TokenPrep):
     # -- state I/O ----------------------------------------------------------------------------
 
     @cute.jit
-    def load_state(self, head: cute.Tensor, offset, state: cute.Tensor):
-        """The thread's state elements (from element ``offset`` of the head's ``[128, 128]`` block) as fp32."""
-        for vector in self.map.state_vectors():
+    def load_state(self, head: cute.Tensor, offset, state: cute.Tensor, vectors: Optional[tuple] = None):
+        """The thread's state elements (of ``vectors``, all by default; from element ``offset`` of the head's
+        ``[128, 128]`` block) as fp32."""
+        for vector in (self.map.state_vectors() if vectors is None else vectors):
             staged = cute.make_rmem_tensor((self.map.vector,), self.state_type)
             cute.autovec_copy(self.gmem_run(head, offset + vector.offset, self.map.vector), staged)
             for c, (row, e) in enumerate(vector.registers):
                 state[row, e] = staged[c].to(Float32)
 
     @cute.jit
-    def store_state(self, head: cute.Tensor, offset, state: cute.Tensor):
-        """The thread's state elements into the head's block at ``offset``, rounded to the pool's dtype."""
-        for vector in self.map.state_vectors():
+    def store_state(self, head: cute.Tensor, offset, state: cute.Tensor, vectors: Optional[tuple] = None):
+        """The thread's state elements (of ``vectors``, all by default) into the head's block at ``offset``, rounded
+        to the pool's dtype."""
+        for vector in (self.map.state_vectors() if vectors is None else vectors):
             staged = cute.make_rmem_tensor((self.map.vector,), self.state_type)
             for c, (row, e) in enumerate(vector.registers):
                 staged[c] = state[row, e].to(self.state_type)
