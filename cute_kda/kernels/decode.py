@@ -75,7 +75,9 @@ class DecodeVariant:
     slot id's and the state's — without it token t + 1's loads wait behind token t's stores (each token's
     conditional stores end a basic block, and ptxas does not hoist loads above them): one memory latency a token;
     ``paired`` (T = 1 decode, V-first bf16 pool): 8 value rows a thread group in two blocks of 4, the second's state
-    prefetched into L2 during the first's math (:meth:`choose_paired`).
+    prefetched into L2 during the first's math (:meth:`choose_paired`); ``l2_ahead`` (unrolled, T ≥ 2): the
+    schedule of ``prefetch`` with tokens 1 .. T − 1's inputs prefetched into L2 instead of loaded into registers,
+    each loaded (an L2 hit) after the previous token's stores (:meth:`choose_l2_ahead`).
     """
 
     gate: str = "safe"
@@ -91,6 +93,7 @@ class DecodeVariant:
     cu_seqlens: Optional[str] = None
     prefetch: bool = False
     paired: bool = False
+    l2_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.gate not in GATES:
@@ -103,6 +106,8 @@ class DecodeVariant:
             raise ValueError("packed sequences (cu_seqlens) take their lengths at run time: tokens must be None")
         if self.prefetch and (self.tokens is None or self.tokens < 2):
             raise ValueError("prefetch loads the tokens of the unrolled loop ahead: it needs tokens >= 2")
+        if self.l2_ahead and (self.tokens is None or self.tokens < 2 or self.prefetch):
+            raise ValueError("l2_ahead prefetches the later tokens of the unrolled loop: tokens >= 2, not prefetch")
         if self.paired and not self.pairs(self.tokens, self.verify, self.state_layout, self.state_dtype):
             raise ValueError("paired runs a one-token decode on a V-first bf16 pool")
         self.thread_map  # validates layout, dtype and vsplit
@@ -110,6 +115,14 @@ class DecodeVariant:
     @property
     def thread_map(self) -> DecodeThreadMap:
         return DecodeThreadMap(self.state_layout, self.state_dtype, self.vsplit, 2 if self.paired else 1)
+
+    @staticmethod
+    def choose_l2_ahead(tokens: Optional[int], state_layout: str, state_dtype: str) -> bool:
+        """Whether an unrolled loop of ``tokens`` keeps the later tokens' inputs in L2 (``l2_ahead``) rather than in
+        registers (``prefetch``): on V-first bf16 pools at T = 2-4, where ``prefetch``'s 203-254 registers leave 4
+        CTAs an SM and bf16's 40 KB a CTA (T = 4 verify) need more of them (docs/perf-log.md, D5); fp32 verify is
+        at 85-89 % of the copy with ``prefetch``."""
+        return tokens is not None and 2 <= tokens <= 4 and state_layout == "vk" and state_dtype == "bf16"
 
     @staticmethod
     def pairs(tokens: Optional[int], verify: bool, state_layout: str, state_dtype: str) -> bool:
@@ -258,7 +271,7 @@ class DecodeKernel(TokenPrep):
         168). Paired: :data:`PAIRED_CTAS_PER_SM` CTAs of 64 threads (the same threads an SM at other sizes), a cap
         of 168 registers (6 CTAs; 8 would need 128: it spills); the carveout given (the driver's default, -1) so
         that the DSL does not ask a device for its shared memory."""
-        if self.variant.paired:
+        if self.variant.paired or self.variant.l2_ahead:
             ctas = max(1, PAIRED_CTAS_PER_SM * 64 // self.map.threads)
             return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=-1)
         return dict(min_blocks_per_mp=1)
@@ -280,7 +293,7 @@ class DecodeKernel(TokenPrep):
         if const_expr(self.variant.grouped):
             head = value_head // (value_heads // qk_heads)
         written = None
-        if const_expr(self.variant.verify and self.variant.prefetch):
+        if const_expr(self.variant.verify and (self.variant.prefetch or self.variant.l2_ahead)):
             written = self.slot_row(state_indices, seq)
             slot = self.entering_slot(state_indices, seq, written, num_accepted_tokens[seq])
         elif const_expr(self.variant.verify):
@@ -298,13 +311,15 @@ class DecodeKernel(TokenPrep):
             else:
                 self.zero_outputs(out, at, None)
         else:
+            if const_expr(self.variant.l2_ahead):
+                self.prefetch_later_tokens(inputs, at)
             # the first token's operands do not depend on the slot: their loads overlap the slot id's
             first = self.token_operands(inputs, at, 0, gate)
             if slot >= 0:
                 if const_expr(self.variant.paired):
                     self.update_paired(pool, out, slot, at, first)
                 else:
-                    self.update(inputs, pool, state_indices, out, slot, at, gate, first)
+                    self.update(inputs, pool, state_indices, out, slot, at, gate, first, None, written)
             else:
                 self.zero_outputs(out, at, None)
 
@@ -461,6 +476,27 @@ class DecodeKernel(TokenPrep):
             self.load_raw(inputs, at, at.seq, t, raw)
             raws.append(raw)
         return tuple(raws)
+
+    @cute.jit
+    def prefetch_later_tokens(self, inputs: DecodeInputs, at: "Position"):
+        """``l2_ahead``: the lines of tokens 1 .. T − 1's inputs (what :meth:`load_raw` reads) into L2, no registers;
+        a warp barrier after them, across which ptxas moves no memory operation, keeps them ahead of token 0's loads
+        (unpinned, ptxas sinks an instruction nothing waits for)."""
+        base = self.map.lane_channel_base(at.lane)
+        for t in cutlass.range_constexpr(1, self.tokens):
+            rows = [inputs.q[at.seq, t, at.head, None], inputs.k[at.seq, t, at.head, None]]
+            if const_expr(not self.variant.per_head_gate):
+                rows.append(inputs.g[at.seq, t, at.value_head, None])
+            for row in rows:
+                for run in self.map.channel_runs():
+                    prefetch_l2(self.gmem_run(row, base + run.offset, run.length).iterator)
+            scalars = [inputs.beta[at.seq, t, None]]
+            if const_expr(self.variant.per_head_gate):
+                scalars.append(inputs.g[at.seq, t, None])
+            for heads in scalars:
+                prefetch_l2(self.gmem_run(heads, at.value_head, 1).iterator)
+            prefetch_l2(self.gmem_run(inputs.v[at.seq, t, at.value_head, None], at.first_value, self.map.rows).iterator)
+        cute.arch.sync_warp()
 
     @cute.jit
     def token_span(self, inputs: DecodeInputs, cu_seqlens: Optional[cute.Tensor], seq: Int32) -> "TokenSpan":

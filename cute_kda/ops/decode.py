@@ -38,6 +38,10 @@ PREFETCH = True
 # pays (docs/perf-log.md, D4: predicted 82-84 % → 86-90 % of the copy); off until the H200 A/B
 # (``bench_decode.py --paired``) and its GPU tests have run.
 PAIRED = False
+# Whether unrolled T = 2-4 calls on V-first bf16 pools keep the later tokens' inputs in L2 (``l2_ahead``) instead of
+# registers (``prefetch``) where :meth:`DecodeVariant.choose_l2_ahead` says so (docs/perf-log.md, D5: predicted bf16
+# verify 71-74 % → 80-88 % of the copy); off until the H200 A/B (``bench_decode.py --l2-ahead``) and its GPU tests.
+L2_AHEAD = False
 _COMPILE_SIZES = (3, 2, 4, 5)  # N, H, HV, slots of the meta tensors a compile describes (every extent is dynamic)
 
 
@@ -46,14 +50,17 @@ def variant_of(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_l
                cu_seqlens: torch.dtype | None = None, paired: bool = False) -> DecodeVariant:
     """The variant of a call; ``tokens`` the fixed T (over :data:`MAX_TOKENS`: the runtime loop), ``cu_seqlens``
     the offsets' dtype of a packed call (None: fixed length); ``prefetch`` where :data:`PREFETCH` is on and
-    :meth:`DecodeVariant.choose_prefetch` says it fits; ``paired`` as :func:`launch_plan` chose it."""
+    :meth:`DecodeVariant.choose_prefetch` says it fits, unless ``l2_ahead`` (where :data:`L2_AHEAD` is on and
+    :meth:`DecodeVariant.choose_l2_ahead` says so) takes its place; ``paired`` as :func:`launch_plan` chose it."""
     unrolled = unrolled_tokens(tokens, cu_seqlens)
     dtype = _STATE_DTYPES[state_dtype]
+    l2_ahead = L2_AHEAD and DecodeVariant.choose_l2_ahead(unrolled, state_layout, dtype)
     return DecodeVariant(gate=gate, per_head_gate=per_head_gate, state_dtype=dtype, state_layout=state_layout,
                          tokens=unrolled, verify=verify, qk_l2norm=qk_l2norm, beta_logits=beta_logits, grouped=grouped,
                          vsplit=vsplit, cu_seqlens=None if cu_seqlens is None else _OFFSET_DTYPES[cu_seqlens],
-                         prefetch=PREFETCH and DecodeVariant.choose_prefetch(unrolled, state_layout, dtype),
-                         paired=paired)
+                         prefetch=PREFETCH and not l2_ahead and DecodeVariant.choose_prefetch(unrolled, state_layout,
+                                                                                              dtype),
+                         paired=paired, l2_ahead=l2_ahead)
 
 
 def unrolled_tokens(tokens: int, cu_seqlens: torch.dtype | None) -> int | None:
