@@ -31,7 +31,8 @@ sigmoid in the kernel. The per-head rows (GatedDeltaNet) run decode with a preco
   :meth:`cute_kda.kernels.decode.DecodeVariant.choose_paired` says it pays (``cute_kda.ops.decode.PAIRED``, off by
   default), for the A/B of D4 (the vsplit column then gives the paired split); ``--l2-ahead``: the T = 2-4 calls on
   bf16 pools keep the later tokens' inputs in L2 instead of registers (``cute_kda.ops.decode.L2_AHEAD``, off by
-  default; :meth:`cute_kda.kernels.decode.DecodeVariant.choose_l2_ahead`), the A/B of D5; ``--no-fla``: our columns only;
+  default; :meth:`cute_kda.kernels.decode.DecodeVariant.choose_l2_ahead`), the A/B of D5; ``--no-fla``: our columns
+  only;
 - ``--modes packed,packed-verify``: the same calls with the tokens packed (``[1, N·T, ...]``, int32 ``cu_seqlens``,
   every sequence T long), which runs our runtime token loop instead of the unrolled one (FLA takes the same
   ``cu_seqlens``): beside the decode / verify rows, the loop's cost.

@@ -319,8 +319,9 @@ def test_choose_paired():
     assert DecodeVariant.choose_paired(792, 1, sms, 1, False, "vk", "bf16")
     assert not DecodeVariant.choose_paired(791, 1, sms, 1, False, "vk", "bf16")
     assert not DecodeVariant.choose_paired(8, 32, sms, 1, False, "vk", "bf16")  # under two waves: plain CTAs
-    for tokens, verify, layout, dtype in ((4, True, "vk", "bf16"), (2, False, "vk", "bf16"), (None, False, "vk", "bf16"),
-                                          (1, False, "kv", "bf16"), (1, False, "vk", "fp32")):
+    cannot = ((4, True, "vk", "bf16"), (2, False, "vk", "bf16"), (None, False, "vk", "bf16"), (1, False, "kv", "bf16"),
+              (1, False, "vk", "fp32"))
+    for tokens, verify, layout, dtype in cannot:
         assert not DecodeVariant.choose_paired(512, 96, sms, tokens, verify, layout, dtype)
     assert DecodeVariant.choose_paired(512, 96, sms, 1, False, "vk", "bf16", vsplit=4)
     assert not DecodeVariant.choose_paired(512, 96, sms, 1, False, "vk", "bf16", vsplit=8)  # 16 threads

@@ -19,11 +19,11 @@ bytes in flight) from the V-split: the value rows of a V-first state are indepen
 Two token loops, one arithmetic (the same bits for the same tokens):
 
 - **unrolled** (``tokens`` = T ≤ 8, fixed length): every token's code inline; token 0's loads are issued before
-  the branch on the slot id, and ptxas schedules the later tokens' loads across the unrolled math;
-- **paired** (one token, a bf16 V-first decode): a thread group holds 8 value rows, two blocks of 4 that share
-  the slot id and the token's operands; the second block's lines are prefetched into L2 beside the first block's
-  loads, and loaded (from L2) once the first block is stored: twice the state in flight a CTA for the registers of
-  one block (docs/perf-log.md, D4);
+  the branch on the slot id, and ptxas schedules the later tokens' loads across the unrolled math. Its schedules
+  (variant flags): ``prefetch`` loads every token's inputs into registers up front (D3); ``l2_ahead`` prefetches
+  tokens 1 .. T − 1's into L2 instead (D5); ``paired`` (one token, a bf16 V-first decode) gives a thread group 8
+  value rows, two blocks of 4 that share the slot id and the token's operands, the second block's lines prefetched
+  into L2 beside the first block's loads and loaded once the first block is stored (D4: docs/perf-log.md);
 - **runtime** (``tokens`` None): a loop over a count known at run time — a fixed T over 8 (the tensors' extent),
   or packed sequences (``cu_seqlens`` int32 / int64 ``[N + 1]``, read on the device: sequence ``n`` is input rows
   ``cu_seqlens[n] .. cu_seqlens[n + 1] − 1`` of batch row 0). Token ``t + 1``'s inputs are loaded into registers
@@ -53,7 +53,7 @@ from .common.fastmath import ex2_approx, fma_rn, mul_rn, sigmoid_approx
 from .common.token_prep import TokenPrep
 
 MAX_TOKENS = 8
-PAIRED_CTAS_PER_SM = 6  # of 64 threads: a cap of 168 registers (ptxas, sm_90a: 128-167 used, no spills)
+BOUND_CTAS_PER_SM = 6  # paired, l2_ahead: CTAs of 64 threads an SM, a cap of 168 registers (ptxas: 128-168 used)
 BUTTERFLY = (4, 2, 1)  # shfl.xor offsets over the 8 lanes of a row (the mirror's order)
 _STATE_TYPES = {"fp32": Float32, "bf16": BFloat16}
 OFFSET_DTYPES = ("int32", "int64")  # of cu_seqlens
@@ -136,13 +136,13 @@ class DecodeVariant:
                       state_layout: str, state_dtype: str, vsplit: Optional[int] = None) -> bool:
         """Whether a call runs ``paired``: where it can (:meth:`pairs`; a given ``vsplit`` leaving a paired CTA a
         warp) and its grid (two CTAs a head at V-split 2) fills the SMs at least twice at
-        :data:`PAIRED_CTAS_PER_SM`; below that one wave of plain CTAs (8 an SM, each one block's math shorter)
+        :data:`BOUND_CTAS_PER_SM`; below that one wave of plain CTAs (8 an SM, each one block's math shorter)
         ends sooner."""
         if not cls.pairs(tokens, verify, state_layout, state_dtype):
             return False
         if vsplit is not None and vsplit not in DecodeThreadMap.vsplits(state_layout, state_dtype, halves=2):
             return False
-        return num_seqs * value_heads * 2 >= 2 * PAIRED_CTAS_PER_SM * sm_count
+        return num_seqs * value_heads * 2 >= 2 * BOUND_CTAS_PER_SM * sm_count
 
     @staticmethod
     def choose_prefetch(tokens: Optional[int], state_layout: str, state_dtype: str) -> bool:
@@ -268,11 +268,12 @@ class DecodeKernel(TokenPrep):
 
     def launch_bound(self) -> dict:
         """The launch's occupancy keywords. One CTA an SM lifts ptxas's own register cap (a T = 8 verify spilled at
-        168). Paired: :data:`PAIRED_CTAS_PER_SM` CTAs of 64 threads (the same threads an SM at other sizes), a cap
-        of 168 registers (6 CTAs; 8 would need 128: it spills); the carveout given (the driver's default, -1) so
-        that the DSL does not ask a device for its shared memory."""
+        168). ``paired`` and ``l2_ahead``: :data:`BOUND_CTAS_PER_SM` CTAs of 64 threads (the same threads an SM at
+        other sizes), a cap of 168 registers (6 CTAs; paired at 8 would need 128: it spills; l2_ahead uncapped
+        takes 200: 4 CTAs); the carveout given (the driver's default, -1) so that the DSL does not ask a device for
+        its shared memory."""
         if self.variant.paired or self.variant.l2_ahead:
-            ctas = max(1, PAIRED_CTAS_PER_SM * 64 // self.map.threads)
+            ctas = max(1, BOUND_CTAS_PER_SM * 64 // self.map.threads)
             return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=-1)
         return dict(min_blocks_per_mp=1)
 
