@@ -30,7 +30,12 @@ sigmoid in the kernel. The per-head rows (GatedDeltaNet) run decode with a preco
   :meth:`cute_kda.kernels.decode.DecodeVariant.choose_vsplit`);
 - ``--no-prefetch``: the plain unrolled multi-token variants instead of those that load every token ahead
   (:meth:`cute_kda.kernels.decode.DecodeVariant.choose_prefetch`, ``cute_kda.ops.decode.PREFETCH``), for the A/B of
-  docs/perf-log.md's D3; ``--no-fla``: our columns only (shorter runs);
+  docs/perf-log.md's D3; ``--paired``: one-token bf16 decodes on the paired variant where
+  :meth:`cute_kda.kernels.decode.DecodeVariant.choose_paired` says it pays (``cute_kda.ops.decode.PAIRED``, off by
+  default), for the A/B of D4 (the vsplit column then gives the paired split); ``--l2-ahead``: the T = 2-4 calls on
+  bf16 pools keep the later tokens' inputs in L2 instead of registers (``cute_kda.ops.decode.L2_AHEAD``, off by
+  default; :meth:`cute_kda.kernels.decode.DecodeVariant.choose_l2_ahead`), the A/B of D5; ``--no-fla``: our columns
+  only;
 - ``--modes packed,packed-verify``: the same calls with the tokens packed (``[1, N·T, ...]``, int32 ``cu_seqlens``,
   every sequence T long), which runs our runtime token loop instead of the unrolled one (FLA takes the same
   ``cu_seqlens``): beside the decode / verify rows, the loop's cost.
@@ -163,14 +168,19 @@ def _row(N: int, HV: int, pool: str, mode: str, per_head: bool, args) -> list[st
     case = _inputs(N, T, HV, POOLS[pool], per_head, verify, packed=mode.startswith("packed"))
     state_bytes = HV * D * D * case["state_pool"].element_size()
     traffic = N * state_bytes * (1 + (T if verify else 1))
-    auto = DecodeVariant.choose_vsplit(N, HV, sm_count(0), "vk", pool)
+    from cute_kda.ops import decode as decode_ops
+
+    paired = decode_ops.PAIRED and DecodeVariant.choose_paired(N, HV, sm_count(0), None if mode.startswith("packed")
+                                                               else T, verify, "vk", pool)
+    auto = DecodeVariant.choose_vsplit(N, HV, sm_count(0), "vk", pool, paired)
     ours = _time_us(_ours(case, per_head, None), args.warmup, args.rep)
     fla = (_time_us(_fla(case, per_head), args.warmup, args.rep) if not (per_head and verify or args.no_fla)
            else None)
     copies = _copy_us(traffic, args.warmup, args.rep)
     copy = min(copies.values())
     print(f"copy µs: {copies}", file=sys.stderr)
-    cells = [str(N), str(HV), pool, mode + (" (per head)" if per_head else ""), str(auto), f"{ours:.2f}",
+    cells = [str(N), str(HV), pool, mode + (" (per head)" if per_head else ""),
+             f"{auto}{' paired' if paired else ''}", f"{ours:.2f}",
              f"{traffic / ours / 1e3:.0f}", f"{traffic / copy / 1e3:.0f}", f"{100 * copy / ours:.0f} %",
              "–" if fla is None else f"{fla:.2f}", "–" if fla is None else f"{fla / ours:.2f}×",
              "–" if fla is None else f"{fla / max(copy, args.floor_us):.2f}×"]
@@ -196,12 +206,17 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time every V-split of each row")
     parser.add_argument("--no-prefetch", action="store_true",
                         help="the plain unrolled variants, not those loading every token ahead (A/B)")
+    parser.add_argument("--paired", action="store_true",
+                        help="one-token bf16 decodes on the paired variant where it pays (A/B, docs/perf-log.md D4)")
+    parser.add_argument("--l2-ahead", action="store_true",
+                        help="bf16 T = 2-4 calls with the later tokens' inputs in L2, not registers (A/B, perf-log D5)")
     parser.add_argument("--no-fla", action="store_true", help="skip FLA's columns")
     args = parser.parse_args()
-    if args.no_prefetch:
-        from cute_kda.ops import decode as decode_ops
+    from cute_kda.ops import decode as decode_ops
 
-        decode_ops.PREFETCH = False
+    decode_ops.PREFETCH = not args.no_prefetch
+    decode_ops.PAIRED = args.paired
+    decode_ops.L2_AHEAD = args.l2_ahead
 
     head = ["N", "HV", "pool", "mode", "vsplit", "µs", "state GB/s", "copy GB/s", "% copy", "FLA µs", "vs FLA",
             "ceiling vs FLA"]

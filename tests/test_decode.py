@@ -267,9 +267,11 @@ def test_mirror_packed_is_per_sequence():
 def test_thread_map_matches_the_mirror_order():
     from cute_kda.layouts.decode import DecodeThreadMap
 
-    for layout, dtype in itertools.product(("vk", "kv"), DTYPES):
-        for vsplit in DecodeThreadMap.vsplits(layout, dtype):
-            tmap = DecodeThreadMap(layout, dtype, vsplit)
+    maps = [(layout, dtype, halves) for layout, dtype in itertools.product(("vk", "kv"), DTYPES)
+            for halves in ((1, 2) if layout == "vk" else (1,))]
+    for layout, dtype, halves in maps:
+        for vsplit in DecodeThreadMap.vsplits(layout, dtype, halves):
+            tmap = DecodeThreadMap(layout, dtype, vsplit, halves)
             order = [[tmap.channel(lane, e) for e in range(16)] for lane in range(8)]
             assert order == channel_order(layout, DTYPES[dtype]).tolist()
             # the vectors cover the thread's rows × channel slots once, and sit where the channels say
@@ -283,6 +285,12 @@ def test_thread_map_matches_the_mirror_order():
                         expected = value * D + channel if layout == "vk" else channel * D + value
                         assert tmap.state_base(lane, 0) + vector.offset + c == expected
             assert seen == {(r, e) for r in range(tmap.rows) for e in range(16)}
+            # the blocks split the vectors by rows, registers numbered from the block's first row
+            blocks = [tmap.block_vectors(half) for half in range(halves)]
+            assert sorted(v.offset for block in blocks for v in block) == sorted(v.offset for v in tmap.state_vectors())
+            for half, block in enumerate(blocks):
+                assert {row for v in block for row, _ in v.registers} == set(range(tmap.block_rows))
+                assert layout == "kv" or all(v.offset // D // tmap.block_rows == half for v in block)
             runs = [(run.first + c, run.offset + c) for run in tmap.channel_runs() for c in range(run.length)]
             for lane in range(8):
                 assert [tmap.lane_channel_base(lane) + off for _, off in sorted(runs)] == order[lane]
@@ -298,6 +306,25 @@ def test_choose_vsplit():
     assert DecodeVariant.choose_vsplit(512, 96, sms) == 4
     assert DecodeVariant.choose_vsplit(512, 96, sms, "kv", "bf16") == 2  # 64 threads: 32 columns of 8
     assert DecodeVariant.choose_vsplit(1, 4, sms, "kv", "bf16") == 4  # a K-first bf16 band needs 32 columns
+    assert DecodeVariant.choose_vsplit(512, 96, sms, "vk", "bf16", paired=True) == 2  # 64 threads of 8 rows
+    assert DecodeVariant.choose_vsplit(1, 32, sms, "vk", "bf16", paired=True) == 4  # its last split: a warp
+
+
+def test_choose_paired():
+    """Paired where it can run and its grid (2 CTAs a head) fills 132 SMs twice at 6 CTAs: N·HV ≥ 792."""
+    from cute_kda.kernels.decode import DecodeVariant
+
+    sms = 132
+    assert DecodeVariant.choose_paired(128, 32, sms, 1, False, "vk", "bf16")
+    assert DecodeVariant.choose_paired(792, 1, sms, 1, False, "vk", "bf16")
+    assert not DecodeVariant.choose_paired(791, 1, sms, 1, False, "vk", "bf16")
+    assert not DecodeVariant.choose_paired(8, 32, sms, 1, False, "vk", "bf16")  # under two waves: plain CTAs
+    cannot = ((4, True, "vk", "bf16"), (2, False, "vk", "bf16"), (None, False, "vk", "bf16"), (1, False, "kv", "bf16"),
+              (1, False, "vk", "fp32"))
+    for tokens, verify, layout, dtype in cannot:
+        assert not DecodeVariant.choose_paired(512, 96, sms, tokens, verify, layout, dtype)
+    assert DecodeVariant.choose_paired(512, 96, sms, 1, False, "vk", "bf16", vsplit=4)
+    assert not DecodeVariant.choose_paired(512, 96, sms, 1, False, "vk", "bf16", vsplit=8)  # 16 threads
 
 
 def test_variant_rejects_what_the_kernel_cannot_run():
@@ -305,7 +332,10 @@ def test_variant_rejects_what_the_kernel_cannot_run():
 
     for bad in (dict(tokens=9), dict(tokens=0), dict(gate="tanh"), dict(vsplit=3),
                 dict(state_layout="kv", state_dtype="bf16", vsplit=8), dict(cu_seqlens="int32"),
-                dict(tokens=None, cu_seqlens="int16"), dict(prefetch=True), dict(tokens=None, prefetch=True)):
+                dict(tokens=None, cu_seqlens="int16"), dict(prefetch=True), dict(tokens=None, prefetch=True),
+                dict(paired=True), dict(paired=True, state_dtype="bf16", tokens=2),
+                dict(paired=True, state_dtype="bf16", vsplit=8), dict(l2_ahead=True),
+                dict(tokens=4, prefetch=True, l2_ahead=True)):
         with pytest.raises(ValueError):
             DecodeVariant(**bad)
     DecodeVariant(tokens=None, cu_seqlens="int64")
@@ -327,6 +357,10 @@ def _compile_matrix():
         V(state_layout="kv", tokens=8, verify=True, grouped=True, vsplit=2),
         V(gate="softplus", state_dtype="bf16", state_layout="kv", beta_logits=False),
         V(tokens=4, verify=True, vsplit=4, prefetch=True),
+        V(state_dtype="bf16", vsplit=2, paired=True),
+        V(gate="none", per_head_gate=True, state_dtype="bf16", grouped=True, vsplit=4, paired=True),
+        V(state_dtype="bf16", tokens=4, verify=True, vsplit=4, l2_ahead=True),
+        V(gate="softplus", per_head_gate=True, state_dtype="bf16", tokens=2, grouped=True, vsplit=8, l2_ahead=True),
     ]
 
 
@@ -405,6 +439,54 @@ def test_prefetch_variants_load_every_token_before_the_math(variant):
     print(f"{variant}: {report.kernels[0].registers} registers")
 
 
+@pytest.mark.parametrize("variant", [v for v in _compile_matrix() if v.paired], ids=lambda v: _variant_id(v))
+def test_paired_prefetches_the_second_block_beside_the_first(variant):
+    """The PTX of a paired variant: the second block's lines prefetched into L2 and the first block's vectors loaded
+    together, before a warp barrier (ptxas moves no memory operation across it); the first block's state stored
+    before the second block's loads, which follow a warp barrier; at most 168 registers (6 CTAs of 64 threads an
+    SM), no spills."""
+    from cute_kda.compile_report import compile_with_report
+    from cute_kda.kernels.decode import DecodeKernel
+    from cute_kda.ops import decode as ops
+    from cute_kda.ops._cache import TVM_FFI_OPTION
+
+    _, report = compile_with_report(DecodeKernel(variant), *ops.compile_arguments(variant), options=TVM_FFI_OPTION)
+    tmap = variant.thread_map
+    per_block = len(tmap.block_vectors(0))
+    lines = [line.split()[0] for line in report.ptx.splitlines() if line.strip()
+             and line.split()[0].startswith(("prefetch.", "ld.global.v4.b32", "st.global.v4.b32", "bar.warp.sync"))]
+    first = lines.index("prefetch.global.L2")
+    state = lines[first:lines.index("st.global.v4.b32", first) + 2 * per_block + 2]
+    expected = (["prefetch.global.L2"] * per_block + ["ld.global.v4.b32"] * per_block + ["bar.warp.sync"]
+                + ["st.global.v4.b32"] * per_block + ["bar.warp.sync"] + ["ld.global.v4.b32"] * per_block)
+    assert state[:len(expected)] == expected, state
+    assert report.local_memory_ops == 0 and report.spills == 0 and report.kernels[0].registers <= 168
+    print(f"{variant}: {report.kernels[0].registers} registers")
+
+
+@pytest.mark.parametrize("variant", [v for v in _compile_matrix() if v.l2_ahead], ids=lambda v: _variant_id(v))
+def test_l2_ahead_prefetches_the_later_tokens_before_token_zero(variant):
+    """The PTX of an ``l2_ahead`` variant: the lines of tokens 1 .. T − 1's inputs (each lane's runs of q, k, a
+    per-channel g, its v rows, β, a per-head g) prefetched into L2, then a warp barrier, before any token's or the
+    state's vector load (only the gate's dt_bias may come first); at most 168 registers (6 CTAs of 64 threads an
+    SM, D5), no spills."""
+    from cute_kda.compile_report import compile_with_report
+    from cute_kda.kernels.decode import DecodeKernel
+    from cute_kda.ops import decode as ops
+    from cute_kda.ops._cache import TVM_FFI_OPTION
+
+    _, report = compile_with_report(DecodeKernel(variant), *ops.compile_arguments(variant), options=TVM_FFI_OPTION)
+    runs = len(variant.thread_map.channel_runs())
+    per_token = runs * (2 if variant.per_head_gate else 3) + 2 + variant.per_head_gate  # + v and β (+ g a head)
+    ptx = report.ptx
+    assert report.count("prefetch.global.L2") == per_token * (variant.tokens - 1)
+    assert ptx.rindex("prefetch.global.L2") < ptx.index("bar.warp.sync")
+    ahead = ptx[:ptx.index("prefetch.global.L2")].count("ld.global.v4")
+    assert ahead <= (0 if variant.per_head_gate or variant.gate == "none" else 4), ahead  # dt_bias, fp32, at most
+    assert report.local_memory_ops == 0 and report.spills == 0 and report.kernels[0].registers <= 168
+    print(f"{variant}: {report.kernels[0].registers} registers")
+
+
 def _scalar_loads(variant) -> int:
     """Non-vector global loads the kernel may issue: slot ids (and accepted counts), the two offsets of a packed
     sequence, β, A_log and a per-head gate with its dt_bias; everything else moves in vectors. The runtime loop
@@ -420,7 +502,7 @@ def _variant_id(v) -> str:
     return (f"{v.gate}{'-head' if v.per_head_gate else ''}-{v.state_dtype}-{v.state_layout}-T{v.tokens or 'n'}"
             f"{'-verify' if v.verify else ''}{'' if v.qk_l2norm else '-nol2'}{'' if v.beta_logits else '-nosig'}"
             f"{'-gva' if v.grouped else ''}-vs{v.vsplit}{'' if v.cu_seqlens is None else '-' + v.cu_seqlens}"
-            f"{'-prefetch' if v.prefetch else ''}")
+            f"{'-prefetch' if v.prefetch else ''}{'-paired' if v.paired else ''}{'-l2ahead' if v.l2_ahead else ''}")
 
 
 @pytest.mark.parametrize("variant", _compile_matrix() + _loop_matrix(), ids=_variant_id)
@@ -441,6 +523,8 @@ def test_variant_compiles(variant):
     tokens = variant.tokens or 1  # the runtime loop's body is one token's code
     writes = tokens if variant.verify else 1
     wide_outputs = 2 * tokens if tmap.rows * 2 == 16 else 0  # o rows of 16 bytes (and the zero rows)
+    if variant.paired:
+        wide_outputs = 1  # the zero row; each block stores its own 4 outputs (8 bytes) as soon as they are made
     assert report.count("st.global.v4.b32") == vectors * writes + wide_outputs
     assert report.count("ld.global.v4.b32") >= vectors
     scalar_stores = re.findall(r"^\s*(?:@%p\d+\s+)?st\.global\.[bfsu]\d+", report.ptx, re.M)
@@ -515,9 +599,22 @@ def assert_matches_mirror(actual: torch.Tensor, expected: torch.Tensor, what: st
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", _compile_matrix(), ids=_variant_id)
-def test_kernel_matches_mirror(variant):
+def test_kernel_matches_mirror(monkeypatch, request, variant):
     """Each compiled variant: o and every slot of the pool as the mirror has them (padding row zero, the caller's
-    ``out`` filled, unlisted slots untouched in both)."""
+    ``out`` filled, unlisted slots untouched in both). The launcher's switches follow the variant's ``paired`` and
+    ``l2_ahead`` (a paired call at any size), and the launched kernel has them."""
+    from cute_kda.kernels.decode import DecodeVariant
+    from cute_kda.ops import decode as ops
+
+    launched = []
+    build = ops.compiled_variant
+    monkeypatch.setattr(ops, "compiled_variant", lambda v, index: launched.append(v) or build(v, index))
+    monkeypatch.setattr(ops, "PAIRED", variant.paired)
+    monkeypatch.setattr(ops, "L2_AHEAD", variant.l2_ahead)
+    if variant.paired:
+        monkeypatch.setattr(DecodeVariant, "choose_paired", classmethod(lambda cls, *a: True))
+    ops.launch_plan.cache_clear()
+    request.addfinalizer(ops.launch_plan.cache_clear)
     case = _case(variant)
     expected_pool = case["state_pool"].clone()
     expected = _run_mirror({**case, "state_pool": expected_pool}, variant)
@@ -528,6 +625,7 @@ def test_kernel_matches_mirror(variant):
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     assert_matches_mirror(got, expected, "o")
     assert_matches_mirror(case["state_pool"], expected_pool, "pool")
+    assert [(v.paired, v.l2_ahead) for v in launched] == [(variant.paired, variant.l2_ahead)]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -871,6 +969,93 @@ def test_prefetch_has_the_same_bits(monkeypatch, request, verify, layout, dtype)
     torch.cuda.synchronize()
     assert torch.equal(ahead, without)
     assert torch.equal(_bits(case["state_pool"]), _bits(plain["state_pool"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate,per_head", [("safe", False), ("none", True)])
+def test_paired_has_the_same_bits(monkeypatch, request, gate, per_head):
+    """One-token bf16 decode (a padding row among the sequences) on the paired variant and on the plain one: the
+    same arithmetic a row, so the same bits in o and in the pool."""
+    from cute_kda.kernels.decode import DecodeVariant
+    from cute_kda.ops import decode as ops
+
+    variant = DecodeVariant(gate=gate, per_head_gate=per_head, state_dtype="bf16", grouped=per_head, vsplit=2)
+    case = _case(variant, N=7, seed=29)
+    plain = {**case, "state_pool": case["state_pool"].clone()}
+    compiled = []
+    build = ops.compiled_variant
+    monkeypatch.setattr(ops, "compiled_variant", lambda v, index: compiled.append(v) or build(v, index))
+    ops.launch_plan.cache_clear()
+    request.addfinalizer(ops.launch_plan.cache_clear)
+    monkeypatch.setattr(ops, "PAIRED", True)
+    monkeypatch.setattr(DecodeVariant, "choose_paired", classmethod(lambda cls, *a: True))
+    paired = _run_kernel(case, variant)
+    ops.launch_plan.cache_clear()
+    monkeypatch.setattr(ops, "PAIRED", False)
+    without = _run_kernel(plain, variant)
+    torch.cuda.synchronize()
+    assert [v.paired for v in compiled] == [True, False]
+    assert torch.equal(paired, without) and torch.equal(paired[1], torch.zeros_like(paired[1]))
+    assert torch.equal(_bits(case["state_pool"]), _bits(plain["state_pool"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("verify", [False, True], ids=["decode", "verify"])
+def test_l2_ahead_has_the_same_bits(monkeypatch, request, verify):
+    """T = 4 on a bf16 pool with the later tokens ahead in L2 (``l2_ahead``), in registers (``prefetch``) and
+    loaded in turn (plain): the same arithmetic, so the same bits in o and in the pool."""
+    from cute_kda.kernels.decode import DecodeVariant
+    from cute_kda.ops import decode as ops
+
+    variant = DecodeVariant(tokens=4, verify=verify, state_dtype="bf16", vsplit=4)
+    case = _case(variant, N=5, seed=31)
+    compiled = []
+    build = ops.compiled_variant
+    monkeypatch.setattr(ops, "compiled_variant", lambda v, index: compiled.append(v) or build(v, index))
+    request.addfinalizer(ops.launch_plan.cache_clear)
+    results = []
+    for l2_ahead, prefetch in ((True, True), (False, True), (False, False)):
+        ops.launch_plan.cache_clear()
+        monkeypatch.setattr(ops, "L2_AHEAD", l2_ahead)
+        monkeypatch.setattr(ops, "PREFETCH", prefetch)
+        run = {**case, "state_pool": case["state_pool"].clone()}
+        results.append((_run_kernel(run, variant), run["state_pool"]))
+    torch.cuda.synchronize()
+    assert [(v.l2_ahead, v.prefetch) for v in compiled] == [(True, False), (False, True), (False, False)]
+    for out, pool in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(_bits(pool), _bits(results[0][1]))
+
+
+def test_launcher_picks_paired_where_it_pays(monkeypatch, request):
+    """With :data:`~cute_kda.ops.decode.PAIRED` on, a one-token bf16 V-first decode whose grid fills the SMs twice
+    takes the paired variant at its own V-split; a verify, an fp32 pool, a small grid do not; off, none does."""
+    from cute_kda.ops import decode as ops
+
+    calls = []
+    ops.launch_plan.cache_clear()
+    request.addfinalizer(ops.launch_plan.cache_clear)
+    monkeypatch.setattr(ops, "compiled_variant", lambda variant, index: (lambda *a: calls.append(variant)))
+    monkeypatch.setattr(ops, "device_index", lambda device: 0)
+    monkeypatch.setattr(ops, "check_supported", lambda device: None)
+    monkeypatch.setattr(ops, "sm_count", lambda index: 2)  # paired from N·HV ≥ 12
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    monkeypatch.setitem(ops._CUSTREAMS, 7, "stream")
+    monkeypatch.setattr(ops, "on_device", lambda device: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(ops, "PAIRED", True)
+
+    def call(N, dtype=torch.bfloat16, T=1, verify=False):
+        step = make_step(N, T, 4, 4, "safe", False)
+        indices = torch.arange(N * T if verify else N, dtype=torch.int32)
+        ops.decode(**step, **make_params(4, "safe", False), state_pool=random_pool(N * T, 4, dtype),
+                   state_indices=indices.reshape(N, T) if verify else indices,
+                   num_accepted_tokens=torch.ones(N, dtype=torch.int32) if verify else None, gate="safe", scale=0.1)
+        return calls[-1]
+
+    assert (call(3).paired, call(3).vsplit) == (True, 2)  # its own split: 64 threads of 8 rows
+    assert not call(2).paired and not call(3, torch.float32).paired and not call(3, T=4, verify=True).paired
+    ops.launch_plan.cache_clear()
+    monkeypatch.setattr(ops, "PAIRED", False)
+    assert not call(3).paired
 
 
 def test_launcher_picks_the_variant_and_passes_the_kernel_arguments(monkeypatch, request):

@@ -19,7 +19,11 @@ bytes in flight) from the V-split: the value rows of a V-first state are indepen
 Two token loops, one arithmetic (the same bits for the same tokens):
 
 - **unrolled** (``tokens`` = T ≤ 8, fixed length): every token's code inline; token 0's loads are issued before
-  the branch on the slot id, and ptxas schedules the later tokens' loads across the unrolled math;
+  the branch on the slot id, and ptxas schedules the later tokens' loads across the unrolled math. Its schedules
+  (variant flags): ``prefetch`` loads every token's inputs into registers up front (D3); ``l2_ahead`` prefetches
+  tokens 1 .. T − 1's into L2 instead (D5); ``paired`` (one token, a bf16 V-first decode) gives a thread group 8
+  value rows, two blocks of 4 that share the slot id and the token's operands, the second block's lines prefetched
+  into L2 beside the first block's loads and loaded once the first block is stored (D4: docs/perf-log.md);
 - **runtime** (``tokens`` None): a loop over a count known at run time — a fixed T over 8 (the tensors' extent),
   or packed sequences (``cu_seqlens`` int32 / int64 ``[N + 1]``, read on the device: sequence ``n`` is input rows
   ``cu_seqlens[n] .. cu_seqlens[n + 1] − 1`` of batch row 0). Token ``t + 1``'s inputs are loaded into registers
@@ -41,6 +45,7 @@ from typing import NamedTuple, Optional
 from ..dsl import cute, cutlass  # first: sets the target architecture before the DSL loads
 
 from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass.experimental.primitives import prefetch_l2
 
 from ..layouts.decode import CHANNELS, LANES, DecodeThreadMap
 from ..numerics import EPS, GATES, LOG2E
@@ -48,6 +53,7 @@ from .common.fastmath import ex2_approx, fma_rn, mul_rn, sigmoid_approx
 from .common.token_prep import TokenPrep
 
 MAX_TOKENS = 8
+BOUND_CTAS_PER_SM = 6  # paired, l2_ahead: CTAs of 64 threads an SM, a cap of 168 registers (ptxas: 128-168 used)
 BUTTERFLY = (4, 2, 1)  # shfl.xor offsets over the 8 lanes of a row (the mirror's order)
 _STATE_TYPES = {"fp32": Float32, "bf16": BFloat16}
 OFFSET_DTYPES = ("int32", "int64")  # of cu_seqlens
@@ -67,7 +73,11 @@ class DecodeVariant:
     offsets of packed sequences (tokens None); ``prefetch`` (unrolled, T ≥ 2): every token's inputs (and a
     verify's slot ids, the accepted count) loaded before the branch on the slot, so their latencies overlap the
     slot id's and the state's — without it token t + 1's loads wait behind token t's stores (each token's
-    conditional stores end a basic block, and ptxas does not hoist loads above them): one memory latency a token.
+    conditional stores end a basic block, and ptxas does not hoist loads above them): one memory latency a token;
+    ``paired`` (T = 1 decode, V-first bf16 pool): 8 value rows a thread group in two blocks of 4, the second's state
+    prefetched into L2 during the first's math (:meth:`choose_paired`); ``l2_ahead`` (unrolled, T ≥ 2): the
+    schedule of ``prefetch`` with tokens 1 .. T − 1's inputs prefetched into L2 instead of loaded into registers,
+    each loaded (an L2 hit) after the previous token's stores (:meth:`choose_l2_ahead`).
     """
 
     gate: str = "safe"
@@ -82,6 +92,8 @@ class DecodeVariant:
     vsplit: int = 1
     cu_seqlens: Optional[str] = None
     prefetch: bool = False
+    paired: bool = False
+    l2_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.gate not in GATES:
@@ -94,11 +106,43 @@ class DecodeVariant:
             raise ValueError("packed sequences (cu_seqlens) take their lengths at run time: tokens must be None")
         if self.prefetch and (self.tokens is None or self.tokens < 2):
             raise ValueError("prefetch loads the tokens of the unrolled loop ahead: it needs tokens >= 2")
+        if self.l2_ahead and (self.tokens is None or self.tokens < 2 or self.prefetch):
+            raise ValueError("l2_ahead prefetches the later tokens of the unrolled loop: tokens >= 2, not prefetch")
+        if self.paired and not self.pairs(self.tokens, self.verify, self.state_layout, self.state_dtype):
+            raise ValueError("paired runs a one-token decode on a V-first bf16 pool")
         self.thread_map  # validates layout, dtype and vsplit
 
     @property
     def thread_map(self) -> DecodeThreadMap:
-        return DecodeThreadMap(self.state_layout, self.state_dtype, self.vsplit)
+        return DecodeThreadMap(self.state_layout, self.state_dtype, self.vsplit, 2 if self.paired else 1)
+
+    @staticmethod
+    def choose_l2_ahead(tokens: Optional[int], state_layout: str, state_dtype: str) -> bool:
+        """Whether an unrolled loop of ``tokens`` keeps the later tokens' inputs in L2 (``l2_ahead``) rather than in
+        registers (``prefetch``): on V-first bf16 pools at T = 2-4, where ``prefetch``'s 203-254 registers leave 4
+        CTAs an SM and bf16's 40 KB a CTA (T = 4 verify) need more of them (docs/perf-log.md, D5); fp32 verify is
+        at 85-89 % of the copy with ``prefetch``."""
+        return tokens is not None and 2 <= tokens <= 4 and state_layout == "vk" and state_dtype == "bf16"
+
+    @staticmethod
+    def pairs(tokens: Optional[int], verify: bool, state_layout: str, state_dtype: str) -> bool:
+        """Whether ``paired`` can run: one token (every later token would need the first block's operands again),
+        no verify (a state kept a token), V-first rows, a bf16 pool (fp32 decode is at 87-92 % of the copy
+        already, docs/perf-log.md D3)."""
+        return tokens == 1 and not verify and state_layout == "vk" and state_dtype == "bf16"
+
+    @classmethod
+    def choose_paired(cls, num_seqs: int, value_heads: int, sm_count: int, tokens: Optional[int], verify: bool,
+                      state_layout: str, state_dtype: str, vsplit: Optional[int] = None) -> bool:
+        """Whether a call runs ``paired``: where it can (:meth:`pairs`; a given ``vsplit`` leaving a paired CTA a
+        warp) and its grid (two CTAs a head at V-split 2) fills the SMs at least twice at
+        :data:`BOUND_CTAS_PER_SM`; below that one wave of plain CTAs (8 an SM, each one block's math shorter)
+        ends sooner."""
+        if not cls.pairs(tokens, verify, state_layout, state_dtype):
+            return False
+        if vsplit is not None and vsplit not in DecodeThreadMap.vsplits(state_layout, state_dtype, halves=2):
+            return False
+        return num_seqs * value_heads * 2 >= 2 * BOUND_CTAS_PER_SM * sm_count
 
     @staticmethod
     def choose_prefetch(tokens: Optional[int], state_layout: str, state_dtype: str) -> bool:
@@ -111,15 +155,17 @@ class DecodeVariant:
 
     @classmethod
     def choose_vsplit(cls, num_seqs: int, value_heads: int, sm_count: int, state_layout: str = "vk",
-                      state_dtype: str = "fp32") -> int:
+                      state_dtype: str = "fp32", paired: bool = False) -> int:
         """V-split for ``num_seqs × value_heads`` heads on ``sm_count`` SMs: CTAs of 64 threads (a thread holds
         ~150 registers, so six such CTAs share an SM where a 256-thread CTA sits alone, and a CTA's load, compute
         and store phases overlap with its neighbours'), split further, down to one warp, while the grid has fewer
         than two CTAs per SM (small batches: more CTAs, more bytes in flight). Not measured yet:
-        ``benchmarks/bench_decode.py --vsplits`` compares every split.
+        ``benchmarks/bench_decode.py --vsplits`` compares every split. ``paired``: the same rule on the paired map (8
+        rows a group: V-split 2 at 64 threads).
         """
-        splits = DecodeThreadMap.vsplits(state_layout, state_dtype)
-        chosen = next(v for v in splits if DecodeThreadMap(state_layout, state_dtype, v).threads <= 64)
+        halves = 2 if paired else 1
+        splits = DecodeThreadMap.vsplits(state_layout, state_dtype, halves)
+        chosen = next(v for v in splits if DecodeThreadMap(state_layout, state_dtype, v, halves).threads <= 64)
         while num_seqs * value_heads * chosen < 2 * sm_count and chosen < splits[-1]:
             chosen *= 2
         return chosen
@@ -217,8 +263,19 @@ class DecodeKernel(TokenPrep):
             grid=[num_seqs * value_heads * self.variant.vsplit, 1, 1],  # the bands of a head are adjacent CTAs
             block=[self.map.threads, 1, 1],
             stream=stream,
-            min_blocks_per_mp=1,  # a launch bound lifts ptxas's own register cap (a T = 8 verify spilled at 168)
+            **self.launch_bound(),
         )
+
+    def launch_bound(self) -> dict:
+        """The launch's occupancy keywords. One CTA an SM lifts ptxas's own register cap (a T = 8 verify spilled at
+        168). ``paired`` and ``l2_ahead``: :data:`BOUND_CTAS_PER_SM` CTAs of 64 threads (the same threads an SM at
+        other sizes), a cap of 168 registers (6 CTAs; paired at 8 would need 128: it spills; l2_ahead uncapped
+        takes 200: 4 CTAs); the carveout given (the driver's default, -1) so that the DSL does not ask a device for
+        its shared memory."""
+        if self.variant.paired or self.variant.l2_ahead:
+            ctas = max(1, BOUND_CTAS_PER_SM * 64 // self.map.threads)
+            return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=-1)
+        return dict(min_blocks_per_mp=1)
 
     # -----------------------------------------------------------------------------------------
     # device
@@ -237,7 +294,7 @@ class DecodeKernel(TokenPrep):
         if const_expr(self.variant.grouped):
             head = value_head // (value_heads // qk_heads)
         written = None
-        if const_expr(self.variant.verify and self.variant.prefetch):
+        if const_expr(self.variant.verify and (self.variant.prefetch or self.variant.l2_ahead)):
             written = self.slot_row(state_indices, seq)
             slot = self.entering_slot(state_indices, seq, written, num_accepted_tokens[seq])
         elif const_expr(self.variant.verify):
@@ -255,10 +312,15 @@ class DecodeKernel(TokenPrep):
             else:
                 self.zero_outputs(out, at, None)
         else:
+            if const_expr(self.variant.l2_ahead):
+                self.prefetch_later_tokens(inputs, at)
             # the first token's operands do not depend on the slot: their loads overlap the slot id's
             first = self.token_operands(inputs, at, 0, gate)
             if slot >= 0:
-                self.update(inputs, pool, state_indices, out, slot, at, gate, first)
+                if const_expr(self.variant.paired):
+                    self.update_paired(pool, out, slot, at, first)
+                else:
+                    self.update(inputs, pool, state_indices, out, slot, at, gate, first, None, written)
             else:
                 self.zero_outputs(out, at, None)
 
@@ -281,6 +343,33 @@ class DecodeKernel(TokenPrep):
             self.finish_token(out, pool, state_indices, at, (at.seq, t), t, base, state, outputs, written)
         if const_expr(not self.variant.verify):
             self.store_state(pool[slot, at.value_head, None, None], base, state)
+
+    @cute.jit
+    def update_paired(self, pool: cute.Tensor, out: cute.Tensor, slot: Int32, at: "Position",
+                      operands: "TokenOperands"):
+        """:meth:`update` of one token on the two blocks of a paired group: the first block's state loaded with the
+        second block's lines prefetched into L2 (no registers held for them), the first block run and stored (its
+        outputs too: nothing of it stays live), then the second loaded (from L2), run and stored."""
+        head = pool[slot, at.value_head, None, None]
+        base = self.map.state_base(at.lane, at.first_value)
+        state = cute.make_rmem_tensor((self.map.block_rows, CHANNELS), Float32)
+        for vector in self.map.block_vectors(1):
+            prefetch_l2(self.gmem_run(head, base + vector.offset, self.map.vector).iterator)
+        self.load_state(head, base, state, self.map.block_vectors(0))
+        # the warp barriers order memory among the warp's threads, so ptxas moves no memory operation across them:
+        # the prefetches stay beside the first block's loads (else they sink to its stores), the second block's
+        # loads below the first block's stores (else they rise over its math, both blocks live: spills)
+        cute.arch.sync_warp()
+        for half in cutlass.range_constexpr(self.map.halves):
+            vectors = self.map.block_vectors(half)
+            if const_expr(half > 0):
+                cute.arch.sync_warp()
+                self.load_state(head, base, state, vectors)
+            outputs = self.advance(state, operands)
+            if at.lane == 0:
+                self.store_run(out[at.seq, 0, at.value_head, None], at.first_value + half * self.map.block_rows,
+                               outputs)
+            self.store_state(head, base, state, vectors)
 
     @cute.jit
     def run_tokens(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor, out: cute.Tensor,
@@ -316,7 +405,7 @@ class DecodeKernel(TokenPrep):
     @cute.jit
     def advance(self, state: cute.Tensor, operands: "TokenOperands") -> cute.Tensor:
         """One token on the thread's state (decay, delta-rule write, read); its value rows' outputs, bf16."""
-        rows = self.map.rows
+        rows = cute.size(state, mode=[0])
         outputs = cute.make_rmem_tensor((rows,), BFloat16)
         for r in cutlass.range_constexpr(rows):
             for e in cutlass.range_constexpr(CHANNELS):
@@ -390,6 +479,27 @@ class DecodeKernel(TokenPrep):
         return tuple(raws)
 
     @cute.jit
+    def prefetch_later_tokens(self, inputs: DecodeInputs, at: "Position"):
+        """``l2_ahead``: the lines of tokens 1 .. T − 1's inputs (what :meth:`load_raw` reads) into L2, no registers;
+        a warp barrier after them, across which ptxas moves no memory operation, keeps them ahead of token 0's loads
+        (unpinned, ptxas sinks an instruction nothing waits for)."""
+        base = self.map.lane_channel_base(at.lane)
+        for t in cutlass.range_constexpr(1, self.tokens):
+            rows = [inputs.q[at.seq, t, at.head, None], inputs.k[at.seq, t, at.head, None]]
+            if const_expr(not self.variant.per_head_gate):
+                rows.append(inputs.g[at.seq, t, at.value_head, None])
+            for row in rows:
+                for run in self.map.channel_runs():
+                    prefetch_l2(self.gmem_run(row, base + run.offset, run.length).iterator)
+            scalars = [inputs.beta[at.seq, t, None]]
+            if const_expr(self.variant.per_head_gate):
+                scalars.append(inputs.g[at.seq, t, None])
+            for heads in scalars:
+                prefetch_l2(self.gmem_run(heads, at.value_head, 1).iterator)
+            prefetch_l2(self.gmem_run(inputs.v[at.seq, t, at.value_head, None], at.first_value, self.map.rows).iterator)
+        cute.arch.sync_warp()
+
+    @cute.jit
     def token_span(self, inputs: DecodeInputs, cu_seqlens: Optional[cute.Tensor], seq: Int32) -> "TokenSpan":
         if const_expr(self.variant.cu_seqlens is None):
             return TokenSpan(seq, Int32(0), Int32(inputs.q.shape[1]))
@@ -399,18 +509,20 @@ class DecodeKernel(TokenPrep):
     # -- state I/O ----------------------------------------------------------------------------
 
     @cute.jit
-    def load_state(self, head: cute.Tensor, offset, state: cute.Tensor):
-        """The thread's state elements (from element ``offset`` of the head's ``[128, 128]`` block) as fp32."""
-        for vector in self.map.state_vectors():
+    def load_state(self, head: cute.Tensor, offset, state: cute.Tensor, vectors: Optional[tuple] = None):
+        """The thread's state elements (of ``vectors``, all by default; from element ``offset`` of the head's
+        ``[128, 128]`` block) as fp32."""
+        for vector in (self.map.state_vectors() if vectors is None else vectors):
             staged = cute.make_rmem_tensor((self.map.vector,), self.state_type)
             cute.autovec_copy(self.gmem_run(head, offset + vector.offset, self.map.vector), staged)
             for c, (row, e) in enumerate(vector.registers):
                 state[row, e] = staged[c].to(Float32)
 
     @cute.jit
-    def store_state(self, head: cute.Tensor, offset, state: cute.Tensor):
-        """The thread's state elements into the head's block at ``offset``, rounded to the pool's dtype."""
-        for vector in self.map.state_vectors():
+    def store_state(self, head: cute.Tensor, offset, state: cute.Tensor, vectors: Optional[tuple] = None):
+        """The thread's state elements (of ``vectors``, all by default) into the head's block at ``offset``, rounded
+        to the pool's dtype."""
+        for vector in (self.map.state_vectors() if vectors is None else vectors):
             staged = cute.make_rmem_tensor((self.map.vector,), self.state_type)
             for c, (row, e) in enumerate(vector.registers):
                 staged[c] = state[row, e].to(self.state_type)

@@ -12,6 +12,8 @@ slot; channel slot ``e`` of lane ``j`` is key channel :meth:`DecodeThreadMap.cha
   16-byte vector of every 8-vector stretch, so the 8 lanes of a row read 128 contiguous bytes per load.
 - K-first (``[K, V]``, a k row contiguous in v): a group holds the ``E`` value columns of one 16-byte vector
   (``E`` = 4 fp32 or 8 bf16); lane ``j`` holds the k rows ``16 j .. 16 j + 15``, one vector each.
+- Paired (``halves`` 2, V-first): a group holds two blocks of 4 rows, 8 consecutive rows; the kernel runs the
+  token on one block at a time (:meth:`DecodeThreadMap.block_vectors`), so the second block waits as loaded.
 
 Everything here is plain integers (lane, group, band may be DSL integers: the kernel evaluates the same
 expressions at trace time).
@@ -51,25 +53,29 @@ class ChannelRun:
 @dataclass(frozen=True)
 class DecodeThreadMap:
     """The map for one state layout (``"vk"`` V-first, ``"kv"`` K-first), state dtype (``"fp32"``,
-    ``"bf16"``) and V-split (value rows per CTA ``128 / vsplit``)."""
+    ``"bf16"``), V-split (value rows per CTA ``128 / vsplit``) and blocks of rows a group (``halves``: 1, or 2
+    for a V-first state)."""
 
     state_layout: str
     state_dtype: str
     vsplit: int
+    halves: int = 1
 
     def __post_init__(self) -> None:
+        if self.halves not in (1, 2) or (self.halves == 2 and self.state_layout != "vk"):
+            raise ValueError(f"halves must be 1, or 2 for a V-first state, got {self.halves} ({self.state_layout})")
         if self.state_layout not in ("vk", "kv"):
             raise ValueError(f"state_layout must be 'vk' or 'kv', got {self.state_layout!r}")
         if self.state_dtype not in STATE_BYTES:
             raise ValueError(f"state_dtype must be one of {tuple(STATE_BYTES)}, got {self.state_dtype!r}")
         if self.vsplit not in DECODE_VSPLITS or self.threads < 32:
             raise ValueError(f"vsplit {self.vsplit} is not supported for a {self.state_dtype} {self.state_layout} "
-                             f"state (one of {self.vsplits(self.state_layout, self.state_dtype)})")
+                             f"state (one of {self.vsplits(self.state_layout, self.state_dtype, self.halves)})")
 
     @staticmethod
-    def vsplits(state_layout: str, state_dtype: str) -> tuple[int, ...]:
+    def vsplits(state_layout: str, state_dtype: str, halves: int = 1) -> tuple[int, ...]:
         """The V-splits that leave a CTA at least one warp."""
-        rows = 4 if state_layout == "vk" else VECTOR_BYTES // STATE_BYTES[state_dtype]
+        rows = 4 * halves if state_layout == "vk" else VECTOR_BYTES // STATE_BYTES[state_dtype]
         return tuple(v for v in DECODE_VSPLITS if DIM // v // rows * LANES >= 32)
 
     @property
@@ -80,7 +86,12 @@ class DecodeThreadMap:
     @property
     def rows(self) -> int:
         """Value rows per thread group (and per thread)."""
-        return 4 if self.state_layout == "vk" else self.vector
+        return 4 * self.halves if self.state_layout == "vk" else self.vector
+
+    @property
+    def block_rows(self) -> int:
+        """Value rows a token's update runs on at once (a block: all the rows, or half of them when paired)."""
+        return self.rows // self.halves
 
     @property
     def band(self) -> int:
@@ -125,3 +136,10 @@ class DecodeThreadMap:
             StateVector(row * DIM + i * LANES * e, tuple((row, i * e + c) for c in range(e)))
             for row in range(self.rows) for i in range(CHANNELS // e)
         )
+
+    def block_vectors(self, half: int) -> tuple[StateVector, ...]:
+        """The vectors of block ``half`` (rows ``half · block_rows ..``), their registers numbered from the block's
+        first row."""
+        first = half * self.block_rows
+        return tuple(StateVector(vector.offset, tuple((row - first, e) for row, e in vector.registers))
+                     for vector in self.state_vectors() if first <= vector.registers[0][0] < first + self.block_rows)

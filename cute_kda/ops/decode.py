@@ -34,26 +34,45 @@ _OFFSET_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 # Whether calls take the prefetching unrolled variants (docs/perf-log.md, D3: verify 73-76 % → 85-89 % of the copy
 # on the H200 for fp32 pools, bf16 58-62 % → 72-74 %); False gives the plain unrolled variants for A/B runs.
 PREFETCH = True
+# Whether one-token bf16 V-first decodes take the paired variant where :meth:`DecodeVariant.choose_paired` says it
+# pays (docs/perf-log.md, D4: predicted 82-84 % → 86-90 % of the copy); off until the H200 A/B
+# (``bench_decode.py --paired``) and its GPU tests have run.
+PAIRED = False
+# Whether unrolled T = 2-4 calls on V-first bf16 pools keep the later tokens' inputs in L2 (``l2_ahead``) instead of
+# registers (``prefetch``) where :meth:`DecodeVariant.choose_l2_ahead` says so (docs/perf-log.md, D5: predicted bf16
+# verify 71-74 % → 80-88 % of the copy); off until the H200 A/B (``bench_decode.py --l2-ahead``) and its GPU tests.
+L2_AHEAD = False
 _COMPILE_SIZES = (3, 2, 4, 5)  # N, H, HV, slots of the meta tensors a compile describes (every extent is dynamic)
 
 
 def variant_of(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_layout: str, tokens: int | None,
                verify: bool, qk_l2norm: bool, beta_logits: bool, grouped: bool, vsplit: int,
-               cu_seqlens: torch.dtype | None = None) -> DecodeVariant:
+               cu_seqlens: torch.dtype | None = None, paired: bool = False) -> DecodeVariant:
     """The variant of a call; ``tokens`` the fixed T (over :data:`MAX_TOKENS`: the runtime loop), ``cu_seqlens``
     the offsets' dtype of a packed call (None: fixed length); ``prefetch`` where :data:`PREFETCH` is on and
-    :meth:`DecodeVariant.choose_prefetch` says it fits."""
-    unrolled = tokens if cu_seqlens is None and tokens <= MAX_TOKENS else None
+    :meth:`DecodeVariant.choose_prefetch` says it fits, unless ``l2_ahead`` (where :data:`L2_AHEAD` is on and
+    :meth:`DecodeVariant.choose_l2_ahead` says so) takes its place; ``paired`` as :func:`launch_plan` chose it."""
+    unrolled = unrolled_tokens(tokens, cu_seqlens)
     dtype = _STATE_DTYPES[state_dtype]
+    l2_ahead = L2_AHEAD and DecodeVariant.choose_l2_ahead(unrolled, state_layout, dtype)
     return DecodeVariant(gate=gate, per_head_gate=per_head_gate, state_dtype=dtype, state_layout=state_layout,
                          tokens=unrolled, verify=verify, qk_l2norm=qk_l2norm, beta_logits=beta_logits, grouped=grouped,
                          vsplit=vsplit, cu_seqlens=None if cu_seqlens is None else _OFFSET_DTYPES[cu_seqlens],
-                         prefetch=PREFETCH and DecodeVariant.choose_prefetch(unrolled, state_layout, dtype))
+                         prefetch=PREFETCH and not l2_ahead and DecodeVariant.choose_prefetch(unrolled, state_layout,
+                                                                                              dtype),
+                         paired=paired, l2_ahead=l2_ahead)
 
 
-def auto_vsplit(num_seqs: int, value_heads: int, index: int, state_layout: str, state_dtype: torch.dtype) -> int:
+def unrolled_tokens(tokens: int, cu_seqlens: torch.dtype | None) -> int | None:
+    """The variant's ``tokens``: the fixed T up to :data:`MAX_TOKENS`, else None (the runtime loop)."""
+    return tokens if cu_seqlens is None and tokens <= MAX_TOKENS else None
+
+
+def auto_vsplit(num_seqs: int, value_heads: int, index: int, state_layout: str, state_dtype: torch.dtype,
+                paired: bool = False) -> int:
     """:meth:`DecodeVariant.choose_vsplit` on device ``index``'s SMs."""
-    return DecodeVariant.choose_vsplit(num_seqs, value_heads, sm_count(index), state_layout, _STATE_DTYPES[state_dtype])
+    return DecodeVariant.choose_vsplit(num_seqs, value_heads, sm_count(index), state_layout, _STATE_DTYPES[state_dtype],
+                                       paired)
 
 
 def launch_arguments(q, k, v, g, beta, A_log, dt_bias, state_pool, state_indices, num_accepted_tokens, cu_seqlens,
@@ -203,12 +222,16 @@ def launch_plan(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_
                 verify: bool, qk_l2norm: bool, beta_logits: bool, grouped: bool, vsplit: int | None,
                 cu_seqlens_dtype: torch.dtype | None, num_seqs: int, value_heads: int, index: int, scale: float,
                 lower_bound: float) -> LaunchPlan:
-    """The :class:`LaunchPlan` of a call: the variant (``vsplit`` None: :meth:`DecodeVariant.choose_vsplit`)
+    """The :class:`LaunchPlan` of a call: the variant (``paired`` where :data:`PAIRED` is on and
+    :meth:`DecodeVariant.choose_paired` says it pays; ``vsplit`` None: :meth:`DecodeVariant.choose_vsplit`)
     compiled for device ``index`` on first use, after the device check (:func:`cute_kda.device.check_supported`: a
     clear error on a device that is not sm_90)."""
     check_supported(torch.device("cuda", index))
+    paired = PAIRED and DecodeVariant.choose_paired(num_seqs, value_heads, sm_count(index),
+                                                    unrolled_tokens(tokens, cu_seqlens_dtype), verify, state_layout,
+                                                    _STATE_DTYPES[state_dtype], vsplit)
     if vsplit is None:
-        vsplit = auto_vsplit(num_seqs, value_heads, index, state_layout, state_dtype)
+        vsplit = auto_vsplit(num_seqs, value_heads, index, state_layout, state_dtype, paired)
     variant = variant_of(gate, per_head_gate, state_dtype, state_layout, tokens, verify, qk_l2norm, beta_logits,
-                         grouped, vsplit, cu_seqlens_dtype)
+                         grouped, vsplit, cu_seqlens_dtype, paired)
     return LaunchPlan(compiled_variant(variant, index), *fp32_scalars(scale, lower_bound), index)
