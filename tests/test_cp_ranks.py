@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import cute_kda
 from cute_kda import context_parallel, distributed
 from cute_kda.fla_calls import translate_fla_call, translate_fla_gdn_call
 from cute_kda.reference import gold_backward, gold_forward, rel_rms
@@ -45,12 +46,12 @@ GRADIENTS = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "A_log
 TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
 
 CASES = {  # layout, ranks, global sequence lengths, "kda" | "gdn", initial state
-    "kda_2_ranks_one_sequence_state": ("contiguous", 2, [192], "kda", True),
-    # rank 1 passes sequence 1 through; rank 2 holds its tail (and a dht on it) and sequence 2
-    "kda_3_ranks_passing_through": ("contiguous", 3, [20, 150, 22], "kda", False),
-    "gdn_3_ranks_passing_through_state": ("contiguous", 3, [20, 150, 22], "gdn", True),
-    # 4 intervals of 48: rank 0 holds intervals 0 and 3, rank 1 intervals 1 and 2
-    "gdn_zigzag_2_ranks_two_sequences": ("zigzag", 2, [100, 92], "gdn", False),
+    "kda_2_ranks_one_sequence_state": ("contiguous", 2, [96], "kda", True),
+    # intervals of 32: rank 1 passes sequence 1 through; rank 2 holds its tail (and a dht on it) and sequence 2
+    "kda_3_ranks_passing_through": ("contiguous", 3, [10, 76, 10], "kda", False),
+    "gdn_3_ranks_passing_through_state": ("contiguous", 3, [10, 76, 10], "gdn", True),
+    # 4 intervals of 24: rank 0 holds intervals 0 and 3, rank 1 intervals 1 and 2
+    "gdn_zigzag_2_ranks_two_sequences": ("zigzag", 2, [50, 46], "gdn", False),
 }
 CONTROL = "kda_3_ranks_passing_through"  # run again with the ranks' pieces combined in reverse order
 
@@ -81,14 +82,22 @@ def translation(kind: str):
     return translate_fla_call if kind == "kda" else translate_fla_gdn_call
 
 
-def step(translate, arguments: dict, do: torch.Tensor, dht: torch.Tensor) -> tuple:
-    """One training step of an FLA-level call on the reference backend: (o, final state, {input: gradient}) of
-    ``Σ o·do + Σ ht·dht``."""
+def entry_point(kind: str, gpu: bool):
+    """The FLA-signature call of ``kind``: the public one (the kernels) on a GPU, else the translation run on the
+    reference backend."""
+    if gpu:
+        return cute_kda.chunk_kda if kind == "kda" else cute_kda.chunk_gated_delta_rule
+    return lambda **arguments: translation(kind)(**arguments).run(REFERENCE_FORWARD)
+
+
+def step(entry, arguments: dict, do: torch.Tensor, dht: torch.Tensor) -> tuple:
+    """One training step of ``entry`` (an FLA-signature call): (o, final state, {input: gradient}) of
+    ``Σ o·do + Σ ht·dht``, on the CPU."""
     leaves = {name: x.detach().clone().requires_grad_() if name in GRADIENTS and isinstance(x, torch.Tensor) else x
               for name, x in arguments.items()}
-    o, ht = translate(**leaves).run(REFERENCE_FORWARD)
+    o, ht = entry(**leaves)
     torch.autograd.backward([o, ht], [do, dht])
-    return o.detach(), ht.detach(), {name: leaves[name].grad for name in GRADIENTS if name in leaves}
+    return o.detach().cpu(), ht.detach().cpu(), {name: leaves[name].grad.cpu() for name in GRADIENTS if name in leaves}
 
 
 def intervals(layout: str, world: int, total: int, rank: int) -> list[tuple[int, int]]:
@@ -110,10 +119,11 @@ def local_sequences(bounds: list[int], spans: list[tuple[int, int]]) -> tuple[li
     return ids, ending
 
 
-def rank_step(name: str, rank: int, world: int) -> dict:
-    """This rank's share of case ``name``: its call with ``cp_context`` and what the checks need."""
-    layout, _, lengths, kind, _ = CASES[name]
-    problem, do, dht = global_problem(kind, lengths, CASES[name][4])
+def rank_step(case: tuple, rank: int, group: dist.ProcessGroup, device: torch.device) -> dict:
+    """This rank's share of ``case`` (a :data:`CASES` row) in ``group`` (its first ranks): its call with
+    ``cp_context`` and what the checks need."""
+    layout, world, lengths, kind, state = case
+    problem, do, dht = global_problem(kind, lengths, state)
     bounds = problem["cu_seqlens"].tolist()
     spans = intervals(layout, world, bounds[-1], rank)
     tokens = torch.cat([torch.arange(start, end) for start, end in spans])
@@ -121,9 +131,11 @@ def rank_step(name: str, rank: int, world: int) -> dict:
     local = {name: x[:, tokens] if name in TOKEN_INPUTS else x for name, x in problem.items() if name != "cu_seqlens"}
     if "initial_state" in problem:
         local["initial_state"] = problem["initial_state"][ids]
-    local["cp_context"] = distributed.build_cp_context(problem["cu_seqlens"], dist.group.WORLD, layout)
+    local = {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in local.items()}
+    local["cp_context"] = distributed.build_cp_context(problem["cu_seqlens"].to(device), group, layout)
     local_dht = dht[ids] * torch.tensor(ending, dtype=dht.dtype)[:, None, None, None]  # a handed-on state: none
-    o, ht, grads = step(translation(kind), local, do[:, tokens], local_dht)
+    o, ht, grads = step(entry_point(kind, device.type == "cuda"), local, do[:, tokens].to(device),
+                        local_dht.to(device))
     return dict(o=o, ht=ht, grads=grads, tokens=tokens, ids=ids, ending=ending)
 
 
@@ -146,7 +158,7 @@ def refusals(rank: int, world: int) -> dict:
         if label == "tokens":  # the rank's share is 96 tokens: a call with 95 is not it
             arguments.update({name: x[:, :95] for name, x in share.items() if name in TOKEN_INPUTS})
         try:
-            step(translate_fla_call, arguments, torch.zeros(1, arguments["v"].shape[1], 2, 128).bfloat16(),
+            step(entry_point("kda", False), arguments, torch.zeros(1, arguments["v"].shape[1], 2, 128).bfloat16(),
                  torch.zeros(1, 2, 128, 128))
             errors[label] = None
         except (TypeError, ValueError, NotImplementedError) as error:
@@ -154,36 +166,48 @@ def refusals(rank: int, world: int) -> dict:
     return errors
 
 
-def _ranks(rank: int, world: int, out: str, store: str) -> None:
-    """One process of the group: every case of ``world`` ranks, the control and the refusals, saved to ``out``."""
+def _ranks(rank: int, world: int, cases: dict, out: str, gpu: bool) -> None:
+    """One process of a group of ``world``: every case of ``cases`` on the group's first ranks that it names (on GPU
+    ``rank`` over NCCL when ``gpu``, else on the CPU over gloo, with the control and the refusals), saved to
+    ``out``."""
     warnings.filterwarnings("ignore", "cute_kda mirror on CPU")
-    torch.set_num_threads(1)  # the group shares two cores
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    if gpu:
+        distributed.keep_multicast_off()
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)  # the group shares the CPU tier's cores
+    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{out}/store", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
-        results = {name: rank_step(name, rank, world) for name, case in CASES.items() if case[1] == world}
-        if CASES[CONTROL][1] == world:
+        groups = {size: dist.new_group(list(range(size))) for size in sorted({case[1] for case in cases.values()})}
+        results = {name: rank_step(case, rank, groups[case[1]], device) for name, case in cases.items()
+                   if rank < case[1]}
+        if not gpu and CONTROL in cases:
             in_order = context_parallel.RankChain._in_chain_order
             context_parallel.RankChain._in_chain_order = lambda chain, gathered: in_order(chain, gathered.flip(0))
             try:
-                results["control"] = rank_step(CONTROL, rank, world)
+                results["control"] = rank_step(cases[CONTROL], rank, groups[cases[CONTROL][1]], device)
             finally:
                 context_parallel.RankChain._in_chain_order = in_order
-        results["refusals"] = refusals(rank, world)
+        if not gpu:
+            results["refusals"] = refusals(rank, world)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
+def run_ranks(world: int, cases: dict, out, gpu: bool = False) -> list[dict]:
+    """Each rank's results of ``cases`` (rows of :data:`CASES` for ``world`` ranks or fewer) from one group of
+    ``world`` processes."""
+    mp.spawn(_ranks, args=(world, cases, str(out), gpu), nprocs=world, join=True)
+    return [torch.load(os.path.join(out, f"rank{rank}.pt"), weights_only=False) for rank in range(world)]
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> dict:
-    """{world size: [each rank's results]}: one group of processes per world size."""
-    results = {}
-    for world in sorted({case[1] for case in CASES.values()}):
-        out = tmp_path_factory.mktemp(f"cp{world}")
-        mp.spawn(_ranks, args=(world, str(out), str(out / "store")), nprocs=world, join=True)
-        results[world] = [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
-    return results
+def ranks(tmp_path_factory) -> list[dict]:
+    """Each rank's results: one group of processes for every case (spawning costs more than the cases)."""
+    return run_ranks(max(case[1] for case in CASES.values()), CASES, tmp_path_factory.mktemp("cp"))
 
 
 # ============================================================================ the checks
@@ -247,9 +271,9 @@ def handed_on_states(kind: str, problem: dict, layout: str, world: int, shares: 
 def test_ranks_match_the_unsplit_call_and_the_gold(ranks, case):
     layout, world, lengths, kind, _ = CASES[case]
     problem, do, dht = global_problem(kind, lengths, CASES[case][4])
-    shares = ranks[world]
+    shares = ranks[:world]
     o, ht, grads = assembled(kind, problem, [share[case] for share in shares])
-    o_unsplit, ht_unsplit, grads_unsplit = step(translation(kind), problem, do, dht)
+    o_unsplit, ht_unsplit, grads_unsplit = step(entry_point(kind, False), problem, do, dht)
     o_gold, ht_gold, grads_gold = gold_of(kind, problem, do, dht)
     start, end = intervals(layout, world, problem["v"].shape[1], 0)[0]
     first = shares[0][case]["tokens"][: end - start]
@@ -279,7 +303,7 @@ def test_a_chain_in_the_wrong_rank_order_fails_the_checks(ranks):
     """The control: the same call with the gathered pieces combined in reverse rank order is far from the gold."""
     layout, world, lengths, kind, state = CASES[CONTROL]
     problem, do, dht = global_problem(kind, lengths, state)
-    o, _, grads = assembled(kind, problem, [share["control"] for share in ranks[world]])
+    o, _, grads = assembled(kind, problem, [share["control"] for share in ranks[:world]])
     o_gold, _, grads_gold = gold_of(kind, problem, do, dht)
     assert rel_rms(o, o_gold) > 10 * GOLD_BOUND and rel_rms(grads["q"], grads_gold["q"]) > 10 * TARGETS["dq"]
 
@@ -287,11 +311,10 @@ def test_a_chain_in_the_wrong_rank_order_fails_the_checks(ranks):
 @pytest.mark.parametrize("field", ["layout", "pre_num_ranks", "post_num_ranks", "front_num_seqs", "cu_seqlens_cpu",
                                    "tokens"])
 def test_malformed_contexts_are_refused_naming_the_field(ranks, field):
-    for shares in ranks.values():
-        for share in shares:
-            error = share["refusals"][field]
-            assert error is not None and "cp_context" in error[1], (field, error)
-            assert error[0] == "ValueError", error
+    for share in ranks:
+        error = share["refusals"][field]
+        assert error is not None and "cp_context" in error[1], (field, error)
+        assert error[0] == "ValueError", error
 
 
 @pytest.mark.parametrize("cp_context, words", [
@@ -363,4 +386,4 @@ def test_bench_cp_imports_and_parses_its_arguments():
     assert args.tokens == [131072] and args.gdn and not args.fla and args.backward
     defaults = bench.parse_args([])
     assert defaults.tokens == [131072, 262144, 524288, 1048576] and defaults.heads == 16
-    assert os.environ.get("NCCL_NVLS_ENABLE") is None or bench.MULTICAST_OFF  # the benchmark sets them at launch
+    assert bench.MULTICAST_OFF == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
