@@ -18,6 +18,7 @@ GPU tier: ``tests/test_cp_ranks_gpu.py``.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import warnings
 
@@ -87,7 +88,12 @@ def entry_point(kind: str, gpu: bool):
     reference backend."""
     if gpu:
         return cute_kda.chunk_kda if kind == "kda" else cute_kda.chunk_gated_delta_rule
-    return lambda **arguments: translation(kind)(**arguments).run(REFERENCE_FORWARD)
+
+    def on_the_mirrors(**arguments):  # chunk_kda's recompute (FLA's default: the backward reruns the forward)
+        call = translation(kind)(**arguments)
+        return call.run(functools.partial(REFERENCE_FORWARD, recompute=getattr(call, "recompute", False)))
+
+    return on_the_mirrors
 
 
 def step(entry, arguments: dict, do: torch.Tensor, dht: torch.Tensor) -> tuple:
