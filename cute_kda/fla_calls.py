@@ -116,10 +116,15 @@ def translate_fla_call(
     v or raw g (:class:`cute_kda.validation.UnsupportedDtypeError`, raised by the checks of the canonical call), a
     bounded gate with ``lower_bound``
     outside [-5, 0) when ``safe_gate=False``, ``allow_neg_eigval``, training grouped value heads (HV != H) with
-    the safe gate, ``cp_context``, ``use_graph``, ``return_intermediate_states`` with ``cu_seqlens`` but no
+    the safe gate, ``use_graph``, ``return_intermediate_states`` with ``cu_seqlens`` but no
     ``cu_seqlens_cpu`` (``return_intermediate_states`` otherwise returns FLA's third output ``h``, bf16
     ``[B, NT, H, K, V]``: :func:`cute_kda.executors.inference.run_keeping_chunk_states`; inference only). Errors FLA raises itself
     (``ValueError``) are raised the same way.
+
+    ``cp_context`` (context parallelism, :func:`rank_chain_of`): FLA's context of this rank's share; its local
+    ``cu_seqlens`` replace the call's and the call runs with the other ranks of its group (eager; every rank must
+    call the forward and the backward). Beyond FLA, an initial state and the final states are taken (the
+    ``RankChain`` docstring in :mod:`cute_kda.context_parallel` says what they mean there).
 
     cute_kda's extension (keyword-only, not in FLA): ``state_indices``, ``checkpoint_every``, ``checkpoint_indices``
     make the call a prefill on a state pool (:func:`translate_pool_arguments`).
@@ -441,8 +446,9 @@ def translate_fla_gdn_call(
         docs/numerics.md, "fp16 inputs", measures what the rounding costs).
       - ``chunk_size`` (16, 32 or 64) and ``chunk_indices`` change how FLA computes, not what: accepted.
         ``cu_seqlens_cpu``, when given, is checked on the host. Inputs that are not contiguous are made so.
+    ``cp_context`` as in :func:`translate_fla_call`.
     What raises ``NotImplementedError`` (the argument is named): ``allow_neg_eigval=True`` (β = 2·sigmoid),
-    ``cp_context``, head dims other than K = V = 128 (GatedDeltaNet's ``expand_v = 2`` included), fp16 or fp32 q, k,
+    head dims other than K = V = 128 (GatedDeltaNet's ``expand_v = 2`` included), fp16 or fp32 q, k,
     v or raw g (:class:`cute_kda.validation.UnsupportedDtypeError`, from the checks of the canonical call). Errors
     FLA raises itself are raised the same way (``ValueError``; its ``DeprecationWarning`` for ``head_first``); a
     missing ``A_log`` with ``use_gate_in_kernel=True`` is a ``ValueError`` here (FLA asserts). Unknown keywords raise
