@@ -372,10 +372,7 @@ class RankChain(NamedTuple):
                 pieces[index, 1] = transitions[part.last]
         chain = self._in_chain_order(all_gather(pieces, self.group))
         for part in inbound:
-            state = chain[part.slot - part.before, 0]
-            for slot in range(part.slot - part.before + 1, part.slot):
-                state = torch.baddbmm(chain[slot, 0], state, chain[slot, 1])
-            entering[part.first] = state
+            entering[part.first] = _along(chain, range(part.slot - part.before, part.slot), transpose=False)
         return kept
 
     def exiting_gradients(self, local_gradients: torch.Tensor, transitions: torch.Tensor,
@@ -401,11 +398,7 @@ class RankChain(NamedTuple):
         chain = self._in_chain_order(all_gather(pieces, self.group))
         for part in self.parts:
             if part.after:
-                end = part.slot + part.after
-                gradient = chain[end, 0]
-                for slot in range(end - 1, part.slot, -1):
-                    gradient = torch.baddbmm(chain[slot, 0], gradient, chain[slot, 1].transpose(-1, -2))
-                leaving[part.last] += gradient
+                leaving[part.last] += _along(chain, range(part.slot + part.after, part.slot, -1), transpose=True)
         return leaving
 
     def _in_chain_order(self, gathered: torch.Tensor) -> torch.Tensor:
@@ -414,3 +407,14 @@ class RankChain(NamedTuple):
         if len(self.parts) == 1:
             return gathered[:, 0]
         return torch.cat((gathered[:, 0], gathered[:, 1].flip(0)))
+
+
+def _along(chain: torch.Tensor, slots: range, *, transpose: bool) -> torch.Tensor:
+    """The fp32 combine of gathered pieces ``chain`` ``[slots, 2, H, V, K]`` (``[s, 0]`` a slot's state or gradient,
+    ``[s, 1]`` its transition) along ``slots``: the first slot's ``[0]``, then ``X · F + [0]`` for each next slot
+    (``X · Fᵀ`` with ``transpose``, the backward's)."""
+    state = chain[slots[0], 0]
+    for slot in slots[1:]:
+        step = chain[slot, 1].transpose(-1, -2) if transpose else chain[slot, 1]
+        state = torch.baddbmm(chain[slot, 0], state, step)
+    return state
