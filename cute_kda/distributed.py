@@ -14,8 +14,8 @@ The exchange is one ``all_gather`` a direction (:func:`all_gather`): every rank 
 its slots (the forward: a slot's local final state and transition; the backward: its local state gradient and the
 transition) and every rank combines the pieces it needs itself (:class:`cute_kda.context_parallel.RankChain`).
 Why a gather and not a pass along the ranks: a pass waits W − 1 times for a neighbour that itself waited, while one
-collective moves every piece at once (W · 2 · H · 64 KiB, tens of microseconds on NVLink) and the combine that follows
-is at most W small matmuls per head, the same on every rank; FLA's own context parallelism gathers too.
+collective moves every piece at once (W · 2 · H · 64 KiB, tens of microseconds on NVLink) and the combine that
+follows is at most W small matmuls per head, the same on every rank; FLA's own context parallelism gathers too.
 
 Multi-GPU launches of this workplace keep NVLink multicast off (:data:`MULTICAST_OFF`, :func:`keep_multicast_off`):
 the benchmark and the GPU test set it before the process group starts.

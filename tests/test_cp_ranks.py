@@ -393,3 +393,8 @@ def test_bench_cp_imports_and_parses_its_arguments():
     defaults = bench.parse_args([])
     assert defaults.tokens == [131072, 262144, 524288, 1048576] and defaults.heads == 16
     assert bench.MULTICAST_OFF == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    for gdn, translate in ((False, translate_fla_call), (True, translate_fla_gdn_call)):  # its calls translate
+        args = bench.parse_args(["--heads", "2"] + (["--gdn"] if gdn else []))
+        share = bench.inputs(args, 64, 1, torch.device("cpu"))
+        context = distributed.CPContext(None, torch.tensor([0, 64]), torch.tensor([0, 64]))
+        assert translate(**share, cp_context=context).tensors[2].shape == (1, 64, 4 if gdn else 2, 128)
