@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import cute_kda
-from cute_kda import context_parallel, distributed
+from cute_kda import context_parallel, distributed, fla_calls
 from cute_kda.fla_calls import translate_fla_call, translate_fla_gdn_call
 from cute_kda.reference import gold_backward, gold_forward, rel_rms
 
@@ -54,6 +54,10 @@ CASES = {  # layout, ranks, global sequence lengths, "kda" | "gdn", initial stat
     # 4 intervals of 24: rank 0 holds intervals 0 and 3, rank 1 intervals 1 and 2
     "gdn_zigzag_2_ranks_two_sequences": ("zigzag", 2, [50, 46], "gdn", False),
 }
+# the local sequences also cut into segments of this many tokens inside each rank (RankChain.length; on a GPU the
+# heuristic picks it for long shares)
+SEGMENT_TOKENS = {"kda_3_ranks_segments_inside_state": 16}
+CASES["kda_3_ranks_segments_inside_state"] = ("contiguous", 3, [10, 76, 10], "kda", True)
 CONTROL = "kda_3_ranks_passing_through"  # run again with the ranks' pieces combined in reverse order
 
 
@@ -125,9 +129,17 @@ def local_sequences(bounds: list[int], spans: list[tuple[int, int]]) -> tuple[li
     return ids, ending
 
 
-def rank_step(case: tuple, rank: int, group: dist.ProcessGroup, device: torch.device) -> dict:
+def rank_step(case: tuple, rank: int, group: dist.ProcessGroup, device: torch.device, length: int = 0) -> dict:
     """This rank's share of ``case`` (a :data:`CASES` row) in ``group`` (its first ranks): its call with
-    ``cp_context`` and what the checks need."""
+    ``cp_context`` (its local sequences cut into segments of ``length`` tokens when given) and what the checks
+    need."""
+    if length:
+        read = fla_calls.rank_chain_of
+        fla_calls.rank_chain_of = lambda context: read(context)._replace(length=length)
+        try:
+            return rank_step(case, rank, group, device)
+        finally:
+            fla_calls.rank_chain_of = read
     layout, world, lengths, kind, state = case
     problem, do, dht = global_problem(kind, lengths, state)
     bounds = problem["cu_seqlens"].tolist()
@@ -187,8 +199,8 @@ def _ranks(rank: int, world: int, cases: dict, out: str, gpu: bool) -> None:
                             world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         groups = {size: dist.new_group(list(range(size))) for size in sorted({case[1] for case in cases.values()})}
-        results = {name: rank_step(case, rank, groups[case[1]], device) for name, case in cases.items()
-                   if rank < case[1]}
+        results = {name: rank_step(case, rank, groups[case[1]], device, SEGMENT_TOKENS.get(name, 0))
+                   for name, case in cases.items() if rank < case[1]}
         if not gpu and CONTROL in cases:
             in_order = context_parallel.RankChain._in_chain_order
             context_parallel.RankChain._in_chain_order = lambda chain, gathered: in_order(chain, gathered.flip(0))
@@ -282,7 +294,7 @@ def test_ranks_match_the_unsplit_call_and_the_gold(ranks, case):
     o_unsplit, ht_unsplit, grads_unsplit = step(entry_point(kind, False), problem, do, dht)
     o_gold, ht_gold, grads_gold = gold_of(kind, problem, do, dht)
     start, end = intervals(layout, world, problem["v"].shape[1], 0)[0]
-    first = shares[0][case]["tokens"][: end - start]
+    first = shares[0][case]["tokens"][: SEGMENT_TOKENS.get(case, end - start)]
     assert torch.equal(o[:, first], o_unsplit[:, first])  # the first rank's first interval: computed as unsplit
     errors = {"o": rel_rms(o, o_gold), "ht": rel_rms(ht, ht_gold)}
     errors.update({GRADIENTS[name]: rel_rms(grads[name], grads_gold[name]) for name in grads_gold})

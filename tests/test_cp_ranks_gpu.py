@@ -1,7 +1,8 @@
 """Context parallelism across GPUs (FLA's ``cp_context``) on the kernels: 2 processes (4 where the host has 4 GPUs),
 one GPU each, NCCL, NVLink multicast off (``cute_kda.distributed.MULTICAST_OFF``), training steps through
 ``cute_kda.chunk_kda`` / ``cute_kda.chunk_gated_delta_rule`` on each rank's share, against the single-GPU call of the
-whole problem: the first rank's first interval bit-identical, the rest within rounding (the output, each sequence's
+whole problem: the first rank's first tokens (its first interval, or its first segment where the heuristic also cuts
+the rank's share) bit-identical, the rest within rounding (the output, each sequence's
 final state, every gradient). The CPU tier's ``tests/test_cp_ranks.py`` holds the same chain to the fp64 gold.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cute_kda.context_parallel import MIN_SEGMENT_TILES
+from cute_kda.numerics import CHUNK
 from cute_kda.reference import rel_rms
 
 from test_cp_ranks import GRADIENTS, assembled, entry_point, global_problem, intervals, run_ranks, step
@@ -24,6 +27,8 @@ CASES = {  # layout, ranks, global sequence lengths, "kda" | "gdn", initial stat
     "gdn_2_ranks_varlen_state": ("contiguous", 2, [1000, 2000, 1096], "gdn", True),
     "kda_zigzag_2_ranks_varlen": ("zigzag", 2, [3000, 1096], "kda", False),
     "gdn_4_ranks_passing_through": ("contiguous", 4, [300, 3500, 296], "gdn", False),
+    # 32768 tokens a rank: the heuristic also cuts each rank's sequence into segments (RankChain.split)
+    "kda_2_ranks_T65536_segments_inside_state": ("contiguous", 2, [65536], "kda", True),
 }
 
 
@@ -46,7 +51,8 @@ def test_ranks_match_the_single_gpu_call(ranks, case):
     whole = {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in problem.items()}
     o_one, ht_one, grads_one = step(entry_point(kind, True), whole, do.to(device), dht.to(device))
     start, end = intervals(layout, world, problem["v"].shape[1], 0)[0]
-    assert torch.equal(o[:, start:end], o_one[:, start:end])  # rank 0's first interval: computed as on one GPU
+    end = min(end, start + MIN_SEGMENT_TILES * CHUNK)  # within a first segment, where a rank cuts its share
+    assert torch.equal(o[:, start:end], o_one[:, start:end])  # rank 0's first tokens: computed as on one GPU
     errors = {"o": rel_rms(o, o_one), "ht": rel_rms(ht, ht_one)}
     errors.update({GRADIENTS[name]: rel_rms(grad, grads_one[name]) for name, grad in grads.items()})
     line = f"[cp ranks gpu] {case} vs one GPU: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items())
