@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from filelock import FileLock  # torch's own dependency
 
 import cute_kda
 from cute_kda import context_parallel, distributed, fla_calls
@@ -223,9 +224,19 @@ def run_ranks(world: int, cases: dict, out, gpu: bool = False) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    """Each rank's results: one group of processes for every case (spawning costs more than the cases)."""
-    return run_ranks(max(case[1] for case in CASES.values()), CASES, tmp_path_factory.mktemp("cp"))
+def ranks(tmp_path_factory, request) -> list[dict]:
+    """Each rank's results: one group of processes for every case (spawning costs more than the cases), once per
+    session: pytest-xdist workers share the folder above their own and the first to come runs the group."""
+    world = max(case[1] for case in CASES.values())
+    if not hasattr(request.config, "workerinput"):
+        return run_ranks(world, CASES, tmp_path_factory.mktemp("cp"))
+    shared = tmp_path_factory.getbasetemp().parent / "cp_ranks"
+    with FileLock(f"{shared}.lock"):
+        if not (shared / "done").exists():
+            shared.mkdir(exist_ok=True)
+            run_ranks(world, CASES, shared)
+            (shared / "done").touch()
+    return [torch.load(shared / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
 
 
 # ============================================================================ the checks
