@@ -149,11 +149,15 @@ def main(argv: list[str] | None = None) -> None:
         for peer, (call, context_of) in entry_points(args).items():
             context = context_of(cu_seqlens, dist.group.WORLD)
             for backward in (False, True) if args.backward else (False,):
-                split = slowest(timed(call, dict(share, cp_context=context), backward, args.reps), device)
+                cells = [model, f"{tokens // 1024}K", str(world), peer, "fwd+bwd" if backward else "fwd"]
+                try:
+                    split = slowest(timed(call, dict(share, cp_context=context), backward, args.reps), device)
+                except (RuntimeError, NotImplementedError, AssertionError) as error:  # e.g. FLA's guards, on every rank
+                    rows.append([*cells, f"{type(error).__name__}: {str(error).splitlines()[0][:80]}", "–", "–"])
+                    continue
                 alone = single_gpu(call, args, tokens, backward, device) if args.single else ""
                 efficiency = f"{float(alone) / (world * split):.2f}" if alone not in ("", "OOM") else "–"
-                rows.append([model, f"{tokens // 1024}K", str(world), peer, "fwd+bwd" if backward else "fwd",
-                             f"{split:.2f}", alone or "–", efficiency])
+                rows.append([*cells, f"{split:.2f}", alone or "–", efficiency])
                 if rank == 0:
                     print(" | ".join(rows[-1]), flush=True)
     if rank == 0:
