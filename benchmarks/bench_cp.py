@@ -122,13 +122,16 @@ def slowest(ms: float, device: torch.device) -> float:
 
 
 def single_gpu(call, args: argparse.Namespace, tokens: int, backward: bool, device: torch.device) -> str:
-    """The one-GPU time of the whole sequence on rank 0 ("OOM" when it does not fit), shared with every rank."""
+    """The one-GPU time of the whole sequence on rank 0 ("OOM" when it does not fit, the error's name when it
+    raises), shared with every rank."""
     result = [""]
     if dist.get_rank() == 0:
         try:
             result[0] = f"{timed(call, inputs(args, tokens, 0, device), backward, args.reps):.2f}"
         except torch.cuda.OutOfMemoryError:
             result[0] = "OOM"
+        except (RuntimeError, NotImplementedError, AssertionError) as error:  # answered, so the others stop waiting
+            result[0] = type(error).__name__
         torch.cuda.empty_cache()
     dist.broadcast_object_list(result, src=0)
     return result[0]
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append([*cells, f"{type(error).__name__}: {str(error).splitlines()[0][:80]}", "–", "–"])
                     continue
                 alone = single_gpu(call, args, tokens, backward, device) if args.single else ""
-                efficiency = f"{float(alone) / (world * split):.2f}" if alone not in ("", "OOM") else "–"
+                efficiency = f"{float(alone) / (world * split):.2f}" if alone.replace(".", "").isdigit() else "–"
                 rows.append([*cells, f"{split:.2f}", alone or "–", efficiency])
                 if rank == 0:
                     print(" | ".join(rows[-1]), flush=True)
