@@ -421,3 +421,17 @@ def test_bench_cp_imports_and_parses_its_arguments():
         share = bench.inputs(args, 64, 1, torch.device("cpu"))
         context = distributed.CPContext(None, torch.tensor([0, 64]), torch.tensor([0, 64]))
         assert translate(**share, cp_context=context).tensors[2].shape == (1, 64, 4 if gdn else 2, 128)
+
+
+def test_a_long_share_is_also_cut_inside_the_rank():
+    """On a GPU a rank's share with few (sequence, head) chains is cut into segments as one GPU cuts a sequence
+    (``plan``'s heuristic); the stages see the segments, the caller its local sequences."""
+    chain = context_parallel.RankChain(None, 2, 2, (context_parallel.ChainPart(1, 0, 0, 1, 0),), (0, 131072))
+    split = chain.split(132, 16, None)
+    assert split.length == 16384 and split.count == 8 and split.cu_seqlens().tolist()[:3] == [0, 16384, 32768]
+    assert chain.split(132, 16, 4) is chain and chain.split(0, 16, None) is chain  # a fixed V-split; the CPU
+    short = chain._replace(bounds=(0, 2048))
+    assert short.split(132, 16, None) is short
+    two = context_parallel.RankChain(None, 2, 2, (context_parallel.ChainPart(0, 0, 1, 0, 1),), (0, 40, 100), 32)
+    assert two.cu_seqlens().tolist() == [0, 32, 40, 72, 100] and two.tile_bases().tolist() == [0, 2, 3, 5, 7]
+    assert two.last(torch.arange(4.0)).tolist() == [1.0, 3.0] and two.first(torch.arange(4.0)).tolist() == [0.0, 2.0]
