@@ -26,18 +26,24 @@ the unsplit problem, because a segment boundary falls on a tile boundary. Result
 rounding only (the entering states pass through the fp32 combine instead of the chain's registers); the first
 segment of each sequence is computed exactly as without segments.
 
-Fixed-length batches only (``cu_seqlens`` None): the segment bounds are then known on the host, and so is the
-serial combine's shape, with no device value read.
+On one GPU (:class:`Segmentation`): fixed-length batches only (``cu_seqlens`` None): the segment bounds are then known
+on the host, and so is the serial combine's shape, with no device value read.
+
+Across the ranks of a process group (:class:`RankChain`, FLA's ``cp_context``): each rank holds a share of the
+tokens laid out as FLA lays them out (:mod:`cute_kda.distributed`), a packed row of local sequences, and runs the
+same three passes on it; the combine runs over the ranks instead of the segments, from every rank's (``H``, ``F``)
+summary gathered by one collective, and the backward's likewise from every rank's (``L``, ``F``).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from .device import sm_count
+from .distributed import all_gather
 from .numerics import CHUNK
 from .validation import ProblemShape
 from .workspace import tile_bases_of
@@ -82,17 +88,7 @@ class Segmentation(NamedTuple):
         stream) asynchronously from pinned memory and kept, so a call launches neither a copy nor the tile prefix (like
         the inference workspace cache, not for a first call under CUDA-graph capture: the copy would be captured and
         the kept tensors come from the graph's pool); on the CPU (the reference stages) as they are made."""
-        if device.type != "cuda":
-            return self.cu_seqlens(), self.tile_bases()
-        stream = torch.cuda.current_stream(device).cuda_stream
-        key = (self, device.index, stream)
-        kept = _ON_DEVICE.get(key)
-        if kept is None:
-            if len(_ON_DEVICE) >= _ON_DEVICE_LIMIT:
-                _ON_DEVICE.clear()
-            kept = tuple(t.pin_memory().to(device, non_blocking=True) for t in (self.cu_seqlens(), self.tile_bases()))
-            _ON_DEVICE[key] = kept
-        return kept
+        return _kept_on_device(self, device)
 
     def problem(self, heads: int, head_dim: int) -> ProblemShape:
         """The packed problem of the segments: ``[1, N · T]`` tokens, ``count`` sequences."""
@@ -111,9 +107,25 @@ class Segmentation(NamedTuple):
         return self.by_sequence(states)[:, -1]
 
 
-# the device copies of Segmentation.on_device, per (segmentation, device index, stream); read-only once made
+# the device copies of Segmentation.on_device and RankChain.on_device, per (split, device index, stream); read-only
+# once made
 _ON_DEVICE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _ON_DEVICE_LIMIT = 64
+
+
+def _kept_on_device(split: "Segmentation | RankChain", device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``split``'s (``cu_seqlens()``, ``tile_bases()``) on ``device`` as :meth:`Segmentation.on_device` describes."""
+    if device.type != "cuda":
+        return split.cu_seqlens(), split.tile_bases()
+    stream = torch.cuda.current_stream(device).cuda_stream
+    key = (split, device.index, stream)
+    kept = _ON_DEVICE.get(key)
+    if kept is None:
+        if len(_ON_DEVICE) >= _ON_DEVICE_LIMIT:
+            _ON_DEVICE.clear()
+        kept = tuple(t.pin_memory().to(device, non_blocking=True) for t in (split.cu_seqlens(), split.tile_bases()))
+        _ON_DEVICE[key] = kept
+    return kept
 
 
 @functools.lru_cache(maxsize=64)
@@ -123,10 +135,13 @@ def _segment_bounds(num_seqs: int, seq_len: int, length: int) -> torch.Tensor:
     return torch.cat((bounds, torch.tensor([num_seqs * seq_len], dtype=torch.int64)))
 
 
-def segmentation_of(problem: ProblemShape, device: torch.device, segments: int | None,
-                    vsplit: int | None) -> Segmentation | None:
+def segmentation_of(problem: ProblemShape, device: torch.device, segments: "int | RankChain | None",
+                    vsplit: int | None) -> "Segmentation | RankChain | None":
     """:func:`plan` for the SMs of ``device``; on a CPU (the reference stages) only an explicit ``segments``
-    splits."""
+    splits. A :class:`RankChain` (a ``cp_context`` call's) is the split itself, checked against ``problem``."""
+    if isinstance(segments, RankChain):
+        segments.check(problem)
+        return segments.split(sm_count(device.index) if device.type == "cuda" else 0, problem.heads, vsplit)
     if device.type != "cuda":
         return None if segments is None else plan(problem, 0, segments, vsplit)
     return plan(problem, sm_count(device.index), segments, vsplit)
@@ -186,7 +201,10 @@ def segment_states(seg: Segmentation, final_states: FinalStates, v: torch.Tensor
     ``final_states(v, initial, into)`` runs the forward scan (K2, or its mirror) over every segment with the packed
     problem's ``v`` ``[1, N · T, H, V]`` and ``initial`` (None: zero; else fp32 ``[count, H, V, K]``) and writes the
     fp32 final states into ``into`` ``[count, H, V, K]``. ``initial_state``: None or ``[N, H, V, K]``, the caller's.
+    A :class:`RankChain` makes them with the other ranks (:meth:`RankChain.segment_states`).
     """
+    if isinstance(seg, RankChain):
+        return seg.segment_states(final_states, v, initial_state)
     heads, dim = v.shape[2], v.shape[3]
     kept = torch.empty((2, seg.count, heads, dim, dim), dtype=torch.float32, device=v.device)
     local = torch.empty_like(kept[0])
@@ -203,8 +221,11 @@ def exiting_gradients(seg: Segmentation, local_gradients: torch.Tensor, transiti
 
     ``local_gradients``: fp32 ``[count, H, V, K]``, each segment's scan gradient at its start with a zero gradient
     leaving it; ``transitions``: the forward's ``F`` (:func:`segment_states`'s ``[1]``); ``dht``: None or
-    ``[N, H, V, K]``, the gradient w.r.t. each sequence's final state.
+    ``[N, H, V, K]``, the gradient w.r.t. each sequence's final state. A :class:`RankChain` combines with the other
+    ranks (:meth:`RankChain.exiting_gradients`).
     """
+    if isinstance(seg, RankChain):
+        return seg.exiting_gradients(local_gradients, transitions, dht)
     leaving = torch.empty_like(local_gradients)
     _combine(seg, leaving, local_gradients, transitions, dht, transpose=True)
     return leaving
@@ -238,3 +259,214 @@ def _combine(seg: Segmentation, into: torch.Tensor, local: torch.Tensor, transit
         torch.baddbmm(local[source], states[source], steps[source], out=states[target])
     if not one:
         seg.by_sequence(into).copy_(whole.view(seg.per_seq, seg.num_seqs, heads, rows, cols).transpose(0, 1))
+
+
+class ChainPart(NamedTuple):
+    """One interval of a rank's tokens in a :class:`RankChain`: ``slot`` its place in the chain (the intervals in token
+    order), ``first`` / ``last`` its first and last local sequence, ``before`` / ``after`` how many slots before /
+    after it hold those same sequences (0: the sequence starts / ends in this interval)."""
+
+    slot: int
+    first: int
+    last: int
+    before: int
+    after: int
+
+    @property
+    def passes_through(self) -> bool:
+        """Whether the interval is one piece of a sequence that enters from the slot before and goes on to the slot
+        after: only then is its transition a link of the chain."""
+        return self.before > 0 and self.after > 0 and self.first == self.last
+
+
+class RankChain(NamedTuple):
+    """This rank's share of sequences split over the ``world`` ranks of ``group`` (FLA's ``cp_context``, read by
+    :func:`cute_kda.fla_calls.rank_chain_of`): its tokens are a packed row of local sequences with the host bounds
+    ``bounds``; ``parts`` its intervals in local order (one; two in FLA's zigzag layout), of ``slots`` in the chain;
+    ``length`` > 0 cuts every local sequence further into segments of that many tokens (a multiple of the tile), run
+    side by side as :class:`Segmentation` runs them (:meth:`split` chooses it on a GPU), 0 leaves them whole.
+
+    A stand-in for :class:`Segmentation` in the stages (the same methods): the packed problem is the rank's segments.
+    Its final state is each local sequence's state after its last token on this rank (a sequence's final state where
+    it ends; where it goes on, the state the next rank starts from). Its initial state is read for the local
+    sequences that start on this rank; a sequence entering from the rank before starts from the chain's state, and
+    its row of dh0 is zero.
+    """
+
+    group: Any
+    world: int
+    slots: int
+    parts: tuple[ChainPart, ...]
+    bounds: tuple[int, ...]
+    length: int = 0
+
+    @property
+    def count(self) -> int:
+        """The segments: the packed problem's sequences."""
+        return len(_segment_rows(self.bounds, self.length)[0]) - 1
+
+    def cu_seqlens(self) -> torch.Tensor:
+        """int64 ``[count + 1]`` on the CPU: the segment bounds."""
+        return torch.tensor(_segment_rows(self.bounds, self.length)[0], dtype=torch.int64)
+
+    def tile_bases(self) -> torch.Tensor:
+        """int32 ``[count + 1]`` on the CPU (:func:`cute_kda.workspace.tile_bases_of`)."""
+        return tile_bases_of(self.cu_seqlens())
+
+    def on_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(:meth:`cu_seqlens`, :meth:`tile_bases`) on ``device``, kept as :meth:`Segmentation.on_device` keeps them."""
+        return _kept_on_device(self, device)
+
+    def problem(self, heads: int, head_dim: int) -> ProblemShape:
+        """The rank's packed problem of segments."""
+        return ProblemShape(1, self.bounds[-1], heads, head_dim, self.count, True)
+
+    def check(self, problem: ProblemShape) -> None:
+        """Refuse a call whose tokens are not the rank's share the chain describes."""
+        self.check_tokens(problem.batch, problem.seq_len)
+        if problem.num_seqs != len(self.bounds) - 1 or not problem.varlen:
+            raise ValueError(f"cp_context describes {len(self.bounds) - 1} local sequences, the call has "
+                             f"{problem.num_seqs}")
+
+    def check_tokens(self, batch: int, seq_len: int) -> None:
+        """Refuse ``[batch, seq_len]`` tokens that are not the rank's packed row."""
+        if (batch, seq_len) != (1, self.bounds[-1]):
+            raise ValueError(f"cp_context gives this rank {self.bounds[-1]} tokens, but the call has {batch} x "
+                             f"{seq_len}: pass the rank's share as one packed row [1, {self.bounds[-1]}, ...]")
+
+    def split(self, sms: int, heads: int, vsplit: int | None) -> RankChain:
+        """The chain with :func:`plan`'s segments for ``sms`` SMs (its heuristic on the longest local sequence, the
+        ``local sequences · heads`` chains sharing the SMs); unchanged when ``length`` is set or ``sms`` is 0."""
+        rows = len(self.bounds) - 1
+        if self.length or not sms:
+            return self
+        longest = max(b - a for a, b in zip(self.bounds, self.bounds[1:]))
+        seg = plan(ProblemShape(rows, longest, heads, 0, rows, False), sms, None, vsplit)
+        return self if seg is None else self._replace(length=seg.length)
+
+    def first(self, states: torch.Tensor) -> torch.Tensor:
+        """The caller's dh0 from the scan's fp32 ``[count, ...]``: each local sequence's first segment's, the rows
+        of sequences that enter from another rank zeroed (their initial state is the chain's, not the caller's)."""
+        states = states[list(_segment_rows(self.bounds, self.length)[1])]
+        for part in self.parts:
+            if part.before:
+                states[part.first] = 0
+        return states
+
+    def last(self, states: torch.Tensor) -> torch.Tensor:
+        """The caller's final states from ``[count, ...]``: each local sequence's last segment's."""
+        return states[list(_segment_rows(self.bounds, self.length)[2])]
+
+    def segment_states(self, final_states: FinalStates, v: torch.Tensor,
+                       initial_state: torch.Tensor | None) -> torch.Tensor:
+        """fp32 ``[2, count, H, V, K]``: the state entering every segment (``[0]``) and every segment's transition
+        ``F`` (``[1]``).
+
+        Two passes over the segments (from zero with the real ``v``: ``H``; from the identity with ``v = 0``: ``F``);
+        each interval's summary, its last local sequence's state leaving it (folded over its segments from the
+        sequence's initial state, zero for one entering from another rank) and, where the interval passes one
+        sequence through, that sequence's transition (the product of its segments'), gathered from every rank; the
+        state entering an interval's first sequence combined in fp32 over the slots that hold it before,
+        ``X = H[s0]``, then ``X = X · F[j] + H[j]``; last the fold over each sequence's segments from its entering
+        state, ``X[c] = X[c−1] · F[c−1] + H[c−1]``."""
+        heads, dim = v.shape[2], v.shape[3]
+        _, firsts, lasts = _segment_rows(self.bounds, self.length)
+        kept = torch.zeros((2, self.count, heads, dim, dim), dtype=torch.float32, device=v.device)
+        entering, transitions = kept.unbind(0)
+        local = torch.empty_like(entering)
+        final_states(v, None, local)
+        identity = torch.eye(dim, dtype=torch.float32, device=v.device).expand(self.count, heads, dim, dim)
+        if self.length or initial_state is not None or any(part.before for part in self.parts):
+            final_states(torch.zeros_like(v), identity.contiguous(), transitions)  # else no state to carry: F unused
+        starts = torch.zeros((len(firsts), heads, dim, dim), dtype=torch.float32, device=v.device)
+        if initial_state is not None:
+            starts.copy_(initial_state)
+        for part in self.parts:  # the caller's row is not read: the state comes from the chain
+            if part.before:
+                starts[part.first] = 0
+        pieces = kept.new_zeros((len(self.parts), 2, heads, dim, dim))
+        for index, part in enumerate(self.parts):
+            rows = range(firsts[part.last], lasts[part.last] + 1)
+            pieces[index, 0] = _fold(starts[part.last], local, transitions, rows, transpose=False)
+            if part.passes_through:
+                pieces[index, 1] = _fold(identity[0], None, transitions, rows, transpose=False)
+        chain = self._in_chain_order(all_gather(pieces, self.group))
+        for part in self.parts:
+            if part.before:
+                starts[part.first] = _fold(chain[part.slot - part.before, 0], chain[:, 0], chain[:, 1],
+                                           range(part.slot - part.before + 1, part.slot), transpose=False)
+        if not self.length:  # a segment a sequence
+            entering.copy_(starts)
+        for n, (first, last) in enumerate(zip(firsts, lasts) if self.length else ()):
+            entering[last] = _fold(starts[n], local, transitions, range(first, last), transpose=False, record=entering)
+        return kept
+
+    def exiting_gradients(self, local_gradients: torch.Tensor, transitions: torch.Tensor,
+                          dht: torch.Tensor | None) -> torch.Tensor:
+        """fp32 ``[count, H, V, K]``: the gradient w.r.t. the state leaving every segment: for a local sequence's
+        last, the caller's ``dht`` plus, for a sequence that goes on to later ranks, what comes back from them; for
+        the others, folded back over the segments after it, ``G[c−1] = G[c] · F[c]ᵀ + L[c]``.
+
+        ``local_gradients``: the scan's dh0 of every segment with zero gradients leaving it (``L``). An interval
+        whose first sequence enters from another rank sends that sequence's gradient at its start with ``dht``
+        leaving it (folded over its segments) and, where it passes the sequence through, its transition; gathered
+        from every rank, the gradient leaving an interval's last sequence is combined over the slots after it:
+        ``G = L[s1]``, then ``G = G · F[j]ᵀ + L[j]`` back to the slot after this one."""
+        _, firsts, lasts = _segment_rows(self.bounds, self.length)
+        heads, dim = local_gradients.shape[1], local_gradients.shape[2]
+        ends = local_gradients.new_zeros((len(firsts), heads, dim, dim)) if dht is None else dht.to(torch.float32,
+                                                                                                    copy=True)
+        pieces = local_gradients.new_zeros((len(self.parts), 2, heads, dim, dim))
+        identity = torch.eye(dim, dtype=torch.float32, device=local_gradients.device).expand(heads, dim, dim)
+        for index, part in enumerate(self.parts):
+            if part.before:
+                rows = range(lasts[part.first], firsts[part.first] - 1, -1)
+                pieces[index, 0] = _fold(ends[part.first], local_gradients, transitions, rows, transpose=True)
+                if part.passes_through:
+                    pieces[index, 1] = _fold(identity, None, transitions, rows[::-1], transpose=False)
+        chain = self._in_chain_order(all_gather(pieces, self.group))
+        for part in self.parts:
+            if part.after:
+                end = part.slot + part.after
+                ends[part.last] += _fold(chain[end, 0], chain[:, 0], chain[:, 1], range(end - 1, part.slot, -1),
+                                         transpose=True)
+        if not self.length:  # a segment a sequence
+            return ends
+        leaving = torch.empty_like(local_gradients)
+        for n, (first, last) in enumerate(zip(firsts, lasts)):
+            leaving[first] = _fold(ends[n], local_gradients, transitions, range(last, first, -1), transpose=True,
+                                   record=leaving)
+        return leaving
+
+    def _in_chain_order(self, gathered: torch.Tensor) -> torch.Tensor:
+        """``[W, parts, ...]`` pieces in rank order as ``[slots, ...]`` in chain order: rank r's first interval is
+        slot r; in the zigzag layout its second is slot 2W − 1 − r."""
+        if len(self.parts) == 1:
+            return gathered[:, 0]
+        return torch.cat((gathered[:, 0], gathered[:, 1].flip(0)))
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_rows(bounds: tuple[int, ...], length: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(the segment bounds of local sequences ``bounds`` cut every ``length`` tokens (0: not cut), each local
+    sequence's first segment, its last)."""
+    cuts, firsts, lasts = [0], [], []
+    for start, end in zip(bounds, bounds[1:]):
+        firsts.append(len(cuts) - 1)
+        cuts.extend(range(start + length, end, length) if length else ())
+        cuts.append(end)
+        lasts.append(len(cuts) - 2)
+    return tuple(cuts), tuple(firsts), tuple(lasts)
+
+
+def _fold(state: torch.Tensor, adds: torch.Tensor | None, steps: torch.Tensor, rows: range, *, transpose: bool,
+          record: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 combine along ``rows`` of ``[rows, H, V, K]`` operands: ``state · steps[c] + adds[c]`` for each row
+    in turn (``steps[c]ᵀ`` with ``transpose``, the backward's; no ``adds``: a product of transitions); ``record``
+    takes the state each row starts from."""
+    for row in rows:
+        if record is not None:
+            record[row] = state
+        step = steps[row].transpose(-1, -2) if transpose else steps[row]
+        state = torch.bmm(state, step) if adds is None else torch.baddbmm(adds[row], state, step)
+    return state

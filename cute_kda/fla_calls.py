@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from . import validation
+from .context_parallel import ChainPart, RankChain
 from .k_first_pool import run_on_k_first_pool
 
 
@@ -117,10 +119,15 @@ def translate_fla_call(
     canonical call), a
     bounded gate with ``lower_bound``
     outside [-5, 0) when ``safe_gate=False``, ``allow_neg_eigval``, training grouped value heads (HV != H) with
-    the safe gate, ``cp_context``, ``use_graph``, ``return_intermediate_states`` with ``cu_seqlens`` but no
+    the safe gate, ``use_graph``, ``return_intermediate_states`` with ``cu_seqlens`` but no
     ``cu_seqlens_cpu`` (``return_intermediate_states`` otherwise returns FLA's third output ``h``, bf16
     ``[B, NT, H, K, V]``: :func:`cute_kda.executors.inference.run_keeping_chunk_states`; inference only). Errors FLA raises itself
     (``ValueError``) are raised the same way.
+
+    ``cp_context`` (context parallelism, :func:`rank_chain_of`): FLA's context of this rank's share; its local
+    ``cu_seqlens`` replace the call's and the call runs with the other ranks of its group (eager; every rank must
+    call the forward and the backward). Beyond FLA, an initial state and the final states are taken (the
+    ``RankChain`` docstring in :mod:`cute_kda.context_parallel` says what they mean there).
 
     cute_kda's extension (keyword-only, not in FLA): ``state_indices``, ``checkpoint_every``, ``checkpoint_indices``
     make the call a prefill on a state pool (:func:`translate_pool_arguments`).
@@ -130,9 +137,11 @@ def translate_fla_call(
     if chunk_size not in _FLA_CHUNK_SIZES:
         raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}.")  # FLA's text
     _refuse_unsupported_fla_flags(
-        allow_neg_eigval=allow_neg_eigval, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        cp_context=cp_context, use_graph=use_graph,
+        allow_neg_eigval=allow_neg_eigval, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, use_graph=use_graph,
     )
+    chain, cu_seqlens, cu_seqlens_cpu = _context_parallel(
+        cp_context, q, cu_seqlens, cu_seqlens_cpu, return_intermediate_states=return_intermediate_states,
+        pool=(state_indices, checkpoint_every, checkpoint_indices))
     if return_intermediate_states and cu_seqlens is not None and cu_seqlens_cpu is None:
         raise NotImplementedError("return_intermediate_states=True with cu_seqlens needs cu_seqlens_cpu (the chunk "
                                   "count depends on the sequence lengths; reading them would sync with the device)")
@@ -171,6 +180,8 @@ def translate_fla_call(
         output_final_state=bool(output_final_state), cu_seqlens=cu_seqlens,
         qk_l2norm=bool(use_qk_l2norm_in_kernel), beta_logits=bool(use_beta_sigmoid_in_kernel), gate=gate, **pool,
     )
+    if chain is not None:
+        options["segments"] = chain
     beta = validation.cast_beta(beta)
     tensors = (q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous())
     return CanonicalCall(tensors=tensors, options=options, state_k_first=not (state_v_first or pool),
@@ -233,17 +244,97 @@ def refuse_neg_eigval(allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool) 
         )
 
 
-def _refuse_unsupported_fla_flags(
-    *, allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool, cp_context: Any, use_graph: bool,
-) -> None:
+def _refuse_unsupported_fla_flags(*, allow_neg_eigval: bool, use_beta_sigmoid_in_kernel: bool, use_graph: bool) -> None:
     refuse_neg_eigval(allow_neg_eigval, use_beta_sigmoid_in_kernel)
-    if cp_context is not None:
-        raise NotImplementedError("cp_context (context parallelism) is not supported")
     if use_graph:
         raise NotImplementedError(
             "use_graph=True (padded cu_seqlens for graph capture) is not supported; "
             "the kernels need no host sync, call with the real cu_seqlens"
         )
+
+
+def _context_parallel(cp_context: Any, q: Any, cu_seqlens: Any, cu_seqlens_cpu: Any, *, pool: tuple,
+                      return_intermediate_states: bool = False) -> tuple[RankChain | None, Any, Any]:
+    """(the :class:`~cute_kda.context_parallel.RankChain` of FLA's ``cp_context`` or None, the ``cu_seqlens`` and
+    ``cu_seqlens_cpu`` the call runs on). As in FLA, the context's local ``cu_seqlens`` replace the call's; a context
+    without a group is a plain call on them. ``q`` must be the rank's share (``[1, T_rank, ...]``; a ``q`` that is not
+    a 4-D tensor is left to the checks that name it). Refused with it: torch.compile,
+    ``return_intermediate_states`` and a state pool."""
+    if cp_context is None:
+        return None, cu_seqlens, cu_seqlens_cpu
+    if return_intermediate_states:
+        raise NotImplementedError("return_intermediate_states=True with cp_context is not supported")
+    if any(x is not None for x in pool):
+        raise NotImplementedError("cp_context with a state pool (state_indices, checkpoint_every, "
+                                  "checkpoint_indices) is not supported")
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("cp_context under torch.compile is not supported: call chunk_kda / "
+                                  "chunk_gated_delta_rule eagerly (torch.compiler.disable)")
+    chain = rank_chain_of(cp_context)  # the chain keeps the host bounds: the caller's cu_seqlens_cpu goes too
+    if chain is not None and isinstance(q, torch.Tensor) and q.dim() == 4:
+        chain.check_tokens(q.shape[0], q.shape[1])
+    return chain, cp_context.cu_seqlens, getattr(cp_context, "cu_seqlens_cpu", None) if chain is None else None
+
+
+def rank_chain_of(cp_context: Any) -> RankChain | None:
+    """The :class:`~cute_kda.context_parallel.RankChain` of this process's rank described by ``cp_context``: FLA's
+    ``FLACPContext`` (``fla.ops.cp.build_cp_context``) or :func:`cute_kda.distributed.build_cp_context`'s, in FLA's
+    ``"contiguous"`` or ``"zigzag"`` layout; None for a context without a group. Reads ``cu_seqlens_cpu`` (or, when
+    the context has none, copies ``cu_seqlens`` to the host: a sync, as FLA's own context building does). Every
+    inconsistency raises naming the field."""
+    if not all(hasattr(cp_context, name) for name in ("group", "cu_seqlens")):
+        raise TypeError("cp_context must be a context-parallel context (FLA's FLACPContext from "
+                        "fla.ops.cp.build_cp_context, or cute_kda.distributed.build_cp_context's), got "
+                        f"{type(cp_context).__name__}")
+    local = cp_context.cu_seqlens
+    if not isinstance(local, torch.Tensor) or local.dim() != 1 or local.shape[0] < 2 or local.is_floating_point():
+        raise ValueError("cp_context.cu_seqlens must be an int tensor [N+1] of the rank's local sequences, got "
+                         f"{local if not isinstance(local, torch.Tensor) else list(local.shape)}")
+    group = cp_context.group
+    if group is None:
+        return None
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"cp_context.group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+    host = getattr(cp_context, "cu_seqlens_cpu", None)
+    bounds = tuple(int(b) for b in (local if host is None else host).tolist())
+    if len(bounds) != local.shape[0]:
+        raise ValueError(f"cp_context.cu_seqlens_cpu ({len(bounds)} bounds) must match cp_context.cu_seqlens "
+                         f"({local.shape[0]})")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of cp_context.group")
+    count, layout = len(bounds) - 1, getattr(cp_context, "layout", "contiguous")
+    if layout == "contiguous":
+        slots = world
+        parts = (_chain_part(slots, rank, 0, count - 1, cp_context.pre_num_ranks, cp_context.post_num_ranks, ""),)
+    elif layout == "zigzag":
+        slots, front = 2 * world, cp_context.front_num_seqs
+        if isinstance(front, bool) or not isinstance(front, int) or not 1 <= front < count:
+            raise ValueError(f"cp_context.front_num_seqs must be an int in [1, {count}) (the local sequences of the "
+                             f"first interval), got {front!r}")
+        before, after = (_pair(cp_context, name) for name in ("pre_num_ranks_by_part", "post_num_ranks_by_part"))
+        parts = (_chain_part(slots, rank, 0, front - 1, before[0], after[0], "_by_part[0]"),
+                 _chain_part(slots, slots - 1 - rank, front, count - 1, before[1], after[1], "_by_part[1]"))
+    else:
+        raise ValueError(f"cp_context.layout must be 'contiguous' or 'zigzag', got {layout!r}")
+    return RankChain(group, world, slots, parts, bounds)
+
+
+def _pair(cp_context: Any, name: str) -> tuple:
+    value = getattr(cp_context, name, None)
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"cp_context.{name} must hold two values (one per interval of the zigzag layout), "
+                         f"got {value!r}")
+    return tuple(value)
+
+
+def _chain_part(slots: int, slot: int, first: int, last: int, before: Any, after: Any, suffix: str) -> ChainPart:
+    """An interval of the rank's tokens, its neighbour counts checked against the chain's ``slots``."""
+    for name, value, room in (("pre_num_ranks", before, slot), ("post_num_ranks", after, slots - 1 - slot)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= room:
+            raise ValueError(f"cp_context.{name}{suffix} must be an int in [0, {room}] for slot {slot} of {slots}, "
+                             f"got {value!r}")
+    return ChainPart(slot, first, last, before, after)
 
 
 def _fla_gate(use_gate_in_kernel: bool, safe_gate: bool, lower_bound: float | None) -> tuple[str, float]:
@@ -358,11 +449,12 @@ def translate_fla_gdn_call(
         docs/numerics.md, "fp16 inputs", measures what the rounding costs).
       - ``chunk_size`` (16, 32 or 64) and ``chunk_indices`` change how FLA computes, not what: accepted.
         ``cu_seqlens_cpu``, when given, is checked on the host. Inputs that are not contiguous are made so.
+    ``cp_context`` as in :func:`translate_fla_call`.
     What raises ``NotImplementedError`` (the argument is named): ``allow_neg_eigval=True`` (β = 2·sigmoid),
-    ``cp_context``, K > 128 or V > 128 not a multiple of 128 (smaller ones and GatedDeltaNet's ``expand_v = 2`` are
-    padded or split where the canonical call is resolved, :mod:`cute_kda.head_dims`), fp32 q, k, v or raw g, bf16 and
-    fp16 mixed, fp16 that requires grad (:class:`cute_kda.validation.UnsupportedDtypeError`, from the checks of the
-    canonical call; fp16 inference is taken, o in fp16). Errors
+    K > 128 or V > 128 not a multiple of 128 (smaller ones and GatedDeltaNet's ``expand_v = 2`` are padded or split
+    where the canonical call is resolved, :mod:`cute_kda.head_dims`), fp32 q, k, v or raw g, bf16 and fp16 mixed,
+    fp16 that requires grad (:class:`cute_kda.validation.UnsupportedDtypeError`, from the checks of the canonical call;
+    fp16 inference is taken, o in fp16). Errors
     FLA raises itself are raised the same way (``ValueError``; its ``DeprecationWarning`` for ``head_first``); a
     missing ``A_log`` with ``use_gate_in_kernel=True`` is a ``ValueError`` here (FLA asserts). Unknown keywords raise
     ``TypeError``. cute_kda's extension (keyword-only):
@@ -376,8 +468,8 @@ def translate_fla_gdn_call(
     if chunk_size not in _GDN_CHUNK_SIZES:
         raise ValueError(f"`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got {chunk_size}.")  # FLA's text
     refuse_neg_eigval(allow_neg_eigval, use_beta_sigmoid_in_kernel)
-    if cp_context is not None:
-        raise NotImplementedError("cp_context (context parallelism) is not supported")
+    chain, cu_seqlens, cu_seqlens_cpu = _context_parallel(
+        cp_context, q, cu_seqlens, cu_seqlens_cpu, pool=(state_indices, checkpoint_every, checkpoint_indices))
 
     batch, seq_len, heads, value_heads = _check_gdn_shapes(q, k, v, g, beta)
     gate, A_log, dt_bias = _gdn_gate(bool(kwargs.get("use_gate_in_kernel", False)), kwargs.get("A_log"),
@@ -411,6 +503,8 @@ def translate_fla_gdn_call(
         beta_logits=bool(use_beta_sigmoid_in_kernel), initial_state=initial_state,
         output_final_state=bool(output_final_state), cu_seqlens=cu_seqlens, **pool,
     )
+    if chain is not None:
+        options["segments"] = chain
     tensors = tuple(x.contiguous() for x in (q, k, v, g, validation.cast_beta(beta)))
     return GdnCall(tensors=tensors, options=options, state_k_first=not state_v_first, pool=bool(pool),
                    k_first_pool=bool(pool) and not state_v_first)

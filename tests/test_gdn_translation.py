@@ -204,7 +204,7 @@ def test_signature_is_flas():
 @pytest.mark.parametrize("flags,error,match", [
     (dict(allow_neg_eigval=True, use_beta_sigmoid_in_kernel=True), NotImplementedError, "allow_neg_eigval"),
     (dict(allow_neg_eigval=True), ValueError, "use_beta_sigmoid_in_kernel"),
-    (dict(cp_context=object()), NotImplementedError, "cp_context"),
+    (dict(cp_context=object()), TypeError, "cp_context"),  # not a context (tests/test_cp_ranks.py runs real ones)
     (dict(head_first=False), DeprecationWarning, "head_first"),
     (dict(chunk_size=128), ValueError, "`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got 128."),
     (dict(use_gate_in_kernel=True, A_log=None), ValueError, "A_log"),
