@@ -8,11 +8,13 @@ CTAs an SM as the smem plan is sized for, ``layouts.bwd_grads.CTAS_PER_SM``).
 
     python benchmarks/bench_bwd_grads.py                                 # six shapes, 4 and 8 warps
     python benchmarks/bench_bwd_grads.py --shapes B1_T8192_H96 --warps 8
+    python benchmarks/bench_bwd_grads.py --warps 8 --gate-ahead off,on   # A/B of GradsVariant.gate_ahead
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -48,6 +50,15 @@ def parse_warps(text: str) -> list[int]:
     if bad or not warps:
         raise argparse.ArgumentTypeError(f"--warps takes a comma list of {COMPUTE_WARPS}, got {text!r}")
     return warps
+
+
+def parse_gate_ahead(text: str) -> list[bool]:
+    """``off``, ``on`` or both (``off,on``): the launcher's ``GATE_AHEAD`` switch for each timed row
+    (docs/perf-log.md, B5)."""
+    names = [name for name in text.split(",") if name]
+    if not names or any(name not in ("off", "on") for name in names):
+        raise argparse.ArgumentTypeError(f"--gate-ahead takes off, on or off,on, got {text!r}")
+    return [name == "on" for name in names]
 
 
 def _chain_inputs(shape: Shape, device: torch.device) -> dict:
@@ -88,6 +99,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, SHAPES)
     parser.add_argument("--warps", type=parse_warps, default=parse_warps("4,8"), help="compute warps per CTA")
+    parser.add_argument("--gate-ahead", type=parse_gate_ahead, default=parse_gate_ahead("off"),
+                        help="the gate backward's raw gate loaded in one burst: off, on or off,on (default off)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_bwd_grads needs a CUDA GPU (Hopper)")
@@ -101,19 +114,20 @@ def main() -> None:
         shape = SHAPES[name]
         inputs = _chain_inputs(shape, device)
         read, written = grads_traffic(shape.lengths, shape.heads)
-        for warps in args.warps:
+        for warps, ahead in itertools.product(args.warps, args.gate_ahead):
             def call():
                 kb.bwd_grads(**inputs, compute_warps=warps)
 
+            kb.GATE_AHEAD = ahead  # read by the launcher at each call (and at a graph's capture)
             call()
             ms = graph_median_ms(call, args.warmup, args.rep)
             if ms is None:
                 ms = median_ms(call, args.warmup, args.rep)
             tiles = sum(-(-n // CHUNK) for n in shape.lengths) * shape.heads
-            rows.append([name, str(warps), f"{ms:.3f}", f"{(read + written) / ms / 1e9:.2f}",
+            rows.append([name, str(warps), "on" if ahead else "off", f"{ms:.3f}", f"{(read + written) / ms / 1e9:.2f}",
                          f"{ms * 1e3 / math.ceil(tiles / wave):.2f}"])
             print(" ".join(rows[-1]), file=sys.stderr)
-    head = ["shape", "warps", "Kernel B ms", "TB/s (bytes read + written)",
+    head = ["shape", "warps", "gate_ahead", "Kernel B ms", "TB/s (bytes read + written)",
             f"µs per CTA wave ({CTAS_PER_SM} CTAs an SM)"]
     publish(f"{environment('cutlass')}\n\n`{' '.join(sys.argv)}`\n\n{markdown_table(head, rows)}\n", args.out)
 

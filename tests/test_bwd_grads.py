@@ -76,8 +76,9 @@ def _compiled(variant):
     if variant not in _COMPILED:
         from cute_kda.compile_report import compile_with_report
 
-        varlen, qk_l2norm, beta_logits, warps = variant
-        kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=warps)
+        varlen, qk_l2norm, beta_logits, warps, *ahead = variant  # a fifth entry: gate_ahead
+        kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=warps,
+                                  gate_ahead=bool(ahead) and ahead[0])
         _, report = compile_with_report(kernel, *_compile_args(varlen), cute.runtime.make_fake_stream())
         _COMPILED[variant] = (kernel, report)
     return _COMPILED[variant]
@@ -110,6 +111,53 @@ def test_variant_compiles(variant):
     assert len(report.kernels) == 1 and report.spills == 0 and report.kernels[0].stack_frame == 0
     assert report.launch_smem == [plan.smem_budget(variant[3]).total_bytes]
     print(f"{variant}: {report.kernels[0].registers} registers, {report.launch_smem[0]} B smem")
+
+
+def _gate_loads_and_stores(ptx: str) -> tuple[list[int], list[int]]:
+    """Line numbers of the scalar 16-bit global loads (the gate backward's raw g, one a row) and stores (its dg,
+    dβ) of a Kernel B PTX."""
+    lines = ptx.splitlines()
+    loads = [i for i, line in enumerate(lines) if line.split()[:1] == ["ld.global.b16"]]
+    stores = [i for i, line in enumerate(lines) if line.split()[:1] == ["st.global.b16"]]
+    return loads, stores
+
+
+def _assert_gate_ahead(plain, ahead) -> None:
+    """``gate_ahead`` (docs/perf-log.md, B5) against the plain variant's report: the same loads, products and plan;
+    the plain loop reloads g between its dg stores (ptxas may not pass a store with a load), the ahead one issues
+    every g load before its first dg store; no spills under the two-CTA cap."""
+    loads, stores = _gate_loads_and_stores(plain.ptx)
+    assert len(loads) >= CHUNK and len(stores) >= CHUNK and any(stores[0] < i for i in loads)
+    loads, stores = _gate_loads_and_stores(ahead.ptx)
+    assert len(loads) >= CHUNK and len(stores) >= CHUNK and max(loads) < stores[0]
+    for mnemonic in ("ld.global.b16", "st.global.b16", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+                     "ex2.approx.ftz.f32", "bar.sync", "cp.async.bulk.tensor"):
+        assert ahead.count(mnemonic) == plain.count(mnemonic), mnemonic
+    assert ahead.local_memory_ops == 0 and ahead.spills == 0 and ahead.kernels[0].stack_frame == 0
+    assert ahead.launch_smem == plain.launch_smem
+    print(f"gate_ahead: {ahead.kernels[0].registers} registers (plain {plain.kernels[0].registers})")
+
+
+# the safe gate's gate_ahead variants: fixed and varlen, both warp counts, the other flags once
+GATE_AHEAD_VARIANTS = [(False, True, True, 8), (True, True, True, 8), (True, False, False, 8), (False, True, True, 4)]
+
+
+@pytest.mark.parametrize("variant", GATE_AHEAD_VARIANTS, ids=lambda v: "{}-{}-{}warps".format(
+    "varlen" if v[0] else "fixed", "l2norm_logits" if v[1] else "plain", v[3]))
+def test_gate_ahead_variant_compiles(variant):
+    _, plain = _compiled(variant)
+    _, ahead = _compiled((*variant, True))
+    _assert_gate_ahead(plain, ahead)
+    assert ahead.kernels[0].registers <= 65536 // (plan.CTAS_PER_SM * variant[3] * 32)
+
+
+def test_gate_ahead_is_refused_where_no_gate_row_is_read():
+    assert plan.reads_gate_rows("safe", False) and plan.reads_gate_rows("softplus", False)
+    assert not plan.reads_gate_rows("none", False) and not plan.reads_gate_rows("softplus", True)
+    with pytest.raises(ValueError, match="gate_ahead"):
+        bwd_grads_kernel(varlen=False, gate="softplus", per_head_gate=True, gate_ahead=True)
+    with pytest.raises(ValueError, match="gate_ahead"):
+        bwd_grads_kernel(varlen=False, gate="none", gate_ahead=True)
 
 
 # a per-head gate (GatedDeltaNet): (varlen, gate, g dtype, grouped, qk_l2norm, beta_logits)
@@ -166,7 +214,7 @@ def _variant_id(variant) -> str:
                                    "grouped" if grouped else "HV=H", "l2norm_logits" if qk_l2norm else "plain")
 
 
-def _compile_unbounded(variant, per_head: bool):
+def _compile_unbounded(variant, per_head: bool, gate_ahead: bool = False):
     """Compile Kernel B for an unbounded-gate ``variant`` (per head, or the per-channel dyadic form) on the CPU
     buffers, check what every such variant must show (one kernel, the 7 TMA loads under one transaction barrier,
     no atomics, no local memory or spills, the plan's shared memory) and return the report."""
@@ -175,7 +223,8 @@ def _compile_unbounded(variant, per_head: bool):
 
     varlen, gate, g_dtype, grouped, qk_l2norm, beta_logits = variant
     kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
-                              gate_dtype=dsl_type(g_dtype), per_head_gate=per_head, grouped=grouped)
+                              gate_dtype=dsl_type(g_dtype), per_head_gate=per_head, grouped=grouped,
+                              gate_ahead=gate_ahead)
     buffers = (_per_head_buffers if per_head else _dyadic_buffers)(gate, grouped, varlen, g_dtype)
     arguments = kb.launch_arguments(*(buffers[name] for name in _LAUNCH_ORDER), scale=D ** -0.5, lower_bound=-5.0,
                                     cu_seqlens=buffers["cu_seqlens"], tile_base=buffers["tile_base"],
@@ -262,6 +311,12 @@ def test_dyadic_variant_compiles(variant):
     assert report.has("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") and report.has("stmatrix")
 
 
+@pytest.mark.parametrize("variant", [v for v in DYADIC_VARIANTS if v[1] == "softplus"], ids=_variant_id)
+def test_dyadic_gate_ahead_variant_compiles(variant):
+    _assert_gate_ahead(_compile_unbounded(variant, per_head=False),
+                       _compile_unbounded(variant, per_head=False, gate_ahead=True))
+
+
 _CPU_HEADS, _CPU_SEQS, _CPU_T = 2, 2, 40
 
 
@@ -318,6 +373,24 @@ def test_launcher_keys_the_variant_and_builds_its_arguments(monkeypatch):
     assert len(args) == 10 and args[-1] == "stream" and args[6] == _CPU_T
     with pytest.raises(ValueError, match="compute_warps"):
         kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=2)
+
+
+def test_launcher_keys_gate_ahead_by_its_switch(monkeypatch):
+    """``GATE_AHEAD`` on: the per-channel gates with A_log / dt_bias key ``gate_ahead``; a per-head gate and a log
+    decay keep the plain variant (nothing to batch, no second compile)."""
+    seen = []
+    monkeypatch.setattr(kb, "compiled_variant", lambda variant, index, tensors, options: seen.append(
+        variant) or (lambda *args: None))
+    monkeypatch.setattr(kb, "current_stream", lambda device: "stream")
+    monkeypatch.setattr(kb, "device_index", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0)
+    monkeypatch.setattr(kb, "GATE_AHEAD", True)
+    kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0)
+    kb.bwd_grads(**_dyadic_buffers("softplus"))
+    kb.bwd_grads(**_dyadic_buffers("none"))
+    kb.bwd_grads(**_per_head_buffers("softplus"))
+    assert [variant.gate_ahead for variant in seen] == [False, True, True, False, False]
 
 
 # ============================================================================ GPU: the kernel chain
@@ -481,6 +554,20 @@ def test_deterministic_and_empty_slots_zero():
         assert torch.equal(first[name], second[name]), name
     tiles = sum(-(-n // CHUNK) for n in lengths)
     assert bool((first["ddt_partial"][:, tiles:] == 0).all()) and bool((first["dalog_partial"][:, tiles:] == 0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [None, [33, 0, 16, 1, 70]], ids=["B2xT100", "varlen"])
+def test_gate_ahead_is_bit_identical(lengths, monkeypatch):
+    """``GradsVariant.gate_ahead`` (docs/perf-log.md, B5) moves the gate backward's loads only: every output of
+    Kernel B equals the plain variant's bit for bit, on the same chain (K1 → K2 → Kernel A are deterministic)."""
+    B, T = (2, 100) if lengths is None else (1, sum(lengths))
+    problem = _problem(B, T, 2, seed=5)
+    plain = _chain(problem, lengths=lengths, seed=5)
+    monkeypatch.setattr(kb, "GATE_AHEAD", True)
+    ahead = _chain(problem, lengths=lengths, seed=5)
+    for name in ("dq", "dk", "dg", "dbeta", "ddt_partial", "dalog_partial"):
+        assert torch.equal(plain[name], ahead[name]), name
 
 
 # ============================================================================ GPU: the unbounded gates
@@ -659,3 +746,14 @@ def test_per_head_launcher_keys_the_variant(monkeypatch):
     inputs, outputs = args[0], args[3]
     assert tuple(inputs.g.shape) == (40, 2, D) and tuple(outputs.dg.shape) == (40, 2, D)
     assert tuple(inputs.dt_bias.shape) == (2, D) and tuple(outputs.ddt_partial.shape[1:]) == (D,)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["softplus_pm1000_T_under_16", "softplus_gva_varlen_empty_1_token"])
+def test_dyadic_gate_ahead_is_bit_identical(case, monkeypatch):
+    """The per-channel softplus gate's Kernel B with ``gate_ahead``: the plain variant's bits, as the safe gate's."""
+    _, plain, _, _ = _unbounded_chain(case, per_head=False)
+    monkeypatch.setattr(kb, "GATE_AHEAD", True)
+    _, ahead, _, _ = _unbounded_chain(case, per_head=False)
+    for name in ("dq", "dk", "dg", "dbeta", "ddt_partial", "dalog_partial"):
+        assert torch.equal(plain[name], ahead[name]), name

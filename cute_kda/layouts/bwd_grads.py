@@ -37,6 +37,13 @@ DYADIC_LEVELS = len(DYADIC_BLOCKS)  # the straddle levels of the per-channel unb
 DYADIC_CTAS_PER_SM = 1  # the dyadic plan's first form
 
 
+def reads_gate_rows(gate: str, per_head_gate: bool) -> bool:
+    """Whether Kernel B's gate backward walks a channel's 16 rows reading the raw gate back from global memory (its
+    smem tile is reused, or never loaded): the per-channel gates with A_log and dt_bias, the ones ``gate_ahead``
+    (``cute_kda.variants.GradsVariant``) loads in one burst."""
+    return not per_head_gate and gate != "none"
+
+
 def state_tile(dim: int = HEAD_DIM):
     """``[K, V]`` face of a state (or state gradient) matrix as the kernels keep it: the state image
     (:func:`cute_kda.layouts.fwd_recurrence.state_image`) seen through its MN_INTER atoms, so the matrix

@@ -146,7 +146,9 @@ class BwdGrads(TokenPrep):
     """Kernel B's shared phases. Static configuration: ``varlen``, ``qk_l2norm``, ``beta_logits``; ``compute_warps``
     (4 or 8): warps per CTA, each owning ``128 / compute_warps`` columns in the band phases; ``gate``
     (:data:`cute_kda.numerics.GATES`) and ``gate_dtype`` (bf16, or fp32 with gate "none"); ``grouped`` value heads
-    (value head ``h`` reads q/k head ``h // (HV / H)``).
+    (value head ``h`` reads q/k head ``h // (HV / H)``). ``gate_ahead``: the gate backward reads its channel's 16 raw
+    gate values in one burst before its row loop (:meth:`gate_column`), not one a row between the ``dg`` stores
+    (docs/perf-log.md, B5); the same arithmetic, so the same bits.
 
     A scheme's subclass sets :attr:`gates`, :attr:`per_head_gate` (g ``[.., HV]`` instead of ``[.., HV, D]``),
     :attr:`gate_tile` (g comes by TMA with the other token tiles), :attr:`grouped_heads`, :attr:`ctas_per_sm` and
@@ -161,7 +163,8 @@ class BwdGrads(TokenPrep):
     smem_plan: Callable[..., SmemBudget]  # of (warps, D)
 
     def __init__(self, *, varlen: bool, gate: str = "safe", qk_l2norm: bool = True, beta_logits: bool = True,
-                 compute_warps: int = plan.DEFAULT_WARPS, gate_dtype: type = BFloat16, grouped: bool = False) -> None:
+                 compute_warps: int = plan.DEFAULT_WARPS, gate_dtype: type = BFloat16, grouped: bool = False,
+                 gate_ahead: bool = False) -> None:
         if compute_warps not in plan.COMPUTE_WARPS:
             raise ValueError(f"compute_warps must be one of {plan.COMPUTE_WARPS}, got {compute_warps}")
         if gate not in self.gates:
@@ -170,7 +173,10 @@ class BwdGrads(TokenPrep):
             raise NotImplementedError(f"grouped value heads are built for the unbounded gates only, not {gate!r}")
         if gate_dtype not in (BFloat16, Float32) or (gate_dtype is Float32 and gate != "none"):
             raise ValueError(f"g is bf16 (or fp32 with gate 'none'), got {gate_dtype} with gate {gate!r}")
+        if gate_ahead and not plan.reads_gate_rows(gate, self.per_head_gate):
+            raise ValueError(f"gate_ahead: {type(self).__name__} with gate {gate!r} reads no raw gate row by row")
         self.gate, self.gate_dtype, self.grouped = gate, gate_dtype, grouped
+        self.gate_ahead = gate_ahead
         self.varlen = varlen
         self.qk_l2norm = qk_l2norm
         self.beta_logits = beta_logits
@@ -697,6 +703,19 @@ class BwdGrads(TokenPrep):
                 cute.autovec_copy(cute.local_tile(gmem[row0 + r, head, None], (2,), ((c0 + c) // 2,)), pair)
             values[2 * p] = pair[0]
             values[2 * p + 1] = pair[1]
+        return values
+
+    @cute.jit
+    def gate_column(self, g: cute.Tensor, tile: TileLocation, col: Int32) -> cute.Tensor:
+        """The raw gate of channel ``col`` on the tile's 16 rows (bf16), all 16 loads issued before any is used:
+        inside the gate backward's row loop each load would follow the previous row's ``dg`` store, which ptxas may
+        not pass (the two may alias), so the loop paid one L2 round trip a row. Rows past the sequence end read as 0
+        (they may lie past the tensor; the loop skips them)."""
+        values = cute.make_rmem_tensor((CHUNK,), BFloat16)
+        values.fill(0.0)
+        for row in cutlass.range_constexpr(CHUNK):
+            if row < tile.valid_rows:
+                values[row] = g[tile.row0 + row, tile.head, col]
         return values
 
     @cute.jit

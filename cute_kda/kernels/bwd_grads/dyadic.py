@@ -316,13 +316,18 @@ class DyadicBwdGrads(BwdGrads):
             before_s = Float32(0.0)
             ddt = Float32(0.0)
             dalog = Float32(0.0)
+            if cutlass.const_expr(self.gate_ahead):
+                g_rows = self.gate_column(inputs.g, tile, col)
             for s in cutlass.range_constexpr(CHUNK):
                 dgamma = ((levels[s] + from_s[s]) + before_s) + state_term
                 before_s = before_s + smem.row_y[s, col]
                 if s < tile.valid_rows:
                     dg = dgamma
                     if cutlass.const_expr(self.gate == "softplus"):
-                        g_raw = inputs.g[tile.row0 + s, tile.head, col].to(Float32)
+                        if cutlass.const_expr(self.gate_ahead):
+                            g_raw = g_rows[s].to(Float32)
+                        else:
+                            g_raw = inputs.g[tile.row0 + s, tile.head, col].to(Float32)
                         dg = self.softplus_gate_grad(g_raw, dt, e_a, dgamma)
                         ddt = ddt + dg
                         dalog = dalog + dgamma * (self.base2_log_decay(g_raw, dt, e_a) * Float32(LN2))

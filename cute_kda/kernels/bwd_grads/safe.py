@@ -164,12 +164,18 @@ class SafeBwdGrads(BwdGrads):
             suffix = Float32(0.0)
             ddt = Float32(0.0)
             dalog = Float32(0.0)
+            # raw g from global memory (L2): its smem tile holds kr now
+            if cutlass.const_expr(self.gate_ahead):
+                g_rows = self.gate_column(inputs.g, tile, col)
             for step in cutlass.range_constexpr(CHUNK):
                 row = CHUNK - 1 - step
                 if row < tile.valid_rows:
                     suffix = suffix + smem.dg_cum[row, col]
-                    # raw g from global memory (L2): its smem tile holds kr now
-                    x = e_a * (inputs.g[tile.row0 + row, tile.head, col].to(Float32) + dt)
+                    if cutlass.const_expr(self.gate_ahead):
+                        g_raw = g_rows[row].to(Float32)
+                    else:
+                        g_raw = inputs.g[tile.row0 + row, tile.head, col].to(Float32)
+                    x = e_a * (g_raw + dt)
                     # σ'(x) = σ(x)·σ(−x), each factor from ex2: σ·(1 − σ) of the tanh form cancels where it saturates
                     scaled = x * Float32(LOG2E)
                     dsig = (Float32(1.0) / (Float32(1.0) + ex2_approx(-scaled))) * (
