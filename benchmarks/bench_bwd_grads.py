@@ -8,7 +8,7 @@ CTAs an SM as the smem plan is sized for, ``layouts.bwd_grads.CTAS_PER_SM``).
 
     python benchmarks/bench_bwd_grads.py                                 # six shapes, 4 and 8 warps
     python benchmarks/bench_bwd_grads.py --shapes B1_T8192_H96 --warps 8
-    python benchmarks/bench_bwd_grads.py --warps 8 --gate-ahead off,on   # A/B of GradsVariant.gate_ahead
+    python benchmarks/bench_bwd_grads.py --warps 8 --gate-ahead off,on --split-load off,on   # A/B of B5, B6
 """
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ def parse_warps(text: str) -> list[int]:
     return warps
 
 
-def parse_gate_ahead(text: str) -> list[bool]:
-    """``off``, ``on`` or both (``off,on``): the launcher's ``GATE_AHEAD`` switch for each timed row
-    (docs/perf-log.md, B5)."""
+def parse_switch(text: str) -> list[bool]:
+    """``off``, ``on`` or both (``off,on``): the settings of one of the launcher's switches (``GATE_AHEAD``,
+    ``SPLIT_LOAD``; docs/perf-log.md, B5 and B6) to time, each a row."""
     names = [name for name in text.split(",") if name]
     if not names or any(name not in ("off", "on") for name in names):
-        raise argparse.ArgumentTypeError(f"--gate-ahead takes off, on or off,on, got {text!r}")
+        raise argparse.ArgumentTypeError(f"a switch takes off, on or off,on, got {text!r}")
     return [name == "on" for name in names]
 
 
@@ -99,8 +99,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, SHAPES)
     parser.add_argument("--warps", type=parse_warps, default=parse_warps("4,8"), help="compute warps per CTA")
-    parser.add_argument("--gate-ahead", type=parse_gate_ahead, default=parse_gate_ahead("off"),
+    parser.add_argument("--gate-ahead", type=parse_switch, default=[False],
                         help="the gate backward's raw gate loaded in one burst: off, on or off,on (default off)")
+    parser.add_argument("--split-load", type=parse_switch, default=[False],
+                        help="the state images behind their own barrier: off, on or off,on (default off)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_bwd_grads needs a CUDA GPU (Hopper)")
@@ -114,20 +116,20 @@ def main() -> None:
         shape = SHAPES[name]
         inputs = _chain_inputs(shape, device)
         read, written = grads_traffic(shape.lengths, shape.heads)
-        for warps, ahead in itertools.product(args.warps, args.gate_ahead):
+        for warps, ahead, split in itertools.product(args.warps, args.gate_ahead, args.split_load):
             def call():
                 kb.bwd_grads(**inputs, compute_warps=warps)
 
-            kb.GATE_AHEAD = ahead  # read by the launcher at each call (and at a graph's capture)
+            kb.GATE_AHEAD, kb.SPLIT_LOAD = ahead, split  # read by the launcher at each call (and a graph's capture)
             call()
             ms = graph_median_ms(call, args.warmup, args.rep)
             if ms is None:
                 ms = median_ms(call, args.warmup, args.rep)
             tiles = sum(-(-n // CHUNK) for n in shape.lengths) * shape.heads
-            rows.append([name, str(warps), "on" if ahead else "off", f"{ms:.3f}", f"{(read + written) / ms / 1e9:.2f}",
-                         f"{ms * 1e3 / math.ceil(tiles / wave):.2f}"])
+            rows.append([name, str(warps), "on" if ahead else "off", "on" if split else "off", f"{ms:.3f}",
+                         f"{(read + written) / ms / 1e9:.2f}", f"{ms * 1e3 / math.ceil(tiles / wave):.2f}"])
             print(" ".join(rows[-1]), file=sys.stderr)
-    head = ["shape", "warps", "gate_ahead", "Kernel B ms", "TB/s (bytes read + written)",
+    head = ["shape", "warps", "gate_ahead", "split_load", "Kernel B ms", "TB/s (bytes read + written)",
             f"µs per CTA wave ({CTAS_PER_SM} CTAs an SM)"]
     publish(f"{environment('cutlass')}\n\n`{' '.join(sys.argv)}`\n\n{markdown_table(head, rows)}\n", args.out)
 

@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gate-ahead", action="store_true",
                         help="Kernel B's gate backward loads the raw gate in one burst (cute_kda.ops.bwd_grads."
                              "GATE_AHEAD; docs/perf-log.md, B5); the command line in the report records it")
+    parser.add_argument("--split-load", action="store_true",
+                        help="Kernel B's state images behind their own barrier (cute_kda.ops.bwd_grads.SPLIT_LOAD; "
+                             "docs/perf-log.md, B6)")
     parser.add_argument("--out", help="markdown file (default $OUT/train-<date>.md or benchmarks/results/)")
     return parser
 
@@ -594,10 +597,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_train needs a CUDA GPU (Hopper): nothing timed")
-    if args.gate_ahead:
-        from cute_kda.ops import bwd_grads
+    from cute_kda.ops import bwd_grads
 
-        bwd_grads.GATE_AHEAD = True
+    bwd_grads.GATE_AHEAD, bwd_grads.SPLIT_LOAD = args.gate_ahead, args.split_load
     out = args.out or default_out(args.head_dim)
     command = shlex.join(["python", *(sys.argv if argv is None else ["benchmarks/bench_train.py", *argv])])
     env = environment("cutlass", "fla", "triton", labels={"cutlass": "cutlass-dsl"})

@@ -111,7 +111,8 @@ class ScanVariant(SerialScan):
 class GradsVariant:
     """Kernel B (:class:`cute_kda.kernels.bwd_grads.BwdGrads`): K1's flags and ``compute_warps`` (4 or 8; the
     launcher's default is :data:`cute_kda.layouts.bwd_grads.DEFAULT_WARPS`); ``gate_ahead``: the gate backward's raw
-    gate values loaded in one burst (the launcher's :data:`cute_kda.ops.bwd_grads.GATE_AHEAD`)."""
+    gate values loaded in one burst; ``split_load``: the state images behind their own transaction barrier (the
+    launcher's :data:`cute_kda.ops.bwd_grads.GATE_AHEAD`, :data:`~cute_kda.ops.bwd_grads.SPLIT_LOAD`)."""
 
     varlen: bool
     qk_l2norm: bool
@@ -122,3 +123,4 @@ class GradsVariant:
     grouped: bool
     compute_warps: int
     gate_ahead: bool = False
+    split_load: bool = False

@@ -41,11 +41,11 @@ def test_warps_option(bench):
             bench.parse_warps(bad)
 
 
-def test_gate_ahead_option(bench):
-    assert bench.parse_gate_ahead("off") == [False] and bench.parse_gate_ahead("off,on") == [False, True]
+def test_switch_options(bench):
+    assert bench.parse_switch("off") == [False] and bench.parse_switch("off,on") == [False, True]
     for bad in ("", "yes", "on,1"):
         with pytest.raises(argparse.ArgumentTypeError):
-            bench.parse_gate_ahead(bad)
+            bench.parse_switch(bad)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -76,9 +76,10 @@ def _compiled(variant):
     if variant not in _COMPILED:
         from cute_kda.compile_report import compile_with_report
 
-        varlen, qk_l2norm, beta_logits, warps, *ahead = variant  # a fifth entry: gate_ahead
+        varlen, qk_l2norm, beta_logits, warps, *switches = variant  # then gate_ahead, split_load (off if absent)
+        gate_ahead, split_load = (*switches, False, False)[:2]
         kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=warps,
-                                  gate_ahead=bool(ahead) and ahead[0])
+                                  gate_ahead=gate_ahead, split_load=split_load)
         _, report = compile_with_report(kernel, *_compile_args(varlen), cute.runtime.make_fake_stream())
         _COMPILED[variant] = (kernel, report)
     return _COMPILED[variant]
@@ -151,6 +152,36 @@ def test_gate_ahead_variant_compiles(variant):
     assert ahead.kernels[0].registers <= 65536 // (plan.CTAS_PER_SM * variant[3] * 32)
 
 
+def _assert_split_load(plain, split, budget, ctas: int = plan.CTAS_PER_SM) -> None:
+    """``split_load`` (docs/perf-log.md, B6) against the plain variant's report: two transaction barriers, the
+    second waited for after phase 2's barriers; the same products and loads; its plan still two CTAs an SM."""
+    assert plain.count("mbarrier.init") == 1 and split.count("mbarrier.init") == 2
+    assert split.count("mbarrier.arrive.expect_tx") == 2
+    assert split.count("mbarrier.try_wait") == plain.count("mbarrier.try_wait") + 1
+    lines = split.ptx.splitlines()
+    waits = [i for i, line in enumerate(lines) if "mbarrier.try_wait" in line]
+    syncs = [i for i, line in enumerate(lines) if line.split()[:1] == ["bar.sync"]]
+    assert sum(waits[0] < i < waits[-1] for i in syncs) >= 2  # K1's recompute lies between the two waits
+    for mnemonic in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.bulk.tensor",
+                     "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes", "ld.global", "st.global"):
+        assert split.count(mnemonic) == plain.count(mnemonic), mnemonic
+    assert split.local_memory_ops == 0 and split.spills == 0 and split.kernels[0].stack_frame == 0
+    assert split.launch_smem == [budget.total_bytes] and budget.ctas_per_sm >= ctas
+    print(f"split_load: {split.kernels[0].registers} registers (plain {plain.kernels[0].registers}), "
+          f"{budget.total_bytes} B smem")
+
+
+@pytest.mark.parametrize("variant", GATE_AHEAD_VARIANTS[:2] + GATE_AHEAD_VARIANTS[3:], ids=lambda v: "{}-{}warps".format(
+    "varlen" if v[0] else "fixed", v[3]))
+def test_split_load_variant_compiles(variant):
+    _, plain = _compiled(variant)
+    _, split = _compiled((*variant, False, True))
+    _assert_split_load(plain, split, plan.smem_budget(variant[3], split_load=True))
+    _, both = _compiled((*variant, True, True))  # the two switches together
+    _assert_split_load(plain, both, plan.smem_budget(variant[3], split_load=True))
+    _assert_gate_ahead(split, both)
+
+
 def test_gate_ahead_is_refused_where_no_gate_row_is_read():
     assert plan.reads_gate_rows("safe", False) and plan.reads_gate_rows("softplus", False)
     assert not plan.reads_gate_rows("none", False) and not plan.reads_gate_rows("softplus", True)
@@ -214,7 +245,7 @@ def _variant_id(variant) -> str:
                                    "grouped" if grouped else "HV=H", "l2norm_logits" if qk_l2norm else "plain")
 
 
-def _compile_unbounded(variant, per_head: bool, gate_ahead: bool = False):
+def _compile_unbounded(variant, per_head: bool, gate_ahead: bool = False, split_load: bool = False):
     """Compile Kernel B for an unbounded-gate ``variant`` (per head, or the per-channel dyadic form) on the CPU
     buffers, check what every such variant must show (one kernel, the 7 TMA loads under one transaction barrier,
     no atomics, no local memory or spills, the plan's shared memory) and return the report."""
@@ -224,7 +255,7 @@ def _compile_unbounded(variant, per_head: bool, gate_ahead: bool = False):
     varlen, gate, g_dtype, grouped, qk_l2norm, beta_logits = variant
     kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
                               gate_dtype=dsl_type(g_dtype), per_head_gate=per_head, grouped=grouped,
-                              gate_ahead=gate_ahead)
+                              gate_ahead=gate_ahead, split_load=split_load)
     buffers = (_per_head_buffers if per_head else _dyadic_buffers)(gate, grouped, varlen, g_dtype)
     arguments = kb.launch_arguments(*(buffers[name] for name in _LAUNCH_ORDER), scale=D ** -0.5, lower_bound=-5.0,
                                     cu_seqlens=buffers["cu_seqlens"], tile_base=buffers["tile_base"],
@@ -317,6 +348,15 @@ def test_dyadic_gate_ahead_variant_compiles(variant):
                        _compile_unbounded(variant, per_head=False, gate_ahead=True))
 
 
+@pytest.mark.parametrize("per_head", [True, False], ids=["per_head-softplus", "dyadic-softplus"])
+def test_unbounded_split_load_variant_compiles(per_head):
+    variant = (PER_HEAD_VARIANTS if per_head else DYADIC_VARIANTS)[0]
+    plain = _compile_unbounded(variant, per_head)
+    split = _compile_unbounded(variant, per_head, split_load=True)
+    budget = (plan.per_head_smem_budget if per_head else plan.dyadic_smem_budget)(plan.DEFAULT_WARPS, split_load=True)
+    _assert_split_load(plain, split, budget, plan.CTAS_PER_SM if per_head else plan.DYADIC_CTAS_PER_SM)
+
+
 _CPU_HEADS, _CPU_SEQS, _CPU_T = 2, 2, 40
 
 
@@ -375,9 +415,10 @@ def test_launcher_keys_the_variant_and_builds_its_arguments(monkeypatch):
         kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=2)
 
 
-def test_launcher_keys_gate_ahead_by_its_switch(monkeypatch):
+def test_launcher_keys_the_switches(monkeypatch):
     """``GATE_AHEAD`` on: the per-channel gates with A_log / dt_bias key ``gate_ahead``; a per-head gate and a log
-    decay keep the plain variant (nothing to batch, no second compile)."""
+    decay keep the plain variant (nothing to batch, no second compile). ``SPLIT_LOAD`` on: every scheme keys
+    ``split_load``."""
     seen = []
     monkeypatch.setattr(kb, "compiled_variant", lambda variant, index, tensors, options: seen.append(
         variant) or (lambda *args: None))
@@ -391,6 +432,12 @@ def test_launcher_keys_gate_ahead_by_its_switch(monkeypatch):
     kb.bwd_grads(**_dyadic_buffers("none"))
     kb.bwd_grads(**_per_head_buffers("softplus"))
     assert [variant.gate_ahead for variant in seen] == [False, True, True, False, False]
+    assert not any(variant.split_load for variant in seen)
+    seen.clear()
+    monkeypatch.setattr(kb, "SPLIT_LOAD", True)
+    kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0)
+    kb.bwd_grads(**_per_head_buffers("softplus"))
+    assert [(variant.gate_ahead, variant.split_load) for variant in seen] == [(True, True), (False, True)]
 
 
 # ============================================================================ GPU: the kernel chain
@@ -556,18 +603,25 @@ def test_deterministic_and_empty_slots_zero():
     assert bool((first["ddt_partial"][:, tiles:] == 0).all()) and bool((first["dalog_partial"][:, tiles:] == 0).all())
 
 
+# the launcher's schedule switches (docs/perf-log.md, B5 and B6), alone and together
+SWITCHES = {"gate_ahead": ("GATE_AHEAD",), "split_load": ("SPLIT_LOAD",), "both": ("GATE_AHEAD", "SPLIT_LOAD")}
+_OUTPUTS = ("dq", "dk", "dg", "dbeta", "ddt_partial", "dalog_partial")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("switches", list(SWITCHES))
 @pytest.mark.parametrize("lengths", [None, [33, 0, 16, 1, 70]], ids=["B2xT100", "varlen"])
-def test_gate_ahead_is_bit_identical(lengths, monkeypatch):
-    """``GradsVariant.gate_ahead`` (docs/perf-log.md, B5) moves the gate backward's loads only: every output of
-    Kernel B equals the plain variant's bit for bit, on the same chain (K1 → K2 → Kernel A are deterministic)."""
+def test_switches_are_bit_identical(lengths, switches, monkeypatch):
+    """``gate_ahead`` and ``split_load`` move loads and waits only: every output of Kernel B equals the plain
+    variant's bit for bit, on the same chain (K1 → K2 → Kernel A are deterministic)."""
     B, T = (2, 100) if lengths is None else (1, sum(lengths))
     problem = _problem(B, T, 2, seed=5)
     plain = _chain(problem, lengths=lengths, seed=5)
-    monkeypatch.setattr(kb, "GATE_AHEAD", True)
-    ahead = _chain(problem, lengths=lengths, seed=5)
-    for name in ("dq", "dk", "dg", "dbeta", "ddt_partial", "dalog_partial"):
-        assert torch.equal(plain[name], ahead[name]), name
+    for switch in SWITCHES[switches]:
+        monkeypatch.setattr(kb, switch, True)
+    switched = _chain(problem, lengths=lengths, seed=5)
+    for name in _OUTPUTS:
+        assert torch.equal(plain[name], switched[name]), name
 
 
 # ============================================================================ GPU: the unbounded gates
@@ -749,11 +803,17 @@ def test_per_head_launcher_keys_the_variant(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["softplus_pm1000_T_under_16", "softplus_gva_varlen_empty_1_token"])
-def test_dyadic_gate_ahead_is_bit_identical(case, monkeypatch):
-    """The per-channel softplus gate's Kernel B with ``gate_ahead``: the plain variant's bits, as the safe gate's."""
-    _, plain, _, _ = _unbounded_chain(case, per_head=False)
-    monkeypatch.setattr(kb, "GATE_AHEAD", True)
-    _, ahead, _, _ = _unbounded_chain(case, per_head=False)
-    for name in ("dq", "dk", "dg", "dbeta", "ddt_partial", "dalog_partial"):
-        assert torch.equal(plain[name], ahead[name]), name
+@pytest.mark.parametrize("per_head, case, switches", [
+    (False, "softplus_pm1000_T_under_16", "both"), (False, "softplus_gva_varlen_empty_1_token", "both"),
+    (False, "log_decay_masks", "split_load"), (True, "softplus_gva_varlen", "split_load"),
+    (True, "log_decay_masks_small_dht", "split_load")], ids=lambda x: str(x))
+def test_unbounded_switches_are_bit_identical(per_head, case, switches, monkeypatch):
+    """The unbounded gates' Kernel B under the switches that apply to it (a per-head gate or a log decay reads no
+    gate row by row: ``split_load`` only): the plain variant's bits, as the safe gate's."""
+    _, plain, _, _ = _unbounded_chain(case, per_head)
+    for switch in SWITCHES[switches]:
+        monkeypatch.setattr(kb, switch, True)
+    _, switched, _, _ = _unbounded_chain(case, per_head)
+    for name in _OUTPUTS:
+        if plain[name] is not None:
+            assert torch.equal(plain[name], switched[name]), name

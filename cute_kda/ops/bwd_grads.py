@@ -26,6 +26,10 @@ _CACHE = CompileCache("bwd_grads")
 # row loop (``GradsVariant.gate_ahead``; docs/perf-log.md, B5: predicted Kernel B −15-25 %, bit-identical); off until
 # the H200 A/B (``bench_train.py --gate-ahead``, ``bench_bwd_grads.py --gate-ahead``) and its GPU test have run.
 GATE_AHEAD = False
+# Whether Kernel B's state images complete a transaction barrier of their own, so K1's recompute runs while they
+# arrive (``GradsVariant.split_load``; docs/perf-log.md, B6: predicted −6-9 % on top of B5, bit-identical); off until
+# the H200 A/B (``--split-load`` of the same two benchmarks) and its GPU test have run.
+SPLIT_LOAD = False
 
 
 def gate_partials_shapes(ws: Workspace, heads: int, per_head_gate: bool = False) -> tuple[tuple[int, ...], tuple[int, int]]:
@@ -125,7 +129,7 @@ def compiled_variant(variant: GradsVariant, index: int, tensors: tuple, options:
                                   beta_logits=variant.beta_logits, compute_warps=variant.compute_warps,
                                   gate=variant.gate, gate_dtype=dsl_type(variant.g_dtype),
                                   per_head_gate=variant.per_head_gate, grouped=variant.grouped,
-                                  gate_ahead=variant.gate_ahead)
+                                  gate_ahead=variant.gate_ahead, split_load=variant.split_load)
         return compile_for_launch(kernel, *launch_arguments(*tensors, **options, tensor=to_cute_tensor), fake_stream())
 
     return _CACHE.get((variant, index), build)
@@ -180,7 +184,7 @@ def bwd_grads(
         per_head = g.dim() == 3
         gate_ahead = GATE_AHEAD and reads_gate_rows(gate, per_head)
         variant = GradsVariant(varlen, bool(qk_l2norm), bool(beta_logits), gate, g.dtype, per_head,
-                               v.shape[2] != q.shape[2], compute_warps, gate_ahead)
+                               v.shape[2] != q.shape[2], compute_warps, gate_ahead, SPLIT_LOAD)
         compiled_variant(variant, device_index(q.device), tensors, options)(*launch_arguments(*tensors, **options),
                                                                             stream)
 

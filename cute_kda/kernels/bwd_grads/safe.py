@@ -77,7 +77,7 @@ class SafeBwdGrads(BwdGrads):
         cute.arch.sync_threads()
 
         # 3. forward recompute per value band, 4. the 16×16 products, dgT
-        self.forward_and_square_products(smem, tidx, warp_idx, lane)
+        self.forward_and_square_products(smem, tidx, warp_idx, lane, tma_barrier)
 
         # 5. channel products per key band, 6. finish
         self.channel_band(smem, inputs, out, scalars, tile, warp_idx, lane)
@@ -166,13 +166,13 @@ class SafeBwdGrads(BwdGrads):
             dalog = Float32(0.0)
             # raw g from global memory (L2): its smem tile holds kr now
             if cutlass.const_expr(self.gate_ahead):
-                g_rows = self.gate_column(inputs.g, tile, col)
+                g_rows = self.load_gate_column(inputs.g, tile.head, tile.row0, tile.valid_rows, col)
             for step in cutlass.range_constexpr(CHUNK):
                 row = CHUNK - 1 - step
                 if row < tile.valid_rows:
                     suffix = suffix + smem.dg_cum[row, col]
                     if cutlass.const_expr(self.gate_ahead):
-                        g_raw = g_rows[row].to(Float32)
+                        g_raw = g_rows[row]
                     else:
                         g_raw = inputs.g[tile.row0 + row, tile.head, col].to(Float32)
                     x = e_a * (g_raw + dt)
