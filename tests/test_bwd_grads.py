@@ -76,10 +76,10 @@ def _compiled(variant):
     if variant not in _COMPILED:
         from cute_kda.compile_report import compile_with_report
 
-        varlen, qk_l2norm, beta_logits, warps, *switches = variant  # then gate_ahead, split_load (off if absent)
-        gate_ahead, split_load = (*switches, False, False)[:2]
+        varlen, qk_l2norm, beta_logits, warps, *switches = variant  # then gate_ahead, split_load, split_rows
+        gate_ahead, split_load, split_rows = (*switches, False, False, False)[:3]
         kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=warps,
-                                  gate_ahead=gate_ahead, split_load=split_load)
+                                  gate_ahead=gate_ahead, split_load=split_load, split_rows=split_rows)
         _, report = compile_with_report(kernel, *_compile_args(varlen), cute.runtime.make_fake_stream())
         _COMPILED[variant] = (kernel, report)
     return _COMPILED[variant]
@@ -180,6 +180,30 @@ def test_split_load_variant_compiles(variant):
     _, both = _compiled((*variant, True, True))  # the two switches together
     _assert_split_load(plain, both, plan.smem_budget(variant[3], split_load=True))
     _assert_gate_ahead(split, both)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_split_rows_variant_compiles(varlen):
+    """``split_rows`` (docs/perf-log.md, B7), alone and with the other two switches: the same global loads and stores
+    and products as the plain variant, one more barrier (warps 4-7's row terms), no spills under the two-CTA cap."""
+    variant = (varlen, True, True, 8)
+    _, plain = _compiled(variant)
+    for switches in ((False, False, True), (True, True, True)):
+        _, split = _compiled((*variant, *switches))
+        base = _compiled((*variant, *switches[:2]))[1] if any(switches[:2]) else plain
+        for mnemonic in ("ld.global", "st.global", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+                         "mbarrier.try_wait"):
+            assert split.count(mnemonic) == base.count(mnemonic), (switches, mnemonic)
+        assert split.count("bar.sync") == base.count("bar.sync") + 1
+        assert split.count("ex2.approx.ftz.f32") == base.count("ex2.approx.ftz.f32") + 1  # gT in warps 4-7 too
+        assert split.local_memory_ops == 0 and split.spills == 0 and split.kernels[0].stack_frame == 0
+        assert split.launch_smem == base.launch_smem
+        assert split.kernels[0].registers <= 65536 // (plan.CTAS_PER_SM * 8 * 32)
+        print(f"split_rows {switches}: {split.kernels[0].registers} registers (without {base.kernels[0].registers})")
+    with pytest.raises(ValueError, match="split_rows"):
+        bwd_grads_kernel(varlen=varlen, compute_warps=4, split_rows=True)
+    with pytest.raises(ValueError, match="split_rows"):
+        bwd_grads_kernel(varlen=varlen, gate="softplus", split_rows=True)
 
 
 def test_gate_ahead_is_refused_where_no_gate_row_is_read():
@@ -438,6 +462,13 @@ def test_launcher_keys_the_switches(monkeypatch):
     kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0)
     kb.bwd_grads(**_per_head_buffers("softplus"))
     assert [(variant.gate_ahead, variant.split_load) for variant in seen] == [(True, True), (False, True)]
+    assert not any(variant.split_rows for variant in seen)
+    seen.clear()
+    monkeypatch.setattr(kb, "SPLIT_ROWS", True)  # the safe gate at 8 warps only
+    kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0)
+    kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=4)
+    kb.bwd_grads(**_dyadic_buffers("softplus"))
+    assert [variant.split_rows for variant in seen] == [True, False, False]
 
 
 # ============================================================================ GPU: the kernel chain
@@ -604,7 +635,8 @@ def test_deterministic_and_empty_slots_zero():
 
 
 # the launcher's schedule switches (docs/perf-log.md, B5 and B6), alone and together
-SWITCHES = {"gate_ahead": ("GATE_AHEAD",), "split_load": ("SPLIT_LOAD",), "both": ("GATE_AHEAD", "SPLIT_LOAD")}
+SWITCHES = {"gate_ahead": ("GATE_AHEAD",), "split_load": ("SPLIT_LOAD",), "both": ("GATE_AHEAD", "SPLIT_LOAD"),
+            "split_rows": ("SPLIT_ROWS",), "all": ("GATE_AHEAD", "SPLIT_LOAD", "SPLIT_ROWS")}
 _OUTPUTS = ("dq", "dk", "dg", "dbeta", "ddt_partial", "dalog_partial")
 
 
@@ -612,8 +644,8 @@ _OUTPUTS = ("dq", "dk", "dg", "dbeta", "ddt_partial", "dalog_partial")
 @pytest.mark.parametrize("switches", list(SWITCHES))
 @pytest.mark.parametrize("lengths", [None, [33, 0, 16, 1, 70]], ids=["B2xT100", "varlen"])
 def test_switches_are_bit_identical(lengths, switches, monkeypatch):
-    """``gate_ahead`` and ``split_load`` move loads and waits only: every output of Kernel B equals the plain
-    variant's bit for bit, on the same chain (K1 → K2 → Kernel A are deterministic)."""
+    """``gate_ahead``, ``split_load`` and ``split_rows`` move loads, waits and rows between warps only: every output
+    of Kernel B equals the plain variant's bit for bit, on the same chain (K1 → K2 → Kernel A are deterministic)."""
     B, T = (2, 100) if lengths is None else (1, sum(lengths))
     problem = _problem(B, T, 2, seed=5)
     plain = _chain(problem, lengths=lengths, seed=5)

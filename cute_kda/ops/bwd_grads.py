@@ -30,6 +30,9 @@ GATE_AHEAD = False
 # arrive (``GradsVariant.split_load``; docs/perf-log.md, B6: predicted −6-9 % on top of B5, bit-identical); off until
 # the H200 A/B (``--split-load`` of the same two benchmarks) and its GPU test have run.
 SPLIT_LOAD = False
+# Whether the safe gate's Kernel B at 8 warps runs its gate backward's rows on all warps (``GradsVariant.split_rows``;
+# docs/perf-log.md, B7: predicted −5-7 % on top of B5 + B6, bit-identical); off until the H200 A/B (``--split-rows``).
+SPLIT_ROWS = False
 
 
 def gate_partials_shapes(ws: Workspace, heads: int, per_head_gate: bool = False) -> tuple[tuple[int, ...], tuple[int, int]]:
@@ -129,7 +132,8 @@ def compiled_variant(variant: GradsVariant, index: int, tensors: tuple, options:
                                   beta_logits=variant.beta_logits, compute_warps=variant.compute_warps,
                                   gate=variant.gate, gate_dtype=dsl_type(variant.g_dtype),
                                   per_head_gate=variant.per_head_gate, grouped=variant.grouped,
-                                  gate_ahead=variant.gate_ahead, split_load=variant.split_load)
+                                  gate_ahead=variant.gate_ahead, split_load=variant.split_load,
+                                  split_rows=variant.split_rows)
         return compile_for_launch(kernel, *launch_arguments(*tensors, **options, tensor=to_cute_tensor), fake_stream())
 
     return _CACHE.get((variant, index), build)
@@ -184,7 +188,8 @@ def bwd_grads(
         per_head = g.dim() == 3
         gate_ahead = GATE_AHEAD and reads_gate_rows(gate, per_head)
         variant = GradsVariant(varlen, bool(qk_l2norm), bool(beta_logits), gate, g.dtype, per_head,
-                               v.shape[2] != q.shape[2], compute_warps, gate_ahead, SPLIT_LOAD)
+                               v.shape[2] != q.shape[2], compute_warps, gate_ahead, SPLIT_LOAD,
+                               SPLIT_ROWS and gate == "safe" and compute_warps == max(COMPUTE_WARPS))
         compiled_variant(variant, device_index(q.device), tensors, options)(*launch_arguments(*tensors, **options),
                                                                             stream)
 

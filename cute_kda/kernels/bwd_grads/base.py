@@ -151,7 +151,8 @@ class BwdGrads(TokenPrep):
     row's ``dg`` store, which ptxas may not pass (the two may alias): one L2 round trip instead of 16
     (docs/perf-log.md, B5); ``split_load``: the state images complete a transaction barrier of their own, waited for
     before phase 3 (their first reader), so K1's recompute runs while they arrive (docs/perf-log.md, B6). Neither
-    changes an instruction's operands: the same bits.
+    changes an instruction's operands: the same bits. ``split_rows`` (a scheme with :attr:`splits_gate_rows`, 8 warps):
+    the gate backward's rows shared by all warps, its sums kept in order (docs/perf-log.md, B7).
 
     A scheme's subclass sets :attr:`gates`, :attr:`per_head_gate` (g ``[.., HV]`` instead of ``[.., HV, D]``),
     :attr:`gate_tile` (g comes by TMA with the other token tiles), :attr:`grouped_heads`, :attr:`ctas_per_sm` and
@@ -162,12 +163,13 @@ class BwdGrads(TokenPrep):
     per_head_gate = False
     gate_tile = False
     grouped_heads = True  # built for grouped value heads
+    splits_gate_rows = False  # the scheme's gate backward can run on every warp (``split_rows``)
     ctas_per_sm = plan.CTAS_PER_SM
     smem_plan: Callable[..., SmemBudget]  # of (warps, D)
 
     def __init__(self, *, varlen: bool, gate: str = "safe", qk_l2norm: bool = True, beta_logits: bool = True,
                  compute_warps: int = plan.DEFAULT_WARPS, gate_dtype: type = BFloat16, grouped: bool = False,
-                 gate_ahead: bool = False, split_load: bool = False) -> None:
+                 gate_ahead: bool = False, split_load: bool = False, split_rows: bool = False) -> None:
         if compute_warps not in plan.COMPUTE_WARPS:
             raise ValueError(f"compute_warps must be one of {plan.COMPUTE_WARPS}, got {compute_warps}")
         if gate not in self.gates:
@@ -179,7 +181,9 @@ class BwdGrads(TokenPrep):
         if gate_ahead and not plan.reads_gate_rows(gate, self.per_head_gate):
             raise ValueError(f"gate_ahead: {type(self).__name__} with gate {gate!r} reads no raw gate row by row")
         self.gate, self.gate_dtype, self.grouped = gate, gate_dtype, grouped
-        self.gate_ahead, self.split_load = gate_ahead, split_load
+        if split_rows and not (self.splits_gate_rows and compute_warps == max(plan.COMPUTE_WARPS)):
+            raise ValueError(f"split_rows: built for the safe gate at {max(plan.COMPUTE_WARPS)} warps")
+        self.gate_ahead, self.split_load, self.split_rows = gate_ahead, split_load, split_rows
         self.varlen = varlen
         self.qk_l2norm = qk_l2norm
         self.beta_logits = beta_logits
