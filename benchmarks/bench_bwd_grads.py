@@ -131,8 +131,9 @@ def main() -> None:
             if ms is None:
                 ms = median_ms(call, args.warmup, args.rep)
             tiles = sum(-(-n // CHUNK) for n in shape.lengths) * shape.heads
-            rows.append([name, str(warps), *("on" if on else "off" for on in (ahead, split, rows_split)),
-                         f"{ms:.3f}", f"{(read + written) / ms / 1e9:.2f}", f"{ms * 1e3 / math.ceil(tiles / wave):.2f}"])
+            switches = ("on" if on else "off" for on in (ahead, split, rows_split))
+            rows.append([name, str(warps), *switches, f"{ms:.3f}", f"{(read + written) / ms / 1e9:.2f}",
+                         f"{ms * 1e3 / math.ceil(tiles / wave):.2f}"])
             print(" ".join(rows[-1]), file=sys.stderr)
     head = ["shape", "warps", "gate_ahead", "split_load", "split_rows", "Kernel B ms", "TB/s (bytes read + written)",
             f"µs per CTA wave ({CTAS_PER_SM} CTAs an SM)"]

@@ -171,8 +171,8 @@ def _assert_split_load(plain, split, budget, ctas: int = plan.CTAS_PER_SM) -> No
           f"{budget.total_bytes} B smem")
 
 
-@pytest.mark.parametrize("variant", GATE_AHEAD_VARIANTS[:2] + GATE_AHEAD_VARIANTS[3:], ids=lambda v: "{}-{}warps".format(
-    "varlen" if v[0] else "fixed", v[3]))
+@pytest.mark.parametrize("variant", GATE_AHEAD_VARIANTS[:2] + GATE_AHEAD_VARIANTS[3:],
+                         ids=lambda v: "{}-{}warps".format("varlen" if v[0] else "fixed", v[3]))
 def test_split_load_variant_compiles(variant):
     _, plain = _compiled(variant)
     _, split = _compiled((*variant, False, True))
