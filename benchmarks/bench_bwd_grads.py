@@ -8,11 +8,14 @@ CTAs an SM as the smem plan is sized for, ``layouts.bwd_grads.CTAS_PER_SM``).
 
     python benchmarks/bench_bwd_grads.py                                 # six shapes, 4 and 8 warps
     python benchmarks/bench_bwd_grads.py --shapes B1_T8192_H96 --warps 8
+    python benchmarks/bench_bwd_grads.py --warps 8 --gate-ahead off,on --split-load off,on   # A/B of B5, B6
+    python benchmarks/bench_bwd_grads.py --warps 8 --gate-ahead on --split-load on --split-rows off,on   # B7
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -48,6 +51,15 @@ def parse_warps(text: str) -> list[int]:
     if bad or not warps:
         raise argparse.ArgumentTypeError(f"--warps takes a comma list of {COMPUTE_WARPS}, got {text!r}")
     return warps
+
+
+def parse_switch(text: str) -> list[bool]:
+    """``off``, ``on`` or both (``off,on``): the settings of one of the launcher's switches (``GATE_AHEAD``,
+    ``SPLIT_LOAD``, ``SPLIT_ROWS``; docs/perf-log.md, B5-B7) to time, each a row."""
+    names = [name for name in text.split(",") if name]
+    if not names or any(name not in ("off", "on") for name in names):
+        raise argparse.ArgumentTypeError(f"a switch takes off, on or off,on, got {text!r}")
+    return [name == "on" for name in names]
 
 
 def _chain_inputs(shape: Shape, device: torch.device) -> dict:
@@ -88,6 +100,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, SHAPES)
     parser.add_argument("--warps", type=parse_warps, default=parse_warps("4,8"), help="compute warps per CTA")
+    parser.add_argument("--gate-ahead", type=parse_switch, default=[False],
+                        help="the gate backward's raw gate loaded in one burst: off, on or off,on (default off)")
+    parser.add_argument("--split-load", type=parse_switch, default=[False],
+                        help="the state images behind their own barrier: off, on or off,on (default off)")
+    parser.add_argument("--split-rows", type=parse_switch, default=[False],
+                        help="the safe gate backward's rows on all 8 warps: off, on or off,on (default off)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_bwd_grads needs a CUDA GPU (Hopper)")
@@ -101,19 +119,23 @@ def main() -> None:
         shape = SHAPES[name]
         inputs = _chain_inputs(shape, device)
         read, written = grads_traffic(shape.lengths, shape.heads)
-        for warps in args.warps:
+        for warps, ahead, split, rows_split in itertools.product(args.warps, args.gate_ahead, args.split_load,
+                                                                 args.split_rows):
             def call():
                 kb.bwd_grads(**inputs, compute_warps=warps)
 
+            # read by the launcher at each call (and at a graph's capture)
+            kb.GATE_AHEAD, kb.SPLIT_LOAD, kb.SPLIT_ROWS = ahead, split, rows_split
             call()
             ms = graph_median_ms(call, args.warmup, args.rep)
             if ms is None:
                 ms = median_ms(call, args.warmup, args.rep)
             tiles = sum(-(-n // CHUNK) for n in shape.lengths) * shape.heads
-            rows.append([name, str(warps), f"{ms:.3f}", f"{(read + written) / ms / 1e9:.2f}",
+            switches = ("on" if on else "off" for on in (ahead, split, rows_split))
+            rows.append([name, str(warps), *switches, f"{ms:.3f}", f"{(read + written) / ms / 1e9:.2f}",
                          f"{ms * 1e3 / math.ceil(tiles / wave):.2f}"])
             print(" ".join(rows[-1]), file=sys.stderr)
-    head = ["shape", "warps", "Kernel B ms", "TB/s (bytes read + written)",
+    head = ["shape", "warps", "gate_ahead", "split_load", "split_rows", "Kernel B ms", "TB/s (bytes read + written)",
             f"µs per CTA wave ({CTAS_PER_SM} CTAs an SM)"]
     publish(f"{environment('cutlass')}\n\n`{' '.join(sys.argv)}`\n\n{markdown_table(head, rows)}\n", args.out)
 

@@ -130,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cute_kda's context-parallel segments per sequence (default: its heuristic; 1: none)")
     parser.add_argument("--head-dim", type=head_dim, default=D,
                         help=f"K = V of every input (default {D}; smaller ones run zero-padded to {D} in cute_kda)")
+    parser.add_argument("--gate-ahead", action="store_true",
+                        help="Kernel B's gate backward loads the raw gate in one burst (cute_kda.ops.bwd_grads."
+                             "GATE_AHEAD; docs/perf-log.md, B5); the command line in the report records it")
+    parser.add_argument("--split-load", action="store_true",
+                        help="Kernel B's state images behind their own barrier (cute_kda.ops.bwd_grads.SPLIT_LOAD; "
+                             "docs/perf-log.md, B6)")
+    parser.add_argument("--split-rows", action="store_true",
+                        help="the safe gate backward's rows on all 8 warps (cute_kda.ops.bwd_grads.SPLIT_ROWS; "
+                             "docs/perf-log.md, B7)")
     parser.add_argument("--out", help="markdown file (default $OUT/train-<date>.md or benchmarks/results/)")
     return parser
 
@@ -591,6 +600,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_train needs a CUDA GPU (Hopper): nothing timed")
+    from cute_kda.ops import bwd_grads
+
+    bwd_grads.GATE_AHEAD, bwd_grads.SPLIT_LOAD, bwd_grads.SPLIT_ROWS = args.gate_ahead, args.split_load, args.split_rows
     out = args.out or default_out(args.head_dim)
     command = shlex.join(["python", *(sys.argv if argv is None else ["benchmarks/bench_train.py", *argv])])
     env = environment("cutlass", "fla", "triton", labels={"cutlass": "cutlass-dsl"})

@@ -41,6 +41,13 @@ def test_warps_option(bench):
             bench.parse_warps(bad)
 
 
+def test_switch_options(bench):
+    assert bench.parse_switch("off") == [False] and bench.parse_switch("off,on") == [False, True]
+    for bad in ("", "yes", "on,1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_switch(bad)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_refuses_without_cuda():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")

@@ -39,6 +39,9 @@ def test_options(bench):
     assert args.shapes == ["B1_T32768_H16", "varlen6_H96"]  # order kept, duplicate dropped
     assert (args.peers, args.steps, args.warmup, args.no_profile, args.out) == ("none", 7, 1, True, "/tmp/x.md")
     assert args.segments is None and bench.build_parser().parse_args(["--segments", "1"]).segments == 1
+    assert not args.gate_ahead and bench.build_parser().parse_args(["--gate-ahead"]).gate_ahead
+    assert not args.split_load and bench.build_parser().parse_args(["--split-load"]).split_load
+    assert not args.split_rows and bench.build_parser().parse_args(["--split-rows"]).split_rows
 
 
 @pytest.mark.parametrize("argv", [["--shapes", "B1_T1_H1"], ["--shapes", ","], ["--steps", "0"], ["--warmup", "x"],

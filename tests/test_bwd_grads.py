@@ -76,8 +76,10 @@ def _compiled(variant):
     if variant not in _COMPILED:
         from cute_kda.compile_report import compile_with_report
 
-        varlen, qk_l2norm, beta_logits, warps = variant
-        kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=warps)
+        varlen, qk_l2norm, beta_logits, warps, *switches = variant  # then gate_ahead, split_load, split_rows
+        gate_ahead, split_load, split_rows = (*switches, False, False, False)[:3]
+        kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=warps,
+                                  gate_ahead=gate_ahead, split_load=split_load, split_rows=split_rows)
         _, report = compile_with_report(kernel, *_compile_args(varlen), cute.runtime.make_fake_stream())
         _COMPILED[variant] = (kernel, report)
     return _COMPILED[variant]
@@ -110,6 +112,107 @@ def test_variant_compiles(variant):
     assert len(report.kernels) == 1 and report.spills == 0 and report.kernels[0].stack_frame == 0
     assert report.launch_smem == [plan.smem_budget(variant[3]).total_bytes]
     print(f"{variant}: {report.kernels[0].registers} registers, {report.launch_smem[0]} B smem")
+
+
+def _gate_loads_and_stores(ptx: str) -> tuple[list[int], list[int]]:
+    """Line numbers of the scalar 16-bit global loads (the gate backward's raw g, one a row) and stores (its dg,
+    dβ) of a Kernel B PTX."""
+    lines = ptx.splitlines()
+    loads = [i for i, line in enumerate(lines) if line.split()[:1] == ["ld.global.b16"]]
+    stores = [i for i, line in enumerate(lines) if line.split()[:1] == ["st.global.b16"]]
+    return loads, stores
+
+
+def _assert_gate_ahead(plain, ahead) -> None:
+    """``gate_ahead`` (docs/perf-log.md, B5) against the plain variant's report: the same loads, products and plan;
+    the plain loop reloads g between its dg stores (ptxas may not pass a store with a load), the ahead one issues
+    every g load before its first dg store; no spills under the two-CTA cap."""
+    loads, stores = _gate_loads_and_stores(plain.ptx)
+    assert len(loads) >= CHUNK and len(stores) >= CHUNK and any(stores[0] < i for i in loads)
+    loads, stores = _gate_loads_and_stores(ahead.ptx)
+    assert len(loads) >= CHUNK and len(stores) >= CHUNK and max(loads) < stores[0]
+    for mnemonic in ("ld.global.b16", "st.global.b16", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+                     "ex2.approx.ftz.f32", "bar.sync", "cp.async.bulk.tensor"):
+        assert ahead.count(mnemonic) == plain.count(mnemonic), mnemonic
+    assert ahead.local_memory_ops == 0 and ahead.spills == 0 and ahead.kernels[0].stack_frame == 0
+    assert ahead.launch_smem == plain.launch_smem
+    print(f"gate_ahead: {ahead.kernels[0].registers} registers (plain {plain.kernels[0].registers})")
+
+
+# the safe gate's gate_ahead variants: fixed and varlen, both warp counts, the other flags once
+GATE_AHEAD_VARIANTS = [(False, True, True, 8), (True, True, True, 8), (True, False, False, 8), (False, True, True, 4)]
+
+
+@pytest.mark.parametrize("variant", GATE_AHEAD_VARIANTS, ids=lambda v: "{}-{}-{}warps".format(
+    "varlen" if v[0] else "fixed", "l2norm_logits" if v[1] else "plain", v[3]))
+def test_gate_ahead_variant_compiles(variant):
+    _, plain = _compiled(variant)
+    _, ahead = _compiled((*variant, True))
+    _assert_gate_ahead(plain, ahead)
+    assert ahead.kernels[0].registers <= 65536 // (plan.CTAS_PER_SM * variant[3] * 32)
+
+
+def _assert_split_load(plain, split, budget, ctas: int = plan.CTAS_PER_SM) -> None:
+    """``split_load`` (docs/perf-log.md, B6) against the plain variant's report: two transaction barriers, the
+    second waited for after phase 2's barriers; the same products and loads; its plan still two CTAs an SM."""
+    assert plain.count("mbarrier.init") == 1 and split.count("mbarrier.init") == 2
+    assert split.count("mbarrier.arrive.expect_tx") == 2
+    assert split.count("mbarrier.try_wait") == plain.count("mbarrier.try_wait") + 1
+    lines = split.ptx.splitlines()
+    waits = [i for i, line in enumerate(lines) if "mbarrier.try_wait" in line]
+    syncs = [i for i, line in enumerate(lines) if line.split()[:1] == ["bar.sync"]]
+    assert sum(waits[0] < i < waits[-1] for i in syncs) >= 2  # K1's recompute lies between the two waits
+    for mnemonic in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.bulk.tensor",
+                     "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes", "ld.global", "st.global"):
+        assert split.count(mnemonic) == plain.count(mnemonic), mnemonic
+    assert split.local_memory_ops == 0 and split.spills == 0 and split.kernels[0].stack_frame == 0
+    assert split.launch_smem == [budget.total_bytes] and budget.ctas_per_sm >= ctas
+    print(f"split_load: {split.kernels[0].registers} registers (plain {plain.kernels[0].registers}), "
+          f"{budget.total_bytes} B smem")
+
+
+@pytest.mark.parametrize("variant", GATE_AHEAD_VARIANTS[:2] + GATE_AHEAD_VARIANTS[3:],
+                         ids=lambda v: "{}-{}warps".format("varlen" if v[0] else "fixed", v[3]))
+def test_split_load_variant_compiles(variant):
+    _, plain = _compiled(variant)
+    _, split = _compiled((*variant, False, True))
+    _assert_split_load(plain, split, plan.smem_budget(variant[3], split_load=True))
+    _, both = _compiled((*variant, True, True))  # the two switches together
+    _assert_split_load(plain, both, plan.smem_budget(variant[3], split_load=True))
+    _assert_gate_ahead(split, both)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_split_rows_variant_compiles(varlen):
+    """``split_rows`` (docs/perf-log.md, B7), alone and with the other two switches: the same global loads and stores,
+    products and ex2 as without it, one more barrier (after warps 4-7's x and σ'(x)), no spills under the two-CTA
+    cap."""
+    variant = (varlen, True, True, 8)
+    _, plain = _compiled(variant)
+    for switches in ((False, False, True), (True, True, True)):
+        _, split = _compiled((*variant, *switches))
+        base = _compiled((*variant, *switches[:2]))[1] if any(switches[:2]) else plain
+        for mnemonic in ("ld.global", "st.global", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+                         "mbarrier.try_wait", "ex2.approx.ftz.f32"):
+            assert split.count(mnemonic) == base.count(mnemonic), (switches, mnemonic)
+        assert split.count("bar.sync") == base.count("bar.sync") + 1
+        assert split.local_memory_ops == 0 and split.spills == 0 and split.kernels[0].stack_frame == 0
+        assert split.launch_smem == base.launch_smem
+        assert split.kernels[0].registers <= 65536 // (plan.CTAS_PER_SM * 8 * 32)
+        print(f"split_rows {switches}: {split.kernels[0].registers} registers (without {base.kernels[0].registers})")
+    with pytest.raises(ValueError, match="split_rows"):
+        bwd_grads_kernel(varlen=varlen, compute_warps=4, split_rows=True)
+    with pytest.raises(ValueError, match="split_rows"):
+        bwd_grads_kernel(varlen=varlen, gate="softplus", split_rows=True)
+
+
+def test_gate_ahead_is_refused_where_no_gate_row_is_read():
+    assert plan.reads_gate_rows("safe", False) and plan.reads_gate_rows("softplus", False)
+    assert not plan.reads_gate_rows("none", False) and not plan.reads_gate_rows("softplus", True)
+    with pytest.raises(ValueError, match="gate_ahead"):
+        bwd_grads_kernel(varlen=False, gate="softplus", per_head_gate=True, gate_ahead=True)
+    with pytest.raises(ValueError, match="gate_ahead"):
+        bwd_grads_kernel(varlen=False, gate="none", gate_ahead=True)
 
 
 # a per-head gate (GatedDeltaNet): (varlen, gate, g dtype, grouped, qk_l2norm, beta_logits)
@@ -166,7 +269,7 @@ def _variant_id(variant) -> str:
                                    "grouped" if grouped else "HV=H", "l2norm_logits" if qk_l2norm else "plain")
 
 
-def _compile_unbounded(variant, per_head: bool):
+def _compile_unbounded(variant, per_head: bool, gate_ahead: bool = False, split_load: bool = False):
     """Compile Kernel B for an unbounded-gate ``variant`` (per head, or the per-channel dyadic form) on the CPU
     buffers, check what every such variant must show (one kernel, the 7 TMA loads under one transaction barrier,
     no atomics, no local memory or spills, the plan's shared memory) and return the report."""
@@ -175,7 +278,8 @@ def _compile_unbounded(variant, per_head: bool):
 
     varlen, gate, g_dtype, grouped, qk_l2norm, beta_logits = variant
     kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
-                              gate_dtype=dsl_type(g_dtype), per_head_gate=per_head, grouped=grouped)
+                              gate_dtype=dsl_type(g_dtype), per_head_gate=per_head, grouped=grouped,
+                              gate_ahead=gate_ahead, split_load=split_load)
     buffers = (_per_head_buffers if per_head else _dyadic_buffers)(gate, grouped, varlen, g_dtype)
     arguments = kb.launch_arguments(*(buffers[name] for name in _LAUNCH_ORDER), scale=D ** -0.5, lower_bound=-5.0,
                                     cu_seqlens=buffers["cu_seqlens"], tile_base=buffers["tile_base"],
@@ -262,6 +366,21 @@ def test_dyadic_variant_compiles(variant):
     assert report.has("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") and report.has("stmatrix")
 
 
+@pytest.mark.parametrize("variant", [v for v in DYADIC_VARIANTS if v[1] == "softplus"], ids=_variant_id)
+def test_dyadic_gate_ahead_variant_compiles(variant):
+    _assert_gate_ahead(_compile_unbounded(variant, per_head=False),
+                       _compile_unbounded(variant, per_head=False, gate_ahead=True))
+
+
+@pytest.mark.parametrize("per_head", [True, False], ids=["per_head-softplus", "dyadic-softplus"])
+def test_unbounded_split_load_variant_compiles(per_head):
+    variant = (PER_HEAD_VARIANTS if per_head else DYADIC_VARIANTS)[0]
+    plain = _compile_unbounded(variant, per_head)
+    split = _compile_unbounded(variant, per_head, split_load=True)
+    budget = (plan.per_head_smem_budget if per_head else plan.dyadic_smem_budget)(plan.DEFAULT_WARPS, split_load=True)
+    _assert_split_load(plain, split, budget, plan.CTAS_PER_SM if per_head else plan.DYADIC_CTAS_PER_SM)
+
+
 _CPU_HEADS, _CPU_SEQS, _CPU_T = 2, 2, 40
 
 
@@ -318,6 +437,38 @@ def test_launcher_keys_the_variant_and_builds_its_arguments(monkeypatch):
     assert len(args) == 10 and args[-1] == "stream" and args[6] == _CPU_T
     with pytest.raises(ValueError, match="compute_warps"):
         kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=2)
+
+
+def test_launcher_keys_the_switches(monkeypatch):
+    """``GATE_AHEAD`` on: the per-channel gates with A_log / dt_bias key ``gate_ahead``; a per-head gate and a log
+    decay keep the plain variant (nothing to batch, no second compile). ``SPLIT_LOAD`` on: every scheme keys
+    ``split_load``."""
+    seen = []
+    monkeypatch.setattr(kb, "compiled_variant", lambda variant, index, tensors, options: seen.append(
+        variant) or (lambda *args: None))
+    monkeypatch.setattr(kb, "current_stream", lambda device: "stream")
+    monkeypatch.setattr(kb, "device_index", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0)
+    monkeypatch.setattr(kb, "GATE_AHEAD", True)
+    kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0)
+    kb.bwd_grads(**_dyadic_buffers("softplus"))
+    kb.bwd_grads(**_dyadic_buffers("none"))
+    kb.bwd_grads(**_per_head_buffers("softplus"))
+    assert [variant.gate_ahead for variant in seen] == [False, True, True, False, False]
+    assert not any(variant.split_load for variant in seen)
+    seen.clear()
+    monkeypatch.setattr(kb, "SPLIT_LOAD", True)
+    kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0)
+    kb.bwd_grads(**_per_head_buffers("softplus"))
+    assert [(variant.gate_ahead, variant.split_load) for variant in seen] == [(True, True), (False, True)]
+    assert not any(variant.split_rows for variant in seen)
+    seen.clear()
+    monkeypatch.setattr(kb, "SPLIT_ROWS", True)  # the safe gate at 8 warps only
+    kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0)
+    kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=4)
+    kb.bwd_grads(**_dyadic_buffers("softplus"))
+    assert [variant.split_rows for variant in seen] == [True, False, False]
 
 
 # ============================================================================ GPU: the kernel chain
@@ -481,6 +632,28 @@ def test_deterministic_and_empty_slots_zero():
         assert torch.equal(first[name], second[name]), name
     tiles = sum(-(-n // CHUNK) for n in lengths)
     assert bool((first["ddt_partial"][:, tiles:] == 0).all()) and bool((first["dalog_partial"][:, tiles:] == 0).all())
+
+
+# the launcher's schedule switches (docs/perf-log.md, B5 and B6), alone and together
+SWITCHES = {"gate_ahead": ("GATE_AHEAD",), "split_load": ("SPLIT_LOAD",), "both": ("GATE_AHEAD", "SPLIT_LOAD"),
+            "split_rows": ("SPLIT_ROWS",), "all": ("GATE_AHEAD", "SPLIT_LOAD", "SPLIT_ROWS")}
+_OUTPUTS = ("dq", "dk", "dg", "dbeta", "ddt_partial", "dalog_partial")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switches", list(SWITCHES))
+@pytest.mark.parametrize("lengths", [None, [33, 0, 16, 1, 70]], ids=["B2xT100", "varlen"])
+def test_switches_are_bit_identical(lengths, switches, monkeypatch):
+    """``gate_ahead``, ``split_load`` and ``split_rows`` move loads, waits and rows between warps only: every output
+    of Kernel B equals the plain variant's bit for bit, on the same chain (K1 → K2 → Kernel A are deterministic)."""
+    B, T = (2, 100) if lengths is None else (1, sum(lengths))
+    problem = _problem(B, T, 2, seed=5)
+    plain = _chain(problem, lengths=lengths, seed=5)
+    for switch in SWITCHES[switches]:
+        monkeypatch.setattr(kb, switch, True)
+    switched = _chain(problem, lengths=lengths, seed=5)
+    for name in _OUTPUTS:
+        assert torch.equal(plain[name], switched[name]), name
 
 
 # ============================================================================ GPU: the unbounded gates
@@ -659,3 +832,20 @@ def test_per_head_launcher_keys_the_variant(monkeypatch):
     inputs, outputs = args[0], args[3]
     assert tuple(inputs.g.shape) == (40, 2, D) and tuple(outputs.dg.shape) == (40, 2, D)
     assert tuple(inputs.dt_bias.shape) == (2, D) and tuple(outputs.ddt_partial.shape[1:]) == (D,)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_head, case, switches", [
+    (False, "softplus_pm1000_T_under_16", "both"), (False, "softplus_gva_varlen_empty_1_token", "both"),
+    (False, "log_decay_masks", "split_load"), (True, "softplus_gva_varlen", "split_load"),
+    (True, "log_decay_masks_small_dht", "split_load")], ids=lambda x: str(x))
+def test_unbounded_switches_are_bit_identical(per_head, case, switches, monkeypatch):
+    """The unbounded gates' Kernel B under the switches that apply to it (a per-head gate or a log decay reads no
+    gate row by row: ``split_load`` only): the plain variant's bits, as the safe gate's."""
+    _, plain, _, _ = _unbounded_chain(case, per_head)
+    for switch in SWITCHES[switches]:
+        monkeypatch.setattr(kb, switch, True)
+    _, switched, _, _ = _unbounded_chain(case, per_head)
+    for name in _OUTPUTS:
+        if plain[name] is not None:
+            assert torch.equal(plain[name], switched[name]), name

@@ -37,6 +37,13 @@ DYADIC_LEVELS = len(DYADIC_BLOCKS)  # the straddle levels of the per-channel unb
 DYADIC_CTAS_PER_SM = 1  # the dyadic plan's first form
 
 
+def reads_gate_rows(gate: str, per_head_gate: bool) -> bool:
+    """Whether Kernel B's gate backward walks a channel's 16 rows reading the raw gate back from global memory (its
+    smem tile is reused, or never loaded): the per-channel gates with A_log and dt_bias, the ones ``gate_ahead``
+    (``cute_kda.variants.GradsVariant``) loads in one burst."""
+    return not per_head_gate and gate != "none"
+
+
 def state_tile(dim: int = HEAD_DIM):
     """``[K, V]`` face of a state (or state gradient) matrix as the kernels keep it: the state image
     (:func:`cute_kda.layouts.fwd_recurrence.state_image`) seen through its MN_INTER atoms, so the matrix
@@ -58,7 +65,20 @@ def load_bytes(dim: int = HEAD_DIM, chunk: int = CHUNK, per_head_gate: bool = Fa
     """Bytes of the one TMA transaction: the token tiles and the two state matrices. ``per_head_gate``: no gate
     tile is loaded (a per-head gate; the per-channel unbounded gates read g column by column too)."""
     tiles = PER_HEAD_TOKEN_TILES if per_head_gate else TOKEN_TILES
-    return len(tiles) * chunk * dim * 2 + len(STATE_TILES) * dim * dim * 2
+    return len(tiles) * chunk * dim * 2 + state_load_bytes(dim)
+
+
+def state_load_bytes(dim: int = HEAD_DIM) -> int:
+    """Bytes of the two state images, the second transaction of a split load (``GradsVariant.split_load``)."""
+    return len(STATE_TILES) * dim * dim * 2
+
+
+def load_barriers(split_load: bool) -> SmemBuffer:
+    """The loads' transaction barriers: one for everything, or (``split_load``) the token tiles' and the state
+    images' (docs/perf-log.md, B6)."""
+    if split_load:
+        return mbarriers("tma_barrier", 2, "transaction barriers: the token tiles', the state images'")
+    return mbarriers("tma_barrier", 1, "transaction barrier of the loads")
 
 
 class _Specs(NamedTuple):
@@ -104,7 +124,7 @@ def _rows_then_l2norm(specs: _Specs) -> SmemGroup:
         SmemBuffer("dbeta_w", specs.per_warp, align_bytes=16, note="Σ_v du·w per warp and row"), l2norm), union=True)
 
 
-def smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
+def smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK, split_load: bool = False) -> SmemBudget:
     """Kernel B's shared-memory plan for ``warps`` compute warps (host side).
 
     Sized for two CTAs per SM (≤ 113 KB each): qd, kd, kr are written over the raw q, k, g tiles (as
@@ -129,12 +149,13 @@ def smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudg
         SmemBuffer("dkr_col", specs.channels, align_bytes=16, note="Σ_r dkr ⊙ kr per channel"),
         SmemBuffer("dgt", specs.channels, align_bytes=16, note="Σ_v S ⊙ dS' per channel"),
         SmemBuffer("dalog_w", specs.channel_warps, align_bytes=16, note="dA_log partial per channel warp"),
-        mbarriers("tma_barrier", 1, "transaction barrier of the loads"),
+        load_barriers(split_load),
     )
     return SmemBudget(f"Kernel B warps={warps} D={dim} CHUNK={chunk}", SmemGroup("GradsStorage", buffers))
 
 
-def per_head_smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
+def per_head_smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK,
+                         split_load: bool = False) -> SmemBudget:
     """Kernel B's shared-memory plan for a per-head gate (GatedDeltaNet; docs/numerics.md, "Kernel B for a
     per-head gate"), two CTAs per SM as :func:`smem_budget`.
 
@@ -159,13 +180,13 @@ def per_head_smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) ->
         SmemBuffer("x_w", specs.per_warp, align_bytes=16, note="Σ_c dqd⊙qd + dkd⊙kd per warp and row"),
         SmemBuffer("y_w", specs.per_warp, align_bytes=16, note="Σ_c dkr⊙kr per warp and row"),
         SmemBuffer("dgt", specs.channels, align_bytes=16, note="Σ_v S ⊙ dS' per channel"),
-        mbarriers("tma_barrier", 1, "transaction barrier of the loads"),
+        load_barriers(split_load),
     )
     return SmemBudget(f"Kernel B per-head gate warps={warps} D={dim} CHUNK={chunk}",
                       SmemGroup("PerHeadGradsStorage", buffers))
 
 
-def dyadic_smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
+def dyadic_smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK, split_load: bool = False) -> SmemBudget:
     """Kernel B's shared-memory plan for the per-channel unbounded gates (the dyadic scheme of docs/numerics.md,
     "Kernel B for the per-channel unbounded gates"): the first, simplest form, one CTA per SM.
 
@@ -202,6 +223,6 @@ def dyadic_smem_budget(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK) -> S
         _rows_then_l2norm(specs),
         SmemBuffer("dgt", specs.channels, align_bytes=16, note="Σ_v S ⊙ dS' per channel"),
         SmemBuffer("dalog_w", specs.channel_warps, align_bytes=16, note="dA_log partial per channel warp"),
-        mbarriers("tma_barrier", 1, "transaction barrier of the loads"),
+        load_barriers(split_load),
     )
     return SmemBudget(f"Kernel B dyadic warps={warps} D={dim} CHUNK={chunk}", SmemGroup("DyadicGradsStorage", buffers))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import validation
-from ..layouts.bwd_grads import COMPUTE_WARPS, DEFAULT_WARPS
+from ..layouts.bwd_grads import COMPUTE_WARPS, DEFAULT_WARPS, reads_gate_rows
 from ..numerics import f32, gate_constant
 from ..variants import GradsVariant
 from ..workspace import Workspace, block_states_shape
@@ -22,6 +22,17 @@ from ._cache import (
 from .prepare import compile_problem, tile_bases
 
 _CACHE = CompileCache("bwd_grads")
+# Whether the per-channel gates' Kernel B loads a channel's 16 raw gate values in one burst before the gate backward's
+# row loop (``GradsVariant.gate_ahead``; docs/perf-log.md, B5: predicted Kernel B −15-25 %, bit-identical); off until
+# the H200 A/B (``bench_train.py --gate-ahead``, ``bench_bwd_grads.py --gate-ahead``) and its GPU test have run.
+GATE_AHEAD = False
+# Whether Kernel B's state images complete a transaction barrier of their own, so K1's recompute runs while they
+# arrive (``GradsVariant.split_load``; docs/perf-log.md, B6: predicted −6-9 % on top of B5, bit-identical); off until
+# the H200 A/B (``--split-load`` of the same two benchmarks) and its GPU test have run.
+SPLIT_LOAD = False
+# Whether the safe gate's Kernel B at 8 warps runs its gate backward's rows on all warps (``GradsVariant.split_rows``;
+# docs/perf-log.md, B7: predicted −5-7 % on top of B5 + B6, bit-identical); off until the H200 A/B (``--split-rows``).
+SPLIT_ROWS = False
 
 
 def gate_partials_shapes(ws: Workspace, heads: int, per_head_gate: bool = False) -> tuple[tuple[int, ...], tuple[int, int]]:
@@ -120,7 +131,9 @@ def compiled_variant(variant: GradsVariant, index: int, tensors: tuple, options:
         kernel = bwd_grads_kernel(varlen=variant.varlen, qk_l2norm=variant.qk_l2norm,
                                   beta_logits=variant.beta_logits, compute_warps=variant.compute_warps,
                                   gate=variant.gate, gate_dtype=dsl_type(variant.g_dtype),
-                                  per_head_gate=variant.per_head_gate, grouped=variant.grouped)
+                                  per_head_gate=variant.per_head_gate, grouped=variant.grouped,
+                                  gate_ahead=variant.gate_ahead, split_load=variant.split_load,
+                                  split_rows=variant.split_rows)
         return compile_for_launch(kernel, *launch_arguments(*tensors, **options, tensor=to_cute_tensor), fake_stream())
 
     return _CACHE.get((variant, index), build)
@@ -172,8 +185,11 @@ def bwd_grads(
     options = dict(scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens, tile_base=tile_base)
     with torch.cuda.device(q.device):
         stream = current_stream(q.device)
-        variant = GradsVariant(varlen, bool(qk_l2norm), bool(beta_logits), gate, g.dtype, g.dim() == 3,
-                               v.shape[2] != q.shape[2], compute_warps)
+        per_head = g.dim() == 3
+        gate_ahead = GATE_AHEAD and reads_gate_rows(gate, per_head)
+        variant = GradsVariant(varlen, bool(qk_l2norm), bool(beta_logits), gate, g.dtype, per_head,
+                               v.shape[2] != q.shape[2], compute_warps, gate_ahead, SPLIT_LOAD,
+                               SPLIT_ROWS and gate == "safe" and compute_warps == max(COMPUTE_WARPS))
         compiled_variant(variant, device_index(q.device), tensors, options)(*launch_arguments(*tensors, **options),
                                                                             stream)
 

@@ -146,7 +146,13 @@ class BwdGrads(TokenPrep):
     """Kernel B's shared phases. Static configuration: ``varlen``, ``qk_l2norm``, ``beta_logits``; ``compute_warps``
     (4 or 8): warps per CTA, each owning ``128 / compute_warps`` columns in the band phases; ``gate``
     (:data:`cute_kda.numerics.GATES`) and ``gate_dtype`` (bf16, or fp32 with gate "none"); ``grouped`` value heads
-    (value head ``h`` reads q/k head ``h // (HV / H)``).
+    (value head ``h`` reads q/k head ``h // (HV / H)``). ``gate_ahead``: the gate backward reads its channel's 16 raw
+    gate values in one burst before its row loop (K1's :meth:`load_gate_column`), not one a row after the previous
+    row's ``dg`` store, which ptxas may not pass (the two may alias): one L2 round trip instead of 16
+    (docs/perf-log.md, B5); ``split_load``: the state images complete a transaction barrier of their own, waited for
+    before phase 3 (their first reader), so K1's recompute runs while they arrive (docs/perf-log.md, B6). Neither
+    changes an instruction's operands: the same bits. ``split_rows`` (a scheme with :attr:`splits_gate_rows`, 8 warps):
+    the gate backward's rows shared by all warps, its sums kept in order (docs/perf-log.md, B7).
 
     A scheme's subclass sets :attr:`gates`, :attr:`per_head_gate` (g ``[.., HV]`` instead of ``[.., HV, D]``),
     :attr:`gate_tile` (g comes by TMA with the other token tiles), :attr:`grouped_heads`, :attr:`ctas_per_sm` and
@@ -157,11 +163,13 @@ class BwdGrads(TokenPrep):
     per_head_gate = False
     gate_tile = False
     grouped_heads = True  # built for grouped value heads
+    splits_gate_rows = False  # the scheme's gate backward can run on every warp (``split_rows``)
     ctas_per_sm = plan.CTAS_PER_SM
     smem_plan: Callable[..., SmemBudget]  # of (warps, D)
 
     def __init__(self, *, varlen: bool, gate: str = "safe", qk_l2norm: bool = True, beta_logits: bool = True,
-                 compute_warps: int = plan.DEFAULT_WARPS, gate_dtype: type = BFloat16, grouped: bool = False) -> None:
+                 compute_warps: int = plan.DEFAULT_WARPS, gate_dtype: type = BFloat16, grouped: bool = False,
+                 gate_ahead: bool = False, split_load: bool = False, split_rows: bool = False) -> None:
         if compute_warps not in plan.COMPUTE_WARPS:
             raise ValueError(f"compute_warps must be one of {plan.COMPUTE_WARPS}, got {compute_warps}")
         if gate not in self.gates:
@@ -170,7 +178,12 @@ class BwdGrads(TokenPrep):
             raise NotImplementedError(f"grouped value heads are built for the unbounded gates only, not {gate!r}")
         if gate_dtype not in (BFloat16, Float32) or (gate_dtype is Float32 and gate != "none"):
             raise ValueError(f"g is bf16 (or fp32 with gate 'none'), got {gate_dtype} with gate {gate!r}")
+        if gate_ahead and not plan.reads_gate_rows(gate, self.per_head_gate):
+            raise ValueError(f"gate_ahead: {type(self).__name__} with gate {gate!r} reads no raw gate row by row")
         self.gate, self.gate_dtype, self.grouped = gate, gate_dtype, grouped
+        if split_rows and not (self.splits_gate_rows and compute_warps == max(plan.COMPUTE_WARPS)):
+            raise ValueError(f"split_rows: built for the safe gate at {max(plan.COMPUTE_WARPS)} warps")
+        self.gate_ahead, self.split_load, self.split_rows = gate_ahead, split_load, split_rows
         self.varlen = varlen
         self.qk_l2norm = qk_l2norm
         self.beta_logits = beta_logits
@@ -184,7 +197,7 @@ class BwdGrads(TokenPrep):
 
     def smem_budget(self) -> SmemBudget:
         """The shared-memory plan the launch asks for: the scheme's :attr:`smem_plan` (of ``layouts.bwd_grads``)."""
-        return self.smem_plan(self.warps, self.dim)
+        return self.smem_plan(self.warps, self.dim, split_load=self.split_load)
 
     @cute.jit
     def __call__(
@@ -319,14 +332,22 @@ class BwdGrads(TokenPrep):
     @cute.jit
     def load_tiles(self, tma_tokens: tuple, states: GradsStates, token_buffers: tuple, state_buffers: tuple,
                    tma_barrier, row0: Int32, state_row: Int32):
-        """Warp 0: one transaction barrier; the token tiles at token row ``row0`` (``token_buffers``: (smem tile,
-        head) in ``tma_tokens``' order), the two state images of row ``state_row`` (one 1-D bulk copy each)."""
+        """Warp 0: one transaction barrier (two with ``split_load``: the token tiles', then the state images', the
+        next mbarrier); the token tiles at token row ``row0`` (``token_buffers``: (smem tile, head) in ``tma_tokens``'
+        order), the two state images of row ``state_row`` (one 1-D bulk copy each)."""
         image_elements = self.dim * self.dim
+        total = plan.load_bytes(self.dim, per_head_gate=not self.gate_tile)
+        state_barrier = tma_barrier + 1 if cutlass.const_expr(self.split_load) else tma_barrier
         with cute.arch.elect_one():
             cute.arch.mbarrier_init(tma_barrier, 1)
+            if cutlass.const_expr(self.split_load):
+                cute.arch.mbarrier_init(state_barrier, 1)
             cute.arch.mbarrier_init_fence()
-            cute.arch.mbarrier_arrive_and_expect_tx(
-                tma_barrier, plan.load_bytes(self.dim, per_head_gate=not self.gate_tile))
+            if cutlass.const_expr(self.split_load):
+                cute.arch.mbarrier_arrive_and_expect_tx(tma_barrier, total - plan.state_load_bytes(self.dim))
+                cute.arch.mbarrier_arrive_and_expect_tx(state_barrier, plan.state_load_bytes(self.dim))
+            else:
+                cute.arch.mbarrier_arrive_and_expect_tx(tma_barrier, total)
         for (atom, tma_tensor), (buffer, head) in zip(tma_tokens, token_buffers):
             s_part, g_part = head_tile_tma_partition(
                 atom, cute.domain_offset((row0, 0, 0), tma_tensor), buffer, head, self.tile
@@ -335,7 +356,7 @@ class BwdGrads(TokenPrep):
         with cute.arch.elect_one():
             for source, buffer in zip(states, state_buffers):
                 image = source.iterator + Int64(state_row) * image_elements
-                cp_async_bulk_shared_cluster_global(buffer.iterator, image, tma_barrier, image_elements * 2)
+                cp_async_bulk_shared_cluster_global(buffer.iterator, image, state_barrier, image_elements * 2)
 
     @cute.jit
     def load_workspace_rows(self, smem, ws: GradsWorkspace, slot: Int32, tidx: Int32):
@@ -347,9 +368,12 @@ class BwdGrads(TokenPrep):
             smem.inv[flat // CHUNK, flat % CHUNK] = ws.inv[slot, flat // CHUNK, flat % CHUNK]
 
     @cute.jit
-    def forward_and_square_products(self, smem, tidx: Int32, warp_idx: Int32, lane: Int32):
-        """Phases 3 and 4, the same for every gate: the forward recompute per value band; then warp 0 ``dMqk``,
-        warp 1 ``dL`` (:meth:`masked_do_u`, :meth:`masked_du_u`) and the last warps dgT; a barrier after each."""
+    def forward_and_square_products(self, smem, tidx: Int32, warp_idx: Int32, lane: Int32, tma_barrier):
+        """Phases 3 and 4, the same for every gate: (``split_load``: the state images' barrier first) the forward
+        recompute per value band; then warp 0 ``dMqk``, warp 1 ``dL`` (:meth:`masked_do_u`, :meth:`masked_du_u`) and
+        the last warps dgT; a barrier after each."""
+        if cutlass.const_expr(self.split_load):
+            cute.arch.mbarrier_wait(tma_barrier + 1, 0)
         self.forward_band(smem, warp_idx, lane)
         cute.arch.sync_threads()
         if warp_idx == 0:

@@ -140,7 +140,7 @@ class DyadicBwdGrads(BwdGrads):
                 self.level_pairs(level, smem, lane)
 
         # 3. forward recompute per value band, 4. the 16×16 products, dgT; then the levels' masked dA, dMqk
-        self.forward_and_square_products(smem, tidx, warp_idx, lane)
+        self.forward_and_square_products(smem, tidx, warp_idx, lane, tma_barrier)
         for level in cutlass.range_constexpr(plan.DYADIC_LEVELS):
             if warp_idx == level:
                 self.mask_level(level, smem, lane)
@@ -316,13 +316,18 @@ class DyadicBwdGrads(BwdGrads):
             before_s = Float32(0.0)
             ddt = Float32(0.0)
             dalog = Float32(0.0)
+            if cutlass.const_expr(self.gate_ahead):
+                g_rows = self.load_gate_column(inputs.g, tile.head, tile.row0, tile.valid_rows, col)
             for s in cutlass.range_constexpr(CHUNK):
                 dgamma = ((levels[s] + from_s[s]) + before_s) + state_term
                 before_s = before_s + smem.row_y[s, col]
                 if s < tile.valid_rows:
                     dg = dgamma
                     if cutlass.const_expr(self.gate == "softplus"):
-                        g_raw = inputs.g[tile.row0 + s, tile.head, col].to(Float32)
+                        if cutlass.const_expr(self.gate_ahead):
+                            g_raw = g_rows[s]
+                        else:
+                            g_raw = inputs.g[tile.row0 + s, tile.head, col].to(Float32)
                         dg = self.softplus_gate_grad(g_raw, dt, e_a, dgamma)
                         ddt = ddt + dg
                         dalog = dalog + dgamma * (self.base2_log_decay(g_raw, dt, e_a) * Float32(LN2))

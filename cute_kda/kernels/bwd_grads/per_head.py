@@ -92,7 +92,7 @@ class PerHeadBwdGrads(BwdGrads):
         cute.arch.sync_threads()
 
         # 3. forward recompute per value band, 4. the 16×16 products with the pair decays, dgT
-        self.forward_and_square_products(smem, tidx, warp_idx, lane)
+        self.forward_and_square_products(smem, tidx, warp_idx, lane, tma_barrier)
 
         # 5. channel products per key band, 6. finish per row
         self.channel_band(smem, inputs, out, scalars, tile, warp_idx, lane)

@@ -26,8 +26,10 @@ from .base import (
 
 SafeGradsSmem = smem_bundle(
     "SafeGradsSmem",
-    ("g", "qd_t", "kd_t", "kinv", "kinv_t", "cumsum", "dg_cum", "dkr_col", "dmqk_t", "dlb_t", "dalog_w"),
-    "Shared-memory tensors of one CTA with the safe gate (``layouts.bwd_grads.smem_budget``): kr is written over g.",
+    ("g", "qd_t", "kd_t", "kinv", "kinv_t", "cumsum", "dg_cum", "dkr_col", "dmqk_t", "dlb_t", "dalog_w", "x_rows",
+     "dsig_rows"),
+    "Shared-memory tensors of one CTA with the safe gate (``layouts.bwd_grads.smem_budget``): kr is written over g; "
+    "``split_rows``' x and σ'(x) of the first rows over S and dS' (dead after phase 5).",
 )
 
 
@@ -36,6 +38,7 @@ class SafeBwdGrads(BwdGrads):
 
     gates = ("safe",)
     gate_tile = True
+    splits_gate_rows = True
     grouped_heads = False
     smem_plan = staticmethod(plan.smem_budget)
 
@@ -54,6 +57,7 @@ class SafeBwdGrads(BwdGrads):
             cumsum=view(storage.cumsum, fp32, Float32), dg_cum=view(storage.vdu_then_dg.dg_cum, fp32, Float32),
             dkr_col=view(storage.dkr_col, plan.vector(self.dim), Float32), dmqk_t=view(storage.dmqk, sq_t),
             dlb_t=view(storage.dlb, sq_t), dalog_w=view(storage.dalog_w, plan.vector(plan.CHANNEL_WARPS), Float32),
+            x_rows=view(storage.state, fp32, Float32), dsig_rows=view(storage.state_grad, fp32, Float32),
         )
 
     @cute.jit
@@ -77,7 +81,7 @@ class SafeBwdGrads(BwdGrads):
         cute.arch.sync_threads()
 
         # 3. forward recompute per value band, 4. the 16×16 products, dgT
-        self.forward_and_square_products(smem, tidx, warp_idx, lane)
+        self.forward_and_square_products(smem, tidx, warp_idx, lane, tma_barrier)
 
         # 5. channel products per key band, 6. finish
         self.channel_band(smem, inputs, out, scalars, tile, warp_idx, lane)
@@ -157,28 +161,89 @@ class SafeBwdGrads(BwdGrads):
     def gate_backward(self, smem: SafeGradsSmem, inputs: GradsInputs, out: GradsOutputs, scalars: GradsScalars,
                       tile: TileLocation, col: Int32, dt: Float32, e_a: Float32, warp_idx: Int32, lane: Int32):
         """Channel ``col``: ``dg' = Σ_{s≥r} dG_s + dG_last`` (reverse cumsum), the gate backward to the raw
-        gate, and the tile's partial sums of ddt_bias (per channel) and dA_log (over channels, warp order)."""
-        if warp_idx < plan.CHANNEL_WARPS:  # one thread per channel
-            gate_total = ex2_approx(smem.cumsum[CHUNK - 1, col])  # gT, as K1 computes it
-            d_last = Float32(LN2) * (smem.dkr_col[col] + smem.dgt[col] * gate_total)
+        gate, and the tile's partial sums of ddt_bias (per channel) and dA_log (over channels, warp order).
+        Warps 0-3 walk the rows from the last. With ``split_rows`` warps 4-7 meanwhile form each of rows 7 … 0's
+        ``x`` and ``σ'(x)`` (the chain's two ex2 and two divisions, which need no suffix) into S's and dS''s bytes,
+        and warps 0-3, after row 8 and a barrier, finish rows 7 … 0 from them: the same operations on the same
+        values in the same order, so the same bits."""
+        if cutlass.const_expr(not self.split_rows):
+            if warp_idx < plan.CHANNEL_WARPS:  # one thread per channel
+                d_last = self.gate_d_last(smem, col)
+                zero = Float32(0.0)
+                # raw g from global memory (L2): its smem tile holds kr now
+                g_rows = None
+                if cutlass.const_expr(self.gate_ahead):
+                    g_rows = self.load_gate_column(inputs.g, tile.head, tile.row0, tile.valid_rows, col)
+                _, ddt, dalog = self.gate_rows(smem, inputs, out, scalars, tile, col, dt, e_a, d_last, g_rows,
+                                               CHUNK, 0, (zero, zero, zero))
+                out.ddt_partial[tile.slot, col] = ddt
+                self.store_warp_dalog(smem, dalog, warp_idx, lane)
+        else:
+            half = CHUNK // 2
+            d_last = self.gate_d_last(smem, col)
+            g_rows = None
+            if cutlass.const_expr(self.gate_ahead):
+                g_rows = self.load_gate_column(inputs.g, tile.head, tile.row0, tile.valid_rows, col)
             suffix = Float32(0.0)
             ddt = Float32(0.0)
             dalog = Float32(0.0)
-            for step in cutlass.range_constexpr(CHUNK):
-                row = CHUNK - 1 - step
-                if row < tile.valid_rows:
-                    suffix = suffix + smem.dg_cum[row, col]
-                    # raw g from global memory (L2): its smem tile holds kr now
-                    x = e_a * (inputs.g[tile.row0 + row, tile.head, col].to(Float32) + dt)
-                    # σ'(x) = σ(x)·σ(−x), each factor from ex2: σ·(1 − σ) of the tanh form cancels where it saturates
-                    scaled = x * Float32(LOG2E)
-                    dsig = (Float32(1.0) / (Float32(1.0) + ex2_approx(-scaled))) * (
-                        Float32(1.0) / (Float32(1.0) + ex2_approx(scaled)))
-                    dx = (suffix + d_last) * scalars.c_gate * dsig
-                    dg_raw = dx * e_a
-                    out.dg[tile.row0 + row, tile.head, col] = dg_raw.to(BFloat16)
-                    ddt = ddt + dg_raw
-                    dalog = dalog + dx * x
-            out.ddt_partial[tile.slot, col] = ddt
-            self.store_warp_dalog(smem, dalog, warp_idx, lane)
+            if warp_idx < plan.CHANNEL_WARPS:
+                suffix, ddt, dalog = self.gate_rows(smem, inputs, out, scalars, tile, col, dt, e_a, d_last, g_rows,
+                                                    CHUNK, half, (suffix, ddt, dalog))
+            else:
+                for row in cutlass.range_constexpr(half):
+                    if row < tile.valid_rows:
+                        x, dsig = self.gate_slope(self.raw_gate(inputs, tile, col, g_rows, row), dt, e_a)
+                        smem.x_rows[row, col] = x
+                        smem.dsig_rows[row, col] = dsig
+            cute.arch.sync_threads()  # rows 7 … 0's x and σ'(x) are in shared memory
+            if warp_idx < plan.CHANNEL_WARPS:
+                _, ddt, dalog = self.gate_rows(smem, inputs, out, scalars, tile, col, dt, e_a, d_last, g_rows,
+                                               half, 0, (suffix, ddt, dalog), formed=False)
+                out.ddt_partial[tile.slot, col] = ddt
+                self.store_warp_dalog(smem, dalog, warp_idx, lane)
         self.store_dalog_partial(smem, out, tile.slot, warp_idx, lane)
+
+    def gate_d_last(self, smem: SafeGradsSmem, col: Int32) -> Float32:
+        """``dG_last = ln 2 · (Σ_r dkr⊙kr + dgT ⊙ gT)`` of channel ``col``."""
+        gate_total = ex2_approx(smem.cumsum[CHUNK - 1, col])  # gT, as K1 computes it
+        return Float32(LN2) * (smem.dkr_col[col] + smem.dgt[col] * gate_total)
+
+    def raw_gate(self, inputs: GradsInputs, tile: TileLocation, col: Int32, g_rows, row: int) -> Float32:
+        """The raw gate of ``row``, channel ``col``: from the burst ``g_rows`` (``gate_ahead``) or global memory."""
+        if cutlass.const_expr(self.gate_ahead):
+            return g_rows[row]
+        return inputs.g[tile.row0 + row, tile.head, col].to(Float32)
+
+    @staticmethod
+    def gate_slope(g_raw: Float32, dt: Float32, e_a: Float32) -> tuple:
+        """``x = e^A·(g + dt_bias)`` and ``σ'(x)``."""
+        x = e_a * (g_raw + dt)
+        # σ'(x) = σ(x)·σ(−x), each factor from ex2: σ·(1 − σ) of the tanh form cancels where it saturates
+        scaled = x * Float32(LOG2E)
+        dsig = (Float32(1.0) / (Float32(1.0) + ex2_approx(-scaled))) * (
+            Float32(1.0) / (Float32(1.0) + ex2_approx(scaled)))
+        return x, dsig
+
+    @cute.jit
+    def gate_rows(self, smem: SafeGradsSmem, inputs: GradsInputs, out: GradsOutputs, scalars: GradsScalars,
+                  tile: TileLocation, col: Int32, dt: Float32, e_a: Float32, d_last: Float32, g_rows, top: int,
+                  bottom: int, carry: tuple, formed: bool = True) -> tuple:
+        """Rows ``top − 1`` … ``bottom`` of channel ``col`` from ``carry`` = (suffix, ddt, dalog) entering them: dg
+        stored, the carry returned; ``x`` and ``σ'(x)`` formed here, or (not ``formed``) read from ``x_rows`` /
+        ``dsig_rows``."""
+        suffix, ddt, dalog = carry
+        for row in cutlass.range_constexpr(top - 1, bottom - 1, -1):
+            if row < tile.valid_rows:
+                suffix = suffix + smem.dg_cum[row, col]
+                if cutlass.const_expr(formed):
+                    x, dsig = self.gate_slope(self.raw_gate(inputs, tile, col, g_rows, row), dt, e_a)
+                else:
+                    x = smem.x_rows[row, col]
+                    dsig = smem.dsig_rows[row, col]
+                dx = (suffix + d_last) * scalars.c_gate * dsig
+                dg_raw = dx * e_a
+                out.dg[tile.row0 + row, tile.head, col] = dg_raw.to(BFloat16)
+                ddt = ddt + dg_raw
+                dalog = dalog + dx * x
+        return suffix, ddt, dalog
