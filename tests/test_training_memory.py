@@ -14,7 +14,7 @@ import weakref
 import pytest
 import torch
 
-from cute_kda.executors import training
+from cute_kda.executors import stages, training
 from cute_kda.executors.stages import Backend
 from cute_kda.reference.backend import REFERENCE
 
@@ -66,3 +66,20 @@ def test_no_stage_buffer_outlives_the_backward(recompute):
     stages = {path.split(".")[0] for path, _ in made}
     assert stages == {"forward", "scan", "grads"}  # the backward ran every stage (and, recomputing, the forward again)
     assert sum(path == "forward.out" for path, _ in made) == (4 if recompute else 2)
+
+
+@pytest.mark.parametrize("group", [2, 4])
+def test_group_sum_rounds_the_fp32_sum_once(group):
+    """Grouped value heads' dq, dk: the per-value-head bf16 gradients summed per q/k head in fp32 and rounded once
+    (a group of two by one elementwise add); values spread over 16 binades, where a sum of two is exact in fp32."""
+    gen = torch.Generator().manual_seed(group)
+    t = (torch.randn(2, 33, 3 * group, 128, generator=gen) * 2.0 ** torch.randint(-8, 8, (2, 33, 3 * group, 128),
+                                                                                     generator=gen)).bfloat16()
+    got = stages.group_sum(t, 3)
+    exact = t.double().view(2, 33, 3, group, 128).sum(3)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 33, 3, 128)
+    if group == 2:  # a sum of two bf16 values is exact in fp32: the result is the exact sum rounded once
+        assert torch.equal(got, exact.bfloat16())
+    else:
+        assert torch.allclose(got.double(), exact, rtol=2 ** -7, atol=0)
+    assert stages.group_sum(t, 3 * group) is t

@@ -258,11 +258,16 @@ def group_sum(t: torch.Tensor, heads: int) -> torch.Tensor:
     """bf16 ``[B, T, HV, D]`` summed over each group of ``HV / heads`` value heads in fp32: ``[B, T, heads, D]``
     bf16 (the per-value-head dq, dk of grouped value heads; deterministic, no atomics). One reduction that reads
     the bf16 values and accumulates in fp32 (torch's accumulator type for bf16), rounding once: no fp32 copy of
-    ``t`` (that copy and a reduction over it took 0.67 ms for each of dq, dk at T32768 HV32)."""
+    ``t`` (that copy and a reduction over it took 0.67 ms for each of dq, dk at T32768 HV32). Groups of two (Qwen3-Next's)
+    are one elementwise add instead, the same bits (torch adds bf16 in fp32 and rounds once): the reduction over the
+    middle mode took 0.27 ms a tensor at T32768 HV32 (docs/perf-log.md, GDN2 / GDN3)."""
     batch, steps, value_heads, dim = t.shape
     if value_heads == heads:
         return t
-    return t.view(batch, steps, heads, value_heads // heads, dim).sum(3)
+    groups = t.view(batch, steps, heads, value_heads // heads, dim)
+    if groups.shape[3] == 2:
+        return torch.add(groups[:, :, :, 0], groups[:, :, :, 1])
+    return groups.sum(3)
 
 
 KERNELS = Backend("kernels", _kernel_forward, _kernel_scan, _kernel_grads)
