@@ -4,11 +4,11 @@ Error types: ``TypeError`` for a wrong dtype or a non-tensor, ``ValueError`` for
 device, layout or value, ``NotImplementedError`` for a size or feature the kernels do not cover
 (K above 128, V above 128 and not a multiple of 128 — smaller ones are checked here at the caller's size and run
 padded, :mod:`cute_kda.head_dims`; on the training path, caller buffers). A float dtype FLA computes and the kernels
-do not (fp32 q, k, v or raw gate; bf16 and fp16 mixed in a call; fp16 on the training path; an fp16 state with bf16
-inputs) raises :class:`UnsupportedDtypeError`, both a ``NotImplementedError`` and a ``TypeError``. q, k, v, a raw gate
-and ``out`` are bf16, or all fp16 (inference: the forward kernels widen fp16 where they widen bf16, o is fp16). β,
-``A_log`` and ``dt_bias`` in another float dtype are converted where a call enters instead (:func:`cast_beta`,
-:func:`cast_gate_parameters`).
+do not (fp32 q, k, v or raw gate; bf16 and fp16 mixed in a call; an fp16 state with bf16 inputs) raises
+:class:`UnsupportedDtypeError`, both a ``NotImplementedError`` and a ``TypeError``. q, k, v, a raw gate and ``out``
+are bf16, or all fp16 (the forward kernels widen fp16 where they widen bf16, o is fp16; training runs the backward
+kernels on bf16 copies). β, ``A_log`` and ``dt_bias`` in another float dtype are converted where a call enters
+instead (:func:`cast_beta`, :func:`cast_gate_parameters`).
 
 No check here synchronises the host with the device. ``cu_seqlens`` *values* (starts at 0, ends at
 T, never decreases) are read only when the tensor lives on the CPU, or when the debug switch
@@ -103,8 +103,8 @@ FLA_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the float d
 
 
 class UnsupportedDtypeError(NotImplementedError, TypeError):
-    """A float dtype FLA computes but the kernels do not (fp32 activations, bf16 and fp16 mixed in one call, fp16 on
-    the training path, an fp16 state): not implemented, so the FLA backends decline the call and FLA computes it; a
+    """A float dtype FLA computes but the kernels do not (fp32 activations, bf16 and fp16 mixed in one call, an fp16
+    state with bf16 inputs): not implemented, so the FLA backends decline the call and FLA computes it; a
     ``TypeError`` too, as every other dtype error here."""
 
 
@@ -348,16 +348,10 @@ def check_training_size(tensor: torch.Tensor, name: str = "q") -> None:
 
 
 def check_trainable(gate: str, q: torch.Tensor, v: torch.Tensor) -> None:
-    """Refuse a training call the backward kernels do not cover: fp16 activations (the backward kernels read and
-    write bf16; :class:`UnsupportedDtypeError`), grouped value heads with the safe gate (its Kernel B writes dq, dk
-    per q/k head). What trains: bf16, the safe gate with HV = H, and the unbounded gates ("softplus", "none") per
+    """Refuse a training call the backward kernels do not cover: grouped value heads with the safe gate (its Kernel B
+    writes dq, dk per q/k head). What trains: bf16 or fp16 activations (fp16: the backward runs on bf16 copies,
+    :mod:`cute_kda.executors.training`), the safe gate with HV = H, and the unbounded gates ("softplus", "none") per
     channel or per head (GatedDeltaNet), grouped value heads included."""
-    if isinstance(q, torch.Tensor) and q.dtype == torch.float16:
-        raise UnsupportedDtypeError(
-            "q is float16 on the training path: fp16 inputs run the forward only (the backward kernels take bf16, not "
-            "implemented for float16); run the call under torch.no_grad() / torch.inference_mode(), cast q, k, v and "
-            "g to bfloat16 to train, or let FLA compute the call"
-        )
     if gate == "safe" and v.dim() == 4 and v.shape[2] != q.shape[2]:
         raise NotImplementedError(
             "grouped value heads (HV != H) with the safe gate have no backward yet (the unbounded gates train with "

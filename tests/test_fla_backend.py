@@ -67,15 +67,14 @@ def test_int32_cu_seqlens_are_taken(any_device):
         assert fla_backend.verify(**kwargs) == (True, None)
 
 
-def test_fp16_inference_is_taken_and_fp16_training_declined(any_device):
-    """FLA's chunk tests run fp16: the forward kernels take it (o in fp16), the backward does not yet, so a call that
-    records autograd is declined by name (FLA computes it)."""
+def test_fp16_inference_and_training_are_taken(any_device):
+    """FLA's chunk tests run fp16: the forward kernels take it (o in fp16) and so does the training path (the backward
+    kernels on bf16 copies, gradients in fp16)."""
     kwargs = {n: x.half() if n in ("q", "k", "v", "g", "beta") else x for n, x in layer_call().items()}
     with torch.no_grad():
         assert fla_backend.verify(**kwargs) == (True, None)
     kwargs["q"].requires_grad_()
-    accepted, reason = fla_backend.verify(**kwargs)
-    assert not accepted and "float16 on the training path" in reason, reason
+    assert fla_backend.verify(**kwargs) == (True, None)
 
 
 def test_training_call_is_verified_like_an_inference_call(any_device):

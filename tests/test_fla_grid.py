@@ -165,8 +165,6 @@ def expected_refusal(case: Case) -> tuple[type[Exception], tuple[str, ...]] | No
         return validation.UnsupportedDtypeError, (f"g is {str(g_dtype)[6:]} but q is {name}",)
     if g_dtype == FP32 and case.gate_in_kernel:  # a raw gate in q's dtype; a log decay in it or fp32
         return validation.UnsupportedDtypeError, (f"g must be {name}", "float32")
-    if case.dtype == FP16:  # every call here trains, and fp16 runs the forward only
-        return validation.UnsupportedDtypeError, ("q is float16 on the training path",)
     bounded = case.op == "kda" and case.gate_in_kernel and case.safe_gate
     if bounded and case.value_heads != case.heads:  # every call here trains
         return NotImplementedError, ("grouped value heads",)

@@ -103,11 +103,12 @@ def test_mixed_bf16_and_fp16_are_refused_by_name(name):
            **fp16_inputs(gate="none", g=log_decay.bfloat16(), A_log=None, dt_bias=None))
 
 
-def test_fp16_training_is_refused_by_name():
-    """fp16 runs the forward only: a call autograd records is refused (the backward kernels take bf16)."""
+def test_fp16_training_call_reaches_the_device_check():
+    """fp16 trains (the backward kernels run on bf16 copies, docs/numerics.md, "fp16 training"): a call autograd
+    records passes every dtype check and stops at the device check, as a bf16 one."""
     inputs = fp16_inputs()
     inputs["q"].requires_grad_()
-    expect(validation.UnsupportedDtypeError, "q is float16 on the training path", "no_grad", **inputs)
+    expect(ValueError, "q must be on a CUDA device", **inputs)
 
 
 def test_activation_of_another_dtype_is_a_type_error():

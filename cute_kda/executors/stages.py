@@ -212,7 +212,7 @@ def _kernel_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dh
     """Kernel A (:func:`cute_kda.ops.bwd_scan.bwd_scan`); twice for a segmented call (:func:`segment_scan`)."""
     from ..ops import bwd_scan as ka
 
-    dv, du = torch.empty_like(x.v), torch.empty_like(x.v)
+    dv, du = torch.empty_like(do), torch.empty_like(do)  # bf16 like dO (v may be fp16: training.backward)
     state_grads = torch.empty_like(saved.checkpoints)
     ws = workspace_of(options, saved)
 

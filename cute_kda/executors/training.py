@@ -69,6 +69,14 @@ def recomputed(backend: Backend, x: Inputs, options: Options, saved: Saved) -> S
                            saved.segment_states).saved
 
 
+def bf16_operands(x: Inputs) -> Inputs:
+    """``x`` with fp16 q, k, v and g as bf16 copies, what Kernel B reads (a bf16 or fp32 tensor as it is)."""
+    def bf16(t: torch.Tensor) -> torch.Tensor:
+        return kernel_operand(t, torch.bfloat16) if t.dtype == torch.float16 else t
+
+    return x._replace(q=bf16(x.q), k=bf16(x.k), v=bf16(x.v), g=bf16(x.g))
+
+
 def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out: torch.Tensor | None,
              d_final: torch.Tensor | None, needs: tuple[bool, ...],
              initial_state_dtype: torch.dtype | None) -> tuple[torch.Tensor | None, ...]:
@@ -79,19 +87,32 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     d_out: None or the gradient w.r.t. out (``[B, T, H, V]``, or its packed ``[1, B · T, H, V]``); d_final: None or
     the gradient w.r.t. the final state ``[N, H, V, K]`` (its dtype); ``needs``: one flag per input, in
     :data:`INPUT_NAMES` order; ``initial_state_dtype``: the forward's initial state dtype, None without one (then no
-    dh0). The token gradients come back in the packed shapes (:func:`unpacked` takes them to the caller's).
+    dh0). The token gradients come back in the packed shapes (:func:`unpacked` takes them to the caller's), each in
+    its input's dtype.
+
+    fp16 inputs (docs/numerics.md, "fp16 training"): the workspace and checkpoints are the fp16 forward's (the
+    recomputation runs the fp16 K1 / K2 again: bit-identical to the kept ones); dO enters Kernel A and Kernel B
+    rounded to bf16 (as any dO does); Kernel B reads bf16 copies of q, k, v and of an fp16 g (made here, freed when
+    it returns); an fp16 dht is widened to fp32 and an fp16 dh0 is Kernel A's fp32 one rounded (both exact where
+    bf16's are); dq, dk, dv, dg come back as the kernels' bf16 values converted to fp16 (exact within fp16's range).
     """
-    do = torch.zeros_like(x.v) if d_out is None else kernel_operand(d_out, torch.bfloat16).view(x.v.shape)
-    dht = None if d_final is None else kernel_operand(d_final, d_final.dtype)
+    fp16 = torch.float16
+    do = torch.zeros_like(x.v, dtype=torch.bfloat16) if d_out is None else \
+        kernel_operand(d_out, torch.bfloat16).view(x.v.shape)
+    dht = None
+    if d_final is not None:
+        dht = kernel_operand(d_final, torch.float32 if d_final.dtype == fp16 else d_final.dtype)
     dh0_dtype = initial_state_dtype if needs[7] else None
     if options.recompute:
         saved = recomputed(backend, x, options, saved)
-    scan = backend.scan(x, options, saved, do, dht, dh0_dtype)
+    scan = backend.scan(x, options, saved, do, dht, torch.float32 if dh0_dtype == fp16 else dh0_dtype)
     dq = dk = dg = dbeta = dA_log = ddt_bias = None
     if any(needs[i] for i in KERNEL_B_INPUTS):
-        dq, dk, dg, dbeta, dA_log, ddt_bias = backend.grads(x, options, saved, do, scan)
+        dq, dk, dg, dbeta, dA_log, ddt_bias = backend.grads(bf16_operands(x), options, saved, do, scan)
     grads = (dq, dk, scan.dv, dg, dbeta, dA_log, ddt_bias, scan.dh0)
-    return tuple(grad if need else None for grad, need in zip(grads, needs))
+    dtypes = (x.q.dtype, x.k.dtype, x.v.dtype, x.g.dtype, None, None, None, dh0_dtype)
+    return tuple(None if not need or grad is None else grad if dtype is None else grad.to(dtype)
+                 for grad, need, dtype in zip(grads, needs, dtypes))
 
 
 def unpacked(grads: tuple, shapes: tuple) -> tuple:
