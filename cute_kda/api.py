@@ -64,7 +64,7 @@ def kda_forward(
     Inputs (any DLPack tensors on one CUDA device, contiguous, 16-byte aligned):
       q, k   bf16 ``[B, T, H, K]``; l2-normalised per token inside when ``qk_l2norm``. fp16 q, k, v, a raw g
              and ``out`` (all of them: a mix is refused) run the forward kernels on fp16 (widened on load, o
-             in fp16; inference only: docs/numerics.md, "fp16 inputs").
+             in fp16; they train, gradients in fp16: docs/numerics.md, "fp16 inputs", "fp16 training").
       v      bf16 ``[B, T, H, V]`` (q's dtype).
       g      ``[B, T, H, K]``, the gate; the per-channel log decay it gives depends on ``gate``:
                ``"safe"`` (default)  raw gate (q's dtype), ``lower_bound · sigmoid(exp(A_log[h]) · (g + dt_bias[h]))``;
@@ -249,7 +249,7 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     a raw g in q's dtype, or ``use_gate_in_kernel=False`` (g the log decay, q's dtype or fp32);
     ``use_qk_l2norm_in_kernel`` and ``use_beta_sigmoid_in_kernel`` on or off. Every gate trains (grouped
     value heads with the bounded gate do not: ``NotImplementedError`` when inputs require grad).
-    Other sizes, fp32 q, k, v or raw g, fp16 with inputs that require grad, and other combinations raise
+    Other sizes, fp32 q, k, v or raw g, and other combinations raise
     ``NotImplementedError`` naming the
     argument or flag (see
     :func:`cute_kda.fla_calls.translate_fla_call`). FLA's default ``[N, H, K, V]`` state costs a transpose copy each way;
@@ -304,7 +304,7 @@ def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     """Drop-in for ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (fla-core 0.6.0 signature), forward and
     backward.
 
-    Shapes as in FLA: q, k bf16 ``[B, T, H, K]`` (fp16 for inference); v ``[B, T, HV, V]`` in q's dtype, HV a
+    Shapes as in FLA: q, k bf16 or fp16 ``[B, T, H, K]``; v ``[B, T, HV, V]`` in q's dtype, HV a
     multiple of H (value head ``j`` reads q/k head ``j // (HV / H)``); g ``[B, T, HV]``: the log decay (q's dtype or
     fp32, FLA's default ``use_gate_in_kernel=False``) or with ``use_gate_in_kernel=True`` the raw input (q's dtype) of
     ``−exp(A_log) · softplus(g + dt_bias)`` (keywords ``A_log`` ``[HV]``, ``dt_bias`` ``[HV]`` or None);
@@ -312,9 +312,9 @@ def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     rounded to bf16 on entry); ``initial_state`` fp32 or bf16 (fp16 widened to fp32 on entry)
     ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``); ``cu_seqlens`` int32 or int64 ``[N+1]`` with B = 1.
     K = V = 128, and as :func:`kda_forward` other head dims padded or split (``expand_v = 2``'s V = 256 runs as two
-    value heads of 128 each); K > 128, fp32 q, k, v, a g of the other 16-bit dtype than q's and fp16 inputs that
-    require grad raise ``NotImplementedError`` naming the argument. Returns (o ``[B, T, HV, V]`` in q's dtype, the
-    final state fp32 in the caller's layout or None), in
+    value heads of 128 each); K > 128, fp32 q, k, v and a g of the other 16-bit dtype than q's raise
+    ``NotImplementedError`` naming the argument. Returns (o ``[B, T, HV, V]`` in q's dtype, the final state fp32 in
+    the caller's layout or None), in
     ``q``'s framework, computed by K1 (one decay per head on every channel, overflow-free for any gate value)
     and K2 on the current stream, with no host synchronisation.
 
@@ -404,7 +404,8 @@ def warmup_variants(
     K2 of a prefill on a state pool of that dtype, for every V-split and ``varlen`` value, without prefix checkpoints
     and with each of ``checkpoint_every`` (tokens: one variant per value). ``dtypes``: the activations' dtypes (bf16
     and / or fp16) the forward variants are listed for (an fp16 one's log decay in fp16 or fp32, its ``state_modes``
-    may hold fp16); the backward's only for bf16 (fp16 does not train).
+    may hold fp16; with ``training`` K2's checkpoint variants too); the backward's are bf16 ones either way (fp16
+    trains on bf16 copies, :func:`cute_kda.executors.training.backward`; an fp16 state's dht / dh0 in fp32).
     """
     from .layouts.bwd_grads import DEFAULT_WARPS
     from .numerics import SCAN_VSPLITS, SUPPORTED_VSPLITS
@@ -423,17 +424,16 @@ def warmup_variants(
     flags = [(l2, logits, packed) for l2 in qk_l2norm for logits in beta_logits for packed in varlen]
     variants: dict = {}  # ordered, without duplicates
     for dtype, (l2, logits, packed) in itertools.product(dtypes, flags):
-        trains = training and dtype == torch.bfloat16
         for mode in state_modes:
             for split in k2_splits:
                 for gate, g_dtype, per_head in gate_forms_of(dtype):
                     variants[PrepareVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, dtype)] = None
-                for checkpoints in ((False, True) if trains else (False,)):
+                for checkpoints in ((False, True) if training else (False,)):
                     variants[RecurrenceVariant(split, mode, mode, packed, checkpoints, dtype=dtype)] = None
-    training = training and torch.bfloat16 in dtypes
     if training:  # Kernel A picks its own V-split (8 as well); Kernel B has no state flags
+        scan_modes = dict.fromkeys(torch.float32 if mode == torch.float16 else mode for mode in state_modes)
         for l2, logits, packed in flags:
-            for mode in state_modes:
+            for mode in scan_modes:
                 for split in scan_splits:
                     for dht in (mode, None):
                         variants[ScanVariant(split, dht, mode, packed)] = None
@@ -445,8 +445,8 @@ def warmup_variants(
             for initial, final in ((None, fp32), (fp32, fp32), (fp32, None)):  # local pass, transition / real, none
                 variants[RecurrenceVariant(1, initial, final, True, dtype=dtype)] = None
         if training:
-            for final in (fp32, None):
-                variants[RecurrenceVariant(1, fp32, final, True, True)] = None
+            for dtype, final in itertools.product(dtypes, (fp32, None)):
+                variants[RecurrenceVariant(1, fp32, final, True, True, dtype=dtype)] = None
             variants[ScanVariant(1, None, fp32, True, token_outputs=False)] = None
             for dh0 in (fp32, None):
                 variants[ScanVariant(1, fp32, dh0, True)] = None

@@ -102,9 +102,10 @@ K2_VARIANTS = [  # (vsplit, initial state, final state, varlen, the training for
     (1, None, None, False, False), (1, torch.float32, torch.float32, False, False),
     (2, torch.bfloat16, torch.float32, True, False), (4, torch.bfloat16, torch.bfloat16, True, False),
     (4, None, torch.float32, False, False), (1, torch.float32, torch.float32, True, True),
+    (4, torch.bfloat16, None, False, True), (2, None, None, True, True),  # fp16 training's forwards
 ]
 FP16_STATE_VARIANTS = [(1, torch.float16, torch.float16, True, False), (2, None, torch.float16, False, False),
-                       (4, torch.float16, None, True, False)]
+                       (4, torch.float16, None, True, False), (2, torch.float16, torch.float16, False, True)]
 
 
 def _variant_id(v) -> str:
@@ -173,9 +174,10 @@ def test_k2_refuses_fp16_beside_fp32_states():
         FwdRecurrence(initial_state=F16, final_state=F32)
 
 
-def test_warmup_lists_the_fp16_forward_variants():
-    """``dtypes`` lists K1 and K2 per activation dtype (an fp16 log decay beside the fp32 one); the backward's and
-    K2's checkpoint variants only for bf16 (fp16 does not train)."""
+def test_warmup_lists_the_fp16_variants():
+    """``dtypes`` lists K1 and K2 per activation dtype (an fp16 log decay beside the fp32 one); with ``training`` K2's
+    checkpoint variants in fp16 too and the backward's bf16 variants, which fp16 training runs on bf16 copies (an fp16
+    state's dht / dh0 in fp32, a raw fp16 gate as bf16)."""
     from cute_kda.api import warmup_variants
     from cute_kda.variants import GradsVariant, PrepareVariant, RecurrenceVariant, ScanVariant
 
@@ -186,10 +188,18 @@ def test_warmup_lists_the_fp16_forward_variants():
     assert prepares == {("safe", fp16, fp16), ("none", fp16, fp16), ("none", fp32, fp16)}
     recurrences = [v for v in variants if isinstance(v, RecurrenceVariant)]
     assert {v.dtype for v in recurrences} == {fp16} and RecurrenceVariant(1, fp16, fp16, False, dtype=fp16) in recurrences
-    assert warmup_variants(dtypes=(fp16,), training=True, **selection) == variants
+    assert not any(isinstance(v, (ScanVariant, GradsVariant)) or v.checkpoints for v in variants
+                   if not isinstance(v, PrepareVariant))
+    trained = warmup_variants(dtypes=(fp16,), training=True, **selection)
+    assert set(variants) < set(trained)
+    assert RecurrenceVariant(1, fp16, fp16, False, True, dtype=fp16) in trained
+    assert RecurrenceVariant(1, fp32, fp32, True, True, dtype=fp16) in trained  # a segmented call's training pass
+    scans = {(v.dht, v.dh0) for v in trained if isinstance(v, ScanVariant) and not v.varlen}
+    assert scans == {(fp32, fp32), (None, fp32)}
+    grads = {(v.gate, v.g_dtype) for v in trained if isinstance(v, GradsVariant)}
+    assert grads == {("safe", bf16), ("none", bf16), ("none", fp32)}
     both = warmup_variants(dtypes=(bf16, fp16), training=True, **selection)
-    assert set(variants) < set(both) and any(isinstance(v, (ScanVariant, GradsVariant)) for v in both)
-    assert not any(v.checkpoints and v.dtype == fp16 for v in both if isinstance(v, RecurrenceVariant))
+    assert set(trained) <= set(both)
 
 
 def _fla_fp16_cases() -> list[str]:
