@@ -1,0 +1,267 @@
+"""fp16 training (issue 33; docs/numerics.md, "fp16 training"): the fp16 forward kernels, then the bf16 backward
+kernels on bf16 copies of dO, q, k, v and an fp16 g made in the training executor's backward; every gradient of an
+fp16 input in fp16.
+
+CPU tier: the kernel stages with their launchers replaced by the mirrors (the real launchers' buffer checks run, so
+Kernel A and Kernel B are handed bf16) equal the reference backend's chain bit for bit; the compiled training step
+(one op each way) equals eager bit for bit; ``opcheck`` of the training ops on fp16; GatedDeltaNet's FLA call (fp32 β,
+fp16 state) hands each gradient back in its input's dtype. The accuracy against the fp64 gold on the CPU:
+``tests/test_fp16_accuracy.py``.
+
+GPU tier: ``cute_kda.kda_forward`` on the kernels against autograd through the fp64 gold on the fp16 values (FLA's
+tolerances: dq dk dv dh0 8e-3, dg dβ 2e-2; dA_log, ddt_bias as the bf16 tests hold them) over gates, tails,
+T < 16, varlen with empty and 1-token sequences, grouped value heads, fp16 / fp32 states, ``recompute`` and a
+segmented call; ``recompute`` bit-identical; the compiled step equal to eager; ``chunk_gated_delta_rule`` on FLA's
+fp16 inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import pytest
+import torch
+
+import cute_kda
+from cute_kda.executors import stages, training
+from cute_kda.fla_calls import translate_fla_gdn_call
+from cute_kda.reference import gold_backward, rel_rms
+from cute_kda.reference.backend import REFERENCE
+
+from gradient_targets import SAFE_GATE_TOLERANCES, TARGETS
+from test_autograd import (  # noqa: F401  (fixtures)
+    INPUTS, REFERENCE_FORWARD, Graphs, _grads_of, _op_arguments, _step, launchers_on_mirrors, make_problem,
+    reference_ops, train,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:cute_kda mirror on CPU:RuntimeWarning")
+
+D = 128
+FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
+
+
+def fp16_problem(lengths, *, state=FP16, **options):
+    """:func:`test_autograd.make_problem` with q, k, v, g (and β) in fp16, the state in ``state``; do fp16."""
+    problem, do, dht = make_problem(lengths, state=state, **options)
+    problem = {n: x.half() if n in ("q", "k", "v", "g", "beta") else x for n, x in problem.items()}
+    return problem, do.half(), dht
+
+
+# ---------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+def test_kernel_stages_hand_the_backward_kernels_bf16(launchers_on_mirrors, recompute):
+    """fp16 q, k, v, g, β, state and do through KERNELS: K1 / K2 get the fp16 tensors, Kernel A and Kernel B pass
+    their launchers' bf16 checks, and every gradient is fp16 and the reference backend's bit for bit."""
+    problem, do, dht = fp16_problem([20, 0, 17, 5, 1])
+    launchers_on_mirrors.beta = problem["beta"].bfloat16()  # β enters rounded to bf16
+    forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
+    o, ht, grads = train(forward, problem, do=do, dht=dht.half(), recompute=recompute)
+    o_ref, ht_ref, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht.half(), recompute=recompute)
+    again = ["prepare", "recurrence"] if recompute else []
+    assert launchers_on_mirrors.calls == ["tile_bases", "prepare", "recurrence", *again, "bwd_scan", "bwd_grads"]
+    assert o.dtype == ht.dtype == FP16 and torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
+    for name in expected:
+        assert grads[name].dtype == problem[name].dtype, (name, grads[name].dtype)
+        assert torch.equal(grads[name], expected[name]), name
+    assert {grads[n].dtype for n in ("q", "k", "v", "g", "beta", "initial_state")} == {FP16}
+
+
+def test_recompute_gives_the_same_fp16_gradients():
+    """The recomputation runs the fp16 forward again: the backward sees the workspace the saved path keeps."""
+    problem, do, dht = fp16_problem([33, 33])
+    kept = train(REFERENCE_FORWARD, problem, do=do, dht=dht.half())[2]
+    again = train(REFERENCE_FORWARD, problem, do=do, dht=dht.half(), recompute=True)[2]
+    for name in kept:
+        assert torch.equal(kept[name], again[name]), name
+
+
+@pytest.mark.parametrize("state", [FP16, FP32], ids=["fp16_state", "fp32_state"])
+def test_compiled_fp16_training_step_is_one_op_each_way(reference_ops, state):
+    problem, do, dht = fp16_problem([40], state=state)
+    dht = dht.to(state)
+    eager = _grads_of(_step(REFERENCE_FORWARD, do, dht), problem)
+    graphs = Graphs()
+    compiled = _grads_of(torch.compile(_step(cute_kda.kda_forward, do, dht), fullgraph=True, backend=graphs.backend),
+                         problem)
+    for name, a, b in zip(INPUTS, eager, compiled):
+        assert a.dtype == b.dtype == problem[name].dtype and torch.equal(a, b), name
+    assert Graphs.count(graphs.forward, "cute_kda.forward_train.default") == 1
+    assert Graphs.count(graphs.backward, "cute_kda.backward.default") == 1
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+def test_opcheck_fp16_training_ops(reference_ops, recompute):
+    problem, do, dht = fp16_problem([20, 17])
+    problem["beta"] = problem["beta"].bfloat16()  # the op takes β as the kernels do (the traced call casts it)
+    leaves = {n: x.detach().clone().requires_grad_() if x.is_floating_point() else x for n, x in problem.items()}
+    torch.library.opcheck(training.forward_train_op, _op_arguments(leaves, recompute),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    _, _, ws, checkpoints, tile_base, _ = training.forward_train_op(*_op_arguments(problem, recompute))
+    p = problem
+    args = (do, dht.half(), *(p[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")), p["initial_state"],
+            p["cu_seqlens"], ws, checkpoints, tile_base, None, D ** -0.5, -5.0, True, True, FP16, True, recompute,
+            "safe", None, None)
+    torch.library.opcheck(training.backward_op, args)
+    grads = training.backward_op(*args)
+    assert [t.dtype for t in grads[:4]] == [FP16] * 4 and grads[4].dtype == BF16 and grads[7].dtype == FP16
+
+
+def test_gated_delta_rule_fla_call_trains_on_fp16():
+    """FLA's GatedDeltaNet test inputs: fp16 q, k, v, an fp32 log decay, fp32 β, an fp16 state; each gradient in its
+    input's dtype, within FLA's tolerances of the fp64 gold on those values."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.rand(1, 80, 2, D, generator=gen).half().requires_grad_() for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.rand(1, 80, 2, generator=gen)).requires_grad_()
+    beta = torch.rand(1, 80, 2, generator=gen).requires_grad_()
+    h0 = (0.1 * torch.randn(1, 2, D, D, generator=gen)).half().requires_grad_()
+    do = torch.randn(1, 80, 2, D, generator=gen).half()
+    call = translate_fla_gdn_call(q, k, v, g, beta, initial_state=h0, output_final_state=True, scale=0.1,
+                                  use_qk_l2norm_in_kernel=True)
+    o, ht = call.run(functools.partial(training.kda_forward, backend=REFERENCE))
+    assert o.dtype == FP16 and ht.dtype == FP32
+    dht = torch.randn(ht.shape, generator=gen)
+    torch.autograd.backward([o, ht], [do, dht])
+    assert [t.grad.dtype for t in (q, k, v, g, beta, h0)] == [FP16, FP16, FP16, FP32, FP32, FP16]
+    gold = gold_backward(q, k, v, g, beta, do, dht=dht, initial_state=h0, gate="none", scale=0.1, qk_l2norm=True,
+                         beta_logits=False, state_layout="kv")
+    errors = {name: rel_rms(t.grad, gold[name])
+              for name, t in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), (q, k, v, g, beta, h0))}
+    assert all(error <= TARGETS[name] for name, error in errors.items()), errors
+
+
+# ---------------------------------------------------------------- GPU: the kernels against the fp64 gold
+
+GPU_CASES = {  # gate, per-head gate, value heads, lengths (None: B2 T1000), state dtype, options
+    "safe_B2_T1000": ("safe", False, 2, None, None, {}),
+    "safe_varlen_fp16_state": ("safe", False, 2, [1, 0, 15, 16, 17, 1000, 333], FP16, {}),
+    "safe_T7_fp16_state": ("safe", False, 2, [7], FP16, {}),
+    "softplus_varlen_fp32_state": ("softplus", False, 2, [300, 1, 700], FP32, {}),
+    "softplus_grouped_fp16_state": ("softplus", False, 4, [257, 64], FP16, {}),
+    "log_decay_fp32_g": ("none", False, 2, None, BF16, {}),
+    "log_decay_fp16_g_fp16_state": ("none", False, 2, [513, 0, 200], FP16, {"fp16_g": True}),
+    "gdn_softplus_grouped": ("softplus", True, 4, [513, 64, 2], FP32, {}),
+    "gdn_log_decay_fp16_state": ("none", True, 2, [100, 0, 17, 700], FP16, {}),
+    "safe_recompute_fp16_state": ("safe", False, 2, [300, 700], FP16, {"recompute": True}),
+    "safe_segmented_fp16_state": ("safe", False, 2, None, FP16, {"segments": 4}),
+}
+
+
+def gpu_problem(case: str, device) -> tuple[dict, dict, torch.Tensor, torch.Tensor]:
+    """(tensors on the CPU, kda_forward's options, do fp16, dht fp32) of a :data:`GPU_CASES` case: FLA's draws
+    (q, k, v uniform in [0, 1) fp16, β logits fp16, the raw gate ``4·randn`` fp16 or the log decay
+    ``logsigmoid(randn)``, the state ``0.1·randn``)."""
+    gate, per_head, value_heads, lengths, state, extra = GPU_CASES[case]
+    gen = torch.Generator().manual_seed(11)
+    batch, steps = (2, 1000) if lengths is None else (1, sum(lengths))
+    num_seqs = batch if lengths is None else len(lengths)
+    q, k = (torch.rand(batch, steps, 2, D, generator=gen).half() for _ in range(2))  # grouped: HV = 4
+    v = torch.rand(batch, steps, value_heads, D, generator=gen).half()
+    gate_shape = (batch, steps, value_heads) if per_head else (batch, steps, value_heads, D)
+    if gate == "none":
+        g = torch.nn.functional.logsigmoid(torch.randn(gate_shape, generator=gen))
+        g = g.half() if extra.get("fp16_g") else g
+    else:
+        g = (torch.randn(gate_shape, generator=gen) * 4).half()
+    tensors = dict(q=q, k=k, v=v, g=g, beta=torch.randn(batch, steps, value_heads, generator=gen).half())
+    if gate != "none":
+        tensors["A_log"] = torch.rand(value_heads, generator=gen) - 0.5
+        tensors["dt_bias"] = torch.randn(gate_shape[2:], generator=gen)
+    if state is not None:
+        tensors["initial_state"] = (0.1 * torch.randn(num_seqs, value_heads, D, D, generator=gen)).to(state)
+    options = dict(gate=gate, output_final_state=True, recompute=extra.get("recompute", False),
+                   segments=extra.get("segments"))
+    if gate == "safe":
+        options["lower_bound"] = -5.0
+    if lengths is not None:
+        options["cu_seqlens"] = torch.tensor([0, *itertools.accumulate(lengths)])
+    do = torch.randn(v.shape, generator=gen).half()
+    dht = torch.randn(num_seqs, value_heads, D, D, generator=gen)
+    return tensors, options, do, dht
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_fp16_training_matches_the_gold(case, device):
+    """Every gradient of an fp16 input fp16, in its input's shape, within FLA's tolerances of autograd through the
+    fp64 gold on the fp16 values."""
+    tensors, options, do, dht = gpu_problem(case, device)
+    leaves = {n: t.to(device).requires_grad_() for n, t in tensors.items()}
+    cu = options.get("cu_seqlens")
+    o, ht = cute_kda.kda_forward(*(leaves[n] for n in ("q", "k", "v", "g", "beta")),
+                                 **{n: leaves[n] for n in leaves if n not in ("q", "k", "v", "g", "beta")},
+                                 **{**options, "cu_seqlens": None if cu is None else cu.to(device)})
+    assert o.dtype == FP16
+    torch.autograd.backward([o, ht], [do.to(device), dht.to(device, ht.dtype)])
+    gold_options = {n: options[n] for n in ("gate", "lower_bound", "cu_seqlens") if n in options}
+    want = gold_backward(tensors["q"], tensors["k"], tensors["v"], tensors["g"], tensors["beta"], do, dht=dht,
+                         A_log=tensors.get("A_log"), dt_bias=tensors.get("dt_bias"),
+                         initial_state=tensors.get("initial_state"), qk_l2norm=True, beta_logits=True,
+                         state_layout="vk", **gold_options)
+    names = dict(zip(INPUTS, ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")))
+    tolerances = SAFE_GATE_TOLERANCES if options["gate"] == "safe" else TARGETS
+    errors = {}
+    for name, leaf in leaves.items():
+        assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype and leaf.grad.shape == leaf.shape, name
+        errors[names[name]] = rel_rms(leaf.grad.cpu(), want[names[name]])
+    print(f"[fp16 training vs gold] {case}: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+    assert all(e <= tolerances[n] for n, e in errors.items()), errors
+
+
+@pytest.mark.gpu
+def test_fp16_recompute_is_bit_identical_on_the_kernels(device):
+    tensors, options, do, dht = gpu_problem("safe_varlen_fp16_state", device)
+
+    def grads(recompute):
+        leaves = {n: t.to(device).requires_grad_() for n, t in tensors.items()}
+        o, ht = cute_kda.kda_forward(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), A_log=leaves["A_log"],
+                                     dt_bias=leaves["dt_bias"], initial_state=leaves["initial_state"],
+                                     **{**options, "cu_seqlens": options["cu_seqlens"].to(device),
+                                        "recompute": recompute})
+        torch.autograd.backward([o, ht], [do.to(device), dht.to(device, ht.dtype)])
+        return {n: leaf.grad for n, leaf in leaves.items()}
+
+    kept, again = grads(False), grads(True)
+    for name in kept:
+        assert torch.equal(kept[name], again[name]), name
+
+
+@pytest.mark.gpu
+def test_compiled_fp16_training_step_matches_eager(device):
+    tensors, options, do, dht = gpu_problem("safe_T7_fp16_state", device)
+    problem = {n: t.to(device) for n, t in tensors.items()}
+    do, dht = do.to(device), dht.to(device, FP16)
+    eager = _grads_of(_step(cute_kda.kda_forward, do, dht), problem)
+    compiled = _grads_of(torch.compile(_step(cute_kda.kda_forward, do, dht), fullgraph=True), problem)
+    torch.cuda.synchronize()
+    for name, a, b in zip(INPUTS, eager, compiled):
+        assert a.dtype == b.dtype == problem[name].dtype and torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_chunk_gated_delta_rule_trains_on_flas_fp16_inputs(device):
+    """GatedDeltaNet as FLA's tests call it (fp16 q, k, v, fp32 log decay and β, fp16 ``[N, HV, K, V]`` state,
+    varlen): fp16 gradients (fp32 for g and β) within FLA's tolerances of the gold."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = [100, 0, 1, 700]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)])
+    q, k, v = (torch.rand(1, cu[-1], 2, D, generator=gen).half() for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.rand(1, cu[-1], 2, generator=gen))
+    beta = torch.rand(1, cu[-1], 2, generator=gen)
+    h0 = torch.randn(len(lengths), 2, D, D, generator=gen).half()
+    do = torch.randn(v.shape, generator=gen).half()
+    dht = torch.randn(h0.shape, generator=gen)
+    cpu = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0)
+    leaves = {n: t.to(device).requires_grad_() for n, t in cpu.items()}
+    o, ht = cute_kda.chunk_gated_delta_rule(**leaves, scale=0.1, output_final_state=True, cu_seqlens=cu.to(device),
+                                            use_qk_l2norm_in_kernel=True)
+    torch.autograd.backward([o, ht], [do.to(device), dht.to(device, ht.dtype)])
+    want = gold_backward(q, k, v, g, beta, do, dht=dht, initial_state=h0, gate="none", scale=0.1, qk_l2norm=True,
+                         beta_logits=False, state_layout="kv", cu_seqlens=cu)
+    names = dict(q="dq", k="dk", v="dv", g="dg", beta="dbeta", initial_state="dh0")
+    errors = {names[n]: rel_rms(leaf.grad.cpu(), want[names[n]]) for n, leaf in leaves.items()}
+    print(f"[fp16 GatedDeltaNet vs gold] " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+    assert [leaves[n].grad.dtype for n in cpu] == [FP16, FP16, FP16, FP32, FP32, FP16]
+    assert all(e <= TARGETS[n] for n, e in errors.items()), errors
