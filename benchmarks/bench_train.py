@@ -44,6 +44,7 @@ what it measured.
     python benchmarks/bench_train.py --shapes B1_T8192_H96 --disable-recompute   # both peers keep intermediates
     python benchmarks/bench_train.py --shapes B1_T32768_H16 --segments 1         # cute_kda without segments
     python benchmarks/bench_train.py --shapes B1_T8192_H96 --head-dim 64          # K = V = 64 beside FLA
+    python benchmarks/bench_train.py --shapes B1_T8192_H96 --dtype fp16          # fp16 inputs and dO, both peers
 
 ``--head-dim`` below 128: cute_kda runs zero-padded to 128 (``cute_kda.head_dims``: the D = 128 step plus the
 padding copies and the gradients' slices), FLA at that head dim.
@@ -86,6 +87,7 @@ from shapes import D, LOWER_BOUND, SHAPES, head_dim, make_inputs  # noqa: E402
 
 GOAL = 0.5  # Done-means "Speed": a cute_kda step in at most half FLA's time
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype: q, k, v, g, beta and dO
 AGREEMENT = ("o", "ht", *GRAD_NAMES)
 PROFILE_STEPS = 5
 TOP_KERNELS = 8
@@ -126,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel breakdown")
     parser.add_argument("--disable-recompute", action="store_true",
                         help="pass disable_recompute=True to both peers (default: FLA's False, recompute in the backward)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16",
+                        help="q, k, v, g, beta and dO in bf16 (default) or fp16 (FLA's test dtype), for both peers")
     parser.add_argument("--segments", type=positive_int, default=None,
                         help="cute_kda's context-parallel segments per sequence (default: its heuristic; 1: none)")
     parser.add_argument("--head-dim", type=head_dim, default=D,
@@ -399,16 +403,17 @@ def agreement_table(rows: list[dict]) -> str:
 
 
 def report(rows: list[dict], command: str, env: str, sha: str, steps: int, warmup: int,
-           disable_recompute: bool = False, segments: int | None = None, head_dim: int = D) -> str:
+           disable_recompute: bool = False, segments: int | None = None, head_dim: int = D,
+           dtype: str = "bf16") -> str:
     parts = [
         "# Training step (forward + backward): cute_kda vs FLA chunk_kda",
         f"Command: `{command}` · commit `{sha}`",
         f"{env} · D={head_dim}{'' if head_dim == D else f' (cute_kda: zero-padded to {D})'}, "
-        f"bf16 q/k/v/g/beta (raw; gate, l2norm and β-sigmoid in-kernel, safe_gate, "
+        f"{dtype} q/k/v/g/beta (raw; gate, l2norm and β-sigmoid in-kernel, safe_gate, "
         f"lower_bound={LOWER_BOUND}), fp32 A_log/dt_bias/initial state (v-first), all requiring grad; "
         f"disable_recompute={disable_recompute} for both peers; cute_kda's context-parallel segments: "
         f"{'its heuristic' if segments is None else segments}; "
-        f"step = forward + backward of sum(o·dO) + sum(ht·dht), fixed dO bf16 / dht fp32; medians of {steps} "
+        f"step = forward + backward of sum(o·dO) + sum(ht·dht), fixed dO {dtype} / dht fp32; medians of {steps} "
         f"CUDA-event-timed steps after {warmup} warm-up steps; ratios cute_kda / FLA (< 1: cute_kda faster)",
         speed_table(rows),
         "Memory (MB = 10⁶ bytes). Saved for bwd: unique storages packed by saved_tensors_hooks during one "
@@ -432,15 +437,18 @@ def report(rows: list[dict], command: str, env: str, sha: str, steps: int, warmu
 # measuring (GPU)
 
 
-def make_problem(name: str, device: torch.device, disable_recompute: bool = False, dim: int = D) -> dict:
-    """Inputs of ``name`` at head dim ``dim`` as autograd leaves (dt_bias flattened to FLA's [H*K]), fixed dO / dht,
-    the kwargs (FLA's ``disable_recompute`` as given)."""
+def make_problem(name: str, device: torch.device, disable_recompute: bool = False, dim: int = D,
+                 dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Inputs of ``name`` at head dim ``dim`` as autograd leaves (dt_bias flattened to FLA's [H*K]; q, k, v, g, beta
+    and dO in ``dtype``), fixed dO / dht, the kwargs (FLA's ``disable_recompute`` as given)."""
     shape = SHAPES[name]
     inputs = make_inputs(shape, device, dim=dim)
     inputs["dt_bias"] = inputs["dt_bias"].reshape(-1).contiguous()
+    for key in ("q", "k", "v", "g", "beta"):
+        inputs[key] = inputs[key].to(dtype)
     leaves = {key: inputs[key].requires_grad_() for key in GRAD_NAMES}
     gen = torch.Generator(device=device).manual_seed(1)
-    do = torch.randn(inputs["v"].shape, generator=gen, device=device).to(torch.bfloat16)
+    do = torch.randn(inputs["v"].shape, generator=gen, device=device).to(dtype)
     dht = 0.1 * torch.randn(inputs["initial_state"].shape, generator=gen, device=device)
     cu_seqlens = inputs["cu_seqlens"]
     kwargs = dict(
@@ -571,7 +579,8 @@ def bench_shape(name: str, args, device: torch.device | None = None) -> dict:
     from cute_kda.reference import rel_rms
 
     print(f"== {name}", file=sys.stderr)
-    problem = make_problem(name, device or torch.device("cuda"), args.disable_recompute, args.head_dim)
+    problem = make_problem(name, device or torch.device("cuda"), args.disable_recompute, args.head_dim,
+                           DTYPES[args.dtype])
     forwards = peer_forwards(problem, args.peers, args.segments)
     row: dict = dict(shape=name, input_bytes=problem["input_bytes"], peers={}, agreement={})
     keep: dict = {}
@@ -608,12 +617,11 @@ def main(argv: list[str] | None = None) -> None:
     env = environment("cutlass", "fla", "triton", labels={"cutlass": "cutlass-dsl"})
     sha = commit()
     rows: list[dict] = []
-    text = report(rows, command, env, sha, args.steps, args.warmup, args.disable_recompute, args.segments,
-                  args.head_dim)
+    options = (args.disable_recompute, args.segments, args.head_dim, args.dtype)
+    text = report(rows, command, env, sha, args.steps, args.warmup, *options)
     for name in args.shapes:
         rows.append(bench_shape(name, args))
-        text = report(rows, command, env, sha, args.steps, args.warmup, args.disable_recompute, args.segments,
-                      args.head_dim)
+        text = report(rows, command, env, sha, args.steps, args.warmup, *options)
         save(text, out)  # after every shape
     publish(text, out)
 

@@ -384,6 +384,17 @@ def test_disable_recompute_reaches_both_peers_and_the_report(bench, monkeypatch)
     assert "disable_recompute=True for both peers" in bench.report([], "cmd", "ENV", "sha", 1, 1, True)
 
 
+def test_fp16_reaches_the_inputs_and_the_report(bench, monkeypatch):
+    monkeypatch.setitem(bench.SHAPES, "tiny", type(bench.SHAPES["B1_T8192_H96"])((16,), 1))
+    assert bench.build_parser().parse_args([]).dtype == "bf16"
+    args = bench.build_parser().parse_args(["--dtype", "fp16"])
+    problem = bench.make_problem("tiny", torch.device("cpu"), dtype=bench.DTYPES[args.dtype])
+    assert {problem["leaves"][n].dtype for n in ("q", "k", "v", "g", "beta")} == {torch.float16}
+    assert problem["do"].dtype == torch.float16 and problem["leaves"]["A_log"].dtype == torch.float32
+    text = bench.report([], "cmd", "ENV", "sha", 1, 1, dtype="fp16")
+    assert "fp16 q/k/v/g/beta" in text and "fixed dO fp16" in text
+
+
 def test_bench_shape_keeps_going_when_ours_fails(bench, monkeypatch):
     _fake_cuda(bench, monkeypatch)
     monkeypatch.setitem(bench.SHAPES, "tiny", type(bench.SHAPES["B1_T8192_H96"])((16,), 1))
