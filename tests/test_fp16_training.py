@@ -265,3 +265,28 @@ def test_chunk_gated_delta_rule_trains_on_flas_fp16_inputs(device):
     print(f"[fp16 GatedDeltaNet vs gold] " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
     assert [leaves[n].grad.dtype for n in cpu] == [FP16, FP16, FP16, FP32, FP32, FP16]
     assert all(e <= TARGETS[n] for n, e in errors.items()), errors
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+def test_fp16_keeps_what_bf16_keeps_for_the_backward(recompute):
+    """Between forward and backward an fp16 call keeps the bf16 call's tensors, byte for byte (the inputs as given,
+    the workspace, the checkpoints): the bf16 copies are made in the backward only."""
+    def saved(problem):
+        kept = []
+
+        def pack(t):
+            kept.append(t)
+            return t
+
+        leaves = {n: x.detach().clone().requires_grad_() if x.is_floating_point() else x for n, x in problem.items()}
+        tokens = [leaves.pop(n) for n in ("q", "k", "v", "g", "beta")]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            REFERENCE_FORWARD(*tokens, **leaves, output_final_state=True, recompute=recompute)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+        return [(t.dtype, tuple(t.shape)) for t in kept], sum(storages.values())
+
+    half, _, _ = fp16_problem([20, 17])
+    full = {n: x.bfloat16() if n in ("q", "k", "v", "g", "beta", "initial_state") else x for n, x in half.items()}
+    (half_tensors, half_bytes), (full_tensors, full_bytes) = saved(half), saved(full)
+    assert half_bytes == full_bytes
+    assert [shape for _, shape in half_tensors] == [shape for _, shape in full_tensors]
