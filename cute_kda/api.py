@@ -105,7 +105,7 @@ def kda_forward(
     Head dims: the kernels' K = V = 128; K ≤ 128 and V ≤ 128 run zero-padded to 128, V a multiple of 128 as V / 128
     value heads of 128 (:mod:`cute_kda.head_dims`: exact, forward and backward; the default scale is the caller's
     ``K ** -0.5``; not for a pool call). K > 128, V > 128 not a multiple of 128, and q, k, v or a raw gate in fp32,
-    bf16 and fp16 mixed, fp16 inputs that require grad (an fp16 state with bf16 inputs), raise ``NotImplementedError``
+    bf16 and fp16 mixed, or an fp16 state with bf16 inputs, raise ``NotImplementedError``
     naming the argument and size
     (:class:`cute_kda.validation.UnsupportedDtypeError` for a dtype, also a ``TypeError``). ``vsplit`` (1, 2, 4 or
     None = heuristic): K2 CTAs per (sequence, head). ``segments``
@@ -243,7 +243,7 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     (o ``[B, T, H, V]`` in q's dtype, final state fp32 in the caller's layout or None).
 
     Supported: K = V = 128 (K, V ≤ 128 zero-padded to 128 and V a multiple of 128 split, as :func:`kda_forward`
-    does), bf16 q/k/v (fp16 for inference: o in fp16), beta bf16 (fp16 or fp32 rounded to bf16 on entry, a small cast; FLA's
+    does), bf16 q/k/v (or fp16: o and the gradients in fp16), beta bf16 (fp16 or fp32 rounded to bf16 on entry, a small cast; FLA's
     tests pass such betas); the gate as FLA has it: ``use_gate_in_kernel=True`` with
     ``lower_bound`` in [-5, 0) (the bounded gate) or without (the softplus gate of Kimi-Linear), both with
     a raw g in q's dtype, or ``use_gate_in_kernel=False`` (g the log decay, q's dtype or fp32);

@@ -99,7 +99,8 @@ def translate_fla_call(
         means no scaling (we pass zeros: exp(0) = 1); ``dt_bias`` ``[H*K]``, ``[H, K]`` or None
         (zeros). Both are taken to fp32 as FLA's kernels do. ``use_gate_in_kernel=False``: g is the
         log decay itself (q's dtype or fp32) → ``gate="none"``, A_log and dt_bias unused.
-      - q, k, v, a raw g: bf16, or fp16 for inference (o in fp16; docs/numerics.md, "fp16 inputs").
+      - q, k, v, a raw g: bf16, or fp16 (o and the gradients in fp16; docs/numerics.md, "fp16 inputs", "fp16
+        training").
       - beta bf16, or fp16 / fp32 rounded to bf16 here (:func:`cute_kda.validation.cast_beta`; FLA's kernels read
         it in its own dtype, so this rounding is an error FLA does not make: docs/numerics.md, "fp16 inputs").
       - ``use_qk_l2norm_in_kernel`` → ``qk_l2norm``; ``use_beta_sigmoid_in_kernel`` → ``beta_logits``.

@@ -17,7 +17,9 @@ Kernel A (dv, du, the per-tile state gradients, dh0) → Kernel B (dq, dk, dg, d
 ddt_bias / dA_log, reduced by ``.sum(1)``: deterministic). Kernel B runs only when one of q, k, g, beta, A_log,
 dt_bias needs a gradient. Everything is queued on the current stream; nothing synchronises the host. Gradients come
 back only for the inputs that need them, each in its input's dtype and shape (dh0 in ``initial_state``'s
-``[N, HV, V, K]`` layout and dtype).
+``[N, HV, V, K]`` layout and dtype). fp16 inputs: the forward runs the fp16 K1 / K2 and keeps what a bf16 one keeps;
+the backward kernels, bf16 only, run on bf16 copies made in the backward (:func:`backward`; docs/numerics.md,
+"fp16 training").
 
 The stages sit behind a :class:`~cute_kda.executors.stages.Backend`: :data:`~cute_kda.executors.stages.KERNELS` for
 every public call and op; :data:`cute_kda.reference.backend.REFERENCE` only for a caller that names it
@@ -187,8 +189,8 @@ def forward_train_op(
     cu_seqlens: Optional[torch.Tensor], scale: Optional[float], lower_bound: float, output_final_state: bool,
     vsplit: Optional[int], qk_l2norm: bool, beta_logits: bool, recompute: bool, gate: str, segments: Optional[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The training forward of :func:`cute_kda.kda_forward`'s arguments (caller buffers excepted). Returns out bf16
-    ``[B, T, HV, V]``, the final state ``[N, HV, V, K]`` (empty without ``output_final_state``), the flat uint8
+    """The training forward of :func:`cute_kda.kda_forward`'s arguments (caller buffers excepted). Returns out in v's
+    dtype ``[B, T, HV, V]``, the final state ``[N, HV, V, K]`` (empty without ``output_final_state``), the flat uint8
     workspace ``[WorkspaceSpec.nbytes]``, the checkpoints bf16 ``[HV · slots, D, D]`` (state images; both empty under
     ``recompute``), ``tile_base`` int32 ``[N+1]`` (empty for fixed length) and the segment states fp32
     ``[2, segments, HV, V, K]`` (empty unsplit). A segmented call's workspace, checkpoints and ``tile_base`` are those
@@ -248,7 +250,7 @@ def backward_op(
     token_grads: bool, recompute: bool, gate: str, vsplit: Optional[int], segments: Optional[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
-    """The backward of :func:`forward_train_op`: do bf16 ``[B, T, HV, V]``; dht None or ``[N, HV, V, K]``;
+    """The backward of :func:`forward_train_op`: do bf16 or fp16 ``[B, T, HV, V]``; dht None or ``[N, HV, V, K]``;
     the forward's inputs (``initial_state`` read only under ``recompute``) and saved outputs (``tile_base``
     None for fixed length, ``segment_states`` None unsplit; workspace and checkpoints empty under ``recompute``);
     ``vsplit`` and ``segments`` as the forward had them. Returns dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 in
