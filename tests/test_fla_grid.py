@@ -220,14 +220,32 @@ def any_device(monkeypatch):
 
 
 def test_the_grid_holds_flas_cases():
-    """63 of FLA's chunk cases (two pairs differ only in values: one name each) and their twins; FLA's own bf16
-    cases are computed as FLA draws them (K = V = 64 zero-padded to 128), but for the safe gate's grouped value heads
-    in training, and so are half the twins."""
+    """63 of FLA's chunk cases (two pairs differ only in values: one name each) and their twins; FLA's own cases are
+    computed as FLA draws them, bf16 and fp16 (fp16 training on bf16 copies of what the backward kernels read), head
+    dims below 128 zero-padded to 128, but for the safe gate's grouped value heads in training, fp32 raw gates beside
+    fp16 activations, fp32 activations, head dim 256 and allow_neg_eigval; and so are a third of the twins."""
     assert len(FLA_GRID) == 63
     accepted = [name for name, case in CASES.items() if expected_refusal(case) is None]
     assert sorted(name for name in accepted if not name.endswith("-twin")) == [
-        "kda-B1-T8192-H96-HV96-D128-bfloat16-sigmoid-c64", "kda-B2-T1024-H2-HV4-D64-bfloat16-gate-c64",
-        "kda-B2-T1024-H2-HV8-D128-bfloat16-l2-gate-c64"]
+        "gdn-B1-T1000-H2-HV4-D64-float16-cu3-c64", "gdn-B1-T1000-H2-HV8-D64-float16-cu3-c64",
+        "gdn-B1-T1000-H4-HV4-D64-float16-cu3-c64", "gdn-B1-T15-H4-HV4-D60-float16-cu1-c64",
+        "gdn-B1-T2000-H4-HV4-D100-float16-cu5-c64", "gdn-B2-T1000-H3-HV3-D64-float16-c64",
+        "gdn-B2-T1024-H4-HV8-D128-float16-c64", "gdn-B2-T1500-H4-HV4-D128-float16-c64",
+        "gdn-B2-T256-H2-HV4-D64-float16-c64", "gdn-B2-T500-H3-HV3-D60-float16-c64",
+        "gdn-B2-T500-H4-HV4-D64-float16-sigmoid-c64", "gdn-B2-T512-H2-HV8-D64-float16-l2-c64",
+        "gdn-B2-T75-H4-HV4-D64-float16-c64", "gdn-B3-T1024-H4-HV4-D100-float16-c64",
+        "gdn-B4-T1024-H4-HV4-D128-float16-c64", "gdn-B4-T1024-H4-HV4-D128-float16-l2-c64",
+        "gdn-B4-T2048-H8-HV8-D64-float16-c64", "gdn-B4-T2048-H8-HV8-D64-float16-l2-sigmoid-c64",
+        "kda-B1-T1000-H4-HV4-D128-float16-cu3-c64", "kda-B1-T1000-H4-HV4-D64-float16-gate-cu3-c64",
+        "kda-B1-T15-H4-HV4-D60-float16-gate-cu1-c64", "kda-B1-T160-H4-HV4-D60-float16-gate-keep-cu3-c32",
+        "kda-B1-T2000-H4-HV4-D100-float16-gate-cu5-c64", "kda-B1-T63-H1-HV1-D64-float16-safe-c64",
+        "kda-B1-T8192-H96-HV96-D128-bfloat16-sigmoid-c64", "kda-B2-T1000-H3-HV3-D64-float16-keep-c64",
+        "kda-B2-T1024-H2-HV4-D64-bfloat16-gate-c64", "kda-B2-T1024-H2-HV4-D64-float16-c64",
+        "kda-B2-T1024-H2-HV8-D128-bfloat16-l2-gate-c64", "kda-B2-T1024-H2-HV8-D64-float16-gate-c64",
+        "kda-B2-T1024-H4-HV8-D128-float16-l2-gate-c64", "kda-B2-T1500-H4-HV4-D128-float16-gate-keep-c64",
+        "kda-B2-T500-H3-HV3-D60-float16-safe-keep-c64", "kda-B3-T1024-H4-HV4-D100-float16-c64",
+        "kda-B4-T1024-H4-HV4-D128-float16-l2-safe-c64", "kda-B4-T1024-H4-HV4-D128-float16-safe-keep-c64",
+        "kda-B4-T2048-H8-HV8-D64-float16-gate-safe-keep-c64"]
     assert len(accepted) >= len(CASES) // 3
 
 
