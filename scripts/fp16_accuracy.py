@@ -17,10 +17,12 @@ fp64 gold recurrence on the fp16 values themselves (relative RMS, FLA's measure,
     python3 scripts/fp16_accuracy.py              # the table of docs/numerics.md, "fp16 inputs"
     python3 scripts/fp16_accuracy.py --backward   # its gradient table (training on fp16 inputs through bf16)
 
-``--backward`` measures the gradients the same way (FLA's ``do = randn`` in fp16 and ``dht = randn`` fp32): the bf16
-mirror of the whole backward (:func:`cute_kda.reference.backward.mirror_backward`) on the inputs and ``do`` rounded to
-bf16 (what casting fp16 training to bf16 where the call enters computes) against the fp64 gold gradients on the fp16
-values; the rounding alone; the pipeline (mirror against the gold on the rounded values).
+``--backward`` measures the gradients the same way (FLA's ``do = randn`` in fp16 and ``dht = randn`` fp32), against
+the fp64 gold gradients on the fp16 values: fp16 training as built (:func:`trained`: the training executor on the
+reference stages, docs/numerics.md "fp16 training") and, in brackets, the bound it was chosen by: the bf16 mirror of
+the whole backward (:func:`cute_kda.reference.backward.mirror_backward`) on the inputs and ``do`` rounded to bf16 (what
+casting fp16 training to bf16 where the call enters computes). :func:`measure_backward` also gives the rounding alone
+and the pipeline (the mirror against the gold on the rounded values).
 """
 
 from __future__ import annotations

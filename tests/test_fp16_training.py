@@ -5,13 +5,14 @@ fp16 input in fp16.
 CPU tier: the kernel stages with their launchers replaced by the mirrors (the real launchers' buffer checks run, so
 Kernel A and Kernel B are handed bf16) equal the reference backend's chain bit for bit; the compiled training step
 (one op each way) equals eager bit for bit; ``opcheck`` of the training ops on fp16; GatedDeltaNet's FLA call (fp32 β,
-fp16 state) hands each gradient back in its input's dtype. The accuracy against the fp64 gold on the CPU:
+fp16 state) hands each gradient back in its input's dtype; K = V = 64 (zero-padded) against the fp64 gold; the bytes
+kept for the backward are the bf16 call's. The accuracy against the fp64 gold on the CPU:
 ``tests/test_fp16_accuracy.py``.
 
 GPU tier: ``cute_kda.kda_forward`` on the kernels against autograd through the fp64 gold on the fp16 values (FLA's
 tolerances: dq dk dv dh0 8e-3, dg dβ 2e-2; dA_log, ddt_bias as the bf16 tests hold them) over gates, tails,
-T < 16, varlen with empty and 1-token sequences, grouped value heads, fp16 / fp32 states, ``recompute`` and a
-segmented call; ``recompute`` bit-identical; the compiled step equal to eager; ``chunk_gated_delta_rule`` on FLA's
+T < 16, varlen with empty and 1-token sequences, grouped value heads, fp16 / fp32 states, ``recompute``, a
+segmented call and K = V = 64; ``recompute`` bit-identical; the compiled step equal to eager; ``chunk_gated_delta_rule`` on FLA's
 fp16 inputs.
 """
 
@@ -132,6 +133,38 @@ def test_gated_delta_rule_fla_call_trains_on_fp16():
     assert all(error <= TARGETS[name] for name, error in errors.items()), errors
 
 
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+def test_fp16_training_at_head_dim_64(gate):
+    """fp16 at K = V = 64 (FLA's commonest size after 128): zero-padded to 128 where the call resolves, the fp16 forward,
+    the backward on bf16 copies; fp16 gradients at the caller's size within FLA's tolerances of the fp64 gold."""
+    gen = torch.Generator().manual_seed(9)
+    lengths = [40, 0, 1, 60]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)])
+    q, k, v = (torch.rand(1, 101, 2, 64, generator=gen).half() for _ in range(3))
+    tensors = dict(q=q, k=k, v=v, g=(torch.randn(1, 101, 2, 64, generator=gen) * 4).half(),
+                   beta=torch.randn(1, 101, 2, generator=gen).half(), A_log=torch.rand(2, generator=gen) - 0.5,
+                   dt_bias=torch.randn(2, 64, generator=gen),
+                   initial_state=(0.1 * torch.randn(4, 2, 64, 64, generator=gen)).half())
+    do = torch.randn(v.shape, generator=gen).half()
+    dht = torch.randn(4, 2, 64, 64, generator=gen)
+    leaves = {n: t.clone().requires_grad_() for n, t in tensors.items()}
+    o, ht = REFERENCE_FORWARD(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), A_log=leaves["A_log"],
+                              dt_bias=leaves["dt_bias"], initial_state=leaves["initial_state"], gate=gate,
+                              cu_seqlens=cu, output_final_state=True)
+    assert o.shape == v.shape and o.dtype == ht.dtype == FP16
+    torch.autograd.backward([o, ht], [do, dht.half()])
+    want = gold_backward(*(tensors[n] for n in ("q", "k", "v", "g", "beta")), do, dht=dht.half(), gate=gate,
+                         A_log=tensors["A_log"], dt_bias=tensors["dt_bias"], initial_state=tensors["initial_state"],
+                         cu_seqlens=cu, state_layout="vk", **({"lower_bound": -5.0} if gate == "safe" else {}))
+    names = dict(zip(INPUTS, ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")))
+    tolerances = SAFE_GATE_TOLERANCES if gate == "safe" else TARGETS
+    errors = {}
+    for name, leaf in leaves.items():
+        assert leaf.grad.dtype == leaf.dtype and leaf.grad.shape == leaf.shape, name
+        errors[names[name]] = rel_rms(leaf.grad, want[names[name]])
+    assert all(e <= tolerances[n] for n, e in errors.items()), errors
+
+
 # ---------------------------------------------------------------- GPU: the kernels against the fp64 gold
 
 GPU_CASES = {  # gate, per-head gate, value heads, lengths (None: B2 T1000), state dtype, options
@@ -146,6 +179,8 @@ GPU_CASES = {  # gate, per-head gate, value heads, lengths (None: B2 T1000), sta
     "gdn_log_decay_fp16_state": ("none", True, 2, [100, 0, 17, 700], FP16, {}),
     "safe_recompute_fp16_state": ("safe", False, 2, [300, 700], FP16, {"recompute": True}),
     "safe_segmented_fp16_state": ("safe", False, 2, None, FP16, {"segments": 4}),
+    "softplus_head_dim_64_varlen": ("softplus", False, 2, [1, 0, 15, 16, 17, 1000, 333], FP16, {"dim": 64}),
+    "gdn_head_dim_64_grouped": ("none", True, 4, [513, 64, 2], FP32, {"dim": 64}),
 }
 
 
@@ -156,10 +191,10 @@ def gpu_problem(case: str, device) -> tuple[dict, dict, torch.Tensor, torch.Tens
     gate, per_head, value_heads, lengths, state, extra = GPU_CASES[case]
     gen = torch.Generator().manual_seed(11)
     batch, steps = (2, 1000) if lengths is None else (1, sum(lengths))
-    num_seqs = batch if lengths is None else len(lengths)
-    q, k = (torch.rand(batch, steps, 2, D, generator=gen).half() for _ in range(2))  # grouped: HV = 4
-    v = torch.rand(batch, steps, value_heads, D, generator=gen).half()
-    gate_shape = (batch, steps, value_heads) if per_head else (batch, steps, value_heads, D)
+    num_seqs, dim = batch if lengths is None else len(lengths), extra.get("dim", D)
+    q, k = (torch.rand(batch, steps, 2, dim, generator=gen).half() for _ in range(2))  # grouped: HV = 4
+    v = torch.rand(batch, steps, value_heads, dim, generator=gen).half()
+    gate_shape = (batch, steps, value_heads) if per_head else (batch, steps, value_heads, dim)
     if gate == "none":
         g = torch.nn.functional.logsigmoid(torch.randn(gate_shape, generator=gen))
         g = g.half() if extra.get("fp16_g") else g
@@ -170,7 +205,7 @@ def gpu_problem(case: str, device) -> tuple[dict, dict, torch.Tensor, torch.Tens
         tensors["A_log"] = torch.rand(value_heads, generator=gen) - 0.5
         tensors["dt_bias"] = torch.randn(gate_shape[2:], generator=gen)
     if state is not None:
-        tensors["initial_state"] = (0.1 * torch.randn(num_seqs, value_heads, D, D, generator=gen)).to(state)
+        tensors["initial_state"] = (0.1 * torch.randn(num_seqs, value_heads, dim, dim, generator=gen)).to(state)
     options = dict(gate=gate, output_final_state=True, recompute=extra.get("recompute", False),
                    segments=extra.get("segments"))
     if gate == "safe":
@@ -178,7 +213,7 @@ def gpu_problem(case: str, device) -> tuple[dict, dict, torch.Tensor, torch.Tens
     if lengths is not None:
         options["cu_seqlens"] = torch.tensor([0, *itertools.accumulate(lengths)])
     do = torch.randn(v.shape, generator=gen).half()
-    dht = torch.randn(num_seqs, value_heads, D, D, generator=gen)
+    dht = torch.randn(num_seqs, value_heads, dim, dim, generator=gen)
     return tensors, options, do, dht
 
 
