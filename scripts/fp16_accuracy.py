@@ -15,7 +15,7 @@ fp64 gold recurrence on the fp16 values themselves (relative RMS, FLA's measure,
   bf16 is widened), o rounded to fp16, β rounded to bf16 where the call enters.
 
     python3 scripts/fp16_accuracy.py              # the table of docs/numerics.md, "fp16 inputs"
-    python3 scripts/fp16_accuracy.py --backward   # its gradient table (training on fp16 inputs through bf16)
+    python3 scripts/fp16_accuracy.py --backward   # the gradient table of docs/numerics.md, "fp16 training"
 
 ``--backward`` measures the gradients the same way (FLA's ``do = randn`` in fp16 and ``dht = randn`` fp32), against
 the fp64 gold gradients on the fp16 values: fp16 training as built (:func:`trained`: the training executor on the
