@@ -10,7 +10,8 @@ the code (``--out`` both, then ``--compare``): equal hashes mean byte-identical 
 The variants: every combination the launchers can key (``ops/*.compiled_variant``) and ``api.warmup`` visits,
 plus the knobs only tests and benchmarks set (K1's 256 threads, Kernel A's tuning grid of
 ``benchmarks/explore_bwd_scan.py``, K2's and Kernel A's blocks of 4 tiles, Kernel B at 4 warps), and the fp16
-forward (``k1/fp16/…``, ``k2/fp16/…``: inference, so no checkpoints or pools).
+forward (``k1/fp16/…``, ``k2/fp16/…``, with checkpoints for training; no pools). fp16 training's backward runs the
+bf16 Kernel A and Kernel B variants.
 
 Normalized (everything else is hashed as the compiler wrote it):
 
@@ -130,10 +131,13 @@ def variants() -> dict[str, tuple]:
             name = f"k1/fp16/{_gate_label(gate, g_dtype, per_head, grouped)}/{_flags_label(*flags)}"
             found[name] = ("k1", dict(zip(("varlen", "qk_l2norm", "beta_logits"), flags), gate=gate, g_dtype=g_dtype,
                                       per_head_gate=per_head, grouped=grouped, dtype="fp16"))
-    for vsplit, initial, final, varlen in itertools.product((1, 2, 4), FP16_STATES, FP16_STATES, (False, True)):
-        if {initial, final} != {"fp16", "fp32"}:
-            found[f"k2/fp16/vs{vsplit}/{initial}-{final}/{_label(varlen, 'varlen', 'fixed')}"] = (
-                "k2", dict(vsplit=vsplit, initial=initial, final=final, varlen=varlen, checkpoints=False, dtype="fp16"))
+    for vsplit, initial, final, varlen, checkpoints in itertools.product((1, 2, 4), FP16_STATES, FP16_STATES,
+                                                                         (False, True), (False, True)):
+        if {initial, final} != {"fp16", "fp32"}:  # checkpoints: fp16 training's forward
+            name = f"k2/fp16/vs{vsplit}/{initial}-{final}/{_label(varlen, 'varlen', 'fixed')}"
+            found[name + ("/checkpoints" if checkpoints else "")] = (
+                "k2", dict(vsplit=vsplit, initial=initial, final=final, varlen=varlen, checkpoints=checkpoints,
+                           dtype="fp16"))
     found["tile_prefix"] = ("tile_prefix", {})
     return found
 
