@@ -70,6 +70,20 @@ def test_kernel_stages_hand_the_backward_kernels_bf16(launchers_on_mirrors, reco
     assert {grads[n].dtype for n in ("q", "k", "v", "g", "beta", "initial_state")} == {FP16}
 
 
+def test_segmented_fp16_call_on_the_kernel_stages(launchers_on_mirrors):
+    """A segmented fp16 call (context parallelism): the packed segments through the same launchers, Kernel A twice and
+    Kernel B on bf16; every gradient fp16 and the reference backend's bit for bit."""
+    problem, do, dht = fp16_problem([48, 48])
+    launchers_on_mirrors.beta = problem["beta"].bfloat16().reshape(1, -1, problem["beta"].shape[2])
+    forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
+    o, ht, grads = train(forward, problem, do=do, dht=dht.half(), segments=3)
+    o_ref, ht_ref, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht.half(), segments=3)
+    assert launchers_on_mirrors.calls == ["prepare", *["recurrence"] * 3, "bwd_scan", "bwd_scan", "bwd_grads"]
+    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref) and ht.dtype == FP16
+    for name in expected:
+        assert grads[name].dtype == problem[name].dtype and torch.equal(grads[name], expected[name]), name
+
+
 def test_recompute_gives_the_same_fp16_gradients():
     """The recomputation runs the fp16 forward again: the backward sees the workspace the saved path keeps."""
     problem, do, dht = fp16_problem([33, 33])
