@@ -19,10 +19,10 @@ fp64 gold recurrence on the fp16 values themselves (relative RMS, FLA's measure,
 
 ``--backward`` measures the gradients the same way (FLA's ``do = randn`` in fp16 and ``dht = randn`` fp32), against
 the fp64 gold gradients on the fp16 values: fp16 training as built (:func:`trained`: the training executor on the
-reference stages, docs/numerics.md "fp16 training") and, in brackets, the bound it was chosen by: the bf16 mirror of
-the whole backward (:func:`cute_kda.reference.backward.mirror_backward`) on the inputs and ``do`` rounded to bf16 (what
-casting fp16 training to bf16 where the call enters computes). :func:`measure_backward` also gives the rounding alone
-and the pipeline (the mirror against the gold on the rounded values).
+reference stages, docs/numerics.md "fp16 training") and, in brackets, the rounding of the inputs and dO to bf16
+alone. :func:`measure_backward` also gives the bf16 mirror of the whole backward
+(:func:`cute_kda.reference.backward.mirror_backward`) on the rounded inputs, which the build equals, and the pipeline
+(that mirror against the gold on the rounded values).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def measure_backward(case: Case, seed: int = 0) -> dict[str, tuple[float, float,
     x = inputs(case, seed)
     gen = torch.Generator().manual_seed(seed + 5)
     do = torch.randn(x["v"].shape, generator=gen).half()
-    dht = torch.randn(x["initial_state"].shape, generator=gen)
+    dht = torch.randn(x["initial_state"].shape, generator=gen).to(x["initial_state"].dtype).float()  # as the state
     tensors = ("q", "k", "v", "g", "beta")
     options = dict(gate=x["gate"], A_log=x["A_log"], dt_bias=x["dt_bias"], scale=x["scale"], qk_l2norm=True,
                    beta_logits=False, state_layout="kv", dht=dht)
@@ -166,11 +166,11 @@ def measure_backward(case: Case, seed: int = 0) -> dict[str, tuple[float, float,
 
 
 def backward_table() -> str:
-    """Per case and gradient: fp16 training as built, in brackets through bf16 altogether (the bound)."""
+    """Per case and gradient: fp16 training as built, in brackets the rounding of the inputs and dO alone."""
     rows = ["| case | " + " | ".join(GRADIENTS) + " |", "|---|" + "---|" * len(GRADIENTS)]
     for case in CASES:
         m = measure_backward(case)
-        rows.append(f"| {case.name} | " + " | ".join(f"{m[n][3]:.1e} ({m[n][0]:.1e})" for n in GRADIENTS) + " |")
+        rows.append(f"| {case.name} | " + " | ".join(f"{m[n][3]:.1e} ({m[n][1]:.1e})" for n in GRADIENTS) + " |")
     return "\n".join(rows)
 
 

@@ -54,15 +54,16 @@ def fp16_problem(lengths, *, state=FP16, **options):
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
 def test_kernel_stages_hand_the_backward_kernels_bf16(launchers_on_mirrors, recompute):
-    """fp16 q, k, v, g, β, state and do through KERNELS: K1 / K2 get the fp16 tensors, Kernel A and Kernel B pass
-    their launchers' bf16 checks, and every gradient is fp16 and the reference backend's bit for bit."""
+    """fp16 q, k, v, g, β, state and do through KERNELS: the forward's K1 / K2 get the fp16 tensors and keep nothing,
+    the backward runs K1 / K2 again, Kernel A and Kernel B on bf16 (their launchers' checks pass), and every gradient
+    is fp16 and the reference backend's bit for bit, whatever ``recompute`` says."""
     problem, do, dht = fp16_problem([20, 0, 17, 5, 1])
     launchers_on_mirrors.beta = problem["beta"].bfloat16()  # β enters rounded to bf16
     forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
     o, ht, grads = train(forward, problem, do=do, dht=dht.half(), recompute=recompute)
     o_ref, ht_ref, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht.half(), recompute=recompute)
-    again = ["prepare", "recurrence"] if recompute else []
-    assert launchers_on_mirrors.calls == ["tile_bases", "prepare", "recurrence", *again, "bwd_scan", "bwd_grads"]
+    assert launchers_on_mirrors.calls == ["tile_bases", "prepare", "recurrence", "prepare", "recurrence", "bwd_scan",
+                                          "bwd_grads"]
     assert o.dtype == ht.dtype == FP16 and torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
     for name in expected:
         assert grads[name].dtype == problem[name].dtype, (name, grads[name].dtype)
@@ -71,21 +72,23 @@ def test_kernel_stages_hand_the_backward_kernels_bf16(launchers_on_mirrors, reco
 
 
 def test_segmented_fp16_call_on_the_kernel_stages(launchers_on_mirrors):
-    """A segmented fp16 call (context parallelism): the packed segments through the same launchers, Kernel A twice and
-    Kernel B on bf16; every gradient fp16 and the reference backend's bit for bit."""
+    """A segmented fp16 call (context parallelism): the packed segments through the same launchers, the backward's
+    forward again on bf16 (its segment states too), Kernel A twice and Kernel B; every gradient fp16 and the reference
+    backend's bit for bit."""
     problem, do, dht = fp16_problem([48, 48])
     launchers_on_mirrors.beta = problem["beta"].bfloat16().reshape(1, -1, problem["beta"].shape[2])
     forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
     o, ht, grads = train(forward, problem, do=do, dht=dht.half(), segments=3)
     o_ref, ht_ref, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht.half(), segments=3)
-    assert launchers_on_mirrors.calls == ["prepare", *["recurrence"] * 3, "bwd_scan", "bwd_scan", "bwd_grads"]
+    forward = ["prepare", *["recurrence"] * 3]
+    assert launchers_on_mirrors.calls == [*forward, *forward, "bwd_scan", "bwd_scan", "bwd_grads"]
     assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref) and ht.dtype == FP16
     for name in expected:
         assert grads[name].dtype == problem[name].dtype and torch.equal(grads[name], expected[name]), name
 
 
 def test_recompute_gives_the_same_fp16_gradients():
-    """The recomputation runs the fp16 forward again: the backward sees the workspace the saved path keeps."""
+    """fp16 always recomputes (on the bf16 copies): ``recompute`` changes nothing."""
     problem, do, dht = fp16_problem([33, 33])
     kept = train(REFERENCE_FORWARD, problem, do=do, dht=dht.half())[2]
     again = train(REFERENCE_FORWARD, problem, do=do, dht=dht.half(), recompute=True)[2]
@@ -231,18 +234,14 @@ def gpu_problem(case: str, device) -> tuple[dict, dict, torch.Tensor, torch.Tens
     return tensors, options, do, dht
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", list(GPU_CASES))
-def test_fp16_training_matches_the_gold(case, device):
-    """Every gradient of an fp16 input fp16, in its input's shape, within FLA's tolerances of autograd through the
-    fp64 gold on the fp16 values."""
-    tensors, options, do, dht = gpu_problem(case, device)
-    leaves = {n: t.to(device).requires_grad_() for n, t in tensors.items()}
+def errors_against_gold(tensors: dict, options: dict, do: torch.Tensor, dht: torch.Tensor, device) -> tuple:
+    """(o, {gradient name: rel-RMS against autograd through the fp64 gold on ``tensors``' values}) of
+    ``cute_kda.kda_forward`` on ``device``, every gradient checked for its input's dtype and shape."""
+    leaves = {n: t.detach().to(device).requires_grad_() for n, t in tensors.items()}
     cu = options.get("cu_seqlens")
     o, ht = cute_kda.kda_forward(*(leaves[n] for n in ("q", "k", "v", "g", "beta")),
                                  **{n: leaves[n] for n in leaves if n not in ("q", "k", "v", "g", "beta")},
                                  **{**options, "cu_seqlens": None if cu is None else cu.to(device)})
-    assert o.dtype == FP16
     torch.autograd.backward([o, ht], [do.to(device), dht.to(device, ht.dtype)])
     gold_options = {n: options[n] for n in ("gate", "lower_bound", "cu_seqlens") if n in options}
     want = gold_backward(tensors["q"], tensors["k"], tensors["v"], tensors["g"], tensors["beta"], do, dht=dht,
@@ -250,12 +249,32 @@ def test_fp16_training_matches_the_gold(case, device):
                          initial_state=tensors.get("initial_state"), qk_l2norm=True, beta_logits=True,
                          state_layout="vk", **gold_options)
     names = dict(zip(INPUTS, ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")))
-    tolerances = SAFE_GATE_TOLERANCES if options["gate"] == "safe" else TARGETS
     errors = {}
     for name, leaf in leaves.items():
         assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype and leaf.grad.shape == leaf.shape, name
         errors[names[name]] = rel_rms(leaf.grad.cpu(), want[names[name]])
+    return o, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_fp16_training_matches_the_gold(case, device):
+    """Every gradient of an fp16 input fp16, in its input's shape, within FLA's tolerances of autograd through the
+    fp64 gold on the fp16 values. dA_log and ddt_bias (not in FLA's list) are held to the bf16 tests' targets, or,
+    where a per-head sum cancels past them, to 1.25× what bf16 training makes of the same problem (the inputs rounded
+    to bf16, against the gold on those): no worse than bf16."""
+    tensors, options, do, dht = gpu_problem(case, device)
+    o, errors = errors_against_gold(tensors, options, do, dht, device)
+    assert o.dtype == FP16
     print(f"[fp16 training vs gold] {case}: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+    tolerances = SAFE_GATE_TOLERANCES if options["gate"] == "safe" else TARGETS
+    over = {n for n in ("dA_log", "ddt_bias") if errors.get(n, 0.0) > tolerances[n]}
+    if over:
+        rounded = {n: (t.float() if n == "initial_state" else t.bfloat16()) if t.dtype == FP16 else t
+                   for n, t in tensors.items()}  # an fp16 state widened (exact): bf16 inputs take fp32 / bf16 ones
+        _, bf16_errors = errors_against_gold(rounded, options, do.bfloat16(), dht, device)
+        print(f"[bf16 training vs gold] {case}: " + ", ".join(f"{n} {bf16_errors[n]:.2e}" for n in sorted(over)))
+        tolerances = {**tolerances, **{n: max(tolerances[n], 1.25 * bf16_errors[n]) for n in over}}
     assert all(e <= tolerances[n] for n, e in errors.items()), errors
 
 
@@ -264,7 +283,7 @@ def test_fp16_recompute_is_bit_identical_on_the_kernels(device):
     tensors, options, do, dht = gpu_problem("safe_varlen_fp16_state", device)
 
     def grads(recompute):
-        leaves = {n: t.to(device).requires_grad_() for n, t in tensors.items()}
+        leaves = {n: t.detach().to(device).requires_grad_() for n, t in tensors.items()}
         o, ht = cute_kda.kda_forward(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), A_log=leaves["A_log"],
                                      dt_bias=leaves["dt_bias"], initial_state=leaves["initial_state"],
                                      **{**options, "cu_seqlens": options["cu_seqlens"].to(device),
@@ -317,10 +336,11 @@ def test_chunk_gated_delta_rule_trains_on_flas_fp16_inputs(device):
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
-def test_fp16_keeps_what_bf16_keeps_for_the_backward(recompute):
-    """Between forward and backward an fp16 call keeps the bf16 call's tensors, byte for byte (the inputs as given,
-    the workspace, the checkpoints): the bf16 copies are made in the backward only."""
-    def saved(problem):
+def test_fp16_keeps_what_bf16_keeps_under_recompute(recompute):
+    """Between forward and backward an fp16 call keeps, whatever ``recompute`` says, what a bf16 call keeps under
+    ``recompute``, byte for byte (the inputs as given, the initial state; no workspace, no checkpoints): the bf16
+    copies are made in the backward only."""
+    def saved(problem, recompute):
         kept = []
 
         def pack(t):
@@ -332,10 +352,8 @@ def test_fp16_keeps_what_bf16_keeps_for_the_backward(recompute):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             REFERENCE_FORWARD(*tokens, **leaves, output_final_state=True, recompute=recompute)
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
-        return [(t.dtype, tuple(t.shape)) for t in kept], sum(storages.values())
+        return [tuple(t.shape) for t in kept], sum(storages.values())
 
     half, _, _ = fp16_problem([20, 17])
     full = {n: x.bfloat16() if n in ("q", "k", "v", "g", "beta", "initial_state") else x for n, x in half.items()}
-    (half_tensors, half_bytes), (full_tensors, full_bytes) = saved(half), saved(full)
-    assert half_bytes == full_bytes
-    assert [shape for _, shape in half_tensors] == [shape for _, shape in full_tensors]
+    assert saved(half, recompute) == saved(full, True)

@@ -17,9 +17,9 @@ Kernel A (dv, du, the per-tile state gradients, dh0) → Kernel B (dq, dk, dg, d
 ddt_bias / dA_log, reduced by ``.sum(1)``: deterministic). Kernel B runs only when one of q, k, g, beta, A_log,
 dt_bias needs a gradient. Everything is queued on the current stream; nothing synchronises the host. Gradients come
 back only for the inputs that need them, each in its input's dtype and shape (dh0 in ``initial_state``'s
-``[N, HV, V, K]`` layout and dtype). fp16 inputs: the forward runs the fp16 K1 / K2 and keeps what a bf16 one keeps;
-the backward kernels, bf16 only, run on bf16 copies made in the backward (:func:`backward`; docs/numerics.md,
-"fp16 training").
+``[N, HV, V, K]`` layout and dtype). fp16 inputs: the forward runs the fp16 K1 / K2 and keeps what a bf16 one keeps
+under ``recompute`` (whatever ``recompute`` says); the backward is the bf16 call's on bf16 copies made in the
+backward, K1 and K2 again included (:func:`backward`; docs/numerics.md, "fp16 training").
 
 The stages sit behind a :class:`~cute_kda.executors.stages.Backend`: :data:`~cute_kda.executors.stages.KERNELS` for
 every public call and op; :data:`cute_kda.reference.backend.REFERENCE` only for a caller that names it
@@ -71,12 +71,23 @@ def recomputed(backend: Backend, x: Inputs, options: Options, saved: Saved) -> S
                            saved.segment_states).saved
 
 
+def recomputes(recompute: bool, q: torch.Tensor) -> bool:
+    """Whether the training forward leaves the workspace and checkpoints to the backward's recomputation: under
+    ``recompute``, and always with fp16 inputs (their backward recomputes the forward on bf16 copies, :func:`backward`;
+    the fp16 forward's would not match them)."""
+    return recompute or q.dtype == torch.float16
+
+
 def bf16_operands(x: Inputs) -> Inputs:
-    """``x`` with fp16 q, k, v and g as bf16 copies, what Kernel B reads (a bf16 or fp32 tensor as it is)."""
+    """fp16 ``x`` as the bf16 call the backward kernels run: q, k, v and g as bf16 copies, an fp16 initial state as
+    an fp32 one (exact); bf16 and fp32 tensors as they are."""
     def bf16(t: torch.Tensor) -> torch.Tensor:
         return kernel_operand(t, torch.bfloat16) if t.dtype == torch.float16 else t
 
-    return x._replace(q=bf16(x.q), k=bf16(x.k), v=bf16(x.v), g=bf16(x.g))
+    state = x.initial_state
+    if state is not None and state.dtype == torch.float16:
+        state = kernel_operand(state, torch.float32)
+    return x._replace(q=bf16(x.q), k=bf16(x.k), v=bf16(x.v), g=bf16(x.g), initial_state=state)
 
 
 def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out: torch.Tensor | None,
@@ -92,13 +103,16 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     dh0). The token gradients come back in the packed shapes (:func:`unpacked` takes them to the caller's), each in
     its input's dtype.
 
-    fp16 inputs (docs/numerics.md, "fp16 training"): the workspace and checkpoints are the fp16 forward's (the
-    recomputation runs the fp16 K1 / K2 again: bit-identical to the kept ones); dO enters Kernel A and Kernel B
-    rounded to bf16 (as any dO does); Kernel B reads bf16 copies of q, k, v and of an fp16 g (made here, freed when
-    it returns); an fp16 dht is widened to fp32 and an fp16 dh0 is Kernel A's fp32 one rounded (both exact where
-    bf16's are); dq, dk, dv, dg come back as the kernels' bf16 values converted to fp16 (exact within fp16's range).
+    fp16 inputs (docs/numerics.md, "fp16 training"): the backward of the bf16 call on the inputs rounded to bf16
+    (:func:`bf16_operands`, copies made here and freed when it returns), the forward's kernels included: its forward
+    kept no workspace (:func:`recomputes`), K1 and K2 run again on the copies (a segmented call's segment states
+    too), then Kernel A and Kernel B; dO enters rounded to bf16 (as any dO does), an fp16 dht widened to fp32; dq, dk,
+    dv, dg and dh0 come back as the kernels' values converted to fp16 (exact within fp16's range).
     """
     fp16 = torch.float16
+    dtypes = (x.q.dtype, x.k.dtype, x.v.dtype, x.g.dtype, None, None, None, initial_state_dtype if needs[7] else None)
+    if x.q.dtype == fp16:
+        x, saved = bf16_operands(x), saved._replace(segment_states=None)
     do = torch.zeros_like(x.v, dtype=torch.bfloat16) if d_out is None else \
         kernel_operand(d_out, torch.bfloat16).view(x.v.shape)
     dht = None
@@ -110,9 +124,8 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     scan = backend.scan(x, options, saved, do, dht, torch.float32 if dh0_dtype == fp16 else dh0_dtype)
     dq = dk = dg = dbeta = dA_log = ddt_bias = None
     if any(needs[i] for i in KERNEL_B_INPUTS):
-        dq, dk, dg, dbeta, dA_log, ddt_bias = backend.grads(bf16_operands(x), options, saved, do, scan)
+        dq, dk, dg, dbeta, dA_log, ddt_bias = backend.grads(x, options, saved, do, scan)
     grads = (dq, dk, scan.dv, dg, dbeta, dA_log, ddt_bias, scan.dh0)
-    dtypes = (x.q.dtype, x.k.dtype, x.v.dtype, x.g.dtype, None, None, None, dh0_dtype)
     return tuple(None if not need or grad is None else grad if dtype is None else grad.to(dtype)
                  for grad, need, dtype in zip(grads, needs, dtypes))
 
@@ -137,6 +150,7 @@ class TrainingForward(torch.autograd.Function):
     def forward(ctx: Any, backend: Backend, options: Options, *tensors: torch.Tensor | None) -> tuple:
         user = Inputs(*tensors)
         x, options = packed(user, options)
+        options = options._replace(recompute=recomputes(options.recompute, x.q))
         result = backend.forward(x, options)
         ctx.set_materialize_grads(False)
         ctx.backend, ctx.options, ctx.shapes = backend, options, shapes_of(user)
@@ -192,14 +206,15 @@ def forward_train_op(
     """The training forward of :func:`cute_kda.kda_forward`'s arguments (caller buffers excepted). Returns out in v's
     dtype ``[B, T, HV, V]``, the final state ``[N, HV, V, K]`` (empty without ``output_final_state``), the flat uint8
     workspace ``[WorkspaceSpec.nbytes]``, the checkpoints bf16 ``[HV · slots, D, D]`` (state images; both empty under
-    ``recompute``), ``tile_base`` int32 ``[N+1]`` (empty for fixed length) and the segment states fp32
+    ``recompute`` and for fp16 inputs, :func:`recomputes`), ``tile_base`` int32 ``[N+1]`` (empty for fixed length) and the segment states fp32
     ``[2, segments, HV, V, K]`` (empty unsplit). A segmented call's workspace, checkpoints and ``tile_base`` are those
     of its packed problem (:func:`cute_kda.executors.stages.packed`)."""
     call = resolve(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                    initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                    vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute, gate=gate,
                    segments=segments, training=True)
-    result = _stages().forward(*packed(call.inputs, call.options))
+    x, options = packed(call.inputs, call.options)
+    result = _stages().forward(x, options._replace(recompute=recomputes(recompute, q)))
     saved, device = result.saved, v.device
 
     def present(t: torch.Tensor | None, dtype: torch.dtype, rank: int = 1) -> torch.Tensor:
@@ -225,6 +240,7 @@ def _op_options(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | Non
 def _forward_train_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound,
                         output_final_state, vsplit, qk_l2norm, beta_logits, recompute, gate, segments):
     state_dtype = final_state_dtype_of(initial_state, None, output_final_state)
+    recompute = recomputes(recompute, q)
     options = _op_options(q, v, cu_seqlens, scale, lower_bound, state_dtype, vsplit, qk_l2norm, beta_logits,
                           recompute, gate, segments)
     problem, seg = options.problem, options.segmentation
@@ -256,6 +272,7 @@ def backward_op(
     ``vsplit`` and ``segments`` as the forward had them. Returns dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 in
     their inputs' shapes and dtypes; dq, dk, dg, dbeta, dA_log, ddt_bias are empty unless ``token_grads``, dh0
     unless ``dh0_dtype`` (then ``[N, HV, V, K]`` in it); dA_log, ddt_bias empty for the log decay (gate "none")."""
+    recompute = recomputes(recompute, q)  # as the forward op had it
     options = _op_options(q, v, cu_seqlens, scale, lower_bound, None, vsplit, qk_l2norm, beta_logits, recompute,
                           gate, segments)
     user = Inputs(q, k, v, g, beta, A_log, dt_bias, initial_state, staged_cu_seqlens(cu_seqlens, q))
@@ -291,6 +308,7 @@ _TRAIN_INPUTS = 18  # arguments of forward_train_op
 def _setup_train_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, lower_bound = inputs[:11]
     vsplit, qk_l2norm, beta_logits, recompute, gate, segments = inputs[12:]
+    recompute = recomputes(recompute, q)
     _, _, workspace, checkpoints, tile_base, segment_states = output
     ctx.mark_non_differentiable(workspace, checkpoints, tile_base, segment_states)
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state if recompute else None, cu_seqlens,
