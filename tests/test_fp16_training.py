@@ -235,7 +235,7 @@ def gpu_problem(case: str, device) -> tuple[dict, dict, torch.Tensor, torch.Tens
 
 
 def errors_against_gold(tensors: dict, options: dict, do: torch.Tensor, dht: torch.Tensor, device) -> tuple:
-    """(o, {gradient name: rel-RMS against autograd through the fp64 gold on ``tensors``' values}) of
+    """(o, {gradient name: rel-RMS against autograd through the fp64 gold on ``tensors``' values}, the gold) of
     ``cute_kda.kda_forward`` on ``device``, every gradient checked for its input's dtype and shape."""
     leaves = {n: t.detach().to(device).requires_grad_() for n, t in tensors.items()}
     cu = options.get("cu_seqlens")
@@ -253,7 +253,7 @@ def errors_against_gold(tensors: dict, options: dict, do: torch.Tensor, dht: tor
     for name, leaf in leaves.items():
         assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype and leaf.grad.shape == leaf.shape, name
         errors[names[name]] = rel_rms(leaf.grad.cpu(), want[names[name]])
-    return o, errors
+    return o, errors, want
 
 
 @pytest.mark.gpu
@@ -261,10 +261,11 @@ def errors_against_gold(tensors: dict, options: dict, do: torch.Tensor, dht: tor
 def test_fp16_training_matches_the_gold(case, device):
     """Every gradient of an fp16 input fp16, in its input's shape, within FLA's tolerances of autograd through the
     fp64 gold on the fp16 values. dA_log and ddt_bias (not in FLA's list) are held to the bf16 tests' targets, or,
-    where a per-head sum cancels past them, to 1.25× what bf16 training makes of the same problem (the inputs rounded
-    to bf16, against the gold on those): no worse than bf16."""
+    where a per-head sum cancels past them, to 1.25× the triangle bound of the bf16 call the backward is: bf16
+    training's error on the inputs rounded to bf16 (against the gold on those) plus the rounding's own (that gold
+    against the gold on the fp16 values)."""
     tensors, options, do, dht = gpu_problem(case, device)
-    o, errors = errors_against_gold(tensors, options, do, dht, device)
+    o, errors, want = errors_against_gold(tensors, options, do, dht, device)
     assert o.dtype == FP16
     print(f"[fp16 training vs gold] {case}: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
     tolerances = SAFE_GATE_TOLERANCES if options["gate"] == "safe" else TARGETS
@@ -272,9 +273,10 @@ def test_fp16_training_matches_the_gold(case, device):
     if over:
         rounded = {n: (t.float() if n == "initial_state" else t.bfloat16()) if t.dtype == FP16 else t
                    for n, t in tensors.items()}  # an fp16 state widened (exact): bf16 inputs take fp32 / bf16 ones
-        _, bf16_errors = errors_against_gold(rounded, options, do.bfloat16(), dht, device)
-        print(f"[bf16 training vs gold] {case}: " + ", ".join(f"{n} {bf16_errors[n]:.2e}" for n in sorted(over)))
-        tolerances = {**tolerances, **{n: max(tolerances[n], 1.25 * bf16_errors[n]) for n in over}}
+        _, bf16_errors, rounded_want = errors_against_gold(rounded, options, do.bfloat16(), dht, device)
+        bound = {n: bf16_errors[n] + rel_rms(rounded_want[n], want[n]) for n in over}
+        print(f"[bf16 training vs gold, + rounding] {case}: " + ", ".join(f"{n} {bound[n]:.2e}" for n in sorted(over)))
+        tolerances = {**tolerances, **{n: max(tolerances[n], 1.25 * bound[n]) for n in over}}
     assert all(e <= tolerances[n] for n, e in errors.items()), errors
 
 
