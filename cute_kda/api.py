@@ -243,8 +243,8 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     (o ``[B, T, H, V]`` in q's dtype, final state fp32 in the caller's layout or None).
 
     Supported: K = V = 128 (K, V ≤ 128 zero-padded to 128 and V a multiple of 128 split, as :func:`kda_forward`
-    does), bf16 q/k/v (or fp16: o and the gradients in fp16), beta bf16 (fp16 or fp32 rounded to bf16 on entry, a small cast; FLA's
-    tests pass such betas); the gate as FLA has it: ``use_gate_in_kernel=True`` with
+    does), bf16 q/k/v (or fp16: o and the gradients in fp16), beta bf16 (fp16 or fp32 rounded to bf16 on entry, a
+    small cast; FLA's tests pass such betas); the gate as FLA has it: ``use_gate_in_kernel=True`` with
     ``lower_bound`` in [-5, 0) (the bounded gate) or without (the softplus gate of Kimi-Linear), both with
     a raw g in q's dtype, or ``use_gate_in_kernel=False`` (g the log decay, q's dtype or fp32);
     ``use_qk_l2norm_in_kernel`` and ``use_beta_sigmoid_in_kernel`` on or off. Every gate trains (grouped

@@ -12,8 +12,8 @@ kept for the backward are the bf16 call's. The accuracy against the fp64 gold on
 GPU tier: ``cute_kda.kda_forward`` on the kernels against autograd through the fp64 gold on the fp16 values (FLA's
 tolerances: dq dk dv dh0 8e-3, dg dβ 2e-2; dA_log, ddt_bias as the bf16 tests hold them) over gates, tails,
 T < 16, varlen with empty and 1-token sequences, grouped value heads, fp16 / fp32 states, ``recompute``, a
-segmented call and K = V = 64; ``recompute`` bit-identical; the compiled step equal to eager; ``chunk_gated_delta_rule`` on FLA's
-fp16 inputs.
+segmented call and K = V = 64; ``recompute`` bit-identical; the compiled step equal to eager;
+``chunk_gated_delta_rule`` on FLA's fp16 inputs.
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ def test_gated_delta_rule_fla_call_trains_on_fp16():
 
 @pytest.mark.parametrize("gate", ["safe", "softplus"])
 def test_fp16_training_at_head_dim_64(gate):
-    """fp16 at K = V = 64 (FLA's commonest size after 128): zero-padded to 128 where the call resolves, the fp16 forward,
-    the backward on bf16 copies; fp16 gradients at the caller's size within FLA's tolerances of the fp64 gold."""
+    """fp16 at K = V = 64 (FLA's commonest size after 128): zero-padded to 128 where the call resolves, the fp16
+    forward, the backward on bf16 copies; fp16 gradients at the caller's size within FLA's tolerances of the gold."""
     gen = torch.Generator().manual_seed(9)
     lengths = [40, 0, 1, 60]
     cu = torch.tensor([0, *itertools.accumulate(lengths)])

@@ -206,8 +206,8 @@ def forward_train_op(
     """The training forward of :func:`cute_kda.kda_forward`'s arguments (caller buffers excepted). Returns out in v's
     dtype ``[B, T, HV, V]``, the final state ``[N, HV, V, K]`` (empty without ``output_final_state``), the flat uint8
     workspace ``[WorkspaceSpec.nbytes]``, the checkpoints bf16 ``[HV · slots, D, D]`` (state images; both empty under
-    ``recompute`` and for fp16 inputs, :func:`recomputes`), ``tile_base`` int32 ``[N+1]`` (empty for fixed length) and the segment states fp32
-    ``[2, segments, HV, V, K]`` (empty unsplit). A segmented call's workspace, checkpoints and ``tile_base`` are those
+    ``recompute`` and for fp16 inputs, :func:`recomputes`), ``tile_base`` int32 ``[N+1]`` (empty for fixed length)
+    and the segment states fp32 ``[2, segments, HV, V, K]`` (empty unsplit). A segmented call's workspace, checkpoints and ``tile_base`` are those
     of its packed problem (:func:`cute_kda.executors.stages.packed`)."""
     call = resolve(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                    initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
