@@ -102,7 +102,8 @@ def kda_forward(
     Slot ids are not read on the host; ``CUTE_KDA_DEBUG_CHECKS=1`` checks that they lie in [−1, slots) and that no
     slot appears twice across ``state_indices`` and ``checkpoint_indices`` (a sync). Pool calls are never split into
     segments and are not traced by ``torch.compile`` (``NotImplementedError``).
-    Head dims: the kernels' K = V = 128; K ≤ 128 and V ≤ 128 run zero-padded to 128, V a multiple of 128 as V / 128
+    Head dims: the kernels' K = V = 128, and K = V = 64 without autograd (the forward kernels compiled for 64);
+    other K ≤ 128 and V ≤ 128 (and 64 under autograd) run zero-padded to 128, V a multiple of 128 as V / 128
     value heads of 128 (:mod:`cute_kda.head_dims`: exact, forward and backward; the default scale is the caller's
     ``K ** -0.5``; not for a pool call). K > 128, V > 128 not a multiple of 128, and q, k, v or a raw gate in fp32,
     bf16 and fp16 mixed, fp16 inputs that require grad (an fp16 state with bf16 inputs), raise ``NotImplementedError``
@@ -178,7 +179,7 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     autograd records the call; it resolves the call itself when the graph runs). Caller buffers are filled by a copy
     of the op's result (inference only: a recorded call refuses them here, as eager does). Head dims other than the
     kernels' run as the padded / split 128 call's op (:mod:`cute_kda.head_dims`; the padding and the restore are
-    traced torch ops). ``pool``: a prefill on a state pool, which no op covers yet (refused)."""
+    traced torch ops), but for an inference call at K = V = 64 (:func:`cute_kda.head_dims.runs_native`). ``pool``: a prefill on a state pool, which no op covers yet (refused)."""
     if pool:
         raise NotImplementedError(f"{', '.join(sorted(pool))} (a prefill on a state pool) is not supported under "
                                   "torch.compile yet: call kda_forward eagerly (torch.compiler.disable)")
@@ -199,7 +200,7 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     state_dtype = final_state_dtype_of(initial_state, final_state, output_final_state)
     options = (float(lower_bound), vsplit, bool(qk_l2norm), bool(beta_logits), bool(recompute), gate, segments)
     dims = head_dims.head_dims_of(q, v)
-    if dims is None:
+    if dims is None or head_dims.runs_native(dims, training_call):
         return _traced_op(training_call, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
                           state_dtype, out, final_state, *options)
     # the padded / split 128 call (cute_kda.head_dims): its op on new tensors, the results back at the caller's dims
