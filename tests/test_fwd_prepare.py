@@ -72,10 +72,27 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS), ids=list(VARIANTS))
+# every variant at D = 128 and its twin at D = 64 (but 256 threads: 64 channels give 128 row chunks, not 256)
+COMPILED = [(name, D) for name in VARIANTS] + [(name, 64) for name in VARIANTS if name != "varlen_256threads"]
+
+
+@pytest.fixture(scope="module", params=COMPILED, ids=[name if dim == D else f"{name}-D{dim}" for name, dim in COMPILED])
 def compiled(request):
-    kernel = prepare_kernel(**VARIANTS[request.param])
+    name, dim = request.param
+    kernel = prepare_kernel(**VARIANTS[name], dim=dim)
     return (kernel, *_compile(kernel))
+
+
+def _tile_ranks(kernel: PrepareKernel) -> tuple[int, int]:
+    """Ranks of K1's TMA loads and stores: a [16, D] tile is D / 64 boxes of the 128-byte swizzle, one mode more
+    when there are two."""
+    extra = int(kernel.dim // 64 > 1)
+    return 3 + extra, 2 + extra
+
+
+def _butterfly_steps(kernel: PrepareKernel) -> int:
+    """``shfl.xor`` steps of one row sum: log2 of the D / 8 lanes of a row (8, 4, 2, 1 at D = 128)."""
+    return (kernel.dim // 8).bit_length() - 1
 
 
 def test_ptx_primitives(compiled):
@@ -84,23 +101,26 @@ def test_ptx_primitives(compiled):
         return _check_per_head_ptx(kernel, report)
     if not kernel.gate_tile:
         return _check_dyadic_ptx(kernel, report)
-    # q, k, g: one 4-D TMA load each (two 64-column boxes of the 128-byte swizzle); qd, kd, kr: one store each
-    assert report.count("cp.async.bulk.tensor.4d.shared::cta.global") == 3
-    assert report.count("cp.async.bulk.tensor.3d.global.shared::cta") == 3
+    # q, k, g: one TMA load each (4-D at D = 128: two 64-column boxes of the 128-byte swizzle); qd, kd, kr: one
+    # store each
+    load_rank, store_rank = _tile_ranks(kernel)
+    assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == 3
+    assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == 3
     assert report.has("mbarrier.arrive.expect_tx") and report.has("mbarrier.try_wait")
     assert report.has("fence.proxy.async.shared::cta")
-    # A_kk and A_qk: 8 k-steps × 2 n-atoms each; Neumann: L², L⁴, L⁸, P2, P3, INV × 2 n-atoms
-    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 32
+    # A_kk and A_qk: D / 16 k-steps × 2 n-atoms each; Neumann: L², L⁴, L⁸, P2, P3, INV × 2 n-atoms
+    k_steps = kernel.dim // CHUNK
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 4 * k_steps
     assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 12
-    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 32
+    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 4 * k_steps
     assert report.count("movmatrix.sync.aligned.m8n8.trans.b16") == 16  # B fragments of L, L², L⁴, L⁸
     # gate: one tanh per row of the scan column (+ β's sigmoid); decay: three ex2 per element
-    items = CHUNK * D // 8 // kernel.num_threads
+    items = CHUNK * kernel.dim // 8 // kernel.num_threads
     assert report.count("tanh.approx.f32") == CHUNK + (1 if kernel.beta_logits else 0)
     assert report.count("ex2.approx.ftz.f32") == 2 + 3 * 8 * items
     assert report.count("mul.rn.f32") == CHUNK  # c_gate·sig, kept out of the scan's add
     if kernel.qk_l2norm:
-        assert report.count("shfl.sync.bfly.b32") == 2 * 4 * items  # q and k, offsets 8, 4, 2, 1
+        assert report.count("shfl.sync.bfly.b32") == 2 * _butterfly_steps(kernel) * items  # q and k
         assert report.count("sqrt.rn.f32") == report.count("rcp.rn.f32") == 2 * items
     else:
         assert not report.has("shfl.sync.bfly") and not report.has("sqrt")
@@ -108,13 +128,15 @@ def test_ptx_primitives(compiled):
 
 def _check_dyadic_ptx(kernel: PrepareKernel, report) -> None:
     """The unbounded gates' K1: q, k by TMA (g column by column), the straddle levels on the tensor cores."""
-    assert report.count("cp.async.bulk.tensor.4d.shared::cta.global") == 2
-    assert report.count("cp.async.bulk.tensor.3d.global.shared::cta") == 3
+    load_rank, store_rank = _tile_ranks(kernel)
+    assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == 2
+    assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == 3
     assert report.has("mbarrier.arrive.expect_tx") and report.has("fence.proxy.async.shared::cta")
-    # 4 levels × 8 k-steps × 2 n-atoms; Neumann as the safe K1
-    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 32
+    # the level products, D / 16 k-steps × 2 n-atoms (ptxas shares the four warps' mma code); Neumann as the safe K1
+    k_steps = kernel.dim // CHUNK
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 4 * k_steps
     assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 12
-    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 64
+    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 8 * k_steps
     assert report.count("movmatrix.sync.aligned.m8n8.trans.b16") == 16
     # per row of the channel: a = 2^g', 2^G, 2^Gs (+ 2^G_last, which ptxas may share with row 15's 2^G);
     # softplus adds 2^−|y| and lg2 per row. No 2^−G anywhere: nothing can overflow
@@ -123,9 +145,9 @@ def _check_dyadic_ptx(kernel: PrepareKernel, report) -> None:
     assert 3 * CHUNK - 2 + (CHUNK if softplus else 0) <= ex2 <= 3 * CHUNK + 1 + (CHUNK if softplus else 0), ex2
     assert report.count("lg2.approx.f32") == (CHUNK if softplus else 0)
     assert report.count("tanh.approx.f32") == (1 if kernel.beta_logits else 0)  # β only: the gate has no sigmoid
-    items = CHUNK * D // 8 // kernel.num_threads
+    items = CHUNK * kernel.dim // 8 // kernel.num_threads
     assert report.count("mul.rn.f32") == CHUNK + 8 * items  # the gate's last product; Mqk's diagonal products
-    butterflies = (3 if kernel.qk_l2norm else 1) * 4 * items  # q, k norms and the diagonal; offsets 8, 4, 2, 1
+    butterflies = (3 if kernel.qk_l2norm else 1) * _butterfly_steps(kernel) * items  # q, k norms and the diagonal
     assert report.count("shfl.sync.bfly.b32") == butterflies
     # per row and channel: qd, kd, kr, X of 4 levels; Q of the 2 levels (on average) where the row is upper
     assert report.count("st.shared.b16") == CHUNK * (3 + 4) + 4 * CHUNK // 2
@@ -135,17 +157,20 @@ def _check_dyadic_ptx(kernel: PrepareKernel, report) -> None:
 def _check_per_head_ptx(kernel: PrepareKernel, report) -> None:
     """A per-head gate's K1 (scheme per_head): the safe K1's two tile products and Neumann inverse, over the
     bf16 rows q̂, k̂, scaled by the tile's pair decays; one decay per row, so 2 × 16 ex2 for 2^G and 2^Gs."""
-    assert report.count("cp.async.bulk.tensor.4d.shared::cta.global") == 2
-    assert report.count("cp.async.bulk.tensor.3d.global.shared::cta") == 3
-    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 32
+    load_rank, store_rank = _tile_ranks(kernel)
+    assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == 2
+    assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == 3
+    k_steps = kernel.dim // CHUNK
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 4 * k_steps
     assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 12
-    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 32
+    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 4 * k_steps
     softplus = kernel.gate == "softplus"
     # 2^G and 2^Gs per row, a = 2^g' of the thread's row; softplus adds 2^−|y|, lg2 and e^A
     assert report.count("ex2.approx.ftz.f32") == 2 * CHUNK + 1 + (2 if softplus else 0)
     assert report.count("lg2.approx.f32") == (1 if softplus else 0)
     assert report.count("mul.rn.f32") == 1  # the gate's last product
-    assert report.count("shfl.sync.bfly.b32") == (2 * 4 * 2 if kernel.qk_l2norm else 0)
+    items = CHUNK * kernel.dim // 8 // kernel.num_threads
+    assert report.count("shfl.sync.bfly.b32") == (2 * _butterfly_steps(kernel) * items if kernel.qk_l2norm else 0)
     assert report.count("bar.sync") == 3
 
 
@@ -179,7 +204,8 @@ def test_smem_is_the_plan(compiled):
     """The launch asks for exactly the bytes of ``layouts.fwd_prepare.smem_budget``; 8 CTAs fit per SM."""
     kernel, _, launch_smem = compiled
     budget = kernel.smem_budget()
-    size = 22528 if kernel.per_head_gate else 25600 if kernel.gate_tile else 39936
+    per_head, safe, dyadic = {128: (22528, 25600, 39936), 64: (12288, 13312, 21504)}[kernel.dim]
+    size = per_head if kernel.per_head_gate else safe if kernel.gate_tile else dyadic
     assert launch_smem == [budget.total_bytes] == [size]
     assert budget.ctas_per_sm >= kernel.ctas_per_sm
 
@@ -219,21 +245,22 @@ def test_no_unintended_fma(compiled):
     assert squares + halves == fmas
 
 
-def test_launcher_arguments_compile():
+@pytest.mark.parametrize("dim", [D, 64])
+def test_launcher_arguments_compile(dim):
     """The launcher's torch → DSL conversion (CPU tensors here) compiles to the same kernel."""
     from cute_kda.ops._cache import to_cute_tensor
     from cute_kda.ops.prepare import launch_arguments
 
     B, T, H = 1, 40, 2
-    q = torch.zeros(B, T, H, D, dtype=torch.bfloat16)
+    q = torch.zeros(B, T, H, dim, dtype=torch.bfloat16)
     cu_seqlens = torch.tensor([0, 17, 40])
-    spec = WorkspaceSpec(heads=H, tiles=tiles_per_head(B * T, 2, True))
+    spec = WorkspaceSpec(heads=H, tiles=tiles_per_head(B * T, 2, True), dim=dim)
     ws = workspace_views(spec, torch.empty(spec.nbytes, dtype=torch.uint8))
     args = launch_arguments(
-        q, q, q, q[..., 0].contiguous(), torch.zeros(H), torch.zeros(H, D), ws, D ** -0.5, -5.0, T,
+        q, q, q, q[..., 0].contiguous(), torch.zeros(H), torch.zeros(H, dim), ws, dim ** -0.5, -5.0, T,
         cu_seqlens, torch.tensor([0, 2, 4], dtype=torch.int32), cute.runtime.make_fake_stream(), tensor=to_cute_tensor,
     )
-    _, report = compile_with_report(prepare_kernel(varlen=True), *args)
+    _, report = compile_with_report(prepare_kernel(varlen=True, dim=dim), *args)
     assert report.count("cp.async.bulk.tensor") == 6 and report.spills == 0
 
 
@@ -253,22 +280,23 @@ def _phase_wavefronts(table: np.ndarray, cells: list[tuple[int, int]], width: in
                              for c in cells])
 
 
-def test_smem_accesses_are_conflict_free():
-    tile = byte_table(layout_spec("k1.chunk_tile", plan.chunk_tile, D, CHUNK, dtype=BF16))
-    cumsum = byte_table(layout_spec("k1.gate_cumsum_tile", plan.gate_cumsum_tile, D, CHUNK, dtype=F32))
+@pytest.mark.parametrize("dim", [D, 64])
+def test_smem_accesses_are_conflict_free(dim):
+    tile = byte_table(layout_spec("k1.chunk_tile", plan.chunk_tile, dim, CHUNK, dtype=BF16))
+    cumsum = byte_table(layout_spec("k1.gate_cumsum_tile", plan.gate_cumsum_tile, dim, CHUNK, dtype=F32))
     for row in range(CHUNK):
-        for quarter in range(2):
+        for quarter in range(dim // 64):
             chunks = range(8 * quarter, 8 * quarter + 8)
             # decay phase: 16-byte q/k/qd/kd/kr/kinv chunk j of one row per lane (one quarter warp)
             assert _phase_wavefronts(tile, [(row, 8 * j) for j in chunks], 16) == 1
             # and the two 16-byte halves of its 8 fp32 G values
             for half in range(2):
                 assert _phase_wavefronts(cumsum, [(row, 8 * j + 4 * half) for j in chunks], 16) == 1
-        for first in range(0, D, 32):
+        for first in range(0, dim, 32):
             # gate scan: a warp reads 32 consecutive bf16 of a row and writes 32 consecutive G values
             assert _phase_wavefronts(tile, [(row, c) for c in range(first, first + 32)], 2) == 1
             assert _phase_wavefronts(cumsum, [(row, c) for c in range(first, first + 32)], 4) == 1
-    spec = layout_spec("k1.chunk_tile", plan.chunk_tile, D, CHUNK, dtype=BF16)
+    spec = layout_spec("k1.chunk_tile", plan.chunk_tile, dim, CHUNK, dtype=BF16)
     for operand in ("A", "B"):  # kd, qd as A; kinv as B of the two tile products
         assert max_wavefronts(spec, MatrixAccess("ldmatrix", operand, 4)) == 4
 

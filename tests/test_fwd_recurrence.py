@@ -31,6 +31,7 @@ from cute_kda.ops._cache import dsl_type, to_cute_tensor
 D = 128
 CHUNK = 16
 VSPLITS = (1, 2, 4)
+DIMS = (D, 64)  # the head dims K2 compiles for (cute_kda.numerics.NATIVE_HEAD_DIMS)
 STATE = {"none": None, "bf16": torch.bfloat16, "fp32": torch.float32}
 TOL = 6e-3  # rel-RMS vs the fp64 gold (the issue's bound)
 MIRROR_TOL = 2e-3  # rel-RMS vs the mirror over many tiles (1-ULP differences drifting through the bf16 state)
@@ -39,25 +40,28 @@ MIRROR_TOL = 2e-3  # rel-RMS vs the mirror over many tiles (1-ULP differences dr
 # ============================================================================ shared-memory plan
 
 
+@pytest.mark.parametrize("dim", DIMS)
 @pytest.mark.parametrize("vsplit", VSPLITS)
-def test_plan_bytes(vsplit):
-    plan = RecurrenceSmemPlan(vsplit=vsplit)
-    band = D // vsplit
-    assert plan.v_band == band and plan.warp_cols == band // MMA_WARPS
-    assert plan.stage_tx_bytes == CHUNK * band * 2 + 3 * CHUNK * D * 2 + D * 4 + 2 * CHUNK * CHUNK * 2 + CHUNK * 4
+def test_plan_bytes(vsplit, dim):
+    plan = RecurrenceSmemPlan(vsplit=vsplit, dim=dim)
+    band = dim // vsplit
+    warps = min(MMA_WARPS, band // 8)  # at least 8 columns a warp (D = 64, V-split 4: two warps of 8)
+    assert plan.v_band == band and plan.mma_warps == warps and plan.warp_cols == band // warps
+    assert plan.stage_tx_bytes == CHUNK * band * 2 + 3 * CHUNK * dim * 2 + dim * 4 + 2 * CHUNK * CHUNK * 2 + CHUNK * 4
     offsets = plan.union_offsets()
     assert all(offset % 128 == 0 for offset in offsets.values())
     assert list(offsets) == ["v", "kd", "qd", "kr", "gt", "inv", "mqk", "beta", "out"]
-    assert offsets["kd"] == CHUNK * band * 2 * plan.input_stages
-    out_align = plan.field_align("out")  # the band tiles' swizzle period: 1024 B (K_SW128) or 512 B (K_SW64)
-    assert out_align == (512 if vsplit == 4 else 1024) == plan.field_align("v")
+    assert offsets["kd"] == -(-CHUNK * band * 2 * plan.input_stages // layouts.SWIZZLED_ALIGN) * layouts.SWIZZLED_ALIGN
+    # the band tiles' swizzle period: 1024 B (K_SW128, rows of 128 bytes or more), 512 B (K_SW64), 256 B (K_SW32)
+    out_align = plan.field_align("out")
+    assert out_align == {128: 1024, 64: 512, 32: 256}[min(2 * band, 128)] == plan.field_align("v")
     # β's 64 bytes take a 128-byte slot; the output stages start on their swizzle period
     assert offsets["out"] == -(-(offsets["beta"] + 128 * plan.input_stages) // out_align) * out_align
     assert all(offsets[name] % layouts.SWIZZLED_ALIGN == 0 for name in layouts.SWIZZLED_FIELDS)
     align = layouts.SWIZZLED_ALIGN  # the union holds K_SW128 tiles: its size is a multiple of their period
     assert plan.union_bytes == -(-plan.pipeline_bytes // align) * align
-    fp32 = RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=True)
-    assert fp32.union_bytes == -(-max(plan.pipeline_bytes, band * D * 4) // align) * align
+    fp32 = RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=True, dim=dim)
+    assert fp32.union_bytes == -(-max(plan.pipeline_bytes, band * dim * 4) // align) * align
     # two CTAs per SM (228 KiB, 1 KiB reserved per CTA) in every variant
     assert 2 * (fp32.total_bytes + 1024) <= 228 * 1024
 
@@ -101,31 +105,34 @@ def _offsets(build, shape):
     return {c: int(total[c]) for c in np.ndindex(*shape)}
 
 
+@pytest.mark.parametrize("dim", DIMS)
 @pytest.mark.parametrize("vsplit", VSPLITS)
-def test_state_views_are_transpose_dual(vsplit):
-    plan = RecurrenceSmemPlan(vsplit=vsplit)
-    b = _offsets(lambda: layouts.state_b(plan), (plan.v_band, D))
-    acc = _offsets(lambda: layouts.state_acc(plan), (D, plan.v_band))
+def test_state_views_are_transpose_dual(vsplit, dim):
+    plan = RecurrenceSmemPlan(vsplit=vsplit, dim=dim)
+    b = _offsets(lambda: layouts.state_b(plan), (plan.v_band, dim))
+    acc = _offsets(lambda: layouts.state_acc(plan), (dim, plan.v_band))
     assert all(b[(v, k)] == acc[(k, v)] for v, k in b)
-    assert sorted(b.values()) == list(range(plan.v_band * D))
-    fp32 = _offsets(lambda: layouts.state_fp32(plan), (plan.v_band, D))
+    assert sorted(b.values()) == list(range(plan.v_band * dim))
+    fp32 = _offsets(lambda: layouts.state_fp32(plan), (plan.v_band, dim))
     assert fp32 == b  # same element offsets: [v, k] of staging and state correspond
 
 
-def test_staged_operands():
-    plan = RecurrenceSmemPlan()
+@pytest.mark.parametrize("dim", DIMS)
+def test_staged_operands(dim):
+    plan = RecurrenceSmemPlan(dim=dim)
     stages = plan.input_stages
     # kd / qd / kr: staged K_SW128 tiles and their MN_SW128 view; the swizzle (on byte addresses) is the
-    # 128-byte one of K1's tiles, and the element offsets before it agree view by view, stage by stage
-    kr = _offsets(lambda: layouts.chunk_operand(plan).outer, (CHUNK, D, stages))
-    kr_t = _offsets(lambda: layouts.chunk_operand_transposed(plan).outer, (D, CHUNK, stages))
-    tile = _offsets(lambda: smem.sw128_tile(CHUNK, D).outer, (CHUNK, D))
-    box = _offsets(lambda: layouts.chunk_operand(plan, stages=0).outer, (CHUNK, D))
+    # 128-byte one of K1's tiles (a 64-column bf16 row is one 128-byte swizzle row), and the element offsets
+    # before it agree view by view, stage by stage
+    kr = _offsets(lambda: layouts.chunk_operand(plan).outer, (CHUNK, dim, stages))
+    kr_t = _offsets(lambda: layouts.chunk_operand_transposed(plan).outer, (dim, CHUNK, stages))
+    tile = _offsets(lambda: smem.sw128_tile(CHUNK, dim).outer, (CHUNK, dim))
+    box = _offsets(lambda: layouts.chunk_operand(plan, stages=0).outer, (CHUNK, dim))
     assert box == tile
-    assert all(kr[(r, c, s)] == kr_t[(c, r, s)] == tile[(r, c)] + s * CHUNK * D for r, c, s in kr)
+    assert all(kr[(r, c, s)] == kr_t[(c, r, s)] == tile[(r, c)] + s * CHUNK * dim for r, c, s in kr)
     swizzles = run_traced(lambda: [str(build().inner) for build in (
         lambda: layouts.chunk_operand(plan), lambda: layouts.chunk_operand_transposed(plan),
-        lambda: smem.sw128_tile(CHUNK, D))])
+        lambda: smem.sw128_tile(CHUNK, dim))])
     assert len(set(swizzles)) == 1 and swizzles[0] == "S<3,4,3>"
     assert all(plan.union_offsets()[name] % layouts.SWIZZLED_ALIGN == 0 for name in layouts.SWIZZLED_FIELDS)
     square = _offsets(lambda: layouts.square_tile(plan), (CHUNK, CHUNK, stages))
@@ -330,23 +337,33 @@ def test_copies_move_the_fragment_elements(vsplit, name):
 
 
 def _variants():
-    """(vsplit, state in, state out, varlen): every variant K2 can be compiled as (3 × 3 × 3 × 2 = 54)."""
-    return list(itertools.product(VSPLITS, STATE, STATE, (False, True)))
+    """(vsplit, state in, state out, varlen, D): every variant K2 can be compiled as at D = 128 (3 × 3 × 3 × 2 = 54);
+    at D = 64 every state pair at two (vsplit, varlen) points, each point three times (18)."""
+    full = [(*variant, D) for variant in itertools.product(VSPLITS, STATE, STATE, (False, True))]
+    points = list(itertools.product(VSPLITS, (False, True)))
+    pairs = list(itertools.product(STATE, STATE))
+    halves = [(*points[(2 * i + j) % len(points)], pair) for i, pair in enumerate(pairs) for j in range(2)]
+    return full + [(vsplit, *pair, varlen, 64) for vsplit, varlen, pair in halves]
 
 
-def _compile_args(vsplit, state_in, state_out, varlen, checkpoints=False):
+def _variant_id(variant) -> str:
+    vsplit, state_in, state_out, varlen, dim = variant
+    return f"vs{vsplit}-{state_in}-{state_out}-{'varlen' if varlen else 'fixed'}" + ("" if dim == D else f"-D{dim}")
+
+
+def _compile_args(vsplit, state_in, state_out, varlen, dim=D, checkpoints=False):
     """The launcher's own argument conversion on small CPU tensors (shapes are dynamic)."""
     from cute_kda.workspace import WorkspaceSpec, block_states_shape, workspace_views
 
     heads, num_seqs = 2, 3
     batch, steps = (1, 80) if varlen else (num_seqs, 24)
-    v = torch.zeros(batch, steps, heads, D, dtype=torch.bfloat16)
-    spec = WorkspaceSpec(heads=heads, tiles=8)
+    v = torch.zeros(batch, steps, heads, dim, dtype=torch.bfloat16)
+    spec = WorkspaceSpec(heads=heads, tiles=8, dim=dim)
     ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
     cu = torch.tensor([0, 20, 20, 80]) if varlen else None
 
     def state(name):
-        return None if STATE[name] is None else torch.zeros(num_seqs, heads, D, D, dtype=STATE[name])
+        return None if STATE[name] is None else torch.zeros(num_seqs, heads, dim, dim, dtype=STATE[name])
 
     return k2.launch_arguments(
         v, ws, torch.zeros_like(v), cu_seqlens=cu, tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32) if varlen else None,
@@ -363,22 +380,22 @@ def _compiled(variant, checkpoints=False):
     if (variant, checkpoints) not in _COMPILED:
         from cute_kda.compile_report import compile_with_report
 
-        vsplit, state_in, state_out, varlen = variant
+        vsplit, state_in, state_out, varlen, dim = variant
         kernel = FwdRecurrence(
             vsplit=vsplit, initial_state=dsl_type(STATE[state_in]),
-            final_state=dsl_type(STATE[state_out]), varlen=varlen, checkpoints=checkpoints,
+            final_state=dsl_type(STATE[state_out]), varlen=varlen, checkpoints=checkpoints, dim=dim,
         )
         _, report = compile_with_report(kernel, *_compile_args(*variant, checkpoints), cute.runtime.make_fake_stream())
         _COMPILED[(variant, checkpoints)] = (kernel, report)
     return _COMPILED[(variant, checkpoints)]
 
 
-@pytest.mark.parametrize("variant", _variants(), ids=lambda v: "vs{}-{}-{}-{}".format(v[0], v[1], v[2], "varlen" if v[3] else "fixed"))
+@pytest.mark.parametrize("variant", _variants(), ids=_variant_id)
 def test_variant_compiles(variant):
-    vsplit, state_in, state_out, varlen = variant
+    vsplit, state_in, state_out, varlen, dim = variant
     kernel, report = _compiled(variant)
     atoms = kernel.warp_cols // 8  # n=8 mma atoms per warp row of 16
-    k_steps = D // CHUNK
+    k_steps = dim // CHUNK
     # TMA: 8 loads per stage (v, kd, qd, kr, gT, INV, Mqk, β), one tile store, one per state transfer
     tma = {dims: report.count(f"cp.async.bulk.tensor.{dims}d.shared::cta.global") for dims in (2, 3, 4, 5)}
     assert tma == {2: 2, 3: 3, 4: 2, 5: 1 + (state_in != "none")}  # gT, β | kd, qd, kr (K_SW128) | INV, Mqk | v, state
@@ -418,23 +435,24 @@ def test_variant_compiles(variant):
     print(f"{variant}: {report.kernels[0].registers} registers, {kernel.plan.total_bytes} B smem")
 
 
-@pytest.mark.parametrize("vsplit,varlen", list(itertools.product(VSPLITS, (False, True))))
-def test_training_variant_compiles(vsplit, varlen):
+@pytest.mark.parametrize("vsplit,varlen,dim", [(vsplit, varlen, D) for vsplit in VSPLITS for varlen in (False, True)]
+                         + [(vsplit, vsplit == 2, 64) for vsplit in VSPLITS])
+def test_training_variant_compiles(vsplit, varlen, dim):
     """The training forward (state checkpoints) runs the inference variant's instructions plus, on a
     checkpoint tile, each warp's rows of the state buffer as D / 8 one-dimensional bulk copies from one lane
     (the state image, ``layouts.fwd_recurrence.state_image``), one wait for their read and one proxy fence
     a tile — or, for bands under 32 columns, 32-bit stores of the state fragment Phase 1 loaded — with no
     spills."""
-    variant = (vsplit, "fp32", "fp32", varlen)
+    variant = (vsplit, "fp32", "fp32", varlen, dim)
     kernel, report = _compiled(variant, checkpoints=True)
     _, inference = _compiled(variant)
     bulk = kernel.image_by_bulk
     assert bulk == (kernel.warp_cols >= 32)
     if bulk:
-        assert_band_image_copies(report, kernel.warp_cols, D)
-    else:  # the B fragment Phase 1 loaded, as 32-bit words (2 · cols a lane)
+        assert_band_image_copies(report, kernel.warp_cols, dim)
+    else:  # the B fragment Phase 1 loaded, as 32-bit words (D · cols / 64 a lane)
         assert report.count("cp.async.bulk.global.shared::cta") == 0
-        assert report.count("st.global.b32") == inference.count("st.global.b32") + 2 * kernel.warp_cols
+        assert report.count("st.global.b32") == inference.count("st.global.b32") + dim * kernel.warp_cols // 64
     assert report.count("cp.async.bulk.commit_group") == inference.count("cp.async.bulk.commit_group") + bulk
     assert report.count("fence.proxy.async") == inference.count("fence.proxy.async") + bulk
     for mnemonic in ("mma.sync", "movmatrix", "ldmatrix", "stmatrix", "mul.rn.f32", "cvt.rn.bf16x2.f32",
