@@ -25,6 +25,7 @@ import torch
 
 import cute_kda
 from cute_kda import fla_backend, head_dims
+from cute_kda.call import resolve
 from cute_kda.executors import training
 from cute_kda.fla_calls import translate_fla_call, translate_fla_gdn_call
 from cute_kda.reference import gold_backward, gold_forward, rel_rms
@@ -402,6 +403,32 @@ def _gold_at_caller_dims(case, tensors, problem, **options):
     return o, state
 
 
+@pytest.mark.parametrize("case", [Case(64, 64), Case(64, 64, "softplus", per_head=True, heads=1, value_heads=2,
+                                                lengths=(20, 0, 1, 17), state=torch.bfloat16),
+                                   Case(64, 64, "none", lengths=(33,), state=None)], ids=lambda c: f"{c.gate}")
+def test_inference_at_64_runs_unpadded(gold_kernels, case):
+    """An inference call at K = V = 64 resolves as itself (no caller dims to restore) and the executor runs the 64
+    problem, into the caller's buffers; under autograd, and at any other small size, the call runs padded to 128."""
+    problem, _, _ = make_problem(case, seed=21)
+    tensors = [problem.pop(n) for n in NAMES[:5]]
+    with torch.no_grad():
+        call = resolve(*tensors, **problem, gate=case.gate, output_final_state=True)
+        out = torch.full(tensors[2].shape, 7.0, dtype=torch.bfloat16)
+        o, ht = cute_kda.kda_forward(*tensors, **problem, gate=case.gate, out=out, output_final_state=True)
+    assert call.caller_dims is None and call.options.problem.head_dim == 64 and not call.training
+    assert [p.head_dim for p in gold_kernels] == [64] and o is out
+    o_gold, ht_gold = _gold_at_caller_dims(case, tensors, problem)
+    assert rel_rms(o, o_gold.bfloat16()) <= 1e-4 and rel_rms(ht, ht_gold) <= (4e-3 if case.state else 1e-6)
+    leaves = [x.detach().requires_grad_() if n in ("q", "v") else x for n, x in zip(NAMES, tensors)]
+    trained = resolve(*leaves, **problem, gate=case.gate)
+    assert trained.training and trained.caller_dims is not None and trained.options.problem.head_dim == 128
+    for key_dim, value_dim in ((60, 60), (64, 128), (128, 64)):
+        other, _, _ = make_problem(Case(key_dim, value_dim, lengths=(5,)), seed=22)
+        with torch.no_grad():
+            padded = resolve(*[other.pop(n) for n in NAMES[:5]], **other)
+        assert padded.caller_dims is not None and padded.options.problem.head_dim == 128
+
+
 @pytest.mark.parametrize("name", sorted(INFERENCE_API_CASES))
 def test_public_inference_restores_into_caller_buffers(gold_kernels, name):
     """The public kda_forward, eager, inference: resolve pads / splits, the inference executor (here the fp64 gold on
@@ -451,8 +478,8 @@ def test_compiled_inference_is_one_op_at_the_callers_dims(gold_kernels):
 
 
 def test_fla_backend_computes_head_dim_64(any_device, gold_kernels):
-    """FLA's chunk_kda dispatch at K = V = 64: the verifier takes it, the implementation runs the padded call and hands
-    FLA's layout back (K-first state, o at 64 columns)."""
+    """FLA's chunk_kda dispatch at K = V = 64: the verifier takes it, the implementation runs the call (on the kernels
+    compiled for 64) and hands FLA's layout back (K-first state, o at 64 columns)."""
     case = Case(64, 64, "softplus", lengths=(20, 0, 17))
     problem, _, _ = make_problem(case, seed=20)
     kwargs = dict(problem, initial_state=problem["initial_state"].transpose(-1, -2).contiguous(),
