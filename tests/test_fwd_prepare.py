@@ -338,13 +338,17 @@ def test_fragment_algebra_the_kernel_relies_on():
 # ---------------------------------------------------------------- GPU: bit-exact vs the mirror
 
 
-def _problem(batch: int, steps: int, heads: int, *, seed: int = 0, device="cuda"):
+# the GPU tests run at both head dims K1 compiles for
+ALL_DIMS = pytest.mark.parametrize("dim", [D, 64], ids=["D128", "D64"])
+
+
+def _problem(batch: int, steps: int, heads: int, *, seed: int = 0, device="cuda", dim: int = D):
     gen = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(batch, steps, heads, D, generator=gen).bfloat16() for _ in range(2))
-    g = (torch.rand(batch, steps, heads, D, generator=gen) * 16 - 8).bfloat16()
+    q, k = (torch.randn(batch, steps, heads, dim, generator=gen).bfloat16() for _ in range(2))
+    g = (torch.rand(batch, steps, heads, dim, generator=gen) * 16 - 8).bfloat16()
     beta = (torch.randn(batch, steps, heads, generator=gen) * 2).bfloat16()
     a_log = torch.rand(heads, generator=gen) - 0.5
-    dt_bias = torch.randn(heads, D, generator=gen)
+    dt_bias = torch.randn(heads, dim, generator=gen)
     return [t.to(device) for t in (q, k, g, beta, a_log, dt_bias)]
 
 
@@ -367,9 +371,9 @@ def _run(q, k, g, beta, a_log, dt_bias, *, cu_seqlens=None, qk_l2norm=True, beta
     batch, steps, heads = beta.shape
     varlen = cu_seqlens is not None
     num_seqs = cu_seqlens.numel() - 1 if varlen else batch
-    spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(batch * steps, num_seqs, varlen))
+    spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(batch * steps, num_seqs, varlen), dim=q.shape[-1])
     ws = workspace_views(spec, torch.full((spec.nbytes,), 0xFF, dtype=torch.uint8, device=q.device))
-    scale = D ** -0.5
+    scale = q.shape[-1] ** -0.5
     prepare(q, k, g, beta, a_log, dt_bias, ws, scale=scale, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens,
             tile_base=tile_bases(cu_seqlens) if varlen else None, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
             gate=gate)
@@ -409,9 +413,10 @@ FIXED = [(1, t, h) for t in (1, 15, 16, 17, 97, 1024) for h in (1, 4)] + [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,steps,heads", FIXED, ids=[f"B{b}T{t}H{h}" for b, t, h in FIXED])
-def test_matches_mirror_fixed(batch, steps, heads):
-    data = _problem(batch, steps, heads)
-    _assert_matches(*_run(*data), f"B{batch} T{steps} H{heads}")
+@ALL_DIMS
+def test_matches_mirror_fixed(batch, steps, heads, dim):
+    data = _problem(batch, steps, heads, dim=dim)
+    _assert_matches(*_run(*data), f"B{batch} T{steps} H{heads} D{dim}")
 
 
 VARLEN = [
@@ -425,8 +430,9 @@ VARLEN = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths,heads", VARLEN, ids=[f"{len(s)}seqs-H{h}" for s, h in VARLEN])
-def test_matches_mirror_varlen(lengths, heads):
-    data = _problem(1, sum(lengths), heads, seed=1)
+@ALL_DIMS
+def test_matches_mirror_varlen(lengths, heads, dim):
+    data = _problem(1, sum(lengths), heads, seed=1, dim=dim)
     cu_seqlens = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64, device="cuda")
     _assert_matches(*_run(*data, cu_seqlens=cu_seqlens), f"varlen {lengths} H{heads}")
 
@@ -435,8 +441,9 @@ def test_matches_mirror_varlen(lengths, heads):
 @pytest.mark.parametrize("qk_l2norm,beta_logits", [(False, True), (True, False), (False, False)],
                          ids=["no_l2norm", "beta_activated", "neither"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
-def test_matches_mirror_flags(qk_l2norm, beta_logits, varlen):
-    data = _problem(1, 115, 4, seed=2)
+@ALL_DIMS
+def test_matches_mirror_flags(qk_l2norm, beta_logits, varlen, dim):
+    data = _problem(1, 115, 4, seed=2, dim=dim)
     cu_seqlens = torch.tensor([0, 17, 50, 115], dtype=torch.int64, device="cuda") if varlen else None
     if not beta_logits:
         data[3] = torch.sigmoid(data[3].float()).bfloat16()
@@ -448,10 +455,11 @@ def test_matches_mirror_flags(qk_l2norm, beta_logits, varlen):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
-def test_tail_tile_ignores_the_next_sequence(varlen):
+@ALL_DIMS
+def test_tail_tile_ignores_the_next_sequence(varlen, dim):
     """The TMA brings the next sequence's rows into a tail tile; NaN there must not reach the results."""
-    first = _problem(1, 17, 4, seed=3)
-    neighbour = [torch.full_like(t, float("nan")) for t in _problem(1, 17, 4, seed=4)[:4]]
+    first = _problem(1, 17, 4, seed=3, dim=dim)
+    neighbour = [torch.full_like(t, float("nan")) for t in _problem(1, 17, 4, seed=4, dim=dim)[:4]]
     if varlen:
         data = [torch.cat([a, b], dim=1) for a, b in zip(first[:4], neighbour)] + first[4:]
         cu_seqlens = torch.tensor([0, 17, 34], dtype=torch.int64, device="cuda")
@@ -481,16 +489,17 @@ def test_tile_bases(num_seqs):
 
 
 @pytest.mark.gpu
-def test_prepare_computes_tile_bases_itself():
+@ALL_DIMS
+def test_prepare_computes_tile_bases_itself(dim):
     """``tile_base`` omitted: the launcher computes it; the result is the same workspace."""
     from cute_kda.ops.prepare import prepare
 
-    q, k, g, beta, a_log, dt_bias = _problem(1, 50, 2, seed=5)
+    q, k, g, beta, a_log, dt_bias = _problem(1, 50, 2, seed=5, dim=dim)
     cu_seqlens = torch.tensor([0, 20, 50], dtype=torch.int64, device="cuda")
     ws, ref, exists = _run(q, k, g, beta, a_log, dt_bias, cu_seqlens=cu_seqlens)
-    spec = WorkspaceSpec(heads=2, tiles=ws.gt.shape[0] // 2)
+    spec = WorkspaceSpec(heads=2, tiles=ws.gt.shape[0] // 2, dim=dim)
     again = workspace_views(spec, torch.full((spec.nbytes,), 0xFF, dtype=torch.uint8, device="cuda"))
-    prepare(q, k, g, beta, a_log, dt_bias, again, scale=D ** -0.5, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens)
+    prepare(q, k, g, beta, a_log, dt_bias, again, scale=dim ** -0.5, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens)
     torch.cuda.synchronize()
     for name in ws._fields:
         assert torch.equal(_bits(getattr(ws, name)), _bits(getattr(again, name))), name
@@ -499,14 +508,15 @@ def test_prepare_computes_tile_bases_itself():
 # ---------------------------------------------------------------- the unbounded gates (GPU)
 
 
-def _gate_problem(case: str, batch: int, steps: int, heads: int, seed: int = 0) -> tuple[list, str, torch.dtype]:
+def _gate_problem(case: str, batch: int, steps: int, heads: int, seed: int = 0,
+                  dim: int = D) -> tuple[list, str, torch.dtype]:
     """(q, k, g, beta, A_log, dt_bias; gate; g's dtype) of one gate case of docs/numerics.md ("Unbounded gates")."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (batch, steps, heads, D)
+    shape = (batch, steps, heads, dim)
     q, k = (torch.randn(*shape, generator=gen).bfloat16() for _ in range(2))
     beta = (torch.randn(batch, steps, heads, generator=gen) * 2).bfloat16()
     a_log = torch.log(torch.rand(heads, generator=gen) * 15 + 1)  # Kimi-Linear's init: exp(A_log) ~ U(1, 16)
-    dt_bias = torch.randn(heads, D, generator=gen)
+    dt_bias = torch.randn(heads, dim, generator=gen)
     g_raw = torch.randn(*shape, generator=gen)
     gate, dtype = "softplus", torch.bfloat16
     if case == "softplus_pm1000":  # g_raw of −1000, +1000 and N(0, 1), a third each, A_log = 3
@@ -533,10 +543,11 @@ GATE_SHAPES = [(1, 1, 2), (1, 15, 2), (1, 17, 4), (2, 97, 4), (1, 1024, 8)]
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,steps,heads", GATE_SHAPES, ids=[f"B{b}T{t}H{h}" for b, t, h in GATE_SHAPES])
 @pytest.mark.parametrize("case", GATE_CASES)
-def test_unbounded_gates_match_mirror_fixed(case, batch, steps, heads):
-    data, gate, _ = _gate_problem(case, batch, steps, heads)
+@ALL_DIMS
+def test_unbounded_gates_match_mirror_fixed(case, batch, steps, heads, dim):
+    data, gate, _ = _gate_problem(case, batch, steps, heads, dim=dim)
     ws, ref, exists = _run(*data, gate=gate)
-    _assert_matches(ws, ref, exists, f"{case} B{batch} T{steps} H{heads}")
+    _assert_matches(ws, ref, exists, f"{case} B{batch} T{steps} H{heads} D{dim}")
     torch.cuda.synchronize()
     assert all(torch.isfinite(getattr(ws, name)[exists].float()).all() for name in ws._fields), "not finite"
 
@@ -545,8 +556,9 @@ def test_unbounded_gates_match_mirror_fixed(case, batch, steps, heads):
 @pytest.mark.parametrize("case", ["softplus_pm1000", "log_decay_fp32"])
 @pytest.mark.parametrize("lengths", [[1300, 547, 2048, 963, 271, 3063], [5, 0, 16, 0, 1], [17, 33, 65]],
                          ids=["design", "empty_and_1_token", "tails"])
-def test_unbounded_gates_match_mirror_varlen(case, lengths):
-    data, gate, _ = _gate_problem(case, 1, sum(lengths), 4, seed=1)
+@ALL_DIMS
+def test_unbounded_gates_match_mirror_varlen(case, lengths, dim):
+    data, gate, _ = _gate_problem(case, 1, sum(lengths), 4, seed=1, dim=dim)
     cu_seqlens = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64, device="cuda")
     _assert_matches(*_run(*data, gate=gate, cu_seqlens=cu_seqlens), f"{case} varlen {lengths}")
 
@@ -555,8 +567,9 @@ def test_unbounded_gates_match_mirror_varlen(case, lengths):
 @pytest.mark.parametrize("qk_l2norm,beta_logits", [(False, True), (True, False), (False, False)],
                          ids=["no_l2norm", "beta_activated", "neither"])
 @pytest.mark.parametrize("case", ["softplus_kimi_init", "log_decay_bf16"])
-def test_unbounded_gates_match_mirror_flags(case, qk_l2norm, beta_logits):
-    data, gate, _ = _gate_problem(case, 1, 115, 4, seed=2)
+@ALL_DIMS
+def test_unbounded_gates_match_mirror_flags(case, qk_l2norm, beta_logits, dim):
+    data, gate, _ = _gate_problem(case, 1, 115, 4, seed=2, dim=dim)
     if not beta_logits:
         data[3] = torch.sigmoid(data[3].float()).bfloat16()
     if not qk_l2norm:
@@ -566,9 +579,10 @@ def test_unbounded_gates_match_mirror_flags(case, qk_l2norm, beta_logits):
 
 
 @pytest.mark.gpu
-def test_unbounded_gate_tail_tile_ignores_the_next_sequence():
+@ALL_DIMS
+def test_unbounded_gate_tail_tile_ignores_the_next_sequence(dim):
     """Rows past a tail are never read as g (no load) nor used as q, k: NaN there reaches nothing."""
-    first, gate, _ = _gate_problem("log_decay_fp32", 1, 17, 4, seed=3)
+    first, gate, _ = _gate_problem("log_decay_fp32", 1, 17, 4, seed=3, dim=dim)
     neighbour = [torch.full_like(t, float("nan")) for t in first[:4]]
     data = [torch.cat([a, b], dim=1) for a, b in zip(first[:4], neighbour)] + first[4:]
     cu_seqlens = torch.tensor([0, 17, 34], dtype=torch.int64, device="cuda")
@@ -579,21 +593,21 @@ def test_unbounded_gate_tail_tile_ignores_the_next_sequence():
     _assert_matches(type(ws)(*(field[rows] for field in ws)), ref_first, exists_first, "log decay tail next to NaN")
 
 
-def _gdn_problem(case: str, batch: int, steps: int, heads: int, value_heads: int, seed: int = 0):
+def _gdn_problem(case: str, batch: int, steps: int, heads: int, value_heads: int, seed: int = 0, dim: int = D):
     """GatedDeltaNet-style inputs (q, k per q/k head; g [B, T, HV] per head, β, A_log, dt_bias per value head),
     or the safe per-channel gate with grouped value heads; returns (data, gate, scheme of the mirror: None for
     the safe gate's K1, ``mirror_prepare``)."""
     gen = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(batch, steps, heads, D, generator=gen).bfloat16() for _ in range(2))
+    q, k = (torch.randn(batch, steps, heads, dim, generator=gen).bfloat16() for _ in range(2))
     beta = (torch.randn(batch, steps, value_heads, generator=gen) * 2).bfloat16()
     a_log = torch.log(torch.rand(value_heads, generator=gen) * 15 + 1)
     if case == "safe_grouped":
-        g = (torch.rand(batch, steps, value_heads, D, generator=gen) * 16 - 8).bfloat16()
-        data = [q, k, g, beta, torch.rand(value_heads, generator=gen) - 0.5, torch.randn(value_heads, D, generator=gen)]
+        g = (torch.rand(batch, steps, value_heads, dim, generator=gen) * 16 - 8).bfloat16()
+        data = [q, k, g, beta, torch.rand(value_heads, generator=gen) - 0.5, torch.randn(value_heads, dim, generator=gen)]
         return [t.to("cuda") for t in data], "safe", None
     if case == "softplus_grouped":  # Kimi-Linear's per-channel gate with grouped value heads
-        g = torch.randn(batch, steps, value_heads, D, generator=gen).bfloat16()
-        data = [q, k, g, beta, a_log, torch.randn(value_heads, D, generator=gen)]
+        g = torch.randn(batch, steps, value_heads, dim, generator=gen).bfloat16()
+        data = [q, k, g, beta, a_log, torch.randn(value_heads, dim, generator=gen)]
         return [t.to("cuda") for t in data], "softplus", "dyadic"
     raw = torch.randn(batch, steps, value_heads, generator=gen)
     if case == "gdn_softplus":
@@ -610,10 +624,11 @@ GDN_CASES = ["gdn_softplus", "gdn_log_decay", "safe_grouped", "softplus_grouped"
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [[97], [5, 0, 16, 1, 300]], ids=["B1T97", "varlen_empty_1_token"])
 @pytest.mark.parametrize("case", GDN_CASES)
-def test_grouped_value_heads_and_per_head_gates_match_mirror(case, lengths):
+@ALL_DIMS
+def test_grouped_value_heads_and_per_head_gates_match_mirror(case, lengths, dim):
     """K1 per value head (HV = 4 over H = 2: value head j reads q/k head j // 2), with GatedDeltaNet's per-head
     gate or the safe per-channel one, against the mirror (which expands q, k over the groups)."""
-    data, gate, scheme = _gdn_problem(case, 1, sum(lengths), 2, 4)
+    data, gate, scheme = _gdn_problem(case, 1, sum(lengths), 2, 4, dim=dim)
     varlen = len(lengths) > 1
     cu_seqlens = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64, device="cuda") if varlen else None
     ws, ref, exists = _run(*data, cu_seqlens=cu_seqlens, gate=gate, scheme=scheme)

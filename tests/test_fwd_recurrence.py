@@ -512,22 +512,26 @@ def _values(kind, shape, gen):
     return torch.full(shape, float(kind))
 
 
-def _problem(B, T, H, *, g_raw="uniform", dt_bias="normal", seed=0, device="cuda"):
-    """bf16 q, k, v, g, beta [B, T, H(, D)]; fp32 A_log [H], dt_bias [H, D]."""
+# the GPU tests run at both head dims K2 compiles for
+ALL_DIMS = pytest.mark.parametrize("dim", [D, 64], ids=["D128", "D64"])
+
+
+def _problem(B, T, H, *, g_raw="uniform", dt_bias="normal", seed=0, device="cuda", dim=D):
+    """bf16 q, k, v, g, beta [B, T, H(, D)]; fp32 A_log [H], dt_bias [H, D] (D = ``dim``)."""
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, T, H, D, generator=gen).bfloat16() for _ in range(3))
-    g = _values(g_raw, (B, T, H, D), gen).bfloat16()
+    q, k, v = (torch.randn(B, T, H, dim, generator=gen).bfloat16() for _ in range(3))
+    g = _values(g_raw, (B, T, H, dim), gen).bfloat16()
     beta = (torch.randn(B, T, H, generator=gen) * 2).bfloat16()
     A_log = torch.rand(H, generator=gen) - 0.5
-    bias = _values(dt_bias, (H, D), gen)
+    bias = _values(dt_bias, (H, dim), gen)
     return tuple(t.to(device) for t in (q, k, v, g, beta, A_log, bias))
 
 
-def _initial_state(kind, N, H, seed, device):
+def _initial_state(kind, N, H, seed, device, dim=D):
     if STATE[kind] is None:
         return None
     gen = torch.Generator().manual_seed(seed + 1)
-    return (torch.randn(N, H, D, D, generator=gen) * 0.5).to(device=device, dtype=STATE[kind])
+    return (torch.randn(N, H, dim, dim, generator=gen) * 0.5).to(device=device, dtype=STATE[kind])
 
 
 def _guarded(shape, dtype, device, axis: int, pad: int):
@@ -552,15 +556,15 @@ def _run(problem, *, lengths=None, state_in="none", state_out="fp32", vsplit=Non
 
     q, k, v, g, beta, A_log, bias = problem
     device = q.device
-    B, T, H, _ = q.shape
+    B, T, H, dim = q.shape
     cu = None if lengths is None else torch.tensor([0, *itertools.accumulate(lengths)], device=device)
     N = B if lengths is None else len(lengths)
     ws = mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=bias, lower_bound=lower_bound, cu_seqlens=cu)
-    init = _initial_state(state_in, N, H, seed, device)
-    out, out_buf = _guarded((B, T, H, D), torch.bfloat16, device, axis=1, pad=CHUNK)
+    init = _initial_state(state_in, N, H, seed, device, dim)
+    out, out_buf = _guarded((B, T, H, dim), torch.bfloat16, device, axis=1, pad=CHUNK)
     final = final_buf = None
     if STATE[state_out] is not None:
-        final, final_buf = _guarded((N, H, D, D), STATE[state_out], device, axis=0, pad=1)
+        final, final_buf = _guarded((N, H, dim, dim), STATE[state_out], device, axis=0, pad=1)
     k2.recurrence(v, ws, out, cu_seqlens=cu, initial_state=init, final_state=final, vsplit=vsplit)
     torch.cuda.synchronize()
     _assert_guards_untouched(out_buf, axis=1, pad=CHUNK)
@@ -581,8 +585,9 @@ def _mirror(problem, ws, cu, init, state_out):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 7, 16])
 @pytest.mark.parametrize("state_in,state_out", [("bf16", "bf16"), ("fp32", "fp32"), ("none", "fp32")])
-def test_single_tile_within_one_ulp_of_the_mirror(T, state_in, state_out):
-    problem = _problem(2, T, 3, seed=T)
+@ALL_DIMS
+def test_single_tile_within_one_ulp_of_the_mirror(T, state_in, state_out, dim):
+    problem = _problem(2, T, 3, seed=T, dim=dim)
     o, final, ws, cu, init = _run(problem, state_in=state_in, state_out=state_out, seed=T)
     o_ref, final_ref = _mirror(problem, ws, cu, init, state_out)
     assert_within_one_ulp(f"T={T} o", o, o_ref)
@@ -591,9 +596,10 @@ def test_single_tile_within_one_ulp_of_the_mirror(T, state_in, state_out):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [None, [40, 0, 97, 16, 300]], ids=["B2xT300", "varlen"])
-def test_many_tiles_track_the_mirror(lengths):
+@ALL_DIMS
+def test_many_tiles_track_the_mirror(lengths, dim):
     B, T = (2, 300) if lengths is None else (1, sum(lengths))
-    problem = _problem(B, T, 2, seed=11)
+    problem = _problem(B, T, 2, seed=11, dim=dim)
     from cute_kda.reference import rel_rms
 
     o, final, ws, cu, init = _run(problem, lengths=lengths, state_in="bf16", state_out="bf16", seed=11)
@@ -607,9 +613,10 @@ def test_many_tiles_track_the_mirror(lengths):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_out", ["bf16", "fp32"])
-def test_vsplits_are_bit_identical(state_out):
+@ALL_DIMS
+def test_vsplits_are_bit_identical(state_out, dim):
     lengths = [300, 0, 17, 1, 64]
-    problem = _problem(1, sum(lengths), 3, seed=5)
+    problem = _problem(1, sum(lengths), 3, seed=5, dim=dim)
     results = [_run(problem, lengths=lengths, state_in="fp32", state_out=state_out, vsplit=s, seed=5)[:2]
                for s in VSPLITS]
     for o, final in results[1:]:
@@ -649,8 +656,9 @@ def _check_gold(problem, *, lengths=None, state_in="none", state_out="fp32", vsp
 @pytest.mark.gpu
 @pytest.mark.parametrize("dt_bias", _DT_BIAS)
 @pytest.mark.parametrize("g_raw", _G_RAW)
-def test_gold_gate_cases(g_raw, dt_bias):
-    problem = _problem(2, 97, 2, g_raw=g_raw, dt_bias=dt_bias, seed=1)
+@ALL_DIMS
+def test_gold_gate_cases(g_raw, dt_bias, dim):
+    problem = _problem(2, 97, 2, g_raw=g_raw, dt_bias=dt_bias, seed=1, dim=dim)
     _check_gold(problem, state_in="bf16", state_out="fp32", seed=1, label=f"g={g_raw} bias={dt_bias}")
 
 
@@ -659,8 +667,9 @@ def test_gold_gate_cases(g_raw, dt_bias):
     (1, 1, "none", "bf16"), (2, 15, "bf16", "fp32"), (8, 16, "fp32", "none"), (1, 17, "fp32", "bf16"),
     (2, 97, "none", "fp32"), (1, 1024, "fp32", "fp32"), (8, 100, "bf16", "bf16"),
 ])
-def test_gold_shapes(B, T, state_in, state_out):
-    problem = _problem(B, T, 2, seed=T)
+@ALL_DIMS
+def test_gold_shapes(B, T, state_in, state_out, dim):
+    problem = _problem(B, T, 2, seed=T, dim=dim)
     _check_gold(problem, state_in=state_in, state_out=state_out, seed=T, label=f"B={B} T={T}")
 
 
@@ -668,8 +677,9 @@ def test_gold_shapes(B, T, state_in, state_out):
 @pytest.mark.parametrize("lengths", [[1300, 547, 2048, 963, 271, 3063], [1024] * 8, [0, 5, 16]],
                          ids=["mixed", "8x1024", "0-5-16"])
 @pytest.mark.parametrize("state_in,state_out", [("none", "fp32"), ("bf16", "bf16"), ("fp32", "fp32")])
-def test_gold_varlen(lengths, state_in, state_out):
-    problem = _problem(1, sum(lengths), 2, seed=len(lengths))
+@ALL_DIMS
+def test_gold_varlen(lengths, state_in, state_out, dim):
+    problem = _problem(1, sum(lengths), 2, seed=len(lengths), dim=dim)
     _check_gold(problem, lengths=lengths, state_in=state_in, state_out=state_out, seed=3, label=f"{lengths}")
 
 
@@ -677,17 +687,19 @@ def test_gold_varlen(lengths, state_in, state_out):
 @pytest.mark.parametrize("state_in,state_out,vsplit", [
     (state_in, state_out, VSPLITS[i % 3]) for i, (state_in, state_out) in enumerate(itertools.product(STATE, STATE))
 ])
-def test_gold_every_state_mode(state_in, state_out, vsplit):
+@ALL_DIMS
+def test_gold_every_state_mode(state_in, state_out, vsplit, dim):
     lengths = [0, 5, 16, 33]
-    problem = _problem(1, sum(lengths), 2, seed=9)
+    problem = _problem(1, sum(lengths), 2, seed=9, dim=dim)
     _check_gold(problem, lengths=lengths, state_in=state_in, state_out=state_out, vsplit=vsplit, seed=9,
                 label=f"vs{vsplit} {state_in}->{state_out}")
 
 
 @pytest.mark.gpu
-def test_empty_sequence_passes_the_state_through():
+@ALL_DIMS
+def test_empty_sequence_passes_the_state_through(dim):
     lengths = [0, 16, 0]
-    problem = _problem(1, 16, 2, seed=4)
+    problem = _problem(1, 16, 2, seed=4, dim=dim)
     for state in ("bf16", "fp32"):
         _, final, _, _, init = _run(problem, lengths=lengths, state_in=state, state_out=state, seed=4)
         for n in (0, 2):  # empty: final = initial (bf16 as it is, fp32 kept in fp32)
@@ -695,8 +707,9 @@ def test_empty_sequence_passes_the_state_through():
 
 
 @pytest.mark.gpu
-def test_gold_t8192():
-    problem = _problem(1, 8192, 2, seed=8)
+@ALL_DIMS
+def test_gold_t8192(dim):
+    problem = _problem(1, 8192, 2, seed=8, dim=dim)
     _check_gold(problem, state_in="fp32", state_out="fp32", seed=8, label="T=8192")
 
 
@@ -760,7 +773,8 @@ def test_one_million_tokens():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [None, [40, 0, 97, 16, 300, 1]], ids=["B2xT300", "varlen"])
-def test_training_variant_checkpoints(lengths):
+@ALL_DIMS
+def test_training_variant_checkpoints(lengths, dim):
     """The training variant writes the inference variant's o and final state bit for bit, and checkpoints
     (state images) that track the mirror's (the first of each sequence is bf16(initial state) exactly); rows it does not
     own stay poisoned and the guards around the buffer untouched."""
@@ -768,7 +782,7 @@ def test_training_variant_checkpoints(lengths):
     from cute_kda.workspace import SNAPSHOT_TILES, block_states_shape, images_to_states
 
     B, T = (2, 300) if lengths is None else (1, sum(lengths))
-    problem = _problem(B, T, 2, seed=12)
+    problem = _problem(B, T, 2, seed=12, dim=dim)
     o, final, ws, cu, init = _run(problem, lengths=lengths, state_in="fp32", state_out="fp32", seed=12)
     N, H = init.shape[:2]
     shape = block_states_shape(ws, H, N)
@@ -790,14 +804,15 @@ def test_training_variant_checkpoints(lengths):
     for n in range(N):
         if tiles[n]:
             slot = first[n] // SNAPSHOT_TILES + n  # the block of the sequence's first tile
-            rows = ckpt.view(H, slots, D, D)[:, slot]
+            rows = ckpt.view(H, slots, dim, dim)[:, slot]
             assert torch.equal(rows, init[n].transpose(-1, -2).bfloat16()), n
     err = rel_rms(ckpt[written], want[written])
-    print(f"checkpoints vs mirror: {err:.2e} over {int(written.sum()) // (D * D)} matrices")
+    print(f"checkpoints vs mirror: {err:.2e} over {int(written.sum()) // (dim * dim)} matrices")
     assert err <= MIRROR_TOL
 
 
-def test_state_images_are_the_state_image_layout():
+@pytest.mark.parametrize("dim", [D, 64])
+def test_state_images_are_the_state_image_layout(dim):
     """The torch conversion of the kept matrices (``workspace.states_to_images``) puts ``S[k, v]`` where the
     kernels' CuTe layout (``layouts.fwd_recurrence.state_image``) puts element ``[v, k]``, and a band-scan warp's
     rows of its band buffer are D / 8 contiguous runs of ``cols · 16`` bytes in it at every V-split (K2's and
@@ -807,21 +822,22 @@ def test_state_images_are_the_state_image_layout():
     from cute_kda.layouts.bwd_scan import SCAN_VSPLITS, ScanSmemPlan
     from cute_kda.workspace import images_to_states, states_to_images
 
-    image = run_traced(lambda: evaluate_layout(layouts.state_image(D), 2))
-    assert image.bytes.shape == (D, D) and image.cosize == D * D
+    image = run_traced(lambda: evaluate_layout(layouts.state_image(dim), 2))
+    assert image.bytes.shape == (dim, dim) and image.cosize == dim * dim
     elements = torch.from_numpy(image.bytes // 2)  # [v, k]
-    states = torch.randn(3, D, D)
+    states = torch.randn(3, dim, dim)
     flat = states_to_images(states).flatten(1)
     assert torch.equal(flat[:, elements], states.transpose(1, 2))
     assert torch.equal(images_to_states(states_to_images(states)), states)
-    plans = [RecurrenceSmemPlan(vsplit=vsplit) for vsplit in VSPLITS] + [ScanSmemPlan(vsplit=v) for v in SCAN_VSPLITS]
+    plans = [RecurrenceSmemPlan(vsplit=vsplit, dim=dim) for vsplit in VSPLITS]
+    plans += [ScanSmemPlan(vsplit=v) for v in SCAN_VSPLITS] if dim == D else []  # Kernel A: D = 128 only
     for plan in plans:
         vsplit = plan.vsplit
         band = run_traced(lambda: evaluate_layout(layouts.state_b(plan), 2)).bytes
         cols = plan.warp_cols
         for band_index in range(vsplit):
             for w in range(plan.v_band // cols):
-                for j in range(D // layouts.IMAGE_RUN):
+                for j in range(dim // layouts.IMAGE_RUN):
                     run = slice(8 * j, 8 * j + 8)
                     rows = slice(w * cols, (w + 1) * cols)
                     local = band[rows, run]
