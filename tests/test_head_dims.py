@@ -517,6 +517,12 @@ INFERENCE_CASES = {  # the safe gate with grouped value heads (split ones too) r
     **{name: CASES[name] for name in ("K64_log_decay_no_state", "K128_V256_gdn_log_decay_gva",
                                       "K60_softplus_varlen_bf16_state")},
     "K64_V256_safe_gva": Case(64, 256, heads=1, value_heads=2, lengths=(30,)),
+    # K = V = 64 on the kernels compiled for 64: every gate form, GVA, tails, T < 16, empty and 1-token sequences,
+    # segments (the context-parallel split of one sequence)
+    **{name: CASES[name] for name in ("K64_gdn_softplus_gva", "K64_softplus_segments")},
+    "K64_safe_varlen_empty_1_token": Case(64, 64, lengths=(20, 0, 1, 3, 17), state=torch.float32),
+    "K64_safe_gva_bf16_state": Case(64, 64, heads=1, value_heads=4, lengths=(37, 37), state=torch.bfloat16),
+    "K64_log_decay_fp32_state_short": Case(64, 64, "none", lengths=(5, 9)),
 }
 
 
@@ -526,7 +532,8 @@ def test_inference_fills_caller_buffers(name, device):
     """Inference at the caller's dims: out= and final_state= buffers get the results the gold gives, nothing else of
     them is touched; the results without buffers are the same bits."""
     case = INFERENCE_CASES[name]
-    problem, _, _ = make_problem(case, seed=12, device=device, scale_lengths=4)
+    scale = 1 if name == "K64_safe_varlen_empty_1_token" else 4  # keep its 1-token sequence
+    problem, _, _ = make_problem(case, seed=12, device=device, scale_lengths=scale)
     tensors = [problem.pop(n) for n in NAMES[:5]]
     options = dict(case.options, gate=case.gate)
     num_seqs = problem["cu_seqlens"].numel() - 1 if "cu_seqlens" in problem else tensors[0].shape[0]
