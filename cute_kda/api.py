@@ -389,6 +389,7 @@ def warmup_variants(
     state_pools: tuple[torch.dtype, ...] = (),
     checkpoint_every: tuple[int, ...] = (),
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
+    head_dims: tuple[int, ...] = (128,),
 ) -> list:
     """The variants :func:`warmup` compiles, in order, without duplicates. Pure: nothing is compiled, no device is
     needed.
@@ -405,10 +406,16 @@ def warmup_variants(
     K2 of a prefill on a state pool of that dtype, for every V-split and ``varlen`` value, without prefix checkpoints
     and with each of ``checkpoint_every`` (tokens: one variant per value). ``dtypes``: the activations' dtypes (bf16
     and / or fp16) the forward variants are listed for (an fp16 one's log decay in fp16 or fp32, its ``state_modes``
-    may hold fp16); the backward's only for bf16 (fp16 does not train).
+    may hold fp16); the backward's only for bf16 (fp16 does not train). ``head_dims``: K = V of the forward variants
+    (:data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`; one other than 128 lists the inference forward only, unsegmented:
+    what runs natively at it, :func:`cute_kda.head_dims.runs_native`).
     """
     from .layouts.bwd_grads import DEFAULT_WARPS
-    from .numerics import SCAN_VSPLITS, SUPPORTED_VSPLITS
+    from .numerics import HEAD_DIM, NATIVE_HEAD_DIMS, SCAN_VSPLITS, SUPPORTED_VSPLITS
+
+    for dim in head_dims:
+        if dim not in NATIVE_HEAD_DIMS:
+            raise ValueError(f"head_dims: the kernels compile for {NATIVE_HEAD_DIMS}, got {dim}")
 
     for gate in gates:
         validation.check_gate(gate)
@@ -425,12 +432,12 @@ def warmup_variants(
     variants: dict = {}  # ordered, without duplicates
     for dtype, (l2, logits, packed) in itertools.product(dtypes, flags):
         trains = training and dtype == torch.bfloat16
-        for mode in state_modes:
+        for mode, dim in itertools.product(state_modes, head_dims):
             for split in k2_splits:
                 for gate, g_dtype, per_head in gate_forms_of(dtype):
-                    variants[PrepareVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, dtype)] = None
-                for checkpoints in ((False, True) if trains else (False,)):
-                    variants[RecurrenceVariant(split, mode, mode, packed, checkpoints, dtype=dtype)] = None
+                    variants[PrepareVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, dtype, dim)] = None
+                for checkpoints in ((False, True) if trains and dim == HEAD_DIM else (False,)):
+                    variants[RecurrenceVariant(split, mode, mode, packed, checkpoints, dtype=dtype, dim=dim)] = None
     training = training and torch.bfloat16 in dtypes
     if training:  # Kernel A picks its own V-split (8 as well); Kernel B has no state flags
         for l2, logits, packed in flags:

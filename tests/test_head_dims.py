@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import cute_kda
-from cute_kda import fla_backend, head_dims
+from cute_kda import api, fla_backend, head_dims
 from cute_kda.call import resolve
 from cute_kda.executors import training
 from cute_kda.fla_calls import translate_fla_call, translate_fla_gdn_call
@@ -427,6 +427,20 @@ def test_inference_at_64_runs_unpadded(gold_kernels, case):
         with torch.no_grad():
             padded = resolve(*[other.pop(n) for n in NAMES[:5]], **other)
         assert padded.caller_dims is not None and padded.options.problem.head_dim == 128
+
+
+def test_warmup_lists_the_native_head_dim_64_forward():
+    """``warmup_variants(head_dims=(64,))``: K1 and K2 at 64 for every listed option, inference only (a training call
+    at 64 runs padded: its variants are the 128 ones); other sizes are refused by name."""
+    from cute_kda.variants import PrepareVariant, RecurrenceVariant
+
+    both = api.warmup_variants(head_dims=(128, 64), training=True, segments=False)
+    at_64 = [v for v in both if getattr(v, "dim", 128) == 64]
+    assert at_64 and all(isinstance(v, (PrepareVariant, RecurrenceVariant)) for v in at_64)
+    assert not any(v.checkpoints for v in at_64 if isinstance(v, RecurrenceVariant))
+    assert [v for v in both if getattr(v, "dim", 128) == 128] == api.warmup_variants(training=True, segments=False)
+    with pytest.raises(ValueError, match="head_dims"):
+        api.warmup_variants(head_dims=(96,))
 
 
 @pytest.mark.parametrize("name", sorted(INFERENCE_API_CASES))
