@@ -429,6 +429,25 @@ def test_inference_at_64_runs_unpadded(gold_kernels, case):
         assert padded.caller_dims is not None and padded.options.problem.head_dim == 128
 
 
+def test_segmented_inference_at_64_runs_unpadded(monkeypatch):
+    """Context parallelism at K = V = 64 without autograd: the segments run the forward stage at 64 (here the
+    mirrors' stages in place of the kernels'), and o and the final state meet the gold."""
+    from cute_kda.executors import inference
+
+    monkeypatch.setattr(inference, "KERNELS", REFERENCE)
+    case = CASES["K64_softplus_segments"]
+    problem, _, _ = make_problem(case, seed=23)
+    tensors = [problem.pop(n) for n in NAMES[:5]]
+    options = dict(case.options, gate=case.gate)
+    with torch.no_grad():
+        call = resolve(*tensors, **problem, **options, output_final_state=True)
+        o, ht = cute_kda.kda_forward(*tensors, **problem, **options, output_final_state=True)
+    assert call.caller_dims is None and call.options.segmentation is not None
+    assert call.options.problem.head_dim == 64 and o.shape == tensors[2].shape and ht.shape == (1, 2, 64, 64)
+    o_gold, ht_gold = gold_forward(*tensors, output_final_state=True, gate=case.gate, **problem)
+    assert rel_rms(o, o_gold) <= FORWARD_TOLERANCE and rel_rms(ht, ht_gold) <= FORWARD_TOLERANCE
+
+
 def test_warmup_lists_the_native_head_dim_64_forward():
     """``warmup_variants(head_dims=(64,))``: K1 and K2 at 64 for every listed option, inference only (a training call
     at 64 runs padded: its variants are the 128 ones); other sizes are refused by name."""
