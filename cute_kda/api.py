@@ -179,7 +179,8 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     autograd records the call; it resolves the call itself when the graph runs). Caller buffers are filled by a copy
     of the op's result (inference only: a recorded call refuses them here, as eager does). Head dims other than the
     kernels' run as the padded / split 128 call's op (:mod:`cute_kda.head_dims`; the padding and the restore are
-    traced torch ops), but for an inference call at K = V = 64 (:func:`cute_kda.head_dims.runs_native`). ``pool``: a prefill on a state pool, which no op covers yet (refused)."""
+    traced torch ops), but for an inference call at K = V = 64 (:func:`cute_kda.head_dims.runs_native`). ``pool``: a
+    prefill on a state pool, which no op covers yet (refused)."""
     if pool:
         raise NotImplementedError(f"{', '.join(sorted(pool))} (a prefill on a state pool) is not supported under "
                                   "torch.compile yet: call kda_forward eagerly (torch.compiler.disable)")

@@ -16,9 +16,9 @@ S32 ← krᵀ·U + f32(gT·S32),  S = bf16(S32)   Phase 6 (row block by row bloc
 
 The state lives in fp32 in the compute warps' registers (``S32``, C fragments of the warp's columns:
 128, 64 or 32 registers a thread at V-split 1, 2, 4 for D = 128; at D = 64 a quarter of those at V-split 1, 2,
-where the bands of 16 and 8 columns keep four warps, and 16 at V-split 4 on two warps); shared memory holds its bf16 rounding ``S``, the
-B operand of the next tile's products. So the state is not rounded once per tile, which drifted over
-long sequences with little decay (docs/numerics.md, K2), and Phase 6 reads no state from shared memory.
+where the bands of 16 and 8 columns keep four warps, and 16 at V-split 4 on two warps); shared memory holds its
+bf16 rounding ``S``, the B operand of the next tile's products. So the state is not rounded once per tile, which
+drifted over long sequences with little decay (docs/numerics.md, K2), and Phase 6 reads no state from shared memory.
 
 Grid: ``(vsplit · N, H)``; CTA ``x`` owns band ``x % vsplit`` of sequence ``x // vsplit`` (the bands
 of one (sequence, head) run side by side and share the tile's kd/qd/kr reads in L2).

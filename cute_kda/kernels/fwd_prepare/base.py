@@ -105,8 +105,9 @@ class PrepareKernel(TokenPrep):
     "none"), ``num_threads`` and
     ``ctas_per_sm`` (the launch's minimum, i.e. the register budget ``65536 / (num_threads · ctas_per_sm)``;
     default the scheme's). ``dim``: the head dim K (:data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`); below
-    ``num_threads`` the threads past ``dim`` own no channel (the finish still needs warps 0-2). ``grouped``: q and k have H heads, everything else HV = group · H (value heads); the
-    grid and the workspace run over value heads, and value head ``h`` reads q/k head ``h // group``.
+    ``num_threads`` the threads past ``dim`` own no channel (the finish still needs warps 0-2). ``grouped``: q and k
+    have H heads, everything else HV = group · H (value heads); the grid and the workspace run over value heads, and
+    value head ``h`` reads q/k head ``h // group``.
 
     A scheme's subclass sets :attr:`gates`, :attr:`per_head_gate` (g ``[.., HV]`` and dt_bias ``[HV]``),
     :attr:`gate_tile` (g comes by TMA), :attr:`thread_counts`, :attr:`default_ctas_per_sm` and :attr:`smem_plan`,

@@ -1,7 +1,7 @@
 """K1 for the per-channel unbounded gates (``gate`` "softplus" or "none", the latter a precomputed log decay;
 g in q's dtype, or fp32 with "none"): the overflow-free form of docs/numerics.md ("Unbounded gates", scheme
-``dyadic``), one thread per channel (128 threads; at D = 64 threads 64-127 own none); no ``2^−G`` is ever formed. Five CTAs per SM
-(``cute_kda.layouts.fwd_prepare.dyadic_smem_budget``).
+``dyadic``), one thread per channel (128 threads; at D = 64 threads 64-127 own none); no ``2^−G`` is ever formed.
+Five CTAs per SM (``cute_kda.layouts.fwd_prepare.dyadic_smem_budget``).
 """
 
 from __future__ import annotations

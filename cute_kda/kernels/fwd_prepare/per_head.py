@@ -1,6 +1,7 @@
 """K1 for a per-head gate (GatedDeltaNet: g ``[.., HV]``, dt_bias ``[HV]``, ``gate`` "softplus" or "none"): one
 decay per head broadcast over the channels, computed by the scheme ``per_head`` of docs/numerics.md ("Unbounded
-gates"), one thread per channel (128 threads; at D = 64 threads 64-127 own none), eight CTAs per SM (``cute_kda.layouts.fwd_prepare.per_head_smem_budget``).
+gates"), one thread per channel (128 threads; at D = 64 threads 64-127 own none), eight CTAs per SM
+(``cute_kda.layouts.fwd_prepare.per_head_smem_budget``).
 """
 
 from __future__ import annotations
