@@ -56,11 +56,7 @@ class PerHeadPrepare(PrepareKernel):
         elif tidx == ROW_SUMS_THREAD:
             self.row_sums(s_gate, s_prefix, s_suffix)
         cute.arch.sync_threads()
-        if cutlass.const_expr(self.idle_threads):
-            if tidx < self.dim:
-                ws.gt[slot, tidx] = s_prefix[CHUNK - 1]
-        else:
-            ws.gt[slot, tidx] = s_prefix[CHUNK - 1]
+        ws.gt[slot, self.channel_of(tidx)] = s_prefix[CHUNK - 1]  # past D: the same value again, no branch
         cute.arch.mbarrier_wait(tma_barrier, 0)
         self.decay_per_row(q_in, k_in, s_q, s_k, s_kr, s_q_hat, s_k_hat, s_prefix, s_suffix, scalars.scale, valid_rows,
                            tidx)
