@@ -14,8 +14,9 @@ installed are skipped with a message.
     python benchmarks/bench_fwd.py --dtype fp16 --shapes B1_T8192_H96   # q, k, v, g, β in fp16 (o fp16)
     python benchmarks/bench_fwd.py --shapes B1_T8192_H96,B1_T32768_H16 --head-dim 64   # K = V = 64 beside FLA
 
-``--head-dim`` below 128: cute_kda runs zero-padded to 128 (``cute_kda.head_dims``: the D = 128 call plus the padding
-copies), FLA at that head dim; FlashKDA (D = 128 only) is skipped and design.md §6's FlashKDA column left empty.
+``--head-dim`` below 128: cute_kda runs K = V = 64 on the kernels compiled for 64 (an inference call), other head dims
+zero-padded to 128 (``cute_kda.head_dims``: the D = 128 call plus the padding copies); the table's header says which.
+FLA runs at that head dim; FlashKDA (D = 128 only) is skipped and design.md §6's FlashKDA column left empty.
 """
 
 from __future__ import annotations
@@ -130,7 +131,10 @@ def markdown(rows: list[dict], peers_seen: list[str]) -> str:
 
 
 def header(dtype: str = "bf16", dim: int = D) -> str:
-    padded = f" (cute_kda: zero-padded to {D})" if dim != D else ""
+    from cute_kda.head_dims import HeadDims, runs_native
+
+    padded = "" if dim == D else f" (cute_kda: native D = {dim} kernels)" if runs_native(HeadDims(dim, dim, 1), False) \
+        else f" (cute_kda: zero-padded to {D})"
     return (f"{environment('cutlass', 'fla', 'triton')} · D={dim}{padded}, {dtype} q, k, v, g and o, fp32 state in/out "
             f"(v-first), lower_bound={LOWER_BOUND}; ratios > 1 mean cute_kda is faster")
 
@@ -175,7 +179,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                         help="q, k, v, g (and o) dtype; fp16 runs the kernels' fp16 variants (default bf16)")
     parser.add_argument("--head-dim", type=head_dim, default=D,
-                        help=f"K = V of every input (default {D}; smaller ones run zero-padded to {D} in cute_kda)")
+                        help=f"K = V of every input (default {D}; 64 runs on cute_kda's D = 64 kernels, other smaller "
+                        f"ones zero-padded to {D})")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_fwd needs a CUDA GPU (Hopper)")

@@ -102,7 +102,8 @@ def kda_forward(
     Slot ids are not read on the host; ``CUTE_KDA_DEBUG_CHECKS=1`` checks that they lie in [−1, slots) and that no
     slot appears twice across ``state_indices`` and ``checkpoint_indices`` (a sync). Pool calls are never split into
     segments and are not traced by ``torch.compile`` (``NotImplementedError``).
-    Head dims: the kernels' K = V = 128; K ≤ 128 and V ≤ 128 run zero-padded to 128, V a multiple of 128 as V / 128
+    Head dims: the kernels' K = V = 128, and K = V = 64 without autograd (the forward kernels compiled for 64);
+    other K ≤ 128 and V ≤ 128 (and 64 under autograd) run zero-padded to 128, V a multiple of 128 as V / 128
     value heads of 128 (:mod:`cute_kda.head_dims`: exact, forward and backward; the default scale is the caller's
     ``K ** -0.5``; not for a pool call). K > 128, V > 128 not a multiple of 128, and q, k, v or a raw gate in fp32,
     bf16 and fp16 mixed, or an fp16 state with bf16 inputs, raise ``NotImplementedError``
@@ -178,7 +179,8 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     autograd records the call; it resolves the call itself when the graph runs). Caller buffers are filled by a copy
     of the op's result (inference only: a recorded call refuses them here, as eager does). Head dims other than the
     kernels' run as the padded / split 128 call's op (:mod:`cute_kda.head_dims`; the padding and the restore are
-    traced torch ops). ``pool``: a prefill on a state pool, which no op covers yet (refused)."""
+    traced torch ops), but for an inference call at K = V = 64 (:func:`cute_kda.head_dims.runs_native`). ``pool``: a
+    prefill on a state pool, which no op covers yet (refused)."""
     if pool:
         raise NotImplementedError(f"{', '.join(sorted(pool))} (a prefill on a state pool) is not supported under "
                                   "torch.compile yet: call kda_forward eagerly (torch.compiler.disable)")
@@ -199,7 +201,7 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     state_dtype = final_state_dtype_of(initial_state, final_state, output_final_state)
     options = (float(lower_bound), vsplit, bool(qk_l2norm), bool(beta_logits), bool(recompute), gate, segments)
     dims = head_dims.head_dims_of(q, v)
-    if dims is None:
+    if dims is None or head_dims.runs_native(dims, training_call):
         return _traced_op(training_call, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
                           state_dtype, out, final_state, *options)
     # the padded / split 128 call (cute_kda.head_dims): its op on new tensors, the results back at the caller's dims
@@ -388,6 +390,7 @@ def warmup_variants(
     state_pools: tuple[torch.dtype, ...] = (),
     checkpoint_every: tuple[int, ...] = (),
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
+    head_dims: tuple[int, ...] = (128,),
 ) -> list:
     """The variants :func:`warmup` compiles, in order, without duplicates. Pure: nothing is compiled, no device is
     needed.
@@ -406,9 +409,15 @@ def warmup_variants(
     and / or fp16) the forward variants are listed for (an fp16 one's log decay in fp16 or fp32, its ``state_modes``
     may hold fp16; with ``training`` K2's checkpoint variants too); the backward's are bf16 ones either way (fp16
     trains on bf16 copies, :func:`cute_kda.executors.training.backward`; an fp16 state's dht / dh0 in fp32).
+    ``head_dims``: K = V of the forward variants (:data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`; one other than 128
+    lists the inference forward only, unsegmented: what runs natively at it, :func:`cute_kda.head_dims.runs_native`).
     """
     from .layouts.bwd_grads import DEFAULT_WARPS
-    from .numerics import SCAN_VSPLITS, SUPPORTED_VSPLITS
+    from .numerics import HEAD_DIM, NATIVE_HEAD_DIMS, SCAN_VSPLITS, SUPPORTED_VSPLITS
+
+    for dim in head_dims:
+        if dim not in NATIVE_HEAD_DIMS:
+            raise ValueError(f"head_dims: the kernels compile for {NATIVE_HEAD_DIMS}, got {dim}")
 
     for gate in gates:
         validation.check_gate(gate)
@@ -424,12 +433,12 @@ def warmup_variants(
     flags = [(l2, logits, packed) for l2 in qk_l2norm for logits in beta_logits for packed in varlen]
     variants: dict = {}  # ordered, without duplicates
     for dtype, (l2, logits, packed) in itertools.product(dtypes, flags):
-        for mode in state_modes:
+        for mode, dim in itertools.product(state_modes, head_dims):
             for split in k2_splits:
                 for gate, g_dtype, per_head in gate_forms_of(dtype):
-                    variants[PrepareVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, dtype)] = None
-                for checkpoints in ((False, True) if training else (False,)):
-                    variants[RecurrenceVariant(split, mode, mode, packed, checkpoints, dtype=dtype)] = None
+                    variants[PrepareVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, dtype, dim)] = None
+                for checkpoints in ((False, True) if training and dim == HEAD_DIM else (False,)):
+                    variants[RecurrenceVariant(split, mode, mode, packed, checkpoints, dtype=dtype, dim=dim)] = None
     if training:  # Kernel A picks its own V-split (8 as well); Kernel B has no state flags
         scan_modes = dict.fromkeys(torch.float32 if mode == torch.float16 else mode for mode in state_modes)
         for l2, logits, packed in flags:

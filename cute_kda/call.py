@@ -19,7 +19,7 @@ import torch
 
 from . import validation
 from .context_parallel import Segmentation, segmentation_of
-from .head_dims import CallerDims, head_dims_of, to_kernel_dims
+from .head_dims import CallerDims, head_dims_of, runs_native, to_kernel_dims
 from .validation import ProblemShape
 
 INPUT_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
@@ -162,7 +162,8 @@ def resolve(
     not cover it, when caller buffers are given, or when a tensor is too large for Kernel B's offsets. Reads no device
     memory.
 
-    Head dims other than the kernels' K = V = 128 are checked at the caller's size, then the call is resolved as the
+    Head dims other than the kernels' K = V = 128 are checked at the caller's size; an inference call at K = V = 64
+    then runs on the kernels compiled for 64 (:func:`cute_kda.head_dims.runs_native`), any other as the
     padded / split 128 call (:func:`cute_kda.head_dims.to_kernel_dims`, torch ops autograd records; the default scale
     is the caller's ``K ** -0.5``) with the caller's buffers and dims in ``caller_dims``: its runner hands the results
     through :func:`finish`. Refused there: a pool call.
@@ -182,13 +183,14 @@ def resolve(
             gate=gate,
         )
         dims = head_dims_of(q, v)
-        if dims is not None:  # checked at the caller's head dims: resolved as the padded / split 128 call
-            if pool_arguments:
-                raise NotImplementedError(
-                    f"state_indices (a prefill on a state pool) needs K = V = 128, got K = {dims.key_dim}, V = "
-                    f"{dims.value_dim}: other head dims run padded, and the pool is the engine's to lay out")
-            if training is None:
-                training = validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state)
+        if dims is not None and training is None:
+            training = validation.needs_autograd(q, k, v, g, beta, A_log, dt_bias, initial_state)
+        if dims is not None and pool_arguments:
+            raise NotImplementedError(
+                f"state_indices (a prefill on a state pool) needs K = V = 128, got K = {dims.key_dim}, V = "
+                f"{dims.value_dim}: other head dims run on other kernels, and the pool is the engine's to lay out")
+        if dims is not None and not runs_native(dims, bool(training)):
+            # checked at the caller's head dims: resolved as the padded / split 128 call
             if training:
                 validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
             if final_state_dtype is None:

@@ -1,5 +1,5 @@
 """Head dims other than the kernels' K = V = 128, computed exactly on the 128 kernels (docs/numerics.md, "Other head
-dims").
+dims"), except an inference call at K = V = 64, which the forward kernels compile for (:func:`runs_native`).
 
 A call with K < 128 and / or V < 128 runs zero-padded: q, k (and a per-channel gate g, ``dt_bias``) get zero channels
 up to K = 128, v zero columns up to V = 128, the initial state both. The padded rows and columns of the state stay zero
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .numerics import HEAD_DIM
+from .numerics import HEAD_DIM, NATIVE_HEAD_DIMS
 
 # the padded channels' gate input: a raw gate of 0 with a dt_bias of 1 (or a log decay of 0) gives every gate form a
 # finite decay there, lower_bound · sigmoid(e^A_log) or −e^A_log · softplus(1), and no 0 · inf for any finite A_log
@@ -51,6 +51,13 @@ def head_dims_of(q: torch.Tensor, v: torch.Tensor) -> HeadDims | None:
     if key_dim == HEAD_DIM and value_dim == HEAD_DIM:
         return None
     return HeadDims(key_dim, value_dim, max(1, -(-value_dim // HEAD_DIM)))
+
+
+def runs_native(dims: HeadDims, training: bool) -> bool:
+    """Whether a call at the caller's ``dims`` runs on kernels compiled for them, unpadded: K = V, one of
+    :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`, and no autograd (the backward kernels take 128 only, so a training
+    call at 64 runs padded)."""
+    return not training and dims.key_dim == dims.value_dim and dims.key_dim in NATIVE_HEAD_DIMS
 
 
 def _pad_last(x: torch.Tensor, size: int, value: float = 0.0) -> torch.Tensor:

@@ -19,7 +19,10 @@ def f32(value: float) -> float:
 CHUNK = 16  # tokens per tile: the chunk length the contract, the workspace and every kernel are written for
 HEAD_DIM = 128  # K = V: the head dim the kernels and layouts are written for
 SUPPORTED_HEAD_DIMS = (HEAD_DIM,)
-SUPPORTED_VSPLITS = (1, 2, 4)  # K2: CTAs per (sequence, head), each owning HEAD_DIM / vsplit value columns
+# K = V that the forward kernels (K1, K2) are compiled for; an inference call at 64 runs them natively, other sizes
+# (and training at 64, until the backward kernels take it) run zero-padded to 128 (cute_kda.head_dims)
+NATIVE_HEAD_DIMS = (64, HEAD_DIM)
+SUPPORTED_VSPLITS = (1, 2, 4)  # K2: CTAs per (sequence, head), each owning D / vsplit value columns
 SCAN_VSPLITS = (1, 2, 4, 8)  # Kernel A: K2's skeleton, one split more
 IMAGE_RUN = 8  # elements of one 16-byte (bf16) run of a state image: a row of a K_INTER core matrix
 LOG2E = f32(log2(e))

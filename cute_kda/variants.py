@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from .numerics import SCAN_VSPLITS, SUPPORTED_VSPLITS
+from .numerics import HEAD_DIM, SCAN_VSPLITS, SUPPORTED_VSPLITS
 from .workspace import SNAPSHOT_TILES
 
 
@@ -49,7 +49,8 @@ class PrepareVariant:
 
     ``gate``: one of :data:`cute_kda.numerics.GATES`; ``g_dtype``: ``dtype`` (fp32 too with gate "none");
     ``per_head_gate``: g ``[B, T, HV]`` (GatedDeltaNet), else per channel; ``grouped``: HV > H value heads;
-    ``dtype``: q's and k's, bf16 or fp16 (:data:`cute_kda.validation.ACTIVATION_DTYPES`).
+    ``dtype``: q's and k's, bf16 or fp16 (:data:`cute_kda.validation.ACTIVATION_DTYPES`); ``dim``: the head dim K
+    (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`).
     """
 
     varlen: bool
@@ -60,6 +61,7 @@ class PrepareVariant:
     per_head_gate: bool = False
     grouped: bool = False
     dtype: torch.dtype = torch.bfloat16
+    dim: int = HEAD_DIM
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,8 @@ class RecurrenceVariant(SerialScan):
     state; fp16 ones not beside fp32), ``dtype``: v's and o's (bf16 or fp16), ``checkpoints``: the training
     forward's variant that keeps the state entering every tile;
     ``state_pool``: the states are one pool read and written by slot id (both dtypes the pool's), with
-    ``prefix_checkpoint_every`` (tokens, a multiple of 64; 0: none) its prefix checkpoints into pool slots."""
+    ``prefix_checkpoint_every`` (tokens, a multiple of 64; 0: none) its prefix checkpoints into pool slots; ``dim``:
+    K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`)."""
 
     vsplit: int
     initial_state: torch.dtype | None
@@ -78,6 +81,7 @@ class RecurrenceVariant(SerialScan):
     state_pool: bool = False
     prefix_checkpoint_every: int = 0
     dtype: torch.dtype = torch.bfloat16
+    dim: int = HEAD_DIM
     splits: ClassVar[tuple[int, ...]] = SUPPORTED_VSPLITS
 
 

@@ -10,8 +10,8 @@ the code (``--out`` both, then ``--compare``): equal hashes mean byte-identical 
 The variants: every combination the launchers can key (``ops/*.compiled_variant``) and ``api.warmup`` visits,
 plus the knobs only tests and benchmarks set (K1's 256 threads, Kernel A's tuning grid of
 ``benchmarks/explore_bwd_scan.py``, K2's and Kernel A's blocks of 4 tiles, Kernel B at 4 warps), and the fp16
-forward (``k1/fp16/…``, ``k2/fp16/…``, with checkpoints for training; no pools). fp16 training's backward runs the
-bf16 Kernel A and Kernel B variants.
+forward (``k1/fp16/…``, ``k2/fp16/…``, with checkpoints for training; no pools; fp16 training's backward runs the
+bf16 Kernel A and Kernel B variants), and the K = V = 64 forward (``k1/d64/…``, ``k2/d64/…``: inference).
 
 Normalized (everything else is hashed as the compiler wrote it):
 
@@ -138,6 +138,14 @@ def variants() -> dict[str, tuple]:
             found[name + ("/checkpoints" if checkpoints else "")] = (
                 "k2", dict(vsplit=vsplit, initial=initial, final=final, varlen=varlen, checkpoints=checkpoints,
                            dtype="fp16"))
+    for gate, g_dtype, per_head in PER_CHANNEL_GATES + PER_HEAD_GATES:  # K = V = 64 (inference): K1 and K2
+        for grouped, flags in itertools.product((False, True), FLAGS):
+            found[f"k1/d64/{_gate_label(gate, g_dtype, per_head, grouped)}/{_flags_label(*flags)}"] = (
+                "k1", dict(zip(("varlen", "qk_l2norm", "beta_logits"), flags), gate=gate, g_dtype=g_dtype,
+                           per_head_gate=per_head, grouped=grouped, dim=64))
+    for vsplit, initial, final, varlen in itertools.product((1, 2, 4), STATES, STATES, (False, True)):
+        found[f"k2/d64/vs{vsplit}/{initial}-{final}/{_label(varlen, 'varlen', 'fixed')}"] = (
+            "k2", dict(vsplit=vsplit, initial=initial, final=final, varlen=varlen, checkpoints=False, dim=64))
     found["tile_prefix"] = ("tile_prefix", {})
     return found
 
@@ -165,17 +173,17 @@ def _segmentation(varlen: bool, num_seqs: int) -> tuple:
     return _meta(num_seqs + 1, dtype=torch.int64), _meta(num_seqs + 1, dtype=torch.int32)
 
 
-def _workspace(heads: int, tiles: int) -> Any:
+def _workspace(heads: int, tiles: int, dim: int = 128) -> Any:
     from cute_kda.workspace import WorkspaceSpec, allocate_workspace
 
-    return allocate_workspace(WorkspaceSpec(heads=heads, tiles=tiles), "meta")
+    return allocate_workspace(WorkspaceSpec(heads=heads, tiles=tiles, dim=dim), "meta")
 
 
 D, T, HEADS, NUM_SEQS = 128, 32, 2, 2
 
 
 def _k1(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: str, per_head_gate: bool,
-        grouped: bool, dtype: str = "bf16", **tuning: int) -> tuple:
+        grouped: bool, dtype: str = "bf16", dim: int = D, **tuning: int) -> tuple:
     import torch
 
     from cute_kda.kernels.fwd_prepare import prepare_kernel
@@ -184,21 +192,21 @@ def _k1(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: st
 
     kernel = prepare_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
                             dtype=dsl_type(_torch_dtype(dtype)), gate_dtype=dsl_type(_torch_dtype(g_dtype)),
-                            per_head_gate=per_head_gate, grouped=grouped, **tuning)
+                            per_head_gate=per_head_gate, grouped=grouped, dim=dim, **tuning)
     qk_heads = 1 if grouped else HEADS
-    channels = () if per_head_gate else (D,)
-    q = _meta(1, T, qk_heads, D, dtype=_torch_dtype(dtype))
+    channels = () if per_head_gate else (dim,)
+    q = _meta(1, T, qk_heads, dim, dtype=_torch_dtype(dtype))
     g = _meta(1, T, HEADS, *channels, dtype=_torch_dtype(g_dtype))
     constants = gate != "none"
     a_log = _meta(HEADS, dtype=torch.float32) if constants else None
     dt_bias = _meta(HEADS, *channels, dtype=torch.float32) if constants else None
     cu_seqlens, tile_base = _segmentation(varlen, NUM_SEQS)
-    return kernel, launch_arguments(q, q, g, _meta(1, T, HEADS), a_log, dt_bias, _workspace(HEADS, 4), D ** -0.5,
+    return kernel, launch_arguments(q, q, g, _meta(1, T, HEADS), a_log, dt_bias, _workspace(HEADS, 4, dim), dim ** -0.5,
                                     -5.0, T, cu_seqlens, tile_base, fake_stream(), tensor=to_cute_tensor)
 
 
 def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, checkpoint_every: int = 1,
-        state_pool: bool = False, prefix_checkpoint_every: int = 0, dtype: str = "bf16") -> tuple:
+        state_pool: bool = False, prefix_checkpoint_every: int = 0, dtype: str = "bf16", dim: int = D) -> tuple:
     import torch
 
     from cute_kda.kernels.fwd_recurrence import FwdRecurrence
@@ -209,13 +217,14 @@ def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, 
     kernel = FwdRecurrence(vsplit=vsplit, initial_state=dsl_type(_torch_dtype(initial)),
                            final_state=dsl_type(_torch_dtype(final)), varlen=varlen, checkpoints=checkpoints,
                            checkpoint_every=checkpoint_every, state_pool=state_pool,
-                           prefix_checkpoint_every=prefix_checkpoint_every, dtype=dsl_type(_torch_dtype(dtype)))
-    v, ws = _meta(1, T, HEADS, D, dtype=_torch_dtype(dtype)), _workspace(HEADS, 4)
+                           prefix_checkpoint_every=prefix_checkpoint_every, dtype=dsl_type(_torch_dtype(dtype)),
+                           dim=dim)
+    v, ws = _meta(1, T, HEADS, dim, dtype=_torch_dtype(dtype)), _workspace(HEADS, 4, dim)
     cu_seqlens, tile_base = _segmentation(varlen, NUM_SEQS)
 
     def state(name: str) -> Any:
         dtype = _torch_dtype(name)
-        return None if dtype is None else _meta(NUM_SEQS, HEADS, D, D, dtype=dtype)
+        return None if dtype is None else _meta(NUM_SEQS, HEADS, dim, dim, dtype=dtype)
 
     kept = _meta(*block_states_shape(ws, HEADS, NUM_SEQS)) if checkpoints else None
     slots = _meta(NUM_SEQS, dtype=torch.int32) if state_pool else None

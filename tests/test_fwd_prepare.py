@@ -72,10 +72,27 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS), ids=list(VARIANTS))
+# every variant at D = 128 and its twin at D = 64 (but 256 threads: 64 channels give 128 row chunks, not 256)
+COMPILED = [(name, D) for name in VARIANTS] + [(name, 64) for name in VARIANTS if name != "varlen_256threads"]
+
+
+@pytest.fixture(scope="module", params=COMPILED, ids=[name if dim == D else f"{name}-D{dim}" for name, dim in COMPILED])
 def compiled(request):
-    kernel = prepare_kernel(**VARIANTS[request.param])
+    name, dim = request.param
+    kernel = prepare_kernel(**VARIANTS[name], dim=dim)
     return (kernel, *_compile(kernel))
+
+
+def _tile_ranks(kernel: PrepareKernel) -> tuple[int, int]:
+    """Ranks of K1's TMA loads and stores: a [16, D] tile is D / 64 boxes of the 128-byte swizzle, one mode more
+    when there are two."""
+    extra = int(kernel.dim // 64 > 1)
+    return 3 + extra, 2 + extra
+
+
+def _butterfly_steps(kernel: PrepareKernel) -> int:
+    """``shfl.xor`` steps of one row sum: log2 of the D / 8 lanes of a row (8, 4, 2, 1 at D = 128)."""
+    return (kernel.dim // 8).bit_length() - 1
 
 
 def test_ptx_primitives(compiled):
@@ -84,23 +101,26 @@ def test_ptx_primitives(compiled):
         return _check_per_head_ptx(kernel, report)
     if not kernel.gate_tile:
         return _check_dyadic_ptx(kernel, report)
-    # q, k, g: one 4-D TMA load each (two 64-column boxes of the 128-byte swizzle); qd, kd, kr: one store each
-    assert report.count("cp.async.bulk.tensor.4d.shared::cta.global") == 3
-    assert report.count("cp.async.bulk.tensor.3d.global.shared::cta") == 3
+    # q, k, g: one TMA load each (4-D at D = 128: two 64-column boxes of the 128-byte swizzle); qd, kd, kr: one
+    # store each
+    load_rank, store_rank = _tile_ranks(kernel)
+    assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == 3
+    assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == 3
     assert report.has("mbarrier.arrive.expect_tx") and report.has("mbarrier.try_wait")
     assert report.has("fence.proxy.async.shared::cta")
-    # A_kk and A_qk: 8 k-steps × 2 n-atoms each; Neumann: L², L⁴, L⁸, P2, P3, INV × 2 n-atoms
-    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 32
+    # A_kk and A_qk: D / 16 k-steps × 2 n-atoms each; Neumann: L², L⁴, L⁸, P2, P3, INV × 2 n-atoms
+    k_steps = kernel.dim // CHUNK
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 4 * k_steps
     assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 12
-    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 32
+    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 4 * k_steps
     assert report.count("movmatrix.sync.aligned.m8n8.trans.b16") == 16  # B fragments of L, L², L⁴, L⁸
     # gate: one tanh per row of the scan column (+ β's sigmoid); decay: three ex2 per element
-    items = CHUNK * D // 8 // kernel.num_threads
+    items = CHUNK * kernel.dim // 8 // kernel.num_threads
     assert report.count("tanh.approx.f32") == CHUNK + (1 if kernel.beta_logits else 0)
     assert report.count("ex2.approx.ftz.f32") == 2 + 3 * 8 * items
     assert report.count("mul.rn.f32") == CHUNK  # c_gate·sig, kept out of the scan's add
     if kernel.qk_l2norm:
-        assert report.count("shfl.sync.bfly.b32") == 2 * 4 * items  # q and k, offsets 8, 4, 2, 1
+        assert report.count("shfl.sync.bfly.b32") == 2 * _butterfly_steps(kernel) * items  # q and k
         assert report.count("sqrt.rn.f32") == report.count("rcp.rn.f32") == 2 * items
     else:
         assert not report.has("shfl.sync.bfly") and not report.has("sqrt")
@@ -108,13 +128,15 @@ def test_ptx_primitives(compiled):
 
 def _check_dyadic_ptx(kernel: PrepareKernel, report) -> None:
     """The unbounded gates' K1: q, k by TMA (g column by column), the straddle levels on the tensor cores."""
-    assert report.count("cp.async.bulk.tensor.4d.shared::cta.global") == 2
-    assert report.count("cp.async.bulk.tensor.3d.global.shared::cta") == 3
+    load_rank, store_rank = _tile_ranks(kernel)
+    assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == 2
+    assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == 3
     assert report.has("mbarrier.arrive.expect_tx") and report.has("fence.proxy.async.shared::cta")
-    # 4 levels × 8 k-steps × 2 n-atoms; Neumann as the safe K1
-    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 32
+    # the level products, D / 16 k-steps × 2 n-atoms (ptxas shares the four warps' mma code); Neumann as the safe K1
+    k_steps = kernel.dim // CHUNK
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 4 * k_steps
     assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 12
-    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 64
+    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 8 * k_steps
     assert report.count("movmatrix.sync.aligned.m8n8.trans.b16") == 16
     # per row of the channel: a = 2^g', 2^G, 2^Gs (+ 2^G_last, which ptxas may share with row 15's 2^G);
     # softplus adds 2^−|y| and lg2 per row. No 2^−G anywhere: nothing can overflow
@@ -123,9 +145,9 @@ def _check_dyadic_ptx(kernel: PrepareKernel, report) -> None:
     assert 3 * CHUNK - 2 + (CHUNK if softplus else 0) <= ex2 <= 3 * CHUNK + 1 + (CHUNK if softplus else 0), ex2
     assert report.count("lg2.approx.f32") == (CHUNK if softplus else 0)
     assert report.count("tanh.approx.f32") == (1 if kernel.beta_logits else 0)  # β only: the gate has no sigmoid
-    items = CHUNK * D // 8 // kernel.num_threads
+    items = CHUNK * kernel.dim // 8 // kernel.num_threads
     assert report.count("mul.rn.f32") == CHUNK + 8 * items  # the gate's last product; Mqk's diagonal products
-    butterflies = (3 if kernel.qk_l2norm else 1) * 4 * items  # q, k norms and the diagonal; offsets 8, 4, 2, 1
+    butterflies = (3 if kernel.qk_l2norm else 1) * _butterfly_steps(kernel) * items  # q, k norms and the diagonal
     assert report.count("shfl.sync.bfly.b32") == butterflies
     # per row and channel: qd, kd, kr, X of 4 levels; Q of the 2 levels (on average) where the row is upper
     assert report.count("st.shared.b16") == CHUNK * (3 + 4) + 4 * CHUNK // 2
@@ -135,17 +157,20 @@ def _check_dyadic_ptx(kernel: PrepareKernel, report) -> None:
 def _check_per_head_ptx(kernel: PrepareKernel, report) -> None:
     """A per-head gate's K1 (scheme per_head): the safe K1's two tile products and Neumann inverse, over the
     bf16 rows q̂, k̂, scaled by the tile's pair decays; one decay per row, so 2 × 16 ex2 for 2^G and 2^Gs."""
-    assert report.count("cp.async.bulk.tensor.4d.shared::cta.global") == 2
-    assert report.count("cp.async.bulk.tensor.3d.global.shared::cta") == 3
-    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 32
+    load_rank, store_rank = _tile_ranks(kernel)
+    assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == 2
+    assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == 3
+    k_steps = kernel.dim // CHUNK
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 4 * k_steps
     assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 12
-    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 32
+    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 4 * k_steps
     softplus = kernel.gate == "softplus"
     # 2^G and 2^Gs per row, a = 2^g' of the thread's row; softplus adds 2^−|y|, lg2 and e^A
     assert report.count("ex2.approx.ftz.f32") == 2 * CHUNK + 1 + (2 if softplus else 0)
     assert report.count("lg2.approx.f32") == (1 if softplus else 0)
     assert report.count("mul.rn.f32") == 1  # the gate's last product
-    assert report.count("shfl.sync.bfly.b32") == (2 * 4 * 2 if kernel.qk_l2norm else 0)
+    items = CHUNK * kernel.dim // 8 // kernel.num_threads
+    assert report.count("shfl.sync.bfly.b32") == (2 * _butterfly_steps(kernel) * items if kernel.qk_l2norm else 0)
     assert report.count("bar.sync") == 3
 
 
@@ -179,7 +204,8 @@ def test_smem_is_the_plan(compiled):
     """The launch asks for exactly the bytes of ``layouts.fwd_prepare.smem_budget``; 8 CTAs fit per SM."""
     kernel, _, launch_smem = compiled
     budget = kernel.smem_budget()
-    size = 22528 if kernel.per_head_gate else 25600 if kernel.gate_tile else 39936
+    per_head, safe, dyadic = {128: (22528, 25600, 39936), 64: (12288, 13312, 21504)}[kernel.dim]
+    size = per_head if kernel.per_head_gate else safe if kernel.gate_tile else dyadic
     assert launch_smem == [budget.total_bytes] == [size]
     assert budget.ctas_per_sm >= kernel.ctas_per_sm
 
@@ -219,21 +245,22 @@ def test_no_unintended_fma(compiled):
     assert squares + halves == fmas
 
 
-def test_launcher_arguments_compile():
+@pytest.mark.parametrize("dim", [D, 64])
+def test_launcher_arguments_compile(dim):
     """The launcher's torch → DSL conversion (CPU tensors here) compiles to the same kernel."""
     from cute_kda.ops._cache import to_cute_tensor
     from cute_kda.ops.prepare import launch_arguments
 
     B, T, H = 1, 40, 2
-    q = torch.zeros(B, T, H, D, dtype=torch.bfloat16)
+    q = torch.zeros(B, T, H, dim, dtype=torch.bfloat16)
     cu_seqlens = torch.tensor([0, 17, 40])
-    spec = WorkspaceSpec(heads=H, tiles=tiles_per_head(B * T, 2, True))
+    spec = WorkspaceSpec(heads=H, tiles=tiles_per_head(B * T, 2, True), dim=dim)
     ws = workspace_views(spec, torch.empty(spec.nbytes, dtype=torch.uint8))
     args = launch_arguments(
-        q, q, q, q[..., 0].contiguous(), torch.zeros(H), torch.zeros(H, D), ws, D ** -0.5, -5.0, T,
+        q, q, q, q[..., 0].contiguous(), torch.zeros(H), torch.zeros(H, dim), ws, dim ** -0.5, -5.0, T,
         cu_seqlens, torch.tensor([0, 2, 4], dtype=torch.int32), cute.runtime.make_fake_stream(), tensor=to_cute_tensor,
     )
-    _, report = compile_with_report(prepare_kernel(varlen=True), *args)
+    _, report = compile_with_report(prepare_kernel(varlen=True, dim=dim), *args)
     assert report.count("cp.async.bulk.tensor") == 6 and report.spills == 0
 
 
@@ -253,22 +280,23 @@ def _phase_wavefronts(table: np.ndarray, cells: list[tuple[int, int]], width: in
                              for c in cells])
 
 
-def test_smem_accesses_are_conflict_free():
-    tile = byte_table(layout_spec("k1.chunk_tile", plan.chunk_tile, D, CHUNK, dtype=BF16))
-    cumsum = byte_table(layout_spec("k1.gate_cumsum_tile", plan.gate_cumsum_tile, D, CHUNK, dtype=F32))
+@pytest.mark.parametrize("dim", [D, 64])
+def test_smem_accesses_are_conflict_free(dim):
+    tile = byte_table(layout_spec("k1.chunk_tile", plan.chunk_tile, dim, CHUNK, dtype=BF16))
+    cumsum = byte_table(layout_spec("k1.gate_cumsum_tile", plan.gate_cumsum_tile, dim, CHUNK, dtype=F32))
     for row in range(CHUNK):
-        for quarter in range(2):
+        for quarter in range(dim // 64):
             chunks = range(8 * quarter, 8 * quarter + 8)
             # decay phase: 16-byte q/k/qd/kd/kr/kinv chunk j of one row per lane (one quarter warp)
             assert _phase_wavefronts(tile, [(row, 8 * j) for j in chunks], 16) == 1
             # and the two 16-byte halves of its 8 fp32 G values
             for half in range(2):
                 assert _phase_wavefronts(cumsum, [(row, 8 * j + 4 * half) for j in chunks], 16) == 1
-        for first in range(0, D, 32):
+        for first in range(0, dim, 32):
             # gate scan: a warp reads 32 consecutive bf16 of a row and writes 32 consecutive G values
             assert _phase_wavefronts(tile, [(row, c) for c in range(first, first + 32)], 2) == 1
             assert _phase_wavefronts(cumsum, [(row, c) for c in range(first, first + 32)], 4) == 1
-    spec = layout_spec("k1.chunk_tile", plan.chunk_tile, D, CHUNK, dtype=BF16)
+    spec = layout_spec("k1.chunk_tile", plan.chunk_tile, dim, CHUNK, dtype=BF16)
     for operand in ("A", "B"):  # kd, qd as A; kinv as B of the two tile products
         assert max_wavefronts(spec, MatrixAccess("ldmatrix", operand, 4)) == 4
 
@@ -310,13 +338,17 @@ def test_fragment_algebra_the_kernel_relies_on():
 # ---------------------------------------------------------------- GPU: bit-exact vs the mirror
 
 
-def _problem(batch: int, steps: int, heads: int, *, seed: int = 0, device="cuda"):
+# the GPU tests run at both head dims K1 compiles for
+ALL_DIMS = pytest.mark.parametrize("dim", [D, 64], ids=["D128", "D64"])
+
+
+def _problem(batch: int, steps: int, heads: int, *, seed: int = 0, device="cuda", dim: int = D):
     gen = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(batch, steps, heads, D, generator=gen).bfloat16() for _ in range(2))
-    g = (torch.rand(batch, steps, heads, D, generator=gen) * 16 - 8).bfloat16()
+    q, k = (torch.randn(batch, steps, heads, dim, generator=gen).bfloat16() for _ in range(2))
+    g = (torch.rand(batch, steps, heads, dim, generator=gen) * 16 - 8).bfloat16()
     beta = (torch.randn(batch, steps, heads, generator=gen) * 2).bfloat16()
     a_log = torch.rand(heads, generator=gen) - 0.5
-    dt_bias = torch.randn(heads, D, generator=gen)
+    dt_bias = torch.randn(heads, dim, generator=gen)
     return [t.to(device) for t in (q, k, g, beta, a_log, dt_bias)]
 
 
@@ -339,9 +371,9 @@ def _run(q, k, g, beta, a_log, dt_bias, *, cu_seqlens=None, qk_l2norm=True, beta
     batch, steps, heads = beta.shape
     varlen = cu_seqlens is not None
     num_seqs = cu_seqlens.numel() - 1 if varlen else batch
-    spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(batch * steps, num_seqs, varlen))
+    spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(batch * steps, num_seqs, varlen), dim=q.shape[-1])
     ws = workspace_views(spec, torch.full((spec.nbytes,), 0xFF, dtype=torch.uint8, device=q.device))
-    scale = D ** -0.5
+    scale = q.shape[-1] ** -0.5
     prepare(q, k, g, beta, a_log, dt_bias, ws, scale=scale, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens,
             tile_base=tile_bases(cu_seqlens) if varlen else None, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
             gate=gate)
@@ -381,9 +413,10 @@ FIXED = [(1, t, h) for t in (1, 15, 16, 17, 97, 1024) for h in (1, 4)] + [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,steps,heads", FIXED, ids=[f"B{b}T{t}H{h}" for b, t, h in FIXED])
-def test_matches_mirror_fixed(batch, steps, heads):
-    data = _problem(batch, steps, heads)
-    _assert_matches(*_run(*data), f"B{batch} T{steps} H{heads}")
+@ALL_DIMS
+def test_matches_mirror_fixed(batch, steps, heads, dim):
+    data = _problem(batch, steps, heads, dim=dim)
+    _assert_matches(*_run(*data), f"B{batch} T{steps} H{heads} D{dim}")
 
 
 VARLEN = [
@@ -397,8 +430,9 @@ VARLEN = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths,heads", VARLEN, ids=[f"{len(s)}seqs-H{h}" for s, h in VARLEN])
-def test_matches_mirror_varlen(lengths, heads):
-    data = _problem(1, sum(lengths), heads, seed=1)
+@ALL_DIMS
+def test_matches_mirror_varlen(lengths, heads, dim):
+    data = _problem(1, sum(lengths), heads, seed=1, dim=dim)
     cu_seqlens = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64, device="cuda")
     _assert_matches(*_run(*data, cu_seqlens=cu_seqlens), f"varlen {lengths} H{heads}")
 
@@ -407,8 +441,9 @@ def test_matches_mirror_varlen(lengths, heads):
 @pytest.mark.parametrize("qk_l2norm,beta_logits", [(False, True), (True, False), (False, False)],
                          ids=["no_l2norm", "beta_activated", "neither"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
-def test_matches_mirror_flags(qk_l2norm, beta_logits, varlen):
-    data = _problem(1, 115, 4, seed=2)
+@ALL_DIMS
+def test_matches_mirror_flags(qk_l2norm, beta_logits, varlen, dim):
+    data = _problem(1, 115, 4, seed=2, dim=dim)
     cu_seqlens = torch.tensor([0, 17, 50, 115], dtype=torch.int64, device="cuda") if varlen else None
     if not beta_logits:
         data[3] = torch.sigmoid(data[3].float()).bfloat16()
@@ -420,10 +455,11 @@ def test_matches_mirror_flags(qk_l2norm, beta_logits, varlen):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
-def test_tail_tile_ignores_the_next_sequence(varlen):
+@ALL_DIMS
+def test_tail_tile_ignores_the_next_sequence(varlen, dim):
     """The TMA brings the next sequence's rows into a tail tile; NaN there must not reach the results."""
-    first = _problem(1, 17, 4, seed=3)
-    neighbour = [torch.full_like(t, float("nan")) for t in _problem(1, 17, 4, seed=4)[:4]]
+    first = _problem(1, 17, 4, seed=3, dim=dim)
+    neighbour = [torch.full_like(t, float("nan")) for t in _problem(1, 17, 4, seed=4, dim=dim)[:4]]
     if varlen:
         data = [torch.cat([a, b], dim=1) for a, b in zip(first[:4], neighbour)] + first[4:]
         cu_seqlens = torch.tensor([0, 17, 34], dtype=torch.int64, device="cuda")
@@ -453,16 +489,17 @@ def test_tile_bases(num_seqs):
 
 
 @pytest.mark.gpu
-def test_prepare_computes_tile_bases_itself():
+@ALL_DIMS
+def test_prepare_computes_tile_bases_itself(dim):
     """``tile_base`` omitted: the launcher computes it; the result is the same workspace."""
     from cute_kda.ops.prepare import prepare
 
-    q, k, g, beta, a_log, dt_bias = _problem(1, 50, 2, seed=5)
+    q, k, g, beta, a_log, dt_bias = _problem(1, 50, 2, seed=5, dim=dim)
     cu_seqlens = torch.tensor([0, 20, 50], dtype=torch.int64, device="cuda")
     ws, ref, exists = _run(q, k, g, beta, a_log, dt_bias, cu_seqlens=cu_seqlens)
-    spec = WorkspaceSpec(heads=2, tiles=ws.gt.shape[0] // 2)
+    spec = WorkspaceSpec(heads=2, tiles=ws.gt.shape[0] // 2, dim=dim)
     again = workspace_views(spec, torch.full((spec.nbytes,), 0xFF, dtype=torch.uint8, device="cuda"))
-    prepare(q, k, g, beta, a_log, dt_bias, again, scale=D ** -0.5, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens)
+    prepare(q, k, g, beta, a_log, dt_bias, again, scale=dim ** -0.5, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens)
     torch.cuda.synchronize()
     for name in ws._fields:
         assert torch.equal(_bits(getattr(ws, name)), _bits(getattr(again, name))), name
@@ -471,14 +508,15 @@ def test_prepare_computes_tile_bases_itself():
 # ---------------------------------------------------------------- the unbounded gates (GPU)
 
 
-def _gate_problem(case: str, batch: int, steps: int, heads: int, seed: int = 0) -> tuple[list, str, torch.dtype]:
+def _gate_problem(case: str, batch: int, steps: int, heads: int, seed: int = 0,
+                  dim: int = D) -> tuple[list, str, torch.dtype]:
     """(q, k, g, beta, A_log, dt_bias; gate; g's dtype) of one gate case of docs/numerics.md ("Unbounded gates")."""
     gen = torch.Generator().manual_seed(seed)
-    shape = (batch, steps, heads, D)
+    shape = (batch, steps, heads, dim)
     q, k = (torch.randn(*shape, generator=gen).bfloat16() for _ in range(2))
     beta = (torch.randn(batch, steps, heads, generator=gen) * 2).bfloat16()
     a_log = torch.log(torch.rand(heads, generator=gen) * 15 + 1)  # Kimi-Linear's init: exp(A_log) ~ U(1, 16)
-    dt_bias = torch.randn(heads, D, generator=gen)
+    dt_bias = torch.randn(heads, dim, generator=gen)
     g_raw = torch.randn(*shape, generator=gen)
     gate, dtype = "softplus", torch.bfloat16
     if case == "softplus_pm1000":  # g_raw of −1000, +1000 and N(0, 1), a third each, A_log = 3
@@ -505,10 +543,11 @@ GATE_SHAPES = [(1, 1, 2), (1, 15, 2), (1, 17, 4), (2, 97, 4), (1, 1024, 8)]
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,steps,heads", GATE_SHAPES, ids=[f"B{b}T{t}H{h}" for b, t, h in GATE_SHAPES])
 @pytest.mark.parametrize("case", GATE_CASES)
-def test_unbounded_gates_match_mirror_fixed(case, batch, steps, heads):
-    data, gate, _ = _gate_problem(case, batch, steps, heads)
+@ALL_DIMS
+def test_unbounded_gates_match_mirror_fixed(case, batch, steps, heads, dim):
+    data, gate, _ = _gate_problem(case, batch, steps, heads, dim=dim)
     ws, ref, exists = _run(*data, gate=gate)
-    _assert_matches(ws, ref, exists, f"{case} B{batch} T{steps} H{heads}")
+    _assert_matches(ws, ref, exists, f"{case} B{batch} T{steps} H{heads} D{dim}")
     torch.cuda.synchronize()
     assert all(torch.isfinite(getattr(ws, name)[exists].float()).all() for name in ws._fields), "not finite"
 
@@ -517,8 +556,9 @@ def test_unbounded_gates_match_mirror_fixed(case, batch, steps, heads):
 @pytest.mark.parametrize("case", ["softplus_pm1000", "log_decay_fp32"])
 @pytest.mark.parametrize("lengths", [[1300, 547, 2048, 963, 271, 3063], [5, 0, 16, 0, 1], [17, 33, 65]],
                          ids=["design", "empty_and_1_token", "tails"])
-def test_unbounded_gates_match_mirror_varlen(case, lengths):
-    data, gate, _ = _gate_problem(case, 1, sum(lengths), 4, seed=1)
+@ALL_DIMS
+def test_unbounded_gates_match_mirror_varlen(case, lengths, dim):
+    data, gate, _ = _gate_problem(case, 1, sum(lengths), 4, seed=1, dim=dim)
     cu_seqlens = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64, device="cuda")
     _assert_matches(*_run(*data, gate=gate, cu_seqlens=cu_seqlens), f"{case} varlen {lengths}")
 
@@ -527,8 +567,9 @@ def test_unbounded_gates_match_mirror_varlen(case, lengths):
 @pytest.mark.parametrize("qk_l2norm,beta_logits", [(False, True), (True, False), (False, False)],
                          ids=["no_l2norm", "beta_activated", "neither"])
 @pytest.mark.parametrize("case", ["softplus_kimi_init", "log_decay_bf16"])
-def test_unbounded_gates_match_mirror_flags(case, qk_l2norm, beta_logits):
-    data, gate, _ = _gate_problem(case, 1, 115, 4, seed=2)
+@ALL_DIMS
+def test_unbounded_gates_match_mirror_flags(case, qk_l2norm, beta_logits, dim):
+    data, gate, _ = _gate_problem(case, 1, 115, 4, seed=2, dim=dim)
     if not beta_logits:
         data[3] = torch.sigmoid(data[3].float()).bfloat16()
     if not qk_l2norm:
@@ -538,9 +579,10 @@ def test_unbounded_gates_match_mirror_flags(case, qk_l2norm, beta_logits):
 
 
 @pytest.mark.gpu
-def test_unbounded_gate_tail_tile_ignores_the_next_sequence():
+@ALL_DIMS
+def test_unbounded_gate_tail_tile_ignores_the_next_sequence(dim):
     """Rows past a tail are never read as g (no load) nor used as q, k: NaN there reaches nothing."""
-    first, gate, _ = _gate_problem("log_decay_fp32", 1, 17, 4, seed=3)
+    first, gate, _ = _gate_problem("log_decay_fp32", 1, 17, 4, seed=3, dim=dim)
     neighbour = [torch.full_like(t, float("nan")) for t in first[:4]]
     data = [torch.cat([a, b], dim=1) for a, b in zip(first[:4], neighbour)] + first[4:]
     cu_seqlens = torch.tensor([0, 17, 34], dtype=torch.int64, device="cuda")
@@ -551,21 +593,21 @@ def test_unbounded_gate_tail_tile_ignores_the_next_sequence():
     _assert_matches(type(ws)(*(field[rows] for field in ws)), ref_first, exists_first, "log decay tail next to NaN")
 
 
-def _gdn_problem(case: str, batch: int, steps: int, heads: int, value_heads: int, seed: int = 0):
+def _gdn_problem(case: str, batch: int, steps: int, heads: int, value_heads: int, seed: int = 0, dim: int = D):
     """GatedDeltaNet-style inputs (q, k per q/k head; g [B, T, HV] per head, β, A_log, dt_bias per value head),
     or the safe per-channel gate with grouped value heads; returns (data, gate, scheme of the mirror: None for
     the safe gate's K1, ``mirror_prepare``)."""
     gen = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(batch, steps, heads, D, generator=gen).bfloat16() for _ in range(2))
+    q, k = (torch.randn(batch, steps, heads, dim, generator=gen).bfloat16() for _ in range(2))
     beta = (torch.randn(batch, steps, value_heads, generator=gen) * 2).bfloat16()
     a_log = torch.log(torch.rand(value_heads, generator=gen) * 15 + 1)
     if case == "safe_grouped":
-        g = (torch.rand(batch, steps, value_heads, D, generator=gen) * 16 - 8).bfloat16()
-        data = [q, k, g, beta, torch.rand(value_heads, generator=gen) - 0.5, torch.randn(value_heads, D, generator=gen)]
+        g = (torch.rand(batch, steps, value_heads, dim, generator=gen) * 16 - 8).bfloat16()
+        data = [q, k, g, beta, torch.rand(value_heads, generator=gen) - 0.5, torch.randn(value_heads, dim, generator=gen)]
         return [t.to("cuda") for t in data], "safe", None
     if case == "softplus_grouped":  # Kimi-Linear's per-channel gate with grouped value heads
-        g = torch.randn(batch, steps, value_heads, D, generator=gen).bfloat16()
-        data = [q, k, g, beta, a_log, torch.randn(value_heads, D, generator=gen)]
+        g = torch.randn(batch, steps, value_heads, dim, generator=gen).bfloat16()
+        data = [q, k, g, beta, a_log, torch.randn(value_heads, dim, generator=gen)]
         return [t.to("cuda") for t in data], "softplus", "dyadic"
     raw = torch.randn(batch, steps, value_heads, generator=gen)
     if case == "gdn_softplus":
@@ -582,10 +624,11 @@ GDN_CASES = ["gdn_softplus", "gdn_log_decay", "safe_grouped", "softplus_grouped"
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [[97], [5, 0, 16, 1, 300]], ids=["B1T97", "varlen_empty_1_token"])
 @pytest.mark.parametrize("case", GDN_CASES)
-def test_grouped_value_heads_and_per_head_gates_match_mirror(case, lengths):
+@ALL_DIMS
+def test_grouped_value_heads_and_per_head_gates_match_mirror(case, lengths, dim):
     """K1 per value head (HV = 4 over H = 2: value head j reads q/k head j // 2), with GatedDeltaNet's per-head
     gate or the safe per-channel one, against the mirror (which expands q, k over the groups)."""
-    data, gate, scheme = _gdn_problem(case, 1, sum(lengths), 2, 4)
+    data, gate, scheme = _gdn_problem(case, 1, sum(lengths), 2, 4, dim=dim)
     varlen = len(lengths) > 1
     cu_seqlens = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64, device="cuda") if varlen else None
     ws, ref, exists = _run(*data, cu_seqlens=cu_seqlens, gate=gate, scheme=scheme)

@@ -31,6 +31,7 @@ from cute_kda.ops._cache import dsl_type, to_cute_tensor
 D = 128
 CHUNK = 16
 VSPLITS = (1, 2, 4)
+DIMS = (D, 64)  # the head dims K2 compiles for (cute_kda.numerics.NATIVE_HEAD_DIMS)
 STATE = {"none": None, "bf16": torch.bfloat16, "fp32": torch.float32}
 TOL = 6e-3  # rel-RMS vs the fp64 gold (the issue's bound)
 MIRROR_TOL = 2e-3  # rel-RMS vs the mirror over many tiles (1-ULP differences drifting through the bf16 state)
@@ -39,25 +40,28 @@ MIRROR_TOL = 2e-3  # rel-RMS vs the mirror over many tiles (1-ULP differences dr
 # ============================================================================ shared-memory plan
 
 
+@pytest.mark.parametrize("dim", DIMS)
 @pytest.mark.parametrize("vsplit", VSPLITS)
-def test_plan_bytes(vsplit):
-    plan = RecurrenceSmemPlan(vsplit=vsplit)
-    band = D // vsplit
-    assert plan.v_band == band and plan.warp_cols == band // MMA_WARPS
-    assert plan.stage_tx_bytes == CHUNK * band * 2 + 3 * CHUNK * D * 2 + D * 4 + 2 * CHUNK * CHUNK * 2 + CHUNK * 4
+def test_plan_bytes(vsplit, dim):
+    plan = RecurrenceSmemPlan(vsplit=vsplit, dim=dim)
+    band = dim // vsplit
+    warps = min(MMA_WARPS, band // 8)  # at least 8 columns a warp (D = 64, V-split 4: two warps of 8)
+    assert plan.v_band == band and plan.mma_warps == warps and plan.warp_cols == band // warps
+    assert plan.stage_tx_bytes == CHUNK * band * 2 + 3 * CHUNK * dim * 2 + dim * 4 + 2 * CHUNK * CHUNK * 2 + CHUNK * 4
     offsets = plan.union_offsets()
     assert all(offset % 128 == 0 for offset in offsets.values())
     assert list(offsets) == ["v", "kd", "qd", "kr", "gt", "inv", "mqk", "beta", "out"]
-    assert offsets["kd"] == CHUNK * band * 2 * plan.input_stages
-    out_align = plan.field_align("out")  # the band tiles' swizzle period: 1024 B (K_SW128) or 512 B (K_SW64)
-    assert out_align == (512 if vsplit == 4 else 1024) == plan.field_align("v")
+    assert offsets["kd"] == -(-CHUNK * band * 2 * plan.input_stages // layouts.SWIZZLED_ALIGN) * layouts.SWIZZLED_ALIGN
+    # the band tiles' swizzle period: 1024 B (K_SW128, rows of 128 bytes or more), 512 B (K_SW64), 256 B (K_SW32)
+    out_align = plan.field_align("out")
+    assert out_align == {128: 1024, 64: 512, 32: 256}[min(2 * band, 128)] == plan.field_align("v")
     # β's 64 bytes take a 128-byte slot; the output stages start on their swizzle period
     assert offsets["out"] == -(-(offsets["beta"] + 128 * plan.input_stages) // out_align) * out_align
     assert all(offsets[name] % layouts.SWIZZLED_ALIGN == 0 for name in layouts.SWIZZLED_FIELDS)
     align = layouts.SWIZZLED_ALIGN  # the union holds K_SW128 tiles: its size is a multiple of their period
     assert plan.union_bytes == -(-plan.pipeline_bytes // align) * align
-    fp32 = RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=True)
-    assert fp32.union_bytes == -(-max(plan.pipeline_bytes, band * D * 4) // align) * align
+    fp32 = RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=True, dim=dim)
+    assert fp32.union_bytes == -(-max(plan.pipeline_bytes, band * dim * 4) // align) * align
     # two CTAs per SM (228 KiB, 1 KiB reserved per CTA) in every variant
     assert 2 * (fp32.total_bytes + 1024) <= 228 * 1024
 
@@ -101,31 +105,34 @@ def _offsets(build, shape):
     return {c: int(total[c]) for c in np.ndindex(*shape)}
 
 
+@pytest.mark.parametrize("dim", DIMS)
 @pytest.mark.parametrize("vsplit", VSPLITS)
-def test_state_views_are_transpose_dual(vsplit):
-    plan = RecurrenceSmemPlan(vsplit=vsplit)
-    b = _offsets(lambda: layouts.state_b(plan), (plan.v_band, D))
-    acc = _offsets(lambda: layouts.state_acc(plan), (D, plan.v_band))
+def test_state_views_are_transpose_dual(vsplit, dim):
+    plan = RecurrenceSmemPlan(vsplit=vsplit, dim=dim)
+    b = _offsets(lambda: layouts.state_b(plan), (plan.v_band, dim))
+    acc = _offsets(lambda: layouts.state_acc(plan), (dim, plan.v_band))
     assert all(b[(v, k)] == acc[(k, v)] for v, k in b)
-    assert sorted(b.values()) == list(range(plan.v_band * D))
-    fp32 = _offsets(lambda: layouts.state_fp32(plan), (plan.v_band, D))
+    assert sorted(b.values()) == list(range(plan.v_band * dim))
+    fp32 = _offsets(lambda: layouts.state_fp32(plan), (plan.v_band, dim))
     assert fp32 == b  # same element offsets: [v, k] of staging and state correspond
 
 
-def test_staged_operands():
-    plan = RecurrenceSmemPlan()
+@pytest.mark.parametrize("dim", DIMS)
+def test_staged_operands(dim):
+    plan = RecurrenceSmemPlan(dim=dim)
     stages = plan.input_stages
     # kd / qd / kr: staged K_SW128 tiles and their MN_SW128 view; the swizzle (on byte addresses) is the
-    # 128-byte one of K1's tiles, and the element offsets before it agree view by view, stage by stage
-    kr = _offsets(lambda: layouts.chunk_operand(plan).outer, (CHUNK, D, stages))
-    kr_t = _offsets(lambda: layouts.chunk_operand_transposed(plan).outer, (D, CHUNK, stages))
-    tile = _offsets(lambda: smem.sw128_tile(CHUNK, D).outer, (CHUNK, D))
-    box = _offsets(lambda: layouts.chunk_operand(plan, stages=0).outer, (CHUNK, D))
+    # 128-byte one of K1's tiles (a 64-column bf16 row is one 128-byte swizzle row), and the element offsets
+    # before it agree view by view, stage by stage
+    kr = _offsets(lambda: layouts.chunk_operand(plan).outer, (CHUNK, dim, stages))
+    kr_t = _offsets(lambda: layouts.chunk_operand_transposed(plan).outer, (dim, CHUNK, stages))
+    tile = _offsets(lambda: smem.sw128_tile(CHUNK, dim).outer, (CHUNK, dim))
+    box = _offsets(lambda: layouts.chunk_operand(plan, stages=0).outer, (CHUNK, dim))
     assert box == tile
-    assert all(kr[(r, c, s)] == kr_t[(c, r, s)] == tile[(r, c)] + s * CHUNK * D for r, c, s in kr)
+    assert all(kr[(r, c, s)] == kr_t[(c, r, s)] == tile[(r, c)] + s * CHUNK * dim for r, c, s in kr)
     swizzles = run_traced(lambda: [str(build().inner) for build in (
         lambda: layouts.chunk_operand(plan), lambda: layouts.chunk_operand_transposed(plan),
-        lambda: smem.sw128_tile(CHUNK, D))])
+        lambda: smem.sw128_tile(CHUNK, dim))])
     assert len(set(swizzles)) == 1 and swizzles[0] == "S<3,4,3>"
     assert all(plan.union_offsets()[name] % layouts.SWIZZLED_ALIGN == 0 for name in layouts.SWIZZLED_FIELDS)
     square = _offsets(lambda: layouts.square_tile(plan), (CHUNK, CHUNK, stages))
@@ -330,23 +337,33 @@ def test_copies_move_the_fragment_elements(vsplit, name):
 
 
 def _variants():
-    """(vsplit, state in, state out, varlen): every variant K2 can be compiled as (3 × 3 × 3 × 2 = 54)."""
-    return list(itertools.product(VSPLITS, STATE, STATE, (False, True)))
+    """(vsplit, state in, state out, varlen, D): every variant K2 can be compiled as at D = 128 (3 × 3 × 3 × 2 = 54);
+    at D = 64 every state pair at two (vsplit, varlen) points, each point three times (18)."""
+    full = [(*variant, D) for variant in itertools.product(VSPLITS, STATE, STATE, (False, True))]
+    points = list(itertools.product(VSPLITS, (False, True)))
+    pairs = list(itertools.product(STATE, STATE))
+    halves = [(*points[(2 * i + j) % len(points)], pair) for i, pair in enumerate(pairs) for j in range(2)]
+    return full + [(vsplit, *pair, varlen, 64) for vsplit, varlen, pair in halves]
 
 
-def _compile_args(vsplit, state_in, state_out, varlen, checkpoints=False):
+def _variant_id(variant) -> str:
+    vsplit, state_in, state_out, varlen, dim = variant
+    return f"vs{vsplit}-{state_in}-{state_out}-{'varlen' if varlen else 'fixed'}" + ("" if dim == D else f"-D{dim}")
+
+
+def _compile_args(vsplit, state_in, state_out, varlen, dim=D, checkpoints=False):
     """The launcher's own argument conversion on small CPU tensors (shapes are dynamic)."""
     from cute_kda.workspace import WorkspaceSpec, block_states_shape, workspace_views
 
     heads, num_seqs = 2, 3
     batch, steps = (1, 80) if varlen else (num_seqs, 24)
-    v = torch.zeros(batch, steps, heads, D, dtype=torch.bfloat16)
-    spec = WorkspaceSpec(heads=heads, tiles=8)
+    v = torch.zeros(batch, steps, heads, dim, dtype=torch.bfloat16)
+    spec = WorkspaceSpec(heads=heads, tiles=8, dim=dim)
     ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
     cu = torch.tensor([0, 20, 20, 80]) if varlen else None
 
     def state(name):
-        return None if STATE[name] is None else torch.zeros(num_seqs, heads, D, D, dtype=STATE[name])
+        return None if STATE[name] is None else torch.zeros(num_seqs, heads, dim, dim, dtype=STATE[name])
 
     return k2.launch_arguments(
         v, ws, torch.zeros_like(v), cu_seqlens=cu, tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32) if varlen else None,
@@ -363,22 +380,22 @@ def _compiled(variant, checkpoints=False):
     if (variant, checkpoints) not in _COMPILED:
         from cute_kda.compile_report import compile_with_report
 
-        vsplit, state_in, state_out, varlen = variant
+        vsplit, state_in, state_out, varlen, dim = variant
         kernel = FwdRecurrence(
             vsplit=vsplit, initial_state=dsl_type(STATE[state_in]),
-            final_state=dsl_type(STATE[state_out]), varlen=varlen, checkpoints=checkpoints,
+            final_state=dsl_type(STATE[state_out]), varlen=varlen, checkpoints=checkpoints, dim=dim,
         )
         _, report = compile_with_report(kernel, *_compile_args(*variant, checkpoints), cute.runtime.make_fake_stream())
         _COMPILED[(variant, checkpoints)] = (kernel, report)
     return _COMPILED[(variant, checkpoints)]
 
 
-@pytest.mark.parametrize("variant", _variants(), ids=lambda v: "vs{}-{}-{}-{}".format(v[0], v[1], v[2], "varlen" if v[3] else "fixed"))
+@pytest.mark.parametrize("variant", _variants(), ids=_variant_id)
 def test_variant_compiles(variant):
-    vsplit, state_in, state_out, varlen = variant
+    vsplit, state_in, state_out, varlen, dim = variant
     kernel, report = _compiled(variant)
     atoms = kernel.warp_cols // 8  # n=8 mma atoms per warp row of 16
-    k_steps = D // CHUNK
+    k_steps = dim // CHUNK
     # TMA: 8 loads per stage (v, kd, qd, kr, gT, INV, Mqk, β), one tile store, one per state transfer
     tma = {dims: report.count(f"cp.async.bulk.tensor.{dims}d.shared::cta.global") for dims in (2, 3, 4, 5)}
     assert tma == {2: 2, 3: 3, 4: 2, 5: 1 + (state_in != "none")}  # gT, β | kd, qd, kr (K_SW128) | INV, Mqk | v, state
@@ -418,23 +435,24 @@ def test_variant_compiles(variant):
     print(f"{variant}: {report.kernels[0].registers} registers, {kernel.plan.total_bytes} B smem")
 
 
-@pytest.mark.parametrize("vsplit,varlen", list(itertools.product(VSPLITS, (False, True))))
-def test_training_variant_compiles(vsplit, varlen):
+@pytest.mark.parametrize("vsplit,varlen,dim", [(vsplit, varlen, D) for vsplit in VSPLITS for varlen in (False, True)]
+                         + [(vsplit, vsplit == 2, 64) for vsplit in VSPLITS])
+def test_training_variant_compiles(vsplit, varlen, dim):
     """The training forward (state checkpoints) runs the inference variant's instructions plus, on a
     checkpoint tile, each warp's rows of the state buffer as D / 8 one-dimensional bulk copies from one lane
     (the state image, ``layouts.fwd_recurrence.state_image``), one wait for their read and one proxy fence
     a tile — or, for bands under 32 columns, 32-bit stores of the state fragment Phase 1 loaded — with no
     spills."""
-    variant = (vsplit, "fp32", "fp32", varlen)
+    variant = (vsplit, "fp32", "fp32", varlen, dim)
     kernel, report = _compiled(variant, checkpoints=True)
     _, inference = _compiled(variant)
     bulk = kernel.image_by_bulk
     assert bulk == (kernel.warp_cols >= 32)
     if bulk:
-        assert_band_image_copies(report, kernel.warp_cols, D)
-    else:  # the B fragment Phase 1 loaded, as 32-bit words (2 · cols a lane)
+        assert_band_image_copies(report, kernel.warp_cols, dim)
+    else:  # the B fragment Phase 1 loaded, as 32-bit words (D · cols / 64 a lane)
         assert report.count("cp.async.bulk.global.shared::cta") == 0
-        assert report.count("st.global.b32") == inference.count("st.global.b32") + 2 * kernel.warp_cols
+        assert report.count("st.global.b32") == inference.count("st.global.b32") + dim * kernel.warp_cols // 64
     assert report.count("cp.async.bulk.commit_group") == inference.count("cp.async.bulk.commit_group") + bulk
     assert report.count("fence.proxy.async") == inference.count("fence.proxy.async") + bulk
     for mnemonic in ("mma.sync", "movmatrix", "ldmatrix", "stmatrix", "mul.rn.f32", "cvt.rn.bf16x2.f32",
@@ -494,22 +512,26 @@ def _values(kind, shape, gen):
     return torch.full(shape, float(kind))
 
 
-def _problem(B, T, H, *, g_raw="uniform", dt_bias="normal", seed=0, device="cuda"):
-    """bf16 q, k, v, g, beta [B, T, H(, D)]; fp32 A_log [H], dt_bias [H, D]."""
+# the GPU tests run at both head dims K2 compiles for
+ALL_DIMS = pytest.mark.parametrize("dim", [D, 64], ids=["D128", "D64"])
+
+
+def _problem(B, T, H, *, g_raw="uniform", dt_bias="normal", seed=0, device="cuda", dim=D):
+    """bf16 q, k, v, g, beta [B, T, H(, D)]; fp32 A_log [H], dt_bias [H, D] (D = ``dim``)."""
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, T, H, D, generator=gen).bfloat16() for _ in range(3))
-    g = _values(g_raw, (B, T, H, D), gen).bfloat16()
+    q, k, v = (torch.randn(B, T, H, dim, generator=gen).bfloat16() for _ in range(3))
+    g = _values(g_raw, (B, T, H, dim), gen).bfloat16()
     beta = (torch.randn(B, T, H, generator=gen) * 2).bfloat16()
     A_log = torch.rand(H, generator=gen) - 0.5
-    bias = _values(dt_bias, (H, D), gen)
+    bias = _values(dt_bias, (H, dim), gen)
     return tuple(t.to(device) for t in (q, k, v, g, beta, A_log, bias))
 
 
-def _initial_state(kind, N, H, seed, device):
+def _initial_state(kind, N, H, seed, device, dim=D):
     if STATE[kind] is None:
         return None
     gen = torch.Generator().manual_seed(seed + 1)
-    return (torch.randn(N, H, D, D, generator=gen) * 0.5).to(device=device, dtype=STATE[kind])
+    return (torch.randn(N, H, dim, dim, generator=gen) * 0.5).to(device=device, dtype=STATE[kind])
 
 
 def _guarded(shape, dtype, device, axis: int, pad: int):
@@ -534,15 +556,15 @@ def _run(problem, *, lengths=None, state_in="none", state_out="fp32", vsplit=Non
 
     q, k, v, g, beta, A_log, bias = problem
     device = q.device
-    B, T, H, _ = q.shape
+    B, T, H, dim = q.shape
     cu = None if lengths is None else torch.tensor([0, *itertools.accumulate(lengths)], device=device)
     N = B if lengths is None else len(lengths)
     ws = mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=bias, lower_bound=lower_bound, cu_seqlens=cu)
-    init = _initial_state(state_in, N, H, seed, device)
-    out, out_buf = _guarded((B, T, H, D), torch.bfloat16, device, axis=1, pad=CHUNK)
+    init = _initial_state(state_in, N, H, seed, device, dim)
+    out, out_buf = _guarded((B, T, H, dim), torch.bfloat16, device, axis=1, pad=CHUNK)
     final = final_buf = None
     if STATE[state_out] is not None:
-        final, final_buf = _guarded((N, H, D, D), STATE[state_out], device, axis=0, pad=1)
+        final, final_buf = _guarded((N, H, dim, dim), STATE[state_out], device, axis=0, pad=1)
     k2.recurrence(v, ws, out, cu_seqlens=cu, initial_state=init, final_state=final, vsplit=vsplit)
     torch.cuda.synchronize()
     _assert_guards_untouched(out_buf, axis=1, pad=CHUNK)
@@ -563,8 +585,9 @@ def _mirror(problem, ws, cu, init, state_out):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 7, 16])
 @pytest.mark.parametrize("state_in,state_out", [("bf16", "bf16"), ("fp32", "fp32"), ("none", "fp32")])
-def test_single_tile_within_one_ulp_of_the_mirror(T, state_in, state_out):
-    problem = _problem(2, T, 3, seed=T)
+@ALL_DIMS
+def test_single_tile_within_one_ulp_of_the_mirror(T, state_in, state_out, dim):
+    problem = _problem(2, T, 3, seed=T, dim=dim)
     o, final, ws, cu, init = _run(problem, state_in=state_in, state_out=state_out, seed=T)
     o_ref, final_ref = _mirror(problem, ws, cu, init, state_out)
     assert_within_one_ulp(f"T={T} o", o, o_ref)
@@ -573,9 +596,10 @@ def test_single_tile_within_one_ulp_of_the_mirror(T, state_in, state_out):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [None, [40, 0, 97, 16, 300]], ids=["B2xT300", "varlen"])
-def test_many_tiles_track_the_mirror(lengths):
+@ALL_DIMS
+def test_many_tiles_track_the_mirror(lengths, dim):
     B, T = (2, 300) if lengths is None else (1, sum(lengths))
-    problem = _problem(B, T, 2, seed=11)
+    problem = _problem(B, T, 2, seed=11, dim=dim)
     from cute_kda.reference import rel_rms
 
     o, final, ws, cu, init = _run(problem, lengths=lengths, state_in="bf16", state_out="bf16", seed=11)
@@ -589,9 +613,10 @@ def test_many_tiles_track_the_mirror(lengths):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_out", ["bf16", "fp32"])
-def test_vsplits_are_bit_identical(state_out):
+@ALL_DIMS
+def test_vsplits_are_bit_identical(state_out, dim):
     lengths = [300, 0, 17, 1, 64]
-    problem = _problem(1, sum(lengths), 3, seed=5)
+    problem = _problem(1, sum(lengths), 3, seed=5, dim=dim)
     results = [_run(problem, lengths=lengths, state_in="fp32", state_out=state_out, vsplit=s, seed=5)[:2]
                for s in VSPLITS]
     for o, final in results[1:]:
@@ -631,8 +656,9 @@ def _check_gold(problem, *, lengths=None, state_in="none", state_out="fp32", vsp
 @pytest.mark.gpu
 @pytest.mark.parametrize("dt_bias", _DT_BIAS)
 @pytest.mark.parametrize("g_raw", _G_RAW)
-def test_gold_gate_cases(g_raw, dt_bias):
-    problem = _problem(2, 97, 2, g_raw=g_raw, dt_bias=dt_bias, seed=1)
+@ALL_DIMS
+def test_gold_gate_cases(g_raw, dt_bias, dim):
+    problem = _problem(2, 97, 2, g_raw=g_raw, dt_bias=dt_bias, seed=1, dim=dim)
     _check_gold(problem, state_in="bf16", state_out="fp32", seed=1, label=f"g={g_raw} bias={dt_bias}")
 
 
@@ -641,8 +667,9 @@ def test_gold_gate_cases(g_raw, dt_bias):
     (1, 1, "none", "bf16"), (2, 15, "bf16", "fp32"), (8, 16, "fp32", "none"), (1, 17, "fp32", "bf16"),
     (2, 97, "none", "fp32"), (1, 1024, "fp32", "fp32"), (8, 100, "bf16", "bf16"),
 ])
-def test_gold_shapes(B, T, state_in, state_out):
-    problem = _problem(B, T, 2, seed=T)
+@ALL_DIMS
+def test_gold_shapes(B, T, state_in, state_out, dim):
+    problem = _problem(B, T, 2, seed=T, dim=dim)
     _check_gold(problem, state_in=state_in, state_out=state_out, seed=T, label=f"B={B} T={T}")
 
 
@@ -650,8 +677,9 @@ def test_gold_shapes(B, T, state_in, state_out):
 @pytest.mark.parametrize("lengths", [[1300, 547, 2048, 963, 271, 3063], [1024] * 8, [0, 5, 16]],
                          ids=["mixed", "8x1024", "0-5-16"])
 @pytest.mark.parametrize("state_in,state_out", [("none", "fp32"), ("bf16", "bf16"), ("fp32", "fp32")])
-def test_gold_varlen(lengths, state_in, state_out):
-    problem = _problem(1, sum(lengths), 2, seed=len(lengths))
+@ALL_DIMS
+def test_gold_varlen(lengths, state_in, state_out, dim):
+    problem = _problem(1, sum(lengths), 2, seed=len(lengths), dim=dim)
     _check_gold(problem, lengths=lengths, state_in=state_in, state_out=state_out, seed=3, label=f"{lengths}")
 
 
@@ -659,17 +687,19 @@ def test_gold_varlen(lengths, state_in, state_out):
 @pytest.mark.parametrize("state_in,state_out,vsplit", [
     (state_in, state_out, VSPLITS[i % 3]) for i, (state_in, state_out) in enumerate(itertools.product(STATE, STATE))
 ])
-def test_gold_every_state_mode(state_in, state_out, vsplit):
+@ALL_DIMS
+def test_gold_every_state_mode(state_in, state_out, vsplit, dim):
     lengths = [0, 5, 16, 33]
-    problem = _problem(1, sum(lengths), 2, seed=9)
+    problem = _problem(1, sum(lengths), 2, seed=9, dim=dim)
     _check_gold(problem, lengths=lengths, state_in=state_in, state_out=state_out, vsplit=vsplit, seed=9,
                 label=f"vs{vsplit} {state_in}->{state_out}")
 
 
 @pytest.mark.gpu
-def test_empty_sequence_passes_the_state_through():
+@ALL_DIMS
+def test_empty_sequence_passes_the_state_through(dim):
     lengths = [0, 16, 0]
-    problem = _problem(1, 16, 2, seed=4)
+    problem = _problem(1, 16, 2, seed=4, dim=dim)
     for state in ("bf16", "fp32"):
         _, final, _, _, init = _run(problem, lengths=lengths, state_in=state, state_out=state, seed=4)
         for n in (0, 2):  # empty: final = initial (bf16 as it is, fp32 kept in fp32)
@@ -677,8 +707,9 @@ def test_empty_sequence_passes_the_state_through():
 
 
 @pytest.mark.gpu
-def test_gold_t8192():
-    problem = _problem(1, 8192, 2, seed=8)
+@ALL_DIMS
+def test_gold_t8192(dim):
+    problem = _problem(1, 8192, 2, seed=8, dim=dim)
     _check_gold(problem, state_in="fp32", state_out="fp32", seed=8, label="T=8192")
 
 
@@ -742,7 +773,8 @@ def test_one_million_tokens():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [None, [40, 0, 97, 16, 300, 1]], ids=["B2xT300", "varlen"])
-def test_training_variant_checkpoints(lengths):
+@ALL_DIMS
+def test_training_variant_checkpoints(lengths, dim):
     """The training variant writes the inference variant's o and final state bit for bit, and checkpoints
     (state images) that track the mirror's (the first of each sequence is bf16(initial state) exactly); rows it does not
     own stay poisoned and the guards around the buffer untouched."""
@@ -750,7 +782,7 @@ def test_training_variant_checkpoints(lengths):
     from cute_kda.workspace import SNAPSHOT_TILES, block_states_shape, images_to_states
 
     B, T = (2, 300) if lengths is None else (1, sum(lengths))
-    problem = _problem(B, T, 2, seed=12)
+    problem = _problem(B, T, 2, seed=12, dim=dim)
     o, final, ws, cu, init = _run(problem, lengths=lengths, state_in="fp32", state_out="fp32", seed=12)
     N, H = init.shape[:2]
     shape = block_states_shape(ws, H, N)
@@ -772,14 +804,15 @@ def test_training_variant_checkpoints(lengths):
     for n in range(N):
         if tiles[n]:
             slot = first[n] // SNAPSHOT_TILES + n  # the block of the sequence's first tile
-            rows = ckpt.view(H, slots, D, D)[:, slot]
+            rows = ckpt.view(H, slots, dim, dim)[:, slot]
             assert torch.equal(rows, init[n].transpose(-1, -2).bfloat16()), n
     err = rel_rms(ckpt[written], want[written])
-    print(f"checkpoints vs mirror: {err:.2e} over {int(written.sum()) // (D * D)} matrices")
+    print(f"checkpoints vs mirror: {err:.2e} over {int(written.sum()) // (dim * dim)} matrices")
     assert err <= MIRROR_TOL
 
 
-def test_state_images_are_the_state_image_layout():
+@pytest.mark.parametrize("dim", [D, 64])
+def test_state_images_are_the_state_image_layout(dim):
     """The torch conversion of the kept matrices (``workspace.states_to_images``) puts ``S[k, v]`` where the
     kernels' CuTe layout (``layouts.fwd_recurrence.state_image``) puts element ``[v, k]``, and a band-scan warp's
     rows of its band buffer are D / 8 contiguous runs of ``cols · 16`` bytes in it at every V-split (K2's and
@@ -789,21 +822,22 @@ def test_state_images_are_the_state_image_layout():
     from cute_kda.layouts.bwd_scan import SCAN_VSPLITS, ScanSmemPlan
     from cute_kda.workspace import images_to_states, states_to_images
 
-    image = run_traced(lambda: evaluate_layout(layouts.state_image(D), 2))
-    assert image.bytes.shape == (D, D) and image.cosize == D * D
+    image = run_traced(lambda: evaluate_layout(layouts.state_image(dim), 2))
+    assert image.bytes.shape == (dim, dim) and image.cosize == dim * dim
     elements = torch.from_numpy(image.bytes // 2)  # [v, k]
-    states = torch.randn(3, D, D)
+    states = torch.randn(3, dim, dim)
     flat = states_to_images(states).flatten(1)
     assert torch.equal(flat[:, elements], states.transpose(1, 2))
     assert torch.equal(images_to_states(states_to_images(states)), states)
-    plans = [RecurrenceSmemPlan(vsplit=vsplit) for vsplit in VSPLITS] + [ScanSmemPlan(vsplit=v) for v in SCAN_VSPLITS]
+    plans = [RecurrenceSmemPlan(vsplit=vsplit, dim=dim) for vsplit in VSPLITS]
+    plans += [ScanSmemPlan(vsplit=v) for v in SCAN_VSPLITS] if dim == D else []  # Kernel A: D = 128 only
     for plan in plans:
         vsplit = plan.vsplit
         band = run_traced(lambda: evaluate_layout(layouts.state_b(plan), 2)).bytes
         cols = plan.warp_cols
         for band_index in range(vsplit):
             for w in range(plan.v_band // cols):
-                for j in range(D // layouts.IMAGE_RUN):
+                for j in range(dim // layouts.IMAGE_RUN):
                     run = slice(8 * j, 8 * j + 8)
                     rows = slice(w * cols, (w + 1) * cols)
                     local = band[rows, run]

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import cute_kda
-from cute_kda import fla_backend, head_dims
+from cute_kda import api, fla_backend, head_dims
+from cute_kda.call import resolve
 from cute_kda.executors import training
 from cute_kda.fla_calls import translate_fla_call, translate_fla_gdn_call
 from cute_kda.reference import gold_backward, gold_forward, rel_rms
@@ -402,6 +403,65 @@ def _gold_at_caller_dims(case, tensors, problem, **options):
     return o, state
 
 
+@pytest.mark.parametrize("case", [Case(64, 64), Case(64, 64, "softplus", per_head=True, heads=1, value_heads=2,
+                                                lengths=(20, 0, 1, 17), state=torch.bfloat16),
+                                   Case(64, 64, "none", lengths=(33,), state=None)], ids=lambda c: f"{c.gate}")
+def test_inference_at_64_runs_unpadded(gold_kernels, case):
+    """An inference call at K = V = 64 resolves as itself (no caller dims to restore) and the executor runs the 64
+    problem, into the caller's buffers; under autograd, and at any other small size, the call runs padded to 128."""
+    problem, _, _ = make_problem(case, seed=21)
+    tensors = [problem.pop(n) for n in NAMES[:5]]
+    with torch.no_grad():
+        call = resolve(*tensors, **problem, gate=case.gate, output_final_state=True)
+        out = torch.full(tensors[2].shape, 7.0, dtype=torch.bfloat16)
+        o, ht = cute_kda.kda_forward(*tensors, **problem, gate=case.gate, out=out, output_final_state=True)
+    assert call.caller_dims is None and call.options.problem.head_dim == 64 and not call.training
+    assert [p.head_dim for p in gold_kernels] == [64] and o is out
+    o_gold, ht_gold = _gold_at_caller_dims(case, tensors, problem)
+    assert rel_rms(o, o_gold.bfloat16()) <= 1e-4 and rel_rms(ht, ht_gold) <= (4e-3 if case.state else 1e-6)
+    leaves = [x.detach().requires_grad_() if n in ("q", "v") else x for n, x in zip(NAMES, tensors)]
+    trained = resolve(*leaves, **problem, gate=case.gate)
+    assert trained.training and trained.caller_dims is not None and trained.options.problem.head_dim == 128
+    for key_dim, value_dim in ((60, 60), (64, 128), (128, 64)):
+        other, _, _ = make_problem(Case(key_dim, value_dim, lengths=(5,)), seed=22)
+        with torch.no_grad():
+            padded = resolve(*[other.pop(n) for n in NAMES[:5]], **other)
+        assert padded.caller_dims is not None and padded.options.problem.head_dim == 128
+
+
+def test_segmented_inference_at_64_runs_unpadded(monkeypatch):
+    """Context parallelism at K = V = 64 without autograd: the segments run the forward stage at 64 (here the
+    mirrors' stages in place of the kernels'), and o and the final state meet the gold."""
+    from cute_kda.executors import inference
+
+    monkeypatch.setattr(inference, "KERNELS", REFERENCE)
+    case = CASES["K64_softplus_segments"]
+    problem, _, _ = make_problem(case, seed=23)
+    tensors = [problem.pop(n) for n in NAMES[:5]]
+    options = dict(case.options, gate=case.gate)
+    with torch.no_grad():
+        call = resolve(*tensors, **problem, **options, output_final_state=True)
+        o, ht = cute_kda.kda_forward(*tensors, **problem, **options, output_final_state=True)
+    assert call.caller_dims is None and call.options.segmentation is not None
+    assert call.options.problem.head_dim == 64 and o.shape == tensors[2].shape and ht.shape == (1, 2, 64, 64)
+    o_gold, ht_gold = gold_forward(*tensors, output_final_state=True, gate=case.gate, **problem)
+    assert rel_rms(o, o_gold) <= FORWARD_TOLERANCE and rel_rms(ht, ht_gold) <= FORWARD_TOLERANCE
+
+
+def test_warmup_lists_the_native_head_dim_64_forward():
+    """``warmup_variants(head_dims=(64,))``: K1 and K2 at 64 for every listed option, inference only (a training call
+    at 64 runs padded: its variants are the 128 ones); other sizes are refused by name."""
+    from cute_kda.variants import PrepareVariant, RecurrenceVariant
+
+    both = api.warmup_variants(head_dims=(128, 64), training=True, segments=False)
+    at_64 = [v for v in both if getattr(v, "dim", 128) == 64]
+    assert at_64 and all(isinstance(v, (PrepareVariant, RecurrenceVariant)) for v in at_64)
+    assert not any(v.checkpoints for v in at_64 if isinstance(v, RecurrenceVariant))
+    assert [v for v in both if getattr(v, "dim", 128) == 128] == api.warmup_variants(training=True, segments=False)
+    with pytest.raises(ValueError, match="head_dims"):
+        api.warmup_variants(head_dims=(96,))
+
+
 @pytest.mark.parametrize("name", sorted(INFERENCE_API_CASES))
 def test_public_inference_restores_into_caller_buffers(gold_kernels, name):
     """The public kda_forward, eager, inference: resolve pads / splits, the inference executor (here the fp64 gold on
@@ -451,8 +511,8 @@ def test_compiled_inference_is_one_op_at_the_callers_dims(gold_kernels):
 
 
 def test_fla_backend_computes_head_dim_64(any_device, gold_kernels):
-    """FLA's chunk_kda dispatch at K = V = 64: the verifier takes it, the implementation runs the padded call and hands
-    FLA's layout back (K-first state, o at 64 columns)."""
+    """FLA's chunk_kda dispatch at K = V = 64: the verifier takes it, the implementation runs the call (on the kernels
+    compiled for 64) and hands FLA's layout back (K-first state, o at 64 columns)."""
     case = Case(64, 64, "softplus", lengths=(20, 0, 17))
     problem, _, _ = make_problem(case, seed=20)
     kwargs = dict(problem, initial_state=problem["initial_state"].transpose(-1, -2).contiguous(),
@@ -490,6 +550,12 @@ INFERENCE_CASES = {  # the safe gate with grouped value heads (split ones too) r
     **{name: CASES[name] for name in ("K64_log_decay_no_state", "K128_V256_gdn_log_decay_gva",
                                       "K60_softplus_varlen_bf16_state")},
     "K64_V256_safe_gva": Case(64, 256, heads=1, value_heads=2, lengths=(30,)),
+    # K = V = 64 on the kernels compiled for 64: every gate form, GVA, tails, T < 16, empty and 1-token sequences,
+    # segments (the context-parallel split of one sequence)
+    **{name: CASES[name] for name in ("K64_gdn_softplus_gva", "K64_softplus_segments")},
+    "K64_safe_varlen_empty_1_token": Case(64, 64, lengths=(20, 0, 1, 3, 17), state=torch.float32),
+    "K64_safe_gva_bf16_state": Case(64, 64, heads=1, value_heads=4, lengths=(37, 37), state=torch.bfloat16),
+    "K64_log_decay_fp32_state_short": Case(64, 64, "none", lengths=(5, 9)),
 }
 
 
@@ -499,7 +565,8 @@ def test_inference_fills_caller_buffers(name, device):
     """Inference at the caller's dims: out= and final_state= buffers get the results the gold gives, nothing else of
     them is touched; the results without buffers are the same bits."""
     case = INFERENCE_CASES[name]
-    problem, _, _ = make_problem(case, seed=12, device=device, scale_lengths=4)
+    scale = 1 if name == "K64_safe_varlen_empty_1_token" else 4  # keep its 1-token sequence
+    problem, _, _ = make_problem(case, seed=12, device=device, scale_lengths=scale)
     tensors = [problem.pop(n) for n in NAMES[:5]]
     options = dict(case.options, gate=case.gate)
     num_seqs = problem["cu_seqlens"].numel() - 1 if "cu_seqlens" in problem else tensors[0].shape[0]

@@ -233,11 +233,11 @@ def test_kernel_uses_are_conflict_free_with_k_inter():
 # ---------------------------------------------------------------------------- (iii) budgets
 
 
-K2_PLANS = [RecurrenceSmemPlan(vsplit, fp32) for fp32 in (False, True) for vsplit in (1, 2, 4)]
+K2_PLANS = [RecurrenceSmemPlan(vsplit, fp32, dim) for dim in (128, 64) for fp32 in (False, True) for vsplit in (1, 2, 4)]
 
 
 def _plan_id(plan: RecurrenceSmemPlan) -> str:
-    return f"vs{plan.vsplit}-{'fp32' if plan.state_io_fp32 else 'bf16'}"
+    return f"vs{plan.vsplit}-{'fp32' if plan.state_io_fp32 else 'bf16'}" + ("" if plan.dim == 128 else f"-D{plan.dim}")
 
 
 @pytest.mark.parametrize("plan", K2_PLANS, ids=_plan_id)
@@ -266,10 +266,15 @@ def test_k2_budget_known_totals():
     assert budget.k2_budget(RecurrenceSmemPlan(1)).stage_bytes == {"input": 18048, "output": 4096}
     assert [budget.k2_budget(RecurrenceSmemPlan(v)).ctas_per_sm for v in (1, 2, 4)] == [2, 3, 4]
     assert budget.k2_budget(RecurrenceSmemPlan(4, True)).total_bytes == 56320
+    # D = 64: a quarter of the state, half of each workspace tile
+    assert budget.k2_budget(RecurrenceSmemPlan(1, dim=64)).stage_bytes == {"input": 9600, "output": 2048}
+    assert [budget.k2_budget(RecurrenceSmemPlan(v, dim=64)).ctas_per_sm for v in (1, 2, 4)] == [5, 6, 7]
 
 
 @pytest.mark.parametrize("plan", [
     budget.k2_budget(RecurrenceSmemPlan(1, True)), budget.k2_budget(RecurrenceSmemPlan(4)), fwd_prepare.smem_budget(),
+    budget.k2_budget(RecurrenceSmemPlan(1, True, 64)), budget.k2_budget(RecurrenceSmemPlan(4, dim=64)),
+    fwd_prepare.smem_budget(64), fwd_prepare.dyadic_smem_budget(64), fwd_prepare.per_head_smem_budget(64),
 ], ids=lambda p: p.name)
 def test_storage_struct_matches_plan(plan):
     struct = plan.storage_struct()
@@ -308,19 +313,21 @@ def _group(plan, path):
     return group
 
 
-def test_k1_plan():
-    """K1: four swizzled bf16 tiles, the swizzled fp32 G tile, β, one mbarrier; 25 600 B, 8 CTAs/SM."""
-    plan = fwd_prepare.smem_budget()
-    tile = 16 * 128 * 2
+@pytest.mark.parametrize("dim,total,ctas", [(128, 25600, 8), (64, 13312, 16)])
+def test_k1_plan(dim, total, ctas):
+    """K1: four swizzled bf16 tiles, the swizzled fp32 G tile, β, one mbarrier; 25 600 B at D = 128, 8 CTAs/SM by
+    shared memory (13 312 B and 16 at D = 64, where the registers keep it at 8)."""
+    plan = fwd_prepare.smem_budget(dim)
+    tile = 16 * dim * 2
     assert {name: p.offset for name, p in plan.buffers.items()} == {
         "q": 0, "k": tile, "g": 2 * tile, "kinv": 3 * tile, "gate_cumsum": 4 * tile,
-        "beta": 4 * tile + 16 * 128 * 4, "tma_barrier": 4 * tile + 16 * 128 * 4 + 16 * 4,
+        "beta": 4 * tile + 16 * dim * 4, "tma_barrier": 4 * tile + 16 * dim * 4 + 16 * 4,
     }
     assert plan.buffers["q"].buffer.align == 1024  # K_SW128: the 128-byte swizzle repeats every 1024 bytes
     assert plan.buffers["gate_cumsum"].buffer.align == 256  # Swizzle<1,4,3>
-    assert plan.total_bytes == 25600 and plan.ctas_per_sm == 8
+    assert plan.total_bytes == total and plan.ctas_per_sm == ctas
     assert np.array_equal(analysis.byte_table(plan.buffers["q"].buffer.layout),
-                          analysis.byte_table(SW128_FAMILY.spec(16, 128, BF16)))
+                          analysis.byte_table(SW128_FAMILY.spec(16, dim, BF16)))
 
 
 def test_staged_layout_puts_each_stage_on_its_slot():
@@ -335,7 +342,8 @@ def test_staged_layout_puts_each_stage_on_its_slot():
             assert (s * buf.slot_bytes) % 128 == 0  # TMA needs 128-byte aligned shared-memory addresses
 
 
-@pytest.mark.parametrize("plan", [RecurrenceSmemPlan(1), RecurrenceSmemPlan(4, True)], ids=_plan_id)
+@pytest.mark.parametrize("plan", [RecurrenceSmemPlan(1), RecurrenceSmemPlan(4, True), RecurrenceSmemPlan(1, dim=64),
+                                  RecurrenceSmemPlan(4, True, 64)], ids=_plan_id)
 def test_k2_budget_layouts_are_the_kernels(plan):
     """The table's staged buffers and state views address the bytes of the layouts K2 builds."""
     bufs = budget.k2_budget(plan).buffers
@@ -358,13 +366,14 @@ def test_k2_budget_layouts_are_the_kernels(plan):
         assert np.array_equal(table.bytes, kernel.bytes), name
 
 
-def test_sw128_column_offsets_are_the_swizzled_layout():
+@pytest.mark.parametrize("dim", [128, 64])
+def test_sw128_column_offsets_are_the_swizzled_layout(dim):
     """K1's unbounded-gate scan addresses a sw128 tile as eight per-column offsets plus a per-row constant."""
     from cute_kda.layouts.smem import sw128_column_offsets, sw128_row_offset
 
-    table = analysis.byte_table(SW128_FAMILY.spec(16, 128, BF16))
-    for col in range(128):
-        columns = sw128_column_offsets(col)
+    table = analysis.byte_table(SW128_FAMILY.spec(16, dim, BF16))
+    for col in range(dim):
+        columns = sw128_column_offsets(col, cols=dim)
         for row in range(16):
             assert 2 * (columns[row % 8] + sw128_row_offset(row)) == table[row, col], (row, col)
 

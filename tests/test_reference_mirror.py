@@ -20,8 +20,10 @@ H, D = 2, 128
 pytestmark = pytest.mark.filterwarnings("ignore:cute_kda mirror on CPU:RuntimeWarning")
 
 
-def _problem(T, *, B=1, g_raw="uniform", dt_bias=8.0, seed=0, heads=H, device="cpu"):
-    """bf16 q, k, v, g, beta and fp32 A_log, dt_bias ``[H, D]`` (constant ``dt_bias`` or ``"randn"``)."""
+def _problem(T, *, B=1, g_raw="uniform", dt_bias=8.0, seed=0, heads=H, device="cpu", dim=D):
+    """bf16 q, k, v, g, beta and fp32 A_log, dt_bias ``[H, D]`` (constant ``dt_bias`` or ``"randn"``), head dim
+    ``dim``."""
+    D = dim
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, T, heads, D, generator=gen).bfloat16() for _ in range(3))
     if g_raw == "uniform":
@@ -53,6 +55,28 @@ def _compare(problem, *, lower_bound=-5.0, cu_seqlens=None, initial_state=None, 
 def test_mirror_vs_gold_gates(T, g_raw, dt_bias, lower_bound):
     err_o, err_s, _ = _compare(_problem(T, g_raw=g_raw, dt_bias=dt_bias), lower_bound=lower_bound)
     assert err_o <= TOL and err_s <= TOL, (err_o, err_s)
+
+
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 100])
+@pytest.mark.parametrize("g_raw", [-8, 8, "uniform"])
+@pytest.mark.parametrize("lower_bound", [-5.0, -1.0])
+def test_mirror_vs_gold_head_dim_64(T, g_raw, lower_bound):
+    """The mirror at K = V = 64, the other head dim the kernels compile for (l2norm over 8 lane partials). One seed
+    for every T, as at 128: at T = 1, o is one dot product q̂·k̂ times v, and a seed where q̂ ⊥ k̂ (seed 1 here) turns
+    the operands' bf16 rounding into a large relative error of a near-zero o."""
+    err_o, err_s, _ = _compare(_problem(T, g_raw=g_raw, dt_bias="randn", dim=64), lower_bound=lower_bound)
+    assert err_o <= TOL and err_s <= TOL, (err_o, err_s)
+
+
+def test_mirror_vs_gold_varlen_head_dim_64():
+    """Empty and one-token sequences, an fp32 initial state and T = 1024 in one packed row at K = V = 64."""
+    lengths = [1, 0, 15, 1024, 17, 0, 33]
+    cu = torch.tensor(np.cumsum([0] + lengths))
+    problem = _problem(sum(lengths), seed=11, dt_bias="randn", dim=64)
+    S0 = torch.randn(len(lengths), H, 64, 64) * 0.2
+    err_o, err_s, S_m = _compare(problem, cu_seqlens=cu, initial_state=S0, lower_bound=-1.0)
+    assert err_o <= TOL and err_s <= TOL, (err_o, err_s)
+    assert torch.equal(S_m[1], S0[1]) and torch.equal(S_m[5], S0[5]), "an empty sequence keeps its state"
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, -1.0])
@@ -300,14 +324,16 @@ def test_input_validation():
 # rounding and summation order
 
 
-def test_l2norm_sum_order_is_literal():
-    """ss = butterfly over 16 sequential partials of 8 squares, each step an fp32 addition."""
-    x = torch.randn(5, D).bfloat16().float() * 3
+@pytest.mark.parametrize("dim", [D, 64])
+def test_l2norm_sum_order_is_literal(dim):
+    """ss = butterfly over D / 8 sequential partials of 8 squares (16 lanes a row at D = 128, 8 at 64), each step
+    an fp32 addition."""
+    x = torch.randn(5, dim).bfloat16().float() * 3
     got = common.l2norm_rinv(x, EPS)[:, 0]
     f32 = np.float32
     for row, value in zip(x.numpy(), got.tolist()):
         partials = []
-        for j in range(16):
+        for j in range(dim // 8):
             acc = f32(0)
             for c in range(8 * j, 8 * j + 8):
                 acc = f32(acc + f32(row[c]) * f32(row[c]))

@@ -36,9 +36,9 @@ BF16 = cutlass.BFloat16
 STAGES = 3
 
 
-def _scan_kernel(vsplit: int):
-    """The band-scan kernel whose warp MMA and copies a V-split uses (Kernel A for V-split 8)."""
-    return BwdScan(vsplit=vsplit) if vsplit == 8 else FwdRecurrence(vsplit=vsplit)
+def _scan_kernel(vsplit: int, dim: int = 128):
+    """The band-scan kernel whose warp MMA and copies a V-split uses (Kernel A for V-split 8), at head dim ``dim``."""
+    return BwdScan(vsplit=vsplit) if vsplit == 8 else FwdRecurrence(vsplit=vsplit, dim=dim)
 
 
 class _Case:
@@ -46,8 +46,8 @@ class _Case:
     warp index slices, None for the whole tile), the copy ``name`` and its fragment ``operand``."""
 
     def __init__(self, vsplit: int, build, tile: tuple[int, int], warp_mode, name: str, operand: Operand,
-                 swizzle_on: str):
-        self.kernel = _scan_kernel(vsplit)
+                 swizzle_on: str, dim: int = 128):
+        self.kernel = _scan_kernel(vsplit, dim)
         self.build, self.tile, self.warp_mode = build, tile, warp_mode
         self.name, self.operand, self.swizzle_on = name, operand, swizzle_on
 
@@ -127,26 +127,27 @@ def _mismatches(case: _Case) -> int:
     return sum(matrix_addresses(ptx, lane, [0, warp, 1]) != want for (warp, lane), want in case.expected().items())
 
 
-def _band_case(vsplit: int, kind: AtomKind, name: str, swizzle_on: str) -> _Case:
-    kernel = _scan_kernel(vsplit)
+def _band_case(vsplit: int, kind: AtomKind, name: str, swizzle_on: str, dim: int = 128) -> _Case:
+    kernel = _scan_kernel(vsplit, dim)
     band, cols = kernel.v_band, kernel.warp_cols
     if name == "ldsm_b_t":  # Kernel A's dOᵀ: the MN-major face of the band tile, B operand
         return _Case(vsplit, lambda: atom_tile_transposed(kind, CHUNK, band, BF16, STAGES), (cols, CHUNK), 0,
                      name, Operand.B, swizzle_on)
     return _Case(vsplit, lambda: atom_tile(kind, CHUNK, band, BF16, STAGES), (CHUNK, cols), 1, name, Operand.C,
-                 swizzle_on)
+                 swizzle_on, dim)
 
 
+@pytest.mark.parametrize("dim", [128, 64])
 @pytest.mark.parametrize("transposed", [False, True], ids=["kd", "kr_t"])
-def test_workspace_operand_views_address_their_bytes(transposed):
+def test_workspace_operand_views_address_their_bytes(transposed, dim):
     """kd / qd (A operand) and krᵀ (its MN_SW128 face) as K2 and Kernel A read them: element-offset views,
-    no warp slice, a runtime stage (``layouts.fwd_recurrence.chunk_operand``)."""
-    plan = layouts.RecurrenceSmemPlan(vsplit=1)
+    no warp slice, a runtime stage (``layouts.fwd_recurrence.chunk_operand``); at D = 64 a tile is one atom wide."""
+    plan = layouts.RecurrenceSmemPlan(vsplit=1, dim=dim)
     if transposed:
-        case = _Case(1, lambda: layouts.chunk_operand_transposed(plan), (128, CHUNK), None, "ldsm_a_t", Operand.A,
-                     "offset")
+        case = _Case(1, lambda: layouts.chunk_operand_transposed(plan), (dim, CHUNK), None, "ldsm_a_t", Operand.A,
+                     "offset", dim)
     else:
-        case = _Case(1, lambda: layouts.chunk_operand(plan), (CHUNK, 128), None, "ldsm_a", Operand.A, "offset")
+        case = _Case(1, lambda: layouts.chunk_operand(plan), (CHUNK, dim), None, "ldsm_a", Operand.A, "offset", dim)
     assert _mismatches(case) == 0
 
 
@@ -159,6 +160,16 @@ def test_swizzled_band_tiles_through_a_pointer_swizzle(vsplit, kind, name):
     """The band tiles (v, out; dO, dv, du) swizzled, sliced by a runtime warp index, read and written through
     a pointer swizzle: every lane of every warp addresses its row."""
     assert _mismatches(_band_case(vsplit, kind, name, "pointer")) == 0
+
+
+@pytest.mark.parametrize("vsplit,kind", [(1, AtomKind.K_SW128), (2, AtomKind.K_SW64), (4, AtomKind.K_SW32)],
+                         ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("name", ["ldsm_c", "stsm_c"])
+def test_head_dim_64_band_tiles_through_a_pointer_swizzle(vsplit, kind, name):
+    """K2 at D = 64: v and out bands of 64, 32 and 16 columns (4 warps × 16, 4 × 8, 2 × 8) in the swizzle their
+    rows fit, every lane of every warp addressing its row through the pointer swizzle."""
+    assert layouts.token_atom(layouts.RecurrenceSmemPlan(vsplit=vsplit, dim=64)) == kind
+    assert _mismatches(_band_case(vsplit, kind, name, "pointer", dim=64)) == 0
 
 
 def test_element_offset_swizzle_with_a_runtime_warp_slice():

@@ -233,7 +233,7 @@ def _build_plan(x: Inputs, options: Options, out: torch.Tensor, final_state: tor
     stream = streams.cu_stream(handle)
     prepare = k1.compiled_variant(
         PrepareVariant(problem.varlen, options.qk_l2norm, options.beta_logits, options.gate, x.g.dtype, x.g.dim() == 3,
-                       problem.heads != x.q.shape[2], x.q.dtype), device.index)
+                       problem.heads != x.q.shape[2], x.q.dtype, problem.head_dim), device.index)
     tile_base = None if x.cu_seqlens is None else torch.empty(x.cu_seqlens.shape, dtype=torch.int32, device="meta")
     arguments = k2.launch_arguments(x.v, workspace, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base,
                                     initial_state=x.initial_state, final_state=final_state,
@@ -241,7 +241,8 @@ def _build_plan(x: Inputs, options: Options, out: torch.Tensor, final_state: tor
     recurrence = k2.compiled_variant(
         RecurrenceVariant(vsplit, None if x.initial_state is None else x.initial_state.dtype,
                           None if final_state is None else final_state.dtype, problem.varlen, False,
-                          x.state_indices is not None, options.checkpoint_every, x.v.dtype), device.index, arguments)
+                          x.state_indices is not None, options.checkpoint_every, x.v.dtype, problem.head_dim),
+        device.index, arguments)
     return LaunchPlan(prepare, recurrence, k1.workspace_arguments(workspace), k2.workspace_arguments(workspace),
                       k1.fp32_scalars(options.scale, options.lower_bound), stream)
 

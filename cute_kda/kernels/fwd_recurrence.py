@@ -15,15 +15,17 @@ S32 ← krᵀ·U + f32(gT·S32),  S = bf16(S32)   Phase 6 (row block by row bloc
 ```
 
 The state lives in fp32 in the compute warps' registers (``S32``, C fragments of the warp's columns:
-128, 64 or 32 registers a thread at V-split 1, 2, 4); shared memory holds its bf16 rounding ``S``, the
-B operand of the next tile's products. So the state is not rounded once per tile, which drifted over
-long sequences with little decay (docs/numerics.md, K2), and Phase 6 reads no state from shared memory.
+128, 64 or 32 registers a thread at V-split 1, 2, 4 for D = 128; at D = 64 a quarter of those at V-split 1, 2,
+where the bands of 16 and 8 columns keep four warps, and 16 at V-split 4 on two warps); shared memory holds its
+bf16 rounding ``S``, the B operand of the next tile's products. So the state is not rounded once per tile, which
+drifted over long sequences with little decay (docs/numerics.md, K2), and Phase 6 reads no state from shared memory.
 
 Grid: ``(vsplit · N, H)``; CTA ``x`` owns band ``x % vsplit`` of sequence ``x // vsplit`` (the bands
 of one (sequence, head) run side by side and share the tile's kd/qd/kr reads in L2).
 
-Roles (192 threads): warps 0-3 compute, warp ``w`` owning value columns ``[w·c, (w+1)·c)`` of the
-CTA's band (``c = v_band / 4``: 32, 16 or 8). Every line above is separable in the value columns,
+Roles (192 threads; 128 at D = 64, V-split 4): warps 0-3 compute, warp ``w`` owning value columns
+``[w·c, (w+1)·c)`` of the CTA's band (``c = v_band / 4``: 32, 16 or 8; at least 8, so fewer compute warps for a
+band under 32 columns). Every line above is separable in the value columns,
 so a warp reads and writes only its own columns of v, out and S: the compute warps never wait for
 each other. Warp 4 issues the TMA loads of an input stage (v band, kd, qd, kr, gT, INV, Mqk, β under
 one transaction barrier; the per-token tiles and kd, qd, kr are swizzled, so each moves as one box of
@@ -52,7 +54,7 @@ fp32 ``S32`` columns (the pool's dtype; a bf16 pool gets ``bf16(S32)``, which is
 into slot ``checkpoint_indices[n, j]`` of the pool (−1, a row past the sequence's last full C-block, or a padding
 sequence: nothing); these stores wait on nothing and no other variant has them.
 
-Inputs are assumed valid (the API layer checks them): v / out bf16 or fp16 ``[B, T, H, 128]`` with the last
+Inputs are assumed valid (the API layer checks them): v / out bf16 or fp16 ``[B, T, H, D]`` with the last
 mode contiguous, workspace fields as :mod:`cute_kda.workspace`, ``cu_seqlens`` int64 ``[N+1]`` with
 B == 1 and ``tile_base`` int32 ``[N+1]`` for varlen, every base address 16-byte aligned.
 """
@@ -72,7 +74,7 @@ from cutlass.memory import SmemAllocator
 
 from ..layouts import fwd_recurrence as layouts
 from ..layouts.fwd_recurrence import RecurrenceSmemPlan
-from ..numerics import CHUNK
+from ..numerics import CHUNK, HEAD_DIM
 from ..workspace import SNAPSHOT_TILES
 from .common.band_scan import STAGED_STATES, BandScan, OutputTile
 from .common.copy import aligned_smem_tensor, c_row_half, smem_tensor
@@ -128,9 +130,10 @@ class RecurrenceTmaSmem:
 
 
 class FwdRecurrence(BandScan):
-    """K2 for head dim 128, one compiled variant per static configuration.
+    """K2, one compiled variant per static configuration.
 
-    ``vsplit`` ∈ {1, 2, 4}: CTAs per (sequence, head), each owning ``128 / vsplit`` value columns.
+    ``dim``: K = V (:data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`; the plan's tiles, k-steps and warp bands follow it).
+    ``vsplit`` ∈ {1, 2, 4}: CTAs per (sequence, head), each owning ``dim / vsplit`` value columns.
     ``initial_state`` / ``final_state``: None, ``cutlass.BFloat16``, ``cutlass.Float32`` or ``cutlass.Float16``
     (the dtype of the ``[N, H, V, K]`` state tensors; an fp16 state is staged as an fp32 one, widened on load and
     rounded to fp16 on store, and does not meet an fp32 one in a variant). ``varlen``: sequences packed along T
@@ -157,9 +160,11 @@ class FwdRecurrence(BandScan):
         state_pool: bool = False,
         prefix_checkpoint_every: int = 0,
         dtype: type = BFloat16,
+        dim: int = HEAD_DIM,
     ) -> None:
+        staged = bool({initial_state, final_state} & set(STAGED_STATES))
         super().__init__(
-            RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=bool({initial_state, final_state} & set(STAGED_STATES))),
+            RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=staged, dim=dim),
             initial_state=initial_state, final_state=final_state, varlen=varlen, reverse=False, token_dtype=dtype,
             state_dtypes=(BFloat16, Float32, Float16),
         )

@@ -39,7 +39,7 @@ def _compile_tile_prefix():
 
 class CompileProblem(NamedTuple):
     """The small problem the ahead-of-time compiles of K2, Kernel A and Kernel B describe their arguments with: two
-    sequences (of two tiles each, or packed in one row of one tile each), two heads, D = 128; ``meta`` tensors (a
+    sequences (of two tiles each, or packed in one row of one tile each), two heads, head dim D; ``meta`` tensors (a
     compile reads dtypes, ranks and alignment only)."""
 
     rows: tuple[int, int]  # (B, T) of the token tensors
@@ -69,13 +69,13 @@ class CompileProblem(NamedTuple):
         return self.zeros(*block_states_shape(self.ws, self.heads, self.num_seqs, every))
 
 
-def compile_problem(varlen: bool) -> CompileProblem:
+def compile_problem(varlen: bool, dim: int = HEAD_DIM) -> CompileProblem:
     num_seqs, heads = 2, 2
     cu_seqlens = torch.empty(num_seqs + 1, dtype=torch.int64, device=_META) if varlen else None
     tile_base = torch.empty(num_seqs + 1, dtype=torch.int32, device=_META) if varlen else None
-    return CompileProblem(rows=(1 if varlen else num_seqs, 2 * CHUNK), heads=heads, dim=HEAD_DIM, num_seqs=num_seqs,
-                          ws=allocate_workspace(WorkspaceSpec(heads=heads, tiles=4), _META), cu_seqlens=cu_seqlens,
-                          tile_base=tile_base, device=_META)
+    return CompileProblem(rows=(1 if varlen else num_seqs, 2 * CHUNK), heads=heads, dim=dim, num_seqs=num_seqs,
+                          ws=allocate_workspace(WorkspaceSpec(heads=heads, tiles=4, dim=dim), _META),
+                          cu_seqlens=cu_seqlens, tile_base=tile_base, device=_META)
 
 
 def tile_bases(cu_seqlens: torch.Tensor, *, stream=None) -> torch.Tensor:
@@ -166,11 +166,11 @@ def _compile_arguments(variant: PrepareVariant) -> tuple:
     """:func:`launch_arguments` of a K1 variant for the compile: ``meta`` tensors, a fake stream (two value
     heads to one q/k head when ``grouped``)."""
     heads = 2 if variant.grouped else 1
-    q = torch.empty((1, CHUNK, 1, HEAD_DIM), dtype=variant.dtype, device=_META)
-    per_channel = () if variant.per_head_gate else (HEAD_DIM,)
+    q = torch.empty((1, CHUNK, 1, variant.dim), dtype=variant.dtype, device=_META)
+    per_channel = () if variant.per_head_gate else (variant.dim,)
     g = torch.empty((1, CHUNK, heads, *per_channel), dtype=variant.g_dtype, device=_META)
     beta = torch.empty((1, CHUNK, heads), dtype=torch.bfloat16, device=_META)
-    ws = allocate_workspace(WorkspaceSpec(heads=heads, tiles=2), _META)
+    ws = allocate_workspace(WorkspaceSpec(heads=heads, tiles=2, dim=variant.dim), _META)
     cu_seqlens = torch.empty(2, dtype=torch.int64, device=_META) if variant.varlen else None
     tile_base = torch.empty(2, dtype=torch.int32, device=_META) if variant.varlen else None
     constants = variant.gate != "none"
@@ -188,7 +188,7 @@ def compiled_variant(variant: PrepareVariant, index: int):
 
         kernel = prepare_kernel(varlen=variant.varlen, qk_l2norm=variant.qk_l2norm, beta_logits=variant.beta_logits,
                                 gate=variant.gate, dtype=dsl_type(variant.dtype), gate_dtype=dsl_type(variant.g_dtype),
-                                per_head_gate=variant.per_head_gate, grouped=variant.grouped)
+                                per_head_gate=variant.per_head_gate, grouped=variant.grouped, dim=variant.dim)
         return compile_for_launch(kernel, *_compile_arguments(variant))
 
     return _PREPARE.get((variant, index), build)
@@ -202,10 +202,11 @@ def prepare(
 ) -> None:
     """Run K1: fill ``ws`` (``tiles_per_head(B·T, N, varlen)`` slots per head) from the raw inputs.
 
-    q, k: bf16 or fp16 ``[B, T, H, 128]``; g ``[B, T, HV, 128]`` (or ``[B, T, HV]``, a per-head gate, with the
+    q, k: bf16 or fp16 ``[B, T, H, D]`` (D in :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`, the workspace's); g
+    ``[B, T, HV, D]`` (or ``[B, T, HV]``, a per-head gate, with the
     unbounded gates): the raw gate in q's dtype (``gate`` "safe" or "softplus"), or the log decay, q's dtype or fp32
     (``gate="none"``);
-    beta: bf16 ``[B, T, HV]`` (logits if ``beta_logits``); A_log fp32 ``[HV]``; dt_bias fp32 ``[HV, 128]``
+    beta: bf16 ``[B, T, HV]`` (logits if ``beta_logits``); A_log fp32 ``[HV]``; dt_bias fp32 ``[HV, D]``
     (``[HV]`` per head; both None with gate "none"); HV a multiple of H (grouped value heads; the workspace
     has HV heads); ``cu_seqlens`` int64 ``[N+1]`` (then ``B == 1``) with
     ``tile_base = tile_bases(cu_seqlens)`` (computed here when omitted). Slots without a tile are
@@ -221,7 +222,7 @@ def prepare(
     if cu_seqlens is not None and tile_base is None:
         tile_base = tile_bases(cu_seqlens, stream=stream)
     variant = PrepareVariant(cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), gate, g.dtype, g.dim() == 3,
-                             beta.shape[2] != q.shape[2], q.dtype)
+                             beta.shape[2] != q.shape[2], q.dtype, q.shape[3])
     compiled = compiled_variant(variant, device_index(device))
     with on_device(device):
         compiled(*launch_arguments(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, steps, cu_seqlens, tile_base,

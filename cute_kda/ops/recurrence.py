@@ -75,7 +75,8 @@ def compiled_variant(variant: RecurrenceVariant, index: int, arguments: tuple):
         initial_state, final_state = dsl_type(variant.initial_state), dsl_type(variant.final_state)
         kernel = FwdRecurrence(vsplit=variant.vsplit, initial_state=initial_state, final_state=final_state,
                                varlen=variant.varlen, checkpoints=variant.checkpoints, state_pool=variant.state_pool,
-                               prefix_checkpoint_every=variant.prefix_checkpoint_every, dtype=dsl_type(variant.dtype))
+                               prefix_checkpoint_every=variant.prefix_checkpoint_every, dtype=dsl_type(variant.dtype),
+                               dim=variant.dim)
         converted = (to_cute_tensor(t, align) for t, align in zip(arguments, _ARGUMENT_ALIGNMENT))
         return compile_for_launch(kernel, *converted, fake_stream())
 
@@ -97,7 +98,8 @@ def recurrence(
 ) -> None:
     """Run K2: ``out`` (valid rows only) and, when given, ``final_state``, from v and the K1 workspace.
 
-    v, out: bf16 or fp16 (both the same) ``[B, T, H, 128]``; ws: the :class:`~cute_kda.workspace.Workspace` of
+    v, out: bf16 or fp16 (both the same) ``[B, T, H, D]`` (D in :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`, the
+    workspace's); ws: the :class:`~cute_kda.workspace.Workspace` of
     these sequences; initial_state / final_state: None or bf16 / fp32 / fp16 ``[N, H, V, K]`` (fp16 not beside
     fp32; the dtype of each selects the variant; the state is fp32 between tiles). ``cu_seqlens`` int64 ``[N+1]`` with B == 1
     packs N sequences; ``tile_base`` int32 ``[N+1]`` (prefix sums of ``ceil(len / 16)``) is derived
@@ -127,14 +129,14 @@ def recurrence(
         arguments = launch_arguments(v, ws, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
                                      initial_state=initial_state, final_state=final_state, checkpoints=checkpoints)
         variant = RecurrenceVariant(vsplit, dtype_or_none(initial_state), dtype_or_none(final_state), varlen,
-                                    checkpoints is not None, dtype=v.dtype)
+                                    checkpoints is not None, dtype=v.dtype, dim=v.shape[-1])
         compiled_variant(variant, device_index(v.device), arguments)(*arguments, stream)
 
 
 def compile_variant(variant: RecurrenceVariant, device: torch.device | str) -> None:
     """Compile (or load from the disk cache) the K2 ``variant`` for ``device`` from ``meta`` tensors: nothing is
     allocated or launched."""
-    problem = compile_problem(variant.varlen)
+    problem = compile_problem(variant.varlen, variant.dim)
     v = problem.tokens(dtype=variant.dtype)
     num_seqs = problem.state(torch.float32).shape[0]
     state_indices = torch.empty(num_seqs, dtype=torch.int32, device="meta") if variant.state_pool else None

@@ -118,7 +118,7 @@ def mirror_prepare(
     beta ``[B, T, HV]`` in q's dtype or bf16 (fp32 is taken as is); A_log fp32 ``[HV]``; dt_bias fp32 ``[HV, D]``
     or ``[HV*D]``; safe gate ``lower_bound · sigmoid(exp(A_log) · (g + dt_bias))``. HV (value heads) a multiple
     of H: value head ``j`` reads q/k head ``j // (HV / H)``. ``cu_seqlens`` int ``[N+1]`` (B == 1) packs N sequences. D must be
-    8·2^m (128 for the kernels).
+    8·2^m (128 or 64 for the kernels: their l2norm sums D / 8 lane partials by the same butterfly).
 
     Returns a :class:`~cute_kda.workspace.Workspace` with ``tiles = tiles_per_head(B·T, N, varlen)``
     slots per value head, on q's device; slots past the last real tile are NaN in every field.

@@ -4,7 +4,7 @@ K1 (:mod:`cute_kda.kernels.fwd_prepare`) computes it to fill the workspace; Kern
 (:mod:`cute_kda.kernels.bwd_grads`) recomputes it from the raw inputs (bit for bit, the same
 instructions) because it needs what K1 never stores: ``kinv``, the cumsum ``G`` and the l2norm
 scales. :class:`TokenPrep` is a mixin: the kernel class sets ``dim``, ``num_threads``,
-``qk_l2norm`` and ``decay_items`` (rows × lanes-per-row items per thread); the unbounded gates' methods
+``qk_l2norm`` and ``decay_items`` (rows × :attr:`~TokenPrep.row_lanes` items per thread); the unbounded gates' methods
 (:meth:`~TokenPrep.base2_log_decay`, the per-head ones) read ``gate`` too.
 """
 
@@ -15,16 +15,30 @@ from typing import Optional
 from cutlass import BFloat16, Float32, Int32
 
 from ...dsl import cute, cutlass
-from ...numerics import CHUNK, DYADIC_BLOCKS, EPS, LOG2E
+from ...numerics import CHUNK, DYADIC_BLOCKS, EPS, HEAD_DIM, LOG2E
 from .fastmath import ex2_approx, lg2_approx, mul_rn, sigmoid_approx
 
-CHANNELS_PER_LANE = 8  # l2norm partial: 8 consecutive channels per lane, 16 lanes per row
-ROW_LANES = 128 // CHANNELS_PER_LANE
+CHANNELS_PER_LANE = 8  # l2norm partial: 8 consecutive channels per lane, D / 8 lanes per row
+ROW_LANES = HEAD_DIM // CHANNELS_PER_LANE  # lanes per row at D = 128 (Kernel B, written for D = 128 only)
 ROW_SUMS_THREAD = 32  # a per-head gate's prefix and suffix sums: warp 1, beside warp 0's span columns
 
 
 class TokenPrep:
     """Tile lookup, gate scan, l2norm and decayed operands of one 16-token tile (device methods)."""
+
+    @property
+    def row_lanes(self) -> int:
+        """Lanes that share a row of the tile, :data:`CHANNELS_PER_LANE` channels each (16 at D = 128, 8 at 64)."""
+        return self.dim // CHANNELS_PER_LANE
+
+    def row_butterfly(self, partial: Float32) -> Float32:
+        """The sum of a row's :attr:`row_lanes` lane partials, in every lane of the row: ``shfl.xor`` with offsets
+        ``row_lanes / 2, …, 1`` (docs/numerics.md, l2norm: 8, 4, 2, 1 at D = 128)."""
+        offset = self.row_lanes // 2
+        while offset:
+            partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=offset)
+            offset //= 2
+        return partial
 
     @cute.jit
     def locate_tile(self, tile_slot: Int32, seq_len: Int32, cu_seqlens: Optional[cute.Tensor],
@@ -126,9 +140,10 @@ class TokenPrep:
             cute.autovec_copy(kinv, cute.local_tile(s_kinv, run, at))
 
     def row_chunk(self, tidx: Int32, item: int) -> tuple:
-        """(row, 8-channel chunk) of this thread's ``item``-th of its ``decay_items`` row chunks (16 lanes a row)."""
+        """(row, 8-channel chunk) of this thread's ``item``-th of its ``decay_items`` row chunks (:attr:`row_lanes`
+        lanes a row)."""
         flat = tidx + item * self.num_threads
-        return flat // ROW_LANES, flat % ROW_LANES
+        return flat // self.row_lanes, flat % self.row_lanes
 
     @cute.jit
     def load_row_chunk(self, s_q, s_k, row: Int32, chunk: Int32) -> tuple:
@@ -313,10 +328,9 @@ class TokenPrep:
 
     @cute.jit
     def row_rsqrt(self, x: cute.Tensor) -> Float32:
-        """``1 / sqrt(Σ x² + EPS)`` of one row, 16 lanes × 8 channels, in the order of numerics.md."""
+        """``1 / sqrt(Σ x² + EPS)`` of one row, :attr:`row_lanes` lanes × 8 channels, in the order of numerics.md."""
         partial = Float32(0.0)
         for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
             partial = partial + x[i] * x[i]  # x² is exact: fma or not, one rounding
-        for offset in (8, 4, 2, 1):
-            partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=offset)
+        partial = self.row_butterfly(partial)
         return Float32(1.0) / cute.math.sqrt(partial + Float32(EPS))

@@ -37,6 +37,7 @@ from ...dsl import cute, cutlass
 from ...layouts import fwd_prepare as plan
 from ...layouts.budget import SMEM_CARVEOUT_PERCENT, SmemBudget  # K1 wants CTAs, not L1
 from ...layouts.smem import CHUNK, HEAD_DIM
+from ...numerics import NATIVE_HEAD_DIMS
 from ..common.copy import (
     WARP_TILE,
     Operand,
@@ -49,7 +50,7 @@ from ..common.copy import (
     warp_tiled_mma,
 )
 from ..common.fastmath import sigmoid_approx
-from ..common.token_prep import ROW_LANES, TokenPrep
+from ..common.token_prep import TokenPrep
 
 INPUT_DTYPES = (BFloat16, Float16)  # q, k (and a raw gate): widened to fp32 on load, the same instructions after
 
@@ -103,8 +104,10 @@ class PrepareKernel(TokenPrep):
     is, docs/numerics.md "fp16 inputs"; the workspace stays bf16), ``gate_dtype`` (``dtype``, or fp32 with gate
     "none"), ``num_threads`` and
     ``ctas_per_sm`` (the launch's minimum, i.e. the register budget ``65536 / (num_threads · ctas_per_sm)``;
-    default the scheme's). ``grouped``: q and k have H heads, everything else HV = group · H (value heads); the
-    grid and the workspace run over value heads, and value head ``h`` reads q/k head ``h // group``.
+    default the scheme's). ``dim``: the head dim K (:data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`); below
+    ``num_threads`` the threads past ``dim`` own no channel (the finish still needs warps 0-2). ``grouped``: q and k
+    have H heads, everything else HV = group · H (value heads); the grid and the workspace run over value heads, and
+    value head ``h`` reads q/k head ``h // group``.
 
     A scheme's subclass sets :attr:`gates`, :attr:`per_head_gate` (g ``[.., HV]`` and dt_bias ``[HV]``),
     :attr:`gate_tile` (g comes by TMA), :attr:`thread_counts`, :attr:`default_ctas_per_sm` and :attr:`smem_plan`,
@@ -113,13 +116,15 @@ class PrepareKernel(TokenPrep):
     gates = ("softplus", "none")  # the gate forms the scheme takes
     per_head_gate = False
     gate_tile = False
-    thread_counts = (HEAD_DIM,)  # one thread per channel
+    thread_counts = (HEAD_DIM,)  # one thread per channel (of up to 128)
     default_ctas_per_sm: int
     smem_plan: Callable[..., SmemBudget]  # of D
 
     def __init__(self, *, varlen: bool, gate: str = "safe", qk_l2norm: bool = True, beta_logits: bool = True,
                  dtype: type = BFloat16, gate_dtype: Optional[type] = None, grouped: bool = False,
-                 num_threads: int = 128, ctas_per_sm: Optional[int] = None) -> None:
+                 num_threads: int = 128, ctas_per_sm: Optional[int] = None, dim: int = HEAD_DIM) -> None:
+        if dim not in NATIVE_HEAD_DIMS:
+            raise ValueError(f"K1 is compiled for head dims {NATIVE_HEAD_DIMS}, got {dim}")
         if num_threads not in self.thread_counts:
             raise ValueError(f"{type(self).__name__} runs {' or '.join(map(str, self.thread_counts))} threads, "
                              f"got {num_threads}")
@@ -138,11 +143,24 @@ class PrepareKernel(TokenPrep):
         self.gate, self.gate_dtype, self.grouped = gate, gate_dtype, grouped
         self.num_threads = num_threads
         self.ctas_per_sm = self.default_ctas_per_sm if ctas_per_sm is None else ctas_per_sm
-        self.dim = HEAD_DIM
-        self.tile = (CHUNK, HEAD_DIM)
-        # decay phase: 16 rows × 16 lanes per row, spread over the threads
-        self.decay_items = CHUNK * ROW_LANES // num_threads
+        self.dim = dim
+        self.tile = (CHUNK, dim)
+        # decay phase: 16 rows × row_lanes lanes per row, spread over the threads
+        if CHUNK * self.row_lanes % num_threads:
+            raise ValueError(f"{num_threads} threads do not share the {CHUNK * self.row_lanes} row chunks of D = {dim}")
+        self.decay_items = CHUNK * self.row_lanes // num_threads
         self.kkt_warp, self.qk_warp, self.store_warp = 0, 1, 2
+
+    @property
+    def idle_threads(self) -> bool:
+        """Whether some threads own no channel (``dim < num_threads``): the per-channel phases then run under
+        ``tidx < dim`` (a D = 128 kernel compiles without that test)."""
+        return self.dim < self.num_threads
+
+    def channel_of(self, tidx: Int32) -> Int32:
+        """The channel whose inputs thread ``tidx`` reads in a per-channel phase (its own; a thread past ``dim``
+        reads ``tidx % dim``'s, so that every load stays inside the tensors, and writes nothing)."""
+        return tidx % self.dim if self.idle_threads else tidx
 
     def smem_budget(self) -> SmemBudget:
         """The shared-memory plan the launch asks for: the scheme's :attr:`smem_plan` (of ``layouts.fwd_prepare``)."""

@@ -1,7 +1,7 @@
 """K1 for the per-channel unbounded gates (``gate`` "softplus" or "none", the latter a precomputed log decay;
 g in q's dtype, or fp32 with "none"): the overflow-free form of docs/numerics.md ("Unbounded gates", scheme
-``dyadic``), one thread per channel (128); no ``2^−G`` is ever formed. Five CTAs per SM
-(``cute_kda.layouts.fwd_prepare.dyadic_smem_budget``).
+``dyadic``), one thread per channel (128 threads; at D = 64 threads 64-127 own none); no ``2^−G`` is ever formed.
+Five CTAs per SM (``cute_kda.layouts.fwd_prepare.dyadic_smem_budget``).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class DyadicPrepare(PrepareKernel):
 
         if warp_idx == 0:
             self.load_inputs(((tma.q, q_in, qk_head), (tma.k, k_in, qk_head)), tma_barrier, row0)
-        col = tidx
+        col = self.channel_of(tidx)
         gate_in = self.load_gate_column(inputs.g, head, row0, valid_rows, col)  # in flight with the TMA
         dt, e_a = Float32(0.0), Float32(1.0)
         if cutlass.const_expr(self.gate != "none"):
@@ -129,19 +129,12 @@ class DyadicPrepare(PrepareKernel):
 
         self.row_scales(q_in, k_in, s_q_scale, s_k_scale, s_diagonal, scalars.scale, valid_rows, tidx)
         cute.arch.sync_threads()
-        offsets = sw128_column_offsets(col)
-        flat = cute.make_layout(CHUNK * self.dim)
-
-        def column(buffer, dtype=None) -> SwizzledColumn:
-            return SwizzledColumn(buffer.get_tensor(flat, dtype=dtype), offsets)
-
-        sink = PackedLevels(
-            column(storage.q, self.dtype), column(storage.k, self.dtype), column(storage.q), column(storage.k),
-            column(storage.kr),
-            tuple(column(getattr(storage, f"level_rows{level}")) for level in range(len(DYADIC_BLOCKS))),
-            tuple(column(getattr(storage, f"lower_rows{pair}")) for pair in range(len(DYADIC_BLOCKS) // 2)),
-            s_q_scale, s_k_scale)
-        ws.gt[slot, col] = ex2_approx(self.dyadic_channel_scan(sink, gate_in, dt, e_a, valid_rows))
+        column = (storage, col, gate_in, dt, e_a, valid_rows, s_q_scale, s_k_scale, ws.gt, slot)
+        if cutlass.const_expr(self.idle_threads):
+            if tidx < self.dim:
+                self.channel_column(*column)
+        else:
+            self.channel_column(*column)
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes → TMA store reads
         cute.arch.sync_threads()
         for level in cutlass.range_constexpr(len(DYADIC_BLOCKS)):
@@ -157,6 +150,25 @@ class DyadicPrepare(PrepareKernel):
             self.store_tiles(tma, s_q, s_k, s_kr, slot)
 
     @cute.jit
+    def channel_column(self, storage, col: Int32, gate_in: cute.Tensor, dt: Float32, e_a: Float32, valid_rows: Int32,
+                       s_q_scale: cute.Tensor, s_k_scale: cute.Tensor, ws_gt: cute.Tensor, slot: Int32):
+        """Phase 3 for channel ``col``: the scan into :class:`PackedLevels` over the tiles in ``storage``, and
+        ``gT`` of the channel to the workspace."""
+        offsets = sw128_column_offsets(col)
+        flat = cute.make_layout(CHUNK * self.dim)
+
+        def column(buffer, dtype=None) -> SwizzledColumn:
+            return SwizzledColumn(buffer.get_tensor(flat, dtype=dtype), offsets)
+
+        sink = PackedLevels(
+            column(storage.q, self.dtype), column(storage.k, self.dtype), column(storage.q), column(storage.k),
+            column(storage.kr),
+            tuple(column(getattr(storage, f"level_rows{level}")) for level in range(len(DYADIC_BLOCKS))),
+            tuple(column(getattr(storage, f"lower_rows{pair}")) for pair in range(len(DYADIC_BLOCKS) // 2)),
+            s_q_scale, s_k_scale)
+        ws_gt[slot, col] = ex2_approx(self.dyadic_channel_scan(sink, gate_in, dt, e_a, valid_rows))
+
+    @cute.jit
     def row_scales(self, s_q, s_k, s_q_scale, s_k_scale, s_diagonal, scale: Float32, valid_rows: Int32, tidx: Int32):
         """Per row: ``rq = rinv_q · scale``, ``rk = rinv_k`` (scale and 1 without l2norm) and Mqk's diagonal
         ``Σ_c f32(qh·kh)`` (qh = q·rq, kh = k·rk; sequential over the lane's 8 channels, then the butterfly)."""
@@ -169,8 +181,7 @@ class DyadicPrepare(PrepareKernel):
             for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
                 k_hat = k32[i] * k_rscale if cutlass.const_expr(self.qk_l2norm) else k32[i]
                 dot = dot + mul_rn(q32[i] * q_rscale, k_hat)
-            for offset in (8, 4, 2, 1):
-                dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=offset)
+            dot = self.row_butterfly(dot)
             if chunk == 0:
                 s_q_scale[row] = q_rscale
                 s_k_scale[row] = k_rscale

@@ -1,6 +1,7 @@
 """K1 for a per-head gate (GatedDeltaNet: g ``[.., HV]``, dt_bias ``[HV]``, ``gate`` "softplus" or "none"): one
 decay per head broadcast over the channels, computed by the scheme ``per_head`` of docs/numerics.md ("Unbounded
-gates"), one thread per channel (128), eight CTAs per SM (``cute_kda.layouts.fwd_prepare.per_head_smem_budget``).
+gates"), one thread per channel (128 threads; at D = 64 threads 64-127 own none), eight CTAs per SM
+(``cute_kda.layouts.fwd_prepare.per_head_smem_budget``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class PerHeadPrepare(PrepareKernel):
         elif tidx == ROW_SUMS_THREAD:
             self.row_sums(s_gate, s_prefix, s_suffix)
         cute.arch.sync_threads()
-        ws.gt[slot, tidx] = s_prefix[CHUNK - 1]
+        ws.gt[slot, self.channel_of(tidx)] = s_prefix[CHUNK - 1]  # past D: the same value again, no branch
         cute.arch.mbarrier_wait(tma_barrier, 0)
         self.decay_per_row(q_in, k_in, s_q, s_k, s_kr, s_q_hat, s_k_hat, s_prefix, s_suffix, scalars.scale, valid_rows,
                            tidx)
