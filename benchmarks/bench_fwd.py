@@ -15,7 +15,7 @@ installed are skipped with a message.
     python benchmarks/bench_fwd.py --shapes B1_T8192_H96,B1_T32768_H16 --head-dim 64   # K = V = 64 beside FLA
 
 ``--head-dim`` below 128: cute_kda runs K = V = 64 on the kernels compiled for 64 (an inference call), other head dims
-zero-padded to 128 (``cute_kda.head_dims``: the D = 128 call plus the padding copies); the table's header says which.
+zero-padded to 128 (``cute_kda.call``: the D = 128 call plus the padding copies); the table's header says which.
 FLA runs at that head dim; FlashKDA (D = 128 only) is skipped and design.md §6's FlashKDA column left empty.
 """
 
@@ -131,7 +131,7 @@ def markdown(rows: list[dict], peers_seen: list[str]) -> str:
 
 
 def header(dtype: str = "bf16", dim: int = D) -> str:
-    from cute_kda.head_dims import HeadDims, runs_native
+    from cute_kda.call import HeadDims, runs_native
 
     padded = "" if dim == D else f" (cute_kda: native D = {dim} kernels)" if runs_native(HeadDims(dim, dim, 1), False) \
         else f" (cute_kda: zero-padded to {D})"

@@ -46,7 +46,7 @@ what it measured.
     python benchmarks/bench_train.py --shapes B1_T8192_H96 --head-dim 64          # K = V = 64 beside FLA
     python benchmarks/bench_train.py --shapes B1_T8192_H96 --dtype fp16          # fp16 inputs and dO, both peers
 
-``--head-dim`` below 128: cute_kda runs zero-padded to 128 (``cute_kda.head_dims``: the D = 128 step plus the
+``--head-dim`` below 128: cute_kda runs zero-padded to 128 (``cute_kda.call``: the D = 128 step plus the
 padding copies and the gradients' slices), FLA at that head dim.
 
 ``--segments N`` runs cute_kda's canonical call (``chunk_kda``'s translation, then ``kda_forward(..., segments=N)``)

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import head_dims, interop, validation
+from . import interop, validation
 from .interop import DLPackTensor
-from .call import Call, final_state_dtype_of, finish, resolve
+from .call import Call, final_state_dtype_of, finish, kernel_call, resolve
 from .context_parallel import check_segments
 from .executors import inference, training
 from .executors.stages import KERNELS
@@ -104,7 +104,7 @@ def kda_forward(
     segments and are not traced by ``torch.compile`` (``NotImplementedError``).
     Head dims: the kernels' K = V = 128, and K = V = 64 without autograd (the forward kernels compiled for 64);
     other K ≤ 128 and V ≤ 128 (and 64 under autograd) run zero-padded to 128, V a multiple of 128 as V / 128
-    value heads of 128 (:mod:`cute_kda.head_dims`: exact, forward and backward; the default scale is the caller's
+    value heads of 128 (:mod:`cute_kda.call`: exact, forward and backward; the default scale is the caller's
     ``K ** -0.5``; not for a pool call). K > 128, V > 128 not a multiple of 128, and q, k, v or a raw gate in fp32,
     bf16 and fp16 mixed, or an fp16 state with bf16 inputs, raise ``NotImplementedError``
     naming the argument and size
@@ -166,7 +166,7 @@ def kda_forward(
 def run(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A resolved call on its executor: training (autograd records it) or inference; at the caller's head dims."""
     result = training.train(KERNELS, call) if call.training else inference.run(call)
-    return result if call.caller_dims is None else call.caller_dims.restore(*result)
+    return finish(call, result)
 
 
 def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
@@ -178,8 +178,8 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     """:func:`kda_forward` as Dynamo traces it: the checks that need no memory, then one op (the training op when
     autograd records the call; it resolves the call itself when the graph runs). Caller buffers are filled by a copy
     of the op's result (inference only: a recorded call refuses them here, as eager does). Head dims other than the
-    kernels' run as the padded / split 128 call's op (:mod:`cute_kda.head_dims`; the padding and the restore are
-    traced torch ops), but for an inference call at K = V = 64 (:func:`cute_kda.head_dims.runs_native`). ``pool``: a
+    kernels' run as the padded / split 128 call's op (:mod:`cute_kda.call`; the padding and the restore are
+    traced torch ops), but for an inference call at K = V = 64 (:func:`cute_kda.call.runs_native`). ``pool``: a
     prefill on a state pool, which no op covers yet (refused)."""
     if pool:
         raise NotImplementedError(f"{', '.join(sorted(pool))} (a prefill on a state pool) is not supported under "
@@ -200,18 +200,18 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     check_segments(segments)
     state_dtype = final_state_dtype_of(initial_state, final_state, output_final_state)
     options = (float(lower_bound), vsplit, bool(qk_l2norm), bool(beta_logits), bool(recompute), gate, segments)
-    dims = head_dims.head_dims_of(q, v)
-    if dims is None or head_dims.runs_native(dims, training_call):
+    validation.check_padded_head_dim("K (q.shape[-1])", q.shape[-1], split=False)
+    validation.check_padded_head_dim("V (v.shape[-1])", v.shape[-1], split=True)
+    padded = kernel_call(q, k, v, g, beta, A_log, dt_bias, initial_state, training=training_call,
+                                   gate=gate, out=out, final_state=final_state)
+    if padded is None:
         return _traced_op(training_call, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
                           state_dtype, out, final_state, *options)
-    # the padded / split 128 call (cute_kda.head_dims): its op on new tensors, the results back at the caller's dims
-    validation.check_padded_head_dim("K (q.shape[-1])", dims.key_dim, split=False)
-    validation.check_padded_head_dim("V (v.shape[-1])", dims.value_dim, split=True)
-    tensors = head_dims.to_kernel_dims(dims, q, k, v, g, beta, A_log, dt_bias, initial_state,
-                                       repeat_qk=training_call and gate == "safe")
-    o, state = _traced_op(training_call, *tensors, cu_seqlens, dims.key_dim ** -0.5 if scale is None else scale,
+    # the padded / split 128 call (cute_kda.call): its op on new tensors, the results back at the caller's dims
+    tensors, caller_dims = padded
+    o, state = _traced_op(training_call, *tensors, cu_seqlens, q.shape[-1] ** -0.5 if scale is None else scale,
                           state_dtype, None, None, *options)
-    return head_dims.CallerDims(dims, out, final_state).restore(o, state)
+    return caller_dims.restore(o, state)
 
 
 def _traced_op(training_call: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -410,7 +410,7 @@ def warmup_variants(
     may hold fp16; with ``training`` K2's checkpoint variants too); the backward's are bf16 ones either way (fp16
     trains on bf16 copies, :func:`cute_kda.executors.training.backward`; an fp16 state's dht / dh0 in fp32).
     ``head_dims``: K = V of the forward variants (:data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`; one other than 128
-    lists the inference forward only, unsegmented: what runs natively at it, :func:`cute_kda.head_dims.runs_native`).
+    lists the inference forward only, unsegmented: what runs natively at it, :func:`cute_kda.call.runs_native`).
     """
     from .layouts.bwd_grads import DEFAULT_WARPS
     from .numerics import HEAD_DIM, NATIVE_HEAD_DIMS, SCAN_VSPLITS, SUPPORTED_VSPLITS

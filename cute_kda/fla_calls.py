@@ -115,7 +115,7 @@ def translate_fla_call(
         q's and k's H (value head ``j`` reads q/k head ``j // (HV / H)``); they train with the unbounded gates.
       - inputs that are not contiguous are made contiguous (FLA does the same).
     What raises ``NotImplementedError`` (the argument is named): K > 128 or V > 128 not a multiple of 128 (smaller ones
-    are padded where the canonical call is resolved, :mod:`cute_kda.head_dims`), fp32 q, k, v or raw g, bf16 and fp16
+    are padded where the canonical call is resolved, :mod:`cute_kda.call`), fp32 q, k, v or raw g, bf16 and fp16
     mixed (:class:`cute_kda.validation.UnsupportedDtypeError`, raised by the checks of the canonical call), a
     bounded gate with ``lower_bound``
     outside [-5, 0) when ``safe_gate=False``, ``allow_neg_eigval``, training grouped value heads (HV != H) with
@@ -452,7 +452,7 @@ def translate_fla_gdn_call(
     ``cp_context`` as in :func:`translate_fla_call`.
     What raises ``NotImplementedError`` (the argument is named): ``allow_neg_eigval=True`` (β = 2·sigmoid),
     K > 128 or V > 128 not a multiple of 128 (smaller ones and GatedDeltaNet's ``expand_v = 2`` are padded or split
-    where the canonical call is resolved, :mod:`cute_kda.head_dims`), fp32 q, k, v or raw g, bf16 and fp16 mixed
+    where the canonical call is resolved, :mod:`cute_kda.call`), fp32 q, k, v or raw g, bf16 and fp16 mixed
     (:class:`cute_kda.validation.UnsupportedDtypeError`, from the checks of the canonical call; fp16 is taken, o and
     the gradients in fp16). Errors
     FLA raises itself are raised the same way (``ValueError``; its ``DeprecationWarning`` for ``head_first``); a

@@ -20,7 +20,7 @@ CHUNK = 16  # tokens per tile: the chunk length the contract, the workspace and 
 HEAD_DIM = 128  # K = V: the head dim the kernels and layouts are written for
 SUPPORTED_HEAD_DIMS = (HEAD_DIM,)
 # K = V that the forward kernels (K1, K2) are compiled for; an inference call at 64 runs them natively, other sizes
-# (and training at 64, until the backward kernels take it) run zero-padded to 128 (cute_kda.head_dims)
+# (and training at 64, until the backward kernels take it) run zero-padded to 128 (cute_kda.call, "Head dims")
 NATIVE_HEAD_DIMS = (64, HEAD_DIM)
 SUPPORTED_VSPLITS = (1, 2, 4)  # K2: CTAs per (sequence, head), each owning D / vsplit value columns
 SCAN_VSPLITS = (1, 2, 4, 8)  # Kernel A: K2's skeleton, one split more

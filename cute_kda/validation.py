@@ -3,7 +3,7 @@
 Error types: ``TypeError`` for a wrong dtype or a non-tensor, ``ValueError`` for a wrong shape,
 device, layout or value, ``NotImplementedError`` for a size or feature the kernels do not cover
 (K above 128, V above 128 and not a multiple of 128 — smaller ones are checked here at the caller's size and run
-padded, :mod:`cute_kda.head_dims`; on the training path, caller buffers). A float dtype FLA computes and the kernels
+padded, :mod:`cute_kda.call`; on the training path, caller buffers). A float dtype FLA computes and the kernels
 do not (fp32 q, k, v or raw gate; bf16 and fp16 mixed in a call; an fp16 state with bf16 inputs) raises
 :class:`UnsupportedDtypeError`, both a ``NotImplementedError`` and a ``TypeError``. q, k, v, a raw gate and ``out``
 are bf16, or all fp16 (the forward kernels widen fp16 where they widen bf16, o is fp16; training runs the backward
@@ -188,7 +188,7 @@ def check_head_dim(name: str, dim: int) -> None:
 
 
 def check_padded_head_dim(name: str, dim: int, *, split: bool) -> None:
-    """A head dim of the chunked forward: the kernels' own, or one :mod:`cute_kda.head_dims` maps exactly onto it,
+    """A head dim of the chunked forward: the kernels' own, or one :mod:`cute_kda.call` maps exactly onto it,
     1 to 128 (zero-padded to 128) and, with ``split`` (V), a multiple of 128 (value heads of 128 each)."""
     if 1 <= dim <= HEAD_DIM or (split and dim % HEAD_DIM == 0):
         return

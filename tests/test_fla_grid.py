@@ -8,7 +8,7 @@ kernels take (bf16, K = V = 128, everything else as FLA draws it):
 
 - the call through ``cute_kda.chunk_kda`` / ``cute_kda.chunk_gated_delta_rule``'s translation and
   :func:`cute_kda.call.resolve` (every check before a launch, on CPU tensors; head dims below 128 padded to 128 there,
-  :mod:`cute_kda.head_dims`) is accepted exactly when
+  :mod:`cute_kda.call`) is accepted exactly when
   :func:`expected_refusal` finds nothing, else refused with that error naming that argument;
 - the FLA backend's verifier (device rule lifted) takes exactly the accepted calls, so FLA computes the others.
 
@@ -156,7 +156,7 @@ def expected_refusal(case: Case) -> tuple[type[Exception], tuple[str, ...]] | No
     """What the support contract refuses in ``case`` (the error and words naming the argument), or None."""
     if case.neg_eigval:
         return NotImplementedError, ("allow_neg_eigval",)
-    if case.dim > 128:  # smaller head dims run zero-padded to 128 (cute_kda.head_dims)
+    if case.dim > 128:  # smaller head dims run zero-padded to 128 (cute_kda.call, "Head dims")
         return NotImplementedError, (f"K (q.shape[-1]) = {case.dim}",)
     if case.dtype == FP32:
         return validation.UnsupportedDtypeError, ("q must be bfloat16 or float16", "float32")

@@ -1,4 +1,4 @@
-"""Head dims other than K = V = 128 (:mod:`cute_kda.head_dims`): zero-padded to 128, or V split into value heads of
+"""Head dims other than K = V = 128 (:mod:`cute_kda.call`): zero-padded to 128, or V split into value heads of
 128, on the 128 kernels — exactly, never a wrong answer.
 
 CPU tier: calls at FLA's head dims (K = V = 32, 60, 64, 100; K = 128, V = 256 with and without grouped value heads;
@@ -24,8 +24,9 @@ import pytest
 import torch
 
 import cute_kda
-from cute_kda import api, fla_backend, head_dims
-from cute_kda.call import resolve
+from cute_kda import api, fla_backend
+from cute_kda.call import (CallerDims, HeadDims, chunk_states_to_caller_dims, head_dims_of, resolve,
+                           state_to_caller_dims, to_kernel_dims)
 from cute_kda.executors import training
 from cute_kda.fla_calls import translate_fla_call, translate_fla_gdn_call
 from cute_kda.reference import gold_backward, gold_forward, rel_rms
@@ -177,8 +178,8 @@ def test_padded_rows_and_columns_stay_exactly_zero(gate, per_head):
     channels exactly zero, and the padded state entries of dh0 exactly zero."""
     case = Case(60, 60, gate, per_head=per_head)
     problem, do, dht = make_problem(case, seed=5)
-    dims = head_dims.head_dims_of(problem["q"], problem["v"])
-    padded = head_dims.to_kernel_dims(dims, *(problem.get(n) for n in NAMES), repeat_qk=False)
+    dims = head_dims_of(problem["q"], problem["v"])
+    padded = to_kernel_dims(dims, *(problem.get(n) for n in NAMES), repeat_qk=False)
     padded = dict(zip(NAMES, padded))
     padded = {n: x for n, x in padded.items() if x is not None}
     pad = torch.nn.functional.pad
@@ -212,9 +213,9 @@ def test_split_value_heads_keep_the_grouped_value_head_mapping():
     q/k head ``j // 2``; ``A_log``, ``dt_bias``, g and β repeat per split head."""
     case = Case(128, 256, "softplus", heads=2, value_heads=4, lengths=(5,))
     problem, _, _ = make_problem(case)
-    dims = head_dims.head_dims_of(problem["q"], problem["v"])
-    assert dims == head_dims.HeadDims(128, 256, 2) and dims.padded_value_dim == 256
-    q, k, v, g, beta, A_log, dt_bias, h0 = head_dims.to_kernel_dims(dims, *(problem[n] for n in NAMES),
+    dims = head_dims_of(problem["q"], problem["v"])
+    assert dims == HeadDims(128, 256, 2) and dims.padded_value_dim == 256
+    q, k, v, g, beta, A_log, dt_bias, h0 = to_kernel_dims(dims, *(problem[n] for n in NAMES),
                                                                    repeat_qk=False)
     assert q is problem["q"] and v.shape == (1, 5, 8, 128) and h0.shape == (1, 8, 128, 128)
     # a split alone copies nothing of v and the state (views of the caller's tensors)
@@ -227,24 +228,24 @@ def test_split_value_heads_keep_the_grouped_value_head_mapping():
                                                                                    problem["beta"][..., head])
         assert A_log[split] == problem["A_log"][head] and torch.equal(dt_bias[split], problem["dt_bias"][head])
         assert split // (8 // 2) == head // (4 // 2)  # the kernels' q/k head of the split head is the caller's
-    assert torch.equal(head_dims.state_to_caller_dims(dims, h0), problem["initial_state"])
+    assert torch.equal(state_to_caller_dims(dims, h0), problem["initial_state"])
 
 
 def test_chunk_states_map_as_the_final_state_does():
     """FLA's chunk states (K-first) go back to the caller's dims as the v-first final state does."""
-    dims = head_dims.HeadDims(60, 200, 2)
+    dims = HeadDims(60, 200, 2)
     states = torch.randn(3, 6, 128, 128)  # v-first [N, HV·s, 128, 128]
-    expected = head_dims.state_to_caller_dims(dims, states).transpose(-1, -2)  # [N, HV, K, V]
-    h = head_dims.chunk_states_to_caller_dims(dims, states.transpose(-1, -2)[None])
+    expected = state_to_caller_dims(dims, states).transpose(-1, -2)  # [N, HV, K, V]
+    h = chunk_states_to_caller_dims(dims, states.transpose(-1, -2)[None])
     assert h.shape == (1, 3, 3, 60, 200) and torch.equal(h[0], expected)
 
 
 def test_caller_buffers_are_filled_and_returned():
     """out= and final_state= at the caller's dims get the restored results (the 128 call wrote its own)."""
-    dims = head_dims.HeadDims(64, 64, 1)
+    dims = HeadDims(64, 64, 1)
     o, state = torch.randn(1, 4, 2, 128), torch.randn(1, 2, 128, 128)
     out, final = torch.full((1, 4, 2, 64), float("nan")), torch.full((1, 2, 64, 64), float("nan"), dtype=torch.bfloat16)
-    restored_o, restored_state = head_dims.CallerDims(dims, out, final).restore(o, state)
+    restored_o, restored_state = CallerDims(dims, out, final).restore(o, state)
     assert restored_o is out and restored_state is final
     assert torch.equal(out, o[..., :64]) and torch.equal(final, state[..., :64, :64].bfloat16())
 

@@ -179,7 +179,7 @@ def test_empty_sequence():
                                                 (128, 256), (64, 256), (1, 1)])
 def test_head_dims_that_pad_or_split_are_taken(key_dim, value_dim):
     """K, V <= 128 (zero-padded to 128) and V a multiple of 128 (split into heads of 128): checked at the caller's
-    sizes, then the 128 call reaches the device check (cute_kda.head_dims; tests/test_head_dims.py computes them)."""
+    sizes, then the 128 call reaches the device check (cute_kda.call; tests/test_head_dims.py computes them)."""
     expect(ValueError, "q must be on a CUDA device", **make_inputs(dim=key_dim, value_dim=value_dim))
 
 

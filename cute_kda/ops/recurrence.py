@@ -72,12 +72,12 @@ def compiled_variant(variant: RecurrenceVariant, index: int, arguments: tuple):
     def build():
         from ..kernels.fwd_recurrence import FwdRecurrence
 
-        initial_state, final_state = dsl_type(variant.initial_state), dsl_type(variant.final_state)
+        initial_state, final_state, dtype = (dsl_type(t) for t in (variant.initial_state, variant.final_state,
+                                                                   variant.dtype))
+        converted = [to_cute_tensor(t, align) for t, align in zip(arguments, _ARGUMENT_ALIGNMENT)]
         kernel = FwdRecurrence(vsplit=variant.vsplit, initial_state=initial_state, final_state=final_state,
                                varlen=variant.varlen, checkpoints=variant.checkpoints, state_pool=variant.state_pool,
-                               prefix_checkpoint_every=variant.prefix_checkpoint_every, dtype=dsl_type(variant.dtype),
-                               dim=variant.dim)
-        converted = (to_cute_tensor(t, align) for t, align in zip(arguments, _ARGUMENT_ALIGNMENT))
+                               prefix_checkpoint_every=variant.prefix_checkpoint_every, dtype=dtype, dim=variant.dim)
         return compile_for_launch(kernel, *converted, fake_stream())
 
     return _CACHE.get((variant, index), build)
