@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from cute_kda._bench import event_median_ms  # noqa: E402
 from cute_kda.distributed import MULTICAST_OFF, build_cp_context, keep_multicast_off  # noqa: E402
 
 TOKENS = (131072, 262144, 524288, 1048576)
@@ -100,18 +100,7 @@ def timed(call, arguments: dict, backward: bool, reps: int) -> float:
             if backward:
                 torch.autograd.backward(o, do)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return event_median_ms(step, reps)
 
 
 def slowest(ms: float, device: torch.device) -> float:

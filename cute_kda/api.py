@@ -20,7 +20,7 @@ import torch
 
 from . import interop, validation
 from .interop import DLPackTensor
-from .call import Call, final_state_dtype_of, finish, kernel_call, resolve
+from .call import Call, final_state_dtype_of, finish, kernel_call, resolve, scale_of
 from .context_parallel import check_segments
 from .executors import inference, training
 from .executors.stages import KERNELS
@@ -202,15 +202,15 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     options = (float(lower_bound), vsplit, bool(qk_l2norm), bool(beta_logits), bool(recompute), gate, segments)
     validation.check_padded_head_dim("K (q.shape[-1])", q.shape[-1], split=False)
     validation.check_padded_head_dim("V (v.shape[-1])", v.shape[-1], split=True)
-    padded = kernel_call(q, k, v, g, beta, A_log, dt_bias, initial_state, training=training_call,
-                                   gate=gate, out=out, final_state=final_state)
+    padded = kernel_call(q, k, v, g, beta, A_log, dt_bias, initial_state, training=training_call, gate=gate,
+                         out=out, final_state=final_state)
     if padded is None:
         return _traced_op(training_call, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
                           state_dtype, out, final_state, *options)
     # the padded / split 128 call (cute_kda.call): its op on new tensors, the results back at the caller's dims
     tensors, caller_dims = padded
-    o, state = _traced_op(training_call, *tensors, cu_seqlens, q.shape[-1] ** -0.5 if scale is None else scale,
-                          state_dtype, None, None, *options)
+    o, state = _traced_op(training_call, *tensors, cu_seqlens, scale_of(q.shape[-1], scale), state_dtype, None, None,
+                          *options)
     return caller_dims.restore(o, state)
 
 
@@ -251,10 +251,8 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     a raw g in q's dtype, or ``use_gate_in_kernel=False`` (g the log decay, q's dtype or fp32);
     ``use_qk_l2norm_in_kernel`` and ``use_beta_sigmoid_in_kernel`` on or off. Every gate trains (grouped
     value heads with the bounded gate do not: ``NotImplementedError`` when inputs require grad).
-    Other sizes, fp32 q, k, v or raw g, and other combinations raise
-    ``NotImplementedError`` naming the
-    argument or flag (see
-    :func:`cute_kda.fla_calls.translate_fla_call`). FLA's default ``[N, H, K, V]`` state costs a transpose copy each way;
+    Other sizes, fp32 q, k, v or raw g, and other combinations raise ``NotImplementedError`` naming the argument or
+    flag (see :func:`cute_kda.fla_calls.translate_fla_call`). FLA's default ``[N, H, K, V]`` state costs a transpose copy each way;
     ``state_v_first=True`` avoids it. Takes DLPack tensors like :func:`kda_forward` and answers in
     ``q``'s framework; ``torch.compile`` traces it into the translation and one ``cute_kda::forward``
     op (``cute_kda::forward_train`` and its backward when autograd records the call).

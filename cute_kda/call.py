@@ -148,11 +148,16 @@ _OPTIONS: dict[tuple, Options] = {}
 _OPTIONS_LIMIT = 1024
 
 
+def scale_of(key_dim: int, scale: float | None) -> float:
+    """A call's scale: ``scale``, or by default ``K ** -0.5`` of the caller's K (``key_dim``; a padded call's too)."""
+    return float(key_dim ** -0.5 if scale is None else scale)
+
+
 def _build_options(problem: ProblemShape, device: torch.device, scale: float | None, lower_bound: float,
                    qk_l2norm: bool, beta_logits: bool, final_state_dtype: torch.dtype | None, vsplit: int | None,
                    recompute: bool, gate: str, segments: int | None) -> Options:
     return Options(  # positionally: a call's host path builds one (keywords cost a µs more)
-        problem, float(problem.head_dim ** -0.5 if scale is None else scale), float(lower_bound), bool(qk_l2norm),
+        problem, scale_of(problem.head_dim, scale), float(lower_bound), bool(qk_l2norm),
         bool(beta_logits), final_state_dtype, vsplit, bool(recompute), gate,
         segmentation_of(problem, device, segments, vsplit),
     )
@@ -213,7 +218,7 @@ def resolve(
                 validation.check_no_buffers_under_autograd(out=out, final_state=final_state)
             if final_state_dtype is None:
                 final_state_dtype = final_state_dtype_of(initial_state, final_state, output_final_state)
-            call = resolve(*tensors[:5], scale=key_dim ** -0.5 if scale is None else scale, A_log=tensors[5],
+            call = resolve(*tensors[:5], scale=scale_of(key_dim, scale), A_log=tensors[5],
                            dt_bias=tensors[6], lower_bound=lower_bound, initial_state=tensors[7],
                            cu_seqlens=cu_seqlens, vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
                            recompute=recompute, gate=gate, segments=segments, training=training,
