@@ -1,6 +1,9 @@
-"""PTX checks shared by the compile tests of the two band-scan kernels (K2 and Kernel A)."""
+"""PTX checks shared by the compile tests: the two band-scan kernels' (K2 and Kernel A) band copies, and the words a
+vector load brings that nothing reads."""
 
 from __future__ import annotations
+
+import re
 
 
 def assert_band_image_copies(report, warp_cols: int, dim: int) -> None:
@@ -19,3 +22,15 @@ def assert_band_image_copies(report, warp_cols: int, dim: int) -> None:
                                               for line in before), size
     assert "cp.async.bulk.commit_group" in lines[copies[-1] + 1]
     assert report.count("cp.async.bulk.wait_group.read") == report.count("cp.async.bulk.commit_group")
+
+
+def unread_vector_words(ptx: str) -> list[str]:
+    """The registers of global vector loads (``ld.global….v2 / .v4 {…}``) that no other instruction names: data a
+    kernel moves and then never uses (a row's operand read from the wrong register, say; LLVM drops a scalar load
+    whose value nothing reads, but keeps the vector it comes in)."""
+    unread = []
+    for load in re.finditer(r"^\s*(?:@!?%\w+\s+)?ld\.global[.\w]*\s+\{([^}]*)\}", ptx, re.M):
+        for register in (name.strip() for name in load.group(1).split(",")):
+            if len(re.findall(re.escape(register) + r"\b", ptx)) < 2:
+                unread.append(register)
+    return unread

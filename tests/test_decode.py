@@ -12,6 +12,7 @@ import torch
 
 from cute_kda.reference import rel_rms
 from cute_kda.reference.decode import channel_order, gold_decode, mirror_decode, read_slots
+from ptx_checks import unread_vector_words
 
 D = 128
 SCALE = D ** -0.5
@@ -290,7 +291,12 @@ def test_thread_map_matches_the_mirror_order():
             assert sorted(v.offset for block in blocks for v in block) == sorted(v.offset for v in tmap.state_vectors())
             for half, block in enumerate(blocks):
                 assert {row for v in block for row, _ in v.registers} == set(range(tmap.block_rows))
-                assert layout == "kv" or all(v.offset // D // tmap.block_rows == half for v in block)
+                # a V-first block's register row r is the group's value row block_first_row + r (its v, its output)
+                first = tmap.block_first_row(half)
+                assert first == half * tmap.block_rows
+                assert layout == "kv" or all(
+                    tmap.state_base(lane, 0) + v.offset + c == (first + row) * D + tmap.channel(lane, e)
+                    for lane in range(8) for v in block for c, (row, e) in enumerate(v.registers))
             runs = [(run.first + c, run.offset + c) for run in tmap.channel_runs() for c in range(run.length)]
             for lane in range(8):
                 assert [tmap.lane_channel_base(lane) + off for _, off in sorted(runs)] == order[lane]
@@ -508,7 +514,9 @@ def _variant_id(v) -> str:
 @pytest.mark.parametrize("variant", _compile_matrix() + _loop_matrix(), ids=_variant_id)
 def test_variant_compiles(variant):
     """The launcher's own compile arguments (meta tensors): the state moves in 16-byte vectors only, read once
-    and written once per kept state; the token operands in vectors; no local memory, no spills."""
+    and written once per kept state; the token operands in vectors, every word of them read (a paired group's
+    second block once took its v from the first block's rows, leaving half of the v vector unread); no local
+    memory, no spills."""
     import re
 
     from cute_kda.compile_report import compile_with_report
@@ -531,6 +539,7 @@ def test_variant_compiles(variant):
     assert not scalar_stores  # outputs too are one vector a row group
     scalar_loads = re.findall(r"^\s*(?:@%p\d+\s+)?ld\.global\.(?:nc\.)?[bfsu]\d+", report.ptx, re.M)
     assert len(scalar_loads) <= _scalar_loads(variant), scalar_loads
+    assert not unread_vector_words(report.ptx)
     # the dot products and the update: one fma per state element each; the decay one mul.rn
     elements = tmap.rows * 16 * tokens
     assert report.count("fma.rn.f32") >= 3 * elements - 2 * tmap.rows * tokens

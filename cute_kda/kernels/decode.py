@@ -365,10 +365,10 @@ class DecodeKernel(TokenPrep):
             if const_expr(half > 0):
                 cute.arch.sync_warp()
                 self.load_state(head, base, state, vectors)
-            outputs = self.advance(state, operands)
+            first_row = self.map.block_first_row(half)
+            outputs = self.advance(state, operands, first_row)
             if at.lane == 0:
-                self.store_run(out[at.seq, 0, at.value_head, None], at.first_value + half * self.map.block_rows,
-                               outputs)
+                self.store_run(out[at.seq, 0, at.value_head, None], at.first_value + first_row, outputs)
             self.store_state(head, base, state, vectors)
 
     @cute.jit
@@ -403,8 +403,10 @@ class DecodeKernel(TokenPrep):
             self.store_state(pool[slot, at.value_head, None, None], base, state)
 
     @cute.jit
-    def advance(self, state: cute.Tensor, operands: "TokenOperands") -> cute.Tensor:
-        """One token on the thread's state (decay, delta-rule write, read); its value rows' outputs, bf16."""
+    def advance(self, state: cute.Tensor, operands: "TokenOperands", first_row: int = 0) -> cute.Tensor:
+        """One token on the thread's state (decay, delta-rule write, read); its value rows' outputs, bf16.
+        ``first_row``: the group's value row that ``state`` row 0 holds (a paired block's own rows of v, since the
+        operands carry the v of all the group's rows)."""
         rows = cute.size(state, mode=[0])
         outputs = cute.make_rmem_tensor((rows,), BFloat16)
         for r in cutlass.range_constexpr(rows):
@@ -412,7 +414,7 @@ class DecodeKernel(TokenPrep):
                 channel = 0 if const_expr(self.variant.per_head_gate) else e
                 state[r, e] = mul_rn(state[r, e], operands.decay[channel])
             predicted = self.row_dot(state, r, operands.k_hat)
-            u = operands.beta * (operands.values[r].to(Float32) - predicted)
+            u = operands.beta * (operands.values[first_row + r].to(Float32) - predicted)
             for e in cutlass.range_constexpr(CHANNELS):
                 state[r, e] = fma_rn(operands.k_hat[e], u, state[r, e])
             outputs[r] = self.row_dot(state, r, operands.q_hat).to(BFloat16)

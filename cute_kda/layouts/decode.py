@@ -137,9 +137,14 @@ class DecodeThreadMap:
             for row in range(self.rows) for i in range(CHANNELS // e)
         )
 
+    def block_first_row(self, half: int) -> int:
+        """The first of block ``half``'s rows, counted from the group's first value row: the block's state, v and
+        outputs are the group's rows ``block_first_row(half) ..`` (its registers number them from 0)."""
+        return half * self.block_rows
+
     def block_vectors(self, half: int) -> tuple[StateVector, ...]:
-        """The vectors of block ``half`` (rows ``half · block_rows ..``), their registers numbered from the block's
-        first row."""
-        first = half * self.block_rows
+        """The vectors of block ``half`` (rows :meth:`block_first_row` ``..``), their registers numbered from the
+        block's first row."""
+        first = self.block_first_row(half)
         return tuple(StateVector(vector.offset, tuple((row - first, e) for row, e in vector.registers))
                      for vector in self.state_vectors() if first <= vector.registers[0][0] < first + self.block_rows)
