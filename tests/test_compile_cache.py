@@ -187,6 +187,7 @@ def test_miss_then_hit_in_a_fresh_cache(cache_dir, caplog):
     entry = _entry(cache_dir)
     record = json.loads(entry.record.read_text())
     assert record["key"] == "test_prefix:(0,)" and record["bytes"] == entry.obj.stat().st_size
+    assert 0 < record["compile_s"] < 600  # the compile's seconds, for summing what a fresh run spent compiling
 
     second = CompileCache("test_prefix")  # as a new process would see it: nothing in memory
 

@@ -107,7 +107,7 @@ class CompileCache:
         seconds = time.perf_counter() - start
         self._count("compiled")
         where = ""
-        if saved is not None and _disk_cache.store(saved, compiled):
+        if saved is not None and _disk_cache.store(saved, compiled, seconds):
             where = f", saved to {saved.obj.parent}"
         logger.info("compiled %s %s in %.1fs%s (once per configuration)", self.name, key, seconds, where)
         return launch_entry(compiled)
