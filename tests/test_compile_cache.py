@@ -4,7 +4,8 @@ launchers compile from.
 CPU tier: fake descriptions give the kernels the DLPack path compiled (PTX byte-identical in the
 generic address space; in global memory, the same instructions less the ``cvta.to.global``
 conversions); the disk cache's hit, miss, key and fingerprint separation, corruption (never loaded,
-rebuilt), the opt-out, an unusable folder, a held lock, and two processes compiling one key at once.
+rebuilt), the opt-out, an unusable folder, a held lock, a build holding back only its own key's
+threads, and two processes compiling one key at once.
 Real DSL compiles of the small tile prefix kernel stand in for any kernel.
 
 GPU tier: the launchers' fake-compiled K1 and K2 give the results of kernels compiled from the
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -185,6 +187,7 @@ def test_miss_then_hit_in_a_fresh_cache(cache_dir, caplog):
     entry = _entry(cache_dir)
     record = json.loads(entry.record.read_text())
     assert record["key"] == "test_prefix:(0,)" and record["bytes"] == entry.obj.stat().st_size
+    assert 0 < record["compile_s"] < 600  # the compile's seconds, for summing what a fresh run spent compiling
 
     second = CompileCache("test_prefix")  # as a new process would see it: nothing in memory
 
@@ -341,6 +344,34 @@ def test_a_held_lock_times_out_into_a_compile_without_the_disk(cache_dir, monkey
         with pytest.warns(RuntimeWarning, match="timed out"):
             cache.get((0,), _compile_tile_prefix)
     assert cache.stats == {"compiled": 1} and not entry.obj.exists()
+
+
+def test_a_build_holds_back_only_its_own_key(monkeypatch):
+    """While one thread builds a key (or waits on another process's lock of it), another key of the same cache is
+    had at once, and a second thread wanting the key being built waits for that build instead of repeating it."""
+    monkeypatch.setenv("CUTE_KDA_DISK_CACHE", "0")
+    cache = CompileCache("test_threads")
+    inside, release = threading.Event(), threading.Event()
+    builds = Counter()
+
+    def slow_build():
+        builds["slow"] += 1
+        inside.set()
+        assert release.wait(timeout=30)
+        return "slow"
+
+    results = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, cache.get("slow", slow_build)))
+               for i in range(2)]
+    threads[0].start()
+    assert inside.wait(timeout=30)
+    threads[1].start()
+    assert cache.get("other", lambda: "other") == "other"  # not held back by the build of "slow"
+    release.set()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert results == {0: "slow", 1: "slow"} and builds == {"slow": 1}
+    assert cache.stats == {"compiled": 2}
 
 
 WORKER = textwrap.dedent("""

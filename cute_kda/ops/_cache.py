@@ -44,7 +44,10 @@ class CompileCache:
     def __init__(self, name: str) -> None:
         self.name = name
         self._compiled: dict[Hashable, Any] = {}
-        self._lock = threading.Lock()
+        # One lock per key, so a build (seconds, or minutes waiting on another process's flock of that entry) holds
+        # back only the threads that want the same key; ``_guard`` covers the dicts and the counts, never a build.
+        self._key_locks: dict[Hashable, threading.Lock] = {}
+        self._guard = threading.Lock()
         self.stats: Counter[str] = Counter()
 
     def __contains__(self, key: Hashable) -> bool:
@@ -59,16 +62,26 @@ class CompileCache:
         compiled = self._compiled.get(key)
         if compiled is not None:
             return compiled
-        with self._lock:
+        with self._key_lock(key):
             compiled = self._compiled.get(key)
             if compiled is None:
-                compiled = self._compiled[key] = self._load_or_build(key, build)
+                compiled = self._load_or_build(key, build)
+                with self._guard:
+                    self._compiled[key] = compiled
         return compiled
 
     def clear(self) -> None:
         """Forget the in-memory entries (the disk cache is left as it is)."""
-        with self._lock:
+        with self._guard:
             self._compiled.clear()
+
+    def _key_lock(self, key: Hashable) -> threading.Lock:
+        with self._guard:
+            return self._key_locks.setdefault(key, threading.Lock())
+
+    def _count(self, how: str) -> None:
+        with self._guard:
+            self.stats[how] += 1
 
     def _load_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
         root = _disk_cache.cache_root()
@@ -77,13 +90,13 @@ class CompileCache:
         entry = _disk_cache.entry_for(root, self.name, key)
         compiled = _disk_cache.load(entry)
         if compiled is not None:
-            self.stats["loaded"] += 1
+            self._count("loaded")
             return compiled
         with _disk_cache.locked(entry) as have_lock:
             if have_lock:
                 compiled = _disk_cache.load(entry)  # another process may have written it meanwhile
                 if compiled is not None:
-                    self.stats["loaded"] += 1
+                    self._count("loaded")
                     return compiled
                 _disk_cache.discard(entry)  # whatever is there did not verify: never trusted
             return self._build(key, build, saved=entry if have_lock else None)
@@ -92,9 +105,9 @@ class CompileCache:
         start = time.perf_counter()
         compiled = build()
         seconds = time.perf_counter() - start
-        self.stats["compiled"] += 1
+        self._count("compiled")
         where = ""
-        if saved is not None and _disk_cache.store(saved, compiled):
+        if saved is not None and _disk_cache.store(saved, compiled, seconds):
             where = f", saved to {saved.obj.parent}"
         logger.info("compiled %s %s in %.1fs%s (once per configuration)", self.name, key, seconds, where)
         return launch_entry(compiled)

@@ -8,7 +8,7 @@ What: the DSL exports a TVM-FFI compiled function as a host object file (``expor
 with the kernels' cubin embedded) and loads it back in another process
 (``cute.runtime.load_module(path, enable_tvm_ffi=True)``: JIT-linked, no recompile). One entry is
 ``<fingerprint>/<cache name>-<key hash>.o`` plus a ``.json`` record beside it that names the full
-key and the SHA-256 of the object's bytes. The fingerprint (:func:`source_fingerprint`) covers the
+key and the SHA-256 of the object's bytes (and, for reading only, how many seconds the compile took). The fingerprint (:func:`source_fingerprint`) covers the
 sources that decide the compiled code (``cute_kda/kernels``, ``cute_kda/layouts``, the launchers in
 ``cute_kda/ops``, ``numerics.py``, ``workspace.py``, ``dsl.py``), the DSL and TVM-FFI versions, the
 Python version and the target architecture; an edit to any of them starts a new folder.
@@ -166,8 +166,9 @@ def exportable(compiled: Any) -> bool:
     return isinstance(compiled, TVMFFIJitCompiledFunctionBase)
 
 
-def store(entry: Entry, compiled: Any) -> bool:
-    """Write ``compiled`` as ``entry`` (call with the entry's lock held); False if it cannot be."""
+def store(entry: Entry, compiled: Any, compile_s: float) -> bool:
+    """Write ``compiled`` as ``entry`` (call with the entry's lock held); False if it cannot be. ``compile_s``, the
+    seconds its compile took, goes into the record (what a fresh run spent compiling: the records' sum)."""
     if not exportable(compiled):
         return False
     tmp = entry.obj.with_name(f"{entry.obj.name}.export.{os.getpid()}.{time.monotonic_ns()}.o")
@@ -182,7 +183,8 @@ def store(entry: Entry, compiled: Any) -> bool:
         if tmp.exists():
             tmp.unlink()
     record = {"format": RECORD_FORMAT, "key": entry.key_text, "fingerprint": entry.fingerprint,
-              "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "created": time.time()}
+              "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "created": time.time(),
+              "compile_s": round(compile_s, 2)}
     _write_atomically(entry.obj, data)
     _write_atomically(entry.record, json.dumps(record, indent=1).encode())
     return True
