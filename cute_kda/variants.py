@@ -99,7 +99,7 @@ class ScanTuning:
 class ScanVariant(SerialScan):
     """Kernel A (:class:`cute_kda.kernels.bwd_scan.BwdScan`): dht / dh0 dtypes (None: no such tensor);
     ``token_outputs`` False writes dh0 alone (a segmented call's first pass); ``snapshot_every`` tiles per kept
-    state gradient."""
+    state gradient; ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`)."""
 
     vsplit: int
     dht: torch.dtype | None
@@ -108,6 +108,7 @@ class ScanVariant(SerialScan):
     tuning: ScanTuning = ScanTuning()
     token_outputs: bool = True
     snapshot_every: int = SNAPSHOT_TILES
+    dim: int = HEAD_DIM
     splits: ClassVar[tuple[int, ...]] = SCAN_VSPLITS  # K2's rule over Kernel A's own splits, 8 included
 
 
