@@ -659,9 +659,10 @@ def test_tracks_the_mirror(lengths, dim):
 
 
 @pytest.mark.gpu
-def test_deterministic_and_empty_slots_zero():
+@ALL_DIMS
+def test_deterministic_and_empty_slots_zero(dim):
     lengths = [33, 0, 16, 1, 70]
-    problem = _problem(1, sum(lengths), 2, seed=2)
+    problem = _problem(1, sum(lengths), 2, seed=2, dim=dim)
     first, second = (_chain(problem, lengths=lengths, seed=2) for _ in range(2))
     for name in ("dq", "dk", "dg", "dbeta", "ddt_partial", "dalog_partial"):
         assert torch.equal(first[name], second[name]), name
@@ -676,13 +677,14 @@ _OUTPUTS = ("dq", "dk", "dg", "dbeta", "ddt_partial", "dalog_partial")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switches", list(SWITCHES))
+@pytest.mark.parametrize("switches,dim", [pytest.param(name, D, id=name) for name in SWITCHES]
+                         + [pytest.param("both", 64, id="both-D64")])  # no split_rows at 64 (8 warps only)
 @pytest.mark.parametrize("lengths", [None, [33, 0, 16, 1, 70]], ids=["B2xT100", "varlen"])
-def test_switches_are_bit_identical(lengths, switches, monkeypatch):
+def test_switches_are_bit_identical(lengths, switches, dim, monkeypatch):
     """``gate_ahead``, ``split_load`` and ``split_rows`` move loads, waits and rows between warps only: every output
     of Kernel B equals the plain variant's bit for bit, on the same chain (K1 → K2 → Kernel A are deterministic)."""
     B, T = (2, 100) if lengths is None else (1, sum(lengths))
-    problem = _problem(B, T, 2, seed=5)
+    problem = _problem(B, T, 2, seed=5, dim=dim)
     plain = _chain(problem, lengths=lengths, seed=5)
     for switch in SWITCHES[switches]:
         monkeypatch.setattr(kb, switch, True)
