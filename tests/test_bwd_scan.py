@@ -170,12 +170,13 @@ def _compiled(variant, token_outputs=True, snapshot_every=1):
     return _COMPILED[key]
 
 
-@pytest.mark.parametrize("vsplit", SCAN_VSPLITS)
-def test_local_gradient_variant_compiles(vsplit):
+@pytest.mark.parametrize("vsplit,dim", [(vsplit, D) for vsplit in SCAN_VSPLITS] + [(1, 64)],
+                         ids=[str(vsplit) for vsplit in SCAN_VSPLITS] + ["1-D64"])
+def test_local_gradient_variant_compiles(vsplit, dim):
     """The context-parallel backward's first pass (token_outputs=False; no dht, fp32 dh0, varlen): the products
     of every tile, no dv / du tiles, no snapshots, dh0 alone leaving by TMA."""
-    kernel, report = _compiled((vsplit, "none", "fp32", True, D), token_outputs=False)
-    full_kernel, full = _compiled((vsplit, "none", "fp32", True, D))
+    kernel, report = _compiled((vsplit, "none", "fp32", True, dim), token_outputs=False)
+    full_kernel, full = _compiled((vsplit, "none", "fp32", True, dim))
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
     assert report.count(mma) == full.count(mma) > 0
     assert report.count("cp.async.bulk.tensor.5d.global.shared::cta") == 1  # dh0
@@ -389,12 +390,13 @@ def test_block_snapshots_are_the_per_tile_ones_at_block_ends(vsplit):
 
 
 @pytest.mark.gpu
+@ALL_DIMS
 @pytest.mark.parametrize("vsplit", SCAN_VSPLITS)
-def test_local_gradient_variant_gives_the_full_scans_dh0(vsplit):
+def test_local_gradient_variant_gives_the_full_scans_dh0(vsplit, dim):
     """token_outputs=False (the context-parallel backward's first pass): the same dh0, bit for bit, and not one
     byte of dv, du or the snapshots written."""
     lengths = [300, 0, 17, 1, 64]
-    problem = _problem(1, sum(lengths), 3, seed=6)
+    problem = _problem(1, sum(lengths), 3, seed=6, dim=dim)
     run = _run(problem, lengths=lengths, dht="none", dh0="fp32", vsplit=vsplit, seed=6)
     dv, du = torch.full_like(run["dv"], float("nan")), torch.full_like(run["du"], float("nan"))
     snaps = torch.full(block_states_shape(run["ws"], 3, len(lengths)), float("nan"), dtype=torch.bfloat16,
