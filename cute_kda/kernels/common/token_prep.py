@@ -15,7 +15,7 @@ from typing import Optional
 from cutlass import BFloat16, Float32, Int32
 
 from ...dsl import cute, cutlass
-from ...numerics import CHUNK, DYADIC_BLOCKS, EPS, HEAD_DIM, LOG2E
+from ...numerics import CHUNK, DYADIC_BLOCKS, EPS, LOG2E
 from .fastmath import ex2_approx, lg2_approx, mul_rn, sigmoid_approx
 
 CHANNELS_PER_LANE = 8  # l2norm partial: 8 consecutive channels per lane, D / 8 lanes per row
