@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from cute_kda._bench import add_run_arguments, environment, markdown_table, median_ms, publish  # noqa: E402
 from cute_kda.reference import rel_rms  # noqa: E402
 
-from shapes import D, LOWER_BOUND, SHAPES, Shape, head_dim, make_inputs  # noqa: E402
+from shapes import D, LOWER_BOUND, SHAPES, Shape, head_dim, head_dim_note, make_inputs  # noqa: E402
 
 
 def peers(inputs: dict) -> dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
@@ -131,10 +131,7 @@ def markdown(rows: list[dict], peers_seen: list[str]) -> str:
 
 
 def header(dtype: str = "bf16", dim: int = D) -> str:
-    from cute_kda.call import HeadDims, runs_native
-
-    padded = "" if dim == D else f" (cute_kda: native D = {dim} kernels)" if runs_native(HeadDims(dim, dim, 1), False) \
-        else f" (cute_kda: zero-padded to {D})"
+    padded = head_dim_note(dim)
     return (f"{environment('cutlass', 'fla', 'triton')} · D={dim}{padded}, {dtype} q, k, v, g and o, fp32 state in/out "
             f"(v-first), lower_bound={LOWER_BOUND}; ratios > 1 mean cute_kda is faster")
 

@@ -46,8 +46,8 @@ what it measured.
     python benchmarks/bench_train.py --shapes B1_T8192_H96 --head-dim 64          # K = V = 64 beside FLA
     python benchmarks/bench_train.py --shapes B1_T8192_H96 --dtype fp16          # fp16 inputs and dO, both peers
 
-``--head-dim`` below 128: cute_kda runs zero-padded to 128 (``cute_kda.call``: the D = 128 step plus the
-padding copies and the gradients' slices), FLA at that head dim.
+``--head-dim 64``: cute_kda runs every kernel compiled for 64 (``cute_kda.call.runs_native``); other sizes below 128
+zero-padded to 128 (the D = 128 step plus the padding copies and the gradients' slices); FLA at that head dim.
 
 ``--segments N`` runs cute_kda's canonical call (``chunk_kda``'s translation, then ``kda_forward(..., segments=N)``)
 instead of ``chunk_kda``, whose context-parallel split is the heuristic's (``cute_kda.context_parallel``); 1 keeps
@@ -83,7 +83,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from cute_kda._bench import (  # noqa: E402
     checkout_commit, dated_out, environment, event_median_ms, markdown_table, positive_int, publish, save)
 
-from shapes import D, LOWER_BOUND, SHAPES, head_dim, make_inputs  # noqa: E402
+from shapes import D, LOWER_BOUND, SHAPES, head_dim, head_dim_note, make_inputs  # noqa: E402
 
 GOAL = 0.5  # Done-means "Speed": a cute_kda step in at most half FLA's time
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--segments", type=positive_int, default=None,
                         help="cute_kda's context-parallel segments per sequence (default: its heuristic; 1: none)")
     parser.add_argument("--head-dim", type=head_dim, default=D,
-                        help=f"K = V of every input (default {D}; smaller ones run zero-padded to {D} in cute_kda)")
+                        help=f"K = V of every input (default {D}; cute_kda runs 64 natively, other smaller ones "
+                             f"zero-padded to {D})")
     parser.add_argument("--gate-ahead", action="store_true",
                         help="Kernel B's gate backward loads the raw gate in one burst (cute_kda.ops.bwd_grads."
                              "GATE_AHEAD; docs/perf-log.md, B5); the command line in the report records it")
@@ -408,7 +409,7 @@ def report(rows: list[dict], command: str, env: str, sha: str, steps: int, warmu
     parts = [
         "# Training step (forward + backward): cute_kda vs FLA chunk_kda",
         f"Command: `{command}` · commit `{sha}`",
-        f"{env} · D={head_dim}{'' if head_dim == D else f' (cute_kda: zero-padded to {D})'}, "
+        f"{env} · D={head_dim}{head_dim_note(head_dim)}, "
         f"{dtype} q/k/v/g/beta (raw; gate, l2norm and β-sigmoid in-kernel, safe_gate, "
         f"lower_bound={LOWER_BOUND}), fp32 A_log/dt_bias/initial state (v-first), all requiring grad; "
         f"disable_recompute={disable_recompute} for both peers; cute_kda's context-parallel segments: "

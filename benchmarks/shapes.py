@@ -53,11 +53,23 @@ KIMI_SHAPES = {
 
 
 def head_dim(text: str) -> int:
-    """An argparse type: a head dim 1..128 (cute_kda runs the ones below 128 zero-padded to 128)."""
+    """An argparse type: a head dim 1..128 (cute_kda runs 64 on kernels compiled for it, the others below 128
+    zero-padded to 128)."""
     value = int(text)
     if not 1 <= value <= D:
         raise argparse.ArgumentTypeError(f"a head dim from 1 to {D}, got {value}")
     return value
+
+
+def head_dim_note(dim: int) -> str:
+    """How cute_kda runs head dim ``dim`` (K = V), for a table header: nothing at the kernels' 128, else native or
+    zero-padded (:func:`cute_kda.call.runs_native`)."""
+    from cute_kda.call import HeadDims, runs_native
+
+    if dim == D:
+        return ""
+    return f" (cute_kda: native D = {dim} kernels)" if runs_native(HeadDims(dim, dim, 1)) else \
+        f" (cute_kda: zero-padded to {D})"
 
 
 def make_inputs(shape: Shape, device: torch.device, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
@@ -67,7 +79,7 @@ def make_inputs(shape: Shape, device: torch.device, seed: int = 0, dtype: torch.
     Keys: q, k, v, g ``[B, T, H, D]`` and beta ``[B, T, H]`` in ``dtype`` (bf16, or fp16 as FLA's tests pass it: the
     same draws rounded to fp16; cute_kda rounds an fp16 β to bf16 where the call enters), A_log ``[H]`` and
     dt_bias ``[H, D]`` fp32, initial_state ``[N, H, D, D]`` fp32, cu_seqlens int64 ``[N + 1]`` or None; D = ``dim``
-    (the kernels' 128 by default; cute_kda runs smaller head dims zero-padded to 128).
+    (the kernels' 128 by default; cute_kda runs 64 natively, other smaller head dims zero-padded to 128).
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     b, t, h = shape.batch, shape.seq_len, shape.heads

@@ -179,7 +179,7 @@ def _traced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     autograd records the call; it resolves the call itself when the graph runs). Caller buffers are filled by a copy
     of the op's result (inference only: a recorded call refuses them here, as eager does). Head dims other than the
     kernels' run as the padded / split 128 call's op (:mod:`cute_kda.call`; the padding and the restore are
-    traced torch ops), but for an inference call at K = V = 64 (:func:`cute_kda.call.runs_native`). ``pool``: a
+    traced torch ops), but for a call at K = V = 64 (:func:`cute_kda.call.runs_native`). ``pool``: a
     prefill on a state pool, which no op covers yet (refused)."""
     if pool:
         raise NotImplementedError(f"{', '.join(sorted(pool))} (a prefill on a state pool) is not supported under "
@@ -407,11 +407,11 @@ def warmup_variants(
     and / or fp16) the forward variants are listed for (an fp16 one's log decay in fp16 or fp32, its ``state_modes``
     may hold fp16; with ``training`` K2's checkpoint variants too); the backward's are bf16 ones either way (fp16
     trains on bf16 copies, :func:`cute_kda.executors.training.backward`; an fp16 state's dht / dh0 in fp32).
-    ``head_dims``: K = V of the forward variants (:data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`; one other than 128
-    lists the inference forward only, unsegmented: what runs natively at it, :func:`cute_kda.call.runs_native`).
+    ``head_dims``: K = V of every listed variant (:data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`: what runs natively,
+    :func:`cute_kda.call.runs_native`; Kernel B at 64 at its one warp count, 4).
     """
-    from .layouts.bwd_grads import DEFAULT_WARPS
-    from .numerics import HEAD_DIM, NATIVE_HEAD_DIMS, SCAN_VSPLITS, SUPPORTED_VSPLITS
+    from .layouts.bwd_grads import default_warps
+    from .numerics import NATIVE_HEAD_DIMS, SCAN_VSPLITS, SUPPORTED_VSPLITS
 
     for dim in head_dims:
         if dim not in NATIVE_HEAD_DIMS:
@@ -435,28 +435,30 @@ def warmup_variants(
             for split in k2_splits:
                 for gate, g_dtype, per_head in gate_forms_of(dtype):
                     variants[PrepareVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, dtype, dim)] = None
-                for checkpoints in ((False, True) if training and dim == HEAD_DIM else (False,)):
+                for checkpoints in ((False, True) if training else (False,)):
                     variants[RecurrenceVariant(split, mode, mode, packed, checkpoints, dtype=dtype, dim=dim)] = None
     if training:  # Kernel A picks its own V-split (8 as well); Kernel B has no state flags
         scan_modes = dict.fromkeys(torch.float32 if mode == torch.float16 else mode for mode in state_modes)
-        for l2, logits, packed in flags:
+        for (l2, logits, packed), dim in itertools.product(flags, head_dims):
             for mode in scan_modes:
                 for split in scan_splits:
                     for dht in (mode, None):
-                        variants[ScanVariant(split, dht, mode, packed)] = None
+                        variants[ScanVariant(split, dht, mode, packed, dim=dim)] = None
                 for gate, g_dtype, per_head in gate_forms:
-                    variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, DEFAULT_WARPS)] = None
+                    variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, default_warps(dim),
+                                          dim=dim)] = None
     if segments:  # a segmented call (context parallelism): varlen, V-split 1 (the heuristic's), fp32 states
         fp32 = torch.float32
-        for dtype in dtypes:
+        for dtype, dim in itertools.product(dtypes, head_dims):
             for initial, final in ((None, fp32), (fp32, fp32), (fp32, None)):  # local pass, transition / real, none
-                variants[RecurrenceVariant(1, initial, final, True, dtype=dtype)] = None
+                variants[RecurrenceVariant(1, initial, final, True, dtype=dtype, dim=dim)] = None
         if training:
-            for dtype, final in itertools.product(dtypes, (fp32, None)):
-                variants[RecurrenceVariant(1, fp32, final, True, True, dtype=dtype)] = None
-            variants[ScanVariant(1, None, fp32, True, token_outputs=False)] = None
-            for dh0 in (fp32, None):
-                variants[ScanVariant(1, fp32, dh0, True)] = None
+            for dtype, final, dim in itertools.product(dtypes, (fp32, None), head_dims):
+                variants[RecurrenceVariant(1, fp32, final, True, True, dtype=dtype, dim=dim)] = None
+            for dim in head_dims:
+                variants[ScanVariant(1, None, fp32, True, token_outputs=False, dim=dim)] = None
+                for dh0 in (fp32, None):
+                    variants[ScanVariant(1, fp32, dh0, True, dim=dim)] = None
     for dtype, pool, packed, split, every in itertools.product(dtypes, state_pools, varlen, k2_splits,
                                                                (0, *checkpoint_every)):
         variants[RecurrenceVariant(split, pool, pool, packed, False, True, every, dtype)] = None

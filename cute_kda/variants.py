@@ -99,7 +99,7 @@ class ScanTuning:
 class ScanVariant(SerialScan):
     """Kernel A (:class:`cute_kda.kernels.bwd_scan.BwdScan`): dht / dh0 dtypes (None: no such tensor);
     ``token_outputs`` False writes dh0 alone (a segmented call's first pass); ``snapshot_every`` tiles per kept
-    state gradient."""
+    state gradient; ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`)."""
 
     vsplit: int
     dht: torch.dtype | None
@@ -108,17 +108,18 @@ class ScanVariant(SerialScan):
     tuning: ScanTuning = ScanTuning()
     token_outputs: bool = True
     snapshot_every: int = SNAPSHOT_TILES
+    dim: int = HEAD_DIM
     splits: ClassVar[tuple[int, ...]] = SCAN_VSPLITS  # K2's rule over Kernel A's own splits, 8 included
 
 
 @dataclass(frozen=True)
 class GradsVariant:
-    """Kernel B (:class:`cute_kda.kernels.bwd_grads.BwdGrads`): K1's flags and ``compute_warps`` (4 or 8; the
-    launcher's default is :data:`cute_kda.layouts.bwd_grads.DEFAULT_WARPS`); ``gate_ahead``: the gate backward's raw
+    """Kernel B (:class:`cute_kda.kernels.bwd_grads.BwdGrads`): K1's flags and ``compute_warps`` (4 or 8 at D = 128,
+    4 at 64; the launcher's default is :func:`cute_kda.layouts.bwd_grads.default_warps`); ``gate_ahead``: the gate backward's raw
     gate values loaded in one burst; ``split_load``: the state images behind their own transaction barrier;
     ``split_rows``: the safe gate backward's rows on all 8 warps (the launcher's
     :data:`cute_kda.ops.bwd_grads.GATE_AHEAD`, :data:`~cute_kda.ops.bwd_grads.SPLIT_LOAD`,
-    :data:`~cute_kda.ops.bwd_grads.SPLIT_ROWS`)."""
+    :data:`~cute_kda.ops.bwd_grads.SPLIT_ROWS`); ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`)."""
 
     varlen: bool
     qk_l2norm: bool
@@ -131,3 +132,4 @@ class GradsVariant:
     gate_ahead: bool = False
     split_load: bool = False
     split_rows: bool = False
+    dim: int = HEAD_DIM

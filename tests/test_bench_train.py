@@ -429,7 +429,8 @@ def test_head_dim_reaches_the_inputs_the_scale_and_the_report(bench):
     assert leaves["q"].shape == (1, 16, 2, 64) and leaves["dt_bias"].shape == (128,)
     assert leaves["initial_state"].shape == (1, 2, 64, 64) and problem["kwargs"]["scale"] == 64 ** -0.5
     assert bench.build_parser().parse_args(["--head-dim", "64"]).head_dim == 64
-    assert "D=64 (cute_kda: zero-padded to 128)" in bench.report([], "cmd", "ENV", "sha", 1, 1, head_dim=64)
+    assert "D=64 (cute_kda: native D = 64 kernels)" in bench.report([], "cmd", "ENV", "sha", 1, 1, head_dim=64)
+    assert "D=60 (cute_kda: zero-padded to 128)" in bench.report([], "cmd", "ENV", "sha", 1, 1, head_dim=60)
     assert os.path.basename(bench.default_out(64)).startswith("train-d64-")
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["--head-dim", "256"])

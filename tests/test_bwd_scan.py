@@ -35,16 +35,17 @@ MIRROR_TOL = 2e-3  # rel-RMS vs the mirror over many tiles (1-ULP differences dr
 # ============================================================================ plan (CPU)
 
 
+@pytest.mark.parametrize("dim", [D, 64])
 @pytest.mark.parametrize("vsplit", SCAN_VSPLITS)
-def test_plan(vsplit):
-    plan = ScanSmemPlan(vsplit=vsplit, state_io_fp32=True)
-    band = D // vsplit
-    assert plan.v_band == band and plan.mma_warps == (2 if vsplit == 8 else 4) and plan.warp_cols == band // plan.mma_warps
+def test_plan(vsplit, dim):
+    plan = ScanSmemPlan(vsplit=vsplit, state_io_fp32=True, dim=dim)
+    band = dim // vsplit
+    assert plan.v_band == band and plan.mma_warps == min(4, band // 8) and plan.warp_cols == band // plan.mma_warps
     assert plan.warp_cols >= 8
     offsets = plan.union_offsets()
     assert list(offsets) == ["do", "kd", "qd", "kr", "gt", "inv", "mqk", "beta", "dv", "du"]
     assert offsets["du"] - offsets["dv"] == CHUNK * band * 2 * plan.output_stages
-    assert plan.stage_tx_bytes == CHUNK * band * 2 + 3 * CHUNK * D * 2 + D * 4 + 2 * CHUNK * CHUNK * 2 + CHUNK * 4
+    assert plan.stage_tx_bytes == CHUNK * band * 2 + 3 * CHUNK * dim * 2 + dim * 4 + 2 * CHUNK * CHUNK * 2 + CHUNK * 4
     assert budget.k2_budget(plan).total_bytes == plan.total_bytes
     assert plan.total_bytes + 1024 <= 227 * 1024
 
@@ -119,20 +120,30 @@ def test_launcher_rejects_mismatched_buffers():
 # ============================================================================ compile (CPU)
 
 
+# D = 64, a sample (the CPU tier's time): every V-split, every dht and dh0 kind, both layouts of the sequences
+D64_VARIANTS = [(1, "fp32", "fp32", True, 64), (2, "none", "bf16", False, 64), (4, "bf16", "none", True, 64),
+                (8, "fp32", "fp32", False, 64), (8, "none", "fp32", True, 64)]
+
+
 def _variants():
-    """(vsplit, dht, dh0, varlen): every variant the launcher compiles (4 × 3 × 3 × 2 = 72)."""
-    return list(itertools.product(SCAN_VSPLITS, STATE, STATE, (False, True)))
+    """(vsplit, dht, dh0, varlen, D): every variant the launcher compiles at D = 128 (4 × 3 × 3 × 2 = 72), and
+    :data:`D64_VARIANTS`."""
+    return [(*variant, D) for variant in itertools.product(SCAN_VSPLITS, STATE, STATE, (False, True))] + D64_VARIANTS
 
 
-def _compile_args(vsplit, dht, dh0, varlen, snapshot_every=1):
+def _variant_id(v) -> str:
+    return "vs{}-{}-{}-{}".format(v[0], v[1], v[2], "varlen" if v[3] else "fixed") + ("" if v[4] == D else f"-D{v[4]}")
+
+
+def _compile_args(vsplit, dht, dh0, varlen, dim=D, snapshot_every=1):
     heads, num_seqs = 2, 3
     batch, steps = (1, 80) if varlen else (num_seqs, 24)
-    do = torch.zeros(batch, steps, heads, D, dtype=torch.bfloat16)
-    spec = WorkspaceSpec(heads=heads, tiles=8)
+    do = torch.zeros(batch, steps, heads, dim, dtype=torch.bfloat16)
+    spec = WorkspaceSpec(heads=heads, tiles=8, dim=dim)
     ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
 
     def state(name):
-        return None if STATE[name] is None else torch.zeros(num_seqs, heads, D, D, dtype=STATE[name])
+        return None if STATE[name] is None else torch.zeros(num_seqs, heads, dim, dim, dtype=STATE[name])
 
     return ka.launch_arguments(
         do, ws, torch.zeros_like(do), torch.zeros_like(do),
@@ -150,21 +161,22 @@ def _compiled(variant, token_outputs=True, snapshot_every=1):
     if key not in _COMPILED:
         from cute_kda.compile_report import compile_with_report
 
-        vsplit, dht, dh0, varlen = variant
+        vsplit, dht, dh0, varlen, dim = variant
         kernel = BwdScan(vsplit=vsplit, dht=dsl_type(STATE[dht]), dh0=dsl_type(STATE[dh0]),
-                         varlen=varlen, token_outputs=token_outputs, snapshot_every=snapshot_every)
-        _, report = compile_with_report(kernel, *_compile_args(*variant, snapshot_every),
+                         varlen=varlen, token_outputs=token_outputs, snapshot_every=snapshot_every, dim=dim)
+        _, report = compile_with_report(kernel, *_compile_args(*variant, snapshot_every=snapshot_every),
                                         cute.runtime.make_fake_stream())
         _COMPILED[key] = (kernel, report)
     return _COMPILED[key]
 
 
-@pytest.mark.parametrize("vsplit", SCAN_VSPLITS)
-def test_local_gradient_variant_compiles(vsplit):
+@pytest.mark.parametrize("vsplit,dim", [(vsplit, D) for vsplit in SCAN_VSPLITS] + [(1, 64)],
+                         ids=[str(vsplit) for vsplit in SCAN_VSPLITS] + ["1-D64"])
+def test_local_gradient_variant_compiles(vsplit, dim):
     """The context-parallel backward's first pass (token_outputs=False; no dht, fp32 dh0, varlen): the products
     of every tile, no dv / du tiles, no snapshots, dh0 alone leaving by TMA."""
-    kernel, report = _compiled((vsplit, "none", "fp32", True), token_outputs=False)
-    full_kernel, full = _compiled((vsplit, "none", "fp32", True))
+    kernel, report = _compiled((vsplit, "none", "fp32", True, dim), token_outputs=False)
+    full_kernel, full = _compiled((vsplit, "none", "fp32", True, dim))
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
     assert report.count(mma) == full.count(mma) > 0
     assert report.count("cp.async.bulk.tensor.5d.global.shared::cta") == 1  # dh0
@@ -183,7 +195,7 @@ def test_local_gradient_variant_compiles(vsplit):
 def test_block_snapshot_variant_compiles(vsplit):
     """snapshot_every=4 (one snapshot per 64 tokens, FLA's density; benchmarks/bench_bwd.py times it): the same
     products and the same snapshot copies as the per-tile scan, issued under a tile-dependent branch."""
-    variant = (vsplit, "fp32", "fp32", True)
+    variant = (vsplit, "fp32", "fp32", True, D)
     _, report = _compiled(variant, snapshot_every=4)
     _, per_tile = _compiled(variant)
     for op in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.bulk.global.shared::cta",
@@ -198,18 +210,18 @@ def test_local_gradient_variant_needs_dh0():
         BwdScan(vsplit=1, dh0=None, token_outputs=False)
 
 
-@pytest.mark.parametrize("variant", _variants(), ids=lambda v: "vs{}-{}-{}-{}".format(v[0], v[1], v[2], "varlen" if v[3] else "fixed"))
+@pytest.mark.parametrize("variant", _variants(), ids=_variant_id)
 def test_variant_compiles(variant):
-    vsplit, dht, dh0, varlen = variant
+    vsplit, dht, dh0, varlen, dim = variant
     kernel, report = _compiled(variant)
     atoms = kernel.warp_cols // 8  # n=8 mma atoms per warp row of 16
-    k_steps = D // CHUNK
+    k_steps = dim // CHUNK
     # TMA: 8 loads per stage (dO, kd, qd, kr, gT, INV, Mqk, β), two tile stores, one per state transfer
     tma = {dims: report.count(f"cp.async.bulk.tensor.{dims}d.shared::cta.global") for dims in (2, 3, 4, 5)}
     assert tma == {2: 2, 3: 3, 4: 2, 5: 1 + (dht != "none")}  # gT, β | kd, qd, kr (K_SW128) | INV, Mqk | dO, dht
     assert report.count("cp.async.bulk.tensor.5d.global.shared::cta") == 2 + (dh0 != "none")  # dv, du, dh0
     assert report.has("mbarrier.try_wait") and report.has("mbarrier.arrive.expect_tx")
-    # per tile: G1 (1 k-step), G2 (8), G3 (1), G4 + G5 (2 per row block)
+    # per tile: G1 (1 k-step), G2 (D/16), G3 (1), G4 + G5 (2 per row block)
     assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == (1 + k_steps + 1 + 2 * k_steps) * atoms
     assert report.count("movmatrix.sync.aligned.m8n8.trans.b16") == 2 * 2 * atoms  # dU, −dv: 2 words per atom
     # dS fp32 in registers: every element decayed by one mul.rn (then the C of G4) and rounded to bf16 pairs
@@ -220,7 +232,7 @@ def test_variant_compiles(variant):
     x = kernel.band_matrices
     per_slice = atoms // 2 if x == 4 else 1  # band ldmatrix/stmatrix instructions per 16-row (or 16-k) slice
     band_x4 = x == 4
-    # A operands: kr (8, x4), Mqkᵀ/INVᵀ (2, x4.trans), qdᵀ/kdᵀ (16, x4.trans); band: dS' as B (8 k-steps),
+    # A operands: kr (D/16, x4), Mqkᵀ/INVᵀ (2, x4.trans), qdᵀ/kdᵀ (D/8, x4.trans); band: dS' as B (D/16 k-steps),
     # dOᵀ as B (.trans)
     assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == k_steps + band_x4 * k_steps * per_slice
     assert report.count("ldmatrix.sync.aligned.m8n8.x2.shared.b16") == (not band_x4) * k_steps * per_slice
@@ -230,13 +242,13 @@ def test_variant_compiles(variant):
     assert report.count(f"stmatrix.sync.aligned.m8n8.x{x}.trans.shared.b16") == k_steps * per_slice
     # snapshot: the warp's rows of the band buffer as D / 8 bulk copies of warp_cols · 16 bytes (one per 8-k
     # run) from one lane, the combine waiting for their read; under 32 columns the B fragment G2 loaded, as
-    # 32-bit words (2 · cols a lane); the store warp's tail rows are st.global.b16
+    # 32-bit words (D · cols / 64 a lane); the store warp's tail rows are st.global.b16
     if kernel.image_by_bulk:
-        assert_band_image_copies(report, kernel.warp_cols, D)
+        assert_band_image_copies(report, kernel.warp_cols, dim)
         assert report.count("st.global.b32") == 0
     else:
         assert report.count("cp.async.bulk.global.shared::cta") == 0
-        assert report.count("st.global.b32") == 2 * kernel.warp_cols
+        assert report.count("st.global.b32") == dim * kernel.warp_cols // 64
     assert report.has("fence.proxy.async.shared::cta") and report.has("bar.warp.sync")
     lines = report.ptx.splitlines()
     for i, line in enumerate(lines):
@@ -252,11 +264,15 @@ def test_variant_compiles(variant):
 # ============================================================================ GPU: vs the mirror and the gold
 
 
-def _dht(kind, N, H, seed, device):
+# the GPU tests that run at both head dims Kernel A compiles for
+ALL_DIMS = pytest.mark.parametrize("dim", [D, 64], ids=["D128", "D64"])
+
+
+def _dht(kind, N, H, seed, device, dim=D):
     if STATE[kind] is None:
         return None
     gen = torch.Generator().manual_seed(seed + 2)
-    return (torch.randn(N, H, D, D, generator=gen) * 0.5).to(device=device, dtype=STATE[kind])
+    return (torch.randn(N, H, dim, dim, generator=gen) * 0.5).to(device=device, dtype=STATE[kind])
 
 
 def _run(problem, *, lengths=None, dht="fp32", dh0="fp32", vsplit=None, seed=0, lower_bound=-5.0, snapshot_every=1):
@@ -265,18 +281,18 @@ def _run(problem, *, lengths=None, dht="fp32", dh0="fp32", vsplit=None, seed=0, 
 
     q, k, v, g, beta, A_log, bias = problem
     device = q.device
-    B, T, H, _ = q.shape
+    B, T, H, dim = q.shape
     cu = None if lengths is None else torch.tensor([0, *itertools.accumulate(lengths)], device=device)
     N = B if lengths is None else len(lengths)
     ws = mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=bias, lower_bound=lower_bound, cu_seqlens=cu)
-    do = (torch.randn(B, T, H, D, generator=torch.Generator().manual_seed(seed + 3))).bfloat16().to(device)
-    dht_in = _dht(dht, N, H, seed, device)
-    dv, dv_buf = _guarded((B, T, H, D), torch.bfloat16, device, axis=1, pad=CHUNK)
-    du, du_buf = _guarded((B, T, H, D), torch.bfloat16, device, axis=1, pad=CHUNK)
+    do = (torch.randn(B, T, H, dim, generator=torch.Generator().manual_seed(seed + 3))).bfloat16().to(device)
+    dht_in = _dht(dht, N, H, seed, device, dim)
+    dv, dv_buf = _guarded((B, T, H, dim), torch.bfloat16, device, axis=1, pad=CHUNK)
+    du, du_buf = _guarded((B, T, H, dim), torch.bfloat16, device, axis=1, pad=CHUNK)
     snaps, snaps_buf = _guarded(block_states_shape(ws, H, N, snapshot_every), torch.bfloat16, device, axis=0, pad=1)
     dh0_out = dh0_buf = None
     if STATE[dh0] is not None:
-        dh0_out, dh0_buf = _guarded((N, H, D, D), STATE[dh0], device, axis=0, pad=1)
+        dh0_out, dh0_buf = _guarded((N, H, dim, dim), STATE[dh0], device, axis=0, pad=1)
     ka.bwd_scan(do, ws, dv, du, snaps, cu_seqlens=cu, dht=dht_in, dh0=dh0_out, vsplit=vsplit,
                 snapshot_every=snapshot_every)
     torch.cuda.synchronize()
@@ -302,10 +318,11 @@ def _same_bits_or_both_nan(a, b):
 
 
 @pytest.mark.gpu
+@ALL_DIMS
 @pytest.mark.parametrize("T", [1, 7, 16])
 @pytest.mark.parametrize("dht,dh0", [("bf16", "bf16"), ("fp32", "fp32"), ("none", "fp32")])
-def test_single_tile_within_one_ulp_of_the_mirror(T, dht, dh0):
-    problem = _problem(2, T, 3, seed=T)
+def test_single_tile_within_one_ulp_of_the_mirror(T, dht, dh0, dim):
+    problem = _problem(2, T, 3, seed=T, dim=dim)
     run = _run(problem, dht=dht, dh0=dh0, seed=T)
     ref = _mirror(run, dh0)
     assert_within_one_ulp(f"T={T} dv", run["dv"], ref.dv)
@@ -316,12 +333,13 @@ def test_single_tile_within_one_ulp_of_the_mirror(T, dht, dh0):
 
 
 @pytest.mark.gpu
+@ALL_DIMS
 @pytest.mark.parametrize("lengths", [None, [40, 0, 97, 16, 300]], ids=["B2xT300", "varlen"])
-def test_many_tiles_track_the_mirror(lengths):
+def test_many_tiles_track_the_mirror(lengths, dim):
     from cute_kda.reference import rel_rms
 
     B, T = (2, 300) if lengths is None else (1, sum(lengths))
-    problem = _problem(B, T, 2, seed=11)
+    problem = _problem(B, T, 2, seed=11, dim=dim)
     run = _run(problem, lengths=lengths, dht="bf16", dh0="fp32", seed=11)
     ref = _mirror(run)
     written = ~ref.snapshots.isnan()
@@ -334,10 +352,11 @@ def test_many_tiles_track_the_mirror(lengths):
 
 
 @pytest.mark.gpu
+@ALL_DIMS
 @pytest.mark.parametrize("dh0", ["bf16", "fp32"])
-def test_vsplits_are_bit_identical(dh0):
+def test_vsplits_are_bit_identical(dh0, dim):
     lengths = [300, 0, 17, 1, 64]
-    problem = _problem(1, sum(lengths), 3, seed=5)
+    problem = _problem(1, sum(lengths), 3, seed=5, dim=dim)
     runs = [_run(problem, lengths=lengths, dht="fp32", dh0=dh0, vsplit=s, seed=5) for s in SCAN_VSPLITS]
     for run in runs[1:]:
         for name in ("dv", "du", "snapshots"):
@@ -371,12 +390,13 @@ def test_block_snapshots_are_the_per_tile_ones_at_block_ends(vsplit):
 
 
 @pytest.mark.gpu
+@ALL_DIMS
 @pytest.mark.parametrize("vsplit", SCAN_VSPLITS)
-def test_local_gradient_variant_gives_the_full_scans_dh0(vsplit):
+def test_local_gradient_variant_gives_the_full_scans_dh0(vsplit, dim):
     """token_outputs=False (the context-parallel backward's first pass): the same dh0, bit for bit, and not one
     byte of dv, du or the snapshots written."""
     lengths = [300, 0, 17, 1, 64]
-    problem = _problem(1, sum(lengths), 3, seed=6)
+    problem = _problem(1, sum(lengths), 3, seed=6, dim=dim)
     run = _run(problem, lengths=lengths, dht="none", dh0="fp32", vsplit=vsplit, seed=6)
     dv, du = torch.full_like(run["dv"], float("nan")), torch.full_like(run["du"], float("nan"))
     snaps = torch.full(block_states_shape(run["ws"], 3, len(lengths)), float("nan"), dtype=torch.bfloat16,
@@ -393,9 +413,10 @@ def _gold(problem, run, *, lengths, lower_bound=-5.0):
     from cute_kda.reference import gold_backward
 
     q, k, v, g, beta, A_log, bias = problem
+    dim = q.shape[-1]
     return gold_backward(q, k, v, g, beta, run["do"], dht=run["dht"], A_log=A_log, dt_bias=bias,
                          lower_bound=lower_bound, cu_seqlens=run["cu"],
-                         initial_state=torch.zeros(len(lengths) if lengths else q.shape[0], q.shape[2], D, D,
+                         initial_state=torch.zeros(len(lengths) if lengths else q.shape[0], q.shape[2], dim, dim,
                                                    device=q.device))
 
 
@@ -436,11 +457,12 @@ def test_gold_shapes(B, T, dht, dh0):
 
 
 @pytest.mark.gpu
+@ALL_DIMS
 @pytest.mark.parametrize("lengths", [[1300, 547, 2048, 963, 271, 3063], [0, 1, 17, 33], [0, 5, 16]],
                          ids=["mixed", "0-1-17-33", "0-5-16"])
 @pytest.mark.parametrize("dht,dh0", [("none", "fp32"), ("bf16", "bf16"), ("fp32", "fp32")])
-def test_gold_varlen(lengths, dht, dh0):
-    problem = _problem(1, sum(lengths), 2, seed=len(lengths))
+def test_gold_varlen(lengths, dht, dh0, dim):
+    problem = _problem(1, sum(lengths), 2, seed=len(lengths), dim=dim)
     _check_gold(problem, lengths=lengths, dht=dht, dh0=dh0, seed=3, label=f"{lengths}")
 
 
@@ -448,9 +470,10 @@ def test_gold_varlen(lengths, dht, dh0):
 @pytest.mark.parametrize("dht,dh0,vsplit", [
     (dht, dh0, SCAN_VSPLITS[i % 4]) for i, (dht, dh0) in enumerate(itertools.product(STATE, STATE))
 ])
-def test_gold_every_state_mode(dht, dh0, vsplit):
+@ALL_DIMS
+def test_gold_every_state_mode(dht, dh0, vsplit, dim):
     lengths = [0, 5, 16, 33]
-    problem = _problem(1, sum(lengths), 2, seed=9)
+    problem = _problem(1, sum(lengths), 2, seed=9, dim=dim)
     _check_gold(problem, lengths=lengths, dht=dht, dh0=dh0, vsplit=vsplit, seed=9, label=f"vs{vsplit} {dht}->{dh0}")
 
 

@@ -63,6 +63,7 @@ CASES = {
     "K32_safe_fp32_state": Case(32, 32),
     "K60_softplus_varlen_bf16_state": Case(60, 60, "softplus", lengths=(20, 0, 17, 5), state=torch.bfloat16),
     "K64_log_decay_no_state": Case(64, 64, "none", state=None),
+    "K64_safe_varlen_bf16_state": Case(64, 64, lengths=(20, 0, 1, 47), state=torch.bfloat16),
     "K100_safe_no_l2norm_beta_activated": Case(100, 100, options=(("qk_l2norm", False), ("beta_logits", False),
                                                                   ("scale", 0.3), ("lower_bound", -2.0))),
     "K64_gdn_softplus_gva": Case(64, 64, "softplus", per_head=True, heads=1, value_heads=2),
@@ -414,7 +415,8 @@ def _gold_at_caller_dims(case, tensors, problem, **options):
                                    Case(64, 64, "none", lengths=(33,), state=None)], ids=lambda c: f"{c.gate}")
 def test_inference_at_64_runs_unpadded(gold_kernels, case):
     """An inference call at K = V = 64 resolves as itself (no caller dims to restore) and the executor runs the 64
-    problem, into the caller's buffers; under autograd, and at any other small size, the call runs padded to 128."""
+    problem, into the caller's buffers; under autograd too (every kernel takes 64); at any other small size the call
+    runs padded to 128."""
     problem, _, _ = make_problem(case, seed=21)
     tensors = [problem.pop(n) for n in NAMES[:5]]
     with torch.no_grad():
@@ -427,7 +429,7 @@ def test_inference_at_64_runs_unpadded(gold_kernels, case):
     assert rel_rms(o, o_gold.bfloat16()) <= 1e-4 and rel_rms(ht, ht_gold) <= (4e-3 if case.state else 1e-6)
     leaves = [x.detach().requires_grad_() if n in ("q", "v") else x for n, x in zip(NAMES, tensors)]
     trained = resolve(*leaves, **problem, gate=case.gate)
-    assert trained.training and trained.caller_dims is not None and trained.options.problem.head_dim == 128
+    assert trained.training and trained.caller_dims is None and trained.options.problem.head_dim == 64
     for key_dim, value_dim in ((60, 60), (64, 128), (128, 64)):
         other, _, _ = make_problem(Case(key_dim, value_dim, lengths=(5,)), seed=22)
         with torch.no_grad():
@@ -454,16 +456,21 @@ def test_segmented_inference_at_64_runs_unpadded(monkeypatch):
     assert rel_rms(o, o_gold) <= FORWARD_TOLERANCE and rel_rms(ht, ht_gold) <= FORWARD_TOLERANCE
 
 
-def test_warmup_lists_the_native_head_dim_64_forward():
-    """``warmup_variants(head_dims=(64,))``: K1 and K2 at 64 for every listed option, inference only (a training call
-    at 64 runs padded: its variants are the 128 ones); other sizes are refused by name."""
-    from cute_kda.variants import PrepareVariant, RecurrenceVariant
+def test_warmup_lists_the_native_head_dim_64_variants():
+    """``warmup_variants(head_dims=(64,))``: every kernel at 64 for every listed option, training (K2's checkpoints,
+    Kernel A, Kernel B at 4 warps) and segments too, the 64 twins of the 128 list; other sizes are refused by name."""
+    from dataclasses import replace
 
-    both = api.warmup_variants(head_dims=(128, 64), training=True, segments=False)
-    at_64 = [v for v in both if getattr(v, "dim", 128) == 64]
-    assert at_64 and all(isinstance(v, (PrepareVariant, RecurrenceVariant)) for v in at_64)
-    assert not any(v.checkpoints for v in at_64 if isinstance(v, RecurrenceVariant))
-    assert [v for v in both if getattr(v, "dim", 128) == 128] == api.warmup_variants(training=True, segments=False)
+    from cute_kda.variants import GradsVariant
+
+    both = api.warmup_variants(head_dims=(128, 64), training=True)
+    at_128 = api.warmup_variants(training=True)
+    assert [v for v in both if v.dim == 128] == at_128
+
+    def twin(v):
+        return replace(v, dim=64, **({"compute_warps": 4} if isinstance(v, GradsVariant) else {}))
+
+    assert [v for v in both if v.dim == 64] == [twin(v) for v in at_128]
     with pytest.raises(ValueError, match="head_dims"):
         api.warmup_variants(head_dims=(96,))
 

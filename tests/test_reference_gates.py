@@ -375,14 +375,14 @@ D = 128  # the kernels' head dim: the rounded backward works on their tile shape
 
 
 def _backward_problem(kind: str, *, heads: int, value_heads: int, lengths: list[int], seed: int,
-                      per_head: bool = False, dht_scale: float = 1.0) -> tuple[tuple, dict]:
+                      per_head: bool = False, dht_scale: float = 1.0, dim: int = D) -> tuple[tuple, dict]:
     """bf16 inputs of one gate kind ("kimi_init", "pm1000", "low_decay": the softplus gate; "masks": a log
-    decay) with h0 and dht; ``per_head`` takes g ``[B, T, HV]`` (GatedDeltaNet)."""
+    decay) with h0 and dht; ``per_head`` takes g ``[B, T, HV]`` (GatedDeltaNet); head dim ``dim``."""
     gen = torch.Generator().manual_seed(seed)
     seq_len, num_seqs = sum(lengths), len(lengths)
-    shape = (1, seq_len, value_heads) + (() if per_head else (D,))
-    q, k = (torch.randn(1, seq_len, heads, D, generator=gen).bfloat16() for _ in range(2))
-    v, do = (torch.randn(1, seq_len, value_heads, D, generator=gen).bfloat16() for _ in range(2))
+    shape = (1, seq_len, value_heads) + (() if per_head else (dim,))
+    q, k = (torch.randn(1, seq_len, heads, dim, generator=gen).bfloat16() for _ in range(2))
+    v, do = (torch.randn(1, seq_len, value_heads, dim, generator=gen).bfloat16() for _ in range(2))
     beta = torch.randn(1, seq_len, value_heads, generator=gen).bfloat16()
     raw = torch.randn(*shape, generator=gen)
     options = dict(gate="softplus", A_log=torch.log(torch.rand(value_heads, generator=gen) * 15 + 1),
@@ -399,8 +399,8 @@ def _backward_problem(kind: str, *, heads: int, value_heads: int, lengths: list[
         decay = F.logsigmoid(raw + 2.0)
         g = torch.where(torch.rand(shape, generator=gen) < 0.1, -1000.0, decay).float()
         options = dict(gate="none", A_log=None, dt_bias=None)
-    h0 = 0.1 * torch.randn(num_seqs, value_heads, D, D, generator=gen)
-    dht = dht_scale * torch.randn(num_seqs, value_heads, D, D, generator=gen)
+    h0 = 0.1 * torch.randn(num_seqs, value_heads, dim, dim, generator=gen)
+    dht = dht_scale * torch.randn(num_seqs, value_heads, dim, dim, generator=gen)
     cu_seqlens = None if num_seqs == 1 else torch.tensor([0, *np.cumsum(lengths)])
     options.update(initial_state=h0, dht=dht, cu_seqlens=cu_seqlens)
     return (q, k, v, g, beta, do), options

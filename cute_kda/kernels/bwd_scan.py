@@ -6,7 +6,7 @@ bf16 rounding ``dS`` in shared memory:
 
 ```
 snapshot ← dS'                                   (bf16; kept for the tile-gradient kernel)
-dU = bf16(Mqkᵀ·dO + kr·dS')                      G1, G2 (one fp32 accumulator; 1 + 8 k-steps)
+dU = bf16(Mqkᵀ·dO + kr·dS')                      G1, G2 (one fp32 accumulator; 1 + D/16 k-steps)
 du = INVᵀ·dU                                     G3 (dU moved C→B by movmatrix)
 du → du out (bf16);  dv = bf16(β·du) → dv out    (stmatrix into an output stage)
 dS32 ← qdᵀ·dO − kdᵀ·dv + f32(gT·dS32)            G4, G5 and the combine, row block by row block of
@@ -56,7 +56,7 @@ from ..layouts import bwd_scan as scan_layouts
 from ..layouts import fwd_recurrence as layouts
 from ..layouts.bwd_scan import ScanSmemPlan
 from ..layouts.fwd_recurrence import OUTPUT_STAGES
-from ..numerics import CHUNK
+from ..numerics import CHUNK, HEAD_DIM
 from ..workspace import SNAPSHOT_TILES
 from .common.band_scan import BandScan, OutputTile
 from .common.copy import aligned_smem_tensor, c_row_half, smem_tensor, transpose_c_to_b
@@ -129,9 +129,10 @@ class ScanTmaSmem:
 
 
 class BwdScan(BandScan):
-    """Kernel A for head dim 128, one compiled variant per static configuration.
+    """Kernel A, one compiled variant per static configuration.
 
-    ``vsplit`` ∈ {1, 2, 4, 8}: CTAs per (sequence, head), each owning ``128 / vsplit`` value columns.
+    ``dim``: K = V (:data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`; the plan's tiles, k-steps and warp bands follow it,
+    as K2's). ``vsplit`` ∈ {1, 2, 4, 8}: CTAs per (sequence, head), each owning ``dim / vsplit`` value columns.
     ``compute_warps`` / ``output_stages``: the plan's (:class:`~cute_kda.layouts.bwd_scan.ScanSmemPlan`);
     ``split_accumulator``: G2's 8 k-steps run on two accumulators (even, odd), added at the end, so the
     chain of dependent mma is half as long. ``snapshot_every``: tiles per snapshot block (:func:`cute_kda.workspace.snapshot_slots`). ``dht`` / ``dh0``: None, ``cutlass.BFloat16`` or ``cutlass.Float32``: the dtype of the ``[N, H, V, K]``
@@ -144,10 +145,10 @@ class BwdScan(BandScan):
     def __init__(self, *, vsplit: int = 1, dht: Optional[type] = None, dh0: Optional[type] = None,
                  varlen: bool = False, snapshot_every: int = SNAPSHOT_TILES, compute_warps: Optional[int] = None,
                  output_stages: int = OUTPUT_STAGES, split_accumulator: bool = False,
-                 token_outputs: bool = True) -> None:
+                 token_outputs: bool = True, dim: int = HEAD_DIM) -> None:
         super().__init__(
             ScanSmemPlan(vsplit=vsplit, state_io_fp32=Float32 in (dht, dh0), compute_warps=compute_warps,
-                         output_stages=output_stages),
+                         output_stages=output_stages, dim=dim),
             initial_state=dht, final_state=dh0, varlen=varlen, reverse=True,
         )
         self.split_accumulator = split_accumulator

@@ -1,7 +1,7 @@
 """Shared-memory plan of the tile-gradient kernel, Kernel B (``cute_kda.kernels.bwd_grads``).
 
-One CTA handles one (16-token tile, head); :func:`smem_budget` is its shared memory. Every ``[16, 128]``
-bf16 tile and both ``[128, 128]`` state matrices use K1's 128-byte-swizzled ``K_SW128`` atoms
+One CTA handles one (16-token tile, head); :func:`smem_budget` is its shared memory. Every ``[16, D]``
+bf16 tile and both ``[D, D]`` state matrices (D = 128 or 64) use K1's 128-byte-swizzled ``K_SW128`` atoms
 (:func:`cute_kda.layouts.fwd_prepare.chunk_tile`): the TMA's ``SWIZZLE_128B`` mode, conflict-free
 16-byte runs for the elementwise phases, and ``ldmatrix`` / ``ldmatrix.trans`` through the tile or
 its ``MN_SW128`` transposed view (:func:`cute_kda.layouts.smem.sw128_tile_transposed`), as each
@@ -9,7 +9,7 @@ product needs. A state matrix arrives as the scan kernels keep it in global memo
 (:func:`cute_kda.layouts.fwd_recurrence.state_image`: K_INTER ``[V, K]``, 8 k contiguous), by one 1-D
 bulk copy: its ``[V, K]`` face is the B operand of ``kd·S`` (n = V, k = K), its ``[K, V]`` MN_INTER face
 that of ``dO·Sᵀ`` (n = K, k = V, ``ldmatrix.trans``); both read 128-byte core matrices, conflict-free. The 16×16 matrices (INV, dMqk, β·dL) are
-K_INTER operand tiles with their transposed views. The fp32 ``[16, 128]`` tiles (G, dG, dkr⊙kr) use
+K_INTER operand tiles with their transposed views. The fp32 ``[16, D]`` tiles (G, dG, dkr⊙kr) use
 K1's gate-cumsum layout.
 """
 
@@ -32,7 +32,19 @@ ROW_VECTORS = ("beta", "rinv_q", "rinv_k", "dbeta_square")  # [16] fp32
 COMPUTE_WARPS = (4, 8)  # warps per CTA the kernel is built for; warp w owns columns w·(D/warps) …
 DEFAULT_WARPS = 8  # measured faster than 4 (docs/perf-log.md, B1)
 CTAS_PER_SM = 2  # what the smem plan is sized for; the launch asks ptxas for it (≤ 128 registers at 8 warps)
-CHANNEL_WARPS = 4  # warps 0-3 also run the per-channel phases (one thread per channel at D = 128)
+CHANNEL_WARPS = 4  # the most warps that run the per-channel phases (one thread per channel: D / 32 warps)
+
+
+def compute_warps(dim: int = HEAD_DIM) -> tuple[int, ...]:
+    """The warp counts Kernel B is built for at head dim ``dim``: :data:`COMPUTE_WARPS` at 128; 4 at 64, where K1's
+    recompute has 16 rows × 8 lanes of row chunks, one a thread of 4 warps, and a warp's band stays 16 columns (the
+    band of 8 warps at 128)."""
+    return COMPUTE_WARPS if dim == HEAD_DIM else (4,)
+
+
+def default_warps(dim: int = HEAD_DIM) -> int:
+    """The launcher's warps at head dim ``dim``: :data:`DEFAULT_WARPS`, or the one count :func:`compute_warps` has."""
+    return DEFAULT_WARPS if DEFAULT_WARPS in compute_warps(dim) else max(compute_warps(dim))
 DYADIC_LEVELS = len(DYADIC_BLOCKS)  # the straddle levels of the per-channel unbounded gates
 DYADIC_CTAS_PER_SM = 1  # the dyadic plan's first form
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from .. import validation
-from ..layouts.bwd_grads import COMPUTE_WARPS, DEFAULT_WARPS, reads_gate_rows
-from ..numerics import f32, gate_constant
+from ..layouts.bwd_grads import compute_warps as warps_at, default_warps, reads_gate_rows
+from ..numerics import NATIVE_HEAD_DIMS, f32, gate_constant
 from ..variants import GradsVariant
 from ..workspace import Workspace, block_states_shape
 from ._cache import (
@@ -133,7 +133,7 @@ def compiled_variant(variant: GradsVariant, index: int, tensors: tuple, options:
                                   gate=variant.gate, gate_dtype=dsl_type(variant.g_dtype),
                                   per_head_gate=variant.per_head_gate, grouped=variant.grouped,
                                   gate_ahead=variant.gate_ahead, split_load=variant.split_load,
-                                  split_rows=variant.split_rows)
+                                  split_rows=variant.split_rows, dim=variant.dim)
         return compile_for_launch(kernel, *launch_arguments(*tensors, **options, tensor=to_cute_tensor), fake_stream())
 
     return _CACHE.get((variant, index), build)
@@ -145,26 +145,28 @@ def bwd_grads(
     dt_bias: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dg: torch.Tensor, dbeta: torch.Tensor,
     ddt_partial: torch.Tensor, dalog_partial: torch.Tensor, *, scale: float, lower_bound: float,
     cu_seqlens: torch.Tensor | None = None, tile_base: torch.Tensor | None = None, qk_l2norm: bool = True,
-    beta_logits: bool = True, compute_warps: int = DEFAULT_WARPS, gate: str = "safe",
+    beta_logits: bool = True, compute_warps: int | None = None, gate: str = "safe",
 ) -> None:
     """Run Kernel B: dq, dk, dg, dbeta (valid rows) and the per-tile partials of ddt_bias and dA_log.
 
-    q, k, g (raw gate), v, do, du (Kernel A's), dq, dk, dg: bf16 ``[B, T, H, 128]``; dbeta bf16
+    q, k, g (raw gate), v, do, du (Kernel A's), dq, dk, dg: bf16 ``[B, T, H, D]`` (D in
+    :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`, the workspace's); dbeta bf16
     ``[B, T, H]``, w.r.t. beta as the forward took it (the logits when ``beta_logits``; β itself enters
-    through the workspace's activated ``ws.beta``); A_log fp32 ``[H]``, dt_bias fp32 ``[H, 128]``; ws: the forward's K1
+    through the workspace's activated ``ws.beta``); A_log fp32 ``[H]``, dt_bias fp32 ``[H, D]``; ws: the forward's K1
     workspace. states: the training forward's per-tile checkpoints, state_grads: Kernel A's per-tile
-    snapshots, both bf16 ``block_states_shape(ws, H, N)`` state images. ddt_partial fp32 ``[H, tiles, 128]``,
+    snapshots, both bf16 ``block_states_shape(ws, H, N)`` state images. ddt_partial fp32 ``[H, tiles, D]``,
     dalog_partial fp32 ``[H, tiles]`` (:func:`gate_partials_shapes`): every slot is written (0 for slots
     that are no tile), so ``ddt_bias = ddt_partial.sum(1)`` and ``dA_log = dalog_partial.sum(1)``.
     ``scale`` and ``lower_bound`` as the forward's; ``cu_seqlens`` int64 ``[N+1]`` with B == 1 packs N
-    sequences (``tile_base`` derived when not given). ``compute_warps``: 4 or 8 warps per CTA (a tuning
-    knob; the row sums over warps then group differently, so results agree to rounding, not bit for bit).
+    sequences (``tile_base`` derived when not given). ``compute_warps``: warps per CTA, 4 or 8 at D = 128, 4 at 64, None
+    the default (:func:`~cute_kda.layouts.bwd_grads.default_warps`); a tuning knob: the row sums over warps then group
+    differently, so results agree to rounding, not bit for bit.
 
-    ``gate`` "softplus" or "none" with g ``[B, T, HV, 128]``: the per-channel unbounded gates (docs/numerics.md,
+    ``gate`` "softplus" or "none" with g ``[B, T, HV, D]``: the per-channel unbounded gates (docs/numerics.md,
     "Kernel B for the per-channel unbounded gates"): g raw bf16 for "softplus", the log decay bf16 / fp32 for
     "none"; dg bf16 like g's shape, the partials as the safe gate's (None for "none"); v, do, du, dq, dk per value
     head as below. With g ``[B, T, HV]``: GatedDeltaNet's per-head gate (docs/numerics.md, "Kernel B for a
-    per-head gate"). Then v, do, du, dq, dk are ``[B, T, HV, 128]`` with HV a multiple of q and k's H (grouped value
+    per-head gate"). Then v, do, du, dq, dk are ``[B, T, HV, D]`` with HV a multiple of q and k's H (grouped value
     heads: dq, dk come per value head, the caller sums each group); g ``[B, T, HV]`` (raw bf16 for "softplus",
     the log decay bf16 / fp32 for "none"); A_log, dt_bias fp32 ``[HV]`` (None for "none"); dg fp32
     ``[B, T, HV]``; ddt_partial, dalog_partial fp32 ``[HV, tiles]`` (None for "none"). Launches on torch's
@@ -174,8 +176,13 @@ def bwd_grads(
     num_seqs = validation.num_seqs(q.shape[0], cu_seqlens)
     _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial, dalog_partial,
                    num_seqs, gate)
-    if compute_warps not in COMPUTE_WARPS:
-        raise ValueError(f"compute_warps must be one of {COMPUTE_WARPS}, got {compute_warps}")
+    dim = q.shape[-1]
+    if dim not in NATIVE_HEAD_DIMS or dim != ws.qd.shape[-1]:
+        raise ValueError(f"q's head dim {dim} must be the workspace's ({ws.qd.shape[-1]}) and one of {NATIVE_HEAD_DIMS}")
+    if compute_warps is None:
+        compute_warps = default_warps(dim)
+    if compute_warps not in warps_at(dim):
+        raise ValueError(f"compute_warps must be one of {warps_at(dim)} at D = {dim}, got {compute_warps}")
     if ws.qd.shape[0] == 0:
         return
     if varlen and tile_base is None:
@@ -189,7 +196,7 @@ def bwd_grads(
         gate_ahead = GATE_AHEAD and reads_gate_rows(gate, per_head)
         variant = GradsVariant(varlen, bool(qk_l2norm), bool(beta_logits), gate, g.dtype, per_head,
                                v.shape[2] != q.shape[2], compute_warps, gate_ahead, SPLIT_LOAD,
-                               SPLIT_ROWS and gate == "safe" and compute_warps == max(COMPUTE_WARPS))
+                               SPLIT_ROWS and gate == "safe" and compute_warps == max(warps_at()), dim)
         compiled_variant(variant, device_index(q.device), tensors, options)(*launch_arguments(*tensors, **options),
                                                                             stream)
 
@@ -198,7 +205,7 @@ def compile_variant(variant: GradsVariant, device: torch.device | str) -> None:
     """Compile (or load from the disk cache) the Kernel B ``variant`` for ``device`` ahead of time from ``meta``
     tensors (a per-head gate: g ``[B, T, HV]``; grouped: two value heads per q/k head): nothing is allocated or
     launched."""
-    problem = compile_problem(variant.varlen)
+    problem = compile_problem(variant.varlen, variant.dim)
     heads, fp32 = problem.heads, torch.float32
     qk, tokens = problem.tokens(1 if variant.grouped else heads), problem.tokens()
     gate_inner = () if variant.per_head_gate else (problem.dim,)

@@ -12,7 +12,7 @@ import torch
 
 from .. import validation
 from ..device import sm_count
-from ..numerics import SCAN_VSPLITS
+from ..numerics import NATIVE_HEAD_DIMS, SCAN_VSPLITS
 from ..variants import ScanTuning, ScanVariant
 from ..workspace import SNAPSHOT_TILES, Workspace, block_states_shape
 from ._cache import (
@@ -59,7 +59,8 @@ def compiled_variant(variant: ScanVariant, index: int, tensors: dict):
         kernel = BwdScan(vsplit=variant.vsplit, dht=dsl_type(variant.dht), dh0=dsl_type(variant.dh0),
                          varlen=variant.varlen, snapshot_every=variant.snapshot_every,
                          compute_warps=tuning.compute_warps, output_stages=tuning.output_stages,
-                         split_accumulator=tuning.split_accumulator, token_outputs=variant.token_outputs)
+                         split_accumulator=tuning.split_accumulator, token_outputs=variant.token_outputs,
+                         dim=variant.dim)
         return compile_for_launch(kernel, *launch_arguments(**tensors, tensor=to_cute_tensor), fake_stream())
 
     return _CACHE.get((variant, index), build)
@@ -68,7 +69,7 @@ def compiled_variant(variant: ScanVariant, index: int, tensors: dict):
 def _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs: int, snapshot_every: int) -> None:
     """Shapes, dtypes and devices of Kernel A's buffers against ``do`` and the workspace."""
     batch, steps, heads, dim = do.shape
-    if do.dtype != torch.bfloat16 or dim != ws.qd.shape[-1]:
+    if do.dtype != torch.bfloat16 or dim != ws.qd.shape[-1] or dim not in NATIVE_HEAD_DIMS:
         raise ValueError(f"do must be bf16 [B, T, H, {ws.qd.shape[-1]}], got {do.dtype} {tuple(do.shape)}")
     if ws.qd.shape[0] % heads:
         raise ValueError(f"workspace rows {ws.qd.shape[0]} are not a multiple of H = {heads}")
@@ -95,7 +96,7 @@ def bwd_scan(
 ) -> None:
     """Run Kernel A: ``dv``, ``du`` (valid rows only), ``snapshots`` and, when given, ``dh0``.
 
-    do, dv, du: bf16 ``[B, T, H, 128]`` (dO the gradient w.r.t. the forward's output; du the gradient
+    do, dv, du: bf16 ``[B, T, H, D]``, D in :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS` and the workspace's (dO the gradient w.r.t. the forward's output; du the gradient
     w.r.t. ``u = β ⊙ (v − kd S)`` of each tile, for the tile-gradient kernel; dv the gradient w.r.t. v).
     ws: the K1 :class:`~cute_kda.workspace.Workspace` of the forward these gradients belong to.
     snapshots: bf16 ``[H · slots, D, D]`` state images (:func:`cute_kda.workspace.block_states_shape` with
@@ -132,7 +133,7 @@ def bwd_scan(
         tensors = dict(do=do, ws=ws, dv=dv, du=du, snapshots=snapshots, dht=dht, dh0=dh0,
                        cu_seqlens=cu_seqlens, tile_base=tile_base)
         variant = ScanVariant(vsplit, dtype_or_none(dht), dtype_or_none(dh0), varlen, tuning, bool(token_outputs),
-                              snapshot_every)
+                              snapshot_every, dim=do.shape[-1])
         compiled_variant(variant, device_index(do.device), tensors)(*launch_arguments(**tensors), stream)
 
 
@@ -142,7 +143,7 @@ def compile_variant(variant: ScanVariant, device: torch.device | str) -> None:
     tensors: nothing is allocated or launched."""
     if variant.vsplit not in SCAN_VSPLITS:
         raise ValueError(f"vsplit must be one of {SCAN_VSPLITS}, got {variant.vsplit}")
-    problem = compile_problem(variant.varlen)
+    problem = compile_problem(variant.varlen, variant.dim)
     do = problem.tokens()
     tensors = dict(do=do, ws=problem.ws, dv=do, du=do, snapshots=problem.block_states(variant.snapshot_every),
                    dht=problem.state(variant.dht), dh0=problem.state(variant.dh0), cu_seqlens=problem.cu_seqlens,

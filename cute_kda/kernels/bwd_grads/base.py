@@ -14,7 +14,7 @@ checkpoint) and the gradient ``dS'`` leaving it (Kernel A's snapshot), both stat
    barrier; the other threads fetch INV, β and the gate's inputs.
 2. *Recompute K1* (:class:`~..common.token_prep.TokenPrep`, the instructions K1 runs) for the gate's scheme.
    Invalid rows of v, dO, du are zeroed.
-3. *Forward recompute* (warp ``w`` of ``n`` owns value columns ``w·128/n …``, its band): ``kd·S``, ``w = v − kd·S``,
+3. *Forward recompute* (warp ``w`` of ``n`` owns value columns ``w·D/n …``, its band): ``kd·S``, ``w = v − kd·S``,
    ``u = bf16(β·w)``, ``U = bf16(INV·u)`` (K2's rounding), ``−bf16(β·du)``, and the per-row partial of
    ``Σ_v du·w``.
 4. *16×16 products:* warp 0 ``dMqk = bf16(tril(dO·Uᵀ))``; warp 1 ``dL = −stril(du·Uᵀ)``,
@@ -47,7 +47,7 @@ from ...layouts import bwd_grads as plan
 from ...layouts.budget import SMEM_CARVEOUT_PERCENT, SmemBudget
 from ...layouts.fwd_prepare import chunk_tile, compact
 from ...layouts.smem import CHUNK, HEAD_DIM, square_tile
-from ...numerics import IMAGE_RUN, LOG2E
+from ...numerics import IMAGE_RUN, LOG2E, NATIVE_HEAD_DIMS
 from ..common.copy import (
     WARP_TILE,
     Operand,
@@ -62,9 +62,7 @@ from ..common.copy import (
     warp_tiled_mma,
 )
 from ..common.fastmath import ex2_approx
-from ..common.token_prep import ROW_LANES, TokenPrep
-
-K_STEPS = HEAD_DIM // WARP_TILE  # 16-wide contraction steps over a full head dimension
+from ..common.token_prep import TokenPrep
 
 
 class GradsInputs(NamedTuple):
@@ -143,8 +141,10 @@ def smem_bundle(name: str, own_fields: tuple[str, ...], doc: str) -> type:
 
 
 class BwdGrads(TokenPrep):
-    """Kernel B's shared phases. Static configuration: ``varlen``, ``qk_l2norm``, ``beta_logits``; ``compute_warps``
-    (4 or 8): warps per CTA, each owning ``128 / compute_warps`` columns in the band phases; ``gate``
+    """Kernel B's shared phases. Static configuration: ``varlen``, ``qk_l2norm``, ``beta_logits``; ``dim``: K = V
+    (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`); ``compute_warps`` (:func:`cute_kda.layouts.bwd_grads.compute_warps`:
+    4 or 8 at 128, 4 at 64): warps per CTA, each owning ``D / compute_warps`` columns in the band phases, the first
+    ``D / 32`` also one channel a thread in the per-channel phases; ``gate``
     (:data:`cute_kda.numerics.GATES`) and ``gate_dtype`` (bf16, or fp32 with gate "none"); ``grouped`` value heads
     (value head ``h`` reads q/k head ``h // (HV / H)``). ``gate_ahead``: the gate backward reads its channel's 16 raw
     gate values in one burst before its row loop (K1's :meth:`load_gate_column`), not one a row after the previous
@@ -169,9 +169,12 @@ class BwdGrads(TokenPrep):
 
     def __init__(self, *, varlen: bool, gate: str = "safe", qk_l2norm: bool = True, beta_logits: bool = True,
                  compute_warps: int = plan.DEFAULT_WARPS, gate_dtype: type = BFloat16, grouped: bool = False,
-                 gate_ahead: bool = False, split_load: bool = False, split_rows: bool = False) -> None:
-        if compute_warps not in plan.COMPUTE_WARPS:
-            raise ValueError(f"compute_warps must be one of {plan.COMPUTE_WARPS}, got {compute_warps}")
+                 gate_ahead: bool = False, split_load: bool = False, split_rows: bool = False,
+                 dim: int = HEAD_DIM) -> None:
+        if dim not in NATIVE_HEAD_DIMS:
+            raise ValueError(f"dim must be one of {NATIVE_HEAD_DIMS}, got {dim}")
+        if compute_warps not in plan.compute_warps(dim):
+            raise ValueError(f"compute_warps must be one of {plan.compute_warps(dim)} at D = {dim}, got {compute_warps}")
         if gate not in self.gates:
             raise ValueError(f"{type(self).__name__} takes gate {' or '.join(map(repr, self.gates))}, got {gate!r}")
         if grouped and not self.grouped_heads:
@@ -188,12 +191,14 @@ class BwdGrads(TokenPrep):
         self.qk_l2norm = qk_l2norm
         self.beta_logits = beta_logits
         self.warps = compute_warps
-        self.band = HEAD_DIM // compute_warps  # columns (value or key channels) one warp owns
+        self.band = dim // compute_warps  # columns (value or key channels) one warp owns
         self.dgt_warp = compute_warps // 2  # warps from here on compute dgT in phase 4
         self.num_threads = compute_warps * 32
-        self.dim = HEAD_DIM
-        self.tile = (CHUNK, HEAD_DIM)
-        self.decay_items = CHUNK * ROW_LANES // self.num_threads
+        self.dim = dim
+        self.tile = (CHUNK, dim)
+        self.k_steps = dim // WARP_TILE  # 16-wide contraction steps over a full head dimension
+        self.channel_warps = dim // 32  # warps that run the per-channel phases, one thread a channel
+        self.decay_items = CHUNK * self.row_lanes // self.num_threads
 
     def smem_budget(self) -> SmemBudget:
         """The shared-memory plan the launch asks for: the scheme's :attr:`smem_plan` (of ``layouts.bwd_grads``)."""
@@ -453,7 +458,7 @@ class BwdGrads(TokenPrep):
         ks = make_fragment(mma, Operand.C, Float32, tile=block)
         ks.fill(0.0)
         self.accumulate(mma, ks, smem.kd, cute.local_tile(smem.state_t, (band, self.dim), (warp_idx, 0)),
-                        False, False, K_STEPS, lane)
+                        False, False, self.k_steps, lane)
         v = self.load_c(mma, cute.local_tile(smem.v, block, (0, warp_idx)), lane)
         du = self.load_c(mma, cute.local_tile(smem.du, block, (0, warp_idx)), lane)
         beta = self.row_values(smem.beta, lane)
@@ -513,7 +518,7 @@ class BwdGrads(TokenPrep):
         mma = warp_tiled_mma(BFloat16, Float32)
         acc = make_fragment(mma, Operand.C, Float32)
         acc.fill(0.0)
-        self.accumulate(mma, acc, s_left, s_right, False, False, K_STEPS, lane)
+        self.accumulate(mma, acc, s_left, s_right, False, False, self.k_steps, lane)
         return acc
 
     @cute.jit
@@ -679,7 +684,7 @@ class BwdGrads(TokenPrep):
         cute.arch.sync_threads()
         if warp_idx == 0 and lane == 0:
             total = Float32(0.0)
-            for w in cutlass.range_constexpr(plan.CHANNEL_WARPS):
+            for w in cutlass.range_constexpr(self.channel_warps):
                 total = total + smem.dalog_w[w]
             out.dalog_partial[slot] = total
 

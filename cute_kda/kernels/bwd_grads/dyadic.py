@@ -23,7 +23,7 @@ from ...layouts.smem import CHUNK, square_tile, square_tile_transposed, sw128_ti
 from ...numerics import DYADIC_BLOCKS, LN2
 from ..common.copy import Operand, c_row_half, make_fragment, warp_tiled_mma
 from .base import (
-    K_STEPS, BwdGrads, GradsInputs, GradsOutputs, GradsScalars, GradsStates, GradsWorkspace, TileLocation, smem_bundle,
+    BwdGrads, GradsInputs, GradsOutputs, GradsScalars, GradsStates, GradsWorkspace, TileLocation, smem_bundle,
 )
 
 DyadicGradsSmem = smem_bundle(
@@ -222,10 +222,10 @@ class DyadicBwdGrads(BwdGrads):
         band = self.band
         mma, c0, shape, coords, s_band = self.key_band(smem, warp_idx, lane)
         d_qd, d_kd, d_kr = self.zero_fragments(mma, shape, 3)
-        self.accumulate(mma, d_qd, smem.do, s_band, False, True, K_STEPS, lane)
-        self.accumulate(mma, d_kd, smem.neg_bdu, s_band, False, True, K_STEPS, lane)
+        self.accumulate(mma, d_qd, smem.do, s_band, False, True, self.k_steps, lane)
+        self.accumulate(mma, d_kd, smem.neg_bdu, s_band, False, True, self.k_steps, lane)
         self.accumulate(mma, d_kr, smem.u_out, cute.local_tile(smem.state_grad, (band, self.dim), (warp_idx, 0)),
-                        False, True, K_STEPS, lane)
+                        False, True, self.k_steps, lane)
         cute.arch.sync_threads()  # every warp's reads of S and dS' are done: their bytes take the sums below
 
         # Mqk's diagonal: dqh += dMqk_ii·kh_i, dkh += dMqk_ii·qh_i (kh, qh from the raw q, k in L2)
@@ -291,7 +291,7 @@ class DyadicBwdGrads(BwdGrads):
         up from its first) + ``Σ_{r≥s} (dqd⊙qd + dkd⊙kd)_r`` + ``Σ_{r<s} (dkr⊙kr)_r`` + ``dgT·gT``; then
         ``dg = dγ`` (log decay) or ``dg = −e^A·σ(g + dt_bias)·dγ`` (softplus) and the tile's partial sums of
         ddt_bias (per channel) and dA_log (``Σ dγ·γ``, ``γ = g'·ln 2``; over channels in warp order)."""
-        if warp_idx < plan.CHANNEL_WARPS:  # one thread per channel
+        if warp_idx < self.channel_warps:  # one thread per channel
             levels = cute.make_rmem_tensor((CHUNK,), Float32)
             levels.fill(0.0)
             for level in cutlass.range_constexpr(plan.DYADIC_LEVELS):

@@ -24,7 +24,7 @@ from ...numerics import LN2
 from ..common.copy import Operand, c_row_half, make_fragment
 from ..common.token_prep import ROW_SUMS_THREAD
 from .base import (
-    K_STEPS, BwdGrads, GradsInputs, GradsOutputs, GradsScalars, GradsStates, GradsWorkspace, TileLocation, smem_bundle,
+    BwdGrads, GradsInputs, GradsOutputs, GradsScalars, GradsStates, GradsWorkspace, TileLocation, smem_bundle,
 )
 
 PerHeadGradsSmem = smem_bundle(
@@ -139,8 +139,8 @@ class PerHeadBwdGrads(BwdGrads):
         k_hat_band = cute.local_tile(smem.k_hat_t, (band, CHUNK), (warp_idx, 0))
         q_hat_band = cute.local_tile(smem.q_hat_t, (band, CHUNK), (warp_idx, 0))
         d_qd, d_kd, pair_q = self.zero_fragments(mma, shape, 3)
-        self.accumulate(mma, d_qd, smem.do, s_band, False, True, K_STEPS, lane)
-        self.accumulate(mma, d_kd, smem.neg_bdu, s_band, False, True, K_STEPS, lane)
+        self.accumulate(mma, d_qd, smem.do, s_band, False, True, self.k_steps, lane)
+        self.accumulate(mma, d_kd, smem.neg_bdu, s_band, False, True, self.k_steps, lane)
         self.accumulate(mma, pair_q, smem.dmqk, k_hat_band, False, True, 1, lane)
         qd = self.load_c(mma, cute.local_tile(smem.qd, shape, (0, warp_idx)), lane)
         kd = self.load_c(mma, cute.local_tile(smem.kd, shape, (0, warp_idx)), lane)
@@ -163,7 +163,7 @@ class PerHeadBwdGrads(BwdGrads):
         self.accumulate(mma, pair_k, smem.dlb_t, k_hat_band, True, True, 1, lane)
         self.accumulate(mma, pair_k, smem.dmqk_t, q_hat_band, True, True, 1, lane)
         self.accumulate(mma, d_kr, smem.u_out, cute.local_tile(smem.state_grad, (band, self.dim), (warp_idx, 0)),
-                        False, True, K_STEPS, lane)
+                        False, True, self.k_steps, lane)
         kr = self.load_c(mma, cute.local_tile(smem.kr, shape, (0, warp_idx)), lane)
         for i in cutlass.range_constexpr(cute.size(d_kr)):
             h = c_row_half(i)

@@ -1,9 +1,9 @@
 """Kernel B for the bounded (safe) gate, FlashKDA's form: the phases of :mod:`.base` with
 
-2. *Recompute K1*: the gate scan ``G`` per channel (threads 0-127), the l2norm scales, qd, kd, kr and kinv
+2. *Recompute K1*: the gate scan ``G`` per channel (threads 0 … D − 1), the l2norm scales, qd, kd, kr and kinv
    (over q, k, g and into kinv).
 5. *Channel products*: dqd, dkd, dkinv, dkr, then the token gradients of q̂ and k̂, ``dG`` and ``dkr ⊙ kr``.
-6. *Finish*: per channel (threads 0-127), the reverse cumsum of dG, the gate backward (dg, and the tile's
+6. *Finish*: per channel (threads 0 … D − 1), the reverse cumsum of dG, the gate backward (dg, and the tile's
    partial sums of ddt_bias and dA_log).
 
 g comes by TMA with the other token tiles; two CTAs per SM (``cute_kda.layouts.bwd_grads.smem_budget``).
@@ -21,7 +21,7 @@ from ...numerics import LN2, LOG2E
 from ..common.copy import Operand, make_fragment
 from ..common.fastmath import ex2_approx
 from .base import (
-    K_STEPS, BwdGrads, GradsInputs, GradsOutputs, GradsScalars, GradsStates, GradsWorkspace, TileLocation, smem_bundle,
+    BwdGrads, GradsInputs, GradsOutputs, GradsScalars, GradsStates, GradsWorkspace, TileLocation, smem_bundle,
 )
 
 SafeGradsSmem = smem_bundle(
@@ -106,9 +106,9 @@ class SafeBwdGrads(BwdGrads):
         ln2 = Float32(LN2)
         # two passes of two accumulators each (register pressure): dqd and dkd, then dkinv and dkr
         d_qd, d_kd = self.zero_fragments(mma, shape, 2)
-        self.accumulate(mma, d_qd, smem.do, s_band, False, True, K_STEPS, lane)
+        self.accumulate(mma, d_qd, smem.do, s_band, False, True, self.k_steps, lane)
         self.accumulate(mma, d_qd, smem.dmqk, kinv_band, False, True, 1, lane)
-        self.accumulate(mma, d_kd, smem.neg_bdu, s_band, False, True, K_STEPS, lane)
+        self.accumulate(mma, d_kd, smem.neg_bdu, s_band, False, True, self.k_steps, lane)
         self.accumulate(mma, d_kd, smem.dlb, kinv_band, False, True, 1, lane)
         qd = self.load_c(mma, cute.local_tile(smem.qd, shape, (0, warp_idx)), lane)
         kd = self.load_c(mma, cute.local_tile(smem.kd, shape, (0, warp_idx)), lane)
@@ -128,7 +128,7 @@ class SafeBwdGrads(BwdGrads):
         self.accumulate(mma, d_kinv, smem.dlb_t, cute.local_tile(smem.kd_t, (band, CHUNK), (warp_idx, 0)),
                         True, True, 1, lane)
         self.accumulate(mma, d_kr, smem.u_out, cute.local_tile(smem.state_grad, (band, self.dim), (warp_idx, 0)),
-                        False, True, K_STEPS, lane)
+                        False, True, self.k_steps, lane)
         kinv = self.load_c(mma, cute.local_tile(smem.kinv, shape, (0, warp_idx)), lane)
         kr = self.load_c(mma, cute.local_tile(smem.kr, shape, (0, warp_idx)), lane)
         cum_last = self.load_pairs(smem.cumsum, coords, c0, lane, row=CHUNK - 1)
@@ -167,7 +167,7 @@ class SafeBwdGrads(BwdGrads):
         and warps 0-3, after row 8 and a barrier, finish rows 7 … 0 from them: the same operations on the same
         values in the same order, so the same bits."""
         if cutlass.const_expr(not self.split_rows):
-            if warp_idx < plan.CHANNEL_WARPS:  # one thread per channel
+            if warp_idx < self.channel_warps:  # one thread per channel
                 d_last = self.gate_d_last(smem, col)
                 zero = Float32(0.0)
                 # raw g from global memory (L2): its smem tile holds kr now
@@ -187,7 +187,7 @@ class SafeBwdGrads(BwdGrads):
             suffix = Float32(0.0)
             ddt = Float32(0.0)
             dalog = Float32(0.0)
-            if warp_idx < plan.CHANNEL_WARPS:
+            if warp_idx < self.channel_warps:
                 suffix, ddt, dalog = self.gate_rows(smem, inputs, out, scalars, tile, col, dt, e_a, d_last, g_rows,
                                                     CHUNK, half, (suffix, ddt, dalog))
             else:
@@ -197,7 +197,7 @@ class SafeBwdGrads(BwdGrads):
                         smem.x_rows[row, col] = x
                         smem.dsig_rows[row, col] = dsig
             cute.arch.sync_threads()  # rows 7 … 0's x and σ'(x) are in shared memory
-            if warp_idx < plan.CHANNEL_WARPS:
+            if warp_idx < self.channel_warps:
                 _, ddt, dalog = self.gate_rows(smem, inputs, out, scalars, tile, col, dt, e_a, d_last, g_rows,
                                                half, 0, (suffix, ddt, dalog), formed=False)
                 out.ddt_partial[tile.slot, col] = ddt

@@ -15,11 +15,10 @@ from typing import Optional
 from cutlass import BFloat16, Float32, Int32
 
 from ...dsl import cute, cutlass
-from ...numerics import CHUNK, DYADIC_BLOCKS, EPS, HEAD_DIM, LOG2E
+from ...numerics import CHUNK, DYADIC_BLOCKS, EPS, LOG2E
 from .fastmath import ex2_approx, lg2_approx, mul_rn, sigmoid_approx
 
 CHANNELS_PER_LANE = 8  # l2norm partial: 8 consecutive channels per lane, D / 8 lanes per row
-ROW_LANES = HEAD_DIM // CHANNELS_PER_LANE  # lanes per row at D = 128 (Kernel B, written for D = 128 only)
 ROW_SUMS_THREAD = 32  # a per-head gate's prefix and suffix sums: warp 1, beside warp 0's span columns
 
 
