@@ -100,8 +100,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, SHAPES)
     parser.add_argument("--warps", type=parse_warps, default=parse_warps("4,8"), help="compute warps per CTA")
-    parser.add_argument("--gate-ahead", type=parse_switch, default=[False],
-                        help="the gate backward's raw gate loaded in one burst: off, on or off,on (default off)")
+    parser.add_argument("--gate-ahead", type=parse_switch, default=[True],
+                        help="the gate backward's raw gate loaded in one burst: off, on or off,on (default on, as "
+                             "calls run)")
     parser.add_argument("--split-load", type=parse_switch, default=[False],
                         help="the state images behind their own barrier: off, on or off,on (default off)")
     parser.add_argument("--split-rows", type=parse_switch, default=[False],

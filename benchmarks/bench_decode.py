@@ -30,9 +30,9 @@ sigmoid in the kernel. The per-head rows (GatedDeltaNet) run decode with a preco
   :meth:`cute_kda.kernels.decode.DecodeVariant.choose_vsplit`);
 - ``--no-prefetch``: the plain unrolled multi-token variants instead of those that load every token ahead
   (:meth:`cute_kda.kernels.decode.DecodeVariant.choose_prefetch`, ``cute_kda.ops.decode.PREFETCH``), for the A/B of
-  docs/perf-log.md's D3; ``--paired``: one-token bf16 decodes on the paired variant where
-  :meth:`cute_kda.kernels.decode.DecodeVariant.choose_paired` says it pays (``cute_kda.ops.decode.PAIRED``, off by
-  default), for the A/B of D4 (the vsplit column then gives the paired split); ``--l2-ahead``: the T = 2-4 calls on
+  docs/perf-log.md's D3; ``--no-paired``: one-token bf16 decodes without the paired variant
+  that :meth:`cute_kda.kernels.decode.DecodeVariant.choose_paired` picks where it pays (``cute_kda.ops.decode.PAIRED``,
+  on by default; the vsplit column names the paired split), for the A/B of D4; ``--l2-ahead``: the T = 2-4 calls on
   bf16 pools keep the later tokens' inputs in L2 instead of registers (``cute_kda.ops.decode.L2_AHEAD``, off by
   default; :meth:`cute_kda.kernels.decode.DecodeVariant.choose_l2_ahead`), the A/B of D5; ``--no-fla``: our columns
   only;
@@ -206,8 +206,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time every V-split of each row")
     parser.add_argument("--no-prefetch", action="store_true",
                         help="the plain unrolled variants, not those loading every token ahead (A/B)")
-    parser.add_argument("--paired", action="store_true",
-                        help="one-token bf16 decodes on the paired variant where it pays (A/B, docs/perf-log.md D4)")
+    parser.add_argument("--no-paired", action="store_true",
+                        help="one-token bf16 decodes without the paired variant (A/B, docs/perf-log.md D4)")
     parser.add_argument("--l2-ahead", action="store_true",
                         help="bf16 T = 2-4 calls with the later tokens' inputs in L2, not registers (A/B, perf-log D5)")
     parser.add_argument("--no-fla", action="store_true", help="skip FLA's columns")
@@ -215,7 +215,7 @@ def main() -> None:
     from cute_kda.ops import decode as decode_ops
 
     decode_ops.PREFETCH = not args.no_prefetch
-    decode_ops.PAIRED = args.paired
+    decode_ops.PAIRED = not args.no_paired
     decode_ops.L2_AHEAD = args.l2_ahead
 
     head = ["N", "HV", "pool", "mode", "vsplit", "µs", "state GB/s", "copy GB/s", "% copy", "FLA µs", "vs FLA",

@@ -46,7 +46,8 @@ what it measured.
     python benchmarks/bench_train.py --shapes B1_T8192_H96 --head-dim 64          # K = V = 64 beside FLA
     python benchmarks/bench_train.py --shapes B1_T8192_H96 --dtype fp16          # fp16 inputs and dO, both peers
 
-``--head-dim 64``: cute_kda runs every kernel compiled for 64 (``cute_kda.call.runs_native``); other sizes below 128
+``--head-dim 64``: cute_kda pads to 128, or with ``--native-training`` runs every kernel compiled for 64
+(``cute_kda.call.runs_native``, ``NATIVE_TRAINING``); other sizes below 128
 zero-padded to 128 (the D = 128 step plus the padding copies and the gradients' slices); FLA at that head dim.
 
 ``--segments N`` runs cute_kda's canonical call (``chunk_kda``'s translation, then ``kda_forward(..., segments=N)``)
@@ -135,9 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--head-dim", type=head_dim, default=D,
                         help=f"K = V of every input (default {D}; cute_kda runs 64 natively, other smaller ones "
                              f"zero-padded to {D})")
-    parser.add_argument("--gate-ahead", action="store_true",
-                        help="Kernel B's gate backward loads the raw gate in one burst (cute_kda.ops.bwd_grads."
-                             "GATE_AHEAD; docs/perf-log.md, B5); the command line in the report records it")
+    parser.add_argument("--native-training", action="store_true",
+                        help="--head-dim 64 on the backward kernels built for 64 (cute_kda.call.NATIVE_TRAINING; "
+                             "docs/perf-log.md, P3), not padded to 128")
+    parser.add_argument("--no-gate-ahead", action="store_true",
+                        help="Kernel B's gate backward without the raw gate's one-burst load (cute_kda.ops.bwd_grads."
+                             "GATE_AHEAD, on by default; docs/perf-log.md, B5); the command line in the report records it")
     parser.add_argument("--split-load", action="store_true",
                         help="Kernel B's state images behind their own barrier (cute_kda.ops.bwd_grads.SPLIT_LOAD; "
                              "docs/perf-log.md, B6)")
@@ -409,7 +413,7 @@ def report(rows: list[dict], command: str, env: str, sha: str, steps: int, warmu
     parts = [
         "# Training step (forward + backward): cute_kda vs FLA chunk_kda",
         f"Command: `{command}` · commit `{sha}`",
-        f"{env} · D={head_dim}{head_dim_note(head_dim)}, "
+        f"{env} · D={head_dim}{head_dim_note(head_dim, training=True)}, "
         f"{dtype} q/k/v/g/beta (raw; gate, l2norm and β-sigmoid in-kernel, safe_gate, "
         f"lower_bound={LOWER_BOUND}), fp32 A_log/dt_bias/initial state (v-first), all requiring grad; "
         f"disable_recompute={disable_recompute} for both peers; cute_kda's context-parallel segments: "
@@ -610,9 +614,12 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_train needs a CUDA GPU (Hopper): nothing timed")
+    from cute_kda import call
     from cute_kda.ops import bwd_grads
 
-    bwd_grads.GATE_AHEAD, bwd_grads.SPLIT_LOAD, bwd_grads.SPLIT_ROWS = args.gate_ahead, args.split_load, args.split_rows
+    call.NATIVE_TRAINING = args.native_training
+    bwd_grads.GATE_AHEAD, bwd_grads.SPLIT_LOAD, bwd_grads.SPLIT_ROWS = (not args.no_gate_ahead, args.split_load,
+                                                                        args.split_rows)
     out = args.out or default_out(args.head_dim)
     command = shlex.join(["python", *(sys.argv if argv is None else ["benchmarks/bench_train.py", *argv])])
     env = environment("cutlass", "fla", "triton", labels={"cutlass": "cutlass-dsl"})

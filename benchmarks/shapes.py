@@ -61,14 +61,14 @@ def head_dim(text: str) -> int:
     return value
 
 
-def head_dim_note(dim: int) -> str:
+def head_dim_note(dim: int, training: bool = False) -> str:
     """How cute_kda runs head dim ``dim`` (K = V), for a table header: nothing at the kernels' 128, else native or
-    zero-padded (:func:`cute_kda.call.runs_native`)."""
+    zero-padded (:func:`cute_kda.call.runs_native`; ``training``: a training call's routing)."""
     from cute_kda.call import HeadDims, runs_native
 
     if dim == D:
         return ""
-    return f" (cute_kda: native D = {dim} kernels)" if runs_native(HeadDims(dim, dim, 1)) else \
+    return f" (cute_kda: native D = {dim} kernels)" if runs_native(HeadDims(dim, dim, 1), training) else \
         f" (cute_kda: zero-padded to {D})"
 
 

@@ -411,6 +411,7 @@ def warmup_variants(
     :func:`cute_kda.call.runs_native`; Kernel B at 64 at its one warp count, 4).
     """
     from .layouts.bwd_grads import default_warps
+    from .ops.bwd_grads import switches as grads_switches
     from .numerics import NATIVE_HEAD_DIMS, SCAN_VSPLITS, SUPPORTED_VSPLITS
 
     for dim in head_dims:
@@ -445,8 +446,9 @@ def warmup_variants(
                     for dht in (mode, None):
                         variants[ScanVariant(split, dht, mode, packed, dim=dim)] = None
                 for gate, g_dtype, per_head in gate_forms:
-                    variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, default_warps(dim),
-                                          dim=dim)] = None
+                    warps = default_warps(dim)
+                    variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, warps, dim=dim,
+                                          **grads_switches(gate, per_head, warps))] = None
     if segments:  # a segmented call (context parallelism): varlen, V-split 1 (the heuristic's), fp32 states
         fp32 = torch.float32
         for dtype, dim in itertools.product(dtypes, head_dims):

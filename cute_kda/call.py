@@ -11,7 +11,8 @@ rebuild their :class:`Options` with :func:`options_of`, the same function :func:
 derived value has one definition.
 
 Head dims other than the kernels' K = V = 128 are computed exactly on the 128 kernels (docs/numerics.md, "Other head
-dims"), except a call at K = V = 64, which every kernel compiles for (:func:`runs_native`). A call
+dims"), except a call at K = V = 64, which every kernel compiles for (:func:`runs_native`; training there behind
+:data:`NATIVE_TRAINING`). A call
 with K < 128 and / or V < 128 runs zero-padded: q, k (and a per-channel gate g, ``dt_bias``) get zero channels up to
 K = 128, v zero columns up to V = 128, the initial state both. The padded rows and columns of the state stay zero
 under every gate and the delta update, so the caller's part of every output and gradient is the unpadded call's. A
@@ -183,8 +184,8 @@ def resolve(
     not cover it, when caller buffers are given, or when a tensor is too large for Kernel B's offsets. Reads no device
     memory.
 
-    Head dims other than the kernels' K = V = 128 are checked at the caller's size; a call at K = V = 64 (inference or
-    training) then runs on the kernels compiled for 64 (:func:`runs_native`), any other as the
+    Head dims other than the kernels' K = V = 128 are checked at the caller's size; a call at K = V = 64 (inference, and
+    training under :data:`NATIVE_TRAINING`) then runs on the kernels compiled for 64 (:func:`runs_native`), any other as the
     padded / split 128 call (:func:`kernel_call`, torch ops autograd records; the default scale
     is the caller's ``K ** -0.5``) with the caller's buffers and dims in ``caller_dims``: its runner hands the results
     through :func:`finish`. Refused there: a pool call.
@@ -293,11 +294,18 @@ def head_dims_of(q: torch.Tensor, v: torch.Tensor) -> HeadDims | None:
     return HeadDims(key_dim, value_dim, max(1, -(-value_dim // HEAD_DIM)))
 
 
-def runs_native(dims: HeadDims) -> bool:
+# Whether a training call at K = V = 64 runs on the backward kernels compiled for 64 (Kernel A, Kernel B: built and
+# compiled for sm_90a, not yet run on the H200; docs/perf-log.md, P3). Off, it runs padded to 128 (exact, checked on
+# the H200); ``bench_train.py --head-dim 64 --native-training`` is the A/B.
+NATIVE_TRAINING = False
+
+
+def runs_native(dims: HeadDims, training: bool) -> bool:
     """Whether a call at the caller's ``dims`` runs on kernels compiled for them, unpadded: K = V, one of
-    :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`. Inference and training alike: every kernel of either (K1, K2, Kernel
-    A, Kernel B, each gate scheme) takes the head dim in its variant."""
-    return dims.key_dim == dims.value_dim and dims.key_dim in NATIVE_HEAD_DIMS
+    :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`, and for a training call :data:`NATIVE_TRAINING` (every kernel, K1,
+    K2, Kernel A, Kernel B, each gate scheme, takes the head dim in its variant; the backward's are not yet checked
+    on the GPU)."""
+    return (NATIVE_TRAINING or not training) and dims.key_dim == dims.value_dim and dims.key_dim in NATIVE_HEAD_DIMS
 
 
 def _pad_last(x: torch.Tensor, size: int, value: float = 0.0) -> torch.Tensor:
@@ -345,7 +353,7 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     repeated per split head for a training call with the safe gate, whose backward takes no grouped value heads)
     and how its results go back to the caller and its buffers (:class:`CallerDims`)."""
     dims = head_dims_of(q, v)
-    if dims is None or runs_native(dims):
+    if dims is None or runs_native(dims, training):
         return None
     tensors = to_kernel_dims(dims, q, k, v, g, beta, A_log, dt_bias, initial_state,
                              repeat_qk=training and gate == "safe")

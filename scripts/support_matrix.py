@@ -39,7 +39,7 @@ COLUMNS = {  # column title → the change from the base call (B = 2, T = 33, H 
     "fp16 inputs, training": {"dtype": torch.float16, "training": True},
     "head dim 64 (native kernels)": {"dim": 64},
     "K = 128, V = 256 (split)": {"value_dim": 256},
-    "head dim 64, training (native kernels)": {"dim": 64, "training": True},
+    "head dim 64, training": {"dim": 64, "training": True},
     "head dim 256": {"dim": 256},
 }
 

@@ -189,7 +189,8 @@ def test_compile_bwd_grads_builds_the_key_a_call_uses(monkeypatch, gate, per_hea
     monkeypatch.setattr(kb, "device_index", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     g_dtype = torch.bfloat16
-    kb.compile_variant(GradsVariant(True, True, False, gate, g_dtype, per_head, per_head, DEFAULT_WARPS), "cuda:0")
+    kb.compile_variant(GradsVariant(True, True, False, gate, g_dtype, per_head, per_head, DEFAULT_WARPS,
+                                    **kb.switches(gate, per_head, DEFAULT_WARPS)), "cuda:0")
     (variant, tensors, options), = seen
     assert all(t is None or t.device.type == "meta" for t in tensors if isinstance(t, torch.Tensor))
     names = ("q", "k", "g", "v", "do", "du", "A_log", "dt_bias", "ws", "states", "state_grads", "dq", "dk", "dg",

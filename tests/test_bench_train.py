@@ -39,7 +39,7 @@ def test_options(bench):
     assert args.shapes == ["B1_T32768_H16", "varlen6_H96"]  # order kept, duplicate dropped
     assert (args.peers, args.steps, args.warmup, args.no_profile, args.out) == ("none", 7, 1, True, "/tmp/x.md")
     assert args.segments is None and bench.build_parser().parse_args(["--segments", "1"]).segments == 1
-    assert not args.gate_ahead and bench.build_parser().parse_args(["--gate-ahead"]).gate_ahead
+    assert not args.no_gate_ahead and bench.build_parser().parse_args(["--no-gate-ahead"]).no_gate_ahead
     assert not args.split_load and bench.build_parser().parse_args(["--split-load"]).split_load
     assert not args.split_rows and bench.build_parser().parse_args(["--split-rows"]).split_rows
 
@@ -429,7 +429,7 @@ def test_head_dim_reaches_the_inputs_the_scale_and_the_report(bench):
     assert leaves["q"].shape == (1, 16, 2, 64) and leaves["dt_bias"].shape == (128,)
     assert leaves["initial_state"].shape == (1, 2, 64, 64) and problem["kwargs"]["scale"] == 64 ** -0.5
     assert bench.build_parser().parse_args(["--head-dim", "64"]).head_dim == 64
-    assert "D=64 (cute_kda: native D = 64 kernels)" in bench.report([], "cmd", "ENV", "sha", 1, 1, head_dim=64)
+    assert "D=64 (cute_kda: zero-padded to 128)" in bench.report([], "cmd", "ENV", "sha", 1, 1, head_dim=64)
     assert "D=60 (cute_kda: zero-padded to 128)" in bench.report([], "cmd", "ENV", "sha", 1, 1, head_dim=60)
     assert os.path.basename(bench.default_out(64)).startswith("train-d64-")
     with pytest.raises(SystemExit):

@@ -451,7 +451,7 @@ def test_launcher_keys_the_variant_and_builds_its_arguments(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=4)
     key, args = seen
-    assert key == (GradsVariant(False, True, True, "safe", torch.bfloat16, False, False, 4), 0)
+    assert key == (GradsVariant(False, True, True, "safe", torch.bfloat16, False, False, 4, gate_ahead=kb.GATE_AHEAD), 0)
     assert len(args) == 10 and args[-1] == "stream" and args[6] == _CPU_T
     with pytest.raises(ValueError, match="compute_warps"):
         kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=2)
@@ -467,6 +467,7 @@ def test_launcher_keys_the_switches(monkeypatch):
     monkeypatch.setattr(kb, "current_stream", lambda device: "stream")
     monkeypatch.setattr(kb, "device_index", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(kb, "GATE_AHEAD", False)
     kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0)
     monkeypatch.setattr(kb, "GATE_AHEAD", True)
     kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0)
@@ -868,7 +869,8 @@ def test_per_head_launcher_keys_the_variant(monkeypatch):
     seen.clear()
     kb.bwd_grads(**_dyadic_buffers("softplus", grouped=True, g_dtype=torch.bfloat16))
     key, args = seen
-    assert key == (GradsVariant(False, True, True, "softplus", torch.bfloat16, False, True, plan.DEFAULT_WARPS), 0)
+    assert key == (GradsVariant(False, True, True, "softplus", torch.bfloat16, False, True, plan.DEFAULT_WARPS,
+                                **kb.switches("softplus", False, plan.DEFAULT_WARPS)), 0)
     inputs, outputs = args[0], args[3]
     assert tuple(inputs.g.shape) == (40, 2, D) and tuple(outputs.dg.shape) == (40, 2, D)
     assert tuple(inputs.dt_bias.shape) == (2, D) and tuple(outputs.ddt_partial.shape[1:]) == (D,)

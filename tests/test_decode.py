@@ -1084,6 +1084,7 @@ def test_launcher_picks_the_variant_and_passes_the_kernel_arguments(monkeypatch,
     monkeypatch.setitem(ops._CUSTREAMS, 7, "stream")
     monkeypatch.setattr(ops, "on_device", lambda device: __import__("contextlib").nullcontext())
     monkeypatch.setattr(ops, "auto_vsplit", lambda *a: 2)
+    monkeypatch.setattr(ops, "sm_count", lambda index: 132)  # H200's count, for the paired rule
     step = make_step(3, 4, 2, 4, "softplus", True)
     params = make_params(4, "softplus", True)
     pool = random_pool(12, 4, torch.bfloat16)

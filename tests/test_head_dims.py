@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import cute_kda
-from cute_kda import api, fla_backend
+from cute_kda import api, call as call_module, fla_backend
 from cute_kda.call import (CallerDims, HeadDims, chunk_states_to_caller_dims, head_dims_of, resolve,
                            state_to_caller_dims, to_kernel_dims)
 from cute_kda.executors import training
@@ -161,10 +161,17 @@ def assert_matches_gold(case: Case, result, expected, label: str) -> None:
 # ============================================================================ CPU tier
 
 
+@pytest.fixture
+def native_training(monkeypatch):
+    """Training at K = V = 64 on the backward kernels built for 64 (:data:`cute_kda.call.NATIVE_TRAINING`, off until
+    the H200 has run them): the 64 cases check that routing, the others are unaffected."""
+    monkeypatch.setattr(call_module, "NATIVE_TRAINING", True)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_reference_stages_match_gold(name):
-    """The call at the caller's head dims through resolve (padded / split) on the mirrors, against the gold at the
-    caller's dims; every gradient in its input's shape and dtype."""
+def test_reference_stages_match_gold(native_training, name):
+    """The call at the caller's head dims through resolve (padded / split, or at 64 natively) on the mirrors, against
+    the gold at the caller's dims; every gradient in its input's shape and dtype."""
     case = CASES[name]
     problem, do, dht = make_problem(case)
     options = dict(case.options, gate=case.gate)
@@ -413,10 +420,10 @@ def _gold_at_caller_dims(case, tensors, problem, **options):
 @pytest.mark.parametrize("case", [Case(64, 64), Case(64, 64, "softplus", per_head=True, heads=1, value_heads=2,
                                                 lengths=(20, 0, 1, 17), state=torch.bfloat16),
                                    Case(64, 64, "none", lengths=(33,), state=None)], ids=lambda c: f"{c.gate}")
-def test_inference_at_64_runs_unpadded(gold_kernels, case):
+def test_inference_at_64_runs_unpadded(gold_kernels, monkeypatch, case):
     """An inference call at K = V = 64 resolves as itself (no caller dims to restore) and the executor runs the 64
-    problem, into the caller's buffers; under autograd too (every kernel takes 64); at any other small size the call
-    runs padded to 128."""
+    problem, into the caller's buffers; under autograd too where :data:`cute_kda.call.NATIVE_TRAINING` says so; at any
+    other small size the call runs padded to 128."""
     problem, _, _ = make_problem(case, seed=21)
     tensors = [problem.pop(n) for n in NAMES[:5]]
     with torch.no_grad():
@@ -428,8 +435,11 @@ def test_inference_at_64_runs_unpadded(gold_kernels, case):
     o_gold, ht_gold = _gold_at_caller_dims(case, tensors, problem)
     assert rel_rms(o, o_gold.bfloat16()) <= 1e-4 and rel_rms(ht, ht_gold) <= (4e-3 if case.state else 1e-6)
     leaves = [x.detach().requires_grad_() if n in ("q", "v") else x for n, x in zip(NAMES, tensors)]
-    trained = resolve(*leaves, **problem, gate=case.gate)
-    assert trained.training and trained.caller_dims is None and trained.options.problem.head_dim == 64
+    for native in (False, True):  # training at 64 pads until NATIVE_TRAINING
+        monkeypatch.setattr(call_module, "NATIVE_TRAINING", native)
+        trained = resolve(*leaves, **problem, gate=case.gate)
+        assert trained.training and (trained.caller_dims is None) == native
+        assert trained.options.problem.head_dim == (64 if native else 128)
     for key_dim, value_dim in ((60, 60), (64, 128), (128, 64)):
         other, _, _ = make_problem(Case(key_dim, value_dim, lengths=(5,)), seed=22)
         with torch.no_grad():
@@ -549,8 +559,9 @@ GPU_CASES = {  # the CPU cases at longer sequences (tails, T < 16 and empty sequ
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(GPU_CASES))
-def test_public_api_matches_gold(name, device):
-    """kda_forward on the kernels, training, at the caller's head dims, against the gold."""
+def test_public_api_matches_gold(native_training, name, device):
+    """kda_forward on the kernels, training, at the caller's head dims (at 64 on the backward kernels built for it),
+    against the gold."""
     case, factor = GPU_CASES[name]
     problem, do, dht = make_problem(case, seed=11, device=device, scale_lengths=factor)
     options = dict(case.options, gate=case.gate)

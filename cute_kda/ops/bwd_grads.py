@@ -23,16 +23,25 @@ from .prepare import compile_problem, tile_bases
 
 _CACHE = CompileCache("bwd_grads")
 # Whether the per-channel gates' Kernel B loads a channel's 16 raw gate values in one burst before the gate backward's
-# row loop (``GradsVariant.gate_ahead``; docs/perf-log.md, B5: predicted Kernel B −15-25 %, bit-identical); off until
-# the H200 A/B (``bench_train.py --gate-ahead``, ``bench_bwd_grads.py --gate-ahead``) and its GPU test have run.
-GATE_AHEAD = False
+# row loop (``GradsVariant.gate_ahead``; docs/perf-log.md, B5: Kernel B −13-14 % on the H200, bit-identical there);
+# ``bench_train.py --no-gate-ahead`` and ``bench_bwd_grads.py --gate-ahead off,on`` are its A/B.
+GATE_AHEAD = True
 # Whether Kernel B's state images complete a transaction barrier of their own, so K1's recompute runs while they
-# arrive (``GradsVariant.split_load``; docs/perf-log.md, B6: predicted −6-9 % on top of B5, bit-identical); off until
-# the H200 A/B (``--split-load`` of the same two benchmarks) and its GPU test have run.
+# arrive (``GradsVariant.split_load``; docs/perf-log.md, B6: predicted −6-9 % on top of B5, measured 0-1 % on the
+# H200, bit-identical): off (``--split-load`` of the same two benchmarks).
 SPLIT_LOAD = False
 # Whether the safe gate's Kernel B at 8 warps runs its gate backward's rows on all warps (``GradsVariant.split_rows``;
-# docs/perf-log.md, B7: predicted −5-7 % on top of B5 + B6, bit-identical); off until the H200 A/B (``--split-rows``).
+# docs/perf-log.md, B7: predicted −5-7 % on top of B5 + B6, measured +2-3 % on the H200, bit-identical): off
+# (``--split-rows``).
 SPLIT_ROWS = False
+
+
+def switches(gate: str, per_head_gate: bool, compute_warps: int) -> dict[str, bool]:
+    """The switches above as a call's Kernel B variant takes them (``gate_ahead`` where a gate row is read back,
+    ``split_rows`` for the safe gate at 8 warps): the launcher keys them, :func:`cute_kda.api.warmup_variants` lists
+    them, so a warmed variant is the one a call runs."""
+    return dict(gate_ahead=GATE_AHEAD and reads_gate_rows(gate, per_head_gate), split_load=SPLIT_LOAD,
+                split_rows=SPLIT_ROWS and gate == "safe" and compute_warps == max(warps_at()))
 
 
 def gate_partials_shapes(ws: Workspace, heads: int, per_head_gate: bool = False) -> tuple[tuple[int, ...], tuple[int, int]]:
@@ -193,10 +202,9 @@ def bwd_grads(
     with torch.cuda.device(q.device):
         stream = current_stream(q.device)
         per_head = g.dim() == 3
-        gate_ahead = GATE_AHEAD and reads_gate_rows(gate, per_head)
         variant = GradsVariant(varlen, bool(qk_l2norm), bool(beta_logits), gate, g.dtype, per_head,
-                               v.shape[2] != q.shape[2], compute_warps, gate_ahead, SPLIT_LOAD,
-                               SPLIT_ROWS and gate == "safe" and compute_warps == max(warps_at()), dim)
+                               v.shape[2] != q.shape[2], compute_warps, dim=dim,
+                               **switches(gate, per_head, compute_warps))
         compiled_variant(variant, device_index(q.device), tensors, options)(*launch_arguments(*tensors, **options),
                                                                             stream)
 

@@ -35,12 +35,13 @@ _OFFSET_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 # on the H200 for fp32 pools, bf16 58-62 % → 72-74 %); False gives the plain unrolled variants for A/B runs.
 PREFETCH = True
 # Whether one-token bf16 V-first decodes take the paired variant where :meth:`DecodeVariant.choose_paired` says it
-# pays (docs/perf-log.md, D4: predicted 82-84 % → 86-90 % of the copy); off until the H200 A/B
-# (``bench_decode.py --paired``) and its GPU tests have run.
-PAIRED = False
+# pays (docs/perf-log.md, D4: bf16 decode 83-84 % → 85-88 % of the copy from N = 128 on the H200, the same bits as
+# the unpaired variant there); ``bench_decode.py --no-paired`` is its A/B.
+PAIRED = True
 # Whether unrolled T = 2-4 calls on V-first bf16 pools keep the later tokens' inputs in L2 (``l2_ahead``) instead of
 # registers (``prefetch``) where :meth:`DecodeVariant.choose_l2_ahead` says so (docs/perf-log.md, D5: predicted bf16
-# verify 71-74 % → 80-88 % of the copy); off until the H200 A/B (``bench_decode.py --l2-ahead``) and its GPU tests.
+# verify 71-74 % → 80-88 % of the copy; measured 71-74 % → 50-72 % on the H200: slower at every size); off
+# (``bench_decode.py --l2-ahead``).
 L2_AHEAD = False
 _COMPILE_SIZES = (3, 2, 4, 5)  # N, H, HV, slots of the meta tensors a compile describes (every extent is dynamic)
 
