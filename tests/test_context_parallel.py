@@ -1,7 +1,7 @@
 """Context parallelism (``cute_kda/context_parallel.py``): sequences cut into segments that the serial scans run side by
 side, the segments' states joined by the forward's and the backward's combines.
 
-CPU tier: the heuristic and its refusals; the segment bounds; the training chain on the reference backend (the
+CPU tier: the heuristic and its refusals (GatedDeltaNet's B1 T32768 HV32 runs unsplit); the segment bounds; the training chain on the reference backend (the
 mirrors) with segments against autograd through the fp64 gold and against the unsplit chain (the first segment
 computed exactly as unsplit, the rest within rounding), through the autograd Function, ``recompute`` and the
 training ops, on gates that keep half the channels from decaying so that the states crossing the segment bounds
