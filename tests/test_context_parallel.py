@@ -1,11 +1,11 @@
 """Context parallelism (``cute_kda/context_parallel.py``): sequences cut into segments that the serial scans run side by
 side, the segments' states joined by the forward's and the backward's combines.
 
-CPU tier: the heuristic and its refusals; the segment bounds; the training chain on the reference backend (the
-mirrors) with segments against autograd through the fp64 gold and against the unsplit chain (the first segment
-computed exactly as unsplit, the rest within rounding), through the autograd Function, ``recompute`` and the
-training ops, on gates that keep half the channels from decaying so that the states crossing the segment bounds
-carry weight.
+CPU tier: the heuristic and its refusals (GatedDeltaNet's B1 T32768 HV32 runs unsplit); the segment bounds; the
+training chain on the reference backend (the mirrors) with segments against autograd through the fp64 gold and
+against the unsplit chain (the first segment computed exactly as unsplit, the rest within rounding), through the
+autograd Function, ``recompute`` and the training ops, on gates that keep half the channels from decaying so that
+the states crossing the segment bounds carry weight; GatedDeltaNet's chain likewise.
 
 GPU tier: the public API (the kernels) with segments against the fp64 gold (forward and every gradient) and against
 the reference backend, the first segment bit-identical to the unsplit forward, the heuristic splitting a long
@@ -49,6 +49,7 @@ def fixed(batch, seq_len, heads):
     (fixed(1, 8192, 22), 132, Segmentation(1, 8192, 1376)),  # 6 segments (86 tiles each, the last 82)
     (fixed(1, 8192, 23), 132, None),  # 5 segments an SM's worth: not worth the extra passes
     (fixed(1, 1 << 20, 1), 132, Segmentation(1, 1 << 20, 7952)),  # 132 segments of 497 tiles (the last 429)
+    (fixed(1, 32768, 32), 132, None),  # GatedDeltaNet's HV32: 32 value-head chains leave 4 SMs each
 ])
 def test_heuristic(problem, sms, expected):
     assert plan(problem, sms) == expected
@@ -200,6 +201,73 @@ def test_reference_segments_of_gated_delta_rule_match_gold(raw_gate):
     print(f"[segments] GatedDeltaNet {'softplus' if raw_gate else 'log decay'}: "
           + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
     assert all(e <= TARGETS[n] for n, e in errors.items()), errors
+
+
+def test_gated_delta_rule_at_T32768_HV32_runs_unsplit_at_vsplit_4():
+    """GatedDeltaNet B1 T32768 H16 HV32 (issue 34's row): the plan counts value heads (the chains, the states and the
+    workspace are per value head), 32 chains leave 4 SMs each, fewer than MIN_SEGMENTS, so the call runs unsplit, K2
+    and Kernel A at V-split 4 (128 CTAs each). Forced segments trade that V-split for segments at the same CTA count:
+    4 segments run both scans at V-split 1 (docs/perf-log.md GDN4: measured slower)."""
+    from cute_kda.validation import problem_of
+    from cute_kda.variants import RecurrenceVariant, ScanVariant
+
+    q = torch.empty((1, 32768, 16, D), dtype=torch.bfloat16, device="meta")
+    v = torch.empty((1, 32768, 32, D), dtype=torch.bfloat16, device="meta")
+    problem = problem_of(q, v, None)
+    assert problem == fixed(1, 32768, 32)
+    assert plan(problem, 132) is None
+    assert plan(problem._replace(heads=16), 132) == Segmentation(1, 32768, 4096)  # had it counted q's heads
+    assert RecurrenceVariant.choose_vsplit(1, 32, 132) == 4 and ScanVariant.choose_vsplit(1, 32, 132) == 4
+    forced = plan(problem, 132, segments=4)
+    assert forced == Segmentation(1, 32768, 8192)
+    assert RecurrenceVariant.choose_vsplit(forced.count, 32, 132) == 1
+    assert ScanVariant.choose_vsplit(forced.count, 32, 132) == 1
+
+
+def test_reference_segments_of_gated_delta_rule_track_the_unsplit_chain():
+    """GatedDeltaNet (per-head softplus gate, 2 q/k heads, 4 value heads) split 3 ways on the mirrors against the same
+    call unsplit, with a weak decay (A_log = −4.6: ≈ 1 % a token) so that states carry across the bounds: the first
+    segment's output is the unsplit chain's bit for bit, the rest differ by rounding only (the entering states come
+    through the fp32 combine), every gradient within 1e-2 of the unsplit one and within issue 10's targets of the
+    fp64 gold (the gold test above runs Qwen3-Next-like decays, under which little crosses a bound)."""
+    from cute_kda.fla_calls import translate_fla_gdn_call
+
+    from gradient_targets import TARGETS
+    from test_gdn import GDN_GRADS, gdn_grads, gdn_problem, gold_gdn_grads
+
+    problem = gdn_problem([96, 96])
+    problem["A_log"] = torch.full_like(problem["A_log"], -4.6)
+    gen = torch.Generator().manual_seed(8)
+    do = torch.randn(problem["v"].shape, generator=gen).bfloat16()
+    dht = torch.randn(2, problem["v"].shape[2], D, D, generator=gen)
+
+    def gdn(segments):
+        def run(**leaves):
+            return translate_fla_gdn_call(**leaves).run(functools.partial(REFERENCE_FORWARD, segments=segments))
+        return run
+
+    outputs = {}
+
+    def kept(segments):
+        def run(**leaves):
+            outputs[segments] = gdn(segments)(**leaves)
+            return outputs[segments]
+        return run
+
+    split = gdn_grads(kept(3), problem, do, dht)
+    whole = gdn_grads(kept(1), problem, do, dht)
+    length = plan(fixed(2, 96, 4), 0, segments=3).length
+    (o_split, ht_split), (o_whole, ht_whole) = outputs[3], outputs[1]
+    assert torch.equal(o_split[:, :length], o_whole[:, :length])
+    assert not torch.equal(o_split, o_whole)  # the later segments start from carried states
+    assert rel_rms(o_split, o_whole) <= GOLD_BOUND and rel_rms(ht_split, ht_whole) <= GOLD_BOUND
+    errors = {name: rel_rms(split[name], whole[name]) for name in whole}
+    print("[segments] GatedDeltaNet split vs unsplit: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+    assert all(e <= 1e-2 for e in errors.values()), errors
+    want = gold_gdn_grads(problem, do, dht)
+    gold_errors = {GDN_GRADS[n]: rel_rms(grad, want[n]) for n, grad in split.items()}
+    print("[segments] GatedDeltaNet split vs gold: " + ", ".join(f"{n} {e:.2e}" for n, e in gold_errors.items()))
+    assert all(e <= TARGETS[n] for n, e in gold_errors.items()), gold_errors
 
 
 def test_bad_segments_name_the_argument():
