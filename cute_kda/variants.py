@@ -119,7 +119,8 @@ class GradsVariant:
     gate values loaded in one burst; ``split_load``: the state images behind their own transaction barrier;
     ``split_rows``: the safe gate backward's rows on all 8 warps (the launcher's
     :data:`cute_kda.ops.bwd_grads.GATE_AHEAD`, :data:`~cute_kda.ops.bwd_grads.SPLIT_LOAD`,
-    :data:`~cute_kda.ops.bwd_grads.SPLIT_ROWS`); ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`)."""
+    :data:`~cute_kda.ops.bwd_grads.SPLIT_ROWS`); ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`);
+    ``grad_dtype``: dq, dk and a per-channel gate's dg in bf16, or fp16 (:data:`cute_kda.ops.bwd_grads.GRAD_DTYPES`)."""
 
     varlen: bool
     qk_l2norm: bool
@@ -133,3 +134,4 @@ class GradsVariant:
     split_load: bool = False
     split_rows: bool = False
     dim: int = HEAD_DIM
+    grad_dtype: torch.dtype = torch.bfloat16

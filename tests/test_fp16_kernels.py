@@ -21,6 +21,7 @@ from cute_kda.compile_report import compile_with_report
 from cute_kda.dsl import cute, cutlass
 from cute_kda.kernels.fwd_prepare import prepare_kernel
 from cute_kda.kernels.fwd_recurrence import FwdRecurrence
+from cute_kda.layouts.smem import CHUNK
 from cute_kda.ops import recurrence as k2
 from cute_kda.ops._cache import dsl_type, to_cute_tensor
 from cute_kda.workspace import WorkspaceSpec, workspace_views
@@ -172,6 +173,64 @@ def test_k2_fp16_states_pass_through_the_staging(variant):
 def test_k2_refuses_fp16_beside_fp32_states():
     with pytest.raises(ValueError, match="staging"):
         FwdRecurrence(initial_state=F16, final_state=F32)
+
+
+# ---------------------------------------------------------------- Kernel B's fp16 gradient stores (CPU)
+
+KB_GRAD_VARIANTS = {  # the benchmark's safe gate (8 warps, gate_ahead) and a per-channel unbounded gate's dg
+    "safe_fixed": dict(varlen=False, gate="safe", compute_warps=8, gate_ahead=True),
+    "softplus_varlen": dict(varlen=True, gate="softplus", compute_warps=8, gate_ahead=True),
+}
+STORE_FORMS = ("st.global.b32", "st.global.v2.b16")  # a pair of gradients: one 32-bit store (or two halves packed)
+
+
+def _compile_kernel_b(config: dict, grad_dtype: torch.dtype):
+    from test_bwd_grads import _LAUNCH_ORDER, _dyadic_buffers
+
+    from cute_kda.kernels.bwd_grads import bwd_grads_kernel
+    from cute_kda.ops import bwd_grads as kb
+
+    buffers = _dyadic_buffers("softplus", varlen=config["varlen"])
+    buffers.update({n: buffers[n].to(grad_dtype) for n in ("dq", "dk", "dg")})
+    if config["gate"] == "safe":
+        buffers["dt_bias"] = torch.zeros(buffers["v"].shape[2], D)
+    kernel = bwd_grads_kernel(**config, grad_dtype=dsl_type(grad_dtype))
+    arguments = kb.launch_arguments(*(buffers[name] for name in _LAUNCH_ORDER), scale=D ** -0.5, lower_bound=-5.0,
+                                    cu_seqlens=buffers["cu_seqlens"], tile_base=buffers["tile_base"],
+                                    tensor=to_cute_tensor)
+    return kernel, compile_with_report(kernel, *arguments, cute.runtime.make_fake_stream())[1]
+
+
+@pytest.mark.parametrize("name", list(KB_GRAD_VARIANTS))
+def test_kernel_b_stores_fp16_gradients_as_the_copy_route_converts(name):
+    """dq, dk and dg stored in fp16 as ``f16(f32(bf16 value))``: every bf16 rounding of the twin stays (as many
+    roundings, paired or not), each stored value is widened once more (``cvt.f32.bf16``) and rounded once to fp16
+    (``cvt.rn.f16x2.f32`` a pair of dq / dk, ``cvt.rn.f16.f32`` a dg), as many global stores; nothing else moves
+    (besides a ``mov.b32`` of the pairs' packing), nothing spills, the registers and shared memory are the twin's."""
+    kernel, fp16 = _compile_kernel_b(KB_GRAD_VARIANTS[name], torch.float16)
+    _, bf16 = _compile_kernel_b(KB_GRAD_VARIANTS[name], torch.bfloat16)
+    assert kernel.grad_dtype is F16
+    got, want = _mnemonics(fp16.ptx), _mnemonics(bf16.ptx)
+    converted = 2 * got["cvt.rn.f16x2.f32"] + got["cvt.rn.f16.f32"]
+    pair_stores = kernel.band * CHUNK // 32  # dq's (dk's) pairs a thread stores: 2 · (values / 2)
+    assert got["cvt.rn.f16x2.f32"] == pair_stores and got["cvt.rn.f16.f32"] > 0  # dq, dk; dg
+    assert got["cvt.f32.bf16"] - want["cvt.f32.bf16"] == converted
+    rounded = [c["cvt.rn.bf16.f32"] + 2 * c["cvt.rn.bf16x2.f32"] for c in (got, want)]  # values rounded to bf16
+    assert rounded[0] == rounded[1]
+    assert sum(got[f] for f in STORE_FORMS) == sum(want[f] for f in STORE_FORMS)
+    moved = {"cvt.f32.bf16", "cvt.rn.f16x2.f32", "cvt.rn.f16.f32", "cvt.rn.bf16.f32", "cvt.rn.bf16x2.f32", "mov.b32",
+             *STORE_FORMS}
+    assert {n: got[n] for n in got if n not in moved} == {n: want[n] for n in want if n not in moved}
+    assert abs(got["mov.b32"] - want["mov.b32"]) <= 2
+    assert fp16.local_memory_ops == 0 and fp16.spills == 0, fp16.summary()
+    assert fp16.kernels[0].registers == bf16.kernels[0].registers and fp16.launch_smem == bf16.launch_smem
+
+
+def test_kernel_b_refuses_fp16_gradients_of_grouped_heads():
+    from cute_kda.kernels.bwd_grads import bwd_grads_kernel
+
+    with pytest.raises(ValueError, match="fp16 without grouped"):
+        bwd_grads_kernel(varlen=False, gate="softplus", grouped=True, grad_dtype=F16)
 
 
 def test_warmup_lists_the_fp16_variants():

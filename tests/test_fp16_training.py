@@ -71,6 +71,28 @@ def test_kernel_stages_hand_the_backward_kernels_bf16(launchers_on_mirrors, reco
     assert {grads[n].dtype for n in ("q", "k", "v", "g", "beta", "initial_state")} == {FP16}
 
 
+def test_fp16_gradient_stores_give_the_copy_routes_bits(launchers_on_mirrors, monkeypatch):
+    """``FP16_GRAD_STORES``: Kernel B is handed fp16 dq, dk, dg (its launcher's checks pass) and every gradient is
+    the copy route's bit for bit (the mirror's bf16 values converted once, as the kernel stores them)."""
+    from cute_kda.ops import bwd_grads as kb
+
+    problem, do, dht = fp16_problem([20, 0, 17, 5, 1])
+    launchers_on_mirrors.beta = problem["beta"].bfloat16()
+    handed = []
+    check = kb._check_buffers
+    monkeypatch.setattr(kb, "_check_buffers", lambda *a: handed.append((a[9].dtype, a[10].dtype, a[11].dtype))
+                        or check(*a))
+    forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
+    copied = train(forward, problem, do=do, dht=dht.half())[2]
+    monkeypatch.setattr(training, "FP16_GRAD_STORES", True)
+    stored = train(forward, problem, do=do, dht=dht.half())[2]
+    reference = train(REFERENCE_FORWARD, problem, do=do, dht=dht.half())[2]
+    assert handed == [(BF16,) * 3, (FP16,) * 3]
+    for name in copied:
+        assert stored[name].dtype == problem[name].dtype, name
+        assert torch.equal(stored[name], copied[name]) and torch.equal(stored[name], reference[name]), name
+
+
 def test_segmented_fp16_call_on_the_kernel_stages(launchers_on_mirrors):
     """A segmented fp16 call (context parallelism): the packed segments through the same launchers, the backward's
     forward again on bf16 (its segment states too), Kernel A twice and Kernel B; every gradient fp16 and the reference

@@ -79,7 +79,8 @@ class Backend(NamedTuple):
     ``options.recompute``; ``segment_states``: a segmented call's, when an earlier forward made them);
     scan(inputs, options, saved, do, dht, dh0_dtype) → :class:`ScanResult` (do bf16 ``[B, T, H, V]``
     contiguous; dht None or bf16 / fp32 ``[N, H, V, K]`` contiguous; dh0_dtype None: no dh0);
-    grads(inputs, options, saved, do, scan) → :class:`GradsResult`.
+    grads(inputs, options, saved, do, scan, grad_dtype) → :class:`GradsResult` (``grad_dtype``: dq, dk and a
+    per-channel gate's dg in bf16, or fp16 as ``f16(bf16(x))``: fp16 training, without grouped value heads).
     """
 
     name: str
@@ -225,8 +226,10 @@ def _kernel_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dh
     return segment_scan(options, saved, dht, dh0_dtype, scan)
 
 
-def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult) -> GradsResult:
-    """Kernel B (:func:`cute_kda.ops.bwd_grads.bwd_grads`), its gate partials summed over the tiles."""
+def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult,
+                  grad_dtype: torch.dtype = torch.bfloat16) -> GradsResult:
+    """Kernel B (:func:`cute_kda.ops.bwd_grads.bwd_grads`), its gate partials summed over the tiles; dq, dk and a
+    per-channel gate's dg stored by it in ``grad_dtype``."""
     from ..ops import bwd_grads as kb
 
     ws = workspace_of(options, saved)
@@ -236,9 +239,9 @@ def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, s
     ddt_partial = torch.empty(ddt_shape, dtype=torch.float32, device=do.device) if constants else None
     dalog_partial = torch.empty(dalog_shape, dtype=torch.float32, device=do.device) if constants else None
     unbounded = options.gate != "safe"  # dq, dk per value head (summed over each group below), else like q, k
-    dq, dk = (torch.empty_like(x.v if unbounded else t) for t in (x.q, x.k))
-    # dg: fp32 per (token, head) for a per-head gate, else bf16 like g (a fp32 log decay's is widened below)
-    dg = torch.empty(x.g.shape, dtype=torch.float32 if per_head else torch.bfloat16, device=do.device)
+    dq, dk = (torch.empty_like(x.v if unbounded else t, dtype=grad_dtype) for t in (x.q, x.k))
+    # dg: fp32 per (token, head) for a per-head gate, else like dq (a fp32 log decay's bf16 one is widened below)
+    dg = torch.empty(x.g.shape, dtype=torch.float32 if per_head else grad_dtype, device=do.device)
     dbeta = torch.empty_like(x.beta)
     kb.bwd_grads(  # β enters through the workspace's activated ws.beta
         q=x.q, k=x.k, g=x.g, v=x.v, do=do, du=scan.du, ws=ws, states=saved.checkpoints,
@@ -249,7 +252,8 @@ def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, s
     )
     if unbounded:
         dq, dk = (group_sum(t, x.q.shape[2]) for t in (dq, dk))
-    dg = dg.to(x.g.dtype)
+    if per_head or grad_dtype == torch.bfloat16:
+        dg = dg.to(x.g.dtype)
     return GradsResult(dq, dk, dg, dbeta, None if dalog_partial is None else dalog_partial.sum(1),
                        None if ddt_partial is None else ddt_partial.sum(1))
 

@@ -41,6 +41,10 @@ from .stages import (
 )
 
 TRAIN_OP_NAME = "cute_kda::forward_train"
+# fp16 training: Kernel B stores dq, dk and a per-channel gate's dg in fp16 itself (f16 of the bf16 value it stores
+# for bf16: the bits the copy route's conversions give) instead of bf16 tensors converted after it, 1.21 GB of traffic
+# less at B1 T8192 H96; off until the H200 has measured it (docs/perf-log.md, F2; bench_train.py --fp16-grad-stores)
+FP16_GRAD_STORES = False
 BACKWARD_OP_NAME = "cute_kda::backward"
 
 
@@ -107,10 +111,14 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     (:func:`bf16_operands`, copies made here and freed when it returns), the forward's kernels included: its forward
     kept no workspace (:func:`recomputes`), K1 and K2 run again on the copies (a segmented call's segment states
     too), then Kernel A and Kernel B; dO enters rounded to bf16 (as any dO does), an fp16 dht widened to fp32; dq, dk,
-    dv, dg and dh0 come back as the kernels' values converted to fp16 (exact within fp16's range).
+    dv, dg and dh0 come back as the kernels' values converted to fp16 (exact within fp16's range); under
+    :data:`FP16_GRAD_STORES` Kernel B stores dq, dk and dg so converted itself (q, k and g fp16, no grouped value
+    heads: their group sums add bf16 values; a per-head gate's dg as before).
     """
     fp16 = torch.float16
     dtypes = (x.q.dtype, x.k.dtype, x.v.dtype, x.g.dtype, None, None, None, initial_state_dtype if needs[7] else None)
+    grouped = x.q.shape[2] != x.v.shape[2]
+    stores_fp16 = FP16_GRAD_STORES and not grouped and x.q.dtype == x.k.dtype == x.g.dtype == fp16
     if x.q.dtype == fp16:
         x, saved = bf16_operands(x), saved._replace(segment_states=None)
     do = torch.zeros_like(x.v, dtype=torch.bfloat16) if d_out is None else \
@@ -124,7 +132,8 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     scan = backend.scan(x, options, saved, do, dht, torch.float32 if dh0_dtype == fp16 else dh0_dtype)
     dq = dk = dg = dbeta = dA_log = ddt_bias = None
     if any(needs[i] for i in KERNEL_B_INPUTS):
-        dq, dk, dg, dbeta, dA_log, ddt_bias = backend.grads(x, options, saved, do, scan)
+        dq, dk, dg, dbeta, dA_log, ddt_bias = backend.grads(x, options, saved, do, scan,
+                                                            fp16 if stores_fp16 else torch.bfloat16)
     grads = (dq, dk, scan.dv, dg, dbeta, dA_log, ddt_bias, scan.dh0)
     return tuple(None if not need or grad is None else grad if dtype is None else grad.to(dtype)
                  for grad, need, dtype in zip(grads, needs, dtypes))

@@ -76,14 +76,18 @@ def _reference_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor,
     return segment_scan(options, saved, dht, dh0_dtype, scan)
 
 
-def _reference_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult) -> GradsResult:
-    """:func:`~cute_kda.reference.backward.mirror_bwd_grads`."""
+def _reference_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult,
+                     grad_dtype: torch.dtype = torch.bfloat16) -> GradsResult:
+    """:func:`~cute_kda.reference.backward.mirror_bwd_grads`; dq, dk and a per-channel gate's dg converted to
+    ``grad_dtype`` as Kernel B stores them."""
     result = mirror_bwd_grads(
         x.q, x.k, x.g, x.beta, x.v, do, scan.du, workspace_of(options, saved), saved.checkpoints, scan.state_grads,
         gate=options.gate, A_log=x.A_log, dt_bias=x.dt_bias, scale=options.scale, lower_bound=options.lower_bound,
         cu_seqlens=x.cu_seqlens, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
     )
-    return GradsResult(*(None if t is None else t.contiguous() for t in result))
+    result = GradsResult(*(None if t is None else t.contiguous() for t in result))
+    dg = result.dg if x.g.dim() == 3 else result.dg.to(grad_dtype)
+    return result._replace(dq=result.dq.to(grad_dtype), dk=result.dk.to(grad_dtype), dg=dg)
 
 
 REFERENCE = Backend("reference", _reference_forward, _reference_scan, _reference_grads)
