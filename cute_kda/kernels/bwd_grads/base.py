@@ -735,8 +735,8 @@ class BwdGrads(TokenPrep):
 
     @cute.jit
     def stored(self, value: BFloat16):
-        """A bf16 gradient as :attr:`grad_dtype` stores it: itself, or ``f16(f32(value))`` (one rounding of an exact
-        value: torch's ``.to(float16)`` of the bf16 tensor)."""
+        """A bf16 gradient as :attr:`grad_dtype` stores it: itself, or ``f16(f32(value))`` (exact but for fp16's
+        subnormals and overflow: torch's ``.to(float16)`` of the bf16 tensor)."""
         if cutlass.const_expr(self.grad_dtype is BFloat16):
             return value
         return value.to(Float32).to(Float16)
