@@ -149,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the safe gate backward's rows on all 8 warps (cute_kda.ops.bwd_grads.SPLIT_ROWS; "
                              "docs/perf-log.md, B7)")
     parser.add_argument("--fp16-grad-stores", action="store_true",
-                        help="--dtype fp16: Kernel B stores dq, dk, dg in fp16 itself, not bf16 converted after it "
-                             "(cute_kda.executors.training.FP16_GRAD_STORES; docs/perf-log.md, F2)")
+                        help="--dtype fp16: Kernel A stores dv, Kernel B dq, dk, dg in fp16 themselves, not bf16 "
+                             "converted after them (cute_kda.executors.training.FP16_GRAD_STORES; docs/perf-log.md, F2)")
     parser.add_argument("--out", help="markdown file (default $OUT/train-<date>.md or benchmarks/results/)")
     return parser
 

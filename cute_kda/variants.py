@@ -99,7 +99,8 @@ class ScanTuning:
 class ScanVariant(SerialScan):
     """Kernel A (:class:`cute_kda.kernels.bwd_scan.BwdScan`): dht / dh0 dtypes (None: no such tensor);
     ``token_outputs`` False writes dh0 alone (a segmented call's first pass); ``snapshot_every`` tiles per kept
-    state gradient; ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`)."""
+    state gradient; ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`); ``dv_dtype``: dv in bf16, or fp16
+    (:data:`cute_kda.ops.bwd_scan.DV_DTYPES`)."""
 
     vsplit: int
     dht: torch.dtype | None
@@ -109,6 +110,7 @@ class ScanVariant(SerialScan):
     token_outputs: bool = True
     snapshot_every: int = SNAPSHOT_TILES
     dim: int = HEAD_DIM
+    dv_dtype: torch.dtype = torch.bfloat16
     splits: ClassVar[tuple[int, ...]] = SCAN_VSPLITS  # K2's rule over Kernel A's own splits, 8 included
 
 

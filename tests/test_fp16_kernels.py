@@ -226,6 +226,43 @@ def test_kernel_b_stores_fp16_gradients_as_the_copy_route_converts(name):
     assert fp16.kernels[0].registers == bf16.kernels[0].registers and fp16.launch_smem == bf16.launch_smem
 
 
+@pytest.mark.parametrize("vsplit", [1, 4])
+def test_kernel_a_stores_fp16_dv_as_the_copy_route_converts(vsplit):
+    """dv stored in fp16 as ``f16(f32(bf16(β·du)))``: the twin's bf16 roundings stay (−dv feeds G5 as bf16), each
+    dv value is widened once more (``cvt.f32.bf16``) and a pair rounded to fp16 by one ``cvt.rn.f16x2.f32`` (a
+    mma atom's C fragment holds 2 pairs), the pairs' packing moves (``mov.b32``, at most one a pair); the same stmatrix
+    and TMA stores, nothing spills, the shared memory is the twin's."""
+    from cute_kda.kernels.bwd_scan import BwdScan
+    from cute_kda.ops import bwd_scan as ka
+
+    heads, num_seqs = 2, 3
+    do = torch.zeros(1, 80, heads, D, dtype=torch.bfloat16)
+    spec = WorkspaceSpec(heads=heads, tiles=8)
+    ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
+    from cute_kda.workspace import block_states_shape
+
+    snapshots = torch.zeros(block_states_shape(ws, heads, num_seqs), dtype=torch.bfloat16)
+
+    def compiled(dv_dtype):
+        kernel = BwdScan(vsplit=vsplit, dht=F32, varlen=True, dv_dtype=dsl_type(dv_dtype))
+        arguments = ka.launch_arguments(do, ws, do.to(dv_dtype), do, snapshots, dht=torch.zeros(num_seqs, heads, D, D),
+                                        dh0=None, cu_seqlens=torch.tensor([0, 20, 20, 80]),
+                                        tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32), tensor=to_cute_tensor)
+        return kernel, compile_with_report(kernel, *arguments, cute.runtime.make_fake_stream())[1]
+
+    kernel, fp16 = compiled(torch.float16)
+    _, bf16 = compiled(torch.bfloat16)
+    assert kernel.dv_dtype is F16
+    got, want = _mnemonics(fp16.ptx), _mnemonics(bf16.ptx)
+    pairs = kernel.warp_cols // 8 * 2  # a lane's dv pairs: 2 a mma atom of 8 columns
+    assert got["cvt.rn.f16x2.f32"] == pairs and got["cvt.f32.bf16"] - want["cvt.f32.bf16"] == 2 * pairs
+    assert abs(got["mov.b32"] - want["mov.b32"]) <= pairs
+    moved = {"cvt.rn.f16x2.f32", "cvt.f32.bf16", "mov.b32"}
+    assert {n: got[n] for n in got if n not in moved} == {n: want[n] for n in want if n not in moved}
+    assert fp16.local_memory_ops == 0 and fp16.spills == 0, fp16.summary()
+    assert fp16.launch_smem == bf16.launch_smem
+
+
 def test_kernel_b_refuses_fp16_gradients_of_grouped_heads():
     from cute_kda.kernels.bwd_grads import bwd_grads_kernel
 

@@ -12,7 +12,7 @@ kept for the backward are the bf16 call's. The accuracy against the fp64 gold on
 GPU tier: ``cute_kda.kda_forward`` on the kernels against autograd through the fp64 gold on the fp16 values (FLA's
 tolerances: dq dk dv dh0 8e-3, dg dβ 2e-2; dA_log, ddt_bias as the bf16 tests hold them) over gates, tails,
 T < 16, varlen with empty and 1-token sequences, grouped value heads, fp16 / fp32 states, ``recompute``, a
-segmented call and K = V = 64; ``recompute`` bit-identical; Kernel B's fp16 gradient stores
+segmented call and K = V = 64; ``recompute`` bit-identical; the backward kernels' fp16 gradient stores
 (``training.FP16_GRAD_STORES``) bit-identical to the copy route (on the CPU too, on the mirrors); the compiled step
 equal to eager;
 ``chunk_gated_delta_rule`` on FLA's fp16 inputs.
@@ -74,9 +74,11 @@ def test_kernel_stages_hand_the_backward_kernels_bf16(launchers_on_mirrors, reco
 
 
 def test_fp16_gradient_stores_give_the_copy_routes_bits(launchers_on_mirrors, monkeypatch):
-    """``FP16_GRAD_STORES``: Kernel B is handed fp16 dq, dk, dg (its launcher's checks pass) and every gradient is
-    the copy route's bit for bit (the mirror's bf16 values converted once, as the kernel stores them)."""
+    """``FP16_GRAD_STORES``: Kernel A is handed an fp16 dv, Kernel B fp16 dq, dk, dg (their launchers' checks pass)
+    and every gradient is the copy route's bit for bit (the mirrors' bf16 values converted, as the kernels store
+    them)."""
     from cute_kda.ops import bwd_grads as kb
+    from cute_kda.ops import bwd_scan as ka
 
     problem, do, dht = fp16_problem([20, 0, 17, 5, 1])
     launchers_on_mirrors.beta = problem["beta"].bfloat16()
@@ -84,12 +86,14 @@ def test_fp16_gradient_stores_give_the_copy_routes_bits(launchers_on_mirrors, mo
     check = kb._check_buffers
     monkeypatch.setattr(kb, "_check_buffers", lambda *a: handed.append((a[9].dtype, a[10].dtype, a[11].dtype))
                         or check(*a))
+    check_scan = ka._check_buffers
+    monkeypatch.setattr(ka, "_check_buffers", lambda *a: handed.append(a[2].dtype) or check_scan(*a))
     forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
     copied = train(forward, problem, do=do, dht=dht.half())[2]
     monkeypatch.setattr(training, "FP16_GRAD_STORES", True)
     stored = train(forward, problem, do=do, dht=dht.half())[2]
     reference = train(REFERENCE_FORWARD, problem, do=do, dht=dht.half())[2]
-    assert handed == [(BF16,) * 3, (FP16,) * 3]
+    assert handed == [BF16, (BF16,) * 3, FP16, (FP16,) * 3]
     for name in copied:
         assert stored[name].dtype == problem[name].dtype, name
         assert torch.equal(stored[name], copied[name]) and torch.equal(stored[name], reference[name]), name
@@ -327,8 +331,8 @@ def test_fp16_recompute_is_bit_identical_on_the_kernels(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_fp16_gradient_stores_are_bit_identical_on_the_kernels(case, device, monkeypatch):
-    """``FP16_GRAD_STORES`` (Kernel B storing dq, dk, dg in fp16) gives the copy route's gradients bit for bit
-    (grouped value heads and fp32 gates take the copy route either way)."""
+    """``FP16_GRAD_STORES`` (Kernel A storing dv, Kernel B dq, dk, dg in fp16) gives the copy route's gradients bit
+    for bit (grouped value heads and fp32 gates keep the copy route for dq, dk, dg)."""
     tensors, options, do, dht = gpu_problem(case, device)
     copied = kernel_grads(tensors, options, do, dht, device)
     monkeypatch.setattr(training, "FP16_GRAD_STORES", True)

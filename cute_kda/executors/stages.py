@@ -50,7 +50,7 @@ class ForwardResult(NamedTuple):
 
 
 class ScanResult(NamedTuple):
-    """Kernel A: dv, du bf16 ``[B, T, H, V]``; state_grads bf16 like the checkpoints (the gradient w.r.t.
+    """Kernel A: dv (bf16, or fp16 as asked), du bf16 ``[B, T, H, V]``; state_grads bf16 like the checkpoints (the gradient w.r.t.
     the state after each tile); dh0 None or ``[N, H, V, K]`` in the requested dtype."""
 
     dv: torch.Tensor
@@ -77,8 +77,9 @@ class Backend(NamedTuple):
 
     forward(inputs, options, segment_states=None) → :class:`ForwardResult` (without workspace and checkpoints under
     ``options.recompute``; ``segment_states``: a segmented call's, when an earlier forward made them);
-    scan(inputs, options, saved, do, dht, dh0_dtype) → :class:`ScanResult` (do bf16 ``[B, T, H, V]``
-    contiguous; dht None or bf16 / fp32 ``[N, H, V, K]`` contiguous; dh0_dtype None: no dh0);
+    scan(inputs, options, saved, do, dht, dh0_dtype, dv_dtype) → :class:`ScanResult` (do bf16 ``[B, T, H, V]``
+    contiguous; dht None or bf16 / fp32 ``[N, H, V, K]`` contiguous; dh0_dtype None: no dh0; dv in ``dv_dtype``: bf16,
+    or fp16 as ``f16(bf16(x))`` for fp16 training);
     grads(inputs, options, saved, do, scan, grad_dtype) → :class:`GradsResult` (``grad_dtype``: dq, dk and a
     per-channel gate's dg in bf16, or fp16 as ``f16(bf16(x))``: fp16 training, without grouped value heads).
     """
@@ -209,11 +210,11 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
 
 
 def _kernel_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None,
-                 dh0_dtype: torch.dtype | None) -> ScanResult:
+                 dh0_dtype: torch.dtype | None, dv_dtype: torch.dtype = torch.bfloat16) -> ScanResult:
     """Kernel A (:func:`cute_kda.ops.bwd_scan.bwd_scan`); twice for a segmented call (:func:`segment_scan`)."""
     from ..ops import bwd_scan as ka
 
-    dv, du = torch.empty_like(do), torch.empty_like(do)  # bf16 like dO (v may be fp16: training.backward)
+    dv, du = torch.empty_like(do, dtype=dv_dtype), torch.empty_like(do)  # du bf16 like dO, Kernel B's
     state_grads = torch.empty_like(saved.checkpoints)
     ws = workspace_of(options, saved)
 

@@ -41,9 +41,10 @@ from .stages import (
 )
 
 TRAIN_OP_NAME = "cute_kda::forward_train"
-# fp16 training: Kernel B stores dq, dk and a per-channel gate's dg in fp16 itself (f16 of the bf16 value it stores
-# for bf16: the bits the copy route's conversions give) instead of bf16 tensors converted after it, 1.21 GB of traffic
-# less at B1 T8192 H96; off until the H200 has measured it (docs/perf-log.md, F2; bench_train.py --fp16-grad-stores)
+# fp16 training: Kernel A stores dv, Kernel B dq, dk and a per-channel gate's dg in fp16 themselves (f16 of the bf16
+# value each stores for bf16: the bits the copy route's conversions give) instead of bf16 tensors converted after them,
+# 1.61 GB of traffic less at B1 T8192 H96; off until the H200 has measured it (docs/perf-log.md, F2;
+# bench_train.py --fp16-grad-stores)
 FP16_GRAD_STORES = False
 BACKWARD_OP_NAME = "cute_kda::backward"
 
@@ -112,8 +113,8 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     kept no workspace (:func:`recomputes`), K1 and K2 run again on the copies (a segmented call's segment states
     too), then Kernel A and Kernel B; dO enters rounded to bf16 (as any dO does), an fp16 dht widened to fp32; dq, dk,
     dv, dg and dh0 come back as the kernels' values converted to fp16 (exact within fp16's range); under
-    :data:`FP16_GRAD_STORES` Kernel B stores dq, dk and dg so converted itself (q, k and g fp16, no grouped value
-    heads: their group sums add bf16 values; a per-head gate's dg as before).
+    :data:`FP16_GRAD_STORES` Kernel A stores an fp16 v's dv so converted itself, and Kernel B dq, dk and dg (q, k and g
+    fp16, no grouped value heads: their group sums add bf16 values; a per-head gate's dg as before).
     """
     fp16 = torch.float16
     dtypes = (x.q.dtype, x.k.dtype, x.v.dtype, x.g.dtype, None, None, None, initial_state_dtype if needs[7] else None)
@@ -129,7 +130,8 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     dh0_dtype = initial_state_dtype if needs[7] else None
     if options.recompute:
         saved = recomputed(backend, x, options, saved)
-    scan = backend.scan(x, options, saved, do, dht, torch.float32 if dh0_dtype == fp16 else dh0_dtype)
+    scan = backend.scan(x, options, saved, do, dht, torch.float32 if dh0_dtype == fp16 else dh0_dtype,
+                        fp16 if FP16_GRAD_STORES and dtypes[2] == fp16 else torch.bfloat16)
     dq = dk = dg = dbeta = dA_log = ddt_bias = None
     if any(needs[i] for i in KERNEL_B_INPUTS):
         dq, dk, dg, dbeta, dA_log, ddt_bias = backend.grads(x, options, saved, do, scan,

@@ -64,13 +64,14 @@ def _reference_forward(x: Inputs, options: Options, segment_states: torch.Tensor
 
 
 def _reference_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None,
-                    dh0_dtype: torch.dtype | None) -> ScanResult:
+                    dh0_dtype: torch.dtype | None, dv_dtype: torch.dtype = torch.bfloat16) -> ScanResult:
     """:func:`~cute_kda.reference.mirror_bwd_scan` (twice for a segmented call, :func:`segment_scan`; the mirror
-    computes every output in either pass, so ``token_outputs`` changes nothing here)."""
+    computes every output in either pass, so ``token_outputs`` changes nothing here); dv converted to ``dv_dtype``
+    as Kernel A stores it."""
     def scan(leaving: torch.Tensor | None, dtype: torch.dtype | None, token_outputs: bool = True) -> ScanResult:
         result = mirror_bwd_scan(workspace_of(options, saved), do, cu_seqlens=x.cu_seqlens, dht=leaving,
                                  dh0_dtype=torch.float32 if dtype is None else dtype, state_layout="vk")
-        return ScanResult(result.dv.contiguous(), result.du.contiguous(), result.snapshots.contiguous(),
+        return ScanResult(result.dv.to(dv_dtype).contiguous(), result.du.contiguous(), result.snapshots.contiguous(),
                           None if dtype is None else result.dh0.contiguous())
 
     return segment_scan(options, saved, dht, dh0_dtype, scan)
