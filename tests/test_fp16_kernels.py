@@ -298,6 +298,30 @@ def test_warmup_lists_the_fp16_variants():
     assert set(trained) <= set(both)
 
 
+def test_warmup_lists_the_fp16_gradient_twins_under_the_switch(monkeypatch):
+    """Under ``FP16_GRAD_STORES`` an fp16 selection lists Kernel A with an fp16 dv beside every bf16 one and Kernel B
+    with fp16 gradients for the per-channel gates in q's dtype (not the fp32 log decay's); bf16 alone lists none."""
+    from cute_kda.api import warmup_variants
+    from cute_kda.executors import training
+    from cute_kda.variants import GradsVariant, ScanVariant
+
+    fp16, bf16, fp32 = torch.float16, torch.bfloat16, torch.float32
+    selection = dict(varlen=(False,), state_modes=(fp16,), vsplits=(1,), gates=("safe", "none"), segments=True,
+                     training=True)
+    off = warmup_variants(dtypes=(fp16,), **selection)
+    monkeypatch.setattr(training, "FP16_GRAD_STORES", True)
+    on = warmup_variants(dtypes=(fp16,), **selection)
+    assert set(off) < set(on)
+    bf16_only = warmup_variants(dtypes=(bf16,), **selection)
+    assert not any(getattr(v, "dv_dtype", bf16) == fp16 or getattr(v, "grad_dtype", bf16) == fp16 for v in bf16_only)
+    scans = [v for v in on if isinstance(v, ScanVariant)]
+    twins = [v for v in scans if v.dv_dtype == fp16]
+    assert twins and len(twins) == len(scans) - len(twins)
+    grads = {(v.gate, v.g_dtype, v.grad_dtype) for v in on if isinstance(v, GradsVariant)}
+    assert grads == {("safe", bf16, bf16), ("none", bf16, bf16), ("none", fp32, bf16), ("safe", bf16, fp16),
+                     ("none", bf16, fp16)}
+
+
 def _fla_fp16_cases() -> list[str]:
     from test_fla_grid import CASES
 
