@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "docs/perf-log.md, B7)")
     parser.add_argument("--fp16-grad-stores", action="store_true",
                         help="--dtype fp16: Kernel A stores dv, Kernel B dq, dk, dg in fp16 themselves, not bf16 "
-                             "converted after them (cute_kda.executors.training.FP16_GRAD_STORES; docs/perf-log.md, F2)")
+                             "converted after them (cute_kda.executors.training.FP16_GRAD_STORES; "
+                             "docs/perf-log.md, F2)")
     parser.add_argument("--out", help="markdown file (default $OUT/train-<date>.md or benchmarks/results/)")
     return parser
 

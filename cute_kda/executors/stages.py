@@ -50,8 +50,8 @@ class ForwardResult(NamedTuple):
 
 
 class ScanResult(NamedTuple):
-    """Kernel A: dv (bf16, or fp16 as asked), du bf16 ``[B, T, H, V]``; state_grads bf16 like the checkpoints (the gradient w.r.t.
-    the state after each tile); dh0 None or ``[N, H, V, K]`` in the requested dtype."""
+    """Kernel A: dv (bf16, or fp16 as asked), du bf16 ``[B, T, H, V]``; state_grads bf16 like the checkpoints (the
+    gradient w.r.t. the state after each tile); dh0 None or ``[N, H, V, K]`` in the requested dtype."""
 
     dv: torch.Tensor
     du: torch.Tensor

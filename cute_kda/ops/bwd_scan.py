@@ -101,8 +101,9 @@ def bwd_scan(
 ) -> None:
     """Run Kernel A: ``dv``, ``du`` (valid rows only), ``snapshots`` and, when given, ``dh0``.
 
-    do, dv, du: bf16 ``[B, T, H, D]`` (dv may be fp16: the bf16 value converted, :data:`DV_DTYPES`), D in :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS` and the workspace's (dO the gradient w.r.t. the forward's output; du the gradient
-    w.r.t. ``u = β ⊙ (v − kd S)`` of each tile, for the tile-gradient kernel; dv the gradient w.r.t. v).
+    do, dv, du: bf16 ``[B, T, H, D]`` (dv may be fp16: the bf16 value converted, :data:`DV_DTYPES`), D in
+    :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS` and the workspace's (dO the gradient w.r.t. the forward's output; du
+    the gradient w.r.t. ``u = β ⊙ (v − kd S)`` of each tile, for the tile-gradient kernel; dv the gradient w.r.t. v).
     ws: the K1 :class:`~cute_kda.workspace.Workspace` of the forward these gradients belong to.
     snapshots: bf16 ``[H · slots, D, D]`` state images (:func:`cute_kda.workspace.block_states_shape` with
     ``snapshot_every``): row ``h · slots + g // snapshot_every + s`` receives the gradient w.r.t. the state after
@@ -150,7 +151,8 @@ def compile_variant(variant: ScanVariant, device: torch.device | str) -> None:
         raise ValueError(f"vsplit must be one of {SCAN_VSPLITS}, got {variant.vsplit}")
     problem = compile_problem(variant.varlen, variant.dim)
     do = problem.tokens()
-    tensors = dict(do=do, ws=problem.ws, dv=problem.tokens(dtype=variant.dv_dtype), du=do, snapshots=problem.block_states(variant.snapshot_every),
+    tensors = dict(do=do, ws=problem.ws, dv=problem.tokens(dtype=variant.dv_dtype), du=do,
+                   snapshots=problem.block_states(variant.snapshot_every),
                    dht=problem.state(variant.dht), dh0=problem.state(variant.dh0), cu_seqlens=problem.cu_seqlens,
                    tile_base=problem.tile_base)
     compiled_variant(variant, device_index(torch.device(device)), tensors)
