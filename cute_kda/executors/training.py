@@ -19,7 +19,8 @@ dt_bias needs a gradient. Everything is queued on the current stream; nothing sy
 back only for the inputs that need them, each in its input's dtype and shape (dh0 in ``initial_state``'s
 ``[N, HV, V, K]`` layout and dtype). fp16 inputs: the forward runs the fp16 K1 / K2 and keeps what a bf16 one keeps
 under ``recompute`` (whatever ``recompute`` says); the backward is the bf16 call's on bf16 copies made in the
-backward, K1 and K2 again included (:func:`backward`; docs/numerics.md, "fp16 training").
+backward, K1 and K2 again included, its gradients converted to fp16 after it or (:data:`FP16_GRAD_STORES`) stored in
+fp16 by the kernels (:func:`backward`; docs/numerics.md, "fp16 training").
 
 The stages sit behind a :class:`~cute_kda.executors.stages.Backend`: :data:`~cute_kda.executors.stages.KERNELS` for
 every public call and op; :data:`cute_kda.reference.backend.REFERENCE` only for a caller that names it
