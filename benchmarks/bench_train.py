@@ -148,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--split-rows", action="store_true",
                         help="the safe gate backward's rows on all 8 warps (cute_kda.ops.bwd_grads.SPLIT_ROWS; "
                              "docs/perf-log.md, B7)")
+    parser.add_argument("--fp16-grad-stores", action="store_true",
+                        help="--dtype fp16: Kernel A stores dv, Kernel B dq, dk, dg in fp16 themselves, not bf16 "
+                             "converted after them (cute_kda.executors.training.FP16_GRAD_STORES; "
+                             "docs/perf-log.md, F2)")
     parser.add_argument("--out", help="markdown file (default $OUT/train-<date>.md or benchmarks/results/)")
     return parser
 
@@ -615,9 +619,11 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_train needs a CUDA GPU (Hopper): nothing timed")
     from cute_kda import call
+    from cute_kda.executors import training
     from cute_kda.ops import bwd_grads
 
     call.NATIVE_TRAINING = args.native_training
+    training.FP16_GRAD_STORES = args.fp16_grad_stores
     bwd_grads.GATE_AHEAD, bwd_grads.SPLIT_LOAD, bwd_grads.SPLIT_ROWS = (not args.no_gate_ahead, args.split_load,
                                                                         args.split_rows)
     out = args.out or default_out(args.head_dim)

@@ -406,10 +406,13 @@ def warmup_variants(
     and with each of ``checkpoint_every`` (tokens: one variant per value). ``dtypes``: the activations' dtypes (bf16
     and / or fp16) the forward variants are listed for (an fp16 one's log decay in fp16 or fp32, its ``state_modes``
     may hold fp16; with ``training`` K2's checkpoint variants too); the backward's are bf16 ones either way (fp16
-    trains on bf16 copies, :func:`cute_kda.executors.training.backward`; an fp16 state's dht / dh0 in fp32).
+    trains on bf16 copies, :func:`cute_kda.executors.training.backward`; an fp16 state's dht / dh0 in fp32), and under
+    :data:`~cute_kda.executors.training.FP16_GRAD_STORES` with fp16 in ``dtypes`` also their fp16-gradient twins (Kernel
+    A's fp16 dv; Kernel B's fp16 dq, dk, dg for the per-channel gates in q's dtype).
     ``head_dims``: K = V of every listed variant (:data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`: what runs natively,
     :func:`cute_kda.call.runs_native`; Kernel B at 64 at its one warp count, 4).
     """
+    from .executors.training import FP16_GRAD_STORES  # its value now (``training`` is the flag here)
     from .layouts.bwd_grads import default_warps
     from .ops.bwd_grads import switches as grads_switches
     from .numerics import NATIVE_HEAD_DIMS, SCAN_VSPLITS, SUPPORTED_VSPLITS
@@ -438,17 +441,21 @@ def warmup_variants(
                     variants[PrepareVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, dtype, dim)] = None
                 for checkpoints in ((False, True) if training else (False,)):
                     variants[RecurrenceVariant(split, mode, mode, packed, checkpoints, dtype=dtype, dim=dim)] = None
+    # the backward kernels' gradient dtypes: bf16, and fp16 where fp16 training stores its own
+    grad_dtypes = (torch.bfloat16,) + ((torch.float16,) if FP16_GRAD_STORES and torch.float16 in dtypes else ())
     if training:  # Kernel A picks its own V-split (8 as well); Kernel B has no state flags
         scan_modes = dict.fromkeys(torch.float32 if mode == torch.float16 else mode for mode in state_modes)
-        for (l2, logits, packed), dim in itertools.product(flags, head_dims):
+        for (l2, logits, packed), dim, grads in itertools.product(flags, head_dims, grad_dtypes):
             for mode in scan_modes:
                 for split in scan_splits:
                     for dht in (mode, None):
-                        variants[ScanVariant(split, dht, mode, packed, dim=dim)] = None
+                        variants[ScanVariant(split, dht, mode, packed, dim=dim, dv_dtype=grads)] = None
                 for gate, g_dtype, per_head in gate_forms:
+                    if grads == torch.float16 and (per_head or g_dtype != torch.bfloat16):
+                        continue  # grouped heads, an fp32 log decay: bf16 gradients
                     warps = default_warps(dim)
                     variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, warps, dim=dim,
-                                          **grads_switches(gate, per_head, warps))] = None
+                                          grad_dtype=grads, **grads_switches(gate, per_head, warps))] = None
     if segments:  # a segmented call (context parallelism): varlen, V-split 1 (the heuristic's), fp32 states
         fp32 = torch.float32
         for dtype, dim in itertools.product(dtypes, head_dims):
@@ -457,10 +464,10 @@ def warmup_variants(
         if training:
             for dtype, final, dim in itertools.product(dtypes, (fp32, None), head_dims):
                 variants[RecurrenceVariant(1, fp32, final, True, True, dtype=dtype, dim=dim)] = None
-            for dim in head_dims:
-                variants[ScanVariant(1, None, fp32, True, token_outputs=False, dim=dim)] = None
+            for dim, grads in itertools.product(head_dims, grad_dtypes):
+                variants[ScanVariant(1, None, fp32, True, token_outputs=False, dim=dim, dv_dtype=grads)] = None
                 for dh0 in (fp32, None):
-                    variants[ScanVariant(1, fp32, dh0, True, dim=dim)] = None
+                    variants[ScanVariant(1, fp32, dh0, True, dim=dim, dv_dtype=grads)] = None
     for dtype, pool, packed, split, every in itertools.product(dtypes, state_pools, varlen, k2_splits,
                                                                (0, *checkpoint_every)):
         variants[RecurrenceVariant(split, pool, pool, packed, False, True, every, dtype)] = None

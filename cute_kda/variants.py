@@ -99,7 +99,8 @@ class ScanTuning:
 class ScanVariant(SerialScan):
     """Kernel A (:class:`cute_kda.kernels.bwd_scan.BwdScan`): dht / dh0 dtypes (None: no such tensor);
     ``token_outputs`` False writes dh0 alone (a segmented call's first pass); ``snapshot_every`` tiles per kept
-    state gradient; ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`)."""
+    state gradient; ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`); ``dv_dtype``: dv in bf16, or fp16
+    (:data:`cute_kda.ops.bwd_scan.DV_DTYPES`)."""
 
     vsplit: int
     dht: torch.dtype | None
@@ -109,6 +110,7 @@ class ScanVariant(SerialScan):
     token_outputs: bool = True
     snapshot_every: int = SNAPSHOT_TILES
     dim: int = HEAD_DIM
+    dv_dtype: torch.dtype = torch.bfloat16
     splits: ClassVar[tuple[int, ...]] = SCAN_VSPLITS  # K2's rule over Kernel A's own splits, 8 included
 
 
@@ -119,7 +121,8 @@ class GradsVariant:
     gate values loaded in one burst; ``split_load``: the state images behind their own transaction barrier;
     ``split_rows``: the safe gate backward's rows on all 8 warps (the launcher's
     :data:`cute_kda.ops.bwd_grads.GATE_AHEAD`, :data:`~cute_kda.ops.bwd_grads.SPLIT_LOAD`,
-    :data:`~cute_kda.ops.bwd_grads.SPLIT_ROWS`); ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`)."""
+    :data:`~cute_kda.ops.bwd_grads.SPLIT_ROWS`); ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`);
+    ``grad_dtype``: dq, dk and a per-channel gate's dg in bf16, or fp16 (:data:`cute_kda.ops.bwd_grads.GRAD_DTYPES`)."""
 
     varlen: bool
     qk_l2norm: bool
@@ -133,3 +136,4 @@ class GradsVariant:
     split_load: bool = False
     split_rows: bool = False
     dim: int = HEAD_DIM
+    grad_dtype: torch.dtype = torch.bfloat16

@@ -172,9 +172,10 @@ def test_warmup_compiles_each_listed_variant_with_its_launcher(monkeypatch):
                for module, variant, device in compiled)
 
 
-@pytest.mark.parametrize("gate, per_head", [("safe", False), ("softplus", True), ("none", False)],
-                         ids=["safe", "per_head", "per_channel_log_decay"])
-def test_compile_bwd_grads_builds_the_key_a_call_uses(monkeypatch, gate, per_head):
+@pytest.mark.parametrize("gate, per_head, grads", [("safe", False, torch.bfloat16), ("softplus", True, torch.bfloat16),
+                                                   ("none", False, torch.bfloat16), ("safe", False, torch.float16)],
+                         ids=["safe", "per_head", "per_channel_log_decay", "safe_fp16_grads"])
+def test_compile_bwd_grads_builds_the_key_a_call_uses(monkeypatch, gate, per_head, grads):
     """The ahead-of-time Kernel B compile (``meta`` tensors) hands the same variant to the cache as a call on its
     buffers does."""
     import contextlib
@@ -190,7 +191,7 @@ def test_compile_bwd_grads_builds_the_key_a_call_uses(monkeypatch, gate, per_hea
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     g_dtype = torch.bfloat16
     kb.compile_variant(GradsVariant(True, True, False, gate, g_dtype, per_head, per_head, DEFAULT_WARPS,
-                                    **kb.switches(gate, per_head, DEFAULT_WARPS)), "cuda:0")
+                                    grad_dtype=grads, **kb.switches(gate, per_head, DEFAULT_WARPS)), "cuda:0")
     (variant, tensors, options), = seen
     assert all(t is None or t.device.type == "meta" for t in tensors if isinstance(t, torch.Tensor))
     names = ("q", "k", "g", "v", "do", "du", "A_log", "dt_bias", "ws", "states", "state_grads", "dq", "dk", "dg",
@@ -199,7 +200,8 @@ def test_compile_bwd_grads_builds_the_key_a_call_uses(monkeypatch, gate, per_hea
     assert seen[1][0] == variant
 
 
-def test_compile_bwd_scan_builds_the_key_a_call_uses(monkeypatch):
+@pytest.mark.parametrize("dv_dtype", [torch.bfloat16, torch.float16], ids=["bf16_dv", "fp16_dv"])
+def test_compile_bwd_scan_builds_the_key_a_call_uses(monkeypatch, dv_dtype):
     import contextlib
 
     from cute_kda.ops import bwd_scan as ka
@@ -210,7 +212,7 @@ def test_compile_bwd_scan_builds_the_key_a_call_uses(monkeypatch):
     monkeypatch.setattr(ka, "current_stream", lambda device: "stream")
     monkeypatch.setattr(ka, "device_index", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    ka.compile_variant(ScanVariant(8, None, torch.bfloat16, True), "cuda:0")
+    ka.compile_variant(ScanVariant(8, None, torch.bfloat16, True, dv_dtype=dv_dtype), "cuda:0")
     (variant, tensors), = seen
     assert tensors["do"].device.type == "meta"
     ka.bwd_scan(**tensors, vsplit=8)

@@ -166,13 +166,13 @@ class Recording:
         self.calls.append(("forward", options))
         return REFERENCE.forward(x, options, segment_states)
 
-    def _scan(self, x, options, saved, do, dht, dh0_dtype):
+    def _scan(self, x, options, saved, do, dht, dh0_dtype, dv_dtype):
         self.calls.append(("scan", do, dht, dh0_dtype))
-        return REFERENCE.scan(x, options, saved, do, dht, dh0_dtype)
+        return REFERENCE.scan(x, options, saved, do, dht, dh0_dtype, dv_dtype)
 
-    def _grads(self, x, options, saved, do, scan):
+    def _grads(self, x, options, saved, do, scan, grad_dtype):
         self.calls.append(("grads",))
-        return REFERENCE.grads(x, options, saved, do, scan)
+        return REFERENCE.grads(x, options, saved, do, scan, grad_dtype)
 
     def forward(self, *args, **kwargs):
         return training.kda_forward(*args, backend=self.backend, **kwargs)

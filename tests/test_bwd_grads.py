@@ -419,7 +419,7 @@ def test_launcher_rejects_mismatched_buffers():
     args = _cpu_launch_args()
     tok, states, dbeta, ddt, dalog = args[0], args[7], args[14], args[15], args[16]
     cases = {1: tok.float(), 7: states[1:], 8: states.float(), 14: dbeta[:, 1:], 15: ddt[:, 1:], 16: dalog.double(),
-             11: tok.transpose(0, 1).contiguous().transpose(0, 1)}
+             11: tok.transpose(0, 1).contiguous().transpose(0, 1), 12: tok.half()}  # dk fp16 beside a bf16 dq
     for index, bad in cases.items():
         broken = list(args)
         broken[index] = bad

@@ -105,6 +105,8 @@ def test_launcher_rejects_mismatched_buffers():
         ka.bwd_scan(do, ws, dv, du, snaps[1:])
     with pytest.raises(ValueError, match="dv"):
         ka.bwd_scan(do, ws, dv.float(), du, snaps)
+    with pytest.raises(ValueError, match="du"):  # dv may be fp16, du (Kernel B's operand) not
+        ka.bwd_scan(do, ws, dv.half(), du.half(), snaps)
     with pytest.raises(ValueError, match="dht"):
         ka.bwd_scan(do, ws, dv, du, snaps, dht=torch.zeros(n + 1, heads, D, D))
     with pytest.raises(ValueError, match="vsplit"):

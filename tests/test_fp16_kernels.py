@@ -21,6 +21,7 @@ from cute_kda.compile_report import compile_with_report
 from cute_kda.dsl import cute, cutlass
 from cute_kda.kernels.fwd_prepare import prepare_kernel
 from cute_kda.kernels.fwd_recurrence import FwdRecurrence
+from cute_kda.layouts.smem import CHUNK
 from cute_kda.ops import recurrence as k2
 from cute_kda.ops._cache import dsl_type, to_cute_tensor
 from cute_kda.workspace import WorkspaceSpec, workspace_views
@@ -174,6 +175,101 @@ def test_k2_refuses_fp16_beside_fp32_states():
         FwdRecurrence(initial_state=F16, final_state=F32)
 
 
+# ---------------------------------------------------------------- Kernel B's fp16 gradient stores (CPU)
+
+KB_GRAD_VARIANTS = {  # the benchmark's safe gate (8 warps, gate_ahead) and a per-channel unbounded gate's dg
+    "safe_fixed": dict(varlen=False, gate="safe", compute_warps=8, gate_ahead=True),
+    "softplus_varlen": dict(varlen=True, gate="softplus", compute_warps=8, gate_ahead=True),
+}
+STORE_FORMS = ("st.global.b32", "st.global.v2.b16")  # a pair of gradients: one 32-bit store (or two halves packed)
+
+
+def _compile_kernel_b(config: dict, grad_dtype: torch.dtype):
+    from test_bwd_grads import _LAUNCH_ORDER, _dyadic_buffers
+
+    from cute_kda.kernels.bwd_grads import bwd_grads_kernel
+    from cute_kda.ops import bwd_grads as kb
+
+    buffers = _dyadic_buffers("softplus", varlen=config["varlen"])
+    buffers.update({n: buffers[n].to(grad_dtype) for n in ("dq", "dk", "dg")})
+    if config["gate"] == "safe":
+        buffers["dt_bias"] = torch.zeros(buffers["v"].shape[2], D)
+    kernel = bwd_grads_kernel(**config, grad_dtype=dsl_type(grad_dtype))
+    arguments = kb.launch_arguments(*(buffers[name] for name in _LAUNCH_ORDER), scale=D ** -0.5, lower_bound=-5.0,
+                                    cu_seqlens=buffers["cu_seqlens"], tile_base=buffers["tile_base"],
+                                    tensor=to_cute_tensor)
+    return kernel, compile_with_report(kernel, *arguments, cute.runtime.make_fake_stream())[1]
+
+
+@pytest.mark.parametrize("name", list(KB_GRAD_VARIANTS))
+def test_kernel_b_stores_fp16_gradients_as_the_copy_route_converts(name):
+    """dq, dk and dg stored in fp16 as ``f16(f32(bf16 value))``: every bf16 rounding of the twin stays (as many
+    roundings, paired or not), each stored value is widened once more (``cvt.f32.bf16``) and rounded once to fp16
+    (``cvt.rn.f16x2.f32`` a pair of dq / dk, ``cvt.rn.f16.f32`` a dg), as many global stores; nothing else moves
+    (besides a ``mov.b32`` of the pairs' packing), nothing spills, the registers and shared memory are the twin's."""
+    kernel, fp16 = _compile_kernel_b(KB_GRAD_VARIANTS[name], torch.float16)
+    _, bf16 = _compile_kernel_b(KB_GRAD_VARIANTS[name], torch.bfloat16)
+    assert kernel.grad_dtype is F16
+    got, want = _mnemonics(fp16.ptx), _mnemonics(bf16.ptx)
+    converted = 2 * got["cvt.rn.f16x2.f32"] + got["cvt.rn.f16.f32"]
+    pair_stores = kernel.band * CHUNK // 32  # dq's (dk's) pairs a thread stores: 2 · (values / 2)
+    assert got["cvt.rn.f16x2.f32"] == pair_stores and got["cvt.rn.f16.f32"] > 0  # dq, dk; dg
+    assert got["cvt.f32.bf16"] - want["cvt.f32.bf16"] == converted
+    rounded = [c["cvt.rn.bf16.f32"] + 2 * c["cvt.rn.bf16x2.f32"] for c in (got, want)]  # values rounded to bf16
+    assert rounded[0] == rounded[1]
+    assert sum(got[f] for f in STORE_FORMS) == sum(want[f] for f in STORE_FORMS)
+    moved = {"cvt.f32.bf16", "cvt.rn.f16x2.f32", "cvt.rn.f16.f32", "cvt.rn.bf16.f32", "cvt.rn.bf16x2.f32", "mov.b32",
+             *STORE_FORMS}
+    assert {n: got[n] for n in got if n not in moved} == {n: want[n] for n in want if n not in moved}
+    assert abs(got["mov.b32"] - want["mov.b32"]) <= 2
+    assert fp16.local_memory_ops == 0 and fp16.spills == 0, fp16.summary()
+    assert fp16.kernels[0].registers == bf16.kernels[0].registers and fp16.launch_smem == bf16.launch_smem
+
+
+@pytest.mark.parametrize("vsplit", [1, 4])
+def test_kernel_a_stores_fp16_dv_as_the_copy_route_converts(vsplit):
+    """dv stored in fp16 as ``f16(f32(bf16(β·du)))``: the twin's bf16 roundings stay (−dv feeds G5 as bf16), each
+    dv value is widened once more (``cvt.f32.bf16``) and a pair rounded to fp16 by one ``cvt.rn.f16x2.f32`` (a
+    mma atom's C fragment holds 2 pairs), the pairs' packing moves (``mov.b32``, at most one a pair); the same stmatrix
+    and TMA stores, nothing spills, the shared memory is the twin's."""
+    from cute_kda.kernels.bwd_scan import BwdScan
+    from cute_kda.ops import bwd_scan as ka
+
+    heads, num_seqs = 2, 3
+    do = torch.zeros(1, 80, heads, D, dtype=torch.bfloat16)
+    spec = WorkspaceSpec(heads=heads, tiles=8)
+    ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
+    from cute_kda.workspace import block_states_shape
+
+    snapshots = torch.zeros(block_states_shape(ws, heads, num_seqs), dtype=torch.bfloat16)
+
+    def compiled(dv_dtype):
+        kernel = BwdScan(vsplit=vsplit, dht=F32, varlen=True, dv_dtype=dsl_type(dv_dtype))
+        arguments = ka.launch_arguments(do, ws, do.to(dv_dtype), do, snapshots, dht=torch.zeros(num_seqs, heads, D, D),
+                                        dh0=None, cu_seqlens=torch.tensor([0, 20, 20, 80]),
+                                        tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32), tensor=to_cute_tensor)
+        return kernel, compile_with_report(kernel, *arguments, cute.runtime.make_fake_stream())[1]
+
+    kernel, fp16 = compiled(torch.float16)
+    _, bf16 = compiled(torch.bfloat16)
+    assert kernel.dv_dtype is F16
+    got, want = _mnemonics(fp16.ptx), _mnemonics(bf16.ptx)
+    pairs = kernel.warp_cols // 8 * 2  # a lane's dv pairs: 2 a mma atom of 8 columns
+    assert got["cvt.rn.f16x2.f32"] == pairs and got["cvt.f32.bf16"] - want["cvt.f32.bf16"] == 2 * pairs
+    assert abs(got["mov.b32"] - want["mov.b32"]) <= pairs
+    moved = {"cvt.rn.f16x2.f32", "cvt.f32.bf16", "mov.b32"}
+    assert {n: got[n] for n in got if n not in moved} == {n: want[n] for n in want if n not in moved}
+    assert fp16.local_memory_ops == 0 and fp16.spills == 0, fp16.summary()
+    assert fp16.launch_smem == bf16.launch_smem
+
+
+def test_kernel_b_refuses_fp16_gradients_of_grouped_heads():
+    from cute_kda.kernels.bwd_grads import bwd_grads_kernel
+
+    with pytest.raises(ValueError, match="fp16 without grouped"):
+        bwd_grads_kernel(varlen=False, gate="softplus", grouped=True, grad_dtype=F16)
+
+
 def test_warmup_lists_the_fp16_variants():
     """``dtypes`` lists K1 and K2 per activation dtype (an fp16 log decay beside the fp32 one); with ``training`` K2's
     checkpoint variants in fp16 too and the backward's bf16 variants, which fp16 training runs on bf16 copies (an fp16
@@ -200,6 +296,30 @@ def test_warmup_lists_the_fp16_variants():
     assert grads == {("safe", bf16), ("none", bf16), ("none", fp32)}
     both = warmup_variants(dtypes=(bf16, fp16), training=True, **selection)
     assert set(trained) <= set(both)
+
+
+def test_warmup_lists_the_fp16_gradient_twins_under_the_switch(monkeypatch):
+    """Under ``FP16_GRAD_STORES`` an fp16 selection lists Kernel A with an fp16 dv beside every bf16 one and Kernel B
+    with fp16 gradients for the per-channel gates in q's dtype (not the fp32 log decay's); bf16 alone lists none."""
+    from cute_kda.api import warmup_variants
+    from cute_kda.executors import training
+    from cute_kda.variants import GradsVariant, ScanVariant
+
+    fp16, bf16, fp32 = torch.float16, torch.bfloat16, torch.float32
+    selection = dict(varlen=(False,), state_modes=(fp16,), vsplits=(1,), gates=("safe", "none"), segments=True,
+                     training=True)
+    off = warmup_variants(dtypes=(fp16,), **selection)
+    monkeypatch.setattr(training, "FP16_GRAD_STORES", True)
+    on = warmup_variants(dtypes=(fp16,), **selection)
+    assert set(off) < set(on)
+    bf16_only = warmup_variants(dtypes=(bf16,), **selection)
+    assert not any(getattr(v, "dv_dtype", bf16) == fp16 or getattr(v, "grad_dtype", bf16) == fp16 for v in bf16_only)
+    scans = [v for v in on if isinstance(v, ScanVariant)]
+    twins = [v for v in scans if v.dv_dtype == fp16]
+    assert twins and len(twins) == len(scans) - len(twins)
+    grads = {(v.gate, v.g_dtype, v.grad_dtype) for v in on if isinstance(v, GradsVariant)}
+    assert grads == {("safe", bf16, bf16), ("none", bf16, bf16), ("none", fp32, bf16), ("safe", bf16, fp16),
+                     ("none", bf16, fp16)}
 
 
 def _fla_fp16_cases() -> list[str]:

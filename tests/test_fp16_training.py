@@ -12,7 +12,9 @@ kept for the backward are the bf16 call's. The accuracy against the fp64 gold on
 GPU tier: ``cute_kda.kda_forward`` on the kernels against autograd through the fp64 gold on the fp16 values (FLA's
 tolerances: dq dk dv dh0 8e-3, dg dβ 2e-2; dA_log, ddt_bias as the bf16 tests hold them) over gates, tails,
 T < 16, varlen with empty and 1-token sequences, grouped value heads, fp16 / fp32 states, ``recompute``, a
-segmented call and K = V = 64; ``recompute`` bit-identical; the compiled step equal to eager;
+segmented call and K = V = 64; ``recompute`` bit-identical; the backward kernels' fp16 gradient stores
+(``training.FP16_GRAD_STORES``) bit-identical to the copy route (on the CPU too, on the mirrors); the compiled step
+equal to eager;
 ``chunk_gated_delta_rule`` on FLA's fp16 inputs.
 """
 
@@ -69,6 +71,32 @@ def test_kernel_stages_hand_the_backward_kernels_bf16(launchers_on_mirrors, reco
         assert grads[name].dtype == problem[name].dtype, (name, grads[name].dtype)
         assert torch.equal(grads[name], expected[name]), name
     assert {grads[n].dtype for n in ("q", "k", "v", "g", "beta", "initial_state")} == {FP16}
+
+
+def test_fp16_gradient_stores_give_the_copy_routes_bits(launchers_on_mirrors, monkeypatch):
+    """``FP16_GRAD_STORES``: Kernel A is handed an fp16 dv, Kernel B fp16 dq, dk, dg (their launchers' checks pass)
+    and every gradient is the copy route's bit for bit (the mirrors' bf16 values converted, as the kernels store
+    them)."""
+    from cute_kda.ops import bwd_grads as kb
+    from cute_kda.ops import bwd_scan as ka
+
+    problem, do, dht = fp16_problem([20, 0, 17, 5, 1])
+    launchers_on_mirrors.beta = problem["beta"].bfloat16()
+    handed = []
+    check = kb._check_buffers
+    monkeypatch.setattr(kb, "_check_buffers", lambda *a: handed.append((a[9].dtype, a[10].dtype, a[11].dtype))
+                        or check(*a))
+    check_scan = ka._check_buffers
+    monkeypatch.setattr(ka, "_check_buffers", lambda *a: handed.append(a[2].dtype) or check_scan(*a))
+    forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
+    copied = train(forward, problem, do=do, dht=dht.half())[2]
+    monkeypatch.setattr(training, "FP16_GRAD_STORES", True)
+    stored = train(forward, problem, do=do, dht=dht.half())[2]
+    reference = train(REFERENCE_FORWARD, problem, do=do, dht=dht.half())[2]
+    assert handed == [BF16, (BF16,) * 3, FP16, (FP16,) * 3]
+    for name in copied:
+        assert stored[name].dtype == problem[name].dtype, name
+        assert torch.equal(stored[name], copied[name]) and torch.equal(stored[name], reference[name]), name
 
 
 def test_segmented_fp16_call_on_the_kernel_stages(launchers_on_mirrors):
@@ -280,22 +308,37 @@ def test_fp16_training_matches_the_gold(case, device):
     assert all(e <= tolerances[n] for n, e in errors.items()), errors
 
 
+def kernel_grads(tensors: dict, options: dict, do: torch.Tensor, dht: torch.Tensor, device) -> dict:
+    """{input name: its gradient} of ``cute_kda.kda_forward`` on ``device`` (the GPU's kernels)."""
+    leaves = {n: t.detach().to(device).requires_grad_() for n, t in tensors.items()}
+    cu = options.get("cu_seqlens")
+    o, ht = cute_kda.kda_forward(*(leaves[n] for n in ("q", "k", "v", "g", "beta")),
+                                 **{n: leaves[n] for n in leaves if n not in ("q", "k", "v", "g", "beta")},
+                                 **{**options, "cu_seqlens": None if cu is None else cu.to(device)})
+    torch.autograd.backward([o, ht], [do.to(device), dht.to(device, ht.dtype)])
+    return {n: leaf.grad for n, leaf in leaves.items()}
+
+
 @pytest.mark.gpu
 def test_fp16_recompute_is_bit_identical_on_the_kernels(device):
     tensors, options, do, dht = gpu_problem("safe_varlen_fp16_state", device)
-
-    def grads(recompute):
-        leaves = {n: t.detach().to(device).requires_grad_() for n, t in tensors.items()}
-        o, ht = cute_kda.kda_forward(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), A_log=leaves["A_log"],
-                                     dt_bias=leaves["dt_bias"], initial_state=leaves["initial_state"],
-                                     **{**options, "cu_seqlens": options["cu_seqlens"].to(device),
-                                        "recompute": recompute})
-        torch.autograd.backward([o, ht], [do.to(device), dht.to(device, ht.dtype)])
-        return {n: leaf.grad for n, leaf in leaves.items()}
-
-    kept, again = grads(False), grads(True)
+    kept = kernel_grads(tensors, {**options, "recompute": False}, do, dht, device)
+    again = kernel_grads(tensors, {**options, "recompute": True}, do, dht, device)
     for name in kept:
         assert torch.equal(kept[name], again[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_fp16_gradient_stores_are_bit_identical_on_the_kernels(case, device, monkeypatch):
+    """``FP16_GRAD_STORES`` (Kernel A storing dv, Kernel B dq, dk, dg in fp16) gives the copy route's gradients bit
+    for bit (grouped value heads and fp32 gates keep the copy route for dq, dk, dg)."""
+    tensors, options, do, dht = gpu_problem(case, device)
+    copied = kernel_grads(tensors, options, do, dht, device)
+    monkeypatch.setattr(training, "FP16_GRAD_STORES", True)
+    stored = kernel_grads(tensors, options, do, dht, device)
+    for name in copied:
+        assert stored[name].dtype == copied[name].dtype and torch.equal(stored[name], copied[name]), name
 
 
 @pytest.mark.gpu

@@ -50,8 +50,8 @@ class ForwardResult(NamedTuple):
 
 
 class ScanResult(NamedTuple):
-    """Kernel A: dv, du bf16 ``[B, T, H, V]``; state_grads bf16 like the checkpoints (the gradient w.r.t.
-    the state after each tile); dh0 None or ``[N, H, V, K]`` in the requested dtype."""
+    """Kernel A: dv (bf16, or fp16 as asked), du bf16 ``[B, T, H, V]``; state_grads bf16 like the checkpoints (the
+    gradient w.r.t. the state after each tile); dh0 None or ``[N, H, V, K]`` in the requested dtype."""
 
     dv: torch.Tensor
     du: torch.Tensor
@@ -77,9 +77,11 @@ class Backend(NamedTuple):
 
     forward(inputs, options, segment_states=None) → :class:`ForwardResult` (without workspace and checkpoints under
     ``options.recompute``; ``segment_states``: a segmented call's, when an earlier forward made them);
-    scan(inputs, options, saved, do, dht, dh0_dtype) → :class:`ScanResult` (do bf16 ``[B, T, H, V]``
-    contiguous; dht None or bf16 / fp32 ``[N, H, V, K]`` contiguous; dh0_dtype None: no dh0);
-    grads(inputs, options, saved, do, scan) → :class:`GradsResult`.
+    scan(inputs, options, saved, do, dht, dh0_dtype, dv_dtype) → :class:`ScanResult` (do bf16 ``[B, T, H, V]``
+    contiguous; dht None or bf16 / fp32 ``[N, H, V, K]`` contiguous; dh0_dtype None: no dh0; dv in ``dv_dtype``: bf16,
+    or fp16 as ``f16(bf16(x))`` for fp16 training);
+    grads(inputs, options, saved, do, scan, grad_dtype) → :class:`GradsResult` (``grad_dtype``: dq, dk and a
+    per-channel gate's dg in bf16, or fp16 as ``f16(bf16(x))``: fp16 training, without grouped value heads).
     """
 
     name: str
@@ -208,11 +210,11 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
 
 
 def _kernel_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None,
-                 dh0_dtype: torch.dtype | None) -> ScanResult:
+                 dh0_dtype: torch.dtype | None, dv_dtype: torch.dtype = torch.bfloat16) -> ScanResult:
     """Kernel A (:func:`cute_kda.ops.bwd_scan.bwd_scan`); twice for a segmented call (:func:`segment_scan`)."""
     from ..ops import bwd_scan as ka
 
-    dv, du = torch.empty_like(do), torch.empty_like(do)  # bf16 like dO (v may be fp16: training.backward)
+    dv, du = torch.empty_like(do, dtype=dv_dtype), torch.empty_like(do)  # du bf16 like dO, Kernel B's
     state_grads = torch.empty_like(saved.checkpoints)
     ws = workspace_of(options, saved)
 
@@ -225,8 +227,10 @@ def _kernel_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dh
     return segment_scan(options, saved, dht, dh0_dtype, scan)
 
 
-def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult) -> GradsResult:
-    """Kernel B (:func:`cute_kda.ops.bwd_grads.bwd_grads`), its gate partials summed over the tiles."""
+def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult,
+                  grad_dtype: torch.dtype = torch.bfloat16) -> GradsResult:
+    """Kernel B (:func:`cute_kda.ops.bwd_grads.bwd_grads`), its gate partials summed over the tiles; dq, dk and a
+    per-channel gate's dg stored by it in ``grad_dtype``."""
     from ..ops import bwd_grads as kb
 
     ws = workspace_of(options, saved)
@@ -236,9 +240,9 @@ def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, s
     ddt_partial = torch.empty(ddt_shape, dtype=torch.float32, device=do.device) if constants else None
     dalog_partial = torch.empty(dalog_shape, dtype=torch.float32, device=do.device) if constants else None
     unbounded = options.gate != "safe"  # dq, dk per value head (summed over each group below), else like q, k
-    dq, dk = (torch.empty_like(x.v if unbounded else t) for t in (x.q, x.k))
-    # dg: fp32 per (token, head) for a per-head gate, else bf16 like g (a fp32 log decay's is widened below)
-    dg = torch.empty(x.g.shape, dtype=torch.float32 if per_head else torch.bfloat16, device=do.device)
+    dq, dk = (torch.empty_like(x.v if unbounded else t, dtype=grad_dtype) for t in (x.q, x.k))
+    # dg: fp32 per (token, head) for a per-head gate, else like dq (a fp32 log decay's bf16 one is widened below)
+    dg = torch.empty(x.g.shape, dtype=torch.float32 if per_head else grad_dtype, device=do.device)
     dbeta = torch.empty_like(x.beta)
     kb.bwd_grads(  # β enters through the workspace's activated ws.beta
         q=x.q, k=x.k, g=x.g, v=x.v, do=do, du=scan.du, ws=ws, states=saved.checkpoints,
@@ -249,7 +253,8 @@ def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, s
     )
     if unbounded:
         dq, dk = (group_sum(t, x.q.shape[2]) for t in (dq, dk))
-    dg = dg.to(x.g.dtype)
+    if per_head or grad_dtype == torch.bfloat16:
+        dg = dg.to(x.g.dtype)
     return GradsResult(dq, dk, dg, dbeta, None if dalog_partial is None else dalog_partial.sum(1),
                        None if ddt_partial is None else ddt_partial.sum(1))
 

@@ -19,7 +19,8 @@ dt_bias needs a gradient. Everything is queued on the current stream; nothing sy
 back only for the inputs that need them, each in its input's dtype and shape (dh0 in ``initial_state``'s
 ``[N, HV, V, K]`` layout and dtype). fp16 inputs: the forward runs the fp16 K1 / K2 and keeps what a bf16 one keeps
 under ``recompute`` (whatever ``recompute`` says); the backward is the bf16 call's on bf16 copies made in the
-backward, K1 and K2 again included (:func:`backward`; docs/numerics.md, "fp16 training").
+backward, K1 and K2 again included, its gradients converted to fp16 after it or (:data:`FP16_GRAD_STORES`) stored in
+fp16 by the kernels (:func:`backward`; docs/numerics.md, "fp16 training").
 
 The stages sit behind a :class:`~cute_kda.executors.stages.Backend`: :data:`~cute_kda.executors.stages.KERNELS` for
 every public call and op; :data:`cute_kda.reference.backend.REFERENCE` only for a caller that names it
@@ -41,6 +42,11 @@ from .stages import (
 )
 
 TRAIN_OP_NAME = "cute_kda::forward_train"
+# fp16 training: Kernel A stores dv, Kernel B dq, dk and a per-channel gate's dg in fp16 themselves (f16 of the bf16
+# value each stores for bf16: the bits the copy route's conversions give) instead of bf16 tensors converted after them,
+# 1.61 GB of traffic less at B1 T8192 H96; off until the H200 has measured it (docs/perf-log.md, F2;
+# bench_train.py --fp16-grad-stores)
+FP16_GRAD_STORES = False
 BACKWARD_OP_NAME = "cute_kda::backward"
 
 
@@ -107,10 +113,14 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     (:func:`bf16_operands`, copies made here and freed when it returns), the forward's kernels included: its forward
     kept no workspace (:func:`recomputes`), K1 and K2 run again on the copies (a segmented call's segment states
     too), then Kernel A and Kernel B; dO enters rounded to bf16 (as any dO does), an fp16 dht widened to fp32; dq, dk,
-    dv, dg and dh0 come back as the kernels' values converted to fp16 (exact within fp16's range).
+    dv, dg and dh0 come back as the kernels' values converted to fp16 (exact within fp16's range); under
+    :data:`FP16_GRAD_STORES` Kernel A stores an fp16 v's dv so converted itself, and Kernel B dq, dk and dg (q, k and g
+    fp16, no grouped value heads: their group sums add bf16 values; a per-head gate's dg as before).
     """
     fp16 = torch.float16
     dtypes = (x.q.dtype, x.k.dtype, x.v.dtype, x.g.dtype, None, None, None, initial_state_dtype if needs[7] else None)
+    grouped = x.q.shape[2] != x.v.shape[2]
+    stores_fp16 = FP16_GRAD_STORES and not grouped and x.q.dtype == x.k.dtype == x.g.dtype == fp16
     if x.q.dtype == fp16:
         x, saved = bf16_operands(x), saved._replace(segment_states=None)
     do = torch.zeros_like(x.v, dtype=torch.bfloat16) if d_out is None else \
@@ -121,10 +131,12 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     dh0_dtype = initial_state_dtype if needs[7] else None
     if options.recompute:
         saved = recomputed(backend, x, options, saved)
-    scan = backend.scan(x, options, saved, do, dht, torch.float32 if dh0_dtype == fp16 else dh0_dtype)
+    scan = backend.scan(x, options, saved, do, dht, torch.float32 if dh0_dtype == fp16 else dh0_dtype,
+                        fp16 if FP16_GRAD_STORES and dtypes[2] == fp16 else torch.bfloat16)
     dq = dk = dg = dbeta = dA_log = ddt_bias = None
     if any(needs[i] for i in KERNEL_B_INPUTS):
-        dq, dk, dg, dbeta, dA_log, ddt_bias = backend.grads(x, options, saved, do, scan)
+        dq, dk, dg, dbeta, dA_log, ddt_bias = backend.grads(x, options, saved, do, scan,
+                                                            fp16 if stores_fp16 else torch.bfloat16)
     grads = (dq, dk, scan.dv, dg, dbeta, dA_log, ddt_bias, scan.dh0)
     return tuple(None if not need or grad is None else grad if dtype is None else grad.to(dtype)
                  for grad, need, dtype in zip(grads, needs, dtypes))

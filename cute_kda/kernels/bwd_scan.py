@@ -48,8 +48,8 @@ from ..dsl import cute, cutlass  # first: sets the target architecture before th
 
 import cutlass.pipeline as pipeline
 from cuda.bindings import driver
-from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
-from cutlass.cute.nvgpu import cpasync
+from cutlass import BFloat16, Float16, Float32, Int32, Uint32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.memory import SmemAllocator
 
 from ..layouts import bwd_scan as scan_layouts
@@ -140,12 +140,14 @@ class BwdScan(BandScan):
     no output. ``varlen``: sequences packed along T with ``cu_seqlens``. ``token_outputs`` False: the scan writes
     dh0 only (no dv, du or snapshots; the store warp idles): the first pass of the context-parallel backward
     (:mod:`cute_kda.context_parallel`), which needs each segment's own gradient at its start and nothing else.
+    ``dv_dtype``: dv stored in bf16, or in fp16 for fp16 training as ``f16(f32(bf16(β·du)))``, the bits of the copy
+    route's ``.to(float16)`` of the bf16 dv (docs/numerics.md, "fp16 training"; −dv in G5 stays the bf16 value).
     """
 
     def __init__(self, *, vsplit: int = 1, dht: Optional[type] = None, dh0: Optional[type] = None,
                  varlen: bool = False, snapshot_every: int = SNAPSHOT_TILES, compute_warps: Optional[int] = None,
                  output_stages: int = OUTPUT_STAGES, split_accumulator: bool = False,
-                 token_outputs: bool = True, dim: int = HEAD_DIM) -> None:
+                 token_outputs: bool = True, dim: int = HEAD_DIM, dv_dtype: type = BFloat16) -> None:
         super().__init__(
             ScanSmemPlan(vsplit=vsplit, state_io_fp32=Float32 in (dht, dh0), compute_warps=compute_warps,
                          output_stages=output_stages, dim=dim),
@@ -153,11 +155,18 @@ class BwdScan(BandScan):
         )
         self.split_accumulator = split_accumulator
         self.token_outputs = token_outputs
+        if dv_dtype not in (BFloat16, Float16):
+            raise ValueError(f"dv is bf16 or fp16, got {dv_dtype}")
+        self.dv_dtype = dv_dtype
         if token_outputs is False and dh0 is None:
             raise ValueError("a scan without token outputs needs dh0 (it would write nothing)")
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
         self.snapshot_every = snapshot_every
+
+    def output_dtype(self, name: str) -> type:
+        """dv's tile in :attr:`dv_dtype`, du's in bf16 (Kernel B reads it)."""
+        return self.dv_dtype if name == "dv" else self.token_dtype
 
     # -----------------------------------------------------------------------------------------
     # host
@@ -315,7 +324,7 @@ class BwdScan(BandScan):
             inv_t=smem_tensor(at["inv"], scan_layouts.square_tile_transposed(plan), bf16),
             mqk_t=smem_tensor(at["mqk"], scan_layouts.square_tile_transposed(plan), bf16),
             beta=smem_tensor(at["beta"], layouts.vector(CHUNK, stages), Float32),
-            dv=smem_tensor(at["dv"], layouts.value_tile(plan, out_stages), bf16),
+            dv=smem_tensor(at["dv"], layouts.value_tile(plan, out_stages), self.dv_dtype),
             du=smem_tensor(at["du"], layouts.value_tile(plan, out_stages), bf16),
         )
         tma_smem = ScanTmaSmem(**self.tma_boxes(ds_ptr, union_ptr, at))
@@ -323,6 +332,20 @@ class BwdScan(BandScan):
 
     # -----------------------------------------------------------------------------------------
     # compute warps
+
+    def dv_copy(self, tiled_mma: cute.TiledMma) -> cute.TiledCopy:
+        """The stmatrix tiled copy of dv's C fragments into its output stage, in :attr:`dv_dtype` (the warp
+        copies' ``stsm_c`` is bf16, du's)."""
+        atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, self.band_matrices), self.dv_dtype)
+        return cute.make_tiled_copy_C(atom, tiled_mma)
+
+    @cute.jit
+    def stored_dv(self, value: BFloat16):
+        """dv as :attr:`dv_dtype` stores it: the bf16 value, or ``f16(f32(value))`` (exact but for fp16's
+        subnormals and overflow: torch's ``.to(float16)`` of the bf16 tensor)."""
+        if const_expr(self.dv_dtype is BFloat16):
+            return value
+        return value.to(Float32).to(Float16)
 
     @cute.jit
     def compute(
@@ -350,6 +373,7 @@ class BwdScan(BandScan):
         ldsm_b_t = copies.ldsm_b_t.get_slice(lane)
         stsm_c = copies.stsm_c.get_slice(lane)
         stsm_c_t = copies.stsm_c_t.get_slice(lane)
+        stsm_dv = self.dv_copy(tiled_mma).get_slice(lane)
 
         # the warp's columns of dS (both views), of dOᵀ and of the dv / du output tiles
         w_ds = cute.local_tile(smem.ds, (cols, dim), (warp_idx, 0))  # [cols, K]
@@ -366,7 +390,7 @@ class BwdScan(BandScan):
         p_mqk_t = ldsm_a_t.partition_S(smem.mqk_t)
         p_ds = ldsm_b.partition_S(w_ds)  # (CPY, n, k_steps)
         p_do_t = ldsm_b_t.partition_S(w_do_t)  # (CPY, n, 1, stage)
-        p_dv = stsm_c.partition_D(w_dv)
+        p_dv = stsm_dv.partition_D(w_dv)
         p_du = stsm_c.partition_D(w_du)
         p_ds_acc_st = stsm_c_t.partition_D(w_ds_acc)
 
@@ -383,7 +407,7 @@ class BwdScan(BandScan):
         acc = tiled_mma.make_fragment_C(c_shape)  # dU, then du
         acc_ds = tiled_mma.make_fragment_C(c_shape)  # G2's second accumulator (split_accumulator)
         r_c16 = cute.make_rmem_tensor(c_shape, BFloat16)  # dU, then du (bf16 C fragments)
-        r_dv = cute.make_rmem_tensor(c_shape, BFloat16)
+        r_dv = cute.make_rmem_tensor(c_shape, self.dv_dtype)
         r_ndv = cute.make_rmem_tensor(c_shape, BFloat16)
         r_ds_acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((dim, cols)), BFloat16)  # dS, a row block at a time
         ds_words = cute.recast_tensor(r_ds_acc, Uint32)  # ((1,2), k_steps, n): pairs of value columns
@@ -394,7 +418,7 @@ class BwdScan(BandScan):
         v_ds = ldsm_b.retile(r_ds)
         v_square = ldsm_a_t.retile(r_square)
         v_do_b = ldsm_b_t.retile(r_do_b)
-        v_dv = stsm_c.retile(r_dv)
+        v_dv = stsm_dv.retile(r_dv)
         v_du = stsm_c.retile(r_c16)
         v_ds_acc_st = stsm_c_t.retile(r_ds_acc)
 
@@ -445,11 +469,11 @@ class BwdScan(BandScan):
             for i in cutlass.range_constexpr(cute.size(acc)):
                 scaled = acc[i] * beta[c_row_half(i)]
                 r_c16[i] = BFloat16(acc[i])
-                r_dv[i] = BFloat16(scaled)
+                r_dv[i] = self.stored_dv(BFloat16(scaled))
                 r_ndv[i] = BFloat16(-scaled)
             if const_expr(self.token_outputs):
                 store_pipe.producer_acquire(out_state)
-                cute.copy(stsm_c, v_dv, p_dv[None, None, None, out_state.index])
+                cute.copy(stsm_dv, v_dv, p_dv[None, None, None, out_state.index])
                 cute.copy(stsm_c, v_du, p_du[None, None, None, out_state.index])
                 cute.arch.fence_view_async_shared()
                 store_pipe.producer_commit(out_state)

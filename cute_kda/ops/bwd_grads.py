@@ -34,6 +34,9 @@ SPLIT_LOAD = False
 # docs/perf-log.md, B7: predicted −5-7 % on top of B5 + B6, measured +2-3 % on the H200, bit-identical): off
 # (``--split-rows``).
 SPLIT_ROWS = False
+# dq, dk and a per-channel gate's dg: bf16, or fp16 as f16(bf16(x)) for fp16 training (``GradsVariant.grad_dtype``,
+# picked by dq's dtype; the training executor's :data:`~cute_kda.executors.training.FP16_GRAD_STORES`)
+GRAD_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def switches(gate: str, per_head_gate: bool, compute_warps: int) -> dict[str, bool]:
@@ -108,14 +111,17 @@ def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbet
     qk_shape, token_shape = (batch, steps, qk_heads, dim), (batch, steps, heads, dim)
     for name, t in (("q", q), ("k", k)):
         _check(name, t, bf16, qk_shape, device)
-    for name, t in (("v", v), ("do", do), ("du", du), ("dq", dq), ("dk", dk)):
+    for name, t in (("v", v), ("do", do), ("du", du)):
         _check(name, t, bf16, token_shape, device)
+    grads = (torch.bfloat16,) if heads != qk_heads else GRAD_DTYPES  # group sums add bf16 values
+    _check("dq", dq, grads, token_shape, device)
+    _check("dk", dk, (dq.dtype,), token_shape, device)
     if per_head:
         _check("g", g, (torch.bfloat16, torch.float32) if gate == "none" else bf16, token_shape[:3], device)
         _check("dg", dg, (torch.float32,), token_shape[:3], device)
     else:
         _check("g", g, (torch.bfloat16, torch.float32) if gate == "none" else bf16, token_shape, device)
-        _check("dg", dg, bf16, token_shape, device)
+        _check("dg", dg, (dq.dtype,), token_shape, device)
     validation.check_training_size(v, "v")
     _check("dbeta", dbeta, bf16, token_shape[:3], device)
     expected = block_states_shape(ws, heads, num_seqs)
@@ -142,7 +148,8 @@ def compiled_variant(variant: GradsVariant, index: int, tensors: tuple, options:
                                   gate=variant.gate, gate_dtype=dsl_type(variant.g_dtype),
                                   per_head_gate=variant.per_head_gate, grouped=variant.grouped,
                                   gate_ahead=variant.gate_ahead, split_load=variant.split_load,
-                                  split_rows=variant.split_rows, dim=variant.dim)
+                                  split_rows=variant.split_rows, dim=variant.dim,
+                                  grad_dtype=dsl_type(variant.grad_dtype))
         return compile_for_launch(kernel, *launch_arguments(*tensors, **options, tensor=to_cute_tensor), fake_stream())
 
     return _CACHE.get((variant, index), build)
@@ -158,7 +165,8 @@ def bwd_grads(
 ) -> None:
     """Run Kernel B: dq, dk, dg, dbeta (valid rows) and the per-tile partials of ddt_bias and dA_log.
 
-    q, k, g (raw gate), v, do, du (Kernel A's), dq, dk, dg: bf16 ``[B, T, H, D]`` (D in
+    q, k, g (raw gate), v, do, du (Kernel A's), dq, dk, dg: bf16 ``[B, T, H, D]`` (dq, dk and a per-channel gate's dg
+    may be fp16 together, without grouped value heads: the bf16 values rounded once more, :data:`GRAD_DTYPES`; D in
     :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`, the workspace's); dbeta bf16
     ``[B, T, H]``, w.r.t. beta as the forward took it (the logits when ``beta_logits``; β itself enters
     through the workspace's activated ``ws.beta``); A_log fp32 ``[H]``, dt_bias fp32 ``[H, D]``; ws: the forward's K1
@@ -203,7 +211,7 @@ def bwd_grads(
         stream = current_stream(q.device)
         per_head = g.dim() == 3
         variant = GradsVariant(varlen, bool(qk_l2norm), bool(beta_logits), gate, g.dtype, per_head,
-                               v.shape[2] != q.shape[2], compute_warps, dim=dim,
+                               v.shape[2] != q.shape[2], compute_warps, dim=dim, grad_dtype=dq.dtype,
                                **switches(gate, per_head, compute_warps))
         compiled_variant(variant, device_index(q.device), tensors, options)(*launch_arguments(*tensors, **options),
                                                                             stream)
@@ -216,6 +224,7 @@ def compile_variant(variant: GradsVariant, device: torch.device | str) -> None:
     problem = compile_problem(variant.varlen, variant.dim)
     heads, fp32 = problem.heads, torch.float32
     qk, tokens = problem.tokens(1 if variant.grouped else heads), problem.tokens()
+    grads = problem.tokens(dtype=variant.grad_dtype)
     gate_inner = () if variant.per_head_gate else (problem.dim,)
     states = problem.block_states()
     ddt_shape, dalog_shape = gate_partials_shapes(problem.ws, heads, variant.per_head_gate)
@@ -223,8 +232,8 @@ def compile_variant(variant: GradsVariant, device: torch.device | str) -> None:
     tensors = (qk, qk, problem.tokens(heads, gate_inner, dtype=variant.g_dtype), tokens, tokens, tokens,
                problem.zeros(heads, dtype=fp32) if constants else None,
                problem.zeros(heads, *gate_inner, dtype=fp32) if constants else None,
-               problem.ws, states, states, tokens, tokens,
-               problem.tokens(heads, gate_inner, dtype=fp32 if variant.per_head_gate else torch.bfloat16),
+               problem.ws, states, states, grads, grads,
+               problem.tokens(heads, gate_inner, dtype=fp32 if variant.per_head_gate else variant.grad_dtype),
                problem.tokens(heads, ()),
                problem.zeros(*ddt_shape, dtype=fp32) if constants else None,
                problem.zeros(*dalog_shape, dtype=fp32) if constants else None)

@@ -24,6 +24,9 @@ from .recurrence import dtype_or_none
 
 _CACHE = CompileCache("bwd_scan")
 _STATE_DTYPES = (torch.bfloat16, torch.float32)
+# dv: bf16, or fp16 as f16(bf16(β·du)) for fp16 training (``ScanVariant.dv_dtype``, picked by dv's dtype; the training
+# executor's :data:`~cute_kda.executors.training.FP16_GRAD_STORES`)
+DV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def launch_arguments(
@@ -60,7 +63,7 @@ def compiled_variant(variant: ScanVariant, index: int, tensors: dict):
                          varlen=variant.varlen, snapshot_every=variant.snapshot_every,
                          compute_warps=tuning.compute_warps, output_stages=tuning.output_stages,
                          split_accumulator=tuning.split_accumulator, token_outputs=variant.token_outputs,
-                         dim=variant.dim)
+                         dim=variant.dim, dv_dtype=dsl_type(variant.dv_dtype))
         return compile_for_launch(kernel, *launch_arguments(**tensors, tensor=to_cute_tensor), fake_stream())
 
     return _CACHE.get((variant, index), build)
@@ -73,9 +76,11 @@ def _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs: int, snapshot_
         raise ValueError(f"do must be bf16 [B, T, H, {ws.qd.shape[-1]}], got {do.dtype} {tuple(do.shape)}")
     if ws.qd.shape[0] % heads:
         raise ValueError(f"workspace rows {ws.qd.shape[0]} are not a multiple of H = {heads}")
-    for name, t in (("dv", dv), ("du", du)):
-        if t.dtype != torch.bfloat16 or t.shape != do.shape or t.device != do.device:
-            raise ValueError(f"{name} must be bf16 {tuple(do.shape)} on {do.device}, got {t.dtype} {tuple(t.shape)}")
+    for name, t, dtypes in (("dv", dv, DV_DTYPES), ("du", du, (torch.bfloat16,))):
+        if t.dtype not in dtypes or t.shape != do.shape or t.device != do.device:
+            names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise ValueError(f"{name} must be {names} {tuple(do.shape)} on {do.device}, got {t.dtype} "
+                             f"{tuple(t.shape)}")
     expected = block_states_shape(ws, heads, num_seqs, snapshot_every)
     if snapshots.dtype != torch.bfloat16 or tuple(snapshots.shape) != expected:
         raise ValueError(f"snapshots must be bf16 {expected}, got {snapshots.dtype} {tuple(snapshots.shape)}")
@@ -96,8 +101,9 @@ def bwd_scan(
 ) -> None:
     """Run Kernel A: ``dv``, ``du`` (valid rows only), ``snapshots`` and, when given, ``dh0``.
 
-    do, dv, du: bf16 ``[B, T, H, D]``, D in :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS` and the workspace's (dO the gradient w.r.t. the forward's output; du the gradient
-    w.r.t. ``u = β ⊙ (v − kd S)`` of each tile, for the tile-gradient kernel; dv the gradient w.r.t. v).
+    do, dv, du: bf16 ``[B, T, H, D]`` (dv may be fp16: the bf16 value converted, :data:`DV_DTYPES`), D in
+    :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS` and the workspace's (dO the gradient w.r.t. the forward's output; du
+    the gradient w.r.t. ``u = β ⊙ (v − kd S)`` of each tile, for the tile-gradient kernel; dv the gradient w.r.t. v).
     ws: the K1 :class:`~cute_kda.workspace.Workspace` of the forward these gradients belong to.
     snapshots: bf16 ``[H · slots, D, D]`` state images (:func:`cute_kda.workspace.block_states_shape` with
     ``snapshot_every``): row ``h · slots + g // snapshot_every + s`` receives the gradient w.r.t. the state after
@@ -133,7 +139,7 @@ def bwd_scan(
         tensors = dict(do=do, ws=ws, dv=dv, du=du, snapshots=snapshots, dht=dht, dh0=dh0,
                        cu_seqlens=cu_seqlens, tile_base=tile_base)
         variant = ScanVariant(vsplit, dtype_or_none(dht), dtype_or_none(dh0), varlen, tuning, bool(token_outputs),
-                              snapshot_every, dim=do.shape[-1])
+                              snapshot_every, dim=do.shape[-1], dv_dtype=dv.dtype)
         compiled_variant(variant, device_index(do.device), tensors)(*launch_arguments(**tensors), stream)
 
 
@@ -145,7 +151,8 @@ def compile_variant(variant: ScanVariant, device: torch.device | str) -> None:
         raise ValueError(f"vsplit must be one of {SCAN_VSPLITS}, got {variant.vsplit}")
     problem = compile_problem(variant.varlen, variant.dim)
     do = problem.tokens()
-    tensors = dict(do=do, ws=problem.ws, dv=do, du=do, snapshots=problem.block_states(variant.snapshot_every),
+    tensors = dict(do=do, ws=problem.ws, dv=problem.tokens(dtype=variant.dv_dtype), du=do,
+                   snapshots=problem.block_states(variant.snapshot_every),
                    dht=problem.state(variant.dht), dh0=problem.state(variant.dh0), cu_seqlens=problem.cu_seqlens,
                    tile_base=problem.tile_base)
     compiled_variant(variant, device_index(torch.device(device)), tensors)

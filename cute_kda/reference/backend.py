@@ -64,26 +64,31 @@ def _reference_forward(x: Inputs, options: Options, segment_states: torch.Tensor
 
 
 def _reference_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None,
-                    dh0_dtype: torch.dtype | None) -> ScanResult:
+                    dh0_dtype: torch.dtype | None, dv_dtype: torch.dtype = torch.bfloat16) -> ScanResult:
     """:func:`~cute_kda.reference.mirror_bwd_scan` (twice for a segmented call, :func:`segment_scan`; the mirror
-    computes every output in either pass, so ``token_outputs`` changes nothing here)."""
+    computes every output in either pass, so ``token_outputs`` changes nothing here); dv converted to ``dv_dtype``
+    as Kernel A stores it."""
     def scan(leaving: torch.Tensor | None, dtype: torch.dtype | None, token_outputs: bool = True) -> ScanResult:
         result = mirror_bwd_scan(workspace_of(options, saved), do, cu_seqlens=x.cu_seqlens, dht=leaving,
                                  dh0_dtype=torch.float32 if dtype is None else dtype, state_layout="vk")
-        return ScanResult(result.dv.contiguous(), result.du.contiguous(), result.snapshots.contiguous(),
+        return ScanResult(result.dv.to(dv_dtype).contiguous(), result.du.contiguous(), result.snapshots.contiguous(),
                           None if dtype is None else result.dh0.contiguous())
 
     return segment_scan(options, saved, dht, dh0_dtype, scan)
 
 
-def _reference_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult) -> GradsResult:
-    """:func:`~cute_kda.reference.backward.mirror_bwd_grads`."""
+def _reference_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult,
+                     grad_dtype: torch.dtype = torch.bfloat16) -> GradsResult:
+    """:func:`~cute_kda.reference.backward.mirror_bwd_grads`; dq, dk and a per-channel gate's dg converted to
+    ``grad_dtype`` as Kernel B stores them."""
     result = mirror_bwd_grads(
         x.q, x.k, x.g, x.beta, x.v, do, scan.du, workspace_of(options, saved), saved.checkpoints, scan.state_grads,
         gate=options.gate, A_log=x.A_log, dt_bias=x.dt_bias, scale=options.scale, lower_bound=options.lower_bound,
         cu_seqlens=x.cu_seqlens, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
     )
-    return GradsResult(*(None if t is None else t.contiguous() for t in result))
+    result = GradsResult(*(None if t is None else t.contiguous() for t in result))
+    dg = result.dg if x.g.dim() == 3 else result.dg.to(grad_dtype)
+    return result._replace(dq=result.dq.to(grad_dtype), dk=result.dk.to(grad_dtype), dg=dg)
 
 
 REFERENCE = Backend("reference", _reference_forward, _reference_scan, _reference_grads)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Optional
 
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental.primitives import cp_async_bulk_shared_cluster_global
 from cutlass.memory import SmemAllocator
@@ -100,9 +100,9 @@ class GradsOutputs(NamedTuple):
     value head (their group sums are the caller's), dg per (token, value head), the partials per slot; none for
     gate "none"."""
 
-    dq: cute.Tensor  # bf16 [rows, H, D]; per-head gate: [rows, HV, D]
-    dk: cute.Tensor  # bf16 [rows, H, D]; per-head gate: [rows, HV, D]
-    dg: cute.Tensor  # bf16 [rows, H, D], w.r.t. the raw gate; per-head gate: fp32 [rows, HV]
+    dq: cute.Tensor  # grad_dtype [rows, H, D]; per-head gate: [rows, HV, D]
+    dk: cute.Tensor  # grad_dtype [rows, H, D]; per-head gate: [rows, HV, D]
+    dg: cute.Tensor  # grad_dtype [rows, H, D], w.r.t. the raw gate; per-head gate: fp32 [rows, HV]
     dbeta: cute.Tensor  # bf16 [rows, HV], w.r.t. beta as given (logits when beta_logits)
     ddt_partial: Optional[cute.Tensor]  # fp32 [R, D]: Σ over the tile's tokens of dg_raw; per-head gate: [R]
     dalog_partial: Optional[cute.Tensor]  # fp32 [R]: Σ of dx · x (safe) or of dγ · γ (per-head softplus)
@@ -152,7 +152,10 @@ class BwdGrads(TokenPrep):
     (docs/perf-log.md, B5); ``split_load``: the state images complete a transaction barrier of their own, waited for
     before phase 3 (their first reader), so K1's recompute runs while they arrive (docs/perf-log.md, B6). Neither
     changes an instruction's operands: the same bits. ``split_rows`` (a scheme with :attr:`splits_gate_rows`, 8 warps):
-    the gate backward's rows shared by all warps, its sums kept in order (docs/perf-log.md, B7).
+    the gate backward's rows shared by all warps, its sums kept in order (docs/perf-log.md, B7). ``grad_dtype``: dq,
+    dk and a per-channel gate's dg stored in bf16, or in fp16 for fp16 training as ``f16(bf16(x))``: the bf16 value
+    the bf16 variant stores, converted exactly as the copy route's ``.to(float16)`` of it (docs/numerics.md, "fp16
+    training"; not with ``grouped``: the group sums add the bf16 values).
 
     A scheme's subclass sets :attr:`gates`, :attr:`per_head_gate` (g ``[.., HV]`` instead of ``[.., HV, D]``),
     :attr:`gate_tile` (g comes by TMA with the other token tiles), :attr:`grouped_heads`, :attr:`ctas_per_sm` and
@@ -170,7 +173,7 @@ class BwdGrads(TokenPrep):
     def __init__(self, *, varlen: bool, gate: str = "safe", qk_l2norm: bool = True, beta_logits: bool = True,
                  compute_warps: int = plan.DEFAULT_WARPS, gate_dtype: type = BFloat16, grouped: bool = False,
                  gate_ahead: bool = False, split_load: bool = False, split_rows: bool = False,
-                 dim: int = HEAD_DIM) -> None:
+                 dim: int = HEAD_DIM, grad_dtype: type = BFloat16) -> None:
         if dim not in NATIVE_HEAD_DIMS:
             raise ValueError(f"dim must be one of {NATIVE_HEAD_DIMS}, got {dim}")
         if compute_warps not in plan.compute_warps(dim):
@@ -183,7 +186,9 @@ class BwdGrads(TokenPrep):
             raise ValueError(f"g is bf16 (or fp32 with gate 'none'), got {gate_dtype} with gate {gate!r}")
         if gate_ahead and not plan.reads_gate_rows(gate, self.per_head_gate):
             raise ValueError(f"gate_ahead: {type(self).__name__} with gate {gate!r} reads no raw gate row by row")
-        self.gate, self.gate_dtype, self.grouped = gate, gate_dtype, grouped
+        if grad_dtype not in (BFloat16, Float16) or (grad_dtype is Float16 and grouped):
+            raise ValueError(f"dq, dk, dg are bf16, or fp16 without grouped value heads, got {grad_dtype}")
+        self.gate, self.gate_dtype, self.grouped, self.grad_dtype = gate, gate_dtype, grouped, grad_dtype
         if split_rows and not (self.splits_gate_rows and compute_warps == max(plan.COMPUTE_WARPS)):
             raise ValueError(f"split_rows: built for the safe gate at {max(plan.COMPUTE_WARPS)} warps")
         self.gate_ahead, self.split_load, self.split_rows = gate_ahead, split_load, split_rows
@@ -729,15 +734,24 @@ class BwdGrads(TokenPrep):
         return values
 
     @cute.jit
+    def stored(self, value: BFloat16):
+        """A bf16 gradient as :attr:`grad_dtype` stores it: itself, or ``f16(f32(value))`` (exact but for fp16's
+        subnormals and overflow: torch's ``.to(float16)`` of the bf16 tensor)."""
+        if cutlass.const_expr(self.grad_dtype is BFloat16):
+            return value
+        return value.to(Float32).to(Float16)
+
+    @cute.jit
     def store_token_pairs(self, gmem: cute.Tensor, frag: cute.Tensor, coords: cute.Tensor, c0: Int32, head: Int32,
                           row0: Int32, valid_rows: Int32):
-        """bf16 C fragment into the token rows ``row0 + r`` (valid rows only) of ``[rows, H, D]``, 32 bits a store."""
-        pair = cute.make_rmem_tensor((2,), BFloat16)
+        """bf16 C fragment into the token rows ``row0 + r`` (valid rows only) of ``[rows, H, D]`` in
+        :attr:`grad_dtype` (:meth:`stored`), 32 bits a store."""
+        pair = cute.make_rmem_tensor((2,), self.grad_dtype)
         for p in cutlass.range_constexpr(cute.size(frag) // 2):
             r, c = coords[2 * p]
             if r < valid_rows:
-                pair[0] = frag[2 * p]
-                pair[1] = frag[2 * p + 1]
+                pair[0] = self.stored(frag[2 * p])
+                pair[1] = self.stored(frag[2 * p + 1])
                 cute.autovec_copy(pair, cute.local_tile(gmem[row0 + r, head, None], (2,), ((c0 + c) // 2,)))
 
     @cute.jit

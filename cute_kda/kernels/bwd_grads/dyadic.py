@@ -331,7 +331,7 @@ class DyadicBwdGrads(BwdGrads):
                         dg = self.softplus_gate_grad(g_raw, dt, e_a, dgamma)
                         ddt = ddt + dg
                         dalog = dalog + dgamma * (self.base2_log_decay(g_raw, dt, e_a) * Float32(LN2))
-                    out.dg[tile.row0 + s, tile.head, col] = dg.to(BFloat16)
+                    out.dg[tile.row0 + s, tile.head, col] = self.stored(dg.to(BFloat16))
             if cutlass.const_expr(self.gate == "softplus"):
                 out.ddt_partial[tile.slot, col] = ddt
                 self.store_warp_dalog(smem, dalog, warp_idx, lane)

@@ -243,7 +243,7 @@ class SafeBwdGrads(BwdGrads):
                     dsig = smem.dsig_rows[row, col]
                 dx = (suffix + d_last) * scalars.c_gate * dsig
                 dg_raw = dx * e_a
-                out.dg[tile.row0 + row, tile.head, col] = dg_raw.to(BFloat16)
+                out.dg[tile.row0 + row, tile.head, col] = self.stored(dg_raw.to(BFloat16))
                 ddt = ddt + dg_raw
                 dalog = dalog + dx * x
         return suffix, ddt, dalog

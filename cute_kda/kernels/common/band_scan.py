@@ -174,10 +174,10 @@ class BandScan:
         plan, bf16, tokens = self.plan, BFloat16, self.token_dtype
         stages, out_stages = plan.input_stages, plan.output_stages
 
-        def token_box(name: str, count: int) -> cute.Tensor:
+        def token_box(name: str, count: int, dtype: type = tokens) -> cute.Tensor:
             if plan.swizzled_tokens:
-                return smem_tensor(at[name], layouts.value_tile(plan, count), tokens)
-            return smem_tensor(at[name], layouts.tma_box(CHUNK, self.v_band, count), tokens)
+                return smem_tensor(at[name], layouts.value_tile(plan, count), dtype)
+            return smem_tensor(at[name], layouts.tma_box(CHUNK, self.v_band, count), dtype)
 
         boxes = {plan.token_field: token_box(plan.token_field, stages)}
         for name in layouts.SWIZZLED_FIELDS:
@@ -185,10 +185,14 @@ class BandScan:
         for name in ("inv", "mqk"):
             boxes[name] = smem_tensor(at[name], layouts.tma_box(CHUNK, CHUNK, stages), bf16)
         for name in plan.output_fields:
-            boxes[name] = token_box(name, out_stages)
+            boxes[name] = token_box(name, out_stages, self.output_dtype(name))
         boxes["state"] = smem_tensor(state_ptr, layouts.tma_box(self.v_band, self.dim), bf16)
         boxes["state_fp32"] = smem_tensor(union_ptr, layouts.tma_box(self.v_band, self.dim), self.staging)
         return boxes
+
+    def output_dtype(self, name: str) -> type:
+        """The element type of the output tile ``name`` (a field of ``plan.output_fields``): :attr:`token_dtype`."""
+        return self.token_dtype
 
     @cute.jit
     def locate_sequence(self, seq: Int32, head: Int32, seq_len_of_batch: Int32, tiles_per_head: Int32,
