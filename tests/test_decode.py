@@ -342,7 +342,8 @@ def test_variant_rejects_what_the_kernel_cannot_run():
                 dict(paired=True), dict(paired=True, state_dtype="bf16", tokens=2),
                 dict(paired=True, state_dtype="bf16", vsplit=8), dict(l2_ahead=True),
                 dict(tokens=4, prefetch=True, l2_ahead=True), dict(split_prep=True), dict(tokens=5, split_prep=True),
-                dict(tokens=4, prefetch=True, split_prep=True), dict(tokens=None, split_prep=True)):
+                dict(tokens=4, prefetch=True, split_prep=True), dict(tokens=None, split_prep=True),
+                dict(tokens=4, state_layout="kv", state_dtype="bf16", split_prep=True)):
         with pytest.raises(ValueError):
             DecodeVariant(**bad)
     DecodeVariant(tokens=None, cu_seqlens="int64")
@@ -500,7 +501,9 @@ def test_l2_ahead_prefetches_the_later_tokens_before_token_zero(variant):
 def test_choose_split_prep():
     from cute_kda.kernels.decode import DecodeVariant
 
-    assert [t for t in (None, 1, 2, 3, 4, 5, 8) if DecodeVariant.choose_split_prep(t)] == [2, 3, 4]
+    assert [t for t in (None, 1, 2, 3, 4, 5, 8) if DecodeVariant.choose_split_prep(t, "vk", "bf16")] == [2, 3, 4]
+    assert DecodeVariant.choose_split_prep(4, "kv", "fp32") and DecodeVariant.choose_split_prep(4, "vk", "fp32")
+    assert not DecodeVariant.choose_split_prep(4, "kv", "bf16")  # spills at the 168-register cap
 
 
 @pytest.mark.parametrize("variant", [v for v in _compile_matrix() if v.split_prep], ids=lambda v: _variant_id(v))

@@ -116,9 +116,10 @@ class DecodeVariant:
             raise ValueError("prefetch loads the tokens of the unrolled loop ahead: it needs tokens >= 2")
         if self.l2_ahead and (self.tokens is None or self.tokens < 2 or self.prefetch):
             raise ValueError("l2_ahead prefetches the later tokens of the unrolled loop: tokens >= 2, not prefetch")
-        if self.split_prep and (not self.choose_split_prep(self.tokens) or self.prefetch or self.l2_ahead):
+        if self.split_prep and (not self.choose_split_prep(self.tokens, self.state_layout, self.state_dtype)
+                                or self.prefetch or self.l2_ahead):
             raise ValueError(f"split_prep gives each of the {WARP_GROUPS} groups of a warp one token of the unrolled "
-                             "loop: tokens 2 to 4, not prefetch or l2_ahead")
+                             "loop: tokens 2 to 4, not a K-first bf16 state, not prefetch or l2_ahead")
         if self.paired and not self.pairs(self.tokens, self.verify, self.state_layout, self.state_dtype):
             raise ValueError("paired runs a one-token decode on a V-first bf16 pool")
         self.thread_map  # validates layout, dtype and vsplit
@@ -136,10 +137,13 @@ class DecodeVariant:
         return tokens is not None and 2 <= tokens <= 4 and state_layout == "vk" and state_dtype == "bf16"
 
     @staticmethod
-    def choose_split_prep(tokens: Optional[int]) -> bool:
+    def choose_split_prep(tokens: Optional[int], state_layout: str, state_dtype: str) -> bool:
         """Whether an unrolled loop of ``tokens`` can prepare its tokens split over the groups of a warp: 2 to
-        :data:`~cute_kda.layouts.decode.WARP_GROUPS` tokens (one a group; one token has nothing to share)."""
-        return tokens is not None and 2 <= tokens <= WARP_GROUPS
+        :data:`~cute_kda.layouts.decode.WARP_GROUPS` tokens (one a group; one token has nothing to share), not on a
+        K-first bf16 state (8 value columns a thread, 128 fp32 state registers: at the 168-register cap of
+        :data:`BOUND_CTAS_PER_SM` ptxas spills 640 bytes; ``prefetch`` excludes it too)."""
+        return (tokens is not None and 2 <= tokens <= WARP_GROUPS
+                and not (state_layout == "kv" and state_dtype == "bf16"))
 
     @staticmethod
     def pairs(tokens: Optional[int], verify: bool, state_layout: str, state_dtype: str) -> bool:

@@ -61,7 +61,7 @@ def variant_of(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_l
     :meth:`DecodeVariant.choose_split_prep` says so) takes its place; ``paired`` as :func:`launch_plan` chose it."""
     unrolled = unrolled_tokens(tokens, cu_seqlens)
     dtype = _STATE_DTYPES[state_dtype]
-    split_prep = SPLIT_PREP and DecodeVariant.choose_split_prep(unrolled)
+    split_prep = SPLIT_PREP and DecodeVariant.choose_split_prep(unrolled, state_layout, dtype)
     l2_ahead = L2_AHEAD and not split_prep and DecodeVariant.choose_l2_ahead(unrolled, state_layout, dtype)
     return DecodeVariant(gate=gate, per_head_gate=per_head_gate, state_dtype=dtype, state_layout=state_layout,
                          tokens=unrolled, verify=verify, qk_l2norm=qk_l2norm, beta_logits=beta_logits, grouped=grouped,
