@@ -651,8 +651,8 @@ def assert_matches_mirror(actual: torch.Tensor, expected: torch.Tensor, what: st
 @pytest.mark.parametrize("variant", _compile_matrix(), ids=_variant_id)
 def test_kernel_matches_mirror(monkeypatch, request, variant):
     """Each compiled variant: o and every slot of the pool as the mirror has them (padding row zero, the caller's
-    ``out`` filled, unlisted slots untouched in both). The launcher's switches follow the variant's ``paired`` and
-    ``l2_ahead`` (a paired call at any size), and the launched kernel has them."""
+    ``out`` filled, unlisted slots untouched in both). The launcher's switches follow the variant's ``paired``,
+    ``l2_ahead`` and ``split_prep`` (a paired call at any size), and the launched kernel has them."""
     from cute_kda.kernels.decode import DecodeVariant
     from cute_kda.ops import decode as ops
 
@@ -661,6 +661,7 @@ def test_kernel_matches_mirror(monkeypatch, request, variant):
     monkeypatch.setattr(ops, "compiled_variant", lambda v, index: launched.append(v) or build(v, index))
     monkeypatch.setattr(ops, "PAIRED", variant.paired)
     monkeypatch.setattr(ops, "L2_AHEAD", variant.l2_ahead)
+    monkeypatch.setattr(ops, "SPLIT_PREP", variant.split_prep)
     if variant.paired:
         monkeypatch.setattr(DecodeVariant, "choose_paired", classmethod(lambda cls, *a: True))
     ops.launch_plan.cache_clear()
@@ -675,7 +676,8 @@ def test_kernel_matches_mirror(monkeypatch, request, variant):
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     assert_matches_mirror(got, expected, "o")
     assert_matches_mirror(case["state_pool"], expected_pool, "pool")
-    assert [(v.paired, v.l2_ahead) for v in launched] == [(variant.paired, variant.l2_ahead)]
+    assert [(v.paired, v.l2_ahead, v.split_prep) for v in launched] == [(variant.paired, variant.l2_ahead,
+                                                                         variant.split_prep)]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
