@@ -341,7 +341,9 @@ def test_variant_rejects_what_the_kernel_cannot_run():
                 dict(tokens=None, cu_seqlens="int16"), dict(prefetch=True), dict(tokens=None, prefetch=True),
                 dict(paired=True), dict(paired=True, state_dtype="bf16", tokens=2),
                 dict(paired=True, state_dtype="bf16", vsplit=8), dict(l2_ahead=True),
-                dict(tokens=4, prefetch=True, l2_ahead=True)):
+                dict(tokens=4, prefetch=True, l2_ahead=True), dict(split_prep=True), dict(tokens=5, split_prep=True),
+                dict(tokens=4, prefetch=True, split_prep=True), dict(tokens=None, split_prep=True),
+                dict(tokens=4, state_layout="kv", state_dtype="bf16", split_prep=True)):
         with pytest.raises(ValueError):
             DecodeVariant(**bad)
     DecodeVariant(tokens=None, cu_seqlens="int64")
@@ -367,6 +369,9 @@ def _compile_matrix():
         V(gate="none", per_head_gate=True, state_dtype="bf16", grouped=True, vsplit=4, paired=True),
         V(state_dtype="bf16", tokens=4, verify=True, vsplit=4, l2_ahead=True),
         V(gate="softplus", per_head_gate=True, state_dtype="bf16", tokens=2, grouped=True, vsplit=8, l2_ahead=True),
+        V(state_dtype="bf16", tokens=4, verify=True, vsplit=4, split_prep=True),
+        V(tokens=4, verify=True, vsplit=4, split_prep=True),
+        V(gate="none", per_head_gate=True, state_layout="kv", tokens=3, grouped=True, vsplit=2, split_prep=True),
     ]
 
 
@@ -493,6 +498,41 @@ def test_l2_ahead_prefetches_the_later_tokens_before_token_zero(variant):
     print(f"{variant}: {report.kernels[0].registers} registers")
 
 
+def test_choose_split_prep():
+    from cute_kda.kernels.decode import DecodeVariant
+
+    assert [t for t in (None, 1, 2, 3, 4, 5, 8) if DecodeVariant.choose_split_prep(t, "vk", "bf16")] == [2, 3, 4]
+    assert DecodeVariant.choose_split_prep(4, "kv", "fp32") and DecodeVariant.choose_split_prep(4, "vk", "fp32")
+    assert not DecodeVariant.choose_split_prep(4, "kv", "bf16")  # spills at the 168-register cap
+
+
+@pytest.mark.parametrize("variant", [v for v in _compile_matrix() if v.split_prep], ids=lambda v: _variant_id(v))
+def test_split_prep_prepares_each_token_once(variant):
+    """The PTX of a ``split_prep`` variant: one token's preparation a thread (the gate's sigmoid and 2^x once a
+    channel, β's sigmoid once, one l2norm pair), every token's q̂, k̂, decay (one a per-head gate) and β taken by
+    indexed shuffles from the group that prepared it; every input loaded before the first shuffle (as
+    ``prefetch``); at most 168 registers (6 CTAs of 64 threads an SM, D6), no spills."""
+    import re
+
+    from cute_kda.compile_report import compile_with_report
+    from cute_kda.kernels.decode import DecodeKernel
+    from cute_kda.layouts.decode import CHANNELS
+    from cute_kda.ops import decode as ops
+    from cute_kda.ops._cache import TVM_FFI_OPTION
+
+    _, report = compile_with_report(DecodeKernel(variant), *ops.compile_arguments(variant), options=TVM_FFI_OPTION)
+    ptx = report.ptx
+    decays = 1 if variant.per_head_gate else CHANNELS
+    assert report.count("shfl.sync.idx") == variant.tokens * (2 * CHANNELS + decays + 1)
+    gate_sigmoids = decays if variant.gate == "safe" else 0
+    assert report.count("tanh.approx") == gate_sigmoids + variant.beta_logits
+    l2norms = 2 if variant.qk_l2norm else 0  # q and k, a butterfly each
+    assert report.count("shfl.sync.bfly") == 3 * (l2norms + 2 * variant.thread_map.rows * variant.tokens)
+    assert not re.search(r"ld\.global", ptx[ptx.index("shfl.sync"):])
+    assert report.local_memory_ops == 0 and report.spills == 0 and report.kernels[0].registers <= 168
+    print(f"{variant}: {report.kernels[0].registers} registers")
+
+
 def _scalar_loads(variant) -> int:
     """Non-vector global loads the kernel may issue: slot ids (and accepted counts), the two offsets of a packed
     sequence, β, A_log and a per-head gate with its dt_bias; everything else moves in vectors. The runtime loop
@@ -508,7 +548,8 @@ def _variant_id(v) -> str:
     return (f"{v.gate}{'-head' if v.per_head_gate else ''}-{v.state_dtype}-{v.state_layout}-T{v.tokens or 'n'}"
             f"{'-verify' if v.verify else ''}{'' if v.qk_l2norm else '-nol2'}{'' if v.beta_logits else '-nosig'}"
             f"{'-gva' if v.grouped else ''}-vs{v.vsplit}{'' if v.cu_seqlens is None else '-' + v.cu_seqlens}"
-            f"{'-prefetch' if v.prefetch else ''}{'-paired' if v.paired else ''}{'-l2ahead' if v.l2_ahead else ''}")
+            f"{'-prefetch' if v.prefetch else ''}{'-paired' if v.paired else ''}{'-l2ahead' if v.l2_ahead else ''}"
+            f"{'-splitprep' if v.split_prep else ''}")
 
 
 @pytest.mark.parametrize("variant", _compile_matrix() + _loop_matrix(), ids=_variant_id)
@@ -610,8 +651,8 @@ def assert_matches_mirror(actual: torch.Tensor, expected: torch.Tensor, what: st
 @pytest.mark.parametrize("variant", _compile_matrix(), ids=_variant_id)
 def test_kernel_matches_mirror(monkeypatch, request, variant):
     """Each compiled variant: o and every slot of the pool as the mirror has them (padding row zero, the caller's
-    ``out`` filled, unlisted slots untouched in both). The launcher's switches follow the variant's ``paired`` and
-    ``l2_ahead`` (a paired call at any size), and the launched kernel has them."""
+    ``out`` filled, unlisted slots untouched in both). The launcher's switches follow the variant's ``paired``,
+    ``l2_ahead`` and ``split_prep`` (a paired call at any size), and the launched kernel has them."""
     from cute_kda.kernels.decode import DecodeVariant
     from cute_kda.ops import decode as ops
 
@@ -620,6 +661,7 @@ def test_kernel_matches_mirror(monkeypatch, request, variant):
     monkeypatch.setattr(ops, "compiled_variant", lambda v, index: launched.append(v) or build(v, index))
     monkeypatch.setattr(ops, "PAIRED", variant.paired)
     monkeypatch.setattr(ops, "L2_AHEAD", variant.l2_ahead)
+    monkeypatch.setattr(ops, "SPLIT_PREP", variant.split_prep)
     if variant.paired:
         monkeypatch.setattr(DecodeVariant, "choose_paired", classmethod(lambda cls, *a: True))
     ops.launch_plan.cache_clear()
@@ -634,7 +676,8 @@ def test_kernel_matches_mirror(monkeypatch, request, variant):
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     assert_matches_mirror(got, expected, "o")
     assert_matches_mirror(case["state_pool"], expected_pool, "pool")
-    assert [(v.paired, v.l2_ahead) for v in launched] == [(variant.paired, variant.l2_ahead)]
+    assert [(v.paired, v.l2_ahead, v.split_prep) for v in launched] == [(variant.paired, variant.l2_ahead,
+                                                                         variant.split_prep)]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -1033,6 +1076,33 @@ def test_l2_ahead_has_the_same_bits(monkeypatch, request, verify):
     assert [(v.l2_ahead, v.prefetch) for v in compiled] == [(True, False), (False, True), (False, False)]
     for out, pool in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(_bits(pool), _bits(results[0][1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,dtype", [("vk", "fp32"), ("vk", "bf16"), ("kv", "fp32")])
+@pytest.mark.parametrize("tokens,verify", [(4, True), (3, False)], ids=["verify4", "decode3"])
+def test_split_prep_has_the_same_bits(monkeypatch, request, tokens, verify, layout, dtype):
+    """Tokens prepared once a warp and shared by shuffles (``split_prep``) and once a group (``prefetch``): the same
+    arithmetic a value, so the same bits in o and in the pool (a padding row and a −1 slot among them)."""
+    from cute_kda.kernels.decode import DecodeVariant
+    from cute_kda.ops import decode as ops
+
+    variant = DecodeVariant(tokens=tokens, verify=verify, state_layout=layout, state_dtype=dtype, vsplit=4)
+    case = _case(variant, N=5, seed=37)
+    compiled = []
+    build = ops.compiled_variant
+    monkeypatch.setattr(ops, "compiled_variant", lambda v, index: compiled.append(v) or build(v, index))
+    request.addfinalizer(ops.launch_plan.cache_clear)
+    results = []
+    for split_prep in (True, False):
+        ops.launch_plan.cache_clear()
+        monkeypatch.setattr(ops, "SPLIT_PREP", split_prep)
+        run = {**case, "state_pool": case["state_pool"].clone()}
+        results.append((_run_kernel(run, variant), run["state_pool"]))
+    torch.cuda.synchronize()
+    assert [(v.split_prep, v.prefetch) for v in compiled] == [(True, False), (False, True)]
+    (split_out, split_pool), (out, pool) = results
+    assert torch.equal(split_out, out) and torch.equal(_bits(split_pool), _bits(pool))
 
 
 def test_launcher_picks_paired_where_it_pays(monkeypatch, request):

@@ -24,6 +24,8 @@ Two token loops, one arithmetic (the same bits for the same tokens):
   tokens 1 .. T − 1's into L2 instead (D5); ``paired`` (one token, a bf16 V-first decode) gives a thread group 8
   value rows, two blocks of 4 that share the slot id and the token's operands, the second block's lines prefetched
   into L2 beside the first block's loads and loaded once the first block is stored (D4: docs/perf-log.md);
+  ``split_prep`` (T = 2-4) prepares each token's q̂, k̂, decay and β once a warp instead of once a thread group:
+  group ``g`` of a warp loads and prepares token ``g mod T``, the lanes take the others' by shuffles (D6);
 - **runtime** (``tokens`` None): a loop over a count known at run time — a fixed T over 8 (the tensors' extent),
   or packed sequences (``cu_seqlens`` int32 / int64 ``[N + 1]``, read on the device: sequence ``n`` is input rows
   ``cu_seqlens[n] .. cu_seqlens[n + 1] − 1`` of batch row 0). Token ``t + 1``'s inputs are loaded into registers
@@ -47,13 +49,13 @@ from ..dsl import cute, cutlass  # first: sets the target architecture before th
 from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass.experimental.primitives import prefetch_l2
 
-from ..layouts.decode import CHANNELS, LANES, DecodeThreadMap
+from ..layouts.decode import CHANNELS, LANES, WARP_GROUPS, DecodeThreadMap
 from ..numerics import EPS, GATES, LOG2E
 from .common.fastmath import ex2_approx, fma_rn, mul_rn, sigmoid_approx
 from .common.token_prep import TokenPrep
 
 MAX_TOKENS = 8
-BOUND_CTAS_PER_SM = 6  # paired, l2_ahead: CTAs of 64 threads an SM, a cap of 168 registers (ptxas: 128-168 used)
+BOUND_CTAS_PER_SM = 6  # paired, l2_ahead, split_prep: CTAs of 64 threads an SM, a cap of 168 registers (no spills)
 BUTTERFLY = (4, 2, 1)  # shfl.xor offsets over the 8 lanes of a row (the mirror's order)
 _STATE_TYPES = {"fp32": Float32, "bf16": BFloat16}
 OFFSET_DTYPES = ("int32", "int64")  # of cu_seqlens
@@ -77,7 +79,12 @@ class DecodeVariant:
     ``paired`` (T = 1 decode, V-first bf16 pool): 8 value rows a thread group in two blocks of 4, the second's state
     prefetched into L2 during the first's math (:meth:`choose_paired`); ``l2_ahead`` (unrolled, T ≥ 2): the
     schedule of ``prefetch`` with tokens 1 .. T − 1's inputs prefetched into L2 instead of loaded into registers,
-    each loaded (an L2 hit) after the previous token's stores (:meth:`choose_l2_ahead`).
+    each loaded (an L2 hit) after the previous token's stores (:meth:`choose_l2_ahead`); ``split_prep`` (unrolled,
+    T = 2-4, instead of ``prefetch``): the 4 groups of a warp hold the same key channels, so group ``g`` loads token
+    ``g mod T``'s q, k, g, β alone (every token's v rows: the group's own), prepares them (l2norm, gate, β
+    sigmoid) once, and each token's operands reach the other groups by shuffles — the per-token preparation, 3/5 of
+    a thread's instructions and 1/2 of its MUFU / conversion work at T = 4, once a warp instead of T times, and one
+    token's raw inputs in registers instead of T (:meth:`choose_split_prep`, docs/perf-log.md D6).
     """
 
     gate: str = "safe"
@@ -94,6 +101,7 @@ class DecodeVariant:
     prefetch: bool = False
     paired: bool = False
     l2_ahead: bool = False
+    split_prep: bool = False
 
     def __post_init__(self) -> None:
         if self.gate not in GATES:
@@ -108,6 +116,10 @@ class DecodeVariant:
             raise ValueError("prefetch loads the tokens of the unrolled loop ahead: it needs tokens >= 2")
         if self.l2_ahead and (self.tokens is None or self.tokens < 2 or self.prefetch):
             raise ValueError("l2_ahead prefetches the later tokens of the unrolled loop: tokens >= 2, not prefetch")
+        if self.split_prep and (not self.choose_split_prep(self.tokens, self.state_layout, self.state_dtype)
+                                or self.prefetch or self.l2_ahead):
+            raise ValueError(f"split_prep gives each of the {WARP_GROUPS} groups of a warp one token of the unrolled "
+                             "loop: tokens 2 to 4, not a K-first bf16 state, not prefetch or l2_ahead")
         if self.paired and not self.pairs(self.tokens, self.verify, self.state_layout, self.state_dtype):
             raise ValueError("paired runs a one-token decode on a V-first bf16 pool")
         self.thread_map  # validates layout, dtype and vsplit
@@ -123,6 +135,15 @@ class DecodeVariant:
         CTAs an SM and bf16's 40 KB a CTA (T = 4 verify) need more of them (docs/perf-log.md, D5); fp32 verify is
         at 85-89 % of the copy with ``prefetch``."""
         return tokens is not None and 2 <= tokens <= 4 and state_layout == "vk" and state_dtype == "bf16"
+
+    @staticmethod
+    def choose_split_prep(tokens: Optional[int], state_layout: str, state_dtype: str) -> bool:
+        """Whether an unrolled loop of ``tokens`` can prepare its tokens split over the groups of a warp: 2 to
+        :data:`~cute_kda.layouts.decode.WARP_GROUPS` tokens (one a group; one token has nothing to share), not on a
+        K-first bf16 state (8 value columns a thread, 128 fp32 state registers: at the 168-register cap of
+        :data:`BOUND_CTAS_PER_SM` ptxas spills 640 bytes; ``prefetch`` excludes it too)."""
+        return (tokens is not None and 2 <= tokens <= WARP_GROUPS
+                and not (state_layout == "kv" and state_dtype == "bf16"))
 
     @staticmethod
     def pairs(tokens: Optional[int], verify: bool, state_layout: str, state_dtype: str) -> bool:
@@ -268,11 +289,11 @@ class DecodeKernel(TokenPrep):
 
     def launch_bound(self) -> dict:
         """The launch's occupancy keywords. One CTA an SM lifts ptxas's own register cap (a T = 8 verify spilled at
-        168). ``paired`` and ``l2_ahead``: :data:`BOUND_CTAS_PER_SM` CTAs of 64 threads (the same threads an SM at
-        other sizes), a cap of 168 registers (6 CTAs; paired at 8 would need 128: it spills; l2_ahead uncapped
-        takes 200: 4 CTAs); the carveout given (the driver's default, -1) so that the DSL does not ask a device for
-        its shared memory."""
-        if self.variant.paired or self.variant.l2_ahead:
+        168). ``paired``, ``l2_ahead`` and ``split_prep``: :data:`BOUND_CTAS_PER_SM` CTAs of 64 threads (the same
+        threads an SM at other sizes), a cap of 168 registers (6 CTAs; paired at 8 would need 128: it spills; l2_ahead
+        uncapped takes 200: 4 CTAs; split_prep uncapped 174-189: 5 CTAs); the carveout given (the driver's default,
+        -1) so that the DSL does not ask a device for its shared memory."""
+        if self.variant.paired or self.variant.l2_ahead or self.variant.split_prep:
             ctas = max(1, BOUND_CTAS_PER_SM * 64 // self.map.threads)
             return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=-1)
         return dict(min_blocks_per_mp=1)
@@ -294,7 +315,8 @@ class DecodeKernel(TokenPrep):
         if const_expr(self.variant.grouped):
             head = value_head // (value_heads // qk_heads)
         written = None
-        if const_expr(self.variant.verify and (self.variant.prefetch or self.variant.l2_ahead)):
+        if const_expr(self.variant.verify and (self.variant.prefetch or self.variant.l2_ahead
+                                               or self.variant.split_prep)):
             written = self.slot_row(state_indices, seq)
             slot = self.entering_slot(state_indices, seq, written, num_accepted_tokens[seq])
         elif const_expr(self.variant.verify):
@@ -305,6 +327,15 @@ class DecodeKernel(TokenPrep):
         gate = self.gate_constants_of(inputs, value_head, lane, scale, c_gate)
         if const_expr(self.tokens is None):
             self.run_tokens(inputs, pool, state_indices, out, slot, at, gate, self.token_span(inputs, cu_seqlens, seq))
+        elif const_expr(self.variant.split_prep):
+            own = self.raw_token_buffers()
+            self.load_raw(inputs, at, at.seq, self.map.own_token(tidx, self.tokens), own)
+            values = tuple(self.load_run(inputs.v[at.seq, t, at.value_head, None], at.first_value, self.map.rows)
+                           for t in range(self.tokens))
+            if slot >= 0:
+                self.update(inputs, pool, state_indices, out, slot, at, gate, None, None, written, (own, values))
+            else:
+                self.zero_outputs(out, at, None)
         elif const_expr(self.variant.prefetch):
             raws = self.raw_tokens(inputs, at)
             if slot >= 0:
@@ -327,15 +358,21 @@ class DecodeKernel(TokenPrep):
     @cute.jit
     def update(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor, out: cute.Tensor,
                slot: Int32, at: "Position", gate: "GateConstants", first: Optional["TokenOperands"],
-               raws: Optional[tuple] = None, written: Optional[cute.Tensor] = None):
+               raws: Optional[tuple] = None, written: Optional[cute.Tensor] = None, split: Optional[tuple] = None):
         """Load the band from ``slot``, run the tokens, write the state(s) back and the outputs; token 0's operands
-        ``first``, or (``prefetch``) every token's loaded inputs ``raws`` and a verify's slot ids ``written``."""
+        ``first``, or (``prefetch``) every token's loaded inputs ``raws``, or (``split_prep``) ``split`` = (the group's
+        own token's loaded inputs, every token's v rows); a verify's slot ids ``written``."""
         rows = self.map.rows
         base = self.map.state_base(at.lane, at.first_value)
         state = cute.make_rmem_tensor((rows, CHANNELS), Float32)
         self.load_state(pool[slot, at.value_head, None, None], base, state)
+        prepared = None
+        if const_expr(split is not None):
+            prepared = self.prepared(split[0], gate)  # the group's own token, under the state's load latency
         for t in cutlass.range_constexpr(self.tokens):
-            if const_expr(raws is not None):
+            if const_expr(split is not None):
+                operands = self.shared_operands(prepared, at.lane, t, split[1][t])
+            elif const_expr(raws is not None):
                 operands = self.prepared(raws[t], gate)
             else:
                 operands = first if const_expr(t == 0) else self.token_operands(inputs, at, t, gate)
@@ -613,6 +650,23 @@ class DecodeKernel(TokenPrep):
         values = cute.make_rmem_tensor((self.map.rows,), BFloat16)
         for r in cutlass.range_constexpr(self.map.rows):
             values[r] = raw.values[r]
+        return TokenOperands(q_hat, k_hat, decay, beta, values)
+
+    @cute.jit
+    def shared_operands(self, prepared: "TokenOperands", lane: Int32, t: int, values: cute.Tensor) -> "TokenOperands":
+        """Token ``t``'s operands from the group that prepared it (``split_prep``): its q̂, k̂, decay (``[0]`` for a
+        per-head gate) and β by shuffles from lane :meth:`~cute_kda.layouts.decode.DecodeThreadMap.token_source`,
+        the same bits as this lane's own preparation would give; ``values`` this group's v rows of token ``t``."""
+        source = self.map.token_source(lane, t)
+        q_hat = cute.make_rmem_tensor((CHANNELS,), Float32)
+        k_hat = cute.make_rmem_tensor((CHANNELS,), Float32)
+        decay = cute.make_rmem_tensor((CHANNELS,), Float32)
+        for e in cutlass.range_constexpr(CHANNELS):
+            q_hat[e] = cute.arch.shuffle_sync(prepared.q_hat[e], source)
+            k_hat[e] = cute.arch.shuffle_sync(prepared.k_hat[e], source)
+        for e in cutlass.range_constexpr(1 if const_expr(self.variant.per_head_gate) else CHANNELS):
+            decay[e] = cute.arch.shuffle_sync(prepared.decay[e], source)
+        beta = Float32(cute.arch.shuffle_sync(prepared.beta, source))
         return TokenOperands(q_hat, k_hat, decay, beta, values)
 
     @cute.jit

@@ -14,6 +14,9 @@ slot; channel slot ``e`` of lane ``j`` is key channel :meth:`DecodeThreadMap.cha
   (``E`` = 4 fp32 or 8 bf16); lane ``j`` holds the k rows ``16 j .. 16 j + 15``, one vector each.
 - Paired (``halves`` 2, V-first): a group holds two blocks of 4 rows, 8 consecutive rows; the kernel runs the
   token on one block at a time (:meth:`DecodeThreadMap.block_vectors`), so the second block waits as loaded.
+- Split token preparation (either layout): a lane's channels depend on its lane alone, so the 4 groups of a warp
+  hold the same channels; each group prepares one token's q̂, k̂, decay and β (:meth:`DecodeThreadMap.own_token`)
+  and every lane takes token ``t``'s from lane :meth:`DecodeThreadMap.token_source` of the warp.
 
 Everything here is plain integers (lane, group, band may be DSL integers: the kernel evaluates the same
 expressions at trace time).
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 
 DIM = 128  # K = V
 LANES = 8  # lanes sharing one value row's dot products
+WARP_GROUPS = 32 // LANES  # thread groups of a warp (split token preparation: at most one token each)
 CHANNELS = DIM // LANES  # key channels per lane
 VECTOR_BYTES = 16
 DECODE_VSPLITS = (1, 2, 4, 8)
@@ -117,6 +121,18 @@ class DecodeThreadMap:
             return (ChannelRun(0, CHANNELS, 0),)
         e = self.vector
         return tuple(ChannelRun(i * e, e, i * LANES * e) for i in range(CHANNELS // e))
+
+    @staticmethod
+    def own_token(tidx, tokens: int):
+        """The token whose operands thread ``tidx``'s group prepares (split preparation): group ``g`` of its warp
+        takes token ``g mod tokens`` (``tokens`` ≤ :data:`WARP_GROUPS`)."""
+        return tidx // LANES % WARP_GROUPS % tokens
+
+    @staticmethod
+    def token_source(lane, t: int):
+        """The lane of the warp whose group prepared token ``t`` for key-channel lane ``lane`` (split
+        preparation): lane ``lane`` of group ``t``."""
+        return lane + LANES * t
 
     def first_value(self, band, group):
         """First value row (V-first) or column (K-first) of a group's ``rows`` consecutive ones."""

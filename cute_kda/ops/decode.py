@@ -43,6 +43,11 @@ PAIRED = True
 # verify 71-74 % → 80-88 % of the copy; measured 71-74 % → 50-72 % on the H200: slower at every size); off
 # (``bench_decode.py --l2-ahead``).
 L2_AHEAD = False
+# Whether unrolled T = 2-4 calls prepare each token once a warp (``split_prep``: group g of a warp prepares token
+# g mod T, the others take its operands by shuffles) instead of once a thread group, in place of ``prefetch`` /
+# ``l2_ahead`` (docs/perf-log.md, D6: predicted bf16 verify 72-74 % → 82-88 % of the copy where N·HV ≥ 2048); off
+# until the H200's A/B (``bench_decode.py --split-prep``).
+SPLIT_PREP = False
 _COMPILE_SIZES = (3, 2, 4, 5)  # N, H, HV, slots of the meta tensors a compile describes (every extent is dynamic)
 
 
@@ -52,16 +57,18 @@ def variant_of(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_l
     """The variant of a call; ``tokens`` the fixed T (over :data:`MAX_TOKENS`: the runtime loop), ``cu_seqlens``
     the offsets' dtype of a packed call (None: fixed length); ``prefetch`` where :data:`PREFETCH` is on and
     :meth:`DecodeVariant.choose_prefetch` says it fits, unless ``l2_ahead`` (where :data:`L2_AHEAD` is on and
-    :meth:`DecodeVariant.choose_l2_ahead` says so) takes its place; ``paired`` as :func:`launch_plan` chose it."""
+    :meth:`DecodeVariant.choose_l2_ahead` says so) or ``split_prep`` (where :data:`SPLIT_PREP` is on and
+    :meth:`DecodeVariant.choose_split_prep` says so) takes its place; ``paired`` as :func:`launch_plan` chose it."""
     unrolled = unrolled_tokens(tokens, cu_seqlens)
     dtype = _STATE_DTYPES[state_dtype]
-    l2_ahead = L2_AHEAD and DecodeVariant.choose_l2_ahead(unrolled, state_layout, dtype)
+    split_prep = SPLIT_PREP and DecodeVariant.choose_split_prep(unrolled, state_layout, dtype)
+    l2_ahead = L2_AHEAD and not split_prep and DecodeVariant.choose_l2_ahead(unrolled, state_layout, dtype)
     return DecodeVariant(gate=gate, per_head_gate=per_head_gate, state_dtype=dtype, state_layout=state_layout,
                          tokens=unrolled, verify=verify, qk_l2norm=qk_l2norm, beta_logits=beta_logits, grouped=grouped,
                          vsplit=vsplit, cu_seqlens=None if cu_seqlens is None else _OFFSET_DTYPES[cu_seqlens],
-                         prefetch=PREFETCH and not l2_ahead and DecodeVariant.choose_prefetch(unrolled, state_layout,
-                                                                                              dtype),
-                         paired=paired, l2_ahead=l2_ahead)
+                         prefetch=PREFETCH and not (l2_ahead or split_prep)
+                         and DecodeVariant.choose_prefetch(unrolled, state_layout, dtype),
+                         paired=paired, l2_ahead=l2_ahead, split_prep=split_prep)
 
 
 def unrolled_tokens(tokens: int, cu_seqlens: torch.dtype | None) -> int | None:
