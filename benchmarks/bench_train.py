@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import os
 import re
 import shlex
@@ -117,6 +118,22 @@ def parse_shapes(listed: str) -> list[str]:
     return names
 
 
+# The library's module switches a run can flip (the command line in the report records them): flag → (module,
+# attribute, the value the flag sets, what it does).
+SWITCHES = {
+    "--native-training": ("cute_kda.call", "NATIVE_TRAINING", True,
+                          "--head-dim 64 on the backward kernels built for 64, not padded to 128 (perf-log P3)"),
+    "--no-gate-ahead": ("cute_kda.ops.bwd_grads", "GATE_AHEAD", False,
+                        "Kernel B's gate backward without the raw gate's one-burst load (perf-log B5)"),
+    "--split-load": ("cute_kda.ops.bwd_grads", "SPLIT_LOAD", True,
+                     "Kernel B's state images behind their own barrier (perf-log B6)"),
+    "--split-rows": ("cute_kda.ops.bwd_grads", "SPLIT_ROWS", True,
+                     "the safe gate backward's rows on all 8 warps (perf-log B7)"),
+    "--fp16-grad-stores": ("cute_kda.executors.training", "FP16_GRAD_STORES", True,
+                           "--dtype fp16: Kernel A stores dv, Kernel B dq, dk, dg in fp16 themselves (perf-log F2)"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", type=parse_shapes, default=list(SHAPES),
@@ -136,22 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--head-dim", type=head_dim, default=D,
                         help=f"K = V of every input (default {D}; cute_kda runs 64 natively, other smaller ones "
                              f"zero-padded to {D})")
-    parser.add_argument("--native-training", action="store_true",
-                        help="--head-dim 64 on the backward kernels built for 64 (cute_kda.call.NATIVE_TRAINING; "
-                             "docs/perf-log.md, P3), not padded to 128")
-    parser.add_argument("--no-gate-ahead", action="store_true",
-                        help="Kernel B's gate backward without the raw gate's one-burst load (cute_kda.ops.bwd_grads."
-                             "GATE_AHEAD, on by default; docs/perf-log.md, B5); the command line in the report records it")
-    parser.add_argument("--split-load", action="store_true",
-                        help="Kernel B's state images behind their own barrier (cute_kda.ops.bwd_grads.SPLIT_LOAD; "
-                             "docs/perf-log.md, B6)")
-    parser.add_argument("--split-rows", action="store_true",
-                        help="the safe gate backward's rows on all 8 warps (cute_kda.ops.bwd_grads.SPLIT_ROWS; "
-                             "docs/perf-log.md, B7)")
-    parser.add_argument("--fp16-grad-stores", action="store_true",
-                        help="--dtype fp16: Kernel A stores dv, Kernel B dq, dk, dg in fp16 themselves, not bf16 "
-                             "converted after them (cute_kda.executors.training.FP16_GRAD_STORES; "
-                             "docs/perf-log.md, F2)")
+    for flag, (module, name, _, text) in SWITCHES.items():
+        parser.add_argument(flag, action="store_true", help=f"{text} ({module}.{name})")
     parser.add_argument("--out", help="markdown file (default $OUT/train-<date>.md or benchmarks/results/)")
     return parser
 
@@ -618,14 +621,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_train needs a CUDA GPU (Hopper): nothing timed")
-    from cute_kda import call
-    from cute_kda.executors import training
-    from cute_kda.ops import bwd_grads
-
-    call.NATIVE_TRAINING = args.native_training
-    training.FP16_GRAD_STORES = args.fp16_grad_stores
-    bwd_grads.GATE_AHEAD, bwd_grads.SPLIT_LOAD, bwd_grads.SPLIT_ROWS = (not args.no_gate_ahead, args.split_load,
-                                                                        args.split_rows)
+    for flag, (module, name, value, _) in SWITCHES.items():
+        if getattr(args, flag[2:].replace("-", "_")):
+            setattr(importlib.import_module(module), name, value)
     out = args.out or default_out(args.head_dim)
     command = shlex.join(["python", *(sys.argv if argv is None else ["benchmarks/bench_train.py", *argv])])
     env = environment("cutlass", "fla", "triton", labels={"cutlass": "cutlass-dsl"})

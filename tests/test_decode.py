@@ -1051,28 +1051,37 @@ def test_paired_has_the_same_bits(monkeypatch, request, gate, per_head):
     assert torch.equal(_bits(case["state_pool"]), _bits(plain["state_pool"]))
 
 
+def _run_under_switches(monkeypatch, request, variant, case, settings: list[dict]) -> tuple[list, list]:
+    """``case`` run once under each of ``settings`` (the launcher's module switches, each run on its own copy of the
+    pool): the variants the launcher compiled, and each run's (o, pool)."""
+    from cute_kda.ops import decode as ops
+
+    compiled = []
+    build = ops.compiled_variant
+    monkeypatch.setattr(ops, "compiled_variant", lambda v, index: compiled.append(v) or build(v, index))
+    request.addfinalizer(ops.launch_plan.cache_clear)
+    results = []
+    for switches in settings:
+        ops.launch_plan.cache_clear()
+        for name, value in switches.items():
+            monkeypatch.setattr(ops, name, value)
+        run = {**case, "state_pool": case["state_pool"].clone()}
+        results.append((_run_kernel(run, variant), run["state_pool"]))
+    torch.cuda.synchronize()
+    return compiled, results
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("verify", [False, True], ids=["decode", "verify"])
 def test_l2_ahead_has_the_same_bits(monkeypatch, request, verify):
     """T = 4 on a bf16 pool with the later tokens ahead in L2 (``l2_ahead``), in registers (``prefetch``) and
     loaded in turn (plain): the same arithmetic, so the same bits in o and in the pool."""
     from cute_kda.kernels.decode import DecodeVariant
-    from cute_kda.ops import decode as ops
 
     variant = DecodeVariant(tokens=4, verify=verify, state_dtype="bf16", vsplit=4)
-    case = _case(variant, N=5, seed=31)
-    compiled = []
-    build = ops.compiled_variant
-    monkeypatch.setattr(ops, "compiled_variant", lambda v, index: compiled.append(v) or build(v, index))
-    request.addfinalizer(ops.launch_plan.cache_clear)
-    results = []
-    for l2_ahead, prefetch in ((True, True), (False, True), (False, False)):
-        ops.launch_plan.cache_clear()
-        monkeypatch.setattr(ops, "L2_AHEAD", l2_ahead)
-        monkeypatch.setattr(ops, "PREFETCH", prefetch)
-        run = {**case, "state_pool": case["state_pool"].clone()}
-        results.append((_run_kernel(run, variant), run["state_pool"]))
-    torch.cuda.synchronize()
+    settings = [dict(L2_AHEAD=l2_ahead, PREFETCH=prefetch) for l2_ahead, prefetch in ((True, True), (False, True),
+                                                                                    (False, False))]
+    compiled, results = _run_under_switches(monkeypatch, request, variant, _case(variant, N=5, seed=31), settings)
     assert [(v.l2_ahead, v.prefetch) for v in compiled] == [(True, False), (False, True), (False, False)]
     for out, pool in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(_bits(pool), _bits(results[0][1]))
@@ -1085,21 +1094,10 @@ def test_split_prep_has_the_same_bits(monkeypatch, request, tokens, verify, layo
     """Tokens prepared once a warp and shared by shuffles (``split_prep``) and once a group (``prefetch``): the same
     arithmetic a value, so the same bits in o and in the pool (a padding row and a −1 slot among them)."""
     from cute_kda.kernels.decode import DecodeVariant
-    from cute_kda.ops import decode as ops
 
     variant = DecodeVariant(tokens=tokens, verify=verify, state_layout=layout, state_dtype=dtype, vsplit=4)
-    case = _case(variant, N=5, seed=37)
-    compiled = []
-    build = ops.compiled_variant
-    monkeypatch.setattr(ops, "compiled_variant", lambda v, index: compiled.append(v) or build(v, index))
-    request.addfinalizer(ops.launch_plan.cache_clear)
-    results = []
-    for split_prep in (True, False):
-        ops.launch_plan.cache_clear()
-        monkeypatch.setattr(ops, "SPLIT_PREP", split_prep)
-        run = {**case, "state_pool": case["state_pool"].clone()}
-        results.append((_run_kernel(run, variant), run["state_pool"]))
-    torch.cuda.synchronize()
+    settings = [dict(SPLIT_PREP=True), dict(SPLIT_PREP=False)]
+    compiled, results = _run_under_switches(monkeypatch, request, variant, _case(variant, N=5, seed=37), settings)
     assert [(v.split_prep, v.prefetch) for v in compiled] == [(True, False), (False, True)]
     (split_out, split_pool), (out, pool) = results
     assert torch.equal(split_out, out) and torch.equal(_bits(split_pool), _bits(pool))
