@@ -252,8 +252,8 @@ def chunk_kda(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     ``use_qk_l2norm_in_kernel`` and ``use_beta_sigmoid_in_kernel`` on or off. Every gate trains (grouped
     value heads with the bounded gate do not: ``NotImplementedError`` when inputs require grad).
     Other sizes, fp32 q, k, v or raw g, and other combinations raise ``NotImplementedError`` naming the argument or
-    flag (see :func:`cute_kda.fla_calls.translate_fla_call`). FLA's default ``[N, H, K, V]`` state costs a transpose copy each way;
-    ``state_v_first=True`` avoids it. Takes DLPack tensors like :func:`kda_forward` and answers in
+    flag (see :func:`cute_kda.fla_calls.translate_fla_call`). FLA's default ``[N, H, K, V]`` state costs a transpose
+    copy each way; ``state_v_first=True`` avoids it. Takes DLPack tensors like :func:`kda_forward` and answers in
     ``q``'s framework; ``torch.compile`` traces it into the translation and one ``cute_kda::forward``
     op (``cute_kda::forward_train`` and its backward when autograd records the call).
 
@@ -412,7 +412,7 @@ def warmup_variants(
     ``head_dims``: K = V of every listed variant (:data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`: what runs natively,
     :func:`cute_kda.call.runs_native`; Kernel B at 64 at its one warp count, 4).
     """
-    from .executors.training import FP16_GRAD_STORES  # its value now (``training`` is the flag here)
+    from .executors.training import FP16_GRAD_STORES, stores_fp16_grads  # its value now (``training``: the flag)
     from .layouts.bwd_grads import default_warps
     from .ops.bwd_grads import switches as grads_switches
     from .numerics import NATIVE_HEAD_DIMS, SCAN_VSPLITS, SUPPORTED_VSPLITS
@@ -451,8 +451,10 @@ def warmup_variants(
                     for dht in (mode, None):
                         variants[ScanVariant(split, dht, mode, packed, dim=dim, dv_dtype=grads)] = None
                 for gate, g_dtype, per_head in gate_forms:
-                    if grads == torch.float16 and (per_head or g_dtype != torch.bfloat16):
-                        continue  # grouped heads, an fp32 log decay: bf16 gradients
+                    # the caller's g: fp16 where Kernel B reads its bf16 copy, an fp32 log decay as it is
+                    caller_g = torch.float16 if g_dtype == torch.bfloat16 else g_dtype
+                    if grads == torch.float16 and not stores_fp16_grads(per_head, torch.float16, caller_g):
+                        continue
                     warps = default_warps(dim)
                     variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, warps, dim=dim,
                                           grad_dtype=grads, **grads_switches(gate, per_head, warps))] = None

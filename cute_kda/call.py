@@ -185,8 +185,8 @@ def resolve(
     memory.
 
     Head dims other than the kernels' K = V = 128 are checked at the caller's size; a call at K = V = 64 (inference, and
-    training under :data:`NATIVE_TRAINING`) then runs on the kernels compiled for 64 (:func:`runs_native`), any other as the
-    padded / split 128 call (:func:`kernel_call`, torch ops autograd records; the default scale
+    training under :data:`NATIVE_TRAINING`) then runs on the kernels compiled for 64 (:func:`runs_native`), any other
+    as the padded / split 128 call (:func:`kernel_call`, torch ops autograd records; the default scale
     is the caller's ``K ** -0.5``) with the caller's buffers and dims in ``caller_dims``: its runner hands the results
     through :func:`finish`. Refused there: a pool call.
 

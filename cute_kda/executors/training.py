@@ -50,6 +50,13 @@ FP16_GRAD_STORES = False
 BACKWARD_OP_NAME = "cute_kda::backward"
 
 
+def stores_fp16_grads(grouped: bool, *dtypes: torch.dtype) -> bool:
+    """Whether Kernel B stores dq, dk and dg in fp16 itself (:data:`FP16_GRAD_STORES`): the caller's q, k and g
+    (``dtypes``) all fp16 (an fp32 log decay keeps the bf16 stores) and no grouped value heads (their group sums add
+    bf16 values)."""
+    return FP16_GRAD_STORES and not grouped and all(dtype == torch.float16 for dtype in dtypes)
+
+
 def check_first_order() -> None:
     """Refuse a backward that autograd would record (``create_graph=True``): the kernels' gradients are
     not differentiable."""
@@ -119,8 +126,7 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     """
     fp16 = torch.float16
     dtypes = (x.q.dtype, x.k.dtype, x.v.dtype, x.g.dtype, None, None, None, initial_state_dtype if needs[7] else None)
-    grouped = x.q.shape[2] != x.v.shape[2]
-    stores_fp16 = FP16_GRAD_STORES and not grouped and x.q.dtype == x.k.dtype == x.g.dtype == fp16
+    stores_fp16 = stores_fp16_grads(x.q.shape[2] != x.v.shape[2], x.q.dtype, x.k.dtype, x.g.dtype)
     if x.q.dtype == fp16:
         x, saved = bf16_operands(x), saved._replace(segment_states=None)
     do = torch.zeros_like(x.v, dtype=torch.bfloat16) if d_out is None else \

@@ -33,6 +33,8 @@ COMPUTE_WARPS = (4, 8)  # warps per CTA the kernel is built for; warp w owns col
 DEFAULT_WARPS = 8  # measured faster than 4 (docs/perf-log.md, B1)
 CTAS_PER_SM = 2  # what the smem plan is sized for; the launch asks ptxas for it (≤ 128 registers at 8 warps)
 CHANNEL_WARPS = 4  # the most warps that run the per-channel phases (one thread per channel: D / 32 warps)
+DYADIC_LEVELS = len(DYADIC_BLOCKS)  # the straddle levels of the per-channel unbounded gates
+DYADIC_CTAS_PER_SM = 1  # the dyadic plan's first form
 
 
 def compute_warps(dim: int = HEAD_DIM) -> tuple[int, ...]:
@@ -45,8 +47,6 @@ def compute_warps(dim: int = HEAD_DIM) -> tuple[int, ...]:
 def default_warps(dim: int = HEAD_DIM) -> int:
     """The launcher's warps at head dim ``dim``: :data:`DEFAULT_WARPS`, or the one count :func:`compute_warps` has."""
     return DEFAULT_WARPS if DEFAULT_WARPS in compute_warps(dim) else max(compute_warps(dim))
-DYADIC_LEVELS = len(DYADIC_BLOCKS)  # the straddle levels of the per-channel unbounded gates
-DYADIC_CTAS_PER_SM = 1  # the dyadic plan's first form
 
 
 def reads_gate_rows(gate: str, per_head_gate: bool) -> bool:

@@ -8,10 +8,10 @@ What: the DSL exports a TVM-FFI compiled function as a host object file (``expor
 with the kernels' cubin embedded) and loads it back in another process
 (``cute.runtime.load_module(path, enable_tvm_ffi=True)``: JIT-linked, no recompile). One entry is
 ``<fingerprint>/<cache name>-<key hash>.o`` plus a ``.json`` record beside it that names the full
-key and the SHA-256 of the object's bytes (and, for reading only, how many seconds the compile took). The fingerprint (:func:`source_fingerprint`) covers the
-sources that decide the compiled code (``cute_kda/kernels``, ``cute_kda/layouts``, the launchers in
-``cute_kda/ops``, ``numerics.py``, ``workspace.py``, ``dsl.py``), the DSL and TVM-FFI versions, the
-Python version and the target architecture; an edit to any of them starts a new folder.
+key and the SHA-256 of the object's bytes (and, for reading only, how many seconds the compile took). The
+fingerprint (:func:`source_fingerprint`) covers the sources that decide the compiled code (``cute_kda/kernels``,
+``cute_kda/layouts``, the launchers in ``cute_kda/ops``, ``numerics.py``, ``workspace.py``, ``dsl.py``), the DSL and
+TVM-FFI versions, the Python version and the target architecture; an edit to any of them starts a new folder.
 
 Trust: an entry is loaded only when its record parses, names this key and this fingerprint, and the
 object's size and digest match the record, so a truncated or foreign file is never handed to the

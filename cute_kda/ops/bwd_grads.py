@@ -103,6 +103,9 @@ def _check(name: str, t, dtypes: tuple, shape: tuple, device) -> None:
 def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial, dalog_partial,
                    num_seqs: int, gate: str) -> None:
     batch, steps, qk_heads, dim = q.shape
+    if dim not in NATIVE_HEAD_DIMS or dim != ws.qd.shape[-1]:
+        raise ValueError(f"q's head dim {dim} must be the workspace's ({ws.qd.shape[-1]}) and one of "
+                         f"{NATIVE_HEAD_DIMS}")
     heads = v.shape[2] if v.dim() == 4 else qk_heads
     per_head = gate != "safe" and g.dim() == 3
     if heads % qk_heads or (heads != qk_heads and gate == "safe"):
@@ -194,8 +197,6 @@ def bwd_grads(
     _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial, dalog_partial,
                    num_seqs, gate)
     dim = q.shape[-1]
-    if dim not in NATIVE_HEAD_DIMS or dim != ws.qd.shape[-1]:
-        raise ValueError(f"q's head dim {dim} must be the workspace's ({ws.qd.shape[-1]}) and one of {NATIVE_HEAD_DIMS}")
     if compute_warps is None:
         compute_warps = default_warps(dim)
     if compute_warps not in warps_at(dim):
