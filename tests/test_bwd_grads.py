@@ -711,6 +711,11 @@ DYADIC_CASES = {**{name: spec for name, spec in BACKWARD_CASES.items() if not sp
 # dA_log sums dγ·γ over every token and channel and cancels (the mirror on the CPU, with accurate exp2 / lg2: 7.6e-3;
 # docs/numerics.md, "The rounded backward"); held to 1.25× the figure
 DYADIC_OVER = {"softplus_low_decay": {"dA_log": 8.52e-3}}
+# the per-head gate's dA_log and ddt_bias are one number a value head, each a sum over the head's tokens of dg·x that
+# cancels as the safe gate's dA_log does (gradient_targets.SAFE_GATE_TOLERANCES); at D = 64 the H200 measured 1.05e-2
+# (softplus_gva_varlen) and 1.84e-2 (softplus_pm1000_T_under_16) with the kernels equal to their mirror (≤ 1.2e-6),
+# so the rounding of the algorithm, not the kernel, sets them: held to dg's bound
+PER_HEAD_OVER = {"dA_log": 2e-2, "ddt_bias": 2e-2}
 
 
 # batch slices of guard on each side of the per-head outputs: eight keep the [B, T, HV] views 16-byte aligned (the
@@ -804,7 +809,7 @@ def _check_unbounded_chain(case: str, per_head: bool, dim: int = D) -> None:
     vs_gold = {n: rel_rms(grads[n].float(), gold[n].float()) for n in names}
     print(f"{case}: vs mirror " + ", ".join(f"{n} {e:.2e}" for n, e in vs_mirror.items())
           + "; vs gold " + ", ".join(f"{n} {e:.2e}" for n, e in vs_gold.items()))
-    over = {} if per_head else {n: 1.25 * figure for n, figure in DYADIC_OVER.get(case, {}).items()}
+    over = PER_HEAD_OVER if per_head else {n: 1.25 * figure for n, figure in DYADIC_OVER.get(case, {}).items()}
     targets = {**TARGETS, **over}
     # the mirror runs its own forward (INV, Mqk within one bf16 ULP of K1's), so the bound is the chain's, not
     # Kernel B's alone; a structural error shows as O(1)
