@@ -34,9 +34,9 @@ sigmoid in the kernel. The per-head rows (GatedDeltaNet) run decode with a preco
   that :meth:`cute_kda.kernels.decode.DecodeVariant.choose_paired` picks where it pays (``cute_kda.ops.decode.PAIRED``,
   on by default; the vsplit column names the paired split), for the A/B of D4; ``--l2-ahead``: the T = 2-4 calls on
   bf16 pools keep the later tokens' inputs in L2 instead of registers (``cute_kda.ops.decode.L2_AHEAD``, off by
-  default; :meth:`cute_kda.kernels.decode.DecodeVariant.choose_l2_ahead`), the A/B of D5; ``--split-prep``: the
-  T = 2-4 calls prepare each token once a warp and share it by shuffles (``cute_kda.ops.decode.SPLIT_PREP``, off by
-  default; :meth:`cute_kda.kernels.decode.DecodeVariant.choose_split_prep`), the A/B of D6; ``--no-fla``: our columns
+  default; :meth:`cute_kda.kernels.decode.DecodeVariant.choose_l2_ahead`), the A/B of D5; ``--no-split-prep``: the
+  T = 2-4 calls prepare each token in every thread group, not once a warp shared by shuffles
+  (``cute_kda.ops.decode.SPLIT_PREP``, on by default; :meth:`cute_kda.kernels.decode.DecodeVariant.choose_split_prep`), the A/B of D6; ``--no-fla``: our columns
   only;
 - ``--modes packed,packed-verify``: the same calls with the tokens packed (``[1, N·T, ...]``, int32 ``cu_seqlens``,
   every sequence T long), which runs our runtime token loop instead of the unrolled one (FLA takes the same
@@ -212,8 +212,9 @@ def main() -> None:
                         help="one-token bf16 decodes without the paired variant (A/B, docs/perf-log.md D4)")
     parser.add_argument("--l2-ahead", action="store_true",
                         help="bf16 T = 2-4 calls with the later tokens' inputs in L2, not registers (A/B, perf-log D5)")
-    parser.add_argument("--split-prep", action="store_true",
-                        help="T = 2-4 calls preparing each token once a warp, shared by shuffles (A/B, perf-log D6)")
+    parser.add_argument("--no-split-prep", action="store_true",
+                        help="T = 2-4 calls preparing each token in every thread group, not once a warp (A/B, "
+                             "perf-log D6)")
     parser.add_argument("--no-fla", action="store_true", help="skip FLA's columns")
     args = parser.parse_args()
     from cute_kda.ops import decode as decode_ops
@@ -221,7 +222,7 @@ def main() -> None:
     decode_ops.PREFETCH = not args.no_prefetch
     decode_ops.PAIRED = not args.no_paired
     decode_ops.L2_AHEAD = args.l2_ahead
-    decode_ops.SPLIT_PREP = args.split_prep
+    decode_ops.SPLIT_PREP = not args.no_split_prep
 
     head = ["N", "HV", "pool", "mode", "vsplit", "µs", "state GB/s", "copy GB/s", "% copy", "FLA µs", "vs FLA",
             "ceiling vs FLA"]

@@ -46,7 +46,7 @@ what it measured.
     python benchmarks/bench_train.py --shapes B1_T8192_H96 --head-dim 64          # K = V = 64 beside FLA
     python benchmarks/bench_train.py --shapes B1_T8192_H96 --dtype fp16          # fp16 inputs and dO, both peers
 
-``--head-dim 64``: cute_kda pads to 128, or with ``--native-training`` runs every kernel compiled for 64
+``--head-dim 64``: cute_kda runs every kernel compiled for 64, or with ``--padded-training`` pads to 128
 (``cute_kda.call.runs_native``, ``NATIVE_TRAINING``); other sizes below 128
 zero-padded to 128 (the D = 128 step plus the padding copies and the gradients' slices); FLA at that head dim.
 
@@ -121,8 +121,8 @@ def parse_shapes(listed: str) -> list[str]:
 # The library's module switches a run can flip (the command line in the report records them): flag → (module,
 # attribute, the value the flag sets, what it does).
 SWITCHES = {
-    "--native-training": ("cute_kda.call", "NATIVE_TRAINING", True,
-                          "--head-dim 64 on the backward kernels built for 64, not padded to 128 (perf-log P3)"),
+    "--padded-training": ("cute_kda.call", "NATIVE_TRAINING", False,
+                          "--head-dim 64 padded to 128, not on the backward kernels built for 64 (perf-log P3)"),
     "--no-gate-ahead": ("cute_kda.ops.bwd_grads", "GATE_AHEAD", False,
                         "Kernel B's gate backward without the raw gate's one-burst load (perf-log B5)"),
     "--split-load": ("cute_kda.ops.bwd_grads", "SPLIT_LOAD", True,

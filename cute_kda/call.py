@@ -294,17 +294,17 @@ def head_dims_of(q: torch.Tensor, v: torch.Tensor) -> HeadDims | None:
     return HeadDims(key_dim, value_dim, max(1, -(-value_dim // HEAD_DIM)))
 
 
-# Whether a training call at K = V = 64 runs on the backward kernels compiled for 64 (Kernel A, Kernel B: built and
-# compiled for sm_90a, not yet run on the H200; docs/perf-log.md, P3). Off, it runs padded to 128 (exact, checked on
-# the H200); ``bench_train.py --head-dim 64 --native-training`` is the A/B.
-NATIVE_TRAINING = False
+# Whether a training call at K = V = 64 runs on the backward kernels compiled for 64 (Kernel A, Kernel B; the GPU tier
+# passes them against their mirrors and the fp64 gold; docs/perf-log.md, P3: the step at B1 T8192 H96 3.27 ms on the
+# H200 against 5.57 at D = 128, which the padded call runs plus its copies). Off, it runs padded to 128 (exact);
+# ``bench_train.py --head-dim 64 --padded-training`` is the A/B.
+NATIVE_TRAINING = True
 
 
 def runs_native(dims: HeadDims, training: bool) -> bool:
     """Whether a call at the caller's ``dims`` runs on kernels compiled for them, unpadded: K = V, one of
     :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`, and for a training call :data:`NATIVE_TRAINING` (every kernel, K1,
-    K2, Kernel A, Kernel B, each gate scheme, takes the head dim in its variant; the backward's are not yet checked
-    on the GPU)."""
+    K2, Kernel A, Kernel B, each gate scheme, takes the head dim in its variant)."""
     return (NATIVE_TRAINING or not training) and dims.key_dim == dims.value_dim and dims.key_dim in NATIVE_HEAD_DIMS
 
 

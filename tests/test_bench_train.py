@@ -5,6 +5,7 @@ peers standing in for cute_kda and FLA (the GPU calls replaced)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import subprocess
 import sys
@@ -416,9 +417,9 @@ def test_bench_shape_keeps_going_when_ours_fails(bench, monkeypatch):
     assert "| tiny | — | 1.250 | — | — |" in bench.report([row], "cmd", "ENV", "sha", 1, 1)
 
 
-def test_head_dim_reaches_the_inputs_the_scale_and_the_report(bench):
-    """``--head-dim 64``: K = V = 64 inputs for both peers, FLA's default scale of that K, the report says cute_kda
-    pads; other sizes are refused by the parser."""
+def test_head_dim_reaches_the_inputs_the_scale_and_the_report(bench, monkeypatch):
+    """``--head-dim 64``: K = V = 64 inputs for both peers, FLA's default scale of that K, the report says whether
+    cute_kda runs its D = 64 kernels or pads; other sizes are refused by the parser."""
     monkey = dict(bench.SHAPES)
     try:
         bench.SHAPES["tiny"] = type(bench.SHAPES["B1_T8192_H96"])((16,), 2)
@@ -430,6 +431,8 @@ def test_head_dim_reaches_the_inputs_the_scale_and_the_report(bench):
     assert leaves["q"].shape == (1, 16, 2, 64) and leaves["dt_bias"].shape == (128,)
     assert leaves["initial_state"].shape == (1, 2, 64, 64) and problem["kwargs"]["scale"] == 64 ** -0.5
     assert bench.build_parser().parse_args(["--head-dim", "64"]).head_dim == 64
+    assert "D=64 (cute_kda: native D = 64 kernels)" in bench.report([], "cmd", "ENV", "sha", 1, 1, head_dim=64)
+    monkeypatch.setattr(importlib.import_module("cute_kda.call"), "NATIVE_TRAINING", False)  # --padded-training
     assert "D=64 (cute_kda: zero-padded to 128)" in bench.report([], "cmd", "ENV", "sha", 1, 1, head_dim=64)
     assert "D=60 (cute_kda: zero-padded to 128)" in bench.report([], "cmd", "ENV", "sha", 1, 1, head_dim=60)
     assert os.path.basename(bench.default_out(64)).startswith("train-d64-")

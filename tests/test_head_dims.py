@@ -163,8 +163,8 @@ def assert_matches_gold(case: Case, result, expected, label: str) -> None:
 
 @pytest.fixture
 def native_training(monkeypatch):
-    """Training at K = V = 64 on the backward kernels built for 64 (:data:`cute_kda.call.NATIVE_TRAINING`, off until
-    the H200 has run them): the 64 cases check that routing, the others are unaffected."""
+    """Training at K = V = 64 on the backward kernels built for 64 (:data:`cute_kda.call.NATIVE_TRAINING`, the
+    default), pinned so the 64 cases check that routing whatever the switch; the others are unaffected."""
     monkeypatch.setattr(call_module, "NATIVE_TRAINING", True)
 
 
@@ -435,7 +435,7 @@ def test_inference_at_64_runs_unpadded(gold_kernels, monkeypatch, case):
     o_gold, ht_gold = _gold_at_caller_dims(case, tensors, problem)
     assert rel_rms(o, o_gold.bfloat16()) <= 1e-4 and rel_rms(ht, ht_gold) <= (4e-3 if case.state else 1e-6)
     leaves = [x.detach().requires_grad_() if n in ("q", "v") else x for n, x in zip(NAMES, tensors)]
-    for native in (False, True):  # training at 64 pads until NATIVE_TRAINING
+    for native in (False, True):  # training at 64 pads where NATIVE_TRAINING is off
         monkeypatch.setattr(call_module, "NATIVE_TRAINING", native)
         trained = resolve(*leaves, **problem, gate=case.gate)
         assert trained.training and (trained.caller_dims is None) == native

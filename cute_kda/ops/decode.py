@@ -45,9 +45,9 @@ PAIRED = True
 L2_AHEAD = False
 # Whether unrolled T = 2-4 calls prepare each token once a warp (``split_prep``: group g of a warp prepares token
 # g mod T, the others take its operands by shuffles) instead of once a thread group, in place of ``prefetch`` /
-# ``l2_ahead`` (docs/perf-log.md, D6: predicted bf16 verify 72-74 % → 82-88 % of the copy where N·HV ≥ 2048); off
-# until the H200's A/B (``bench_decode.py --split-prep``).
-SPLIT_PREP = False
+# ``l2_ahead`` (docs/perf-log.md, D6: bf16 verify 71-75 % → 85-88 % of the copy where N·HV ≥ 2048 on the H200,
+# fp32 unchanged, the same bits as ``prefetch``); ``bench_decode.py --no-split-prep`` is its A/B.
+SPLIT_PREP = True
 _COMPILE_SIZES = (3, 2, 4, 5)  # N, H, HV, slots of the meta tensors a compile describes (every extent is dynamic)
 
 
