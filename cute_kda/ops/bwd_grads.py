@@ -34,6 +34,10 @@ SPLIT_LOAD = False
 # docs/perf-log.md, B7: predicted −5-7 % on top of B5 + B6, measured +2-3 % on the H200, bit-identical): off
 # (``--split-rows``).
 SPLIT_ROWS = False
+# Whether the safe gate's Kernel B forms its gate backward's rows' x and σ'(x) in straight-line code before the row
+# loop (``GradsVariant.slopes_ahead``; docs/perf-log.md, B8: predicted −12-19 % on top of B5, bit-identical by
+# construction): off until the H200 A/B (``--slopes-ahead``); not together with ``split_rows``, which wins.
+SLOPES_AHEAD = False
 # dq, dk and a per-channel gate's dg: bf16, or fp16 as f16(bf16(x)) for fp16 training (``GradsVariant.grad_dtype``,
 # picked by dq's dtype; the training executor's :data:`~cute_kda.executors.training.FP16_GRAD_STORES`)
 GRAD_DTYPES = (torch.bfloat16, torch.float16)
@@ -41,10 +45,11 @@ GRAD_DTYPES = (torch.bfloat16, torch.float16)
 
 def switches(gate: str, per_head_gate: bool, compute_warps: int) -> dict[str, bool]:
     """The switches above as a call's Kernel B variant takes them (``gate_ahead`` where a gate row is read back,
-    ``split_rows`` for the safe gate at 8 warps): the launcher keys them, :func:`cute_kda.api.warmup_variants` lists
-    them, so a warmed variant is the one a call runs."""
+    ``split_rows`` for the safe gate at 8 warps, ``slopes_ahead`` for the safe gate without ``split_rows``): the
+    launcher keys them, :func:`cute_kda.api.warmup_variants` lists them, so a warmed variant is the one a call runs."""
+    split_rows = SPLIT_ROWS and gate == "safe" and compute_warps == max(warps_at())
     return dict(gate_ahead=GATE_AHEAD and reads_gate_rows(gate, per_head_gate), split_load=SPLIT_LOAD,
-                split_rows=SPLIT_ROWS and gate == "safe" and compute_warps == max(warps_at()))
+                split_rows=split_rows, slopes_ahead=SLOPES_AHEAD and gate == "safe" and not split_rows)
 
 
 def gate_partials_shapes(ws: Workspace, heads: int, per_head_gate: bool = False) -> tuple[tuple[int, ...], tuple[int, int]]:
@@ -151,7 +156,7 @@ def compiled_variant(variant: GradsVariant, index: int, tensors: tuple, options:
                                   gate=variant.gate, gate_dtype=dsl_type(variant.g_dtype),
                                   per_head_gate=variant.per_head_gate, grouped=variant.grouped,
                                   gate_ahead=variant.gate_ahead, split_load=variant.split_load,
-                                  split_rows=variant.split_rows, dim=variant.dim,
+                                  split_rows=variant.split_rows, slopes_ahead=variant.slopes_ahead, dim=variant.dim,
                                   grad_dtype=dsl_type(variant.grad_dtype))
         return compile_for_launch(kernel, *launch_arguments(*tensors, **options, tensor=to_cute_tensor), fake_stream())
 
