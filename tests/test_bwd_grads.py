@@ -77,7 +77,8 @@ def _compiled(variant, dim: int = D):
     if (variant, dim) not in _COMPILED:
         from cute_kda.compile_report import compile_with_report
 
-        varlen, qk_l2norm, beta_logits, warps, *switches = variant  # then gate_ahead, split_load, split_rows, slopes_ahead
+        # then gate_ahead, split_load, split_rows, slopes_ahead
+        varlen, qk_l2norm, beta_logits, warps, *switches = variant
         gate_ahead, split_load, split_rows, slopes_ahead = (*switches, False, False, False, False)[:4]
         kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=warps,
                                   gate_ahead=gate_ahead, split_load=split_load, split_rows=split_rows,
@@ -199,12 +200,12 @@ SLOPES_AHEAD_BASES = [(False, True, True, 8, True), (True, True, True, 8, True),
     "varlen" if v[0] else "fixed", v[3], "gate_ahead" if v[4] else "plain"))
 def test_slopes_ahead_variant_compiles(base):
     """``slopes_ahead`` (docs/perf-log.md, B8) against the variant without it: the same global loads and stores,
-    products, barriers, ex2 and plan; one ``rcp.approx.ftz`` a reciprocal (two a row), the divisions kept for the
-    fallback (which takes the rows' ex2 as they are); no spills under the two-CTA cap."""
+    products, barriers, ex2 and plan; one ``rcp.approx.ftz`` a reciprocal (two a row), the divisions (``rcp.rn``) kept
+    for the fallback (which takes the rows' ex2 as they are); no spills under the two-CTA cap."""
     _, plain = _compiled(base)
     _, slopes = _compiled((*base, False, False, True))
     for mnemonic in ("ld.global", "st.global", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "bar.sync",
-                     "mbarrier.try_wait", "cp.async.bulk.tensor", "div.rn.f32", "ex2.approx.ftz.f32"):
+                     "mbarrier.try_wait", "cp.async.bulk.tensor", "rcp.rn.f32", "ex2.approx.ftz.f32"):
         assert slopes.count(mnemonic) == plain.count(mnemonic), mnemonic
     assert slopes.count("rcp.approx.ftz.f32") == plain.count("rcp.approx.ftz.f32") + 2 * CHUNK
     assert slopes.local_memory_ops == 0 and slopes.spills == 0 and slopes.kernels[0].stack_frame == 0

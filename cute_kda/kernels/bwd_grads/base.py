@@ -170,7 +170,7 @@ class BwdGrads(TokenPrep):
     gate_tile = False
     grouped_heads = True  # built for grouped value heads
     splits_gate_rows = False  # the scheme's gate backward can run on every warp (``split_rows``)
-    forms_slopes_ahead = False  # the scheme's gate backward can form its rows' slopes before its loop (``slopes_ahead``)
+    forms_slopes_ahead = False  # its gate backward can form the rows' slopes before its loop (``slopes_ahead``)
     ctas_per_sm = plan.CTAS_PER_SM
     smem_plan: Callable[..., SmemBudget]  # of (warps, D)
 
