@@ -489,7 +489,8 @@ def test_launcher_keys_the_variant_and_builds_its_arguments(monkeypatch):
 def test_launcher_keys_the_switches(monkeypatch):
     """``GATE_AHEAD`` on: the per-channel gates with A_log / dt_bias key ``gate_ahead``; a per-head gate and a log
     decay keep the plain variant (nothing to batch, no second compile). ``SPLIT_LOAD`` on: every scheme keys
-    ``split_load``."""
+    ``split_load``. ``SPLIT_ROWS`` and ``SLOPES_AHEAD``: the safe gate only, ``split_rows`` at 8 warps and
+    ``slopes_ahead`` where ``split_rows`` is not keyed."""
     seen = []
     monkeypatch.setattr(kb, "compiled_variant", lambda variant, index, tensors, options: seen.append(
         variant) or (lambda *args: None))
@@ -517,6 +518,16 @@ def test_launcher_keys_the_switches(monkeypatch):
     kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=4)
     kb.bwd_grads(**_dyadic_buffers("softplus"))
     assert [variant.split_rows for variant in seen] == [True, False, False]
+    assert not any(variant.slopes_ahead for variant in seen)
+    seen.clear()
+    monkeypatch.setattr(kb, "SLOPES_AHEAD", True)  # the safe gate, both warp counts; split_rows keeps its own loop
+    kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0)
+    kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=4)
+    kb.bwd_grads(**_dyadic_buffers("softplus"))
+    monkeypatch.setattr(kb, "SPLIT_ROWS", False)
+    kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0)
+    assert [(variant.split_rows, variant.slopes_ahead) for variant in seen] == [(True, False), (False, True),
+                                                                                (False, False), (False, True)]
 
 
 # ============================================================================ GPU: the kernel chain
