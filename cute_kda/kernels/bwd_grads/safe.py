@@ -25,15 +25,16 @@ from .base import (
     BwdGrads, GradsInputs, GradsOutputs, GradsScalars, GradsStates, GradsWorkspace, TileLocation, smem_bundle,
 )
 
-# ptxas takes its fast path of div.rn.f32(1, y) for y's biased exponent in 1 … 252: [1, 2^125) lies inside
+# ptxas takes its fast path of rcp.rn.f32(y) (what ``1 / y`` becomes) for y's biased exponent in 1 … 252 (its range
+# test: (bits + 3·2^23) & 0x7f800000 > 0x1ffffff); [1, 2^125) lies inside
 RECIPROCAL_FAST_BELOW = 2.0 ** 125
 
 
 @cute.jit
 def reciprocal_rn(y: Float32) -> Float32:
-    """``1 / y`` for ``1 ≤ y < 2^125``, spelled as ptxas' own fast path of ``div.rn.f32`` of 1 by ``y`` (``MUFU.RCP``,
-    then one Newton step ``r − r·(y·r − 1)``, both ``fma.rn``): the division's bits, in straight-line code that ptxas
-    may interleave (the division itself ends a basic block at its range test). Elsewhere the caller divides."""
+    """``1 / y`` for ``1 ≤ y < 2^125``, spelled as ptxas' own fast path of ``rcp.rn.f32`` (``MUFU.RCP``, then one
+    Newton step ``r − r·(y·r − 1)``, both ``fma.rn``): the division's bits, in straight-line code that ptxas may
+    interleave (the division itself ends a basic block at its range test). Elsewhere the caller divides."""
     r = rcp_approx(y)
     return fma_rn(r, -fma_rn(y, r, Float32(-1.0)), r)
 

@@ -47,7 +47,7 @@ def ex2_approx(x: Float32, *, loc=None, ip=None) -> Float32:
 
 @dsl_user_op
 def rcp_approx(x: Float32, *, loc=None, ip=None) -> Float32:
-    """``rcp.approx.ftz.f32`` (``MUFU.RCP``): the first step of ptxas' own ``div.rn.f32`` of 1 by ``x``
+    """``rcp.approx.ftz.f32`` (``MUFU.RCP``): the first step of ptxas' own ``rcp.rn.f32`` of ``x``
     (:func:`cute_kda.kernels.bwd_grads.safe.reciprocal_rn`)."""
     return _one_instruction("rcp.approx.ftz.f32 $0, $1;", Float32, x, loc=loc, ip=ip)
 
