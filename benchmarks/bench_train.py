@@ -129,6 +129,8 @@ SWITCHES = {
                      "Kernel B's state images behind their own barrier (perf-log B6)"),
     "--split-rows": ("cute_kda.ops.bwd_grads", "SPLIT_ROWS", True,
                      "the safe gate backward's rows on all 8 warps (perf-log B7)"),
+    "--slopes-ahead": ("cute_kda.ops.bwd_grads", "SLOPES_AHEAD", True,
+                       "the safe gate backward's rows' x and σ'(x) formed before its row loop (perf-log B8)"),
     "--fp16-grad-stores": ("cute_kda.executors.training", "FP16_GRAD_STORES", True,
                            "--dtype fp16: Kernel A stores dv, Kernel B dq, dk, dg in fp16 themselves (perf-log F2)"),
 }

@@ -119,9 +119,10 @@ class GradsVariant:
     """Kernel B (:class:`cute_kda.kernels.bwd_grads.BwdGrads`): K1's flags and ``compute_warps`` (4 or 8 at D = 128,
     4 at 64; the launcher's default is :func:`cute_kda.layouts.bwd_grads.default_warps`); ``gate_ahead``: the gate
     backward's raw gate values loaded in one burst; ``split_load``: the state images behind their own transaction
-    barrier; ``split_rows``: the safe gate backward's rows on all 8 warps (the launcher's
-    :data:`cute_kda.ops.bwd_grads.GATE_AHEAD`, :data:`~cute_kda.ops.bwd_grads.SPLIT_LOAD`,
-    :data:`~cute_kda.ops.bwd_grads.SPLIT_ROWS`); ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`);
+    barrier; ``split_rows``: the safe gate backward's rows on all 8 warps; ``slopes_ahead``: the safe gate backward's
+    rows' slopes formed before its row loop (the launcher's :data:`cute_kda.ops.bwd_grads.GATE_AHEAD`,
+    :data:`~cute_kda.ops.bwd_grads.SPLIT_LOAD`, :data:`~cute_kda.ops.bwd_grads.SPLIT_ROWS`,
+    :data:`~cute_kda.ops.bwd_grads.SLOPES_AHEAD`); ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`);
     ``grad_dtype``: dq, dk and a per-channel gate's dg in bf16, or fp16 (:data:`cute_kda.ops.bwd_grads.GRAD_DTYPES`)."""
 
     varlen: bool
@@ -135,5 +136,6 @@ class GradsVariant:
     gate_ahead: bool = False
     split_load: bool = False
     split_rows: bool = False
+    slopes_ahead: bool = False
     dim: int = HEAD_DIM
     grad_dtype: torch.dtype = torch.bfloat16

@@ -77,10 +77,12 @@ def _compiled(variant, dim: int = D):
     if (variant, dim) not in _COMPILED:
         from cute_kda.compile_report import compile_with_report
 
-        varlen, qk_l2norm, beta_logits, warps, *switches = variant  # then gate_ahead, split_load, split_rows
-        gate_ahead, split_load, split_rows = (*switches, False, False, False)[:3]
+        # then gate_ahead, split_load, split_rows, slopes_ahead
+        varlen, qk_l2norm, beta_logits, warps, *switches = variant
+        gate_ahead, split_load, split_rows, slopes_ahead = (*switches, False, False, False, False)[:4]
         kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=warps,
-                                  gate_ahead=gate_ahead, split_load=split_load, split_rows=split_rows, dim=dim)
+                                  gate_ahead=gate_ahead, split_load=split_load, split_rows=split_rows,
+                                  slopes_ahead=slopes_ahead, dim=dim)
         _, report = compile_with_report(kernel, *_compile_args(varlen, dim), cute.runtime.make_fake_stream())
         _COMPILED[(variant, dim)] = (kernel, report)
     return _COMPILED[(variant, dim)]
@@ -187,6 +189,33 @@ def test_split_load_variant_compiles(variant):
     _, both = _compiled((*variant, True, True))  # the two switches together
     _assert_split_load(plain, both, plan.smem_budget(variant[3], split_load=True))
     _assert_gate_ahead(split, both)
+
+
+# slopes_ahead over the launcher's safe variants: fixed and varlen at 8 warps with gate_ahead, 4 warps, no gate_ahead
+SLOPES_AHEAD_BASES = [(False, True, True, 8, True), (True, True, True, 8, True), (False, True, True, 4, True),
+                      (False, True, True, 8, False)]
+
+
+@pytest.mark.parametrize("base", SLOPES_AHEAD_BASES, ids=lambda v: "{}-{}warps-{}".format(
+    "varlen" if v[0] else "fixed", v[3], "gate_ahead" if v[4] else "plain"))
+def test_slopes_ahead_variant_compiles(base):
+    """``slopes_ahead`` (docs/perf-log.md, B8) against the variant without it: the same global loads and stores,
+    products, barriers, ex2 and plan; one ``rcp.approx.ftz`` a reciprocal (two a row), the divisions (``rcp.rn``) kept
+    for the fallback (which takes the rows' ex2 as they are); no spills under the two-CTA cap."""
+    _, plain = _compiled(base)
+    _, slopes = _compiled((*base, False, False, True))
+    for mnemonic in ("ld.global", "st.global", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "bar.sync",
+                     "mbarrier.try_wait", "cp.async.bulk.tensor", "rcp.rn.f32", "ex2.approx.ftz.f32"):
+        assert slopes.count(mnemonic) == plain.count(mnemonic), mnemonic
+    assert slopes.count("rcp.approx.ftz.f32") == plain.count("rcp.approx.ftz.f32") + 2 * CHUNK
+    assert slopes.local_memory_ops == 0 and slopes.spills == 0 and slopes.kernels[0].stack_frame == 0
+    assert slopes.launch_smem == plain.launch_smem
+    assert slopes.kernels[0].registers <= 65536 // (plan.CTAS_PER_SM * base[3] * 32)
+    print(f"slopes_ahead: {slopes.kernels[0].registers} registers (without {plain.kernels[0].registers})")
+    with pytest.raises(ValueError, match="slopes_ahead"):
+        bwd_grads_kernel(varlen=base[0], split_rows=True, slopes_ahead=True)
+    with pytest.raises(ValueError, match="slopes_ahead"):
+        bwd_grads_kernel(varlen=base[0], gate="softplus", slopes_ahead=True)
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
@@ -460,7 +489,8 @@ def test_launcher_keys_the_variant_and_builds_its_arguments(monkeypatch):
 def test_launcher_keys_the_switches(monkeypatch):
     """``GATE_AHEAD`` on: the per-channel gates with A_log / dt_bias key ``gate_ahead``; a per-head gate and a log
     decay keep the plain variant (nothing to batch, no second compile). ``SPLIT_LOAD`` on: every scheme keys
-    ``split_load``."""
+    ``split_load``. ``SPLIT_ROWS`` and ``SLOPES_AHEAD``: the safe gate only, ``split_rows`` at 8 warps and
+    ``slopes_ahead`` where ``split_rows`` is not keyed."""
     seen = []
     monkeypatch.setattr(kb, "compiled_variant", lambda variant, index, tensors, options: seen.append(
         variant) or (lambda *args: None))
@@ -488,6 +518,16 @@ def test_launcher_keys_the_switches(monkeypatch):
     kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=4)
     kb.bwd_grads(**_dyadic_buffers("softplus"))
     assert [variant.split_rows for variant in seen] == [True, False, False]
+    assert not any(variant.slopes_ahead for variant in seen)
+    seen.clear()
+    monkeypatch.setattr(kb, "SLOPES_AHEAD", True)  # the safe gate, both warp counts; split_rows keeps its own loop
+    kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0)
+    kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=4)
+    kb.bwd_grads(**_dyadic_buffers("softplus"))
+    monkeypatch.setattr(kb, "SPLIT_ROWS", False)
+    kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0)
+    assert [(variant.split_rows, variant.slopes_ahead) for variant in seen] == [(True, False), (False, True),
+                                                                                (False, False), (False, True)]
 
 
 # ============================================================================ GPU: the kernel chain
@@ -671,19 +711,22 @@ def test_deterministic_and_empty_slots_zero(dim):
     assert bool((first["ddt_partial"][:, tiles:] == 0).all()) and bool((first["dalog_partial"][:, tiles:] == 0).all())
 
 
-# the launcher's schedule switches (docs/perf-log.md, B5 and B6), alone and together
+# the launcher's schedule switches (docs/perf-log.md, B5-B8), alone and together
 SWITCHES = {"gate_ahead": ("GATE_AHEAD",), "split_load": ("SPLIT_LOAD",), "both": ("GATE_AHEAD", "SPLIT_LOAD"),
-            "split_rows": ("SPLIT_ROWS",), "all": ("GATE_AHEAD", "SPLIT_LOAD", "SPLIT_ROWS")}
+            "split_rows": ("SPLIT_ROWS",), "all": ("GATE_AHEAD", "SPLIT_LOAD", "SPLIT_ROWS"),
+            "slopes_ahead": ("SLOPES_AHEAD",), "slopes_split_load": ("SPLIT_LOAD", "SLOPES_AHEAD")}
 _OUTPUTS = ("dq", "dk", "dg", "dbeta", "ddt_partial", "dalog_partial")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("switches,dim", [pytest.param(name, D, id=name) for name in SWITCHES]
-                         + [pytest.param("both", 64, id="both-D64")])  # no split_rows at 64 (8 warps only)
+                         + [pytest.param("both", 64, id="both-D64"),  # no split_rows at 64 (8 warps only)
+                            pytest.param("slopes_ahead", 64, id="slopes_ahead-D64")])
 @pytest.mark.parametrize("lengths", [None, [33, 0, 16, 1, 70]], ids=["B2xT100", "varlen"])
 def test_switches_are_bit_identical(lengths, switches, dim, monkeypatch):
-    """``gate_ahead``, ``split_load`` and ``split_rows`` move loads, waits and rows between warps only: every output
-    of Kernel B equals the plain variant's bit for bit, on the same chain (K1 → K2 → Kernel A are deterministic)."""
+    """``gate_ahead``, ``split_load`` and ``split_rows`` move loads, waits and rows between warps only, and
+    ``slopes_ahead`` spells the division ptxas emits: every output of Kernel B equals the plain variant's bit for bit,
+    on the same chain (K1 → K2 → Kernel A are deterministic)."""
     B, T = (2, 100) if lengths is None else (1, sum(lengths))
     problem = _problem(B, T, 2, seed=5, dim=dim)
     plain = _chain(problem, lengths=lengths, seed=5)

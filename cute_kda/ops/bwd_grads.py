@@ -34,6 +34,10 @@ SPLIT_LOAD = False
 # docs/perf-log.md, B7: predicted −5-7 % on top of B5 + B6, measured +2-3 % on the H200, bit-identical): off
 # (``--split-rows``).
 SPLIT_ROWS = False
+# Whether the safe gate's Kernel B forms its gate backward's rows' x and σ'(x) in straight-line code before the row
+# loop (``GradsVariant.slopes_ahead``; docs/perf-log.md, B8: predicted −12-19 % on top of B5, bit-identical by
+# construction): off until the H200 A/B (``--slopes-ahead``); not together with ``split_rows``, which wins.
+SLOPES_AHEAD = False
 # dq, dk and a per-channel gate's dg: bf16, or fp16 as f16(bf16(x)) for fp16 training (``GradsVariant.grad_dtype``,
 # picked by dq's dtype; the training executor's :data:`~cute_kda.executors.training.FP16_GRAD_STORES`)
 GRAD_DTYPES = (torch.bfloat16, torch.float16)
@@ -41,10 +45,11 @@ GRAD_DTYPES = (torch.bfloat16, torch.float16)
 
 def switches(gate: str, per_head_gate: bool, compute_warps: int) -> dict[str, bool]:
     """The switches above as a call's Kernel B variant takes them (``gate_ahead`` where a gate row is read back,
-    ``split_rows`` for the safe gate at 8 warps): the launcher keys them, :func:`cute_kda.api.warmup_variants` lists
-    them, so a warmed variant is the one a call runs."""
+    ``split_rows`` for the safe gate at 8 warps, ``slopes_ahead`` for the safe gate without ``split_rows``): the
+    launcher keys them, :func:`cute_kda.api.warmup_variants` lists them, so a warmed variant is the one a call runs."""
+    split_rows = SPLIT_ROWS and gate == "safe" and compute_warps == max(warps_at())
     return dict(gate_ahead=GATE_AHEAD and reads_gate_rows(gate, per_head_gate), split_load=SPLIT_LOAD,
-                split_rows=SPLIT_ROWS and gate == "safe" and compute_warps == max(warps_at()))
+                split_rows=split_rows, slopes_ahead=SLOPES_AHEAD and gate == "safe" and not split_rows)
 
 
 def gate_partials_shapes(ws: Workspace, heads: int, per_head_gate: bool = False) -> tuple[tuple[int, ...], tuple[int, int]]:
@@ -139,21 +144,25 @@ def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbet
     _check("dalog_partial", dalog_partial, (torch.float32,), dalog_shape, device)
 
 
+def variant_kernel(variant: GradsVariant):
+    """The Kernel B object of ``variant`` (:func:`cute_kda.kernels.bwd_grads.bwd_grads_kernel`), not compiled."""
+    from ..kernels.bwd_grads import bwd_grads_kernel
+
+    return bwd_grads_kernel(varlen=variant.varlen, qk_l2norm=variant.qk_l2norm, beta_logits=variant.beta_logits,
+                            compute_warps=variant.compute_warps, gate=variant.gate,
+                            gate_dtype=dsl_type(variant.g_dtype), per_head_gate=variant.per_head_gate,
+                            grouped=variant.grouped, gate_ahead=variant.gate_ahead, split_load=variant.split_load,
+                            split_rows=variant.split_rows, slopes_ahead=variant.slopes_ahead, dim=variant.dim,
+                            grad_dtype=dsl_type(variant.grad_dtype))
+
+
 def compiled_variant(variant: GradsVariant, index: int, tensors: tuple, options: dict):
     """The compiled Kernel B ``variant`` on device ``index``, built on first use from ``tensors`` and ``options``
     (:func:`launch_arguments`' arguments, real or ``meta``)."""
 
     def build():
-        from ..kernels.bwd_grads import bwd_grads_kernel
-
-        kernel = bwd_grads_kernel(varlen=variant.varlen, qk_l2norm=variant.qk_l2norm,
-                                  beta_logits=variant.beta_logits, compute_warps=variant.compute_warps,
-                                  gate=variant.gate, gate_dtype=dsl_type(variant.g_dtype),
-                                  per_head_gate=variant.per_head_gate, grouped=variant.grouped,
-                                  gate_ahead=variant.gate_ahead, split_load=variant.split_load,
-                                  split_rows=variant.split_rows, dim=variant.dim,
-                                  grad_dtype=dsl_type(variant.grad_dtype))
-        return compile_for_launch(kernel, *launch_arguments(*tensors, **options, tensor=to_cute_tensor), fake_stream())
+        arguments = launch_arguments(*tensors, **options, tensor=to_cute_tensor)
+        return compile_for_launch(variant_kernel(variant), *arguments, fake_stream())
 
     return _CACHE.get((variant, index), build)
 
@@ -220,8 +229,19 @@ def bwd_grads(
 
 def compile_variant(variant: GradsVariant, device: torch.device | str) -> None:
     """Compile (or load from the disk cache) the Kernel B ``variant`` for ``device`` ahead of time from ``meta``
-    tensors (a per-head gate: g ``[B, T, HV]``; grouped: two value heads per q/k head): nothing is allocated or
-    launched."""
+    tensors (:func:`compile_tensors`): nothing is allocated or launched."""
+    compiled_variant(variant, device_index(torch.device(device)), *compile_tensors(variant))
+
+
+def compile_arguments(variant: GradsVariant) -> tuple:
+    """``BwdGrads.__call__``'s arguments for ``variant`` from ``meta`` tensors and a fake stream (a compile only)."""
+    tensors, options = compile_tensors(variant)
+    return (*launch_arguments(*tensors, **options, tensor=to_cute_tensor), fake_stream())
+
+
+def compile_tensors(variant: GradsVariant) -> tuple[tuple, dict]:
+    """:func:`launch_arguments`' tensors and options for ``variant`` as ``meta`` tensors (a per-head gate: g
+    ``[B, T, HV]``; grouped: two value heads per q/k head)."""
     problem = compile_problem(variant.varlen, variant.dim)
     heads, fp32 = problem.heads, torch.float32
     qk, tokens = problem.tokens(1 if variant.grouped else heads), problem.tokens()
@@ -240,4 +260,4 @@ def compile_variant(variant: GradsVariant, device: torch.device | str) -> None:
                problem.zeros(*dalog_shape, dtype=fp32) if constants else None)
     options = dict(scale=problem.dim ** -0.5, lower_bound=-5.0, cu_seqlens=problem.cu_seqlens,
                    tile_base=problem.tile_base)
-    compiled_variant(variant, device_index(torch.device(device)), tensors, options)
+    return tensors, options

@@ -152,7 +152,10 @@ class BwdGrads(TokenPrep):
     (docs/perf-log.md, B5); ``split_load``: the state images complete a transaction barrier of their own, waited for
     before phase 3 (their first reader), so K1's recompute runs while they arrive (docs/perf-log.md, B6). Neither
     changes an instruction's operands: the same bits. ``split_rows`` (a scheme with :attr:`splits_gate_rows`, 8 warps):
-    the gate backward's rows shared by all warps, its sums kept in order (docs/perf-log.md, B7). ``grad_dtype``: dq,
+    the gate backward's rows shared by all warps, its sums kept in order (docs/perf-log.md, B7). ``slopes_ahead`` (a
+    scheme with :attr:`forms_slopes_ahead`, not with ``split_rows``): the gate backward forms every row's ``x`` and
+    ``σ'(x)`` in straight-line code before its row loop, so ptxas overlaps the rows' latency chains (docs/perf-log.md,
+    B8; the same bits). ``grad_dtype``: dq,
     dk and a per-channel gate's dg stored in bf16, or in fp16 for fp16 training as ``f16(bf16(x))``: the bf16 value
     the bf16 variant stores, converted exactly as the copy route's ``.to(float16)`` of it (docs/numerics.md, "fp16
     training"; not with ``grouped``: the group sums add the bf16 values).
@@ -167,13 +170,14 @@ class BwdGrads(TokenPrep):
     gate_tile = False
     grouped_heads = True  # built for grouped value heads
     splits_gate_rows = False  # the scheme's gate backward can run on every warp (``split_rows``)
+    forms_slopes_ahead = False  # its gate backward can form the rows' slopes before its loop (``slopes_ahead``)
     ctas_per_sm = plan.CTAS_PER_SM
     smem_plan: Callable[..., SmemBudget]  # of (warps, D)
 
     def __init__(self, *, varlen: bool, gate: str = "safe", qk_l2norm: bool = True, beta_logits: bool = True,
                  compute_warps: int = plan.DEFAULT_WARPS, gate_dtype: type = BFloat16, grouped: bool = False,
                  gate_ahead: bool = False, split_load: bool = False, split_rows: bool = False,
-                 dim: int = HEAD_DIM, grad_dtype: type = BFloat16) -> None:
+                 slopes_ahead: bool = False, dim: int = HEAD_DIM, grad_dtype: type = BFloat16) -> None:
         if dim not in NATIVE_HEAD_DIMS:
             raise ValueError(f"dim must be one of {NATIVE_HEAD_DIMS}, got {dim}")
         if compute_warps not in plan.compute_warps(dim):
@@ -191,7 +195,10 @@ class BwdGrads(TokenPrep):
         self.gate, self.gate_dtype, self.grouped, self.grad_dtype = gate, gate_dtype, grouped, grad_dtype
         if split_rows and not (self.splits_gate_rows and compute_warps == max(plan.COMPUTE_WARPS)):
             raise ValueError(f"split_rows: built for the safe gate at {max(plan.COMPUTE_WARPS)} warps")
+        if slopes_ahead and (split_rows or not self.forms_slopes_ahead):
+            raise ValueError("slopes_ahead: built for the safe gate, without split_rows")
         self.gate_ahead, self.split_load, self.split_rows = gate_ahead, split_load, split_rows
+        self.slopes_ahead = slopes_ahead
         self.varlen = varlen
         self.qk_l2norm = qk_l2norm
         self.beta_logits = beta_logits

@@ -4,7 +4,8 @@
    (over q, k, g and into kinv).
 5. *Channel products*: dqd, dkd, dkinv, dkr, then the token gradients of q̂ and k̂, ``dG`` and ``dkr ⊙ kr``.
 6. *Finish*: per channel (threads 0 … D − 1), the reverse cumsum of dG, the gate backward (dg, and the tile's
-   partial sums of ddt_bias and dA_log).
+   partial sums of ddt_bias and dA_log); with ``slopes_ahead`` every row's ``x`` and ``σ'(x)`` first, in
+   straight-line code (:func:`reciprocal_rn`).
 
 g comes by TMA with the other token tiles; two CTAs per SM (``cute_kda.layouts.bwd_grads.smem_budget``).
 """
@@ -19,10 +20,24 @@ from ...layouts.fwd_prepare import chunk_tile, gate_cumsum_tile
 from ...layouts.smem import CHUNK, square_tile_transposed, sw128_tile_transposed
 from ...numerics import LN2, LOG2E
 from ..common.copy import Operand, make_fragment
-from ..common.fastmath import ex2_approx
+from ..common.fastmath import ex2_approx, fma_rn, rcp_approx
 from .base import (
     BwdGrads, GradsInputs, GradsOutputs, GradsScalars, GradsStates, GradsWorkspace, TileLocation, smem_bundle,
 )
+
+# ptxas takes its fast path of rcp.rn.f32(y) (what ``1 / y`` becomes) for y's biased exponent in 1 … 252 (its range
+# test: (bits + 3·2^23) & 0x7f800000 > 0x1ffffff); [1, 2^125) lies inside
+RECIPROCAL_FAST_BELOW = 2.0 ** 125
+
+
+@cute.jit
+def reciprocal_rn(y: Float32) -> Float32:
+    """``1 / y`` for ``1 ≤ y < 2^125``, spelled as ptxas' own fast path of ``rcp.rn.f32`` (``MUFU.RCP``, then one
+    Newton step ``r − r·(y·r − 1)``, both ``fma.rn``): the division's bits, in straight-line code that ptxas may
+    interleave (the division itself ends a basic block at its range test). Elsewhere the caller divides."""
+    r = rcp_approx(y)
+    return fma_rn(r, -fma_rn(y, r, Float32(-1.0)), r)
+
 
 SafeGradsSmem = smem_bundle(
     "SafeGradsSmem",
@@ -39,6 +54,7 @@ class SafeBwdGrads(BwdGrads):
     gates = ("safe",)
     gate_tile = True
     splits_gate_rows = True
+    forms_slopes_ahead = True
     grouped_heads = False
     smem_plan = staticmethod(plan.smem_budget)
 
@@ -172,10 +188,13 @@ class SafeBwdGrads(BwdGrads):
                 zero = Float32(0.0)
                 # raw g from global memory (L2): its smem tile holds kr now
                 g_rows = None
-                if cutlass.const_expr(self.gate_ahead):
+                if cutlass.const_expr(self.gate_ahead or self.slopes_ahead):
                     g_rows = self.load_gate_column(inputs.g, tile.head, tile.row0, tile.valid_rows, col)
+                slopes = None
+                if cutlass.const_expr(self.slopes_ahead):
+                    slopes = self.row_slopes(smem, col, dt, e_a, g_rows)
                 _, ddt, dalog = self.gate_rows(smem, inputs, out, scalars, tile, col, dt, e_a, d_last, g_rows,
-                                               CHUNK, 0, (zero, zero, zero))
+                                               CHUNK, 0, (zero, zero, zero), slopes=slopes)
                 out.ddt_partial[tile.slot, col] = ddt
                 self.store_warp_dalog(smem, dalog, warp_idx, lane)
         else:
@@ -210,8 +229,9 @@ class SafeBwdGrads(BwdGrads):
         return Float32(LN2) * (smem.dkr_col[col] + smem.dgt[col] * gate_total)
 
     def raw_gate(self, inputs: GradsInputs, tile: TileLocation, col: Int32, g_rows, row: int) -> Float32:
-        """The raw gate of ``row``, channel ``col``: from the burst ``g_rows`` (``gate_ahead``) or global memory."""
-        if cutlass.const_expr(self.gate_ahead):
+        """The raw gate of ``row``, channel ``col``: from the burst ``g_rows`` (``gate_ahead``, ``slopes_ahead``) or
+        global memory."""
+        if cutlass.const_expr(self.gate_ahead or self.slopes_ahead):
             return g_rows[row]
         return inputs.g[tile.row0 + row, tile.head, col].to(Float32)
 
@@ -226,21 +246,52 @@ class SafeBwdGrads(BwdGrads):
         return x, dsig
 
     @cute.jit
+    def row_slopes(self, smem: SafeGradsSmem, col: Int32, dt: Float32, e_a: Float32, g_rows: cute.Tensor) -> tuple:
+        """``slopes_ahead``: (x, σ'(x), dG) of every row of channel ``col`` (fp32 ``[16]`` each; ``g_rows`` the
+        column's raw gate, 0 past the sequence end, where the values go unused), as :meth:`gate_slope` forms them: the
+        two reciprocals by :func:`reciprocal_rn`, straight-line code; a thread with a denominator outside its range
+        (≥ 2^125, or NaN) forms every σ'(x) again by :meth:`gate_slope`'s division."""
+        xs = cute.make_rmem_tensor((CHUNK,), Float32)
+        dsigs = cute.make_rmem_tensor((CHUNK,), Float32)
+        d_gs = cute.make_rmem_tensor((CHUNK,), Float32)
+        limit = Float32(RECIPROCAL_FAST_BELOW)
+        outside = Int32(0)
+        for row in cutlass.range_constexpr(CHUNK):
+            x = e_a * (g_rows[row] + dt)
+            scaled = x * Float32(LOG2E)
+            low = Float32(1.0) + ex2_approx(-scaled)
+            high = Float32(1.0) + ex2_approx(scaled)
+            xs[row] = x
+            dsigs[row] = reciprocal_rn(low) * reciprocal_rn(high)
+            outside = outside + cutlass.select_(low < limit, Int32(0), Int32(1))
+            outside = outside + cutlass.select_(high < limit, Int32(0), Int32(1))
+            d_gs[row] = smem.dg_cum[row, col]
+        if outside > 0:
+            for row in cutlass.range_constexpr(CHUNK):
+                _, dsig = self.gate_slope(g_rows[row], dt, e_a)
+                dsigs[row] = dsig
+        return xs, dsigs, d_gs
+
+    @cute.jit
     def gate_rows(self, smem: SafeGradsSmem, inputs: GradsInputs, out: GradsOutputs, scalars: GradsScalars,
                   tile: TileLocation, col: Int32, dt: Float32, e_a: Float32, d_last: Float32, g_rows, top: int,
-                  bottom: int, carry: tuple, formed: bool = True) -> tuple:
+                  bottom: int, carry: tuple, formed: bool = True, slopes=None) -> tuple:
         """Rows ``top − 1`` … ``bottom`` of channel ``col`` from ``carry`` = (suffix, ddt, dalog) entering them: dg
         stored, the carry returned; ``x`` and ``σ'(x)`` formed here, or (not ``formed``) read from ``x_rows`` /
-        ``dsig_rows``."""
+        ``dsig_rows``, or (``slopes``: :meth:`row_slopes`) taken with dG from registers."""
         suffix, ddt, dalog = carry
         for row in cutlass.range_constexpr(top - 1, bottom - 1, -1):
             if row < tile.valid_rows:
-                suffix = suffix + smem.dg_cum[row, col]
-                if cutlass.const_expr(formed):
-                    x, dsig = self.gate_slope(self.raw_gate(inputs, tile, col, g_rows, row), dt, e_a)
+                if cutlass.const_expr(slopes is not None):
+                    suffix = suffix + slopes[2][row]
+                    x, dsig = slopes[0][row], slopes[1][row]
                 else:
-                    x = smem.x_rows[row, col]
-                    dsig = smem.dsig_rows[row, col]
+                    suffix = suffix + smem.dg_cum[row, col]
+                    if cutlass.const_expr(formed):
+                        x, dsig = self.gate_slope(self.raw_gate(inputs, tile, col, g_rows, row), dt, e_a)
+                    else:
+                        x = smem.x_rows[row, col]
+                        dsig = smem.dsig_rows[row, col]
                 dx = (suffix + d_last) * scalars.c_gate * dsig
                 dg_raw = dx * e_a
                 out.dg[tile.row0 + row, tile.head, col] = self.stored(dg_raw.to(BFloat16))

@@ -46,6 +46,13 @@ def ex2_approx(x: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def rcp_approx(x: Float32, *, loc=None, ip=None) -> Float32:
+    """``rcp.approx.ftz.f32`` (``MUFU.RCP``): the first step of ptxas' own ``rcp.rn.f32`` of ``x``
+    (:func:`cute_kda.kernels.bwd_grads.safe.reciprocal_rn`)."""
+    return _one_instruction("rcp.approx.ftz.f32 $0, $1;", Float32, x, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def lg2_approx(x: Float32, *, loc=None, ip=None) -> Float32:
     """``lg2.approx.f32`` (log2 x; the softplus gate takes it of 1 + 2^−|y| ∈ [1, 2])."""
     return _one_instruction("lg2.approx.f32 $0, $1;", Float32, x, loc=loc, ip=ip)
