@@ -122,7 +122,9 @@ class GradsVariant:
     barrier; ``split_rows``: the safe gate backward's rows on all 8 warps (the launcher's
     :data:`cute_kda.ops.bwd_grads.GATE_AHEAD`, :data:`~cute_kda.ops.bwd_grads.SPLIT_LOAD`,
     :data:`~cute_kda.ops.bwd_grads.SPLIT_ROWS`); ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`);
-    ``grad_dtype``: dq, dk and a per-channel gate's dg in bf16, or fp16 (:data:`cute_kda.ops.bwd_grads.GRAD_DTYPES`)."""
+    ``grad_dtype``: dq, dk and a per-channel gate's dg in bf16, or fp16 (:data:`cute_kda.ops.bwd_grads.GRAD_DTYPES`);
+    ``dtype``: q's, k's, v's and a raw gate's, bf16 or fp16 (fp16 training's own backward, docs/numerics.md "fp16
+    training", stage 4)."""
 
     varlen: bool
     qk_l2norm: bool
@@ -137,3 +139,4 @@ class GradsVariant:
     split_rows: bool = False
     dim: int = HEAD_DIM
     grad_dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = torch.bfloat16
