@@ -131,6 +131,9 @@ SWITCHES = {
                      "the safe gate backward's rows on all 8 warps (perf-log B7)"),
     "--fp16-grad-stores": ("cute_kda.executors.training", "FP16_GRAD_STORES", True,
                            "--dtype fp16: Kernel A stores dv, Kernel B dq, dk, dg in fp16 themselves (perf-log F2)"),
+    "--fp16-native-backward": ("cute_kda.executors.training", "FP16_NATIVE_BACKWARD", True,
+                               "--dtype fp16: the backward on the fp16 inputs, no bf16 copies of q, k, v, g "
+                               "(perf-log F3)"),
 }
 
 

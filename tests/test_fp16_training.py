@@ -99,6 +99,62 @@ def test_fp16_gradient_stores_give_the_copy_routes_bits(launchers_on_mirrors, mo
         assert torch.equal(stored[name], copied[name]) and torch.equal(stored[name], reference[name]), name
 
 
+def test_native_backward_hands_the_kernels_the_fp16_inputs(launchers_on_mirrors, monkeypatch):
+    """``FP16_NATIVE_BACKWARD``: the backward's K1 and K2 get the fp16 q, k, g, v and the fp16 state again, Kernel B
+    fp16 q, k, v, g beside the bf16 dO (its launcher's checks pass) and stores fp16 dq, dk, dg, Kernel A an fp16 dv;
+    every gradient fp16 and the reference backend's under the switch bit for bit (the same chain on the mirrors)."""
+    from cute_kda.ops import bwd_grads as kb
+    from cute_kda.ops import prepare as k1
+
+    problem, do, dht = fp16_problem([20, 0, 17, 5, 1])
+    launchers_on_mirrors.beta = problem["beta"].bfloat16()
+    handed = []
+    check = kb._check_buffers
+    monkeypatch.setattr(kb, "_check_buffers", lambda *a: handed.append(tuple(t.dtype for t in a[:5] + a[9:12]))
+                        or check(*a))
+    prepare = k1.prepare
+    monkeypatch.setattr(k1, "prepare", lambda q, *a, **o: handed.append(q.dtype) or prepare(q, *a, **o))
+    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", True)
+    forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
+    o, ht, grads = train(forward, problem, do=do, dht=dht.half())
+    o_ref, ht_ref, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht.half())
+    assert handed == [FP16, FP16, (FP16, FP16, FP16, FP16, BF16, FP16, FP16, FP16)]  # q k g v do; dq dk dg
+    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
+    for name in expected:
+        assert grads[name].dtype == problem[name].dtype and torch.equal(grads[name], expected[name]), name
+
+
+def test_native_backward_is_the_fp16_forwards_gradient():
+    """On the mirrors: under ``FP16_NATIVE_BACKWARD`` the gradients are within FLA's tolerances of the fp64 gold on
+    the fp16 values and, without the inputs' rounding to bf16, no farther from it than the copy route's in the RMS
+    over the token gradients (docs/numerics.md, "fp16 training", stage 4); they differ from the copy route's."""
+    gen = torch.Generator().manual_seed(3)  # FLA's draws (fp16 values bf16 cannot hold), as gpu_problem's
+    lengths = [96, 0, 61, 1]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)])
+    q, k, v = (torch.rand(1, cu[-1], 2, D, generator=gen).half() for _ in range(3))
+    p = dict(q=q, k=k, v=v, g=(torch.randn(1, cu[-1], 2, D, generator=gen) * 4).half(),
+             beta=torch.randn(1, cu[-1], 2, generator=gen).half(), A_log=torch.rand(2, generator=gen) - 0.5,
+             dt_bias=torch.randn(2, D, generator=gen),
+             initial_state=(0.1 * torch.randn(len(lengths), 2, D, D, generator=gen)).half(), cu_seqlens=cu)
+    do = torch.randn(v.shape, generator=gen).half()
+    dht = torch.randn(len(lengths), 2, D, D, generator=gen).half()
+    copied = train(REFERENCE_FORWARD, p, do=do, dht=dht, lower_bound=-5.0)[2]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(training, "FP16_NATIVE_BACKWARD", True)
+        native = train(REFERENCE_FORWARD, p, do=do, dht=dht, lower_bound=-5.0)[2]
+    want = gold_backward(*(p[n] for n in ("q", "k", "v", "g", "beta")), do, dht=dht, A_log=p["A_log"],
+                         dt_bias=p["dt_bias"], initial_state=p["initial_state"], cu_seqlens=cu, lower_bound=-5.0,
+                         state_layout="vk")
+    names = dict(zip(INPUTS, ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")))
+    errors = {route: {names[n]: rel_rms(grads[n], want[names[n]]) for n in grads}
+              for route, grads in (("copied", copied), ("native", native))}
+    print(errors)
+    assert all(e <= SAFE_GATE_TOLERANCES[n] for n, e in errors["native"].items()), errors
+    tokens = ("dq", "dk", "dv", "dg")
+    assert sum(errors["native"][n] ** 2 for n in tokens) <= sum(errors["copied"][n] ** 2 for n in tokens), errors
+    assert not torch.equal(native["q"], copied["q"])
+
+
 def test_segmented_fp16_call_on_the_kernel_stages(launchers_on_mirrors):
     """A segmented fp16 call (context parallelism): the packed segments through the same launchers, the backward's
     forward again on bf16 (its segment states too), Kernel A twice and Kernel B; every gradient fp16 and the reference
