@@ -269,6 +269,7 @@ KB_INPUT_VARIANTS = {  # the benchmark's safe gate, a per-channel and a per-head
     "safe_fixed": dict(varlen=False, gate="safe", compute_warps=8, gate_ahead=True),
     "softplus_varlen": dict(varlen=True, gate="softplus", compute_warps=8, gate_ahead=True),
     "gdn_softplus_varlen": dict(varlen=True, gate="softplus", per_head_gate=True, compute_warps=8),
+    "safe_varlen_d64": dict(varlen=True, gate="safe", compute_warps=4, gate_ahead=True, dim=64),
 }
 
 
@@ -282,13 +283,15 @@ def _compile_kernel_b_inputs(config: dict, dtype: torch.dtype):
     from cute_kda.ops import bwd_grads as kb
 
     per_head = config.get("per_head_gate", False)
-    buffers = (_per_head_buffers if per_head else _dyadic_buffers)("softplus", grouped=False, varlen=config["varlen"])
+    dim = config.get("dim", D)
+    buffers = (_per_head_buffers if per_head else _dyadic_buffers)("softplus", grouped=False, varlen=config["varlen"],
+                                                                   dim=dim)
     buffers.update({n: buffers[n].to(dtype) for n in ("q", "k", "v", "g")})
     buffers.update({n: buffers[n].to(torch.float16) for n in ("dq", "dk") + (() if per_head else ("dg",))})
     if config["gate"] == "safe":
-        buffers["dt_bias"] = torch.zeros(buffers["v"].shape[2], D)
+        buffers["dt_bias"] = torch.zeros(buffers["v"].shape[2], dim)
     kernel = bwd_grads_kernel(**config, gate_dtype=dsl_type(dtype), grad_dtype=F16, dtype=dsl_type(dtype))
-    arguments = kb.launch_arguments(*(buffers[name] for name in _LAUNCH_ORDER), scale=D ** -0.5, lower_bound=-5.0,
+    arguments = kb.launch_arguments(*(buffers[name] for name in _LAUNCH_ORDER), scale=dim ** -0.5, lower_bound=-5.0,
                                     cu_seqlens=buffers["cu_seqlens"], tile_base=buffers["tile_base"],
                                     tensor=to_cute_tensor)
     return kernel, compile_with_report(kernel, *arguments, cute.runtime.make_fake_stream())[1]
@@ -375,6 +378,26 @@ def test_warmup_lists_the_fp16_gradient_twins_under_the_switch(monkeypatch):
     grads = {(v.gate, v.g_dtype, v.grad_dtype) for v in on if isinstance(v, GradsVariant)}
     assert grads == {("safe", bf16, bf16), ("none", bf16, bf16), ("none", fp32, bf16), ("safe", bf16, fp16),
                      ("none", bf16, fp16)}
+
+
+def test_warmup_lists_kernel_b_on_fp16_inputs_under_the_native_switch(monkeypatch):
+    """Under ``FP16_NATIVE_BACKWARD`` an fp16 selection lists Kernel B reading fp16 inputs for each fp16 gate form
+    (fp16 gradients but for the fp32 log decay's) and Kernel A's fp16 dv twins; bf16 alone lists none."""
+    from cute_kda.api import warmup_variants
+    from cute_kda.executors import training
+    from cute_kda.variants import GradsVariant, ScanVariant
+
+    fp16, bf16, fp32 = torch.float16, torch.bfloat16, torch.float32
+    selection = dict(varlen=(False,), state_modes=(fp16,), vsplits=(1,), gates=("safe", "none"), segments=True,
+                     training=True)
+    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", True)
+    on = warmup_variants(dtypes=(fp16,), **selection)
+    native = {(v.gate, v.g_dtype, v.grad_dtype) for v in on if isinstance(v, GradsVariant) and v.dtype == fp16}
+    assert native == {("safe", fp16, fp16), ("none", fp16, fp16), ("none", fp32, bf16)}
+    assert any(v.dv_dtype == fp16 for v in on if isinstance(v, ScanVariant))
+    bf16_only = warmup_variants(dtypes=(bf16,), **selection)
+    assert not any(getattr(v, "dtype", bf16) == fp16 or getattr(v, "grad_dtype", bf16) == fp16
+                   or getattr(v, "dv_dtype", bf16) == fp16 for v in bf16_only)
 
 
 def _fla_fp16_cases() -> list[str]:

@@ -348,10 +348,25 @@ def test_fp16_training_matches_the_gold(case, device):
     where a per-head sum cancels past them, to 1.25× the triangle bound of the bf16 call the backward is: bf16
     training's error on the inputs rounded to bf16 (against the gold on those) plus the rounding's own (that gold
     against the gold on the fp16 values)."""
+    assert_within_the_golds_tolerances(case, device, "fp16 training")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_fp16_native_backward_matches_the_gold(case, device, monkeypatch):
+    """``FP16_NATIVE_BACKWARD`` (the backward on the fp16 inputs: the recompute's fp16 K1 / K2, Kernel B reading
+    fp16 q, k, v, g; docs/numerics.md, "fp16 training", stage 4): :func:`test_fp16_training_matches_the_gold`'s
+    checks."""
+    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", True)
+    assert_within_the_golds_tolerances(case, device, "fp16 native backward")
+
+
+def assert_within_the_golds_tolerances(case: str, device, label: str) -> None:
+    """:func:`test_fp16_training_matches_the_gold`'s checks of ``case`` (printed under ``label``)."""
     tensors, options, do, dht = gpu_problem(case, device)
     o, errors, want = errors_against_gold(tensors, options, do, dht, device)
     assert o.dtype == FP16
-    print(f"[fp16 training vs gold] {case}: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+    print(f"[{label} vs gold] {case}: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
     tolerances = SAFE_GATE_TOLERANCES if options["gate"] == "safe" else TARGETS
     over = {n for n in ("dA_log", "ddt_bias") if errors.get(n, 0.0) > tolerances[n]}
     if over:
