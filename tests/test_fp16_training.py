@@ -16,6 +16,11 @@ segmented call and K = V = 64; ``recompute`` bit-identical; the backward kernels
 (``training.FP16_GRAD_STORES``) bit-identical to the copy route (on the CPU too, on the mirrors); the compiled step
 equal to eager;
 ``chunk_gated_delta_rule`` on FLA's fp16 inputs.
+
+``training.FP16_NATIVE_BACKWARD`` (the backward on the fp16 inputs, stage 4 of docs/numerics.md's "fp16 training"):
+on the CPU the launchers are handed fp16 (K1 again, Kernel B's q, k, v, g) and the gradients are the reference
+backend's bit for bit (a segmented call reusing its segment states), within FLA's tolerances of the gold and no
+farther from it than the copy route's; on the GPU the gold checks over the same cases.
 """
 
 from __future__ import annotations
@@ -167,6 +172,23 @@ def test_segmented_fp16_call_on_the_kernel_stages(launchers_on_mirrors):
     forward = ["prepare", *["recurrence"] * 3]
     assert launchers_on_mirrors.calls == [*forward, *forward, "bwd_scan", "bwd_scan", "bwd_grads"]
     assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref) and ht.dtype == FP16
+    for name in expected:
+        assert grads[name].dtype == problem[name].dtype and torch.equal(grads[name], expected[name]), name
+
+
+def test_segmented_native_backward_reuses_the_segment_states(launchers_on_mirrors, monkeypatch):
+    """Under ``FP16_NATIVE_BACKWARD`` a segmented fp16 call's backward recomputes on the fp16 inputs with the forward's
+    segment states (one K2 pass, not three: they are the fp16 forward's own), Kernel A twice and Kernel B; every
+    gradient fp16 and the reference backend's under the switch bit for bit."""
+    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", True)
+    problem, do, dht = fp16_problem([48, 48])
+    launchers_on_mirrors.beta = problem["beta"].bfloat16().reshape(1, -1, problem["beta"].shape[2])
+    forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
+    o, ht, grads = train(forward, problem, do=do, dht=dht.half(), segments=3)
+    o_ref, ht_ref, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht.half(), segments=3)
+    assert launchers_on_mirrors.calls == ["prepare", *["recurrence"] * 3, "prepare", "recurrence", "bwd_scan",
+                                          "bwd_scan", "bwd_grads"]
+    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
     for name in expected:
         assert grads[name].dtype == problem[name].dtype and torch.equal(grads[name], expected[name]), name
 
