@@ -133,6 +133,9 @@ SWITCHES = {
                        "the safe gate backward's rows' x and σ'(x) formed before its row loop (perf-log B8)"),
     "--fp16-grad-stores": ("cute_kda.executors.training", "FP16_GRAD_STORES", True,
                            "--dtype fp16: Kernel A stores dv, Kernel B dq, dk, dg in fp16 themselves (perf-log F2)"),
+    "--fp16-native-backward": ("cute_kda.executors.training", "FP16_NATIVE_BACKWARD", True,
+                               "--dtype fp16: the backward on the fp16 inputs, no bf16 copies of q, k, v, g "
+                               "(perf-log F3)"),
 }
 
 

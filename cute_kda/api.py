@@ -408,11 +408,15 @@ def warmup_variants(
     may hold fp16; with ``training`` K2's checkpoint variants too); the backward's are bf16 ones either way (fp16
     trains on bf16 copies, :func:`cute_kda.executors.training.backward`; an fp16 state's dht / dh0 in fp32), and under
     :data:`~cute_kda.executors.training.FP16_GRAD_STORES` with fp16 in ``dtypes`` also their fp16-gradient twins (Kernel
-    A's fp16 dv; Kernel B's fp16 dq, dk, dg for the per-channel gates in q's dtype).
+    A's fp16 dv; Kernel B's fp16 dq, dk, dg for the per-channel gates in q's dtype); under
+    :data:`~cute_kda.executors.training.FP16_NATIVE_BACKWARD` with fp16 in ``dtypes`` also Kernel A's fp16 dv and the
+    Kernel B variants reading fp16 q, k, v and g (each gate form of fp16 calls; fp16 gradients where
+    :func:`~cute_kda.executors.training.stores_fp16_grads`).
     ``head_dims``: K = V of every listed variant (:data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`: what runs natively,
     :func:`cute_kda.call.runs_native`; Kernel B at 64 at its one warp count, 4).
     """
-    from .executors.training import FP16_GRAD_STORES, stores_fp16_grads  # its value now (``training``: the flag)
+    # their values now (``training``: the switches)
+    from .executors.training import FP16_GRAD_STORES, FP16_NATIVE_BACKWARD, stores_fp16_grads
     from .layouts.bwd_grads import default_warps
     from .ops.bwd_grads import switches as grads_switches
     from .numerics import NATIVE_HEAD_DIMS, SCAN_VSPLITS, SUPPORTED_VSPLITS
@@ -442,7 +446,9 @@ def warmup_variants(
                 for checkpoints in ((False, True) if training else (False,)):
                     variants[RecurrenceVariant(split, mode, mode, packed, checkpoints, dtype=dtype, dim=dim)] = None
     # the backward kernels' gradient dtypes: bf16, and fp16 where fp16 training stores its own
-    grad_dtypes = (torch.bfloat16,) + ((torch.float16,) if FP16_GRAD_STORES and torch.float16 in dtypes else ())
+    native = FP16_NATIVE_BACKWARD and torch.float16 in dtypes
+    fp16_stores = (FP16_GRAD_STORES or native) and torch.float16 in dtypes
+    grad_dtypes = (torch.bfloat16,) + ((torch.float16,) if fp16_stores else ())
     if training:  # Kernel A picks its own V-split (8 as well); Kernel B has no state flags
         scan_modes = dict.fromkeys(torch.float32 if mode == torch.float16 else mode for mode in state_modes)
         for (l2, logits, packed), dim, grads in itertools.product(flags, head_dims, grad_dtypes):
@@ -458,6 +464,13 @@ def warmup_variants(
                     warps = default_warps(dim)
                     variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, warps, dim=dim,
                                           grad_dtype=grads, **grads_switches(gate, per_head, warps))] = None
+            for gate, g_dtype, per_head in (gate_forms_of(torch.float16) if native and grads == torch.bfloat16
+                                            else ()):  # fp16 training's own backward: Kernel B on the fp16 inputs
+                warps = default_warps(dim)
+                stored = torch.float16 if stores_fp16_grads(per_head, torch.float16, g_dtype) else torch.bfloat16
+                variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, warps, dim=dim,
+                                      grad_dtype=stored, dtype=torch.float16,
+                                      **grads_switches(gate, per_head, warps))] = None
     if segments:  # a segmented call (context parallelism): varlen, V-split 1 (the heuristic's), fp32 states
         fp32 = torch.float32
         for dtype, dim in itertools.product(dtypes, head_dims):

@@ -123,7 +123,9 @@ class GradsVariant:
     rows' slopes formed before its row loop (the launcher's :data:`cute_kda.ops.bwd_grads.GATE_AHEAD`,
     :data:`~cute_kda.ops.bwd_grads.SPLIT_LOAD`, :data:`~cute_kda.ops.bwd_grads.SPLIT_ROWS`,
     :data:`~cute_kda.ops.bwd_grads.SLOPES_AHEAD`); ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`);
-    ``grad_dtype``: dq, dk and a per-channel gate's dg in bf16, or fp16 (:data:`cute_kda.ops.bwd_grads.GRAD_DTYPES`)."""
+    ``grad_dtype``: dq, dk and a per-channel gate's dg in bf16, or fp16 (:data:`cute_kda.ops.bwd_grads.GRAD_DTYPES`);
+    ``dtype``: q's, k's, v's and a raw gate's, bf16 or fp16 (fp16 training's own backward, docs/numerics.md "fp16
+    training", stage 4)."""
 
     varlen: bool
     qk_l2norm: bool
@@ -139,3 +141,4 @@ class GradsVariant:
     slopes_ahead: bool = False
     dim: int = HEAD_DIM
     grad_dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = torch.bfloat16

@@ -16,13 +16,16 @@ fp64 gold recurrence on the fp16 values themselves (relative RMS, FLA's measure,
 
     python3 scripts/fp16_accuracy.py              # the table of docs/numerics.md, "fp16 inputs"
     python3 scripts/fp16_accuracy.py --backward   # the gradient table of docs/numerics.md, "fp16 training"
+    python3 scripts/fp16_accuracy.py --backward --native   # beside it the fp16 forward's own backward (stage 4)
 
 ``--backward`` measures the gradients the same way (FLA's ``do = randn`` in fp16 and ``dht = randn`` fp32), against
 the fp64 gold gradients on the fp16 values: fp16 training as built (:func:`trained`: the training executor on the
 reference stages, docs/numerics.md "fp16 training") and, in brackets, the rounding of the inputs and dO to bf16
 alone. :func:`measure_backward` also gives the bf16 mirror of the whole backward
 (:func:`cute_kda.reference.backward.mirror_backward`) on the rounded inputs, which the build equals, and the pipeline
-(that mirror against the gold on the rounded values).
+(that mirror against the gold on the rounded values). ``--native`` adds the training executor's backward under
+:data:`cute_kda.executors.training.FP16_NATIVE_BACKWARD` (docs/numerics.md, "fp16 training", stage 4: the inputs as
+given, not rounded to bf16).
 """
 
 from __future__ import annotations
@@ -125,29 +128,40 @@ def measure(case: Case, seed: int = 0) -> dict[str, tuple[float, float]]:
 GRADIENTS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
-def trained(x: dict, do: torch.Tensor, dht: torch.Tensor, *, recompute: bool = False) -> dict[str, torch.Tensor]:
+def trained(x: dict, do: torch.Tensor, dht: torch.Tensor, *, recompute: bool = False,
+            native: bool = False) -> dict[str, torch.Tensor]:
     """The gradients of fp16 training as built: ``x`` (fp16, :func:`inputs`) through the training executor on the
-    reference stages (the fp16 forward's mirror, then the backward of docs/numerics.md, "fp16 training"), every
-    input a leaf; ``dht`` and the returned dh0 in the gold's ``[K, V]`` layout (the executor's is ``[V, K]``)."""
+    reference stages (the fp16 forward's mirror, then the backward of docs/numerics.md, "fp16 training"; ``native``:
+    under :data:`~cute_kda.executors.training.FP16_NATIVE_BACKWARD`), every input a leaf; ``dht`` and the returned
+    dh0 in the gold's ``[K, V]`` layout (the executor's is ``[V, K]``)."""
     from cute_kda.executors import training
     from cute_kda.reference.backend import REFERENCE
 
+    switch = training.FP16_NATIVE_BACKWARD
+    training.FP16_NATIVE_BACKWARD = native
+    try:
+        return _trained(training.kda_forward, REFERENCE, x, do, dht, recompute)
+    finally:
+        training.FP16_NATIVE_BACKWARD = switch
+
+
+def _trained(kda_forward, backend, x: dict, do: torch.Tensor, dht: torch.Tensor,
+             recompute: bool) -> dict[str, torch.Tensor]:
     names = ("q", "k", "v", "g", "beta", "initial_state")
     given = dict(x, initial_state=x["initial_state"].transpose(-1, -2))
     leaves = {n: given[n].contiguous().clone().requires_grad_() for n in names}
-    o, ht = training.kda_forward(*(leaves[n] for n in names[:5]), initial_state=leaves["initial_state"],
-                                 output_final_state=True, gate=x["gate"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                 scale=x["scale"], qk_l2norm=True, beta_logits=False, recompute=recompute,
-                                 backend=REFERENCE)
+    o, ht = kda_forward(*(leaves[n] for n in names[:5]), initial_state=leaves["initial_state"],
+                        output_final_state=True, gate=x["gate"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                        scale=x["scale"], qk_l2norm=True, beta_logits=False, recompute=recompute, backend=backend)
     torch.autograd.backward([o, ht], [do, dht.transpose(-1, -2).to(ht.dtype)])
     grads = {GRADIENTS[i]: leaves[n].grad for i, n in enumerate(names)}
     grads["dh0"] = grads["dh0"].transpose(-1, -2)
     return grads
 
 
-def measure_backward(case: Case, seed: int = 0) -> dict[str, tuple[float, float, float, float]]:
-    """Per gradient: (through bf16, the rounding alone, the pipeline, fp16 training as built) rel-RMS, as the module
-    doc's ``--backward``."""
+def measure_backward(case: Case, seed: int = 0, native: bool = False) -> dict[str, tuple[float, ...]]:
+    """Per gradient: (through bf16, the rounding alone, the pipeline, fp16 training as built[, under
+    ``FP16_NATIVE_BACKWARD`` with ``native``]) rel-RMS, as the module doc's ``--backward``."""
     x = inputs(case, seed)
     gen = torch.Generator().manual_seed(seed + 5)
     do = torch.randn(x["v"].shape, generator=gen).half()
@@ -161,16 +175,20 @@ def measure_backward(case: Case, seed: int = 0) -> dict[str, tuple[float, float,
     mirror = mirror_backward(*rounded, initial_state=state32, **options)
     gold_rounded = gold_backward(*rounded, initial_state=state32, **options)
     built = trained(x, do, dht)
+    own = trained(x, do, dht, native=True) if native else {}
     return {name: (rel_rms(mirror[name], gold[name]), rel_rms(gold_rounded[name], gold[name]),
-                   rel_rms(mirror[name], gold_rounded[name]), rel_rms(built[name], gold[name])) for name in GRADIENTS}
+                   rel_rms(mirror[name], gold_rounded[name]), rel_rms(built[name], gold[name]),
+                   *((rel_rms(own[name], gold[name]),) if native else ())) for name in GRADIENTS}
 
 
-def backward_table() -> str:
-    """Per case and gradient: fp16 training as built, in brackets the rounding of the inputs and dO alone."""
+def backward_table(native: bool = False) -> str:
+    """Per case and gradient: fp16 training as built, in brackets the rounding of the inputs and dO alone; with
+    ``native`` the copy route → the native backward instead."""
     rows = ["| case | " + " | ".join(GRADIENTS) + " |", "|---|" + "---|" * len(GRADIENTS)]
     for case in CASES:
-        m = measure_backward(case)
-        rows.append(f"| {case.name} | " + " | ".join(f"{m[n][3]:.1e} ({m[n][1]:.1e})" for n in GRADIENTS) + " |")
+        m = measure_backward(case, native=native)
+        cells = (f"{m[n][3]:.1e} → {m[n][4]:.1e}" if native else f"{m[n][3]:.1e} ({m[n][1]:.1e})" for n in GRADIENTS)
+        rows.append(f"| {case.name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -187,4 +205,5 @@ def table() -> str:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    print(backward_table() if "--backward" in sys.argv[1:] else table(), flush=True)
+    arguments = sys.argv[1:]
+    print(backward_table("--native" in arguments) if "--backward" in arguments else table(), flush=True)

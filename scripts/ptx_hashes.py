@@ -11,7 +11,8 @@ The variants: every combination the launchers can key (``ops/*.compiled_variant`
 plus the knobs only tests and benchmarks set (K1's 256 threads, Kernel A's tuning grid of
 ``benchmarks/explore_bwd_scan.py``, K2's and Kernel A's blocks of 4 tiles, Kernel B at 4 warps), and the fp16
 forward (``k1/fp16/…``, ``k2/fp16/…``, with checkpoints for training; no pools; fp16 training's backward runs the
-bf16 Kernel A and Kernel B variants), and the K = V = 64 forward (``k1/d64/…``, ``k2/d64/…``: inference).
+bf16 Kernel A and Kernel B variants, or under ``FP16_NATIVE_BACKWARD`` Kernel B on fp16 inputs, ``kb/fp16/…`` at 8
+warps), and the K = V = 64 forward (``k1/d64/…``, ``k2/d64/…``: inference).
 
 Normalized (everything else is hashed as the compiler wrote it):
 
@@ -138,6 +139,15 @@ def variants() -> dict[str, tuple]:
             found[name + ("/checkpoints" if checkpoints else "")] = (
                 "k2", dict(vsplit=vsplit, initial=initial, final=final, varlen=varlen, checkpoints=checkpoints,
                            dtype="fp16"))
+    for gate, g_dtype, per_head in PER_CHANNEL_GATES + PER_HEAD_GATES:  # fp16 training's own backward: Kernel B
+        g_dtype = "fp16" if g_dtype == "bf16" else g_dtype  # on fp16 inputs, fp16 gradients where it stores them
+        for grouped in (False, True) if gate != "safe" else (False,):
+            grads = "fp16" if g_dtype == "fp16" and not grouped else "bf16"
+            for flags in FLAGS:
+                name = f"kb/fp16/{_gate_label(gate, g_dtype, per_head, grouped)}/{_flags_label(*flags)}/warps8"
+                found[name] = ("kb", dict(zip(("varlen", "qk_l2norm", "beta_logits"), flags), gate=gate,
+                                          g_dtype=g_dtype, per_head_gate=per_head, grouped=grouped, compute_warps=8,
+                                          dtype="fp16", grads=grads))
     for gate, g_dtype, per_head in PER_CHANNEL_GATES + PER_HEAD_GATES:  # K = V = 64 (inference): K1 and K2
         for grouped, flags in itertools.product((False, True), FLAGS):
             found[f"k1/d64/{_gate_label(gate, g_dtype, per_head, grouped)}/{_flags_label(*flags)}"] = (
@@ -258,7 +268,7 @@ def _ka(vsplit: int, dht: str, dh0: str, varlen: bool, snapshot_every: int, toke
 
 
 def _kb(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: str, per_head_gate: bool,
-        grouped: bool, compute_warps: int) -> tuple:
+        grouped: bool, compute_warps: int, dtype: str = "bf16", grads: str = "bf16") -> tuple:
     import torch
 
     from cute_kda.kernels.bwd_grads import bwd_grads_kernel
@@ -268,18 +278,21 @@ def _kb(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: st
 
     kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
                               compute_warps=compute_warps, gate=gate, gate_dtype=dsl_type(_torch_dtype(g_dtype)),
-                              per_head_gate=per_head_gate, grouped=grouped)
-    f32 = torch.float32
-    qk, tokens, ws = _meta(1, T, 1 if grouped else HEADS, D), _meta(1, T, HEADS, D), _workspace(HEADS, 4)
+                              per_head_gate=per_head_gate, grouped=grouped, dtype=dsl_type(_torch_dtype(dtype)),
+                              grad_dtype=dsl_type(_torch_dtype(grads)))
+    f32, inputs, stored = torch.float32, _torch_dtype(dtype), _torch_dtype(grads)
+    qk, tokens, ws = _meta(1, T, 1 if grouped else HEADS, D, dtype=inputs), _meta(1, T, HEADS, D), _workspace(HEADS, 4)
+    values, grad_tokens = _meta(1, T, HEADS, D, dtype=inputs), _meta(1, T, HEADS, D, dtype=stored)
     channels = () if per_head_gate else (D,)
     states = _meta(*block_states_shape(ws, HEADS, NUM_SEQS))
     ddt_shape, dalog_shape = gate_partials_shapes(ws, HEADS, per_head_gate)
     constants = gate != "none"
     cu_seqlens, tile_base = _segmentation(varlen, NUM_SEQS)
     arguments = launch_arguments(
-        qk, qk, _meta(1, T, HEADS, *channels, dtype=_torch_dtype(g_dtype)), tokens, tokens, tokens,
+        qk, qk, _meta(1, T, HEADS, *channels, dtype=_torch_dtype(g_dtype)), values, tokens, tokens,
         _meta(HEADS, dtype=f32) if constants else None, _meta(HEADS, *channels, dtype=f32) if constants else None,
-        ws, states, states, tokens, tokens, _meta(1, T, HEADS, *channels, dtype=f32 if per_head_gate else None),
+        ws, states, states, grad_tokens, grad_tokens,
+        _meta(1, T, HEADS, *channels, dtype=f32 if per_head_gate else stored),
         _meta(1, T, HEADS), _meta(*ddt_shape, dtype=f32) if constants else None,
         _meta(*dalog_shape, dtype=f32) if constants else None, scale=D ** -0.5, lower_bound=-5.0,
         cu_seqlens=cu_seqlens, tile_base=tile_base, tensor=to_cute_tensor)

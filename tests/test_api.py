@@ -172,10 +172,12 @@ def test_warmup_compiles_each_listed_variant_with_its_launcher(monkeypatch):
                for module, variant, device in compiled)
 
 
-@pytest.mark.parametrize("gate, per_head, grads", [("safe", False, torch.bfloat16), ("softplus", True, torch.bfloat16),
-                                                   ("none", False, torch.bfloat16), ("safe", False, torch.float16)],
-                         ids=["safe", "per_head", "per_channel_log_decay", "safe_fp16_grads"])
-def test_compile_bwd_grads_builds_the_key_a_call_uses(monkeypatch, gate, per_head, grads):
+@pytest.mark.parametrize("gate, per_head, grads, inputs", [
+    ("safe", False, torch.bfloat16, torch.bfloat16), ("softplus", True, torch.bfloat16, torch.bfloat16),
+    ("none", False, torch.bfloat16, torch.bfloat16), ("safe", False, torch.float16, torch.bfloat16),
+    ("safe", False, torch.float16, torch.float16)],
+    ids=["safe", "per_head", "per_channel_log_decay", "safe_fp16_grads", "safe_fp16_inputs"])
+def test_compile_bwd_grads_builds_the_key_a_call_uses(monkeypatch, gate, per_head, grads, inputs):
     """The ahead-of-time Kernel B compile (``meta`` tensors) hands the same variant to the cache as a call on its
     buffers does."""
     import contextlib
@@ -189,9 +191,9 @@ def test_compile_bwd_grads_builds_the_key_a_call_uses(monkeypatch, gate, per_hea
     monkeypatch.setattr(kb, "current_stream", lambda device: "stream")
     monkeypatch.setattr(kb, "device_index", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    g_dtype = torch.bfloat16
-    kb.compile_variant(GradsVariant(True, True, False, gate, g_dtype, per_head, per_head, DEFAULT_WARPS,
-                                    grad_dtype=grads, **kb.switches(gate, per_head, DEFAULT_WARPS)), "cuda:0")
+    kb.compile_variant(GradsVariant(True, True, False, gate, inputs, per_head, per_head, DEFAULT_WARPS,
+                                    grad_dtype=grads, dtype=inputs, **kb.switches(gate, per_head, DEFAULT_WARPS)),
+                       "cuda:0")
     (variant, tensors, options), = seen
     assert all(t is None or t.device.type == "meta" for t in tensors if isinstance(t, torch.Tensor))
     names = ("q", "k", "g", "v", "do", "du", "A_log", "dt_bias", "ws", "states", "state_grads", "dq", "dk", "dg",

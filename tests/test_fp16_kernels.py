@@ -263,6 +263,64 @@ def test_kernel_a_stores_fp16_dv_as_the_copy_route_converts(vsplit):
     assert fp16.launch_smem == bf16.launch_smem
 
 
+# ---------------------------------------------------------------- Kernel B reading fp16 inputs (CPU)
+
+KB_INPUT_VARIANTS = {  # the benchmark's safe gate, a per-channel and a per-head unbounded gate (each scheme)
+    "safe_fixed": dict(varlen=False, gate="safe", compute_warps=8, gate_ahead=True),
+    "softplus_varlen": dict(varlen=True, gate="softplus", compute_warps=8, gate_ahead=True),
+    "gdn_softplus_varlen": dict(varlen=True, gate="softplus", per_head_gate=True, compute_warps=8),
+    "safe_varlen_d64": dict(varlen=True, gate="safe", compute_warps=4, gate_ahead=True, dim=64),
+}
+
+
+def _compile_kernel_b_inputs(config: dict, dtype: torch.dtype):
+    """Kernel B with q, k, v and the raw gate in ``dtype``, dq, dk, dg stored in fp16 (what fp16 training's own
+    backward runs, :data:`cute_kda.executors.training.FP16_NATIVE_BACKWARD`; the bf16 twin stores fp16 as well, so
+    only the inputs differ)."""
+    from test_bwd_grads import _LAUNCH_ORDER, _dyadic_buffers, _per_head_buffers
+
+    from cute_kda.kernels.bwd_grads import bwd_grads_kernel
+    from cute_kda.ops import bwd_grads as kb
+
+    per_head = config.get("per_head_gate", False)
+    dim = config.get("dim", D)
+    buffers = (_per_head_buffers if per_head else _dyadic_buffers)("softplus", grouped=False, varlen=config["varlen"],
+                                                                   dim=dim)
+    buffers.update({n: buffers[n].to(dtype) for n in ("q", "k", "v", "g")})
+    buffers.update({n: buffers[n].to(torch.float16) for n in ("dq", "dk") + (() if per_head else ("dg",))})
+    if config["gate"] == "safe":
+        buffers["dt_bias"] = torch.zeros(buffers["v"].shape[2], dim)
+    kernel = bwd_grads_kernel(**config, gate_dtype=dsl_type(dtype), grad_dtype=F16, dtype=dsl_type(dtype))
+    arguments = kb.launch_arguments(*(buffers[name] for name in _LAUNCH_ORDER), scale=dim ** -0.5, lower_bound=-5.0,
+                                    cu_seqlens=buffers["cu_seqlens"], tile_base=buffers["tile_base"],
+                                    tensor=to_cute_tensor)
+    return kernel, compile_with_report(kernel, *arguments, cute.runtime.make_fake_stream())[1]
+
+
+@pytest.mark.parametrize("name", list(KB_INPUT_VARIANTS))
+def test_kernel_b_widens_fp16_inputs_where_bf16_does(name):
+    """q, k, v and the raw gate in fp16: each is widened by ``cvt.f32.f16`` where the bf16 twin widens bf16 (the
+    recompute's K1 instructions, v in ``w = v − kd·S``, the l2norm backward's q, k); the same TMA tiles, ``ldmatrix``
+    and loads (16-bit either way); dO, du, the workspace and the state images keep their bf16 widenings; every other
+    instruction count, the registers' fit and the shared memory are the twin's, nothing spills."""
+    kernel, fp16 = _compile_kernel_b_inputs(KB_INPUT_VARIANTS[name], torch.float16)
+    _, bf16 = _compile_kernel_b_inputs(KB_INPUT_VARIANTS[name], torch.bfloat16)
+    assert kernel.dtype is F16 and kernel.gate_dtype is F16
+    _assert_only_conversions_moved(fp16, bf16, {"cvt.f32.bf16": "cvt.f32.f16"})
+    assert fp16.count("cvt.f32.bf16") > 0  # dO, du, the states
+    (entry,) = fp16.kernels
+    assert entry.registers * kernel.num_threads * kernel.ctas_per_sm <= 65536, fp16.summary()
+
+
+def test_kernel_b_refuses_mixed_input_dtypes():
+    from cute_kda.kernels.bwd_grads import bwd_grads_kernel
+
+    with pytest.raises(ValueError, match="q's dtype"):
+        bwd_grads_kernel(varlen=False, gate="safe", dtype=F16, gate_dtype=BF16)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        bwd_grads_kernel(varlen=False, gate="safe", dtype=F32, gate_dtype=F32)
+
+
 def test_kernel_b_refuses_fp16_gradients_of_grouped_heads():
     from cute_kda.kernels.bwd_grads import bwd_grads_kernel
 
@@ -320,6 +378,26 @@ def test_warmup_lists_the_fp16_gradient_twins_under_the_switch(monkeypatch):
     grads = {(v.gate, v.g_dtype, v.grad_dtype) for v in on if isinstance(v, GradsVariant)}
     assert grads == {("safe", bf16, bf16), ("none", bf16, bf16), ("none", fp32, bf16), ("safe", bf16, fp16),
                      ("none", bf16, fp16)}
+
+
+def test_warmup_lists_kernel_b_on_fp16_inputs_under_the_native_switch(monkeypatch):
+    """Under ``FP16_NATIVE_BACKWARD`` an fp16 selection lists Kernel B reading fp16 inputs for each fp16 gate form
+    (fp16 gradients but for the fp32 log decay's) and Kernel A's fp16 dv twins; bf16 alone lists none."""
+    from cute_kda.api import warmup_variants
+    from cute_kda.executors import training
+    from cute_kda.variants import GradsVariant, ScanVariant
+
+    fp16, bf16, fp32 = torch.float16, torch.bfloat16, torch.float32
+    selection = dict(varlen=(False,), state_modes=(fp16,), vsplits=(1,), gates=("safe", "none"), segments=True,
+                     training=True)
+    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", True)
+    on = warmup_variants(dtypes=(fp16,), **selection)
+    native = {(v.gate, v.g_dtype, v.grad_dtype) for v in on if isinstance(v, GradsVariant) and v.dtype == fp16}
+    assert native == {("safe", fp16, fp16), ("none", fp16, fp16), ("none", fp32, bf16)}
+    assert any(v.dv_dtype == fp16 for v in on if isinstance(v, ScanVariant))
+    bf16_only = warmup_variants(dtypes=(bf16,), **selection)
+    assert not any(getattr(v, "dtype", bf16) == fp16 or getattr(v, "grad_dtype", bf16) == fp16
+                   or getattr(v, "dv_dtype", bf16) == fp16 for v in bf16_only)
 
 
 def _fla_fp16_cases() -> list[str]:

@@ -16,6 +16,11 @@ segmented call and K = V = 64; ``recompute`` bit-identical; the backward kernels
 (``training.FP16_GRAD_STORES``) bit-identical to the copy route (on the CPU too, on the mirrors); the compiled step
 equal to eager;
 ``chunk_gated_delta_rule`` on FLA's fp16 inputs.
+
+``training.FP16_NATIVE_BACKWARD`` (the backward on the fp16 inputs, stage 4 of docs/numerics.md's "fp16 training"):
+on the CPU the launchers are handed fp16 (K1 again, Kernel B's q, k, v, g) and the gradients are the reference
+backend's bit for bit (a segmented call reusing its segment states), within FLA's tolerances of the gold and no
+farther from it than the copy route's; on the GPU the gold checks over the same cases.
 """
 
 from __future__ import annotations
@@ -99,6 +104,62 @@ def test_fp16_gradient_stores_give_the_copy_routes_bits(launchers_on_mirrors, mo
         assert torch.equal(stored[name], copied[name]) and torch.equal(stored[name], reference[name]), name
 
 
+def test_native_backward_hands_the_kernels_the_fp16_inputs(launchers_on_mirrors, monkeypatch):
+    """``FP16_NATIVE_BACKWARD``: the backward's K1 and K2 get the fp16 q, k, g, v and the fp16 state again, Kernel B
+    fp16 q, k, v, g beside the bf16 dO (its launcher's checks pass) and stores fp16 dq, dk, dg, Kernel A an fp16 dv;
+    every gradient fp16 and the reference backend's under the switch bit for bit (the same chain on the mirrors)."""
+    from cute_kda.ops import bwd_grads as kb
+    from cute_kda.ops import prepare as k1
+
+    problem, do, dht = fp16_problem([20, 0, 17, 5, 1])
+    launchers_on_mirrors.beta = problem["beta"].bfloat16()
+    handed = []
+    check = kb._check_buffers
+    monkeypatch.setattr(kb, "_check_buffers", lambda *a: handed.append(tuple(t.dtype for t in a[:5] + a[9:12]))
+                        or check(*a))
+    prepare = k1.prepare
+    monkeypatch.setattr(k1, "prepare", lambda q, *a, **o: handed.append(q.dtype) or prepare(q, *a, **o))
+    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", True)
+    forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
+    o, ht, grads = train(forward, problem, do=do, dht=dht.half())
+    o_ref, ht_ref, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht.half())
+    assert handed == [FP16, FP16, (FP16, FP16, FP16, FP16, BF16, FP16, FP16, FP16)]  # q k g v do; dq dk dg
+    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
+    for name in expected:
+        assert grads[name].dtype == problem[name].dtype and torch.equal(grads[name], expected[name]), name
+
+
+def test_native_backward_is_the_fp16_forwards_gradient():
+    """On the mirrors: under ``FP16_NATIVE_BACKWARD`` the gradients are within FLA's tolerances of the fp64 gold on
+    the fp16 values and, without the inputs' rounding to bf16, no farther from it than the copy route's in the RMS
+    over the token gradients (docs/numerics.md, "fp16 training", stage 4); they differ from the copy route's."""
+    gen = torch.Generator().manual_seed(3)  # FLA's draws (fp16 values bf16 cannot hold), as gpu_problem's
+    lengths = [96, 0, 61, 1]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)])
+    q, k, v = (torch.rand(1, cu[-1], 2, D, generator=gen).half() for _ in range(3))
+    p = dict(q=q, k=k, v=v, g=(torch.randn(1, cu[-1], 2, D, generator=gen) * 4).half(),
+             beta=torch.randn(1, cu[-1], 2, generator=gen).half(), A_log=torch.rand(2, generator=gen) - 0.5,
+             dt_bias=torch.randn(2, D, generator=gen),
+             initial_state=(0.1 * torch.randn(len(lengths), 2, D, D, generator=gen)).half(), cu_seqlens=cu)
+    do = torch.randn(v.shape, generator=gen).half()
+    dht = torch.randn(len(lengths), 2, D, D, generator=gen).half()
+    copied = train(REFERENCE_FORWARD, p, do=do, dht=dht, lower_bound=-5.0)[2]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(training, "FP16_NATIVE_BACKWARD", True)
+        native = train(REFERENCE_FORWARD, p, do=do, dht=dht, lower_bound=-5.0)[2]
+    want = gold_backward(*(p[n] for n in ("q", "k", "v", "g", "beta")), do, dht=dht, A_log=p["A_log"],
+                         dt_bias=p["dt_bias"], initial_state=p["initial_state"], cu_seqlens=cu, lower_bound=-5.0,
+                         state_layout="vk")
+    names = dict(zip(INPUTS, ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")))
+    errors = {route: {names[n]: rel_rms(grads[n], want[names[n]]) for n in grads}
+              for route, grads in (("copied", copied), ("native", native))}
+    print(errors)
+    assert all(e <= SAFE_GATE_TOLERANCES[n] for n, e in errors["native"].items()), errors
+    tokens = ("dq", "dk", "dv", "dg")
+    assert sum(errors["native"][n] ** 2 for n in tokens) <= sum(errors["copied"][n] ** 2 for n in tokens), errors
+    assert not torch.equal(native["q"], copied["q"])
+
+
 def test_segmented_fp16_call_on_the_kernel_stages(launchers_on_mirrors):
     """A segmented fp16 call (context parallelism): the packed segments through the same launchers, the backward's
     forward again on bf16 (its segment states too), Kernel A twice and Kernel B; every gradient fp16 and the reference
@@ -111,6 +172,23 @@ def test_segmented_fp16_call_on_the_kernel_stages(launchers_on_mirrors):
     forward = ["prepare", *["recurrence"] * 3]
     assert launchers_on_mirrors.calls == [*forward, *forward, "bwd_scan", "bwd_scan", "bwd_grads"]
     assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref) and ht.dtype == FP16
+    for name in expected:
+        assert grads[name].dtype == problem[name].dtype and torch.equal(grads[name], expected[name]), name
+
+
+def test_segmented_native_backward_reuses_the_segment_states(launchers_on_mirrors, monkeypatch):
+    """Under ``FP16_NATIVE_BACKWARD`` a segmented fp16 call's backward recomputes on the fp16 inputs with the forward's
+    segment states (one K2 pass, not three: they are the fp16 forward's own), Kernel A twice and Kernel B; every
+    gradient fp16 and the reference backend's under the switch bit for bit."""
+    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", True)
+    problem, do, dht = fp16_problem([48, 48])
+    launchers_on_mirrors.beta = problem["beta"].bfloat16().reshape(1, -1, problem["beta"].shape[2])
+    forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
+    o, ht, grads = train(forward, problem, do=do, dht=dht.half(), segments=3)
+    o_ref, ht_ref, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht.half(), segments=3)
+    assert launchers_on_mirrors.calls == ["prepare", *["recurrence"] * 3, "prepare", "recurrence", "bwd_scan",
+                                          "bwd_scan", "bwd_grads"]
+    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
     for name in expected:
         assert grads[name].dtype == problem[name].dtype and torch.equal(grads[name], expected[name]), name
 
@@ -292,10 +370,25 @@ def test_fp16_training_matches_the_gold(case, device):
     where a per-head sum cancels past them, to 1.25× the triangle bound of the bf16 call the backward is: bf16
     training's error on the inputs rounded to bf16 (against the gold on those) plus the rounding's own (that gold
     against the gold on the fp16 values)."""
+    assert_within_the_golds_tolerances(case, device, "fp16 training")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_fp16_native_backward_matches_the_gold(case, device, monkeypatch):
+    """``FP16_NATIVE_BACKWARD`` (the backward on the fp16 inputs: the recompute's fp16 K1 / K2, Kernel B reading
+    fp16 q, k, v, g; docs/numerics.md, "fp16 training", stage 4): :func:`test_fp16_training_matches_the_gold`'s
+    checks."""
+    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", True)
+    assert_within_the_golds_tolerances(case, device, "fp16 native backward")
+
+
+def assert_within_the_golds_tolerances(case: str, device, label: str) -> None:
+    """:func:`test_fp16_training_matches_the_gold`'s checks of ``case`` (printed under ``label``)."""
     tensors, options, do, dht = gpu_problem(case, device)
     o, errors, want = errors_against_gold(tensors, options, do, dht, device)
     assert o.dtype == FP16
-    print(f"[fp16 training vs gold] {case}: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+    print(f"[{label} vs gold] {case}: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
     tolerances = SAFE_GATE_TOLERANCES if options["gate"] == "safe" else TARGETS
     over = {n for n in ("dA_log", "ddt_bias") if errors.get(n, 0.0) > tolerances[n]}
     if over:

@@ -20,7 +20,8 @@ back only for the inputs that need them, each in its input's dtype and shape (dh
 ``[N, HV, V, K]`` layout and dtype). fp16 inputs: the forward runs the fp16 K1 / K2 and keeps what a bf16 one keeps
 under ``recompute`` (whatever ``recompute`` says); the backward is the bf16 call's on bf16 copies made in the
 backward, K1 and K2 again included, its gradients converted to fp16 after it or (:data:`FP16_GRAD_STORES`) stored in
-fp16 by the kernels (:func:`backward`; docs/numerics.md, "fp16 training").
+fp16 by the kernels, or (:data:`FP16_NATIVE_BACKWARD`) the fp16 forward's own backward on the inputs as given
+(:func:`backward`; docs/numerics.md, "fp16 training").
 
 The stages sit behind a :class:`~cute_kda.executors.stages.Backend`: :data:`~cute_kda.executors.stages.KERNELS` for
 every public call and op; :data:`cute_kda.reference.backend.REFERENCE` only for a caller that names it
@@ -47,14 +48,21 @@ TRAIN_OP_NAME = "cute_kda::forward_train"
 # 1.61 GB of traffic less at B1 T8192 H96; off until the H200 has measured it (docs/perf-log.md, F2;
 # bench_train.py --fp16-grad-stores)
 FP16_GRAD_STORES = False
+# fp16 training's own backward: no bf16 copies of q, k, v, g; the backward's K1 + K2 recompute runs the fp16 variants
+# on the inputs as given and Kernel B reads them in fp16 (dO still rounded to bf16 once), the gradients stored in fp16
+# by the kernels as under FP16_GRAD_STORES: the gradient of the fp16 forward, not of the bf16 call on rounded inputs
+# (docs/numerics.md, "fp16 training", stage 4); 1.61 GB less traffic than FP16_GRAD_STORES at B1 T8192 H96; off until
+# the H200 has measured it (docs/perf-log.md, F3; bench_train.py --fp16-native-backward)
+FP16_NATIVE_BACKWARD = False
 BACKWARD_OP_NAME = "cute_kda::backward"
 
 
 def stores_fp16_grads(grouped: bool, *dtypes: torch.dtype) -> bool:
-    """Whether Kernel B stores dq, dk and dg in fp16 itself (:data:`FP16_GRAD_STORES`): the caller's q, k and g
-    (``dtypes``) all fp16 (an fp32 log decay keeps the bf16 stores) and no grouped value heads (their group sums add
-    bf16 values)."""
-    return FP16_GRAD_STORES and not grouped and all(dtype == torch.float16 for dtype in dtypes)
+    """Whether Kernel B stores dq, dk and dg in fp16 itself (:data:`FP16_GRAD_STORES`, or implied by
+    :data:`FP16_NATIVE_BACKWARD`): the caller's q, k and g (``dtypes``) all fp16 (an fp32 log decay keeps the bf16
+    stores) and no grouped value heads (their group sums add bf16 values)."""
+    return ((FP16_GRAD_STORES or FP16_NATIVE_BACKWARD) and not grouped
+            and all(dtype == torch.float16 for dtype in dtypes))
 
 
 def check_first_order() -> None:
@@ -87,7 +95,8 @@ def recomputed(backend: Backend, x: Inputs, options: Options, saved: Saved) -> S
 def recomputes(recompute: bool, q: torch.Tensor) -> bool:
     """Whether the training forward leaves the workspace and checkpoints to the backward's recomputation: under
     ``recompute``, and always with fp16 inputs (their backward recomputes the forward on bf16 copies, :func:`backward`;
-    the fp16 forward's would not match them)."""
+    the fp16 forward's would not match them; under :data:`FP16_NATIVE_BACKWARD` it would, but the switch is read when
+    the backward runs, so the forward keeps what either route needs)."""
     return recompute or q.dtype == torch.float16
 
 
@@ -116,18 +125,23 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     dh0). The token gradients come back in the packed shapes (:func:`unpacked` takes them to the caller's), each in
     its input's dtype.
 
-    fp16 inputs (docs/numerics.md, "fp16 training"): the backward of the bf16 call on the inputs rounded to bf16
+    fp16 inputs (docs/numerics.md, "fp16 training"): unless :data:`FP16_NATIVE_BACKWARD` (below), the backward of the
+    bf16 call on the inputs rounded to bf16
     (:func:`bf16_operands`, copies made here and freed when it returns), the forward's kernels included: its forward
     kept no workspace (:func:`recomputes`), K1 and K2 run again on the copies (a segmented call's segment states
     too), then Kernel A and Kernel B; dO enters rounded to bf16 (as any dO does), an fp16 dht widened to fp32; dq, dk,
     dv, dg and dh0 come back as the kernels' values converted to fp16 (exact within fp16's range); under
     :data:`FP16_GRAD_STORES` Kernel A stores an fp16 v's dv so converted itself, and Kernel B dq, dk and dg (q, k and g
-    fp16, no grouped value heads: their group sums add bf16 values; a per-head gate's dg as before).
+    fp16, no grouped value heads: their group sums add bf16 values; a per-head gate's dg as before). Under
+    :data:`FP16_NATIVE_BACKWARD` the backward of the fp16 forward itself: K1 and K2 again on the inputs as given (their
+    fp16 variants, an fp16 initial state and a segmented call's kept segment states included), Kernel B reading fp16
+    q, k, v, g, the gradients stored in fp16 by the kernels as under :data:`FP16_GRAD_STORES`; dO rounded to bf16 as
+    above (stage 4).
     """
     fp16 = torch.float16
     dtypes = (x.q.dtype, x.k.dtype, x.v.dtype, x.g.dtype, None, None, None, initial_state_dtype if needs[7] else None)
     stores_fp16 = stores_fp16_grads(x.q.shape[2] != x.v.shape[2], x.q.dtype, x.k.dtype, x.g.dtype)
-    if x.q.dtype == fp16:
+    if x.q.dtype == fp16 and not FP16_NATIVE_BACKWARD:
         x, saved = bf16_operands(x), saved._replace(segment_states=None)
     do = torch.zeros_like(x.v, dtype=torch.bfloat16) if d_out is None else \
         kernel_operand(d_out, torch.bfloat16).view(x.v.shape)
@@ -138,7 +152,7 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     if options.recompute:
         saved = recomputed(backend, x, options, saved)
     scan = backend.scan(x, options, saved, do, dht, torch.float32 if dh0_dtype == fp16 else dh0_dtype,
-                        fp16 if FP16_GRAD_STORES and dtypes[2] == fp16 else torch.bfloat16)
+                        fp16 if (FP16_GRAD_STORES or FP16_NATIVE_BACKWARD) and dtypes[2] == fp16 else torch.bfloat16)
     dq = dk = dg = dbeta = dA_log = ddt_bias = None
     if any(needs[i] for i in KERNEL_B_INPUTS):
         dq, dk, dg, dbeta, dA_log, ddt_bias = backend.grads(x, options, saved, do, scan,

@@ -41,6 +41,9 @@ SLOPES_AHEAD = False
 # dq, dk and a per-channel gate's dg: bf16, or fp16 as f16(bf16(x)) for fp16 training (``GradsVariant.grad_dtype``,
 # picked by dq's dtype; the training executor's :data:`~cute_kda.executors.training.FP16_GRAD_STORES`)
 GRAD_DTYPES = (torch.bfloat16, torch.float16)
+# q, k, v and a raw gate: bf16, or fp16 widened exactly where bf16 is (``GradsVariant.dtype``, picked by q's dtype; the
+# training executor's :data:`~cute_kda.executors.training.FP16_NATIVE_BACKWARD`)
+INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def switches(gate: str, per_head_gate: bool, compute_warps: int) -> dict[str, bool]:
@@ -117,18 +120,20 @@ def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbet
         raise ValueError(f"v has {heads} heads for q's {qk_heads}: grouped value heads need an unbounded gate here")
     bf16, device = (torch.bfloat16,), q.device
     qk_shape, token_shape = (batch, steps, qk_heads, dim), (batch, steps, heads, dim)
-    for name, t in (("q", q), ("k", k)):
-        _check(name, t, bf16, qk_shape, device)
-    for name, t in (("v", v), ("do", do), ("du", du)):
+    _check("q", q, INPUT_DTYPES, qk_shape, device)
+    inputs = (q.dtype,)  # k, v and a raw gate in q's dtype
+    _check("k", k, inputs, qk_shape, device)
+    _check("v", v, inputs, token_shape, device)
+    for name, t in (("do", do), ("du", du)):
         _check(name, t, bf16, token_shape, device)
     grads = (torch.bfloat16,) if heads != qk_heads else GRAD_DTYPES  # group sums add bf16 values
     _check("dq", dq, grads, token_shape, device)
     _check("dk", dk, (dq.dtype,), token_shape, device)
     if per_head:
-        _check("g", g, (torch.bfloat16, torch.float32) if gate == "none" else bf16, token_shape[:3], device)
+        _check("g", g, (q.dtype, torch.float32) if gate == "none" else inputs, token_shape[:3], device)
         _check("dg", dg, (torch.float32,), token_shape[:3], device)
     else:
-        _check("g", g, (torch.bfloat16, torch.float32) if gate == "none" else bf16, token_shape, device)
+        _check("g", g, (q.dtype, torch.float32) if gate == "none" else inputs, token_shape, device)
         _check("dg", dg, (dq.dtype,), token_shape, device)
     validation.check_training_size(v, "v")
     _check("dbeta", dbeta, bf16, token_shape[:3], device)
@@ -153,7 +158,7 @@ def variant_kernel(variant: GradsVariant):
                             gate_dtype=dsl_type(variant.g_dtype), per_head_gate=variant.per_head_gate,
                             grouped=variant.grouped, gate_ahead=variant.gate_ahead, split_load=variant.split_load,
                             split_rows=variant.split_rows, slopes_ahead=variant.slopes_ahead, dim=variant.dim,
-                            grad_dtype=dsl_type(variant.grad_dtype))
+                            grad_dtype=dsl_type(variant.grad_dtype), dtype=dsl_type(variant.dtype))
 
 
 def compiled_variant(variant: GradsVariant, index: int, tensors: tuple, options: dict):
@@ -177,7 +182,8 @@ def bwd_grads(
 ) -> None:
     """Run Kernel B: dq, dk, dg, dbeta (valid rows) and the per-tile partials of ddt_bias and dA_log.
 
-    q, k, g (raw gate), v, do, du (Kernel A's), dq, dk, dg: bf16 ``[B, T, H, D]`` (dq, dk and a per-channel gate's dg
+    q, k, g (raw gate), v, do, du (Kernel A's), dq, dk, dg: bf16 ``[B, T, H, D]`` (q, k, v and g may be fp16
+    together, :data:`INPUT_DTYPES`, an fp32 log decay beside them; dq, dk and a per-channel gate's dg
     may be fp16 together, without grouped value heads: the bf16 values rounded once more, :data:`GRAD_DTYPES`; D in
     :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`, the workspace's); dbeta bf16
     ``[B, T, H]``, w.r.t. beta as the forward took it (the logits when ``beta_logits``; β itself enters
@@ -221,7 +227,7 @@ def bwd_grads(
         stream = current_stream(q.device)
         per_head = g.dim() == 3
         variant = GradsVariant(varlen, bool(qk_l2norm), bool(beta_logits), gate, g.dtype, per_head,
-                               v.shape[2] != q.shape[2], compute_warps, dim=dim, grad_dtype=dq.dtype,
+                               v.shape[2] != q.shape[2], compute_warps, dim=dim, grad_dtype=dq.dtype, dtype=q.dtype,
                                **switches(gate, per_head, compute_warps))
         compiled_variant(variant, device_index(q.device), tensors, options)(*launch_arguments(*tensors, **options),
                                                                             stream)
@@ -244,13 +250,14 @@ def compile_tensors(variant: GradsVariant) -> tuple[tuple, dict]:
     ``[B, T, HV]``; grouped: two value heads per q/k head)."""
     problem = compile_problem(variant.varlen, variant.dim)
     heads, fp32 = problem.heads, torch.float32
-    qk, tokens = problem.tokens(1 if variant.grouped else heads), problem.tokens()
+    qk = problem.tokens(1 if variant.grouped else heads, dtype=variant.dtype)
+    tokens, values = problem.tokens(), problem.tokens(dtype=variant.dtype)
     grads = problem.tokens(dtype=variant.grad_dtype)
     gate_inner = () if variant.per_head_gate else (problem.dim,)
     states = problem.block_states()
     ddt_shape, dalog_shape = gate_partials_shapes(problem.ws, heads, variant.per_head_gate)
     constants = variant.gate != "none"
-    tensors = (qk, qk, problem.tokens(heads, gate_inner, dtype=variant.g_dtype), tokens, tokens, tokens,
+    tensors = (qk, qk, problem.tokens(heads, gate_inner, dtype=variant.g_dtype), values, tokens, tokens,
                problem.zeros(heads, dtype=fp32) if constants else None,
                problem.zeros(heads, *gate_inner, dtype=fp32) if constants else None,
                problem.ws, states, states, grads, grads,

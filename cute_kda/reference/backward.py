@@ -124,7 +124,8 @@ def mirror_bwd_grads(
     """Kernel B (docs/numerics.md, "Backward: Kernel B") with the kernel's rounding; an unbounded ``gate``
     ("softplus", "none") by :func:`~.gates.bwd_grads_gates` (its inputs and outputs there).
 
-    Inputs bf16: q, k, g (raw gate input) ``[B, T, H, K]``, beta ``[B, T, H]`` (logits when
+    Inputs bf16 (q, k, g, v may be fp16 together: widened exactly, as Kernel B's ``dtype`` fp16 does): q, k, g (raw
+    gate input) ``[B, T, H, K]``, beta ``[B, T, H]`` (logits when
     ``beta_logits``; as in the kernel, β itself is read from ``ws``), v, do, du ``[B, T, H, V]`` (V == K;
     du: Kernel A's gradient w.r.t. u). ``ws``: the K1 workspace of the forward (it reads gt, inv, mqk,
     beta; qd, kd, kinv, kr, G, the l2norm and the gate are recomputed with K1's own arithmetic). ``states``: bf16 ``[H·slots, K, V]`` (slots =
@@ -140,10 +141,12 @@ def mirror_bwd_grads(
         return bwd_grads_gates(q, k, g, beta, v, do, du, ws, states, state_grads, gate=gate, A_log=A_log,
                                dt_bias=dt_bias, scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
                                beta_logits=beta_logits)
-    for name, x in (("q", q), ("k", k), ("g", g), ("beta", beta), ("v", v), ("do", do), ("du", du),
-                    ("states", states), ("state_grads", state_grads)):
+    for name, x in (("beta", beta), ("do", do), ("du", du), ("states", states), ("state_grads", state_grads)):
         if x.dtype != torch.bfloat16:
             raise TypeError(f"{name} must be bf16 (the kernel's input type), got {x.dtype}")
+    for name, x in (("q", q), ("k", k), ("g", g), ("v", v)):  # the kernel's input dtype: bf16, or fp16 together
+        if x.dtype not in (torch.bfloat16, torch.float16) or x.dtype != q.dtype:
+            raise TypeError(f"{name} must be bf16 or fp16 (q's dtype, the kernel's input type), got {x.dtype}")
     if A_log is None or dt_bias is None or A_log.dtype != torch.float32 or dt_bias.dtype != torch.float32:
         raise TypeError("the safe gate's A_log and dt_bias must be fp32 tensors")
     heads = q.shape[2]

@@ -268,7 +268,9 @@ def tile_operands(
         return torch.where(exists.reshape(1, tiles, *([1] * (t.dim() - 2))), t, torch.zeros_like(t))
 
     def tokens(t: torch.Tensor) -> torch.Tensor:
-        return to_tiles(t.reshape(batch * seq_len, heads, value_dim).to(arith.dtype), tile_map)
+        # an fp16 v stays fp16: Kernel B widens it exactly where it widens bf16 (w = v − kd·S in fp32)
+        dtype = t.dtype if t.dtype == torch.float16 else arith.dtype
+        return to_tiles(t.reshape(batch * seq_len, heads, value_dim).to(dtype), tile_map)
 
     ops = TileOperands(
         **recomputed, gt=per_head(ws.gt), inv=per_head(ws.inv), mqk=per_head(ws.mqk), beta=per_head(ws.beta),

@@ -69,10 +69,10 @@ class GradsInputs(NamedTuple):
     """Per-token inputs, tokens flattened (``rows = B·T``); validated by the launcher. ``HV`` value heads (= H
     unless grouped); a per-head gate's g, A_log, dt_bias are per value head (A_log, dt_bias None for gate "none")."""
 
-    q: cute.Tensor  # bf16 [rows, H, D], raw
-    k: cute.Tensor  # bf16 [rows, H, D], raw
-    g: cute.Tensor  # bf16 [rows, H, D], raw gate; per-head gate: [rows, HV] (bf16, or fp32 log decay)
-    v: cute.Tensor  # bf16 [rows, HV, D]
+    q: cute.Tensor  # dtype (bf16 or fp16) [rows, H, D], raw
+    k: cute.Tensor  # dtype [rows, H, D], raw
+    g: cute.Tensor  # gate_dtype [rows, H, D], raw gate; per-head gate: [rows, HV] (dtype, or fp32 log decay)
+    v: cute.Tensor  # dtype [rows, HV, D]
     do: cute.Tensor  # bf16 [rows, HV, D]
     du: cute.Tensor  # bf16 [rows, HV, D], Kernel A's
     a_log: Optional[cute.Tensor]  # fp32 [HV]
@@ -145,7 +145,7 @@ class BwdGrads(TokenPrep):
     (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`); ``compute_warps`` (:func:`cute_kda.layouts.bwd_grads.compute_warps`:
     4 or 8 at 128, 4 at 64): warps per CTA, each owning ``D / compute_warps`` columns in the band phases, the first
     ``D / 32`` also one channel a thread in the per-channel phases; ``gate``
-    (:data:`cute_kda.numerics.GATES`) and ``gate_dtype`` (bf16, or fp32 with gate "none"); ``grouped`` value heads
+    (:data:`cute_kda.numerics.GATES`) and ``gate_dtype`` (``dtype``, or fp32 with gate "none"); ``grouped`` value heads
     (value head ``h`` reads q/k head ``h // (HV / H)``). ``gate_ahead``: the gate backward reads its channel's 16 raw
     gate values in one burst before its row loop (K1's :meth:`load_gate_column`), not one a row after the previous
     row's ``dg`` store, which ptxas may not pass (the two may alias): one L2 round trip instead of 16
@@ -158,7 +158,10 @@ class BwdGrads(TokenPrep):
     B8; the same bits). ``grad_dtype``: dq,
     dk and a per-channel gate's dg stored in bf16, or in fp16 for fp16 training as ``f16(bf16(x))``: the bf16 value
     the bf16 variant stores, converted exactly as the copy route's ``.to(float16)`` of it (docs/numerics.md, "fp16
-    training"; not with ``grouped``: the group sums add the bf16 values).
+    training"; not with ``grouped``: the group sums add the bf16 values). ``dtype``: q's, k's and v's (and a raw
+    gate's), bf16 or fp16: fp16 tiles come by TMA into the same 16-bit buffers and are widened to fp32 exactly where
+    bf16 ones are, so the recompute is the fp16 K1's and K2's (docs/numerics.md, "fp16 training", stage 4); qd, kd
+    are bf16 over them as before.
 
     A scheme's subclass sets :attr:`gates`, :attr:`per_head_gate` (g ``[.., HV]`` instead of ``[.., HV, D]``),
     :attr:`gate_tile` (g comes by TMA with the other token tiles), :attr:`grouped_heads`, :attr:`ctas_per_sm` and
@@ -177,7 +180,8 @@ class BwdGrads(TokenPrep):
     def __init__(self, *, varlen: bool, gate: str = "safe", qk_l2norm: bool = True, beta_logits: bool = True,
                  compute_warps: int = plan.DEFAULT_WARPS, gate_dtype: type = BFloat16, grouped: bool = False,
                  gate_ahead: bool = False, split_load: bool = False, split_rows: bool = False,
-                 slopes_ahead: bool = False, dim: int = HEAD_DIM, grad_dtype: type = BFloat16) -> None:
+                 slopes_ahead: bool = False, dim: int = HEAD_DIM, grad_dtype: type = BFloat16,
+                 dtype: type = BFloat16) -> None:
         if dim not in NATIVE_HEAD_DIMS:
             raise ValueError(f"dim must be one of {NATIVE_HEAD_DIMS}, got {dim}")
         if compute_warps not in plan.compute_warps(dim):
@@ -186,13 +190,17 @@ class BwdGrads(TokenPrep):
             raise ValueError(f"{type(self).__name__} takes gate {' or '.join(map(repr, self.gates))}, got {gate!r}")
         if grouped and not self.grouped_heads:
             raise NotImplementedError(f"grouped value heads are built for the unbounded gates only, not {gate!r}")
-        if gate_dtype not in (BFloat16, Float32) or (gate_dtype is Float32 and gate != "none"):
-            raise ValueError(f"g is bf16 (or fp32 with gate 'none'), got {gate_dtype} with gate {gate!r}")
+        if dtype not in (BFloat16, Float16):
+            raise ValueError(f"q, k and v are bf16 or fp16, got {dtype}")
+        if gate_dtype not in (dtype, Float32) or (gate_dtype is Float32 and gate != "none"):
+            raise ValueError(f"g is q's dtype {dtype.__name__} (or fp32 with gate 'none'), got {gate_dtype} with "
+                             f"gate {gate!r}")
         if gate_ahead and not plan.reads_gate_rows(gate, self.per_head_gate):
             raise ValueError(f"gate_ahead: {type(self).__name__} with gate {gate!r} reads no raw gate row by row")
         if grad_dtype not in (BFloat16, Float16) or (grad_dtype is Float16 and grouped):
             raise ValueError(f"dq, dk, dg are bf16, or fp16 without grouped value heads, got {grad_dtype}")
         self.gate, self.gate_dtype, self.grouped, self.grad_dtype = gate, gate_dtype, grouped, grad_dtype
+        self.dtype = dtype
         if split_rows and not (self.splits_gate_rows and compute_warps == max(plan.COMPUTE_WARPS)):
             raise ValueError(f"split_rows: built for the safe gate at {max(plan.COMPUTE_WARPS)} warps")
         if slopes_ahead and (split_rows or not self.forms_slopes_ahead):
@@ -298,7 +306,8 @@ class BwdGrads(TokenPrep):
         warp_rows = plan.warp_rows(self.warps)
         l2norm = storage.rows_then_l2norm.l2norm_rows
         return dict(
-            q=self.view(storage.q, tile), k=self.view(storage.k, tile), v=self.view(v, tile),
+            q=self.view(storage.q, tile, self.dtype), k=self.view(storage.k, tile, self.dtype),
+            v=self.view(v, tile, self.dtype),
             do=self.view(storage.do, tile), du=self.view(du, tile), state=self.view(state, state_layout),
             state_t=self.view(state, plan.state_tile_transposed(self.dim)),
             state_grad=self.view(state_grad, state_layout), qd=self.view(storage.q, tile),
@@ -409,7 +418,7 @@ class BwdGrads(TokenPrep):
                 flat = tidx + i * self.num_threads
                 row, c = flat // self.dim, flat % self.dim
                 if row >= valid_rows:
-                    smem.v[row, c] = BFloat16(0.0)
+                    smem.v[row, c] = self.dtype(0.0)
                     smem.do[row, c] = BFloat16(0.0)
                     smem.du[row, c] = BFloat16(0.0)
 
@@ -438,9 +447,11 @@ class BwdGrads(TokenPrep):
 
     @cute.jit
     def load_c(self, tiled_mma, s_block: cute.Tensor, lane: Int32) -> cute.Tensor:
-        """bf16 C fragment of the ``(16, n)`` smem block ``s_block`` (``ldmatrix``: one instruction a 16×16)."""
-        frag = make_fragment(tiled_mma, Operand.C, BFloat16, tile=(CHUNK, cute.size(s_block, mode=[1])))
-        copy = ldmatrix_copy(tiled_mma, Operand.C, False)
+        """C fragment of the ``(16, n)`` smem block ``s_block`` in its element type (bf16, or an fp16 input tile;
+        ``ldmatrix``: one instruction a 16×16)."""
+        dtype = s_block.element_type
+        frag = make_fragment(tiled_mma, Operand.C, dtype, tile=(CHUNK, cute.size(s_block, mode=[1])))
+        copy = ldmatrix_copy(tiled_mma, Operand.C, False, dtype)
         thr = copy.get_slice(lane)
         cute.copy(copy, thr.partition_S(s_block), thr.retile(frag))
         return frag
@@ -727,10 +738,10 @@ class BwdGrads(TokenPrep):
     @cute.jit
     def load_token_pairs(self, gmem: cute.Tensor, coords: cute.Tensor, c0: Int32, head: Int32, row0: Int32,
                          valid_rows: Int32) -> cute.Tensor:
-        """bf16 values of the token rows ``row0 + r`` of ``[rows, H, D]`` at a C fragment's positions, 32 bits a
-        load; rows past the sequence end read as 0 (they may lie past the tensor)."""
-        values = cute.make_rmem_tensor(cute.size(coords), BFloat16)
-        pair = cute.make_rmem_tensor((2,), BFloat16)
+        """The values (``gmem``'s 16-bit type) of the token rows ``row0 + r`` of ``[rows, H, D]`` at a C fragment's
+        positions, 32 bits a load; rows past the sequence end read as 0 (they may lie past the tensor)."""
+        values = cute.make_rmem_tensor(cute.size(coords), gmem.element_type)
+        pair = cute.make_rmem_tensor((2,), gmem.element_type)
         for p in cutlass.range_constexpr(cute.size(coords) // 2):
             r, c = coords[2 * p]
             pair.fill(0.0)

@@ -63,8 +63,8 @@ class UnpackedLevels:
 
     def prefix(self, row: int, qh: Float32, kh: Float32, decay: Float32) -> None:
         self.smem.pow_g[row, self.col] = decay
-        self.smem.q[row, self.col] = (qh * decay).to(BFloat16)
-        self.smem.k[row, self.col] = (kh * decay).to(BFloat16)
+        self.smem.qd[row, self.col] = (qh * decay).to(BFloat16)
+        self.smem.kd[row, self.col] = (kh * decay).to(BFloat16)
 
     def lower(self, level: int, start: int, row: int, factor: Float32, kh: Float32) -> None:
         self.smem.factors[level][row, self.col] = factor

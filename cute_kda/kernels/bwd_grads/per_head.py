@@ -87,7 +87,7 @@ class PerHeadBwdGrads(BwdGrads):
         cute.arch.mbarrier_wait(tma_barrier, 0)
         self.zero_invalid_rows(smem, tile.valid_rows, tidx)
         cute.arch.sync_threads()
-        self.decay_per_row(smem.q, smem.k, smem.q, smem.k, smem.kr, smem.q_hat, smem.k_hat, smem.prefix, smem.suffix,
+        self.decay_per_row(smem.q, smem.k, smem.qd, smem.kd, smem.kr, smem.q_hat, smem.k_hat, smem.prefix, smem.suffix,
                            scalars.scale, tile.valid_rows, tidx, smem.rinv_q, smem.rinv_k)
         cute.arch.sync_threads()
 

@@ -68,7 +68,7 @@ class SafeBwdGrads(BwdGrads):
         return SafeGradsSmem(
             **self.shared_views(storage, v=early.v, du=early.du, kr=storage.g, state=storage.state,
                                 state_grad=storage.state_grad),
-            g=view(storage.g, tile), qd_t=view(storage.q, tile_t), kd_t=view(storage.k, tile_t),
+            g=view(storage.g, tile, self.gate_dtype), qd_t=view(storage.q, tile_t), kd_t=view(storage.k, tile_t),
             kinv=view(storage.kinv, tile), kinv_t=view(storage.kinv, tile_t),
             cumsum=view(storage.cumsum, fp32, Float32), dg_cum=view(storage.vdu_then_dg.dg_cum, fp32, Float32),
             dkr_col=view(storage.dkr_col, plan.vector(self.dim), Float32), dmqk_t=view(storage.dmqk, sq_t),
