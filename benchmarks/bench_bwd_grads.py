@@ -108,9 +108,9 @@ def main() -> None:
                         help="the state images behind their own barrier: off, on or off,on (default off)")
     parser.add_argument("--split-rows", type=parse_switch, default=[False],
                         help="the safe gate backward's rows on all 8 warps: off, on or off,on (default off)")
-    parser.add_argument("--slopes-ahead", type=parse_switch, default=[False],
+    parser.add_argument("--slopes-ahead", type=parse_switch, default=[True],
                         help="the safe gate backward's rows' x and σ'(x) formed before its row loop: off, on or "
-                             "off,on (default off)")
+                             "off,on (default on, as calls run)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_bwd_grads needs a CUDA GPU (Hopper)")

@@ -129,13 +129,13 @@ SWITCHES = {
                      "Kernel B's state images behind their own barrier (perf-log B6)"),
     "--split-rows": ("cute_kda.ops.bwd_grads", "SPLIT_ROWS", True,
                      "the safe gate backward's rows on all 8 warps (perf-log B7)"),
-    "--slopes-ahead": ("cute_kda.ops.bwd_grads", "SLOPES_AHEAD", True,
-                       "the safe gate backward's rows' x and σ'(x) formed before its row loop (perf-log B8)"),
+    "--no-slopes-ahead": ("cute_kda.ops.bwd_grads", "SLOPES_AHEAD", False,
+                          "the safe gate backward's rows' x and σ'(x) formed inside its row loop (perf-log B8)"),
     "--fp16-grad-stores": ("cute_kda.executors.training", "FP16_GRAD_STORES", True,
                            "--dtype fp16: Kernel A stores dv, Kernel B dq, dk, dg in fp16 themselves (perf-log F2)"),
-    "--fp16-native-backward": ("cute_kda.executors.training", "FP16_NATIVE_BACKWARD", True,
-                               "--dtype fp16: the backward on the fp16 inputs, no bf16 copies of q, k, v, g "
-                               "(perf-log F3)"),
+    "--fp16-copy-backward": ("cute_kda.executors.training", "FP16_NATIVE_BACKWARD", False,
+                             "--dtype fp16: the backward on bf16 copies of q, k, v, g, not on the fp16 inputs "
+                             "(perf-log F3; with --fp16-grad-stores F2)"),
 }
 
 

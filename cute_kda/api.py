@@ -405,13 +405,13 @@ def warmup_variants(
     K2 of a prefill on a state pool of that dtype, for every V-split and ``varlen`` value, without prefix checkpoints
     and with each of ``checkpoint_every`` (tokens: one variant per value). ``dtypes``: the activations' dtypes (bf16
     and / or fp16) the forward variants are listed for (an fp16 one's log decay in fp16 or fp32, its ``state_modes``
-    may hold fp16; with ``training`` K2's checkpoint variants too); the backward's are bf16 ones either way (fp16
-    trains on bf16 copies, :func:`cute_kda.executors.training.backward`; an fp16 state's dht / dh0 in fp32), and under
-    :data:`~cute_kda.executors.training.FP16_GRAD_STORES` with fp16 in ``dtypes`` also their fp16-gradient twins (Kernel
-    A's fp16 dv; Kernel B's fp16 dq, dk, dg for the per-channel gates in q's dtype); under
-    :data:`~cute_kda.executors.training.FP16_NATIVE_BACKWARD` with fp16 in ``dtypes`` also Kernel A's fp16 dv and the
-    Kernel B variants reading fp16 q, k, v and g (each gate form of fp16 calls; fp16 gradients where
-    :func:`~cute_kda.executors.training.stores_fp16_grads`).
+    may hold fp16; with ``training`` K2's checkpoint variants too); the backward's are the bf16 ones, and with fp16 in
+    ``dtypes`` under :data:`~cute_kda.executors.training.FP16_NATIVE_BACKWARD` (the default) also Kernel A's fp16 dv
+    and the Kernel B variants reading fp16 q, k, v and g (each gate form of fp16 calls; fp16 gradients where
+    :func:`~cute_kda.executors.training.stores_fp16_grads`; an fp16 state's dht / dh0 in fp32); with that switch off
+    (the copy route: fp16 trains on bf16 copies, :func:`cute_kda.executors.training.backward`) and
+    :data:`~cute_kda.executors.training.FP16_GRAD_STORES` on, the copy route's fp16-gradient twins (Kernel A's fp16
+    dv; Kernel B's fp16 dq, dk, dg for the per-channel gates in q's dtype).
     ``head_dims``: K = V of every listed variant (:data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`: what runs natively,
     :func:`cute_kda.call.runs_native`; Kernel B at 64 at its one warp count, 4).
     """

@@ -6,8 +6,8 @@ device, layout or value, ``NotImplementedError`` for a size or feature the kerne
 padded, :mod:`cute_kda.call`; on the training path, caller buffers). A float dtype FLA computes and the kernels
 do not (fp32 q, k, v or raw gate; bf16 and fp16 mixed in a call; an fp16 state with bf16 inputs) raises
 :class:`UnsupportedDtypeError`, both a ``NotImplementedError`` and a ``TypeError``. q, k, v, a raw gate and ``out``
-are bf16, or all fp16 (the forward kernels widen fp16 where they widen bf16, o is fp16; training runs the backward
-kernels on bf16 copies). β, ``A_log`` and ``dt_bias`` in another float dtype are converted where a call enters
+are bf16, or all fp16 (the forward kernels widen fp16 where they widen bf16, o is fp16; training runs the fp16
+forward's own backward). β, ``A_log`` and ``dt_bias`` in another float dtype are converted where a call enters
 instead (:func:`cast_beta`, :func:`cast_gate_parameters`).
 
 No check here synchronises the host with the device. ``cu_seqlens`` *values* (starts at 0, ends at
@@ -349,7 +349,7 @@ def check_training_size(tensor: torch.Tensor, name: str = "q") -> None:
 
 def check_trainable(gate: str, q: torch.Tensor, v: torch.Tensor) -> None:
     """Refuse a training call the backward kernels do not cover: grouped value heads with the safe gate (its Kernel B
-    writes dq, dk per q/k head). What trains: bf16 or fp16 activations (fp16: the backward runs on bf16 copies,
+    writes dq, dk per q/k head). What trains: bf16 or fp16 activations (fp16: the fp16 forward's own backward,
     :mod:`cute_kda.executors.training`), the safe gate with HV = H, and the unbounded gates ("softplus", "none") per
     channel or per head (GatedDeltaNet), grouped value heads included."""
     if gate == "safe" and v.dim() == 4 and v.shape[2] != q.shape[2]:

@@ -44,8 +44,9 @@ def test_options(bench):
     assert not args.split_load and bench.build_parser().parse_args(["--split-load"]).split_load
     assert not args.split_rows and bench.build_parser().parse_args(["--split-rows"]).split_rows
     assert not args.fp16_grad_stores and bench.build_parser().parse_args(["--fp16-grad-stores"]).fp16_grad_stores
-    assert not args.fp16_native_backward
-    assert bench.build_parser().parse_args(["--fp16-native-backward"]).fp16_native_backward
+    assert not args.fp16_copy_backward
+    assert bench.build_parser().parse_args(["--fp16-copy-backward"]).fp16_copy_backward
+    assert not args.no_slopes_ahead and bench.build_parser().parse_args(["--no-slopes-ahead"]).no_slopes_ahead
 
 
 @pytest.mark.parametrize("argv", [["--shapes", "B1_T1_H1"], ["--shapes", ","], ["--steps", "0"], ["--warmup", "x"],

@@ -480,7 +480,8 @@ def test_launcher_keys_the_variant_and_builds_its_arguments(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=4)
     key, args = seen
-    assert key == (GradsVariant(False, True, True, "safe", torch.bfloat16, False, False, 4, gate_ahead=kb.GATE_AHEAD), 0)
+    assert key == (GradsVariant(False, True, True, "safe", torch.bfloat16, False, False, 4, gate_ahead=kb.GATE_AHEAD,
+                                slopes_ahead=kb.SLOPES_AHEAD), 0)
     assert len(args) == 10 and args[-1] == "stream" and args[6] == _CPU_T
     with pytest.raises(ValueError, match="compute_warps"):
         kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=2)
@@ -498,6 +499,7 @@ def test_launcher_keys_the_switches(monkeypatch):
     monkeypatch.setattr(kb, "device_index", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(kb, "GATE_AHEAD", False)
+    monkeypatch.setattr(kb, "SLOPES_AHEAD", False)
     kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0)
     monkeypatch.setattr(kb, "GATE_AHEAD", True)
     kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0)

@@ -328,11 +328,15 @@ def test_kernel_b_refuses_fp16_gradients_of_grouped_heads():
         bwd_grads_kernel(varlen=False, gate="softplus", grouped=True, grad_dtype=F16)
 
 
-def test_warmup_lists_the_fp16_variants():
+def test_warmup_lists_the_fp16_variants(monkeypatch):
     """``dtypes`` lists K1 and K2 per activation dtype (an fp16 log decay beside the fp32 one); with ``training`` K2's
-    checkpoint variants in fp16 too and the backward's bf16 variants, which fp16 training runs on bf16 copies (an fp16
-    state's dht / dh0 in fp32, a raw fp16 gate as bf16)."""
+    checkpoint variants in fp16 too and, on the copy route (``FP16_NATIVE_BACKWARD`` off), the backward's bf16
+    variants, which fp16 training then runs on bf16 copies (an fp16 state's dht / dh0 in fp32, a raw fp16 gate as
+    bf16)."""
     from cute_kda.api import warmup_variants
+    from cute_kda.executors import training
+
+    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", False)
     from cute_kda.variants import GradsVariant, PrepareVariant, RecurrenceVariant, ScanVariant
 
     fp16, bf16, fp32 = torch.float16, torch.bfloat16, torch.float32
@@ -357,7 +361,7 @@ def test_warmup_lists_the_fp16_variants():
 
 
 def test_warmup_lists_the_fp16_gradient_twins_under_the_switch(monkeypatch):
-    """Under ``FP16_GRAD_STORES`` an fp16 selection lists Kernel A with an fp16 dv beside every bf16 one and Kernel B
+    """On the copy route, under ``FP16_GRAD_STORES`` an fp16 selection lists Kernel A with an fp16 dv beside every bf16 one and Kernel B
     with fp16 gradients for the per-channel gates in q's dtype (not the fp32 log decay's); bf16 alone lists none."""
     from cute_kda.api import warmup_variants
     from cute_kda.executors import training
@@ -366,6 +370,7 @@ def test_warmup_lists_the_fp16_gradient_twins_under_the_switch(monkeypatch):
     fp16, bf16, fp32 = torch.float16, torch.bfloat16, torch.float32
     selection = dict(varlen=(False,), state_modes=(fp16,), vsplits=(1,), gates=("safe", "none"), segments=True,
                      training=True)
+    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", False)  # the copy route, where the stores are a choice
     off = warmup_variants(dtypes=(fp16,), **selection)
     monkeypatch.setattr(training, "FP16_GRAD_STORES", True)
     on = warmup_variants(dtypes=(fp16,), **selection)

@@ -1,6 +1,7 @@
-"""fp16 training (issue 33; docs/numerics.md, "fp16 training"): the fp16 forward kernels, then the bf16 backward
-kernels on bf16 copies of dO, q, k, v and an fp16 g made in the training executor's backward; every gradient of an
-fp16 input in fp16.
+"""fp16 training (issue 33; docs/numerics.md, "fp16 training"): the fp16 forward kernels, then by default
+(``training.FP16_NATIVE_BACKWARD``) the fp16 forward's own backward on the inputs as given, or on the copy route the
+bf16 backward kernels on bf16 copies of dO, q, k, v and an fp16 g made in the training executor's backward; every
+gradient of an fp16 input in fp16. The tests below name the route they pin.
 
 CPU tier: the kernel stages with their launchers replaced by the mirrors (the real launchers' buffer checks run, so
 Kernel A and Kernel B are handed bf16) equal the reference backend's chain bit for bit; the compiled training step
@@ -60,10 +61,12 @@ def fp16_problem(lengths, *, state=FP16, **options):
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
-def test_kernel_stages_hand_the_backward_kernels_bf16(launchers_on_mirrors, recompute):
-    """fp16 q, k, v, g, β, state and do through KERNELS: the forward's K1 / K2 get the fp16 tensors and keep nothing,
-    the backward runs K1 / K2 again, Kernel A and Kernel B on bf16 (their launchers' checks pass), and every gradient
-    is fp16 and the reference backend's bit for bit, whatever ``recompute`` says."""
+def test_kernel_stages_hand_the_backward_kernels_bf16(launchers_on_mirrors, recompute, monkeypatch):
+    """The copy route (``FP16_NATIVE_BACKWARD`` off): fp16 q, k, v, g, β, state and do through KERNELS: the forward's
+    K1 / K2 get the fp16 tensors and keep nothing, the backward runs K1 / K2 again, Kernel A and Kernel B on bf16
+    (their launchers' checks pass), and every gradient is fp16 and the reference backend's bit for bit, whatever
+    ``recompute`` says."""
+    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", False)
     problem, do, dht = fp16_problem([20, 0, 17, 5, 1])
     launchers_on_mirrors.beta = problem["beta"].bfloat16()  # β enters rounded to bf16
     forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
@@ -93,6 +96,7 @@ def test_fp16_gradient_stores_give_the_copy_routes_bits(launchers_on_mirrors, mo
                         or check(*a))
     check_scan = ka._check_buffers
     monkeypatch.setattr(ka, "_check_buffers", lambda *a: handed.append(a[2].dtype) or check_scan(*a))
+    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", False)  # the copy route, with and without the stores
     forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
     copied = train(forward, problem, do=do, dht=dht.half())[2]
     monkeypatch.setattr(training, "FP16_GRAD_STORES", True)
@@ -143,7 +147,9 @@ def test_native_backward_is_the_fp16_forwards_gradient():
              initial_state=(0.1 * torch.randn(len(lengths), 2, D, D, generator=gen)).half(), cu_seqlens=cu)
     do = torch.randn(v.shape, generator=gen).half()
     dht = torch.randn(len(lengths), 2, D, D, generator=gen).half()
-    copied = train(REFERENCE_FORWARD, p, do=do, dht=dht, lower_bound=-5.0)[2]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(training, "FP16_NATIVE_BACKWARD", False)
+        copied = train(REFERENCE_FORWARD, p, do=do, dht=dht, lower_bound=-5.0)[2]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(training, "FP16_NATIVE_BACKWARD", True)
         native = train(REFERENCE_FORWARD, p, do=do, dht=dht, lower_bound=-5.0)[2]
@@ -160,10 +166,11 @@ def test_native_backward_is_the_fp16_forwards_gradient():
     assert not torch.equal(native["q"], copied["q"])
 
 
-def test_segmented_fp16_call_on_the_kernel_stages(launchers_on_mirrors):
-    """A segmented fp16 call (context parallelism): the packed segments through the same launchers, the backward's
-    forward again on bf16 (its segment states too), Kernel A twice and Kernel B; every gradient fp16 and the reference
-    backend's bit for bit."""
+def test_segmented_fp16_call_on_the_kernel_stages(launchers_on_mirrors, monkeypatch):
+    """A segmented fp16 call (context parallelism) on the copy route (``FP16_NATIVE_BACKWARD`` off): the packed
+    segments through the same launchers, the backward's forward again on bf16 (its segment states too), Kernel A twice
+    and Kernel B; every gradient fp16 and the reference backend's bit for bit."""
+    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", False)
     problem, do, dht = fp16_problem([48, 48])
     launchers_on_mirrors.beta = problem["beta"].bfloat16().reshape(1, -1, problem["beta"].shape[2])
     forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
@@ -364,19 +371,20 @@ def errors_against_gold(tensors: dict, options: dict, do: torch.Tensor, dht: tor
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(GPU_CASES))
-def test_fp16_training_matches_the_gold(case, device):
-    """Every gradient of an fp16 input fp16, in its input's shape, within FLA's tolerances of autograd through the
+def test_fp16_training_matches_the_gold(case, device, monkeypatch):
+    """The copy route (``FP16_NATIVE_BACKWARD`` off): every gradient of an fp16 input fp16, in its input's shape, within FLA's tolerances of autograd through the
     fp64 gold on the fp16 values. dA_log and ddt_bias (not in FLA's list) are held to the bf16 tests' targets, or,
     where a per-head sum cancels past them, to 1.25× the triangle bound of the bf16 call the backward is: bf16
     training's error on the inputs rounded to bf16 (against the gold on those) plus the rounding's own (that gold
     against the gold on the fp16 values)."""
+    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", False)
     assert_within_the_golds_tolerances(case, device, "fp16 training")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_fp16_native_backward_matches_the_gold(case, device, monkeypatch):
-    """``FP16_NATIVE_BACKWARD`` (the backward on the fp16 inputs: the recompute's fp16 K1 / K2, Kernel B reading
+    """``FP16_NATIVE_BACKWARD`` (the default; the backward on the fp16 inputs: the recompute's fp16 K1 / K2, Kernel B reading
     fp16 q, k, v, g; docs/numerics.md, "fp16 training", stage 4): :func:`test_fp16_training_matches_the_gold`'s
     checks."""
     monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", True)
@@ -425,7 +433,9 @@ def test_fp16_recompute_is_bit_identical_on_the_kernels(device):
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_fp16_gradient_stores_are_bit_identical_on_the_kernels(case, device, monkeypatch):
     """``FP16_GRAD_STORES`` (Kernel A storing dv, Kernel B dq, dk, dg in fp16) gives the copy route's gradients bit
-    for bit (grouped value heads and fp32 gates keep the copy route for dq, dk, dg)."""
+    for bit (grouped value heads and fp32 gates keep the copy route for dq, dk, dg); both on the copy route
+    (``FP16_NATIVE_BACKWARD`` off, which stores fp16 itself)."""
+    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", False)
     tensors, options, do, dht = gpu_problem(case, device)
     copied = kernel_grads(tensors, options, do, dht, device)
     monkeypatch.setattr(training, "FP16_GRAD_STORES", True)

@@ -18,10 +18,10 @@ ddt_bias / dA_log, reduced by ``.sum(1)``: deterministic). Kernel B runs only wh
 dt_bias needs a gradient. Everything is queued on the current stream; nothing synchronises the host. Gradients come
 back only for the inputs that need them, each in its input's dtype and shape (dh0 in ``initial_state``'s
 ``[N, HV, V, K]`` layout and dtype). fp16 inputs: the forward runs the fp16 K1 / K2 and keeps what a bf16 one keeps
-under ``recompute`` (whatever ``recompute`` says); the backward is the bf16 call's on bf16 copies made in the
-backward, K1 and K2 again included, its gradients converted to fp16 after it or (:data:`FP16_GRAD_STORES`) stored in
-fp16 by the kernels, or (:data:`FP16_NATIVE_BACKWARD`) the fp16 forward's own backward on the inputs as given
-(:func:`backward`; docs/numerics.md, "fp16 training").
+under ``recompute`` (whatever ``recompute`` says); the backward is (:data:`FP16_NATIVE_BACKWARD`, the default) the
+fp16 forward's own on the inputs as given, the gradients stored in fp16 by the kernels, or with that switch off the
+bf16 call's on bf16 copies made in the backward, K1 and K2 again included, its gradients converted to fp16 after it
+or (:data:`FP16_GRAD_STORES`) stored in fp16 by the kernels (:func:`backward`; docs/numerics.md, "fp16 training").
 
 The stages sit behind a :class:`~cute_kda.executors.stages.Backend`: :data:`~cute_kda.executors.stages.KERNELS` for
 every public call and op; :data:`cute_kda.reference.backend.REFERENCE` only for a caller that names it
@@ -51,9 +51,10 @@ FP16_GRAD_STORES = False
 # fp16 training's own backward: no bf16 copies of q, k, v, g; the backward's K1 + K2 recompute runs the fp16 variants
 # on the inputs as given and Kernel B reads them in fp16 (dO still rounded to bf16 once), the gradients stored in fp16
 # by the kernels as under FP16_GRAD_STORES: the gradient of the fp16 forward, not of the bf16 call on rounded inputs
-# (docs/numerics.md, "fp16 training", stage 4); 1.61 GB less traffic than FP16_GRAD_STORES at B1 T8192 H96; off until
-# the H200 has measured it (docs/perf-log.md, F3; bench_train.py --fp16-native-backward)
-FP16_NATIVE_BACKWARD = False
+# (docs/numerics.md, "fp16 training", stage 4); 1.61 GB less traffic than FP16_GRAD_STORES at B1 T8192 H96, the
+# step 6.80 → 5.81 ms on the H200 (7.82 with neither; docs/perf-log.md, F3); bench_train.py --fp16-copy-backward
+# turns it off for the A/B
+FP16_NATIVE_BACKWARD = True
 BACKWARD_OP_NAME = "cute_kda::backward"
 
 
@@ -94,9 +95,9 @@ def recomputed(backend: Backend, x: Inputs, options: Options, saved: Saved) -> S
 
 def recomputes(recompute: bool, q: torch.Tensor) -> bool:
     """Whether the training forward leaves the workspace and checkpoints to the backward's recomputation: under
-    ``recompute``, and always with fp16 inputs (their backward recomputes the forward on bf16 copies, :func:`backward`;
-    the fp16 forward's would not match them; under :data:`FP16_NATIVE_BACKWARD` it would, but the switch is read when
-    the backward runs, so the forward keeps what either route needs)."""
+    ``recompute``, and always with fp16 inputs (with :data:`FP16_NATIVE_BACKWARD` off their backward recomputes the
+    forward on bf16 copies, :func:`backward`, which the fp16 forward's would not match; the switch is read when the
+    backward runs, so the forward keeps what either route needs)."""
     return recompute or q.dtype == torch.float16
 
 

@@ -35,9 +35,9 @@ SPLIT_LOAD = False
 # (``--split-rows``).
 SPLIT_ROWS = False
 # Whether the safe gate's Kernel B forms its gate backward's rows' x and σ'(x) in straight-line code before the row
-# loop (``GradsVariant.slopes_ahead``; docs/perf-log.md, B8: predicted −12-19 % on top of B5, bit-identical by
-# construction): off until the H200 A/B (``--slopes-ahead``); not together with ``split_rows``, which wins.
-SLOPES_AHEAD = False
+# loop (``GradsVariant.slopes_ahead``; docs/perf-log.md, B8: Kernel B −8-9 % on the H200, bit-identical, predicted
+# −12-19 %); ``--no-slopes-ahead`` is its A/B; not together with ``split_rows``, which wins.
+SLOPES_AHEAD = True
 # dq, dk and a per-channel gate's dg: bf16, or fp16 as f16(bf16(x)) for fp16 training (``GradsVariant.grad_dtype``,
 # picked by dq's dtype; the training executor's :data:`~cute_kda.executors.training.FP16_GRAD_STORES`)
 GRAD_DTYPES = (torch.bfloat16, torch.float16)
