@@ -184,18 +184,25 @@ KB_GRAD_VARIANTS = {  # the benchmark's safe gate (8 warps, gate_ahead) and a pe
 STORE_FORMS = ("st.global.b32", "st.global.v2.b16")  # a pair of gradients: one 32-bit store (or two halves packed)
 
 
-def _compile_kernel_b(config: dict, grad_dtype: torch.dtype):
-    from test_bwd_grads import _LAUNCH_ORDER, _dyadic_buffers
+def _compile_kernel_b(config: dict, grad_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16):
+    """Kernel B of ``config`` with q, k, v and the raw gate in ``dtype`` and dq, dk, dg (a per-head gate's dq, dk)
+    stored in ``grad_dtype``: the kernel and its compile report."""
+    from test_bwd_grads import _LAUNCH_ORDER, _dyadic_buffers, _per_head_buffers
 
     from cute_kda.kernels.bwd_grads import bwd_grads_kernel
     from cute_kda.ops import bwd_grads as kb
 
-    buffers = _dyadic_buffers("softplus", varlen=config["varlen"])
-    buffers.update({n: buffers[n].to(grad_dtype) for n in ("dq", "dk", "dg")})
+    per_head = config.get("per_head_gate", False)
+    dim = config.get("dim", D)
+    buffers = (_per_head_buffers if per_head else _dyadic_buffers)("softplus", grouped=False, varlen=config["varlen"],
+                                                                   dim=dim)
+    buffers.update({n: buffers[n].to(dtype) for n in ("q", "k", "v", "g")})
+    buffers.update({n: buffers[n].to(grad_dtype) for n in ("dq", "dk") + (() if per_head else ("dg",))})
     if config["gate"] == "safe":
-        buffers["dt_bias"] = torch.zeros(buffers["v"].shape[2], D)
-    kernel = bwd_grads_kernel(**config, grad_dtype=dsl_type(grad_dtype))
-    arguments = kb.launch_arguments(*(buffers[name] for name in _LAUNCH_ORDER), scale=D ** -0.5, lower_bound=-5.0,
+        buffers["dt_bias"] = torch.zeros(buffers["v"].shape[2], dim)
+    kernel = bwd_grads_kernel(**config, gate_dtype=dsl_type(dtype), grad_dtype=dsl_type(grad_dtype),
+                              dtype=dsl_type(dtype))
+    arguments = kb.launch_arguments(*(buffers[name] for name in _LAUNCH_ORDER), scale=dim ** -0.5, lower_bound=-5.0,
                                     cu_seqlens=buffers["cu_seqlens"], tile_base=buffers["tile_base"],
                                     tensor=to_cute_tensor)
     return kernel, compile_with_report(kernel, *arguments, cute.runtime.make_fake_stream())[1]
@@ -273,38 +280,14 @@ KB_INPUT_VARIANTS = {  # the benchmark's safe gate, a per-channel and a per-head
 }
 
 
-def _compile_kernel_b_inputs(config: dict, dtype: torch.dtype):
-    """Kernel B with q, k, v and the raw gate in ``dtype``, dq, dk, dg stored in fp16 (what fp16 training's own
-    backward runs, :data:`cute_kda.executors.training.FP16_NATIVE_BACKWARD`; the bf16 twin stores fp16 as well, so
-    only the inputs differ)."""
-    from test_bwd_grads import _LAUNCH_ORDER, _dyadic_buffers, _per_head_buffers
-
-    from cute_kda.kernels.bwd_grads import bwd_grads_kernel
-    from cute_kda.ops import bwd_grads as kb
-
-    per_head = config.get("per_head_gate", False)
-    dim = config.get("dim", D)
-    buffers = (_per_head_buffers if per_head else _dyadic_buffers)("softplus", grouped=False, varlen=config["varlen"],
-                                                                   dim=dim)
-    buffers.update({n: buffers[n].to(dtype) for n in ("q", "k", "v", "g")})
-    buffers.update({n: buffers[n].to(torch.float16) for n in ("dq", "dk") + (() if per_head else ("dg",))})
-    if config["gate"] == "safe":
-        buffers["dt_bias"] = torch.zeros(buffers["v"].shape[2], dim)
-    kernel = bwd_grads_kernel(**config, gate_dtype=dsl_type(dtype), grad_dtype=F16, dtype=dsl_type(dtype))
-    arguments = kb.launch_arguments(*(buffers[name] for name in _LAUNCH_ORDER), scale=dim ** -0.5, lower_bound=-5.0,
-                                    cu_seqlens=buffers["cu_seqlens"], tile_base=buffers["tile_base"],
-                                    tensor=to_cute_tensor)
-    return kernel, compile_with_report(kernel, *arguments, cute.runtime.make_fake_stream())[1]
-
-
 @pytest.mark.parametrize("name", list(KB_INPUT_VARIANTS))
 def test_kernel_b_widens_fp16_inputs_where_bf16_does(name):
     """q, k, v and the raw gate in fp16: each is widened by ``cvt.f32.f16`` where the bf16 twin widens bf16 (the
     recompute's K1 instructions, v in ``w = v − kd·S``, the l2norm backward's q, k); the same TMA tiles, ``ldmatrix``
     and loads (16-bit either way); dO, du, the workspace and the state images keep their bf16 widenings; every other
     instruction count, the registers' fit and the shared memory are the twin's, nothing spills."""
-    kernel, fp16 = _compile_kernel_b_inputs(KB_INPUT_VARIANTS[name], torch.float16)
-    _, bf16 = _compile_kernel_b_inputs(KB_INPUT_VARIANTS[name], torch.bfloat16)
+    kernel, fp16 = _compile_kernel_b(KB_INPUT_VARIANTS[name], torch.float16, torch.float16)
+    _, bf16 = _compile_kernel_b(KB_INPUT_VARIANTS[name], torch.float16, torch.bfloat16)
     assert kernel.dtype is F16 and kernel.gate_dtype is F16
     _assert_only_conversions_moved(fp16, bf16, {"cvt.f32.bf16": "cvt.f32.f16"})
     assert fp16.count("cvt.f32.bf16") > 0  # dO, du, the states

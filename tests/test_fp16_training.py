@@ -166,36 +166,29 @@ def test_native_backward_is_the_fp16_forwards_gradient():
     assert not torch.equal(native["q"], copied["q"])
 
 
-def test_segmented_fp16_call_on_the_kernel_stages(launchers_on_mirrors, monkeypatch):
-    """A segmented fp16 call (context parallelism) on the copy route (``FP16_NATIVE_BACKWARD`` off): the packed
-    segments through the same launchers, the backward's forward again on bf16 (its segment states too), Kernel A twice
-    and Kernel B; every gradient fp16 and the reference backend's bit for bit."""
-    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", False)
+SEGMENTED_BACKWARD_CALLS = {  # the backward's launches after the forward's K1 and three K2 segments
+    # the copy route: K1 and the three K2 passes again on bf16 (its segment states too)
+    "copy_route": (False, ["prepare", *["recurrence"] * 3]),
+    # the native backward: one K2 pass on the fp16 inputs with the forward's own segment states
+    "native": (True, ["prepare", "recurrence"]),
+}
+
+
+@pytest.mark.parametrize("route", list(SEGMENTED_BACKWARD_CALLS))
+def test_segmented_fp16_call_on_the_kernel_stages(launchers_on_mirrors, monkeypatch, route):
+    """A segmented fp16 call (context parallelism) on either route of ``FP16_NATIVE_BACKWARD``: the packed segments
+    through the same launchers, the backward's recompute as :data:`SEGMENTED_BACKWARD_CALLS` says, Kernel A twice and
+    Kernel B; every gradient fp16 and the reference backend's under the same switch bit for bit."""
+    native, recompute_calls = SEGMENTED_BACKWARD_CALLS[route]
+    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", native)
     problem, do, dht = fp16_problem([48, 48])
     launchers_on_mirrors.beta = problem["beta"].bfloat16().reshape(1, -1, problem["beta"].shape[2])
     forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
     o, ht, grads = train(forward, problem, do=do, dht=dht.half(), segments=3)
     o_ref, ht_ref, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht.half(), segments=3)
-    forward = ["prepare", *["recurrence"] * 3]
-    assert launchers_on_mirrors.calls == [*forward, *forward, "bwd_scan", "bwd_scan", "bwd_grads"]
+    assert launchers_on_mirrors.calls == ["prepare", *["recurrence"] * 3, *recompute_calls, "bwd_scan", "bwd_scan",
+                                          "bwd_grads"]
     assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref) and ht.dtype == FP16
-    for name in expected:
-        assert grads[name].dtype == problem[name].dtype and torch.equal(grads[name], expected[name]), name
-
-
-def test_segmented_native_backward_reuses_the_segment_states(launchers_on_mirrors, monkeypatch):
-    """Under ``FP16_NATIVE_BACKWARD`` a segmented fp16 call's backward recomputes on the fp16 inputs with the forward's
-    segment states (one K2 pass, not three: they are the fp16 forward's own), Kernel A twice and Kernel B; every
-    gradient fp16 and the reference backend's under the switch bit for bit."""
-    monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", True)
-    problem, do, dht = fp16_problem([48, 48])
-    launchers_on_mirrors.beta = problem["beta"].bfloat16().reshape(1, -1, problem["beta"].shape[2])
-    forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
-    o, ht, grads = train(forward, problem, do=do, dht=dht.half(), segments=3)
-    o_ref, ht_ref, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht.half(), segments=3)
-    assert launchers_on_mirrors.calls == ["prepare", *["recurrence"] * 3, "prepare", "recurrence", "bwd_scan",
-                                          "bwd_scan", "bwd_grads"]
-    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
     for name in expected:
         assert grads[name].dtype == problem[name].dtype and torch.equal(grads[name], expected[name]), name
 
