@@ -144,14 +144,14 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     bf16 call on the inputs rounded to bf16
     (:func:`bf16_operands`, copies made here and freed when it returns), the forward's kernels included: its forward
     kept no workspace (:func:`recomputes`), K1 and K2 run again on the copies (a segmented call's segment states
-    too), then Kernel A and Kernel B; dO enters rounded to bf16 (as any dO does; :func:`rounded_do`), an fp16 dht widened to fp32; dq, dk,
+    too), then Kernel A and Kernel B; dO enters rounded to bf16 (as any dO does), an fp16 dht widened to fp32; dq, dk,
     dv, dg and dh0 come back as the kernels' values converted to fp16 (exact within fp16's range); under
     :data:`FP16_GRAD_STORES` Kernel A stores an fp16 v's dv so converted itself, and Kernel B dq, dk and dg (q, k and g
     fp16, no grouped value heads: their group sums add bf16 values; a per-head gate's dg as before). Under
     :data:`FP16_NATIVE_BACKWARD` the backward of the fp16 forward itself: K1 and K2 again on the inputs as given (their
     fp16 variants, an fp16 initial state and a segmented call's kept segment states included), Kernel B reading fp16
     q, k, v, g, the gradients stored in fp16 by the kernels as under :data:`FP16_GRAD_STORES`; dO rounded to bf16 as
-    above (stage 4).
+    above (stage 4). An fp16 dO is rounded by :func:`rounded_do` (by cute_kda's kernel under :data:`FP16_DO_KERNEL`).
     """
     fp16 = torch.float16
     dtypes = (x.q.dtype, x.k.dtype, x.v.dtype, x.g.dtype, None, None, None, initial_state_dtype if needs[7] else None)

@@ -2,8 +2,8 @@
 
 The kernel takes what it was built for: a CUDA fp16 tensor and a bf16 one of as many elements, both contiguous,
 16-byte aligned, a multiple of 8 elements and fewer than 2³¹ (its offsets are 32-bit); anything else is rounded by
-torch's own cast (``out.copy_(x)``), which gives the same bits (a NaN's payload aside: the kernel's
-``cvt.rn.bf16x2.f32`` makes every NaN the canonical one, torch keeps 0x7FC0 with the sign). The kernel launches on
+torch's own cast (``out.copy_(x)``), which gives the same bits (a NaN's aside: a NaN stays a NaN, but the kernel's
+``cvt.rn.bf16x2.f32`` makes it the canonical one, whose bits may not be torch's). The kernel launches on
 torch's current stream of ``x``'s device and returns without synchronising.
 """
 
