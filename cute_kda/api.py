@@ -25,7 +25,7 @@ from .context_parallel import check_segments
 from .executors import inference, training
 from .executors.stages import KERNELS
 from .fla_calls import translate_fla_call, translate_fla_gdn_call
-from .variants import GradsVariant, PrepareVariant, RecurrenceVariant, ScanVariant
+from .variants import GradsVariant, PrepareVariant, RecurrenceVariant, RoundVariant, ScanVariant
 
 if TYPE_CHECKING:
     from .fla_calls import CanonicalCall
@@ -369,9 +369,10 @@ def warmup(*, device: Any = None, **selection: Any) -> int:
 
 def _launchers_by_variant() -> dict[type, Any]:
     """The launcher module of each variant class (imported here: they bring in the DSL)."""
-    from .ops import bwd_grads, bwd_scan, prepare, recurrence
+    from .ops import bwd_grads, bwd_scan, prepare, recurrence, round_bf16
 
-    return {PrepareVariant: prepare, RecurrenceVariant: recurrence, ScanVariant: bwd_scan, GradsVariant: bwd_grads}
+    return {PrepareVariant: prepare, RecurrenceVariant: recurrence, ScanVariant: bwd_scan, GradsVariant: bwd_grads,
+            RoundVariant: round_bf16}
 
 
 def warmup_variants(
@@ -411,12 +412,13 @@ def warmup_variants(
     :func:`~cute_kda.executors.training.stores_fp16_grads`; an fp16 state's dht / dh0 in fp32); with that switch off
     (the copy route: fp16 trains on bf16 copies, :func:`cute_kda.executors.training.backward`) and
     :data:`~cute_kda.executors.training.FP16_GRAD_STORES` on, the copy route's fp16-gradient twins (Kernel A's fp16
-    dv; Kernel B's fp16 dq, dk, dg for the per-channel gates in q's dtype).
+    dv; Kernel B's fp16 dq, dk, dg for the per-channel gates in q's dtype); under
+    :data:`~cute_kda.executors.training.FP16_DO_KERNEL` the rounding pass of an fp16 dO.
     ``head_dims``: K = V of every listed variant (:data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`: what runs natively,
     :func:`cute_kda.call.runs_native`; Kernel B at 64 at its one warp count, 4).
     """
     # their values now (``training``: the switches)
-    from .executors.training import FP16_GRAD_STORES, FP16_NATIVE_BACKWARD, stores_fp16_grads
+    from .executors.training import FP16_DO_KERNEL, FP16_GRAD_STORES, FP16_NATIVE_BACKWARD, stores_fp16_grads
     from .layouts.bwd_grads import default_warps
     from .ops.bwd_grads import switches as grads_switches
     from .numerics import NATIVE_HEAD_DIMS, SCAN_VSPLITS, SUPPORTED_VSPLITS
@@ -471,6 +473,8 @@ def warmup_variants(
                 variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, warps, dim=dim,
                                       grad_dtype=stored, dtype=torch.float16,
                                       **grads_switches(gate, per_head, warps))] = None
+        if FP16_DO_KERNEL and torch.float16 in dtypes:  # an fp16 dO rounded to bf16 by the kernel
+            variants[RoundVariant()] = None
     if segments:  # a segmented call (context parallelism): varlen, V-split 1 (the heuristic's), fp32 states
         fp32 = torch.float32
         for dtype, dim in itertools.product(dtypes, head_dims):

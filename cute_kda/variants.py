@@ -142,3 +142,13 @@ class GradsVariant:
     dim: int = HEAD_DIM
     grad_dtype: torch.dtype = torch.bfloat16
     dtype: torch.dtype = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class RoundVariant:
+    """The fp16 → bf16 rounding pass (:class:`cute_kda.kernels.round_bf16.RoundBf16Kernel`; fp16 training's dO,
+    :data:`cute_kda.executors.training.FP16_DO_KERNEL`): ``num_threads`` a CTA, ``vectors`` 16-byte runs in flight
+    a thread."""
+
+    num_threads: int = 256
+    vectors: int = 4

@@ -22,6 +22,10 @@ equal to eager;
 on the CPU the launchers are handed fp16 (K1 again, Kernel B's q, k, v, g) and the gradients are the reference
 backend's bit for bit (a segmented call reusing its segment states), within FLA's tolerances of the gold and no
 farther from it than the copy route's; on the GPU the gold checks over the same cases.
+
+``training.FP16_DO_KERNEL`` (dO rounded by ``cute_kda.ops.round_bf16``; the kernel itself: tests/test_round_bf16.py):
+on the CPU Kernel A and Kernel B get the one rounded tensor, ``do.to(bf16)``'s bits; on the GPU the gold checks and
+the gradients bit-identical to torch's cast.
 """
 
 from __future__ import annotations
@@ -290,6 +294,37 @@ def test_fp16_training_at_head_dim_64(gate):
 
 # ---------------------------------------------------------------- GPU: the kernels against the fp64 gold
 
+def test_do_kernel_hands_kernel_a_and_b_the_rounded_do(launchers_on_mirrors, monkeypatch):
+    """``FP16_DO_KERNEL``: the fp16 dO goes through the rounding launcher once (a torch stand-in here), and Kernel A
+    and Kernel B are handed that one bf16 tensor, ``do.to(bf16)`` bit for bit; every gradient as with the switch
+    off (bf16 dO: the switch never calls it)."""
+    from cute_kda.ops import bwd_grads as kb
+    from cute_kda.ops import bwd_scan as ka
+    from cute_kda.ops import round_bf16
+
+    problem, do, dht = fp16_problem([20, 0, 17, 5, 1])
+    launchers_on_mirrors.beta = problem["beta"].bfloat16()
+    rounded, handed = [], []
+    monkeypatch.setattr(round_bf16, "round_to_bf16", lambda x: rounded.append(x.to(torch.bfloat16)) or rounded[-1])
+    check_scan, check_grads = ka._check_buffers, kb._check_buffers
+    monkeypatch.setattr(ka, "_check_buffers", lambda *a: handed.append(a[0]) or check_scan(*a))
+    monkeypatch.setattr(kb, "_check_buffers", lambda *a: handed.append(a[4]) or check_grads(*a))
+    forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
+    off = train(forward, problem, do=do, dht=dht.half())[2]
+    assert rounded == [] and len(handed) == 2
+    monkeypatch.setattr(training, "FP16_DO_KERNEL", True)
+    handed.clear()
+    on = train(forward, problem, do=do, dht=dht.half())[2]
+    assert len(rounded) == 1 and len(handed) == 2
+    assert all(t.dtype == BF16 and t.data_ptr() == rounded[0].data_ptr() for t in handed)
+    assert torch.equal(handed[0].reshape(-1).view(torch.int16), do.bfloat16().reshape(-1).view(torch.int16))
+    for name in off:
+        assert torch.equal(on[name], off[name]), name
+    bf16_problem = {n: t.bfloat16() if t.dtype == FP16 else t for n, t in problem.items()}
+    train(forward, bf16_problem, do=do.bfloat16(), dht=dht)
+    assert len(rounded) == 1
+
+
 GPU_CASES = {  # gate, per-head gate, value heads, lengths (None: B2 T1000), state dtype, options
     "safe_B2_T1000": ("safe", False, 2, None, None, {}),
     "safe_varlen_fp16_state": ("safe", False, 2, [1, 0, 15, 16, 17, 1000, 333], FP16, {}),
@@ -382,6 +417,20 @@ def test_fp16_native_backward_matches_the_gold(case, device, monkeypatch):
     checks."""
     monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", True)
     assert_within_the_golds_tolerances(case, device, "fp16 native backward")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_fp16_do_kernel_matches_the_gold(case, device, monkeypatch):
+    """``FP16_DO_KERNEL`` (fp16 dO rounded by cute_kda's kernel, on the default native backward):
+    :func:`test_fp16_training_matches_the_gold`'s checks, and the gradients bit-identical to the switch off."""
+    tensors, options, do, dht = gpu_problem(case, device)
+    cast = kernel_grads(tensors, options, do, dht, device)
+    monkeypatch.setattr(training, "FP16_DO_KERNEL", True)
+    assert_within_the_golds_tolerances(case, device, "fp16 dO kernel")
+    rounded = kernel_grads(tensors, options, do, dht, device)
+    for name in cast:
+        assert rounded[name].dtype == cast[name].dtype and torch.equal(rounded[name], cast[name]), name
 
 
 def assert_within_the_golds_tolerances(case: str, device, label: str) -> None:

@@ -37,6 +37,7 @@ import torch
 
 from .. import validation
 from ..call import Call, Inputs, Options, final_state_dtype_of, finish, options_of, resolve
+from ..ops import round_bf16
 from ..validation import problem_of, staged_cu_seqlens
 from .stages import (
     KERNEL_B_INPUTS, KERNELS, Backend, Saved, checkpoints_shape, packed, workspace_spec,
@@ -55,6 +56,10 @@ FP16_GRAD_STORES = False
 # step 6.80 → 5.81 ms on the H200 (7.82 with neither; docs/perf-log.md, F3); bench_train.py --fp16-copy-backward
 # turns it off for the A/B
 FP16_NATIVE_BACKWARD = True
+# fp16 training's dO rounded to bf16 by cute_kda's own streaming kernel (cute_kda.ops.round_bf16; the same bits)
+# instead of torch's cast, which moves its 403 MB at B1 T8192 H96 at 1.46 TB/s (0.275 ms of the step's 0.33 ms over
+# bf16); off until the H200 has measured it (docs/perf-log.md, F4; bench_train.py --fp16-do-kernel)
+FP16_DO_KERNEL = False
 BACKWARD_OP_NAME = "cute_kda::backward"
 
 
@@ -82,6 +87,15 @@ def kernel_operand(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if t.data_ptr() % validation.ALIGNMENT_BYTES:
         t = t.clone()
     return t
+
+
+def rounded_do(d_out: torch.Tensor) -> torch.Tensor:
+    """dO as the backward kernels take it: bf16, contiguous, 16-byte aligned; an fp16 one rounded by
+    :func:`cute_kda.ops.round_bf16.round_to_bf16` under :data:`FP16_DO_KERNEL` (a fresh contiguous tensor; torch's
+    cast where the kernel does not take it, a CPU tensor included), else by :func:`kernel_operand`."""
+    if FP16_DO_KERNEL and d_out.dtype == torch.float16:
+        return round_bf16.round_to_bf16(d_out)
+    return kernel_operand(d_out, torch.bfloat16)
 
 
 def recomputed(backend: Backend, x: Inputs, options: Options, saved: Saved) -> Saved:
@@ -137,15 +151,14 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     :data:`FP16_NATIVE_BACKWARD` the backward of the fp16 forward itself: K1 and K2 again on the inputs as given (their
     fp16 variants, an fp16 initial state and a segmented call's kept segment states included), Kernel B reading fp16
     q, k, v, g, the gradients stored in fp16 by the kernels as under :data:`FP16_GRAD_STORES`; dO rounded to bf16 as
-    above (stage 4).
+    above (stage 4). An fp16 dO is rounded by :func:`rounded_do` (by cute_kda's kernel under :data:`FP16_DO_KERNEL`).
     """
     fp16 = torch.float16
     dtypes = (x.q.dtype, x.k.dtype, x.v.dtype, x.g.dtype, None, None, None, initial_state_dtype if needs[7] else None)
     stores_fp16 = stores_fp16_grads(x.q.shape[2] != x.v.shape[2], x.q.dtype, x.k.dtype, x.g.dtype)
     if x.q.dtype == fp16 and not FP16_NATIVE_BACKWARD:
         x, saved = bf16_operands(x), saved._replace(segment_states=None)
-    do = torch.zeros_like(x.v, dtype=torch.bfloat16) if d_out is None else \
-        kernel_operand(d_out, torch.bfloat16).view(x.v.shape)
+    do = torch.zeros_like(x.v, dtype=torch.bfloat16) if d_out is None else rounded_do(d_out).view(x.v.shape)
     dht = None
     if d_final is not None:
         dht = kernel_operand(d_final, torch.float32 if d_final.dtype == fp16 else d_final.dtype)
