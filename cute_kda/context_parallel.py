@@ -84,10 +84,10 @@ class Segmentation(NamedTuple):
         return tile_bases_of(self.cu_seqlens())
 
     def on_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(:meth:`cu_seqlens`, :meth:`tile_bases`) on ``device``: on a GPU copied once per (segmentation, device,
-        stream) asynchronously from pinned memory and kept, so a call launches neither a copy nor the tile prefix (like
-        the inference workspace cache, not for a first call under CUDA-graph capture: the copy would be captured and
-        the kept tensors come from the graph's pool); on the CPU (the reference stages) as they are made."""
+        """(:meth:`cu_seqlens`, :meth:`tile_bases`) on ``device``, made once per (segmentation, device, stream) and
+        kept: on a GPU copied asynchronously from pinned memory, so a call launches neither a copy nor the tile prefix
+        (like the inference workspace cache, not for a first call under CUDA-graph capture: the copy would be captured
+        and the kept tensors come from the graph's pool); on the CPU (the reference stages) as they are made."""
         return _kept_on_device(self, device)
 
     def problem(self, heads: int, head_dim: int) -> ProblemShape:
@@ -107,25 +107,43 @@ class Segmentation(NamedTuple):
         return self.by_sequence(states)[:, -1]
 
 
-# the device copies of Segmentation.on_device and RankChain.on_device, per (split, device index, stream); read-only
-# once made
-_ON_DEVICE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+# what a segmented call reads and never writes, kept per (what, device, stream): the bounds of
+# Segmentation.on_device and RankChain.on_device, the identities of transition_identities
+_ON_DEVICE: dict[tuple, Any] = {}
 _ON_DEVICE_LIMIT = 64
 
 
-def _kept_on_device(split: "Segmentation | RankChain", device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``split``'s (``cu_seqlens()``, ``tile_bases()``) on ``device`` as :meth:`Segmentation.on_device` describes."""
-    if device.type != "cuda":
-        return split.cu_seqlens(), split.tile_bases()
-    stream = torch.cuda.current_stream(device).cuda_stream
-    key = (split, device.index, stream)
+def _kept(key: tuple, device: torch.device, make: Callable[[], Any]) -> Any:
+    """``make()`` once per (``key``, device, current stream on a GPU) and kept (made on the stream that first reads
+    it, so no other stream's work is ordered before it)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (*key, device.type, device.index, stream)
     kept = _ON_DEVICE.get(key)
     if kept is None:
         if len(_ON_DEVICE) >= _ON_DEVICE_LIMIT:
             _ON_DEVICE.clear()
-        kept = tuple(t.pin_memory().to(device, non_blocking=True) for t in (split.cu_seqlens(), split.tile_bases()))
-        _ON_DEVICE[key] = kept
+        kept = _ON_DEVICE[key] = make()
     return kept
+
+
+def _kept_on_device(split: "Segmentation | RankChain", device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``split``'s (``cu_seqlens()``, ``tile_bases()``) on ``device`` as :meth:`Segmentation.on_device` describes."""
+    def copies() -> tuple[torch.Tensor, ...]:
+        if device.type != "cuda":
+            return split.cu_seqlens(), split.tile_bases()
+        return tuple(t.pin_memory().to(device, non_blocking=True) for t in (split.cu_seqlens(), split.tile_bases()))
+
+    return _kept(("bounds", split), device, copies)
+
+
+def transition_identities(count: int, heads: int, dim: int, device: torch.device) -> torch.Tensor:
+    """fp32 ``[count, heads, dim, dim]`` identities, the initial states of the transition pass (read only by K2 and
+    its mirror), made once per (shape, device, stream) and kept as :meth:`Segmentation.on_device` keeps the bounds
+    (on a GPU an ``eye`` and a copy launched less a call)."""
+    def make() -> torch.Tensor:
+        return torch.eye(dim, dtype=torch.float32, device=device).expand(count, heads, dim, dim).contiguous()
+
+    return _kept(("identities", count, heads, dim), device, make)
 
 
 @functools.lru_cache(maxsize=64)
@@ -133,6 +151,7 @@ def _segment_bounds(num_seqs: int, seq_len: int, length: int) -> torch.Tensor:
     starts = torch.arange(0, seq_len, length, dtype=torch.int64)
     bounds = (torch.arange(num_seqs, dtype=torch.int64)[:, None] * seq_len + starts).flatten()
     return torch.cat((bounds, torch.tensor([num_seqs * seq_len], dtype=torch.int64)))
+
 
 
 def segmentation_of(problem: ProblemShape, device: torch.device, segments: "int | RankChain | None",
@@ -191,6 +210,7 @@ def _plan(problem: ProblemShape, sms: int, segments: int | None, vsplit: int | N
 
 
 FinalStates = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor], None]
+LocalGradients = Callable[[torch.Tensor], object]
 
 
 def segment_states(seg: Segmentation, final_states: FinalStates, v: torch.Tensor,
@@ -207,48 +227,54 @@ def segment_states(seg: Segmentation, final_states: FinalStates, v: torch.Tensor
         return seg.segment_states(final_states, v, initial_state)
     heads, dim = v.shape[2], v.shape[3]
     kept = torch.empty((2, seg.count, heads, dim, dim), dtype=torch.float32, device=v.device)
-    local = torch.empty_like(kept[0])
-    final_states(v, None, local)
-    identity = torch.eye(dim, dtype=torch.float32, device=v.device).expand(seg.count, heads, dim, dim)
-    final_states(torch.zeros_like(v), identity.contiguous(), kept[1])
-    _combine(seg, kept[0], local, kept[1], initial_state, transpose=False)
+    # segment c's H lands where X[c + 1] goes, for the combine to add to in place (the last segment's, which no
+    # state needs, in the rows of the next sequence's X[0] or of F[0], both written after it)
+    final_states(v, None, kept.view(2 * seg.count, heads, dim, dim)[1:seg.count + 1])
+    final_states(torch.zeros_like(v), transition_identities(seg.count, heads, dim, v.device), kept[1])
+    _combine(seg, kept[0], kept[1], initial_state, transpose=False)
     return kept
 
 
-def exiting_gradients(seg: Segmentation, local_gradients: torch.Tensor, transitions: torch.Tensor,
+def exiting_gradients(seg: Segmentation, local_gradients: LocalGradients, transitions: torch.Tensor,
                       dht: torch.Tensor | None) -> torch.Tensor:
     """fp32 ``[count, H, V, K]``: the gradient w.r.t. the state leaving every segment, the reverse combine.
 
-    ``local_gradients``: fp32 ``[count, H, V, K]``, each segment's scan gradient at its start with a zero gradient
-    leaving it; ``transitions``: the forward's ``F`` (:func:`segment_states`'s ``[1]``); ``dht``: None or
-    ``[N, H, V, K]``, the gradient w.r.t. each sequence's final state. A :class:`RankChain` combines with the other
-    ranks (:meth:`RankChain.exiting_gradients`).
+    ``local_gradients(into)`` runs the backward scan with zero gradients leaving the segments and writes each
+    segment's fp32 gradient at its start into ``into`` (``[count, H, V, K]``); ``transitions``: the forward's ``F``
+    (:func:`segment_states`'s ``[1]``); ``dht``: None or ``[N, H, V, K]``, the gradient w.r.t. each sequence's final
+    state. A :class:`RankChain` combines with the other ranks (:meth:`RankChain.exiting_gradients`).
     """
     if isinstance(seg, RankChain):
-        return seg.exiting_gradients(local_gradients, transitions, dht)
-    leaving = torch.empty_like(local_gradients)
-    _combine(seg, leaving, local_gradients, transitions, dht, transpose=True)
+        local = torch.empty_like(transitions)
+        local_gradients(local)
+        return seg.exiting_gradients(local, transitions, dht)
+    rows = torch.empty((seg.count + 1, *transitions.shape[1:]), dtype=torch.float32, device=transitions.device)
+    # segment c's L lands where G[c − 1] goes, for the combine to add to in place (the first segment's, which no
+    # gradient needs, in the row of the sequence before's G[C − 1], written after it)
+    local_gradients(rows[:seg.count])
+    leaving = rows[1:]
+    _combine(seg, leaving, transitions, dht, transpose=True)
     return leaving
 
 
-def _combine(seg: Segmentation, into: torch.Tensor, local: torch.Tensor, transitions: torch.Tensor,
-             boundary: torch.Tensor | None, *, transpose: bool) -> None:
+def _combine(seg: Segmentation, into: torch.Tensor, transitions: torch.Tensor, boundary: torch.Tensor | None, *,
+             transpose: bool) -> None:
     """The serial combine of :func:`segment_states` (``transpose`` False: ``X[c] = X[c−1]·F[c−1] + H[c−1]`` from
     ``X[0] = boundary``) or of :func:`exiting_gradients` (True: ``G[c−1] = G[c]·F[c]ᵀ + L[c]`` from
-    ``G[C−1] = boundary``) into ``into`` (``[count, H, V, K]``; ``boundary`` None: zero): one batched matmul a
-    segment over segment-major ``[C, N · H, V, K]`` operands."""
+    ``G[C−1] = boundary``) in place in ``into`` (``[count, H, V, K]``; ``boundary`` None: zero), whose rows hold
+    the addends already (``H[c−1]`` where ``X[c]`` goes, ``L[c]`` where ``G[c−1]`` goes): one batched matmul a
+    segment over segment-major ``[C, N · H, V, K]`` operands, adding in place (into another tensor, ``baddbmm``
+    would copy the addend there first: a device copy a segment)."""
     count, heads, rows, cols = into.shape
 
     def segment_major(t: torch.Tensor) -> torch.Tensor:  # a view for one sequence, else a copy
         return seg.by_sequence(t).transpose(0, 1).reshape(seg.per_seq, seg.num_seqs * heads, rows, cols)
 
-    one = seg.num_seqs == 1
-    whole = segment_major(into) if one else into.new_empty((seg.per_seq, seg.num_seqs * heads, rows, cols))
-    steps = segment_major(transitions)
+    whole, steps = segment_major(into), segment_major(transitions)
     if transpose:
         steps = steps.transpose(-1, -2)
     # per-segment views by one unbind each (indexing in the loop costs a select a view on the host path)
-    states, local, steps = whole.unbind(0), segment_major(local).unbind(0), steps.unbind(0)
+    states, steps = whole.unbind(0), steps.unbind(0)
     first = seg.per_seq - 1 if transpose else 0
     if boundary is None:
         states[first].zero_()
@@ -256,8 +282,8 @@ def _combine(seg: Segmentation, into: torch.Tensor, local: torch.Tensor, transit
         states[first].copy_(boundary.reshape(seg.num_seqs * heads, rows, cols))
     for target in (range(seg.per_seq - 2, -1, -1) if transpose else range(1, seg.per_seq)):
         source = target + 1 if transpose else target - 1
-        torch.baddbmm(local[source], states[source], steps[source], out=states[target])
-    if not one:
+        states[target].baddbmm_(states[source], steps[source])
+    if seg.num_seqs > 1:
         seg.by_sequence(into).copy_(whole.view(seg.per_seq, seg.num_seqs, heads, rows, cols).transpose(0, 1))
 
 

@@ -152,16 +152,22 @@ def final_state_of(options: Options, final_state: torch.Tensor | None) -> torch.
 
 
 def segment_scan(options: Options, saved: Saved, dht: torch.Tensor | None, dh0_dtype: torch.dtype | None,
-                  scan: Callable[..., ScanResult]) -> ScanResult:
-    """The backward scan of a segmented call: ``scan(dht, dh0_dtype, token_outputs)`` runs the packed scan
-    (``[segments, H, V, K]`` states); once with zero gradients leaving the segments for their own gradients (dh0
-    only: ``token_outputs`` False), the reverse combine, then the real scan. Unsplit: ``scan(dht, dh0_dtype)``."""
+                 scan: Callable[..., ScanResult], device: torch.device) -> ScanResult:
+    """The backward scan: ``scan(dht, dh0, token_outputs)`` runs the packed scan, writing the gradient w.r.t. every
+    packed sequence's initial state into ``dh0`` (None: none asked). A segmented call (``[segments, H, V, K]``
+    states) scans once with zero gradients leaving the segments for their own gradients (dh0 only:
+    ``token_outputs`` False; :func:`cute_kda.context_parallel.exiting_gradients` gives the buffer), combines, then
+    runs the real scan. Unsplit: ``scan(dht, dh0)`` with dh0 in ``dh0_dtype`` on ``device``."""
     seg = options.segmentation
     if seg is None:
-        return scan(dht, dh0_dtype)
-    local = scan(None, torch.float32, token_outputs=False).dh0
-    leaving = context_parallel.exiting_gradients(seg, local, saved.segment_states[1], dht)
-    result = scan(leaving, None if dh0_dtype is None else torch.float32)
+        dh0 = None if dh0_dtype is None else torch.empty(options.problem.state_shape, dtype=dh0_dtype, device=device)
+        return scan(dht, dh0)
+    leaving = context_parallel.exiting_gradients(seg, lambda local: scan(None, local, token_outputs=False),
+                                                 saved.segment_states[1], dht)
+    per_segment = None
+    if dh0_dtype is not None:
+        per_segment = torch.empty(options.problem.state_shape, dtype=torch.float32, device=device)
+    result = scan(leaving, per_segment)
     dh0 = None if dh0_dtype is None else seg.first(result.dh0).to(dh0_dtype, copy=True).contiguous()
     return result._replace(dh0=dh0)
 
@@ -218,13 +224,12 @@ def _kernel_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dh
     state_grads = torch.empty_like(saved.checkpoints)
     ws = workspace_of(options, saved)
 
-    def scan(leaving: torch.Tensor | None, dtype: torch.dtype | None, token_outputs: bool = True) -> ScanResult:
-        dh0 = None if dtype is None else torch.empty(options.problem.state_shape, dtype=dtype, device=do.device)
+    def scan(leaving: torch.Tensor | None, dh0: torch.Tensor | None, token_outputs: bool = True) -> ScanResult:
         ka.bwd_scan(do, ws, dv, du, state_grads, cu_seqlens=x.cu_seqlens, tile_base=saved.tile_base, dht=leaving,
                     dh0=dh0, token_outputs=token_outputs)
         return ScanResult(dv, du, state_grads, dh0)
 
-    return segment_scan(options, saved, dht, dh0_dtype, scan)
+    return segment_scan(options, saved, dht, dh0_dtype, scan, do.device)
 
 
 def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult,

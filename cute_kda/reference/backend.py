@@ -68,13 +68,15 @@ def _reference_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor,
     """:func:`~cute_kda.reference.mirror_bwd_scan` (twice for a segmented call, :func:`segment_scan`; the mirror
     computes every output in either pass, so ``token_outputs`` changes nothing here); dv converted to ``dv_dtype``
     as Kernel A stores it."""
-    def scan(leaving: torch.Tensor | None, dtype: torch.dtype | None, token_outputs: bool = True) -> ScanResult:
+    def scan(leaving: torch.Tensor | None, dh0: torch.Tensor | None, token_outputs: bool = True) -> ScanResult:
         result = mirror_bwd_scan(workspace_of(options, saved), do, cu_seqlens=x.cu_seqlens, dht=leaving,
-                                 dh0_dtype=torch.float32 if dtype is None else dtype, state_layout="vk")
+                                 dh0_dtype=torch.float32 if dh0 is None else dh0.dtype, state_layout="vk")
+        if dh0 is not None:
+            dh0.copy_(result.dh0)
         return ScanResult(result.dv.to(dv_dtype).contiguous(), result.du.contiguous(), result.snapshots.contiguous(),
-                          None if dtype is None else result.dh0.contiguous())
+                          dh0)
 
-    return segment_scan(options, saved, dht, dh0_dtype, scan)
+    return segment_scan(options, saved, dht, dh0_dtype, scan, do.device)
 
 
 def _reference_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult,
