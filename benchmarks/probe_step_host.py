@@ -16,6 +16,7 @@ upstream gradients of ``benchmarks/bench_train.py`` (every input requiring grad,
 Printed as markdown, and written to ``--out`` when given:
 
     python benchmarks/probe_step_host.py --shape B1_T32768_H16 --segments auto,1
+    python benchmarks/probe_step_host.py --shape B1_T32768_H16 --head-dim 64 --segments auto --cprofile 5
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from cute_kda._bench import markdown_table, publish  # noqa: E402
 
 import bench_train  # noqa: E402
 from bench_train import positive_int  # noqa: E402
-from shapes import SHAPES  # noqa: E402
+from shapes import D, SHAPES, head_dim  # noqa: E402
 
 GAP_US = 15.0  # idle time between GPU events that counts as a gap
 TOP_GAPS = 8
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--segments", type=parse_segments, default=[None, 1],
                         help="comma-separated settings: 'auto' (the heuristic) or segments per sequence")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per median (default 10)")
+    parser.add_argument("--head-dim", type=head_dim, default=D, help=f"K = V of every input (default {D})")
     parser.add_argument("--cprofile", type=positive_int, default=None, metavar="N",
                         help="also profile N steps of the first setting with cProfile")
     parser.add_argument("--out", help="markdown file to write besides printing")
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("probe_step_host needs a CUDA GPU (Hopper): nothing timed")
-    problem = bench_train.make_problem(args.shape, torch.device("cuda"))
+    problem = bench_train.make_problem(args.shape, torch.device("cuda"), dim=args.head_dim)
     rows = []
     for segments in args.segments:
         forward = forward_of(problem, segments)
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
               f"GPU bwd {medians[3]:.3f} ms", file=sys.stderr)
     summary, gaps, operators = profiled_gaps(problem, forward_of(problem, args.segments[0]))
     text = "\n\n".join([
-        f"# Host against GPU in one training step ({args.shape})",
+        f"# Host against GPU in one training step ({args.shape}, D = {args.head_dim})",
         markdown_table(["shape", "setting", "host fwd ms", "host bwd ms", "GPU fwd ms", "GPU bwd ms"], rows),
         f"One profiled step ({label(args.segments[0])}): {summary}.",
         markdown_table(["gap µs", "after", "before"], gaps),

@@ -20,6 +20,7 @@ def test_options(probe):
     args = probe.build_parser().parse_args(["--shape", "B1_T8192_H96", "--segments", "auto, 8", "--steps", "3"])
     assert (args.shape, args.segments, args.steps, args.cprofile) == ("B1_T8192_H96", [None, 8], 3, None)
     assert probe.build_parser().parse_args(["--cprofile", "5"]).cprofile == 5
+    assert (args.head_dim, probe.build_parser().parse_args(["--head-dim", "64"]).head_dim) == (128, 64)
     for bad in ("0", "x", ","):
         with pytest.raises(argparse.ArgumentTypeError):
             probe.parse_segments(bad)
