@@ -267,7 +267,9 @@ def _combine(seg: Segmentation, into: torch.Tensor, transitions: torch.Tensor, b
     would copy the addend there first: a device copy a segment)."""
     count, heads, rows, cols = into.shape
 
-    def segment_major(t: torch.Tensor) -> torch.Tensor:  # a view for one sequence, else a copy
+    def segment_major(t: torch.Tensor) -> torch.Tensor:  # one sequence's segments are already, else a copy
+        if seg.num_seqs == 1:
+            return t
         return seg.by_sequence(t).transpose(0, 1).reshape(seg.per_seq, seg.num_seqs * heads, rows, cols)
 
     whole, steps = segment_major(into), segment_major(transitions)

@@ -116,7 +116,7 @@ def packed(x: Inputs, options: Options) -> tuple[Inputs, Options]:
     seg = options.segmentation
     if seg is None:
         return x, options
-    flat = [t.reshape(1, -1, *t.shape[2:]) for t in (x.q, x.k, x.v, x.g, x.beta)]
+    flat = [t if t.shape[0] == 1 else t.reshape(1, -1, *t.shape[2:]) for t in (x.q, x.k, x.v, x.g, x.beta)]
     cu_seqlens, tile_base = seg.on_device(x.q.device)
     return (Inputs(*flat, x.A_log, x.dt_bias, x.initial_state, cu_seqlens, tile_base),
             options._replace(problem=seg.problem(options.problem.heads, options.problem.head_dim)))
