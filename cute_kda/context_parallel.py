@@ -87,7 +87,7 @@ class Segmentation(NamedTuple):
         """(:meth:`cu_seqlens`, :meth:`tile_bases`) on ``device``, made once per (segmentation, device, stream) and
         kept: on a GPU copied asynchronously from pinned memory, so a call launches neither a copy nor the tile prefix
         (like the inference workspace cache, not for a first call under CUDA-graph capture: the copy would be captured
-        and the kept tensors come from the graph's pool); on the CPU (the reference stages) as they are made."""
+        and the kept tensors come from the graph's pool); on the CPU (the reference stages) the host tensors."""
         return _kept_on_device(self, device)
 
     def problem(self, heads: int, head_dim: int) -> ProblemShape:
@@ -109,8 +109,8 @@ class Segmentation(NamedTuple):
 
 # what a segmented call reads and never writes, kept per (what, device, stream): the bounds of
 # Segmentation.on_device and RankChain.on_device, the identities of transition_identities
-_ON_DEVICE: dict[tuple, Any] = {}
-_ON_DEVICE_LIMIT = 64
+_KEPT: dict[tuple, Any] = {}
+_KEPT_LIMIT = 64
 
 
 def _kept(key: tuple, device: torch.device, make: Callable[[], Any]) -> Any:
@@ -118,11 +118,11 @@ def _kept(key: tuple, device: torch.device, make: Callable[[], Any]) -> Any:
     it, so no other stream's work is ordered before it)."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     key = (*key, device.type, device.index, stream)
-    kept = _ON_DEVICE.get(key)
+    kept = _KEPT.get(key)
     if kept is None:
-        if len(_ON_DEVICE) >= _ON_DEVICE_LIMIT:
-            _ON_DEVICE.clear()
-        kept = _ON_DEVICE[key] = make()
+        if len(_KEPT) >= _KEPT_LIMIT:
+            _KEPT.clear()
+        kept = _KEPT[key] = make()
     return kept
 
 
@@ -151,7 +151,6 @@ def _segment_bounds(num_seqs: int, seq_len: int, length: int) -> torch.Tensor:
     starts = torch.arange(0, seq_len, length, dtype=torch.int64)
     bounds = (torch.arange(num_seqs, dtype=torch.int64)[:, None] * seq_len + starts).flatten()
     return torch.cat((bounds, torch.tensor([num_seqs * seq_len], dtype=torch.int64)))
-
 
 
 def segmentation_of(problem: ProblemShape, device: torch.device, segments: "int | RankChain | None",
@@ -250,7 +249,7 @@ def exiting_gradients(seg: Segmentation, local_gradients: LocalGradients, transi
         return seg.exiting_gradients(local, transitions, dht)
     rows = torch.empty((seg.count + 1, *transitions.shape[1:]), dtype=torch.float32, device=transitions.device)
     # segment c's L lands where G[c − 1] goes, for the combine to add to in place (the first segment's, which no
-    # gradient needs, in the row of the sequence before's G[C − 1], written after it)
+    # gradient needs, in the spare row 0 or in the sequence before's G[C − 1], written after it)
     local_gradients(rows[:seg.count])
     leaving = rows[1:]
     _combine(seg, leaving, transitions, dht, transpose=True)
