@@ -148,6 +148,48 @@ def test_results_own_their_memory():
         assert t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
+def _combine_against_out_of_place(device, num_seqs, transpose):
+    """(``_combine``'s result, the same combine by out-of-place ``torch.baddbmm`` on the same segment-major batches)
+    for random fp32 operands: 4 segments of 2 heads at D = 64."""
+    seg, heads, dim = Segmentation(num_seqs, 64, 16), 2, 64
+    gen = torch.Generator().manual_seed(5)
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(device)
+
+    local = randn(seg.count, heads, dim, dim)
+    transitions = randn(seg.count, heads, dim, dim, scale=dim ** -0.5)
+    boundary = randn(num_seqs, heads, dim, dim)
+    by_segment = [t.view(num_seqs, seg.per_seq, heads, dim, dim).transpose(0, 1).reshape(
+        seg.per_seq, num_seqs * heads, dim, dim) for t in (local, transitions)]
+    adds, steps = by_segment
+    steps = steps.transpose(-1, -2) if transpose else steps
+    states = [None] * seg.per_seq
+    first, order = (seg.per_seq - 1, range(seg.per_seq - 2, -1, -1)) if transpose else (0, range(1, seg.per_seq))
+    states[first] = boundary.reshape(num_seqs * heads, dim, dim)
+    for target in order:
+        source = target + 1 if transpose else target - 1
+        states[target] = torch.baddbmm(adds[source], states[source], steps[source])
+    expected = torch.stack(states).view(seg.per_seq, num_seqs, heads, dim, dim).transpose(0, 1).reshape(local.shape)
+    into = torch.empty_like(local)  # the addends where the combine adds them: H[c − 1] at X[c], L[c] at G[c − 1]
+    rows = seg.by_sequence(into)
+    if transpose:
+        rows[:, :-1] = seg.by_sequence(local)[:, 1:]
+    else:
+        rows[:, 1:] = seg.by_sequence(local)[:, :-1]
+    context_parallel._combine(seg, into, transitions, boundary, transpose=transpose)
+    return into, expected
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_combine_in_place_has_the_out_of_place_bits(num_seqs, transpose):
+    """The combine adds each segment's GEMM in place (``baddbmm_``): the bits of ``torch.baddbmm`` into a fresh
+    tensor, the form that copied the addend first (docs/perf-log.md, CP-host)."""
+    into, expected = _combine_against_out_of_place("cpu", num_seqs, transpose)
+    assert torch.equal(into, expected)
+
+
 def test_segments_run_the_extra_passes(monkeypatch):
     """A segmented call makes the segment states once (the forward) and scans twice; ``recompute`` reuses the kept
     segment states instead of making them again."""
@@ -296,6 +338,15 @@ def _gpu_problem(case, device):
 
 def _cpu(tensors):
     return {n: x.cpu() for n, x in tensors.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_combine_in_place_has_the_out_of_place_bits_on_the_gpu(num_seqs, transpose, device):
+    """cuBLAS's in-place batched GEMM gives the out-of-place one's bits (the CPU test's twin)."""
+    into, expected = _combine_against_out_of_place(device, num_seqs, transpose)
+    assert torch.equal(into, expected)
 
 
 @pytest.mark.gpu
