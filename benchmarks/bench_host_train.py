@@ -149,13 +149,6 @@ def report(recompute: bool, result: dict) -> str:
             f"launches issued (µs from the step's start): {issued}")
 
 
-def report_ops(recompute: bool, kinds: dict) -> str:
-    mode = "recompute" if recompute else "keep"
-    parts = [f"{kind} {sum(counts.values())} ({', '.join(f'{name} {n}' for name, n in sorted(counts.items()))})"
-             for kind, counts in kinds.items()]
-    return f"{mode} ops a step: " + "; ".join(parts)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=64)
@@ -164,7 +157,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=50, help="timed steps (medians)")
     parser.add_argument("--segments", type=int, default=None,
                         help="context-parallel segments per sequence (default: none; the heuristic needs a GPU)")
-    parser.add_argument("--ops", action="store_true", help="also count the aten operators of one step")
     parser.add_argument("--count-ops", action="store_true",
                         help="list the torch operators of one recomputing step instead of timing")
     args = parser.parse_args(argv)
@@ -180,8 +172,6 @@ def main(argv: list[str] | None = None) -> None:
           f"medians of {args.steps} steps")
     for recompute in (True, False):
         print(report(recompute, time_steps(problem, launches, args.steps, recompute, args.segments)))
-        if args.ops:
-            print(report_ops(recompute, count_ops(problem, recompute, args.segments)))
 
 
 if __name__ == "__main__":
