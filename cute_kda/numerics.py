@@ -25,6 +25,7 @@ NATIVE_HEAD_DIMS = (64, HEAD_DIM)
 SUPPORTED_VSPLITS = (1, 2, 4)  # K2: CTAs per (sequence, head), each owning D / vsplit value columns
 SCAN_VSPLITS = (1, 2, 4, 8)  # Kernel A: K2's skeleton, one split more
 IMAGE_RUN = 8  # elements of one 16-byte (bf16) run of a state image: a row of a K_INTER core matrix
+ROUND_RUN = 8  # fp16 elements of one 16-byte load of the dO rounding pass (kernels/round_bf16.py)
 LOG2E = f32(log2(e))
 LN2 = f32(log(2.0))  # the backward: d 2^x / dx = ln2 · 2^x
 EPS = f32(1e-6)  # l2norm: x · rsqrt(Σx² + EPS)

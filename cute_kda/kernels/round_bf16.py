@@ -20,9 +20,9 @@ from __future__ import annotations
 from cutlass import BFloat16, Float16, Float32, Int32, Uint32
 
 from ..dsl import cute, cutlass
+from ..numerics import ROUND_RUN as RUN
 from .common.fastmath import pack_bf16x2
 
-RUN = 8  # elements of one 16-byte load / store
 WARP = 32
 
 

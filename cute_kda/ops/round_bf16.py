@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics import ROUND_RUN as RUN
 from ..variants import RoundVariant
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, fake_stream, on_device, to_cute_tensor,
@@ -18,7 +19,6 @@ from ._cache import (
 
 _ROUND = CompileCache("round_bf16")
 _META = torch.device("meta")
-RUN = 8  # elements of the kernel's 16-byte loads (kernels.round_bf16.RUN; that module brings in the DSL)
 MAX_ELEMENTS = 2**31 - 1  # the kernel's element offsets are Int32
 
 
