@@ -418,7 +418,7 @@ def warmup_variants(
     :func:`cute_kda.call.runs_native`; Kernel B at 64 at its one warp count, 4).
     """
     # their values now (``training``: the switches)
-    from .executors.training import FP16_DO_KERNEL, FP16_GRAD_STORES, FP16_NATIVE_BACKWARD, stores_fp16_grads
+    from .executors.training import FP16_DO_KERNEL, FP16_NATIVE_BACKWARD, stores_fp16_grads
     from .layouts.bwd_grads import default_warps
     from .ops.bwd_grads import switches as grads_switches
     from .numerics import NATIVE_HEAD_DIMS, SCAN_VSPLITS, SUPPORTED_VSPLITS
@@ -449,7 +449,7 @@ def warmup_variants(
                     variants[RecurrenceVariant(split, mode, mode, packed, checkpoints, dtype=dtype, dim=dim)] = None
     # the backward kernels' gradient dtypes: bf16, and fp16 where fp16 training stores its own
     native = FP16_NATIVE_BACKWARD and torch.float16 in dtypes
-    fp16_stores = (FP16_GRAD_STORES or native) and torch.float16 in dtypes
+    fp16_stores = torch.float16 in dtypes and stores_fp16_grads(False, torch.float16)
     grad_dtypes = (torch.bfloat16,) + ((torch.float16,) if fp16_stores else ())
     if training:  # Kernel A picks its own V-split (8 as well); Kernel B has no state flags
         scan_modes = dict.fromkeys(torch.float32 if mode == torch.float16 else mode for mode in state_modes)

@@ -64,9 +64,10 @@ BACKWARD_OP_NAME = "cute_kda::backward"
 
 
 def stores_fp16_grads(grouped: bool, *dtypes: torch.dtype) -> bool:
-    """Whether Kernel B stores dq, dk and dg in fp16 itself (:data:`FP16_GRAD_STORES`, or implied by
-    :data:`FP16_NATIVE_BACKWARD`): the caller's q, k and g (``dtypes``) all fp16 (an fp32 log decay keeps the bf16
-    stores) and no grouped value heads (their group sums add bf16 values)."""
+    """Whether the backward kernels store gradients in fp16 themselves (:data:`FP16_GRAD_STORES`, or implied by
+    :data:`FP16_NATIVE_BACKWARD`): Kernel B's dq, dk and dg where the caller's q, k and g (``dtypes``) are all fp16
+    (an fp32 log decay keeps the bf16 stores) and no value heads are ``grouped`` (their group sums add bf16 values);
+    Kernel A's dv where v (``dtypes``, ``grouped`` False: one value head a CTA) is fp16."""
     return ((FP16_GRAD_STORES or FP16_NATIVE_BACKWARD) and not grouped
             and all(dtype == torch.float16 for dtype in dtypes))
 
@@ -166,7 +167,7 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     if options.recompute:
         saved = recomputed(backend, x, options, saved)
     scan = backend.scan(x, options, saved, do, dht, torch.float32 if dh0_dtype == fp16 else dh0_dtype,
-                        fp16 if (FP16_GRAD_STORES or FP16_NATIVE_BACKWARD) and dtypes[2] == fp16 else torch.bfloat16)
+                        fp16 if stores_fp16_grads(False, dtypes[2]) else torch.bfloat16)
     dq = dk = dg = dbeta = dA_log = ddt_bias = None
     if any(needs[i] for i in KERNEL_B_INPUTS):
         dq, dk, dg, dbeta, dA_log, ddt_bias = backend.grads(x, options, saved, do, scan,
