@@ -11,17 +11,25 @@ upstream gradients of ``benchmarks/bench_train.py`` (every input requiring grad,
 - one profiled step of the first setting (torch.profiler): the GPU events' span and busy time, the largest idle gaps
   between consecutive GPU events with their neighbours' names, and the CPU operators by self time;
 - with ``--cprofile N``: N steps of the first setting under cProfile, the Python functions by own time (the
-  host path attributed to our code, torch's calls and the CUDA runtime calls they make).
+  host path attributed to our code, torch's calls and the CUDA runtime calls they make);
+- with ``--timers``: for every setting, the host time of each cute_kda function, of each compiled kernel's call and
+  of the torch operators the combine uses, inclusive (a caller's time holds its callees'), by ``time.perf_counter``
+  wrappers and no profiler: µs and calls a step, medians of the per-step totals.
 
 Printed as markdown, and written to ``--out`` when given:
 
     python benchmarks/probe_step_host.py --shape B1_T32768_H16 --segments auto,1
     python benchmarks/probe_step_host.py --shape B1_T32768_H16 --head-dim 64 --segments auto --cprofile 5
+    python benchmarks/probe_step_host.py --shape B1_T32768_H16 --head-dim 64 --segments auto,1 --timers
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
+import importlib
+import inspect
 import os
 import statistics
 import sys
@@ -62,8 +70,94 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--head-dim", type=head_dim, default=D, help=f"K = V of every input (default {D})")
     parser.add_argument("--cprofile", type=positive_int, default=None, metavar="N",
                         help="also profile N steps of the first setting with cProfile")
+    parser.add_argument("--timers", action="store_true",
+                        help="also time every cute_kda function and compiled kernel call on the host, per setting")
     parser.add_argument("--out", help="markdown file to write besides printing")
     return parser
+
+
+TIMED_MODULES = ("cute_kda.api", "cute_kda.fla_calls", "cute_kda.call", "cute_kda.validation", "cute_kda.workspace",
+                 "cute_kda.context_parallel", "cute_kda.executors.stages", "cute_kda.executors.training",
+                 "cute_kda.ops.prepare", "cute_kda.ops.recurrence", "cute_kda.ops.bwd_scan", "cute_kda.ops.bwd_grads",
+                 "cute_kda.ops.round_bf16", "cute_kda.ops._cache")
+TIMED_TENSOR_METHODS = ("baddbmm_", "copy_", "zero_", "to", "contiguous")
+TIMED_TORCH_FUNCTIONS = ("empty", "empty_like", "zeros", "zeros_like")
+
+
+class HostTimers:
+    """Inclusive host seconds and calls by name, from wrappers put around every function defined in
+    :data:`TIMED_MODULES` (in every module namespace that holds it, so ``from x import f`` callers are timed too),
+    around each compiled kernel :class:`~cute_kda.ops._cache.CompileCache` hands out (by its cache's name) and around
+    a few torch tensor methods. Installed for the process's life (the probe's last part)."""
+
+    def __init__(self) -> None:
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def wrap(self, name: str, function):
+        seconds, calls, clock = self.seconds, self.calls, time.perf_counter
+
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            start = clock()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                seconds[name] += clock() - start
+                calls[name] += 1
+
+        timed.__wrapped_by_timers__ = True
+        return timed
+
+    def install(self) -> None:
+        modules = [importlib.import_module(name) for name in TIMED_MODULES]
+        wrapped = {}
+        for module in modules:
+            for attr, value in list(vars(module).items()):
+                if (inspect.isfunction(value) and value.__module__ == module.__name__
+                        and not getattr(value, "__wrapped_by_timers__", False)):
+                    wrapped[value] = self.wrap(f"{module.__name__.removeprefix('cute_kda.')}.{attr}", value)
+        for module in [m for n, m in list(sys.modules.items()) if n.startswith("cute_kda") and m is not None]:
+            for attr, value in list(vars(module).items()):
+                if inspect.isfunction(value) and value in wrapped:
+                    setattr(module, attr, wrapped[value])
+        from cute_kda.ops._cache import CompileCache
+
+        get, timers = CompileCache.get, self
+
+        def timed_get(cache, key, build):
+            compiled = get(cache, key, build)
+            name = f"compiled {cache.name}"
+            kept = timers._compiled.get(id(compiled))
+            if kept is None:
+                kept = timers._compiled[id(compiled)] = (compiled, timers.wrap(name, compiled))
+            return kept[1]
+
+        self._compiled: dict[int, tuple] = {}
+        CompileCache.get = timed_get
+        for method in TIMED_TENSOR_METHODS:
+            setattr(torch.Tensor, method, self.wrap(f"Tensor.{method}", getattr(torch.Tensor, method)))
+        for function in TIMED_TORCH_FUNCTIONS:
+            setattr(torch, function, self.wrap(f"torch.{function}", getattr(torch, function)))
+
+    def snapshot(self) -> dict[str, tuple[float, int]]:
+        return {name: (self.seconds[name], self.calls[name]) for name in self.seconds}
+
+
+def timer_rows(timers: HostTimers, problem: dict, forward, steps: int, setting: str, top: int = 40) -> list[list[str]]:
+    """The ``top`` names by median host µs a step over ``steps`` steps: [setting, name, µs, calls] rows."""
+    per_step = collections.defaultdict(list)
+    for _ in range(steps):
+        before = timers.snapshot()
+        timed_step(problem, forward)
+        after = timers.snapshot()
+        for name, (seconds, calls) in after.items():
+            was = before.get(name, (0.0, 0))
+            per_step[name].append(((seconds - was[0]) * 1e6, calls - was[1]))
+    medians = {name: (statistics.median(v[0] for v in values), statistics.median(v[1] for v in values))
+               for name, values in per_step.items()}
+    ranked = sorted(medians.items(), key=lambda item: -item[1][0])[:top]
+    return [[setting, f"`{name}`", f"{us:.1f}", f"{calls:g}"] for name, (us, calls) in ranked if calls]
 
 
 def label(segments: int | None) -> str:
@@ -171,6 +265,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.cprofile:
         text += (f"\nPython profile of {args.cprofile} steps ({label(args.segments[0])}, cProfile):\n\n```\n"
                  + python_profile(problem, forward_of(problem, args.segments[0]), args.cprofile) + "```\n")
+    if args.timers:
+        timers = HostTimers()
+        timers.install()
+        timed = []
+        for segments in args.segments:
+            forward = forward_of(problem, segments)
+            timed_step(problem, forward)  # the wrappers' own first calls
+            timed += timer_rows(timers, problem, forward, args.steps, label(segments))
+        text += ("\nHost time by function (inclusive: a caller's time holds its callees'; perf_counter wrappers, "
+                 f"medians of {args.steps} steps):\n\n"
+                 + markdown_table(["setting", "function", "host µs a step", "calls a step"], timed) + "\n")
     publish(text, args.out)
 
 

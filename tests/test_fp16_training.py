@@ -310,6 +310,7 @@ def test_do_kernel_hands_kernel_a_and_b_the_rounded_do(launchers_on_mirrors, mon
     monkeypatch.setattr(ka, "_check_buffers", lambda *a: handed.append(a[0]) or check_scan(*a))
     monkeypatch.setattr(kb, "_check_buffers", lambda *a: handed.append(a[4]) or check_grads(*a))
     forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
+    monkeypatch.setattr(training, "FP16_DO_KERNEL", False)
     off = train(forward, problem, do=do, dht=dht.half())[2]
     assert rounded == [] and len(handed) == 2
     monkeypatch.setattr(training, "FP16_DO_KERNEL", True)

@@ -74,6 +74,7 @@ def test_warmup_lists_the_pass_for_fp16_training_under_the_switch(monkeypatch):
     from cute_kda.executors import training
 
     selection = dict(varlen=(False,), state_modes=(None,), vsplits=(1,), segments=False)
+    monkeypatch.setattr(training, "FP16_DO_KERNEL", False)
     assert RoundVariant() not in warmup_variants(dtypes=(FP16,), training=True, **selection)
     monkeypatch.setattr(training, "FP16_DO_KERNEL", True)
     assert RoundVariant() in warmup_variants(dtypes=(FP16,), training=True, **selection)

@@ -58,8 +58,9 @@ FP16_GRAD_STORES = False
 FP16_NATIVE_BACKWARD = True
 # fp16 training's dO rounded to bf16 by cute_kda's own streaming kernel (cute_kda.ops.round_bf16; the same bits)
 # instead of torch's cast, which moves its 403 MB at B1 T8192 H96 at 1.46 TB/s (0.275 ms of the step's 0.33 ms over
-# bf16); off until the H200 has measured it (docs/perf-log.md, F4; bench_train.py --fp16-do-kernel)
-FP16_DO_KERNEL = False
+# bf16): the fp16 step 1.063 → 1.021× bf16's on the H200 (docs/perf-log.md, F4); bench_train.py --no-fp16-do-kernel
+# turns it off for the A/B
+FP16_DO_KERNEL = True
 BACKWARD_OP_NAME = "cute_kda::backward"
 
 
