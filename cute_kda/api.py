@@ -25,7 +25,7 @@ from .context_parallel import check_segments
 from .executors import inference, training
 from .executors.stages import KERNELS
 from .fla_calls import translate_fla_call, translate_fla_gdn_call
-from .variants import GradsVariant, PrepareVariant, RecurrenceVariant, RoundVariant, ScanVariant
+from .variants import CombineVariant, GradsVariant, PrepareVariant, RecurrenceVariant, RoundVariant, ScanVariant
 
 if TYPE_CHECKING:
     from .fla_calls import CanonicalCall
@@ -369,10 +369,10 @@ def warmup(*, device: Any = None, **selection: Any) -> int:
 
 def _launchers_by_variant() -> dict[type, Any]:
     """The launcher module of each variant class (imported here: they bring in the DSL)."""
-    from .ops import bwd_grads, bwd_scan, prepare, recurrence, round_bf16
+    from .ops import bwd_grads, bwd_scan, prepare, recurrence, round_bf16, segment_combine
 
     return {PrepareVariant: prepare, RecurrenceVariant: recurrence, ScanVariant: bwd_scan, GradsVariant: bwd_grads,
-            RoundVariant: round_bf16}
+            RoundVariant: round_bf16, CombineVariant: segment_combine}
 
 
 def warmup_variants(
@@ -402,7 +402,8 @@ def warmup_variants(
     ``vsplits``; dht of the final state's dtype or none, dh0 of the initial state's dtype or none) and Kernel B for
     each gate (per head too with ``gated_delta_rule``). ``segments`` also lists what a call split into segments runs
     (context parallelism, :mod:`cute_kda.context_parallel`; V-split 1): K2 on packed segments with fp32 states in and
-    out, and with ``training`` its checkpoint variant and Kernel A's two passes. ``state_pools`` (bf16 and/or fp32):
+    out, the segment combine from each of ``state_modes``, and with ``training`` K2's checkpoint variant, Kernel A's
+    two passes and the backward's combine. ``state_pools`` (bf16 and/or fp32):
     K2 of a prefill on a state pool of that dtype, for every V-split and ``varlen`` value, without prefix checkpoints
     and with each of ``checkpoint_every`` (tokens: one variant per value). ``dtypes``: the activations' dtypes (bf16
     and / or fp16) the forward variants are listed for (an fp16 one's log decay in fp16 or fp32, its ``state_modes``
@@ -480,6 +481,10 @@ def warmup_variants(
         for dtype, dim in itertools.product(dtypes, head_dims):
             for initial, final in ((None, fp32), (fp32, fp32), (fp32, None)):  # local pass, transition / real, none
                 variants[RecurrenceVariant(1, initial, final, True, dtype=dtype, dim=dim)] = None
+        for dim, boundary in itertools.product(head_dims, state_modes):  # the combine, from the caller's state
+            variants[CombineVariant(dim, False, boundary)] = None
+            if training:  # from dht (the final state's dtype)
+                variants[CombineVariant(dim, True, boundary)] = None
         if training:
             for dtype, final, dim in itertools.product(dtypes, (fp32, None), head_dims):
                 variants[RecurrenceVariant(1, fp32, final, True, True, dtype=dtype, dim=dim)] = None

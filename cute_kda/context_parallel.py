@@ -263,7 +263,13 @@ def _combine(seg: Segmentation, into: torch.Tensor, transitions: torch.Tensor, b
     ``G[C−1] = boundary``) in place in ``into`` (``[count, H, V, K]``; ``boundary`` None: zero), whose rows hold
     the addends already (``H[c−1]`` where ``X[c]`` goes, ``L[c]`` where ``G[c−1]`` goes): one batched matmul a
     segment over segment-major ``[C, N · H, V, K]`` operands, adding in place (into another tensor, ``baddbmm``
-    would copy the addend there first: a device copy a segment)."""
+    would copy the addend there first: a device copy a segment). On a GPU one launch of cute_kda's combine kernel
+    does it all instead (:func:`cute_kda.ops.segment_combine.combine_segments`; the same sums to fp32 rounding)."""
+    if into.is_cuda:
+        from .ops.segment_combine import combine_segments
+
+        combine_segments(into, transitions, boundary, seg.per_seq, transpose=transpose)
+        return
     count, heads, rows, cols = into.shape
 
     def segment_major(t: torch.Tensor) -> torch.Tensor:  # one sequence's segments are already, else a copy

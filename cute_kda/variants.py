@@ -145,6 +145,17 @@ class GradsVariant:
 
 
 @dataclass(frozen=True)
+class CombineVariant:
+    """The segment combine (:class:`cute_kda.kernels.segment_combine.SegmentCombineKernel`) of a segmented call:
+    ``dim`` (K = V), ``transpose`` (the backward's combine) and ``boundary``, the dtype of the initial state (forward)
+    or of the final state's gradient (backward) it starts from (None: none, zero)."""
+
+    dim: int
+    transpose: bool
+    boundary: torch.dtype | None
+
+
+@dataclass(frozen=True)
 class RoundVariant:
     """The fp16 → bf16 rounding pass (:class:`cute_kda.kernels.round_bf16.RoundBf16Kernel`; fp16 training's dO,
     :data:`cute_kda.executors.training.FP16_DO_KERNEL`): ``num_threads`` a CTA, ``vectors`` 16-byte runs in flight

@@ -15,8 +15,8 @@ import cute_kda.call as call_module
 from cute_kda import api, interop, validation
 from cute_kda.executors import inference
 from cute_kda.fla_calls import CanonicalCall
-from cute_kda.numerics import SCAN_VSPLITS
-from cute_kda.variants import GradsVariant, PrepareVariant, RecurrenceVariant, ScanVariant
+from cute_kda.numerics import HEAD_DIM, SCAN_VSPLITS
+from cute_kda.variants import CombineVariant, GradsVariant, PrepareVariant, RecurrenceVariant, ScanVariant
 from cute_kda.reference import gold_forward, mirror_forward, rel_rms
 
 D = 128
@@ -153,21 +153,27 @@ def test_warmup_covers_the_segmented_variants():
     assert recurrences[-2:] == [RecurrenceVariant(1, fp32, fp32, True, True), RecurrenceVariant(1, fp32, None, True, True)]
     assert scans[-3:] == [ScanVariant(1, None, fp32, True, token_outputs=False), ScanVariant(1, fp32, fp32, True),
                           ScanVariant(1, fp32, None, True)]
+    combines = [v for v in variants if isinstance(v, CombineVariant)]
+    assert combines == [CombineVariant(HEAD_DIM, False, None), CombineVariant(HEAD_DIM, True, None)]
+    variants = api.warmup_variants(varlen=(False,), state_modes=(torch.bfloat16, fp32), head_dims=(64,))
+    assert [v for v in variants if isinstance(v, CombineVariant)] == [
+        CombineVariant(64, False, torch.bfloat16), CombineVariant(64, False, fp32)]
 
 
 def test_warmup_compiles_each_listed_variant_with_its_launcher(monkeypatch):
-    from cute_kda.ops import bwd_grads, bwd_scan, prepare, recurrence
+    from cute_kda.ops import bwd_grads, bwd_scan, prepare, recurrence, segment_combine
 
     compiled = []
     monkeypatch.setattr(api.torch.cuda, "is_available", lambda: True)
-    for module in (prepare, recurrence, bwd_scan, bwd_grads):
+    for module in (prepare, recurrence, bwd_scan, bwd_grads, segment_combine):
         monkeypatch.setattr(module, "compile_variant",
                             lambda variant, device, module=module: compiled.append((module, variant, device)))
     options = dict(varlen=(True,), state_modes=(torch.float32,), vsplits=(2,), gates=("softplus",), training=True)
     count = cute_kda.warmup(device="cuda:0", **options)
     expected = api.warmup_variants(**options)
     assert count == len(expected) and [variant for _, variant, _ in compiled] == expected
-    kinds = {PrepareVariant: prepare, RecurrenceVariant: recurrence, ScanVariant: bwd_scan, GradsVariant: bwd_grads}
+    kinds = {PrepareVariant: prepare, RecurrenceVariant: recurrence, ScanVariant: bwd_scan, GradsVariant: bwd_grads,
+             CombineVariant: segment_combine}
     assert all(module is kinds[type(variant)] and device == torch.device("cuda", 0)
                for module, variant, device in compiled)
 
