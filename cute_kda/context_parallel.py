@@ -115,14 +115,16 @@ _KEPT_LIMIT = 64
 
 def _kept(key: tuple, device: torch.device, make: Callable[[], Any]) -> Any:
     """``make()`` once per (``key``, device, current stream on a GPU) and kept (made on the stream that first reads
-    it, so no other stream's work is ordered before it)."""
+    it, so no other stream's work is ordered before it). Made outside inference mode: a training call saves them
+    for its backward, which an inference tensor refuses, whatever mode the call that made them ran in."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     key = (*key, device.type, device.index, stream)
     kept = _KEPT.get(key)
     if kept is None:
         if len(_KEPT) >= _KEPT_LIMIT:
             _KEPT.clear()
-        kept = _KEPT[key] = make()
+        with torch.inference_mode(False):
+            kept = _KEPT[key] = make()
     return kept
 
 
@@ -147,6 +149,7 @@ def transition_identities(count: int, heads: int, dim: int, device: torch.device
 
 
 @functools.lru_cache(maxsize=64)
+@torch.inference_mode(False)  # kept: a later training call saves them (see _kept)
 def _segment_bounds(num_seqs: int, seq_len: int, length: int) -> torch.Tensor:
     starts = torch.arange(0, seq_len, length, dtype=torch.int64)
     bounds = (torch.arange(num_seqs, dtype=torch.int64)[:, None] * seq_len + starts).flatten()

@@ -191,6 +191,18 @@ def test_combine_in_place_has_the_out_of_place_bits(num_seqs, transpose):
     assert torch.equal(into, expected)
 
 
+def test_training_after_an_inference_mode_call_of_the_same_split():
+    """The segment bounds and identities are kept per split: made by a call under ``torch.inference_mode()``, they
+    must still be tensors a later training call of the same split can save for its backward."""
+    context_parallel._KEPT.clear()
+    context_parallel._segment_bounds.cache_clear()
+    problem, do, dht = make_problem([48], state=torch.float32, seed=9)
+    with torch.inference_mode():
+        REFERENCE_FORWARD(**{n: t.detach() for n, t in problem.items()}, output_final_state=True, segments=3)
+    o, _, grads = train(REFERENCE_FORWARD, problem, do=do, dht=dht, segments=3)
+    assert not o.is_inference() and all(g is not None for g in grads.values())
+
+
 def test_segments_run_the_extra_passes(monkeypatch):
     """A segmented call makes the segment states once (the forward) and scans twice; ``recompute`` reuses the kept
     segment states instead of making them again."""
