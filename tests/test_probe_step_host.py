@@ -31,3 +31,21 @@ def test_refuses_to_time_without_cuda(probe, monkeypatch):
     monkeypatch.setattr(probe.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         probe.main([])
+
+
+def test_timers_count_calls_and_time(probe):
+    """``--timers``: a wrapped function is timed inclusively and counted, its result and exceptions passed on."""
+    assert not probe.build_parser().parse_args([]).timers and probe.build_parser().parse_args(["--timers"]).timers
+    timers = probe.HostTimers()
+
+    def double(x):
+        if x < 0:
+            raise ValueError("negative")
+        return 2 * x
+
+    timed = timers.wrap("double", double)
+    assert timed(3) == 6 and timed.__name__ == "double"
+    with pytest.raises(ValueError, match="negative"):
+        timed(-1)
+    seconds, calls = timers.snapshot()["double"]
+    assert calls == 2 and seconds >= 0.0
