@@ -154,9 +154,12 @@ def test_training_stops_when_calls_miss_cute_kda(toy_model):
 
 @pytest.mark.gpu
 def test_example_trains_on_cute_kda(tmp_path):
+    """The defaults' run learns to recall the block (the verdict's margin); raises if a chunk_kda call did not reach
+    cute_kda."""
     pytest.importorskip("fla")
     out = tmp_path / "loss.csv"
-    fell = train.main(["--steps", "400", "--out", str(out)])  # raises if a chunk_kda call did not reach cute_kda
+    recalls = train.main(["--out", str(out)])
     rows = list(csv.reader(out.open()))
-    assert len(rows) == 401
-    print(f"second copy fell below the first: {fell}; last row {rows[-1]}")
+    print(f"last row {rows[-1]}")
+    assert len(rows) == 1 + train.build_parser().parse_args([]).steps
+    assert recalls, f"the second copy did not fall 0.5 nats below the first; last row {rows[-1]}"
