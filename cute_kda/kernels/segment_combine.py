@@ -12,14 +12,15 @@ them (:mod:`cute_kda.context_parallel`). Over the segments of one (sequence, hea
 
 In place in ``into`` (``[N · C, H, D, D]``, a sequence's segments consecutive), whose rows hold the addends already
 (``H[c−1]`` where ``X[c]`` goes, ``L[c]`` where ``G[c−1]`` goes); the boundary row is written from ``boundary``.
-One launch replaces a batched GEMM per segment: the step is host-bound at B1 T32768 H16 (docs/perf-log.md, CP6).
+One launch replaces a batched GEMM per segment, whose host time bound the training step at B1 T32768 H16
+(docs/perf-log.md, CP6).
 
 Rows of ``X`` (and ``G``) are independent (``X[c][r] = X[c−1][r]·F + H[r]``), so a CTA owns
 :data:`~cute_kda.layouts.segment_combine.ROWS` rows of one (sequence, head) and walks its segments alone: per step
 it stages ``F`` in shared memory (padded rows, :func:`~cute_kda.layouts.segment_combine.transition_tile`), each
 thread forms its column of its rows as an fp32 dot product over ``k`` in order (FMA), adds the addend and writes
-the row back to the staging and to ``into``. fp32 throughout, as the torch combine; the sums' order is not
-cuBLAS's, so the two agree to rounding, not bit for bit.
+the row back to the staging and to ``into``. fp32 throughout (the CPU's torch combine follows torch's matmul
+precision); the sums' order is not a GEMM library's, so the two agree to rounding, not bit for bit.
 """
 
 from __future__ import annotations
