@@ -16,7 +16,7 @@ import torch
 from cute_kda.compile_report import compile_with_report
 from cute_kda.layouts.segment_combine import ROWS, THREADS, smem_bytes
 from cute_kda.ops import segment_combine
-from cute_kda.ops._cache import TVM_FFI_OPTION, dsl_type
+from cute_kda.ops._cache import TVM_FFI_OPTION
 from cute_kda.variants import CombineVariant
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -47,7 +47,7 @@ def combined_in_fp64(into: torch.Tensor, transitions: torch.Tensor, boundary: to
 def test_ptx_unrolls_the_dot_products_without_local_memory(variant):
     from cute_kda.kernels.segment_combine import SegmentCombineKernel
 
-    kernel = SegmentCombineKernel(variant.dim, variant.transpose, dsl_type(variant.boundary))
+    kernel = SegmentCombineKernel(variant.dim, variant.transpose)
     _, report = compile_with_report(kernel, *segment_combine.compile_arguments(variant), options=TVM_FFI_OPTION)
     print(report.summary())
     per_thread = ROWS * variant.dim // THREADS

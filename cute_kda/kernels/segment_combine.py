@@ -33,23 +33,22 @@ from ..layouts.segment_combine import ROWS, THREADS, rows_per_pass, state_rows, 
 
 
 class SegmentCombineKernel:
-    """Static configuration: ``dim`` (K = V), ``transpose`` (the backward combine) and ``boundary``, the DSL
-    element type of the boundary tensor (None: no boundary, zero)."""
+    """Static configuration: ``dim`` (K = V) and ``transpose`` (the backward combine). The boundary's presence and
+    element type come from the compile's arguments (None: no boundary, zero)."""
 
-    def __init__(self, dim: int, transpose: bool, boundary: type | None) -> None:
+    def __init__(self, dim: int, transpose: bool) -> None:
         if dim % ROWS or THREADS % dim:
             raise ValueError(f"dim must divide {THREADS} and be a multiple of {ROWS}, got {dim}")
         self.dim = dim
         self.transpose = transpose
-        self.boundary = boundary
         self.row_step = rows_per_pass(dim)  # rows apart of one thread's elements
         self.per_thread = ROWS // self.row_step
 
     @cute.jit
     def __call__(self, into: cute.Tensor, transitions: cute.Tensor, boundary: cute.Tensor | None, per_seq: Int32,
                  stream) -> None:
-        """``into``, ``transitions`` fp32 ``[N · C, H, D, D]``, ``boundary`` None or ``[N, H, D, D]`` (``self.boundary``),
-        ``per_seq`` = C ≥ 1; all contiguous."""
+        """``into``, ``transitions`` fp32 ``[N · C, H, D, D]``, ``boundary`` None or ``[N, H, D, D]`` (fp32, bf16 or
+        fp16), ``per_seq`` = C ≥ 1; all contiguous."""
         heads = into.shape[1]
         num_seqs = into.shape[0] // per_seq
         self.kernel(into, transitions, boundary, per_seq).launch(

@@ -12,7 +12,7 @@ import torch
 from ..numerics import NATIVE_HEAD_DIMS
 from ..variants import CombineVariant
 from ._cache import (
-    CompileCache, compile_for_launch, current_stream, device_index, dsl_type, fake_stream, on_device, to_cute_tensor,
+    CompileCache, compile_for_launch, current_stream, device_index, fake_stream, on_device, to_cute_tensor,
 )
 
 _COMBINE = CompileCache("segment_combine")
@@ -35,7 +35,7 @@ def compiled_variant(variant: CombineVariant, index: int):
     def build():
         from ..kernels.segment_combine import SegmentCombineKernel
 
-        kernel = SegmentCombineKernel(variant.dim, variant.transpose, dsl_type(variant.boundary))
+        kernel = SegmentCombineKernel(variant.dim, variant.transpose)
         return compile_for_launch(kernel, *compile_arguments(variant))
 
     return _COMBINE.get((variant, index), build)
