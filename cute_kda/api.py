@@ -403,7 +403,7 @@ def warmup_variants(
     each gate (per head too with ``gated_delta_rule``). ``segments`` also lists what a call split into segments runs
     (context parallelism, :mod:`cute_kda.context_parallel`; V-split 1): K2 on packed segments with fp32 states in and
     out, the segment combine from each of ``state_modes``, and with ``training`` K2's checkpoint variant, Kernel A's
-    two passes and the backward's combine. ``state_pools`` (bf16 and/or fp32):
+    two passes and the backward's combine (from dht: an fp16 state's in fp32). ``state_pools`` (bf16 and/or fp32):
     K2 of a prefill on a state pool of that dtype, for every V-split and ``varlen`` value, without prefix checkpoints
     and with each of ``checkpoint_every`` (tokens: one variant per value). ``dtypes``: the activations' dtypes (bf16
     and / or fp16) the forward variants are listed for (an fp16 one's log decay in fp16 or fp32, its ``state_modes``
@@ -483,9 +483,9 @@ def warmup_variants(
                 variants[RecurrenceVariant(1, initial, final, True, dtype=dtype, dim=dim)] = None
         for dim, boundary in itertools.product(head_dims, state_modes):  # the combine, from the caller's state
             variants[CombineVariant(dim, False, boundary)] = None
-            if training:  # from dht (the final state's dtype)
-                variants[CombineVariant(dim, True, boundary)] = None
         if training:
+            for dim, dht in itertools.product(head_dims, scan_modes):  # from dht, as Kernel A takes it
+                variants[CombineVariant(dim, True, dht)] = None
             for dtype, final, dim in itertools.product(dtypes, (fp32, None), head_dims):
                 variants[RecurrenceVariant(1, fp32, final, True, True, dtype=dtype, dim=dim)] = None
             for dim, grads in itertools.product(head_dims, grad_dtypes):

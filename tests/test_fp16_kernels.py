@@ -320,7 +320,7 @@ def test_warmup_lists_the_fp16_variants(monkeypatch):
     from cute_kda.executors import training
 
     monkeypatch.setattr(training, "FP16_NATIVE_BACKWARD", False)
-    from cute_kda.variants import GradsVariant, PrepareVariant, RecurrenceVariant, ScanVariant
+    from cute_kda.variants import CombineVariant, GradsVariant, PrepareVariant, RecurrenceVariant, ScanVariant
 
     fp16, bf16, fp32 = torch.float16, torch.bfloat16, torch.float32
     selection = dict(varlen=(False,), state_modes=(fp16,), vsplits=(1,), gates=("safe", "none"), segments=True)
@@ -335,6 +335,9 @@ def test_warmup_lists_the_fp16_variants(monkeypatch):
     assert set(variants) < set(trained)
     assert RecurrenceVariant(1, fp16, fp16, False, True, dtype=fp16) in trained
     assert RecurrenceVariant(1, fp32, fp32, True, True, dtype=fp16) in trained  # a segmented call's training pass
+    # a segmented call's combines: forward from the fp16 initial state, backward from dht, which an fp16 state has in fp32
+    assert CombineVariant(128, False, fp16) in variants
+    assert CombineVariant(128, True, fp32) in trained and CombineVariant(128, True, fp16) not in trained
     scans = {(v.dht, v.dh0) for v in trained if isinstance(v, ScanVariant) and not v.varlen}
     assert scans == {(fp32, fp32), (None, fp32)}
     grads = {(v.gate, v.g_dtype) for v in trained if isinstance(v, GradsVariant)}
