@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 TIMED_MODULES = ("cute_kda.api", "cute_kda.fla_calls", "cute_kda.call", "cute_kda.validation", "cute_kda.workspace",
                  "cute_kda.context_parallel", "cute_kda.executors.stages", "cute_kda.executors.training",
                  "cute_kda.ops.prepare", "cute_kda.ops.recurrence", "cute_kda.ops.bwd_scan", "cute_kda.ops.bwd_grads",
-                 "cute_kda.ops.round_bf16", "cute_kda.ops._cache")
+                 "cute_kda.ops.round_bf16", "cute_kda.ops.segment_combine", "cute_kda.ops._cache")
 TIMED_TENSOR_METHODS = ("baddbmm_", "copy_", "zero_", "to", "contiguous")
 TIMED_TORCH_FUNCTIONS = ("empty", "empty_like", "zeros", "zeros_like")
 
@@ -93,6 +93,7 @@ class HostTimers:
     def __init__(self) -> None:
         self.seconds: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
+        self._compiled: dict[int, tuple] = {}  # id of a compiled callable → (it, its timed wrapper)
 
     def wrap(self, name: str, function):
         seconds, calls, clock = self.seconds, self.calls, time.perf_counter
@@ -133,7 +134,6 @@ class HostTimers:
                 kept = timers._compiled[id(compiled)] = (compiled, timers.wrap(name, compiled))
             return kept[1]
 
-        self._compiled: dict[int, tuple] = {}
         CompileCache.get = timed_get
         for method in TIMED_TENSOR_METHODS:
             setattr(torch.Tensor, method, self.wrap(f"Tensor.{method}", getattr(torch.Tensor, method)))
