@@ -335,7 +335,7 @@ def test_warmup_lists_the_fp16_variants(monkeypatch):
     assert set(variants) < set(trained)
     assert RecurrenceVariant(1, fp16, fp16, False, True, dtype=fp16) in trained
     assert RecurrenceVariant(1, fp32, fp32, True, True, dtype=fp16) in trained  # a segmented call's training pass
-    # a segmented call's combines: forward from the fp16 initial state, backward from dht, which an fp16 state has in fp32
+    # a segmented call's combines: forward from the fp16 initial state, backward from dht (fp32 for an fp16 state)
     assert CombineVariant(128, False, fp16) in variants
     assert CombineVariant(128, True, fp32) in trained and CombineVariant(128, True, fp16) not in trained
     scans = {(v.dht, v.dh0) for v in trained if isinstance(v, ScanVariant) and not v.varlen}
