@@ -25,7 +25,8 @@ sigmoid in the kernel. The per-head rows (GatedDeltaNet) run decode with a preco
   ``num_accepted_tokens``, ``inplace_final_state=True``), the same gate, l2norm and β sigmoid in its kernel;
   for the per-head rows ``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule`` (FLA 0.6.0 has no pool
   indexing there: it reads a contiguous ``[N, HV, V, K]`` initial state and allocates the final state). Slot
-  ids are a random permutation (no padding rows: FLA 0.6.0 reads slot −1);
+  ids are a random permutation (no padding rows: FLA 0.6.0 reads slot −1); ``--ordered-slots`` puts them in order
+  (slot placement alone moved a bf16 decode row by up to 4 points of the copy: docs/perf-log.md, D-slots);
 - ``--sweep``: every V-split of each row too (the column gives the fastest and its µs; ``auto`` is
   :meth:`cute_kda.kernels.decode.DecodeVariant.choose_vsplit`);
 - ``--no-prefetch``: the plain unrolled multi-token variants instead of those that load every token ahead
@@ -72,9 +73,10 @@ LOWER_BOUND = -5.0
 
 
 def _inputs(N: int, T: int, HV: int, pool_dtype: torch.dtype, per_head: bool, verify: bool,
-            packed: bool = False) -> dict:
-    """A call's tensors (H = HV), its pool (``N·T`` slots for a verify, ``N`` for a decode) and slot ids;
-    ``packed``: the same tokens as ``[1, N·T, ...]`` with int32 ``cu_seqlens`` (every sequence T long)."""
+            packed: bool = False, ordered: bool = False) -> dict:
+    """A call's tensors (H = HV), its pool (``N·T`` slots for a verify, ``N`` for a decode) and slot ids, a random
+    permutation of the slots (``ordered``: in order); ``packed``: the same tokens as ``[1, N·T, ...]`` with int32
+    ``cu_seqlens`` (every sequence T long)."""
     dev = "cuda"
     bf16 = torch.bfloat16
     gate_shape = (N, T, HV) if per_head else (N, T, HV, D)
@@ -82,7 +84,7 @@ def _inputs(N: int, T: int, HV: int, pool_dtype: torch.dtype, per_head: bool, ve
     if per_head:
         g = torch.nn.functional.logsigmoid(g + 2.0)  # GatedDeltaNet's precomputed log decay
     slots = N * T if verify else N
-    indices = torch.randperm(slots, device=dev, dtype=torch.int32)
+    indices = (torch.arange if ordered else torch.randperm)(slots, device=dev, dtype=torch.int32)
     case = dict(
         q=torch.randn(N, T, HV, D, device=dev, dtype=bf16), k=torch.randn(N, T, HV, D, device=dev, dtype=bf16),
         v=torch.randn(N, T, HV, D, device=dev, dtype=bf16), g=g.to(bf16),
@@ -167,7 +169,8 @@ def _row(N: int, HV: int, pool: str, mode: str, per_head: bool, args) -> list[st
 
     T = MODES[mode]
     verify = mode.endswith("verify")
-    case = _inputs(N, T, HV, POOLS[pool], per_head, verify, packed=mode.startswith("packed"))
+    case = _inputs(N, T, HV, POOLS[pool], per_head, verify, packed=mode.startswith("packed"),
+                   ordered=args.ordered_slots)
     state_bytes = HV * D * D * case["state_pool"].element_size()
     traffic = N * state_bytes * (1 + (T if verify else 1))
     from cute_kda.ops import decode as decode_ops
@@ -216,6 +219,8 @@ def main() -> None:
                         help="T = 2-4 calls preparing each token in every thread group, not once a warp (A/B, "
                              "perf-log D6)")
     parser.add_argument("--no-fla", action="store_true", help="skip FLA's columns")
+    parser.add_argument("--ordered-slots", action="store_true",
+                        help="slot ids in order, not a random permutation (how slot placement moves a row)")
     args = parser.parse_args()
     from cute_kda.ops import decode as decode_ops
 
@@ -242,11 +247,11 @@ def main() -> None:
                         print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
                         torch.cuda.empty_cache()
                         if args.out:  # a run cut short keeps what it measured
-                            save(_report(head, rows, args.floor_us), args.out)
-    publish(_report(head, rows, args.floor_us), args.out)
+                            save(_report(head, rows, args.floor_us, args.ordered_slots), args.out)
+    publish(_report(head, rows, args.floor_us, args.ordered_slots), args.out)
 
 
-def _report(head: list[str], rows: list[list[str]], floor_us: float) -> str:
+def _report(head: list[str], rows: list[list[str]], floor_us: float, ordered: bool) -> str:
     return "\n".join([
         "# Decode / verify on a state pool (bench_decode.py)", "",
         environment("cutlass", "fla", labels={"cutlass": "nvidia-cutlass-dsl", "fla": "FLA"}), "",
@@ -255,7 +260,8 @@ def _report(head: list[str], rows: list[list[str]], floor_us: float) -> str:
         "before each repetition; % copy: state bytes / time against the faster of two device copies of the same "
         "bytes (cudaMemcpyAsync, a vectorized SM kernel) timed the same way; copy GB/s: that copy's. ceiling vs FLA: "
         f"FLA's µs over the larger of the copy's µs and the launch floor ({floor_us:.2f} µs, a one-element kernel "
-        "timed the same way): the most any kernel moving these bytes could gain on FLA.", "",
+        "timed the same way): the most any kernel moving these bytes could gain on FLA. Slot ids "
+        f"{'in order' if ordered else 'a random permutation'}.", "",
         markdown_table(head, rows), "",
     ])
 

@@ -395,6 +395,7 @@ def _loop_matrix():
         V(tokens=None, vsplit=4),
         V(tokens=None, gate="softplus", state_dtype="bf16", verify=True, grouped=True, vsplit=2),
         V(tokens=None, cu_seqlens="int32", state_dtype="bf16", verify=True, grouped=True, vsplit=2),
+        V(tokens=None, cu_seqlens="int32", state_dtype="bf16", vsplit=4),  # an engine's packed decode batch
         V(tokens=None, cu_seqlens="int64", gate="softplus", per_head_gate=True, state_dtype="bf16",
           state_layout="kv"),
         V(tokens=None, cu_seqlens="int32", gate="none", state_layout="kv", verify=True, qk_l2norm=False,
@@ -405,6 +406,7 @@ def _loop_matrix():
 
 def test_loop_matrix_covers_offsets_and_modes():
     matrix = _loop_matrix()
+    assert {v.bounded_loop for v in matrix} == {False, True}
     assert {v.cu_seqlens for v in matrix} == {None, "int32", "int64"}
     assert {(v.cu_seqlens is None, v.verify) for v in matrix} == {(a, b) for a in (False, True) for b in (False, True)}
     assert {(v.state_layout, v.state_dtype) for v in matrix} == {(a, b) for a in ("vk", "kv") for b in DTYPES}
@@ -587,6 +589,8 @@ def test_variant_compiles(variant):
     assert report.count("mul.rn.f32") >= elements
     assert report.local_memory_ops == 0
     assert len(report.kernels) == 1 and report.spills == 0 and report.kernels[0].stack_frame == 0
+    if variant.bounded_loop:  # 6 CTAs of 64 threads an SM (perf-log D7)
+        assert report.kernels[0].registers <= 168
     print(f"{variant}: {report.kernels[0].registers} registers, {tmap.threads} threads")
 
 

@@ -55,7 +55,7 @@ from .common.fastmath import ex2_approx, fma_rn, mul_rn, sigmoid_approx
 from .common.token_prep import TokenPrep
 
 MAX_TOKENS = 8
-BOUND_CTAS_PER_SM = 6  # paired, l2_ahead, split_prep: CTAs of 64 threads an SM, a cap of 168 registers (no spills)
+BOUND_CTAS_PER_SM = 6  # paired, l2_ahead, split_prep, bf16 V-first loops: 64-thread CTAs an SM, 168 registers
 BUTTERFLY = (4, 2, 1)  # shfl.xor offsets over the 8 lanes of a row (the mirror's order)
 _STATE_TYPES = {"fp32": Float32, "bf16": BFloat16}
 OFFSET_DTYPES = ("int32", "int64")  # of cu_seqlens
@@ -127,6 +127,15 @@ class DecodeVariant:
     @property
     def thread_map(self) -> DecodeThreadMap:
         return DecodeThreadMap(self.state_layout, self.state_dtype, self.vsplit, 2 if self.paired else 1)
+
+    @property
+    def bounded_loop(self) -> bool:
+        """Whether the runtime token loop runs under the :data:`BOUND_CTAS_PER_SM` register cap: on a V-first bf16
+        pool. Uncapped, ptxas gives the loop 232 registers (token t + 1's inputs held across token t's math): 4 CTAs
+        of 64 threads an SM, 32 KB of bf16 state in flight an SM at V-split 4, latency-bound (62-68 % of the copy,
+        packed T = 1). Capped at 168 it takes 158-166 registers without spills; the fp32 and K-first loops spill at
+        the cap (24-548 bytes) and fp32 moves twice the bytes a CTA (89-94 % of the copy uncapped)."""
+        return self.tokens is None and self.state_layout == "vk" and self.state_dtype == "bf16"
 
     @staticmethod
     def choose_l2_ahead(tokens: Optional[int], state_layout: str, state_dtype: str) -> bool:
@@ -291,9 +300,9 @@ class DecodeKernel(TokenPrep):
         """The launch's occupancy keywords. One CTA an SM lifts ptxas's own register cap (a T = 8 verify spilled at
         168). ``paired``, ``l2_ahead`` and ``split_prep``: :data:`BOUND_CTAS_PER_SM` CTAs of 64 threads (the same
         threads an SM at other sizes), a cap of 168 registers (6 CTAs; paired at 8 would need 128: it spills; l2_ahead
-        uncapped takes 200: 4 CTAs; split_prep uncapped 174-189: 5 CTAs); the carveout given (the driver's default,
+        uncapped takes 200: 4 CTAs; split_prep uncapped 174-189: 5 CTAs; :attr:`DecodeVariant.bounded_loop`); the carveout given (the driver's default,
         -1) so that the DSL does not ask a device for its shared memory."""
-        if self.variant.paired or self.variant.l2_ahead or self.variant.split_prep:
+        if self.variant.paired or self.variant.l2_ahead or self.variant.split_prep or self.variant.bounded_loop:
             ctas = max(1, BOUND_CTAS_PER_SM * 64 // self.map.threads)
             return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=-1)
         return dict(min_blocks_per_mp=1)
