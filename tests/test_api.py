@@ -476,6 +476,86 @@ def test_launch_plans_are_kept_per_configuration(mirror_kernels, monkeypatch):
     assert len(builds) == 4
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("lengths", [[40, 40], [5, 16, 1, 30]])
+def test_recomputing_training_forward_runs_the_launch_plan(mirror_kernels, monkeypatch, lengths):
+    """Where :func:`training.planned` holds (the kernels, unsplit, on a GPU), the training forward under ``recompute``
+    launches K1 and K2 through the inference executor's plan: the reference stage's out, final state and
+    ``tile_base``, and nothing kept (docs/perf-log.md, h10)."""
+    from cute_kda.call import resolve
+    from cute_kda.executors import training
+    from cute_kda.executors.stages import KERNELS, packed
+    from cute_kda.reference.backend import REFERENCE
+
+    monkeypatch.setattr(training, "planned", lambda backend, x, options: True)
+    inputs = make_inputs(lengths, 2, torch.device("cpu"))
+    call = resolve(**inputs, lower_bound=-3.0, output_final_state=True, recompute=True, training=True)
+    x, options = packed(call.inputs, call.options)
+    result = training.forward_stage(KERNELS, x, options)
+    expected = REFERENCE.forward(x, options)
+    assert mirror_kernels == ["k1", "k2"]
+    assert torch.equal(result.out, expected.out) and torch.equal(result.final_state, expected.final_state)
+    assert result.saved.workspace is None and result.saved.checkpoints is None
+    assert (result.saved.tile_base is None) == (expected.saved.tile_base is None)
+    if expected.saved.tile_base is not None:
+        assert torch.equal(result.saved.tile_base, expected.saved.tile_base)
+
+
+def test_backward_recomputes_into_the_streams_cached_workspace(monkeypatch):
+    """Where planned, the backward's K1 + K2 recomputation is handed the stream's cached buffer (sized for the
+    problem's workspace) and keeps its checkpoints; elsewhere the stage makes its own."""
+    from cute_kda.call import resolve
+    from cute_kda.executors import stages, training
+    from cute_kda.executors.stages import Saved, packed, workspace_spec
+
+    handed = []
+    scratch = torch.empty(8, dtype=torch.uint8)
+
+    class Buffers:
+        def buffer(self, spec, device):
+            handed.append(("buffer", spec))
+            return scratch
+
+    def forward(x, options, segment_states=None, **kwargs):
+        handed.append(("forward", options.recompute, kwargs.get("workspace")))
+        return stages.ForwardResult(None, None, Saved("workspace", "checkpoints", x.tile_base))
+
+    backend = stages.Backend("recording", forward, None, None)
+    monkeypatch.setattr(inference, "WORKSPACES", Buffers())
+    inputs = make_inputs([40, 40], 2, torch.device("cpu"))
+    x, options = packed(*resolve(**inputs, recompute=True, training=True)[:2])
+    monkeypatch.setattr(training, "planned", lambda backend, x, options: True)
+    saved = training.recomputed(backend, x, options, Saved(None, None, None))
+    assert saved.workspace == "workspace" and saved.checkpoints == "checkpoints"
+    assert handed == [("buffer", workspace_spec(options.problem)), ("forward", False, scratch)]
+    handed.clear()
+    monkeypatch.setattr(training, "planned", lambda backend, x, options: False)
+    training.recomputed(backend, x, options, Saved(None, None, None))
+    assert handed == [("forward", False, None)]
+
+
+def test_planned_only_for_the_kernels_on_a_gpu_unsplit(monkeypatch):
+    from cute_kda.call import resolve
+    from cute_kda.executors import training
+    from cute_kda.executors.stages import KERNELS
+    from cute_kda.reference.backend import REFERENCE
+
+    x, options = resolve(**make_inputs([40], 2, torch.device("cpu")), recompute=True, training=True)[:2]
+    assert not training.planned(KERNELS, x, options)  # q on the CPU: the stage names the device error
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    on_gpu = x._replace(q=torch.empty(0, device="meta"))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    assert training.planned(KERNELS, on_gpu, options)
+    assert not training.planned(REFERENCE, on_gpu, options)
+    monkeypatch.setattr(training, "PLANNED_FORWARD", False)
+    assert not training.planned(KERNELS, on_gpu, options)
+    monkeypatch.setattr(training, "PLANNED_FORWARD", True)
+    split = resolve(**make_inputs([256], 2, torch.device("cpu")), recompute=True, training=True, segments=2)[1]
+    assert split.segmentation is not None and not training.planned(KERNELS, on_gpu, split)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not training.planned(KERNELS, on_gpu, options)
+
+
 def gate_inputs(case: str, lengths, heads, device, seed: int = 0) -> tuple[dict, str]:
     """kda_forward inputs for one unbounded-gate case (docs/numerics.md, "Unbounded gates") and the gate."""
     inputs = make_inputs(lengths, heads, device, seed=seed)
