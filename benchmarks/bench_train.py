@@ -139,9 +139,6 @@ SWITCHES = {
     "--no-fp16-do-kernel": ("cute_kda.executors.training", "FP16_DO_KERNEL", False,
                             "--dtype fp16: dO rounded to bf16 by torch's cast, not by cute_kda's streaming kernel "
                             "(perf-log F4)"),
-    "--no-planned-forward": ("cute_kda.executors.training", "PLANNED_FORWARD", False,
-                             "a recomputing step's forward and the backward's recomputation on fresh workspaces, not "
-                             "through the inference executor's launch plan and cached buffer (perf-log h10)"),
 }
 
 

@@ -974,26 +974,6 @@ def test_backward_is_deterministic(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["varlen_empty_and_short_bf16_state", "B1_T300_H4_fp32_state"])
-def test_planned_forward_has_the_same_bits(case, device, monkeypatch):
-    """A recomputing step with the forward through the inference executor's launch plan and the backward's
-    recomputation in the stream's cached workspace (``training.PLANNED_FORWARD``) against the same step on fresh
-    workspaces: out, the final state and every gradient bit for bit; the plan's buffer then serves the backward (no
-    second workspace at its peak)."""
-    problem, do, dht, options = _gpu_case(case, device)
-    options = dict(options, recompute=True)
-    monkeypatch.setattr(training, "PLANNED_FORWARD", False)
-    o, ht, expected = train(cute_kda.kda_forward, problem, do=do, dht=dht, **options)
-    monkeypatch.setattr(training, "PLANNED_FORWARD", True)
-    o_plan, ht_plan, grads = train(cute_kda.kda_forward, problem, do=do, dht=dht, **options)
-    torch.cuda.synchronize()
-    assert torch.equal(o_plan, o) and torch.equal(ht_plan, ht)
-    for name in INPUTS:
-        assert torch.equal(grads[name], expected[name]), name
-    assert (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream) in inference.WORKSPACES.snapshot()
-
-
-@pytest.mark.gpu
 def test_training_step_releases_its_memory(device):
     """After the backward and once the outputs are dropped, nothing of the step stays allocated (the fresh
     workspace and the checkpoints go with the graph; K1 keeps no reference to them)."""

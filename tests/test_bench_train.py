@@ -49,8 +49,6 @@ def test_options(bench):
     assert not args.no_slopes_ahead and bench.build_parser().parse_args(["--no-slopes-ahead"]).no_slopes_ahead
     assert not args.no_fp16_do_kernel
     assert bench.build_parser().parse_args(["--no-fp16-do-kernel"]).no_fp16_do_kernel
-    assert not args.no_planned_forward
-    assert bench.build_parser().parse_args(["--no-planned-forward"]).no_planned_forward
 
 
 @pytest.mark.parametrize("argv", [["--shapes", "B1_T1_H1"], ["--shapes", ","], ["--steps", "0"], ["--warmup", "x"],

@@ -31,8 +31,7 @@ _WORKSPACE_GRANULE = 2 << 20  # grow the cached buffer in 2 MiB steps
 
 class WorkspaceCache:
     """One flat uint8 K1→K2 workspace buffer per (device, stream), grown on demand, never shrunk, and the
-    launch plans of the calls that use it: inference calls, the recomputing training forward and its backward's
-    recomputation (:mod:`cute_kda.executors.training`, :meth:`buffer`).
+    launch plans of the calls that use it.
 
     Keyed by stream because the buffer is reused without any event: two calls on one stream are
     ordered by the stream, so the second call's K1 cannot overwrite what the first call's K2 still
@@ -64,28 +63,15 @@ class WorkspaceCache:
             cached = self._views.get(key)
             if cached is not None and cached[0] == spec:  # the steady state: same spec, same stream
                 return cached[1]
-            views = workspace_views(spec, self._grown(key, spec, device))
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.numel() < spec.nbytes:
+                nbytes = -(-spec.nbytes // _WORKSPACE_GRANULE) * _WORKSPACE_GRANULE
+                buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                self._buffers[key] = buffer
+                self._plans.pop(key, None)  # their views are of the old buffer
+            views = workspace_views(spec, buffer)
             self._views[key] = (spec, views)
         return views
-
-    def buffer(self, spec: WorkspaceSpec, device: torch.device) -> torch.Tensor:
-        """The flat buffer of the current stream on ``device``, at least ``spec.nbytes`` long: scratch for work
-        queued on that stream before the next call that uses the cache there (a training backward's recomputed
-        workspace, which its own Kernel A and Kernel B read last)."""
-        key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-        with self._lock:
-            return self._grown(key, spec, device)
-
-    def _grown(self, key: tuple[int, int], spec: WorkspaceSpec, device: torch.device) -> torch.Tensor:
-        """The buffer of ``key``, replaced by a larger one when it is shorter than ``spec`` (under the lock)."""
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < spec.nbytes:
-            nbytes = -(-spec.nbytes // _WORKSPACE_GRANULE) * _WORKSPACE_GRANULE
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            self._buffers[key] = buffer
-            self._plans.pop(key, None)  # their views are of the old buffer
-            self._views.pop(key, None)
-        return buffer
 
     def plan(self, index: int, stream: int, config: tuple) -> LaunchPlan | None:
         """The kept plan of ``config`` on (device ``index``, raw ``stream``), None before :meth:`keep`."""
@@ -152,18 +138,9 @@ def _launchers() -> tuple:
 def run(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, final state or None) of a resolved inference ``call``: K1 then K2 on the current stream of q's device,
     into the caller's buffers when given (``call.out``, ``call.final_state``)."""
-    if call.options.segmentation is not None:  # the training forward's stage checks the device itself
+    x, options, out, final_state, _, _ = call
+    if options.segmentation is not None:  # the training forward's stage checks the device itself
         return _segmented(call)
-    return launch_forward(call.inputs, call.options, call.out, call.final_state)[:2]
-
-
-def launch_forward(x: Inputs, options: Options, out: torch.Tensor | None = None,
-                   final_state: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(out, final state or None, ``tile_base``: None for fixed length, else int32 ``[N + 1]``) of an unsplit call's
-    forward keeping nothing: K1 into the stream's cached workspace, then K2, through the configuration's
-    :class:`LaunchPlan`, on the current stream of q's device. The inference path, and the training forward under
-    ``recompute`` (its workspace is dropped when it returns: :mod:`cute_kda.executors.training`)."""
     # the fields as locals: one unpack instead of seventeen reads by name (0.2 µs of a small call's host path)
     q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, _, state_indices, checkpoint_indices = x
     validation.check_on_cuda("q", q)
@@ -173,7 +150,7 @@ def launch_forward(x: Inputs, options: Options, out: torch.Tensor | None = None,
     if out is None:
         out = torch.empty_like(v)
     if problem.heads == 0:
-        return out, final_state, None
+        return out, final_state
     k1, k2, streams = _launchers()
     handle = streams.current_stream_handle(device.index)  # one stream look-up for the plan and both launches
     config = (options, q.shape[2], q.dtype, g.dtype, g.dim(), None if initial_state is None else initial_state.dtype,
@@ -188,7 +165,7 @@ def launch_forward(x: Inputs, options: Options, out: torch.Tensor | None = None,
                   tile_base, stream)
         k2.launch(recurrence, v, out, recurrence_workspace, initial_state, final_state, cu_seqlens, tile_base, stream,
                   state_indices, checkpoint_indices)
-    return out, final_state, tile_base
+    return out, final_state
 
 
 def _segmented(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -75,9 +75,8 @@ class GradsResult(NamedTuple):
 class Backend(NamedTuple):
     """The three stages of a training step.
 
-    forward(inputs, options, segment_states=None, workspace=None) → :class:`ForwardResult` (without workspace and
-    checkpoints under ``options.recompute``; ``segment_states``: a segmented call's, when an earlier forward made them;
-    ``workspace``: :data:`KERNELS` only, a flat uint8 buffer for K1's workspace instead of a fresh one);
+    forward(inputs, options, segment_states=None) → :class:`ForwardResult` (without workspace and checkpoints under
+    ``options.recompute``; ``segment_states``: a segmented call's, when an earlier forward made them);
     scan(inputs, options, saved, do, dht, dh0_dtype, dv_dtype) → :class:`ScanResult` (do bf16 ``[B, T, H, V]``
     contiguous; dht None or bf16 / fp32 ``[N, H, V, K]`` contiguous; dh0_dtype None: no dh0; dv in ``dv_dtype``: bf16,
     or fp16 as ``f16(bf16(x))`` for fp16 training);
@@ -177,10 +176,8 @@ def segment_scan(options: Options, saved: Saved, dht: torch.Tensor | None, dh0_d
 # the kernel backend
 
 
-def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | None = None,
-                    workspace: torch.Tensor | None = None) -> ForwardResult:
-    """K1 into a fresh workspace (``workspace``: into that flat uint8 buffer of at least the problem's
-    :func:`workspace_spec` bytes instead), K2 with checkpoints (without them under ``options.recompute``, the
+def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | None = None) -> ForwardResult:
+    """K1 into a fresh workspace, K2 with checkpoints (without them under ``options.recompute``, the
     workspace then dropped), on the current stream of q's device. A segmented call (packed, :func:`packed`) runs K2
     twice more first, for the segment states (:func:`cute_kda.context_parallel.segment_states`), unless given."""
     validation.check_on_cuda("q", x.q)
@@ -189,9 +186,7 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
     from ..ops import recurrence as k2
 
     problem, device = options.problem, x.q.device
-    buffer = workspace
-    if buffer is None:
-        buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=device)
+    buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=device)
     saved_ws = workspace_views(workspace_spec(problem), buffer)
     checkpoints = None
     if not options.recompute:

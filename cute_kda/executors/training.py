@@ -6,10 +6,8 @@ Forward (training): a fresh K1 workspace per call (never the inference executor'
 call reuses), K1, then K2 writing also the bf16 state entering every tile (``checkpoints``,
 :func:`cute_kda.workspace.block_states_shape`). Saved for the backward: the raw inputs, the workspace, the
 checkpoints, ``cu_seqlens`` on the device and ``tile_base``. With ``recompute`` the forward keeps neither: K2 runs
-without checkpoints and the workspace is dropped when the forward returns (an unsplit call on the kernels runs the
-inference executor's launch plan on its stream's cached workspace: :func:`forward_stage`); the backward runs K1 and K2
-(with checkpoints) again from the saved inputs, ``initial_state`` included, before Kernel A (the workspace then the
-same cached buffer where the forward used it, :func:`recomputed`: one workspace at the backward's peak, as before). The recomputation is the
+without checkpoints and the workspace is freed when the forward returns; the backward runs K1 and K2 (with
+checkpoints) again from the saved inputs, ``initial_state`` included, before Kernel A. The recomputation is the
 same kernels on the same inputs, so the gradients are bit-identical to the default path's; it costs one K1 and one
 K2 per backward and saves the workspace and checkpoints (about 2.8× the bf16 q, k, v, g of the call) for as long as
 the graph holds the call.
@@ -41,9 +39,8 @@ from .. import validation
 from ..call import Call, Inputs, Options, final_state_dtype_of, finish, options_of, resolve
 from ..ops import round_bf16
 from ..validation import problem_of, staged_cu_seqlens
-from . import inference
 from .stages import (
-    KERNEL_B_INPUTS, KERNELS, Backend, ForwardResult, Saved, checkpoints_shape, packed, workspace_spec,
+    KERNEL_B_INPUTS, KERNELS, Backend, Saved, checkpoints_shape, packed, workspace_spec,
 )
 
 TRAIN_OP_NAME = "cute_kda::forward_train"
@@ -64,12 +61,6 @@ FP16_NATIVE_BACKWARD = True
 # bf16): the fp16 step 1.063 → 1.021× bf16's on the H200 (docs/perf-log.md, F4); bench_train.py --no-fp16-do-kernel
 # turns it off for the A/B
 FP16_DO_KERNEL = True
-# The eager training call's forward under ``recompute`` (unsplit, on the kernels) through the inference executor's
-# launch plans and its stream's cached workspace, and the backward's recomputation into that buffer, instead of a fresh
-# workspace carved and converted for every launch: the same kernels and bits, ≈ 0.3 ms less host time before the
-# step's first kernel at B1 T8192 H96 on the H200 host (docs/perf-log.md, h10; bench_train.py --no-planned-forward
-# turns it off for the A/B)
-PLANNED_FORWARD = True
 BACKWARD_OP_NAME = "cute_kda::backward"
 
 
@@ -109,35 +100,13 @@ def rounded_do(d_out: torch.Tensor) -> torch.Tensor:
     return kernel_operand(d_out, torch.bfloat16)
 
 
-def planned(backend: Backend, x: Inputs, options: Options) -> bool:
-    """Whether the call's forward (keeping nothing) and the backward's recomputation use the inference executor's
-    launch plans and cached workspace (:data:`PLANNED_FORWARD`): on the kernels, unsplit, q on a CUDA device (else
-    the stage names the device error), outside CUDA-graph capture (a captured call would keep using a buffer that
-    later eager calls reuse)."""
-    return (PLANNED_FORWARD and backend is KERNELS and options.segmentation is None and x.q.is_cuda
-            and not torch.cuda.is_current_stream_capturing())
-
-
-def forward_stage(backend: Backend, x: Inputs, options: Options) -> ForwardResult:
-    """``backend``'s forward of the packed call; under ``recompute``, where :func:`planned`, K1 and K2 through the
-    inference executor's launch plan (:func:`cute_kda.executors.inference.launch_forward`): the same kernels on the
-    stream's cached workspace, which the forward leaves as a recomputing forward leaves its fresh one."""
-    if options.recompute and planned(backend, x, options):
-        out, final_state, tile_base = inference.launch_forward(x, options)
-        return ForwardResult(out, final_state, Saved(None, None, tile_base))
-    return backend.forward(x, options)
-
-
 def recomputed(backend: Backend, x: Inputs, options: Options, saved: Saved) -> Saved:
     """The workspace and checkpoints a ``recompute`` forward did not keep: ``backend``'s forward again on
     the same inputs (``x.initial_state`` included), keeping them this time and skipping the final state; a segmented
-    call's kept segment states spare it the two extra passes. Where :func:`planned`, the workspace is the stream's
-    cached buffer: only this backward's Kernel A and Kernel B read it, queued before any later call's K1."""
-    x, options = x._replace(tile_base=saved.tile_base), options._replace(recompute=False, final_state_dtype=None)
-    if planned(backend, x, options):  # KERNELS' forward takes the buffer
-        workspace = inference.WORKSPACES.buffer(workspace_spec(options.problem), x.q.device)
-        return backend.forward(x, options, saved.segment_states, workspace=workspace).saved
-    return backend.forward(x, options, saved.segment_states).saved
+    call's kept segment states spare it the two extra passes."""
+    return backend.forward(x._replace(tile_base=saved.tile_base),
+                           options._replace(recompute=False, final_state_dtype=None),
+                           saved.segment_states).saved
 
 
 def recomputes(recompute: bool, q: torch.Tensor) -> bool:
@@ -230,7 +199,7 @@ class TrainingForward(torch.autograd.Function):
         user = Inputs(*tensors)
         x, options = packed(user, options)
         options = options._replace(recompute=recomputes(options.recompute, x.q))
-        result = forward_stage(backend, x, options)
+        result = backend.forward(x, options)
         ctx.set_materialize_grads(False)
         ctx.backend, ctx.options, ctx.shapes = backend, options, shapes_of(user)
         ctx.initial_state_dtype = None if x.initial_state is None else x.initial_state.dtype
