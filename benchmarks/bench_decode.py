@@ -37,8 +37,9 @@ sigmoid in the kernel. The per-head rows (GatedDeltaNet) run decode with a preco
   bf16 pools keep the later tokens' inputs in L2 instead of registers (``cute_kda.ops.decode.L2_AHEAD``, off by
   default; :meth:`cute_kda.kernels.decode.DecodeVariant.choose_l2_ahead`), the A/B of D5; ``--no-split-prep``: the
   T = 2-4 calls prepare each token in every thread group, not once a warp shared by shuffles
-  (``cute_kda.ops.decode.SPLIT_PREP``, on by default; :meth:`cute_kda.kernels.decode.DecodeVariant.choose_split_prep`), the A/B of D6; ``--no-fla``: our columns
-  only;
+  (``cute_kda.ops.decode.SPLIT_PREP``, on by default; :meth:`cute_kda.kernels.decode.DecodeVariant.choose_split_prep`), the A/B of D6;
+  ``--paired-loop``: packed bf16 decodes on the paired variant too (``cute_kda.ops.decode.PAIRED_LOOP``, off by
+  default), the A/B of D8; ``--no-fla``: our columns only;
 - ``--modes packed,packed-verify``: the same calls with the tokens packed (``[1, N·T, ...]``, int32 ``cu_seqlens``,
   every sequence T long), which runs our runtime token loop instead of the unrolled one (FLA takes the same
   ``cu_seqlens``): beside the decode / verify rows, the loop's cost.
@@ -175,8 +176,10 @@ def _row(N: int, HV: int, pool: str, mode: str, per_head: bool, args) -> list[st
     traffic = N * state_bytes * (1 + (T if verify else 1))
     from cute_kda.ops import decode as decode_ops
 
-    paired = decode_ops.PAIRED and DecodeVariant.choose_paired(N, HV, sm_count(0), None if mode.startswith("packed")
-                                                               else T, verify, "vk", pool)
+    packed = mode.startswith("packed")
+    paired = (decode_ops.PAIRED and (decode_ops.PAIRED_LOOP or not packed)  # as the launcher picks it
+              and DecodeVariant.choose_paired(N, HV, sm_count(0), None if packed else T, verify, "vk", pool,
+                                              cu_seqlens="int32" if packed else None))
     auto = DecodeVariant.choose_vsplit(N, HV, sm_count(0), "vk", pool, paired)
     ours = _time_us(_ours(case, per_head, None), args.warmup, args.rep)
     fla = (_time_us(_fla(case, per_head), args.warmup, args.rep) if not (per_head and verify or args.no_fla)
@@ -218,6 +221,8 @@ def main() -> None:
     parser.add_argument("--no-split-prep", action="store_true",
                         help="T = 2-4 calls preparing each token in every thread group, not once a warp (A/B, "
                              "perf-log D6)")
+    parser.add_argument("--paired-loop", action="store_true",
+                        help="packed bf16 decodes on the paired variant too (A/B, docs/perf-log.md D8)")
     parser.add_argument("--no-fla", action="store_true", help="skip FLA's columns")
     parser.add_argument("--ordered-slots", action="store_true",
                         help="slot ids in order, not a random permutation (how slot placement moves a row)")
@@ -226,6 +231,7 @@ def main() -> None:
 
     decode_ops.PREFETCH = not args.no_prefetch
     decode_ops.PAIRED = not args.no_paired
+    decode_ops.PAIRED_LOOP = args.paired_loop
     decode_ops.L2_AHEAD = args.l2_ahead
     decode_ops.SPLIT_PREP = not args.no_split_prep
 

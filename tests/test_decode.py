@@ -325,10 +325,14 @@ def test_choose_paired():
     assert DecodeVariant.choose_paired(792, 1, sms, 1, False, "vk", "bf16")
     assert not DecodeVariant.choose_paired(791, 1, sms, 1, False, "vk", "bf16")
     assert not DecodeVariant.choose_paired(8, 32, sms, 1, False, "vk", "bf16")  # under two waves: plain CTAs
-    cannot = ((4, True, "vk", "bf16"), (2, False, "vk", "bf16"), (None, False, "vk", "bf16"), (1, False, "kv", "bf16"),
-              (1, False, "vk", "fp32"))
+    cannot = ((4, True, "vk", "bf16"), (2, False, "vk", "bf16"), (None, False, "kv", "bf16"), (1, False, "kv", "bf16"),
+              (1, False, "vk", "fp32"), (None, False, "vk", "fp32"), (None, True, "vk", "bf16"))
     for tokens, verify, layout, dtype in cannot:
         assert not DecodeVariant.choose_paired(512, 96, sms, tokens, verify, layout, dtype)
+    # the runtime loop's decode (perf-log D8): a fixed T over 8 or int32 offsets, not int64 (spills at the cap)
+    assert DecodeVariant.choose_paired(512, 96, sms, None, False, "vk", "bf16")
+    assert DecodeVariant.choose_paired(512, 96, sms, None, False, "vk", "bf16", cu_seqlens="int32")
+    assert not DecodeVariant.choose_paired(512, 96, sms, None, False, "vk", "bf16", cu_seqlens="int64")
     assert DecodeVariant.choose_paired(512, 96, sms, 1, False, "vk", "bf16", vsplit=4)
     assert not DecodeVariant.choose_paired(512, 96, sms, 1, False, "vk", "bf16", vsplit=8)  # 16 threads
 
@@ -402,6 +406,41 @@ def _loop_matrix():
           beta_logits=False, vsplit=8),
         V(tokens=None, cu_seqlens="int64", state_dtype="bf16", state_layout="kv", verify=True, vsplit=4),
     ]
+
+
+def _paired_loop_matrix():
+    """The runtime loop's decode on the paired map (V-first bf16 pools, perf-log D8): packed on int32 offsets and a
+    fixed T over 8, the safe, softplus and per-head gates, grouped value heads, V-split 2 and 4, the in-kernel
+    l2norm and β sigmoid off once."""
+    from cute_kda.kernels.decode import DecodeVariant as V
+
+    return [
+        V(tokens=None, cu_seqlens="int32", state_dtype="bf16", vsplit=2, paired=True),
+        V(tokens=None, cu_seqlens="int32", gate="softplus", state_dtype="bf16", grouped=True, vsplit=2, paired=True),
+        V(tokens=None, cu_seqlens="int32", gate="none", per_head_gate=True, state_dtype="bf16", grouped=True, vsplit=4,
+          paired=True),
+        V(tokens=None, state_dtype="bf16", qk_l2norm=False, beta_logits=False, vsplit=2, paired=True),
+    ]
+
+
+@pytest.mark.parametrize("variant", _paired_loop_matrix(), ids=lambda v: _variant_id(v))
+def test_paired_loop_prefetches_the_second_block(variant):
+    """The paired runtime loop's PTX: the second block's lines prefetched into L2 before the first warp barrier;
+    each of its two paths (one token; a longer sequence) stores both blocks' state vectors once, plus the padding
+    row's zero outputs; at most 168 registers (6 CTAs of 64 threads an SM), no spills."""
+    from cute_kda.compile_report import compile_with_report
+    from cute_kda.kernels.decode import DecodeKernel
+    from cute_kda.ops import decode as ops
+    from cute_kda.ops._cache import TVM_FFI_OPTION
+
+    _, report = compile_with_report(DecodeKernel(variant), *ops.compile_arguments(variant), options=TVM_FFI_OPTION)
+    per_block = len(variant.thread_map.block_vectors(0))
+    ptx = report.ptx
+    assert report.count("prefetch.global.L2") == per_block
+    assert ptx.rindex("prefetch.global.L2") < ptx.index("bar.warp.sync")
+    assert report.count("st.global.v4.b32") == 2 * variant.thread_map.halves * per_block + 1
+    assert report.local_memory_ops == 0 and report.spills == 0 and report.kernels[0].registers <= 168
+    print(f"{variant}: {report.kernels[0].registers} registers")
 
 
 def test_loop_matrix_covers_offsets_and_modes():
@@ -958,6 +997,39 @@ def test_packed_kernel_matches_mirror_and_fp64(variant):
     o_error = rel_rms(got[:, live], o_gold[:, live])
     state_error = rel_rms(case["state_pool"][written], gold_pool[written])
     assert o_error <= 5e-3 and state_error <= 5e-3, (o_error, state_error)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [v for v in _paired_loop_matrix() if v.cu_seqlens], ids=_variant_id)
+def test_paired_loop_has_the_loops_bits(monkeypatch, request, variant):
+    """The paired runtime loop (``PAIRED_LOOP``, perf-log D8) against the plain one on packed sequences of lengths 0,
+    1, 3, 8, 13 and a padding row: the same arithmetic a row, so the same bits in o and in every slot of a guard
+    pool; the launcher picked the paired variant."""
+    from cute_kda.kernels.decode import DecodeVariant
+    from cute_kda.ops import decode as ops
+
+    launched = []
+    build = ops.compiled_variant
+    monkeypatch.setattr(ops, "compiled_variant", lambda v, index: launched.append(v) or build(v, index))
+    monkeypatch.setattr(DecodeVariant, "choose_paired", classmethod(lambda cls, *a, **k: True))
+    request.addfinalizer(ops.launch_plan.cache_clear)
+    H = 2 if variant.grouped else 4
+    case = packed_case(PACKED_LENGTHS, H, 4, variant.gate, variant.per_head_gate, DTYPES[variant.state_dtype],
+                       offsets_dtype=torch.int32, qk_l2norm=variant.qk_l2norm, beta_logits=variant.beta_logits,
+                       device="cuda", seed=23)
+    listed = case["state_indices"].flatten()
+    guarded, case["state_pool"] = _guarded(case["state_pool"], listed[listed >= 0].long())
+    plain_guarded = guarded.clone()
+    plain = {**case, "state_pool": plain_guarded[1:-1]}
+    results = []
+    for paired, run in ((False, plain), (True, case)):
+        monkeypatch.setattr(ops, "PAIRED_LOOP", paired)
+        ops.launch_plan.cache_clear()
+        results.append(_run_kernel(run, variant))
+    torch.cuda.synchronize()
+    assert [v.paired for v in launched] == [False, True]
+    assert torch.equal(results[1], results[0])
+    assert torch.equal(_bits(guarded), _bits(plain_guarded))
 
 
 @pytest.mark.gpu

@@ -23,7 +23,8 @@ Two token loops, one arithmetic (the same bits for the same tokens):
   (variant flags): ``prefetch`` loads every token's inputs into registers up front (D3); ``l2_ahead`` prefetches
   tokens 1 .. T − 1's into L2 instead (D5); ``paired`` (one token, a bf16 V-first decode) gives a thread group 8
   value rows, two blocks of 4 that share the slot id and the token's operands, the second block's lines prefetched
-  into L2 beside the first block's loads and loaded once the first block is stored (D4: docs/perf-log.md);
+  into L2 beside the first block's loads and loaded once the first block is stored (D4: docs/perf-log.md; the
+  runtime loop's decode takes it too, D8);
   ``split_prep`` (T = 2-4) prepares each token's q̂, k̂, decay and β once a warp instead of once a thread group:
   group ``g`` of a warp loads and prepares token ``g mod T``, the lanes take the others' by shuffles (D6);
 - **runtime** (``tokens`` None): a loop over a count known at run time — a fixed T over 8 (the tensors' extent),
@@ -120,8 +121,10 @@ class DecodeVariant:
                                 or self.prefetch or self.l2_ahead):
             raise ValueError(f"split_prep gives each of the {WARP_GROUPS} groups of a warp one token of the unrolled "
                              "loop: tokens 2 to 4, not a K-first bf16 state, not prefetch or l2_ahead")
-        if self.paired and not self.pairs(self.tokens, self.verify, self.state_layout, self.state_dtype):
-            raise ValueError("paired runs a one-token decode on a V-first bf16 pool")
+        if self.paired and not self.pairs(self.tokens, self.verify, self.state_layout, self.state_dtype,
+                                          self.cu_seqlens):
+            raise ValueError("paired runs a one-token decode, or the runtime loop's decode (int32 offsets), on a "
+                             "V-first bf16 pool")
         self.thread_map  # validates layout, dtype and vsplit
 
     @property
@@ -155,20 +158,26 @@ class DecodeVariant:
                 and not (state_layout == "kv" and state_dtype == "bf16"))
 
     @staticmethod
-    def pairs(tokens: Optional[int], verify: bool, state_layout: str, state_dtype: str) -> bool:
-        """Whether ``paired`` can run: one token (every later token would need the first block's operands again),
-        no verify (a state kept a token), V-first rows, a bf16 pool (fp32 decode is at 87-92 % of the copy
-        already, docs/perf-log.md D3)."""
-        return tokens == 1 and not verify and state_layout == "vk" and state_dtype == "bf16"
+    def pairs(tokens: Optional[int], verify: bool, state_layout: str, state_dtype: str,
+              cu_seqlens: Optional[str] = None) -> bool:
+        """Whether ``paired`` can run: a decode (a verify keeps a state a token; the runtime loop's verify spills at
+        the 168-register cap: 196 bytes with grouped heads and int64 offsets), V-first rows, a bf16 pool (fp32 decode
+        is at 87-92 % of the copy already, docs/perf-log.md D3), one unrolled token (every later token would need the
+        first block's operands again) or the runtime loop at a fixed length or on int32 offsets (D8: a sequence of
+        one token runs the unrolled one's paired update, a longer one its tokens once a block; with int64 offsets,
+        grouped heads and the softplus gate it spills 16 bytes at the cap)."""
+        loop = tokens is None and cu_seqlens != "int64"
+        return (tokens == 1 or loop) and not verify and state_layout == "vk" and state_dtype == "bf16"
 
     @classmethod
     def choose_paired(cls, num_seqs: int, value_heads: int, sm_count: int, tokens: Optional[int], verify: bool,
-                      state_layout: str, state_dtype: str, vsplit: Optional[int] = None) -> bool:
+                      state_layout: str, state_dtype: str, vsplit: Optional[int] = None,
+                      cu_seqlens: Optional[str] = None) -> bool:
         """Whether a call runs ``paired``: where it can (:meth:`pairs`; a given ``vsplit`` leaving a paired CTA a
         warp) and its grid (two CTAs a head at V-split 2) fills the SMs at least twice at
         :data:`BOUND_CTAS_PER_SM`; below that one wave of plain CTAs (8 an SM, each one block's math shorter)
         ends sooner."""
-        if not cls.pairs(tokens, verify, state_layout, state_dtype):
+        if not cls.pairs(tokens, verify, state_layout, state_dtype, cu_seqlens):
             return False
         if vsplit is not None and vsplit not in DecodeThreadMap.vsplits(state_layout, state_dtype, halves=2):
             return False
@@ -426,7 +435,10 @@ class DecodeKernel(TokenPrep):
             raw = self.raw_token_buffers()
             self.load_raw(inputs, at, span.batch, span.start, raw)  # overlaps the slot id's load
             if slot >= 0:
-                self.update_loop(inputs, pool, state_indices, out, slot, at, gate, span, raw)
+                if const_expr(self.variant.paired):
+                    self.update_loop_paired(inputs, pool, out, slot, at, gate, span, raw)
+                else:
+                    self.update_loop(inputs, pool, state_indices, out, slot, at, gate, span, raw)
             else:
                 self.zero_outputs(out, at, span)
 
@@ -447,6 +459,53 @@ class DecodeKernel(TokenPrep):
             self.finish_token(out, pool, state_indices, at, (span.batch, span.start + t), t, base, state, outputs)
         if const_expr(not self.variant.verify):
             self.store_state(pool[slot, at.value_head, None, None], base, state)
+
+    @cute.jit
+    def update_loop_paired(self, inputs: DecodeInputs, pool: cute.Tensor, out: cute.Tensor, slot: Int32,
+                           at: "Position", gate: "GateConstants", span: "TokenSpan", raw: "RawToken"):
+        """:meth:`update_loop` of a decode on the two blocks of a paired group (``paired``, the runtime loop): the
+        first block's state loaded with the second block's lines prefetched into L2, as :meth:`update_paired`. A
+        sequence of one token (an engine's packed decode batch) runs :meth:`update_paired`'s schedule: the token
+        prepared once, each block run and stored in turn. A longer one runs all its tokens on the first block, then
+        on the second (their inputs loaded and prepared again: the same bits), each block storing its own rows of the
+        outputs and its state."""
+        head = pool[slot, at.value_head, None, None]
+        base = self.map.state_base(at.lane, at.first_value)
+        state = cute.make_rmem_tensor((self.map.block_rows, CHANNELS), Float32)
+        for vector in self.map.block_vectors(1):
+            prefetch_l2(self.gmem_run(head, base + vector.offset, self.map.vector).iterator)
+        self.load_state(head, base, state, self.map.block_vectors(0))
+        cute.arch.sync_warp()  # as in update_paired: the prefetches beside the first loads
+        if span.length == 1:
+            operands = self.prepared(raw, gate)
+            for half in cutlass.range_constexpr(self.map.halves):
+                vectors = self.map.block_vectors(half)
+                if const_expr(half > 0):
+                    cute.arch.sync_warp()
+                    self.load_state(head, base, state, vectors)
+                first_row = self.map.block_first_row(half)
+                outputs = self.advance(state, operands, first_row)
+                if at.lane == 0:
+                    self.store_run(out[span.batch, span.start, at.value_head, None], at.first_value + first_row,
+                                   outputs)
+                self.store_state(head, base, state, vectors)
+        else:
+            last = span.length - 1
+            for half in cutlass.range_constexpr(self.map.halves):
+                vectors = self.map.block_vectors(half)
+                if const_expr(half > 0):
+                    cute.arch.sync_warp()
+                    self.load_state(head, base, state, vectors)
+                    self.load_raw(inputs, at, span.batch, span.start, raw)
+                first_row = self.map.block_first_row(half)
+                for t in cutlass.range(span.length, unroll=1):
+                    operands = self.prepared(raw, gate)
+                    self.load_raw(inputs, at, span.batch, span.start + cutlass.min(t + 1, last), raw)
+                    outputs = self.advance(state, operands, first_row)
+                    if at.lane == 0:
+                        self.store_run(out[span.batch, span.start + t, at.value_head, None],
+                                       at.first_value + first_row, outputs)
+                self.store_state(head, base, state, vectors)
 
     @cute.jit
     def advance(self, state: cute.Tensor, operands: "TokenOperands", first_row: int = 0) -> cute.Tensor:

@@ -38,6 +38,11 @@ PREFETCH = True
 # pays (docs/perf-log.md, D4: bf16 decode 83-84 % → 85-88 % of the copy from N = 128 on the H200, the same bits as
 # the unpaired variant there); ``bench_decode.py --no-paired`` is its A/B.
 PAIRED = True
+# Whether the runtime loop's decodes (packed calls on int32 offsets; a fixed T over 8) on V-first bf16 pools take the
+# paired variant too where :meth:`DecodeVariant.choose_paired` says it pays (docs/perf-log.md, D8: a one-token
+# sequence runs the paired update, a longer one its tokens once a block); off until the H200 has run its tests and
+# the A/B (``bench_decode.py --paired-loop``).
+PAIRED_LOOP = False
 # Whether unrolled T = 2-4 calls on V-first bf16 pools keep the later tokens' inputs in L2 (``l2_ahead``) instead of
 # registers (``prefetch``) where :meth:`DecodeVariant.choose_l2_ahead` says so (docs/perf-log.md, D5: predicted bf16
 # verify 71-74 % → 80-88 % of the copy; measured 71-74 % → 50-72 % on the H200: slower at every size); off
@@ -230,14 +235,16 @@ def launch_plan(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_
                 verify: bool, qk_l2norm: bool, beta_logits: bool, grouped: bool, vsplit: int | None,
                 cu_seqlens_dtype: torch.dtype | None, num_seqs: int, value_heads: int, index: int, scale: float,
                 lower_bound: float) -> LaunchPlan:
-    """The :class:`LaunchPlan` of a call: the variant (``paired`` where :data:`PAIRED` is on and
-    :meth:`DecodeVariant.choose_paired` says it pays; ``vsplit`` None: :meth:`DecodeVariant.choose_vsplit`)
+    """The :class:`LaunchPlan` of a call: the variant (``paired`` where :data:`PAIRED` is on, for the runtime loop
+    :data:`PAIRED_LOOP` too, and :meth:`DecodeVariant.choose_paired` says it pays; ``vsplit`` None: :meth:`DecodeVariant.choose_vsplit`)
     compiled for device ``index`` on first use, after the device check (:func:`cute_kda.device.check_supported`: a
     clear error on a device that is not sm_90)."""
     check_supported(torch.device("cuda", index))
-    paired = PAIRED and DecodeVariant.choose_paired(num_seqs, value_heads, sm_count(index),
-                                                    unrolled_tokens(tokens, cu_seqlens_dtype), verify, state_layout,
-                                                    _STATE_DTYPES[state_dtype], vsplit)
+    unrolled = unrolled_tokens(tokens, cu_seqlens_dtype)
+    paired = (PAIRED and (unrolled is not None or PAIRED_LOOP)
+              and DecodeVariant.choose_paired(num_seqs, value_heads, sm_count(index), unrolled, verify, state_layout,
+                                              _STATE_DTYPES[state_dtype], vsplit,
+                                              None if cu_seqlens_dtype is None else _OFFSET_DTYPES[cu_seqlens_dtype]))
     if vsplit is None:
         vsplit = auto_vsplit(num_seqs, value_heads, index, state_layout, state_dtype, paired)
     variant = variant_of(gate, per_head_gate, state_dtype, state_layout, tokens, verify, qk_l2norm, beta_logits,
