@@ -402,11 +402,15 @@ class DecodeKernel(TokenPrep):
     @cute.jit
     def update_paired(self, pool: cute.Tensor, out: cute.Tensor, slot: Int32, at: "Position",
                       operands: "TokenOperands"):
-        """:meth:`update` of one token on the two blocks of a paired group: the first block's state loaded with the
-        second block's lines prefetched into L2 (no registers held for them), the first block run and stored (its
-        outputs too: nothing of it stays live), then the second loaded (from L2), run and stored."""
+        """:meth:`update` of one token on the two blocks of a paired group (:meth:`paired_token`)."""
         head = pool[slot, at.value_head, None, None]
         base = self.map.state_base(at.lane, at.first_value)
+        self.paired_token(head, base, self.first_block(head, base), out, at, (at.seq, 0), operands)
+
+    @cute.jit
+    def first_block(self, head: cute.Tensor, base) -> cute.Tensor:
+        """A paired group's first block of the head's state loaded, the second block's lines prefetched into L2 beside
+        those loads (no registers held for them), then a warp barrier."""
         state = cute.make_rmem_tensor((self.map.block_rows, CHANNELS), Float32)
         for vector in self.map.block_vectors(1):
             prefetch_l2(self.gmem_run(head, base + vector.offset, self.map.vector).iterator)
@@ -415,6 +419,14 @@ class DecodeKernel(TokenPrep):
         # the prefetches stay beside the first block's loads (else they sink to its stores), the second block's
         # loads below the first block's stores (else they rise over its math, both blocks live: spills)
         cute.arch.sync_warp()
+        return state
+
+    @cute.jit
+    def paired_token(self, head: cute.Tensor, base, state: cute.Tensor, out: cute.Tensor, at: "Position", row: tuple,
+                     operands: "TokenOperands"):
+        """One token on the two blocks of a paired group, the first in ``state`` (:meth:`first_block`): the first
+        block run and stored (its outputs to input row ``row = (batch, token)`` too: nothing of it stays live),
+        then the second loaded (from L2), run and stored."""
         for half in cutlass.range_constexpr(self.map.halves):
             vectors = self.map.block_vectors(half)
             if const_expr(half > 0):
@@ -423,7 +435,7 @@ class DecodeKernel(TokenPrep):
             first_row = self.map.block_first_row(half)
             outputs = self.advance(state, operands, first_row)
             if at.lane == 0:
-                self.store_run(out[at.seq, 0, at.value_head, None], at.first_value + first_row, outputs)
+                self.store_run(out[(*row, at.value_head, None)], at.first_value + first_row, outputs)
             self.store_state(head, base, state, vectors)
 
     @cute.jit
@@ -463,32 +475,16 @@ class DecodeKernel(TokenPrep):
     @cute.jit
     def update_loop_paired(self, inputs: DecodeInputs, pool: cute.Tensor, out: cute.Tensor, slot: Int32,
                            at: "Position", gate: "GateConstants", span: "TokenSpan", raw: "RawToken"):
-        """:meth:`update_loop` of a decode on the two blocks of a paired group (``paired``, the runtime loop): the
-        first block's state loaded with the second block's lines prefetched into L2, as :meth:`update_paired`. A
-        sequence of one token (an engine's packed decode batch) runs :meth:`update_paired`'s schedule: the token
-        prepared once, each block run and stored in turn. A longer one runs all its tokens on the first block, then
-        on the second (their inputs loaded and prepared again: the same bits), each block storing its own rows of the
-        outputs and its state."""
+        """:meth:`update_loop` of a decode on the two blocks of a paired group (``paired``, the runtime loop). A
+        sequence of one token (an engine's packed decode batch) runs :meth:`paired_token`: the token prepared once,
+        each block run and stored in turn. A longer one runs all its tokens on the first block, then on the second
+        (their inputs loaded and prepared again: the same bits), each block storing its own rows of the outputs and
+        its state."""
         head = pool[slot, at.value_head, None, None]
         base = self.map.state_base(at.lane, at.first_value)
-        state = cute.make_rmem_tensor((self.map.block_rows, CHANNELS), Float32)
-        for vector in self.map.block_vectors(1):
-            prefetch_l2(self.gmem_run(head, base + vector.offset, self.map.vector).iterator)
-        self.load_state(head, base, state, self.map.block_vectors(0))
-        cute.arch.sync_warp()  # as in update_paired: the prefetches beside the first loads
+        state = self.first_block(head, base)
         if span.length == 1:
-            operands = self.prepared(raw, gate)
-            for half in cutlass.range_constexpr(self.map.halves):
-                vectors = self.map.block_vectors(half)
-                if const_expr(half > 0):
-                    cute.arch.sync_warp()
-                    self.load_state(head, base, state, vectors)
-                first_row = self.map.block_first_row(half)
-                outputs = self.advance(state, operands, first_row)
-                if at.lane == 0:
-                    self.store_run(out[span.batch, span.start, at.value_head, None], at.first_value + first_row,
-                                   outputs)
-                self.store_state(head, base, state, vectors)
+            self.paired_token(head, base, state, out, at, (span.batch, span.start), self.prepared(raw, gate))
         else:
             last = span.length - 1
             for half in cutlass.range_constexpr(self.map.halves):
