@@ -39,7 +39,8 @@ sigmoid in the kernel. The per-head rows (GatedDeltaNet) run decode with a preco
   T = 2-4 calls prepare each token in every thread group, not once a warp shared by shuffles
   (``cute_kda.ops.decode.SPLIT_PREP``, on by default; :meth:`cute_kda.kernels.decode.DecodeVariant.choose_split_prep`), the A/B of D6;
   ``--paired-loop``: packed bf16 decodes on the paired variant too (``cute_kda.ops.decode.PAIRED_LOOP``, off by
-  default), the A/B of D8; ``--no-fla``: our columns only;
+  default), the A/B of D8; ``--split-prep-packed``: packed verifies on the ``split_prep`` schedule of S + 1 tokens
+  (``cute_kda.ops.decode.SPLIT_PREP_PACKED``, off by default), the A/B of D9; ``--no-fla``: our columns only;
 - ``--modes packed,packed-verify``: the same calls with the tokens packed (``[1, N·T, ...]``, int32 ``cu_seqlens``,
   every sequence T long), which runs our runtime token loop instead of the unrolled one (FLA takes the same
   ``cu_seqlens``): beside the decode / verify rows, the loop's cost.
@@ -223,6 +224,8 @@ def main() -> None:
                              "perf-log D6)")
     parser.add_argument("--paired-loop", action="store_true",
                         help="packed bf16 decodes on the paired variant too (A/B, docs/perf-log.md D8)")
+    parser.add_argument("--split-prep-packed", action="store_true",
+                        help="packed verifies on the split_prep schedule of S + 1 tokens (A/B, perf-log D9)")
     parser.add_argument("--no-fla", action="store_true", help="skip FLA's columns")
     parser.add_argument("--ordered-slots", action="store_true",
                         help="slot ids in order, not a random permutation (how slot placement moves a row)")
@@ -232,6 +235,7 @@ def main() -> None:
     decode_ops.PREFETCH = not args.no_prefetch
     decode_ops.PAIRED = not args.no_paired
     decode_ops.PAIRED_LOOP = args.paired_loop
+    decode_ops.SPLIT_PREP_PACKED = args.split_prep_packed
     decode_ops.L2_AHEAD = args.l2_ahead
     decode_ops.SPLIT_PREP = not args.no_split_prep
 

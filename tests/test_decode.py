@@ -347,6 +347,7 @@ def test_variant_rejects_what_the_kernel_cannot_run():
                 dict(paired=True, state_dtype="bf16", vsplit=8), dict(l2_ahead=True),
                 dict(tokens=4, prefetch=True, l2_ahead=True), dict(split_prep=True), dict(tokens=5, split_prep=True),
                 dict(tokens=4, prefetch=True, split_prep=True), dict(tokens=None, split_prep=True),
+                dict(tokens=4, cu_seqlens="int32", split_prep=True), dict(tokens=4, verify=True, cu_seqlens="int32"),
                 dict(tokens=4, state_layout="kv", state_dtype="bf16", split_prep=True)):
         with pytest.raises(ValueError):
             DecodeVariant(**bad)
@@ -547,12 +548,29 @@ def test_choose_split_prep():
     assert not DecodeVariant.choose_split_prep(4, "kv", "bf16")  # spills at the 168-register cap
 
 
-@pytest.mark.parametrize("variant", [v for v in _compile_matrix() if v.split_prep], ids=lambda v: _variant_id(v))
+def _packed_split_matrix():
+    """Packed verifies on the ``split_prep`` schedule of S + 1 tokens (perf-log D9): both offset dtypes, both pool
+    dtypes and layouts it takes, the three gates, grouped value heads, S + 1 of 2 and 4."""
+    from cute_kda.kernels.decode import DecodeVariant as V
+
+    return [
+        V(tokens=4, verify=True, cu_seqlens="int32", state_dtype="bf16", vsplit=4, split_prep=True),
+        V(tokens=4, verify=True, cu_seqlens="int64", gate="softplus", state_dtype="bf16", grouped=True, vsplit=4,
+          split_prep=True),
+        V(tokens=2, verify=True, cu_seqlens="int32", gate="none", per_head_gate=True, state_dtype="bf16", vsplit=4,
+          split_prep=True),
+        V(tokens=4, verify=True, cu_seqlens="int32", state_layout="kv", vsplit=4, split_prep=True),
+    ]
+
+
+@pytest.mark.parametrize("variant", [v for v in _compile_matrix() if v.split_prep] + _packed_split_matrix(),
+                         ids=lambda v: _variant_id(v))
 def test_split_prep_prepares_each_token_once(variant):
     """The PTX of a ``split_prep`` variant: one token's preparation a thread (the gate's sigmoid and 2^x once a
     channel, β's sigmoid once, one l2norm pair), every token's q̂, k̂, decay (one a per-head gate) and β taken by
     indexed shuffles from the group that prepared it; every input loaded before the first shuffle (as
-    ``prefetch``); at most 168 registers (6 CTAs of 64 threads an SM, D6), no spills."""
+    ``prefetch``); at most 168 registers (6 CTAs of 64 threads an SM, D6), no spills. A packed one (D9) the same,
+    its tokens past a sequence's length run and not stored."""
     import re
 
     from cute_kda.compile_report import compile_with_report
@@ -1030,6 +1048,46 @@ def test_paired_loop_has_the_loops_bits(monkeypatch, request, variant):
     assert [v.paired for v in launched] == [False, True]
     assert torch.equal(results[1], results[0])
     assert torch.equal(_bits(guarded), _bits(plain_guarded))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", _packed_split_matrix(), ids=_variant_id)
+def test_packed_split_verify_has_the_loops_bits(monkeypatch, request, variant):
+    """A packed verify on the ``split_prep`` schedule (``SPLIT_PREP_PACKED``, perf-log D9) against the runtime loop
+    on sequences of lengths 0, 1, 3, S + 1, 2 and a padding row (S + 1 slots a row, accepted counts cycling): the
+    same arithmetic a token, so the same bits in o and in every slot of a guard pool; the launcher picked the split
+    variant; o and the written states within 5e-3 of the fp64 recurrence."""
+    from cute_kda.ops import decode as ops
+
+    launched = []
+    build = ops.compiled_variant
+    monkeypatch.setattr(ops, "compiled_variant", lambda v, index: launched.append(v) or build(v, index))
+    request.addfinalizer(ops.launch_plan.cache_clear)
+    width = variant.tokens
+    lengths = (0, 1, min(3, width), width, 2, width)  # the last a padding row
+    H = 2 if variant.grouped else 4
+    offsets = torch.int32 if variant.cu_seqlens == "int32" else torch.int64
+    case = packed_case(lengths, H, 4, variant.gate, variant.per_head_gate, DTYPES[variant.state_dtype],
+                       verify_width=width, offsets_dtype=offsets, device="cuda", seed=29)
+    written, _ = packed_slots(case, lengths)
+    listed = case["state_indices"].flatten()
+    guarded, case["state_pool"] = _guarded(case["state_pool"], listed[listed >= 0].long())
+    gold_pool = case["state_pool"].double()
+    o_gold = gold_decode(**{**case, "state_pool": gold_pool}, **options(variant.gate, variant.state_layout))
+    loop_guarded = guarded.clone()
+    loop = {**case, "state_pool": loop_guarded[1:-1]}
+    results = []
+    for split, run in ((False, loop), (True, case)):
+        monkeypatch.setattr(ops, "SPLIT_PREP_PACKED", split)
+        ops.launch_plan.cache_clear()
+        results.append(_run_kernel(run, variant))
+    torch.cuda.synchronize()
+    assert [(v.tokens, v.split_prep) for v in launched] == [(None, False), (width, True)]
+    assert torch.equal(results[1], results[0])
+    assert torch.equal(_bits(guarded), _bits(loop_guarded))
+    live = slice(0, sum(lengths[:-1]))
+    assert rel_rms(results[1][:, live], o_gold[:, live]) <= 5e-3
+    assert rel_rms(case["state_pool"][written], gold_pool[written]) <= 5e-3
 
 
 @pytest.mark.gpu

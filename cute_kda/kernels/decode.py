@@ -111,8 +111,9 @@ class DecodeVariant:
             raise ValueError(f"tokens must be None or in [1, {MAX_TOKENS}], got {self.tokens}")
         if self.cu_seqlens not in (None, *OFFSET_DTYPES):
             raise ValueError(f"cu_seqlens must be None or one of {OFFSET_DTYPES}, got {self.cu_seqlens!r}")
-        if self.cu_seqlens is not None and self.tokens is not None:
-            raise ValueError("packed sequences (cu_seqlens) take their lengths at run time: tokens must be None")
+        if self.cu_seqlens is not None and self.tokens is not None and not (self.verify and self.split_prep):
+            raise ValueError("packed sequences (cu_seqlens) take their lengths at run time: tokens must be None, or "
+                             "a split_prep verify's slot-row width")
         if self.prefetch and (self.tokens is None or self.tokens < 2):
             raise ValueError("prefetch loads the tokens of the unrolled loop ahead: it needs tokens >= 2")
         if self.l2_ahead and (self.tokens is None or self.tokens < 2 or self.prefetch):
@@ -345,6 +346,9 @@ class DecodeKernel(TokenPrep):
         gate = self.gate_constants_of(inputs, value_head, lane, scale, c_gate)
         if const_expr(self.tokens is None):
             self.run_tokens(inputs, pool, state_indices, out, slot, at, gate, self.token_span(inputs, cu_seqlens, seq))
+        elif const_expr(self.variant.split_prep and self.variant.cu_seqlens is not None):
+            self.run_packed_split(inputs, pool, state_indices, out, slot, at, gate, written,
+                                  self.token_span(inputs, cu_seqlens, seq), tidx)
         elif const_expr(self.variant.split_prep):
             own = self.raw_token_buffers()
             self.load_raw(inputs, at, at.seq, self.map.own_token(tidx, self.tokens), own)
@@ -376,10 +380,12 @@ class DecodeKernel(TokenPrep):
     @cute.jit
     def update(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor, out: cute.Tensor,
                slot: Int32, at: "Position", gate: "GateConstants", first: Optional["TokenOperands"],
-               raws: Optional[tuple] = None, written: Optional[cute.Tensor] = None, split: Optional[tuple] = None):
+               raws: Optional[tuple] = None, written: Optional[cute.Tensor] = None, split: Optional[tuple] = None,
+               span: Optional["TokenSpan"] = None):
         """Load the band from ``slot``, run the tokens, write the state(s) back and the outputs; token 0's operands
         ``first``, or (``prefetch``) every token's loaded inputs ``raws``, or (``split_prep``) ``split`` = (the group's
-        own token's loaded inputs, every token's v rows); a verify's slot ids ``written``."""
+        own token's loaded inputs, every token's v rows); a verify's slot ids ``written``. ``span``: a packed
+        sequence's input rows, its tokens from ``span.length`` on skipped (their operands still shuffled: warp-wide)."""
         rows = self.map.rows
         base = self.map.state_base(at.lane, at.first_value)
         state = cute.make_rmem_tensor((rows, CHANNELS), Float32)
@@ -394,10 +400,39 @@ class DecodeKernel(TokenPrep):
                 operands = self.prepared(raws[t], gate)
             else:
                 operands = first if const_expr(t == 0) else self.token_operands(inputs, at, t, gate)
-            outputs = self.advance(state, operands)
-            self.finish_token(out, pool, state_indices, at, (at.seq, t), t, base, state, outputs, written)
+            if const_expr(span is None):
+                outputs = self.advance(state, operands)
+                self.finish_token(out, pool, state_indices, at, (at.seq, t), t, base, state, outputs, written)
+            else:
+                # a token past the sequence runs on the last token's operands and stores nothing (it follows every
+                # stored state of a verify, so what it makes of the state is never read): straight-line code, as
+                # the fixed length's (a branch around the update spilled 386 bytes)
+                outputs = self.advance(state, operands)
+                if t < span.length:
+                    self.finish_token(out, pool, state_indices, at, (span.batch, span.start + t), t, base, state,
+                                      outputs, written)
         if const_expr(not self.variant.verify):
             self.store_state(pool[slot, at.value_head, None, None], base, state)
+
+    @cute.jit
+    def run_packed_split(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor, out: cute.Tensor,
+                         slot: Int32, at: "Position", gate: "GateConstants", written: cute.Tensor, span: "TokenSpan",
+                         tidx):
+        """A packed verify with split preparation (``split_prep`` and ``cu_seqlens``; perf-log D9): the unrolled
+        ``tokens``-wide schedule on ``span``, whose length is at most ``tokens`` (the slot rows' width); the loads of
+        tokens past it read the last token again (in bounds; their results unused). A sequence of length 0 reads and
+        writes nothing; a padding row (slot −1) zeroes its output rows."""
+        if span.length > 0:
+            last = span.length - 1
+            own = self.raw_token_buffers()
+            self.load_raw(inputs, at, span.batch, span.start + cutlass.min(self.map.own_token(tidx, self.tokens), last),
+                          own)
+            values = tuple(self.load_run(inputs.v[span.batch, span.start + cutlass.min(t, last), at.value_head, None],
+                                         at.first_value, self.map.rows) for t in range(self.tokens))
+            if slot >= 0:
+                self.update(inputs, pool, state_indices, out, slot, at, gate, None, None, written, (own, values), span)
+            else:
+                self.zero_outputs(out, at, span)
 
     @cute.jit
     def update_paired(self, pool: cute.Tensor, out: cute.Tensor, slot: Int32, at: "Position",

@@ -53,19 +53,27 @@ L2_AHEAD = False
 # ``l2_ahead`` (docs/perf-log.md, D6: bf16 verify 71-75 % → 85-88 % of the copy where N·HV ≥ 2048 on the H200,
 # fp32 unchanged, the same bits as ``prefetch``); ``bench_decode.py --no-split-prep`` is its A/B.
 SPLIT_PREP = True
+# Whether packed verifies (``cu_seqlens`` with ``[N, S + 1]`` slot ids, S + 1 of 2-4) take ``split_prep`` on the unrolled
+# (S + 1)-token schedule, each sequence's tokens past its length run and never stored, instead of the runtime loop
+# (docs/perf-log.md, D9); off until the H200 has run its tests and the A/B (``bench_decode.py --split-prep-packed``).
+SPLIT_PREP_PACKED = False
 _COMPILE_SIZES = (3, 2, 4, 5)  # N, H, HV, slots of the meta tensors a compile describes (every extent is dynamic)
 
 
 def variant_of(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_layout: str, tokens: int | None,
                verify: bool, qk_l2norm: bool, beta_logits: bool, grouped: bool, vsplit: int,
-               cu_seqlens: torch.dtype | None = None, paired: bool = False) -> DecodeVariant:
+               cu_seqlens: torch.dtype | None = None, paired: bool = False, width: int = 1) -> DecodeVariant:
     """The variant of a call; ``tokens`` the fixed T (over :data:`MAX_TOKENS`: the runtime loop), ``cu_seqlens``
-    the offsets' dtype of a packed call (None: fixed length); ``prefetch`` where :data:`PREFETCH` is on and
-    :meth:`DecodeVariant.choose_prefetch` says it fits, unless ``l2_ahead`` (where :data:`L2_AHEAD` is on and
-    :meth:`DecodeVariant.choose_l2_ahead` says so) or ``split_prep`` (where :data:`SPLIT_PREP` is on and
-    :meth:`DecodeVariant.choose_split_prep` says so) takes its place; ``paired`` as :func:`launch_plan` chose it."""
+    the offsets' dtype of a packed call (None: fixed length), ``width`` a verify's slot-row width S + 1; ``prefetch``
+    where :data:`PREFETCH` is on and :meth:`DecodeVariant.choose_prefetch` says it fits, unless ``l2_ahead`` (where
+    :data:`L2_AHEAD` is on and :meth:`DecodeVariant.choose_l2_ahead` says so) or ``split_prep`` (where
+    :data:`SPLIT_PREP` is on and :meth:`DecodeVariant.choose_split_prep` says so; a packed verify's on ``width``
+    tokens where :data:`SPLIT_PREP_PACKED` is on too) takes its place; ``paired`` as :func:`launch_plan` chose it."""
     unrolled = unrolled_tokens(tokens, cu_seqlens)
     dtype = _STATE_DTYPES[state_dtype]
+    if (unrolled is None and cu_seqlens is not None and verify and SPLIT_PREP and SPLIT_PREP_PACKED
+            and DecodeVariant.choose_split_prep(width, state_layout, dtype)):
+        unrolled = width  # the packed verify's split schedule (perf-log D9)
     split_prep = SPLIT_PREP and DecodeVariant.choose_split_prep(unrolled, state_layout, dtype)
     l2_ahead = L2_AHEAD and not split_prep and DecodeVariant.choose_l2_ahead(unrolled, state_layout, dtype)
     return DecodeVariant(gate=gate, per_head_gate=per_head_gate, state_dtype=dtype, state_layout=state_layout,
@@ -227,18 +235,20 @@ def plan_of(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, state_pool: torch
     return launch_plan(
         gate, g.dim() == 3, state_pool.dtype, state_layout, q.shape[1], state_indices.dim() == 2, qk_l2norm,
         beta_logits, q.shape[2] != v.shape[2], vsplit, None if cu_seqlens is None else cu_seqlens.dtype,
-        state_indices.shape[0], v.shape[2], index, scale, lower_bound)
+        state_indices.shape[0], v.shape[2], index, scale, lower_bound,
+        state_indices.shape[1] if state_indices.dim() == 2 else 1)
 
 
 @functools.lru_cache(maxsize=4096)  # a call's host path: one look-up for the variant, its compile and the scalars
 def launch_plan(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_layout: str, tokens: int,
                 verify: bool, qk_l2norm: bool, beta_logits: bool, grouped: bool, vsplit: int | None,
                 cu_seqlens_dtype: torch.dtype | None, num_seqs: int, value_heads: int, index: int, scale: float,
-                lower_bound: float) -> LaunchPlan:
-    """The :class:`LaunchPlan` of a call: the variant (``paired`` where :data:`PAIRED` is on, for the runtime loop
-    :data:`PAIRED_LOOP` too, and :meth:`DecodeVariant.choose_paired` says it pays; ``vsplit`` None: :meth:`DecodeVariant.choose_vsplit`)
-    compiled for device ``index`` on first use, after the device check (:func:`cute_kda.device.check_supported`: a
-    clear error on a device that is not sm_90)."""
+                lower_bound: float, width: int = 1) -> LaunchPlan:
+    """The :class:`LaunchPlan` of a call: the variant (:func:`variant_of`; ``paired`` where :data:`PAIRED` is on, for
+    the runtime loop :data:`PAIRED_LOOP` too, and :meth:`DecodeVariant.choose_paired` says it pays; ``vsplit`` None:
+    :meth:`DecodeVariant.choose_vsplit`; ``width`` a verify's slot-row width) compiled for device ``index`` on first
+    use, after the device check (:func:`cute_kda.device.check_supported`: a clear error on a device that is not
+    sm_90)."""
     check_supported(torch.device("cuda", index))
     unrolled = unrolled_tokens(tokens, cu_seqlens_dtype)
     paired = (PAIRED and (unrolled is not None or PAIRED_LOOP)
@@ -248,5 +258,5 @@ def launch_plan(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_
     if vsplit is None:
         vsplit = auto_vsplit(num_seqs, value_heads, index, state_layout, state_dtype, paired)
     variant = variant_of(gate, per_head_gate, state_dtype, state_layout, tokens, verify, qk_l2norm, beta_logits,
-                         grouped, vsplit, cu_seqlens_dtype, paired)
+                         grouped, vsplit, cu_seqlens_dtype, paired, width)
     return LaunchPlan(compiled_variant(variant, index), *fp32_scalars(scale, lower_bound), index)
