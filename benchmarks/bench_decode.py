@@ -27,6 +27,8 @@ sigmoid in the kernel. The per-head rows (GatedDeltaNet) run decode with a preco
   indexing there: it reads a contiguous ``[N, HV, V, K]`` initial state and allocates the final state). Slot
   ids are a random permutation (no padding rows: FLA 0.6.0 reads slot −1); ``--ordered-slots`` puts them in order
   (slot placement alone moved a bf16 decode row by up to 4 points of the copy: docs/perf-log.md, D-slots);
+- ``--slot-copy``: on decode rows, also :mod:`slot_copy`'s copy of the same state bytes onto themselves at the same
+  slots (the ceiling of the access pattern a random slot placement makes) and the decode's share of it;
 - ``--sweep``: every V-split of each row too (the column gives the fastest and its µs; ``auto`` is
   :meth:`cute_kda.kernels.decode.DecodeVariant.choose_vsplit`);
 - ``--no-prefetch``: the plain unrolled multi-token variants instead of those that load every token ahead
@@ -193,6 +195,12 @@ def _row(N: int, HV: int, pool: str, mode: str, per_head: bool, args) -> list[st
              f"{traffic / ours / 1e3:.0f}", f"{traffic / copy / 1e3:.0f}", f"{100 * copy / ours:.0f} %",
              "–" if fla is None else f"{fla:.2f}", "–" if fla is None else f"{fla / ours:.2f}×",
              "–" if fla is None else f"{fla / max(copy, args.floor_us):.2f}×"]
+    if args.slot_copy:  # decode rows: the same bytes at the same slots (slot_copy.py); a verify's pattern differs
+        from slot_copy import slot_copy
+
+        slotted = None if verify else _time_us(slot_copy(case["state_pool"], case["state_indices"]), args.warmup,
+                                               args.rep)
+        cells += ["–", "–"] if slotted is None else [f"{slotted:.2f}", f"{100 * slotted / ours:.0f} %"]
     if args.sweep:
         timed = {v: _time_us(_ours(case, per_head, v), args.warmup, args.rep)
                  for v in DecodeThreadMap.vsplits("vk", pool)}
@@ -213,6 +221,8 @@ def main() -> None:
                         help=f"of {', '.join(MODES)}")
     parser.add_argument("--no-per-head", action="store_true", help="skip the GatedDeltaNet rows")
     parser.add_argument("--sweep", action="store_true", help="also time every V-split of each row")
+    parser.add_argument("--slot-copy", action="store_true",
+                        help="decode rows: also a copy of the same state bytes at the same slots (slot_copy.py)")
     parser.add_argument("--no-prefetch", action="store_true",
                         help="the plain unrolled variants, not those loading every token ahead (A/B)")
     parser.add_argument("--no-paired", action="store_true",
@@ -242,6 +252,8 @@ def main() -> None:
     head = ["N", "HV", "pool", "mode", "vsplit", "µs", "state GB/s", "copy GB/s", "% copy", "FLA µs", "vs FLA",
             "ceiling vs FLA"]
     args.floor_us = _floor_us(args.warmup, args.rep)
+    if args.slot_copy:
+        head += ["slot copy µs", "% slot copy"]
     if args.sweep:
         head.append("best vsplit: µs")
     rows = []
