@@ -39,7 +39,8 @@ sigmoid in the kernel. The per-head rows (GatedDeltaNet) run decode with a preco
   bf16 pools keep the later tokens' inputs in L2 instead of registers (``cute_kda.ops.decode.L2_AHEAD``, off by
   default; :meth:`cute_kda.kernels.decode.DecodeVariant.choose_l2_ahead`), the A/B of D5; ``--no-split-prep``: the
   T = 2-4 calls prepare each token in every thread group, not once a warp shared by shuffles
-  (``cute_kda.ops.decode.SPLIT_PREP``, on by default; :meth:`cute_kda.kernels.decode.DecodeVariant.choose_split_prep`), the A/B of D6;
+  (``cute_kda.ops.decode.SPLIT_PREP``, on by default;
+  :meth:`cute_kda.kernels.decode.DecodeVariant.choose_split_prep`), the A/B of D6;
   ``--paired-loop``: packed bf16 decodes on the paired variant too (``cute_kda.ops.decode.PAIRED_LOOP``, off by
   default), the A/B of D8; ``--split-prep-packed``: packed verifies on the ``split_prep`` schedule of S + 1 tokens
   (``cute_kda.ops.decode.SPLIT_PREP_PACKED``, off by default), the A/B of D9; ``--no-fla``: our columns only;

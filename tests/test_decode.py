@@ -1017,6 +1017,24 @@ def test_packed_kernel_matches_mirror_and_fp64(variant):
     assert o_error <= 5e-3 and state_error <= 5e-3, (o_error, state_error)
 
 
+def _switched(monkeypatch, case: dict, variant, switch: str) -> tuple:
+    """``variant``'s call on ``case`` with the launcher's module switch ``switch`` off, then on, each on a guard pool
+    of its own (:func:`_guarded`; ``case["state_pool"]`` becomes the second's view): (the two outputs, the two guard
+    pools)."""
+    from cute_kda.ops import decode as ops
+
+    listed = case["state_indices"].flatten()
+    guarded, case["state_pool"] = _guarded(case["state_pool"], listed[listed >= 0].long())
+    first = guarded.clone()
+    results = []
+    for on, run in ((False, {**case, "state_pool": first[1:-1]}), (True, case)):
+        monkeypatch.setattr(ops, switch, on)
+        ops.launch_plan.cache_clear()
+        results.append(_run_kernel(run, variant))
+    torch.cuda.synchronize()
+    return results, (first, guarded)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [v for v in _paired_loop_matrix() if v.cu_seqlens], ids=_variant_id)
 def test_paired_loop_has_the_loops_bits(monkeypatch, request, variant):
@@ -1035,19 +1053,10 @@ def test_paired_loop_has_the_loops_bits(monkeypatch, request, variant):
     case = packed_case(PACKED_LENGTHS, H, 4, variant.gate, variant.per_head_gate, DTYPES[variant.state_dtype],
                        offsets_dtype=torch.int32, qk_l2norm=variant.qk_l2norm, beta_logits=variant.beta_logits,
                        device="cuda", seed=23)
-    listed = case["state_indices"].flatten()
-    guarded, case["state_pool"] = _guarded(case["state_pool"], listed[listed >= 0].long())
-    plain_guarded = guarded.clone()
-    plain = {**case, "state_pool": plain_guarded[1:-1]}
-    results = []
-    for paired, run in ((False, plain), (True, case)):
-        monkeypatch.setattr(ops, "PAIRED_LOOP", paired)
-        ops.launch_plan.cache_clear()
-        results.append(_run_kernel(run, variant))
-    torch.cuda.synchronize()
+    results, pools = _switched(monkeypatch, case, variant, "PAIRED_LOOP")
     assert [v.paired for v in launched] == [False, True]
     assert torch.equal(results[1], results[0])
-    assert torch.equal(_bits(guarded), _bits(plain_guarded))
+    assert torch.equal(_bits(pools[1]), _bits(pools[0]))
 
 
 @pytest.mark.gpu
@@ -1070,21 +1079,12 @@ def test_packed_split_verify_has_the_loops_bits(monkeypatch, request, variant):
     case = packed_case(lengths, H, 4, variant.gate, variant.per_head_gate, DTYPES[variant.state_dtype],
                        verify_width=width, offsets_dtype=offsets, device="cuda", seed=29)
     written, _ = packed_slots(case, lengths)
-    listed = case["state_indices"].flatten()
-    guarded, case["state_pool"] = _guarded(case["state_pool"], listed[listed >= 0].long())
     gold_pool = case["state_pool"].double()
     o_gold = gold_decode(**{**case, "state_pool": gold_pool}, **options(variant.gate, variant.state_layout))
-    loop_guarded = guarded.clone()
-    loop = {**case, "state_pool": loop_guarded[1:-1]}
-    results = []
-    for split, run in ((False, loop), (True, case)):
-        monkeypatch.setattr(ops, "SPLIT_PREP_PACKED", split)
-        ops.launch_plan.cache_clear()
-        results.append(_run_kernel(run, variant))
-    torch.cuda.synchronize()
+    results, pools = _switched(monkeypatch, case, variant, "SPLIT_PREP_PACKED")
     assert [(v.tokens, v.split_prep) for v in launched] == [(None, False), (width, True)]
     assert torch.equal(results[1], results[0])
-    assert torch.equal(_bits(guarded), _bits(loop_guarded))
+    assert torch.equal(_bits(pools[1]), _bits(pools[0]))
     live = slice(0, sum(lengths[:-1]))
     assert rel_rms(results[1][:, live], o_gold[:, live]) <= 5e-3
     assert rel_rms(case["state_pool"][written], gold_pool[written]) <= 5e-3

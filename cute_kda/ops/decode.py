@@ -53,9 +53,10 @@ L2_AHEAD = False
 # ``l2_ahead`` (docs/perf-log.md, D6: bf16 verify 71-75 % → 85-88 % of the copy where N·HV ≥ 2048 on the H200,
 # fp32 unchanged, the same bits as ``prefetch``); ``bench_decode.py --no-split-prep`` is its A/B.
 SPLIT_PREP = True
-# Whether packed verifies (``cu_seqlens`` with ``[N, S + 1]`` slot ids, S + 1 of 2-4) take ``split_prep`` on the unrolled
-# (S + 1)-token schedule, each sequence's tokens past its length run and never stored, instead of the runtime loop
-# (docs/perf-log.md, D9); off until the H200 has run its tests and the A/B (``bench_decode.py --split-prep-packed``).
+# Whether packed verifies (``cu_seqlens`` with ``[N, S + 1]`` slot ids, S + 1 of 2-4) take ``split_prep`` on the
+# unrolled (S + 1)-token schedule, each sequence's tokens past its length run and never stored, instead of the
+# runtime loop (docs/perf-log.md, D9); off until the H200 has run its tests and the A/B
+# (``bench_decode.py --split-prep-packed``).
 SPLIT_PREP_PACKED = False
 _COMPILE_SIZES = (3, 2, 4, 5)  # N, H, HV, slots of the meta tensors a compile describes (every extent is dynamic)
 
