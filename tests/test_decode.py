@@ -1036,11 +1036,12 @@ def _switched(monkeypatch, case: dict, variant, switch: str) -> tuple:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [v for v in _paired_loop_matrix() if v.cu_seqlens], ids=_variant_id)
+@pytest.mark.parametrize("variant", _paired_loop_matrix(), ids=_variant_id)
 def test_paired_loop_has_the_loops_bits(monkeypatch, request, variant):
     """The paired runtime loop (``PAIRED_LOOP``, perf-log D8) against the plain one on packed sequences of lengths 0,
-    1, 3, 8, 13 and a padding row: the same arithmetic a row, so the same bits in o and in every slot of a guard
-    pool; the launcher picked the paired variant."""
+    1, 3, 8, 13 and a padding row (a fixed-length variant: five rows of 13 tokens, one padding): the same
+    arithmetic a row, so the same bits in o and in every slot of a guard pool; the launcher picked the paired
+    variant."""
     from cute_kda.kernels.decode import DecodeVariant
     from cute_kda.ops import decode as ops
 
@@ -1049,10 +1050,12 @@ def test_paired_loop_has_the_loops_bits(monkeypatch, request, variant):
     monkeypatch.setattr(ops, "compiled_variant", lambda v, index: launched.append(v) or build(v, index))
     monkeypatch.setattr(DecodeVariant, "choose_paired", classmethod(lambda cls, *a, **k: True))
     request.addfinalizer(ops.launch_plan.cache_clear)
-    H = 2 if variant.grouped else 4
-    case = packed_case(PACKED_LENGTHS, H, 4, variant.gate, variant.per_head_gate, DTYPES[variant.state_dtype],
-                       offsets_dtype=torch.int32, qk_l2norm=variant.qk_l2norm, beta_logits=variant.beta_logits,
-                       device="cuda", seed=23)
+    if variant.cu_seqlens is None:
+        case = _case(variant, N=5, seed=23, tokens=13)
+    else:
+        case = packed_case(PACKED_LENGTHS, 2 if variant.grouped else 4, 4, variant.gate, variant.per_head_gate,
+                           DTYPES[variant.state_dtype], offsets_dtype=torch.int32, qk_l2norm=variant.qk_l2norm,
+                           beta_logits=variant.beta_logits, device="cuda", seed=23)
     results, pools = _switched(monkeypatch, case, variant, "PAIRED_LOOP")
     assert [v.paired for v in launched] == [False, True]
     assert torch.equal(results[1], results[0])
