@@ -73,12 +73,14 @@ class DecodeVariant:
     accepted counts (every token's state written); ``qk_l2norm``, ``beta_logits``: in-kernel l2norm of q, k and
     sigmoid of beta; ``grouped``: HV > H (value head ``j`` reads q/k head ``j // (HV / H)``); ``vsplit``: CTAs per
     (sequence, head); ``cu_seqlens``: None (fixed length) or the dtype ("int32", "int64") of the ``[N + 1]``
-    offsets of packed sequences (tokens None); ``prefetch`` (unrolled, T ≥ 2): every token's inputs (and a
+    offsets of packed sequences (tokens None; or a ``split_prep`` verify's slot-row width S + 1, each sequence at
+    most that long: D9); ``prefetch`` (unrolled, T ≥ 2): every token's inputs (and a
     verify's slot ids, the accepted count) loaded before the branch on the slot, so their latencies overlap the
     slot id's and the state's — without it token t + 1's loads wait behind token t's stores (each token's
     conditional stores end a basic block, and ptxas does not hoist loads above them): one memory latency a token;
-    ``paired`` (T = 1 decode, V-first bf16 pool): 8 value rows a thread group in two blocks of 4, the second's state
-    prefetched into L2 during the first's math (:meth:`choose_paired`); ``l2_ahead`` (unrolled, T ≥ 2): the
+    ``paired`` (T = 1 decode or the runtime loop's decode, V-first bf16 pool: D4, D8): 8 value rows a thread group
+    in two blocks of 4, the second's state prefetched into L2 during the first's math (:meth:`choose_paired`);
+    ``l2_ahead`` (unrolled, T ≥ 2): the
     schedule of ``prefetch`` with tokens 1 .. T − 1's inputs prefetched into L2 instead of loaded into registers,
     each loaded (an L2 hit) after the previous token's stores (:meth:`choose_l2_ahead`); ``split_prep`` (unrolled,
     T = 2-4, instead of ``prefetch``): the 4 groups of a warp hold the same key channels, so group ``g`` loads token
@@ -386,7 +388,7 @@ class DecodeKernel(TokenPrep):
         """Load the band from ``slot``, run the tokens, write the state(s) back and the outputs; token 0's operands
         ``first``, or (``prefetch``) every token's loaded inputs ``raws``, or (``split_prep``) ``split`` = (the group's
         own token's loaded inputs, every token's v rows); a verify's slot ids ``written``. ``span``: a packed
-        sequence's input rows, its tokens from ``span.length`` on skipped (their operands still shuffled: warp-wide)."""
+        sequence's input rows; its tokens from ``span.length`` on run on the last token's inputs and store nothing."""
         rows = self.map.rows
         base = self.map.state_base(at.lane, at.first_value)
         state = cute.make_rmem_tensor((rows, CHANNELS), Float32)
