@@ -444,6 +444,26 @@ def test_paired_loop_prefetches_the_second_block(variant):
     print(f"{variant}: {report.kernels[0].registers} registers")
 
 
+def test_packed_verify_takes_the_split_schedule_behind_its_switch(monkeypatch):
+    """``variant_of`` for a packed verify (perf-log D9): with ``SPLIT_PREP_PACKED`` on, S + 1 of 2-4 takes the
+    ``split_prep`` schedule of S + 1 tokens (not on a K-first bf16 state, which split_prep excludes), wider rows and
+    packed decodes the runtime loop; off, the runtime loop."""
+    from cute_kda.ops import decode as ops
+
+    def variant(width, layout="vk", dtype=torch.bfloat16, verify=True):
+        return ops.variant_of("safe", False, dtype, layout, 64, verify, True, True, False, 4, torch.int32,
+                              width=width)
+
+    assert variant(4).tokens is None and not variant(4).split_prep  # the switch is off by default
+    monkeypatch.setattr(ops, "SPLIT_PREP_PACKED", True)
+    for width in (2, 3, 4):
+        chosen = variant(width)
+        assert (chosen.tokens, chosen.split_prep, chosen.cu_seqlens, chosen.prefetch) == (width, True, "int32", False)
+    assert variant(4, dtype=torch.float32).split_prep and variant(4, "kv", torch.float32).split_prep
+    for other in (variant(5), variant(13), variant(1), variant(4, "kv"), variant(4, verify=False)):
+        assert other.tokens is None and not other.split_prep
+
+
 def test_loop_matrix_covers_offsets_and_modes():
     matrix = _loop_matrix()
     assert {v.bounded_loop for v in matrix} == {False, True}
