@@ -23,6 +23,8 @@ from cute_kda.dsl import cute, cutlass  # first: sets the target architecture be
 
 from cutlass import Int32
 
+from cute_kda.kernels.common.copy import gmem_run
+
 DIM = 128  # K = V of a state block
 VECTOR_BYTES = 16
 
@@ -64,19 +66,12 @@ class SlotCopyKernel:
             first = head * self.head + band * self.band + tidx * self.vector
             staged = cute.make_rmem_tensor((self.vector, self.vectors), Int32)  # a vector a column
             for i in cutlass.range_constexpr(self.vectors):  # every load out before the first store
-                cute.autovec_copy(self.run(row, first + i * self.threads * self.vector), staged[None, i])
+                cute.autovec_copy(gmem_run(row, first + i * self.threads * self.vector, self.vector), staged[None, i])
             cute.arch.sync_warp()  # ptxas moves no memory operation across it: every load issued before any store
             for i in cutlass.range_constexpr(self.vectors):
                 for w in cutlass.range_constexpr(self.vector):
                     staged[w, i] = staged[w, i] ^ zero
-                cute.autovec_copy(staged[None, i], self.run(row, first + i * self.threads * self.vector))
-
-    @cute.jit
-    def run(self, row: cute.Tensor, offset) -> cute.Tensor:
-        """The 16-byte vector at element ``offset`` of a slot's row."""
-        address = (row.iterator + offset).toint()
-        pointer = cute.make_ptr(row.element_type, address, cute.AddressSpace.gmem, assumed_align=VECTOR_BYTES)
-        return cute.make_tensor(pointer, cute.make_layout((self.vector,)))
+                cute.autovec_copy(staged[None, i], gmem_run(row, first + i * self.threads * self.vector, self.vector))
 
 
 def compile_arguments() -> tuple:

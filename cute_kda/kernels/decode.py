@@ -52,6 +52,7 @@ from cutlass.experimental.primitives import prefetch_l2
 
 from ..layouts.decode import CHANNELS, LANES, WARP_GROUPS, DecodeThreadMap
 from ..numerics import EPS, GATES, LOG2E
+from .common.copy import gmem_run
 from .common.fastmath import ex2_approx, fma_rn, mul_rn, sigmoid_approx
 from .common.token_prep import TokenPrep
 
@@ -451,7 +452,7 @@ class DecodeKernel(TokenPrep):
         those loads (no registers held for them), then a warp barrier."""
         state = cute.make_rmem_tensor((self.map.block_rows, CHANNELS), Float32)
         for vector in self.map.block_vectors(1):
-            prefetch_l2(self.gmem_run(head, base + vector.offset, self.map.vector).iterator)
+            prefetch_l2(gmem_run(head, base + vector.offset, self.map.vector).iterator)
         self.load_state(head, base, state, self.map.block_vectors(0))
         # the warp barriers order memory among the warp's threads, so ptxas moves no memory operation across them:
         # the prefetches stay beside the first block's loads (else they sink to its stores), the second block's
@@ -631,13 +632,13 @@ class DecodeKernel(TokenPrep):
                 rows.append(inputs.g[at.seq, t, at.value_head, None])
             for row in rows:
                 for run in self.map.channel_runs():
-                    prefetch_l2(self.gmem_run(row, base + run.offset, run.length).iterator)
+                    prefetch_l2(gmem_run(row, base + run.offset, run.length).iterator)
             scalars = [inputs.beta[at.seq, t, None]]
             if const_expr(self.variant.per_head_gate):
                 scalars.append(inputs.g[at.seq, t, None])
             for heads in scalars:
-                prefetch_l2(self.gmem_run(heads, at.value_head, 1).iterator)
-            prefetch_l2(self.gmem_run(inputs.v[at.seq, t, at.value_head, None], at.first_value, self.map.rows).iterator)
+                prefetch_l2(gmem_run(heads, at.value_head, 1).iterator)
+            prefetch_l2(gmem_run(inputs.v[at.seq, t, at.value_head, None], at.first_value, self.map.rows).iterator)
         cute.arch.sync_warp()
 
     @cute.jit
@@ -655,7 +656,7 @@ class DecodeKernel(TokenPrep):
         ``[128, 128]`` block) as fp32."""
         for vector in (self.map.state_vectors() if vectors is None else vectors):
             staged = cute.make_rmem_tensor((self.map.vector,), self.state_type)
-            cute.autovec_copy(self.gmem_run(head, offset + vector.offset, self.map.vector), staged)
+            cute.autovec_copy(gmem_run(head, offset + vector.offset, self.map.vector), staged)
             for c, (row, e) in enumerate(vector.registers):
                 state[row, e] = staged[c].to(Float32)
 
@@ -667,28 +668,17 @@ class DecodeKernel(TokenPrep):
             staged = cute.make_rmem_tensor((self.map.vector,), self.state_type)
             for c, (row, e) in enumerate(vector.registers):
                 staged[c] = state[row, e].to(self.state_type)
-            cute.autovec_copy(staged, self.gmem_run(head, offset + vector.offset, self.map.vector))
-
-    @cute.jit
-    def gmem_run(self, tensor: cute.Tensor, offset, length: int) -> cute.Tensor:
-        """``length`` consecutive elements from element ``offset`` of a row view (a slice of a head's row, or of
-        a state block, whose last mode is contiguous), aligned to their size (up to 16 bytes): the maps only ask
-        for runs that start at a multiple of it, and the launcher's tensors start rows 16-byte aligned."""
-        width = tensor.element_type.width // 8
-        align = min(16, length * width)
-        address = (tensor.iterator + offset).toint()
-        pointer = cute.make_ptr(tensor.element_type, address, cute.AddressSpace.gmem, assumed_align=align)
-        return cute.make_tensor(pointer, cute.make_layout((length,)))
+            cute.autovec_copy(staged, gmem_run(head, offset + vector.offset, self.map.vector))
 
     @cute.jit
     def load_run(self, tensor: cute.Tensor, offset, length: int) -> cute.Tensor:
         values = cute.make_rmem_tensor((length,), tensor.element_type)
-        cute.autovec_copy(self.gmem_run(tensor, offset, length), values)
+        cute.autovec_copy(gmem_run(tensor, offset, length), values)
         return values
 
     @cute.jit
     def store_run(self, tensor: cute.Tensor, offset, values: cute.Tensor):
-        cute.autovec_copy(values, self.gmem_run(tensor, offset, cute.size(values)))
+        cute.autovec_copy(values, gmem_run(tensor, offset, cute.size(values)))
 
     @cute.jit
     def raw_channels(self, row: cute.Tensor, lane: Int32, into: cute.Tensor):
@@ -739,7 +729,7 @@ class DecodeKernel(TokenPrep):
         else:
             self.raw_channels(inputs.g[batch, token, at.value_head, None], at.lane, raw.g)
         raw.beta[0] = inputs.beta[batch, token, at.value_head]
-        cute.autovec_copy(self.gmem_run(inputs.v[batch, token, at.value_head, None], at.first_value, self.map.rows),
+        cute.autovec_copy(gmem_run(inputs.v[batch, token, at.value_head, None], at.first_value, self.map.rows),
                           raw.values)
 
     @cute.jit

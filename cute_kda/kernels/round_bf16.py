@@ -21,6 +21,7 @@ from cutlass import BFloat16, Float16, Float32, Int32, Uint32
 
 from ..dsl import cute, cutlass
 from ..numerics import ROUND_RUN as RUN
+from .common.copy import gmem_run
 from .common.fastmath import pack_bf16x2
 
 WARP = 32
@@ -56,7 +57,7 @@ class RoundBf16Kernel:
         for j in cutlass.range_constexpr(self.vectors):  # every load first: `vectors` of them in flight
             run = first + j * self.num_threads
             if run < runs:
-                cute.autovec_copy(self.run_of(x, run), halves[j])
+                cute.autovec_copy(gmem_run(x, run * RUN, RUN), halves[j])
         for j in cutlass.range_constexpr(self.vectors):
             run = first + j * self.num_threads
             if run < runs:
@@ -64,11 +65,4 @@ class RoundBf16Kernel:
                 words = cute.recast_tensor(rounded, Uint32)
                 for w in cutlass.range_constexpr(RUN // 2):
                     words[w] = pack_bf16x2(halves[j][2 * w].to(Float32), halves[j][2 * w + 1].to(Float32))
-                cute.autovec_copy(rounded, self.run_of(out, run))
-
-    @cute.jit
-    def run_of(self, tensor: cute.Tensor, run) -> cute.Tensor:
-        """The 8 elements of run ``run`` of a flat tensor, as a 16-byte aligned view (the tensor's base is)."""
-        pointer = cute.make_ptr(tensor.element_type, (tensor.iterator + run * RUN).toint(), cute.AddressSpace.gmem,
-                                assumed_align=16)
-        return cute.make_tensor(pointer, cute.make_layout((RUN,)))
+                cute.autovec_copy(rounded, gmem_run(out, run * RUN, RUN))

@@ -33,6 +33,10 @@ C→B move that lets a result ``M`` (``m`` = contraction index) feed the next MM
 operand (:func:`transpose_c_to_b`). No register reordering is needed: C's order walks the 8×8
 blocks down the rows first, B's order walks them along ``k`` first, and ``k`` is ``M``'s row index.
 
+Vectors (device). :func:`gmem_run` views a run of consecutive elements of a global tensor as aligned to the run's
+size (up to 16 bytes), so that ``cute.autovec_copy`` moves it in one vector access the compiler could not prove
+aligned from the tensor alone.
+
 ldmatrix / stmatrix tiled copies (:func:`ldmatrix_copy`, :func:`stmatrix_copy`) move one such
 16×16 fragment between registers and a 16×16 block of an smem tensor, for operand A, B or C. Use
 ``transpose=False`` on a block whose second index is contiguous in 16-byte runs (a K_INTER operand
@@ -199,3 +203,14 @@ def transpose_c_to_b(c_fragment: cute.Tensor, b_fragment: cute.Tensor):
     b_words = cute.recast_tensor(b_fragment, Uint32)
     for i in cutlass.range_constexpr(cute.size(c_words)):
         b_words[i] = movmatrix_trans(c_words[i])
+
+
+@cute.jit
+def gmem_run(tensor: cute.Tensor, offset, length: int) -> cute.Tensor:
+    """``length`` consecutive elements of ``tensor`` (a global view whose last mode is contiguous) from element
+    ``offset``, as a view aligned to the run's size (up to 16 bytes). The caller promises that alignment: its runs
+    start at multiples of their size from a base that is 16-byte aligned."""
+    align = min(16, length * tensor.element_type.width // 8)
+    address = (tensor.iterator + offset).toint()
+    pointer = cute.make_ptr(tensor.element_type, address, cute.AddressSpace.gmem, assumed_align=align)
+    return cute.make_tensor(pointer, cute.make_layout((length,)))
