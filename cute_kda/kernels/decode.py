@@ -350,18 +350,8 @@ class DecodeKernel(TokenPrep):
         gate = self.gate_constants_of(inputs, value_head, lane, scale, c_gate)
         if const_expr(self.tokens is None):
             self.run_tokens(inputs, pool, state_indices, out, slot, at, gate, self.token_span(inputs, cu_seqlens, seq))
-        elif const_expr(self.variant.split_prep and self.variant.cu_seqlens is not None):
-            self.run_packed_split(inputs, pool, state_indices, out, slot, at, gate, written,
-                                  self.token_span(inputs, cu_seqlens, seq), tidx)
         elif const_expr(self.variant.split_prep):
-            own = self.raw_token_buffers()
-            self.load_raw(inputs, at, at.seq, self.map.own_token(tidx, self.tokens), own)
-            values = tuple(self.load_run(inputs.v[at.seq, t, at.value_head, None], at.first_value, self.map.rows)
-                           for t in range(self.tokens))
-            if slot >= 0:
-                self.update(inputs, pool, state_indices, out, slot, at, gate, None, None, written, (own, values))
-            else:
-                self.zero_outputs(out, at, None)
+            self.run_split(inputs, pool, state_indices, out, slot, at, gate, written, cu_seqlens, tidx)
         elif const_expr(self.variant.prefetch):
             raws = self.raw_tokens(inputs, at)
             if slot >= 0:
@@ -419,13 +409,18 @@ class DecodeKernel(TokenPrep):
             self.store_state(pool[slot, at.value_head, None, None], base, state)
 
     @cute.jit
-    def run_packed_split(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor, out: cute.Tensor,
-                         slot: Int32, at: "Position", gate: "GateConstants", written: cute.Tensor, span: "TokenSpan",
-                         tidx):
-        """A packed verify with split preparation (``split_prep`` and ``cu_seqlens``; perf-log D9): the unrolled
-        ``tokens``-wide schedule on ``span``, whose length is at most ``tokens`` (the slot rows' width); the loads of
-        tokens past it read the last token again (in bounds; their results unused). A sequence of length 0 reads and
-        writes nothing; a padding row (slot −1) zeroes its output rows."""
+    def run_split(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor, out: cute.Tensor,
+                  slot: Int32, at: "Position", gate: "GateConstants", written: Optional[cute.Tensor],
+                  cu_seqlens: Optional[cute.Tensor], tidx):
+        """The ``split_prep`` schedule: each group loads its own token's inputs and every token's v rows, then
+        :meth:`update`. Packed (a verify with ``cu_seqlens``; perf-log D9) on the sequence's span, whose length is at
+        most ``tokens`` (the slot rows' width): the loads of tokens past it read the last token again (in bounds;
+        their results unused), a sequence of length 0 reads and writes nothing. A padding row (slot −1) zeroes its
+        output rows."""
+        packed = self.variant.cu_seqlens is not None
+        span = TokenSpan(at.seq, Int32(0), Int32(self.tokens))
+        if const_expr(packed):
+            span = self.token_span(inputs, cu_seqlens, at.seq)
         if span.length > 0:
             last = span.length - 1
             own = self.raw_token_buffers()
@@ -434,9 +429,10 @@ class DecodeKernel(TokenPrep):
             values = tuple(self.load_run(inputs.v[span.batch, span.start + cutlass.min(t, last), at.value_head, None],
                                          at.first_value, self.map.rows) for t in range(self.tokens))
             if slot >= 0:
-                self.update(inputs, pool, state_indices, out, slot, at, gate, None, None, written, (own, values), span)
+                self.update(inputs, pool, state_indices, out, slot, at, gate, None, None, written, (own, values),
+                            span if const_expr(packed) else None)
             else:
-                self.zero_outputs(out, at, span)
+                self.zero_outputs(out, at, span if const_expr(packed) else None)
 
     @cute.jit
     def update_paired(self, pool: cute.Tensor, out: cute.Tensor, slot: Int32, at: "Position",
