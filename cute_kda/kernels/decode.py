@@ -469,8 +469,7 @@ class DecodeKernel(TokenPrep):
                 self.load_state(head, base, state, vectors)
             first_row = self.map.block_first_row(half)
             outputs = self.advance(state, operands, first_row)
-            if at.lane == 0:
-                self.store_run(out[(*row, at.value_head, None)], at.first_value + first_row, outputs)
+            self.store_outputs(out, at, row, outputs, first_row)
             self.store_state(head, base, state, vectors)
 
     @cute.jit
@@ -533,9 +532,7 @@ class DecodeKernel(TokenPrep):
                     operands = self.prepared(raw, gate)
                     self.load_raw(inputs, at, span.batch, span.start + cutlass.min(t + 1, last), raw)
                     outputs = self.advance(state, operands, first_row)
-                    if at.lane == 0:
-                        self.store_run(out[span.batch, span.start + t, at.value_head, None],
-                                       at.first_value + first_row, outputs)
+                    self.store_outputs(out, at, (span.batch, span.start + t), outputs, first_row)
                 self.store_state(head, base, state, vectors)
 
     @cute.jit
@@ -562,8 +559,7 @@ class DecodeKernel(TokenPrep):
                      written_ids: Optional[cute.Tensor] = None):
         """Token ``t``'s outputs to input row ``row = (batch, token)`` of ``out``; a verify keeps its state too (in
         slot ``state_indices[seq, t]``, or ``written_ids[t]`` when loaded ahead)."""
-        if at.lane == 0:
-            self.store_run(out[(*row, at.value_head, None)], at.first_value, outputs)
+        self.store_outputs(out, at, row, outputs)
         if const_expr(self.variant.verify):
             if const_expr(written_ids is None):
                 written = state_indices[at.seq, t]
@@ -571,6 +567,13 @@ class DecodeKernel(TokenPrep):
                 written = written_ids[t]
             if written >= 0:
                 self.store_state(pool[written, at.value_head, None, None], base, state)
+
+    @cute.jit
+    def store_outputs(self, out: cute.Tensor, at: "Position", row: tuple, outputs: cute.Tensor, first_row: int = 0):
+        """A token's outputs of the group's value rows ``first_row ..`` to input row ``row = (batch, token)`` of
+        ``out``, by the group's lane 0 (its row dots' butterfly leaves them in every lane)."""
+        if at.lane == 0:
+            self.store_run(out[(*row, at.value_head, None)], at.first_value + first_row, outputs)
 
     @cute.jit
     def zero_outputs(self, out: cute.Tensor, at: "Position", span: Optional["TokenSpan"]):
