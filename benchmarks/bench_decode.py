@@ -181,9 +181,8 @@ def _row(N: int, HV: int, pool: str, mode: str, per_head: bool, args) -> list[st
     from cute_kda.ops import decode as decode_ops
 
     packed = mode.startswith("packed")
-    paired = (decode_ops.PAIRED and (decode_ops.PAIRED_LOOP or not packed)  # as the launcher picks it
-              and DecodeVariant.choose_paired(N, HV, sm_count(0), None if packed else T, verify, "vk", pool,
-                                              cu_seqlens="int32" if packed else None))
+    paired = decode_ops.takes_paired(N, HV, sm_count(0), T, verify, "vk", POOLS[pool], None,
+                                     torch.int32 if packed else None)
     auto = DecodeVariant.choose_vsplit(N, HV, sm_count(0), "vk", pool, paired)
     ours = _time_us(_ours(case, per_head, None), args.warmup, args.rep)
     fla = (_time_us(_fla(case, per_head), args.warmup, args.rep) if not (per_head and verify or args.no_fla)

@@ -240,6 +240,18 @@ def plan_of(q: torch.Tensor, v: torch.Tensor, g: torch.Tensor, state_pool: torch
         state_indices.shape[1] if state_indices.dim() == 2 else 1)
 
 
+def takes_paired(num_seqs: int, value_heads: int, sms: int, tokens: int, verify: bool, state_layout: str,
+                 state_dtype: torch.dtype, vsplit: int | None, cu_seqlens_dtype: torch.dtype | None) -> bool:
+    """Whether a call of ``tokens`` a sequence (fixed T, or packed with offsets of ``cu_seqlens_dtype``) on ``sms``
+    SMs runs the paired variant: :data:`PAIRED` on (for the runtime loop :data:`PAIRED_LOOP` too) and
+    :meth:`DecodeVariant.choose_paired`."""
+    unrolled = unrolled_tokens(tokens, cu_seqlens_dtype)
+    return (PAIRED and (unrolled is not None or PAIRED_LOOP)
+            and DecodeVariant.choose_paired(num_seqs, value_heads, sms, unrolled, verify, state_layout,
+                                            _STATE_DTYPES[state_dtype], vsplit,
+                                            None if cu_seqlens_dtype is None else _OFFSET_DTYPES[cu_seqlens_dtype]))
+
+
 @functools.lru_cache(maxsize=4096)  # a call's host path: one look-up for the variant, its compile and the scalars
 def launch_plan(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_layout: str, tokens: int,
                 verify: bool, qk_l2norm: bool, beta_logits: bool, grouped: bool, vsplit: int | None,
@@ -251,11 +263,8 @@ def launch_plan(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_
     use, after the device check (:func:`cute_kda.device.check_supported`: a clear error on a device that is not
     sm_90)."""
     check_supported(torch.device("cuda", index))
-    unrolled = unrolled_tokens(tokens, cu_seqlens_dtype)
-    paired = (PAIRED and (unrolled is not None or PAIRED_LOOP)
-              and DecodeVariant.choose_paired(num_seqs, value_heads, sm_count(index), unrolled, verify, state_layout,
-                                              _STATE_DTYPES[state_dtype], vsplit,
-                                              None if cu_seqlens_dtype is None else _OFFSET_DTYPES[cu_seqlens_dtype]))
+    paired = takes_paired(num_seqs, value_heads, sm_count(index), tokens, verify, state_layout, state_dtype, vsplit,
+                          cu_seqlens_dtype)
     if vsplit is None:
         vsplit = auto_vsplit(num_seqs, value_heads, index, state_layout, state_dtype, paired)
     variant = variant_of(gate, per_head_gate, state_dtype, state_layout, tokens, verify, qk_l2norm, beta_logits,
