@@ -482,7 +482,7 @@ class DecodeKernel(TokenPrep):
             self.load_raw(inputs, at, span.batch, span.start, raw)  # overlaps the slot id's load
             if slot >= 0:
                 if const_expr(self.variant.paired):
-                    self.update_loop_paired(inputs, pool, out, slot, at, gate, span, raw)
+                    self.update_loop_paired(inputs, pool, state_indices, out, slot, at, gate, span, raw)
                 else:
                     self.update_loop(inputs, pool, state_indices, out, slot, at, gate, span, raw)
             else:
@@ -497,18 +497,29 @@ class DecodeKernel(TokenPrep):
         base = self.map.state_base(at.lane, at.first_value)
         state = cute.make_rmem_tensor((self.map.rows, CHANNELS), Float32)
         self.load_state(pool[slot, at.value_head, None, None], base, state)
-        last = span.length - 1
-        for t in cutlass.range(span.length, unroll=1):
-            operands = self.prepared(raw, gate)
-            self.load_raw(inputs, at, span.batch, span.start + cutlass.min(t + 1, last), raw)
-            outputs = self.advance(state, operands)
-            self.finish_token(out, pool, state_indices, at, (span.batch, span.start + t), t, base, state, outputs)
+        self.token_loop(inputs, pool, state_indices, out, at, gate, span, raw, base, state)
         if const_expr(not self.variant.verify):
             self.store_state(pool[slot, at.value_head, None, None], base, state)
 
     @cute.jit
-    def update_loop_paired(self, inputs: DecodeInputs, pool: cute.Tensor, out: cute.Tensor, slot: Int32,
-                           at: "Position", gate: "GateConstants", span: "TokenSpan", raw: "RawToken"):
+    def token_loop(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor, out: cute.Tensor,
+                   at: "Position", gate: "GateConstants", span: "TokenSpan", raw: "RawToken", base, state: cute.Tensor,
+                   first_row: int = 0):
+        """``span``'s tokens on ``state`` (the group's rows ``first_row ..``), ``raw`` holding the first token's
+        inputs: each token's operands prepared from ``raw``, then the next token's loads issued into it before the
+        token's math (the last token loads itself again), then its outputs (a verify: its state) stored."""
+        last = span.length - 1
+        for t in cutlass.range(span.length, unroll=1):
+            operands = self.prepared(raw, gate)
+            self.load_raw(inputs, at, span.batch, span.start + cutlass.min(t + 1, last), raw)
+            outputs = self.advance(state, operands, first_row)
+            self.finish_token(out, pool, state_indices, at, (span.batch, span.start + t), t, base, state, outputs,
+                              first_row=first_row)
+
+    @cute.jit
+    def update_loop_paired(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor,
+                           out: cute.Tensor, slot: Int32, at: "Position", gate: "GateConstants", span: "TokenSpan",
+                           raw: "RawToken"):
         """:meth:`update_loop` of a decode on the two blocks of a paired group (``paired``, the runtime loop). A
         sequence of one token (an engine's packed decode batch) runs :meth:`paired_token`: the token prepared once,
         each block run and stored in turn. A longer one runs all its tokens on the first block, then on the second
@@ -520,19 +531,14 @@ class DecodeKernel(TokenPrep):
         if span.length == 1:
             self.paired_token(head, base, state, out, at, (span.batch, span.start), self.prepared(raw, gate))
         else:
-            last = span.length - 1
             for half in cutlass.range_constexpr(self.map.halves):
                 vectors = self.map.block_vectors(half)
                 if const_expr(half > 0):
                     cute.arch.sync_warp()
                     self.load_state(head, base, state, vectors)
                     self.load_raw(inputs, at, span.batch, span.start, raw)
-                first_row = self.map.block_first_row(half)
-                for t in cutlass.range(span.length, unroll=1):
-                    operands = self.prepared(raw, gate)
-                    self.load_raw(inputs, at, span.batch, span.start + cutlass.min(t + 1, last), raw)
-                    outputs = self.advance(state, operands, first_row)
-                    self.store_outputs(out, at, (span.batch, span.start + t), outputs, first_row)
+                self.token_loop(inputs, pool, state_indices, out, at, gate, span, raw, base, state,
+                                self.map.block_first_row(half))
                 self.store_state(head, base, state, vectors)
 
     @cute.jit
@@ -556,10 +562,11 @@ class DecodeKernel(TokenPrep):
     @cute.jit
     def finish_token(self, out: cute.Tensor, pool: cute.Tensor, state_indices: cute.Tensor, at: "Position",
                      row: tuple, t, base, state: cute.Tensor, outputs: cute.Tensor,
-                     written_ids: Optional[cute.Tensor] = None):
-        """Token ``t``'s outputs to input row ``row = (batch, token)`` of ``out``; a verify keeps its state too (in
-        slot ``state_indices[seq, t]``, or ``written_ids[t]`` when loaded ahead)."""
-        self.store_outputs(out, at, row, outputs)
+                     written_ids: Optional[cute.Tensor] = None, first_row: int = 0):
+        """Token ``t``'s outputs (of the group's rows ``first_row ..``) to input row ``row = (batch, token)`` of
+        ``out``; a verify keeps its state too (in slot ``state_indices[seq, t]``, or ``written_ids[t]`` when loaded
+        ahead)."""
+        self.store_outputs(out, at, row, outputs, first_row)
         if const_expr(self.variant.verify):
             if const_expr(written_ids is None):
                 written = state_indices[at.seq, t]
