@@ -41,12 +41,13 @@ sigmoid in the kernel. The per-head rows (GatedDeltaNet) run decode with a preco
   T = 2-4 calls prepare each token in every thread group, not once a warp shared by shuffles
   (``cute_kda.ops.decode.SPLIT_PREP``, on by default;
   :meth:`cute_kda.kernels.decode.DecodeVariant.choose_split_prep`), the A/B of D6;
-  ``--paired-loop``: packed bf16 decodes on the paired variant too (``cute_kda.ops.decode.PAIRED_LOOP``, off by
-  default), the A/B of D8; ``--split-prep-packed``: packed verifies on the ``split_prep`` schedule of S + 1 tokens
-  (``cute_kda.ops.decode.SPLIT_PREP_PACKED``, off by default), the A/B of D9; ``--no-fla``: our columns only;
+  ``--no-paired-loop``: packed bf16 decodes on the plain runtime loop, not the paired variant
+  (``cute_kda.ops.decode.PAIRED_LOOP``, on by default), the A/B of D8; ``--no-split-prep-packed``: packed verifies on
+  the runtime loop, not the ``split_prep`` schedule of S + 1 tokens (``cute_kda.ops.decode.SPLIT_PREP_PACKED``, on by
+  default), the A/B of D9; ``--no-fla``: our columns only;
 - ``--modes packed,packed-verify``: the same calls with the tokens packed (``[1, N·T, ...]``, int32 ``cu_seqlens``,
-  every sequence T long), which runs our runtime token loop instead of the unrolled one (FLA takes the same
-  ``cu_seqlens``): beside the decode / verify rows, the loop's cost.
+  every sequence T long): a packed decode runs our runtime token loop (on bf16 pools its paired form), a packed verify
+  the unrolled split_prep schedule of S + 1 tokens where it fits, else the loop (FLA takes the same ``cu_seqlens``).
 
 Goals (issue 32): ≥ 85 % of the copy's bandwidth where N·HV ≥ 2048; ≥ 1.5× FLA; N = 1, HV = 32 ≤ 8 µs.
 
@@ -232,10 +233,10 @@ def main() -> None:
     parser.add_argument("--no-split-prep", action="store_true",
                         help="T = 2-4 calls preparing each token in every thread group, not once a warp (A/B, "
                              "perf-log D6)")
-    parser.add_argument("--paired-loop", action="store_true",
-                        help="packed bf16 decodes on the paired variant too (A/B, docs/perf-log.md D8)")
-    parser.add_argument("--split-prep-packed", action="store_true",
-                        help="packed verifies on the split_prep schedule of S + 1 tokens (A/B, perf-log D9)")
+    parser.add_argument("--no-paired-loop", action="store_true",
+                        help="packed bf16 decodes on the plain runtime loop, not the paired one (A/B, perf-log D8)")
+    parser.add_argument("--no-split-prep-packed", action="store_true",
+                        help="packed verifies on the runtime loop, not the split_prep schedule (A/B, perf-log D9)")
     parser.add_argument("--no-fla", action="store_true", help="skip FLA's columns")
     parser.add_argument("--ordered-slots", action="store_true",
                         help="slot ids in order, not a random permutation (how slot placement moves a row)")
@@ -244,8 +245,8 @@ def main() -> None:
 
     decode_ops.PREFETCH = not args.no_prefetch
     decode_ops.PAIRED = not args.no_paired
-    decode_ops.PAIRED_LOOP = args.paired_loop
-    decode_ops.SPLIT_PREP_PACKED = args.split_prep_packed
+    decode_ops.PAIRED_LOOP = not args.no_paired_loop
+    decode_ops.SPLIT_PREP_PACKED = not args.no_split_prep_packed
     decode_ops.L2_AHEAD = args.l2_ahead
     decode_ops.SPLIT_PREP = not args.no_split_prep
 

@@ -445,16 +445,18 @@ def test_paired_loop_prefetches_the_second_block(variant):
 
 
 def test_packed_verify_takes_the_split_schedule_behind_its_switch(monkeypatch):
-    """``variant_of`` for a packed verify (perf-log D9): with ``SPLIT_PREP_PACKED`` on, S + 1 of 2-4 takes the
-    ``split_prep`` schedule of S + 1 tokens (not on a K-first bf16 state, which split_prep excludes), wider rows and
-    packed decodes the runtime loop; off, the runtime loop."""
+    """``variant_of`` for a packed verify (perf-log D9): with ``SPLIT_PREP_PACKED`` on (the default), S + 1 of 2-4
+    takes the ``split_prep`` schedule of S + 1 tokens (not on a K-first bf16 state, which split_prep excludes), wider
+    rows and packed decodes the runtime loop; off, the runtime loop."""
     from cute_kda.ops import decode as ops
 
     def variant(width, layout="vk", dtype=torch.bfloat16, verify=True):
         return ops.variant_of("safe", False, dtype, layout, 64, verify, True, True, False, 4, torch.int32,
                               width=width)
 
-    assert variant(4).tokens is None and not variant(4).split_prep  # the switch is off by default
+    assert ops.SPLIT_PREP_PACKED  # on by default since the H200's A/B (perf-log D9)
+    monkeypatch.setattr(ops, "SPLIT_PREP_PACKED", False)
+    assert variant(4).tokens is None and not variant(4).split_prep
     monkeypatch.setattr(ops, "SPLIT_PREP_PACKED", True)
     for width in (2, 3, 4):
         chosen = variant(width)

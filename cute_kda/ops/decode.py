@@ -40,9 +40,10 @@ PREFETCH = True
 PAIRED = True
 # Whether the runtime loop's decodes (packed calls on int32 offsets; a fixed T over 8) on V-first bf16 pools take the
 # paired variant too where :meth:`DecodeVariant.choose_paired` says it pays (docs/perf-log.md, D8: a one-token
-# sequence runs the paired update, a longer one its tokens once a block); off until the H200 has run its tests and
-# the A/B (``bench_decode.py --paired-loop``).
-PAIRED_LOOP = False
+# sequence runs the paired update, a longer one its tokens once a block; packed bf16 decode 73-82 % → 84-94 % of the
+# copy where N·HV ≥ 2048 on the H200, the same bits as the plain loop); ``bench_decode.py --no-paired-loop`` is its
+# A/B.
+PAIRED_LOOP = True
 # Whether unrolled T = 2-4 calls on V-first bf16 pools keep the later tokens' inputs in L2 (``l2_ahead``) instead of
 # registers (``prefetch``) where :meth:`DecodeVariant.choose_l2_ahead` says so (docs/perf-log.md, D5: predicted bf16
 # verify 71-74 % → 80-88 % of the copy; measured 71-74 % → 50-72 % on the H200: slower at every size); off
@@ -55,9 +56,9 @@ L2_AHEAD = False
 SPLIT_PREP = True
 # Whether packed verifies (``cu_seqlens`` with ``[N, S + 1]`` slot ids, S + 1 of 2-4) take ``split_prep`` on the
 # unrolled (S + 1)-token schedule, each sequence's tokens past its length run and never stored, instead of the
-# runtime loop (docs/perf-log.md, D9); off until the H200 has run its tests and the A/B
-# (``bench_decode.py --split-prep-packed``).
-SPLIT_PREP_PACKED = False
+# runtime loop (docs/perf-log.md, D9: packed bf16 verify 68-73 % → 85-89 % of the copy where N·HV ≥ 2048 on the
+# H200, the same bits as the loop); ``bench_decode.py --no-split-prep-packed`` is its A/B.
+SPLIT_PREP_PACKED = True
 _COMPILE_SIZES = (3, 2, 4, 5)  # N, H, HV, slots of the meta tensors a compile describes (every extent is dynamic)
 
 
