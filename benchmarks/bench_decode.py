@@ -35,9 +35,7 @@ sigmoid in the kernel. The per-head rows (GatedDeltaNet) run decode with a preco
   (:meth:`cute_kda.kernels.decode.DecodeVariant.choose_prefetch`, ``cute_kda.ops.decode.PREFETCH``), for the A/B of
   docs/perf-log.md's D3; ``--no-paired``: one-token bf16 decodes without the paired variant
   that :meth:`cute_kda.kernels.decode.DecodeVariant.choose_paired` picks where it pays (``cute_kda.ops.decode.PAIRED``,
-  on by default; the vsplit column names the paired split), for the A/B of D4; ``--l2-ahead``: the T = 2-4 calls on
-  bf16 pools keep the later tokens' inputs in L2 instead of registers (``cute_kda.ops.decode.L2_AHEAD``, off by
-  default; :meth:`cute_kda.kernels.decode.DecodeVariant.choose_l2_ahead`), the A/B of D5; ``--no-split-prep``: the
+  on by default; the vsplit column names the paired split), for the A/B of D4; ``--no-split-prep``: the
   T = 2-4 calls prepare each token in every thread group, not once a warp shared by shuffles
   (``cute_kda.ops.decode.SPLIT_PREP``, on by default;
   :meth:`cute_kda.kernels.decode.DecodeVariant.choose_split_prep`), the A/B of D6;
@@ -228,8 +226,6 @@ def main() -> None:
                         help="the plain unrolled variants, not those loading every token ahead (A/B)")
     parser.add_argument("--no-paired", action="store_true",
                         help="one-token bf16 decodes without the paired variant (A/B, docs/perf-log.md D4)")
-    parser.add_argument("--l2-ahead", action="store_true",
-                        help="bf16 T = 2-4 calls with the later tokens' inputs in L2, not registers (A/B, perf-log D5)")
     parser.add_argument("--no-split-prep", action="store_true",
                         help="T = 2-4 calls preparing each token in every thread group, not once a warp (A/B, "
                              "perf-log D6)")
@@ -247,7 +243,6 @@ def main() -> None:
     decode_ops.PAIRED = not args.no_paired
     decode_ops.PAIRED_LOOP = not args.no_paired_loop
     decode_ops.SPLIT_PREP_PACKED = not args.no_split_prep_packed
-    decode_ops.L2_AHEAD = args.l2_ahead
     decode_ops.SPLIT_PREP = not args.no_split_prep
 
     head = ["N", "HV", "pool", "mode", "vsplit", "µs", "state GB/s", "copy GB/s", "% copy", "FLA µs", "vs FLA",

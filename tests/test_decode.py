@@ -344,8 +344,7 @@ def test_variant_rejects_what_the_kernel_cannot_run():
                 dict(state_layout="kv", state_dtype="bf16", vsplit=8), dict(cu_seqlens="int32"),
                 dict(tokens=None, cu_seqlens="int16"), dict(prefetch=True), dict(tokens=None, prefetch=True),
                 dict(paired=True), dict(paired=True, state_dtype="bf16", tokens=2),
-                dict(paired=True, state_dtype="bf16", vsplit=8), dict(l2_ahead=True),
-                dict(tokens=4, prefetch=True, l2_ahead=True), dict(split_prep=True), dict(tokens=5, split_prep=True),
+                dict(paired=True, state_dtype="bf16", vsplit=8), dict(split_prep=True), dict(tokens=5, split_prep=True),
                 dict(tokens=4, prefetch=True, split_prep=True), dict(tokens=None, split_prep=True),
                 dict(tokens=4, cu_seqlens="int32", split_prep=True), dict(tokens=4, verify=True, cu_seqlens="int32"),
                 dict(tokens=4, state_layout="kv", state_dtype="bf16", split_prep=True)):
@@ -372,8 +371,8 @@ def _compile_matrix():
         V(tokens=4, verify=True, vsplit=4, prefetch=True),
         V(state_dtype="bf16", vsplit=2, paired=True),
         V(gate="none", per_head_gate=True, state_dtype="bf16", grouped=True, vsplit=4, paired=True),
-        V(state_dtype="bf16", tokens=4, verify=True, vsplit=4, l2_ahead=True),
-        V(gate="softplus", per_head_gate=True, state_dtype="bf16", tokens=2, grouped=True, vsplit=8, l2_ahead=True),
+        V(state_dtype="bf16", tokens=4, verify=True, vsplit=4),
+        V(gate="softplus", per_head_gate=True, state_dtype="bf16", tokens=2, grouped=True, vsplit=8),
         V(state_dtype="bf16", tokens=4, verify=True, vsplit=4, split_prep=True),
         V(tokens=4, verify=True, vsplit=4, split_prep=True),
         V(gate="none", per_head_gate=True, state_layout="kv", tokens=3, grouped=True, vsplit=2, split_prep=True),
@@ -539,29 +538,6 @@ def test_paired_prefetches_the_second_block_beside_the_first(variant):
     print(f"{variant}: {report.kernels[0].registers} registers")
 
 
-@pytest.mark.parametrize("variant", [v for v in _compile_matrix() if v.l2_ahead], ids=lambda v: _variant_id(v))
-def test_l2_ahead_prefetches_the_later_tokens_before_token_zero(variant):
-    """The PTX of an ``l2_ahead`` variant: the lines of tokens 1 .. T − 1's inputs (each lane's runs of q, k, a
-    per-channel g, its v rows, β, a per-head g) prefetched into L2, then a warp barrier, before any token's or the
-    state's vector load (only the gate's dt_bias may come first); at most 168 registers (6 CTAs of 64 threads an
-    SM, D5), no spills."""
-    from cute_kda.compile_report import compile_with_report
-    from cute_kda.kernels.decode import DecodeKernel
-    from cute_kda.ops import decode as ops
-    from cute_kda.ops._cache import TVM_FFI_OPTION
-
-    _, report = compile_with_report(DecodeKernel(variant), *ops.compile_arguments(variant), options=TVM_FFI_OPTION)
-    runs = len(variant.thread_map.channel_runs())
-    per_token = runs * (2 if variant.per_head_gate else 3) + 2 + variant.per_head_gate  # + v and β (+ g a head)
-    ptx = report.ptx
-    assert report.count("prefetch.global.L2") == per_token * (variant.tokens - 1)
-    assert ptx.rindex("prefetch.global.L2") < ptx.index("bar.warp.sync")
-    ahead = ptx[:ptx.index("prefetch.global.L2")].count("ld.global.v4")
-    assert ahead <= (0 if variant.per_head_gate or variant.gate == "none" else 4), ahead  # dt_bias, fp32, at most
-    assert report.local_memory_ops == 0 and report.spills == 0 and report.kernels[0].registers <= 168
-    print(f"{variant}: {report.kernels[0].registers} registers")
-
-
 def test_choose_split_prep():
     from cute_kda.kernels.decode import DecodeVariant
 
@@ -629,7 +605,7 @@ def _variant_id(v) -> str:
     return (f"{v.gate}{'-head' if v.per_head_gate else ''}-{v.state_dtype}-{v.state_layout}-T{v.tokens or 'n'}"
             f"{'-verify' if v.verify else ''}{'' if v.qk_l2norm else '-nol2'}{'' if v.beta_logits else '-nosig'}"
             f"{'-gva' if v.grouped else ''}-vs{v.vsplit}{'' if v.cu_seqlens is None else '-' + v.cu_seqlens}"
-            f"{'-prefetch' if v.prefetch else ''}{'-paired' if v.paired else ''}{'-l2ahead' if v.l2_ahead else ''}"
+            f"{'-prefetch' if v.prefetch else ''}{'-paired' if v.paired else ''}"
             f"{'-splitprep' if v.split_prep else ''}")
 
 
@@ -735,7 +711,7 @@ def assert_matches_mirror(actual: torch.Tensor, expected: torch.Tensor, what: st
 def test_kernel_matches_mirror(monkeypatch, request, variant):
     """Each compiled variant: o and every slot of the pool as the mirror has them (padding row zero, the caller's
     ``out`` filled, unlisted slots untouched in both). The launcher's switches follow the variant's ``paired``,
-    ``l2_ahead`` and ``split_prep`` (a paired call at any size), and the launched kernel has them."""
+    and ``split_prep`` (a paired call at any size), and the launched kernel has them."""
     from cute_kda.kernels.decode import DecodeVariant
     from cute_kda.ops import decode as ops
 
@@ -743,7 +719,6 @@ def test_kernel_matches_mirror(monkeypatch, request, variant):
     build = ops.compiled_variant
     monkeypatch.setattr(ops, "compiled_variant", lambda v, index: launched.append(v) or build(v, index))
     monkeypatch.setattr(ops, "PAIRED", variant.paired)
-    monkeypatch.setattr(ops, "L2_AHEAD", variant.l2_ahead)
     monkeypatch.setattr(ops, "SPLIT_PREP", variant.split_prep)
     if variant.paired:
         monkeypatch.setattr(DecodeVariant, "choose_paired", classmethod(lambda cls, *a: True))
@@ -759,8 +734,7 @@ def test_kernel_matches_mirror(monkeypatch, request, variant):
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     assert_matches_mirror(got, expected, "o")
     assert_matches_mirror(case["state_pool"], expected_pool, "pool")
-    assert [(v.paired, v.l2_ahead, v.split_prep) for v in launched] == [(variant.paired, variant.l2_ahead,
-                                                                         variant.split_prep)]
+    assert [(v.paired, v.split_prep) for v in launched] == [(variant.paired, variant.split_prep)]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -1228,22 +1202,6 @@ def _run_under_switches(monkeypatch, request, variant, case, settings: list[dict
         results.append((_run_kernel(run, variant), run["state_pool"]))
     torch.cuda.synchronize()
     return compiled, results
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("verify", [False, True], ids=["decode", "verify"])
-def test_l2_ahead_has_the_same_bits(monkeypatch, request, verify):
-    """T = 4 on a bf16 pool with the later tokens ahead in L2 (``l2_ahead``), in registers (``prefetch``) and
-    loaded in turn (plain): the same arithmetic, so the same bits in o and in the pool."""
-    from cute_kda.kernels.decode import DecodeVariant
-
-    variant = DecodeVariant(tokens=4, verify=verify, state_dtype="bf16", vsplit=4)
-    settings = [dict(L2_AHEAD=l2_ahead, PREFETCH=prefetch) for l2_ahead, prefetch in ((True, True), (False, True),
-                                                                                    (False, False))]
-    compiled, results = _run_under_switches(monkeypatch, request, variant, _case(variant, N=5, seed=31), settings)
-    assert [(v.l2_ahead, v.prefetch) for v in compiled] == [(True, False), (False, True), (False, False)]
-    for out, pool in results[1:]:
-        assert torch.equal(out, results[0][0]) and torch.equal(_bits(pool), _bits(results[0][1]))
 
 
 @pytest.mark.gpu

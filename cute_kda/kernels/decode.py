@@ -20,8 +20,8 @@ Two token loops, one arithmetic (the same bits for the same tokens):
 
 - **unrolled** (``tokens`` = T ≤ 8, fixed length): every token's code inline; token 0's loads are issued before
   the branch on the slot id, and ptxas schedules the later tokens' loads across the unrolled math. Its schedules
-  (variant flags): ``prefetch`` loads every token's inputs into registers up front (D3); ``l2_ahead`` prefetches
-  tokens 1 .. T − 1's into L2 instead (D5); ``paired`` (one token, a bf16 V-first decode) gives a thread group 8
+  (variant flags): ``prefetch`` loads every token's inputs into registers up front (D3; D5 prefetched them into L2
+  instead: slower, removed); ``paired`` (one token, a bf16 V-first decode) gives a thread group 8
   value rows, two blocks of 4 that share the slot id and the token's operands, the second block's lines prefetched
   into L2 beside the first block's loads and loaded once the first block is stored (D4: docs/perf-log.md; the
   runtime loop's decode takes it too, D8);
@@ -57,7 +57,7 @@ from .common.fastmath import ex2_approx, fma_rn, mul_rn, sigmoid_approx
 from .common.token_prep import TokenPrep
 
 MAX_TOKENS = 8
-BOUND_CTAS_PER_SM = 6  # paired, l2_ahead, split_prep, bf16 V-first loops: 64-thread CTAs an SM, 168 registers
+BOUND_CTAS_PER_SM = 6  # paired, split_prep, bf16 V-first loops: 64-thread CTAs an SM, 168 registers
 BUTTERFLY = (4, 2, 1)  # shfl.xor offsets over the 8 lanes of a row (the mirror's order)
 _STATE_TYPES = {"fp32": Float32, "bf16": BFloat16}
 OFFSET_DTYPES = ("int32", "int64")  # of cu_seqlens
@@ -81,9 +81,7 @@ class DecodeVariant:
     conditional stores end a basic block, and ptxas does not hoist loads above them): one memory latency a token;
     ``paired`` (T = 1 decode or the runtime loop's decode, V-first bf16 pool: D4, D8): 8 value rows a thread group
     in two blocks of 4, the second's state prefetched into L2 during the first's math (:meth:`choose_paired`);
-    ``l2_ahead`` (unrolled, T ≥ 2): the
-    schedule of ``prefetch`` with tokens 1 .. T − 1's inputs prefetched into L2 instead of loaded into registers,
-    each loaded (an L2 hit) after the previous token's stores (:meth:`choose_l2_ahead`); ``split_prep`` (unrolled,
+    ``split_prep`` (unrolled,
     T = 2-4, instead of ``prefetch``): the 4 groups of a warp hold the same key channels, so group ``g`` loads token
     ``g mod T``'s q, k, g, β alone (every token's v rows: the group's own), prepares them (l2norm, gate, β
     sigmoid) once, and each token's operands reach the other groups by shuffles — the per-token preparation, 3/5 of
@@ -104,7 +102,6 @@ class DecodeVariant:
     cu_seqlens: Optional[str] = None
     prefetch: bool = False
     paired: bool = False
-    l2_ahead: bool = False
     split_prep: bool = False
 
     def __post_init__(self) -> None:
@@ -119,12 +116,10 @@ class DecodeVariant:
                              "a split_prep verify's slot-row width")
         if self.prefetch and (self.tokens is None or self.tokens < 2):
             raise ValueError("prefetch loads the tokens of the unrolled loop ahead: it needs tokens >= 2")
-        if self.l2_ahead and (self.tokens is None or self.tokens < 2 or self.prefetch):
-            raise ValueError("l2_ahead prefetches the later tokens of the unrolled loop: tokens >= 2, not prefetch")
         if self.split_prep and (not self.choose_split_prep(self.tokens, self.state_layout, self.state_dtype)
-                                or self.prefetch or self.l2_ahead):
+                                or self.prefetch):
             raise ValueError(f"split_prep gives each of the {WARP_GROUPS} groups of a warp one token of the unrolled "
-                             "loop: tokens 2 to 4, not a K-first bf16 state, not prefetch or l2_ahead")
+                             "loop: tokens 2 to 4, not a K-first bf16 state, not prefetch")
         if self.paired and not self.pairs(self.tokens, self.verify, self.state_layout, self.state_dtype,
                                           self.cu_seqlens):
             raise ValueError("paired runs a one-token decode, or the runtime loop's decode (int32 offsets), on a "
@@ -143,14 +138,6 @@ class DecodeVariant:
         packed T = 1). Capped at 168 it takes 158-166 registers without spills; the fp32 and K-first loops spill at
         the cap (24-548 bytes) and fp32 moves twice the bytes a CTA (89-94 % of the copy uncapped)."""
         return self.tokens is None and self.state_layout == "vk" and self.state_dtype == "bf16"
-
-    @staticmethod
-    def choose_l2_ahead(tokens: Optional[int], state_layout: str, state_dtype: str) -> bool:
-        """Whether an unrolled loop of ``tokens`` keeps the later tokens' inputs in L2 (``l2_ahead``) rather than in
-        registers (``prefetch``): on V-first bf16 pools at T = 2-4, where ``prefetch``'s 203-254 registers leave 4
-        CTAs an SM and bf16's 40 KB a CTA (T = 4 verify) need more of them (docs/perf-log.md, D5); fp32 verify is
-        at 85-89 % of the copy with ``prefetch``."""
-        return tokens is not None and 2 <= tokens <= 4 and state_layout == "vk" and state_dtype == "bf16"
 
     @staticmethod
     def choose_split_prep(tokens: Optional[int], state_layout: str, state_dtype: str) -> bool:
@@ -311,12 +298,12 @@ class DecodeKernel(TokenPrep):
 
     def launch_bound(self) -> dict:
         """The launch's occupancy keywords. One CTA an SM lifts ptxas's own register cap (a T = 8 verify spilled at
-        168). ``paired``, ``l2_ahead``, ``split_prep`` and :attr:`DecodeVariant.bounded_loop`: :data:`BOUND_CTAS_PER_SM`
+        168). ``paired``, ``split_prep`` and :attr:`DecodeVariant.bounded_loop`: :data:`BOUND_CTAS_PER_SM`
         CTAs of 64 threads (the same threads an SM at other sizes), a cap of 168 registers (6 CTAs; paired at 8 would
-        need 128: it spills; l2_ahead uncapped takes 200: 4 CTAs; split_prep uncapped 174-189: 5 CTAs; the bf16 loop
+        need 128: it spills; split_prep uncapped 174-189: 5 CTAs; the bf16 loop
         232: 4 CTAs); the carveout given (the driver's default, -1) so that the DSL does not ask a device for its
         shared memory."""
-        if self.variant.paired or self.variant.l2_ahead or self.variant.split_prep or self.variant.bounded_loop:
+        if self.variant.paired or self.variant.split_prep or self.variant.bounded_loop:
             ctas = max(1, BOUND_CTAS_PER_SM * 64 // self.map.threads)
             return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=-1)
         return dict(min_blocks_per_mp=1)
@@ -338,8 +325,7 @@ class DecodeKernel(TokenPrep):
         if const_expr(self.variant.grouped):
             head = value_head // (value_heads // qk_heads)
         written = None
-        if const_expr(self.variant.verify and (self.variant.prefetch or self.variant.l2_ahead
-                                               or self.variant.split_prep)):
+        if const_expr(self.variant.verify and (self.variant.prefetch or self.variant.split_prep)):
             written = self.slot_row(state_indices, seq)
             slot = self.entering_slot(state_indices, seq, written, num_accepted_tokens[seq])
         elif const_expr(self.variant.verify):
@@ -359,13 +345,13 @@ class DecodeKernel(TokenPrep):
             else:
                 self.zero_outputs(out, at, None)
         else:
-            if const_expr(self.variant.l2_ahead):
-                self.prefetch_later_tokens(inputs, at)
-            # the first token's operands do not depend on the slot: their loads overlap the slot id's
-            first = self.token_operands(inputs, at, 0, gate)
+            # the first token's inputs do not depend on the slot: their loads overlap the slot id's, and their math
+            # waits for the state's loads to go out, so it runs under that latency (perf-log D10)
+            first = self.raw_token_buffers()
+            self.load_raw(inputs, at, at.seq, 0, first)
             if slot >= 0:
                 if const_expr(self.variant.paired):
-                    self.update_paired(pool, out, slot, at, first)
+                    self.update_paired(pool, out, slot, at, gate, first)
                 else:
                     self.update(inputs, pool, state_indices, out, slot, at, gate, first, None, written)
             else:
@@ -373,13 +359,14 @@ class DecodeKernel(TokenPrep):
 
     @cute.jit
     def update(self, inputs: DecodeInputs, pool: cute.Tensor, state_indices: cute.Tensor, out: cute.Tensor,
-               slot: Int32, at: "Position", gate: "GateConstants", first: Optional["TokenOperands"],
+               slot: Int32, at: "Position", gate: "GateConstants", first: Optional["RawToken"],
                raws: Optional[tuple] = None, written: Optional[cute.Tensor] = None, split: Optional[tuple] = None,
                span: Optional["TokenSpan"] = None):
-        """Load the band from ``slot``, run the tokens, write the state(s) back and the outputs; token 0's operands
-        ``first``, or (``prefetch``) every token's loaded inputs ``raws``, or (``split_prep``) ``split`` = (the group's
-        own token's loaded inputs, every token's v rows); a verify's slot ids ``written``. ``span``: a packed
-        sequence's input rows; its tokens from ``span.length`` on run on the last token's inputs and store nothing."""
+        """Load the band from ``slot``, run the tokens, write the state(s) back and the outputs; token 0's loaded
+        inputs ``first`` (prepared once the state's loads are out), or (``prefetch``) every token's loaded inputs
+        ``raws``, or (``split_prep``) ``split`` = (the group's own token's loaded inputs, every token's v rows); a
+        verify's slot ids ``written``. ``span``: a packed sequence's input rows; its tokens from ``span.length`` on
+        run on the last token's inputs and store nothing."""
         rows = self.map.rows
         base = self.map.state_base(at.lane, at.first_value)
         state = cute.make_rmem_tensor((rows, CHANNELS), Float32)
@@ -393,7 +380,8 @@ class DecodeKernel(TokenPrep):
             elif const_expr(raws is not None):
                 operands = self.prepared(raws[t], gate)
             else:
-                operands = first if const_expr(t == 0) else self.token_operands(inputs, at, t, gate)
+                operands = (self.prepared(first, gate) if const_expr(t == 0)
+                            else self.token_operands(inputs, at, t, gate))
             if const_expr(span is None):
                 outputs = self.advance(state, operands)
                 self.finish_token(out, pool, state_indices, at, (at.seq, t), t, base, state, outputs, written)
@@ -435,12 +423,14 @@ class DecodeKernel(TokenPrep):
                 self.zero_outputs(out, at, span if const_expr(packed) else None)
 
     @cute.jit
-    def update_paired(self, pool: cute.Tensor, out: cute.Tensor, slot: Int32, at: "Position",
-                      operands: "TokenOperands"):
-        """:meth:`update` of one token on the two blocks of a paired group (:meth:`paired_token`)."""
+    def update_paired(self, pool: cute.Tensor, out: cute.Tensor, slot: Int32, at: "Position", gate: "GateConstants",
+                      raw: "RawToken"):
+        """:meth:`update` of one token on the two blocks of a paired group (:meth:`paired_token`), its loaded inputs
+        ``raw`` prepared once the first block's loads are out."""
         head = pool[slot, at.value_head, None, None]
         base = self.map.state_base(at.lane, at.first_value)
-        self.paired_token(head, base, self.first_block(head, base), out, at, (at.seq, 0), operands)
+        state = self.first_block(head, base)
+        self.paired_token(head, base, state, out, at, (at.seq, 0), self.prepared(raw, gate))
 
     @cute.jit
     def first_block(self, head: cute.Tensor, base) -> cute.Tensor:
@@ -625,27 +615,6 @@ class DecodeKernel(TokenPrep):
             self.load_raw(inputs, at, at.seq, t, raw)
             raws.append(raw)
         return tuple(raws)
-
-    @cute.jit
-    def prefetch_later_tokens(self, inputs: DecodeInputs, at: "Position"):
-        """``l2_ahead``: the lines of tokens 1 .. T − 1's inputs (what :meth:`load_raw` reads) into L2, no registers;
-        a warp barrier after them, across which ptxas moves no memory operation, keeps them ahead of token 0's loads
-        (unpinned, ptxas sinks an instruction nothing waits for)."""
-        base = self.map.lane_channel_base(at.lane)
-        for t in cutlass.range_constexpr(1, self.tokens):
-            rows = [inputs.q[at.seq, t, at.head, None], inputs.k[at.seq, t, at.head, None]]
-            if const_expr(not self.variant.per_head_gate):
-                rows.append(inputs.g[at.seq, t, at.value_head, None])
-            for row in rows:
-                for run in self.map.channel_runs():
-                    prefetch_l2(gmem_run(row, base + run.offset, run.length).iterator)
-            scalars = [inputs.beta[at.seq, t, None]]
-            if const_expr(self.variant.per_head_gate):
-                scalars.append(inputs.g[at.seq, t, None])
-            for heads in scalars:
-                prefetch_l2(gmem_run(heads, at.value_head, 1).iterator)
-            prefetch_l2(gmem_run(inputs.v[at.seq, t, at.value_head, None], at.first_value, self.map.rows).iterator)
-        cute.arch.sync_warp()
 
     @cute.jit
     def token_span(self, inputs: DecodeInputs, cu_seqlens: Optional[cute.Tensor], seq: Int32) -> "TokenSpan":

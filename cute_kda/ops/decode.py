@@ -44,14 +44,9 @@ PAIRED = True
 # copy where N·HV ≥ 2048 on the H200, the same bits as the plain loop); ``bench_decode.py --no-paired-loop`` is its
 # A/B.
 PAIRED_LOOP = True
-# Whether unrolled T = 2-4 calls on V-first bf16 pools keep the later tokens' inputs in L2 (``l2_ahead``) instead of
-# registers (``prefetch``) where :meth:`DecodeVariant.choose_l2_ahead` says so (docs/perf-log.md, D5: predicted bf16
-# verify 71-74 % → 80-88 % of the copy; measured 71-74 % → 50-72 % on the H200: slower at every size); off
-# (``bench_decode.py --l2-ahead``).
-L2_AHEAD = False
 # Whether unrolled T = 2-4 calls prepare each token once a warp (``split_prep``: group g of a warp prepares token
-# g mod T, the others take its operands by shuffles) instead of once a thread group, in place of ``prefetch`` /
-# ``l2_ahead`` (docs/perf-log.md, D6: bf16 verify 71-75 % → 85-88 % of the copy where N·HV ≥ 2048 on the H200,
+# g mod T, the others take its operands by shuffles) instead of once a thread group, in place of ``prefetch``
+# (docs/perf-log.md, D6: bf16 verify 71-75 % → 85-88 % of the copy where N·HV ≥ 2048 on the H200,
 # fp32 unchanged, the same bits as ``prefetch``); ``bench_decode.py --no-split-prep`` is its A/B.
 SPLIT_PREP = True
 # Whether packed verifies (``cu_seqlens`` with ``[N, S + 1]`` slot ids, S + 1 of 2-4) take ``split_prep`` on the
@@ -67,8 +62,7 @@ def variant_of(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_l
                cu_seqlens: torch.dtype | None = None, paired: bool = False, width: int = 1) -> DecodeVariant:
     """The variant of a call; ``tokens`` the fixed T (over :data:`MAX_TOKENS`: the runtime loop), ``cu_seqlens``
     the offsets' dtype of a packed call (None: fixed length), ``width`` a verify's slot-row width S + 1; ``prefetch``
-    where :data:`PREFETCH` is on and :meth:`DecodeVariant.choose_prefetch` says it fits, unless ``l2_ahead`` (where
-    :data:`L2_AHEAD` is on and :meth:`DecodeVariant.choose_l2_ahead` says so) or ``split_prep`` (where
+    where :data:`PREFETCH` is on and :meth:`DecodeVariant.choose_prefetch` says it fits, unless ``split_prep`` (where
     :data:`SPLIT_PREP` is on and :meth:`DecodeVariant.choose_split_prep` says so; a packed verify's on ``width``
     tokens where :data:`SPLIT_PREP_PACKED` is on too) takes its place; ``paired`` as :func:`launch_plan` chose it."""
     unrolled = unrolled_tokens(tokens, cu_seqlens)
@@ -77,13 +71,12 @@ def variant_of(gate: str, per_head_gate: bool, state_dtype: torch.dtype, state_l
             and DecodeVariant.choose_split_prep(width, state_layout, dtype)):
         unrolled = width  # the packed verify's split schedule (perf-log D9)
     split_prep = SPLIT_PREP and DecodeVariant.choose_split_prep(unrolled, state_layout, dtype)
-    l2_ahead = L2_AHEAD and not split_prep and DecodeVariant.choose_l2_ahead(unrolled, state_layout, dtype)
     return DecodeVariant(gate=gate, per_head_gate=per_head_gate, state_dtype=dtype, state_layout=state_layout,
                          tokens=unrolled, verify=verify, qk_l2norm=qk_l2norm, beta_logits=beta_logits, grouped=grouped,
                          vsplit=vsplit, cu_seqlens=None if cu_seqlens is None else _OFFSET_DTYPES[cu_seqlens],
-                         prefetch=PREFETCH and not (l2_ahead or split_prep)
+                         prefetch=PREFETCH and not split_prep
                          and DecodeVariant.choose_prefetch(unrolled, state_layout, dtype),
-                         paired=paired, l2_ahead=l2_ahead, split_prep=split_prep)
+                         paired=paired, split_prep=split_prep)
 
 
 def unrolled_tokens(tokens: int, cu_seqlens: torch.dtype | None) -> int | None:
