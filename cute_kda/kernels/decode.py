@@ -21,10 +21,10 @@ Two token loops, one arithmetic (the same bits for the same tokens):
 - **unrolled** (``tokens`` = T ≤ 8, fixed length): every token's code inline; token 0's loads are issued before
   the branch on the slot id, and ptxas schedules the later tokens' loads across the unrolled math. Its schedules
   (variant flags): ``prefetch`` loads every token's inputs into registers up front (D3; D5 prefetched them into L2
-  instead: slower, removed); ``paired`` (one token on a V-first pool) gives a thread group 8
+  instead: slower, removed); ``paired`` (one token, a bf16 V-first decode) gives a thread group 8
   value rows, two blocks of 4 that share the slot id and the token's operands, the second block's lines prefetched
-  into L2 beside the first block's loads and loaded once the first block is stored (D4: docs/perf-log.md; fp32
-  pools D11; the runtime loop's decode on bf16 pools takes it too, D8);
+  into L2 beside the first block's loads and loaded once the first block is stored (D4: docs/perf-log.md; the
+  runtime loop's decode takes it too, D8);
   ``split_prep`` (T = 2-4) prepares each token's q̂, k̂, decay and β once a warp instead of once a thread group:
   group ``g`` of a warp loads and prepares token ``g mod T``, the lanes take the others' by shuffles (D6);
 - **runtime** (``tokens`` None): a loop over a count known at run time — a fixed T over 8 (the tensors' extent),
@@ -79,9 +79,10 @@ class DecodeVariant:
     verify's slot ids, the accepted count) loaded before the branch on the slot, so their latencies overlap the
     slot id's and the state's — without it token t + 1's loads wait behind token t's stores (each token's
     conditional stores end a basic block, and ptxas does not hoist loads above them): one memory latency a token;
-    ``paired`` (T = 1 decode on a V-first pool, or the runtime loop's decode on a V-first bf16 pool: D4, D8,
-    D11): 8 value rows a thread group in two blocks of 4, the second's state prefetched into L2 during the first's
-    math (:meth:`choose_paired`); ``split_prep`` (unrolled, T = 2-4, instead of ``prefetch``): the 4 groups of a warp hold the same key channels, so group ``g`` loads token
+    ``paired`` (T = 1 decode or the runtime loop's decode, V-first bf16 pool: D4, D8): 8 value rows a thread group
+    in two blocks of 4, the second's state prefetched into L2 during the first's math (:meth:`choose_paired`);
+    ``split_prep`` (unrolled,
+    T = 2-4, instead of ``prefetch``): the 4 groups of a warp hold the same key channels, so group ``g`` loads token
     ``g mod T``'s q, k, g, β alone (every token's v rows: the group's own), prepares them (l2norm, gate, β
     sigmoid) once, and each token's operands reach the other groups by shuffles — the per-token preparation, 3/5 of
     a thread's instructions and 1/2 of its MUFU / conversion work at T = 4, once a warp instead of T times, and one
@@ -121,8 +122,8 @@ class DecodeVariant:
                              "loop: tokens 2 to 4, not a K-first bf16 state, not prefetch")
         if self.paired and not self.pairs(self.tokens, self.verify, self.state_layout, self.state_dtype,
                                           self.cu_seqlens):
-            raise ValueError("paired runs a one-token decode on a V-first pool, or the runtime loop's decode "
-                             "(int32 offsets) on a V-first bf16 pool")
+            raise ValueError("paired runs a one-token decode, or the runtime loop's decode (int32 offsets), on a "
+                             "V-first bf16 pool")
         self.thread_map  # validates layout, dtype and vsplit
 
     @property
@@ -151,13 +152,13 @@ class DecodeVariant:
     def pairs(tokens: Optional[int], verify: bool, state_layout: str, state_dtype: str,
               cu_seqlens: Optional[str] = None) -> bool:
         """Whether ``paired`` can run: a decode (a verify keeps a state a token; the runtime loop's verify spills at
-        the 168-register cap: 196 bytes with grouped heads and int64 offsets) of V-first rows, one unrolled token
-        (every later token would need the first block's operands again) on a bf16 or fp32 pool (fp32: D11, 164-166
-        registers), or on a bf16 pool the runtime loop at a fixed length or on int32 offsets (D8: a sequence of one
-        token runs the unrolled one's paired update, a longer one its tokens once a block; with int64 offsets,
-        grouped heads and the softplus gate it spills 16 bytes at the cap; an fp32 loop spills 40 bytes)."""
-        loop = tokens is None and cu_seqlens != "int64" and state_dtype == "bf16"
-        return (tokens == 1 or loop) and not verify and state_layout == "vk"
+        the 168-register cap: 196 bytes with grouped heads and int64 offsets), V-first rows, a bf16 pool (fp32 decode
+        is at 87-92 % of the copy already, docs/perf-log.md D3), one unrolled token (every later token would need the
+        first block's operands again) or the runtime loop at a fixed length or on int32 offsets (D8: a sequence of
+        one token runs the unrolled one's paired update, a longer one its tokens once a block; with int64 offsets,
+        grouped heads and the softplus gate it spills 16 bytes at the cap)."""
+        loop = tokens is None and cu_seqlens != "int64"
+        return (tokens == 1 or loop) and not verify and state_layout == "vk" and state_dtype == "bf16"
 
     @classmethod
     def choose_paired(cls, num_seqs: int, value_heads: int, sm_count: int, tokens: Optional[int], verify: bool,

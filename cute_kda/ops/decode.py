@@ -34,9 +34,9 @@ _OFFSET_DTYPES = {torch.int32: "int32", torch.int64: "int64"}
 # Whether calls take the prefetching unrolled variants (docs/perf-log.md, D3: verify 73-76 % → 85-89 % of the copy
 # on the H200 for fp32 pools, bf16 58-62 % → 72-74 %); False gives the plain unrolled variants for A/B runs.
 PREFETCH = True
-# Whether one-token V-first decodes take the paired variant where :meth:`DecodeVariant.choose_paired` says it pays
-# (docs/perf-log.md, D4: bf16 decode 83-84 % → 85-88 % of the copy from N = 128 on the H200, the same bits as the
-# unpaired variant there; fp32 pools D11); ``bench_decode.py --no-paired`` is its A/B.
+# Whether one-token bf16 V-first decodes take the paired variant where :meth:`DecodeVariant.choose_paired` says it
+# pays (docs/perf-log.md, D4: bf16 decode 83-84 % → 85-88 % of the copy from N = 128 on the H200, the same bits as
+# the unpaired variant there); ``bench_decode.py --no-paired`` is its A/B.
 PAIRED = True
 # Whether the runtime loop's decodes (packed calls on int32 offsets; a fixed T over 8) on V-first bf16 pools take the
 # paired variant too where :meth:`DecodeVariant.choose_paired` says it pays (docs/perf-log.md, D8: a one-token
