@@ -19,7 +19,8 @@ bytes in flight) from the V-split: the value rows of a V-first state are indepen
 Two token loops, one arithmetic (the same bits for the same tokens):
 
 - **unrolled** (``tokens`` = T ≤ 8, fixed length): every token's code inline; token 0's loads are issued before
-  the branch on the slot id, and ptxas schedules the later tokens' loads across the unrolled math. Its schedules
+  the branch on the slot id and its preparation after the state's loads (D10), and ptxas schedules the later
+  tokens' loads across the unrolled math. Its schedules
   (variant flags): ``prefetch`` loads every token's inputs into registers up front (D3; D5 prefetched them into L2
   instead: slower, removed); ``paired`` (one token, a bf16 V-first decode) gives a thread group 8
   value rows, two blocks of 4 that share the slot id and the token's operands, the second block's lines prefetched
