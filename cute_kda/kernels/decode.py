@@ -20,12 +20,12 @@ Two token loops, one arithmetic (the same bits for the same tokens):
 
 - **unrolled** (``tokens`` = T ≤ 8, fixed length): every token's code inline; token 0's loads are issued before
   the branch on the slot id and its preparation after the state's loads (D10), and ptxas schedules the later
-  tokens' loads across the unrolled math. Its schedules
-  (variant flags): ``prefetch`` loads every token's inputs into registers up front (D3; D5 prefetched them into L2
-  instead: slower, removed); ``paired`` (one token, a bf16 V-first decode) gives a thread group 8
-  value rows, two blocks of 4 that share the slot id and the token's operands, the second block's lines prefetched
-  into L2 beside the first block's loads and loaded once the first block is stored (D4: docs/perf-log.md; the
-  runtime loop's decode takes it too, D8);
+  tokens' loads across the unrolled math. Its schedules (variant flags): ``prefetch`` loads every token's inputs
+  into registers up front (D3; D5 prefetched them into L2 instead: slower, removed); ``paired`` (one token, a bf16
+  V-first decode) gives a thread group 8 value rows, two blocks of 4 that share the slot id and the token's
+  operands, the second block's lines prefetched into L2 beside the first block's loads and loaded once the first
+  block is stored (D4: docs/perf-log.md; the runtime loop's decode takes it too, D8; on fp32 pools it was slower,
+  D11);
   ``split_prep`` (T = 2-4) prepares each token's q̂, k̂, decay and β once a warp instead of once a thread group:
   group ``g`` of a warp loads and prepares token ``g mod T``, the lanes take the others' by shuffles (D6);
 - **runtime** (``tokens`` None): a loop over a count known at run time — a fixed T over 8 (the tensors' extent),
@@ -82,12 +82,12 @@ class DecodeVariant:
     conditional stores end a basic block, and ptxas does not hoist loads above them): one memory latency a token;
     ``paired`` (T = 1 decode or the runtime loop's decode, V-first bf16 pool: D4, D8): 8 value rows a thread group
     in two blocks of 4, the second's state prefetched into L2 during the first's math (:meth:`choose_paired`);
-    ``split_prep`` (unrolled,
-    T = 2-4, instead of ``prefetch``): the 4 groups of a warp hold the same key channels, so group ``g`` loads token
-    ``g mod T``'s q, k, g, β alone (every token's v rows: the group's own), prepares them (l2norm, gate, β
-    sigmoid) once, and each token's operands reach the other groups by shuffles — the per-token preparation, 3/5 of
-    a thread's instructions and 1/2 of its MUFU / conversion work at T = 4, once a warp instead of T times, and one
-    token's raw inputs in registers instead of T (:meth:`choose_split_prep`, docs/perf-log.md D6).
+    ``split_prep`` (unrolled, T = 2-4, instead of ``prefetch``): the 4 groups of a warp hold the same key channels,
+    so group ``g`` loads token ``g mod T``'s q, k, g, β alone (every token's v rows: the group's own), prepares them
+    (l2norm, gate, β sigmoid) once, and each token's operands reach the other groups by shuffles — the per-token
+    preparation, 3/5 of a thread's instructions and 1/2 of its MUFU / conversion work at T = 4, once a warp instead
+    of T times, and one token's raw inputs in registers instead of T (:meth:`choose_split_prep`, docs/perf-log.md
+    D6).
     """
 
     gate: str = "safe"
