@@ -173,13 +173,12 @@ def _row(N: int, HV: int, pool: str, mode: str, per_head: bool, args) -> list[st
 
     T = MODES[mode]
     verify = mode.endswith("verify")
-    case = _inputs(N, T, HV, POOLS[pool], per_head, verify, packed=mode.startswith("packed"),
-                   ordered=args.ordered_slots)
+    packed = mode.startswith("packed")
+    case = _inputs(N, T, HV, POOLS[pool], per_head, verify, packed=packed, ordered=args.ordered_slots)
     state_bytes = HV * D * D * case["state_pool"].element_size()
     traffic = N * state_bytes * (1 + (T if verify else 1))
     from cute_kda.ops import decode as decode_ops
 
-    packed = mode.startswith("packed")
     paired = decode_ops.takes_paired(N, HV, sm_count(0), T, verify, "vk", POOLS[pool], None,
                                      torch.int32 if packed else None)
     auto = DecodeVariant.choose_vsplit(N, HV, sm_count(0), "vk", pool, paired)

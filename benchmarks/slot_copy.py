@@ -98,7 +98,8 @@ def slot_copy(state_pool: torch.Tensor, state_indices: torch.Tensor, threads: in
     from cute_kda.ops._cache import current_stream
 
     element_bytes = state_pool.element_size()
-    compiled = compiled_slot_copy(element_bytes, element_bytes, threads)
+    vsplit = DIM * DIM * element_bytes // (16 * 1024)  # 16 KB a CTA
+    compiled = compiled_slot_copy(element_bytes, vsplit, threads)
     words = state_pool.view(state_pool.shape[0], -1).view(torch.int32)
     value_heads = state_pool.shape[1]
     return lambda: compiled(words, state_indices, value_heads, 0, current_stream(state_pool.device))

@@ -299,11 +299,10 @@ class DecodeKernel(TokenPrep):
 
     def launch_bound(self) -> dict:
         """The launch's occupancy keywords. One CTA an SM lifts ptxas's own register cap (a T = 8 verify spilled at
-        168). ``paired``, ``split_prep`` and :attr:`DecodeVariant.bounded_loop`: :data:`BOUND_CTAS_PER_SM`
-        CTAs of 64 threads (the same threads an SM at other sizes), a cap of 168 registers (6 CTAs; paired at 8 would
-        need 128: it spills; split_prep uncapped 174-189: 5 CTAs; the bf16 loop
-        232: 4 CTAs); the carveout given (the driver's default, -1) so that the DSL does not ask a device for its
-        shared memory."""
+        168). ``paired``, ``split_prep`` and :attr:`DecodeVariant.bounded_loop`: :data:`BOUND_CTAS_PER_SM` CTAs of
+        64 threads (the same threads an SM at other sizes), a cap of 168 registers (6 CTAs; paired at 8 would need
+        128: it spills; split_prep uncapped 174-189: 5 CTAs; the bf16 loop 232: 4 CTAs); the carveout given (the
+        driver's default, -1) so that the DSL does not ask a device for its shared memory."""
         if self.variant.paired or self.variant.split_prep or self.variant.bounded_loop:
             ctas = max(1, BOUND_CTAS_PER_SM * 64 // self.map.threads)
             return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=-1)
