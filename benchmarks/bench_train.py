@@ -131,8 +131,6 @@ SWITCHES = {
                      "the safe gate backward's rows on all 8 warps (perf-log B7)"),
     "--no-slopes-ahead": ("cute_kda.ops.bwd_grads", "SLOPES_AHEAD", False,
                           "the safe gate backward's rows' x and σ'(x) formed inside its row loop (perf-log B8)"),
-    "--prefetch-next": ("cute_kda.ops.bwd_grads", "PREFETCH_NEXT", True,
-                        "Kernel B's CTAs prefetch the state images of the CTA that follows on their SM (perf-log B9)"),
     "--fp16-grad-stores": ("cute_kda.executors.training", "FP16_GRAD_STORES", True,
                            "--dtype fp16: Kernel A stores dv, Kernel B dq, dk, dg in fp16 themselves (perf-log F2)"),
     "--fp16-copy-backward": ("cute_kda.executors.training", "FP16_NATIVE_BACKWARD", False,

@@ -120,10 +120,9 @@ class GradsVariant:
     4 at 64; the launcher's default is :func:`cute_kda.layouts.bwd_grads.default_warps`); ``gate_ahead``: the gate
     backward's raw gate values loaded in one burst; ``split_load``: the state images behind their own transaction
     barrier; ``split_rows``: the safe gate backward's rows on all 8 warps; ``slopes_ahead``: the safe gate backward's
-    rows' slopes formed before its row loop; ``prefetch_next``: the state images of the CTA that follows on the SM
-    prefetched into L2 (the launcher's :data:`cute_kda.ops.bwd_grads.GATE_AHEAD`,
+    rows' slopes formed before its row loop (the launcher's :data:`cute_kda.ops.bwd_grads.GATE_AHEAD`,
     :data:`~cute_kda.ops.bwd_grads.SPLIT_LOAD`, :data:`~cute_kda.ops.bwd_grads.SPLIT_ROWS`,
-    :data:`~cute_kda.ops.bwd_grads.SLOPES_AHEAD`, :data:`~cute_kda.ops.bwd_grads.PREFETCH_NEXT`); ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`);
+    :data:`~cute_kda.ops.bwd_grads.SLOPES_AHEAD`); ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`);
     ``grad_dtype``: dq, dk and a per-channel gate's dg in bf16, or fp16 (:data:`cute_kda.ops.bwd_grads.GRAD_DTYPES`);
     ``dtype``: q's, k's, v's and a raw gate's, bf16 or fp16 (fp16 training's own backward, docs/numerics.md "fp16
     training", stage 4)."""
@@ -140,7 +139,6 @@ class GradsVariant:
     split_load: bool = False
     split_rows: bool = False
     slopes_ahead: bool = False
-    prefetch_next: bool = False
     dim: int = HEAD_DIM
     grad_dtype: torch.dtype = torch.bfloat16
     dtype: torch.dtype = torch.bfloat16

@@ -77,12 +77,12 @@ def _compiled(variant, dim: int = D):
     if (variant, dim) not in _COMPILED:
         from cute_kda.compile_report import compile_with_report
 
-        # then gate_ahead, split_load, split_rows, slopes_ahead, prefetch_next
+        # then gate_ahead, split_load, split_rows, slopes_ahead
         varlen, qk_l2norm, beta_logits, warps, *switches = variant
-        gate_ahead, split_load, split_rows, slopes_ahead, prefetch_next = (*switches, *(False,) * 5)[:5]
+        gate_ahead, split_load, split_rows, slopes_ahead = (*switches, False, False, False, False)[:4]
         kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=warps,
                                   gate_ahead=gate_ahead, split_load=split_load, split_rows=split_rows,
-                                  slopes_ahead=slopes_ahead, prefetch_next=prefetch_next, dim=dim)
+                                  slopes_ahead=slopes_ahead, dim=dim)
         _, report = compile_with_report(kernel, *_compile_args(varlen, dim), cute.runtime.make_fake_stream())
         _COMPILED[(variant, dim)] = (kernel, report)
     return _COMPILED[(variant, dim)]
@@ -216,24 +216,6 @@ def test_slopes_ahead_variant_compiles(base):
         bwd_grads_kernel(varlen=base[0], split_rows=True, slopes_ahead=True)
     with pytest.raises(ValueError, match="slopes_ahead"):
         bwd_grads_kernel(varlen=base[0], gate="softplus", slopes_ahead=True)
-
-
-@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
-def test_prefetch_next_variant_compiles(varlen):
-    """``prefetch_next`` (docs/perf-log.md, B9) on the launcher's safe variant: two bulk L2 prefetches (the successor's
-    two state images) and otherwise the same global stores, products, barriers and bulk copies; the successor's
-    location reads at most ``tile_base`` once more (varlen); registers and shared memory unchanged, no spills."""
-    base = (varlen, True, True, 8, True, False, False, True)
-    _, plain = _compiled(base)
-    _, ahead = _compiled((*base, True))
-    assert plain.count("cp.async.bulk.prefetch.L2") == 0 and ahead.count("cp.async.bulk.prefetch.L2") == 2
-    for mnemonic in ("st.global", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "bar.sync",
-                     "mbarrier.try_wait", "cp.async.bulk.tensor", "cp.async.bulk.shared::cluster.global"):
-        assert ahead.count(mnemonic) == plain.count(mnemonic), mnemonic
-    assert plain.count("ld.global") <= ahead.count("ld.global") <= plain.count("ld.global") + varlen
-    assert ahead.local_memory_ops == 0 and ahead.spills == 0 and ahead.kernels[0].stack_frame == 0
-    assert ahead.launch_smem == plain.launch_smem
-    assert ahead.kernels[0].registers <= 65536 // (plan.CTAS_PER_SM * base[3] * 32)
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
@@ -731,11 +713,10 @@ def test_deterministic_and_empty_slots_zero(dim):
     assert bool((first["ddt_partial"][:, tiles:] == 0).all()) and bool((first["dalog_partial"][:, tiles:] == 0).all())
 
 
-# the launcher's schedule switches (docs/perf-log.md, B5-B9), alone and together
+# the launcher's schedule switches (docs/perf-log.md, B5-B8), alone and together
 SWITCHES = {"gate_ahead": ("GATE_AHEAD",), "split_load": ("SPLIT_LOAD",), "both": ("GATE_AHEAD", "SPLIT_LOAD"),
             "split_rows": ("SPLIT_ROWS",), "all": ("GATE_AHEAD", "SPLIT_LOAD", "SPLIT_ROWS"),
-            "slopes_ahead": ("SLOPES_AHEAD",), "slopes_split_load": ("SPLIT_LOAD", "SLOPES_AHEAD"),
-            "prefetch_next": ("PREFETCH_NEXT",)}
+            "slopes_ahead": ("SLOPES_AHEAD",), "slopes_split_load": ("SPLIT_LOAD", "SLOPES_AHEAD")}
 _OUTPUTS = ("dq", "dk", "dg", "dbeta", "ddt_partial", "dalog_partial")
 
 
@@ -754,21 +735,6 @@ def test_switches_are_bit_identical(lengths, switches, dim, monkeypatch):
     for switch in SWITCHES[switches]:
         monkeypatch.setattr(kb, switch, True)
     switched = _chain(problem, lengths=lengths, seed=5)
-    for name in _OUTPUTS:
-        assert torch.equal(plain[name], switched[name]), name
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [None, [1500, 7, 0, 2600, 16, 33]], ids=["B1xT4096", "varlen"])
-def test_prefetch_next_past_the_resident_grid(lengths, monkeypatch):
-    """``prefetch_next`` on a grid of more tiles than the GPU holds at once (4 heads: 1024 or 1043 tile slots), so
-    CTAs prefetch for successors, the last ones past the grid and (varlen) on slots that are no tile: Kernel B's
-    outputs equal the plain variant's bit for bit."""
-    T = 4096 if lengths is None else sum(lengths)
-    problem = _problem(1, T, 4, seed=7)
-    plain = _chain(problem, lengths=lengths, seed=7)
-    monkeypatch.setattr(kb, "PREFETCH_NEXT", True)
-    switched = _chain(problem, lengths=lengths, seed=7)
     for name in _OUTPUTS:
         assert torch.equal(plain[name], switched[name]), name
 

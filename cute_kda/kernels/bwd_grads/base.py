@@ -39,7 +39,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
-from cutlass.experimental.primitives import cp_async_bulk_prefetch, cp_async_bulk_shared_cluster_global
+from cutlass.experimental.primitives import cp_async_bulk_shared_cluster_global
 from cutlass.memory import SmemAllocator
 
 from ...dsl import cute, cutlass
@@ -155,10 +155,7 @@ class BwdGrads(TokenPrep):
     the gate backward's rows shared by all warps, its sums kept in order (docs/perf-log.md, B7). ``slopes_ahead`` (a
     scheme with :attr:`forms_slopes_ahead`, not with ``split_rows``): the gate backward forms every row's ``x`` and
     ``σ'(x)`` in straight-line code before its row loop, so ptxas overlaps the rows' latency chains (docs/perf-log.md,
-    B8; the same bits). ``prefetch_next``: one lane of the last warp prefetches into L2 the state images of the CTA
-    that will follow this one on its SM (``nsmid · ctas_per_sm`` CTAs on in launch order, the resident grid), so
-    that CTA's load waits on L2, not on the DRAM (docs/perf-log.md, B9; no operand changes: the same bits).
-    ``grad_dtype``: dq,
+    B8; the same bits). ``grad_dtype``: dq,
     dk and a per-channel gate's dg stored in bf16, or in fp16 for fp16 training as ``f16(bf16(x))``: the bf16 value
     the bf16 variant stores, converted exactly as the copy route's ``.to(float16)`` of it (docs/numerics.md, "fp16
     training"; not with ``grouped``: the group sums add the bf16 values). ``dtype``: q's, k's and v's (and a raw
@@ -183,8 +180,8 @@ class BwdGrads(TokenPrep):
     def __init__(self, *, varlen: bool, gate: str = "safe", qk_l2norm: bool = True, beta_logits: bool = True,
                  compute_warps: int = plan.DEFAULT_WARPS, gate_dtype: type = BFloat16, grouped: bool = False,
                  gate_ahead: bool = False, split_load: bool = False, split_rows: bool = False,
-                 slopes_ahead: bool = False, prefetch_next: bool = False, dim: int = HEAD_DIM,
-                 grad_dtype: type = BFloat16, dtype: type = BFloat16) -> None:
+                 slopes_ahead: bool = False, dim: int = HEAD_DIM, grad_dtype: type = BFloat16,
+                 dtype: type = BFloat16) -> None:
         if dim not in NATIVE_HEAD_DIMS:
             raise ValueError(f"dim must be one of {NATIVE_HEAD_DIMS}, got {dim}")
         if compute_warps not in plan.compute_warps(dim):
@@ -209,7 +206,7 @@ class BwdGrads(TokenPrep):
         if slopes_ahead and (split_rows or not self.forms_slopes_ahead):
             raise ValueError("slopes_ahead: built for the safe gate, without split_rows")
         self.gate_ahead, self.split_load, self.split_rows = gate_ahead, split_load, split_rows
-        self.slopes_ahead, self.prefetch_next = slopes_ahead, prefetch_next
+        self.slopes_ahead = slopes_ahead
         self.varlen = varlen
         self.qk_l2norm = qk_l2norm
         self.beta_logits = beta_logits
@@ -283,10 +280,6 @@ class BwdGrads(TokenPrep):
         tiles, heads, _ = cute.arch.grid_dim()
         slot = head * tiles + tile_slot
         row0, valid_rows, exists, seq = self.locate_tile(tile_slot, scalars.seq_len, cu_seqlens, tile_base)
-        if cutlass.const_expr(self.prefetch_next):
-            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == self.warps - 1:
-                self.prefetch_successor(states, slot + cute.arch.nsmid() * self.ctas_per_sm, tiles, heads, scalars,
-                                        cu_seqlens, tile_base)
         if exists:
             state_row = head * scalars.state_slots + tile_slot + seq
             qk_head = head // (inputs.v.shape[1] // inputs.q.shape[1]) if cutlass.const_expr(self.grouped) else head
@@ -294,22 +287,6 @@ class BwdGrads(TokenPrep):
                                 TileLocation(head, qk_head, slot, state_row, row0, valid_rows))
         else:
             self.zero_partials(out, slot)
-
-    @cute.jit
-    def prefetch_successor(self, states: GradsStates, successor: Int32, tiles: Int32, heads: Int32,
-                           scalars: GradsScalars, cu_seqlens: Optional[cute.Tensor], tile_base: Optional[cute.Tensor]):
-        """``prefetch_next``: the two state images of CTA ``successor`` (its index in launch order, ``head · tiles +
-        tile slot``) into L2 by bulk prefetches from one lane, when it is a tile."""
-        if successor < tiles * heads:
-            next_head = successor // tiles
-            next_slot = successor - next_head * tiles
-            _, _, exists, seq = self.locate_tile(next_slot, scalars.seq_len, cu_seqlens, tile_base)
-            if exists:
-                image_elements = self.dim * self.dim
-                row = next_head * scalars.state_slots + next_slot + seq
-                with cute.arch.elect_one():
-                    for source in states:
-                        cp_async_bulk_prefetch(source.iterator + Int64(row) * image_elements, image_elements * 2)
 
     @cute.jit
     def zero_partials(self, out: GradsOutputs, slot: Int32):
