@@ -14,13 +14,18 @@ upstream gradients of ``benchmarks/bench_train.py`` (every input requiring grad,
   host path attributed to our code, torch's calls and the CUDA runtime calls they make);
 - with ``--timers``: for every setting, the host time of each cute_kda function, of each compiled kernel's call and
   of the torch operators the combine uses, inclusive (a caller's time holds its callees'), by ``time.perf_counter``
-  wrappers and no profiler: µs and calls a step, medians of the per-step totals.
+  wrappers and no profiler: µs and calls a step, medians of the per-step totals;
+- with ``--launch-times``: for the first setting, when the host enters and leaves the few functions on the way to the
+  kernels (:data:`STAMPED`) and calls each compiled kernel, µs from the step's start (before its start event's
+  record), medians over ``--steps`` steps: the host time a step exposes is what passes before its first launch while
+  the GPU is idle (docs/perf-log.md, h11).
 
 Printed as markdown, and written to ``--out`` when given:
 
     python benchmarks/probe_step_host.py --shape B1_T32768_H16 --segments auto,1
     python benchmarks/probe_step_host.py --shape B1_T32768_H16 --head-dim 64 --segments auto --cprofile 5
     python benchmarks/probe_step_host.py --shape B1_T32768_H16 --head-dim 64 --segments auto,1 --timers
+    python benchmarks/probe_step_host.py --shape B1_T8192_H96 --segments auto --launch-times
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also profile N steps of the first setting with cProfile")
     parser.add_argument("--timers", action="store_true",
                         help="also time every cute_kda function and compiled kernel call on the host, per setting")
+    parser.add_argument("--launch-times", action="store_true",
+                        help="also stamp when the host reaches each kernel launch of a step (the first setting)")
     parser.add_argument("--out", help="markdown file to write besides printing")
     return parser
 
@@ -144,6 +151,78 @@ class HostTimers:
         return {name: (self.seconds[name], self.calls[name]) for name in self.seconds}
 
 
+# the host functions a training step passes through on the way to its launches (--launch-times): (module, name);
+# TrainingForward's forward and backward are stamped too
+STAMPED = (("cute_kda.fla_calls", "translate_fla_call"), ("cute_kda.call", "resolve"),
+           ("cute_kda.executors.training", "packed"), ("cute_kda.executors.training", "rounded_do"),
+           ("cute_kda.executors.training", "recomputed"), ("cute_kda.workspace", "workspace_views"),
+           ("cute_kda.ops.prepare", "prepare"), ("cute_kda.ops.recurrence", "recurrence"))
+
+
+class LaunchStamps:
+    """``(event, µs from the step's start)`` in host order: entering and leaving the functions of :data:`STAMPED` and
+    ``TrainingForward``'s forward and backward, and each call of a compiled kernel (``launch <its cache>``), by
+    ``time.perf_counter`` stamps (no profiler; a stamp costs well under a µs). :meth:`begin` starts a step.
+    Installed for the process's life."""
+
+    def __init__(self) -> None:
+        self.start = 0.0
+        self.stamps: list[tuple[str, float]] = []
+
+    def begin(self) -> None:
+        self.stamps = []
+        self.start = time.perf_counter()
+
+    def mark(self, event: str) -> None:
+        self.stamps.append((event, (time.perf_counter() - self.start) * 1e6))
+
+    def wrap(self, name: str, function):
+        @functools.wraps(function)
+        def stamped(*args, **kwargs):
+            self.mark(f"{name} in")
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.mark(f"{name} out")
+
+        return stamped
+
+    def install(self) -> None:
+        originals = {}
+        for module_name, name in STAMPED:
+            function = getattr(importlib.import_module(module_name), name)
+            originals[function] = self.wrap(name, function)
+        for module in [m for n, m in list(sys.modules.items()) if n.startswith("cute_kda") and m is not None]:
+            for attr, value in list(vars(module).items()):
+                if inspect.isfunction(value) and value in originals:
+                    setattr(module, attr, originals[value])
+        from cute_kda.executors.training import TrainingForward
+        from cute_kda.ops._cache import CompileCache
+
+        for method in ("forward", "backward"):
+            setattr(TrainingForward, method, staticmethod(self.wrap(f"TrainingForward.{method}",
+                                                                    getattr(TrainingForward, method))))
+        get, stamps = CompileCache.get, self
+
+        def stamped_get(cache, key, build):
+            compiled = get(cache, key, build)
+
+            def launch(*args, **kwargs):
+                stamps.mark(f"launch {cache.name}")
+                return compiled(*args, **kwargs)
+
+            return launch
+
+        CompileCache.get = stamped_get
+
+
+def launch_rows(steps: list[list[tuple[str, float]]]) -> list[list[str]]:
+    """[event, median µs] rows over the steps whose events came in the first step's order (the others dropped)."""
+    events = [event for event, _ in steps[0]]
+    kept = [step for step in steps if [event for event, _ in step] == events]
+    return [[f"`{event}`", f"{statistics.median(step[i][1] for step in kept):.1f}"] for i, event in enumerate(events)]
+
+
 def timer_rows(timers: HostTimers, problem: dict, forward, steps: int, setting: str, top: int = 40) -> list[list[str]]:
     """The ``top`` names by median host µs a step over ``steps`` steps: [setting, name, µs, calls] rows."""
     per_step = collections.defaultdict(list)
@@ -182,20 +261,26 @@ def forward_of(problem: dict, segments: int | None):
     return forward
 
 
-def timed_step(problem: dict, forward) -> tuple[float, float, float, float]:
-    """(host fwd, host bwd, GPU fwd, GPU bwd) ms of one step."""
+def timed_step(problem: dict, forward, stamps: LaunchStamps | None = None) -> tuple[float, float, float, float]:
+    """(host fwd, host bwd, GPU fwd, GPU bwd) ms of one step; ``stamps`` begins its step where the timing does."""
     for leaf in problem["leaves"].values():
         leaf.grad = None
     torch.cuda.synchronize()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    if stamps is not None:
+        stamps.begin()
     start = time.perf_counter()
     events[0].record()
     with torch.enable_grad():
         o, ht = forward()
         middle = time.perf_counter()
         events[1].record()
+        if stamps is not None:
+            stamps.mark("forward returned")
         torch.autograd.backward((o, ht), (problem["do"], problem["dht"]))
     end = time.perf_counter()
+    if stamps is not None:
+        stamps.mark("backward returned")
     events[2].record()
     torch.cuda.synchronize()
     return ((middle - start) * 1e3, (end - middle) * 1e3, events[0].elapsed_time(events[1]),
@@ -265,6 +350,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.cprofile:
         text += (f"\nPython profile of {args.cprofile} steps ({label(args.segments[0])}, cProfile):\n\n```\n"
                  + python_profile(problem, forward_of(problem, args.segments[0]), args.cprofile) + "```\n")
+    if args.launch_times:
+        stamps = LaunchStamps()
+        stamps.install()
+        forward = forward_of(problem, args.segments[0])
+        timed_step(problem, forward)  # the wrappers' own first calls
+        steps, gpu = [], []
+        for _ in range(args.steps):
+            times = timed_step(problem, forward, stamps)
+            steps.append(stamps.stamps)
+            gpu.append(times[2] + times[3])
+        text += (f"\nWhen the host reaches each launch ({label(args.segments[0])}; µs from the step's start, medians of "
+                 f"{args.steps} steps; the step {statistics.median(gpu):.3f} ms by events):\n\n"
+                 + markdown_table(["host event", "µs"], launch_rows(steps)) + "\n")
     if args.timers:
         timers = HostTimers()
         timers.install()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 
 import pytest
 
@@ -49,3 +50,29 @@ def test_timers_count_calls_and_time(probe):
         timed(-1)
     seconds, calls = timers.snapshot()["double"]
     assert calls == 2 and seconds >= 0.0
+
+
+def test_launch_stamps_mark_in_order(probe):
+    """``--launch-times``: a stamped function marks its entry and exit in host order from the step's start, its result
+    and exceptions passed on; the table keeps the steps whose events came in the first step's order."""
+    assert probe.build_parser().parse_args(["--launch-times"]).launch_times
+    stamps = probe.LaunchStamps()
+
+    def double(x):
+        if x < 0:
+            raise ValueError("negative")
+        return 2 * x
+
+    stamped = stamps.wrap("double", double)
+    stamps.begin()
+    assert stamped(3) == 6 and stamped.__name__ == "double"
+    with pytest.raises(ValueError, match="negative"):
+        stamped(-1)
+    events = [event for event, _ in stamps.stamps]
+    assert events == ["double in", "double out", "double in", "double out"]
+    times = [us for _, us in stamps.stamps]
+    assert times == sorted(times) and times[0] >= 0.0
+    steps = [[("a", 1.0), ("b", 5.0)], [("a", 3.0), ("b", 7.0)], [("a", 100.0)], [("a", 2.0), ("b", 6.0)]]
+    assert probe.launch_rows(steps) == [["`a`", "2.0"], ["`b`", "6.0"]]
+    for module, name in probe.STAMPED:  # each stamped function exists where the probe looks for it
+        assert callable(getattr(importlib.import_module(module), name)), (module, name)
