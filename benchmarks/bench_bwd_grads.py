@@ -11,7 +11,6 @@ CTAs an SM as the smem plan is sized for, ``layouts.bwd_grads.CTAS_PER_SM``).
     python benchmarks/bench_bwd_grads.py --warps 8 --gate-ahead off,on --split-load off,on   # A/B of B5, B6
     python benchmarks/bench_bwd_grads.py --warps 8 --gate-ahead on --split-load on --split-rows off,on   # B7
     python benchmarks/bench_bwd_grads.py --shapes B8_T4096_H32,B1_T8192_H96 --warps 8 --slopes-ahead off,on   # B8
-    python benchmarks/bench_bwd_grads.py --warps 8 --tail-split off,on   # B11
 """
 
 from __future__ import annotations
@@ -57,8 +56,7 @@ def parse_warps(text: str) -> list[int]:
 
 def parse_switch(text: str) -> list[bool]:
     """``off``, ``on`` or both (``off,on``): the settings of one of the launcher's switches (``GATE_AHEAD``,
-    ``SPLIT_LOAD``, ``SPLIT_ROWS``, ``SLOPES_AHEAD``, ``TAIL_SPLIT``; docs/perf-log.md, B5-B11) to time, each a
-    row."""
+    ``SPLIT_LOAD``, ``SPLIT_ROWS``, ``SLOPES_AHEAD``; docs/perf-log.md, B5-B8) to time, each a row."""
     names = [name for name in text.split(",") if name]
     if not names or any(name not in ("off", "on") for name in names):
         raise argparse.ArgumentTypeError(f"a switch takes off, on or off,on, got {text!r}")
@@ -113,17 +111,12 @@ def main() -> None:
     parser.add_argument("--slopes-ahead", type=parse_switch, default=[True],
                         help="the safe gate backward's rows' x and σ'(x) formed before its row loop: off, on or "
                              "off,on (default on, as calls run)")
-    parser.add_argument("--tail-split", type=parse_switch, default=None,
-                        help="warps 4-7 finish dq, dk of every key band while warps 0-3 run the safe gate backward: "
-                             "off, on or off,on (default: the launcher's TAIL_SPLIT)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_bwd_grads needs a CUDA GPU (Hopper)")
     from cute_kda.layouts.bwd_grads import CTAS_PER_SM
     from cute_kda.ops import bwd_grads as kb
 
-    if args.tail_split is None:
-        args.tail_split = [kb.TAIL_SPLIT]
     device = torch.device("cuda")
     wave = torch.cuda.get_device_properties(device).multi_processor_count * CTAS_PER_SM
     rows = []
@@ -131,24 +124,23 @@ def main() -> None:
         shape = SHAPES[name]
         inputs = _chain_inputs(shape, device)
         read, written = grads_traffic(shape.lengths, shape.heads)
-        for warps, ahead, split, rows_split, slopes, tail in itertools.product(
-                args.warps, args.gate_ahead, args.split_load, args.split_rows, args.slopes_ahead, args.tail_split):
+        for warps, ahead, split, rows_split, slopes in itertools.product(args.warps, args.gate_ahead, args.split_load,
+                                                                         args.split_rows, args.slopes_ahead):
             def call():
                 kb.bwd_grads(**inputs, compute_warps=warps)
 
             # read by the launcher at each call (and at a graph's capture)
             kb.GATE_AHEAD, kb.SPLIT_LOAD, kb.SPLIT_ROWS, kb.SLOPES_AHEAD = ahead, split, rows_split, slopes
-            kb.TAIL_SPLIT = tail
             call()
             ms = graph_median_ms(call, args.warmup, args.rep)
             if ms is None:
                 ms = median_ms(call, args.warmup, args.rep)
             tiles = sum(-(-n // CHUNK) for n in shape.lengths) * shape.heads
-            switches = ("on" if on else "off" for on in (ahead, split, rows_split, slopes, tail))
+            switches = ("on" if on else "off" for on in (ahead, split, rows_split, slopes))
             rows.append([name, str(warps), *switches, f"{ms:.3f}", f"{(read + written) / ms / 1e9:.2f}",
                          f"{ms * 1e3 / math.ceil(tiles / wave):.2f}"])
             print(" ".join(rows[-1]), file=sys.stderr)
-    head = ["shape", "warps", "gate_ahead", "split_load", "split_rows", "slopes_ahead", "tail_split", "Kernel B ms",
+    head = ["shape", "warps", "gate_ahead", "split_load", "split_rows", "slopes_ahead", "Kernel B ms",
             "TB/s (bytes read + written)", f"µs per CTA wave ({CTAS_PER_SM} CTAs an SM)"]
     publish(f"{environment('cutlass')}\n\n`{' '.join(sys.argv)}`\n\n{markdown_table(head, rows)}\n", args.out)
 

@@ -131,8 +131,6 @@ SWITCHES = {
                      "the safe gate backward's rows on all 8 warps (perf-log B7)"),
     "--no-slopes-ahead": ("cute_kda.ops.bwd_grads", "SLOPES_AHEAD", False,
                           "the safe gate backward's rows' x and σ'(x) formed inside its row loop (perf-log B8)"),
-    "--tail-split": ("cute_kda.ops.bwd_grads", "TAIL_SPLIT", True,
-                     "Kernel B's warps 4-7 finish dq, dk of every key band during the gate backward (perf-log B11)"),
     "--fp16-grad-stores": ("cute_kda.executors.training", "FP16_GRAD_STORES", True,
                            "--dtype fp16: Kernel A stores dv, Kernel B dq, dk, dg in fp16 themselves (perf-log F2)"),
     "--fp16-copy-backward": ("cute_kda.executors.training", "FP16_NATIVE_BACKWARD", False,

@@ -120,11 +120,9 @@ class GradsVariant:
     4 at 64; the launcher's default is :func:`cute_kda.layouts.bwd_grads.default_warps`); ``gate_ahead``: the gate
     backward's raw gate values loaded in one burst; ``split_load``: the state images behind their own transaction
     barrier; ``split_rows``: the safe gate backward's rows on all 8 warps; ``slopes_ahead``: the safe gate backward's
-    rows' slopes formed before its row loop; ``tail_split``: dq and dk of every key band finished by warps 4-7 while
-    warps 0-3 run the safe gate backward (the launcher's :data:`cute_kda.ops.bwd_grads.GATE_AHEAD`,
+    rows' slopes formed before its row loop (the launcher's :data:`cute_kda.ops.bwd_grads.GATE_AHEAD`,
     :data:`~cute_kda.ops.bwd_grads.SPLIT_LOAD`, :data:`~cute_kda.ops.bwd_grads.SPLIT_ROWS`,
-    :data:`~cute_kda.ops.bwd_grads.SLOPES_AHEAD`,
-    :data:`~cute_kda.ops.bwd_grads.TAIL_SPLIT`); ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`);
+    :data:`~cute_kda.ops.bwd_grads.SLOPES_AHEAD`); ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`);
     ``grad_dtype``: dq, dk and a per-channel gate's dg in bf16, or fp16 (:data:`cute_kda.ops.bwd_grads.GRAD_DTYPES`);
     ``dtype``: q's, k's, v's and a raw gate's, bf16 or fp16 (fp16 training's own backward, docs/numerics.md "fp16
     training", stage 4)."""
@@ -141,7 +139,6 @@ class GradsVariant:
     split_load: bool = False
     split_rows: bool = False
     slopes_ahead: bool = False
-    tail_split: bool = False
     dim: int = HEAD_DIM
     grad_dtype: torch.dtype = torch.bfloat16
     dtype: torch.dtype = torch.bfloat16

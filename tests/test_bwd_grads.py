@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import re
 
 import pytest
 import torch
@@ -78,12 +77,12 @@ def _compiled(variant, dim: int = D):
     if (variant, dim) not in _COMPILED:
         from cute_kda.compile_report import compile_with_report
 
-        # then gate_ahead, split_load, split_rows, slopes_ahead, tail_split
+        # then gate_ahead, split_load, split_rows, slopes_ahead
         varlen, qk_l2norm, beta_logits, warps, *switches = variant
-        gate_ahead, split_load, split_rows, slopes_ahead, tail_split = (*switches, *(False,) * 5)[:5]
+        gate_ahead, split_load, split_rows, slopes_ahead = (*switches, False, False, False, False)[:4]
         kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, compute_warps=warps,
                                   gate_ahead=gate_ahead, split_load=split_load, split_rows=split_rows,
-                                  slopes_ahead=slopes_ahead, tail_split=tail_split, dim=dim)
+                                  slopes_ahead=slopes_ahead, dim=dim)
         _, report = compile_with_report(kernel, *_compile_args(varlen, dim), cute.runtime.make_fake_stream())
         _COMPILED[(variant, dim)] = (kernel, report)
     return _COMPILED[(variant, dim)]
@@ -217,33 +216,6 @@ def test_slopes_ahead_variant_compiles(base):
         bwd_grads_kernel(varlen=base[0], split_rows=True, slopes_ahead=True)
     with pytest.raises(ValueError, match="slopes_ahead"):
         bwd_grads_kernel(varlen=base[0], gate="softplus", slopes_ahead=True)
-
-
-@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
-def test_tail_split_variant_compiles(varlen):
-    """``tail_split`` (docs/perf-log.md, B11) on the launcher's safe variant: the same products, exponentials and
-    barriers (one of them now the finishing warps' named barrier); warps 4-7 carry the code of two key bands' q, k
-    loads and dq, dk stores (+8 each) and the handed-off fragments pass through shared memory (+8 stores, +8 loads);
-    the plan's shared memory, no spills under the two-CTA cap. Refused where it is not built."""
-    base = (varlen, True, True, 8, True, False, False, True)
-    _, plain = _compiled(base)
-    _, split = _compiled((*base, True))
-    for mnemonic in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "ex2.approx.ftz.f32", "bar.sync",
-                     "mbarrier.try_wait", "cp.async.bulk.tensor", "rcp.approx.ftz.f32"):
-        assert split.count(mnemonic) == plain.count(mnemonic), mnemonic
-    named = re.compile(r"^\s*bar\.sync\s+1,\s*128;", re.M)  # the finishing warps' barrier
-    assert len(named.findall(split.ptx)) == 1 and not named.findall(plain.ptx)
-    for mnemonic in ("ld.global", "st.global", "st.shared", "ld.shared"):
-        assert split.count(mnemonic) == plain.count(mnemonic) + 8, mnemonic
-    assert split.local_memory_ops == 0 and split.spills == 0 and split.kernels[0].stack_frame == 0
-    assert split.launch_smem == plain.launch_smem
-    assert split.kernels[0].registers <= 65536 // (plan.CTAS_PER_SM * base[3] * 32)
-    with pytest.raises(ValueError, match="tail_split"):
-        bwd_grads_kernel(varlen=varlen, compute_warps=4, tail_split=True)
-    with pytest.raises(ValueError, match="tail_split"):
-        bwd_grads_kernel(varlen=varlen, split_rows=True, tail_split=True)
-    with pytest.raises(ValueError, match="tail_split"):
-        bwd_grads_kernel(varlen=varlen, gate="softplus", tail_split=True)
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
@@ -741,11 +713,10 @@ def test_deterministic_and_empty_slots_zero(dim):
     assert bool((first["ddt_partial"][:, tiles:] == 0).all()) and bool((first["dalog_partial"][:, tiles:] == 0).all())
 
 
-# the launcher's schedule switches (docs/perf-log.md, B5-B11), alone and together
+# the launcher's schedule switches (docs/perf-log.md, B5-B8), alone and together
 SWITCHES = {"gate_ahead": ("GATE_AHEAD",), "split_load": ("SPLIT_LOAD",), "both": ("GATE_AHEAD", "SPLIT_LOAD"),
             "split_rows": ("SPLIT_ROWS",), "all": ("GATE_AHEAD", "SPLIT_LOAD", "SPLIT_ROWS"),
-            "slopes_ahead": ("SLOPES_AHEAD",), "slopes_split_load": ("SPLIT_LOAD", "SLOPES_AHEAD"),
-            "tail_split": ("TAIL_SPLIT",)}
+            "slopes_ahead": ("SLOPES_AHEAD",), "slopes_split_load": ("SPLIT_LOAD", "SLOPES_AHEAD")}
 _OUTPUTS = ("dq", "dk", "dg", "dbeta", "ddt_partial", "dalog_partial")
 
 
@@ -755,28 +726,15 @@ _OUTPUTS = ("dq", "dk", "dg", "dbeta", "ddt_partial", "dalog_partial")
                             pytest.param("slopes_ahead", 64, id="slopes_ahead-D64")])
 @pytest.mark.parametrize("lengths", [None, [33, 0, 16, 1, 70]], ids=["B2xT100", "varlen"])
 def test_switches_are_bit_identical(lengths, switches, dim, monkeypatch):
-    """``gate_ahead``, ``split_load``, ``split_rows`` and ``tail_split`` move loads, waits, rows and key bands between
-    warps only, and ``slopes_ahead`` spells the division ptxas emits: every output of Kernel B equals the plain
-    variant's bit for bit, on the same chain (K1 → K2 → Kernel A are deterministic)."""
+    """``gate_ahead``, ``split_load`` and ``split_rows`` move loads, waits and rows between warps only, and
+    ``slopes_ahead`` spells the division ptxas emits: every output of Kernel B equals the plain variant's bit for bit,
+    on the same chain (K1 → K2 → Kernel A are deterministic)."""
     B, T = (2, 100) if lengths is None else (1, sum(lengths))
     problem = _problem(B, T, 2, seed=5, dim=dim)
     plain = _chain(problem, lengths=lengths, seed=5)
     for switch in SWITCHES[switches]:
         monkeypatch.setattr(kb, switch, True)
     switched = _chain(problem, lengths=lengths, seed=5)
-    for name in _OUTPUTS:
-        assert torch.equal(plain[name], switched[name]), name
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [None, [33, 0, 16, 1, 70]], ids=["B2xT100", "varlen"])
-def test_tail_split_without_l2norm_is_bit_identical(lengths, monkeypatch):
-    """``tail_split`` on raw q, k (no l2norm: warps 4-7 round and store the handed-off fragments, no row sums)."""
-    B, T = (2, 100) if lengths is None else (1, sum(lengths))
-    problem = _problem(B, T, 2, seed=6)
-    plain = _chain(problem, lengths=lengths, seed=6, qk_l2norm=False)
-    monkeypatch.setattr(kb, "TAIL_SPLIT", True)
-    switched = _chain(problem, lengths=lengths, seed=6, qk_l2norm=False)
     for name in _OUTPUTS:
         assert torch.equal(plain[name], switched[name]), name
 

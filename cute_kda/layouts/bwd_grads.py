@@ -73,20 +73,6 @@ def warp_rows(warps: int, chunk: int = CHUNK):
     return cute.make_layout((warps, chunk), stride=(chunk, 1))
 
 
-def fragment_handoff(warps: int, dim: int = HEAD_DIM, chunk: int = CHUNK):
-    """``tail_split`` (``cute_kda.variants.GradsVariant``): where the channel warps ``0 … CHANNEL_WARPS − 1``
-    leave their fp32 ``dq̂``, ``dk̂`` C fragments for warps ``CHANNEL_WARPS …`` to finish. ``[value, lane, tensor, warp]``
-    fp32 over the bytes of the state S: warp ``w``'s two fragments at the start of its own key band of the image
-    (:func:`cute_kda.layouts.fwd_recurrence.state_image`: channels ``w·band …`` are ``band · D`` contiguous bf16),
-    which only warp ``w`` reads in phase 5, so it may write there once its products are done; a lane's values
-    contiguous (32-byte stores)."""
-    band = dim // warps
-    values = chunk * band // 32  # fp32 values a lane holds of a [chunk, band] C fragment
-    if 2 * values * 32 * 4 > band * dim * 2:
-        raise ValueError(f"two [{chunk}, {band}] fp32 fragments do not fit a key band of the state at D = {dim}")
-    return cute.make_layout((values, 32, 2, CHANNEL_WARPS), stride=(1, values, 32 * values, band * dim // 2))
-
-
 def load_bytes(dim: int = HEAD_DIM, chunk: int = CHUNK, per_head_gate: bool = False) -> int:
     """Bytes of the one TMA transaction: the token tiles and the two state matrices. ``per_head_gate``: no gate
     tile is loaded (a per-head gate; the per-channel unbounded gates read g column by column too)."""

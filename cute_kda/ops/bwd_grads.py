@@ -38,11 +38,6 @@ SPLIT_ROWS = False
 # loop (``GradsVariant.slopes_ahead``; docs/perf-log.md, B8: Kernel B −8-9 % on the H200, bit-identical, predicted
 # −12-19 %); ``--no-slopes-ahead`` is its A/B; not together with ``split_rows``, which wins.
 SLOPES_AHEAD = True
-# Whether the safe gate's Kernel B at 8 warps has warps 4-7 finish dq and dk of every key band (the l2norm backward
-# and the stores) while warps 0-3 run the gate backward (``GradsVariant.tail_split``; docs/perf-log.md, B11, the same
-# bits); off until the H200 has measured it (``bench_bwd_grads.py --tail-split off,on``, ``bench_train.py
-# --tail-split``); not with ``split_rows``.
-TAIL_SPLIT = False
 # dq, dk and a per-channel gate's dg: bf16, or fp16 as f16(bf16(x)) for fp16 training (``GradsVariant.grad_dtype``,
 # picked by dq's dtype; the training executor's :data:`~cute_kda.executors.training.FP16_GRAD_STORES`)
 GRAD_DTYPES = (torch.bfloat16, torch.float16)
@@ -53,13 +48,11 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
 def switches(gate: str, per_head_gate: bool, compute_warps: int) -> dict[str, bool]:
     """The switches above as a call's Kernel B variant takes them (``gate_ahead`` where a gate row is read back,
-    ``split_rows`` for the safe gate at 8 warps, ``slopes_ahead`` for the safe gate without ``split_rows``,
-    ``tail_split`` for the safe gate at 8 warps without ``split_rows``): the
+    ``split_rows`` for the safe gate at 8 warps, ``slopes_ahead`` for the safe gate without ``split_rows``): the
     launcher keys them, :func:`cute_kda.api.warmup_variants` lists them, so a warmed variant is the one a call runs."""
     split_rows = SPLIT_ROWS and gate == "safe" and compute_warps == max(warps_at())
     return dict(gate_ahead=GATE_AHEAD and reads_gate_rows(gate, per_head_gate), split_load=SPLIT_LOAD,
-                split_rows=split_rows, slopes_ahead=SLOPES_AHEAD and gate == "safe" and not split_rows,
-                tail_split=TAIL_SPLIT and gate == "safe" and compute_warps == max(warps_at()) and not split_rows)
+                split_rows=split_rows, slopes_ahead=SLOPES_AHEAD and gate == "safe" and not split_rows)
 
 
 def gate_partials_shapes(ws: Workspace, heads: int, per_head_gate: bool = False) -> tuple[tuple[int, ...], tuple[int, int]]:
@@ -164,8 +157,7 @@ def variant_kernel(variant: GradsVariant):
                             compute_warps=variant.compute_warps, gate=variant.gate,
                             gate_dtype=dsl_type(variant.g_dtype), per_head_gate=variant.per_head_gate,
                             grouped=variant.grouped, gate_ahead=variant.gate_ahead, split_load=variant.split_load,
-                            split_rows=variant.split_rows, slopes_ahead=variant.slopes_ahead,
-                            tail_split=variant.tail_split, dim=variant.dim,
+                            split_rows=variant.split_rows, slopes_ahead=variant.slopes_ahead, dim=variant.dim,
                             grad_dtype=dsl_type(variant.grad_dtype), dtype=dsl_type(variant.dtype))
 
 

@@ -140,9 +140,6 @@ def smem_bundle(name: str, own_fields: tuple[str, ...], doc: str) -> type:
     return bundle
 
 
-FINISH_BARRIER = 1  # ``tail_split``: the named barrier of the warps that finish dq, dk (0 is the CTA's sync_threads)
-
-
 class BwdGrads(TokenPrep):
     """Kernel B's shared phases. Static configuration: ``varlen``, ``qk_l2norm``, ``beta_logits``; ``dim``: K = V
     (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`); ``compute_warps`` (:func:`cute_kda.layouts.bwd_grads.compute_warps`:
@@ -158,10 +155,7 @@ class BwdGrads(TokenPrep):
     the gate backward's rows shared by all warps, its sums kept in order (docs/perf-log.md, B7). ``slopes_ahead`` (a
     scheme with :attr:`forms_slopes_ahead`, not with ``split_rows``): the gate backward forms every row's ``x`` and
     ``σ'(x)`` in straight-line code before its row loop, so ptxas overlaps the rows' latency chains (docs/perf-log.md,
-    B8; the same bits). ``tail_split`` (a scheme with :attr:`splits_tail`, 8 warps, not with ``split_rows``): after
-    the channel products the channel warps leave their dq̂, dk̂ to the other warps, which finish dq and dk of all the
-    key bands while the channel warps run the gate backward (docs/perf-log.md, B11; the same bits).
-    ``grad_dtype``: dq,
+    B8; the same bits). ``grad_dtype``: dq,
     dk and a per-channel gate's dg stored in bf16, or in fp16 for fp16 training as ``f16(bf16(x))``: the bf16 value
     the bf16 variant stores, converted exactly as the copy route's ``.to(float16)`` of it (docs/numerics.md, "fp16
     training"; not with ``grouped``: the group sums add the bf16 values). ``dtype``: q's, k's and v's (and a raw
@@ -180,15 +174,14 @@ class BwdGrads(TokenPrep):
     grouped_heads = True  # built for grouped value heads
     splits_gate_rows = False  # the scheme's gate backward can run on every warp (``split_rows``)
     forms_slopes_ahead = False  # its gate backward can form the rows' slopes before its loop (``slopes_ahead``)
-    splits_tail = False  # its channel warps can leave dq, dk to the others for the gate backward (``tail_split``)
     ctas_per_sm = plan.CTAS_PER_SM
     smem_plan: Callable[..., SmemBudget]  # of (warps, D)
 
     def __init__(self, *, varlen: bool, gate: str = "safe", qk_l2norm: bool = True, beta_logits: bool = True,
                  compute_warps: int = plan.DEFAULT_WARPS, gate_dtype: type = BFloat16, grouped: bool = False,
                  gate_ahead: bool = False, split_load: bool = False, split_rows: bool = False,
-                 slopes_ahead: bool = False, tail_split: bool = False, dim: int = HEAD_DIM,
-                 grad_dtype: type = BFloat16, dtype: type = BFloat16) -> None:
+                 slopes_ahead: bool = False, dim: int = HEAD_DIM, grad_dtype: type = BFloat16,
+                 dtype: type = BFloat16) -> None:
         if dim not in NATIVE_HEAD_DIMS:
             raise ValueError(f"dim must be one of {NATIVE_HEAD_DIMS}, got {dim}")
         if compute_warps not in plan.compute_warps(dim):
@@ -213,10 +206,7 @@ class BwdGrads(TokenPrep):
         if slopes_ahead and (split_rows or not self.forms_slopes_ahead):
             raise ValueError("slopes_ahead: built for the safe gate, without split_rows")
         self.gate_ahead, self.split_load, self.split_rows = gate_ahead, split_load, split_rows
-        if tail_split and (split_rows or not (self.splits_tail and compute_warps == max(plan.COMPUTE_WARPS))):
-            raise ValueError(f"tail_split: built for the safe gate at {max(plan.COMPUTE_WARPS)} warps, "
-                             "without split_rows")
-        self.slopes_ahead, self.tail_split = slopes_ahead, tail_split
+        self.slopes_ahead = slopes_ahead
         self.varlen = varlen
         self.qk_l2norm = qk_l2norm
         self.beta_logits = beta_logits
@@ -659,81 +649,28 @@ class BwdGrads(TokenPrep):
                               lane: Int32):
         """dq, dk of the warp's key band from the gradients of q̂, k̂ (fp32 C fragments): the l2norm backward
         (the row dot products of all warps, a barrier, the raw q, k of q/k head ``tile.qk_head`` read back from L2),
-        stored at (value) head ``tile.head``. With ``tail_split`` :meth:`hand_off_token_gradients` instead."""
-        if cutlass.const_expr(self.tail_split):
-            self.hand_off_token_gradients(smem, inputs, out, dq_hat, dk_hat, coords, c0, tile, warp_idx, lane)
-        elif cutlass.const_expr(self.qk_l2norm):
-            rows = self.l2norm_partials(smem, inputs, dq_hat, dk_hat, coords, c0, tile, warp_idx, lane)
-            cute.arch.sync_threads()
-            self.finish_band(smem, out, dq_hat, dk_hat, rows, coords, c0, tile, lane)
-        else:
-            self.finish_band(smem, out, dq_hat, dk_hat, None, coords, c0, tile, lane)
-
-    @cute.jit
-    def hand_off_token_gradients(self, smem, inputs: GradsInputs, out: GradsOutputs, dq_hat: cute.Tensor,
-                                 dk_hat: cute.Tensor, coords: cute.Tensor, c0: Int32, tile: TileLocation,
-                                 warp_idx: Int32, lane: Int32):
-        """``tail_split``: the channel warps leave their fp32 dq̂, dk̂ in ``smem.handoff`` and, after a CTA barrier, go
-        on to the gate backward; warp ``w`` of the others finishes its own key band and the one of warp
-        ``w − channel_warps`` (the l2norm's row partials behind :data:`FINISH_BARRIER`, summed in warp order: the
-        same values in the same order as :meth:`store_token_gradients`' other path, so the same bits)."""
-        if warp_idx < self.channel_warps:
-            for i in cutlass.range_constexpr(cute.size(dq_hat)):
-                smem.handoff[i, lane, 0, warp_idx] = dq_hat[i]
-                smem.handoff[i, lane, 1, warp_idx] = dk_hat[i]
-        cute.arch.sync_threads()  # the fragments, and phase 5's dG and Σ dkr⊙kr, for the gate backward
-        if warp_idx >= self.channel_warps:
-            other = warp_idx - self.channel_warps
-            c0_other = other * self.band
-            dq_other = cute.make_rmem_tensor_like(dq_hat)
-            dk_other = cute.make_rmem_tensor_like(dk_hat)
-            for i in cutlass.range_constexpr(cute.size(dq_hat)):
-                dq_other[i] = smem.handoff[i, lane, 0, other]
-                dk_other[i] = smem.handoff[i, lane, 1, other]
-            if cutlass.const_expr(self.qk_l2norm):
-                own = self.l2norm_partials(smem, inputs, dq_hat, dk_hat, coords, c0, tile, warp_idx, lane)
-                theirs = self.l2norm_partials(smem, inputs, dq_other, dk_other, coords, c0_other, tile, other, lane)
-                cute.arch.barrier(barrier_id=FINISH_BARRIER, number_of_threads=(self.warps - self.channel_warps) * 32)
-                self.finish_band(smem, out, dq_other, dk_other, theirs, coords, c0_other, tile, lane)
-                self.finish_band(smem, out, dq_hat, dk_hat, own, coords, c0, tile, lane)
-            else:
-                self.finish_band(smem, out, dq_other, dk_other, None, coords, c0_other, tile, lane)
-                self.finish_band(smem, out, dq_hat, dk_hat, None, coords, c0, tile, lane)
-
-    @cute.jit
-    def l2norm_partials(self, smem, inputs: GradsInputs, dq_hat: cute.Tensor, dk_hat: cute.Tensor,
-                        coords: cute.Tensor, c0: Int32, tile: TileLocation, slot: Int32, lane: Int32) -> tuple:
-        """The l2norm backward's first half for the key band at column ``c0``: its raw q, k read back from L2
-        (their smem tiles hold qd, kd now), the rows' ``1/‖·‖``, and the band's row partials of
-        ``Σ_c q·rinv·dq̂`` (and k) into row ``slot`` of ``dot_q`` / ``dot_k``. Returns (q, k, rinv_q, rinv_k) for
-        :meth:`finish_band`."""
-        q = self.load_token_pairs(inputs.q, coords, c0, tile.qk_head, tile.row0, tile.valid_rows)
-        k = self.load_token_pairs(inputs.k, coords, c0, tile.qk_head, tile.row0, tile.valid_rows)
-        rinv_q, rinv_k = self.row_values(smem.rinv_q, lane), self.row_values(smem.rinv_k, lane)
-        dot_q = cute.make_rmem_tensor((2,), Float32)
-        dot_k = cute.make_rmem_tensor((2,), Float32)
-        dot_q.fill(0.0)
-        dot_k.fill(0.0)
-        for i in cutlass.range_constexpr(cute.size(dq_hat)):
-            h = c_row_half(i)
-            dot_q[h] = dot_q[h] + q[i].to(Float32) * rinv_q[h] * dq_hat[i]
-            dot_k[h] = dot_k[h] + k[i].to(Float32) * rinv_k[h] * dk_hat[i]
-        self.store_row_partials(smem.dot_q, dot_q, slot, lane)
-        self.store_row_partials(smem.dot_k, dot_k, slot, lane)
-        return q, k, rinv_q, rinv_k
-
-    @cute.jit
-    def finish_band(self, smem, out: GradsOutputs, dq_hat: cute.Tensor, dk_hat: cute.Tensor, rows,
-                    coords: cute.Tensor, c0: Int32, tile: TileLocation, lane: Int32):
-        """dq, dk of the key band at column ``c0``, stored at (value) head ``tile.head``: with ``rows``
-        (:meth:`l2norm_partials`' values, every warp's partials stored) the l2norm backward's second half, the row
-        sums over the warps in warp order; without (no l2norm), the fragments rounded."""
-        mma = warp_tiled_mma(BFloat16, Float32, self.band)
-        shape = (CHUNK, self.band)
+        stored at (value) head ``tile.head``."""
+        band = self.band
+        mma = warp_tiled_mma(BFloat16, Float32, band)
+        shape = (CHUNK, band)
         dq = make_fragment(mma, Operand.C, BFloat16, tile=shape)
         dk = make_fragment(mma, Operand.C, BFloat16, tile=shape)
-        if cutlass.const_expr(rows is not None):
-            q, k, rinv_q, rinv_k = rows
+        if cutlass.const_expr(self.qk_l2norm):
+            # raw q, k back from global memory (L2): their smem tiles hold qd, kd now
+            q = self.load_token_pairs(inputs.q, coords, c0, tile.qk_head, tile.row0, tile.valid_rows)
+            k = self.load_token_pairs(inputs.k, coords, c0, tile.qk_head, tile.row0, tile.valid_rows)
+            rinv_q, rinv_k = self.row_values(smem.rinv_q, lane), self.row_values(smem.rinv_k, lane)
+            dot_q = cute.make_rmem_tensor((2,), Float32)
+            dot_k = cute.make_rmem_tensor((2,), Float32)
+            dot_q.fill(0.0)
+            dot_k.fill(0.0)
+            for i in cutlass.range_constexpr(cute.size(dq_hat)):
+                h = c_row_half(i)
+                dot_q[h] = dot_q[h] + q[i].to(Float32) * rinv_q[h] * dq_hat[i]
+                dot_k[h] = dot_k[h] + k[i].to(Float32) * rinv_k[h] * dk_hat[i]
+            self.store_row_partials(smem.dot_q, dot_q, warp_idx, lane)
+            self.store_row_partials(smem.dot_k, dot_k, warp_idx, lane)
+            cute.arch.sync_threads()
             sum_q = cute.make_rmem_tensor((2,), Float32)
             sum_k = cute.make_rmem_tensor((2,), Float32)
             for h in cutlass.range_constexpr(2):  # the row sums over the warps, in warp order

@@ -42,10 +42,9 @@ def reciprocal_rn(y: Float32) -> Float32:
 SafeGradsSmem = smem_bundle(
     "SafeGradsSmem",
     ("g", "qd_t", "kd_t", "kinv", "kinv_t", "cumsum", "dg_cum", "dkr_col", "dmqk_t", "dlb_t", "dalog_w", "x_rows",
-     "dsig_rows", "handoff"),
+     "dsig_rows"),
     "Shared-memory tensors of one CTA with the safe gate (``layouts.bwd_grads.smem_budget``): kr is written over g; "
-    "``split_rows``' x and σ'(x) of the first rows over S and dS' (dead after phase 5); ``tail_split``'s handed-off "
-    "dq̂, dk̂ over the channel warps' key bands of S.",
+    "``split_rows``' x and σ'(x) of the first rows over S and dS' (dead after phase 5).",
 )
 
 
@@ -56,7 +55,6 @@ class SafeBwdGrads(BwdGrads):
     gate_tile = True
     splits_gate_rows = True
     forms_slopes_ahead = True
-    splits_tail = True
     grouped_heads = False
     smem_plan = staticmethod(plan.smem_budget)
 
@@ -76,7 +74,6 @@ class SafeBwdGrads(BwdGrads):
             dkr_col=view(storage.dkr_col, plan.vector(self.dim), Float32), dmqk_t=view(storage.dmqk, sq_t),
             dlb_t=view(storage.dlb, sq_t), dalog_w=view(storage.dalog_w, plan.vector(plan.CHANNEL_WARPS), Float32),
             x_rows=view(storage.state, fp32, Float32), dsig_rows=view(storage.state_grad, fp32, Float32),
-            handoff=view(storage.state, plan.fragment_handoff(self.warps, self.dim), Float32),
         )
 
     @cute.jit
@@ -104,8 +101,7 @@ class SafeBwdGrads(BwdGrads):
 
         # 5. channel products per key band, 6. finish
         self.channel_band(smem, inputs, out, scalars, tile, warp_idx, lane)
-        if cutlass.const_expr(not self.tail_split):  # tail_split: the barrier inside the channel band's finish
-            cute.arch.sync_threads()
+        cute.arch.sync_threads()
         self.gate_backward(smem, inputs, out, scalars, tile, col, dt, e_a, warp_idx, lane)
         if tidx < CHUNK:
             self.beta_backward(smem, out, tile.head, tile.row0, tile.valid_rows, tidx)
