@@ -188,6 +188,11 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
     problem, device = options.problem, x.q.device
     buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=device)
     saved_ws = workspace_views(workspace_spec(problem), buffer)
+    checkpoints = None
+    if not options.recompute:
+        checkpoints = torch.empty(checkpoints_shape(problem), dtype=torch.bfloat16, device=device)
+    out = torch.empty_like(x.v)
+    final_state = final_state_buffer(options, device)
     tile_base = x.tile_base
     if tile_base is None and problem.varlen:
         tile_base = k1.tile_bases(x.cu_seqlens)
@@ -196,12 +201,6 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
         cu_seqlens=x.cu_seqlens, tile_base=tile_base, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
         gate=options.gate,
     )
-    # K2's buffers after K1's launch: a step that starts on an idle GPU waits for the host until K1 (perf-log h12)
-    checkpoints = None
-    if not options.recompute:
-        checkpoints = torch.empty(checkpoints_shape(problem), dtype=torch.bfloat16, device=device)
-    out = torch.empty_like(x.v)
-    final_state = final_state_buffer(options, device)
 
     def final_states(v: torch.Tensor, initial: torch.Tensor | None, into: torch.Tensor) -> None:
         k2.recurrence(v, saved_ws, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=initial,

@@ -160,13 +160,13 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     stores_fp16 = stores_fp16_grads(x.q.shape[2] != x.v.shape[2], x.q.dtype, x.k.dtype, x.g.dtype)
     if x.q.dtype == fp16 and not FP16_NATIVE_BACKWARD:
         x, saved = bf16_operands(x), saved._replace(segment_states=None)
-    if options.recompute:  # first: the GPU may be idle until the recomputation's K1 (perf-log h12)
-        saved = recomputed(backend, x, options, saved)
     do = torch.zeros_like(x.v, dtype=torch.bfloat16) if d_out is None else rounded_do(d_out).view(x.v.shape)
     dht = None
     if d_final is not None:
         dht = kernel_operand(d_final, torch.float32 if d_final.dtype == fp16 else d_final.dtype)
     dh0_dtype = initial_state_dtype if needs[7] else None
+    if options.recompute:
+        saved = recomputed(backend, x, options, saved)
     scan = backend.scan(x, options, saved, do, dht, torch.float32 if dh0_dtype == fp16 else dh0_dtype,
                         fp16 if stores_fp16_grads(False, dtypes[2]) else torch.bfloat16)
     dq = dk = dg = dbeta = dA_log = ddt_bias = None
