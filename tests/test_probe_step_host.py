@@ -34,20 +34,26 @@ def test_refuses_to_time_without_cuda(probe, monkeypatch):
         probe.main([])
 
 
+def double(x):
+    """What the wrapper tests wrap: a result, or an exception for a negative ``x``."""
+    if x < 0:
+        raise ValueError("negative")
+    return 2 * x
+
+
+def check_wrapped(wrapped) -> None:
+    """``wrapped`` (a wrapper of :func:`double`) keeps the name, passes the result and the exception on."""
+    assert wrapped(3) == 6 and wrapped.__name__ == "double"
+    with pytest.raises(ValueError, match="negative"):
+        wrapped(-1)
+
+
 def test_timers_count_calls_and_time(probe):
     """``--timers``: a wrapped function is timed inclusively and counted, its result and exceptions passed on."""
     assert not probe.build_parser().parse_args([]).timers and probe.build_parser().parse_args(["--timers"]).timers
     timers = probe.HostTimers()
 
-    def double(x):
-        if x < 0:
-            raise ValueError("negative")
-        return 2 * x
-
-    timed = timers.wrap("double", double)
-    assert timed(3) == 6 and timed.__name__ == "double"
-    with pytest.raises(ValueError, match="negative"):
-        timed(-1)
+    check_wrapped(timers.wrap("double", double))
     seconds, calls = timers.snapshot()["double"]
     assert calls == 2 and seconds >= 0.0
 
@@ -58,16 +64,8 @@ def test_launch_stamps_mark_in_order(probe):
     assert probe.build_parser().parse_args(["--launch-times"]).launch_times
     stamps = probe.LaunchStamps()
 
-    def double(x):
-        if x < 0:
-            raise ValueError("negative")
-        return 2 * x
-
-    stamped = stamps.wrap("double", double)
     stamps.begin()
-    assert stamped(3) == 6 and stamped.__name__ == "double"
-    with pytest.raises(ValueError, match="negative"):
-        stamped(-1)
+    check_wrapped(stamps.wrap("double", double))
     events = [event for event, _ in stamps.stamps]
     assert events == ["double in", "double out", "double in", "double out"]
     times = [us for _, us in stamps.stamps]
