@@ -188,14 +188,14 @@ class LaunchStamps:
         return stamped
 
     def install(self) -> None:
-        originals = {}
+        wrapped = {}  # each stamped function → its wrapper, put in every cute_kda namespace that holds it
         for module_name, name in STAMPED:
             function = getattr(importlib.import_module(module_name), name)
-            originals[function] = self.wrap(name, function)
+            wrapped[function] = self.wrap(name, function)
         for module in [m for n, m in list(sys.modules.items()) if n.startswith("cute_kda") and m is not None]:
             for attr, value in list(vars(module).items()):
-                if inspect.isfunction(value) and value in originals:
-                    setattr(module, attr, originals[value])
+                if inspect.isfunction(value) and value in wrapped:
+                    setattr(module, attr, wrapped[value])
         from cute_kda.executors.training import TrainingForward
         from cute_kda.ops._cache import CompileCache
 
