@@ -40,6 +40,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 os.environ.setdefault("FLA_CUTE_KDA", "0")
 
@@ -91,6 +92,32 @@ TIMED_TENSOR_METHODS = ("baddbmm_", "copy_", "zero_", "to", "contiguous")
 TIMED_TORCH_FUNCTIONS = ("empty", "empty_like", "zeros", "zeros_like")
 
 
+def install_wrappers(wrapped: dict) -> None:
+    """Put each wrapper of ``wrapped`` (function → its wrapper) in every loaded cute_kda module namespace that holds
+    the function, so that ``from x import f`` callers call it too."""
+    for module in [m for n, m in list(sys.modules.items()) if n.startswith("cute_kda") and m is not None]:
+        for attr, value in list(vars(module).items()):
+            if inspect.isfunction(value) and value in wrapped:
+                setattr(module, attr, wrapped[value])
+
+
+def wrap_compiled(wrapper: Callable[[str, Callable], Callable]) -> None:
+    """Make :class:`~cute_kda.ops._cache.CompileCache` hand out ``wrapper(its name, compiled kernel)`` for each
+    compiled kernel, one wrapper a kernel for the process's life."""
+    from cute_kda.ops._cache import CompileCache
+
+    get, kept = CompileCache.get, {}  # id of a compiled callable → (it, its wrapper)
+
+    def wrapped_get(cache, key, build):
+        compiled = get(cache, key, build)
+        pair = kept.get(id(compiled))
+        if pair is None:
+            pair = kept[id(compiled)] = (compiled, wrapper(cache.name, compiled))
+        return pair[1]
+
+    CompileCache.get = wrapped_get
+
+
 class HostTimers:
     """Inclusive host seconds and calls by name, from wrappers put around every function defined in
     :data:`TIMED_MODULES` (in every module namespace that holds it, so ``from x import f`` callers are timed too),
@@ -100,7 +127,6 @@ class HostTimers:
     def __init__(self) -> None:
         self.seconds: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
-        self._compiled: dict[int, tuple] = {}  # id of a compiled callable → (it, its timed wrapper)
 
     def wrap(self, name: str, function):
         seconds, calls, clock = self.seconds, self.calls, time.perf_counter
@@ -125,23 +151,8 @@ class HostTimers:
                 if (inspect.isfunction(value) and value.__module__ == module.__name__
                         and not getattr(value, "__wrapped_by_timers__", False)):
                     wrapped[value] = self.wrap(f"{module.__name__.removeprefix('cute_kda.')}.{attr}", value)
-        for module in [m for n, m in list(sys.modules.items()) if n.startswith("cute_kda") and m is not None]:
-            for attr, value in list(vars(module).items()):
-                if inspect.isfunction(value) and value in wrapped:
-                    setattr(module, attr, wrapped[value])
-        from cute_kda.ops._cache import CompileCache
-
-        get, timers = CompileCache.get, self
-
-        def timed_get(cache, key, build):
-            compiled = get(cache, key, build)
-            name = f"compiled {cache.name}"
-            kept = timers._compiled.get(id(compiled))
-            if kept is None:
-                kept = timers._compiled[id(compiled)] = (compiled, timers.wrap(name, compiled))
-            return kept[1]
-
-        CompileCache.get = timed_get
+        install_wrappers(wrapped)
+        wrap_compiled(lambda name, compiled: self.wrap(f"compiled {name}", compiled))
         for method in TIMED_TENSOR_METHODS:
             setattr(torch.Tensor, method, self.wrap(f"Tensor.{method}", getattr(torch.Tensor, method)))
         for function in TIMED_TORCH_FUNCTIONS:
@@ -188,32 +199,26 @@ class LaunchStamps:
         return stamped
 
     def install(self) -> None:
-        wrapped = {}  # each stamped function → its wrapper, put in every cute_kda namespace that holds it
+        wrapped = {}
         for module_name, name in STAMPED:
             function = getattr(importlib.import_module(module_name), name)
             wrapped[function] = self.wrap(name, function)
-        for module in [m for n, m in list(sys.modules.items()) if n.startswith("cute_kda") and m is not None]:
-            for attr, value in list(vars(module).items()):
-                if inspect.isfunction(value) and value in wrapped:
-                    setattr(module, attr, wrapped[value])
+        install_wrappers(wrapped)
         from cute_kda.executors.training import TrainingForward
-        from cute_kda.ops._cache import CompileCache
 
         for method in ("forward", "backward"):
             setattr(TrainingForward, method, staticmethod(self.wrap(f"TrainingForward.{method}",
                                                                     getattr(TrainingForward, method))))
-        get, stamps = CompileCache.get, self
+        wrap_compiled(self.launch_marker)
 
-        def stamped_get(cache, key, build):
-            compiled = get(cache, key, build)
+    def launch_marker(self, name: str, compiled):
+        """``compiled`` marking ``launch <name>`` before each call."""
 
-            def launch(*args, **kwargs):
-                stamps.mark(f"launch {cache.name}")
-                return compiled(*args, **kwargs)
+        def launch(*args, **kwargs):
+            self.mark(f"launch {name}")
+            return compiled(*args, **kwargs)
 
-            return launch
-
-        CompileCache.get = stamped_get
+        return launch
 
 
 def launch_rows(steps: list[list[tuple[str, float]]]) -> list[list[str]]:

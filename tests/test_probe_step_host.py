@@ -74,3 +74,26 @@ def test_launch_stamps_mark_in_order(probe):
     assert probe.launch_rows(steps) == [["`a`", "2.0"], ["`b`", "6.0"]]
     for module, name in probe.STAMPED:  # each stamped function exists where the probe looks for it
         assert callable(getattr(importlib.import_module(module), name)), (module, name)
+
+
+def test_wrappers_reach_every_namespace_and_each_compiled_kernel_once(probe, monkeypatch):
+    """``install_wrappers`` replaces a function in every loaded cute_kda namespace that holds it (and nowhere else);
+    ``wrap_compiled`` makes the compile cache hand out one wrapper a compiled kernel, named by its cache."""
+    import types
+
+    from cute_kda.ops._cache import CompileCache
+
+    holder, other = types.ModuleType("cute_kda._probe_holder"), types.ModuleType("elsewhere_probe_holder")
+    holder.double = other.double = double
+    monkeypatch.setitem(probe.sys.modules, holder.__name__, holder)
+    monkeypatch.setitem(probe.sys.modules, other.__name__, other)
+    wrapper = probe.LaunchStamps().wrap("double", double)
+    probe.install_wrappers({double: wrapper})
+    assert holder.double is wrapper and other.double is double
+
+    monkeypatch.setattr(CompileCache, "get", lambda cache, key, build: build())
+    made = []
+    probe.wrap_compiled(lambda name, compiled: made.append(name) or (lambda *args: (name, compiled(*args))))
+    cache = CompileCache("probe_test")
+    first, again = cache.get("k", lambda: double), cache.get("k", lambda: double)
+    assert first is again and made == ["probe_test"] and first(3) == ("probe_test", 6)
