@@ -382,14 +382,13 @@ class DecodeKernel(TokenPrep):
             else:
                 operands = (self.prepared(first, gate) if const_expr(t == 0)
                             else self.token_operands(inputs, at, t, gate))
+            outputs = self.advance(state, operands)
             if const_expr(span is None):
-                outputs = self.advance(state, operands)
                 self.finish_token(out, pool, state_indices, at, (at.seq, t), t, base, state, outputs, written)
             else:
                 # a token past the sequence runs on the last token's operands and stores nothing (it follows every
                 # stored state of a verify, so what it makes of the state is never read): straight-line code, as
                 # the fixed length's (a branch around the update spilled 386 bytes)
-                outputs = self.advance(state, operands)
                 if t < span.length:
                     self.finish_token(out, pool, state_indices, at, (span.batch, span.start + t), t, base, state,
                                       outputs, written)
