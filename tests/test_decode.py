@@ -1013,24 +1013,6 @@ def test_packed_kernel_matches_mirror_and_fp64(variant):
     assert o_error <= 5e-3 and state_error <= 5e-3, (o_error, state_error)
 
 
-def _switched(monkeypatch, case: dict, variant, switch: str) -> tuple:
-    """``variant``'s call on ``case`` with the launcher's module switch ``switch`` off, then on, each on a guard pool
-    of its own (:func:`_guarded`; ``case["state_pool"]`` becomes the second's view): (the two outputs, the two guard
-    pools)."""
-    from cute_kda.ops import decode as ops
-
-    listed = case["state_indices"].flatten()
-    guarded, case["state_pool"] = _guarded(case["state_pool"], listed[listed >= 0].long())
-    first = guarded.clone()
-    results = []
-    for on, run in ((False, {**case, "state_pool": first[1:-1]}), (True, case)):
-        monkeypatch.setattr(ops, switch, on)
-        ops.launch_plan.cache_clear()
-        results.append(_run_kernel(run, variant))
-    torch.cuda.synchronize()
-    return results, (first, guarded)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", _paired_loop_matrix(), ids=_variant_id)
 def test_paired_loop_has_the_loops_bits(monkeypatch, request, variant):
@@ -1039,23 +1021,19 @@ def test_paired_loop_has_the_loops_bits(monkeypatch, request, variant):
     arithmetic a row, so the same bits in o and in every slot of a guard pool; the launcher picked the paired
     variant."""
     from cute_kda.kernels.decode import DecodeVariant
-    from cute_kda.ops import decode as ops
 
-    launched = []
-    build = ops.compiled_variant
-    monkeypatch.setattr(ops, "compiled_variant", lambda v, index: launched.append(v) or build(v, index))
     monkeypatch.setattr(DecodeVariant, "choose_paired", classmethod(lambda cls, *a, **k: True))
-    request.addfinalizer(ops.launch_plan.cache_clear)
     if variant.cu_seqlens is None:
         case = _case(variant, N=5, seed=23, tokens=13)
     else:
         case = packed_case(PACKED_LENGTHS, 2 if variant.grouped else 4, 4, variant.gate, variant.per_head_gate,
                            DTYPES[variant.state_dtype], offsets_dtype=torch.int32, qk_l2norm=variant.qk_l2norm,
                            beta_logits=variant.beta_logits, device="cuda", seed=23)
-    results, pools = _switched(monkeypatch, case, variant, "PAIRED_LOOP")
+    settings = [dict(PAIRED_LOOP=False), dict(PAIRED_LOOP=True)]
+    launched, ((loop_out, loop_pool), (out, pool)) = _run_under_switches(monkeypatch, request, variant, case, settings,
+                                                                         guard=True)
     assert [v.paired for v in launched] == [False, True]
-    assert torch.equal(results[1], results[0])
-    assert torch.equal(_bits(pools[1]), _bits(pools[0]))
+    assert torch.equal(out, loop_out) and torch.equal(_bits(pool), _bits(loop_pool))
 
 
 @pytest.mark.gpu
@@ -1065,12 +1043,6 @@ def test_packed_split_verify_has_the_loops_bits(monkeypatch, request, variant):
     on sequences of lengths 0, 1, 3, S + 1, 2 and a padding row (S + 1 slots a row, accepted counts cycling): the
     same arithmetic a token, so the same bits in o and in every slot of a guard pool; the launcher picked the split
     variant; o and the written states within 5e-3 of the fp64 recurrence."""
-    from cute_kda.ops import decode as ops
-
-    launched = []
-    build = ops.compiled_variant
-    monkeypatch.setattr(ops, "compiled_variant", lambda v, index: launched.append(v) or build(v, index))
-    request.addfinalizer(ops.launch_plan.cache_clear)
     width = variant.tokens
     lengths = (0, 1, min(3, width), width, 2, width)  # the last a padding row
     H = 2 if variant.grouped else 4
@@ -1080,13 +1052,14 @@ def test_packed_split_verify_has_the_loops_bits(monkeypatch, request, variant):
     written, _ = packed_slots(case, lengths)
     gold_pool = case["state_pool"].double()
     o_gold = gold_decode(**{**case, "state_pool": gold_pool}, **options(variant.gate, variant.state_layout))
-    results, pools = _switched(monkeypatch, case, variant, "SPLIT_PREP_PACKED")
+    settings = [dict(SPLIT_PREP_PACKED=False), dict(SPLIT_PREP_PACKED=True)]
+    launched, ((loop_out, loop_pool), (out, pool)) = _run_under_switches(monkeypatch, request, variant, case, settings,
+                                                                         guard=True)
     assert [(v.tokens, v.split_prep) for v in launched] == [(None, False), (width, True)]
-    assert torch.equal(results[1], results[0])
-    assert torch.equal(_bits(pools[1]), _bits(pools[0]))
+    assert torch.equal(out, loop_out) and torch.equal(_bits(pool), _bits(loop_pool))
     live = slice(0, sum(lengths[:-1]))
-    assert rel_rms(results[1][:, live], o_gold[:, live]) <= 5e-3
-    assert rel_rms(case["state_pool"][written], gold_pool[written]) <= 5e-3
+    assert rel_rms(out[:, live], o_gold[:, live]) <= 5e-3
+    assert rel_rms(pool[1:-1][written], gold_pool[written]) <= 5e-3
 
 
 @pytest.mark.gpu
@@ -1184,22 +1157,29 @@ def test_paired_has_the_same_bits(monkeypatch, request, gate, per_head):
     assert torch.equal(_bits(case["state_pool"]), _bits(plain["state_pool"]))
 
 
-def _run_under_switches(monkeypatch, request, variant, case, settings: list[dict]) -> tuple[list, list]:
-    """``case`` run once under each of ``settings`` (the launcher's module switches, each run on its own copy of the
-    pool): the variants the launcher compiled, and each run's (o, pool)."""
+def _run_under_switches(monkeypatch, request, variant, case, settings: list[dict], guard: bool = False
+                        ) -> tuple[list, list]:
+    """``case`` run once under each of ``settings`` (the launcher's module switches), each run on its own copy of the
+    pool; with ``guard``, a copy of one guard pool (:func:`_guarded`: the unlisted slots and both guards random bits)
+    whose inner view the kernel gets. Returns the variants the launcher compiled and each run's (o, pool), the pool
+    with its guards where ``guard``."""
     from cute_kda.ops import decode as ops
 
     compiled = []
     build = ops.compiled_variant
     monkeypatch.setattr(ops, "compiled_variant", lambda v, index: compiled.append(v) or build(v, index))
     request.addfinalizer(ops.launch_plan.cache_clear)
+    pool = case["state_pool"]
+    if guard:
+        listed = case["state_indices"].flatten()
+        pool, _ = _guarded(pool, listed[listed >= 0].long())
     results = []
     for switches in settings:
         ops.launch_plan.cache_clear()
         for name, value in switches.items():
             monkeypatch.setattr(ops, name, value)
-        run = {**case, "state_pool": case["state_pool"].clone()}
-        results.append((_run_kernel(run, variant), run["state_pool"]))
+        copy = pool.clone()
+        results.append((_run_kernel({**case, "state_pool": copy[1:-1] if guard else copy}, variant), copy))
     torch.cuda.synchronize()
     return compiled, results
 
