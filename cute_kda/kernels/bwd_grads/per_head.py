@@ -180,7 +180,12 @@ class PerHeadBwdGrads(BwdGrads):
         """Warp 0, lane ``s`` < 16 a row: ``dγ_s = Σ_{r≥s} X_r + Σ_{r<s} Y_r + gT·Σ_c dgT_c + Σ_{i≥s>j} W_ij``
         (``X``, ``Y`` the channel sums of phase 5 over the warps in warp order; ``W = E ⊙ (dA ⊙ k̂k̂ᵀ + dMqk ⊙ q̂k̂ᵀ)``
         the head's pairs), then ``dg = dγ`` (log decay) or ``dx = −e^A·σ(g + dt_bias)·dγ``; the tile's partial
-        sums of ddt_bias (``Σ dx``) and dA_log (``Σ dγ·γ``, ``γ = g'·ln 2``) over its rows, lanes in order."""
+        sums of ddt_bias (``Σ dx``) and dA_log (``Σ dγ·γ``, ``γ = g'·ln 2``) over its rows, lanes in order.
+
+        Each sum is formed once, not once a lane (perf-log GDN5): lane ``r`` sums row ``r``'s warp partials
+        ``X_r``, ``Y_r``, lane ``j`` the suffix sums ``C_j(s) = Σ_{i≥s} W_ij`` of column ``j`` (rows descending), both
+        into shared memory (``C_j(s)`` at ``a_pairs[s, j ⊕ s]``: both passes conflict-free); then lane ``s`` adds
+        ``X_r`` over ``r ≥ s``, ``Y_r`` over ``r < s`` (rows ascending) and ``C_j(s)`` over ``j < s``."""
         ddt = Float32(0.0)
         dalog = Float32(0.0)
         dgt_sum = Float32(0.0)  # Σ_c dgT_c: 4 channels a lane, then the butterfly (every lane holds the total)
@@ -188,24 +193,35 @@ class PerHeadBwdGrads(BwdGrads):
             dgt_sum = dgt_sum + smem.dgt[lane + 32 * part]
         for offset in (16, 8, 4, 2, 1):
             dgt_sum = dgt_sum + cute.arch.shuffle_sync_bfly(dgt_sum, offset=offset)
+        row = lane % CHUNK  # lanes 16-31 mirror 0-15 in the loads and store nothing
+        x_r = Float32(0.0)
+        y_r = Float32(0.0)
+        for w in cutlass.range_constexpr(self.warps):
+            x_r = x_r + smem.x_w[w, row]
+            y_r = y_r + smem.y_w[w, row]
+        column = cute.make_rmem_tensor((CHUNK,), Float32)  # W[i, j = row], 0 where i ≤ j
+        for i in cutlass.range_constexpr(1, CHUNK):
+            w_ij = smem.spans[i, row] * (smem.a_pairs[i, row] + smem.m_pairs[i, row])
+            column[i] = Float32(cutlass.select_(i > row, w_ij, Float32(0.0)))
+        cute.arch.sync_warp()  # every lane has read a_pairs, x_w and y_w before any lane writes them
+        if lane < CHUNK:
+            smem.x_w[0, row] = x_r
+            smem.y_w[0, row] = y_r
+            suffix = Float32(0.0)
+            for i in cutlass.range_constexpr(CHUNK - 1, 0, -1):
+                suffix = suffix + column[i]
+                smem.a_pairs[i, row ^ i] = suffix  # C_row(i) where i > row; the rest is never read
+        cute.arch.sync_warp()
         if lane < CHUNK:
             s = lane
             from_s = Float32(0.0)
             before_s = Float32(0.0)
             for r in cutlass.range_constexpr(CHUNK):
-                x_r = Float32(0.0)
-                y_r = Float32(0.0)
-                for w in cutlass.range_constexpr(self.warps):
-                    x_r = x_r + smem.x_w[w, r]
-                    y_r = y_r + smem.y_w[w, r]
-                from_s = from_s + Float32(cutlass.select_(r >= s, x_r, Float32(0.0)))
-                before_s = before_s + Float32(cutlass.select_(r < s, y_r, Float32(0.0)))
+                from_s = from_s + Float32(cutlass.select_(r >= s, smem.x_w[0, r], Float32(0.0)))
+                before_s = before_s + Float32(cutlass.select_(r < s, smem.y_w[0, r], Float32(0.0)))
             pairs = Float32(0.0)
-            for i in cutlass.range_constexpr(1, CHUNK):
-                for j in cutlass.range_constexpr(i):  # i > j: the strictly lower pairs; those with i ≥ s > j count
-                    w_ij = smem.spans[i, j] * (smem.a_pairs[i, j] + smem.m_pairs[i, j])
-                    crossing = Float32(cutlass.select_(s > j, w_ij, Float32(0.0)))
-                    pairs = pairs + Float32(cutlass.select_(s <= i, crossing, Float32(0.0)))
+            for j in cutlass.range_constexpr(CHUNK - 1):
+                pairs = pairs + Float32(cutlass.select_(j < s, smem.a_pairs[s, s ^ j], Float32(0.0)))
             dgamma = ((from_s + before_s) + smem.prefix[CHUNK - 1] * dgt_sum) + pairs
             if s < tile.valid_rows:
                 dg = dgamma
