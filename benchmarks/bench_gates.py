@@ -260,7 +260,14 @@ def main() -> None:
                         help="with --train: time FLA's backward with its Triton guard (#640) off (speed only)")
     parser.add_argument("--peers", type=lambda text: tuple(text.split(",")), default=PEERS,
                         help="comma-separated peers to time: cute_kda, FLA (default both)")
+    parser.add_argument("--no-group-sum", action="store_true",
+                        help="with --train: value heads in pairs summed after Kernel B, not by it "
+                             "(cute_kda.ops.bwd_grads.GROUP_SUM off; perf-log GDN6)")
     args = parser.parse_args()
+    if args.no_group_sum:
+        from cute_kda.ops import bwd_grads
+
+        bwd_grads.GROUP_SUM = False
     if args.fla_unguarded and not args.train:
         parser.error("--fla-unguarded goes with --train")
     if not torch.cuda.is_available():

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shape", choices=tuple(GDN_SHAPES), default="gdn_T32768_H16_HV32")
     parser.add_argument("--segments", type=segment_counts, default=[0, 4, 8],
                         help="comma-separated segment counts per sequence (0: the heuristic)")
+    parser.add_argument("--no-group-sum", action="store_true",
+                        help="value heads in pairs summed after Kernel B, not by it (cute_kda.ops.bwd_grads.GROUP_SUM "
+                             "off; perf-log GDN6)")
     return parser
 
 
@@ -61,6 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("probe_gdn_segments needs a CUDA GPU (Hopper)")
+    if args.no_group_sum:
+        from cute_kda.ops import bwd_grads
+
+        bwd_grads.GROUP_SUM = False
     device = torch.device("cuda")
     inputs, leaves, do, dht = training_problem(args.shape, "gdn_softplus", device)
     positional = [inputs[name] for name in POSITIONAL]

@@ -465,15 +465,19 @@ def warmup_variants(
                     if grads == torch.float16 and not stores_fp16_grads(per_head, torch.float16, caller_g):
                         continue
                     warps = default_warps(dim)
-                    variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, warps, dim=dim,
-                                          grad_dtype=grads, **grads_switches(gate, per_head, warps))] = None
+                    # GatedDeltaNet's value heads: per value head, and in pairs added by Kernel B (group_sum)
+                    for pairs in (False, True) if per_head and grads == torch.bfloat16 else (False,):
+                        variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, warps, dim=dim,
+                                              grad_dtype=grads, group_sum=pairs,
+                                              **grads_switches(gate, per_head, warps))] = None
             for gate, g_dtype, per_head in (gate_forms_of(torch.float16) if native and grads == torch.bfloat16
                                             else ()):  # fp16 training's own backward: Kernel B on the fp16 inputs
                 warps = default_warps(dim)
                 stored = torch.float16 if stores_fp16_grads(per_head, torch.float16, g_dtype) else torch.bfloat16
-                variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, warps, dim=dim,
-                                      grad_dtype=stored, dtype=torch.float16,
-                                      **grads_switches(gate, per_head, warps))] = None
+                for pairs in (False, True) if per_head and stored == torch.bfloat16 else (False,):
+                    variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, warps, dim=dim,
+                                          grad_dtype=stored, dtype=torch.float16, group_sum=pairs,
+                                          **grads_switches(gate, per_head, warps))] = None
         if FP16_DO_KERNEL and torch.float16 in dtypes:  # an fp16 dO rounded to bf16 by the kernel
             variants[RoundVariant()] = None
     if segments:  # a segmented call (context parallelism): varlen, V-split 1 (the heuristic's), fp32 states

@@ -125,7 +125,8 @@ class GradsVariant:
     :data:`~cute_kda.ops.bwd_grads.SLOPES_AHEAD`); ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`);
     ``grad_dtype``: dq, dk and a per-channel gate's dg in bf16, or fp16 (:data:`cute_kda.ops.bwd_grads.GRAD_DTYPES`);
     ``dtype``: q's, k's, v's and a raw gate's, bf16 or fp16 (fp16 training's own backward, docs/numerics.md "fp16
-    training", stage 4)."""
+    training", stage 4); ``group_sum``: grouped value heads in groups of two, dq and dk added by the kernel into
+    ``[B, T, H, D]`` (perf-log GDN6)."""
 
     varlen: bool
     qk_l2norm: bool
@@ -142,6 +143,7 @@ class GradsVariant:
     dim: int = HEAD_DIM
     grad_dtype: torch.dtype = torch.bfloat16
     dtype: torch.dtype = torch.bfloat16
+    group_sum: bool = False
 
 
 @dataclass(frozen=True)

@@ -119,14 +119,14 @@ def test_warmup_visits_every_selected_k1_variant():
 
 def test_warmup_with_training_visits_the_backward_variants():
     """``training``: K2 with checkpoints per config, Kernel A per (V-split of its own, dht, dh0, varlen), Kernel B per
-    gate that trains; without it none of them."""
+    gate that trains (GatedDeltaNet's also with ``group_sum``); without it none of them."""
     fp32 = torch.float32
 
     def kinds(**options):
         variants = api.warmup_variants(**options)
         return ([v.checkpoints for v in variants if isinstance(v, RecurrenceVariant)],
                 [(v.vsplit, v.dht, v.dh0) for v in variants if isinstance(v, ScanVariant)],
-                [(v.gate, v.per_head_gate) for v in variants if isinstance(v, GradsVariant)])
+                [(v.gate, v.per_head_gate, v.group_sum) for v in variants if isinstance(v, GradsVariant)])
 
     assert kinds(varlen=(False,), state_modes=(fp32,), vsplits=(1,), gates=("safe", "softplus"), segments=False) == (
         [False], [], [])
@@ -134,7 +134,9 @@ def test_warmup_with_training_visits_the_backward_variants():
                                       gated_delta_rule=True, training=True, segments=False)
     assert recurrences == [False, True]
     assert sorted(scans, key=repr) == sorted([(1, fp32, fp32), (1, None, fp32)], key=repr)
-    assert sorted(grads) == [("safe", False), ("softplus", False), ("softplus", True)]
+    # GatedDeltaNet's per-head gate: per value head, and with its pairs of value heads added by Kernel B
+    assert sorted(grads) == [("safe", False, False), ("softplus", False, False), ("softplus", True, False),
+                             ("softplus", True, True)]
     _, scans, _ = kinds(varlen=(False,), state_modes=(None,), training=True, segments=False)
     assert {v for v, _, _ in scans} == set(SCAN_VSPLITS)  # Kernel A's own V-splits, 8 included
 

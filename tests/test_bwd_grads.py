@@ -305,10 +305,12 @@ def _variant_id(variant) -> str:
                                    "grouped" if grouped else "HV=H", "l2norm_logits" if qk_l2norm else "plain")
 
 
-def _compile_unbounded(variant, per_head: bool, gate_ahead: bool = False, split_load: bool = False, dim: int = D):
-    """Compile Kernel B for an unbounded-gate ``variant`` (per head, or the per-channel dyadic form) on the CPU
-    buffers, check what every such variant must show (one kernel, the 7 TMA loads under one transaction barrier,
-    no atomics, no local memory or spills, the plan's shared memory) and return the report."""
+def _compile_unbounded(variant, per_head: bool, gate_ahead: bool = False, split_load: bool = False, dim: int = D,
+                       group_sum: bool = False):
+    """Compile Kernel B for an unbounded-gate ``variant`` (per head, or the per-channel dyadic form; ``group_sum``:
+    dq, dk per q/k head, the grouped pair added by the kernel) on the CPU buffers, check what every such variant must
+    show (one kernel, the 7 TMA loads under one transaction barrier, no atomics but ``group_sum``'s bf16x2
+    reductions, no local memory or spills, the plan's shared memory) and return the report."""
     from cute_kda.compile_report import compile_with_report
     from cute_kda.ops._cache import dsl_type
 
@@ -316,8 +318,10 @@ def _compile_unbounded(variant, per_head: bool, gate_ahead: bool = False, split_
     kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
                               gate_dtype=dsl_type(g_dtype), per_head_gate=per_head, grouped=grouped,
                               gate_ahead=gate_ahead, split_load=split_load, dim=dim,
-                              compute_warps=plan.default_warps(dim))
+                              compute_warps=plan.default_warps(dim), group_sum=group_sum)
     buffers = (_per_head_buffers if per_head else _dyadic_buffers)(gate, grouped, varlen, g_dtype, dim)
+    if group_sum:
+        buffers["dq"], buffers["dk"] = torch.zeros_like(buffers["q"]), torch.zeros_like(buffers["k"])
     arguments = kb.launch_arguments(*(buffers[name] for name in _LAUNCH_ORDER), scale=dim ** -0.5, lower_bound=-5.0,
                                     cu_seqlens=buffers["cu_seqlens"], tile_base=buffers["tile_base"],
                                     tensor=to_cute_tensor)
@@ -326,7 +330,10 @@ def _compile_unbounded(variant, per_head: bool, gate_ahead: bool = False, split_
     assert report.count("cp.async.bulk.tensor") == 5  # q, k, v, dO, du; the two state images by 1-D bulk copies
     assert report.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") == 2
     assert report.has("mbarrier.try_wait") and report.has("mbarrier.arrive.expect_tx")
-    assert not report.has("atom.") and not report.has("red.")  # no atomics: partial sums per tile
+    # no atomics (partial sums per tile) but group_sum's adds of dq, dk: a 32-bit pair a lane and row of a fragment
+    reductions = 2 * 2 * (dim // plan.default_warps(dim) // 8) if group_sum else 0
+    assert report.count("red.global.add.noftz.bf16x2") == reductions
+    assert not report.has("atom.") and report.count("red.") == reductions
     assert report.local_memory_ops == 0
     assert len(report.kernels) == 1 and report.spills == 0 and report.kernels[0].stack_frame == 0
     assert report.launch_smem == [budget.total_bytes]
@@ -350,6 +357,20 @@ def test_per_head_variant_compiles(variant, dim):
     mmas = (k_steps + 1) * band_atoms + 4 * k_steps * 2 + (3 * k_steps + 4) * band_atoms
     assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == mmas
     assert report.count("lg2.approx.f32") == (1 if gate == "softplus" else 0)  # the gate's softplus, one row a thread
+
+
+@pytest.mark.parametrize("per_head", [True, False], ids=["per_head", "dyadic"])
+def test_group_sum_variant_compiles(per_head):
+    """``group_sum`` (grouped value heads in pairs): the same kernel but for dq, dk added into the q/k head's rows by
+    bf16x2 reductions instead of stored, no more registers than the plain grouped variant's."""
+    variant = next(v for v in (PER_HEAD_VARIANTS if per_head else DYADIC_VARIANTS) if v[3])
+    plain = _compile_unbounded(variant, per_head)
+    summed = _compile_unbounded(variant, per_head, group_sum=True)
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    assert summed.count(mma) == plain.count(mma)
+    assert summed.kernels[0].registers <= plain.kernels[0].registers
+    with pytest.raises(ValueError, match="group_sum"):
+        bwd_grads_kernel(varlen=False, gate="softplus", per_head_gate=per_head, group_sum=True)
 
 
 def test_refused_configurations():
@@ -771,7 +792,8 @@ GUARD = 8
 def _unbounded_chain(case: str, per_head: bool = True, dim: int = D) -> tuple[dict, dict, tuple, dict]:
     """The kernels' chain for an unbounded gate — K1 (the per-head or the dyadic scheme), K2 with per-tile
     checkpoints, Kernel A, Kernel B — on one of :data:`PER_HEAD_CASES` (``per_head``) or :data:`DYADIC_CASES`; dq,
-    dk summed over each group of value heads. Returns (the gradients by the mirror's names, Kernel B's raw outputs,
+    dk summed over each group of value heads (with groups of two, Kernel B's ``group_sum`` checked against that sum
+    bit for bit). Returns (the gradients by the mirror's names, Kernel B's raw outputs,
     the inputs, the options)."""
     from test_reference_gates import _backward_problem
 
@@ -826,6 +848,19 @@ def _unbounded_chain(case: str, per_head: bool = True, dim: int = D) -> tuple[di
     grads = {"dq": stages.group_sum(raw["dq"], H), "dk": stages.group_sum(raw["dk"], H), "dv": dv, "dg": raw["dg"], "dbeta": raw["dbeta"],
              "dh0": dh0, "dA_log": None if dalog is None else dalog.sum(1),
              "ddt_bias": None if ddt is None else ddt.sum(1)}
+    if HV == 2 * H:  # value heads in pairs: Kernel B adding each pair itself (group_sum) gives the group sums' bits
+        summed = {}
+        for name in ("dq", "dk"):
+            summed[name], summed[name + "_buf"] = _guarded((B, T, H, dim), torch.bfloat16, device, axis=0, pad=GUARD)
+            summed[name].zero_()
+        kb.bwd_grads(q, k, g, v, do, du, ws, states, state_grads, A_log, dt_bias, summed["dq"], summed["dk"],
+                     torch.empty_like(raw["dg"]), torch.empty_like(raw["dbeta"]),
+                     None if ddt is None else torch.empty_like(ddt), None if dalog is None else torch.empty_like(dalog),
+                     scale=scale, lower_bound=-5.0, cu_seqlens=cu, tile_base=tile_base, gate=gate)
+        torch.cuda.synchronize()
+        for name in ("dq", "dk"):
+            _assert_guards_untouched(summed.pop(name + "_buf"), axis=0, pad=GUARD)
+            assert torch.equal(summed[name], grads[name]), f"group_sum's {name} is not the group sum's"
     raw.update(ddt_partial=ddt, dalog_partial=dalog, ws=ws, states=images_to_states(states),
                state_grads=images_to_states(state_grads), du=du)  # [K, V] matrices for the mirror
     return grads, raw, (q, k, v, g, beta, do), options
@@ -892,7 +927,7 @@ def test_unbounded_gate_is_deterministic(per_head, case):
 @pytest.mark.parametrize("change, words", [
     (dict(g=torch.zeros(1, 40, 2, D, dtype=torch.bfloat16)), "g must be"),  # a per-channel g with a per-head gate
     (dict(dg=torch.zeros(1, 40, 2, dtype=torch.bfloat16)), "dg must be float32"),  # dg is fp32 per (token, head)
-    (dict(dq=torch.zeros(1, 40, 1, D, dtype=torch.bfloat16)), "dq must be"),  # dq per value head
+    (dict(dq=torch.zeros(1, 40, 3, D, dtype=torch.bfloat16)), "dq must be"),  # per value head, or q/k head (pairs)
     (dict(ddt_partial=torch.zeros(2, 3, D)), "ddt_partial must be"),  # per head, not per channel
     (dict(gate="none"), "pass ddt_partial=dalog_partial=None"),  # a log decay has no partial sums
     (dict(gate="safe"), "grouped value heads need an unbounded gate"),
@@ -924,6 +959,11 @@ def test_per_head_launcher_keys_the_variant(monkeypatch):
     inputs, outputs = args[0], args[3]
     assert tuple(inputs.g.shape) == (40, 2, D) and tuple(outputs.dg.shape) == (40, 2, D)
     assert tuple(inputs.dt_bias.shape) == (2, D) and tuple(outputs.ddt_partial.shape[1:]) == (D,)
+    seen.clear()
+    pairs = _per_head_buffers("softplus")  # two value heads on one q/k head, dq and dk per q/k head
+    kb.bwd_grads(**{**pairs, "dq": torch.zeros_like(pairs["q"]), "dk": torch.zeros_like(pairs["k"])})
+    key, args = seen
+    assert key[0].group_sum and key[0].grouped and tuple(args[3].dq.shape) == tuple(args[3].dk.shape) == (40, 1, D)
 
 
 @pytest.mark.gpu

@@ -245,7 +245,12 @@ def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, s
     ddt_partial = torch.empty(ddt_shape, dtype=torch.float32, device=do.device) if constants else None
     dalog_partial = torch.empty(dalog_shape, dtype=torch.float32, device=do.device) if constants else None
     unbounded = options.gate != "safe"  # dq, dk per value head (summed over each group below), else like q, k
-    dq, dk = (torch.empty_like(x.v if unbounded else t, dtype=grad_dtype) for t in (x.q, x.k))
+    # groups of two value heads: Kernel B adds each pair into zeroed dq, dk per q/k head (kb.GROUP_SUM)
+    pairs = unbounded and kb.GROUP_SUM and x.v.shape[2] == 2 * x.q.shape[2] and grad_dtype == torch.bfloat16
+    if pairs:
+        dq, dk = (torch.zeros_like(t, dtype=grad_dtype) for t in (x.q, x.k))
+    else:
+        dq, dk = (torch.empty_like(x.v if unbounded else t, dtype=grad_dtype) for t in (x.q, x.k))
     # dg: fp32 per (token, head) for a per-head gate, else like dq (a fp32 log decay's bf16 one is widened below)
     dg = torch.empty(x.g.shape, dtype=torch.float32 if per_head else grad_dtype, device=do.device)
     dbeta = torch.empty_like(x.beta)
@@ -256,7 +261,7 @@ def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, s
         cu_seqlens=x.cu_seqlens, tile_base=saved.tile_base, qk_l2norm=options.qk_l2norm,
         beta_logits=options.beta_logits, gate=options.gate,
     )
-    if unbounded:
+    if unbounded and not pairs:
         dq, dk = (group_sum(t, x.q.shape[2]) for t in (dq, dk))
     if per_head or grad_dtype == torch.bfloat16:
         dg = dg.to(x.g.dtype)

@@ -38,6 +38,11 @@ SPLIT_ROWS = False
 # loop (``GradsVariant.slopes_ahead``; docs/perf-log.md, B8: Kernel B −8-9 % on the H200, bit-identical, predicted
 # −12-19 %); ``--no-slopes-ahead`` is its A/B; not together with ``split_rows``, which wins.
 SLOPES_AHEAD = True
+# Whether the training step hands Kernel B dq, dk per q/k head for grouped value heads in groups of two, so that the
+# kernel adds each pair (``GradsVariant.group_sum``; docs/perf-log.md, GDN6) instead of the step summing per-value-head
+# tensors afterwards (``executors.stages.group_sum``); the same bits. ``bench_gates.py --train --no-group-sum`` is the
+# A/B.
+GROUP_SUM = True
 # dq, dk and a per-channel gate's dg: bf16, or fp16 as f16(bf16(x)) for fp16 training (``GradsVariant.grad_dtype``,
 # picked by dq's dtype; the training executor's :data:`~cute_kda.executors.training.FP16_GRAD_STORES`)
 GRAD_DTYPES = (torch.bfloat16, torch.float16)
@@ -91,9 +96,10 @@ def launch_arguments(
                          dt_bias=optional(dt_bias, (heads,) if per_head else (heads, dim)))
     states_args = GradsStates(state=tensor(states, 16), state_grad=tensor(state_grads, 16))
     workspace = GradsWorkspace(inv=tensor(ws.inv, 16), beta=tensor(ws.beta, 16))
-    outputs = GradsOutputs(
-        dq=tokens(dq), dk=tokens(dk), dg=gate_of(dg), dbeta=tensor(dbeta.view(rows, heads), 2),
-        ddt_partial=optional(ddt_partial, (-1,) if per_head else (-1, dim)), dalog_partial=optional(dalog_partial, (-1,)),
+    outputs = GradsOutputs(  # dq, dk per q/k head with group_sum
+        dq=tokens(dq, dq.shape[2]), dk=tokens(dk, dk.shape[2]), dg=gate_of(dg),
+        dbeta=tensor(dbeta.view(rows, heads), 2), ddt_partial=optional(ddt_partial, (-1,) if per_head else (-1, dim)),
+        dalog_partial=optional(dalog_partial, (-1,)),
     )
     return (inputs, states_args, workspace, outputs, f32(scale), f32(gate_constant(lower_bound)), steps,
             tensor(cu_seqlens, 8), tensor(tile_base, 4))
@@ -127,8 +133,10 @@ def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbet
     for name, t in (("do", do), ("du", du)):
         _check(name, t, bf16, token_shape, device)
     grads = (torch.bfloat16,) if heads != qk_heads else GRAD_DTYPES  # group sums add bf16 values
-    _check("dq", dq, grads, token_shape, device)
-    _check("dk", dk, (dq.dtype,), token_shape, device)
+    # grouped heads in pairs may take dq, dk per q/k head: the kernel adds the pair (group_sum)
+    grad_shape = qk_shape if heads == 2 * qk_heads and dq.dim() == 4 and dq.shape[2] == qk_heads else token_shape
+    _check("dq", dq, grads, grad_shape, device)
+    _check("dk", dk, (dq.dtype,), grad_shape, device)
     if per_head:
         _check("g", g, (q.dtype, torch.float32) if gate == "none" else inputs, token_shape[:3], device)
         _check("dg", dg, (torch.float32,), token_shape[:3], device)
@@ -158,7 +166,8 @@ def variant_kernel(variant: GradsVariant):
                             gate_dtype=dsl_type(variant.g_dtype), per_head_gate=variant.per_head_gate,
                             grouped=variant.grouped, gate_ahead=variant.gate_ahead, split_load=variant.split_load,
                             split_rows=variant.split_rows, slopes_ahead=variant.slopes_ahead, dim=variant.dim,
-                            grad_dtype=dsl_type(variant.grad_dtype), dtype=dsl_type(variant.dtype))
+                            grad_dtype=dsl_type(variant.grad_dtype), dtype=dsl_type(variant.dtype),
+                            group_sum=variant.group_sum)
 
 
 def compiled_variant(variant: GradsVariant, index: int, tensors: tuple, options: dict):
@@ -202,7 +211,9 @@ def bwd_grads(
     "none"; dg bf16 like g's shape, the partials as the safe gate's (None for "none"); v, do, du, dq, dk per value
     head as below. With g ``[B, T, HV]``: GatedDeltaNet's per-head gate (docs/numerics.md, "Kernel B for a
     per-head gate"). Then v, do, du, dq, dk are ``[B, T, HV, D]`` with HV a multiple of q and k's H (grouped value
-    heads: dq, dk come per value head, the caller sums each group); g ``[B, T, HV]`` (raw bf16 for "softplus",
+    heads: dq, dk come per value head, the caller sums each group; with groups of two, dq and dk may be zeroed
+    ``[B, T, H, D]`` instead, into which the kernel adds each pair of value heads, ``bf16(a + b)`` whatever the
+    order, the group sum's bits; either gate layout); g ``[B, T, HV]`` (raw bf16 for "softplus",
     the log decay bf16 / fp32 for "none"); A_log, dt_bias fp32 ``[HV]`` (None for "none"); dg fp32
     ``[B, T, HV]``; ddt_partial, dalog_partial fp32 ``[HV, tiles]`` (None for "none"). Launches on torch's
     current stream.
@@ -228,7 +239,7 @@ def bwd_grads(
         per_head = g.dim() == 3
         variant = GradsVariant(varlen, bool(qk_l2norm), bool(beta_logits), gate, g.dtype, per_head,
                                v.shape[2] != q.shape[2], compute_warps, dim=dim, grad_dtype=dq.dtype, dtype=q.dtype,
-                               **switches(gate, per_head, compute_warps))
+                               group_sum=dq.shape[2] != v.shape[2], **switches(gate, per_head, compute_warps))
         compiled_variant(variant, device_index(q.device), tensors, options)(*launch_arguments(*tensors, **options),
                                                                             stream)
 
@@ -252,7 +263,7 @@ def compile_tensors(variant: GradsVariant) -> tuple[tuple, dict]:
     heads, fp32 = problem.heads, torch.float32
     qk = problem.tokens(1 if variant.grouped else heads, dtype=variant.dtype)
     tokens, values = problem.tokens(), problem.tokens(dtype=variant.dtype)
-    grads = problem.tokens(dtype=variant.grad_dtype)
+    grads = problem.tokens(heads // 2 if variant.group_sum else heads, dtype=variant.grad_dtype)
     gate_inner = () if variant.per_head_gate else (problem.dim,)
     states = problem.block_states()
     ddt_shape, dalog_shape = gate_partials_shapes(problem.ws, heads, variant.per_head_gate)

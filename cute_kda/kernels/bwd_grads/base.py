@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Optional
 
-from cutlass import BFloat16, Float16, Float32, Int32, Int64
+from cutlass import BFloat16, Float16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental.primitives import cp_async_bulk_shared_cluster_global
 from cutlass.memory import SmemAllocator
@@ -61,7 +61,7 @@ from ..common.copy import (
     transpose_c_to_b,
     warp_tiled_mma,
 )
-from ..common.fastmath import ex2_approx
+from ..common.fastmath import ex2_approx, reduce_add_bf16x2
 from ..common.token_prep import TokenPrep
 
 
@@ -161,7 +161,9 @@ class BwdGrads(TokenPrep):
     training"; not with ``grouped``: the group sums add the bf16 values). ``dtype``: q's, k's and v's (and a raw
     gate's), bf16 or fp16: fp16 tiles come by TMA into the same 16-bit buffers and are widened to fp32 exactly where
     bf16 ones are, so the recompute is the fp16 K1's and K2's (docs/numerics.md, "fp16 training", stage 4); qd, kd
-    are bf16 over them as before.
+    are bf16 over them as before. ``group_sum`` (``grouped``, bf16 gradients): dq and dk of the value heads of a
+    group of two added by the kernel into the q/k head's rows of a zeroed ``[rows, H, D]`` (bf16x2 reductions: either
+    order gives ``bf16(a + b)``, the bits of the caller's fp32 sum rounded once), not stored per value head.
 
     A scheme's subclass sets :attr:`gates`, :attr:`per_head_gate` (g ``[.., HV]`` instead of ``[.., HV, D]``),
     :attr:`gate_tile` (g comes by TMA with the other token tiles), :attr:`grouped_heads`, :attr:`ctas_per_sm` and
@@ -181,7 +183,7 @@ class BwdGrads(TokenPrep):
                  compute_warps: int = plan.DEFAULT_WARPS, gate_dtype: type = BFloat16, grouped: bool = False,
                  gate_ahead: bool = False, split_load: bool = False, split_rows: bool = False,
                  slopes_ahead: bool = False, dim: int = HEAD_DIM, grad_dtype: type = BFloat16,
-                 dtype: type = BFloat16) -> None:
+                 dtype: type = BFloat16, group_sum: bool = False) -> None:
         if dim not in NATIVE_HEAD_DIMS:
             raise ValueError(f"dim must be one of {NATIVE_HEAD_DIMS}, got {dim}")
         if compute_warps not in plan.compute_warps(dim):
@@ -199,7 +201,10 @@ class BwdGrads(TokenPrep):
             raise ValueError(f"gate_ahead: {type(self).__name__} with gate {gate!r} reads no raw gate row by row")
         if grad_dtype not in (BFloat16, Float16) or (grad_dtype is Float16 and grouped):
             raise ValueError(f"dq, dk, dg are bf16, or fp16 without grouped value heads, got {grad_dtype}")
+        if group_sum and not (grouped and grad_dtype is BFloat16):
+            raise ValueError("group_sum: grouped value heads with bf16 dq, dk")
         self.gate, self.gate_dtype, self.grouped, self.grad_dtype = gate, gate_dtype, grouped, grad_dtype
+        self.group_sum = group_sum
         self.dtype = dtype
         if split_rows and not (self.splits_gate_rows and compute_warps == max(plan.COMPUTE_WARPS)):
             raise ValueError(f"split_rows: built for the safe gate at {max(plan.COMPUTE_WARPS)} warps")
@@ -267,8 +272,11 @@ class BwdGrads(TokenPrep):
         tma_tokens = tuple(make_head_tile_tma_atom(load, t, tile, self.tile) for t in token_tiles)
         self.shared_storage = self.smem_budget().storage_struct()
         tiles = ws.beta.shape[0] // heads
+        # group_sum: the two value heads of a pair one after the other (x = 2 · tile + j), so that the second one's
+        # dq, dk reductions find the first one's lines in L2, as its q, k tiles
+        grid = (2 * tiles, heads // 2, 1) if cutlass.const_expr(self.group_sum) else (tiles, heads, 1)
         self.kernel(tma_tokens, states, inputs, ws, out, scalars, cu_seqlens, tile_base).launch(
-            grid=(tiles, heads, 1), block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=self.ctas_per_sm,
+            grid=grid, block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=SMEM_CARVEOUT_PERCENT,
         )
 
@@ -278,6 +286,8 @@ class BwdGrads(TokenPrep):
                tile_base: Optional[cute.Tensor]):
         tile_slot, head, _ = cute.arch.block_idx()
         tiles, heads, _ = cute.arch.grid_dim()
+        if cutlass.const_expr(self.group_sum):  # x = 2 · tile + value head in the pair, y = the pair
+            tile_slot, head, tiles, heads = tile_slot // 2, 2 * head + tile_slot % 2, tiles // 2, 2 * heads
         slot = head * tiles + tile_slot
         row0, valid_rows, exists, seq = self.locate_tile(tile_slot, scalars.seq_len, cu_seqlens, tile_base)
         if exists:
@@ -649,7 +659,7 @@ class BwdGrads(TokenPrep):
                               lane: Int32):
         """dq, dk of the warp's key band from the gradients of q̂, k̂ (fp32 C fragments): the l2norm backward
         (the row dot products of all warps, a barrier, the raw q, k of q/k head ``tile.qk_head`` read back from L2),
-        stored at (value) head ``tile.head``."""
+        stored at (value) head ``tile.head``, or with :attr:`group_sum` added into q/k head ``tile.qk_head``."""
         band = self.band
         mma = warp_tiled_mma(BFloat16, Float32, band)
         shape = (CHUNK, band)
@@ -690,8 +700,9 @@ class BwdGrads(TokenPrep):
             for i in cutlass.range_constexpr(cute.size(dq_hat)):
                 dq[i] = dq_hat[i].to(BFloat16)
                 dk[i] = dk_hat[i].to(BFloat16)
-        self.store_token_pairs(out.dq, dq, coords, c0, tile.head, tile.row0, tile.valid_rows)
-        self.store_token_pairs(out.dk, dk, coords, c0, tile.head, tile.row0, tile.valid_rows)
+        head = tile.qk_head if cutlass.const_expr(self.group_sum) else tile.head
+        self.store_token_pairs(out.dq, dq, coords, c0, head, tile.row0, tile.valid_rows)
+        self.store_token_pairs(out.dk, dk, coords, c0, head, tile.row0, tile.valid_rows)
 
     @cute.jit
     def store_warp_dalog(self, smem, dalog: Float32, warp_idx: Int32, lane: Int32):
@@ -763,14 +774,19 @@ class BwdGrads(TokenPrep):
     def store_token_pairs(self, gmem: cute.Tensor, frag: cute.Tensor, coords: cute.Tensor, c0: Int32, head: Int32,
                           row0: Int32, valid_rows: Int32):
         """bf16 C fragment into the token rows ``row0 + r`` (valid rows only) of ``[rows, H, D]`` in
-        :attr:`grad_dtype` (:meth:`stored`), 32 bits a store."""
+        :attr:`grad_dtype` (:meth:`stored`), 32 bits a store; with :attr:`group_sum` added into them (a bf16x2
+        reduction a pair: the two value heads of a group sum in either order to the same bits)."""
         pair = cute.make_rmem_tensor((2,), self.grad_dtype)
         for p in cutlass.range_constexpr(cute.size(frag) // 2):
             r, c = coords[2 * p]
             if r < valid_rows:
                 pair[0] = self.stored(frag[2 * p])
                 pair[1] = self.stored(frag[2 * p + 1])
-                cute.autovec_copy(pair, cute.local_tile(gmem[row0 + r, head, None], (2,), ((c0 + c) // 2,)))
+                target = cute.local_tile(gmem[row0 + r, head, None], (2,), ((c0 + c) // 2,))
+                if cutlass.const_expr(self.group_sum):
+                    reduce_add_bf16x2(target.iterator.toint(), cute.recast_tensor(pair, Uint32)[0])
+                else:
+                    cute.autovec_copy(pair, target)
 
     @cute.jit
     def beta_backward(self, smem, out: GradsOutputs, head: Int32, row0: Int32, valid_rows: Int32,

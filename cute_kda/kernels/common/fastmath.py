@@ -6,7 +6,7 @@ docs/numerics.md fixes these instructions; the mirror reference evaluates the sa
 
 from __future__ import annotations
 
-from cutlass import Float32, Uint32
+from cutlass import Float32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -97,3 +97,13 @@ def pack_bf16x2(first: Float32, second: Float32, *, loc=None, ip=None) -> Uint32
     return _one_instruction("cvt.rn.bf16x2.f32 $0, $2, $1;", Uint32, first, second, operand_dtype=Float32,
                             loc=loc, ip=ip)
 
+
+
+@dsl_user_op
+def reduce_add_bf16x2(address: Int64, packed: Uint32, *, loc=None, ip=None) -> None:
+    """``red.global.add.noftz.bf16x2``: the two bf16 halves of ``packed`` added into the two bf16 values at global
+    ``address`` (4-byte aligned), each sum rounded once to nearest even, subnormals kept: onto a zero, ``a`` then
+    ``b`` (either order) leave ``bf16(a + b)``, the value of an fp32 add of the two rounded once."""
+    llvm.inline_asm(None, [Int64(address).ir_value(loc=loc, ip=ip), Uint32(packed).ir_value(loc=loc, ip=ip)],
+                    "red.global.add.noftz.bf16x2 [$0], $1;", "l,r,~{memory}", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
