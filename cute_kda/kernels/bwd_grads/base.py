@@ -243,9 +243,9 @@ class BwdGrads(TokenPrep):
         tile_base: Optional[cute.Tensor],
         stream,
     ) -> None:
-        """Launch over ``(tiles, H)``, ``tiles = ws.beta.shape[0] // H``. Tensors C-contiguous with the
-        shapes of the argument bundles (dynamic extents); ``cu_seqlens`` int64 / ``tile_base`` int32
-        ``[N+1]`` for varlen, else None."""
+        """Launch over ``(tiles, H)`` (``(2 · tiles, H / 2)`` with :attr:`group_sum`), ``tiles = ws.beta.shape[0] //
+        H``. Tensors C-contiguous with the shapes of the argument bundles (dynamic extents); ``cu_seqlens`` int64 /
+        ``tile_base`` int32 ``[N+1]`` for varlen, else None."""
         heads, qk_heads, d = inputs.v.shape[1], inputs.q.shape[1], self.dim
         scalars = GradsScalars(scale=scale, c_gate=c_gate, seq_len=seq_len,
                                state_slots=states.state.shape[0] // heads)
@@ -259,8 +259,9 @@ class BwdGrads(TokenPrep):
             dt_bias=(compact(inputs.dt_bias, () if per_head else (d,)) if with_constants else None),
         )
         ws = GradsWorkspace(inv=compact(ws.inv, (CHUNK, CHUNK)), beta=compact(ws.beta, (CHUNK,)))
+        grad_heads = qk_heads if cutlass.const_expr(self.group_sum) else heads  # dq, dk per q/k head with group_sum
         out = GradsOutputs(
-            dq=compact(out.dq, (heads, d)), dk=compact(out.dk, (heads, d)), dg=compact(out.dg, gate_inner),
+            dq=compact(out.dq, (grad_heads, d)), dk=compact(out.dk, (grad_heads, d)), dg=compact(out.dg, gate_inner),
             dbeta=compact(out.dbeta, (heads,)),
             ddt_partial=compact(out.ddt_partial, () if per_head else (d,)) if with_constants else None,
             dalog_partial=compact(out.dalog_partial, ()) if with_constants else None,
