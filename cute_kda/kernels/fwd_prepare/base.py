@@ -178,8 +178,7 @@ class PrepareKernel(TokenPrep):
         tile_base: Optional[cute.Tensor],
         stream,
     ) -> None:
-        """Launch over ``(tiles, H)`` (grouped: ``(group · tiles, H_qk)``); ``tiles = ws.gt.shape[0] // H`` slots per
-        head.
+        """Launch over ``(tiles, H)``; ``tiles = ws.gt.shape[0] // H`` slots per head.
 
         Tensors may come with fully dynamic layouts; they must be C-contiguous with the shapes of
         :class:`PrepareInputs` / :class:`WorkspaceTiles` (the API layer checks). ``scale`` and
@@ -221,11 +220,8 @@ class PrepareKernel(TokenPrep):
         )
         self.shared_storage = self.smem_budget().storage_struct()
         tiles = ws.gt.shape[0] // heads
-        # grouped value heads: a q/k head's value heads one after the other (x = group · tile + j), so that all but
-        # the first find the q, k tiles in L2
-        grid = (tiles * (heads // qk_heads), qk_heads, 1) if cutlass.const_expr(self.grouped) else (tiles, heads, 1)
         self.kernel(tma, inputs, ws, scalars, cu_seqlens, tile_base).launch(
-            grid=grid, block=(self.num_threads, 1, 1), stream=stream,
+            grid=(tiles, heads, 1), block=(self.num_threads, 1, 1), stream=stream,
             min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=SMEM_CARVEOUT_PERCENT,
         )
 
@@ -234,12 +230,11 @@ class PrepareKernel(TokenPrep):
                cu_seqlens: Optional[cute.Tensor], tile_base: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         tile_slot, head, _ = cute.arch.block_idx()
-        tiles, _, _ = cute.arch.grid_dim()
-        qk_head = head
-        if cutlass.const_expr(self.grouped):  # x = group · tile + the value head's place in its group, y = q/k head
-            group = inputs.beta.shape[1] // inputs.q.shape[1]
-            tile_slot, head, tiles = tile_slot // group, qk_head * group + tile_slot % group, tiles // group
+        tiles, heads, _ = cute.arch.grid_dim()
         row0, valid_rows, exists, _ = self.locate_tile(tile_slot, scalars.seq_len, cu_seqlens, tile_base)
+        qk_head = head
+        if cutlass.const_expr(self.grouped):
+            qk_head = head // (heads // inputs.q.shape[1])
         if exists:
             self.prepare_tile(tma, inputs, ws, scalars, head, qk_head, head * tiles + tile_slot, row0, valid_rows)
 
