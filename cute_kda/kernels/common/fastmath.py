@@ -1,4 +1,4 @@
-"""Device math helpers that must issue one specific PTX instruction.
+"""Device helpers that must issue one specific PTX instruction (math, and the one global reduction Kernel B adds with).
 
 docs/numerics.md fixes these instructions; the mirror reference evaluates the same ones through
 ``cute_kda.kernels.intrinsics``. Inline PTX keeps the instruction choice out of the compiler's hands.
