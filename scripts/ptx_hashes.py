@@ -12,7 +12,8 @@ plus the knobs only tests and benchmarks set (K1's 256 threads, Kernel A's tunin
 ``benchmarks/explore_bwd_scan.py``, K2's and Kernel A's blocks of 4 tiles, Kernel B at 4 warps), and the fp16
 forward (``k1/fp16/…``, ``k2/fp16/…``, with checkpoints for training; no pools; fp16 training's backward runs the
 bf16 Kernel A and Kernel B variants, or under ``FP16_NATIVE_BACKWARD`` Kernel B on fp16 inputs, ``kb/fp16/…`` at 8
-warps), and the K = V = 64 forward (``k1/d64/…``, ``k2/d64/…``: inference).
+warps; grouped value heads also with ``…/group_sum``), and the K = V = 64 forward (``k1/d64/…``, ``k2/d64/…``:
+inference).
 
 Normalized (everything else is hashed as the compiler wrote it):
 
@@ -126,6 +127,8 @@ def variants() -> dict[str, tuple]:
                     found[name] = ("kb", dict(zip(("varlen", "qk_l2norm", "beta_logits"), flags), gate=gate,
                                               g_dtype=g_dtype, per_head_gate=per_head, grouped=grouped,
                                               compute_warps=warps))
+                    if grouped:  # a pair of value heads added by the kernel (GradsVariant.group_sum)
+                        found[name + "/group_sum"] = ("kb", {**found[name][1], "group_sum": True})
     for gate, g_dtype, per_head in PER_CHANNEL_GATES + PER_HEAD_GATES:  # fp16 inputs (inference): K1 and K2
         g_dtype = "fp16" if g_dtype == "bf16" else g_dtype
         for grouped, flags in itertools.product((False, True), FLAGS):
@@ -268,7 +271,7 @@ def _ka(vsplit: int, dht: str, dh0: str, varlen: bool, snapshot_every: int, toke
 
 
 def _kb(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: str, per_head_gate: bool,
-        grouped: bool, compute_warps: int, dtype: str = "bf16", grads: str = "bf16") -> tuple:
+        grouped: bool, compute_warps: int, dtype: str = "bf16", grads: str = "bf16", group_sum: bool = False) -> tuple:
     import torch
 
     from cute_kda.kernels.bwd_grads import bwd_grads_kernel
@@ -279,10 +282,11 @@ def _kb(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: st
     kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
                               compute_warps=compute_warps, gate=gate, gate_dtype=dsl_type(_torch_dtype(g_dtype)),
                               per_head_gate=per_head_gate, grouped=grouped, dtype=dsl_type(_torch_dtype(dtype)),
-                              grad_dtype=dsl_type(_torch_dtype(grads)))
+                              grad_dtype=dsl_type(_torch_dtype(grads)), group_sum=group_sum)
     f32, inputs, stored = torch.float32, _torch_dtype(dtype), _torch_dtype(grads)
     qk, tokens, ws = _meta(1, T, 1 if grouped else HEADS, D, dtype=inputs), _meta(1, T, HEADS, D), _workspace(HEADS, 4)
-    values, grad_tokens = _meta(1, T, HEADS, D, dtype=inputs), _meta(1, T, HEADS, D, dtype=stored)
+    values = _meta(1, T, HEADS, D, dtype=inputs)
+    grad_tokens = _meta(1, T, HEADS // 2 if group_sum else HEADS, D, dtype=stored)  # group_sum: per q/k head
     channels = () if per_head_gate else (D,)
     states = _meta(*block_states_shape(ws, HEADS, NUM_SEQS))
     ddt_shape, dalog_shape = gate_partials_shapes(ws, HEADS, per_head_gate)
