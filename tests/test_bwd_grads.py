@@ -938,6 +938,16 @@ def test_per_head_launcher_rejects_mismatched_buffers(change, words):
         kb.bwd_grads(**kwargs)
 
 
+def test_the_step_sums_pairs_of_value_heads_in_the_kernel(monkeypatch):
+    """``sums_pairs``: dq, dk per q/k head for Kernel B to add into exactly where value heads come in pairs with bf16
+    gradients and :data:`~cute_kda.ops.bwd_grads.GROUP_SUM` is on."""
+    bf16 = torch.bfloat16
+    assert kb.sums_pairs(8, 16, bf16)
+    assert not kb.sums_pairs(8, 8, bf16) and not kb.sums_pairs(8, 32, bf16) and not kb.sums_pairs(8, 16, torch.float16)
+    monkeypatch.setattr(kb, "GROUP_SUM", False)
+    assert not kb.sums_pairs(8, 16, bf16)
+
+
 def test_per_head_launcher_keys_the_variant(monkeypatch):
     seen = []
     monkeypatch.setattr(kb, "compiled_variant", lambda variant, index, tensors, options: seen.append(

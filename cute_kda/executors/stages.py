@@ -245,8 +245,8 @@ def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, s
     ddt_partial = torch.empty(ddt_shape, dtype=torch.float32, device=do.device) if constants else None
     dalog_partial = torch.empty(dalog_shape, dtype=torch.float32, device=do.device) if constants else None
     unbounded = options.gate != "safe"  # dq, dk per value head (summed over each group below), else like q, k
-    # groups of two value heads: Kernel B adds each pair into zeroed dq, dk per q/k head (kb.GROUP_SUM)
-    pairs = unbounded and kb.GROUP_SUM and x.v.shape[2] == 2 * x.q.shape[2] and grad_dtype == torch.bfloat16
+    # groups of two value heads: Kernel B adds each pair into zeroed dq, dk per q/k head
+    pairs = unbounded and kb.sums_pairs(x.q.shape[2], x.v.shape[2], grad_dtype)
     if pairs:
         dq, dk = (torch.zeros_like(t, dtype=grad_dtype) for t in (x.q, x.k))
     else:

@@ -51,6 +51,12 @@ GRAD_DTYPES = (torch.bfloat16, torch.float16)
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def sums_pairs(qk_heads: int, value_heads: int, grad_dtype: torch.dtype) -> bool:
+    """Whether a training step hands Kernel B dq, dk per q/k head to add each pair of value heads into
+    (``GradsVariant.group_sum``): :data:`GROUP_SUM` on, value heads in groups of two, bf16 gradients."""
+    return GROUP_SUM and value_heads == 2 * qk_heads and grad_dtype == torch.bfloat16
+
+
 def switches(gate: str, per_head_gate: bool, compute_warps: int) -> dict[str, bool]:
     """The switches above as a call's Kernel B variant takes them (``gate_ahead`` where a gate row is read back,
     ``split_rows`` for the safe gate at 8 warps, ``slopes_ahead`` for the safe gate without ``split_rows``): the

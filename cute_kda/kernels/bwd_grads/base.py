@@ -286,9 +286,9 @@ class BwdGrads(TokenPrep):
                out: GradsOutputs, scalars: GradsScalars, cu_seqlens: Optional[cute.Tensor],
                tile_base: Optional[cute.Tensor]):
         tile_slot, head, _ = cute.arch.block_idx()
-        tiles, heads, _ = cute.arch.grid_dim()
+        tiles, _, _ = cute.arch.grid_dim()
         if cutlass.const_expr(self.group_sum):  # x = 2 · tile + value head in the pair, y = the pair
-            tile_slot, head, tiles, heads = tile_slot // 2, 2 * head + tile_slot % 2, tiles // 2, 2 * heads
+            tile_slot, head, tiles = tile_slot // 2, 2 * head + tile_slot % 2, tiles // 2
         slot = head * tiles + tile_slot
         row0, valid_rows, exists, seq = self.locate_tile(tile_slot, scalars.seq_len, cu_seqlens, tile_base)
         if exists:
