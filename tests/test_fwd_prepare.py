@@ -156,7 +156,8 @@ def _check_dyadic_ptx(kernel: PrepareKernel, report) -> None:
 
 def _check_per_head_ptx(kernel: PrepareKernel, report) -> None:
     """A per-head gate's K1 (scheme per_head): the safe K1's two tile products and Neumann inverse, over the
-    bf16 rows q̂, k̂, scaled by the tile's pair decays; one decay per row, so 2 × 16 ex2 for 2^G and 2^Gs."""
+    bf16 rows q̂, k̂, scaled by the tile's pair decays; one decay per row, warp 0 a row a lane (``head_gate_rows``),
+    so three ex2 a lane: a = 2^g', 2^G and 2^Gs of its row."""
     load_rank, store_rank = _tile_ranks(kernel)
     assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == 2
     assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == 3
@@ -165,13 +166,13 @@ def _check_per_head_ptx(kernel: PrepareKernel, report) -> None:
     assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 12
     assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 4 * k_steps
     softplus = kernel.gate == "softplus"
-    # 2^G and 2^Gs per row, a = 2^g' of the thread's row; softplus adds 2^−|y|, lg2 and e^A
-    assert report.count("ex2.approx.ftz.f32") == 2 * CHUNK + 1 + (2 if softplus else 0)
+    # a = 2^g', 2^G and 2^Gs of the lane's row; softplus adds 2^−|y|, lg2 and e^A
+    assert report.count("ex2.approx.ftz.f32") == 3 + (2 if softplus else 0)
     assert report.count("lg2.approx.f32") == (1 if softplus else 0)
     assert report.count("mul.rn.f32") == 1  # the gate's last product
     items = CHUNK * kernel.dim // 8 // kernel.num_threads
     assert report.count("shfl.sync.bfly.b32") == (2 * _butterfly_steps(kernel) * items if kernel.qk_l2norm else 0)
-    assert report.count("bar.sync") == 3
+    assert report.count("bar.sync") == 2  # after the rows (and the barrier's init), before the tile products
 
 
 def _elected_lane_only(lines: list[str], at: int) -> bool:

@@ -8,7 +8,8 @@ allowed): the plan of docs/numerics.md, "Kernel B for a per-head gate" (K1's ``p
 6. *Finish*: one thread per row: dγ from the row sums over the channels and the head's crossing pair sums, then
    the gate backward per (token, head).
 
-dq and dk are written per value head; grouped heads sum them afterwards. Two CTAs per SM
+dq and dk are written per value head, or, with ``group_sum``, added into a group of two's q/k head by bf16
+reductions (:class:`.base.BwdGrads`); larger groups are summed afterwards. Two CTAs per SM
 (``cute_kda.layouts.bwd_grads.per_head_smem_budget``).
 """
 
@@ -22,7 +23,6 @@ from ...layouts.fwd_prepare import chunk_tile, pair_matrix
 from ...layouts.smem import CHUNK, square_tile_transposed, sw128_tile_transposed
 from ...numerics import LN2
 from ..common.copy import Operand, c_row_half, make_fragment
-from ..common.token_prep import ROW_SUMS_THREAD
 from .base import (
     BwdGrads, GradsInputs, GradsOutputs, GradsScalars, GradsStates, GradsWorkspace, TileLocation, smem_bundle,
 )
@@ -71,19 +71,17 @@ class PerHeadBwdGrads(BwdGrads):
     def tile_gradients(self, tma_tokens: tuple, states: GradsStates, inputs: GradsInputs, ws: GradsWorkspace,
                        out: GradsOutputs, scalars: GradsScalars, tile: TileLocation):
         tidx, warp_idx, lane, smem, tma_barrier = self.start_tile(tma_tokens, states, tile)
-        # 1. workspace values, the rows' gate while the TMA runs
+        # 1. the rows' gate inputs and the workspace values, loaded while the TMA runs (all loads out first)
+        gate_inputs = self.head_gate_inputs(inputs.g, inputs.a_log, inputs.dt_bias, tile.head, tile.row0,
+                                            tile.valid_rows, lane % CHUNK)
         self.load_workspace_rows(smem, ws, tile.slot, tidx)
+        # 2. K1's per-head recompute: warp 0 the rows' gate, sums and pair decays; rows past the sequence end of v,
+        # dO, du are zeroed
         dt, e_a = Float32(0.0), Float32(1.0)
-        if tidx < CHUNK:
-            dt, e_a = self.head_gate_row(inputs.g, inputs.a_log, inputs.dt_bias, tile.head, tile.row0, tile.valid_rows,
-                                         smem.gate, smem.decay, tidx)
-        cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
-
-        # 2. K1's per-head recompute; rows past the sequence end of v, dO, du are zeroed
-        if tidx < CHUNK:
-            self.span_column(smem.decay, smem.spans, tidx)
-        elif tidx == ROW_SUMS_THREAD:
-            self.row_sums(smem.gate, smem.prefix, smem.suffix)
+        if warp_idx == 0:
+            dt, e_a = self.head_gate_rows(gate_inputs, tile.valid_rows, smem.gate, smem.decay, smem.spans,
+                                          smem.prefix, smem.suffix, lane)
+        cute.arch.sync_threads()  # the rows' values; the barrier is initialised before anyone waits on it
         cute.arch.mbarrier_wait(tma_barrier, 0)
         self.zero_invalid_rows(smem, tile.valid_rows, tidx)
         cute.arch.sync_threads()

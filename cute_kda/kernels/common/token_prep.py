@@ -19,7 +19,6 @@ from ...numerics import CHUNK, DYADIC_BLOCKS, EPS, LOG2E
 from .fastmath import ex2_approx, lg2_approx, mul_rn, sigmoid_approx
 
 CHANNELS_PER_LANE = 8  # l2norm partial: 8 consecutive channels per lane, D / 8 lanes per row
-ROW_SUMS_THREAD = 32  # a per-head gate's prefix and suffix sums: warp 1, beside warp 0's span columns
 
 
 class TokenPrep:
@@ -253,36 +252,60 @@ class TokenPrep:
         return prefix
 
     @cute.jit
-    def span_column(self, s_decay, s_spans, col: Int32):
-        """Column ``col`` of the pair decays: ``E[col, col] = 1``, ``E[i, col] = f32(E[i−1, col]·a_i)`` below
-        (the product only shrinks); rows above the diagonal are 0 (never read)."""
-        span = Float32(1.0)
-        for row in cutlass.range_constexpr(CHUNK):
-            value = Float32(0.0)
-            if row >= col:
-                if row > col:
-                    span = span * s_decay[row]
-                value = span
-            s_spans[row, col] = value
+    def head_gate_inputs(self, g: cute.Tensor, a_log: Optional[cute.Tensor], dt_bias: Optional[cute.Tensor],
+                         head: Int32, row0: Int32, valid_rows: Int32, row: Int32) -> tuple:
+        """The loads of :meth:`head_gate_rows` for row ``row`` (< 16), issued before anything waits on them: (the raw
+        g of the row, dt_bias[head], A_log[head]; the last two None for the log decay). Rows at and past
+        ``valid_rows`` (≥ 1) read the last valid row, which :meth:`head_gate_rows` drops: every load is in bounds and
+        none sits behind a branch, so they go out beside the caller's other loads (perf-log GDN7)."""
+        g_raw = g[row0 + cutlass.min(row, valid_rows - 1), head]
+        dt_raw, a_log_raw = None, None
+        if cutlass.const_expr(self.gate != "none"):
+            dt_raw, a_log_raw = dt_bias[head], a_log[head]
+        return g_raw, dt_raw, a_log_raw
 
     @cute.jit
-    def row_sums(self, s_gate, s_prefix, s_suffix):
-        """One thread: ``2^G`` (prefix sums of g') and ``2^Gs`` (suffix sums ``Σ_{s>r} g'_s``) per row, in row order."""
+    def head_gate_rows(self, inputs: tuple, valid_rows: Int32, s_gate, s_decay, s_spans, s_prefix, s_suffix,
+                       lane: Int32) -> tuple:
+        """One warp, row ``lane % 16`` a lane (lanes 16-31 repeat rows 0-15 and store nothing), from the loads of
+        :meth:`head_gate_inputs`: ``g'`` of the row (0 at and past ``valid_rows``) into ``s_gate`` and ``a = 2^g'``
+        into ``s_decay``; then, after ``bar.warp.sync``, the row's ``2^G`` (prefix sum of g' over rows ≤ r, in row
+        order) into ``s_prefix``, its ``2^Gs`` (suffix sum over rows > r, from row 15 down) into ``s_suffix``, and
+        column r of the pair decays, ``E[r, r] = 1``, ``E[i, r] = f32(E[i−1, r]·a_i)`` below the diagonal, 0 above it,
+        into ``s_spans``. Each lane adds and multiplies in the order one thread walking the rows would, so the values
+        are those of a serial walk. Returns the head's ``(dt_bias, e^A)`` (0 and 1 for the log decay)."""
+        g_raw, dt_raw, a_log_raw = inputs
+        dt, e_a = Float32(0.0), Float32(1.0)
+        if cutlass.const_expr(self.gate != "none"):
+            dt, e_a = dt_raw, ex2_approx(a_log_raw * Float32(LOG2E))
+        row = lane % CHUNK
+        gate = Float32(0.0)
+        if row < valid_rows:
+            gate = self.base2_log_decay(g_raw.to(Float32), dt, e_a)
+        decay = ex2_approx(gate)
+        if lane < CHUNK:
+            s_gate[row] = gate
+            s_decay[row] = decay
+        cute.arch.sync_warp()
         prefix = Float32(0.0)
-        for row in cutlass.range_constexpr(CHUNK):
-            prefix = prefix + s_gate[row]
-            s_prefix[row] = ex2_approx(prefix)
         suffix = Float32(0.0)
-        for step in cutlass.range_constexpr(CHUNK):
-            row = CHUNK - 1 - step
+        span = Float32(1.0)
+        for r in cutlass.range_constexpr(CHUNK):
+            prefix = cutlass.select_(r <= row, prefix + s_gate[r], prefix)
+            suffix = cutlass.select_(CHUNK - 1 - r > row, suffix + s_gate[CHUNK - 1 - r], suffix)
+            span = cutlass.select_(r > row, span * s_decay[r], span)
+            if lane < CHUNK:
+                s_spans[r, row] = cutlass.select_(r >= row, span, Float32(0.0))
+        if lane < CHUNK:
+            s_prefix[row] = ex2_approx(prefix)
             s_suffix[row] = ex2_approx(suffix)
-            suffix = suffix + s_gate[row]
+        return dt, e_a
 
     @cute.jit
     def decay_per_row(self, s_q, s_k, s_qd, s_kd, s_kr, s_q_hat, s_k_hat, s_prefix, s_suffix, scale: Float32,
                       valid_rows: Int32, tidx: Int32, s_rinv_q=None, s_rinv_k=None):
         """A per-head gate's :meth:`decay`: this thread's row chunks, the l2norm, qd and kd (which may alias q and
-        k), kr, and the bf16 rows ``q̂``, ``k̂``, from the per-row ``2^G`` and ``2^Gs`` of :meth:`row_sums`;
+        k), kr, and the bf16 rows ``q̂``, ``k̂``, from the per-row ``2^G`` and ``2^Gs`` of :meth:`head_gate_rows`;
         ``s_rinv_q`` / ``s_rinv_k`` as :meth:`decay`'s."""
         for item in cutlass.range_constexpr(self.decay_items):
             row, chunk = self.row_chunk(tidx, item)
@@ -308,22 +331,6 @@ class TokenPrep:
                 k_hat[i] = kh.to(BFloat16)
             for values, tile in ((qd, s_qd), (kd, s_kd), (kr, s_kr), (q_hat, s_q_hat), (k_hat, s_k_hat)):
                 cute.autovec_copy(values, cute.local_tile(tile, run, at))
-
-    @cute.jit
-    def head_gate_row(self, g: cute.Tensor, a_log: Optional[cute.Tensor], dt_bias: Optional[cute.Tensor], head: Int32,
-                      row0: Int32, valid_rows: Int32, s_gate, s_decay, row: Int32):
-        """Thread ``row`` (< 16) of a per-head gate (needs ``self.gate``): ``g'`` of the row (0 at and past
-        ``valid_rows``) into ``s_gate``, ``a = 2^g'`` into ``s_decay``; returns the head's ``(dt_bias, e^A)``
-        (0 and 1 for the log decay)."""
-        dt, e_a = Float32(0.0), Float32(1.0)
-        if cutlass.const_expr(self.gate != "none"):
-            dt, e_a = dt_bias[head], ex2_approx(a_log[head] * Float32(LOG2E))
-        gate = Float32(0.0)
-        if row < valid_rows:
-            gate = self.base2_log_decay(g[row0 + row, head].to(Float32), dt, e_a)
-        s_gate[row] = gate
-        s_decay[row] = ex2_approx(gate)
-        return dt, e_a
 
     @cute.jit
     def row_rsqrt(self, x: cute.Tensor) -> Float32:

@@ -279,11 +279,12 @@ class PrepareKernel(TokenPrep):
 
     @cute.jit
     def activate_beta(self, beta_in: cute.Tensor, ws_beta: cute.Tensor, s_beta: cute.Tensor,
-                      head: Int32, slot: Int32, row0: Int32, valid_rows: Int32, row: Int32):
-        """β of one row: sigmoid of the logit (or as given), 0 on invalid rows; smem + workspace."""
+                      head: Int32, slot: Int32, row0: Int32, valid_rows: Int32, row: Int32, raw=None):
+        """β of one row: sigmoid of the logit (or as given), 0 on invalid rows; smem + workspace. ``raw``: the row's
+        β input already loaded (else it is loaded here)."""
         value = Float32(0.0)
         if row < valid_rows:
-            value = beta_in[row0 + row, head].to(Float32)
+            value = (beta_in[row0 + row, head] if cutlass.const_expr(raw is None) else raw).to(Float32)
             if cutlass.const_expr(self.beta_logits):
                 value = sigmoid_approx(value)
         s_beta[row] = value

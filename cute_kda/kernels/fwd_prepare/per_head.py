@@ -12,7 +12,6 @@ from ...dsl import cute, cutlass
 from ...layouts import fwd_prepare as plan
 from ...layouts.smem import CHUNK
 from ..common.copy import WARP_TILE, Operand, make_fragment, warp_tiled_mma
-from ..common.token_prep import ROW_SUMS_THREAD
 from .base import PrepareInputs, PrepareKernel, PrepareScalars, PrepareTma, WorkspaceTiles
 
 
@@ -30,9 +29,10 @@ class PerHeadPrepare(PrepareKernel):
         ``A = E ⊙ (bf16(kh)·bf16(kh)ᵀ)`` and ``A_qk = E ⊙ (bf16(qh)·bf16(kh)ᵀ)`` with the tile's 16 × 16 pair
         decays ``E[i, j] = a_{j+1}·…·a_i`` (each ≤ 1: nothing overflows for any gate value).
 
-        1. Warp 0 TMA-loads q and k; threads 0-15 compute β and ``g'``, ``a = 2^g'`` of their row.
-        2. Threads 0-15: column j of E, ``E[i, j] = f32(E[i−1, j]·a_i)`` down the rows; thread 32: the prefix and
-           suffix sums, ``2^G``, ``2^Gs``.
+        1. Warp 0 TMA-loads q and k; every thread loads its row's β and gate inputs (row ``lane % 16``).
+        2. Warp 0, lane r < 16 row r: β, ``g'``, ``a = 2^g'``; then column r of E, ``E[i, r] = f32(E[i−1, r]·a_i)``
+           down the rows, and the row's ``2^G``, ``2^Gs`` from its prefix and suffix sums in row order
+           (:meth:`~cute_kda.kernels.common.token_prep.TokenPrep.head_gate_rows`).
         3. Rows, 16 lanes a row (as :meth:`decay`): l2norm, then qd, kd, kr and the bf16 rows ``q̂``, ``k̂``.
         4. Warp 0: ``A_kk`` and INV; warp 1: Mqk; warp 2: TMA stores of qd, kd, kr.
         """
@@ -47,15 +47,15 @@ class PerHeadPrepare(PrepareKernel):
 
         if warp_idx == 0:
             self.load_inputs(((tma.q, q_in, qk_head), (tma.k, k_in, qk_head)), tma_barrier, row0)
-        if tidx < CHUNK:
-            self.activate_beta(inputs.beta, ws.beta, s_beta, head, slot, row0, valid_rows, tidx)
-            self.head_gate_row(inputs.g, inputs.a_log, inputs.dt_bias, head, row0, valid_rows, s_gate, s_decay, tidx)
-        cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
-        if tidx < CHUNK:
-            self.span_column(s_decay, s_spans, tidx)
-        elif tidx == ROW_SUMS_THREAD:
-            self.row_sums(s_gate, s_prefix, s_suffix)
-        cute.arch.sync_threads()
+        # the rows' β and gate inputs, loaded by every thread (in bounds, no branch) so that they go out together
+        row = lane % CHUNK
+        gate_inputs = self.head_gate_inputs(inputs.g, inputs.a_log, inputs.dt_bias, head, row0, valid_rows, row)
+        beta_raw = inputs.beta[row0 + cutlass.min(row, valid_rows - 1), head]
+        if warp_idx == 0:
+            if lane < CHUNK:
+                self.activate_beta(inputs.beta, ws.beta, s_beta, head, slot, row0, valid_rows, row, raw=beta_raw)
+            self.head_gate_rows(gate_inputs, valid_rows, s_gate, s_decay, s_spans, s_prefix, s_suffix, lane)
+        cute.arch.sync_threads()  # the rows' values; the barrier is initialised before anyone waits on it
         ws.gt[slot, self.channel_of(tidx)] = s_prefix[CHUNK - 1]  # past D: the same value again, no branch
         cute.arch.mbarrier_wait(tma_barrier, 0)
         self.decay_per_row(q_in, k_in, s_q, s_k, s_kr, s_q_hat, s_k_hat, s_prefix, s_suffix, scalars.scale, valid_rows,
