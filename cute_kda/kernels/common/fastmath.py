@@ -98,7 +98,6 @@ def pack_bf16x2(first: Float32, second: Float32, *, loc=None, ip=None) -> Uint32
                             loc=loc, ip=ip)
 
 
-
 @dsl_user_op
 def reduce_add_bf16x2(address: Int64, packed: Uint32, *, loc=None, ip=None) -> None:
     """``red.global.add.noftz.bf16x2``: the two bf16 halves of ``packed`` added into the two bf16 values at global
