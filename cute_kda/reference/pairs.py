@@ -1,0 +1,169 @@
+"""Mirrors of the planned two-tile prefill (docs/numerics.md, "Two tiles a serial step"; docs/perf-log.md, v8, W0):
+K1's pair workspace and K2's pair step, safe gate. No kernel runs them yet; they fix the rounding the kernels will
+be held to.
+
+Tiles pair up from each sequence's first tile: (0, 1), (2, 3), …; a sequence with an odd count ends on a lone tile,
+which keeps today's fields and today's step. In a pair (a, b) the workspace holds today's fields except
+
+- tile b's ``kd``, ``qd`` relative to the pair's start: ``bf16(k̂ ⊙ 2^f32(G_a,last + G_b))`` (and ``scale · q̂``);
+- tile a's ``kr`` relative to the pair's end: ``bf16(k̂ ⊙ 2^f32(f32(G_a,last − G_a) + G_b,last))``;
+- tile a's ``gt``: the pair's decay ``2^f32(G_a,last + G_b,last)``;
+- tile b's cross blocks against tile a, from today's tile-relative bf16 fields: ``P = bf16(kd_b·kr_aᵀ)``,
+  ``Q = bf16(qd_b·kr_aᵀ)`` (16 × 16; zero in every other slot).
+
+INV, Mqk and β stay per tile, as today. The pair step (state ``S32`` fp32 entering the pair, ``S = bf16(S32)``)::
+
+    u_a = bf16(f32(v_a − kd_a·S)·β_a),  U_a = bf16(INV_a·u_a),  o_a = qd_a·S + Mqk_a·U_a
+    u_b = bf16(f32(v_b − (kd_b'·S + P·U_a))·β_b),  U_b = bf16(INV_b·u_b),  o_b = qd_b'·S + Q·U_a + Mqk_b·U_b
+    S32 ← kr_a'ᵀ·U_a + kr_bᵀ·U_b + f32(gT_pair·S32)           (one block update: the state between the tiles is
+                                                              not formed, so this is the inference form)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace
+from .common import (
+    Constants, TileMap, check_activations, ex2_approx, mma, neumann_inverse, scan_shape, state_in, to_tiles,
+    token_tile_map,
+)
+from .gold import expand_to_value_heads
+from .mirror import K1Rows, k1_rows
+
+
+class PairWorkspace(NamedTuple):
+    """K1's pair workspace: ``ws`` (today's fields, a pair's as the module docstring says) and the cross blocks
+    ``p``, ``q`` bf16 ``[H · tiles, 16, 16]`` (tile b's slot; zero elsewhere)."""
+
+    ws: Workspace
+    p: torch.Tensor
+    q: torch.Tensor
+
+
+def pair_roles(tile_map: TileMap, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bool ``[tiles]``: the slot is tile a of a pair, bool ``[tiles]``: the slot is tile b of a pair). Pairs start
+    at each sequence's first tile; a sequence's odd last tile is neither (a lone tile)."""
+    device = tile_map.bases.device
+    slot = torch.arange(tiles, device=device)
+    starts, counts = tile_map.bases[:-1], tile_map.tiles_per_seq
+    seq = torch.searchsorted(tile_map.bases[1:], slot, right=True).clamp(max=counts.numel() - 1)
+    local = slot - starts[seq]
+    real = tile_map.slot_exists & (local < counts[seq])
+    is_a = real & (local % 2 == 0) & (local + 1 < counts[seq])
+    is_b = real & (local % 2 == 1)
+    return is_a, is_b
+
+
+def unscaled_rows(q: torch.Tensor, k: torch.Tensor, consts: Constants, tile_map: TileMap, value_heads: int,
+                  qk_l2norm: bool, rows: K1Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scale · q̂`` and ``k̂`` tiled ``[HV, tiles, 16, D]`` fp32, as :func:`~.mirror.k1_rows` forms them before the
+    decays."""
+    total, heads, dim = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
+    q32, k32 = q.reshape(total, heads, dim).float(), k.reshape(total, heads, dim).float()
+    if qk_l2norm:
+        q_hat, k_hat = q32 * (rows.rinv_q * consts.scale), k32 * rows.rinv_k
+    else:
+        q_hat, k_hat = q32 * consts.scale, k32
+    group = value_heads // heads
+    return tuple(to_tiles(expand_to_value_heads(t, group, dim=1), tile_map) for t in (q_hat, k_hat))
+
+
+def mirror_prepare_pairs(
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, lower_bound: float = -5.0, scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None, qk_l2norm: bool = True, beta_logits: bool = True,
+) -> PairWorkspace:
+    """K1 of the pair step for the safe gate (arguments as :func:`~.mirror.mirror_prepare`)."""
+    dim = q.shape[-1]
+    value_heads = beta.shape[2]
+    check_activations(q=q, k=k)
+    consts = Constants.make(lower_bound, dim ** -0.5 if scale is None else scale)
+    tile_map = token_tile_map(q, cu_seqlens)
+    tiles = tile_map.slot_exists.numel()
+    rows = k1_rows(q, k, g, beta, A_log, dt_bias, consts, tile_map, qk_l2norm, beta_logits)
+    A_kk = mma(rows.kd, rows.kinv.transpose(-1, -2))
+    A_qk = mma(rows.qd, rows.kinv.transpose(-1, -2))
+    L = torch.tril(rows.beta[..., None] * A_kk, diagonal=-1).half()
+    qd, kd, kr, gt = rows.qd.clone(), rows.kd.clone(), rows.kr.clone(), rows.gt.clone()
+
+    _, is_b = pair_roles(tile_map, tiles)
+    b_slots = torch.nonzero(is_b).flatten()
+    a_of_b = b_slots - 1  # tile a of every tile b
+    G_last = rows.G[:, :, CHUNK - 1]  # [HV, tiles, D]
+    q_rows, k_rows = unscaled_rows(q, k, consts, tile_map, value_heads, qk_l2norm, rows)
+
+    # tile b, relative to the pair's start; tile a's kr, relative to the pair's end; the pair's decay
+    shift_b = ex2_approx(G_last[:, a_of_b, None, :] + rows.G[:, b_slots])
+    kd[:, b_slots] = (k_rows[:, b_slots] * shift_b).bfloat16()
+    qd[:, b_slots] = (q_rows[:, b_slots] * shift_b).bfloat16()
+    rest_a = ex2_approx((G_last[:, a_of_b, None, :] - rows.G[:, a_of_b]) + G_last[:, b_slots, None, :])
+    kr[:, a_of_b] = (k_rows[:, a_of_b] * rest_a).bfloat16()
+    gt[:, a_of_b] = ex2_approx(G_last[:, a_of_b] + G_last[:, b_slots])
+    p = torch.zeros(value_heads, tiles, CHUNK, CHUNK, device=q.device, dtype=torch.bfloat16)
+    cross_q = torch.zeros_like(p)
+    p[:, b_slots] = mma(rows.kd[:, b_slots], rows.kr[:, a_of_b].transpose(-1, -2)).bfloat16()
+    cross_q[:, b_slots] = mma(rows.qd[:, b_slots], rows.kr[:, a_of_b].transpose(-1, -2)).bfloat16()
+
+    fields = dict(qd=qd, kd=kd, kr=kr, gt=gt, inv=neumann_inverse(L), mqk=torch.tril(A_qk).bfloat16(), beta=rows.beta)
+    ws = allocate_workspace(WorkspaceSpec(heads=value_heads, tiles=tiles, dim=dim), q.device)
+    missing = ~tile_map.slot_exists
+    for name, value in fields.items():
+        value = value.masked_fill(missing.reshape(1, tiles, *([1] * (value.dim() - 2))), math.nan)
+        getattr(ws, name).copy_(value.reshape(getattr(ws, name).shape))
+    return PairWorkspace(ws, p.reshape(-1, CHUNK, CHUNK), cross_q.reshape(-1, CHUNK, CHUNK))
+
+
+def mirror_recurrence_pairs(
+    pws: PairWorkspace, v: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+    state_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """K2's pair step over ``pws`` (:func:`mirror_prepare_pairs`): v bf16 ``[B, T, H, V]``, the state ``[N, H, V, K]``
+    (v-first, as the kernels keep it); returns o in v's dtype and, when asked, the final state in ``state_dtype``
+    (fp32 ``S32`` or bf16 ``S``). A lone last tile runs today's step (:func:`~.mirror.mirror_recurrence`'s)."""
+    check_activations(v=v)
+    ws = pws.ws
+    batch, seq_len, heads, value_dim, tiles, key_dim, tile_map = scan_shape(ws, v, "v", cu_seqlens, "vk")
+    num_seqs = tile_map.tiles_per_seq.numel()
+
+    def per_head(t: torch.Tensor) -> torch.Tensor:
+        return t.view(heads, tiles, *t.shape[1:])
+
+    qd, kd, kr, gt, inv, mqk, beta = (per_head(t) for t in ws)
+    p, cross_q = per_head(pws.p), per_head(pws.q)
+    v_t = to_tiles(v.reshape(batch * seq_len, heads, value_dim).float(), tile_map)
+    state32 = state_in(initial_state, "initial_state", "vk", (num_seqs, heads, key_dim, value_dim), torch.float32,
+                       v.device)
+    out_t = torch.empty(heads, tiles + 1, CHUNK, value_dim, device=v.device, dtype=v.dtype)  # slot `tiles`: sink
+    counts, starts = tile_map.tiles_per_seq, tile_map.bases[:-1]
+    steps = int(((counts + 1) // 2).max().item()) if num_seqs else 0
+    sink = torch.full_like(starts, tiles)
+    for step in range(steps):
+        a = starts + 2 * step
+        active_a = 2 * step < counts
+        active_b = 2 * step + 1 < counts
+        sa = torch.where(active_a, a, torch.zeros_like(a)).clamp(max=max(tiles - 1, 0))
+        sb = torch.where(active_b, a + 1, sa)
+        S = state32.bfloat16()
+        U_a = mma(inv[:, sa], ((v_t[:, sa] - mma(kd[:, sa], S)) * beta[:, sa][..., None]).bfloat16()).bfloat16()
+        o_a = mma(mqk[:, sa], U_a, c=mma(qd[:, sa], S)).to(v.dtype)
+        kS_b = mma(torch.cat([kd[:, sb], p[:, sb]], -1), torch.cat([S, U_a], -2))
+        U_b = mma(inv[:, sb], ((v_t[:, sb] - kS_b) * beta[:, sb][..., None]).bfloat16()).bfloat16()
+        o_b = mma(torch.cat([mqk[:, sb], cross_q[:, sb], qd[:, sb]], -1), torch.cat([U_b, U_a, S], -2)).to(v.dtype)
+        lone = mma(kr[:, sa].transpose(-1, -2), U_a, c=gt[:, sa][..., None] * state32)
+        paired = mma(torch.cat([kr[:, sa], kr[:, sb]], -2).transpose(-1, -2), torch.cat([U_a, U_b], -2),
+                     c=gt[:, sa][..., None] * state32)
+        updated = torch.where(active_b[None, :, None, None], paired, lone)
+        state32 = torch.where(active_a[None, :, None, None], updated, state32)
+        out_t.index_copy_(1, torch.where(active_a, sa, sink), o_a)
+        out_t.index_copy_(1, torch.where(active_b, sb, sink), o_b)
+    o_rows = out_t[:, :tiles].reshape(heads, tiles * CHUNK, value_dim)[:, tile_map.row_of_token]
+    out = o_rows.movedim(0, 1).reshape(batch, seq_len, heads, value_dim)
+    if not output_final_state:
+        return out, None
+    final = state32.bfloat16() if state_dtype == torch.bfloat16 else state32
+    return out, final.movedim(1, 0).transpose(-1, -2).to(state_dtype).contiguous()
