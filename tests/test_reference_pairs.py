@@ -64,3 +64,27 @@ def test_a_single_tile_sequence_runs_todays_step():
     o2, s2 = mirror_recurrence_pairs(mirror_prepare_pairs(q, k, g, beta, **kw), v, initial_state=h0,
                                      output_final_state=True)
     assert torch.equal(o1, o2) and torch.equal(s1, s2)
+
+
+@pytest.mark.parametrize("shift", [0.0, -4.0], ids=["gates", "weak_decay"])
+@pytest.mark.parametrize("cu", [None, [0, 48, 53, 256]], ids=["fixed", "varlen_odd_tiles"])
+def test_pair_scan_is_as_accurate_as_today(shift, cu):
+    """Kernel A's pair step (the adjoint) against gold_backward's dv and dh0, beside today's scan mirror."""
+    from cute_kda.reference import gold_backward, mirror_bwd_scan
+    from cute_kda.reference.pairs import mirror_bwd_scan_pairs
+
+    q, k, v, g, beta, A_log, dt_bias, _ = _inputs(256, shift=shift)
+    cu_t = None if cu is None else torch.tensor(cu)
+    N = 1 if cu is None else len(cu) - 1
+    gen = torch.Generator().manual_seed(7)
+    do = torch.randn(v.shape, generator=gen).bfloat16()
+    dht = 0.1 * torch.randn(N, v.shape[2], v.shape[3], v.shape[3], generator=gen)
+    kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, cu_seqlens=cu_t)
+    gold = gold_backward(q, k, v, g, beta, do, dht=dht, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+                         initial_state=torch.zeros_like(dht), cu_seqlens=cu_t)
+    today = mirror_bwd_scan(mirror_prepare(q, k, g, beta, **kw), do, cu_seqlens=cu_t, dht=dht)
+    pair = mirror_bwd_scan_pairs(mirror_prepare_pairs(q, k, g, beta, **kw), do, cu_seqlens=cu_t, dht=dht)
+    for name in ("dv", "dh0"):
+        err_today, err_pair = rel_rms(getattr(today, name), gold[name]), rel_rms(getattr(pair, name), gold[name])
+        assert err_pair < 1.1 * err_today + 2e-4, (name, err_today, err_pair)
+    assert rel_rms(pair.du, today.du) < 5e-3

@@ -167,3 +167,77 @@ def mirror_recurrence_pairs(
         return out, None
     final = state32.bfloat16() if state_dtype == torch.bfloat16 else state32
     return out, final.movedim(1, 0).transpose(-1, -2).to(state_dtype).contiguous()
+
+
+class PairScanResult(NamedTuple):
+    """The pair scan's outputs: du, dv bf16 ``[B, T, H, V]``; dh0 fp32 ``[N, H, V, K]`` (v-first)."""
+
+    du: torch.Tensor
+    dv: torch.Tensor
+    dh0: torch.Tensor
+
+
+def mirror_bwd_scan_pairs(pws: PairWorkspace, do: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                          dht: torch.Tensor | None = None) -> PairScanResult:
+    """Kernel A's pair step over ``pws``, the adjoint of :func:`mirror_recurrence_pairs` (docs/numerics.md, "Two
+    tiles a serial step"), with the rounding of today's scan (:func:`~.chains.reverse_scan`): a pair walked b then a
+    from the ``dS'`` leaving it (``dS32`` fp32, its bf16 rounding the operand)::
+
+        dU_b = Mqk_bᵀ·dO_b + kr_b·dS',  du_b = INV_bᵀ·dU_b,  dv_b = bf16(β_b ⊙ du_b)
+        dU_a = Mqk_aᵀ·dO_a + kr_a'·dS' + Qᵀ·dO_b − Pᵀ·dv_b,  du_a, dv_a likewise
+        dS32 ← qd_aᵀ·dO_a − kd_aᵀ·dv_a + qd_b'ᵀ·dO_b − kd_b'ᵀ·dv_b + f32(gT_pair·dS32)   (one block update)
+
+    A lone last tile runs today's step. The state between a pair's tiles is not formed (no per-tile snapshots: the
+    training form, W2, keeps one a pair)."""
+    ws = pws.ws
+    batch, seq_len, heads, value_dim, tiles, key_dim, tile_map = scan_shape(ws, do, "do", cu_seqlens, "vk")
+    num_seqs = tile_map.tiles_per_seq.numel()
+
+    def per_head(t: torch.Tensor) -> torch.Tensor:
+        return t.view(heads, tiles, *t.shape[1:])
+
+    qd, kd, kr, gt, inv, mqk, beta = (per_head(t) for t in ws)
+    p, cross_q = per_head(pws.p), per_head(pws.q)
+    do_t = to_tiles(do.reshape(batch * seq_len, heads, value_dim).bfloat16(), tile_map)
+    state32 = state_in(dht, "dht", "vk", (num_seqs, heads, key_dim, value_dim), torch.float32, do.device)
+    du_t = torch.empty(heads, tiles + 1, CHUNK, value_dim, device=do.device, dtype=torch.bfloat16)
+    dv_t = torch.empty_like(du_t)
+    counts, starts = tile_map.tiles_per_seq, tile_map.bases[:-1]
+    steps = int(((counts + 1) // 2).max().item()) if num_seqs else 0
+    sink = torch.full_like(starts, tiles)
+    for step in range(steps):
+        pairs = (counts + 1) // 2
+        j = pairs - 1 - step  # this step's pair of each sequence, from the last
+        active_a = j >= 0
+        active_b = active_a & (2 * j + 1 < counts)
+        sa = torch.where(active_a, starts + 2 * j, torch.zeros_like(j)).clamp(max=max(tiles - 1, 0))
+        sb = torch.where(active_b, sa + 1, sa)
+        S = state32.bfloat16()
+        dO_a, dO_b = do_t[:, sa], do_t[:, sb]
+        dU_b = mma(torch.cat([mqk[:, sb].transpose(-1, -2), kr[:, sb]], -1), torch.cat([dO_b, S], -2)).bfloat16()
+        du_b = mma(inv[:, sb].transpose(-1, -2), dU_b)
+        dv_b = (beta[:, sb][..., None] * du_b).bfloat16()
+        # a lone tile: today's step on tile a (no pair terms)
+        b_on = active_b[None, :, None, None]
+        cross = torch.where(b_on, torch.cat([cross_q[:, sb].transpose(-1, -2), p[:, sb].transpose(-1, -2)], -1),
+                            torch.zeros(heads, num_seqs, CHUNK, 2 * CHUNK, dtype=torch.bfloat16, device=do.device))
+        dU_a = mma(torch.cat([mqk[:, sa].transpose(-1, -2), kr[:, sa], cross], -1),
+                   torch.cat([dO_a, S, dO_b, -dv_b], -2)).bfloat16()
+        du_a = mma(inv[:, sa].transpose(-1, -2), dU_a)
+        dv_a = (beta[:, sa][..., None] * du_a).bfloat16()
+        lone = mma(torch.cat([qd[:, sa], kd[:, sa]], -2).transpose(-1, -2), torch.cat([dO_a, -dv_a], -2),
+                   c=gt[:, sa][..., None] * state32)
+        paired = mma(torch.cat([qd[:, sa], kd[:, sa], qd[:, sb], kd[:, sb]], -2).transpose(-1, -2),
+                     torch.cat([dO_a, -dv_a, dO_b, -dv_b], -2), c=gt[:, sa][..., None] * state32)
+        updated = torch.where(b_on, paired, lone)
+        state32 = torch.where(active_a[None, :, None, None], updated, state32)
+        du_t.index_copy_(1, torch.where(active_a, sa, sink), du_a.bfloat16())
+        dv_t.index_copy_(1, torch.where(active_a, sa, sink), dv_a)
+        du_t.index_copy_(1, torch.where(active_b, sb, sink), du_b.bfloat16())
+        dv_t.index_copy_(1, torch.where(active_b, sb, sink), dv_b)
+
+    def untile(t: torch.Tensor) -> torch.Tensor:
+        rows = t[:, :tiles].reshape(heads, tiles * CHUNK, value_dim)[:, tile_map.row_of_token]
+        return rows.movedim(0, 1).reshape(batch, seq_len, heads, value_dim)
+
+    return PairScanResult(untile(du_t), untile(dv_t), state32.movedim(1, 0).transpose(-1, -2).contiguous())
