@@ -1,6 +1,6 @@
-"""Mirrors of the planned two-tile prefill (docs/numerics.md, "Two tiles a serial step"; docs/perf-log.md, v8, W0):
-K1's pair workspace and K2's pair step, safe gate. No kernel runs them yet; they fix the rounding the kernels will
-be held to.
+"""Mirrors of the two-tile prefill (docs/numerics.md, "Two tiles a serial step"; docs/perf-log.md, v8 and v10): K1's
+pair workspace and K2's pair step, safe gate (the kernels: ``cute_kda.kernels.fwd_prepare.SafePairPrepare``,
+``cute_kda.kernels.fwd_recurrence_pairs.PairRecurrence``), and Kernel A's pair step (planned: W2 of v8).
 
 Tiles pair up from each sequence's first tile: (0, 1), (2, 3), …; a sequence with an odd count ends on a lone tile,
 which keeps today's fields and today's step. In a pair (a, b) the workspace holds today's fields except
@@ -8,8 +8,11 @@ which keeps today's fields and today's step. In a pair (a, b) the workspace hold
 - tile b's ``kd``, ``qd`` relative to the pair's start: ``bf16(k̂ ⊙ 2^f32(G_a,last + G_b))`` (and ``scale · q̂``);
 - tile a's ``kr`` relative to the pair's end: ``bf16(k̂ ⊙ 2^f32(f32(G_a,last − G_a) + G_b,last))``;
 - tile a's ``gt``: the pair's decay ``2^f32(G_a,last + G_b,last)``;
-- tile b's cross blocks against tile a, from today's tile-relative bf16 fields: ``P = bf16(kd_b·kr_aᵀ)``,
-  ``Q = bf16(qd_b·kr_aᵀ)`` (16 × 16; zero in every other slot).
+- tile b's cross blocks against tile a: ``P = bf16(kd_b'·kinv_aᵀ)``, ``Q = bf16(qd_b'·kinv_aᵀ)`` from tile b's
+  pair-relative bf16 rows and tile a's bf16 ``kinv`` (K1's operand of ``L_a``): entry ``[i, j]`` carries the decay
+  from row j of a to row i of b, ≤ 1 (16 × 16; zero in every other slot). The safe gate bounds ``kinv`` as it does
+  for ``L``; the same accuracy as from today's ``kd_b·kr_aᵀ`` on the CPU
+  (``benchmarks/results/2026-12-04-session14.md``).
 
 INV, Mqk and β stay per tile, as today. The pair step (state ``S32`` fp32 entering the pair, ``S = bf16(S32)``)::
 
@@ -28,8 +31,8 @@ import torch
 
 from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace
 from .common import (
-    Constants, TileMap, check_activations, ex2_approx, mma, neumann_inverse, scan_shape, state_in, to_tiles,
-    token_tile_map,
+    Constants, TileMap, check_activations, ex2_approx, mma, neumann_inverse, scan_shape, state_in, state_out,
+    to_tiles, token_tile_map,
 )
 from .gold import expand_to_value_heads
 from .mirror import K1Rows, k1_rows
@@ -37,11 +40,12 @@ from .mirror import K1Rows, k1_rows
 
 class PairWorkspace(NamedTuple):
     """K1's pair workspace: ``ws`` (today's fields, a pair's as the module docstring says) and the cross blocks
-    ``p``, ``q`` bf16 ``[H · tiles, 16, 16]`` (tile b's slot; zero elsewhere)."""
+    ``cross_kd`` (P), ``cross_qd`` (Q) bf16 ``[H · tiles, 16, 16]`` (tile b's slot; zero elsewhere), as
+    :class:`cute_kda.workspace.CrossBlocks`."""
 
     ws: Workspace
-    p: torch.Tensor
-    q: torch.Tensor
+    cross_kd: torch.Tensor
+    cross_qd: torch.Tensor
 
 
 def pair_roles(tile_map: TileMap, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,8 +109,9 @@ def mirror_prepare_pairs(
     gt[:, a_of_b] = ex2_approx(G_last[:, a_of_b] + G_last[:, b_slots])
     p = torch.zeros(value_heads, tiles, CHUNK, CHUNK, device=q.device, dtype=torch.bfloat16)
     cross_q = torch.zeros_like(p)
-    p[:, b_slots] = mma(rows.kd[:, b_slots], rows.kr[:, a_of_b].transpose(-1, -2)).bfloat16()
-    cross_q[:, b_slots] = mma(rows.qd[:, b_slots], rows.kr[:, a_of_b].transpose(-1, -2)).bfloat16()
+    kinv_a = rows.kinv[:, a_of_b].transpose(-1, -2)
+    p[:, b_slots] = mma(kd[:, b_slots], kinv_a).bfloat16()
+    cross_q[:, b_slots] = mma(qd[:, b_slots], kinv_a).bfloat16()
 
     fields = dict(qd=qd, kd=kd, kr=kr, gt=gt, inv=neumann_inverse(L), mqk=torch.tril(A_qk).bfloat16(), beta=rows.beta)
     ws = allocate_workspace(WorkspaceSpec(heads=value_heads, tiles=tiles, dim=dim), q.device)
@@ -120,24 +125,25 @@ def mirror_prepare_pairs(
 def mirror_recurrence_pairs(
     pws: PairWorkspace, v: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-    state_dtype: torch.dtype = torch.float32,
+    state_dtype: torch.dtype = torch.float32, state_layout: str = "vk",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """K2's pair step over ``pws`` (:func:`mirror_prepare_pairs`): v bf16 ``[B, T, H, V]``, the state ``[N, H, V, K]``
-    (v-first, as the kernels keep it); returns o in v's dtype and, when asked, the final state in ``state_dtype``
-    (fp32 ``S32`` or bf16 ``S``). A lone last tile runs today's step (:func:`~.mirror.mirror_recurrence`'s)."""
+    """K2's pair step over ``pws`` (:func:`mirror_prepare_pairs`): v bf16 ``[B, T, H, V]``, the states ``[N, H, V, K]``
+    (``state_layout="vk"``, the kernels' layout) or ``[N, H, K, V]`` (``"kv"``); returns o in v's dtype and, when
+    asked, the final state in ``state_dtype`` (fp32 ``S32`` or bf16 ``S``). A lone last tile runs today's step
+    (:func:`~.mirror.mirror_recurrence`'s)."""
     check_activations(v=v)
     ws = pws.ws
-    batch, seq_len, heads, value_dim, tiles, key_dim, tile_map = scan_shape(ws, v, "v", cu_seqlens, "vk")
+    batch, seq_len, heads, value_dim, tiles, key_dim, tile_map = scan_shape(ws, v, "v", cu_seqlens, state_layout)
     num_seqs = tile_map.tiles_per_seq.numel()
 
     def per_head(t: torch.Tensor) -> torch.Tensor:
         return t.view(heads, tiles, *t.shape[1:])
 
     qd, kd, kr, gt, inv, mqk, beta = (per_head(t) for t in ws)
-    p, cross_q = per_head(pws.p), per_head(pws.q)
+    p, cross_q = per_head(pws.cross_kd), per_head(pws.cross_qd)
     v_t = to_tiles(v.reshape(batch * seq_len, heads, value_dim).float(), tile_map)
-    state32 = state_in(initial_state, "initial_state", "vk", (num_seqs, heads, key_dim, value_dim), torch.float32,
-                       v.device)
+    state32 = state_in(initial_state, "initial_state", state_layout, (num_seqs, heads, key_dim, value_dim),
+                       torch.float32, v.device)
     out_t = torch.empty(heads, tiles + 1, CHUNK, value_dim, device=v.device, dtype=v.dtype)  # slot `tiles`: sink
     counts, starts = tile_map.tiles_per_seq, tile_map.bases[:-1]
     steps = int(((counts + 1) // 2).max().item()) if num_seqs else 0
@@ -166,7 +172,7 @@ def mirror_recurrence_pairs(
     if not output_final_state:
         return out, None
     final = state32.bfloat16() if state_dtype == torch.bfloat16 else state32
-    return out, final.movedim(1, 0).transpose(-1, -2).to(state_dtype).contiguous()
+    return out, state_out(final.movedim(1, 0), state_layout, state_dtype)
 
 
 class PairScanResult(NamedTuple):
@@ -197,7 +203,7 @@ def mirror_bwd_scan_pairs(pws: PairWorkspace, do: torch.Tensor, *, cu_seqlens: t
         return t.view(heads, tiles, *t.shape[1:])
 
     qd, kd, kr, gt, inv, mqk, beta = (per_head(t) for t in ws)
-    p, cross_q = per_head(pws.p), per_head(pws.q)
+    p, cross_q = per_head(pws.cross_kd), per_head(pws.cross_qd)
     do_t = to_tiles(do.reshape(batch * seq_len, heads, value_dim).bfloat16(), tile_map)
     state32 = state_in(dht, "dht", "vk", (num_seqs, heads, key_dim, value_dim), torch.float32, do.device)
     du_t = torch.empty(heads, tiles + 1, CHUNK, value_dim, device=do.device, dtype=torch.bfloat16)
