@@ -17,6 +17,17 @@ import torch
 from .numerics import HEAD_DIM, SCAN_VSPLITS, SUPPORTED_VSPLITS
 from .workspace import SNAPSHOT_TILES
 
+# The two-tile prefill (docs/numerics.md, "Two tiles a serial step"; perf-log v10): K1's and K2's pair variants run
+# every K2 pass that keeps no checkpoints (inference, and the training forward under ``recompute``) where they apply
+# (:func:`pair_prefill`). On branch ``pair-prefill`` until the GPU tier has run them.
+PAIR_PREFILL = True
+
+
+def pair_prefill(gate: str, per_head_gate: bool, segmented: bool) -> bool:
+    """Whether a K1 + K2 pass without checkpoints runs the pair variants: the safe gate (the scheme they are built
+    for), an unsplit call (a segmented one runs K2 three times over segment bounds), and :data:`PAIR_PREFILL`."""
+    return PAIR_PREFILL and gate == "safe" and not per_head_gate and not segmented
+
 
 def fill_sms(num_seqs: int, heads: int, sms: int, splits: tuple[int, ...]) -> int:
     """The largest split in ``splits`` whose CTA count ``num_seqs · heads · split`` still fits one CTA per SM; the
@@ -50,7 +61,8 @@ class PrepareVariant:
     ``gate``: one of :data:`cute_kda.numerics.GATES`; ``g_dtype``: ``dtype`` (fp32 too with gate "none");
     ``per_head_gate``: g ``[B, T, HV]`` (GatedDeltaNet), else per channel; ``grouped``: HV > H value heads;
     ``dtype``: q's and k's, bf16 or fp16 (:data:`cute_kda.validation.ACTIVATION_DTYPES`); ``dim``: the head dim K
-    (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`).
+    (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`); ``pairs``: the pair workspace of the two-tile serial step, a CTA a
+    pair of tiles (the safe gate; :class:`cute_kda.kernels.fwd_prepare.SafePairPrepare`).
     """
 
     varlen: bool
@@ -62,6 +74,7 @@ class PrepareVariant:
     grouped: bool = False
     dtype: torch.dtype = torch.bfloat16
     dim: int = HEAD_DIM
+    pairs: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,7 +84,8 @@ class RecurrenceVariant(SerialScan):
     forward's variant that keeps the state entering every tile;
     ``state_pool``: the states are one pool read and written by slot id (both dtypes the pool's), with
     ``prefix_checkpoint_every`` (tokens, a multiple of 64; 0: none) its prefix checkpoints into pool slots; ``dim``:
-    K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`)."""
+    K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`); ``pairs``: the two-tile serial step over the pair workspace
+    (:class:`cute_kda.kernels.fwd_recurrence_pairs.PairRecurrence`, inference)."""
 
     vsplit: int
     initial_state: torch.dtype | None
@@ -82,6 +96,7 @@ class RecurrenceVariant(SerialScan):
     prefix_checkpoint_every: int = 0
     dtype: torch.dtype = torch.bfloat16
     dim: int = HEAD_DIM
+    pairs: bool = False
     splits: ClassVar[tuple[int, ...]] = SUPPORTED_VSPLITS
 
 

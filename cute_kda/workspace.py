@@ -27,6 +27,11 @@ beta      [H*tiles, 16]          fp32     β (activated), 0 on rows past the seq
 ========  =====================  =======  ============================================
 
 Per tile-head this is 3·4096 + 512 + 2·512 + 64 = 13 888 bytes.
+
+The pair workspace of the two-tile serial step (docs/numerics.md, "Two tiles a serial step"; built by K1's pair
+variant, ``cute_kda.kernels.fwd_prepare.SafePairPrepare``): tiles pair up from each sequence's first tile; the
+fields above hold tile b's qd, kd measured from the pair's start, tile a's kr to the pair's end and tile a's gt the
+pair's decay, and :class:`CrossBlocks` adds two bf16 ``[H*tiles, 16, 16]`` blocks in tile b's slot (1 KB a pair).
 """
 
 from __future__ import annotations
@@ -115,6 +120,7 @@ class WorkspaceSpec(NamedTuple):
     heads: int
     tiles: int
     dim: int = 128
+    pairs: bool = False  # the buffer also holds the pair workspace's cross blocks (:func:`cross_block_views`)
 
     @property
     def rows(self) -> int:
@@ -142,8 +148,14 @@ class WorkspaceSpec(NamedTuple):
         return out
 
     @property
-    def nbytes(self) -> int:
+    def fields_nbytes(self) -> int:
+        """Bytes of the fields (:meth:`layout`), where the cross blocks of a ``pairs`` spec start."""
         return sum(_padded_nbytes(shape, dtype) for shape, dtype in self.fields().values())
+
+    @property
+    def nbytes(self) -> int:
+        cross = 2 * _padded_nbytes((self.rows, CHUNK, CHUNK), "bfloat16") if self.pairs else 0
+        return self.fields_nbytes + cross
 
 
 def _padded_nbytes(shape: tuple[int, ...], dtype: str) -> int:
@@ -163,6 +175,34 @@ class Workspace(NamedTuple):
     inv: "torch.Tensor"
     mqk: "torch.Tensor"
     beta: "torch.Tensor"
+
+
+class CrossBlocks(NamedTuple):
+    """The pair workspace's cross blocks, bf16 ``[H*tiles, 16, 16]`` each, written in tile b's slot of each pair
+    (the module docstring): entry ``[i, j]`` couples row j of tile a to row i of tile b."""
+
+    cross_kd: "torch.Tensor"  # P = kd_b'·kinv_aᵀ
+    cross_qd: "torch.Tensor"  # Q = qd_b'·kinv_aᵀ
+
+
+def allocate_cross_blocks(spec: WorkspaceSpec, device: "torch.device | str") -> CrossBlocks:
+    """Fresh (uninitialised) cross blocks for the workspace of ``spec`` on ``device``."""
+    import torch
+
+    return CrossBlocks(*(torch.empty(spec.rows, CHUNK, CHUNK, dtype=torch.bfloat16, device=device) for _ in range(2)))
+
+
+def cross_block_views(spec: WorkspaceSpec, buffer: "torch.Tensor") -> CrossBlocks:
+    """The cross blocks of a ``pairs`` spec, carved out of ``buffer`` (:func:`workspace_views`'s) after the fields."""
+    import torch
+
+    if not spec.pairs or buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < spec.nbytes:
+        raise ValueError(f"cross blocks need a pairs spec and a 1-D uint8 buffer of >= {spec.nbytes} bytes")
+    block = _padded_nbytes((spec.rows, CHUNK, CHUNK), "bfloat16")
+    start = spec.fields_nbytes
+    elements = spec.rows * CHUNK * CHUNK
+    return CrossBlocks(*(buffer[start + i * block:start + (i + 1) * block].view(torch.bfloat16)[:elements]
+                         .view(spec.rows, CHUNK, CHUNK) for i in range(2)))
 
 
 def workspace_views(spec: WorkspaceSpec, buffer: "torch.Tensor") -> Workspace:

@@ -96,6 +96,10 @@ def variants() -> dict[str, tuple]:
         found[f"k1/safe-bf16/{_flags_label(varlen, True, True)}/256threads"] = (
             "k1", dict(varlen=varlen, qk_l2norm=True, beta_logits=True, gate="safe", g_dtype="bf16",
                        per_head_gate=False, grouped=False, num_threads=256, ctas_per_sm=5))
+    for dim, flags in itertools.product((D, 64), FLAGS):  # the pair workspace of the two-tile serial step
+        found[f"k1/pairs/d{dim}/{_flags_label(*flags)}"] = (
+            "k1", dict(zip(("varlen", "qk_l2norm", "beta_logits"), flags), gate="safe", g_dtype="bf16",
+                       per_head_gate=False, grouped=False, dim=dim, pairs=True))
     for vsplit, initial, final, varlen, checkpoints in itertools.product((1, 2, 4), STATES, STATES, (False, True),
                                                                        (False, True)):
         name = f"k2/vs{vsplit}/{initial}-{final}/{_label(varlen, 'varlen', 'fixed')}" + _label(
@@ -196,16 +200,17 @@ D, T, HEADS, NUM_SEQS = 128, 32, 2, 2
 
 
 def _k1(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: str, per_head_gate: bool,
-        grouped: bool, dtype: str = "bf16", dim: int = D, **tuning: int) -> tuple:
+        grouped: bool, dtype: str = "bf16", dim: int = D, pairs: bool = False, **tuning: int) -> tuple:
     import torch
 
     from cute_kda.kernels.fwd_prepare import prepare_kernel
+    from cute_kda.workspace import WorkspaceSpec, allocate_cross_blocks
     from cute_kda.ops._cache import dsl_type, fake_stream, to_cute_tensor
     from cute_kda.ops.prepare import launch_arguments
 
     kernel = prepare_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate,
                             dtype=dsl_type(_torch_dtype(dtype)), gate_dtype=dsl_type(_torch_dtype(g_dtype)),
-                            per_head_gate=per_head_gate, grouped=grouped, dim=dim, **tuning)
+                            per_head_gate=per_head_gate, grouped=grouped, dim=dim, pairs=pairs, **tuning)
     qk_heads = 1 if grouped else HEADS
     channels = () if per_head_gate else (dim,)
     q = _meta(1, T, qk_heads, dim, dtype=_torch_dtype(dtype))
@@ -214,8 +219,9 @@ def _k1(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: st
     a_log = _meta(HEADS, dtype=torch.float32) if constants else None
     dt_bias = _meta(HEADS, *channels, dtype=torch.float32) if constants else None
     cu_seqlens, tile_base = _segmentation(varlen, NUM_SEQS)
+    cross = allocate_cross_blocks(WorkspaceSpec(heads=HEADS, tiles=4, dim=dim), "meta") if pairs else None
     return kernel, launch_arguments(q, q, g, _meta(1, T, HEADS), a_log, dt_bias, _workspace(HEADS, 4, dim), dim ** -0.5,
-                                    -5.0, T, cu_seqlens, tile_base, fake_stream(), tensor=to_cute_tensor)
+                                    -5.0, T, cu_seqlens, tile_base, fake_stream(), tensor=to_cute_tensor, cross=cross)
 
 
 def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, checkpoint_every: int = 1,

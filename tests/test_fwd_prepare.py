@@ -13,7 +13,7 @@ from ulp_check import assert_within_one_ulp
 from cute_kda.compile_report import compile_with_report
 from cute_kda.dsl import cute, cutlass
 from cute_kda.kernels.common.copy import warp_tiled_mma
-from cute_kda.kernels.fwd_prepare import PrepareInputs, PrepareKernel, WorkspaceTiles, prepare_kernel
+from cute_kda.kernels.fwd_prepare import PrepareInputs, PrepareKernel, SafePairPrepare, WorkspaceTiles, prepare_kernel
 from cute_kda.kernels.tile_prefix import TilePrefixKernel
 from cute_kda.layouts import fwd_prepare as plan
 from cute_kda.layouts.analysis import MatrixAccess, byte_table, layout_spec, max_wavefronts, phase_wavefronts, run_traced
@@ -44,9 +44,11 @@ def _compile(kernel: PrepareKernel):
         beta=_fake(BF16, 3, 2),
         a_log=_fake(F32, 1, 4) if constants else None, dt_bias=_fake(F32, 1 + per_channel, 4) if constants else None,
     )
+    pairs = isinstance(kernel, SafePairPrepare)
     ws = WorkspaceTiles(
         qd=_fake(BF16, 3), kd=_fake(BF16, 3), kr=_fake(BF16, 3), gt=_fake(F32, 2),
         inv=_fake(BF16, 3), mqk=_fake(BF16, 3), beta=_fake(F32, 2),
+        cross_kd=_fake(BF16, 3) if pairs else None, cross_qd=_fake(BF16, 3) if pairs else None,
     )
     varlen = (_fake(cutlass.Int64, 1, 8), _fake(cutlass.Int32, 1, 4)) if kernel.varlen else (None, None)
     _, report = compile_with_report(
@@ -69,6 +71,10 @@ VARIANTS = {
     "gdn_softplus_varlen": dict(varlen=True, gate="softplus", per_head_gate=True, grouped=True),
     "gdn_log_decay_fp32": dict(varlen=False, gate="none", gate_dtype=F32, per_head_gate=True, grouped=True),
     "safe_grouped": dict(varlen=False, grouped=True),
+    # the two-tile serial step's workspace (docs/numerics.md, "Two tiles a serial step"), a pair of tiles a CTA
+    "pairs": dict(varlen=False, pairs=True),
+    "pairs_varlen_plain": dict(varlen=True, pairs=True, qk_l2norm=False, beta_logits=False),
+    "pairs_fp16_grouped": dict(varlen=False, pairs=True, dtype=cutlass.Float16, grouped=True),
 }
 
 
@@ -97,6 +103,8 @@ def _butterfly_steps(kernel: PrepareKernel) -> int:
 
 def test_ptx_primitives(compiled):
     kernel, report, _ = compiled
+    if isinstance(kernel, SafePairPrepare):
+        return _check_pair_ptx(kernel, report)
     if kernel.per_head_gate:
         return _check_per_head_ptx(kernel, report)
     if not kernel.gate_tile:
@@ -124,6 +132,28 @@ def test_ptx_primitives(compiled):
         assert report.count("sqrt.rn.f32") == report.count("rcp.rn.f32") == 2 * items
     else:
         assert not report.has("shfl.sync.bfly") and not report.has("sqrt")
+
+
+def _check_pair_ptx(kernel: PrepareKernel, report) -> None:
+    """The pair K1: both tiles' q, k, g behind one barrier; six tile products (A_kk, A_qk of each tile, P, Q) and
+    two Neumann inverses; the gate scan twice (threads of tile a, of tile b) and β twice; per element three ex2 in
+    tile a (decay, 2^-G, kr to the pair's end) and four in tile b (with 2^(G_a,last + G)); e^A and both gT."""
+    load_rank, store_rank = _tile_ranks(kernel)
+    assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == 6
+    assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == 6
+    k_steps = kernel.dim // CHUNK
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 12 * k_steps
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 24
+    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 12 * k_steps
+    assert report.count("movmatrix.sync.aligned.m8n8.trans.b16") == 32
+    assert report.count("tanh.approx.f32") == 2 * (CHUNK + (1 if kernel.beta_logits else 0))
+    assert report.count("ex2.approx.ftz.f32") == 3 + 7 * 8
+    assert report.count("mul.rn.f32") == 2 * CHUNK
+    if kernel.qk_l2norm:
+        assert report.count("shfl.sync.bfly.b32") == 2 * 2 * _butterfly_steps(kernel)  # q and k of both tiles
+    else:
+        assert not report.has("shfl.sync.bfly") and not report.has("sqrt")
+    assert report.count("bar.sync") == 3
 
 
 def _check_dyadic_ptx(kernel: PrepareKernel, report) -> None:
@@ -196,7 +226,9 @@ def test_tma_copies_are_issued_by_one_elected_lane(compiled):
     lines = report.ptx.splitlines()
     bulk = [i for i, line in enumerate(lines) if re.match(r"\s*cp\.async\.bulk\.", line)]
     kernel = compiled[0]
-    assert len(bulk) == (3 if kernel.gate_tile else 2) + 3 + 2  # loads, stores, commit_group + wait_group.read
+    tiles = 2 if isinstance(kernel, SafePairPrepare) else 1
+    # loads, stores, commit_group + wait_group.read, a tile each
+    assert len(bulk) == tiles * ((3 if kernel.gate_tile else 2) + 3 + 2)
     unguarded = [lines[i].strip() for i in bulk if not _elected_lane_only(lines, i)]
     assert unguarded == []
 
@@ -205,8 +237,9 @@ def test_smem_is_the_plan(compiled):
     """The launch asks for exactly the bytes of ``layouts.fwd_prepare.smem_budget``; 8 CTAs fit per SM."""
     kernel, _, launch_smem = compiled
     budget = kernel.smem_budget()
-    per_head, safe, dyadic = {128: (22528, 25600, 39936), 64: (12288, 13312, 21504)}[kernel.dim]
-    size = per_head if kernel.per_head_gate else safe if kernel.gate_tile else dyadic
+    per_head, safe, dyadic, pairs = {128: (22528, 25600, 39936, 58368), 64: (12288, 13312, 21504, 29696)}[kernel.dim]
+    size = (pairs if isinstance(kernel, SafePairPrepare) else per_head if kernel.per_head_gate
+            else safe if kernel.gate_tile else dyadic)
     assert launch_smem == [budget.total_bytes] == [size]
     assert budget.ctas_per_sm >= kernel.ctas_per_sm
 
@@ -504,6 +537,73 @@ def test_prepare_computes_tile_bases_itself(dim):
     torch.cuda.synchronize()
     for name in ws._fields:
         assert torch.equal(_bits(getattr(ws, name)), _bits(getattr(again, name))), name
+
+
+# ---------------------------------------------------------------- the pair workspace (GPU)
+
+
+def _run_pairs(q, k, g, beta, a_log, dt_bias, *, cu_seqlens=None, qk_l2norm=True, beta_logits=True):
+    """The pair K1 into a NaN-poisoned workspace and cross blocks, and ``mirror_prepare_pairs``; returns both, the
+    slot mask and the mask of tile b slots."""
+    from cute_kda.ops.prepare import prepare
+    from cute_kda.reference.common import token_tile_map
+    from cute_kda.reference.pairs import mirror_prepare_pairs, pair_roles
+    from cute_kda.workspace import CrossBlocks
+
+    batch, steps, heads = beta.shape
+    varlen = cu_seqlens is not None
+    num_seqs = cu_seqlens.numel() - 1 if varlen else batch
+    spec = WorkspaceSpec(heads=heads, tiles=tiles_per_head(batch * steps, num_seqs, varlen), dim=q.shape[-1])
+    ws = workspace_views(spec, torch.full((spec.nbytes,), 0xFF, dtype=torch.uint8, device=q.device))
+    cross = CrossBlocks(*(torch.full((spec.rows, CHUNK, CHUNK), -1, dtype=torch.int16, device=q.device)
+                          .view(torch.bfloat16) for _ in range(2)))
+    scale = q.shape[-1] ** -0.5
+    prepare(q, k, g, beta, a_log, dt_bias, ws, scale=scale, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens,
+            qk_l2norm=qk_l2norm, beta_logits=beta_logits, cross=cross)
+    ref = mirror_prepare_pairs(q, k, g, beta, A_log=a_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND, scale=scale,
+                               cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+    tile_map = token_tile_map(q, cu_seqlens)
+    exists = tile_map.slot_exists.repeat(heads).to(q.device)
+    is_b = pair_roles(tile_map, spec.tiles)[1].repeat(heads).to(q.device)
+    return ws, cross, ref, exists, is_b
+
+
+def _assert_pairs_match(ws, cross, ref, exists, is_b, label: str) -> None:
+    """:func:`_assert_matches` of the pair workspace, and the cross blocks in tile b slots within one ULP (the poison
+    everywhere else)."""
+    _assert_matches(ws, ref.ws, exists, label)
+    for name in cross._fields:
+        got, want = getattr(cross, name), getattr(ref, name)
+        assert_within_one_ulp(f"{label} {name}", got[is_b], want[is_b])
+        assert (_bits(got[~is_b]) == -1).all(), f"{label} {name}: a slot other than a tile b was written"
+
+
+PAIR_FIXED = [(1, 1, 2), (1, 17, 2), (1, 33, 4), (1, 48, 4), (2, 97, 4), (1, 1024, 4), (1, 8192, 32), (3, 16, 2)]
+PAIR_VARLEN = [[1300, 547, 2048, 963, 271, 3063], [17, 33, 65], [5, 0, 16, 0, 1, 40]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,steps,heads", PAIR_FIXED, ids=[f"B{b}T{t}H{h}" for b, t, h in PAIR_FIXED])
+@ALL_DIMS
+def test_pair_workspace_matches_mirror_fixed(batch, steps, heads, dim):
+    """The pair K1 against ``mirror_prepare_pairs``: odd tile counts end on a lone tile (today's fields)."""
+    _assert_pairs_match(*_run_pairs(*_problem(batch, steps, heads, dim=dim)), f"pairs B{batch} T{steps} H{heads}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", PAIR_VARLEN, ids=[f"{len(s)}seqs" for s in PAIR_VARLEN])
+@pytest.mark.parametrize("qk_l2norm,beta_logits", [(True, True), (False, False)], ids=["l2norm_logits", "neither"])
+@ALL_DIMS
+def test_pair_workspace_matches_mirror_varlen(lengths, qk_l2norm, beta_logits, dim):
+    """Packed sequences: pairs restart at each sequence, a lone tile never writes the next sequence's slot."""
+    data = _problem(1, sum(lengths), 4, seed=6, dim=dim)
+    if not beta_logits:
+        data[3] = torch.sigmoid(data[3].float()).bfloat16()
+    if not qk_l2norm:
+        data[0], data[1] = (torch.nn.functional.normalize(x.float(), dim=-1).bfloat16() for x in data[:2])
+    cu_seqlens = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64, device="cuda")
+    _assert_pairs_match(*_run_pairs(*data, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits),
+                        f"pairs varlen {lengths}")
 
 
 # ---------------------------------------------------------------- the unbounded gates (GPU)

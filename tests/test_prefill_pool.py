@@ -60,8 +60,8 @@ def _compiled(vsplit, dtype, varlen, prefix=0, pool=True):
         kernel = FwdRecurrence(vsplit=vsplit, initial_state=state, final_state=state, varlen=varlen, state_pool=pool,
                                prefix_checkpoint_every=prefix)
         arguments = _compile_args(vsplit, dtype, varlen, prefix)
-        if not pool:  # the plain variant of the same dtypes: no slot ids
-            arguments = arguments[:-2] + (None, None)
+        if not pool:  # the plain variant of the same dtypes: no slot ids (then the cross blocks, None here)
+            arguments = arguments[:-4] + (None, None) + arguments[-2:]
         _, report = compile_with_report(kernel, *arguments, cute.runtime.make_fake_stream())
         _COMPILED[key] = (kernel, report)
     return _COMPILED[key]

@@ -99,6 +99,8 @@ class RecurrenceSmem:
     mqk: cute.Tensor  # [16, 16, stage]
     beta: cute.Tensor  # [16, stage] fp32
     out: cute.Tensor  # [16, v_band, out stage]
+    cross_kd: Optional[cute.Tensor] = None  # [16, 16, stage]: a pair plan's P (tile b's stages)
+    cross_qd: Optional[cute.Tensor] = None  # [16, 16, stage]: a pair plan's Q
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,8 @@ class RecurrenceTmaSmem:
     out: cute.Tensor
     state: cute.Tensor
     state_fp32: cute.Tensor
+    cross_kd: Optional[cute.Tensor] = None
+    cross_qd: Optional[cute.Tensor] = None
 
 
 class FwdRecurrence(BandScan):
@@ -164,7 +168,7 @@ class FwdRecurrence(BandScan):
     ) -> None:
         staged = bool({initial_state, final_state} & set(STAGED_STATES))
         super().__init__(
-            RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=staged, dim=dim),
+            self.make_plan(vsplit, staged, dim),
             initial_state=initial_state, final_state=final_state, varlen=varlen, reverse=False, token_dtype=dtype,
             state_dtypes=(BFloat16, Float32, Float16),
         )
@@ -180,6 +184,10 @@ class FwdRecurrence(BandScan):
                              f"got {prefix_checkpoint_every}")
         self.state_pool = state_pool
         self.prefix_checkpoint_every = prefix_checkpoint_every
+
+    def make_plan(self, vsplit: int, state_io_fp32: bool, dim: int) -> RecurrenceSmemPlan:
+        """The shared-memory plan of the variant (:class:`~cute_kda.layouts.fwd_recurrence.RecurrenceSmemPlan`)."""
+        return RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=state_io_fp32, dim=dim)
 
     # -----------------------------------------------------------------------------------------
     # host
@@ -203,12 +211,15 @@ class FwdRecurrence(BandScan):
         checkpoints: Optional[cute.Tensor],
         state_indices: Optional[cute.Tensor],
         checkpoint_indices: Optional[cute.Tensor],
+        ws_cross_kd: Optional[cute.Tensor],
+        ws_cross_qd: Optional[cute.Tensor],
         stream: driver.CUstream,
     ):
         """Launch K2. v, out ``[B, T, H, D]``; workspace fields as in :mod:`cute_kda.workspace`;
         checkpoints ``[H · slots, D, D]`` (the training variant) or None; ``state_indices`` int32 ``[N]`` (the
         pool variant: initial_state and final_state are both the pool) and ``checkpoint_indices`` int32 ``[N, M]``
-        (its prefix checkpoints), else None."""
+        (its prefix checkpoints), else None; ``ws_cross_kd``, ``ws_cross_qd`` the pair workspace's cross blocks
+        ``[H · tiles, 16, 16]`` (a pair plan), else None."""
         heads = v.shape[2]
         num_seqs = v.shape[0]
         if const_expr(self.varlen):
@@ -228,6 +239,10 @@ class FwdRecurrence(BandScan):
         tma_mqk, gmem_mqk = runs_atom(load, layouts.tile_runs_view(ws_mqk), CHUNK, CHUNK)
         tma_gt, gmem_gt = self.vector_atom(ws_gt, self.dim)
         tma_beta, gmem_beta = self.vector_atom(ws_beta, CHUNK)
+        tma_cross_kd, gmem_cross_kd, tma_cross_qd, gmem_cross_qd = None, None, None, None
+        if const_expr(ws_cross_kd is not None):
+            tma_cross_kd, gmem_cross_kd = runs_atom(load, layouts.tile_runs_view(ws_cross_kd), CHUNK, CHUNK)
+            tma_cross_qd, gmem_cross_qd = runs_atom(load, layouts.tile_runs_view(ws_cross_qd), CHUNK, CHUNK)
         tma_state_in, gmem_state_in = None, None
         if const_expr(initial_state is not None):
             tma_state_in, gmem_state_in = runs_atom(load, layouts.state_runs_view(initial_state), self.v_band, self.dim)
@@ -244,7 +259,7 @@ class FwdRecurrence(BandScan):
             tma_gt, gmem_gt, tma_inv, gmem_inv, tma_mqk, gmem_mqk, tma_beta, gmem_beta,
             tma_state_in, gmem_state_in, tma_state_out, gmem_state_out,
             out, cu_seqlens, tile_base, Int32(tiles_per_head), checkpoints, state_indices, checkpoint_indices,
-            prefix_pool,
+            prefix_pool, tma_cross_kd, gmem_cross_kd, tma_cross_qd, gmem_cross_qd,
         ).launch(
             grid=[self.vsplit * num_seqs, heads, 1],  # the bands of one (sequence, head) are adjacent CTAs
             block=[self.threads, 1, 1],
@@ -276,6 +291,8 @@ class FwdRecurrence(BandScan):
         state_indices: Optional[cute.Tensor],
         checkpoint_indices: Optional[cute.Tensor],
         prefix_pool: Optional[cute.Tensor],
+        tma_cross_kd: Optional[cute.CopyAtom], gmem_cross_kd: Optional[cute.Tensor],
+        tma_cross_qd: Optional[cute.CopyAtom], gmem_cross_qd: Optional[cute.Tensor],
     ):
         plan = self.plan
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -290,6 +307,9 @@ class FwdRecurrence(BandScan):
         storage = SmemAllocator().allocate(self.shared_storage)
         state_ptr, union_ptr, at = self.smem_pointers(storage)
         stages, out_stages = plan.input_stages, plan.output_stages
+        cross = {}
+        if const_expr(plan.pairs):
+            cross = {name: smem_tensor(at[name], layouts.square_tile(plan), BFloat16) for name in layouts.CROSS_FIELDS}
         smem = RecurrenceSmem(
             state=smem_tensor(state_ptr, layouts.state_b(plan), BFloat16),
             state_acc=smem_tensor(state_ptr, layouts.state_acc(plan), BFloat16),
@@ -304,6 +324,7 @@ class FwdRecurrence(BandScan):
             mqk=smem_tensor(at["mqk"], layouts.square_tile(plan), BFloat16),
             beta=smem_tensor(at["beta"], layouts.vector(CHUNK, stages), Float32),
             out=smem_tensor(at["out"], layouts.value_tile(plan, out_stages), self.token_dtype),
+            **cross,
         )
         tma_smem = RecurrenceTmaSmem(**self.tma_boxes(state_ptr, union_ptr, at))
         load_pipe, store_pipe, state_mbar = self.make_pipelines(warp_idx, storage)
@@ -348,6 +369,9 @@ class FwdRecurrence(BandScan):
                 (tma_gt, cute.local_tile(gmem_gt, (self.dim,), (0, None)), smem.gt),
                 (tma_beta, cute.local_tile(gmem_beta, (CHUNK,), (0, None)), smem.beta),
             )
+            if const_expr(plan.pairs):
+                loads += ((tma_cross_kd, self.workspace_tiles(gmem_cross_kd, CHUNK), tma_smem.cross_kd),
+                          (tma_cross_qd, self.workspace_tiles(gmem_cross_qd, CHUNK), tma_smem.cross_qd))
             self.load(num_tiles, ws_row0, load_pipe, loads)
         else:
             # plain view of this (batch, head, band) from the sequence start, for tail rows

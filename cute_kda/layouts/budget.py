@@ -243,7 +243,8 @@ def k2_budget(plan: fwd_recurrence.RecurrenceSmemPlan = fwd_recurrence.Recurrenc
         band = layout_spec(f"atom_tile({token_kind.name},{chunk},{v_band})", smem.atom_tile, token_kind, chunk, v_band,
                            dtype=bf16)
     slots = {plan.token_field: band, **{name: swizzled(chunk, dim) for name in fwd_recurrence.SWIZZLED_FIELDS},
-             "gt": vector(dim), "inv": tile(chunk, chunk), "mqk": tile(chunk, chunk), "beta": vector(chunk)}
+             "gt": vector(dim), "inv": tile(chunk, chunk), "mqk": tile(chunk, chunk), "beta": vector(chunk),
+             **{name: tile(chunk, chunk) for name in fwd_recurrence.CROSS_FIELDS}}
     pipeline = SmemGroup("pipeline", (
         *(SmemBuffer(name, slots[name], plan.input_stages, "input") for name in plan.input_field_bytes()),
         *(SmemBuffer(name, band, plan.output_stages, "output") for name in plan.output_fields),

@@ -40,6 +40,7 @@ ALIGN = 128  # byte alignment of every buffer (TMA needs 16; 128 keeps ldmatrix 
 # swizzle's period, and the state and the union that hold them on the largest one.
 SWIZZLED_FIELDS = ("kd", "qd", "kr")
 SWIZZLED_ALIGN = SW128_PERIOD_BYTES
+CROSS_FIELDS = ("cross_kd", "cross_qd")  # a pair plan's cross blocks P, Q (16 × 16, K_INTER like INV and Mqk)
 MBARRIER_BYTES = 8
 
 _BF16 = 2
@@ -72,6 +73,10 @@ class RecurrenceSmemPlan:
     out       bf16 [16, v_band]       output tile (output stages; TMA store or tail store; :func:`token_atom`)
     ========  ======================  =====================================
 
+    ``pairs`` (the two-tile serial step, :class:`cute_kda.kernels.fwd_recurrence_pairs.PairRecurrence`): each input
+    stage also holds the cross blocks ``cross_kd``, ``cross_qd`` (bf16 [16, 16] each, K_INTER; read in tile b's
+    stages, loaded in every stage).
+
     Each field is an array of stage slots (stage ``s`` at ``offset + s · slot``), each aligned to 128 bytes
     or, for a swizzled tile, to its swizzle period (:meth:`field_align`).
     The class attributes name the per-token input field and the output fields, so a kernel with the
@@ -93,6 +98,7 @@ class RecurrenceSmemPlan:
     input_stages: int = INPUT_STAGES
     output_stages: int = OUTPUT_STAGES
     compute_warps: int | None = None  # None: MMA_WARPS, fewer for a band under 4 · 8 columns
+    pairs: bool = False  # the input stages also hold the pair workspace's cross blocks
 
     def __post_init__(self) -> None:
         if self.vsplit not in self.supported_vsplits:
@@ -122,7 +128,7 @@ class RecurrenceSmemPlan:
     def input_field_bytes(self) -> dict[str, int]:
         """Input field → bytes of one stage (also the bytes its TMA copy delivers)."""
         c, d, vb = self.chunk, self.dim, self.v_band
-        return {
+        fields = {
             self.token_field: c * vb * _BF16,
             "kd": c * d * _BF16,
             "qd": c * d * _BF16,
@@ -132,6 +138,9 @@ class RecurrenceSmemPlan:
             "mqk": c * c * _BF16,
             "beta": c * _FP32,
         }
+        if self.pairs:
+            fields.update({name: c * c * _BF16 for name in CROSS_FIELDS})
+        return fields
 
     @property
     def stage_tx_bytes(self) -> int:

@@ -17,7 +17,10 @@ import torch
 
 from ..numerics import HEAD_DIM, f32, gate_constant
 from ..variants import PrepareVariant
-from ..workspace import CHUNK, SNAPSHOT_TILES, Workspace, WorkspaceSpec, allocate_workspace, block_states_shape
+from ..workspace import (
+    CHUNK, SNAPSHOT_TILES, CrossBlocks, Workspace, WorkspaceSpec, allocate_cross_blocks, allocate_workspace,
+    block_states_shape,
+)
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, dsl_type, fake_stream, launch_tensor,
     on_device, to_cute_tensor,
@@ -93,11 +96,13 @@ def tile_bases(cu_seqlens: torch.Tensor, *, stream=None) -> torch.Tensor:
 
 
 def launch_arguments(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float, lower_bound: float,
-                     seq_len: int, cu_seqlens, tile_base, stream, tensor=launch_tensor) -> tuple:
+                     seq_len: int, cu_seqlens, tile_base, stream, tensor=launch_tensor,
+                     cross: CrossBlocks | None = None) -> tuple:
     """Positional arguments of ``PrepareKernel.__call__`` for these torch tensors.
 
     ``tensor(t, assumed_align)`` converts each tensor: :func:`~._cache.launch_tensor` (the default)
-    for a call of the compiled function, :func:`~._cache.to_cute_tensor` for the compile.
+    for a call of the compiled function, :func:`~._cache.to_cute_tensor` for the compile. ``cross``: the pair K1's
+    cross blocks.
     """
     if A_log is not None and (A_log.dim() != 1 or dt_bias.dim() != g.dim() - 2):  # None: gate "none"
         heads, dim = beta.shape[2], q.shape[3]  # value heads; a per-head gate's dt_bias is [HV]
@@ -105,13 +110,13 @@ def launch_arguments(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float,
     scalars = fp32_scalars(scale, lower_bound)
     if tensor is launch_tensor:  # every call: the tensors as they are, the workspace's as kept
         inputs = _prepare_inputs()(q, k, g, beta, A_log, dt_bias)
-        return inputs, _workspace_tiles(ws, launch_tensor), *scalars, seq_len, cu_seqlens, tile_base, stream
+        return inputs, _workspace_tiles(ws, launch_tensor, cross), *scalars, seq_len, cu_seqlens, tile_base, stream
     inputs = _prepare_inputs()(  # [B, T, ...] as given: the kernel folds B·T (layouts.fwd_prepare.compact)
         q=tensor(q, 16), k=tensor(k, 16), g=tensor(g, 16), beta=tensor(beta, 2),
         a_log=None if A_log is None else tensor(A_log, 4), dt_bias=None if dt_bias is None else tensor(dt_bias, 4),
     )
-    return (inputs, _workspace_tiles(ws, tensor), *scalars, seq_len, tensor(cu_seqlens, 8), tensor(tile_base, 4),
-            stream)
+    return (inputs, _workspace_tiles(ws, tensor, cross), *scalars, seq_len, tensor(cu_seqlens, 8),
+            tensor(tile_base, 4), stream)
 
 
 @functools.cache
@@ -128,13 +133,13 @@ def fp32_scalars(scale: float, lower_bound: float) -> tuple[float, float]:
     return f32(scale), gate_constant(lower_bound)
 
 
-def workspace_arguments(ws: Workspace) -> Any:
-    """K1's workspace argument for repeated launches on ``ws``, built once by the caller that keeps it: its
-    ``WorkspaceTiles`` as one TVM-FFI array of FFI tensors (a tuple of torch tensors is converted anew on every
-    call, about 1 µs of host time for these seven)."""
+def workspace_arguments(ws: Workspace, cross: CrossBlocks | None = None) -> Any:
+    """K1's workspace argument for repeated launches on ``ws`` (and the pair variant's ``cross`` blocks), built once
+    by the caller that keeps it: its ``WorkspaceTiles`` as one TVM-FFI array of FFI tensors (a tuple of torch tensors
+    is converted anew on every call, about 1 µs of host time for these seven)."""
     import tvm_ffi
 
-    return tvm_ffi.convert(_workspace_tiles(ws, launch_tensor))
+    return tvm_ffi.convert(_workspace_tiles(ws, launch_tensor, cross))
 
 
 def launch(compiled, q, k, g, beta, A_log, dt_bias, tiles: Any, scalars: tuple[float, float], seq_len: int,
@@ -145,8 +150,9 @@ def launch(compiled, q, k, g, beta, A_log, dt_bias, tiles: Any, scalars: tuple[f
     compiled(inputs, tiles, *scalars, seq_len, cu_seqlens, tile_base, stream)
 
 
-def _workspace_tiles(ws: Workspace, tensor) -> tuple:
-    """``WorkspaceTiles`` of ``ws`` (the ``[rows, 16, D]`` fields seen as ``[rows·16, 1, D]``)."""
+def _workspace_tiles(ws: Workspace, tensor, cross: CrossBlocks | None = None) -> tuple:
+    """``WorkspaceTiles`` of ``ws`` (the ``[rows, 16, D]`` fields seen as ``[rows·16, 1, D]``) and of the pair K1's
+    ``cross`` blocks."""
     from ..kernels.fwd_prepare import WorkspaceTiles
 
     dim = ws.qd.shape[-1]
@@ -159,6 +165,8 @@ def _workspace_tiles(ws: Workspace, tensor) -> tuple:
         inv=tensor(ws.inv, 16),
         mqk=tensor(ws.mqk, 16),
         beta=tensor(ws.beta, 16),
+        cross_kd=None if cross is None else tensor(cross.cross_kd, 16),
+        cross_qd=None if cross is None else tensor(cross.cross_qd, 16),
     )
 
 
@@ -170,14 +178,16 @@ def _compile_arguments(variant: PrepareVariant) -> tuple:
     per_channel = () if variant.per_head_gate else (variant.dim,)
     g = torch.empty((1, CHUNK, heads, *per_channel), dtype=variant.g_dtype, device=_META)
     beta = torch.empty((1, CHUNK, heads), dtype=torch.bfloat16, device=_META)
-    ws = allocate_workspace(WorkspaceSpec(heads=heads, tiles=2, dim=variant.dim), _META)
+    spec = WorkspaceSpec(heads=heads, tiles=2, dim=variant.dim)
+    ws = allocate_workspace(spec, _META)
+    cross = allocate_cross_blocks(spec, _META) if variant.pairs else None
     cu_seqlens = torch.empty(2, dtype=torch.int64, device=_META) if variant.varlen else None
     tile_base = torch.empty(2, dtype=torch.int32, device=_META) if variant.varlen else None
     constants = variant.gate != "none"
     A_log = torch.empty(heads, dtype=torch.float32, device=_META) if constants else None
     dt_bias = torch.empty((heads, *per_channel), dtype=torch.float32, device=_META) if constants else None
     return launch_arguments(q, q, g, beta, A_log, dt_bias, ws, 1.0, -1.0, CHUNK, cu_seqlens, tile_base,
-                            fake_stream(), tensor=to_cute_tensor)
+                            fake_stream(), tensor=to_cute_tensor, cross=cross)
 
 
 def compiled_variant(variant: PrepareVariant, index: int):
@@ -188,7 +198,8 @@ def compiled_variant(variant: PrepareVariant, index: int):
 
         kernel = prepare_kernel(varlen=variant.varlen, qk_l2norm=variant.qk_l2norm, beta_logits=variant.beta_logits,
                                 gate=variant.gate, dtype=dsl_type(variant.dtype), gate_dtype=dsl_type(variant.g_dtype),
-                                per_head_gate=variant.per_head_gate, grouped=variant.grouped, dim=variant.dim)
+                                per_head_gate=variant.per_head_gate, grouped=variant.grouped, dim=variant.dim,
+                                pairs=variant.pairs)
         return compile_for_launch(kernel, *_compile_arguments(variant))
 
     return _PREPARE.get((variant, index), build)
@@ -198,9 +209,11 @@ def prepare(
     q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None, ws: Workspace, *, scale: float, lower_bound: float,
     cu_seqlens: torch.Tensor | None = None, tile_base: torch.Tensor | None = None, qk_l2norm: bool = True,
-    beta_logits: bool = True, gate: str = "safe", stream=None,
+    beta_logits: bool = True, gate: str = "safe", stream=None, cross: CrossBlocks | None = None,
 ) -> None:
-    """Run K1: fill ``ws`` (``tiles_per_head(B·T, N, varlen)`` slots per head) from the raw inputs.
+    """Run K1: fill ``ws`` (``tiles_per_head(B·T, N, varlen)`` slots per head) from the raw inputs; with ``cross``
+    (:class:`~cute_kda.workspace.CrossBlocks` of ``ws``'s spec, the safe gate) the pair workspace of the two-tile
+    serial step (``cute_kda.workspace``), a CTA a pair of tiles.
 
     q, k: bf16 or fp16 ``[B, T, H, D]`` (D in :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`, the workspace's); g
     ``[B, T, HV, D]`` (or ``[B, T, HV]``, a per-head gate, with the
@@ -222,11 +235,11 @@ def prepare(
     if cu_seqlens is not None and tile_base is None:
         tile_base = tile_bases(cu_seqlens, stream=stream)
     variant = PrepareVariant(cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), gate, g.dtype, g.dim() == 3,
-                             beta.shape[2] != q.shape[2], q.dtype, q.shape[3])
+                             beta.shape[2] != q.shape[2], q.dtype, q.shape[3], cross is not None)
     compiled = compiled_variant(variant, device_index(device))
     with on_device(device):
         compiled(*launch_arguments(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, steps, cu_seqlens, tile_base,
-                               stream))
+                               stream, cross=cross))
 
 
 def compile_variant(variant: PrepareVariant, device: torch.device | str) -> None:

@@ -13,7 +13,7 @@ import torch
 from .. import validation
 from ..device import sm_count
 from ..variants import RecurrenceVariant
-from ..workspace import Workspace, block_states_shape
+from ..workspace import CrossBlocks, Workspace, block_states_shape
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, dsl_type, fake_stream, launch_tensor, on_device,
     to_cute_tensor,
@@ -22,7 +22,7 @@ from .prepare import compile_problem, tile_bases
 
 _CACHE = CompileCache("fwd_recurrence")
 # bytes, per tensor of launch_arguments (cu_seqlens 8; tile_base, state_indices, checkpoint_indices 4)
-_ARGUMENT_ALIGNMENT = (16,) * 11 + (8, 4, 16, 4, 4)
+_ARGUMENT_ALIGNMENT = (16,) * 11 + (8, 4, 16, 4, 4, 16, 16)
 
 
 def dtype_or_none(tensor: torch.Tensor | None) -> torch.dtype | None:
@@ -33,35 +33,40 @@ def launch_arguments(
     v: torch.Tensor, ws: Workspace, out: torch.Tensor, *, cu_seqlens: torch.Tensor | None,
     tile_base: torch.Tensor | None, initial_state: torch.Tensor | None, final_state: torch.Tensor | None,
     checkpoints: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
-    checkpoint_indices: torch.Tensor | None = None, tensor=launch_tensor,
+    checkpoint_indices: torch.Tensor | None = None, cross: CrossBlocks | None = None, tensor=launch_tensor,
 ) -> tuple:
     """The tensor arguments of ``FwdRecurrence.__call__`` (dynamic shapes: one compile serves all sizes). A pool
-    call passes the pool as both ``initial_state`` and ``final_state``.
+    call passes the pool as both ``initial_state`` and ``final_state``; ``cross``: the pair workspace's cross blocks
+    (the pair K2).
 
     ``tensor(t, assumed_align)`` converts each: :func:`~._cache.launch_tensor` (the default) for a
     call of the compiled function, :func:`~._cache.to_cute_tensor` for the compile.
     """
+    cross_kd, cross_qd = (None, None) if cross is None else cross
     tensors = (v, out, ws.qd, ws.kd, ws.kr, ws.gt, ws.inv, ws.mqk, ws.beta, initial_state, final_state,
-               cu_seqlens, tile_base, checkpoints, state_indices, checkpoint_indices)
+               cu_seqlens, tile_base, checkpoints, state_indices, checkpoint_indices, cross_kd, cross_qd)
     if tensor is launch_tensor:  # every call: the tensors as they are
         return tensors
     return tuple(tensor(t, align) for t, align in zip(tensors, _ARGUMENT_ALIGNMENT))
 
 
-def workspace_arguments(ws: Workspace) -> tuple:
+def workspace_arguments(ws: Workspace, cross: CrossBlocks | None = None) -> tuple:
     """K2's workspace tensors for repeated launches on ``ws`` (:func:`launch`), as FFI tensors converted once
-    by the caller that keeps them (a torch tensor is converted anew on every call)."""
+    by the caller that keeps them (a torch tensor is converted anew on every call): ``(fields, cross blocks)``, the
+    second ``(None, None)`` without ``cross``."""
     import tvm_ffi
 
-    return tuple(tvm_ffi.from_dlpack(field) for field in ws)
+    blocks = (None, None) if cross is None else tuple(tvm_ffi.from_dlpack(block) for block in cross)
+    return tuple(tvm_ffi.from_dlpack(field) for field in ws), blocks
 
 
 def launch(compiled, v: torch.Tensor, out: torch.Tensor, workspace: tuple, initial_state, final_state, cu_seqlens,
            tile_base, stream, state_indices=None, checkpoint_indices=None) -> None:
     """Call the compiled K2 ``compiled`` (inference: no training checkpoints) in :func:`launch_arguments`' order, with
     the :func:`workspace_arguments` ``workspace``."""
-    compiled(v, out, *workspace, initial_state, final_state, cu_seqlens, tile_base, None, state_indices,
-             checkpoint_indices, stream)
+    fields, cross = workspace
+    compiled(v, out, *fields, initial_state, final_state, cu_seqlens, tile_base, None, state_indices,
+             checkpoint_indices, *cross, stream)
 
 
 def compiled_variant(variant: RecurrenceVariant, index: int, arguments: tuple):
@@ -71,13 +76,15 @@ def compiled_variant(variant: RecurrenceVariant, index: int, arguments: tuple):
 
     def build():
         from ..kernels.fwd_recurrence import FwdRecurrence
+        from ..kernels.fwd_recurrence_pairs import PairRecurrence
 
         initial_state, final_state, dtype = (dsl_type(t) for t in (variant.initial_state, variant.final_state,
                                                                    variant.dtype))
         converted = [to_cute_tensor(t, align) for t, align in zip(arguments, _ARGUMENT_ALIGNMENT)]
-        kernel = FwdRecurrence(vsplit=variant.vsplit, initial_state=initial_state, final_state=final_state,
-                               varlen=variant.varlen, checkpoints=variant.checkpoints, state_pool=variant.state_pool,
-                               prefix_checkpoint_every=variant.prefix_checkpoint_every, dtype=dtype, dim=variant.dim)
+        kernel_class = PairRecurrence if variant.pairs else FwdRecurrence
+        kernel = kernel_class(vsplit=variant.vsplit, initial_state=initial_state, final_state=final_state,
+                              varlen=variant.varlen, checkpoints=variant.checkpoints, state_pool=variant.state_pool,
+                              prefix_checkpoint_every=variant.prefix_checkpoint_every, dtype=dtype, dim=variant.dim)
         return compile_for_launch(kernel, *converted, fake_stream())
 
     return _CACHE.get((variant, index), build)
@@ -94,6 +101,7 @@ def recurrence(
     final_state: torch.Tensor | None = None,
     vsplit: int | None = None,
     checkpoints: torch.Tensor | None = None,
+    cross: CrossBlocks | None = None,
     stream=None,
 ) -> None:
     """Run K2: ``out`` (valid rows only) and, when given, ``final_state``, from v and the K1 workspace.
@@ -106,14 +114,17 @@ def recurrence(
     from it when not given. ``vsplit`` None: :meth:`~cute_kda.variants.RecurrenceVariant.choose_vsplit`. ``checkpoints``: None, or bf16
     ``[H · slots, D, D]`` state images (:func:`cute_kda.workspace.block_states_shape`) for the training forward, which
     also keeps the bf16 state entering every block of :data:`~cute_kda.workspace.SNAPSHOT_TILES` tiles there (the slots of
-    :func:`cute_kda.workspace.snapshot_slots`; other rows are not written). Launches on ``stream`` (a ``CUstream``; default torch's current stream
-    on v's device).
+    :func:`cute_kda.workspace.snapshot_slots`; other rows are not written). ``cross``: the pair workspace's cross
+    blocks (``ws`` then the pair workspace of K1's pair variant): the two-tile serial step (inference, no
+    ``checkpoints``). Launches on ``stream`` (a ``CUstream``; default torch's current stream on v's device).
     """
     varlen = cu_seqlens is not None
     num_seqs = validation.num_seqs(v.shape[0], cu_seqlens)
     heads = v.shape[2]
     if num_seqs == 0 or heads == 0:
         return
+    if cross is not None and checkpoints is not None:
+        raise ValueError("the two-tile step (cross) is an inference variant: it takes no checkpoints")
     if vsplit is None:
         vsplit = RecurrenceVariant.choose_vsplit(num_seqs, heads, sm_count(device_index(v.device)))
     if checkpoints is not None:
@@ -127,9 +138,10 @@ def recurrence(
         if stream is None:
             stream = current_stream(v.device)
         arguments = launch_arguments(v, ws, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
-                                     initial_state=initial_state, final_state=final_state, checkpoints=checkpoints)
+                                     initial_state=initial_state, final_state=final_state, checkpoints=checkpoints,
+                                     cross=cross)
         variant = RecurrenceVariant(vsplit, dtype_or_none(initial_state), dtype_or_none(final_state), varlen,
-                                    checkpoints is not None, dtype=v.dtype, dim=v.shape[-1])
+                                    checkpoints is not None, dtype=v.dtype, dim=v.shape[-1], pairs=cross is not None)
         compiled_variant(variant, device_index(v.device), arguments)(*arguments, stream)
 
 
@@ -147,5 +159,7 @@ def compile_variant(variant: RecurrenceVariant, device: torch.device | str) -> N
                                  initial_state=problem.state(variant.initial_state),
                                  final_state=problem.state(variant.final_state),
                                  checkpoints=problem.block_states() if variant.checkpoints else None,
-                                 state_indices=state_indices, checkpoint_indices=checkpoint_indices)
+                                 state_indices=state_indices, checkpoint_indices=checkpoint_indices,
+                                 cross=CrossBlocks(*(torch.empty_like(problem.ws.inv) for _ in range(2)))
+                                 if variant.pairs else None)
     compiled_variant(variant, device_index(torch.device(device)), arguments)

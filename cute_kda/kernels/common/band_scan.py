@@ -182,7 +182,7 @@ class BandScan:
         boxes = {plan.token_field: token_box(plan.token_field, stages)}
         for name in layouts.SWIZZLED_FIELDS:
             boxes[name] = smem_tensor(at[name], layouts.chunk_operand(plan), bf16)
-        for name in ("inv", "mqk"):
+        for name in ("inv", "mqk", *(layouts.CROSS_FIELDS if plan.pairs else ())):
             boxes[name] = smem_tensor(at[name], layouts.tma_box(CHUNK, CHUNK, stages), bf16)
         for name in plan.output_fields:
             boxes[name] = token_box(name, out_stages, self.output_dtype(name))

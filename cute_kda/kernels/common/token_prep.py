@@ -39,9 +39,10 @@ class TokenPrep:
         return partial
 
     @cute.jit
-    def locate_tile(self, tile_slot: Int32, seq_len: Int32, cu_seqlens: Optional[cute.Tensor],
-                    tile_base: Optional[cute.Tensor]):
-        """(first token row of the tile, rows of it inside the sequence, whether the slot is a tile, sequence).
+    def tile_position(self, tile_slot: Int32, seq_len: Int32, cu_seqlens: Optional[cute.Tensor],
+                      tile_base: Optional[cute.Tensor]):
+        """(sequence, the tile's index in it, the tile's first token row, the sequence's end row, whether the slot
+        is a tile).
 
         Needs ``self.varlen``. Varlen: the largest sequence whose ``tile_base`` is ≤ the slot (binary search).
         """
@@ -59,14 +60,24 @@ class TokenPrep:
             seq = lo
             seq_start = Int32(cu_seqlens[lo])
             seq_end = Int32(cu_seqlens[lo + 1])
-            row0 = seq_start + (tile_slot - tile_base[lo]) * CHUNK
+            tile_in_seq = tile_slot - tile_base[lo]
+            row0 = seq_start + tile_in_seq * CHUNK
             exists = tile_slot < tile_base[num_seqs]
         else:
             tiles_per_seq = (seq_len + CHUNK - 1) // CHUNK
             seq = tile_slot // tiles_per_seq
             seq_end = (seq + 1) * seq_len
-            row0 = seq * seq_len + (tile_slot - seq * tiles_per_seq) * CHUNK
+            tile_in_seq = tile_slot - seq * tiles_per_seq
+            row0 = seq * seq_len + tile_in_seq * CHUNK
             exists = True  # the grid is exact
+        return seq, tile_in_seq, row0, seq_end, exists
+
+    @cute.jit
+    def locate_tile(self, tile_slot: Int32, seq_len: Int32, cu_seqlens: Optional[cute.Tensor],
+                    tile_base: Optional[cute.Tensor]):
+        """(first token row of the tile, rows of it inside the sequence, whether the slot is a tile, sequence), from
+        :meth:`tile_position`."""
+        seq, _, row0, seq_end, exists = self.tile_position(tile_slot, seq_len, cu_seqlens, tile_base)
         return row0, cutlass.min(seq_end - row0, CHUNK), exists, seq
 
     @cute.jit
@@ -101,11 +112,16 @@ class TokenPrep:
 
     @cute.jit
     def decay(self, s_q, s_k, s_cumsum, s_qd, s_kd, s_kr, s_kinv, scale: Float32, valid_rows: Int32,
-              tidx: Int32, s_rinv_q=None, s_rinv_k=None):
+              tidx: Int32, s_rinv_q=None, s_rinv_k=None, s_cumsum_next=None, pair_start=None):
         """l2norm and decayed operands (qd, kd, kr, kinv) of this thread's row chunks.
 
         The outputs may alias the inputs (K1 writes qd over q); ``s_rinv_q`` / ``s_rinv_k`` (``[16]``
         fp32, optional) receive each row's ``1/sqrt(Σx² + EPS)`` (with l2norm only).
+
+        A pair of tiles (docs/numerics.md, "Two tiles a serial step"): for tile a, ``s_cumsum_next`` is tile b's
+        ``G`` and kr is measured to the pair's end, ``2^f32(f32(G_last − G) + G_b,last)``; for tile b,
+        ``pair_start = (s_cumsum_a, s_qd_pair, s_kd_pair)`` also writes qd and kd measured from the pair's start,
+        ``2^f32(G_a,last + G)``, beside the tile-relative ones.
         """
         for item in cutlass.range_constexpr(self.decay_items):
             row, chunk = self.row_chunk(tidx, item)
@@ -117,6 +133,16 @@ class TokenPrep:
             cum_last = cute.make_rmem_tensor(run, Float32)
             cute.autovec_copy(cute.local_tile(s_cumsum, run, at), cum)
             cute.autovec_copy(cute.local_tile(s_cumsum, run, (CHUNK - 1, chunk)), cum_last)
+            next_last = None
+            if cutlass.const_expr(s_cumsum_next is not None):
+                next_last = cute.make_rmem_tensor(run, Float32)
+                cute.autovec_copy(cute.local_tile(s_cumsum_next, run, (CHUNK - 1, chunk)), next_last)
+            before_last, qd_pair, kd_pair = None, None, None
+            if cutlass.const_expr(pair_start is not None):
+                before_last = cute.make_rmem_tensor(run, Float32)
+                cute.autovec_copy(cute.local_tile(pair_start[0], run, (CHUNK - 1, chunk)), before_last)
+                qd_pair = cute.make_rmem_tensor(run, BFloat16)
+                kd_pair = cute.make_rmem_tensor(run, BFloat16)
             q32, k32, q_rinv, q_rscale, k_rscale = self.chunk_scales(q_in, k_in, valid, scale)
             self.store_row_rinv(s_rinv_q, s_rinv_k, row, chunk, q_rinv, k_rscale)
 
@@ -131,11 +157,21 @@ class TokenPrep:
                 qd[i] = (q_hat * decay).to(BFloat16)
                 kd[i] = (k_hat * decay).to(BFloat16)
                 kinv[i] = (k_hat * ex2_approx(-cum[i])).to(BFloat16)
-                kr[i] = (k_hat * ex2_approx(cum_last[i] - cum[i])).to(BFloat16)
+                rest = cum_last[i] - cum[i]
+                if cutlass.const_expr(next_last is not None):
+                    rest = rest + next_last[i]
+                kr[i] = (k_hat * ex2_approx(rest)).to(BFloat16)
+                if cutlass.const_expr(pair_start is not None):
+                    pair_decay = ex2_approx(before_last[i] + cum[i])
+                    qd_pair[i] = (q_hat * pair_decay).to(BFloat16)
+                    kd_pair[i] = (k_hat * pair_decay).to(BFloat16)
             cute.autovec_copy(qd, cute.local_tile(s_qd, run, at))
             cute.autovec_copy(kd, cute.local_tile(s_kd, run, at))
             cute.autovec_copy(kr, cute.local_tile(s_kr, run, at))
             cute.autovec_copy(kinv, cute.local_tile(s_kinv, run, at))
+            if cutlass.const_expr(pair_start is not None):
+                cute.autovec_copy(qd_pair, cute.local_tile(pair_start[1], run, at))
+                cute.autovec_copy(kd_pair, cute.local_tile(pair_start[2], run, at))
 
     def row_chunk(self, tidx: Int32, item: int) -> tuple:
         """(row, 8-channel chunk) of this thread's ``item``-th of its ``decay_items`` row chunks (:attr:`row_lanes`

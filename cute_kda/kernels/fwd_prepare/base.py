@@ -77,6 +77,9 @@ class WorkspaceTiles(NamedTuple):
     inv: cute.Tensor  # bf16 [R, 16, 16]
     mqk: cute.Tensor  # bf16 [R, 16, 16]
     beta: cute.Tensor  # fp32 [R, 16]
+    # a pair K1's cross blocks (docs/numerics.md, "Two tiles a serial step"), tile b's slot; None otherwise
+    cross_kd: Optional[cute.Tensor] = None  # bf16 [R, 16, 16]: P = kd_b'·kinv_aᵀ
+    cross_qd: Optional[cute.Tensor] = None  # bf16 [R, 16, 16]: Q = qd_b'·kinv_aᵀ
 
 
 class PrepareScalars(NamedTuple):
@@ -207,6 +210,8 @@ class PrepareKernel(TokenPrep):
             inv=plan.compact(ws.inv, (CHUNK, CHUNK)),
             mqk=plan.compact(ws.mqk, (CHUNK, CHUNK)),
             beta=plan.compact(ws.beta, (CHUNK,)),
+            cross_kd=None if ws.cross_kd is None else plan.compact(ws.cross_kd, (CHUNK, CHUNK)),
+            cross_qd=None if ws.cross_qd is None else plan.compact(ws.cross_qd, (CHUNK, CHUNK)),
         )
         tile = plan.chunk_tile(d)
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
@@ -264,14 +269,14 @@ class PrepareKernel(TokenPrep):
         return tuple(buffer.get_tensor(plan.row_vector()) for buffer in buffers)
 
     @cute.jit
-    def load_inputs(self, tiles: tuple, tma_barrier, row0: Int32):
-        """Warp 0: one transaction barrier, TMA tile loads starting at token row ``row0``; ``tiles`` is
-        ``((atom, tma_tensor), smem, head)`` per tile."""
+    def load_inputs(self, tiles: tuple, tma_barrier):
+        """Warp 0: one transaction barrier, TMA tile loads; ``tiles`` is ``((atom, tma_tensor), smem, head, row0)``
+        per tile, ``row0`` its first token row."""
         with cute.arch.elect_one():
             cute.arch.mbarrier_init(tma_barrier, 1)
             cute.arch.mbarrier_init_fence()
             cute.arch.mbarrier_arrive_and_expect_tx(tma_barrier, len(tiles) * plan.input_tile_bytes(self.dim))
-        for (atom, tma_tensor), smem, head in tiles:
+        for (atom, tma_tensor), smem, head, row0 in tiles:
             s_part, g_part = head_tile_tma_partition(
                 atom, cute.domain_offset((row0, 0, 0), tma_tensor), smem, head, self.tile
             )
@@ -357,15 +362,19 @@ class PrepareKernel(TokenPrep):
         return x_b
 
     @cute.jit
-    def store_mqk(self, a_qk: cute.Tensor, ws_mqk: cute.Tensor, slot: Int32, lane: Int32):
-        """``Mqk = bf16(A_qk[i, j])`` for i ≥ j, else 0, from ``A_qk``'s fp32 C fragment, to slot ``slot``."""
+    def store_mqk(self, a_qk: cute.Tensor, ws_mqk: cute.Tensor, slot: Int32, lane: Int32, causal: bool = True):
+        """``Mqk = bf16(A_qk[i, j])`` for i ≥ j, else 0, from ``A_qk``'s fp32 C fragment, to slot ``slot``; without
+        ``causal`` every entry (a pair's cross blocks)."""
         mma_bf16 = warp_tiled_mma(BFloat16, Float32)
         thr = mma_bf16.get_slice(lane)
         coords = thr.partition_C(cute.make_identity_tensor((WARP_TILE, WARP_TILE)))
         mqk = make_fragment(mma_bf16, Operand.C, BFloat16)
         for i in cutlass.range_constexpr(cute.size(a_qk)):
             row, col = coords[i]
-            mqk[i] = Float32(cutlass.select_(row >= col, a_qk[i], Float32(0.0))).to(BFloat16)
+            if cutlass.const_expr(causal):
+                mqk[i] = Float32(cutlass.select_(row >= col, a_qk[i], Float32(0.0))).to(BFloat16)
+            else:
+                mqk[i] = a_qk[i].to(BFloat16)
         cute.autovec_copy(mqk, thr.partition_C(ws_mqk[slot, None, None]))
 
     @cute.jit

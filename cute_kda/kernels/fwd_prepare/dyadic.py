@@ -116,7 +116,7 @@ class DyadicPrepare(PrepareKernel):
         tma_barrier = storage.tma_barrier.data_ptr()
 
         if warp_idx == 0:
-            self.load_inputs(((tma.q, q_in, qk_head), (tma.k, k_in, qk_head)), tma_barrier, row0)
+            self.load_inputs(((tma.q, q_in, qk_head, row0), (tma.k, k_in, qk_head, row0)), tma_barrier)
         col = self.channel_of(tidx)
         gate_in = self.load_gate_column(inputs.g, head, row0, valid_rows, col)  # in flight with the TMA
         dt, e_a = Float32(0.0), Float32(1.0)

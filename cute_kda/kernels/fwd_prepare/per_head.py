@@ -46,7 +46,7 @@ class PerHeadPrepare(PrepareKernel):
         tma_barrier = storage.tma_barrier.data_ptr()
 
         if warp_idx == 0:
-            self.load_inputs(((tma.q, q_in, qk_head), (tma.k, k_in, qk_head)), tma_barrier, row0)
+            self.load_inputs(((tma.q, q_in, qk_head, row0), (tma.k, k_in, qk_head, row0)), tma_barrier)
         # the rows' β and gate inputs, loaded by every thread (in bounds, no branch) so that they go out together
         row = lane % CHUNK
         gate_inputs = self.head_gate_inputs(inputs.g, inputs.a_log, inputs.dt_bias, head, row0, valid_rows, row)

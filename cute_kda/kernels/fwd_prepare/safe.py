@@ -52,7 +52,8 @@ class SafePrepare(PrepareKernel):
         tma_barrier = storage.tma_barrier.data_ptr()
 
         if warp_idx == 0:
-            self.load_inputs(((tma.q, q_in, qk_head), (tma.k, k_in, qk_head), (tma.g, g_in, head)), tma_barrier, row0)
+            self.load_inputs(((tma.q, q_in, qk_head, row0), (tma.k, k_in, qk_head, row0), (tma.g, g_in, head, row0)),
+                             tma_barrier)
         # gate inputs of this thread's scan column, fetched while the TMA runs
         col = tidx % self.dim
         dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, head, col)

@@ -1,0 +1,102 @@
+"""The two-tile prefill (docs/numerics.md, "Two tiles a serial step") beside today's, kernel by kernel: K1 and its
+pair variant, K2 and its pair variant (at the automatic V-split), medians in one run on the same inputs, the safe
+gate, fp32 states in and out; with the accuracy of both forwards against each other.
+
+    python benchmarks/bench_pair_prefill.py                               # the six shapes of the forward
+    python benchmarks/bench_pair_prefill.py --shapes B1_T32768_H16 --out benchmarks/results/pairs.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from cute_kda._bench import (  # noqa: E402
+    add_run_arguments, environment, graph_median_ms, markdown_table, median_ms, publish,
+)
+from cute_kda.workspace import CHUNK  # noqa: E402
+
+from shapes import D, LOWER_BOUND, SHAPES, make_inputs  # noqa: E402
+
+
+def _median(launch, warmup: int, rep: int) -> float:
+    launch()  # compile outside the timing
+    torch.cuda.synchronize()
+    ms = graph_median_ms(launch, warmup, rep)
+    return median_ms(launch, warmup, rep) if ms is None else ms
+
+
+def run(name: str, warmup: int, rep: int) -> dict:
+    from cute_kda.ops import prepare as k1
+    from cute_kda.ops import recurrence as k2
+    from cute_kda.reference import rel_rms
+    from cute_kda.workspace import WorkspaceSpec, allocate_cross_blocks, allocate_workspace, tiles_per_head
+
+    shape = SHAPES[name]
+    x = make_inputs(shape, torch.device("cuda"))
+    cu = x["cu_seqlens"]
+    tile_base = k1.tile_bases(cu) if cu is not None else None
+    num_seqs = len(shape.lengths)
+    spec = WorkspaceSpec(heads=shape.heads, tiles=tiles_per_head(shape.batch * shape.seq_len, num_seqs,
+                                                                 shape.varlen))
+    row = dict(shape=name, steps=max((n + CHUNK - 1) // CHUNK for n in shape.lengths))
+    outputs = {}
+    for pairs in (False, True):
+        ws = allocate_workspace(spec, "cuda")
+        cross = allocate_cross_blocks(spec, "cuda") if pairs else None
+        out, final = torch.empty_like(x["v"]), torch.empty_like(x["initial_state"])
+
+        def prepare():
+            k1.prepare(x["q"], x["k"], x["g"], x["beta"], x["A_log"], x["dt_bias"], ws, scale=D ** -0.5,
+                       lower_bound=LOWER_BOUND, cu_seqlens=cu, tile_base=tile_base, cross=cross)
+
+        def recurrence():
+            k2.recurrence(x["v"], ws, out, cu_seqlens=cu, tile_base=tile_base, initial_state=x["initial_state"],
+                          final_state=final, cross=cross)
+
+        label = "pairs" if pairs else "today"
+        row[f"k1_{label}"] = _median(prepare, warmup, rep)
+        row[f"k2_{label}"] = _median(recurrence, warmup, rep)
+        prepare()
+        recurrence()
+        torch.cuda.synchronize()
+        outputs[pairs] = out.clone(), final.clone()
+        print(f"{name} {label}: K1 {row[f'k1_{label}']:.3f} ms, K2 {row[f'k2_{label}']:.3f} ms", file=sys.stderr)
+    row["o_diff"] = rel_rms(outputs[True][0], outputs[False][0])
+    row["state_diff"] = rel_rms(outputs[True][1], outputs[False][1])
+    return row
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ["shape", "tile steps", "K1 ms", "K1 pairs ms", "K2 ms", "K2 pairs ms", "K2 pairs / K2", "K1 + K2 ms",
+            "pairs K1 + K2 ms", "ratio", "o rel-RMS pairs vs today", "state"]
+    cells = []
+    for r in rows:
+        today, pairs = r["k1_today"] + r["k2_today"], r["k1_pairs"] + r["k2_pairs"]
+        cells.append([r["shape"], str(r["steps"]), f"{r['k1_today']:.3f}", f"{r['k1_pairs']:.3f}",
+                      f"{r['k2_today']:.3f}", f"{r['k2_pairs']:.3f}", f"{r['k2_pairs'] / r['k2_today']:.3f}",
+                      f"{today:.3f}", f"{pairs:.3f}", f"{pairs / today:.3f}", f"{r['o_diff']:.2e}",
+                      f"{r['state_diff']:.2e}"])
+    return markdown_table(head, cells)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(parser, SHAPES)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_pair_prefill needs a CUDA GPU (Hopper)")
+    with torch.inference_mode():
+        rows = [run(name, args.warmup, args.rep) for name in args.shapes]
+    header = (f"{environment('cutlass', labels={'cutlass': 'cutlass-dsl'})} · the two-tile prefill beside today's, "
+              f"D={D}, safe gate, fp32 state in and out")
+    publish(f"{header}\n\n{markdown(rows)}\n", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""K1 for the safe gate, a pair of tiles a CTA: the workspace of the two-tile serial step (docs/numerics.md, "Two
+tiles a serial step"; the mirror is ``cute_kda.reference.pairs.mirror_prepare_pairs``).
+
+Tiles pair up from each sequence's first tile, (0, 1), (2, 3), …; the CTA of a pair's first tile (tile a) does the
+pair, the CTA of its second (tile b) exits at once, and a sequence's odd last tile is a pair without a tile b (it
+gets today's fields: tile b's exponents are then 0 and add nothing). ``2 · D`` threads, one channel of one tile each
+in the gate scan and one row chunk of each tile in the decay:
+
+1. *Load.* Warp 0 TMA-loads q, k, g of both tiles behind one transaction barrier; threads 0-15 compute tile a's β,
+   16-31 tile b's.
+2. *Gate scans.* Threads 0 … D−1 scan tile a's channels, D … 2D−1 tile b's; then ``gT_b = 2^G_b,last`` and tile a
+   takes the pair's decay ``2^f32(G_a,last + G_b,last)``.
+3. *Decay.* Tile a's qd, kd, kinv as today and kr measured to the pair's end; tile b's tile-relative qd, kd,
+   kinv, kr and its qd', kd' measured from the pair's start
+   (:meth:`~cute_kda.kernels.common.token_prep.TokenPrep.decay`).
+4. *Finish*, eight warp tasks: INV and Mqk of each tile from its tile-relative operands, the cross blocks
+   ``P = kd_b'·kinv_aᵀ`` and ``Q = qd_b'·kinv_aᵀ`` (to tile b's slot), the TMA stores of each tile's qd, kd, kr
+   (tile b's qd', kd'). Nothing of tile b is written when the pair has none.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from cutlass import BFloat16, Float32, Int32
+
+from ...dsl import cute, cutlass
+from ...layouts import fwd_prepare as plan
+from ...layouts.smem import CHUNK, HEAD_DIM
+from ..common.copy import warp_tiled_mma
+from ..common.fastmath import ex2_approx
+from .base import PrepareInputs, PrepareScalars, PrepareTma, WorkspaceTiles
+from .safe import SafePrepare
+
+FINISH_TASKS = 8  # INV_a, INV_b, Mqk_a, Mqk_b, P, Q, tile a's stores, tile b's stores
+
+
+class SafePairPrepare(SafePrepare):
+    """The safe gate's K1 over pairs of tiles (module docstring): ``2 · dim`` threads, the workspace plus the cross
+    blocks (``WorkspaceTiles.cross_kd``, ``cross_qd``)."""
+
+    thread_counts = (2 * HEAD_DIM, HEAD_DIM)
+    smem_plan = staticmethod(plan.pair_smem_budget)
+
+    def __init__(self, *, dim: int = HEAD_DIM, num_threads: Optional[int] = None, ctas_per_sm: Optional[int] = None,
+                 **config) -> None:
+        threads = 2 * dim
+        if num_threads not in (None, threads):
+            raise ValueError(f"the pair K1 runs 2 · dim = {threads} threads, got {num_threads}")
+        self.default_ctas_per_sm = plan.pair_smem_budget(dim).ctas_per_sm
+        super().__init__(dim=dim, num_threads=threads, ctas_per_sm=ctas_per_sm, **config)
+
+    @cute.kernel
+    def kernel(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles, scalars: PrepareScalars,
+               cu_seqlens: Optional[cute.Tensor], tile_base: Optional[cute.Tensor]):
+        tile_slot, head, _ = cute.arch.block_idx()
+        tiles, heads, _ = cute.arch.grid_dim()
+        _, tile_in_seq, row0, seq_end, exists = self.tile_position(tile_slot, scalars.seq_len, cu_seqlens, tile_base)
+        qk_head = head
+        if cutlass.const_expr(self.grouped):
+            qk_head = head // (heads // inputs.q.shape[1])
+        if exists and tile_in_seq % 2 == 0:
+            rows_left = seq_end - row0
+            valid_b = cutlass.max(cutlass.min(rows_left - CHUNK, CHUNK), 0)
+            self.prepare_pair(tma, inputs, ws, scalars, head, qk_head, head * tiles + tile_slot, row0,
+                              cutlass.min(rows_left, CHUNK), valid_b)
+
+    @cute.jit
+    def prepare_pair(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles, scalars: PrepareScalars,
+                     head: Int32, qk_head: Int32, slot: Int32, row0: Int32, valid_a: Int32, valid_b: Int32):
+        """The phases of the module docstring for the pair whose tile a is in workspace slot ``slot`` (tile b in
+        ``slot + 1``) and starts at token row ``row0``; ``valid_b`` 0: no tile b."""
+        tidx, warp_idx, lane, storage, tile_layout = self.start_tile()
+        s_q_a, s_k_a, s_g_a, s_kinv_a, s_q_b, s_k_b, s_g_b, s_kinv_b, s_qd_pair, s_kd_pair = self.swizzled_views(
+            tile_layout, storage.q_a, storage.k_a, storage.g_a, storage.kinv_a, storage.q_b, storage.k_b,
+            storage.g_b, storage.kinv_b, storage.qd_pair, storage.kd_pair)
+        q_a_in, k_a_in, g_a_in, q_b_in, k_b_in, g_b_in = self.input_views(
+            tile_layout, storage.q_a, storage.k_a, storage.g_a, storage.q_b, storage.k_b, storage.g_b)
+        s_cumsum_a, s_cumsum_b = self.swizzled_views(plan.gate_cumsum_tile(self.dim), storage.gate_cumsum_a,
+                                                     storage.gate_cumsum_b)
+        s_beta_a, s_beta_b = self.row_views(storage.beta_a, storage.beta_b)
+        tma_barrier = storage.tma_barrier.data_ptr()
+        slot_b, row_b = slot + 1, row0 + CHUNK
+        has_b = valid_b > 0
+
+        if warp_idx == 0:
+            self.load_inputs(((tma.q, q_a_in, qk_head, row0), (tma.k, k_a_in, qk_head, row0),
+                              (tma.g, g_a_in, head, row0), (tma.q, q_b_in, qk_head, row_b),
+                              (tma.k, k_b_in, qk_head, row_b), (tma.g, g_b_in, head, row_b)), tma_barrier)
+        col = tidx % self.dim
+        dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, head, col)
+        if tidx < CHUNK:
+            self.activate_beta(inputs.beta, ws.beta, s_beta_a, head, slot, row0, valid_a, tidx)
+        elif tidx < 2 * CHUNK:
+            if has_b:
+                self.activate_beta(inputs.beta, ws.beta, s_beta_b, head, slot_b, row_b, valid_b, tidx - CHUNK)
+        cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
+        cute.arch.mbarrier_wait(tma_barrier, 0)
+
+        if tidx < self.dim:
+            self.gate_scan(g_a_in, s_cumsum_a, col, dt, e_a, scalars.c_gate, valid_a)
+        else:
+            last_b = self.gate_scan(g_b_in, s_cumsum_b, col, dt, e_a, scalars.c_gate, valid_b)
+            if has_b:
+                ws.gt[slot_b, col] = ex2_approx(last_b)
+        cute.arch.sync_threads()
+        if tidx < self.dim:  # the pair's decay (tile b's G_last is 0 without a tile b: today's gT)
+            ws.gt[slot, col] = ex2_approx(s_cumsum_a[CHUNK - 1, col] + s_cumsum_b[CHUNK - 1, col])
+        self.decay(q_a_in, k_a_in, s_cumsum_a, s_q_a, s_k_a, s_g_a, s_kinv_a, scalars.scale, valid_a, tidx,
+                   s_cumsum_next=s_cumsum_b)
+        self.decay(q_b_in, k_b_in, s_cumsum_b, s_q_b, s_k_b, s_g_b, s_kinv_b, scalars.scale, valid_b, tidx,
+                   pair_start=(s_cumsum_a, s_qd_pair, s_kd_pair))
+        cute.arch.fence_view_async_shared()  # generic-proxy smem writes → TMA store reads
+        cute.arch.sync_threads()
+
+        warps = self.num_threads // 32
+        mma_bf16 = warp_tiled_mma(BFloat16, Float32)
+        for task in cutlass.range_constexpr(FINISH_TASKS):
+            if warp_idx == task % warps:
+                if cutlass.const_expr(task == 0):
+                    self.kkt_inverse(s_k_a, s_kinv_a, s_beta_a, ws.inv, slot, lane)
+                if cutlass.const_expr(task == 2):
+                    self.masked_qk(s_q_a, s_kinv_a, ws.mqk, slot, lane)
+                if cutlass.const_expr(task == 6):
+                    self.store_tiles(tma, s_q_a, s_k_a, s_g_a, slot)
+                if cutlass.const_expr(task in (1, 3, 4, 5, 7)):
+                    if has_b:
+                        if cutlass.const_expr(task == 1):
+                            self.kkt_inverse(s_k_b, s_kinv_b, s_beta_b, ws.inv, slot_b, lane)
+                        if cutlass.const_expr(task == 3):
+                            self.masked_qk(s_q_b, s_kinv_b, ws.mqk, slot_b, lane)
+                        if cutlass.const_expr(task == 4):
+                            self.store_mqk(self.tile_product(mma_bf16, s_kd_pair, s_kinv_a, lane), ws.cross_kd,
+                                           slot_b, lane, causal=False)
+                        if cutlass.const_expr(task == 5):
+                            self.store_mqk(self.tile_product(mma_bf16, s_qd_pair, s_kinv_a, lane), ws.cross_qd,
+                                           slot_b, lane, causal=False)
+                        if cutlass.const_expr(task == 7):
+                            self.store_tiles(tma, s_qd_pair, s_kd_pair, s_g_b, slot_b)

@@ -1,0 +1,215 @@
+"""K2 over pairs of tiles: the two-tile serial step (docs/numerics.md, "Two tiles a serial step"; the mirror is
+``cute_kda.reference.pairs.mirror_recurrence_pairs``), inference.
+
+K2's step is mostly fixed latency (a dependent chain of small products), so a step over two tiles costs far less
+than two steps (docs/perf-log.md, v8). It reads the pair workspace of K1's pair variant
+(:class:`~cute_kda.kernels.fwd_prepare.SafePairPrepare`): tiles a, b of a pair run against the state ``S`` entering
+the pair, tile b through its pair-relative ``kd_b'``, ``qd_b'`` and the cross blocks ``P``, ``Q``::
+
+    u_a = bf16(f32(v_a − kd_a·S)·β_a),  U_a = bf16(INV_a·u_a),  o_a = bf16(qd_a·S + Mqk_a·U_a)
+    u_b = bf16(f32(v_b − (kd_b'·S + P·U_a))·β_b),  U_b = bf16(INV_b·u_b)
+    o_b = bf16(qd_b'·S + Q·U_a + Mqk_b·U_b)
+    S32 ← kr_a'ᵀ·U_a + kr_bᵀ·U_b + f32(gT_pair·S32),  S = bf16(S32)
+
+(``kr_a'`` is measured to the pair's end, ``gT_pair`` in tile a's slot). A sequence's odd last tile runs K2's
+step. Everything else is :class:`~cute_kda.kernels.fwd_recurrence.FwdRecurrence`'s: roles, the state in registers,
+state I/O and pools; the load warp still moves one tile a stage (and the cross blocks in every stage), the compute
+warps take two stages a step; 6 input and 4 output stages keep three pairs in flight. No training checkpoints: the
+state between a pair's tiles is never formed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..dsl import cute, cutlass  # first: sets the target architecture before the DSL loads
+
+import cutlass.pipeline as pipeline
+from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
+
+from ..layouts.fwd_recurrence import RecurrenceSmemPlan
+from ..numerics import CHUNK
+from .common.copy import c_row_half, transpose_c_to_b
+from .common.fastmath import mul_rn
+from .fwd_recurrence import FwdRecurrence, PrefixCheckpoints, RecurrenceSmem
+
+PAIR_INPUT_STAGES = 6  # three pairs in flight (perf-log v8 measured the probe at 6 / 4)
+PAIR_OUTPUT_STAGES = 4
+
+
+class PairRecurrence(FwdRecurrence):
+    """K2's two-tile step (module docstring); :class:`FwdRecurrence`'s configuration without ``checkpoints``."""
+
+    def __init__(self, **config) -> None:
+        if config.get("checkpoints"):
+            raise ValueError("the two-tile step keeps no training checkpoints (the state between a pair's tiles is "
+                             "never formed)")
+        super().__init__(**config)
+
+    def make_plan(self, vsplit: int, state_io_fp32: bool, dim: int) -> RecurrenceSmemPlan:
+        return RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=state_io_fp32, dim=dim, pairs=True,
+                                  input_stages=PAIR_INPUT_STAGES, output_stages=PAIR_OUTPUT_STAGES)
+
+    @cute.jit
+    def compute(
+        self, warp_idx: Int32, num_tiles: Int32,
+        load_pipe: pipeline.PipelineTmaAsync, store_pipe: pipeline.PipelineAsync, smem: RecurrenceSmem,
+        state32: tuple, band: Int32, first_tile: Int32, checkpoint_row0: Int32,
+        checkpoints: Optional[cute.Tensor], prefix: Optional[PrefixCheckpoints] = None,
+    ):
+        """The pair steps, then the lone last tile of an odd count, on the warp's ``warp_cols`` value columns;
+        ``state32`` as :meth:`FwdRecurrence.compute`'s. Phase numbers are K2's (module docstring of
+        :mod:`~cute_kda.kernels.fwd_recurrence`): Phase 1 of both tiles against ``S``, then tile a's Phases 2-5,
+        tile b's with the cross terms, and one Phase 6 for the pair."""
+        lane = cute.arch.lane_idx()
+        group = lane // 4
+        cols = self.warp_cols
+        dim = self.dim
+        k_steps = dim // CHUNK
+
+        tiled_mma = self.warp_mma()
+        copies = self.warp_copies(tiled_mma)
+        ldsm_a = copies.ldsm_a.get_slice(lane)
+        ldsm_a_t = copies.ldsm_a_t.get_slice(lane)
+        ldsm_b = copies.ldsm_b.get_slice(lane)
+        ldsm_c = copies.ldsm_c.get_slice(lane)
+        stsm_c = copies.stsm_c.get_slice(lane)
+        stsm_c_t = copies.stsm_c_t.get_slice(lane)
+
+        w_state = cute.local_tile(smem.state, (cols, dim), (warp_idx, 0))  # [cols, K]
+        w_state_acc = cute.local_tile(smem.state_acc, (dim, cols), (0, warp_idx))  # [K, cols]
+        w_v = cute.local_tile(smem.v, (CHUNK, cols), (0, warp_idx, None))  # [16, cols, stage]
+        w_out = cute.local_tile(smem.out, (CHUNK, cols), (0, warp_idx, None))
+
+        p_kd = ldsm_a.partition_S(smem.kd)  # (CPY, 1, k_steps, stage)
+        p_qd = ldsm_a.partition_S(smem.qd)
+        p_inv = ldsm_a.partition_S(smem.inv)  # (CPY, 1, 1, stage)
+        p_mqk = ldsm_a.partition_S(smem.mqk)
+        p_cross_kd = ldsm_a.partition_S(smem.cross_kd)
+        p_cross_qd = ldsm_a.partition_S(smem.cross_qd)
+        p_kr_t = ldsm_a_t.partition_S(smem.kr_t)  # (CPY, k_steps, 1, stage)
+        p_state = ldsm_b.partition_S(w_state)  # (CPY, n, k_steps)
+        p_v = ldsm_c.partition_S(w_v)  # (CPY, 1, n, stage)
+        p_out = stsm_c.partition_D(w_out)
+        p_state_acc_st = stsm_c_t.partition_D(w_state_acc)
+
+        def fragment_a(shape):
+            return tiled_mma.make_fragment_A(tiled_mma.partition_shape_A(shape))
+
+        def fragment_b(shape):
+            return tiled_mma.make_fragment_B(tiled_mma.partition_shape_B(shape))
+
+        c_shape = tiled_mma.partition_shape_C((CHUNK, cols))  # ((2,2), 1, n)
+        r_kd = (fragment_a((CHUNK, dim)), fragment_a((CHUNK, dim)))  # tile a's, tile b's
+        r_qd = (fragment_a((CHUNK, dim)), fragment_a((CHUNK, dim)))
+        r_state = fragment_b((cols, dim))
+        r_square = fragment_a((CHUNK, CHUNK))  # INV, Mqk, P, Q in turn
+        r_kr_t = (fragment_a((dim, CHUNK)), fragment_a((dim, CHUNK)))
+        acc_ks = (tiled_mma.make_fragment_C(c_shape), tiled_mma.make_fragment_C(c_shape))
+        acc_qs = (tiled_mma.make_fragment_C(c_shape), tiled_mma.make_fragment_C(c_shape))  # qS, then o
+        acc = tiled_mma.make_fragment_C(c_shape)  # INV·u
+        r_v = cute.make_rmem_tensor(c_shape, self.token_dtype)
+        r_c16 = cute.make_rmem_tensor(c_shape, BFloat16)  # u, then U (bf16 C fragments)
+        r_o = cute.make_rmem_tensor(c_shape, self.token_dtype)
+        r_u_b = fragment_b((cols, CHUNK))  # u as B
+        r_big_u_b = (fragment_b((cols, CHUNK)), fragment_b((cols, CHUNK)))  # U_a, U_b as B (Phases 2b-6)
+        r_state_acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((dim, cols)), BFloat16)
+
+        v_kd = tuple(ldsm_a.retile(r) for r in r_kd)
+        v_qd = tuple(ldsm_a.retile(r) for r in r_qd)
+        v_state = ldsm_b.retile(r_state)
+        v_square = ldsm_a.retile(r_square)
+        v_kr_t = tuple(ldsm_a_t.retile(r) for r in r_kr_t)
+        v_v = ldsm_c.retile(r_v)
+        v_out = stsm_c.retile(r_o)
+        v_state_acc_st = stsm_c_t.retile(r_state_acc)
+        state_words = cute.recast_tensor(r_state_acc, Uint32)
+
+        load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.plan.input_stages)
+        out_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.plan.output_stages)
+        # the pairs, then (an odd count) the lone last tile: the step's code once with tile b, once without
+        for lone in cutlass.range_constexpr(2):
+            tiles = 1 if const_expr(lone) else 2
+            steps = num_tiles % 2 if const_expr(lone) else num_tiles // 2
+            for step in cutlass.range(steps, unroll=1):
+                stages, held = [], []
+                for j in cutlass.range_constexpr(tiles):
+                    load_pipe.consumer_wait(load_state)
+                    stages.append(load_state.index)
+                    held.append(load_state.clone())
+                    load_state.advance()
+                # the pair's decay (tile a's slot), read now so that Phase 6 waits on no load
+                decays = [self.fragment_rows(smem.gt, stages[0], group, m) for m in range(k_steps)]
+
+                # Phase 1: kS = kd·S, qS = qd·S of every tile; the operands of step k+1 load before the mma of k
+                for j in cutlass.range_constexpr(tiles):
+                    acc_ks[j].fill(0.0)
+                    acc_qs[j].fill(0.0)
+                    cute.copy(ldsm_a, p_kd[None, None, 0, stages[j]], v_kd[j][None, None, 0])
+                    cute.copy(ldsm_a, p_qd[None, None, 0, stages[j]], v_qd[j][None, None, 0])
+                cute.copy(ldsm_b, p_state[None, None, 0], v_state[None, None, 0])
+                for k in cutlass.range_constexpr(k_steps):
+                    if const_expr(k + 1 < k_steps):
+                        for j in cutlass.range_constexpr(tiles):
+                            cute.copy(ldsm_a, p_kd[None, None, k + 1, stages[j]], v_kd[j][None, None, k + 1])
+                            cute.copy(ldsm_a, p_qd[None, None, k + 1, stages[j]], v_qd[j][None, None, k + 1])
+                        cute.copy(ldsm_b, p_state[None, None, k + 1], v_state[None, None, k + 1])
+                    for j in cutlass.range_constexpr(tiles):
+                        cute.gemm(tiled_mma, acc_ks[j], r_kd[j][None, None, k], r_state[None, None, k], acc_ks[j])
+                        cute.gemm(tiled_mma, acc_qs[j], r_qd[j][None, None, k], r_state[None, None, k], acc_qs[j])
+
+                for j in cutlass.range_constexpr(tiles):
+                    stage = stages[j]
+                    if const_expr(j == 1):  # tile b reads the state entering the pair plus tile a's writes: P·U_a
+                        cute.copy(ldsm_a, p_cross_kd[None, None, None, stage], v_square)
+                        cute.gemm(tiled_mma, acc_ks[1], r_square[None, None, 0], r_big_u_b[0][None, None, 0],
+                                  acc_ks[1])
+                    # Phase 2: u = bf16(f32(v − kS)·β) in C format
+                    cute.copy(ldsm_c, p_v[None, None, None, stage], v_v)
+                    cute.copy(ldsm_a, p_inv[None, None, None, stage], v_square)
+                    beta = self.fragment_rows(smem.beta, stage, group)
+                    for i in cutlass.range_constexpr(cute.size(acc_ks[j])):
+                        r_c16[i] = BFloat16((Float32(r_v[i]) - acc_ks[j][i]) * beta[c_row_half(i)])
+                    # Phase 3: U = bf16(INV·u), u moved C → B in registers
+                    transpose_c_to_b(r_c16, r_u_b)
+                    acc.fill(0.0)
+                    cute.gemm(tiled_mma, acc, r_square[None, None, 0], r_u_b[None, None, 0], acc)
+                    r_c16.store(acc.load().to(BFloat16))
+                    transpose_c_to_b(r_c16, r_big_u_b[j])
+                    # Phase 4: o = qS (+ Q·U_a) + Mqk·U
+                    if const_expr(j == 1):
+                        cute.copy(ldsm_a, p_cross_qd[None, None, None, stage], v_square)
+                        cute.gemm(tiled_mma, acc_qs[1], r_square[None, None, 0], r_big_u_b[0][None, None, 0],
+                                  acc_qs[1])
+                    cute.copy(ldsm_a, p_mqk[None, None, None, stage], v_square)
+                    cute.gemm(tiled_mma, acc_qs[j], r_square[None, None, 0], r_big_u_b[j][None, None, 0], acc_qs[j])
+                    r_o.store(acc_qs[j].load().to(self.token_dtype))
+                    # Phase 5: o → output stage; each thread fences its stmatrix writes for the TMA store
+                    store_pipe.producer_acquire(out_state)
+                    cute.copy(stsm_c, v_out, p_out[None, None, None, out_state.index])
+                    cute.arch.fence_view_async_shared()
+                    store_pipe.producer_commit(out_state)
+                    out_state.advance()
+
+                # Phase 6: S32 ← Σ_j kr_jᵀ·U_j + f32(gT_pair·S32), a row block of 16 k at a time
+                for j in cutlass.range_constexpr(tiles):
+                    cute.copy(ldsm_a_t, p_kr_t[None, 0, None, stages[j]], v_kr_t[j][None, 0, None])
+                for m in cutlass.range_constexpr(k_steps):
+                    block = state32[m]
+                    for i in cutlass.range_constexpr(cute.size(block)):
+                        block[i] = mul_rn(decays[m][c_row_half(i)], block[i])
+                    for j in cutlass.range_constexpr(tiles):
+                        cute.gemm(tiled_mma, block, r_kr_t[j][None, m, None], r_big_u_b[j][None, None, 0], block)
+                    if const_expr(m + 1 < k_steps):
+                        for j in cutlass.range_constexpr(tiles):
+                            cute.copy(ldsm_a_t, p_kr_t[None, m + 1, None, stages[j]], v_kr_t[j][None, m + 1, None])
+                    self.round_block(block, state_words, m)
+                    cute.copy(stsm_c_t, v_state_acc_st[None, m, None], p_state_acc_st[None, m, None])
+
+                # the warp's state columns and its reads of these stages are complete before lane 0 releases them
+                cute.arch.sync_warp()
+                for j in cutlass.range_constexpr(tiles):
+                    load_pipe.consumer_release(held[j])
+                if const_expr(self.prefix_checkpoint_every > 0):
+                    last = num_tiles - 1 if const_expr(lone) else 2 * step + 1
+                    self.store_prefix_checkpoint(last, state32, prefix, band, warp_idx)

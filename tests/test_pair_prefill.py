@@ -1,0 +1,246 @@
+"""The two-tile prefill (docs/numerics.md, "Two tiles a serial step"): K2's pair variant
+(``cute_kda.kernels.fwd_recurrence_pairs.PairRecurrence``) compiled on the CPU; on a GPU against its mirror
+(``cute_kda.reference.pairs.mirror_recurrence_pairs``) on the mirror's pair workspace, and K1's pair variant + K2's
+pair variant against the fp64 gold beside today's kernels. K1's pair variant against its mirror:
+tests/test_fwd_prepare.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from test_fwd_recurrence import (
+    CHUNK, D, MIRROR_TOL, STATE, TOL, VSPLITS, _assert_guards_untouched, _guarded, _initial_state, _problem,
+)
+from ulp_check import assert_within_one_ulp
+
+from cute_kda.dsl import cute
+from cute_kda.kernels.fwd_recurrence_pairs import PAIR_INPUT_STAGES, PairRecurrence
+from cute_kda.layouts import budget
+from cute_kda.layouts.fwd_recurrence import CROSS_FIELDS, RecurrenceSmemPlan
+from cute_kda.ops import recurrence as k2
+from cute_kda.ops._cache import dsl_type, to_cute_tensor
+from cute_kda.workspace import CrossBlocks, WorkspaceSpec, workspace_views
+
+# ============================================================================ compile (CPU)
+
+COMPILED = [(vsplit, *states, varlen, D) for vsplit, states, varlen in itertools.product(
+    VSPLITS, (("none", "fp32"), ("bf16", "bf16"), ("fp32", "fp32")), (False, True))]
+COMPILED += [(1, "fp32", "fp32", True, 64), (2, "bf16", "bf16", False, 64), (4, "none", "fp32", True, 64)]
+
+
+def _variant_id(variant) -> str:
+    vsplit, state_in, state_out, varlen, dim = variant
+    return f"vs{vsplit}-{state_in}-{state_out}-{'varlen' if varlen else 'fixed'}-D{dim}"
+
+
+def _compile_args(vsplit, state_in, state_out, varlen, dim):
+    heads, num_seqs = 2, 3
+    batch, steps = (1, 80) if varlen else (num_seqs, 24)
+    v = torch.zeros(batch, steps, heads, dim, dtype=torch.bfloat16)
+    spec = WorkspaceSpec(heads=heads, tiles=8, dim=dim)
+    ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
+    cross = CrossBlocks(*(torch.zeros(spec.rows, CHUNK, CHUNK, dtype=torch.bfloat16) for _ in CROSS_FIELDS))
+
+    def state(name):
+        return None if STATE[name] is None else torch.zeros(num_seqs, heads, dim, dim, dtype=STATE[name])
+
+    return k2.launch_arguments(
+        v, ws, torch.zeros_like(v), cu_seqlens=torch.tensor([0, 20, 20, 80]) if varlen else None,
+        tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32) if varlen else None,
+        initial_state=state(state_in), final_state=state(state_out), cross=cross, tensor=to_cute_tensor,
+    )
+
+
+@pytest.mark.parametrize("variant", COMPILED, ids=_variant_id)
+def test_pair_variant_compiles(variant):
+    """The pair step's code and the lone tile's (K2's step), no spills, the plan's shared memory."""
+    from cute_kda.compile_report import compile_with_report
+
+    vsplit, state_in, state_out, varlen, dim = variant
+    kernel = PairRecurrence(vsplit=vsplit, initial_state=dsl_type(STATE[state_in]),
+                            final_state=dsl_type(STATE[state_out]), varlen=varlen, dim=dim)
+    _, report = compile_with_report(kernel, *_compile_args(*variant), cute.runtime.make_fake_stream())
+    atoms, k_steps = kernel.warp_cols // 8, dim // CHUNK
+    # the pair: Phase 1 of both tiles, INV, Mqk of both, P and Q, Phase 6 with both tiles; the lone tile: K2's
+    pair_step, lone_step = 6 * k_steps + 6, 3 * k_steps + 2
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == (pair_step + lone_step) * atoms
+    assert report.count("mul.rn.f32") == 2 * k_steps * 4 * atoms and report.count("fma.rn.f32") == 0
+    assert report.count("movmatrix.sync.aligned.m8n8.trans.b16") == (2 + 1) * 2 * 2 * atoms  # u, U a tile
+    # TMA loads of a stage: v, kd, qd, kr, gT, β, INV, Mqk and the cross blocks; the state's
+    loads = report.count("cp.async.bulk.tensor.2d.shared::cta.global") + sum(
+        report.count(f"cp.async.bulk.tensor.{n}d.shared::cta.global") for n in (3, 4, 5))
+    assert loads == 10 + (state_in != "none")
+    assert report.local_memory_ops == 0 and report.spills == 0 and report.kernels[0].stack_frame == 0
+    assert report.launch_smem == [kernel.plan.total_bytes] == [budget.k2_budget(kernel.plan).total_bytes]
+    print(f"{variant}: {report.kernels[0].registers} registers, {kernel.plan.total_bytes} B smem")
+
+
+@pytest.mark.parametrize("pool_dtype,prefix", [(torch.float32, 64), (torch.bfloat16, 0)], ids=["fp32_prefix", "bf16"])
+def test_pair_pool_variant_compiles(pool_dtype, prefix):
+    """The serving prefill on a state pool (slot ids, prefix checkpoints after a pair that ends a C-block) and fp16
+    tokens: no spills."""
+    from cute_kda.compile_report import compile_with_report
+
+    heads, num_seqs = 2, 3
+    v = torch.zeros(1, 80, heads, D, dtype=torch.float16)
+    spec = WorkspaceSpec(heads=heads, tiles=8)
+    ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
+    cross = CrossBlocks(*(torch.zeros(spec.rows, CHUNK, CHUNK, dtype=torch.bfloat16) for _ in CROSS_FIELDS))
+    pool = torch.zeros(5, heads, D, D, dtype=pool_dtype)
+    arguments = k2.launch_arguments(
+        v, ws, torch.zeros_like(v), cu_seqlens=torch.tensor([0, 20, 20, 80]),
+        tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32), initial_state=pool, final_state=pool,
+        state_indices=torch.zeros(num_seqs, dtype=torch.int32),
+        checkpoint_indices=torch.zeros(num_seqs, 2, dtype=torch.int32) if prefix else None, cross=cross,
+        tensor=to_cute_tensor)
+    state = dsl_type(pool_dtype)
+    kernel = PairRecurrence(vsplit=2, initial_state=state, final_state=state, varlen=True, state_pool=True,
+                            prefix_checkpoint_every=prefix, dtype=dsl_type(torch.float16))
+    _, report = compile_with_report(kernel, *arguments, cute.runtime.make_fake_stream())
+    assert report.local_memory_ops == 0 and report.spills == 0 and report.kernels[0].stack_frame == 0
+    assert report.launch_smem == [kernel.plan.total_bytes]
+    print(f"pool {pool_dtype} prefix {prefix}: {report.kernels[0].registers} registers")
+
+
+def test_pair_plan_holds_the_cross_blocks():
+    plan = RecurrenceSmemPlan(vsplit=2, pairs=True, input_stages=PAIR_INPUT_STAGES)
+    today = RecurrenceSmemPlan(vsplit=2, input_stages=PAIR_INPUT_STAGES)
+    assert plan.stage_tx_bytes == today.stage_tx_bytes + 2 * CHUNK * CHUNK * 2
+    assert {name: offset for name, offset in plan.union_offsets().items() if name not in CROSS_FIELDS}.keys() \
+        == today.union_offsets().keys()
+    assert PairRecurrence(vsplit=2).plan.pairs
+
+
+def test_pair_variant_refuses_checkpoints():
+    with pytest.raises(ValueError, match="checkpoints"):
+        PairRecurrence(vsplit=1, initial_state=None, final_state=None, checkpoints=True)
+
+
+def test_recurrence_refuses_cross_with_checkpoints():
+    v = torch.zeros(1, 32, 1, D, dtype=torch.bfloat16)
+    spec = WorkspaceSpec(heads=1, tiles=2)
+    ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
+    cross = CrossBlocks(*(torch.zeros(2, CHUNK, CHUNK, dtype=torch.bfloat16) for _ in CROSS_FIELDS))
+    checkpoints = torch.zeros(4, D, D, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="inference"):
+        k2.recurrence(v, ws, v, cross=cross, checkpoints=checkpoints, vsplit=1)
+
+
+# ============================================================================ GPU
+
+
+def _run_pairs(problem, *, lengths=None, state_in="none", state_out="fp32", vsplit=None, seed=0):
+    """The mirror's pair workspace, then K2's pair variant into guarded buffers; returns (o, final, pws, cu, init)."""
+    from cute_kda.reference.pairs import mirror_prepare_pairs
+
+    q, k, v, g, beta, A_log, bias = problem
+    device = q.device
+    B, T, H, dim = q.shape
+    cu = None if lengths is None else torch.tensor([0, *itertools.accumulate(lengths)], device=device)
+    N = B if lengths is None else len(lengths)
+    pws = mirror_prepare_pairs(q, k, g, beta, A_log=A_log, dt_bias=bias, lower_bound=-5.0, cu_seqlens=cu)
+    init = _initial_state(state_in, N, H, seed, device, dim)
+    out, out_buf = _guarded((B, T, H, dim), torch.bfloat16, device, axis=1, pad=CHUNK)
+    final = final_buf = None
+    if STATE[state_out] is not None:
+        final, final_buf = _guarded((N, H, dim, dim), STATE[state_out], device, axis=0, pad=1)
+    k2.recurrence(v, pws.ws, out, cu_seqlens=cu, initial_state=init, final_state=final, vsplit=vsplit,
+                  cross=CrossBlocks(pws.cross_kd, pws.cross_qd))
+    torch.cuda.synchronize()
+    _assert_guards_untouched(out_buf, axis=1, pad=CHUNK)
+    if final is not None:
+        _assert_guards_untouched(final_buf, axis=0, pad=1)
+    assert not out.isnan().any(), "an output row was not written"
+    return out, final, pws, cu, init
+
+
+def _mirror_pairs(problem, pws, cu, init, state_out):
+    from cute_kda.reference.pairs import mirror_recurrence_pairs
+
+    return mirror_recurrence_pairs(pws, problem[2], cu_seqlens=cu, initial_state=init, output_final_state=True,
+                                   state_dtype=STATE[state_out] or torch.float32)
+
+
+ALL_DIMS = pytest.mark.parametrize("dim", [D, 64], ids=["D128", "D64"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16, 17, 32])
+@pytest.mark.parametrize("state_in,state_out", [("bf16", "bf16"), ("fp32", "fp32"), ("none", "fp32")])
+@ALL_DIMS
+def test_one_pair_within_one_ulp_of_the_mirror(T, state_in, state_out, dim):
+    """A lone tile (T ≤ 16) or one pair (17, 32): one step, so the kernel is within an ULP of the mirror."""
+    problem = _problem(2, T, 3, seed=T, dim=dim)
+    o, final, pws, cu, init = _run_pairs(problem, state_in=state_in, state_out=state_out, seed=T)
+    o_ref, final_ref = _mirror_pairs(problem, pws, cu, init, state_out)
+    assert_within_one_ulp(f"T={T} o", o, o_ref)
+    assert_within_one_ulp(f"T={T} state", final, final_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [None, [40, 0, 97, 16, 300, 33]], ids=["B2xT300", "varlen"])
+@pytest.mark.parametrize("vsplit", VSPLITS)
+@ALL_DIMS
+def test_many_pairs_track_the_mirror(lengths, vsplit, dim):
+    from cute_kda.reference import rel_rms
+
+    B, T = (2, 300) if lengths is None else (1, sum(lengths))
+    problem = _problem(B, T, 2, seed=11, dim=dim)
+    o, final, pws, cu, init = _run_pairs(problem, lengths=lengths, state_in="fp32", state_out="fp32", vsplit=vsplit,
+                                         seed=11)
+    o_ref, final_ref = _mirror_pairs(problem, pws, cu, init, "fp32")
+    err_o, err_s = rel_rms(o, o_ref), rel_rms(final, final_ref)
+    print(f"vs mirror: o {err_o:.2e} state {err_s:.2e}")
+    assert err_o <= MIRROR_TOL and err_s <= MIRROR_TOL
+
+
+@pytest.mark.gpu
+@ALL_DIMS
+def test_pair_vsplits_are_bit_identical(dim):
+    lengths = [300, 0, 17, 1, 64, 33]
+    problem = _problem(1, sum(lengths), 3, seed=5, dim=dim)
+    results = [_run_pairs(problem, lengths=lengths, state_in="fp32", state_out="fp32", vsplit=s, seed=5)[:2]
+               for s in VSPLITS]
+    for o, final in results[1:]:
+        assert torch.equal(o.view(torch.int16), results[0][0].view(torch.int16))
+        assert torch.equal(final, results[0][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [None, [1300, 547, 2048, 963, 271, 3063], [0, 5, 16, 33]],
+                         ids=["B2xT1024", "mixed", "0-5-16-33"])
+@pytest.mark.parametrize("state_in,state_out", [("none", "fp32"), ("bf16", "bf16"), ("fp32", "fp32")])
+@ALL_DIMS
+def test_pair_prefill_is_as_accurate_as_today(lengths, state_in, state_out, dim):
+    """K1's and K2's pair variants end to end against the fp64 gold: within TOL, or 1.1 × today's kernels' error
+    (the pair step moves the rounding, numerics.md)."""
+    from cute_kda.ops.prepare import prepare
+    from cute_kda.reference import gold_forward, rel_rms
+    from cute_kda.workspace import allocate_cross_blocks, allocate_workspace, tiles_per_head
+
+    B, T = (2, 1024) if lengths is None else (1, sum(lengths))
+    q, k, v, g, beta, A_log, bias = problem = _problem(B, T, 2, seed=3, dim=dim)
+    cu = None if lengths is None else torch.tensor([0, *itertools.accumulate(lengths)], device="cuda")
+    N = B if lengths is None else len(lengths)
+    init = _initial_state(state_in, N, 2, 3, "cuda", dim)
+    spec = WorkspaceSpec(heads=2, tiles=tiles_per_head(B * T, N, cu is not None), dim=dim)
+    results = {}
+    for pairs in (False, True):
+        ws, cross = allocate_workspace(spec, "cuda"), allocate_cross_blocks(spec, "cuda") if pairs else None
+        out = torch.empty_like(v)
+        final = None if STATE[state_out] is None else torch.empty(N, 2, dim, dim, dtype=STATE[state_out],
+                                                                  device="cuda")
+        prepare(q, k, g, beta, A_log, bias, ws, scale=dim ** -0.5, lower_bound=-5.0, cu_seqlens=cu, cross=cross)
+        k2.recurrence(v, ws, out, cu_seqlens=cu, initial_state=init, final_state=final, cross=cross)
+        results[pairs] = out, final
+    o_gold, final_gold = gold_forward(*problem[:5], A_log=A_log, dt_bias=bias, lower_bound=-5.0, cu_seqlens=cu,
+                                      initial_state=init, output_final_state=True)
+    for index, gold in ((0, o_gold), (1, final_gold)):
+        if results[True][index] is None:
+            continue
+        today, pair = rel_rms(results[False][index], gold), rel_rms(results[True][index], gold)
+        print(f"{'o' if index == 0 else 'state'}: today {today:.2e}, pairs {pair:.2e}")
+        assert pair <= max(TOL, 1.1 * today)
