@@ -16,7 +16,7 @@ from cute_kda import api, interop, validation
 from cute_kda.executors import inference
 from cute_kda.fla_calls import CanonicalCall
 from cute_kda.numerics import HEAD_DIM, SCAN_VSPLITS
-from cute_kda.variants import CombineVariant, GradsVariant, PrepareVariant, RecurrenceVariant, ScanVariant
+from cute_kda.variants import CombineVariant, GradsVariant, PrepareVariant, RecurrenceVariant, ScanVariant, pair_prefill
 from cute_kda.reference import gold_forward, mirror_forward, rel_rms
 
 D = 128
@@ -277,6 +277,7 @@ def mirror_kernels(monkeypatch):
     from cute_kda.ops import prepare as k1
     from cute_kda.ops import recurrence as k2
     from cute_kda.reference import mirror, mirror_prepare_gates, tile_bases
+    from cute_kda.reference.pairs import PairWorkspace, mirror_prepare_pairs, mirror_recurrence_pairs
     from cute_kda.reference.pool import gather_states
     from cute_kda.workspace import Workspace
 
@@ -294,12 +295,21 @@ def mirror_kernels(monkeypatch):
             variant.varlen, variant.qk_l2norm, variant.beta_logits, variant.gate, variant.g_dtype,
             variant.per_head_gate, variant.grouped)
 
-        def prepare(q, k, g, beta, A_log, dt_bias, ws, scalars, seq_len, cu_seqlens, tile_base, stream):
+        def prepare(q, k, g, beta, A_log, dt_bias, tiles, scalars, seq_len, cu_seqlens, tile_base, stream):
             scale, lower_bound = scalars
+            ws, cross = tiles  # the seam's workspace_arguments: the fields and the pair variant's cross blocks
+            assert (cross is not None) == variant.pairs
             assert stream == ("CUstream", 7)
             assert (cu_seqlens is None) == (tile_base is None) == (not varlen) and seq_len == q.shape[1]
             assert g.dtype == g_dtype and per_head_gate == (g.dim() == 3) and grouped == (beta.shape[2] != q.shape[2])
-            if gate == "safe":
+            if variant.pairs:  # the two-tile prefill's K1
+                done = mirror_prepare_pairs(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                            scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
+                                            beta_logits=beta_logits)
+                filled = done.ws
+                for block, value in zip(cross, (done.cross_kd, done.cross_qd)):
+                    block.copy_(value)
+            elif gate == "safe":
                 filled = mirror.mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                                                scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
                                                beta_logits=beta_logits)
@@ -320,8 +330,16 @@ def mirror_kernels(monkeypatch):
         assert vsplit in validation_vsplits() and not variant.checkpoints
 
         def recurrence(v, out, *fields_states_and_bases):
-            *fields, initial_state, final_state, cu_seqlens, tile_base, _, state_indices, checkpoint_indices, stream = (
-                fields_states_and_bases)
+            (*fields, initial_state, final_state, cu_seqlens, tile_base, _, state_indices, checkpoint_indices,
+             cross_kd, cross_qd, stream) = fields_states_and_bases
+            assert (cross_kd is not None) == (cross_qd is not None) == variant.pairs
+
+            def run_mirror(**states):
+                if variant.pairs:
+                    return mirror_recurrence_pairs(PairWorkspace(Workspace(*fields), cross_kd, cross_qd), v,
+                                                   cu_seqlens=cu_seqlens, **states)
+                return mirror.mirror_recurrence(Workspace(*fields), v, cu_seqlens=cu_seqlens, **states)
+
             assert stream == ("CUstream", 7)  # K2 launches on the call's one stream look-up too
             assert (cu_seqlens is not None) == varlen and (tile_base is not None) == varlen
             assert (initial_dtype, final_dtype) == tuple(None if s is None else s.dtype
@@ -332,18 +350,15 @@ def mirror_kernels(monkeypatch):
                 assert initial_state is final_state
                 k2_pool_launches.append((variant, state_indices, checkpoint_indices))
                 entering = gather_states(initial_state, state_indices)
-                o, state = mirror.mirror_recurrence(Workspace(*fields), v, cu_seqlens=cu_seqlens, initial_state=entering,
-                                                    output_final_state=True, state_dtype=initial_state.dtype)
+                o, state = run_mirror(initial_state=entering, output_final_state=True, state_dtype=initial_state.dtype)
                 out.copy_(o)
                 for n, slot in enumerate(state_indices.tolist()):
                     if slot >= 0:
                         final_state[slot] = state[n]
                 launches.append("k2")
                 return
-            o, state = mirror.mirror_recurrence(
-                Workspace(*fields), v, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                output_final_state=final_state is not None,
-                state_dtype=torch.float32 if final_state is None else final_state.dtype)
+            o, state = run_mirror(initial_state=initial_state, output_final_state=final_state is not None,
+                                  state_dtype=torch.float32 if final_state is None else final_state.dtype)
             out.copy_(o)
             if final_state is not None:
                 final_state.copy_(state)
@@ -359,8 +374,9 @@ def mirror_kernels(monkeypatch):
     monkeypatch.setattr(_cache, "current_stream_handle", lambda index: 7)
     monkeypatch.setattr(_cache, "cu_stream", lambda handle: ("CUstream", handle))
     monkeypatch.setattr(k1, "launch", lambda compiled, *arguments: compiled(*arguments))  # K1's arguments as handed
-    monkeypatch.setattr(k1, "workspace_arguments", lambda ws: ws)
-    monkeypatch.setattr(k2, "workspace_arguments", tuple)
+    monkeypatch.setattr(k1, "workspace_arguments", lambda ws, cross=None: (ws, cross))
+    monkeypatch.setattr(k2, "workspace_arguments",
+                        lambda ws, cross=None: (tuple(ws), (None, None) if cross is None else tuple(cross)))
     monkeypatch.setattr(k1, "fp32_scalars", lambda scale, lower_bound: (scale, lower_bound))
     monkeypatch.setattr(k1, "compiled_variant", prepare_variant)
     monkeypatch.setattr(k2, "compiled_variant", recurrence_variant)
@@ -379,13 +395,15 @@ def test_launch_path_with_mirror_kernels(mirror_kernels, lengths, state):
     inputs = make_inputs(lengths, 2, torch.device("cpu"))
     h0 = None if state is None else initial_state(lengths, 2, state, torch.device("cpu"))
     o, final = cute_kda.kda_forward(**inputs, lower_bound=-3.0, initial_state=h0, output_final_state=True)
-    o_ref, final_ref = mirror_forward(**inputs, lower_bound=-3.0, initial_state=h0, output_final_state=True)
+    o_ref, final_ref = mirror_forward(**inputs, lower_bound=-3.0, initial_state=h0, output_final_state=True,
+                                      pairs=SAFE_PAIRS)
     assert mirror_kernels == ["k1", "k2"]
     assert torch.equal(o, o_ref)
     assert final.dtype == (state or torch.float32) and torch.equal(final, final_ref)
 
 
 k2_pool_launches: list = []  # (variant, state_indices, checkpoint_indices) of the pool launches the seam saw
+SAFE_PAIRS = pair_prefill("safe", False, False)  # a safe-gate prefill runs the two-tile variants
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -398,7 +416,7 @@ def test_pool_launch_path_with_mirror_kernels(mirror_kernels, lengths, dtype):
     inputs = make_inputs(lengths, 2, torch.device("cpu"))
     pool = (0.1 * torch.randn(9, 2, D, D)).to(dtype)
     slots = torch.tensor([7, -1, 0, 3][:len(lengths)], dtype=torch.int32)
-    o_ref, pool_ref = prefill_on_pool(mirror_forward, **inputs, pool=pool, state_indices=slots)
+    o_ref, pool_ref = prefill_on_pool(mirror_forward, **inputs, pool=pool, state_indices=slots, pairs=SAFE_PAIRS)
     k2_pool_launches.clear()
     o, state = cute_kda.kda_forward(**inputs, initial_state=pool, state_indices=slots)
     assert state is pool and mirror_kernels == ["k1", "k2"]
@@ -420,7 +438,7 @@ def test_launch_path_fills_caller_buffers(mirror_kernels):
     final = torch.empty(1, 2, D, D, dtype=torch.bfloat16)
     o, state = cute_kda.kda_forward(**inputs, out=out, final_state=final, beta_logits=False, qk_l2norm=False)
     o_ref, final_ref = mirror_forward(**inputs, lower_bound=-5.0, output_final_state=True, state_dtype=torch.bfloat16,
-                                      beta_logits=False, qk_l2norm=False)
+                                      beta_logits=False, qk_l2norm=False, pairs=SAFE_PAIRS)
     assert o is out and state is final
     assert torch.equal(out, o_ref) and torch.equal(final, final_ref)
 

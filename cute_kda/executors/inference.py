@@ -19,9 +19,11 @@ from .. import validation
 from ..call import Call, Inputs, Options, resolve
 from ..validation import problem_of
 from ..device import check_supported, sm_count
-from ..variants import PrepareVariant, RecurrenceVariant
+from ..variants import PrepareVariant, RecurrenceVariant, pair_prefill
 from ..numerics import CHUNK
-from ..workspace import Workspace, WorkspaceSpec, images_to_states, tile_bases_of, workspace_views
+from ..workspace import (
+    CrossBlocks, Workspace, WorkspaceSpec, cross_block_views, images_to_states, tile_bases_of, workspace_views,
+)
 from .stages import KERNELS, packed, workspace_spec
 
 OP_NAME = "cute_kda::forward"
@@ -73,6 +75,11 @@ class WorkspaceCache:
             self._views[key] = (spec, views)
         return views
 
+    def cross_blocks(self, spec: WorkspaceSpec, device: torch.device, stream: int) -> CrossBlocks:
+        """The cross blocks of a ``pairs`` ``spec`` in the buffer :meth:`get` handed out for it (call that first)."""
+        with self._lock:
+            return cross_block_views(spec, self._buffers[(device.index, stream)])
+
     def plan(self, index: int, stream: int, config: tuple) -> LaunchPlan | None:
         """The kept plan of ``config`` on (device ``index``, raw ``stream``), None before :meth:`keep`."""
         plans = self._plans.get((index, stream))
@@ -109,7 +116,7 @@ class LaunchPlan(NamedTuple):
     prepare: Callable[..., None]
     recurrence: Callable[..., None]
     prepare_workspace: Any
-    recurrence_workspace: tuple
+    recurrence_workspace: tuple  # (fields, cross blocks): ``ops.recurrence.workspace_arguments``
     scalars: tuple[float, float]
     stream: Any
 
@@ -229,22 +236,27 @@ def _build_plan(x: Inputs, options: Options, out: torch.Tensor, final_state: tor
     vsplit = options.vsplit
     if vsplit is None:
         vsplit = RecurrenceVariant.choose_vsplit(problem.num_seqs, problem.heads, sm_count(device.index))
-    workspace = WORKSPACES.get(workspace_spec(problem), device, handle)
+    pairs = pair_prefill(options.gate, x.g.dim() == 3, segmented=False)  # a segmented call does not come here
+    spec = workspace_spec(problem, pairs)
+    workspace = WORKSPACES.get(spec, device, handle)
+    cross = WORKSPACES.cross_blocks(spec, device, handle) if pairs else None
     stream = streams.cu_stream(handle)
     prepare = k1.compiled_variant(
         PrepareVariant(problem.varlen, options.qk_l2norm, options.beta_logits, options.gate, x.g.dtype, x.g.dim() == 3,
-                       problem.heads != x.q.shape[2], x.q.dtype, problem.head_dim), device.index)
+                       problem.heads != x.q.shape[2], x.q.dtype, problem.head_dim, pairs), device.index)
     tile_base = None if x.cu_seqlens is None else torch.empty(x.cu_seqlens.shape, dtype=torch.int32, device="meta")
     arguments = k2.launch_arguments(x.v, workspace, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base,
                                     initial_state=x.initial_state, final_state=final_state,
-                                    state_indices=x.state_indices, checkpoint_indices=x.checkpoint_indices)
+                                    state_indices=x.state_indices, checkpoint_indices=x.checkpoint_indices,
+                                    cross=cross)
     recurrence = k2.compiled_variant(
         RecurrenceVariant(vsplit, None if x.initial_state is None else x.initial_state.dtype,
                           None if final_state is None else final_state.dtype, problem.varlen, False,
-                          x.state_indices is not None, options.checkpoint_every, x.v.dtype, problem.head_dim),
+                          x.state_indices is not None, options.checkpoint_every, x.v.dtype, problem.head_dim, pairs),
         device.index, arguments)
-    return LaunchPlan(prepare, recurrence, k1.workspace_arguments(workspace), k2.workspace_arguments(workspace),
-                      k1.fp32_scalars(options.scale, options.lower_bound), stream)
+    return LaunchPlan(prepare, recurrence, k1.workspace_arguments(workspace, cross),
+                      k2.workspace_arguments(workspace, cross), k1.fp32_scalars(options.scale, options.lower_bound),
+                      stream)
 
 
 # ---------------------------------------------------------------------------------------------
