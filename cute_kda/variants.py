@@ -18,14 +18,14 @@ from .numerics import HEAD_DIM, SCAN_VSPLITS, SUPPORTED_VSPLITS
 from .workspace import SNAPSHOT_TILES
 
 # The two-tile prefill (docs/numerics.md, "Two tiles a serial step"; perf-log v10): K1's and K2's pair variants run
-# every K2 pass that keeps no checkpoints (inference, and the training forward under ``recompute``) where they apply
-# (:func:`pair_prefill`). On branch ``pair-prefill`` until the GPU tier has run them.
+# the inference forward where they apply (:func:`pair_prefill`). Training keeps today's K1 and K2 in both passes, so
+# ``recompute`` changes no bit of a step. On branch ``pair-prefill`` until the GPU tier has run them.
 PAIR_PREFILL = True
 
 
 def pair_prefill(gate: str, per_head_gate: bool, segmented: bool) -> bool:
-    """Whether a K1 + K2 pass without checkpoints runs the pair variants: the safe gate (the scheme they are built
-    for), an unsplit call (a segmented one runs K2 three times over segment bounds), and :data:`PAIR_PREFILL`."""
+    """Whether an inference forward runs the pair variants: the safe gate (the scheme they are built for), an unsplit
+    call (a segmented one runs K2 three times over segment bounds), and :data:`PAIR_PREFILL`."""
     return PAIR_PREFILL and gate == "safe" and not per_head_gate and not segmented
 
 

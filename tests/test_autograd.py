@@ -307,9 +307,8 @@ def launchers_on_mirrors(monkeypatch):
     from cute_kda.ops import recurrence as k2
     from cute_kda.reference import mirror, mirror_bwd_scan, tile_bases
     from cute_kda.reference.backward import mirror_bwd_grads
-    from cute_kda.reference.pairs import PairWorkspace, mirror_prepare_pairs, mirror_recurrence_pairs
 
-    fakes = type("Fakes", (), {"calls": [], "beta": None, "cu_seqlens_dtypes": [], "pairs": []})()
+    fakes = type("Fakes", (), {"calls": [], "beta": None, "cu_seqlens_dtypes": []})()
 
     def fake(module, name):
         signature = inspect.signature(getattr(module, name))
@@ -337,34 +336,18 @@ def launchers_on_mirrors(monkeypatch):
     @fake(k1, "prepare")
     def _(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, cu_seqlens, tile_base, qk_l2norm, beta_logits,
           gate, stream, cross):
-        assert gate == "safe"  # training takes the safe gate only
+        assert gate == "safe" and cross is None  # training takes the safe gate only, and today's K1
         assert tile_base is None if cu_seqlens is None else torch.equal(tile_base, tile_bases(cu_seqlens, 0, 1))
-        options = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale, cu_seqlens=cu_seqlens,
-                       qk_l2norm=qk_l2norm, beta_logits=beta_logits)
-        if cross is not None:  # the two-tile prefill's K1 (a pass that keeps nothing)
-            done = mirror_prepare_pairs(q, k, g, beta, **options)
-            for block, value in zip(cross, done[1:]):
-                block.copy_(value)
-            done = done.ws
-        else:
-            done = mirror.mirror_prepare(q, k, g, beta, **options)
-        fakes.pairs.append(cross is not None)
+        done = mirror.mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                     scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
+                                     beta_logits=beta_logits)
         for field, value in zip(ws, done):
             field.copy_(value)
 
     @fake(k2, "recurrence")
     def _(v, ws, out, cu_seqlens, tile_base, initial_state, final_state, vsplit, checkpoints, cross, stream):
         assert vsplit is None or vsplit in validation.SUPPORTED_VSPLITS
-        if cross is not None:  # the two-tile prefill's K2: no checkpoints
-            assert checkpoints is None
-            o, state = mirror_recurrence_pairs(
-                PairWorkspace(ws, *cross), v, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                output_final_state=final_state is not None,
-                state_dtype=torch.float32 if final_state is None else final_state.dtype)
-            out.copy_(o)
-            if final_state is not None:
-                final_state.copy_(state)
-            return
+        assert cross is None  # training runs today's K2 (the two-tile prefill is inference's)
         kept = None
         if checkpoints is not None:  # the training pass (a segmented call's extra passes keep none)
             assert checkpoints.dtype == torch.bfloat16
@@ -441,31 +424,6 @@ def test_kernel_stages_take_int32_cu_seqlens_as_int64(launchers_on_mirrors):
     o32, ht32, grads = train(forward, narrow, do=do, dht=dht)
     assert launchers_on_mirrors.cu_seqlens_dtypes == [torch.int64] * 5  # tile prefix, K1, K2, Kernel A, Kernel B
     assert torch.equal(o32, o) and torch.equal(ht32, ht)
-    for name in expected:
-        assert torch.equal(grads[name], expected[name]), name
-
-
-@pytest.mark.parametrize("lengths,state", [([20, 0, 17, 5], torch.bfloat16), ([40, 40], torch.float32)],
-                         ids=["varlen_bf16", "B2_fp32"])
-def test_recompute_forward_runs_the_two_tile_prefill(launchers_on_mirrors, lengths, state):
-    """Under ``recompute`` the forward keeps nothing, so it runs the pair variants where ``pair_prefill`` says (o and
-    the final state are the pair mirrors'); the backward's recomputation keeps checkpoints, so it runs today's K1 and
-    K2, and every gradient is the reference backend's, bit for bit."""
-    from cute_kda.reference import mirror_forward
-    from cute_kda.variants import pair_prefill
-
-    problem, do, dht = make_problem(lengths, state=state)
-    launchers_on_mirrors.beta = problem["beta"]
-    forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
-    o, ht, grads = train(forward, problem, do=do, dht=dht, recompute=True)
-    _, _, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht)
-    pairs = pair_prefill("safe", False, False)
-    assert launchers_on_mirrors.pairs == [pairs, False]
-    inputs = {name: problem[name] for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")}
-    o_ref, ht_ref = mirror_forward(**inputs, cu_seqlens=problem.get("cu_seqlens"),
-                                   initial_state=problem.get("initial_state"), output_final_state=True,
-                                   pairs=pairs, lower_bound=-5.0)
-    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
     for name in expected:
         assert torch.equal(grads[name], expected[name]), name
 

@@ -236,7 +236,7 @@ def _build_plan(x: Inputs, options: Options, out: torch.Tensor, final_state: tor
     vsplit = options.vsplit
     if vsplit is None:
         vsplit = RecurrenceVariant.choose_vsplit(problem.num_seqs, problem.heads, sm_count(device.index))
-    pairs = pair_prefill(options.gate, x.g.dim() == 3, segmented=False)  # a segmented call does not come here
+    pairs = pair_prefill(options.gate, x.g.dim() == 3, segmented=False)  # a segmented call runs the stages
     spec = workspace_spec(problem, pairs)
     workspace = WORKSPACES.get(spec, device, handle)
     cross = WORKSPACES.cross_blocks(spec, device, handle) if pairs else None

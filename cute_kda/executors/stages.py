@@ -18,8 +18,7 @@ from .. import context_parallel, validation
 from ..call import Inputs, Options
 from ..device import check_supported
 from ..validation import ProblemShape
-from ..variants import pair_prefill
-from ..workspace import Workspace, WorkspaceSpec, cross_block_views, snapshot_slots, tiles_per_head, workspace_views
+from ..workspace import Workspace, WorkspaceSpec, snapshot_slots, tiles_per_head, workspace_views
 
 KERNEL_B_INPUTS = (0, 1, 3, 4, 5, 6)  # q, k, g, beta, A_log, dt_bias: the inputs whose gradients Kernel B gives
 
@@ -188,12 +187,8 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
     from ..ops import recurrence as k2
 
     problem, device = options.problem, x.q.device
-    # a pass that keeps nothing runs the two-tile prefill where it applies (variants.pair_prefill)
-    pairs = options.recompute and pair_prefill(options.gate, x.g.dim() == 3, options.segmentation is not None)
-    spec = workspace_spec(problem, pairs)
-    buffer = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
-    saved_ws = workspace_views(spec, buffer)
-    cross = cross_block_views(spec, buffer) if pairs else None
+    buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=device)
+    saved_ws = workspace_views(workspace_spec(problem), buffer)
     checkpoints = None
     if not options.recompute:
         checkpoints = torch.empty(checkpoints_shape(problem), dtype=torch.bfloat16, device=device)
@@ -205,7 +200,7 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
     k1.prepare(
         x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, saved_ws, scale=options.scale, lower_bound=options.lower_bound,
         cu_seqlens=x.cu_seqlens, tile_base=tile_base, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
-        gate=options.gate, cross=cross,
+        gate=options.gate,
     )
 
     def final_states(v: torch.Tensor, initial: torch.Tensor | None, into: torch.Tensor) -> None:
@@ -215,7 +210,7 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
     initial_state, segment_states = entering_states(options, x, segment_states, final_states)
     k2.recurrence(
         x.v, saved_ws, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=initial_state,
-        final_state=final_state, vsplit=options.vsplit, checkpoints=checkpoints, cross=cross,
+        final_state=final_state, vsplit=options.vsplit, checkpoints=checkpoints,
     )
     return ForwardResult(out, final_state_of(options, final_state),
                          Saved(None if options.recompute else buffer, checkpoints, tile_base, segment_states))
