@@ -25,7 +25,9 @@ from .context_parallel import check_segments
 from .executors import inference, training
 from .executors.stages import KERNELS
 from .fla_calls import translate_fla_call, translate_fla_gdn_call
-from .variants import CombineVariant, GradsVariant, PrepareVariant, RecurrenceVariant, RoundVariant, ScanVariant
+from .variants import (
+    CombineVariant, GradsVariant, PrepareVariant, RecurrenceVariant, RoundVariant, ScanVariant, pair_prefill,
+)
 
 if TYPE_CHECKING:
     from .fla_calls import CanonicalCall
@@ -416,7 +418,9 @@ def warmup_variants(
     dv; Kernel B's fp16 dq, dk, dg for the per-channel gates in q's dtype); under
     :data:`~cute_kda.executors.training.FP16_DO_KERNEL` the rounding pass of an fp16 dO.
     ``head_dims``: K = V of every listed variant (:data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`: what runs natively,
-    :func:`cute_kda.call.runs_native`; Kernel B at 64 at its one warp count, 4).
+    :func:`cute_kda.call.runs_native`; Kernel B at 64 at its one warp count, 4). Where a gate's inference forward
+    runs the two-tile prefill (:func:`cute_kda.variants.pair_prefill`), its K1 and K2 (and pool K2) are the pair
+    variants, and today's are listed as far as training, a segmented call or another gate runs them.
     """
     # their values now (``training``: the switches)
     from .executors.training import FP16_DO_KERNEL, FP16_NATIVE_BACKWARD, stores_fp16_grads
@@ -441,13 +445,25 @@ def warmup_variants(
     gate_forms = gate_forms_of(torch.bfloat16)
     flags = [(l2, logits, packed) for l2 in qk_l2norm for logits in beta_logits for packed in varlen]
     variants: dict = {}  # ordered, without duplicates
+    def paired(dtype: torch.dtype) -> list:  # whether each gate form's inference forward runs the two-tile prefill
+        return [pair_prefill(gate, per_head, segmented=False) for gate, _, per_head in gate_forms_of(dtype)]
+
     for dtype, (l2, logits, packed) in itertools.product(dtypes, flags):
         for mode, dim in itertools.product(state_modes, head_dims):
             for split in k2_splits:
-                for gate, g_dtype, per_head in gate_forms_of(dtype):
-                    variants[PrepareVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, dtype, dim)] = None
-                for checkpoints in ((False, True) if training else (False,)):
-                    variants[RecurrenceVariant(split, mode, mode, packed, checkpoints, dtype=dtype, dim=dim)] = None
+                for (gate, g_dtype, per_head), pairs in zip(gate_forms_of(dtype), paired(dtype)):
+                    key = (packed, l2, logits, gate, g_dtype, per_head, per_head, dtype, dim)
+                    if not pairs or training or segments:  # today's K1: training, a segmented call
+                        variants[PrepareVariant(*key)] = None
+                    if pairs:
+                        variants[PrepareVariant(*key, pairs=True)] = None
+                if not all(paired(dtype)) or training:  # today's K2: the other gates' inference, training
+                    variants[RecurrenceVariant(split, mode, mode, packed, False, dtype=dtype, dim=dim)] = None
+                if any(paired(dtype)):
+                    variants[RecurrenceVariant(split, mode, mode, packed, False, dtype=dtype, dim=dim,
+                                               pairs=True)] = None
+                if training:
+                    variants[RecurrenceVariant(split, mode, mode, packed, True, dtype=dtype, dim=dim)] = None
     # the backward kernels' gradient dtypes: bf16, and fp16 where fp16 training stores its own
     native = FP16_NATIVE_BACKWARD and torch.float16 in dtypes
     fp16_stores = torch.float16 in dtypes and stores_fp16_grads(False, torch.float16)
@@ -498,5 +514,7 @@ def warmup_variants(
                     variants[ScanVariant(1, fp32, dh0, True, dim=dim, dv_dtype=grads)] = None
     for dtype, pool, packed, split, every in itertools.product(dtypes, state_pools, varlen, k2_splits,
                                                                (0, *checkpoint_every)):
-        variants[RecurrenceVariant(split, pool, pool, packed, False, True, every, dtype)] = None
+        for pairs in (False, True):  # a pool prefill of another gate, of the safe gate (two tiles a step)
+            if pairs in paired(dtype):
+                variants[RecurrenceVariant(split, pool, pool, packed, False, True, every, dtype, pairs=pairs)] = None
     return list(variants)

@@ -104,17 +104,33 @@ def test_workspace_cache_reuses_views_until_spec_or_buffer_changes(monkeypatch):
 
 
 def test_warmup_visits_every_selected_k1_variant():
-    """``gates`` and ``gated_delta_rule`` select K1 variants (the log decay in both dtypes); K2 once per config."""
+    """``gates`` and ``gated_delta_rule`` select K1 variants (the log decay in both dtypes); K2 once per config, and
+    once more in the two-tile prefill's variant where the safe gate runs it (then its K1 is the pair variant)."""
     variants = api.warmup_variants(varlen=(False,), state_modes=(None,), vsplits=(1,),
                                    gates=("safe", "softplus", "none"), gated_delta_rule=True, segments=False)
     bf16, fp32 = torch.bfloat16, torch.float32
     prepares = [(v.gate, v.g_dtype, v.per_head_gate, v.grouped) for v in variants if isinstance(v, PrepareVariant)]
-    assert [v for v in variants if isinstance(v, RecurrenceVariant)] == [RecurrenceVariant(1, None, None, False)]
+    recurrences = [RecurrenceVariant(1, None, None, False)]
+    if SAFE_PAIRS:
+        recurrences.append(RecurrenceVariant(1, None, None, False, pairs=True))
+    assert [v for v in variants if isinstance(v, RecurrenceVariant)] == recurrences
+    assert [v.pairs for v in variants if isinstance(v, PrepareVariant)] == [SAFE_PAIRS] + [False] * 6
     assert prepares == [("safe", bf16, False, False), ("softplus", bf16, False, False), ("none", bf16, False, False),
                         ("none", fp32, False, False), ("softplus", bf16, True, True), ("none", bf16, True, True),
                         ("none", fp32, True, True)]
     with pytest.raises(ValueError, match="gate must be one of"):
         api.warmup_variants(gates=("sigmoid",))
+
+
+def test_warmup_lists_the_pool_prefill_of_each_k2_the_gates_run():
+    """A prefill on a pool runs K2's pool variant: the two-tile one for the safe gate (where it runs), today's for the
+    others."""
+    bf16 = torch.bfloat16
+    pools = lambda gates: {v.pairs for v in api.warmup_variants(  # noqa: E731
+        varlen=(True,), state_modes=(None,), vsplits=(1,), gates=gates, segments=False, state_pools=(bf16,))
+        if isinstance(v, RecurrenceVariant) and v.state_pool}
+    assert pools(("safe",)) == {SAFE_PAIRS} and pools(("softplus",)) == {False}
+    assert pools(("safe", "softplus")) == {False, SAFE_PAIRS}
 
 
 def test_warmup_with_training_visits_the_backward_variants():
@@ -124,7 +140,7 @@ def test_warmup_with_training_visits_the_backward_variants():
 
     def kinds(**options):
         variants = api.warmup_variants(**options)
-        return ([v.checkpoints for v in variants if isinstance(v, RecurrenceVariant)],
+        return ([v.checkpoints for v in variants if isinstance(v, RecurrenceVariant) and not v.pairs],
                 [(v.vsplit, v.dht, v.dh0) for v in variants if isinstance(v, ScanVariant)],
                 [(v.gate, v.per_head_gate, v.group_sum) for v in variants if isinstance(v, GradsVariant)])
 
@@ -147,7 +163,7 @@ def test_warmup_covers_the_segmented_variants():
     fp32 = torch.float32
     variants = api.warmup_variants(varlen=(False,), state_modes=(None,), vsplits=(2,))
     assert [v for v in variants if isinstance(v, RecurrenceVariant)] == [
-        RecurrenceVariant(2, None, None, False), RecurrenceVariant(1, None, fp32, True),
+        RecurrenceVariant(2, None, None, False, pairs=SAFE_PAIRS), RecurrenceVariant(1, None, fp32, True),
         RecurrenceVariant(1, fp32, fp32, True), RecurrenceVariant(1, fp32, None, True)]
     variants = api.warmup_variants(varlen=(False,), state_modes=(None,), vsplits=(2,), training=True)
     recurrences = [v for v in variants if isinstance(v, RecurrenceVariant)]
