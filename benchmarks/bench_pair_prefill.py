@@ -1,9 +1,10 @@
 """The two-tile prefill (docs/numerics.md, "Two tiles a serial step") beside today's, kernel by kernel: K1 and its
-pair variant, K2 and its pair variant (at the automatic V-split), medians in one run on the same inputs, the safe
-gate, fp32 states in and out; with the accuracy of both forwards against each other.
+pair variant, K2 and its pair variant (at the automatic V-split), medians in one run on the same inputs, fp32 states
+in and out; with the accuracy of both forwards against each other. ``--gate safe`` (the default) or ``per_head``
+(GatedDeltaNet's: the shape's heads as value heads, one softplus decay a head and token).
 
     python benchmarks/bench_pair_prefill.py                               # the six shapes of the forward
-    python benchmarks/bench_pair_prefill.py --shapes B1_T32768_H16 --out benchmarks/results/pairs.md
+    python benchmarks/bench_pair_prefill.py --shapes B1_T32768_H16 --gate per_head --out benchmarks/results/pairs.md
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _median(launch, warmup: int, rep: int) -> float:
     return median_ms(launch, warmup, rep) if ms is None else ms
 
 
-def run(name: str, warmup: int, rep: int) -> dict:
+def run(name: str, warmup: int, rep: int, gate: str = "safe") -> dict:
     from cute_kda.ops import prepare as k1
     from cute_kda.ops import recurrence as k2
     from cute_kda.reference import rel_rms
@@ -39,6 +40,11 @@ def run(name: str, warmup: int, rep: int) -> dict:
 
     shape = SHAPES[name]
     x = make_inputs(shape, torch.device("cuda"))
+    gate_name = "safe"
+    if gate == "per_head":  # one decay a head and token, Kimi-like A_log
+        x["g"], x["dt_bias"] = x["g"][..., 0].contiguous(), x["dt_bias"][:, 0].contiguous()
+        x["A_log"] = torch.log(1 + 15 * torch.rand_like(x["A_log"]))
+        gate_name = "softplus"
     cu = x["cu_seqlens"]
     tile_base = k1.tile_bases(cu) if cu is not None else None
     num_seqs = len(shape.lengths)
@@ -53,7 +59,7 @@ def run(name: str, warmup: int, rep: int) -> dict:
 
         def prepare():
             k1.prepare(x["q"], x["k"], x["g"], x["beta"], x["A_log"], x["dt_bias"], ws, scale=D ** -0.5,
-                       lower_bound=LOWER_BOUND, cu_seqlens=cu, tile_base=tile_base, cross=cross)
+                       lower_bound=LOWER_BOUND, cu_seqlens=cu, tile_base=tile_base, gate=gate_name, cross=cross)
 
         def recurrence():
             k2.recurrence(x["v"], ws, out, cu_seqlens=cu, tile_base=tile_base, initial_state=x["initial_state"],
@@ -88,13 +94,15 @@ def markdown(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser, SHAPES)
+    parser.add_argument("--gate", choices=("safe", "per_head"), default="safe",
+                        help="the safe gate per channel, or a per-head softplus gate (GatedDeltaNet's)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_pair_prefill needs a CUDA GPU (Hopper)")
     with torch.inference_mode():
-        rows = [run(name, args.warmup, args.rep) for name in args.shapes]
+        rows = [run(name, args.warmup, args.rep, args.gate) for name in args.shapes]
     header = (f"{environment('cutlass', labels={'cutlass': 'cutlass-dsl'})} · the two-tile prefill beside today's, "
-              f"D={D}, safe gate, fp32 state in and out")
+              f"D={D}, {args.gate} gate, fp32 state in and out")
     publish(f"{header}\n\n{markdown(rows)}\n", args.out)
 
 

@@ -9,7 +9,8 @@ the code (``--out`` both, then ``--compare``): equal hashes mean byte-identical 
 
 The variants: every combination the launchers can key (``ops/*.compiled_variant``) and ``api.warmup`` visits,
 plus the knobs only tests and benchmarks set (K1's 256 threads, Kernel A's tuning grid of
-``benchmarks/explore_bwd_scan.py``, K2's and Kernel A's blocks of 4 tiles, Kernel B at 4 warps), and the fp16
+``benchmarks/explore_bwd_scan.py``, K2's and Kernel A's blocks of 4 tiles, Kernel B at 4 warps), K1's and K2's
+pair variants (the two-tile prefill: ``k1/pairs/…``, ``k2/pairs/…``), and the fp16
 forward (``k1/fp16/…``, ``k2/fp16/…``, with checkpoints for training; no pools; fp16 training's backward runs the
 bf16 Kernel A and Kernel B variants, or under ``FP16_NATIVE_BACKWARD`` Kernel B on fp16 inputs, ``kb/fp16/…`` at 8
 warps; grouped value heads also with ``…/group_sum``), and the K = V = 64 forward (``k1/d64/…``, ``k2/d64/…``:
@@ -100,6 +101,10 @@ def variants() -> dict[str, tuple]:
         found[f"k1/pairs/d{dim}/{_flags_label(*flags)}"] = (
             "k1", dict(zip(("varlen", "qk_l2norm", "beta_logits"), flags), gate="safe", g_dtype="bf16",
                        per_head_gate=False, grouped=False, dim=dim, pairs=True))
+        for gate, g_dtype, per_head in PER_HEAD_GATES:  # and of the per-head gates, grouped value heads
+            found[f"k1/pairs/d{dim}/{_gate_label(gate, g_dtype, per_head, True)}/{_flags_label(*flags)}"] = (
+                "k1", dict(zip(("varlen", "qk_l2norm", "beta_logits"), flags), gate=gate, g_dtype=g_dtype,
+                           per_head_gate=True, grouped=True, dim=dim, pairs=True))
     for vsplit, initial, final, varlen, checkpoints in itertools.product((1, 2, 4), STATES, STATES, (False, True),
                                                                        (False, True)):
         name = f"k2/vs{vsplit}/{initial}-{final}/{_label(varlen, 'varlen', 'fixed')}" + _label(
@@ -163,6 +168,15 @@ def variants() -> dict[str, tuple]:
     for vsplit, initial, final, varlen in itertools.product((1, 2, 4), STATES, STATES, (False, True)):
         found[f"k2/d64/vs{vsplit}/{initial}-{final}/{_label(varlen, 'varlen', 'fixed')}"] = (
             "k2", dict(vsplit=vsplit, initial=initial, final=final, varlen=varlen, checkpoints=False, dim=64))
+    pair_states = (("none", "fp32"), ("bf16", "bf16"), ("fp32", "fp32"))
+    for dim, vsplit, (initial, final), varlen in itertools.product((D, 64), (1, 2, 4), pair_states, (False, True)):
+        found[f"k2/pairs/d{dim}/vs{vsplit}/{initial}-{final}/{_label(varlen, 'varlen', 'fixed')}"] = (
+            "k2", dict(vsplit=vsplit, initial=initial, final=final, varlen=varlen, checkpoints=False, dim=dim,
+                       pairs=True))
+    for pool, every in (("bf16", 0), ("fp32", 64)):  # the serving prefill on a pool, two tiles a step
+        found[f"k2/pairs/pool-{pool}/prefix{every}"] = (
+            "k2", dict(vsplit=2, initial=pool, final=pool, varlen=True, checkpoints=False, state_pool=True,
+                       prefix_checkpoint_every=every, pairs=True))
     found["tile_prefix"] = ("tile_prefix", {})
     return found
 
@@ -225,15 +239,17 @@ def _k1(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: st
 
 
 def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, checkpoint_every: int = 1,
-        state_pool: bool = False, prefix_checkpoint_every: int = 0, dtype: str = "bf16", dim: int = D) -> tuple:
+        state_pool: bool = False, prefix_checkpoint_every: int = 0, dtype: str = "bf16", dim: int = D,
+        pairs: bool = False) -> tuple:
     import torch
 
     from cute_kda.kernels.fwd_recurrence import FwdRecurrence
+    from cute_kda.kernels.fwd_recurrence_pairs import PairRecurrence
     from cute_kda.ops._cache import dsl_type, fake_stream, to_cute_tensor
     from cute_kda.ops.recurrence import launch_arguments
-    from cute_kda.workspace import block_states_shape
+    from cute_kda.workspace import CrossBlocks, block_states_shape
 
-    kernel = FwdRecurrence(vsplit=vsplit, initial_state=dsl_type(_torch_dtype(initial)),
+    kernel = (PairRecurrence if pairs else FwdRecurrence)(vsplit=vsplit, initial_state=dsl_type(_torch_dtype(initial)),
                            final_state=dsl_type(_torch_dtype(final)), varlen=varlen, checkpoints=checkpoints,
                            checkpoint_every=checkpoint_every, state_pool=state_pool,
                            prefix_checkpoint_every=prefix_checkpoint_every, dtype=dsl_type(_torch_dtype(dtype)),
@@ -250,7 +266,8 @@ def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, 
     prefix_slots = _meta(NUM_SEQS, 2, dtype=torch.int32) if prefix_checkpoint_every else None
     arguments = launch_arguments(v, ws, v, cu_seqlens=cu_seqlens, tile_base=tile_base, initial_state=state(initial),
                                  final_state=state(final), checkpoints=kept, state_indices=slots,
-                                 checkpoint_indices=prefix_slots, tensor=to_cute_tensor)
+                                 checkpoint_indices=prefix_slots, tensor=to_cute_tensor,
+                                 cross=CrossBlocks(*(torch.empty_like(ws.inv) for _ in range(2))) if pairs else None)
     return kernel, (*arguments, fake_stream())
 
 

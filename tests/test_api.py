@@ -114,7 +114,8 @@ def test_warmup_visits_every_selected_k1_variant():
     if SAFE_PAIRS:
         recurrences.append(RecurrenceVariant(1, None, None, False, pairs=True))
     assert [v for v in variants if isinstance(v, RecurrenceVariant)] == recurrences
-    assert [v.pairs for v in variants if isinstance(v, PrepareVariant)] == [SAFE_PAIRS] + [False] * 6
+    assert [v.pairs for v in variants if isinstance(v, PrepareVariant)] == [
+        pair_prefill(gate, per_head, False) for gate, _, per_head, _ in prepares]
     assert prepares == [("safe", bf16, False, False), ("softplus", bf16, False, False), ("none", bf16, False, False),
                         ("none", fp32, False, False), ("softplus", bf16, True, True), ("none", bf16, True, True),
                         ("none", fp32, True, True)]
@@ -293,7 +294,9 @@ def mirror_kernels(monkeypatch):
     from cute_kda.ops import prepare as k1
     from cute_kda.ops import recurrence as k2
     from cute_kda.reference import mirror, mirror_prepare_gates, tile_bases
-    from cute_kda.reference.pairs import PairWorkspace, mirror_prepare_pairs, mirror_recurrence_pairs
+    from cute_kda.reference.pairs import (
+        PairWorkspace, mirror_prepare_pairs, mirror_prepare_pairs_per_head, mirror_recurrence_pairs,
+    )
     from cute_kda.reference.pool import gather_states
     from cute_kda.workspace import Workspace
 
@@ -318,10 +321,11 @@ def mirror_kernels(monkeypatch):
             assert stream == ("CUstream", 7)
             assert (cu_seqlens is None) == (tile_base is None) == (not varlen) and seq_len == q.shape[1]
             assert g.dtype == g_dtype and per_head_gate == (g.dim() == 3) and grouped == (beta.shape[2] != q.shape[2])
-            if variant.pairs:  # the two-tile prefill's K1
-                done = mirror_prepare_pairs(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                                            scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
-                                            beta_logits=beta_logits)
+            if variant.pairs:  # the two-tile prefill's K1, of its scheme
+                options = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+                               cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+                done = (mirror_prepare_pairs_per_head(q, k, g, beta, gate=gate, **options) if per_head_gate
+                        else mirror_prepare_pairs(q, k, g, beta, **options))
                 filled = done.ws
                 for block, value in zip(cross, (done.cross_kd, done.cross_qd)):
                     block.copy_(value)

@@ -13,7 +13,8 @@ from ulp_check import assert_within_one_ulp
 from cute_kda.compile_report import compile_with_report
 from cute_kda.dsl import cute, cutlass
 from cute_kda.kernels.common.copy import warp_tiled_mma
-from cute_kda.kernels.fwd_prepare import PrepareInputs, PrepareKernel, SafePairPrepare, WorkspaceTiles, prepare_kernel
+from cute_kda.kernels.fwd_prepare import PrepareInputs, PrepareKernel, WorkspaceTiles, prepare_kernel
+from cute_kda.kernels.fwd_prepare.pairs import PairPrepare
 from cute_kda.kernels.tile_prefix import TilePrefixKernel
 from cute_kda.layouts import fwd_prepare as plan
 from cute_kda.layouts.analysis import MatrixAccess, byte_table, layout_spec, max_wavefronts, phase_wavefronts, run_traced
@@ -44,7 +45,7 @@ def _compile(kernel: PrepareKernel):
         beta=_fake(BF16, 3, 2),
         a_log=_fake(F32, 1, 4) if constants else None, dt_bias=_fake(F32, 1 + per_channel, 4) if constants else None,
     )
-    pairs = isinstance(kernel, SafePairPrepare)
+    pairs = isinstance(kernel, PairPrepare)
     ws = WorkspaceTiles(
         qd=_fake(BF16, 3), kd=_fake(BF16, 3), kr=_fake(BF16, 3), gt=_fake(F32, 2),
         inv=_fake(BF16, 3), mqk=_fake(BF16, 3), beta=_fake(F32, 2),
@@ -75,6 +76,8 @@ VARIANTS = {
     "pairs": dict(varlen=False, pairs=True),
     "pairs_varlen_plain": dict(varlen=True, pairs=True, qk_l2norm=False, beta_logits=False),
     "pairs_fp16_grouped": dict(varlen=False, pairs=True, dtype=cutlass.Float16, grouped=True),
+    "pairs_gdn_softplus_varlen": dict(varlen=True, pairs=True, gate="softplus", per_head_gate=True, grouped=True),
+    "pairs_gdn_log_decay_fp32": dict(varlen=False, pairs=True, gate="none", gate_dtype=F32, per_head_gate=True),
 }
 
 
@@ -103,7 +106,7 @@ def _butterfly_steps(kernel: PrepareKernel) -> int:
 
 def test_ptx_primitives(compiled):
     kernel, report, _ = compiled
-    if isinstance(kernel, SafePairPrepare):
+    if isinstance(kernel, PairPrepare):
         return _check_pair_ptx(kernel, report)
     if kernel.per_head_gate:
         return _check_per_head_ptx(kernel, report)
@@ -138,6 +141,8 @@ def _check_pair_ptx(kernel: PrepareKernel, report) -> None:
     """The pair K1: both tiles' q, k, g behind one barrier; six tile products (A_kk, A_qk of each tile, P, Q) and
     two Neumann inverses; the gate scan twice (threads of tile a, of tile b) and β twice; per element three ex2 in
     tile a (decay, 2^-G, kr to the pair's end) and four in tile b (with 2^(G_a,last + G)); e^A and both gT."""
+    if kernel.per_head_gate:
+        return _check_per_head_pair_ptx(kernel, report)
     load_rank, store_rank = _tile_ranks(kernel)
     assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == 6
     assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == 6
@@ -153,6 +158,23 @@ def _check_pair_ptx(kernel: PrepareKernel, report) -> None:
         assert report.count("shfl.sync.bfly.b32") == 2 * 2 * _butterfly_steps(kernel)  # q and k of both tiles
     else:
         assert not report.has("shfl.sync.bfly") and not report.has("sqrt")
+    assert report.count("bar.sync") == 3
+
+
+def _check_per_head_pair_ptx(kernel: PrepareKernel, report) -> None:
+    """The per-head pair K1: both tiles' q, k by TMA, each tile's rows on a warp of their own (a = 2^g', 2^G, 2^Gs a
+    lane; softplus: 2^−|y|, lg2 and e^A too), the six products and two inverses, and no exponent beyond the rows'."""
+    load_rank, store_rank = _tile_ranks(kernel)
+    assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == 4
+    assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == 6
+    k_steps = kernel.dim // CHUNK
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 12 * k_steps
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 24
+    softplus = kernel.gate == "softplus"
+    assert report.count("ex2.approx.ftz.f32") == 2 * (3 + (2 if softplus else 0))
+    assert report.count("lg2.approx.f32") == (2 if softplus else 0)
+    if kernel.qk_l2norm:
+        assert report.count("shfl.sync.bfly.b32") == 2 * 2 * _butterfly_steps(kernel)
     assert report.count("bar.sync") == 3
 
 
@@ -226,7 +248,7 @@ def test_tma_copies_are_issued_by_one_elected_lane(compiled):
     lines = report.ptx.splitlines()
     bulk = [i for i, line in enumerate(lines) if re.match(r"\s*cp\.async\.bulk\.", line)]
     kernel = compiled[0]
-    tiles = 2 if isinstance(kernel, SafePairPrepare) else 1
+    tiles = 2 if isinstance(kernel, PairPrepare) else 1
     # loads, stores, commit_group + wait_group.read, a tile each
     assert len(bulk) == tiles * ((3 if kernel.gate_tile else 2) + 3 + 2)
     unguarded = [lines[i].strip() for i in bulk if not _elected_lane_only(lines, i)]
@@ -237,9 +259,12 @@ def test_smem_is_the_plan(compiled):
     """The launch asks for exactly the bytes of ``layouts.fwd_prepare.smem_budget``; 8 CTAs fit per SM."""
     kernel, _, launch_smem = compiled
     budget = kernel.smem_budget()
-    per_head, safe, dyadic, pairs = {128: (22528, 25600, 39936, 58368), 64: (12288, 13312, 21504, 29696)}[kernel.dim]
-    size = (pairs if isinstance(kernel, SafePairPrepare) else per_head if kernel.per_head_gate
-            else safe if kernel.gate_tile else dyadic)
+    per_head, safe, dyadic, pairs, per_head_pairs = {128: (22528, 25600, 39936, 58368, 46080),
+                                                     64: (12288, 13312, 21504, 29696, 25600)}[kernel.dim]
+    if isinstance(kernel, PairPrepare):
+        size = per_head_pairs if kernel.per_head_gate else pairs
+    else:
+        size = per_head if kernel.per_head_gate else safe if kernel.gate_tile else dyadic
     assert launch_smem == [budget.total_bytes] == [size]
     assert budget.ctas_per_sm >= kernel.ctas_per_sm
 
@@ -542,12 +567,12 @@ def test_prepare_computes_tile_bases_itself(dim):
 # ---------------------------------------------------------------- the pair workspace (GPU)
 
 
-def _run_pairs(q, k, g, beta, a_log, dt_bias, *, cu_seqlens=None, qk_l2norm=True, beta_logits=True):
-    """The pair K1 into a NaN-poisoned workspace and cross blocks, and ``mirror_prepare_pairs``; returns both, the
-    slot mask and the mask of tile b slots."""
+def _run_pairs(q, k, g, beta, a_log, dt_bias, *, cu_seqlens=None, qk_l2norm=True, beta_logits=True, gate="safe"):
+    """The pair K1 into a NaN-poisoned workspace and cross blocks, and its mirror (``mirror_prepare_pairs``, or
+    ``mirror_prepare_pairs_per_head`` for a per-head g); returns both, the slot mask and the mask of tile b slots."""
     from cute_kda.ops.prepare import prepare
     from cute_kda.reference.common import token_tile_map
-    from cute_kda.reference.pairs import mirror_prepare_pairs, pair_roles
+    from cute_kda.reference.pairs import mirror_prepare_pairs, mirror_prepare_pairs_per_head, pair_roles
     from cute_kda.workspace import CrossBlocks
 
     batch, steps, heads = beta.shape
@@ -559,9 +584,11 @@ def _run_pairs(q, k, g, beta, a_log, dt_bias, *, cu_seqlens=None, qk_l2norm=True
                           .view(torch.bfloat16) for _ in range(2)))
     scale = q.shape[-1] ** -0.5
     prepare(q, k, g, beta, a_log, dt_bias, ws, scale=scale, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens,
-            qk_l2norm=qk_l2norm, beta_logits=beta_logits, cross=cross)
-    ref = mirror_prepare_pairs(q, k, g, beta, A_log=a_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND, scale=scale,
-                               cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+            qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate, cross=cross)
+    options = dict(A_log=a_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND, scale=scale, cu_seqlens=cu_seqlens,
+                   qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+    ref = (mirror_prepare_pairs_per_head(q, k, g, beta, gate=gate, **options) if g.dim() == 3
+           else mirror_prepare_pairs(q, k, g, beta, **options))
     tile_map = token_tile_map(q, cu_seqlens)
     exists = tile_map.slot_exists.repeat(heads).to(q.device)
     is_b = pair_roles(tile_map, spec.tiles)[1].repeat(heads).to(q.device)
@@ -604,6 +631,27 @@ def test_pair_workspace_matches_mirror_varlen(lengths, qk_l2norm, beta_logits, d
     cu_seqlens = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64, device="cuda")
     _assert_pairs_match(*_run_pairs(*data, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits),
                         f"pairs varlen {lengths}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [None, *PAIR_VARLEN], ids=["B2xT97", *(f"{len(s)}seqs" for s in PAIR_VARLEN)])
+@pytest.mark.parametrize("gate", ["softplus", "none"])
+@ALL_DIMS
+def test_per_head_pair_workspace_matches_mirror(lengths, gate, dim):
+    """GatedDeltaNet's per-head gate: the pair K1 of scheme per_head against ``mirror_prepare_pairs_per_head``, with
+    grouped value heads (2 q/k heads, 4 value heads)."""
+    batch, steps = (2, 97) if lengths is None else (1, sum(lengths))
+    q, k, g, beta, a_log, dt_bias = _problem(batch, steps, 4, seed=8, dim=dim)
+    q, k = q[:, :, :2].contiguous(), k[:, :, :2].contiguous()
+    g = g[..., 0].float() * 0.5 if gate == "none" else g[..., 0].contiguous()
+    if gate == "none":  # a log decay ≤ 0, fp32
+        g = -torch.nn.functional.softplus(g)
+        a_log = dt_bias = None
+    else:
+        a_log, dt_bias = torch.log(1 + 15 * torch.rand_like(a_log)), dt_bias[:, 0].contiguous()
+    cu_seqlens = None if lengths is None else torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64, device="cuda")
+    _assert_pairs_match(*_run_pairs(q, k, g, beta, a_log, dt_bias, cu_seqlens=cu_seqlens, gate=gate),
+                        f"per-head pairs {gate} {lengths}")
 
 
 # ---------------------------------------------------------------- the unbounded gates (GPU)

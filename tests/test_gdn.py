@@ -16,6 +16,7 @@ import torch
 import cute_kda
 from cute_kda.fla_calls import translate_fla_gdn_call
 from cute_kda.reference import gold_backward, gold_forward, mirror_forward, rel_rms
+from cute_kda.variants import pair_prefill
 
 from test_api import GOLD_BOUND, mirror_kernels  # noqa: F401  (fixture)
 from gradient_targets import TARGETS
@@ -50,7 +51,8 @@ def test_call_path_with_mirror_kernels(mirror_kernels, raw_gate):
     o, state = cute_kda.chunk_gated_delta_rule(**problem)
     assert mirror_kernels == ["k1", "k2"]
     call = translate_fla_gdn_call(**problem)
-    o_mirror, state_mirror = mirror_forward(*call.tensors, lower_bound=-5.0, **call.options)
+    pairs = pair_prefill(call.options["gate"], True, False)  # the two-tile prefill's mirrors where it runs
+    o_mirror, state_mirror = mirror_forward(*call.tensors, lower_bound=-5.0, pairs=pairs, **call.options)
     assert torch.equal(o, o_mirror) and torch.equal(state, state_mirror.transpose(-1, -2).float())
     o_gold, state_gold = gold_gdn(problem)
     assert state.dtype == torch.float32 and state.shape == state_gold.shape

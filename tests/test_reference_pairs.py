@@ -88,3 +88,51 @@ def test_pair_scan_is_as_accurate_as_today(shift, cu):
         err_today, err_pair = rel_rms(getattr(today, name), gold[name]), rel_rms(getattr(pair, name), gold[name])
         assert err_pair < 1.1 * err_today + 2e-4, (name, err_today, err_pair)
     assert rel_rms(pair.du, today.du) < 5e-3
+
+
+def _per_head_inputs(T: int, shift: float, seed: int = 0, H: int = 2, HV: int = 4, D: int = 64):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k = (randn(1, T, H, D).bfloat16() for _ in range(2))
+    v = randn(1, T, HV, D).bfloat16()
+    g, beta = (randn(1, T, HV) + shift).bfloat16(), randn(1, T, HV).bfloat16()
+    A_log, dt_bias = torch.log(torch.rand(HV, generator=gen) * 15 + 1), randn(HV)
+    return q, k, v, g, beta, A_log, dt_bias, 0.1 * randn(1, HV, D, D)
+
+
+@pytest.mark.parametrize("shift", [0.0, -6.0], ids=["gates", "weak_decay"])
+@pytest.mark.parametrize("cu", [None, [0, 48, 53, 256]], ids=["fixed", "varlen_odd_tiles"])
+def test_per_head_pair_prefill_is_as_accurate_as_today(shift, cu):
+    """GatedDeltaNet's per-head gate (softplus, grouped value heads): the pair workspace from the rows' decays."""
+    from cute_kda.reference.gates import mirror_prepare_gates
+    from cute_kda.reference.pairs import mirror_prepare_pairs_per_head
+
+    q, k, v, g, beta, A_log, dt_bias, h0 = _per_head_inputs(256, shift)
+    cu_t = None if cu is None else torch.tensor(cu)
+    if cu_t is not None:
+        h0 = h0.expand(len(cu) - 1, *h0.shape[1:]).contiguous()
+    kw = dict(gate="softplus", A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_t)
+    o_gold, s_gold = gold_forward(q, k, v, g, beta, **kw, initial_state=h0, output_final_state=True,
+                                  state_layout="vk", dtype=torch.float64)
+    o1, s1 = mirror_recurrence(mirror_prepare_gates(q, k, g, beta, scheme="per_head", **kw), v, cu_seqlens=cu_t,
+                               initial_state=h0, output_final_state=True)
+    o2, s2 = mirror_recurrence_pairs(mirror_prepare_pairs_per_head(q, k, g, beta, **kw), v, cu_seqlens=cu_t,
+                                     initial_state=h0, output_final_state=True)
+    err_o1, err_o2 = rel_rms(o1, o_gold), rel_rms(o2, o_gold)
+    err_s1, err_s2 = rel_rms(s1, s_gold), rel_rms(s2, s_gold)
+    assert err_o2 < 1.1 * err_o1 + 2e-4 and err_s2 < 1.1 * err_s1 + 2e-4, (err_o1, err_o2, err_s1, err_s2)
+    assert rel_rms(o2, o1) < 5e-3
+
+
+def test_per_head_lone_tile_keeps_todays_fields():
+    from cute_kda.reference.gates import mirror_prepare_gates
+    from cute_kda.reference.pairs import mirror_prepare_pairs_per_head
+
+    q, k, v, g, beta, A_log, dt_bias, h0 = _per_head_inputs(16, 0.0)
+    kw = dict(gate="softplus", A_log=A_log, dt_bias=dt_bias)
+    today = mirror_prepare_gates(q, k, g, beta, scheme="per_head", **kw)
+    pairs = mirror_prepare_pairs_per_head(q, k, g, beta, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(today, pairs.ws))

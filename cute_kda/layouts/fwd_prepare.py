@@ -169,6 +169,38 @@ def per_head_smem_budget(dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
     )))
 
 
+def per_head_pair_smem_budget(dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
+    """Shared-memory plan of the per-head gate's pair K1 (docs/numerics.md, "Two tiles a serial step"): both tiles'
+    buffers of :func:`per_head_smem_budget` (tile b's qd, kd are the pair-relative ones, written over its q, k: the
+    scheme's products read the bf16 rows q̂, k̂, not qd, kd), the rows' factors measured across the pair, and the
+    cross block's decays."""
+    tile = layout_spec(f"chunk_tile({dim},{chunk})", chunk_tile, dim, chunk, dtype=cutlass.BFloat16)
+    pairs = layout_spec(f"pair_matrix({chunk})", pair_matrix, chunk, dtype=cutlass.Float32)
+    rows = layout_spec(f"row_vector({chunk})", row_vector, chunk, dtype=cutlass.Float32)
+
+    def tile_buffers(t: str) -> tuple:
+        return (
+            SmemBuffer(f"q_{t}", tile, note=f"tile {t}'s TMA-loaded q; its qd written over it"),
+            SmemBuffer(f"k_{t}", tile, note=f"tile {t}'s TMA-loaded k; its kd written over it"),
+            SmemBuffer(f"kr_{t}", tile, note=f"tile {t}'s kr"),
+            SmemBuffer(f"q_hat_{t}", tile, note=f"tile {t}'s bf16(qh)"),
+            SmemBuffer(f"k_hat_{t}", tile, note=f"tile {t}'s bf16(kh)"),
+            SmemBuffer(f"spans_{t}", pairs, note=f"tile {t}'s pair decays E"),
+            *(SmemBuffer(f"{name}_{t}", rows, align_bytes=BETA_ALIGN, note=f"tile {t}: {note}") for name, note in (
+                ("beta", "activated β per row"), ("gate", "g' per row"), ("decay", "a = 2^g' per row"),
+                ("prefix_decay", "2^G per row"), ("suffix_decay", "2^Gs per row"))),
+        )
+
+    return SmemBudget(f"K1 per-head gate, pairs D={dim} CHUNK={chunk}", SmemGroup("PerHeadPairPrepareStorage", (
+        *tile_buffers("a"),
+        *tile_buffers("b"),
+        SmemBuffer("cross_spans", pairs, note="f32(2^G_b[i] · 2^Gs_a[j]): row j of a to row i of b"),
+        SmemBuffer("suffix_to_pair_end", rows, align_bytes=BETA_ALIGN, note="f32(2^Gs_a · gT_b): kr_a'"),
+        SmemBuffer("prefix_from_pair_start", rows, align_bytes=BETA_ALIGN, note="f32(gT_a · 2^G_b): qd_b', kd_b'"),
+        mbarriers("tma_barrier", 1, "transaction barrier of both tiles' q, k loads"),
+    )))
+
+
 def compact(tensor: cute.Tensor, inner: tuple) -> cute.Tensor:
     """The C-contiguous gmem tensor ``[n, *inner]`` with its inner extents and all strides static.
 

@@ -122,6 +122,53 @@ def mirror_prepare_pairs(
     return PairWorkspace(ws, p.reshape(-1, CHUNK, CHUNK), cross_q.reshape(-1, CHUNK, CHUNK))
 
 
+def mirror_prepare_pairs_per_head(
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, **options,
+) -> PairWorkspace:
+    """K1 of the pair step for a per-head gate (GatedDeltaNet's g ``[B, T, HV]``; arguments as
+    :func:`~.gates.mirror_prepare_gates`, scheme ``per_head``). Today's per-head fields (``prefix = 2^G``,
+    ``suffix = 2^Gs`` a row, ``gT = prefix[15]``, ``E ⊙ (k̂ k̂ᵀ)`` products of the bf16 rows) except, in a pair (a, b):
+
+    - tile b's ``kd``, ``qd`` from the pair's start: ``bf16(kh_b · f32(gT_a · prefix_b))`` (and ``qh_b``);
+    - tile a's ``kr`` to the pair's end: ``bf16(kh_a · f32(suffix_a · gT_b))``; tile a's ``gt``: ``f32(gT_a · gT_b)``;
+    - the cross blocks ``P = bf16(f32(f32(prefix_b[i] · suffix_a[j]) · (k̂_b·k̂_aᵀ)[i, j]))`` and ``Q`` with ``q̂_b``
+      (the bf16 rows' fp32 tensor-core sums): the decay from row j of a to row i of b times the rows' product.
+
+    One decay a row, every factor ≤ 1: no exponent is formed, so nothing overflows for any gate value."""
+    from .gates import _k1_gate_values
+
+    if g.dim() != 3:
+        raise ValueError("mirror_prepare_pairs_per_head takes a per-head gate g [B, T, HV]")
+    values = _k1_gate_values(q, k, g, beta, scheme="per_head", **options)
+    tile_map, heads = values.tile_map, beta.shape[2]
+    tiles = tile_map.slot_exists.numel()
+    ws = values.workspace
+
+    def per_head(t: torch.Tensor) -> torch.Tensor:
+        return t.view(heads, tiles, *t.shape[1:]).clone()
+
+    qd, kd, kr, gt = (per_head(t) for t in (ws.qd, ws.kd, ws.kr, ws.gt))
+    prefix, suffix = ex2_approx(values.G)[..., 0], ex2_approx(values.Gs)[..., 0]  # [HV, tiles, 16]
+    _, is_b = pair_roles(tile_map, tiles)
+    b = torch.nonzero(is_b).flatten()
+    a = b - 1
+    gt_a, gt_b = prefix[:, a, CHUNK - 1], prefix[:, b, CHUNK - 1]  # [HV, pairs]
+    from_start = (gt_a[..., None] * prefix[:, b])[..., None]  # [HV, pairs, 16, 1]
+    kd[:, b] = (values.kh[:, b] * from_start).bfloat16()
+    qd[:, b] = (values.qh[:, b] * from_start).bfloat16()
+    kr[:, a] = (values.kh[:, a] * (suffix[:, a] * gt_b[..., None])[..., None]).bfloat16()
+    gt[:, a] = (gt_a * gt_b)[..., None].expand(-1, -1, gt.shape[-1])
+    spans = prefix[:, b, :, None] * suffix[:, a, None, :]  # [HV, pairs, 16 (b), 16 (a)]
+    k16_a = values.kh[:, a].bfloat16().transpose(-1, -2)
+    cross_kd = torch.zeros(heads, tiles, CHUNK, CHUNK, device=q.device, dtype=torch.bfloat16)
+    cross_qd = torch.zeros_like(cross_kd)
+    cross_kd[:, b] = (spans * mma(values.kh[:, b].bfloat16(), k16_a)).bfloat16()
+    cross_qd[:, b] = (spans * mma(values.qh[:, b].bfloat16(), k16_a)).bfloat16()
+    fields = ws._replace(**{name: value.reshape(getattr(ws, name).shape)
+                            for name, value in dict(qd=qd, kd=kd, kr=kr, gt=gt).items()})
+    return PairWorkspace(fields, cross_kd.reshape(-1, CHUNK, CHUNK), cross_qd.reshape(-1, CHUNK, CHUNK))
+
+
 def mirror_recurrence_pairs(
     pws: PairWorkspace, v: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False,

@@ -75,15 +75,19 @@ class PerHeadPrepare(PrepareKernel):
             self.store_tiles(tma, s_q, s_k, s_kr, slot)
 
     @cute.jit
-    def spanned(self, product: cute.Tensor, s_spans, lane: Int32) -> cute.Tensor:
-        """``E ⊙ product`` on and below the diagonal (fp32 C fragment; above it 0)."""
+    def spanned(self, product: cute.Tensor, s_spans, lane: Int32, causal: bool = True) -> cute.Tensor:
+        """``E ⊙ product`` on and below the diagonal (fp32 C fragment; above it 0); without ``causal`` everywhere (a
+        pair's cross blocks)."""
         mma_bf16 = warp_tiled_mma(BFloat16, Float32)
         coords = mma_bf16.get_slice(lane).partition_C(cute.make_identity_tensor((WARP_TILE, WARP_TILE)))
         out = make_fragment(mma_bf16, Operand.C, Float32)
         for i in cutlass.range_constexpr(cute.size(product)):
             row, col = coords[i]
-            value = Float32(0.0)
-            if row >= col:
-                value = product[i] * s_spans[row, col]
-            out[i] = value
+            if cutlass.const_expr(causal):
+                value = Float32(0.0)
+                if row >= col:
+                    value = product[i] * s_spans[row, col]
+                out[i] = value
+            else:
+                out[i] = product[i] * s_spans[row, col]
         return out

@@ -1,10 +1,8 @@
 """K1 for the safe gate, a pair of tiles a CTA: the workspace of the two-tile serial step (docs/numerics.md, "Two
 tiles a serial step"; the mirror is ``cute_kda.reference.pairs.mirror_prepare_pairs``).
 
-Tiles pair up from each sequence's first tile, (0, 1), (2, 3), …; the CTA of a pair's first tile (tile a) does the
-pair, the CTA of its second (tile b) exits at once, and a sequence's odd last tile is a pair without a tile b (it
-gets today's fields: tile b's exponents are then 0 and add nothing). ``2 · D`` threads, one channel of one tile each
-in the gate scan and one row chunk of each tile in the decay:
+Pairs and threads as :mod:`.pairs` (a lone last tile gets today's fields: tile b's exponents are then 0 and add
+nothing); one channel of one tile a thread in the gate scan:
 
 1. *Load.* Warp 0 TMA-loads q, k, g of both tiles behind one transaction barrier; threads 0-15 compute tile a's β,
    16-31 tile b's.
@@ -20,50 +18,22 @@ in the gate scan and one row chunk of each tile in the decay:
 
 from __future__ import annotations
 
-from typing import Optional
+from cutlass import Int32
 
-from cutlass import BFloat16, Float32, Int32
-
-from ...dsl import cute, cutlass
+from ...dsl import cute
 from ...layouts import fwd_prepare as plan
-from ...layouts.smem import CHUNK, HEAD_DIM
-from ..common.copy import warp_tiled_mma
+from ...layouts.smem import CHUNK
 from ..common.fastmath import ex2_approx
 from .base import PrepareInputs, PrepareScalars, PrepareTma, WorkspaceTiles
+from .pairs import PairOperands, PairPrepare
 from .safe import SafePrepare
 
-FINISH_TASKS = 8  # INV_a, INV_b, Mqk_a, Mqk_b, P, Q, tile a's stores, tile b's stores
 
-
-class SafePairPrepare(SafePrepare):
+class SafePairPrepare(PairPrepare, SafePrepare):
     """The safe gate's K1 over pairs of tiles (module docstring): ``2 · dim`` threads, the workspace plus the cross
     blocks (``WorkspaceTiles.cross_kd``, ``cross_qd``)."""
 
-    thread_counts = (2 * HEAD_DIM, HEAD_DIM)
     smem_plan = staticmethod(plan.pair_smem_budget)
-
-    def __init__(self, *, dim: int = HEAD_DIM, num_threads: Optional[int] = None, ctas_per_sm: Optional[int] = None,
-                 **config) -> None:
-        threads = 2 * dim
-        if num_threads not in (None, threads):
-            raise ValueError(f"the pair K1 runs 2 · dim = {threads} threads, got {num_threads}")
-        self.default_ctas_per_sm = plan.pair_smem_budget(dim).ctas_per_sm
-        super().__init__(dim=dim, num_threads=threads, ctas_per_sm=ctas_per_sm, **config)
-
-    @cute.kernel
-    def kernel(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles, scalars: PrepareScalars,
-               cu_seqlens: Optional[cute.Tensor], tile_base: Optional[cute.Tensor]):
-        tile_slot, head, _ = cute.arch.block_idx()
-        tiles, heads, _ = cute.arch.grid_dim()
-        _, tile_in_seq, row0, seq_end, exists = self.tile_position(tile_slot, scalars.seq_len, cu_seqlens, tile_base)
-        qk_head = head
-        if cutlass.const_expr(self.grouped):
-            qk_head = head // (heads // inputs.q.shape[1])
-        if exists and tile_in_seq % 2 == 0:
-            rows_left = seq_end - row0
-            valid_b = cutlass.max(cutlass.min(rows_left - CHUNK, CHUNK), 0)
-            self.prepare_pair(tma, inputs, ws, scalars, head, qk_head, head * tiles + tile_slot, row0,
-                              cutlass.min(rows_left, CHUNK), valid_b)
 
     @cute.jit
     def prepare_pair(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles, scalars: PrepareScalars,
@@ -113,27 +83,7 @@ class SafePairPrepare(SafePrepare):
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes → TMA store reads
         cute.arch.sync_threads()
 
-        warps = self.num_threads // 32
-        mma_bf16 = warp_tiled_mma(BFloat16, Float32)
-        for task in cutlass.range_constexpr(FINISH_TASKS):
-            if warp_idx == task % warps:
-                if cutlass.const_expr(task == 0):
-                    self.kkt_inverse(s_k_a, s_kinv_a, s_beta_a, ws.inv, slot, lane)
-                if cutlass.const_expr(task == 2):
-                    self.masked_qk(s_q_a, s_kinv_a, ws.mqk, slot, lane)
-                if cutlass.const_expr(task == 6):
-                    self.store_tiles(tma, s_q_a, s_k_a, s_g_a, slot)
-                if cutlass.const_expr(task in (1, 3, 4, 5, 7)):
-                    if has_b:
-                        if cutlass.const_expr(task == 1):
-                            self.kkt_inverse(s_k_b, s_kinv_b, s_beta_b, ws.inv, slot_b, lane)
-                        if cutlass.const_expr(task == 3):
-                            self.masked_qk(s_q_b, s_kinv_b, ws.mqk, slot_b, lane)
-                        if cutlass.const_expr(task == 4):
-                            self.store_mqk(self.tile_product(mma_bf16, s_kd_pair, s_kinv_a, lane), ws.cross_kd,
-                                           slot_b, lane, causal=False)
-                        if cutlass.const_expr(task == 5):
-                            self.store_mqk(self.tile_product(mma_bf16, s_qd_pair, s_kinv_a, lane), ws.cross_qd,
-                                           slot_b, lane, causal=False)
-                        if cutlass.const_expr(task == 7):
-                            self.store_tiles(tma, s_qd_pair, s_kd_pair, s_g_b, slot_b)
+        tiles = (PairOperands(s_k_a, s_q_a, s_kinv_a, None, s_beta_a, (s_q_a, s_k_a, s_g_a)),
+                 PairOperands(s_k_b, s_q_b, s_kinv_b, None, s_beta_b, (s_qd_pair, s_kd_pair, s_g_b)))
+        cross = PairOperands(s_kd_pair, s_qd_pair, s_kinv_a, None)
+        self.finish_pair(tma, ws, tiles, cross, slot, has_b, warp_idx, lane)
