@@ -366,13 +366,7 @@ class BwdScan(BandScan):
         k_steps = dim // CHUNK
 
         tiled_mma = self.warp_mma()
-        copies = self.warp_copies(tiled_mma)
-        ldsm_a = copies.ldsm_a.get_slice(lane)
-        ldsm_a_t = copies.ldsm_a_t.get_slice(lane)
-        ldsm_b = copies.ldsm_b.get_slice(lane)
-        ldsm_b_t = copies.ldsm_b_t.get_slice(lane)
-        stsm_c = copies.stsm_c.get_slice(lane)
-        stsm_c_t = copies.stsm_c_t.get_slice(lane)
+        ldsm_a, ldsm_a_t, ldsm_b, ldsm_b_t, _, stsm_c, stsm_c_t = self.thread_copies(tiled_mma, lane)
         stsm_dv = self.dv_copy(tiled_mma).get_slice(lane)
 
         # the warp's columns of dS (both views), of dOᵀ and of the dv / du output tiles

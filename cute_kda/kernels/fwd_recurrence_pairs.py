@@ -68,13 +68,7 @@ class PairRecurrence(FwdRecurrence):
         k_steps = dim // CHUNK
 
         tiled_mma = self.warp_mma()
-        copies = self.warp_copies(tiled_mma)
-        ldsm_a = copies.ldsm_a.get_slice(lane)
-        ldsm_a_t = copies.ldsm_a_t.get_slice(lane)
-        ldsm_b = copies.ldsm_b.get_slice(lane)
-        ldsm_c = copies.ldsm_c.get_slice(lane)
-        stsm_c = copies.stsm_c.get_slice(lane)
-        stsm_c_t = copies.stsm_c_t.get_slice(lane)
+        ldsm_a, ldsm_a_t, ldsm_b, _, ldsm_c, stsm_c, stsm_c_t = self.thread_copies(tiled_mma, lane)
 
         w_state = cute.local_tile(smem.state, (cols, dim), (warp_idx, 0))  # [cols, K]
         w_state_acc = cute.local_tile(smem.state_acc, (dim, cols), (0, warp_idx))  # [K, cols]

@@ -560,6 +560,10 @@ class BandScan:
             permutation_mnk=(CHUNK, self.warp_cols, CHUNK),
         )
 
+    def thread_copies(self, tiled_mma: cute.TiledMma, lane) -> WarpCopies:
+        """:meth:`warp_copies`, each field the ``lane``'s slice of it (the compute loops' copies)."""
+        return WarpCopies(*(copy.get_slice(lane) for copy in self.warp_copies(tiled_mma)))
+
     def warp_copies(self, tiled_mma: cute.TiledMma) -> WarpCopies:
         """The ldmatrix / stmatrix tiled copies of the compute warps (x4, or x2 for 8-column bands); those of the
         per-token tiles (``ldsm_c``, ``stsm_c``) in :attr:`token_dtype`."""
