@@ -18,6 +18,7 @@ from cute_kda.fla_calls import CanonicalCall
 from cute_kda.numerics import HEAD_DIM, SCAN_VSPLITS
 from cute_kda.variants import CombineVariant, GradsVariant, PrepareVariant, RecurrenceVariant, ScanVariant, pair_prefill
 from cute_kda.reference import gold_forward, mirror_forward, rel_rms
+from cute_kda.reference.pairs import mirror_forward_pairs
 
 D = 128
 GOLD_BOUND = 6e-3
@@ -415,8 +416,7 @@ def test_launch_path_with_mirror_kernels(mirror_kernels, lengths, state):
     inputs = make_inputs(lengths, 2, torch.device("cpu"))
     h0 = None if state is None else initial_state(lengths, 2, state, torch.device("cpu"))
     o, final = cute_kda.kda_forward(**inputs, lower_bound=-3.0, initial_state=h0, output_final_state=True)
-    o_ref, final_ref = mirror_forward(**inputs, lower_bound=-3.0, initial_state=h0, output_final_state=True,
-                                      pairs=SAFE_PAIRS)
+    o_ref, final_ref = SAFE_MIRROR(**inputs, lower_bound=-3.0, initial_state=h0, output_final_state=True)
     assert mirror_kernels == ["k1", "k2"]
     assert torch.equal(o, o_ref)
     assert final.dtype == (state or torch.float32) and torch.equal(final, final_ref)
@@ -424,6 +424,7 @@ def test_launch_path_with_mirror_kernels(mirror_kernels, lengths, state):
 
 k2_pool_launches: list = []  # (variant, state_indices, checkpoint_indices) of the pool launches the seam saw
 SAFE_PAIRS = pair_prefill("safe", False, False)  # a safe-gate prefill runs the two-tile variants
+SAFE_MIRROR = mirror_forward_pairs if SAFE_PAIRS else mirror_forward  # what a safe-gate prefill computes
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -436,7 +437,7 @@ def test_pool_launch_path_with_mirror_kernels(mirror_kernels, lengths, dtype):
     inputs = make_inputs(lengths, 2, torch.device("cpu"))
     pool = (0.1 * torch.randn(9, 2, D, D)).to(dtype)
     slots = torch.tensor([7, -1, 0, 3][:len(lengths)], dtype=torch.int32)
-    o_ref, pool_ref = prefill_on_pool(mirror_forward, **inputs, pool=pool, state_indices=slots, pairs=SAFE_PAIRS)
+    o_ref, pool_ref = prefill_on_pool(SAFE_MIRROR, **inputs, pool=pool, state_indices=slots)
     k2_pool_launches.clear()
     o, state = cute_kda.kda_forward(**inputs, initial_state=pool, state_indices=slots)
     assert state is pool and mirror_kernels == ["k1", "k2"]
@@ -457,8 +458,8 @@ def test_launch_path_fills_caller_buffers(mirror_kernels):
     out = torch.empty_like(inputs["v"])
     final = torch.empty(1, 2, D, D, dtype=torch.bfloat16)
     o, state = cute_kda.kda_forward(**inputs, out=out, final_state=final, beta_logits=False, qk_l2norm=False)
-    o_ref, final_ref = mirror_forward(**inputs, lower_bound=-5.0, output_final_state=True, state_dtype=torch.bfloat16,
-                                      beta_logits=False, qk_l2norm=False, pairs=SAFE_PAIRS)
+    o_ref, final_ref = SAFE_MIRROR(**inputs, lower_bound=-5.0, output_final_state=True, state_dtype=torch.bfloat16,
+                                   beta_logits=False, qk_l2norm=False)
     assert o is out and state is final
     assert torch.equal(out, o_ref) and torch.equal(final, final_ref)
 

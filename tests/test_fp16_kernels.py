@@ -498,6 +498,7 @@ def test_fp16_forward_matches_the_mirror_and_the_gold(case):
     bound) and the fp64 gold on the fp16 values (FLA's 5e-3)."""
     import cute_kda
     from cute_kda.reference import gold_forward, mirror_forward, rel_rms
+    from cute_kda.reference.pairs import mirror_forward_pairs
     from cute_kda.variants import pair_prefill
 
     gate, per_head, value_heads, lengths, state_dtype = GPU_FORWARD_CASES[case]
@@ -516,7 +517,8 @@ def test_fp16_forward_matches_the_mirror_and_the_gold(case):
     assert o.dtype == torch.float16 and final.dtype == (state_dtype or torch.float32)
     tensors = [x[name] for name in ("q", "k", "v", "g", "beta")]
     pairs = pair_prefill(gate, per_head, segments is not None)  # the two-tile prefill's mirrors where it runs
-    mirror = mirror_forward(*tensors, output_final_state=True, state_dtype=final.dtype, pairs=pairs, **options)
+    mirror = (mirror_forward_pairs if pairs else mirror_forward)(*tensors, output_final_state=True,
+                                                                 state_dtype=final.dtype, **options)
     gold = gold_forward(*tensors, output_final_state=True, **options)
     errors = dict(o_mirror=rel_rms(o, mirror[0]), state_mirror=rel_rms(final, mirror[1]),
                   o_gold=rel_rms(o, gold[0]), state_gold=rel_rms(final, gold[1]))

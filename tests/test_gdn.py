@@ -16,6 +16,7 @@ import torch
 import cute_kda
 from cute_kda.fla_calls import translate_fla_gdn_call
 from cute_kda.reference import gold_backward, gold_forward, mirror_forward, rel_rms
+from cute_kda.reference.pairs import mirror_forward_pairs
 from cute_kda.variants import pair_prefill
 
 from test_api import GOLD_BOUND, mirror_kernels  # noqa: F401  (fixture)
@@ -52,7 +53,8 @@ def test_call_path_with_mirror_kernels(mirror_kernels, raw_gate):
     assert mirror_kernels == ["k1", "k2"]
     call = translate_fla_gdn_call(**problem)
     pairs = pair_prefill(call.options["gate"], True, False)  # the two-tile prefill's mirrors where it runs
-    o_mirror, state_mirror = mirror_forward(*call.tensors, lower_bound=-5.0, pairs=pairs, **call.options)
+    o_mirror, state_mirror = (mirror_forward_pairs if pairs else mirror_forward)(*call.tensors, lower_bound=-5.0,
+                                                                                 **call.options)
     assert torch.equal(o, o_mirror) and torch.equal(state, state_mirror.transpose(-1, -2).float())
     o_gold, state_gold = gold_gdn(problem)
     assert state.dtype == torch.float32 and state.shape == state_gold.shape

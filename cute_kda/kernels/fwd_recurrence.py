@@ -62,7 +62,7 @@ B == 1 and ``tile_base`` int32 ``[N+1]`` for varlen, every base address 16-byte 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from ..dsl import cute, cutlass  # first: sets the target architecture before the DSL loads
 
@@ -101,6 +101,28 @@ class RecurrenceSmem:
     out: cute.Tensor  # [16, v_band, out stage]
     cross_kd: Optional[cute.Tensor] = None  # [16, 16, stage]: a pair plan's P (tile b's stages)
     cross_qd: Optional[cute.Tensor] = None  # [16, 16, stage]: a pair plan's Q
+
+
+class WarpViews(NamedTuple):
+    """A compute warp's copies (its lane's slices) and the partitions of the shared memory it reads and writes, stage
+    mode last (:meth:`FwdRecurrence.warp_views`)."""
+
+    tiled_mma: cute.TiledMma
+    ldsm_a: cute.ThrCopy
+    ldsm_a_t: cute.ThrCopy
+    ldsm_b: cute.ThrCopy
+    ldsm_c: cute.ThrCopy
+    stsm_c: cute.ThrCopy
+    stsm_c_t: cute.ThrCopy
+    p_kd: cute.Tensor  # (CPY, 1, k_steps, stage)
+    p_qd: cute.Tensor
+    p_inv: cute.Tensor  # (CPY, 1, 1, stage)
+    p_mqk: cute.Tensor
+    p_kr_t: cute.Tensor  # (CPY, k_steps, 1, stage)
+    p_state: cute.Tensor  # (CPY, n, k_steps): the warp's rows of S, the B operand
+    p_v: cute.Tensor  # (CPY, 1, n, stage)
+    p_out: cute.Tensor
+    p_state_acc_st: cute.Tensor  # the warp's columns of S in the [K, V] view, for stmatrix.trans
 
 
 @dataclass(frozen=True)
@@ -424,26 +446,8 @@ class FwdRecurrence(BandScan):
         cols = self.warp_cols
         dim = self.dim
         k_steps = dim // CHUNK
-
-        tiled_mma = self.warp_mma()
-        ldsm_a, ldsm_a_t, ldsm_b, _, ldsm_c, stsm_c, stsm_c_t = self.thread_copies(tiled_mma, lane)
-
-        # the warp's columns of the state (both views), of v and of out
-        w_state = cute.local_tile(smem.state, (cols, dim), (warp_idx, 0))  # [cols, K]
-        w_state_acc = cute.local_tile(smem.state_acc, (dim, cols), (0, warp_idx))  # [K, cols]
-        w_v = cute.local_tile(smem.v, (CHUNK, cols), (0, warp_idx, None))  # [16, cols, stage]
-        w_out = cute.local_tile(smem.out, (CHUNK, cols), (0, warp_idx, None))  # [16, cols, stage]
-
-        # smem partitions (stage mode last)
-        p_kd = ldsm_a.partition_S(smem.kd)  # (CPY, 1, k_steps, stage)
-        p_qd = ldsm_a.partition_S(smem.qd)
-        p_inv = ldsm_a.partition_S(smem.inv)  # (CPY, 1, 1, stage)
-        p_mqk = ldsm_a.partition_S(smem.mqk)
-        p_kr_t = ldsm_a_t.partition_S(smem.kr_t)  # (CPY, k_steps, 1, stage)
-        p_state = ldsm_b.partition_S(w_state)  # (CPY, n, k_steps)
-        p_v = ldsm_c.partition_S(w_v)  # (CPY, 1, n, stage)
-        p_out = stsm_c.partition_D(w_out)
-        p_state_acc_st = stsm_c_t.partition_D(w_state_acc)
+        (tiled_mma, ldsm_a, ldsm_a_t, ldsm_b, ldsm_c, stsm_c, stsm_c_t, p_kd, p_qd, p_inv, p_mqk, p_kr_t, p_state, p_v,
+         p_out, p_state_acc_st) = self.warp_views(warp_idx, smem, lane)
 
         # register fragments
         r_kd = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((CHUNK, dim)))  # ((2,2,2), 1, k_steps)
@@ -558,6 +562,24 @@ class FwdRecurrence(BandScan):
             load_state.advance()
             if const_expr(self.prefix_checkpoint_every > 0):
                 self.store_prefix_checkpoint(tile, state32, prefix, band, warp_idx)
+
+    def warp_views(self, warp_idx: Int32, smem: RecurrenceSmem, lane: Int32) -> WarpViews:
+        """The :class:`WarpViews` of compute warp ``warp_idx``: its ``warp_cols`` columns of the state (both views),
+        of v and of out, and the whole tiles of kd, qd, kr, INV, Mqk."""
+        cols, dim = self.warp_cols, self.dim
+        tiled_mma = self.warp_mma()
+        ldsm_a, ldsm_a_t, ldsm_b, _, ldsm_c, stsm_c, stsm_c_t = self.thread_copies(tiled_mma, lane)
+        w_state = cute.local_tile(smem.state, (cols, dim), (warp_idx, 0))  # [cols, K]
+        w_state_acc = cute.local_tile(smem.state_acc, (dim, cols), (0, warp_idx))  # [K, cols]
+        w_v = cute.local_tile(smem.v, (CHUNK, cols), (0, warp_idx, None))  # [16, cols, stage]
+        w_out = cute.local_tile(smem.out, (CHUNK, cols), (0, warp_idx, None))  # [16, cols, stage]
+        return WarpViews(
+            tiled_mma, ldsm_a, ldsm_a_t, ldsm_b, ldsm_c, stsm_c, stsm_c_t,
+            p_kd=ldsm_a.partition_S(smem.kd), p_qd=ldsm_a.partition_S(smem.qd), p_inv=ldsm_a.partition_S(smem.inv),
+            p_mqk=ldsm_a.partition_S(smem.mqk), p_kr_t=ldsm_a_t.partition_S(smem.kr_t),
+            p_state=ldsm_b.partition_S(w_state), p_v=ldsm_c.partition_S(w_v), p_out=stsm_c.partition_D(w_out),
+            p_state_acc_st=stsm_c_t.partition_D(w_state_acc),
+        )
 
     @cute.jit
     def store_prefix_checkpoint(self, tile: Int32, state32: tuple, prefix: PrefixCheckpoints, band: Int32,

@@ -67,25 +67,10 @@ class PairRecurrence(FwdRecurrence):
         dim = self.dim
         k_steps = dim // CHUNK
 
-        tiled_mma = self.warp_mma()
-        ldsm_a, ldsm_a_t, ldsm_b, _, ldsm_c, stsm_c, stsm_c_t = self.thread_copies(tiled_mma, lane)
-
-        w_state = cute.local_tile(smem.state, (cols, dim), (warp_idx, 0))  # [cols, K]
-        w_state_acc = cute.local_tile(smem.state_acc, (dim, cols), (0, warp_idx))  # [K, cols]
-        w_v = cute.local_tile(smem.v, (CHUNK, cols), (0, warp_idx, None))  # [16, cols, stage]
-        w_out = cute.local_tile(smem.out, (CHUNK, cols), (0, warp_idx, None))
-
-        p_kd = ldsm_a.partition_S(smem.kd)  # (CPY, 1, k_steps, stage)
-        p_qd = ldsm_a.partition_S(smem.qd)
-        p_inv = ldsm_a.partition_S(smem.inv)  # (CPY, 1, 1, stage)
-        p_mqk = ldsm_a.partition_S(smem.mqk)
-        p_cross_kd = ldsm_a.partition_S(smem.cross_kd)
+        (tiled_mma, ldsm_a, ldsm_a_t, ldsm_b, ldsm_c, stsm_c, stsm_c_t, p_kd, p_qd, p_inv, p_mqk, p_kr_t, p_state, p_v,
+         p_out, p_state_acc_st) = self.warp_views(warp_idx, smem, lane)
+        p_cross_kd = ldsm_a.partition_S(smem.cross_kd)  # (CPY, 1, 1, stage), as INV
         p_cross_qd = ldsm_a.partition_S(smem.cross_qd)
-        p_kr_t = ldsm_a_t.partition_S(smem.kr_t)  # (CPY, k_steps, 1, stage)
-        p_state = ldsm_b.partition_S(w_state)  # (CPY, n, k_steps)
-        p_v = ldsm_c.partition_S(w_v)  # (CPY, 1, n, stage)
-        p_out = stsm_c.partition_D(w_out)
-        p_state_acc_st = stsm_c_t.partition_D(w_state_acc)
 
         def fragment_a(shape):
             return tiled_mma.make_fragment_A(tiled_mma.partition_shape_A(shape))

@@ -251,35 +251,18 @@ def mirror_forward(
     output_final_state: bool = False,
     state_dtype: torch.dtype | None = None,
     state_layout: str = "vk",
-    pairs: bool = False,
     **k1_options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`mirror_prepare` (or for the unbounded gates ``"softplus"`` and ``"none"`` K1's overflow-free
     form, :func:`~.gates.mirror_prepare_gates` with scheme ``"dyadic"``, ``"per_head"`` for a per-head g
     ``[B, T, HV]``) then :func:`mirror_recurrence`. ``k1_options``: K1's keywords (``A_log``, ``dt_bias``,
-    ``lower_bound``, ``scale``, ``qk_l2norm``, ``beta_logits``), passed on as those take them. ``pairs`` (the safe
-    gate, a per-head gate): the two-tile prefill's mirrors instead (:mod:`.pairs`), what the kernels run where
-    :func:`cute_kda.variants.pair_prefill` says.
+    ``lower_bound``, ``scale``, ``qk_l2norm``, ``beta_logits``), passed on as those take them. The two-tile
+    prefill's twin: :func:`~.pairs.mirror_forward_pairs`.
 
     ``state_dtype`` None: the initial state's dtype, fp32 when there is none.
     """
     if state_dtype is None:
         state_dtype = torch.float32 if initial_state is None else initial_state.dtype
-    if pairs:
-        from .pairs import mirror_prepare_pairs, mirror_prepare_pairs_per_head, mirror_recurrence_pairs
-
-        if gate == "safe":
-            pws = mirror_prepare_pairs(q, k, g, beta, cu_seqlens=cu_seqlens, **k1_options)
-        elif g.dim() == 3:
-            pws = mirror_prepare_pairs_per_head(q, k, g, beta, gate=gate, cu_seqlens=cu_seqlens, **k1_options)
-        else:
-            raise ValueError(f"the two-tile prefill is built for the safe gate and per-head gates, not {gate!r} per "
-                             "channel")
-        return mirror_recurrence_pairs(
-            pws, v, cu_seqlens=cu_seqlens,
-            initial_state=initial_state, output_final_state=output_final_state, state_dtype=state_dtype,
-            state_layout=state_layout,
-        )
     if gate == "safe":
         ws = mirror_prepare(q, k, g, beta, cu_seqlens=cu_seqlens, **k1_options)
     else:

@@ -294,3 +294,25 @@ def mirror_bwd_scan_pairs(pws: PairWorkspace, do: torch.Tensor, *, cu_seqlens: t
         return rows.movedim(0, 1).reshape(batch, seq_len, heads, value_dim)
 
     return PairScanResult(untile(du_t), untile(dv_t), state32.movedim(1, 0).transpose(-1, -2).contiguous())
+
+
+def mirror_forward_pairs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, gate: str = "safe",
+    cu_seqlens: torch.Tensor | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+    state_dtype: torch.dtype | None = None, state_layout: str = "vk", **k1_options,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`~.mirror.mirror_forward` of the two-tile prefill (the same arguments): :func:`mirror_prepare_pairs` for
+    the safe gate or :func:`mirror_prepare_pairs_per_head` for a per-head g ``[B, T, HV]``, then
+    :func:`mirror_recurrence_pairs` — what the kernels run where :func:`cute_kda.variants.pair_prefill` says."""
+    if gate == "safe":
+        pws = mirror_prepare_pairs(q, k, g, beta, cu_seqlens=cu_seqlens, **k1_options)
+    elif g.dim() == 3:
+        pws = mirror_prepare_pairs_per_head(q, k, g, beta, gate=gate, cu_seqlens=cu_seqlens, **k1_options)
+    else:
+        raise ValueError(f"the two-tile prefill is built for the safe gate and per-head gates, not {gate!r} per "
+                         "channel")
+    if state_dtype is None:
+        state_dtype = torch.float32 if initial_state is None else initial_state.dtype
+    return mirror_recurrence_pairs(pws, v, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                                   output_final_state=output_final_state, state_dtype=state_dtype,
+                                   state_layout=state_layout)
