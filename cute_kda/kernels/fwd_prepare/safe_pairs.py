@@ -38,8 +38,7 @@ class SafePairPrepare(PairPrepare, SafePrepare):
     @cute.jit
     def prepare_pair(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles, scalars: PrepareScalars,
                      head: Int32, qk_head: Int32, slot: Int32, row0: Int32, valid_a: Int32, valid_b: Int32):
-        """The phases of the module docstring for the pair whose tile a is in workspace slot ``slot`` (tile b in
-        ``slot + 1``) and starts at token row ``row0``; ``valid_b`` 0: no tile b."""
+        """The safe gate's phases (module docstring) of one pair (:class:`~.pairs.PairPrepare`'s ``prepare_pair``)."""
         tidx, warp_idx, lane, storage, tile_layout = self.start_tile()
         s_q_a, s_k_a, s_g_a, s_kinv_a, s_q_b, s_k_b, s_g_b, s_kinv_b, s_qd_pair, s_kd_pair = self.swizzled_views(
             tile_layout, storage.q_a, storage.k_a, storage.g_a, storage.kinv_a, storage.q_b, storage.k_b,
