@@ -497,13 +497,14 @@ def sequence_bounds_of(lengths, varlen):
 
 def test_warmup_lists_the_pool_variants():
     from cute_kda.api import warmup_variants
-    from cute_kda.variants import RecurrenceVariant
+    from cute_kda.variants import RecurrenceVariant, pair_prefill
 
     plain = warmup_variants(varlen=(True,), vsplits=(2,))
     pools = warmup_variants(varlen=(True,), vsplits=(2,), state_pools=(torch.float32,), checkpoint_every=(128,))
     assert pools[:len(plain)] == plain
-    assert pools[len(plain):] == [RecurrenceVariant(2, torch.float32, torch.float32, True, False, True, every)
-                                  for every in (0, 128)]
+    pairs = pair_prefill("safe", False, False)  # the safe gate's prefill: two tiles a step where it runs
+    assert pools[len(plain):] == [RecurrenceVariant(2, torch.float32, torch.float32, True, False, True, every,
+                                                    pairs=pairs) for every in (0, 128)]
 
 
 @pytest.mark.parametrize("lengths,chunk", [([40, 40], 32), ([17, 0, 70, 64], 64)])
