@@ -78,6 +78,8 @@ VARIANTS = {
     "pairs_fp16_grouped": dict(varlen=False, pairs=True, dtype=cutlass.Float16, grouped=True),
     "pairs_gdn_softplus_varlen": dict(varlen=True, pairs=True, gate="softplus", per_head_gate=True, grouped=True),
     "pairs_gdn_log_decay_fp32": dict(varlen=False, pairs=True, gate="none", gate_dtype=F32, per_head_gate=True),
+    "pairs_gdn_fp16": dict(varlen=True, pairs=True, gate="softplus", per_head_gate=True, grouped=True,
+                           dtype=cutlass.Float16),
 }
 
 
