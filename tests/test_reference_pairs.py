@@ -136,3 +136,56 @@ def test_per_head_lone_tile_keeps_todays_fields():
     today = mirror_prepare_gates(q, k, g, beta, scheme="per_head", **kw)
     pairs = mirror_prepare_pairs_per_head(q, k, g, beta, **kw)
     assert all(torch.equal(a, b) for a, b in zip(today, pairs.ws))
+
+
+def _dyadic_inputs(T: int, case: str, seed: int = 0, H: int = 2, D: int = 64):
+    """Kimi-Linear's softplus gate per channel: its init, g_raw of ±1000 (a third each), or a low decay."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k, v = (randn(1, T, H, D).bfloat16() for _ in range(3))
+    g, A_log, dt_bias = randn(1, T, H, D), torch.log(torch.rand(H, generator=gen) * 15 + 1), randn(H, D)
+    if case == "pm1000":
+        pick = torch.randint(0, 3, g.shape, generator=gen)
+        g, A_log = torch.where(pick == 0, -1000.0, torch.where(pick == 1, 1000.0, g)), torch.full((H,), 3.0)
+    elif case == "low_decay":
+        g, A_log, dt_bias = g * 0.1 - 8.0, torch.zeros(H), torch.zeros(H, D)
+    return q, k, v, g.bfloat16(), randn(1, T, H).bfloat16(), A_log, dt_bias, 0.1 * randn(1, H, D, D)
+
+
+@pytest.mark.parametrize("case", ["kimi_init", "pm1000", "low_decay"])
+@pytest.mark.parametrize("cu", [None, [0, 48, 53, 256]], ids=["fixed", "varlen_odd_tiles"])
+def test_dyadic_pair_prefill_is_as_accurate_as_today(case, cu):
+    """The per-channel unbounded gates (the dyadic K1's scheme; the pair kernel is planned): P and Q from the
+    tile-relative kd_b, qd_b and kr_a, every factor ≤ 1 for any gate."""
+    from cute_kda.reference.gates import mirror_prepare_gates
+    from cute_kda.reference.pairs import mirror_prepare_pairs_dyadic
+
+    q, k, v, g, beta, A_log, dt_bias, h0 = _dyadic_inputs(256, case)
+    cu_t = None if cu is None else torch.tensor(cu)
+    if cu_t is not None:
+        h0 = h0.expand(len(cu) - 1, *h0.shape[1:]).contiguous()
+    kw = dict(gate="softplus", A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_t)
+    o_gold, s_gold = gold_forward(q, k, v, g, beta, **kw, initial_state=h0, output_final_state=True,
+                                  state_layout="vk", dtype=torch.float64)
+    o1, s1 = mirror_recurrence(mirror_prepare_gates(q, k, g, beta, scheme="dyadic", **kw), v, cu_seqlens=cu_t,
+                               initial_state=h0, output_final_state=True)
+    o2, s2 = mirror_recurrence_pairs(mirror_prepare_pairs_dyadic(q, k, g, beta, **kw), v, cu_seqlens=cu_t,
+                                     initial_state=h0, output_final_state=True)
+    err_o1, err_o2 = rel_rms(o1, o_gold), rel_rms(o2, o_gold)
+    err_s1, err_s2 = rel_rms(s1, s_gold), rel_rms(s2, s_gold)
+    assert err_o2 < 1.1 * err_o1 + 2e-4 and err_s2 < 1.1 * err_s1 + 2e-4, (err_o1, err_o2, err_s1, err_s2)
+    assert rel_rms(o2, o1) < 7e-3
+
+
+def test_dyadic_lone_tile_keeps_todays_fields():
+    from cute_kda.reference.gates import mirror_prepare_gates
+    from cute_kda.reference.pairs import mirror_prepare_pairs_dyadic
+
+    q, k, v, g, beta, A_log, dt_bias, h0 = _dyadic_inputs(16, "kimi_init")
+    kw = dict(gate="softplus", A_log=A_log, dt_bias=dt_bias)
+    today = mirror_prepare_gates(q, k, g, beta, scheme="dyadic", **kw)
+    pairs = mirror_prepare_pairs_dyadic(q, k, g, beta, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(today, pairs.ws))

@@ -169,6 +169,52 @@ def mirror_prepare_pairs_per_head(
     return PairWorkspace(fields, cross_kd.reshape(-1, CHUNK, CHUNK), cross_qd.reshape(-1, CHUNK, CHUNK))
 
 
+def mirror_prepare_pairs_dyadic(
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, **options,
+) -> PairWorkspace:
+    """K1 of the pair step for the per-channel unbounded gates (softplus, a log decay; scheme ``dyadic``, arguments as
+    :func:`~.gates.mirror_prepare_gates`): planned, no kernel yet. Today's dyadic fields (G, Gs its own running
+    sums) except, in a pair (a, b):
+
+    - tile b's ``kd``, ``qd`` from the pair's start: ``bf16(kh_b ⊙ 2^f32(G_a,last + G_b))`` (and ``qh_b``);
+    - tile a's ``kr`` to the pair's end: ``bf16(kh_a ⊙ 2^f32(Gs_a + G_b,last))``; tile a's ``gt``:
+      ``2^f32(G_a,last + G_b,last)``;
+    - the cross blocks from the tile-relative fields, ``P = bf16(kd_b·kr_aᵀ)``, ``Q = bf16(qd_b·kr_aᵀ)``: every
+      factor ``2^(G_b + Gs_a)`` ≤ 1 for any gate (the safe gate's ``kinv_a`` would overflow here).
+
+    Every exponent is ≤ 0, so nothing overflows."""
+    from .gates import _k1_gate_values
+
+    if g.dim() != 4:
+        raise ValueError("mirror_prepare_pairs_dyadic takes a per-channel gate g [B, T, HV, K]")
+    values = _k1_gate_values(q, k, g, beta, scheme="dyadic", **options)
+    tile_map, heads = values.tile_map, beta.shape[2]
+    tiles = tile_map.slot_exists.numel()
+    ws = values.workspace
+
+    def per_head(t: torch.Tensor) -> torch.Tensor:
+        return t.view(heads, tiles, *t.shape[1:])
+
+    qd, kd, kr, gt = (per_head(t).clone() for t in (ws.qd, ws.kd, ws.kr, ws.gt))
+    _, is_b = pair_roles(tile_map, tiles)
+    b = torch.nonzero(is_b).flatten()
+    a = b - 1
+    G_last = values.G[:, :, CHUNK - 1]  # [HV, tiles, K]
+    from_start = ex2_approx(G_last[:, a, None, :] + values.G[:, b])
+    kd[:, b] = (values.kh[:, b] * from_start).bfloat16()
+    qd[:, b] = (values.qh[:, b] * from_start).bfloat16()
+    kr[:, a] = (values.kh[:, a] * ex2_approx(values.Gs[:, a] + G_last[:, b, None, :])).bfloat16()
+    gt[:, a] = ex2_approx(G_last[:, a] + G_last[:, b])
+    tile_kd, tile_qd, tile_kr = (per_head(t) for t in (ws.kd, ws.qd, ws.kr))  # today's, tile-relative
+    cross_kd = torch.zeros(heads, tiles, CHUNK, CHUNK, device=q.device, dtype=torch.bfloat16)
+    cross_qd = torch.zeros_like(cross_kd)
+    cross_kd[:, b] = mma(tile_kd[:, b], tile_kr[:, a].transpose(-1, -2)).bfloat16()
+    cross_qd[:, b] = mma(tile_qd[:, b], tile_kr[:, a].transpose(-1, -2)).bfloat16()
+    fields = ws._replace(**{name: value.reshape(getattr(ws, name).shape)
+                            for name, value in dict(qd=qd, kd=kd, kr=kr, gt=gt).items()})
+    return PairWorkspace(fields, cross_kd.reshape(-1, CHUNK, CHUNK), cross_qd.reshape(-1, CHUNK, CHUNK))
+
+
 def mirror_recurrence_pairs(
     pws: PairWorkspace, v: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
