@@ -63,7 +63,7 @@ class PrepareVariant:
     ``per_head_gate``: g ``[B, T, HV]`` (GatedDeltaNet), else per channel; ``grouped``: HV > H value heads;
     ``dtype``: q's and k's, bf16 or fp16 (:data:`cute_kda.validation.ACTIVATION_DTYPES`); ``dim``: the head dim K
     (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`); ``pairs``: the pair workspace of the two-tile serial step, a CTA a
-    pair of tiles (the safe gate; :class:`cute_kda.kernels.fwd_prepare.SafePairPrepare`).
+    pair of tiles (the schemes of :data:`PAIR_SCHEMES`: :data:`cute_kda.kernels.fwd_prepare.PAIR_SCHEMES`).
     """
 
     varlen: bool

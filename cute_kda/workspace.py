@@ -29,7 +29,7 @@ beta      [H*tiles, 16]          fp32     β (activated), 0 on rows past the seq
 Per tile-head this is 3·4096 + 512 + 2·512 + 64 = 13 888 bytes.
 
 The pair workspace of the two-tile serial step (docs/numerics.md, "Two tiles a serial step"; built by K1's pair
-variant, ``cute_kda.kernels.fwd_prepare.SafePairPrepare``): tiles pair up from each sequence's first tile; the
+variants, ``cute_kda.kernels.fwd_prepare.PAIR_SCHEMES``): tiles pair up from each sequence's first tile; the
 fields above hold tile b's qd, kd measured from the pair's start, tile a's kr to the pair's end and tile a's gt the
 pair's decay, and :class:`CrossBlocks` adds two bf16 ``[H*tiles, 16, 16]`` blocks in tile b's slot (1 KB a pair).
 """

@@ -212,8 +212,8 @@ def prepare(
     beta_logits: bool = True, gate: str = "safe", stream=None, cross: CrossBlocks | None = None,
 ) -> None:
     """Run K1: fill ``ws`` (``tiles_per_head(B·T, N, varlen)`` slots per head) from the raw inputs; with ``cross``
-    (:class:`~cute_kda.workspace.CrossBlocks` of ``ws``'s spec, the safe gate) the pair workspace of the two-tile
-    serial step (``cute_kda.workspace``), a CTA a pair of tiles.
+    (:class:`~cute_kda.workspace.CrossBlocks` of ``ws``'s spec; the safe gate or a per-head gate) the pair workspace
+    of the two-tile serial step (``cute_kda.workspace``), a CTA a pair of tiles.
 
     q, k: bf16 or fp16 ``[B, T, H, D]`` (D in :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`, the workspace's); g
     ``[B, T, HV, D]`` (or ``[B, T, HV]``, a per-head gate, with the

@@ -1,6 +1,7 @@
 """K1, the prepare kernel (:mod:`.base`), one class a gate scheme (:data:`cute_kda.numerics.GATE_SCHEMES`):
-:class:`~.safe.SafePrepare`, :class:`~.dyadic.DyadicPrepare`, :class:`~.per_head.PerHeadPrepare`;
-:func:`prepare_kernel` picks one."""
+:class:`~.safe.SafePrepare`, :class:`~.dyadic.DyadicPrepare`, :class:`~.per_head.PerHeadPrepare`; and the pair variants
+of the two-tile serial step (:mod:`.pairs`), :class:`~.safe_pairs.SafePairPrepare` and
+:class:`~.per_head_pairs.PerHeadPairPrepare`; :func:`prepare_kernel` picks one."""
 
 from __future__ import annotations
 
