@@ -449,17 +449,18 @@ def warmup_variants(
         return [pair_prefill(gate, per_head, segmented=False) for gate, _, per_head in gate_forms_of(dtype)]
 
     for dtype, (l2, logits, packed) in itertools.product(dtypes, flags):
+        forms, pairs_of = gate_forms_of(dtype), paired(dtype)
         for mode, dim in itertools.product(state_modes, head_dims):
             for split in k2_splits:
-                for (gate, g_dtype, per_head), pairs in zip(gate_forms_of(dtype), paired(dtype)):
+                for (gate, g_dtype, per_head), pairs in zip(forms, pairs_of):
                     key = (packed, l2, logits, gate, g_dtype, per_head, per_head, dtype, dim)
                     if not pairs or training or segments:  # today's K1: training, a segmented call
                         variants[PrepareVariant(*key)] = None
                     if pairs:
                         variants[PrepareVariant(*key, pairs=True)] = None
-                if not all(paired(dtype)) or training:  # today's K2: the other gates' inference, training
+                if not all(pairs_of) or training:  # today's K2: the other gates' inference, training
                     variants[RecurrenceVariant(split, mode, mode, packed, False, dtype=dtype, dim=dim)] = None
-                if any(paired(dtype)):
+                if any(pairs_of):
                     variants[RecurrenceVariant(split, mode, mode, packed, False, dtype=dtype, dim=dim,
                                                pairs=True)] = None
                 if training:
@@ -514,7 +515,7 @@ def warmup_variants(
                     variants[ScanVariant(1, fp32, dh0, True, dim=dim, dv_dtype=grads)] = None
     for dtype, pool, packed, split, every in itertools.product(dtypes, state_pools, varlen, k2_splits,
                                                                (0, *checkpoint_every)):
-        for pairs in (False, True):  # a pool prefill of another gate, of the safe gate (two tiles a step)
+        for pairs in (False, True):  # a pool prefill of a gate without a pair variant, of one with (two tiles a step)
             if pairs in paired(dtype):
                 variants[RecurrenceVariant(split, pool, pool, packed, False, True, every, dtype, pairs=pairs)] = None
     return list(variants)

@@ -103,39 +103,50 @@ def _per_head_inputs(T: int, shift: float, seed: int = 0, H: int = 2, HV: int = 
     return q, k, v, g, beta, A_log, dt_bias, 0.1 * randn(1, HV, D, D)
 
 
-@pytest.mark.parametrize("shift", [0.0, -6.0], ids=["gates", "weak_decay"])
-@pytest.mark.parametrize("cu", [None, [0, 48, 53, 256]], ids=["fixed", "varlen_odd_tiles"])
-def test_per_head_pair_prefill_is_as_accurate_as_today(shift, cu):
-    """GatedDeltaNet's per-head gate (softplus, grouped value heads): the pair workspace from the rows' decays."""
+def _assert_unbounded_pairs_as_accurate(scheme: str, inputs: tuple, cu, from_today: float) -> None:
+    """The pair mirrors of an unbounded gate's ``scheme`` (softplus) against the fp64 gold beside today's mirrors; o
+    within ``from_today`` of today's."""
+    from cute_kda.reference import pairs
     from cute_kda.reference.gates import mirror_prepare_gates
-    from cute_kda.reference.pairs import mirror_prepare_pairs_per_head
 
-    q, k, v, g, beta, A_log, dt_bias, h0 = _per_head_inputs(256, shift)
+    q, k, v, g, beta, A_log, dt_bias, h0 = inputs
     cu_t = None if cu is None else torch.tensor(cu)
     if cu_t is not None:
         h0 = h0.expand(len(cu) - 1, *h0.shape[1:]).contiguous()
     kw = dict(gate="softplus", A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_t)
     o_gold, s_gold = gold_forward(q, k, v, g, beta, **kw, initial_state=h0, output_final_state=True,
                                   state_layout="vk", dtype=torch.float64)
-    o1, s1 = mirror_recurrence(mirror_prepare_gates(q, k, g, beta, scheme="per_head", **kw), v, cu_seqlens=cu_t,
+    o1, s1 = mirror_recurrence(mirror_prepare_gates(q, k, g, beta, scheme=scheme, **kw), v, cu_seqlens=cu_t,
                                initial_state=h0, output_final_state=True)
-    o2, s2 = mirror_recurrence_pairs(mirror_prepare_pairs_per_head(q, k, g, beta, **kw), v, cu_seqlens=cu_t,
-                                     initial_state=h0, output_final_state=True)
+    prepare_pairs = getattr(pairs, f"mirror_prepare_pairs_{scheme}")
+    o2, s2 = mirror_recurrence_pairs(prepare_pairs(q, k, g, beta, **kw), v, cu_seqlens=cu_t, initial_state=h0,
+                                     output_final_state=True)
     err_o1, err_o2 = rel_rms(o1, o_gold), rel_rms(o2, o_gold)
     err_s1, err_s2 = rel_rms(s1, s_gold), rel_rms(s2, s_gold)
     assert err_o2 < 1.1 * err_o1 + 2e-4 and err_s2 < 1.1 * err_s1 + 2e-4, (err_o1, err_o2, err_s1, err_s2)
-    assert rel_rms(o2, o1) < 5e-3
+    assert rel_rms(o2, o1) < from_today
+
+
+def _assert_lone_tile_keeps_todays_fields(scheme: str, inputs: tuple) -> None:
+    from cute_kda.reference import pairs
+    from cute_kda.reference.gates import mirror_prepare_gates
+
+    q, k, v, g, beta, A_log, dt_bias, h0 = inputs
+    kw = dict(gate="softplus", A_log=A_log, dt_bias=dt_bias)
+    today = mirror_prepare_gates(q, k, g, beta, scheme=scheme, **kw)
+    paired = getattr(pairs, f"mirror_prepare_pairs_{scheme}")(q, k, g, beta, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(today, paired.ws))
+
+
+@pytest.mark.parametrize("shift", [0.0, -6.0], ids=["gates", "weak_decay"])
+@pytest.mark.parametrize("cu", [None, [0, 48, 53, 256]], ids=["fixed", "varlen_odd_tiles"])
+def test_per_head_pair_prefill_is_as_accurate_as_today(shift, cu):
+    """GatedDeltaNet's per-head gate (softplus, grouped value heads): the pair workspace from the rows' decays."""
+    _assert_unbounded_pairs_as_accurate("per_head", _per_head_inputs(256, shift), cu, 5e-3)
 
 
 def test_per_head_lone_tile_keeps_todays_fields():
-    from cute_kda.reference.gates import mirror_prepare_gates
-    from cute_kda.reference.pairs import mirror_prepare_pairs_per_head
-
-    q, k, v, g, beta, A_log, dt_bias, h0 = _per_head_inputs(16, 0.0)
-    kw = dict(gate="softplus", A_log=A_log, dt_bias=dt_bias)
-    today = mirror_prepare_gates(q, k, g, beta, scheme="per_head", **kw)
-    pairs = mirror_prepare_pairs_per_head(q, k, g, beta, **kw)
-    assert all(torch.equal(a, b) for a, b in zip(today, pairs.ws))
+    _assert_lone_tile_keeps_todays_fields("per_head", _per_head_inputs(16, 0.0))
 
 
 def _dyadic_inputs(T: int, case: str, seed: int = 0, H: int = 2, D: int = 64):
@@ -160,32 +171,8 @@ def _dyadic_inputs(T: int, case: str, seed: int = 0, H: int = 2, D: int = 64):
 def test_dyadic_pair_prefill_is_as_accurate_as_today(case, cu):
     """The per-channel unbounded gates (the dyadic K1's scheme; the pair kernel is planned): P and Q from the
     tile-relative kd_b, qd_b and kr_a, every factor ≤ 1 for any gate."""
-    from cute_kda.reference.gates import mirror_prepare_gates
-    from cute_kda.reference.pairs import mirror_prepare_pairs_dyadic
-
-    q, k, v, g, beta, A_log, dt_bias, h0 = _dyadic_inputs(256, case)
-    cu_t = None if cu is None else torch.tensor(cu)
-    if cu_t is not None:
-        h0 = h0.expand(len(cu) - 1, *h0.shape[1:]).contiguous()
-    kw = dict(gate="softplus", A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_t)
-    o_gold, s_gold = gold_forward(q, k, v, g, beta, **kw, initial_state=h0, output_final_state=True,
-                                  state_layout="vk", dtype=torch.float64)
-    o1, s1 = mirror_recurrence(mirror_prepare_gates(q, k, g, beta, scheme="dyadic", **kw), v, cu_seqlens=cu_t,
-                               initial_state=h0, output_final_state=True)
-    o2, s2 = mirror_recurrence_pairs(mirror_prepare_pairs_dyadic(q, k, g, beta, **kw), v, cu_seqlens=cu_t,
-                                     initial_state=h0, output_final_state=True)
-    err_o1, err_o2 = rel_rms(o1, o_gold), rel_rms(o2, o_gold)
-    err_s1, err_s2 = rel_rms(s1, s_gold), rel_rms(s2, s_gold)
-    assert err_o2 < 1.1 * err_o1 + 2e-4 and err_s2 < 1.1 * err_s1 + 2e-4, (err_o1, err_o2, err_s1, err_s2)
-    assert rel_rms(o2, o1) < 7e-3
+    _assert_unbounded_pairs_as_accurate("dyadic", _dyadic_inputs(256, case), cu, 7e-3)
 
 
 def test_dyadic_lone_tile_keeps_todays_fields():
-    from cute_kda.reference.gates import mirror_prepare_gates
-    from cute_kda.reference.pairs import mirror_prepare_pairs_dyadic
-
-    q, k, v, g, beta, A_log, dt_bias, h0 = _dyadic_inputs(16, "kimi_init")
-    kw = dict(gate="softplus", A_log=A_log, dt_bias=dt_bias)
-    today = mirror_prepare_gates(q, k, g, beta, scheme="dyadic", **kw)
-    pairs = mirror_prepare_pairs_dyadic(q, k, g, beta, **kw)
-    assert all(torch.equal(a, b) for a, b in zip(today, pairs.ws))
+    _assert_lone_tile_keeps_todays_fields("dyadic", _dyadic_inputs(16, "kimi_init"))

@@ -12,15 +12,14 @@ finished sequences masked. :func:`mirror_forward` runs the K1 a gate takes, then
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
 
-from ..workspace import CHUNK, SNAPSHOT_TILES, Workspace, WorkspaceSpec, allocate_workspace, snapshot_slots
+from ..workspace import CHUNK, SNAPSHOT_TILES, Workspace, snapshot_slots
 from .common import (
     Constants, TileMap, check_activations, ex2_approx, l2norm_rinv, mma, neumann_inverse, sigmoid_approx, scan_shape,
-    state_in, to_tiles, token_tile_map,
+    state_in, to_tiles, token_tile_map, workspace_of_tiles,
 )
 from .gates import mirror_prepare_gates
 from .gold import expand_to_value_heads, value_head_group
@@ -123,28 +122,37 @@ def mirror_prepare(
     Returns a :class:`~cute_kda.workspace.Workspace` with ``tiles = tiles_per_head(B·T, N, varlen)``
     slots per value head, on q's device; slots past the last real tile are NaN in every field.
     """
+    return safe_k1(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+                   cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits).workspace
+
+
+class SafeK1(NamedTuple):
+    """:func:`mirror_prepare`'s constants, tile map, per-token values and workspace (the two-tile prefill's K1,
+    :func:`~.pairs.mirror_prepare_pairs`, starts from them)."""
+
+    consts: Constants
+    tile_map: TileMap
+    rows: K1Rows
+    workspace: Workspace
+
+
+def safe_k1(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, A_log: torch.Tensor,
+            dt_bias: torch.Tensor, lower_bound: float, scale: float | None, cu_seqlens: torch.Tensor | None,
+            qk_l2norm: bool, beta_logits: bool) -> SafeK1:
+    """:func:`mirror_prepare` (its arguments), with the values it passes through."""
     dim = q.shape[-1]
-    value_heads = beta.shape[2]
     check_activations(q=q, k=k)
     if dim % 8 or (dim // 8) & (dim // 8 - 1):
         raise ValueError(f"head dim must be 8·2^m, got {dim}")
     consts = Constants.make(lower_bound, dim ** -0.5 if scale is None else scale)
     tile_map = token_tile_map(q, cu_seqlens)
-    tiles = tile_map.slot_exists.numel()
-
     rows = k1_rows(q, k, g, beta, A_log, dt_bias, consts, tile_map, qk_l2norm, beta_logits)
     A_kk = mma(rows.kd, rows.kinv.transpose(-1, -2))
     A_qk = mma(rows.qd, rows.kinv.transpose(-1, -2))
     L = torch.tril(rows.beta[..., None] * A_kk, diagonal=-1).half()
     fields = dict(qd=rows.qd, kd=rows.kd, kr=rows.kr, gt=rows.gt, inv=neumann_inverse(L),
                   mqk=torch.tril(A_qk).bfloat16(), beta=rows.beta)
-
-    ws = allocate_workspace(WorkspaceSpec(heads=value_heads, tiles=tiles, dim=dim), q.device)
-    missing = ~tile_map.slot_exists
-    for name, value in fields.items():
-        value = value.masked_fill(missing.reshape(1, tiles, *([1] * (value.dim() - 2))), math.nan)
-        getattr(ws, name).copy_(value.reshape(getattr(ws, name).shape))
-    return ws
+    return SafeK1(consts, tile_map, rows, workspace_of_tiles(fields, tile_map))
 
 
 # ---------------------------------------------------------------------------------------------

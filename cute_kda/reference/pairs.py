@@ -24,18 +24,16 @@ INV, Mqk and β stay per tile, as today. The pair step (state ``S32`` fp32 enter
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
-from ..workspace import CHUNK, Workspace, WorkspaceSpec, allocate_workspace
+from ..workspace import CHUNK, Workspace
 from .common import (
-    Constants, TileMap, check_activations, ex2_approx, mma, neumann_inverse, scan_shape, state_in, state_out,
-    to_tiles, token_tile_map,
+    Constants, TileMap, check_activations, ex2_approx, mma, scan_shape, state_in, state_out, to_tiles,
 )
 from .gold import expand_to_value_heads
-from .mirror import K1Rows, k1_rows
+from .mirror import K1Rows, safe_k1
 
 
 class PairWorkspace(NamedTuple):
@@ -76,50 +74,54 @@ def unscaled_rows(q: torch.Tensor, k: torch.Tensor, consts: Constants, tile_map:
     return tuple(to_tiles(expand_to_value_heads(t, group, dim=1), tile_map) for t in (q_hat, k_hat))
 
 
+def pair_slots(tile_map: TileMap) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tile a, tile b) slot numbers of every pair, int64 ``[pairs]`` each (:func:`pair_roles`)."""
+    _, is_b = pair_roles(tile_map, tile_map.slot_exists.numel())
+    b = torch.nonzero(is_b).flatten()
+    return b - 1, b
+
+
+def _changed_fields(ws: Workspace, heads: int) -> tuple[torch.Tensor, ...]:
+    """Copies of ``ws``'s qd, kd, kr, gt as ``[HV, tiles, ...]``: the fields a pair changes."""
+    return tuple(t.view(heads, -1, *t.shape[1:]).clone() for t in (ws.qd, ws.kd, ws.kr, ws.gt))
+
+
+def _pair_workspace(ws: Workspace, changed: tuple, b: torch.Tensor, cross_kd: torch.Tensor,
+                    cross_qd: torch.Tensor) -> PairWorkspace:
+    """``ws`` with the pair's qd, kd, kr, gt (``changed``, ``[HV, tiles, ...]``) and the cross blocks of the tile b
+    slots ``b`` (``[HV, pairs, 16, 16]``, rounded to bf16 here; zero in every other slot)."""
+    heads, tiles = changed[0].shape[:2]
+    blocks = []
+    for values in (cross_kd, cross_qd):
+        block = torch.zeros(heads, tiles, CHUNK, CHUNK, device=values.device, dtype=torch.bfloat16)
+        block[:, b] = values.bfloat16()
+        blocks.append(block.reshape(-1, CHUNK, CHUNK))
+    fields = {name: value.reshape(getattr(ws, name).shape) for name, value in zip(("qd", "kd", "kr", "gt"), changed)}
+    return PairWorkspace(ws._replace(**fields), *blocks)
+
+
 def mirror_prepare_pairs(
     q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *, A_log: torch.Tensor,
     dt_bias: torch.Tensor, lower_bound: float = -5.0, scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None, qk_l2norm: bool = True, beta_logits: bool = True,
 ) -> PairWorkspace:
     """K1 of the pair step for the safe gate (arguments as :func:`~.mirror.mirror_prepare`)."""
-    dim = q.shape[-1]
-    value_heads = beta.shape[2]
-    check_activations(q=q, k=k)
-    consts = Constants.make(lower_bound, dim ** -0.5 if scale is None else scale)
-    tile_map = token_tile_map(q, cu_seqlens)
-    tiles = tile_map.slot_exists.numel()
-    rows = k1_rows(q, k, g, beta, A_log, dt_bias, consts, tile_map, qk_l2norm, beta_logits)
-    A_kk = mma(rows.kd, rows.kinv.transpose(-1, -2))
-    A_qk = mma(rows.qd, rows.kinv.transpose(-1, -2))
-    L = torch.tril(rows.beta[..., None] * A_kk, diagonal=-1).half()
-    qd, kd, kr, gt = rows.qd.clone(), rows.kd.clone(), rows.kr.clone(), rows.gt.clone()
-
-    _, is_b = pair_roles(tile_map, tiles)
-    b_slots = torch.nonzero(is_b).flatten()
-    a_of_b = b_slots - 1  # tile a of every tile b
+    consts, tile_map, rows, ws = safe_k1(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                         scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
+                                         beta_logits=beta_logits)
+    heads = beta.shape[2]
+    qd, kd, kr, gt = _changed_fields(ws, heads)
+    a, b = pair_slots(tile_map)
     G_last = rows.G[:, :, CHUNK - 1]  # [HV, tiles, D]
-    q_rows, k_rows = unscaled_rows(q, k, consts, tile_map, value_heads, qk_l2norm, rows)
-
+    q_rows, k_rows = unscaled_rows(q, k, consts, tile_map, heads, qk_l2norm, rows)
     # tile b, relative to the pair's start; tile a's kr, relative to the pair's end; the pair's decay
-    shift_b = ex2_approx(G_last[:, a_of_b, None, :] + rows.G[:, b_slots])
-    kd[:, b_slots] = (k_rows[:, b_slots] * shift_b).bfloat16()
-    qd[:, b_slots] = (q_rows[:, b_slots] * shift_b).bfloat16()
-    rest_a = ex2_approx((G_last[:, a_of_b, None, :] - rows.G[:, a_of_b]) + G_last[:, b_slots, None, :])
-    kr[:, a_of_b] = (k_rows[:, a_of_b] * rest_a).bfloat16()
-    gt[:, a_of_b] = ex2_approx(G_last[:, a_of_b] + G_last[:, b_slots])
-    p = torch.zeros(value_heads, tiles, CHUNK, CHUNK, device=q.device, dtype=torch.bfloat16)
-    cross_q = torch.zeros_like(p)
-    kinv_a = rows.kinv[:, a_of_b].transpose(-1, -2)
-    p[:, b_slots] = mma(kd[:, b_slots], kinv_a).bfloat16()
-    cross_q[:, b_slots] = mma(qd[:, b_slots], kinv_a).bfloat16()
-
-    fields = dict(qd=qd, kd=kd, kr=kr, gt=gt, inv=neumann_inverse(L), mqk=torch.tril(A_qk).bfloat16(), beta=rows.beta)
-    ws = allocate_workspace(WorkspaceSpec(heads=value_heads, tiles=tiles, dim=dim), q.device)
-    missing = ~tile_map.slot_exists
-    for name, value in fields.items():
-        value = value.masked_fill(missing.reshape(1, tiles, *([1] * (value.dim() - 2))), math.nan)
-        getattr(ws, name).copy_(value.reshape(getattr(ws, name).shape))
-    return PairWorkspace(ws, p.reshape(-1, CHUNK, CHUNK), cross_q.reshape(-1, CHUNK, CHUNK))
+    from_start = ex2_approx(G_last[:, a, None, :] + rows.G[:, b])
+    kd[:, b] = (k_rows[:, b] * from_start).bfloat16()
+    qd[:, b] = (q_rows[:, b] * from_start).bfloat16()
+    kr[:, a] = (k_rows[:, a] * ex2_approx((G_last[:, a, None, :] - rows.G[:, a]) + G_last[:, b, None, :])).bfloat16()
+    gt[:, a] = ex2_approx(G_last[:, a] + G_last[:, b])
+    kinv_a = rows.kinv[:, a].transpose(-1, -2)
+    return _pair_workspace(ws, (qd, kd, kr, gt), b, mma(kd[:, b], kinv_a), mma(qd[:, b], kinv_a))
 
 
 def mirror_prepare_pairs_per_head(
@@ -140,18 +142,9 @@ def mirror_prepare_pairs_per_head(
     if g.dim() != 3:
         raise ValueError("mirror_prepare_pairs_per_head takes a per-head gate g [B, T, HV]")
     values = _k1_gate_values(q, k, g, beta, scheme="per_head", **options)
-    tile_map, heads = values.tile_map, beta.shape[2]
-    tiles = tile_map.slot_exists.numel()
-    ws = values.workspace
-
-    def per_head(t: torch.Tensor) -> torch.Tensor:
-        return t.view(heads, tiles, *t.shape[1:]).clone()
-
-    qd, kd, kr, gt = (per_head(t) for t in (ws.qd, ws.kd, ws.kr, ws.gt))
+    qd, kd, kr, gt = _changed_fields(values.workspace, beta.shape[2])
     prefix, suffix = ex2_approx(values.G)[..., 0], ex2_approx(values.Gs)[..., 0]  # [HV, tiles, 16]
-    _, is_b = pair_roles(tile_map, tiles)
-    b = torch.nonzero(is_b).flatten()
-    a = b - 1
+    a, b = pair_slots(values.tile_map)
     gt_a, gt_b = prefix[:, a, CHUNK - 1], prefix[:, b, CHUNK - 1]  # [HV, pairs]
     from_start = (gt_a[..., None] * prefix[:, b])[..., None]  # [HV, pairs, 16, 1]
     kd[:, b] = (values.kh[:, b] * from_start).bfloat16()
@@ -160,13 +153,8 @@ def mirror_prepare_pairs_per_head(
     gt[:, a] = (gt_a * gt_b)[..., None].expand(-1, -1, gt.shape[-1])
     spans = prefix[:, b, :, None] * suffix[:, a, None, :]  # [HV, pairs, 16 (b), 16 (a)]
     k16_a = values.kh[:, a].bfloat16().transpose(-1, -2)
-    cross_kd = torch.zeros(heads, tiles, CHUNK, CHUNK, device=q.device, dtype=torch.bfloat16)
-    cross_qd = torch.zeros_like(cross_kd)
-    cross_kd[:, b] = (spans * mma(values.kh[:, b].bfloat16(), k16_a)).bfloat16()
-    cross_qd[:, b] = (spans * mma(values.qh[:, b].bfloat16(), k16_a)).bfloat16()
-    fields = ws._replace(**{name: value.reshape(getattr(ws, name).shape)
-                            for name, value in dict(qd=qd, kd=kd, kr=kr, gt=gt).items()})
-    return PairWorkspace(fields, cross_kd.reshape(-1, CHUNK, CHUNK), cross_qd.reshape(-1, CHUNK, CHUNK))
+    cross_kd, cross_qd = (spans * mma(rows[:, b].bfloat16(), k16_a) for rows in (values.kh, values.qh))
+    return _pair_workspace(values.workspace, (qd, kd, kr, gt), b, cross_kd, cross_qd)
 
 
 def mirror_prepare_pairs_dyadic(
@@ -188,31 +176,18 @@ def mirror_prepare_pairs_dyadic(
     if g.dim() != 4:
         raise ValueError("mirror_prepare_pairs_dyadic takes a per-channel gate g [B, T, HV, K]")
     values = _k1_gate_values(q, k, g, beta, scheme="dyadic", **options)
-    tile_map, heads = values.tile_map, beta.shape[2]
-    tiles = tile_map.slot_exists.numel()
     ws = values.workspace
-
-    def per_head(t: torch.Tensor) -> torch.Tensor:
-        return t.view(heads, tiles, *t.shape[1:])
-
-    qd, kd, kr, gt = (per_head(t).clone() for t in (ws.qd, ws.kd, ws.kr, ws.gt))
-    _, is_b = pair_roles(tile_map, tiles)
-    b = torch.nonzero(is_b).flatten()
-    a = b - 1
+    qd, kd, kr, gt = _changed_fields(ws, beta.shape[2])
+    a, b = pair_slots(values.tile_map)
     G_last = values.G[:, :, CHUNK - 1]  # [HV, tiles, K]
     from_start = ex2_approx(G_last[:, a, None, :] + values.G[:, b])
     kd[:, b] = (values.kh[:, b] * from_start).bfloat16()
     qd[:, b] = (values.qh[:, b] * from_start).bfloat16()
     kr[:, a] = (values.kh[:, a] * ex2_approx(values.Gs[:, a] + G_last[:, b, None, :])).bfloat16()
     gt[:, a] = ex2_approx(G_last[:, a] + G_last[:, b])
-    tile_kd, tile_qd, tile_kr = (per_head(t) for t in (ws.kd, ws.qd, ws.kr))  # today's, tile-relative
-    cross_kd = torch.zeros(heads, tiles, CHUNK, CHUNK, device=q.device, dtype=torch.bfloat16)
-    cross_qd = torch.zeros_like(cross_kd)
-    cross_kd[:, b] = mma(tile_kd[:, b], tile_kr[:, a].transpose(-1, -2)).bfloat16()
-    cross_qd[:, b] = mma(tile_qd[:, b], tile_kr[:, a].transpose(-1, -2)).bfloat16()
-    fields = ws._replace(**{name: value.reshape(getattr(ws, name).shape)
-                            for name, value in dict(qd=qd, kd=kd, kr=kr, gt=gt).items()})
-    return PairWorkspace(fields, cross_kd.reshape(-1, CHUNK, CHUNK), cross_qd.reshape(-1, CHUNK, CHUNK))
+    tile_kd, tile_qd, tile_kr = (t.view(*kd.shape) for t in (ws.kd, ws.qd, ws.kr))  # today's, tile-relative
+    kr_a = tile_kr[:, a].transpose(-1, -2)
+    return _pair_workspace(ws, (qd, kd, kr, gt), b, mma(tile_kd[:, b], kr_a), mma(tile_qd[:, b], kr_a))
 
 
 def mirror_recurrence_pairs(

@@ -34,7 +34,7 @@ class PerHeadPairPrepare(PairPrepare, PerHeadPrepare):
     @cute.jit
     def prepare_pair(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles, scalars: PrepareScalars,
                      head: Int32, qk_head: Int32, slot: Int32, row0: Int32, valid_a: Int32, valid_b: Int32):
-        """The per-head gate's phases (module docstring) of one pair (:class:`~.pairs.PairPrepare`'s ``prepare_pair``)."""
+        """The per-head gate's phases (module docstring) of one pair (``PairPrepare``'s ``prepare_pair``)."""
         tidx, warp_idx, lane, storage, tile_layout = self.start_tile()
         s = storage
         q_a_in, k_a_in, q_b_in, k_b_in = self.input_views(tile_layout, s.q_a, s.k_a, s.q_b, s.k_b)
