@@ -81,6 +81,36 @@ def pair_slots(tile_map: TileMap) -> tuple[torch.Tensor, torch.Tensor]:
     return b - 1, b
 
 
+def pair_block_slots(tiles: int, num_seqs: int) -> int:
+    """Slots per head of the training pair form's kept matrices (a checkpoint, a snapshot and tile a's ``U`` a pair):
+    the pair whose tile a is global tile ``g`` of sequence ``s`` (a lone last tile counts as a pair) keeps slot
+    ``(g + s) // 2``. Those slots are distinct and below ``(tiles + num_seqs) // 2``, as the pairs of a sequence start
+    on its first tile."""
+    return (tiles + num_seqs) // 2
+
+
+def pair_block_of(tile_map: TileMap) -> torch.Tensor:
+    """int64 ``[tiles]``: the kept slot (:func:`pair_block_slots`) of the pair each tile slot belongs to."""
+    tiles = tile_map.slot_exists.numel()
+    slot = torch.arange(tiles, device=tile_map.bases.device)
+    num_seqs = tile_map.tiles_per_seq.numel()
+    seq = torch.searchsorted(tile_map.bases[1:], slot, right=True).clamp(max=max(num_seqs - 1, 0))
+    first = tile_map.bases[:-1][seq]
+    return (first + 2 * ((slot - first) // 2) + seq) // 2
+
+
+def _kept(buffer: torch.Tensor | None, name: str, heads: int, slots: int,
+          shape: tuple[int, int]) -> torch.Tensor | None:
+    """``buffer`` bf16 ``[H · slots, *shape]`` as ``[H, slots + 1, *shape]`` (slot ``slots``: a sink), or None."""
+    if buffer is None:
+        return None
+    if buffer.dtype != torch.bfloat16 or tuple(buffer.shape) != (heads * slots, *shape):
+        raise ValueError(f"{name} must be bf16 {(heads * slots, *shape)}, got {buffer.dtype} {tuple(buffer.shape)}")
+    kept = torch.empty(heads, slots + 1, *shape, device=buffer.device, dtype=torch.bfloat16)
+    kept[:, :slots] = buffer.view(heads, slots, *shape)
+    return kept
+
+
 def _changed_fields(ws: Workspace, heads: int) -> tuple[torch.Tensor, ...]:
     """Copies of ``ws``'s qd, kd, kr, gt as ``[HV, tiles, ...]``: the fields a pair changes."""
     return tuple(t.view(heads, -1, *t.shape[1:]).clone() for t in (ws.qd, ws.kd, ws.kr, ws.gt))
@@ -193,12 +223,19 @@ def mirror_prepare_pairs_dyadic(
 def mirror_recurrence_pairs(
     pws: PairWorkspace, v: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-    state_dtype: torch.dtype = torch.float32, state_layout: str = "vk",
+    state_dtype: torch.dtype = torch.float32, state_layout: str = "vk", checkpoints: torch.Tensor | None = None,
+    u_a: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """K2's pair step over ``pws`` (:func:`mirror_prepare_pairs`): v bf16 ``[B, T, H, V]``, the states ``[N, H, V, K]``
     (``state_layout="vk"``, the kernels' layout) or ``[N, H, K, V]`` (``"kv"``); returns o in v's dtype and, when
     asked, the final state in ``state_dtype`` (fp32 ``S32`` or bf16 ``S``). A lone last tile runs today's step
-    (:func:`~.mirror.mirror_recurrence`'s)."""
+    (:func:`~.mirror.mirror_recurrence`'s).
+
+    The training form (planned, W2 of perf-log v8) keeps, in slot ``h · slots + (g + s) // 2`` of the pair whose tile
+    a is global tile ``g`` of sequence ``s`` (:func:`pair_block_slots`; other rows are left as they are):
+    ``checkpoints`` bf16 ``[H · slots, K, V]``, ``S = bf16(S32)`` entering the pair (or the lone tile); ``u_a`` bf16
+    ``[H · slots, 16, V]``, tile a's ``U`` (pairs with a tile b only). Kernel B rebuilds the state between the
+    tiles from them (:func:`~.pair_backward.tile_states_of_pairs`)."""
     check_activations(v=v)
     ws = pws.ws
     batch, seq_len, heads, value_dim, tiles, key_dim, tile_map = scan_shape(ws, v, "v", cu_seqlens, state_layout)
@@ -214,6 +251,10 @@ def mirror_recurrence_pairs(
                        torch.float32, v.device)
     out_t = torch.empty(heads, tiles + 1, CHUNK, value_dim, device=v.device, dtype=v.dtype)  # slot `tiles`: sink
     counts, starts = tile_map.tiles_per_seq, tile_map.bases[:-1]
+    slots = pair_block_slots(tiles, num_seqs)
+    kept_states = _kept(checkpoints, "checkpoints", heads, slots, (key_dim, value_dim))
+    kept_u = _kept(u_a, "u_a", heads, slots, (CHUNK, value_dim))
+    block, block_sink = pair_block_of(tile_map), torch.full_like(starts, slots)
     steps = int(((counts + 1) // 2).max().item()) if num_seqs else 0
     sink = torch.full_like(starts, tiles)
     for step in range(steps):
@@ -223,7 +264,11 @@ def mirror_recurrence_pairs(
         sa = torch.where(active_a, a, torch.zeros_like(a)).clamp(max=max(tiles - 1, 0))
         sb = torch.where(active_b, a + 1, sa)
         S = state32.bfloat16()
+        if kept_states is not None:
+            kept_states.index_copy_(1, torch.where(active_a, block[sa], block_sink), S)
         U_a = mma(inv[:, sa], ((v_t[:, sa] - mma(kd[:, sa], S)) * beta[:, sa][..., None]).bfloat16()).bfloat16()
+        if kept_u is not None:
+            kept_u.index_copy_(1, torch.where(active_b, block[sa], block_sink), U_a)
         o_a = mma(mqk[:, sa], U_a, c=mma(qd[:, sa], S)).to(v.dtype)
         kS_b = mma(torch.cat([kd[:, sb], p[:, sb]], -1), torch.cat([S, U_a], -2))
         U_b = mma(inv[:, sb], ((v_t[:, sb] - kS_b) * beta[:, sb][..., None]).bfloat16()).bfloat16()
@@ -235,6 +280,9 @@ def mirror_recurrence_pairs(
         state32 = torch.where(active_a[None, :, None, None], updated, state32)
         out_t.index_copy_(1, torch.where(active_a, sa, sink), o_a)
         out_t.index_copy_(1, torch.where(active_b, sb, sink), o_b)
+    for buffer, kept in ((checkpoints, kept_states), (u_a, kept_u)):
+        if buffer is not None:
+            buffer.copy_(kept[:, :slots].reshape(buffer.shape))
     o_rows = out_t[:, :tiles].reshape(heads, tiles * CHUNK, value_dim)[:, tile_map.row_of_token]
     out = o_rows.movedim(0, 1).reshape(batch, seq_len, heads, value_dim)
     if not output_final_state:
@@ -252,7 +300,7 @@ class PairScanResult(NamedTuple):
 
 
 def mirror_bwd_scan_pairs(pws: PairWorkspace, do: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
-                          dht: torch.Tensor | None = None) -> PairScanResult:
+                          dht: torch.Tensor | None = None, snapshots: torch.Tensor | None = None) -> PairScanResult:
     """Kernel A's pair step over ``pws``, the adjoint of :func:`mirror_recurrence_pairs` (docs/numerics.md, "Two
     tiles a serial step"), with the rounding of today's scan (:func:`~.chains.reverse_scan`): a pair walked b then a
     from the ``dS'`` leaving it (``dS32`` fp32, its bf16 rounding the operand)::
@@ -261,8 +309,9 @@ def mirror_bwd_scan_pairs(pws: PairWorkspace, do: torch.Tensor, *, cu_seqlens: t
         dU_a = Mqk_aᵀ·dO_a + kr_a'·dS' + Qᵀ·dO_b − Pᵀ·dv_b,  du_a, dv_a likewise
         dS32 ← qd_aᵀ·dO_a − kd_aᵀ·dv_a + qd_b'ᵀ·dO_b − kd_b'ᵀ·dv_b + f32(gT_pair·dS32)   (one block update)
 
-    A lone last tile runs today's step. The state between a pair's tiles is not formed (no per-tile snapshots: the
-    training form, W2, keeps one a pair)."""
+    A lone last tile runs today's step. The gradient between a pair's tiles is not formed: the training form (W2)
+    keeps ``snapshots`` bf16 ``[H · slots, K, V]``, ``dS' = bf16(dS32)`` leaving each pair (or lone tile), in the
+    pair's slot of :func:`pair_block_slots` (other rows are left as they are)."""
     ws = pws.ws
     batch, seq_len, heads, value_dim, tiles, key_dim, tile_map = scan_shape(ws, do, "do", cu_seqlens, "vk")
     num_seqs = tile_map.tiles_per_seq.numel()
@@ -277,6 +326,9 @@ def mirror_bwd_scan_pairs(pws: PairWorkspace, do: torch.Tensor, *, cu_seqlens: t
     du_t = torch.empty(heads, tiles + 1, CHUNK, value_dim, device=do.device, dtype=torch.bfloat16)
     dv_t = torch.empty_like(du_t)
     counts, starts = tile_map.tiles_per_seq, tile_map.bases[:-1]
+    slots = pair_block_slots(tiles, num_seqs)
+    kept = _kept(snapshots, "snapshots", heads, slots, (key_dim, value_dim))
+    block, block_sink = pair_block_of(tile_map), torch.full_like(starts, slots)
     steps = int(((counts + 1) // 2).max().item()) if num_seqs else 0
     sink = torch.full_like(starts, tiles)
     for step in range(steps):
@@ -287,6 +339,8 @@ def mirror_bwd_scan_pairs(pws: PairWorkspace, do: torch.Tensor, *, cu_seqlens: t
         sa = torch.where(active_a, starts + 2 * j, torch.zeros_like(j)).clamp(max=max(tiles - 1, 0))
         sb = torch.where(active_b, sa + 1, sa)
         S = state32.bfloat16()
+        if kept is not None:
+            kept.index_copy_(1, torch.where(active_a, block[sa], block_sink), S)
         dO_a, dO_b = do_t[:, sa], do_t[:, sb]
         dU_b = mma(torch.cat([mqk[:, sb].transpose(-1, -2), kr[:, sb]], -1), torch.cat([dO_b, S], -2)).bfloat16()
         du_b = mma(inv[:, sb].transpose(-1, -2), dU_b)
@@ -309,6 +363,8 @@ def mirror_bwd_scan_pairs(pws: PairWorkspace, do: torch.Tensor, *, cu_seqlens: t
         dv_t.index_copy_(1, torch.where(active_a, sa, sink), dv_a)
         du_t.index_copy_(1, torch.where(active_b, sb, sink), du_b.bfloat16())
         dv_t.index_copy_(1, torch.where(active_b, sb, sink), dv_b)
+    if snapshots is not None:
+        snapshots.copy_(kept[:, :slots].reshape(snapshots.shape))
 
     def untile(t: torch.Tensor) -> torch.Tensor:
         rows = t[:, :tiles].reshape(heads, tiles * CHUNK, value_dim)[:, tile_map.row_of_token]
