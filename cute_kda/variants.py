@@ -86,7 +86,8 @@ class RecurrenceVariant(SerialScan):
     ``state_pool``: the states are one pool read and written by slot id (both dtypes the pool's), with
     ``prefix_checkpoint_every`` (tokens, a multiple of 64; 0: none) its prefix checkpoints into pool slots; ``dim``:
     K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`); ``pairs``: the two-tile serial step over the pair workspace
-    (:class:`cute_kda.kernels.fwd_recurrence_pairs.PairRecurrence`, inference)."""
+    (:class:`cute_kda.kernels.fwd_recurrence_pairs.PairRecurrence`; with ``checkpoints`` its training variant, a
+    state and tile a's U kept a pair)."""
 
     vsplit: int
     initial_state: torch.dtype | None
@@ -116,7 +117,8 @@ class ScanVariant(SerialScan):
     """Kernel A (:class:`cute_kda.kernels.bwd_scan.BwdScan`): dht / dh0 dtypes (None: no such tensor);
     ``token_outputs`` False writes dh0 alone (a segmented call's first pass); ``snapshot_every`` tiles per kept
     state gradient; ``dim``: K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`); ``dv_dtype``: dv in bf16, or fp16
-    (:data:`cute_kda.ops.bwd_scan.DV_DTYPES`)."""
+    (:data:`cute_kda.ops.bwd_scan.DV_DTYPES`); ``pairs``: the two-tile scan over the pair workspace, a snapshot a
+    pair (:class:`cute_kda.kernels.bwd_scan_pairs.PairBwdScan`)."""
 
     vsplit: int
     dht: torch.dtype | None
@@ -127,6 +129,7 @@ class ScanVariant(SerialScan):
     snapshot_every: int = SNAPSHOT_TILES
     dim: int = HEAD_DIM
     dv_dtype: torch.dtype = torch.bfloat16
+    pairs: bool = False
     splits: ClassVar[tuple[int, ...]] = SCAN_VSPLITS  # K2's rule over Kernel A's own splits, 8 included
 
 

@@ -82,6 +82,26 @@ def snapshot_slots(tiles: int, num_seqs: int, every: int = SNAPSHOT_TILES) -> in
     return tiles // every + num_seqs
 
 
+def pair_block_slots(tiles: int, num_seqs: int) -> int:
+    """Slots per head of the two-tile step's training form (a checkpoint, a snapshot and tile a's ``U`` a pair): the
+    pair whose tile a is global tile ``g`` of sequence ``s`` (a lone last tile counts as a pair) keeps slot
+    ``(g + s) // 2``. Those slots are distinct and below ``(tiles + num_seqs) // 2``, as the pairs of a sequence start
+    on its first tile."""
+    return (tiles + num_seqs) // 2
+
+
+def pair_blocks_shape(ws: "Workspace", heads: int, num_seqs: int) -> tuple[int, int, int]:
+    """``[H · slots, D, D]``: the state images kept a pair (:func:`pair_block_slots`) for the workspace ``ws``."""
+    tiles, _, dim = ws.qd.shape
+    return (heads * pair_block_slots(tiles // heads, num_seqs), dim, dim)
+
+
+def pair_u_shape(ws: "Workspace", heads: int, num_seqs: int) -> tuple[int, int, int]:
+    """``[H · slots, D, 16]``: tile a's ``U`` kept a pair, value-major (``Uᵀ``, as K2's state update reads it)."""
+    rows, chunk, dim = ws.qd.shape
+    return (heads * pair_block_slots(rows // heads, num_seqs), dim, chunk)
+
+
 def kept_tiles(tile_bases: Sequence[int], every: int = SNAPSHOT_TILES) -> list[tuple[int, int]]:
     """``(s, g)`` for each global tile ``g`` of sequence ``s`` whose state (gradient) is kept: ``g`` ends a block of
     ``every`` global tiles or ends its sequence (:func:`snapshot_slots`: slot ``g // every + s``). ``tile_bases``:

@@ -10,7 +10,8 @@ the code (``--out`` both, then ``--compare``): equal hashes mean byte-identical 
 The variants: every combination the launchers can key (``ops/*.compiled_variant``) and ``api.warmup`` visits,
 plus the knobs only tests and benchmarks set (K1's 256 threads, Kernel A's tuning grid of
 ``benchmarks/explore_bwd_scan.py``, K2's and Kernel A's blocks of 4 tiles, Kernel B at 4 warps), K1's and K2's
-pair variants (the two-tile prefill: ``k1/pairs/…``, ``k2/pairs/…``), and the fp16
+pair variants (the two-tile prefill: ``k1/pairs/…``, ``k2/pairs/…``; its planned training K2,
+``k2/pairs/training/…``, and Kernel A's two-tile scan, ``ka/pairs/…``), and the fp16
 forward (``k1/fp16/…``, ``k2/fp16/…``, with checkpoints for training; no pools; fp16 training's backward runs the
 bf16 Kernel A and Kernel B variants, or under ``FP16_NATIVE_BACKWARD`` Kernel B on fp16 inputs, ``kb/fp16/…`` at 8
 warps; grouped value heads also with ``…/group_sum``), and the K = V = 64 forward (``k1/d64/…``, ``k2/d64/…``:
@@ -123,6 +124,10 @@ def variants() -> dict[str, tuple]:
         if dh0 != "none":  # the context-parallel backward's local pass
             found[base + "/no_token_outputs"] = ("ka", dict(vsplit=vsplit, dht=dht, dh0=dh0, varlen=varlen,
                                                             snapshot_every=every, token_outputs=False))
+    for dim, vsplit, (dht, dh0), varlen in itertools.product((D, 64), (1, 2, 4, 8), (("fp32", "fp32"), ("bf16", "bf16"),
+                                                                                   ("none", "fp32")), (False, True)):
+        found[f"ka/pairs/d{dim}/vs{vsplit}/{dht}-{dh0}/{_label(varlen, 'varlen', 'fixed')}"] = (
+            "ka", dict(vsplit=vsplit, dht=dht, dh0=dh0, varlen=varlen, snapshot_every=2, dim=dim, pairs=True))
     for vsplit, warps_grid in SCAN_TUNING_GRID.items():
         for warps, stages, split in itertools.product(warps_grid, (2, 4), (False, True)):
             name = f"ka/vs{vsplit}/fp32-fp32/varlen/every1/warps{warps}-stages{stages}" + _label(split, "-split", "")
@@ -172,6 +177,10 @@ def variants() -> dict[str, tuple]:
     for dim, vsplit, (initial, final), varlen in itertools.product((D, 64), (1, 2, 4), pair_states, (False, True)):
         found[f"k2/pairs/d{dim}/vs{vsplit}/{initial}-{final}/{_label(varlen, 'varlen', 'fixed')}"] = (
             "k2", dict(vsplit=vsplit, initial=initial, final=final, varlen=varlen, checkpoints=False, dim=dim,
+                       pairs=True))
+    for dim, vsplit, varlen in itertools.product((D, 64), (1, 2, 4), (False, True)):  # a checkpoint and U a pair
+        found[f"k2/pairs/training/d{dim}/vs{vsplit}/{_label(varlen, 'varlen', 'fixed')}"] = (
+            "k2", dict(vsplit=vsplit, initial="fp32", final="fp32", varlen=varlen, checkpoints=True, dim=dim,
                        pairs=True))
     for pool, every in (("bf16", 0), ("fp32", 64)):  # the serving prefill on a pool, two tiles a step
         found[f"k2/pairs/pool-{pool}/prefix{every}"] = (
@@ -247,13 +256,13 @@ def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, 
     from cute_kda.kernels.fwd_recurrence_pairs import PairRecurrence
     from cute_kda.ops._cache import dsl_type, fake_stream, to_cute_tensor
     from cute_kda.ops.recurrence import launch_arguments
-    from cute_kda.workspace import CrossBlocks, block_states_shape
+    from cute_kda.workspace import CrossBlocks, block_states_shape, pair_blocks_shape, pair_u_shape
 
+    every = {} if pairs else {"checkpoint_every": checkpoint_every}  # the pair variant keeps one a pair
     kernel = (PairRecurrence if pairs else FwdRecurrence)(vsplit=vsplit, initial_state=dsl_type(_torch_dtype(initial)),
                            final_state=dsl_type(_torch_dtype(final)), varlen=varlen, checkpoints=checkpoints,
-                           checkpoint_every=checkpoint_every, state_pool=state_pool,
-                           prefix_checkpoint_every=prefix_checkpoint_every, dtype=dsl_type(_torch_dtype(dtype)),
-                           dim=dim)
+                           state_pool=state_pool, prefix_checkpoint_every=prefix_checkpoint_every,
+                           dtype=dsl_type(_torch_dtype(dtype)), dim=dim, **every)
     v, ws = _meta(1, T, HEADS, dim, dtype=_torch_dtype(dtype)), _workspace(HEADS, 4, dim)
     cu_seqlens, tile_base = _segmentation(varlen, NUM_SEQS)
 
@@ -261,35 +270,43 @@ def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, 
         dtype = _torch_dtype(name)
         return None if dtype is None else _meta(NUM_SEQS, HEADS, dim, dim, dtype=dtype)
 
-    kept = _meta(*block_states_shape(ws, HEADS, NUM_SEQS)) if checkpoints else None
+    kept = u_a = None
+    if checkpoints:
+        kept = _meta(*(pair_blocks_shape if pairs else block_states_shape)(ws, HEADS, NUM_SEQS))
+        u_a = _meta(*pair_u_shape(ws, HEADS, NUM_SEQS)) if pairs else None
     slots = _meta(NUM_SEQS, dtype=torch.int32) if state_pool else None
     prefix_slots = _meta(NUM_SEQS, 2, dtype=torch.int32) if prefix_checkpoint_every else None
     arguments = launch_arguments(v, ws, v, cu_seqlens=cu_seqlens, tile_base=tile_base, initial_state=state(initial),
                                  final_state=state(final), checkpoints=kept, state_indices=slots,
-                                 checkpoint_indices=prefix_slots, tensor=to_cute_tensor,
+                                 checkpoint_indices=prefix_slots, tensor=to_cute_tensor, u_a=u_a,
                                  cross=CrossBlocks(*(torch.empty_like(ws.inv) for _ in range(2))) if pairs else None)
     return kernel, (*arguments, fake_stream())
 
 
 def _ka(vsplit: int, dht: str, dh0: str, varlen: bool, snapshot_every: int, token_outputs: bool = True,
-        **tuning: Any) -> tuple:
+        dim: int = D, pairs: bool = False, **tuning: Any) -> tuple:
+    import torch
+
     from cute_kda.kernels.bwd_scan import BwdScan
+    from cute_kda.kernels.bwd_scan_pairs import PairBwdScan
     from cute_kda.ops._cache import dsl_type, fake_stream, to_cute_tensor
     from cute_kda.ops.bwd_scan import launch_arguments
-    from cute_kda.workspace import block_states_shape
+    from cute_kda.workspace import CrossBlocks, block_states_shape, pair_blocks_shape
 
-    kernel = BwdScan(vsplit=vsplit, dht=dsl_type(_torch_dtype(dht)), dh0=dsl_type(_torch_dtype(dh0)), varlen=varlen,
-                     snapshot_every=snapshot_every, token_outputs=token_outputs, **tuning)
-    do, ws = _meta(1, T, HEADS, D), _workspace(HEADS, 4)
+    kernel = (PairBwdScan if pairs else BwdScan)(
+        vsplit=vsplit, dht=dsl_type(_torch_dtype(dht)), dh0=dsl_type(_torch_dtype(dh0)), varlen=varlen,
+        snapshot_every=snapshot_every, token_outputs=token_outputs, dim=dim, **tuning)
+    do, ws = _meta(1, T, HEADS, dim), _workspace(HEADS, 4, dim)
     cu_seqlens, tile_base = _segmentation(varlen, NUM_SEQS)
 
     def state(name: str) -> Any:
         dtype = _torch_dtype(name)
-        return None if dtype is None else _meta(NUM_SEQS, HEADS, D, D, dtype=dtype)
+        return None if dtype is None else _meta(NUM_SEQS, HEADS, dim, dim, dtype=dtype)
 
-    snapshots = _meta(*block_states_shape(ws, HEADS, NUM_SEQS, snapshot_every))
-    arguments = launch_arguments(do, ws, do, do, snapshots, dht=state(dht), dh0=state(dh0), cu_seqlens=cu_seqlens,
-                                 tile_base=tile_base, tensor=to_cute_tensor)
+    shape = pair_blocks_shape(ws, HEADS, NUM_SEQS) if pairs else block_states_shape(ws, HEADS, NUM_SEQS, snapshot_every)
+    cross = CrossBlocks(*(torch.empty_like(ws.inv) for _ in range(2))) if pairs else None
+    arguments = launch_arguments(do, ws, do, do, _meta(*shape), dht=state(dht), dh0=state(dh0), cu_seqlens=cu_seqlens,
+                                 tile_base=tile_base, cross=cross, tensor=to_cute_tensor)
     return kernel, (*arguments, fake_stream())
 
 

@@ -22,7 +22,8 @@ from cute_kda.layouts import budget
 from cute_kda.layouts.fwd_recurrence import CROSS_FIELDS, RecurrenceSmemPlan
 from cute_kda.ops import recurrence as k2
 from cute_kda.ops._cache import dsl_type, to_cute_tensor
-from cute_kda.workspace import CrossBlocks, WorkspaceSpec, workspace_views
+from cute_kda.workspace import (CrossBlocks, WorkspaceSpec, images_to_states, pair_blocks_shape, pair_u_shape,
+                                workspace_views)
 
 # ============================================================================ compile (CPU)
 
@@ -36,13 +37,17 @@ def _variant_id(variant) -> str:
     return f"vs{vsplit}-{state_in}-{state_out}-{'varlen' if varlen else 'fixed'}-D{dim}"
 
 
-def _compile_args(vsplit, state_in, state_out, varlen, dim):
+def _compile_args(vsplit, state_in, state_out, varlen, dim, training=False):
     heads, num_seqs = 2, 3
     batch, steps = (1, 80) if varlen else (num_seqs, 24)
     v = torch.zeros(batch, steps, heads, dim, dtype=torch.bfloat16)
     spec = WorkspaceSpec(heads=heads, tiles=8, dim=dim)
     ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
     cross = CrossBlocks(*(torch.zeros(spec.rows, CHUNK, CHUNK, dtype=torch.bfloat16) for _ in CROSS_FIELDS))
+    checkpoints = u_a = None
+    if training:
+        checkpoints, u_a = (torch.zeros(shape(ws, heads, num_seqs), dtype=torch.bfloat16)
+                            for shape in (pair_blocks_shape, pair_u_shape))
 
     def state(name):
         return None if STATE[name] is None else torch.zeros(num_seqs, heads, dim, dim, dtype=STATE[name])
@@ -50,7 +55,8 @@ def _compile_args(vsplit, state_in, state_out, varlen, dim):
     return k2.launch_arguments(
         v, ws, torch.zeros_like(v), cu_seqlens=torch.tensor([0, 20, 20, 80]) if varlen else None,
         tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32) if varlen else None,
-        initial_state=state(state_in), final_state=state(state_out), cross=cross, tensor=to_cute_tensor,
+        initial_state=state(state_in), final_state=state(state_out), checkpoints=checkpoints, cross=cross, u_a=u_a,
+        tensor=to_cute_tensor,
     )
 
 
@@ -114,26 +120,65 @@ def test_pair_plan_holds_the_cross_blocks():
     assert PairRecurrence(vsplit=2).plan.pairs
 
 
-def test_pair_variant_refuses_checkpoints():
-    with pytest.raises(ValueError, match="checkpoints"):
-        PairRecurrence(vsplit=1, initial_state=None, final_state=None, checkpoints=True)
+TRAINING = [(1, "fp32", "fp32", False, D), (1, "bf16", "bf16", False, D), (2, "bf16", "bf16", True, D),
+            (4, "none", "fp32", False, D), (1, "none", "fp32", True, 64), (4, "none", "none", False, 64)]
+# the pair step at V-split 1 sits at the 255-register limit: with a bf16 initial state on packed sequences ptxas
+# spills 8 bytes (docs/perf-log.md v11; every other state pair, length mode and V-split: none)
+TRAINING_SPILLS = {(1, "bf16", "bf16", True, D): 8, (1, "bf16", "fp32", True, D): 8}
+TRAINING += list(TRAINING_SPILLS)
 
 
-def test_recurrence_refuses_cross_with_checkpoints():
+@pytest.mark.parametrize("variant", TRAINING, ids=_variant_id)
+def test_pair_training_variant_compiles(variant):
+    """The training variant (a checkpoint and tile a's U a pair): each traced step (the pair's, the lone tile's)
+    keeps the state by D / 8 bulk copies where the warp's band is 32 columns or more, else by 32-bit stores of its B
+    fragment; U by 32-bit stores of the B fragment Phase 6 reads (the pair's step only); no spills but the known
+    ones (TRAINING_SPILLS)."""
+    from cute_kda.compile_report import compile_with_report
+
+    vsplit, state_in, state_out, varlen, dim = variant
+    kernel = PairRecurrence(vsplit=vsplit, initial_state=dsl_type(STATE[state_in]),
+                            final_state=dsl_type(STATE[state_out]), varlen=varlen, dim=dim, checkpoints=True)
+    _, report = compile_with_report(kernel, *_compile_args(*variant, training=True), cute.runtime.make_fake_stream())
+    cols, bodies = kernel.warp_cols, 2
+    u_words = cols // 8 * 2
+    if kernel.image_by_bulk:
+        assert report.count("cp.async.bulk.global.shared::cta") == bodies * dim // 8
+        assert report.count("st.global.b32") == u_words
+    else:
+        assert report.count("cp.async.bulk.global.shared::cta") == 0
+        assert report.count("st.global.b32") == bodies * cols * dim // 64 + u_words
+    spills = TRAINING_SPILLS.get(variant, 0)
+    assert report.spills <= spills and (spills or report.local_memory_ops == 0 and report.kernels[0].stack_frame == 0)
+    assert report.launch_smem == [kernel.plan.total_bytes]
+    print(f"training {variant}: {report.kernels[0].registers} registers, {report.spills} bytes spilled")
+
+
+def test_recurrence_checks_the_pair_training_buffers():
     v = torch.zeros(1, 32, 1, D, dtype=torch.bfloat16)
     spec = WorkspaceSpec(heads=1, tiles=2)
     ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
     cross = CrossBlocks(*(torch.zeros(2, CHUNK, CHUNK, dtype=torch.bfloat16) for _ in CROSS_FIELDS))
-    checkpoints = torch.zeros(4, D, D, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="inference"):
+    checkpoints = torch.zeros(pair_blocks_shape(ws, 1, 1), dtype=torch.bfloat16)
+    u_a = torch.zeros(pair_u_shape(ws, 1, 1), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="u_a comes with"):
         k2.recurrence(v, ws, v, cross=cross, checkpoints=checkpoints, vsplit=1)
+    with pytest.raises(ValueError, match="u_a comes with"):
+        k2.recurrence(v, ws, v, checkpoints=torch.zeros(3, D, D, dtype=torch.bfloat16), u_a=u_a, vsplit=1)
+    with pytest.raises(ValueError, match=r"checkpoints must be bf16 \(1, 128, 128\)"):
+        k2.recurrence(v, ws, v, cross=cross, checkpoints=torch.zeros(3, D, D, dtype=torch.bfloat16), u_a=u_a,
+                      vsplit=1)
+    with pytest.raises(ValueError, match=r"u_a must be bf16 \(1, 128, 16\)"):
+        k2.recurrence(v, ws, v, cross=cross, checkpoints=checkpoints, u_a=u_a.float(), vsplit=1)
 
 
 # ============================================================================ GPU
 
 
-def _run_pairs(problem, *, lengths=None, state_in="none", state_out="fp32", vsplit=None, seed=0):
-    """The mirror's pair workspace, then K2's pair variant into guarded buffers; returns (o, final, pws, cu, init)."""
+def _run_pairs(problem, *, lengths=None, state_in="none", state_out="fp32", vsplit=None, seed=0, kept=None):
+    """The mirror's pair workspace, then K2's pair variant into guarded buffers; returns (o, final, pws, cu, init).
+    ``kept``: a list that receives the training variant's checkpoints and U rows (NaN where not written): that
+    variant runs."""
     from cute_kda.reference.pairs import mirror_prepare_pairs
 
     q, k, v, g, beta, A_log, bias = problem
@@ -147,8 +192,13 @@ def _run_pairs(problem, *, lengths=None, state_in="none", state_out="fp32", vspl
     final = final_buf = None
     if STATE[state_out] is not None:
         final, final_buf = _guarded((N, H, dim, dim), STATE[state_out], device, axis=0, pad=1)
+    checkpoints = u_a = None
+    if kept is not None:
+        checkpoints, u_a = (torch.full(shape(pws.ws, H, N), float("nan"), dtype=torch.bfloat16, device=device)
+                            for shape in (pair_blocks_shape, pair_u_shape))
+        kept.extend((checkpoints, u_a))
     k2.recurrence(v, pws.ws, out, cu_seqlens=cu, initial_state=init, final_state=final, vsplit=vsplit,
-                  cross=CrossBlocks(pws.cross_kd, pws.cross_qd))
+                  cross=CrossBlocks(pws.cross_kd, pws.cross_qd), checkpoints=checkpoints, u_a=u_a)
     torch.cuda.synchronize()
     _assert_guards_untouched(out_buf, axis=1, pad=CHUNK)
     if final is not None:
@@ -195,6 +245,41 @@ def test_many_pairs_track_the_mirror(lengths, vsplit, dim):
     err_o, err_s = rel_rms(o, o_ref), rel_rms(final, final_ref)
     print(f"vs mirror: o {err_o:.2e} state {err_s:.2e}")
     assert err_o <= MIRROR_TOL and err_s <= MIRROR_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [None, [40, 0, 97, 16, 300, 33], [32]], ids=["B2xT300", "varlen", "one_pair"])
+@pytest.mark.parametrize("vsplit", VSPLITS)
+@ALL_DIMS
+def test_pair_training_keeps_the_mirrors_matrices(lengths, vsplit, dim):
+    """The training variant: o and the final state are the inference variant's bit for bit; its checkpoints and U
+    rows are the mirror's (``mirror_recurrence_pairs`` keeping them) in the same rows, the others untouched; one
+    pair from a bf16 state: the checkpoint is that state and U within an ULP."""
+    from cute_kda.reference import rel_rms
+    from cute_kda.reference.pairs import mirror_recurrence_pairs
+
+    B, T = (2, 300) if lengths is None else (1, sum(lengths))
+    problem = _problem(B, T, 2, seed=13, dim=dim)
+    runs = {}
+    for training in (False, True):
+        kept = [] if training else None
+        runs[training] = _run_pairs(problem, lengths=lengths, state_in="bf16", state_out="fp32", vsplit=vsplit,
+                                    seed=13, kept=kept), kept
+    (o, final, pws, cu, init), (checkpoints, u_a) = runs[True]
+    assert torch.equal(o.view(torch.int16), runs[False][0][0].view(torch.int16))
+    assert torch.equal(final, runs[False][0][1])
+    ref = [torch.full_like(t, float("nan")) for t in (checkpoints, u_a)]
+    mirror_recurrence_pairs(pws, problem[2], cu_seqlens=cu, initial_state=init, checkpoints=ref[0], u_a=ref[1])
+    # the kernel keeps state images (their [K, V] matrices by images_to_states), the mirror [K, V] matrices
+    for name, got, want in (("checkpoints", images_to_states(checkpoints), ref[0]), ("u_a", u_a, ref[1])):
+        assert torch.equal(got.isnan(), want.isnan()), f"{name}: rows written differ from the mirror's"
+        written = ~want.isnan()
+        if lengths == [32]:
+            assert_within_one_ulp(name, got[written], want[written])
+        else:
+            err = rel_rms(got[written].float(), want[written].float())
+            print(f"{name} vs mirror: {err:.2e}")
+            assert err <= MIRROR_TOL
 
 
 @pytest.mark.gpu

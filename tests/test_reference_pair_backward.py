@@ -14,9 +14,9 @@ from cute_kda.reference.common import token_tile_map
 from cute_kda.reference.mirror import mirror_prepare, mirror_recurrence
 from cute_kda.reference.pair_backward import mirror_backward_pairs, tile_states_of_pairs
 from cute_kda.reference.pairs import (
-    mirror_bwd_scan_pairs, mirror_prepare_pairs, mirror_recurrence_pairs, pair_block_of, pair_block_slots,
+    mirror_bwd_scan_pairs, mirror_prepare_pairs, mirror_recurrence_pairs, pair_block_of,
 )
-from cute_kda.workspace import block_states_shape
+from cute_kda.workspace import block_states_shape, pair_block_slots
 
 from test_reference_grads import _MIRROR_CASES, DA_LOG_BOUND, GRADS, TARGETS, _problem
 from test_reference_pairs import _dyadic_inputs, _inputs, _per_head_inputs
@@ -73,7 +73,7 @@ def test_first_pair_rebuilds_todays_matrices_bit_for_bit():
     mirror_recurrence(ws, v, initial_state=h0, checkpoints=states, checkpoint_every=1)
     scan = mirror_bwd_scan(ws, do, dht=dht, snapshot_every=1)
     kept = [torch.full((2, 128, 128), math.nan, dtype=torch.bfloat16) for _ in range(2)]
-    u_a = torch.full((2, 16, 128), math.nan, dtype=torch.bfloat16)
+    u_a = torch.full((2, 128, 16), math.nan, dtype=torch.bfloat16)
     mirror_recurrence_pairs(pws, v, initial_state=h0, checkpoints=kept[0], u_a=u_a)
     pair_scan = mirror_bwd_scan_pairs(pws, do, dht=dht, snapshots=kept[1])
     assert torch.equal(pair_scan.dv[:, 16:], scan.dv[:, 16:])  # tile b's step is today's (tile a's takes P and Q)

@@ -108,6 +108,8 @@ class ScanSmem:
     beta: cute.Tensor  # [16, stage] fp32
     dv: cute.Tensor  # [16, v_band, out stage]
     du: cute.Tensor  # [16, v_band, out stage]
+    cross_kd_t: Optional[cute.Tensor] = None  # [16, 16, stage] MN_INTER view of P (a pair plan; Pᵀ as A operand)
+    cross_qd_t: Optional[cute.Tensor] = None  # Qᵀ likewise
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,8 @@ class ScanTmaSmem:
     du: cute.Tensor
     state: cute.Tensor  # the dS band
     state_fp32: cute.Tensor
+    cross_kd: Optional[cute.Tensor] = None
+    cross_qd: Optional[cute.Tensor] = None
 
 
 class BwdScan(BandScan):
@@ -149,8 +153,8 @@ class BwdScan(BandScan):
                  output_stages: int = OUTPUT_STAGES, split_accumulator: bool = False,
                  token_outputs: bool = True, dim: int = HEAD_DIM, dv_dtype: type = BFloat16) -> None:
         super().__init__(
-            ScanSmemPlan(vsplit=vsplit, state_io_fp32=Float32 in (dht, dh0), compute_warps=compute_warps,
-                         output_stages=output_stages, dim=dim),
+            self.make_plan(vsplit=vsplit, state_io_fp32=Float32 in (dht, dh0), compute_warps=compute_warps,
+                           output_stages=output_stages, dim=dim),
             initial_state=dht, final_state=dh0, varlen=varlen, reverse=True,
         )
         self.split_accumulator = split_accumulator
@@ -163,6 +167,10 @@ class BwdScan(BandScan):
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
         self.snapshot_every = snapshot_every
+
+    def make_plan(self, **plan) -> ScanSmemPlan:
+        """The shared-memory plan of the variant (:class:`~cute_kda.layouts.bwd_scan.ScanSmemPlan`)."""
+        return ScanSmemPlan(**plan)
 
     def output_dtype(self, name: str) -> type:
         """dv's tile in :attr:`dv_dtype`, du's in bf16 (Kernel B reads it)."""
@@ -183,9 +191,13 @@ class BwdScan(BandScan):
         dh0: Optional[cute.Tensor],
         cu_seqlens: Optional[cute.Tensor],
         tile_base: Optional[cute.Tensor],
+        cross_kd: Optional[cute.Tensor],
+        cross_qd: Optional[cute.Tensor],
         stream: driver.CUstream,
     ):
-        """Launch Kernel A. do, dv, du ``[B, T, H, D]``; snapshots ``[H·tiles, D, D]``; dht, dh0 ``[N, H, D, D]``."""
+        """Launch Kernel A. do, dv, du ``[B, T, H, D]``; snapshots ``[H·slots, D, D]``; dht, dh0 ``[N, H, D, D]``;
+        ``cross_kd``, ``cross_qd`` the pair workspace's cross blocks ``[H · tiles, 16, 16]`` (a pair plan), else
+        None."""
         heads = do.shape[2]
         num_seqs = do.shape[0]
         if const_expr(self.varlen):
@@ -213,11 +225,16 @@ class BwdScan(BandScan):
         tma_dh0, gmem_dh0 = None, None
         if const_expr(dh0 is not None):
             tma_dh0, gmem_dh0 = self.runs_atom(store, layouts.state_runs_view(dh0), band, dim)
+        tma_cross_kd, gmem_cross_kd, tma_cross_qd, gmem_cross_qd = None, None, None, None
+        if const_expr(cross_kd is not None):
+            tma_cross_kd, gmem_cross_kd = self.runs_atom(load, layouts.tile_runs_view(cross_kd), CHUNK, CHUNK)
+            tma_cross_qd, gmem_cross_qd = self.runs_atom(load, layouts.tile_runs_view(cross_qd), CHUNK, CHUNK)
 
         self.shared_storage = self.make_shared_storage()
         self.kernel(
             tma, tma_dht, gmem_dht, tma_dh0, gmem_dh0, dv, du, snapshots, cu_seqlens, tile_base,
             Int32(tiles_per_head), Int32(snapshots.shape[0] // heads),
+            tma_cross_kd, gmem_cross_kd, tma_cross_qd, gmem_cross_qd,
         ).launch(
             grid=[self.vsplit * num_seqs, heads, 1],  # the bands of one (sequence, head) are adjacent CTAs
             block=[self.threads, 1, 1],
@@ -241,6 +258,8 @@ class BwdScan(BandScan):
         tile_base: Optional[cute.Tensor],
         tiles_per_head: Int32,
         slots_per_head: Int32,
+        tma_cross_kd: Optional[cute.CopyAtom], gmem_cross_kd: Optional[cute.Tensor],
+        tma_cross_qd: Optional[cute.CopyAtom], gmem_cross_qd: Optional[cute.Tensor],
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -265,8 +284,9 @@ class BwdScan(BandScan):
             cute.arch.barrier()  # the staging is read before the load warp's first stage reuses its bytes
 
         if warp_idx < self.mma_warps:
-            first_tile = ws_row0 - head * tiles_per_head  # global tile index of the sequence's tile 0
-            self.compute(warp_idx, band, num_tiles, first_tile, head * slots_per_head + seq,
+            # the sequence's tile 0 is global tile ws_row0 - head · tiles_per_head
+            first_tile, snapshot_row0 = self.kept_origin(ws_row0 - head * tiles_per_head, seq, head, slots_per_head)
+            self.compute(warp_idx, band, num_tiles, first_tile, snapshot_row0,
                          load_pipe, store_pipe, smem, ds32, snapshots)
         elif warp_idx == self.load_warp:
             loads = (
@@ -279,6 +299,9 @@ class BwdScan(BandScan):
                 (tma.gt[0], cute.local_tile(tma.gt[1], (self.dim,), (0, None)), smem.gt),
                 (tma.beta[0], cute.local_tile(tma.beta[1], (CHUNK,), (0, None)), smem.beta),
             )
+            if const_expr(self.plan.pairs):
+                loads += ((tma_cross_kd, self.workspace_tiles(gmem_cross_kd, CHUNK), tma_smem.cross_kd),
+                          (tma_cross_qd, self.workspace_tiles(gmem_cross_qd, CHUNK), tma_smem.cross_qd))
             self.load(num_tiles, ws_row0, load_pipe, loads)
         elif const_expr(self.token_outputs):
             # plain views of this (batch, head, band) from the sequence start, for tail rows
@@ -311,6 +334,10 @@ class BwdScan(BandScan):
         ds_ptr, union_ptr, at = self.smem_pointers(storage)
         stages, out_stages = plan.input_stages, plan.output_stages
         bf16 = BFloat16
+        cross = {}
+        if const_expr(plan.pairs):
+            cross = {f"{name}_t": smem_tensor(at[name], scan_layouts.square_tile_transposed(plan), bf16)
+                     for name in layouts.CROSS_FIELDS}
         smem = ScanSmem(
             ds=smem_tensor(ds_ptr, layouts.state_b(plan), bf16),
             ds_acc=smem_tensor(ds_ptr, layouts.state_acc(plan), bf16),
@@ -326,6 +353,7 @@ class BwdScan(BandScan):
             beta=smem_tensor(at["beta"], layouts.vector(CHUNK, stages), Float32),
             dv=smem_tensor(at["dv"], layouts.value_tile(plan, out_stages), self.dv_dtype),
             du=smem_tensor(at["du"], layouts.value_tile(plan, out_stages), bf16),
+            **cross,
         )
         tma_smem = ScanTmaSmem(**self.tma_boxes(ds_ptr, union_ptr, at))
         return smem, tma_smem, storage

@@ -207,6 +207,11 @@ class FwdRecurrence(BandScan):
         self.state_pool = state_pool
         self.prefix_checkpoint_every = prefix_checkpoint_every
 
+    @property
+    def launch_min_blocks(self) -> int:
+        """The launch bound's CTAs an SM (0: none, ptxas sizes the registers itself)."""
+        return 0
+
     def make_plan(self, vsplit: int, state_io_fp32: bool, dim: int) -> RecurrenceSmemPlan:
         """The shared-memory plan of the variant (:class:`~cute_kda.layouts.fwd_recurrence.RecurrenceSmemPlan`)."""
         return RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=state_io_fp32, dim=dim)
@@ -235,13 +240,15 @@ class FwdRecurrence(BandScan):
         checkpoint_indices: Optional[cute.Tensor],
         ws_cross_kd: Optional[cute.Tensor],
         ws_cross_qd: Optional[cute.Tensor],
+        u_a: Optional[cute.Tensor],
         stream: driver.CUstream,
     ):
         """Launch K2. v, out ``[B, T, H, D]``; workspace fields as in :mod:`cute_kda.workspace`;
         checkpoints ``[H · slots, D, D]`` (the training variant) or None; ``state_indices`` int32 ``[N]`` (the
         pool variant: initial_state and final_state are both the pool) and ``checkpoint_indices`` int32 ``[N, M]``
         (its prefix checkpoints), else None; ``ws_cross_kd``, ``ws_cross_qd`` the pair workspace's cross blocks
-        ``[H · tiles, 16, 16]`` (a pair plan), else None."""
+        ``[H · tiles, 16, 16]`` (a pair plan), else None; ``u_a`` the pair training variant's tile a ``U`` rows
+        ``[H · pair slots, 16, D]`` bf16, else None."""
         heads = v.shape[2]
         num_seqs = v.shape[0]
         if const_expr(self.varlen):
@@ -281,11 +288,12 @@ class FwdRecurrence(BandScan):
             tma_gt, gmem_gt, tma_inv, gmem_inv, tma_mqk, gmem_mqk, tma_beta, gmem_beta,
             tma_state_in, gmem_state_in, tma_state_out, gmem_state_out,
             out, cu_seqlens, tile_base, Int32(tiles_per_head), checkpoints, state_indices, checkpoint_indices,
-            prefix_pool, tma_cross_kd, gmem_cross_kd, tma_cross_qd, gmem_cross_qd,
+            prefix_pool, tma_cross_kd, gmem_cross_kd, tma_cross_qd, gmem_cross_qd, u_a,
         ).launch(
             grid=[self.vsplit * num_seqs, heads, 1],  # the bands of one (sequence, head) are adjacent CTAs
             block=[self.threads, 1, 1],
             stream=stream,
+            min_blocks_per_mp=self.launch_min_blocks,
         )
 
     # -----------------------------------------------------------------------------------------
@@ -315,6 +323,7 @@ class FwdRecurrence(BandScan):
         prefix_pool: Optional[cute.Tensor],
         tma_cross_kd: Optional[cute.CopyAtom], gmem_cross_kd: Optional[cute.Tensor],
         tma_cross_qd: Optional[cute.CopyAtom], gmem_cross_qd: Optional[cute.Tensor],
+        u_a: Optional[cute.Tensor],
     ):
         plan = self.plan
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -373,13 +382,13 @@ class FwdRecurrence(BandScan):
             first_tile, checkpoint_row0 = Int32(0), Int32(0)
             if const_expr(self.checkpoints):
                 _, heads, _ = cute.arch.grid_dim()
-                first_tile = ws_row0 - head * tiles_per_head  # global tile index of the sequence's tile 0
-                checkpoint_row0 = head * (checkpoints.shape[0] // heads) + seq
+                first_tile, checkpoint_row0 = self.kept_origin(ws_row0 - head * tiles_per_head, seq, head,
+                                                                checkpoints.shape[0] // heads)
             prefix = None
             if const_expr(self.prefix_checkpoint_every > 0):
                 prefix = PrefixCheckpoints(prefix_pool, checkpoint_indices[seq, None], head, seq_len // CHUNK, present)
             self.compute(warp_idx, num_tiles, load_pipe, store_pipe, smem, state32,
-                         band, first_tile, checkpoint_row0, checkpoints, prefix)
+                         band, first_tile, checkpoint_row0, checkpoints, prefix, u_a)
         elif warp_idx == self.load_warp:
             loads = (
                 (tma_v, self.band_tiles(gmem_v, head, batch, first_row, band), tma_smem.v),
@@ -429,6 +438,7 @@ class FwdRecurrence(BandScan):
         load_pipe: pipeline.PipelineTmaAsync, store_pipe: pipeline.PipelineAsync, smem: RecurrenceSmem,
         state32: tuple, band: Int32, first_tile: Int32, checkpoint_row0: Int32,
         checkpoints: Optional[cute.Tensor], prefix: Optional[PrefixCheckpoints] = None,
+        u_a: Optional[cute.Tensor] = None,
     ):
         """Phases 1-6 per tile on the warp's ``warp_cols`` value columns (module docstring);
         ``state32``: the fp32 state of those columns (:meth:`band_blocks`, updated in place).
@@ -440,6 +450,8 @@ class FwdRecurrence(BandScan):
         writes them; warps of narrower bands store the state as Phase 1 loaded it (:meth:`store_band_fragment`).
 
         Prefix-checkpoint variant (``prefix``): after a tile that ends a C-block, :meth:`store_prefix_checkpoint`.
+        ``u_a``: the pair training variant's (:class:`~cute_kda.kernels.fwd_recurrence_pairs.PairRecurrence`), None
+        here.
         """
         lane = cute.arch.lane_idx()
         group = lane // 4  # fragment row g (rows g and g + 8)

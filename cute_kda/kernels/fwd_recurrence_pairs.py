@@ -14,8 +14,15 @@ the pair, tile b through its pair-relative ``kd_b'``, ``qd_b'`` and the cross bl
 (``kr_a'`` is measured to the pair's end, ``gT_pair`` in tile a's slot). A sequence's odd last tile runs K2's
 step. Everything else is :class:`~cute_kda.kernels.fwd_recurrence.FwdRecurrence`'s: roles, the state in registers,
 state I/O and pools; the load warp still moves one tile a stage (and the cross blocks in every stage), the compute
-warps take two stages a step; 6 input and 4 output stages keep three pairs in flight. No training checkpoints: the
-state between a pair's tiles is never formed.
+warps take two stages a step; 6 input and 4 output stages keep three pairs in flight.
+
+The training variant (``checkpoints``; planned W2 of docs/perf-log.md v8, whose Kernel B rebuilds the state between
+a pair's tiles) keeps ``S = bf16(S32)`` entering each pair (and the lone tile) in row ``head · slots + (g + s) // 2``
+of the checkpoint images, ``g`` the global tile of the pair's tile a and ``s`` the sequence
+(:func:`cute_kda.workspace.pair_block_slots`), as K2 keeps a tile's; and tile a's ``U`` (bf16, value-major
+``[D, 16]``, as Phase 6 reads it) in the same row of ``u_a``, stored from the registers as 32-bit words of two token
+rows. It runs under a launch bound of one CTA an SM. Mirror: ``mirror_recurrence_pairs`` with ``checkpoints`` and
+``u_a``.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import Optional
 from ..dsl import cute, cutlass  # first: sets the target architecture before the DSL loads
 
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32, const_expr
 
 from ..layouts.fwd_recurrence import RecurrenceSmemPlan
 from ..numerics import CHUNK
@@ -38,13 +45,20 @@ PAIR_OUTPUT_STAGES = 4
 
 
 class PairRecurrence(FwdRecurrence):
-    """K2's two-tile step (module docstring); :class:`FwdRecurrence`'s configuration without ``checkpoints``."""
+    """K2's two-tile step (module docstring); :class:`FwdRecurrence`'s configuration, ``checkpoints`` a pair's."""
+
+    kept_a_pair = True
 
     def __init__(self, **config) -> None:
-        if config.get("checkpoints"):
-            raise ValueError("the two-tile step keeps no training checkpoints (the state between a pair's tiles is "
-                             "never formed)")
-        super().__init__(**config)
+        if config.get("checkpoint_every", 2) != 2:
+            raise ValueError("the two-tile step keeps a checkpoint a pair (checkpoint_every 2)")
+        super().__init__(**{**config, "checkpoint_every": 2})
+
+    @property
+    def launch_min_blocks(self) -> int:
+        """The training variant runs under a launch bound of one CTA an SM: without it ptxas caps its registers for
+        occupancy and spills (72 at D = 64, V-split 4)."""
+        return 1 if self.checkpoints else 0
 
     def make_plan(self, vsplit: int, state_io_fp32: bool, dim: int) -> RecurrenceSmemPlan:
         return RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=state_io_fp32, dim=dim, pairs=True,
@@ -56,11 +70,14 @@ class PairRecurrence(FwdRecurrence):
         load_pipe: pipeline.PipelineTmaAsync, store_pipe: pipeline.PipelineAsync, smem: RecurrenceSmem,
         state32: tuple, band: Int32, first_tile: Int32, checkpoint_row0: Int32,
         checkpoints: Optional[cute.Tensor], prefix: Optional[PrefixCheckpoints] = None,
+        u_a: Optional[cute.Tensor] = None,
     ):
         """The pair steps, then the lone last tile of an odd count, on the warp's ``warp_cols`` value columns;
         ``state32`` as :meth:`FwdRecurrence.compute`'s. Phase numbers are K2's (module docstring of
         :mod:`~cute_kda.kernels.fwd_recurrence`): Phase 1 of both tiles against ``S``, then tile a's Phases 2-5,
-        tile b's with the cross terms, and one Phase 6 for the pair."""
+        tile b's with the cross terms, and one Phase 6 for the pair. The training variant keeps the state entering
+        each step in checkpoint row ``checkpoint_row0 + (first_tile + tile a) // 2`` as K2 keeps a tile's, and tile
+        a's ``U`` in that row of ``u_a`` (:meth:`store_u_rows`)."""
         lane = cute.arch.lane_idx()
         group = lane // 4
         cols = self.warp_cols
@@ -111,6 +128,12 @@ class PairRecurrence(FwdRecurrence):
             tiles = 1 if const_expr(lone) else 2
             steps = num_tiles % 2 if const_expr(lone) else num_tiles // 2
             for step in cutlass.range(steps, unroll=1):
+                if const_expr(self.checkpoints):
+                    tile_a = num_tiles - 1 if const_expr(lone) else 2 * step
+                    kept_row = checkpoint_row0 + (first_tile + tile_a) // 2
+                    checkpoint = self.band_image(checkpoints, kept_row)
+                    if const_expr(self.image_by_bulk):  # the state buffer as the last step left it (fenced)
+                        self.store_band_image(checkpoint, smem.state, band, warp_idx)
                 stages, held = [], []
                 for j in cutlass.range_constexpr(tiles):
                     load_pipe.consumer_wait(load_state)
@@ -136,6 +159,8 @@ class PairRecurrence(FwdRecurrence):
                     for j in cutlass.range_constexpr(tiles):
                         cute.gemm(tiled_mma, acc_ks[j], r_kd[j][None, None, k], r_state[None, None, k], acc_ks[j])
                         cute.gemm(tiled_mma, acc_qs[j], r_qd[j][None, None, k], r_state[None, None, k], acc_qs[j])
+                if const_expr(self.checkpoints and not self.image_by_bulk):  # narrow bands: S as Phase 1 loaded it
+                    self.store_band_fragment(checkpoint, r_state, band, warp_idx, lane)
 
                 for j in cutlass.range_constexpr(tiles):
                     stage = stages[j]
@@ -155,6 +180,8 @@ class PairRecurrence(FwdRecurrence):
                     cute.gemm(tiled_mma, acc, r_square[None, None, 0], r_u_b[None, None, 0], acc)
                     r_c16.store(acc.load().to(BFloat16))
                     transpose_c_to_b(r_c16, r_big_u_b[j])
+                    if const_expr(self.checkpoints and j == 0 and tiles == 2):  # tile a's U as Phase 6 reads it
+                        self.store_u_rows(u_a, kept_row, r_big_u_b[0], band, warp_idx, lane)
                     # Phase 4: o = qS (+ Q·U_a) + Mqk·U
                     if const_expr(j == 1):
                         cute.copy(ldsm_a, p_cross_qd[None, None, None, stage], v_square)
@@ -170,7 +197,10 @@ class PairRecurrence(FwdRecurrence):
                     store_pipe.producer_commit(out_state)
                     out_state.advance()
 
-                # Phase 6: S32 ← Σ_j kr_jᵀ·U_j + f32(gT_pair·S32), a row block of 16 k at a time
+                # Phase 6: S32 ← Σ_j kr_jᵀ·U_j + f32(gT_pair·S32), a row block of 16 k at a time (after the
+                # checkpoint's copy has read the state buffer)
+                if const_expr(self.checkpoints and self.image_by_bulk):
+                    self.wait_band_image_read()
                 for j in cutlass.range_constexpr(tiles):
                     cute.copy(ldsm_a_t, p_kr_t[None, 0, None, stages[j]], v_kr_t[j][None, 0, None])
                 for m in cutlass.range_constexpr(k_steps):
@@ -186,9 +216,31 @@ class PairRecurrence(FwdRecurrence):
                     cute.copy(stsm_c_t, v_state_acc_st[None, m, None], p_state_acc_st[None, m, None])
 
                 # the warp's state columns and its reads of these stages are complete before lane 0 releases them
+                # (and its state writes fenced for the next step's checkpoint copy)
+                if const_expr(self.checkpoints and self.image_by_bulk):
+                    cute.arch.fence_view_async_shared()
                 cute.arch.sync_warp()
                 for j in cutlass.range_constexpr(tiles):
                     load_pipe.consumer_release(held[j])
                 if const_expr(self.prefix_checkpoint_every > 0):
                     last = num_tiles - 1 if const_expr(lone) else 2 * step + 1
                     self.store_prefix_checkpoint(last, state32, prefix, band, warp_idx)
+
+    @cute.jit
+    def store_u_rows(self, u_a: cute.Tensor, row: Int32, fragment: cute.Tensor, band: Int32, warp_idx: Int32,
+                     lane: Int32):
+        """Tile a's ``U`` as Phase 6 reads it, the warp's bf16 B fragment ``((2, 2), n, 1)`` of its ``[warp_cols, 16]``
+        columns (``Uᵀ``) → row ``row`` of ``u_a`` (``[rows, D, 16]`` bf16, value-major): each lane stores its pairs
+        of consecutive token rows as 32-bit words.
+
+        Word ``((0, h), j, 0)`` holds ``[v, r], [v, r + 1]`` with ``v = 8j + g`` of the warp's columns,
+        ``r = 2q + 8h`` (``g = lane / 4``, ``q = lane % 4``): ``8v + q + 4h`` words into the row."""
+        first_v = band * self.v_band + warp_idx * self.warp_cols + lane // 4
+        first = (Int64(row) * self.dim + first_v) * CHUNK + 2 * (lane % 4)
+        # rows of 16 bf16 and even token rows: the words are 4-byte aligned
+        words_ptr = cute.make_ptr(Uint32, (u_a.iterator + first).toint(), cute.AddressSpace.gmem, assumed_align=4)
+        target = cute.make_tensor(words_ptr, cute.make_layout(((1, 2), self.warp_cols // 8, 1),
+                                                              stride=((0, 4), 8 * CHUNK // 2, 0)))
+        words = cute.recast_tensor(fragment, Uint32)
+        for i in cutlass.range_constexpr(cute.size(words)):
+            target[i] = words[i]

@@ -14,7 +14,7 @@ from .. import validation
 from ..device import sm_count
 from ..numerics import NATIVE_HEAD_DIMS, SCAN_VSPLITS
 from ..variants import ScanTuning, ScanVariant
-from ..workspace import SNAPSHOT_TILES, Workspace, block_states_shape
+from ..workspace import SNAPSHOT_TILES, CrossBlocks, Workspace, block_states_shape, pair_blocks_shape
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, dsl_type, fake_stream, launch_tensor,
     to_cute_tensor,
@@ -32,9 +32,10 @@ DV_DTYPES = (torch.bfloat16, torch.float16)
 def launch_arguments(
     do: torch.Tensor, ws: Workspace, dv: torch.Tensor, du: torch.Tensor, snapshots: torch.Tensor, *,
     dht: torch.Tensor | None, dh0: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-    tile_base: torch.Tensor | None, tensor=launch_tensor,
+    tile_base: torch.Tensor | None, cross: CrossBlocks | None = None, tensor=launch_tensor,
 ) -> tuple:
-    """The tensor arguments of ``BwdScan.__call__`` (dynamic shapes: one compile serves all sizes).
+    """The tensor arguments of ``BwdScan.__call__`` (dynamic shapes: one compile serves all sizes); ``cross``: the
+    pair workspace's cross blocks (the pair scan).
 
     ``tensor(t, assumed_align)``: :func:`~._cache.launch_tensor` for a call of the compiled function,
     :func:`~._cache.to_cute_tensor` for the compile.
@@ -45,9 +46,11 @@ def launch_arguments(
         qd=tensor(ws.qd, 16), kd=tensor(ws.kd, 16), kr=tensor(ws.kr, 16), gt=tensor(ws.gt, 16),
         inv=tensor(ws.inv, 16), mqk=tensor(ws.mqk, 16), beta=tensor(ws.beta, 16),
     )
+    cross_kd, cross_qd = (None, None) if cross is None else cross
     return (
         tensor(do, 16), tensor(dv, 16), tensor(du, 16), workspace, tensor(snapshots, 16),
-        tensor(dht, 16), tensor(dh0, 16), tensor(cu_seqlens, 8), tensor(tile_base, 4),
+        tensor(dht, 16), tensor(dh0, 16), tensor(cu_seqlens, 8), tensor(tile_base, 4), tensor(cross_kd, 16),
+        tensor(cross_qd, 16),
     )
 
 
@@ -57,19 +60,20 @@ def compiled_variant(variant: ScanVariant, index: int, tensors: dict):
 
     def build():
         from ..kernels.bwd_scan import BwdScan
+        from ..kernels.bwd_scan_pairs import PairBwdScan
 
         tuning = variant.tuning
-        kernel = BwdScan(vsplit=variant.vsplit, dht=dsl_type(variant.dht), dh0=dsl_type(variant.dh0),
-                         varlen=variant.varlen, snapshot_every=variant.snapshot_every,
-                         compute_warps=tuning.compute_warps, output_stages=tuning.output_stages,
-                         split_accumulator=tuning.split_accumulator, token_outputs=variant.token_outputs,
-                         dim=variant.dim, dv_dtype=dsl_type(variant.dv_dtype))
+        kernel = (PairBwdScan if variant.pairs else BwdScan)(
+            vsplit=variant.vsplit, dht=dsl_type(variant.dht), dh0=dsl_type(variant.dh0), varlen=variant.varlen,
+            snapshot_every=variant.snapshot_every, compute_warps=tuning.compute_warps,
+            output_stages=tuning.output_stages, split_accumulator=tuning.split_accumulator,
+            token_outputs=variant.token_outputs, dim=variant.dim, dv_dtype=dsl_type(variant.dv_dtype))
         return compile_for_launch(kernel, *launch_arguments(**tensors, tensor=to_cute_tensor), fake_stream())
 
     return _CACHE.get((variant, index), build)
 
 
-def _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs: int, snapshot_every: int) -> None:
+def _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs: int, snapshot_every: int, pairs: bool) -> None:
     """Shapes, dtypes and devices of Kernel A's buffers against ``do`` and the workspace."""
     batch, steps, heads, dim = do.shape
     if do.dtype != torch.bfloat16 or dim != ws.qd.shape[-1] or dim not in NATIVE_HEAD_DIMS:
@@ -81,7 +85,8 @@ def _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs: int, snapshot_
             names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
             raise ValueError(f"{name} must be {names} {tuple(do.shape)} on {do.device}, got {t.dtype} "
                              f"{tuple(t.shape)}")
-    expected = block_states_shape(ws, heads, num_seqs, snapshot_every)
+    expected = pair_blocks_shape(ws, heads, num_seqs) if pairs else block_states_shape(ws, heads, num_seqs,
+                                                                                         snapshot_every)
     if snapshots.dtype != torch.bfloat16 or tuple(snapshots.shape) != expected:
         raise ValueError(f"snapshots must be bf16 {expected}, got {snapshots.dtype} {tuple(snapshots.shape)}")
     for name, t in (("dht", dht), ("dh0", dh0)):
@@ -97,7 +102,7 @@ def bwd_scan(
     do: torch.Tensor, ws: Workspace, dv: torch.Tensor, du: torch.Tensor, snapshots: torch.Tensor, *,
     cu_seqlens: torch.Tensor | None = None, tile_base: torch.Tensor | None = None, dht: torch.Tensor | None = None,
     dh0: torch.Tensor | None = None, vsplit: int | None = None, tuning: ScanTuning = ScanTuning(),
-    token_outputs: bool = True, snapshot_every: int = SNAPSHOT_TILES,
+    token_outputs: bool = True, snapshot_every: int = SNAPSHOT_TILES, cross: CrossBlocks | None = None,
 ) -> None:
     """Run Kernel A: ``dv``, ``du`` (valid rows only), ``snapshots`` and, when given, ``dh0``.
 
@@ -115,15 +120,22 @@ def bwd_scan(
     (the bf16 scan value, widened exactly for fp32). ``cu_seqlens`` int64 ``[N+1]`` with B == 1
     packs N sequences (``tile_base`` int32 ``[N+1]`` derived when not given); ``vsplit`` ∈ {1, 2, 4, 8}
     or None (:meth:`~cute_kda.variants.ScanVariant.choose_vsplit`); ``tuning``: :class:`ScanTuning`. ``token_outputs`` False: only ``dh0`` is
-    written (dv, du and snapshots are left as they are; ``dh0`` required). Launches on torch's current stream of
-    ``do``'s device.
+    written (dv, du and snapshots are left as they are; ``dh0`` required). ``cross``: the pair workspace's cross
+    blocks (``ws`` then the pair workspace of K1's pair variant): the two-tile scan (planned W2 of docs/perf-log.md
+    v8, :class:`~cute_kda.kernels.bwd_scan_pairs.PairBwdScan`), a snapshot a pair, ``snapshots``
+    :func:`~cute_kda.workspace.pair_blocks_shape` in the slots of :func:`~cute_kda.workspace.pair_block_slots`
+    (``snapshot_every`` 2, token outputs, one G2 accumulator). Launches on torch's current stream of ``do``'s
+    device.
     """
     varlen = cu_seqlens is not None
     num_seqs = validation.num_seqs(do.shape[0], cu_seqlens)
     heads = do.shape[2]
     if snapshot_every < 1:
         raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
-    _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs, snapshot_every)
+    if cross is not None and (snapshot_every != 2 or not token_outputs or tuning.split_accumulator):
+        raise ValueError("the two-tile scan (cross) keeps a snapshot a pair (snapshot_every=2), writes its token "
+                         "outputs and runs G2 on one accumulator")
+    _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs, snapshot_every, cross is not None)
     if vsplit is not None and vsplit not in SCAN_VSPLITS:
         raise ValueError(f"vsplit must be one of {SCAN_VSPLITS} or None, got {vsplit}")
     if not token_outputs and dh0 is None:
@@ -137,9 +149,9 @@ def bwd_scan(
     with torch.cuda.device(do.device):
         stream = current_stream(do.device)
         tensors = dict(do=do, ws=ws, dv=dv, du=du, snapshots=snapshots, dht=dht, dh0=dh0,
-                       cu_seqlens=cu_seqlens, tile_base=tile_base)
+                       cu_seqlens=cu_seqlens, tile_base=tile_base, cross=cross)
         variant = ScanVariant(vsplit, dtype_or_none(dht), dtype_or_none(dh0), varlen, tuning, bool(token_outputs),
-                              snapshot_every, dim=do.shape[-1], dv_dtype=dv.dtype)
+                              snapshot_every, dim=do.shape[-1], dv_dtype=dv.dtype, pairs=cross is not None)
         compiled_variant(variant, device_index(do.device), tensors)(*launch_arguments(**tensors), stream)
 
 
@@ -151,8 +163,11 @@ def compile_variant(variant: ScanVariant, device: torch.device | str) -> None:
         raise ValueError(f"vsplit must be one of {SCAN_VSPLITS}, got {variant.vsplit}")
     problem = compile_problem(variant.varlen, variant.dim)
     do = problem.tokens()
-    tensors = dict(do=do, ws=problem.ws, dv=problem.tokens(dtype=variant.dv_dtype), du=do,
-                   snapshots=problem.block_states(variant.snapshot_every),
+    snapshots, cross = problem.block_states(variant.snapshot_every), None
+    if variant.pairs:
+        snapshots = problem.zeros(*pair_blocks_shape(problem.ws, problem.heads, problem.num_seqs))
+        cross = CrossBlocks(*(torch.empty_like(problem.ws.inv) for _ in range(2)))
+    tensors = dict(do=do, ws=problem.ws, dv=problem.tokens(dtype=variant.dv_dtype), du=do, snapshots=snapshots,
                    dht=problem.state(variant.dht), dh0=problem.state(variant.dh0), cu_seqlens=problem.cu_seqlens,
-                   tile_base=problem.tile_base)
+                   tile_base=problem.tile_base, cross=cross)
     compiled_variant(variant, device_index(torch.device(device)), tensors)

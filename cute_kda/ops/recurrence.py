@@ -13,7 +13,7 @@ import torch
 from .. import validation
 from ..device import sm_count
 from ..variants import RecurrenceVariant
-from ..workspace import CrossBlocks, Workspace, block_states_shape
+from ..workspace import CrossBlocks, Workspace, block_states_shape, pair_blocks_shape, pair_u_shape
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, dsl_type, fake_stream, launch_tensor, on_device,
     to_cute_tensor,
@@ -22,7 +22,7 @@ from .prepare import compile_problem, tile_bases
 
 _CACHE = CompileCache("fwd_recurrence")
 # bytes, per tensor of launch_arguments (cu_seqlens 8; tile_base, state_indices, checkpoint_indices 4)
-_ARGUMENT_ALIGNMENT = (16,) * 11 + (8, 4, 16, 4, 4, 16, 16)
+_ARGUMENT_ALIGNMENT = (16,) * 11 + (8, 4, 16, 4, 4, 16, 16, 16)
 
 
 def dtype_or_none(tensor: torch.Tensor | None) -> torch.dtype | None:
@@ -33,18 +33,19 @@ def launch_arguments(
     v: torch.Tensor, ws: Workspace, out: torch.Tensor, *, cu_seqlens: torch.Tensor | None,
     tile_base: torch.Tensor | None, initial_state: torch.Tensor | None, final_state: torch.Tensor | None,
     checkpoints: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
-    checkpoint_indices: torch.Tensor | None = None, cross: CrossBlocks | None = None, tensor=launch_tensor,
+    checkpoint_indices: torch.Tensor | None = None, cross: CrossBlocks | None = None, u_a: torch.Tensor | None = None,
+    tensor=launch_tensor,
 ) -> tuple:
     """The tensor arguments of ``FwdRecurrence.__call__`` (dynamic shapes: one compile serves all sizes). A pool
     call passes the pool as both ``initial_state`` and ``final_state``; ``cross``: the pair workspace's cross blocks
-    (the pair K2).
+    (the pair K2); ``u_a``: tile a's U rows of the pair K2's training variant.
 
     ``tensor(t, assumed_align)`` converts each: :func:`~._cache.launch_tensor` (the default) for a
     call of the compiled function, :func:`~._cache.to_cute_tensor` for the compile.
     """
     cross_kd, cross_qd = (None, None) if cross is None else cross
     tensors = (v, out, ws.qd, ws.kd, ws.kr, ws.gt, ws.inv, ws.mqk, ws.beta, initial_state, final_state,
-               cu_seqlens, tile_base, checkpoints, state_indices, checkpoint_indices, cross_kd, cross_qd)
+               cu_seqlens, tile_base, checkpoints, state_indices, checkpoint_indices, cross_kd, cross_qd, u_a)
     if tensor is launch_tensor:  # every call: the tensors as they are
         return tensors
     return tuple(tensor(t, align) for t, align in zip(tensors, _ARGUMENT_ALIGNMENT))
@@ -66,7 +67,7 @@ def launch(compiled, v: torch.Tensor, out: torch.Tensor, workspace: tuple, initi
     the :func:`workspace_arguments` ``workspace``."""
     fields, cross = workspace
     compiled(v, out, *fields, initial_state, final_state, cu_seqlens, tile_base, None, state_indices,
-             checkpoint_indices, *cross, stream)
+             checkpoint_indices, *cross, None, stream)
 
 
 def compiled_variant(variant: RecurrenceVariant, index: int, arguments: tuple):
@@ -102,6 +103,7 @@ def recurrence(
     vsplit: int | None = None,
     checkpoints: torch.Tensor | None = None,
     cross: CrossBlocks | None = None,
+    u_a: torch.Tensor | None = None,
     stream=None,
 ) -> None:
     """Run K2: ``out`` (valid rows only) and, when given, ``final_state``, from v and the K1 workspace.
@@ -115,23 +117,31 @@ def recurrence(
     ``[H · slots, D, D]`` state images (:func:`cute_kda.workspace.block_states_shape`) for the training forward, which
     also keeps the bf16 state entering every block of :data:`~cute_kda.workspace.SNAPSHOT_TILES` tiles there (the slots of
     :func:`cute_kda.workspace.snapshot_slots`; other rows are not written). ``cross``: the pair workspace's cross
-    blocks (``ws`` then the pair workspace of K1's pair variant): the two-tile serial step (inference, no
-    ``checkpoints``). Launches on ``stream`` (a ``CUstream``; default torch's current stream on v's device).
+    blocks (``ws`` then the pair workspace of K1's pair variant): the two-tile serial step, whose training variant
+    (planned W2 of docs/perf-log.md v8) keeps a state a pair instead: ``checkpoints`` bf16
+    :func:`~cute_kda.workspace.pair_blocks_shape` state images and ``u_a`` bf16
+    :func:`~cute_kda.workspace.pair_u_shape`, tile a's U value-major, both in the slots of
+    :func:`~cute_kda.workspace.pair_block_slots` (other rows are not written). Launches on ``stream`` (a
+    ``CUstream``; default torch's current stream on v's device).
     """
     varlen = cu_seqlens is not None
     num_seqs = validation.num_seqs(v.shape[0], cu_seqlens)
     heads = v.shape[2]
     if num_seqs == 0 or heads == 0:
         return
-    if cross is not None and checkpoints is not None:
-        raise ValueError("the two-tile step (cross) is an inference variant: it takes no checkpoints")
+    if (u_a is not None) != (cross is not None and checkpoints is not None):
+        raise ValueError("u_a comes with the two-tile step's checkpoints (cross and checkpoints), and they with it")
     if vsplit is None:
         vsplit = RecurrenceVariant.choose_vsplit(num_seqs, heads, sm_count(device_index(v.device)))
-    if checkpoints is not None:
-        expected = block_states_shape(ws, heads, num_seqs)
-        if checkpoints.dtype != torch.bfloat16 or tuple(checkpoints.shape) != expected or checkpoints.device != v.device:
-            raise ValueError(f"checkpoints must be bf16 {expected} on {v.device}, "
-                             f"got {checkpoints.dtype} {tuple(checkpoints.shape)} on {checkpoints.device}")
+    kept = (("checkpoints", checkpoints, block_states_shape(ws, heads, num_seqs)),)
+    if cross is not None:
+        kept = (("checkpoints", checkpoints, pair_blocks_shape(ws, heads, num_seqs)),
+                ("u_a", u_a, pair_u_shape(ws, heads, num_seqs)))
+    for name, buffer, expected in kept:
+        if buffer is not None and (buffer.dtype != torch.bfloat16 or tuple(buffer.shape) != expected
+                                   or buffer.device != v.device):
+            raise ValueError(f"{name} must be bf16 {expected} on {v.device}, "
+                             f"got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}")
     if varlen and tile_base is None:
         tile_base = tile_bases(cu_seqlens)
     with on_device(v.device):
@@ -139,7 +149,7 @@ def recurrence(
             stream = current_stream(v.device)
         arguments = launch_arguments(v, ws, out, cu_seqlens=cu_seqlens, tile_base=tile_base,
                                      initial_state=initial_state, final_state=final_state, checkpoints=checkpoints,
-                                     cross=cross)
+                                     cross=cross, u_a=u_a)
         variant = RecurrenceVariant(vsplit, dtype_or_none(initial_state), dtype_or_none(final_state), varlen,
                                     checkpoints is not None, dtype=v.dtype, dim=v.shape[-1], pairs=cross is not None)
         compiled_variant(variant, device_index(v.device), arguments)(*arguments, stream)
@@ -155,11 +165,17 @@ def compile_variant(variant: RecurrenceVariant, device: torch.device | str) -> N
     checkpoint_indices = None
     if variant.prefix_checkpoint_every:
         checkpoint_indices = torch.empty(num_seqs, 1, dtype=torch.int32, device="meta")
+    checkpoints = cross = u_a = None
+    if variant.checkpoints:
+        checkpoints = problem.block_states()
+    if variant.pairs:
+        cross = CrossBlocks(*(torch.empty_like(problem.ws.inv) for _ in range(2)))
+        if variant.checkpoints:
+            checkpoints, u_a = (problem.zeros(*shape(problem.ws, problem.heads, problem.num_seqs))
+                                for shape in (pair_blocks_shape, pair_u_shape))
     arguments = launch_arguments(v, problem.ws, v, cu_seqlens=problem.cu_seqlens, tile_base=problem.tile_base,
                                  initial_state=problem.state(variant.initial_state),
-                                 final_state=problem.state(variant.final_state),
-                                 checkpoints=problem.block_states() if variant.checkpoints else None,
-                                 state_indices=state_indices, checkpoint_indices=checkpoint_indices,
-                                 cross=CrossBlocks(*(torch.empty_like(problem.ws.inv) for _ in range(2)))
-                                 if variant.pairs else None)
+                                 final_state=problem.state(variant.final_state), checkpoints=checkpoints,
+                                 state_indices=state_indices, checkpoint_indices=checkpoint_indices, cross=cross,
+                                 u_a=u_a)
     compiled_variant(variant, device_index(torch.device(device)), arguments)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..workspace import CHUNK, Workspace, snapshot_slots
+from ..workspace import CHUNK, Workspace, pair_block_slots, snapshot_slots
 from .backward import mirror_bwd_grads
 from .chains import BwdScanResult, gradient_dict
 from .common import PER_TILE, mma, scan_shape, state_out, to_tiles
@@ -24,7 +24,7 @@ from .gates import mirror_prepare_gates
 from .mirror import mirror_prepare
 from .pairs import (
     mirror_bwd_scan_pairs, mirror_prepare_pairs, mirror_prepare_pairs_dyadic, mirror_prepare_pairs_per_head,
-    mirror_recurrence_pairs, pair_block_of, pair_block_slots, pair_roles,
+    mirror_recurrence_pairs, pair_block_of, pair_roles,
 )
 
 
@@ -37,7 +37,7 @@ def tile_states_of_pairs(
     no tile NaN).
 
     ``ws``: today's tile-relative workspace (K1's fields, bit-identical to what Kernel B recomputes); ``checkpoints``,
-    ``snapshots`` bf16 ``[H · pair_slots, K, V]`` and ``u_a`` bf16 ``[H · pair_slots, 16, V]`` as
+    ``snapshots`` bf16 ``[H · pair_slots, K, V]`` and ``u_a`` bf16 ``[H · pair_slots, V, 16]`` (``Uᵀ``) as
     :func:`~.pairs.mirror_recurrence_pairs` and :func:`~.pairs.mirror_bwd_scan_pairs` keep them; ``do``, ``dv`` bf16
     ``[B, T, H, V]`` (dO and Kernel A's dv). In a pair (a, b), with the bf16 kept matrices widened::
 
@@ -52,11 +52,11 @@ def tile_states_of_pairs(
     def per_head(t: torch.Tensor) -> torch.Tensor:
         return t.view(heads, tiles, *t.shape[1:])
 
-    def kept(t: torch.Tensor, rows: int) -> torch.Tensor:
-        return t.view(heads, pair_slots, rows, value_dim)[:, pair_block_of(tile_map)]  # [H, tiles, rows, V]
+    def kept(t: torch.Tensor) -> torch.Tensor:
+        return t.view(heads, pair_slots, *t.shape[1:])[:, pair_block_of(tile_map)]  # [H, tiles, ...]
 
     qd, kd, kr, gt = (per_head(t) for t in (ws.qd, ws.kd, ws.kr, ws.gt))
-    S, dS, U = kept(checkpoints, key_dim), kept(snapshots, key_dim), kept(u_a, CHUNK)
+    S, dS, U = kept(checkpoints), kept(snapshots), kept(u_a).transpose(-1, -2)
     do_t, dv_t = (to_tiles(t.reshape(batch * seq_len, heads, value_dim), tile_map) for t in (do, dv))
     is_a, is_b = pair_roles(tile_map, tiles)
     a, b = torch.nonzero(is_a).flatten(), torch.nonzero(is_b).flatten()  # a[i] + 1 == b[i]
@@ -98,7 +98,7 @@ def mirror_backward_pairs(
     rows = value_heads * pair_block_slots(tiles, num_seqs)
     checkpoints, snapshots = (torch.full((rows, value_dim, value_dim), math.nan, dtype=torch.bfloat16,
                                          device=q.device) for _ in range(2))
-    u_a = torch.full((rows, CHUNK, value_dim), math.nan, dtype=torch.bfloat16, device=q.device)
+    u_a = torch.full((rows, value_dim, CHUNK), math.nan, dtype=torch.bfloat16, device=q.device)
     mirror_recurrence_pairs(pws, v, cu_seqlens=cu_seqlens, initial_state=initial_state, state_layout=state_layout,
                             checkpoints=checkpoints, u_a=u_a)
     dht_vk = dht.transpose(-1, -2) if dht is not None and state_layout == "kv" else dht

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..workspace import CHUNK, Workspace
+from ..workspace import CHUNK, Workspace, pair_block_slots
 from .common import (
     Constants, TileMap, check_activations, ex2_approx, mma, scan_shape, state_in, state_out, to_tiles,
 )
@@ -81,16 +81,9 @@ def pair_slots(tile_map: TileMap) -> tuple[torch.Tensor, torch.Tensor]:
     return b - 1, b
 
 
-def pair_block_slots(tiles: int, num_seqs: int) -> int:
-    """Slots per head of the training pair form's kept matrices (a checkpoint, a snapshot and tile a's ``U`` a pair):
-    the pair whose tile a is global tile ``g`` of sequence ``s`` (a lone last tile counts as a pair) keeps slot
-    ``(g + s) // 2``. Those slots are distinct and below ``(tiles + num_seqs) // 2``, as the pairs of a sequence start
-    on its first tile."""
-    return (tiles + num_seqs) // 2
-
-
 def pair_block_of(tile_map: TileMap) -> torch.Tensor:
-    """int64 ``[tiles]``: the kept slot (:func:`pair_block_slots`) of the pair each tile slot belongs to."""
+    """int64 ``[tiles]``: the kept slot (:func:`~cute_kda.workspace.pair_block_slots`) of the pair each tile slot
+    belongs to."""
     tiles = tile_map.slot_exists.numel()
     slot = torch.arange(tiles, device=tile_map.bases.device)
     num_seqs = tile_map.tiles_per_seq.numel()
@@ -232,10 +225,10 @@ def mirror_recurrence_pairs(
     (:func:`~.mirror.mirror_recurrence`'s).
 
     The training form (planned, W2 of perf-log v8) keeps, in slot ``h · slots + (g + s) // 2`` of the pair whose tile
-    a is global tile ``g`` of sequence ``s`` (:func:`pair_block_slots`; other rows are left as they are):
-    ``checkpoints`` bf16 ``[H · slots, K, V]``, ``S = bf16(S32)`` entering the pair (or the lone tile); ``u_a`` bf16
-    ``[H · slots, 16, V]``, tile a's ``U`` (pairs with a tile b only). Kernel B rebuilds the state between the
-    tiles from them (:func:`~.pair_backward.tile_states_of_pairs`)."""
+    a is global tile ``g`` of sequence ``s`` (:func:`~cute_kda.workspace.pair_block_slots`; other rows are left as
+    they are): ``checkpoints`` bf16 ``[H · slots, K, V]``, ``S = bf16(S32)`` entering the pair (or the lone tile);
+    ``u_a`` bf16 ``[H · slots, V, 16]``, tile a's ``U`` value-major (``Uᵀ``; pairs with a tile b only). Kernel B
+    rebuilds the state between the tiles from them (:func:`~.pair_backward.tile_states_of_pairs`)."""
     check_activations(v=v)
     ws = pws.ws
     batch, seq_len, heads, value_dim, tiles, key_dim, tile_map = scan_shape(ws, v, "v", cu_seqlens, state_layout)
@@ -253,7 +246,7 @@ def mirror_recurrence_pairs(
     counts, starts = tile_map.tiles_per_seq, tile_map.bases[:-1]
     slots = pair_block_slots(tiles, num_seqs)
     kept_states = _kept(checkpoints, "checkpoints", heads, slots, (key_dim, value_dim))
-    kept_u = _kept(u_a, "u_a", heads, slots, (CHUNK, value_dim))
+    kept_u = _kept(u_a, "u_a", heads, slots, (value_dim, CHUNK))
     block, block_sink = pair_block_of(tile_map), torch.full_like(starts, slots)
     steps = int(((counts + 1) // 2).max().item()) if num_seqs else 0
     sink = torch.full_like(starts, tiles)
@@ -268,7 +261,7 @@ def mirror_recurrence_pairs(
             kept_states.index_copy_(1, torch.where(active_a, block[sa], block_sink), S)
         U_a = mma(inv[:, sa], ((v_t[:, sa] - mma(kd[:, sa], S)) * beta[:, sa][..., None]).bfloat16()).bfloat16()
         if kept_u is not None:
-            kept_u.index_copy_(1, torch.where(active_b, block[sa], block_sink), U_a)
+            kept_u.index_copy_(1, torch.where(active_b, block[sa], block_sink), U_a.transpose(-1, -2))
         o_a = mma(mqk[:, sa], U_a, c=mma(qd[:, sa], S)).to(v.dtype)
         kS_b = mma(torch.cat([kd[:, sb], p[:, sb]], -1), torch.cat([S, U_a], -2))
         U_b = mma(inv[:, sb], ((v_t[:, sb] - kS_b) * beta[:, sb][..., None]).bfloat16()).bfloat16()
@@ -311,7 +304,7 @@ def mirror_bwd_scan_pairs(pws: PairWorkspace, do: torch.Tensor, *, cu_seqlens: t
 
     A lone last tile runs today's step. The gradient between a pair's tiles is not formed: the training form (W2)
     keeps ``snapshots`` bf16 ``[H · slots, K, V]``, ``dS' = bf16(dS32)`` leaving each pair (or lone tile), in the
-    pair's slot of :func:`pair_block_slots` (other rows are left as they are)."""
+    pair's slot of :func:`~cute_kda.workspace.pair_block_slots` (other rows are left as they are)."""
     ws = pws.ws
     batch, seq_len, heads, value_dim, tiles, key_dim, tile_map = scan_shape(ws, do, "do", cu_seqlens, "vk")
     num_seqs = tile_map.tiles_per_seq.numel()

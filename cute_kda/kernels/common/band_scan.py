@@ -442,6 +442,19 @@ class BandScan:
     # than stores from registers (docs/perf-log.md, T5), so those warps store the B fragment of their rows
     # that the products load anyway.
 
+    # the kept matrices' rows: one a block of `every` global tiles, in slot g // every + s of the sequence s
+    # (workspace.snapshot_slots); the two-tile step's training form keeps one a pair, in slot (g + s) // 2 of the pair
+    # whose tile a is global tile g (workspace.pair_block_slots)
+    kept_a_pair = False
+
+    def kept_origin(self, first_tile: Int32, seq: Int32, head: Int32, slots: Int32) -> tuple:
+        """``(first, row0)`` for the sequence ``seq`` of head ``head``, whose tile 0 is global tile ``first_tile``, in a
+        tensor of ``slots`` kept matrices a head: local tile ``t`` (a pair's tile a) keeps row
+        ``row0 + (first + t) // every`` (``every`` 2 for a pair)."""
+        if self.kept_a_pair:
+            return first_tile + seq, head * slots
+        return first_tile, head * slots + seq
+
     @property
     def image_by_bulk(self) -> bool:
         """Whether the warps' kept rows leave by bulk copies (:meth:`store_band_image`), not by
