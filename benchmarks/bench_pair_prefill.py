@@ -32,6 +32,16 @@ def _median(launch, warmup: int, rep: int) -> float:
     return median_ms(launch, warmup, rep) if ms is None else ms
 
 
+def gate_inputs(x: dict, gate: str) -> tuple[dict, str]:
+    """``make_inputs``' tensors for ``gate`` ("safe", or "per_head": one softplus decay a head and token with a
+    Kimi-like A_log) and K1's gate name."""
+    if gate != "per_head":
+        return x, "safe"
+    x["g"], x["dt_bias"] = x["g"][..., 0].contiguous(), x["dt_bias"][:, 0].contiguous()
+    x["A_log"] = torch.log(1 + 15 * torch.rand_like(x["A_log"]))
+    return x, "softplus"
+
+
 def run(name: str, warmup: int, rep: int, gate: str = "safe") -> dict:
     from cute_kda.ops import prepare as k1
     from cute_kda.ops import recurrence as k2
@@ -39,12 +49,7 @@ def run(name: str, warmup: int, rep: int, gate: str = "safe") -> dict:
     from cute_kda.workspace import WorkspaceSpec, allocate_cross_blocks, allocate_workspace, tiles_per_head
 
     shape = SHAPES[name]
-    x = make_inputs(shape, torch.device("cuda"))
-    gate_name = "safe"
-    if gate == "per_head":  # one decay a head and token, Kimi-like A_log
-        x["g"], x["dt_bias"] = x["g"][..., 0].contiguous(), x["dt_bias"][:, 0].contiguous()
-        x["A_log"] = torch.log(1 + 15 * torch.rand_like(x["A_log"]))
-        gate_name = "softplus"
+    x, gate_name = gate_inputs(make_inputs(shape, torch.device("cuda")), gate)
     cu = x["cu_seqlens"]
     tile_base = k1.tile_bases(cu) if cu is not None else None
     num_seqs = len(shape.lengths)
