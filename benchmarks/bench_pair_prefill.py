@@ -96,19 +96,24 @@ def markdown(rows: list[dict]) -> str:
     return markdown_table(head, cells)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def pair_bench(doc: str, script: str, run_shape, table, what: str) -> None:
+    """The command line of a two-tile benchmark: ``--gate`` and the run arguments, ``run_shape(name, warmup, rep,
+    gate)`` a row per shape, ``table(rows)`` published under a header naming ``what`` it compares."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     add_run_arguments(parser, SHAPES)
     parser.add_argument("--gate", choices=("safe", "per_head"), default="safe",
                         help="the safe gate per channel, or a per-head softplus gate (GatedDeltaNet's)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_pair_prefill needs a CUDA GPU (Hopper)")
+        sys.exit(f"{script} needs a CUDA GPU (Hopper)")
     with torch.inference_mode():
-        rows = [run(name, args.warmup, args.rep, args.gate) for name in args.shapes]
-    header = (f"{environment('cutlass', labels={'cutlass': 'cutlass-dsl'})} · the two-tile prefill beside today's, "
-              f"D={D}, {args.gate} gate, fp32 state in and out")
-    publish(f"{header}\n\n{markdown(rows)}\n", args.out)
+        rows = [run_shape(name, args.warmup, args.rep, args.gate) for name in args.shapes]
+    header = f"{environment('cutlass', labels={'cutlass': 'cutlass-dsl'})} · {what}, D={D}, {args.gate} gate"
+    publish(f"{header}\n\n{table(rows)}\n", args.out)
+
+
+def main() -> None:
+    pair_bench(__doc__, "bench_pair_prefill", run, markdown, "the two-tile prefill beside today's, fp32 state in and out")
 
 
 if __name__ == "__main__":

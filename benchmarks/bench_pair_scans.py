@@ -10,7 +10,6 @@ bytes each keeps. ``--gate safe`` (the default) or ``per_head`` (GatedDeltaNet's
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -18,10 +17,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from cute_kda._bench import add_run_arguments, environment, markdown_table, publish  # noqa: E402
+from cute_kda._bench import markdown_table  # noqa: E402
 from cute_kda.workspace import CHUNK  # noqa: E402
 
-from bench_pair_prefill import _median, gate_inputs  # noqa: E402
+from bench_pair_prefill import _median, gate_inputs, pair_bench  # noqa: E402
 from shapes import D, LOWER_BOUND, SHAPES, make_inputs  # noqa: E402
 
 
@@ -81,18 +80,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_run_arguments(parser, SHAPES)
-    parser.add_argument("--gate", choices=("safe", "per_head"), default="safe",
-                        help="the safe gate per channel, or a per-head softplus gate (GatedDeltaNet's)")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_pair_scans needs a CUDA GPU (Hopper)")
-    with torch.inference_mode():
-        rows = [run(name, args.warmup, args.rep, args.gate) for name in args.shapes]
-    header = (f"{environment('cutlass', labels={'cutlass': 'cutlass-dsl'})} · the two-tile training scans beside "
-              f"today's, D={D}, {args.gate} gate, fp32 initial state, no dht")
-    publish(f"{header}\n\n{markdown(rows)}\n", args.out)
+    pair_bench(__doc__, "bench_pair_scans", run, markdown,
+               "the two-tile training scans beside today's, fp32 initial state, no dht")
 
 
 if __name__ == "__main__":

@@ -11,21 +11,21 @@ import pytest
 import torch
 from test_bwd_scan import CHUNK, D, MIRROR_TOL, _dht
 from test_fwd_recurrence import STATE, _assert_guards_untouched, _guarded, _problem
+from test_pair_prefill import PAIR_HEADS, PAIR_SEQS, pair_buffers
 from ulp_check import assert_within_one_ulp
 
 from cute_kda.dsl import cute
 from cute_kda.kernels.bwd_scan_pairs import PairBwdScan
 from cute_kda.layouts.bwd_scan import SCAN_VSPLITS
-from cute_kda.layouts.fwd_recurrence import CROSS_FIELDS
 from cute_kda.ops import bwd_scan as ka
 from cute_kda.ops._cache import dsl_type, to_cute_tensor
-from cute_kda.workspace import CrossBlocks, WorkspaceSpec, images_to_states, pair_blocks_shape, workspace_views
+from cute_kda.workspace import CrossBlocks, images_to_states, pair_blocks_shape
 
 # ============================================================================ compile (CPU)
 
 COMPILED = [(vsplit, "fp32", "fp32", varlen, D) for vsplit, varlen in itertools.product(SCAN_VSPLITS, (False, True))]
 COMPILED += [(1, "bf16", "bf16", False, D), (2, "none", "fp32", True, D), (1, "fp32", "fp32", True, 64),
-             (4, "none", "bf16", False, 64)]
+             (4, "none", "bf16", False, 64), (8, "fp32", "fp32", False, 64)]
 
 
 def _variant_id(variant) -> str:
@@ -34,14 +34,9 @@ def _variant_id(variant) -> str:
 
 
 def _buffers(dim: int, varlen: bool):
-    heads, num_seqs = 2, 3
-    batch, steps = (1, 80) if varlen else (num_seqs, 24)
-    do = torch.zeros(batch, steps, heads, dim, dtype=torch.bfloat16)
-    spec = WorkspaceSpec(heads=heads, tiles=8, dim=dim)
-    ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
-    cross = CrossBlocks(*(torch.zeros(spec.rows, CHUNK, CHUNK, dtype=torch.bfloat16) for _ in CROSS_FIELDS))
-    snapshots = torch.zeros(pair_blocks_shape(ws, heads, num_seqs), dtype=torch.bfloat16)
-    return do, ws, cross, snapshots, num_seqs, heads
+    do, ws, cross = pair_buffers(dim, varlen)
+    snapshots = torch.zeros(pair_blocks_shape(ws, PAIR_HEADS, PAIR_SEQS), dtype=torch.bfloat16)
+    return do, ws, cross, snapshots, PAIR_SEQS, PAIR_HEADS
 
 
 @pytest.mark.parametrize("variant", COMPILED, ids=_variant_id)

@@ -37,13 +37,23 @@ def _variant_id(variant) -> str:
     return f"vs{vsplit}-{state_in}-{state_out}-{'varlen' if varlen else 'fixed'}-D{dim}"
 
 
-def _compile_args(vsplit, state_in, state_out, varlen, dim, training=False):
-    heads, num_seqs = 2, 3
-    batch, steps = (1, 80) if varlen else (num_seqs, 24)
-    v = torch.zeros(batch, steps, heads, dim, dtype=torch.bfloat16)
-    spec = WorkspaceSpec(heads=heads, tiles=8, dim=dim)
+PAIR_HEADS, PAIR_SEQS = 2, 3
+
+
+def pair_buffers(dim: int, varlen: bool) -> tuple:
+    """A compile's token tensor (zeros; three sequences of 24 tokens, or packed as 20, 0, 60), pair workspace and
+    cross blocks, two heads (the K2 and Kernel A pair tests)."""
+    batch, steps = (1, 80) if varlen else (PAIR_SEQS, 24)
+    tokens = torch.zeros(batch, steps, PAIR_HEADS, dim, dtype=torch.bfloat16)
+    spec = WorkspaceSpec(heads=PAIR_HEADS, tiles=8, dim=dim)
     ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
     cross = CrossBlocks(*(torch.zeros(spec.rows, CHUNK, CHUNK, dtype=torch.bfloat16) for _ in CROSS_FIELDS))
+    return tokens, ws, cross
+
+
+def _compile_args(vsplit, state_in, state_out, varlen, dim, training=False):
+    heads, num_seqs = PAIR_HEADS, PAIR_SEQS
+    v, ws, cross = pair_buffers(dim, varlen)
     checkpoints = u_a = None
     if training:
         checkpoints, u_a = (torch.zeros(shape(ws, heads, num_seqs), dtype=torch.bfloat16)

@@ -132,6 +132,30 @@ class ScanTmaSmem:
     cross_qd: Optional[cute.Tensor] = None
 
 
+class ScanViews(NamedTuple):
+    """A compute warp's copies (its lane's slices) and the partitions of the shared memory it reads and writes, stage
+    mode last (:meth:`BwdScan.warp_views`)."""
+
+    tiled_mma: cute.TiledMma
+    ldsm_a: cute.ThrCopy
+    ldsm_a_t: cute.ThrCopy
+    ldsm_b: cute.ThrCopy
+    ldsm_b_t: cute.ThrCopy
+    stsm_c: cute.ThrCopy
+    stsm_c_t: cute.ThrCopy
+    stsm_dv: cute.ThrCopy
+    p_kr: cute.Tensor  # (CPY, 1, k_steps, stage)
+    p_qd_t: cute.Tensor  # (CPY, k_steps, 1, stage)
+    p_kd_t: cute.Tensor
+    p_inv_t: cute.Tensor  # (CPY, 1, 1, stage)
+    p_mqk_t: cute.Tensor
+    p_ds: cute.Tensor  # (CPY, n, k_steps): the warp's rows of dS', the B operand
+    p_do_t: cute.Tensor  # (CPY, n, 1, stage)
+    p_dv: cute.Tensor
+    p_du: cute.Tensor
+    p_ds_acc_st: cute.Tensor  # the warp's columns of dS in the [K, V] view, for stmatrix.trans
+
+
 class BwdScan(BandScan):
     """Kernel A, one compiled variant per static configuration.
 
@@ -376,6 +400,48 @@ class BwdScan(BandScan):
         return value.to(Float32).to(Float16)
 
     @cute.jit
+    def round_du_dv(self, du: cute.Tensor, beta: tuple, r_du: cute.Tensor, r_dv: cute.Tensor, r_ndv: cute.Tensor):
+        """From G3's fp32 ``du`` (a C fragment) and the rows' ``beta``: ``r_du = bf16(du)``, ``r_dv`` dv as stored
+        (:meth:`stored_dv` of ``bf16(β·du)``) and ``r_ndv = bf16(−β·du)`` (the exact negation of bf16 dv)."""
+        for i in cutlass.range_constexpr(cute.size(du)):
+            scaled = du[i] * beta[c_row_half(i)]
+            r_du[i] = BFloat16(du[i])
+            r_dv[i] = self.stored_dv(BFloat16(scaled))
+            r_ndv[i] = BFloat16(-scaled)
+
+    @staticmethod
+    def store_du_dv(dv: tuple, du: tuple, store_pipe: pipeline.PipelineAsync, out_state):
+        """The warp's dv and du C fragments → output stage ``out_state`` (``dv``, ``du``: (stmatrix copy, its retiled
+        registers, the stage partition)), fenced for the store warp's TMA and committed; the caller advances
+        ``out_state`` in its own loop body (the tracer carries a pipeline state only through rebinds it sees)."""
+        store_pipe.producer_acquire(out_state)
+        for copy, registers, stages in (dv, du):
+            cute.copy(copy, registers, stages[None, None, None, out_state.index])
+        cute.arch.fence_view_async_shared()
+        store_pipe.producer_commit(out_state)
+
+    def warp_views(self, warp_idx: Int32, smem: ScanSmem, lane: Int32) -> ScanViews:
+        """The :class:`ScanViews` of compute warp ``warp_idx``: its ``warp_cols`` columns of dS (both views), of dOᵀ
+        and of the dv / du output tiles, and the whole tiles of kr, qdᵀ, kdᵀ, INVᵀ, Mqkᵀ."""
+        cols, dim = self.warp_cols, self.dim
+        tiled_mma = self.warp_mma()
+        ldsm_a, ldsm_a_t, ldsm_b, ldsm_b_t, _, stsm_c, stsm_c_t = self.thread_copies(tiled_mma, lane)
+        stsm_dv = self.dv_copy(tiled_mma).get_slice(lane)
+        w_ds = cute.local_tile(smem.ds, (cols, dim), (warp_idx, 0))  # [cols, K]
+        w_ds_acc = cute.local_tile(smem.ds_acc, (dim, cols), (0, warp_idx))  # [K, cols]
+        w_do_t = cute.local_tile(smem.do_t, (cols, CHUNK), (warp_idx, 0, None))  # [cols, 16, stage]
+        w_dv = cute.local_tile(smem.dv, (CHUNK, cols), (0, warp_idx, None))  # [16, cols, stage]
+        w_du = cute.local_tile(smem.du, (CHUNK, cols), (0, warp_idx, None))
+        return ScanViews(
+            tiled_mma, ldsm_a, ldsm_a_t, ldsm_b, ldsm_b_t, stsm_c, stsm_c_t, stsm_dv,
+            p_kr=ldsm_a.partition_S(smem.kr), p_qd_t=ldsm_a_t.partition_S(smem.qd_t),
+            p_kd_t=ldsm_a_t.partition_S(smem.kd_t), p_inv_t=ldsm_a_t.partition_S(smem.inv_t),
+            p_mqk_t=ldsm_a_t.partition_S(smem.mqk_t), p_ds=ldsm_b.partition_S(w_ds),
+            p_do_t=ldsm_b_t.partition_S(w_do_t), p_dv=stsm_dv.partition_D(w_dv), p_du=stsm_c.partition_D(w_du),
+            p_ds_acc_st=stsm_c_t.partition_D(w_ds_acc),
+        )
+
+    @cute.jit
     def compute(
         self, warp_idx: Int32, band: Int32, num_tiles: Int32, first_tile: Int32, snapshot_row0: Int32,
         load_pipe: pipeline.PipelineTmaAsync, store_pipe: pipeline.PipelineAsync, smem: ScanSmem,
@@ -393,28 +459,8 @@ class BwdScan(BandScan):
         dim = self.dim
         k_steps = dim // CHUNK
 
-        tiled_mma = self.warp_mma()
-        ldsm_a, ldsm_a_t, ldsm_b, ldsm_b_t, _, stsm_c, stsm_c_t = self.thread_copies(tiled_mma, lane)
-        stsm_dv = self.dv_copy(tiled_mma).get_slice(lane)
-
-        # the warp's columns of dS (both views), of dOᵀ and of the dv / du output tiles
-        w_ds = cute.local_tile(smem.ds, (cols, dim), (warp_idx, 0))  # [cols, K]
-        w_ds_acc = cute.local_tile(smem.ds_acc, (dim, cols), (0, warp_idx))  # [K, cols]
-        w_do_t = cute.local_tile(smem.do_t, (cols, CHUNK), (warp_idx, 0, None))  # [cols, 16, stage]
-        w_dv = cute.local_tile(smem.dv, (CHUNK, cols), (0, warp_idx, None))  # [16, cols, stage]
-        w_du = cute.local_tile(smem.du, (CHUNK, cols), (0, warp_idx, None))
-
-        # smem partitions (stage mode last)
-        p_kr = ldsm_a.partition_S(smem.kr)  # (CPY, 1, k_steps, stage)
-        p_qd_t = ldsm_a_t.partition_S(smem.qd_t)  # (CPY, k_steps, 1, stage)
-        p_kd_t = ldsm_a_t.partition_S(smem.kd_t)
-        p_inv_t = ldsm_a_t.partition_S(smem.inv_t)  # (CPY, 1, 1, stage)
-        p_mqk_t = ldsm_a_t.partition_S(smem.mqk_t)
-        p_ds = ldsm_b.partition_S(w_ds)  # (CPY, n, k_steps)
-        p_do_t = ldsm_b_t.partition_S(w_do_t)  # (CPY, n, 1, stage)
-        p_dv = stsm_dv.partition_D(w_dv)
-        p_du = stsm_c.partition_D(w_du)
-        p_ds_acc_st = stsm_c_t.partition_D(w_ds_acc)
+        (tiled_mma, ldsm_a, ldsm_a_t, ldsm_b, ldsm_b_t, stsm_c, stsm_c_t, stsm_dv, p_kr, p_qd_t, p_kd_t, p_inv_t,
+         p_mqk_t, p_ds, p_do_t, p_dv, p_du, p_ds_acc_st) = self.warp_views(warp_idx, smem, lane)
 
         # register fragments
         r_kr = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((CHUNK, dim)))  # ((2,2,2), 1, k_steps)
@@ -488,17 +534,9 @@ class BwdScan(BandScan):
 
             # du and dv = bf16(β·du) → output stage; −dv (exact negation) as the B operand of G5
             beta = self.fragment_rows(smem.beta, stage, group)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                scaled = acc[i] * beta[c_row_half(i)]
-                r_c16[i] = BFloat16(acc[i])
-                r_dv[i] = self.stored_dv(BFloat16(scaled))
-                r_ndv[i] = BFloat16(-scaled)
+            self.round_du_dv(acc, beta, r_c16, r_dv, r_ndv)
             if const_expr(self.token_outputs):
-                store_pipe.producer_acquire(out_state)
-                cute.copy(stsm_dv, v_dv, p_dv[None, None, None, out_state.index])
-                cute.copy(stsm_c, v_du, p_du[None, None, None, out_state.index])
-                cute.arch.fence_view_async_shared()
-                store_pipe.producer_commit(out_state)
+                self.store_du_dv((stsm_dv, v_dv, p_dv), (stsm_c, v_du, p_du), store_pipe, out_state)
                 out_state.advance()
             transpose_c_to_b(r_ndv, r_ndv_b)
 

@@ -66,28 +66,10 @@ class PairBwdScan(BwdScan):
         dim = self.dim
         k_steps = dim // CHUNK
 
-        tiled_mma = self.warp_mma()
-        ldsm_a, ldsm_a_t, ldsm_b, ldsm_b_t, _, stsm_c, stsm_c_t = self.thread_copies(tiled_mma, lane)
-        stsm_dv = self.dv_copy(tiled_mma).get_slice(lane)
-
-        w_ds = cute.local_tile(smem.ds, (cols, dim), (warp_idx, 0))  # [cols, K]
-        w_ds_acc = cute.local_tile(smem.ds_acc, (dim, cols), (0, warp_idx))  # [K, cols]
-        w_do_t = cute.local_tile(smem.do_t, (cols, CHUNK), (warp_idx, 0, None))  # [cols, 16, stage]
-        w_dv = cute.local_tile(smem.dv, (CHUNK, cols), (0, warp_idx, None))
-        w_du = cute.local_tile(smem.du, (CHUNK, cols), (0, warp_idx, None))
-
-        p_kr = ldsm_a.partition_S(smem.kr)  # (CPY, 1, k_steps, stage)
-        p_qd_t = ldsm_a_t.partition_S(smem.qd_t)  # (CPY, k_steps, 1, stage)
-        p_kd_t = ldsm_a_t.partition_S(smem.kd_t)
-        p_inv_t = ldsm_a_t.partition_S(smem.inv_t)  # (CPY, 1, 1, stage)
-        p_mqk_t = ldsm_a_t.partition_S(smem.mqk_t)
+        (tiled_mma, ldsm_a, ldsm_a_t, ldsm_b, ldsm_b_t, stsm_c, stsm_c_t, stsm_dv, p_kr, p_qd_t, p_kd_t, p_inv_t,
+         p_mqk_t, p_ds, p_do_t, p_dv, p_du, p_ds_acc_st) = self.warp_views(warp_idx, smem, lane)
         p_cross_kd_t = ldsm_a_t.partition_S(smem.cross_kd_t)  # Pᵀ, tile b's stages
         p_cross_qd_t = ldsm_a_t.partition_S(smem.cross_qd_t)  # Qᵀ
-        p_ds = ldsm_b.partition_S(w_ds)  # (CPY, n, k_steps)
-        p_do_t = ldsm_b_t.partition_S(w_do_t)  # (CPY, n, 1, stage)
-        p_dv = stsm_dv.partition_D(w_dv)
-        p_du = stsm_c.partition_D(w_du)
-        p_ds_acc_st = stsm_c_t.partition_D(w_ds_acc)
 
         def fragment_a(shape):
             return tiled_mma.make_fragment_A(tiled_mma.partition_shape_A(shape))
@@ -134,6 +116,7 @@ class PairBwdScan(BwdScan):
                 snapshot = self.band_image(snapshots, snapshot_row0 + (first_tile + tile_a) // 2)
                 if const_expr(self.image_by_bulk):
                     self.store_band_image(snapshot, smem.ds, band, warp_idx)
+                # the pipeline states advance in this body (the tracer carries them only through rebinds it sees)
                 stages, held = [], []
                 for j in cutlass.range_constexpr(tiles):
                     load_pipe.consumer_wait(load_state)
@@ -175,16 +158,8 @@ class PairBwdScan(BwdScan):
                     cute.gemm(tiled_mma, acc[j], r_square[None, None, 0], r_c16_b[None, None, 0], acc[j])
                     # du and dv = bf16(β·du) → output stage; −dv (exact negation) as a B operand
                     beta = self.fragment_rows(smem.beta, stage, group)
-                    for i in cutlass.range_constexpr(cute.size(acc[j])):
-                        scaled = acc[j][i] * beta[c_row_half(i)]
-                        r_c16[i] = BFloat16(acc[j][i])
-                        r_dv[i] = self.stored_dv(BFloat16(scaled))
-                        r_ndv[i] = BFloat16(-scaled)
-                    store_pipe.producer_acquire(out_state)
-                    cute.copy(stsm_dv, v_dv, p_dv[None, None, None, out_state.index])
-                    cute.copy(stsm_c, v_du, p_du[None, None, None, out_state.index])
-                    cute.arch.fence_view_async_shared()
-                    store_pipe.producer_commit(out_state)
+                    self.round_du_dv(acc[j], beta, r_c16, r_dv, r_ndv)
+                    self.store_du_dv((stsm_dv, v_dv, p_dv), (stsm_c, v_du, p_du), store_pipe, out_state)
                     out_state.advance()
                     transpose_c_to_b(r_ndv, r_ndv_b[j])
 

@@ -134,6 +134,7 @@ class PairRecurrence(FwdRecurrence):
                     checkpoint = self.band_image(checkpoints, kept_row)
                     if const_expr(self.image_by_bulk):  # the state buffer as the last step left it (fenced)
                         self.store_band_image(checkpoint, smem.state, band, warp_idx)
+                # the pipeline states advance in this body (the tracer carries them only through rebinds it sees)
                 stages, held = [], []
                 for j in cutlass.range_constexpr(tiles):
                     load_pipe.consumer_wait(load_state)
