@@ -113,7 +113,8 @@ def pair_bench(doc: str, script: str, run_shape, table, what: str) -> None:
 
 
 def main() -> None:
-    pair_bench(__doc__, "bench_pair_prefill", run, markdown, "the two-tile prefill beside today's, fp32 state in and out")
+    pair_bench(__doc__, "bench_pair_prefill", run, markdown,
+               "the two-tile prefill beside today's, fp32 state in and out")
 
 
 if __name__ == "__main__":

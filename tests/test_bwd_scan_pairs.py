@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_bwd_scan import CHUNK, D, MIRROR_TOL, _dht
 from test_fwd_recurrence import STATE, _assert_guards_untouched, _guarded, _problem
-from test_pair_prefill import PAIR_HEADS, PAIR_SEQS, pair_buffers
+from test_pair_prefill import PAIR_HEADS, PAIR_SEQS, mirror_pair_workspace, pair_buffers
 from ulp_check import assert_within_one_ulp
 
 from cute_kda.dsl import cute
@@ -92,14 +92,9 @@ def test_launcher_checks_the_pair_scan_buffers():
 
 def _run_pairs(problem, *, lengths=None, dht="fp32", dh0="fp32", vsplit=None, seed=0):
     """The mirror's pair workspace, then the pair scan into guarded buffers (snapshot rows poisoned)."""
-    from cute_kda.reference.pairs import mirror_prepare_pairs
-
-    q, k, v, g, beta, A_log, bias = problem
-    device = q.device
-    B, T, H, dim = q.shape
-    cu = None if lengths is None else torch.tensor([0, *itertools.accumulate(lengths)], device=device)
-    N = B if lengths is None else len(lengths)
-    pws = mirror_prepare_pairs(q, k, g, beta, A_log=A_log, dt_bias=bias, lower_bound=-5.0, cu_seqlens=cu)
+    device = problem[0].device
+    B, T, H, dim = problem[0].shape
+    pws, cu, N = mirror_pair_workspace(problem, lengths)
     do = torch.randn(B, T, H, dim, generator=torch.Generator().manual_seed(seed + 3)).bfloat16().to(device)
     dht_in = _dht(dht, N, H, seed, device, dim)
     dv, dv_buf = _guarded((B, T, H, dim), torch.bfloat16, device, axis=1, pad=CHUNK)

@@ -185,18 +185,25 @@ def test_recurrence_checks_the_pair_training_buffers():
 # ============================================================================ GPU
 
 
+def mirror_pair_workspace(problem, lengths) -> tuple:
+    """The mirror's pair workspace of ``problem`` (``_problem``'s tensors, the safe gate; ``lengths`` packed, or None),
+    with its ``cu_seqlens`` and sequence count."""
+    from cute_kda.reference.pairs import mirror_prepare_pairs
+
+    q, k, v, g, beta, A_log, bias = problem
+    cu = None if lengths is None else torch.tensor([0, *itertools.accumulate(lengths)], device=q.device)
+    pws = mirror_prepare_pairs(q, k, g, beta, A_log=A_log, dt_bias=bias, lower_bound=-5.0, cu_seqlens=cu)
+    return pws, cu, q.shape[0] if lengths is None else len(lengths)
+
+
 def _run_pairs(problem, *, lengths=None, state_in="none", state_out="fp32", vsplit=None, seed=0, kept=None):
     """The mirror's pair workspace, then K2's pair variant into guarded buffers; returns (o, final, pws, cu, init).
     ``kept``: a list that receives the training variant's checkpoints and U rows (NaN where not written): that
     variant runs."""
-    from cute_kda.reference.pairs import mirror_prepare_pairs
-
-    q, k, v, g, beta, A_log, bias = problem
+    q, v = problem[0], problem[2]
     device = q.device
     B, T, H, dim = q.shape
-    cu = None if lengths is None else torch.tensor([0, *itertools.accumulate(lengths)], device=device)
-    N = B if lengths is None else len(lengths)
-    pws = mirror_prepare_pairs(q, k, g, beta, A_log=A_log, dt_bias=bias, lower_bound=-5.0, cu_seqlens=cu)
+    pws, cu, N = mirror_pair_workspace(problem, lengths)
     init = _initial_state(state_in, N, H, seed, device, dim)
     out, out_buf = _guarded((B, T, H, dim), torch.bfloat16, device, axis=1, pad=CHUNK)
     final = final_buf = None
