@@ -178,7 +178,7 @@ class PairBwdScan(BwdScan):
                     block = ds32[m]
                     for i in cutlass.range_constexpr(cute.size(block)):
                         block[i] = mul_rn(decay[c_row_half(i)], block[i])
-                    # each tile's next row block loads after its own products (fewer operands live at once)
+                    # each tile's next row block loads after its own products
                     for j in cutlass.range_constexpr(tiles):
                         cute.gemm(tiled_mma, block, r_qd_t[j][None, m, None], r_do_b[j][None, None, 0], block)
                         cute.gemm(tiled_mma, block, r_kd_t[j][None, m, None], r_ndv_b[j][None, None, 0], block)
