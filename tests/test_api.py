@@ -352,8 +352,8 @@ def mirror_kernels(monkeypatch):
 
         def recurrence(v, out, *fields_states_and_bases):
             (*fields, initial_state, final_state, cu_seqlens, tile_base, _, state_indices, checkpoint_indices,
-             cross_kd, cross_qd, stream) = fields_states_and_bases
-            assert (cross_kd is not None) == (cross_qd is not None) == variant.pairs
+             cross_kd, cross_qd, u_a, stream) = fields_states_and_bases
+            assert (cross_kd is not None) == (cross_qd is not None) == variant.pairs and u_a is None
 
             def run_mirror(**states):
                 if variant.pairs:

@@ -345,9 +345,9 @@ def launchers_on_mirrors(monkeypatch):
             field.copy_(value)
 
     @fake(k2, "recurrence")
-    def _(v, ws, out, cu_seqlens, tile_base, initial_state, final_state, vsplit, checkpoints, cross, stream):
+    def _(v, ws, out, cu_seqlens, tile_base, initial_state, final_state, vsplit, checkpoints, cross, u_a, stream):
         assert vsplit is None or vsplit in validation.SUPPORTED_VSPLITS
-        assert cross is None  # training runs today's K2 (the two-tile prefill is inference's)
+        assert cross is None and u_a is None  # training runs today's K2 (the two-tile prefill is inference's)
         kept = None
         if checkpoints is not None:  # the training pass (a segmented call's extra passes keep none)
             assert checkpoints.dtype == torch.bfloat16
@@ -364,9 +364,10 @@ def launchers_on_mirrors(monkeypatch):
             final_state.copy_(state)
 
     @fake(ka, "bwd_scan")
-    def _(do, ws, dv, du, snapshots, cu_seqlens, tile_base, dht, dh0, vsplit, tuning, token_outputs, snapshot_every):
-        assert snapshot_every == SNAPSHOT_TILES  # Kernel B reads the scan's snapshots at the default density
-        ka._check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs(do, cu_seqlens), snapshot_every)
+    def _(do, ws, dv, du, snapshots, cu_seqlens, tile_base, dht, dh0, vsplit, tuning, token_outputs, snapshot_every,
+          cross):
+        assert snapshot_every == SNAPSHOT_TILES and cross is None  # Kernel B reads a snapshot a tile (today's scan)
+        ka._check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs(do, cu_seqlens), snapshot_every, False)
         scan = mirror_bwd_scan(ws, do, cu_seqlens=cu_seqlens, dht=dht, snapshot_every=snapshot_every,
                                dh0_dtype=torch.float32 if dh0 is None else dh0.dtype)
         outputs = ((dv, scan.dv), (du, scan.du), (snapshots, states_to_images(scan.snapshots))) if token_outputs \
