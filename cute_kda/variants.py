@@ -18,16 +18,20 @@ from .numerics import HEAD_DIM, SCAN_VSPLITS, SUPPORTED_VSPLITS, gate_scheme
 from .workspace import SNAPSHOT_TILES
 
 # The two-tile prefill (docs/numerics.md, "Two tiles a serial step"; perf-log v10): K1's and K2's pair variants run
-# the inference forward where they apply (:func:`pair_prefill`). Training keeps today's K1 and K2 in both passes, so
-# ``recompute`` changes no bit of a step. On branch ``pair-prefill`` until the GPU tier has run them.
+# the inference forward where they pay (:func:`pair_prefill`). Training keeps today's K1 and K2 in both passes, so
+# ``recompute`` changes no bit of a step.
 PAIR_PREFILL = True
 PAIR_SCHEMES = ("safe", "per_head")  # the K1 gate schemes with a pair variant (not yet: "dyadic")
+# the schemes whose forward the pair variants made faster on the H200 (perf-log v10, 2026-12-05): a per-head gate's
+# K1 + K2 −10-11 %; the safe gate's pair K1 (3 CTAs an SM) ran +32-37 % and its forward +8-14 % at four of six shapes
+PAIR_PREFILL_SCHEMES = ("per_head",)
 
 
 def pair_prefill(gate: str, per_head_gate: bool, segmented: bool) -> bool:
-    """Whether an inference forward runs the pair variants: a gate scheme they are built for (:data:`PAIR_SCHEMES`),
-    an unsplit call (a segmented one runs K2 three times over segment bounds), and :data:`PAIR_PREFILL`."""
-    return PAIR_PREFILL and gate_scheme(gate, per_head_gate) in PAIR_SCHEMES and not segmented
+    """Whether an inference forward runs the pair variants: a gate scheme where they pay
+    (:data:`PAIR_PREFILL_SCHEMES`), an unsplit call (a segmented one runs K2 three times over segment bounds), and
+    :data:`PAIR_PREFILL`."""
+    return PAIR_PREFILL and gate_scheme(gate, per_head_gate) in PAIR_PREFILL_SCHEMES and not segmented
 
 
 def fill_sms(num_seqs: int, heads: int, sms: int, splits: tuple[int, ...]) -> int:

@@ -106,13 +106,13 @@ def test_workspace_cache_reuses_views_until_spec_or_buffer_changes(monkeypatch):
 
 def test_warmup_visits_every_selected_k1_variant():
     """``gates`` and ``gated_delta_rule`` select K1 variants (the log decay in both dtypes); K2 once per config, and
-    once more in the two-tile prefill's variant where the safe gate runs it (then its K1 is the pair variant)."""
+    once more in the two-tile prefill's variant where a selected gate runs it (then its K1 is the pair variant)."""
     variants = api.warmup_variants(varlen=(False,), state_modes=(None,), vsplits=(1,),
                                    gates=("safe", "softplus", "none"), gated_delta_rule=True, segments=False)
     bf16, fp32 = torch.bfloat16, torch.float32
     prepares = [(v.gate, v.g_dtype, v.per_head_gate, v.grouped) for v in variants if isinstance(v, PrepareVariant)]
     recurrences = [RecurrenceVariant(1, None, None, False)]
-    if SAFE_PAIRS:
+    if any(pair_prefill(gate, per_head, False) for gate, _, per_head, _ in prepares):
         recurrences.append(RecurrenceVariant(1, None, None, False, pairs=True))
     assert [v for v in variants if isinstance(v, RecurrenceVariant)] == recurrences
     assert [v.pairs for v in variants if isinstance(v, PrepareVariant)] == [
