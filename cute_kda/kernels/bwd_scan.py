@@ -409,17 +409,6 @@ class BwdScan(BandScan):
             r_dv[i] = self.stored_dv(BFloat16(scaled))
             r_ndv[i] = BFloat16(-scaled)
 
-    @staticmethod
-    def store_du_dv(dv: tuple, du: tuple, store_pipe: pipeline.PipelineAsync, out_state):
-        """The warp's dv and du C fragments → output stage ``out_state`` (``dv``, ``du``: (stmatrix copy, its retiled
-        registers, the stage partition)), fenced for the store warp's TMA and committed; the caller advances
-        ``out_state`` in its own loop body (the tracer carries a pipeline state only through rebinds it sees)."""
-        store_pipe.producer_acquire(out_state)
-        for copy, registers, stages in (dv, du):
-            cute.copy(copy, registers, stages[None, None, None, out_state.index])
-        cute.arch.fence_view_async_shared()
-        store_pipe.producer_commit(out_state)
-
     def warp_views(self, warp_idx: Int32, smem: ScanSmem, lane: Int32) -> ScanViews:
         """The :class:`ScanViews` of compute warp ``warp_idx``: its ``warp_cols`` columns of dS (both views), of dOᵀ
         and of the dv / du output tiles, and the whole tiles of kr, qdᵀ, kdᵀ, INVᵀ, Mqkᵀ."""
@@ -536,7 +525,7 @@ class BwdScan(BandScan):
             beta = self.fragment_rows(smem.beta, stage, group)
             self.round_du_dv(acc, beta, r_c16, r_dv, r_ndv)
             if const_expr(self.token_outputs):
-                self.store_du_dv((stsm_dv, v_dv, p_dv), (stsm_c, v_du, p_du), store_pipe, out_state)
+                self.store_outputs(store_pipe, out_state, ((stsm_dv, v_dv, p_dv), (stsm_c, v_du, p_du)))
                 out_state.advance()
             transpose_c_to_b(r_ndv, r_ndv_b)
 

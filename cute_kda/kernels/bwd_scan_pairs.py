@@ -159,7 +159,7 @@ class PairBwdScan(BwdScan):
                     # du and dv = bf16(β·du) → output stage; −dv (exact negation) as a B operand
                     beta = self.fragment_rows(smem.beta, stage, group)
                     self.round_du_dv(acc[j], beta, r_c16, r_dv, r_ndv)
-                    self.store_du_dv((stsm_dv, v_dv, p_dv), (stsm_c, v_du, p_du), store_pipe, out_state)
+                    self.store_outputs(store_pipe, out_state, ((stsm_dv, v_dv, p_dv), (stsm_c, v_du, p_du)))
                     out_state.advance()
                     transpose_c_to_b(r_ndv, r_ndv_b[j])
 

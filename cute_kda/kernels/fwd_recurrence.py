@@ -541,11 +541,8 @@ class FwdRecurrence(BandScan):
             cute.gemm(tiled_mma, acc_qs, r_square[None, None, 0], r_big_u_b[None, None, 0], acc_qs)
             r_o.store(acc_qs.load().to(self.token_dtype))
 
-            # Phase 5: o → output stage; each thread fences its stmatrix writes for the TMA store, then arrives
-            store_pipe.producer_acquire(out_state)
-            cute.copy(stsm_c, v_out, p_out[None, None, None, out_state.index])
-            cute.arch.fence_view_async_shared()
-            store_pipe.producer_commit(out_state)
+            # Phase 5: o → output stage
+            self.store_outputs(store_pipe, out_state, ((stsm_c, v_out, p_out),))
             out_state.advance()
 
             # Phase 6: S32 ← krᵀ·U + f32(gT·S32), row block m of 16 k at a time (the decayed block is the

@@ -191,11 +191,8 @@ class PairRecurrence(FwdRecurrence):
                     cute.copy(ldsm_a, p_mqk[None, None, None, stage], v_square)
                     cute.gemm(tiled_mma, acc_qs[j], r_square[None, None, 0], r_big_u_b[j][None, None, 0], acc_qs[j])
                     r_o.store(acc_qs[j].load().to(self.token_dtype))
-                    # Phase 5: o → output stage; each thread fences its stmatrix writes for the TMA store
-                    store_pipe.producer_acquire(out_state)
-                    cute.copy(stsm_c, v_out, p_out[None, None, None, out_state.index])
-                    cute.arch.fence_view_async_shared()
-                    store_pipe.producer_commit(out_state)
+                    # Phase 5: o → output stage
+                    self.store_outputs(store_pipe, out_state, ((stsm_c, v_out, p_out),))
                     out_state.advance()
 
                 # Phase 6: S32 ← Σ_j kr_jᵀ·U_j + f32(gT_pair·S32), a row block of 16 k at a time (after the

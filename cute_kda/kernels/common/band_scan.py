@@ -442,6 +442,18 @@ class BandScan:
     # than stores from registers (docs/perf-log.md, T5), so those warps store the B fragment of their rows
     # that the products load anyway.
 
+    @staticmethod
+    def store_outputs(store_pipe: pipeline.PipelineAsync, out_state, outputs: tuple):
+        """The compute warp's output tiles → output stage ``out_state``: each of ``outputs`` a (stmatrix copy, its
+        retiled registers, the stage partition); each thread fences its writes for the store warp's TMA, then commits.
+        The caller advances ``out_state`` in its own loop body (the tracer carries a pipeline state only through
+        rebinds it sees)."""
+        store_pipe.producer_acquire(out_state)
+        for copy, registers, stages in outputs:
+            cute.copy(copy, registers, stages[None, None, None, out_state.index])
+        cute.arch.fence_view_async_shared()
+        store_pipe.producer_commit(out_state)
+
     # the kept matrices' rows: one a block of `every` global tiles, in slot g // every + s of the sequence s
     # (workspace.snapshot_slots); the two-tile step's training form keeps one a pair, in slot (g + s) // 2 of the pair
     # whose tile a is global tile g (workspace.pair_block_slots)
