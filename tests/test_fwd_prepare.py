@@ -14,7 +14,7 @@ from cute_kda.compile_report import compile_with_report
 from cute_kda.dsl import cute, cutlass
 from cute_kda.kernels.common.copy import warp_tiled_mma
 from cute_kda.kernels.fwd_prepare import PrepareInputs, PrepareKernel, WorkspaceTiles, prepare_kernel
-from cute_kda.kernels.fwd_prepare.pairs import PairPrepare
+from cute_kda.kernels.fwd_prepare.pairs import WINDOW, PairPrepare
 from cute_kda.kernels.tile_prefix import TilePrefixKernel
 from cute_kda.layouts import fwd_prepare as plan
 from cute_kda.layouts.analysis import MatrixAccess, byte_table, layout_spec, max_wavefronts, phase_wavefronts, run_traced
@@ -140,44 +140,48 @@ def test_ptx_primitives(compiled):
 
 
 def _check_pair_ptx(kernel: PrepareKernel, report) -> None:
-    """The pair K1: both tiles' q, k, g behind one barrier; six tile products (A_kk, A_qk of each tile, P, Q) and
-    two Neumann inverses; the gate scan twice (threads of tile a, of tile b) and β twice; per element three ex2 in
-    tile a (decay, 2^-G, kr to the pair's end) and four in tile b (with 2^(G_a,last + G)); e^A and both gT."""
+    """The pair K1, a body for each of the window's ``WINDOW`` pairs: both tiles' q, k, g behind one barrier; six
+    tile products (A_kk, A_qk of each tile, P, Q) and two Neumann inverses; the gate scan twice (threads of tile a,
+    of tile b) and β twice; per element three ex2 in tile a (decay, 2^-G, kr to the pair's end) and four in tile b
+    (with 2^(G_a,last + G)); e^A and both gT; four CTA barriers (the window's previous pair, the gate scans, tile a's
+    decay, the finish)."""
     if kernel.per_head_gate:
         return _check_per_head_pair_ptx(kernel, report)
     load_rank, store_rank = _tile_ranks(kernel)
-    assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == 6
-    assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == 6
+    assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == WINDOW * 6
+    assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == WINDOW * 6
     k_steps = kernel.dim // CHUNK
-    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 12 * k_steps
-    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 24
-    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 12 * k_steps
-    assert report.count("movmatrix.sync.aligned.m8n8.trans.b16") == 32
-    assert report.count("tanh.approx.f32") == 2 * (CHUNK + (1 if kernel.beta_logits else 0))
-    assert report.count("ex2.approx.ftz.f32") == 3 + 7 * 8
-    assert report.count("mul.rn.f32") == 2 * CHUNK
-    if kernel.qk_l2norm:
-        assert report.count("shfl.sync.bfly.b32") == 2 * 2 * _butterfly_steps(kernel)  # q and k of both tiles
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == WINDOW * 12 * k_steps
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == WINDOW * 24
+    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == WINDOW * 12 * k_steps
+    assert report.count("movmatrix.sync.aligned.m8n8.trans.b16") == WINDOW * 32
+    assert report.count("tanh.approx.f32") == WINDOW * 2 * (CHUNK + (1 if kernel.beta_logits else 0))
+    assert report.count("ex2.approx.ftz.f32") == WINDOW * (3 + 7 * 8)
+    assert report.count("mul.rn.f32") == WINDOW * 2 * CHUNK
+    if kernel.qk_l2norm:  # q and k of both tiles
+        assert report.count("shfl.sync.bfly.b32") == WINDOW * 2 * 2 * _butterfly_steps(kernel)
     else:
         assert not report.has("shfl.sync.bfly") and not report.has("sqrt")
-    assert report.count("bar.sync") == 3
+    assert report.count("bar.sync") == WINDOW * 4
 
 
 def _check_per_head_pair_ptx(kernel: PrepareKernel, report) -> None:
     """The per-head pair K1: both tiles' q, k by TMA, each tile's rows on a warp of their own (a = 2^g', 2^G, 2^Gs a
-    lane; softplus: 2^−|y|, lg2 and e^A too), the six products and two inverses, and no exponent beyond the rows'."""
+    lane; softplus: 2^−|y|, lg2 and e^A too), the six products and two inverses, and no exponent beyond the rows'; a
+    body for each of the window's ``WINDOW`` pairs, four CTA barriers each (the window's previous pair, the rows,
+    their factors, the finish)."""
     load_rank, store_rank = _tile_ranks(kernel)
-    assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == 4
-    assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == 6
+    assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == WINDOW * 4
+    assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == WINDOW * 6
     k_steps = kernel.dim // CHUNK
-    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 12 * k_steps
-    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 24
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == WINDOW * 12 * k_steps
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == WINDOW * 24
     softplus = kernel.gate == "softplus"
-    assert report.count("ex2.approx.ftz.f32") == 2 * (3 + (2 if softplus else 0))
-    assert report.count("lg2.approx.f32") == (2 if softplus else 0)
+    assert report.count("ex2.approx.ftz.f32") == WINDOW * 2 * (3 + (2 if softplus else 0))
+    assert report.count("lg2.approx.f32") == WINDOW * (2 if softplus else 0)
     if kernel.qk_l2norm:
-        assert report.count("shfl.sync.bfly.b32") == 2 * 2 * _butterfly_steps(kernel)
-    assert report.count("bar.sync") == 3
+        assert report.count("shfl.sync.bfly.b32") == WINDOW * 2 * 2 * _butterfly_steps(kernel)
+    assert report.count("bar.sync") == WINDOW * 4
 
 
 def _check_dyadic_ptx(kernel: PrepareKernel, report) -> None:
@@ -250,7 +254,7 @@ def test_tma_copies_are_issued_by_one_elected_lane(compiled):
     lines = report.ptx.splitlines()
     bulk = [i for i, line in enumerate(lines) if re.match(r"\s*cp\.async\.bulk\.", line)]
     kernel = compiled[0]
-    tiles = 2 if isinstance(kernel, PairPrepare) else 1
+    tiles = 2 * WINDOW if isinstance(kernel, PairPrepare) else 1  # a pair K1: two tiles in each of its bodies
     # loads, stores, commit_group + wait_group.read, a tile each
     assert len(bulk) == tiles * ((3 if kernel.gate_tile else 2) + 3 + 2)
     unguarded = [lines[i].strip() for i in bulk if not _elected_lane_only(lines, i)]
@@ -261,8 +265,8 @@ def test_smem_is_the_plan(compiled):
     """The launch asks for exactly the bytes of ``layouts.fwd_prepare.smem_budget``; 8 CTAs fit per SM."""
     kernel, _, launch_smem = compiled
     budget = kernel.smem_budget()
-    per_head, safe, dyadic, pairs, per_head_pairs = {128: (22528, 25600, 39936, 58368, 46080),
-                                                     64: (12288, 13312, 21504, 29696, 25600)}[kernel.dim]
+    per_head, safe, dyadic, pairs, per_head_pairs = {128: (22528, 25600, 39936, 50176, 46080),
+                                                     64: (12288, 13312, 21504, 25600, 25600)}[kernel.dim]
     if isinstance(kernel, PairPrepare):
         size = per_head_pairs if kernel.per_head_gate else pairs
     else:

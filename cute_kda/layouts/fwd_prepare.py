@@ -37,7 +37,9 @@ from .smem import CHUNK, HEAD_DIM, row_major_tile, sw128_tile
 DYADIC_LEVELS = len(DYADIC_BLOCKS)
 
 BETA_ALIGN = 16  # β is read and written element by element, never by the TMA
-PAIR_CTAS_PER_SM = 3  # the safe gate's pair K1: ≈ 58 KB of shared memory a CTA, two tiles each
+# the pair K1s' CTAs an SM, at most (their smem may allow fewer): four at D = 128 (64 registers, no spills); at D = 64
+# the 25 600 bytes allow eight, but at 64 or 72 registers (eight or seven CTAs) the fp16 variants spill
+PAIR_CTAS_PER_SM = {128: 4, 64: 6}
 DYADIC_CTAS_PER_SM = 5  # the dyadic K1 (per-channel unbounded gates): ≈ 39 KB of shared memory a CTA
 PER_HEAD_CTAS_PER_SM = 8  # GatedDeltaNet's per-head gate: ≈ 22 KB a CTA, as many CTAs as the safe K1
 
@@ -87,7 +89,9 @@ def pair_smem_budget(dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
     """Shared-memory plan of the safe gate's pair K1 (docs/numerics.md, "Two tiles a serial step"): one CTA a pair
     of tiles (a, b) of a sequence, both loaded behind one barrier. Tile a's buffers are :func:`smem_budget`'s with
     kr measured to the pair's end; tile b keeps its tile-relative qd, kd (the operands of ``L_b`` and ``Mqk_b``)
-    beside the pair-relative ones the workspace takes, whose products with ``kinv_a`` are the cross blocks."""
+    beside the pair-relative ones the workspace takes, whose products with ``kinv_a`` are the cross blocks. Those
+    two share the bytes of tile a's gate cumsum, dead once tile a's decay is done: 50 176 bytes at D = 128, four
+    CTAs an SM."""
     tile = layout_spec(f"chunk_tile({dim},{chunk})", chunk_tile, dim, chunk, dtype=cutlass.BFloat16)
     cumsum = layout_spec(f"gate_cumsum_tile({dim},{chunk})", gate_cumsum_tile, dim, chunk, dtype=cutlass.Float32)
     beta = layout_spec(f"row_vector({chunk})", row_vector, chunk, dtype=cutlass.Float32)
@@ -100,9 +104,15 @@ def pair_smem_budget(dim: int = HEAD_DIM, chunk: int = CHUNK) -> SmemBudget:
         SmemBuffer("k_b", tile, note="tile b's TMA-loaded k; its tile-relative kd_b written over it"),
         SmemBuffer("g_b", tile, note="tile b's TMA-loaded raw gate; kr_b written over it"),
         SmemBuffer("kinv_b", tile, note="k̂_b ⊙ 2^-G_b: B operand of L_b and Mqk_b"),
-        SmemBuffer("qd_pair", tile, note="qd_b' = q̂_b ⊙ 2^(G_a,last + G_b) · scale: workspace, left factor of Q"),
-        SmemBuffer("kd_pair", tile, note="kd_b' = k̂_b ⊙ 2^(G_a,last + G_b): workspace, left factor of P"),
-        SmemBuffer("gate_cumsum_a", cumsum, note="G_a[r, c]"),
+        # tile b's decay writes its pair-relative tiles over G_a, read to its end by tile a's decay
+        SmemGroup("cumsum_a_then_pair", (
+            SmemBuffer("gate_cumsum_a", cumsum, note="G_a[r, c]"),
+            SmemGroup("pair_tiles", (
+                SmemBuffer("qd_pair", tile,
+                           note="qd_b' = q̂_b ⊙ 2^(G_a,last + G_b) · scale: workspace, left factor of Q"),
+                SmemBuffer("kd_pair", tile, note="kd_b' = k̂_b ⊙ 2^(G_a,last + G_b): workspace, left factor of P"),
+            )),
+        ), union=True),
         SmemBuffer("gate_cumsum_b", cumsum, note="G_b[r, c]"),
         SmemBuffer("beta_a", beta, align_bytes=BETA_ALIGN, note="activated β of tile a's rows"),
         SmemBuffer("beta_b", beta, align_bytes=BETA_ALIGN, note="activated β of tile b's rows"),

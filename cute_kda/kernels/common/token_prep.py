@@ -120,8 +120,9 @@ class TokenPrep:
 
         A pair of tiles (docs/numerics.md, "Two tiles a serial step"): for tile a, ``s_cumsum_next`` is tile b's
         ``G`` and kr is measured to the pair's end, ``2^f32(f32(G_last − G) + G_b,last)``; for tile b,
-        ``pair_start = (s_cumsum_a, s_qd_pair, s_kd_pair)`` also writes qd and kd measured from the pair's start,
-        ``2^f32(G_a,last + G)``, beside the tile-relative ones.
+        ``pair_start = (a_last, s_qd_pair, s_kd_pair)`` also writes qd and kd measured from the pair's start,
+        ``2^f32(G_a,last + G)``, beside the tile-relative ones; ``a_last`` holds ``G_a,last`` of each of the thread's
+        row chunks (:meth:`pair_start_sums`: read before tile b's outputs may overwrite ``G_a``).
         """
         for item in cutlass.range_constexpr(self.decay_items):
             row, chunk = self.row_chunk(tidx, item)
@@ -129,6 +130,11 @@ class TokenPrep:
             at = (row, chunk)
             run = (1, CHANNELS_PER_LANE)
             q_in, k_in = self.load_row_chunk(s_q, s_k, row, chunk)
+            # a pair's tile reads more sums: they are loaded after the norms' sqrt / rcp (subroutine calls on their
+            # slow path), which is what keeps the pair K1 at 64 registers without spills
+            pair_tile = s_cumsum_next is not None or pair_start is not None
+            if cutlass.const_expr(pair_tile):
+                q32, k32, q_rinv, q_rscale, k_rscale = self.chunk_scales(q_in, k_in, valid, scale)
             cum = cute.make_rmem_tensor(run, Float32)
             cum_last = cute.make_rmem_tensor(run, Float32)
             cute.autovec_copy(cute.local_tile(s_cumsum, run, at), cum)
@@ -137,14 +143,14 @@ class TokenPrep:
             if cutlass.const_expr(s_cumsum_next is not None):
                 next_last = cute.make_rmem_tensor(run, Float32)
                 cute.autovec_copy(cute.local_tile(s_cumsum_next, run, (CHUNK - 1, chunk)), next_last)
+            if cutlass.const_expr(not pair_tile):
+                q32, k32, q_rinv, q_rscale, k_rscale = self.chunk_scales(q_in, k_in, valid, scale)
+            self.store_row_rinv(s_rinv_q, s_rinv_k, row, chunk, q_rinv, k_rscale)
             before_last, qd_pair, kd_pair = None, None, None
             if cutlass.const_expr(pair_start is not None):
-                before_last = cute.make_rmem_tensor(run, Float32)
-                cute.autovec_copy(cute.local_tile(pair_start[0], run, (CHUNK - 1, chunk)), before_last)
+                before_last = pair_start[0][item]
                 qd_pair = cute.make_rmem_tensor(run, BFloat16)
                 kd_pair = cute.make_rmem_tensor(run, BFloat16)
-            q32, k32, q_rinv, q_rscale, k_rscale = self.chunk_scales(q_in, k_in, valid, scale)
-            self.store_row_rinv(s_rinv_q, s_rinv_k, row, chunk, q_rinv, k_rscale)
 
             qd = cute.make_rmem_tensor(run, BFloat16)
             kd = cute.make_rmem_tensor(run, BFloat16)
@@ -172,6 +178,19 @@ class TokenPrep:
             if cutlass.const_expr(pair_start is not None):
                 cute.autovec_copy(qd_pair, cute.local_tile(pair_start[1], run, at))
                 cute.autovec_copy(kd_pair, cute.local_tile(pair_start[2], run, at))
+
+    @cute.jit
+    def pair_start_sums(self, s_cumsum_a, tidx: Int32) -> tuple:
+        """``G_a,last`` (row 15 of tile a's ``s_cumsum_a``) of each of this thread's row chunks, in registers: tile
+        b's ``pair_start`` of :meth:`decay`."""
+        run = (1, CHANNELS_PER_LANE)
+        sums = []
+        for item in cutlass.range_constexpr(self.decay_items):
+            _, chunk = self.row_chunk(tidx, item)
+            last = cute.make_rmem_tensor(run, Float32)
+            cute.autovec_copy(cute.local_tile(s_cumsum_a, run, (CHUNK - 1, chunk)), last)
+            sums.append(last)
+        return tuple(sums)
 
     def row_chunk(self, tidx: Int32, item: int) -> tuple:
         """(row, 8-channel chunk) of this thread's ``item``-th of its ``decay_items`` row chunks (:attr:`row_lanes`

@@ -226,9 +226,13 @@ class PrepareKernel(TokenPrep):
         self.shared_storage = self.smem_budget().storage_struct()
         tiles = ws.gt.shape[0] // heads
         self.kernel(tma, inputs, ws, scalars, cu_seqlens, tile_base).launch(
-            grid=(tiles, heads, 1), block=(self.num_threads, 1, 1), stream=stream,
+            grid=(self.grid_slots(tiles), heads, 1), block=(self.num_threads, 1, 1), stream=stream,
             min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=SMEM_CARVEOUT_PERCENT,
         )
+
+    def grid_slots(self, tiles):
+        """The grid's extent over a head's ``tiles`` workspace slots: a CTA a slot."""
+        return tiles
 
     @cute.kernel
     def kernel(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles, scalars: PrepareScalars,
@@ -244,13 +248,16 @@ class PrepareKernel(TokenPrep):
             self.prepare_tile(tma, inputs, ws, scalars, head, qk_head, head * tiles + tile_slot, row0, valid_rows)
 
     @cute.jit
-    def start_tile(self) -> tuple:
-        """(thread, warp, lane, the CTA's shared storage, the layout of its token tiles)."""
+    def start_tile(self, storage=None) -> tuple:
+        """(thread, warp, lane, the CTA's shared storage, the layout of its token tiles); ``storage`` the storage
+        allocated already (else it is allocated here: once a kernel)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         tile_layout = plan.chunk_tile(self.dim)
-        return tidx, warp_idx, lane, SmemAllocator().allocate(self.shared_storage), tile_layout
+        if cutlass.const_expr(storage is None):
+            storage = SmemAllocator().allocate(self.shared_storage)
+        return tidx, warp_idx, lane, storage, tile_layout
 
     @staticmethod
     def swizzled_views(layout, *buffers, dtype: Optional[type] = None) -> tuple:
@@ -269,12 +276,14 @@ class PrepareKernel(TokenPrep):
         return tuple(buffer.get_tensor(plan.row_vector()) for buffer in buffers)
 
     @cute.jit
-    def load_inputs(self, tiles: tuple, tma_barrier):
+    def load_inputs(self, tiles: tuple, tma_barrier, init: bool = True):
         """Warp 0: one transaction barrier, TMA tile loads; ``tiles`` is ``((atom, tma_tensor), smem, head, row0)``
-        per tile, ``row0`` its first token row."""
+        per tile, ``row0`` its first token row. ``init``: the barrier is initialised here (else it was, and this
+        load is its next phase)."""
         with cute.arch.elect_one():
-            cute.arch.mbarrier_init(tma_barrier, 1)
-            cute.arch.mbarrier_init_fence()
+            if cutlass.const_expr(init):
+                cute.arch.mbarrier_init(tma_barrier, 1)
+                cute.arch.mbarrier_init_fence()
             cute.arch.mbarrier_arrive_and_expect_tx(tma_barrier, len(tiles) * plan.input_tile_bytes(self.dim))
         for (atom, tma_tensor), smem, head, row0 in tiles:
             s_part, g_part = head_tile_tma_partition(

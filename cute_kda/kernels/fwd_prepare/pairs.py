@@ -1,9 +1,12 @@
 """What K1's pair variants share (docs/numerics.md, "Two tiles a serial step"): tiles pair up from each sequence's
-first tile; the CTA of a pair's first tile (tile a) does the pair, the CTA of its second (tile b) exits at once, and a
-sequence's odd last tile is a pair without tile b. ``2 · D`` threads: one row chunk of each tile a thread in the
-decay phase. A scheme's pair class puts :class:`PairPrepare` before its scheme's class and provides
-``prepare_pair(tma, inputs, ws, scalars, head, qk_head, slot, row0, valid_a, valid_b)``: the pair whose tile a is in
-workspace slot ``slot`` (tile b in ``slot + 1``) and starts at token row ``row0``, ``valid_b`` 0 without a tile b.
+first tile, and a sequence's odd last tile is a pair without tile b. A CTA owns a window of two workspace slots of a
+head and does the pairs whose tile a lies in it: one, or two where a sequence's lone last tile is followed by the next
+sequence's first pair (the second reuses the shared memory and the TMA barrier's next phase). ``2 · D`` threads: one
+row chunk of each tile a thread in the decay phase. A scheme's pair class puts :class:`PairPrepare` before its
+scheme's class and provides ``prepare_pair(tma, inputs, ws, scalars, head, qk_head, slot, row0, valid_a, valid_b,
+storage, phase)``: the pair whose tile a is in workspace slot ``slot`` (tile b in ``slot + 1``) and starts at token
+row ``row0``, ``valid_b`` 0 without a tile b, in the CTA's shared ``storage``, its loads the barrier's phase
+``phase`` (the barrier initialised).
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ from typing import NamedTuple, Optional
 from cutlass import BFloat16, Float32, Int32
 
 from ...dsl import cute, cutlass
+from ...layouts import fwd_prepare as plan
 from ...layouts.smem import CHUNK, HEAD_DIM
 from ..common.copy import warp_tiled_mma
 from .base import PrepareInputs, PrepareScalars, PrepareTma, WorkspaceTiles
+
+WINDOW = 2  # workspace slots a CTA: the pairs starting in them, one or two (module docstring), two traced bodies
 
 # the finish, one warp task each: (what, tile 0 = a / 1 = b); warp w takes tasks w, w + warps, …
 FINISH_TASKS = (("inv", 0), ("inv", 1), ("mqk", 0), ("mqk", 1), ("cross_kd", 1), ("cross_qd", 1), ("stores", 0),
@@ -45,23 +51,40 @@ class PairPrepare:
         threads = 2 * dim
         if num_threads not in (None, threads):
             raise ValueError(f"the pair K1 runs 2 · dim = {threads} threads, got {num_threads}")
-        self.default_ctas_per_sm = self.smem_plan(dim).ctas_per_sm
+        self.default_ctas_per_sm = min(self.smem_plan(dim).ctas_per_sm, plan.PAIR_CTAS_PER_SM[dim])
         super().__init__(dim=dim, num_threads=threads, ctas_per_sm=ctas_per_sm, **config)
+
+    def grid_slots(self, tiles):
+        """A CTA a window of two slots (module docstring)."""
+        return (tiles + WINDOW - 1) // WINDOW
 
     @cute.kernel
     def kernel(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles, scalars: PrepareScalars,
                cu_seqlens: Optional[cute.Tensor], tile_base: Optional[cute.Tensor]):
-        tile_slot, head, _ = cute.arch.block_idx()
-        tiles, heads, _ = cute.arch.grid_dim()
-        _, tile_in_seq, row0, seq_end, exists = self.tile_position(tile_slot, scalars.seq_len, cu_seqlens, tile_base)
+        window, head, _ = cute.arch.block_idx()
+        _, heads, _ = cute.arch.grid_dim()
+        tiles = ws.gt.shape[0] // heads
         qk_head = head
         if cutlass.const_expr(self.grouped):
             qk_head = head // (heads // inputs.q.shape[1])
-        if exists and tile_in_seq % 2 == 0:
-            rows_left = seq_end - row0
-            valid_b = cutlass.max(cutlass.min(rows_left - CHUNK, CHUNK), 0)
-            self.prepare_pair(tma, inputs, ws, scalars, head, qk_head, head * tiles + tile_slot, row0,
-                              cutlass.min(rows_left, CHUNK), valid_b)
+        _, warp_idx, _, storage, _ = self.start_tile()
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(storage.tma_barrier.data_ptr(), 1)
+                cute.arch.mbarrier_init_fence()
+        phase = Int32(0)
+        # unrolled: as a runtime loop ptxas spills ≈ 220 bytes at the 64 registers of four CTAs an SM
+        for step in cutlass.range_constexpr(WINDOW):
+            tile_slot = WINDOW * window + step
+            _, tile_in_seq, row0, seq_end, exists = self.tile_position(tile_slot, scalars.seq_len, cu_seqlens,
+                                                                       tile_base)
+            if exists and tile_slot < tiles and tile_in_seq % 2 == 0:
+                cute.arch.sync_threads()  # the barrier initialised; the window's previous pair done with its smem
+                rows_left = seq_end - row0
+                valid_b = cutlass.max(cutlass.min(rows_left - CHUNK, CHUNK), 0)
+                self.prepare_pair(tma, inputs, ws, scalars, head, qk_head, head * tiles + tile_slot, row0,
+                                  cutlass.min(rows_left, CHUNK), valid_b, storage, phase)
+                phase = phase ^ 1
 
     @cute.jit
     def finish_pair(self, tma: PrepareTma, ws: WorkspaceTiles, tiles: tuple, cross: PairOperands, slot: Int32,

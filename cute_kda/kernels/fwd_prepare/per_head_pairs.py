@@ -33,9 +33,10 @@ class PerHeadPairPrepare(PairPrepare, PerHeadPrepare):
 
     @cute.jit
     def prepare_pair(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles, scalars: PrepareScalars,
-                     head: Int32, qk_head: Int32, slot: Int32, row0: Int32, valid_a: Int32, valid_b: Int32):
+                     head: Int32, qk_head: Int32, slot: Int32, row0: Int32, valid_a: Int32, valid_b: Int32,
+                     storage, phase: Int32):
         """The per-head gate's phases (module docstring) of one pair (``PairPrepare``'s ``prepare_pair``)."""
-        tidx, warp_idx, lane, storage, tile_layout = self.start_tile()
+        tidx, warp_idx, lane, storage, tile_layout = self.start_tile(storage)
         s = storage
         q_a_in, k_a_in, q_b_in, k_b_in = self.input_views(tile_layout, s.q_a, s.k_a, s.q_b, s.k_b)
         s_q_a, s_k_a, s_kr_a, s_q_hat_a, s_k_hat_a, s_q_b, s_k_b, s_kr_b, s_q_hat_b, s_k_hat_b = self.swizzled_views(
@@ -51,7 +52,8 @@ class PerHeadPairPrepare(PairPrepare, PerHeadPrepare):
 
         if warp_idx == 0:
             self.load_inputs(((tma.q, q_a_in, qk_head, row0), (tma.k, k_a_in, qk_head, row0),
-                              (tma.q, q_b_in, qk_head, row_b), (tma.k, k_b_in, qk_head, row_b)), tma_barrier)
+                              (tma.q, q_b_in, qk_head, row_b), (tma.k, k_b_in, qk_head, row_b)), tma_barrier,
+                             init=False)
         # warp 0 the rows of tile a, warp 1 those of tile b; without a tile b its loads read tile a's rows (in
         # bounds) and every row of it is masked
         if warp_idx < 2:
@@ -72,7 +74,7 @@ class PerHeadPairPrepare(PairPrepare, PerHeadPrepare):
                         self.activate_beta(inputs.beta, ws.beta, rows_b[0], head, slot_b, row_b, valid_b, row,
                                            raw=beta_raw)
                 self.head_gate_rows(gate_inputs, valid_b, *rows_b[1:3], s_spans_b, *rows_b[3:], lane)
-        cute.arch.sync_threads()  # the rows' values; the barrier is initialised before anyone waits on it
+        cute.arch.sync_threads()  # the rows' values
 
         prefix_a, suffix_a, prefix_b, suffix_b = rows_a[3], rows_a[4], rows_b[3], rows_b[4]
         gt_a, gt_b = prefix_a[CHUNK - 1], prefix_b[CHUNK - 1]  # 1 without a tile b: today's fields
@@ -90,7 +92,7 @@ class PerHeadPairPrepare(PairPrepare, PerHeadPrepare):
         elif has_b:
             ws.gt[slot_b, channel] = gt_b
         cute.arch.sync_threads()
-        cute.arch.mbarrier_wait(tma_barrier, 0)
+        cute.arch.mbarrier_wait(tma_barrier, phase)
         self.decay_per_row(q_a_in, k_a_in, s_q_a, s_k_a, s_kr_a, s_q_hat_a, s_k_hat_a, prefix_a, s_to_end,
                            scalars.scale, valid_a, tidx)
         self.decay_per_row(q_b_in, k_b_in, s_q_b, s_k_b, s_kr_b, s_q_hat_b, s_k_hat_b, s_from_start, suffix_b,
