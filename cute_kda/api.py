@@ -445,13 +445,14 @@ def warmup_variants(
     gate_forms = gate_forms_of(torch.bfloat16)
     flags = [(l2, logits, packed) for l2 in qk_l2norm for logits in beta_logits for packed in varlen]
     variants: dict = {}  # ordered, without duplicates
-    def paired(dtype: torch.dtype) -> list:  # whether each gate form's inference forward runs the two-tile prefill
-        return [pair_prefill(gate, per_head, segmented=False) for gate, _, per_head in gate_forms_of(dtype)]
+    def paired(dtype: torch.dtype, split: int) -> list:  # whether each gate form's inference forward at K2 V-split
+        return [pair_prefill(gate, per_head, False, split) for gate, _, per_head in gate_forms_of(dtype)]  # pairs
 
     for dtype, (l2, logits, packed) in itertools.product(dtypes, flags):
-        forms, pairs_of = gate_forms_of(dtype), paired(dtype)
+        forms = gate_forms_of(dtype)
         for mode, dim in itertools.product(state_modes, head_dims):
             for split in k2_splits:
+                pairs_of = paired(dtype, split)
                 for (gate, g_dtype, per_head), pairs in zip(forms, pairs_of):
                     key = (packed, l2, logits, gate, g_dtype, per_head, per_head, dtype, dim)
                     if not pairs or training or segments:  # today's K1: training, a segmented call
@@ -516,6 +517,6 @@ def warmup_variants(
     for dtype, pool, packed, split, every in itertools.product(dtypes, state_pools, varlen, k2_splits,
                                                                (0, *checkpoint_every)):
         for pairs in (False, True):  # a pool prefill of a gate without a pair variant, of one with (two tiles a step)
-            if pairs in paired(dtype):
+            if pairs in paired(dtype, split):
                 variants[RecurrenceVariant(split, pool, pool, packed, False, True, every, dtype, pairs=pairs)] = None
     return list(variants)

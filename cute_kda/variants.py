@@ -22,16 +22,18 @@ from .workspace import SNAPSHOT_TILES
 # ``recompute`` changes no bit of a step.
 PAIR_PREFILL = True
 PAIR_SCHEMES = ("safe", "per_head")  # the K1 gate schemes with a pair variant (not yet: "dyadic")
-# the schemes whose forward the pair variants made faster on the H200 (perf-log v10, 2026-12-05): a per-head gate's
-# K1 + K2 −10-11 %; the safe gate's pair K1 (3 CTAs an SM) ran +32-37 % and its forward +8-14 % at four of six shapes
-PAIR_PREFILL_SCHEMES = ("per_head",)
+# the smallest K2 V-split at which each scheme's two-tile prefill pays, measured on the H200 (perf-log v10, v12,
+# 2026-12-05): a per-head gate's at every split (K1 + K2 −10-11 %); the safe gate's pair K1 costs +20 % of its K1, which
+# the pair K2 wins back only where K2 splits the value columns (few chains: −5 % at V-split 2, −10 % at 4; +2-10 % at 1)
+PAIR_PREFILL_MIN_VSPLIT = {"per_head": 1, "safe": 2}
 
 
-def pair_prefill(gate: str, per_head_gate: bool, segmented: bool) -> bool:
-    """Whether an inference forward runs the pair variants: a gate scheme where they pay
-    (:data:`PAIR_PREFILL_SCHEMES`), an unsplit call (a segmented one runs K2 three times over segment bounds), and
-    :data:`PAIR_PREFILL`."""
-    return PAIR_PREFILL and gate_scheme(gate, per_head_gate) in PAIR_PREFILL_SCHEMES and not segmented
+def pair_prefill(gate: str, per_head_gate: bool, segmented: bool, vsplit: int) -> bool:
+    """Whether an inference forward whose K2 runs at ``vsplit`` runs the pair variants: a gate scheme and split where
+    they pay (:data:`PAIR_PREFILL_MIN_VSPLIT`), an unsplit call (a segmented one runs K2 three times over segment
+    bounds), and :data:`PAIR_PREFILL`."""
+    least = PAIR_PREFILL_MIN_VSPLIT.get(gate_scheme(gate, per_head_gate))
+    return PAIR_PREFILL and least is not None and vsplit >= least and not segmented
 
 
 def fill_sms(num_seqs: int, heads: int, sms: int, splits: tuple[int, ...]) -> int:

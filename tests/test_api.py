@@ -112,11 +112,11 @@ def test_warmup_visits_every_selected_k1_variant():
     bf16, fp32 = torch.bfloat16, torch.float32
     prepares = [(v.gate, v.g_dtype, v.per_head_gate, v.grouped) for v in variants if isinstance(v, PrepareVariant)]
     recurrences = [RecurrenceVariant(1, None, None, False)]
-    if any(pair_prefill(gate, per_head, False) for gate, _, per_head, _ in prepares):
+    if any(pair_prefill(gate, per_head, False, 1) for gate, _, per_head, _ in prepares):
         recurrences.append(RecurrenceVariant(1, None, None, False, pairs=True))
     assert [v for v in variants if isinstance(v, RecurrenceVariant)] == recurrences
     assert [v.pairs for v in variants if isinstance(v, PrepareVariant)] == [
-        pair_prefill(gate, per_head, False) for gate, _, per_head, _ in prepares]
+        pair_prefill(gate, per_head, False, 1) for gate, _, per_head, _ in prepares]
     assert prepares == [("safe", bf16, False, False), ("softplus", bf16, False, False), ("none", bf16, False, False),
                         ("none", fp32, False, False), ("softplus", bf16, True, True), ("none", bf16, True, True),
                         ("none", fp32, True, True)]
@@ -125,14 +125,14 @@ def test_warmup_visits_every_selected_k1_variant():
 
 
 def test_warmup_lists_the_pool_prefill_of_each_k2_the_gates_run():
-    """A prefill on a pool runs K2's pool variant: the two-tile one for the safe gate (where it runs), today's for the
-    others."""
+    """A prefill on a pool runs K2's pool variant: the two-tile one for the safe gate where it runs (a split K2: V-split
+    4), today's at V-split 1 and for the other gates."""
     bf16 = torch.bfloat16
-    pools = lambda gates: {v.pairs for v in api.warmup_variants(  # noqa: E731
-        varlen=(True,), state_modes=(None,), vsplits=(1,), gates=gates, segments=False, state_pools=(bf16,))
+    pools = lambda gates, split: {v.pairs for v in api.warmup_variants(  # noqa: E731
+        varlen=(True,), state_modes=(None,), vsplits=(split,), gates=gates, segments=False, state_pools=(bf16,))
         if isinstance(v, RecurrenceVariant) and v.state_pool}
-    assert pools(("safe",)) == {SAFE_PAIRS} and pools(("softplus",)) == {False}
-    assert pools(("safe", "softplus")) == {False, SAFE_PAIRS}
+    assert pools(("safe",), 4) == {SAFE_PAIRS} and pools(("softplus",), 4) == {False}
+    assert pools(("safe", "softplus"), 4) == {False, SAFE_PAIRS} and pools(("safe",), 1) == {False}
 
 
 def test_warmup_with_training_visits_the_backward_variants():
@@ -423,7 +423,7 @@ def test_launch_path_with_mirror_kernels(mirror_kernels, lengths, state):
 
 
 k2_pool_launches: list = []  # (variant, state_indices, checkpoint_indices) of the pool launches the seam saw
-SAFE_PAIRS = pair_prefill("safe", False, False)  # a safe-gate prefill runs the two-tile variants
+SAFE_PAIRS = pair_prefill("safe", False, False, 4)  # a safe-gate prefill of few chains (V-split 4): two tiles a step
 SAFE_MIRROR = mirror_forward_pairs if SAFE_PAIRS else mirror_forward  # what a safe-gate prefill computes
 
 

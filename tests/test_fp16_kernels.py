@@ -499,7 +499,8 @@ def test_fp16_forward_matches_the_mirror_and_the_gold(case):
     import cute_kda
     from cute_kda.reference import gold_forward, mirror_forward, rel_rms
     from cute_kda.reference.pairs import mirror_forward_pairs
-    from cute_kda.variants import pair_prefill
+    from cute_kda.device import sm_count
+    from cute_kda.variants import RecurrenceVariant, pair_prefill
 
     gate, per_head, value_heads, lengths, state_dtype = GPU_FORWARD_CASES[case]
     batch, steps = (2, 1000) if lengths is None else (1, sum(lengths))
@@ -516,7 +517,8 @@ def test_fp16_forward_matches_the_mirror_and_the_gold(case):
                                         segments=segments, **options)
     assert o.dtype == torch.float16 and final.dtype == (state_dtype or torch.float32)
     tensors = [x[name] for name in ("q", "k", "v", "g", "beta")]
-    pairs = pair_prefill(gate, per_head, segments is not None)  # the two-tile prefill's mirrors where it runs
+    vsplit = RecurrenceVariant.choose_vsplit(num_seqs, value_heads, sm_count(0))  # the call's, and its K2's
+    pairs = pair_prefill(gate, per_head, segments is not None, vsplit)  # the two-tile prefill's mirrors where it runs
     mirror = (mirror_forward_pairs if pairs else mirror_forward)(*tensors, output_final_state=True,
                                                                  state_dtype=final.dtype, **options)
     gold = gold_forward(*tensors, output_final_state=True, **options)

@@ -52,7 +52,7 @@ def test_call_path_with_mirror_kernels(mirror_kernels, raw_gate):
     o, state = cute_kda.chunk_gated_delta_rule(**problem)
     assert mirror_kernels == ["k1", "k2"]
     call = translate_fla_gdn_call(**problem)
-    pairs = pair_prefill(call.options["gate"], True, False)  # the two-tile prefill's mirrors where it runs
+    pairs = pair_prefill(call.options["gate"], True, False, 1)  # a per-head gate's prefill: pairs at every V-split
     o_mirror, state_mirror = (mirror_forward_pairs if pairs else mirror_forward)(*call.tensors, lower_bound=-5.0,
                                                                                  **call.options)
     assert torch.equal(o, o_mirror) and torch.equal(state, state_mirror.transpose(-1, -2).float())

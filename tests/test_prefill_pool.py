@@ -502,17 +502,21 @@ def test_warmup_lists_the_pool_variants():
     plain = warmup_variants(varlen=(True,), vsplits=(2,))
     pools = warmup_variants(varlen=(True,), vsplits=(2,), state_pools=(torch.float32,), checkpoint_every=(128,))
     assert pools[:len(plain)] == plain
-    pairs = pair_prefill("safe", False, False)  # the safe gate's prefill: two tiles a step where it runs
+    pairs = pair_prefill("safe", False, False, 2)  # the safe gate's prefill at V-split 2: two tiles a step if it pays
     assert pools[len(plain):] == [RecurrenceVariant(2, torch.float32, torch.float32, True, False, True, every,
                                                     pairs=pairs) for every in (0, 128)]
 
 
+@pytest.mark.parametrize("vsplit", [1, 4], ids=["tiles", "pairs"])
 @pytest.mark.parametrize("lengths,chunk", [([40, 40], 32), ([17, 0, 70, 64], 64)])
-def test_chunk_states_are_picked_from_the_checkpoint_rows(monkeypatch, lengths, chunk):
+def test_chunk_states_are_picked_from_the_checkpoint_rows(monkeypatch, lengths, chunk, vsplit):
     """The index arithmetic of run_keeping_chunk_states: the state entering global tile g of sequence n is checkpoint
-    row ``head · slots + g + n``; image r is filled with r here (a constant matrix, its own transpose)."""
+    row ``head · slots + g + n``; on the two-tile prefill's chain (the safe gate at V-split 4) the state entering the
+    pair there is row ``head · slots + (g + n) // 2``; image r is filled with r here (a constant matrix, its own
+    transpose)."""
     from cute_kda.executors import inference
     from cute_kda.executors.stages import Backend, ForwardResult, Saved
+    from cute_kda.variants import pair_prefill
 
     varlen = len(set(lengths)) > 1
     x = _inputs(batch=1 if varlen else len(lengths), seq_len=sum(lengths) if varlen else lengths[0])
@@ -521,17 +525,21 @@ def test_chunk_states_are_picked_from_the_checkpoint_rows(monkeypatch, lengths, 
     tile_base = np.cumsum([0, *tiles]).tolist()
     slots = sum(tiles) + len(lengths) + 3  # a few unused rows, as a larger workspace leaves
 
-    def forward(inputs, options):
+    def forward(inputs, options, *vsplit_of_pairs):
         rows = torch.arange(H * slots, dtype=torch.float32).view(-1, 1, 1).expand(-1, D, D)
         return ForwardResult(inputs.v, None, Saved(None, rows.to(torch.bfloat16).contiguous(), None))
 
+    pairs = pair_prefill("safe", False, False, vsplit)
+    monkeypatch.setattr(inference, "k2_vsplit", lambda options, device: vsplit)
     monkeypatch.setattr(inference, "KERNELS", Backend("rows", forward, None, None))
+    monkeypatch.setattr(inference, "pair_forward", forward if pairs else None)
     tensors = [x[n] for n in ("q", "k", "v", "g", "beta")]
     call = call_module.resolve(*tensors, A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=cu, segments=1,
                                training=False)
     _, _, h = inference.run_keeping_chunk_states(call, chunk, cu)
-    expected = [tile_base[n] + n + c * (chunk // 16) for n, length in enumerate(lengths)
-                for c in range(-(-length // chunk))]
+    starts = [(n, tile_base[n] + c * (chunk // 16)) for n, length in enumerate(lengths)
+              for c in range(-(-length // chunk))]
+    expected = [(tile + n) // 2 if pairs else tile + n for n, tile in starts]
     flat = h.reshape(-1, H, D, D).float()
     assert h.shape[0] == (1 if varlen else len(lengths)) and flat.shape[0] == len(expected)
     for i, row in enumerate(expected):

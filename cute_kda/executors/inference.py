@@ -22,9 +22,10 @@ from ..device import check_supported, sm_count
 from ..variants import PrepareVariant, RecurrenceVariant, pair_prefill
 from ..numerics import CHUNK
 from ..workspace import (
-    CrossBlocks, Workspace, WorkspaceSpec, cross_block_views, images_to_states, tile_bases_of, workspace_views,
+    CrossBlocks, Workspace, WorkspaceSpec, cross_block_views, images_to_states, pair_blocks_shape, pair_u_shape,
+    tile_bases_of, workspace_views,
 )
-from .stages import KERNELS, packed, workspace_spec
+from .stages import KERNELS, ForwardResult, Saved, final_state_buffer, packed, workspace_spec
 
 OP_NAME = "cute_kda::forward"
 
@@ -191,11 +192,13 @@ def _segmented(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
 def run_keeping_chunk_states(call: Call, chunk: int, cu_seqlens_cpu: torch.Tensor | None
                              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(out, final state or None, the bf16 state entering every ``chunk``-token chunk of every sequence) of an unsplit
-    inference ``call``: FLA's ``return_intermediate_states``. The forward stage with K2's training checkpoints (the
-    bf16 state ``S`` entering every tile, as state images) runs, and the images entering tiles ``0, chunk / 16, …`` of
-    each sequence are gathered: ``[B, NT, H, K, V]`` (NT = ceil(T / chunk)) for equal lengths, ``[1, Σ NT_n, H, K, V]``
-    packed. A packed call needs ``cu_seqlens_cpu`` (the chunk count depends on its values: without them the host would
-    wait for the device)."""
+    inference ``call``: FLA's ``return_intermediate_states``. The call's forward runs with K2's training checkpoints
+    (the bf16 state ``S`` entering every tile, as state images; where the plain call runs the two-tile prefill,
+    :func:`~cute_kda.variants.pair_prefill`, on its chain keeping the state entering every pair, :func:`pair_forward`:
+    ``chunk`` is a multiple of 32 tokens, so every chunk starts a pair), and the images entering tiles
+    ``0, chunk / 16, …`` of each sequence are gathered: ``[B, NT, H, K, V]`` (NT = ceil(T / chunk)) for equal lengths, ``[1, Σ NT_n, H, K, V]`` packed. o and the
+    final state are the plain call's bits. A packed call needs ``cu_seqlens_cpu`` (the chunk count depends on its
+    values: without them the host would wait for the device)."""
     x, options = call.inputs, call.options
     if call.training:
         raise NotImplementedError("return_intermediate_states=True is inference only: run the call under "
@@ -213,10 +216,16 @@ def run_keeping_chunk_states(call: Call, chunk: int, cu_seqlens_cpu: torch.Tenso
     else:
         lengths, per_row = [problem.seq_len] * problem.batch, -(-problem.seq_len // CHUNK)
         tile_base = [n * per_row for n in range(problem.batch + 1)]
-    result = KERNELS.forward(x, options._replace(recompute=False))
-    images = result.saved.checkpoints  # [H · slots, D, D]: the state entering global tile g of sequence n at g + n
+    vsplit = k2_vsplit(options, x.q.device)
+    if pair_prefill(options.gate, x.g.dim() == 3, False, vsplit):  # pair from global tile g of seq n: (g + n) // 2
+        result = pair_forward(x, options, vsplit)
+        slot_of = lambda n, tile: (tile + n) // 2  # noqa: E731
+    else:  # the state entering global tile g of sequence n is kept at g + n
+        result = KERNELS.forward(x, options._replace(recompute=False))
+        slot_of = lambda n, tile: tile + n  # noqa: E731
+    images = result.saved.checkpoints
     slots, step = images.shape[0] // problem.heads, chunk // CHUNK
-    rows = [tile_base[n] + n + c * step for n, length in enumerate(lengths) for c in range(-(-length // chunk))]
+    rows = [slot_of(n, tile_base[n] + c * step) for n, length in enumerate(lengths) for c in range(-(-length // chunk))]
     index = torch.tensor([head * slots + row for head in range(problem.heads) for row in rows], dtype=torch.int64)
     if images.is_cuda:  # a pinned copy does not wait for the stream
         index = index.pin_memory().to(images.device, non_blocking=True)
@@ -226,6 +235,41 @@ def run_keeping_chunk_states(call: Call, chunk: int, cu_seqlens_cpu: torch.Tenso
     return result.out, result.final_state, h
 
 
+def k2_vsplit(options: Options, device: torch.device) -> int:
+    """The call's K2 V-split: ``options.vsplit``, else :meth:`~cute_kda.variants.RecurrenceVariant.choose_vsplit` on
+    the device's SMs."""
+    if options.vsplit is not None:
+        return options.vsplit
+    return RecurrenceVariant.choose_vsplit(options.problem.num_seqs, options.problem.heads, sm_count(device.index))
+
+
+def pair_forward(x: Inputs, options: Options, vsplit: int) -> ForwardResult:
+    """The two-tile prefill of an unsplit call keeping the state entering every pair: K1's pair variant, then K2's
+    pair variant with training checkpoints (bf16 state images ``[H · slots, D, D]`` in the slots of
+    :func:`cute_kda.workspace.pair_block_slots`; tile a's U, which that variant keeps too, is dropped), at
+    ``vsplit``. The same o and final state as the plain call's pair variants, on q's device's current stream."""
+    from ..ops import prepare as k1
+    from ..ops import recurrence as k2
+
+    problem, device = options.problem, x.q.device
+    spec = workspace_spec(problem, pairs=True)
+    buffer = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
+    ws, cross = workspace_views(spec, buffer), cross_block_views(spec, buffer)
+    tile_base = x.tile_base
+    if tile_base is None and problem.varlen:
+        tile_base = k1.tile_bases(x.cu_seqlens)
+    k1.prepare(x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, ws, scale=options.scale, lower_bound=options.lower_bound,
+               cu_seqlens=x.cu_seqlens, tile_base=tile_base, qk_l2norm=options.qk_l2norm,
+               beta_logits=options.beta_logits, gate=options.gate, cross=cross)
+    checkpoints = torch.empty(pair_blocks_shape(ws, problem.heads, problem.num_seqs), dtype=torch.bfloat16,
+                              device=device)
+    u_a = torch.empty(pair_u_shape(ws, problem.heads, problem.num_seqs), dtype=torch.bfloat16, device=device)
+    out, final_state = torch.empty_like(x.v), final_state_buffer(options, device)
+    k2.recurrence(x.v, ws, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=x.initial_state,
+                  final_state=final_state, vsplit=vsplit, checkpoints=checkpoints, cross=cross, u_a=u_a)
+    return ForwardResult(out, final_state, Saved(None, checkpoints, tile_base))
+
+
 def _build_plan(x: Inputs, options: Options, out: torch.Tensor, final_state: torch.Tensor | None,
                 handle: int) -> LaunchPlan:
     """The :class:`LaunchPlan` of a call's configuration on q's device and stream ``handle``, compiling the variants
@@ -233,10 +277,8 @@ def _build_plan(x: Inputs, options: Options, out: torch.Tensor, final_state: tor
     problem, device = options.problem, x.q.device
     check_supported(device)
     k1, k2, streams = _launchers()
-    vsplit = options.vsplit
-    if vsplit is None:
-        vsplit = RecurrenceVariant.choose_vsplit(problem.num_seqs, problem.heads, sm_count(device.index))
-    pairs = pair_prefill(options.gate, x.g.dim() == 3, segmented=False)  # a segmented call runs the stages
+    vsplit = k2_vsplit(options, device)
+    pairs = pair_prefill(options.gate, x.g.dim() == 3, False, vsplit)  # unsplit: a segmented call runs the stages
     spec = workspace_spec(problem, pairs)
     workspace = WORKSPACES.get(spec, device, handle)
     cross = WORKSPACES.cross_blocks(spec, device, handle) if pairs else None
