@@ -196,9 +196,9 @@ def run_keeping_chunk_states(call: Call, chunk: int, cu_seqlens_cpu: torch.Tenso
     (the bf16 state ``S`` entering every tile, as state images; where the plain call runs the two-tile prefill,
     :func:`~cute_kda.variants.pair_prefill`, on its chain keeping the state entering every pair, :func:`pair_forward`:
     ``chunk`` is a multiple of 32 tokens, so every chunk starts a pair), and the images entering tiles
-    ``0, chunk / 16, …`` of each sequence are gathered: ``[B, NT, H, K, V]`` (NT = ceil(T / chunk)) for equal lengths, ``[1, Σ NT_n, H, K, V]`` packed. o and the
-    final state are the plain call's bits. A packed call needs ``cu_seqlens_cpu`` (the chunk count depends on its
-    values: without them the host would wait for the device)."""
+    ``0, chunk / 16, …`` of each sequence are gathered: ``[B, NT, H, K, V]`` (NT = ceil(T / chunk)) for equal
+    lengths, ``[1, Σ NT_n, H, K, V]`` packed. o and the final state are the plain call's bits. A packed call needs
+    ``cu_seqlens_cpu`` (the chunk count depends on its values: without them the host would wait for the device)."""
     x, options = call.inputs, call.options
     if call.training:
         raise NotImplementedError("return_intermediate_states=True is inference only: run the call under "
