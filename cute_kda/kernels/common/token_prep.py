@@ -57,19 +57,49 @@ class TokenPrep:
                     lo = mid
                 else:
                     hi = mid
-            seq = lo
-            seq_start = Int32(cu_seqlens[lo])
-            seq_end = Int32(cu_seqlens[lo + 1])
-            tile_in_seq = tile_slot - tile_base[lo]
-            row0 = seq_start + tile_in_seq * CHUNK
-            exists = tile_slot < tile_base[num_seqs]
-        else:
-            tiles_per_seq = (seq_len + CHUNK - 1) // CHUNK
-            seq = tile_slot // tiles_per_seq
-            seq_end = (seq + 1) * seq_len
-            tile_in_seq = tile_slot - seq * tiles_per_seq
-            row0 = seq * seq_len + tile_in_seq * CHUNK
-            exists = True  # the grid is exact
+            return self.packed_position(lo, tile_slot, cu_seqlens, tile_base)
+        tiles_per_seq = (seq_len + CHUNK - 1) // CHUNK
+        seq = tile_slot // tiles_per_seq
+        seq_end = (seq + 1) * seq_len
+        tile_in_seq = tile_slot - seq * tiles_per_seq
+        row0 = seq * seq_len + tile_in_seq * CHUNK
+        return seq, tile_in_seq, row0, seq_end, True  # the grid is exact
+
+    @cute.jit
+    def two_tile_positions(self, tile_slot: Int32, seq_len: Int32, cu_seqlens: Optional[cute.Tensor],
+                           tile_base: Optional[cute.Tensor]) -> tuple:
+        """:meth:`tile_position` of slots ``tile_slot`` and ``tile_slot + 1``; varlen: the two binary searches in one
+        loop, their loads side by side (one chain of dependent round trips, not two)."""
+        if cutlass.const_expr(not self.varlen):
+            return (self.tile_position(tile_slot, seq_len, cu_seqlens, tile_base),
+                    self.tile_position(tile_slot + 1, seq_len, cu_seqlens, tile_base))
+        num_seqs = cu_seqlens.shape[0] - 1
+        lo_a, hi_a, lo_b, hi_b = Int32(0), Int32(num_seqs), Int32(0), Int32(num_seqs)
+        while lo_a + 1 < hi_a or lo_b + 1 < hi_b:  # the two intervals' sizes differ by one at most
+            mid_a, mid_b = (lo_a + hi_a) >> 1, (lo_b + hi_b) >> 1
+            base_a, base_b = tile_base[mid_a], tile_base[mid_b]
+            if lo_a + 1 < hi_a:
+                if base_a <= tile_slot:
+                    lo_a = mid_a
+                else:
+                    hi_a = mid_a
+            if lo_b + 1 < hi_b:
+                if base_b <= tile_slot + 1:
+                    lo_b = mid_b
+                else:
+                    hi_b = mid_b
+        return (self.packed_position(lo_a, tile_slot, cu_seqlens, tile_base),
+                self.packed_position(lo_b, tile_slot + 1, cu_seqlens, tile_base))
+
+    @cute.jit
+    def packed_position(self, seq: Int32, tile_slot: Int32, cu_seqlens: cute.Tensor, tile_base: cute.Tensor):
+        """:meth:`tile_position` of a varlen slot in sequence ``seq`` (its binary search done)."""
+        num_seqs = cu_seqlens.shape[0] - 1
+        seq_start = Int32(cu_seqlens[seq])
+        seq_end = Int32(cu_seqlens[seq + 1])
+        tile_in_seq = tile_slot - tile_base[seq]
+        row0 = seq_start + tile_in_seq * CHUNK
+        exists = tile_slot < tile_base[num_seqs]
         return seq, tile_in_seq, row0, seq_end, exists
 
     @cute.jit

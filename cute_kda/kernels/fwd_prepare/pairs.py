@@ -73,11 +73,11 @@ class PairPrepare:
                 cute.arch.mbarrier_init(storage.tma_barrier.data_ptr(), 1)
                 cute.arch.mbarrier_init_fence()
         phase = Int32(0)
+        positions = self.two_tile_positions(WINDOW * window, scalars.seq_len, cu_seqlens, tile_base)
         # unrolled: as a runtime loop ptxas spills ≈ 220 bytes at the 64 registers of four CTAs an SM
         for step in cutlass.range_constexpr(WINDOW):
             tile_slot = WINDOW * window + step
-            _, tile_in_seq, row0, seq_end, exists = self.tile_position(tile_slot, scalars.seq_len, cu_seqlens,
-                                                                       tile_base)
+            _, tile_in_seq, row0, seq_end, exists = positions[step]
             if exists and tile_slot < tiles and tile_in_seq % 2 == 0:
                 cute.arch.sync_threads()  # the barrier initialised; the window's previous pair done with its smem
                 rows_left = seq_end - row0
