@@ -23,9 +23,10 @@ from .workspace import SNAPSHOT_TILES
 PAIR_PREFILL = True
 PAIR_SCHEMES = ("safe", "per_head")  # the K1 gate schemes with a pair variant (not yet: "dyadic")
 # the smallest K2 V-split at which each scheme's two-tile prefill pays, measured on the H200 (perf-log v10, v12,
-# 2026-12-05): a per-head gate's at every split (K1 + K2 −10-11 %); the safe gate's pair K1 costs +20 % of its K1, which
-# the pair K2 wins back only where K2 splits the value columns (few chains: −5 % at V-split 2, −10 % at 4; +2-10 % at 1)
-PAIR_PREFILL_MIN_VSPLIT = {"per_head": 1, "safe": 2}
+# 2026-12-05): the pair K1s cost +6-27 % of K1 (per head; the safe gate's +19-38 %, the packed cases the most), which
+# the pair K2 wins back where K2 splits the value columns (few chains: K1 + K2 −5 % at V-split 2, −10-12 % at 4) and
+# not at V-split 1 (+2-10 %; a per-head packed prefill +4 %)
+PAIR_PREFILL_MIN_VSPLIT = {"per_head": 2, "safe": 2}
 
 
 def pair_prefill(gate: str, per_head_gate: bool, segmented: bool, vsplit: int) -> bool:

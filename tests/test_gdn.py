@@ -17,7 +17,7 @@ import cute_kda
 from cute_kda.fla_calls import translate_fla_gdn_call
 from cute_kda.reference import gold_backward, gold_forward, mirror_forward, rel_rms
 from cute_kda.reference.pairs import mirror_forward_pairs
-from cute_kda.variants import pair_prefill
+from cute_kda.variants import RecurrenceVariant, pair_prefill
 
 from test_api import GOLD_BOUND, mirror_kernels  # noqa: F401  (fixture)
 from gradient_targets import TARGETS
@@ -52,7 +52,8 @@ def test_call_path_with_mirror_kernels(mirror_kernels, raw_gate):
     o, state = cute_kda.chunk_gated_delta_rule(**problem)
     assert mirror_kernels == ["k1", "k2"]
     call = translate_fla_gdn_call(**problem)
-    pairs = pair_prefill(call.options["gate"], True, False, 1)  # a per-head gate's prefill: pairs at every V-split
+    vsplit = RecurrenceVariant.choose_vsplit(4, call.tensors[2].shape[2], 132)  # the seam's SMs, 4 sequences
+    pairs = pair_prefill(call.options["gate"], True, False, vsplit)  # the two-tile prefill's mirrors where it runs
     o_mirror, state_mirror = (mirror_forward_pairs if pairs else mirror_forward)(*call.tensors, lower_bound=-5.0,
                                                                                  **call.options)
     assert torch.equal(o, o_mirror) and torch.equal(state, state_mirror.transpose(-1, -2).float())
