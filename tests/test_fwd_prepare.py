@@ -74,7 +74,6 @@ VARIANTS = {
     "safe_grouped": dict(varlen=False, grouped=True),
     # the two-tile serial step's workspace (docs/numerics.md, "Two tiles a serial step"), a pair of tiles a CTA
     "pairs": dict(varlen=False, pairs=True),
-    "pairs_varlen": dict(varlen=True, pairs=True),  # a window's two sequence searches side by side
     "pairs_varlen_plain": dict(varlen=True, pairs=True, qk_l2norm=False, beta_logits=False),
     "pairs_fp16_grouped": dict(varlen=False, pairs=True, dtype=cutlass.Float16, grouped=True),
     "pairs_gdn_softplus_varlen": dict(varlen=True, pairs=True, gate="softplus", per_head_gate=True, grouped=True),
@@ -140,56 +139,49 @@ def test_ptx_primitives(compiled):
         assert not report.has("shfl.sync.bfly") and not report.has("sqrt")
 
 
-def _pair_bodies(kernel: PrepareKernel) -> int:
-    """The pair bodies a pair K1 traces: a window's two with packed sequences, one at a fixed length (a CTA a pair)."""
-    return WINDOW if kernel.varlen else 1
-
-
 def _check_pair_ptx(kernel: PrepareKernel, report) -> None:
-    """The pair K1, a body for each pair a CTA may do (:func:`_pair_bodies`): both tiles' q, k, g behind one barrier;
-    six tile products (A_kk, A_qk of each tile, P, Q) and two Neumann inverses; the gate scan twice (threads of tile
-    a, of tile b) and β twice; per element three ex2 in tile a (decay, 2^-G, kr to the pair's end) and four in tile b
-    (with 2^(G_a,last + G)); e^A and both gT; four CTA barriers (the window's previous pair or the barrier's
-    initialisation, the gate scans, tile a's decay, the finish)."""
+    """The pair K1, a body for each of the window's ``WINDOW`` pairs: both tiles' q, k, g behind one barrier; six
+    tile products (A_kk, A_qk of each tile, P, Q) and two Neumann inverses; the gate scan twice (threads of tile a,
+    of tile b) and β twice; per element three ex2 in tile a (decay, 2^-G, kr to the pair's end) and four in tile b
+    (with 2^(G_a,last + G)); e^A and both gT; four CTA barriers (the window's previous pair, the gate scans, tile a's
+    decay, the finish)."""
     if kernel.per_head_gate:
         return _check_per_head_pair_ptx(kernel, report)
     load_rank, store_rank = _tile_ranks(kernel)
-    bodies = _pair_bodies(kernel)
-    assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == bodies * 6
-    assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == bodies * 6
+    assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == WINDOW * 6
+    assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == WINDOW * 6
     k_steps = kernel.dim // CHUNK
-    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == bodies * 12 * k_steps
-    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == bodies * 24
-    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == bodies * 12 * k_steps
-    assert report.count("movmatrix.sync.aligned.m8n8.trans.b16") == bodies * 32
-    assert report.count("tanh.approx.f32") == bodies * 2 * (CHUNK + (1 if kernel.beta_logits else 0))
-    assert report.count("ex2.approx.ftz.f32") == bodies * (3 + 7 * 8)
-    assert report.count("mul.rn.f32") == bodies * 2 * CHUNK
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == WINDOW * 12 * k_steps
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == WINDOW * 24
+    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == WINDOW * 12 * k_steps
+    assert report.count("movmatrix.sync.aligned.m8n8.trans.b16") == WINDOW * 32
+    assert report.count("tanh.approx.f32") == WINDOW * 2 * (CHUNK + (1 if kernel.beta_logits else 0))
+    assert report.count("ex2.approx.ftz.f32") == WINDOW * (3 + 7 * 8)
+    assert report.count("mul.rn.f32") == WINDOW * 2 * CHUNK
     if kernel.qk_l2norm:  # q and k of both tiles
-        assert report.count("shfl.sync.bfly.b32") == bodies * 2 * 2 * _butterfly_steps(kernel)
+        assert report.count("shfl.sync.bfly.b32") == WINDOW * 2 * 2 * _butterfly_steps(kernel)
     else:
         assert not report.has("shfl.sync.bfly") and not report.has("sqrt")
-    assert report.count("bar.sync") == bodies * 4
+    assert report.count("bar.sync") == WINDOW * 4
 
 
 def _check_per_head_pair_ptx(kernel: PrepareKernel, report) -> None:
     """The per-head pair K1: both tiles' q, k by TMA, each tile's rows on a warp of their own (a = 2^g', 2^G, 2^Gs a
     lane; softplus: 2^−|y|, lg2 and e^A too), the six products and two inverses, and no exponent beyond the rows'; a
-    body for each pair a CTA may do (:func:`_pair_bodies`), four CTA barriers each (the window's previous pair or the
-    barrier's initialisation, the rows, their factors, the finish)."""
+    body for each of the window's ``WINDOW`` pairs, four CTA barriers each (the window's previous pair, the rows,
+    their factors, the finish)."""
     load_rank, store_rank = _tile_ranks(kernel)
-    bodies = _pair_bodies(kernel)
-    assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == bodies * 4
-    assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == bodies * 6
+    assert report.count(f"cp.async.bulk.tensor.{load_rank}d.shared::cta.global") == WINDOW * 4
+    assert report.count(f"cp.async.bulk.tensor.{store_rank}d.global.shared::cta") == WINDOW * 6
     k_steps = kernel.dim // CHUNK
-    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == bodies * 12 * k_steps
-    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == bodies * 24
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == WINDOW * 12 * k_steps
+    assert report.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == WINDOW * 24
     softplus = kernel.gate == "softplus"
-    assert report.count("ex2.approx.ftz.f32") == bodies * 2 * (3 + (2 if softplus else 0))
-    assert report.count("lg2.approx.f32") == bodies * (2 if softplus else 0)
+    assert report.count("ex2.approx.ftz.f32") == WINDOW * 2 * (3 + (2 if softplus else 0))
+    assert report.count("lg2.approx.f32") == WINDOW * (2 if softplus else 0)
     if kernel.qk_l2norm:
-        assert report.count("shfl.sync.bfly.b32") == bodies * 2 * 2 * _butterfly_steps(kernel)
-    assert report.count("bar.sync") == bodies * 4
+        assert report.count("shfl.sync.bfly.b32") == WINDOW * 2 * 2 * _butterfly_steps(kernel)
+    assert report.count("bar.sync") == WINDOW * 4
 
 
 def _check_dyadic_ptx(kernel: PrepareKernel, report) -> None:
@@ -262,7 +254,7 @@ def test_tma_copies_are_issued_by_one_elected_lane(compiled):
     lines = report.ptx.splitlines()
     bulk = [i for i, line in enumerate(lines) if re.match(r"\s*cp\.async\.bulk\.", line)]
     kernel = compiled[0]
-    tiles = 2 * _pair_bodies(kernel) if isinstance(kernel, PairPrepare) else 1  # a pair K1: two tiles a body
+    tiles = 2 * WINDOW if isinstance(kernel, PairPrepare) else 1  # a pair K1: two tiles in each of its bodies
     # loads, stores, commit_group + wait_group.read, a tile each
     assert len(bulk) == tiles * ((3 if kernel.gate_tile else 2) + 3 + 2)
     unguarded = [lines[i].strip() for i in bulk if not _elected_lane_only(lines, i)]

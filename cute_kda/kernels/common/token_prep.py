@@ -40,45 +40,41 @@ class TokenPrep:
 
     @cute.jit
     def tile_position(self, tile_slot: Int32, seq_len: Int32, cu_seqlens: Optional[cute.Tensor],
-                      tile_base: Optional[cute.Tensor], seq: Optional[Int32] = None):
+                      tile_base: Optional[cute.Tensor]):
         """(sequence, the tile's index in it, the tile's first token row, the sequence's end row, whether the slot
         is a tile).
 
-        Needs ``self.varlen``. Varlen: the largest sequence whose ``tile_base`` is ≤ the slot (binary search; ``seq``:
-        that sequence, searched already, :meth:`two_tile_sequences`).
+        Needs ``self.varlen``. Varlen: the largest sequence whose ``tile_base`` is ≤ the slot (binary search).
         """
         if cutlass.const_expr(self.varlen):
             num_seqs = cu_seqlens.shape[0] - 1
-            if cutlass.const_expr(seq is None):
-                # largest seq with tile_base[seq] <= tile_slot (empty sequences own no slot)
-                lo = Int32(0)
-                hi = Int32(num_seqs)
-                while lo + 1 < hi:
-                    mid = (lo + hi) >> 1
-                    if tile_base[mid] <= tile_slot:
-                        lo = mid
-                    else:
-                        hi = mid
-                seq = lo
-            seq_start = Int32(cu_seqlens[seq])
-            seq_end = Int32(cu_seqlens[seq + 1])
-            tile_in_seq = tile_slot - tile_base[seq]
-            row0 = seq_start + tile_in_seq * CHUNK
-            exists = tile_slot < tile_base[num_seqs]
-        else:
-            tiles_per_seq = (seq_len + CHUNK - 1) // CHUNK
-            seq = tile_slot // tiles_per_seq
-            seq_end = (seq + 1) * seq_len
-            tile_in_seq = tile_slot - seq * tiles_per_seq
-            row0 = seq * seq_len + tile_in_seq * CHUNK
-            exists = True  # the grid is exact
-        return seq, tile_in_seq, row0, seq_end, exists
+            # largest seq with tile_base[seq] <= tile_slot (empty sequences own no slot)
+            lo = Int32(0)
+            hi = Int32(num_seqs)
+            while lo + 1 < hi:
+                mid = (lo + hi) >> 1
+                if tile_base[mid] <= tile_slot:
+                    lo = mid
+                else:
+                    hi = mid
+            return self.packed_position(lo, tile_slot, cu_seqlens, tile_base)
+        tiles_per_seq = (seq_len + CHUNK - 1) // CHUNK
+        seq = tile_slot // tiles_per_seq
+        seq_end = (seq + 1) * seq_len
+        tile_in_seq = tile_slot - seq * tiles_per_seq
+        row0 = seq * seq_len + tile_in_seq * CHUNK
+        return seq, tile_in_seq, row0, seq_end, True  # the grid is exact
 
     @cute.jit
-    def two_tile_sequences(self, tile_slot: Int32, cu_seqlens: cute.Tensor, tile_base: cute.Tensor) -> tuple:
-        """Varlen: the sequences of slots ``tile_slot`` and ``tile_slot + 1`` (:meth:`tile_position`'s ``seq``), their
-        binary searches in one loop, the loads side by side (one chain of dependent round trips, not two)."""
-        lo_a, hi_a, lo_b, hi_b = Int32(0), Int32(cu_seqlens.shape[0] - 1), Int32(0), Int32(cu_seqlens.shape[0] - 1)
+    def two_tile_positions(self, tile_slot: Int32, seq_len: Int32, cu_seqlens: Optional[cute.Tensor],
+                           tile_base: Optional[cute.Tensor]) -> tuple:
+        """:meth:`tile_position` of slots ``tile_slot`` and ``tile_slot + 1``; varlen: the two binary searches in one
+        loop, their loads side by side (one chain of dependent round trips, not two)."""
+        if cutlass.const_expr(not self.varlen):
+            return (self.tile_position(tile_slot, seq_len, cu_seqlens, tile_base),
+                    self.tile_position(tile_slot + 1, seq_len, cu_seqlens, tile_base))
+        num_seqs = cu_seqlens.shape[0] - 1
+        lo_a, hi_a, lo_b, hi_b = Int32(0), Int32(num_seqs), Int32(0), Int32(num_seqs)
         while lo_a + 1 < hi_a or lo_b + 1 < hi_b:  # the two intervals' sizes differ by one at most
             mid_a, mid_b = (lo_a + hi_a) >> 1, (lo_b + hi_b) >> 1
             base_a, base_b = tile_base[mid_a], tile_base[mid_b]
@@ -92,7 +88,19 @@ class TokenPrep:
                     lo_b = mid_b
                 else:
                     hi_b = mid_b
-        return lo_a, lo_b
+        return (self.packed_position(lo_a, tile_slot, cu_seqlens, tile_base),
+                self.packed_position(lo_b, tile_slot + 1, cu_seqlens, tile_base))
+
+    @cute.jit
+    def packed_position(self, seq: Int32, tile_slot: Int32, cu_seqlens: cute.Tensor, tile_base: cute.Tensor):
+        """:meth:`tile_position` of a varlen slot in sequence ``seq`` (its binary search done)."""
+        num_seqs = cu_seqlens.shape[0] - 1
+        seq_start = Int32(cu_seqlens[seq])
+        seq_end = Int32(cu_seqlens[seq + 1])
+        tile_in_seq = tile_slot - tile_base[seq]
+        row0 = seq_start + tile_in_seq * CHUNK
+        exists = tile_slot < tile_base[num_seqs]
+        return seq, tile_in_seq, row0, seq_end, exists
 
     @cute.jit
     def locate_tile(self, tile_slot: Int32, seq_len: Int32, cu_seqlens: Optional[cute.Tensor],

@@ -226,13 +226,12 @@ class PrepareKernel(TokenPrep):
         self.shared_storage = self.smem_budget().storage_struct()
         tiles = ws.gt.shape[0] // heads
         self.kernel(tma, inputs, ws, scalars, cu_seqlens, tile_base).launch(
-            grid=(self.grid_slots(tiles, seq_len), heads, 1), block=(self.num_threads, 1, 1), stream=stream,
+            grid=(self.grid_slots(tiles), heads, 1), block=(self.num_threads, 1, 1), stream=stream,
             min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=SMEM_CARVEOUT_PERCENT,
         )
 
-    def grid_slots(self, tiles, seq_len):
-        """The grid's extent over a head's ``tiles`` workspace slots (``seq_len``: T of a fixed-length batch): a CTA a
-        slot."""
+    def grid_slots(self, tiles):
+        """The grid's extent over a head's ``tiles`` workspace slots: a CTA a slot."""
         return tiles
 
     @cute.kernel

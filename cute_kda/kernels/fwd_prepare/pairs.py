@@ -1,6 +1,5 @@
 """What K1's pair variants share (docs/numerics.md, "Two tiles a serial step"): tiles pair up from each sequence's
-first tile, and a sequence's odd last tile is a pair without tile b. Fixed length: a CTA a pair. Packed sequences
-(whose pairs the host cannot count without reading ``cu_seqlens``): a CTA owns a window of two workspace slots of a
+first tile, and a sequence's odd last tile is a pair without tile b. A CTA owns a window of two workspace slots of a
 head and does the pairs whose tile a lies in it: one, or two where a sequence's lone last tile is followed by the next
 sequence's first pair (the second reuses the shared memory and the TMA barrier's next phase). ``2 · D`` threads: one
 row chunk of each tile a thread in the decay phase. A scheme's pair class puts :class:`PairPrepare` before its
@@ -22,7 +21,7 @@ from ...layouts.smem import CHUNK, HEAD_DIM
 from ..common.copy import warp_tiled_mma
 from .base import PrepareInputs, PrepareScalars, PrepareTma, WorkspaceTiles
 
-WINDOW = 2  # packed sequences: workspace slots a CTA, the pairs starting in them one or two, two traced bodies
+WINDOW = 2  # workspace slots a CTA: the pairs starting in them, one or two (module docstring), two traced bodies
 
 # the finish, one warp task each: (what, tile 0 = a / 1 = b); warp w takes tasks w, w + warps, …
 FINISH_TASKS = (("inv", 0), ("inv", 1), ("mqk", 0), ("mqk", 1), ("cross_kd", 1), ("cross_qd", 1), ("stores", 0),
@@ -55,17 +54,14 @@ class PairPrepare:
         self.default_ctas_per_sm = min(self.smem_plan(dim).ctas_per_sm, plan.PAIR_CTAS_PER_SM[dim])
         super().__init__(dim=dim, num_threads=threads, ctas_per_sm=ctas_per_sm, **config)
 
-    def grid_slots(self, tiles, seq_len):
-        """A CTA a pair (fixed length), or a window of two slots (packed sequences; module docstring)."""
-        if cutlass.const_expr(self.varlen):
-            return (tiles + WINDOW - 1) // WINDOW
-        tiles_per_seq = cutlass.max((seq_len + CHUNK - 1) // CHUNK, 1)  # T = 0: no tiles, an empty grid
-        return tiles // tiles_per_seq * ((tiles_per_seq + 1) // 2)
+    def grid_slots(self, tiles):
+        """A CTA a window of two slots (module docstring)."""
+        return (tiles + WINDOW - 1) // WINDOW
 
     @cute.kernel
     def kernel(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles, scalars: PrepareScalars,
                cu_seqlens: Optional[cute.Tensor], tile_base: Optional[cute.Tensor]):
-        cta, head, _ = cute.arch.block_idx()
+        window, head, _ = cute.arch.block_idx()
         _, heads, _ = cute.arch.grid_dim()
         tiles = ws.gt.shape[0] // heads
         qk_head = head
@@ -76,38 +72,19 @@ class PairPrepare:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(storage.tma_barrier.data_ptr(), 1)
                 cute.arch.mbarrier_init_fence()
-        run = (tma, inputs, ws, scalars, head, qk_head, tiles, storage)
-        if cutlass.const_expr(self.varlen):
-            seqs = self.two_tile_sequences(WINDOW * cta, cu_seqlens, tile_base)
-            phase = Int32(0)
-            # unrolled: as a runtime loop ptxas spills ≈ 220 bytes at the 64 registers of four CTAs an SM
-            for step in cutlass.range_constexpr(WINDOW):
-                tile_slot = WINDOW * cta + step
-                _, tile_in_seq, row0, seq_end, exists = self.tile_position(tile_slot, scalars.seq_len, cu_seqlens,
-                                                                           tile_base, seqs[step])
-                if exists and tile_slot < tiles and tile_in_seq % 2 == 0:
-                    self.run_pair(*run, tile_slot, row0, seq_end, phase)
-                    phase = phase ^ 1
-        else:
-            tiles_per_seq = (scalars.seq_len + CHUNK - 1) // CHUNK
-            pairs_per_seq = (tiles_per_seq + 1) // 2
-            seq = cta // pairs_per_seq
-            tile_slot = seq * tiles_per_seq + 2 * (cta - seq * pairs_per_seq)
-            self.run_pair(*run, tile_slot, seq * scalars.seq_len + (tile_slot - seq * tiles_per_seq) * CHUNK,
-                          (seq + 1) * scalars.seq_len, Int32(0))
-
-    @cute.jit
-    def run_pair(self, tma: PrepareTma, inputs: PrepareInputs, ws: WorkspaceTiles, scalars: PrepareScalars,
-                 head: Int32, qk_head: Int32, tiles: Int32, storage, tile_slot: Int32, row0: Int32, seq_end: Int32,
-                 phase: Int32):
-        """The pair whose tile a is slot ``tile_slot`` of ``head`` (``tiles`` slots a head), from token row ``row0`` of
-        a sequence ending at row ``seq_end``: :meth:`prepare_pair` behind a CTA barrier (the TMA barrier initialised;
-        a window's previous pair done with the shared memory)."""
-        cute.arch.sync_threads()
-        rows_left = seq_end - row0
-        valid_b = cutlass.max(cutlass.min(rows_left - CHUNK, CHUNK), 0)
-        self.prepare_pair(tma, inputs, ws, scalars, head, qk_head, head * tiles + tile_slot, row0,
-                          cutlass.min(rows_left, CHUNK), valid_b, storage, phase)
+        phase = Int32(0)
+        positions = self.two_tile_positions(WINDOW * window, scalars.seq_len, cu_seqlens, tile_base)
+        # unrolled: as a runtime loop ptxas spills ≈ 220 bytes at the 64 registers of four CTAs an SM
+        for step in cutlass.range_constexpr(WINDOW):
+            tile_slot = WINDOW * window + step
+            _, tile_in_seq, row0, seq_end, exists = positions[step]
+            if exists and tile_slot < tiles and tile_in_seq % 2 == 0:
+                cute.arch.sync_threads()  # the barrier initialised; the window's previous pair done with its smem
+                rows_left = seq_end - row0
+                valid_b = cutlass.max(cutlass.min(rows_left - CHUNK, CHUNK), 0)
+                self.prepare_pair(tma, inputs, ws, scalars, head, qk_head, head * tiles + tile_slot, row0,
+                                  cutlass.min(rows_left, CHUNK), valid_b, storage, phase)
+                phase = phase ^ 1
 
     @cute.jit
     def finish_pair(self, tma: PrepareTma, ws: WorkspaceTiles, tiles: tuple, cross: PairOperands, slot: Int32,
