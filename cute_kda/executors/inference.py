@@ -217,15 +217,13 @@ def run_keeping_chunk_states(call: Call, chunk: int, cu_seqlens_cpu: torch.Tenso
         lengths, per_row = [problem.seq_len] * problem.batch, -(-problem.seq_len // CHUNK)
         tile_base = [n * per_row for n in range(problem.batch + 1)]
     vsplit = k2_vsplit(options, x.q.device)
-    if pair_prefill(options.gate, x.g.dim() == 3, False, vsplit):  # pair from global tile g of seq n: (g + n) // 2
-        result = pair_forward(x, options, vsplit)
-        slot_of = lambda n, tile: (tile + n) // 2  # noqa: E731
-    else:  # the state entering global tile g of sequence n is kept at g + n
-        result = KERNELS.forward(x, options._replace(recompute=False))
-        slot_of = lambda n, tile: tile + n  # noqa: E731
+    pairs = pair_prefill(options.gate, x.g.dim() == 3, False, vsplit)
+    result = pair_forward(x, options, vsplit) if pairs else KERNELS.forward(x, options._replace(recompute=False))
     images = result.saved.checkpoints
     slots, step = images.shape[0] // problem.heads, chunk // CHUNK
-    rows = [slot_of(n, tile_base[n] + c * step) for n, length in enumerate(lengths) for c in range(-(-length // chunk))]
+    # the state entering global tile g of sequence n is kept at g + n; the pair entered there at (g + n) // 2
+    entering = [tile_base[n] + n + c * step for n, length in enumerate(lengths) for c in range(-(-length // chunk))]
+    rows = [row // 2 for row in entering] if pairs else entering
     index = torch.tensor([head * slots + row for head in range(problem.heads) for row in rows], dtype=torch.int64)
     if images.is_cuda:  # a pinned copy does not wait for the stream
         index = index.pin_memory().to(images.device, non_blocking=True)
