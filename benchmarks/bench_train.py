@@ -136,6 +136,9 @@ SWITCHES = {
     "--fp16-copy-backward": ("cute_kda.executors.training", "FP16_NATIVE_BACKWARD", False,
                              "--dtype fp16: the backward on bf16 copies of q, k, v, g, not on the fp16 inputs "
                              "(perf-log F3; with --fp16-grad-stores F2)"),
+    "--states-only-passes": ("cute_kda.executors.stages", "STATES_ONLY_PASSES", True,
+                             "K2's passes whose o nobody reads (the backward's recomputation, a segmented call's "
+                             "segment-state passes) without o (perf-log v13)"),
     "--no-fp16-do-kernel": ("cute_kda.executors.training", "FP16_DO_KERNEL", False,
                             "--dtype fp16: dO rounded to bf16 by torch's cast, not by cute_kda's streaming kernel "
                             "(perf-log F4)"),

@@ -22,7 +22,7 @@ from . import interop, validation
 from .interop import DLPackTensor
 from .call import Call, final_state_dtype_of, finish, kernel_call, resolve, scale_of
 from .context_parallel import check_segments
-from .executors import inference, training
+from .executors import inference, stages, training
 from .executors.stages import KERNELS
 from .fla_calls import translate_fla_call, translate_fla_gdn_call
 from .variants import (
@@ -400,7 +400,9 @@ def warmup_variants(
     the initial and the final state); ``vsplits`` None covers every supported V-split; ``gates`` the K1 gate forms
     (``"none"`` for both g dtypes, bf16 and fp32); ``gated_delta_rule`` also the K1 variants of
     :func:`cute_kda.chunk_gated_delta_rule` (a per-head gate with grouped value heads, for each unbounded gate in
-    ``gates``). ``training`` also lists what a training step adds: K2 with checkpoints, Kernel A (every V-split in
+    ``gates``). ``training`` also lists what a training step adds: K2 with checkpoints (and the backward's
+    recomputation, without a final state and, under :data:`~cute_kda.executors.stages.STATES_ONLY_PASSES`, without
+    o, as a segmented call's passes for its segment states), Kernel A (every V-split in
     ``vsplits``; dht of the final state's dtype or none, dh0 of the initial state's dtype or none) and Kernel B for
     each gate (per head too with ``gated_delta_rule``). ``segments`` also lists what a call split into segments runs
     (context parallelism, :mod:`cute_kda.context_parallel`; V-split 1): K2 on packed segments with fp32 states in and
@@ -466,6 +468,9 @@ def warmup_variants(
                                                pairs=True)] = None
                 if training:
                     variants[RecurrenceVariant(split, mode, mode, packed, True, dtype=dtype, dim=dim)] = None
+                    # the backward's recomputation: checkpoints, no final state, no o
+                    variants[RecurrenceVariant(split, mode, None, packed, True, dtype=dtype, dim=dim,
+                                               token_outputs=not stages.STATES_ONLY_PASSES)] = None
     # the backward kernels' gradient dtypes: bf16, and fp16 where fp16 training stores its own
     native = FP16_NATIVE_BACKWARD and torch.float16 in dtypes
     fp16_stores = torch.float16 in dtypes and stores_fp16_grads(False, torch.float16)
@@ -500,9 +505,11 @@ def warmup_variants(
             variants[RoundVariant()] = None
     if segments:  # a segmented call (context parallelism): varlen, V-split 1 (the heuristic's), fp32 states
         fp32 = torch.float32
+        states_only = stages.STATES_ONLY_PASSES
         for dtype, dim in itertools.product(dtypes, head_dims):
-            for initial, final in ((None, fp32), (fp32, fp32), (fp32, None)):  # local pass, transition / real, none
-                variants[RecurrenceVariant(1, initial, final, True, dtype=dtype, dim=dim)] = None
+            for initial, final, outputs in ((None, fp32, not states_only), (fp32, fp32, not states_only),
+                                            (fp32, fp32, True), (fp32, None, True)):  # local, transition; real
+                variants[RecurrenceVariant(1, initial, final, True, dtype=dtype, dim=dim, token_outputs=outputs)] = None
         for dim, boundary in itertools.product(head_dims, state_modes):  # the combine, from the caller's state
             variants[CombineVariant(dim, False, boundary)] = None
         if training:
@@ -510,6 +517,9 @@ def warmup_variants(
                 variants[CombineVariant(dim, True, dht)] = None
             for dtype, final, dim in itertools.product(dtypes, (fp32, None), head_dims):
                 variants[RecurrenceVariant(1, fp32, final, True, True, dtype=dtype, dim=dim)] = None
+            for dtype, dim in itertools.product(dtypes, head_dims):  # the backward's recomputation
+                variants[RecurrenceVariant(1, fp32, None, True, True, dtype=dtype, dim=dim,
+                                           token_outputs=not states_only)] = None
             for dim, grads in itertools.product(head_dims, grad_dtypes):
                 variants[ScanVariant(1, None, fp32, True, token_outputs=False, dim=dim, dv_dtype=grads)] = None
                 for dh0 in (fp32, None):

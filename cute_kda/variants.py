@@ -94,7 +94,8 @@ class RecurrenceVariant(SerialScan):
     ``prefix_checkpoint_every`` (tokens, a multiple of 64; 0: none) its prefix checkpoints into pool slots; ``dim``:
     K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`); ``pairs``: the two-tile serial step over the pair workspace
     (:class:`cute_kda.kernels.fwd_recurrence_pairs.PairRecurrence`; with ``checkpoints`` its training variant, a
-    state and tile a's U kept a pair)."""
+    state and tile a's U kept a pair); ``token_outputs`` False: a pass run for its states alone (``checkpoints`` or a
+    final state), no o (the backward's recomputation, a segmented call's passes for the segment states)."""
 
     vsplit: int
     initial_state: torch.dtype | None
@@ -106,6 +107,7 @@ class RecurrenceVariant(SerialScan):
     dtype: torch.dtype = torch.bfloat16
     dim: int = HEAD_DIM
     pairs: bool = False
+    token_outputs: bool = True
     splits: ClassVar[tuple[int, ...]] = SUPPORTED_VSPLITS
 
 

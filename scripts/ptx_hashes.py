@@ -11,7 +11,8 @@ The variants: every combination the launchers can key (``ops/*.compiled_variant`
 plus the knobs only tests and benchmarks set (K1's 256 threads, Kernel A's tuning grid of
 ``benchmarks/explore_bwd_scan.py``, K2's and Kernel A's blocks of 4 tiles, Kernel B at 4 warps), K1's and K2's
 pair variants (the two-tile prefill: ``k1/pairs/…``, ``k2/pairs/…``; its planned training K2,
-``k2/pairs/training/…``, and Kernel A's two-tile scan, ``ka/pairs/…``), and the fp16
+``k2/pairs/training/…``, and Kernel A's two-tile scan, ``ka/pairs/…``), K2's passes for their states alone
+(``k2/states/…``: the backward's recomputation, a segmented call's segment-state passes), and the fp16
 forward (``k1/fp16/…``, ``k2/fp16/…``, with checkpoints for training; no pools; fp16 training's backward runs the
 bf16 Kernel A and Kernel B variants, or under ``FP16_NATIVE_BACKWARD`` Kernel B on fp16 inputs, ``kb/fp16/…`` at 8
 warps; grouped value heads also with ``…/group_sum``), and the K = V = 64 forward (``k1/d64/…``, ``k2/d64/…``:
@@ -182,6 +183,18 @@ def variants() -> dict[str, tuple]:
         found[f"k2/pairs/training/d{dim}/vs{vsplit}/{_label(varlen, 'varlen', 'fixed')}"] = (
             "k2", dict(vsplit=vsplit, initial="fp32", final="fp32", varlen=varlen, checkpoints=True, dim=dim,
                        pairs=True))
+    # passes for their states alone (no o): the backward's recomputation (checkpoints, no final state; fp16 training's
+    # on the fp16 inputs) and a segmented call's passes for the segment states (a final state)
+    for dim, vsplit, initial, varlen, dtype in itertools.product((D, 64), (1, 2, 4), STATES, (False, True),
+                                                                 ("bf16", "fp16")):
+        if dtype == "bf16" or dim == D:
+            name = f"k2/states/{dtype}/d{dim}/vs{vsplit}/{initial}-none/{_label(varlen, 'varlen', 'fixed')}/checkpoints"
+            found[name] = ("k2", dict(vsplit=vsplit, initial=initial, final="none", varlen=varlen, checkpoints=True,
+                                      dim=dim, dtype=dtype, token_outputs=False))
+    for dim, initial, dtype in itertools.product((D, 64), ("none", "fp32"), ("bf16", "fp16")):
+        found[f"k2/states/{dtype}/d{dim}/vs1/{initial}-fp32/varlen"] = (
+            "k2", dict(vsplit=1, initial=initial, final="fp32", varlen=True, checkpoints=False, dim=dim, dtype=dtype,
+                       token_outputs=False))
     for pool, every in (("bf16", 0), ("fp32", 64)):  # the serving prefill on a pool, two tiles a step
         found[f"k2/pairs/pool-{pool}/prefix{every}"] = (
             "k2", dict(vsplit=2, initial=pool, final=pool, varlen=True, checkpoints=False, state_pool=True,
@@ -249,7 +262,7 @@ def _k1(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: st
 
 def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, checkpoint_every: int = 1,
         state_pool: bool = False, prefix_checkpoint_every: int = 0, dtype: str = "bf16", dim: int = D,
-        pairs: bool = False) -> tuple:
+        pairs: bool = False, token_outputs: bool = True) -> tuple:
     import torch
 
     from cute_kda.kernels.fwd_recurrence import FwdRecurrence
@@ -258,7 +271,8 @@ def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, 
     from cute_kda.ops.recurrence import launch_arguments
     from cute_kda.workspace import CrossBlocks, block_states_shape, pair_blocks_shape, pair_u_shape
 
-    every = {} if pairs else {"checkpoint_every": checkpoint_every}  # the pair variant keeps one a pair
+    every = {} if pairs else {"checkpoint_every": checkpoint_every,  # the pair variant keeps one a pair
+                              "token_outputs": token_outputs}
     kernel = (PairRecurrence if pairs else FwdRecurrence)(vsplit=vsplit, initial_state=dsl_type(_torch_dtype(initial)),
                            final_state=dsl_type(_torch_dtype(final)), varlen=varlen, checkpoints=checkpoints,
                            state_pool=state_pool, prefix_checkpoint_every=prefix_checkpoint_every,
@@ -276,7 +290,8 @@ def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, 
         u_a = _meta(*pair_u_shape(ws, HEADS, NUM_SEQS)) if pairs else None
     slots = _meta(NUM_SEQS, dtype=torch.int32) if state_pool else None
     prefix_slots = _meta(NUM_SEQS, 2, dtype=torch.int32) if prefix_checkpoint_every else None
-    arguments = launch_arguments(v, ws, v, cu_seqlens=cu_seqlens, tile_base=tile_base, initial_state=state(initial),
+    out = v if token_outputs else None
+    arguments = launch_arguments(v, ws, out, cu_seqlens=cu_seqlens, tile_base=tile_base, initial_state=state(initial),
                                  final_state=state(final), checkpoints=kept, state_indices=slots,
                                  checkpoint_indices=prefix_slots, tensor=to_cute_tensor, u_a=u_a,
                                  cross=CrossBlocks(*(torch.empty_like(ws.inv) for _ in range(2))) if pairs else None)

@@ -13,7 +13,7 @@ import torch
 import cute_kda
 import cute_kda.call as call_module
 from cute_kda import api, interop, validation
-from cute_kda.executors import inference
+from cute_kda.executors import inference, stages
 from cute_kda.fla_calls import CanonicalCall
 from cute_kda.numerics import HEAD_DIM, SCAN_VSPLITS
 from cute_kda.variants import CombineVariant, GradsVariant, PrepareVariant, RecurrenceVariant, ScanVariant, pair_prefill
@@ -135,7 +135,7 @@ def test_warmup_lists_the_pool_prefill_of_each_k2_the_gates_run():
     assert pools(("safe", "softplus"), 4) == {False, SAFE_PAIRS} and pools(("safe",), 1) == {False}
 
 
-def test_warmup_with_training_visits_the_backward_variants():
+def test_warmup_with_training_visits_the_backward_variants(monkeypatch):
     """``training``: K2 with checkpoints per config, Kernel A per (V-split of its own, dht, dh0, varlen), Kernel B per
     gate that trains (GatedDeltaNet's also with ``group_sum``); without it none of them."""
     fp32 = torch.float32
@@ -150,7 +150,12 @@ def test_warmup_with_training_visits_the_backward_variants():
         [False], [], [])
     recurrences, scans, grads = kinds(varlen=(False,), state_modes=(fp32,), vsplits=(1,), gates=("safe", "softplus"),
                                       gated_delta_rule=True, training=True, segments=False)
-    assert recurrences == [False, True]
+    assert recurrences == [False, True, True]  # the forward, its training variant, the backward's recomputation
+    for states_only in (True, False):  # the recomputation forms no o under STATES_ONLY_PASSES
+        monkeypatch.setattr(stages, "STATES_ONLY_PASSES", states_only)
+        recompute = [v for v in api.warmup_variants(varlen=(False,), state_modes=(fp32,), vsplits=(1,), training=True,
+                                                    segments=False) if isinstance(v, RecurrenceVariant)][-1]
+        assert recompute == RecurrenceVariant(1, fp32, None, False, True, token_outputs=not states_only)
     assert sorted(scans, key=repr) == sorted([(1, fp32, fp32), (1, None, fp32)], key=repr)
     # GatedDeltaNet's per-head gate: per value head, and with its pairs of value heads added by Kernel B
     assert sorted(grads) == [("safe", False, False), ("softplus", False, False), ("softplus", True, False),
@@ -159,18 +164,23 @@ def test_warmup_with_training_visits_the_backward_variants():
     assert {v for v, _, _ in scans} == set(SCAN_VSPLITS)  # Kernel A's own V-splits, 8 included
 
 
-def test_warmup_covers_the_segmented_variants():
+def test_warmup_covers_the_segmented_variants(monkeypatch):
     """``segments`` (on by default): the packed segments' K2 passes (varlen, V-split 1, fp32 states), and with
     ``training`` the checkpoint pass and Kernel A's two passes, the first without token outputs."""
     fp32 = torch.float32
+    monkeypatch.setattr(stages, "STATES_ONLY_PASSES", True)
     variants = api.warmup_variants(varlen=(False,), state_modes=(None,), vsplits=(2,))
+    states_only = dict(token_outputs=False)  # the passes for the segment states form no o
     assert [v for v in variants if isinstance(v, RecurrenceVariant)] == [
-        RecurrenceVariant(2, None, None, False, pairs=SAFE_PAIRS), RecurrenceVariant(1, None, fp32, True),
-        RecurrenceVariant(1, fp32, fp32, True), RecurrenceVariant(1, fp32, None, True)]
+        RecurrenceVariant(2, None, None, False, pairs=SAFE_PAIRS), RecurrenceVariant(1, None, fp32, True, **states_only),
+        RecurrenceVariant(1, fp32, fp32, True, **states_only), RecurrenceVariant(1, fp32, fp32, True),
+        RecurrenceVariant(1, fp32, None, True)]
     variants = api.warmup_variants(varlen=(False,), state_modes=(None,), vsplits=(2,), training=True)
     recurrences = [v for v in variants if isinstance(v, RecurrenceVariant)]
     scans = [v for v in variants if isinstance(v, ScanVariant)]
-    assert recurrences[-2:] == [RecurrenceVariant(1, fp32, fp32, True, True), RecurrenceVariant(1, fp32, None, True, True)]
+    assert recurrences[-3:] == [RecurrenceVariant(1, fp32, fp32, True, True),
+                                RecurrenceVariant(1, fp32, None, True, True),
+                                RecurrenceVariant(1, fp32, None, True, True, token_outputs=False)]
     assert scans[-3:] == [ScanVariant(1, None, fp32, True, token_outputs=False), ScanVariant(1, fp32, fp32, True),
                           ScanVariant(1, fp32, None, True)]
     combines = [v for v in variants if isinstance(v, CombineVariant)]

@@ -162,9 +162,9 @@ class Recording:
         self.calls = []
         self.backend = stages.Backend("recording", self._forward, self._scan, self._grads)
 
-    def _forward(self, x, options, segment_states=None):
-        self.calls.append(("forward", options))
-        return REFERENCE.forward(x, options, segment_states)
+    def _forward(self, x, options, segment_states=None, token_outputs=True):
+        self.calls.append(("forward", options, token_outputs))
+        return REFERENCE.forward(x, options, segment_states, token_outputs)
 
     def _scan(self, x, options, saved, do, dht, dh0_dtype, dv_dtype):
         self.calls.append(("scan", do, dht, dh0_dtype))
@@ -213,7 +213,7 @@ def test_requires_grad_subsets(full_run, subset):
                          ids=["varlen_fp32_state", "varlen_empty_bf16_state", "no_state"])
 def test_recompute_gives_the_same_gradients_and_keeps_nothing(lengths, state):
     """``recompute=True``: the forward keeps no workspace or checkpoints, the backward runs the forward
-    stage again (without a final state) before the scan, and every gradient equals the default path's."""
+    stage again (without o or a final state) before the scan, and every gradient equals the default path's."""
     problem, do, dht = make_problem(lengths, state=state)
     dht = dht if state is not None else None
     _, _, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht)
@@ -224,8 +224,9 @@ def test_recompute_gives_the_same_gradients_and_keeps_nothing(lengths, state):
     for name in expected:
         assert torch.equal(grads[name], expected[name]), name
     assert recording.stages() == ["forward", "forward", "scan", "grads"]
-    first, again = recording.calls[0][1], recording.calls[1][1]
+    (_, first, first_outputs), (_, again, again_outputs) = recording.calls[:2]
     assert first.recompute and not again.recompute and again.final_state_dtype is None
+    assert first_outputs and not again_outputs
     assert not any(t.dtype == torch.uint8 or t.dim() == 3 and t.shape[-1] == D for t in kept)  # no workspace, states
     if state is not None:
         assert any(t is not None and t.shape == problem["initial_state"].shape for t in kept)  # h0, for the rerun
@@ -308,7 +309,7 @@ def launchers_on_mirrors(monkeypatch):
     from cute_kda.reference import mirror, mirror_bwd_scan, tile_bases
     from cute_kda.reference.backward import mirror_bwd_grads
 
-    fakes = type("Fakes", (), {"calls": [], "beta": None, "cu_seqlens_dtypes": []})()
+    fakes = type("Fakes", (), {"calls": [], "beta": None, "cu_seqlens_dtypes": [], "k2_outputs": []})()
 
     def fake(module, name):
         signature = inspect.signature(getattr(module, name))
@@ -348,6 +349,8 @@ def launchers_on_mirrors(monkeypatch):
     def _(v, ws, out, cu_seqlens, tile_base, initial_state, final_state, vsplit, checkpoints, cross, u_a, stream):
         assert vsplit is None or vsplit in validation.SUPPORTED_VSPLITS
         assert cross is None and u_a is None  # training runs today's K2 (the two-tile prefill is inference's)
+        assert out is not None or checkpoints is not None or final_state is not None  # the launcher's own rule
+        fakes.k2_outputs.append(out is not None)
         kept = None
         if checkpoints is not None:  # the training pass (a segmented call's extra passes keep none)
             assert checkpoints.dtype == torch.bfloat16
@@ -359,7 +362,8 @@ def launchers_on_mirrors(monkeypatch):
         if kept is not None:
             written = ~kept.isnan().flatten(1).all(1)  # the kernel keeps state images, in the rows it owns
             checkpoints[written] = states_to_images(kept[written])
-        out.copy_(o)
+        if out is not None:  # a pass for its states alone forms no o
+            out.copy_(o)
         if final_state is not None:
             final_state.copy_(state)
 
@@ -410,8 +414,28 @@ def test_kernel_stages_hand_the_launchers_what_they_check(launchers_on_mirrors, 
     varlen = "cu_seqlens" in problem
     assert launchers_on_mirrors.calls == [*(["tile_bases"] if varlen else []), "prepare", "recurrence", "bwd_scan",
                                           "bwd_grads"]
+    assert launchers_on_mirrors.k2_outputs == [True]
     for name in expected:
         assert grads[name].dtype == expected[name].dtype and torch.equal(grads[name], expected[name]), name
+
+
+@pytest.mark.parametrize("states_only", [True, False], ids=["states_only", "with_o"])
+def test_kernel_stages_recompute_without_o(launchers_on_mirrors, monkeypatch, states_only):
+    """A recomputing step on the kernel backend: under ``STATES_ONLY_PASSES`` the backward's K2 pass keeps its
+    checkpoints and forms no o (the launcher gets ``out=None``), else it writes o to a scratch; the gradients are the
+    reference backend's, bit for bit, either way."""
+    monkeypatch.setattr(stages, "STATES_ONLY_PASSES", states_only)
+    problem, do, dht = make_problem([25, 17], state=torch.float32)
+    launchers_on_mirrors.beta = problem["beta"]
+    forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
+    _, _, grads = train(forward, problem, do=do, dht=dht, recompute=True)
+    _, _, expected = train(REFERENCE_FORWARD, problem, do=do, dht=dht, recompute=True)
+    # the recomputation reuses the forward's tile bases
+    assert launchers_on_mirrors.calls == ["tile_bases", "prepare", "recurrence", "prepare", "recurrence", "bwd_scan",
+                                          "bwd_grads"]
+    assert launchers_on_mirrors.k2_outputs == [True, not states_only]
+    for name in expected:
+        assert torch.equal(grads[name], expected[name]), name
 
 
 def test_kernel_stages_take_int32_cu_seqlens_as_int64(launchers_on_mirrors):
@@ -429,13 +453,16 @@ def test_kernel_stages_take_int32_cu_seqlens_as_int64(launchers_on_mirrors):
         assert torch.equal(grads[name], expected[name]), name
 
 
+@pytest.mark.parametrize("states_only", [True, False], ids=["states_only", "with_o"])
 @pytest.mark.parametrize("lengths,state,recompute", [([48, 48], torch.float32, False), ([40], None, True)],
                          ids=["B2_fp32", "B1_no_state_recompute"])
-def test_kernel_stages_of_a_segmented_call(launchers_on_mirrors, lengths, state, recompute):
+def test_kernel_stages_of_a_segmented_call(launchers_on_mirrors, monkeypatch, lengths, state, recompute, states_only):
     """A segmented call on the kernel backend: the launchers see the packed segments (K2 three times in the
-    forward, once more in a recomputing backward, Kernel A twice, the first without token outputs; no tile-prefix
-    launch: the segmentation's tile bases are known on the host), and every gradient is the reference backend's,
-    bit for bit."""
+    forward, once more in a recomputing backward — under ``STATES_ONLY_PASSES`` the forward's two passes for the
+    segment states and the recomputation without o —, Kernel A twice, the first without token outputs; no tile-prefix
+    launch: the segmentation's tile bases are known on the host), and every gradient is the reference backend's, bit
+    for bit."""
+    monkeypatch.setattr(stages, "STATES_ONLY_PASSES", states_only)
     problem, do, dht = make_problem(lengths, state=state)
     dht = dht if state is not None else None
     launchers_on_mirrors.beta = problem["beta"].reshape(1, -1, problem["beta"].shape[2])
@@ -446,6 +473,8 @@ def test_kernel_stages_of_a_segmented_call(launchers_on_mirrors, lengths, state,
     forward = ["prepare", "recurrence", "recurrence", "recurrence"]  # the tile bases come from the host
     again = ["prepare", "recurrence"] if recompute else []
     assert launchers_on_mirrors.calls == [*forward, *again, "bwd_scan", "bwd_scan", "bwd_grads"]
+    unread = not states_only  # a pass whose o nobody reads
+    assert launchers_on_mirrors.k2_outputs == [unread, unread, True, *([unread] if recompute else [])]
     assert torch.equal(o, o_ref) and (ht is None or torch.equal(ht, ht_ref))
     for name in expected:
         assert grads[name].dtype == expected[name].dtype and torch.equal(grads[name], expected[name]), name

@@ -351,7 +351,7 @@ def _variant_id(variant) -> str:
     return f"vs{vsplit}-{state_in}-{state_out}-{'varlen' if varlen else 'fixed'}" + ("" if dim == D else f"-D{dim}")
 
 
-def _compile_args(vsplit, state_in, state_out, varlen, dim=D, checkpoints=False):
+def _compile_args(vsplit, state_in, state_out, varlen, dim=D, checkpoints=False, token_outputs=True):
     """The launcher's own argument conversion on small CPU tensors (shapes are dynamic)."""
     from cute_kda.workspace import WorkspaceSpec, block_states_shape, workspace_views
 
@@ -366,7 +366,8 @@ def _compile_args(vsplit, state_in, state_out, varlen, dim=D, checkpoints=False)
         return None if STATE[name] is None else torch.zeros(num_seqs, heads, dim, dim, dtype=STATE[name])
 
     return k2.launch_arguments(
-        v, ws, torch.zeros_like(v), cu_seqlens=cu, tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32) if varlen else None,
+        v, ws, torch.zeros_like(v) if token_outputs else None, cu_seqlens=cu,
+        tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32) if varlen else None,
         initial_state=state(state_in), final_state=state(state_out),
         checkpoints=torch.zeros(block_states_shape(ws, heads, num_seqs), dtype=torch.bfloat16) if checkpoints else None,
         tensor=to_cute_tensor,
@@ -376,18 +377,20 @@ def _compile_args(vsplit, state_in, state_out, varlen, dim=D, checkpoints=False)
 _COMPILED: dict = {}
 
 
-def _compiled(variant, checkpoints=False):
-    if (variant, checkpoints) not in _COMPILED:
+def _compiled(variant, checkpoints=False, token_outputs=True):
+    key = (variant, checkpoints, token_outputs)
+    if key not in _COMPILED:
         from cute_kda.compile_report import compile_with_report
 
         vsplit, state_in, state_out, varlen, dim = variant
         kernel = FwdRecurrence(
-            vsplit=vsplit, initial_state=dsl_type(STATE[state_in]),
-            final_state=dsl_type(STATE[state_out]), varlen=varlen, checkpoints=checkpoints, dim=dim,
+            vsplit=vsplit, initial_state=dsl_type(STATE[state_in]), final_state=dsl_type(STATE[state_out]),
+            varlen=varlen, checkpoints=checkpoints, dim=dim, token_outputs=token_outputs,
         )
-        _, report = compile_with_report(kernel, *_compile_args(*variant, checkpoints), cute.runtime.make_fake_stream())
-        _COMPILED[(variant, checkpoints)] = (kernel, report)
-    return _COMPILED[(variant, checkpoints)]
+        args = _compile_args(*variant, checkpoints, token_outputs)
+        _, report = compile_with_report(kernel, *args, cute.runtime.make_fake_stream())
+        _COMPILED[key] = (kernel, report)
+    return _COMPILED[key]
 
 
 @pytest.mark.parametrize("variant", _variants(), ids=_variant_id)
@@ -461,6 +464,48 @@ def test_training_variant_compiles(vsplit, varlen, dim):
     assert report.local_memory_ops == 0 and report.spills == 0 and report.kernels[0].stack_frame == 0
     assert report.launch_smem == inference.launch_smem
     print(f"{variant} checkpoints: {report.kernels[0].registers} registers (inference {inference.kernels[0].registers})")
+
+
+# a pass for its states alone: the backward's recomputation (checkpoints, no final state) and a segmented call's passes
+# for the segment states (a final state from none or an fp32 one), each against the variant with token outputs
+_STATE_PASSES = ([(vsplit, "fp32", "none", varlen, D, True) for vsplit in VSPLITS for varlen in (False, True)]
+                 + [(1, state_in, "fp32", True, D, False) for state_in in ("none", "fp32")]
+                 + [(vsplit, "bf16", "none", vsplit == 2, 64, True) for vsplit in VSPLITS]
+                 + [(1, "fp32", "fp32", True, 64, False)])
+
+
+@pytest.mark.parametrize("vsplit,state_in,state_out,varlen,dim,checkpoints", _STATE_PASSES,
+                         ids=lambda value: str(value))
+def test_state_pass_compiles(vsplit, state_in, state_out, varlen, dim, checkpoints):
+    """``token_outputs=False``: the variant's instructions less o's — no qd or Mqk load (the 3-D and 4-D TMA loads
+    one fewer each), no o store, Phase 1 without ``qd·S`` and no ``Mqk·U`` (``k_steps + 1`` fewer mma a warp row),
+    no o rounding or ``stmatrix`` — and the state chain's own (movmatrix, decays, the state's rounding and
+    ``stmatrix.trans``, the checkpoint copies) unchanged; no spills, at most the shared memory of the variant with
+    o."""
+    variant = (vsplit, state_in, state_out, varlen, dim)
+    kernel, report = _compiled(variant, checkpoints, token_outputs=False)
+    full_kernel, full = _compiled(variant, checkpoints)
+    atoms, k_steps = kernel.warp_cols // 8, dim // CHUNK
+    assert kernel.plan.stage_tx_bytes == full_kernel.plan.stage_tx_bytes - CHUNK * dim * 2 - CHUNK * CHUNK * 2
+    tma = {dims: report.count(f"cp.async.bulk.tensor.{dims}d.shared::cta.global") for dims in (2, 3, 4, 5)}
+    assert tma == {2: 2, 3: 2, 4: 1, 5: 1 + (state_in != "none")}  # gT, β | kd, kr | INV | v, state
+    assert report.count("cp.async.bulk.tensor.5d.global.shared::cta") == (state_out != "none")
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    assert report.count(mma) == full.count(mma) - (k_steps + 1) * atoms == (2 * k_steps + 1) * atoms
+    assert report.count("cvt.rn.bf16x2.f32") == full.count("cvt.rn.bf16x2.f32") - 2 * atoms
+    assert report.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == \
+        full.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") - k_steps - 1
+    x = kernel.band_matrices
+    assert report.count(f"stmatrix.sync.aligned.m8n8.x{x}.shared.b16") == 0
+    for mnemonic in ("movmatrix", "mul.rn.f32", f"stmatrix.sync.aligned.m8n8.x{x}.trans",
+                     "ldmatrix.sync.aligned.m8n8.x4.trans", "cp.async.bulk.global.shared::cta", "st.global.b32"):
+        assert report.count(mnemonic) == full.count(mnemonic), mnemonic
+    assert report.local_memory_ops == 0 and report.spills == 0 and report.kernels[0].stack_frame == 0
+    assert report.kernels[0].registers * kernel.threads <= 64 * 1024  # ptxas may take more than with o: one CTA an SM
+    assert report.launch_smem == [kernel.plan.total_bytes] == [budget.k2_budget(kernel.plan).total_bytes]
+    assert kernel.plan.total_bytes <= full_kernel.plan.total_bytes
+    print(f"{variant} states only: {report.kernels[0].registers} registers (with o {full.kernels[0].registers}), "
+          f"{kernel.plan.total_bytes} B smem ({full_kernel.plan.total_bytes})")
 
 
 def test_every_axis_value_is_compiled():
@@ -809,6 +854,47 @@ def test_training_variant_checkpoints(lengths, dim):
     err = rel_rms(ckpt[written], want[written])
     print(f"checkpoints vs mirror: {err:.2e} over {int(written.sum()) // (dim * dim)} matrices")
     assert err <= MIRROR_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [None, [40, 0, 97, 16, 300, 1]], ids=["B2xT300", "varlen"])
+@pytest.mark.parametrize("vsplit", VSPLITS)
+@ALL_DIMS
+def test_state_pass_keeps_the_same_states(lengths, vsplit, dim):
+    """A pass without token outputs (``out=None``: the backward's recomputation, a segmented call's passes for the
+    segment states) writes the checkpoints and the final state of the pass with o bit for bit, and nothing else:
+    the checkpoint rows it does not own stay poisoned, the guards around both buffers untouched."""
+    from cute_kda.workspace import block_states_shape
+
+    B, T = (2, 300) if lengths is None else (1, sum(lengths))
+    problem = _problem(B, T, 2, seed=13, dim=dim)
+    _, final, ws, cu, init = _run(problem, lengths=lengths, state_in="fp32", state_out="fp32", seed=13, vsplit=vsplit)
+    N, H = init.shape[:2]
+    shape = block_states_shape(ws, H, N)
+    device = problem[0].device
+    want, _ = _guarded(shape, torch.bfloat16, device, axis=0, pad=1)
+    k2.recurrence(problem[2], ws, torch.empty_like(problem[2]), cu_seqlens=cu, initial_state=init, vsplit=vsplit,
+                  checkpoints=want)
+    ckpt, ckpt_buf = _guarded(shape, torch.bfloat16, device, axis=0, pad=1)
+    k2.recurrence(problem[2], ws, None, cu_seqlens=cu, initial_state=init, vsplit=vsplit, checkpoints=ckpt)
+    states, states_buf = _guarded(final.shape, torch.float32, device, axis=0, pad=1)
+    k2.recurrence(problem[2], ws, None, cu_seqlens=cu, initial_state=init, final_state=states, vsplit=vsplit)
+    torch.cuda.synchronize()
+    _assert_guards_untouched(ckpt_buf, axis=0, pad=1)
+    _assert_guards_untouched(states_buf, axis=0, pad=1)
+    assert torch.equal(ckpt.view(torch.int16), want.view(torch.int16))  # the unwritten rows' poison too
+    assert torch.equal(states.view(torch.int32), final.view(torch.int32))
+
+
+def test_state_pass_needs_a_state_to_keep():
+    """``out=None`` keeps checkpoints or a final state; without either K2 would write nothing."""
+    from cute_kda.workspace import WorkspaceSpec, workspace_views
+
+    v = torch.zeros(1, 16, 2, D, dtype=torch.bfloat16)
+    spec = WorkspaceSpec(heads=2, tiles=1, dim=D)
+    ws = workspace_views(spec, torch.zeros(spec.nbytes, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="out=None"):
+        k2.recurrence(v, ws, None)
 
 
 @pytest.mark.parametrize("dim", [D, 64])

@@ -21,6 +21,11 @@ from ..validation import ProblemShape
 from ..workspace import Workspace, WorkspaceSpec, snapshot_slots, tiles_per_head, workspace_views
 
 KERNEL_B_INPUTS = (0, 1, 3, 4, 5, 6)  # q, k, g, beta, A_log, dt_bias: the inputs whose gradients Kernel B gives
+# K2 passes whose o nobody reads (the backward's recomputation, a segmented call's two passes for the segment states)
+# run K2's variant without token outputs (``RecurrenceVariant.token_outputs``: no qd or Mqk read, no o formed or
+# written; the same states); False: the variant with o, into a scratch buffer. Off until the H200 has run the
+# variant's GPU tests and the A/B (docs/perf-log.md v13; ``bench_train.py --states-only-passes``)
+STATES_ONLY_PASSES = False
 
 
 class Saved(NamedTuple):
@@ -42,9 +47,10 @@ class Saved(NamedTuple):
 
 
 class ForwardResult(NamedTuple):
-    """out bf16 ``[B, T, H, V]``; final_state None or ``[N, H, V, K]`` in ``Options.final_state_dtype``."""
+    """out bf16 ``[B, T, H, V]`` (None from a forward run for its saved states alone); final_state None or
+    ``[N, H, V, K]`` in ``Options.final_state_dtype``."""
 
-    out: torch.Tensor
+    out: torch.Tensor | None
     final_state: torch.Tensor | None
     saved: Saved
 
@@ -75,8 +81,9 @@ class GradsResult(NamedTuple):
 class Backend(NamedTuple):
     """The three stages of a training step.
 
-    forward(inputs, options, segment_states=None) → :class:`ForwardResult` (without workspace and checkpoints under
-    ``options.recompute``; ``segment_states``: a segmented call's, when an earlier forward made them);
+    forward(inputs, options, segment_states=None, token_outputs=True) → :class:`ForwardResult` (without workspace and
+    checkpoints under ``options.recompute``; ``segment_states``: a segmented call's, when an earlier forward made them;
+    ``token_outputs`` False: for the saved states alone, out None — the backward's recomputation);
     scan(inputs, options, saved, do, dht, dh0_dtype, dv_dtype) → :class:`ScanResult` (do bf16 ``[B, T, H, V]``
     contiguous; dht None or bf16 / fp32 ``[N, H, V, K]`` contiguous; dh0_dtype None: no dh0; dv in ``dv_dtype``: bf16,
     or fp16 as ``f16(bf16(x))`` for fp16 training);
@@ -177,22 +184,32 @@ def segment_scan(options: Options, saved: Saved, dht: torch.Tensor | None, dh0_d
 # the kernel backend
 
 
-def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | None = None) -> ForwardResult:
+def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | None = None,
+                    token_outputs: bool = True) -> ForwardResult:
     """K1 into a fresh workspace, K2 with checkpoints (without them under ``options.recompute``, the
     workspace then dropped), on the current stream of q's device. A segmented call (packed, :func:`packed`) runs K2
-    twice more first, for the segment states (:func:`cute_kda.context_parallel.segment_states`), unless given."""
+    twice more first, for the segment states (:func:`cute_kda.context_parallel.segment_states`), unless given.
+    ``token_outputs`` False (with checkpoints): no o (:data:`STATES_ONLY_PASSES`)."""
     validation.check_on_cuda("q", x.q)
     check_supported(x.q.device)
     from ..ops import prepare as k1
     from ..ops import recurrence as k2
 
+    if not token_outputs and options.recompute:
+        raise ValueError("a forward without token outputs keeps its checkpoints (options.recompute False)")
     problem, device = options.problem, x.q.device
     buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=device)
     saved_ws = workspace_views(workspace_spec(problem), buffer)
     checkpoints = None
     if not options.recompute:
         checkpoints = torch.empty(checkpoints_shape(problem), dtype=torch.bfloat16, device=device)
-    out = torch.empty_like(x.v)
+    out = torch.empty_like(x.v) if token_outputs else None
+
+    def unread_out() -> torch.Tensor | None:  # the o argument of a pass whose o nobody reads
+        if STATES_ONLY_PASSES:
+            return None
+        return out if out is not None else torch.empty_like(x.v)
+
     final_state = final_state_buffer(options, device)
     tile_base = x.tile_base
     if tile_base is None and problem.varlen:
@@ -204,13 +221,13 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
     )
 
     def final_states(v: torch.Tensor, initial: torch.Tensor | None, into: torch.Tensor) -> None:
-        k2.recurrence(v, saved_ws, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=initial,
+        k2.recurrence(v, saved_ws, unread_out(), cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=initial,
                       final_state=into, vsplit=options.vsplit)
 
     initial_state, segment_states = entering_states(options, x, segment_states, final_states)
     k2.recurrence(
-        x.v, saved_ws, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=initial_state,
-        final_state=final_state, vsplit=options.vsplit, checkpoints=checkpoints,
+        x.v, saved_ws, out if token_outputs else unread_out(), cu_seqlens=x.cu_seqlens, tile_base=tile_base,
+        initial_state=initial_state, final_state=final_state, vsplit=options.vsplit, checkpoints=checkpoints,
     )
     return ForwardResult(out, final_state_of(options, final_state),
                          Saved(None if options.recompute else buffer, checkpoints, tile_base, segment_states))

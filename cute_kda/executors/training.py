@@ -102,11 +102,11 @@ def rounded_do(d_out: torch.Tensor) -> torch.Tensor:
 
 def recomputed(backend: Backend, x: Inputs, options: Options, saved: Saved) -> Saved:
     """The workspace and checkpoints a ``recompute`` forward did not keep: ``backend``'s forward again on
-    the same inputs (``x.initial_state`` included), keeping them this time and skipping the final state; a segmented
-    call's kept segment states spare it the two extra passes."""
+    the same inputs (``x.initial_state`` included), keeping them this time and skipping o and the final state; a
+    segmented call's kept segment states spare it the two extra passes."""
     return backend.forward(x._replace(tile_base=saved.tile_base),
                            options._replace(recompute=False, final_state_dtype=None),
-                           saved.segment_states).saved
+                           saved.segment_states, token_outputs=False).saved
 
 
 def recomputes(recompute: bool, q: torch.Tensor) -> bool:

@@ -91,14 +91,14 @@ class RecurrenceSmem:
     state_fp32: cute.Tensor  # [v_band, D] staging (in the union): fp32, or fp16 for fp16 states
     state_fp32_acc: cute.Tensor  # [D, v_band] view of the staging
     v: cute.Tensor  # [16, v_band, stage]
-    qd: cute.Tensor  # [16, D, stage], K_SW128
     kd: cute.Tensor  # [16, D, stage], K_SW128
     kr_t: cute.Tensor  # [D, 16, stage], MN_SW128 view of kr
     gt: cute.Tensor  # [D, stage] fp32
     inv: cute.Tensor  # [16, 16, stage]
-    mqk: cute.Tensor  # [16, 16, stage]
     beta: cute.Tensor  # [16, stage] fp32
-    out: cute.Tensor  # [16, v_band, out stage]
+    qd: Optional[cute.Tensor] = None  # [16, D, stage], K_SW128; with the token outputs only, as Mqk and out
+    mqk: Optional[cute.Tensor] = None  # [16, 16, stage]
+    out: Optional[cute.Tensor] = None  # [16, v_band, out stage]
     cross_kd: Optional[cute.Tensor] = None  # [16, 16, stage]: a pair plan's P (tile b's stages)
     cross_qd: Optional[cute.Tensor] = None  # [16, 16, stage]: a pair plan's Q
 
@@ -115,13 +115,13 @@ class WarpViews(NamedTuple):
     stsm_c: cute.ThrCopy
     stsm_c_t: cute.ThrCopy
     p_kd: cute.Tensor  # (CPY, 1, k_steps, stage)
-    p_qd: cute.Tensor
+    p_qd: Optional[cute.Tensor]  # None without token outputs, as p_mqk and p_out
     p_inv: cute.Tensor  # (CPY, 1, 1, stage)
-    p_mqk: cute.Tensor
+    p_mqk: Optional[cute.Tensor]
     p_kr_t: cute.Tensor  # (CPY, k_steps, 1, stage)
     p_state: cute.Tensor  # (CPY, n, k_steps): the warp's rows of S, the B operand
     p_v: cute.Tensor  # (CPY, 1, n, stage)
-    p_out: cute.Tensor
+    p_out: Optional[cute.Tensor]
     p_state_acc_st: cute.Tensor  # the warp's columns of S in the [K, V] view, for stmatrix.trans
 
 
@@ -143,14 +143,14 @@ class RecurrenceTmaSmem:
     ``(IMAGE_RUN, rows, cols / IMAGE_RUN[, stage])``."""
 
     v: cute.Tensor
-    qd: cute.Tensor
     kd: cute.Tensor
     kr: cute.Tensor
     inv: cute.Tensor
-    mqk: cute.Tensor
-    out: cute.Tensor
     state: cute.Tensor
     state_fp32: cute.Tensor
+    qd: Optional[cute.Tensor] = None
+    mqk: Optional[cute.Tensor] = None
+    out: Optional[cute.Tensor] = None
     cross_kd: Optional[cute.Tensor] = None
     cross_qd: Optional[cute.Tensor] = None
 
@@ -171,7 +171,9 @@ class FwdRecurrence(BandScan):
     its gradient in). ``state_pool``: the states are a pool read and written by slot id, ``prefix_checkpoint_every``
     (tokens, a multiple of 64; 0: none) its prefix checkpoints (module docstring). ``dtype``: v's and o's,
     ``cutlass.BFloat16`` or ``cutlass.Float16`` (v widened to fp32 exactly, o rounded to fp16 where it would be to
-    bf16: docs/numerics.md, "fp16 inputs").
+    bf16: docs/numerics.md, "fp16 inputs"). ``token_outputs`` False: a pass run for its states alone (with
+    ``checkpoints`` or a ``final_state``): no o, so qd and Mqk are not loaded, Phase 1 forms ``kd·S`` alone, Phases
+    4 and 5 go and the store warp idles; the state chain runs the same instructions (the same bits).
     """
 
     def __init__(
@@ -187,7 +189,14 @@ class FwdRecurrence(BandScan):
         prefix_checkpoint_every: int = 0,
         dtype: type = BFloat16,
         dim: int = HEAD_DIM,
+        token_outputs: bool = True,
     ) -> None:
+        if not token_outputs and not checkpoints and final_state is None:
+            raise ValueError("a K2 pass without token outputs keeps checkpoints or a final state (else it writes "
+                             "nothing)")
+        if not token_outputs and state_pool:
+            raise ValueError("a state-pool prefill writes its token outputs (token_outputs=True)")
+        self.token_outputs = token_outputs
         staged = bool({initial_state, final_state} & set(STAGED_STATES))
         super().__init__(
             self.make_plan(vsplit, staged, dim),
@@ -209,12 +218,15 @@ class FwdRecurrence(BandScan):
 
     @property
     def launch_min_blocks(self) -> int:
-        """The launch bound's CTAs an SM (0: none, ptxas sizes the registers itself)."""
-        return 0
+        """The launch bound's CTAs an SM (0: none, ptxas sizes the registers itself). A pass without token outputs
+        runs under one CTA an SM (K2's V-split gives each CTA its own SM): left to itself ptxas capped one at D = 64
+        at 80 registers and spilled 4 bytes."""
+        return 0 if self.token_outputs else 1
 
     def make_plan(self, vsplit: int, state_io_fp32: bool, dim: int) -> RecurrenceSmemPlan:
         """The shared-memory plan of the variant (:class:`~cute_kda.layouts.fwd_recurrence.RecurrenceSmemPlan`)."""
-        return RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=state_io_fp32, dim=dim)
+        return RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=state_io_fp32, dim=dim,
+                                  token_outputs=self.token_outputs)
 
     # -----------------------------------------------------------------------------------------
     # host
@@ -223,7 +235,7 @@ class FwdRecurrence(BandScan):
     def __call__(
         self,
         v: cute.Tensor,
-        out: cute.Tensor,
+        out: Optional[cute.Tensor],
         ws_qd: cute.Tensor,
         ws_kd: cute.Tensor,
         ws_kr: cute.Tensor,
@@ -243,7 +255,8 @@ class FwdRecurrence(BandScan):
         u_a: Optional[cute.Tensor],
         stream: driver.CUstream,
     ):
-        """Launch K2. v, out ``[B, T, H, D]``; workspace fields as in :mod:`cute_kda.workspace`;
+        """Launch K2. v, out ``[B, T, H, D]`` (out None without token outputs); workspace fields as in
+        :mod:`cute_kda.workspace`;
         checkpoints ``[H · slots, D, D]`` (the training variant) or None; ``state_indices`` int32 ``[N]`` (the
         pool variant: initial_state and final_state are both the pool) and ``checkpoint_indices`` int32 ``[N, M]``
         (its prefix checkpoints), else None; ``ws_cross_kd``, ``ws_cross_qd`` the pair workspace's cross blocks
@@ -260,12 +273,14 @@ class FwdRecurrence(BandScan):
         runs_atom = self.runs_atom
 
         tma_v, gmem_v = self.token_tile_atom(load, v)
-        tma_out, gmem_out = self.token_tile_atom(store, out)
-        tma_qd, gmem_qd = self.workspace_tile_atom(load, ws_qd)
+        tma_out, gmem_out, tma_qd, gmem_qd, tma_mqk, gmem_mqk = None, None, None, None, None, None
+        if const_expr(self.token_outputs):
+            tma_out, gmem_out = self.token_tile_atom(store, out)
+            tma_qd, gmem_qd = self.workspace_tile_atom(load, ws_qd)
+            tma_mqk, gmem_mqk = runs_atom(load, layouts.tile_runs_view(ws_mqk), CHUNK, CHUNK)
         tma_kd, gmem_kd = self.workspace_tile_atom(load, ws_kd)
         tma_kr, gmem_kr = self.workspace_tile_atom(load, ws_kr)
         tma_inv, gmem_inv = runs_atom(load, layouts.tile_runs_view(ws_inv), CHUNK, CHUNK)
-        tma_mqk, gmem_mqk = runs_atom(load, layouts.tile_runs_view(ws_mqk), CHUNK, CHUNK)
         tma_gt, gmem_gt = self.vector_atom(ws_gt, self.dim)
         tma_beta, gmem_beta = self.vector_atom(ws_beta, CHUNK)
         tma_cross_kd, gmem_cross_kd, tma_cross_qd, gmem_cross_qd = None, None, None, None
@@ -280,6 +295,9 @@ class FwdRecurrence(BandScan):
             tma_state_out, gmem_state_out = runs_atom(store, layouts.state_runs_view(final_state), self.v_band, self.dim)
 
         prefix_pool = final_state if const_expr(self.prefix_checkpoint_every > 0) else None  # plain stores
+        shape_of_rows = v  # without token outputs the kernel's ``out`` is v: only its shape (the batch's length)
+        if const_expr(self.token_outputs):
+            shape_of_rows = out
         self.shared_storage = self.make_shared_storage()
 
         self.kernel(
@@ -287,7 +305,8 @@ class FwdRecurrence(BandScan):
             tma_qd, gmem_qd, tma_kd, gmem_kd, tma_kr, gmem_kr,
             tma_gt, gmem_gt, tma_inv, gmem_inv, tma_mqk, gmem_mqk, tma_beta, gmem_beta,
             tma_state_in, gmem_state_in, tma_state_out, gmem_state_out,
-            out, cu_seqlens, tile_base, Int32(tiles_per_head), checkpoints, state_indices, checkpoint_indices,
+            shape_of_rows,
+            cu_seqlens, tile_base, Int32(tiles_per_head), checkpoints, state_indices, checkpoint_indices,
             prefix_pool, tma_cross_kd, gmem_cross_kd, tma_cross_qd, gmem_cross_qd, u_a,
         ).launch(
             grid=[self.vsplit * num_seqs, heads, 1],  # the bands of one (sequence, head) are adjacent CTAs
@@ -303,17 +322,17 @@ class FwdRecurrence(BandScan):
     def kernel(
         self,
         tma_v: cute.CopyAtom, gmem_v: cute.Tensor,
-        tma_out: cute.CopyAtom, gmem_out: cute.Tensor,
-        tma_qd: cute.CopyAtom, gmem_qd: cute.Tensor,
+        tma_out: Optional[cute.CopyAtom], gmem_out: Optional[cute.Tensor],
+        tma_qd: Optional[cute.CopyAtom], gmem_qd: Optional[cute.Tensor],
         tma_kd: cute.CopyAtom, gmem_kd: cute.Tensor,
         tma_kr: cute.CopyAtom, gmem_kr: cute.Tensor,
         tma_gt: cute.CopyAtom, gmem_gt: cute.Tensor,
         tma_inv: cute.CopyAtom, gmem_inv: cute.Tensor,
-        tma_mqk: cute.CopyAtom, gmem_mqk: cute.Tensor,
+        tma_mqk: Optional[cute.CopyAtom], gmem_mqk: Optional[cute.Tensor],
         tma_beta: cute.CopyAtom, gmem_beta: cute.Tensor,
         tma_state_in: Optional[cute.CopyAtom], gmem_state_in: Optional[cute.Tensor],
         tma_state_out: Optional[cute.CopyAtom], gmem_state_out: Optional[cute.Tensor],
-        out: cute.Tensor,
+        out: cute.Tensor,  # o; without token outputs v, for its shape alone
         cu_seqlens: Optional[cute.Tensor],
         tile_base: Optional[cute.Tensor],
         tiles_per_head: Int32,
@@ -341,22 +360,26 @@ class FwdRecurrence(BandScan):
         cross = {}
         if const_expr(plan.pairs):
             cross = {name: smem_tensor(at[name], layouts.square_tile(plan), BFloat16) for name in layouts.CROSS_FIELDS}
-        smem = RecurrenceSmem(
+        # the views in the plan's order; qd, Mqk and out (o's buffers) with the token outputs only
+        views = dict(
             state=smem_tensor(state_ptr, layouts.state_b(plan), BFloat16),
             state_acc=smem_tensor(state_ptr, layouts.state_acc(plan), BFloat16),
             state_fp32=smem_tensor(union_ptr, layouts.state_fp32(plan), self.staging),
             state_fp32_acc=smem_tensor(union_ptr, layouts.state_fp32_acc(plan), self.staging),
             v=smem_tensor(at["v"], layouts.value_tile(plan, stages), self.token_dtype),
-            qd=aligned_smem_tensor(at["qd"], layouts.chunk_operand(plan), BFloat16),
-            kd=aligned_smem_tensor(at["kd"], layouts.chunk_operand(plan), BFloat16),
-            kr_t=aligned_smem_tensor(at["kr"], layouts.chunk_operand_transposed(plan), BFloat16),
-            gt=smem_tensor(at["gt"], layouts.vector(self.dim, stages), Float32),
-            inv=smem_tensor(at["inv"], layouts.square_tile(plan), BFloat16),
-            mqk=smem_tensor(at["mqk"], layouts.square_tile(plan), BFloat16),
-            beta=smem_tensor(at["beta"], layouts.vector(CHUNK, stages), Float32),
-            out=smem_tensor(at["out"], layouts.value_tile(plan, out_stages), self.token_dtype),
-            **cross,
         )
+        if const_expr(self.token_outputs):
+            views["qd"] = aligned_smem_tensor(at["qd"], layouts.chunk_operand(plan), BFloat16)
+        views["kd"] = aligned_smem_tensor(at["kd"], layouts.chunk_operand(plan), BFloat16)
+        views["kr_t"] = aligned_smem_tensor(at["kr"], layouts.chunk_operand_transposed(plan), BFloat16)
+        views["gt"] = smem_tensor(at["gt"], layouts.vector(self.dim, stages), Float32)
+        views["inv"] = smem_tensor(at["inv"], layouts.square_tile(plan), BFloat16)
+        if const_expr(self.token_outputs):
+            views["mqk"] = smem_tensor(at["mqk"], layouts.square_tile(plan), BFloat16)
+        views["beta"] = smem_tensor(at["beta"], layouts.vector(CHUNK, stages), Float32)
+        if const_expr(self.token_outputs):
+            views["out"] = smem_tensor(at["out"], layouts.value_tile(plan, out_stages), self.token_dtype)
+        smem = RecurrenceSmem(**views, **cross)
         tma_smem = RecurrenceTmaSmem(**self.tma_boxes(state_ptr, union_ptr, at))
         load_pipe, store_pipe, state_mbar = self.make_pipelines(warp_idx, storage)
 
@@ -390,21 +413,22 @@ class FwdRecurrence(BandScan):
             self.compute(warp_idx, num_tiles, load_pipe, store_pipe, smem, state32,
                          band, first_tile, checkpoint_row0, checkpoints, prefix, u_a)
         elif warp_idx == self.load_warp:
-            loads = (
-                (tma_v, self.band_tiles(gmem_v, head, batch, first_row, band), tma_smem.v),
-                (tma_qd, self.workspace_rows(gmem_qd), tma_smem.qd),
-                (tma_kd, self.workspace_rows(gmem_kd), tma_smem.kd),
-                (tma_kr, self.workspace_rows(gmem_kr), tma_smem.kr),
-                (tma_inv, self.workspace_tiles(gmem_inv, CHUNK), tma_smem.inv),
-                (tma_mqk, self.workspace_tiles(gmem_mqk, CHUNK), tma_smem.mqk),
-                (tma_gt, cute.local_tile(gmem_gt, (self.dim,), (0, None)), smem.gt),
-                (tma_beta, cute.local_tile(gmem_beta, (CHUNK,), (0, None)), smem.beta),
-            )
+            # in the plan's order; qd and Mqk (what only o reads) with the token outputs only
+            loads = ((tma_v, self.band_tiles(gmem_v, head, batch, first_row, band), tma_smem.v),)
+            if const_expr(self.token_outputs):
+                loads += ((tma_qd, self.workspace_rows(gmem_qd), tma_smem.qd),)
+            loads += ((tma_kd, self.workspace_rows(gmem_kd), tma_smem.kd),
+                      (tma_kr, self.workspace_rows(gmem_kr), tma_smem.kr),
+                      (tma_inv, self.workspace_tiles(gmem_inv, CHUNK), tma_smem.inv))
+            if const_expr(self.token_outputs):
+                loads += ((tma_mqk, self.workspace_tiles(gmem_mqk, CHUNK), tma_smem.mqk),)
+            loads += ((tma_gt, cute.local_tile(gmem_gt, (self.dim,), (0, None)), smem.gt),
+                      (tma_beta, cute.local_tile(gmem_beta, (CHUNK,), (0, None)), smem.beta))
             if const_expr(plan.pairs):
                 loads += ((tma_cross_kd, self.workspace_tiles(gmem_cross_kd, CHUNK), tma_smem.cross_kd),
                           (tma_cross_qd, self.workspace_tiles(gmem_cross_qd, CHUNK), tma_smem.cross_qd))
             self.load(num_tiles, ws_row0, load_pipe, loads)
-        else:
+        elif const_expr(self.token_outputs):
             # plain view of this (batch, head, band) from the sequence start, for tail rows
             out_rows = cute.domain_offset((first_row, band * self.v_band), out[batch, None, head, None])
             outputs = (OutputTile(tma_out, tma_smem.out, smem.out,
@@ -440,8 +464,9 @@ class FwdRecurrence(BandScan):
         checkpoints: Optional[cute.Tensor], prefix: Optional[PrefixCheckpoints] = None,
         u_a: Optional[cute.Tensor] = None,
     ):
-        """Phases 1-6 per tile on the warp's ``warp_cols`` value columns (module docstring);
-        ``state32``: the fp32 state of those columns (:meth:`band_blocks`, updated in place).
+        """Phases 1-6 per tile on the warp's ``warp_cols`` value columns (module docstring; without token outputs
+        Phase 1 forms ``kS`` alone and Phases 4 and 5 go); ``state32``: the fp32 state of those columns
+        (:meth:`band_blocks`, updated in place).
 
         Training variant: global tile ``g = first_tile + tile`` that starts a block of
         ``checkpoint_every`` (or its sequence) keeps the state entering it in checkpoint row
@@ -461,30 +486,37 @@ class FwdRecurrence(BandScan):
         (tiled_mma, ldsm_a, ldsm_a_t, ldsm_b, ldsm_c, stsm_c, stsm_c_t, p_kd, p_qd, p_inv, p_mqk, p_kr_t, p_state, p_v,
          p_out, p_state_acc_st) = self.warp_views(warp_idx, smem, lane)
 
+        outputs = self.token_outputs
+        r_qd, acc_qs, r_o, v_qd, v_out = None, None, None, None, None  # o's, with the token outputs only
         # register fragments
         r_kd = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((CHUNK, dim)))  # ((2,2,2), 1, k_steps)
-        r_qd = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((CHUNK, dim)))
+        if const_expr(outputs):
+            r_qd = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((CHUNK, dim)))
         r_state = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, dim)))  # ((2,2), n, k_steps)
         r_square = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((CHUNK, CHUNK)))  # INV, then Mqk
         r_kr_t = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((dim, CHUNK)))  # ((2,2,2), k_steps, 1)
         c_shape = tiled_mma.partition_shape_C((CHUNK, cols))  # ((2,2), 1, n)
         acc_ks = tiled_mma.make_fragment_C(c_shape)
-        acc_qs = tiled_mma.make_fragment_C(c_shape)  # qS, then o
+        if const_expr(outputs):
+            acc_qs = tiled_mma.make_fragment_C(c_shape)  # qS, then o
         acc = tiled_mma.make_fragment_C(c_shape)  # INV·u
         r_v = cute.make_rmem_tensor(c_shape, self.token_dtype)
         r_c16 = cute.make_rmem_tensor(c_shape, BFloat16)  # u, then U (bf16 C fragments)
-        r_o = cute.make_rmem_tensor(c_shape, self.token_dtype)
+        if const_expr(outputs):
+            r_o = cute.make_rmem_tensor(c_shape, self.token_dtype)
         r_u_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, CHUNK)))  # u as B
         r_big_u_b = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((cols, CHUNK)))  # U as B (Phases 4, 6)
         r_state_acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((dim, cols)), BFloat16)  # S, a row block at a time
 
         v_kd = ldsm_a.retile(r_kd)
-        v_qd = ldsm_a.retile(r_qd)
+        if const_expr(outputs):
+            v_qd = ldsm_a.retile(r_qd)
         v_state = ldsm_b.retile(r_state)
         v_square = ldsm_a.retile(r_square)
         v_kr_t = ldsm_a_t.retile(r_kr_t)
         v_v = ldsm_c.retile(r_v)
-        v_out = stsm_c.retile(r_o)
+        if const_expr(outputs):
+            v_out = stsm_c.retile(r_o)
         v_state_acc_st = stsm_c_t.retile(r_state_acc)
         state_words = cute.recast_tensor(r_state_acc, Uint32)  # ((1,2), k_steps, n): pairs of value columns
 
@@ -506,17 +538,21 @@ class FwdRecurrence(BandScan):
 
             # Phase 1: kS = kd·S, qS = qd·S; operands of step k+1 are loaded before the mma of step k
             acc_ks.fill(0.0)
-            acc_qs.fill(0.0)
+            if const_expr(outputs):
+                acc_qs.fill(0.0)
             cute.copy(ldsm_a, p_kd[None, None, 0, stage], v_kd[None, None, 0])
-            cute.copy(ldsm_a, p_qd[None, None, 0, stage], v_qd[None, None, 0])
+            if const_expr(outputs):
+                cute.copy(ldsm_a, p_qd[None, None, 0, stage], v_qd[None, None, 0])
             cute.copy(ldsm_b, p_state[None, None, 0], v_state[None, None, 0])
             for k in cutlass.range_constexpr(k_steps):
                 if const_expr(k + 1 < k_steps):
                     cute.copy(ldsm_a, p_kd[None, None, k + 1, stage], v_kd[None, None, k + 1])
-                    cute.copy(ldsm_a, p_qd[None, None, k + 1, stage], v_qd[None, None, k + 1])
+                    if const_expr(outputs):
+                        cute.copy(ldsm_a, p_qd[None, None, k + 1, stage], v_qd[None, None, k + 1])
                     cute.copy(ldsm_b, p_state[None, None, k + 1], v_state[None, None, k + 1])
                 cute.gemm(tiled_mma, acc_ks, r_kd[None, None, k], r_state[None, None, k], acc_ks)
-                cute.gemm(tiled_mma, acc_qs, r_qd[None, None, k], r_state[None, None, k], acc_qs)
+                if const_expr(outputs):
+                    cute.gemm(tiled_mma, acc_qs, r_qd[None, None, k], r_state[None, None, k], acc_qs)
             if const_expr(self.checkpoints and not self.image_by_bulk):
                 if take_checkpoint:  # narrow bands: S as Phase 1 loaded it
                     self.store_band_fragment(checkpoint, r_state, band, warp_idx, lane)
@@ -537,13 +573,14 @@ class FwdRecurrence(BandScan):
             # Phase 4: o = bf16(qS + Mqk·U) (qS is the accumulator's C; f16 for fp16 tokens); U as B is kept for
             # Phase 6
             transpose_c_to_b(r_c16, r_big_u_b)
-            cute.copy(ldsm_a, p_mqk[None, None, None, stage], v_square)
-            cute.gemm(tiled_mma, acc_qs, r_square[None, None, 0], r_big_u_b[None, None, 0], acc_qs)
-            r_o.store(acc_qs.load().to(self.token_dtype))
+            if const_expr(outputs):
+                cute.copy(ldsm_a, p_mqk[None, None, None, stage], v_square)
+                cute.gemm(tiled_mma, acc_qs, r_square[None, None, 0], r_big_u_b[None, None, 0], acc_qs)
+                r_o.store(acc_qs.load().to(self.token_dtype))
 
-            # Phase 5: o → output stage
-            self.store_outputs(store_pipe, out_state, ((stsm_c, v_out, p_out),))
-            out_state.advance()
+                # Phase 5: o → output stage
+                self.store_outputs(store_pipe, out_state, ((stsm_c, v_out, p_out),))
+                out_state.advance()
 
             # Phase 6: S32 ← krᵀ·U + f32(gT·S32), row block m of 16 k at a time (the decayed block is the
             # mma's C), then S = bf16(S32) → the state buffer (after the checkpoint's copy has read it)
@@ -574,20 +611,22 @@ class FwdRecurrence(BandScan):
 
     def warp_views(self, warp_idx: Int32, smem: RecurrenceSmem, lane: Int32) -> WarpViews:
         """The :class:`WarpViews` of compute warp ``warp_idx``: its ``warp_cols`` columns of the state (both views),
-        of v and of out, and the whole tiles of kd, qd, kr, INV, Mqk."""
+        of v and of out, and the whole tiles of kd, qd, kr, INV, Mqk (qd, Mqk and out None where ``smem`` has none:
+        no token outputs)."""
         cols, dim = self.warp_cols, self.dim
         tiled_mma = self.warp_mma()
         ldsm_a, ldsm_a_t, ldsm_b, _, ldsm_c, stsm_c, stsm_c_t = self.thread_copies(tiled_mma, lane)
         w_state = cute.local_tile(smem.state, (cols, dim), (warp_idx, 0))  # [cols, K]
         w_state_acc = cute.local_tile(smem.state_acc, (dim, cols), (0, warp_idx))  # [K, cols]
         w_v = cute.local_tile(smem.v, (CHUNK, cols), (0, warp_idx, None))  # [16, cols, stage]
-        w_out = cute.local_tile(smem.out, (CHUNK, cols), (0, warp_idx, None))  # [16, cols, stage]
+        outputs = smem.out is not None
+        w_out = cute.local_tile(smem.out, (CHUNK, cols), (0, warp_idx, None)) if outputs else None  # [16, cols, stage]
         return WarpViews(
             tiled_mma, ldsm_a, ldsm_a_t, ldsm_b, ldsm_c, stsm_c, stsm_c_t,
-            p_kd=ldsm_a.partition_S(smem.kd), p_qd=ldsm_a.partition_S(smem.qd), p_inv=ldsm_a.partition_S(smem.inv),
-            p_mqk=ldsm_a.partition_S(smem.mqk), p_kr_t=ldsm_a_t.partition_S(smem.kr_t),
-            p_state=ldsm_b.partition_S(w_state), p_v=ldsm_c.partition_S(w_v), p_out=stsm_c.partition_D(w_out),
-            p_state_acc_st=stsm_c_t.partition_D(w_state_acc),
+            p_kd=ldsm_a.partition_S(smem.kd), p_qd=ldsm_a.partition_S(smem.qd) if outputs else None,
+            p_inv=ldsm_a.partition_S(smem.inv), p_mqk=ldsm_a.partition_S(smem.mqk) if outputs else None,
+            p_kr_t=ldsm_a_t.partition_S(smem.kr_t), p_state=ldsm_b.partition_S(w_state), p_v=ldsm_c.partition_S(w_v),
+            p_out=stsm_c.partition_D(w_out) if outputs else None, p_state_acc_st=stsm_c_t.partition_D(w_state_acc),
         )
 
     @cute.jit

@@ -52,6 +52,8 @@ class PairRecurrence(FwdRecurrence):
     def __init__(self, **config) -> None:
         if config.get("checkpoint_every", 2) != 2:
             raise ValueError("the two-tile step keeps a checkpoint a pair (checkpoint_every 2)")
+        if not config.get("token_outputs", True):
+            raise NotImplementedError("the two-tile step writes its token outputs (token_outputs=True)")
         super().__init__(**{**config, "checkpoint_every": 2})
 
     @property

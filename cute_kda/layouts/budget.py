@@ -247,7 +247,7 @@ def k2_budget(plan: fwd_recurrence.RecurrenceSmemPlan = fwd_recurrence.Recurrenc
              **{name: tile(chunk, chunk) for name in fwd_recurrence.CROSS_FIELDS}}
     pipeline = SmemGroup("pipeline", (
         *(SmemBuffer(name, slots[name], plan.input_stages, "input") for name in plan.input_field_bytes()),
-        *(SmemBuffer(name, band, plan.output_stages, "output") for name in plan.output_fields),
+        *(SmemBuffer(name, band, plan.output_stages, "output") for name in plan.outputs),
     ))
     union: tuple[SmemNode, ...] = (pipeline,)
     if plan.state_io_fp32:

@@ -77,6 +77,10 @@ class RecurrenceSmemPlan:
     stage also holds the cross blocks ``cross_kd``, ``cross_qd`` (bf16 [16, 16] each, K_INTER; read in tile b's
     stages, loaded in every stage).
 
+    ``token_outputs`` False (a K2 pass run for its states alone: the backward's recomputation, a segmented call's
+    passes for the segment states): no output tiles, and the input stages drop :attr:`output_operands`, the fields
+    only the outputs read (qd and Mqk: ``o = qd·S + Mqk·U``). The output pipeline's barriers stay.
+
     Each field is an array of stage slots (stage ``s`` at ``offset + s · slot``), each aligned to 128 bytes
     or, for a swizzled tile, to its swizzle period (:meth:`field_align`).
     The class attributes name the per-token input field and the output fields, so a kernel with the
@@ -87,6 +91,7 @@ class RecurrenceSmemPlan:
     supported_vsplits: ClassVar[tuple[int, ...]] = SUPPORTED_VSPLITS
     token_field: ClassVar[str] = "v"  # the per-token input tile of the CTA's band
     output_fields: ClassVar[tuple[str, ...]] = ("out",)  # per-token output tiles of an output stage
+    output_operands: ClassVar[tuple[str, ...]] = ("qd", "mqk")  # input fields only the output tiles read
     # the per-token and output tiles in the swizzle of :func:`token_atom` (else K_INTER, moved as
     # :func:`tma_box` boxes of 16-byte rows)
     swizzled_tokens: ClassVar[bool] = True
@@ -99,6 +104,7 @@ class RecurrenceSmemPlan:
     output_stages: int = OUTPUT_STAGES
     compute_warps: int | None = None  # None: MMA_WARPS, fewer for a band under 4 · 8 columns
     pairs: bool = False  # the input stages also hold the pair workspace's cross blocks
+    token_outputs: bool = True  # False: no output tiles, no output operands (the class docstring)
 
     def __post_init__(self) -> None:
         if self.vsplit not in self.supported_vsplits:
@@ -140,7 +146,14 @@ class RecurrenceSmemPlan:
         }
         if self.pairs:
             fields.update({name: c * c * _BF16 for name in CROSS_FIELDS})
+        if not self.token_outputs:
+            fields = {name: nbytes for name, nbytes in fields.items() if name not in self.output_operands}
         return fields
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The output tiles of an output stage: :attr:`output_fields`, none without ``token_outputs``."""
+        return self.output_fields if self.token_outputs else ()
 
     @property
     def stage_tx_bytes(self) -> int:
@@ -167,15 +180,19 @@ class RecurrenceSmemPlan:
         A stage slot is the field's bytes rounded up to its alignment (:meth:`field_align`), so β's
         64 bytes take a 128-byte slot.
         """
+        return self._union_layout()[0]
+
+    def _union_layout(self) -> tuple[dict[str, int], int]:
+        """(:meth:`union_offsets`, the end of the last field's slots)."""
         offsets, at = {}, 0
         fields = [(name, nbytes, self.input_stages) for name, nbytes in self.input_field_bytes().items()]
-        fields += [(name, self.out_tile_bytes, self.output_stages) for name in self.output_fields]
+        fields += [(name, self.out_tile_bytes, self.output_stages) for name in self.outputs]
         for name, nbytes, stages in fields:
             align = self.field_align(name)
             at = _round_up(at, align)
             offsets[name] = at
             at += _round_up(nbytes, align) * stages
-        return offsets
+        return offsets, at
 
     def field_align(self, name: str) -> int:
         """Byte alignment of a pipeline field's stage slots: the swizzle period of a swizzled tile
@@ -188,8 +205,7 @@ class RecurrenceSmemPlan:
 
     @property
     def pipeline_bytes(self) -> int:
-        last = self.output_fields[-1]
-        return self.union_offsets()[last] + _round_up(self.out_tile_bytes, self.field_align(last)) * self.output_stages
+        return self._union_layout()[1]
 
     @property
     def union_bytes(self) -> int:

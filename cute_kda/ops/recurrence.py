@@ -30,7 +30,7 @@ def dtype_or_none(tensor: torch.Tensor | None) -> torch.dtype | None:
 
 
 def launch_arguments(
-    v: torch.Tensor, ws: Workspace, out: torch.Tensor, *, cu_seqlens: torch.Tensor | None,
+    v: torch.Tensor, ws: Workspace, out: torch.Tensor | None, *, cu_seqlens: torch.Tensor | None,
     tile_base: torch.Tensor | None, initial_state: torch.Tensor | None, final_state: torch.Tensor | None,
     checkpoints: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
     checkpoint_indices: torch.Tensor | None = None, cross: CrossBlocks | None = None, u_a: torch.Tensor | None = None,
@@ -38,7 +38,8 @@ def launch_arguments(
 ) -> tuple:
     """The tensor arguments of ``FwdRecurrence.__call__`` (dynamic shapes: one compile serves all sizes). A pool
     call passes the pool as both ``initial_state`` and ``final_state``; ``cross``: the pair workspace's cross blocks
-    (the pair K2); ``u_a``: tile a's U rows of the pair K2's training variant.
+    (the pair K2); ``u_a``: tile a's U rows of the pair K2's training variant; ``out`` None: a pass without token
+    outputs.
 
     ``tensor(t, assumed_align)`` converts each: :func:`~._cache.launch_tensor` (the default) for a
     call of the compiled function, :func:`~._cache.to_cute_tensor` for the compile.
@@ -85,7 +86,8 @@ def compiled_variant(variant: RecurrenceVariant, index: int, arguments: tuple):
         kernel_class = PairRecurrence if variant.pairs else FwdRecurrence
         kernel = kernel_class(vsplit=variant.vsplit, initial_state=initial_state, final_state=final_state,
                               varlen=variant.varlen, checkpoints=variant.checkpoints, state_pool=variant.state_pool,
-                              prefix_checkpoint_every=variant.prefix_checkpoint_every, dtype=dtype, dim=variant.dim)
+                              prefix_checkpoint_every=variant.prefix_checkpoint_every, dtype=dtype, dim=variant.dim,
+                              token_outputs=variant.token_outputs)
         return compile_for_launch(kernel, *converted, fake_stream())
 
     return _CACHE.get((variant, index), build)
@@ -94,7 +96,7 @@ def compiled_variant(variant: RecurrenceVariant, index: int, arguments: tuple):
 def recurrence(
     v: torch.Tensor,
     ws: Workspace,
-    out: torch.Tensor,
+    out: torch.Tensor | None,
     *,
     cu_seqlens: torch.Tensor | None = None,
     tile_base: torch.Tensor | None = None,
@@ -106,7 +108,8 @@ def recurrence(
     u_a: torch.Tensor | None = None,
     stream=None,
 ) -> None:
-    """Run K2: ``out`` (valid rows only) and, when given, ``final_state``, from v and the K1 workspace.
+    """Run K2: ``out`` (valid rows only) and, when given, ``final_state``, from v and the K1 workspace; ``out`` None
+    runs the pass for its states alone (``checkpoints`` or ``final_state``; no o formed, qd and Mqk not read).
 
     v, out: bf16 or fp16 (both the same) ``[B, T, H, D]`` (D in :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`, the
     workspace's); ws: the :class:`~cute_kda.workspace.Workspace` of
@@ -131,6 +134,8 @@ def recurrence(
         return
     if (u_a is not None) != (cross is not None and checkpoints is not None):
         raise ValueError("u_a comes with the two-tile step's checkpoints (cross and checkpoints), and they with it")
+    if out is None and (cross is not None or (checkpoints is None and final_state is None)):
+        raise ValueError("out=None (a pass for its states alone) needs checkpoints or final_state, and not cross")
     if vsplit is None:
         vsplit = RecurrenceVariant.choose_vsplit(num_seqs, heads, sm_count(device_index(v.device)))
     kept = (("checkpoints", checkpoints, block_states_shape(ws, heads, num_seqs)),)
@@ -151,7 +156,8 @@ def recurrence(
                                      initial_state=initial_state, final_state=final_state, checkpoints=checkpoints,
                                      cross=cross, u_a=u_a)
         variant = RecurrenceVariant(vsplit, dtype_or_none(initial_state), dtype_or_none(final_state), varlen,
-                                    checkpoints is not None, dtype=v.dtype, dim=v.shape[-1], pairs=cross is not None)
+                                    checkpoints is not None, dtype=v.dtype, dim=v.shape[-1], pairs=cross is not None,
+                                    token_outputs=out is not None)
         compiled_variant(variant, device_index(v.device), arguments)(*arguments, stream)
 
 
@@ -173,7 +179,8 @@ def compile_variant(variant: RecurrenceVariant, device: torch.device | str) -> N
         if variant.checkpoints:
             checkpoints, u_a = (problem.zeros(*shape(problem.ws, problem.heads, problem.num_seqs))
                                 for shape in (pair_blocks_shape, pair_u_shape))
-    arguments = launch_arguments(v, problem.ws, v, cu_seqlens=problem.cu_seqlens, tile_base=problem.tile_base,
+    out = v if variant.token_outputs else None
+    arguments = launch_arguments(v, problem.ws, out, cu_seqlens=problem.cu_seqlens, tile_base=problem.tile_base,
                                  initial_state=problem.state(variant.initial_state),
                                  final_state=problem.state(variant.final_state), checkpoints=checkpoints,
                                  state_indices=state_indices, checkpoint_indices=checkpoint_indices, cross=cross,

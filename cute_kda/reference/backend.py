@@ -22,9 +22,11 @@ from .common import tile_bases
 from .mirror import mirror_prepare, mirror_recurrence
 
 
-def _reference_forward(x: Inputs, options: Options, segment_states: torch.Tensor | None = None) -> ForwardResult:
+def _reference_forward(x: Inputs, options: Options, segment_states: torch.Tensor | None = None,
+                       token_outputs: bool = True) -> ForwardResult:
     """:func:`~cute_kda.reference.mirror_prepare` and :func:`~cute_kda.reference.mirror_recurrence`
-    with checkpoints (without them under ``options.recompute``); slots the kernels leave unwritten are NaN."""
+    with checkpoints (without them under ``options.recompute``); slots the kernels leave unwritten are NaN. The mirror
+    forms o either way; ``token_outputs`` False returns None for it, as the kernels' forward does."""
     problem = options.problem
     if options.gate == "safe":
         mirrored = mirror_prepare(
@@ -59,7 +61,7 @@ def _reference_forward(x: Inputs, options: Options, segment_states: torch.Tensor
     )
     tile_base = tile_bases(x.cu_seqlens, problem.total_tokens, problem.batch) if problem.varlen else None
     final_state = None if final_state is None else final_state_of(options, final_state.contiguous())
-    return ForwardResult(out.contiguous(), final_state,
+    return ForwardResult(out.contiguous() if token_outputs else None, final_state,
                          Saved(None if options.recompute else buffer, checkpoints, tile_base, segment_states))
 
 

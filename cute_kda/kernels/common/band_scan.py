@@ -168,8 +168,8 @@ class BandScan:
         return state_ptr, union_ptr, {name: union_ptr + offset for name, offset in self.plan.union_offsets().items()}
 
     def tma_boxes(self, state_ptr, union_ptr, at: dict) -> dict:
-        """Every TMA-moved buffer as its TMA smem tensor, by plan field name: the swizzled tiles (kd, qd, kr;
-        the per-token and output tiles when ``plan.swizzled_tokens``) as ``[16, cols, stage]`` with the
+        """Every TMA-moved buffer of the plan as its TMA smem tensor, by plan field name: the swizzled tiles (kd,
+        qd, kr; the per-token and output tiles when ``plan.swizzled_tokens``) as ``[16, cols, stage]`` with the
         swizzle on the pointer; the others as boxes ``(IMAGE_RUN, rows, cols / IMAGE_RUN[, stage])``."""
         plan, bf16, tokens = self.plan, BFloat16, self.token_dtype
         stages, out_stages = plan.input_stages, plan.output_stages
@@ -181,10 +181,12 @@ class BandScan:
 
         boxes = {plan.token_field: token_box(plan.token_field, stages)}
         for name in layouts.SWIZZLED_FIELDS:
-            boxes[name] = smem_tensor(at[name], layouts.chunk_operand(plan), bf16)
+            if name in at:  # qd: not in a plan without token outputs
+                boxes[name] = smem_tensor(at[name], layouts.chunk_operand(plan), bf16)
         for name in ("inv", "mqk", *(layouts.CROSS_FIELDS if plan.pairs else ())):
-            boxes[name] = smem_tensor(at[name], layouts.tma_box(CHUNK, CHUNK, stages), bf16)
-        for name in plan.output_fields:
+            if name in at:
+                boxes[name] = smem_tensor(at[name], layouts.tma_box(CHUNK, CHUNK, stages), bf16)
+        for name in plan.outputs:
             boxes[name] = token_box(name, out_stages, self.output_dtype(name))
         boxes["state"] = smem_tensor(state_ptr, layouts.tma_box(self.v_band, self.dim), bf16)
         boxes["state_fp32"] = smem_tensor(union_ptr, layouts.tma_box(self.v_band, self.dim), self.staging)
