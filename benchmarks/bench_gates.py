@@ -21,7 +21,8 @@ outputs on the same inputs. The table is written to ``--out`` after every row.
     python benchmarks/bench_gates.py --train --shapes kimi_T4096_H32,gdn_T8192_H16_HV32   # fwd+bwd steps
 
 ``--train`` times a training step instead: q, k, v, g, beta, A_log, dt_bias and the initial state require grad
-(cute_kda's ``kda_forward`` keeps its checkpoints for the backward, its default); one step is the forward and
+(cute_kda's ``kda_forward`` keeps its checkpoints for the backward, its default; its ``chunk_gated_delta_rule``, as
+FLA's, keeps no states and recomputes them, unless ``--gdn-disable-recompute``); one step is the forward and
 ``torch.autograd.backward((o, ht), (dO, dht))`` with fixed dO, dht, the gradients reset before each step; a peer
 that raises (FLA's GDN backward refuses Hopper with Triton < 3.7.1) is reported with its error, not timed; the
 rel-RMS columns then compare dq and dv with FLA's. ``--train --fla-unguarded`` turns that guard of FLA's off to
@@ -104,10 +105,11 @@ def gdn_inputs(name: str, gate: str, device: torch.device) -> dict:
     return kwargs
 
 
-def gdn_peers(kwargs: dict) -> dict:
+def gdn_peers(kwargs: dict, disable_recompute: bool = False) -> dict:
     import cute_kda
 
-    runs = {"cute_kda": lambda: cute_kda.chunk_gated_delta_rule(**kwargs)}
+    extension = dict(disable_recompute=True) if disable_recompute else {}  # cute_kda's: keep the states
+    runs = {"cute_kda": lambda: cute_kda.chunk_gated_delta_rule(**kwargs, **extension)}
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
 
@@ -117,12 +119,13 @@ def gdn_peers(kwargs: dict) -> dict:
     return runs
 
 
-def peers(inputs: dict, gate: str, train: bool = False) -> dict:
-    """The calls to time, by peer; ``train``: cute_kda allocates its outputs (autograd records the call)."""
+def peers(inputs: dict, gate: str, train: bool = False, gdn_disable_recompute: bool = False) -> dict:
+    """The calls to time, by peer; ``train``: cute_kda allocates its outputs (autograd records the call);
+    ``gdn_disable_recompute``: cute_kda's GatedDeltaNet call keeps its states for the backward."""
     import cute_kda
 
     if gate.startswith("gdn"):
-        return gdn_peers(inputs)
+        return gdn_peers(inputs, gdn_disable_recompute)
 
     tensors = [inputs[name] for name in ("q", "k", "v", "g", "beta")]
     out, final = torch.empty_like(inputs["v"]), torch.empty_like(inputs["initial_state"])
@@ -194,11 +197,13 @@ def training_problem(name: str, gate: str, device: torch.device) -> tuple[dict, 
 
 
 def train_row(name: str, gate: str, device: torch.device, warmup: int, rep: int, fla_note: str | None = None,
-              only: tuple[str, ...] = PEERS) -> dict:
+              only: tuple[str, ...] = PEERS, gdn_disable_recompute: bool = False) -> dict:
     """One row of ``--train``: the median fwd+bwd step per peer, or the error that stopped it;
-    ``fla_note``: FLA's guard is off (:func:`unguard_fla_backward`), so its gradients are not compared."""
+    ``fla_note``: FLA's guard is off (:func:`unguard_fla_backward`), so its gradients are not compared;
+    ``gdn_disable_recompute``: cute_kda's GatedDeltaNet call keeps its states for the backward."""
     inputs, leaves, do, dht = training_problem(name, gate, device)
-    runs = {peer: fn for peer, fn in peers(inputs, gate, train=True).items() if peer.split()[0] in only}
+    runs = {peer: fn for peer, fn in peers(inputs, gate, train=True, gdn_disable_recompute=gdn_disable_recompute).items()
+            if peer.split()[0] in only}
     row = {"shape": name, "gate": gate, "ms": {}, "err": None, "notes": {}}
     grads = {}
     for peer, fn in runs.items():
@@ -260,6 +265,9 @@ def main() -> None:
                         help="with --train: time FLA's backward with its Triton guard (#640) off (speed only)")
     parser.add_argument("--peers", type=lambda text: tuple(text.split(",")), default=PEERS,
                         help="comma-separated peers to time: cute_kda, FLA (default both)")
+    parser.add_argument("--gdn-disable-recompute", action="store_true",
+                        help="with --train: cute_kda's GatedDeltaNet call keeps K1's workspace and the per-tile states "
+                             "for the backward (disable_recompute=True) instead of recomputing them, FLA's semantics")
     parser.add_argument("--no-group-sum", action="store_true",
                         help="with --train: value heads in pairs summed after Kernel B, not by it "
                              "(cute_kda.ops.bwd_grads.GROUP_SUM off; perf-log GDN6)")
@@ -280,7 +288,8 @@ def main() -> None:
     rows = []
     for name in args.shapes:
         if args.train:
-            rows.append(train_row(name, ROWS[name], device, args.warmup, args.rep, fla_note, only=args.peers))
+            rows.append(train_row(name, ROWS[name], device, args.warmup, args.rep, fla_note, only=args.peers,
+                                  gdn_disable_recompute=args.gdn_disable_recompute))
         else:
             rows.append(bench_row(name, ROWS[name], device, args.warmup, args.rep, only=args.peers))
         table = f"{header}\n\n{(train_markdown if args.train else markdown)(rows)}\n"

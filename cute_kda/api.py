@@ -321,14 +321,18 @@ def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     and K2 on the current stream, with no host synchronisation.
 
     Training: inputs that require grad get the backward of :mod:`cute_kda.executors.training` (Kernel B's per-head
-    form; dq, dk summed over each group of value heads), eagerly or under torch.compile (its training ops). Flags as
-    :func:`cute_kda.fla_calls.translate_fla_gdn_call`. A prefill on a state pool (``state_indices``,
-    ``checkpoint_every``, ``checkpoint_indices``: cute_kda's keyword-only extension) as :func:`chunk_kda`.
+    form; dq, dk summed over each group of value heads), eagerly or under torch.compile (its training ops). As FLA's
+    function the forward keeps no states for the backward (``kda_forward``'s ``recompute=True``);
+    ``disable_recompute=True`` (cute_kda's keyword-only extension, ``chunk_kda``'s flag) keeps K1's workspace and the
+    per-tile states for a faster backward. Flags as :func:`cute_kda.fla_calls.translate_fla_gdn_call`. A prefill on a
+    state pool (``state_indices``, ``checkpoint_every``, ``checkpoint_indices``: cute_kda's keyword-only extension)
+    as :func:`chunk_kda`.
     """
     q = args[0] if args else kwargs.get("q")
     if not isinstance(q, torch.Tensor) and hasattr(q, "__dlpack__"):  # another framework's arrays, answered in it
         return interop.answer_in_framework(q, lambda: chunk_gated_delta_rule(*_as_torch(args), **_as_torch(kwargs)))
-    return translate_fla_gdn_call(*args, **kwargs).run(kda_forward)
+    call = translate_fla_gdn_call(*args, **kwargs)
+    return call.run(functools.partial(kda_forward, recompute=call.recompute))
 
 
 chunk_gated_delta_rule.__signature__ = inspect.signature(translate_fla_gdn_call).replace(

@@ -171,7 +171,8 @@ def chunk_gated_delta_rule(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     from . import api
     from .fla_calls import GdnCall
 
-    return _pending_call(args, kwargs, GdnCall, api.translate_fla_gdn_call).run(api.kda_forward)
+    call = _pending_call(args, kwargs, GdnCall, api.translate_fla_gdn_call)
+    return call.run(functools.partial(api.kda_forward, recompute=call.recompute))
 
 
 def verify_fused_recurrent(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:

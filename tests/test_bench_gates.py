@@ -78,7 +78,7 @@ def test_train_steps_on_the_cpu_through_a_stand_in(bench, monkeypatch):
     def refuses(**kwargs):
         raise RuntimeError("no backward here")
 
-    monkeypatch.setattr(bench, "peers", lambda inputs, gate, train: {"cute_kda": lambda: differentiable(**inputs),
+    monkeypatch.setattr(bench, "peers", lambda inputs, gate, train, **_: {"cute_kda": lambda: differentiable(**inputs),
                                                                "FLA chunk_kda": lambda: refuses(**inputs)})
     monkeypatch.setattr(bench, "median_ms", lambda fn, warmup, rep: (fn(), 1.25)[1])
     row = bench.train_row("tiny", "gdn_softplus", torch.device("cpu"), 1, 1)
@@ -93,7 +93,7 @@ def test_train_row_with_fla_unguarded_times_without_comparing(bench, monkeypatch
     def differentiable(**kwargs):
         return kwargs["v"] * kwargs["q"].sum(), kwargs["initial_state"] * kwargs["beta"].sum()
 
-    monkeypatch.setattr(bench, "peers", lambda inputs, gate, train: {"cute_kda": lambda: differentiable(**inputs),
+    monkeypatch.setattr(bench, "peers", lambda inputs, gate, train, **_: {"cute_kda": lambda: differentiable(**inputs),
                                                                "FLA chunk_kda": lambda: differentiable(**inputs)})
     monkeypatch.setattr(bench, "median_ms", lambda fn, warmup, rep: (fn(), 1.25)[1])
     row = bench.train_row("tiny", "gdn_softplus", torch.device("cpu"), 1, 1, fla_note="guard off: speed only")
@@ -112,11 +112,23 @@ def test_peers_option_times_only_the_named_peers(bench, monkeypatch):
     def never(**kwargs):
         raise AssertionError("FLA was called")
 
-    monkeypatch.setattr(bench, "peers", lambda inputs, gate, train: {"cute_kda": lambda: differentiable(**inputs),
+    monkeypatch.setattr(bench, "peers", lambda inputs, gate, train, **_: {"cute_kda": lambda: differentiable(**inputs),
                                                                "FLA chunk_kda": lambda: never(**inputs)})
     monkeypatch.setattr(bench, "median_ms", lambda fn, warmup, rep: (fn(), 1.25)[1])
     row = bench.train_row("tiny", "gdn_softplus", torch.device("cpu"), 1, 1, only=("cute_kda",))
     assert row["ms"] == {"cute_kda": 1.25} and row["notes"] == {}
+
+
+@pytest.mark.parametrize("disable_recompute", [False, True])
+def test_gdn_peer_recomputes_as_fla_unless_told(bench, monkeypatch, disable_recompute):
+    """cute_kda's GatedDeltaNet call keeps FLA's semantics (no states kept for the backward) unless
+    ``--gdn-disable-recompute`` passes cute_kda's ``disable_recompute=True``."""
+    import cute_kda
+
+    seen = []
+    monkeypatch.setattr(cute_kda, "chunk_gated_delta_rule", lambda **kwargs: seen.append(kwargs))
+    bench.gdn_peers({"q": None}, disable_recompute)["cute_kda"]()
+    assert seen == [{"q": None, **({"disable_recompute": True} if disable_recompute else {})}]
 
 
 def test_training_peers_let_autograd_allocate(bench, monkeypatch):

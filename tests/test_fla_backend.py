@@ -194,6 +194,21 @@ def test_backend_keeps_flas_recompute_choice(any_device, monkeypatch, disable_re
     assert seen == [not disable_recompute]
 
 
+@pytest.mark.parametrize("changes, recompute", [({}, True), (dict(disable_recompute=True), False)],
+                         ids=["fla_default", "disable_recompute"])
+def test_gdn_training_keeps_flas_memory_semantics(any_device, monkeypatch, changes, recompute):
+    """FLA's ``chunk_gated_delta_rule`` keeps no states for its backward (it recomputes them), so neither does
+    cute_kda's by default: the forward runs as ``kda_forward(recompute=True)``, through the backend as through
+    ``cute_kda.chunk_gated_delta_rule``; ``disable_recompute=True`` (cute_kda's extension) keeps them."""
+    seen = []
+    monkeypatch.setattr(api, "kda_forward", lambda *a, recompute=False, **k: seen.append(recompute) or (None, None))
+    problem = gdn_problem([20], raw_gate=True)
+    assert fla_backend.verify_gdn(**problem, **changes) == (True, None)
+    fla_backend.chunk_gated_delta_rule(**problem, **changes)
+    cute_kda.chunk_gated_delta_rule(**problem, **changes)
+    assert seen == [recompute, recompute]
+
+
 def test_gdn_inference_and_training_calls_are_accepted(any_device):
     problem = gdn_problem([40, 9], raw_gate=True)
     with torch.no_grad():

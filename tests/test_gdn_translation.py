@@ -194,8 +194,9 @@ def test_translation_is_pure_makes_inputs_contiguous_and_binds_the_gold():
 
 
 def test_signature_is_flas():
-    """FLA's parameters, plus cute_kda's keyword-only pool extension (a prefill on a state pool)."""
-    ours = ("state_indices", "checkpoint_every", "checkpoint_indices")
+    """FLA's parameters, plus cute_kda's keyword-only extension: a prefill on a state pool, and chunk_kda's
+    ``disable_recompute``."""
+    ours = ("state_indices", "checkpoint_every", "checkpoint_indices", "disable_recompute")
     parameters = inspect.signature(translate_fla_gdn_call).parameters
     assert tuple(name for name in parameters if name not in ours) == FLA_PARAMETERS
     assert all(parameters[name].kind is inspect.Parameter.KEYWORD_ONLY for name in ours)
