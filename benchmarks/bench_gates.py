@@ -202,8 +202,8 @@ def train_row(name: str, gate: str, device: torch.device, warmup: int, rep: int,
     ``fla_note``: FLA's guard is off (:func:`unguard_fla_backward`), so its gradients are not compared;
     ``gdn_disable_recompute``: cute_kda's GatedDeltaNet call keeps its states for the backward."""
     inputs, leaves, do, dht = training_problem(name, gate, device)
-    runs = {peer: fn for peer, fn in peers(inputs, gate, train=True, gdn_disable_recompute=gdn_disable_recompute).items()
-            if peer.split()[0] in only}
+    calls = peers(inputs, gate, train=True, gdn_disable_recompute=gdn_disable_recompute)
+    runs = {peer: fn for peer, fn in calls.items() if peer.split()[0] in only}
     row = {"shape": name, "gate": gate, "ms": {}, "err": None, "notes": {}}
     grads = {}
     for peer, fn in runs.items():

@@ -172,9 +172,9 @@ def test_warmup_covers_the_segmented_variants(monkeypatch):
     variants = api.warmup_variants(varlen=(False,), state_modes=(None,), vsplits=(2,))
     states_only = dict(token_outputs=False)  # the passes for the segment states form no o
     assert [v for v in variants if isinstance(v, RecurrenceVariant)] == [
-        RecurrenceVariant(2, None, None, False, pairs=SAFE_PAIRS), RecurrenceVariant(1, None, fp32, True, **states_only),
-        RecurrenceVariant(1, fp32, fp32, True, **states_only), RecurrenceVariant(1, fp32, fp32, True),
-        RecurrenceVariant(1, fp32, None, True)]
+        RecurrenceVariant(2, None, None, False, pairs=SAFE_PAIRS),
+        RecurrenceVariant(1, None, fp32, True, **states_only), RecurrenceVariant(1, fp32, fp32, True, **states_only),
+        RecurrenceVariant(1, fp32, fp32, True), RecurrenceVariant(1, fp32, None, True)]
     variants = api.warmup_variants(varlen=(False,), state_modes=(None,), vsplits=(2,), training=True)
     recurrences = [v for v in variants if isinstance(v, RecurrenceVariant)]
     scans = [v for v in variants if isinstance(v, ScanVariant)]
