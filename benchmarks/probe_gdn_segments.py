@@ -2,7 +2,8 @@
 
 For one GatedDeltaNet shape of ``benchmarks/bench_gates.py`` (its inputs: softplus gate, every input requiring
 grad, fixed dO and dht), and each ``--segments`` value (0: the heuristic of ``cute_kda/context_parallel.py``; an
-int: ``kda_forward(..., segments=N)`` under ``chunk_gated_delta_rule``'s translation):
+int: ``kda_forward(..., segments=N)`` under ``chunk_gated_delta_rule``'s translation, which recomputes the states in
+the backward as FLA's does unless ``--disable-recompute``):
 
 - the median fwd+bwd step and the median forward (``median_ms``: ``triton.testing.do_bench``, L2 cleared);
 - the gradients' rel-RMS against those of the first value listed (segments change the rounding of the states
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shape", choices=tuple(GDN_SHAPES), default="gdn_T32768_H16_HV32")
     parser.add_argument("--segments", type=segment_counts, default=[0, 4, 8],
                         help="comma-separated segment counts per sequence (0: the heuristic)")
+    parser.add_argument("--disable-recompute", action="store_true",
+                        help="the forward keeps K1's workspace and the per-tile states for the backward "
+                             "(disable_recompute=True), as every GatedDeltaNet step before perf-log GDN8 did")
     parser.add_argument("--no-group-sum", action="store_true",
                         help="value heads in pairs summed after Kernel B, not by it (cute_kda.ops.bwd_grads.GROUP_SUM "
                              "off; perf-log GDN6)")
@@ -75,8 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     first = None
     for segments in args.segments:
         def forward():
-            call = translate_fla_gdn_call(*positional, **keywords)
-            return call.run(lambda *a, **options: kda_forward(*a, segments=segments or None, **options))
+            call = translate_fla_gdn_call(*positional, disable_recompute=args.disable_recompute, **keywords)
+            return call.run(lambda *a, **options: kda_forward(*a, segments=segments or None,
+                                                               recompute=call.recompute, **options))
 
         def step():
             for name in leaves:

@@ -19,6 +19,7 @@ def test_options(probe):
     assert (args.shape, args.segments) == ("gdn_T32768_H16_HV32", [0, 4, 8])
     args = probe.build_parser().parse_args(["--shape", "gdn_T8192_H16_HV32", "--segments", "0,4"])
     assert (args.shape, args.segments) == ("gdn_T8192_H16_HV32", [0, 4])
+    assert not args.disable_recompute and probe.build_parser().parse_args(["--disable-recompute"]).disable_recompute
     for bad in ("-1", "x", "4,"):
         with pytest.raises(argparse.ArgumentTypeError):
             probe.segment_counts(bad)
