@@ -74,6 +74,7 @@ def test_training_takes_the_autograd_path(monkeypatch):
     cute_kda.chunk_gated_delta_rule(**problem)
     ((backend, call),) = seen
     assert backend is stages.KERNELS and call.training and call.options.gate == "softplus"
+    assert call.options.recompute  # as FLA's: no states kept for the backward (docs/perf-log.md, GDN8)
     assert call.inputs.g.shape == (1, 20, 4)
 
 
