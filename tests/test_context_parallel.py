@@ -435,6 +435,28 @@ def test_segmented_backward_is_deterministic(device):
         assert torch.equal(first[2][name], second[2][name]), name
 
 
+@pytest.mark.gpu
+def test_states_only_passes_keep_every_bit(device, monkeypatch):
+    """``STATES_ONLY_PASSES`` (docs/perf-log.md v13): a segmented call's passes for the segment states and a
+    recomputing backward's K2 pass run without o; the inference outputs, the training outputs and every gradient are
+    the bits of the passes with o."""
+    from cute_kda.executors import stages
+
+    problem, do, dht, options = _gpu_problem("B1_T777_H3_bf16_state_5_segments", device)
+    runs = {}
+    for states_only in (False, True):
+        monkeypatch.setattr(stages, "STATES_ONLY_PASSES", states_only)
+        with torch.no_grad():
+            inference = cute_kda.kda_forward(**problem, output_final_state=True, **options)
+        runs[states_only] = (inference, train(cute_kda.kda_forward, problem, do=do, dht=dht, recompute=True, **options))
+    torch.cuda.synchronize()
+    (inference, (o, ht, grads)), (inference_so, (o_so, ht_so, grads_so)) = runs[False], runs[True]
+    assert all(torch.equal(a, b) for a, b in zip(inference, inference_so))
+    assert torch.equal(o, o_so) and torch.equal(ht, ht_so)
+    for name in INPUTS:
+        assert torch.equal(grads[name], grads_so[name]), name
+
+
 def test_symbolic_sizes_are_planned_without_the_caches():
     """A trace's symbolic sizes (torch 2.11's SymInt is unhashable) are planned and resolved uncached: the plan and
     the call's options come out as for plain ints, and nothing keyed on them is kept."""

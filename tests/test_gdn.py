@@ -8,6 +8,8 @@ against the fp64 gold, and against FLA's own ``chunk_gated_delta_rule`` on the s
 
 from __future__ import annotations
 
+import functools
+
 import os
 
 import pytest
@@ -170,6 +172,19 @@ def test_training_matches_gold(case):
         errors[GDN_GRADS[name]] = rel_rms(grad.cpu(), want[name])
     print(f"[chunk_gated_delta_rule gradients vs gold] {case}: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
     assert all(e <= TARGETS[n] for n, e in errors.items()), errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(TRAINING_CASES))
+def test_recompute_keeps_every_bit(case):
+    """The default call keeps no states for the backward (it recomputes them, as FLA's does; docs/perf-log.md, GDN8):
+    every gradient is the bits of ``disable_recompute=True``, which keeps them."""
+    problem, do, dht = _training_problem(case)
+    kept = functools.partial(cute_kda.chunk_gated_delta_rule, disable_recompute=True)
+    grads, kept_grads = (gdn_grads(forward, problem, do, dht) for forward in (cute_kda.chunk_gated_delta_rule, kept))
+    assert grads.keys() == kept_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, kept_grads[name]), name
 
 
 @pytest.mark.gpu
