@@ -95,7 +95,8 @@ class RecurrenceVariant(SerialScan):
     K = V (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`); ``pairs``: the two-tile serial step over the pair workspace
     (:class:`cute_kda.kernels.fwd_recurrence_pairs.PairRecurrence`; with ``checkpoints`` its training variant, a
     state and tile a's U kept a pair); ``token_outputs`` False: a pass run for its states alone (``checkpoints`` or a
-    final state), no o (the backward's recomputation, a segmented call's passes for the segment states)."""
+    final state), no o (under :data:`cute_kda.executors.stages.STATES_ONLY_PASSES`: the backward's recomputation, a
+    segmented call's passes for the segment states)."""
 
     vsplit: int
     initial_state: torch.dtype | None

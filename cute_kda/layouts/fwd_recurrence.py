@@ -77,8 +77,8 @@ class RecurrenceSmemPlan:
     stage also holds the cross blocks ``cross_kd``, ``cross_qd`` (bf16 [16, 16] each, K_INTER; read in tile b's
     stages, loaded in every stage).
 
-    ``token_outputs`` False (a K2 pass run for its states alone: the backward's recomputation, a segmented call's
-    passes for the segment states): no output tiles, and the input stages drop :attr:`output_operands`, the fields
+    ``token_outputs`` False (a K2 pass run for its states alone: under ``STATES_ONLY_PASSES`` the backward's
+    recomputation and a segmented call's passes for the segment states): no output tiles, and the input stages drop :attr:`output_operands`, the fields
     only the outputs read (qd and Mqk: ``o = qd·S + Mqk·U``). The output pipeline's barriers stay.
 
     Each field is an array of stage slots (stage ``s`` at ``offset + s · slot``), each aligned to 128 bytes
