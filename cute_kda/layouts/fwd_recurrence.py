@@ -78,8 +78,9 @@ class RecurrenceSmemPlan:
     stages, loaded in every stage).
 
     ``token_outputs`` False (a K2 pass run for its states alone: under ``STATES_ONLY_PASSES`` the backward's
-    recomputation and a segmented call's passes for the segment states): no output tiles, and the input stages drop :attr:`output_operands`, the fields
-    only the outputs read (qd and Mqk: ``o = qd·S + Mqk·U``). The output pipeline's barriers stay.
+    recomputation and a segmented call's passes for the segment states): no output tiles, and the input stages drop
+    :attr:`output_operands`, the fields only the outputs read (qd and Mqk: ``o = qd·S + Mqk·U``). The output
+    pipeline's barriers stay.
 
     Each field is an array of stage slots (stage ``s`` at ``offset + s · slot``), each aligned to 128 bytes
     or, for a swizzled tile, to its swizzle period (:meth:`field_align`).
