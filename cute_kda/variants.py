@@ -155,7 +155,9 @@ class GradsVariant:
     ``grad_dtype``: dq, dk and a per-channel gate's dg in bf16, or fp16 (:data:`cute_kda.ops.bwd_grads.GRAD_DTYPES`);
     ``dtype``: q's, k's, v's and a raw gate's, bf16 or fp16 (fp16 training's own backward, docs/numerics.md "fp16
     training", stage 4); ``group_sum``: grouped value heads in groups of two, dq and dk added by the kernel into
-    ``[B, T, H, D]`` (perf-log GDN6)."""
+    ``[B, T, H, D]`` (perf-log GDN6); ``pair_rebuild``: the states come a pair of tiles (the two-tile training form,
+    W2 of docs/perf-log.md), each CTA rebuilding the matrix of its tile's other end from its pair partner's fields
+    (:mod:`cute_kda.kernels.bwd_grads.pairs`)."""
 
     varlen: bool
     qk_l2norm: bool
@@ -173,6 +175,7 @@ class GradsVariant:
     grad_dtype: torch.dtype = torch.bfloat16
     dtype: torch.dtype = torch.bfloat16
     group_sum: bool = False
+    pair_rebuild: bool = False
 
 
 @dataclass(frozen=True)

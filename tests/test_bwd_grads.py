@@ -503,7 +503,7 @@ def test_launcher_keys_the_variant_and_builds_its_arguments(monkeypatch):
     key, args = seen
     assert key == (GradsVariant(False, True, True, "safe", torch.bfloat16, False, False, 4, gate_ahead=kb.GATE_AHEAD,
                                 slopes_ahead=kb.SLOPES_AHEAD), 0)
-    assert len(args) == 10 and args[-1] == "stream" and args[6] == _CPU_T
+    assert len(args) == 11 and args[-1] == "stream" and args[6] == _CPU_T and args[-2] is None  # no pair form
     with pytest.raises(ValueError, match="compute_warps"):
         kb.bwd_grads(*_cpu_launch_args(), scale=0.1, lower_bound=-5.0, compute_warps=2)
 

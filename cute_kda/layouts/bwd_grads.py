@@ -37,6 +37,22 @@ DYADIC_LEVELS = len(DYADIC_BLOCKS)  # the straddle levels of the per-channel unb
 DYADIC_CTAS_PER_SM = 1  # the dyadic plan's first form
 
 
+# The two-tile training form (``GradsVariant.pair_rebuild``; W2 of docs/perf-log.md): a CTA loads its pair partner's
+# tiles into the bytes of the four tiles its phases 2 and 3 write first (nothing touches them before the rebuild that
+# reads the partner's), in this order, and the partner's gT into dgT's vector (written in phase 4). Tile a rebuilds
+# dS'_a = qd_bᵀ·dO_b − kd_bᵀ·dv_b + gT_b ⊙ dS'_b from :data:`PAIR_A_TILES`, tile b S_b = kr_aᵀ·U_a + gT_a ⊙ S_a from
+# :data:`PAIR_B_TILES` (U_a value-major ``[D, 16]``, a tile's bytes)
+PARTNER_BUFFERS = {"safe": ("kinv", "u_out", "neg_bdu", "cumsum"), "per_head": ("k_hat", "q_hat", "u_out", "neg_bdu")}
+PAIR_A_TILES = ("qd", "kd", "do", "dv")
+PAIR_B_TILES = ("kr", "u")
+
+
+def partner_load_bytes(tiles: tuple[str, ...], dim: int = HEAD_DIM, chunk: int = CHUNK) -> int:
+    """Bytes a CTA loads of its pair partner: ``tiles`` (:data:`PAIR_A_TILES` or :data:`PAIR_B_TILES`) of ``[16, D]``
+    bf16 each."""
+    return len(tiles) * chunk * dim * 2
+
+
 def compute_warps(dim: int = HEAD_DIM) -> tuple[int, ...]:
     """The warp counts Kernel B is built for at head dim ``dim``: :data:`COMPUTE_WARPS` at 128; 4 at 64, where K1's
     recompute has 16 rows × 8 lanes of row chunks, one a thread of 4 warps, and a warp's band stays 16 columns (the
@@ -66,6 +82,12 @@ def state_tile(dim: int = HEAD_DIM):
 def state_tile_transposed(dim: int = HEAD_DIM):
     """``[V, K]`` face of :func:`state_tile` (the image's own K_INTER layout), same bytes."""
     return state_b_view(dim)
+
+
+def pair_u_tile(dim: int = HEAD_DIM, chunk: int = CHUNK):
+    """``[D, 16]`` bf16 rows of 32 bytes: tile a's ``U`` value-major as the training pair K2 keeps it, one 1-D bulk
+    copy into a pair partner's tile (:data:`PAIR_B_TILES`); the A operand ``U_aᵀ`` of tile b's rebuild."""
+    return cute.make_layout((dim, chunk), stride=(chunk, 1))
 
 
 def warp_rows(warps: int, chunk: int = CHUNK):

@@ -8,13 +8,15 @@ stream. Nothing here reads device memory on the host.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .. import validation
 from ..layouts.bwd_grads import compute_warps as warps_at, default_warps, reads_gate_rows
 from ..numerics import NATIVE_HEAD_DIMS, f32, gate_constant
 from ..variants import GradsVariant
-from ..workspace import Workspace, block_states_shape
+from ..workspace import Workspace, block_states_shape, pair_blocks_shape, pair_u_shape
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, dsl_type, fake_stream, launch_tensor,
     to_cute_tensor,
@@ -51,6 +53,17 @@ GRAD_DTYPES = (torch.bfloat16, torch.float16)
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
+class PairTensors(NamedTuple):
+    """Kernel B's inputs in the two-tile training form (``GradsVariant.pair_rebuild``; docs/perf-log.md, W2): tile a's
+    ``U`` as the training pair K2 keeps it (bf16 :func:`~cute_kda.workspace.pair_u_shape`), Kernel A's ``dv``
+    (bf16 ``[B, T, HV, D]``) and a tile-relative K1 workspace of the call (its qd, kd, kr, gt: the pair partner's
+    fields; today's K1's, bit for bit what Kernel B recomputes of its own tile)."""
+
+    u_a: torch.Tensor
+    dv: torch.Tensor
+    ws: Workspace
+
+
 def sums_pairs(qk_heads: int, value_heads: int, grad_dtype: torch.dtype) -> bool:
     """Whether a training step hands Kernel B dq, dk per q/k head to add each pair of value heads into
     (``GradsVariant.group_sum``): :data:`GROUP_SUM` on, value heads in groups of two, bf16 gradients."""
@@ -76,14 +89,15 @@ def gate_partials_shapes(ws: Workspace, heads: int, per_head_gate: bool = False)
 
 def launch_arguments(
     q, k, g, v, do, du, A_log, dt_bias, ws: Workspace, states, state_grads, dq, dk, dg, dbeta, ddt_partial,
-    dalog_partial, *, scale: float, lower_bound: float, cu_seqlens, tile_base, tensor=launch_tensor,
+    dalog_partial, *, scale: float, lower_bound: float, cu_seqlens, tile_base, pair: PairTensors | None = None,
+    tensor=launch_tensor,
 ) -> tuple:
     """The arguments of ``BwdGrads.__call__`` (dynamic shapes: one compile serves all sizes).
 
     ``tensor(t, assumed_align)``: :func:`~._cache.launch_tensor` for a call, :func:`~._cache.to_cute_tensor`
     for the compile.
     """
-    from ..kernels.bwd_grads import GradsInputs, GradsOutputs, GradsStates, GradsWorkspace
+    from ..kernels.bwd_grads import GradsInputs, GradsOutputs, GradsStates, GradsWorkspace, PairInputs
 
     batch, steps, qk_heads, dim = q.shape
     heads = v.shape[2]  # value heads
@@ -107,8 +121,13 @@ def launch_arguments(
         dbeta=tensor(dbeta.view(rows, heads), 2), ddt_partial=optional(ddt_partial, (-1,) if per_head else (-1, dim)),
         dalog_partial=optional(dalog_partial, (-1,)),
     )
+    pair_args = None
+    if pair is not None:
+        fields = (pair.ws.qd, pair.ws.kd, pair.ws.kr)
+        pair_args = PairInputs(tensor(pair.u_a, 16), tokens(pair.dv), *(tensor(t.view(-1, 1, dim), 16) for t in fields),
+                               tensor(pair.ws.gt, 16))
     return (inputs, states_args, workspace, outputs, f32(scale), f32(gate_constant(lower_bound)), steps,
-            tensor(cu_seqlens, 8), tensor(tile_base, 4))
+            tensor(cu_seqlens, 8), tensor(tile_base, 4), pair_args)
 
 
 def _check(name: str, t, dtypes: tuple, shape: tuple, device) -> None:
@@ -121,7 +140,7 @@ def _check(name: str, t, dtypes: tuple, shape: tuple, device) -> None:
 
 
 def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial, dalog_partial,
-                   num_seqs: int, gate: str) -> None:
+                   num_seqs: int, gate: str, pair: PairTensors | None = None) -> None:
     batch, steps, qk_heads, dim = q.shape
     if dim not in NATIVE_HEAD_DIMS or dim != ws.qd.shape[-1]:
         raise ValueError(f"q's head dim {dim} must be the workspace's ({ws.qd.shape[-1]}) and one of "
@@ -151,9 +170,17 @@ def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbet
         _check("dg", dg, (dq.dtype,), token_shape, device)
     validation.check_training_size(v, "v")
     _check("dbeta", dbeta, bf16, token_shape[:3], device)
-    expected = block_states_shape(ws, heads, num_seqs)
+    expected = (block_states_shape if pair is None else pair_blocks_shape)(ws, heads, num_seqs)
     for name, t in (("states", states), ("state_grads", state_grads)):
         _check(name, t, bf16, expected, device)
+    if pair is not None:
+        if q.dtype != torch.bfloat16:
+            raise ValueError(f"pair: Kernel B's two-tile form takes bf16 q, k, v, got {q.dtype}")
+        _check("pair.u_a", pair.u_a, bf16, pair_u_shape(ws, heads, num_seqs), device)
+        _check("pair.dv", pair.dv, bf16, token_shape, device)
+        for name in ("qd", "kd", "kr", "gt"):
+            field, own = getattr(pair.ws, name), getattr(ws, name)
+            _check(f"pair.ws.{name}", field, (own.dtype,), own.shape, device)
     ddt_shape, dalog_shape = gate_partials_shapes(ws, heads, per_head)
     if gate == "none":
         if ddt_partial is not None or dalog_partial is not None:
@@ -173,7 +200,7 @@ def variant_kernel(variant: GradsVariant):
                             grouped=variant.grouped, gate_ahead=variant.gate_ahead, split_load=variant.split_load,
                             split_rows=variant.split_rows, slopes_ahead=variant.slopes_ahead, dim=variant.dim,
                             grad_dtype=dsl_type(variant.grad_dtype), dtype=dsl_type(variant.dtype),
-                            group_sum=variant.group_sum)
+                            group_sum=variant.group_sum, pair_rebuild=variant.pair_rebuild)
 
 
 def compiled_variant(variant: GradsVariant, index: int, tensors: tuple, options: dict):
@@ -193,7 +220,7 @@ def bwd_grads(
     dt_bias: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dg: torch.Tensor, dbeta: torch.Tensor,
     ddt_partial: torch.Tensor, dalog_partial: torch.Tensor, *, scale: float, lower_bound: float,
     cu_seqlens: torch.Tensor | None = None, tile_base: torch.Tensor | None = None, qk_l2norm: bool = True,
-    beta_logits: bool = True, compute_warps: int | None = None, gate: str = "safe",
+    beta_logits: bool = True, compute_warps: int | None = None, gate: str = "safe", pair: PairTensors | None = None,
 ) -> None:
     """Run Kernel B: dq, dk, dg, dbeta (valid rows) and the per-tile partials of ddt_bias and dA_log.
 
@@ -223,11 +250,18 @@ def bwd_grads(
     the log decay bf16 / fp32 for "none"); A_log, dt_bias fp32 ``[HV]`` (None for "none"); dg fp32
     ``[B, T, HV]``; ddt_partial, dalog_partial fp32 ``[HV, tiles]`` (None for "none"). Launches on torch's
     current stream.
+
+    ``pair`` (:class:`PairTensors`): the two-tile training form (docs/perf-log.md, W2; the safe and per-head gates,
+    bf16 inputs): ``states`` the training pair K2's checkpoints (the state entering each pair), ``state_grads`` Kernel
+    A's pair snapshots (the gradient leaving it), both bf16 :func:`~cute_kda.workspace.pair_blocks_shape` state
+    images; each CTA rebuilds the matrix of its tile's other end from its pair partner's fields
+    (:mod:`cute_kda.kernels.bwd_grads.pairs`). ``ws`` may be the pair workspace (Kernel B reads its INV and β, per
+    tile in both) or ``pair.ws``.
     """
     varlen = cu_seqlens is not None
     num_seqs = validation.num_seqs(q.shape[0], cu_seqlens)
     _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial, dalog_partial,
-                   num_seqs, gate)
+                   num_seqs, gate, pair)
     dim = q.shape[-1]
     if compute_warps is None:
         compute_warps = default_warps(dim)
@@ -239,13 +273,14 @@ def bwd_grads(
         tile_base = tile_bases(cu_seqlens)
     tensors = (q, k, g, v, do, du, A_log, dt_bias, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial,
                dalog_partial)
-    options = dict(scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens, tile_base=tile_base)
+    options = dict(scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens, tile_base=tile_base, pair=pair)
     with torch.cuda.device(q.device):
         stream = current_stream(q.device)
         per_head = g.dim() == 3
         variant = GradsVariant(varlen, bool(qk_l2norm), bool(beta_logits), gate, g.dtype, per_head,
                                v.shape[2] != q.shape[2], compute_warps, dim=dim, grad_dtype=dq.dtype, dtype=q.dtype,
-                               group_sum=dq.shape[2] != v.shape[2], **switches(gate, per_head, compute_warps))
+                               group_sum=dq.shape[2] != v.shape[2], pair_rebuild=pair is not None,
+                               **switches(gate, per_head, compute_warps))
         compiled_variant(variant, device_index(q.device), tensors, options)(*launch_arguments(*tensors, **options),
                                                                             stream)
 
@@ -272,6 +307,10 @@ def compile_tensors(variant: GradsVariant) -> tuple[tuple, dict]:
     grads = problem.tokens(heads // 2 if variant.group_sum else heads, dtype=variant.grad_dtype)
     gate_inner = () if variant.per_head_gate else (problem.dim,)
     states = problem.block_states()
+    pair = None
+    if variant.pair_rebuild:
+        states = problem.zeros(*pair_blocks_shape(problem.ws, heads, problem.num_seqs))
+        pair = PairTensors(problem.zeros(*pair_u_shape(problem.ws, heads, problem.num_seqs)), tokens, problem.ws)
     ddt_shape, dalog_shape = gate_partials_shapes(problem.ws, heads, variant.per_head_gate)
     constants = variant.gate != "none"
     tensors = (qk, qk, problem.tokens(heads, gate_inner, dtype=variant.g_dtype), values, tokens, tokens,
@@ -283,5 +322,5 @@ def compile_tensors(variant: GradsVariant) -> tuple[tuple, dict]:
                problem.zeros(*ddt_shape, dtype=fp32) if constants else None,
                problem.zeros(*dalog_shape, dtype=fp32) if constants else None)
     options = dict(scale=problem.dim ** -0.5, lower_bound=-5.0, cu_seqlens=problem.cu_seqlens,
-                   tile_base=problem.tile_base)
+                   tile_base=problem.tile_base, pair=pair)
     return tensors, options

@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from ...numerics import gate_scheme
-from .base import BwdGrads, GradsInputs, GradsOutputs, GradsScalars, GradsStates, GradsWorkspace
+from .base import BwdGrads, GradsInputs, GradsOutputs, GradsScalars, GradsStates, GradsWorkspace, PairInputs
 from .dyadic import DyadicBwdGrads
 from .per_head import PerHeadBwdGrads
 from .safe import SafeBwdGrads
 
 __all__ = ["BwdGrads", "DyadicBwdGrads", "GradsInputs", "GradsOutputs", "GradsScalars", "GradsStates",
-           "GradsWorkspace", "PerHeadBwdGrads", "SafeBwdGrads", "bwd_grads_kernel"]
+           "GradsWorkspace", "PairInputs", "PerHeadBwdGrads", "SafeBwdGrads", "bwd_grads_kernel"]
 
 SCHEMES = {"safe": SafeBwdGrads, "dyadic": DyadicBwdGrads, "per_head": PerHeadBwdGrads}
 

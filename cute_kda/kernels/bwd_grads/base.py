@@ -26,6 +26,9 @@ checkpoint) and the gradient ``dS'`` leaving it (Kernel A's snapshot), both stat
 
 Rows past the end of the sequence are invalid: masked to zero on entry, never written.
 
+With ``pair_rebuild`` the states come a pair of tiles and each CTA first rebuilds the matrix of its tile's other end
+from its pair partner's fields (:mod:`.pairs`, the two-tile training form).
+
 This module holds what every gate shares: the argument bundles, the launch, phases 1, 3 and 4, the warp products
 and the l2norm and β backward. One subclass a gate scheme holds its recompute, its shared memory and phases 5
 and 6: :class:`~.safe.SafeBwdGrads` (the bounded gate), :class:`~.dyadic.DyadicBwdGrads` (the per-channel
@@ -46,7 +49,7 @@ from ...dsl import cute, cutlass
 from ...layouts import bwd_grads as plan
 from ...layouts.budget import SMEM_CARVEOUT_PERCENT, SmemBudget
 from ...layouts.fwd_prepare import chunk_tile, compact
-from ...layouts.smem import CHUNK, HEAD_DIM, square_tile
+from ...layouts.smem import CHUNK, HEAD_DIM, square_tile, sw128_tile_transposed
 from ...numerics import IMAGE_RUN, LOG2E, NATIVE_HEAD_DIMS
 from ..common.copy import (
     WARP_TILE,
@@ -63,6 +66,7 @@ from ..common.copy import (
 )
 from ..common.fastmath import ex2_approx, reduce_add_bf16x2
 from ..common.token_prep import TokenPrep
+from .pairs import PairLoads, PairRebuild, PairTile
 
 
 class GradsInputs(NamedTuple):
@@ -81,7 +85,8 @@ class GradsInputs(NamedTuple):
 
 class GradsStates(NamedTuple):
     """Per-tile state matrices, ``[H · slots, D, D]`` state images (:func:`cute_kda.layouts.fwd_recurrence.state_image`):
-    matrix ``h·slots + g + s``, each loaded by one 1-D bulk copy."""
+    matrix ``h·slots + g + s``, each loaded by one 1-D bulk copy; with ``pair_rebuild`` one a pair of tiles (the state
+    entering it, the gradient leaving it), matrix ``h·slots + (g_a + s) // 2`` (``workspace.pair_block_slots``)."""
 
     state: cute.Tensor  # bf16: S entering the tile (training forward's checkpoints)
     state_grad: cute.Tensor  # bf16: dS' after the tile (Kernel A's snapshots)
@@ -93,6 +98,17 @@ class GradsWorkspace(NamedTuple):
 
     inv: cute.Tensor  # bf16 [R, 16, 16]
     beta: cute.Tensor  # fp32 [R, 16]
+
+
+class PairInputs(NamedTuple):
+    """What ``pair_rebuild`` reads of a tile's pair partner (launch side): ``R = HV · tiles`` workspace rows."""
+
+    u_a: cute.Tensor  # bf16 [HV · pair slots, D, 16]: tile a's U, value-major, as the training pair K2 keeps it
+    dv: cute.Tensor  # bf16 [rows, HV, D]: Kernel A's
+    qd: cute.Tensor  # bf16 [R · 16, 1, D]: a tile-relative K1 workspace's qd (its [R, 16, D] rows as one head)
+    kd: cute.Tensor  # bf16 [R · 16, 1, D]
+    kr: cute.Tensor  # bf16 [R · 16, 1, D]
+    gt: cute.Tensor  # fp32 [R, D]
 
 
 class GradsOutputs(NamedTuple):
@@ -117,6 +133,7 @@ class TileLocation(NamedTuple):
     state_row: Int32  # the state images' row (cute_kda.workspace.snapshot_slots with blocks of one tile)
     row0: Int32  # first token row
     valid_rows: Int32  # rows inside the sequence
+    pair: Optional[PairTile] = None  # with ``pair_rebuild``: the tile's place in its pair
 
 
 class GradsScalars(NamedTuple):
@@ -128,9 +145,11 @@ class GradsScalars(NamedTuple):
 
 # views of one CTA's shared memory every scheme has (``*_t``: transposed views of the same bytes); qd, kd are
 # written over q, k in every plan
-SHARED_SMEM_FIELDS = ("q", "k", "v", "do", "du", "state", "state_t", "state_grad", "qd", "kd", "kr", "u_out",
-                      "neg_bdu", "inv", "dmqk", "dlb", "beta", "rinv_q", "rinv_k", "dbeta_square", "dbeta_w", "dot_q",
-                      "dot_k", "dgt")
+# (``partner_*``: the pair partner's tiles of ``pair_rebuild``, over ``layouts.bwd_grads.PARTNER_BUFFERS``; None in a
+# scheme without them)
+SHARED_SMEM_FIELDS = ("q", "k", "v", "do", "du", "state", "state_t", "state_grad", "state_grad_t", "qd", "kd", "kr",
+                      "u_out", "neg_bdu", "inv", "dmqk", "dlb", "beta", "rinv_q", "rinv_k", "dbeta_square", "dbeta_w",
+                      "dot_q", "dot_k", "dgt", "partner_tiles", "partner_tiles_t", "partner_u")
 
 
 def smem_bundle(name: str, own_fields: tuple[str, ...], doc: str) -> type:
@@ -140,7 +159,7 @@ def smem_bundle(name: str, own_fields: tuple[str, ...], doc: str) -> type:
     return bundle
 
 
-class BwdGrads(TokenPrep):
+class BwdGrads(TokenPrep, PairRebuild):
     """Kernel B's shared phases. Static configuration: ``varlen``, ``qk_l2norm``, ``beta_logits``; ``dim``: K = V
     (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`); ``compute_warps`` (:func:`cute_kda.layouts.bwd_grads.compute_warps`:
     4 or 8 at 128, 4 at 64): warps per CTA, each owning ``D / compute_warps`` columns in the band phases, the first
@@ -164,6 +183,8 @@ class BwdGrads(TokenPrep):
     are bf16 over them as before. ``group_sum`` (``grouped``, bf16 gradients): dq and dk of the value heads of a
     group of two added by the kernel into the q/k head's rows of a zeroed ``[rows, H, D]`` (bf16x2 reductions: either
     order gives ``bf16(a + b)``, the bits of the caller's fp32 sum rounded once), not stored per value head.
+    ``pair_rebuild`` (a scheme with :attr:`partner_buffers`; bf16 inputs, not with ``split_load``): the states a pair
+    of tiles, the matrix of the tile's other end rebuilt first (:mod:`.pairs`).
 
     A scheme's subclass sets :attr:`gates`, :attr:`per_head_gate` (g ``[.., HV]`` instead of ``[.., HV, D]``),
     :attr:`gate_tile` (g comes by TMA with the other token tiles), :attr:`grouped_heads`, :attr:`ctas_per_sm` and
@@ -176,6 +197,7 @@ class BwdGrads(TokenPrep):
     grouped_heads = True  # built for grouped value heads
     splits_gate_rows = False  # the scheme's gate backward can run on every warp (``split_rows``)
     forms_slopes_ahead = False  # its gate backward can form the rows' slopes before its loop (``slopes_ahead``)
+    partner_buffers: tuple[str, ...] = ()  # its plan's buffers a pair partner's tiles take (``pair_rebuild``)
     ctas_per_sm = plan.CTAS_PER_SM
     smem_plan: Callable[..., SmemBudget]  # of (warps, D)
 
@@ -183,7 +205,7 @@ class BwdGrads(TokenPrep):
                  compute_warps: int = plan.DEFAULT_WARPS, gate_dtype: type = BFloat16, grouped: bool = False,
                  gate_ahead: bool = False, split_load: bool = False, split_rows: bool = False,
                  slopes_ahead: bool = False, dim: int = HEAD_DIM, grad_dtype: type = BFloat16,
-                 dtype: type = BFloat16, group_sum: bool = False) -> None:
+                 dtype: type = BFloat16, group_sum: bool = False, pair_rebuild: bool = False) -> None:
         if dim not in NATIVE_HEAD_DIMS:
             raise ValueError(f"dim must be one of {NATIVE_HEAD_DIMS}, got {dim}")
         if compute_warps not in plan.compute_warps(dim):
@@ -212,6 +234,10 @@ class BwdGrads(TokenPrep):
             raise ValueError("slopes_ahead: built for the safe gate, without split_rows")
         self.gate_ahead, self.split_load, self.split_rows = gate_ahead, split_load, split_rows
         self.slopes_ahead = slopes_ahead
+        if pair_rebuild and (not self.partner_buffers or split_load or dtype is not BFloat16):
+            raise ValueError(f"pair_rebuild: built for bf16 inputs with the {' and '.join(plan.PARTNER_BUFFERS)} gate "
+                             "schemes, not with split_load")
+        self.pair_rebuild = pair_rebuild
         self.varlen = varlen
         self.qk_l2norm = qk_l2norm
         self.beta_logits = beta_logits
@@ -241,11 +267,12 @@ class BwdGrads(TokenPrep):
         seq_len: Int32,
         cu_seqlens: Optional[cute.Tensor],
         tile_base: Optional[cute.Tensor],
+        pair: Optional[PairInputs],
         stream,
     ) -> None:
         """Launch over ``(tiles, H)`` (``(2 · tiles, H / 2)`` with :attr:`group_sum`), ``tiles = ws.beta.shape[0] //
         H``. Tensors C-contiguous with the shapes of the argument bundles (dynamic extents); ``cu_seqlens`` int64 /
-        ``tile_base`` int32 ``[N+1]`` for varlen, else None."""
+        ``tile_base`` int32 ``[N+1]`` for varlen, else None; ``pair`` with :attr:`pair_rebuild` only."""
         heads, qk_heads, d = inputs.v.shape[1], inputs.q.shape[1], self.dim
         scalars = GradsScalars(scale=scale, c_gate=c_gate, seq_len=seq_len,
                                state_slots=states.state.shape[0] // heads)
@@ -271,12 +298,18 @@ class BwdGrads(TokenPrep):
         token_tiles = ((inputs.q, inputs.k, inputs.g, inputs.v, inputs.do, inputs.du) if self.gate_tile
                        else (inputs.q, inputs.k, inputs.v, inputs.do, inputs.du))
         tma_tokens = tuple(make_head_tile_tma_atom(load, t, tile, self.tile) for t in token_tiles)
+        pair_loads = None
+        if cutlass.const_expr(self.pair_rebuild):
+            pair_loads = PairLoads(
+                *(make_head_tile_tma_atom(load, t, tile, self.tile)
+                  for t in (compact(pair.dv, (heads, d)), *(compact(f, (1, d)) for f in (pair.qd, pair.kd, pair.kr)))),
+                u_a=compact(pair.u_a, (d, CHUNK)), gt=compact(pair.gt, (d,)))
         self.shared_storage = self.smem_budget().storage_struct()
         tiles = ws.beta.shape[0] // heads
         # group_sum: the two value heads of a pair one after the other (x = 2 · tile + j), so that the second one's
         # dq, dk reductions find the first one's lines in L2, as its q, k tiles
         grid = (2 * tiles, heads // 2, 1) if cutlass.const_expr(self.group_sum) else (tiles, heads, 1)
-        self.kernel(tma_tokens, states, inputs, ws, out, scalars, cu_seqlens, tile_base).launch(
+        self.kernel(tma_tokens, states, inputs, ws, out, scalars, cu_seqlens, tile_base, pair_loads).launch(
             grid=grid, block=(self.num_threads, 1, 1), stream=stream, min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=SMEM_CARVEOUT_PERCENT,
         )
@@ -284,18 +317,29 @@ class BwdGrads(TokenPrep):
     @cute.kernel
     def kernel(self, tma_tokens: tuple, states: GradsStates, inputs: GradsInputs, ws: GradsWorkspace,
                out: GradsOutputs, scalars: GradsScalars, cu_seqlens: Optional[cute.Tensor],
-               tile_base: Optional[cute.Tensor]):
+               tile_base: Optional[cute.Tensor], pair_loads: Optional[PairLoads]):
         tile_slot, head, _ = cute.arch.block_idx()
         tiles, _, _ = cute.arch.grid_dim()
         if cutlass.const_expr(self.group_sum):  # x = 2 · tile + value head in the pair, y = the pair
             tile_slot, head, tiles = tile_slot // 2, 2 * head + tile_slot % 2, tiles // 2
         slot = head * tiles + tile_slot
-        row0, valid_rows, exists, seq = self.locate_tile(tile_slot, scalars.seq_len, cu_seqlens, tile_base)
+        if cutlass.const_expr(self.pair_rebuild):
+            seq, tile_in_seq, row0, seq_end, exists = self.tile_position(tile_slot, scalars.seq_len, cu_seqlens,
+                                                                         tile_base)
+            valid_rows = cutlass.min(seq_end - row0, CHUNK)
+        else:
+            row0, valid_rows, exists, seq = self.locate_tile(tile_slot, scalars.seq_len, cu_seqlens, tile_base)
         if exists:
-            state_row = head * scalars.state_slots + tile_slot + seq
+            pair = None
+            if cutlass.const_expr(self.pair_rebuild):
+                pair = self.pair_position(head, tile_slot, tiles, tile_in_seq, seq, row0, seq_end,
+                                          scalars.state_slots)
+                state_row = pair.pair_row
+            else:
+                state_row = head * scalars.state_slots + tile_slot + seq
             qk_head = head // (inputs.v.shape[1] // inputs.q.shape[1]) if cutlass.const_expr(self.grouped) else head
             self.tile_gradients(tma_tokens, states, inputs, ws, out, scalars,
-                                TileLocation(head, qk_head, slot, state_row, row0, valid_rows))
+                                TileLocation(head, qk_head, slot, state_row, row0, valid_rows, pair), pair_loads)
         else:
             self.zero_partials(out, slot)
 
@@ -312,6 +356,8 @@ class BwdGrads(TokenPrep):
     def shared_views(self, storage, *, v, du, kr, state, state_grad) -> dict:
         """The :data:`SHARED_SMEM_FIELDS` views of ``storage``, given the buffers each plan places differently."""
         tile = chunk_tile(self.dim)
+        partner = tuple(getattr(storage, name) for name in self.partner_buffers)
+        tile_t = sw128_tile_transposed(CHUNK, self.dim)
         state_layout = plan.state_tile(self.dim)
         sq = square_tile()
         warp_rows = plan.warp_rows(self.warps)
@@ -321,7 +367,8 @@ class BwdGrads(TokenPrep):
             v=self.view(v, tile, self.dtype),
             do=self.view(storage.do, tile), du=self.view(du, tile), state=self.view(state, state_layout),
             state_t=self.view(state, plan.state_tile_transposed(self.dim)),
-            state_grad=self.view(state_grad, state_layout), qd=self.view(storage.q, tile),
+            state_grad=self.view(state_grad, state_layout),
+            state_grad_t=self.view(state_grad, plan.state_tile_transposed(self.dim)), qd=self.view(storage.q, tile),
             kd=self.view(storage.k, tile), kr=self.view(kr, tile), u_out=self.view(storage.u_out, tile),
             neg_bdu=self.view(storage.neg_bdu, tile), inv=self.view(storage.inv, sq), dmqk=self.view(storage.dmqk, sq),
             dlb=self.view(storage.dlb, sq),
@@ -329,6 +376,9 @@ class BwdGrads(TokenPrep):
             dbeta_w=self.view(storage.rows_then_l2norm.dbeta_w, warp_rows, Float32),
             dot_q=self.view(l2norm.dot_q, warp_rows, Float32), dot_k=self.view(l2norm.dot_k, warp_rows, Float32),
             dgt=self.view(storage.dgt, plan.vector(self.dim), Float32),
+            partner_tiles=tuple(self.view(buffer, tile) for buffer in partner) if partner else None,
+            partner_tiles_t=tuple(self.view(buffer, tile_t) for buffer in partner) if partner else None,
+            partner_u=self.view(partner[1], plan.pair_u_tile(self.dim)) if partner else None,
         )
 
     @staticmethod
@@ -345,9 +395,11 @@ class BwdGrads(TokenPrep):
         return smem_tensor(buffer.data_ptr(), layout, dtype)
 
     @cute.jit
-    def start_tile(self, tma_tokens: tuple, states: GradsStates, tile: TileLocation) -> tuple:
+    def start_tile(self, tma_tokens: tuple, states: GradsStates, tile: TileLocation,
+                   pair_loads: Optional[PairLoads] = None) -> tuple:
         """A CTA with a tile: (thread, warp, lane, the scheme's smem views, the transaction barrier), warp 0 having
-        issued the loads (:meth:`load_tiles` of :meth:`token_buffers`)."""
+        issued the loads (:meth:`load_tiles` of :meth:`token_buffers`; with ``pair_rebuild`` the pair partner's,
+        :meth:`~.pairs.PairRebuild.load_partner`)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -355,8 +407,11 @@ class BwdGrads(TokenPrep):
         smem = self.make_smem(storage)
         tma_barrier = storage.tma_barrier.data_ptr()
         if warp_idx == 0:
+            partner_bytes = self.partner_bytes(tile.pair) if cutlass.const_expr(self.pair_rebuild) else 0
             self.load_tiles(tma_tokens, states, self.token_buffers(smem, tile.head, tile.qk_head),
-                            (smem.state, smem.state_grad), tma_barrier, tile.row0, tile.state_row)
+                            (smem.state, smem.state_grad), tma_barrier, tile.row0, tile.state_row, partner_bytes)
+            if cutlass.const_expr(self.pair_rebuild):
+                self.load_partner(pair_loads, tma_tokens[-2], smem, tile.pair, tile.head, tile.row0, tma_barrier)
         return tidx, warp_idx, lane, smem, tma_barrier
 
     def token_buffers(self, smem, head: Int32, qk_head: Int32) -> tuple:
@@ -368,10 +423,11 @@ class BwdGrads(TokenPrep):
 
     @cute.jit
     def load_tiles(self, tma_tokens: tuple, states: GradsStates, token_buffers: tuple, state_buffers: tuple,
-                   tma_barrier, row0: Int32, state_row: Int32):
+                   tma_barrier, row0: Int32, state_row: Int32, extra_bytes=0):
         """Warp 0: one transaction barrier (two with ``split_load``: the token tiles', then the state images', the
-        next mbarrier); the token tiles at token row ``row0`` (``token_buffers``: (smem tile, head) in ``tma_tokens``'
-        order), the two state images of row ``state_row`` (one 1-D bulk copy each)."""
+        next mbarrier), counting ``extra_bytes`` more that the caller loads after these; the token tiles at token row
+        ``row0`` (``token_buffers``: (smem tile, head) in ``tma_tokens``' order), the two state images of row
+        ``state_row`` (one 1-D bulk copy each)."""
         image_elements = self.dim * self.dim
         total = plan.load_bytes(self.dim, per_head_gate=not self.gate_tile)
         state_barrier = tma_barrier + 1 if cutlass.const_expr(self.split_load) else tma_barrier
@@ -384,7 +440,7 @@ class BwdGrads(TokenPrep):
                 cute.arch.mbarrier_arrive_and_expect_tx(tma_barrier, total - plan.state_load_bytes(self.dim))
                 cute.arch.mbarrier_arrive_and_expect_tx(state_barrier, plan.state_load_bytes(self.dim))
             else:
-                cute.arch.mbarrier_arrive_and_expect_tx(tma_barrier, total)
+                cute.arch.mbarrier_arrive_and_expect_tx(tma_barrier, total + extra_bytes)
         for (atom, tma_tensor), (buffer, head) in zip(tma_tokens, token_buffers):
             s_part, g_part = head_tile_tma_partition(
                 atom, cute.domain_offset((row0, 0, 0), tma_tensor), buffer, head, self.tile

@@ -114,7 +114,7 @@ class DyadicBwdGrads(BwdGrads):
 
     @cute.jit
     def tile_gradients(self, tma_tokens: tuple, states: GradsStates, inputs: GradsInputs, ws: GradsWorkspace,
-                       out: GradsOutputs, scalars: GradsScalars, tile: TileLocation):
+                       out: GradsOutputs, scalars: GradsScalars, tile: TileLocation, pair_loads=None):
         tidx, warp_idx, lane, smem, tma_barrier = self.start_tile(tma_tokens, states, tile)
         # 1. workspace values, this thread's channel of g and its gate constants while the TMA runs
         col = tidx % self.dim

@@ -15,6 +15,8 @@ reductions (:class:`.base.BwdGrads`); larger groups are summed afterwards. Two C
 
 from __future__ import annotations
 
+from typing import Optional
+
 from cutlass import BFloat16, Float32, Int32
 
 from ...dsl import cute, cutlass
@@ -26,6 +28,7 @@ from ..common.copy import Operand, c_row_half, make_fragment
 from .base import (
     BwdGrads, GradsInputs, GradsOutputs, GradsScalars, GradsStates, GradsWorkspace, TileLocation, smem_bundle,
 )
+from .pairs import PairLoads
 
 PerHeadGradsSmem = smem_bundle(
     "PerHeadGradsSmem",
@@ -41,6 +44,7 @@ class PerHeadBwdGrads(BwdGrads):
 
     per_head_gate = True
     smem_plan = staticmethod(plan.per_head_smem_budget)
+    partner_buffers = plan.PARTNER_BUFFERS["per_head"]
 
     @cute.jit
     def zero_partials(self, out: GradsOutputs, slot: Int32):
@@ -69,12 +73,15 @@ class PerHeadBwdGrads(BwdGrads):
 
     @cute.jit
     def tile_gradients(self, tma_tokens: tuple, states: GradsStates, inputs: GradsInputs, ws: GradsWorkspace,
-                       out: GradsOutputs, scalars: GradsScalars, tile: TileLocation):
-        tidx, warp_idx, lane, smem, tma_barrier = self.start_tile(tma_tokens, states, tile)
+                       out: GradsOutputs, scalars: GradsScalars, tile: TileLocation,
+                       pair_loads: Optional[PairLoads] = None):
+        tidx, warp_idx, lane, smem, tma_barrier = self.start_tile(tma_tokens, states, tile, pair_loads)
         # 1. the rows' gate inputs and the workspace values, loaded while the TMA runs (all loads out first)
         gate_inputs = self.head_gate_inputs(inputs.g, inputs.a_log, inputs.dt_bias, tile.head, tile.row0,
                                             tile.valid_rows, lane % CHUNK)
         self.load_workspace_rows(smem, ws, tile.slot, tidx)
+        if cutlass.const_expr(self.pair_rebuild):
+            self.load_partner_decay(smem, pair_loads, tile.pair, tidx)
         # 2. K1's per-head recompute: warp 0 the rows' gate, sums and pair decays; rows past the sequence end of v,
         # dO, du are zeroed
         dt, e_a = Float32(0.0), Float32(1.0)
@@ -83,6 +90,8 @@ class PerHeadBwdGrads(BwdGrads):
                                           smem.prefix, smem.suffix, lane)
         cute.arch.sync_threads()  # the rows' values; the barrier is initialised before anyone waits on it
         cute.arch.mbarrier_wait(tma_barrier, 0)
+        if cutlass.const_expr(self.pair_rebuild):  # the matrix of the tile's other end, before phase 2's writes
+            self.rebuild_pair_matrix(smem, tile.pair, tidx, warp_idx, lane)
         self.zero_invalid_rows(smem, tile.valid_rows, tidx)
         cute.arch.sync_threads()
         self.decay_per_row(smem.q, smem.k, smem.qd, smem.kd, smem.kr, smem.q_hat, smem.k_hat, smem.prefix, smem.suffix,

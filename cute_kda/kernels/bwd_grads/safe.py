@@ -12,6 +12,8 @@ g comes by TMA with the other token tiles; two CTAs per SM (``cute_kda.layouts.b
 
 from __future__ import annotations
 
+from typing import Optional
+
 from cutlass import BFloat16, Float32, Int32
 
 from ...dsl import cute, cutlass
@@ -24,6 +26,7 @@ from ..common.fastmath import ex2_approx, fma_rn, rcp_approx
 from .base import (
     BwdGrads, GradsInputs, GradsOutputs, GradsScalars, GradsStates, GradsWorkspace, TileLocation, smem_bundle,
 )
+from .pairs import PairLoads
 
 # ptxas takes its fast path of rcp.rn.f32(y) (what ``1 / y`` becomes) for y's biased exponent in 1 … 252 (its range
 # test: (bits + 3·2^23) & 0x7f800000 > 0x1ffffff); [1, 2^125) lies inside
@@ -57,6 +60,7 @@ class SafeBwdGrads(BwdGrads):
     forms_slopes_ahead = True
     grouped_heads = False
     smem_plan = staticmethod(plan.smem_budget)
+    partner_buffers = plan.PARTNER_BUFFERS["safe"]
 
     def make_smem(self, storage) -> SafeGradsSmem:
         tile, tile_t = chunk_tile(self.dim), sw128_tile_transposed(CHUNK, self.dim)
@@ -78,14 +82,19 @@ class SafeBwdGrads(BwdGrads):
 
     @cute.jit
     def tile_gradients(self, tma_tokens: tuple, states: GradsStates, inputs: GradsInputs, ws: GradsWorkspace,
-                       out: GradsOutputs, scalars: GradsScalars, tile: TileLocation):
-        tidx, warp_idx, lane, smem, tma_barrier = self.start_tile(tma_tokens, states, tile)
+                       out: GradsOutputs, scalars: GradsScalars, tile: TileLocation,
+                       pair_loads: Optional[PairLoads] = None):
+        tidx, warp_idx, lane, smem, tma_barrier = self.start_tile(tma_tokens, states, tile, pair_loads)
         # 1. workspace values and this thread's channel constants while the TMA runs
         col = tidx % self.dim
         dt, e_a = self.gate_constants(inputs.a_log, inputs.dt_bias, tile.head, col)
         self.load_workspace_rows(smem, ws, tile.slot, tidx)
+        if cutlass.const_expr(self.pair_rebuild):
+            self.load_partner_decay(smem, pair_loads, tile.pair, tidx)
         cute.arch.sync_threads()  # the barrier is initialised before anyone waits on it
         cute.arch.mbarrier_wait(tma_barrier, 0)
+        if cutlass.const_expr(self.pair_rebuild):  # the matrix of the tile's other end, before phase 2's writes
+            self.rebuild_pair_matrix(smem, tile.pair, tidx, warp_idx, lane)
 
         # 2. K1's recompute; rows past the sequence end of v, dO, du are zeroed
         self.zero_invalid_rows(smem, tile.valid_rows, tidx)
