@@ -271,11 +271,18 @@ def main() -> None:
     parser.add_argument("--no-group-sum", action="store_true",
                         help="with --train: value heads in pairs summed after Kernel B, not by it "
                              "(cute_kda.ops.bwd_grads.GROUP_SUM off; perf-log GDN6)")
+    parser.add_argument("--pair-training", action="store_true",
+                        help="with --train: a recomputing backward in the two-tile form where its rule takes the "
+                             "V-split (cute_kda.executors.stages.PAIR_TRAINING; perf-log W2)")
     args = parser.parse_args()
     if args.no_group_sum:
         from cute_kda.ops import bwd_grads
 
         bwd_grads.GROUP_SUM = False
+    if args.pair_training:
+        from cute_kda.executors import stages
+
+        stages.PAIR_TRAINING = True
     if args.fla_unguarded and not args.train:
         parser.error("--fla-unguarded goes with --train")
     if not torch.cuda.is_available():

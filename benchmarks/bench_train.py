@@ -139,6 +139,9 @@ SWITCHES = {
     "--states-only-passes": ("cute_kda.executors.stages", "STATES_ONLY_PASSES", True,
                              "K2's passes whose o nobody reads (the backward's recomputation, a segmented call's "
                              "segment-state passes) without o (perf-log v13)"),
+    "--pair-training": ("cute_kda.executors.stages", "PAIR_TRAINING", True,
+                        "a recomputing backward in the two-tile form where its rule takes the V-split: pair K1, "
+                        "training pair K2, Kernel A's pair scan, Kernel B's rebuild (perf-log W2)"),
     "--no-fp16-do-kernel": ("cute_kda.executors.training", "FP16_DO_KERNEL", False,
                             "--dtype fp16: dO rounded to bf16 by torch's cast, not by cute_kda's streaming kernel "
                             "(perf-log F4)"),

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-group-sum", action="store_true",
                         help="value heads in pairs summed after Kernel B, not by it (cute_kda.ops.bwd_grads.GROUP_SUM "
                              "off; perf-log GDN6)")
+    parser.add_argument("--pair-training", action="store_true",
+                        help="a recomputing backward in the two-tile form where its rule takes the V-split "
+                             "(cute_kda.executors.stages.PAIR_TRAINING; perf-log W2)")
     return parser
 
 
@@ -72,6 +75,10 @@ def main(argv: list[str] | None = None) -> None:
         from cute_kda.ops import bwd_grads
 
         bwd_grads.GROUP_SUM = False
+    if args.pair_training:
+        from cute_kda.executors import stages
+
+        stages.PAIR_TRAINING = True
     device = torch.device("cuda")
     inputs, leaves, do, dht = training_problem(args.shape, "gdn_softplus", device)
     positional = [inputs[name] for name in POSITIONAL]

@@ -423,6 +423,9 @@ def warmup_variants(
     :data:`~cute_kda.executors.training.FP16_GRAD_STORES` on, the copy route's fp16-gradient twins (Kernel A's fp16
     dv; Kernel B's fp16 dq, dk, dg for the per-channel gates in q's dtype); under
     :data:`~cute_kda.executors.training.FP16_DO_KERNEL` the rounding pass of an fp16 dO.
+    Under :data:`~cute_kda.executors.stages.PAIR_TRAINING` ``training`` also lists the two-tile form's backward (bf16,
+    the gates with pair variants, the V-splits its rule takes): K1's pair variant, the training pair K2, Kernel A's
+    pair scan and Kernel B's ``pair_rebuild``.
     ``head_dims``: K = V of every listed variant (:data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`: what runs natively,
     :func:`cute_kda.call.runs_native`; Kernel B at 64 at its one warp count, 4). Where a gate's inference forward
     runs the two-tile prefill (:func:`cute_kda.variants.pair_prefill`), its K1 and K2 (and pool K2) are the pair
@@ -432,7 +435,7 @@ def warmup_variants(
     from .executors.training import FP16_DO_KERNEL, FP16_NATIVE_BACKWARD, stores_fp16_grads
     from .layouts.bwd_grads import default_warps
     from .ops.bwd_grads import switches as grads_switches
-    from .numerics import NATIVE_HEAD_DIMS, SCAN_VSPLITS, SUPPORTED_VSPLITS
+    from .numerics import NATIVE_HEAD_DIMS, SCAN_VSPLITS, SUPPORTED_VSPLITS, gate_scheme
 
     for dim in head_dims:
         if dim not in NATIVE_HEAD_DIMS:
@@ -504,6 +507,24 @@ def warmup_variants(
                 for pairs in (False, True) if per_head and stored == torch.bfloat16 else (False,):
                     variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, warps, dim=dim,
                                           grad_dtype=stored, dtype=torch.float16, group_sum=pairs,
+                                          **grads_switches(gate, per_head, warps))] = None
+        if stages.PAIR_TRAINING:  # a recomputing backward in the two-tile form (bf16, stages.trains_pairs)
+            for (l2, logits, packed), dim, (gate, g_dtype, per_head) in itertools.product(flags, head_dims, gate_forms):
+                least = stages.PAIR_TRAINING_MIN_VSPLIT.get(gate_scheme(gate, per_head))
+                if least is None or not any(split >= least for split in k2_splits):
+                    continue
+                variants[PrepareVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, torch.bfloat16, dim,
+                                        pairs=True)] = None
+                for mode, split in itertools.product(state_modes, k2_splits):
+                    if split >= least:  # the training pair K2: checkpoints, no final state, o into a scratch
+                        variants[RecurrenceVariant(split, mode, None, packed, True, dim=dim, pairs=True)] = None
+                for mode, split in itertools.product(scan_modes, scan_splits):
+                    for dht in (mode, None):
+                        variants[ScanVariant(split, dht, mode, packed, snapshot_every=2, dim=dim, pairs=True)] = None
+                warps = default_warps(dim)
+                for pairs in (False, True) if per_head else (False,):
+                    variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, warps, dim=dim,
+                                          group_sum=pairs, pair_rebuild=True,
                                           **grads_switches(gate, per_head, warps))] = None
         if FP16_DO_KERNEL and torch.float16 in dtypes:  # an fp16 dO rounded to bf16 by the kernel
             variants[RoundVariant()] = None

@@ -190,6 +190,30 @@ def test_warmup_covers_the_segmented_variants(monkeypatch):
         CombineVariant(64, False, torch.bfloat16), CombineVariant(64, False, fp32)]
 
 
+def test_warmup_with_pair_training_lists_the_pair_backward(monkeypatch):
+    """Under ``PAIR_TRAINING`` ``training`` adds the two-tile form's backward where its rule takes the V-split: K1's
+    pair variant, the training pair K2 (checkpoints, no final state), Kernel A's pair scan and Kernel B's
+    ``pair_rebuild`` (GatedDeltaNet's with ``group_sum`` too); at V-splits under the rule's, none of it."""
+    fp32 = torch.float32
+    options = dict(varlen=(False,), state_modes=(fp32,), gates=("safe", "softplus"), gated_delta_rule=True,
+                   training=True, segments=False)
+    monkeypatch.setattr(stages, "PAIR_TRAINING", True)
+    least = stages.PAIR_TRAINING_MIN_VSPLIT["safe"]
+    variants = api.warmup_variants(vsplits=(least,), **options)
+    assert RecurrenceVariant(least, fp32, None, False, True, pairs=True) in variants
+    assert {(v.vsplit, v.dht, v.dh0) for v in variants if isinstance(v, ScanVariant) and v.pairs} == {
+        (least, fp32, fp32), (least, None, fp32)}
+    assert all(v.snapshot_every == 2 for v in variants if isinstance(v, ScanVariant) and v.pairs)
+    assert sorted((v.gate, v.per_head_gate, v.group_sum) for v in variants
+                  if isinstance(v, GradsVariant) and v.pair_rebuild) == [
+        ("safe", False, False), ("softplus", True, False), ("softplus", True, True)]
+    assert any(isinstance(v, PrepareVariant) and v.pairs and v.gate == "safe" for v in variants)
+    below = api.warmup_variants(vsplits=(1, 2), **options)
+    assert not any(getattr(v, "pair_rebuild", False) or (isinstance(v, ScanVariant) and v.pairs) for v in below)
+    monkeypatch.setattr(stages, "PAIR_TRAINING", False)
+    assert not any(getattr(v, "pair_rebuild", False) for v in api.warmup_variants(vsplits=(least,), **options))
+
+
 def test_warmup_compiles_each_listed_variant_with_its_launcher(monkeypatch):
     from cute_kda.ops import bwd_grads, bwd_scan, prepare, recurrence, segment_combine
 
@@ -211,11 +235,13 @@ def test_warmup_compiles_each_listed_variant_with_its_launcher(monkeypatch):
 @pytest.mark.parametrize("gate, per_head, grads, inputs", [
     ("safe", False, torch.bfloat16, torch.bfloat16), ("softplus", True, torch.bfloat16, torch.bfloat16),
     ("none", False, torch.bfloat16, torch.bfloat16), ("safe", False, torch.float16, torch.bfloat16),
-    ("safe", False, torch.float16, torch.float16)],
-    ids=["safe", "per_head", "per_channel_log_decay", "safe_fp16_grads", "safe_fp16_inputs"])
+    ("safe", False, torch.float16, torch.float16), ("safe", False, torch.bfloat16, "pairs"),
+    ("softplus", True, torch.bfloat16, "pairs")],
+    ids=["safe", "per_head", "per_channel_log_decay", "safe_fp16_grads", "safe_fp16_inputs", "safe_pair_rebuild",
+         "per_head_pair_rebuild"])
 def test_compile_bwd_grads_builds_the_key_a_call_uses(monkeypatch, gate, per_head, grads, inputs):
     """The ahead-of-time Kernel B compile (``meta`` tensors) hands the same variant to the cache as a call on its
-    buffers does."""
+    buffers does; "pairs": the two-tile form's (``pair_rebuild``: pair states, tile a's U, dv, a partner workspace)."""
     import contextlib
 
     from cute_kda.layouts.bwd_grads import DEFAULT_WARPS
@@ -227,11 +253,14 @@ def test_compile_bwd_grads_builds_the_key_a_call_uses(monkeypatch, gate, per_hea
     monkeypatch.setattr(kb, "current_stream", lambda device: "stream")
     monkeypatch.setattr(kb, "device_index", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    pairs = inputs == "pairs"
+    inputs = torch.bfloat16 if pairs else inputs
     kb.compile_variant(GradsVariant(True, True, False, gate, inputs, per_head, per_head, DEFAULT_WARPS,
-                                    grad_dtype=grads, dtype=inputs, **kb.switches(gate, per_head, DEFAULT_WARPS)),
-                       "cuda:0")
+                                    grad_dtype=grads, dtype=inputs, pair_rebuild=pairs,
+                                    **kb.switches(gate, per_head, DEFAULT_WARPS)), "cuda:0")
     (variant, tensors, options), = seen
     assert all(t is None or t.device.type == "meta" for t in tensors if isinstance(t, torch.Tensor))
+    assert (options["pair"] is not None) == pairs and (not pairs or options["pair"].u_a.device.type == "meta")
     names = ("q", "k", "g", "v", "do", "du", "A_log", "dt_bias", "ws", "states", "state_grads", "dq", "dk", "dg",
              "dbeta", "ddt_partial", "dalog_partial")
     kb.bwd_grads(**dict(zip(names, tensors)), **options, qk_l2norm=True, beta_logits=False, gate=gate)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 
 import pytest
 import torch
@@ -301,13 +302,19 @@ def launchers_on_mirrors(monkeypatch):
     """The kernel backend on the CPU: each launcher it calls (K1, the tile bases, K2, Kernel A, Kernel B)
     replaced by its mirror, after binding the call to the real launcher's signature and, for Kernel A and
     Kernel B, running the real launcher's buffer checks. Kernel B takes no raw beta (β comes from the
-    workspace), so its mirror gets the problem's beta from ``fakes.beta``."""
+    workspace), so its mirror gets the problem's beta from ``fakes.beta``. The two-tile form's launches (``cross``,
+    ``u_a``, ``pair``: ``stages.PAIR_TRAINING``) run the pair mirrors."""
     from cute_kda.ops import bwd_grads as kb
     from cute_kda.ops import bwd_scan as ka
     from cute_kda.ops import prepare as k1
     from cute_kda.ops import recurrence as k2
     from cute_kda.reference import mirror, mirror_bwd_scan, tile_bases
     from cute_kda.reference.backward import mirror_bwd_grads
+    from cute_kda.reference.pair_backward import tile_states_of_pairs
+    from cute_kda.reference.pairs import (
+        PairWorkspace, mirror_bwd_scan_pairs, mirror_prepare_pairs, mirror_recurrence_pairs,
+    )
+    from cute_kda.workspace import pair_blocks_shape
 
     fakes = type("Fakes", (), {"calls": [], "beta": None, "cu_seqlens_dtypes": [], "k2_outputs": []})()
 
@@ -337,28 +344,34 @@ def launchers_on_mirrors(monkeypatch):
     @fake(k1, "prepare")
     def _(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, cu_seqlens, tile_base, qk_l2norm, beta_logits,
           gate, stream, cross):
-        assert gate == "safe" and cross is None  # training takes the safe gate only, and today's K1
+        assert gate == "safe"  # these tests take the safe gate
         assert tile_base is None if cu_seqlens is None else torch.equal(tile_base, tile_bases(cu_seqlens, 0, 1))
-        done = mirror.mirror_prepare(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                                     scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
-                                     beta_logits=beta_logits)
-        for field, value in zip(ws, done):
+        prepare = mirror.mirror_prepare if cross is None else mirror_prepare_pairs
+        done = prepare(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+                       cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+        fields = done if cross is None else done.ws
+        for field, value in zip((*ws, *(cross or ())), (*fields, *(() if cross is None else done[1:]))):
             field.copy_(value)
 
     @fake(k2, "recurrence")
     def _(v, ws, out, cu_seqlens, tile_base, initial_state, final_state, vsplit, checkpoints, cross, u_a, stream):
         assert vsplit is None or vsplit in validation.SUPPORTED_VSPLITS
-        assert cross is None and u_a is None  # training runs today's K2 (the two-tile prefill is inference's)
+        # the two-tile chain keeps tile a's U beside its checkpoints (PAIR_TRAINING's recomputation), as the launcher says
+        assert (u_a is not None) == (cross is not None and checkpoints is not None)
         assert out is not None or checkpoints is not None or final_state is not None  # the launcher's own rule
         fakes.k2_outputs.append(out is not None)
         kept = None
         if checkpoints is not None:  # the training pass (a segmented call's extra passes keep none)
             assert checkpoints.dtype == torch.bfloat16
-            assert checkpoints.shape == block_states_shape(ws, v.shape[2], num_seqs(v, cu_seqlens))
+            shape = block_states_shape if cross is None else pair_blocks_shape
+            assert checkpoints.shape == shape(ws, v.shape[2], num_seqs(v, cu_seqlens))
             kept = torch.full_like(checkpoints, float("nan"))
-        o, state = mirror.mirror_recurrence(
-            ws, v, cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=final_state is not None,
-            state_dtype=torch.float32 if final_state is None else final_state.dtype, checkpoints=kept)
+        common = dict(cu_seqlens=cu_seqlens, initial_state=initial_state, output_final_state=final_state is not None,
+                      state_dtype=torch.float32 if final_state is None else final_state.dtype, checkpoints=kept)
+        if cross is None:
+            o, state = mirror.mirror_recurrence(ws, v, **common)
+        else:
+            o, state = mirror_recurrence_pairs(PairWorkspace(ws, *cross), v, u_a=u_a, **common)
         if kept is not None:
             written = ~kept.isnan().flatten(1).all(1)  # the kernel keeps state images, in the rows it owns
             checkpoints[written] = states_to_images(kept[written])
@@ -370,10 +383,18 @@ def launchers_on_mirrors(monkeypatch):
     @fake(ka, "bwd_scan")
     def _(do, ws, dv, du, snapshots, cu_seqlens, tile_base, dht, dh0, vsplit, tuning, token_outputs, snapshot_every,
           cross):
-        assert snapshot_every == SNAPSHOT_TILES and cross is None  # Kernel B reads a snapshot a tile (today's scan)
-        ka._check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs(do, cu_seqlens), snapshot_every, False)
-        scan = mirror_bwd_scan(ws, do, cu_seqlens=cu_seqlens, dht=dht, snapshot_every=snapshot_every,
-                               dh0_dtype=torch.float32 if dh0 is None else dh0.dtype)
+        # Kernel B reads a snapshot a tile (today's scan), or a pair in the two-tile form
+        assert snapshot_every == (SNAPSHOT_TILES if cross is None else 2)
+        ka._check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs(do, cu_seqlens), snapshot_every,
+                          cross is not None)
+        if cross is None:
+            scan = mirror_bwd_scan(ws, do, cu_seqlens=cu_seqlens, dht=dht, snapshot_every=snapshot_every,
+                                   dh0_dtype=torch.float32 if dh0 is None else dh0.dtype)
+        else:
+            kept = torch.full(snapshots.shape, float("nan"), dtype=torch.bfloat16)
+            result = mirror_bwd_scan_pairs(PairWorkspace(ws, *cross), do, cu_seqlens=cu_seqlens, dht=dht,
+                                           snapshots=kept)
+            scan = types.SimpleNamespace(dv=result.dv, du=result.du, dh0=result.dh0, snapshots=kept)
         outputs = ((dv, scan.dv), (du, scan.du), (snapshots, states_to_images(scan.snapshots))) if token_outputs \
             else ()  # without token outputs the kernel writes dh0 alone
         for buffer, value in (*outputs, (dh0, scan.dh0)):
@@ -382,13 +403,17 @@ def launchers_on_mirrors(monkeypatch):
 
     @fake(kb, "bwd_grads")
     def _(q, k, g, v, do, du, ws, states, state_grads, A_log, dt_bias, dq, dk, dg, dbeta, ddt_partial,
-          dalog_partial, scale, lower_bound, cu_seqlens, tile_base, qk_l2norm, beta_logits, compute_warps, gate):
+          dalog_partial, scale, lower_bound, cu_seqlens, tile_base, qk_l2norm, beta_logits, compute_warps, gate,
+          pair):
         assert compute_warps is None  # the autograd layer leaves the tuning knob at its default
         assert gate == "safe"
         kb._check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial,
-                          dalog_partial, num_seqs(q, cu_seqlens), gate)
-        grads = mirror_bwd_grads(q, k, g, fakes.beta, v, do, du, ws, images_to_states(states),
-                                 images_to_states(state_grads), A_log=A_log,
+                          dalog_partial, num_seqs(q, cu_seqlens), gate, pair)
+        states, state_grads = images_to_states(states), images_to_states(state_grads)
+        if pair is not None:  # the kernel rebuilds each tile's other end from the pair's matrices
+            states, state_grads = tile_states_of_pairs(pair.ws, states, state_grads, pair.u_a, do, pair.dv,
+                                                       cu_seqlens=cu_seqlens)
+        grads = mirror_bwd_grads(q, k, g, fakes.beta, v, do, du, ws, states, state_grads, A_log=A_log,
                                  dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
                                  qk_l2norm=qk_l2norm, beta_logits=beta_logits)
         for buffer, value in ((dq, grads.dq), (dk, grads.dk), (dg, grads.dg), (dbeta, grads.dbeta)):
@@ -434,6 +459,66 @@ def test_kernel_stages_recompute_without_o(launchers_on_mirrors, monkeypatch, st
     assert launchers_on_mirrors.calls == ["tile_bases", "prepare", "recurrence", "prepare", "recurrence", "bwd_scan",
                                           "bwd_grads"]
     assert launchers_on_mirrors.k2_outputs == [True, not states_only]
+    for name in expected:
+        assert torch.equal(grads[name], expected[name]), name
+
+
+# the two-tile training form (stages.PAIR_TRAINING): a V-split that takes it, cases with a pair whose tile b is
+# partial, lone tiles (full and partial), an empty sequence, with and without an initial state
+PAIR_CASES = {"varlen_bf16": ([20, 0, 48, 5, 70], torch.bfloat16), "B2_fp32": ([50, 50], torch.float32),
+              "B1_no_state": ([33], None)}
+
+
+@pytest.mark.parametrize("case", sorted(PAIR_CASES))
+def test_pair_training_is_the_pair_mirror_chain(monkeypatch, case):
+    """The reference backend under ``PAIR_TRAINING`` (a recomputing step, the V-split of the rule): every gradient
+    is :func:`~cute_kda.reference.pair_backward.mirror_backward_pairs`' bit for bit (the pair form's chain) and within
+    the gold's bounds; o is the pair chain's, as the inference prefill forms it; a keeping call, a V-split under the
+    rule's and the switch off stay per tile."""
+    from cute_kda.reference.pair_backward import mirror_backward_pairs
+    from cute_kda.reference.pairs import mirror_prepare_pairs, mirror_recurrence_pairs
+
+    lengths, state = PAIR_CASES[case]
+    problem, do, dht = make_problem(lengths, state=state)
+    dht = dht if state is not None else None
+    monkeypatch.setattr(stages, "PAIR_TRAINING", True)
+    vsplit = stages.PAIR_TRAINING_MIN_VSPLIT["safe"]
+    o, _, grads = train(REFERENCE_FORWARD, problem, do=do, dht=dht, recompute=True, vsplit=vsplit)
+    p = dict(problem)
+    dht_as_given = None if dht is None else dht.to(state)  # autograd hands dht over in the final state's dtype
+    expected = mirror_backward_pairs(p.pop("q"), p.pop("k"), p.pop("v"), p.pop("g"), p.pop("beta"), do,
+                                     dht=dht_as_given, **p)
+    for name in grads:
+        assert torch.equal(grads[name], expected[GRAD[name]].to(grads[name].dtype)), name
+    assert_close_to_gold(grads, gold(problem, do, dht), problem, f"pairs {case}")
+    p = dict(problem)
+    chain = mirror_prepare_pairs(p["q"], p["k"], p["g"], p["beta"], A_log=p["A_log"], dt_bias=p["dt_bias"],
+                                 cu_seqlens=p.get("cu_seqlens"))
+    o_pairs, _ = mirror_recurrence_pairs(chain, p["v"], cu_seqlens=p.get("cu_seqlens"),
+                                         initial_state=p.get("initial_state"), state_layout="vk")
+    assert torch.equal(o.detach(), o_pairs)
+    _, _, per_tile = train(REFERENCE_FORWARD, problem, do=do, dht=dht, recompute=True, vsplit=vsplit // 2)
+    _, _, kept = train(REFERENCE_FORWARD, problem, do=do, dht=dht, vsplit=vsplit)
+    monkeypatch.setattr(stages, "PAIR_TRAINING", False)
+    _, _, off = train(REFERENCE_FORWARD, problem, do=do, dht=dht, recompute=True, vsplit=vsplit)
+    assert all(torch.equal(per_tile[n], kept[n]) and torch.equal(per_tile[n], off[n]) for n in per_tile)
+    assert any(not torch.equal(per_tile[n], grads[n]) for n in grads)  # the pair form's rounding differs
+
+
+def test_kernel_stages_train_on_pairs(launchers_on_mirrors, monkeypatch):
+    """A recomputing step on the kernel backend under ``PAIR_TRAINING``: the forward runs the pair chain (K1's and K2's
+    pair variants), the backward it again keeping a state and U_a a pair, K1, Kernel A's pair scan and Kernel B's
+    rebuild (the launchers' checks pass); o and the gradients are the reference backend's pair form's, bit for bit."""
+    monkeypatch.setattr(stages, "PAIR_TRAINING", True)
+    problem, do, dht = make_problem([20, 0, 48, 5, 70], state=torch.float32)
+    launchers_on_mirrors.beta = problem["beta"]
+    forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
+    options = dict(do=do, dht=dht, recompute=True, vsplit=stages.PAIR_TRAINING_MIN_VSPLIT["safe"])
+    o, _, grads = train(forward, problem, **options)
+    o_expected, _, expected = train(REFERENCE_FORWARD, problem, **options)
+    assert launchers_on_mirrors.calls == ["tile_bases", "prepare", "recurrence", "prepare", "recurrence", "prepare",
+                                          "bwd_scan", "bwd_grads"]
+    assert torch.equal(o, o_expected)
     for name in expected:
         assert torch.equal(grads[name], expected[name]), name
 
@@ -974,6 +1059,31 @@ def test_kernels_near_the_reference_backend(case, device):
     _, _, mirrored = train(REFERENCE_FORWARD, problem, do=do, dht=dht, **options)
     torch.cuda.synchronize()
     assert_close_to_gold(grads, mirrored, problem, f"{case} vs reference backend")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_pair_training_on_the_kernels(case, device, monkeypatch):
+    """``PAIR_TRAINING`` (a recomputing step at the rule's V-split): the kernels' two-tile backward near the reference
+    backend's (the pair mirrors, ``tile_states_of_pairs``) within the gold's bounds, the gold's bounds held, the same
+    bits twice; o the inference call's (the two-tile prefill) bit for bit."""
+    monkeypatch.setattr(stages, "PAIR_TRAINING", True)
+    problem, do, dht, options = _gpu_case(case, device)
+    options = dict(options, recompute=True, vsplit=stages.PAIR_TRAINING_MIN_VSPLIT["safe"])
+    o, _, grads = train(cute_kda.kda_forward, problem, do=do, dht=dht, **options)
+    again = train(cute_kda.kda_forward, problem, do=do, dht=dht, **options)[2]
+    _, _, mirrored = train(REFERENCE_FORWARD, problem, do=do, dht=dht, **options)
+    with torch.no_grad():
+        o_inference, _ = cute_kda.kda_forward(*(problem[n] for n in ("q", "k", "v", "g", "beta")), **{
+            n: x for n, x in problem.items() if n not in ("q", "k", "v", "g", "beta")},
+            **{n: x for n, x in options.items() if n != "recompute"})
+    torch.cuda.synchronize()
+    assert torch.equal(o.detach(), o_inference)
+    assert all(torch.equal(grads[n], again[n]) for n in grads)
+    assert_close_to_gold(grads, mirrored, problem, f"{case} pairs vs reference backend")
+    expected = gold(_cpu(problem), do.cpu(), None if dht is None else dht.cpu(), **{
+        n: x for n, x in options.items() if n not in ("recompute", "vsplit")})
+    assert_close_to_gold({n: g.cpu() for n, g in grads.items()}, expected, _cpu(problem), f"{case} pairs")
 
 
 @pytest.mark.gpu

@@ -188,6 +188,31 @@ def test_recompute_keeps_every_bit(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(TRAINING_CASES))
+def test_pair_training_matches_gold(case, monkeypatch):
+    """The default (recomputing) call under ``PAIR_TRAINING``, whose rule these few chains meet (K2 at V-split 4): the
+    two-tile backward's gradients within the same targets of the gold, the same bits twice, and the backward did run
+    on pairs (Kernel B keyed ``pair_rebuild`` for the per-head gate)."""
+    from cute_kda.ops import bwd_grads as kb
+    from cute_kda.executors import stages
+
+    monkeypatch.setattr(stages, "PAIR_TRAINING", True)
+    seen = []
+    launch = kb.compiled_variant
+    monkeypatch.setattr(kb, "compiled_variant", lambda variant, *a: seen.append(variant) or launch(variant, *a))
+    problem, do, dht = _training_problem(case)
+    grads = gdn_grads(cute_kda.chunk_gated_delta_rule, problem, do, dht)
+    again = gdn_grads(cute_kda.chunk_gated_delta_rule, problem, do, dht)
+    want = gold_gdn_grads(problem, do, dht)
+    assert seen and all(variant.pair_rebuild for variant in seen)
+    errors = {GDN_GRADS[n]: rel_rms(grad.cpu(), want[n]) for n, grad in grads.items()}
+    print(f"[chunk_gated_delta_rule pair training vs gold] {case}: "
+          + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+    assert all(torch.equal(grads[n], again[n]) for n in grads)
+    assert all(e <= TARGETS[n] for n, e in errors.items()), errors
+
+
+@pytest.mark.gpu
 @pytest.mark.fla
 @pytest.mark.parametrize("raw_gate", [True, False], ids=["softplus", "log_decay"])
 def test_training_against_fla(raw_gate):

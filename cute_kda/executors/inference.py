@@ -22,10 +22,9 @@ from ..device import check_supported, sm_count
 from ..variants import PrepareVariant, RecurrenceVariant, pair_prefill
 from ..numerics import CHUNK
 from ..workspace import (
-    CrossBlocks, Workspace, WorkspaceSpec, cross_block_views, images_to_states, pair_blocks_shape, pair_u_shape,
-    tile_bases_of, workspace_views,
+    CrossBlocks, Workspace, WorkspaceSpec, cross_block_views, images_to_states, tile_bases_of, workspace_views,
 )
-from .stages import KERNELS, ForwardResult, Saved, final_state_buffer, packed, workspace_spec
+from .stages import KERNELS, ForwardResult, Saved, packed, pair_chain, workspace_spec
 
 OP_NAME = "cute_kda::forward"
 
@@ -242,30 +241,12 @@ def k2_vsplit(options: Options, device: torch.device) -> int:
 
 
 def pair_forward(x: Inputs, options: Options, vsplit: int) -> ForwardResult:
-    """The two-tile prefill of an unsplit call keeping the state entering every pair: K1's pair variant, then K2's
-    pair variant with training checkpoints (bf16 state images ``[H · slots, D, D]`` in the slots of
-    :func:`cute_kda.workspace.pair_block_slots`; tile a's U, which that variant keeps too, is dropped), at
-    ``vsplit``. The same o and final state as the plain call's pair variants, on q's device's current stream."""
-    from ..ops import prepare as k1
-    from ..ops import recurrence as k2
-
-    problem, device = options.problem, x.q.device
-    spec = workspace_spec(problem, pairs=True)
-    buffer = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
-    ws, cross = workspace_views(spec, buffer), cross_block_views(spec, buffer)
-    tile_base = x.tile_base
-    if tile_base is None and problem.varlen:
-        tile_base = k1.tile_bases(x.cu_seqlens)
-    k1.prepare(x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, ws, scale=options.scale, lower_bound=options.lower_bound,
-               cu_seqlens=x.cu_seqlens, tile_base=tile_base, qk_l2norm=options.qk_l2norm,
-               beta_logits=options.beta_logits, gate=options.gate, cross=cross)
-    checkpoints = torch.empty(pair_blocks_shape(ws, problem.heads, problem.num_seqs), dtype=torch.bfloat16,
-                              device=device)
-    u_a = torch.empty(pair_u_shape(ws, problem.heads, problem.num_seqs), dtype=torch.bfloat16, device=device)
-    out, final_state = torch.empty_like(x.v), final_state_buffer(options, device)
-    k2.recurrence(x.v, ws, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=x.initial_state,
-                  final_state=final_state, vsplit=vsplit, checkpoints=checkpoints, cross=cross, u_a=u_a)
-    return ForwardResult(out, final_state, Saved(None, checkpoints, tile_base))
+    """The two-tile prefill of an unsplit call keeping the state entering every pair
+    (:func:`~cute_kda.executors.stages.pair_chain`; tile a's U, which its K2 keeps too, is dropped), at ``vsplit``:
+    the same o and final state as the plain call's pair variants, on q's device's current stream; the checkpoints in
+    the slots of :func:`cute_kda.workspace.pair_block_slots`."""
+    chain = pair_chain(x, options, keep=True, vsplit=vsplit)
+    return ForwardResult(chain.out, chain.final_state, Saved(None, chain.checkpoints, chain.tile_base))
 
 
 def _build_plan(x: Inputs, options: Options, out: torch.Tensor, final_state: torch.Tensor | None,

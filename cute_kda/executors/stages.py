@@ -16,9 +16,14 @@ import torch
 
 from .. import context_parallel, validation
 from ..call import Inputs, Options
-from ..device import check_supported
+from ..device import check_supported, sm_count
+from ..numerics import CHUNK, gate_scheme
 from ..validation import ProblemShape
-from ..workspace import Workspace, WorkspaceSpec, snapshot_slots, tiles_per_head, workspace_views
+from ..variants import RecurrenceVariant
+from ..workspace import (
+    CrossBlocks, Workspace, WorkspaceSpec, cross_block_views, pair_block_slots, snapshot_slots, tiles_per_head,
+    workspace_views,
+)
 
 KERNEL_B_INPUTS = (0, 1, 3, 4, 5, 6)  # q, k, g, beta, A_log, dt_bias: the inputs whose gradients Kernel B gives
 # K2 passes whose o nobody reads (the backward's recomputation, a segmented call's two passes for the segment states)
@@ -26,6 +31,24 @@ KERNEL_B_INPUTS = (0, 1, 3, 4, 5, 6)  # q, k, g, beta, A_log, dt_bias: the input
 # written; the same states); False: the variant with o, into a scratch buffer. Off until the H200 has run the
 # variant's GPU tests and the A/B (docs/perf-log.md v13; ``bench_train.py --states-only-passes``)
 STATES_ONLY_PASSES = False
+# The two-tile training form (docs/perf-log.md, W2): a recomputing backward (``Options.recompute``, FLA's default) runs
+# K1 and K1's pair variant, the training pair K2 (a state and tile a's U kept a pair), Kernel A's pair scan (a state
+# gradient a pair) and Kernel B rebuilding each tile's other end (``GradsVariant.pair_rebuild``) where
+# :func:`trains_pairs` says; the forward, and a call keeping its states, stay per tile. Off until the H200 has run the
+# GPU tests and the A/B (``bench_train.py --pair-training``, ``bench_gates.py --train --pair-training``)
+PAIR_TRAINING = False
+# the smallest K2 V-split at which a scheme's recomputing backward runs on pairs: where the chains are few (K2 and
+# Kernel A's pair steps −34 % and −24 % a tile at V-split 4, v11 and A9), a prediction until the H200's A/B
+PAIR_TRAINING_MIN_VSPLIT = {"safe": 4, "per_head": 4}
+
+
+class PairSaved(NamedTuple):
+    """The two-tile form's part of :class:`Saved` (the backward's recomputation makes it, :func:`trains_pairs`):
+    ``workspace`` flat uint8 ``[WorkspaceSpec(pairs=True).nbytes]``, the pair workspace and its cross blocks
+    (:func:`pair_workspace_of`); ``u_a`` bf16 :func:`~cute_kda.workspace.pair_u_shape`, tile a's U a pair."""
+
+    workspace: torch.Tensor
+    u_a: torch.Tensor
 
 
 class Saved(NamedTuple):
@@ -38,12 +61,16 @@ class Saved(NamedTuple):
     (:func:`recomputed` makes them in the backward). segment_states: None unsplit, else fp32 ``[2, segments, H, V, K]``,
     the state entering every segment and every segment's transition
     (:func:`cute_kda.context_parallel.segment_states`), kept under ``recompute`` too (two states a segment).
+    pairs: the two-tile form's (:class:`PairSaved`; only within a backward, from ``Backend.pair_states``): then
+    ``checkpoints`` hold the state entering each pair (:func:`~cute_kda.workspace.pair_blocks_shape`) and ``workspace``
+    is K1's per tile (Kernel B's INV and β, and each pair partner's fields).
     """
 
     workspace: torch.Tensor | None
     checkpoints: torch.Tensor | None
     tile_base: torch.Tensor | None
     segment_states: torch.Tensor | None = None
+    pairs: PairSaved | None = None
 
 
 class ForwardResult(NamedTuple):
@@ -88,13 +115,33 @@ class Backend(NamedTuple):
     contiguous; dht None or bf16 / fp32 ``[N, H, V, K]`` contiguous; dh0_dtype None: no dh0; dv in ``dv_dtype``: bf16,
     or fp16 as ``f16(bf16(x))`` for fp16 training);
     grads(inputs, options, saved, do, scan, grad_dtype) → :class:`GradsResult` (``grad_dtype``: dq, dk and a
-    per-channel gate's dg in bf16, or fp16 as ``f16(bf16(x))``: fp16 training, without grouped value heads).
+    per-channel gate's dg in bf16, or fp16 as ``f16(bf16(x))``: fp16 training, without grouped value heads);
+    pair_states(inputs, options) → :class:`Saved` with :class:`PairSaved`: the recomputation of the two-tile form
+    (:func:`trains_pairs`; None: a backend without it recomputes per tile), which ``scan`` and ``grads`` then follow.
     """
 
     name: str
     forward: Callable[..., ForwardResult]
     scan: Callable[..., ScanResult]
     grads: Callable[..., GradsResult]
+    pair_states: Callable[..., Saved] | None = None
+
+
+def trains_pairs(backend: Backend, x: Inputs, options: Options) -> bool:
+    """Whether a recomputing backward runs the two-tile form (:data:`PAIR_TRAINING`): ``backend`` has the stage, the
+    gate's K1 scheme has pair variants (the safe and per-head gates), bf16 inputs, an unsplit call, and K2's V-split
+    (``options.vsplit``, else its heuristic on q's device; 1 off CUDA) at least
+    :data:`PAIR_TRAINING_MIN_VSPLIT`'s for the scheme."""
+    least = PAIR_TRAINING_MIN_VSPLIT.get(gate_scheme(options.gate, x.g.dim() == 3))
+    if not (PAIR_TRAINING and backend.pair_states is not None and least is not None and options.recompute
+            and options.segmentation is None and x.q.dtype == torch.bfloat16):
+        return False
+    vsplit = options.vsplit
+    if vsplit is None:
+        problem, device = options.problem, x.q.device
+        vsplit = (RecurrenceVariant.choose_vsplit(problem.num_seqs, problem.heads, sm_count(device.index))
+                  if device.type == "cuda" else 1)
+    return vsplit >= least
 
 
 def workspace_spec(problem: ProblemShape, pairs: bool = False) -> WorkspaceSpec:
@@ -109,6 +156,19 @@ def workspace_spec(problem: ProblemShape, pairs: bool = False) -> WorkspaceSpec:
 def workspace_of(options: Options, saved: Saved) -> Workspace:
     """The K1 field views of ``saved.workspace``."""
     return workspace_views(workspace_spec(options.problem), saved.workspace)
+
+
+def pair_workspace_of(options: Options, saved: Saved) -> tuple[Workspace, CrossBlocks]:
+    """The pair workspace's fields and cross blocks in ``saved.pairs.workspace``."""
+    spec = workspace_spec(options.problem, pairs=True)
+    return workspace_views(spec, saved.pairs.workspace), cross_block_views(spec, saved.pairs.workspace)
+
+
+def pair_kept_shapes(problem: ProblemShape) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(the pair checkpoints' and snapshots' ``[H · pair slots, D, D]``, tile a's U ``[H · pair slots, D, 16]``:
+    :func:`~cute_kda.workspace.pair_blocks_shape`, :func:`~cute_kda.workspace.pair_u_shape`)."""
+    rows = problem.heads * pair_block_slots(workspace_spec(problem).tiles, problem.num_seqs)
+    return (rows, problem.head_dim, problem.head_dim), (rows, problem.head_dim, CHUNK)
 
 
 def checkpoints_shape(problem: ProblemShape) -> tuple[int, int, int]:
@@ -189,7 +249,8 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
     """K1 into a fresh workspace, K2 with checkpoints (without them under ``options.recompute``, the
     workspace then dropped), on the current stream of q's device. A segmented call (packed, :func:`packed`) runs K2
     twice more first, for the segment states (:func:`cute_kda.context_parallel.segment_states`), unless given.
-    ``token_outputs`` False (with checkpoints): no o (:data:`STATES_ONLY_PASSES`)."""
+    ``token_outputs`` False (with checkpoints): no o (:data:`STATES_ONLY_PASSES`). A recomputing call whose backward
+    runs the two-tile form (:func:`trains_pairs`) runs :func:`pair_chain`, as its inference forward does."""
     validation.check_on_cuda("q", x.q)
     check_supported(x.q.device)
     from ..ops import prepare as k1
@@ -197,6 +258,9 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
 
     if not token_outputs and options.recompute:
         raise ValueError("a forward without token outputs keeps its checkpoints (options.recompute False)")
+    if options.recompute and trains_pairs(KERNELS, x, options):  # the inference prefill's chain: its o
+        chain = pair_chain(x, options, keep=False)
+        return ForwardResult(chain.out, chain.final_state, Saved(None, None, chain.tile_base))
     problem, device = options.problem, x.q.device
     buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=device)
     saved_ws = workspace_views(workspace_spec(problem), buffer)
@@ -233,18 +297,78 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
                          Saved(None if options.recompute else buffer, checkpoints, tile_base, segment_states))
 
 
+class PairChain(NamedTuple):
+    """:func:`pair_chain`'s results: the flat pair workspace (``PairSaved.workspace``), o, the final state (None unless
+    asked), and with ``keep`` the state entering each pair (state images) and tile a's U; ``tile_base``."""
+
+    workspace: torch.Tensor
+    out: torch.Tensor
+    final_state: torch.Tensor | None
+    checkpoints: torch.Tensor | None
+    u_a: torch.Tensor | None
+    tile_base: torch.Tensor | None
+
+
+def pair_chain(x: Inputs, options: Options, *, keep: bool, vsplit: int | None = None) -> PairChain:
+    """An unsplit call's chain on the two-tile variants, on the current stream of q's device: K1's pair variant into a
+    fresh pair workspace, then K2's pair variant from ``x.initial_state`` at ``vsplit`` (None: ``options.vsplit``):
+    o, the final state in ``options.final_state_dtype`` (None: none), and with ``keep`` a state a pair
+    (:func:`~cute_kda.workspace.pair_blocks_shape` state images) and tile a's U (:func:`pair_kept_shapes`). The
+    inference prefill's variants, the same o and final state whether it keeps them or not."""
+    from ..ops import prepare as k1
+    from ..ops import recurrence as k2
+
+    problem, device = options.problem, x.q.device
+    spec = workspace_spec(problem, pairs=True)
+    buffer = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
+    ws, cross = workspace_views(spec, buffer), cross_block_views(spec, buffer)
+    tile_base = x.tile_base
+    if tile_base is None and problem.varlen:
+        tile_base = k1.tile_bases(x.cu_seqlens)
+    k1.prepare(x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, ws, scale=options.scale, lower_bound=options.lower_bound,
+               cu_seqlens=x.cu_seqlens, tile_base=tile_base, qk_l2norm=options.qk_l2norm,
+               beta_logits=options.beta_logits, gate=options.gate, cross=cross)
+    checkpoints = u_a = None
+    if keep:
+        kept, u_shape = pair_kept_shapes(problem)
+        checkpoints = torch.empty(kept, dtype=torch.bfloat16, device=device)
+        u_a = torch.empty(u_shape, dtype=torch.bfloat16, device=device)
+    out, final_state = torch.empty_like(x.v), final_state_buffer(options, device)
+    k2.recurrence(x.v, ws, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=x.initial_state,
+                  final_state=final_state, vsplit=options.vsplit if vsplit is None else vsplit,
+                  checkpoints=checkpoints, cross=cross, u_a=u_a)
+    return PairChain(buffer, out, final_state, checkpoints, u_a, tile_base)
+
+
+def _kernel_pair_states(x: Inputs, options: Options) -> Saved:
+    """The two-tile form's recomputation (:func:`trains_pairs`): K1 into a fresh workspace (Kernel B's INV and β, the
+    pair partners' fields), then :func:`pair_chain` keeping a state and tile a's U a pair (its o unread)."""
+    from ..ops import prepare as k1
+
+    problem = options.problem
+    buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=x.q.device)
+    chain = pair_chain(x, options._replace(final_state_dtype=None), keep=True)
+    k1.prepare(x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, workspace_views(workspace_spec(problem), buffer),
+               scale=options.scale, lower_bound=options.lower_bound, cu_seqlens=x.cu_seqlens,
+               tile_base=chain.tile_base, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
+               gate=options.gate)
+    return Saved(buffer, chain.checkpoints, chain.tile_base, None, PairSaved(chain.workspace, chain.u_a))
+
+
 def _kernel_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dht: torch.Tensor | None,
                  dh0_dtype: torch.dtype | None, dv_dtype: torch.dtype = torch.bfloat16) -> ScanResult:
-    """Kernel A (:func:`cute_kda.ops.bwd_scan.bwd_scan`); twice for a segmented call (:func:`segment_scan`)."""
+    """Kernel A (:func:`cute_kda.ops.bwd_scan.bwd_scan`); twice for a segmented call (:func:`segment_scan`); its pair
+    scan over the pair workspace with ``saved.pairs`` (a state gradient a pair)."""
     from ..ops import bwd_scan as ka
 
     dv, du = torch.empty_like(do, dtype=dv_dtype), torch.empty_like(do)  # du bf16 like dO, Kernel B's
     state_grads = torch.empty_like(saved.checkpoints)
-    ws = workspace_of(options, saved)
+    ws, cross = (workspace_of(options, saved), None) if saved.pairs is None else pair_workspace_of(options, saved)
+    pair_options = {} if cross is None else dict(cross=cross, snapshot_every=2)
 
     def scan(leaving: torch.Tensor | None, dh0: torch.Tensor | None, token_outputs: bool = True) -> ScanResult:
         ka.bwd_scan(do, ws, dv, du, state_grads, cu_seqlens=x.cu_seqlens, tile_base=saved.tile_base, dht=leaving,
-                    dh0=dh0, token_outputs=token_outputs)
+                    dh0=dh0, token_outputs=token_outputs, **pair_options)
         return ScanResult(dv, du, state_grads, dh0)
 
     return segment_scan(options, saved, dht, dh0_dtype, scan, do.device)
@@ -253,7 +377,7 @@ def _kernel_scan(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, dh
 def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, scan: ScanResult,
                   grad_dtype: torch.dtype = torch.bfloat16) -> GradsResult:
     """Kernel B (:func:`cute_kda.ops.bwd_grads.bwd_grads`), its gate partials summed over the tiles; dq, dk and a
-    per-channel gate's dg stored by it in ``grad_dtype``."""
+    per-channel gate's dg stored by it in ``grad_dtype``; with ``saved.pairs`` on the pair form's kept matrices."""
     from ..ops import bwd_grads as kb
 
     ws = workspace_of(options, saved)
@@ -278,6 +402,7 @@ def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, s
         ddt_partial=ddt_partial, dalog_partial=dalog_partial, scale=options.scale, lower_bound=options.lower_bound,
         cu_seqlens=x.cu_seqlens, tile_base=saved.tile_base, qk_l2norm=options.qk_l2norm,
         beta_logits=options.beta_logits, gate=options.gate,
+        pair=None if saved.pairs is None else kb.PairTensors(saved.pairs.u_a, scan.dv, ws),
     )
     if unbounded and not pairs:
         dq, dk = (group_sum(t, x.q.shape[2]) for t in (dq, dk))
@@ -303,4 +428,4 @@ def group_sum(t: torch.Tensor, heads: int) -> torch.Tensor:
     return groups.sum(3)
 
 
-KERNELS = Backend("kernels", _kernel_forward, _kernel_scan, _kernel_grads)
+KERNELS = Backend("kernels", _kernel_forward, _kernel_scan, _kernel_grads, _kernel_pair_states)

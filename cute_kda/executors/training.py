@@ -40,7 +40,7 @@ from ..call import Call, Inputs, Options, final_state_dtype_of, finish, options_
 from ..ops import round_bf16
 from ..validation import problem_of, staged_cu_seqlens
 from .stages import (
-    KERNEL_B_INPUTS, KERNELS, Backend, Saved, checkpoints_shape, packed, workspace_spec,
+    KERNEL_B_INPUTS, KERNELS, Backend, Saved, checkpoints_shape, packed, trains_pairs, workspace_spec,
 )
 
 TRAIN_OP_NAME = "cute_kda::forward_train"
@@ -100,13 +100,16 @@ def rounded_do(d_out: torch.Tensor) -> torch.Tensor:
     return kernel_operand(d_out, torch.bfloat16)
 
 
-def recomputed(backend: Backend, x: Inputs, options: Options, saved: Saved) -> Saved:
+def recomputed(backend: Backend, x: Inputs, options: Options, saved: Saved, pairs: bool = False) -> Saved:
     """The workspace and checkpoints a ``recompute`` forward did not keep: ``backend``'s forward again on
     the same inputs (``x.initial_state`` included), keeping them this time and skipping o and the final state; a
-    segmented call's kept segment states spare it the two extra passes."""
-    return backend.forward(x._replace(tile_base=saved.tile_base),
-                           options._replace(recompute=False, final_state_dtype=None),
-                           saved.segment_states, token_outputs=False).saved
+    segmented call's kept segment states spare it the two extra passes. ``pairs`` (the two-tile form,
+    :func:`~cute_kda.executors.stages.trains_pairs`): ``backend.pair_states`` instead, a state a pair of tiles."""
+    x = x._replace(tile_base=saved.tile_base)
+    if pairs:
+        return backend.pair_states(x, options)
+    return backend.forward(x, options._replace(recompute=False, final_state_dtype=None), saved.segment_states,
+                           token_outputs=False).saved
 
 
 def recomputes(recompute: bool, q: torch.Tensor) -> bool:
@@ -157,6 +160,7 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
     """
     fp16 = torch.float16
     dtypes = (x.q.dtype, x.k.dtype, x.v.dtype, x.g.dtype, None, None, None, initial_state_dtype if needs[7] else None)
+    pairs = trains_pairs(backend, x, options)  # bf16 calls only (not fp16 ones on bf16 copies)
     stores_fp16 = stores_fp16_grads(x.q.shape[2] != x.v.shape[2], x.q.dtype, x.k.dtype, x.g.dtype)
     if x.q.dtype == fp16 and not FP16_NATIVE_BACKWARD:
         x, saved = bf16_operands(x), saved._replace(segment_states=None)
@@ -166,7 +170,7 @@ def backward(backend: Backend, x: Inputs, options: Options, saved: Saved, d_out:
         dht = kernel_operand(d_final, torch.float32 if d_final.dtype == fp16 else d_final.dtype)
     dh0_dtype = initial_state_dtype if needs[7] else None
     if options.recompute:
-        saved = recomputed(backend, x, options, saved)
+        saved = recomputed(backend, x, options, saved, pairs)
     scan = backend.scan(x, options, saved, do, dht, torch.float32 if dh0_dtype == fp16 else dh0_dtype,
                         fp16 if stores_fp16_grads(False, dtypes[2]) else torch.bfloat16)
     dq = dk = dg = dbeta = dA_log = ddt_bias = None
