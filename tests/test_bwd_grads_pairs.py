@@ -15,6 +15,7 @@ import torch
 from test_bwd_grads import GUARD, MIRROR_TOL
 from test_fwd_recurrence import _assert_guards_untouched, _guarded, _problem
 
+from cute_kda.dsl import cute, cutlass
 from cute_kda.executors import stages
 from cute_kda.layouts import bwd_grads as plan
 from cute_kda.ops import bwd_grads as kb
@@ -92,8 +93,80 @@ def test_pair_rebuild_variant_compiles(options):
     print(f"{options}: {plain.kernels[0].registers} → {pair.kernels[0].registers} registers")
 
 
+def _operand_probe_mismatches(dim: int, operand: str) -> int:
+    """Lanes whose ``ldmatrix.trans`` rows miss the bytes the layout puts them at: the rebuild's A operand (16 value
+    rows of a partner tile's transposed face: dO_bᵀ, dv_bᵀ) or B operand (a 64-column pass: qd_b, kd_b, kr_a), the
+    K_SW128 face through a pointer swizzle sliced by a runtime block index, as ``PairRebuild.rebuild_band`` reads them
+    (a one-warp probe's PTX evaluated lane by lane, ``tests/ptx_addresses.py``; the band-scan kernels' probes in
+    ``tests/test_smem_addresses.py``)."""
+    import tempfile
+
+    from cutlass.memory import SmemAllocator
+    from ptx_addresses import matrix_addresses
+
+    from cute_kda.kernels.bwd_grads.pairs import REBUILD_COLUMNS
+    from cute_kda.kernels.common.copy import Operand, ldmatrix_copy, make_fragment, smem_tensor, warp_tiled_mma
+    from cute_kda.layouts.analysis import evaluate_layout, run_traced
+    from cute_kda.layouts.smem import sw128_tile_transposed
+    from cute_kda.ops._cache import to_cute_tensor
+
+    bf16, cols = cutlass.BFloat16, min(dim, REBUILD_COLUMNS)
+    which = Operand.A if operand == "a" else Operand.B
+    tile = (16, 16) if which is Operand.A else (cols, 16)
+    blocks = dim // tile[0]
+    size = run_traced(lambda: int(cute.cosize(sw128_tile_transposed(16, dim).outer)))
+
+    # the annotation as an object: this module's postponed annotations would hand cute.struct a string
+    Storage = cute.struct(type("Storage", (), {"__annotations__": {
+        "buf": cute.struct.Align[cute.struct.MemRange[bf16, size], 1024]}}))
+
+    class Probe:
+        @cute.jit
+        def __call__(self, out: cute.Tensor, block: cutlass.Int32, stream):
+            self.kernel(out, block).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, out: cute.Tensor, block: cutlass.Int32):
+            lane = cute.arch.lane_idx()
+            storage = SmemAllocator().allocate(Storage)
+            face = smem_tensor(storage.buf.data_ptr(), sw128_tile_transposed(16, dim), bf16)
+            mma = warp_tiled_mma(bf16, cutlass.Float32, cols)
+            copy = ldmatrix_copy(mma, which, True)
+            thr = copy.get_slice(lane)
+            frag = make_fragment(mma, which, bf16, tile=tile)
+            cute.copy(copy, thr.partition_S(cute.local_tile(face, tile, (block, 0))), thr.retile(frag))
+            words = cute.recast_tensor(frag, cutlass.Uint32)
+            for i in cutlass.range_constexpr(cute.size(words)):
+                out[lane * cute.size(words) + i] = words[i]
+
+    out = to_cute_tensor(torch.zeros(32 * 64, dtype=torch.int32), 16)
+    with tempfile.TemporaryDirectory() as dump_dir:
+        ptx = cute.compile(Probe(), out, cutlass.Int32(0), cute.runtime.make_fake_stream(),
+                           options=f"--keep-ptx --dump-dir={dump_dir}").__ptx__
+
+    def expected():
+        layout = sw128_tile_transposed(16, dim)
+        table = evaluate_layout(layout, 2).bytes
+        mma = warp_tiled_mma(bf16, cutlass.Float32, cols)
+        thr_copy = ldmatrix_copy(mma, which, True)
+        ident = cute.make_identity_tensor((dim, 16))
+        rows = {}
+        for block in range(blocks):
+            for lane in range(32):
+                part = thr_copy.get_slice(lane).partition_S(cute.local_tile(ident, tile, (block, 0)))
+                rows[(block, lane)] = [int(table[tuple(part[i])]) for i in range(0, cute.size(part), 8)]
+        return rows
+
+    return sum(matrix_addresses(ptx, lane, [0, block]) != want for (block, lane), want in run_traced(expected).items())
+
+
+@pytest.mark.parametrize("dim", [D, 64])
+@pytest.mark.parametrize("operand", ["a", "b"])
+def test_rebuild_operands_address_their_bytes(operand, dim):
+    assert _operand_probe_mismatches(dim, operand) == 0
+
+
 def test_pair_rebuild_refusals():
-    from cute_kda.dsl import cutlass
     from cute_kda.kernels.bwd_grads import bwd_grads_kernel
 
     fp16 = dict(dtype=cutlass.Float16, gate_dtype=cutlass.Float16)
