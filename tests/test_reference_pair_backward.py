@@ -107,3 +107,28 @@ def test_pair_backward_long_sequences(name, inputs, kw, ratio):
     bounds = dict(TARGETS, dA_log=DA_LOG_BOUND)
     assert all(pair[n] <= bounds[n] for n in pair), pair
     assert all(pair[n] <= ratio * today[n] + 3e-4 for n in pair if n != "dA_log"), (pair, today)
+
+
+def test_training_executor_runs_the_pair_form_for_a_per_head_gate(monkeypatch):
+    """A recomputing call with GatedDeltaNet's per-head gate (grouped value heads) on the reference backend under
+    ``PAIR_TRAINING`` at the rule's V-split: every gradient is :func:`mirror_backward_pairs`' bit for bit (the pair
+    workspace of the per-head scheme, the pair chain, Kernel B's rebuild)."""
+    import functools
+
+    from cute_kda.executors import stages, training
+    from cute_kda.reference.backend import REFERENCE
+
+    monkeypatch.setattr(stages, "PAIR_TRAINING", True)
+    q, k, v, g, beta, A_log, dt_bias, h0 = _per_head_inputs(83, -1.0, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    do, dht = torch.randn(v.shape, generator=gen).bfloat16(), 0.1 * torch.randn(h0.shape, generator=gen)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, A_log, dt_bias, h0)]
+    forward = functools.partial(training.kda_forward, backend=REFERENCE)
+    o, ht = forward(*leaves[:5], A_log=leaves[5], dt_bias=leaves[6], initial_state=leaves[7], gate="softplus",
+                    output_final_state=True, recompute=True, vsplit=stages.PAIR_TRAINING_MIN_VSPLIT["per_head"])
+    torch.autograd.backward([o, ht], [do, dht])
+    want = mirror_backward_pairs(q, k, v, g, beta, do, dht=dht, gate="softplus", A_log=A_log, dt_bias=dt_bias,
+                                 initial_state=h0)
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")
+    for name, leaf in zip(names, leaves):
+        assert torch.equal(leaf.grad, want[name].to(leaf.dtype)), name
