@@ -144,6 +144,11 @@ def variants() -> dict[str, tuple]:
                                               compute_warps=warps))
                     if grouped:  # a pair of value heads added by the kernel (GradsVariant.group_sum)
                         found[name + "/group_sum"] = ("kb", {**found[name][1], "group_sum": True})
+                    # the two-tile training form (GradsVariant.pair_rebuild) as the step runs it: the default warps,
+                    # GatedDeltaNet's pairs of value heads added by the kernel
+                    if warps == 8 and (gate == "safe" or (per_head and grouped)):
+                        base = name + ("/group_sum" if grouped else "")
+                        found[base + "/pair_rebuild"] = ("kb", {**found[base][1], "pair_rebuild": True})
     for gate, g_dtype, per_head in PER_CHANNEL_GATES + PER_HEAD_GATES:  # fp16 inputs (inference): K1 and K2
         g_dtype = "fp16" if g_dtype == "bf16" else g_dtype
         for grouped, flags in itertools.product((False, True), FLAGS):
@@ -326,24 +331,27 @@ def _ka(vsplit: int, dht: str, dh0: str, varlen: bool, snapshot_every: int, toke
 
 
 def _kb(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: str, per_head_gate: bool,
-        grouped: bool, compute_warps: int, dtype: str = "bf16", grads: str = "bf16", group_sum: bool = False) -> tuple:
+        grouped: bool, compute_warps: int, dtype: str = "bf16", grads: str = "bf16", group_sum: bool = False,
+        pair_rebuild: bool = False) -> tuple:
     import torch
 
     from cute_kda.kernels.bwd_grads import bwd_grads_kernel
     from cute_kda.ops._cache import dsl_type, fake_stream, to_cute_tensor
-    from cute_kda.ops.bwd_grads import gate_partials_shapes, launch_arguments
-    from cute_kda.workspace import block_states_shape
+    from cute_kda.ops.bwd_grads import PairTensors, gate_partials_shapes, launch_arguments
+    from cute_kda.workspace import block_states_shape, pair_blocks_shape, pair_u_shape
 
     kernel = bwd_grads_kernel(varlen=varlen, qk_l2norm=qk_l2norm, beta_logits=beta_logits,
                               compute_warps=compute_warps, gate=gate, gate_dtype=dsl_type(_torch_dtype(g_dtype)),
                               per_head_gate=per_head_gate, grouped=grouped, dtype=dsl_type(_torch_dtype(dtype)),
-                              grad_dtype=dsl_type(_torch_dtype(grads)), group_sum=group_sum)
+                              grad_dtype=dsl_type(_torch_dtype(grads)), group_sum=group_sum,
+                              pair_rebuild=pair_rebuild)
     f32, inputs, stored = torch.float32, _torch_dtype(dtype), _torch_dtype(grads)
     qk, tokens, ws = _meta(1, T, 1 if grouped else HEADS, D, dtype=inputs), _meta(1, T, HEADS, D), _workspace(HEADS, 4)
     values = _meta(1, T, HEADS, D, dtype=inputs)
     grad_tokens = _meta(1, T, HEADS // 2 if group_sum else HEADS, D, dtype=stored)  # group_sum: per q/k head
     channels = () if per_head_gate else (D,)
-    states = _meta(*block_states_shape(ws, HEADS, NUM_SEQS))
+    states = _meta(*(pair_blocks_shape if pair_rebuild else block_states_shape)(ws, HEADS, NUM_SEQS))
+    pair = PairTensors(_meta(*pair_u_shape(ws, HEADS, NUM_SEQS)), tokens, ws) if pair_rebuild else None
     ddt_shape, dalog_shape = gate_partials_shapes(ws, HEADS, per_head_gate)
     constants = gate != "none"
     cu_seqlens, tile_base = _segmentation(varlen, NUM_SEQS)
@@ -354,7 +362,7 @@ def _kb(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: st
         _meta(1, T, HEADS, *channels, dtype=f32 if per_head_gate else stored),
         _meta(1, T, HEADS), _meta(*ddt_shape, dtype=f32) if constants else None,
         _meta(*dalog_shape, dtype=f32) if constants else None, scale=D ** -0.5, lower_bound=-5.0,
-        cu_seqlens=cu_seqlens, tile_base=tile_base, tensor=to_cute_tensor)
+        cu_seqlens=cu_seqlens, tile_base=tile_base, pair=pair, tensor=to_cute_tensor)
     return kernel, (*arguments, fake_stream())
 
 
