@@ -31,11 +31,12 @@ KERNEL_B_INPUTS = (0, 1, 3, 4, 5, 6)  # q, k, g, beta, A_log, dt_bias: the input
 # written; the same states); False: the variant with o, into a scratch buffer. Off until the H200 has run the
 # variant's GPU tests and the A/B (docs/perf-log.md v13; ``bench_train.py --states-only-passes``)
 STATES_ONLY_PASSES = False
-# The two-tile training form (docs/perf-log.md, W2): a recomputing backward (``Options.recompute``, FLA's default) runs
-# K1 and K1's pair variant, the training pair K2 (a state and tile a's U kept a pair), Kernel A's pair scan (a state
-# gradient a pair) and Kernel B rebuilding each tile's other end (``GradsVariant.pair_rebuild``) where
-# :func:`trains_pairs` says; the forward, and a call keeping its states, stay per tile. Off until the H200 has run the
-# GPU tests and the A/B (``bench_train.py --pair-training``, ``bench_gates.py --train --pair-training``)
+# The two-tile training form (docs/perf-log.md, W2, W2a): where :func:`trains_pairs` says, a recomputing step
+# (``Options.recompute``, FLA's default) runs its forward on the inference prefill's pair chain (:func:`pair_chain`)
+# and its backward on K1 and K1's pair variant, the training pair K2 (a state and tile a's U kept a pair), Kernel A's
+# pair scan (a state gradient a pair) and Kernel B rebuilding each tile's other end (``GradsVariant.pair_rebuild``); a
+# call keeping its states stays per tile. Off until the H200 has run the GPU tests and the A/B
+# (``bench_train.py --pair-training``, ``bench_gates.py --train --pair-training``)
 PAIR_TRAINING = False
 # the smallest K2 V-split at which a scheme's recomputing backward runs on pairs: where the chains are few (K2 and
 # Kernel A's pair steps −34 % and −24 % a tile at V-split 4, v11 and A9), a prediction until the H200's A/B
