@@ -356,7 +356,8 @@ def launchers_on_mirrors(monkeypatch):
     @fake(k2, "recurrence")
     def _(v, ws, out, cu_seqlens, tile_base, initial_state, final_state, vsplit, checkpoints, cross, u_a, stream):
         assert vsplit is None or vsplit in validation.SUPPORTED_VSPLITS
-        # the two-tile chain keeps tile a's U beside its checkpoints (PAIR_TRAINING's recomputation), as the launcher says
+        # the two-tile chain keeps tile a's U beside its checkpoints (PAIR_TRAINING's recomputation), as the
+        # launcher says
         assert (u_a is not None) == (cross is not None and checkpoints is not None)
         assert out is not None or checkpoints is not None or final_state is not None  # the launcher's own rule
         fakes.k2_outputs.append(out is not None)
