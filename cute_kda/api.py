@@ -516,8 +516,9 @@ def warmup_variants(
                 variants[PrepareVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, torch.bfloat16, dim,
                                         pairs=True)] = None
                 for mode, split in itertools.product(state_modes, k2_splits):
-                    if split >= least:  # the training pair K2: checkpoints, no final state, o into a scratch
-                        variants[RecurrenceVariant(split, mode, None, packed, True, dim=dim, pairs=True)] = None
+                    if split >= least:  # the training pair K2: checkpoints, no final state, o unread
+                        variants[RecurrenceVariant(split, mode, None, packed, True, dim=dim, pairs=True,
+                                                   token_outputs=not stages.STATES_ONLY_PASSES)] = None
                 for mode, split in itertools.product(scan_modes, scan_splits):
                     for dht in (mode, None):
                         variants[ScanVariant(split, dht, mode, packed, snapshot_every=2, dim=dim, pairs=True)] = None

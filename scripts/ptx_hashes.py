@@ -10,8 +10,9 @@ the code (``--out`` both, then ``--compare``): equal hashes mean byte-identical 
 The variants: every combination the launchers can key (``ops/*.compiled_variant``) and ``api.warmup`` visits,
 plus the knobs only tests and benchmarks set (K1's 256 threads, Kernel A's tuning grid of
 ``benchmarks/explore_bwd_scan.py``, K2's and Kernel A's blocks of 4 tiles, Kernel B at 4 warps), K1's and K2's
-pair variants (the two-tile prefill: ``k1/pairs/…``, ``k2/pairs/…``; its planned training K2,
-``k2/pairs/training/…``, and Kernel A's two-tile scan, ``ka/pairs/…``), K2's passes for their states alone
+pair variants (the two-tile prefill: ``k1/pairs/…``, ``k2/pairs/…``; the training form's K2, ``k2/pairs/training/…``
+and ``k2/pairs/states/…`` without o, Kernel A's two-tile scan, ``ka/pairs/…``, Kernel B's rebuild,
+``kb/…/pair_rebuild``), K2's passes for their states alone
 (``k2/states/…``: the backward's recomputation, a segmented call's segment-state passes), and the fp16
 forward (``k1/fp16/…``, ``k2/fp16/…``, with checkpoints for training; no pools; fp16 training's backward runs the
 bf16 Kernel A and Kernel B variants, or under ``FP16_NATIVE_BACKWARD`` Kernel B on fp16 inputs, ``kb/fp16/…`` at 8
@@ -188,6 +189,11 @@ def variants() -> dict[str, tuple]:
         found[f"k2/pairs/training/d{dim}/vs{vsplit}/{_label(varlen, 'varlen', 'fixed')}"] = (
             "k2", dict(vsplit=vsplit, initial="fp32", final="fp32", varlen=varlen, checkpoints=True, dim=dim,
                        pairs=True))
+    # the two-tile form's recomputation for its states alone (a checkpoint and U a pair, no final state, no o)
+    for dim, vsplit, initial, varlen in itertools.product((D, 64), (1, 2, 4), STATES, (False, True)):
+        found[f"k2/pairs/states/d{dim}/vs{vsplit}/{initial}-none/{_label(varlen, 'varlen', 'fixed')}"] = (
+            "k2", dict(vsplit=vsplit, initial=initial, final="none", varlen=varlen, checkpoints=True, dim=dim,
+                       pairs=True, token_outputs=False))
     # passes for their states alone (no o): the backward's recomputation (checkpoints, no final state; fp16 training's
     # on the fp16 inputs) and a segmented call's passes for the segment states (a final state)
     for dim, vsplit, initial, varlen, dtype in itertools.product((D, 64), (1, 2, 4), STATES, (False, True),
@@ -276,8 +282,9 @@ def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, 
     from cute_kda.ops.recurrence import launch_arguments
     from cute_kda.workspace import CrossBlocks, block_states_shape, pair_blocks_shape, pair_u_shape
 
-    every = {} if pairs else {"checkpoint_every": checkpoint_every,  # the pair variant keeps one a pair
-                              "token_outputs": token_outputs}
+    every = {"token_outputs": token_outputs}
+    if not pairs:  # the pair variant keeps one a pair
+        every["checkpoint_every"] = checkpoint_every
     kernel = (PairRecurrence if pairs else FwdRecurrence)(vsplit=vsplit, initial_state=dsl_type(_torch_dtype(initial)),
                            final_state=dsl_type(_torch_dtype(final)), varlen=varlen, checkpoints=checkpoints,
                            state_pool=state_pool, prefix_checkpoint_every=prefix_checkpoint_every,

@@ -506,11 +506,14 @@ def test_pair_training_is_the_pair_mirror_chain(monkeypatch, case):
     assert any(not torch.equal(per_tile[n], grads[n]) for n in grads)  # the pair form's rounding differs
 
 
-def test_kernel_stages_train_on_pairs(launchers_on_mirrors, monkeypatch):
+@pytest.mark.parametrize("states_only", [False, True], ids=["with_o", "states_only"])
+def test_kernel_stages_train_on_pairs(launchers_on_mirrors, monkeypatch, states_only):
     """A recomputing step on the kernel backend under ``PAIR_TRAINING``: the forward runs the pair chain (K1's and K2's
-    pair variants), the backward it again keeping a state and U_a a pair, K1, Kernel A's pair scan and Kernel B's
-    rebuild (the launchers' checks pass); o and the gradients are the reference backend's pair form's, bit for bit."""
+    pair variants), the backward it again keeping a state and U_a a pair (without o under ``STATES_ONLY_PASSES``), K1,
+    Kernel A's pair scan and Kernel B's rebuild (the launchers' checks pass); o and the gradients are the reference
+    backend's pair form's, bit for bit."""
     monkeypatch.setattr(stages, "PAIR_TRAINING", True)
+    monkeypatch.setattr(stages, "STATES_ONLY_PASSES", states_only)
     problem, do, dht = make_problem([20, 0, 48, 5, 70], state=torch.float32)
     launchers_on_mirrors.beta = problem["beta"]
     forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
@@ -519,6 +522,7 @@ def test_kernel_stages_train_on_pairs(launchers_on_mirrors, monkeypatch):
     o_expected, _, expected = train(REFERENCE_FORWARD, problem, **options)
     assert launchers_on_mirrors.calls == ["tile_bases", "prepare", "recurrence", "prepare", "recurrence", "prepare",
                                           "bwd_scan", "bwd_grads"]
+    assert launchers_on_mirrors.k2_outputs == [True, not states_only]
     assert torch.equal(o, o_expected)
     for name in expected:
         assert torch.equal(grads[name], expected[name]), name

@@ -51,7 +51,7 @@ def pair_buffers(dim: int, varlen: bool) -> tuple:
     return tokens, ws, cross
 
 
-def _compile_args(vsplit, state_in, state_out, varlen, dim, training=False):
+def _compile_args(vsplit, state_in, state_out, varlen, dim, training=False, token_outputs=True):
     heads, num_seqs = PAIR_HEADS, PAIR_SEQS
     v, ws, cross = pair_buffers(dim, varlen)
     checkpoints = u_a = None
@@ -63,7 +63,8 @@ def _compile_args(vsplit, state_in, state_out, varlen, dim, training=False):
         return None if STATE[name] is None else torch.zeros(num_seqs, heads, dim, dim, dtype=STATE[name])
 
     return k2.launch_arguments(
-        v, ws, torch.zeros_like(v), cu_seqlens=torch.tensor([0, 20, 20, 80]) if varlen else None,
+        v, ws, torch.zeros_like(v) if token_outputs else None,
+        cu_seqlens=torch.tensor([0, 20, 20, 80]) if varlen else None,
         tile_base=torch.zeros(num_seqs + 1, dtype=torch.int32) if varlen else None,
         initial_state=state(state_in), final_state=state(state_out), checkpoints=checkpoints, cross=cross, u_a=u_a,
         tensor=to_cute_tensor,
@@ -162,6 +163,57 @@ def test_pair_training_variant_compiles(variant):
     assert report.spills <= spills and (spills or report.local_memory_ops == 0 and report.kernels[0].stack_frame == 0)
     assert report.launch_smem == [kernel.plan.total_bytes]
     print(f"training {variant}: {report.kernels[0].registers} registers, {report.spills} bytes spilled")
+
+
+# the backward's recomputation under STATES_ONLY_PASSES (a checkpoint and U a pair, no final state, no o)
+STATE_PASSES = [(1, "fp32", "none", False, D), (1, "bf16", "none", True, D), (2, "none", "none", True, D),
+                (4, "fp32", "none", False, D), (4, "bf16", "none", True, 64)]
+
+
+@pytest.mark.parametrize("variant", STATE_PASSES, ids=_variant_id)
+def test_pair_state_pass_compiles(variant):
+    """``token_outputs=False``: the training pair step less o's — its input stage without qd, Mqk and Q (the plan's
+    fields, so the transaction count is what the load warp moves: −(16·D + 2·16·16)·2 bytes), no o store, Phase 1
+    without ``qd·S``, no ``Q·U_a`` or ``Mqk·U``; the kept state and U written as with o; no spills (the variant with o
+    spills 8 bytes at V-split 1 with a bf16 state on packed sequences)."""
+    from cute_kda.compile_report import compile_with_report
+
+    vsplit, state_in, state_out, varlen, dim = variant
+    kernels, reports = [], []
+    for outputs in (False, True):
+        kernel = PairRecurrence(vsplit=vsplit, initial_state=dsl_type(STATE[state_in]),
+                                final_state=dsl_type(STATE[state_out]), varlen=varlen, dim=dim, checkpoints=True,
+                                token_outputs=outputs)
+        args = _compile_args(*variant, training=True, token_outputs=outputs)
+        kernels.append(kernel)
+        reports.append(compile_with_report(kernel, *args, cute.runtime.make_fake_stream())[1])
+    (kernel, full_kernel), (report, full) = kernels, reports
+    assert set(full_kernel.plan.input_field_bytes()) - set(kernel.plan.input_field_bytes()) == {"qd", "mqk", "cross_qd"}
+    assert kernel.plan.stage_tx_bytes == full_kernel.plan.stage_tx_bytes - (CHUNK * dim + 2 * CHUNK * CHUNK) * 2
+    loads = "cp.async.bulk.tensor.{}d.shared::cta.global"
+    # per stage: gT, β (2-D), kd, kr (3-D), INV, P (4-D), v (5-D); the initial state (5-D)
+    assert {dims: report.count(loads.format(dims)) for dims in (2, 3, 4, 5)} == {
+        2: 2, 3: 2, 4: 2, 5: 1 + (state_in != "none")}
+    assert report.count("cp.async.bulk.tensor.5d.global.shared::cta") == 0  # no o, no final state
+    atoms, k_steps, bodies = kernel.warp_cols // 8, dim // CHUNK, 2  # the pair's step and the lone tile's
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    # qd·S of each tile, Q·U_a (tile b), Mqk·U of each tile: the pair's body 2 (k_steps + 1) + 1, the lone's k_steps + 1
+    assert full.count(mma) - report.count(mma) == ((2 * (k_steps + 1) + 1) + (k_steps + 1)) * atoms
+    for mnemonic in ("cp.async.bulk.global.shared::cta", "st.global.b32", "movmatrix"):
+        assert report.count(mnemonic) == full.count(mnemonic), mnemonic
+    assert bodies == 2 and report.local_memory_ops == 0 and report.spills == 0 and report.kernels[0].stack_frame == 0
+    assert report.launch_smem == [kernel.plan.total_bytes] and kernel.plan.total_bytes < full_kernel.plan.total_bytes
+    print(f"states only {variant}: {report.kernels[0].registers} registers (with o {full.kernels[0].registers}), "
+          f"{kernel.plan.total_bytes} B ({full_kernel.plan.total_bytes})")
+
+
+def test_pair_state_pass_needs_its_checkpoints():
+    """``out=None`` with the cross blocks: the two-tile step keeps its states by checkpoints (and U), not by a final
+    state alone."""
+    v, ws, cross = pair_buffers(D, False)
+    final = torch.zeros(PAIR_SEQS, PAIR_HEADS, D, D)
+    with pytest.raises(ValueError, match="with cross: checkpoints"):
+        k2.recurrence(v, ws, None, cu_seqlens=None, final_state=final, cross=cross)
 
 
 def test_recurrence_checks_the_pair_training_buffers():
@@ -297,6 +349,29 @@ def test_pair_training_keeps_the_mirrors_matrices(lengths, vsplit, dim):
             err = rel_rms(got[written].float(), want[written].float())
             print(f"{name} vs mirror: {err:.2e}")
             assert err <= MIRROR_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [None, [40, 0, 97, 16, 300, 33]], ids=["B2xT300", "varlen"])
+@pytest.mark.parametrize("vsplit", VSPLITS)
+@ALL_DIMS
+def test_pair_state_pass_keeps_the_same_states(lengths, vsplit, dim):
+    """The training pair step without token outputs (``out=None``, the backward's recomputation under
+    ``STATES_ONLY_PASSES``) keeps the checkpoints and U rows of the step with o bit for bit, the rows it does not own
+    left poisoned."""
+    B, T = (2, 300) if lengths is None else (1, sum(lengths))
+    problem = _problem(B, T, 2, seed=17, dim=dim)
+    kept = []
+    _, _, pws, cu, init = _run_pairs(problem, lengths=lengths, state_in="fp32", state_out="none", vsplit=vsplit,
+                                     seed=17, kept=kept)
+    H, N = problem[0].shape[2], init.shape[0]
+    alone = [torch.full(shape(pws.ws, H, N), float("nan"), dtype=torch.bfloat16, device=init.device)
+             for shape in (pair_blocks_shape, pair_u_shape)]
+    k2.recurrence(problem[2], pws.ws, None, cu_seqlens=cu, initial_state=init, vsplit=vsplit,
+                  cross=CrossBlocks(pws.cross_kd, pws.cross_qd), checkpoints=alone[0], u_a=alone[1])
+    torch.cuda.synchronize()
+    for name, got, want in zip(("checkpoints", "u_a"), alone, kept):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
 
 
 @pytest.mark.gpu

@@ -299,23 +299,26 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
 
 
 class PairChain(NamedTuple):
-    """:func:`pair_chain`'s results: the flat pair workspace (``PairSaved.workspace``), o, the final state (None unless
-    asked), and with ``keep`` the state entering each pair (state images) and tile a's U; ``tile_base``."""
+    """:func:`pair_chain`'s results: the flat pair workspace (``PairSaved.workspace``), o (None without token outputs),
+    the final state (None unless asked), and with ``keep`` the state entering each pair (state images) and tile a's U;
+    ``tile_base``."""
 
     workspace: torch.Tensor
-    out: torch.Tensor
+    out: torch.Tensor | None
     final_state: torch.Tensor | None
     checkpoints: torch.Tensor | None
     u_a: torch.Tensor | None
     tile_base: torch.Tensor | None
 
 
-def pair_chain(x: Inputs, options: Options, *, keep: bool, vsplit: int | None = None) -> PairChain:
+def pair_chain(x: Inputs, options: Options, *, keep: bool, vsplit: int | None = None,
+               token_outputs: bool = True) -> PairChain:
     """An unsplit call's chain on the two-tile variants, on the current stream of q's device: K1's pair variant into a
     fresh pair workspace, then K2's pair variant from ``x.initial_state`` at ``vsplit`` (None: ``options.vsplit``):
     o, the final state in ``options.final_state_dtype`` (None: none), and with ``keep`` a state a pair
     (:func:`~cute_kda.workspace.pair_blocks_shape` state images) and tile a's U (:func:`pair_kept_shapes`). The
-    inference prefill's variants, the same o and final state whether it keeps them or not."""
+    inference prefill's variants, the same o and final state whether it keeps them or not; ``token_outputs`` False
+    (with ``keep``): no o (out None), the same kept states."""
     from ..ops import prepare as k1
     from ..ops import recurrence as k2
 
@@ -334,7 +337,7 @@ def pair_chain(x: Inputs, options: Options, *, keep: bool, vsplit: int | None = 
         kept, u_shape = pair_kept_shapes(problem)
         checkpoints = torch.empty(kept, dtype=torch.bfloat16, device=device)
         u_a = torch.empty(u_shape, dtype=torch.bfloat16, device=device)
-    out, final_state = torch.empty_like(x.v), final_state_buffer(options, device)
+    out, final_state = torch.empty_like(x.v) if token_outputs else None, final_state_buffer(options, device)
     k2.recurrence(x.v, ws, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=x.initial_state,
                   final_state=final_state, vsplit=options.vsplit if vsplit is None else vsplit,
                   checkpoints=checkpoints, cross=cross, u_a=u_a)
@@ -343,12 +346,13 @@ def pair_chain(x: Inputs, options: Options, *, keep: bool, vsplit: int | None = 
 
 def _kernel_pair_states(x: Inputs, options: Options) -> Saved:
     """The two-tile form's recomputation (:func:`trains_pairs`): K1 into a fresh workspace (Kernel B's INV and β, the
-    pair partners' fields), then :func:`pair_chain` keeping a state and tile a's U a pair (its o unread)."""
+    pair partners' fields), then :func:`pair_chain` keeping a state and tile a's U a pair (its o unread: none formed
+    under :data:`STATES_ONLY_PASSES`)."""
     from ..ops import prepare as k1
 
     problem = options.problem
     buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=x.q.device)
-    chain = pair_chain(x, options._replace(final_state_dtype=None), keep=True)
+    chain = pair_chain(x, options._replace(final_state_dtype=None), keep=True, token_outputs=not STATES_ONLY_PASSES)
     k1.prepare(x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, workspace_views(workspace_spec(problem), buffer),
                scale=options.scale, lower_bound=options.lower_bound, cu_seqlens=x.cu_seqlens,
                tile_base=chain.tile_base, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,

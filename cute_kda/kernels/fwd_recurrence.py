@@ -286,7 +286,8 @@ class FwdRecurrence(BandScan):
         tma_cross_kd, gmem_cross_kd, tma_cross_qd, gmem_cross_qd = None, None, None, None
         if const_expr(ws_cross_kd is not None):
             tma_cross_kd, gmem_cross_kd = runs_atom(load, layouts.tile_runs_view(ws_cross_kd), CHUNK, CHUNK)
-            tma_cross_qd, gmem_cross_qd = runs_atom(load, layouts.tile_runs_view(ws_cross_qd), CHUNK, CHUNK)
+            if const_expr(self.token_outputs):  # Q: what only o reads
+                tma_cross_qd, gmem_cross_qd = runs_atom(load, layouts.tile_runs_view(ws_cross_qd), CHUNK, CHUNK)
         tma_state_in, gmem_state_in = None, None
         if const_expr(initial_state is not None):
             tma_state_in, gmem_state_in = runs_atom(load, layouts.state_runs_view(initial_state), self.v_band, self.dim)
@@ -359,7 +360,8 @@ class FwdRecurrence(BandScan):
         stages, out_stages = plan.input_stages, plan.output_stages
         cross = {}
         if const_expr(plan.pairs):
-            cross = {name: smem_tensor(at[name], layouts.square_tile(plan), BFloat16) for name in layouts.CROSS_FIELDS}
+            cross = {name: smem_tensor(at[name], layouts.square_tile(plan), BFloat16) for name in layouts.CROSS_FIELDS
+                     if name in at}  # Q with the token outputs only
         # the views in the plan's order; qd, Mqk and out (o's buffers) with the token outputs only
         views = dict(
             state=smem_tensor(state_ptr, layouts.state_b(plan), BFloat16),
@@ -425,8 +427,9 @@ class FwdRecurrence(BandScan):
             loads += ((tma_gt, cute.local_tile(gmem_gt, (self.dim,), (0, None)), smem.gt),
                       (tma_beta, cute.local_tile(gmem_beta, (CHUNK,), (0, None)), smem.beta))
             if const_expr(plan.pairs):
-                loads += ((tma_cross_kd, self.workspace_tiles(gmem_cross_kd, CHUNK), tma_smem.cross_kd),
-                          (tma_cross_qd, self.workspace_tiles(gmem_cross_qd, CHUNK), tma_smem.cross_qd))
+                loads += ((tma_cross_kd, self.workspace_tiles(gmem_cross_kd, CHUNK), tma_smem.cross_kd),)
+                if const_expr(self.token_outputs):
+                    loads += ((tma_cross_qd, self.workspace_tiles(gmem_cross_qd, CHUNK), tma_smem.cross_qd),)
             self.load(num_tiles, ws_row0, load_pipe, loads)
         elif const_expr(self.token_outputs):
             # plain view of this (batch, head, band) from the sequence start, for tail rows

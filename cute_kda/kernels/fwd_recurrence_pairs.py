@@ -22,7 +22,8 @@ of the checkpoint images, ``g`` the global tile of the pair's tile a and ``s`` t
 (:func:`cute_kda.workspace.pair_block_slots`), as K2 keeps a tile's; and tile a's ``U`` (bf16, value-major
 ``[D, 16]``, as Phase 6 reads it) in the same row of ``u_a``, stored from the registers as 32-bit words of two token
 rows. It runs under a launch bound of one CTA an SM. Mirror: ``mirror_recurrence_pairs`` with ``checkpoints`` and
-``u_a``.
+``u_a``. Without token outputs (the backward's recomputation under ``STATES_ONLY_PASSES``, as K2's) the step loads no
+qd, Mqk or Q, forms no ``qd·S`` and no o: the same kept states and U.
 """
 
 from __future__ import annotations
@@ -52,19 +53,18 @@ class PairRecurrence(FwdRecurrence):
     def __init__(self, **config) -> None:
         if config.get("checkpoint_every", 2) != 2:
             raise ValueError("the two-tile step keeps a checkpoint a pair (checkpoint_every 2)")
-        if not config.get("token_outputs", True):
-            raise NotImplementedError("the two-tile step writes its token outputs (token_outputs=True)")
         super().__init__(**{**config, "checkpoint_every": 2})
 
     @property
     def launch_min_blocks(self) -> int:
-        """The training variant runs under a launch bound of one CTA an SM: without it ptxas caps its registers for
-        occupancy and spills (72 at D = 64, V-split 4)."""
-        return 1 if self.checkpoints else 0
+        """The training variant (and any pass without token outputs) runs under a launch bound of one CTA an SM:
+        without it ptxas caps its registers for occupancy and spills (72 at D = 64, V-split 4)."""
+        return 1 if self.checkpoints or not self.token_outputs else 0
 
     def make_plan(self, vsplit: int, state_io_fp32: bool, dim: int) -> RecurrenceSmemPlan:
         return RecurrenceSmemPlan(vsplit=vsplit, state_io_fp32=state_io_fp32, dim=dim, pairs=True,
-                                  input_stages=PAIR_INPUT_STAGES, output_stages=PAIR_OUTPUT_STAGES)
+                                  input_stages=PAIR_INPUT_STAGES, output_stages=PAIR_OUTPUT_STAGES,
+                                  token_outputs=self.token_outputs)
 
     @cute.jit
     def compute(
@@ -88,8 +88,11 @@ class PairRecurrence(FwdRecurrence):
 
         (tiled_mma, ldsm_a, ldsm_a_t, ldsm_b, ldsm_c, stsm_c, stsm_c_t, p_kd, p_qd, p_inv, p_mqk, p_kr_t, p_state, p_v,
          p_out, p_state_acc_st) = self.warp_views(warp_idx, smem, lane)
+        outputs = self.token_outputs  # o and what only it reads (qd, Mqk, Q): with the token outputs only
         p_cross_kd = ldsm_a.partition_S(smem.cross_kd)  # (CPY, 1, 1, stage), as INV
-        p_cross_qd = ldsm_a.partition_S(smem.cross_qd)
+        p_cross_qd, r_qd, acc_qs, r_o, v_qd, v_out = None, None, None, None, None, None
+        if const_expr(outputs):
+            p_cross_qd = ldsm_a.partition_S(smem.cross_qd)
 
         def fragment_a(shape):
             return tiled_mma.make_fragment_A(tiled_mma.partition_shape_A(shape))
@@ -99,27 +102,32 @@ class PairRecurrence(FwdRecurrence):
 
         c_shape = tiled_mma.partition_shape_C((CHUNK, cols))  # ((2,2), 1, n)
         r_kd = (fragment_a((CHUNK, dim)), fragment_a((CHUNK, dim)))  # tile a's, tile b's
-        r_qd = (fragment_a((CHUNK, dim)), fragment_a((CHUNK, dim)))
+        if const_expr(outputs):
+            r_qd = (fragment_a((CHUNK, dim)), fragment_a((CHUNK, dim)))
         r_state = fragment_b((cols, dim))
         r_square = fragment_a((CHUNK, CHUNK))  # INV, Mqk, P, Q in turn
         r_kr_t = (fragment_a((dim, CHUNK)), fragment_a((dim, CHUNK)))
         acc_ks = (tiled_mma.make_fragment_C(c_shape), tiled_mma.make_fragment_C(c_shape))
-        acc_qs = (tiled_mma.make_fragment_C(c_shape), tiled_mma.make_fragment_C(c_shape))  # qS, then o
+        if const_expr(outputs):
+            acc_qs = (tiled_mma.make_fragment_C(c_shape), tiled_mma.make_fragment_C(c_shape))  # qS, then o
         acc = tiled_mma.make_fragment_C(c_shape)  # INV·u
         r_v = cute.make_rmem_tensor(c_shape, self.token_dtype)
         r_c16 = cute.make_rmem_tensor(c_shape, BFloat16)  # u, then U (bf16 C fragments)
-        r_o = cute.make_rmem_tensor(c_shape, self.token_dtype)
+        if const_expr(outputs):
+            r_o = cute.make_rmem_tensor(c_shape, self.token_dtype)
         r_u_b = fragment_b((cols, CHUNK))  # u as B
         r_big_u_b = (fragment_b((cols, CHUNK)), fragment_b((cols, CHUNK)))  # U_a, U_b as B (Phases 2b-6)
         r_state_acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((dim, cols)), BFloat16)
 
         v_kd = tuple(ldsm_a.retile(r) for r in r_kd)
-        v_qd = tuple(ldsm_a.retile(r) for r in r_qd)
+        if const_expr(outputs):
+            v_qd = tuple(ldsm_a.retile(r) for r in r_qd)
         v_state = ldsm_b.retile(r_state)
         v_square = ldsm_a.retile(r_square)
         v_kr_t = tuple(ldsm_a_t.retile(r) for r in r_kr_t)
         v_v = ldsm_c.retile(r_v)
-        v_out = stsm_c.retile(r_o)
+        if const_expr(outputs):
+            v_out = stsm_c.retile(r_o)
         v_state_acc_st = stsm_c_t.retile(r_state_acc)
         state_words = cute.recast_tensor(r_state_acc, Uint32)
 
@@ -149,19 +157,24 @@ class PairRecurrence(FwdRecurrence):
                 # Phase 1: kS = kd·S, qS = qd·S of every tile; the operands of step k+1 load before the mma of k
                 for j in cutlass.range_constexpr(tiles):
                     acc_ks[j].fill(0.0)
-                    acc_qs[j].fill(0.0)
+                    if const_expr(outputs):
+                        acc_qs[j].fill(0.0)
                     cute.copy(ldsm_a, p_kd[None, None, 0, stages[j]], v_kd[j][None, None, 0])
-                    cute.copy(ldsm_a, p_qd[None, None, 0, stages[j]], v_qd[j][None, None, 0])
+                    if const_expr(outputs):
+                        cute.copy(ldsm_a, p_qd[None, None, 0, stages[j]], v_qd[j][None, None, 0])
                 cute.copy(ldsm_b, p_state[None, None, 0], v_state[None, None, 0])
                 for k in cutlass.range_constexpr(k_steps):
                     if const_expr(k + 1 < k_steps):
                         for j in cutlass.range_constexpr(tiles):
                             cute.copy(ldsm_a, p_kd[None, None, k + 1, stages[j]], v_kd[j][None, None, k + 1])
-                            cute.copy(ldsm_a, p_qd[None, None, k + 1, stages[j]], v_qd[j][None, None, k + 1])
+                            if const_expr(outputs):
+                                cute.copy(ldsm_a, p_qd[None, None, k + 1, stages[j]], v_qd[j][None, None, k + 1])
                         cute.copy(ldsm_b, p_state[None, None, k + 1], v_state[None, None, k + 1])
                     for j in cutlass.range_constexpr(tiles):
                         cute.gemm(tiled_mma, acc_ks[j], r_kd[j][None, None, k], r_state[None, None, k], acc_ks[j])
-                        cute.gemm(tiled_mma, acc_qs[j], r_qd[j][None, None, k], r_state[None, None, k], acc_qs[j])
+                        if const_expr(outputs):
+                            cute.gemm(tiled_mma, acc_qs[j], r_qd[j][None, None, k], r_state[None, None, k],
+                                      acc_qs[j])
                 if const_expr(self.checkpoints and not self.image_by_bulk):  # narrow bands: S as Phase 1 loaded it
                     self.store_band_fragment(checkpoint, r_state, band, warp_idx, lane)
 
@@ -185,17 +198,19 @@ class PairRecurrence(FwdRecurrence):
                     transpose_c_to_b(r_c16, r_big_u_b[j])
                     if const_expr(self.checkpoints and j == 0 and tiles == 2):  # tile a's U as Phase 6 reads it
                         self.store_u_rows(u_a, kept_row, r_big_u_b[0], band, warp_idx, lane)
-                    # Phase 4: o = qS (+ Q·U_a) + Mqk·U
-                    if const_expr(j == 1):
-                        cute.copy(ldsm_a, p_cross_qd[None, None, None, stage], v_square)
-                        cute.gemm(tiled_mma, acc_qs[1], r_square[None, None, 0], r_big_u_b[0][None, None, 0],
-                                  acc_qs[1])
-                    cute.copy(ldsm_a, p_mqk[None, None, None, stage], v_square)
-                    cute.gemm(tiled_mma, acc_qs[j], r_square[None, None, 0], r_big_u_b[j][None, None, 0], acc_qs[j])
-                    r_o.store(acc_qs[j].load().to(self.token_dtype))
-                    # Phase 5: o → output stage
-                    self.store_outputs(store_pipe, out_state, ((stsm_c, v_out, p_out),))
-                    out_state.advance()
+                    if const_expr(outputs):
+                        # Phase 4: o = qS (+ Q·U_a) + Mqk·U
+                        if const_expr(j == 1):
+                            cute.copy(ldsm_a, p_cross_qd[None, None, None, stage], v_square)
+                            cute.gemm(tiled_mma, acc_qs[1], r_square[None, None, 0], r_big_u_b[0][None, None, 0],
+                                      acc_qs[1])
+                        cute.copy(ldsm_a, p_mqk[None, None, None, stage], v_square)
+                        cute.gemm(tiled_mma, acc_qs[j], r_square[None, None, 0], r_big_u_b[j][None, None, 0],
+                                  acc_qs[j])
+                        r_o.store(acc_qs[j].load().to(self.token_dtype))
+                        # Phase 5: o → output stage
+                        self.store_outputs(store_pipe, out_state, ((stsm_c, v_out, p_out),))
+                        out_state.advance()
 
                 # Phase 6: S32 ← Σ_j kr_jᵀ·U_j + f32(gT_pair·S32), a row block of 16 k at a time (after the
                 # checkpoint's copy has read the state buffer)

@@ -79,7 +79,8 @@ class RecurrenceSmemPlan:
 
     ``token_outputs`` False (a K2 pass run for its states alone: under ``STATES_ONLY_PASSES`` the backward's
     recomputation and a segmented call's passes for the segment states): no output tiles, and the input stages drop
-    :attr:`output_operands`, the fields only the outputs read (qd and Mqk: ``o = qd·S + Mqk·U``). The output
+    :attr:`output_operands`, the fields only the outputs read (qd and Mqk: ``o = qd·S + Mqk·U``; a pair plan's Q
+    too: ``o_b = qd_b'·S + Q·U_a + Mqk_b·U_b``). The output
     pipeline's barriers stay.
 
     Each field is an array of stage slots (stage ``s`` at ``offset + s · slot``), each aligned to 128 bytes
@@ -92,7 +93,7 @@ class RecurrenceSmemPlan:
     supported_vsplits: ClassVar[tuple[int, ...]] = SUPPORTED_VSPLITS
     token_field: ClassVar[str] = "v"  # the per-token input tile of the CTA's band
     output_fields: ClassVar[tuple[str, ...]] = ("out",)  # per-token output tiles of an output stage
-    output_operands: ClassVar[tuple[str, ...]] = ("qd", "mqk")  # input fields only the output tiles read
+    output_operands: ClassVar[tuple[str, ...]] = ("qd", "mqk", "cross_qd")  # input fields only the outputs read
     # the per-token and output tiles in the swizzle of :func:`token_atom` (else K_INTER, moved as
     # :func:`tma_box` boxes of 16-byte rows)
     swizzled_tokens: ClassVar[bool] = True

@@ -109,7 +109,8 @@ def recurrence(
     stream=None,
 ) -> None:
     """Run K2: ``out`` (valid rows only) and, when given, ``final_state``, from v and the K1 workspace; ``out`` None
-    runs the pass for its states alone (``checkpoints`` or ``final_state``; no o formed, qd and Mqk not read).
+    runs the pass for its states alone (``checkpoints`` or ``final_state``; no o formed, qd and Mqk not read; the
+    two-tile step: ``checkpoints`` and ``u_a``, Q not read either).
 
     v, out: bf16 or fp16 (both the same) ``[B, T, H, D]`` (D in :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`, the
     workspace's); ws: the :class:`~cute_kda.workspace.Workspace` of
@@ -134,8 +135,9 @@ def recurrence(
         return
     if (u_a is not None) != (cross is not None and checkpoints is not None):
         raise ValueError("u_a comes with the two-tile step's checkpoints (cross and checkpoints), and they with it")
-    if out is None and (cross is not None or (checkpoints is None and final_state is None)):
-        raise ValueError("out=None (a pass for its states alone) needs checkpoints or final_state, and not cross")
+    if out is None and (checkpoints is None and (cross is not None or final_state is None)):
+        raise ValueError("out=None (a pass for its states alone) needs checkpoints or final_state (with cross: "
+                         "checkpoints)")
     if vsplit is None:
         vsplit = RecurrenceVariant.choose_vsplit(num_seqs, heads, sm_count(device_index(v.device)))
     kept = (("checkpoints", checkpoints, block_states_shape(ws, heads, num_seqs)),)
