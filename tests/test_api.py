@@ -210,6 +210,9 @@ def test_warmup_with_pair_training_lists_the_pair_backward(monkeypatch):
     assert any(isinstance(v, PrepareVariant) and v.pairs and v.gate == "safe" for v in variants)
     below = api.warmup_variants(vsplits=(1, 2), **options)
     assert not any(getattr(v, "pair_rebuild", False) or (isinstance(v, ScanVariant) and v.pairs) for v in below)
+    monkeypatch.setattr(stages, "STATES_ONLY_PASSES", True)  # the recomputation's pair K2 then forms no o
+    assert RecurrenceVariant(least, fp32, None, False, True, pairs=True, token_outputs=False) in api.warmup_variants(
+        vsplits=(least,), **options)
     monkeypatch.setattr(stages, "PAIR_TRAINING", False)
     assert not any(getattr(v, "pair_rebuild", False) for v in api.warmup_variants(vsplits=(least,), **options))
 
