@@ -274,15 +274,18 @@ def main() -> None:
     parser.add_argument("--pair-training", action="store_true",
                         help="with --train: a recomputing backward in the two-tile form where its rule takes the "
                              "V-split (cute_kda.executors.stages.PAIR_TRAINING; perf-log W2)")
+    parser.add_argument("--states-only-passes", action="store_true",
+                        help="with --train: K2's passes whose o nobody reads without o "
+                             "(cute_kda.executors.stages.STATES_ONLY_PASSES; perf-log v13, v14)")
     args = parser.parse_args()
     if args.no_group_sum:
         from cute_kda.ops import bwd_grads
 
         bwd_grads.GROUP_SUM = False
-    if args.pair_training:
-        from cute_kda.executors import stages
+    from cute_kda.executors import stages
 
-        stages.PAIR_TRAINING = True
+    stages.PAIR_TRAINING = stages.PAIR_TRAINING or args.pair_training
+    stages.STATES_ONLY_PASSES = stages.STATES_ONLY_PASSES or args.states_only_passes
     if args.fla_unguarded and not args.train:
         parser.error("--fla-unguarded goes with --train")
     if not torch.cuda.is_available():

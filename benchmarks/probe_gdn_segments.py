@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pair-training", action="store_true",
                         help="a recomputing backward in the two-tile form where its rule takes the V-split "
                              "(cute_kda.executors.stages.PAIR_TRAINING; perf-log W2)")
+    parser.add_argument("--states-only-passes", action="store_true",
+                        help="K2's passes whose o nobody reads (the recomputation, per tile or on pairs) without o "
+                             "(cute_kda.executors.stages.STATES_ONLY_PASSES; perf-log v13, v14)")
     return parser
 
 
@@ -75,10 +78,10 @@ def main(argv: list[str] | None = None) -> None:
         from cute_kda.ops import bwd_grads
 
         bwd_grads.GROUP_SUM = False
-    if args.pair_training:
-        from cute_kda.executors import stages
+    from cute_kda.executors import stages
 
-        stages.PAIR_TRAINING = True
+    stages.PAIR_TRAINING = stages.PAIR_TRAINING or args.pair_training
+    stages.STATES_ONLY_PASSES = stages.STATES_ONLY_PASSES or args.states_only_passes
     device = torch.device("cuda")
     inputs, leaves, do, dht = training_problem(args.shape, "gdn_softplus", device)
     positional = [inputs[name] for name in POSITIONAL]

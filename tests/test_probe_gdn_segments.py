@@ -20,6 +20,9 @@ def test_options(probe):
     args = probe.build_parser().parse_args(["--shape", "gdn_T8192_H16_HV32", "--segments", "0,4"])
     assert (args.shape, args.segments) == ("gdn_T8192_H16_HV32", [0, 4])
     assert not args.disable_recompute and probe.build_parser().parse_args(["--disable-recompute"]).disable_recompute
+    assert not (args.pair_training or args.states_only_passes)
+    switched = probe.build_parser().parse_args(["--pair-training", "--states-only-passes"])
+    assert switched.pair_training and switched.states_only_passes
     for bad in ("-1", "x", "4,"):
         with pytest.raises(argparse.ArgumentTypeError):
             probe.segment_counts(bad)
