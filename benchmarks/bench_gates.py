@@ -47,7 +47,8 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cute_kda._bench import add_run_arguments, environment, markdown_table, median_ms, publish  # noqa: E402
+from cute_kda._bench import (  # noqa: E402
+    add_run_arguments, add_switches, apply_switches, environment, markdown_table, median_ms, publish)
 from cute_kda.reference import rel_rms  # noqa: E402
 
 from shapes import D, KIMI_SHAPES, SHAPES, make_inputs  # noqa: E402
@@ -151,6 +152,8 @@ def peers(inputs: dict, gate: str, train: bool = False, gdn_disable_recompute: b
 
 
 PEERS = ("cute_kda", "FLA")  # --peers' choices, by the first word of a peer's name
+# the library switches of GatedDeltaNet's training step a run can flip (cute_kda._bench.SWITCHES)
+GDN_SWITCHES = ("--no-group-sum", "--pair-training", "--states-only-passes")
 
 
 def bench_row(name: str, gate: str, device: torch.device, warmup: int, rep: int,
@@ -268,24 +271,9 @@ def main() -> None:
     parser.add_argument("--gdn-disable-recompute", action="store_true",
                         help="with --train: cute_kda's GatedDeltaNet call keeps K1's workspace and the per-tile states "
                              "for the backward (disable_recompute=True) instead of recomputing them, FLA's semantics")
-    parser.add_argument("--no-group-sum", action="store_true",
-                        help="with --train: value heads in pairs summed after Kernel B, not by it "
-                             "(cute_kda.ops.bwd_grads.GROUP_SUM off; perf-log GDN6)")
-    parser.add_argument("--pair-training", action="store_true",
-                        help="with --train: a recomputing backward in the two-tile form where its rule takes the "
-                             "V-split (cute_kda.executors.stages.PAIR_TRAINING; perf-log W2)")
-    parser.add_argument("--states-only-passes", action="store_true",
-                        help="with --train: K2's passes whose o nobody reads without o "
-                             "(cute_kda.executors.stages.STATES_ONLY_PASSES; perf-log v13, v14)")
+    add_switches(parser, GDN_SWITCHES)  # with --train
     args = parser.parse_args()
-    if args.no_group_sum:
-        from cute_kda.ops import bwd_grads
-
-        bwd_grads.GROUP_SUM = False
-    from cute_kda.executors import stages
-
-    stages.PAIR_TRAINING = stages.PAIR_TRAINING or args.pair_training
-    stages.STATES_ONLY_PASSES = stages.STATES_ONLY_PASSES or args.states_only_passes
+    apply_switches(args, GDN_SWITCHES)
     if args.fla_unguarded and not args.train:
         parser.error("--fla-unguarded goes with --train")
     if not torch.cuda.is_available():

@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import os
 import re
 import shlex
@@ -83,7 +82,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from cute_kda._bench import (  # noqa: E402
-    checkout_commit, dated_out, environment, event_median_ms, markdown_table, positive_int, publish, save)
+    SWITCHES, add_switches, apply_switches, checkout_commit, dated_out, environment, event_median_ms, markdown_table,
+    positive_int, publish, save)
 
 from shapes import D, LOWER_BOUND, SHAPES, head_dim, head_dim_note, make_inputs  # noqa: E402
 
@@ -118,34 +118,10 @@ def parse_shapes(listed: str) -> list[str]:
     return names
 
 
-# The library's module switches a run can flip (the command line in the report records them): flag → (module,
-# attribute, the value the flag sets, what it does).
-SWITCHES = {
-    "--padded-training": ("cute_kda.call", "NATIVE_TRAINING", False,
-                          "--head-dim 64 padded to 128, not on the backward kernels built for 64 (perf-log P3)"),
-    "--no-gate-ahead": ("cute_kda.ops.bwd_grads", "GATE_AHEAD", False,
-                        "Kernel B's gate backward without the raw gate's one-burst load (perf-log B5)"),
-    "--split-load": ("cute_kda.ops.bwd_grads", "SPLIT_LOAD", True,
-                     "Kernel B's state images behind their own barrier (perf-log B6)"),
-    "--split-rows": ("cute_kda.ops.bwd_grads", "SPLIT_ROWS", True,
-                     "the safe gate backward's rows on all 8 warps (perf-log B7)"),
-    "--no-slopes-ahead": ("cute_kda.ops.bwd_grads", "SLOPES_AHEAD", False,
-                          "the safe gate backward's rows' x and σ'(x) formed inside its row loop (perf-log B8)"),
-    "--fp16-grad-stores": ("cute_kda.executors.training", "FP16_GRAD_STORES", True,
-                           "--dtype fp16: Kernel A stores dv, Kernel B dq, dk, dg in fp16 themselves (perf-log F2)"),
-    "--fp16-copy-backward": ("cute_kda.executors.training", "FP16_NATIVE_BACKWARD", False,
-                             "--dtype fp16: the backward on bf16 copies of q, k, v, g, not on the fp16 inputs "
-                             "(perf-log F3; with --fp16-grad-stores F2)"),
-    "--states-only-passes": ("cute_kda.executors.stages", "STATES_ONLY_PASSES", True,
-                             "K2's passes whose o nobody reads (the backward's recomputation, a segmented call's "
-                             "segment-state passes) without o (perf-log v13)"),
-    "--pair-training": ("cute_kda.executors.stages", "PAIR_TRAINING", True,
-                        "a recomputing backward in the two-tile form where its rule takes the V-split: pair K1, "
-                        "training pair K2, Kernel A's pair scan, Kernel B's rebuild (perf-log W2)"),
-    "--no-fp16-do-kernel": ("cute_kda.executors.training", "FP16_DO_KERNEL", False,
-                            "--dtype fp16: dO rounded to bf16 by torch's cast, not by cute_kda's streaming kernel "
-                            "(perf-log F4)"),
-}
+# the library switches a training step can flip (cute_kda._bench.SWITCHES; the command line in the report records
+# them): all but GatedDeltaNet's group sums, which these shapes do not run
+TRAIN_SWITCHES = tuple(flag for flag in SWITCHES if flag != "--no-group-sum")
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,8 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--head-dim", type=head_dim, default=D,
                         help=f"K = V of every input (default {D}; cute_kda runs 64 natively, other smaller ones "
                              f"zero-padded to {D})")
-    for flag, (module, name, _, text) in SWITCHES.items():
-        parser.add_argument(flag, action="store_true", help=f"{text} ({module}.{name})")
+    add_switches(parser, TRAIN_SWITCHES)
     parser.add_argument("--out", help="markdown file (default $OUT/train-<date>.md or benchmarks/results/)")
     return parser
 
@@ -635,9 +610,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_train needs a CUDA GPU (Hopper): nothing timed")
-    for flag, (module, name, value, _) in SWITCHES.items():
-        if getattr(args, flag[2:].replace("-", "_")):
-            setattr(importlib.import_module(module), name, value)
+    apply_switches(args, TRAIN_SWITCHES)
     out = args.out or default_out(args.head_dim)
     command = shlex.join(["python", *(sys.argv if argv is None else ["benchmarks/bench_train.py", *argv])])
     env = environment("cutlass", "fla", "triton", labels={"cutlass": "cutlass-dsl"})

@@ -27,12 +27,12 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from cute_kda._bench import median_ms  # noqa: E402
+from cute_kda._bench import add_switches, apply_switches, median_ms  # noqa: E402
 from cute_kda.api import kda_forward  # noqa: E402
 from cute_kda.fla_calls import translate_fla_gdn_call  # noqa: E402
 from cute_kda.reference import rel_rms  # noqa: E402
 
-from bench_gates import GDN_SHAPES, training_problem  # noqa: E402
+from bench_gates import GDN_SHAPES, GDN_SWITCHES, training_problem  # noqa: E402
 from bench_train import kernel_breakdown, profile_kernels, top_kernels  # noqa: E402
 
 POSITIONAL = ("q", "k", "v", "g", "beta")
@@ -58,15 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--disable-recompute", action="store_true",
                         help="the forward keeps K1's workspace and the per-tile states for the backward "
                              "(disable_recompute=True), as every GatedDeltaNet step before perf-log GDN8 did")
-    parser.add_argument("--no-group-sum", action="store_true",
-                        help="value heads in pairs summed after Kernel B, not by it (cute_kda.ops.bwd_grads.GROUP_SUM "
-                             "off; perf-log GDN6)")
-    parser.add_argument("--pair-training", action="store_true",
-                        help="a recomputing backward in the two-tile form where its rule takes the V-split "
-                             "(cute_kda.executors.stages.PAIR_TRAINING; perf-log W2)")
-    parser.add_argument("--states-only-passes", action="store_true",
-                        help="K2's passes whose o nobody reads (the recomputation, per tile or on pairs) without o "
-                             "(cute_kda.executors.stages.STATES_ONLY_PASSES; perf-log v13, v14)")
+    add_switches(parser, GDN_SWITCHES)
     return parser
 
 
@@ -74,14 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("probe_gdn_segments needs a CUDA GPU (Hopper)")
-    if args.no_group_sum:
-        from cute_kda.ops import bwd_grads
-
-        bwd_grads.GROUP_SUM = False
-    from cute_kda.executors import stages
-
-    stages.PAIR_TRAINING = stages.PAIR_TRAINING or args.pair_training
-    stages.STATES_ONLY_PASSES = stages.STATES_ONLY_PASSES or args.states_only_passes
+    apply_switches(args, GDN_SWITCHES)
     device = torch.device("cuda")
     inputs, leaves, do, dht = training_problem(args.shape, "gdn_softplus", device)
     positional = [inputs[name] for name in POSITIONAL]

@@ -91,6 +91,53 @@ def host_round_us(fn: Callable[[], object], calls: int, rounds: int) -> list[flo
     return per_call
 
 
+# The library's module switches a run can flip (the command line in the report records them): flag → (module,
+# attribute, the value the flag sets, what it does).
+SWITCHES = {
+    "--padded-training": ("cute_kda.call", "NATIVE_TRAINING", False,
+                          "--head-dim 64 padded to 128, not on the backward kernels built for 64 (perf-log P3)"),
+    "--no-gate-ahead": ("cute_kda.ops.bwd_grads", "GATE_AHEAD", False,
+                        "Kernel B's gate backward without the raw gate's one-burst load (perf-log B5)"),
+    "--split-load": ("cute_kda.ops.bwd_grads", "SPLIT_LOAD", True,
+                     "Kernel B's state images behind their own barrier (perf-log B6)"),
+    "--split-rows": ("cute_kda.ops.bwd_grads", "SPLIT_ROWS", True,
+                     "the safe gate backward's rows on all 8 warps (perf-log B7)"),
+    "--no-slopes-ahead": ("cute_kda.ops.bwd_grads", "SLOPES_AHEAD", False,
+                          "the safe gate backward's rows' x and σ'(x) formed inside its row loop (perf-log B8)"),
+    "--fp16-grad-stores": ("cute_kda.executors.training", "FP16_GRAD_STORES", True,
+                           "--dtype fp16: Kernel A stores dv, Kernel B dq, dk, dg in fp16 themselves (perf-log F2)"),
+    "--fp16-copy-backward": ("cute_kda.executors.training", "FP16_NATIVE_BACKWARD", False,
+                             "--dtype fp16: the backward on bf16 copies of q, k, v, g, not on the fp16 inputs "
+                             "(perf-log F3; with --fp16-grad-stores F2)"),
+    "--states-only-passes": ("cute_kda.executors.stages", "STATES_ONLY_PASSES", True,
+                             "K2's passes whose o nobody reads (the backward's recomputation, per tile or on pairs, a "
+                             "segmented call's segment-state passes) without o (perf-log v13, v14)"),
+    "--pair-training": ("cute_kda.executors.stages", "PAIR_TRAINING", True,
+                        "a recomputing backward in the two-tile form where its rule takes the V-split: pair K1, "
+                        "training pair K2, Kernel A's pair scan, Kernel B's rebuild (perf-log W2)"),
+    "--no-group-sum": ("cute_kda.ops.bwd_grads", "GROUP_SUM", False,
+                       "grouped value heads in pairs summed after Kernel B, not by it (perf-log GDN6)"),
+    "--no-fp16-do-kernel": ("cute_kda.executors.training", "FP16_DO_KERNEL", False,
+                            "--dtype fp16: dO rounded to bf16 by torch's cast, not by cute_kda's streaming kernel "
+                            "(perf-log F4)"),
+}
+
+
+def add_switches(parser: argparse.ArgumentParser, flags: tuple[str, ...]) -> None:
+    """One store-true option for each of ``flags`` (keys of :data:`SWITCHES`), its help what the switch does."""
+    for flag in flags:
+        module, name, _, text = SWITCHES[flag]
+        parser.add_argument(flag, action="store_true", help=f"{text} ({module}.{name})")
+
+
+def apply_switches(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
+    """Set the library switch of each of ``flags`` the command line gave (:func:`add_switches`)."""
+    for flag in flags:
+        if getattr(args, flag[2:].replace("-", "_")):
+            module, name, value, _ = SWITCHES[flag]
+            setattr(importlib.import_module(module), name, value)
+
+
 def add_run_arguments(parser: argparse.ArgumentParser, shapes: dict | None = None) -> None:
     """``--out`` (also write the table to a file), ``--warmup`` / ``--rep`` (:func:`median_ms`'s times)
     and, given ``shapes``, ``--shapes`` (a comma-separated subset of its keys, all by default)."""

@@ -28,6 +28,22 @@ def test_options(probe):
             probe.segment_counts(bad)
 
 
+def test_switches_set_the_library_switches(probe, monkeypatch):
+    """The flags the GatedDeltaNet scripts share with bench_train (``cute_kda._bench.SWITCHES``) set the library's
+    switches they name, and only the ones given."""
+    from cute_kda._bench import apply_switches
+    from cute_kda.executors import stages
+    from cute_kda.ops import bwd_grads
+
+    for module, name in ((stages, "PAIR_TRAINING"), (stages, "STATES_ONLY_PASSES"), (bwd_grads, "GROUP_SUM")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    before = stages.STATES_ONLY_PASSES, bwd_grads.GROUP_SUM
+    apply_switches(probe.build_parser().parse_args(["--pair-training"]), probe.GDN_SWITCHES)
+    assert stages.PAIR_TRAINING and (stages.STATES_ONLY_PASSES, bwd_grads.GROUP_SUM) == before
+    apply_switches(probe.build_parser().parse_args(["--no-group-sum", "--states-only-passes"]), probe.GDN_SWITCHES)
+    assert stages.STATES_ONLY_PASSES and not bwd_grads.GROUP_SUM
+
+
 def test_refuses_to_time_without_cuda(probe, monkeypatch):
     monkeypatch.setattr(probe.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
