@@ -115,6 +115,9 @@ SWITCHES = {
     "--pair-training": ("cute_kda.executors.stages", "PAIR_TRAINING", True,
                         "a recomputing backward in the two-tile form where its rule takes the V-split: pair K1, "
                         "training pair K2, Kernel A's pair scan, Kernel B's rebuild (perf-log W2)"),
+    "--no-partner-fields": ("cute_kda.executors.stages", "PARTNER_FIELDS", False,
+                            "with --pair-training, a per-head gate's recomputation runs K1 again for the pair "
+                            "partners' fields instead of its pair K1 writing them (perf-log W2b)"),
     "--no-group-sum": ("cute_kda.ops.bwd_grads", "GROUP_SUM", False,
                        "grouped value heads in pairs summed after Kernel B, not by it (perf-log GDN6)"),
     "--no-fp16-do-kernel": ("cute_kda.executors.training", "FP16_DO_KERNEL", False,

@@ -513,8 +513,10 @@ def warmup_variants(
                 least = stages.PAIR_TRAINING_MIN_VSPLIT.get(gate_scheme(gate, per_head))
                 if least is None or not any(split >= least for split in k2_splits):
                     continue
-                variants[PrepareVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, torch.bfloat16, dim,
-                                        pairs=True)] = None
+                key = (packed, l2, logits, gate, g_dtype, per_head, per_head, torch.bfloat16, dim)
+                variants[PrepareVariant(*key, pairs=True)] = None  # the forward's pair chain
+                if per_head:  # the recomputation's, with the pair partners' fields
+                    variants[PrepareVariant(*key, pairs=True, partner_fields=True)] = None
                 for mode, split in itertools.product(state_modes, k2_splits):
                     if split >= least:  # the training pair K2: checkpoints, no final state, o unread
                         variants[RecurrenceVariant(split, mode, None, packed, True, dim=dim, pairs=True,

@@ -70,7 +70,9 @@ class PrepareVariant:
     ``per_head_gate``: g ``[B, T, HV]`` (GatedDeltaNet), else per channel; ``grouped``: HV > H value heads;
     ``dtype``: q's and k's, bf16 or fp16 (:data:`cute_kda.validation.ACTIVATION_DTYPES`); ``dim``: the head dim K
     (:data:`cute_kda.numerics.NATIVE_HEAD_DIMS`); ``pairs``: the pair workspace of the two-tile serial step, a CTA a
-    pair of tiles (the schemes of :data:`PAIR_SCHEMES`: :data:`cute_kda.kernels.fwd_prepare.PAIR_SCHEMES`).
+    pair of tiles (the schemes of :data:`PAIR_SCHEMES`: :data:`cute_kda.kernels.fwd_prepare.PAIR_SCHEMES`);
+    ``partner_fields``: with ``pairs`` and a per-head gate, also the
+    :class:`~cute_kda.workspace.PartnerFields` (the backward's recomputation in the two-tile training form).
     """
 
     varlen: bool
@@ -83,6 +85,7 @@ class PrepareVariant:
     dtype: torch.dtype = torch.bfloat16
     dim: int = HEAD_DIM
     pairs: bool = False
+    partner_fields: bool = False
 
 
 @dataclass(frozen=True)

@@ -205,6 +205,27 @@ class CrossBlocks(NamedTuple):
     cross_qd: "torch.Tensor"  # Q = qd_b'·kinv_aᵀ
 
 
+class PartnerFields(NamedTuple):
+    """The tile-relative fields of each pair's other tile, which Kernel B's rebuild reads in the two-tile training form
+    (``GradsVariant.pair_rebuild``), written by the per-head gate's pair K1 beside the pair workspace: tile b's qd and
+    kd in tile b's slot, tile a's kr in tile a's slot, each tile's gT in its own slot, shaped as :class:`Workspace`'s
+    fields, the values today's K1 writes there (the pair workspace changes exactly these). Other slots: unwritten."""
+
+    qd: "torch.Tensor"  # bf16 [H*tiles, 16, D]
+    kd: "torch.Tensor"  # bf16 [H*tiles, 16, D]
+    kr: "torch.Tensor"  # bf16 [H*tiles, 16, D]
+    gt: "torch.Tensor"  # fp32 [H*tiles, D]
+
+
+def allocate_partner_fields(spec: WorkspaceSpec, device: "torch.device | str") -> PartnerFields:
+    """Fresh (uninitialised) :class:`PartnerFields` for the workspace of ``spec`` on ``device``."""
+    import torch
+
+    fields = spec.fields()
+    return PartnerFields(*(torch.empty(fields[name][0], dtype=getattr(torch, fields[name][1]), device=device)
+                           for name in PartnerFields._fields))
+
+
 def allocate_cross_blocks(spec: WorkspaceSpec, device: "torch.device | str") -> CrossBlocks:
     """Fresh (uninitialised) cross blocks for the workspace of ``spec`` on ``device``."""
     import torch

@@ -10,7 +10,8 @@ the code (``--out`` both, then ``--compare``): equal hashes mean byte-identical 
 The variants: every combination the launchers can key (``ops/*.compiled_variant``) and ``api.warmup`` visits,
 plus the knobs only tests and benchmarks set (K1's 256 threads, Kernel A's tuning grid of
 ``benchmarks/explore_bwd_scan.py``, K2's and Kernel A's blocks of 4 tiles, Kernel B at 4 warps), K1's and K2's
-pair variants (the two-tile prefill: ``k1/pairs/…``, ``k2/pairs/…``; the training form's K2, ``k2/pairs/training/…``
+pair variants (the two-tile prefill: ``k1/pairs/…``, ``k2/pairs/…``; the training form's K1 with the pair partners'
+fields, ``k1/pairs/partners/…``, and K2, ``k2/pairs/training/…``
 and ``k2/pairs/states/…`` without o, Kernel A's two-tile scan, ``ka/pairs/…``, Kernel B's rebuild,
 ``kb/…/pair_rebuild``), K2's passes for their states alone
 (``k2/states/…``: the backward's recomputation, a segmented call's segment-state passes), and the fp16
@@ -108,6 +109,10 @@ def variants() -> dict[str, tuple]:
             found[f"k1/pairs/d{dim}/{_gate_label(gate, g_dtype, per_head, True)}/{_flags_label(*flags)}"] = (
                 "k1", dict(zip(("varlen", "qk_l2norm", "beta_logits"), flags), gate=gate, g_dtype=g_dtype,
                            per_head_gate=True, grouped=True, dim=dim, pairs=True))
+            # the training form's recomputation: the pair partners' fields too
+            found[f"k1/pairs/partners/d{dim}/{_gate_label(gate, g_dtype, per_head, True)}/{_flags_label(*flags)}"] = (
+                "k1", dict(zip(("varlen", "qk_l2norm", "beta_logits"), flags), gate=gate, g_dtype=g_dtype,
+                           per_head_gate=True, grouped=True, dim=dim, pairs=True, partners=True))
     for vsplit, initial, final, varlen, checkpoints in itertools.product((1, 2, 4), STATES, STATES, (False, True),
                                                                        (False, True)):
         name = f"k2/vs{vsplit}/{initial}-{final}/{_label(varlen, 'varlen', 'fixed')}" + _label(
@@ -247,11 +252,12 @@ D, T, HEADS, NUM_SEQS = 128, 32, 2, 2
 
 
 def _k1(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: str, per_head_gate: bool,
-        grouped: bool, dtype: str = "bf16", dim: int = D, pairs: bool = False, **tuning: int) -> tuple:
+        grouped: bool, dtype: str = "bf16", dim: int = D, pairs: bool = False, partners: bool = False,
+        **tuning: int) -> tuple:
     import torch
 
     from cute_kda.kernels.fwd_prepare import prepare_kernel
-    from cute_kda.workspace import WorkspaceSpec, allocate_cross_blocks
+    from cute_kda.workspace import WorkspaceSpec, allocate_cross_blocks, allocate_partner_fields
     from cute_kda.ops._cache import dsl_type, fake_stream, to_cute_tensor
     from cute_kda.ops.prepare import launch_arguments
 
@@ -266,9 +272,11 @@ def _k1(varlen: bool, qk_l2norm: bool, beta_logits: bool, gate: str, g_dtype: st
     a_log = _meta(HEADS, dtype=torch.float32) if constants else None
     dt_bias = _meta(HEADS, *channels, dtype=torch.float32) if constants else None
     cu_seqlens, tile_base = _segmentation(varlen, NUM_SEQS)
-    cross = allocate_cross_blocks(WorkspaceSpec(heads=HEADS, tiles=4, dim=dim), "meta") if pairs else None
+    spec = WorkspaceSpec(heads=HEADS, tiles=4, dim=dim)
+    cross = allocate_cross_blocks(spec, "meta") if pairs else None
     return kernel, launch_arguments(q, q, g, _meta(1, T, HEADS), a_log, dt_bias, _workspace(HEADS, 4, dim), dim ** -0.5,
-                                    -5.0, T, cu_seqlens, tile_base, fake_stream(), tensor=to_cute_tensor, cross=cross)
+                                    -5.0, T, cu_seqlens, tile_base, fake_stream(), tensor=to_cute_tensor, cross=cross,
+                                    partners=allocate_partner_fields(spec, "meta") if partners else None)
 
 
 def _k2(vsplit: int, initial: str, final: str, varlen: bool, checkpoints: bool, checkpoint_every: int = 1,

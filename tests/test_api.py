@@ -192,8 +192,9 @@ def test_warmup_covers_the_segmented_variants(monkeypatch):
 
 def test_warmup_with_pair_training_lists_the_pair_backward(monkeypatch):
     """Under ``PAIR_TRAINING`` ``training`` adds the two-tile form's backward where its rule takes the V-split: K1's
-    pair variant, the training pair K2 (checkpoints, no final state), Kernel A's pair scan and Kernel B's
-    ``pair_rebuild`` (GatedDeltaNet's with ``group_sum`` too); at V-splits under the rule's, none of it."""
+    pair variant (a per-head gate's also with the partners' fields), the training pair K2 (checkpoints, no final
+    state), Kernel A's pair scan and Kernel B's ``pair_rebuild`` (GatedDeltaNet's with ``group_sum`` too); at V-splits
+    under the rule's, none of it."""
     fp32 = torch.float32
     options = dict(varlen=(False,), state_modes=(fp32,), gates=("safe", "softplus"), gated_delta_rule=True,
                    training=True, segments=False)
@@ -208,6 +209,9 @@ def test_warmup_with_pair_training_lists_the_pair_backward(monkeypatch):
                   if isinstance(v, GradsVariant) and v.pair_rebuild) == [
         ("safe", False, False), ("softplus", True, False), ("softplus", True, True)]
     assert any(isinstance(v, PrepareVariant) and v.pairs and v.gate == "safe" for v in variants)
+    # the recomputation's K1 pair variant with the pair partners' fields: the per-head gate's only
+    assert sorted((v.gate, v.per_head_gate) for v in variants if isinstance(v, PrepareVariant) and v.partner_fields) \
+        == [("softplus", True)]
     below = api.warmup_variants(vsplits=(1, 2), **options)
     assert not any(getattr(v, "pair_rebuild", False) or (isinstance(v, ScanVariant) and v.pairs) for v in below)
     monkeypatch.setattr(stages, "STATES_ONLY_PASSES", True)  # the recomputation's pair K2 then forms no o

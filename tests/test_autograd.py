@@ -308,13 +308,15 @@ def launchers_on_mirrors(monkeypatch):
     from cute_kda.ops import bwd_scan as ka
     from cute_kda.ops import prepare as k1
     from cute_kda.ops import recurrence as k2
-    from cute_kda.reference import mirror, mirror_bwd_scan, tile_bases
+    from cute_kda.reference import mirror, mirror_bwd_scan, mirror_prepare_gates, tile_bases
     from cute_kda.reference.backward import mirror_bwd_grads
     from cute_kda.reference.pair_backward import tile_states_of_pairs
+    from cute_kda.reference.common import token_tile_map
     from cute_kda.reference.pairs import (
-        PairWorkspace, mirror_bwd_scan_pairs, mirror_prepare_pairs, mirror_recurrence_pairs,
+        PairWorkspace, mirror_bwd_scan_pairs, mirror_prepare_pairs, mirror_prepare_pairs_per_head,
+        mirror_recurrence_pairs, pair_roles,
     )
-    from cute_kda.workspace import pair_blocks_shape
+    from cute_kda.workspace import PartnerFields, pair_blocks_shape
 
     fakes = type("Fakes", (), {"calls": [], "beta": None, "cu_seqlens_dtypes": [], "k2_outputs": []})()
 
@@ -343,15 +345,28 @@ def launchers_on_mirrors(monkeypatch):
 
     @fake(k1, "prepare")
     def _(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, cu_seqlens, tile_base, qk_l2norm, beta_logits,
-          gate, stream, cross):
-        assert gate == "safe"  # these tests take the safe gate
+          gate, stream, cross, partners):
+        per_head = g.dim() == 3  # the safe gate, or GatedDeltaNet's per-head one
+        assert gate == ("softplus" if per_head else "safe")
         assert tile_base is None if cu_seqlens is None else torch.equal(tile_base, tile_bases(cu_seqlens, 0, 1))
-        prepare = mirror.mirror_prepare if cross is None else mirror_prepare_pairs
-        done = prepare(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-                       cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, beta_logits=beta_logits)
-        fields = done if cross is None else done.ws
-        for field, value in zip((*ws, *(cross or ())), (*fields, *(() if cross is None else done[1:]))):
+        options = dict(A_log=A_log, dt_bias=dt_bias, scale=scale, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm,
+                       beta_logits=beta_logits)
+        if per_head:
+            today = mirror_prepare_gates(q, k, g, beta, scheme="per_head", gate=gate, **options)
+            pairs = None if cross is None else mirror_prepare_pairs_per_head(q, k, g, beta, gate=gate, **options)
+        else:
+            today = mirror.mirror_prepare(q, k, g, beta, lower_bound=lower_bound, **options)
+            pairs = None if cross is None else mirror_prepare_pairs(q, k, g, beta, lower_bound=lower_bound, **options)
+        fields = today if cross is None else pairs.ws
+        for field, value in zip((*ws, *(cross or ())), (*fields, *(() if cross is None else pairs[1:]))):
             field.copy_(value)
+        if partners is not None:  # the kernel's slots: tile b's qd, kd, the others' kr, every tile's gT
+            tile_map = token_tile_map(q, cu_seqlens)
+            is_b = pair_roles(tile_map, tile_map.slot_exists.numel())[1]
+            owned = dict(qd=is_b, kd=is_b, kr=tile_map.slot_exists & ~is_b, gt=tile_map.slot_exists)
+            for name, where in owned.items():
+                where = where.repeat(beta.shape[2])
+                getattr(partners, name)[where] = getattr(today, name)[where]
 
     @fake(k2, "recurrence")
     def _(v, ws, out, cu_seqlens, tile_base, initial_state, final_state, vsplit, checkpoints, cross, u_a, stream):
@@ -407,16 +422,24 @@ def launchers_on_mirrors(monkeypatch):
           dalog_partial, scale, lower_bound, cu_seqlens, tile_base, qk_l2norm, beta_logits, compute_warps, gate,
           pair):
         assert compute_warps is None  # the autograd layer leaves the tuning knob at its default
-        assert gate == "safe"
+        assert gate == ("softplus" if g.dim() == 3 else "safe")
         kb._check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial,
                           dalog_partial, num_seqs(q, cu_seqlens), gate, pair)
         states, state_grads = images_to_states(states), images_to_states(state_grads)
         if pair is not None:  # the kernel rebuilds each tile's other end from the pair's matrices
             states, state_grads = tile_states_of_pairs(pair.ws, states, state_grads, pair.u_a, do, pair.dv,
                                                        cu_seqlens=cu_seqlens)
+            if isinstance(pair.ws, PartnerFields):  # ws is the pair workspace
+                # the kernel takes INV and β of it and forms each tile's own qd, kd, kr, gT, which the per-head gate's
+                # mirror reads from its workspace: those of the pair workspace where the pair leaves them, else the
+                # partner fields'
+                is_b = pair_roles(token_tile_map(q, cu_seqlens), ws.gt.shape[0] // v.shape[2])[1].repeat(v.shape[2])
+                ws = ws._replace(**{name: torch.where(is_b.view(-1, *[1] * (own.dim() - 1)) == (name in ("qd", "kd")),
+                                                      getattr(pair.ws, name), own)
+                                    for name, own in zip(("qd", "kd", "kr", "gt"), ws[:4])})
         grads = mirror_bwd_grads(q, k, g, fakes.beta, v, do, du, ws, states, state_grads, A_log=A_log,
                                  dt_bias=dt_bias, scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
-                                 qk_l2norm=qk_l2norm, beta_logits=beta_logits)
+                                 qk_l2norm=qk_l2norm, beta_logits=beta_logits, gate=gate)
         for buffer, value in ((dq, grads.dq), (dk, grads.dk), (dg, grads.dg), (dbeta, grads.dbeta)):
             buffer.copy_(value)
         ddt_partial.zero_()[:, 0] = grads.ddt_bias  # the whole sum in the first tile's slot
@@ -521,6 +544,34 @@ def test_kernel_stages_train_on_pairs(launchers_on_mirrors, monkeypatch, states_
     o, _, grads = train(forward, problem, **options)
     o_expected, _, expected = train(REFERENCE_FORWARD, problem, **options)
     assert launchers_on_mirrors.calls == ["tile_bases", "prepare", "recurrence", "prepare", "recurrence", "prepare",
+                                          "bwd_scan", "bwd_grads"]
+    assert launchers_on_mirrors.k2_outputs == [True, not states_only]
+    assert torch.equal(o, o_expected)
+    for name in expected:
+        assert torch.equal(grads[name], expected[name]), name
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the mirrors on the CPU use accurate tanh / exp2 / log2
+@pytest.mark.parametrize("partner_fields", [True, False], ids=["partner_fields", "second_k1"])
+@pytest.mark.parametrize("states_only", [False, True], ids=["with_o", "states_only"])
+def test_kernel_stages_train_per_head_gates_on_pairs(launchers_on_mirrors, monkeypatch, states_only, partner_fields):
+    """GatedDeltaNet's per-head gate under ``PAIR_TRAINING``: the recomputation's K1 pair variant also writes the pair
+    partners' fields (``partners``), so no per-tile K1 runs in the backward and Kernel B reads INV and β of the pair
+    workspace (without ``PARTNER_FIELDS``, K1 once more); o and the gradients are the reference backend's (which
+    recomputes per tile), bit for bit."""
+    monkeypatch.setattr(stages, "PAIR_TRAINING", True)
+    monkeypatch.setattr(stages, "STATES_ONLY_PASSES", states_only)
+    monkeypatch.setattr(stages, "PARTNER_FIELDS", partner_fields)
+    problem, do, dht = make_problem([20, 0, 48, 5, 70], state=torch.float32)
+    problem.update(g=problem["g"][..., 0].contiguous(), A_log=torch.log(1 + 15 * torch.rand(2)),
+                   dt_bias=problem["dt_bias"][:, 0].contiguous())
+    launchers_on_mirrors.beta = problem["beta"]
+    forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
+    options = dict(do=do, dht=dht, recompute=True, vsplit=stages.PAIR_TRAINING_MIN_VSPLIT["per_head"], gate="softplus")
+    o, _, grads = train(forward, problem, **options)
+    o_expected, _, expected = train(REFERENCE_FORWARD, problem, **options)
+    again = [] if partner_fields else ["prepare"]
+    assert launchers_on_mirrors.calls == ["tile_bases", "prepare", "recurrence", "prepare", "recurrence", *again,
                                           "bwd_scan", "bwd_grads"]
     assert launchers_on_mirrors.k2_outputs == [True, not states_only]
     assert torch.equal(o, o_expected)

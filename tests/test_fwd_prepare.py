@@ -36,8 +36,9 @@ def _fake(dtype, rank: int, align: int = 16):
     )
 
 
-def _compile(kernel: PrepareKernel):
-    """(PTX report, dynamic smem bytes of each launch) of ``kernel`` compiled for sm_90a."""
+def _compile(kernel: PrepareKernel, partners: bool = False):
+    """(PTX report, dynamic smem bytes of each launch) of ``kernel`` compiled for sm_90a; ``partners``: with the per-head
+    pair K1's partner fields."""
     constants = kernel.gate != "none"  # a log decay comes without A_log and dt_bias
     per_channel = 0 if kernel.per_head_gate else 1  # a per-head gate: g [B, T, HV], dt_bias [HV]
     inputs = PrepareInputs(
@@ -50,6 +51,8 @@ def _compile(kernel: PrepareKernel):
         qd=_fake(BF16, 3), kd=_fake(BF16, 3), kr=_fake(BF16, 3), gt=_fake(F32, 2),
         inv=_fake(BF16, 3), mqk=_fake(BF16, 3), beta=_fake(F32, 2),
         cross_kd=_fake(BF16, 3) if pairs else None, cross_qd=_fake(BF16, 3) if pairs else None,
+        **(dict(partner_qd=_fake(BF16, 3), partner_kd=_fake(BF16, 3), partner_kr=_fake(BF16, 3),
+                partner_gt=_fake(F32, 2)) if partners else {}),
     )
     varlen = (_fake(cutlass.Int64, 1, 8), _fake(cutlass.Int32, 1, 4)) if kernel.varlen else (None, None)
     _, report = compile_with_report(
@@ -81,7 +84,13 @@ VARIANTS = {
     "pairs_gdn_log_decay_fp32": dict(varlen=False, pairs=True, gate="none", gate_dtype=F32, per_head_gate=True),
     "pairs_gdn_fp16": dict(varlen=True, pairs=True, gate="softplus", per_head_gate=True, grouped=True,
                            dtype=cutlass.Float16),
+    # the backward's recomputation in the two-tile training form: the pair partners' fields too (PartnerFields)
+    "pairs_gdn_partners": dict(varlen=False, pairs=True, gate="softplus", per_head_gate=True, grouped=True),
+    "pairs_gdn_partners_varlen": dict(varlen=True, pairs=True, gate="softplus", per_head_gate=True, grouped=True),
+    "pairs_gdn_partners_log_decay_plain": dict(varlen=False, pairs=True, gate="none", gate_dtype=F32,
+                                               per_head_gate=True, qk_l2norm=False, beta_logits=False),
 }
+PARTNER_VARIANTS = frozenset(name for name in VARIANTS if "_partners" in name)
 
 
 # every variant at D = 128 and its twin at D = 64 (but 256 threads: 64 channels give 128 row chunks, not 256)
@@ -92,7 +101,7 @@ COMPILED = [(name, D) for name in VARIANTS] + [(name, 64) for name in VARIANTS i
 def compiled(request):
     name, dim = request.param
     kernel = prepare_kernel(**VARIANTS[name], dim=dim)
-    return (kernel, *_compile(kernel))
+    return (kernel, *_compile(kernel, partners=name in PARTNER_VARIANTS))
 
 
 def _tile_ranks(kernel: PrepareKernel) -> tuple[int, int]:
@@ -670,6 +679,83 @@ def test_per_head_pair_workspace_matches_mirror(lengths, gate, dim):
     cu_seqlens = None if lengths is None else torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64, device="cuda")
     _assert_pairs_match(*_run_pairs(q, k, g, beta, a_log, dt_bias, cu_seqlens=cu_seqlens, gate=gate),
                         f"per-head pairs {gate} {lengths}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [None, *PAIR_VARLEN], ids=["B2xT97", *(f"{len(s)}seqs" for s in PAIR_VARLEN)])
+@pytest.mark.parametrize("gate", ["softplus", "none"])
+@ALL_DIMS
+def test_per_head_pair_partner_fields_are_today_k1s(lengths, gate, dim):
+    """The per-head pair K1 with :class:`~cute_kda.workspace.PartnerFields` (the two-tile training form's
+    recomputation): tile b's qd, kd, tile a's (and a lone tile's) kr and every tile's gT are today's K1's bit for bit,
+    no other slot is written, and the pair workspace and cross blocks are those of the variant without them."""
+    from cute_kda.ops.prepare import prepare, tile_bases
+    from cute_kda.reference.common import token_tile_map
+    from cute_kda.reference.pairs import pair_roles
+    from cute_kda.workspace import PartnerFields, allocate_cross_blocks
+
+    batch, steps = (2, 97) if lengths is None else (1, sum(lengths))
+    q, k, g, beta, a_log, dt_bias = _problem(batch, steps, 4, seed=9, dim=dim)
+    q, k, g = q[:, :, :2].contiguous(), k[:, :, :2].contiguous(), g[..., 0].contiguous()
+    if gate == "none":
+        g, a_log, dt_bias = -torch.nn.functional.softplus(g.float()), None, None
+    else:
+        dt_bias = dt_bias[:, 0].contiguous()
+    cu_seqlens = None if lengths is None else torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64, device="cuda")
+    num_seqs = batch if lengths is None else len(lengths)
+    spec = WorkspaceSpec(heads=4, tiles=tiles_per_head(batch * steps, num_seqs, lengths is not None), dim=dim)
+
+    def poisoned():
+        return workspace_views(spec, torch.full((spec.nbytes,), 0xFF, dtype=torch.uint8, device="cuda"))
+
+    def run(ws, cross=None, partners=None):
+        prepare(q, k, g, beta, a_log, dt_bias, ws, scale=dim ** -0.5, lower_bound=LOWER_BOUND, cu_seqlens=cu_seqlens,
+                tile_base=None if cu_seqlens is None else tile_bases(cu_seqlens), gate=gate, cross=cross,
+                partners=partners)
+
+    today, plain, paired = poisoned(), poisoned(), poisoned()
+    run(today)
+    plain_cross, cross = allocate_cross_blocks(spec, "cuda"), allocate_cross_blocks(spec, "cuda")
+    run(plain, plain_cross)
+    partners = PartnerFields(*(f.clone().fill_(float("nan")) for f in (today.qd, today.kd, today.kr, today.gt)))
+    run(paired, cross, partners)
+    torch.cuda.synchronize()
+    for name in plain._fields:
+        assert torch.equal(_bits(getattr(paired, name)), _bits(getattr(plain, name))), name
+    is_b = pair_roles(token_tile_map(q, cu_seqlens), spec.tiles)[1]
+    exists = token_tile_map(q, cu_seqlens).slot_exists
+    for name in cross._fields:
+        assert torch.equal(_bits(getattr(cross, name)[is_b.repeat(4)]), _bits(getattr(plain_cross, name)[is_b.repeat(4)]))
+    written = dict(qd=is_b, kd=is_b, kr=exists & ~is_b, gt=exists)
+    for name, where in written.items():
+        where = where.repeat(4).to("cuda")
+        got, want = getattr(partners, name), getattr(today, name)
+        same = _bits(got[where]) == _bits(want[where])
+        assert same.all(), f"partners.{name}: {int((~same).sum())} of {same.numel()} differ"
+        assert torch.isnan(got[~where].float()).all(), f"partners.{name}: a slot it does not own was written"
+
+
+def test_partner_fields_only_with_the_per_head_pair_k1():
+    """The launcher refuses ``partners`` without the per-head gate's pair variant, or shaped unlike the workspace."""
+    from cute_kda.ops.prepare import prepare
+    from cute_kda.workspace import allocate_cross_blocks, allocate_partner_fields
+
+    spec = WorkspaceSpec(heads=2, tiles=2, dim=D)
+    ws, cross, partners = workspace_views(spec, torch.empty(spec.nbytes, dtype=torch.uint8)), \
+        allocate_cross_blocks(spec, "cpu"), allocate_partner_fields(spec, "cpu")
+    q = torch.zeros(1, 2 * CHUNK, 2, D, dtype=torch.bfloat16)
+    beta = torch.zeros(1, 2 * CHUNK, 2, dtype=torch.bfloat16)
+    per_head_g = torch.zeros(1, 2 * CHUNK, 2, dtype=torch.bfloat16)
+    common = dict(scale=1.0, lower_bound=LOWER_BOUND)
+    with pytest.raises(ValueError, match="partners: only the per-head gate's pair K1"):
+        prepare(q, q, q, beta, torch.zeros(2), torch.zeros(2, D), ws, cross=cross, partners=partners, **common)
+    with pytest.raises(ValueError, match="partners: only the per-head gate's pair K1"):
+        prepare(q, q, per_head_g, beta, torch.zeros(2), torch.zeros(2), ws, partners=partners, gate="softplus",
+                **common)
+    short = partners._replace(kr=partners.kr[1:])
+    with pytest.raises(ValueError, match=r"partners\.kr must be torch\.bfloat16"):
+        prepare(q, q, per_head_g, beta, torch.zeros(2), torch.zeros(2), ws, cross=cross, partners=short,
+                gate="softplus", **common)
 
 
 # ---------------------------------------------------------------- the unbounded gates (GPU)

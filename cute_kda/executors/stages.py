@@ -21,8 +21,8 @@ from ..numerics import CHUNK, gate_scheme
 from ..validation import ProblemShape
 from ..variants import RecurrenceVariant
 from ..workspace import (
-    CrossBlocks, Workspace, WorkspaceSpec, cross_block_views, pair_block_slots, snapshot_slots, tiles_per_head,
-    workspace_views,
+    CrossBlocks, PartnerFields, Workspace, WorkspaceSpec, allocate_partner_fields, cross_block_views,
+    pair_block_slots, snapshot_slots, tiles_per_head, workspace_views,
 )
 
 KERNEL_B_INPUTS = (0, 1, 3, 4, 5, 6)  # q, k, g, beta, A_log, dt_bias: the inputs whose gradients Kernel B gives
@@ -38,6 +38,10 @@ STATES_ONLY_PASSES = False
 # call keeping its states stays per tile. Off until the H200 has run the GPU tests and the A/B
 # (``bench_train.py --pair-training``, ``bench_gates.py --train --pair-training``)
 PAIR_TRAINING = False
+# In that form a per-head gate's recomputation has K1's pair variant write the pair partners' fields, which Kernel B's
+# rebuild reads, instead of running K1 once more for them (docs/perf-log.md, W2b); False: the second K1, for the A/B
+# (``bench_gates.py --train --pair-training --no-partner-fields``)
+PARTNER_FIELDS = True
 # the smallest K2 V-split at which a scheme's recomputing backward runs on pairs: where the chains are few (K2 and
 # Kernel A's pair steps −34 % and −24 % a tile at V-split 4, v11 and A9), a prediction until the H200's A/B
 PAIR_TRAINING_MIN_VSPLIT = {"safe": 4, "per_head": 4}
@@ -46,10 +50,13 @@ PAIR_TRAINING_MIN_VSPLIT = {"safe": 4, "per_head": 4}
 class PairSaved(NamedTuple):
     """The two-tile form's part of :class:`Saved` (the backward's recomputation makes it, :func:`trains_pairs`):
     ``workspace`` flat uint8 ``[WorkspaceSpec(pairs=True).nbytes]``, the pair workspace and its cross blocks
-    (:func:`pair_workspace_of`); ``u_a`` bf16 :func:`~cute_kda.workspace.pair_u_shape`, tile a's U a pair."""
+    (:func:`pair_workspace_of`); ``u_a`` bf16 :func:`~cute_kda.workspace.pair_u_shape`, tile a's U a pair;
+    ``partners``: the pair partners' fields from K1's pair variant (a per-head gate), else None (then
+    ``Saved.workspace`` is K1's per tile, which holds them)."""
 
     workspace: torch.Tensor
     u_a: torch.Tensor
+    partners: PartnerFields | None = None
 
 
 class Saved(NamedTuple):
@@ -64,7 +71,8 @@ class Saved(NamedTuple):
     (:func:`cute_kda.context_parallel.segment_states`), kept under ``recompute`` too (two states a segment).
     pairs: the two-tile form's (:class:`PairSaved`; only within a backward, from ``Backend.pair_states``): then
     ``checkpoints`` hold the state entering each pair (:func:`~cute_kda.workspace.pair_blocks_shape`) and ``workspace``
-    is K1's per tile (Kernel B's INV and β, and each pair partner's fields).
+    is K1's per tile (Kernel B's INV and β, and each pair partner's fields), or None where ``pairs.partners`` holds
+    those fields (Kernel B then reads INV and β of the pair workspace, the same per tile).
     """
 
     workspace: torch.Tensor | None
@@ -312,13 +320,14 @@ class PairChain(NamedTuple):
 
 
 def pair_chain(x: Inputs, options: Options, *, keep: bool, vsplit: int | None = None,
-               token_outputs: bool = True) -> PairChain:
+               token_outputs: bool = True, partners: PartnerFields | None = None) -> PairChain:
     """An unsplit call's chain on the two-tile variants, on the current stream of q's device: K1's pair variant into a
     fresh pair workspace, then K2's pair variant from ``x.initial_state`` at ``vsplit`` (None: ``options.vsplit``):
     o, the final state in ``options.final_state_dtype`` (None: none), and with ``keep`` a state a pair
     (:func:`~cute_kda.workspace.pair_blocks_shape` state images) and tile a's U (:func:`pair_kept_shapes`). The
     inference prefill's variants, the same o and final state whether it keeps them or not; ``token_outputs`` False
-    (with ``keep``): no o (out None), the same kept states."""
+    (with ``keep``): no o (out None), the same kept states; ``partners``: K1's pair variant also fills these pair
+    partners' fields (a per-head gate)."""
     from ..ops import prepare as k1
     from ..ops import recurrence as k2
 
@@ -331,7 +340,7 @@ def pair_chain(x: Inputs, options: Options, *, keep: bool, vsplit: int | None = 
         tile_base = k1.tile_bases(x.cu_seqlens)
     k1.prepare(x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, ws, scale=options.scale, lower_bound=options.lower_bound,
                cu_seqlens=x.cu_seqlens, tile_base=tile_base, qk_l2norm=options.qk_l2norm,
-               beta_logits=options.beta_logits, gate=options.gate, cross=cross)
+               beta_logits=options.beta_logits, gate=options.gate, cross=cross, partners=partners)
     checkpoints = u_a = None
     if keep:
         kept, u_shape = pair_kept_shapes(problem)
@@ -345,14 +354,20 @@ def pair_chain(x: Inputs, options: Options, *, keep: bool, vsplit: int | None = 
 
 
 def _kernel_pair_states(x: Inputs, options: Options) -> Saved:
-    """The two-tile form's recomputation (:func:`trains_pairs`): K1 into a fresh workspace (Kernel B's INV and β, the
-    pair partners' fields), then :func:`pair_chain` keeping a state and tile a's U a pair (its o unread: none formed
-    under :data:`STATES_ONLY_PASSES`)."""
+    """The two-tile form's recomputation (:func:`trains_pairs`): :func:`pair_chain` keeping a state and tile a's U a
+    pair (its o unread: none formed under :data:`STATES_ONLY_PASSES`); a per-head gate's K1 pair variant also writes
+    the pair partners' fields (:class:`~cute_kda.workspace.PartnerFields`), else K1 runs again into a fresh
+    workspace for them (the safe gate's pair K1 has no such variant)."""
     from ..ops import prepare as k1
 
     problem = options.problem
+    states_options = options._replace(final_state_dtype=None)
+    if x.g.dim() == 3 and PARTNER_FIELDS:  # the per-head gate
+        partners = allocate_partner_fields(workspace_spec(problem), x.q.device)
+        chain = pair_chain(x, states_options, keep=True, token_outputs=not STATES_ONLY_PASSES, partners=partners)
+        return Saved(None, chain.checkpoints, chain.tile_base, None, PairSaved(chain.workspace, chain.u_a, partners))
     buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=x.q.device)
-    chain = pair_chain(x, options._replace(final_state_dtype=None), keep=True, token_outputs=not STATES_ONLY_PASSES)
+    chain = pair_chain(x, states_options, keep=True, token_outputs=not STATES_ONLY_PASSES)
     k1.prepare(x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, workspace_views(workspace_spec(problem), buffer),
                scale=options.scale, lower_bound=options.lower_bound, cu_seqlens=x.cu_seqlens,
                tile_base=chain.tile_base, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
@@ -385,7 +400,9 @@ def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, s
     per-channel gate's dg stored by it in ``grad_dtype``; with ``saved.pairs`` on the pair form's kept matrices."""
     from ..ops import bwd_grads as kb
 
-    ws = workspace_of(options, saved)
+    partners = None if saved.pairs is None else saved.pairs.partners
+    # INV and β per tile: K1's workspace, or the pair workspace's (the same values) beside K1's pair partner fields
+    ws = workspace_of(options, saved) if partners is None else pair_workspace_of(options, saved)[0]
     per_head = x.g.dim() == 3  # GatedDeltaNet's per-head gate
     ddt_shape, dalog_shape = kb.gate_partials_shapes(ws, options.problem.heads, per_head)
     constants = options.gate != "none"  # a log decay has no A_log / dt_bias
@@ -407,7 +424,7 @@ def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, s
         ddt_partial=ddt_partial, dalog_partial=dalog_partial, scale=options.scale, lower_bound=options.lower_bound,
         cu_seqlens=x.cu_seqlens, tile_base=saved.tile_base, qk_l2norm=options.qk_l2norm,
         beta_logits=options.beta_logits, gate=options.gate,
-        pair=None if saved.pairs is None else kb.PairTensors(saved.pairs.u_a, scan.dv, ws),
+        pair=None if saved.pairs is None else kb.PairTensors(saved.pairs.u_a, scan.dv, ws if partners is None else partners),
     )
     if unbounded and not pairs:
         dq, dk = (group_sum(t, x.q.shape[2]) for t in (dq, dk))

@@ -16,7 +16,7 @@ from .. import validation
 from ..layouts.bwd_grads import compute_warps as warps_at, default_warps, reads_gate_rows
 from ..numerics import NATIVE_HEAD_DIMS, f32, gate_constant
 from ..variants import GradsVariant
-from ..workspace import Workspace, block_states_shape, pair_blocks_shape, pair_u_shape
+from ..workspace import PartnerFields, Workspace, block_states_shape, pair_blocks_shape, pair_u_shape
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, dsl_type, fake_stream, launch_tensor,
     to_cute_tensor,
@@ -56,12 +56,13 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16)
 class PairTensors(NamedTuple):
     """Kernel B's inputs in the two-tile training form (``GradsVariant.pair_rebuild``; docs/perf-log.md, W2): tile a's
     ``U`` as the training pair K2 keeps it (bf16 :func:`~cute_kda.workspace.pair_u_shape`), Kernel A's ``dv``
-    (bf16 ``[B, T, HV, D]``) and a tile-relative K1 workspace of the call (its qd, kd, kr, gt: the pair partner's
-    fields; today's K1's, bit for bit what Kernel B recomputes of its own tile)."""
+    (bf16 ``[B, T, HV, D]``) and the pair partners' tile-relative fields: a K1 workspace of the call or the
+    :class:`~cute_kda.workspace.PartnerFields` of K1's pair variant (its qd, kd, kr, gt; today's K1's values, bit for
+    bit what Kernel B recomputes of its own tile)."""
 
     u_a: torch.Tensor
     dv: torch.Tensor
-    ws: Workspace
+    ws: Workspace | PartnerFields
 
 
 def sums_pairs(qk_heads: int, value_heads: int, grad_dtype: torch.dtype) -> bool:

@@ -18,8 +18,8 @@ import torch
 from ..numerics import HEAD_DIM, f32, gate_constant
 from ..variants import PrepareVariant
 from ..workspace import (
-    CHUNK, SNAPSHOT_TILES, CrossBlocks, Workspace, WorkspaceSpec, allocate_cross_blocks, allocate_workspace,
-    block_states_shape,
+    CHUNK, SNAPSHOT_TILES, CrossBlocks, PartnerFields, Workspace, WorkspaceSpec, allocate_cross_blocks,
+    allocate_partner_fields, allocate_workspace, block_states_shape,
 )
 from ._cache import (
     CompileCache, compile_for_launch, current_stream, device_index, dsl_type, fake_stream, launch_tensor,
@@ -97,12 +97,12 @@ def tile_bases(cu_seqlens: torch.Tensor, *, stream=None) -> torch.Tensor:
 
 def launch_arguments(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float, lower_bound: float,
                      seq_len: int, cu_seqlens, tile_base, stream, tensor=launch_tensor,
-                     cross: CrossBlocks | None = None) -> tuple:
+                     cross: CrossBlocks | None = None, partners: PartnerFields | None = None) -> tuple:
     """Positional arguments of ``PrepareKernel.__call__`` for these torch tensors.
 
     ``tensor(t, assumed_align)`` converts each tensor: :func:`~._cache.launch_tensor` (the default)
     for a call of the compiled function, :func:`~._cache.to_cute_tensor` for the compile. ``cross``: the pair K1's
-    cross blocks.
+    cross blocks; ``partners``: its partner fields.
     """
     if A_log is not None and (A_log.dim() != 1 or dt_bias.dim() != g.dim() - 2):  # None: gate "none"
         heads, dim = beta.shape[2], q.shape[3]  # value heads; a per-head gate's dt_bias is [HV]
@@ -110,12 +110,13 @@ def launch_arguments(q, k, g, beta, A_log, dt_bias, ws: Workspace, scale: float,
     scalars = fp32_scalars(scale, lower_bound)
     if tensor is launch_tensor:  # every call: the tensors as they are, the workspace's as kept
         inputs = _prepare_inputs()(q, k, g, beta, A_log, dt_bias)
-        return inputs, _workspace_tiles(ws, launch_tensor, cross), *scalars, seq_len, cu_seqlens, tile_base, stream
+        return (inputs, _workspace_tiles(ws, launch_tensor, cross, partners), *scalars, seq_len, cu_seqlens, tile_base,
+                stream)
     inputs = _prepare_inputs()(  # [B, T, ...] as given: the kernel folds B·T (layouts.fwd_prepare.compact)
         q=tensor(q, 16), k=tensor(k, 16), g=tensor(g, 16), beta=tensor(beta, 2),
         a_log=None if A_log is None else tensor(A_log, 4), dt_bias=None if dt_bias is None else tensor(dt_bias, 4),
     )
-    return (inputs, _workspace_tiles(ws, tensor, cross), *scalars, seq_len, tensor(cu_seqlens, 8),
+    return (inputs, _workspace_tiles(ws, tensor, cross, partners), *scalars, seq_len, tensor(cu_seqlens, 8),
             tensor(tile_base, 4), stream)
 
 
@@ -150,23 +151,25 @@ def launch(compiled, q, k, g, beta, A_log, dt_bias, tiles: Any, scalars: tuple[f
     compiled(inputs, tiles, *scalars, seq_len, cu_seqlens, tile_base, stream)
 
 
-def _workspace_tiles(ws: Workspace, tensor, cross: CrossBlocks | None = None) -> tuple:
-    """``WorkspaceTiles`` of ``ws`` (the ``[rows, 16, D]`` fields seen as ``[rows·16, 1, D]``) and of the pair K1's
-    ``cross`` blocks."""
+def _workspace_tiles(ws: Workspace, tensor, cross: CrossBlocks | None = None,
+                     partners: PartnerFields | None = None) -> tuple:
+    """``WorkspaceTiles`` of ``ws`` (the ``[rows, 16, D]`` fields seen as ``[rows·16, 1, D]``), of the pair K1's
+    ``cross`` blocks and of its ``partners`` fields."""
     from ..kernels.fwd_prepare import WorkspaceTiles
 
     dim = ws.qd.shape[-1]
     tile_rows = ws.qd.shape[0] * CHUNK
+
+    def rows(t):  # a [rows, 16, D] field as [rows·16, 1, D]
+        return tensor(t.view(tile_rows, 1, dim), 16)
+
     return WorkspaceTiles(
-        qd=tensor(ws.qd.view(tile_rows, 1, dim), 16),
-        kd=tensor(ws.kd.view(tile_rows, 1, dim), 16),
-        kr=tensor(ws.kr.view(tile_rows, 1, dim), 16),
-        gt=tensor(ws.gt, 16),
-        inv=tensor(ws.inv, 16),
-        mqk=tensor(ws.mqk, 16),
-        beta=tensor(ws.beta, 16),
+        qd=rows(ws.qd), kd=rows(ws.kd), kr=rows(ws.kr), gt=tensor(ws.gt, 16), inv=tensor(ws.inv, 16),
+        mqk=tensor(ws.mqk, 16), beta=tensor(ws.beta, 16),
         cross_kd=None if cross is None else tensor(cross.cross_kd, 16),
         cross_qd=None if cross is None else tensor(cross.cross_qd, 16),
+        **({} if partners is None else dict(partner_qd=rows(partners.qd), partner_kd=rows(partners.kd),
+                                           partner_kr=rows(partners.kr), partner_gt=tensor(partners.gt, 16))),
     )
 
 
@@ -181,13 +184,14 @@ def _compile_arguments(variant: PrepareVariant) -> tuple:
     spec = WorkspaceSpec(heads=heads, tiles=2, dim=variant.dim)
     ws = allocate_workspace(spec, _META)
     cross = allocate_cross_blocks(spec, _META) if variant.pairs else None
+    partners = allocate_partner_fields(spec, _META) if variant.partner_fields else None
     cu_seqlens = torch.empty(2, dtype=torch.int64, device=_META) if variant.varlen else None
     tile_base = torch.empty(2, dtype=torch.int32, device=_META) if variant.varlen else None
     constants = variant.gate != "none"
     A_log = torch.empty(heads, dtype=torch.float32, device=_META) if constants else None
     dt_bias = torch.empty((heads, *per_channel), dtype=torch.float32, device=_META) if constants else None
     return launch_arguments(q, q, g, beta, A_log, dt_bias, ws, 1.0, -1.0, CHUNK, cu_seqlens, tile_base,
-                            fake_stream(), tensor=to_cute_tensor, cross=cross)
+                            fake_stream(), tensor=to_cute_tensor, cross=cross, partners=partners)
 
 
 def compiled_variant(variant: PrepareVariant, index: int):
@@ -210,10 +214,13 @@ def prepare(
     dt_bias: torch.Tensor | None, ws: Workspace, *, scale: float, lower_bound: float,
     cu_seqlens: torch.Tensor | None = None, tile_base: torch.Tensor | None = None, qk_l2norm: bool = True,
     beta_logits: bool = True, gate: str = "safe", stream=None, cross: CrossBlocks | None = None,
+    partners: PartnerFields | None = None,
 ) -> None:
     """Run K1: fill ``ws`` (``tiles_per_head(B·T, N, varlen)`` slots per head) from the raw inputs; with ``cross``
     (:class:`~cute_kda.workspace.CrossBlocks` of ``ws``'s spec; the safe gate or a per-head gate) the pair workspace
-    of the two-tile serial step (``cute_kda.workspace``), a CTA a pair of tiles.
+    of the two-tile serial step (``cute_kda.workspace``), a CTA a pair of tiles; with ``partners``
+    (:class:`~cute_kda.workspace.PartnerFields` of ``ws``'s fields' shapes; with ``cross``, a per-head gate) that pair
+    variant also writes the fields of each pair's other tile that the backward's rebuild reads.
 
     q, k: bf16 or fp16 ``[B, T, H, D]`` (D in :data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`, the workspace's); g
     ``[B, T, HV, D]`` (or ``[B, T, HV]``, a per-head gate, with the
@@ -227,6 +234,8 @@ def prepare(
     device); returns without synchronising.
     """
     batch, steps, heads, _ = q.shape
+    if partners is not None:
+        _check_partners(partners, ws, cross, g)
     if ws.gt.shape[0] == 0 or batch * steps == 0:
         return
     device = q.device
@@ -235,11 +244,25 @@ def prepare(
     if cu_seqlens is not None and tile_base is None:
         tile_base = tile_bases(cu_seqlens, stream=stream)
     variant = PrepareVariant(cu_seqlens is not None, bool(qk_l2norm), bool(beta_logits), gate, g.dtype, g.dim() == 3,
-                             beta.shape[2] != q.shape[2], q.dtype, q.shape[3], cross is not None)
+                             beta.shape[2] != q.shape[2], q.dtype, q.shape[3], cross is not None,
+                             partners is not None)
     compiled = compiled_variant(variant, device_index(device))
     with on_device(device):
         compiled(*launch_arguments(q, k, g, beta, A_log, dt_bias, ws, scale, lower_bound, steps, cu_seqlens, tile_base,
-                               stream, cross=cross))
+                               stream, cross=cross, partners=partners))
+
+
+def _check_partners(partners: PartnerFields, ws: Workspace, cross: CrossBlocks | None, g: torch.Tensor) -> None:
+    """``partners`` go with the per-head gate's pair variant and have ``ws``'s fields' dtypes, shapes and device."""
+    if cross is None or g.dim() != 3:
+        raise ValueError("partners: only the per-head gate's pair K1 (g [B, T, HV] and cross blocks) writes them")
+    for name in PartnerFields._fields:
+        field, own = getattr(partners, name), getattr(ws, name)
+        if field.dtype != own.dtype or field.shape != own.shape or field.device != own.device:
+            raise ValueError(f"partners.{name} must be {own.dtype} {tuple(own.shape)} on {own.device}, got "
+                             f"{field.dtype} {tuple(field.shape)} on {field.device}")
+        if not field.is_contiguous():
+            raise ValueError(f"partners.{name} must be C-contiguous")
 
 
 def compile_variant(variant: PrepareVariant, device: torch.device | str) -> None:

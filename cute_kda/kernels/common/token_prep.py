@@ -388,10 +388,13 @@ class TokenPrep:
 
     @cute.jit
     def decay_per_row(self, s_q, s_k, s_qd, s_kd, s_kr, s_q_hat, s_k_hat, s_prefix, s_suffix, scale: Float32,
-                      valid_rows: Int32, tidx: Int32, s_rinv_q=None, s_rinv_k=None):
+                      valid_rows: Int32, tidx: Int32, s_rinv_q=None, s_rinv_k=None, tile_relative=None):
         """A per-head gate's :meth:`decay`: this thread's row chunks, the l2norm, qd and kd (which may alias q and
         k), kr, and the bf16 rows ``q̂``, ``k̂``, from the per-row ``2^G`` and ``2^Gs`` of :meth:`head_gate_rows`;
-        ``s_rinv_q`` / ``s_rinv_k`` as :meth:`decay`'s."""
+        ``s_rinv_q`` / ``s_rinv_k`` as :meth:`decay`'s. ``tile_relative``: ``(qd, kd, kr, s_prefix, s_suffix, store)``,
+        global ``[16, D]`` tiles (each may be None) that also take the rows' qd, kd, kr from these per-row factors
+        where ``store`` holds (a pair K1's partner fields: the tile's own factors where ``s_prefix`` / ``s_suffix`` are
+        the pair's)."""
         for item in cutlass.range_constexpr(self.decay_items):
             row, chunk = self.row_chunk(tidx, item)
             valid = row < valid_rows
@@ -416,6 +419,28 @@ class TokenPrep:
                 k_hat[i] = kh.to(BFloat16)
             for values, tile in ((qd, s_qd), (kd, s_kd), (kr, s_kr), (q_hat, s_q_hat), (k_hat, s_k_hat)):
                 cute.autovec_copy(values, cute.local_tile(tile, run, at))
+            if cutlass.const_expr(tile_relative is not None):
+                self.store_tile_relative(tile_relative, q32, k32, q_rscale, k_rscale, row, at)
+
+    @cute.jit
+    def store_tile_relative(self, tile_relative: tuple, q32, k32, q_rscale: Float32, k_rscale: Float32, row: Int32,
+                            at: tuple):
+        """:meth:`decay_per_row`'s ``tile_relative`` stores of one row chunk: ``bf16(q̂ · 2^G)``, ``bf16(k̂ · 2^G)``,
+        ``bf16(k̂ · 2^Gs)`` with the tile's own per-row factors, today's K1's instructions."""
+        g_qd, g_kd, g_kr, s_prefix, s_suffix, store = tile_relative
+        run = (1, CHANNELS_PER_LANE)
+        decay, rest = s_prefix[row], s_suffix[row]
+        for tile, from_q, factor in ((g_qd, True, decay), (g_kd, False, decay), (g_kr, False, rest)):
+            if cutlass.const_expr(tile is not None):
+                values = cute.make_rmem_tensor(run, BFloat16)
+                for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                    if cutlass.const_expr(from_q):
+                        x = q32[i] * q_rscale
+                    else:
+                        x = k32[i] * k_rscale if cutlass.const_expr(self.qk_l2norm) else k32[i]
+                    values[i] = (x * factor).to(BFloat16)
+                if store:
+                    cute.autovec_copy(values, cute.local_tile(tile, run, at))
 
     @cute.jit
     def row_rsqrt(self, x: cute.Tensor) -> Float32:

@@ -80,6 +80,12 @@ class WorkspaceTiles(NamedTuple):
     # a pair K1's cross blocks (docs/numerics.md, "Two tiles a serial step"), tile b's slot; None otherwise
     cross_kd: Optional[cute.Tensor] = None  # bf16 [R, 16, 16]: P = kd_b'·kinv_aᵀ
     cross_qd: Optional[cute.Tensor] = None  # bf16 [R, 16, 16]: Q = qd_b'·kinv_aᵀ
+    # the per-head pair K1's partner fields (cute_kda.workspace.PartnerFields: tile b's tile-relative qd, kd, tile a's
+    # kr, each tile's gT; what the backward's rebuild reads), shaped as qd, kd, kr, gt; None otherwise
+    partner_qd: Optional[cute.Tensor] = None
+    partner_kd: Optional[cute.Tensor] = None
+    partner_kr: Optional[cute.Tensor] = None
+    partner_gt: Optional[cute.Tensor] = None
 
 
 class PrepareScalars(NamedTuple):
@@ -202,17 +208,11 @@ class PrepareKernel(TokenPrep):
             a_log=plan.compact(inputs.a_log, ()) if with_constants else None,
             dt_bias=plan.compact(inputs.dt_bias, channels) if with_constants else None,
         )
-        ws = WorkspaceTiles(
-            qd=plan.compact(ws.qd, (1, d)),
-            kd=plan.compact(ws.kd, (1, d)),
-            kr=plan.compact(ws.kr, (1, d)),
-            gt=plan.compact(ws.gt, (d,)),
-            inv=plan.compact(ws.inv, (CHUNK, CHUNK)),
-            mqk=plan.compact(ws.mqk, (CHUNK, CHUNK)),
-            beta=plan.compact(ws.beta, (CHUNK,)),
-            cross_kd=None if ws.cross_kd is None else plan.compact(ws.cross_kd, (CHUNK, CHUNK)),
-            cross_qd=None if ws.cross_qd is None else plan.compact(ws.cross_qd, (CHUNK, CHUNK)),
-        )
+        inner = dict(qd=(1, d), kd=(1, d), kr=(1, d), gt=(d,), inv=(CHUNK, CHUNK), mqk=(CHUNK, CHUNK), beta=(CHUNK,),
+                     cross_kd=(CHUNK, CHUNK), cross_qd=(CHUNK, CHUNK), partner_qd=(1, d), partner_kd=(1, d),
+                     partner_kr=(1, d), partner_gt=(d,))
+        ws = WorkspaceTiles(*(None if field is None else plan.compact(field, inner[name])
+                              for name, field in zip(WorkspaceTiles._fields, ws)))
         tile = plan.chunk_tile(d)
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         tma = PrepareTma(

@@ -87,16 +87,26 @@ class PerHeadPairPrepare(PairPrepare, PerHeadPrepare):
             i, j = flat // CHUNK, flat % CHUNK
             s_cross[i, j] = prefix_b[i] * suffix_a[j]
         channel = tidx % self.dim
+        partners = cutlass.const_expr(ws.partner_gt is not None)
         if tidx < self.dim:
             ws.gt[slot, channel] = gt_a * gt_b
+            if cutlass.const_expr(partners):
+                ws.partner_gt[slot, channel] = gt_a
         elif has_b:
             ws.gt[slot_b, channel] = gt_b
+            if cutlass.const_expr(partners):
+                ws.partner_gt[slot_b, channel] = gt_b
         cute.arch.sync_threads()
         cute.arch.mbarrier_wait(tma_barrier, phase)
+        partner_a = partner_b = None
+        if cutlass.const_expr(partners):  # the tiles' own factors: tile a's kr, tile b's qd and kd (PartnerFields)
+            partner_a = (None, None, self.slot_tile(ws.partner_kr, slot), prefix_a, suffix_a, True)
+            partner_b = (self.slot_tile(ws.partner_qd, slot_b), self.slot_tile(ws.partner_kd, slot_b), None, prefix_b,
+                         suffix_b, has_b)
         self.decay_per_row(q_a_in, k_a_in, s_q_a, s_k_a, s_kr_a, s_q_hat_a, s_k_hat_a, prefix_a, s_to_end,
-                           scalars.scale, valid_a, tidx)
+                           scalars.scale, valid_a, tidx, tile_relative=partner_a)
         self.decay_per_row(q_b_in, k_b_in, s_q_b, s_k_b, s_kr_b, s_q_hat_b, s_k_hat_b, s_from_start, suffix_b,
-                           scalars.scale, valid_b, tidx)
+                           scalars.scale, valid_b, tidx, tile_relative=partner_b)
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes → TMA store reads
         cute.arch.sync_threads()
 
@@ -104,3 +114,7 @@ class PerHeadPairPrepare(PairPrepare, PerHeadPrepare):
                  PairOperands(s_k_hat_b, s_q_hat_b, s_k_hat_b, s_spans_b, rows_b[0], (s_q_b, s_k_b, s_kr_b)))
         cross = PairOperands(s_k_hat_b, s_q_hat_b, s_k_hat_a, s_cross)
         self.finish_pair(tma, ws, tiles, cross, slot, has_b, warp_idx, lane)
+
+    def slot_tile(self, field: cute.Tensor, slot: Int32) -> cute.Tensor:
+        """The ``[16, D]`` tile of workspace slot ``slot`` in a ``[R·16, 1, D]`` field."""
+        return cute.local_tile(field[None, 0, None], (CHUNK, self.dim), (slot, 0))
