@@ -32,6 +32,8 @@ The pair workspace of the two-tile serial step (docs/numerics.md, "Two tiles a s
 variants, ``cute_kda.kernels.fwd_prepare.PAIR_SCHEMES``): tiles pair up from each sequence's first tile; the
 fields above hold tile b's qd, kd measured from the pair's start, tile a's kr to the pair's end and tile a's gt the
 pair's decay, and :class:`CrossBlocks` adds two bf16 ``[H*tiles, 16, 16]`` blocks in tile b's slot (1 KB a pair).
+The training form's backward also needs those four fields tile-relative where the pair changed them
+(:class:`PartnerFields`, which the per-head gate's pair K1 can write beside the pair workspace).
 """
 
 from __future__ import annotations
