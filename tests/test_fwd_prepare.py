@@ -37,8 +37,8 @@ def _fake(dtype, rank: int, align: int = 16):
 
 
 def _compile(kernel: PrepareKernel, partners: bool = False):
-    """(PTX report, dynamic smem bytes of each launch) of ``kernel`` compiled for sm_90a; ``partners``: with the per-head
-    pair K1's partner fields."""
+    """(PTX report, dynamic smem bytes of each launch) of ``kernel`` compiled for sm_90a; ``partners``: with the
+    per-head pair K1's partner fields."""
     constants = kernel.gate != "none"  # a log decay comes without A_log and dt_bias
     per_channel = 0 if kernel.per_head_gate else 1  # a per-head gate: g [B, T, HV], dt_bias [HV]
     inputs = PrepareInputs(
@@ -725,7 +725,8 @@ def test_per_head_pair_partner_fields_are_today_k1s(lengths, gate, dim):
     is_b = pair_roles(token_tile_map(q, cu_seqlens), spec.tiles)[1]
     exists = token_tile_map(q, cu_seqlens).slot_exists
     for name in cross._fields:
-        assert torch.equal(_bits(getattr(cross, name)[is_b.repeat(4)]), _bits(getattr(plain_cross, name)[is_b.repeat(4)]))
+        owned = is_b.repeat(4).to(q.device)
+        assert torch.equal(_bits(getattr(cross, name)[owned]), _bits(getattr(plain_cross, name)[owned])), name
     written = dict(qd=is_b, kd=is_b, kr=exists & ~is_b, gt=exists)
     for name, where in written.items():
         where = where.repeat(4).to("cuda")

@@ -401,8 +401,12 @@ def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, s
     from ..ops import bwd_grads as kb
 
     partners = None if saved.pairs is None else saved.pairs.partners
-    # INV and β per tile: K1's workspace, or the pair workspace's (the same values) beside K1's pair partner fields
+    # INV and β per tile: K1's workspace (also the pair partners' fields), or the pair workspace's (the same values)
+    # beside K1's pair variant's partner fields
     ws = workspace_of(options, saved) if partners is None else pair_workspace_of(options, saved)[0]
+    pair = None
+    if saved.pairs is not None:
+        pair = kb.PairTensors(saved.pairs.u_a, scan.dv, ws if partners is None else partners)
     per_head = x.g.dim() == 3  # GatedDeltaNet's per-head gate
     ddt_shape, dalog_shape = kb.gate_partials_shapes(ws, options.problem.heads, per_head)
     constants = options.gate != "none"  # a log decay has no A_log / dt_bias
@@ -424,7 +428,7 @@ def _kernel_grads(x: Inputs, options: Options, saved: Saved, do: torch.Tensor, s
         ddt_partial=ddt_partial, dalog_partial=dalog_partial, scale=options.scale, lower_bound=options.lower_bound,
         cu_seqlens=x.cu_seqlens, tile_base=saved.tile_base, qk_l2norm=options.qk_l2norm,
         beta_logits=options.beta_logits, gate=options.gate,
-        pair=None if saved.pairs is None else kb.PairTensors(saved.pairs.u_a, scan.dv, ws if partners is None else partners),
+        pair=pair,
     )
     if unbounded and not pairs:
         dq, dk = (group_sum(t, x.q.shape[2]) for t in (dq, dk))
