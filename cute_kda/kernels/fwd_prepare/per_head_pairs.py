@@ -9,7 +9,9 @@ pair's end by ``f32(2^Gs_a · gT_b)``, and the cross blocks are
 1. Warp 0 TMA-loads q, k of both tiles; warp 0 forms tile a's rows (β, ``g'``, E, ``2^G``, ``2^Gs``), warp 1 tile
    b's (:meth:`~cute_kda.kernels.common.token_prep.TokenPrep.head_gate_rows`).
 2. Threads 0-15 and 16-31 the rows' factors across the pair, the others the cross decays; both tiles' gT.
-3. Rows (one row chunk of each tile a thread): l2norm, qd, kd, kr and the bf16 rows q̂, k̂.
+3. Rows (one row chunk of each tile a thread): l2norm, qd, kd, kr and the bf16 rows q̂, k̂; with the pair partners'
+   fields (``WorkspaceTiles.partner_*``, :class:`cute_kda.workspace.PartnerFields`) also tile b's qd, kd and tile a's kr
+   on the tiles' own row factors, stored from registers, and both tiles' gT.
 4. Eight warp tasks: INV and Mqk of each tile, P, Q, and each tile's TMA stores.
 """
 
