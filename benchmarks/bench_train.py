@@ -119,9 +119,8 @@ def parse_shapes(listed: str) -> list[str]:
 
 
 # the library switches a training step can flip (cute_kda._bench.SWITCHES; the command line in the report records
-# them): all but GatedDeltaNet's group sums, which these shapes do not run
+# them): all but GatedDeltaNet's group sums and pair partner fields, which these shapes do not run
 TRAIN_SWITCHES = tuple(flag for flag in SWITCHES if flag not in ("--no-group-sum", "--no-partner-fields"))
-
 
 
 def build_parser() -> argparse.ArgumentParser:

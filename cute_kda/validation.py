@@ -156,6 +156,17 @@ def check_ndim(name: str, tensor: torch.Tensor, ndim: int, meaning: str) -> None
         raise ValueError(f"{name} must be {ndim}-D {meaning}, got shape {list(tensor.shape)}")
 
 
+def check_buffer(name: str, t: torch.Tensor, dtypes: tuple, shape: tuple, device: torch.device) -> None:
+    """A launcher's buffer ``name``: one of ``dtypes``, ``shape``, on ``device`` and C-contiguous, else a ValueError
+    naming it."""
+    if t.dtype not in dtypes or tuple(t.shape) != tuple(shape) or t.device != device:
+        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name} must be {names} {tuple(shape)} on {device}, got {t.dtype} {tuple(t.shape)} "
+                         f"on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be C-contiguous")
+
+
 def check_contiguous(name: str, tensor: torch.Tensor) -> None:
     if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous (row-major); call .contiguous() first")

@@ -754,7 +754,7 @@ def test_partner_fields_only_with_the_per_head_pair_k1():
         prepare(q, q, per_head_g, beta, torch.zeros(2), torch.zeros(2), ws, partners=partners, gate="softplus",
                 **common)
     short = partners._replace(kr=partners.kr[1:])
-    with pytest.raises(ValueError, match=r"partners\.kr must be torch\.bfloat16"):
+    with pytest.raises(ValueError, match=r"partners\.kr must be bfloat16 \(4, 16, 128\)"):
         prepare(q, q, per_head_g, beta, torch.zeros(2), torch.zeros(2), ws, cross=cross, partners=short,
                 gate="softplus", **common)
 

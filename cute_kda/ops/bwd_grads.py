@@ -131,15 +131,6 @@ def launch_arguments(
             tensor(cu_seqlens, 8), tensor(tile_base, 4), pair_args)
 
 
-def _check(name: str, t, dtypes: tuple, shape: tuple, device) -> None:
-    if t.dtype not in dtypes or tuple(t.shape) != tuple(shape) or t.device != device:
-        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise ValueError(f"{name} must be {names} {tuple(shape)} on {device}, got {t.dtype} {tuple(t.shape)} "
-                         f"on {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be C-contiguous")
-
-
 def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbeta, ddt_partial, dalog_partial,
                    num_seqs: int, gate: str, pair: PairTensors | None = None) -> None:
     batch, steps, qk_heads, dim = q.shape
@@ -152,43 +143,43 @@ def _check_buffers(q, k, g, v, do, du, ws, states, state_grads, dq, dk, dg, dbet
         raise ValueError(f"v has {heads} heads for q's {qk_heads}: grouped value heads need an unbounded gate here")
     bf16, device = (torch.bfloat16,), q.device
     qk_shape, token_shape = (batch, steps, qk_heads, dim), (batch, steps, heads, dim)
-    _check("q", q, INPUT_DTYPES, qk_shape, device)
+    validation.check_buffer("q", q, INPUT_DTYPES, qk_shape, device)
     inputs = (q.dtype,)  # k, v and a raw gate in q's dtype
-    _check("k", k, inputs, qk_shape, device)
-    _check("v", v, inputs, token_shape, device)
+    validation.check_buffer("k", k, inputs, qk_shape, device)
+    validation.check_buffer("v", v, inputs, token_shape, device)
     for name, t in (("do", do), ("du", du)):
-        _check(name, t, bf16, token_shape, device)
+        validation.check_buffer(name, t, bf16, token_shape, device)
     grads = (torch.bfloat16,) if heads != qk_heads else GRAD_DTYPES  # group sums add bf16 values
     # grouped heads in pairs may take dq, dk per q/k head: the kernel adds the pair (group_sum)
     grad_shape = qk_shape if heads == 2 * qk_heads and dq.dim() == 4 and dq.shape[2] == qk_heads else token_shape
-    _check("dq", dq, grads, grad_shape, device)
-    _check("dk", dk, (dq.dtype,), grad_shape, device)
+    validation.check_buffer("dq", dq, grads, grad_shape, device)
+    validation.check_buffer("dk", dk, (dq.dtype,), grad_shape, device)
     if per_head:
-        _check("g", g, (q.dtype, torch.float32) if gate == "none" else inputs, token_shape[:3], device)
-        _check("dg", dg, (torch.float32,), token_shape[:3], device)
+        validation.check_buffer("g", g, (q.dtype, torch.float32) if gate == "none" else inputs, token_shape[:3], device)
+        validation.check_buffer("dg", dg, (torch.float32,), token_shape[:3], device)
     else:
-        _check("g", g, (q.dtype, torch.float32) if gate == "none" else inputs, token_shape, device)
-        _check("dg", dg, (dq.dtype,), token_shape, device)
+        validation.check_buffer("g", g, (q.dtype, torch.float32) if gate == "none" else inputs, token_shape, device)
+        validation.check_buffer("dg", dg, (dq.dtype,), token_shape, device)
     validation.check_training_size(v, "v")
-    _check("dbeta", dbeta, bf16, token_shape[:3], device)
+    validation.check_buffer("dbeta", dbeta, bf16, token_shape[:3], device)
     expected = (block_states_shape if pair is None else pair_blocks_shape)(ws, heads, num_seqs)
     for name, t in (("states", states), ("state_grads", state_grads)):
-        _check(name, t, bf16, expected, device)
+        validation.check_buffer(name, t, bf16, expected, device)
     if pair is not None:
         if q.dtype != torch.bfloat16:
             raise ValueError(f"pair: Kernel B's two-tile form takes bf16 q, k, v, got {q.dtype}")
-        _check("pair.u_a", pair.u_a, bf16, pair_u_shape(ws, heads, num_seqs), device)
-        _check("pair.dv", pair.dv, bf16, token_shape, device)
+        validation.check_buffer("pair.u_a", pair.u_a, bf16, pair_u_shape(ws, heads, num_seqs), device)
+        validation.check_buffer("pair.dv", pair.dv, bf16, token_shape, device)
         for name in ("qd", "kd", "kr", "gt"):
             field, own = getattr(pair.ws, name), getattr(ws, name)
-            _check(f"pair.ws.{name}", field, (own.dtype,), own.shape, device)
+            validation.check_buffer(f"pair.ws.{name}", field, (own.dtype,), own.shape, device)
     ddt_shape, dalog_shape = gate_partials_shapes(ws, heads, per_head)
     if gate == "none":
         if ddt_partial is not None or dalog_partial is not None:
             raise ValueError("a log decay (gate 'none') has no A_log / dt_bias: pass ddt_partial=dalog_partial=None")
         return
-    _check("ddt_partial", ddt_partial, (torch.float32,), ddt_shape, device)
-    _check("dalog_partial", dalog_partial, (torch.float32,), dalog_shape, device)
+    validation.check_buffer("ddt_partial", ddt_partial, (torch.float32,), ddt_shape, device)
+    validation.check_buffer("dalog_partial", dalog_partial, (torch.float32,), dalog_shape, device)
 
 
 def variant_kernel(variant: GradsVariant):

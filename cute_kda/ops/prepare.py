@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import validation
 from ..numerics import HEAD_DIM, f32, gate_constant
 from ..variants import PrepareVariant
 from ..workspace import (
@@ -257,12 +258,8 @@ def _check_partners(partners: PartnerFields, ws: Workspace, cross: CrossBlocks |
     if cross is None or g.dim() != 3:
         raise ValueError("partners: only the per-head gate's pair K1 (g [B, T, HV] and cross blocks) writes them")
     for name in PartnerFields._fields:
-        field, own = getattr(partners, name), getattr(ws, name)
-        if field.dtype != own.dtype or field.shape != own.shape or field.device != own.device:
-            raise ValueError(f"partners.{name} must be {own.dtype} {tuple(own.shape)} on {own.device}, got "
-                             f"{field.dtype} {tuple(field.shape)} on {field.device}")
-        if not field.is_contiguous():
-            raise ValueError(f"partners.{name} must be C-contiguous")
+        own = getattr(ws, name)
+        validation.check_buffer(f"partners.{name}", getattr(partners, name), (own.dtype,), own.shape, own.device)
 
 
 def compile_variant(variant: PrepareVariant, device: torch.device | str) -> None:
