@@ -118,6 +118,10 @@ SWITCHES = {
     "--no-partner-fields": ("cute_kda.executors.stages", "PARTNER_FIELDS", False,
                             "with --pair-training, a per-head gate's recomputation runs K1 again for the pair "
                             "partners' fields instead of its pair K1 writing them (perf-log W2b)"),
+    "--split-recompute": ("cute_kda.executors.stages", "SPLIT_RECOMPUTE", True,
+                          "a recomputing call of one sequence whose chains leave SMs idle: the forward's K2 a segment "
+                          "after the other keeping their entering states, the backward's recomputation side by side "
+                          "(perf-log R1)"),
     "--no-group-sum": ("cute_kda.ops.bwd_grads", "GROUP_SUM", False,
                        "grouped value heads in pairs summed after Kernel B, not by it (perf-log GDN6)"),
     "--no-fp16-do-kernel": ("cute_kda.executors.training", "FP16_DO_KERNEL", False,

@@ -425,7 +425,9 @@ def warmup_variants(
     :data:`~cute_kda.executors.training.FP16_DO_KERNEL` the rounding pass of an fp16 dO.
     Under :data:`~cute_kda.executors.stages.PAIR_TRAINING` ``training`` also lists the two-tile form's backward (bf16,
     the gates with pair variants, the V-splits its rule takes): K1's pair variant, the training pair K2, Kernel A's
-    pair scan and Kernel B's ``pair_rebuild``.
+    pair scan and Kernel B's ``pair_rebuild``. Under :data:`~cute_kda.executors.stages.SPLIT_RECOMPUTE` ``training``
+    also lists the passes of a call recomputed side by side (varlen K2 over one segment: the forward's with fp32 states
+    beside the caller's, the recomputation's at V-split 1; on pairs where ``PAIR_TRAINING`` takes the V-split).
     ``head_dims``: K = V of every listed variant (:data:`~cute_kda.numerics.NATIVE_HEAD_DIMS`: what runs natively,
     :func:`cute_kda.call.runs_native`; Kernel B at 64 at its one warp count, 4). Where a gate's inference forward
     runs the two-tile prefill (:func:`cute_kda.variants.pair_prefill`), its K1 and K2 (and pool K2) are the pair
@@ -529,6 +531,21 @@ def warmup_variants(
                     variants[GradsVariant(packed, l2, logits, gate, g_dtype, per_head, per_head, warps, dim=dim,
                                           group_sum=pairs, pair_rebuild=True,
                                           **grads_switches(gate, per_head, warps))] = None
+        if stages.SPLIT_RECOMPUTE:  # one sequence recomputed side by side (stages.recompute_split): segment passes
+            fp32 = torch.float32
+            least = min([stages.PAIR_TRAINING_MIN_VSPLIT.get(gate_scheme(gate, per_head), SUPPORTED_VSPLITS[-1] + 1)
+                         for gate, _, per_head in gate_forms] if stages.PAIR_TRAINING else [SUPPORTED_VSPLITS[-1] + 1])
+            for dtype, dim, mode in itertools.product(dtypes, head_dims, state_modes):
+                wide = fp32 if mode == torch.float16 else mode  # an fp16 state beside an fp32 one, widened
+                for split, pairs in itertools.product(k2_splits, (False, True)):
+                    if pairs and (dtype != torch.bfloat16 or split < least):
+                        continue
+                    for initial, final in ((wide, fp32), (fp32, fp32), (fp32, wide)):  # the forward's passes
+                        variants[RecurrenceVariant(split, initial, final, True, False, dtype=dtype, dim=dim,
+                                                   pairs=pairs)] = None
+                    for initial in (mode, fp32):  # the recomputation's, at V-split 1
+                        variants[RecurrenceVariant(1, initial, None, True, True, dtype=dtype, dim=dim, pairs=pairs,
+                                                   token_outputs=not stages.STATES_ONLY_PASSES)] = None
         if FP16_DO_KERNEL and torch.float16 in dtypes:  # an fp16 dO rounded to bf16 by the kernel
             variants[RoundVariant()] = None
     if segments:  # a segmented call (context parallelism): varlen, V-split 1 (the heuristic's), fp32 states

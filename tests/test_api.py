@@ -135,6 +135,31 @@ def test_warmup_lists_the_pool_prefill_of_each_k2_the_gates_run():
     assert pools(("safe", "softplus"), 4) == {False, SAFE_PAIRS} and pools(("safe",), 1) == {False}
 
 
+def test_warmup_lists_the_passes_of_a_recomputation_side_by_side(monkeypatch):
+    """Under ``SPLIT_RECOMPUTE`` ``training`` lists the segment passes (varlen K2): the forward's at the call's V-split
+    with an fp32 state beside the caller's (an fp16 one widened), the recomputation's at V-split 1 with checkpoints,
+    from the caller's state and from an fp32 one; on pairs where ``PAIR_TRAINING`` takes the V-split."""
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+
+    def segment_passes(**options):
+        return {v for v in api.warmup_variants(varlen=(False,), vsplits=(4,), training=True, segments=False,
+                                               **options) if isinstance(v, RecurrenceVariant) and v.varlen}
+
+    assert segment_passes(state_modes=(bf16,)) == set()
+    monkeypatch.setattr(stages, "SPLIT_RECOMPUTE", True)
+    forward = {RecurrenceVariant(4, first, last, True, False) for first, last in ((bf16, fp32), (fp32, fp32),
+                                                                                   (fp32, bf16))}
+    recompute = {RecurrenceVariant(1, first, None, True, True, token_outputs=not stages.STATES_ONLY_PASSES)
+                 for first in (bf16, fp32)}
+    assert segment_passes(state_modes=(bf16,)) == forward | recompute
+    widened = segment_passes(state_modes=(fp16,), dtypes=(fp16,))
+    assert RecurrenceVariant(4, fp32, fp32, True, False, dtype=fp16) in widened
+    assert RecurrenceVariant(1, fp16, None, True, True, dtype=fp16,
+                             token_outputs=not stages.STATES_ONLY_PASSES) in widened
+    monkeypatch.setattr(stages, "PAIR_TRAINING", True)
+    assert {v.pairs for v in segment_passes(state_modes=(bf16,))} == {False, True}
+
+
 def test_warmup_with_training_visits_the_backward_variants(monkeypatch):
     """``training``: K2 with checkpoints per config, Kernel A per (V-split of its own, dht, dh0, varlen), Kernel B per
     gate that trains (GatedDeltaNet's also with ``group_sum``); without it none of them."""

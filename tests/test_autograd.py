@@ -316,9 +316,10 @@ def launchers_on_mirrors(monkeypatch):
         PairWorkspace, mirror_bwd_scan_pairs, mirror_prepare_pairs, mirror_prepare_pairs_per_head,
         mirror_recurrence_pairs, pair_roles,
     )
-    from cute_kda.workspace import PartnerFields, pair_blocks_shape
+    from cute_kda.workspace import PartnerFields, pair_blocks_shape, pair_u_shape
 
-    fakes = type("Fakes", (), {"calls": [], "beta": None, "cu_seqlens_dtypes": [], "k2_outputs": []})()
+    fakes = type("Fakes", (), {"calls": [], "beta": None, "cu_seqlens_dtypes": [], "k2_outputs": [],
+                               "segment_vsplits": []})()
 
     def fake(module, name):
         signature = inspect.signature(getattr(module, name))
@@ -371,6 +372,44 @@ def launchers_on_mirrors(monkeypatch):
     @fake(k2, "recurrence")
     def _(v, ws, out, cu_seqlens, tile_base, initial_state, final_state, vsplit, checkpoints, cross, u_a, stream):
         assert vsplit is None or vsplit in validation.SUPPORTED_VSPLITS
+        if tile_base is not None and v.shape[0] == 1 and cu_seqlens.numel() == 2 and \
+                not (cu_seqlens[0] == 0 and cu_seqlens[1] == v.shape[1]):
+            return segment_of_one_sequence(v, ws, out, cu_seqlens, tile_base, initial_state, final_state, vsplit,
+                                           checkpoints, cross, u_a)
+        recurrence_on_mirrors(v, ws, out, cu_seqlens, initial_state, final_state, checkpoints, cross, u_a)
+
+    def segment_of_one_sequence(v, ws, out, cu_seqlens, tile_base, initial_state, final_state, vsplit, checkpoints,
+                                cross, u_a):
+        """A pass over one segment of a sequence (``stages.chain_in_segments``: its token and tile bounds, the unsplit
+        workspace, kept rows and o): the mirror on the segment alone, its kept rows and o put where the kernel puts
+        them (the segment's tiles, the sequence's slots)."""
+        (first, end), (tile0, tile_end) = cu_seqlens.tolist(), tile_base.tolist()
+        heads, tiles = v.shape[2], ws.qd.shape[0] // v.shape[2]
+        fakes.segment_vsplits.append(vsplit)
+
+        def part(t):  # the segment's tiles of every head
+            return t.view(heads, tiles, *t.shape[1:])[:, tile0:tile_end].reshape(-1, *t.shape[1:])
+
+        part_ws = type(ws)(*(part(t) for t in ws))
+        part_cross = None if cross is None else type(cross)(*(part(t) for t in cross))
+        part_kept = part_u = None
+        if checkpoints is not None:
+            shape = block_states_shape if cross is None else pair_blocks_shape
+            part_kept = checkpoints.new_empty(shape(part_ws, heads, 1))
+            part_u = None if u_a is None else u_a.new_empty(pair_u_shape(part_ws, heads, 1))
+        part_out = None if out is None else out.new_empty((1, end - first, *out.shape[2:]))
+        recurrence_on_mirrors(v[:, first:end], part_ws, part_out, None, initial_state, final_state, part_kept,
+                              part_cross, part_u)
+        if part_out is not None:
+            out[:, first:end] = part_out
+        # the segment's slot t is the sequence's slot tile0 + t (a pair's: tile0 / 2 + t, tile0 even)
+        offset, owned = (tile0, tile_end - tile0) if cross is None else (tile0 // 2, (tile_end - tile0 + 1) // 2)
+        for whole, piece in ((checkpoints, part_kept), (u_a, part_u)):
+            if piece is not None:
+                whole.view(heads, -1, *whole.shape[1:])[:, offset:offset + owned] = \
+                    piece.view(heads, -1, *piece.shape[1:])[:, :owned]
+
+    def recurrence_on_mirrors(v, ws, out, cu_seqlens, initial_state, final_state, checkpoints, cross, u_a):
         # the two-tile chain keeps tile a's U beside its checkpoints (PAIR_TRAINING's recomputation), as the
         # launcher says
         assert (u_a is not None) == (cross is not None and checkpoints is not None)
@@ -577,6 +616,78 @@ def test_kernel_stages_train_per_head_gates_on_pairs(launchers_on_mirrors, monke
     assert torch.equal(o, o_expected)
     for name in expected:
         assert torch.equal(grads[name], expected[name]), name
+
+
+# the recomputation side by side (stages.SPLIT_RECOMPUTE): B1 T150 (10 tiles, the last partial) on 8 SMs of two
+# heads, segments of at least 2 tiles: segments of 4, 4 and 2 tiles
+SPLIT_FORMS = {"per_tile": ("safe", False), "pairs_safe": ("safe", True), "pairs_per_head": ("softplus", True)}
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the mirrors on the CPU use accurate tanh / exp2 / log2
+@pytest.mark.parametrize("state", [None, torch.float32, torch.bfloat16], ids=["no_state", "fp32", "bf16"])
+@pytest.mark.parametrize("form", sorted(SPLIT_FORMS))
+def test_kernel_stages_recompute_side_by_side(launchers_on_mirrors, monkeypatch, form, state):
+    """A recomputing call of one sequence under ``SPLIT_RECOMPUTE``: the forward runs K2 a segment after the other
+    (each a call over the segment's bounds, the call's V-split), the backward's recomputation the segments side by
+    side at V-split 1 from the kept states; o, the final state and every gradient are the unsplit call's (the
+    reference backend's) bit for bit, per tile and on pairs."""
+    gate, pairs = SPLIT_FORMS[form]
+    monkeypatch.setattr(stages, "SPLIT_RECOMPUTE", True)
+    monkeypatch.setattr(stages, "PAIR_TRAINING", pairs)
+    monkeypatch.setattr(stages, "available_sms", lambda device: 8)
+    monkeypatch.setattr(cute_kda.context_parallel, "MIN_SEGMENT_TILES", 2)
+    problem, do, dht = make_problem([150], state=state)
+    options = dict(do=do, dht=dht if state is not None else None, recompute=True)
+    if gate == "softplus":  # GatedDeltaNet's per-head gate
+        problem.update(g=problem["g"][..., 0].contiguous(), A_log=torch.log(1 + 15 * torch.rand(2)),
+                       dt_bias=problem["dt_bias"][:, 0].contiguous())
+        options.update(gate="softplus")
+    if pairs:
+        options.update(vsplit=stages.PAIR_TRAINING_MIN_VSPLIT["safe" if gate == "safe" else "per_head"])
+    launchers_on_mirrors.beta = problem["beta"]
+    forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
+    o, ht, grads = train(forward, problem, **options)
+    monkeypatch.setattr(stages, "SPLIT_RECOMPUTE", False)
+    o_expected, ht_expected, expected = train(REFERENCE_FORWARD, problem, **options)
+    second_k1 = ["prepare"] if pairs and gate == "safe" else []
+    assert launchers_on_mirrors.calls == ["prepare", *["recurrence"] * 3, "prepare", *["recurrence"] * 3,
+                                          *second_k1, "bwd_scan", "bwd_grads"]
+    assert launchers_on_mirrors.segment_vsplits == [options.get("vsplit")] * 3 + [1] * 3
+    assert torch.equal(o, o_expected)
+    assert (ht is None) == (ht_expected is None) and (ht is None or torch.equal(ht, ht_expected))
+    for name in expected:
+        assert torch.equal(grads[name], expected[name]), name
+
+
+def test_recompute_split_rule(monkeypatch):
+    """Which calls recompute side by side: one fixed-length sequence, unsplit, recomputing, whose chains fill at most
+    half the SMs; segments of an even number of tiles, at least ``MIN_SEGMENT_TILES``; kept states must fit."""
+    from cute_kda.call import options_of
+    from cute_kda.validation import ProblemShape
+
+    monkeypatch.setattr(stages, "SPLIT_RECOMPUTE", True)
+    monkeypatch.setattr(stages, "available_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+
+    def split(batch=1, seq_len=32768, heads=32, varlen=False, recompute=True, segments=1):
+        problem = ProblemShape(batch, seq_len, heads, 128, batch, varlen)
+        options = options_of(problem, cpu, None, -5.0, True, True, None, None, recompute, "safe", segments)
+        return stages.recompute_split(options, cpu)
+
+    gdn = split()  # GatedDeltaNet B1 T32768 HV32: four segments of 512 tiles
+    assert (gdn.count, gdn.length) == (4, 512 * 16)
+    assert split(seq_len=8192, heads=64).count == 2
+    assert split(seq_len=8200, heads=64).length == 258 * 16  # 513 tiles: halves of 257 rounded to even
+    for refused in (dict(heads=96), dict(batch=2), dict(varlen=True), dict(recompute=False), dict(seq_len=2032)):
+        assert split(**refused) is None, refused
+    monkeypatch.setattr(stages, "SPLIT_RECOMPUTE", False)
+    assert split() is None
+    problem = ProblemShape(1, 32768, 32, 128, 1, False)
+    options = options_of(problem, cpu, None, -5.0, True, True, None, None, False, "safe", 1)
+    kept = torch.empty(1, 3, 32, 128, 128)
+    assert stages.recompute_split(options, cpu, kept) == gdn  # the backward follows the forward's kept states
+    with pytest.raises(ValueError, match="do not fit"):
+        stages.recompute_split(options, cpu, kept[:, :2])
 
 
 def test_kernel_stages_take_int32_cu_seqlens_as_int64(launchers_on_mirrors):
@@ -1140,6 +1251,50 @@ def test_pair_training_on_the_kernels(case, device, monkeypatch):
     expected = gold(_cpu(problem), do.cpu(), None if dht is None else dht.cpu(), **{
         n: x for n, x in options.items() if n not in ("recompute", "vsplit")})
     assert_close_to_gold({n: g.cpu() for n, g in grads.items()}, expected, _cpu(problem), f"{case} pairs")
+
+
+# the recomputation side by side on the kernels: B1 T4100 (257 tiles, the last partial) of two heads: four segments
+# of 64 or 66 tiles on any GPU of 8 SMs or more
+SPLIT_GPU_CASES = {"per_tile_fp32": ("safe", False, torch.float32), "per_tile_bf16_no_state": ("safe", False, None),
+                   "pairs_safe_bf16": ("safe", True, torch.bfloat16), "pairs_per_head_fp32": ("softplus", True,
+                                                                                                torch.float32)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(SPLIT_GPU_CASES))
+def test_recompute_side_by_side_is_the_unsplit_call(case, device, monkeypatch):
+    """``SPLIT_RECOMPUTE`` on the kernels: the forward's K2 a segment after the other, the backward's recomputation
+    side by side (a stream a segment, V-split 1); o, the final state and every gradient the unsplit recomputing
+    call's, bit for bit (per tile and on pairs, under ``PAIR_TRAINING``)."""
+    gate, pairs, state = SPLIT_GPU_CASES[case]
+    monkeypatch.setattr(stages, "PAIR_TRAINING", pairs)
+    problem, do, dht = make_problem([4100], state=state, device=device)
+    options = dict(do=do, dht=dht if state is not None else None, recompute=True)
+    if gate == "softplus":
+        problem.update(g=problem["g"][..., 0].contiguous(), A_log=torch.log(1 + 15 * torch.rand(2, device=device)),
+                       dt_bias=problem["dt_bias"][:, 0].contiguous())
+        options.update(gate="softplus")
+    if pairs:
+        options.update(vsplit=stages.PAIR_TRAINING_MIN_VSPLIT["safe" if gate == "safe" else "per_head"])
+    o_unsplit, ht_unsplit, unsplit = train(cute_kda.kda_forward, problem, **options)
+    monkeypatch.setattr(stages, "SPLIT_RECOMPUTE", True)
+    split = stages.recompute_split(resolve_options(problem, options), torch.device(device))
+    assert split is not None and split.count == 4
+    o, ht, grads = train(cute_kda.kda_forward, problem, **options)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_unsplit)
+    assert (ht is None) == (ht_unsplit is None) and (ht is None or torch.equal(ht, ht_unsplit))
+    for name in unsplit:
+        assert torch.equal(grads[name], unsplit[name]), name
+
+
+def resolve_options(problem, options):
+    """The resolved options of a training call of ``problem`` with ``options`` (train's keywords)."""
+    from cute_kda.call import resolve
+
+    tensors = {n: x for n, x in problem.items() if n not in ("q", "k", "v", "g", "beta")}
+    keywords = {n: x for n, x in options.items() if n not in ("do", "dht")}
+    return resolve(*(problem[n] for n in ("q", "k", "v", "g", "beta")), **tensors, **keywords, training=True).options
 
 
 @pytest.mark.gpu

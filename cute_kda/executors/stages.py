@@ -10,6 +10,7 @@ row of segments (:func:`packed`); the helpers here turn its states back into the
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, NamedTuple
 
 import torch
@@ -45,6 +46,14 @@ PARTNER_FIELDS = True
 # the smallest K2 V-split at which a scheme's recomputing backward runs on pairs: where the chains are few (K2 and
 # Kernel A's pair steps −34 % and −24 % a tile at V-split 4, v11 and A9), a prediction until the H200's A/B
 PAIR_TRAINING_MIN_VSPLIT = {"safe": 4, "per_head": 4}
+# The backward's recomputation side by side (docs/perf-log.md, R1): a recomputing call of one sequence whose chains
+# leave SMs idle (:func:`recompute_split`) runs its forward's K2 over the sequence's segments one after the other,
+# keeping the fp32 state entering each later segment (``Saved.segment_states`` ``[1, C − 1, H, V, K]``, 64 KB a head and
+# segment), and the backward's recomputation runs those segments side by side, a stream each, at V-split 1. Each pass
+# runs the unsplit chain's instructions on the unsplit chain's fp32 state, so o, the checkpoints and every gradient are
+# the unsplit call's, bit for bit. Off until the H200 has run the GPU tests and the A/B
+# (``bench_train.py --split-recompute``, ``bench_gates.py --train --split-recompute``)
+SPLIT_RECOMPUTE = False
 
 
 class PairSaved(NamedTuple):
@@ -125,8 +134,9 @@ class Backend(NamedTuple):
     or fp16 as ``f16(bf16(x))`` for fp16 training);
     grads(inputs, options, saved, do, scan, grad_dtype) → :class:`GradsResult` (``grad_dtype``: dq, dk and a
     per-channel gate's dg in bf16, or fp16 as ``f16(bf16(x))``: fp16 training, without grouped value heads);
-    pair_states(inputs, options) → :class:`Saved` with :class:`PairSaved`: the recomputation of the two-tile form
-    (:func:`trains_pairs`; None: a backend without it recomputes per tile), which ``scan`` and ``grads`` then follow.
+    pair_states(inputs, options, segment_states=None) → :class:`Saved` with :class:`PairSaved`: the recomputation of the
+    two-tile form (:func:`trains_pairs`; None: a backend without it recomputes per tile), which ``scan`` and ``grads``
+    then follow (``segment_states``: the forward's, as ``forward`` takes them).
     """
 
     name: str
@@ -160,6 +170,91 @@ def workspace_spec(problem: ProblemShape, pairs: bool = False) -> WorkspaceSpec:
         heads=problem.heads, tiles=tiles_per_head(problem.total_tokens, problem.num_seqs, problem.varlen),
         dim=problem.head_dim, pairs=pairs,
     )
+
+
+def available_sms(device: torch.device) -> int:
+    """The SMs of a CUDA ``device``; 0 elsewhere (nothing is split there)."""
+    return sm_count(device.index) if device.type == "cuda" else 0
+
+
+def recompute_split(options: Options, device: torch.device,
+                    kept: torch.Tensor | None = None) -> context_parallel.Segmentation | None:
+    """The segments whose recomputation a recomputing call's backward runs side by side (:data:`SPLIT_RECOMPUTE`), or
+    None: a fixed-length, unsplit ``options.recompute`` call of one sequence whose ``H`` chains fill at most half the
+    SMs of ``device``, cut into ``SMs // H`` segments (fewer where one would have under
+    :data:`~cute_kda.context_parallel.MIN_SEGMENT_TILES` tiles) of an even number of tiles, so that the two-tile
+    form's pairs start on each segment's first tile as on the sequence's. ``kept``: the backward's, the forward's
+    ``Saved.segment_states`` of such a call: its segments, whatever the switch says now."""
+    problem = options.problem
+    if kept is None and not (SPLIT_RECOMPUTE and options.recompute):
+        return None
+    if options.segmentation is not None or problem.varlen or problem.num_seqs != 1 or problem.heads == 0:
+        return None
+    tiles = -(-problem.seq_len // CHUNK)
+    count = min(available_sms(device) // problem.heads, tiles // context_parallel.MIN_SEGMENT_TILES)
+    split = None
+    if count >= 2:
+        length = -(-tiles // count)
+        split = context_parallel.Segmentation(1, problem.seq_len, (length + length % 2) * CHUNK)
+    if kept is not None and (split is None or kept.shape[:2] != (1, split.count - 1)):
+        raise ValueError(f"kept segment states {tuple(kept.shape)} do not fit this device's recompute split {split}")
+    return split
+
+
+def chain_in_segments(split: context_parallel.Segmentation, x: Inputs, run: Callable[..., None],
+                      final_state: torch.Tensor | None, kept: torch.Tensor | None = None) -> torch.Tensor | None:
+    """K2 over the segments of ``split`` (:func:`recompute_split`), ``run(cu_seqlens, tile_base, initial_state,
+    final_state, vsplit)`` a segment: a call of the packed problem's one segment (its bounds ``[2]``), which reads
+    and writes the unsplit workspace, o and kept rows at the segment's tiles. ``kept`` None (the forward): one segment
+    after the other on the current stream at the call's V-split (None), each handing the fp32 state leaving it to the
+    next, the last writing ``final_state``; returns the states entering segments 1 … C − 1, fp32
+    ``[1, C − 1, H, V, K]``. ``kept`` given (the backward's recomputation): the segments side by side from ``x``'s
+    initial state and ``kept``, the first on the current stream and each other on a side stream of its own (on a
+    GPU), at V-split 1, no final state."""
+    cu_seqlens, tile_base = split.on_device(x.q.device)
+    count, cuda = split.count, x.q.device.type == "cuda"
+
+    def initial(c: int) -> torch.Tensor | None:
+        return x.initial_state if c == 0 else kept[0, c - 1:c]
+
+    if kept is None:
+        _, _, heads, dim = x.v.shape
+        kept = torch.empty((1, count - 1, heads, dim, dim), dtype=torch.float32, device=x.q.device)
+        # an fp16 state cannot share a K2 pass with an fp32 one (one staging buffer): the caller's widened exactly,
+        # the final one stored in fp32 and rounded as K2 rounds it (f16(S32))
+        first = x.initial_state
+        if first is not None and first.dtype == torch.float16:
+            first = first.float()
+        last = final_state
+        if final_state is not None and final_state.dtype == torch.float16:
+            last = torch.empty_like(final_state, dtype=torch.float32)
+        for c in range(count):
+            leaving = kept[0, c:c + 1] if c < count - 1 else last
+            run(cu_seqlens[c:c + 2], tile_base[c:c + 2], first if c == 0 else initial(c), leaving, None)
+        if last is not final_state:
+            final_state.copy_(last)
+        return kept
+    streams = side_streams(x.q.device, count - 1) if cuda else ()
+    current = torch.cuda.current_stream(x.q.device) if cuda else None
+    for stream in streams:
+        stream.wait_stream(current)
+    for c in range(count):
+        with torch.cuda.stream(streams[c - 1]) if cuda and c else contextlib.nullcontext():
+            run(cu_seqlens[c:c + 2], tile_base[c:c + 2], initial(c), None, 1)
+    for stream in streams:
+        current.wait_stream(stream)
+    return None
+
+
+_SIDE_STREAMS: dict[int, list] = {}
+
+
+def side_streams(device: torch.device, count: int) -> list:
+    """``count`` CUDA streams of ``device`` beside the caller's, made once and kept."""
+    streams = _SIDE_STREAMS.setdefault(device.index if device.index is not None else torch.cuda.current_device(), [])
+    while len(streams) < count:
+        streams.append(torch.cuda.Stream(device=device))
+    return streams[:count]
 
 
 def workspace_of(options: Options, saved: Saved) -> Workspace:
@@ -259,7 +354,10 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
     workspace then dropped), on the current stream of q's device. A segmented call (packed, :func:`packed`) runs K2
     twice more first, for the segment states (:func:`cute_kda.context_parallel.segment_states`), unless given.
     ``token_outputs`` False (with checkpoints): no o (:data:`STATES_ONLY_PASSES`). A recomputing call whose backward
-    runs the two-tile form (:func:`trains_pairs`) runs :func:`pair_chain`, as its inference forward does."""
+    runs the two-tile form (:func:`trains_pairs`) runs :func:`pair_chain`, as its inference forward does. A recomputing
+    call with a :func:`recompute_split` runs K2 a segment after the other and keeps the states entering them; the
+    backward's recomputation of such a call (its ``segment_states`` given, unsplit) runs the segments side by side
+    (:func:`chain_in_segments`)."""
     validation.check_on_cuda("q", x.q)
     check_supported(x.q.device)
     from ..ops import prepare as k1
@@ -267,10 +365,12 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
 
     if not token_outputs and options.recompute:
         raise ValueError("a forward without token outputs keeps its checkpoints (options.recompute False)")
-    if options.recompute and trains_pairs(KERNELS, x, options):  # the inference prefill's chain: its o
-        chain = pair_chain(x, options, keep=False)
-        return ForwardResult(chain.out, chain.final_state, Saved(None, None, chain.tile_base))
     problem, device = options.problem, x.q.device
+    resumed = segment_states is not None and options.segmentation is None  # a recomputation from kept states
+    split = recompute_split(options, device, segment_states if resumed else None)
+    if options.recompute and trains_pairs(KERNELS, x, options):  # the inference prefill's chain: its o
+        chain = pair_chain(x, options, keep=False, split=split)
+        return ForwardResult(chain.out, chain.final_state, Saved(None, None, chain.tile_base, chain.kept))
     buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=device)
     saved_ws = workspace_views(workspace_spec(problem), buffer)
     checkpoints = None
@@ -292,6 +392,16 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
         cu_seqlens=x.cu_seqlens, tile_base=tile_base, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,
         gate=options.gate,
     )
+    token_out = out if token_outputs else unread_out()
+    if split is not None:
+        def segment(cu_seqlens, segment_base, initial, leaving, vsplit) -> None:
+            k2.recurrence(x.v, saved_ws, token_out, cu_seqlens=cu_seqlens, tile_base=segment_base,
+                          initial_state=initial, final_state=leaving,
+                          vsplit=options.vsplit if vsplit is None else vsplit, checkpoints=checkpoints)
+
+        kept = chain_in_segments(split, x, segment, final_state, segment_states if resumed else None)
+        return ForwardResult(out, final_state, Saved(None if options.recompute else buffer, checkpoints, tile_base,
+                                                     kept))
 
     def final_states(v: torch.Tensor, initial: torch.Tensor | None, into: torch.Tensor) -> None:
         k2.recurrence(v, saved_ws, unread_out(), cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=initial,
@@ -299,7 +409,7 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
 
     initial_state, segment_states = entering_states(options, x, segment_states, final_states)
     k2.recurrence(
-        x.v, saved_ws, out if token_outputs else unread_out(), cu_seqlens=x.cu_seqlens, tile_base=tile_base,
+        x.v, saved_ws, token_out, cu_seqlens=x.cu_seqlens, tile_base=tile_base,
         initial_state=initial_state, final_state=final_state, vsplit=options.vsplit, checkpoints=checkpoints,
     )
     return ForwardResult(out, final_state_of(options, final_state),
@@ -309,7 +419,8 @@ def _kernel_forward(x: Inputs, options: Options, segment_states: torch.Tensor | 
 class PairChain(NamedTuple):
     """:func:`pair_chain`'s results: the flat pair workspace (``PairSaved.workspace``), o (None without token outputs),
     the final state (None unless asked), and with ``keep`` the state entering each pair (state images) and tile a's U;
-    ``tile_base``."""
+    ``tile_base``; ``kept``: a forward's states entering the segments of its ``split`` (:func:`chain_in_segments`),
+    else None."""
 
     workspace: torch.Tensor
     out: torch.Tensor | None
@@ -317,17 +428,22 @@ class PairChain(NamedTuple):
     checkpoints: torch.Tensor | None
     u_a: torch.Tensor | None
     tile_base: torch.Tensor | None
+    kept: torch.Tensor | None = None
 
 
 def pair_chain(x: Inputs, options: Options, *, keep: bool, vsplit: int | None = None,
-               token_outputs: bool = True, partners: PartnerFields | None = None) -> PairChain:
+               token_outputs: bool = True, partners: PartnerFields | None = None,
+               split: context_parallel.Segmentation | None = None,
+               segment_states: torch.Tensor | None = None) -> PairChain:
     """An unsplit call's chain on the two-tile variants, on the current stream of q's device: K1's pair variant into a
     fresh pair workspace, then K2's pair variant from ``x.initial_state`` at ``vsplit`` (None: ``options.vsplit``):
     o, the final state in ``options.final_state_dtype`` (None: none), and with ``keep`` a state a pair
     (:func:`~cute_kda.workspace.pair_blocks_shape` state images) and tile a's U (:func:`pair_kept_shapes`). The
     inference prefill's variants, the same o and final state whether it keeps them or not; ``token_outputs`` False
     (with ``keep``): no o (out None), the same kept states; ``partners``: K1's pair variant also fills these pair
-    partners' fields (a per-head gate)."""
+    partners' fields (a per-head gate). ``split`` (:func:`recompute_split`): K2 over its segments
+    (:func:`chain_in_segments`), one after the other keeping the states entering them, or side by side from the
+    kept ``segment_states``."""
     from ..ops import prepare as k1
     from ..ops import recurrence as k2
 
@@ -347,27 +463,39 @@ def pair_chain(x: Inputs, options: Options, *, keep: bool, vsplit: int | None = 
         checkpoints = torch.empty(kept, dtype=torch.bfloat16, device=device)
         u_a = torch.empty(u_shape, dtype=torch.bfloat16, device=device)
     out, final_state = torch.empty_like(x.v) if token_outputs else None, final_state_buffer(options, device)
-    k2.recurrence(x.v, ws, out, cu_seqlens=x.cu_seqlens, tile_base=tile_base, initial_state=x.initial_state,
-                  final_state=final_state, vsplit=options.vsplit if vsplit is None else vsplit,
-                  checkpoints=checkpoints, cross=cross, u_a=u_a)
-    return PairChain(buffer, out, final_state, checkpoints, u_a, tile_base)
+    vsplit = options.vsplit if vsplit is None else vsplit
+
+    def run(cu_seqlens, segment_base, initial, leaving, segment_vsplit) -> None:
+        k2.recurrence(x.v, ws, out, cu_seqlens=cu_seqlens, tile_base=segment_base, initial_state=initial,
+                      final_state=leaving, vsplit=vsplit if segment_vsplit is None else segment_vsplit,
+                      checkpoints=checkpoints, cross=cross, u_a=u_a)
+
+    if split is None:
+        run(x.cu_seqlens, tile_base, x.initial_state, final_state, None)
+        return PairChain(buffer, out, final_state, checkpoints, u_a, tile_base)
+    kept_states = chain_in_segments(split, x, run, final_state, segment_states)
+    return PairChain(buffer, out, final_state, checkpoints, u_a, tile_base, kept_states)
 
 
-def _kernel_pair_states(x: Inputs, options: Options) -> Saved:
+def _kernel_pair_states(x: Inputs, options: Options, segment_states: torch.Tensor | None = None) -> Saved:
     """The two-tile form's recomputation (:func:`trains_pairs`): :func:`pair_chain` keeping a state and tile a's U a
-    pair (its o unread: none formed under :data:`STATES_ONLY_PASSES`); a per-head gate's K1 pair variant also writes
-    the pair partners' fields (:class:`~cute_kda.workspace.PartnerFields`), else K1 runs again into a fresh
-    workspace for them (the safe gate's pair K1 has no such variant)."""
+    pair (its o unread: none formed under :data:`STATES_ONLY_PASSES`), its segments side by side where the forward
+    kept ``segment_states`` (:func:`recompute_split`); a per-head gate's K1 pair variant also writes the pair
+    partners' fields (:class:`~cute_kda.workspace.PartnerFields`), else K1 runs again into a fresh workspace for them
+    (the safe gate's pair K1 has no such variant)."""
     from ..ops import prepare as k1
 
     problem = options.problem
     states_options = options._replace(final_state_dtype=None)
+    split = None if segment_states is None else recompute_split(options, x.q.device, segment_states)
+    resume = dict(split=split, segment_states=segment_states)
     if x.g.dim() == 3 and PARTNER_FIELDS:  # the per-head gate
         partners = allocate_partner_fields(workspace_spec(problem), x.q.device)
-        chain = pair_chain(x, states_options, keep=True, token_outputs=not STATES_ONLY_PASSES, partners=partners)
+        chain = pair_chain(x, states_options, keep=True, token_outputs=not STATES_ONLY_PASSES, partners=partners,
+                           **resume)
         return Saved(None, chain.checkpoints, chain.tile_base, None, PairSaved(chain.workspace, chain.u_a, partners))
     buffer = torch.empty(workspace_spec(problem).nbytes, dtype=torch.uint8, device=x.q.device)
-    chain = pair_chain(x, states_options, keep=True, token_outputs=not STATES_ONLY_PASSES)
+    chain = pair_chain(x, states_options, keep=True, token_outputs=not STATES_ONLY_PASSES, **resume)
     k1.prepare(x.q, x.k, x.g, x.beta, x.A_log, x.dt_bias, workspace_views(workspace_spec(problem), buffer),
                scale=options.scale, lower_bound=options.lower_bound, cu_seqlens=x.cu_seqlens,
                tile_base=chain.tile_base, qk_l2norm=options.qk_l2norm, beta_logits=options.beta_logits,

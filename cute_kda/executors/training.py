@@ -40,7 +40,8 @@ from ..call import Call, Inputs, Options, final_state_dtype_of, finish, options_
 from ..ops import round_bf16
 from ..validation import problem_of, staged_cu_seqlens
 from .stages import (
-    KERNEL_B_INPUTS, KERNELS, Backend, Saved, checkpoints_shape, packed, trains_pairs, workspace_spec,
+    KERNEL_B_INPUTS, KERNELS, Backend, Saved, checkpoints_shape, packed, recompute_split, trains_pairs,
+    workspace_spec,
 )
 
 TRAIN_OP_NAME = "cute_kda::forward_train"
@@ -103,11 +104,12 @@ def rounded_do(d_out: torch.Tensor) -> torch.Tensor:
 def recomputed(backend: Backend, x: Inputs, options: Options, saved: Saved, pairs: bool = False) -> Saved:
     """The workspace and checkpoints a ``recompute`` forward did not keep: ``backend``'s forward again on
     the same inputs (``x.initial_state`` included), keeping them this time and skipping o and the final state; a
-    segmented call's kept segment states spare it the two extra passes. ``pairs`` (the two-tile form,
+    segmented call's kept segment states spare it the two extra passes, an unsplit call's (``stages.SPLIT_RECOMPUTE``)
+    let it run its segments side by side. ``pairs`` (the two-tile form,
     :func:`~cute_kda.executors.stages.trains_pairs`): ``backend.pair_states`` instead, a state a pair of tiles."""
     x = x._replace(tile_base=saved.tile_base)
     if pairs:
-        return backend.pair_states(x, options)
+        return backend.pair_states(x, options, saved.segment_states)
     return backend.forward(x, options._replace(recompute=False, final_state_dtype=None), saved.segment_states,
                            token_outputs=False).saved
 
@@ -259,7 +261,8 @@ def forward_train_op(
     dtype ``[B, T, HV, V]``, the final state ``[N, HV, V, K]`` (empty without ``output_final_state``), the flat uint8
     workspace ``[WorkspaceSpec.nbytes]``, the checkpoints bf16 ``[HV · slots, D, D]`` (state images; both empty under
     ``recompute`` and for fp16 inputs, :func:`recomputes`), ``tile_base`` int32 ``[N+1]`` (empty for fixed length)
-    and the segment states fp32 ``[2, segments, HV, V, K]`` (empty unsplit). A segmented call's workspace, checkpoints and ``tile_base`` are those
+    and the segment states fp32 ``[2, segments, HV, V, K]`` (empty unsplit; ``[1, C − 1, HV, V, K]`` for an unsplit
+    call whose backward recomputes side by side, ``stages.recompute_split``). A segmented call's workspace, checkpoints and ``tile_base`` are those
     of its packed problem (:func:`cute_kda.executors.stages.packed`)."""
     call = resolve(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                    initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -297,9 +300,12 @@ def _forward_train_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
                           recompute, gate, segments)
     problem, seg = options.problem, options.segmentation
     segment_states = q.new_empty((0,), dtype=torch.float32)
+    split = recompute_split(options, q.device)
     if seg is not None:
         segment_states = q.new_empty((2, seg.count, *problem.state_shape[1:]), dtype=torch.float32)
         problem = seg.problem(problem.heads, problem.head_dim)
+    elif split is not None:
+        segment_states = q.new_empty((1, split.count - 1, *problem.state_shape[1:]), dtype=torch.float32)
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     state = q.new_empty((0,)) if state_dtype is None else q.new_empty(options.problem.state_shape, dtype=state_dtype)
     workspace = q.new_empty((0 if recompute else workspace_spec(problem).nbytes,), dtype=torch.uint8)

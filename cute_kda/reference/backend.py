@@ -86,10 +86,11 @@ def _reference_forward(x: Inputs, options: Options, segment_states: torch.Tensor
                          Saved(None if options.recompute else buffer, checkpoints, tile_base, segment_states))
 
 
-def _reference_pair_states(x: Inputs, options: Options) -> Saved:
+def _reference_pair_states(x: Inputs, options: Options, segment_states: torch.Tensor | None = None) -> Saved:
     """The two-tile form's recomputation on the mirrors: K1's workspace and its pair workspace
     (:func:`_mirrored_workspace`), :func:`~cute_kda.reference.pairs.mirror_recurrence_pairs` keeping the state entering
-    each pair (``[K, V]`` matrices) and tile a's U; rows no pair keeps are NaN."""
+    each pair (``[K, V]`` matrices) and tile a's U; rows no pair keeps are NaN. ``segment_states``: unused (the
+    reference forward keeps none: it runs nothing side by side)."""
     problem, device = options.problem, x.q.device
     pair_buffer = _mirrored_workspace(x, options, pairs=True)
     kept, u_shape = pair_kept_shapes(problem)
