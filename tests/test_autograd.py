@@ -1272,7 +1272,7 @@ def test_recompute_side_by_side_is_the_unsplit_call(case, device, monkeypatch):
     problem, do, dht = make_problem([4100], state=state, device=device)
     if state == torch.float16:  # an fp16 call: its states beside the fp32 ones widened, the final one rounded back
         problem.update({n: problem[n].half() for n in ("q", "k", "v", "g")})
-        do = do.half()
+        do, dht = do.half(), dht.half()
     options = dict(do=do, dht=dht if state is not None else None, recompute=True)
     if gate == "softplus":
         problem.update(g=problem["g"][..., 0].contiguous(), A_log=torch.log(1 + 15 * torch.rand(2, device=device)),
