@@ -213,24 +213,23 @@ def chain_in_segments(split: context_parallel.Segmentation, x: Inputs, run: Call
     GPU), at V-split 1, no final state."""
     cu_seqlens, tile_base = split.on_device(x.q.device)
     count, cuda = split.count, x.q.device.type == "cuda"
+    first = x.initial_state
 
-    def initial(c: int) -> torch.Tensor | None:
-        return x.initial_state if c == 0 else kept[0, c - 1:c]
+    def segment(c: int, leaving: torch.Tensor | None, vsplit: int | None) -> None:
+        run(cu_seqlens[c:c + 2], tile_base[c:c + 2], first if c == 0 else kept[0, c - 1:c], leaving, vsplit)
 
     if kept is None:
         _, _, heads, dim = x.v.shape
         kept = torch.empty((1, count - 1, heads, dim, dim), dtype=torch.float32, device=x.q.device)
         # an fp16 state cannot share a K2 pass with an fp32 one (one staging buffer): the caller's widened exactly,
         # the final one stored in fp32 and rounded as K2 rounds it (f16(S32))
-        first = x.initial_state
         if first is not None and first.dtype == torch.float16:
             first = first.float()
         last = final_state
         if final_state is not None and final_state.dtype == torch.float16:
             last = torch.empty_like(final_state, dtype=torch.float32)
         for c in range(count):
-            leaving = kept[0, c:c + 1] if c < count - 1 else last
-            run(cu_seqlens[c:c + 2], tile_base[c:c + 2], first if c == 0 else initial(c), leaving, None)
+            segment(c, kept[0, c:c + 1] if c < count - 1 else last, None)
         if last is not final_state:
             final_state.copy_(last)
         return kept
@@ -240,7 +239,7 @@ def chain_in_segments(split: context_parallel.Segmentation, x: Inputs, run: Call
         stream.wait_stream(current)
     for c in range(count):
         with torch.cuda.stream(streams[c - 1]) if cuda and c else contextlib.nullcontext():
-            run(cu_seqlens[c:c + 2], tile_base[c:c + 2], initial(c), None, 1)
+            segment(c, None, 1)
     for stream in streams:
         current.wait_stream(stream)
     return None
