@@ -83,7 +83,7 @@ def test_launcher_checks_the_pair_scan_buffers():
     do, ws, cross, snapshots, num_seqs, heads = _buffers(D, False)
     with pytest.raises(ValueError, match="snapshot_every=2"):
         ka.bwd_scan(do, ws, do, do, snapshots, cross=cross)
-    with pytest.raises(ValueError, match=r"snapshots must be bf16 \(10, 128, 128\)"):
+    with pytest.raises(ValueError, match=r"snapshots must be bfloat16 \(10, 128, 128\)"):
         ka.bwd_scan(do, ws, do, do, snapshots[:-1], cross=cross, snapshot_every=2)
 
 

@@ -227,10 +227,10 @@ def test_recurrence_checks_the_pair_training_buffers():
         k2.recurrence(v, ws, v, cross=cross, checkpoints=checkpoints, vsplit=1)
     with pytest.raises(ValueError, match="u_a comes with"):
         k2.recurrence(v, ws, v, checkpoints=torch.zeros(3, D, D, dtype=torch.bfloat16), u_a=u_a, vsplit=1)
-    with pytest.raises(ValueError, match=r"checkpoints must be bf16 \(1, 128, 128\)"):
+    with pytest.raises(ValueError, match=r"checkpoints must be bfloat16 \(1, 128, 128\)"):
         k2.recurrence(v, ws, v, cross=cross, checkpoints=torch.zeros(3, D, D, dtype=torch.bfloat16), u_a=u_a,
                       vsplit=1)
-    with pytest.raises(ValueError, match=r"u_a must be bf16 \(1, 128, 16\)"):
+    with pytest.raises(ValueError, match=r"u_a must be bfloat16 \(1, 128, 16\)"):
         k2.recurrence(v, ws, v, cross=cross, checkpoints=checkpoints, u_a=u_a.float(), vsplit=1)
 
 

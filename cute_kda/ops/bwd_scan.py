@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import validation
+from ..validation import check_buffer
 from ..device import sm_count
 from ..numerics import NATIVE_HEAD_DIMS, SCAN_VSPLITS
 from ..variants import ScanTuning, ScanVariant
@@ -80,22 +81,16 @@ def _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs: int, snapshot_
         raise ValueError(f"do must be bf16 [B, T, H, {ws.qd.shape[-1]}], got {do.dtype} {tuple(do.shape)}")
     if ws.qd.shape[0] % heads:
         raise ValueError(f"workspace rows {ws.qd.shape[0]} are not a multiple of H = {heads}")
-    for name, t, dtypes in (("dv", dv, DV_DTYPES), ("du", du, (torch.bfloat16,))):
-        if t.dtype not in dtypes or t.shape != do.shape or t.device != do.device:
-            names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
-            raise ValueError(f"{name} must be {names} {tuple(do.shape)} on {do.device}, got {t.dtype} "
-                             f"{tuple(t.shape)}")
+    check_buffer("dv", dv, DV_DTYPES, do.shape, do.device)
+    check_buffer("du", du, (torch.bfloat16,), do.shape, do.device)
     expected = pair_blocks_shape(ws, heads, num_seqs) if pairs else block_states_shape(ws, heads, num_seqs,
                                                                                          snapshot_every)
-    if snapshots.dtype != torch.bfloat16 or tuple(snapshots.shape) != expected:
-        raise ValueError(f"snapshots must be bf16 {expected}, got {snapshots.dtype} {tuple(snapshots.shape)}")
+    check_buffer("snapshots", snapshots, (torch.bfloat16,), expected, do.device)
     for name, t in (("dht", dht), ("dh0", dh0)):
-        if t is not None and (t.dtype not in _STATE_DTYPES or tuple(t.shape) != (num_seqs, heads, dim, dim)):
-            raise ValueError(f"{name} must be bf16 or fp32 {(num_seqs, heads, dim, dim)}, "
-                             f"got {t.dtype} {tuple(t.shape)}")
-    for name, t in (("snapshots", snapshots), ("dht", dht), ("dh0", dh0), ("ws", ws.qd)):
-        if t is not None and t.device != do.device:
-            raise ValueError(f"{name} is on {t.device}, do on {do.device}")
+        if t is not None:
+            check_buffer(name, t, _STATE_DTYPES, (num_seqs, heads, dim, dim), do.device)
+    if ws.qd.device != do.device:
+        raise ValueError(f"ws is on {ws.qd.device}, do on {do.device}")
 
 
 def bwd_scan(

@@ -145,10 +145,8 @@ def recurrence(
         kept = (("checkpoints", checkpoints, pair_blocks_shape(ws, heads, num_seqs)),
                 ("u_a", u_a, pair_u_shape(ws, heads, num_seqs)))
     for name, buffer, expected in kept:
-        if buffer is not None and (buffer.dtype != torch.bfloat16 or tuple(buffer.shape) != expected
-                                   or buffer.device != v.device):
-            raise ValueError(f"{name} must be bf16 {expected} on {v.device}, "
-                             f"got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}")
+        if buffer is not None:
+            validation.check_buffer(name, buffer, (torch.bfloat16,), expected, v.device)
     if varlen and tile_base is None:
         tile_base = tile_bases(cu_seqlens)
     with on_device(v.device):
