@@ -153,8 +153,8 @@ def peers(inputs: dict, gate: str, train: bool = False, gdn_disable_recompute: b
 
 PEERS = ("cute_kda", "FLA")  # --peers' choices, by the first word of a peer's name
 # the library switches of GatedDeltaNet's training step a run can flip (cute_kda._bench.SWITCHES)
-GDN_SWITCHES = ("--no-group-sum", "--pair-training", "--states-only-passes", "--no-partner-fields",
-                "--split-recompute")
+GDN_SWITCHES = ("--no-group-sum", "--no-pair-training", "--no-states-only-passes", "--no-partner-fields",
+                "--no-split-recompute")
 
 
 def bench_row(name: str, gate: str, device: torch.device, warmup: int, rep: int,

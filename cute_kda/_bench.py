@@ -109,19 +109,20 @@ SWITCHES = {
     "--fp16-copy-backward": ("cute_kda.executors.training", "FP16_NATIVE_BACKWARD", False,
                              "--dtype fp16: the backward on bf16 copies of q, k, v, g, not on the fp16 inputs "
                              "(perf-log F3; with --fp16-grad-stores F2)"),
-    "--states-only-passes": ("cute_kda.executors.stages", "STATES_ONLY_PASSES", True,
-                             "K2's passes whose o nobody reads (the backward's recomputation, per tile or on pairs, a "
-                             "segmented call's segment-state passes) without o (perf-log v13, v14)"),
-    "--pair-training": ("cute_kda.executors.stages", "PAIR_TRAINING", True,
-                        "a recomputing backward in the two-tile form where its rule takes the V-split: pair K1, "
-                        "training pair K2, Kernel A's pair scan, Kernel B's rebuild (perf-log W2)"),
+    "--no-states-only-passes": ("cute_kda.executors.stages", "STATES_ONLY_PASSES", False,
+                                "K2's passes whose o nobody reads (the backward's recomputation, per tile or on "
+                                "pairs, a segmented call's segment-state passes) with o, into a scratch (perf-log v13)"),
+    "--no-pair-training": ("cute_kda.executors.stages", "PAIR_TRAINING", False,
+                           "a recomputing backward per tile where its rule would take the two-tile form (perf-log W2)"),
+    "--safe-pair-training": ("cute_kda.executors.stages", "PAIR_TRAINING_SCHEMES", ("safe", "per_head"),
+                             "the safe gate's recomputing backward in the two-tile form too, where its rule takes the "
+                             "V-split (perf-log W2a)"),
     "--no-partner-fields": ("cute_kda.executors.stages", "PARTNER_FIELDS", False,
-                            "with --pair-training, a per-head gate's recomputation runs K1 again for the pair "
+                            "a per-head gate's recomputation in the two-tile form runs K1 again for the pair "
                             "partners' fields instead of its pair K1 writing them (perf-log W2b)"),
-    "--split-recompute": ("cute_kda.executors.stages", "SPLIT_RECOMPUTE", True,
-                          "a recomputing call of one sequence whose chains leave SMs idle: the forward's K2 a segment "
-                          "after the other keeping their entering states, the backward's recomputation side by side "
-                          "(perf-log R1)"),
+    "--no-split-recompute": ("cute_kda.executors.stages", "SPLIT_RECOMPUTE", False,
+                             "a recomputing call of one sequence whose chains leave SMs idle recomputes unsplit, not "
+                             "its segments side by side (perf-log R1)"),
     "--no-group-sum": ("cute_kda.ops.bwd_grads", "GROUP_SUM", False,
                        "grouped value heads in pairs summed after Kernel B, not by it (perf-log GDN6)"),
     "--no-fp16-do-kernel": ("cute_kda.executors.training", "FP16_DO_KERNEL", False,

@@ -512,7 +512,7 @@ def warmup_variants(
                                           **grads_switches(gate, per_head, warps))] = None
         if stages.PAIR_TRAINING:  # a recomputing backward in the two-tile form (bf16, stages.trains_pairs)
             for (l2, logits, packed), dim, (gate, g_dtype, per_head) in itertools.product(flags, head_dims, gate_forms):
-                least = stages.PAIR_TRAINING_MIN_VSPLIT.get(gate_scheme(gate, per_head))
+                least = stages.pair_training_vsplit(gate_scheme(gate, per_head))
                 if least is None or not any(split >= least for split in k2_splits):
                     continue
                 key = (packed, l2, logits, gate, g_dtype, per_head, per_head, torch.bfloat16, dim)
@@ -533,8 +533,9 @@ def warmup_variants(
                                           **grads_switches(gate, per_head, warps))] = None
         if stages.SPLIT_RECOMPUTE:  # one sequence recomputed side by side (stages.recompute_split): segment passes
             fp32 = torch.float32
-            least = min([stages.PAIR_TRAINING_MIN_VSPLIT.get(gate_scheme(gate, per_head), SUPPORTED_VSPLITS[-1] + 1)
-                         for gate, _, per_head in gate_forms] if stages.PAIR_TRAINING else [SUPPORTED_VSPLITS[-1] + 1])
+            never = SUPPORTED_VSPLITS[-1] + 1
+            least = min([stages.pair_training_vsplit(gate_scheme(gate, per_head)) or never
+                         for gate, _, per_head in gate_forms] if stages.PAIR_TRAINING else [never])
             for dtype, dim, mode in itertools.product(dtypes, head_dims, state_modes):
                 wide = fp32 if mode == torch.float16 else mode  # an fp16 state beside an fp32 one, widened
                 for split, pairs in itertools.product(k2_splits, (False, True)):

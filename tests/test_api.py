@@ -145,8 +145,10 @@ def test_warmup_lists_the_passes_of_a_recomputation_side_by_side(monkeypatch):
         return {v for v in api.warmup_variants(varlen=(False,), vsplits=(4,), training=True, segments=False,
                                                **options) if isinstance(v, RecurrenceVariant) and v.varlen}
 
+    monkeypatch.setattr(stages, "SPLIT_RECOMPUTE", False)
     assert segment_passes(state_modes=(bf16,)) == set()
     monkeypatch.setattr(stages, "SPLIT_RECOMPUTE", True)
+    monkeypatch.setattr(stages, "PAIR_TRAINING", False)
     forward = {RecurrenceVariant(4, first, last, True, False) for first, last in ((bf16, fp32), (fp32, fp32),
                                                                                    (fp32, bf16))}
     recompute = {RecurrenceVariant(1, first, None, True, True, token_outputs=not stages.STATES_ONLY_PASSES)
@@ -157,6 +159,7 @@ def test_warmup_lists_the_passes_of_a_recomputation_side_by_side(monkeypatch):
     assert RecurrenceVariant(1, fp16, None, True, True, dtype=fp16,
                              token_outputs=not stages.STATES_ONLY_PASSES) in widened
     monkeypatch.setattr(stages, "PAIR_TRAINING", True)
+    monkeypatch.setattr(stages, "PAIR_TRAINING_SCHEMES", ("safe", "per_head"))
     assert {v.pairs for v in segment_passes(state_modes=(bf16,))} == {False, True}
 
 
@@ -164,6 +167,7 @@ def test_warmup_with_training_visits_the_backward_variants(monkeypatch):
     """``training``: K2 with checkpoints per config, Kernel A per (V-split of its own, dht, dh0, varlen), Kernel B per
     gate that trains (GatedDeltaNet's also with ``group_sum``); without it none of them."""
     fp32 = torch.float32
+    monkeypatch.setattr(stages, "SPLIT_RECOMPUTE", False)  # its segment passes: listed apart
 
     def kinds(**options):
         variants = api.warmup_variants(**options)
@@ -194,6 +198,7 @@ def test_warmup_covers_the_segmented_variants(monkeypatch):
     ``training`` the checkpoint pass and Kernel A's two passes, the first without token outputs."""
     fp32 = torch.float32
     monkeypatch.setattr(stages, "STATES_ONLY_PASSES", True)
+    monkeypatch.setattr(stages, "SPLIT_RECOMPUTE", False)  # its passes listed apart (the next test but one)
     variants = api.warmup_variants(varlen=(False,), state_modes=(None,), vsplits=(2,))
     states_only = dict(token_outputs=False)  # the passes for the segment states form no o
     assert [v for v in variants if isinstance(v, RecurrenceVariant)] == [
@@ -224,6 +229,8 @@ def test_warmup_with_pair_training_lists_the_pair_backward(monkeypatch):
     options = dict(varlen=(False,), state_modes=(fp32,), gates=("safe", "softplus"), gated_delta_rule=True,
                    training=True, segments=False)
     monkeypatch.setattr(stages, "PAIR_TRAINING", True)
+    monkeypatch.setattr(stages, "PAIR_TRAINING_SCHEMES", ("safe", "per_head"))
+    monkeypatch.setattr(stages, "STATES_ONLY_PASSES", False)
     least = stages.PAIR_TRAINING_MIN_VSPLIT["safe"]
     variants = api.warmup_variants(vsplits=(least,), **options)
     assert RecurrenceVariant(least, fp32, None, False, True, pairs=True) in variants

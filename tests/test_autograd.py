@@ -545,6 +545,7 @@ def test_pair_training_is_the_pair_mirror_chain(monkeypatch, case):
     problem, do, dht = make_problem(lengths, state=state)
     dht = dht if state is not None else None
     monkeypatch.setattr(stages, "PAIR_TRAINING", True)
+    monkeypatch.setattr(stages, "PAIR_TRAINING_SCHEMES", ("safe", "per_head"))
     vsplit = stages.PAIR_TRAINING_MIN_VSPLIT["safe"]
     o, _, grads = train(REFERENCE_FORWARD, problem, do=do, dht=dht, recompute=True, vsplit=vsplit)
     p = dict(problem)
@@ -575,6 +576,7 @@ def test_kernel_stages_train_on_pairs(launchers_on_mirrors, monkeypatch, states_
     Kernel A's pair scan and Kernel B's rebuild (the launchers' checks pass); o and the gradients are the reference
     backend's pair form's, bit for bit."""
     monkeypatch.setattr(stages, "PAIR_TRAINING", True)
+    monkeypatch.setattr(stages, "PAIR_TRAINING_SCHEMES", ("safe", "per_head"))
     monkeypatch.setattr(stages, "STATES_ONLY_PASSES", states_only)
     problem, do, dht = make_problem([20, 0, 48, 5, 70], state=torch.float32)
     launchers_on_mirrors.beta = problem["beta"]
@@ -599,6 +601,7 @@ def test_kernel_stages_train_per_head_gates_on_pairs(launchers_on_mirrors, monke
     workspace (without ``PARTNER_FIELDS``, K1 once more); o and the gradients are the reference backend's (which
     recomputes per tile), bit for bit."""
     monkeypatch.setattr(stages, "PAIR_TRAINING", True)
+    monkeypatch.setattr(stages, "PAIR_TRAINING_SCHEMES", ("safe", "per_head"))
     monkeypatch.setattr(stages, "STATES_ONLY_PASSES", states_only)
     monkeypatch.setattr(stages, "PARTNER_FIELDS", partner_fields)
     problem, do, dht = make_problem([20, 0, 48, 5, 70], state=torch.float32)
@@ -634,6 +637,7 @@ def test_kernel_stages_recompute_side_by_side(launchers_on_mirrors, monkeypatch,
     gate, pairs = SPLIT_FORMS[form]
     monkeypatch.setattr(stages, "SPLIT_RECOMPUTE", True)
     monkeypatch.setattr(stages, "PAIR_TRAINING", pairs)
+    monkeypatch.setattr(stages, "PAIR_TRAINING_SCHEMES", ("safe", "per_head"))
     monkeypatch.setattr(stages, "available_sms", lambda device: 8)
     monkeypatch.setattr(cute_kda.context_parallel, "MIN_SEGMENT_TILES", 2)
     problem, do, dht = make_problem([150], state=state)
@@ -660,8 +664,9 @@ def test_kernel_stages_recompute_side_by_side(launchers_on_mirrors, monkeypatch,
 
 
 def test_recompute_split_rule(monkeypatch):
-    """Which calls recompute side by side: one fixed-length sequence, unsplit, recomputing, whose chains fill at most
-    half the SMs; segments of an even number of tiles, at least ``MIN_SEGMENT_TILES``; kept states must fit."""
+    """Which calls recompute side by side: one fixed-length sequence, unsplit, recomputing, whose chains leave room for
+    ``RECOMPUTE_MIN_SEGMENTS`` segments of an even number of tiles, at least ``MIN_SEGMENT_TILES``; kept states must
+    fit."""
     from cute_kda.call import options_of
     from cute_kda.validation import ProblemShape
 
@@ -676,9 +681,11 @@ def test_recompute_split_rule(monkeypatch):
 
     gdn = split()  # GatedDeltaNet B1 T32768 HV32: four segments of 512 tiles
     assert (gdn.count, gdn.length) == (4, 512 * 16)
-    assert split(seq_len=8192, heads=64).count == 2
-    assert split(seq_len=8200, heads=64).length == 258 * 16  # 513 tiles: halves of 257 rounded to even
-    for refused in (dict(heads=96), dict(batch=2), dict(varlen=True), dict(recompute=False), dict(seq_len=2032)):
+    assert split(seq_len=8192, heads=16).count == 8
+    assert split(seq_len=4112).length == 66 * 16  # 257 tiles: quarters of 65 rounded to even
+    # fewer than RECOMPUTE_MIN_SEGMENTS segments: too many chains (KDA B1 T8192 H64, H96), too few tiles
+    for refused in (dict(heads=64), dict(heads=96), dict(batch=2), dict(varlen=True), dict(recompute=False),
+                    dict(seq_len=4080)):
         assert split(**refused) is None, refused
     monkeypatch.setattr(stages, "SPLIT_RECOMPUTE", False)
     assert split() is None
@@ -1235,6 +1242,7 @@ def test_pair_training_on_the_kernels(case, device, monkeypatch):
     backend's (the pair mirrors, ``tile_states_of_pairs``) within the gold's bounds, the gold's bounds held, the same
     bits twice; o the inference call's (the two-tile prefill) bit for bit."""
     monkeypatch.setattr(stages, "PAIR_TRAINING", True)
+    monkeypatch.setattr(stages, "PAIR_TRAINING_SCHEMES", ("safe", "per_head"))
     problem, do, dht, options = _gpu_case(case, device)
     options = dict(options, recompute=True, vsplit=stages.PAIR_TRAINING_MIN_VSPLIT["safe"])
     o, _, grads = train(cute_kda.kda_forward, problem, do=do, dht=dht, **options)
@@ -1269,6 +1277,7 @@ def test_recompute_side_by_side_is_the_unsplit_call(case, device, monkeypatch):
     call's, bit for bit (per tile and on pairs, under ``PAIR_TRAINING``)."""
     gate, pairs, state = SPLIT_GPU_CASES[case]
     monkeypatch.setattr(stages, "PAIR_TRAINING", pairs)
+    monkeypatch.setattr(stages, "PAIR_TRAINING_SCHEMES", ("safe", "per_head"))
     problem, do, dht = make_problem([4100], state=state, device=device)
     if state == torch.float16:  # an fp16 call: its states beside the fp32 ones widened, the final one rounded back
         problem.update({n: problem[n].half() for n in ("q", "k", "v", "g")})

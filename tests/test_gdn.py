@@ -197,6 +197,7 @@ def test_pair_training_matches_gold(case, monkeypatch):
     from cute_kda.executors import stages
 
     monkeypatch.setattr(stages, "PAIR_TRAINING", True)
+    monkeypatch.setattr(stages, "PAIR_TRAINING_SCHEMES", ("safe", "per_head"))
     seen = []
     launch = kb.compiled_variant
     monkeypatch.setattr(kb, "compiled_variant", lambda variant, *a: seen.append(variant) or launch(variant, *a))

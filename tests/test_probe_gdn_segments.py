@@ -20,9 +20,9 @@ def test_options(probe):
     args = probe.build_parser().parse_args(["--shape", "gdn_T8192_H16_HV32", "--segments", "0,4"])
     assert (args.shape, args.segments) == ("gdn_T8192_H16_HV32", [0, 4])
     assert not args.disable_recompute and probe.build_parser().parse_args(["--disable-recompute"]).disable_recompute
-    assert not (args.pair_training or args.states_only_passes)
-    switched = probe.build_parser().parse_args(["--pair-training", "--states-only-passes"])
-    assert switched.pair_training and switched.states_only_passes
+    assert not (args.no_pair_training or args.no_states_only_passes or args.no_split_recompute)
+    switched = probe.build_parser().parse_args(["--no-pair-training", "--no-states-only-passes"])
+    assert switched.no_pair_training and switched.no_states_only_passes
     for bad in ("-1", "x", "4,"):
         with pytest.raises(argparse.ArgumentTypeError):
             probe.segment_counts(bad)
@@ -38,10 +38,10 @@ def test_switches_set_the_library_switches(probe, monkeypatch):
     for module, name in ((stages, "PAIR_TRAINING"), (stages, "STATES_ONLY_PASSES"), (bwd_grads, "GROUP_SUM")):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     before = stages.STATES_ONLY_PASSES, bwd_grads.GROUP_SUM
-    apply_switches(probe.build_parser().parse_args(["--pair-training"]), probe.GDN_SWITCHES)
-    assert stages.PAIR_TRAINING and (stages.STATES_ONLY_PASSES, bwd_grads.GROUP_SUM) == before
-    apply_switches(probe.build_parser().parse_args(["--no-group-sum", "--states-only-passes"]), probe.GDN_SWITCHES)
-    assert stages.STATES_ONLY_PASSES and not bwd_grads.GROUP_SUM
+    apply_switches(probe.build_parser().parse_args(["--no-pair-training"]), probe.GDN_SWITCHES)
+    assert not stages.PAIR_TRAINING and (stages.STATES_ONLY_PASSES, bwd_grads.GROUP_SUM) == before
+    apply_switches(probe.build_parser().parse_args(["--no-group-sum", "--no-states-only-passes"]), probe.GDN_SWITCHES)
+    assert not stages.STATES_ONLY_PASSES and not bwd_grads.GROUP_SUM
 
 
 def test_refuses_to_time_without_cuda(probe, monkeypatch):

@@ -119,6 +119,7 @@ def test_training_executor_runs_the_pair_form_for_a_per_head_gate(monkeypatch):
     from cute_kda.reference.backend import REFERENCE
 
     monkeypatch.setattr(stages, "PAIR_TRAINING", True)
+    monkeypatch.setattr(stages, "PAIR_TRAINING_SCHEMES", ("safe", "per_head"))
     q, k, v, g, beta, A_log, dt_bias, h0 = _per_head_inputs(83, -1.0, seed=5)
     gen = torch.Generator().manual_seed(6)
     do, dht = torch.randn(v.shape, generator=gen).bfloat16(), 0.1 * torch.randn(h0.shape, generator=gen)

@@ -29,31 +29,36 @@ from ..workspace import (
 KERNEL_B_INPUTS = (0, 1, 3, 4, 5, 6)  # q, k, g, beta, A_log, dt_bias: the inputs whose gradients Kernel B gives
 # K2 passes whose o nobody reads (the backward's recomputation, a segmented call's two passes for the segment states)
 # run K2's variant without token outputs (``RecurrenceVariant.token_outputs``: no qd or Mqk read, no o formed or
-# written; the same states); False: the variant with o, into a scratch buffer. Off until the H200 has run the
-# variant's GPU tests and the A/B (docs/perf-log.md v13; ``bench_train.py --states-only-passes``)
-STATES_ONLY_PASSES = False
-# The two-tile training form (docs/perf-log.md, W2, W2a): where :func:`trains_pairs` says, a recomputing step
+# written; the same states); False: the variant with o, into a scratch buffer (docs/perf-log.md v13; its GPU tests
+# passed on an H100, 2026-12-05; ``bench_train.py --no-states-only-passes`` for the A/B)
+STATES_ONLY_PASSES = True
+# The two-tile training form (docs/perf-log.md, W2, W2a, W2b): where :func:`trains_pairs` says, a recomputing step
 # (``Options.recompute``, FLA's default) runs its forward on the inference prefill's pair chain (:func:`pair_chain`)
-# and its backward on K1 and K1's pair variant, the training pair K2 (a state and tile a's U kept a pair), Kernel A's
-# pair scan (a state gradient a pair) and Kernel B rebuilding each tile's other end (``GradsVariant.pair_rebuild``); a
-# call keeping its states stays per tile. Off until the H200 has run the GPU tests and the A/B
-# (``bench_train.py --pair-training``, ``bench_gates.py --train --pair-training``)
-PAIR_TRAINING = False
+# and its backward on K1's pair variant, the training pair K2 (a state and tile a's U kept a pair), Kernel A's pair
+# scan (a state gradient a pair) and Kernel B rebuilding each tile's other end (``GradsVariant.pair_rebuild``); a call
+# keeping its states stays per tile. GatedDeltaNet B1 T32768 H16 HV32 on an H100: 8.52 → 7.49 ms with
+# STATES_ONLY_PASSES (``bench_gates.py --train --no-pair-training`` for the A/B)
+PAIR_TRAINING = True
 # In that form a per-head gate's recomputation has K1's pair variant write the pair partners' fields, which Kernel B's
 # rebuild reads, instead of running K1 once more for them (docs/perf-log.md, W2b); False: the second K1, for the A/B
-# (``bench_gates.py --train --pair-training --no-partner-fields``)
+# (``bench_gates.py --train --no-partner-fields``)
 PARTNER_FIELDS = True
-# the smallest K2 V-split at which a scheme's recomputing backward runs on pairs: where the chains are few (K2 and
-# Kernel A's pair steps −34 % and −24 % a tile at V-split 4, v11 and A9), a prediction until the H200's A/B
+# the smallest K2 V-split at which each scheme's recomputing backward runs on pairs (where the chains are few: K2 and
+# Kernel A's pair steps −34 % and −24 % a tile at V-split 4, v11 and A9), for the schemes of PAIR_TRAINING_SCHEMES:
+# those whose pair step was measured faster, the per-head gate (W2b). The safe gate's recomputation on pairs runs K1
+# twice (no partner fields) and is not measured as a step (``bench_train.py --safe-pair-training`` adds it)
 PAIR_TRAINING_MIN_VSPLIT = {"safe": 4, "per_head": 4}
+PAIR_TRAINING_SCHEMES = ("per_head",)
 # The backward's recomputation side by side (docs/perf-log.md, R1): a recomputing call of one sequence whose chains
 # leave SMs idle (:func:`recompute_split`) runs its forward's K2 over the sequence's segments one after the other,
 # keeping the fp32 state entering each later segment (``Saved.segment_states`` ``[1, C − 1, H, V, K]``, 64 KB a head and
 # segment), and the backward's recomputation runs those segments side by side, a stream each, at V-split 1. Each pass
 # runs the unsplit chain's instructions on the unsplit chain's fp32 state, so o, the checkpoints and every gradient are
-# the unsplit call's, bit for bit. Off until the H200 has run the GPU tests and the A/B
-# (``bench_train.py --split-recompute``, ``bench_gates.py --train --split-recompute``)
-SPLIT_RECOMPUTE = False
+# the unsplit call's, bit for bit. GatedDeltaNet B1 T32768 H16 HV32 on an H100: 7.49 → 7.34 ms (``bench_train.py``,
+# ``bench_gates.py --train --no-split-recompute`` for the A/B); at two segments nothing measurable (KDA B1 T8192 H64),
+# hence at least RECOMPUTE_MIN_SEGMENTS
+SPLIT_RECOMPUTE = True
+RECOMPUTE_MIN_SEGMENTS = 4
 
 
 class PairSaved(NamedTuple):
@@ -146,12 +151,17 @@ class Backend(NamedTuple):
     pair_states: Callable[..., Saved] | None = None
 
 
+def pair_training_vsplit(scheme: str) -> int | None:
+    """The smallest K2 V-split at which a recomputing backward of gate scheme ``scheme`` runs the two-tile form, None
+    where it never does (:data:`PAIR_TRAINING_SCHEMES`, :data:`PAIR_TRAINING_MIN_VSPLIT`)."""
+    return PAIR_TRAINING_MIN_VSPLIT.get(scheme) if scheme in PAIR_TRAINING_SCHEMES else None
+
+
 def trains_pairs(backend: Backend, x: Inputs, options: Options) -> bool:
-    """Whether a recomputing backward runs the two-tile form (:data:`PAIR_TRAINING`): ``backend`` has the stage, the
-    gate's K1 scheme has pair variants (the safe and per-head gates), bf16 inputs, an unsplit call, and K2's V-split
-    (``options.vsplit``, else its heuristic on q's device; 1 off CUDA) at least
-    :data:`PAIR_TRAINING_MIN_VSPLIT`'s for the scheme."""
-    least = PAIR_TRAINING_MIN_VSPLIT.get(gate_scheme(options.gate, x.g.dim() == 3))
+    """Whether a recomputing backward runs the two-tile form (:data:`PAIR_TRAINING`): ``backend`` has the stage, bf16
+    inputs, an unsplit call, and K2's V-split (``options.vsplit``, else its heuristic on q's device; 1 off CUDA) at
+    least :func:`pair_training_vsplit`'s for the gate's scheme."""
+    least = pair_training_vsplit(gate_scheme(options.gate, x.g.dim() == 3))
     if not (PAIR_TRAINING and backend.pair_states is not None and least is not None and options.recompute
             and options.segmentation is None and x.q.dtype == torch.bfloat16):
         return False
@@ -180,10 +190,11 @@ def available_sms(device: torch.device) -> int:
 def recompute_split(options: Options, device: torch.device,
                     kept: torch.Tensor | None = None) -> context_parallel.Segmentation | None:
     """The segments whose recomputation a recomputing call's backward runs side by side (:data:`SPLIT_RECOMPUTE`), or
-    None: a fixed-length, unsplit ``options.recompute`` call of one sequence whose ``H`` chains fill at most half the
-    SMs of ``device``, cut into ``SMs // H`` segments (fewer where one would have under
+    None: a fixed-length, unsplit ``options.recompute`` call of one sequence whose ``H`` chains leave SMs of ``device``
+    idle, cut into ``SMs // H`` segments (fewer where one would have under
     :data:`~cute_kda.context_parallel.MIN_SEGMENT_TILES` tiles) of an even number of tiles, so that the two-tile
-    form's pairs start on each segment's first tile as on the sequence's. ``kept``: the backward's, the forward's
+    form's pairs start on each segment's first tile as on the sequence's; at least :data:`RECOMPUTE_MIN_SEGMENTS` of
+    them (``SMs // H`` at least that: chains at V-split 4 or more). ``kept``: the backward's, the forward's
     ``Saved.segment_states`` of such a call: its segments, whatever the switch says now."""
     problem = options.problem
     if kept is None and not (SPLIT_RECOMPUTE and options.recompute):
@@ -193,7 +204,7 @@ def recompute_split(options: Options, device: torch.device,
     tiles = -(-problem.seq_len // CHUNK)
     count = min(available_sms(device) // problem.heads, tiles // context_parallel.MIN_SEGMENT_TILES)
     split = None
-    if count >= 2:
+    if count >= RECOMPUTE_MIN_SEGMENTS:
         length = -(-tiles // count)
         split = context_parallel.Segmentation(1, problem.seq_len, (length + length % 2) * CHUNK)
     if kept is not None and (split is None or kept.shape[:2] != (1, split.count - 1)):
