@@ -176,9 +176,14 @@ def test_training_matches_gold(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(TRAINING_CASES))
-def test_recompute_keeps_every_bit(case):
+def test_recompute_keeps_every_bit(case, monkeypatch):
     """The default call keeps no states for the backward (it recomputes them, as FLA's does; docs/perf-log.md, GDN8):
-    every gradient is the bits of ``disable_recompute=True``, which keeps them."""
+    recomputed per tile, every gradient is the bits of ``disable_recompute=True``, which keeps them. (Where the
+    recomputation runs the two-tile form, ``PAIR_TRAINING``, its rounding is the pair form's:
+    :func:`test_pair_training_matches_gold`.)"""
+    from cute_kda.executors import stages
+
+    monkeypatch.setattr(stages, "PAIR_TRAINING", False)
     problem, do, dht = _training_problem(case)
     kept = functools.partial(cute_kda.chunk_gated_delta_rule, disable_recompute=True)
     grads, kept_grads = (gdn_grads(forward, problem, do, dht) for forward in (cute_kda.chunk_gated_delta_rule, kept))
