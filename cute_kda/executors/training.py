@@ -15,7 +15,8 @@ the graph holds the call.
 Backward: dO (zeros when only the final state is used) and dht (None when the final state is unused or absent) →
 Kernel A (dv, du, the per-tile state gradients, dh0) → Kernel B (dq, dk, dg, dβ and per-tile partial sums of
 ddt_bias / dA_log, reduced by ``.sum(1)``: deterministic). Kernel B runs only when one of q, k, g, beta, A_log,
-dt_bias needs a gradient. Everything is queued on the current stream; nothing synchronises the host. Gradients come
+dt_bias needs a gradient. Everything is ordered on the current stream (a recomputation side by side,
+``stages.SPLIT_RECOMPUTE``, forks side streams and joins them back); nothing synchronises the host. Gradients come
 back only for the inputs that need them, each in its input's dtype and shape (dh0 in ``initial_state``'s
 ``[N, HV, V, K]`` layout and dtype). fp16 inputs: the forward runs the fp16 K1 / K2 and keeps what a bf16 one keeps
 under ``recompute`` (whatever ``recompute`` says); the backward is (:data:`FP16_NATIVE_BACKWARD`, the default) the
