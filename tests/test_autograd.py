@@ -621,8 +621,8 @@ def test_kernel_stages_train_per_head_gates_on_pairs(launchers_on_mirrors, monke
         assert torch.equal(grads[name], expected[name]), name
 
 
-# the recomputation side by side (stages.SPLIT_RECOMPUTE): B1 T150 (10 tiles, the last partial) on 8 SMs of two
-# heads, segments of at least 2 tiles: segments of 4, 4 and 2 tiles
+# the recomputation side by side (stages.SPLIT_RECOMPUTE): B1 T250 (16 tiles, the last partial) on 8 SMs of two
+# heads, segments of at least 2 tiles: four segments of 4 tiles
 SPLIT_FORMS = {"per_tile": ("safe", False), "pairs_safe": ("safe", True), "pairs_per_head": ("softplus", True)}
 
 
@@ -640,7 +640,7 @@ def test_kernel_stages_recompute_side_by_side(launchers_on_mirrors, monkeypatch,
     monkeypatch.setattr(stages, "PAIR_TRAINING_SCHEMES", ("safe", "per_head"))
     monkeypatch.setattr(stages, "available_sms", lambda device: 8)
     monkeypatch.setattr(cute_kda.context_parallel, "MIN_SEGMENT_TILES", 2)
-    problem, do, dht = make_problem([150], state=state)
+    problem, do, dht = make_problem([250], state=state)
     options = dict(do=do, dht=dht if state is not None else None, recompute=True)
     if gate == "softplus":  # GatedDeltaNet's per-head gate
         problem.update(g=problem["g"][..., 0].contiguous(), A_log=torch.log(1 + 15 * torch.rand(2)),
@@ -654,9 +654,9 @@ def test_kernel_stages_recompute_side_by_side(launchers_on_mirrors, monkeypatch,
     monkeypatch.setattr(stages, "SPLIT_RECOMPUTE", False)
     o_expected, ht_expected, expected = train(REFERENCE_FORWARD, problem, **options)
     second_k1 = ["prepare"] if pairs and gate == "safe" else []
-    assert launchers_on_mirrors.calls == ["prepare", *["recurrence"] * 3, "prepare", *["recurrence"] * 3,
+    assert launchers_on_mirrors.calls == ["prepare", *["recurrence"] * 4, "prepare", *["recurrence"] * 4,
                                           *second_k1, "bwd_scan", "bwd_grads"]
-    assert launchers_on_mirrors.segment_vsplits == [options.get("vsplit")] * 3 + [1] * 3
+    assert launchers_on_mirrors.segment_vsplits == [options.get("vsplit")] * 4 + [1] * 4
     assert torch.equal(o, o_expected)
     assert (ht is None) == (ht_expected is None) and (ht is None or torch.equal(ht, ht_expected))
     for name in expected:
@@ -961,6 +961,22 @@ def test_forward_train_fake_shapes_of_a_segmented_call(recompute):
     if not recompute:
         assert ws.shape == (WorkspaceSpec(heads=heads, tiles=tiles).nbytes,)
         assert checkpoints.shape == (heads * snapshot_slots(tiles, segments), D, D)
+
+
+def test_forward_train_fake_shapes_of_a_recomputation_side_by_side(monkeypatch):
+    """A recomputing call of one sequence that the backward recomputes side by side (``stages.recompute_split``: here
+    B1 T250 of two heads on 8 SMs, four segments) keeps the fp32 states entering segments 1 … 3, as the op's fake
+    says; the same call keeping its states keeps none of them."""
+    monkeypatch.setattr(stages, "available_sms", lambda device: 8)
+    monkeypatch.setattr(cute_kda.context_parallel, "MIN_SEGMENT_TILES", 2)
+    for recompute in (True, False):
+        with FakeTensorMode():
+            q, beta = torch.empty(1, 250, 2, D, dtype=torch.bfloat16), torch.empty(1, 250, 2, dtype=torch.bfloat16)
+            *_, segment_states = torch.ops.cute_kda.forward_train(
+                q, q, q, q, beta, torch.empty(2), torch.empty(2, D), None, None, 0.1, -5.0, True, None, True, True,
+                recompute, "safe", None)
+        expected = (1, 3, 2, D, D) if recompute else (0,)
+        assert segment_states.shape == expected and segment_states.dtype == torch.float32
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])

@@ -207,6 +207,8 @@ def recompute_split(options: Options, device: torch.device,
     if count >= RECOMPUTE_MIN_SEGMENTS:
         length = -(-tiles // count)
         split = context_parallel.Segmentation(1, problem.seq_len, (length + length % 2) * CHUNK)
+        if split.count < RECOMPUTE_MIN_SEGMENTS:  # fewer once rounded to even lengths
+            split = None
     if kept is not None and (split is None or kept.shape[:2] != (1, split.count - 1)):
         raise ValueError(f"kept segment states {tuple(kept.shape)} do not fit this device's recompute split {split}")
     return split
