@@ -111,7 +111,8 @@ SWITCHES = {
                              "(perf-log F3; with --fp16-grad-stores F2)"),
     "--no-states-only-passes": ("cute_kda.executors.stages", "STATES_ONLY_PASSES", False,
                                 "K2's passes whose o nobody reads (the backward's recomputation, per tile or on "
-                                "pairs, a segmented call's segment-state passes) with o, into a scratch (perf-log v13)"),
+                                "pairs, a segmented call's segment-state passes) with o, into a scratch "
+                                "(perf-log v13)"),
     "--no-pair-training": ("cute_kda.executors.stages", "PAIR_TRAINING", False,
                            "a recomputing backward per tile where its rule would take the two-tile form (perf-log W2)"),
     "--safe-pair-training": ("cute_kda.executors.stages", "PAIR_TRAINING_SCHEMES", ("safe", "per_head"),

@@ -51,12 +51,12 @@ PAIR_TRAINING_MIN_VSPLIT = {"safe": 4, "per_head": 4}
 PAIR_TRAINING_SCHEMES = ("per_head",)
 # The backward's recomputation side by side (docs/perf-log.md, R1): a recomputing call of one sequence whose chains
 # leave SMs idle (:func:`recompute_split`) runs its forward's K2 over the sequence's segments one after the other,
-# keeping the fp32 state entering each later segment (``Saved.segment_states`` ``[1, C − 1, H, V, K]``, 64 KB a head and
-# segment), and the backward's recomputation runs those segments side by side, a stream each, at V-split 1. Each pass
-# runs the unsplit chain's instructions on the unsplit chain's fp32 state, so o, the checkpoints and every gradient are
-# the unsplit call's, bit for bit. GatedDeltaNet B1 T32768 H16 HV32 on an H100: 7.49 → 7.34 ms (``bench_train.py``,
-# ``bench_gates.py --train --no-split-recompute`` for the A/B); at two segments nothing measurable (KDA B1 T8192 H64),
-# hence at least RECOMPUTE_MIN_SEGMENTS
+# keeping the fp32 state entering each later segment (``Saved.segment_states`` ``[1, C − 1, H, V, K]``, 64 KB a head
+# and segment), and the backward's recomputation runs those segments side by side, a stream each, at V-split 1. Each
+# pass runs the unsplit chain's instructions on the unsplit chain's fp32 state, so o, the checkpoints and every
+# gradient are the unsplit call's, bit for bit. GatedDeltaNet B1 T32768 H16 HV32 on an H100: 7.49 → 7.34 ms
+# (``bench_train.py``, ``bench_gates.py --train --no-split-recompute`` for the A/B); at two segments nothing measurable
+# (KDA B1 T8192 H64), hence at least RECOMPUTE_MIN_SEGMENTS
 SPLIT_RECOMPUTE = True
 RECOMPUTE_MIN_SEGMENTS = 4
 
@@ -139,9 +139,9 @@ class Backend(NamedTuple):
     or fp16 as ``f16(bf16(x))`` for fp16 training);
     grads(inputs, options, saved, do, scan, grad_dtype) → :class:`GradsResult` (``grad_dtype``: dq, dk and a
     per-channel gate's dg in bf16, or fp16 as ``f16(bf16(x))``: fp16 training, without grouped value heads);
-    pair_states(inputs, options, segment_states=None) → :class:`Saved` with :class:`PairSaved`: the recomputation of the
-    two-tile form (:func:`trains_pairs`; None: a backend without it recomputes per tile), which ``scan`` and ``grads``
-    then follow (``segment_states``: the forward's, as ``forward`` takes them).
+    pair_states(inputs, options, segment_states=None) → :class:`Saved` with :class:`PairSaved`: the recomputation of
+    the two-tile form (:func:`trains_pairs`; None: a backend without it recomputes per tile), which ``scan`` and
+    ``grads`` then follow (``segment_states``: the forward's, as ``forward`` takes them).
     """
 
     name: str

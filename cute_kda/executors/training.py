@@ -263,8 +263,8 @@ def forward_train_op(
     workspace ``[WorkspaceSpec.nbytes]``, the checkpoints bf16 ``[HV · slots, D, D]`` (state images; both empty under
     ``recompute`` and for fp16 inputs, :func:`recomputes`), ``tile_base`` int32 ``[N+1]`` (empty for fixed length)
     and the segment states fp32 ``[2, segments, HV, V, K]`` (empty unsplit; ``[1, C − 1, HV, V, K]`` for an unsplit
-    call whose backward recomputes side by side, ``stages.recompute_split``). A segmented call's workspace, checkpoints and ``tile_base`` are those
-    of its packed problem (:func:`cute_kda.executors.stages.packed`)."""
+    call whose backward recomputes side by side, ``stages.recompute_split``). A segmented call's workspace,
+    checkpoints and ``tile_base`` are those of its packed problem (:func:`cute_kda.executors.stages.packed`)."""
     call = resolve(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                    initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                    vsplit=vsplit, qk_l2norm=qk_l2norm, beta_logits=beta_logits, recompute=recompute, gate=gate,
