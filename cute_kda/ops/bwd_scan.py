@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from .. import validation
-from ..validation import check_buffer
 from ..device import sm_count
 from ..numerics import NATIVE_HEAD_DIMS, SCAN_VSPLITS
 from ..variants import ScanTuning, ScanVariant
@@ -81,14 +80,14 @@ def _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs: int, snapshot_
         raise ValueError(f"do must be bf16 [B, T, H, {ws.qd.shape[-1]}], got {do.dtype} {tuple(do.shape)}")
     if ws.qd.shape[0] % heads:
         raise ValueError(f"workspace rows {ws.qd.shape[0]} are not a multiple of H = {heads}")
-    check_buffer("dv", dv, DV_DTYPES, do.shape, do.device)
-    check_buffer("du", du, (torch.bfloat16,), do.shape, do.device)
+    validation.check_buffer("dv", dv, DV_DTYPES, do.shape, do.device)
+    validation.check_buffer("du", du, (torch.bfloat16,), do.shape, do.device)
     expected = pair_blocks_shape(ws, heads, num_seqs) if pairs else block_states_shape(ws, heads, num_seqs,
                                                                                          snapshot_every)
-    check_buffer("snapshots", snapshots, (torch.bfloat16,), expected, do.device)
+    validation.check_buffer("snapshots", snapshots, (torch.bfloat16,), expected, do.device)
     for name, t in (("dht", dht), ("dh0", dh0)):
         if t is not None:
-            check_buffer(name, t, _STATE_DTYPES, (num_seqs, heads, dim, dim), do.device)
+            validation.check_buffer(name, t, _STATE_DTYPES, (num_seqs, heads, dim, dim), do.device)
     if ws.qd.device != do.device:
         raise ValueError(f"ws is on {ws.qd.device}, do on {do.device}")
 
