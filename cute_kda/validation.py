@@ -156,15 +156,20 @@ def check_ndim(name: str, tensor: torch.Tensor, ndim: int, meaning: str) -> None
         raise ValueError(f"{name} must be {ndim}-D {meaning}, got shape {list(tensor.shape)}")
 
 
-def check_buffer(name: str, t: torch.Tensor, dtypes: tuple, shape: tuple, device: torch.device) -> None:
+def check_buffer(name: str, t: torch.Tensor, dtypes: tuple, shape: tuple, device: torch.device, *,
+                 batch_stride_free: bool = False) -> None:
     """A launcher's buffer ``name``: one of ``dtypes``, ``shape``, on ``device`` and C-contiguous, else a ValueError
-    naming it."""
+    naming it. ``batch_stride_free``: the first mode's stride may be any multiple of 16 bytes (a view of a buffer
+    padded along the second mode), the other modes C-contiguous within it."""
     if t.dtype not in dtypes or tuple(t.shape) != tuple(shape) or t.device != device:
         names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
         raise ValueError(f"{name} must be {names} {tuple(shape)} on {device}, got {t.dtype} {tuple(t.shape)} "
                          f"on {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be C-contiguous")
+    if not batch_stride_free and not t.is_contiguous():
+        raise ValueError(f"{name} must be C-contiguous, got strides {list(t.stride())}")
+    if batch_stride_free and t.dim() and not (t[0].is_contiguous() and _row_strides_fit(t, 1)):
+        raise ValueError(f"{name} must be C-contiguous past its first mode, whose stride is a multiple of 16 bytes; "
+                         f"got strides {list(t.stride())}")
 
 
 def check_contiguous(name: str, tensor: torch.Tensor) -> None:

@@ -1,9 +1,10 @@
 """Torch launcher of Kernel A (:class:`cute_kda.kernels.bwd_scan.BwdScan`), the backward state-gradient scan.
 
 Like :mod:`.recurrence`: inputs are the forward's validated tensors plus the upstream gradients, on
-one CUDA device, C-contiguous, 16-byte aligned; this module checks the buffers it is handed against
-each other (shapes, dtypes, devices), picks the compiled variant and launches on torch's current
-stream. Nothing here reads device memory on the host.
+one CUDA device, C-contiguous (``dv`` and ``du`` past their batch mode, whose stride is free), 16-byte
+aligned; this module checks the buffers it is handed against each other (shapes, dtypes, devices,
+strides), picks the compiled variant and launches on torch's current stream. Nothing here reads
+device memory on the host.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ def _check_buffers(do, ws, dv, du, snapshots, dht, dh0, num_seqs: int, snapshot_
         raise ValueError(f"do must be bf16 [B, T, H, {ws.qd.shape[-1]}], got {do.dtype} {tuple(do.shape)}")
     if ws.qd.shape[0] % heads:
         raise ValueError(f"workspace rows {ws.qd.shape[0]} are not a multiple of H = {heads}")
-    validation.check_buffer("dv", dv, DV_DTYPES, do.shape, do.device)
-    validation.check_buffer("du", du, (torch.bfloat16,), do.shape, do.device)
+    validation.check_buffer("dv", dv, DV_DTYPES, do.shape, do.device, batch_stride_free=True)
+    validation.check_buffer("du", du, (torch.bfloat16,), do.shape, do.device, batch_stride_free=True)
     expected = pair_blocks_shape(ws, heads, num_seqs) if pairs else block_states_shape(ws, heads, num_seqs,
                                                                                          snapshot_every)
     validation.check_buffer("snapshots", snapshots, (torch.bfloat16,), expected, do.device)
