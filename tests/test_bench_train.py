@@ -94,8 +94,9 @@ def test_help_without_cuda():
 def test_ratio_and_goal(bench):
     assert bench.ratio(1.0, 4.0) == 0.25
     assert bench.ratio(None, 1.0) is None and bench.ratio(1.0, None) is None and bench.ratio(1.0, 0.0) is None
-    assert bench.goal_cell(0.5) == "met" and bench.goal_cell(0.25) == "met"
-    assert bench.goal_cell(0.75) == "not met (1.50× over)"
+    assert bench.goal_cell(0.35) == "met" and bench.goal_cell(0.25) == "met"
+    assert bench.goal_cell(0.42) == "not met (1.20× over)"
+    assert bench.goal_cell(0.75, goal=0.5) == "not met (1.50× over)"
     assert bench.goal_cell(None) == "—"
 
 
@@ -268,7 +269,7 @@ def test_report(bench):
     assert lines[0].startswith("# Training step")
     assert lines[2] == "Command: `python benchmarks/bench_train.py` · commit `abc1234`"
     assert lines[4].startswith("ENV · D=128") and "medians of 20 CUDA-event-timed steps after 3 warm-up" in lines[4]
-    assert "| B1_T8192_H96 | 2.000 | 5.000 | 0.40× | met | 0.800 | 1.600 | 0.50× | — |" in lines
+    assert "| B1_T8192_H96 | 2.000 | 5.000 | 0.40× | not met (1.14× over) | 0.800 | 1.600 | 0.50× | — |" in lines
     assert ("| B1_T32768_H16 | — | 3.000 | — | — | — | 1.000 | — | cute_kda: step: NotImplementedError: "
             "no backward |") in lines
     assert "| B1_T8192_H64 | 1.000 | — | — | — | 0.500 | — | — | — |" in lines
@@ -379,7 +380,7 @@ def test_bench_shape_on_cpu(bench, monkeypatch, lengths, varlen):
     assert row["agreement"]["o"] == row["agreement"]["q"] == 0.0  # the same toy on both sides
     assert list(row["breakdown"]) == list(bench.GROUPS) and row["top"][0][1] == "Kernel A"
     text = bench.report([row], "cmd", "ENV", "sha", 2, 1)
-    assert f"| {name} | 1.250 | 1.250 | 1.00× | not met (2.00× over) |" in text
+    assert f"| {name} | 1.250 | 1.250 | 1.00× | not met (2.86× over) |" in text
 
 
 def test_disable_recompute_reaches_both_peers_and_the_report(bench, monkeypatch):
