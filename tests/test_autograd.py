@@ -1294,6 +1294,7 @@ def test_recompute_side_by_side_is_the_unsplit_call(case, device, monkeypatch):
     gate, pairs, state = SPLIT_GPU_CASES[case]
     monkeypatch.setattr(stages, "PAIR_TRAINING", pairs)
     monkeypatch.setattr(stages, "PAIR_TRAINING_SCHEMES", ("safe", "per_head"))
+    monkeypatch.setattr(stages, "SPLIT_RECOMPUTE", False)  # the unsplit baseline (on by default)
     problem, do, dht = make_problem([4100], state=state, device=device)
     if state == torch.float16:  # an fp16 call: its states beside the fp32 ones widened, the final one rounded back
         problem.update({n: problem[n].half() for n in ("q", "k", "v", "g")})
