@@ -1318,6 +1318,35 @@ def test_recompute_side_by_side_is_the_unsplit_call(case, device, monkeypatch):
         assert torch.equal(grads[name], unsplit[name]), name
 
 
+# recomputing training steps whose host paths could hide a synchronisation: the recomputation side by side (side
+# streams), packed sequences whose bounds live on the device, a segmented call, the per-head gate's two-tile form
+NO_SYNC_CASES = {"side_by_side": ([4100], {}), "packed_on_device": ([300, 17, 700], {}),
+                 "segmented": ([4100], dict(segments=4)), "per_head_pairs": ([600], dict(gate="softplus", vsplit=4))}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(NO_SYNC_CASES))
+def test_training_step_does_not_synchronise(case, device, monkeypatch):
+    """After a warm-up step (compiles, kept bounds and streams), a recomputing step, forward and backward, calls
+    nothing that waits for the GPU: torch's sync debug mode raises on a blocking copy, ``.item()`` or a stream
+    synchronisation."""
+    lengths, extra = NO_SYNC_CASES[case]
+    monkeypatch.setattr(stages, "SPLIT_RECOMPUTE", True)
+    problem, do, dht = make_problem(lengths, state=torch.float32, device=device)
+    options = dict(do=do, dht=dht, recompute=True, **extra)
+    if extra.get("gate") == "softplus":
+        problem.update(g=problem["g"][..., 0].contiguous(), A_log=torch.log(1 + 15 * torch.rand(2, device=device)),
+                       dt_bias=problem["dt_bias"][:, 0].contiguous())
+    train(cute_kda.kda_forward, problem, **options)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        train(cute_kda.kda_forward, problem, **options)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
 def resolve_options(problem, options):
     """The resolved options of a training call of ``problem`` with ``options`` (train's keywords)."""
     from cute_kda.call import resolve
