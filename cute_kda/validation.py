@@ -160,16 +160,18 @@ def check_buffer(name: str, t: torch.Tensor, dtypes: tuple, shape: tuple, device
                  batch_stride_free: bool = False) -> None:
     """A launcher's buffer ``name``: one of ``dtypes``, ``shape``, on ``device`` and C-contiguous, else a ValueError
     naming it. ``batch_stride_free``: the first mode's stride may be any multiple of 16 bytes (a view of a buffer
-    padded along the second mode), the other modes C-contiguous within it."""
+    padded along the second mode), the other modes C-contiguous within it, the base 16-byte aligned."""
     if t.dtype not in dtypes or tuple(t.shape) != tuple(shape) or t.device != device:
         names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
         raise ValueError(f"{name} must be {names} {tuple(shape)} on {device}, got {t.dtype} {tuple(t.shape)} "
                          f"on {t.device}")
     if not batch_stride_free and not t.is_contiguous():
         raise ValueError(f"{name} must be C-contiguous, got strides {list(t.stride())}")
-    if batch_stride_free and t.dim() and not (t[0].is_contiguous() and _row_strides_fit(t, 1)):
-        raise ValueError(f"{name} must be C-contiguous past its first mode, whose stride is a multiple of 16 bytes; "
-                         f"got strides {list(t.stride())}")
+    if batch_stride_free:
+        if not ((t.shape[0] == 0 or t[0].is_contiguous()) and _row_strides_fit(t, 1)):
+            raise ValueError(f"{name} must be C-contiguous past its first mode, whose stride is a multiple of 16 "
+                             f"bytes; got strides {list(t.stride())}")
+        check_aligned(name, t)
 
 
 def check_contiguous(name: str, tensor: torch.Tensor) -> None:

@@ -89,13 +89,16 @@ def test_launcher_checks_the_pair_scan_buffers():
 
 def test_launcher_takes_token_gradients_with_a_free_batch_stride():
     """dv and du may be views of buffers padded along the tokens (the GPU tests' guarded buffers); any other
-    stride is refused by name."""
+    stride, or a base off 16 bytes, is refused by name."""
     do, ws, _, snapshots, num_seqs, heads = _buffers(D, False)
     padded = torch.zeros(do.shape[0], do.shape[1] + 32, *do.shape[2:], dtype=do.dtype).narrow(1, 16, do.shape[1])
     ka._check_buffers(do, ws, padded, padded, snapshots, None, None, num_seqs, 2, True)
     swapped = torch.zeros(do.shape[0], do.shape[2], do.shape[1], do.shape[3], dtype=do.dtype).transpose(1, 2)
     with pytest.raises(ValueError, match="du must be C-contiguous past its first mode"):
         ka._check_buffers(do, ws, padded, swapped, snapshots, None, None, num_seqs, 2, True)
+    shifted = torch.zeros(do.numel() + 1, dtype=do.dtype)[1:].view(do.shape)  # a base 2 bytes off 16
+    with pytest.raises(ValueError, match="dv"):
+        ka._check_buffers(do, ws, shifted, padded, snapshots, None, None, num_seqs, 2, True)
     with pytest.raises(ValueError, match="snapshots must be C-contiguous"):
         ka._check_buffers(do, ws, padded, padded, snapshots.transpose(1, 2), None, None, num_seqs, 2, True)
 
