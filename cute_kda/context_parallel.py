@@ -42,7 +42,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .device import sm_count
+from .device import available_sms, sm_count
 from .distributed import all_gather
 from .numerics import CHUNK
 from .validation import ProblemShape
@@ -162,7 +162,7 @@ def segmentation_of(problem: ProblemShape, device: torch.device, segments: "int 
     splits. A :class:`RankChain` (a ``cp_context`` call's) is the split itself, checked against ``problem``."""
     if isinstance(segments, RankChain):
         segments.check(problem)
-        return segments.split(sm_count(device.index) if device.type == "cuda" else 0, problem.heads, vsplit)
+        return segments.split(available_sms(device), problem.heads, vsplit)
     if device.type != "cuda":
         return None if segments is None else plan(problem, 0, segments, vsplit)
     return plan(problem, sm_count(device.index), segments, vsplit)

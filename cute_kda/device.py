@@ -13,6 +13,12 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def available_sms(device: torch.device) -> int:
+    """The SMs of a CUDA ``device`` (:func:`sm_count`); 0 elsewhere (the reference stages: nothing runs side by
+    side there)."""
+    return sm_count(device.index) if device.type == "cuda" else 0
+
+
 @functools.lru_cache(maxsize=None)
 def capability(device_index: int) -> tuple[int, int]:
     """(major, minor) compute capability of CUDA device ``device_index``."""

@@ -17,7 +17,7 @@ import torch
 
 from .. import context_parallel, validation
 from ..call import Inputs, Options
-from ..device import check_supported, sm_count
+from ..device import available_sms, check_supported, sm_count
 from ..numerics import CHUNK, gate_scheme
 from ..validation import ProblemShape
 from ..variants import RecurrenceVariant
@@ -180,11 +180,6 @@ def workspace_spec(problem: ProblemShape, pairs: bool = False) -> WorkspaceSpec:
         heads=problem.heads, tiles=tiles_per_head(problem.total_tokens, problem.num_seqs, problem.varlen),
         dim=problem.head_dim, pairs=pairs,
     )
-
-
-def available_sms(device: torch.device) -> int:
-    """The SMs of a CUDA ``device``; 0 elsewhere (nothing is split there)."""
-    return sm_count(device.index) if device.type == "cuda" else 0
 
 
 def recompute_split(options: Options, device: torch.device,
