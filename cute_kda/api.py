@@ -533,13 +533,12 @@ def warmup_variants(
                                           **grads_switches(gate, per_head, warps))] = None
         if stages.SPLIT_RECOMPUTE:  # one sequence recomputed side by side (stages.recompute_split): segment passes
             fp32 = torch.float32
-            never = SUPPORTED_VSPLITS[-1] + 1
-            least = min([stages.pair_training_vsplit(gate_scheme(gate, per_head)) or never
-                         for gate, _, per_head in gate_forms] if stages.PAIR_TRAINING else [never])
+            leasts = [stages.pair_training_vsplit(gate_scheme(gate, per_head)) for gate, _, per_head in gate_forms]
+            least = min((n for n in leasts if n is not None), default=None) if stages.PAIR_TRAINING else None
             for dtype, dim, mode in itertools.product(dtypes, head_dims, state_modes):
                 wide = fp32 if mode == torch.float16 else mode  # an fp16 state beside an fp32 one, widened
                 for split, pairs in itertools.product(k2_splits, (False, True)):
-                    if pairs and (dtype != torch.bfloat16 or split < least):
+                    if pairs and (dtype != torch.bfloat16 or least is None or split < least):
                         continue
                     for initial, final in ((wide, fp32), (fp32, fp32), (fp32, wide)):  # the forward's passes
                         variants[RecurrenceVariant(split, initial, final, True, False, dtype=dtype, dim=dim,
