@@ -84,6 +84,14 @@ def make_problem(lengths, heads=2, *, packed=None, state=None, device="cpu", see
     return {name: x.to(device) for name, x in p.items()}, do.to(device), dht.to(device)
 
 
+def per_head_gate(problem):
+    """Turn :func:`make_problem`'s ``problem`` to GatedDeltaNet's per-head softplus gate, in place: g, ``dt_bias``
+    one value a head, ``A_log`` = log(1 + 15·U(0, 1)) a head, on q's device."""
+    heads, device = problem["q"].shape[2], problem["q"].device
+    problem.update(g=problem["g"][..., 0].contiguous(), A_log=torch.log(1 + 15 * torch.rand(heads, device=device)),
+                   dt_bias=problem["dt_bias"][:, 0].contiguous())
+
+
 def train(forward, problem, *, requires=INPUTS, do=None, dht=None, output_final_state=None, **options):
     """One step: leaves of ``problem`` (those named in ``requires`` require grad), ``forward``, backward of
     ``Σ o·do + Σ ht·dht`` (a None term is left out). Returns (o, ht, {input name: its .grad})."""
@@ -605,8 +613,7 @@ def test_kernel_stages_train_per_head_gates_on_pairs(launchers_on_mirrors, monke
     monkeypatch.setattr(stages, "STATES_ONLY_PASSES", states_only)
     monkeypatch.setattr(stages, "PARTNER_FIELDS", partner_fields)
     problem, do, dht = make_problem([20, 0, 48, 5, 70], state=torch.float32)
-    problem.update(g=problem["g"][..., 0].contiguous(), A_log=torch.log(1 + 15 * torch.rand(2)),
-                   dt_bias=problem["dt_bias"][:, 0].contiguous())
+    per_head_gate(problem)
     launchers_on_mirrors.beta = problem["beta"]
     forward = functools.partial(training.kda_forward, backend=stages.KERNELS)
     options = dict(do=do, dht=dht, recompute=True, vsplit=stages.PAIR_TRAINING_MIN_VSPLIT["per_head"], gate="softplus")
@@ -643,8 +650,7 @@ def test_kernel_stages_recompute_side_by_side(launchers_on_mirrors, monkeypatch,
     problem, do, dht = make_problem([250], state=state)
     options = dict(do=do, dht=dht if state is not None else None, recompute=True)
     if gate == "softplus":  # GatedDeltaNet's per-head gate
-        problem.update(g=problem["g"][..., 0].contiguous(), A_log=torch.log(1 + 15 * torch.rand(2)),
-                       dt_bias=problem["dt_bias"][:, 0].contiguous())
+        per_head_gate(problem)
         options.update(gate="softplus")
     if pairs:
         options.update(vsplit=stages.PAIR_TRAINING_MIN_VSPLIT["safe" if gate == "safe" else "per_head"])
@@ -1301,8 +1307,7 @@ def test_recompute_side_by_side_is_the_unsplit_call(case, device, monkeypatch):
         do, dht = do.half(), dht.half()
     options = dict(do=do, dht=dht if state is not None else None, recompute=True)
     if gate == "softplus":
-        problem.update(g=problem["g"][..., 0].contiguous(), A_log=torch.log(1 + 15 * torch.rand(2, device=device)),
-                       dt_bias=problem["dt_bias"][:, 0].contiguous())
+        per_head_gate(problem)
         options.update(gate="softplus")
     if pairs:
         options.update(vsplit=stages.PAIR_TRAINING_MIN_VSPLIT["safe" if gate == "safe" else "per_head"])
@@ -1321,7 +1326,8 @@ def test_recompute_side_by_side_is_the_unsplit_call(case, device, monkeypatch):
 # recomputing training steps whose host paths could hide a synchronisation: the recomputation side by side (side
 # streams), packed sequences whose bounds live on the device, a segmented call, the per-head gate's two-tile form
 NO_SYNC_CASES = {"side_by_side": ([4100], {}), "packed_on_device": ([300, 17, 700], {}),
-                 "segmented": ([4100], dict(segments=4)), "per_head_pairs": ([600], dict(gate="softplus", vsplit=4))}
+                 "segmented": ([4100], dict(segments=4)),
+                 "per_head_pairs": ([600], dict(gate="softplus", vsplit=stages.PAIR_TRAINING_MIN_VSPLIT["per_head"]))}
 
 
 @pytest.mark.gpu
@@ -1335,8 +1341,7 @@ def test_training_step_does_not_synchronise(case, device, monkeypatch):
     problem, do, dht = make_problem(lengths, state=torch.float32, device=device)
     options = dict(do=do, dht=dht, recompute=True, **extra)
     if extra.get("gate") == "softplus":
-        problem.update(g=problem["g"][..., 0].contiguous(), A_log=torch.log(1 + 15 * torch.rand(2, device=device)),
-                       dt_bias=problem["dt_bias"][:, 0].contiguous())
+        per_head_gate(problem)
     train(cute_kda.kda_forward, problem, **options)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
