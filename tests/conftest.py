@@ -60,21 +60,6 @@ def device():
     return torch.device("cuda")
 
 
-@pytest.fixture
-def per_tile_prefill(monkeypatch):
-    """A function that turns the two-tile prefill (``cute_kda.variants.PAIR_PREFILL``) off for the rest of the test.
-    The inference launch plans keep the choice they were built with, so every plan is dropped when it switches and
-    again after the test: none built under one setting serves a call under the other."""
-    from cute_kda.executors import inference
-
-    def switch_off():
-        inference.WORKSPACES.clear()
-        monkeypatch.setattr("cute_kda.variants.PAIR_PREFILL", False)
-
-    yield switch_off
-    inference.WORKSPACES.clear()
-
-
 @pytest.fixture(autouse=True)
 def _seeded_rng():
     """Every test starts from the same global RNG state, so a failure reproduces run to run."""

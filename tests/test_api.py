@@ -574,7 +574,8 @@ def test_device_is_checked_before_any_compile(mirror_kernels, monkeypatch):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_launch_plans_are_kept_per_configuration(mirror_kernels, monkeypatch):
     """A call's configuration builds its launch plan once (the compiled variants are looked up then, not per
-    call) and gives the same results from the kept plan; a larger problem grows the buffer and drops the plans
+    call) and gives the same results from the kept plan; a flipped ``variants.PAIR_PREFILL`` builds a plan of its
+    own (a plan is keyed by the switch its build reads); a larger problem grows the buffer and drops the plans
     on the old one; ``clear`` drops them all."""
     from cute_kda.ops import prepare as k1
 
@@ -587,12 +588,17 @@ def test_launch_plans_are_kept_per_configuration(mirror_kernels, monkeypatch):
     assert len(builds) == 1 and all(torch.equal(a, b) for a, b in zip(first, again))
     cute_kda.kda_forward(**small, output_final_state=True, vsplit=2)  # another configuration, the same buffer
     assert len(builds) == 2 and len(inference.WORKSPACES._plans[(None, 7)]) == 2
+    default = cute_kda.variants.PAIR_PREFILL
+    monkeypatch.setattr(cute_kda.variants, "PAIR_PREFILL", not default)
+    cute_kda.kda_forward(**small, output_final_state=True, vsplit=2)  # a plan keeps the switch it was built on
+    assert len(builds) == 3 and builds[-1][0].pairs != builds[-2][0].pairs
+    monkeypatch.setattr(cute_kda.variants, "PAIR_PREFILL", default)
     cute_kda.kda_forward(**large)
-    assert len(builds) == 3 and len(inference.WORKSPACES._plans[(None, 7)]) == 1  # the grown buffer's plan only
+    assert len(builds) == 4 and len(inference.WORKSPACES._plans[(None, 7)]) == 1  # the grown buffer's plan only
     inference.WORKSPACES.clear()
     assert not inference.WORKSPACES._plans
     assert all(torch.equal(a, b) for a, b in zip(first, cute_kda.kda_forward(**small, output_final_state=True)))
-    assert len(builds) == 4
+    assert len(builds) == 5
 
 
 def gate_inputs(case: str, lengths, heads, device, seed: int = 0) -> tuple[dict, str]:

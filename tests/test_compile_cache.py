@@ -418,11 +418,11 @@ def test_two_processes_compile_a_key_once(cache_dir, tmp_path):
 
 
 @pytest.mark.gpu
-def test_fake_compiled_launchers_match_dlpack_compiled_kernels(device, per_tile_prefill):
+def test_fake_compiled_launchers_match_dlpack_compiled_kernels(device, monkeypatch):
     """K1 and K2 through the launchers (fake-tensor compiles, global address space) against the same
     kernels compiled from the device tensors themselves (DLPack, generic address space): bit for bit. The
     per-tile kernels on both sides: the two-tile prefill (``variants.PAIR_PREFILL``) is off."""
-    per_tile_prefill()
+    monkeypatch.setattr("cute_kda.variants.PAIR_PREFILL", False)
     from test_api import make_inputs
 
     import cute_kda

@@ -15,7 +15,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from .. import validation
+from .. import validation, variants
 from ..call import Call, Inputs, Options, resolve
 from ..validation import problem_of
 from ..device import check_supported, sm_count
@@ -160,8 +160,9 @@ def run(call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
         return out, final_state
     k1, k2, streams = _launchers()
     handle = streams.current_stream_handle(device.index)  # one stream look-up for the plan and both launches
+    # with the switch the plan's build reads (variants.PAIR_PREFILL): a plan never outlives the choice it was built on
     config = (options, q.shape[2], q.dtype, g.dtype, g.dim(), None if initial_state is None else initial_state.dtype,
-              state_indices is not None)
+              state_indices is not None, variants.PAIR_PREFILL)
     plan = WORKSPACES.plan(device.index, handle, config)
     with streams.on_device(device):
         if plan is None:
